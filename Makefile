@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make up` (serve the demo model) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+MODEL ?= models/demo
+# Where the trained demo pair is absent, `make up` serves a random checkpoint of the same format.
+FALLBACK_MODEL ?= models/random
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: install test up protos clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@# Without a GPU take the CPU build of torch first, so the project's torch requirement is met
+	@# by it instead of pulling a multi-GB CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q "$(TORCH_CPU)"; fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q
+
+up: install
+	@if [ -f "$(MODEL)/config.json" ]; then m="$(MODEL)"; else \
+	  m="$(FALLBACK_MODEL)"; \
+	  [ -f "$$m/config.json" ] || $(VENV)/bin/ddtree make-checkpoint "$$m"; \
+	  echo "$(MODEL) not found: serving the random checkpoint $$m" >&2; fi; \
+	exec $(VENV)/bin/ddtree up --model "$$m"
+
+protos: install
+	bash protos/generate.sh
+
+clean:
+	rm -rf $(VENV) *.egg-info

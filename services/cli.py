@@ -1,0 +1,176 @@
+"""The `ddtree` command: run the stack, call it, and make checkpoints.
+
+    ddtree up [--model DIR] [--port N] [--config FILE]      # three processes, Ctrl-C stops all
+    ddtree generate --prompt TEXT [--max-tokens N] [--temperature T] [--budget B]
+                    [--mode ddtree|autoregressive] [--json]
+    ddtree serve {scheduler,draft,verifier} [--config FILE]  # one service (what `up` and compose run)
+    ddtree make-checkpoint DIR [--vocab-size N] [--seed S]   # a small random target + drafter + tokenizer
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from services.common.checkpoint import CheckpointError
+    from services.common.grpc_server import ServiceError
+    from services.common.settings import (DraftSettings, SchedulerSettings, SettingsError, VerifierSettings,
+                                          load_settings)
+
+    try:
+        if args.service == "verifier":
+            from services.verifier.server import serve
+            coro = serve(load_settings(VerifierSettings, args.config))
+        elif args.service == "draft":
+            from services.draft.server import serve
+            coro = serve(load_settings(DraftSettings, args.config))
+        else:
+            from services.scheduler.server import serve
+            coro = serve(load_settings(SchedulerSettings, args.config))
+        _run_async(coro)
+    except (SettingsError, CheckpointError) as exc:
+        print(f"ddtree serve {args.service}: {exc}", file=sys.stderr)
+        return 2
+    except ServiceError as exc:
+        print(f"ddtree serve {args.service}: {exc.code.name}: {exc.message}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def _run_async(coro) -> None:
+    try:
+        import uvloop
+        uvloop.run(coro)
+    except ImportError:
+        asyncio.run(coro)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from services.common.launcher import Stack, StackSpec
+
+    model = Path(args.model)
+    if not (model / "config.json").is_file():
+        print(f"ddtree up: no checkpoint at {model} (config.json missing); "
+              f"make one with `ddtree make-checkpoint {model}`", file=sys.stderr)
+        return 2
+    spec = StackSpec(model_path=str(model), drafter_path=args.drafter, config_path=args.config,
+                     scheduler_port=args.port)
+    stack = Stack(spec)
+    stop = {"now": False}
+
+    def _on_signal(signum, frame) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        stack.start()
+    except RuntimeError as exc:
+        print(f"ddtree up: {exc}", file=sys.stderr)
+        return 1
+    print(f"ddtree up: serving {model} at {stack.scheduler_address} "
+          f"(try: ddtree generate --prompt 'def fibonacci(n):'); Ctrl-C stops", file=sys.stderr, flush=True)
+    try:
+        while not stop["now"]:
+            for name, proc in stack.procs:
+                if proc.poll() is not None:
+                    print(f"ddtree up: {name} exited with code {proc.returncode}; stopping", file=sys.stderr)
+                    stop["now"] = True
+            time.sleep(0.5)
+    finally:
+        stack.stop()
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from services.scheduler.client import Client, ClientError
+
+    prompt: str | list[int] = args.prompt
+    if args.token_ids:
+        prompt = [int(t) for t in args.prompt.split(",")]
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  seed=args.seed, budget=args.budget, mode=args.mode, stop=args.stop or (),
+                  timeout_s=args.timeout)
+    try:
+        with Client(args.address) as client:
+            if args.json:
+                out = client.generate(prompt, **kwargs)
+                print(json.dumps({"request_id": out.request_id, "text": out.text, "token_ids": out.token_ids,
+                                  "acceptance_lengths": out.acceptance_lengths,
+                                  "mean_acceptance": out.mean_acceptance, "finish_reason": out.finish_reason}))
+            else:
+                for chunk in client.stream(prompt, **kwargs):
+                    print(chunk.text, end="", flush=True)
+                print()
+    except ClientError as exc:
+        print(f"ddtree generate: {exc.code.name}: {exc.message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    from services.common.make_checkpoint import make_random_checkpoint
+
+    make_random_checkpoint(Path(args.out), vocab_size=args.vocab_size, seed=args.seed,
+                           int4=not args.bf16_experts)
+    print(f"wrote a random target, drafter and tokenizer to {args.out}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding server")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start scheduler, draft and verifier as local processes")
+    up.add_argument("--model", default="models/demo", help="target checkpoint dir (drafter in <model>/drafter)")
+    up.add_argument("--drafter", default=None, help="drafter checkpoint dir (default <model>/drafter)")
+    up.add_argument("--config", default=None, help="TOML config file shared by the services")
+    up.add_argument("--port", type=int, default=50051, help="scheduler port (the public API)")
+    up.set_defaults(func=_cmd_up)
+
+    gen = sub.add_parser("generate", help="call the running stack")
+    gen.add_argument("--address", default="127.0.0.1:50051")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--token-ids", action="store_true", help="--prompt is comma-separated token ids")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--budget", type=int, default=0, help="tree budget 1..128 (0 = server default)")
+    gen.add_argument("--mode", choices=["ddtree", "autoregressive"], default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    gen.add_argument("--json", action="store_true", help="print text, token ids and per-step acceptance")
+    gen.set_defaults(func=_cmd_generate)
+
+    serve = sub.add_parser("serve", help="run one service in the foreground")
+    serve.add_argument("service", choices=["scheduler", "draft", "verifier"])
+    serve.add_argument("--config", default=None)
+    serve.set_defaults(func=_cmd_serve)
+
+    mk = sub.add_parser("make-checkpoint", help="write a small random target + drafter + tokenizer")
+    mk.add_argument("out")
+    mk.add_argument("--vocab-size", type=int, default=512)
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--bf16-experts", action="store_true", help="routed experts unquantized")
+    mk.set_defaults(func=_cmd_make_checkpoint)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

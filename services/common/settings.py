@@ -1,0 +1,186 @@
+"""One typed, frozen settings object per service, built from file + environment + flags.
+
+The launcher, compose and each service read the same TOML file (one table per service), so a
+value means the same thing wherever it is set. Precedence: flags > environment > file > defaults.
+Environment variables are `DDTREE_<SERVICE>_<FIELD>` (e.g. `DDTREE_VERIFIER_PAGE_SIZE=32`).
+Nothing else in the code reads `os.environ`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = [
+    "SettingsError",
+    "SchedulerSettings",
+    "DraftSettings",
+    "VerifierSettings",
+    "load_settings",
+    "MAX_BUDGET",
+]
+
+MAX_BUDGET = 128  # the largest tree budget any service accepts (DESIGN.md §5)
+
+
+class SettingsError(ValueError):
+    """A setting is missing, of the wrong type or out of range; the message names it."""
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise SettingsError(f"{name}: {message}")
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """The public API process: batching, admission, streaming, detokenizing."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    draft_addresses: tuple[str, ...] = ("127.0.0.1:50052",)
+    tokenizer_path: str = "models/demo"
+    max_queue: int = 256            # waiting requests beyond this are rejected (RESOURCE_EXHAUSTED)
+    max_batch: int = 64             # requests decoded together in one step
+    default_budget: int = 16
+    default_mode: str = "ddtree"
+    max_tokens_limit: int = 4096    # the largest max_tokens a request may ask for
+    json_logs: bool = False
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, "scheduler.port", f"{self.port} is not a TCP port")
+        _check(len(self.draft_addresses) > 0, "scheduler.draft_addresses", "needs at least one address")
+        _check(self.max_queue > 0, "scheduler.max_queue", "must be > 0")
+        _check(self.max_batch > 0, "scheduler.max_batch", "must be > 0")
+        _check(1 <= self.default_budget <= MAX_BUDGET, "scheduler.default_budget", f"must be in 1..{MAX_BUDGET}")
+        _check(self.default_mode in ("ddtree", "autoregressive"), "scheduler.default_mode",
+               "must be 'ddtree' or 'autoregressive'")
+        _check(self.max_tokens_limit > 0, "scheduler.max_tokens_limit", "must be > 0")
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """The drafter + tree builder process; `drafter_path` may be `oracle:<file.json>` for tests."""
+
+    host: str = "127.0.0.1"
+    port: int = 50052
+    verifier_address: str = "127.0.0.1:50053"
+    target_path: str = "models/demo"
+    drafter_path: str = "models/demo/drafter"
+    transport: str = "auto"          # auto | shm | inline (auto: shm when the verifier is local)
+    ring_slots: int = 4
+    ring_slot_bytes: int = 1 << 20
+    device: str = "cpu"
+    dtype: str = "float32"
+    json_logs: bool = False
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, "draft.port", f"{self.port} is not a TCP port")
+        _check(self.transport in ("auto", "shm", "inline"), "draft.transport", "must be auto, shm or inline")
+        _check(self.ring_slots >= 2, "draft.ring_slots", "must be >= 2")
+        _check(self.ring_slot_bytes >= 4096, "draft.ring_slot_bytes", "must be >= 4096")
+        _check(self.dtype in ("float32", "bfloat16", "float16"), "draft.dtype", "must be float32, bfloat16 or float16")
+
+
+@dataclass(frozen=True)
+class VerifierSettings:
+    """The target model process (rank 0 serves gRPC)."""
+
+    host: str = "127.0.0.1"
+    port: int = 50053
+    model_path: str = "models/demo"
+    device: str = "cpu"
+    dtype: str = "float32"
+    page_size: int = 16
+    kv_capacity_tokens: int = 65536  # KV cache size; admission reserves from it
+    max_context: int = 0             # 0 = the model's max_position_embeddings
+    prefill_chunk: int = 512         # prompt tokens per prefill forward
+    ring_slots: int = 4
+    ring_slot_bytes: int = 8 << 20
+    json_logs: bool = False
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, "verifier.port", f"{self.port} is not a TCP port")
+        _check(self.page_size > 0, "verifier.page_size", "must be > 0")
+        _check(self.kv_capacity_tokens >= self.page_size, "verifier.kv_capacity_tokens", "must hold one page")
+        _check(self.max_context >= 0, "verifier.max_context", "must be >= 0")
+        _check(self.prefill_chunk > 0, "verifier.prefill_chunk", "must be > 0")
+        _check(self.ring_slots >= 2, "verifier.ring_slots", "must be >= 2")
+        _check(self.dtype in ("float32", "bfloat16", "float16"), "verifier.dtype",
+               "must be float32, bfloat16 or float16")
+
+
+S = TypeVar("S", SchedulerSettings, DraftSettings, VerifierSettings)
+
+_SECTIONS: dict[type, str] = {SchedulerSettings: "scheduler", DraftSettings: "draft", VerifierSettings: "verifier"}
+
+
+def _coerce(name: str, value: Any, target: Any) -> Any:
+    """Turns a TOML or environment value into the field's declared type."""
+    kind = target if isinstance(target, type) else None
+    text = str(target)
+    if isinstance(value, str) and (kind is bool or text == "bool"):
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise SettingsError(f"{name}: {value!r} is not a boolean")
+    if kind is int or text == "int":
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise SettingsError(f"{name}: {value!r} is not an integer") from None
+    if text.startswith("tuple"):
+        if isinstance(value, str):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        return tuple(value)
+    return value
+
+
+def load_settings(cls: type[S], path: str | Path | None = None, env: Mapping[str, str] | None = None,
+                  overrides: Mapping[str, Any] | None = None) -> S:
+    """Builds `cls` from the config file's table, `DDTREE_<SECTION>_*` variables, then overrides.
+
+    `env` defaults to the process environment; tests pass their own mapping.
+    """
+    section = _SECTIONS[cls]
+    values: dict[str, Any] = {}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                table = tomllib.load(fh).get(section, {})
+        except OSError as exc:
+            raise SettingsError(f"config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"config file {path}: {exc}") from None
+        for key, value in table.items():
+            if key not in fields:
+                raise SettingsError(f"{section}.{key}: unknown setting (known: {', '.join(fields)})")
+            values[key] = _coerce(f"{section}.{key}", value, fields[key].type)
+    environ = os.environ if env is None else env
+    prefix = f"DDTREE_{section.upper()}_"
+    for key, value in environ.items():
+        if key.startswith(prefix):
+            name = key[len(prefix):].lower()
+            if name not in fields:
+                raise SettingsError(f"{key}: unknown setting for {section}")
+            values[name] = _coerce(key, value, fields[name].type)
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key not in fields:
+            raise SettingsError(f"{section}.{key}: unknown setting")
+        values[key] = _coerce(f"{section}.{key}", value, fields[key].type)
+    return cls(**values)
+
+
+def replace(settings: S, **changes: Any) -> S:
+    """A copy with some fields changed, validated again."""
+    return dataclasses.replace(settings, **changes)
+

@@ -1,0 +1,521 @@
+"""Tensor transports between the draft and verifier processes (DESIGN.md §3).
+
+gRPC carries control messages; bulk tensors travel either by reference through a ring of
+fixed-size slots in shared memory ("shm", later "cuda_ipc") or by value inside the protobuf
+("inline", different hosts). Both sides speak `common_pb2.TensorBundle`, so the kind is a
+stream-setup choice and the engine code never branches on it.
+
+Slot protocol (shm):
+* The producer (`TensorWriter`) owns the ring: it creates the segment, hands out slots and
+  unlinks the segment on `close()`. The consumer (`TensorReader`) only attaches by name.
+* One bundle occupies one slot; tensors inside are 64-byte aligned. A bundle that does not fit
+  a slot goes inline instead (counted in `inline_fallbacks`) so a rare large message never
+  stalls a stream.
+* Every slot starts with a 64-byte header whose first word is the sequence number of its
+  current contents (0 while being written). The message carries the sequence it expects, so a
+  reader given a stale message (slot released and rewritten) fails loudly instead of silently
+  decoding someone else's tensors.
+* A slot is reused only after the consumer releases it, or after the owner learns the consumer
+  is gone and calls `release_all()`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import sys
+import threading
+import weakref
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+
+import torch
+
+from ddtree.v1 import common_pb2
+
+__all__ = [
+    "ALIGNMENT",
+    "SLOT_HEADER_BYTES",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_KINDS",
+    "RingFull",
+    "SlotRing",
+    "TensorWriter",
+    "TensorReader",
+    "InlineWriter",
+    "InlineReader",
+    "ShmWriter",
+    "ShmReader",
+    "make_writer",
+    "make_reader",
+    "bundle_slot",
+]
+
+ALIGNMENT = 64
+SLOT_HEADER_BYTES = 64
+SUPPORTED_KINDS = ("shm", "inline")
+
+SUPPORTED_DTYPES: dict[str, torch.dtype] = {
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in SUPPORTED_DTYPES.items()}
+
+# Header words (int64) at the start of each slot.
+_HDR_SEQUENCE = 0
+_HDR_USED_BYTES = 1
+
+
+class RingFull(RuntimeError):
+    """Every slot is held by the consumer; the producer must wait for a release (backpressure)."""
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """Wire name of a dtype; refuses dtypes the other side might not decode identically."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"transport does not support dtype {dtype}; supported: {', '.join(SUPPORTED_DTYPES)}"
+        ) from None
+
+
+def _wire_dtype(ref: common_pb2.TensorRef) -> torch.dtype:
+    try:
+        return SUPPORTED_DTYPES[ref.dtype]
+    except KeyError:
+        raise ValueError(f"tensor {ref.name!r} has unsupported dtype {ref.dtype!r}") from None
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Flat uint8 view of a contiguous host copy; works for bf16/bool where numpy does not."""
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)  # [nbytes]
+
+
+def _expected_nbytes(ref: common_pb2.TensorRef, dtype: torch.dtype) -> int:
+    if any(d < 0 for d in ref.shape):
+        raise ValueError(f"tensor {ref.name!r} has a negative dimension in shape {list(ref.shape)}")
+    return math.prod(ref.shape) * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where one tensor of a bundle lives inside a slot."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the slot (header included)
+    data: torch.Tensor  # [nbytes] uint8, host
+
+
+def _plan(tensors: Mapping[str, torch.Tensor]) -> tuple[list[_Placement], int]:
+    """Lay the bundle out behind the slot header; returns placements and payload bytes used."""
+    placements: list[_Placement] = []
+    cursor = SLOT_HEADER_BYTES
+    for name, tensor in tensors.items():
+        dtype = _dtype_name(tensor.dtype)
+        data = _as_bytes(tensor)
+        cursor = _round_up(cursor, ALIGNMENT)
+        placements.append(_Placement(name, dtype, tuple(tensor.shape), cursor, data))
+        cursor += data.numel()
+    return placements, cursor - SLOT_HEADER_BYTES
+
+
+def _inline_bundle(placements: Iterable[_Placement]) -> common_pb2.TensorBundle:
+    bundle = common_pb2.TensorBundle()
+    for p in placements:
+        bundle.tensors.add(name=p.name, dtype=p.dtype, shape=p.shape, inline_data=p.data.numpy().tobytes())
+    return bundle
+
+
+def _decode_inline(ref: common_pb2.TensorRef) -> torch.Tensor:
+    """Owned copy of an inline payload (a bytearray, so the tensor is writable)."""
+    dtype = _wire_dtype(ref)
+    expected = _expected_nbytes(ref, dtype)
+    if len(ref.inline_data) != expected:
+        raise ValueError(
+            f"tensor {ref.name!r}: inline payload has {len(ref.inline_data)} bytes, "
+            f"shape {list(ref.shape)} of {ref.dtype} needs {expected}"
+        )
+    if expected == 0:
+        return torch.empty(tuple(ref.shape), dtype=dtype)
+    return torch.frombuffer(bytearray(ref.inline_data), dtype=dtype).reshape(tuple(ref.shape))
+
+
+def bundle_slot(bundle: common_pb2.TensorBundle) -> int | None:
+    """The slot a bundle occupies (what the consumer must release), or None if fully inline."""
+    slots = {ref.slot.slot for ref in bundle.tensors if ref.WhichOneof("payload") == "slot"}
+    if len(slots) > 1:
+        raise ValueError(f"bundle references several slots {sorted(slots)}; one bundle uses one slot")
+    return slots.pop() if slots else None
+
+
+class SlotRing:
+    """Slot bookkeeping shared by every by-reference transport (shm now, cuda_ipc later).
+
+    Knows nothing about memory: it hands out free slot indices with a fresh sequence number and
+    takes them back. Sequence numbers are globally increasing per ring, so each write of any slot
+    gets a number it never had before.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self._lock = threading.Lock()
+        self._free: deque[int] = deque(range(num_slots))
+        self._in_use: set[int] = set()
+        self._next_sequence = 1  # 0 marks a slot that is being written or was never written
+
+    @property
+    def slots_in_use(self) -> int:
+        with self._lock:
+            return len(self._in_use)
+
+    def acquire(self) -> tuple[int, int]:
+        """Take the least recently freed slot (spreads reuse, so stale reads are caught early)."""
+        with self._lock:
+            if not self._free:
+                raise RingFull(f"all {self.num_slots} slots are in use; the consumer has not released any")
+            slot = self._free.popleft()
+            self._in_use.add(slot)
+            sequence = self._next_sequence
+            self._next_sequence += 1
+            return slot, sequence
+
+    def release(self, slots: Iterable[int]) -> None:
+        """Return slots; releasing a free slot is a no-op so a late release after release_all is harmless."""
+        with self._lock:
+            for slot in slots:
+                if not 0 <= slot < self.num_slots:
+                    raise ValueError(f"slot {slot} out of range for a ring of {self.num_slots} slots")
+                if slot in self._in_use:
+                    self._in_use.remove(slot)
+                    self._free.append(slot)
+
+    def release_all(self) -> None:
+        with self._lock:
+            self._free.extend(sorted(self._in_use))
+            self._in_use.clear()
+
+
+class TensorWriter:
+    """Producer side of a transport. Subclasses define where the bytes go."""
+
+    kind: str = ""
+    inline_fallbacks: int = 0
+
+    def write(self, tensors: Mapping[str, torch.Tensor]) -> common_pb2.TensorBundle:
+        raise NotImplementedError
+
+    def release(self, slots: Iterable[int]) -> None:
+        """The consumer finished reading these slots."""
+
+    def release_all(self) -> None:
+        """The consumer is gone (stream ended or died): reclaim every slot it held."""
+
+    @property
+    def slots_in_use(self) -> int:
+        return 0
+
+    @property
+    def ring_name(self) -> str | None:
+        return None
+
+    @property
+    def slot_bytes(self) -> int:
+        return 0
+
+    @property
+    def num_slots(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        """Free the transport's resources; idempotent."""
+
+    def __enter__(self) -> TensorWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TensorReader:
+    """Consumer side of a transport."""
+
+    kind: str = ""
+
+    def read(self, bundle: common_pb2.TensorBundle) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def is_current(self, bundle: common_pb2.TensorBundle) -> bool:
+        """Whether zero-copy views of `bundle` still show its contents (always true for inline)."""
+        return True
+
+    def close(self) -> None:
+        """Detach; idempotent."""
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class InlineWriter(TensorWriter):
+    """Bytes inside the protobuf: for peers on different hosts, no shared state to leak."""
+
+    kind = "inline"
+
+    def write(self, tensors: Mapping[str, torch.Tensor]) -> common_pb2.TensorBundle:
+        placements, _ = _plan(tensors)
+        return _inline_bundle(placements)
+
+
+class InlineReader(TensorReader):
+    kind = "inline"
+
+    def read(self, bundle: common_pb2.TensorBundle) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for ref in bundle.tensors:
+            if ref.WhichOneof("payload") == "slot":
+                raise ValueError(f"tensor {ref.name!r} references a shared slot but this reader is inline-only")
+            out[ref.name] = _decode_inline(ref)
+        return out
+
+
+class _QuietSharedMemory(SharedMemory):
+    """SharedMemory whose finaliser tolerates live zero-copy views (BufferError) at shutdown."""
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except (OSError, BufferError):
+            pass
+
+
+def _tracker_name(shm: SharedMemory) -> str:
+    return getattr(shm, "_name", "/" + shm.name)
+
+
+def _attach_untracked(name: str) -> SharedMemory:
+    """Attach without letting this process's resource_tracker unlink the owner's segment at exit."""
+    if sys.version_info >= (3, 13):
+        return _QuietSharedMemory(name=name, create=False, track=False)
+    shm = _QuietSharedMemory(name=name, create=False)
+    resource_tracker.unregister(_tracker_name(shm), "shared_memory")
+    return shm
+
+
+def _close_segment(shm: SharedMemory, unlink: bool) -> None:
+    """Unmap (if no views remain) and optionally unlink; used as a weakref finaliser."""
+    try:
+        shm.close()
+    except BufferError:
+        pass  # zero-copy views still alive; the mapping goes when they do
+    if unlink:
+        if sys.version_info < (3, 13):
+            # An attached process sharing our tracker may have unregistered the name; re-register
+            # (idempotent) so unlink()'s own unregister does not make the tracker complain.
+            resource_tracker.register(_tracker_name(shm), "shared_memory")
+        try:
+            shm.unlink()
+        except FileNotFoundError:  # someone else unlinked it; just stop tracking the name
+            if sys.version_info < (3, 13):
+                resource_tracker.unregister(_tracker_name(shm), "shared_memory")
+
+
+def _slot_stride(slot_bytes: int) -> int:
+    return SLOT_HEADER_BYTES + _round_up(slot_bytes, ALIGNMENT)
+
+
+class ShmWriter(TensorWriter):
+    """Owner of a POSIX shared-memory ring; copies each bundle into one free slot."""
+
+    kind = "shm"
+
+    def __init__(self, slot_bytes: int, num_slots: int, name_prefix: str) -> None:
+        if slot_bytes < 1:
+            raise ValueError(f"slot_bytes must be >= 1, got {slot_bytes}")
+        if "/" in name_prefix:
+            raise ValueError(f"name_prefix must not contain '/': {name_prefix!r}")
+        self._ring = SlotRing(num_slots)
+        self._slot_bytes = slot_bytes
+        self._stride = _slot_stride(slot_bytes)
+        name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._shm = _QuietSharedMemory(name=name, create=True, size=self._stride * num_slots)
+        self._name = self._shm.name
+        self._bytes = torch.frombuffer(self._shm.buf, dtype=torch.uint8)  # [num_slots * stride]
+        self._words = self._bytes.view(torch.int64)  # [num_slots * stride / 8]
+        self._words.zero_()
+        # Serialises writes against each other and against release_all, so a slot reclaimed from a
+        # dead consumer is never handed out while a write into it is still copying.
+        self._lock = threading.Lock()
+        self._closed = False
+        self.inline_fallbacks = 0
+        self._finalizer = weakref.finalize(self, _close_segment, self._shm, True)
+
+    @property
+    def slots_in_use(self) -> int:
+        return self._ring.slots_in_use
+
+    @property
+    def ring_name(self) -> str | None:
+        return self._name
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self._ring.num_slots
+
+    def write(self, tensors: Mapping[str, torch.Tensor]) -> common_pb2.TensorBundle:
+        placements, used = _plan(tensors)
+        if used == 0:
+            return _inline_bundle(placements)  # nothing to share; do not tie up a slot
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"shm ring {self._name} is closed")
+            if used > self._slot_bytes:
+                self.inline_fallbacks += 1
+                return _inline_bundle(placements)
+            slot, sequence = self._ring.acquire()
+            base = slot * self._stride
+            header = base // 8
+            self._words[header + _HDR_SEQUENCE] = 0  # readers of an old message now see a mismatch
+            bundle = common_pb2.TensorBundle()
+            for p in placements:
+                nbytes = p.data.numel()
+                start = base + p.offset
+                self._bytes[start : start + nbytes].copy_(p.data)
+                ref = bundle.tensors.add(name=p.name, dtype=p.dtype, shape=p.shape)
+                ref.slot.slot = slot
+                ref.slot.offset = p.offset
+                ref.slot.nbytes = nbytes
+                ref.slot.sequence = sequence
+            self._words[header + _HDR_USED_BYTES] = used
+            self._words[header + _HDR_SEQUENCE] = sequence  # published last: contents are complete
+            return bundle
+
+    def release(self, slots: Iterable[int]) -> None:
+        self._ring.release(slots)
+
+    def release_all(self) -> None:
+        with self._lock:
+            self._ring.release_all()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._words = self._bytes = None  # type: ignore[assignment]  # drop our exports of the buffer
+        self._finalizer()
+
+
+class ShmReader(TensorReader):
+    """Attaches to a producer's ring and returns zero-copy views into it."""
+
+    kind = "shm"
+
+    def __init__(self, ring_name: str, slot_bytes: int, num_slots: int) -> None:
+        self._shm = _attach_untracked(ring_name)
+        self._stride = _slot_stride(slot_bytes)
+        self._num_slots = num_slots
+        needed = self._stride * num_slots
+        if self._shm.size < needed:
+            size = self._shm.size
+            self._shm.close()
+            raise ValueError(
+                f"shm ring {ring_name} has {size} bytes but slot_bytes={slot_bytes}, "
+                f"num_slots={num_slots} needs {needed}; reader and writer disagree on the ring layout"
+            )
+        self._finalizer = weakref.finalize(self, _close_segment, self._shm, False)
+
+    def _header(self, slot: int) -> tuple[int, int]:
+        words = torch.frombuffer(self._shm.buf, dtype=torch.int64, count=2, offset=slot * self._stride)
+        return int(words[_HDR_SEQUENCE]), int(words[_HDR_USED_BYTES])
+
+    def _check_slot(self, ref: common_pb2.TensorRef) -> None:
+        s = ref.slot
+        if s.slot >= self._num_slots:
+            raise ValueError(f"tensor {ref.name!r} names slot {s.slot} but the ring has {self._num_slots}")
+        current, used = self._header(s.slot)
+        if current != s.sequence:
+            raise ValueError(
+                f"tensor {ref.name!r}: slot {s.slot} holds sequence {current}, message expects "
+                f"{s.sequence}; the slot was released and overwritten (stale message) or is mid-write"
+            )
+        if s.offset < SLOT_HEADER_BYTES or s.offset + s.nbytes > SLOT_HEADER_BYTES + used:
+            raise ValueError(
+                f"tensor {ref.name!r}: bytes [{s.offset}, {s.offset + s.nbytes}) fall outside the "
+                f"{used} payload bytes written to slot {s.slot}"
+            )
+
+    def read(self, bundle: common_pb2.TensorBundle) -> dict[str, torch.Tensor]:
+        """Views are valid until the slot is released; copy anything kept longer."""
+        out: dict[str, torch.Tensor] = {}
+        for ref in bundle.tensors:
+            if ref.WhichOneof("payload") != "slot":
+                out[ref.name] = _decode_inline(ref)
+                continue
+            dtype = _wire_dtype(ref)
+            expected = _expected_nbytes(ref, dtype)
+            if ref.slot.nbytes != expected:
+                raise ValueError(
+                    f"tensor {ref.name!r}: slot ref has {ref.slot.nbytes} bytes, shape "
+                    f"{list(ref.shape)} of {ref.dtype} needs {expected}"
+                )
+            self._check_slot(ref)
+            shape = tuple(ref.shape)
+            if expected == 0:
+                out[ref.name] = torch.empty(shape, dtype=dtype)
+                continue
+            start = ref.slot.slot * self._stride + ref.slot.offset
+            count = math.prod(shape)
+            view = torch.frombuffer(self._shm.buf, dtype=dtype, count=count, offset=start)
+            out[ref.name] = view.reshape(shape)
+        return out
+
+    def is_current(self, bundle: common_pb2.TensorBundle) -> bool:
+        slot = bundle_slot(bundle)
+        if slot is None:
+            return True
+        sequence = next(r.slot.sequence for r in bundle.tensors if r.WhichOneof("payload") == "slot")
+        return self._header(slot)[0] == sequence
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def make_writer(kind: str, slot_bytes: int = 0, num_slots: int = 0, name_prefix: str = "ddtree") -> TensorWriter:
+    """Producer for a stream; the kind is negotiated at stream set-up (see ModelInfo.transport)."""
+    if kind == "shm":
+        return ShmWriter(slot_bytes, num_slots, name_prefix)
+    if kind == "inline":
+        return InlineWriter()
+    raise ValueError(f"unknown transport kind {kind!r}; supported: {', '.join(SUPPORTED_KINDS)}")
+
+
+def make_reader(kind: str, ring_name: str | None = None, slot_bytes: int = 0, num_slots: int = 0) -> TensorReader:
+    """Consumer for a stream; for "shm" the ring parameters come from the producer's handshake."""
+    if kind == "shm":
+        if not ring_name:
+            raise ValueError("an shm reader needs the producer's ring_name")
+        return ShmReader(ring_name, slot_bytes, num_slots)
+    if kind == "inline":
+        return InlineReader()
+    raise ValueError(f"unknown transport kind {kind!r}; supported: {', '.join(SUPPORTED_KINDS)}")

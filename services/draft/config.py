@@ -1,0 +1,143 @@
+"""DFlash drafter configuration, parsed from the checkpoint's HF-style config.json.
+
+The DFlash format puts some fields at the top level and some inside `dflash_config`
+(`block_size` may be in either); parsing them in one place keeps the drafter code free of
+dict lookups and lets a malformed checkpoint fail at load with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.checkpoint import CheckpointError
+
+ARCHITECTURE = "DFlashDraftModel"
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """Shapes and hyper-parameters of a DFlash block-diffusion drafter (Qwen3-style layers)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    max_position_embeddings: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    num_target_layers: int | None = None
+
+    @property
+    def num_features(self) -> int:
+        """Width of the concatenated target features one context token contributes."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], source: str = "config.json") -> "DraftConfig":
+        """Validate and parse a DFlash config dict; `source` names the file in error messages."""
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        archs = d.get("architectures")
+        if archs is not None and ARCHITECTURE not in archs:
+            raise CheckpointError(
+                f"{source}: field 'architectures' is {archs!r}, expected it to contain {ARCHITECTURE!r}"
+            )
+        dflash = d.get("dflash_config")
+        if dflash is None:
+            dflash = {}
+        if not isinstance(dflash, dict):
+            raise CheckpointError(f"{source}: field 'dflash_config' must be an object")
+
+        def pos_int(name: str, value: Any = None, where: str = "") -> int:
+            v = d.get(name) if value is None else value
+            label = where or name
+            if v is None:
+                raise CheckpointError(f"{source}: missing field '{label}'")
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise CheckpointError(f"{source}: field '{label}' must be a positive integer, got {v!r}")
+            return v
+
+        def pos_float(name: str, default: float | None = None) -> float:
+            v = d.get(name, default)
+            if v is None:
+                raise CheckpointError(f"{source}: missing field '{name}'")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise CheckpointError(f"{source}: field '{name}' must be a positive number, got {v!r}")
+            return float(v)
+
+        hidden = pos_int("hidden_size")
+        layers = pos_int("num_hidden_layers")
+        heads = pos_int("num_attention_heads")
+        kv_heads = pos_int("num_key_value_heads", d.get("num_key_value_heads", heads))
+        if heads % kv_heads != 0:
+            raise CheckpointError(
+                f"{source}: field 'num_key_value_heads' ({kv_heads}) must divide "
+                f"'num_attention_heads' ({heads})"
+            )
+        head_dim_raw = d.get("head_dim")
+        if head_dim_raw is None:
+            if hidden % heads != 0:
+                raise CheckpointError(f"{source}: missing field 'head_dim' and hidden_size % heads != 0")
+            head_dim_raw = hidden // heads
+        head_dim = pos_int("head_dim", head_dim_raw)
+        if head_dim % 2 != 0:
+            raise CheckpointError(f"{source}: field 'head_dim' must be even for rotary embeddings")
+        rope_scaling = d.get("rope_scaling")
+        if rope_scaling is not None:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type")) if isinstance(rope_scaling, dict) else None
+            if kind != "default":
+                raise CheckpointError(f"{source}: field 'rope_scaling' {rope_scaling!r} is not supported (only null)")
+
+        block_raw = d.get("block_size", dflash.get("block_size"))
+        block = pos_int("block_size", block_raw if block_raw is not None else None)
+        if block < 2:
+            raise CheckpointError(f"{source}: field 'block_size' must be >= 2, got {block}")
+
+        vocab = pos_int("vocab_size")
+        ids = dflash.get("target_layer_ids")
+        if not isinstance(ids, list) or not ids:
+            raise CheckpointError(
+                f"{source}: field 'dflash_config.target_layer_ids' must be a non-empty list, got {ids!r}"
+            )
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                raise CheckpointError(
+                    f"{source}: field 'dflash_config.target_layer_ids' has invalid entry {i!r}"
+                )
+        mask = dflash.get("mask_token_id")
+        if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < vocab:
+            raise CheckpointError(
+                f"{source}: field 'dflash_config.mask_token_id' must be an integer in [0, vocab_size={vocab}), "
+                f"got {mask!r}"
+            )
+        n_target = d.get("num_target_layers", dflash.get("num_target_layers"))
+        if n_target is not None:
+            n_target = pos_int("num_target_layers", n_target)
+            if max(ids) >= n_target:
+                raise CheckpointError(
+                    f"{source}: field 'dflash_config.target_layer_ids' {ids} out of range for "
+                    f"num_target_layers={n_target}"
+                )
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=pos_int("intermediate_size"),
+            rms_norm_eps=pos_float("rms_norm_eps", 1e-6),
+            rope_theta=pos_float("rope_theta", 10000.0),
+            vocab_size=vocab,
+            max_position_embeddings=pos_int("max_position_embeddings", d.get("max_position_embeddings", 32768)),
+            block_size=block,
+            target_layer_ids=tuple(ids),
+            mask_token_id=mask,
+            num_target_layers=n_target,
+        )

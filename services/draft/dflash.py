@@ -1,0 +1,355 @@
+"""DFlash block-diffusion drafter: one non-causal forward proposes a whole block of tokens.
+
+The drafter conditions on target hidden features of the committed tokens. Those enter every
+layer only as extra keys/values (k_proj/v_proj of the projected features), which depend on
+nothing but the features themselves, so they are computed once per committed token and kept
+in a per-request `DraftContext`; each step only runs the block of `block_size` query tokens
+([bonus token, mask x (block-1)]) against that cache. The block's own K/V are never cached:
+the next step's block is different.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from services.common.checkpoint import CheckpointError, load_tensors, read_config
+from services.draft.config import DraftConfig
+
+_MIN_CAPACITY = 64
+
+
+@dataclass
+class DraftContext:
+    """Per-request drafter context cache: rotated, normalised context keys and values per layer.
+
+    Storage grows geometrically so that committing a few tokens per step stays amortised O(1).
+    """
+
+    keys: Tensor  # [num_layers, capacity, kv_heads, head_dim]
+    values: Tensor  # [num_layers, capacity, kv_heads, head_dim]
+    length: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[1]
+
+    def layer_kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The valid context K, V of one layer (views), each [length, kv_heads, head_dim]."""
+        return self.keys[layer, : self.length], self.values[layer, : self.length]
+
+    def _reserve(self, total: int) -> None:
+        if total <= self.capacity:
+            return
+        cap = max(total, 2 * self.capacity, _MIN_CAPACITY)
+        n_layers, _, kvh, hd = self.keys.shape
+        keys = self.keys.new_zeros(n_layers, cap, kvh, hd)  # [layers, cap, kvh, hd]
+        values = self.values.new_zeros(n_layers, cap, kvh, hd)  # [layers, cap, kvh, hd]
+        keys[:, : self.length] = self.keys[:, : self.length]
+        values[:, : self.length] = self.values[:, : self.length]
+        self.keys, self.values = keys, values
+
+
+@dataclass
+class _Layer:
+    """Weights of one Qwen3-style drafter layer (nn.Linear layout: [out, in])."""
+
+    input_layernorm: Tensor  # [hidden]
+    post_attention_layernorm: Tensor  # [hidden]
+    q_proj: Tensor  # [H*hd, hidden]
+    k_proj: Tensor  # [kvh*hd, hidden]
+    v_proj: Tensor  # [kvh*hd, hidden]
+    o_proj: Tensor  # [hidden, H*hd]
+    q_norm: Tensor  # [hd]
+    k_norm: Tensor  # [hd]
+    gate_proj: Tensor  # [inter, hidden]
+    up_proj: Tensor  # [inter, hidden]
+    down_proj: Tensor  # [hidden, inter]
+
+
+@dataclass(frozen=True)
+class _Rope:
+    """Standard (rotate_half) rotary tables for arbitrary position tensors."""
+
+    inv_freq: Tensor  # [hd/2] float32
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos/sin computed in float32 then cast, as HF does, for positions of any shape [...]."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # [..., hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [..., hd]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3 RMSNorm: statistics in float32, scale applied in the input dtype."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [..., heads, hd] with cos/sin [..., hd] broadcast over the heads axis."""
+    return x * cos.unsqueeze(-2) + _rotate_half(x) * sin.unsqueeze(-2)
+
+
+def _strip_prefix(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Accept checkpoints saved with a leading 'model.' on every name."""
+    if weights and all(k.startswith("model.") for k in weights):
+        return {k[len("model.") :]: v for k, v in weights.items()}
+    return weights
+
+
+class DFlashDrafter:
+    """DFlash drafter with per-request context caches; uses the target's embedding and lm_head."""
+
+    def __init__(
+        self,
+        config: DraftConfig,
+        weights: dict[str, Tensor],
+        embed_weight: Tensor,
+        lm_head_weight: Tensor,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.config = config
+        weights = _strip_prefix(dict(weights))
+        if dtype is None:
+            dtype = weights["fc.weight"].dtype if "fc.weight" in weights else torch.float32
+        device = torch.device(device) if device is not None else embed_weight.device
+        self.dtype = dtype
+        self.device = device
+        c = config
+        q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+
+        def take(name: str, shape: tuple[int, ...]) -> Tensor:
+            t = weights.get(name)
+            if t is None:
+                raise CheckpointError(f"drafter weights: missing tensor '{name}'")
+            if tuple(t.shape) != shape:
+                raise CheckpointError(
+                    f"drafter weights: tensor '{name}' has shape {tuple(t.shape)}, expected {shape}"
+                )
+            return t.to(device=device, dtype=dtype)
+
+        h = c.hidden_size
+        self.fc = take("fc.weight", (h, c.num_features))  # [hidden, n_feat*hidden]
+        self.hidden_norm = take("hidden_norm.weight", (h,))  # [hidden]
+        self.norm = take("norm.weight", (h,))  # [hidden]
+        self.layers: list[_Layer] = []
+        for i in range(c.num_hidden_layers):
+            p = f"layers.{i}."
+            self.layers.append(
+                _Layer(
+                    input_layernorm=take(p + "input_layernorm.weight", (h,)),
+                    post_attention_layernorm=take(p + "post_attention_layernorm.weight", (h,)),
+                    q_proj=take(p + "self_attn.q_proj.weight", (q_out, h)),
+                    k_proj=take(p + "self_attn.k_proj.weight", (kv_out, h)),
+                    v_proj=take(p + "self_attn.v_proj.weight", (kv_out, h)),
+                    o_proj=take(p + "self_attn.o_proj.weight", (h, q_out)),
+                    q_norm=take(p + "self_attn.q_norm.weight", (c.head_dim,)),
+                    k_norm=take(p + "self_attn.k_norm.weight", (c.head_dim,)),
+                    gate_proj=take(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
+                    up_proj=take(p + "mlp.up_proj.weight", (c.intermediate_size, h)),
+                    down_proj=take(p + "mlp.down_proj.weight", (h, c.intermediate_size)),
+                )
+            )
+        for name, t in (("embed_tokens", embed_weight), ("lm_head", lm_head_weight)):
+            if tuple(t.shape) != (c.vocab_size, h):
+                raise CheckpointError(
+                    f"target {name} has shape {tuple(t.shape)}, drafter expects ({c.vocab_size}, {h})"
+                )
+        self.embed_weight = embed_weight.to(device=device, dtype=dtype)  # [V, hidden]
+        self.lm_head_weight = lm_head_weight.to(device=device, dtype=dtype)  # [V, hidden]
+        exponents = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=device) / c.head_dim
+        self._rope = _Rope(inv_freq=1.0 / (c.rope_theta**exponents))  # [hd/2]
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.config.target_layer_ids
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(
+        cls,
+        drafter_dir: Path,
+        target_dir: Path,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> "DFlashDrafter":
+        """Load a DFlash checkpoint and only the embedding and lm_head of its target.
+
+        Pairing a drafter with the wrong target would silently produce garbage drafts (and zero
+        acceptance), so every cross-checkpoint field is checked here with a message naming it.
+        """
+        drafter_dir, target_dir = Path(drafter_dir), Path(target_dir)
+        dsrc, tsrc = drafter_dir / "config.json", target_dir / "config.json"
+        config = DraftConfig.from_hf(read_config(drafter_dir), source=str(dsrc))
+        tcfg = read_config(target_dir)
+        t_hidden, t_vocab, t_layers = (tcfg.get(k) for k in ("hidden_size", "vocab_size", "num_hidden_layers"))
+        for name, value in (("hidden_size", t_hidden), ("vocab_size", t_vocab), ("num_hidden_layers", t_layers)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise CheckpointError(f"{tsrc}: field '{name}' missing or not a positive integer: {value!r}")
+        if config.hidden_size != t_hidden:
+            raise CheckpointError(
+                f"{dsrc}: field 'hidden_size' = {config.hidden_size} does not match the target's "
+                f"hidden_size = {t_hidden} ({tsrc})"
+            )
+        if config.vocab_size != t_vocab:
+            raise CheckpointError(
+                f"{dsrc}: field 'vocab_size' = {config.vocab_size} does not match the target's "
+                f"vocab_size = {t_vocab} ({tsrc})"
+            )
+        if config.mask_token_id >= t_vocab:
+            raise CheckpointError(
+                f"{dsrc}: field 'dflash_config.mask_token_id' = {config.mask_token_id} is outside the "
+                f"target vocabulary ({t_vocab})"
+            )
+        bad = [i for i in config.target_layer_ids if i >= t_layers]
+        if bad:
+            raise CheckpointError(
+                f"{dsrc}: field 'dflash_config.target_layer_ids' has {bad} out of range for the target's "
+                f"num_hidden_layers = {t_layers} ({tsrc})"
+            )
+        if config.num_target_layers is not None and config.num_target_layers != t_layers:
+            raise CheckpointError(
+                f"{dsrc}: field 'num_target_layers' = {config.num_target_layers} does not match the "
+                f"target's num_hidden_layers = {t_layers} ({tsrc})"
+            )
+        weights = load_tensors(drafter_dir)
+        tied = bool(tcfg.get("tie_word_embeddings", False))
+        names = ["model.embed_tokens.weight"] if tied else ["model.embed_tokens.weight", "lm_head.weight"]
+        target = load_tensors(target_dir, names=names)
+        embed = target["model.embed_tokens.weight"]
+        lm_head = embed if tied else target["lm_head.weight"]
+        try:
+            return cls(config, weights, embed, lm_head, dtype=dtype, device=device)
+        except CheckpointError as e:
+            raise CheckpointError(f"{drafter_dir}: {e}") from e
+
+    # ------------------------------------------------------------------ context cache
+    def new_context(self) -> DraftContext:
+        """An empty context; storage is allocated on the first extend."""
+        c = self.config
+        empty = torch.zeros(
+            c.num_hidden_layers, 0, c.num_key_value_heads, c.head_dim, dtype=self.dtype, device=self.device
+        )  # [layers, 0, kvh, hd]
+        return DraftContext(keys=empty, values=empty.clone())
+
+    def extend_context(self, ctx: DraftContext, features: Tensor) -> None:
+        """Append the context K/V of newly committed tokens, from their target features.
+
+        features: [n, len(target_layer_ids) * hidden], in the order of `target_layer_ids`.
+        """
+        self.extend_contexts([ctx], [features])
+
+    def extend_contexts(self, ctxs: Sequence[DraftContext], features: Sequence[Tensor]) -> None:
+        """Batched `extend_context`: one projection over all requests' new tokens, then scatter."""
+        if len(ctxs) != len(features):
+            raise ValueError(f"got {len(ctxs)} contexts but {len(features)} feature tensors")
+        c = self.config
+        counts = [int(f.shape[0]) for f in features]
+        for f in features:
+            if f.dim() != 2 or f.shape[1] != c.num_features:
+                raise ValueError(f"features must be [n, {c.num_features}], got {tuple(f.shape)}")
+        total = sum(counts)
+        if total == 0:
+            return
+        feats = torch.cat([f.to(device=self.device, dtype=self.dtype) for f in features])  # [N, n_feat*hidden]
+        th = _rms_norm(feats @ self.fc.T, self.hidden_norm, c.rms_norm_eps)  # [N, hidden]
+        positions = torch.cat(
+            [torch.arange(cx.length, cx.length + n, device=self.device) for cx, n in zip(ctxs, counts)]
+        )  # [N]
+        cos, sin = self._rope.cos_sin(positions, self.dtype)  # [N, hd]
+        ks, vs = [], []
+        for layer in self.layers:
+            k = (th @ layer.k_proj.T).view(total, c.num_key_value_heads, c.head_dim)  # [N, kvh, hd]
+            k = _apply_rope(_rms_norm(k, layer.k_norm, c.rms_norm_eps), cos, sin)  # [N, kvh, hd]
+            ks.append(k)
+            vs.append((th @ layer.v_proj.T).view(total, c.num_key_value_heads, c.head_dim))  # [N, kvh, hd]
+        k_all = torch.stack(ks)  # [layers, N, kvh, hd]
+        v_all = torch.stack(vs)  # [layers, N, kvh, hd]
+        start = 0
+        for cx, n in zip(ctxs, counts):
+            if n:
+                cx._reserve(cx.length + n)
+                cx.keys[:, cx.length : cx.length + n] = k_all[:, start : start + n]
+                cx.values[:, cx.length : cx.length + n] = v_all[:, start : start + n]
+                cx.length += n
+                start += n
+
+    # ------------------------------------------------------------------ drafting
+    def propose(self, ctxs: Sequence[DraftContext], bonus_tokens: Tensor) -> Tensor:
+        """Draft log-probs for block positions 1..B-1 of every request, in one batched forward.
+
+        Requests with different context lengths are right-padded to the longest and the padding
+        keys masked out, so each row equals what that request would get alone.
+        bonus_tokens: [R] int64 (the pending token at position ctx.length).
+        Returns [R, block_size - 1, V] float32 log-probs.
+        """
+        c = self.config
+        R, B = len(ctxs), c.block_size
+        if bonus_tokens.shape != (R,):
+            raise ValueError(f"bonus_tokens must be [{R}], got {tuple(bonus_tokens.shape)}")
+        if R == 0:
+            return torch.zeros(0, B - 1, c.vocab_size, dtype=torch.float32, device=self.device)
+        dev, H, kvh, hd = self.device, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        lens = [cx.length for cx in ctxs]
+        l_max = max(lens)
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)  # [R]
+
+        ids = torch.full((R, B), c.mask_token_id, dtype=torch.int64, device=dev)  # [R, B]
+        ids[:, 0] = bonus_tokens.to(device=dev, dtype=torch.int64)
+        x = self.embed_weight[ids]  # [R, B, hidden]
+        positions = lens_t[:, None] + torch.arange(B, device=dev)  # [R, B]
+        cos, sin = self._rope.cos_sin(positions, self.dtype)  # [R, B, hd]
+
+        n_layers = len(self.layers)
+        ctx_k = torch.zeros(n_layers, R, l_max, kvh, hd, dtype=self.dtype, device=dev)  # [layers, R, Lmax, kvh, hd]
+        ctx_v = torch.zeros_like(ctx_k)  # [layers, R, Lmax, kvh, hd]
+        for r, cx in enumerate(ctxs):
+            ctx_k[:, r, : cx.length] = cx.keys[:, : cx.length]
+            ctx_v[:, r, : cx.length] = cx.values[:, : cx.length]
+        mask = None
+        if min(lens) != l_max:
+            ctx_valid = torch.arange(l_max, device=dev)[None, :] < lens_t[:, None]  # [R, Lmax]
+            block_valid = torch.ones(R, B, dtype=torch.bool, device=dev)  # [R, B]
+            mask = torch.cat([ctx_valid, block_valid], dim=1)[:, None, None, :]  # [R, 1, 1, Lmax+B]
+
+        groups = H // kvh
+        for li, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.input_layernorm, c.rms_norm_eps)  # [R, B, hidden]
+            q = _rms_norm((h @ layer.q_proj.T).view(R, B, H, hd), layer.q_norm, c.rms_norm_eps)  # [R, B, H, hd]
+            q = _apply_rope(q, cos, sin)  # [R, B, H, hd]
+            kb = _rms_norm((h @ layer.k_proj.T).view(R, B, kvh, hd), layer.k_norm, c.rms_norm_eps)  # [R, B, kvh, hd]
+            kb = _apply_rope(kb, cos, sin)  # [R, B, kvh, hd]
+            vb = (h @ layer.v_proj.T).view(R, B, kvh, hd)  # [R, B, kvh, hd]
+            k = torch.cat([ctx_k[li], kb], dim=1).repeat_interleave(groups, dim=2)  # [R, Lmax+B, H, hd]
+            v = torch.cat([ctx_v[li], vb], dim=1).repeat_interleave(groups, dim=2)  # [R, Lmax+B, H, hd]
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
+            )  # [R, H, B, hd]
+            x = x + attn.transpose(1, 2).reshape(R, B, H * hd) @ layer.o_proj.T  # [R, B, hidden]
+            h = _rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps)  # [R, B, hidden]
+            x = x + (F.silu(h @ layer.gate_proj.T) * (h @ layer.up_proj.T)) @ layer.down_proj.T  # [R, B, hidden]
+        x = _rms_norm(x[:, 1:], self.norm, c.rms_norm_eps)  # [R, B-1, hidden]
+        logits = x @ self.lm_head_weight.T  # [R, B-1, V]
+        return torch.log_softmax(logits.to(torch.float32), dim=-1)  # [R, B-1, V]

@@ -1,0 +1,185 @@
+"""The draft's step (DESIGN.md §2 steps 2-3 and 6): propose, build trees, verify, update contexts.
+
+`step` reads top to bottom: sort the batch into prefills and verifies, draft a tree for each
+DDTree request (one batched tree build per budget), send everything in one verify message, then
+fold the answer back into each request's drafter context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from ddtree.v1 import common_pb2, draft_pb2, verifier_pb2
+from services.common.grpc_server import ServiceError
+from services.common.settings import MAX_BUDGET
+from services.draft.proposer import Proposer
+from services.draft.tree import build_trees
+from services.draft.verifier_client import VerifierClient
+
+__all__ = ["DraftEngine"]
+
+
+@dataclass
+class _Request:
+    request_id: str
+    mode: int
+    pending: int = -1   # the last token the verifier sampled: the next tree's root
+    length: int = 0     # tokens in the target's cache
+
+
+@dataclass
+class _Tree:
+    tokens: torch.Tensor   # [n]
+    parents: torch.Tensor  # [n]
+    depths: torch.Tensor   # [n]
+
+
+class DraftEngine:
+    def __init__(self, proposer: Proposer, verifier: VerifierClient) -> None:
+        self.proposer = proposer
+        self.verifier = verifier
+        self._requests: dict[str, _Request] = {}
+        self._prompts: dict[str, list[int]] = {}   # held until the prefill's features arrive
+        self._lock = asyncio.Lock()
+        self.max_context = 0
+
+    async def connect(self) -> None:
+        hs = await self.verifier.connect(self.proposer.target_layer_ids, self.proposer.hidden_size,
+                                         self.proposer.vocab_size)
+        self.max_context = hs.max_context
+
+    def model_info(self) -> common_pb2.ModelInfo:
+        hs = self.verifier.handshake
+        if hs is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "not connected to a verifier yet")
+        return common_pb2.ModelInfo(
+            model_type=hs.model_type, vocab_size=hs.vocab_size, max_context=hs.max_context,
+            block_size=self.proposer.block_size, max_budget=MAX_BUDGET, eos_token_id=hs.eos_token_id,
+            tp_size=hs.tp_size, kv_capacity_tokens=hs.kv_capacity_tokens, kv_page_size=hs.kv_page_size,
+            transport=hs.transport)
+
+    async def step(self, request: draft_pb2.StepRequest) -> draft_pb2.StepResponse:
+        async with self._lock:
+            if not self.verifier.connected:
+                self._requests.clear()   # a new stream means a verifier without our requests
+                await self.connect()
+            try:
+                return await self._step(request)
+            except ServiceError as exc:
+                # The verifier is gone: every request in flight is lost; say so per request.
+                for rid in list(self._requests):
+                    self._drop(rid)
+                return draft_pb2.StepResponse(results=[
+                    draft_pb2.StepResult(request_id=i.request_id, error_code=exc.code.value[0],
+                                         error_message=exc.message) for i in request.items])
+
+    async def _step(self, request: draft_pb2.StepRequest) -> draft_pb2.StepResponse:
+        t0 = time.perf_counter()
+        for rid in request.release:
+            self._drop(rid)
+        results: dict[str, draft_pb2.StepResult] = {}
+        prefills: list[verifier_pb2.PrefillItem] = []
+        verifying: list[_Request] = []
+        budgets: list[int] = []
+        for item in request.items:
+            err = self._admit(item, prefills, verifying, budgets)
+            if err is not None:
+                results[item.request_id] = draft_pb2.StepResult(request_id=item.request_id,
+                                                                error_code=err.code.value[0],
+                                                                error_message=err.message)
+        trees = await asyncio.to_thread(self._draft, verifying, budgets) if verifying else []
+        packed = _pack_trees(trees) if trees else None
+        t1 = time.perf_counter()
+        reply = await self.verifier.step(prefills, [r.request_id for r in verifying], packed,
+                                         list(request.release))
+        features, row = reply.features, 0
+        for res in list(reply.response.prefills) + list(reply.response.verifies):
+            req = self._requests.get(res.request_id)
+            if res.error_code != 0 or req is None:
+                self._drop(res.request_id)
+                results[res.request_id] = draft_pb2.StepResult(request_id=res.request_id,
+                                                                error_code=res.error_code,
+                                                                error_message=res.error_message)
+                continue
+            committed = ([req.pending] + list(res.token_ids[:-1])) if req.length else None
+            feats = features[row:row + res.committed]
+            row += res.committed
+            if committed is None:   # prefill: the prompt entered the cache
+                self.proposer.commit(req.request_id, self._prompts.pop(req.request_id), feats)
+            else:
+                self.proposer.commit(req.request_id, committed, feats)
+            req.length += res.committed
+            req.pending = int(res.token_ids[-1])
+            results[res.request_id] = draft_pb2.StepResult(
+                request_id=res.request_id, token_ids=list(res.token_ids),
+                acceptance_length=len(res.token_ids) if committed is not None else 0)
+        t2 = time.perf_counter()
+        return draft_pb2.StepResponse(results=[results[i.request_id] for i in request.items
+                                               if i.request_id in results],
+                                      draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3)
+
+    def _admit(self, item: draft_pb2.StepItem, prefills: list, verifying: list, budgets: list) -> \
+            ServiceError | None:
+        """Sorts one batch item into a prefill or a verify, or says why it can't be either."""
+        if item.budget < 0 or item.budget > MAX_BUDGET:
+            return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"budget {item.budget} outside 1..{MAX_BUDGET}")
+        req = self._requests.get(item.request_id)
+        if item.prompt_token_ids:
+            if req is not None:
+                return ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {item.request_id} already running")
+            req = _Request(item.request_id, item.mode)
+            self._requests[item.request_id] = req
+            self._prompts[item.request_id] = list(item.prompt_token_ids)
+            self.proposer.start(item.request_id, item.prompt_token_ids)
+            prefills.append(verifier_pb2.PrefillItem(
+                request_id=item.request_id, token_ids=item.prompt_token_ids, sampling=item.sampling,
+                reserve_tokens=len(item.prompt_token_ids) + item.max_new_tokens + self.proposer.block_size))
+            return None
+        if req is None:
+            return ServiceError(grpc.StatusCode.NOT_FOUND, f"request {item.request_id} is unknown to this draft")
+        verifying.append(req)
+        ddtree = req.mode != common_pb2.MODE_AUTOREGRESSIVE
+        budgets.append(item.budget if ddtree else 0)
+        return None
+
+    def _draft(self, reqs: Sequence[_Request], budgets: Sequence[int]) -> list[_Tree]:
+        """One proposal + one batched tree build per (budget, depth cap) group; root-only for AR."""
+        trees: list[_Tree | None] = [None] * len(reqs)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, (req, budget) in enumerate(zip(reqs, budgets)):
+            depth = min(self.proposer.block_size - 1, self.max_context - 1 - req.length)
+            if budget == 0 or depth <= 0:
+                root = torch.tensor([req.pending])
+                trees[i] = _Tree(root, torch.tensor([-1]), torch.tensor([0]))
+            else:
+                groups.setdefault((budget, depth), []).append(i)
+        for (budget, depth), idx in groups.items():
+            bonus = torch.tensor([reqs[i].pending for i in idx])                     # [R]
+            logprobs = self.proposer.propose([reqs[i].request_id for i in idx], bonus)  # [R, B-1, V]
+            batch = build_trees(logprobs[:, :depth].float(), budget, bonus.to(logprobs.device))
+            sizes = batch.sizes.tolist()
+            for j, i in enumerate(idx):
+                n = sizes[j]
+                trees[i] = _Tree(batch.tokens[j, :n].cpu(), batch.parents[j, :n].cpu(), batch.depths[j, :n].cpu())
+        return [t for t in trees if t is not None]
+
+    def _drop(self, rid: str) -> None:
+        if self._requests.pop(rid, None) is not None:
+            self.proposer.drop(rid)
+        self._prompts.pop(rid, None)
+
+
+def _pack_trees(trees: Sequence[_Tree]) -> dict[str, torch.Tensor]:
+    """Flat CSR tree tensors, the wire format the verifier reads."""
+    return {
+        "tokens": torch.cat([t.tokens for t in trees]).to(torch.int64),    # [N]
+        "parents": torch.cat([t.parents for t in trees]).to(torch.int64),  # [N]
+        "depths": torch.cat([t.depths for t in trees]).to(torch.int64),    # [N]
+        "sizes": torch.tensor([t.tokens.numel() for t in trees], dtype=torch.int64),  # [R]
+    }

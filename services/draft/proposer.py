@@ -1,0 +1,134 @@
+"""Proposers: what the draft service asks for per-position log-probs, keyed by request id.
+
+`DFlashProposer` wraps the real drafter and its per-request context caches. `OracleProposer` is a
+test drafter: it knows the target's greedy continuation of some prompts and hides it among noise at
+a random rank per depth (sometimes not at all), so the lossless tests see multi-token accepted paths
+and rejections at every depth without needing a trained drafter.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from services.common.checkpoint import CheckpointError
+from services.draft.dflash import DFlashDrafter, DraftContext
+
+__all__ = ["Proposer", "DFlashProposer", "OracleProposer", "load_proposer"]
+
+
+class Proposer(Protocol):
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    hidden_size: int
+    vocab_size: int
+
+    def start(self, request_id: str, prompt_ids: Sequence[int]) -> None: ...
+
+    def commit(self, request_id: str, token_ids: Sequence[int], features: torch.Tensor) -> None:
+        """Tokens entered the target's cache; `features` [len(token_ids), F] are their target features."""
+
+    def propose(self, request_ids: Sequence[str], bonus_tokens: torch.Tensor) -> torch.Tensor:
+        """Log-probs [R, block_size - 1, V] for the positions after each request's pending token."""
+
+    def drop(self, request_id: str) -> None: ...
+
+
+class DFlashProposer:
+    """The DFlash drafter with one context cache per request."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        self.drafter = drafter
+        self.block_size = drafter.block_size
+        self.target_layer_ids = tuple(drafter.target_layer_ids)
+        self.hidden_size = drafter.config.hidden_size
+        self.vocab_size = drafter.config.vocab_size
+        self._ctx: dict[str, DraftContext] = {}
+
+    def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        self._ctx[request_id] = self.drafter.new_context()
+
+    def commit(self, request_id: str, token_ids: Sequence[int], features: torch.Tensor) -> None:
+        self.drafter.extend_context(self._ctx[request_id], features)
+
+    def propose(self, request_ids: Sequence[str], bonus_tokens: torch.Tensor) -> torch.Tensor:
+        return self.drafter.propose([self._ctx[r] for r in request_ids], bonus_tokens)
+
+    def drop(self, request_id: str) -> None:
+        self._ctx.pop(request_id, None)
+
+
+class OracleProposer:
+    """A test drafter that plants the target's known greedy continuation among noise.
+
+    The file is JSON: {"vocab_size", "hidden_size", "block_size", "target_layer_ids", "seed",
+    "continuations": [{"prompt": [...], "continuation": [...]}]}. Per depth the true token is put at
+    rank 0 (70%), 1 (15%), 2 (7.5%) or left out (7.5%), chosen by a generator seeded from the
+    history, so a run is reproducible and different budgets see different accepted depths.
+    """
+
+    def __init__(self, spec: dict) -> None:
+        self.block_size = int(spec["block_size"])
+        self.target_layer_ids = tuple(spec["target_layer_ids"])
+        self.hidden_size = int(spec["hidden_size"])
+        self.vocab_size = int(spec["vocab_size"])
+        self.seed = int(spec.get("seed", 0))
+        self._known = [(list(c["prompt"]), list(c["continuation"])) for c in spec["continuations"]]
+        self._history: dict[str, list[int]] = {}
+
+    def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        self._history[request_id] = []   # the prompt arrives through commit(), like every token
+
+    def commit(self, request_id: str, token_ids: Sequence[int], features: torch.Tensor) -> None:
+        if features.shape[0] != len(token_ids):
+            raise ValueError(f"features have {features.shape[0]} rows for {len(token_ids)} committed tokens")
+        self._history[request_id].extend(int(t) for t in token_ids)
+
+    def propose(self, request_ids: Sequence[str], bonus_tokens: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(len(request_ids), self.block_size - 1, self.vocab_size)   # [R, D, V]
+        for i, rid in enumerate(request_ids):
+            hist = self._history[rid] + [int(bonus_tokens[i])]
+            truth = self._continuation_after(hist)
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + len(hist) * 7919 + sum(hist) % 65521)
+            for d in range(self.block_size - 1):
+                # A peaked proposal like a trained drafter's: three candidates well above the noise
+                # (p ~ 0.85 / 0.07 / 0.03), the truth among them at a drawn rank or left out.
+                logits = torch.randn(self.vocab_size, generator=gen) * 0.5             # [V]
+                cand = torch.randperm(self.vocab_size, generator=gen)[:3]
+                u = float(torch.rand((), generator=gen))
+                if d < len(truth):
+                    rank = 0 if u < 0.7 else 1 if u < 0.85 else 2 if u < 0.925 else None
+                    cand = cand[cand != truth[d]][:2]
+                    if rank is not None:
+                        cand = torch.cat([cand[:rank], torch.tensor([truth[d]]), cand[rank:]])[:3]
+                logits[cand] = torch.tensor([8.0, 5.5, 4.5])[:cand.numel()]
+                out[i, d] = torch.log_softmax(logits, dim=-1)
+        return out
+
+    def _continuation_after(self, hist: list[int]) -> list[int]:
+        """The known greedy tokens that follow `hist` (which ends with the pending token)."""
+        for prompt, cont in self._known:
+            n = len(prompt)
+            if hist[:n] == prompt:
+                done = hist[n:]
+                if cont[:len(done)] == done:
+                    return cont[len(done):]
+        return []
+
+    def drop(self, request_id: str) -> None:
+        self._history.pop(request_id, None)
+
+
+def load_proposer(drafter_path: str, target_path: str, dtype: torch.dtype, device: str) -> Proposer:
+    """`oracle:<file.json>` selects the test drafter; anything else is a DFlash checkpoint directory."""
+    if drafter_path.startswith("oracle:"):
+        path = Path(drafter_path[len("oracle:"):])
+        try:
+            return OracleProposer(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"oracle drafter spec {path}: {exc}") from None
+    return DFlashProposer(DFlashDrafter.load(Path(drafter_path), Path(target_path), dtype=dtype, device=device))

@@ -1,0 +1,61 @@
+"""The draft service's gRPC face: `Step` for the scheduler, `GetModelInfo` for clients' limits."""
+
+from __future__ import annotations
+
+import grpc
+import torch
+
+from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from services.common.grpc_server import ServiceError, new_server, serve_until_signal
+from services.common.logging import configure_logging, get_logger
+from services.common.settings import DraftSettings
+from services.draft.engine import DraftEngine
+from services.draft.proposer import load_proposer
+from services.draft.verifier_client import VerifierClient
+
+__all__ = ["DraftServicer", "serve"]
+
+log = get_logger("draft")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class DraftServicer(draft_pb2_grpc.DraftServicer):
+    def __init__(self, engine: DraftEngine) -> None:
+        self.engine = engine
+
+    async def Step(self, request: draft_pb2.StepRequest, context: grpc.aio.ServicerContext) -> draft_pb2.StepResponse:
+        try:
+            return await self.engine.step(request)
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
+        try:
+            if not self.engine.verifier.connected:
+                await self.engine.connect()
+            return self.engine.model_info()
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+
+
+async def serve(settings: DraftSettings) -> None:
+    configure_logging("draft", settings.json_logs)
+    proposer = load_proposer(settings.drafter_path, settings.target_path, _DTYPES[settings.dtype], settings.device)
+    log.info("drafter_loaded", path=settings.drafter_path, block_size=proposer.block_size,
+             target_layer_ids=list(proposer.target_layer_ids))
+    client = VerifierClient(settings.verifier_address, settings.transport, settings.ring_slots,
+                            settings.ring_slot_bytes)
+    engine = DraftEngine(proposer, client)
+    await engine.connect()   # fail fast on an incompatible verifier (FAILED_PRECONDITION names the field)
+    log.info("verifier_connected", transport=client.handshake.transport, max_context=engine.max_context)
+    server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
+    draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(engine), server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    await server.start()
+    log.info("serving", address=f"{settings.host}:{port}", verifier=settings.verifier_address)
+    try:
+        await serve_until_signal(server, health)
+    finally:
+        await client.close()

@@ -1,0 +1,125 @@
+"""The draft's end of the verify stream: handshake, shared rings, one request/response per step."""
+
+from __future__ import annotations
+
+import ipaddress
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from ddtree.v1 import verifier_pb2, verifier_pb2_grpc
+from services.common.grpc_server import ServiceError, server_options
+from services.common.transport import TensorReader, TensorWriter, make_reader, make_writer
+
+__all__ = ["VerifierClient", "VerifyReply", "is_local_address"]
+
+
+def is_local_address(address: str) -> bool:
+    """True when the verifier is on this host, where a shared ring can be used."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class VerifyReply:
+    response: verifier_pb2.VerifyResponse
+    features: torch.Tensor   # [sum(committed), F], a private copy
+
+
+class VerifierClient:
+    """Keeps one stream open; a broken stream raises UNAVAILABLE and is re-opened on the next step."""
+
+    def __init__(self, address: str, transport: str, ring_slots: int, ring_slot_bytes: int) -> None:
+        self.address = address
+        self.draft_id = f"draft-{uuid.uuid4().hex[:12]}"
+        kinds = ["shm", "inline"] if transport == "auto" and is_local_address(address) else (
+            ["inline"] if transport == "auto" else [transport])
+        self._offer = kinds
+        self._ring_slots = ring_slots
+        self._ring_slot_bytes = ring_slot_bytes
+        self._channel: grpc.aio.Channel | None = None
+        self._call = None
+        self._writer: TensorWriter | None = None
+        self._reader: TensorReader | None = None
+        self._to_release: list[int] = []
+        self._sequence = 0
+        self.handshake: verifier_pb2.HandshakeResponse | None = None
+
+    async def connect(self, feature_layer_ids: Sequence[int], hidden_size: int, vocab_size: int) -> \
+            verifier_pb2.HandshakeResponse:
+        await self.close()
+        self._channel = grpc.aio.insecure_channel(self.address, options=server_options())
+        stub = verifier_pb2_grpc.VerifierStub(self._channel)
+        kind = self._offer[0]
+        self._writer = make_writer(kind, self._ring_slot_bytes, self._ring_slots, "ddtree-draft")
+        try:
+            hs = await stub.Handshake(verifier_pb2.HandshakeRequest(
+                draft_id=self.draft_id, feature_layer_ids=list(feature_layer_ids), hidden_size=hidden_size,
+                vocab_size=vocab_size, transports=self._offer, draft_ring=self._writer.ring_name or "",
+                draft_ring_slot_bytes=self._writer.slot_bytes, draft_ring_slots=self._writer.num_slots),
+                wait_for_ready=True, timeout=60)
+        except grpc.aio.AioRpcError as exc:
+            await self.close()
+            raise ServiceError(exc.code(), f"verifier handshake failed: {exc.details()}") from None
+        if hs.transport != kind:  # the verifier picked a later choice; re-make our side to match
+            self._writer.close()
+            self._writer = make_writer(hs.transport, self._ring_slot_bytes, self._ring_slots, "ddtree-draft")
+        self._reader = make_reader(hs.transport, hs.verifier_ring or None, hs.verifier_ring_slot_bytes,
+                                   hs.verifier_ring_slots)
+        self._call = stub.VerifyStream(metadata=(("draft-id", self.draft_id),))
+        self.handshake = hs
+        return hs
+
+    @property
+    def connected(self) -> bool:
+        return self._call is not None
+
+    async def step(self, prefills: Sequence[verifier_pb2.PrefillItem], verify_ids: Sequence[str],
+                   trees: Mapping[str, torch.Tensor] | None, release: Sequence[str]) -> VerifyReply:
+        """Sends one step and waits for its answer; the features come back as a private tensor."""
+        if self._call is None or self._writer is None or self._reader is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "verifier stream is not connected")
+        self._sequence += 1
+        bundle = self._writer.write(trees) if trees is not None else None
+        req = verifier_pb2.VerifyRequest(sequence=self._sequence, prefills=prefills, verify_ids=list(verify_ids),
+                                         release=list(release), released_slots=self._to_release)
+        if bundle is not None:
+            req.trees.CopyFrom(bundle)
+        self._to_release = []
+        try:
+            await self._call.write(req)
+            resp = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            await self.close()
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"verifier stream broke: {exc.details()}") from None
+        if resp is grpc.aio.EOF or resp is None:
+            await self.close()
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "verifier closed the stream")
+        self._writer.release(resp.released_slots)
+        features = self._reader.read(resp.features)["features"].clone()   # [sum(committed), F]
+        if resp.features.tensors and resp.features.tensors[0].WhichOneof("payload") == "slot":
+            self._to_release.append(resp.features.tensors[0].slot.slot)
+        return VerifyReply(resp, features)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        self._to_release = []

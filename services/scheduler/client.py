@@ -1,0 +1,180 @@
+"""Client SDK: synchronous `Client` and asyncio `AsyncClient` for the scheduler's public API.
+
+    with Client("127.0.0.1:50051") as c:
+        print(c.generate("def fibonacci(n):", max_tokens=64).text)
+        for chunk in c.stream("import os", max_tokens=32):
+            print(chunk.text, end="")
+
+Errors from the server raise `ClientError` carrying the gRPC status code and the server's message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from ddtree.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+__all__ = ["Client", "AsyncClient", "ClientError", "Chunk", "Completion", "build_request"]
+
+_MODES = {"ddtree": common_pb2.MODE_DDTREE, "autoregressive": common_pb2.MODE_AUTOREGRESSIVE, None: 0}
+_FINISH = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in scheduler_pb2.FinishReason.items()}
+
+
+class ClientError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Chunk:
+    """One streamed message: the new tokens and text, and the acceptance length of each step."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    acceptance_lengths: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class Completion:
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+
+    @property
+    def mean_acceptance(self) -> float:
+        a = self.acceptance_lengths
+        return sum(a) / len(a) if a else 0.0
+
+    def add(self, chunk: Chunk) -> None:
+        self.request_id = chunk.request_id
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        self.acceptance_lengths += chunk.acceptance_lengths
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+
+
+def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
+                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, budget: int = 0,
+                  mode: str | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                  ignore_eos: bool = False, request_id: str = "") -> scheduler_pb2.GenerateRequest:
+    """A GenerateRequest; `prompt` is text or a list of token ids; budget 0 = server default."""
+    if mode not in _MODES:
+        raise ValueError(f"mode must be 'ddtree' or 'autoregressive', not {mode!r}")
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    if seed is not None:
+        sampling.seed = seed
+    req = scheduler_pb2.GenerateRequest(request_id=request_id, sampling=sampling, max_tokens=max_tokens,
+                                        stop=list(stop), stop_token_ids=list(stop_token_ids), budget=budget,
+                                        mode=_MODES[mode], ignore_eos=ignore_eos)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(int(t) for t in prompt)
+    return req
+
+
+def _chunk(msg: scheduler_pb2.GenerateResponse) -> Chunk:
+    return Chunk(request_id=msg.request_id, token_ids=list(msg.token_ids), text=msg.text,
+                 acceptance_lengths=list(msg.acceptance_lengths),
+                 finish_reason=_FINISH[msg.finish_reason] if msg.finish_reason else None)
+
+
+def _error(exc: grpc.RpcError) -> ClientError:
+    return ClientError(exc.code(), exc.details() or "")
+
+
+class Client:
+    def __init__(self, address: str, timeout_s: float | None = None) -> None:
+        self._channel = grpc.insecure_channel(address)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[Chunk]:
+        timeout = kwargs.pop("timeout_s", self.timeout_s)
+        try:
+            for msg in self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout, wait_for_ready=True):
+                yield _chunk(msg)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
+        out = Completion()
+        for chunk in self.stream(prompt, **kwargs):
+            out.add(chunk)
+        return out
+
+    def abort(self, request_id: str) -> bool:
+        try:
+            return self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id)).found
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def model_info(self) -> common_pb2.ModelInfo:
+        try:
+            return self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=True,
+                                           timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+
+class AsyncClient:
+    def __init__(self, address: str, timeout_s: float | None = None) -> None:
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self.timeout_s = timeout_s
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def stream(self, prompt: str | Sequence[int], **kwargs) -> AsyncIterator[Chunk]:
+        timeout = kwargs.pop("timeout_s", self.timeout_s)
+        try:
+            async for msg in self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
+                                                 wait_for_ready=True):
+                yield _chunk(msg)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    async def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
+        out = Completion()
+        async for chunk in self.stream(prompt, **kwargs):
+            out.add(chunk)
+        return out
+
+    async def abort(self, request_id: str) -> bool:
+        try:
+            return (await self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id))).found
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    async def model_info(self) -> common_pb2.ModelInfo:
+        try:
+            return await self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=True,
+                                                 timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None

@@ -1,0 +1,200 @@
+"""One request's life in the scheduler: validated parameters, output so far, stop rules, streaming.
+
+The scheduler never touches tensors; it turns token ids into text incrementally and decides when a
+request is done (max tokens, EOS, stop token, stop string, max context, abort).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+from tokenizers import Tokenizer
+
+from ddtree.v1 import common_pb2, scheduler_pb2
+from services.common.grpc_server import ServiceError
+from services.common.settings import MAX_BUDGET, SchedulerSettings
+
+__all__ = ["ActiveRequest", "Limits", "validate"]
+
+_REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to: hold it back until complete
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the serving stack can take, learned from the draft at start-up."""
+
+    vocab_size: int
+    max_context: int
+    block_size: int
+    eos_token_id: int
+    kv_capacity_tokens: int
+
+
+@dataclass
+class ActiveRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: common_pb2.SamplingParams
+    max_tokens: int
+    budget: int
+    mode: int
+    stop: tuple[str, ...]
+    stop_ids: frozenset[int]
+    eos_id: int | None
+    tokenizer: Tokenizer | None
+    kv_tokens: int = 0                      # KV the verifier reserves: prompt + output + one block
+    draft: str = ""                         # the draft replica this request is pinned to
+    out_ids: list[int] = field(default_factory=list)
+    acceptance: list[int] = field(default_factory=list)
+    text: str = ""                          # text decoded so far (before stop truncation)
+    emitted_chars: int = 0
+    emitted_ids: int = 0
+    emitted_steps: int = 0
+    finish: int = scheduler_pb2.FINISH_REASON_UNSPECIFIED
+    error: ServiceError | None = None
+    started: bool = False                   # prefill sent
+    aborted: bool = False
+    created: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @property
+    def done(self) -> bool:
+        return self.finish != scheduler_pb2.FINISH_REASON_UNSPECIFIED or self.error is not None
+
+    def add_tokens(self, token_ids: list[int], acceptance_length: int) -> None:
+        """Takes one step's tokens, applying max_tokens, EOS and stop rules, then queues a message."""
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        if acceptance_length:
+            self.acceptance.append(acceptance_length)
+        for tok in token_ids:
+            self.out_ids.append(tok)
+            if tok in self.stop_ids or (self.eos_id is not None and tok == self.eos_id):
+                self.finish = scheduler_pb2.FINISH_REASON_STOP
+                break
+            if len(self.out_ids) >= self.max_tokens:
+                self.finish = scheduler_pb2.FINISH_REASON_LENGTH
+                break
+        self._decode()
+        self.events.put_nowait(self._message())
+
+    def _decode(self) -> None:
+        if self.tokenizer is None:
+            return
+        ids = self.out_ids
+        if self.finish == scheduler_pb2.FINISH_REASON_STOP and ids and ids[-1] in self._hidden_ids():
+            ids = ids[:-1]
+        self.text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        for s in self.stop:
+            pos = self.text.find(s, max(0, self.emitted_chars - len(s)))
+            if pos >= 0:
+                self.text = self.text[:pos]
+                self.finish = scheduler_pb2.FINISH_REASON_STOP
+
+    def _hidden_ids(self) -> set[int]:
+        hidden = set(self.stop_ids)
+        if self.eos_id is not None:
+            hidden.add(self.eos_id)
+        return hidden
+
+    def _message(self) -> scheduler_pb2.GenerateResponse:
+        """New tokens and the text that is safe to show (not a possible stop-string prefix)."""
+        safe = len(self.text)
+        if not self.done:
+            if self.text.endswith(_REPLACEMENT):
+                safe = len(self.text.rstrip(_REPLACEMENT))
+            hold = max((len(s) - 1 for s in self.stop), default=0)
+            safe = max(self.emitted_chars, safe - hold)
+        msg = scheduler_pb2.GenerateResponse(
+            request_id=self.request_id, token_ids=self.out_ids[self.emitted_ids:],
+            text=self.text[self.emitted_chars:safe], acceptance_lengths=self.acceptance[self.emitted_steps:])
+        self.emitted_ids, self.emitted_chars, self.emitted_steps = len(self.out_ids), safe, len(self.acceptance)
+        if self.done:
+            msg.finish_reason = self.finish
+            msg.usage.CopyFrom(self.usage())
+        return msg
+
+    def usage(self) -> scheduler_pb2.Usage:
+        steps = len(self.acceptance)
+        return scheduler_pb2.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.out_ids),
+                                   steps=steps, mean_acceptance=sum(self.acceptance) / steps if steps else 0.0)
+
+    def end(self, finish: int) -> None:
+        """Ends the stream with a reason (abort, length at max context) and whatever is left."""
+        if self.done:
+            return
+        self.finish = finish
+        self._decode()
+        self.events.put_nowait(self._message())
+
+    def fail(self, error: ServiceError) -> None:
+        if self.done:
+            return
+        self.error = error
+        self.events.put_nowait(error)
+
+
+def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, limits: Limits,
+             tokenizer: Tokenizer | None) -> ActiveRequest:
+    """Checks every field a client sets; the error names the field so the caller can fix it."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    which = req.WhichOneof("prompt")
+    if which == "text":
+        if not req.text:
+            raise ServiceError(invalid, "prompt is empty: set text or token_ids")
+        if tokenizer is None:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "this server has no tokenizer; send prompt as token_ids")
+        prompt = tokenizer.encode(req.text, add_special_tokens=False).ids
+    elif which == "token_ids":
+        prompt = list(req.token_ids.ids)
+    else:
+        prompt = []
+    if not prompt:
+        raise ServiceError(invalid, "prompt is empty: set text or token_ids")
+    for i, t in enumerate(prompt):
+        if not 0 <= t < limits.vocab_size:
+            raise ServiceError(invalid, f"prompt.token_ids[{i}] = {t} is outside the vocabulary [0, {limits.vocab_size})")
+    room = limits.max_context - limits.block_size
+    if len(prompt) >= room:
+        raise ServiceError(invalid, f"prompt has {len(prompt)} tokens; max context is {limits.max_context} "
+                                    f"({room - 1} prompt tokens at most, leaving room for one tree)")
+    if req.max_tokens <= 0:
+        raise ServiceError(invalid, f"max_tokens must be > 0 (got {req.max_tokens})")
+    if req.max_tokens > settings.max_tokens_limit:
+        raise ServiceError(invalid, f"max_tokens {req.max_tokens} exceeds this server's limit "
+                                    f"{settings.max_tokens_limit}")
+    if req.budget != 0 and not 1 <= req.budget <= MAX_BUDGET:
+        raise ServiceError(invalid, f"budget must be in 1..{MAX_BUDGET} (got {req.budget})")
+    s = req.sampling
+    if not s.temperature >= 0:  # also catches NaN
+        raise ServiceError(invalid, f"sampling.temperature must be >= 0 (got {s.temperature})")
+    if not 0 <= s.top_p <= 1:
+        raise ServiceError(invalid, f"sampling.top_p must be in (0, 1] (got {s.top_p})")
+    if s.top_k < 0:
+        raise ServiceError(invalid, f"sampling.top_k must be >= 0 (got {s.top_k})")
+    for i, t in enumerate(req.stop_token_ids):
+        if not 0 <= t < limits.vocab_size:
+            raise ServiceError(invalid, f"stop_token_ids[{i}] = {t} is outside the vocabulary")
+    if any(not s for s in req.stop):
+        raise ServiceError(invalid, "stop strings must not be empty")
+    if req.stop and tokenizer is None:
+        raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "stop strings need a tokenizer on the server")
+    mode = req.mode
+    if mode == common_pb2.MODE_UNSPECIFIED:
+        mode = common_pb2.MODE_DDTREE if settings.default_mode == "ddtree" else common_pb2.MODE_AUTOREGRESSIVE
+    max_tokens = min(req.max_tokens, limits.max_context - limits.block_size - len(prompt))
+    sampling = common_pb2.SamplingParams()
+    sampling.CopyFrom(s)
+    if s.top_p == 0:
+        sampling.top_p = 1.0
+    return ActiveRequest(
+        request_id=req.request_id or uuid.uuid4().hex, prompt_ids=prompt, sampling=sampling,
+        max_tokens=max_tokens, budget=req.budget or settings.default_budget, mode=mode, stop=tuple(req.stop),
+        stop_ids=frozenset(req.stop_token_ids), eos_id=None if req.ignore_eos else limits.eos_token_id,
+        tokenizer=tokenizer, kv_tokens=len(prompt) + max_tokens + limits.block_size)

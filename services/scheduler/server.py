@@ -1,0 +1,108 @@
+"""The public API: `Generate` (server-streaming), `Abort`, `GetModelInfo`.
+
+Every handler validates before anything is queued, so bad input gets INVALID_ARGUMENT naming the
+field and nothing else running is touched. A client that disconnects or whose deadline passes
+aborts its request, which frees its batch slot and KV at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+from tokenizers import Tokenizer
+
+from ddtree.v1 import common_pb2, draft_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.common.grpc_server import ServiceError, new_server, serve_until_signal, server_options
+from services.common.logging import configure_logging, get_logger
+from services.common.settings import MAX_BUDGET, SchedulerSettings
+from services.scheduler.batcher import StepLoop
+from services.scheduler.request import Limits, validate
+
+__all__ = ["SchedulerServicer", "load_tokenizer", "serve"]
+
+log = get_logger("scheduler")
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, settings: SchedulerSettings, loop: StepLoop, info: common_pb2.ModelInfo,
+                 tokenizer: Tokenizer | None) -> None:
+        self.settings = settings
+        self.loop = loop
+        self.info = info
+        self.tokenizer = tokenizer
+
+    async def Generate(self, request: scheduler_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        try:
+            req = validate(request, self.settings, self.loop.limits, self.tokenizer)
+            self.loop.submit(req)
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+        try:
+            while True:
+                event = await req.events.get()
+                if isinstance(event, ServiceError):
+                    await context.abort(event.code, event.message)
+                yield event
+                if event.finish_reason != scheduler_pb2.FINISH_REASON_UNSPECIFIED:
+                    return
+        except asyncio.CancelledError:
+            # Client went away or its deadline passed: free the request's slot and KV.
+            self.loop.abort(req.request_id)
+            raise
+
+    async def Abort(self, request: scheduler_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
+        return scheduler_pb2.AbortResponse(found=self.loop.abort(request.request_id))
+
+    async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
+        return self.info
+
+
+def load_tokenizer(path: str) -> Tokenizer | None:
+    """`path` is a tokenizer.json or a directory holding one; None when absent (token-id prompts only)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        return None
+    return Tokenizer.from_file(str(p))
+
+
+async def fetch_model_info(stub: draft_pb2_grpc.DraftStub, timeout_s: float = 120.0) -> common_pb2.ModelInfo:
+    """Waits for the draft (and through it the verifier) to be ready and reports the limits."""
+    try:
+        return await stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=True, timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        raise ServiceError(exc.code(), f"draft service not ready: {exc.details()}") from None
+
+
+async def serve(settings: SchedulerSettings) -> None:
+    configure_logging("scheduler", settings.json_logs)
+    channel = grpc.aio.insecure_channel(settings.draft_addresses[0], options=server_options())
+    stub = draft_pb2_grpc.DraftStub(channel)
+    info = await fetch_model_info(stub)
+    info.default_budget = settings.default_budget
+    info.max_budget = MAX_BUDGET
+    tokenizer = load_tokenizer(settings.tokenizer_path)
+    limits = Limits(vocab_size=info.vocab_size, max_context=info.max_context, block_size=info.block_size,
+                    eos_token_id=info.eos_token_id, kv_capacity_tokens=info.kv_capacity_tokens)
+    log.info("model_info", vocab_size=info.vocab_size, max_context=info.max_context, block_size=info.block_size,
+             kv_capacity_tokens=info.kv_capacity_tokens, transport=info.transport,
+             tokenizer=settings.tokenizer_path if tokenizer else None)
+    loop = StepLoop(settings, stub, limits)
+    loop.start()
+    server, health = new_server([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(settings, loop, info, tokenizer), server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    await server.start()
+    log.info("serving", address=f"{settings.host}:{port}")
+    try:
+        await serve_until_signal(server, health)
+    finally:
+        await loop.stop()
+        await channel.close()

@@ -1,0 +1,264 @@
+"""The verifier's step: prefill prompts, verify a batch of trees, accept, commit.
+
+This is the heart of DESIGN.md §2 steps 4-5 and reads top to bottom: `prefill` and `verify` build a
+`ForwardBatch`, run the target once, pick posterior tokens, walk each tree, and commit only the
+accepted path's latent KV into the request's pages. No gRPC here; `server.py` wraps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from kernels.tree_mla import TreeAttentionMetadata
+from services.common.grpc_server import ServiceError
+from services.draft.tree import ancestor_mask
+from services.verifier.acceptance import accept
+from services.verifier.kv_cache import OutOfPages, PagedKVCache
+from services.verifier.model import ForwardBatch, TargetModel
+from services.verifier.sampling import Sampling, posterior_tokens
+
+__all__ = ["VerifierEngine", "PrefillInput", "ItemOutcome", "StepOutcome"]
+
+
+@dataclass
+class PrefillInput:
+    request_id: str
+    token_ids: list[int]
+    sampling: Sampling
+    reserve_tokens: int
+    owner: str = ""
+
+
+@dataclass
+class ItemOutcome:
+    """What one request got from a prefill or verify: tokens out, and how many entered the cache."""
+
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+    committed: int = 0
+    error: ServiceError | None = None
+
+
+@dataclass
+class StepOutcome:
+    items: list[ItemOutcome]
+    features: torch.Tensor  # [sum(committed), F] features of committed tokens, in item order
+
+
+@dataclass
+class _Request:
+    request_id: str
+    owner: str
+    sampling: Sampling
+    generator: torch.Generator | None
+    length: int = 0          # tokens whose KV is in the cache
+    pending: int = -1        # the last sampled token: the next tree's root
+
+
+class VerifierEngine:
+    """Owns the target model, the paged latent cache and each request's decode state."""
+
+    def __init__(self, model: TargetModel, cache: PagedKVCache, max_context: int, prefill_chunk: int) -> None:
+        self.model = model
+        self.cache = cache
+        self.max_context = max_context
+        self.prefill_chunk = prefill_chunk
+        self.feature_layers: tuple[int, ...] = ()
+        self._requests: dict[str, _Request] = {}
+        cfg = model.config
+        self._feature_width = 0
+        self._hidden = cfg.hidden_size
+        self.vocab_size = cfg.vocab_size
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def set_feature_layers(self, layer_ids: Sequence[int]) -> None:
+        """The drafter names the target layers it reads; checked against the model's depth."""
+        n = self.model.config.num_hidden_layers
+        bad = [i for i in layer_ids if not 0 <= i < n]
+        if bad:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"feature_layer_ids {bad} outside the target's {n} layers")
+        self.feature_layers = tuple(int(i) for i in layer_ids)
+        self._feature_width = len(self.feature_layers) * self._hidden
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def release(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            if self._requests.pop(rid, None) is not None:
+                self.cache.free(rid)
+
+    def release_owner(self, owner: str) -> int:
+        """Frees every request of a draft replica that went away; returns how many."""
+        gone = [rid for rid, r in self._requests.items() if r.owner == owner]
+        self.release(gone)
+        return len(gone)
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def _validate_prompt(self, item: PrefillInput) -> None:
+        if not item.token_ids:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+        bad = [t for t in item.token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"prompt token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        if len(item.token_ids) >= self.max_context:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"prompt has {len(item.token_ids)} tokens; max context is {self.max_context}")
+        if item.request_id in self._requests:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {item.request_id} already exists")
+
+    def prefill(self, items: Sequence[PrefillInput]) -> StepOutcome:
+        """Runs each prompt in chunks (a chain is a tree), commits it all, samples the first token."""
+        outcomes: list[ItemOutcome] = []
+        features: list[torch.Tensor] = []
+        for item in items:
+            try:
+                self._validate_prompt(item)
+                reserve = min(max(item.reserve_tokens, len(item.token_ids) + 1), self.max_context)
+                try:
+                    self.cache.reserve(item.request_id, reserve)
+                except OutOfPages:
+                    raise ServiceError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"KV cache full: request needs {reserve} tokens, {self.cache.pages_free} pages free "
+                        f"of {self.cache.page_size} tokens") from None
+            except ServiceError as exc:
+                outcomes.append(ItemOutcome(item.request_id, error=exc))
+                continue
+            gen = None
+            if item.sampling.temperature > 0:
+                gen = torch.Generator(device=self.model_device)
+                gen.manual_seed(item.sampling.seed if item.sampling.seed is not None else
+                                int(torch.randint(0, 2**62, (1,)).item()))
+            req = _Request(item.request_id, item.owner, item.sampling, gen)
+            self._requests[item.request_id] = req
+            ids = torch.tensor(item.token_ids, dtype=torch.int64, device=self.model_device)  # [T]
+            last_logits = None
+            for start in range(0, len(ids), self.prefill_chunk):
+                chunk = ids[start:start + self.prefill_chunk]  # [c]
+                n = chunk.numel()
+                mask = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril_()  # [c, c] chain
+                out = self._forward(chunk, req.length + torch.arange(n, device=ids.device),
+                                    [req], [mask])
+                self.cache.write(req.request_id, req.length, out.new_kv)
+                req.length += n
+                features.append(out.features)
+                last_logits = out.logits[-1:]  # [1, V]
+            assert last_logits is not None
+            req.pending = int(posterior_tokens(last_logits, req.sampling, req.generator)[0])
+            outcomes.append(ItemOutcome(item.request_id, [req.pending], committed=len(ids)))
+        return StepOutcome(outcomes, self._cat_features(features))
+
+    # ---- verify -------------------------------------------------------------------------------
+    def verify(self, request_ids: Sequence[str], tokens: torch.Tensor, parents: torch.Tensor,
+               depths: torch.Tensor, sizes: torch.Tensor) -> StepOutcome:
+        """One target forward over every node of every tree; accept; commit accepted paths.
+
+        tokens/parents/depths: [N] flat, request r owning the next sizes[r] entries (root first).
+        """
+        sizes_l = [int(s) for s in sizes.tolist()]
+        if len(sizes_l) != len(request_ids) or sum(sizes_l) != tokens.numel():
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"tree tensors hold {tokens.numel()} nodes in {len(sizes_l)} trees; "
+                               f"expected {len(request_ids)} trees summing to the node count")
+        outcomes: list[ItemOutcome] = [ItemOutcome(rid) for rid in request_ids]
+        live: list[int] = []
+        offsets = [0]
+        for s in sizes_l:
+            offsets.append(offsets[-1] + s)
+        for i, rid in enumerate(request_ids):
+            err = self._check_tree(rid, tokens, parents, depths, offsets[i], sizes_l[i])
+            if err is not None:
+                outcomes[i].error = err
+            else:
+                live.append(i)
+        if not live:
+            return StepOutcome(outcomes, self._cat_features([]))
+        dev = self.model_device
+        sel = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in live]).to(tokens.device)
+        reqs = [self._requests[request_ids[i]] for i in live]
+        flat_tokens = tokens[sel].to(dev)                                          # [N]
+        flat_depths = depths[sel].to(dev)                                          # [N]
+        starts = torch.repeat_interleave(torch.tensor([r.length for r in reqs], device=dev),
+                                         torch.tensor([sizes_l[i] for i in live], device=dev))  # [N]
+        masks = [ancestor_mask(parents[offsets[i]:offsets[i + 1]].to(dev)) for i in live]
+        out = self._forward(flat_tokens, starts + flat_depths, reqs, masks)
+        features: list[torch.Tensor] = []
+        row = 0
+        for j, i in enumerate(live):
+            req, n = reqs[j], sizes_l[i]
+            node_logits = out.logits[row:row + n]                                   # [n, V]
+            posterior = posterior_tokens(node_logits, req.sampling, req.generator)   # [n]
+            acc = accept(flat_tokens[row:row + n].cpu(), parents[offsets[i]:offsets[i + 1]].cpu(),
+                         posterior.cpu())
+            path = torch.tensor(acc.path, dtype=torch.int64, device=dev) + row       # [k]
+            self.cache.write(req.request_id, req.length, out.new_kv[:, path])
+            req.length += len(acc.path)
+            req.pending = acc.tokens[-1]
+            features.append(out.features[path])
+            outcomes[i] = ItemOutcome(req.request_id, list(acc.tokens), committed=len(acc.path))
+            row += n
+        return StepOutcome(outcomes, self._cat_features(features))
+
+    def _check_tree(self, rid: str, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                    start: int, n: int) -> ServiceError | None:
+        """Rejects a tree that would corrupt state: unknown request, wrong root, bad shape."""
+        req = self._requests.get(rid)
+        if req is None:
+            return ServiceError(grpc.StatusCode.NOT_FOUND, f"request {rid} is not prefilled on this verifier")
+        if n < 1:
+            return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: empty tree")
+        t, p, d = tokens[start:start + n], parents[start:start + n], depths[start:start + n]
+        if int(t[0]) != req.pending or int(p[0]) != -1 or int(d[0]) != 0:
+            return ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"request {rid}: tree root must be the pending token {req.pending} at depth 0")
+        if n > 1:
+            idx = torch.arange(1, n)
+            if bool(((p[1:] < 0) | (p[1:] >= idx)).any()):
+                return ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request {rid}: parents must precede their children")
+            if bool((d[1:] != d[p[1:]] + 1).any()):
+                return ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request {rid}: depths must be parent depth + 1")
+        if bool(((t < 0) | (t >= self.vocab_size)).any()):
+            return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: tree token outside vocabulary")
+        top = req.length + int(d.max())
+        if top >= self.max_context:
+            return ServiceError(grpc.StatusCode.OUT_OF_RANGE,
+                                f"request {rid}: tree reaches position {top}, max context is {self.max_context}")
+        try:
+            self.cache.reserve(rid, top + 1)
+        except OutOfPages:
+            return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {rid}: KV cache full")
+        return None
+
+    # ---- helpers ------------------------------------------------------------------------------
+    @property
+    def model_device(self) -> torch.device:
+        return self.model.embed_weight.device
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, reqs: Sequence[_Request],
+                 masks: Sequence[torch.Tensor]):
+        dev = self.model_device
+        counts = torch.tensor([m.shape[0] for m in masks], dtype=torch.int64)
+        meta = TreeAttentionMetadata(
+            query_starts=torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(dev),
+            prefix_lens=torch.tensor([r.length for r in reqs], dtype=torch.int64, device=dev),
+            page_tables=[self.cache.page_table(r.request_id) for r in reqs],
+            tree_masks=list(masks),
+        )
+        batch = ForwardBatch(input_ids=input_ids, positions=positions, attn=meta)
+        return self.model(batch, self.cache, feature_layers=self.feature_layers)
+
+    def _cat_features(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        if not parts:
+            return torch.empty(0, self._feature_width, dtype=torch.float32)
+        return torch.cat(parts).float().cpu()

@@ -1,0 +1,310 @@
+"""The target model (DeepSeek-V3 / Kimi-K2 architecture) as the verifier runs it.
+
+Why absorbed MLA over a paged latent cache: verification attends many tree nodes x heads to a
+long shared prefix; folding W_UK into the query and W_UV after attention means the cache holds
+one latent vector per token and is read once for all heads (DESIGN.md §4-6). The forward pass is
+pure with respect to the cache: it returns every query token's latent kv in ``new_kv`` and the
+engine commits only the accepted path with ``PagedKVCache.write``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from kernels.tree_mla import TreeAttentionMetadata, tree_mla_reference
+from services.common.checkpoint import CheckpointError, load_tensors, read_config, tensor_index
+from services.verifier.config import TargetConfig
+from services.verifier.kv_cache import PagedKVCache
+from services.verifier.moe import MLPWeights, MoEWeights, mlp_forward, moe_forward
+from services.verifier.rope import RotaryTable, apply_rope_interleaved, softmax_scale
+
+__all__ = [
+    "ForwardBatch",
+    "ForwardOutput",
+    "TargetModel",
+    "AttentionWeights",
+    "DecoderLayerWeights",
+    "rms_norm",
+    "expected_tensors",
+    "validate_weights",
+    "load_checkpoint",
+]
+
+
+# ----------------------------------------------------------------------------- checkpoint layout
+
+
+def _layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def expected_tensors(config: TargetConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape the config implies (INT4 experts as packed/scale/shape triples)."""
+    c = config
+    H, hid = c.num_attention_heads, c.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, hid),
+        "model.norm.weight": (hid,),
+        "lm_head.weight": (c.vocab_size, hid),
+    }
+    for i in range(c.num_hidden_layers):
+        p = _layer_prefix(i)
+        a = p + "self_attn."
+        shapes[p + "input_layernorm.weight"] = (hid,)
+        shapes[p + "post_attention_layernorm.weight"] = (hid,)
+        if c.q_lora_rank is None:
+            shapes[a + "q_proj.weight"] = (H * c.qk_head_dim, hid)
+        else:
+            shapes[a + "q_a_proj.weight"] = (c.q_lora_rank, hid)
+            shapes[a + "q_a_layernorm.weight"] = (c.q_lora_rank,)
+            shapes[a + "q_b_proj.weight"] = (H * c.qk_head_dim, c.q_lora_rank)
+        shapes[a + "kv_a_proj_with_mqa.weight"] = (c.kv_dim, hid)
+        shapes[a + "kv_a_layernorm.weight"] = (c.kv_lora_rank,)
+        shapes[a + "kv_b_proj.weight"] = (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+        shapes[a + "o_proj.weight"] = (hid, H * c.v_head_dim)
+        m = p + "mlp."
+        if not c.is_moe_layer(i):
+            I = c.intermediate_size
+            shapes.update({m + "gate_proj.weight": (I, hid), m + "up_proj.weight": (I, hid), m + "down_proj.weight": (hid, I)})
+            continue
+        E, I = c.n_routed_experts or 0, c.moe_intermediate_size
+        shapes[m + "gate.weight"] = (E, hid)
+        shapes[m + "gate.e_score_correction_bias"] = (E,)
+        for j in range(E):
+            for proj, (out_f, in_f) in (("gate_proj", (I, hid)), ("up_proj", (I, hid)), ("down_proj", (hid, I))):
+                name = f"{m}experts.{j}.{proj}"
+                if c.quantization is not None:
+                    gs = c.quantization.group_size
+                    shapes[name + ".weight_packed"] = (out_f, in_f // 8)
+                    shapes[name + ".weight_scale"] = (out_f, in_f // gs)
+                    shapes[name + ".weight_shape"] = (2,)
+                else:
+                    shapes[name + ".weight"] = (out_f, in_f)
+        if c.n_shared_experts:
+            S = c.shared_intermediate_size
+            s = m + "shared_experts."
+            shapes.update({s + "gate_proj.weight": (S, hid), s + "up_proj.weight": (S, hid), s + "down_proj.weight": (hid, S)})
+    return shapes
+
+
+def validate_weights(
+    config: TargetConfig, weights: dict[str, Tensor], where: Callable[[str], str] | None = None
+) -> None:
+    """CheckpointError for a missing tensor, a shape the config contradicts, or a bad INT4 triple.
+
+    ``where(name)`` says where a tensor came from (directory/file) for the message.
+    """
+    where = where or (lambda name: "weights")
+    for name, shape in expected_tensors(config).items():
+        if name not in weights:
+            raise CheckpointError(f"{where(name)}: missing tensor {name}")
+        t = weights[name]
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{where(name)}: tensor {name} has shape {tuple(t.shape)}, config implies {shape}")
+        if name.endswith(".weight_packed") and t.dtype != torch.int32:
+            raise CheckpointError(f"{where(name)}: tensor {name} must be int32 (pack-quantized), got {t.dtype}")
+        if name.endswith(".weight_shape"):
+            dense = tuple(_int4_dense_shape(name, config))
+            if tuple(int(v) for v in t.tolist()) != dense:
+                raise CheckpointError(f"{where(name)}: tensor {name} holds {t.tolist()}, config implies {list(dense)}")
+
+
+def _int4_dense_shape(name: str, config: TargetConfig) -> tuple[int, int]:
+    """Dense (out, in) of a routed expert projection named ``...experts.{j}.{proj}.weight_shape``."""
+    hid, I = config.hidden_size, config.moe_intermediate_size
+    return (hid, I) if ".down_proj." in name else (I, hid)
+
+
+def load_checkpoint(path: Path) -> tuple[TargetConfig, dict[str, Tensor]]:
+    """Read and validate config + the tensors the config needs (extra tensors, e.g. MTP, are skipped)."""
+    path = Path(path)
+    config = TargetConfig.from_hf(read_config(path), source=str(path / "config.json"))
+    index = tensor_index(path)
+    expected = expected_tensors(config)
+    missing = [n for n in expected if n not in index]
+    if missing:
+        raise CheckpointError(f"{path}: missing tensor {missing[0]}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+    weights = load_tensors(path, names=list(expected))
+    validate_weights(config, weights, where=lambda name: str(path / index.get(name, "?")))
+    return config, weights
+
+
+# ----------------------------------------------------------------------------- forward pieces
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF DeepSeek RMSNorm: statistics in at least float32, scale applied in the input dtype."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass
+class ForwardBatch:
+    """Flat query tokens of all requests plus the attention metadata describing them."""
+
+    input_ids: Tensor  # [N] int64
+    positions: Tensor  # [N] int64
+    attn: TreeAttentionMetadata
+
+
+@dataclass
+class ForwardOutput:
+    logits: Tensor  # [N, V] float32
+    features: Tensor  # [N, len(feature_layers) * hidden]; [N, 0] when none asked
+    new_kv: Tensor  # [num_layers, N, kvr + rope] latent kv of every query token, for commit
+
+
+@dataclass
+class AttentionWeights:
+    """MLA weights with kv_b split into the absorbed W_UK / W_UV per head."""
+
+    q_proj: Tensor | None  # [H*(nope+rope), hidden] when q_lora_rank is None
+    q_a: Tensor | None  # [q_lora, hidden]
+    q_a_norm: Tensor | None  # [q_lora]
+    q_b: Tensor | None  # [H*(nope+rope), q_lora]
+    kv_a: Tensor  # [kvr+rope, hidden]
+    kv_a_norm: Tensor  # [kvr]
+    w_uk: Tensor  # [H, nope, kvr]
+    w_uv: Tensor  # [H, v, kvr]
+    o_proj: Tensor  # [hidden, H*v]
+
+
+@dataclass
+class DecoderLayerWeights:
+    input_norm: Tensor  # [hidden]
+    post_norm: Tensor  # [hidden]
+    attn: AttentionWeights
+    mlp: MLPWeights | None  # dense layers
+    moe: MoEWeights | None  # MoE layers
+
+
+class TargetModel(torch.nn.Module):
+    """Absorbed-MLA DeepSeek-V3 over a paged latent cache; torch path (CPU reference, any device)."""
+
+    def __init__(
+        self,
+        config: TargetConfig,
+        weights: dict[str, Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        validate_weights(config, weights)
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        c = config
+
+        def w(name: str) -> Tensor:
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        self.embed_weight = w("model.embed_tokens.weight")  # [V, hidden]
+        self.lm_head_weight = w("lm_head.weight")  # [V, hidden]
+        self.norm_weight = w("model.norm.weight")  # [hidden]
+        self.rope = RotaryTable(c, dtype, self.device)
+        self.softmax_scale = softmax_scale(c)
+        H, nope, v = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
+        self.layers: list[DecoderLayerWeights] = []
+        for i in range(c.num_hidden_layers):
+            p = _layer_prefix(i)
+            a = p + "self_attn."
+            kv_b = w(a + "kv_b_proj.weight").view(H, nope + v, c.kv_lora_rank)  # [H, nope+v, kvr]
+            lora = c.q_lora_rank is not None
+            attn = AttentionWeights(
+                q_proj=None if lora else w(a + "q_proj.weight"),
+                q_a=w(a + "q_a_proj.weight") if lora else None,
+                q_a_norm=w(a + "q_a_layernorm.weight") if lora else None,
+                q_b=w(a + "q_b_proj.weight") if lora else None,
+                kv_a=w(a + "kv_a_proj_with_mqa.weight"),
+                kv_a_norm=w(a + "kv_a_layernorm.weight"),
+                w_uk=kv_b[:, :nope].contiguous(),
+                w_uv=kv_b[:, nope:].contiguous(),
+                o_proj=w(a + "o_proj.weight"),
+            )
+            m = p + "mlp."
+            moe = mlp = None
+            if c.is_moe_layer(i):
+                moe = MoEWeights.from_checkpoint(weights, m, c, dtype, self.device)
+            else:
+                mlp = MLPWeights(w(m + "gate_proj.weight"), w(m + "up_proj.weight"), w(m + "down_proj.weight"))
+            self.layers.append(
+                DecoderLayerWeights(w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight"), attn, mlp, moe)
+            )
+
+    @classmethod
+    def load(cls, path: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "TargetModel":
+        config, weights = load_checkpoint(Path(path))
+        return cls(config, weights, dtype=dtype, device=device)
+
+    def new_cache(self, num_pages: int, page_size: int, shuffle_seed: int | None = None) -> PagedKVCache:
+        """A cache shaped for this model (tests and the CPU engine)."""
+        c = self.config
+        return PagedKVCache(c.num_hidden_layers, num_pages, page_size, c.kv_dim, self.dtype, self.device, shuffle_seed)
+
+    def _attention(
+        self, a: AttentionWeights, h: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: TreeAttentionMetadata
+    ) -> tuple[Tensor, Tensor]:
+        """MLA for one layer; returns (output [N, hidden], new latent kv [N, kvr+rope])."""
+        c = self.config
+        N = h.shape[0]
+        H, nope, kvr = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
+        if a.q_proj is not None:
+            q = h @ a.q_proj.T  # [N, H*(nope+rope)]
+        else:
+            q = rms_norm(h @ a.q_a.T, a.q_a_norm, c.rms_norm_eps) @ a.q_b.T  # [N, H*(nope+rope)]
+        q = q.view(N, H, c.qk_head_dim)  # [N, H, nope+rope]
+        q_pe = apply_rope_interleaved(q[..., nope:], cos.unsqueeze(1), sin.unsqueeze(1))  # [N, H, rope]
+        q_latent = torch.einsum("nhd,hdk->nhk", q[..., :nope], a.w_uk)  # [N, H, kvr]
+        kv = h @ a.kv_a.T  # [N, kvr+rope]
+        c_kv = rms_norm(kv[:, :kvr], a.kv_a_norm, c.rms_norm_eps)  # [N, kvr]
+        k_pe = apply_rope_interleaved(kv[:, kvr:], cos, sin)  # [N, rope]
+        new_kv = torch.cat([c_kv, k_pe], dim=-1)  # [N, kvr+rope]
+        latent = tree_mla_reference(q_latent, q_pe, kv_cache, new_kv, meta, self.softmax_scale)  # [N, H, kvr]
+        out = torch.einsum("nhk,hvk->nhv", latent, a.w_uv).reshape(N, H * c.v_head_dim)  # [N, H*v]
+        return out @ a.o_proj.T, new_kv  # [N, hidden], [N, kvr+rope]
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, cache: PagedKVCache, feature_layers: Sequence[int] = ()
+    ) -> ForwardOutput:
+        """Logits (and optional layer features) for every query token; the cache is only read.
+
+        ``features`` follow HF ``hidden_states[i + 1]``: the output of decoder layer i, except
+        that for the last layer HF (and so this) returns it after the final norm.
+        """
+        c = self.config
+        L = c.num_hidden_layers
+        feature_layers = list(feature_layers)
+        for i in feature_layers:
+            assert 0 <= i < L, f"feature layer {i} outside 0..{L - 1}"
+        ids = batch.input_ids.to(self.device)
+        N = ids.numel()
+        assert batch.positions.numel() == N, "positions must match input_ids"
+        assert int(batch.attn.query_starts[-1]) == N, "query_starts[-1] must equal the number of tokens"
+        x = self.embed_weight[ids]  # [N, hidden]
+        cos, sin = self.rope.lookup(batch.positions.to(self.device))  # [N, rope] each
+        new_kv = torch.empty(L, N, c.kv_dim, dtype=self.dtype, device=self.device)  # [L, N, kvr+rope]
+        kept: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)  # [N, hidden]
+            attn_out, new_kv[i] = self._attention(layer.attn, h, cos, sin, cache.kv[i], batch.attn)
+            x = x + attn_out
+            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)  # [N, hidden]
+            x = x + (moe_forward(h, layer.moe, c) if layer.moe is not None else mlp_forward(h, layer.mlp))
+            if i in feature_layers:
+                kept[i] = x
+        x = rms_norm(x, self.norm_weight, c.rms_norm_eps)  # [N, hidden]
+        if L - 1 in kept:
+            kept[L - 1] = x
+        logits = (x @ self.lm_head_weight.T).float()  # [N, V]
+        if feature_layers:
+            features = torch.cat([kept[i] for i in feature_layers], dim=-1)  # [N, F*hidden]
+        else:
+            features = x.new_empty(N, 0)
+        return ForwardOutput(logits=logits, features=features, new_kv=new_kv)

@@ -1,0 +1,180 @@
+"""DeepSeek-V3 MoE: sigmoid router with grouped top-k, and a torch reference expert compute.
+
+Why a torch reference: it is the CPU path and the ground truth for the fused INT4 Triton MoE
+kernel (DESIGN.md §6); experts are dequantised once at load (``MoEWeights.from_checkpoint``) and
+the packed INT4 tensors stay attached for that kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from services.common.int4 import Int4Weight, unpack_int4
+from services.verifier.config import TargetConfig
+
+__all__ = [
+    "Routing",
+    "MLPWeights",
+    "MoEWeights",
+    "select_experts",
+    "route",
+    "mlp_forward",
+    "moe_forward",
+]
+
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class Routing:
+    """Per token: the chosen experts and their (normalised, scaled) weights."""
+
+    ids: Tensor  # [N, top_k] int64
+    weights: Tensor  # [N, top_k] float32 (float64 for a float64 model)
+
+
+@dataclass
+class MLPWeights:
+    """SwiGLU MLP (dense layers and shared experts)."""
+
+    gate: Tensor  # [I, hidden]
+    up: Tensor  # [I, hidden]
+    down: Tensor  # [hidden, I]
+
+
+@dataclass
+class MoEWeights:
+    """Router + stacked routed experts (dense in compute dtype) + shared experts."""
+
+    gate_weight: Tensor  # [E, hidden]
+    bias: Tensor  # [E] e_score_correction_bias
+    w_gate: Tensor  # [E, I, hidden]
+    w_up: Tensor  # [E, I, hidden]
+    w_down: Tensor  # [E, hidden, I]
+    shared: MLPWeights | None
+    int4: dict[str, Int4Weight] | None = None  # packed "gate_proj"/"up_proj"/"down_proj", stacked [E, ...]
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        weights: dict[str, Tensor],
+        prefix: str,
+        config: TargetConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> "MoEWeights":
+        """Gather ``{prefix}gate``, ``{prefix}experts.{j}.*`` and ``{prefix}shared_experts.*``.
+
+        INT4 experts are dequantised here, once, into ``dtype``; the packed tensors are kept.
+        """
+        E = config.n_routed_experts or 0
+
+        def dense(name: str) -> Tensor:
+            return weights[name].to(device=device, dtype=dtype)
+
+        stacked: dict[str, Tensor] = {}
+        packed: dict[str, Int4Weight] | None = {} if config.int4_experts else None
+        for proj in EXPERT_PROJS:
+            names = [f"{prefix}experts.{j}.{proj}" for j in range(E)]
+            if config.int4_experts:
+                assert config.quantization is not None
+                p = torch.stack([weights[f"{n}.weight_packed"] for n in names]).to(device)  # [E, out, in/8]
+                s = torch.stack([weights[f"{n}.weight_scale"] for n in names]).to(device)  # [E, out, in/g]
+                shape = tuple(int(v) for v in weights[f"{names[0]}.weight_shape"].tolist())
+                packed[proj] = Int4Weight(packed=p, scale=s, shape=shape)  # type: ignore[index]
+                stacked[proj] = unpack_int4(p, s, shape, config.quantization.group_size, dtype=dtype)  # [E, out, in]
+            else:
+                stacked[proj] = torch.stack([dense(f"{n}.weight") for n in names])  # [E, out, in]
+        shared = None
+        if config.n_shared_experts:
+            sp = f"{prefix}shared_experts."
+            shared = MLPWeights(dense(f"{sp}gate_proj.weight"), dense(f"{sp}up_proj.weight"), dense(f"{sp}down_proj.weight"))
+        return cls(
+            gate_weight=weights[f"{prefix}gate.weight"].to(device=device, dtype=torch.promote_types(dtype, torch.float32)),
+            bias=weights[f"{prefix}gate.e_score_correction_bias"].to(device=device, dtype=torch.promote_types(dtype, torch.float32)),
+            w_gate=stacked["gate_proj"],
+            w_up=stacked["up_proj"],
+            w_down=stacked["down_proj"],
+            shared=shared,
+            int4=packed,
+        )
+
+
+def select_experts(
+    scores: Tensor,
+    bias: Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> Routing:
+    """noaux_tc selection from sigmoid ``scores [N, E]``.
+
+    The bias only steers *which* experts are chosen (load balancing); the weights are the
+    unbiased scores. Groups are ranked by the sum of their top-2 biased scores and only the best
+    ``topk_group`` groups may contribute experts.
+    """
+    N, E = scores.shape
+    choice = scores + bias.to(scores.dtype)  # [N, E]
+    grouped = choice.view(N, n_group, E // n_group)  # [N, G, E/G]
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+    keep_groups = group_scores.topk(topk_group, dim=-1).indices  # [N, topk_group]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)  # [N, G]
+    expert_mask = group_mask.unsqueeze(-1).expand(N, n_group, E // n_group).reshape(N, E)  # [N, E]
+    masked = choice.masked_fill(~expert_mask, float("-inf"))  # [N, E]
+    ids = masked.topk(top_k, dim=-1).indices  # [N, k]
+    w = scores.gather(1, ids)  # [N, k]
+    if top_k > 1 and norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(ids=ids, weights=w * routed_scaling_factor)
+
+
+def route(hidden: Tensor, moe: MoEWeights, config: TargetConfig) -> Routing:
+    """Router logits in at least float32 (``hidden [N, hidden]``), then ``select_experts``."""
+    rdtype = torch.promote_types(hidden.dtype, torch.float32)
+    scores = torch.sigmoid(hidden.to(rdtype) @ moe.gate_weight.to(rdtype).T)  # [N, E]
+    return select_experts(
+        scores,
+        moe.bias,
+        config.num_experts_per_tok,
+        config.n_group,
+        config.topk_group,
+        config.norm_topk_prob,
+        config.routed_scaling_factor,
+    )
+
+
+def mlp_forward(x: Tensor, w: MLPWeights) -> Tensor:
+    """SwiGLU: down(silu(gate x) * up x); ``x [N, hidden]`` -> ``[N, hidden]``."""
+    return (F.silu(x @ w.gate.T) * (x @ w.up.T)) @ w.down.T
+
+
+def moe_forward(x: Tensor, moe: MoEWeights, config: TargetConfig) -> Tensor:
+    """Shared experts + routed experts (loop over experts, tokens grouped per expert)."""
+    N = x.shape[0]
+    routing = route(x, moe, config)
+    k = routing.ids.shape[1]
+    flat_ids = routing.ids.flatten()  # [N*k]
+    flat_w = routing.weights.flatten().to(x.dtype)  # [N*k]
+    order = torch.argsort(flat_ids, stable=True)  # [N*k]
+    counts = torch.bincount(flat_ids, minlength=moe.w_gate.shape[0]).tolist()  # host sync: CPU reference path
+    out = torch.zeros_like(x)  # [N, hidden]
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        sel = order[start : start + c]  # [c] flat (token, slot) indices
+        start += c
+        tok = sel // k  # [c]
+        xe = x[tok]  # [c, hidden]
+        h = F.silu(xe @ moe.w_gate[e].T) * (xe @ moe.w_up[e].T)  # [c, I]
+        out.index_add_(0, tok, (h @ moe.w_down[e].T) * flat_w[sel].unsqueeze(-1))  # [c, hidden]
+    if moe.shared is not None:
+        out = out + mlp_forward(x, moe.shared)
+    assert out.shape[0] == N
+    return out

@@ -1,0 +1,175 @@
+"""The verifier's gRPC face: handshake, then one long-lived verify stream per draft replica.
+
+Each request message carries prefills and trees for one step; the engine runs them and the answer
+carries accepted tokens plus the committed tokens' target features, the bulk by shared buffer.
+Calls into the engine are serialised (one forward at a time) and run off the event loop so health
+checks answer while a step computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from services.common.grpc_server import ServiceError, new_server, serve_until_signal
+from services.common.logging import configure_logging, get_logger
+from services.common.settings import VerifierSettings
+from services.common.transport import TensorReader, TensorWriter, make_reader, make_writer
+from services.verifier.engine import PrefillInput, VerifierEngine
+from services.verifier.kv_cache import PagedKVCache
+from services.verifier.model import TargetModel
+from services.verifier.sampling import Sampling
+
+__all__ = ["VerifierServicer", "build_engine", "serve"]
+
+log = get_logger("verifier")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> Sampling:
+    return Sampling(temperature=msg.temperature, top_p=msg.top_p if msg.top_p > 0 else 1.0,
+                    top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None)
+
+
+@dataclass
+class _Peer:
+    """One connected draft replica: its transports and the features slots it still reads."""
+
+    draft_id: str
+    writer: TensorWriter
+    reader: TensorReader
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, engine: VerifierEngine, settings: VerifierSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self._lock = asyncio.Lock()
+        self._peers: dict[str, _Peer] = {}
+
+    async def Handshake(self, request: verifier_pb2.HandshakeRequest,
+                        context: grpc.aio.ServicerContext) -> verifier_pb2.HandshakeResponse:
+        cfg = self.engine.model.config
+        if request.hidden_size != cfg.hidden_size or request.vocab_size != cfg.vocab_size:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"drafter expects hidden_size={request.hidden_size}, vocab_size={request.vocab_size}; "
+                                f"target has hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}")
+        try:
+            async with self._lock:
+                self.engine.set_feature_layers(list(request.feature_layer_ids))
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+        kind = next((t for t in request.transports if t in ("shm", "inline")), None)
+        if kind is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"no common transport: draft offers {list(request.transports)}, verifier has shm, inline")
+        if request.draft_id in self._peers:
+            self._drop_peer(request.draft_id)
+        try:
+            reader = make_reader(kind, request.draft_ring or None, request.draft_ring_slot_bytes,
+                                 request.draft_ring_slots)
+        except (OSError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot attach the draft's ring: {exc}")
+        writer = make_writer(kind, self.settings.ring_slot_bytes, self.settings.ring_slots, "ddtree-verifier")
+        self._peers[request.draft_id] = _Peer(request.draft_id, writer, reader)
+        log.info("handshake", draft_id=request.draft_id, transport=kind,
+                 feature_layers=list(request.feature_layer_ids))
+        return verifier_pb2.HandshakeResponse(
+            transport=kind, verifier_ring=writer.ring_name or "", verifier_ring_slot_bytes=writer.slot_bytes,
+            verifier_ring_slots=writer.num_slots, model_type=cfg.model_type, vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size, max_context=self.engine.max_context, eos_token_id=cfg.eos_token_id[0] if cfg.eos_token_id else -1,
+            tp_size=1, kv_capacity_tokens=self.engine.cache.capacity_tokens, kv_page_size=self.engine.cache.page_size)
+
+    async def VerifyStream(self, request_iterator: AsyncIterator[verifier_pb2.VerifyRequest],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[verifier_pb2.VerifyResponse]:
+        draft_id = dict(context.invocation_metadata()).get("draft-id", "")
+        peer = self._peers.get(draft_id)
+        if peer is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"no handshake for draft-id {draft_id!r}; call Handshake first")
+        try:
+            async for req in request_iterator:
+                async with self._lock:
+                    resp = await asyncio.to_thread(self._step, peer, req)
+                yield resp
+        finally:
+            # The stream ended (cleanly or because the draft died): nothing it held may leak.
+            async with self._lock:
+                freed = self.engine.release_owner(draft_id)
+            if self._peers.get(draft_id) is peer:
+                self._drop_peer(draft_id)
+            log.info("stream_closed", draft_id=draft_id, requests_freed=freed)
+
+    def _drop_peer(self, draft_id: str) -> None:
+        peer = self._peers.pop(draft_id)
+        peer.writer.release_all()
+        peer.writer.close()
+        peer.reader.close()
+
+    def _step(self, peer: _Peer, req: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
+        t0 = time.perf_counter()
+        peer.writer.release(req.released_slots)
+        self.engine.release(list(req.release))
+        prefill = self.engine.prefill([
+            PrefillInput(p.request_id, list(p.token_ids), sampling_from_proto(p.sampling), p.reserve_tokens,
+                         owner=peer.draft_id) for p in req.prefills])
+        released: list[int] = []
+        if req.verify_ids:
+            trees = peer.reader.read(req.trees)
+            verify = self.engine.verify(list(req.verify_ids), trees["tokens"], trees["parents"],
+                                        trees["depths"], trees["sizes"])
+            slot = req.trees.tensors[0].WhichOneof("payload") == "slot" if req.trees.tensors else False
+            if slot:
+                released.append(req.trees.tensors[0].slot.slot)
+        else:
+            verify = None
+        features = [prefill.features] + ([verify.features] if verify is not None else [])
+        bundle = peer.writer.write({"features": torch.cat(features)})
+        return verifier_pb2.VerifyResponse(
+            sequence=req.sequence,
+            prefills=[_item_pb(o) for o in prefill.items],
+            verifies=[_item_pb(o) for o in verify.items] if verify is not None else [],
+            features=bundle, released_slots=released, verify_ms=(time.perf_counter() - t0) * 1e3)
+
+
+def _item_pb(o) -> verifier_pb2.ItemResult:
+    if o.error is not None:
+        return verifier_pb2.ItemResult(request_id=o.request_id, error_code=o.error.code.value[0],
+                                       error_message=o.error.message)
+    return verifier_pb2.ItemResult(request_id=o.request_id, token_ids=o.tokens, committed=o.committed)
+
+
+def build_engine(settings: VerifierSettings) -> VerifierEngine:
+    """Start-up phases: load weights, size the KV cache, ready to serve. Each logs what it decided."""
+    dtype = _DTYPES[settings.dtype]
+    t0 = time.perf_counter()
+    model = TargetModel.load(Path(settings.model_path), dtype=dtype, device=settings.device)
+    cfg = model.config
+    log.info("weights_loaded", path=settings.model_path, layers=cfg.num_hidden_layers,
+             seconds=round(time.perf_counter() - t0, 2))
+    max_context = settings.max_context or cfg.max_position_embeddings
+    num_pages = -(-settings.kv_capacity_tokens // settings.page_size)
+    cache = PagedKVCache(cfg.num_hidden_layers, num_pages, settings.page_size,
+                         cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype, torch.device(settings.device))
+    log.info("kv_cache_sized", pages=num_pages, page_size=settings.page_size, tokens=num_pages * settings.page_size,
+             max_context=max_context)
+    return VerifierEngine(model, cache, max_context=max_context, prefill_chunk=settings.prefill_chunk)
+
+
+async def serve(settings: VerifierSettings) -> None:
+    configure_logging("verifier", settings.json_logs)
+    engine = build_engine(settings)
+    server, health = new_server([verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name])
+    verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(engine, settings), server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    await server.start()
+    log.info("serving", address=f"{settings.host}:{port}")
+    await serve_until_signal(server, health)

@@ -1,0 +1,116 @@
+"""Tree acceptance walks and posterior sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.verifier.acceptance import Acceptance, accept
+from services.verifier.sampling import Sampling, posterior_tokens
+
+#  Hand-built tree used below (index: token):
+#          0:100
+#         /      \
+#      1:11      2:12
+#      /  \         \
+#   3:21  4:22      5:23
+#    |
+#   6:31
+TOKENS = torch.tensor([100, 11, 12, 21, 22, 23, 31])
+PARENTS = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
+
+
+def test_no_child_matches_gives_only_the_bonus() -> None:
+    posterior = torch.tensor([99, 0, 0, 0, 0, 0, 0])
+    result = accept(TOKENS, PARENTS, posterior)
+    assert result == Acceptance(path=[0], tokens=[99])
+    assert result.num_accepted == 0
+
+
+def test_whole_deepest_path_accepted() -> None:
+    posterior = torch.tensor([11, 21, 0, 31, 0, 0, 77])
+    result = accept(TOKENS, PARENTS, posterior)
+    assert result.path == [0, 1, 3, 6]
+    assert result.tokens == [11, 21, 31, 77]
+    assert result.num_accepted == 3
+
+
+def test_second_child_matches() -> None:
+    posterior = torch.tensor([12, 21, 23, 0, 0, 5, 0])  # node 1's posterior is irrelevant
+    result = accept(TOKENS, PARENTS, posterior)
+    assert result.path == [0, 2, 5]
+    assert result.tokens == [12, 23, 5]
+
+
+def test_branch_second_grandchild_matches() -> None:
+    posterior = torch.tensor([11, 22, 0, 0, 8, 0, 0])
+    assert accept(TOKENS, PARENTS, posterior) == Acceptance(path=[0, 1, 4], tokens=[11, 22, 8])
+
+
+def test_single_node_tree() -> None:
+    result = accept(torch.tensor([5]), torch.tensor([-1]), torch.tensor([42]))
+    assert result == Acceptance(path=[0], tokens=[42])
+
+
+def test_padding_nodes_are_ignored() -> None:
+    tokens = torch.tensor([100, 11, 0, 0])
+    parents = torch.tensor([-1, 0, -1, -1])  # nodes 2, 3 are padding (token 0)
+    posterior = torch.tensor([0, 3, 0, 0])  # root's choice 0 must not match padding
+    assert accept(tokens, parents, posterior) == Acceptance(path=[0], tokens=[0])
+
+
+def test_sampling_validation_names_the_field() -> None:
+    with pytest.raises(ValueError, match="temperature"):
+        Sampling(temperature=-0.1)
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(temperature=1.0, top_p=1.5)
+    with pytest.raises(ValueError, match="top_k"):
+        Sampling(temperature=1.0, top_k=-1)
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0))
+    out = posterior_tokens(logits, Sampling(), None)
+    assert out.dtype == torch.int64
+    assert torch.equal(out, logits.argmax(dim=-1))
+
+
+def test_seeded_sampling_is_reproducible() -> None:
+    logits = torch.randn(32, 100, generator=torch.Generator().manual_seed(1))
+    sampling = Sampling(temperature=0.8, top_p=0.9, top_k=40, seed=123)
+    first = posterior_tokens(logits, sampling, torch.Generator().manual_seed(123))
+    second = posterior_tokens(logits, sampling, torch.Generator().manual_seed(123))
+    assert torch.equal(first, second)
+    other = posterior_tokens(logits, sampling, torch.Generator().manual_seed(124))
+    assert not torch.equal(first, other)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 5.0])
+def test_top_k_one_and_tiny_top_p_are_greedy(temperature: float) -> None:
+    logits = torch.randn(64, 30, generator=torch.Generator().manual_seed(2))
+    greedy = logits.argmax(dim=-1)
+    gen = torch.Generator().manual_seed(9)
+    assert torch.equal(posterior_tokens(logits, Sampling(temperature=temperature, top_k=1), gen), greedy)
+    assert torch.equal(posterior_tokens(logits, Sampling(temperature=temperature, top_p=1e-6), gen), greedy)
+
+
+def test_filters_restrict_support() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)  # [n, 4]
+    gen = torch.Generator().manual_seed(4)
+    top_k = posterior_tokens(logits, Sampling(temperature=1.0, top_k=2), gen)
+    assert set(top_k.tolist()) == {0, 1}
+    # top_p=0.7: 0.5 alone is short of it, 0.5 + 0.3 reaches it -> {0, 1}.
+    top_p = posterior_tokens(logits, Sampling(temperature=1.0, top_p=0.7), gen)
+    assert set(top_p.tolist()) == {0, 1}
+
+
+def test_samples_follow_softmax() -> None:
+    logits = torch.randn(8, generator=torch.Generator().manual_seed(5)) * 1.5  # [V]
+    draws = 20000
+    out = posterior_tokens(logits.expand(draws, -1), Sampling(temperature=1.0), torch.Generator().manual_seed(6))
+    empirical = torch.bincount(out, minlength=8).double() / draws  # [V]
+    expected = torch.softmax(logits.double(), dim=-1)  # [V]
+    total_variation = 0.5 * (empirical - expected).abs().sum().item()
+    assert total_variation < 0.02

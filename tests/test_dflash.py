@@ -1,0 +1,225 @@
+"""DFlash drafter: cache consistency, batching, an independent reference forward, load errors,
+and the demo tokenizer trainer."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from services.common.checkpoint import CheckpointError, load_tensors
+from services.common.tokenizer_train import default_corpus_files, train_tokenizer
+from services.draft.dflash import DFlashDrafter
+from services.draft.make_drafter import write_random_drafter
+
+HIDDEN, VOCAB, TARGET_LAYERS = 64, 300, 4
+LAYER_IDS = [0, 2, 3]
+BLOCK = 6
+
+
+def write_fake_target(path: Path, hidden: int = HIDDEN, vocab: int = VOCAB, layers: int = TARGET_LAYERS) -> dict:
+    """A target checkpoint holding only what the drafter reads: config + embedding + lm_head."""
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {"hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": layers, "max_position_embeddings": 512}
+    (path / "config.json").write_text(json.dumps(cfg))
+    gen = torch.Generator().manual_seed(123)
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen),
+            "lm_head.weight": torch.randn(vocab, hidden, generator=gen) / hidden**0.5,
+        },
+        str(path / "model.safetensors"),
+    )
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("dflash")
+    tcfg = write_fake_target(root / "target")
+    write_random_drafter(root / "drafter", tcfg, block_size=BLOCK, num_layers=2, seed=1, target_layer_ids=LAYER_IDS)
+    return root / "drafter", root / "target"
+
+
+@pytest.fixture(scope="module")
+def drafter(pair: tuple[Path, Path]) -> DFlashDrafter:
+    return DFlashDrafter.load(pair[0], pair[1])
+
+
+def _features(n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, len(LAYER_IDS) * HIDDEN, generator=gen)  # [n, 3*hidden]
+
+
+def test_incremental_extend_matches_single_extend(drafter: DFlashDrafter) -> None:
+    feats = _features(13, 0)
+    whole = drafter.new_context()
+    drafter.extend_context(whole, feats)
+    chunked = drafter.new_context()
+    for chunk in (feats[:5], feats[5:6], feats[6:]):
+        drafter.extend_context(chunked, chunk)
+    assert whole.length == chunked.length == 13
+    for layer in range(drafter.config.num_hidden_layers):
+        for a, b in zip(whole.layer_kv(layer), chunked.layer_kv(layer)):
+            torch.testing.assert_close(a, b)
+    bonus = torch.tensor([7])
+    torch.testing.assert_close(drafter.propose([whole], bonus), drafter.propose([chunked], bonus))
+
+
+def test_batched_propose_equals_each_alone(drafter: DFlashDrafter) -> None:
+    lengths = [3, 11, 1]
+    ctxs = []
+    for i, n in enumerate(lengths):
+        ctx = drafter.new_context()
+        drafter.extend_context(ctx, _features(n, 10 + i))
+        ctxs.append(ctx)
+    bonus = torch.tensor([5, 17, 250])
+    batched = drafter.propose(ctxs, bonus)
+    assert batched.shape == (3, BLOCK - 1, VOCAB) and batched.dtype == torch.float32
+    for r, ctx in enumerate(ctxs):
+        alone = drafter.propose([ctx], bonus[r : r + 1])
+        torch.testing.assert_close(batched[r : r + 1], alone, atol=1e-5, rtol=1e-5)
+    # Log-probs normalise.
+    torch.testing.assert_close(batched.exp().sum(-1), torch.ones(3, BLOCK - 1), atol=1e-5, rtol=0)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+
+
+def _rope_pairs(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate each pair (i, i + d/2) of x [T, heads, d] by angle pos * theta^(-2i/d)."""
+    d = x.shape[-1]
+    half = d // 2
+    out = x.clone()
+    for i in range(half):
+        ang = pos.to(x.dtype) * theta ** (-2.0 * i / d)  # [T]
+        c, s = torch.cos(ang)[:, None], torch.sin(ang)[:, None]  # [T, 1]
+        a, b = x[..., i], x[..., i + half]  # [T, heads]
+        out[..., i] = a * c - b * s
+        out[..., i + half] = b * c + a * s
+    return out
+
+
+def reference_propose(
+    drafter_dir: Path, target_dir: Path, features: torch.Tensor, bonus: int
+) -> torch.Tensor:
+    """Straightforward float64 DFlash forward from the checkpoint files: no cache, no batching."""
+    cfg = json.loads((drafter_dir / "config.json").read_text())
+    w = {k: v.double() for k, v in load_tensors(drafter_dir).items()}
+    t = {k: v.double() for k, v in load_tensors(target_dir).items()}
+    H, KV, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps, theta, B = cfg["rms_norm_eps"], cfg["rope_theta"], cfg["block_size"]
+    mask_id = cfg["dflash_config"]["mask_token_id"]
+    L = features.shape[0]
+    ctx = _rms(features.double() @ w["fc.weight"].T, w["hidden_norm.weight"], eps)  # [L, hidden]
+    x = t["model.embed_tokens.weight"][torch.tensor([bonus] + [mask_id] * (B - 1))]  # [B, hidden]
+    ctx_pos, blk_pos = torch.arange(L), torch.arange(L, L + B)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        h = _rms(x, w[p + "input_layernorm.weight"], eps)
+        q = _rms((h @ w[p + "self_attn.q_proj.weight"].T).view(B, H, hd), w[p + "self_attn.q_norm.weight"], eps)
+        q = _rope_pairs(q, blk_pos, theta)
+        k_in = torch.cat([ctx, h])  # [L+B, hidden]
+        k = (k_in @ w[p + "self_attn.k_proj.weight"].T).view(L + B, KV, hd)
+        k = _rms(k, w[p + "self_attn.k_norm.weight"], eps)
+        k = _rope_pairs(k, torch.cat([ctx_pos, blk_pos]), theta)
+        v = (k_in @ w[p + "self_attn.v_proj.weight"].T).view(L + B, KV, hd)
+        heads = []
+        for head in range(H):
+            kv_head = head // (H // KV)
+            scores = q[:, head] @ k[:, kv_head].T / math.sqrt(hd)  # [B, L+B], non-causal
+            heads.append(torch.softmax(scores, -1) @ v[:, kv_head])  # [B, hd]
+        x = x + torch.cat(heads, -1) @ w[p + "self_attn.o_proj.weight"].T
+        h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        gate = h @ w[p + "mlp.gate_proj.weight"].T
+        x = x + (gate * torch.sigmoid(gate) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    x = _rms(x, w["norm.weight"], eps)
+    return torch.log_softmax(x[1:] @ t["lm_head.weight"].T, -1)  # [B-1, V]
+
+
+def test_propose_matches_independent_reference(drafter: DFlashDrafter, pair: tuple[Path, Path]) -> None:
+    feats = [_features(n, 20 + n) for n in (9, 4)]
+    ctxs = []
+    for f in feats:
+        ctx = drafter.new_context()
+        drafter.extend_context(ctx, f[:2])
+        drafter.extend_context(ctx, f[2:])
+        ctxs.append(ctx)
+    bonus = [3, 42]
+    got = drafter.propose(ctxs, torch.tensor(bonus))
+    for r in range(2):
+        ref = reference_propose(pair[0], pair[1], feats[r], bonus[r])
+        torch.testing.assert_close(got[r].double(), ref, atol=1e-5, rtol=1e-5)
+    # Non-trivial distribution (not uniform), so the comparison means something.
+    assert got.max() > -math.log(VOCAB) + 0.5
+
+
+def _rewrite_config(path: Path, **changes: object) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_load_errors_name_the_field(tmp_path: Path, pair: tuple[Path, Path]) -> None:
+    drafter_dir, target_dir = pair
+    narrow = tmp_path / "narrow_target"
+    write_fake_target(narrow, hidden=32)
+    with pytest.raises(CheckpointError, match="hidden_size"):
+        DFlashDrafter.load(drafter_dir, narrow)
+
+    small_vocab = tmp_path / "small_vocab_target"
+    write_fake_target(small_vocab, vocab=200)
+    with pytest.raises(CheckpointError, match="vocab_size"):
+        DFlashDrafter.load(drafter_dir, small_vocab)
+
+    deep = dict(hidden_size=HIDDEN, vocab_size=VOCAB, num_hidden_layers=8)
+    bad_ids = tmp_path / "bad_ids"
+    write_random_drafter(bad_ids, deep, block_size=4, num_layers=1, target_layer_ids=[1, 6])
+    with pytest.raises(CheckpointError, match="target_layer_ids"):
+        DFlashDrafter.load(bad_ids, target_dir)
+
+    bad_mask = tmp_path / "bad_mask"
+    write_random_drafter(bad_mask, dict(deep, num_hidden_layers=TARGET_LAYERS), block_size=4, num_layers=1)
+    _rewrite_config(bad_mask, dflash_config={"mask_token_id": VOCAB, "target_layer_ids": [0]})
+    with pytest.raises(CheckpointError, match="mask_token_id"):
+        DFlashDrafter.load(bad_mask, target_dir)
+
+    no_block = tmp_path / "no_block"
+    write_random_drafter(no_block, dict(deep, num_hidden_layers=TARGET_LAYERS), block_size=4, num_layers=1)
+    _rewrite_config(no_block, block_size=None)
+    with pytest.raises(CheckpointError, match="block_size"):
+        DFlashDrafter.load(no_block, target_dir)
+
+
+def test_block_size_inside_dflash_config(tmp_path: Path, pair: tuple[Path, Path]) -> None:
+    d = tmp_path / "nested"
+    tcfg = dict(hidden_size=HIDDEN, vocab_size=VOCAB, num_hidden_layers=TARGET_LAYERS)
+    write_random_drafter(d, tcfg, block_size=4, num_layers=1)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["dflash_config"]["block_size"] = cfg.pop("block_size")
+    (d / "config.json").write_text(json.dumps(cfg))
+    loaded = DFlashDrafter.load(d, pair[1])
+    assert loaded.block_size == 4
+    ctx = loaded.new_context()
+    loaded.extend_context(ctx, torch.randn(2, loaded.config.num_features))
+    assert loaded.propose([ctx], torch.tensor([1])).shape == (1, 3, VOCAB)
+
+
+def test_tokenizer_roundtrip(tmp_path: Path) -> None:
+    files = default_corpus_files(limit=6)
+    assert files == sorted(files) and all(f.suffix == ".py" for f in files)
+    tok = train_tokenizer(tmp_path, files, 400)
+    assert (tmp_path / "tokenizer.json").is_file()
+    assert tok.get_vocab_size() <= 400
+    for special in ("<|eos|>", "<|mask|>"):
+        tid = tok.token_to_id(special)
+        assert tid is not None and tid < tok.get_vocab_size()
+    snippet = "def add(a, b):\n    \"\"\"Sum é.\"\"\"\n\treturn a  +  b  # ok\n\n"
+    ids = tok.encode(snippet).ids
+    assert len(ids) < len(snippet.encode())  # merges were learned and used
+    assert tok.decode(ids) == snippet

@@ -1,0 +1,195 @@
+"""End to end through the real three-process stack (scheduler, draft, verifier) over gRPC, on the CPU.
+
+The drafter here is the oracle test drafter: it plants the target's own greedy continuation among
+noise at a random rank per depth, so accepted paths of many lengths and rejections at every depth
+occur, and greedy DDTree must still reproduce greedy autoregressive decoding token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.launcher import Stack, StackSpec
+from services.scheduler.client import AsyncClient, Client, ClientError
+from tests.stack_fixtures import GREEDY_TOKENS, PROMPTS, build_checkpoint, greedy_references, write_oracle
+
+BUDGETS = [1, 4, 8, 16, 32]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("stack"))
+
+
+@pytest.fixture(scope="module")
+def refs(ckpt):
+    return greedy_references(ckpt, PROMPTS, GREEDY_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def stack(ckpt, refs, tmp_path_factory):
+    drafter = write_oracle(tmp_path_factory.mktemp("oracle") / "oracle.json", ckpt, refs)
+    spec = StackSpec(model_path=str(ckpt), drafter_path=drafter, scheduler_port=0,
+                     extra_env={"DDTREE_VERIFIER_MAX_CONTEXT": "256", "DDTREE_SCHEDULER_MAX_QUEUE": "64"})
+    with Stack(spec) as s:
+        yield s
+
+
+async def _run_all(address: str, prompts: list, **kwargs) -> list:
+    async with AsyncClient(address) as client:
+        return await asyncio.gather(*(client.generate(p, **kwargs) for p in prompts))
+
+
+def test_stack_uses_shared_memory_transport(stack):
+    with Client(stack.scheduler_address) as c:
+        info = c.model_info()
+    assert info.transport == "shm"
+    assert info.block_size == 16 and info.max_context == 256
+
+
+def test_greedy_ddtree_equals_autoregressive_every_budget(stack, refs):
+    """20 prompts x budgets {1,4,8,16,32}: identical tokens to AR and to the float64 reference."""
+    prompts = [refs[p][0] for p in PROMPTS]
+    ar = asyncio.run(_run_all(stack.scheduler_address, prompts, max_tokens=GREEDY_TOKENS,
+                              mode="autoregressive", ignore_eos=True))
+    ar_tokens = [o.token_ids for o in ar]
+    assert ar_tokens == [refs[p][1] for p in PROMPTS]
+    assert all(a == 1 for o in ar for a in o.acceptance_lengths)
+    lengths: Counter = Counter()
+    for budget in BUDGETS:
+        dd = asyncio.run(_run_all(stack.scheduler_address, prompts, max_tokens=GREEDY_TOKENS, budget=budget,
+                                  mode="ddtree", ignore_eos=True))
+        for p, o, a in zip(PROMPTS, dd, ar_tokens):
+            assert o.token_ids == a, f"budget {budget}, prompt {p!r}"
+            assert o.finish_reason == "length"
+        per_budget = Counter(x for o in dd for x in o.acceptance_lengths)
+        lengths.update(per_budget)
+        if budget >= 8:
+            assert max(per_budget) >= 4, f"budget {budget} never accepted a deep path: {per_budget}"
+    # Rejections at every depth and long accepted paths both happened.
+    assert lengths[1] > 0
+    assert all(lengths[k] > 0 for k in range(1, 7)), lengths
+    assert max(lengths) >= 8, lengths
+
+
+def test_concurrent_streams_get_their_own_tokens(stack, refs):
+    """32 concurrent streaming requests of different lengths equal their single-request outputs."""
+    prompts = [refs[PROMPTS[i % len(PROMPTS)]][0] for i in range(32)]
+    lengths = [4 + (7 * i) % 21 for i in range(32)]
+    with Client(stack.scheduler_address) as c:
+        alone = [c.generate(p, max_tokens=n, budget=8, ignore_eos=True).token_ids for p, n in zip(prompts, lengths)]
+
+    async def together():
+        async with AsyncClient(stack.scheduler_address) as client:
+            async def one(p, n):
+                toks = []
+                async for chunk in client.stream(p, max_tokens=n, budget=8, ignore_eos=True):
+                    toks += chunk.token_ids
+                return toks
+            return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths)))
+
+    streamed = asyncio.run(together())
+    assert streamed == alone
+    assert [len(t) for t in streamed] == lengths
+
+
+def test_sampling_with_seed_is_reproducible(stack):
+    kwargs = dict(max_tokens=20, temperature=1.0, top_p=0.95, budget=16, ignore_eos=True)
+    with Client(stack.scheduler_address) as c:
+        a = c.generate(PROMPTS[0], seed=1234, **kwargs)
+        b = c.generate(PROMPTS[0], seed=1234, **kwargs)
+        others = {tuple(c.generate(PROMPTS[0], seed=s, **kwargs).token_ids) for s in range(5)}
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 20
+    assert len(others) > 1  # the seed does change the draw
+
+
+BAD_REQUESTS = [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=[1, 2, 100000]), "token_ids[2]"),
+    (dict(prompt=list(range(5, 300))), "max context"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(budget=129), "budget"),
+    (dict(budget=-1), "budget"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(stop_token_ids=[99999]), "stop_token_ids"),
+]
+
+
+def test_bad_input_gets_clear_status_and_others_keep_running(stack, refs):
+    prompt, expected = refs[PROMPTS[3]]
+
+    async def scenario():
+        async with AsyncClient(stack.scheduler_address) as client:
+            long_run = asyncio.create_task(client.generate(prompt, max_tokens=GREEDY_TOKENS, budget=4,
+                                                           ignore_eos=True))
+            errors = []
+            for overrides, field in BAD_REQUESTS:
+                kwargs = dict(prompt="def f():", max_tokens=8)
+                kwargs.update(overrides)
+                p = kwargs.pop("prompt")
+                with pytest.raises(ClientError) as info:
+                    await client.generate(p, **kwargs)
+                errors.append((info.value, field))
+            return await long_run, errors
+
+    done, errors = asyncio.run(scenario())
+    for err, field in errors:
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT, (field, err)
+        assert field in err.message, (field, err.message)
+    assert done.token_ids == expected
+
+
+def test_abort_and_deadline_end_requests_and_free_them(stack, refs):
+    prompt = refs[PROMPTS[1]][0]
+
+    async def scenario():
+        async with AsyncClient(stack.scheduler_address) as client:
+            got = []
+
+            async def consume():
+                async for chunk in client.stream(prompt, max_tokens=200, request_id="to-abort", mode="autoregressive",
+                                                 ignore_eos=True):
+                    got.append(chunk)
+                    if len(got) == 2:
+                        assert await client.abort("to-abort")
+            await consume()
+            with pytest.raises(ClientError) as info:
+                await client.generate(prompt, max_tokens=200, mode="autoregressive", ignore_eos=True,
+                                      timeout_s=0.05)
+            return got, info.value
+
+    got, deadline_error = asyncio.run(scenario())
+    assert got[-1].finish_reason == "aborted"
+    assert deadline_error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    with Client(stack.scheduler_address) as c:   # still serving, with the same answer as before
+        assert c.generate(prompt, max_tokens=GREEDY_TOKENS, ignore_eos=True).token_ids == refs[PROMPTS[1]][1]
+        assert not c.abort("no-such-request")
+
+
+def test_health_reflection_and_cli_json(stack):
+    with grpc.insecure_channel(stack.scheduler_address) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="ddtree.v1.Scheduler"))
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        resp = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in resp.list_services_response.service}
+        assert {"ddtree.v1.Scheduler", "grpc.health.v1.Health"} <= names
+    out = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--address", stack.scheduler_address,
+                          "--prompt", "def fibonacci(n):", "--max-tokens", "12", "--budget", "8", "--json"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    result = json.loads(out.stdout)
+    assert len(result["token_ids"]) <= 12 and result["finish_reason"] in ("length", "stop")
+    assert result["acceptance_lengths"] and sum(result["acceptance_lengths"]) >= len(result["token_ids"]) - 1

@@ -1,0 +1,297 @@
+"""TargetModel (absorbed MLA, paged cache, tree masks, sparse MoE) against the float64 reference."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels.tree_mla import TreeAttentionMetadata
+from services.verifier.kv_cache import OutOfPages, PagedKVCache
+from services.verifier.make_target import write_random_target
+from services.verifier.model import ForwardBatch, ForwardOutput, TargetModel
+from services.verifier.moe import select_experts
+from services.verifier.reference import ReferenceModel
+
+VOCAB = 512
+PAGE = 4
+RTOL = 1e-4
+
+
+@dataclass
+class Models:
+    target: TargetModel
+    ref: ReferenceModel
+
+
+VARIANTS = {
+    "int4_qlora": dict(int4=True, overrides={}),
+    "bf16_qproj": dict(int4=False, overrides={"q_lora_rank": None, "model_type": "kimi_k2"}),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def models(request, tmp_path_factory) -> Models:
+    d = tmp_path_factory.mktemp(request.param)
+    write_random_target(d, VOCAB, seed=11, **VARIANTS[request.param])
+    target = TargetModel.load(d)
+    assert target.config.rope_scaling is not None
+    assert target.config.int4_experts == VARIANTS[request.param]["int4"]
+    return Models(target, ReferenceModel.load(d))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    n = parents.numel()
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(n):
+        p = int(parents[i])
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+def depths_of(parents: torch.Tensor) -> torch.Tensor:
+    d = torch.zeros_like(parents)
+    for i in range(1, parents.numel()):
+        d[i] = d[parents[i]] + 1
+    return d
+
+
+def random_parents(n: int, g: torch.Generator) -> torch.Tensor:
+    parents = torch.full((n,), -1, dtype=torch.int64)
+    for i in range(1, n):
+        parents[i] = int(torch.randint(0, i, (1,), generator=g))
+    return parents
+
+
+def path_to(parents: torch.Tensor, i: int) -> list[int]:
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = int(parents[i])
+    return path[::-1]
+
+
+def new_cache(model: TargetModel, pages: int = 48, seed: int = 5) -> PagedKVCache:
+    cache = model.new_cache(pages, PAGE, shuffle_seed=seed)
+    cache.kv.fill_(float("nan"))  # any read of an unwritten slot poisons the logits
+    return cache
+
+
+@dataclass
+class Req:
+    rid: str
+    tokens: torch.Tensor  # [n]
+    parents: torch.Tensor  # [n]; a chain for prefill
+    prefix_len: int
+
+
+def chain(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens.numel()) - 1
+
+
+def run(model: TargetModel, cache: PagedKVCache, reqs: list[Req], feature_layers=()) -> ForwardOutput:
+    ids, pos, starts, masks = [], [], [0], []
+    for r in reqs:
+        ids.append(r.tokens)
+        pos.append(r.prefix_len + depths_of(r.parents))
+        starts.append(starts[-1] + r.tokens.numel())
+        masks.append(ancestor_mask(r.parents))
+    meta = TreeAttentionMetadata(
+        query_starts=torch.tensor(starts),
+        prefix_lens=torch.tensor([r.prefix_len for r in reqs]),
+        page_tables=[cache.page_table(r.rid) for r in reqs],
+        tree_masks=masks,
+    )
+    return model(ForwardBatch(torch.cat(ids), torch.cat(pos), meta), cache, feature_layers)
+
+
+def prefill(model: TargetModel, cache: PagedKVCache, rid: str, tokens: torch.Tensor, extra: int = 32) -> None:
+    cache.reserve(rid, tokens.numel() + extra)
+    out = run(model, cache, [Req(rid, tokens, chain(tokens), 0)])
+    cache.write(rid, 0, out.new_kv)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL) -> None:
+    err = (got.double() - want.double()).abs().max().item()
+    assert err <= rtol * want.abs().max().item(), f"max abs err {err:.3g} vs scale {want.abs().max().item():.3g}"
+
+
+def rand_tokens(n: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=g)
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_prefill_in_two_chunks_matches_reference(models: Models) -> None:
+    g = torch.Generator().manual_seed(0)
+    prompt = rand_tokens(13, g)
+    cache = new_cache(models.target)
+    cache.reserve("a", 13)
+    first = run(models.target, cache, [Req("a", prompt[:6], chain(prompt[:6]), 0)])
+    before = cache.kv.clone()
+    cache.write("a", 0, first.new_kv)
+    second = run(models.target, cache, [Req("a", prompt[6:], chain(prompt[6:]), 6)])
+    after = cache.kv.clone()
+    assert torch.equal(after.isnan(), cache.kv.isnan()) and not torch.equal(before.isnan(), after.isnan())
+    want, _ = models.ref.forward(prompt)
+    assert_close(torch.cat([first.logits, second.logits]), want)
+    assert first.logits.dtype == torch.float32 and first.features.shape == (6, 0)
+
+
+def test_forward_does_not_write_cache(models: Models) -> None:
+    cache = new_cache(models.target)
+    prompt = rand_tokens(7, torch.Generator().manual_seed(1))
+    cache.reserve("a", 7)
+    before = cache.kv.clone()
+    run(models.target, cache, [Req("a", prompt, chain(prompt), 0)])
+    assert torch.equal(before.isnan(), cache.kv.isnan())
+
+
+def test_tree_after_prefix_matches_reference_per_path(models: Models) -> None:
+    g = torch.Generator().manual_seed(2)
+    prefix = rand_tokens(6, g)  # ends mid-page (page size 4): tree positions cross pages
+    cache = new_cache(models.target)
+    prefill(models.target, cache, "a", prefix)
+    n = 14
+    parents = random_parents(n, g)
+    tokens = rand_tokens(n, g)
+    out = run(models.target, cache, [Req("a", tokens, parents, 6)])
+    assert int(depths_of(parents).max()) >= 2
+    for i in range(n):
+        seq = torch.cat([prefix, tokens[path_to(parents, i)]])
+        want, _ = models.ref.forward(seq)
+        assert_close(out.logits[i], want[-1])
+    # Commit the deepest root-to-leaf path from the scratch kv, then decode on top of it.
+    leaf = int(depths_of(parents).argmax())
+    path = path_to(parents, leaf)
+    cache.write("a", 6, out.new_kv[:, path])
+    nxt = rand_tokens(1, g)
+    step = run(models.target, cache, [Req("a", nxt, chain(nxt), 6 + len(path))])
+    want, _ = models.ref.forward(torch.cat([prefix, tokens[path], nxt]))
+    assert_close(step.logits[0], want[-1])
+
+
+def test_batch_equals_each_alone(models: Models) -> None:
+    g = torch.Generator().manual_seed(3)
+    cache = new_cache(models.target, pages=64)
+    reqs = []
+    for rid, plen, n in (("a", 3, 5), ("b", 9, 12), ("c", 14, 1)):
+        prefill(models.target, cache, rid, rand_tokens(plen, g))
+        reqs.append(Req(rid, rand_tokens(n, g), random_parents(n, g), plen))
+    together = run(models.target, cache, reqs, feature_layers=[1])
+    alone = [run(models.target, cache, [r], feature_layers=[1]) for r in reqs]
+    assert_close(together.logits, torch.cat([o.logits for o in alone]), rtol=1e-5)
+    assert_close(together.features, torch.cat([o.features for o in alone]), rtol=1e-5)
+    assert_close(together.new_kv, torch.cat([o.new_kv for o in alone], dim=1), rtol=1e-5)
+
+
+def test_features_are_hf_hidden_states(models: Models) -> None:
+    prompt = rand_tokens(9, torch.Generator().manual_seed(4))
+    cache = new_cache(models.target)
+    cache.reserve("a", 9)
+    layers = [2, 0, 1]
+    out = run(models.target, cache, [Req("a", prompt, chain(prompt), 0)], feature_layers=layers)
+    _, hidden = models.ref.forward(prompt)
+    hid = models.target.config.hidden_size
+    assert out.features.shape == (9, len(layers) * hid)
+    for k, i in enumerate(layers):
+        assert_close(out.features[:, k * hid : (k + 1) * hid], hidden[i + 1])
+
+
+def test_greedy_matches_reference(models: Models) -> None:
+    g = torch.Generator().manual_seed(5)
+    for p in range(3):
+        prompt = rand_tokens(5 + 3 * p, g)
+        want = models.ref.greedy(prompt.tolist(), 30)
+        cache = new_cache(models.target)
+        cache.reserve("a", prompt.numel() + 31)
+        out = run(models.target, cache, [Req("a", prompt, chain(prompt), 0)])
+        cache.write("a", 0, out.new_kv)
+        got, length = [], prompt.numel()
+        tok = int(out.logits[-1].argmax())
+        for _ in range(30):
+            got.append(tok)
+            step = run(models.target, cache, [Req("a", torch.tensor([tok]), torch.tensor([-1]), length)])
+            cache.write("a", length, step.new_kv)
+            length += 1
+            tok = int(step.logits[-1].argmax())
+        assert got == want
+
+
+# ----------------------------------------------------------------------------- router, cache
+
+
+def test_router_grouped_topk_hand_computed() -> None:
+    # 8 experts in 4 groups of 2. Group scores (top-2 sums): g0 .9, g1 .98, g2 1.05, g3 .2.
+    # topk_group=2 keeps g1, g2 -> expert 0 (the single best score) is excluded with its group.
+    scores = torch.tensor([[0.9, 0.0, 0.5, 0.48, 0.6, 0.45, 0.1, 0.1]] * 2)
+    bias = torch.zeros(8)
+    r = select_experts(scores, bias, top_k=2, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+    assert sorted(r.ids[0].tolist()) == [2, 4]
+    w = dict(zip(r.ids[0].tolist(), r.weights[0].tolist()))
+    assert w[4] == pytest.approx(0.6 / 1.1 * 2.5) and w[2] == pytest.approx(0.5 / 1.1 * 2.5)
+    # The bias steers the choice (g3 now best, expert 7 chosen) but the weights stay unbiased.
+    bias = torch.tensor([0, 0, 0, 0, 0, 0, 0, 1.0])
+    r = select_experts(scores, bias, top_k=2, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+    w = dict(zip(r.ids[0].tolist(), r.weights[0].tolist()))
+    assert sorted(w) == [4, 7]
+    assert w[7] == pytest.approx(0.1 / 0.7 * 2.5) and w[4] == pytest.approx(0.6 / 0.7 * 2.5)
+    r = select_experts(scores, torch.zeros(8), top_k=2, n_group=4, topk_group=2, norm_topk_prob=False, routed_scaling_factor=2.5)
+    assert sorted(r.weights[0].tolist()) == pytest.approx([0.5 * 2.5, 0.6 * 2.5])
+
+
+def test_paged_cache_reserve_free_write() -> None:
+    cache = PagedKVCache(2, 5, 4, 3, torch.float32, "cpu", shuffle_seed=0)
+    cache.reserve("a", 9)  # 3 pages
+    assert cache.pages_free == 2 and cache.capacity_tokens == 20
+    with pytest.raises(OutOfPages):
+        cache.reserve("b", 12)
+    assert cache.pages_free == 2 and cache.page_table("b").numel() == 0  # nothing changed
+    cache.reserve("a", 12)  # same 3 pages cover 12
+    assert cache.pages_free == 2
+    kv = torch.arange(2 * 9 * 3, dtype=torch.float32).view(2, 9, 3)
+    cache.write("a", 0, kv[:, :5])
+    cache.write("a", 5, kv[:, 5:])
+    assert torch.equal(cache.gather(1, "a", 9), kv[1])
+    with pytest.raises(IndexError):
+        cache.write("a", 10, kv[:, :3])
+    cache.free("a")
+    cache.free("a")
+    assert cache.pages_free == 5
+
+
+def test_rope_interleaved_layout_and_yarn() -> None:
+    from services.verifier.config import YarnScaling
+    from services.verifier.rope import apply_rope_interleaved, yarn_inv_freq
+
+    # d=4, position p: HF de-interleaves [a, b, c, d] -> [a, c, b, d] and pairs (a, b) at freq0, (c, d) at freq1.
+    a, b, c, d = 0.3, -1.1, 0.7, 2.0
+    inv = yarn_inv_freq(4, 10000.0, None)  # [1, 0.01]
+    p = 5.0
+    th0, th1 = p * inv[0].item(), p * inv[1].item()
+    cos = torch.tensor([th0, th1, th0, th1], dtype=torch.float64).cos()
+    sin = torch.tensor([th0, th1, th0, th1], dtype=torch.float64).sin()
+    got = apply_rope_interleaved(torch.tensor([a, b, c, d], dtype=torch.float64), cos, sin)
+    c0, s0, c1, s1 = cos[0].item(), sin[0].item(), cos[1].item(), sin[1].item()
+    want = [a * c0 - b * s0, c * c1 - d * s1, b * c0 + a * s0, d * c1 + c * s1]
+    assert got.tolist() == pytest.approx(want)
+    # Yarn with the tiny config: ramp from dim index 0 (pure extrapolation) to 4.. (pure interpolation / factor).
+    yarn = YarnScaling(factor=4.0, original_max_position_embeddings=256, beta_fast=32, beta_slow=1, mscale=1, mscale_all_dim=1)
+    plain = yarn_inv_freq(16, 10000.0, None)
+    scaled = yarn_inv_freq(16, 10000.0, yarn)
+    assert scaled[0].item() == pytest.approx(plain[0].item())
+    assert torch.allclose(scaled[4:], plain[4:] / 4)
+    assert bool(((scaled[1:4] < plain[1:4]) & (scaled[1:4] > plain[1:4] / 4)).all())
+
+
+def test_softmax_scale_uses_mscale_all_dim(models: Models) -> None:
+    import math
+
+    from services.verifier.rope import softmax_scale
+
+    want = 32**-0.5 * (0.1 * math.log(4.0) + 1.0) ** 2
+    assert softmax_scale(models.target.config) == pytest.approx(want)

@@ -1,0 +1,272 @@
+"""Transports must deliver bit-identical tensors and never leak slots (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddtree.v1 import common_pb2
+from services.common.transport import (
+    SUPPORTED_DTYPES,
+    RingFull,
+    SlotRing,
+    bundle_slot,
+    make_reader,
+    make_writer,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SHM_DIR = Path("/dev/shm")
+
+
+def _random_tensor(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype in (torch.int32, torch.int64):
+        info = torch.iinfo(dtype)
+        return torch.randint(info.min, info.max, shape, generator=gen, dtype=dtype)
+    t = (torch.randn(shape, generator=gen) * 100).to(dtype)
+    if t.numel() >= 3:
+        flat = t.view(-1)
+        flat[0], flat[1], flat[2] = float("nan"), float("inf"), -0.0
+    return t
+
+
+def _bundle_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Every dtype in odd, 0-d and empty shapes, plus a non-contiguous one."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, dtype in SUPPORTED_DTYPES.items():
+        out[f"{name}_odd"] = _random_tensor(dtype, (3, 5, 7), gen)
+        out[f"{name}_scalar"] = _random_tensor(dtype, (), gen)
+        out[f"{name}_empty"] = _random_tensor(dtype, (0, 4), gen)
+        out[f"{name}_one"] = _random_tensor(dtype, (1,), gen)
+    out["float32_strided"] = torch.randn(6, 5, generator=gen).t()
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Integer view so NaN payloads and -0.0 compare exactly."""
+    t = t.contiguous()
+    if t.dtype.is_floating_point:
+        return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+    return t
+
+
+def _assert_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for name, w in want.items():
+        g = got[name]
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(_bits(g), _bits(w)), name
+
+
+def _raw(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    return {
+        n: (str(t.dtype), tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        for n, t in tensors.items()
+    }
+
+
+def _child_read(ring_name: str, slot_bytes: int, num_slots: int, message: bytes, conn) -> None:
+    """Consumer process: attach by name, decode, send the raw bytes back."""
+    bundle = common_pb2.TensorBundle.FromString(message)
+    reader = make_reader("shm", ring_name, slot_bytes, num_slots)
+    conn.send(_raw(reader.read(bundle)))
+    conn.close()
+
+
+def _child_read_and_hang(ring_name: str, slot_bytes: int, num_slots: int, messages: list[bytes], conn) -> None:
+    """Consumer that reads, keeps its zero-copy views (holding the slots) and never releases."""
+    reader = make_reader("shm", ring_name, slot_bytes, num_slots)
+    views = [reader.read(common_pb2.TensorBundle.FromString(m)) for m in messages]
+    conn.send(sum(t.numel() for v in views for t in v.values()))
+    signal.pause()
+
+
+def test_shm_and_inline_deliver_identical_tensors() -> None:
+    tensors = _bundle_tensors()
+    with make_writer("shm", slot_bytes=1 << 16, num_slots=2, name_prefix="ddt-test") as shm_w, make_writer(
+        "inline"
+    ) as inl_w:
+        shm_r = make_reader("shm", shm_w.ring_name, shm_w.slot_bytes, shm_w.num_slots)
+        inl_r = make_reader("inline")
+        shm_b = shm_w.write(tensors)
+        inl_b = inl_w.write(tensors)
+        assert bundle_slot(shm_b) is not None and bundle_slot(inl_b) is None
+        for ref in shm_b.tensors:
+            assert ref.slot.offset % 64 == 0
+        # Through the wire format too, as the services will send it.
+        shm_b = common_pb2.TensorBundle.FromString(shm_b.SerializeToString())
+        inl_b = common_pb2.TensorBundle.FromString(inl_b.SerializeToString())
+        from_shm, from_inline = shm_r.read(shm_b), inl_r.read(inl_b)
+        _assert_identical(from_shm, tensors)
+        _assert_identical(from_inline, tensors)
+        _assert_identical(from_shm, from_inline)
+        assert shm_r.is_current(shm_b)
+        del from_shm
+        shm_r.close()
+        assert shm_w.inline_fallbacks == 0
+
+
+def test_round_trip_across_processes() -> None:
+    tensors = _bundle_tensors(seed=1)
+    ctx = mp.get_context("spawn")
+    with make_writer("shm", slot_bytes=1 << 16, num_slots=2, name_prefix="ddt-test") as writer:
+        message = writer.write(tensors).SerializeToString()
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_child_read, args=(writer.ring_name, writer.slot_bytes, writer.num_slots, message, child))
+        proc.start()
+        assert parent.poll(20), "child did not answer"
+        got = parent.recv()
+        proc.join(10)
+        assert proc.exitcode == 0
+        assert got == _raw(tensors)
+        # The child's exit must not have unlinked the owner's segment.
+        assert (SHM_DIR / writer.ring_name).exists()
+
+
+def test_independent_consumer_process_does_not_unlink_segment() -> None:
+    """A consumer with its own resource_tracker must not reclaim the owner's ring when it exits."""
+    with make_writer("shm", slot_bytes=4096, num_slots=2, name_prefix="ddt-test") as writer:
+        bundle = writer.write({"x": torch.arange(10)})
+        code = (
+            "import sys; from ddtree.v1 import common_pb2; from services.common.transport import make_reader\n"
+            f"r = make_reader('shm', {writer.ring_name!r}, {writer.slot_bytes}, {writer.num_slots})\n"
+            "b = common_pb2.TensorBundle.FromString(sys.stdin.buffer.read())\n"
+            "print(int(r.read(b)['x'].sum()))\n"
+        )
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "protos")])}
+        result = subprocess.run(
+            [sys.executable, "-c", code], input=bundle.SerializeToString(), capture_output=True, env=env, timeout=30
+        )
+        assert result.returncode == 0, result.stderr.decode()
+        assert result.stdout.decode().strip() == "45"
+        assert b"leaked" not in result.stderr
+        assert (SHM_DIR / writer.ring_name).exists()
+        reader = make_reader("shm", writer.ring_name, writer.slot_bytes, writer.num_slots)
+        assert torch.equal(reader.read(bundle)["x"], torch.arange(10))
+
+
+def test_ring_full_release_and_stale_sequence() -> None:
+    with make_writer("shm", slot_bytes=256, num_slots=2, name_prefix="ddt-test") as writer:
+        reader = make_reader("shm", writer.ring_name, writer.slot_bytes, writer.num_slots)
+        a = writer.write({"v": torch.full((4,), 1)})
+        b = writer.write({"v": torch.full((4,), 2)})
+        assert writer.slots_in_use == 2 and bundle_slot(a) != bundle_slot(b)
+        with pytest.raises(RingFull):
+            writer.write({"v": torch.full((4,), 3)})
+        writer.release([bundle_slot(a)])
+        assert writer.slots_in_use == 1
+        c = writer.write({"v": torch.full((4,), 3)})  # reuses a's slot
+        assert bundle_slot(c) == bundle_slot(a)
+        assert c.tensors[0].slot.sequence > a.tensors[0].slot.sequence
+        with pytest.raises(ValueError, match="stale message"):
+            reader.read(a)
+        assert not reader.is_current(a)
+        assert torch.equal(reader.read(b)["v"], torch.full((4,), 2))
+        assert torch.equal(reader.read(c)["v"], torch.full((4,), 3))
+        writer.release([bundle_slot(b), bundle_slot(c)])
+        writer.release([bundle_slot(b)])  # a late duplicate release is harmless
+        assert writer.slots_in_use == 0
+        with pytest.raises(ValueError, match="out of range"):
+            writer.release([5])
+
+
+def test_slot_ring_bookkeeping() -> None:
+    ring = SlotRing(3)
+    taken = [ring.acquire() for _ in range(3)]
+    assert sorted(s for s, _ in taken) == [0, 1, 2]
+    assert [q for _, q in taken] == [1, 2, 3]
+    with pytest.raises(RingFull):
+        ring.acquire()
+    ring.release_all()
+    assert ring.slots_in_use == 0
+    assert ring.acquire()[1] == 4
+
+
+def test_dead_consumer_leaks_no_slot_and_close_unlinks() -> None:
+    ctx = mp.get_context("spawn")
+    writer = make_writer("shm", slot_bytes=1024, num_slots=4, name_prefix="ddt-test")
+    name = writer.ring_name
+    try:
+        messages = [writer.write({"t": torch.arange(i + 1), "m": torch.ones(2, 3)}).SerializeToString() for i in range(3)]
+        assert writer.slots_in_use == 3
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_child_read_and_hang, args=(name, writer.slot_bytes, writer.num_slots, messages, child))
+        proc.start()
+        assert parent.poll(20), "child did not read"
+        assert parent.recv() == (1 + 2 + 3) + 3 * 6
+        os.kill(proc.pid, signal.SIGKILL)  # dies mid-step holding three slots
+        proc.join(10)
+        assert proc.exitcode == -signal.SIGKILL
+        # The owner learns the peer is gone (stream ended) and reclaims everything.
+        writer.release_all()
+        assert writer.slots_in_use == 0
+        assert (SHM_DIR / name).exists()
+        for _ in range(writer.num_slots):  # the whole ring is usable again
+            writer.write({"x": torch.zeros(8)})
+        assert writer.slots_in_use == writer.num_slots
+    finally:
+        writer.close()
+    assert not (SHM_DIR / name).exists()
+    writer.close()  # idempotent
+
+
+def test_oversize_bundle_falls_back_inline() -> None:
+    with make_writer("shm", slot_bytes=128, num_slots=1, name_prefix="ddt-test") as writer:
+        reader = make_reader("shm", writer.ring_name, writer.slot_bytes, writer.num_slots)
+        big = {"a": torch.randn(100), "b": torch.arange(3)}
+        bundle = writer.write(big)
+        assert bundle_slot(bundle) is None
+        assert all(ref.WhichOneof("payload") == "inline_data" for ref in bundle.tensors)
+        assert writer.inline_fallbacks == 1 and writer.slots_in_use == 0
+        _assert_identical(reader.read(bundle), big)
+        # Two tensors that each fit but not together (alignment padding counts) also go inline.
+        pair = {"a": torch.ones(20), "b": torch.ones(20)}  # 80 + pad to 128 + 80 > 128
+        assert bundle_slot(writer.write(pair)) is None and writer.inline_fallbacks == 2
+        small = {"a": torch.ones(32)}  # exactly 128 bytes fits
+        assert bundle_slot(writer.write(small)) == 0 and writer.inline_fallbacks == 2
+
+
+def test_bad_inputs_are_refused() -> None:
+    with make_writer("inline") as writer:
+        with pytest.raises(ValueError, match="dtype"):
+            writer.write({"c": torch.zeros(2, dtype=torch.complex64)})
+    bundle = common_pb2.TensorBundle()
+    bundle.tensors.add(name="x", dtype="float32", shape=[3], inline_data=b"\0" * 8)
+    with pytest.raises(ValueError, match="needs 12"):
+        make_reader("inline").read(bundle)
+    slot_bundle = common_pb2.TensorBundle()
+    ref = slot_bundle.tensors.add(name="x", dtype="int64", shape=[1])
+    ref.slot.slot, ref.slot.offset, ref.slot.nbytes, ref.slot.sequence = 0, 64, 8, 1
+    with pytest.raises(ValueError, match="inline-only"):
+        make_reader("inline").read(slot_bundle)
+    with pytest.raises(ValueError, match="unknown transport kind"):
+        make_writer("carrier-pigeon")
+    with make_writer("shm", slot_bytes=256, num_slots=2, name_prefix="ddt-test") as writer:
+        with pytest.raises(ValueError, match="disagree"):
+            make_reader("shm", writer.ring_name, 4096, 2)
+
+
+def test_concurrent_writes_get_distinct_slots() -> None:
+    """Writers on several threads (e.g. gRPC handler threads) must never share a slot."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = 16
+    with make_writer("shm", slot_bytes=4096, num_slots=n, name_prefix="ddt-test") as writer:
+        reader = make_reader("shm", writer.ring_name, writer.slot_bytes, writer.num_slots)
+        with ThreadPoolExecutor(8) as pool:
+            bundles = list(pool.map(lambda i: writer.write({"v": torch.full((256,), i)}), range(n)))
+        assert sorted(bundle_slot(b) for b in bundles) == list(range(n))
+        for i, b in enumerate(bundles):
+            assert torch.equal(reader.read(b)["v"], torch.full((256,), i))
+        writer.release(bundle_slot(b) for b in bundles)
+        assert writer.slots_in_use == 0
