@@ -49,9 +49,9 @@ class DraftEngine:
         self._lock = asyncio.Lock()
         self.max_context = 0
 
-    async def connect(self) -> None:
+    async def connect(self, wait_s: float = 0.0) -> None:
         hs = await self.verifier.connect(self.proposer.target_layer_ids, self.proposer.hidden_size,
-                                         self.proposer.vocab_size)
+                                         self.proposer.vocab_size, wait_s=wait_s)
         self.max_context = hs.max_context
 
     def model_info(self) -> common_pb2.ModelInfo:
@@ -66,15 +66,14 @@ class DraftEngine:
 
     async def step(self, request: draft_pb2.StepRequest) -> draft_pb2.StepResponse:
         async with self._lock:
-            if not self.verifier.connected:
-                self._requests.clear()   # a new stream means a verifier without our requests
-                await self.connect()
             try:
+                if not self.verifier.connected:
+                    self._drop_all()   # a new stream means a verifier without our requests
+                    await self.connect()
                 return await self._step(request)
             except ServiceError as exc:
                 # The verifier is gone: every request in flight is lost; say so per request.
-                for rid in list(self._requests):
-                    self._drop(rid)
+                self._drop_all()
                 return draft_pb2.StepResponse(results=[
                     draft_pb2.StepResult(request_id=i.request_id, error_code=exc.code.value[0],
                                          error_message=exc.message) for i in request.items])
@@ -168,6 +167,10 @@ class DraftEngine:
                 n = sizes[j]
                 trees[i] = _Tree(batch.tokens[j, :n].cpu(), batch.parents[j, :n].cpu(), batch.depths[j, :n].cpu())
         return [t for t in trees if t is not None]
+
+    def _drop_all(self) -> None:
+        for rid in list(self._requests):
+            self._drop(rid)
 
     def _drop(self, rid: str) -> None:
         if self._requests.pop(rid, None) is not None:

@@ -33,8 +33,6 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
         try:
-            if not self.engine.verifier.connected:
-                await self.engine.connect()
             return self.engine.model_info()
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
@@ -48,7 +46,7 @@ async def serve(settings: DraftSettings) -> None:
     client = VerifierClient(settings.verifier_address, settings.transport, settings.ring_slots,
                             settings.ring_slot_bytes)
     engine = DraftEngine(proposer, client)
-    await engine.connect()   # fail fast on an incompatible verifier (FAILED_PRECONDITION names the field)
+    await engine.connect(wait_s=120.0)   # fail fast on an incompatible verifier (FAILED_PRECONDITION names the field)
     log.info("verifier_connected", transport=client.handshake.transport, max_context=engine.max_context)
     server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
     draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(engine), server)

@@ -53,8 +53,10 @@ class VerifierClient:
         self._sequence = 0
         self.handshake: verifier_pb2.HandshakeResponse | None = None
 
-    async def connect(self, feature_layer_ids: Sequence[int], hidden_size: int, vocab_size: int) -> \
-            verifier_pb2.HandshakeResponse:
+    async def connect(self, feature_layer_ids: Sequence[int], hidden_size: int, vocab_size: int,
+                      wait_s: float = 0.0) -> verifier_pb2.HandshakeResponse:
+        """Handshakes and opens the stream; waits up to `wait_s` for the verifier to come up (start-up),
+        otherwise fails at once with UNAVAILABLE so requests are not held while the verifier is down."""
         await self.close()
         self._channel = grpc.aio.insecure_channel(self.address, options=server_options())
         stub = verifier_pb2_grpc.VerifierStub(self._channel)
@@ -65,7 +67,7 @@ class VerifierClient:
                 draft_id=self.draft_id, feature_layer_ids=list(feature_layer_ids), hidden_size=hidden_size,
                 vocab_size=vocab_size, transports=self._offer, draft_ring=self._writer.ring_name or "",
                 draft_ring_slot_bytes=self._writer.slot_bytes, draft_ring_slots=self._writer.num_slots),
-                wait_for_ready=True, timeout=60)
+                wait_for_ready=wait_s > 0, timeout=wait_s if wait_s > 0 else 10.0)
         except grpc.aio.AioRpcError as exc:
             await self.close()
             raise ServiceError(exc.code(), f"verifier handshake failed: {exc.details()}") from None

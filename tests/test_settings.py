@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import pytest
+
+from services.common.settings import (DraftSettings, SchedulerSettings, SettingsError, VerifierSettings,
+                                      load_settings)
+
+
+def test_file_env_and_overrides_layer_in_order(tmp_path):
+    cfg = tmp_path / "ddtree.toml"
+    cfg.write_text('[verifier]\npage_size = 32\nmodel_path = "a"\n[scheduler]\ndraft_addresses = ["x:1", "y:2"]\n')
+    v = load_settings(VerifierSettings, cfg, env={"DDTREE_VERIFIER_MODEL_PATH": "b"}, overrides={"port": 7})
+    assert (v.page_size, v.model_path, v.port) == (32, "b", 7)
+    s = load_settings(SchedulerSettings, cfg, env={})
+    assert s.draft_addresses == ("x:1", "y:2")
+    s = load_settings(SchedulerSettings, cfg, env={"DDTREE_SCHEDULER_DRAFT_ADDRESSES": "a:1,b:2",
+                                                   "DDTREE_SCHEDULER_JSON_LOGS": "true"})
+    assert s.draft_addresses == ("a:1", "b:2") and s.json_logs is True
+
+
+@pytest.mark.parametrize("cls,env,needle", [
+    (VerifierSettings, {"DDTREE_VERIFIER_PAGE_SIZE": "0"}, "verifier.page_size"),
+    (VerifierSettings, {"DDTREE_VERIFIER_PAGE_SIZE": "big"}, "DDTREE_VERIFIER_PAGE_SIZE"),
+    (VerifierSettings, {"DDTREE_VERIFIER_NOPE": "1"}, "DDTREE_VERIFIER_NOPE"),
+    (DraftSettings, {"DDTREE_DRAFT_TRANSPORT": "carrier-pigeon"}, "draft.transport"),
+    (SchedulerSettings, {"DDTREE_SCHEDULER_DEFAULT_BUDGET": "500"}, "scheduler.default_budget"),
+    (SchedulerSettings, {"DDTREE_SCHEDULER_DEFAULT_MODE": "fast"}, "scheduler.default_mode"),
+])
+def test_bad_settings_name_the_field(cls, env, needle):
+    with pytest.raises(SettingsError, match=needle.replace(".", r"\.")):
+        load_settings(cls, None, env=env)
+
+
+def test_unknown_key_and_missing_file(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[draft]\nbudgett = 3\n")
+    with pytest.raises(SettingsError, match="draft.budgett"):
+        load_settings(DraftSettings, cfg, env={})
+    with pytest.raises(SettingsError, match="config file"):
+        load_settings(DraftSettings, tmp_path / "missing.toml", env={})

@@ -1,0 +1,103 @@
+"""The stack with the real DFlash drafter, the inline transport, and the ways it must fail cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from services.common.launcher import Stack, StackSpec
+from services.common.make_checkpoint import make_random_checkpoint
+from services.scheduler.client import AsyncClient, Client, ClientError
+from tests.stack_fixtures import PROMPTS, build_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("failures"))
+
+
+def _serve(service: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "serve", service], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_real_drafter_over_inline_transport_is_lossless(ckpt):
+    spec = StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={"DDTREE_DRAFT_TRANSPORT": "inline"})
+    with Stack(spec) as stack, Client(stack.scheduler_address) as c:
+        assert c.model_info().transport == "inline"
+        for p in PROMPTS[:5]:
+            ar = c.generate(p, max_tokens=16, mode="autoregressive", ignore_eos=True)
+            for budget in (1, 16, 128):
+                dd = c.generate(p, max_tokens=16, budget=budget, ignore_eos=True)
+                assert dd.token_ids == ar.token_ids, (p, budget)
+                assert sum(dd.acceptance_lengths) >= 15
+
+
+def test_malformed_checkpoint_directory_fails_start_with_a_clear_message(tmp_path, ckpt):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = _serve("verifier", {"DDTREE_VERIFIER_MODEL_PATH": str(empty), "DDTREE_VERIFIER_PORT": "0"})
+    assert res.returncode == 2 and "config.json" in res.stderr, res.stderr
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((ckpt / "config.json").read_text().replace('"hidden_size": 64', '"hidden_size": 96'))
+    (broken / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes())
+    res = _serve("verifier", {"DDTREE_VERIFIER_MODEL_PATH": str(broken), "DDTREE_VERIFIER_PORT": "0"})
+    assert res.returncode == 2 and "model.safetensors" in res.stderr, res.stderr
+
+
+def test_drafter_for_another_target_is_refused_at_handshake(tmp_path, ckpt):
+    other = make_random_checkpoint(tmp_path / "other", vocab_size=512, seed=3,
+                                   target_overrides={"hidden_size": 32})
+    spec = StackSpec(model_path=str(ckpt), scheduler_port=0, drafter_path=str(other / "drafter"),
+                     extra_env={"DDTREE_DRAFT_TARGET_PATH": str(other)})
+    with pytest.raises(RuntimeError, match="draft exited with code 3"):
+        Stack(spec).start()
+
+
+def test_queue_bound_rejects_with_resource_exhausted(ckpt):
+    spec = StackSpec(model_path=str(ckpt), scheduler_port=0,
+                     extra_env={"DDTREE_SCHEDULER_MAX_QUEUE": "1", "DDTREE_SCHEDULER_MAX_BATCH": "1"})
+
+    async def burst(address):
+        async with AsyncClient(address) as client:
+            return await asyncio.gather(*(client.generate(PROMPTS[0], max_tokens=40, ignore_eos=True)
+                                          for _ in range(6)), return_exceptions=True)
+
+    with Stack(spec) as stack:
+        results = asyncio.run(burst(stack.scheduler_address))
+    rejected = [r for r in results if isinstance(r, ClientError)]
+    served = [r for r in results if not isinstance(r, BaseException)]
+    assert rejected and all(r.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in r.message
+                            for r in rejected)
+    assert served and all(len(r.token_ids) == 40 for r in served)
+
+
+def test_dead_verifier_is_reported_not_hung_on(ckpt):
+    spec = StackSpec(model_path=str(ckpt), scheduler_port=0)
+    with Stack(spec) as stack:
+        async def scenario():
+            async with AsyncClient(stack.scheduler_address) as client:
+                got = []
+                with pytest.raises(ClientError) as info:
+                    async for chunk in client.stream(PROMPTS[2], max_tokens=4000 // 8, mode="autoregressive",
+                                                     ignore_eos=True):
+                        got.append(chunk)
+                        if len(got) == 3:
+                            stack.process("verifier").kill()
+                            killed_at = time.monotonic()
+                ended_in = time.monotonic() - killed_at
+                t0 = time.monotonic()
+                with pytest.raises(ClientError) as later:
+                    await client.generate(PROMPTS[0], max_tokens=4)
+                return info.value, ended_in, later.value, time.monotonic() - t0
+
+        err, ended_in, later, later_s = asyncio.run(scenario())
+    assert err.code == grpc.StatusCode.UNAVAILABLE and ended_in < 5.0
+    assert later.code == grpc.StatusCode.UNAVAILABLE and later_s < 5.0
