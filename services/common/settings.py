@@ -50,6 +50,8 @@ class SchedulerSettings:
     default_budget: int = 16
     default_mode: str = "ddtree"
     max_tokens_limit: int = 4096    # the largest max_tokens a request may ask for
+    step_timeout_s: float = 60.0    # a draft replica slower than this for one step is marked down
+    metrics_port: int = 0           # Prometheus /metrics (0 = off)
     json_logs: bool = False
 
     def __post_init__(self) -> None:
@@ -61,6 +63,7 @@ class SchedulerSettings:
         _check(self.default_mode in ("ddtree", "autoregressive"), "scheduler.default_mode",
                "must be 'ddtree' or 'autoregressive'")
         _check(self.max_tokens_limit > 0, "scheduler.max_tokens_limit", "must be > 0")
+        _check(self.step_timeout_s > 0, "scheduler.step_timeout_s", "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class DraftSettings:
     ring_slot_bytes: int = 1 << 20
     device: str = "cpu"
     dtype: str = "float32"
+    metrics_port: int = 0
     json_logs: bool = False
 
     def __post_init__(self) -> None:
@@ -102,6 +106,7 @@ class VerifierSettings:
     prefill_chunk: int = 512         # prompt tokens per prefill forward
     ring_slots: int = 4
     ring_slot_bytes: int = 8 << 20
+    metrics_port: int = 0
     json_logs: bool = False
 
     def __post_init__(self) -> None:
@@ -130,6 +135,11 @@ def _coerce(name: str, value: Any, target: Any) -> Any:
         if value.lower() in ("0", "false", "no", "off"):
             return False
         raise SettingsError(f"{name}: {value!r} is not a boolean")
+    if kind is float or text == "float":
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise SettingsError(f"{name}: {value!r} is not a number") from None
     if kind is int or text == "int":
         try:
             return int(value)

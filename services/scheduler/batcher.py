@@ -1,8 +1,9 @@
-"""Continuous batching: every step takes all running requests plus whatever the queue can admit.
+"""Continuous batching on one draft replica: each step takes all running requests plus admissions.
 
 The loop is the spine of the stack (DESIGN.md §2): schedule -> Step on the draft (which drafts,
 verifies and commits) -> hand each request its tokens -> release what finished. Admission is by KV
-reservation so the verifier never runs out of pages mid-request; a full queue rejects at once.
+reservation so the verifier never runs out of pages mid-request. A replica that fails ends its
+requests with UNAVAILABLE and is marked down; the router sends new work elsewhere until it is back.
 """
 
 from __future__ import annotations
@@ -10,45 +11,57 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import grpc
 
 from ddtree.v1 import draft_pb2, draft_pb2_grpc, scheduler_pb2
 from services.common.grpc_server import ServiceError
 from services.common.logging import get_logger
+from services.common.metrics import Metrics
 from services.common.settings import SchedulerSettings
 from services.scheduler.request import ActiveRequest, Limits
 
-__all__ = ["StepLoop"]
+__all__ = ["StepLoop", "KvBudget"]
 
 log = get_logger("scheduler")
 
 _FINISH_NAMES = {v: k for k, v in scheduler_pb2.FinishReason.items()}
 
 
+@dataclass
+class KvBudget:
+    """The KV tokens of one verifier group; draft replicas in front of the same group share it."""
+
+    capacity: int
+    reserved: int = 0
+
+
 class StepLoop:
-    def __init__(self, settings: SchedulerSettings, draft: draft_pb2_grpc.DraftStub, limits: Limits) -> None:
+    """One draft replica's batch: its running requests, its queue, its step loop."""
+
+    def __init__(self, settings: SchedulerSettings, address: str, draft: draft_pb2_grpc.DraftStub, limits: Limits,
+                 kv: KvBudget, metrics: Metrics) -> None:
         self.settings = settings
+        self.address = address
         self.draft = draft
         self.limits = limits
+        self.kv = kv
+        self.metrics = metrics
+        self.healthy = True
         self.waiting: deque[ActiveRequest] = deque()
         self.running: dict[str, ActiveRequest] = {}
-        self.kv_reserved = 0
         self._release: list[str] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    # ---- called by the servicer ---------------------------------------------------------------
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ---- called by the router -----------------------------------------------------------------
     def submit(self, req: ActiveRequest) -> None:
-        if req.kv_tokens > self.limits.kv_capacity_tokens:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"request needs {req.kv_tokens} KV tokens (prompt + max_tokens + one block); "
-                               f"the cache holds {self.limits.kv_capacity_tokens}")
-        if len(self.waiting) >= self.settings.max_queue:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"queue full ({self.settings.max_queue} requests waiting); retry later")
-        if req.request_id in self.running or any(w.request_id == req.request_id for w in self.waiting):
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id} is already in use")
+        req.draft = self.address
         self.waiting.append(req)
         self._wake.set()
 
@@ -77,20 +90,20 @@ class StepLoop:
     async def run(self) -> None:
         while True:
             self._retire_aborted()
-            items = self._schedule()
+            items = self._schedule() if self.healthy else []
             if not items and not self._release:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             release, self._release = self._release, []
             try:
-                resp = await self.draft.Step(draft_pb2.StepRequest(items=items, release=release))
+                resp = await self.draft.Step(draft_pb2.StepRequest(items=items, release=release),
+                                             timeout=self.settings.step_timeout_s)
             except grpc.aio.AioRpcError as exc:
-                code = exc.code() if exc.code() != grpc.StatusCode.CANCELLED else grpc.StatusCode.UNAVAILABLE
-                err = ServiceError(code, f"draft service failed: {exc.details()}")
-                for item in items:
-                    self._finish(self.running[item.request_id], error=err)
+                self._fail_replica(exc)
                 continue
+            self.metrics.step_ms.labels("draft").observe(resp.draft_ms)
+            self.metrics.step_ms.labels("verify").observe(resp.verify_ms)
             for res in resp.results:
                 req = self.running.get(res.request_id)
                 if req is None:
@@ -99,18 +112,45 @@ class StepLoop:
                     self._finish(req, error=ServiceError(grpc.StatusCode(_code(res.error_code)), res.error_message))
                     continue
                 req.started = True
+                before = len(req.out_ids)
                 req.add_tokens(list(res.token_ids), res.acceptance_length)
+                self.metrics.tokens.inc(len(req.out_ids) - before)
+                if res.acceptance_length:
+                    self.metrics.acceptance.observe(res.acceptance_length)
                 if req.done:
                     self._finish(req)
+
+    def _fail_replica(self, exc: grpc.aio.AioRpcError) -> None:
+        """The draft replica failed a step: its running requests are lost; mark it down."""
+        code = exc.code()
+        if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            code = grpc.StatusCode.UNAVAILABLE
+            self.healthy = False
+        err = ServiceError(code, f"draft replica {self.address} failed: {exc.details()}")
+        log.warning("draft_replica_failed", address=self.address, code=exc.code().name, details=exc.details(),
+                    running=len(self.running))
+        for req in list(self.running.values()):
+            self._finish(req, error=err)
+        self._release = []   # a restarted replica holds none of them
+
+    def take_waiting(self) -> list[ActiveRequest]:
+        """Hands queued (never started) requests back to the router to place on another replica."""
+        out = list(self.waiting)
+        self.waiting.clear()
+        return out
+
+    def mark_healthy(self) -> None:
+        self.healthy = True
+        self._wake.set()
 
     def _schedule(self) -> list[draft_pb2.StepItem]:
         """All running requests, then admissions in arrival order while batch and KV allow."""
         items = [draft_pb2.StepItem(request_id=r.request_id, budget=r.budget) for r in self.running.values()]
         while self.waiting and len(items) < self.settings.max_batch and \
-                self.kv_reserved + self.waiting[0].kv_tokens <= self.limits.kv_capacity_tokens:
+                self.kv.reserved + self.waiting[0].kv_tokens <= self.kv.capacity:
             req = self.waiting.popleft()
             self.running[req.request_id] = req
-            self.kv_reserved += req.kv_tokens
+            self.kv.reserved += req.kv_tokens
             items.append(draft_pb2.StepItem(
                 request_id=req.request_id, prompt_token_ids=req.prompt_ids, sampling=req.sampling, mode=req.mode,
                 budget=req.budget, max_new_tokens=req.max_tokens))
@@ -124,13 +164,15 @@ class StepLoop:
     def _finish(self, req: ActiveRequest, error: ServiceError | None = None) -> None:
         if error is not None:
             req.fail(error)
-        self.running.pop(req.request_id, None)
-        self.kv_reserved -= req.kv_tokens
+        if self.running.pop(req.request_id, None) is not None:
+            self.kv.reserved -= req.kv_tokens
         self._release.append(req.request_id)
         self._wake.set()
         self._log_end(req)
 
     def _log_end(self, req: ActiveRequest) -> None:
+        self.metrics.requests.labels(_FINISH_NAMES.get(req.finish, "ERROR").removeprefix("FINISH_REASON_").lower()
+                                     if req.error is None else req.error.code.name.lower()).inc()
         usage = req.usage()
         now = time.monotonic()
         log.info("request_end", request_id=req.request_id,

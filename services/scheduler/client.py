@@ -94,10 +94,14 @@ def _error(exc: grpc.RpcError) -> ClientError:
 
 
 class Client:
-    def __init__(self, address: str, timeout_s: float | None = None) -> None:
+    """`wait_for_ready=False` (default) fails at once with UNAVAILABLE when no server is listening;
+    True waits for the server to come up, bounded by `timeout_s`."""
+
+    def __init__(self, address: str, timeout_s: float | None = None, wait_for_ready: bool = False) -> None:
         self._channel = grpc.insecure_channel(address)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self.timeout_s = timeout_s
+        self.wait_for_ready = wait_for_ready
 
     def __enter__(self) -> Client:
         return self
@@ -111,7 +115,8 @@ class Client:
     def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[Chunk]:
         timeout = kwargs.pop("timeout_s", self.timeout_s)
         try:
-            for msg in self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout, wait_for_ready=True):
+            for msg in self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
+                                           wait_for_ready=self.wait_for_ready):
                 yield _chunk(msg)
         except grpc.RpcError as exc:
             raise _error(exc) from None
@@ -130,17 +135,20 @@ class Client:
 
     def model_info(self) -> common_pb2.ModelInfo:
         try:
-            return self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=True,
+            return self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=self.wait_for_ready,
                                            timeout=self.timeout_s)
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
 
 class AsyncClient:
-    def __init__(self, address: str, timeout_s: float | None = None) -> None:
+    """The asyncio twin of `Client`, for many concurrent streams from one process."""
+
+    def __init__(self, address: str, timeout_s: float | None = None, wait_for_ready: bool = False) -> None:
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self.timeout_s = timeout_s
+        self.wait_for_ready = wait_for_ready
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -155,7 +163,7 @@ class AsyncClient:
         timeout = kwargs.pop("timeout_s", self.timeout_s)
         try:
             async for msg in self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
-                                                 wait_for_ready=True):
+                                                 wait_for_ready=self.wait_for_ready):
                 yield _chunk(msg)
         except grpc.RpcError as exc:
             raise _error(exc) from None
@@ -174,7 +182,7 @@ class AsyncClient:
 
     async def model_info(self) -> common_pb2.ModelInfo:
         try:
-            return await self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=True,
+            return await self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=self.wait_for_ready,
                                                  timeout=self.timeout_s)
         except grpc.RpcError as exc:
             raise _error(exc) from None

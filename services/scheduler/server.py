@@ -14,12 +14,13 @@ from pathlib import Path
 import grpc
 from tokenizers import Tokenizer
 
-from ddtree.v1 import common_pb2, draft_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from services.common.grpc_server import ServiceError, new_server, serve_until_signal, server_options
+from ddtree.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.grpc_server import ServiceError, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
+from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings
-from services.scheduler.batcher import StepLoop
-from services.scheduler.request import Limits, validate
+from services.scheduler.request import validate
+from services.scheduler.router import Router
 
 __all__ = ["SchedulerServicer", "load_tokenizer", "serve"]
 
@@ -27,18 +28,18 @@ log = get_logger("scheduler")
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, settings: SchedulerSettings, loop: StepLoop, info: common_pb2.ModelInfo,
+    def __init__(self, settings: SchedulerSettings, router: Router, info: common_pb2.ModelInfo,
                  tokenizer: Tokenizer | None) -> None:
         self.settings = settings
-        self.loop = loop
+        self.router = router
         self.info = info
         self.tokenizer = tokenizer
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         try:
-            req = validate(request, self.settings, self.loop.limits, self.tokenizer)
-            self.loop.submit(req)
+            req = validate(request, self.settings, self.router.limits, self.tokenizer)
+            self.router.submit(req)
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
         try:
@@ -51,12 +52,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     return
         except asyncio.CancelledError:
             # Client went away or its deadline passed: free the request's slot and KV.
-            self.loop.abort(req.request_id)
+            self.router.abort(req.request_id)
             raise
 
     async def Abort(self, request: scheduler_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
-        return scheduler_pb2.AbortResponse(found=self.loop.abort(request.request_id))
+        return scheduler_pb2.AbortResponse(found=self.router.abort(request.request_id))
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
@@ -73,36 +74,24 @@ def load_tokenizer(path: str) -> Tokenizer | None:
     return Tokenizer.from_file(str(p))
 
 
-async def fetch_model_info(stub: draft_pb2_grpc.DraftStub, timeout_s: float = 120.0) -> common_pb2.ModelInfo:
-    """Waits for the draft (and through it the verifier) to be ready and reports the limits."""
-    try:
-        return await stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=True, timeout=timeout_s)
-    except grpc.aio.AioRpcError as exc:
-        raise ServiceError(exc.code(), f"draft service not ready: {exc.details()}") from None
-
-
 async def serve(settings: SchedulerSettings) -> None:
     configure_logging("scheduler", settings.json_logs)
-    channel = grpc.aio.insecure_channel(settings.draft_addresses[0], options=server_options())
-    stub = draft_pb2_grpc.DraftStub(channel)
-    info = await fetch_model_info(stub)
+    metrics = Metrics("scheduler")
+    router = Router(settings, metrics)
+    info = await router.start()
     info.default_budget = settings.default_budget
     info.max_budget = MAX_BUDGET
     tokenizer = load_tokenizer(settings.tokenizer_path)
-    limits = Limits(vocab_size=info.vocab_size, max_context=info.max_context, block_size=info.block_size,
-                    eos_token_id=info.eos_token_id, kv_capacity_tokens=info.kv_capacity_tokens)
     log.info("model_info", vocab_size=info.vocab_size, max_context=info.max_context, block_size=info.block_size,
              kv_capacity_tokens=info.kv_capacity_tokens, transport=info.transport,
-             tokenizer=settings.tokenizer_path if tokenizer else None)
-    loop = StepLoop(settings, stub, limits)
-    loop.start()
+             tokenizer=settings.tokenizer_path if tokenizer else None,
+             metrics_port=serve_metrics(metrics, settings.host, settings.metrics_port))
     server, health = new_server([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(settings, loop, info, tokenizer), server)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(settings, router, info, tokenizer), server)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     await server.start()
     log.info("serving", address=f"{settings.host}:{port}")
     try:
         await serve_until_signal(server, health)
     finally:
-        await loop.stop()
-        await channel.close()
+        await router.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.settings = settings
         self._lock = asyncio.Lock()
         self._peers: dict[str, _Peer] = {}
+        self.verifier_id = f"verifier-{uuid.uuid4().hex[:12]}"
 
     async def Handshake(self, request: verifier_pb2.HandshakeRequest,
                         context: grpc.aio.ServicerContext) -> verifier_pb2.HandshakeResponse:
@@ -86,7 +88,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             transport=kind, verifier_ring=writer.ring_name or "", verifier_ring_slot_bytes=writer.slot_bytes,
             verifier_ring_slots=writer.num_slots, model_type=cfg.model_type, vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size, max_context=self.engine.max_context, eos_token_id=cfg.eos_token_id[0] if cfg.eos_token_id else -1,
-            tp_size=1, kv_capacity_tokens=self.engine.cache.capacity_tokens, kv_page_size=self.engine.cache.page_size)
+            tp_size=1, kv_capacity_tokens=self.engine.cache.capacity_tokens, kv_page_size=self.engine.cache.page_size,
+            verifier_id=self.verifier_id)
 
     async def VerifyStream(self, request_iterator: AsyncIterator[verifier_pb2.VerifyRequest],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[verifier_pb2.VerifyResponse]:

@@ -1,0 +1,39 @@
+"""Prometheus metrics, one registry per process, named with the shared stage vocabulary.
+
+Stages: draft (proposal + tree build), verify (target forward + acceptance), commit, transport.
+Each service serves `/metrics` over HTTP on its `metrics_port` (0 = off).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+__all__ = ["Metrics", "serve_metrics"]
+
+_STEP_BUCKETS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
+
+
+class Metrics:
+    """Every metric the stack exports; a service updates the ones that are its own."""
+
+    def __init__(self, service: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.tokens = Counter("ddtree_generated_tokens", "Tokens streamed to clients", registry=r)
+        self.requests = Counter("ddtree_requests", "Requests by final status", ["status"], registry=r)
+        self.acceptance = Histogram("ddtree_acceptance_length", "Tokens per verify step (bonus included)",
+                                    buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=r)
+        self.step_ms = Histogram("ddtree_step_ms", "Step time by stage", ["stage"], buckets=_STEP_BUCKETS_MS,
+                                 registry=r)
+        self.queue_depth = Gauge("ddtree_queue_depth", "Requests waiting for admission", registry=r)
+        self.running = Gauge("ddtree_running_requests", "Requests being decoded", registry=r)
+        self.kv_pages_free = Gauge("ddtree_kv_pages_free", "Free KV cache pages", registry=r)
+        self.service = service
+
+
+def serve_metrics(metrics: Metrics, host: str, port: int) -> int | None:
+    """Starts the /metrics HTTP endpoint; returns the port, or None when disabled (port 0)."""
+    if port <= 0:
+        return None
+    server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+    return server.server_port

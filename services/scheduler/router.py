@@ -1,0 +1,140 @@
+"""Spreads requests over draft replicas: least-loaded at admission, sticky for the request's life.
+
+Replicas in front of the same verifier group share that group's KV budget. A replica that fails is
+marked down (its running requests end with UNAVAILABLE, its queued ones move to a live replica) and
+probed until it answers again, when it rejoins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from ddtree.v1 import common_pb2, draft_pb2_grpc
+from services.common.grpc_server import ServiceError, server_options
+from services.common.logging import get_logger
+from services.common.metrics import Metrics
+from services.common.settings import SchedulerSettings
+from services.scheduler.batcher import KvBudget, StepLoop
+from services.scheduler.request import ActiveRequest, Limits
+
+__all__ = ["Router", "limits_from_info"]
+
+log = get_logger("scheduler")
+
+PROBE_INTERVAL_S = 0.5
+
+
+def limits_from_info(info: common_pb2.ModelInfo) -> Limits:
+    return Limits(vocab_size=info.vocab_size, max_context=info.max_context, block_size=info.block_size,
+                  eos_token_id=info.eos_token_id, kv_capacity_tokens=info.kv_capacity_tokens)
+
+
+class Router:
+    def __init__(self, settings: SchedulerSettings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.lanes: list[StepLoop] = []
+        self._channels: list[grpc.aio.Channel] = []
+        self._budgets: dict[str, KvBudget] = {}
+        self.info: common_pb2.ModelInfo | None = None
+        self._watch: asyncio.Task | None = None
+
+    async def start(self, timeout_s: float = 120.0) -> common_pb2.ModelInfo:
+        """Connects to every configured replica; needs at least one to answer within `timeout_s`."""
+        stubs = []
+        for address in self.settings.draft_addresses:
+            channel = grpc.aio.insecure_channel(address, options=server_options())
+            self._channels.append(channel)
+            stubs.append(draft_pb2_grpc.DraftStub(channel))
+        infos = await asyncio.gather(*(self._probe(s, timeout_s) for s in stubs))
+        live = [i for i in infos if i is not None]
+        if not live:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"no draft replica answered within {timeout_s:.0f} s: {list(self.settings.draft_addresses)}")
+        self.info = live[0]
+        limits = limits_from_info(self.info)
+        for address, stub, info in zip(self.settings.draft_addresses, stubs, infos):
+            lane = StepLoop(self.settings, address, stub, limits, self._budget(info), self.metrics)
+            lane.healthy = info is not None
+            lane.start()
+            self.lanes.append(lane)
+        self._watch = asyncio.create_task(self._watch_replicas())
+        log.info("replicas", up=[lane.address for lane in self.lanes if lane.healthy],
+                 down=[lane.address for lane in self.lanes if not lane.healthy])
+        return self.info
+
+    def _budget(self, info: common_pb2.ModelInfo | None) -> KvBudget:
+        key = info.verifier_id if info is not None and info.verifier_id else f"unknown-{len(self._budgets)}"
+        if key not in self._budgets:
+            self._budgets[key] = KvBudget(info.kv_capacity_tokens if info is not None else 0)
+        return self._budgets[key]
+
+    @staticmethod
+    async def _probe(stub: draft_pb2_grpc.DraftStub, timeout_s: float) -> common_pb2.ModelInfo | None:
+        try:
+            return await stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=timeout_s > 1,
+                                           timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return None
+
+    @property
+    def limits(self) -> Limits:
+        return self.lanes[0].limits
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(lane.waiting) for lane in self.lanes)
+
+    def submit(self, req: ActiveRequest) -> None:
+        live = [lane for lane in self.lanes if lane.healthy]
+        if not live:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica is up; retry later")
+        if req.kv_tokens > max(lane.kv.capacity for lane in live):
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"request needs {req.kv_tokens} KV tokens (prompt + max_tokens + one block); "
+                               f"the cache holds {max(lane.kv.capacity for lane in live)}")
+        if self.waiting >= self.settings.max_queue:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"queue full ({self.settings.max_queue} requests waiting); retry later")
+        if any(req.request_id in lane.running or any(w.request_id == req.request_id for w in lane.waiting)
+               for lane in self.lanes):
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id} is already in use")
+        min(live, key=lambda lane: lane.load).submit(req)
+        self._update_gauges()
+
+    def abort(self, request_id: str) -> bool:
+        return any(lane.abort(request_id) for lane in self.lanes)
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_depth.set(self.waiting)
+        self.metrics.running.set(sum(len(lane.running) for lane in self.lanes))
+
+    async def _watch_replicas(self) -> None:
+        """Moves queued work off replicas that went down and brings recovered ones back."""
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            self._update_gauges()
+            live = [lane for lane in self.lanes if lane.healthy]
+            for lane in self.lanes:
+                if lane.healthy:
+                    continue
+                for req in lane.take_waiting():
+                    if live:
+                        min(live, key=lambda x: x.load).submit(req)
+                    else:
+                        req.fail(ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica is up"))
+                info = await self._probe(lane.draft, 1.0)
+                if info is not None:
+                    lane.kv = self._budget(info)
+                    lane.mark_healthy()
+                    log.info("draft_replica_rejoined", address=lane.address)
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        for lane in self.lanes:
+            await lane.stop()
+        for channel in self._channels:
+            await channel.close()
