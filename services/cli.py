@@ -101,7 +101,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                   seed=args.seed, budget=args.budget, mode=args.mode, stop=args.stop or (),
                   timeout_s=args.timeout)
     try:
-        with Client(args.address) as client:
+        with Client(args.address, tls_ca=args.tls_ca, token=args.token) as client:
             if args.json:
                 out = client.generate(prompt, **kwargs)
                 print(json.dumps({"request_id": out.request_id, "text": out.text, "token_ids": out.token_ids,
@@ -151,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="print text, token ids and per-step acceptance")
+    gen.add_argument("--token", default=None, help="bearer token, when the server requires one")
+    gen.add_argument("--tls-ca", default=None, help="PEM file of the CA (or self-signed cert) to trust; enables TLS")
     gen.set_defaults(func=_cmd_generate)
 
     serve = sub.add_parser("serve", help="run one service in the foreground")

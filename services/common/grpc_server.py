@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,14 +26,15 @@ class ServiceError(Exception):
         self.message = message
 
 
-def server_options() -> list[tuple[str, int]]:
+def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+            ("grpc.max_receive_message_length", max_receive_bytes)]
 
 
-def new_server(service_full_names: Iterable[str]) -> tuple[grpc.aio.Server, health.HealthServicer]:
+def new_server(service_full_names: Iterable[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+               max_receive_bytes: int = MAX_MESSAGE_BYTES) -> tuple[grpc.aio.Server, health.HealthServicer]:
     """An asyncio server with grpc.health.v1 (each service SERVING) and reflection registered."""
-    server = grpc.aio.server(options=server_options())
+    server = grpc.aio.server(options=server_options(max_receive_bytes), interceptors=list(interceptors))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_full_names)

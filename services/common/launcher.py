@@ -40,10 +40,17 @@ class StackSpec:
     startup_timeout_s: float = 120.0
 
 
-def wait_healthy(address: str, proc: subprocess.Popen, name: str, timeout_s: float) -> None:
-    """Polls grpc.health.v1 until SERVING; raises if the process exits or time runs out."""
+def wait_healthy(address: str, proc: subprocess.Popen, name: str, timeout_s: float,
+                 tls_roots: bytes | None = None) -> None:
+    """Polls grpc.health.v1 until SERVING; raises if the process exits or time runs out.
+
+    `tls_roots`: PEM roots to trust when the service speaks TLS (the launcher passes the
+    scheduler's own certificate, which verifies a self-signed one).
+    """
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_roots)) if tls_roots
+               else grpc.insecure_channel(address))
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -95,7 +102,10 @@ class Stack:
                     cmd += ["--config", self.spec.config_path]
                 proc = subprocess.Popen(cmd, env=env, start_new_session=True)
                 self.procs.append((name, proc))
-                wait_healthy(self.addresses[name], proc, name, self.spec.startup_timeout_s)
+                roots = None
+                if name == "scheduler" and env.get("DDTREE_SCHEDULER_TLS_CERT"):
+                    roots = Path(env["DDTREE_SCHEDULER_TLS_CERT"]).read_bytes()
+                wait_healthy(self.addresses[name], proc, name, self.spec.startup_timeout_s, roots)
         except BaseException:
             self.stop()
             raise

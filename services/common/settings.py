@@ -52,9 +52,16 @@ class SchedulerSettings:
     max_tokens_limit: int = 4096    # the largest max_tokens a request may ask for
     step_timeout_s: float = 60.0    # a draft replica slower than this for one step is marked down
     metrics_port: int = 0           # Prometheus /metrics (0 = off)
+    tls_cert: str = ""              # PEM certificate chain; with tls_key, the public port speaks TLS only
+    tls_key: str = ""
+    auth_token: str = ""            # when set, every call needs `authorization: Bearer <token>`
+    max_request_bytes: int = 4 << 20
     json_logs: bool = False
 
     def __post_init__(self) -> None:
+        _check(bool(self.tls_cert) == bool(self.tls_key), "scheduler.tls_cert",
+               "tls_cert and tls_key must be set together")
+        _check(self.max_request_bytes >= 1024, "scheduler.max_request_bytes", "must be >= 1024")
         _check(0 <= self.port < 65536, "scheduler.port", f"{self.port} is not a TCP port")
         _check(len(self.draft_addresses) > 0, "scheduler.draft_addresses", "needs at least one address")
         _check(self.max_queue > 0, "scheduler.max_queue", "must be > 0")

@@ -93,12 +93,36 @@ def _error(exc: grpc.RpcError) -> ClientError:
     return ClientError(exc.code(), exc.details() or "")
 
 
+def _channel_args(tls_ca: str | bytes | None, token: str | None,
+                  tls_server_name: str | None) -> tuple[grpc.ChannelCredentials | None, list]:
+    """TLS credentials (a CA file path or PEM bytes; b"" trusts the system roots) and the bearer token."""
+    creds = None
+    options = []
+    if tls_ca is not None:
+        roots = tls_ca if isinstance(tls_ca, bytes) else open(tls_ca, "rb").read()
+        creds = grpc.ssl_channel_credentials(root_certificates=roots or None)
+        if token:
+            creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+    return creds, options
+
+
+def _metadata(tls_ca, token) -> tuple:
+    # Over TLS the token rides in call credentials; plaintext (loopback) sends it as metadata.
+    return (("authorization", f"Bearer {token}"),) if token and tls_ca is None else ()
+
+
 class Client:
     """`wait_for_ready=False` (default) fails at once with UNAVAILABLE when no server is listening;
     True waits for the server to come up, bounded by `timeout_s`."""
 
-    def __init__(self, address: str, timeout_s: float | None = None, wait_for_ready: bool = False) -> None:
-        self._channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, timeout_s: float | None = None, wait_for_ready: bool = False, *,
+                 tls_ca: str | bytes | None = None, token: str | None = None,
+                 tls_server_name: str | None = None) -> None:
+        creds, options = _channel_args(tls_ca, token, tls_server_name)
+        self._channel = grpc.secure_channel(address, creds, options) if creds else grpc.insecure_channel(address)
+        self._md = _metadata(tls_ca, token)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self.timeout_s = timeout_s
         self.wait_for_ready = wait_for_ready
@@ -116,7 +140,7 @@ class Client:
         timeout = kwargs.pop("timeout_s", self.timeout_s)
         try:
             for msg in self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
-                                           wait_for_ready=self.wait_for_ready):
+                                           wait_for_ready=self.wait_for_ready, metadata=self._md):
                 yield _chunk(msg)
         except grpc.RpcError as exc:
             raise _error(exc) from None
@@ -129,13 +153,14 @@ class Client:
 
     def abort(self, request_id: str) -> bool:
         try:
-            return self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id)).found
+            return self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), metadata=self._md).found
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
     def model_info(self) -> common_pb2.ModelInfo:
         try:
             return self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=self.wait_for_ready,
+                                           metadata=self._md,
                                            timeout=self.timeout_s)
         except grpc.RpcError as exc:
             raise _error(exc) from None
@@ -144,8 +169,13 @@ class Client:
 class AsyncClient:
     """The asyncio twin of `Client`, for many concurrent streams from one process."""
 
-    def __init__(self, address: str, timeout_s: float | None = None, wait_for_ready: bool = False) -> None:
-        self._channel = grpc.aio.insecure_channel(address)
+    def __init__(self, address: str, timeout_s: float | None = None, wait_for_ready: bool = False, *,
+                 tls_ca: str | bytes | None = None, token: str | None = None,
+                 tls_server_name: str | None = None) -> None:
+        creds, options = _channel_args(tls_ca, token, tls_server_name)
+        self._channel = (grpc.aio.secure_channel(address, creds, options) if creds
+                         else grpc.aio.insecure_channel(address))
+        self._md = _metadata(tls_ca, token)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self.timeout_s = timeout_s
         self.wait_for_ready = wait_for_ready
@@ -163,7 +193,7 @@ class AsyncClient:
         timeout = kwargs.pop("timeout_s", self.timeout_s)
         try:
             async for msg in self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
-                                                 wait_for_ready=self.wait_for_ready):
+                                                 wait_for_ready=self.wait_for_ready, metadata=self._md):
                 yield _chunk(msg)
         except grpc.RpcError as exc:
             raise _error(exc) from None
@@ -176,13 +206,14 @@ class AsyncClient:
 
     async def abort(self, request_id: str) -> bool:
         try:
-            return (await self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id))).found
+            return (await self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), metadata=self._md)).found
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
     async def model_info(self) -> common_pb2.ModelInfo:
         try:
-            return await self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=self.wait_for_ready,
+            return await self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(),
+                                                 wait_for_ready=self.wait_for_ready, metadata=self._md,
                                                  timeout=self.timeout_s)
         except grpc.RpcError as exc:
             raise _error(exc) from None

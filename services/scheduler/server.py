@@ -15,6 +15,7 @@ import grpc
 from tokenizers import Tokenizer
 
 from ddtree.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.auth import BearerTokenInterceptor, server_credentials
 from services.common.grpc_server import ServiceError, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
@@ -86,11 +87,18 @@ async def serve(settings: SchedulerSettings) -> None:
              kv_capacity_tokens=info.kv_capacity_tokens, transport=info.transport,
              tokenizer=settings.tokenizer_path if tokenizer else None,
              metrics_port=serve_metrics(metrics, settings.host, settings.metrics_port))
-    server, health = new_server([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
+    interceptors = [BearerTokenInterceptor(settings.auth_token)] if settings.auth_token else []
+    server, health = new_server([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name], interceptors,
+                                max_receive_bytes=settings.max_request_bytes)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(settings, router, info, tokenizer), server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address = f"{settings.host}:{settings.port}"
+    if settings.tls_cert:
+        port = server.add_secure_port(address, server_credentials(settings.tls_cert, settings.tls_key))
+    else:
+        port = server.add_insecure_port(address)
     await server.start()
-    log.info("serving", address=f"{settings.host}:{port}")
+    log.info("serving", address=f"{settings.host}:{port}", tls=bool(settings.tls_cert),
+             auth=bool(settings.auth_token))
     try:
         await serve_until_signal(server, health)
     finally:

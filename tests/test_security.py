@@ -1,0 +1,65 @@
+"""The public port: bearer token on every call, TLS from a configured certificate and key."""
+
+from __future__ import annotations
+
+import subprocess
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.launcher import Stack, StackSpec
+from services.scheduler.client import Client, ClientError
+from tests.stack_fixtures import build_checkpoint
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def tls_stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tls")
+    ckpt = build_checkpoint(root)
+    cert, key = root / "cert.pem", root / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    spec = StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={
+        "DDTREE_SCHEDULER_TLS_CERT": str(cert), "DDTREE_SCHEDULER_TLS_KEY": str(key),
+        "DDTREE_SCHEDULER_AUTH_TOKEN": TOKEN})
+    with Stack(spec) as stack:
+        yield stack, cert
+
+
+def test_good_call_succeeds(tls_stack):
+    stack, cert = tls_stack
+    with Client(stack.scheduler_address, tls_ca=str(cert), token=TOKEN) as c:
+        out = c.generate("def f(x):", max_tokens=5, ignore_eos=True)
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+def test_missing_or_wrong_token_is_unauthenticated(tls_stack, token):
+    stack, cert = tls_stack
+    with Client(stack.scheduler_address, tls_ca=str(cert), token=token) as c:
+        with pytest.raises(ClientError) as info:
+            c.generate("def f(x):", max_tokens=5)
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(ClientError) as info:
+            c.model_info()
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_plaintext_to_tls_port_fails(tls_stack):
+    stack, _ = tls_stack
+    with Client(stack.scheduler_address, token=TOKEN, timeout_s=5) as c:
+        with pytest.raises(ClientError) as info:
+            c.generate("def f(x):", max_tokens=5)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_health_is_open_without_token(tls_stack):
+    stack, cert = tls_stack
+    creds = grpc.ssl_channel_credentials(cert.read_bytes())
+    with grpc.secure_channel(stack.scheduler_address, creds) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
