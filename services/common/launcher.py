@@ -33,9 +33,10 @@ class StackSpec:
     model_path: str = "models/demo"
     drafter_path: str | None = None          # default: <model_path>/drafter
     config_path: str | None = None
-    scheduler_port: int = 50051
-    draft_port: int = 0                       # 0 = any free port
+    scheduler_port: int = 50051               # 0 = any free port
+    draft_port: int = 0                       # first draft replica's port; 0 = any free port
     verifier_port: int = 0
+    draft_replicas: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 120.0
 
@@ -65,67 +66,102 @@ def wait_healthy(address: str, proc: subprocess.Popen, name: str, timeout_s: flo
     raise RuntimeError(f"{name} at {address} not healthy after {timeout_s:.0f} s")
 
 
+@dataclass
+class _Service:
+    """One process of the stack: its name (`draft-1`), role, address and environment."""
+
+    name: str
+    role: str
+    address: str
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+
+
 class Stack:
-    """Starts verifier -> draft -> scheduler; `stop()` ends them in reverse, SIGTERM then SIGKILL."""
+    """Starts verifier -> draft replicas -> scheduler; `stop()` ends them in reverse, SIGTERM then SIGKILL."""
 
     def __init__(self, spec: StackSpec) -> None:
         self.spec = spec
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.services: list[_Service] = []
         self.scheduler_address = ""
 
-    def _env(self) -> dict[str, str]:
+    def _plan(self) -> list[_Service]:
         spec = self.spec
-        vport = spec.verifier_port or free_port()
-        dport = spec.draft_port or free_port()
-        sport = spec.scheduler_port if spec.scheduler_port else free_port()
-        self.addresses = {"verifier": f"127.0.0.1:{vport}", "draft": f"127.0.0.1:{dport}",
-                          "scheduler": f"127.0.0.1:{sport}"}
-        self.scheduler_address = self.addresses["scheduler"]
-        env = dict(os.environ)
-        env.update({
-            "DDTREE_VERIFIER_PORT": str(vport), "DDTREE_VERIFIER_MODEL_PATH": spec.model_path,
-            "DDTREE_DRAFT_PORT": str(dport), "DDTREE_DRAFT_VERIFIER_ADDRESS": self.addresses["verifier"],
+        base = dict(os.environ)
+        base.update({
+            "DDTREE_VERIFIER_MODEL_PATH": spec.model_path,
             "DDTREE_DRAFT_TARGET_PATH": spec.model_path,
             "DDTREE_DRAFT_DRAFTER_PATH": spec.drafter_path or str(Path(spec.model_path) / "drafter"),
-            "DDTREE_SCHEDULER_PORT": str(sport), "DDTREE_SCHEDULER_DRAFT_ADDRESSES": self.addresses["draft"],
             "DDTREE_SCHEDULER_TOKENIZER_PATH": spec.model_path,
         })
-        env.update(spec.extra_env)
-        return env
+        base.update(spec.extra_env)
+        vport = spec.verifier_port or free_port()
+        verifier = f"127.0.0.1:{vport}"
+        plan = [_Service("verifier", "verifier", verifier, {**base, "DDTREE_VERIFIER_PORT": str(vport)})]
+        drafts = []
+        for i in range(spec.draft_replicas):
+            dport = (spec.draft_port + i) if spec.draft_port else free_port()
+            drafts.append(f"127.0.0.1:{dport}")
+            plan.append(_Service(f"draft-{i}" if spec.draft_replicas > 1 else "draft", "draft", drafts[-1],
+                                 {**base, "DDTREE_DRAFT_PORT": str(dport), "DDTREE_DRAFT_VERIFIER_ADDRESS": verifier}))
+        sport = spec.scheduler_port or free_port()
+        plan.append(_Service("scheduler", "scheduler", f"127.0.0.1:{sport}",
+                             {**base, "DDTREE_SCHEDULER_PORT": str(sport),
+                              "DDTREE_SCHEDULER_DRAFT_ADDRESSES": ",".join(drafts)}))
+        return plan
 
     def start(self) -> Stack:
-        env = self._env()
+        self.services = self._plan()
+        self.scheduler_address = self.services[-1].address
         try:
-            for name in ("verifier", "draft", "scheduler"):
-                cmd = [sys.executable, "-m", "services.cli", "serve", name]
-                if self.spec.config_path:
-                    cmd += ["--config", self.spec.config_path]
-                proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-                self.procs.append((name, proc))
-                roots = None
-                if name == "scheduler" and env.get("DDTREE_SCHEDULER_TLS_CERT"):
-                    roots = Path(env["DDTREE_SCHEDULER_TLS_CERT"]).read_bytes()
-                wait_healthy(self.addresses[name], proc, name, self.spec.startup_timeout_s, roots)
+            for svc in self.services:
+                self._launch(svc)
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _launch(self, svc: _Service) -> None:
+        cmd = [sys.executable, "-m", "services.cli", "serve", svc.role]
+        if self.spec.config_path:
+            cmd += ["--config", self.spec.config_path]
+        svc.proc = subprocess.Popen(cmd, env=svc.env, start_new_session=True)
+        roots = None
+        if svc.role == "scheduler" and svc.env.get("DDTREE_SCHEDULER_TLS_CERT"):
+            roots = Path(svc.env["DDTREE_SCHEDULER_TLS_CERT"]).read_bytes()
+        wait_healthy(svc.address, svc.proc, svc.name, self.spec.startup_timeout_s, roots)
+
+    @property
+    def procs(self) -> list[tuple[str, subprocess.Popen]]:
+        return [(s.name, s.proc) for s in self.services if s.proc is not None]
+
     def process(self, name: str) -> subprocess.Popen:
         return dict(self.procs)[name]
 
+    def address(self, name: str) -> str:
+        return next(s.address for s in self.services if s.name == name)
+
+    def restart(self, name: str) -> None:
+        """Starts a service again on the same address (after it died or was killed)."""
+        svc = next(s for s in self.services if s.name == name)
+        if svc.proc is not None and svc.proc.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self._launch(svc)
+
     def stop(self, grace_s: float = 10.0) -> None:
-        for _, proc in reversed(self.procs):
+        running = [s.proc for s in reversed(self.services) if s.proc is not None]
+        for proc in running:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for _, proc in reversed(self.procs):
+        for proc in running:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        self.procs = []
+        for svc in self.services:
+            svc.proc = None
 
     def __enter__(self) -> Stack:
         return self.start()

@@ -175,7 +175,7 @@ class StepLoop:
                                      if req.error is None else req.error.code.name.lower()).inc()
         usage = req.usage()
         now = time.monotonic()
-        log.info("request_end", request_id=req.request_id,
+        log.info("request_end", request_id=req.request_id, draft=req.draft,
                  finish=_FINISH_NAMES.get(req.finish, "") if req.error is None else "ERROR",
                  error=req.error.message if req.error is not None else None,
                  prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, steps=usage.steps,
