@@ -17,11 +17,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.launcher import Stack, StackSpec
+from services.common.launcher import Stack, StackSpec, free_port
 from services.scheduler.client import AsyncClient, Client, ClientError
 from tests.stack_fixtures import GREEDY_TOKENS, PROMPTS, build_checkpoint, greedy_references, write_oracle
 
 BUDGETS = [1, 4, 8, 16, 32]
+METRICS_PORTS = {name: free_port() for name in ("scheduler", "draft", "verifier")}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,8 @@ def refs(ckpt):
 def stack(ckpt, refs, tmp_path_factory):
     drafter = write_oracle(tmp_path_factory.mktemp("oracle") / "oracle.json", ckpt, refs)
     spec = StackSpec(model_path=str(ckpt), drafter_path=drafter, scheduler_port=0,
-                     extra_env={"DDTREE_VERIFIER_MAX_CONTEXT": "256", "DDTREE_SCHEDULER_MAX_QUEUE": "64"})
+                     extra_env={"DDTREE_VERIFIER_MAX_CONTEXT": "256", "DDTREE_SCHEDULER_MAX_QUEUE": "64",
+                                **{f"DDTREE_{s.upper()}_METRICS_PORT": str(METRICS_PORTS[s]) for s in METRICS_PORTS}})
     with Stack(spec) as s:
         yield s
 
@@ -193,3 +195,28 @@ def test_health_reflection_and_cli_json(stack):
     result = json.loads(out.stdout)
     assert len(result["token_ids"]) <= 12 and result["finish_reason"] in ("length", "stop")
     assert result["acceptance_lengths"] and sum(result["acceptance_lengths"]) >= len(result["token_ids"]) - 1
+
+
+def test_every_service_exports_prometheus_metrics(stack):
+    import urllib.request
+
+    with Client(stack.scheduler_address) as c:
+        c.generate(PROMPTS[0], max_tokens=8, budget=8, ignore_eos=True)
+    pages = {name: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+             for name, port in METRICS_PORTS.items()}
+    sched = pages["scheduler"]
+    assert _value(sched, "ddtree_generated_tokens_total") >= 8
+    assert _value(sched, 'ddtree_requests_total{status="length"}') >= 1
+    assert _value(sched, "ddtree_acceptance_length_count") >= 1
+    assert "ddtree_queue_depth" in sched
+    for stage in ("draft", "verify", "transport"):
+        assert _value(pages["draft"], f'ddtree_step_ms_count{{stage="{stage}"}}') >= 1
+    assert _value(pages["verifier"], 'ddtree_step_ms_count{stage="commit"}') >= 1
+    assert _value(pages["verifier"], "ddtree_kv_pages_free") > 0
+
+
+def _value(page: str, name: str) -> float:
+    for line in page.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in metrics page")

@@ -17,6 +17,7 @@ import torch
 
 from ddtree.v1 import common_pb2, draft_pb2, verifier_pb2
 from services.common.grpc_server import ServiceError
+from services.common.metrics import Metrics
 from services.common.settings import MAX_BUDGET
 from services.draft.proposer import Proposer
 from services.draft.tree import build_trees
@@ -41,9 +42,10 @@ class _Tree:
 
 
 class DraftEngine:
-    def __init__(self, proposer: Proposer, verifier: VerifierClient) -> None:
+    def __init__(self, proposer: Proposer, verifier: VerifierClient, metrics: Metrics | None = None) -> None:
         self.proposer = proposer
         self.verifier = verifier
+        self.metrics = metrics or Metrics("draft")
         self._requests: dict[str, _Request] = {}
         self._prompts: dict[str, list[int]] = {}   # held until the prefill's features arrive
         self._lock = asyncio.Lock()
@@ -119,6 +121,9 @@ class DraftEngine:
                 request_id=res.request_id, token_ids=list(res.token_ids),
                 acceptance_length=len(res.token_ids) if committed is not None else 0)
         t2 = time.perf_counter()
+        self.metrics.step_ms.labels("draft").observe((t1 - t0) * 1e3)
+        self.metrics.step_ms.labels("verify").observe(reply.response.verify_ms)
+        self.metrics.step_ms.labels("transport").observe(max(0.0, (t2 - t1) * 1e3 - reply.response.verify_ms))
         return draft_pb2.StepResponse(results=[results[i.request_id] for i in request.items
                                                if i.request_id in results],
                                       draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3)

@@ -8,6 +8,7 @@ import torch
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from services.common.grpc_server import ServiceError, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
+from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import DraftSettings
 from services.draft.engine import DraftEngine
 from services.draft.proposer import load_proposer
@@ -45,14 +46,16 @@ async def serve(settings: DraftSettings) -> None:
              target_layer_ids=list(proposer.target_layer_ids))
     client = VerifierClient(settings.verifier_address, settings.transport, settings.ring_slots,
                             settings.ring_slot_bytes)
-    engine = DraftEngine(proposer, client)
+    metrics = Metrics("draft")
+    engine = DraftEngine(proposer, client, metrics)
     await engine.connect(wait_s=120.0)   # fail fast on an incompatible verifier (FAILED_PRECONDITION names the field)
     log.info("verifier_connected", transport=client.handshake.transport, max_context=engine.max_context)
     server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
     draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(engine), server)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     await server.start()
-    log.info("serving", address=f"{settings.host}:{port}", verifier=settings.verifier_address)
+    log.info("serving", address=f"{settings.host}:{port}", verifier=settings.verifier_address,
+             metrics_port=serve_metrics(metrics, settings.host, settings.metrics_port))
     try:
         await serve_until_signal(server, health)
     finally:

@@ -112,8 +112,8 @@ def build_tree_heapq(logprobs: Tensor, budget: int) -> list[tuple[int, ...]]:
     return selected
 
 
-def build_trees(logprobs: Tensor, budget: int, root_tokens: Tensor) -> TreeBatch:
-    """Build the best-first tree of every request at once, with tensor ops only.
+def build_trees(logprobs: Tensor, budget: int, root_tokens: Tensor, *, backend: str | None = None) -> TreeBatch:
+    """Build the best-first tree of every request at once, with no host sync.
 
     Args:
         logprobs: [R, D, V] log-softmax normalised draft log-probs (float); row d is depth d+1.
@@ -130,7 +130,37 @@ def build_trees(logprobs: Tensor, budget: int, root_tokens: Tensor) -> TreeBatch
     with its child) is prefix-closed, and that concatenation is already in the output order
     (depth asc, score desc), so compaction is a cumsum + scatter. All loop bounds are static
     (from shapes and ``budget``): no host sync, capturable in a CUDA graph.
+
+    ``backend``: ``"triton"`` runs everything after the vocabulary top-k as one kernel
+    (``kernels.tree_build``; float32/bf16/fp16 input), ``"torch"`` the tensor ops here (~130 small
+    kernels at budget 64, depth 15). Default: triton on CUDA for non-float64 input, else torch.
+    The two select the same trees (tests/test_tree_build.py).
     """
+    if backend is None:
+        use_triton = logprobs.is_cuda and logprobs.dtype != torch.float64 and _triton_available()
+        backend = "triton" if use_triton else "torch"
+    if backend == "triton":
+        _check_budget(budget)
+        if budget > 0 and logprobs.shape[1] > 0 and logprobs.shape[2] > 0:
+            from kernels.tree_build import tree_build_triton  # kernels import TreeBatch's module lazily
+
+            out = tree_build_triton(logprobs, budget, root_tokens)
+            return TreeBatch(out.tokens, out.parents, out.depths, out.scores, out.sizes)
+    elif backend != "torch":
+        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    return _build_trees_torch(logprobs, budget, root_tokens)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _build_trees_torch(logprobs: Tensor, budget: int, root_tokens: Tensor) -> TreeBatch:
+    """The tensor-op version of :func:`build_trees` (CPU, float64, and the reference on GPU)."""
     _check_budget(budget)
     num_req, depth_limit, vocab = logprobs.shape
     device = logprobs.device

@@ -8,6 +8,7 @@ probed until it answers again, when it rejoins.
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 
@@ -19,11 +20,30 @@ from services.common.settings import SchedulerSettings
 from services.scheduler.batcher import KvBudget, StepLoop
 from services.scheduler.request import ActiveRequest, Limits
 
-__all__ = ["Router", "limits_from_info"]
+__all__ = ["Router", "discover", "limits_from_info"]
 
 log = get_logger("scheduler")
 
 PROBE_INTERVAL_S = 0.5
+DISCOVERY_EVERY = 10   # probe rounds between DNS look-ups for new replicas
+
+
+def discover(entries: tuple[str, ...] | list[str]) -> list[str]:
+    """Replica addresses from config: `host:port` as is; `dns:host:port` is every address the name
+    resolves to (how `docker compose --scale draft=N` replicas are found)."""
+    out: list[str] = []
+    for entry in entries:
+        if not entry.startswith("dns:"):
+            out.append(entry)
+            continue
+        host, _, port = entry[len("dns:"):].lstrip("/").rpartition(":")
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except socket.gaierror:
+            continue
+        for ip in sorted({i[4][0] for i in infos}):
+            out.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+    return list(dict.fromkeys(out))
 
 
 def limits_from_info(info: common_pb2.ModelInfo) -> Limits:
@@ -43,27 +63,32 @@ class Router:
 
     async def start(self, timeout_s: float = 120.0) -> common_pb2.ModelInfo:
         """Connects to every configured replica; needs at least one to answer within `timeout_s`."""
-        stubs = []
-        for address in self.settings.draft_addresses:
-            channel = grpc.aio.insecure_channel(address, options=server_options())
-            self._channels.append(channel)
-            stubs.append(draft_pb2_grpc.DraftStub(channel))
+        addresses = discover(self.settings.draft_addresses)
+        stubs = [self._stub(a) for a in addresses]
         infos = await asyncio.gather(*(self._probe(s, timeout_s) for s in stubs))
         live = [i for i in infos if i is not None]
         if not live:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               f"no draft replica answered within {timeout_s:.0f} s: {list(self.settings.draft_addresses)}")
+                               f"no draft replica answered within {timeout_s:.0f} s: {addresses}")
         self.info = live[0]
-        limits = limits_from_info(self.info)
-        for address, stub, info in zip(self.settings.draft_addresses, stubs, infos):
-            lane = StepLoop(self.settings, address, stub, limits, self._budget(info), self.metrics)
-            lane.healthy = info is not None
-            lane.start()
-            self.lanes.append(lane)
+        for address, stub, info in zip(addresses, stubs, infos):
+            self._add_lane(address, stub, info)
         self._watch = asyncio.create_task(self._watch_replicas())
         log.info("replicas", up=[lane.address for lane in self.lanes if lane.healthy],
                  down=[lane.address for lane in self.lanes if not lane.healthy])
         return self.info
+
+    def _stub(self, address: str) -> draft_pb2_grpc.DraftStub:
+        channel = grpc.aio.insecure_channel(address, options=server_options())
+        self._channels.append(channel)
+        return draft_pb2_grpc.DraftStub(channel)
+
+    def _add_lane(self, address: str, stub: draft_pb2_grpc.DraftStub, info: common_pb2.ModelInfo | None) -> None:
+        assert self.info is not None
+        lane = StepLoop(self.settings, address, stub, limits_from_info(self.info), self._budget(info), self.metrics)
+        lane.healthy = info is not None
+        lane.start()
+        self.lanes.append(lane)
 
     def _budget(self, info: common_pb2.ModelInfo | None) -> KvBudget:
         key = info.verifier_id if info is not None and info.verifier_id else f"unknown-{len(self._budgets)}"
@@ -112,10 +137,19 @@ class Router:
         self.metrics.running.set(sum(len(lane.running) for lane in self.lanes))
 
     async def _watch_replicas(self) -> None:
-        """Moves queued work off replicas that went down and brings recovered ones back."""
+        """Moves queued work off replicas that went down, brings recovered ones back, finds new ones."""
+        rounds = 0
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             self._update_gauges()
+            rounds += 1
+            if rounds % DISCOVERY_EVERY == 0:
+                known = {lane.address for lane in self.lanes}
+                for address in discover(self.settings.draft_addresses):
+                    if address not in known:
+                        stub = self._stub(address)
+                        self._add_lane(address, stub, await self._probe(stub, 1.0))
+                        log.info("draft_replica_discovered", address=address)
             live = [lane for lane in self.lanes if lane.healthy]
             for lane in self.lanes:
                 if lane.healthy:

@@ -7,6 +7,7 @@ accepted path's latent KV into the request's pages. No gRPC here; `server.py` wr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -69,6 +70,7 @@ class VerifierEngine:
         self.prefill_chunk = prefill_chunk
         self.feature_layers: tuple[int, ...] = ()
         self._requests: dict[str, _Request] = {}
+        self.last_commit_ms = 0.0   # time spent writing accepted KV in the last verify (metrics)
         cfg = model.config
         self._feature_width = 0
         self._hidden = cfg.hidden_size
@@ -193,6 +195,7 @@ class VerifierEngine:
         out = self._forward(flat_tokens, starts + flat_depths, reqs, masks)
         features: list[torch.Tensor] = []
         row = 0
+        commit_s = 0.0
         for j, i in enumerate(live):
             req, n = reqs[j], sizes_l[i]
             node_logits = out.logits[row:row + n]                                   # [n, V]
@@ -200,12 +203,15 @@ class VerifierEngine:
             acc = accept(flat_tokens[row:row + n].cpu(), parents[offsets[i]:offsets[i + 1]].cpu(),
                          posterior.cpu())
             path = torch.tensor(acc.path, dtype=torch.int64, device=dev) + row       # [k]
+            t0 = time.perf_counter()
             self.cache.write(req.request_id, req.length, out.new_kv[:, path])
+            commit_s += time.perf_counter() - t0
             req.length += len(acc.path)
             req.pending = acc.tokens[-1]
             features.append(out.features[path])
             outcomes[i] = ItemOutcome(req.request_id, list(acc.tokens), committed=len(acc.path))
             row += n
+        self.last_commit_ms = commit_s * 1e3
         return StepOutcome(outcomes, self._cat_features(features))
 
     def _check_tree(self, rid: str, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,

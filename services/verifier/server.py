@@ -21,6 +21,7 @@ import torch
 from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.common.grpc_server import ServiceError, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
+from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import VerifierSettings
 from services.common.transport import TensorReader, TensorWriter, make_reader, make_writer
 from services.verifier.engine import PrefillInput, VerifierEngine
@@ -50,9 +51,11 @@ class _Peer:
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: VerifierEngine, settings: VerifierSettings) -> None:
+    def __init__(self, engine: VerifierEngine, settings: VerifierSettings, metrics: Metrics | None = None) -> None:
         self.engine = engine
         self.settings = settings
+        self.metrics = metrics or Metrics("verifier")
+        self.metrics.kv_pages_free.set(engine.cache.pages_free)
         self._lock = asyncio.Lock()
         self._peers: dict[str, _Peer] = {}
         self.verifier_id = f"verifier-{uuid.uuid4().hex[:12]}"
@@ -129,11 +132,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             trees = peer.reader.read(req.trees)
             verify = self.engine.verify(list(req.verify_ids), trees["tokens"], trees["parents"],
                                         trees["depths"], trees["sizes"])
+            self.metrics.step_ms.labels("commit").observe(self.engine.last_commit_ms)
             slot = req.trees.tensors[0].WhichOneof("payload") == "slot" if req.trees.tensors else False
             if slot:
                 released.append(req.trees.tensors[0].slot.slot)
         else:
             verify = None
+        self.metrics.kv_pages_free.set(self.engine.cache.pages_free)
+        self.metrics.running.set(self.engine.active_requests)
+        self.metrics.step_ms.labels("verify").observe((time.perf_counter() - t0) * 1e3)
         features = [prefill.features] + ([verify.features] if verify is not None else [])
         bundle = peer.writer.write({"features": torch.cat(features)})
         return verifier_pb2.VerifyResponse(
@@ -171,8 +178,10 @@ async def serve(settings: VerifierSettings) -> None:
     configure_logging("verifier", settings.json_logs)
     engine = build_engine(settings)
     server, health = new_server([verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name])
-    verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(engine, settings), server)
+    metrics = Metrics("verifier")
+    verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(engine, settings, metrics), server)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     await server.start()
-    log.info("serving", address=f"{settings.host}:{port}")
+    log.info("serving", address=f"{settings.host}:{port}",
+             metrics_port=serve_metrics(metrics, settings.host, settings.metrics_port))
     await serve_until_signal(server, health)

@@ -1,0 +1,80 @@
+"""The compose deployment agrees with the launcher's topology and the settings the services read."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.common.settings import DraftSettings, SchedulerSettings, VerifierSettings, load_settings
+from services.scheduler.router import discover
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "compose" / "docker-compose.yml"
+CONFIG = ROOT / "compose" / "ddtree.toml"
+SETTINGS = {"scheduler": SchedulerSettings, "draft": DraftSettings, "verifier": VerifierSettings}
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.removeprefix("dns:").rpartition(":")
+    return host, int(port)
+
+
+def test_services_and_commands_match_the_launcher(compose):
+    services = compose["services"]
+    assert set(services) == set(SETTINGS)
+    for name, svc in services.items():
+        assert svc["command"][0] == name and svc["command"][1:] == ["--config", "/etc/ddtree/ddtree.toml"]
+        assert svc["ipc"] == "host" and svc["shm_size"]
+        assert "healthcheck" in svc
+    for name in ("draft", "verifier"):
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+
+
+def test_only_the_scheduler_is_published_and_on_loopback_by_default(compose):
+    services = compose["services"]
+    assert "ports" not in services["draft"] and "ports" not in services["verifier"]
+    (mapping,) = services["scheduler"]["ports"]
+    assert mapping.startswith("${DDTREE_PUBLISH_ADDR:-127.0.0.1}:")
+    sched = load_settings(SchedulerSettings, CONFIG, env={})
+    assert mapping.endswith(f":{sched.port}:{sched.port}")
+
+
+def test_config_file_is_valid_for_every_service_and_addresses_agree(compose):
+    s = {name: load_settings(cls, CONFIG, env={}) for name, cls in SETTINGS.items()}
+    for address in s["scheduler"].draft_addresses:
+        host, port = _host_port(address)
+        assert host == "draft" and port == s["draft"].port
+    host, port = _host_port(s["draft"].verifier_address)
+    assert host == "verifier" and port == s["verifier"].port
+    for name, svc in compose["services"].items():
+        env = svc["environment"]
+        assert int(env["DDTREE_HEALTH_PORT"]) == s[name].port
+        for key in env:   # every DDTREE_<SERVICE>_<FIELD> the file sets must be a real setting
+            m = re.fullmatch(r"DDTREE_(SCHEDULER|DRAFT|VERIFIER)_(\w+)", key)
+            if m:
+                fields = {f.name for f in dataclasses.fields(SETTINGS[m.group(1).lower()])}
+                assert m.group(2).lower() in fields, key
+    assert s["scheduler"].host == "0.0.0.0"   # inside its container; publishing decides exposure
+
+
+def test_dns_discovery_lists_every_address():
+    assert discover(["dns:localhost:50052", "10.0.0.9:1"])[-1] == "10.0.0.9:1"
+    assert any(a.endswith(":50052") for a in discover(["dns:localhost:50052"]))
+
+
+@pytest.mark.skipif(shutil.which("docker") is None or subprocess.run(
+    ["docker", "compose", "version"], capture_output=True).returncode != 0, reason="docker compose not installed")
+def test_docker_compose_config_accepts_the_file():
+    subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"], check=True)
