@@ -29,7 +29,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         if args.service == "verifier":
             from services.verifier.server import serve
-            coro = serve(load_settings(VerifierSettings, args.config))
+            coro = serve(load_settings(VerifierSettings, args.config), args.config)
         elif args.service == "draft":
             from services.draft.server import serve
             coro = serve(load_settings(DraftSettings, args.config))

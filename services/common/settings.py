@@ -113,10 +113,14 @@ class VerifierSettings:
     prefill_chunk: int = 512         # prompt tokens per prefill forward
     ring_slots: int = 4
     ring_slot_bytes: int = 8 << 20
+    tp: int = 1                      # tensor-parallel ranks (processes); device "cuda" puts rank i on GPU i
+    tp_timeout_s: float = 60.0       # a collective waiting longer than this fails the group
     metrics_port: int = 0
     json_logs: bool = False
 
     def __post_init__(self) -> None:
+        _check(1 <= self.tp <= 8, "verifier.tp", "must be in 1..8")
+        _check(self.tp_timeout_s > 0, "verifier.tp_timeout_s", "must be > 0")
         _check(0 <= self.port < 65536, "verifier.port", f"{self.port} is not a TCP port")
         _check(self.page_size > 0, "verifier.page_size", "must be > 0")
         _check(self.kv_capacity_tokens >= self.page_size, "verifier.kv_capacity_tokens", "must hold one page")

@@ -155,7 +155,7 @@ class VerifierEngine:
                 features.append(out.features)
                 last_logits = out.logits[-1:]  # [1, V]
             assert last_logits is not None
-            req.pending = int(posterior_tokens(last_logits, req.sampling, req.generator)[0])
+            req.pending = int(self._posterior(last_logits, [req])[0][0])
             outcomes.append(ItemOutcome(item.request_id, [req.pending], committed=len(ids)))
         return StepOutcome(outcomes, self._cat_features(features))
 
@@ -196,10 +196,11 @@ class VerifierEngine:
         features: list[torch.Tensor] = []
         row = 0
         commit_s = 0.0
+        counts = [sizes_l[i] for i in live]
+        posteriors = self._posterior(out.logits, reqs, counts)
         for j, i in enumerate(live):
             req, n = reqs[j], sizes_l[i]
-            node_logits = out.logits[row:row + n]                                   # [n, V]
-            posterior = posterior_tokens(node_logits, req.sampling, req.generator)   # [n]
+            posterior = posteriors[j]                                                # [n]
             acc = accept(flat_tokens[row:row + n].cpu(), parents[offsets[i]:offsets[i + 1]].cpu(),
                          posterior.cpu())
             path = torch.tensor(acc.path, dtype=torch.int64, device=dev) + row       # [k]
@@ -247,6 +248,30 @@ class VerifierEngine:
         return None
 
     # ---- helpers ------------------------------------------------------------------------------
+    def _posterior(self, logits: torch.Tensor, reqs: Sequence[_Request],
+                   counts: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """Posterior token at every node, per request (`counts` rows each).
+
+        Under tensor parallelism `logits` [N, V/tp] is this rank's vocabulary slice: greedy needs
+        only one (max, index) exchange for the whole batch; sampling gathers full rows once and
+        every rank draws the same tokens from the same seeded generators.
+        """
+        tp = self.model.tp
+        counts = list(counts) if counts is not None else [logits.shape[0]]
+        greedy = full = None
+        if any(r.sampling.temperature == 0 for r in reqs):
+            greedy = tp.argmax(logits) if tp.enabled else logits.argmax(dim=-1)   # [N]
+        if any(r.sampling.temperature > 0 for r in reqs):
+            full = tp.gather_logits(logits)                                         # [N, V]
+        out, row = [], 0
+        for req, n in zip(reqs, counts):
+            if req.sampling.temperature == 0:
+                out.append(greedy[row:row + n])
+            else:
+                out.append(posterior_tokens(full[row:row + n], req.sampling, req.generator))
+            row += n
+        return out
+
     @property
     def model_device(self) -> torch.device:
         return self.model.embed_weight.device

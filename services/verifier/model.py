@@ -21,6 +21,7 @@ from services.common.checkpoint import CheckpointError, load_tensors, read_confi
 from services.verifier.config import TargetConfig
 from services.verifier.kv_cache import PagedKVCache
 from services.verifier.moe import MLPWeights, MoEWeights, mlp_forward, moe_forward
+from services.verifier.parallel import TensorParallel, load_rank_slice
 from services.verifier.rope import RotaryTable, apply_rope_interleaved, softmax_scale
 
 __all__ = [
@@ -193,9 +194,12 @@ class TargetModel(torch.nn.Module):
         weights: dict[str, Tensor],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
-        validate_weights(config, weights)
+        self.tp = tp or TensorParallel(0, 1)
+        if not self.tp.enabled:
+            validate_weights(config, weights)   # a TP slice was checked by load_rank_slice instead
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -209,7 +213,7 @@ class TargetModel(torch.nn.Module):
         self.norm_weight = w("model.norm.weight")  # [hidden]
         self.rope = RotaryTable(c, dtype, self.device)
         self.softmax_scale = softmax_scale(c)
-        H, nope, v = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
+        H, nope, v = c.num_attention_heads // self.tp.size, c.qk_nope_head_dim, c.v_head_dim  # heads of this rank
         self.layers: list[DecoderLayerWeights] = []
         for i in range(c.num_hidden_layers):
             p = _layer_prefix(i)
@@ -238,9 +242,15 @@ class TargetModel(torch.nn.Module):
             )
 
     @classmethod
-    def load(cls, path: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "TargetModel":
-        config, weights = load_checkpoint(Path(path))
-        return cls(config, weights, dtype=dtype, device=device)
+    def load(cls, path: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+             tp: TensorParallel | None = None) -> "TargetModel":
+        """The whole model, or with `tp` only this rank's slice of it (see services/verifier/parallel.py)."""
+        if tp is None or not tp.enabled:
+            config, weights = load_checkpoint(Path(path))
+            return cls(config, weights, dtype=dtype, device=device)
+        config = TargetConfig.from_hf(read_config(Path(path)), source=str(Path(path) / "config.json"))
+        weights = load_rank_slice(Path(path), config, expected_tensors(config), tp.rank, tp.size)
+        return cls(config, weights, dtype=dtype, device=device, tp=tp)
 
     def new_cache(self, num_pages: int, page_size: int, shuffle_seed: int | None = None) -> PagedKVCache:
         """A cache shaped for this model (tests and the CPU engine)."""
@@ -253,7 +263,7 @@ class TargetModel(torch.nn.Module):
         """MLA for one layer; returns (output [N, hidden], new latent kv [N, kvr+rope])."""
         c = self.config
         N = h.shape[0]
-        H, nope, kvr = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
+        H, nope, kvr = a.w_uk.shape[0], c.qk_nope_head_dim, c.kv_lora_rank  # this rank's heads
         if a.q_proj is not None:
             q = h @ a.q_proj.T  # [N, H*(nope+rope)]
         else:
@@ -294,15 +304,16 @@ class TargetModel(torch.nn.Module):
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)  # [N, hidden]
             attn_out, new_kv[i] = self._attention(layer.attn, h, cos, sin, cache.kv[i], batch.attn)
-            x = x + attn_out
+            x = x + self.tp.all_reduce(attn_out)
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)  # [N, hidden]
-            x = x + (moe_forward(h, layer.moe, c) if layer.moe is not None else mlp_forward(h, layer.mlp))
+            mlp_out = moe_forward(h, layer.moe, c) if layer.moe is not None else mlp_forward(h, layer.mlp)
+            x = x + self.tp.all_reduce(mlp_out)
             if i in feature_layers:
                 kept[i] = x
         x = rms_norm(x, self.norm_weight, c.rms_norm_eps)  # [N, hidden]
         if L - 1 in kept:
             kept[L - 1] = x
-        logits = (x @ self.lm_head_weight.T).float()  # [N, V]
+        logits = (x @ self.lm_head_weight.T).float()  # [N, V / tp] this rank's vocabulary rows
         if feature_layers:
             features = torch.cat([kept[i] for i in feature_layers], dim=-1)  # [N, F*hidden]
         else:

@@ -9,6 +9,9 @@ checks answer while a step computes.
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,7 +29,10 @@ from services.common.settings import VerifierSettings
 from services.common.transport import TensorReader, TensorWriter, make_reader, make_writer
 from services.verifier.engine import PrefillInput, VerifierEngine
 from services.verifier.kv_cache import PagedKVCache
+from services.common.launcher import free_port
 from services.verifier.model import TargetModel
+from services.verifier.parallel import TensorParallel
+from services.verifier.ranks import EngineGroup, backend_for, rank_device, spawn_workers, watch_workers
 from services.verifier.sampling import Sampling
 
 __all__ = ["VerifierServicer", "build_engine", "serve"]
@@ -37,8 +43,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> Sampling:
+    """The seed is fixed here, on rank 0, so that every tensor-parallel rank draws the same tokens."""
+    seed = msg.seed if msg.HasField("seed") else secrets.randbits(62)
     return Sampling(temperature=msg.temperature, top_p=msg.top_p if msg.top_p > 0 else 1.0,
-                    top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None)
+                    top_k=msg.top_k, seed=seed)
 
 
 @dataclass
@@ -51,11 +59,14 @@ class _Peer:
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: VerifierEngine, settings: VerifierSettings, metrics: Metrics | None = None) -> None:
-        self.engine = engine
+    """Reads through `engine`; changes state only through `group`, so every TP rank follows."""
+
+    def __init__(self, group: EngineGroup, settings: VerifierSettings, metrics: Metrics | None = None) -> None:
+        self.group = group
+        self.engine = group.engine
         self.settings = settings
         self.metrics = metrics or Metrics("verifier")
-        self.metrics.kv_pages_free.set(engine.cache.pages_free)
+        self.metrics.kv_pages_free.set(self.engine.cache.pages_free)
         self._lock = asyncio.Lock()
         self._peers: dict[str, _Peer] = {}
         self.verifier_id = f"verifier-{uuid.uuid4().hex[:12]}"
@@ -69,7 +80,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                 f"target has hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}")
         try:
             async with self._lock:
-                self.engine.set_feature_layers(list(request.feature_layer_ids))
+                self.group.call("set_feature_layers", list(request.feature_layer_ids))
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
         kind = next((t for t in request.transports if t in ("shm", "inline")), None)
@@ -91,7 +102,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             transport=kind, verifier_ring=writer.ring_name or "", verifier_ring_slot_bytes=writer.slot_bytes,
             verifier_ring_slots=writer.num_slots, model_type=cfg.model_type, vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size, max_context=self.engine.max_context, eos_token_id=cfg.eos_token_id[0] if cfg.eos_token_id else -1,
-            tp_size=1, kv_capacity_tokens=self.engine.cache.capacity_tokens, kv_page_size=self.engine.cache.page_size,
+            tp_size=self.settings.tp, kv_capacity_tokens=self.engine.cache.capacity_tokens, kv_page_size=self.engine.cache.page_size,
             verifier_id=self.verifier_id)
 
     async def VerifyStream(self, request_iterator: AsyncIterator[verifier_pb2.VerifyRequest],
@@ -109,7 +120,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         finally:
             # The stream ended (cleanly or because the draft died): nothing it held may leak.
             async with self._lock:
-                freed = self.engine.release_owner(draft_id)
+                freed = await asyncio.to_thread(self.group.call, "release_owner", draft_id)
             if self._peers.get(draft_id) is peer:
                 self._drop_peer(draft_id)
             log.info("stream_closed", draft_id=draft_id, requests_freed=freed)
@@ -123,15 +134,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _step(self, peer: _Peer, req: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
         t0 = time.perf_counter()
         peer.writer.release(req.released_slots)
-        self.engine.release(list(req.release))
-        prefill = self.engine.prefill([
+        if req.release:
+            self.group.call("release", list(req.release))
+        prefill = self.group.call("prefill", [
             PrefillInput(p.request_id, list(p.token_ids), sampling_from_proto(p.sampling), p.reserve_tokens,
                          owner=peer.draft_id) for p in req.prefills])
         released: list[int] = []
         if req.verify_ids:
             trees = peer.reader.read(req.trees)
-            verify = self.engine.verify(list(req.verify_ids), trees["tokens"], trees["parents"],
-                                        trees["depths"], trees["sizes"])
+            verify = self.group.call("verify", list(req.verify_ids), trees["tokens"], trees["parents"],
+                                     trees["depths"], trees["sizes"])
             self.metrics.step_ms.labels("commit").observe(self.engine.last_commit_ms)
             slot = req.trees.tensors[0].WhichOneof("payload") == "slot" if req.trees.tensors else False
             if slot:
@@ -157,31 +169,64 @@ def _item_pb(o) -> verifier_pb2.ItemResult:
     return verifier_pb2.ItemResult(request_id=o.request_id, token_ids=o.tokens, committed=o.committed)
 
 
-def build_engine(settings: VerifierSettings) -> VerifierEngine:
-    """Start-up phases: load weights, size the KV cache, ready to serve. Each logs what it decided."""
+def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -> VerifierEngine:
+    """Start-up phases: load weights (this rank's slice), size the KV cache. Each logs what it decided."""
     dtype = _DTYPES[settings.dtype]
+    tp = tp or TensorParallel(0, 1)
+    device = rank_device(settings.device, tp.rank)
     t0 = time.perf_counter()
-    model = TargetModel.load(Path(settings.model_path), dtype=dtype, device=settings.device)
+    model = TargetModel.load(Path(settings.model_path), dtype=dtype, device=device, tp=tp)
     cfg = model.config
-    log.info("weights_loaded", path=settings.model_path, layers=cfg.num_hidden_layers,
+    log.info("weights_loaded", path=settings.model_path, layers=cfg.num_hidden_layers, rank=tp.rank, tp=tp.size,
              seconds=round(time.perf_counter() - t0, 2))
     max_context = settings.max_context or cfg.max_position_embeddings
     num_pages = -(-settings.kv_capacity_tokens // settings.page_size)
     cache = PagedKVCache(cfg.num_hidden_layers, num_pages, settings.page_size,
-                         cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype, torch.device(settings.device))
+                         cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype, torch.device(device))
     log.info("kv_cache_sized", pages=num_pages, page_size=settings.page_size, tokens=num_pages * settings.page_size,
              max_context=max_context)
     return VerifierEngine(model, cache, max_context=max_context, prefill_chunk=settings.prefill_chunk)
 
 
-async def serve(settings: VerifierSettings) -> None:
+async def serve(settings: VerifierSettings, config_path: str | None = None) -> None:
     configure_logging("verifier", settings.json_logs)
-    engine = build_engine(settings)
+    workers = []
+    tp = TensorParallel(0, 1)
+    if settings.tp > 1:
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        workers = spawn_workers(settings, config_path, init_method)
+        tp = TensorParallel(0, settings.tp, init_method, backend=backend_for(settings), timeout_s=settings.tp_timeout_s)
+    engine = build_engine(settings, tp)
+    group = EngineGroup(engine, tp)
     server, health = new_server([verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name])
     metrics = Metrics("verifier")
-    verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(engine, settings, metrics), server)
+    verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(group, settings, metrics), server)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     await server.start()
-    log.info("serving", address=f"{settings.host}:{port}",
+    log.info("serving", address=f"{settings.host}:{port}", tp=settings.tp,
              metrics_port=serve_metrics(metrics, settings.host, settings.metrics_port))
-    await serve_until_signal(server, health)
+    died: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    def on_death(reason: str) -> None:
+        # A lost rank ends the group: report NOT_SERVING now, then stop (the supervisor restarts it).
+        died.append(reason)
+        log.error("rank_died", reason=reason)
+        loop.call_soon_threadsafe(health.enter_graceful_shutdown)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    watch_workers(workers, on_death)
+    try:
+        await serve_until_signal(server, health, grace_s=1.0 if died else 5.0)
+    finally:
+        if workers and not died:
+            try:
+                group.stop()
+            except Exception:  # noqa: BLE001 - a worker already gone; it is being reaped below
+                pass
+        for proc in workers:
+            if proc.poll() is None:
+                proc.terminate()
+            proc.wait(timeout=10)
+    if died:
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE, died[0])

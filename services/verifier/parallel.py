@@ -1,0 +1,164 @@
+"""Tensor parallelism for the verifier: which slice of each weight a rank reads, and the collectives.
+
+Split (Megatron-style, one all-reduce per attention and per MLP/MoE block):
+* MLA heads across ranks: q_proj / q_b_proj and kv_b_proj rows by head, o_proj columns by head.
+  The latent KV cache (kv_lora_rank + rope per token) is the same for every head, so every rank
+  keeps the whole cache for its own heads; nothing about it is split.
+* Dense MLP, shared experts and every routed expert: intermediate split (gate/up rows, down columns).
+  INT4 experts are sliced in their packed form: a rank's slice of the intermediate dimension must be
+  a whole number of INT4 groups (32) for down_proj's packed columns and scales.
+* lm_head by vocabulary rows; greedy decoding needs only each rank's (max, index) per node.
+Routers, norms, embeddings and the kv_a / q_a projections are replicated.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from services.common.checkpoint import CheckpointError, tensor_index
+from services.verifier.config import TargetConfig
+
+__all__ = ["TensorParallel", "load_rank_slice", "split_rule"]
+
+
+@dataclass(frozen=True)
+class _Rule:
+    dim: int      # dimension split across ranks
+    unit: int     # elements per indivisible unit (a head's rows, a packed word, a scale group)
+    count: int    # units in the whole dimension
+
+
+def split_rule(name: str, config: TargetConfig, shape: tuple[int, ...]) -> _Rule | None:
+    """How `name` is split across ranks, or None when every rank holds all of it."""
+    c = config
+    H = c.num_attention_heads
+    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+        return _Rule(0, c.qk_head_dim, H)
+    if name.endswith("self_attn.kv_b_proj.weight"):
+        return _Rule(0, c.qk_nope_head_dim + c.v_head_dim, H)
+    if name.endswith("self_attn.o_proj.weight"):
+        return _Rule(1, c.v_head_dim, H)
+    if name == "lm_head.weight":
+        return _Rule(0, 1, shape[0])
+    m = re.search(r"mlp\.(?:experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj|down_proj)\.(weight\w*)$", name)
+    if m is None:
+        return None
+    proj, kind = m.groups()
+    if kind == "weight_shape":
+        return None   # rewritten by the loader to the slice's dense shape
+    if proj in ("gate_proj", "up_proj"):
+        return _Rule(0, 1, shape[0])
+    if kind == "weight":
+        return _Rule(1, 1, shape[1])
+    group = c.quantization.group_size if c.quantization is not None else 32
+    if kind == "weight_packed":   # [hidden, I/8] words; a rank's slice must hold whole groups
+        return _Rule(1, group // 8, shape[1] * 8 // group)
+    return _Rule(1, 1, shape[1])  # weight_scale [hidden, I/group]
+
+
+def load_rank_slice(path: Path, config: TargetConfig, expected: dict[str, tuple[int, ...]], rank: int,
+                    size: int) -> dict[str, torch.Tensor]:
+    """Reads only this rank's slice of each expected tensor (safetensors slices are mmap reads),
+    checking each full shape against what the config implies first."""
+    path = Path(path)
+    index = tensor_index(path)
+    out: dict[str, torch.Tensor] = {}
+    handles: dict[str, Any] = {}
+    try:
+        for name, want in expected.items():
+            file_name = index.get(name)
+            if file_name is None:
+                raise CheckpointError(f"{path}: missing tensor {name}")
+            if file_name not in handles:
+                if not (path / file_name).is_file():
+                    raise CheckpointError(f"{path}: shard file {file_name} is missing")
+                handles[file_name] = safe_open(str(path / file_name), framework="pt")
+            sl = handles[file_name].get_slice(name)
+            shape = tuple(sl.get_shape())
+            if shape != tuple(want):
+                raise CheckpointError(f"{path / file_name}: tensor {name} has shape {shape}, config implies {tuple(want)}")
+            rule = split_rule(name, config, shape)
+            if rule is None or size == 1:
+                out[name] = sl[:]
+                continue
+            if rule.count % size:
+                raise CheckpointError(
+                    f"{path / file_name}: tensor {name} splits into {rule.count} units along dim {rule.dim}, "
+                    f"not divisible by tp={size} (heads, vocabulary and expert intermediate size must divide by tp; "
+                    f"INT4 experts need intermediate/tp to be a multiple of the group size)")
+            per = rule.count // size * rule.unit
+            lo, hi = rank * per, (rank + 1) * per
+            out[name] = sl[lo:hi] if rule.dim == 0 else sl[:, lo:hi]
+    finally:
+        handles.clear()
+    for name in list(out):
+        if name.endswith(".weight_shape"):
+            packed = out[name.replace(".weight_shape", ".weight_packed")]
+            out[name] = torch.tensor([packed.shape[0], packed.shape[1] * 8], dtype=out[name].dtype)
+    return out
+
+
+class TensorParallel:
+    """This rank's place in the group and the few collectives the verifier needs."""
+
+    def __init__(self, rank: int, size: int, init_method: str = "", backend: str = "gloo",
+                 timeout_s: float = 60.0) -> None:
+        self.rank = rank
+        self.size = size
+        if size > 1 and not dist.is_initialized():
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums the ranks' partial results in place (the one collective per block)."""
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def argmax(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens from vocabulary-sharded logits [N, V/size]: only (max, index) cross ranks.
+
+        Ties go to the lowest global index, as torch.argmax over the full row would.
+        """
+        vals, idx = local_logits.max(dim=-1)                                   # [N], [N]
+        if self.size == 1:
+            return idx
+        idx = idx + self.rank * local_logits.shape[-1]
+        both = torch.stack([vals.double(), idx.double()], dim=0)               # [2, N]
+        gathered = [torch.empty_like(both) for _ in range(self.size)]
+        dist.all_gather(gathered, both)
+        g = torch.stack(gathered)                                              # [size, 2, N]
+        best = g[:, 0].argmax(dim=0)                                           # first max = lowest rank
+        return g[best, 1, torch.arange(g.shape[-1])].long()
+
+    def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """Full logits [N, V] on every rank, for sampling (identical draws on every rank)."""
+        if self.size == 1:
+            return local_logits
+        parts = [torch.empty_like(local_logits) for _ in range(self.size)]
+        dist.all_gather(parts, local_logits.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's step description to every rank (pickled; small: ids, trees, params)."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,117 @@
+"""The verifier as a group of ranks: rank 0 serves gRPC and broadcasts each engine call; ranks
+1..N-1 are worker processes that replay the same calls on their slice of the model, in lockstep.
+
+A rank that dies takes the group down at once (rank 0 reports NOT_SERVING and exits, workers exit
+when rank 0's collectives fail): a half group would hang or be wrong, and the supervisor (the
+launcher, compose's restart policy) starts a whole new group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from services.common.logging import configure_logging, get_logger
+from services.common.settings import VerifierSettings, load_settings
+from services.verifier.engine import VerifierEngine
+from services.verifier.parallel import TensorParallel
+
+__all__ = ["EngineGroup", "backend_for", "rank_device", "spawn_workers", "watch_workers", "worker_main"]
+
+log = get_logger("verifier")
+
+_STOP = "__stop__"
+
+
+class EngineGroup:
+    """Rank 0's engine handle: every state-changing call runs on all ranks in the same order."""
+
+    def __init__(self, engine: VerifierEngine, tp: TensorParallel) -> None:
+        self.engine = engine
+        self.tp = tp
+
+    def call(self, method: str, *args: Any) -> Any:
+        self.tp.broadcast((method, args))
+        return getattr(self.engine, method)(*args)
+
+    def stop(self) -> None:
+        if self.tp.enabled:
+            self.tp.broadcast((_STOP, ()))
+
+
+def worker_loop(engine: VerifierEngine, tp: TensorParallel) -> None:
+    while True:
+        method, args = tp.broadcast(None)
+        if method == _STOP:
+            return
+        getattr(engine, method)(*args)
+
+
+def rank_device(device: str, rank: int) -> str:
+    """`cuda` (or `cuda:0`) spreads ranks over GPUs 0..N-1; `cpu` keeps them all on the CPU."""
+    return f"cuda:{rank}" if device.startswith("cuda") else device
+
+
+def spawn_workers(settings: VerifierSettings, config_path: str | None, init_method: str) -> list[subprocess.Popen]:
+    cmd = [sys.executable, "-m", "services.verifier.ranks", "--init-method", init_method]
+    if config_path:
+        cmd += ["--config", config_path]
+    return [subprocess.Popen(cmd + ["--rank", str(r)]) for r in range(1, settings.tp)]
+
+
+def watch_workers(procs: list[subprocess.Popen], on_death: Callable[[str], None], interval_s: float = 0.2) -> None:
+    """A daemon thread that calls `on_death` as soon as any worker rank exits."""
+    def run() -> None:
+        while True:
+            for rank, proc in enumerate(procs, start=1):
+                if proc.poll() is not None:
+                    on_death(f"verifier rank {rank} exited with code {proc.returncode}")
+                    return
+            time.sleep(interval_s)
+    threading.Thread(target=run, name="rank-watchdog", daemon=True).start()
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM when rank 0 goes, so no worker outlives its group."""
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    from services.verifier.server import build_engine
+
+    p = argparse.ArgumentParser(description="verifier worker rank (started by rank 0)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--init-method", required=True)
+    p.add_argument("--config", default=None)
+    args = p.parse_args(argv)
+    _die_with_parent()
+    settings = load_settings(VerifierSettings, args.config)
+    configure_logging(f"verifier-rank{args.rank}", settings.json_logs)
+    tp = TensorParallel(args.rank, settings.tp, args.init_method, backend=backend_for(settings),
+                        timeout_s=settings.tp_timeout_s)
+    engine = build_engine(settings, tp)
+    try:
+        worker_loop(engine, tp)
+    except Exception as exc:   # rank 0 went away mid-collective: nothing left to serve
+        log.warning("rank_exit", rank=args.rank, reason=str(exc))
+        return 1
+    tp.close()
+    return 0
+
+
+def backend_for(settings: VerifierSettings) -> str:
+    return "nccl" if settings.device.startswith("cuda") else "gloo"
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

@@ -1,0 +1,94 @@
+"""Tensor-parallel verifier on the CPU (gloo): TP=2 and TP=4 give TP=1's tokens; a dead rank is reported."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.launcher import Stack, StackSpec
+from services.common.make_checkpoint import make_random_checkpoint
+from services.scheduler.client import AsyncClient, Client, ClientError
+from services.verifier.model import expected_tensors, load_checkpoint
+from services.verifier.parallel import load_rank_slice
+from tests.stack_fixtures import PROMPTS
+
+# moe_intermediate 128 / tp 4 = 32: each rank's INT4 down_proj slice is one whole quantization group.
+OVERRIDES = {"moe_intermediate_size": 128}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_random_checkpoint(tmp_path_factory.mktemp("tp") / "ckpt", vocab_size=512, seed=5,
+                                  target_overrides=OVERRIDES)
+
+
+def test_rank_slices_reassemble_the_checkpoint(ckpt):
+    config, full = load_checkpoint(ckpt)
+    parts = [load_rank_slice(ckpt, config, expected_tensors(config), r, 4) for r in range(4)]
+    for name, tensor in full.items():
+        if name.endswith(".weight_shape"):
+            continue
+        pieces = [p[name] for p in parts]
+        if all(torch.equal(pieces[0], x) for x in pieces[1:]) and pieces[0].shape == tensor.shape:
+            continue   # replicated
+        dim = 0 if pieces[0].shape[0] != tensor.shape[0] else 1
+        assert torch.equal(torch.cat(pieces, dim=dim), tensor), name
+
+
+def test_tp2_and_tp4_equal_tp1_token_for_token(ckpt):
+    results = {}
+    for tp in (1, 2, 4):
+        spec = StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={"DDTREE_VERIFIER_TP": str(tp)})
+        with Stack(spec) as stack:
+            async def run():
+                async with AsyncClient(stack.scheduler_address) as client:
+                    greedy = await asyncio.gather(*(client.generate(p, max_tokens=16, budget=8, ignore_eos=True)
+                                                    for p in PROMPTS[:6]))
+                    sampled = await client.generate(PROMPTS[0], max_tokens=16, temperature=1.0, seed=3,
+                                                    budget=8, ignore_eos=True)
+                    return [g.token_ids for g in greedy], sampled.token_ids
+            results[tp] = asyncio.run(run())
+            with Client(stack.scheduler_address) as c:
+                assert c.model_info().tp_size == tp
+    assert results[2] == results[1] and results[4] == results[1]
+
+
+def _worker_ranks(pid: int) -> list[int]:
+    """The verifier's worker-rank child processes (not e.g. its shared-memory resource tracker)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as fh:
+        kids = [int(x) for x in fh.read().split()]
+    return [k for k in kids if b"services.verifier.ranks" in open(f"/proc/{k}/cmdline", "rb").read()]
+
+
+def test_dead_rank_makes_the_group_unhealthy_without_hanging(ckpt):
+    spec = StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={"DDTREE_VERIFIER_TP": "2"})
+    with Stack(spec) as stack:
+        verifier = stack.process("verifier")
+        (worker,) = _worker_ranks(verifier.pid)
+
+        async def scenario():
+            async with AsyncClient(stack.scheduler_address) as client:
+                got = 0
+                with pytest.raises(ClientError) as info:
+                    async for chunk in client.stream(PROMPTS[0], max_tokens=400, mode="autoregressive",
+                                                     ignore_eos=True):
+                        got += 1
+                        if got == 3:
+                            import os
+                            import signal
+                            os.kill(worker, signal.SIGKILL)
+                            t0 = time.monotonic()
+                return info.value, time.monotonic() - t0
+
+        err, took = asyncio.run(scenario())
+        assert err.code == grpc.StatusCode.UNAVAILABLE and took < 10, (err, took)
+        verifier.wait(timeout=15)                 # rank 0 ends the group instead of hanging
+        assert verifier.returncode != 0
+        with grpc.insecure_channel(stack.address("verifier")) as ch:
+            with pytest.raises(grpc.RpcError):    # nothing answers for the dead group any more
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
