@@ -5,6 +5,7 @@
                     [--mode ddtree|autoregressive] [--json]
     ddtree serve {scheduler,draft,verifier} [--config FILE]  # one service (what `up` and compose run)
     ddtree make-checkpoint DIR [--vocab-size N] [--seed S]   # a small random target + drafter + tokenizer
+    ddtree bench [--contexts ...] [--concurrency ...] [--budgets ...] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -126,6 +127,21 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from bench.matrix import MatrixParams, run_matrix, write_results
+
+    params = MatrixParams(address=args.address, contexts=args.contexts, concurrencies=args.concurrency,
+                          budgets=args.budgets, max_tokens=args.max_tokens, temperature=args.temperature,
+                          draft_metrics=args.draft_metrics, vocab_high=args.vocab_high)
+    rows = run_matrix(params)
+    write_results(rows, params, Path(args.out), name=Path(args.out).stem)
+    for r in rows:
+        print(f"ctx={r['context']:>5} C={r['concurrency']:>4} {r['mode']:>14} b={r['budget'] or '-':>3} "
+              f"agg={r['agg_tok_s']:9.1f} tok/s  per-req={r['per_req_tok_s']:8.1f}  "
+              f"p50 tpot={r['p50_tpot_ms']:7.2f} ms  acc={r['mean_acceptance']:.2f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding server")
     sub = p.add_subparsers(dest="command", required=True)
@@ -160,6 +176,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("service", choices=["scheduler", "draft", "verifier"])
     serve.add_argument("--config", default=None)
     serve.set_defaults(func=_cmd_serve)
+
+    b = sub.add_parser("bench", help="the context x concurrency x mode matrix against a running stack")
+    b.add_argument("--address", default="127.0.0.1:50051")
+    b.add_argument("--contexts", type=int, nargs="+", default=[60, 1024])
+    b.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 64, 128])
+    b.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32])
+    b.add_argument("--max-tokens", type=int, default=512)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--draft-metrics", default="", help="host:port of the draft's /metrics (step-time split)")
+    b.add_argument("--vocab-high", type=int, default=256, help="prompt ids are drawn below this")
+    b.add_argument("--out", default="bench/results/matrix-demo.json")
+    b.set_defaults(func=_cmd_bench)
 
     mk = sub.add_parser("make-checkpoint", help="write a small random target + drafter + tokenizer")
     mk.add_argument("out")
