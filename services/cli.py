@@ -64,7 +64,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
               f"make one with `ddtree make-checkpoint {model}`", file=sys.stderr)
         return 2
     spec = StackSpec(model_path=str(model), drafter_path=args.drafter, config_path=args.config,
-                     scheduler_port=args.port, draft_replicas=args.draft_replicas)
+                     scheduler_port=args.port, draft_replicas=args.draft_replicas,
+                     extra_env={"DDTREE_VERIFIER_TP": str(args.tp)} if args.tp else {})
     stack = Stack(spec)
     stop = {"now": False}
 
@@ -152,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", default=None, help="TOML config file shared by the services")
     up.add_argument("--port", type=int, default=50051, help="scheduler port (the public API)")
     up.add_argument("--draft-replicas", type=int, default=1, help="draft processes in front of the verifier")
+    up.add_argument("--tp", type=int, default=0, help="verifier tensor-parallel ranks (default: config, else 1)")
     up.set_defaults(func=_cmd_up)
 
     gen = sub.add_parser("generate", help="call the running stack")
