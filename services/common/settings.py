@@ -82,17 +82,20 @@ class DraftSettings:
     verifier_address: str = "127.0.0.1:50053"
     target_path: str = "models/demo"
     drafter_path: str = "models/demo/drafter"
-    transport: str = "auto"          # auto | shm | inline (auto: shm when the verifier is local)
+    transport: str = "auto"          # auto | cuda_ipc | shm | inline (auto: cuda_ipc or shm when the verifier is local)
     ring_slots: int = 4
     ring_slot_bytes: int = 1 << 20
     device: str = "cpu"
     dtype: str = "float32"
+    cpu_threads: int = 1             # torch intra-op threads (CPU); the services share the cores
     metrics_port: int = 0
     json_logs: bool = False
 
     def __post_init__(self) -> None:
+        _check(self.cpu_threads >= 1, "draft.cpu_threads", "must be >= 1")
         _check(0 <= self.port < 65536, "draft.port", f"{self.port} is not a TCP port")
-        _check(self.transport in ("auto", "shm", "inline"), "draft.transport", "must be auto, shm or inline")
+        _check(self.transport in ("auto", "cuda_ipc", "shm", "inline"), "draft.transport",
+               "must be auto, cuda_ipc, shm or inline")
         _check(self.ring_slots >= 2, "draft.ring_slots", "must be >= 2")
         _check(self.ring_slot_bytes >= 4096, "draft.ring_slot_bytes", "must be >= 4096")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "draft.dtype", "must be float32, bfloat16 or float16")
@@ -115,11 +118,14 @@ class VerifierSettings:
     ring_slot_bytes: int = 8 << 20
     tp: int = 1                      # tensor-parallel ranks (processes); device "cuda" puts rank i on GPU i
     tp_timeout_s: float = 60.0       # a collective waiting longer than this fails the group
+    cpu_threads: int = 1             # torch intra-op threads per rank (CPU); spinning threads of several
+                                     # processes on the same cores cost 5-10x on a small machine
     metrics_port: int = 0
     json_logs: bool = False
 
     def __post_init__(self) -> None:
         _check(1 <= self.tp <= 8, "verifier.tp", "must be in 1..8")
+        _check(self.cpu_threads >= 1, "verifier.cpu_threads", "must be >= 1")
         _check(self.tp_timeout_s > 0, "verifier.tp_timeout_s", "must be > 0")
         _check(0 <= self.port < 65536, "verifier.port", f"{self.port} is not a TCP port")
         _check(self.page_size > 0, "verifier.page_size", "must be > 0")

@@ -1,7 +1,7 @@
 """Tensor transports between the draft and verifier processes (DESIGN.md §3).
 
 gRPC carries control messages; bulk tensors travel either by reference through a ring of
-fixed-size slots in shared memory ("shm", later "cuda_ipc") or by value inside the protobuf
+fixed-size slots in shared memory ("shm"; GPU memory for "cuda_ipc", see cuda_ipc.py) or by value inside the protobuf
 ("inline", different hosts). Both sides speak `common_pb2.TensorBundle`, so the kind is a
 stream-setup choice and the engine code never branches on it.
 
@@ -57,7 +57,7 @@ __all__ = [
 
 ALIGNMENT = 64
 SLOT_HEADER_BYTES = 64
-SUPPORTED_KINDS = ("shm", "inline")
+SUPPORTED_KINDS = ("cuda_ipc", "shm", "inline")
 
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     "int32": torch.int32,
@@ -164,7 +164,7 @@ def bundle_slot(bundle: common_pb2.TensorBundle) -> int | None:
 
 
 class SlotRing:
-    """Slot bookkeeping shared by every by-reference transport (shm now, cuda_ipc later).
+    """Slot bookkeeping shared by every by-reference transport (shm, cuda_ipc).
 
     Knows nothing about memory: it hands out free slot indices with a fresh sequence number and
     takes them back. Sequence numbers are globally increasing per ring, so each write of any slot
@@ -507,6 +507,9 @@ def make_writer(kind: str, slot_bytes: int = 0, num_slots: int = 0, name_prefix:
         return ShmWriter(slot_bytes, num_slots, name_prefix)
     if kind == "inline":
         return InlineWriter()
+    if kind == "cuda_ipc":
+        from services.common.cuda_ipc import CudaIpcWriter   # needs CUDA; imported only when chosen
+        return CudaIpcWriter(slot_bytes, num_slots)
     raise ValueError(f"unknown transport kind {kind!r}; supported: {', '.join(SUPPORTED_KINDS)}")
 
 
@@ -518,4 +521,9 @@ def make_reader(kind: str, ring_name: str | None = None, slot_bytes: int = 0, nu
         return ShmReader(ring_name, slot_bytes, num_slots)
     if kind == "inline":
         return InlineReader()
+    if kind == "cuda_ipc":
+        if not ring_name:
+            raise ValueError("a cuda_ipc reader needs the producer's ring handle")
+        from services.common.cuda_ipc import CudaIpcReader
+        return CudaIpcReader(ring_name, slot_bytes, num_slots)
     raise ValueError(f"unknown transport kind {kind!r}; supported: {', '.join(SUPPORTED_KINDS)}")

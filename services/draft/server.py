@@ -41,11 +41,12 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
 async def serve(settings: DraftSettings) -> None:
     configure_logging("draft", settings.json_logs)
+    torch.set_num_threads(settings.cpu_threads)
     proposer = load_proposer(settings.drafter_path, settings.target_path, _DTYPES[settings.dtype], settings.device)
     log.info("drafter_loaded", path=settings.drafter_path, block_size=proposer.block_size,
              target_layer_ids=list(proposer.target_layer_ids))
     client = VerifierClient(settings.verifier_address, settings.transport, settings.ring_slots,
-                            settings.ring_slot_bytes)
+                            settings.ring_slot_bytes, on_gpu=settings.device.startswith("cuda"))
     metrics = Metrics("draft")
     engine = DraftEngine(proposer, client, metrics)
     await engine.connect(wait_s=120.0)   # fail fast on an incompatible verifier (FAILED_PRECONDITION names the field)

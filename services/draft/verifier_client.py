@@ -37,11 +37,16 @@ class VerifyReply:
 class VerifierClient:
     """Keeps one stream open; a broken stream raises UNAVAILABLE and is re-opened on the next step."""
 
-    def __init__(self, address: str, transport: str, ring_slots: int, ring_slot_bytes: int) -> None:
+    def __init__(self, address: str, transport: str, ring_slots: int, ring_slot_bytes: int,
+                 on_gpu: bool = False) -> None:
         self.address = address
         self.draft_id = f"draft-{uuid.uuid4().hex[:12]}"
-        kinds = ["shm", "inline"] if transport == "auto" and is_local_address(address) else (
-            ["inline"] if transport == "auto" else [transport])
+        if transport != "auto":
+            kinds = [transport]
+        elif is_local_address(address):   # same host: by reference, in GPU memory when both sides have one
+            kinds = (["cuda_ipc"] if on_gpu else []) + ["shm", "inline"]
+        else:
+            kinds = ["inline"]
         self._offer = kinds
         self._ring_slots = ring_slots
         self._ring_slot_bytes = ring_slot_bytes

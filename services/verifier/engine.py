@@ -291,5 +291,5 @@ class VerifierEngine:
 
     def _cat_features(self, parts: list[torch.Tensor]) -> torch.Tensor:
         if not parts:
-            return torch.empty(0, self._feature_width, dtype=torch.float32)
-        return torch.cat(parts).float().cpu()
+            return torch.empty(0, self._feature_width, dtype=torch.float32, device=self.model_device)
+        return torch.cat(parts).float()   # stays on the model's device (cuda_ipc shares it there)

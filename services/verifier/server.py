@@ -83,16 +83,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 self.group.call("set_feature_layers", list(request.feature_layer_ids))
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
-        kind = next((t for t in request.transports if t in ("shm", "inline")), None)
+        mine = (("cuda_ipc",) if self.settings.device.startswith("cuda") else ()) + ("shm", "inline")
+        kind = next((t for t in request.transports if t in mine), None)
         if kind is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"no common transport: draft offers {list(request.transports)}, verifier has shm, inline")
+                                f"no common transport: draft offers {list(request.transports)}, verifier has {mine}")
         if request.draft_id in self._peers:
             self._drop_peer(request.draft_id)
         try:
             reader = make_reader(kind, request.draft_ring or None, request.draft_ring_slot_bytes,
                                  request.draft_ring_slots)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RuntimeError) as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot attach the draft's ring: {exc}")
         writer = make_writer(kind, self.settings.ring_slot_bytes, self.settings.ring_slots, "ddtree-verifier")
         self._peers[request.draft_id] = _Peer(request.draft_id, writer, reader)
@@ -173,6 +174,7 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
     """Start-up phases: load weights (this rank's slice), size the KV cache. Each logs what it decided."""
     dtype = _DTYPES[settings.dtype]
     tp = tp or TensorParallel(0, 1)
+    torch.set_num_threads(settings.cpu_threads)
     device = rank_device(settings.device, tp.rank)
     t0 = time.perf_counter()
     model = TargetModel.load(Path(settings.model_path), dtype=dtype, device=device, tp=tp)
