@@ -1,0 +1,55 @@
+"""TP=2 equals TP=1 on GPUs: the three-process stack on a random checkpoint, greedy and sampled.
+
+Writes bench/results/tp-equivalence.json. Needs two GPUs (rank i on cuda:i, NCCL, NVLS off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from services.common.launcher import Stack, StackSpec
+from services.common.make_checkpoint import make_random_checkpoint
+from services.scheduler.client import Client
+
+
+def run(model: Path, tp: int, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    env = {"DDTREE_VERIFIER_TP": str(tp), "DDTREE_VERIFIER_DEVICE": "cuda", "DDTREE_DRAFT_DEVICE": "cuda",
+           "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    with Stack(StackSpec(model_path=str(model), scheduler_port=0, extra_env=env)) as stack, \
+            Client(stack.scheduler_address) as c:
+        greedy = [c.generate(p, max_tokens=32, budget=16, ignore_eos=True).token_ids for p in prompts]
+        sampled = c.generate(prompts[0], max_tokens=32, budget=16, temperature=1.0, seed=11, ignore_eos=True)
+        return greedy, sampled.token_ids
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/results/tp-equivalence.json")
+    p.add_argument("--commit", default="")
+    args = p.parse_args()
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    model = make_random_checkpoint(Path(tempfile.mkdtemp()) / "ckpt", vocab_size=512, seed=5,
+                                   target_overrides={"moe_intermediate_size": 128})
+    prompts = [[3 + (7 * i + 11 * j) % 200 for j in range(20)] for i in range(6)]
+    g1, s1 = run(model, 1, prompts)
+    g2, s2 = run(model, 2, prompts)
+    rows = [{"tp": 2, "prompts": len(prompts), "greedy_identical": sum(a == b for a, b in zip(g1, g2)),
+             "sampled_identical": s1 == s2}]
+    print(rows, flush=True)
+    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    doc = {"benchmark": "tp-equivalence", "commit": commit or "unknown", "gpu": torch.cuda.get_device_name(0),
+           "copy_gbps": None, "params": {"model": "random (make-checkpoint, moe_intermediate 128)", "dtype": "float32",
+                                         "budget": 16, "max_tokens": 32}, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=2))
+
+
+if __name__ == "__main__":
+    main()
