@@ -1,4 +1,4 @@
-"""Tree-attention MLA over a paged latent cache: torch reference (Triton kernel later, same signature).
+"""Tree-attention MLA over a paged latent cache: the Triton kernel and its torch reference.
 
 Why absorbed MLA: with W_UK folded into the query and W_UV applied after attention, every head
 attends over the same cached latent vectors ``[c_kv (kvr) | k_pe (rope)]``, so the cache is read
@@ -7,6 +7,30 @@ once per request for all heads and all tree nodes (DESIGN.md §6).
 Keys of a query token i of request r: every cached prefix token ``0 .. prefix_len-1`` plus the
 request's own query tokens j with ``tree_masks[r][i, j]`` (itself and its ancestors); their latent
 kv comes from ``new_kv`` because it is not in the cache yet.
+
+The trio (STYLE.md): ``_tree_mla_split_kernel`` / ``_tree_mla_merge_kernel`` (Triton),
+``tree_mla_triton`` (host wrapper: checks, launch parameters), ``tree_mla_reference`` (plain torch,
+used by tests and benchmarks). ``tree_mla`` picks one: Triton on CUDA, the reference elsewhere.
+
+Kernel layout. The M dimension of every matrix product is (tree node x head) of one request: row
+``m = node * H + head`` of the request's ``[n_r * H, kvr]`` query block, because every head and
+every node attends over the same latent keys. One program owns up to ``BLOCK_M = 64`` such rows
+(the most whose ``[64, 512]`` float32 accumulator fits in registers) and one split of the
+request's prefix; it streams that split's KV tiles once, through the page table, with an online
+softmax. Programs of the same request and split but other M tiles are launched next to each other
+(grid axis 0), so their re-reads of a KV tile mostly hit L2. The tree's own keys (``new_kv``) are
+attended by the last split only, and the packed ancestor bitmask applies to those keys only. With
+more than one split each program writes a normalised float32 partial and its log2-sum-exp; a
+second kernel merges them.
+
+Performance (H200, BENCHMARKS.md): 15-16% of copy bandwidth at tree 9 x 8 heads, 1.4-3.6x over
+dense-mask SDPA at batch x context >= 32 x 4096, far from the 80% target. Trees of 17+ nodes at 8
+heads are compute-bound on an H200 anyway (~2 FLOP per row per KV byte). The kernel reaches 10-22%
+of its roofline floor. From the sm_90 SASS: Triton lays out the chained QK product for 8 warps at
+64 rows as warpsPerCTA [8, 1] (both warpgroups compute the same logits, with narrow wgmma), the
+accumulator pins 128 registers a thread (255 with spills), and q plus one KV tile fill shared
+memory (one CTA per SM, no overlap between tiles). Next step: a FlashMLA-style warp-specialised
+kernel.
 """
 
 from __future__ import annotations
@@ -16,7 +40,24 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["TreeAttentionMetadata", "tree_mla_reference", "chain_mask"]
+try:  # Triton is optional: the CPU engine and its tests run on the reference alone.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is not installed
+    triton = None
+    tl = None
+
+__all__ = [
+    "TreeAttentionMetadata",
+    "TreeAttentionDeviceMetadata",
+    "TreeMlaConfig",
+    "chain_mask",
+    "pack_ancestor_bits",
+    "unpack_ancestor_bits",
+    "tree_mla",
+    "tree_mla_triton",
+    "tree_mla_reference",
+]
 
 
 @dataclass
@@ -33,9 +74,111 @@ class TreeAttentionMetadata:
         return len(self.page_tables)
 
 
+@dataclass
+class TreeAttentionDeviceMetadata:
+    """The same information in fixed-shape device tensors: what the kernel reads, graph-capturable.
+
+    query_starts:  [R+1] int32 CSR offsets into the flat N query tokens; ``query_starts[R] == N``
+                   (every query row must belong to a request, or its output is left unwritten).
+    prefix_lens:   [R] int32 tokens already in the cache per request (0 allowed).
+    page_table:    [R, max_pages] int32; row r's first ``cdiv(prefix_lens[r], page_size)`` entries
+                   are read, the rest may hold anything.
+    ancestor_bits: [N, words] int32; bit ``j % 32`` of word ``j // 32`` of row ``query_starts[r] + i``
+                   says whether node j of request r is node i itself or one of its ancestors.
+                   ``words >= cdiv(max_nodes, 32)``.
+    max_nodes:     static upper bound on nodes per request; sets the M tiling (a Python int, so a
+                   captured graph keeps its launch grid).
+    """
+
+    query_starts: Tensor
+    prefix_lens: Tensor
+    page_table: Tensor
+    ancestor_bits: Tensor
+    max_nodes: int
+
+    @property
+    def num_requests(self) -> int:
+        return self.prefix_lens.shape[0]
+
+    @classmethod
+    def from_host(
+        cls,
+        meta: TreeAttentionMetadata,
+        max_pages: int | None = None,
+        max_nodes: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> "TreeAttentionDeviceMetadata":
+        """Pack a :class:`TreeAttentionMetadata` (host sync; not for the graph-captured path).
+
+        ``max_pages``/``max_nodes`` pad to a capture bucket; unused page-table entries are 0.
+        """
+        device = device if device is not None else meta.query_starts.device
+        R = meta.num_requests
+        sizes = [int(m.shape[0]) for m in meta.tree_masks]
+        max_nodes = max(sizes, default=1) if max_nodes is None else max_nodes
+        assert max(sizes, default=0) <= max_nodes, f"a tree has {max(sizes)} nodes > max_nodes {max_nodes}"
+        pages = max((t.numel() for t in meta.page_tables), default=0)
+        max_pages = max(pages, 1) if max_pages is None else max_pages
+        assert pages <= max_pages, f"a page table has {pages} pages > max_pages {max_pages}"
+        page_table = torch.zeros(R, max_pages, dtype=torch.int32, device=device)  # [R, max_pages]
+        for r, t in enumerate(meta.page_tables):
+            page_table[r, : t.numel()] = t.to(device=device, dtype=torch.int32)
+        words = max(1, -(-max_nodes // 32))
+        bits = [pack_ancestor_bits(m.to(device), words) for m in meta.tree_masks]  # R x [n_r, words]
+        return cls(
+            query_starts=meta.query_starts.to(device=device, dtype=torch.int32),
+            prefix_lens=meta.prefix_lens.to(device=device, dtype=torch.int32),
+            page_table=page_table,
+            ancestor_bits=torch.cat(bits) if bits else torch.zeros(0, words, dtype=torch.int32, device=device),
+            max_nodes=max_nodes,
+        )
+
+    def to_host(self) -> TreeAttentionMetadata:
+        """Unpack into the list form the reference reads (host sync)."""
+        starts = self.query_starts.tolist()
+        lens = self.prefix_lens.tolist()
+        masks, tables = [], []
+        for r in range(self.num_requests):
+            s, e = starts[r], starts[r + 1]
+            masks.append(unpack_ancestor_bits(self.ancestor_bits[s:e], e - s))
+            tables.append(self.page_table[r].to(torch.int64))  # whole row: the reference slices it
+        return TreeAttentionMetadata(
+            query_starts=self.query_starts.to(torch.int64),
+            prefix_lens=torch.tensor(lens, dtype=torch.int64, device=self.prefix_lens.device),
+            page_tables=tables,
+            tree_masks=masks,
+        )
+
+
 def chain_mask(n: int, device: torch.device | str = "cpu") -> Tensor:
     """Causal mask of a prefill chunk (a tree where each token's parent is the previous one)."""
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()  # [n, n]
+
+
+def pack_ancestor_bits(mask: Tensor, words: int | None = None) -> Tensor:
+    """Bit-pack a visibility mask row-wise: no host sync, so it can sit in a captured graph.
+
+    Args:
+        mask: [..., n, n] bool; ``mask[..., i, j]`` = node i sees node j.
+        words: int32 words per row (default ``cdiv(n, 32)``); more pads with zero bits.
+
+    Returns:
+        [..., n, words] int32; bit ``j % 32`` of word ``j // 32`` is ``mask[..., i, j]``.
+    """
+    n = mask.shape[-1]
+    words = max(1, -(-n // 32)) if words is None else words
+    assert words * 32 >= n, f"{words} words hold {words * 32} bits < {n} nodes"
+    padded = torch.nn.functional.pad(mask.to(torch.int64), (0, words * 32 - n))  # [..., n, words*32]
+    weights = torch.ones(32, dtype=torch.int64, device=mask.device) << torch.arange(32, device=mask.device)
+    packed = (padded.unflatten(-1, (words, 32)) * weights).sum(-1)  # [..., n, words] in 0 .. 2^32-1
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # two's complement
+
+
+def unpack_ancestor_bits(bits: Tensor, n: int) -> Tensor:
+    """Inverse of :func:`pack_ancestor_bits`: [..., rows, words] int32 -> [..., rows, n] bool."""
+    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
+    flat = ((bits.unsqueeze(-1) >> shifts) & 1).flatten(-2)  # [..., rows, words*32]
+    return flat[..., :n].bool()
 
 
 def tree_mla_reference(
@@ -90,3 +233,359 @@ def tree_mla_reference(
         probs = torch.softmax(logits, dim=-1)  # [n, H, L+n]
         out[s:e] = torch.einsum("nht,tk->nhk", probs, keys[:, :kvr])  # [n, H, kvr]
     return out.to(q_latent.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeMlaConfig:
+    """Launch parameters of the split kernel.
+
+    block_m: rows (node x head) per program. 64 is the most whose [64, 512] float32 accumulator
+        fits in registers (8 warps, two warpgroups each holding a [64, 256] half).
+    block_n: keys per tile. With 8 warps and block_m 64, the sweep on an H200 (bench/results/
+        tree_mla.json, batch 32, context 4096, 8 heads) put block_n 64 with one stage first
+        (248 us at tree 9, 941 at tree 33), then 32 x 2 stages (267, 1014), 32 x 3 (349, 983),
+        16 x 4 (528, 1543); q (72 KB) plus 64-key tiles leaves no room for a second stage.
+    dv_splits: 2 gives each program half the value dims (4 warps, the QK product without the
+        duplication Triton's chained-dot layout gives 8 warps at 64 rows); it was slower there
+        (326 / 940 us), and is kept for other chips and shapes.
+    """
+
+    block_m: int
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 1
+    dv_splits: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            assert v >= 16 and v & (v - 1) == 0, f"{name} must be a power of two >= 16, got {v}"
+        assert self.dv_splits in (1, 2), f"dv_splits must be 1 or 2, got {self.dv_splits}"
+
+
+def default_config(rows_per_request: int) -> TreeMlaConfig:
+    """Smallest M tile that holds a request's rows, capped at 64 (see :class:`TreeMlaConfig`)."""
+    if rows_per_request > 32:
+        return TreeMlaConfig(block_m=64)
+    # Below 64 rows the product runs on mma.sync (wgmma needs 64 rows a warpgroup): 4 warps, and
+    # a smaller q leaves room for two stages of 32-key tiles. Not swept on the GPU yet.
+    return TreeMlaConfig(block_m=16 if rows_per_request <= 16 else 32, block_n=32, num_warps=4, num_stages=2)
+
+
+def choose_num_splits(
+    num_requests: int, tiles_per_request: int, rows: int, max_prefix: int, kvr: int, rope: int, sm_count: int
+) -> int:
+    """Split each request's prefix so the grid fills one wave of the GPU without starting a second.
+
+    ``tiles_per_request`` = M tiles x value-dim splits (programs per request and split). At batch
+    32, tree 9, 8 heads (64 programs a split) 2 splits ran in 253 us, 3 (192 programs, a second
+    wave half empty) in 329 us, on an H200. Limits: every split keeps >= 256 keys (the online
+    softmax amortises its setup), and where the shape is memory-bound (<= 128 rows a request) and
+    the float32 partials (``rows x kvr`` per split, written then read by the merge) would spill
+    out of L2 (> 16 MB), they stay under a quarter of the KV bytes read.
+    """
+    if max_prefix <= 0:
+        return 1
+    want = max(1, sm_count // max(1, num_requests * tiles_per_request))
+    splits = max(1, min(want, max_prefix // 256, 64))
+    partial_bytes = splits * num_requests * rows * kvr * 4
+    if rows <= 128 and partial_bytes > 16 << 20:
+        splits = max(1, min(splits, (max_prefix * (kvr + rope) * 2) // (4 * 2 * rows * kvr * 4)))
+    return splits
+
+
+if triton is not None:
+
+    @triton.jit
+    def _online_softmax_step(s, v, m_i, l_i, acc):
+        """Fold one tile of log2-scaled logits ``s`` [BM, BN] and values ``v`` [BN, BLOCK_DV] in."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BM]
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet stay finite
+        alpha = tl.exp2(m_i - m_use)  # [BM]
+        p = tl.exp2(s - m_use[:, None])  # [BM, BN]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # [BM, BLOCK_DV]
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _tile_logits(q_v, q_o, q_pe, base, slot, key_ok, offs_v, offs_o, offs_r,
+                     KVR: tl.constexpr, DV_SPLITS: tl.constexpr):
+        """Logits [BM, BN] of one key tile (rows at ``base + slot``) and its value slice [BN, BLOCK_DV]."""
+        k_v = tl.load(base + slot[:, None] + offs_v[None, :], mask=key_ok[:, None], other=0.0)  # [BN, BLOCK_DV]
+        k_pe = tl.load(base + slot[:, None] + KVR + offs_r[None, :], mask=key_ok[:, None], other=0.0)  # [BN, ROPE]
+        s = tl.dot(q_pe, tl.trans(k_pe), tl.dot(q_v, tl.trans(k_v)))  # [BM, BN]
+        if DV_SPLITS == 2:  # the other half of the latent dims: logits only
+            k_o = tl.load(base + slot[:, None] + offs_o[None, :], mask=key_ok[:, None], other=0.0)
+            s = tl.dot(q_o, tl.trans(k_o), s)
+        return s, k_v
+
+    # Shape-dependent integers are not specialised (Triton would otherwise compile a variant per
+    # divisibility class of each): one compiled kernel per (BLOCK_M, DIRECT, config).
+    @triton.jit(do_not_specialize=["stride_pt_r", "stride_anc_n", "num_heads", "total_rows", "num_splits"])
+    def _tree_mla_split_kernel(
+        q_lat_ptr,  # [N, H, KVR]
+        q_pe_ptr,  # [N, H, ROPE]
+        kv_ptr,  # [pages, page_size, KVR + ROPE]
+        new_kv_ptr,  # [N, KVR + ROPE]
+        page_table_ptr,  # [R, max_pages] int32
+        prefix_lens_ptr,  # [R] int32
+        query_starts_ptr,  # [R + 1] int32
+        anc_bits_ptr,  # [N, words] int32
+        out_ptr,  # [N * H, KVR] when num_splits == 1
+        o_part_ptr,  # [num_splits, N * H, KVR] float32 otherwise
+        lse_part_ptr,  # [num_splits, N * H] float32 (log2 domain)
+        stride_ql_n, stride_ql_h,
+        stride_qp_n, stride_qp_h,
+        stride_kv_page, stride_kv_tok,
+        stride_new_n,
+        stride_pt_r,
+        stride_anc_n,
+        num_heads,
+        page_size,
+        total_rows,  # N * H
+        num_splits,
+        scale_log2,  # softmax_scale * log2(e)
+        KVR: tl.constexpr,
+        ROPE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DV_SPLITS: tl.constexpr,  # 1, or 2: each program outputs half of the value dims
+        DIRECT: tl.constexpr,  # num_splits == 1: write the output, no partials
+    ):
+        BLOCK_DV: tl.constexpr = KVR // DV_SPLITS
+        pid_m = tl.program_id(0) // DV_SPLITS  # the two halves of a tile are neighbours: shared L2
+        dv = tl.program_id(0) % DV_SPLITS
+        split = tl.program_id(1)
+        r = tl.program_id(2)
+        q_start = tl.load(query_starts_ptr + r)
+        n_nodes = tl.load(query_starts_ptr + r + 1) - q_start
+        rows = n_nodes * num_heads
+        if pid_m * BLOCK_M >= rows:
+            return
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] row within the request
+        row_ok = offs_m < rows
+        node = offs_m // num_heads  # [BM] node within the request
+        head = offs_m % num_heads
+        offs_v = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)  # latent dims this program outputs
+        offs_o = (1 - dv) * BLOCK_DV + tl.arange(0, BLOCK_DV)  # the other half (DV_SPLITS == 2)
+        offs_r = tl.arange(0, ROPE)
+        tok = (q_start + node).to(tl.int64)  # [BM] flat query token
+        q_row = q_lat_ptr + (tok * stride_ql_n + head * stride_ql_h)[:, None]  # [BM, 1] pointers
+        q_v = tl.load(q_row + offs_v[None, :], mask=row_ok[:, None], other=0.0)  # [BM, BLOCK_DV]
+        q_o = q_v
+        if DV_SPLITS == 2:
+            q_o = tl.load(q_row + offs_o[None, :], mask=row_ok[:, None], other=0.0)  # [BM, BLOCK_DV]
+        q_pe = tl.load(
+            q_pe_ptr + (tok * stride_qp_n + head * stride_qp_h)[:, None] + offs_r[None, :],
+            mask=row_ok[:, None], other=0.0)  # [BM, ROPE]
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+        # Cached prefix: this split's share, rounded to whole tiles; every key visible to every row.
+        prefix_len = tl.load(prefix_lens_ptr + r)
+        chunk = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, prefix_len)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)  # [BN] position in the prefix
+            key_ok = offs_n < hi
+            page = tl.load(page_table_ptr + r * stride_pt_r + offs_n // page_size, mask=key_ok, other=0)
+            slot = page.to(tl.int64) * stride_kv_page + (offs_n % page_size) * stride_kv_tok  # [BN]
+            s, k_v = _tile_logits(q_v, q_o, q_pe, kv_ptr, slot, key_ok, offs_v, offs_o, offs_r, KVR, DV_SPLITS)
+            s = tl.where(key_ok[None, :], s * scale_log2, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(s, k_v, m_i, l_i, acc)
+
+        # The tree's own keys, once per request (last split): visible where the ancestor bit is set.
+        if split == num_splits - 1:
+            bits_row = anc_bits_ptr + tok * stride_anc_n  # [BM] pointers
+            for start in range(0, n_nodes, BLOCK_N):
+                offs_j = start + tl.arange(0, BLOCK_N)  # [BN] node within the request
+                key_ok = offs_j < n_nodes
+                slot = (q_start + offs_j).to(tl.int64) * stride_new_n  # [BN]
+                s, k_v = _tile_logits(q_v, q_o, q_pe, new_kv_ptr, slot, key_ok, offs_v, offs_o, offs_r,
+                                      KVR, DV_SPLITS)
+                both_ok = row_ok[:, None] & key_ok[None, :]
+                word = tl.load(bits_row[:, None] + (offs_j // 32)[None, :], mask=both_ok, other=0)  # [BM, BN]
+                visible = ((word >> (offs_j % 32)[None, :]) & 1) != 0
+                s = tl.where(visible, s * scale_log2, float("-inf"))
+                m_i, l_i, acc = _online_softmax_step(s, k_v, m_i, l_i, acc)
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
+        o = acc / l_safe[:, None]  # [BM, BLOCK_DV]
+        flat_row = q_start.to(tl.int64) * num_heads + offs_m  # [BM] row of [N * H]
+        if DIRECT:
+            tl.store(out_ptr + flat_row[:, None] * KVR + offs_v[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            part = split.to(tl.int64) * total_rows + flat_row  # [BM]
+            tl.store(o_part_ptr + part[:, None] * KVR + offs_v[None, :], o, mask=row_ok[:, None])
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            tl.store(lse_part_ptr + part, lse, mask=row_ok)  # both halves write the same value
+
+    @triton.jit(do_not_specialize=["total_rows", "num_splits"])
+    def _tree_mla_merge_kernel(
+        o_part_ptr,  # [num_splits, rows, KVR] float32
+        lse_part_ptr,  # [num_splits, rows] float32
+        out_ptr,  # [rows, KVR]
+        total_rows,
+        num_splits,
+        KVR: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+        row_ok = rows < total_rows
+        rows64 = rows.to(tl.int64)
+        offs_d = tl.arange(0, KVR)
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        for s in range(num_splits):
+            m = tl.maximum(m, tl.load(lse_part_ptr + s * total_rows + rows64, mask=row_ok, other=float("-inf")))
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        w_sum = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, KVR], tl.float32)
+        for s in range(num_splits):
+            part = s * total_rows + rows64  # [BR]
+            w = tl.exp2(tl.load(lse_part_ptr + part, mask=row_ok, other=float("-inf")) - m_use)  # [BR]
+            o = tl.load(o_part_ptr + part[:, None] * KVR + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            acc += w[:, None] * o
+            w_sum += w
+        w_sum = tl.where(w_sum == 0.0, 1.0, w_sum)
+        tl.store(out_ptr + rows64[:, None] * KVR + offs_d[None, :],
+                 (acc / w_sum[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+_LOG2E = 1.4426950408889634
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: size splits as on an H200
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def tree_mla_triton(
+    q_latent: Tensor,
+    q_pe: Tensor,
+    kv_cache: Tensor,
+    new_kv: Tensor,
+    meta: TreeAttentionMetadata | TreeAttentionDeviceMetadata,
+    softmax_scale: float,
+    *,
+    num_splits: int | None = None,
+    config: TreeMlaConfig | None = None,
+) -> Tensor:
+    """:func:`tree_mla_reference` as two Triton launches (split pass, then merge when split).
+
+    Args: as :func:`tree_mla_reference`; ``meta`` is best given as
+    :class:`TreeAttentionDeviceMetadata` (the host form is packed here, with a host sync).
+    ``kvr`` and ``rope`` must be powers of two (512 and 64 for DeepSeek-V3 / Kimi-K2).
+    num_splits: KV splits per request (default: :func:`choose_num_splits`, from static shapes
+        only, so a captured graph keeps it).
+    config: launch parameters (default: :func:`default_config`); for benchmarks and debugging.
+
+    Returns:
+        [N, H, kvr] in q_latent's dtype. Softmax and accumulation run in float32.
+    """
+    if triton is None:
+        raise RuntimeError("tree_mla_triton needs triton; install the 'gpu' extra or use tree_mla_reference")
+    if isinstance(meta, TreeAttentionMetadata):
+        meta = TreeAttentionDeviceMetadata.from_host(meta, device=q_latent.device)
+    N, H, kvr = q_latent.shape
+    rope = q_pe.shape[-1]
+    num_pages, page_size, kv_dim = kv_cache.shape
+    R = meta.num_requests
+    assert kv_dim == kvr + rope, f"kv_cache last dim {kv_dim} != kvr {kvr} + rope {rope}"
+    assert q_pe.shape == (N, H, rope), f"q_pe must be [{N}, {H}, {rope}], got {tuple(q_pe.shape)}"
+    assert new_kv.shape == (N, kv_dim), f"new_kv must be [{N}, {kv_dim}], got {tuple(new_kv.shape)}"
+    for name, d in (("kvr", kvr), ("rope", rope)):
+        assert d >= 16 and d & (d - 1) == 0, f"{name} = {d}: the kernel needs a power of two >= 16"
+    for name, t in (("q_latent", q_latent), ("q_pe", q_pe), ("kv_cache", kv_cache), ("new_kv", new_kv)):
+        assert t.stride(-1) == 1, f"{name} must be contiguous in its last dim"
+        assert t.device == q_latent.device, f"{name} is on {t.device}, q_latent on {q_latent.device}"
+    assert meta.query_starts.shape == (R + 1,), "query_starts must have R+1 entries"
+    assert meta.ancestor_bits.shape[0] == N, f"ancestor_bits has {meta.ancestor_bits.shape[0]} rows, N = {N}"
+    assert meta.ancestor_bits.shape[1] * 32 >= meta.max_nodes, "ancestor_bits has too few words for max_nodes"
+    for name in ("query_starts", "prefix_lens", "page_table", "ancestor_bits"):
+        t = getattr(meta, name)
+        assert t.dtype == torch.int32, f"meta.{name} must be int32, got {t.dtype}"
+        assert t.device == q_latent.device, f"meta.{name} is on {t.device}, q_latent on {q_latent.device}"
+    assert meta.page_table.stride(1) == 1 and meta.ancestor_bits.stride(1) == 1, (
+        "page_table and ancestor_bits rows must be contiguous")
+
+    out = torch.empty(N, H, kvr, dtype=q_latent.dtype, device=q_latent.device)  # [N, H, kvr]
+    if N == 0 or R == 0:
+        return out
+    rows = meta.max_nodes * H  # static rows per request
+    cfg = config or default_config(rows)
+    m_tiles = -(-rows // cfg.block_m)
+    if num_splits is None:
+        max_prefix = meta.page_table.shape[1] * page_size  # static bound: graphs keep the grid
+        num_splits = choose_num_splits(R, m_tiles * cfg.dv_splits, rows, max_prefix, kvr, rope,
+                                       _sm_count(q_latent.device))
+    assert num_splits >= 1
+    total_rows = N * H
+    if num_splits == 1:
+        o_part = lse_part = out  # unused
+    else:
+        o_part = torch.empty(num_splits, total_rows, kvr, dtype=torch.float32, device=q_latent.device)
+        lse_part = torch.empty(num_splits, total_rows, dtype=torch.float32, device=q_latent.device)
+    _tree_mla_split_kernel[(m_tiles * cfg.dv_splits, num_splits, R)](
+        q_latent, q_pe, kv_cache, new_kv,
+        meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,
+        out, o_part, lse_part,
+        q_latent.stride(0), q_latent.stride(1),
+        q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        new_kv.stride(0),
+        meta.page_table.stride(0),
+        meta.ancestor_bits.stride(0),
+        H, page_size, total_rows, num_splits, softmax_scale * _LOG2E,
+        KVR=kvr, ROPE=rope, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV_SPLITS=cfg.dv_splits,
+        DIRECT=num_splits == 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        block_r = 16
+        _tree_mla_merge_kernel[(triton.cdiv(total_rows, block_r),)](
+            o_part, lse_part, out, total_rows, num_splits,
+            KVR=kvr, BLOCK_R=block_r, num_warps=4,
+        )
+    return out
+
+
+def tree_mla(
+    q_latent: Tensor,
+    q_pe: Tensor,
+    kv_cache: Tensor,
+    new_kv: Tensor,
+    meta: TreeAttentionMetadata | TreeAttentionDeviceMetadata,
+    softmax_scale: float,
+    *,
+    backend: str | None = None,
+) -> Tensor:
+    """Tree-attention MLA: the Triton kernel on CUDA, the torch reference elsewhere.
+
+    Same arguments and result as :func:`tree_mla_reference`. ``backend`` forces ``"triton"`` (on
+    CPU that needs ``TRITON_INTERPRET=1`` set before triton is imported: the tests do) or
+    ``"reference"``.
+    """
+    if backend is None:
+        backend = "triton" if q_latent.is_cuda and triton is not None else "reference"
+    if backend == "triton":
+        return tree_mla_triton(q_latent, q_pe, kv_cache, new_kv, meta, softmax_scale)
+    if backend != "reference":
+        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+    if isinstance(meta, TreeAttentionDeviceMetadata):
+        meta = meta.to_host()
+    return tree_mla_reference(q_latent, q_pe, kv_cache, new_kv, meta, softmax_scale)

@@ -228,7 +228,7 @@ class VerifierEngine:
             return ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"request {rid}: tree root must be the pending token {req.pending} at depth 0")
         if n > 1:
-            idx = torch.arange(1, n)
+            idx = torch.arange(1, n, device=p.device)
             if bool(((p[1:] < 0) | (p[1:] >= idx)).any()):
                 return ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"request {rid}: parents must precede their children")

@@ -1,0 +1,152 @@
+"""Benchmark of the batched draft-tree builder (``build_trees``) on one GPU; target T-tree.
+
+Each row times one ``build_trees`` call replayed in a CUDA graph (median of 50 replays) on
+random peaked log-softmax tables ``[batch, block - 1, vocab]`` (DFlash predicts block - 1
+positions). Two inputs per shape:
+
+* ``vocab = budget``: the drafter hands over its per-position top-``budget`` (a top-k fused into
+  its LM head); the time is the tree builder's own.
+* ``vocab = 163840`` (Kimi-K2): the builder also runs the vocabulary top-k, which reads
+  ``batch x 15 x 163840 x 4`` bytes (1.26 GB at batch 128, ~300 us of HBM time by itself).
+
+``backend``: ``triton`` (one kernel after the top-k, ``kernels.tree_build``) or ``torch`` (the
+tensor-op version). ``matches_reference``: the selected prefixes equal ``build_tree_heapq``'s on
+the first rows; ``matches_torch``: every output tensor equals the torch builder's.
+
+Usage: python -m bench.tree_build_bench [--out DIR] [--commit SHA]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from bench.tree_mla_bench import git_commit, measure_copy_gbps
+from kernels.tree_build import tree_build_triton
+from services.draft.tree import TreeBatch, build_tree_heapq, build_trees, tree_paths
+
+K2_VOCAB = 163840
+SHAPES = [  # (batch, budget, block)
+    (128, 64, 16), (128, 8, 16), (128, 16, 16), (128, 32, 16), (128, 128, 16), (1, 64, 16), (32, 64, 16),
+]
+HEAPQ_ROWS = 4
+
+
+def random_logprobs(batch: int, depth: int, vocab: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    scale = 0.5 + 4.0 * torch.rand(batch, depth, 1, generator=gen, device="cuda")
+    logits = torch.randn(batch, depth, vocab, generator=gen, device="cuda") * scale
+    return torch.log_softmax(logits, dim=-1)  # [batch, depth, vocab] float32
+
+
+def build(logprobs: torch.Tensor, budget: int, roots: torch.Tensor, backend: str, num_warps: int) -> TreeBatch:
+    """``build_trees(..., backend=backend)`` with the Triton launch's warps exposed for the sweep."""
+    if backend == "torch":
+        return build_trees(logprobs, budget, roots, backend="torch")
+    out = tree_build_triton(logprobs, budget, roots, num_warps=num_warps)
+    return TreeBatch(out.tokens, out.parents, out.depths, out.scores, out.sizes)
+
+
+def graph_time_us(fn, reps: int = 50) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()  # warm-up: compiles, caches the candidate table
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"))
+    args = ap.parse_args()
+    gpu = torch.cuda.get_device_name()
+    copy_gbps = measure_copy_gbps(1 << 30)
+    # Warps per request's program: the per-depth sorts are latency-bound, so fewer warps (fewer
+    # cross-warp exchanges) may win; measured at the T-tree shape, then used for every row.
+    lp = random_logprobs(128, 15, 64, seed=1)
+    roots0 = torch.zeros(128, dtype=torch.int64, device="cuda")
+    warps_sweep: dict[int, float] = {}
+    for w in (1, 2, 4, 8):
+        try:
+            warps_sweep[w] = round(graph_time_us(lambda w=w: build(lp, 64, roots0, "triton", w)), 2)
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
+            print(f"num_warps {w}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    num_warps = min(warps_sweep, key=warps_sweep.get) if warps_sweep else 4
+    print(f"num_warps sweep at 128/64/16: {warps_sweep} -> {num_warps}", flush=True)
+    rows: list[dict] = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write() -> None:  # after every row, so a run cut short still leaves its numbers
+        result = {
+            "benchmark": "tree_build",
+            "commit": git_commit(args.commit),
+            "gpu": gpu,
+            "copy_gbps": round(copy_gbps, 1),
+            "params": {
+                "depth": "block - 1", "dtype": "float32", "timing": "CUDA graph replay, median of 50",
+                "matches_reference": f"heapq reference on the first {HEAPQ_ROWS} rows (prefix sets)",
+                "torch": torch.__version__, "triton": __import__("triton").__version__,
+                "num_warps_sweep_128_64_16_us": warps_sweep, "num_warps": num_warps,
+            },
+            "rows": rows,
+        }
+        (out / "tree_build.json").write_text(json.dumps(result, indent=1) + "\n")
+
+    for batch, budget, block in SHAPES:
+        depth = block - 1
+        for vocab, backends in ((budget, ("triton", "torch")), (K2_VOCAB, ("triton",))):
+            logprobs = random_logprobs(batch, depth, vocab, seed=batch * 1000 + budget)
+            roots = torch.randint(0, vocab, (batch,), device="cuda")
+            want = build_trees(logprobs, budget, roots, backend="torch")
+            for backend in backends:
+                got = build(logprobs, budget, roots, backend, num_warps)
+                matches_torch = all(torch.equal(getattr(got, f), getattr(want, f))
+                                    for f in ("tokens", "parents", "depths", "scores", "sizes"))
+                cpu_lp = logprobs[:HEAPQ_ROWS].cpu()
+                matches_ref = all(tree_paths(got, r) == set(build_tree_heapq(cpu_lp[r], budget))
+                                  for r in range(min(batch, HEAPQ_ROWS)))
+                try:
+                    t = round(graph_time_us(lambda: build(logprobs, budget, roots, backend, num_warps)), 2)
+                    error = None
+                except RuntimeError as exc:  # e.g. an op that cannot be captured: record, go on
+                    t, error = None, f"{type(exc).__name__}: {str(exc)[:200]}"
+                row = {"batch": batch, "budget": budget, "block": block, "vocab": vocab, "backend": backend,
+                       "time_us": t, "matches_reference": matches_ref, "matches_torch": matches_torch}
+                if error:
+                    row["error"] = error
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                write()
+            del logprobs
+            torch.cuda.empty_cache()
+    print("\n batch budget block  vocab backend  time_us  heapq  torch")
+    for r in rows:
+        t = f"{r['time_us']:8.1f}" if r["time_us"] is not None else "   error"
+        print(f"{r['batch']:6d} {r['budget']:6d} {r['block']:5d} {r['vocab']:6d} {r['backend']:>7} "
+              f"{t} {str(r['matches_reference']):>6} {str(r['matches_torch']):>6}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""The Triton tree-attention MLA kernel must compute what ``tree_mla_reference`` computes.
+
+On a machine without a GPU the kernel runs in Triton's interpreter, which is chosen when the
+``@triton.jit`` decorators run, i.e. when ``kernels.tree_mla`` is first imported. Run alone, this
+module sets ``TRITON_INTERPRET=1`` before that import and tests in-process. In the whole suite
+another test module has usually imported ``kernels.tree_mla`` first (compiled mode, which needs a
+GPU); the kernel tests then skip here and ``test_kernel_in_interpreter_subprocess`` reruns this
+file in a fresh interpreter with the variable set, so nothing else in the process is affected.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+# The interpreter needs the variable before triton's first import: triton's own @jit library
+# functions (tl.sort, tl.cdiv, ...) are interpreted only if it was set then. Set it only while
+# triton is still unimported, so no later module gets a mix of interpreted and compiled functions.
+INTERPRET_PRESET = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_FRESH = "triton" not in sys.modules
+if not torch.cuda.is_available() and TRITON_FRESH:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from kernels import tree_mla as tm  # noqa: E402
+from kernels.tree_mla import (  # noqa: E402
+    TreeAttentionDeviceMetadata,
+    TreeAttentionMetadata,
+    TreeMlaConfig,
+    pack_ancestor_bits,
+    tree_mla,
+    tree_mla_reference,
+    tree_mla_triton,
+    unpack_ancestor_bits,
+)
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+KERNEL_RUNNABLE = tm.triton is not None and (
+    CUDA or ((TRITON_FRESH or INTERPRET_PRESET) and type(tm._tree_mla_split_kernel).__name__ == "InterpretedFunction")
+)
+needs_kernel = pytest.mark.skipif(
+    not KERNEL_RUNNABLE,
+    reason="triton was imported before TRITON_INTERPRET=1 could be set; "
+    "test_kernel_in_interpreter_subprocess runs these tests instead",
+)
+KVR, ROPE = 64, 16  # small stand-ins for 512 / 64: powers of two, like the real ones
+
+
+def parents_mask(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool: node i sees j iff j is i or an ancestor of i (parents[0] = -1)."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def tree_parents(kind: str, n: int, gen: torch.Generator) -> list[int]:
+    if kind == "chain":
+        return [i - 1 for i in range(n)]
+    if kind == "star":
+        return [-1] + [0] * (n - 1)
+    # random: each node hangs under an earlier one
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+
+
+def make_case(
+    gen: torch.Generator,
+    trees: list[tuple[int, list[int]]],
+    heads: int,
+    page_size: int,
+    spare_pages: int = 3,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, TreeAttentionMetadata]:
+    """Random queries and a paged cache whose unused pages and page tails are NaN.
+
+    trees: per request (prefix_len, parents). Pages are handed out in a shuffled order.
+    """
+    need = [-(-L // page_size) for L, _ in trees]
+    num_pages = sum(need) + spare_pages
+    kv_cache = torch.full((num_pages, page_size, KVR + ROPE), float("nan"), dtype=dtype)  # [P, ps, 80]
+    order = torch.randperm(num_pages, generator=gen)
+    tables, masks, starts, used = [], [], [0], 0
+    for (L, parents), n_pages in zip(trees, need):
+        table = order[used : used + n_pages]
+        used += n_pages
+        flat = torch.randn(L, KVR + ROPE, generator=gen, dtype=dtype)  # [L, 80]
+        for p in range(n_pages):
+            rows = flat[p * page_size : (p + 1) * page_size]
+            kv_cache[table[p], : rows.shape[0]] = rows
+        tables.append(table.to(torch.int64))
+        masks.append(parents_mask(parents))
+        starts.append(starts[-1] + len(parents))
+    N = starts[-1]
+    q_latent = torch.randn(N, heads, KVR, generator=gen, dtype=dtype)  # [N, H, kvr]
+    q_pe = torch.randn(N, heads, ROPE, generator=gen, dtype=dtype)  # [N, H, rope]
+    new_kv = torch.randn(N, KVR + ROPE, generator=gen, dtype=dtype)  # [N, kvr+rope]
+    meta = TreeAttentionMetadata(
+        query_starts=torch.tensor(starts, dtype=torch.int64),
+        prefix_lens=torch.tensor([L for L, _ in trees], dtype=torch.int64),
+        page_tables=tables,
+        tree_masks=masks,
+    )
+    return q_latent, q_pe, kv_cache, new_kv, meta
+
+
+def to_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(DEVICE) for t in tensors]
+
+
+def check(q_latent, q_pe, kv_cache, new_kv, meta, **kwargs) -> None:
+    scale = 1.0 / (KVR + ROPE) ** 0.5
+    expected = tree_mla_reference(q_latent.double(), q_pe.double(), kv_cache.double(), new_kv.double(), meta, scale)
+    dev_meta = TreeAttentionDeviceMetadata.from_host(meta, device=DEVICE, **kwargs.pop("pad", {}))
+    got = tree_mla_triton(*to_device(q_latent, q_pe, kv_cache, new_kv), dev_meta, scale, **kwargs)
+    assert got.shape == expected.shape
+    assert torch.isfinite(got).all(), "NaN/inf in the output: an unused page or tail was read"
+    err = (got.double().cpu() - expected).abs().max().item()
+    assert err < 1e-4, f"max abs err {err}"
+
+
+# ---------------------------------------------------------------- kernel vs reference (interpreter)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "kind,n,prefix,page_size",
+    [
+        ("chain", 1, 37, 16),  # a tree of one node (the plain decode step)
+        ("chain", 6, 20, 8),
+        ("star", 9, 45, 16),
+        ("random", 33, 29, 5),  # two bitmask words; an odd page size
+        ("random", 8, 2 * 16 - 3, 16),  # the tree starts 3 tokens before a page boundary
+        ("random", 5, 0, 16),  # no prefix: only the tree's own keys
+    ],
+)
+def test_single_request(kind: str, n: int, prefix: int, page_size: int) -> None:
+    gen = torch.Generator().manual_seed(n * 1000 + prefix)
+    case = make_case(gen, [(prefix, tree_parents(kind, n, gen))], heads=4, page_size=page_size)
+    check(*case, num_splits=1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_batch_with_split_k(num_splits: int | None) -> None:
+    """Different prefix lengths (0 and 1 included), tree sizes and shapes in one launch."""
+    gen = torch.Generator().manual_seed(11)
+    trees = [
+        (70, tree_parents("random", 7, gen)),
+        (0, tree_parents("chain", 3, gen)),
+        (1, tree_parents("star", 5, gen)),
+        (33, tree_parents("random", 12, gen)),
+    ]
+    case = make_case(gen, trees, heads=2, page_size=16)
+    check(*case, num_splits=num_splits)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dv_splits", [1, 2])
+def test_padded_bucket_and_many_heads(dv_splits: int) -> None:
+    """Static shapes wider than needed (as a captured graph sees them), 16 heads, split-K, and
+    each program writing half the value dims (dv_splits=2)."""
+    gen = torch.Generator().manual_seed(5)
+    trees = [(40, tree_parents("random", 9, gen)), (17, tree_parents("chain", 4, gen))]
+    case = make_case(gen, trees, heads=16, page_size=8)
+    config = TreeMlaConfig(block_m=32, block_n=16, num_warps=4, dv_splits=dv_splits)
+    check(*case, num_splits=2, pad={"max_pages": 9, "max_nodes": 40}, config=config)
+    check(*case, num_splits=1, config=config)
+
+
+@needs_kernel
+def test_dispatcher_forced_triton_matches_reference() -> None:
+    gen = torch.Generator().manual_seed(3)
+    q_latent, q_pe, kv_cache, new_kv, meta = make_case(gen, [(21, tree_parents("random", 6, gen))], 2, 4)
+    scale = 0.125
+    want = tree_mla_reference(q_latent, q_pe, kv_cache, new_kv, meta, scale)
+    got = tree_mla(*to_device(q_latent, q_pe, kv_cache, new_kv), meta, scale, backend="triton")
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- host-side pieces (always run)
+
+
+def test_ancestor_bits_round_trip() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 31, 32, 33, 64, 129):
+        mask = parents_mask(tree_parents("random", n, gen))
+        bits = pack_ancestor_bits(mask)  # [n, cdiv(n, 32)]
+        assert bits.dtype == torch.int32 and bits.shape == (n, -(-n // 32))
+        assert torch.equal(unpack_ancestor_bits(bits, n), mask)
+    chain = parents_mask(tree_parents("chain", 32, gen))
+    assert int(pack_ancestor_bits(chain)[31, 0]) == -1  # all 32 bits set: two's complement
+
+
+def test_device_metadata_round_trip_and_cpu_dispatch() -> None:
+    gen = torch.Generator().manual_seed(1)
+    trees = [(19, tree_parents("random", 5, gen)), (0, tree_parents("chain", 2, gen))]
+    q_latent, q_pe, kv_cache, new_kv, meta = make_case(gen, trees, heads=2, page_size=4)
+    dev = TreeAttentionDeviceMetadata.from_host(meta, max_pages=8, max_nodes=40)
+    assert dev.ancestor_bits.shape == (7, 2) and dev.page_table.shape == (2, 8)
+    back = dev.to_host()
+    for a, b in zip(meta.tree_masks, back.tree_masks):
+        assert torch.equal(a, b)
+    want = tree_mla_reference(q_latent, q_pe, kv_cache, new_kv, meta, 0.1)
+    torch.testing.assert_close(tree_mla(q_latent, q_pe, kv_cache, new_kv, dev, 0.1, backend="reference"), want)
+    if not CUDA:  # the dispatcher's CPU default is the reference
+        torch.testing.assert_close(tree_mla(q_latent, q_pe, kv_cache, new_kv, meta, 0.1), want)
+
+
+@pytest.mark.skipif(tm.triton is None, reason="triton not installed")
+def test_kernel_in_interpreter_subprocess() -> None:
+    if KERNEL_RUNNABLE:
+        pytest.skip("the kernel tests ran in this process")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+         "-k", "not subprocess"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
