@@ -8,6 +8,7 @@ accepted path's latent KV into the request's pages. No gRPC here; `server.py` wr
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -176,8 +177,13 @@ class VerifierEngine:
         offsets = [0]
         for s in sizes_l:
             offsets.append(offsets[-1] + s)
+        seen = Counter(request_ids)
         for i, rid in enumerate(request_ids):
-            err = self._check_tree(rid, tokens, parents, depths, offsets[i], sizes_l[i])
+            if seen[rid] > 1:  # two trees for one request would both commit from the same state
+                err = ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"request {rid} appears {seen[rid]} times in one verify call")
+            else:
+                err = self._check_tree(rid, tokens, parents, depths, offsets[i], sizes_l[i])
             if err is not None:
                 outcomes[i].error = err
             else:
