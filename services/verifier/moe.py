@@ -1,8 +1,9 @@
 """DeepSeek-V3 MoE: sigmoid router with grouped top-k, and a torch reference expert compute.
 
 Why a torch reference: it is the CPU path and the ground truth for the fused INT4 Triton MoE
-kernel (DESIGN.md §6); experts are dequantised once at load (``MoEWeights.from_checkpoint``) and
-the packed INT4 tensors stay attached for that kernel.
+kernel (DESIGN.md §6, ``kernels/int4_moe.py``); experts are dequantised once at load
+(``MoEWeights.from_checkpoint``) and the packed INT4 tensors stay attached for that kernel, which
+``moe_forward`` uses on CUDA.
 """
 
 from __future__ import annotations
@@ -154,10 +155,43 @@ def mlp_forward(x: Tensor, w: MLPWeights) -> Tensor:
     return (F.silu(x @ w.gate.T) * (x @ w.up.T)) @ w.down.T
 
 
-def moe_forward(x: Tensor, moe: MoEWeights, config: TargetConfig) -> Tensor:
-    """Shared experts + routed experts (loop over experts, tokens grouped per expert)."""
+def moe_forward(x: Tensor, moe: MoEWeights, config: TargetConfig, fused: bool | None = None) -> Tensor:
+    """Shared experts + routed experts.
+
+    Routed experts run in the fused INT4 Triton kernel (``kernels.int4_moe``: each activated
+    expert's packed weights read once per step, no host sync, graph-capturable) when ``fused`` is
+    true; ``None`` picks it on CUDA for bf16/fp16 models with packed experts. Otherwise the torch
+    loop below runs: the CPU path and the reference.
+    """
     N = x.shape[0]
     routing = route(x, moe, config)
+    if fused is None:
+        fused = x.is_cuda and moe.int4 is not None and x.dtype in (torch.bfloat16, torch.float16)
+    out = _routed_fused(x, moe, config, routing) if fused else _routed_torch(x, moe, routing)
+    if moe.shared is not None:
+        out = out + mlp_forward(x, moe.shared)
+    assert out.shape[0] == N
+    return out
+
+
+def _routed_fused(x: Tensor, moe: MoEWeights, config: TargetConfig, routing: Routing) -> Tensor:
+    """Routed experts through the fused INT4 kernel (imported here: CPU runs never load triton)."""
+    from kernels.int4_moe import fused_int4_moe
+
+    assert moe.int4 is not None and config.quantization is not None, "the fused MoE needs packed INT4 experts"
+    return fused_int4_moe(
+        x.contiguous(),
+        moe.int4["gate_proj"],
+        moe.int4["up_proj"],
+        moe.int4["down_proj"],
+        routing.ids,
+        routing.weights.float(),
+        group_size=config.quantization.group_size,
+    )
+
+
+def _routed_torch(x: Tensor, moe: MoEWeights, routing: Routing) -> Tensor:
+    """Loop over experts, tokens grouped per expert (dense weights dequantised at load)."""
     k = routing.ids.shape[1]
     flat_ids = routing.ids.flatten()  # [N*k]
     flat_w = routing.weights.flatten().to(x.dtype)  # [N*k]
@@ -174,7 +208,4 @@ def moe_forward(x: Tensor, moe: MoEWeights, config: TargetConfig) -> Tensor:
         xe = x[tok]  # [c, hidden]
         h = F.silu(xe @ moe.w_gate[e].T) * (xe @ moe.w_up[e].T)  # [c, I]
         out.index_add_(0, tok, (h @ moe.w_down[e].T) * flat_w[sel].unsqueeze(-1))  # [c, hidden]
-    if moe.shared is not None:
-        out = out + mlp_forward(x, moe.shared)
-    assert out.shape[0] == N
     return out

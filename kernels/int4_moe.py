@@ -1,0 +1,714 @@
+"""Fused INT4 MoE (routed experts): token-expert alignment, gate/up GEMM with SiLU, down GEMM.
+
+Why fused: a decode / tree-verify step routes a few to a few hundred tokens through K2's 384
+experts. Each activated expert's weights are streamed from HBM once per step (once per block of
+``BLOCK_M`` of its tokens), dequantised in registers from the checkpoint's compressed-tensors
+``pack-quantized`` layout as stored (no repacking at load), and multiplied on the tensor cores
+(DESIGN.md §6). No launch syncs with the host, so the op can be captured in a CUDA graph:
+
+1. ``_int4_moe_align_kernel`` (one program): histogram of expert ids, per-expert padding to
+   ``BLOCK_M``, a sentinel-filled ``sorted_ids`` (flat assignment ``token * top_k + slot`` per
+   padded row) and ``block_expert`` (expert of each block of ``BLOCK_M`` rows, -1 when unused).
+2. ``_int4_moe_gemm_kernel`` (GATED): ``h = silu(x Wg^T) * (x Wu^T)`` per padded row. With
+   ``gu_split_k > 1`` (small M) K slices add fp32 partial sums atomically into a zeroed buffer and
+   ``_int4_moe_silu_mul_kernel`` forms ``h``.
+3. ``_int4_moe_gemm_kernel`` (not GATED): ``h Wd^T`` times the routing weight, written per
+   assignment (``reduce="sum"``, then one torch sum over top-k: deterministic) or added
+   atomically per token (``reduce="atomic"``).
+
+Grid order: the block index varies fastest, so the blocks of one expert (and, at small M, all
+experts for one N tile) run side by side and share weight tiles through L2.
+
+Dequantisation: element ``8j + i`` of a row is bits ``4i .. 4i+3`` of int32 word ``j`` and
+decodes to ``(nibble - 8) * scale[row, col // group]``. On CUDA with bf16 activations and scales
+(K2's format) ``_dequant_int4_bf16x2`` does two nibbles per 32-bit op in PTX (``| 0x4300`` makes
+the bf16 ``128 + n``; ``- 136`` is exact; ``* scale`` rounds once, like the reference): 27-30%
+fewer instructions per element than the portable path and 5-9% faster end to end (K2 M=72). The
+portable path (CPU interpreter, fp16/fp32) masks a nibble into the mantissa of 1.0f and uses one
+FMA with per-group constants (``_plane``), exact for bf16/fp16 scales. The eight nibble planes
+``[BN, BK/8]`` go back to K order with ``tl.interleave``.
+
+``SWAP_AB`` computes ``W @ X^T`` instead of ``X @ W^T``: the weight tile is the MMA's M side
+(>= 16 rows of output features) and the few tokens its N side, the usual layout for skinny GEMMs.
+
+Where it stands on an H200 (BENCHMARKS.md): 24-35% of copy bandwidth at K2 shapes (vLLM's Triton
+int4 kernel: 5-11%), 38 us at M=1 TP8. Not the access pattern: the same tile loads alone read at
+3.9-4.2 TB/s. Nsight Compute on gate/up (TP8, M=72): 3 warps per scheduler (164 registers),
+7 cycles between issues, DRAM 28% busy: latency-bound between the loads, the dequantisation and
+the shared-memory round trip of the MMA operands. More occupancy from smaller tiles did not help
+(BN=32: slower). The next steps are structural (a warp-specialised load/dequant/MMA pipeline).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from services.common.int4 import Int4Weight, unpack_int4
+
+__all__ = [
+    "Int4MoEConfig",
+    "MoEAlignment",
+    "fused_int4_moe",
+    "int4_moe_align",
+    "int4_moe_gate_up",
+    "int4_moe_down",
+    "int4_moe_reference",
+    "choose_config",
+    "CONFIG_ENV",
+]
+
+CONFIG_ENV = "DDTREE_INT4_MOE_CONFIG"  # pins one config, e.g. "bm=16,gu=64x128x4x3,dn=128x64x4x4,split=4"
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["A", "P", "NUM_BLOCKS"])
+def _int4_moe_align_kernel(
+    ids_ptr,  # [A] int32/int64 flat top-k expert ids (token-major)
+    sorted_ids_ptr,  # [P] int32 out: flat assignment per padded row, A for padding
+    block_expert_ptr,  # [P / BLOCK_M] int32 out: expert of each block, -1 when unused
+    cursor_ptr,  # [E_PAD] int32 scratch: next free padded row per expert
+    A,
+    E,
+    P,
+    NUM_BLOCKS,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,  # power of two > E: bin E_PAD - 1 swallows masked lanes
+    CHUNK: tl.constexpr,
+):
+    offs_e = tl.arange(0, E_PAD)  # [E_PAD]
+    offs_c = tl.arange(0, CHUNK)  # [CHUNK]
+    counts = tl.zeros([E_PAD], dtype=tl.int32)  # [E_PAD]
+    for c0 in range(0, A, CHUNK):
+        i = c0 + offs_c  # [CHUNK]
+        ids = tl.load(ids_ptr + i, mask=i < A, other=E_PAD - 1).to(tl.int32)  # [CHUNK]
+        counts += tl.histogram(ids, E_PAD)
+    counts = tl.where(offs_e < E, counts, 0)  # [E_PAD]
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
+    ends = tl.cumsum(padded, 0)  # [E_PAD]
+    starts = ends - padded  # [E_PAD]
+    tl.store(cursor_ptr + offs_e, starts)
+    for p0 in range(0, P, CHUNK):
+        p = p0 + offs_c  # [CHUNK]
+        tl.store(sorted_ids_ptr + p, tl.zeros([CHUNK], dtype=tl.int32) + A, mask=p < P)
+    for b0 in range(0, NUM_BLOCKS, CHUNK):
+        b = b0 + offs_c  # [CHUNK]
+        tl.store(block_expert_ptr + b, tl.full([CHUNK], -1, tl.int32), mask=b < NUM_BLOCKS)
+    tl.debug_barrier()  # the fills above and the cursor reach every thread before the scatter
+    nblk = padded // BLOCK_M  # [E_PAD]
+    first = starts // BLOCK_M  # [E_PAD]
+    for j in range(0, tl.max(nblk, 0)):
+        tl.store(block_expert_ptr + first + j, offs_e, mask=j < nblk)
+    for c0 in range(0, A, CHUNK):
+        i = c0 + offs_c  # [CHUNK]
+        ok = i < A
+        ids = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)  # [CHUNK]
+        # Row order inside an expert is whatever the atomics give: each row's result depends on
+        # that row alone, so the output is the same for any order.
+        slot = tl.atomic_add(cursor_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=ok, sem="relaxed")  # [CHUNK]
+        tl.store(sorted_ids_ptr + slot, i, mask=ok)
+
+
+@triton.jit
+def _plane(q, POS: tl.constexpr, b, c):
+    """The nibble at bits ``POS .. POS+3`` of ``q`` as a weight: ``(n - 8) * scale``.
+
+    ``(q & 0xF << POS) | bits(1.0f)`` is the float ``1 + n * 2^(POS-23)``; with ``b = 2^(23-POS) *
+    scale`` and ``c = -(2^(23-POS) + 8) * scale`` one FMA gives ``(n - 8) * scale`` exactly (the
+    product is exact inside the FMA, and ``c`` is exact for bf16/fp16 scales at POS >= 8).
+    """
+    return tl.fma(((q & (0xF << POS)) | 0x3F800000).to(tl.float32, bitcast=True), b, c)
+
+
+@triton.jit
+def _dequant_int4(p, s, DTYPE: tl.constexpr, GROUP: tl.constexpr):
+    """``p [BN, BKW]`` int32 words, ``s [BN, BKW // (GROUP // 8)]`` float32 scales -> ``[BN, 8*BKW]``.
+
+    Each nibble is read at bit 8, 12 or 16 of the word or of one of three shifted copies
+    (``p << 8``, ``p >> 8``, ``p >> 16``): 3 shifts per 8 nibbles instead of 7.
+    """
+    b8 = s * 32768.0  # POS 8: 2^15
+    c8 = s * -32776.0
+    b12 = s * 2048.0  # POS 12: 2^11
+    c12 = s * -2056.0
+    b16 = s * 128.0  # POS 16: 2^7
+    c16 = s * -136.0
+    if GROUP == 32:  # one scale per 4 words: [BN, BKW/4] -> [BN, BKW]
+        b8 = tl.interleave(b8, b8)
+        b8 = tl.interleave(b8, b8)
+        c8 = tl.interleave(c8, c8)
+        c8 = tl.interleave(c8, c8)
+        b12 = tl.interleave(b12, b12)
+        b12 = tl.interleave(b12, b12)
+        c12 = tl.interleave(c12, c12)
+        c12 = tl.interleave(c12, c12)
+        b16 = tl.interleave(b16, b16)
+        b16 = tl.interleave(b16, b16)
+        c16 = tl.interleave(c16, c16)
+        c16 = tl.interleave(c16, c16)
+    pl8 = p << 8  # nibbles 0, 1 at bits 8, 12
+    pr8 = p >> 8  # nibble 5 at bit 12
+    pr16 = p >> 16  # nibbles 6, 7 at bits 8, 12
+    v0 = _plane(pl8, 8, b8, c8).to(DTYPE)
+    v1 = _plane(pl8, 12, b12, c12).to(DTYPE)
+    v2 = _plane(p, 8, b8, c8).to(DTYPE)
+    v3 = _plane(p, 12, b12, c12).to(DTYPE)
+    v4 = _plane(p, 16, b16, c16).to(DTYPE)
+    v5 = _plane(pr8, 12, b12, c12).to(DTYPE)
+    v6 = _plane(pr16, 8, b8, c8).to(DTYPE)
+    v7 = _plane(pr16, 12, b12, c12).to(DTYPE)
+    # Interleave tree: (0,4) (2,6) -> 0,2,4,6 ; (1,5) (3,7) -> 1,3,5,7 ; then 0..7 per word.
+    even = tl.interleave(tl.interleave(v0, v4), tl.interleave(v2, v6))
+    odd = tl.interleave(tl.interleave(v1, v5), tl.interleave(v3, v7))
+    return tl.interleave(even, odd)  # [BN, 8 * BKW]
+
+
+@triton.jit
+def _dequant_int4_bf16x2(p, s):
+    """GPU-only twin of ``_dequant_int4`` for bf16 activations and bf16 scales (``s [BN, BKW]``).
+
+    Works on two nibbles per 32-bit register: ``(w >> 4i) & 0x000F000F | 0x43004300`` is the bf16
+    pair ``(128 + n_i, 128 + n_{i+4})``; ``- 136`` is exact and ``* scale`` rounds once, as the
+    reference's fp32 product rounded to bf16 does. About half the instructions per element of the
+    fp32 path (no bf16 conversion, two elements per op). The CPU interpreter cannot run PTX.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t0, t1, t2, t3, sc, bias;
+        mov.b32 sc, {$9, $9};
+        mov.b32 bias, 0x43084308;
+        lop3.b32 t0, $8, 0x000F000F, 0x43004300, 0xea;
+        shr.u32 t1, $8, 4;
+        lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xea;
+        shr.u32 t2, $8, 8;
+        lop3.b32 t2, t2, 0x000F000F, 0x43004300, 0xea;
+        shr.u32 t3, $8, 12;
+        lop3.b32 t3, t3, 0x000F000F, 0x43004300, 0xea;
+        sub.rn.bf16x2 t0, t0, bias;
+        sub.rn.bf16x2 t1, t1, bias;
+        sub.rn.bf16x2 t2, t2, bias;
+        sub.rn.bf16x2 t3, t3, bias;
+        mul.rn.bf16x2 t0, t0, sc;
+        mul.rn.bf16x2 t1, t1, sc;
+        mul.rn.bf16x2 t2, t2, sc;
+        mul.rn.bf16x2 t3, t3, sc;
+        mov.b32 {$0, $4}, t0;
+        mov.b32 {$1, $5}, t1;
+        mov.b32 {$2, $6}, t2;
+        mov.b32 {$3, $7}, t3;
+        }
+        """,
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+        args=[p, s],
+        dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _load_int4_tile(
+    w_base, s_base, n_ok, k0, KW, KG,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, DEQ_ASM: tl.constexpr,
+):
+    """Dequantised ``[BN, BLOCK_K]`` tile of one expert's weight, columns ``k0 .. k0+BLOCK_K``.
+
+    ``w_base [BN, 1]`` points at the packed rows, ``s_base [BN, 1]`` at the scale rows (rows past
+    N are clamped by the caller, so only a K tail needs masks).
+    """
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8] word index
+    if EVEN_K:
+        p = tl.load(w_base + kw[None, :])  # [BN, BK/8] int32
+    else:
+        p = tl.load(w_base + kw[None, :], mask=(kw < KW)[None, :], other=0)
+    if GROUP == 32:
+        kg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)  # [BK/32]
+    else:
+        kg = (k0 + 8 * tl.arange(0, BLOCK_K // 8)) // GROUP  # [BK/8] group of each word
+    if EVEN_K:
+        s = tl.load(s_base + kg[None, :])
+    else:
+        s = tl.load(s_base + kg[None, :], mask=(kg < KG)[None, :], other=0)
+    if DEQ_ASM:
+        if GROUP == 32:  # [BN, BK/32] -> [BN, BK/8]: 4 words per group
+            s = tl.interleave(s, s)
+            s = tl.interleave(s, s)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _dequant_int4_bf16x2(p, s)
+        even = tl.interleave(tl.interleave(v0, v4), tl.interleave(v2, v6))
+        odd = tl.interleave(tl.interleave(v1, v5), tl.interleave(v3, v7))
+        w = tl.interleave(even, odd)  # [BN, BK]
+    else:
+        w = _dequant_int4(p, s.to(tl.float32), DTYPE, GROUP)  # [BN, BK]
+    return w
+
+
+@triton.jit(do_not_specialize=["A", "top_k", "num_m_blocks"])
+def _int4_moe_gemm_kernel(
+    a_ptr,  # GATED: hidden [M, K]; else h [P, K] (K = intermediate)
+    w0_ptr,  # [E, N, K/8] int32: gate (GATED) or down
+    s0_ptr,  # [E, N, K/GROUP] scales of w0
+    w1_ptr,  # [E, N, K/8] int32: up (GATED only)
+    s1_ptr,  # [E, N, K/GROUP] scales of w1
+    out_ptr,  # GATED: h [P, N] or, SPLIT_K > 1, gate | up sums [P, 2N] fp32; reduce sum: [A, N]; atomic: [M, N] fp32
+    sorted_ids_ptr,  # [P] int32 flat assignment per padded row (A = padding)
+    block_expert_ptr,  # [P / BLOCK_M] int32
+    topk_w_ptr,  # [A] routing weights (not GATED)
+    N,
+    K,
+    A,
+    top_k,
+    num_m_blocks,
+    k_split,  # K range of one split (a multiple of BLOCK_K)
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_om,
+    GATED: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # GATED: programs per output tile along K, partial sums added atomically
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the main loop
+    DEQ_ASM: tl.constexpr,  # bf16x2 PTX dequantisation (GPU, bf16 activations and scales)
+    DOT_F32: tl.constexpr,  # CPU interpreter only: its tl.dot multiplies bf16 bit patterns
+    DTYPE: tl.constexpr,  # activation dtype: dequantised weights are cast to it
+):
+    pid = tl.program_id(0)
+    pid_m = pid % num_m_blocks
+    pid_n = (pid // num_m_blocks) % tl.cdiv(N, BLOCK_N)
+    pid_k = pid // (num_m_blocks * tl.cdiv(N, BLOCK_N))
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] padded rows
+    flat = tl.load(sorted_ids_ptr + offs_m)  # [BM]
+    row_ok = flat < A  # [BM]
+    if GATED:
+        a_rows = flat // top_k  # [BM] token of each assignment
+    else:
+        a_rows = offs_m
+    a_rows = tl.where(row_ok, a_rows, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_ok = offs_n < N
+    n_rd = tl.where(n_ok, offs_n, N - 1).to(tl.int64)  # rows past N read row N-1; never stored
+    KW = K // 8
+    KG = K // GROUP
+    e64 = expert.to(tl.int64)
+    w0_base = w0_ptr + e64 * stride_we + n_rd[:, None] * stride_wn  # [BN, 1]
+    s0_base = s0_ptr + e64 * stride_se + n_rd[:, None] * stride_sn  # [BN, 1]
+    w1_base = w1_ptr + e64 * stride_we + n_rd[:, None] * stride_wn  # [BN, 1]
+    s1_base = s1_ptr + e64 * stride_se + n_rd[:, None] * stride_sn  # [BN, 1]
+    offs_k = tl.arange(0, BLOCK_K)  # [BK]
+    if SWAP_AB:
+        acc0 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + offs_k  # [BK]
+        # Padding rows read row 0 of A (a_rows is clamped); their results are never stored.
+        if SWAP_AB:
+            a_ptrs = a_ptr + a_rows[None, :] * stride_am + kk[:, None]  # [BK, BM]
+            k_mask = (kk < K)[:, None]
+        else:
+            a_ptrs = a_ptr + a_rows[:, None] * stride_am + kk[None, :]  # [BM, BK]
+            k_mask = (kk < K)[None, :]
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=k_mask, other=0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+        b0 = _load_int4_tile(w0_base, s0_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM)  # [BN, BK]
+        if DOT_F32:
+            b0 = b0.to(tl.float32)
+        if SWAP_AB:
+            acc0 = tl.dot(b0, a, acc0)  # [BN, BM]
+        else:
+            acc0 = tl.dot(a, tl.trans(b0), acc0)  # [BM, BN]
+        if GATED:
+            b1 = _load_int4_tile(w1_base, s1_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM)  # [BN, BK]
+            if DOT_F32:
+                b1 = b1.to(tl.float32)
+            if SWAP_AB:
+                acc1 = tl.dot(b1, a, acc1)
+            else:
+                acc1 = tl.dot(a, tl.trans(b1), acc1)
+    if GATED:
+        rows = offs_m.to(tl.int64)
+        if SPLIT_K == 1:
+            res = acc0 / (1.0 + tl.exp(-acc0)) * acc1  # silu(gate) * up
+    else:
+        wt = tl.load(topk_w_ptr + flat, mask=row_ok, other=0).to(tl.float32)  # [BM]
+        if SWAP_AB:
+            res = acc0 * wt[None, :]
+        else:
+            res = acc0 * wt[:, None]
+        if ATOMIC:
+            rows = (flat // top_k).to(tl.int64)
+        else:
+            rows = flat.to(tl.int64)
+    if SWAP_AB:
+        o_ptrs = out_ptr + rows[None, :] * stride_om + offs_n[:, None]  # [BN, BM]
+        o_mask = row_ok[None, :] & n_ok[:, None]
+    else:
+        o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]  # [BM, BN]
+        o_mask = row_ok[:, None] & n_ok[None, :]
+    if GATED and SPLIT_K > 1:
+        tl.atomic_add(o_ptrs, acc0, mask=o_mask, sem="relaxed")  # gate partial sums
+        tl.atomic_add(o_ptrs + N, acc1, mask=o_mask, sem="relaxed")  # up partial sums
+    elif ATOMIC and not GATED:
+        tl.atomic_add(o_ptrs, res, mask=o_mask, sem="relaxed")
+    else:
+        tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _int4_moe_silu_mul_kernel(
+    ws_ptr,  # [P, 2I] float32 split-K sums: gate | up
+    h_ptr,  # [P, I] out: silu(gate) * up
+    n_elem,  # P * I
+    I,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    ok = offs < n_elem
+    r = offs // I
+    c = offs - r * I
+    g = tl.load(ws_ptr + r * 2 * I + c, mask=ok, other=0)
+    u = tl.load(ws_ptr + r * 2 * I + I + c, mask=ok, other=0)
+    tl.store(h_ptr + offs, (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty), mask=ok)
+
+
+# --------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Int4MoEConfig:
+    """Launch parameters of one call. ``gu_*`` for the gate/up GEMM, ``dn_*`` for down."""
+
+    block_m: int = 16
+    gu_block_n: int = 32
+    gu_block_k: int = 256
+    gu_warps: int = 4
+    gu_stages: int = 3
+    dn_block_n: int = 64
+    dn_block_k: int = 256
+    dn_warps: int = 4
+    dn_stages: int = 3
+    swap_ab: bool = True
+    reduce: str = "sum"  # "sum": per-assignment rows then a torch sum over top-k; "atomic": fp32 atomics
+    gu_split_k: int = 1  # > 1: gate/up partial sums over K slices added atomically (small M: more programs)
+    deq_asm: bool = True  # bf16x2 PTX dequantisation where it applies (CUDA, bf16 activations + scales)
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "gu_block_n", "gu_block_k", "dn_block_n", "dn_block_k"):
+            v = getattr(self, name)
+            assert v >= 16 and v & (v - 1) == 0, f"{name}={v} must be a power of two >= 16"
+        assert self.gu_block_k >= 32 and self.dn_block_k >= 32, "block_k must cover a 32-wide scale group"
+        assert self.reduce in ("sum", "atomic"), f"reduce must be 'sum' or 'atomic', got {self.reduce!r}"
+        assert self.gu_split_k >= 1, f"gu_split_k must be >= 1, got {self.gu_split_k}"
+
+    def spec(self) -> str:
+        """The ``CONFIG_ENV`` string of this config."""
+        return (
+            f"bm={self.block_m},gu={self.gu_block_n}x{self.gu_block_k}x{self.gu_warps}x{self.gu_stages},"
+            f"dn={self.dn_block_n}x{self.dn_block_k}x{self.dn_warps}x{self.dn_stages},"
+            f"swap={int(self.swap_ab)},reduce={self.reduce},split={self.gu_split_k},asm={int(self.deq_asm)}"
+        )
+
+    @classmethod
+    def parse(cls, spec: str) -> "Int4MoEConfig":
+        """Inverse of ``spec``; missing keys keep their defaults."""
+        kw: dict = {}
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            key, _, val = item.partition("=")
+            if key == "bm":
+                kw["block_m"] = int(val)
+            elif key in ("gu", "dn"):
+                bn, bk, w, st = (int(v) for v in val.split("x"))
+                kw.update({f"{key}_block_n": bn, f"{key}_block_k": bk, f"{key}_warps": w, f"{key}_stages": st})
+            elif key == "swap":
+                kw["swap_ab"] = val not in ("0", "false", "False")
+            elif key == "reduce":
+                kw["reduce"] = val
+            elif key == "split":
+                kw["gu_split_k"] = int(val)
+            elif key == "asm":
+                kw["deq_asm"] = val not in ("0", "false", "False")
+            else:
+                raise ValueError(f"{CONFIG_ENV}: unknown key {key!r} in {spec!r}")
+        return cls(**kw)
+
+
+def choose_config(tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int) -> Int4MoEConfig:
+    """Launch parameters from the model dims and the rows per expert ``tokens * top_k / num_experts``.
+
+    A host-side number, so no device sync; a handful of buckets, not one config per M.
+    ``CONFIG_ENV`` pins one config for every call. The table is the H200 sweep of
+    ``bench/int4_moe_bench.py`` (all timings in ``bench/results/int4_moe.json``; BENCHMARKS.md).
+    """
+    pinned = os.environ.get(CONFIG_ENV)
+    if pinned:
+        return Int4MoEConfig.parse(pinned)
+    r = tokens * top_k / max(num_experts, 1)
+    whole_experts = intermediate >= 1024  # EP-style ranks hold whole experts (K2 EP8: I = 2048)
+    if r <= 8:
+        # Small-M path (decode / tree verify): one 16-row block per active expert, so each expert's
+        # weights stream once. Split-K on gate/up multiplies the programs when few experts are
+        # active (K2 TP8, H200): M=1 gate/up 8 slices 21.7 us vs 83 us unsplit; M=9 109 vs 132 us;
+        # M=72 4 slices 424 vs 442 us; by M=288 (6 rows/expert) splitting no longer pays.
+        split = 8 if r < 0.1 and not whole_experts else 4 if r <= 2 else 1
+        if whole_experts:
+            dn = (256, 64, 8, 3) if r < 0.5 else (64, 128, 4, 3)  # EP8 M=1: 61.7 us; M=9: 229 us vs 262
+        else:
+            dn = (256, 64, 8, 3) if r < 0.1 else (128, 64, 4, 4)  # TP8 M=1: 12.5 vs 14.1 us; M=72: 235 vs 244
+        return Int4MoEConfig(
+            block_m=16, gu_block_n=64, gu_block_k=128, gu_warps=4, gu_stages=3, gu_split_k=split,
+            dn_block_n=dn[0], dn_block_k=dn[1], dn_warps=dn[2], dn_stages=dn[3], swap_ab=True,
+        )
+    if r <= 32:
+        # K2 TP8 M=1152 (24 rows/expert): 1.08 ms (block_m 64: 1.6 ms); EP8 M=72 (12 rows): 1.01 ms.
+        if whole_experts:
+            return Int4MoEConfig(block_m=32, gu_block_n=128, gu_block_k=64, gu_warps=8, dn_block_n=128, dn_block_k=128, dn_warps=8, swap_ab=True)
+        return Int4MoEConfig(block_m=32, gu_block_n=64, gu_block_k=64, dn_block_n=128, dn_block_k=64, dn_stages=4, swap_ab=True)
+    # Large-M path (prefill): regular tiles, tokens on the MMA's M side. K2 EP8 M=288: 1.17 ms,
+    # M=1152: 3.7 ms (219 TFLOP/s: dequantising every 64-row block's weights costs more than the MMA).
+    return Int4MoEConfig(block_m=64, gu_block_n=64, gu_block_k=64, dn_block_n=128, dn_block_k=64, dn_warps=8, swap_ab=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Host wrappers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MoEAlignment:
+    """Token-expert alignment: assignments sorted by expert, padded per expert to ``block_m``."""
+
+    sorted_ids: Tensor  # [P] int32 flat assignment (token * top_k + slot) per padded row; A = padding
+    block_expert: Tensor  # [P / block_m] int32 expert of each block of rows; -1 = unused block
+    block_m: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_expert.numel()
+
+
+def _max_padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on padded rows: every used expert adds at most ``block_m - 1`` padding rows."""
+    p = num_assign + min(num_experts, num_assign) * (block_m - 1)
+    return triton.cdiv(p, block_m) * block_m
+
+
+def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """Sort the ``[M, top_k]`` expert ids by expert and pad each expert's rows to ``block_m``.
+
+    One program, no host sync. Ids must lie in ``0 .. num_experts - 1``.
+    """
+    assert topk_ids.dim() == 2, f"topk_ids must be [M, top_k], got {tuple(topk_ids.shape)}"
+    assert topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32/int64, got {topk_ids.dtype}"
+    ids = topk_ids.contiguous().view(-1)  # [A]
+    A = ids.numel()
+    P = _max_padded_rows(A, num_experts, block_m)
+    dev = topk_ids.device
+    sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)  # [P]
+    block_expert = torch.empty(P // block_m, dtype=torch.int32, device=dev)  # [P / BM]
+    e_pad = triton.next_power_of_2(num_experts + 1)
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)  # [E_PAD]
+    _int4_moe_align_kernel[(1,)](
+        ids, sorted_ids, block_expert, cursor, A, num_experts, P, P // block_m,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024 if A > 256 else 256, num_warps=4,
+    )
+    return MoEAlignment(sorted_ids=sorted_ids, block_expert=block_expert, block_m=block_m)
+
+
+def _check_stack(name: str, w: Int4Weight, out_f: int, in_f: int, group_size: int) -> None:
+    E = w.packed.shape[0]
+    assert w.packed.dtype == torch.int32, f"{name}.packed must be int32, got {w.packed.dtype}"
+    assert tuple(w.packed.shape) == (E, out_f, in_f // 8), f"{name}.packed is {tuple(w.packed.shape)}, want {(E, out_f, in_f // 8)}"
+    assert tuple(w.scale.shape) == (E, out_f, in_f // group_size), f"{name}.scale is {tuple(w.scale.shape)}, want {(E, out_f, in_f // group_size)}"
+    assert w.packed.stride(-1) == 1 and w.scale.stride(-1) == 1, f"{name}: last dim must be contiguous"
+
+
+def fused_int4_moe(
+    hidden: Tensor,
+    w_gate: Int4Weight,
+    w_up: Int4Weight,
+    w_down: Int4Weight,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    group_size: int = 32,
+    config: Int4MoEConfig | None = None,
+) -> Tensor:
+    """Routed-expert output ``sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)``, ``e = ids[t, j]``.
+
+    Args:
+        hidden: [M, K] bf16/fp16 (fp32 works too: the weights are cast to it).
+        w_gate, w_up: stacked experts, packed [E, I, K/8] int32, scale [E, I, K/group].
+        w_down: packed [E, K, I/8] int32, scale [E, K, I/group].
+        topk_ids: [M, top_k] int32/int64 expert ids (distinct per row is not required).
+        topk_weights: [M, top_k] routing weights (already normalised and scaled).
+        group_size: scale group along the input dim (multiple of 8; 32 in K2).
+        config: launch parameters; default ``choose_config`` (``CONFIG_ENV`` pins one).
+
+    Returns:
+        [M, K] in hidden's dtype.
+    """
+    assert hidden.dim() == 2 and hidden.stride(-1) == 1, f"hidden must be [M, K] row-contiguous, got {tuple(hidden.shape)}"
+    M, K = hidden.shape
+    E, I = w_gate.packed.shape[0], w_gate.packed.shape[1]
+    assert group_size % 8 == 0 and K % group_size == 0 and I % group_size == 0, (
+        f"hidden {K} and intermediate {I} must be multiples of group_size {group_size} (itself a multiple of 8)"
+    )
+    _check_stack("w_gate", w_gate, I, K, group_size)
+    _check_stack("w_up", w_up, I, K, group_size)
+    _check_stack("w_down", w_down, K, I, group_size)
+    assert w_gate.packed.stride() == w_up.packed.stride() and w_gate.scale.stride() == w_up.scale.stride(), "gate and up stacks must share strides"
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == M, (
+        f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [M={M}, top_k]"
+    )
+    top_k = topk_ids.shape[1]
+    cfg = config or choose_config(M, E, K, I, top_k)
+    if M == 0:
+        return hidden.new_zeros(M, K)
+    align = int4_moe_align(topk_ids, E, cfg.block_m)
+    h = int4_moe_gate_up(hidden, w_gate, w_up, align, top_k, cfg, group_size)  # [P, I]
+    return int4_moe_down(h, w_down, align, topk_weights, cfg, group_size, hidden.dtype)  # [M, K]
+
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _use_asm(cfg: Int4MoEConfig, act_dtype: torch.dtype, w: Int4Weight) -> bool:
+    """The bf16x2 PTX dequantisation applies on CUDA to bf16 activations with bf16 scales."""
+    return cfg.deq_asm and w.packed.is_cuda and act_dtype == torch.bfloat16 and w.scale.dtype == torch.bfloat16
+
+
+def int4_moe_gate_up(
+    hidden: Tensor, w_gate: Int4Weight, w_up: Int4Weight, align: MoEAlignment, top_k: int, cfg: Int4MoEConfig, group_size: int = 32
+) -> Tensor:
+    """``[P, I]`` ``h = silu(gate x) * (up x)`` per padded row of ``align`` (padding rows unwritten).
+
+    With ``cfg.gu_split_k > 1`` the K slices add float32 partial sums into a zeroed ``[P, 2I]``
+    buffer (gate | up) and a small elementwise kernel forms ``h``: three launches instead of one,
+    for many more programs when few experts are active (M = 1: 8 experts x 8 N tiles x 8 slices).
+    """
+    assert align.block_m == cfg.block_m, f"alignment block_m {align.block_m} != config block_m {cfg.block_m}"
+    M, K = hidden.shape
+    I = w_gate.packed.shape[1]
+    nb = align.num_blocks
+    P = nb * cfg.block_m
+    split = cfg.gu_split_k
+    k_split = triton.cdiv(triton.cdiv(K, split), cfg.gu_block_k) * cfg.gu_block_k
+    h = torch.empty(P, I, dtype=hidden.dtype, device=hidden.device)  # [P, I]
+    out = torch.zeros(P, 2 * I, dtype=torch.float32, device=hidden.device) if split > 1 else h  # [P, 2I] gate | up sums
+    grid = (nb * triton.cdiv(I, cfg.gu_block_n) * triton.cdiv(K, k_split),)
+    _int4_moe_gemm_kernel[grid](
+        hidden, w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, out,
+        align.sorted_ids, align.block_expert, align.sorted_ids,
+        I, K, M * top_k, top_k, nb, k_split,
+        hidden.stride(0), w_gate.packed.stride(0), w_gate.packed.stride(1), w_gate.scale.stride(0), w_gate.scale.stride(1), out.stride(0),
+        GATED=True, ATOMIC=False, SWAP_AB=cfg.swap_ab, GROUP=group_size,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k, SPLIT_K=split,
+        EVEN_K=K % cfg.gu_block_k == 0, DEQ_ASM=_use_asm(cfg, hidden.dtype, w_gate), DOT_F32=hidden.is_cpu,
+        DTYPE=_TL_DTYPE[hidden.dtype], num_warps=cfg.gu_warps, num_stages=cfg.gu_stages,
+    )
+    if split > 1:
+        n = P * I
+        _int4_moe_silu_mul_kernel[(triton.cdiv(n, 1024),)](out, h, n, I, BLOCK=1024, num_warps=4)
+    return h
+
+
+def int4_moe_down(
+    h: Tensor, w_down: Int4Weight, align: MoEAlignment, topk_weights: Tensor, cfg: Int4MoEConfig,
+    group_size: int = 32, out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``[M, K]``: ``h`` (``int4_moe_gate_up``'s ``[P, I]``) through each row's expert's down
+    projection, weighted and summed over top-k; in ``out_dtype`` (default h's dtype)."""
+    assert align.block_m == cfg.block_m, f"alignment block_m {align.block_m} != config block_m {cfg.block_m}"
+    M, top_k = topk_weights.shape
+    K, I = w_down.packed.shape[1], w_down.packed.shape[2] * 8
+    assert h.shape[1] == I, f"h has {h.shape[1]} columns, want {I}"
+    act_dtype = out_dtype or h.dtype
+    A = M * top_k
+    nb = align.num_blocks
+    weights = topk_weights.contiguous().view(-1)  # [A]
+    atomic = cfg.reduce == "atomic"
+    if atomic:
+        out = torch.zeros(M, K, dtype=torch.float32, device=h.device)  # [M, K]
+    else:
+        out = torch.empty(A, K, dtype=act_dtype, device=h.device)  # [A, K] one row per assignment
+    grid = (nb * triton.cdiv(K, cfg.dn_block_n),)
+    _int4_moe_gemm_kernel[grid](
+        h, w_down.packed, w_down.scale, w_down.packed, w_down.scale, out,
+        align.sorted_ids, align.block_expert, weights,
+        K, I, A, top_k, nb, I,
+        h.stride(0), w_down.packed.stride(0), w_down.packed.stride(1), w_down.scale.stride(0), w_down.scale.stride(1), out.stride(0),
+        GATED=False, ATOMIC=atomic, SWAP_AB=cfg.swap_ab, GROUP=group_size,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, BLOCK_K=cfg.dn_block_k, SPLIT_K=1,
+        EVEN_K=I % cfg.dn_block_k == 0, DEQ_ASM=_use_asm(cfg, act_dtype, w_down),
+        DOT_F32=h.is_cpu, DTYPE=_TL_DTYPE[act_dtype], num_warps=cfg.dn_warps, num_stages=cfg.dn_stages,
+    )
+    if atomic:
+        return out.to(act_dtype)
+    if top_k == 1:
+        return out
+    return out.view(M, top_k, K).sum(dim=1)  # [M, K]; torch accumulates bf16 in fp32
+
+
+def int4_moe_reference(
+    hidden: Tensor,
+    w_gate: Int4Weight,
+    w_up: Int4Weight,
+    w_down: Int4Weight,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    group_size: int = 32,
+    compute_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Plain torch, one touched expert at a time: dequantise it, then matmul (the kernel's ground truth).
+
+    ``compute_dtype`` (default hidden's dtype) is the dtype of the matmuls; the dequantised weights
+    are rounded to hidden's dtype first either way, as the kernel's are. Syncs with the host.
+    """
+    M, K = hidden.shape
+    top_k = topk_ids.shape[1]
+    cd = compute_dtype or hidden.dtype
+    x = hidden.to(cd)
+    flat_ids = topk_ids.reshape(-1).long()  # [A]
+    flat_w = topk_weights.reshape(-1).to(cd)  # [A]
+    out = torch.zeros(M, K, dtype=cd, device=hidden.device)  # [M, K]
+    for e in torch.unique(flat_ids).tolist():  # host sync
+        sel = (flat_ids == e).nonzero().squeeze(-1)  # [c] flat assignments of expert e
+        tok = sel // top_k  # [c]
+        wg, wu, wd = (
+            unpack_int4(w.packed[e], w.scale[e], None, group_size, dtype=hidden.dtype).to(cd)  # [out, in]
+            for w in (w_gate, w_up, w_down)
+        )
+        xe = x[tok]  # [c, K]
+        h = torch.nn.functional.silu(xe @ wg.T) * (xe @ wu.T)  # [c, I]
+        out.index_add_(0, tok, (h @ wd.T) * flat_w[sel].unsqueeze(-1))  # [c, K]
+    return out.to(hidden.dtype)
+
+
