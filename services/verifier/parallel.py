@@ -115,8 +115,12 @@ class TensorParallel:
         self.size = size
         self._small = None   # SmallAllReduce, made at the first GPU all-reduce (a collective on every rank)
         if size > 1 and not dist.is_initialized():
+            kwargs = {}
+            if backend == "nccl":   # NCCL binds a communicator to the current device: rank i on GPU i
+                torch.cuda.set_device(rank)
+                kwargs["device_id"] = torch.device("cuda", rank)
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+                                    timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
 
     @property
     def enabled(self) -> bool:
