@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import torch
+
+from bench.common import git_commit
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -100,7 +101,7 @@ def main() -> None:
     p.add_argument("--commit", default="")
     args = p.parse_args()
     from services.common.launcher import free_port
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit(args.commit)
     world = torch.cuda.device_count()
     assert world >= 2, "needs two GPUs"
     mp.spawn(_worker, args=(2, free_port(), args.out, commit or "unknown"), nprocs=2)

@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.common import graph_replay_us, measure_copy_gbps  # noqa: E402
 from kernels.int4_moe import (  # noqa: E402
     Int4MoEConfig,
     fused_int4_moe,
@@ -132,29 +133,7 @@ def expert_bytes(w: Int4Weight) -> int:
 
 def time_graph(calls, reps: int = 10) -> float:
     """Microseconds per call: CUDA-graph replay of all ``calls`` back to back, median of ``reps``."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:  # warm-up: compiles / loads, allocator settles
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / len(calls))
-    del g
-    return statistics.median(times)
+    return graph_replay_us(calls, reps)
 
 
 def time_eager(calls, reps: int = 3) -> float:
@@ -175,24 +154,7 @@ def time_eager(calls, reps: int = 3) -> float:
 
 
 def copy_bandwidth_gbps() -> float:
-    """Device-to-device copy of 2 GiB, bytes read + written, best of 10."""
-    n = 1 << 30  # bf16 elements: 2 GiB
-    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(10):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        e1.synchronize()
-        best = min(best, e0.elapsed_time(e1) * 1e-3)
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n * 2 / best / 1e9
+    return measure_copy_gbps(2 << 30)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-import subprocess
 import threading
 import time
 import urllib.request
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from bench.common import git_commit
 from services.scheduler.client import AsyncClient
 
 __all__ = ["MatrixParams", "run_matrix", "write_results"]
@@ -156,13 +156,6 @@ def run_matrix(p: MatrixParams, progress: bool = True) -> list[dict]:
     return rows
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _gpu_name() -> str:
     try:
         import torch
@@ -175,7 +168,7 @@ def write_results(rows: list[dict], params: MatrixParams, out_json: Path, name: 
                   copy_gbps: float | None = None) -> None:
     out_json = Path(out_json)
     out_json.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"benchmark": name, "commit": _commit(), "gpu": _gpu_name(), "copy_gbps": copy_gbps,
+    doc = {"benchmark": name, "commit": git_commit(), "gpu": _gpu_name(), "copy_gbps": copy_gbps,
            "params": asdict(params), "rows": rows}
     out_json.write_text(json.dumps(doc, indent=2))
     _plot(rows, out_json.with_suffix(".png"))

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from bench.common import git_commit
 
 from services.common.launcher import Stack, StackSpec
 from services.common.make_checkpoint import make_random_checkpoint
@@ -106,7 +107,7 @@ def main() -> None:
     for r in rows:
         print(r, flush=True)
     gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit(args.commit)
     doc = {"benchmark": "split-overhead", "commit": commit or "unknown", "gpu": gpu, "copy_gbps": None,
            "params": {**vars(args), "model": args.model or "random"}, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
+
+from bench.common import git_commit
 
 from services.common.launcher import Stack, StackSpec
 from services.common.make_checkpoint import make_random_checkpoint
@@ -43,7 +44,7 @@ def main() -> None:
     rows = [{"tp": 2, "prompts": len(prompts), "greedy_identical": sum(a == b for a, b in zip(g1, g2)),
              "sampled_identical": s1 == s2}]
     print(rows, flush=True)
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit(args.commit)
     doc = {"benchmark": "tp-equivalence", "commit": commit or "unknown", "gpu": torch.cuda.get_device_name(0),
            "copy_gbps": None, "params": {"model": "random (make-checkpoint, moe_intermediate 128)", "dtype": "float32",
                                          "budget": 16, "max_tokens": 32}, "rows": rows}

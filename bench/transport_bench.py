@@ -12,11 +12,12 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+
+from bench.common import git_commit
 
 from ddtree.v1 import common_pb2
 from services.common.transport import make_reader, make_writer
@@ -77,7 +78,7 @@ def main() -> None:
             us = time_transport(kind, n, width, args.iters)
             rows.append({"transport": kind, "batch": batch, "bytes": n * width * 2, "time_us": round(us, 1)})
             print(f"{kind:>9} batch={batch:>4} bytes={n * width * 2:>10} {us:9.1f} us", flush=True)
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit(args.commit)
     doc = {"benchmark": "transport", "commit": commit or "unknown", "gpu": torch.cuda.get_device_name(0),
            "copy_gbps": None, "params": vars(args), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

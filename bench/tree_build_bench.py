@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.tree_mla_bench import git_commit, measure_copy_gbps
+from bench.common import git_commit, graph_replay_us, measure_copy_gbps
 from kernels.tree_build import tree_build_triton
 from services.draft.tree import TreeBatch, build_tree_heapq, build_trees, tree_paths
 
@@ -52,27 +52,7 @@ def build(logprobs: torch.Tensor, budget: int, roots: torch.Tensor, backend: str
 
 
 def graph_time_us(fn, reps: int = 50) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()  # warm-up: compiles, caches the candidate table
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return graph_replay_us([fn], reps, warmup=2)  # two warm-ups: compile, then the cached candidate table
 
 
 def main() -> None:

@@ -24,13 +24,13 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.common import git_commit, graph_replay_us, measure_copy_gbps
 from kernels.tree_mla import (
     TreeAttentionDeviceMetadata,
     TreeAttentionMetadata,
@@ -48,34 +48,6 @@ TREES = (9, 17, 33)
 HEADS = (8, 64)  # 8: Kimi-K2 per rank at TP8 (64 heads / 8); 64: the whole model on one GPU
 ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 REF_MAX_ELEMS = 1.5e9
-
-
-def git_commit(explicit: str | None) -> str:
-    if explicit:
-        return explicit
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def measure_copy_gbps(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth, bytes read + written, median of 20."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    del src, dst
-    return 2 * nbytes / sorted(times)[len(times) // 2] / 1e9
 
 
 def measure_matmul_tflops(n: int = 8192) -> float:
@@ -168,29 +140,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def time_graph(fns: list, reps: int = 20) -> float:
     """Seconds per call of the fns, replayed in one CUDA graph (median of reps replays)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3 / len(fns))
-    del graph
-    return sorted(times)[len(times) // 2]
+    return graph_replay_us(fns, reps) * 1e-6
 
 
 def time_eager(fn, reps: int = 3) -> float:

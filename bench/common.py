@@ -1,0 +1,72 @@
+"""What every benchmark script shares: the commit stamp, the copy-bandwidth ceiling, graph timing."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["git_commit", "measure_copy_gbps", "graph_replay_us"]
+
+
+def git_commit(explicit: str | None = None) -> str:
+    """`explicit` when given (the device copy of the repo has no .git), else HEAD, else "unknown"."""
+    if explicit:
+        return explicit
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out if re.fullmatch(r"[0-9a-f]{40}", out) else "unknown"   # outside a repo git echoes "HEAD"
+
+
+def measure_copy_gbps(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read + written, median of 20 copies."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / sorted(times)[len(times) // 2] / 1e9
+
+
+def graph_replay_us(calls: Sequence[Callable[[], object]], reps: int = 20, warmup: int = 1) -> float:
+    """Microseconds per call: all `calls` captured back to back in one CUDA graph, median of `reps` replays.
+
+    Warm-up runs on a side stream first (compiles, allocator), as graph capture requires.
+    """
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            for c in calls:
+                c()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    del graph
+    return sorted(times)[len(times) // 2]
