@@ -31,7 +31,7 @@ up: install
 	exec $(VENV)/bin/ddtree up --model "$$m"
 
 protos: install
-	bash protos/generate.sh
+	PYTHON=$(PY) bash protos/generate.sh
 
 clean:
 	rm -rf $(VENV) *.egg-info

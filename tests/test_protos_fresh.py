@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_generated_stubs_are_fresh(tmp_path):
-    subprocess.run(["bash", str(ROOT / "protos" / "generate.sh"), str(tmp_path)], check=True)
+    subprocess.run(["bash", str(ROOT / "protos" / "generate.sh"), str(tmp_path)], check=True,
+                   env={**os.environ, "PYTHON": sys.executable})
     committed = sorted((ROOT / "protos" / "ddtree" / "v1").glob("*_pb2*.py*"))
     fresh = sorted((tmp_path / "ddtree" / "v1").glob("*_pb2*.py*"))
     assert [p.name for p in committed] == [p.name for p in fresh]
