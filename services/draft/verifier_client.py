@@ -12,7 +12,7 @@ import torch
 
 from ddtree.v1 import verifier_pb2, verifier_pb2_grpc
 from services.common.grpc_server import ServiceError, server_options
-from services.common.transport import TensorReader, TensorWriter, make_reader, make_writer
+from services.common.transport import TensorReader, TensorWriter, bundle_slot, make_reader, make_writer
 
 __all__ = ["VerifierClient", "VerifyReply", "is_local_address"]
 
@@ -112,8 +112,9 @@ class VerifierClient:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "verifier closed the stream")
         self._writer.release(resp.released_slots)
         features = self._reader.read(resp.features)["features"].clone()   # [sum(committed), F]
-        if resp.features.tensors and resp.features.tensors[0].WhichOneof("payload") == "slot":
-            self._to_release.append(resp.features.tensors[0].slot.slot)
+        slot = bundle_slot(resp.features)
+        if slot is not None:
+            self._to_release.append(slot)   # returned to the verifier with the next request
         return VerifyReply(resp, features)
 
     async def close(self) -> None:

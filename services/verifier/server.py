@@ -26,7 +26,7 @@ from services.common.grpc_server import ServiceError, new_server, serve_until_si
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import VerifierSettings
-from services.common.transport import TensorReader, TensorWriter, make_reader, make_writer
+from services.common.transport import TensorReader, TensorWriter, bundle_slot, make_reader, make_writer
 from services.verifier.engine import PrefillInput, VerifierEngine
 from services.verifier.kv_cache import PagedKVCache
 from services.common.launcher import free_port
@@ -146,9 +146,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             verify = self.group.call("verify", list(req.verify_ids), trees["tokens"], trees["parents"],
                                      trees["depths"], trees["sizes"])
             self.metrics.step_ms.labels("commit").observe(self.engine.last_commit_ms)
-            slot = req.trees.tensors[0].WhichOneof("payload") == "slot" if req.trees.tensors else False
-            if slot:
-                released.append(req.trees.tensors[0].slot.slot)
+            slot = bundle_slot(req.trees)
+            if slot is not None:   # read and copied into the forward: the draft may reuse the slot
+                released.append(slot)
         else:
             verify = None
         self.metrics.kv_pages_free.set(self.engine.cache.pages_free)
