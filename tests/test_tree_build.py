@@ -1,15 +1,13 @@
 """The Triton tree builder (``build_trees(..., backend="triton")``) selects what the torch one does.
 
-Runs the kernel in Triton's interpreter on machines without a GPU; see tests/test_tree_mla.py for
-why the variable is set here and why a subprocess reruns the file when that was too late.
+Runs the kernel in Triton's interpreter on machines without a GPU (tests/conftest.py sets
+TRITON_INTERPRET=1 before triton's first import).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
@@ -64,16 +62,3 @@ def test_triton_matches_torch_builder(depth: int, vocab: int, budget: int, num_r
         assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
     for r in range(num_req):
         assert tree_paths(got, r) == set(build_tree_heapq(logprobs[r], budget))
-
-
-@pytest.mark.skipif(tb is None or tb.triton is None, reason="triton not installed")
-def test_kernel_in_interpreter_subprocess() -> None:
-    if KERNEL_RUNNABLE:
-        pytest.skip("the kernel tests ran in this process")
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)), "-k", "not subprocess"],
-        cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]

@@ -1,19 +1,14 @@
 """The Triton tree-attention MLA kernel must compute what ``tree_mla_reference`` computes.
 
 On a machine without a GPU the kernel runs in Triton's interpreter, which is chosen when the
-``@triton.jit`` decorators run, i.e. when ``kernels.tree_mla`` is first imported. Run alone, this
-module sets ``TRITON_INTERPRET=1`` before that import and tests in-process. In the whole suite
-another test module has usually imported ``kernels.tree_mla`` first (compiled mode, which needs a
-GPU); the kernel tests then skip here and ``test_kernel_in_interpreter_subprocess`` reruns this
-file in a fresh interpreter with the variable set, so nothing else in the process is affected.
+``@triton.jit`` decorators run; tests/conftest.py sets ``TRITON_INTERPRET=1`` before anything
+imports triton (this module does too, for runs outside pytest's conftest).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
@@ -214,18 +209,3 @@ def test_device_metadata_round_trip_and_cpu_dispatch() -> None:
     torch.testing.assert_close(tree_mla(q_latent, q_pe, kv_cache, new_kv, dev, 0.1, backend="reference"), want)
     if not CUDA:  # the dispatcher's CPU default is the reference
         torch.testing.assert_close(tree_mla(q_latent, q_pe, kv_cache, new_kv, meta, 0.1), want)
-
-
-@pytest.mark.skipif(tm.triton is None, reason="triton not installed")
-def test_kernel_in_interpreter_subprocess() -> None:
-    if KERNEL_RUNNABLE:
-        pytest.skip("the kernel tests ran in this process")
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-         "-k", "not subprocess"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
