@@ -16,6 +16,7 @@ def test_file_env_and_overrides_layer_in_order(tmp_path):
     s = load_settings(SchedulerSettings, cfg, env={"DDTREE_SCHEDULER_DRAFT_ADDRESSES": "a:1,b:2",
                                                    "DDTREE_SCHEDULER_JSON_LOGS": "true"})
     assert s.draft_addresses == ("a:1", "b:2") and s.json_logs is True
+    assert load_settings(DraftSettings, None, env={"DDTREE_DRAFT_WARMUP_BUDGETS": "4, 64"}).warmup_budgets == (4, 64)
 
 
 @pytest.mark.parametrize("cls,env,needle", [
@@ -25,6 +26,8 @@ def test_file_env_and_overrides_layer_in_order(tmp_path):
     (DraftSettings, {"DDTREE_DRAFT_TRANSPORT": "carrier-pigeon"}, "draft.transport"),
     (SchedulerSettings, {"DDTREE_SCHEDULER_DEFAULT_BUDGET": "500"}, "scheduler.default_budget"),
     (SchedulerSettings, {"DDTREE_SCHEDULER_DEFAULT_MODE": "fast"}, "scheduler.default_mode"),
+    (DraftSettings, {"DDTREE_DRAFT_WARMUP_BUDGETS": "8,200"}, "draft.warmup_budgets"),
+    (DraftSettings, {"DDTREE_DRAFT_WARMUP_BUDGETS": "8,x"}, "DDTREE_DRAFT_WARMUP_BUDGETS"),
 ])
 def test_bad_settings_name_the_field(cls, env, needle):
     with pytest.raises(SettingsError, match=needle.replace(".", r"\.")):

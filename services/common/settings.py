@@ -88,11 +88,14 @@ class DraftSettings:
     device: str = "cpu"
     dtype: str = "float32"
     cpu_threads: int = 1             # torch intra-op threads (CPU); the services share the cores
+    warmup_budgets: tuple[int, ...] = (8, 16, 32)   # tree builds compiled at start-up (GPU)
     metrics_port: int = 0
     json_logs: bool = False
 
     def __post_init__(self) -> None:
         _check(self.cpu_threads >= 1, "draft.cpu_threads", "must be >= 1")
+        _check(all(1 <= b <= MAX_BUDGET for b in self.warmup_budgets),
+               "draft.warmup_budgets", f"must be budgets in 1..{MAX_BUDGET}")
         _check(0 <= self.port < 65536, "draft.port", f"{self.port} is not a TCP port")
         _check(self.transport in ("auto", "cuda_ipc", "shm", "inline"), "draft.transport",
                "must be auto, cuda_ipc, shm or inline")
@@ -163,9 +166,13 @@ def _coerce(name: str, value: Any, target: Any) -> Any:
         except (TypeError, ValueError):
             raise SettingsError(f"{name}: {value!r} is not an integer") from None
     if text.startswith("tuple"):
-        if isinstance(value, str):
-            return tuple(v.strip() for v in value.split(",") if v.strip())
-        return tuple(value)
+        items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
+        if text.startswith("tuple[int"):
+            try:
+                return tuple(int(v) for v in items)
+            except (TypeError, ValueError):
+                raise SettingsError(f"{name}: {value!r} is not a list of integers") from None
+        return tuple(str(v) for v in items)
     return value
 
 

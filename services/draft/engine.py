@@ -56,6 +56,15 @@ class DraftEngine:
                                          self.proposer.vocab_size, wait_s=wait_s)
         self.max_context = hs.max_context
 
+    def warm_up(self, budgets: Sequence[int], device: str) -> None:
+        """Builds one tree per budget so the GPU tree kernel compiles before the first request
+        (seconds per budget and depth), not while a user waits."""
+        depth = self.proposer.block_size - 1
+        vocab = self.proposer.vocab_size
+        for budget in budgets:
+            logprobs = torch.log_softmax(torch.randn(1, depth, vocab, device=device), dim=-1)  # [1, D, V]
+            build_trees(logprobs, budget, torch.zeros(1, dtype=torch.int64, device=device))
+
     def model_info(self) -> common_pb2.ModelInfo:
         hs = self.verifier.handshake
         if hs is None:

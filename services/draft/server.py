@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import torch
 
@@ -49,6 +51,9 @@ async def serve(settings: DraftSettings) -> None:
                             settings.ring_slot_bytes, on_gpu=settings.device.startswith("cuda"))
     metrics = Metrics("draft")
     engine = DraftEngine(proposer, client, metrics)
+    t0 = time.perf_counter()
+    engine.warm_up(settings.warmup_budgets, settings.device)
+    log.info("tree_builder_warm", budgets=list(settings.warmup_budgets), seconds=round(time.perf_counter() - t0, 2))
     await engine.connect(wait_s=120.0)   # fail fast on an incompatible verifier (FAILED_PRECONDITION names the field)
     log.info("verifier_connected", transport=client.handshake.transport, max_context=engine.max_context)
     server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
