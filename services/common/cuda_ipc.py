@@ -13,45 +13,29 @@ import base64
 import math
 import pickle
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from ddtree.v1 import common_pb2
-from services.common.transport import (ALIGNMENT, RingFull, SlotRing, TensorReader, TensorWriter, _decode_inline,
+from services.common.transport import (ALIGNMENT, RingFull, RingWriter, SlotRing, TensorReader, _decode_inline,
                                        _dtype_name, _expected_nbytes, _round_up, _wire_dtype)
 
 __all__ = ["CudaIpcWriter", "CudaIpcReader", "RingFull"]
 
 
-class CudaIpcWriter(TensorWriter):
+class CudaIpcWriter(RingWriter):
     kind = "cuda_ipc"
 
     def __init__(self, slot_bytes: int, num_slots: int, device: torch.device | str = "cuda") -> None:
-        self._ring_slots = SlotRing(num_slots)
+        self._ring = SlotRing(num_slots)
         self._slot_bytes = _round_up(slot_bytes, ALIGNMENT)
         self._buf = torch.empty(num_slots, self._slot_bytes, dtype=torch.uint8, device=device)  # [slots, bytes]
         fn, args = reduce_tensor(self._buf)
         self._name = base64.b64encode(pickle.dumps((fn, args))).decode()
         self._lock = threading.Lock()
         self.inline_fallbacks = 0
-
-    @property
-    def slots_in_use(self) -> int:
-        return self._ring_slots.slots_in_use
-
-    @property
-    def ring_name(self) -> str | None:
-        return self._name
-
-    @property
-    def slot_bytes(self) -> int:
-        return self._slot_bytes
-
-    @property
-    def num_slots(self) -> int:
-        return self._ring_slots.num_slots
 
     def write(self, tensors: Mapping[str, torch.Tensor]) -> common_pb2.TensorBundle:
         layout, cursor = [], 0
@@ -67,7 +51,7 @@ class CudaIpcWriter(TensorWriter):
                 bundle.tensors.add(name=name, dtype=_dtype_name(t.dtype), shape=tuple(t.shape), inline_data=data)
             return bundle
         with self._lock:
-            slot, sequence = self._ring_slots.acquire()
+            slot, sequence = self._ring.acquire()
             row = self._buf[slot]                                                  # [slot_bytes]
             for name, t, offset in layout:
                 nbytes = t.numel() * t.element_size()
@@ -77,13 +61,6 @@ class CudaIpcWriter(TensorWriter):
                 ref.slot.slot, ref.slot.offset, ref.slot.nbytes, ref.slot.sequence = slot, offset, nbytes, sequence
             torch.cuda.current_stream(self._buf.device).synchronize()   # visible before the message leaves
         return bundle
-
-    def release(self, slots: Iterable[int]) -> None:
-        self._ring_slots.release(slots)
-
-    def release_all(self) -> None:
-        with self._lock:
-            self._ring_slots.release_all()
 
     def close(self) -> None:
         self._buf = None  # type: ignore[assignment]

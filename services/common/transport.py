@@ -45,6 +45,7 @@ __all__ = [
     "RingFull",
     "SlotRing",
     "TensorWriter",
+    "RingWriter",
     "TensorReader",
     "InlineWriter",
     "InlineReader",
@@ -253,6 +254,43 @@ class TensorWriter:
         self.close()
 
 
+class RingWriter(TensorWriter):
+    """A writer that owns a ring of slots (shm, cuda_ipc): the slot bookkeeping they share.
+
+    Subclasses set `_ring` (SlotRing), `_name`, `_slot_bytes` and `_lock` (serialises writes
+    against `release_all`, so a slot reclaimed from a dead consumer is never handed out while a
+    write into it is still copying).
+    """
+
+    _ring: SlotRing
+    _name: str
+    _slot_bytes: int
+    _lock: threading.Lock
+
+    @property
+    def slots_in_use(self) -> int:
+        return self._ring.slots_in_use
+
+    @property
+    def ring_name(self) -> str | None:
+        return self._name
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self._ring.num_slots
+
+    def release(self, slots: Iterable[int]) -> None:
+        self._ring.release(slots)
+
+    def release_all(self) -> None:
+        with self._lock:
+            self._ring.release_all()
+
+
 class TensorReader:
     """Consumer side of a transport."""
 
@@ -342,7 +380,7 @@ def _slot_stride(slot_bytes: int) -> int:
     return SLOT_HEADER_BYTES + _round_up(slot_bytes, ALIGNMENT)
 
 
-class ShmWriter(TensorWriter):
+class ShmWriter(RingWriter):
     """Owner of a POSIX shared-memory ring; copies each bundle into one free slot."""
 
     kind = "shm"
@@ -367,22 +405,6 @@ class ShmWriter(TensorWriter):
         self._closed = False
         self.inline_fallbacks = 0
         self._finalizer = weakref.finalize(self, _close_segment, self._shm, True)
-
-    @property
-    def slots_in_use(self) -> int:
-        return self._ring.slots_in_use
-
-    @property
-    def ring_name(self) -> str | None:
-        return self._name
-
-    @property
-    def slot_bytes(self) -> int:
-        return self._slot_bytes
-
-    @property
-    def num_slots(self) -> int:
-        return self._ring.num_slots
 
     def write(self, tensors: Mapping[str, torch.Tensor]) -> common_pb2.TensorBundle:
         placements, used = _plan(tensors)
@@ -411,13 +433,6 @@ class ShmWriter(TensorWriter):
             self._words[header + _HDR_USED_BYTES] = used
             self._words[header + _HDR_SEQUENCE] = sequence  # published last: contents are complete
             return bundle
-
-    def release(self, slots: Iterable[int]) -> None:
-        self._ring.release(slots)
-
-    def release_all(self) -> None:
-        with self._lock:
-            self._ring.release_all()
 
     def close(self) -> None:
         with self._lock:
