@@ -79,7 +79,12 @@ class Router:
         return self.info
 
     def _stub(self, address: str) -> draft_pb2_grpc.DraftStub:
-        channel = grpc.aio.insecure_channel(address, options=server_options())
+        # A replica that died and came back must be seen within a probe or two, not after gRPC's
+        # default reconnect back-off (which grows towards two minutes).
+        options = server_options() + [("grpc.initial_reconnect_backoff_ms", 200),
+                                      ("grpc.min_reconnect_backoff_ms", 200),
+                                      ("grpc.max_reconnect_backoff_ms", 1000)]
+        channel = grpc.aio.insecure_channel(address, options=options)
         self._channels.append(channel)
         return draft_pb2_grpc.DraftStub(channel)
 
@@ -99,7 +104,7 @@ class Router:
     @staticmethod
     async def _probe(stub: draft_pb2_grpc.DraftStub, timeout_s: float) -> common_pb2.ModelInfo | None:
         try:
-            return await stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=timeout_s > 1,
+            return await stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=True,
                                            timeout=timeout_s)
         except grpc.aio.AioRpcError:
             return None
