@@ -219,7 +219,7 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
 
     watch_workers(workers, on_death)
     try:
-        await serve_until_signal(server, health, grace_s=1.0 if died else 5.0)
+        await serve_until_signal(server, health)
     finally:
         if workers and not died:
             try:
