@@ -109,7 +109,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     commit = git_commit(args.commit)
     doc = {"benchmark": "split-overhead", "commit": commit or "unknown", "gpu": gpu, "copy_gbps": None,
-           "params": {**vars(args), "model": args.model or "random"}, "rows": rows}
+           "params": {**{k: v for k, v in vars(args).items() if k not in ("out", "commit")},
+                      "model": args.model or "random"}, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2))
 
