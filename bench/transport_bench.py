@@ -80,7 +80,8 @@ def main() -> None:
             print(f"{kind:>9} batch={batch:>4} bytes={n * width * 2:>10} {us:9.1f} us", flush=True)
     commit = git_commit(args.commit)
     doc = {"benchmark": "transport", "commit": commit or "unknown", "gpu": torch.cuda.get_device_name(0),
-           "copy_gbps": None, "params": {k: v for k, v in vars(args).items() if k not in ("out", "commit")}, "rows": rows}
+           "copy_gbps": None, "rows": rows,
+           "params": {k: v for k, v in vars(args).items() if k not in ("out", "commit")}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2))
 
