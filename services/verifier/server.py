@@ -12,6 +12,7 @@ import asyncio
 import os
 import secrets
 import signal
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -67,7 +68,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.settings = settings
         self.metrics = metrics or Metrics("verifier")
         self.metrics.kv_pages_free.set(self.engine.cache.pages_free)
-        self._lock = asyncio.Lock()
+        # Engine calls run in worker threads; a thread cannot be cancelled with the coroutine that
+        # awaits it (a draft dying mid-step cancels its stream), so exclusion is a thread lock held
+        # for the whole call, never an asyncio lock that a cancellation would release early.
+        self._engine_lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self.verifier_id = f"verifier-{uuid.uuid4().hex[:12]}"
 
@@ -79,8 +83,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                 f"drafter expects hidden_size={request.hidden_size}, vocab_size={request.vocab_size}; "
                                 f"target has hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}")
         try:
-            async with self._lock:
-                self.group.call("set_feature_layers", list(request.feature_layer_ids))
+            await self._locked(self.group.call, "set_feature_layers", list(request.feature_layer_ids))
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
         mine = (("cuda_ipc",) if self.settings.device.startswith("cuda") else ()) + ("shm", "inline")
@@ -89,7 +92,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no common transport: draft offers {list(request.transports)}, verifier has {mine}")
         if request.draft_id in self._peers:
-            self._drop_peer(request.draft_id)
+            await self._locked(self._drop_peer, request.draft_id)
         try:
             reader = make_reader(kind, request.draft_ring or None, request.draft_ring_slot_bytes,
                                  request.draft_ring_slots)
@@ -115,16 +118,24 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                 f"no handshake for draft-id {draft_id!r}; call Handshake first")
         try:
             async for req in request_iterator:
-                async with self._lock:
-                    resp = await asyncio.to_thread(self._step, peer, req)
-                yield resp
+                yield await self._locked(self._step, peer, req)
         finally:
             # The stream ended (cleanly or because the draft died): nothing it held may leak.
-            async with self._lock:
-                freed = await asyncio.to_thread(self.group.call, "release_owner", draft_id)
-            if self._peers.get(draft_id) is peer:
-                self._drop_peer(draft_id)
+            freed = await self._locked(self._end_stream, draft_id, peer)
             log.info("stream_closed", draft_id=draft_id, requests_freed=freed)
+
+    async def _locked(self, fn, *args):
+        """Runs `fn` in a worker thread holding the engine lock for all of it."""
+        def run():
+            with self._engine_lock:
+                return fn(*args)
+        return await asyncio.to_thread(run)
+
+    def _end_stream(self, draft_id: str, peer: _Peer) -> int:
+        freed = self.group.call("release_owner", draft_id)
+        if self._peers.get(draft_id) is peer:
+            self._drop_peer(draft_id)
+        return freed
 
     def _drop_peer(self, draft_id: str) -> None:
         peer = self._peers.pop(draft_id)
