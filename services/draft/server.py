@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -29,7 +30,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
     async def Step(self, request: draft_pb2.StepRequest, context: grpc.aio.ServicerContext) -> draft_pb2.StepResponse:
         try:
-            return await self.engine.step(request)
+            # Shielded: if the scheduler gives up on this call, the step still runs to its end
+            # (holding the engine's lock), so the next step never starts beside a half-done one.
+            return await asyncio.shield(self.engine.step(request))
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
 
