@@ -10,7 +10,6 @@ it (or `release_all` when the consumer's stream ended). Reads are zero-copy view
 from __future__ import annotations
 
 import base64
-import math
 import pickle
 import threading
 from collections.abc import Mapping
@@ -19,8 +18,8 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from ddtree.v1 import common_pb2
-from services.common.transport import (ALIGNMENT, RingFull, RingWriter, SlotRing, TensorReader, _decode_inline,
-                                       _dtype_name, _expected_nbytes, _round_up, _wire_dtype)
+from services.common.transport import (ALIGNMENT, RingFull, RingWriter, SlotRing, TensorReader, _dtype_name,
+                                       _round_up)
 
 __all__ = ["CudaIpcWriter", "CudaIpcReader", "RingFull"]
 
@@ -75,21 +74,12 @@ class CudaIpcReader(TensorReader):
         if tuple(self._buf.shape) != (num_slots, _round_up(slot_bytes, ALIGNMENT)):
             raise ValueError(f"cuda_ipc ring is {tuple(self._buf.shape)}, handshake says {num_slots} x {slot_bytes}")
 
-    def read(self, bundle: common_pb2.TensorBundle) -> dict[str, torch.Tensor]:
-        """Zero-copy views on the owner's GPU, valid until the slot is released."""
-        out: dict[str, torch.Tensor] = {}
-        for ref in bundle.tensors:
-            if ref.WhichOneof("payload") != "slot":
-                out[ref.name] = _decode_inline(ref)
-                continue
-            dtype = _wire_dtype(ref)
-            if ref.slot.nbytes != _expected_nbytes(ref, dtype):
-                raise ValueError(f"tensor {ref.name!r}: slot ref size does not match shape {list(ref.shape)}")
-            row = self._buf[ref.slot.slot]
-            view = row[ref.slot.offset:ref.slot.offset + ref.slot.nbytes].view(dtype)
-            out[ref.name] = view.view(tuple(ref.shape)) if math.prod(ref.shape) else torch.empty(
-                tuple(ref.shape), dtype=dtype, device=self._buf.device)
-        return out
+    def _slot_view(self, ref: common_pb2.TensorRef, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zero-copy view on the owner's GPU."""
+        if ref.slot.nbytes == 0:
+            return torch.empty(shape, dtype=dtype, device=self._buf.device)
+        row = self._buf[ref.slot.slot]                                             # [slot_bytes]
+        return row[ref.slot.offset:ref.slot.offset + ref.slot.nbytes].view(dtype).view(shape)
 
     def close(self) -> None:
         self._buf = None  # type: ignore[assignment]

@@ -21,6 +21,7 @@ Slot protocol (shm):
 
 from __future__ import annotations
 
+import abc
 import math
 import os
 import secrets
@@ -213,14 +214,15 @@ class SlotRing:
             self._in_use.clear()
 
 
-class TensorWriter:
+class TensorWriter(abc.ABC):
     """Producer side of a transport. Subclasses define where the bytes go."""
 
     kind: str = ""
     inline_fallbacks: int = 0
 
+    @abc.abstractmethod
     def write(self, tensors: Mapping[str, torch.Tensor]) -> common_pb2.TensorBundle:
-        raise NotImplementedError
+        """Puts the bundle where the consumer can read it; returns the message that names it."""
 
     def release(self, slots: Iterable[int]) -> None:
         """The consumer finished reading these slots."""
@@ -292,12 +294,30 @@ class RingWriter(TensorWriter):
 
 
 class TensorReader:
-    """Consumer side of a transport."""
+    """Consumer side of a transport: inline refs are decoded here, slot refs checked for size and
+    handed to the subclass's `_slot_view` (where the ring lives is all that differs)."""
 
     kind: str = ""
 
     def read(self, bundle: common_pb2.TensorBundle) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """Views into a ring are valid until the slot is released; copy anything kept longer."""
+        out: dict[str, torch.Tensor] = {}
+        for ref in bundle.tensors:
+            if ref.WhichOneof("payload") != "slot":
+                out[ref.name] = _decode_inline(ref)
+                continue
+            dtype = _wire_dtype(ref)
+            expected = _expected_nbytes(ref, dtype)
+            if ref.slot.nbytes != expected:
+                raise ValueError(
+                    f"tensor {ref.name!r}: slot ref has {ref.slot.nbytes} bytes, shape "
+                    f"{list(ref.shape)} of {ref.dtype} needs {expected}"
+                )
+            out[ref.name] = self._slot_view(ref, dtype, tuple(ref.shape))
+        return out
+
+    def _slot_view(self, ref: common_pb2.TensorRef, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        raise ValueError(f"tensor {ref.name!r} references a shared slot but this reader is inline-only")
 
     def is_current(self, bundle: common_pb2.TensorBundle) -> bool:
         """Whether zero-copy views of `bundle` still show its contents (always true for inline)."""
@@ -325,14 +345,6 @@ class InlineWriter(TensorWriter):
 
 class InlineReader(TensorReader):
     kind = "inline"
-
-    def read(self, bundle: common_pb2.TensorBundle) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for ref in bundle.tensors:
-            if ref.WhichOneof("payload") == "slot":
-                raise ValueError(f"tensor {ref.name!r} references a shared slot but this reader is inline-only")
-            out[ref.name] = _decode_inline(ref)
-        return out
 
 
 class _QuietSharedMemory(SharedMemory):
@@ -480,30 +492,12 @@ class ShmReader(TensorReader):
                 f"{used} payload bytes written to slot {s.slot}"
             )
 
-    def read(self, bundle: common_pb2.TensorBundle) -> dict[str, torch.Tensor]:
-        """Views are valid until the slot is released; copy anything kept longer."""
-        out: dict[str, torch.Tensor] = {}
-        for ref in bundle.tensors:
-            if ref.WhichOneof("payload") != "slot":
-                out[ref.name] = _decode_inline(ref)
-                continue
-            dtype = _wire_dtype(ref)
-            expected = _expected_nbytes(ref, dtype)
-            if ref.slot.nbytes != expected:
-                raise ValueError(
-                    f"tensor {ref.name!r}: slot ref has {ref.slot.nbytes} bytes, shape "
-                    f"{list(ref.shape)} of {ref.dtype} needs {expected}"
-                )
-            self._check_slot(ref)
-            shape = tuple(ref.shape)
-            if expected == 0:
-                out[ref.name] = torch.empty(shape, dtype=dtype)
-                continue
-            start = ref.slot.slot * self._stride + ref.slot.offset
-            count = math.prod(shape)
-            view = torch.frombuffer(self._shm.buf, dtype=dtype, count=count, offset=start)
-            out[ref.name] = view.reshape(shape)
-        return out
+    def _slot_view(self, ref: common_pb2.TensorRef, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        self._check_slot(ref)
+        if ref.slot.nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        start = ref.slot.slot * self._stride + ref.slot.offset
+        return torch.frombuffer(self._shm.buf, dtype=dtype, count=math.prod(shape), offset=start).reshape(shape)
 
     def is_current(self, bundle: common_pb2.TensorBundle) -> bool:
         slot = bundle_slot(bundle)
