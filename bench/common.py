@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["git_commit", "measure_copy_gbps", "graph_replay_us"]
+__all__ = ["git_commit", "measure_copy_gbps", "graph_replay_us", "eager_us"]
 
 
 def git_commit(explicit: str | None = None) -> str:
@@ -69,4 +69,22 @@ def graph_replay_us(calls: Sequence[Callable[[], object]], reps: int = 20, warmu
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / len(calls))
     del graph
+    return sorted(times)[len(times) // 2]
+
+
+def eager_us(calls: Sequence[Callable[[], object]], reps: int = 3) -> float:
+    """Microseconds per call, run eagerly (for host-syncing references) after one warm-up round;
+    median of `reps` rounds."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for c in calls:
+            c()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
     return sorted(times)[len(times) // 2]

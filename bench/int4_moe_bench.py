@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import graph_replay_us, measure_copy_gbps  # noqa: E402
+from bench.common import eager_us, graph_replay_us, measure_copy_gbps  # noqa: E402
 from kernels.int4_moe import (  # noqa: E402
     Int4MoEConfig,
     fused_int4_moe,
@@ -138,19 +138,7 @@ def time_graph(calls, reps: int = 10) -> float:
 
 def time_eager(calls, reps: int = 3) -> float:
     """Microseconds per call, eager (for host-syncing references), after one warm-up round."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for c in calls:
-            c()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / len(calls))
-    return statistics.median(times)
+    return eager_us(calls, reps)
 
 
 def copy_bandwidth_gbps() -> float:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import git_commit, graph_replay_us, measure_copy_gbps
+from bench.common import eager_us, git_commit, graph_replay_us, measure_copy_gbps
 from kernels.tree_mla import (
     TreeAttentionDeviceMetadata,
     TreeAttentionMetadata,
@@ -144,17 +144,8 @@ def time_graph(fns: list, reps: int = 20) -> float:
 
 
 def time_eager(fn, reps: int = 3) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    return sorted(times)[len(times) // 2]
+    """Seconds per call, eager, median of reps."""
+    return eager_us([fn], reps) * 1e-6
 
 
 def time_kernel(batch: int, context: int, nodes: int, heads: int, config: TreeMlaConfig | None = None,
