@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from services.draft.tree import build_trees
+from services.draft.tree import ancestor_mask, build_trees
 from services.verifier.engine import PrefillInput, VerifierEngine
 from services.verifier.make_target import write_random_target
 from services.verifier.model import TargetModel
@@ -167,6 +167,51 @@ def test_greedy_random_trees_match_reference_and_autoregressive(target: Target) 
         n = min(len(got), len(sp))
         assert got[:n] == sp[:n]
     assert engine.active_requests == 0 and engine.cache.pages_free == free0
+
+
+def test_padded_graph_buckets_match_reference(target: Target) -> None:
+    """The CUDA-graph input layout (trees padded to node buckets, batch to batch buckets) run
+    eagerly on the CPU: same greedy text as the reference, and steps past the largest bucket fall
+    back to the unpadded path."""
+    refs = [target.continuation(p, GEN_TOKENS + DRAFT_DEPTH + 1) for p in PROMPTS]
+    engine = make_engine(target.model)
+    graphs = engine.enable_graphs(capture=False, batch_buckets=(1, 2, 4))
+    spec, emitted = run_greedy(engine, target, PROMPTS, budgets=[1, 4, 16, 64], tree_seed=1)
+    assert all(got == ref[:len(got)] for got, ref in zip(spec, refs))
+    assert max(emitted) >= 3
+    used = set(graphs._buckets)
+    assert (4, 65) in used and (4, 17) in used, used   # 3 requests padded to 4; trees padded up
+
+    engine.enable_graphs(capture=False, batch_buckets=(1, 2))   # 3 requests: no bucket, eager
+    auto, _ = run_greedy(engine, target, PROMPTS, budgets=[4], tree_seed=3, tag="e")
+    assert all(got == ref[:len(got)] for got, ref in zip(auto, refs))
+    assert not engine.graphs._buckets
+
+
+def test_padded_forward_equals_unpadded(target: Target) -> None:
+    """Row for row, the padded forward gives the eager forward's logits, features and new KV."""
+    engine = make_engine(target.model, shuffle_seed=5)
+    engine.set_feature_layers([0, 1])
+    graphs = engine.enable_graphs(capture=False)
+    rids = ["p0", "p1", "p2"]
+    engine.prefill([PrefillInput(r, p, Sampling(), reserve_tokens=40) for r, p in zip(rids, PROMPTS)])
+    g = torch.Generator().manual_seed(11)
+    trees = [random_tree(engine._requests[r].pending, b, g) for r, b in zip(rids, (3, 12, 30))]
+    tokens, parents, depths, sizes = pack(trees)
+    reqs = [engine._requests[r] for r in rids]
+    lens = [r.length for r in reqs]
+    starts = torch.repeat_interleave(torch.tensor(lens), sizes)
+    masks, off = [], 0
+    for n in sizes.tolist():
+        masks.append(ancestor_mask(parents[off:off + n]))
+        off += n
+    eager = engine._forward(tokens, starts + depths, reqs, masks)
+    padded = graphs.run(tokens, parents, depths, sizes.tolist(), lens, [engine.cache.page_ids(r) for r in rids])
+    assert graphs.bucket_for(3, 31) == (4, 33)
+    torch.testing.assert_close(padded.logits, eager.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(padded.features, eager.features, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(padded.new_kv, eager.new_kv, rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(padded.logits).all()
 
 
 # ============================================================================== 2. chunked prefill

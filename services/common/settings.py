@@ -121,6 +121,8 @@ class VerifierSettings:
     ring_slot_bytes: int = 8 << 20
     tp: int = 1                      # tensor-parallel ranks (processes); device "cuda" puts rank i on GPU i
     tp_timeout_s: float = 60.0       # a collective waiting longer than this fails the group
+    cuda_graphs: bool = True         # verify replays CUDA graphs on GPU (captured per bucket on first use)
+    graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets; larger steps run eagerly
     cpu_threads: int = 1             # torch intra-op threads per rank (CPU); spinning threads of several
                                      # processes on the same cores cost 5-10x on a small machine
     metrics_port: int = 0
@@ -135,6 +137,7 @@ class VerifierSettings:
         _check(self.kv_capacity_tokens >= self.page_size, "verifier.kv_capacity_tokens", "must hold one page")
         _check(self.max_context >= 0, "verifier.max_context", "must be >= 0")
         _check(self.prefill_chunk > 0, "verifier.prefill_chunk", "must be > 0")
+        _check(all(b >= 1 for b in self.graph_batches), "verifier.graph_batches", "must be >= 1 each")
         _check(self.ring_slots >= 2, "verifier.ring_slots", "must be >= 2")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "verifier.dtype",
                "must be float32, bfloat16 or float16")

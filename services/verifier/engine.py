@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from kernels.tree_mla import TreeAttentionMetadata
+from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata
 from services.common.grpc_server import ServiceError
 from services.draft.tree import ancestor_mask
 from services.verifier.acceptance import accept
+from services.verifier.graphs import VerifyGraphs
 from services.verifier.kv_cache import OutOfPages, PagedKVCache
 from services.verifier.model import ForwardBatch, TargetModel
 from services.verifier.sampling import Sampling, posterior_tokens
@@ -72,6 +73,7 @@ class VerifierEngine:
         self.feature_layers: tuple[int, ...] = ()
         self._requests: dict[str, _Request] = {}
         self.last_commit_ms = 0.0   # time spent writing accepted KV in the last verify (metrics)
+        self.graphs: VerifyGraphs | None = None   # CUDA graphs for verify (``enable_graphs``)
         cfg = model.config
         self._feature_width = 0
         self._hidden = cfg.hidden_size
@@ -87,6 +89,14 @@ class VerifierEngine:
                                f"feature_layer_ids {bad} outside the target's {n} layers")
         self.feature_layers = tuple(int(i) for i in layer_ids)
         self._feature_width = len(self.feature_layers) * self._hidden
+        if self.graphs is not None and self.graphs.feature_layers != self.feature_layers:
+            self.enable_graphs(capture=self.graphs.capture)   # captures bake the feature layers in
+
+    def enable_graphs(self, capture: bool = True, **buckets) -> VerifyGraphs:
+        """Verify through padded buckets (CUDA graphs when ``capture``); steps no bucket holds run eagerly."""
+        self.graphs = VerifyGraphs(self.model, self.cache, self.max_context, self.feature_layers,
+                                   capture=capture, **buckets)
+        return self.graphs
 
     @property
     def active_requests(self) -> int:
@@ -167,6 +177,9 @@ class VerifierEngine:
 
         tokens/parents/depths: [N] flat, request r owning the next sizes[r] entries (root first).
         """
+        # Trees are a few hundred ints: check and walk them on the host (one copy each, not a
+        # device sync per check per request when they arrive on the GPU through cuda_ipc).
+        tokens, parents, depths = tokens.cpu(), parents.cpu(), depths.cpu()
         sizes_l = [int(s) for s in sizes.tolist()]
         if len(sizes_l) != len(request_ids) or sum(sizes_l) != tokens.numel():
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -191,35 +204,37 @@ class VerifierEngine:
         if not live:
             return StepOutcome(outcomes, self._cat_features([]))
         dev = self.model_device
-        sel = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in live]).to(tokens.device)
+        sel = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in live])
         reqs = [self._requests[request_ids[i]] for i in live]
         flat_tokens = tokens[sel].to(dev)                                          # [N]
         flat_depths = depths[sel].to(dev)                                          # [N]
-        starts = torch.repeat_interleave(torch.tensor([r.length for r in reqs], device=dev),
-                                         torch.tensor([sizes_l[i] for i in live], device=dev))  # [N]
-        masks = [ancestor_mask(parents[offsets[i]:offsets[i + 1]].to(dev)) for i in live]
-        out = self._forward(flat_tokens, starts + flat_depths, reqs, masks)
-        features: list[torch.Tensor] = []
+        live_sizes = [sizes_l[i] for i in live]
+        if self.graphs is not None and self.graphs.bucket_for(len(live), max(live_sizes)) is not None:
+            out = self.graphs.run(flat_tokens, parents[sel], flat_depths, live_sizes,
+                                  [r.length for r in reqs], [self.cache.page_ids(r.request_id) for r in reqs])
+        else:
+            starts = torch.repeat_interleave(torch.tensor([r.length for r in reqs], device=dev),
+                                             torch.tensor(live_sizes, device=dev))  # [N]
+            masks = [ancestor_mask(parents[offsets[i]:offsets[i + 1]].to(dev)) for i in live]
+            out = self._forward(flat_tokens, starts + flat_depths, reqs, masks)
+        posterior = torch.cat(self._posterior(out.logits, reqs, live_sizes)).cpu()   # [N] one sync
+        tokens_h, parents_h = tokens[sel], parents[sel]                               # host copies
+        keep: list[int] = []           # rows of the accepted paths, in request order
+        writes: list[tuple[str, int, int]] = []
         row = 0
-        commit_s = 0.0
-        counts = [sizes_l[i] for i in live]
-        posteriors = self._posterior(out.logits, reqs, counts)
-        for j, i in enumerate(live):
-            req, n = reqs[j], sizes_l[i]
-            posterior = posteriors[j]                                                # [n]
-            acc = accept(flat_tokens[row:row + n].cpu(), parents[offsets[i]:offsets[i + 1]].cpu(),
-                         posterior.cpu())
-            path = torch.tensor(acc.path, dtype=torch.int64, device=dev) + row       # [k]
-            t0 = time.perf_counter()
-            self.cache.write(req.request_id, req.length, out.new_kv[:, path])
-            commit_s += time.perf_counter() - t0
+        for req, i, n in zip(reqs, live, live_sizes):
+            acc = accept(tokens_h[row:row + n], parents_h[row:row + n], posterior[row:row + n])
+            keep += [row + k for k in acc.path]
+            writes.append((req.request_id, req.length, len(acc.path)))
             req.length += len(acc.path)
             req.pending = acc.tokens[-1]
-            features.append(out.features[path])
             outcomes[i] = ItemOutcome(req.request_id, list(acc.tokens), committed=len(acc.path))
             row += n
-        self.last_commit_ms = commit_s * 1e3
-        return StepOutcome(outcomes, self._cat_features(features))
+        rows = torch.tensor(keep, dtype=torch.int64, device=dev)                      # [K]
+        t0 = time.perf_counter()
+        self.cache.write_many(writes, out.new_kv[:, rows])                            # one scatter
+        self.last_commit_ms = (time.perf_counter() - t0) * 1e3
+        return StepOutcome(outcomes, self._cat_features([out.features[rows]]))
 
     def _check_tree(self, rid: str, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
                     start: int, n: int) -> ServiceError | None:
@@ -292,6 +307,8 @@ class VerifierEngine:
             page_tables=[self.cache.page_table(r.request_id) for r in reqs],
             tree_masks=list(masks),
         )
+        if dev.type == "cuda":   # packed once here, not per layer by the kernel
+            meta = TreeAttentionDeviceMetadata.from_host(meta)
         batch = ForwardBatch(input_ids=input_ids, positions=positions, attn=meta)
         return self.model(batch, self.cache, feature_layers=self.feature_layers)
 

@@ -72,6 +72,10 @@ class PagedKVCache:
         if pages:
             self._free.extend(reversed(pages))
 
+    def page_ids(self, request_id: str) -> list[int]:
+        """The request's pages in order, on the host (no device tensor per request)."""
+        return list(self._pages.get(request_id, ()))
+
     def page_table(self, request_id: str) -> Tensor:
         return torch.tensor(self._pages.get(request_id, []), dtype=torch.int64, device=self.kv.device)  # [n_pages]
 
@@ -94,6 +98,27 @@ class PagedKVCache:
         )
         pages, slots = self._slots(request_id, start, kv.shape[1])
         self.kv[:, pages, slots] = kv.to(self.kv.dtype)  # [L, k, D]
+
+    def write_many(self, items: list[tuple[str, int, int]], kv: Tensor) -> None:
+        """Store ``kv [num_layers, sum(k), dim]`` for ``(request_id, start, k)`` runs, in one scatter."""
+        assert kv.dim() == 3 and kv.shape[0] == self.num_layers and kv.shape[2] == self.dim, (
+            f"kv must be [num_layers={self.num_layers}, k, dim={self.dim}], got {tuple(kv.shape)}"
+        )
+        assert kv.shape[1] == sum(k for _, _, k in items), "kv rows must match the runs"
+        pages: list[int] = []
+        slots: list[int] = []
+        for request_id, start, k in items:
+            if start < 0 or start + k > self.reserved_tokens(request_id):
+                raise IndexError(f"request {request_id!r}: tokens {start}..{start + k - 1} outside "
+                                 f"reserved {self.reserved_tokens(request_id)}")
+            owned = self._pages[request_id] if k else []
+            for pos in range(start, start + k):
+                pages.append(owned[pos // self.page_size])
+                slots.append(pos % self.page_size)
+        if not pages:
+            return
+        index = torch.tensor([pages, slots], dtype=torch.int64).to(self.kv.device)   # [2, K]
+        self.kv[:, index[0], index[1]] = kv.to(self.kv.dtype)  # [L, K, D]
 
     def gather(self, layer: int, request_id: str, length: int) -> Tensor:
         """Contiguous copy of the first ``length`` cached tokens of one layer (tests, references)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels.tree_mla import TreeAttentionMetadata, tree_mla_reference
+from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata, tree_mla
 from services.common.checkpoint import CheckpointError, load_tensors, read_config, tensor_index
 from services.verifier.config import TargetConfig
 from services.verifier.kv_cache import PagedKVCache
@@ -151,7 +151,7 @@ class ForwardBatch:
 
     input_ids: Tensor  # [N] int64
     positions: Tensor  # [N] int64
-    attn: TreeAttentionMetadata
+    attn: TreeAttentionMetadata | TreeAttentionDeviceMetadata  # device form: no host sync (graphs)
 
 
 @dataclass
@@ -258,7 +258,8 @@ class TargetModel(torch.nn.Module):
         return PagedKVCache(c.num_hidden_layers, num_pages, page_size, c.kv_dim, self.dtype, self.device, shuffle_seed)
 
     def _attention(
-        self, a: AttentionWeights, h: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: TreeAttentionMetadata
+        self, a: AttentionWeights, h: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+        meta: TreeAttentionMetadata | TreeAttentionDeviceMetadata,
     ) -> tuple[Tensor, Tensor]:
         """MLA for one layer; returns (output [N, hidden], new latent kv [N, kvr+rope])."""
         c = self.config
@@ -275,7 +276,7 @@ class TargetModel(torch.nn.Module):
         c_kv = rms_norm(kv[:, :kvr], a.kv_a_norm, c.rms_norm_eps)  # [N, kvr]
         k_pe = apply_rope_interleaved(kv[:, kvr:], cos, sin)  # [N, rope]
         new_kv = torch.cat([c_kv, k_pe], dim=-1)  # [N, kvr+rope]
-        latent = tree_mla_reference(q_latent, q_pe, kv_cache, new_kv, meta, self.softmax_scale)  # [N, H, kvr]
+        latent = tree_mla(q_latent, q_pe, kv_cache, new_kv, meta, self.softmax_scale)  # [N, H, kvr] Triton on CUDA
         out = torch.einsum("nhk,hvk->nhv", latent, a.w_uv).reshape(N, H * c.v_head_dim)  # [N, H*v]
         return out @ a.o_proj.T, new_kv  # [N, hidden], [N, kvr+rope]
 
@@ -296,7 +297,8 @@ class TargetModel(torch.nn.Module):
         ids = batch.input_ids.to(self.device)
         N = ids.numel()
         assert batch.positions.numel() == N, "positions must match input_ids"
-        assert int(batch.attn.query_starts[-1]) == N, "query_starts[-1] must equal the number of tokens"
+        if isinstance(batch.attn, TreeAttentionMetadata):  # the device form is checked by its builder (no sync)
+            assert int(batch.attn.query_starts[-1]) == N, "query_starts[-1] must equal the number of tokens"
         x = self.embed_weight[ids]  # [N, hidden]
         cos, sin = self.rope.lookup(batch.positions.to(self.device))  # [N, rope] each
         new_kv = torch.empty(L, N, c.kv_dim, dtype=self.dtype, device=self.device)  # [L, N, kvr+rope]

@@ -1,9 +1,10 @@
 """DeepSeek-V3 MoE: sigmoid router with grouped top-k, and a torch reference expert compute.
 
 Why a torch reference: it is the CPU path and the ground truth for the fused INT4 Triton MoE
-kernel (DESIGN.md §6, ``kernels/int4_moe.py``); experts are dequantised once at load
-(``MoEWeights.from_checkpoint``) and the packed INT4 tensors stay attached for that kernel, which
-``moe_forward`` uses on CUDA.
+kernel (DESIGN.md §6, ``kernels/int4_moe.py``), which ``moe_forward`` uses on CUDA. Where that
+kernel will run (CUDA, bf16/fp16, INT4 experts) the experts stay packed: a dense copy would take
+four times the packed bytes (about 250 GB for one K2 rank); elsewhere they are dequantised once at
+load, and the torch path dequantises a packed expert on use when no dense copy exists.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "route",
     "mlp_forward",
     "moe_forward",
+    "uses_fused_kernel",
 ]
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -49,15 +51,30 @@ class MLPWeights:
 
 @dataclass
 class MoEWeights:
-    """Router + stacked routed experts (dense in compute dtype) + shared experts."""
+    """Router + stacked routed experts (dense and/or packed INT4) + shared experts."""
 
     gate_weight: Tensor  # [E, hidden]
     bias: Tensor  # [E] e_score_correction_bias
-    w_gate: Tensor  # [E, I, hidden]
-    w_up: Tensor  # [E, I, hidden]
-    w_down: Tensor  # [E, hidden, I]
+    w_gate: Tensor | None  # [E, I, hidden]; None when only the packed experts are kept
+    w_up: Tensor | None  # [E, I, hidden]
+    w_down: Tensor | None  # [E, hidden, I]
     shared: MLPWeights | None
     int4: dict[str, Int4Weight] | None = None  # packed "gate_proj"/"up_proj"/"down_proj", stacked [E, ...]
+    group_size: int = 32
+    dtype: torch.dtype = torch.float32  # compute dtype of a dense expert
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_weight.shape[0]
+
+    def expert(self, proj: str, e: int) -> Tensor:
+        """Dense ``[out, in]`` weight of one expert: the stacked copy, or dequantised from INT4 now."""
+        dense = {"gate_proj": self.w_gate, "up_proj": self.w_up, "down_proj": self.w_down}[proj]
+        if dense is not None:
+            return dense[e]
+        assert self.int4 is not None, "an MoE layer needs dense or packed experts"
+        w = self.int4[proj]
+        return unpack_int4(w.packed[e], w.scale[e], w.shape, self.group_size, dtype=self.dtype)  # [out, in]
 
     @classmethod
     def from_checkpoint(
@@ -70,9 +87,11 @@ class MoEWeights:
     ) -> "MoEWeights":
         """Gather ``{prefix}gate``, ``{prefix}experts.{j}.*`` and ``{prefix}shared_experts.*``.
 
-        INT4 experts are dequantised here, once, into ``dtype``; the packed tensors are kept.
+        INT4 experts stay packed; they are also dequantised here, once, into ``dtype`` unless the
+        fused kernel will serve them (``uses_fused_kernel``).
         """
         E = config.n_routed_experts or 0
+        keep_dense = not uses_fused_kernel(torch.device(device), dtype, config.int4_experts)
 
         def dense(name: str) -> Tensor:
             return weights[name].to(device=device, dtype=dtype)
@@ -87,7 +106,8 @@ class MoEWeights:
                 s = torch.stack([weights[f"{n}.weight_scale"] for n in names]).to(device)  # [E, out, in/g]
                 shape = tuple(int(v) for v in weights[f"{names[0]}.weight_shape"].tolist())
                 packed[proj] = Int4Weight(packed=p, scale=s, shape=shape)  # type: ignore[index]
-                stacked[proj] = unpack_int4(p, s, shape, config.quantization.group_size, dtype=dtype)  # [E, out, in]
+                if keep_dense:
+                    stacked[proj] = unpack_int4(p, s, shape, config.quantization.group_size, dtype=dtype)  # [E, out, in]
             else:
                 stacked[proj] = torch.stack([dense(f"{n}.weight") for n in names])  # [E, out, in]
         shared = None
@@ -97,12 +117,19 @@ class MoEWeights:
         return cls(
             gate_weight=weights[f"{prefix}gate.weight"].to(device=device, dtype=torch.promote_types(dtype, torch.float32)),
             bias=weights[f"{prefix}gate.e_score_correction_bias"].to(device=device, dtype=torch.promote_types(dtype, torch.float32)),
-            w_gate=stacked["gate_proj"],
-            w_up=stacked["up_proj"],
-            w_down=stacked["down_proj"],
+            w_gate=stacked.get("gate_proj"),
+            w_up=stacked.get("up_proj"),
+            w_down=stacked.get("down_proj"),
             shared=shared,
             int4=packed,
+            group_size=config.quantization.group_size if config.quantization is not None else 32,
+            dtype=dtype,
         )
+
+
+def uses_fused_kernel(device: torch.device, dtype: torch.dtype, int4_experts: bool) -> bool:
+    """Where ``moe_forward`` runs the fused INT4 kernel by default: CUDA, bf16/fp16, packed experts."""
+    return device.type == "cuda" and int4_experts and dtype in (torch.bfloat16, torch.float16)
 
 
 def select_experts(
@@ -166,7 +193,7 @@ def moe_forward(x: Tensor, moe: MoEWeights, config: TargetConfig, fused: bool | 
     N = x.shape[0]
     routing = route(x, moe, config)
     if fused is None:
-        fused = x.is_cuda and moe.int4 is not None and x.dtype in (torch.bfloat16, torch.float16)
+        fused = uses_fused_kernel(x.device, x.dtype, moe.int4 is not None)
     out = _routed_fused(x, moe, config, routing) if fused else _routed_torch(x, moe, routing)
     if moe.shared is not None:
         out = out + mlp_forward(x, moe.shared)
@@ -191,12 +218,12 @@ def _routed_fused(x: Tensor, moe: MoEWeights, config: TargetConfig, routing: Rou
 
 
 def _routed_torch(x: Tensor, moe: MoEWeights, routing: Routing) -> Tensor:
-    """Loop over experts, tokens grouped per expert (dense weights dequantised at load)."""
+    """Loop over experts, tokens grouped per expert (host sync: the CPU path and the reference)."""
     k = routing.ids.shape[1]
     flat_ids = routing.ids.flatten()  # [N*k]
     flat_w = routing.weights.flatten().to(x.dtype)  # [N*k]
     order = torch.argsort(flat_ids, stable=True)  # [N*k]
-    counts = torch.bincount(flat_ids, minlength=moe.w_gate.shape[0]).tolist()  # host sync: CPU reference path
+    counts = torch.bincount(flat_ids, minlength=moe.num_experts).tolist()
     out = torch.zeros_like(x)  # [N, hidden]
     start = 0
     for e, c in enumerate(counts):
@@ -206,6 +233,6 @@ def _routed_torch(x: Tensor, moe: MoEWeights, routing: Routing) -> Tensor:
         start += c
         tok = sel // k  # [c]
         xe = x[tok]  # [c, hidden]
-        h = F.silu(xe @ moe.w_gate[e].T) * (xe @ moe.w_up[e].T)  # [c, I]
-        out.index_add_(0, tok, (h @ moe.w_down[e].T) * flat_w[sel].unsqueeze(-1))  # [c, hidden]
+        h = F.silu(xe @ moe.expert("gate_proj", e).T) * (xe @ moe.expert("up_proj", e).T)  # [c, I]
+        out.index_add_(0, tok, (h @ moe.expert("down_proj", e).T) * flat_w[sel].unsqueeze(-1))  # [c, hidden]
     return out

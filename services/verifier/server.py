@@ -198,7 +198,11 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
                          cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype, torch.device(device))
     log.info("kv_cache_sized", pages=num_pages, page_size=settings.page_size, tokens=num_pages * settings.page_size,
              max_context=max_context)
-    return VerifierEngine(model, cache, max_context=max_context, prefill_chunk=settings.prefill_chunk)
+    engine = VerifierEngine(model, cache, max_context=max_context, prefill_chunk=settings.prefill_chunk)
+    if settings.cuda_graphs and torch.device(device).type == "cuda":
+        graphs = engine.enable_graphs(batch_buckets=settings.graph_batches)
+        log.info("cuda_graphs", batch_buckets=list(graphs.batch_buckets), node_buckets=list(graphs.node_buckets))
+    return engine
 
 
 async def serve(settings: VerifierSettings, config_path: str | None = None) -> None:
