@@ -109,6 +109,7 @@ class DraftEngine:
         reply = await self.verifier.step(prefills, [r.request_id for r in verifying], packed,
                                          list(request.release))
         features, row = reply.features, 0
+        commits: list[tuple[str, list[int], torch.Tensor]] = []
         for res in list(reply.response.prefills) + list(reply.response.verifies):
             req = self._requests.get(res.request_id)
             if res.error_code != 0 or req is None:
@@ -120,15 +121,16 @@ class DraftEngine:
             committed = ([req.pending] + list(res.token_ids[:-1])) if req.length else None
             feats = features[row:row + res.committed]
             row += res.committed
-            if committed is None:   # prefill: the prompt entered the cache
-                self.proposer.commit(req.request_id, self._prompts.pop(req.request_id), feats)
-            else:
-                self.proposer.commit(req.request_id, committed, feats)
+            # A prefill's committed tokens are the prompt.
+            commits.append((req.request_id, self._prompts.pop(req.request_id) if committed is None else committed,
+                            feats))
             req.length += res.committed
             req.pending = int(res.token_ids[-1])
             results[res.request_id] = draft_pb2.StepResult(
                 request_id=res.request_id, token_ids=list(res.token_ids),
                 acceptance_length=len(res.token_ids) if committed is not None else 0)
+        if commits:
+            await asyncio.to_thread(self.proposer.commit_many, commits)
         t2 = time.perf_counter()
         self.metrics.step_ms.labels("draft").observe((t1 - t0) * 1e3)
         self.metrics.step_ms.labels("verify").observe(reply.response.verify_ms)
@@ -177,9 +179,10 @@ class DraftEngine:
             logprobs = self.proposer.propose([reqs[i].request_id for i in idx], bonus)  # [R, B-1, V]
             batch = build_trees(logprobs[:, :depth].float(), budget, bonus.to(logprobs.device))
             sizes = batch.sizes.tolist()
+            tokens, parents, depths = batch.tokens.cpu(), batch.parents.cpu(), batch.depths.cpu()   # one copy each
             for j, i in enumerate(idx):
                 n = sizes[j]
-                trees[i] = _Tree(batch.tokens[j, :n].cpu(), batch.parents[j, :n].cpu(), batch.depths[j, :n].cpu())
+                trees[i] = _Tree(tokens[j, :n], parents[j, :n], depths[j, :n])
         return [t for t in trees if t is not None]
 
     def _drop_all(self) -> None:

@@ -32,6 +32,9 @@ class Proposer(Protocol):
     def commit(self, request_id: str, token_ids: Sequence[int], features: torch.Tensor) -> None:
         """Tokens entered the target's cache; `features` [len(token_ids), F] are their target features."""
 
+    def commit_many(self, commits: Sequence[tuple[str, Sequence[int], torch.Tensor]]) -> None:
+        """`commit` for every (request_id, token_ids, features) of a step, batched where it can be."""
+
     def propose(self, request_ids: Sequence[str], bonus_tokens: torch.Tensor) -> torch.Tensor:
         """Log-probs [R, block_size - 1, V] for the positions after each request's pending token."""
 
@@ -54,6 +57,10 @@ class DFlashProposer:
 
     def commit(self, request_id: str, token_ids: Sequence[int], features: torch.Tensor) -> None:
         self.drafter.extend_context(self._ctx[request_id], features)
+
+    def commit_many(self, commits: Sequence[tuple[str, Sequence[int], torch.Tensor]]) -> None:
+        """One drafter projection for the whole step (a few dozen launches, not that many per request)."""
+        self.drafter.extend_contexts([self._ctx[rid] for rid, _, _ in commits], [f for _, _, f in commits])
 
     def propose(self, request_ids: Sequence[str], bonus_tokens: torch.Tensor) -> torch.Tensor:
         return self.drafter.propose([self._ctx[r] for r in request_ids], bonus_tokens)
@@ -87,6 +94,10 @@ class OracleProposer:
         if features.shape[0] != len(token_ids):
             raise ValueError(f"features have {features.shape[0]} rows for {len(token_ids)} committed tokens")
         self._history[request_id].extend(int(t) for t in token_ids)
+
+    def commit_many(self, commits: Sequence[tuple[str, Sequence[int], torch.Tensor]]) -> None:
+        for rid, token_ids, features in commits:
+            self.commit(rid, token_ids, features)
 
     def propose(self, request_ids: Sequence[str], bonus_tokens: torch.Tensor) -> torch.Tensor:
         out = torch.empty(len(request_ids), self.block_size - 1, self.vocab_size)   # [R, D, V]

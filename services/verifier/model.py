@@ -213,6 +213,7 @@ class TargetModel(torch.nn.Module):
         self.norm_weight = w("model.norm.weight")  # [hidden]
         self.rope = RotaryTable(c, dtype, self.device)
         self.softmax_scale = softmax_scale(c)
+        self.attention_backend: str | None = None   # tree_mla's choice (Triton on CUDA); checks force "reference"
         H, nope, v = c.num_attention_heads // self.tp.size, c.qk_nope_head_dim, c.v_head_dim  # heads of this rank
         self.layers: list[DecoderLayerWeights] = []
         for i in range(c.num_hidden_layers):
@@ -276,7 +277,8 @@ class TargetModel(torch.nn.Module):
         c_kv = rms_norm(kv[:, :kvr], a.kv_a_norm, c.rms_norm_eps)  # [N, kvr]
         k_pe = apply_rope_interleaved(kv[:, kvr:], cos, sin)  # [N, rope]
         new_kv = torch.cat([c_kv, k_pe], dim=-1)  # [N, kvr+rope]
-        latent = tree_mla(q_latent, q_pe, kv_cache, new_kv, meta, self.softmax_scale)  # [N, H, kvr] Triton on CUDA
+        latent = tree_mla(q_latent, q_pe, kv_cache, new_kv, meta, self.softmax_scale,
+                          backend=self.attention_backend)  # [N, H, kvr]
         out = torch.einsum("nhk,hvk->nhv", latent, a.w_uv).reshape(N, H * c.v_head_dim)  # [N, H*v]
         return out @ a.o_proj.T, new_kv  # [N, hidden], [N, kvr+rope]
 
