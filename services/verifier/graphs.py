@@ -9,8 +9,8 @@ Padding keeps real rows exact: a tree is padded to its bucket's node count with 
 prefix and themselves only, and the batch with empty requests (no prefix, padding nodes only). No
 real node sees a padding node, so a real node's output does not depend on them. Positions and
 ancestor bits are computed inside the graph from the padded tokens / parents / depths / prefix
-lengths, so a step is a few small copies into the static inputs, one replay, and a gather of the
-real rows. Captures share one memory pool: replays never overlap, and a graph's outputs are
+lengths, so a step is two host-to-device copies into the static inputs (padded on the host), one
+replay, and a gather of the real rows. Captures share one memory pool: replays never overlap, and a graph's outputs are
 gathered before the next replay.
 """
 
@@ -42,18 +42,29 @@ log = get_logger("verifier")
 
 @dataclass
 class _Bucket:
-    """Static inputs and outputs of one captured shape."""
+    """Static inputs and outputs of one captured shape.
+
+    The int64 inputs live in one device buffer ``inputs`` = [tokens | parents | depths | rows |
+    prefix_lens], filled from a pinned host twin with one copy per step.
+    """
 
     batch: int
     nodes: int
-    tokens: Tensor  # [B, T] int64
-    parents: Tensor  # [B, T] int64, -1 for roots and padding
-    depths: Tensor  # [B, T] int64
-    prefix_lens: Tensor  # [B] int32
+    inputs: Tensor  # [4 * B * T + B] int64 (device)
+    host: Tensor  # same, pinned host memory on CUDA
     page_table: Tensor  # [B, max_pages] int32
     query_starts: Tensor  # [B + 1] int32, constant r * T
+    copied: torch.cuda.Event | None = None   # the last host -> device copy; the host twin is reused after it
     output: ForwardOutput | None = None
     graph: torch.cuda.CUDAGraph | None = None
+
+    def views(self, t: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """tokens [B, T], parents [B, T] (-1: root or padding), depths [B, T], rows [B * T]
+        (flat padded row of each real node, first N used), prefix_lens [B]."""
+        B, T = self.batch, self.nodes
+        n = B * T
+        return (t[:n].view(B, T), t[n:2 * n].view(B, T), t[2 * n:3 * n].view(B, T), t[3 * n:4 * n],
+                t[4 * n:4 * n + B])
 
 
 class VerifyGraphs:
@@ -112,7 +123,7 @@ class VerifyGraphs:
         if key is None:
             raise ValueError(f"no graph bucket holds {len(sizes)} trees of up to {max(sizes)} nodes")
         b = self._bucket(*key)
-        rows = self._load(b, tokens, parents, depths, sizes, prefix_lens, page_ids)
+        self._load(b, tokens.cpu(), parents.cpu(), depths.cpu(), sizes, prefix_lens, page_ids)
         if self.capture:
             if b.graph is None:
                 self._capture(b)
@@ -121,51 +132,59 @@ class VerifyGraphs:
         else:
             out = self._forward(b)
         assert out is not None
+        rows = b.views(b.inputs)[3][:sum(sizes)]   # [N] device
         return ForwardOutput(logits=out.logits[rows], features=out.features[rows], new_kv=out.new_kv[:, rows])
 
     def _load(self, b: _Bucket, tokens: Tensor, parents: Tensor, depths: Tensor, sizes: Sequence[int],
-              prefix_lens: Sequence[int], page_ids: Sequence[Sequence[int]]) -> Tensor:
-        """Scatter the real trees into the padded static inputs; returns their rows [N] (device)."""
-        dev, T = self.device, b.nodes
-        rows = torch.cat([torch.arange(s) + r * T for r, s in enumerate(sizes)]).to(dev)   # [N]
-        b.tokens.view(-1).fill_(0).index_copy_(0, rows, tokens.to(dev))
-        b.parents.view(-1).fill_(-1).index_copy_(0, rows, parents.to(dev))
-        b.depths.view(-1).fill_(0).index_copy_(0, rows, depths.to(dev))
-        lens = torch.zeros(b.batch, dtype=torch.int32)
-        lens[:len(prefix_lens)] = torch.tensor(list(prefix_lens), dtype=torch.int32)
-        b.prefix_lens.copy_(lens)
+              prefix_lens: Sequence[int], page_ids: Sequence[Sequence[int]]) -> None:
+        """Pad the trees on the host, then two copies: the int64 inputs and the used page columns."""
+        if b.copied is not None:
+            b.copied.synchronize()   # the previous step's copy has left the host twin
+        tok, par, dep, rows, lens = b.views(b.host)
+        sizes_t = torch.tensor(list(sizes), dtype=torch.int64)
+        R, N = len(sizes), int(sizes_t.sum())
+        starts = torch.cumsum(sizes_t, 0) - sizes_t                                            # [R]
+        local = torch.arange(N) - torch.repeat_interleave(starts, sizes_t)                     # [N] node in tree
+        rows[:N] = torch.repeat_interleave(torch.arange(R) * b.nodes, sizes_t) + local
+        tok.fill_(0).view(-1)[rows[:N]] = tokens
+        par.fill_(-1).view(-1)[rows[:N]] = parents
+        dep.fill_(0).view(-1)[rows[:N]] = depths
+        lens.zero_()[:R] = torch.tensor(list(prefix_lens), dtype=torch.int64)
+        b.inputs.copy_(b.host, non_blocking=True)
         used = max(1, max(len(p) for p in page_ids))
         table = torch.zeros(b.batch, used, dtype=torch.int32)   # only a request's first pages are read
         for r, pages in enumerate(page_ids):
             table[r, :len(pages)] = torch.tensor(list(pages), dtype=torch.int32)
         b.page_table[:, :used].copy_(table)
-        return rows
+        if self.capture:
+            b.copied = torch.cuda.Event()
+            b.copied.record()
 
     # ---- the padded forward --------------------------------------------------------------------
     def _bucket(self, batch: int, nodes: int) -> _Bucket:
         key = (batch, nodes)
         if key not in self._buckets:
-            dev = self.device
-
-            def ints(*shape: int, fill: int = 0, dtype: torch.dtype = torch.int64) -> Tensor:
-                return torch.full(shape, fill, dtype=dtype, device=dev)
-
-            self._buckets[key] = _Bucket(
-                batch, nodes, tokens=ints(batch, nodes), parents=ints(batch, nodes, fill=-1),
-                depths=ints(batch, nodes), prefix_lens=ints(batch, dtype=torch.int32),
-                page_table=ints(batch, self.max_pages, dtype=torch.int32),
-                query_starts=(torch.arange(batch + 1, dtype=torch.int32) * nodes).to(dev))
+            size = 4 * batch * nodes + batch
+            host = torch.zeros(size, dtype=torch.int64, pin_memory=self.capture)
+            b = _Bucket(
+                batch, nodes, inputs=torch.zeros(size, dtype=torch.int64, device=self.device), host=host,
+                page_table=torch.zeros(batch, self.max_pages, dtype=torch.int32, device=self.device),
+                query_starts=(torch.arange(batch + 1, dtype=torch.int32) * nodes).to(self.device))
+            b.views(b.host)[1].fill_(-1)
+            b.inputs.copy_(b.host)   # a valid all-padding batch until the first load
+            self._buckets[key] = b
         return self._buckets[key]
 
     def _forward(self, b: _Bucket) -> ForwardOutput:
         """Everything from the static inputs: no host sync, so it can be captured."""
+        tokens, parents, depths, _, prefix_lens = b.views(b.inputs)
         words = max(1, -(-b.nodes // 32))
-        bits = pack_ancestor_bits(ancestor_mask(b.parents), words)   # [B, T, words]
-        positions = b.prefix_lens.to(torch.int64)[:, None] + b.depths   # [B, T]
+        bits = pack_ancestor_bits(ancestor_mask(parents), words)   # [B, T, words]
+        positions = prefix_lens[:, None] + depths   # [B, T]
         meta = TreeAttentionDeviceMetadata(
-            query_starts=b.query_starts, prefix_lens=b.prefix_lens, page_table=b.page_table,
+            query_starts=b.query_starts, prefix_lens=prefix_lens.to(torch.int32), page_table=b.page_table,
             ancestor_bits=bits.view(b.batch * b.nodes, words), max_nodes=b.nodes)
-        batch = ForwardBatch(input_ids=b.tokens.view(-1), positions=positions.view(-1), attn=meta)
+        batch = ForwardBatch(input_ids=tokens.reshape(-1), positions=positions.reshape(-1), attn=meta)
         return self.model(batch, self.cache, feature_layers=self.feature_layers)
 
     def _capture(self, b: _Bucket) -> None:
