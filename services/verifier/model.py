@@ -20,7 +20,7 @@ from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata,
 from services.common.checkpoint import CheckpointError, load_tensors, read_config, tensor_index
 from services.verifier.config import TargetConfig
 from services.verifier.kv_cache import PagedKVCache
-from services.verifier.moe import MLPWeights, MoEWeights, mlp_forward, moe_forward
+from services.verifier.moe import MLPWeights, MoEWeights, mlp_forward, moe_forward, uses_fused_kernel
 from services.verifier.parallel import TensorParallel, load_rank_slice
 from services.verifier.rope import RotaryTable, apply_rope_interleaved, softmax_scale
 
@@ -241,6 +241,14 @@ class TargetModel(torch.nn.Module):
             self.layers.append(
                 DecoderLayerWeights(w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight"), attn, mlp, moe)
             )
+
+    @property
+    def capturable(self) -> bool:
+        """Whether ``forward`` can be captured in a CUDA graph: on CUDA with every MoE layer on the
+        fused INT4 kernel (the torch expert loop reads expert counts on the host)."""
+        return self.device.type == "cuda" and all(
+            uses_fused_kernel(self.device, self.dtype, layer.moe.int4 is not None)
+            for layer in self.layers if layer.moe is not None)
 
     @classmethod
     def load(cls, path: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
