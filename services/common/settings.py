@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ __all__ = [
     "DraftSettings",
     "VerifierSettings",
     "load_settings",
+    "is_device",
     "MAX_BUDGET",
 ]
 
@@ -37,6 +39,15 @@ def _check(ok: bool, name: str, message: str) -> None:
         raise SettingsError(f"{name}: {message}")
 
 
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def is_device(text: str) -> bool:
+    """`cpu`, `cuda` (the current GPU) or `cuda:N`; checked here so a typo fails at start-up with the
+    setting's name, not deep inside torch after the weights are loaded."""
+    return _DEVICE.fullmatch(text) is not None
+
+
 @dataclass(frozen=True)
 class SchedulerSettings:
     """The public API process: batching, admission, streaming, detokenizing."""
@@ -47,6 +58,7 @@ class SchedulerSettings:
     tokenizer_path: str = "models/demo"
     max_queue: int = 256            # waiting requests beyond this are rejected (RESOURCE_EXHAUSTED)
     max_batch: int = 64             # requests decoded together in one step
+    max_prefill_tokens: int = 8192  # prompt tokens admitted per step (one longer prompt still goes alone)
     default_budget: int = 16
     default_mode: str = "ddtree"
     max_tokens_limit: int = 4096    # the largest max_tokens a request may ask for
@@ -66,6 +78,7 @@ class SchedulerSettings:
         _check(len(self.draft_addresses) > 0, "scheduler.draft_addresses", "needs at least one address")
         _check(self.max_queue > 0, "scheduler.max_queue", "must be > 0")
         _check(self.max_batch > 0, "scheduler.max_batch", "must be > 0")
+        _check(self.max_prefill_tokens > 0, "scheduler.max_prefill_tokens", "must be > 0")
         _check(1 <= self.default_budget <= MAX_BUDGET, "scheduler.default_budget", f"must be in 1..{MAX_BUDGET}")
         _check(self.default_mode in ("ddtree", "autoregressive"), "scheduler.default_mode",
                "must be 'ddtree' or 'autoregressive'")
@@ -102,6 +115,7 @@ class DraftSettings:
         _check(self.ring_slots >= 2, "draft.ring_slots", "must be >= 2")
         _check(self.ring_slot_bytes >= 4096, "draft.ring_slot_bytes", "must be >= 4096")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "draft.dtype", "must be float32, bfloat16 or float16")
+        _check(is_device(self.device), "draft.device", f"{self.device!r} is not cpu, cuda or cuda:N")
 
 
 @dataclass(frozen=True)
@@ -141,6 +155,7 @@ class VerifierSettings:
         _check(self.ring_slots >= 2, "verifier.ring_slots", "must be >= 2")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "verifier.dtype",
                "must be float32, bfloat16 or float16")
+        _check(is_device(self.device), "verifier.device", f"{self.device!r} is not cpu, cuda or cuda:N")
 
 
 S = TypeVar("S", SchedulerSettings, DraftSettings, VerifierSettings)

@@ -144,11 +144,16 @@ class StepLoop:
         self._wake.set()
 
     def _schedule(self) -> list[draft_pb2.StepItem]:
-        """All running requests, then admissions in arrival order while batch and KV allow."""
+        """All running requests, then admissions in arrival order while batch, KV and the step's
+        prefill budget allow (a burst of long prompts is spread over steps: one step's prefill
+        features and time stay bounded, and running requests keep decoding between them)."""
         items = [draft_pb2.StepItem(request_id=r.request_id, budget=r.budget) for r in self.running.values()]
+        prefill = 0
         while self.waiting and len(items) < self.settings.max_batch and \
-                self.kv.reserved + self.waiting[0].kv_tokens <= self.kv.capacity:
+                self.kv.reserved + self.waiting[0].kv_tokens <= self.kv.capacity and \
+                (prefill == 0 or prefill + len(self.waiting[0].prompt_ids) <= self.settings.max_prefill_tokens):
             req = self.waiting.popleft()
+            prefill += len(req.prompt_ids)
             self.running[req.request_id] = req
             self.kv.reserved += req.kv_tokens
             items.append(draft_pb2.StepItem(
