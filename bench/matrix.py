@@ -3,28 +3,43 @@
 For each context length x concurrency x mode (autoregressive, DDTree at each budget) it sends
 `concurrency` requests of `context` prompt tokens at once, `max_tokens` each, and reports aggregate
 and per-request tokens/s, p50/p99 time per output token, time to first token, mean acceptance, the
-step-time split from the services' Prometheus pages (when their metrics ports are given) and GPU
-power/utilisation sampled through NVML (when there is a GPU). Writes JSON (TARGETS.md schema) and
-a PNG plot.
+step-time split from the draft's Prometheus page (when its metrics port is given) and GPU
+power/utilisation (NVML, else `nvidia-smi`, when there is a GPU). Writes JSON (TARGETS.md schema)
+after every cell, so a run cut short still leaves its rows, and a PNG plot at the end.
+
+Every cell is bounded (`cell_timeout_s`: its streams are cancelled, which aborts the requests, and
+the row says `timed_out` with what arrived by then), and the whole run can be (`time_budget_s`:
+cells not started by then are recorded as `skipped`), so one stuck cell never eats a GPU lease.
+`stack_spec` sizes a stack so that no cell of the matrix is queued or rejected (`ddtree bench
+--spawn-stack`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import statistics
+import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from bench.common import git_commit
-from services.scheduler.client import AsyncClient
+from ddtree.v1 import common_pb2
+from services.common.launcher import StackSpec, free_port
+from services.scheduler.client import AsyncClient, ClientError
 
-__all__ = ["MatrixParams", "run_matrix", "write_results"]
+__all__ = ["MatrixParams", "Cell", "cell_plan", "run_matrix", "write_results", "stack_spec", "check_fits",
+           "load_token_stream"]
+
+ROW_KEYS = ("context", "concurrency", "mode", "budget", "agg_tok_s", "per_req_tok_s", "p50_tpot_ms", "p99_tpot_ms",
+            "ttft_ms", "mean_acceptance", "power_w")
 
 
 @dataclass
@@ -36,39 +51,53 @@ class MatrixParams:
     max_tokens: int = 512
     temperature: float = 0.0
     draft_metrics: str = ""        # host:port of the draft's /metrics, for the step-time split
-    vocab_low: int = 2             # prompt token ids are drawn from [vocab_low, vocab_high)
+    vocab_low: int = 2             # synthetic prompt ids are drawn from [vocab_low, vocab_high)
     vocab_high: int = 256
     seed: int = 0
+    prompt_file: str = ""          # JSON {"prompts": [{"ids": [...]}, ...]}: prompts are cut from these tokens
+    cell_timeout_s: float = 300.0  # a cell still running after this is cancelled and marked timed_out
+    time_budget_s: float = 0.0     # 0 = unbounded; cells not started within it are recorded as skipped
+    warmup_tokens: int = 8         # per (context, mode) warm-up request pair before the matrix; 0 = none
 
 
+@dataclass(frozen=True)
+class Cell:
+    context: int
+    concurrency: int
+    mode: str          # "autoregressive" | "ddtree"
+    budget: int        # 0 for autoregressive
+
+
+def cell_plan(p: MatrixParams) -> list[Cell]:
+    """Context, then concurrency, then AR and each budget: a run cut short by its time budget still
+    holds complete AR-vs-DDTree comparisons for the (context, concurrency) points it reached."""
+    modes = [("autoregressive", 0)] + [("ddtree", b) for b in p.budgets]
+    return [Cell(ctx, conc, mode, b) for ctx in p.contexts for conc in p.concurrencies for mode, b in modes]
+
+
+# ---- power ------------------------------------------------------------------------------------
 class PowerSampler:
-    """Samples GPU power (W) and utilisation (%) every 100 ms through NVML, if there is a GPU."""
+    """GPU power (W) and utilisation (%) every 100 ms while a cell runs: NVML when the bindings are
+    installed, else `nvidia-smi` (the GPU image may lack pynvml), else nothing (no GPU)."""
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-            self._nvml = pynvml
-        except Exception:  # noqa: BLE001 - no NVML, no GPU: power is simply not reported
-            self._handles = []
-            self._nvml = None
+        self._read: Callable[[], tuple[float, float]] | None = _nvml_reader() or _smi_reader()
 
     def __enter__(self) -> PowerSampler:
-        if self._handles:
+        if self._read is not None:
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
         return self
 
     def _run(self) -> None:
-        nv = self._nvml
         while not self._stop.is_set():
-            power = sum(nv.nvmlDeviceGetPowerUsage(h) for h in self._handles) / 1000.0
-            util = statistics.mean(nv.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles)
-            self.samples.append((power, util))
+            try:
+                self.samples.append(self._read())
+            except Exception:  # noqa: BLE001 - a failed reading leaves power unreported, never the cell
+                return
             self._stop.wait(0.1)
 
     def __exit__(self, *exc: object) -> None:
@@ -82,11 +111,48 @@ class PowerSampler:
         return statistics.mean(p for p, _ in self.samples), statistics.mean(u for _, u in self.samples)
 
 
+def _nvml_reader() -> Callable[[], tuple[float, float]] | None:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    except Exception:  # noqa: BLE001 - no bindings or no driver
+        return None
+    if not handles:
+        return None
+
+    def read() -> tuple[float, float]:
+        power = sum(pynvml.nvmlDeviceGetPowerUsage(h) for h in handles) / 1000.0
+        return power, statistics.mean(pynvml.nvmlDeviceGetUtilizationRates(h).gpu for h in handles)
+    return read
+
+
+def _smi_reader() -> Callable[[], tuple[float, float]] | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    cmd = [exe, "--query-gpu=power.draw,utilization.gpu", "--format=csv,noheader,nounits"]
+
+    def read() -> tuple[float, float]:
+        lines = subprocess.run(cmd, capture_output=True, text=True, timeout=5, check=True).stdout.split("\n")
+        vals = [[float(v) for v in line.split(",")] for line in lines if line.strip()]
+        return sum(v[0] for v in vals), statistics.mean(v[1] for v in vals)
+    try:
+        read()
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+    return read
+
+
+# ---- the stack's own numbers --------------------------------------------------------------------
 def _stage_totals(metrics_address: str) -> dict[str, tuple[float, float]]:
-    """(sum_ms, count) per stage from a /metrics page."""
+    """(sum_ms, count) per stage from a /metrics page; {} when there is none or it does not answer."""
     if not metrics_address:
         return {}
-    page = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read().decode()
+    try:
+        page = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read().decode()
+    except OSError:
+        return {}
     out: dict[str, list[float]] = {}
     for line in page.splitlines():
         for kind in ("sum", "count"):
@@ -97,65 +163,213 @@ def _stage_totals(metrics_address: str) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def _prompt(context: int, index: int, p: MatrixParams) -> list[int]:
+def _split(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float | None]:
+    split: dict[str, float | None] = {}
+    for stage, (s1, n1) in after.items():
+        s0, n0 = before.get(stage, (0.0, 0.0))
+        split[f"{stage}_ms"] = (s1 - s0) / (n1 - n0) if n1 > n0 else None
+    return split
+
+
+# ---- prompts ----------------------------------------------------------------------------------
+def load_token_stream(path: str | Path) -> list[int]:
+    """All prompts' token ids of a prompt file, concatenated: real text to cut contexts from, so
+    acceptance is measured on the kind of input the drafter was trained for."""
+    doc = json.loads(Path(path).read_text())
+    stream = [int(t) for item in doc["prompts"] for t in item["ids"]]
+    if not stream:
+        raise ValueError(f"{path}: no token ids in 'prompts'")
+    return stream
+
+
+def _prompt(context: int, index: int, p: MatrixParams, stream: list[int] | None) -> list[int]:
+    """Request `index`'s prompt: `context` tokens of the stream (cycling) from an offset of its own,
+    or a synthetic pattern without a prompt file. Distinct per request so no two share a prefix."""
+    if stream:
+        start = (p.seed * 7919 + index * 997) % len(stream)
+        return [stream[(start + i) % len(stream)] for i in range(context)]
     span = p.vocab_high - p.vocab_low
     return [p.vocab_low + (p.seed * 7919 + index * 104729 + 31 * i * i + 17 * i) % span for i in range(context)]
 
 
-async def _one_cell(p: MatrixParams, context: int, concurrency: int, mode: str, budget: int) -> dict:
-    async with AsyncClient(p.address) as client:
-        async def one(i: int) -> dict:
-            start = time.perf_counter()
-            first = None
-            stamps: list[tuple[float, int]] = []
-            acc: list[int] = []
-            async for chunk in client.stream(_prompt(context, i, p), max_tokens=p.max_tokens,
-                                             temperature=p.temperature, seed=p.seed + i, budget=budget,
-                                             mode=mode, ignore_eos=True):
-                now = time.perf_counter()
-                first = first if first is not None else now
-                stamps.append((now, len(chunk.token_ids)))
-                acc += chunk.acceptance_lengths
-            tokens = sum(n for _, n in stamps)
-            end = stamps[-1][0]
-            tpot = (end - first) / max(1, tokens - 1)
-            return {"ttft": first - start, "tokens": tokens, "seconds": end - start, "tpot": tpot, "acc": acc}
+# ---- one cell ---------------------------------------------------------------------------------
+@dataclass
+class _Trace:
+    """What one request's stream delivered, updated as chunks arrive (so a cancelled cell still
+    has everything that came before the cancellation)."""
 
+    start: float
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+    acceptance: list[int] = field(default_factory=list)
+    done: bool = False
+    error: str | None = None
+
+
+async def _stream_one(client: AsyncClient, prompt: list[int], cell: Cell, max_tokens: int, p: MatrixParams,
+                      seed: int, trace: _Trace) -> None:
+    try:
+        async for chunk in client.stream(prompt, max_tokens=max_tokens, temperature=p.temperature, seed=seed,
+                                         budget=cell.budget, mode=cell.mode, ignore_eos=True):
+            now = time.perf_counter()
+            trace.first = trace.first if trace.first is not None else now
+            trace.last = now
+            trace.tokens += len(chunk.token_ids)
+            trace.acceptance += chunk.acceptance_lengths
+        trace.done = True
+    except ClientError as exc:
+        trace.error = f"{exc.code.name}: {exc.message}"
+
+
+async def _run_cell(p: MatrixParams, cell: Cell, max_tokens: int, stream: list[int] | None,
+                    timeout_s: float) -> dict:
+    """All `concurrency` requests at once, bounded by `timeout_s`."""
+    async with AsyncClient(p.address) as client:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(i) for i in range(concurrency)))
+        traces = [_Trace(start=t0) for _ in range(cell.concurrency)]
+        jobs = [_stream_one(client, _prompt(cell.context, i, p, stream), cell, max_tokens, p, p.seed + i, traces[i])
+                for i in range(cell.concurrency)]
+        timed_out = False
+        try:
+            await asyncio.wait_for(asyncio.gather(*jobs), timeout=timeout_s)
+        except asyncio.TimeoutError:
+            timed_out = True   # the streams are cancelled: the scheduler aborts their requests
         wall = time.perf_counter() - t0
-    tpots = sorted(r["tpot"] for r in results)
-    acc = [a for r in results for a in r["acc"]]
+    return _cell_stats(traces, wall, timed_out)
+
+
+def _cell_stats(traces: list[_Trace], wall: float, timed_out: bool) -> dict:
+    """Row figures from the traces, partial ones included; None where nothing was measured.
+
+    TPOT = (last token - first token) / (tokens - 1) of one request: decode speed without prefill.
+    """
+    tokens = sum(t.tokens for t in traces)
+    per_req = [t.tokens / (t.last - t.start) for t in traces if t.last is not None and t.last > t.start]
+    tpots = sorted((t.last - t.first) / (t.tokens - 1) for t in traces
+                   if t.first is not None and t.last is not None and t.tokens > 1)
+    ttfts = [t.first - t.start for t in traces if t.first is not None]
+    acc = [a for t in traces for a in t.acceptance]
+    errors = [t.error for t in traces if t.error]
+    status = "timed_out" if timed_out else "error" if errors else "ok"
     return {
-        "agg_tok_s": sum(r["tokens"] for r in results) / wall,
-        "per_req_tok_s": statistics.mean(r["tokens"] / r["seconds"] for r in results),
-        "p50_tpot_ms": 1e3 * tpots[len(tpots) // 2],
-        "p99_tpot_ms": 1e3 * tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))],
-        "ttft_ms": 1e3 * statistics.mean(r["ttft"] for r in results),
-        "mean_acceptance": statistics.mean(acc) if acc else 0.0,
+        "agg_tok_s": tokens / wall if wall > 0 else None,
+        "per_req_tok_s": statistics.mean(per_req) if per_req else None,
+        "p50_tpot_ms": 1e3 * tpots[len(tpots) // 2] if tpots else None,
+        "p99_tpot_ms": 1e3 * tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))] if tpots else None,
+        "ttft_ms": 1e3 * statistics.mean(ttfts) if ttfts else None,
+        "mean_acceptance": statistics.mean(acc) if acc else None,
         "wall_s": wall,
+        "tokens": tokens,
+        "completed": sum(t.done for t in traces),
+        "status": status,
+        "error": errors[0] if errors else None,
     }
 
 
-def run_matrix(p: MatrixParams, progress: bool = True) -> list[dict]:
-    cells = [(ctx, conc, "autoregressive", 0) for ctx in p.contexts for conc in p.concurrencies]
-    cells += [(ctx, conc, "ddtree", b) for ctx in p.contexts for conc in p.concurrencies for b in p.budgets]
-    rows = []
-    for ctx, conc, mode, budget in tqdm(cells, desc="bench", disable=not progress):
-        before = _stage_totals(p.draft_metrics)
-        with PowerSampler() as power:
-            row = asyncio.run(_one_cell(p, ctx, conc, mode, budget))
-        after = _stage_totals(p.draft_metrics)
-        split = {}
-        for stage, (s1, n1) in after.items():
-            s0, n0 = before.get(stage, (0.0, 0.0))
-            split[f"{stage}_ms"] = (s1 - s0) / (n1 - n0) if n1 > n0 else None
-        watts, util = power.mean()
-        rows.append({"context": ctx, "concurrency": conc, "mode": mode, "budget": budget or None, **row,
-                     "step_split_ms": split, "power_w": watts, "gpu_util": util})
+def _empty_row(cell: Cell, status: str) -> dict:
+    row = {k: None for k in ROW_KEYS}
+    row.update(context=cell.context, concurrency=cell.concurrency, mode=cell.mode, budget=cell.budget or None,
+               status=status, tokens=0, completed=0)
+    return row
+
+
+# ---- the matrix ---------------------------------------------------------------------------------
+def _warm_up(p: MatrixParams, stream: list[int] | None, deadline: float) -> None:
+    """Two short requests per (context, mode) before anything is timed: kernels compile on first
+    use per shape and budget, and that belongs to no cell."""
+    if p.warmup_tokens <= 0:
+        return
+    cells = dict.fromkeys(Cell(c.context, min(2, max(p.concurrencies)), c.mode, c.budget) for c in cell_plan(p))
+    for cell in cells:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        asyncio.run(_run_cell(p, cell, p.warmup_tokens, stream, min(p.cell_timeout_s, left)))
+
+
+def run_matrix(p: MatrixParams, progress: bool = True,
+               on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Runs every cell of `cell_plan(p)`; `on_row(rows)` after each (incremental result files)."""
+    deadline = time.monotonic() + p.time_budget_s if p.time_budget_s > 0 else float("inf")
+    stream = load_token_stream(p.prompt_file) if p.prompt_file else None
+    rows: list[dict] = []
+    _warm_up(p, stream, deadline)
+    for cell in tqdm(cell_plan(p), desc="bench", disable=not progress):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            rows.append(_empty_row(cell, "skipped"))
+        else:
+            before = _stage_totals(p.draft_metrics)
+            with PowerSampler() as power:   # the last cell is cut at the deadline, so the run ends by it
+                stats = asyncio.run(_run_cell(p, cell, p.max_tokens, stream, min(p.cell_timeout_s, left)))
+            watts, util = power.mean()
+            rows.append({"context": cell.context, "concurrency": cell.concurrency, "mode": cell.mode,
+                         "budget": cell.budget or None, **stats,
+                         "step_split_ms": _split(before, _stage_totals(p.draft_metrics)),
+                         "power_w": watts, "gpu_util": util})
+            if stats["status"] == "timed_out":
+                time.sleep(1.0)   # let the scheduler retire the aborted requests before the next cell
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
+# ---- sizing a stack for the matrix --------------------------------------------------------------
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _kv_tokens_per_request(p: MatrixParams, block_size: int, page_size: int) -> int:
+    """What the scheduler reserves for the largest request (prompt + output + one block), rounded up
+    to whole pages as the verifier's cache hands them out."""
+    need = max(p.contexts) + p.max_tokens + block_size
+    return -(-need // page_size) * page_size
+
+
+def stack_spec(p: MatrixParams, model: str, device: str, dtype: str, log_path: str | None = None,
+               page_size: int = 16) -> tuple[StackSpec, str]:
+    """A stack that runs every cell unqueued: batch and queue hold the largest concurrency, the KV
+    cache all its requests at the largest context, and the verifier's shared-buffer slots the
+    features of one step that prefills all of them at once (a slot too small falls back to inline
+    gRPC bytes, which stop at 64 MB). Returns the spec and the draft's metrics address."""
+    from services.draft.config import DraftConfig
+
+    drafter = DraftConfig.from_hf(json.loads((Path(model) / "drafter" / "config.json").read_text()))
+    conc = max(p.concurrencies)
+    kv_tokens = conc * _kv_tokens_per_request(p, drafter.block_size, page_size)
+    feature_bytes = conc * max(p.contexts) * drafter.num_features * _ITEMSIZE[dtype]
+    metrics_port = free_port()
+    env = {
+        "DDTREE_VERIFIER_DEVICE": device, "DDTREE_DRAFT_DEVICE": device,
+        "DDTREE_VERIFIER_DTYPE": dtype, "DDTREE_DRAFT_DTYPE": dtype,
+        "DDTREE_VERIFIER_PAGE_SIZE": str(page_size),
+        "DDTREE_VERIFIER_KV_CAPACITY_TOKENS": str(kv_tokens),
+        "DDTREE_VERIFIER_RING_SLOT_BYTES": str(max(8 << 20, feature_bytes + (1 << 20))),
+        "DDTREE_SCHEDULER_MAX_BATCH": str(conc),
+        "DDTREE_SCHEDULER_MAX_QUEUE": str(max(256, 2 * conc)),
+        "DDTREE_SCHEDULER_STEP_TIMEOUT_S": str(max(60.0, p.cell_timeout_s)),
+        "DDTREE_DRAFT_METRICS_PORT": str(metrics_port),
+        "DDTREE_DRAFT_WARMUP_BUDGETS": ",".join(str(b) for b in p.budgets) or "8",
+    }
+    spec = StackSpec(model_path=model, scheduler_port=0, extra_env=env, startup_timeout_s=300.0, log_path=log_path)
+    return spec, f"127.0.0.1:{metrics_port}"
+
+
+def check_fits(info: common_pb2.ModelInfo, p: MatrixParams) -> None:
+    """Raises ValueError unless the largest request fits the model's context and the largest
+    concurrency fits the KV cache (otherwise the scheduler would shorten outputs or queue)."""
+    longest = max(p.contexts) + p.max_tokens
+    if longest > info.max_context - info.block_size:
+        raise ValueError(f"context {max(p.contexts)} + {p.max_tokens} new tokens needs {longest + info.block_size} "
+                         f"positions; the model has {info.max_context}")
+    per_req = _kv_tokens_per_request(p, info.block_size, max(1, info.kv_page_size))
+    need = max(p.concurrencies) * per_req
+    if need > info.kv_capacity_tokens:
+        raise ValueError(f"{max(p.concurrencies)} requests of {per_req} KV tokens need {need}; the cache holds "
+                         f"{info.kv_capacity_tokens} (raise verifier.kv_capacity_tokens)")
+
+
+# ---- results ----------------------------------------------------------------------------------
 def _gpu_name() -> str:
     try:
         import torch
@@ -165,13 +379,18 @@ def _gpu_name() -> str:
 
 
 def write_results(rows: list[dict], params: MatrixParams, out_json: Path, name: str = "matrix-demo",
-                  copy_gbps: float | None = None) -> None:
+                  copy_gbps: float | None = None, commit: str | None = None, extra: dict | None = None,
+                  plot: bool = True) -> None:
+    """The TARGETS.md result file; `extra` goes into params (how the stack was configured)."""
     out_json = Path(out_json)
     out_json.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"benchmark": name, "commit": git_commit(), "gpu": _gpu_name(), "copy_gbps": copy_gbps,
-           "params": asdict(params), "rows": rows}
-    out_json.write_text(json.dumps(doc, indent=2))
-    _plot(rows, out_json.with_suffix(".png"))
+    doc = {"benchmark": name, "commit": git_commit(commit), "gpu": _gpu_name(), "copy_gbps": copy_gbps,
+           "params": {**asdict(params), **(extra or {})}, "rows": rows}
+    tmp = out_json.with_suffix(".json.part")
+    tmp.write_text(json.dumps(doc, indent=2))
+    tmp.replace(out_json)   # a reader (or a kill) never sees half a file
+    if plot:
+        _plot(rows, out_json.with_suffix(".png"))
 
 
 def _plot(rows: list[dict], path: Path) -> None:
@@ -181,7 +400,10 @@ def _plot(rows: list[dict], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    rows = [r for r in rows if r.get("agg_tok_s") is not None]
     contexts = sorted({r["context"] for r in rows})
+    if not contexts:
+        return
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4), squeeze=False)
     for ax, ctx in zip(axes[0], contexts):
         series: dict[str, list[tuple[int, float]]] = {}

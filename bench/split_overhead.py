@@ -4,20 +4,31 @@ In-process: the verifier engine and the DFlash proposer called directly, the tre
 no gRPC and no shared buffers. Three-process: `Stack` through the client SDK. Same model, prompts,
 budget and greedy decoding; the outputs must match token for token. Also reports which transport
 the stack negotiated. Writes bench/results/split-overhead.json (TARGETS.md schema).
+
+Fairness: both sides are warmed the same way before anything is timed (one request on the first
+prompt, `--warmup-tokens` tokens, same budget: it compiles the per-budget tree kernel and the
+verifier's kernels), and both are timed the same way: a request's wall time from sending it to
+its last token, tok_s = tokens / wall over all prompts; step_ms = (wall - time to first token) /
+verify steps, the steps counted from the acceptance lengths each side reports. The two sides run
+alternately, `--reps` passes each, and each figure is the median pass, so drift (clocks, other
+load) falls on both alike. ratio = three_process tok_s / in_process tok_s (T-split: >= 0.95).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import tempfile
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from bench.common import git_commit
-
+from bench.common import git_commit, measure_copy_gbps
 from services.common.launcher import Stack, StackSpec
 from services.common.make_checkpoint import make_random_checkpoint
 from services.common.settings import VerifierSettings
@@ -29,25 +40,56 @@ from services.verifier.engine import PrefillInput
 from services.verifier.sampling import Sampling
 from services.verifier.server import build_engine
 
+__all__ = ["Run", "InProcess", "ThreeProcess", "summarise", "main"]
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEMO = Path("models/demo")
+PROMPT_TOKENS = 24   # synthetic prompts (random checkpoint); the demo model uses its held-out prompts
 
 
-def in_process(model: Path, device: str, dtype: str, prompts: list[list[int]], max_tokens: int,
-               budget: int) -> tuple[list[list[int]], float, float]:
-    """Greedy DDTree with direct calls; returns outputs, tok/s and mean step ms."""
-    engine = build_engine(VerifierSettings(model_path=str(model), device=device, dtype=dtype))  # 1 CPU thread, as the stack
-    drafter = DFlashDrafter.load(model / "drafter", model, dtype=DTYPES[dtype], device=device)
-    proposer = DFlashProposer(drafter)
-    engine.set_feature_layers(proposer.target_layer_ids)
-    outs, tokens, steps, seconds = [], 0, 0, 0.0
-    for i, prompt in enumerate(prompts):
-        rid = f"r{i}"
-        proposer.start(rid, prompt)
+@dataclass
+class Run:
+    """One request, timed the same way on both sides."""
+
+    tokens: list[int]
+    seconds: float    # request sent -> last token
+    first_s: float    # request sent -> first token (the prefill's)
+    steps: int        # verify steps after the first token
+
+
+def summarise(runs: Sequence[Run]) -> dict[str, float]:
+    """tok_s over whole requests, and the decode part alone (after the first token)."""
+    seconds = sum(r.seconds for r in runs)
+    decode = sum(r.seconds - r.first_s for r in runs)
+    steps = sum(r.steps for r in runs)
+    return {"tok_s": sum(len(r.tokens) for r in runs) / seconds,
+            "decode_tok_s": sum(len(r.tokens) - 1 for r in runs) / decode if decode > 0 else 0.0,
+            "step_ms": 1e3 * decode / max(1, steps),
+            "mean_acceptance": (sum(len(r.tokens) - 1 for r in runs) / steps) if steps else 0.0}
+
+
+class InProcess:
+    """Greedy DDTree with direct calls: the engine, the proposer and `build_trees`, nothing between."""
+
+    def __init__(self, model: Path, device: str, dtype: str) -> None:
+        # One CPU thread, as each service of the stack has.
+        self.engine = build_engine(VerifierSettings(model_path=str(model), device=device, dtype=dtype))
+        drafter = DFlashDrafter.load(model / "drafter", model, dtype=DTYPES[dtype], device=device)
+        self.proposer = DFlashProposer(drafter)
+        self.engine.set_feature_layers(self.proposer.target_layer_ids)
+        self.device = device
+        self._ids = itertools.count()
+
+    def generate(self, prompt: list[int], max_tokens: int, budget: int) -> Run:
+        rid = f"r{next(self._ids)}"
+        engine, proposer, device = self.engine, self.proposer, self.device
         t0 = time.perf_counter()
-        pre = engine.prefill([PrefillInput(rid, prompt, Sampling(), len(prompt) + max_tokens + 16)])
+        proposer.start(rid, prompt)
+        pre = engine.prefill([PrefillInput(rid, prompt, Sampling(), len(prompt) + max_tokens + proposer.block_size)])
         proposer.commit(rid, prompt, pre.features)
-        out = list(pre.items[0].tokens)
-        pending = out[-1]
+        out = list(pre.items[0].tokens)            # a host list: the first token is really there
+        first = time.perf_counter() - t0
+        pending, steps = out[-1], 0
         while len(out) < max_tokens:
             bonus = torch.tensor([pending], device=device)
             logprobs = proposer.propose([rid], bonus)                                  # [1, B-1, V]
@@ -62,55 +104,106 @@ def in_process(model: Path, device: str, dtype: str, prompts: list[list[int]], m
             steps += 1
         if device.startswith("cuda"):
             torch.cuda.synchronize()
-        seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
         engine.release([rid])
         proposer.drop(rid)
-        outs.append(out[:max_tokens])
-        tokens += max_tokens
-    return outs, tokens / seconds, 1e3 * seconds / max(1, steps)
+        return Run(out[:max_tokens], seconds, first, steps)
 
 
-def three_process(model: Path, device: str, dtype: str, prompts: list[list[int]], max_tokens: int,
-                  budget: int) -> tuple[list[list[int]], float, str]:
-    env = {f"DDTREE_{s}_DEVICE": device for s in ("VERIFIER", "DRAFT")}
-    env.update({f"DDTREE_{s}_DTYPE": dtype for s in ("VERIFIER", "DRAFT")})
-    with Stack(StackSpec(model_path=str(model), scheduler_port=0, extra_env=env)) as stack, \
-            Client(stack.scheduler_address) as c:
-        transport = c.model_info().transport
-        c.generate(prompts[0], max_tokens=8, budget=budget, ignore_eos=True)   # warm-up
+class ThreeProcess:
+    """The stack through the client SDK; streaming, so the first token's arrival is seen."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    def generate(self, prompt: list[int], max_tokens: int, budget: int) -> Run:
         t0 = time.perf_counter()
-        outs = [c.generate(p, max_tokens=max_tokens, budget=budget, ignore_eos=True).token_ids for p in prompts]
-        seconds = time.perf_counter() - t0
-    return outs, len(prompts) * max_tokens / seconds, transport
+        first, tokens, steps = None, [], 0
+        for chunk in self.client.stream(prompt, max_tokens=max_tokens, budget=budget, ignore_eos=True):
+            first = first if first is not None else time.perf_counter() - t0
+            tokens += chunk.token_ids
+            steps += len(chunk.acceptance_lengths)   # one per verify step; the prefill reports none
+        return Run(tokens, time.perf_counter() - t0, first or 0.0, steps)
+
+
+Generate = Callable[[list[int], int, int], Run]
+
+
+def passes(sides: dict[str, Generate], prompts: list[list[int]], max_tokens: int, budget: int, reps: int,
+           warmup_tokens: int) -> dict[str, list[list[Run]]]:
+    """Warm each side on the first prompt, then `reps` alternating passes over all prompts."""
+    for gen in sides.values():
+        gen(prompts[0], warmup_tokens, budget)
+    out: dict[str, list[list[Run]]] = {name: [] for name in sides}
+    for _ in range(reps):
+        for name, gen in sides.items():
+            out[name].append([gen(p, max_tokens, budget) for p in prompts])
+    return out
+
+
+def median_pass(runs: list[list[Run]]) -> dict[str, float]:
+    """Each figure is its median over the passes."""
+    per = [summarise(r) for r in runs]
+    return {k: statistics.median(s[k] for s in per) for k in per[0]}
+
+
+def load_prompts(model: Path, count: int) -> list[list[int]]:
+    """The model's held-out prompts when it ships them (demo), else short synthetic ones."""
+    held = model / "heldout_prompts.json"
+    if held.is_file():
+        prompts = [list(p["ids"]) for p in json.loads(held.read_text())["prompts"]][:count]
+        if prompts:
+            return prompts
+    return [[3 + (7 * i + 11 * j) % 200 for j in range(PROMPT_TOKENS)] for i in range(count)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="", help="checkpoint dir (default: a fresh random one)")
+    p.add_argument("--model", default=str(DEMO) if (DEMO / "config.json").is_file() else "",
+                   help="checkpoint dir (default: models/demo when present, else a fresh random one)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--out", default="bench/results/split-overhead.json")
     p.add_argument("--commit", default="")
     args = p.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     model = Path(args.model) if args.model else make_random_checkpoint(Path(tempfile.mkdtemp()) / "ckpt")
-    prompts = [[3 + (7 * i + 11 * j) % 200 for j in range(24)] for i in range(args.prompts)]
-    in_outs, in_tok_s, in_step = in_process(model, args.device, args.dtype, prompts, args.max_tokens, args.budget)
-    st_outs, st_tok_s, transport = three_process(model, args.device, args.dtype, prompts, args.max_tokens,
-                                                 args.budget)
-    same = sum(a == b for a, b in zip(in_outs, st_outs))
-    rows = [{"deployment": "in_process", "concurrency": 1, "step_ms": round(in_step, 3), "tok_s": round(in_tok_s, 2)},
-            {"deployment": "three_process", "concurrency": 1, "step_ms": None, "tok_s": round(st_tok_s, 2),
-             "transport": transport, "identical_outputs": same}]
-    for r in rows:
-        print(r, flush=True)
-    gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
-    commit = git_commit(args.commit)
-    doc = {"benchmark": "split-overhead", "commit": commit or "unknown", "gpu": gpu, "copy_gbps": None,
-           "params": {**{k: v for k, v in vars(args).items() if k not in ("out", "commit")},
-                      "model": args.model or "random"}, "rows": rows}
+    prompts = load_prompts(model, args.prompts)
+    env = {f"DDTREE_{s}_DEVICE": args.device for s in ("VERIFIER", "DRAFT")}
+    env.update({f"DDTREE_{s}_DTYPE": args.dtype for s in ("VERIFIER", "DRAFT")})
+    env["DDTREE_DRAFT_WARMUP_BUDGETS"] = str(args.budget)
+    with Stack(StackSpec(model_path=str(model), scheduler_port=0, extra_env=env, startup_timeout_s=300.0)) as stack, \
+            Client(stack.scheduler_address) as client:
+        transport = client.model_info().transport
+        inproc = InProcess(model, args.device, args.dtype)
+        sides: dict[str, Generate] = {"in_process": inproc.generate, "three_process": ThreeProcess(client).generate}
+        runs = passes(sides, prompts, args.max_tokens, args.budget, args.reps, args.warmup_tokens)
+    same = sum(all(a.tokens == b.tokens for a, b in zip(col_in, col_st))
+               for col_in, col_st in zip(zip(*runs["in_process"]), zip(*runs["three_process"])))
+    stats = {name: median_pass(r) for name, r in runs.items()}
+    base = stats["in_process"]["tok_s"]
+    rows = []
+    for name, s in stats.items():
+        row = {"deployment": name, "concurrency": 1, "step_ms": round(s["step_ms"], 3), "tok_s": round(s["tok_s"], 2),
+               "decode_tok_s": round(s["decode_tok_s"], 2), "mean_acceptance": round(s["mean_acceptance"], 3),
+               "ratio": round(s["tok_s"] / base, 4),
+               "tok_s_passes": [round(summarise(r)["tok_s"], 2) for r in runs[name]]}
+        if name == "three_process":
+            row.update(transport=transport, identical_outputs=same)
+        rows.append(row)
+        print(row, flush=True)
+    on_gpu = args.device.startswith("cuda")
+    gpu = torch.cuda.get_device_name(0) if on_gpu else "cpu"
+    copy_gbps = round(measure_copy_gbps(), 1) if on_gpu else None
+    doc = {"benchmark": "split-overhead", "commit": git_commit(args.commit), "gpu": gpu, "copy_gbps": copy_gbps,
+           "params": {**{k: v for k, v in vars(args).items() if k not in ("out", "commit", "model")},
+                      "model": args.model or "random", "prompt_lengths": [len(q) for q in prompts]},
+           "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2))
 

@@ -6,6 +6,7 @@
     ddtree serve {scheduler,draft,verifier} [--config FILE]  # one service (what `up` and compose run)
     ddtree make-checkpoint DIR [--vocab-size N] [--seed S]   # a small random target + drafter + tokenizer
     ddtree bench [--contexts ...] [--concurrency ...] [--budgets ...] [--out FILE.json]
+                 [--spawn-stack MODEL --device cuda --dtype bfloat16]  # starts and stops its own stack
 """
 
 from __future__ import annotations
@@ -129,18 +130,72 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from bench.matrix import MatrixParams, run_matrix, write_results
+    """The matrix against `--address`, or (`--spawn-stack MODEL`) against a stack started here,
+    sized for the matrix and stopped at the end, also when the run is cut short by SIGTERM."""
+    from contextlib import ExitStack
+
+    from bench.matrix import MatrixParams, check_fits, run_matrix, stack_spec, write_results
+    from services.common.launcher import Stack
+    from services.scheduler.client import Client
 
     params = MatrixParams(address=args.address, contexts=args.contexts, concurrencies=args.concurrency,
                           budgets=args.budgets, max_tokens=args.max_tokens, temperature=args.temperature,
-                          draft_metrics=args.draft_metrics, vocab_high=args.vocab_high)
-    rows = run_matrix(params)
-    write_results(rows, params, Path(args.out), name=Path(args.out).stem)
+                          draft_metrics=args.draft_metrics, vocab_high=args.vocab_high, prompt_file=args.prompt_file,
+                          cell_timeout_s=args.cell_timeout, time_budget_s=args.time_budget,
+                          warmup_tokens=args.warmup_tokens)
+    out = Path(args.out)
+    name = out.stem
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # unwind: stop the stack
+    copy_gbps = _copy_gbps()
+    extra: dict = {}
+    with ExitStack() as scope:
+        if args.spawn_stack:
+            model = args.spawn_stack
+            if not params.prompt_file and (Path(model) / "heldout_prompts.json").is_file():
+                params.prompt_file = str(Path(model) / "heldout_prompts.json")
+            spec, params.draft_metrics = stack_spec(params, model, args.device, args.dtype, args.stack_log)
+            print(f"ddtree bench: starting the stack on {model} ({args.device}, {args.dtype})", file=sys.stderr,
+                  flush=True)
+            stack = scope.enter_context(Stack(spec))
+            params.address = stack.scheduler_address
+            extra = {"stack": {"model": model, "device": args.device, "dtype": args.dtype,
+                               "env": {k: v for k, v in spec.extra_env.items() if "PORT" not in k}}}
+        with Client(params.address, timeout_s=30.0, wait_for_ready=True) as client:
+            info = client.model_info()
+        try:
+            check_fits(info, params)
+        except ValueError as exc:
+            print(f"ddtree bench: {exc}", file=sys.stderr)
+            return 2
+        extra["transport"] = info.transport
+
+        def save(rows: list[dict], plot: bool = False) -> None:
+            write_results(rows, params, out, name=name, copy_gbps=copy_gbps, commit=args.commit,
+                          extra=extra, plot=plot)
+
+        rows = run_matrix(params, on_row=save)
+        save(rows, plot=True)
     for r in rows:
         print(f"ctx={r['context']:>5} C={r['concurrency']:>4} {r['mode']:>14} b={r['budget'] or '-':>3} "
-              f"agg={r['agg_tok_s']:9.1f} tok/s  per-req={r['per_req_tok_s']:8.1f}  "
-              f"p50 tpot={r['p50_tpot_ms']:7.2f} ms  acc={r['mean_acceptance']:.2f}")
-    return 0
+              f"agg={_fmt(r['agg_tok_s'], 9, 1)} tok/s  per-req={_fmt(r['per_req_tok_s'], 8, 1)}  "
+              f"p50 tpot={_fmt(r['p50_tpot_ms'], 7, 2)} ms  acc={_fmt(r['mean_acceptance'], 4, 2)}  {r['status']}")
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def _copy_gbps() -> float | None:
+    """The GPU's copy bandwidth, measured in this run (TARGETS.md: every GPU result file has it)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    from bench.common import measure_copy_gbps
+    return round(measure_copy_gbps(), 1)
+
+
+def _fmt(value: float | None, width: int, digits: int) -> str:
+    return f"{value:{width}.{digits}f}" if value is not None else "-".rjust(width)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,7 +243,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--draft-metrics", default="", help="host:port of the draft's /metrics (step-time split)")
     b.add_argument("--vocab-high", type=int, default=256, help="prompt ids are drawn below this")
+    b.add_argument("--prompt-file", default="", help="JSON {'prompts': [{'ids': [...]}]} to cut prompts from "
+                   "(default with --spawn-stack: <model>/heldout_prompts.json when present; else synthetic ids)")
+    b.add_argument("--cell-timeout", type=float, default=300.0, help="seconds; a cell still running is cancelled")
+    b.add_argument("--time-budget", type=float, default=0.0,
+                   help="seconds for warm-up and cells (0 = unbounded): the cell running at the end is cut "
+                   "(timed_out), cells not started are recorded as skipped")
+    b.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the warm-up requests (0 = none)")
+    b.add_argument("--commit", default="", help="commit to record (default: git HEAD, where there is a .git)")
     b.add_argument("--out", default="bench/results/matrix-demo.json")
+    b.add_argument("--spawn-stack", default="", metavar="MODEL",
+                   help="start scheduler, draft and verifier on MODEL here, sized for the matrix, and stop them after")
+    b.add_argument("--device", default="cpu", help="with --spawn-stack: cpu or cuda")
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="with --spawn-stack")
+    b.add_argument("--stack-log", default=None, help="with --spawn-stack: file for the services' output")
     b.set_defaults(func=_cmd_bench)
 
     mk = sub.add_parser("make-checkpoint", help="write a small random target + drafter + tokenizer")

@@ -3,31 +3,149 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import pytest
+
+from bench.matrix import ROW_KEYS, MatrixParams, run_matrix
 from services.common.launcher import Stack, StackSpec, free_port
 from tests.stack_fixtures import build_checkpoint
 
+REPO = Path(__file__).resolve().parents[1]
 
-def test_bench_matrix_end_to_end(tmp_path):
-    ckpt = build_checkpoint(tmp_path)
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("bench"))
+
+
+def _bench(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "bench", *args], check=check, timeout=timeout)
+
+
+def test_bench_matrix_end_to_end(tmp_path, ckpt):
     metrics = free_port()
     spec = StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={"DDTREE_DRAFT_METRICS_PORT": str(metrics)})
     out = tmp_path / "matrix-tiny.json"
+    cut = tmp_path / "matrix-cut.json"
     with Stack(spec) as stack:
-        subprocess.run([sys.executable, "-m", "services.cli", "bench", "--address", stack.scheduler_address,
-                        "--contexts", "8", "20", "--concurrency", "1", "3", "--budgets", "4", "--max-tokens", "6",
-                        "--draft-metrics", f"127.0.0.1:{metrics}", "--out", str(out)], check=True, timeout=300)
+        _bench("--address", stack.scheduler_address, "--contexts", "8", "20", "--concurrency", "1", "3",
+               "--budgets", "4", "--max-tokens", "6", "--draft-metrics", f"127.0.0.1:{metrics}", "--out", str(out))
+        # A cell that outlives its timeout is cancelled and reported, and the run goes on.
+        done = _bench("--address", stack.scheduler_address, "--contexts", "8", "--concurrency", "2", "--budgets", "4",
+                      "--max-tokens", "200", "--warmup-tokens", "0", "--cell-timeout", "0.05", "--out", str(cut),
+                      check=False)
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "matrix-tiny" and doc["gpu"] == "cpu" and doc["commit"]
     rows = doc["rows"]
     assert len(rows) == 2 * 2 * 2   # contexts x concurrency x (AR + one budget)
     for r in rows:
-        for key in ("context", "concurrency", "mode", "budget", "agg_tok_s", "per_req_tok_s", "p50_tpot_ms",
-                    "p99_tpot_ms", "ttft_ms", "mean_acceptance", "power_w"):
+        for key in ROW_KEYS:
             assert key in r
-        assert r["agg_tok_s"] > 0 and r["mean_acceptance"] >= 1
+        assert r["status"] == "ok" and r["agg_tok_s"] > 0 and r["mean_acceptance"] >= 1
         assert r["step_split_ms"]["draft_ms"] is not None and r["step_split_ms"]["verify_ms"] > 0
     assert {r["mode"] for r in rows} == {"autoregressive", "ddtree"}
     assert out.with_suffix(".png").stat().st_size > 1000
+
+    assert done.returncode == 1   # not every cell finished
+    cut_rows = json.loads(cut.read_text())["rows"]
+    assert [r["status"] for r in cut_rows] == ["timed_out", "timed_out"]
+    assert all(r["tokens"] < 2 * 200 and set(ROW_KEYS) <= set(r) for r in cut_rows)
+
+
+def _serving_ports(log: Path) -> list[int]:
+    return [int(m) for m in re.findall(r"serving\s.*?address=127\.0\.0\.1:(\d+)", log.read_text())]
+
+
+def _refused(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _env() -> dict[str, str]:
+    """As on a fresh GPU machine: the repo on PYTHONPATH, no installed package needed."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "protos")])}
+
+
+def test_bench_spawn_stack_end_to_end(tmp_path, ckpt):
+    """The one command the GPU run uses: start a stack sized for the matrix, run it, write the
+    result file and plot, stop the stack."""
+    out = tmp_path / "results" / "matrix-tiny.json"
+    log = tmp_path / "stack.log"
+    subprocess.run([sys.executable, "-m", "services.cli", "bench", "--spawn-stack", str(ckpt), "--device", "cpu",
+                    "--dtype", "float32", "--contexts", "8", "--concurrency", "1", "2", "--budgets", "4",
+                    "--max-tokens", "8", "--commit", "0123abcd", "--cell-timeout", "60", "--time-budget", "120",
+                    "--stack-log", str(log), "--out", str(out)], check=True, timeout=240, cwd=REPO, env=_env())
+    doc = json.loads(out.read_text())
+    assert (doc["benchmark"], doc["commit"], doc["gpu"], doc["copy_gbps"]) == ("matrix-tiny", "0123abcd", "cpu", None)
+    env = doc["params"]["stack"]["env"]
+    assert int(env["DDTREE_VERIFIER_KV_CAPACITY_TOKENS"]) >= 2 * (8 + 8 + 16)
+    assert env["DDTREE_SCHEDULER_MAX_BATCH"] == "2"
+    rows = doc["rows"]
+    assert [(r["concurrency"], r["mode"], r["budget"]) for r in rows] == [
+        (1, "autoregressive", None), (1, "ddtree", 4), (2, "autoregressive", None), (2, "ddtree", 4)]
+    for r in rows:
+        assert set(ROW_KEYS) <= set(r) and r["status"] == "ok" and r["context"] == 8
+        assert r["tokens"] == 8 * r["concurrency"] and r["agg_tok_s"] > 0 and r["mean_acceptance"] >= 1
+        assert r["p50_tpot_ms"] > 0 and r["ttft_ms"] > 0 and r["step_split_ms"]["verify_ms"] > 0
+    assert out.with_suffix(".png").stat().st_size > 1000
+    ports = _serving_ports(log)
+    assert len(ports) == 3 and all(_refused(p) for p in ports)   # the stack is gone
+
+
+def test_bench_spawn_stack_stops_on_sigterm(tmp_path, ckpt):
+    """`timeout` sends SIGTERM: the services (in sessions of their own) must not outlive the bench,
+    and the rows finished so far stay on disk."""
+    out = tmp_path / "matrix-long.json"
+    log = tmp_path / "stack.log"
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "bench", "--spawn-stack", str(ckpt),
+                             "--contexts", "8", "--concurrency", "1", "--budgets", "4", "5", "6", "7",
+                             "--max-tokens", "100", "--warmup-tokens", "0", "--stack-log", str(log),
+                             "--out", str(out)], cwd=REPO, env=_env())
+    try:
+        deadline = time.monotonic() + 120
+        while not out.exists() and time.monotonic() < deadline:   # the first cell is written
+            time.sleep(0.2)
+        assert out.exists()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    ports = _serving_ports(log)
+    assert len(ports) == 3 and all(_refused(p) for p in ports)
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and rows[0]["status"] == "ok"
+
+
+def test_time_budget_skips_cells_and_reports_each():
+    """Cells not started within the time budget are recorded, not dropped (no stack needed)."""
+    seen: list[int] = []
+    p = MatrixParams(address="127.0.0.1:1", contexts=[8, 16], concurrencies=[1], budgets=[4], time_budget_s=1e-9)
+    rows = run_matrix(p, progress=False, on_row=lambda rs: seen.append(len(rs)))
+    assert [r["status"] for r in rows] == ["skipped"] * 4 and seen == [1, 2, 3, 4]
+    assert all(set(ROW_KEYS) <= set(r) and r["agg_tok_s"] is None for r in rows)
+
+
+def test_split_overhead_end_to_end(tmp_path, ckpt):
+    """T-split's script: both sides warmed and timed alike, step_ms on both, outputs identical."""
+    out = tmp_path / "split.json"
+    subprocess.run([sys.executable, "-m", "bench.split_overhead", "--model", str(ckpt), "--device", "cpu",
+                    "--prompts", "2", "--max-tokens", "8", "--reps", "2", "--commit", "0123abcd", "--out", str(out)],
+                   check=True, timeout=240, cwd=REPO, env=_env())
+    doc = json.loads(out.read_text())
+    assert (doc["benchmark"], doc["commit"], doc["gpu"]) == ("split-overhead", "0123abcd", "cpu")
+    rows = {r["deployment"]: r for r in doc["rows"]}
+    assert set(rows) == {"in_process", "three_process"}
+    for r in rows.values():
+        assert r["concurrency"] == 1 and r["tok_s"] > 0 and r["step_ms"] > 0 and len(r["tok_s_passes"]) == 2
+    st = rows["three_process"]
+    assert st["identical_outputs"] == 2 and st["transport"] == "shm"
+    assert st["ratio"] == pytest.approx(st["tok_s"] / rows["in_process"]["tok_s"], abs=1e-3)

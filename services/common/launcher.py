@@ -38,7 +38,12 @@ class StackSpec:
     verifier_port: int = 0
     draft_replicas: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Per-service additions over extra_env, keyed by role ("verifier", "draft", "scheduler") or by
+    # service name ("draft-1"), the name's entry winning: one draft replica per GPU, or a
+    # CUDA_VISIBLE_DEVICES for one service only.
+    service_env: dict[str, dict[str, str]] = field(default_factory=dict)
     startup_timeout_s: float = 120.0
+    log_path: str | None = None               # the services' stdout and stderr go here (appended), not to ours
 
 
 def wait_healthy(address: str, proc: subprocess.Popen, name: str, timeout_s: float,
@@ -55,7 +60,7 @@ def wait_healthy(address: str, proc: subprocess.Popen, name: str, timeout_s: flo
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up (see its log above)")
+                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up (see its output)")
             try:
                 resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
@@ -97,18 +102,28 @@ class Stack:
         base.update(spec.extra_env)
         vport = spec.verifier_port or free_port()
         verifier = f"127.0.0.1:{vport}"
-        plan = [_Service("verifier", "verifier", verifier, {**base, "DDTREE_VERIFIER_PORT": str(vport)})]
+        plan = [_Service("verifier", "verifier", verifier,
+                         {**self._env(base, "verifier", "verifier"), "DDTREE_VERIFIER_PORT": str(vport)})]
         drafts = []
         for i in range(spec.draft_replicas):
             dport = (spec.draft_port + i) if spec.draft_port else free_port()
             drafts.append(f"127.0.0.1:{dport}")
-            plan.append(_Service(f"draft-{i}" if spec.draft_replicas > 1 else "draft", "draft", drafts[-1],
-                                 {**base, "DDTREE_DRAFT_PORT": str(dport), "DDTREE_DRAFT_VERIFIER_ADDRESS": verifier}))
+            name = f"draft-{i}" if spec.draft_replicas > 1 else "draft"
+            plan.append(_Service(name, "draft", drafts[-1],
+                                 {**self._env(base, "draft", name), "DDTREE_DRAFT_PORT": str(dport),
+                                  "DDTREE_DRAFT_VERIFIER_ADDRESS": verifier}))
         sport = spec.scheduler_port or free_port()
         plan.append(_Service("scheduler", "scheduler", f"127.0.0.1:{sport}",
-                             {**base, "DDTREE_SCHEDULER_PORT": str(sport),
+                             {**self._env(base, "scheduler", "scheduler"), "DDTREE_SCHEDULER_PORT": str(sport),
                               "DDTREE_SCHEDULER_DRAFT_ADDRESSES": ",".join(drafts)}))
         return plan
+
+    def _env(self, base: dict[str, str], role: str, name: str) -> dict[str, str]:
+        """`base` with the spec's entries for this role, then for this service's name, on top."""
+        env = {**base, **self.spec.service_env.get(role, {})}
+        if name != role:
+            env.update(self.spec.service_env.get(name, {}))
+        return env
 
     def start(self) -> Stack:
         self.services = self._plan()
@@ -125,7 +140,12 @@ class Stack:
         cmd = [sys.executable, "-m", "services.cli", "serve", svc.role]
         if self.spec.config_path:
             cmd += ["--config", self.spec.config_path]
-        svc.proc = subprocess.Popen(cmd, env=svc.env, start_new_session=True)
+        if self.spec.log_path:
+            with open(self.spec.log_path, "ab") as log:   # the child keeps its own copy of the descriptor
+                svc.proc = subprocess.Popen(cmd, env=svc.env, start_new_session=True, stdout=log,
+                                            stderr=subprocess.STDOUT)
+        else:
+            svc.proc = subprocess.Popen(cmd, env=svc.env, start_new_session=True)
         roots = None
         if svc.role == "scheduler" and svc.env.get("DDTREE_SCHEDULER_TLS_CERT"):
             roots = Path(svc.env["DDTREE_SCHEDULER_TLS_CERT"]).read_bytes()
