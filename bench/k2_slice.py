@@ -599,6 +599,42 @@ def run_case(bench: Bench, case: Case, batches: Sequence[int], deadline: float, 
                   f"  logits finite {finite} std {logits_std:.2f}", flush=True)
 
 
+def profile_step(bench: Bench, budget: int, batch: int, reps: int = 3, top: int = 25) -> dict[str, Any]:
+    """GPU time per kernel name over ``reps`` graph replays of one (budget, batch) step: where the
+    step's time goes, against its floor. Names are grouped by their first 60 characters."""
+    from torch.profiler import ProfilerActivity, profile
+
+    nodes = budget + 1
+    graphs = VerifyGraphs(bench.model, bench.cache, max_context=bench.context, batch_buckets=(batch,),
+                          node_buckets=(nodes,), capture=bench.device.type == "cuda")
+    tokens, parents, depths, sizes = bench.trees[budget].flat(batch)
+    args = (tokens, parents, depths, sizes, [bench.context] * batch,
+            [bench.cache.page_ids(r) for r in bench.rids[:batch]])
+    graphs.run(*args)
+    _sync(bench.device)
+    cuda = bench.device.type == "cuda"   # on the CPU (tests) the ops' own CPU time stands in
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            graphs.run(*args)
+        _sync(bench.device)
+    totals: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type.name != ("CUDA" if cuda else "CPU"):
+            continue
+        t = totals.setdefault(ev.name[:60], [0.0, 0])
+        t[0] += ev.device_time_total if cuda else ev.self_cpu_time_total
+        t[1] += 1
+    rows = sorted(({"kernel": k, "us_per_step": round(v[0] / reps, 2), "launches_per_step": v[1] // reps}
+                   for k, v in totals.items()), key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    launches = sum(r["launches_per_step"] for r in rows)
+    print(f"profile budget {budget} batch {batch}: {total / 1e3:.2f} ms of kernels, {launches} launches a step")
+    for r in rows[:top]:
+        print(f"  {r['us_per_step']:9.1f} us {r['launches_per_step']:5d}x  {r['kernel']}")
+    return {"budget": budget, "batch": batch, "kernel_ms_per_step": round(total / 1e3, 3),
+            "launches_per_step": launches, "top": rows[:top]}
+
+
 def finish_row(raw: dict[str, Any], config: TargetConfig, nonexpert: dict[str, int], copy_gbps: float,
                tflops: float, ar_points: Sequence[tuple[int, float]], acceptance: dict[int, float],
                context: int) -> dict[str, Any]:
@@ -705,6 +741,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default="", help='"budget:batch,..." (0 = autoregressive): kernel time '
+                   'breakdown of those steps into the JSON\'s "profile"; with --profile-only no timings')
+    p.add_argument("--profile-only", action="store_true")
     return p.parse_args(argv)
 
 
@@ -778,7 +817,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "rows": [],
     }
     out_path = Path(args.out)
-    for case in plan_cases(budgets, routings):
+    if args.profile:
+        doc["profile"] = []
+        for spec in args.profile.split(","):
+            budget, batch = (int(v) for v in spec.split(":"))
+            doc["profile"].append(profile_step(bench, budget, batch))
+            _free_memory(device)
+        _write(out_path, doc)
+    for case in ([] if args.profile_only else plan_cases(budgets, routings)):
         if time.perf_counter() > deadline:
             doc["params"]["skipped"].append(f"{case.routing}/{case.mode}/{case.budget}")
             continue

@@ -68,3 +68,13 @@ def test_k2_slice_tiny_end_to_end(tmp_path):
             assert r["experts_touched_per_layer"] <= k * r["batch"]
     summary = doc["summary"]
     assert "ar_c1_step_over_floor" in summary and "predicted_c1_best[model]" in summary
+
+
+def test_profile_only_lists_the_kernels_of_a_step(tmp_path):
+    out = tmp_path / "k2-profile.json"
+    doc = k2_slice.main(["--tiny", "--layers", "2", "--batches", "1", "--budgets", "8", "--routing", "model",
+                         "--profile", "0:1,8:1", "--profile-only", "--out", str(out)])
+    assert doc["rows"] == [] and [p["budget"] for p in doc["profile"]] == [0, 8]
+    for p in doc["profile"]:
+        assert p["launches_per_step"] > 0 and p["top"] and all(r["us_per_step"] >= 0 for r in p["top"])
+    assert json.loads(out.read_text())["profile"][1]["batch"] == 1
