@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kernels.rms_norm import rms_norm  # one Triton launch on CUDA, torch elsewhere
 from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata, tree_mla
 from services.common.checkpoint import CheckpointError, load_tensors, read_config, tensor_index
 from services.verifier.config import TargetConfig
@@ -136,13 +137,6 @@ def load_checkpoint(path: Path) -> tuple[TargetConfig, dict[str, Tensor]]:
 
 
 # ----------------------------------------------------------------------------- forward pieces
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """HF DeepSeek RMSNorm: statistics in at least float32, scale applied in the input dtype."""
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 @dataclass

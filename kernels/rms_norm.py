@@ -1,0 +1,70 @@
+"""RMSNorm in one Triton launch (DeepSeek-V3 / HF semantics), and its torch reference.
+
+Why: the torch expression is about eight kernels (cast, square, mean, add, rsqrt, multiply, cast,
+scale); a K2 layer runs four norms, so at decode those tiny launches cost more than the norm's
+bytes. One program per row reads the row once and writes it once.
+
+Semantics (HF ``DeepseekV3RMSNorm``): statistics in float32, the normalised row rounded to the
+input dtype, then multiplied by the weight (rounded once more to the result dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - only where triton is not installed
+    triton = None
+    tl = None
+
+__all__ = ["rms_norm", "rms_norm_reference", "rms_norm_triton"]
+
+
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF DeepSeek RMSNorm: statistics in at least float32, scale applied in the input dtype."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
+                         BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+        normed = (xf * rstd).to(x.dtype).to(tl.float32)   # rounded to the input dtype, as HF does
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """:func:`rms_norm_reference` over the last dim of ``x`` [..., n] (rows may be strided)."""
+    if triton is None:
+        raise RuntimeError("rms_norm_triton needs triton")
+    n = x.shape[-1]
+    assert weight.shape == (n,), f"weight must be [{n}], got {tuple(weight.shape)}"
+    assert x.stride(-1) == 1 and weight.stride(0) == 1, "the normalised dim must be contiguous"
+    rows = x.reshape(-1, n) if x.dim() != 2 else x   # a view where the layout allows
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, eps,
+                                           BLOCK=block, num_warps=4 if block <= 2048 else 8)
+    return out.view(*x.shape[:-1], n)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """One Triton launch on CUDA (float16/bfloat16/float32); the torch expression elsewhere."""
+    if x.is_cuda and triton is not None and x.stride(-1) == 1 and x.dtype != torch.float64:
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
