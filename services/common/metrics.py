@@ -28,6 +28,12 @@ class Metrics:
         self.queue_depth = Gauge("ddtree_queue_depth", "Requests waiting for admission", registry=r)
         self.running = Gauge("ddtree_running_requests", "Requests being decoded", registry=r)
         self.kv_pages_free = Gauge("ddtree_kv_pages_free", "Free KV cache pages", registry=r)
+        # What a dead peer must give back (DESIGN.md §3): its stream, its ring slots, the ring's memory.
+        self.peers = Gauge("ddtree_transport_peers", "Draft replicas with a live verify stream", registry=r)
+        self.ring_slots_in_use = Gauge("ddtree_ring_slots_in_use", "Shared-buffer slots peers have not released",
+                                       registry=r)
+        self.gpu_memory_allocated = Gauge("ddtree_gpu_memory_allocated_bytes",
+                                          "Bytes of live tensors on this service's GPU (torch allocator)", registry=r)
         self.service = service
 
 

@@ -3,7 +3,9 @@
 gRPC carries control messages; bulk tensors travel either by reference through a ring of
 fixed-size slots in shared memory ("shm"; GPU memory for "cuda_ipc", see cuda_ipc.py) or by value inside the protobuf
 ("inline", different hosts). Both sides speak `common_pb2.TensorBundle`, so the kind is a
-stream-setup choice and the engine code never branches on it.
+stream-setup choice and the engine code never branches on it. Views a reader returns live where
+the ring lives (host memory, or the owner's GPU for cuda_ipc); a consumer copies what it keeps
+onto its own device.
 
 Slot protocol (shm):
 * The producer (`TensorWriter`) owns the ring: it creates the segment, hands out slots and
@@ -510,15 +512,20 @@ class ShmReader(TensorReader):
         self._finalizer()
 
 
-def make_writer(kind: str, slot_bytes: int = 0, num_slots: int = 0, name_prefix: str = "ddtree") -> TensorWriter:
-    """Producer for a stream; the kind is negotiated at stream set-up (see ModelInfo.transport)."""
+def make_writer(kind: str, slot_bytes: int = 0, num_slots: int = 0, name_prefix: str = "ddtree",
+                device: torch.device | str | None = None) -> TensorWriter:
+    """Producer for a stream; the kind is negotiated at stream set-up (see ModelInfo.transport).
+
+    `device`: where a cuda_ipc ring lives, the producer's own GPU (default: the current CUDA
+    device); ignored by the host-memory kinds.
+    """
     if kind == "shm":
         return ShmWriter(slot_bytes, num_slots, name_prefix)
     if kind == "inline":
         return InlineWriter()
     if kind == "cuda_ipc":
         from services.common.cuda_ipc import CudaIpcWriter   # needs CUDA; imported only when chosen
-        return CudaIpcWriter(slot_bytes, num_slots)
+        return CudaIpcWriter(slot_bytes, num_slots, device)
     raise ValueError(f"unknown transport kind {kind!r}; supported: {', '.join(SUPPORTED_KINDS)}")
 
 

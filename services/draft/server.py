@@ -9,6 +9,7 @@ import grpc
 import torch
 
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from services.common.devices import pin_device
 from services.common.grpc_server import ServiceError, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
@@ -47,18 +48,20 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 async def serve(settings: DraftSettings) -> None:
     configure_logging("draft", settings.json_logs)
     torch.set_num_threads(settings.cpu_threads)
-    proposer = load_proposer(settings.drafter_path, settings.target_path, _DTYPES[settings.dtype], settings.device)
+    device = pin_device(settings.device)   # Triton launches and the shared ring follow the current device
+    proposer = load_proposer(settings.drafter_path, settings.target_path, _DTYPES[settings.dtype], str(device))
     log.info("drafter_loaded", path=settings.drafter_path, block_size=proposer.block_size,
              target_layer_ids=list(proposer.target_layer_ids))
     client = VerifierClient(settings.verifier_address, settings.transport, settings.ring_slots,
-                            settings.ring_slot_bytes, on_gpu=settings.device.startswith("cuda"))
+                            settings.ring_slot_bytes, device=str(device))
     metrics = Metrics("draft")
     engine = DraftEngine(proposer, client, metrics)
     t0 = time.perf_counter()
-    engine.warm_up(settings.warmup_budgets, settings.device)
+    engine.warm_up(settings.warmup_budgets, str(device))
     log.info("tree_builder_warm", budgets=list(settings.warmup_budgets), seconds=round(time.perf_counter() - t0, 2))
     await engine.connect(wait_s=120.0)   # fail fast on an incompatible verifier (FAILED_PRECONDITION names the field)
-    log.info("verifier_connected", transport=client.handshake.transport, max_context=engine.max_context)
+    log.info("verifier_connected", transport=client.handshake.transport, device=str(device),
+             max_context=engine.max_context)
     server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
     draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(engine), server)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")

@@ -14,7 +14,7 @@ from ddtree.v1 import verifier_pb2, verifier_pb2_grpc
 from services.common.grpc_server import ServiceError, server_options
 from services.common.transport import TensorReader, TensorWriter, bundle_slot, make_reader, make_writer
 
-__all__ = ["VerifierClient", "VerifyReply", "is_local_address"]
+__all__ = ["VerifierClient", "VerifyReply", "is_local_address", "next_offer", "private_copy"]
 
 
 def is_local_address(address: str) -> bool:
@@ -28,23 +28,50 @@ def is_local_address(address: str) -> bool:
         return False
 
 
+def next_offer(offer: Sequence[str], answered: str) -> list[str]:
+    """What to offer after the verifier answered `answered` to `offer` (our ring is of offer[0]'s kind).
+
+    The verifier answers another kind when it cannot use ours (no GPU, or our GPU is not visible
+    to it); it registered nothing, so we hand-shake again with a ring of the kind it chose.
+    """
+    if answered not in offer[1:]:
+        raise ValueError(f"verifier chose transport {answered!r}, which this draft did not offer after "
+                         f"{offer[0]!r} (offered {list(offer)})")
+    return list(offer[list(offer).index(answered):])
+
+
+def private_copy(view: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A copy of a ring view on this draft's device, complete when this returns.
+
+    The view lives where the verifier's ring lives (its GPU for cuda_ipc, maybe not ours), so the
+    copy names our device explicitly; and it must have finished before the slot goes back to the
+    verifier with the next request, which may come before any later sync on our side.
+    """
+    out = view.to(device, copy=True)
+    if out.is_cuda:
+        torch.cuda.current_stream(out.device).synchronize()   # a cross-GPU copy: our stream waits on it
+    return out
+
+
 @dataclass
 class VerifyReply:
     response: verifier_pb2.VerifyResponse
-    features: torch.Tensor   # [sum(committed), F], a private copy
+    features: torch.Tensor   # [sum(committed), F], a private copy on the draft's device
 
 
 class VerifierClient:
     """Keeps one stream open; a broken stream raises UNAVAILABLE and is re-opened on the next step."""
 
     def __init__(self, address: str, transport: str, ring_slots: int, ring_slot_bytes: int,
-                 on_gpu: bool = False) -> None:
+                 device: str = "cpu") -> None:
+        """`device`: this draft's device; our ring lives there (cuda_ipc) and the features land there."""
         self.address = address
         self.draft_id = f"draft-{uuid.uuid4().hex[:12]}"
+        self.device = torch.device(device)
         if transport != "auto":
             kinds = [transport]
         elif is_local_address(address):   # same host: by reference, in GPU memory when both sides have one
-            kinds = (["cuda_ipc"] if on_gpu else []) + ["shm", "inline"]
+            kinds = (["cuda_ipc"] if self.device.type == "cuda" else []) + ["shm", "inline"]
         else:
             kinds = ["inline"]
         self._offer = kinds
@@ -65,22 +92,39 @@ class VerifierClient:
         await self.close()
         self._channel = grpc.aio.insecure_channel(self.address, options=server_options())
         stub = verifier_pb2_grpc.VerifierStub(self._channel)
-        kind = self._offer[0]
-        self._writer = make_writer(kind, self._ring_slot_bytes, self._ring_slots, "ddtree-draft")
-        try:
-            hs = await stub.Handshake(verifier_pb2.HandshakeRequest(
-                draft_id=self.draft_id, feature_layer_ids=list(feature_layer_ids), hidden_size=hidden_size,
-                vocab_size=vocab_size, transports=self._offer, draft_ring=self._writer.ring_name or "",
-                draft_ring_slot_bytes=self._writer.slot_bytes, draft_ring_slots=self._writer.num_slots),
-                wait_for_ready=wait_s > 0, timeout=wait_s if wait_s > 0 else 10.0)
-        except grpc.aio.AioRpcError as exc:
-            await self.close()
-            raise ServiceError(exc.code(), f"verifier handshake failed: {exc.details()}") from None
-        if hs.transport != kind:  # the verifier picked a later choice; re-make our side to match
-            self._writer.close()
-            self._writer = make_writer(hs.transport, self._ring_slot_bytes, self._ring_slots, "ddtree-draft")
-        self._reader = make_reader(hs.transport, hs.verifier_ring or None, hs.verifier_ring_slot_bytes,
-                                   hs.verifier_ring_slots)
+        offer = list(self._offer)
+        while True:   # each round offers fewer kinds, so this ends
+            self._writer = make_writer(offer[0], self._ring_slot_bytes, self._ring_slots, "ddtree-draft",
+                                       device=self.device)
+            try:
+                hs = await stub.Handshake(verifier_pb2.HandshakeRequest(
+                    draft_id=self.draft_id, feature_layer_ids=list(feature_layer_ids), hidden_size=hidden_size,
+                    vocab_size=vocab_size, transports=offer, draft_ring=self._writer.ring_name or "",
+                    draft_ring_slot_bytes=self._writer.slot_bytes, draft_ring_slots=self._writer.num_slots),
+                    wait_for_ready=wait_s > 0, timeout=wait_s if wait_s > 0 else 10.0)
+            except grpc.aio.AioRpcError as exc:
+                await self.close()
+                raise ServiceError(exc.code(), f"verifier handshake failed: {exc.details()}") from None
+            if hs.transport != offer[0]:   # it cannot use our ring's kind: offer a ring of the kind it chose
+                try:
+                    offer = next_offer(offer, hs.transport)
+                except ValueError as exc:
+                    await self.close()
+                    raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+                self._writer.close()
+                continue
+            try:
+                self._reader = make_reader(hs.transport, hs.verifier_ring or None, hs.verifier_ring_slot_bytes,
+                                           hs.verifier_ring_slots)
+            except (OSError, ValueError, RuntimeError) as exc:   # e.g. the verifier's GPU is not visible here
+                if len(offer) == 1:
+                    await self.close()
+                    raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                       f"cannot attach the verifier's {hs.transport} ring: {exc}") from None
+                offer = offer[1:]   # the verifier drops the peer it made when we hand-shake again
+                self._writer.close()
+                continue
+            break
         self._call = stub.VerifyStream(metadata=(("draft-id", self.draft_id),))
         self.handshake = hs
         return hs
@@ -111,7 +155,7 @@ class VerifierClient:
             await self.close()
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "verifier closed the stream")
         self._writer.release(resp.released_slots)
-        features = self._reader.read(resp.features)["features"].clone()   # [sum(committed), F]
+        features = private_copy(self._reader.read(resp.features)["features"], self.device)   # [sum(committed), F]
         slot = bundle_slot(resp.features)
         if slot is not None:
             self._to_release.append(slot)   # returned to the verifier with the next request

@@ -23,6 +23,7 @@ import grpc
 import torch
 
 from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from services.common.devices import pin_device
 from services.common.grpc_server import ServiceError, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
@@ -73,6 +74,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         # for the whole call, never an asyncio lock that a cancellation would release early.
         self._engine_lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
+        self._cleanups: set[asyncio.Future] = set()   # stream clean-ups running past their handler
         self.verifier_id = f"verifier-{uuid.uuid4().hex[:12]}"
 
     async def Handshake(self, request: verifier_pb2.HandshakeRequest,
@@ -87,19 +89,28 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
         mine = (("cuda_ipc",) if self.settings.device.startswith("cuda") else ()) + ("shm", "inline")
-        kind = next((t for t in request.transports if t in mine), None)
-        if kind is None:
+        usable = [t for t in request.transports if t in mine]
+        if not usable:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no common transport: draft offers {list(request.transports)}, verifier has {mine}")
         if request.draft_id in self._peers:
             await self._locked(self._drop_peer, request.draft_id)
+        kind = usable[0]
+        if kind != request.transports[0]:   # the draft's ring is of its first choice: ask for one of ours
+            return verifier_pb2.HandshakeResponse(transport=kind)
         try:
             reader = make_reader(kind, request.draft_ring or None, request.draft_ring_slot_bytes,
                                  request.draft_ring_slots)
-        except (OSError, ValueError, RuntimeError) as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot attach the draft's ring: {exc}")
-        writer = make_writer(kind, self.settings.ring_slot_bytes, self.settings.ring_slots, "ddtree-verifier")
+        except (OSError, ValueError, RuntimeError) as exc:   # e.g. the draft's GPU is not visible here
+            if len(usable) == 1:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot attach the draft's ring: {exc}")
+            log.warning("ring_attach_failed", draft_id=request.draft_id, transport=kind, error=str(exc),
+                        fallback=usable[1])
+            return verifier_pb2.HandshakeResponse(transport=usable[1])   # the draft retries with that kind
+        writer = make_writer(kind, self.settings.ring_slot_bytes, self.settings.ring_slots, "ddtree-verifier",
+                             device=self.engine.model_device)
         self._peers[request.draft_id] = _Peer(request.draft_id, writer, reader)
+        self._observe()
         log.info("handshake", draft_id=request.draft_id, transport=kind,
                  feature_layers=list(request.feature_layer_ids))
         return verifier_pb2.HandshakeResponse(
@@ -120,9 +131,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             async for req in request_iterator:
                 yield await self._locked(self._step, peer, req)
         finally:
-            # The stream ended (cleanly or because the draft died): nothing it held may leak.
-            freed = await self._locked(self._end_stream, draft_id, peer)
-            log.info("stream_closed", draft_id=draft_id, requests_freed=freed)
+            # The stream ended (cleanly or because the draft died): nothing it held may leak. gRPC
+            # cancels a dead draft's handler, and a cancelled await would cancel the clean-up before
+            # its thread started (the dead draft's requests, KV pages and ring stayed), so it is shielded.
+            cleanup = asyncio.ensure_future(self._locked(self._end_stream, draft_id, peer))
+            self._cleanups.add(cleanup)
+            cleanup.add_done_callback(self._cleanups.discard)
+            await asyncio.shield(cleanup)
 
     async def _locked(self, fn, *args):
         """Runs `fn` in a worker thread holding the engine lock for all of it."""
@@ -135,6 +150,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         freed = self.group.call("release_owner", draft_id)
         if self._peers.get(draft_id) is peer:
             self._drop_peer(draft_id)
+        self._observe()
+        log.info("stream_closed", draft_id=draft_id, requests_freed=freed)
         return freed
 
     def _drop_peer(self, draft_id: str) -> None:
@@ -162,16 +179,26 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 released.append(slot)
         else:
             verify = None
-        self.metrics.kv_pages_free.set(self.engine.cache.pages_free)
-        self.metrics.running.set(self.engine.active_requests)
         self.metrics.step_ms.labels("verify").observe((time.perf_counter() - t0) * 1e3)
         features = [prefill.features] + ([verify.features] if verify is not None else [])
         bundle = peer.writer.write({"features": torch.cat(features)})
+        self._observe()
         return verifier_pb2.VerifyResponse(
             sequence=req.sequence,
             prefills=[_item_pb(o) for o in prefill.items],
             verifies=[_item_pb(o) for o in verify.items] if verify is not None else [],
             features=bundle, released_slots=released, verify_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _observe(self) -> None:
+        """Gauges that show whether a dead draft gave everything back: KV pages, requests, peers,
+        ring slots, and the GPU bytes its ring held."""
+        peers = list(self._peers.values())
+        self.metrics.kv_pages_free.set(self.engine.cache.pages_free)
+        self.metrics.running.set(self.engine.active_requests)
+        self.metrics.peers.set(len(peers))
+        self.metrics.ring_slots_in_use.set(sum(p.writer.slots_in_use for p in peers))
+        if self.engine.model_device.type == "cuda":
+            self.metrics.gpu_memory_allocated.set(torch.cuda.memory_allocated(self.engine.model_device))
 
 
 def _item_pb(o) -> verifier_pb2.ItemResult:
@@ -186,7 +213,7 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
     dtype = _DTYPES[settings.dtype]
     tp = tp or TensorParallel(0, 1)
     torch.set_num_threads(settings.cpu_threads)
-    device = rank_device(settings.device, tp.rank)
+    device = str(pin_device(rank_device(settings.device, tp.rank)))   # Triton, graphs, rings follow it
     t0 = time.perf_counter()
     model = TargetModel.load(Path(settings.model_path), dtype=dtype, device=device, tp=tp)
     cfg = model.config
@@ -199,9 +226,12 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
     log.info("kv_cache_sized", pages=num_pages, page_size=settings.page_size, tokens=num_pages * settings.page_size,
              max_context=max_context)
     engine = VerifierEngine(model, cache, max_context=max_context, prefill_chunk=settings.prefill_chunk)
-    if settings.cuda_graphs and torch.device(device).type == "cuda":
+    if settings.cuda_graphs and model.capturable:
         graphs = engine.enable_graphs(batch_buckets=settings.graph_batches)
         log.info("cuda_graphs", batch_buckets=list(graphs.batch_buckets), node_buckets=list(graphs.node_buckets))
+    elif settings.cuda_graphs and model.device.type == "cuda":
+        log.warning("cuda_graphs_off", reason="MoE experts run the torch loop (needs INT4 experts and a "
+                    "bfloat16/float16 dtype for the fused kernel); verify runs eagerly")
     return engine
 
 

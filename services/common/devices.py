@@ -1,0 +1,29 @@
+"""Which GPU a service runs on, made the process's current CUDA device at start-up.
+
+Why pin it: everything that defaults to "the current device" (Triton kernel launches, bare "cuda"
+allocations such as a shared ring, `torch.cuda.current_stream()`, CUDA graph capture) must land on
+the GPU the service was given. Left at the default (cuda:0), a draft configured for cuda:1 would
+launch its Triton tree builder on cuda:0 with pointers into cuda:1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.settings import SettingsError
+
+__all__ = ["pin_device"]
+
+
+def pin_device(device: str | torch.device) -> torch.device:
+    """Makes `device` current when it is a GPU; returns it with its index filled in ("cuda" -> "cuda:N")."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return d
+    if d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    count = torch.cuda.device_count()
+    if d.index >= count:
+        raise SettingsError(f"device {d} does not exist: this process sees {count} GPU(s) (CUDA_VISIBLE_DEVICES)")
+    torch.cuda.set_device(d)
+    return d

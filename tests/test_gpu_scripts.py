@@ -1,0 +1,69 @@
+"""The GPU-only scripts of issue 6 import on the CPU and their pure parts do what the GPU run relies on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.cuda_ipc_check import compare_outputs, load_prompts, parse_metrics, placements, visible_gpus
+from bench.transport_bench import merge_rows, row_key
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_placements_put_the_services_where_they_say() -> None:
+    by_name = {p.name: p for p in placements(["3", "5"])}
+    assert list(by_name) == ["same", "cross", "reverse", "isolated"]
+    env = {n: p.service_env for n, p in by_name.items()}
+    assert env["same"]["draft"]["DDTREE_DRAFT_DEVICE"] == env["same"]["verifier"]["DDTREE_VERIFIER_DEVICE"] == "cuda:0"
+    assert env["cross"]["draft"]["DDTREE_DRAFT_DEVICE"] == "cuda:1"
+    assert env["cross"]["draft"]["CUDA_VISIBLE_DEVICES"] == env["cross"]["verifier"]["CUDA_VISIBLE_DEVICES"] == "3,5"
+    # reverse: the verifier's cuda:0 is GPU 5, the draft's cuda:0 is GPU 3 (two numberings of one host)
+    assert env["reverse"]["verifier"]["CUDA_VISIBLE_DEVICES"] == "5,3"
+    assert env["reverse"]["draft"]["CUDA_VISIBLE_DEVICES"] == "3,5"
+    assert (env["isolated"]["verifier"]["CUDA_VISIBLE_DEVICES"], env["isolated"]["draft"]["CUDA_VISIBLE_DEVICES"]) \
+        == ("3", "5")
+    assert [p.transport for p in by_name.values()] == ["cuda_ipc", "cuda_ipc", "cuda_ipc", "shm"]
+
+
+def test_visible_gpus() -> None:
+    assert visible_gpus({}, 2) == ["0", "1"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 7,4"}, 2) == ["2", "7"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-ab,GPU-cd"}, 2) == ["GPU-ab", "GPU-cd"]
+
+
+def test_parse_metrics_keeps_labels() -> None:
+    text = ("# HELP ddtree_transport_peers x\n# TYPE ddtree_transport_peers gauge\nddtree_transport_peers 2.0\n"
+            'ddtree_step_ms_count{stage="verify"} 17.0\nddtree_gpu_memory_allocated_bytes 3.3554432e+07\n')
+    m = parse_metrics(text)
+    assert m == {"ddtree_transport_peers": 2.0, 'ddtree_step_ms_count{stage="verify"}': 17.0,
+                 "ddtree_gpu_memory_allocated_bytes": 33554432.0}
+
+
+def test_compare_outputs() -> None:
+    row = {"passed": True, "detail": {}}
+    assert compare_outputs(dict(row, detail={}), [[1, 2], [3]], [[1, 2], [3]])["passed"] is True
+    bad = compare_outputs(dict(row, detail={}), [[1, 2], [4]], [[1, 2], [3]])
+    assert bad["passed"] is False and bad["detail"]["identical_outputs"] == 1
+    assert compare_outputs(dict(row, detail={}), None, [[1]])["passed"] is False
+    assert compare_outputs(dict(row, detail={}), [[1]], None)["passed"] is False
+
+
+def test_demo_prompts_load() -> None:
+    prompts = load_prompts(str(REPO / "models" / "demo"), 6, 48)
+    assert len(prompts) == 6 and all(0 < len(p) <= 48 and all(isinstance(t, int) for t in p) for p in prompts)
+
+
+def test_transport_rows_append_across_placements() -> None:
+    params = {"hidden": 7168, "layers": 3, "tokens_per_request": 5, "iters": 50}
+    old = {"commit": "aaa", "params": params, "rows": [
+        {"transport": "cuda_ipc", "batch": 1, "bytes": 8, "time_us": 468.1},
+        {"transport": "cuda_ipc", "batch": 1, "bytes": 8, "time_us": 900.0, "consumer_device": "cuda:1"}]}
+    new = [{"transport": "cuda_ipc", "batch": 1, "bytes": 8, "time_us": 500.0, "producer_device": "cuda:0",
+            "consumer_device": "cuda:1"}]
+    rows = merge_rows(old, new, "bbb", params)
+    assert [(row_key(r), r["time_us"], r["commit"]) for r in rows] == [
+        (("cuda_ipc", 1, "cuda:0"), 468.1, "aaa"), (("cuda_ipc", 1, "cuda:1"), 500.0, "bbb")]
+    with pytest.raises(ValueError, match="other parameters"):
+        merge_rows(old, new, "bbb", {**params, "hidden": 4096})

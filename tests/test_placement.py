@@ -1,0 +1,51 @@
+"""Putting services on GPUs: device settings, per-service launcher environments, pinning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.devices import pin_device
+from services.common.launcher import Stack, StackSpec
+from services.common.settings import DraftSettings, SettingsError, VerifierSettings, is_device, load_settings
+
+
+@pytest.mark.parametrize("text,ok", [
+    ("cpu", True), ("cuda", True), ("cuda:0", True), ("cuda:1", True), ("cuda:12", True),
+    ("cuda1", False), ("gpu", False), ("cuda:", False), ("cuda:-1", False), ("CUDA:0", False), (" cuda", False),
+])
+def test_device_strings(text, ok) -> None:
+    assert is_device(text) is ok
+
+
+def test_verifier_and_draft_take_different_gpus_from_the_environment() -> None:
+    env = {"DDTREE_VERIFIER_DEVICE": "cuda:0", "DDTREE_DRAFT_DEVICE": "cuda:1"}
+    assert load_settings(VerifierSettings, None, env=env).device == "cuda:0"
+    assert load_settings(DraftSettings, None, env=env).device == "cuda:1"
+    with pytest.raises(SettingsError, match=r"draft\.device"):
+        load_settings(DraftSettings, None, env={"DDTREE_DRAFT_DEVICE": "cuda1"})
+    with pytest.raises(SettingsError, match=r"verifier\.device"):
+        load_settings(VerifierSettings, None, env={"DDTREE_VERIFIER_DEVICE": "gpu:0"})
+
+
+def test_service_env_layers_role_then_name_and_never_touches_addresses() -> None:
+    spec = StackSpec(draft_replicas=2, scheduler_port=0, extra_env={"DDTREE_DRAFT_DEVICE": "cuda:0", "X": "base"},
+                     service_env={"verifier": {"CUDA_VISIBLE_DEVICES": "1,0"},
+                                  "draft": {"X": "draft"},
+                                  "draft-1": {"DDTREE_DRAFT_DEVICE": "cuda:1", "DDTREE_DRAFT_PORT": "1"}})
+    env = {s.name: s.env for s in Stack(spec)._plan()}
+    assert env["verifier"]["CUDA_VISIBLE_DEVICES"] == "1,0"
+    assert "1,0" not in (env["draft-0"].get("CUDA_VISIBLE_DEVICES"), env["scheduler"].get("CUDA_VISIBLE_DEVICES"))
+    assert (env["draft-0"]["DDTREE_DRAFT_DEVICE"], env["draft-1"]["DDTREE_DRAFT_DEVICE"]) == ("cuda:0", "cuda:1")
+    assert env["draft-0"]["X"] == env["draft-1"]["X"] == "draft" and env["verifier"]["X"] == "base"
+    assert env["draft-1"]["DDTREE_DRAFT_PORT"] != "1"   # the launcher's own addresses win
+
+
+def test_pin_device_leaves_cpu_alone() -> None:
+    assert pin_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a host without GPUs")
+def test_pin_device_names_a_missing_gpu() -> None:
+    with pytest.raises(SettingsError, match="sees 0 GPU"):
+        pin_device("cuda:1")
