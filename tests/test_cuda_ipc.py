@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ddtree.v1 import common_pb2
+from services.common import cuda_ipc
 from services.common.cuda_ipc import (CudaIpcReader, CudaIpcWriter, RingHandle, decode_ring_handle,
                                       encode_ring_handle, local_device_index)
 from services.common.transport import RingFull, SlotRing, bundle_slot
@@ -84,6 +85,7 @@ def _host_ring(monkeypatch, slots: int, slot_bytes: int):
             pass
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(cuda_ipc, "INLINE_HOST_BYTES", 0)   # host tensors stand in for GPU ones here
     buf = torch.zeros(slots, slot_bytes, dtype=torch.uint8)   # [slots, bytes]
     writer = CudaIpcWriter.__new__(CudaIpcWriter)
     writer._ring, writer._slot_bytes, writer._buf, writer._lock = SlotRing(slots), slot_bytes, buf, threading.Lock()
@@ -113,6 +115,17 @@ def test_ring_slots_round_trip_and_release(monkeypatch) -> None:
     writer.close()
     with pytest.raises(RuntimeError, match="closed"):
         writer.write({"x": torch.ones(2)})
+
+
+def test_small_host_payloads_ride_inline(monkeypatch) -> None:
+    """A step's trees (a few hundred host ints) skip the ring: no slot, no device round trip."""
+    writer, reader = _host_ring(monkeypatch, slots=2, slot_bytes=4096)
+    monkeypatch.setattr(cuda_ipc, "INLINE_HOST_BYTES", 1024)
+    trees = {"tokens": torch.arange(40), "parents": torch.arange(40) - 1}
+    b = writer.write(trees)
+    assert bundle_slot(b) is None and writer.slots_in_use == 0 and writer.inline_fallbacks == 0
+    assert all(torch.equal(reader.read(b)[k], v) for k, v in trees.items())
+    assert bundle_slot(writer.write({"x": torch.zeros(300)})) is not None   # 2400 bytes: a slot
 
 
 def test_reader_refuses_refs_outside_the_ring(monkeypatch) -> None:

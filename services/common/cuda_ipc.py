@@ -40,6 +40,8 @@ from services.common.transport import (ALIGNMENT, RingFull, RingWriter, SlotRing
 __all__ = ["CudaIpcWriter", "CudaIpcReader", "RingFull", "RingHandle", "encode_ring_handle",
            "decode_ring_handle", "local_device_index"]
 
+INLINE_HOST_BYTES = 64 << 10   # host payloads up to this size go inline (see CudaIpcWriter.write)
+
 _HANDLE_VERSION = 1
 _NO_REFCOUNT = b"/ddtree-cuda-ipc-owner-counts"   # a counter file no process creates (see the module doc)
 
@@ -179,8 +181,11 @@ class CudaIpcWriter(RingWriter):
             layout.append((name, t, cursor))
             cursor += t.numel() * t.element_size()
         bundle = common_pb2.TensorBundle()
-        if cursor == 0 or cursor > self._slot_bytes:   # nothing to share (do not tie up a slot), or too big
-            if cursor > 0:
+        # Small host tensors (a step's trees: a few hundred ints) ride in the message itself: a slot
+        # would cost a host-to-device copy and a stream sync here and a copy back on the reader.
+        small_host = cursor <= INLINE_HOST_BYTES and all(not t.is_cuda for t in tensors.values())
+        if cursor == 0 or cursor > self._slot_bytes or small_host:   # nothing to share, too big, or tiny
+            if cursor > self._slot_bytes:
                 self.inline_fallbacks += 1
             for name, t in tensors.items():
                 data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
