@@ -49,6 +49,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.device import on_input_device
+
 from services.common.int4 import Int4Weight, unpack_int4
 
 __all__ = [
@@ -521,6 +523,7 @@ def _max_padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(p, block_m) * block_m
 
 
+@on_input_device
 def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlignment:
     """Sort the ``[M, top_k]`` expert ids by expert and pad each expert's rows to ``block_m``.
 
@@ -551,6 +554,7 @@ def _check_stack(name: str, w: Int4Weight, out_f: int, in_f: int, group_size: in
     assert w.packed.stride(-1) == 1 and w.scale.stride(-1) == 1, f"{name}: last dim must be contiguous"
 
 
+@on_input_device
 def fused_int4_moe(
     hidden: Tensor,
     w_gate: Int4Weight,
@@ -605,6 +609,7 @@ def _use_asm(cfg: Int4MoEConfig, act_dtype: torch.dtype, w: Int4Weight) -> bool:
     return cfg.deq_asm and w.packed.is_cuda and act_dtype == torch.bfloat16 and w.scale.dtype == torch.bfloat16
 
 
+@on_input_device
 def int4_moe_gate_up(
     hidden: Tensor, w_gate: Int4Weight, w_up: Int4Weight, align: MoEAlignment, top_k: int, cfg: Int4MoEConfig, group_size: int = 32
 ) -> Tensor:
@@ -640,6 +645,7 @@ def int4_moe_gate_up(
     return h
 
 
+@on_input_device
 def int4_moe_down(
     h: Tensor, w_down: Int4Weight, align: MoEAlignment, topk_weights: Tensor, cfg: Int4MoEConfig,
     group_size: int = 32, out_dtype: torch.dtype | None = None,

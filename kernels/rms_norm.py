@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels.device import on_input_device
+
 try:
     import triton
     import triton.language as tl
@@ -46,6 +48,7 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@on_input_device
 def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """:func:`rms_norm_reference` over the last dim of ``x`` [..., n] (rows may be strided)."""
     if triton is None:

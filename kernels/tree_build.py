@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels.device import on_input_device
+
 try:
     import triton
     import triton.language as tl
@@ -197,6 +199,7 @@ class TreeBuildOutput:
         self.sizes = sizes  # [R] int64
 
 
+@on_input_device
 def tree_build_triton(logprobs: Tensor, budget: int, root_tokens: Tensor, num_warps: int = 8) -> TreeBuildOutput:
     """The trees of ``build_trees`` for float32/bf16/fp16 log-probs: vocabulary top-k, then one launch.
 

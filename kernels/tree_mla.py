@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels.device import on_input_device
+
 try:  # Triton is optional: the CPU engine and its tests run on the reference alone.
     import triton
     import triton.language as tl
@@ -474,6 +476,7 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+@on_input_device
 def tree_mla_triton(
     q_latent: Tensor,
     q_pe: Tensor,

@@ -214,6 +214,15 @@ def test_padded_forward_equals_unpadded(target: Target) -> None:
     assert torch.isfinite(padded.logits).all()
 
 
+def test_warm_up_runs_every_bucket_and_leaves_no_state(target: Target) -> None:
+    engine = make_engine(target.model, shuffle_seed=None)
+    graphs = engine.enable_graphs(capture=False)
+    free0 = engine.cache.pages_free
+    engine.warm_up([0, 4, 8], batches=(1, 3))
+    assert engine.active_requests == 0 and engine.cache.pages_free == free0
+    assert {(1, 1), (1, 5), (1, 9), (4, 1), (4, 5), (4, 9)} <= set(graphs._buckets)
+
+
 # ============================================================================== 2. chunked prefill
 
 

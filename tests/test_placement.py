@@ -49,3 +49,10 @@ def test_pin_device_leaves_cpu_alone() -> None:
 def test_pin_device_names_a_missing_gpu() -> None:
     with pytest.raises(SettingsError, match="sees 0 GPU"):
         pin_device("cuda:1")
+
+
+def test_rank_device_starts_at_the_configured_gpu() -> None:
+    from services.verifier.ranks import rank_device
+    assert [rank_device("cuda", r) for r in range(2)] == ["cuda:0", "cuda:1"]
+    assert [rank_device("cuda:1", r) for r in range(2)] == ["cuda:1", "cuda:2"]
+    assert rank_device("cpu", 3) == "cpu"

@@ -137,6 +137,7 @@ class VerifierSettings:
     tp_timeout_s: float = 60.0       # a collective waiting longer than this fails the group
     cuda_graphs: bool = True         # verify replays CUDA graphs on GPU (captured per bucket on first use)
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets; larger steps run eagerly
+    warmup_budgets: tuple[int, ...] = (0, 8, 16, 32)   # GPU: compiled and captured at start-up (0 = autoregressive)
     cpu_threads: int = 1             # torch intra-op threads per rank (CPU); spinning threads of several
                                      # processes on the same cores cost 5-10x on a small machine
     metrics_port: int = 0
@@ -152,6 +153,8 @@ class VerifierSettings:
         _check(self.max_context >= 0, "verifier.max_context", "must be >= 0")
         _check(self.prefill_chunk > 0, "verifier.prefill_chunk", "must be > 0")
         _check(all(b >= 1 for b in self.graph_batches), "verifier.graph_batches", "must be >= 1 each")
+        _check(all(0 <= b <= MAX_BUDGET for b in self.warmup_budgets), "verifier.warmup_budgets",
+               f"must be budgets in 0..{MAX_BUDGET}")
         _check(self.ring_slots >= 2, "verifier.ring_slots", "must be >= 2")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "verifier.dtype",
                "must be float32, bfloat16 or float16")

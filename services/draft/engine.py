@@ -103,7 +103,7 @@ class DraftEngine:
                 results[item.request_id] = draft_pb2.StepResult(request_id=item.request_id,
                                                                 error_code=err.code.value[0],
                                                                 error_message=err.message)
-        trees = await asyncio.to_thread(self._draft, verifying, budgets) if verifying else []
+        trees = await asyncio.to_thread(self._on_device, self._draft, verifying, budgets) if verifying else []
         packed = _pack_trees(trees) if trees else None
         t1 = time.perf_counter()
         reply = await self.verifier.step(prefills, [r.request_id for r in verifying], packed,
@@ -130,7 +130,7 @@ class DraftEngine:
                 request_id=res.request_id, token_ids=list(res.token_ids),
                 acceptance_length=len(res.token_ids) if committed is not None else 0)
         if commits:
-            await asyncio.to_thread(self.proposer.commit_many, commits)
+            await asyncio.to_thread(self._on_device, self.proposer.commit_many, commits)
         t2 = time.perf_counter()
         self.metrics.step_ms.labels("draft").observe((t1 - t0) * 1e3)
         self.metrics.step_ms.labels("verify").observe(reply.response.verify_ms)
@@ -162,6 +162,15 @@ class DraftEngine:
         ddtree = req.mode != common_pb2.MODE_AUTOREGRESSIVE
         budgets.append(item.budget if ddtree else 0)
         return None
+
+    def _on_device(self, fn, *args):
+        """Runs ``fn`` with the drafter's GPU current: worker threads start on GPU 0, and kernels
+        (Triton's, and anything using the current stream) launch on the current device."""
+        dev = self.proposer.device
+        if dev.type == "cuda":
+            with torch.cuda.device(dev):
+                return fn(*args)
+        return fn(*args)
 
     def _draft(self, reqs: Sequence[_Request], budgets: Sequence[int]) -> list[_Tree]:
         """One proposal + one batched tree build per (budget, depth cap) group; root-only for AR."""

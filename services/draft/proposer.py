@@ -22,6 +22,7 @@ __all__ = ["Proposer", "DFlashProposer", "OracleProposer", "load_proposer"]
 
 
 class Proposer(Protocol):
+    device: torch.device
     block_size: int
     target_layer_ids: tuple[int, ...]
     hidden_size: int
@@ -46,6 +47,7 @@ class DFlashProposer:
 
     def __init__(self, drafter: DFlashDrafter) -> None:
         self.drafter = drafter
+        self.device = torch.device(drafter.device)
         self.block_size = drafter.block_size
         self.target_layer_ids = tuple(drafter.target_layer_ids)
         self.hidden_size = drafter.config.hidden_size
@@ -79,6 +81,7 @@ class OracleProposer:
     """
 
     def __init__(self, spec: dict) -> None:
+        self.device = torch.device("cpu")
         self.block_size = int(spec["block_size"])
         self.target_layer_ids = tuple(spec["target_layer_ids"])
         self.hidden_size = int(spec["hidden_size"])

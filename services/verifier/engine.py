@@ -98,6 +98,30 @@ class VerifierEngine:
                                    capture=capture, **buckets)
         return self.graphs
 
+    def warm_up(self, budgets: Sequence[int], batches: Sequence[int] = (1, 8, 64)) -> None:
+        """Compile and capture before the first request, not during it: prompts of several lengths
+        (each fused-MoE and attention launch config by token count) and verify steps at each
+        budget and batch (a CUDA graph per bucket). Uses throw-away requests; leaves no state."""
+        lengths = sorted({1, 8, 64, min(self.prefill_chunk, max(1, self.max_context // 4))})
+        rids = [f"__warmup_{i}__" for i in range(max(batches))]
+        for n in lengths:
+            prompt = [1 + (i % (self.vocab_size - 1)) for i in range(n)]
+            self.prefill([PrefillInput(rids[0], prompt, Sampling(), reserve_tokens=n + 1)])
+            self.release(rids[:1])
+        self.prefill([PrefillInput(r, [2, 3, 4], Sampling(), reserve_tokens=3 + 4 * (max(budgets, default=0) + 1))
+                      for r in rids])
+        for b in batches:
+            for budget in budgets:
+                live = [r for r in rids[:b] if r in self._requests]
+                if any(self._requests[r].length + budget + 1 >= self.max_context for r in live):
+                    continue
+                n = budget + 1
+                tokens = torch.tensor([[self._requests[r].pending] + [5] * budget for r in live]).view(-1)
+                parents = torch.arange(-1, budget).repeat(len(live))      # chains
+                depths = torch.arange(n).repeat(len(live))
+                self.verify(live, tokens, parents, depths, torch.full((len(live),), n))
+        self.release(rids)
+
     @property
     def active_requests(self) -> int:
         return len(self._requests)

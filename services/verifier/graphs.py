@@ -17,6 +17,7 @@ gathered before the next replay.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -122,7 +123,13 @@ class VerifyGraphs:
         key = self.bucket_for(len(sizes), max(sizes))
         if key is None:
             raise ValueError(f"no graph bucket holds {len(sizes)} trees of up to {max(sizes)} nodes")
-        b = self._bucket(*key)
+        # Engine calls run in worker threads, whose current device is GPU 0: capture, replay and
+        # the pinned copies must happen on the model's GPU.
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            return self._run(self._bucket(*key), tokens, parents, depths, sizes, prefix_lens, page_ids)
+
+    def _run(self, b: _Bucket, tokens: Tensor, parents: Tensor, depths: Tensor, sizes: Sequence[int],
+             prefix_lens: Sequence[int], page_ids: Sequence[Sequence[int]]) -> ForwardOutput:
         self._load(b, tokens.cpu(), parents.cpu(), depths.cpu(), sizes, prefix_lens, page_ids)
         if self.capture:
             if b.graph is None:

@@ -55,8 +55,12 @@ def worker_loop(engine: VerifierEngine, tp: TensorParallel) -> None:
 
 
 def rank_device(device: str, rank: int) -> str:
-    """`cuda` (or `cuda:0`) spreads ranks over GPUs 0..N-1; `cpu` keeps them all on the CPU."""
-    return f"cuda:{rank}" if device.startswith("cuda") else device
+    """`cuda` / `cuda:0` spreads ranks over GPUs 0..N-1, `cuda:K` over K..K+N-1; `cpu` keeps them all
+    on the CPU."""
+    if not device.startswith("cuda"):
+        return device
+    base = int(device.split(":", 1)[1]) if ":" in device else 0
+    return f"cuda:{base + rank}"
 
 
 def spawn_workers(settings: VerifierSettings, config_path: str | None, init_method: str) -> list[subprocess.Popen]:
