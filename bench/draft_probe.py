@@ -88,7 +88,8 @@ def main() -> None:
         print(rows[-1], flush=True)
     if args.out:
         doc = {"benchmark": "draft-probe", "commit": git_commit(args.commit), "gpu": torch.cuda.get_device_name(0),
-               "copy_gbps": None, "params": vars(args), "rows": rows}
+               "copy_gbps": None,
+               "params": {k: v for k, v in vars(args).items() if k not in ("out", "commit")}, "rows": rows}
         Path(args.out).write_text(json.dumps(doc, indent=2))
 
 

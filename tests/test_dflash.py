@@ -223,3 +223,23 @@ def test_tokenizer_roundtrip(tmp_path: Path) -> None:
     ids = tok.encode(snippet).ids
     assert len(ids) < len(snippet.encode())  # merges were learned and used
     assert tok.decode(ids) == snippet
+
+
+def test_proposer_warm_up_runs_its_shapes_and_keeps_no_context(drafter: DFlashDrafter) -> None:
+    from services.draft.proposer import DFlashProposer
+
+    calls: list[tuple[int, int]] = []
+    proposer = DFlashProposer(drafter)
+    real = drafter.propose
+
+    def spy(ctxs, bonus):
+        calls.append((len(ctxs), ctxs[0].length))
+        return real(ctxs, bonus)
+
+    drafter.propose = spy
+    try:
+        proposer.warm_up([1, 3], [5, 40])
+    finally:
+        del drafter.propose
+    assert calls == [(1, 5), (3, 5), (1, 40), (3, 40)]
+    assert proposer._ctx == {}

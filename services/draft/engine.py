@@ -56,14 +56,18 @@ class DraftEngine:
                                          self.proposer.vocab_size, wait_s=wait_s)
         self.max_context = hs.max_context
 
-    def warm_up(self, budgets: Sequence[int], device: str) -> None:
-        """Builds one tree per budget so the GPU tree kernel compiles before the first request
-        (seconds per budget and depth), not while a user waits."""
+    def warm_up(self, budgets: Sequence[int], device: str,
+                batch_sizes: Sequence[int] = (1, 4, 16, 64), context_lengths: Sequence[int] = (64, 512)) -> None:
+        """Compiles the GPU tree kernel per budget (seconds each) and runs propose over a spread of
+        batch sizes and context lengths, before the first request rather than while users wait."""
         depth = self.proposer.block_size - 1
         vocab = self.proposer.vocab_size
         for budget in budgets:
-            logprobs = torch.log_softmax(torch.randn(1, depth, vocab, device=device), dim=-1)  # [1, D, V]
-            build_trees(logprobs, budget, torch.zeros(1, dtype=torch.int64, device=device))
+            for r in batch_sizes:
+                logprobs = torch.log_softmax(torch.randn(r, depth, vocab, device=device), dim=-1)  # [r, D, V]
+                build_trees(logprobs, budget, torch.zeros(r, dtype=torch.int64, device=device))
+        if torch.device(device).type == "cuda":
+            self.proposer.warm_up(batch_sizes, context_lengths)
 
     def model_info(self) -> common_pb2.ModelInfo:
         hs = self.verifier.handshake

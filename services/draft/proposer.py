@@ -41,6 +41,9 @@ class Proposer(Protocol):
 
     def drop(self, request_id: str) -> None: ...
 
+    def warm_up(self, batch_sizes: Sequence[int], context_lengths: Sequence[int]) -> None:
+        """Run propose over these shapes once, before the first request (GPU: see DFlashProposer)."""
+
 
 class DFlashProposer:
     """The DFlash drafter with one context cache per request."""
@@ -69,6 +72,20 @@ class DFlashProposer:
 
     def drop(self, request_id: str) -> None:
         self._ctx.pop(request_id, None)
+
+    def warm_up(self, batch_sizes: Sequence[int], context_lengths: Sequence[int]) -> None:
+        """Proposes over throw-away contexts of each (batch, length). Why: on the GPU, the first
+        steps of a fresh draft service took 30-80 ms of host time in propose against 4-5 ms for
+        the same call in a warm process (bench/results/draft-probe.json), falling as a run met more
+        shapes; loading each kernel the first time a shape needs it is the likely cost, and this
+        pays it at start-up instead of during the first requests."""
+        width = self.drafter.config.num_features
+        for n in context_lengths:
+            ctx = self.drafter.new_context()
+            self.drafter.extend_context(ctx, torch.randn(n, width, device=self.drafter.device,
+                                                         dtype=self.drafter.dtype))
+            for r in batch_sizes:
+                self.drafter.propose([ctx] * r, torch.zeros(r, dtype=torch.int64))
 
 
 class OracleProposer:
@@ -135,6 +152,9 @@ class OracleProposer:
 
     def drop(self, request_id: str) -> None:
         self._history.pop(request_id, None)
+
+    def warm_up(self, batch_sizes: Sequence[int], context_lengths: Sequence[int]) -> None:
+        pass   # host-only test drafter: nothing to compile or load
 
 
 def load_proposer(drafter_path: str, target_path: str, dtype: torch.dtype, device: str) -> Proposer:
