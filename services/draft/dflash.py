@@ -22,6 +22,7 @@ from services.common.checkpoint import CheckpointError, load_tensors, read_confi
 from services.draft.config import DraftConfig
 
 _MIN_CAPACITY = 64
+CONTEXT_BUCKET = 64   # propose pads context keys to a multiple of this (see DFlashDrafter.propose)
 
 
 @dataclass
@@ -300,7 +301,7 @@ class DFlashDrafter:
     def propose(self, ctxs: Sequence[DraftContext], bonus_tokens: Tensor) -> Tensor:
         """Draft log-probs for block positions 1..B-1 of every request, in one batched forward.
 
-        Requests with different context lengths are right-padded to the longest and the padding
+        Contexts are right-padded to the longest, rounded up to CONTEXT_BUCKET, and the padding
         keys masked out, so each row equals what that request would get alone.
         bonus_tokens: [R] int64 (the pending token at position ctx.length).
         Returns [R, block_size - 1, V] float32 log-probs.
@@ -313,7 +314,10 @@ class DFlashDrafter:
             return torch.zeros(0, B - 1, c.vocab_size, dtype=torch.float32, device=self.device)
         dev, H, kvh, hd = self.device, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         lens = [cx.length for cx in ctxs]
-        l_max = max(lens)
+        # Context keys padded to a multiple of CONTEXT_BUCKET (masked): the attention and matmul
+        # shapes then change every 64 tokens, not every step, so per-shape costs on the GPU
+        # (kernel selection and loading, attention plans) are paid once per bucket.
+        l_max = -(-max(lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
         lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)  # [R]
 
         ids = torch.full((R, B), c.mask_token_id, dtype=torch.int64, device=dev)  # [R, B]
@@ -329,7 +333,7 @@ class DFlashDrafter:
             ctx_k[:, r, : cx.length] = cx.keys[:, : cx.length]
             ctx_v[:, r, : cx.length] = cx.values[:, : cx.length]
         mask = None
-        if min(lens) != l_max:
+        if min(lens) != l_max:   # padded or ragged contexts
             ctx_valid = torch.arange(l_max, device=dev)[None, :] < lens_t[:, None]  # [R, Lmax]
             block_valid = torch.ones(R, B, dtype=torch.bool, device=dev)  # [R, B]
             mask = torch.cat([ctx_valid, block_valid], dim=1)[:, None, None, :]  # [R, 1, 1, Lmax+B]
