@@ -244,6 +244,20 @@ def test_router_grouped_topk_hand_computed() -> None:
     assert sorted(r.weights[0].tolist()) == pytest.approx([0.5 * 2.5, 0.6 * 2.5])
 
 
+def test_router_with_every_group_kept_is_plain_topk() -> None:
+    """K2's router (one group, or topk_group == n_group) skips the group pass; same choice as
+    running it."""
+    g = torch.Generator().manual_seed(4)
+    scores, bias = torch.rand(7, 16, generator=g), 0.1 * torch.randn(16, generator=g)
+    for n_group in (1, 4):
+        fast = select_experts(scores, bias, top_k=3, n_group=n_group, topk_group=n_group, norm_topk_prob=True,
+                              routed_scaling_factor=2.0)
+        want = (scores + bias).topk(3, dim=-1).indices
+        assert torch.equal(fast.ids, want)
+        w = scores.gather(1, want)
+        torch.testing.assert_close(fast.weights, w / w.sum(-1, keepdim=True) * 2.0)
+
+
 def test_paged_cache_reserve_free_write() -> None:
     cache = PagedKVCache(2, 5, 4, 3, torch.float32, "cpu", shuffle_seed=0)
     cache.reserve("a", 9)  # 3 pages

@@ -149,12 +149,15 @@ def select_experts(
     """
     N, E = scores.shape
     choice = scores + bias.to(scores.dtype)  # [N, E]
-    grouped = choice.view(N, n_group, E // n_group)  # [N, G, E/G]
-    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
-    keep_groups = group_scores.topk(topk_group, dim=-1).indices  # [N, topk_group]
-    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)  # [N, G]
-    expert_mask = group_mask.unsqueeze(-1).expand(N, n_group, E // n_group).reshape(N, E)  # [N, E]
-    masked = choice.masked_fill(~expert_mask, float("-inf"))  # [N, E]
+    if topk_group >= n_group:   # every group kept (Kimi-K2: one group): the group pass selects nothing
+        masked = choice
+    else:
+        grouped = choice.view(N, n_group, E // n_group)  # [N, G, E/G]
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+        keep_groups = group_scores.topk(topk_group, dim=-1).indices  # [N, topk_group]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)  # [N, G]
+        expert_mask = group_mask.unsqueeze(-1).expand(N, n_group, E // n_group).reshape(N, E)  # [N, E]
+        masked = choice.masked_fill(~expert_mask, float("-inf"))  # [N, E]
     ids = masked.topk(top_k, dim=-1).indices  # [N, k]
     w = scores.gather(1, ids)  # [N, k]
     if top_k > 1 and norm_topk_prob:
