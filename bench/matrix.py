@@ -58,6 +58,7 @@ class MatrixParams:
     cell_timeout_s: float = 300.0  # a cell still running after this is cancelled and marked timed_out
     time_budget_s: float = 0.0     # 0 = unbounded; cells not started within it are recorded as skipped
     warmup_tokens: int = 8         # per (context, mode) warm-up request pair before the matrix; 0 = none
+    power: bool = True             # sample GPU power; off isolates the sampler's cost (see BENCHMARKS.md)
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,18 @@ class PowerSampler:
     """GPU power (W) and utilisation (%) every 100 ms while a cell runs: NVML when the bindings are
     installed, else `nvidia-smi` (the GPU image may lack pynvml), else nothing (no GPU)."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._read: Callable[[], tuple[float, float]] | None = _nvml_reader() or _smi_reader()
+        self._read: Callable[[], tuple[float, float]] | None = None
+        self.source = "off"
+        if enabled:
+            for source, reader in (("nvml", _nvml_reader), ("nvidia-smi", _smi_reader)):
+                self._read = reader()
+                if self._read is not None:
+                    self.source = source
+                    break
 
     def __enter__(self) -> PowerSampler:
         if self._read is not None:
@@ -301,13 +309,13 @@ def run_matrix(p: MatrixParams, progress: bool = True,
             rows.append(_empty_row(cell, "skipped"))
         else:
             before = _stage_totals(p.draft_metrics)
-            with PowerSampler() as power:   # the last cell is cut at the deadline, so the run ends by it
+            with PowerSampler(p.power) as power:   # the last cell is cut at the deadline, so the run ends by it
                 stats = asyncio.run(_run_cell(p, cell, p.max_tokens, stream, min(p.cell_timeout_s, left)))
             watts, util = power.mean()
             rows.append({"context": cell.context, "concurrency": cell.concurrency, "mode": cell.mode,
                          "budget": cell.budget or None, **stats,
                          "step_split_ms": _split(before, _stage_totals(p.draft_metrics)),
-                         "power_w": watts, "gpu_util": util})
+                         "power_w": watts, "gpu_util": util, "power_source": power.source})
             if stats["status"] == "timed_out":
                 time.sleep(1.0)   # let the scheduler retire the aborted requests before the next cell
         if on_row is not None:

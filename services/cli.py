@@ -142,7 +142,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                           budgets=args.budgets, max_tokens=args.max_tokens, temperature=args.temperature,
                           draft_metrics=args.draft_metrics, vocab_high=args.vocab_high, prompt_file=args.prompt_file,
                           cell_timeout_s=args.cell_timeout, time_budget_s=args.time_budget,
-                          warmup_tokens=args.warmup_tokens)
+                          warmup_tokens=args.warmup_tokens, power=not args.no_power)
     out = Path(args.out)
     name = out.stem
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # unwind: stop the stack
@@ -250,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds for warm-up and cells (0 = unbounded): the cell running at the end is cut "
                    "(timed_out), cells not started are recorded as skipped")
     b.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the warm-up requests (0 = none)")
+    b.add_argument("--no-power", action="store_true", help="do not sample GPU power (NVML / nvidia-smi)")
     b.add_argument("--commit", default="", help="commit to record (default: git HEAD, where there is a .git)")
     b.add_argument("--out", default="bench/results/matrix-demo.json")
     b.add_argument("--spawn-stack", default="", metavar="MODEL",

@@ -149,3 +149,10 @@ def test_split_overhead_end_to_end(tmp_path, ckpt):
     st = rows["three_process"]
     assert st["identical_outputs"] == 2 and st["transport"] == "shm"
     assert st["ratio"] == pytest.approx(st["tok_s"] / rows["in_process"]["tok_s"], abs=1e-3)
+
+
+def test_power_sampler_off_reads_nothing() -> None:
+    from bench.matrix import PowerSampler
+    with PowerSampler(enabled=False) as sampler:
+        pass
+    assert sampler.source == "off" and sampler.mean() == (None, None)
