@@ -60,14 +60,15 @@ class DraftEngine:
                 batch_sizes: Sequence[int] = (1, 4, 16, 64), context_lengths: Sequence[int] = (64, 512)) -> None:
         """Compiles the GPU tree kernel per budget (seconds each) and runs propose over a spread of
         batch sizes and context lengths, before the first request rather than while users wait."""
+        if torch.device(device).type != "cuda":
+            return   # nothing is compiled or loaded lazily on the CPU path
         depth = self.proposer.block_size - 1
         vocab = self.proposer.vocab_size
         for budget in budgets:
             for r in batch_sizes:
                 logprobs = torch.log_softmax(torch.randn(r, depth, vocab, device=device), dim=-1)  # [r, D, V]
                 build_trees(logprobs, budget, torch.zeros(r, dtype=torch.int64, device=device))
-        if torch.device(device).type == "cuda":
-            self.proposer.warm_up(batch_sizes, context_lengths)
+        self.proposer.warm_up(batch_sizes, context_lengths)
 
     def model_info(self) -> common_pb2.ModelInfo:
         hs = self.verifier.handshake
