@@ -33,6 +33,7 @@ from tqdm import tqdm
 from bench.common import git_commit
 from ddtree.v1 import common_pb2
 from services.common.launcher import StackSpec, free_port
+from services.common.settings import SchedulerSettings
 from services.scheduler.client import AsyncClient, ClientError
 
 __all__ = ["MatrixParams", "Cell", "cell_plan", "run_matrix", "write_results", "stack_spec", "check_fits",
@@ -324,7 +325,6 @@ def run_matrix(p: MatrixParams, progress: bool = True,
 
 
 # ---- sizing a stack for the matrix --------------------------------------------------------------
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _kv_tokens_per_request(p: MatrixParams, block_size: int, page_size: int) -> int:
@@ -338,14 +338,16 @@ def stack_spec(p: MatrixParams, model: str, device: str, dtype: str, log_path: s
                page_size: int = 16) -> tuple[StackSpec, str]:
     """A stack that runs every cell unqueued: batch and queue hold the largest concurrency, the KV
     cache all its requests at the largest context, and the verifier's shared-buffer slots the
-    features of one step that prefills all of them at once (a slot too small falls back to inline
-    gRPC bytes, which stop at 64 MB). Returns the spec and the draft's metrics address."""
+    features of one step (the scheduler admits at most `max_prefill_tokens` prompt tokens a step,
+    plus every request's tree; the verifier sends float32 features; a slot too small falls back to
+    inline gRPC bytes, slow). Returns the spec and the draft's metrics address."""
     from services.draft.config import DraftConfig
 
     drafter = DraftConfig.from_hf(json.loads((Path(model) / "drafter" / "config.json").read_text()))
     conc = max(p.concurrencies)
     kv_tokens = conc * _kv_tokens_per_request(p, drafter.block_size, page_size)
-    feature_bytes = conc * max(p.contexts) * drafter.num_features * _ITEMSIZE[dtype]
+    rows = min(conc * max(p.contexts), SchedulerSettings().max_prefill_tokens) + conc * (max(p.budgets, default=0) + 1)
+    feature_bytes = rows * drafter.num_features * 4   # float32 on the wire, whatever the model dtype
     metrics_port = free_port()
     env = {
         "DDTREE_VERIFIER_DEVICE": device, "DDTREE_DRAFT_DEVICE": device,

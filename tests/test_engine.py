@@ -18,6 +18,7 @@ import torch
 
 from services.draft.tree import ancestor_mask, build_trees
 from services.verifier.engine import PrefillInput, VerifierEngine
+from services.verifier.graphs import BATCH_BUCKETS
 from services.verifier.make_target import write_random_target
 from services.verifier.model import TargetModel
 from services.verifier.reference import ReferenceModel
@@ -221,6 +222,11 @@ def test_warm_up_runs_every_bucket_and_leaves_no_state(target: Target) -> None:
     engine.warm_up([0, 4, 8], batches=(1, 3))
     assert engine.active_requests == 0 and engine.cache.pages_free == free0
     assert {(1, 1), (1, 5), (1, 9), (4, 1), (4, 5), (4, 9)} <= set(graphs._buckets)
+    # The drafter names its feature layers only at its handshake, after this warm-up: the same
+    # graphs object keeps its buckets and settings (a GPU recaptures them there and then).
+    engine.set_feature_layers([0, 1])
+    assert engine.graphs is graphs and graphs.feature_layers == (0, 1)
+    assert {(1, 1), (4, 9)} <= set(graphs._buckets) and graphs.batch_buckets == tuple(BATCH_BUCKETS)
 
 
 # ============================================================================== 2. chunked prefill

@@ -44,6 +44,7 @@ INLINE_HOST_BYTES = 64 << 10   # host payloads up to this size go inline (see Cu
 
 _HANDLE_VERSION = 1
 _NO_REFCOUNT = b"/ddtree-cuda-ipc-owner-counts"   # a counter file no process creates (see the module doc)
+_TORCH_REFCOUNT_SLOTS = 10000   # entries in one of torch's CUDA IPC counter files (CUDA_IPC_REF_COUNTER_FILE_SIZE)
 
 
 @dataclass(frozen=True)
@@ -214,9 +215,14 @@ class CudaIpcWriter(RingWriter):
 def _open_ring(h: RingHandle, index: int, num_slots: int, slot_bytes: int) -> torch.Tensor:
     """Maps the owner's ring on this process's `index` (the owner's GPU); [num_slots, slot_bytes] uint8."""
     torch.cuda.init()
+    # torch maps the named counter file and decrements an int64 at the offset when the mapping is
+    # released: accept only a counter file of torch's own naming and size (the owner's fallback
+    # where it cannot disown its count), never an arbitrary file a peer names.
+    rc_handle, rc_offset = h.ref_counter_handle, h.ref_counter_offset
+    if not (rc_handle.startswith(b"/torch_") and 0 <= rc_offset < _TORCH_REFCOUNT_SLOTS):
+        rc_handle, rc_offset = _NO_REFCOUNT, 0
     storage = torch.UntypedStorage._new_shared_cuda(index, h.handle, h.size_bytes, h.offset_bytes,
-                                                    h.ref_counter_handle, h.ref_counter_offset, h.event_handle,
-                                                    h.event_sync_required)
+                                                    rc_handle, rc_offset, h.event_handle, h.event_sync_required)
     buf = torch.empty((0,), dtype=torch.uint8, device=torch.device("cuda", index))
     return buf.set_(storage, 0, (num_slots, slot_bytes), (slot_bytes, 1))
 

@@ -135,7 +135,7 @@ class VerifierSettings:
     ring_slot_bytes: int = 8 << 20
     tp: int = 1                      # tensor-parallel ranks (processes); device "cuda" puts rank i on GPU i
     tp_timeout_s: float = 60.0       # a collective waiting longer than this fails the group
-    cuda_graphs: bool = True         # verify replays CUDA graphs on GPU (captured per bucket on first use)
+    cuda_graphs: bool = True         # verify replays CUDA graphs on GPU (warm-up captures; other buckets on first use)
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets; larger steps run eagerly
     warmup_budgets: tuple[int, ...] = (0, 8, 16, 32)   # GPU: compiled and captured at start-up (0 = autoregressive)
     cpu_threads: int = 1             # torch intra-op threads per rank (CPU); spinning threads of several

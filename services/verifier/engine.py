@@ -89,8 +89,8 @@ class VerifierEngine:
                                f"feature_layer_ids {bad} outside the target's {n} layers")
         self.feature_layers = tuple(int(i) for i in layer_ids)
         self._feature_width = len(self.feature_layers) * self._hidden
-        if self.graphs is not None and self.graphs.feature_layers != self.feature_layers:
-            self.enable_graphs(capture=self.graphs.capture)   # captures bake the feature layers in
+        if self.graphs is not None:
+            self.graphs.set_feature_layers(self.feature_layers)   # captures bake them in: recaptured
 
     def enable_graphs(self, capture: bool = True, **buckets) -> VerifyGraphs:
         """Verify through padded buckets (CUDA graphs when ``capture``); steps no bucket holds run eagerly."""
@@ -230,13 +230,14 @@ class VerifierEngine:
         dev = self.model_device
         sel = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in live])
         reqs = [self._requests[request_ids[i]] for i in live]
-        flat_tokens = tokens[sel].to(dev)                                          # [N]
-        flat_depths = depths[sel].to(dev)                                          # [N]
         live_sizes = [sizes_l[i] for i in live]
         if self.graphs is not None and self.graphs.bucket_for(len(live), max(live_sizes)) is not None:
-            out = self.graphs.run(flat_tokens, parents[sel], flat_depths, live_sizes,
+            # host tensors: the graph path pads them on the host and copies once
+            out = self.graphs.run(tokens[sel], parents[sel], depths[sel], live_sizes,
                                   [r.length for r in reqs], [self.cache.page_ids(r.request_id) for r in reqs])
         else:
+            flat_tokens = tokens[sel].to(dev)                                      # [N]
+            flat_depths = depths[sel].to(dev)                                      # [N]
             starts = torch.repeat_interleave(torch.tensor([r.length for r in reqs], device=dev),
                                              torch.tensor(live_sizes, device=dev))  # [N]
             masks = [ancestor_mask(parents[offsets[i]:offsets[i + 1]].to(dev)) for i in live]

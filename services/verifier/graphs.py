@@ -96,9 +96,20 @@ class VerifyGraphs:
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
-    @property
-    def max_batch(self) -> int:
-        return self.batch_buckets[-1]
+    def set_feature_layers(self, layers: Sequence[int]) -> None:
+        """The drafter named its feature layers (at its handshake, after the start-up warm-up): a
+        graph returns the layers it was captured with, so recapture every captured bucket now,
+        from its current inputs (always a valid batch), rather than during a later step."""
+        layers = tuple(layers)
+        if layers == self.feature_layers:
+            return
+        self.feature_layers = layers
+        for b in self._buckets.values():
+            b.output = None
+            if b.graph is not None:
+                b.graph = None
+                with torch.cuda.device(self.device):
+                    self._capture(b)
 
     def bucket_for(self, batch: int, max_nodes: int) -> tuple[int, int] | None:
         """Smallest (batch, nodes) bucket holding the step, or None (the caller runs eagerly)."""
@@ -203,7 +214,9 @@ class VerifyGraphs:
             self._forward(b)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a handshake mapping a new peer's ring on another thread (cudaMalloc, IPC
+        # handles) must not invalidate this capture, nor fail itself.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             b.output = self._forward(b)
         b.graph = graph
         log.info("graph_captured", batch=b.batch, nodes=b.nodes, seconds=round(time.perf_counter() - t0, 2))

@@ -229,14 +229,14 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
     if settings.cuda_graphs and model.capturable:
         graphs = engine.enable_graphs(batch_buckets=settings.graph_batches)
         log.info("cuda_graphs", batch_buckets=list(graphs.batch_buckets), node_buckets=list(graphs.node_buckets))
+    elif settings.cuda_graphs and model.device.type == "cuda":
+        log.warning("cuda_graphs_off", reason="MoE experts run the torch loop (needs INT4 experts and a "
+                    "bfloat16/float16 dtype for the fused kernel); verify runs eagerly")
     if model.device.type == "cuda" and settings.warmup_budgets:
         t0 = time.perf_counter()
         engine.warm_up(settings.warmup_budgets)
         log.info("verifier_warm", budgets=list(settings.warmup_budgets), seconds=round(time.perf_counter() - t0, 2),
                  graphs=len(engine.graphs.captured) if engine.graphs is not None else 0)
-    elif settings.cuda_graphs and model.device.type == "cuda":
-        log.warning("cuda_graphs_off", reason="MoE experts run the torch loop (needs INT4 experts and a "
-                    "bfloat16/float16 dtype for the fused kernel); verify runs eagerly")
     return engine
 
 
