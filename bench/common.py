@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["git_commit", "measure_copy_gbps", "graph_replay_us", "eager_us"]
+__all__ = ["git_commit", "measure_copy_gbps", "graph_replay_us", "replay_ms", "eager_us", "wall_ms"]
 
 
 def git_commit(explicit: str | None = None) -> str:
@@ -58,6 +59,13 @@ def graph_replay_us(calls: Sequence[Callable[[], object]], reps: int = 20, warmu
     with torch.cuda.graph(graph):
         for c in calls:
             c()
+    us = replay_ms(graph, reps) * 1e3 / len(calls)
+    del graph
+    return us
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
+    """Milliseconds per replay of a captured graph (CUDA events), median of `reps` after one."""
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -67,8 +75,25 @@ def graph_replay_us(calls: Sequence[Callable[[], object]], reps: int = 20, warmu
         graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    del graph
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def wall_ms(fn: Callable[[], object], reps: int = 10) -> float:
+    """Wall milliseconds of a whole call, host work included, synchronised around each (any
+    device); median of `reps` after one warm-up call."""
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
 
 

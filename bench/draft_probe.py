@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from bench.common import git_commit
+from bench.common import git_commit, wall_ms
 from services.draft.dflash import DFlashDrafter
 from services.draft.tree import build_trees
 
@@ -30,16 +28,6 @@ def _variants() -> int:
         return sum(len(c[0]) for c in _tree_build_kernel.device_caches.values())
     except (ImportError, AttributeError, TypeError, IndexError):
         return -1
-
-
-def _timed(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -79,10 +67,10 @@ def main() -> None:
         tree()   # compile
         before = _variants()
         row = {"budget": budget, "context": args.context,
-               "propose_ms": _timed(propose, args.reps), "tree_ms": _timed(tree, args.reps),
-               "step_ms": _timed(both, args.reps),
-               "step_ms_worker_thread": _timed(lambda: pool.submit(both).result(), args.reps),
-               "tree_ms_worker_thread": _timed(lambda: pool.submit(tree).result(), args.reps)}
+               "propose_ms": wall_ms(propose, args.reps), "tree_ms": wall_ms(tree, args.reps),
+               "step_ms": wall_ms(both, args.reps),
+               "step_ms_worker_thread": wall_ms(lambda: pool.submit(both).result(), args.reps),
+               "tree_ms_worker_thread": wall_ms(lambda: pool.submit(tree).result(), args.reps)}
         row["tree_kernel_variants"] = [before, _variants()]
         rows.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
         print(rows[-1], flush=True)

@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 
-from bench.common import git_commit, measure_copy_gbps
+from bench.common import git_commit, measure_copy_gbps, wall_ms
 from kernels.int4_moe import CONFIG_ENV
 from services.common.settings import VerifierSettings
 from services.draft.tree import ancestor_mask, build_trees
@@ -46,18 +45,6 @@ def random_trees(engine: VerifierEngine, rids: list[str], budget: int, g: torch.
     sizes = tb.sizes.tolist()
     cat = lambda t: torch.cat([t[i, :n] for i, n in enumerate(sizes)])  # noqa: E731
     return cat(tb.tokens), cat(tb.parents), cat(tb.depths), sizes
-
-
-def timed_ms(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -136,8 +123,8 @@ def main() -> None:
                 "greedy_agreement_vs_unpadded": round(agree_e, 5),
                 "max_abs_logit_diff_graph_vs_reference": round(float((logits_g - ref).abs().max()), 5),
                 "max_abs_logit_diff_unpadded_vs_reference": round(float((out_e.logits - ref).abs().max()), 5),
-                "graph_ms": round(timed_ms(run_graph), 3),
-                "eager_ms": round(timed_ms(run_eager), 3),
+                "graph_ms": round(wall_ms(run_graph), 3),
+                "eager_ms": round(wall_ms(run_eager), 3),
             }
             rows.append(row)
             print(row, flush=True)

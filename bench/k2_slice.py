@@ -66,7 +66,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
-from bench.common import git_commit, measure_copy_gbps  # noqa: E402
+from bench.common import git_commit, measure_copy_gbps, replay_ms  # noqa: E402
 from services.draft.tree import build_trees  # noqa: E402
 from services.verifier import model as model_mod  # noqa: E402
 from services.verifier import moe as moe_mod  # noqa: E402
@@ -517,16 +517,7 @@ def time_replay_ms(graphs: VerifyGraphs, key: tuple[int, int], reps: int) -> flo
     graph = getattr(bucket, "graph", None)
     if graph is None:
         return None
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return replay_ms(graph, reps)
 
 
 # ------------------------------------------------------------------------------------------ cases

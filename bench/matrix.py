@@ -154,7 +154,7 @@ def _smi_reader() -> Callable[[], tuple[float, float]] | None:
 
 
 # ---- the stack's own numbers --------------------------------------------------------------------
-def _stage_totals(metrics_address: str) -> dict[str, tuple[float, float]]:
+def stage_totals(metrics_address: str) -> dict[str, tuple[float, float]]:
     """(sum_ms, count) per stage from a /metrics page; {} when there is none or it does not answer."""
     if not metrics_address:
         return {}
@@ -309,13 +309,13 @@ def run_matrix(p: MatrixParams, progress: bool = True,
         if left <= 0:
             rows.append(_empty_row(cell, "skipped"))
         else:
-            before = _stage_totals(p.draft_metrics)
+            before = stage_totals(p.draft_metrics)
             with PowerSampler(p.power) as power:   # the last cell is cut at the deadline, so the run ends by it
                 stats = asyncio.run(_run_cell(p, cell, p.max_tokens, stream, min(p.cell_timeout_s, left)))
             watts, util = power.mean()
             rows.append({"context": cell.context, "concurrency": cell.concurrency, "mode": cell.mode,
                          "budget": cell.budget or None, **stats,
-                         "step_split_ms": _split(before, _stage_totals(p.draft_metrics)),
+                         "step_split_ms": _split(before, stage_totals(p.draft_metrics)),
                          "power_w": watts, "gpu_util": util, "power_source": power.source})
             if stats["status"] == "timed_out":
                 time.sleep(1.0)   # let the scheduler retire the aborted requests before the next cell

@@ -11,25 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import urllib.request
 from pathlib import Path
 
 from bench.common import git_commit
+from bench.matrix import stage_totals
 from services.common.launcher import Stack, StackSpec, free_port
 from services.scheduler.client import Client
-
-
-def stage_totals(address: str) -> dict[str, tuple[float, float]]:
-    """(sum_ms, count) per stage of `ddtree_step_ms`."""
-    page = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    out: dict[str, list[float]] = {}
-    for line in page.splitlines():
-        for kind in ("sum", "count"):
-            prefix = f'ddtree_step_ms_{kind}{{stage="'
-            if line.startswith(prefix):
-                stage = line[len(prefix):].split('"')[0]
-                out.setdefault(stage, [0.0, 0.0])[0 if kind == "sum" else 1] = float(line.split()[-1])
-    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def main() -> None:

@@ -35,7 +35,6 @@ from kernels.tree_mla import (
     TreeAttentionDeviceMetadata,
     TreeAttentionMetadata,
     TreeMlaConfig,
-    pack_ancestor_bits,
     tree_mla_reference,
     tree_mla_triton,
 )
