@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from ddtree.v1 import verifier_pb2_grpc
+from ddtree.v1 import verifier_pb2, verifier_pb2_grpc
 from services.common.grpc_server import ServiceError
 from services.common.metrics import Metrics
 from services.common.settings import VerifierSettings
@@ -27,8 +27,8 @@ from services.verifier import server as verifier_server
 from services.verifier.server import VerifierServicer
 
 HIDDEN, VOCAB = 64, 512
-# A draft that goes before its verify stream reached the verifier leaves its peer registered (no
-# handler ever runs to drop it; a known gap), so the tests close only once the stream is open.
+# A draft that goes before its verify stream reached the verifier is dropped only after
+# `peer_stream_timeout_s`, so the tests close once the stream is open.
 _STREAM_OPEN_S = 0.05
 
 
@@ -57,9 +57,11 @@ class _Group:
         return 0 if name == "release_owner" else None
 
 
-async def _serve(verifier_device: str) -> tuple[grpc.aio.Server, VerifierServicer, Metrics, str]:
+async def _serve(verifier_device: str, peer_stream_timeout_s: float = 30.0
+                 ) -> tuple[grpc.aio.Server, VerifierServicer, Metrics, str]:
     metrics = Metrics("verifier")
-    servicer = VerifierServicer(_Group(), VerifierSettings(device=verifier_device, ring_slot_bytes=8192), metrics)
+    settings = VerifierSettings(device=verifier_device, ring_slot_bytes=8192, peer_stream_timeout_s=peer_stream_timeout_s)
+    servicer = VerifierServicer(_Group(), settings, metrics)
     server = grpc.aio.server()
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -164,3 +166,29 @@ def test_a_vanishing_draft_always_leaves_nothing_behind() -> None:
         return left
 
     assert asyncio.run(cycles()) == [0] * 12
+
+
+def test_a_draft_that_never_opens_its_stream_is_dropped() -> None:
+    """Hand-shake, then die (or give up on our ring) before the verify stream: nothing would end a
+    stream, so the verifier drops the peer and its rings after `peer_stream_timeout_s`."""
+    async def scenario() -> tuple[list[str], list[str], float]:
+        server, servicer, metrics, address = await _serve("cpu", peer_stream_timeout_s=0.3)
+        try:
+            stub = verifier_pb2_grpc.VerifierStub(grpc.aio.insecure_channel(address))
+            await stub.Handshake(verifier_pb2.HandshakeRequest(
+                draft_id="silent", feature_layer_ids=[1], hidden_size=HIDDEN, vocab_size=VOCAB,
+                transports=["inline"]))
+            before = sorted(servicer._peers)
+            streaming = VerifierClient(address, "auto", ring_slots=2, ring_slot_bytes=8192, device="cpu")
+            await streaming.connect([1, 2], HIDDEN, VOCAB)
+            await asyncio.sleep(0.8)
+            after = sorted(servicer._peers)
+            gauge = metrics.peers._value.get()
+            await streaming.close()
+            return before, after, gauge
+        finally:
+            await server.stop(None)
+
+    before, after, gauge = asyncio.run(scenario())
+    assert before == ["silent"]
+    assert len(after) == 1 and "silent" not in after and gauge == 1   # the streaming draft stays

@@ -135,6 +135,7 @@ class VerifierSettings:
     ring_slot_bytes: int = 8 << 20
     tp: int = 1                      # tensor-parallel ranks (processes); device "cuda" puts rank i on GPU i
     tp_timeout_s: float = 60.0       # a collective waiting longer than this fails the group
+    peer_stream_timeout_s: float = 30.0   # a draft that hand-shook but opened no stream by then is dropped
     cuda_graphs: bool = True         # verify replays CUDA graphs on GPU (warm-up captures; other buckets on first use)
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets; larger steps run eagerly
     warmup_budgets: tuple[int, ...] = (0, 8, 16, 32)   # GPU: compiled and captured at start-up (0 = autoregressive)
@@ -147,6 +148,7 @@ class VerifierSettings:
         _check(1 <= self.tp <= 8, "verifier.tp", "must be in 1..8")
         _check(self.cpu_threads >= 1, "verifier.cpu_threads", "must be >= 1")
         _check(self.tp_timeout_s > 0, "verifier.tp_timeout_s", "must be > 0")
+        _check(self.peer_stream_timeout_s > 0, "verifier.peer_stream_timeout_s", "must be > 0")
         _check(0 <= self.port < 65536, "verifier.port", f"{self.port} is not a TCP port")
         _check(self.page_size > 0, "verifier.page_size", "must be > 0")
         _check(self.kv_capacity_tokens >= self.page_size, "verifier.kv_capacity_tokens", "must hold one page")

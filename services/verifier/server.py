@@ -58,6 +58,7 @@ class _Peer:
     draft_id: str
     writer: TensorWriter
     reader: TensorReader
+    streamed: bool = False   # its verify stream reached us (from then on the stream's end drops it)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -109,8 +110,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return verifier_pb2.HandshakeResponse(transport=usable[1])   # the draft retries with that kind
         writer = make_writer(kind, self.settings.ring_slot_bytes, self.settings.ring_slots, "ddtree-verifier",
                              device=self.engine.model_device)
-        self._peers[request.draft_id] = _Peer(request.draft_id, writer, reader)
+        peer = _Peer(request.draft_id, writer, reader)
+        self._peers[request.draft_id] = peer
         self._observe()
+        # A draft that dies (or gives up on our ring) before opening its stream never runs the
+        # stream's clean-up: its rings would stay mapped until we restart.
+        asyncio.get_running_loop().call_later(
+            self.settings.peer_stream_timeout_s,
+            lambda: self._track(asyncio.ensure_future(self._expire_if_silent(peer))))
         log.info("handshake", draft_id=request.draft_id, transport=kind,
                  feature_layers=list(request.feature_layer_ids))
         return verifier_pb2.HandshakeResponse(
@@ -127,6 +134,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if peer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no handshake for draft-id {draft_id!r}; call Handshake first")
+        peer.streamed = True
         try:
             async for req in request_iterator:
                 yield await self._locked(self._step, peer, req)
@@ -134,10 +142,20 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             # The stream ended (cleanly or because the draft died): nothing it held may leak. gRPC
             # cancels a dead draft's handler, and a cancelled await would cancel the clean-up before
             # its thread started (the dead draft's requests, KV pages and ring stayed), so it is shielded.
-            cleanup = asyncio.ensure_future(self._locked(self._end_stream, draft_id, peer))
-            self._cleanups.add(cleanup)
-            cleanup.add_done_callback(self._cleanups.discard)
+            cleanup = self._track(asyncio.ensure_future(self._locked(self._end_stream, draft_id, peer)))
             await asyncio.shield(cleanup)
+
+    def _track(self, future: asyncio.Future) -> asyncio.Future:
+        """Keeps a background clean-up referenced until it finishes."""
+        self._cleanups.add(future)
+        future.add_done_callback(self._cleanups.discard)
+        return future
+
+    async def _expire_if_silent(self, peer: _Peer) -> None:
+        if not peer.streamed and self._peers.get(peer.draft_id) is peer:
+            await self._locked(self._end_stream, peer.draft_id, peer)
+            log.warning("peer_expired", draft_id=peer.draft_id, reason="no verify stream after the handshake",
+                        timeout_s=self.settings.peer_stream_timeout_s)
 
     async def _locked(self, fn, *args):
         """Runs `fn` in a worker thread holding the engine lock for all of it."""
