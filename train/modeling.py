@@ -64,6 +64,15 @@ def _key(name: str) -> str:
     return name.replace(".", "__")
 
 
+
+def _init_weight(name: str, shape: tuple[int, ...], g: torch.Generator, out_std: float) -> Tensor:
+    """Norms start at one; output projections (o_proj, down_proj) at the depth-scaled `out_std`,
+    so the residual stream's variance does not grow with depth; everything else at 0.02."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+    return torch.randn(shape, generator=g) * std
+
 class KVCache:
     """Per-layer K/V of an incremental greedy rollout (all rows of the batch share one length)."""
 
@@ -98,12 +107,7 @@ class TrainTarget(nn.Module):
             if name.endswith("e_score_correction_bias"):
                 self.register_buffer(_key(name), torch.zeros(shape))
                 continue
-            if name.endswith("norm.weight"):
-                t = torch.ones(shape)
-            else:
-                std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-                t = torch.randn(shape, generator=g) * std
-            self.params[_key(name)] = nn.Parameter(t)
+            self.params[_key(name)] = nn.Parameter(_init_weight(name, shape, g, out_std))
         E, I, D = c.n_routed_experts or 0, c.moe_intermediate_size, c.hidden_size
         for i in range(c.num_hidden_layers):
             if not c.is_moe_layer(i):
@@ -340,12 +344,7 @@ class TrainDrafter(nn.Module):
             })
         self.params = nn.ParameterDict()
         for name, shape in shapes.items():
-            if name.endswith("norm.weight"):
-                t = torch.ones(shape)
-            else:
-                std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-                t = torch.randn(shape, generator=g) * std
-            self.params[_key(name)] = nn.Parameter(t)
+            self.params[_key(name)] = nn.Parameter(_init_weight(name, shape, g, out_std))
         self.register_buffer("embed", embed.detach().float().clone(), persistent=False)  # [V, hidden]
         self.register_buffer("lm_head", lm_head.detach().float().clone(), persistent=False)  # [V, hidden]
         exps = torch.arange(0, hd, 2, dtype=torch.float32) / hd

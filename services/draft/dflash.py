@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.rms_norm import rms_norm  # Qwen3's RMSNorm is DeepSeek's: one Triton launch on CUDA
 from services.common.checkpoint import CheckpointError, load_tensors, read_config
 from services.draft.config import DraftConfig
 
@@ -84,13 +85,6 @@ class _Rope:
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # [..., hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [..., hd]
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Qwen3 RMSNorm: statistics in float32, scale applied in the input dtype."""
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -275,7 +269,7 @@ class DFlashDrafter:
         if total == 0:
             return
         feats = torch.cat([f.to(device=self.device, dtype=self.dtype) for f in features])  # [N, n_feat*hidden]
-        th = _rms_norm(feats @ self.fc.T, self.hidden_norm, c.rms_norm_eps)  # [N, hidden]
+        th = rms_norm(feats @ self.fc.T, self.hidden_norm, c.rms_norm_eps)  # [N, hidden]
         positions = torch.cat(
             [torch.arange(cx.length, cx.length + n, device=self.device) for cx, n in zip(ctxs, counts)]
         )  # [N]
@@ -283,7 +277,7 @@ class DFlashDrafter:
         ks, vs = [], []
         for layer in self.layers:
             k = (th @ layer.k_proj.T).view(total, c.num_key_value_heads, c.head_dim)  # [N, kvh, hd]
-            k = _apply_rope(_rms_norm(k, layer.k_norm, c.rms_norm_eps), cos, sin)  # [N, kvh, hd]
+            k = _apply_rope(rms_norm(k, layer.k_norm, c.rms_norm_eps), cos, sin)  # [N, kvh, hd]
             ks.append(k)
             vs.append((th @ layer.v_proj.T).view(total, c.num_key_value_heads, c.head_dim))  # [N, kvh, hd]
         k_all = torch.stack(ks)  # [layers, N, kvh, hd]
@@ -340,10 +334,10 @@ class DFlashDrafter:
 
         groups = H // kvh
         for li, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.input_layernorm, c.rms_norm_eps)  # [R, B, hidden]
-            q = _rms_norm((h @ layer.q_proj.T).view(R, B, H, hd), layer.q_norm, c.rms_norm_eps)  # [R, B, H, hd]
+            h = rms_norm(x, layer.input_layernorm, c.rms_norm_eps)  # [R, B, hidden]
+            q = rms_norm((h @ layer.q_proj.T).view(R, B, H, hd), layer.q_norm, c.rms_norm_eps)  # [R, B, H, hd]
             q = _apply_rope(q, cos, sin)  # [R, B, H, hd]
-            kb = _rms_norm((h @ layer.k_proj.T).view(R, B, kvh, hd), layer.k_norm, c.rms_norm_eps)  # [R, B, kvh, hd]
+            kb = rms_norm((h @ layer.k_proj.T).view(R, B, kvh, hd), layer.k_norm, c.rms_norm_eps)  # [R, B, kvh, hd]
             kb = _apply_rope(kb, cos, sin)  # [R, B, kvh, hd]
             vb = (h @ layer.v_proj.T).view(R, B, kvh, hd)  # [R, B, kvh, hd]
             k = torch.cat([ctx_k[li], kb], dim=1).repeat_interleave(groups, dim=2)  # [R, Lmax+B, H, hd]
@@ -352,8 +346,8 @@ class DFlashDrafter:
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
             )  # [R, H, B, hd]
             x = x + attn.transpose(1, 2).reshape(R, B, H * hd) @ layer.o_proj.T  # [R, B, hidden]
-            h = _rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps)  # [R, B, hidden]
+            h = rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps)  # [R, B, hidden]
             x = x + (F.silu(h @ layer.gate_proj.T) * (h @ layer.up_proj.T)) @ layer.down_proj.T  # [R, B, hidden]
-        x = _rms_norm(x[:, 1:], self.norm, c.rms_norm_eps)  # [R, B-1, hidden]
+        x = rms_norm(x[:, 1:], self.norm, c.rms_norm_eps)  # [R, B-1, hidden]
         logits = x @ self.lm_head_weight.T  # [R, B-1, V]
         return torch.log_softmax(logits.to(torch.float32), dim=-1)  # [R, B-1, V]

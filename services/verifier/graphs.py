@@ -169,11 +169,10 @@ class VerifyGraphs:
         dep.fill_(0).view(-1)[rows[:N]] = depths
         lens.zero_()[:R] = torch.tensor(list(prefix_lens), dtype=torch.int64)
         b.inputs.copy_(b.host, non_blocking=True)
-        used = max(1, max(len(p) for p in page_ids))
-        table = torch.zeros(b.batch, used, dtype=torch.int32)   # only a request's first pages are read
-        for r, pages in enumerate(page_ids):
-            table[r, :len(pages)] = torch.tensor(list(pages), dtype=torch.int32)
-        b.page_table[:, :used].copy_(table)
+        used = max(1, max(len(p) for p in page_ids))   # only a request's first pages are read
+        rows_of_pages = [list(p) + [0] * (used - len(p)) for p in page_ids]
+        rows_of_pages += [[0] * used] * (b.batch - len(page_ids))
+        b.page_table[:, :used].copy_(torch.tensor(rows_of_pages, dtype=torch.int32))
         if self.capture:
             b.copied = torch.cuda.Event()
             b.copied.record()
