@@ -243,3 +243,77 @@ def test_proposer_warm_up_runs_its_shapes_and_keeps_no_context(drafter: DFlashDr
         del drafter.propose
     assert calls == [(1, 5), (3, 5), (1, 40), (3, 40)]
     assert proposer._ctx == {}
+
+
+def _graph_drafter(pair: tuple[Path, Path], rows: int, context: int) -> DFlashDrafter:
+    d = DFlashDrafter.load(pair[0], pair[1])
+    d.enable_graphs(rows, context, capture=False)   # the pooled, padded forward the GPU captures
+    return d
+
+
+def test_pooled_propose_equals_eager(pair: tuple[Path, Path]) -> None:
+    eager = DFlashDrafter.load(pair[0], pair[1])
+    pooled = _graph_drafter(pair, rows=4, context=128)
+    lengths = [3, 70, 1]   # two context buckets; the batch of 3 pads to the bucket of 4
+    e_ctx, p_ctx = [], []
+    for i, n in enumerate(lengths):
+        feats = _features(n, 30 + i)
+        for d, out in ((eager, e_ctx), (pooled, p_ctx)):
+            ctx = d.new_context()
+            d.extend_context(ctx, feats[: n // 2])   # appends land in the pool row
+            d.extend_context(ctx, feats[n // 2 :])
+            out.append(ctx)
+    assert [c.row for c in p_ctx] == [0, 1, 2] and all(c.row is None for c in e_ctx)
+    assert pooled.graphs.free_rows == 1
+    bonus = torch.tensor([5, 17, 250])
+    want = eager.propose(e_ctx, bonus)
+    got = pooled.propose(p_ctx, bonus).clone()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # Every row matches its request alone: padding rows and padding keys change nothing.
+    for r in range(3):
+        torch.testing.assert_close(pooled.propose([p_ctx[r]], bonus[r : r + 1]), want[r : r + 1],
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_pool_rows_released_and_outgrown_contexts_move_out(pair: tuple[Path, Path]) -> None:
+    from services.draft.proposer import DFlashProposer
+
+    pooled = _graph_drafter(pair, rows=2, context=64)
+    proposer = DFlashProposer(pooled)
+    proposer.start("a", [1])
+    proposer.start("b", [1])
+    proposer.start("c", [1])   # no free row: keeps its own storage
+    rows = {rid: ctx.row for rid, ctx in proposer._ctx.items()}
+    assert rows == {"a": 0, "b": 1, "c": None}
+    proposer.drop("a")
+    assert pooled.graphs.free_rows == 1
+    proposer.start("d", [1])
+    assert proposer._ctx["d"].row == 0   # the freed row is handed out again
+    # "b" grows past its row's 64 tokens: it moves to its own storage, keeps its keys, frees the row.
+    b = proposer._ctx["b"]
+    feats = _features(70, 7)
+    proposer.commit("b", list(range(40)), feats[:40])
+    before = b.keys[:, :40].clone()
+    proposer.commit("b", list(range(30)), feats[40:])
+    assert b.row is None and b.length == 70 and pooled.graphs.free_rows == 1
+    torch.testing.assert_close(b.keys[:, :40], before)
+    # A mixed batch (pooled and own storage) proposes eagerly and equals the unpooled drafter.
+    plain = DFlashDrafter.load(pair[0], pair[1])
+    ref = plain.new_context()
+    plain.extend_context(ref, feats)
+    bonus = torch.tensor([9, 9])
+    out = proposer.propose(["b", "d"], bonus)
+    torch.testing.assert_close(out[:1], plain.propose([ref], bonus[:1]), atol=1e-5, rtol=1e-5)
+
+
+def test_pool_warm_up_gives_back_its_rows(pair: tuple[Path, Path]) -> None:
+    from services.draft.proposer import DFlashProposer
+    from services.draft.propose_graphs import context_buckets
+
+    pooled = _graph_drafter(pair, rows=3, context=200)
+    DFlashProposer(pooled).warm_up([1, 3], [5, 40])
+    assert pooled.graphs.free_rows == 3
+    assert pooled.graphs.batch_buckets == (1, 2, 3)
+    assert context_buckets(200) == (64, 128, 192, 200)
+    assert context_buckets(2048) == (64, 128, 192, 256, 384, 576, 832, 1216, 1792, 2048)
+    assert pooled.graphs.bucket_for(3, 201) is None and pooled.graphs.bucket_for(4, 10) is None

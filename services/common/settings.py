@@ -102,11 +102,16 @@ class DraftSettings:
     dtype: str = "float32"
     cpu_threads: int = 1             # torch intra-op threads (CPU); the services share the cores
     warmup_budgets: tuple[int, ...] = (8, 16, 32)   # tree builds compiled at start-up (GPU)
+    cuda_graphs: bool = True         # GPU: propose from CUDA graphs over a context pool
+    graph_rows: int = 128            # contexts the pool holds (at least the scheduler's max batch)
+    graph_context: int = 2048        # tokens per pool row; longer contexts propose eagerly
     metrics_port: int = 0
     json_logs: bool = False
 
     def __post_init__(self) -> None:
         _check(self.cpu_threads >= 1, "draft.cpu_threads", "must be >= 1")
+        _check(self.graph_rows >= 1, "draft.graph_rows", "must be >= 1")
+        _check(self.graph_context >= 64, "draft.graph_context", "must be >= 64")
         _check(all(1 <= b <= MAX_BUDGET for b in self.warmup_budgets),
                "draft.warmup_budgets", f"must be budgets in 1..{MAX_BUDGET}")
         _check(0 <= self.port < 65536, "draft.port", f"{self.port} is not a TCP port")

@@ -10,9 +10,9 @@ the next step's block is different.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from torch import Tensor
 from kernels.rms_norm import rms_norm  # Qwen3's RMSNorm is DeepSeek's: one Triton launch on CUDA
 from services.common.checkpoint import CheckpointError, load_tensors, read_config
 from services.draft.config import DraftConfig
+from services.draft.propose_graphs import ProposeGraphs
 
 _MIN_CAPACITY = 64
 CONTEXT_BUCKET = 64   # propose pads context keys to a multiple of this (see DFlashDrafter.propose)
@@ -36,6 +37,7 @@ class DraftContext:
     keys: Tensor  # [num_layers, capacity, kv_heads, head_dim]
     values: Tensor  # [num_layers, capacity, kv_heads, head_dim]
     length: int = 0
+    row: int | None = None  # the row of the drafter's context pool these are views of, if any
 
     @property
     def capacity(self) -> int:
@@ -167,6 +169,18 @@ class DFlashDrafter:
         self.lm_head_weight = lm_head_weight.to(device=device, dtype=dtype)  # [V, hidden]
         exponents = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=device) / c.head_dim
         self._rope = _Rope(inv_freq=1.0 / (c.rope_theta**exponents))  # [hd/2]
+        self.graphs: ProposeGraphs | None = None
+
+    def enable_graphs(self, rows: int, context: int, capture: bool | None = None) -> ProposeGraphs:
+        """Keep up to ``rows`` contexts of up to ``context`` tokens in a GPU pool and propose over
+        them from CUDA graphs (``capture=False``: the same pooled forward, eagerly; the CPU default).
+        Contexts made before this keep their own storage."""
+        c = self.config
+        self.graphs = ProposeGraphs(
+            self._block_forward, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, rows, context,
+            (c.block_size - 1, c.vocab_size), self.dtype, self.device,
+            capture=self.device.type == "cuda" if capture is None else capture)
+        return self.graphs
 
     # ------------------------------------------------------------------ properties
     @property
@@ -242,12 +256,22 @@ class DFlashDrafter:
 
     # ------------------------------------------------------------------ context cache
     def new_context(self) -> DraftContext:
-        """An empty context; storage is allocated on the first extend."""
+        """An empty context: a row of the pool when graphs are on and one is free, else its own
+        storage, allocated on the first extend. Give it back with :meth:`release_context`."""
         c = self.config
+        row = self.graphs.acquire() if self.graphs is not None else None
+        if row is not None:
+            return DraftContext(keys=self.graphs.keys[:, row], values=self.graphs.values[:, row], row=row)
         empty = torch.zeros(
             c.num_hidden_layers, 0, c.num_key_value_heads, c.head_dim, dtype=self.dtype, device=self.device
         )  # [layers, 0, kvh, hd]
         return DraftContext(keys=empty, values=empty.clone())
+
+    def release_context(self, ctx: DraftContext) -> None:
+        """The request is done: its pool row (if any) goes back to the pool."""
+        if ctx.row is not None and self.graphs is not None:
+            self.graphs.release(ctx.row)
+        ctx.row = None
 
     def extend_context(self, ctx: DraftContext, features: Tensor) -> None:
         """Append the context K/V of newly committed tokens, from their target features.
@@ -285,6 +309,10 @@ class DFlashDrafter:
         start = 0
         for cx, n in zip(ctxs, counts):
             if n:
+                if cx.row is not None and cx.length + n > cx.capacity:
+                    # Outgrows its pool row: move to its own storage (it proposes eagerly from now).
+                    cx.keys, cx.values = cx.keys[:, : cx.length].clone(), cx.values[:, : cx.length].clone()
+                    self.release_context(cx)
                 cx._reserve(cx.length + n)
                 cx.keys[:, cx.length : cx.length + n] = k_all[:, start : start + n]
                 cx.values[:, cx.length : cx.length + n] = v_all[:, start : start + n]
@@ -295,10 +323,12 @@ class DFlashDrafter:
     def propose(self, ctxs: Sequence[DraftContext], bonus_tokens: Tensor) -> Tensor:
         """Draft log-probs for block positions 1..B-1 of every request, in one batched forward.
 
-        Contexts are right-padded to the longest, rounded up to CONTEXT_BUCKET, and the padding
-        keys masked out, so each row equals what that request would get alone.
+        Contexts are right-padded to the longest, rounded up to CONTEXT_BUCKET (a context bucket
+        of the pool under graphs), and the padding keys masked out, so each row equals what that
+        request would get alone. With graphs on and every context in the pool, one replay.
         bonus_tokens: [R] int64 (the pending token at position ctx.length).
-        Returns [R, block_size - 1, V] float32 log-probs.
+        Returns [R, block_size - 1, V] float32 log-probs; from the graphs, a view that the next
+        propose overwrites.
         """
         c = self.config
         R, B = len(ctxs), c.block_size
@@ -306,42 +336,55 @@ class DFlashDrafter:
             raise ValueError(f"bonus_tokens must be [{R}], got {tuple(bonus_tokens.shape)}")
         if R == 0:
             return torch.zeros(0, B - 1, c.vocab_size, dtype=torch.float32, device=self.device)
-        dev, H, kvh, hd = self.device, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         lens = [cx.length for cx in ctxs]
+        g = self.graphs
+        if g is not None and all(cx.row is not None for cx in ctxs) and g.bucket_for(R, max(lens)) is not None:
+            return g.run([cx.row for cx in ctxs], lens, bonus_tokens.tolist())
         # Context keys padded to a multiple of CONTEXT_BUCKET (masked): the attention and matmul
         # shapes then change every 64 tokens, not every step, so per-shape costs on the GPU
         # (kernel selection and loading, attention plans) are paid once per bucket.
         l_max = -(-max(lens) // CONTEXT_BUCKET) * CONTEXT_BUCKET
-        lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)  # [R]
-
-        ids = torch.full((R, B), c.mask_token_id, dtype=torch.int64, device=dev)  # [R, B]
-        ids[:, 0] = bonus_tokens.to(device=dev, dtype=torch.int64)
-        x = self.embed_weight[ids]  # [R, B, hidden]
-        positions = lens_t[:, None] + torch.arange(B, device=dev)  # [R, B]
-        cos, sin = self._rope.cos_sin(positions, self.dtype)  # [R, B, hd]
-
-        n_layers = len(self.layers)
-        ctx_k = torch.zeros(n_layers, R, l_max, kvh, hd, dtype=self.dtype, device=dev)  # [layers, R, Lmax, kvh, hd]
+        n_layers, kvh, hd = len(self.layers), c.num_key_value_heads, c.head_dim
+        ctx_k = torch.zeros(n_layers, R, l_max, kvh, hd, dtype=self.dtype, device=self.device)  # [layers, R, Lmax, kvh, hd]
         ctx_v = torch.zeros_like(ctx_k)  # [layers, R, Lmax, kvh, hd]
         for r, cx in enumerate(ctxs):
             ctx_k[:, r, : cx.length] = cx.keys[:, : cx.length]
             ctx_v[:, r, : cx.length] = cx.values[:, : cx.length]
-        mask = None
-        if min(lens) != l_max:   # padded or ragged contexts
-            ctx_valid = torch.arange(l_max, device=dev)[None, :] < lens_t[:, None]  # [R, Lmax]
-            block_valid = torch.ones(R, B, dtype=torch.bool, device=dev)  # [R, B]
-            mask = torch.cat([ctx_valid, block_valid], dim=1)[:, None, None, :]  # [R, 1, 1, Lmax+B]
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=self.device)  # [R]
+        bonus = bonus_tokens.to(device=self.device, dtype=torch.int64)  # [R]
+        return self._block_forward(bonus, lens_t, lambda li: (ctx_k[li], ctx_v[li]), l_max)
+
+    def _block_forward(self, bonus: Tensor, lens: Tensor,
+                       context_kv: Callable[[int], tuple[Tensor, Tensor]], l_pad: int) -> Tensor:
+        """The block forward from device tensors alone (no host sync, so the graphs capture it).
+
+        bonus: [R] int64 pending tokens; lens: [R] int64 valid context tokens of each row;
+        context_kv(layer): that layer's context keys and values, each [R, l_pad, kvh, hd], valid
+        below ``lens`` (the rest is masked). Returns [R, block_size - 1, V] float32 log-probs.
+        """
+        c = self.config
+        R, B = bonus.shape[0], c.block_size
+        dev, H, kvh, hd = self.device, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        ids = torch.full((R, B), c.mask_token_id, dtype=torch.int64, device=dev)  # [R, B]
+        ids[:, 0] = bonus
+        x = self.embed_weight[ids]  # [R, B, hidden]
+        positions = lens[:, None] + torch.arange(B, device=dev)  # [R, B]
+        cos, sin = self._rope.cos_sin(positions, self.dtype)  # [R, B, hd]
+        ctx_valid = torch.arange(l_pad, device=dev)[None, :] < lens[:, None]  # [R, Lpad]
+        block_valid = torch.ones(R, B, dtype=torch.bool, device=dev)  # [R, B]
+        mask = torch.cat([ctx_valid, block_valid], dim=1)[:, None, None, :]  # [R, 1, 1, Lpad+B]
 
         groups = H // kvh
         for li, layer in enumerate(self.layers):
+            ctx_k, ctx_v = context_kv(li)  # [R, Lpad, kvh, hd] each
             h = rms_norm(x, layer.input_layernorm, c.rms_norm_eps)  # [R, B, hidden]
             q = rms_norm((h @ layer.q_proj.T).view(R, B, H, hd), layer.q_norm, c.rms_norm_eps)  # [R, B, H, hd]
             q = _apply_rope(q, cos, sin)  # [R, B, H, hd]
             kb = rms_norm((h @ layer.k_proj.T).view(R, B, kvh, hd), layer.k_norm, c.rms_norm_eps)  # [R, B, kvh, hd]
             kb = _apply_rope(kb, cos, sin)  # [R, B, kvh, hd]
             vb = (h @ layer.v_proj.T).view(R, B, kvh, hd)  # [R, B, kvh, hd]
-            k = torch.cat([ctx_k[li], kb], dim=1).repeat_interleave(groups, dim=2)  # [R, Lmax+B, H, hd]
-            v = torch.cat([ctx_v[li], vb], dim=1).repeat_interleave(groups, dim=2)  # [R, Lmax+B, H, hd]
+            k = torch.cat([ctx_k, kb], dim=1).repeat_interleave(groups, dim=2)  # [R, Lpad+B, H, hd]
+            v = torch.cat([ctx_v, vb], dim=1).repeat_interleave(groups, dim=2)  # [R, Lpad+B, H, hd]
             attn = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
             )  # [R, H, B, hd]

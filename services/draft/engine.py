@@ -188,22 +188,24 @@ class DraftEngine:
                 trees[i] = _Tree(root, torch.tensor([-1]), torch.tensor([0]))
             else:
                 groups.setdefault((budget, depth), []).append(i)
-        propose_s = tree_s = 0.0
+        propose_s = propose_cpu_s = tree_s = 0.0
         for (budget, depth), idx in groups.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             bonus = torch.tensor([reqs[i].pending for i in idx])                     # [R]
             logprobs = self.proposer.propose([reqs[i].request_id for i in idx], bonus)  # [R, B-1, V]
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             batch = build_trees(logprobs[:, :depth].float(), budget, bonus.to(logprobs.device))
             sizes = batch.sizes.tolist()
             tokens, parents, depths = batch.tokens.cpu(), batch.parents.cpu(), batch.depths.cpu()   # one copy each
             propose_s += t1 - t0            # the GPU work of propose lands in tree_s (its first sync)
+            propose_cpu_s += c1 - c0        # this thread's CPU time: far below propose_s = waiting (GIL, locks)
             tree_s += time.perf_counter() - t1
             for j, i in enumerate(idx):
                 n = sizes[j]
                 trees[i] = _Tree(tokens[j, :n], parents[j, :n], depths[j, :n])
         if groups:
             self.metrics.step_ms.labels("propose").observe(propose_s * 1e3)
+            self.metrics.step_ms.labels("propose_cpu").observe(propose_cpu_s * 1e3)
             self.metrics.step_ms.labels("tree").observe(tree_s * 1e3)
         return [t for t in trees if t is not None]
 

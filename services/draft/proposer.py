@@ -41,6 +41,9 @@ class Proposer(Protocol):
 
     def drop(self, request_id: str) -> None: ...
 
+    def enable_graphs(self, rows: int, context: int) -> int:
+        """Propose from CUDA graphs over a pool of ``rows`` contexts; returns the pool's bytes."""
+
     def warm_up(self, batch_sizes: Sequence[int], context_lengths: Sequence[int]) -> None:
         """Run propose over these shapes once, before the first request (GPU: see DFlashProposer)."""
 
@@ -71,14 +74,21 @@ class DFlashProposer:
         return self.drafter.propose([self._ctx[r] for r in request_ids], bonus_tokens)
 
     def drop(self, request_id: str) -> None:
-        self._ctx.pop(request_id, None)
+        ctx = self._ctx.pop(request_id, None)
+        if ctx is not None:
+            self.drafter.release_context(ctx)
+
+    def enable_graphs(self, rows: int, context: int) -> int:
+        """Context pool + propose graphs (see DFlashDrafter.enable_graphs); returns the pool's bytes."""
+        return self.drafter.enable_graphs(rows, context).pool_bytes
 
     def warm_up(self, batch_sizes: Sequence[int], context_lengths: Sequence[int]) -> None:
-        """Proposes over throw-away contexts of each (batch, length). Why: on the GPU, the first
-        steps of a fresh draft service took 30-80 ms of host time in propose against 4-5 ms for
-        the same call in a warm process (bench/results/draft-probe.json), falling as a run met more
-        shapes; loading each kernel the first time a shape needs it is the likely cost, and this
-        pays it at start-up instead of during the first requests."""
+        """Proposes over throw-away contexts of each (batch, length), and with graphs on captures
+        every (batch, context) bucket. Why: on the GPU, the first steps of a fresh draft service
+        took 30-80 ms of host time in propose against 4-5 ms for the same call in a warm process
+        (bench/results/draft-probe.json), falling as a run met more shapes; loading each kernel the
+        first time a shape needs it is the cost, paid here at start-up instead of during the first
+        requests."""
         width = self.drafter.config.num_features
         for n in context_lengths:
             ctx = self.drafter.new_context()
@@ -86,6 +96,10 @@ class DFlashProposer:
                                                          dtype=self.drafter.dtype))
             for r in batch_sizes:
                 self.drafter.propose([ctx] * r, torch.zeros(r, dtype=torch.int64))
+            self.drafter.release_context(ctx)
+        graphs = self.drafter.graphs
+        if graphs is not None:
+            graphs.warm_up(graphs.batch_buckets, graphs.context_buckets)
 
 
 class OracleProposer:
@@ -152,6 +166,9 @@ class OracleProposer:
 
     def drop(self, request_id: str) -> None:
         self._history.pop(request_id, None)
+
+    def enable_graphs(self, rows: int, context: int) -> int:
+        return 0   # host-only test drafter: nothing to launch, so nothing to capture
 
     def warm_up(self, batch_sizes: Sequence[int], context_lengths: Sequence[int]) -> None:
         pass   # host-only test drafter: nothing to compile or load

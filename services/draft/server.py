@@ -55,10 +55,14 @@ async def serve(settings: DraftSettings) -> None:
     client = VerifierClient(settings.verifier_address, settings.transport, settings.ring_slots,
                             settings.ring_slot_bytes, device=str(device))
     metrics = Metrics("draft")
+    if device.type == "cuda" and settings.cuda_graphs:
+        pool = proposer.enable_graphs(settings.graph_rows, settings.graph_context)
+        log.info("propose_graphs_on", rows=settings.graph_rows, context=settings.graph_context,
+                 pool_mb=round(pool / 2**20, 1))
     engine = DraftEngine(proposer, client, metrics)
     t0 = time.perf_counter()
     engine.warm_up(settings.warmup_budgets, str(device))
-    log.info("tree_builder_warm", budgets=list(settings.warmup_budgets), seconds=round(time.perf_counter() - t0, 2))
+    log.info("draft_warm", budgets=list(settings.warmup_budgets), seconds=round(time.perf_counter() - t0, 2))
     await engine.connect(wait_s=120.0)   # fail fast on an incompatible verifier (FAILED_PRECONDITION names the field)
     log.info("verifier_connected", transport=client.handshake.transport, device=str(device),
              max_context=engine.max_context)

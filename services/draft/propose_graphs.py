@@ -1,0 +1,191 @@
+"""The drafter's propose under CUDA graphs: one capture per (batch bucket, context bucket).
+
+Why: a propose is some 80 small launches on the demo drafter (norms, projections, rope,
+attention, MLP per layer). Launched eagerly they took 5-9 ms of host time a step on an H200, and
+the attention call alone over 1 ms a layer, against well under a millisecond of GPU work: more
+than the verify step at C=1, which made DDTree lose to plain decoding there. Replayed, a propose
+is one launch.
+
+Contexts live in a pool, ``[layers, rows, context, kv_heads, head_dim]`` keys and values on the
+GPU, one row per request while its context fits, so a graph reads any request's context through
+a row index instead of per-request copies. A request whose context outgrows its row moves to its
+own storage and proposes eagerly; so does a batch larger than the pool.
+
+Padding keeps real rows exact: the batch pads with row 0 at length 0 (every context key masked;
+its output is discarded), and contexts pad to the bucket with masked keys, as the eager propose
+pads to the longest. Captures share one memory pool and write into one output buffer, so the
+memory does not grow with the number of buckets; a returned view is valid until the next propose.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from services.common.logging import get_logger
+
+__all__ = ["BATCH_BUCKETS", "context_buckets", "ProposeGraphs"]
+
+BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+_CONTEXT_STEP = 64
+
+log = get_logger("draft")
+
+# forward(bonus [R], lengths [R], context_kv(layer) -> (k, v) [R, L, kvh, hd], L) -> [R, B-1, V]
+BlockForward = Callable[[Tensor, Tensor, Callable[[int], tuple[Tensor, Tensor]], int], Tensor]
+
+
+def context_buckets(limit: int) -> tuple[int, ...]:
+    """Multiples of 64, each at most 1.5x the one before, up to ``limit``: padded keys cost at most
+    half the attention of a step, and a run meets a new shape every ~50% of context growth."""
+    out = [_CONTEXT_STEP]
+    while out[-1] < limit:
+        nxt = max(out[-1] + _CONTEXT_STEP, (out[-1] * 3 // 2) // _CONTEXT_STEP * _CONTEXT_STEP)
+        out.append(min(nxt, limit))
+    return tuple(out)
+
+
+@dataclass
+class _Graph:
+    """Static inputs of one captured shape: ``inputs`` = [rows | lengths | bonus] int64 [3, batch]."""
+
+    batch: int
+    context: int
+    inputs: Tensor  # [3, batch] int64 (device)
+    host: Tensor  # same, pinned host memory on CUDA
+    copied: torch.cuda.Event | None = None   # the last host -> device copy; the host twin is reused after it
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class ProposeGraphs:
+    """A context pool plus the captured block forwards that read it.
+
+    ``capture=False`` runs the same pooled, padded forward eagerly: the CPU tests check the pool
+    and the padding with it, and the GPU check compares it with the replay.
+    """
+
+    def __init__(self, forward: BlockForward, num_layers: int, kv_heads: int, head_dim: int, rows: int,
+                 context: int, out_shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
+                 capture: bool = True) -> None:
+        if rows < 1 or context < 1:
+            raise ValueError(f"a context pool needs rows >= 1 and context >= 1, got {rows} and {context}")
+        self.forward = forward
+        self.rows = rows
+        self.context = context
+        self.device = device
+        self.capture = capture
+        shape = (num_layers, rows, context, kv_heads, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)    # [layers, rows, context, kvh, hd]
+        self.values = torch.zeros_like(self.keys)                       # [layers, rows, context, kvh, hd]
+        self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < rows) + (rows,)
+        self.context_buckets = context_buckets(context)
+        self.out = torch.empty(rows, *out_shape, dtype=torch.float32, device=device)  # [rows, B-1, V]
+        self._free = list(range(rows - 1, -1, -1))   # a stack: row 0 is handed out first
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    @property
+    def pool_bytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        return sorted(k for k, g in self._graphs.items() if g.graph is not None)
+
+    # ---- rows ----------------------------------------------------------------------------------
+    def acquire(self) -> int | None:
+        """A free pool row, or None when every row is taken (the context then keeps its own storage)."""
+        return self._free.pop() if self._free else None
+
+    def release(self, row: int) -> None:
+        assert 0 <= row < self.rows and row not in self._free, f"row {row} released twice or out of range"
+        self._free.append(row)
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free)
+
+    # ---- one propose ---------------------------------------------------------------------------
+    def bucket_for(self, batch: int, longest: int) -> tuple[int, int] | None:
+        """Smallest (batch, context) bucket holding the call, or None (the caller runs eagerly)."""
+        b = bisect.bisect_left(self.batch_buckets, batch)
+        c = bisect.bisect_left(self.context_buckets, max(longest, 1))
+        if b == len(self.batch_buckets) or c == len(self.context_buckets):
+            return None
+        return self.batch_buckets[b], self.context_buckets[c]
+
+    def run(self, rows: Sequence[int], lengths: Sequence[int], bonus: Sequence[int]) -> Tensor:
+        """Log-probs [R, B-1, V] (a view of the shared output: valid until the next call).
+
+        Raises ValueError when no bucket holds the call (``bucket_for`` says so beforehand).
+        """
+        key = self.bucket_for(len(rows), max(lengths))
+        if key is None:
+            raise ValueError(f"no propose bucket holds {len(rows)} contexts of up to {max(lengths)} tokens")
+        g = self._graph(*key)
+        if g.copied is not None:
+            g.copied.synchronize()   # the previous call's copy has left the host twin
+        R = len(rows)
+        g.host.zero_()
+        g.host[0, :R] = torch.tensor(list(rows), dtype=torch.int64)
+        g.host[1, :R] = torch.tensor(list(lengths), dtype=torch.int64)
+        g.host[2, :R] = torch.tensor(list(bonus), dtype=torch.int64)
+        g.inputs.copy_(g.host, non_blocking=True)
+        if self.capture:
+            g.copied = torch.cuda.Event()
+            g.copied.record()
+            if g.graph is None:
+                self._capture(g)
+            g.graph.replay()
+        else:
+            self._forward(g)
+        return self.out[:R]
+
+    def warm_up(self, batches: Sequence[int], contexts: Sequence[int]) -> int:
+        """Captures the buckets of these batch sizes x context lengths now (each compiles and
+        captures once, some tens of milliseconds), not during a user's step. Returns the count."""
+        keys = {self.bucket_for(b, c) for b in batches for c in contexts}
+        for key in sorted(k for k in keys if k is not None):
+            g = self._graph(*key)
+            if self.capture and g.graph is None:
+                self._capture(g)
+        return len(self.captured)
+
+    # ---- the padded forward --------------------------------------------------------------------
+    def _graph(self, batch: int, context: int) -> _Graph:
+        key = (batch, context)
+        if key not in self._graphs:
+            host = torch.zeros(3, batch, dtype=torch.int64, pin_memory=self.capture)
+            self._graphs[key] = _Graph(batch, context, inputs=torch.zeros(3, batch, dtype=torch.int64,
+                                                                          device=self.device), host=host)
+        return self._graphs[key]
+
+    def _forward(self, g: _Graph) -> None:
+        """Everything from the static inputs: no host sync, so it can be captured."""
+        rows, lengths, bonus = g.inputs[0], g.inputs[1], g.inputs[2]
+
+        def context_kv(layer: int) -> tuple[Tensor, Tensor]:
+            return (self.keys[layer, :, :g.context].index_select(0, rows),     # [batch, context, kvh, hd]
+                    self.values[layer, :, :g.context].index_select(0, rows))   # [batch, context, kvh, hd]
+
+        self.out[:g.batch].copy_(self.forward(bonus, lengths, context_kv, g.context))
+
+    def _capture(self, g: _Graph) -> None:
+        """Warm up on a side stream (Triton compiles, cuBLAS and attention pick), then capture."""
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward(g)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._forward(g)
+        g.graph = graph
+        log.debug("propose_graph_captured", batch=g.batch, context=g.context,
+                  seconds=round(time.perf_counter() - t0, 3))
