@@ -2,8 +2,9 @@
 
 Two drafters from one checkpoint, one with the context pool and graphs: the same random features
 go into both, then each (batch, context) is proposed by both. Reports the largest log-prob
-difference, top-1 agreement, the eager and replayed wall time (synchronised, median), and the
-time to capture every bucket at start-up. Writes JSON (TARGETS.md schema).
+difference, top-1 agreement, the eager and replayed wall time (synchronised, median) of a propose
+and of a step's commit (4 tokens a request), the largest difference of the committed context
+keys, and the time to capture every bucket at start-up. Writes JSON (TARGETS.md schema).
 """
 
 from __future__ import annotations
@@ -60,6 +61,14 @@ def main() -> None:
                    "eager_ms": round(wall_ms(lambda: eager.propose(e_ctx, bonus), args.reps), 3),
                    "graph_ms": round(wall_ms(lambda: pooled.propose(p_ctx, bonus), args.reps), 3)}
             row["speedup"] = round(row["eager_ms"] / row["graph_ms"], 2)
+            # The commit of one step (4 accepted tokens a request): eager projection + per-request
+            # scatter against one replay into the pool rows. Contexts grow by 4 tokens a call.
+            step = [torch.randn(4, width, device=dev, dtype=torch.float32) for _ in range(batch)]
+            row["commit_eager_ms"] = round(wall_ms(lambda: eager.extend_contexts(e_ctx, step), args.reps), 3)
+            row["commit_graph_ms"] = round(wall_ms(lambda: pooled.extend_contexts(p_ctx, step), args.reps), 3)
+            row["context_keys_max_diff"] = max(
+                (p.keys[:, :p.length].float() - e.keys[:, :e.length].float()).abs().max().item()
+                for e, p in zip(e_ctx, p_ctx))
             rows.append(row)
             print(row, flush=True)
             for c in p_ctx:

@@ -31,7 +31,7 @@ import torch
 from bench.common import git_commit, measure_copy_gbps
 from services.common.launcher import Stack, StackSpec
 from services.common.make_checkpoint import make_random_checkpoint
-from services.common.settings import VerifierSettings
+from services.common.settings import DraftSettings, VerifierSettings
 from services.draft.dflash import DFlashDrafter
 from services.draft.proposer import DFlashProposer
 from services.draft.tree import build_trees
@@ -76,6 +76,11 @@ class InProcess:
         self.engine = build_engine(VerifierSettings(model_path=str(model), device=device, dtype=dtype))
         drafter = DFlashDrafter.load(model / "drafter", model, dtype=DTYPES[dtype], device=device)
         self.proposer = DFlashProposer(drafter)
+        if device.startswith("cuda"):   # as the draft service does: propose and commit from graphs
+            ds = DraftSettings()
+            if ds.cuda_graphs:
+                self.proposer.enable_graphs(ds.graph_rows, ds.graph_context)
+                self.proposer.warm_up((1,), (64,))
         self.engine.set_feature_layers(self.proposer.target_layer_ids)
         self.device = device
         self._ids = itertools.count()

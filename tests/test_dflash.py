@@ -255,15 +255,21 @@ def test_pooled_propose_equals_eager(pair: tuple[Path, Path]) -> None:
     eager = DFlashDrafter.load(pair[0], pair[1])
     pooled = _graph_drafter(pair, rows=4, context=128)
     lengths = [3, 70, 1]   # two context buckets; the batch of 3 pads to the bucket of 4
-    e_ctx, p_ctx = [], []
+    e_ctx, p_ctx, tails = [], [], []
     for i, n in enumerate(lengths):
         feats = _features(n, 30 + i)
         for d, out in ((eager, e_ctx), (pooled, p_ctx)):
             ctx = d.new_context()
             d.extend_context(ctx, feats[: n // 2])   # appends land in the pool row
-            d.extend_context(ctx, feats[n // 2 :])
             out.append(ctx)
+        eager.extend_context(e_ctx[-1], feats[n // 2 :])
+        tails.append(feats[n // 2 :])
+    pooled.extend_contexts(p_ctx, tails)   # one batched commit (36 tokens: padded to the 64 bucket)
     assert [c.row for c in p_ctx] == [0, 1, 2] and all(c.row is None for c in e_ctx)
+    for e, p in zip(e_ctx, p_ctx):   # the commit scattered each token's keys into its row
+        assert p.length == e.length
+        torch.testing.assert_close(p.keys[:, : p.length], e.keys[:, : e.length], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(p.values[:, : p.length], e.values[:, : e.length], atol=1e-6, rtol=1e-6)
     assert pooled.graphs.free_rows == 1
     bonus = torch.tensor([5, 17, 250])
     want = eager.propose(e_ctx, bonus)

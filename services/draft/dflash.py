@@ -177,8 +177,8 @@ class DFlashDrafter:
         Contexts made before this keep their own storage."""
         c = self.config
         self.graphs = ProposeGraphs(
-            self._block_forward, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, rows, context,
-            (c.block_size - 1, c.vocab_size), self.dtype, self.device,
+            self._block_forward, self._context_kv, c.num_features, c.num_hidden_layers, c.num_key_value_heads,
+            c.head_dim, rows, context, (c.block_size - 1, c.vocab_size), self.dtype, self.device,
             capture=self.device.type == "cuda" if capture is None else capture)
         return self.graphs
 
@@ -281,7 +281,8 @@ class DFlashDrafter:
         self.extend_contexts([ctx], [features])
 
     def extend_contexts(self, ctxs: Sequence[DraftContext], features: Sequence[Tensor]) -> None:
-        """Batched `extend_context`: one projection over all requests' new tokens, then scatter."""
+        """Batched `extend_context`: one projection over all requests' new tokens, then scatter
+        (one replay when graphs are on and every context stays inside its pool row)."""
         if len(ctxs) != len(features):
             raise ValueError(f"got {len(ctxs)} contexts but {len(features)} feature tensors")
         c = self.config
@@ -292,20 +293,20 @@ class DFlashDrafter:
         total = sum(counts)
         if total == 0:
             return
+        g = self.graphs
+        if (g is not None and g.extend_bucket(total) is not None
+                and all(cx.row is not None and cx.length + n <= cx.capacity for cx, n in zip(ctxs, counts))):
+            rows = [cx.row for cx, n in zip(ctxs, counts) for _ in range(n)]
+            positions = [p for cx, n in zip(ctxs, counts) for p in range(cx.length, cx.length + n)]
+            g.extend([f for f in features if f.shape[0]], rows, positions)
+            for cx, n in zip(ctxs, counts):
+                cx.length += n
+            return
         feats = torch.cat([f.to(device=self.device, dtype=self.dtype) for f in features])  # [N, n_feat*hidden]
-        th = rms_norm(feats @ self.fc.T, self.hidden_norm, c.rms_norm_eps)  # [N, hidden]
         positions = torch.cat(
             [torch.arange(cx.length, cx.length + n, device=self.device) for cx, n in zip(ctxs, counts)]
         )  # [N]
-        cos, sin = self._rope.cos_sin(positions, self.dtype)  # [N, hd]
-        ks, vs = [], []
-        for layer in self.layers:
-            k = (th @ layer.k_proj.T).view(total, c.num_key_value_heads, c.head_dim)  # [N, kvh, hd]
-            k = _apply_rope(rms_norm(k, layer.k_norm, c.rms_norm_eps), cos, sin)  # [N, kvh, hd]
-            ks.append(k)
-            vs.append((th @ layer.v_proj.T).view(total, c.num_key_value_heads, c.head_dim))  # [N, kvh, hd]
-        k_all = torch.stack(ks)  # [layers, N, kvh, hd]
-        v_all = torch.stack(vs)  # [layers, N, kvh, hd]
+        k_all, v_all = self._context_kv(feats, positions)  # [layers, N, kvh, hd] each
         start = 0
         for cx, n in zip(ctxs, counts):
             if n:
@@ -318,6 +319,24 @@ class DFlashDrafter:
                 cx.values[:, cx.length : cx.length + n] = v_all[:, start : start + n]
                 cx.length += n
                 start += n
+
+    def _context_kv(self, feats: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Context keys and values of committed tokens from device tensors alone (capturable).
+
+        feats: [N, n_feat*hidden] in the drafter's dtype; positions: [N] int64 context positions.
+        Returns rotated, normalised keys and values, each [layers, N, kvh, hd].
+        """
+        c = self.config
+        total = feats.shape[0]
+        th = rms_norm(feats @ self.fc.T, self.hidden_norm, c.rms_norm_eps)  # [N, hidden]
+        cos, sin = self._rope.cos_sin(positions, self.dtype)  # [N, hd]
+        ks, vs = [], []
+        for layer in self.layers:
+            k = (th @ layer.k_proj.T).view(total, c.num_key_value_heads, c.head_dim)  # [N, kvh, hd]
+            k = _apply_rope(rms_norm(k, layer.k_norm, c.rms_norm_eps), cos, sin)  # [N, kvh, hd]
+            ks.append(k)
+            vs.append((th @ layer.v_proj.T).view(total, c.num_key_value_heads, c.head_dim))  # [N, kvh, hd]
+        return torch.stack(ks), torch.stack(vs)  # [layers, N, kvh, hd] each
 
     # ------------------------------------------------------------------ drafting
     def propose(self, ctxs: Sequence[DraftContext], bonus_tokens: Tensor) -> Tensor:

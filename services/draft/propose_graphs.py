@@ -1,10 +1,11 @@
-"""The drafter's propose under CUDA graphs: one capture per (batch bucket, context bucket).
+"""The drafter's propose and context commit under CUDA graphs, over a pool of contexts.
 
 Why: a propose is some 80 small launches on the demo drafter (norms, projections, rope,
 attention, MLP per layer). Launched eagerly they took 5-9 ms of host time a step on an H200, and
 the attention call alone over 1 ms a layer, against well under a millisecond of GPU work: more
 than the verify step at C=1, which made DDTree lose to plain decoding there. Replayed, a propose
-is one launch.
+is one launch. The commit of each step's accepted tokens (feature projection, per-layer keys
+and values, a scatter into the pool) is captured likewise, per bucket of committed tokens.
 
 Contexts live in a pool, ``[layers, rows, context, kv_heads, head_dim]`` keys and values on the
 GPU, one row per request while its context fits, so a graph reads any request's context through
@@ -13,7 +14,7 @@ own storage and proposes eagerly; so does a batch larger than the pool.
 
 Padding keeps real rows exact: the batch pads with row 0 at length 0 (every context key masked;
 its output is discarded), and contexts pad to the bucket with masked keys, as the eager propose
-pads to the longest. Captures share one memory pool and write into one output buffer, so the
+pads to the longest. A commit pads with tokens written to a scratch row no request owns. Captures share one memory pool and write into one output buffer, so the
 memory does not grow with the number of buckets; a returned view is valid until the next propose.
 """
 
@@ -29,15 +30,18 @@ from torch import Tensor
 
 from services.common.logging import get_logger
 
-__all__ = ["BATCH_BUCKETS", "context_buckets", "ProposeGraphs"]
+__all__ = ["BATCH_BUCKETS", "COMMIT_BUCKETS", "context_buckets", "ProposeGraphs"]
 
 BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+COMMIT_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)   # tokens committed in a step
 _CONTEXT_STEP = 64
 
 log = get_logger("draft")
 
 # forward(bonus [R], lengths [R], context_kv(layer) -> (k, v) [R, L, kvh, hd], L) -> [R, B-1, V]
 BlockForward = Callable[[Tensor, Tensor, Callable[[int], tuple[Tensor, Tensor]], int], Tensor]
+# context_kv(features [N, F], positions [N]) -> keys, values [layers, N, kvh, hd]
+ContextKV = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 def context_buckets(limit: int) -> tuple[int, ...]:
@@ -52,12 +56,18 @@ def context_buckets(limit: int) -> tuple[int, ...]:
 
 @dataclass
 class _Graph:
-    """Static inputs of one captured shape: ``inputs`` = [rows | lengths | bonus] int64 [3, batch]."""
+    """Static inputs of one captured shape.
+
+    Propose (``context`` > 0): ``inputs`` = [rows | lengths | bonus], int64 [3, batch].
+    Commit (``context`` == 0): ``inputs`` = [rows | positions], int64 [2, batch] with ``batch``
+    the token bucket, and ``features`` [batch, F] the committed tokens' target features.
+    """
 
     batch: int
     context: int
-    inputs: Tensor  # [3, batch] int64 (device)
+    inputs: Tensor  # int64 (device)
     host: Tensor  # same, pinned host memory on CUDA
+    features: Tensor | None = None
     copied: torch.cuda.Event | None = None   # the last host -> device copy; the host twin is reused after it
     graph: torch.cuda.CUDAGraph | None = None
 
@@ -69,19 +79,22 @@ class ProposeGraphs:
     and the padding with it, and the GPU check compares it with the replay.
     """
 
-    def __init__(self, forward: BlockForward, num_layers: int, kv_heads: int, head_dim: int, rows: int,
-                 context: int, out_shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
-                 capture: bool = True) -> None:
+    def __init__(self, forward: BlockForward, context_kv: ContextKV, num_features: int, num_layers: int,
+                 kv_heads: int, head_dim: int, rows: int, context: int, out_shape: tuple[int, int],
+                 dtype: torch.dtype, device: torch.device, capture: bool = True) -> None:
         if rows < 1 or context < 1:
             raise ValueError(f"a context pool needs rows >= 1 and context >= 1, got {rows} and {context}")
         self.forward = forward
+        self.context_kv = context_kv
+        self.num_features = num_features
+        self.dtype = dtype
         self.rows = rows
         self.context = context
         self.device = device
         self.capture = capture
-        shape = (num_layers, rows, context, kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)    # [layers, rows, context, kvh, hd]
-        self.values = torch.zeros_like(self.keys)                       # [layers, rows, context, kvh, hd]
+        shape = (num_layers, rows + 1, context, kv_heads, head_dim)   # row `rows`: the commits' scratch
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)    # [layers, rows + 1, context, kvh, hd]
+        self.values = torch.zeros_like(self.keys)                       # [layers, rows + 1, context, kvh, hd]
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < rows) + (rows,)
         self.context_buckets = context_buckets(context)
         self.out = torch.empty(rows, *out_shape, dtype=torch.float32, device=device)  # [rows, B-1, V]
@@ -146,10 +159,44 @@ class ProposeGraphs:
             self._forward(g)
         return self.out[:R]
 
+    def extend_bucket(self, tokens: int) -> int | None:
+        """Token bucket of a commit of ``tokens`` tokens, or None (the caller commits eagerly)."""
+        b = bisect.bisect_left(COMMIT_BUCKETS, tokens)
+        return COMMIT_BUCKETS[b] if b < len(COMMIT_BUCKETS) else None
+
+    def extend(self, features: Sequence[Tensor], rows: Sequence[int], positions: Sequence[int]) -> None:
+        """Writes the context keys and values of committed tokens into their pool rows.
+
+        features: per request [n_r, F] target features (any float dtype, on this GPU), in the
+        order of ``rows`` / ``positions`` (one entry per token). Raises ValueError when no bucket
+        holds the commit (``extend_bucket`` says so beforehand).
+        """
+        n = len(rows)
+        size = self.extend_bucket(n)
+        if size is None:
+            raise ValueError(f"no commit bucket holds {n} tokens")
+        g = self._graph(size, 0)
+        if g.copied is not None:
+            g.copied.synchronize()
+        g.host[0].fill_(self.rows)   # padding tokens land in the scratch row
+        g.host[1].zero_()
+        g.host[0, :n] = torch.tensor(list(rows), dtype=torch.int64)
+        g.host[1, :n] = torch.tensor(list(positions), dtype=torch.int64)
+        g.inputs.copy_(g.host, non_blocking=True)
+        g.features[:n].copy_(torch.cat(list(features)) if len(features) > 1 else features[0])
+        if self.capture:
+            g.copied = torch.cuda.Event()
+            g.copied.record()
+            if g.graph is None:
+                self._capture(g)
+            g.graph.replay()
+        else:
+            self._forward(g)
+
     def warm_up(self, batches: Sequence[int], contexts: Sequence[int]) -> int:
         """Captures the buckets of these batch sizes x context lengths now (each compiles and
         captures once, some tens of milliseconds), not during a user's step. Returns the count."""
-        keys = {self.bucket_for(b, c) for b in batches for c in contexts}
+        keys = {self.bucket_for(b, c) for b in batches for c in contexts} | {(t, 0) for t in COMMIT_BUCKETS}
         for key in sorted(k for k in keys if k is not None):
             g = self._graph(*key)
             if self.capture and g.graph is None:
@@ -158,15 +205,27 @@ class ProposeGraphs:
 
     # ---- the padded forward --------------------------------------------------------------------
     def _graph(self, batch: int, context: int) -> _Graph:
+        """Propose buckets have ``context`` > 0; commit buckets ``context`` == 0."""
         key = (batch, context)
         if key not in self._graphs:
-            host = torch.zeros(3, batch, dtype=torch.int64, pin_memory=self.capture)
-            self._graphs[key] = _Graph(batch, context, inputs=torch.zeros(3, batch, dtype=torch.int64,
-                                                                          device=self.device), host=host)
+            width = 3 if context else 2
+            host = torch.zeros(width, batch, dtype=torch.int64, pin_memory=self.capture)
+            if not context:
+                host[0].fill_(self.rows)   # a valid all-scratch commit until the first load
+            g = _Graph(batch, context, inputs=host.to(self.device, copy=True), host=host)
+            if not context:
+                g.features = torch.zeros(batch, self.num_features, dtype=self.dtype, device=self.device)
+            self._graphs[key] = g
         return self._graphs[key]
 
     def _forward(self, g: _Graph) -> None:
         """Everything from the static inputs: no host sync, so it can be captured."""
+        if not g.context:   # a commit
+            rows, positions = g.inputs[0], g.inputs[1]
+            keys, values = self.context_kv(g.features, positions)   # [layers, batch, kvh, hd] each
+            self.keys[:, rows, positions] = keys
+            self.values[:, rows, positions] = values
+            return
         rows, lengths, bonus = g.inputs[0], g.inputs[1], g.inputs[2]
 
         def context_kv(layer: int) -> tuple[Tensor, Tensor]:
@@ -187,5 +246,5 @@ class ProposeGraphs:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._forward(g)
         g.graph = graph
-        log.debug("propose_graph_captured", batch=g.batch, context=g.context,
+        log.debug("draft_graph_captured", batch=g.batch, context=g.context,
                   seconds=round(time.perf_counter() - t0, 3))
