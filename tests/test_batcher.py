@@ -51,3 +51,52 @@ def test_batch_and_kv_limits_hold_too() -> None:
         assert admitted(step2) == ["x"]                   # y's KV does not fit beside x's
 
     asyncio.run(scenario())
+
+
+def test_speculation_gate_falls_back_while_drafts_are_rejected_and_probes_again() -> None:
+    from services.scheduler.speculation import SpeculationGate
+
+    gate = SpeculationGate(min_acceptance=1.5, backoff=3, max_backoff=6, window=2)
+    sent = []
+
+    def step(acceptance: int) -> None:
+        b = gate.budget(16)
+        sent.append(b)
+        gate.observe(b, acceptance if b else 1)   # an AR step accepts exactly 1
+
+    for _ in range(2):
+        step(1)                      # a window of rejected drafts ...
+    for _ in range(3):
+        step(5)                      # ... three AR steps, whatever the drafts would have done
+    for _ in range(2):
+        step(1)                      # the probe fails: the pause doubles
+    for _ in range(6):
+        step(1)
+    for _ in range(4):
+        step(4)                      # accepted again: stays speculative, and the pause resets
+    step(1)                          # one bad step in a good window: no fallback (mean 2.5)
+    assert sent == [16, 16, 0, 0, 0, 16, 16, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16]
+    assert gate.fallbacks == 2 and gate._next_backoff == 3
+    off = SpeculationGate(min_acceptance=0)
+    for _ in range(10):
+        off.observe(16, 1)
+    assert off.budget(16) == 16 and off.fallbacks == 0
+
+
+def test_step_loop_sends_budget_zero_while_a_request_backs_off() -> None:
+    from services.scheduler.speculation import SpeculationGate
+
+    async def scenario() -> None:
+        step = loop(max_batch=8)
+        req = request("a", 10)
+        req.gate = SpeculationGate(min_acceptance=1.5, backoff=2, window=2)
+        step.waiting.append(req)
+        step._schedule()                                  # the prefill step
+        budgets = []
+        for _ in range(5):
+            (item,) = step._schedule()
+            budgets.append(item.budget)
+            req.gate.observe(req.step_budget, 1)          # the verifier accepted only the bonus token
+        assert budgets == [8, 8, 0, 0, 8]
+
+    asyncio.run(scenario())

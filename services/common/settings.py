@@ -61,6 +61,8 @@ class SchedulerSettings:
     max_prefill_tokens: int = 8192  # prompt tokens admitted per step (one longer prompt still goes alone)
     default_budget: int = 16
     default_mode: str = "ddtree"
+    spec_min_acceptance: float = 1.5   # a DDTree request accepting fewer tokens a step decodes AR for a while (0 = never)
+    spec_backoff_steps: int = 16       # AR steps after the first such window (doubling per failed probe, up to 256)
     max_tokens_limit: int = 4096    # the largest max_tokens a request may ask for
     step_timeout_s: float = 60.0    # a draft replica slower than this for one step is marked down
     metrics_port: int = 0           # Prometheus /metrics (0 = off)
@@ -83,6 +85,8 @@ class SchedulerSettings:
         _check(self.default_mode in ("ddtree", "autoregressive"), "scheduler.default_mode",
                "must be 'ddtree' or 'autoregressive'")
         _check(self.max_tokens_limit > 0, "scheduler.max_tokens_limit", "must be > 0")
+        _check(self.spec_min_acceptance >= 0, "scheduler.spec_min_acceptance", "must be >= 0 (0 = never fall back)")
+        _check(self.spec_backoff_steps >= 1, "scheduler.spec_backoff_steps", "must be >= 1")
         _check(self.step_timeout_s > 0, "scheduler.step_timeout_s", "must be > 0")
 
 

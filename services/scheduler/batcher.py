@@ -114,6 +114,8 @@ class StepLoop:
                 req.started = True
                 before = len(req.out_ids)
                 req.add_tokens(list(res.token_ids), res.acceptance_length)
+                if req.gate is not None:
+                    req.gate.observe(req.step_budget, res.acceptance_length)
                 self.metrics.tokens.inc(len(req.out_ids) - before)
                 if res.acceptance_length:
                     self.metrics.acceptance.observe(res.acceptance_length)
@@ -147,7 +149,10 @@ class StepLoop:
         """All running requests, then admissions in arrival order while batch, KV and the step's
         prefill budget allow (a burst of long prompts is spread over steps: one step's prefill
         features and time stay bounded, and running requests keep decoding between them)."""
-        items = [draft_pb2.StepItem(request_id=r.request_id, budget=r.budget) for r in self.running.values()]
+        items = []
+        for r in self.running.values():
+            r.step_budget = r.gate.budget(r.budget) if r.gate is not None else r.budget
+            items.append(draft_pb2.StepItem(request_id=r.request_id, budget=r.step_budget))
         prefill = 0
         while self.waiting and len(items) < self.settings.max_batch and \
                 self.kv.reserved + self.waiting[0].kv_tokens <= self.kv.capacity and \
@@ -185,6 +190,7 @@ class StepLoop:
                  error=req.error.message if req.error is not None else None,
                  prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, steps=usage.steps,
                  mean_acceptance=round(usage.mean_acceptance, 3), budget=req.budget,
+                 spec_fallbacks=req.gate.fallbacks if req.gate is not None else 0,
                  ttft_ms=round((req.first_token_at - req.created) * 1e3, 2) if req.first_token_at else None,
                  seconds=round(now - req.created, 4))
 
