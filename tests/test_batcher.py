@@ -59,44 +59,51 @@ def test_speculation_gate_falls_back_while_drafts_are_rejected_and_probes_again(
     gate = SpeculationGate(min_acceptance=1.5, backoff=3, max_backoff=6, window=2)
     sent = []
 
-    def step(acceptance: int) -> None:
-        b = gate.budget(16)
-        sent.append(b)
-        gate.observe(b, acceptance if b else 1)   # an AR step accepts exactly 1
+    def step(acceptance: float) -> None:
+        spec = gate.speculate()
+        sent.append(int(spec))
+        gate.observe(spec, acceptance if spec else 1.0)   # an AR step accepts exactly 1
 
     for _ in range(2):
         step(1)                      # a window of rejected drafts ...
     for _ in range(3):
         step(5)                      # ... three AR steps, whatever the drafts would have done
     for _ in range(2):
-        step(1)                      # the probe fails: the pause doubles
+        step(1.2)                    # the probe fails: the pause doubles
     for _ in range(6):
         step(1)
     for _ in range(4):
         step(4)                      # accepted again: stays speculative, and the pause resets
     step(1)                          # one bad step in a good window: no fallback (mean 2.5)
-    assert sent == [16, 16, 0, 0, 0, 16, 16, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16]
+    assert sent == [1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1]
     assert gate.fallbacks == 2 and gate._next_backoff == 3
     off = SpeculationGate(min_acceptance=0)
     for _ in range(10):
-        off.observe(16, 1)
-    assert off.budget(16) == 16 and off.fallbacks == 0
+        assert not off.observe(True, 1.0)
+    assert off.speculate() and off.fallbacks == 0
 
 
-def test_step_loop_sends_budget_zero_while_a_request_backs_off() -> None:
-    from services.scheduler.speculation import SpeculationGate
-
+def test_step_loop_pauses_speculation_for_the_whole_batch() -> None:
     async def scenario() -> None:
-        step = loop(max_batch=8)
-        req = request("a", 10)
-        req.gate = SpeculationGate(min_acceptance=1.5, backoff=2, window=2)
-        step.waiting.append(req)
+        step = loop(max_batch=8, spec_min_acceptance=1.5, spec_backoff_steps=2)
+        step.gate.window = 2
+        sampled = request("s", 10)
+        sampled.sampling.temperature = 0.8
+        step.waiting.extend([request("a", 10), request("b", 10), sampled])
         step._schedule()                                  # the prefill step
         budgets = []
+        for accepted in (1.0, 1.5, 9.0, 9.0, 3.0, 3.0):
+            items = step._schedule()
+            budgets.append([i.budget for i in items])
+            step.gate.observe(step._speculating, accepted)
+        # Two DDTree steps averaging 1.25 < 1.5: both greedy requests decode AR for two steps (no
+        # tree of one pads the other's), then both probe again; the seeded one keeps its trees.
+        assert budgets == [[8, 8, 8], [8, 8, 8], [0, 0, 8], [0, 0, 8], [8, 8, 8], [8, 8, 8]]
+        idle = loop(spec_min_acceptance=1.5, spec_backoff_steps=2)
+        idle.gate.observe(True, 1.0), idle.gate.observe(True, 1.0), idle.gate.observe(True, 1.0)
+        idle.gate.observe(True, 1.0)
         for _ in range(5):
-            (item,) = step._schedule()
-            budgets.append(item.budget)
-            req.gate.observe(req.step_budget, 1)          # the verifier accepted only the bonus token
-        assert budgets == [8, 8, 0, 0, 8]
+            assert idle._schedule() == []                 # no running request: the pause is not spent
+        assert idle.gate.pause_left == 2
 
     asyncio.run(scenario())

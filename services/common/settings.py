@@ -61,7 +61,7 @@ class SchedulerSettings:
     max_prefill_tokens: int = 8192  # prompt tokens admitted per step (one longer prompt still goes alone)
     default_budget: int = 16
     default_mode: str = "ddtree"
-    spec_min_acceptance: float = 1.5   # a DDTree request accepting fewer tokens a step decodes AR for a while (0 = never)
+    spec_min_acceptance: float = 1.5   # a batch whose DDTree requests accept fewer tokens a step decodes AR for a while (0 = never)
     spec_backoff_steps: int = 16       # AR steps after the first such window (doubling per failed probe, up to 256)
     max_tokens_limit: int = 4096    # the largest max_tokens a request may ask for
     step_timeout_s: float = 60.0    # a draft replica slower than this for one step is marked down

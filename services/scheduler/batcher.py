@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from ddtree.v1 import draft_pb2, draft_pb2_grpc, scheduler_pb2
+from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc, scheduler_pb2
 from services.common.grpc_server import ServiceError
 from services.common.logging import get_logger
 from services.common.metrics import Metrics
 from services.common.settings import SchedulerSettings
 from services.scheduler.request import ActiveRequest, Limits
+from services.scheduler.speculation import SpeculationGate
 
 __all__ = ["StepLoop", "KvBudget"]
 
@@ -54,6 +55,8 @@ class StepLoop:
         self._release: list[str] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.gate = SpeculationGate(settings.spec_min_acceptance, backoff=settings.spec_backoff_steps)
+        self._speculating = True
 
     @property
     def load(self) -> int:
@@ -104,6 +107,7 @@ class StepLoop:
                 continue
             self.metrics.step_ms.labels("draft").observe(resp.draft_ms)
             self.metrics.step_ms.labels("verify").observe(resp.verify_ms)
+            drafted: list[int] = []   # accepted tokens of this step's DDTree requests
             for res in resp.results:
                 req = self.running.get(res.request_id)
                 if req is None:
@@ -114,13 +118,17 @@ class StepLoop:
                 req.started = True
                 before = len(req.out_ids)
                 req.add_tokens(list(res.token_ids), res.acceptance_length)
-                if req.gate is not None:
-                    req.gate.observe(req.step_budget, res.acceptance_length)
+                if res.acceptance_length and req.mode != common_pb2.MODE_AUTOREGRESSIVE and not _sampled(req):
+                    drafted.append(res.acceptance_length)
                 self.metrics.tokens.inc(len(req.out_ids) - before)
                 if res.acceptance_length:
                     self.metrics.acceptance.observe(res.acceptance_length)
                 if req.done:
                     self._finish(req)
+            if drafted and self.gate.observe(self._speculating, sum(drafted) / len(drafted)):
+                log.info("speculation_paused", draft=self.address, steps=self.gate.pause_left,
+                         mean_acceptance=round(sum(drafted) / len(drafted), 2),
+                         min_acceptance=self.settings.spec_min_acceptance)
 
     def _fail_replica(self, exc: grpc.aio.AioRpcError) -> None:
         """The draft replica failed a step: its running requests are lost; mark it down."""
@@ -149,10 +157,11 @@ class StepLoop:
         """All running requests, then admissions in arrival order while batch, KV and the step's
         prefill budget allow (a burst of long prompts is spread over steps: one step's prefill
         features and time stay bounded, and running requests keep decoding between them)."""
-        items = []
-        for r in self.running.values():
-            r.step_budget = r.gate.budget(r.budget) if r.gate is not None else r.budget
-            items.append(draft_pb2.StepItem(request_id=r.request_id, budget=r.step_budget))
+        if self.running:   # one decision for the whole batch (see speculation.py); idle calls are no step
+            self._speculating = self.gate.speculate()
+        items = [draft_pb2.StepItem(request_id=r.request_id,
+                                    budget=r.budget if self._speculating or _sampled(r) else 0)
+                 for r in self.running.values()]
         prefill = 0
         while self.waiting and len(items) < self.settings.max_batch and \
                 self.kv.reserved + self.waiting[0].kv_tokens <= self.kv.capacity and \
@@ -190,9 +199,15 @@ class StepLoop:
                  error=req.error.message if req.error is not None else None,
                  prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, steps=usage.steps,
                  mean_acceptance=round(usage.mean_acceptance, 3), budget=req.budget,
-                 spec_fallbacks=req.gate.fallbacks if req.gate is not None else 0,
                  ttft_ms=round((req.first_token_at - req.created) * 1e3, 2) if req.first_token_at else None,
                  seconds=round(now - req.created, 4))
+
+
+def _sampled(req: ActiveRequest) -> bool:
+    """Sampled requests always speculate: the random draws of a seeded request follow its trees,
+    so pausing them with the batch would make its output depend on other requests. Greedy output
+    is the target's argmax whatever the trees, so the gate governs greedy requests only."""
+    return req.sampling.temperature > 0
 
 
 def _code(value: int) -> tuple:

@@ -17,7 +17,6 @@ from tokenizers import Tokenizer
 from ddtree.v1 import common_pb2, scheduler_pb2
 from services.common.grpc_server import ServiceError
 from services.common.settings import MAX_BUDGET, SchedulerSettings
-from services.scheduler.speculation import SpeculationGate
 
 __all__ = ["ActiveRequest", "Limits", "validate"]
 
@@ -62,8 +61,6 @@ class ActiveRequest:
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    gate: SpeculationGate | None = None     # DDTree requests: falls back to AR while drafts are rejected
-    step_budget: int = 0                    # the budget sent with the step in flight
 
     @property
     def done(self) -> bool:
@@ -200,6 +197,4 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
         request_id=req.request_id or uuid.uuid4().hex, prompt_ids=prompt, sampling=sampling,
         max_tokens=max_tokens, budget=req.budget or settings.default_budget, mode=mode, stop=tuple(req.stop),
         stop_ids=frozenset(req.stop_token_ids), eos_id=None if req.ignore_eos else limits.eos_token_id,
-        tokenizer=tokenizer, kv_tokens=len(prompt) + max_tokens + limits.block_size,
-        gate=SpeculationGate(settings.spec_min_acceptance, backoff=settings.spec_backoff_steps)
-        if mode != common_pb2.MODE_AUTOREGRESSIVE and settings.spec_min_acceptance > 0 else None)
+        tokenizer=tokenizer, kv_tokens=len(prompt) + max_tokens + limits.block_size)

@@ -1,13 +1,19 @@
-"""When to speculate: a request falls back to plain decoding while its drafts are not accepted.
+"""When to speculate: a batch falls back to plain decoding while its drafts are not accepted.
 
 Why: a DDTree step costs more than an autoregressive one (the draft, and a verify of budget + 1
-nodes instead of one). On the demo model it is 1.2-1.35x an AR step, so a request accepting ~1.2
-tokens a step (the demo drafter on 1024-token contexts, bench/results/matrix-demo.json) decodes
-slower with speculation than without it, and more so under load. Speculation must not lose: after
-``window`` DDTree steps averaging below ``min_acceptance`` tokens, the request takes ``backoff``
-autoregressive steps (budget 0: a root-only tree), then probes with DDTree again. Each failed
-probe doubles the backoff, up to ``max_backoff``; a window at or above the bar resets it. Greedy
-output is the same either way: every step's tokens are the target's.
+nodes instead of one). On the demo model it is 1.2-1.35x an AR step, so requests accepting ~1.2
+tokens a step (the demo drafter on 1024-token contexts, bench/results/matrix-demo.json) decode
+slower with speculation than without it. Speculation must not lose: after ``window`` DDTree steps
+whose requests averaged below ``min_acceptance`` tokens a step, the batch takes ``backoff``
+autoregressive steps (budget 0: root-only trees), then probes with DDTree again. Each failed probe
+doubles the pause, up to ``max_backoff``; a window at or above the bar resets it.
+
+The decision is the batch's, not each request's: a verify pads every tree of a step to the
+largest, so one request probing alone makes the whole step a DDTree step. Per-request pauses did
+exactly that at C=128 (bench/results/matrix-demo-gate.json: 0.85-0.92x AR where speculating
+throughout had won 1.14x). Greedy output is the same either way: every token is the target's
+argmax. Sampled requests are left out (they always speculate): a seeded request's draws follow
+its trees, and its output must not depend on the other requests of the batch.
 """
 
 from __future__ import annotations
@@ -20,38 +26,44 @@ __all__ = ["SpeculationGate"]
 
 @dataclass
 class SpeculationGate:
-    min_acceptance: float          # tokens per DDTree step below which speculation does not pay
+    min_acceptance: float          # tokens per DDTree step below which speculation does not pay (0 = always)
     backoff: int = 16              # autoregressive steps after the first failed window
     max_backoff: int = 256
     window: int = 4                # DDTree steps averaged before deciding
     _recent: deque = field(default_factory=deque)
     _ar_left: int = 0
     _next_backoff: int = 0
-    fallbacks: int = 0             # times this request fell back (for logs)
+    fallbacks: int = 0
 
     def __post_init__(self) -> None:
         self._next_backoff = self.backoff
 
-    def budget(self, budget: int) -> int:
-        """The budget to send this step: ``budget``, or 0 while backing off."""
+    def speculate(self) -> bool:
+        """Whether this step drafts trees (False while pausing; each call is one step)."""
         if self._ar_left > 0:
             self._ar_left -= 1
-            return 0
-        return budget
+            return False
+        return True
 
-    def observe(self, sent_budget: int, acceptance: int) -> None:
-        """One step's accepted tokens (bonus included) for the budget that step was sent with."""
-        if sent_budget == 0 or acceptance <= 0 or self.min_acceptance <= 0:
-            return   # an autoregressive step or a prefill says nothing about the drafts
+    def observe(self, speculated: bool, acceptance: float) -> bool:
+        """One step's mean accepted tokens (bonus included) over its DDTree requests; returns True
+        when this observation starts a pause."""
+        if not speculated or acceptance <= 0 or self.min_acceptance <= 0:
+            return False   # an autoregressive step or a prefill-only step says nothing about drafts
         self._recent.append(acceptance)
         if len(self._recent) < self.window:
-            return
+            return False
         mean = sum(self._recent) / len(self._recent)
         self._recent.popleft()
         if mean >= self.min_acceptance:
             self._next_backoff = self.backoff
-            return
+            return False
         self._ar_left = self._next_backoff
         self._next_backoff = min(2 * self._next_backoff, self.max_backoff)
         self._recent.clear()
         self.fallbacks += 1
+        return True
+
+    @property
+    def pause_left(self) -> int:
+        return self._ar_left
