@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from services.common.cuda_graphs import capture
 from services.common.logging import get_logger
 
 __all__ = ["BATCH_BUCKETS", "COMMIT_BUCKETS", "context_buckets", "ProposeGraphs"]
@@ -140,24 +141,8 @@ class ProposeGraphs:
         key = self.bucket_for(len(rows), max(lengths))
         if key is None:
             raise ValueError(f"no propose bucket holds {len(rows)} contexts of up to {max(lengths)} tokens")
-        g = self._graph(*key)
-        if g.copied is not None:
-            g.copied.synchronize()   # the previous call's copy has left the host twin
-        R = len(rows)
-        g.host.zero_()
-        g.host[0, :R] = torch.tensor(list(rows), dtype=torch.int64)
-        g.host[1, :R] = torch.tensor(list(lengths), dtype=torch.int64)
-        g.host[2, :R] = torch.tensor(list(bonus), dtype=torch.int64)
-        g.inputs.copy_(g.host, non_blocking=True)
-        if self.capture:
-            g.copied = torch.cuda.Event()
-            g.copied.record()
-            if g.graph is None:
-                self._capture(g)
-            g.graph.replay()
-        else:
-            self._forward(g)
-        return self.out[:R]
+        self._launch(self._graph(*key), (rows, lengths, bonus), pad=(0, 0, 0))
+        return self.out[:len(rows)]
 
     def extend_bucket(self, tokens: int) -> int | None:
         """Token bucket of a commit of ``tokens`` tokens, or None (the caller commits eagerly)."""
@@ -176,22 +161,8 @@ class ProposeGraphs:
         if size is None:
             raise ValueError(f"no commit bucket holds {n} tokens")
         g = self._graph(size, 0)
-        if g.copied is not None:
-            g.copied.synchronize()
-        g.host[0].fill_(self.rows)   # padding tokens land in the scratch row
-        g.host[1].zero_()
-        g.host[0, :n] = torch.tensor(list(rows), dtype=torch.int64)
-        g.host[1, :n] = torch.tensor(list(positions), dtype=torch.int64)
-        g.inputs.copy_(g.host, non_blocking=True)
-        g.features[:n].copy_(torch.cat(list(features)) if len(features) > 1 else features[0])
-        if self.capture:
-            g.copied = torch.cuda.Event()
-            g.copied.record()
-            if g.graph is None:
-                self._capture(g)
-            g.graph.replay()
-        else:
-            self._forward(g)
+        self._launch(g, (rows, positions), pad=(self.rows, 0),   # padding tokens land in the scratch row
+                     features=torch.cat(list(features)) if len(features) > 1 else features[0])
 
     def warm_up(self, batches: Sequence[int], contexts: Sequence[int]) -> int:
         """Captures the buckets of these batch sizes x context lengths now (each compiles and
@@ -204,6 +175,28 @@ class ProposeGraphs:
         return len(self.captured)
 
     # ---- the padded forward --------------------------------------------------------------------
+    def _launch(self, g: _Graph, columns: Sequence[Sequence[int]], pad: Sequence[int],
+                features: Tensor | None = None) -> None:
+        """One call: each input row of the pinned host twin is ``columns[i]`` then ``pad[i]``, one
+        copy to the device (and the features into theirs), then the replay (captured first if
+        this bucket has none yet) or, without capture, the same forward eagerly."""
+        if g.copied is not None:
+            g.copied.synchronize()   # the previous call's copy has left the host twin
+        for i, (col, fill) in enumerate(zip(columns, pad)):
+            g.host[i].fill_(fill)
+            g.host[i, :len(col)] = torch.tensor(list(col), dtype=torch.int64)
+        g.inputs.copy_(g.host, non_blocking=True)
+        if features is not None:
+            g.features[:features.shape[0]].copy_(features)
+        if not self.capture:
+            self._forward(g)
+            return
+        g.copied = torch.cuda.Event()
+        g.copied.record()
+        if g.graph is None:
+            self._capture(g)
+        g.graph.replay()
+
     def _graph(self, batch: int, context: int) -> _Graph:
         """Propose buckets have ``context`` > 0; commit buckets ``context`` == 0."""
         key = (batch, context)
@@ -235,16 +228,7 @@ class ProposeGraphs:
         self.out[:g.batch].copy_(self.forward(bonus, lengths, context_kv, g.context))
 
     def _capture(self, g: _Graph) -> None:
-        """Warm up on a side stream (Triton compiles, cuBLAS and attention pick), then capture."""
         t0 = time.perf_counter()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._forward(g)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._forward(g)
-        g.graph = graph
+        g.graph, _ = capture(lambda: self._forward(g), self.device, self._pool)
         log.debug("draft_graph_captured", batch=g.batch, context=g.context,
                   seconds=round(time.perf_counter() - t0, 3))

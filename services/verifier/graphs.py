@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from kernels.tree_mla import TreeAttentionDeviceMetadata, pack_ancestor_bits
+from services.common.cuda_graphs import capture
 from services.common.logging import get_logger
 from services.draft.tree import ancestor_mask
 from services.verifier.kv_cache import PagedKVCache
@@ -205,17 +206,6 @@ class VerifyGraphs:
         return self.model(batch, self.cache, feature_layers=self.feature_layers)
 
     def _capture(self, b: _Bucket) -> None:
-        """Warm up on a side stream (Triton compiles, cuBLAS picks), then capture."""
         t0 = time.perf_counter()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._forward(b)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a handshake mapping a new peer's ring on another thread (cudaMalloc, IPC
-        # handles) must not invalidate this capture, nor fail itself.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            b.output = self._forward(b)
-        b.graph = graph
+        b.graph, b.output = capture(lambda: self._forward(b), self.device, self._pool)
         log.info("graph_captured", batch=b.batch, nodes=b.nodes, seconds=round(time.perf_counter() - t0, 2))
