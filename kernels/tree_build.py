@@ -16,6 +16,11 @@ Two things make a depth cheap enough for one program:
 * Sort keys. A float32 score maps to an int32 with the same order; packed above a 32-bit tie-break
   into an int64, one ``tl.sort`` orders scores and carries the payload (the pair's index).
 
+``algorithm="select"`` skips those full sorts (their compare-exchange stages dominate the kernel):
+a radix select finds each depth's top set on the 32-bit ordered scores, a cumsum breaks score ties
+as the key does, and only the kept nodes (<= budget) are ordered, by a pairwise rank count; the
+global top-budget is the same select. The trees are bit-identical to the default ``"sort"``.
+
 Scores are float32 and add in the same order as the torch version, so they match it bit for bit.
 Scratch rows (per request, in global memory, L1/L2 resident) pass sorted lists between threads;
 ``tl.debug_barrier()`` orders each write before the reads of other threads.
@@ -35,7 +40,9 @@ except ImportError:  # pragma: no cover - only where triton is not installed
     triton = None
     tl = None
 
-__all__ = ["tree_build_triton", "candidate_pairs"]
+__all__ = ["tree_build_triton", "candidate_pairs", "ALGORITHMS"]
+
+ALGORITHMS = ("sort", "select")  # tree_build_triton(algorithm=...): "sort" is the default
 
 _PAIRS: dict[tuple[int, int, str], tuple[Tensor, Tensor]] = {}
 
@@ -66,11 +73,15 @@ def candidate_pairs(budget: int, k: int, device: torch.device) -> tuple[Tensor, 
 if triton is not None:
 
     @triton.jit
+    def _ordered_score(score):
+        """int32 with the order of float32 ``score`` (-0.0 just below +0.0): the key's high half."""
+        bits = score.to(tl.int32, bitcast=True)
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as signed int order
+
+    @triton.jit
     def _pack_key(score, index):
         """int64 whose order is (score, then lower index first); score float32, index int32 >= 0."""
-        bits = score.to(tl.int32, bitcast=True)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as signed int order
-        return (ordered.to(tl.int64) << 32) + (0x7FFFFFFF - index).to(tl.int64)
+        return (_ordered_score(score).to(tl.int64) << 32) + (0x7FFFFFFF - index).to(tl.int64)
 
     @triton.jit
     def _unpack_score(key):
@@ -81,6 +92,50 @@ if triton is not None:
     @triton.jit
     def _unpack_index(key):
         return 0x7FFFFFFF - (key & 0xFFFFFFFF).to(tl.int32)
+
+    @triton.jit
+    def _kth_largest(v, k):
+        """The k-th largest of int32 ``v`` [N], counting repeats (1 <= k <= N), without a sort.
+
+        Radix select from the most significant digit: 8 passes of 4 bits. A pass counts, for all
+        16 values of the next digit at once, the elements at or above ``kth + digit`` ([N, 16]
+        compares, one reduction) and keeps the largest digit whose count still reaches k. Plain
+        compares and sums rather than ``tl.histogram``, whose masking varies across Triton
+        versions; 8 reductions of [N, 16] replace the ~45 compare-exchange stages of a bitonic
+        sort of N = 512 int64 keys.
+
+        The 16 thresholds are formed in int64 (``15 << 28`` overflows int32) and then narrowed:
+        before each pass ``kth + (16 << shift) <= 2**31`` (the previous pass rejected it, or, on
+        the first, it is 2**31), so every threshold fits in int32 and the [N, 16] compares (the
+        bulk of the work) stay 32-bit.
+        """
+        v2 = v[:, None]  # [N, 1] int32
+        digits = tl.arange(0, 16).to(tl.int64)[None, :]  # [1, 16]
+        kth = tl.full([], -2147483648, tl.int64)  # invariant: count(v >= kth) >= k
+        for p in tl.static_range(8):
+            cand = (kth + (digits << (28 - 4 * p))).to(tl.int32)  # [1, 16] ascending
+            count = tl.sum((v2 >= cand).to(tl.int32), axis=0)  # [16] non-increasing, count[0] >= k
+            kth += (tl.sum((count >= k).to(tl.int32), axis=0) - 1).to(tl.int64) << (28 - 4 * p)
+        return kth.to(tl.int32)
+
+    @triton.jit
+    def _top_k(v, k):
+        """The k largest of int32 ``v`` [N] (N < 2**16), ties to the lower position: the set a
+        descending sort of ``(v, then lower position first)`` keys puts first.
+
+        Returns (selected [N] bool, pos [N] int32: 0-based rank of a selected element among the
+        selected in position order, i.e. where a compaction stores it).
+        """
+        kth = _kth_largest(v, k)
+        above = v > kth
+        tie = v == kth
+        need = k - tl.sum(above.to(tl.int32), axis=0)  # ties to take, the first ones by position
+        # One scan for two prefix counts (each < 2**16): `above` in the high half, ties in the low.
+        both = tl.cumsum(above.to(tl.int32) * 65536 + tie.to(tl.int32), 0)  # [N]
+        tie_rank = both & 0xFFFF  # 1-based among ties
+        selected = above | (tie & (tie_rank <= need))
+        pos = (both >> 16) + tl.minimum(tie_rank, need) - 1
+        return selected, pos
 
     @triton.jit
     def _tree_build_kernel(
@@ -108,6 +163,7 @@ if triton is not None:
         G_PAD: tl.constexpr,
         S_PAD: tl.constexpr,
         N_PAD: tl.constexpr,
+        SELECT: tl.constexpr,  # True: radix select + rank instead of the full sorts (same result)
     ):
         r = tl.program_id(0).to(tl.int64)
         lp_row = top_lp_ptr + r * DEPTH * K
@@ -132,19 +188,35 @@ if triton is not None:
             x = tl.load(lvl_score_ptr + lvl_base + (d - 1) * B_PAD + ci, mask=ok, other=float("-inf"))
             y = tl.load(lp_row + d * K + cj, mask=ok, other=float("-inf"))
             flat = tl.where(ok, ci * K + cj, 0x7FFFFFFF)  # invalid pairs sort last
-            keys = tl.sort(_pack_key(x + y, flat), descending=True)  # [C_PAD]
-            tl.store(keys_row + offs_c, keys)
-            tl.debug_barrier()
             keep = tl.minimum(width * K, BUDGET)
-            top = tl.load(keys_row + offs_b)  # [B_PAD] the best pairs, descending
             kept = offs_b < keep
+            if SELECT:
+                # The top-keep set by radix select on the score; ties go to the lower flat index,
+                # which is candidate order (candidate_pairs ascends in ci * K + cj), as in the key.
+                # Invalid pairs rank below every score, -inf included; at least `keep` pairs are
+                # valid (sum_i min(K, BUDGET // (i+1)) over i < width), so none is selected.
+                score = x + y  # [C_PAD]
+                v = tl.where(ok, _ordered_score(score), -2147483648)
+                sel, pos = _top_k(v, keep)
+                tl.store(keys_row + pos, _pack_key(score, flat), mask=sel)  # compacted, unordered
+                tl.debug_barrier()
+                top = tl.load(keys_row + offs_b, mask=kept, other=0)  # [B_PAD] the best pairs
+                # Keys are distinct (distinct flat indices): rank = how many kept keys beat it.
+                beats = (top[None, :] > top[:, None]) & kept[None, :]  # [B_PAD, B_PAD]
+                dest = tl.where(kept, tl.sum(beats.to(tl.int32), axis=1), offs_b)  # a permutation
+            else:
+                keys = tl.sort(_pack_key(x + y, flat), descending=True)  # [C_PAD]
+                tl.store(keys_row + offs_c, keys)
+                tl.debug_barrier()
+                top = tl.load(keys_row + offs_b)  # [B_PAD] the best pairs, descending
+                dest = offs_b
             idx = _unpack_index(top)
             parent = tl.where(kept, idx // K, 0)
             child = tl.where(kept, idx % K, 0)
-            base = lvl_base + d * B_PAD
-            tl.store(lvl_score_ptr + base + offs_b, tl.where(kept, _unpack_score(top), float("-inf")))
-            tl.store(lvl_tok_ptr + base + offs_b, tl.load(tok_row + d * K + child, mask=kept, other=0))
-            tl.store(lvl_par_ptr + base + offs_b, parent)
+            base = lvl_base + d * B_PAD + dest  # [B_PAD] descending key order once stored
+            tl.store(lvl_score_ptr + base, tl.where(kept, _unpack_score(top), float("-inf")))
+            tl.store(lvl_tok_ptr + base, tl.load(tok_row + d * K + child, mask=kept, other=0))
+            tl.store(lvl_par_ptr + base, parent)
             width = keep
             tl.debug_barrier()
 
@@ -153,11 +225,18 @@ if triton is not None:
         offs_g = tl.arange(0, G_PAD)
         g_ok = offs_g < DEPTH * B_PAD
         score = tl.load(lvl_score_ptr + lvl_base + offs_g, mask=g_ok, other=float("-inf"))  # [G_PAD]
-        keys = _pack_key(score, offs_g)
-        tl.store(keys_row + offs_g, tl.sort(keys, descending=True))
-        tl.debug_barrier()
-        threshold = tl.load(keys_row + BUDGET - 1)
-        selected = (keys >= threshold) & (score > float("-inf")) & g_ok
+        finite = score > float("-inf")
+        if SELECT:
+            # Same set as the threshold below: with fewer than BUDGET finite scores, all of them;
+            # else the BUDGET best, ties to the lower position (the key's tie-break).
+            top_set, _ = _top_k(tl.where(finite, _ordered_score(score), -2147483648), BUDGET)
+            selected = top_set & finite & g_ok
+        else:
+            keys = _pack_key(score, offs_g)
+            tl.store(keys_row + offs_g, tl.sort(keys, descending=True))
+            tl.debug_barrier()
+            threshold = tl.load(keys_row + BUDGET - 1)
+            selected = (keys >= threshold) & finite & g_ok
         slot = tl.cumsum(selected.to(tl.int32), 0)  # 1-based output slot in depth-then-rank order
         tl.store(slot_ptr + r * G_PAD + offs_g, tl.where(selected, slot, 0))
         tl.debug_barrier()
@@ -200,7 +279,9 @@ class TreeBuildOutput:
 
 
 @on_input_device
-def tree_build_triton(logprobs: Tensor, budget: int, root_tokens: Tensor, num_warps: int = 8) -> TreeBuildOutput:
+def tree_build_triton(
+    logprobs: Tensor, budget: int, root_tokens: Tensor, num_warps: int = 8, algorithm: str = "sort"
+) -> TreeBuildOutput:
     """The trees of ``build_trees`` for float32/bf16/fp16 log-probs: vocabulary top-k, then one launch.
 
     Args:
@@ -210,6 +291,10 @@ def tree_build_triton(logprobs: Tensor, budget: int, root_tokens: Tensor, num_wa
         num_warps: warps per request's program. 8 by sweep on an H200 at batch 128, budget 64,
             depth 15: 77 us against 103 (4 warps), 136 (2) and 199 (1); the per-depth sorts are
             latency-bound and more warps shorten each compare-exchange stage.
+        algorithm: ``"sort"`` (default) sorts all candidate keys per depth and all kept nodes for
+            the global threshold; ``"select"`` finds the same top sets by radix select and orders
+            only the kept nodes, by pairwise rank (see ``_kth_largest``): the sorts dominate the
+            kernel, and the outputs are bit-identical (tests/test_tree_build.py).
 
     Returns:
         :class:`TreeBuildOutput` with ``n_max = budget + 1`` columns. No host sync; capturable in
@@ -217,6 +302,8 @@ def tree_build_triton(logprobs: Tensor, budget: int, root_tokens: Tensor, num_wa
     """
     if triton is None:
         raise RuntimeError("tree_build_triton needs triton")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     num_req, depth_limit, vocab = logprobs.shape
     assert 1 <= budget <= 128, f"budget must be in 1..128, got {budget}"
     assert logprobs.dtype in (torch.float32, torch.bfloat16, torch.float16), (
@@ -233,7 +320,7 @@ def tree_build_triton(logprobs: Tensor, budget: int, root_tokens: Tensor, num_wa
     ci, cj = candidate_pairs(budget, k, device)
     b_pad = _next_pow2(budget)
     c_pad = ci.numel()
-    g_pad = _next_pow2(depth * b_pad)
+    g_pad = _next_pow2(depth * b_pad)  # <= 2**14: _top_k's packed scan needs < 2**16
     s_pad = max(c_pad, g_pad)
     lvl_score = torch.empty(num_req, depth, b_pad, dtype=torch.float32, device=device)
     lvl_tok = torch.empty(num_req, depth, b_pad, dtype=torch.int64, device=device)
@@ -255,6 +342,6 @@ def tree_build_triton(logprobs: Tensor, budget: int, root_tokens: Tensor, num_wa
         out.tokens, out.parents, out.depths, out.scores, out.sizes,
         n_max,
         K=k, DEPTH=depth, BUDGET=budget, B_PAD=b_pad, C_PAD=c_pad, G_PAD=g_pad, S_PAD=s_pad,
-        N_PAD=_next_pow2(n_max), num_warps=num_warps,
+        N_PAD=_next_pow2(n_max), SELECT=algorithm == "select", num_warps=num_warps,
     )
     return out
