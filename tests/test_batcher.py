@@ -107,3 +107,47 @@ def test_step_loop_pauses_speculation_for_the_whole_batch() -> None:
         assert idle.gate.pause_left == 2
 
     asyncio.run(scenario())
+
+
+def test_requests_of_a_failed_step_are_released_when_the_replica_is_back() -> None:
+    import grpc
+
+    from ddtree.v1 import draft_pb2
+
+    class FlakyDraft:
+        """Fails the first step (a timeout), then answers every step with no results."""
+
+        def __init__(self) -> None:
+            self.calls: list[draft_pb2.StepRequest] = []
+
+        async def Step(self, request, timeout=None):   # noqa: N802 - the gRPC method name
+            self.calls.append(request)
+            if len(self.calls) == 1:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), "step timed out")
+            return draft_pb2.StepResponse()
+
+    async def scenario() -> None:
+        step = loop(max_batch=8)
+        step.draft = FlakyDraft()
+        step.waiting.extend([request("a", 10), request("b", 10)])
+        step._release.append("old")                        # finished earlier; its release rides the failing step
+        step.start()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not step.healthy:
+                break
+        assert not step.healthy and step.running == {}   # both requests failed with the step
+        await asyncio.sleep(0.05)
+        assert len(step.draft.calls) == 1                  # nothing is sent to a replica marked down
+        step.mark_healthy()                                # the same process answers again
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if len(step.draft.calls) > 1:
+                break
+        await step.stop()
+        # It still holds the failed requests' contexts, pool rows and KV: they are released.
+        assert list(step.draft.calls[0].release) == ["old"]
+        assert sorted(step.draft.calls[1].release) == ["a", "b", "old"]
+
+    asyncio.run(scenario())

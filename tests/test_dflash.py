@@ -323,3 +323,21 @@ def test_pool_warm_up_gives_back_its_rows(pair: tuple[Path, Path]) -> None:
     assert context_buckets(200) == (64, 128, 192, 200)
     assert context_buckets(2048) == (64, 128, 192, 256, 384, 576, 832, 1216, 1792, 2048)
     assert pooled.graphs.bucket_for(3, 201) is None and pooled.graphs.bucket_for(4, 10) is None
+
+
+def test_a_reused_pool_row_carries_nothing_over(pair: tuple[Path, Path]) -> None:
+    pooled = _graph_drafter(pair, rows=1, context=64)
+    a = pooled.new_context()
+    feats = _features(20, 3)
+    feats[7] = float("nan")   # a request whose features went bad
+    pooled.extend_context(a, feats)
+    pooled.release_context(a)
+    b = pooled.new_context()   # the same row
+    assert b.row == 0   # the row the bad request had
+    pooled.extend_context(b, _features(5, 4))
+    out = pooled.propose([b], torch.tensor([9]))
+    assert torch.isfinite(out).all()
+    plain = DFlashDrafter.load(pair[0], pair[1])
+    ref = plain.new_context()
+    plain.extend_context(ref, _features(5, 4))
+    torch.testing.assert_close(out, plain.propose([ref], torch.tensor([9])), atol=1e-5, rtol=1e-5)

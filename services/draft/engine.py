@@ -148,7 +148,7 @@ class DraftEngine:
             ServiceError | None:
         """Sorts one batch item into a prefill or a verify, or says why it can't be either."""
         if item.budget < 0 or item.budget > MAX_BUDGET:
-            return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"budget {item.budget} outside 1..{MAX_BUDGET}")
+            return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"budget {item.budget} outside 0..{MAX_BUDGET}")
         req = self._requests.get(item.request_id)
         if item.prompt_token_ids:
             if req is not None:

@@ -113,8 +113,15 @@ class ProposeGraphs:
 
     # ---- rows ----------------------------------------------------------------------------------
     def acquire(self) -> int | None:
-        """A free pool row, or None when every row is taken (the context then keeps its own storage)."""
-        return self._free.pop() if self._free else None
+        """A free pool row, zeroed, or None when every row is taken (the context then keeps its own
+        storage). Zeroed because masked keys still enter the attention as 0 x value: a NaN that an
+        earlier request left in the row would reach the next one."""
+        if not self._free:
+            return None
+        row = self._free.pop()
+        self.keys[:, row].zero_()
+        self.values[:, row].zero_()
+        return row
 
     def release(self, row: int) -> None:
         assert 0 <= row < self.rows and row not in self._free, f"row {row} released twice or out of range"

@@ -94,7 +94,7 @@ class StepLoop:
         while True:
             self._retire_aborted()
             items = self._schedule() if self.healthy else []
-            if not items and not self._release:
+            if not items and not (self._release and self.healthy):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -103,6 +103,7 @@ class StepLoop:
                 resp = await self.draft.Step(draft_pb2.StepRequest(items=items, release=release),
                                              timeout=self.settings.step_timeout_s)
             except grpc.aio.AioRpcError as exc:
+                self._release = release + self._release   # not delivered: they go with the next step
                 self._fail_replica(exc)
                 continue
             self.metrics.step_ms.labels("draft").observe(resp.draft_ms)
@@ -141,7 +142,9 @@ class StepLoop:
                     running=len(self.running))
         for req in list(self.running.values()):
             self._finish(req, error=err)
-        self._release = []   # a restarted replica holds none of them
+        # The failed requests are released with the next step that reaches the replica: one that
+        # kept running (a step timed out, or failed on its own) still holds their drafter
+        # contexts, pool rows and KV pages; a restarted one ignores ids it does not know.
 
     def take_waiting(self) -> list[ActiveRequest]:
         """Hands queued (never started) requests back to the router to place on another replica."""
