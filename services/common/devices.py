@@ -8,11 +8,13 @@ launch its Triton tree builder on cuda:0 with pointers into cuda:1.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from services.common.settings import SettingsError
 
-__all__ = ["pin_device"]
+__all__ = ["pin_device", "current"]
 
 
 def pin_device(device: str | torch.device) -> torch.device:
@@ -27,3 +29,9 @@ def pin_device(device: str | torch.device) -> torch.device:
         raise SettingsError(f"device {d} does not exist: this process sees {count} GPU(s) (CUDA_VISIBLE_DEVICES)")
     torch.cuda.set_device(d)
     return d
+
+
+def current(device: torch.device) -> contextlib.AbstractContextManager:
+    """``device`` made current for a block (a no-op off the GPU). Worker threads start on GPU 0,
+    whatever the service pinned: engine calls made in them wrap their work in this."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

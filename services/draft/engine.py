@@ -16,6 +16,7 @@ import grpc
 import torch
 
 from ddtree.v1 import common_pb2, draft_pb2, verifier_pb2
+from services.common.devices import current
 from services.common.grpc_server import ServiceError
 from services.common.metrics import Metrics
 from services.common.settings import MAX_BUDGET
@@ -171,11 +172,8 @@ class DraftEngine:
     def _on_device(self, fn, *args):
         """Runs ``fn`` with the drafter's GPU current: worker threads start on GPU 0, and kernels
         (Triton's, and anything using the current stream) launch on the current device."""
-        dev = self.proposer.device
-        if dev.type == "cuda":
-            with torch.cuda.device(dev):
-                return fn(*args)
-        return fn(*args)
+        with current(self.proposer.device):
+            return fn(*args)
 
     def _draft(self, reqs: Sequence[_Request], budgets: Sequence[int]) -> list[_Tree]:
         """One proposal + one batched tree build per (budget, depth cap) group; root-only for AR."""

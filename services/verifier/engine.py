@@ -231,19 +231,19 @@ class VerifierEngine:
         sel = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in live])
         reqs = [self._requests[request_ids[i]] for i in live]
         live_sizes = [sizes_l[i] for i in live]
+        tokens_h, parents_h, depths_h = tokens[sel], parents[sel], depths[sel]     # [N] host, live requests
         if self.graphs is not None and self.graphs.bucket_for(len(live), max(live_sizes)) is not None:
             # host tensors: the graph path pads them on the host and copies once
-            out = self.graphs.run(tokens[sel], parents[sel], depths[sel], live_sizes,
+            out = self.graphs.run(tokens_h, parents_h, depths_h, live_sizes,
                                   [r.length for r in reqs], [self.cache.page_ids(r.request_id) for r in reqs])
         else:
-            flat_tokens = tokens[sel].to(dev)                                      # [N]
-            flat_depths = depths[sel].to(dev)                                      # [N]
+            flat_tokens = tokens_h.to(dev)                                         # [N]
+            flat_depths = depths_h.to(dev)                                         # [N]
             starts = torch.repeat_interleave(torch.tensor([r.length for r in reqs], device=dev),
                                              torch.tensor(live_sizes, device=dev))  # [N]
             masks = [ancestor_mask(parents[offsets[i]:offsets[i + 1]].to(dev)) for i in live]
             out = self._forward(flat_tokens, starts + flat_depths, reqs, masks)
         posterior = torch.cat(self._posterior(out.logits, reqs, live_sizes)).cpu()   # [N] one sync
-        tokens_h, parents_h = tokens[sel], parents[sel]                               # host copies
         keep: list[int] = []           # rows of the accepted paths, in request order
         writes: list[tuple[str, int, int]] = []
         row = 0

@@ -17,7 +17,6 @@ gathered before the next replay.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from torch import Tensor
 
 from kernels.tree_mla import TreeAttentionDeviceMetadata, pack_ancestor_bits
 from services.common.cuda_graphs import capture
+from services.common.devices import current
 from services.common.logging import get_logger
 from services.draft.tree import ancestor_mask
 from services.verifier.kv_cache import PagedKVCache
@@ -137,7 +137,7 @@ class VerifyGraphs:
             raise ValueError(f"no graph bucket holds {len(sizes)} trees of up to {max(sizes)} nodes")
         # Engine calls run in worker threads, whose current device is GPU 0: capture, replay and
         # the pinned copies must happen on the model's GPU.
-        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+        with current(self.device):
             return self._run(self._bucket(*key), tokens, parents, depths, sizes, prefix_lens, page_ids)
 
     def _run(self, b: _Bucket, tokens: Tensor, parents: Tensor, depths: Tensor, sizes: Sequence[int],
