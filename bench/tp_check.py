@@ -3,7 +3,10 @@
 float32: eager verify (the torch expert loop cannot be captured), outputs must be identical.
 bfloat16: the fused INT4 MoE and CUDA-graph verify on every rank (all-reduces inside the graphs);
 TP=2 sums partial results in another order than TP=1, so in bf16 a sequence can drift after a
-near tie: reported as identical count and the length of the common prefix.
+near tie: reported as identical count and the length of the common prefix. A random checkpoint's
+logits are nearly flat (many near ties), so two more rows tell drift from a bug: TP=1 bf16 against
+TP=1 float32 on the same checkpoint (how far bf16 rounding alone carries), and TP=2 against TP=1
+in bf16 on the trained demo model with held-out prompts (clear margins: should agree far longer).
 Writes bench/results/tp-equivalence.json. Needs two GPUs (rank i on cuda:i, NCCL, NVLS off).
 """
 
@@ -24,14 +27,20 @@ from services.common.make_checkpoint import make_random_checkpoint
 from services.scheduler.client import Client
 
 
-def run(model: Path, tp: int, prompts: list[list[int]], dtype: str = "float32") -> tuple[list[list[int]], list[int]]:
+def common_prefix(a: list[list[int]], b: list[list[int]]) -> list[int]:
+    """Per prompt, how many leading tokens two runs share."""
+    return [next((i for i, (x, y) in enumerate(zip(u, v)) if x != y), min(len(u), len(v))) for u, v in zip(a, b)]
+
+
+def run(model: Path, tp: int, prompts: list[list[int]], dtype: str = "float32",
+        max_tokens: int = 32) -> tuple[list[list[int]], list[int]]:
     env = {"DDTREE_VERIFIER_TP": str(tp), "DDTREE_VERIFIER_DEVICE": "cuda", "DDTREE_DRAFT_DEVICE": "cuda",
            "DDTREE_VERIFIER_DTYPE": dtype, "DDTREE_DRAFT_DTYPE": dtype,
            "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     with Stack(StackSpec(model_path=str(model), scheduler_port=0, extra_env=env)) as stack, \
             Client(stack.scheduler_address) as c:
-        greedy = [c.generate(p, max_tokens=32, budget=16, ignore_eos=True).token_ids for p in prompts]
-        sampled = c.generate(prompts[0], max_tokens=32, budget=16, temperature=1.0, seed=11, ignore_eos=True)
+        greedy = [c.generate(p, max_tokens=max_tokens, budget=16, ignore_eos=True).token_ids for p in prompts]
+        sampled = c.generate(prompts[0], max_tokens=max_tokens, budget=16, temperature=1.0, seed=11, ignore_eos=True)
         return greedy, sampled.token_ids
 
 
@@ -39,6 +48,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/tp-equivalence.json")
     p.add_argument("--commit", default="")
+    p.add_argument("--demo", default="models/demo", help="trained checkpoint for the bf16 row with clear margins")
     args = p.parse_args()
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     model = make_random_checkpoint(Path(tempfile.mkdtemp()) / "ckpt", vocab_size=512, seed=5,
@@ -50,14 +60,23 @@ def main() -> None:
              "greedy_identical": sum(a == b for a, b in zip(g1, g2)), "sampled_identical": s1 == s2}]
     b1, _ = run(model, 1, prompts, "bfloat16")
     b2, _ = run(model, 2, prompts, "bfloat16")
-    common = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(b1, b2)]
     rows.append({"tp": 2, "dtype": "bfloat16", "cuda_graphs": True, "prompts": len(prompts),
-                 "greedy_identical": sum(a == b for a, b in zip(b1, b2)), "common_prefix_tokens": common})
+                 "greedy_identical": sum(a == b for a, b in zip(b1, b2)), "common_prefix_tokens": common_prefix(b1, b2)})
+    rows.append({"tp": 1, "dtype": "bfloat16 vs float32", "cuda_graphs": True, "prompts": len(prompts),
+                 "greedy_identical": sum(a == b for a, b in zip(b1, g1)), "common_prefix_tokens": common_prefix(b1, g1)})
+    demo = Path(args.demo)
+    held = [p["ids"] for p in json.loads((demo / "heldout_prompts.json").read_text())["prompts"]][:6]
+    d1, _ = run(demo, 1, held, "bfloat16", max_tokens=64)
+    d2, _ = run(demo, 2, held, "bfloat16", max_tokens=64)
+    rows.append({"tp": 2, "dtype": "bfloat16", "model": "demo", "cuda_graphs": True, "prompts": len(held),
+                 "max_tokens": 64, "greedy_identical": sum(a == b for a, b in zip(d1, d2)),
+                 "common_prefix_tokens": common_prefix(d1, d2)})
     print(rows, flush=True)
     commit = git_commit(args.commit)
     doc = {"benchmark": "tp-equivalence", "commit": commit or "unknown", "gpu": torch.cuda.get_device_name(0),
-           "copy_gbps": None, "params": {"model": "random (make-checkpoint, moe_intermediate 128)", "dtypes": ["float32", "bfloat16"],
-                                         "budget": 16, "max_tokens": 32}, "rows": rows}
+           "copy_gbps": None, "params": {"model": "random (make-checkpoint, moe_intermediate 128); the row with model 'demo': "
+                                                  "the bundled demo pair, first 6 held-out prompts",
+                                         "dtypes": ["float32", "bfloat16"], "budget": 16, "max_tokens": 32}, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2))
 
