@@ -10,12 +10,10 @@ positions). Two inputs per shape:
   ``batch x 15 x 163840 x 4`` bytes (1.26 GB at batch 128, ~300 us of HBM time by itself).
 
 ``backend``: ``triton`` (one kernel after the top-k, ``kernels.tree_build``) or ``torch`` (the
-tensor-op version). ``algorithm`` (triton rows; null for torch): ``sort`` (the default: full
-bitonic sorts per depth) or ``select`` (radix select + pairwise rank, same trees); each triton row
-is timed with both, each with its own ``num_warps`` from a sweep at the T-tree shape.
+tensor-op version); triton rows use the ``num_warps`` of a sweep at the T-tree shape, and
+``params.topk_us_128_64_16`` is the share of the torch top-k inside the builder there.
 ``matches_reference``: the selected prefixes equal ``build_tree_heapq``'s on the first rows;
-``matches_torch``: every output tensor equals the torch builder's; ``matches_sort`` (select rows):
-every output tensor equals the sort algorithm's bit for bit (scores compared as bits).
+``matches_torch``: every output tensor equals the torch builder's.
 
 Usage: python -m bench.tree_build_bench [--out DIR] [--commit SHA]
 """
@@ -30,7 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.common import git_commit, graph_replay_us, measure_copy_gbps
-from kernels.tree_build import ALGORITHMS, tree_build_triton
+from kernels.tree_build import tree_build_triton
 from services.draft.tree import TreeBatch, build_tree_heapq, build_trees, tree_paths
 
 K2_VOCAB = 163840
@@ -50,19 +48,12 @@ def random_logprobs(batch: int, depth: int, vocab: int, seed: int) -> torch.Tens
 FIELDS = ("tokens", "parents", "depths", "scores", "sizes")
 
 
-def build(logprobs: torch.Tensor, budget: int, roots: torch.Tensor, backend: str, num_warps: int,
-          algorithm: str = "sort") -> TreeBatch:
-    """``build_trees(..., backend=backend)`` with the Triton launch's warps and algorithm exposed."""
+def build(logprobs: torch.Tensor, budget: int, roots: torch.Tensor, backend: str, num_warps: int) -> TreeBatch:
+    """``build_trees(..., backend=backend)`` with the Triton launch's warps exposed."""
     if backend == "torch":
         return build_trees(logprobs, budget, roots, backend="torch")
-    out = tree_build_triton(logprobs, budget, roots, num_warps=num_warps, algorithm=algorithm)
+    out = tree_build_triton(logprobs, budget, roots, num_warps=num_warps)
     return TreeBatch(out.tokens, out.parents, out.depths, out.scores, out.sizes)
-
-
-def bit_equal(a: TreeBatch, b: TreeBatch) -> bool:
-    """Every tensor equal, float scores as bits (torch.equal calls -0.0 == 0.0)."""
-    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in FIELDS) and torch.equal(
-        a.scores.view(torch.int32), b.scores.view(torch.int32))
 
 
 def graph_time_us(fn, reps: int = 50) -> float:
@@ -77,22 +68,18 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     copy_gbps = measure_copy_gbps(1 << 30)
     # Warps per request's program: the per-depth sorts are latency-bound, so fewer warps (fewer
-    # cross-warp exchanges) may win; measured at the T-tree shape, then used for every row. Per
-    # algorithm: select's reductions and sort's compare-exchanges cross warps differently.
+    # cross-warp exchanges) may win; measured at the T-tree shape, then used for every row.
     lp = random_logprobs(128, 15, 64, seed=1)
     roots0 = torch.zeros(128, dtype=torch.int64, device="cuda")
-    sweeps: dict[str, dict[int, float]] = {}
-    warps: dict[str, int] = {}
-    for algorithm in ALGORITHMS:
-        sweep = sweeps.setdefault(algorithm, {})
-        for w in (4, 8, 16, 32):
-            try:
-                sweep[w] = round(graph_time_us(lambda w=w, a=algorithm: build(lp, 64, roots0, "triton", w, a)), 2)
-            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
-                print(f"{algorithm} num_warps {w}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-        warps[algorithm] = min(sweep, key=sweep.get) if sweep else 4
-        print(f"{algorithm} num_warps sweep at 128/64/16: {sweep} -> {warps[algorithm]}", flush=True)
-    warps_sweep, num_warps = sweeps["sort"], warps["sort"]
+    warps_sweep: dict[int, float] = {}
+    for w in (4, 8, 16, 32):
+        try:
+            warps_sweep[w] = round(graph_time_us(lambda w=w: build(lp, 64, roots0, "triton", w)), 2)
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
+            print(f"num_warps {w}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    num_warps = min(warps_sweep, key=warps_sweep.get) if warps_sweep else 8
+    topk_us = round(graph_time_us(lambda: lp.float().topk(64, dim=-1)), 2)
+    print(f"num_warps sweep at 128/64/16: {warps_sweep} -> {num_warps}; its top-k alone {topk_us} us", flush=True)
     rows: list[dict] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -107,8 +94,7 @@ def main() -> None:
                 "depth": "block - 1", "dtype": "float32", "timing": "CUDA graph replay, median of 50",
                 "matches_reference": f"heapq reference on the first {HEAPQ_ROWS} rows (prefix sets)",
                 "torch": torch.__version__, "triton": __import__("triton").__version__,
-                "num_warps_sweep_128_64_16_us": warps_sweep, "num_warps": num_warps,
-                "num_warps_sweep_select_128_64_16_us": sweeps["select"], "num_warps_select": warps["select"],
+                "num_warps_sweep_128_64_16_us": warps_sweep, "num_warps": num_warps, "topk_us_128_64_16": topk_us,
             },
             "rows": rows,
         }
@@ -120,29 +106,21 @@ def main() -> None:
             logprobs = random_logprobs(batch, depth, vocab, seed=batch * 1000 + budget)
             roots = torch.randint(0, vocab, (batch,), device="cuda")
             want = build_trees(logprobs, budget, roots, backend="torch")
-            sorted_out = None  # the sort algorithm's trees, which select must equal bit for bit
-            runs = [(b, a) for b in backends for a in (ALGORITHMS if b == "triton" else (None,))]
-            for backend, algorithm in runs:
-                w = warps.get(algorithm, num_warps)
-                got = build(logprobs, budget, roots, backend, w, algorithm or "sort")
+            for backend in backends:
+                got = build(logprobs, budget, roots, backend, num_warps)
                 matches_torch = all(torch.equal(getattr(got, f), getattr(want, f)) for f in FIELDS)
                 cpu_lp = logprobs[:HEAPQ_ROWS].cpu()
                 matches_ref = all(tree_paths(got, r) == set(build_tree_heapq(cpu_lp[r], budget))
                                   for r in range(min(batch, HEAPQ_ROWS)))
                 try:
                     # Defaults bind now (and keep pyflakes from reading `del logprobs` below as unbound).
-                    t = round(graph_time_us(lambda lp=logprobs, b=backend, w=w, a=algorithm or "sort":
-                                            build(lp, budget, roots, b, w, a)), 2)
+                    t = round(graph_time_us(lambda lp=logprobs, b=backend: build(lp, budget, roots, b, num_warps)), 2)
                     error = None
                 except RuntimeError as exc:  # e.g. an op that cannot be captured: record, go on
                     t, error = None, f"{type(exc).__name__}: {str(exc)[:200]}"
                 row = {"batch": batch, "budget": budget, "block": block, "vocab": vocab, "backend": backend,
-                       "algorithm": algorithm, "num_warps": w if backend == "triton" else None,
+                       "num_warps": num_warps if backend == "triton" else None,
                        "time_us": t, "matches_reference": matches_ref, "matches_torch": matches_torch}
-                if algorithm == "sort":
-                    sorted_out = got
-                elif algorithm == "select":
-                    row["matches_sort"] = sorted_out is not None and bit_equal(got, sorted_out)
                 if error:
                     row["error"] = error
                 rows.append(row)
@@ -150,12 +128,11 @@ def main() -> None:
                 write()
             del logprobs
             torch.cuda.empty_cache()
-    print("\n batch budget block  vocab backend algorithm  time_us  heapq  torch   sort")
+    print("\n batch budget block  vocab backend  time_us  heapq  torch")
     for r in rows:
         t = f"{r['time_us']:8.1f}" if r["time_us"] is not None else "   error"
         print(f"{r['batch']:6d} {r['budget']:6d} {r['block']:5d} {r['vocab']:6d} {r['backend']:>7} "
-              f"{str(r['algorithm'] or '-'):>9} {t} {str(r['matches_reference']):>6} "
-              f"{str(r['matches_torch']):>6} {str(r.get('matches_sort', '-')):>6}")
+              f"{t} {str(r['matches_reference']):>6} {str(r['matches_torch']):>6}")
 
 
 if __name__ == "__main__":

@@ -16,14 +16,15 @@ Two things make a depth cheap enough for one program:
 * Sort keys. A float32 score maps to an int32 with the same order; packed above a 32-bit tie-break
   into an int64, one ``tl.sort`` orders scores and carries the payload (the pair's index).
 
-``algorithm="select"`` skips those full sorts (their compare-exchange stages dominate the kernel):
-a radix select finds each depth's top set on the 32-bit ordered scores, a cumsum breaks score ties
-as the key does, and only the kept nodes (<= budget) are ordered, by a pairwise rank count; the
-global top-budget is the same select. The trees are bit-identical to the default ``"sort"``.
+Latency, not throughput, bounds it: batch 1 takes nearly as long as batch 128 (one program per
+request, 15 dependent depths). So a depth keeps its work off the memory round trips: the next
+depth's log-probs are loaded while this one sorts, the top ``budget`` keys are taken from the
+sorted registers (a max over the [C_PAD / B_PAD, B_PAD] view of a descending sort is its first
+row), and tokens are looked up once at the end from each kept node's child rank.
 
 Scores are float32 and add in the same order as the torch version, so they match it bit for bit.
-Scratch rows (per request, in global memory, L1/L2 resident) pass sorted lists between threads;
-``tl.debug_barrier()`` orders each write before the reads of other threads.
+Scratch rows (per request, in global memory, L1/L2 resident) pass each depth's kept nodes to the
+next depth's threads; ``tl.debug_barrier()`` orders each write before the reads of other threads.
 """
 
 from __future__ import annotations
@@ -40,9 +41,7 @@ except ImportError:  # pragma: no cover - only where triton is not installed
     triton = None
     tl = None
 
-__all__ = ["tree_build_triton", "candidate_pairs", "ALGORITHMS"]
-
-ALGORITHMS = ("sort", "select")  # tree_build_triton(algorithm=...): "sort" is the default
+__all__ = ["tree_build_triton", "candidate_pairs"]
 
 _PAIRS: dict[tuple[int, int, str], tuple[Tensor, Tensor]] = {}
 
@@ -94,50 +93,6 @@ if triton is not None:
         return 0x7FFFFFFF - (key & 0xFFFFFFFF).to(tl.int32)
 
     @triton.jit
-    def _kth_largest(v, k):
-        """The k-th largest of int32 ``v`` [N], counting repeats (1 <= k <= N), without a sort.
-
-        Radix select from the most significant digit: 8 passes of 4 bits. A pass counts, for all
-        16 values of the next digit at once, the elements at or above ``kth + digit`` ([N, 16]
-        compares, one reduction) and keeps the largest digit whose count still reaches k. Plain
-        compares and sums rather than ``tl.histogram``, whose masking varies across Triton
-        versions; 8 reductions of [N, 16] replace the ~45 compare-exchange stages of a bitonic
-        sort of N = 512 int64 keys.
-
-        The 16 thresholds are formed in int64 (``15 << 28`` overflows int32) and then narrowed:
-        before each pass ``kth + (16 << shift) <= 2**31`` (the previous pass rejected it, or, on
-        the first, it is 2**31), so every threshold fits in int32 and the [N, 16] compares (the
-        bulk of the work) stay 32-bit.
-        """
-        v2 = v[:, None]  # [N, 1] int32
-        digits = tl.arange(0, 16).to(tl.int64)[None, :]  # [1, 16]
-        kth = tl.full([], -2147483648, tl.int64)  # invariant: count(v >= kth) >= k
-        for p in tl.static_range(8):
-            cand = (kth + (digits << (28 - 4 * p))).to(tl.int32)  # [1, 16] ascending
-            count = tl.sum((v2 >= cand).to(tl.int32), axis=0)  # [16] non-increasing, count[0] >= k
-            kth += (tl.sum((count >= k).to(tl.int32), axis=0) - 1).to(tl.int64) << (28 - 4 * p)
-        return kth.to(tl.int32)
-
-    @triton.jit
-    def _top_k(v, k):
-        """The k largest of int32 ``v`` [N] (N < 2**16), ties to the lower position: the set a
-        descending sort of ``(v, then lower position first)`` keys puts first.
-
-        Returns (selected [N] bool, pos [N] int32: 0-based rank of a selected element among the
-        selected in position order, i.e. where a compaction stores it).
-        """
-        kth = _kth_largest(v, k)
-        above = v > kth
-        tie = v == kth
-        need = k - tl.sum(above.to(tl.int32), axis=0)  # ties to take, the first ones by position
-        # One scan for two prefix counts (each < 2**16): `above` in the high half, ties in the low.
-        both = tl.cumsum(above.to(tl.int32) * 65536 + tie.to(tl.int32), 0)  # [N]
-        tie_rank = both & 0xFFFF  # 1-based among ties
-        selected = above | (tie & (tie_rank <= need))
-        pos = (both >> 16) + tl.minimum(tie_rank, need) - 1
-        return selected, pos
-
-    @triton.jit
     def _tree_build_kernel(
         top_lp_ptr,  # [R, DEPTH, K] float32, each row sorted descending
         top_tok_ptr,  # [R, DEPTH, K] int64
@@ -145,9 +100,8 @@ if triton is not None:
         cand_i_ptr,  # [C_PAD] int32 parent rank of each candidate pair (-1: padding)
         cand_j_ptr,  # [C_PAD] int32 child rank
         lvl_score_ptr,  # scratch [R, DEPTH, B_PAD] float32 kept nodes per depth, descending
-        lvl_tok_ptr,  # scratch [R, DEPTH, B_PAD] int64
+        lvl_child_ptr,  # scratch [R, DEPTH, B_PAD] int32 child rank j (the token is top_tok[d, j])
         lvl_par_ptr,  # scratch [R, DEPTH, B_PAD] int32 rank of the parent in the previous depth
-        keys_ptr,  # scratch [R, S_PAD] int64 sorted keys
         slot_ptr,  # scratch [R, G_PAD] int32 output slot of each kept node (0: not selected)
         tokens_ptr,  # [R, n_max] int64
         parents_ptr,  # [R, n_max] int64
@@ -159,64 +113,49 @@ if triton is not None:
         DEPTH: tl.constexpr,
         BUDGET: tl.constexpr,
         B_PAD: tl.constexpr,
-        C_PAD: tl.constexpr,
+        C_PAD: tl.constexpr,  # a multiple of B_PAD (both powers of two, C_PAD >= B_PAD)
         G_PAD: tl.constexpr,
-        S_PAD: tl.constexpr,
         N_PAD: tl.constexpr,
-        SELECT: tl.constexpr,  # True: radix select + rank instead of the full sorts (same result)
     ):
         r = tl.program_id(0).to(tl.int64)
         lp_row = top_lp_ptr + r * DEPTH * K
         tok_row = top_tok_ptr + r * DEPTH * K
         lvl_base = r * DEPTH * B_PAD
-        keys_row = keys_ptr + r * S_PAD
         offs_b = tl.arange(0, B_PAD)
 
         # Depth 1: the top-k tokens themselves, children of the root.
         first_ok = offs_b < K
         tl.store(lvl_score_ptr + lvl_base + offs_b, tl.load(lp_row + offs_b, mask=first_ok, other=float("-inf")))
-        tl.store(lvl_tok_ptr + lvl_base + offs_b, tl.load(tok_row + offs_b, mask=first_ok, other=0))
+        tl.store(lvl_child_ptr + lvl_base + offs_b, tl.where(first_ok, offs_b, 0))
         tl.store(lvl_par_ptr + lvl_base + offs_b, tl.zeros([B_PAD], tl.int32))
-        tl.debug_barrier()
 
         offs_c = tl.arange(0, C_PAD)
         ci = tl.load(cand_i_ptr + offs_c)  # [C_PAD]
         cj = tl.load(cand_j_ptr + offs_c)
+        pair = ci >= 0
+        if DEPTH > 1:
+            y_next = tl.load(lp_row + K + cj, mask=pair, other=float("-inf"))  # depth 2's child scores
+        else:
+            y_next = tl.full([C_PAD], float("-inf"), tl.float32)
+        tl.debug_barrier()
         width = tl.zeros([], tl.int32) + K  # kept nodes at the previous depth (a loop-carried tensor)
         for d in range(1, DEPTH):
-            ok = (ci >= 0) & (ci < width)
+            ok = pair & (ci < width)
             x = tl.load(lvl_score_ptr + lvl_base + (d - 1) * B_PAD + ci, mask=ok, other=float("-inf"))
-            y = tl.load(lp_row + d * K + cj, mask=ok, other=float("-inf"))
+            y = tl.where(ok, y_next, float("-inf"))
+            # Issued now, used next depth: its latency hides behind this depth's sort.
+            y_next = tl.load(lp_row + (d + 1) * K + cj, mask=pair & (d + 1 < DEPTH), other=float("-inf"))
             flat = tl.where(ok, ci * K + cj, 0x7FFFFFFF)  # invalid pairs sort last
             keep = tl.minimum(width * K, BUDGET)
             kept = offs_b < keep
-            if SELECT:
-                # The top-keep set by radix select on the score; ties go to the lower flat index,
-                # which is candidate order (candidate_pairs ascends in ci * K + cj), as in the key.
-                # Invalid pairs rank below every score, -inf included; at least `keep` pairs are
-                # valid (sum_i min(K, BUDGET // (i+1)) over i < width), so none is selected.
-                score = x + y  # [C_PAD]
-                v = tl.where(ok, _ordered_score(score), -2147483648)
-                sel, pos = _top_k(v, keep)
-                tl.store(keys_row + pos, _pack_key(score, flat), mask=sel)  # compacted, unordered
-                tl.debug_barrier()
-                top = tl.load(keys_row + offs_b, mask=kept, other=0)  # [B_PAD] the best pairs
-                # Keys are distinct (distinct flat indices): rank = how many kept keys beat it.
-                beats = (top[None, :] > top[:, None]) & kept[None, :]  # [B_PAD, B_PAD]
-                dest = tl.where(kept, tl.sum(beats.to(tl.int32), axis=1), offs_b)  # a permutation
-            else:
-                keys = tl.sort(_pack_key(x + y, flat), descending=True)  # [C_PAD]
-                tl.store(keys_row + offs_c, keys)
-                tl.debug_barrier()
-                top = tl.load(keys_row + offs_b)  # [B_PAD] the best pairs, descending
-                dest = offs_b
+            keys = tl.sort(_pack_key(x + y, flat), descending=True)  # [C_PAD]
+            # A descending [C_PAD] viewed as [C_PAD / B_PAD, B_PAD] has its largest in row 0.
+            top = tl.max(tl.reshape(keys, [C_PAD // B_PAD, B_PAD]), axis=0)  # [B_PAD] best pairs, descending
             idx = _unpack_index(top)
-            parent = tl.where(kept, idx // K, 0)
-            child = tl.where(kept, idx % K, 0)
-            base = lvl_base + d * B_PAD + dest  # [B_PAD] descending key order once stored
+            base = lvl_base + d * B_PAD + offs_b
             tl.store(lvl_score_ptr + base, tl.where(kept, _unpack_score(top), float("-inf")))
-            tl.store(lvl_tok_ptr + base, tl.load(tok_row + d * K + child, mask=kept, other=0))
-            tl.store(lvl_par_ptr + base, parent)
+            tl.store(lvl_child_ptr + base, tl.where(kept, idx % K, 0))
+            tl.store(lvl_par_ptr + base, tl.where(kept, idx // K, 0))
             width = keep
             tl.debug_barrier()
 
@@ -226,17 +165,10 @@ if triton is not None:
         g_ok = offs_g < DEPTH * B_PAD
         score = tl.load(lvl_score_ptr + lvl_base + offs_g, mask=g_ok, other=float("-inf"))  # [G_PAD]
         finite = score > float("-inf")
-        if SELECT:
-            # Same set as the threshold below: with fewer than BUDGET finite scores, all of them;
-            # else the BUDGET best, ties to the lower position (the key's tie-break).
-            top_set, _ = _top_k(tl.where(finite, _ordered_score(score), -2147483648), BUDGET)
-            selected = top_set & finite & g_ok
-        else:
-            keys = _pack_key(score, offs_g)
-            tl.store(keys_row + offs_g, tl.sort(keys, descending=True))
-            tl.debug_barrier()
-            threshold = tl.load(keys_row + BUDGET - 1)
-            selected = (keys >= threshold) & finite & g_ok
+        keys = _pack_key(score, offs_g)
+        best = tl.max(tl.reshape(tl.sort(keys, descending=True), [G_PAD // B_PAD, B_PAD]), axis=0)  # [B_PAD]
+        threshold = tl.min(tl.where(offs_b < BUDGET, best, 0x7FFFFFFFFFFFFFFF), axis=0)  # the BUDGET-th key
+        selected = (keys >= threshold) & finite & g_ok
         slot = tl.cumsum(selected.to(tl.int32), 0)  # 1-based output slot in depth-then-rank order
         tl.store(slot_ptr + r * G_PAD + offs_g, tl.where(selected, slot, 0))
         tl.debug_barrier()
@@ -246,7 +178,8 @@ if triton is not None:
         par_rank = tl.load(lvl_par_ptr + lvl_base + offs_g, mask=has_grand, other=0)
         parent_slot = tl.load(slot_ptr + r * G_PAD + (depth - 1) * B_PAD + par_rank, mask=has_grand, other=0)
         out = r * n_max + slot
-        tl.store(tokens_ptr + out, tl.load(lvl_tok_ptr + lvl_base + offs_g, mask=selected, other=0), mask=selected)
+        child = tl.load(lvl_child_ptr + lvl_base + offs_g, mask=selected, other=0)
+        tl.store(tokens_ptr + out, tl.load(tok_row + depth * K + child, mask=selected, other=0), mask=selected)
         tl.store(parents_ptr + out, parent_slot.to(tl.int64), mask=selected)
         tl.store(depths_ptr + out, (depth + 1).to(tl.int64), mask=selected)
         tl.store(scores_ptr + out, score, mask=selected)
@@ -280,7 +213,7 @@ class TreeBuildOutput:
 
 @on_input_device
 def tree_build_triton(
-    logprobs: Tensor, budget: int, root_tokens: Tensor, num_warps: int = 8, algorithm: str = "sort"
+    logprobs: Tensor, budget: int, root_tokens: Tensor, num_warps: int = 8
 ) -> TreeBuildOutput:
     """The trees of ``build_trees`` for float32/bf16/fp16 log-probs: vocabulary top-k, then one launch.
 
@@ -289,12 +222,8 @@ def tree_build_triton(
         budget: non-root nodes per tree, 1..128.
         root_tokens: [R] int64 pending token of each request.
         num_warps: warps per request's program. 8 by sweep on an H200 at batch 128, budget 64,
-            depth 15: 77 us against 103 (4 warps), 136 (2) and 199 (1); the per-depth sorts are
-            latency-bound and more warps shorten each compare-exchange stage.
-        algorithm: ``"sort"`` (default) sorts all candidate keys per depth and all kept nodes for
-            the global threshold; ``"select"`` finds the same top sets by radix select and orders
-            only the kept nodes, by pairwise rank (see ``_kth_largest``): the sorts dominate the
-            kernel, and the outputs are bit-identical (tests/test_tree_build.py).
+            depth 15: 80 us against 108 (4 warps), 79 (16) and 116 (32) before the latency
+            changes above; the per-depth sorts are latency-bound.
 
     Returns:
         :class:`TreeBuildOutput` with ``n_max = budget + 1`` columns. No host sync; capturable in
@@ -302,8 +231,6 @@ def tree_build_triton(
     """
     if triton is None:
         raise RuntimeError("tree_build_triton needs triton")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     num_req, depth_limit, vocab = logprobs.shape
     assert 1 <= budget <= 128, f"budget must be in 1..128, got {budget}"
     assert logprobs.dtype in (torch.float32, torch.bfloat16, torch.float16), (
@@ -320,12 +247,10 @@ def tree_build_triton(
     ci, cj = candidate_pairs(budget, k, device)
     b_pad = _next_pow2(budget)
     c_pad = ci.numel()
-    g_pad = _next_pow2(depth * b_pad)  # <= 2**14: _top_k's packed scan needs < 2**16
-    s_pad = max(c_pad, g_pad)
+    g_pad = _next_pow2(depth * b_pad)
     lvl_score = torch.empty(num_req, depth, b_pad, dtype=torch.float32, device=device)
-    lvl_tok = torch.empty(num_req, depth, b_pad, dtype=torch.int64, device=device)
+    lvl_child = torch.empty(num_req, depth, b_pad, dtype=torch.int32, device=device)
     lvl_par = torch.empty(num_req, depth, b_pad, dtype=torch.int32, device=device)
-    keys = torch.empty(num_req, s_pad, dtype=torch.int64, device=device)
     slots = torch.empty(num_req, g_pad, dtype=torch.int32, device=device)
     out = TreeBuildOutput(
         tokens=torch.empty(num_req, n_max, dtype=torch.int64, device=device),
@@ -338,10 +263,10 @@ def tree_build_triton(
         return out
     _tree_build_kernel[(num_req,)](
         top_lp, top_tok, root_tokens.to(device=device, dtype=torch.int64).contiguous(), ci, cj,
-        lvl_score, lvl_tok, lvl_par, keys, slots,
+        lvl_score, lvl_child, lvl_par, slots,
         out.tokens, out.parents, out.depths, out.scores, out.sizes,
         n_max,
-        K=k, DEPTH=depth, BUDGET=budget, B_PAD=b_pad, C_PAD=c_pad, G_PAD=g_pad, S_PAD=s_pad,
-        N_PAD=_next_pow2(n_max), SELECT=algorithm == "select", num_warps=num_warps,
+        K=k, DEPTH=depth, BUDGET=budget, B_PAD=b_pad, C_PAD=c_pad, G_PAD=g_pad,
+        N_PAD=_next_pow2(n_max), num_warps=num_warps,
     )
     return out
