@@ -68,9 +68,16 @@ def main() -> None:
     held = [p["ids"] for p in json.loads((demo / "heldout_prompts.json").read_text())["prompts"]][:6]
     d1, _ = run(demo, 1, held, "bfloat16", max_tokens=64)
     d2, _ = run(demo, 2, held, "bfloat16", max_tokens=64)
+    f1, _ = run(demo, 1, held, "float32", max_tokens=64)
     rows.append({"tp": 2, "dtype": "bfloat16", "model": "demo", "cuda_graphs": True, "prompts": len(held),
                  "max_tokens": 64, "greedy_identical": sum(a == b for a, b in zip(d1, d2)),
                  "common_prefix_tokens": common_prefix(d1, d2)})
+    rows.append({"tp": 1, "dtype": "bfloat16 vs float32", "model": "demo", "cuda_graphs": True, "prompts": len(held),
+                 "max_tokens": 64, "greedy_identical": sum(a == b for a, b in zip(d1, f1)),
+                 "common_prefix_tokens": common_prefix(d1, f1)})
+    rows.append({"tp": 2, "dtype": "bfloat16 vs float32 (TP=1)", "model": "demo", "cuda_graphs": True,
+                 "prompts": len(held), "max_tokens": 64, "greedy_identical": sum(a == b for a, b in zip(d2, f1)),
+                 "common_prefix_tokens": common_prefix(d2, f1)})
     print(rows, flush=True)
     commit = git_commit(args.commit)
     doc = {"benchmark": "tp-equivalence", "commit": commit or "unknown", "gpu": torch.cuda.get_device_name(0),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import grpc
@@ -15,6 +17,7 @@ from services.common.make_checkpoint import make_random_checkpoint
 from services.scheduler.client import AsyncClient, Client, ClientError
 from services.verifier.model import expected_tensors, load_checkpoint
 from services.verifier.parallel import load_rank_slice
+from services.verifier.ranks import stop_workers, watch_workers
 from tests.stack_fixtures import PROMPTS
 
 # moe_intermediate 128 / tp 4 = 32: each rank's INT4 down_proj slice is one whole quantization group.
@@ -45,6 +48,8 @@ def test_tp2_and_tp4_equal_tp1_token_for_token(ckpt):
     for tp in (1, 2, 4):
         spec = StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={"DDTREE_VERIFIER_TP": str(tp)})
         with Stack(spec) as stack:
+            verifier = stack.process("verifier")
+
             async def run():
                 async with AsyncClient(stack.scheduler_address) as client:
                     greedy = await asyncio.gather(*(client.generate(p, max_tokens=16, budget=8, ignore_eos=True)
@@ -55,7 +60,26 @@ def test_tp2_and_tp4_equal_tp1_token_for_token(ckpt):
             results[tp] = asyncio.run(run())
             with Client(stack.scheduler_address) as c:
                 assert c.model_info().tp_size == tp
+        assert verifier.returncode == 0, f"tp={tp}: an orderly stop must not read as a rank dying"
     assert results[2] == results[1] and results[4] == results[1]
+
+
+def test_rank_watchdog_reports_a_death_and_stays_quiet_once_disarmed():
+    deaths: list[str] = []
+    armed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    watch_workers([armed], deaths.append, interval_s=0.01)
+    armed.wait(timeout=10)
+    deadline = time.monotonic() + 5
+    while not deaths and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert deaths == ["verifier rank 1 exited with code 3"]
+
+    deaths.clear()
+    quiet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)"])
+    watch_workers([quiet], deaths.append, interval_s=0.01).set()   # disarmed before the stop
+    stop_workers([quiet], grace_s=10.0)
+    time.sleep(0.1)
+    assert quiet.returncode == 0 and deaths == []
 
 
 def _worker_ranks(pid: int) -> list[int]:

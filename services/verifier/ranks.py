@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +22,7 @@ from services.common.settings import VerifierSettings, load_settings
 from services.verifier.engine import VerifierEngine
 from services.verifier.parallel import TensorParallel
 
-__all__ = ["EngineGroup", "backend_for", "rank_device", "spawn_workers", "watch_workers", "worker_main"]
+__all__ = ["EngineGroup", "backend_for", "rank_device", "spawn_workers", "stop_workers", "watch_workers", "worker_main"]
 
 log = get_logger("verifier")
 
@@ -70,16 +69,33 @@ def spawn_workers(settings: VerifierSettings, config_path: str | None, init_meth
     return [subprocess.Popen(cmd + ["--rank", str(r)]) for r in range(1, settings.tp)]
 
 
-def watch_workers(procs: list[subprocess.Popen], on_death: Callable[[str], None], interval_s: float = 0.2) -> None:
-    """A daemon thread that calls `on_death` as soon as any worker rank exits."""
+def watch_workers(procs: list[subprocess.Popen], on_death: Callable[[str], None],
+                  interval_s: float = 0.2) -> threading.Event:
+    """A daemon thread that calls `on_death` as soon as any worker rank exits.
+
+    Returns its off switch: set it before stopping the workers on purpose, so an orderly shutdown
+    is not reported as a rank dying.
+    """
+    disarmed = threading.Event()
+
     def run() -> None:
-        while True:
+        while not disarmed.wait(interval_s):
             for rank, proc in enumerate(procs, start=1):
-                if proc.poll() is not None:
+                if proc.poll() is not None and not disarmed.is_set():
                     on_death(f"verifier rank {rank} exited with code {proc.returncode}")
                     return
-            time.sleep(interval_s)
     threading.Thread(target=run, name="rank-watchdog", daemon=True).start()
+    return disarmed
+
+
+def stop_workers(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """Wait up to `grace_s` for each worker to leave on its own (after a stop broadcast), then SIGTERM."""
+    for proc in procs:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            proc.wait(timeout=10)
 
 
 def _die_with_parent() -> None:

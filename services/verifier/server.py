@@ -34,7 +34,7 @@ from services.verifier.kv_cache import PagedKVCache
 from services.common.launcher import free_port
 from services.verifier.model import TargetModel
 from services.verifier.parallel import TensorParallel
-from services.verifier.ranks import EngineGroup, backend_for, rank_device, spawn_workers, watch_workers
+from services.verifier.ranks import EngineGroup, backend_for, rank_device, spawn_workers, stop_workers, watch_workers
 from services.verifier.sampling import Sampling
 
 __all__ = ["VerifierServicer", "build_engine", "serve"]
@@ -285,18 +285,17 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
         loop.call_soon_threadsafe(health.enter_graceful_shutdown)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    watch_workers(workers, on_death)
+    watchdog = watch_workers(workers, on_death)
     try:
         await serve_until_signal(server, health)
     finally:
+        watchdog.set()  # from here on a worker leaving is the shutdown, not a failure
         if workers and not died:
             try:
                 group.stop()
             except Exception:  # noqa: BLE001 - a worker already gone; it is being reaped below
                 pass
-        for proc in workers:
-            if proc.poll() is None:
-                proc.terminate()
-            proc.wait(timeout=10)
+        # Workers leave on the stop broadcast; after a rank died the others may sit in a collective.
+        stop_workers(workers, grace_s=0.0 if died else 10.0)
     if died:
         raise ServiceError(grpc.StatusCode.UNAVAILABLE, died[0])
