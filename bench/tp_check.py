@@ -3,10 +3,10 @@
 float32: eager verify (the torch expert loop cannot be captured), outputs must be identical.
 bfloat16: the fused INT4 MoE and CUDA-graph verify on every rank (all-reduces inside the graphs);
 TP=2 sums partial results in another order than TP=1, so in bf16 a sequence can drift after a
-near tie: reported as identical count and the length of the common prefix. A random checkpoint's
-logits are nearly flat (many near ties), so two more rows tell drift from a bug: TP=1 bf16 against
-TP=1 float32 on the same checkpoint (how far bf16 rounding alone carries), and TP=2 against TP=1
-in bf16 on the trained demo model with held-out prompts (clear margins: should agree far longer).
+near tie: reported as identical count and the length of the common prefix. To tell that drift from
+a bug, bf16 rows come with a baseline (TP=1 bf16 against TP=1 float32: how far bf16 rounding alone
+carries), and the trained demo pair (held-out prompts, clearer margins than a random checkpoint's
+nearly flat logits) repeats both the float32 equality and the bf16 rows.
 Writes bench/results/tp-equivalence.json. Needs two GPUs (rank i on cuda:i, NCCL, NVLS off).
 """
 
@@ -32,6 +32,13 @@ def common_prefix(a: list[list[int]], b: list[list[int]]) -> list[int]:
     return [next((i for i, (x, y) in enumerate(zip(u, v)) if x != y), min(len(u), len(v))) for u, v in zip(a, b)]
 
 
+def compare(model: str, dtype: str, graphs: bool, a: list[list[int]], b: list[list[int]], tp: int = 2) -> dict:
+    """A TP=2-vs-TP=1 row (tp=1: a bf16-vs-float32 baseline): identical greedy sequences, common prefixes."""
+    return {"tp": tp, "model": model, "dtype": dtype, "cuda_graphs": graphs, "prompts": len(a),
+            "max_tokens": len(a[0]), "greedy_identical": sum(x == y for x, y in zip(a, b)),
+            "common_prefix_tokens": common_prefix(a, b)}
+
+
 def run(model: Path, tp: int, prompts: list[list[int]], dtype: str = "float32",
         max_tokens: int = 32) -> tuple[list[list[int]], list[int]]:
     env = {"DDTREE_VERIFIER_TP": str(tp), "DDTREE_VERIFIER_DEVICE": "cuda", "DDTREE_DRAFT_DEVICE": "cuda",
@@ -48,42 +55,41 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/tp-equivalence.json")
     p.add_argument("--commit", default="")
-    p.add_argument("--demo", default="models/demo", help="trained checkpoint for the bf16 row with clear margins")
+    p.add_argument("--demo", default="models/demo", help="trained checkpoint for the rows with clear margins")
+    p.add_argument("--models", default="random,demo", help="which checkpoints: random, demo or both")
     args = p.parse_args()
     os.environ["NCCL_NVLS_ENABLE"] = "0"
-    model = make_random_checkpoint(Path(tempfile.mkdtemp()) / "ckpt", vocab_size=512, seed=5,
-                                   target_overrides={"moe_intermediate_size": 128})
-    prompts = [[3 + (7 * i + 11 * j) % 200 for j in range(20)] for i in range(6)]
-    g1, s1 = run(model, 1, prompts)
-    g2, s2 = run(model, 2, prompts)
-    rows = [{"tp": 2, "dtype": "float32", "cuda_graphs": False, "prompts": len(prompts),
-             "greedy_identical": sum(a == b for a, b in zip(g1, g2)), "sampled_identical": s1 == s2}]
-    b1, _ = run(model, 1, prompts, "bfloat16")
-    b2, _ = run(model, 2, prompts, "bfloat16")
-    rows.append({"tp": 2, "dtype": "bfloat16", "cuda_graphs": True, "prompts": len(prompts),
-                 "greedy_identical": sum(a == b for a, b in zip(b1, b2)), "common_prefix_tokens": common_prefix(b1, b2)})
-    rows.append({"tp": 1, "dtype": "bfloat16 vs float32", "cuda_graphs": True, "prompts": len(prompts),
-                 "greedy_identical": sum(a == b for a, b in zip(b1, g1)), "common_prefix_tokens": common_prefix(b1, g1)})
-    demo = Path(args.demo)
-    held = [p["ids"] for p in json.loads((demo / "heldout_prompts.json").read_text())["prompts"]][:6]
-    d1, _ = run(demo, 1, held, "bfloat16", max_tokens=64)
-    d2, _ = run(demo, 2, held, "bfloat16", max_tokens=64)
-    f1, _ = run(demo, 1, held, "float32", max_tokens=64)
-    rows.append({"tp": 2, "dtype": "bfloat16", "model": "demo", "cuda_graphs": True, "prompts": len(held),
-                 "max_tokens": 64, "greedy_identical": sum(a == b for a, b in zip(d1, d2)),
-                 "common_prefix_tokens": common_prefix(d1, d2)})
-    rows.append({"tp": 1, "dtype": "bfloat16 vs float32", "model": "demo", "cuda_graphs": True, "prompts": len(held),
-                 "max_tokens": 64, "greedy_identical": sum(a == b for a, b in zip(d1, f1)),
-                 "common_prefix_tokens": common_prefix(d1, f1)})
-    rows.append({"tp": 2, "dtype": "bfloat16 vs float32 (TP=1)", "model": "demo", "cuda_graphs": True,
-                 "prompts": len(held), "max_tokens": 64, "greedy_identical": sum(a == b for a, b in zip(d2, f1)),
-                 "common_prefix_tokens": common_prefix(d2, f1)})
+    rows: list[dict] = []
+    if "random" in args.models:
+        model = make_random_checkpoint(Path(tempfile.mkdtemp()) / "ckpt", vocab_size=512, seed=5,
+                                       target_overrides={"moe_intermediate_size": 128})
+        prompts = [[3 + (7 * i + 11 * j) % 200 for j in range(20)] for i in range(6)]
+        g1, s1 = run(model, 1, prompts)
+        g2, s2 = run(model, 2, prompts)
+        rows.append({"tp": 2, "dtype": "float32", "cuda_graphs": False, "prompts": len(prompts),
+                     "greedy_identical": sum(a == b for a, b in zip(g1, g2)), "sampled_identical": s1 == s2})
+        b1, _ = run(model, 1, prompts, "bfloat16")
+        b2, _ = run(model, 2, prompts, "bfloat16")
+        rows.append(compare("random", "bfloat16", True, b1, b2))
+        rows.append(compare("random", "bfloat16 vs float32", True, b1, g1, tp=1))
+    if "demo" in args.models:
+        demo = Path(args.demo)
+        held = [p["ids"] for p in json.loads((demo / "heldout_prompts.json").read_text())["prompts"]][:6]
+        f1, _ = run(demo, 1, held, "float32", max_tokens=64)
+        f2, _ = run(demo, 2, held, "float32", max_tokens=64)
+        d1, _ = run(demo, 1, held, "bfloat16", max_tokens=64)
+        d2, _ = run(demo, 2, held, "bfloat16", max_tokens=64)
+        rows.append(compare("demo", "float32", False, f1, f2))
+        rows.append(compare("demo", "bfloat16", True, d1, d2))
+        rows.append(compare("demo", "bfloat16 vs float32", True, d1, f1, tp=1))
+        rows.append(compare("demo", "bfloat16 (TP=2) vs float32 (TP=1)", True, d2, f1))
     print(rows, flush=True)
     commit = git_commit(args.commit)
     doc = {"benchmark": "tp-equivalence", "commit": commit or "unknown", "gpu": torch.cuda.get_device_name(0),
-           "copy_gbps": None, "params": {"model": "random (make-checkpoint, moe_intermediate 128); the row with model 'demo': "
-                                                  "the bundled demo pair, first 6 held-out prompts",
-                                         "dtypes": ["float32", "bfloat16"], "budget": 16, "max_tokens": 32}, "rows": rows}
+           "copy_gbps": None, "params": {"models": {"random": "make-checkpoint, moe_intermediate 128, 6 synthetic prompts, 32 tokens",
+                                                    "demo": "the bundled demo pair, first 6 held-out prompts, 64 tokens"},
+                                         "dtypes": ["float32", "bfloat16"], "budget": 16,
+                                         "rows": "TP=2 against TP=1 unless the dtype says otherwise"}, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2))
 

@@ -16,8 +16,23 @@ experts. Each activated expert's weights are streamed from HBM once per step (on
    assignment (``reduce="sum"``, then one torch sum over top-k: deterministic) or added
    atomically per token (``reduce="atomic"``).
 
-Grid order: the block index varies fastest, so the blocks of one expert (and, at small M, all
-experts for one N tile) run side by side and share weight tiles through L2.
+Small M (``cfg.gemv``; ``choose_config`` takes it for a handful of assignments): there the path
+above is mostly overhead, 38 us at M=1 TP8 for 25 MB of weights (~7 us at HBM speed): each token
+pads a 16-row MMA block, and alignment, a zero-fill, split-K atomics, a SiLU kernel and a torch sum
+surround the two GEMMs. The GEMV path is two launches with none of these, on the CUDA cores:
+
+4. ``_int4_moe_gemv_gate_up_kernel``: one program per (assignment, ``BLOCK_N`` intermediate rows)
+   streams those rows of its expert's gate and up weights, dequantises them (same tile loader),
+   multiplies by ``x[token]`` into fp32 ``[BLOCK_N, BLOCK_K]`` partial sums (reduced once, after the
+   K loop) and writes ``h[a] = silu(g) * u``, ``[A, I]``.
+5. ``_int4_moe_gemv_down_kernel``: one program per (token, ``BLOCK_N`` hidden rows) runs over its
+   top-k slots and sums them itself in a fixed order: deterministic, no atomics, no torch sum.
+
+An expert chosen by several tokens is streamed once per token (from L2 after the first), so the
+GEMV path pays only while assignments are few.
+
+Grid order (tensor cores): the block index varies fastest, so the blocks of one expert (and, at
+small M, all experts for one N tile) run side by side and share weight tiles through L2.
 
 Dequantisation: element ``8j + i`` of a row is bits ``4i .. 4i+3`` of int32 word ``j`` and
 decodes to ``(nibble - 8) * scale[row, col // group]``. On CUDA with bf16 activations and scales
@@ -32,7 +47,8 @@ FMA with per-group constants (``_plane``), exact for bf16/fp16 scales. The eight
 (>= 16 rows of output features) and the few tokens its N side, the usual layout for skinny GEMMs.
 
 Where it stands on an H200 (BENCHMARKS.md): 24-35% of copy bandwidth at K2 shapes (vLLM's Triton
-int4 kernel: 5-11%), 38 us at M=1 TP8. Not the access pattern: the same tile loads alone read at
+int4 kernel: 5-11%), 38 us at M=1 TP8 (the GEMV path awaits the H200 sweep of
+``bench/int4_moe_gemv_sweep.py``). Not the access pattern: the same tile loads alone read at
 3.9-4.2 TB/s. Nsight Compute on gate/up (TP8, M=72): 3 warps per scheduler (164 registers),
 7 cycles between issues, DRAM 28% busy: latency-bound between the loads, the dequantisation and
 the shared-memory round trip of the MMA operands. More occupancy from smaller tiles did not help
@@ -41,6 +57,7 @@ the shared-memory round trip of the MMA operands. More occupancy from smaller ti
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -60,12 +77,17 @@ __all__ = [
     "int4_moe_align",
     "int4_moe_gate_up",
     "int4_moe_down",
+    "int4_moe_gemv",
+    "int4_moe_gemv_gate_up",
+    "int4_moe_gemv_down",
     "int4_moe_reference",
     "choose_config",
     "CONFIG_ENV",
 ]
 
-CONFIG_ENV = "DDTREE_INT4_MOE_CONFIG"  # pins one config, e.g. "bm=16,gu=64x128x4x3,dn=128x64x4x4,split=4"
+# Pins one config, e.g. "bm=16,gu=64x128x4x3,dn=128x64x4x4,split=4" (tensor cores) or
+# "gemv=1,gv=8x256x4x1,gvd=16x128x4x1" (GEMV: block_n x block_k x warps x stages per kernel).
+CONFIG_ENV = "DDTREE_INT4_MOE_CONFIG"
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,6 +422,136 @@ def _int4_moe_silu_mul_kernel(
     tl.store(h_ptr + offs, (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit(do_not_specialize=["top_k"])
+def _int4_moe_gemv_gate_up_kernel(
+    x_ptr,  # [M, K] hidden
+    ids_ptr,  # [A] int32/int64 flat top-k expert ids (token-major)
+    wg_ptr,  # [E, N, K/8] int32 gate
+    sg_ptr,  # [E, N, K/GROUP] gate scales
+    wu_ptr,  # [E, N, K/8] int32 up (same strides as gate)
+    su_ptr,  # [E, N, K/GROUP] up scales
+    h_ptr,  # [A, N] out: silu(gate x) * (up x) per assignment
+    N,
+    K,
+    top_k,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_hm,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,  # > 1: software-pipeline the weight loads of the K loop
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the loop
+    DEQ_ASM: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """One program per (assignment, BLOCK_N rows of the intermediate dim); grid (A, cdiv(N, BLOCK_N)).
+
+    The assignment index varies fastest, so assignments of one expert (same N tile) run side by
+    side and share its weight rows through L2.
+    """
+    a = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + a).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_ok = offs_n < N
+    n_rd = tl.where(n_ok, offs_n, N - 1).to(tl.int64)  # rows past N read row N-1; never stored
+    wg_base = wg_ptr + expert * stride_we + n_rd[:, None] * stride_wn  # [BN, 1]
+    sg_base = sg_ptr + expert * stride_se + n_rd[:, None] * stride_sn  # [BN, 1]
+    wu_base = wu_ptr + expert * stride_we + n_rd[:, None] * stride_wn  # [BN, 1]
+    su_base = su_ptr + expert * stride_se + n_rd[:, None] * stride_sn  # [BN, 1]
+    x_row = x_ptr + (a // top_k) * stride_xm
+    KW = K // 8
+    KG = K // GROUP
+    offs_k = tl.arange(0, BLOCK_K)  # [BK]
+    # Elementwise fp32 partial products, reduced over K once after the loop.
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        kk = k0 + offs_k  # [BK]
+        if EVEN_K:
+            xk = tl.load(x_row + kk)
+        else:
+            xk = tl.load(x_row + kk, mask=kk < K, other=0)
+        xk = xk.to(tl.float32)[None, :]  # [1, BK]
+        g = _load_int4_tile(wg_base, sg_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM)  # [BN, BK]
+        acc_g += g.to(tl.float32) * xk
+        u = _load_int4_tile(wu_base, su_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM)  # [BN, BK]
+        acc_u += u.to(tl.float32) * xk
+    gate = tl.sum(acc_g, 1)  # [BN]
+    up = tl.sum(acc_u, 1)  # [BN]
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(h_ptr + a * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit(do_not_specialize=["top_k"])
+def _int4_moe_gemv_down_kernel(
+    h_ptr,  # [A, K] gate/up output per assignment (K = intermediate)
+    ids_ptr,  # [A] int32/int64 flat top-k expert ids (token-major)
+    topk_w_ptr,  # [A] routing weights
+    w_ptr,  # [E, N, K/8] int32 down (N = hidden)
+    s_ptr,  # [E, N, K/GROUP] scales
+    out_ptr,  # [M, N] out
+    N,
+    K,
+    top_k,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_om,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
+    DEQ_ASM: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """One program per (token, BLOCK_N rows of the hidden dim); grid (M, cdiv(N, BLOCK_N)).
+
+    The sum over the token's top-k slots happens in the program (fixed order: deterministic, no
+    atomics, no torch sum). Slots and K steps are one flat loop: K2 TP8's K = 256 is only one or
+    two steps per slot, too short a loop to stream on its own. ``h`` is scaled by the slot's
+    routing weight, so one accumulator serves all slots and is reduced once.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_ok = offs_n < N
+    n_rd = tl.where(n_ok, offs_n, N - 1).to(tl.int64)  # rows past N read row N-1; never stored
+    w_rows = w_ptr + n_rd[:, None] * stride_wn  # [BN, 1]
+    s_rows = s_ptr + n_rd[:, None] * stride_sn  # [BN, 1]
+    KW = K // 8
+    KG = K // GROUP
+    nk = tl.cdiv(K, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)  # [BK]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for it in tl.range(0, top_k * nk, num_stages=STAGES):
+        j = it // nk  # top-k slot
+        k0 = (it - j * nk) * BLOCK_K
+        a = t * top_k + j  # flat assignment
+        expert = tl.load(ids_ptr + a).to(tl.int64)
+        wt = tl.load(topk_w_ptr + a).to(tl.float32)
+        kk = k0 + offs_k  # [BK]
+        if EVEN_K:
+            hk = tl.load(h_ptr + a * stride_hm + kk)
+        else:
+            hk = tl.load(h_ptr + a * stride_hm + kk, mask=kk < K, other=0)
+        hk = (hk.to(tl.float32) * wt)[None, :]  # [1, BK]
+        w = _load_int4_tile(
+            w_rows + expert * stride_we, s_rows + expert * stride_se, n_ok, k0, KW, KG,
+            GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM,
+        )  # [BN, BK]
+        acc += w.to(tl.float32) * hk
+    out = tl.sum(acc, 1)  # [BN]
+    tl.store(out_ptr + t * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 # --------------------------------------------------------------------------------------------
 # Configs
 # --------------------------------------------------------------------------------------------
@@ -407,7 +559,8 @@ def _int4_moe_silu_mul_kernel(
 
 @dataclass(frozen=True)
 class Int4MoEConfig:
-    """Launch parameters of one call. ``gu_*`` for the gate/up GEMM, ``dn_*`` for down."""
+    """Launch parameters of one call. ``gu_*`` for the gate/up GEMM, ``dn_*`` for down; with
+    ``gemv`` the GEMV path runs instead, ``gv_*`` for its gate/up kernel and ``gvd_*`` for down."""
 
     block_m: int = 16
     gu_block_n: int = 32
@@ -422,21 +575,41 @@ class Int4MoEConfig:
     reduce: str = "sum"  # "sum": per-assignment rows then a torch sum over top-k; "atomic": fp32 atomics
     gu_split_k: int = 1  # > 1: gate/up partial sums over K slices added atomically (small M: more programs)
     deq_asm: bool = True  # bf16x2 PTX dequantisation where it applies (CUDA, bf16 activations + scales)
+    # GEMV path (few assignments): no alignment, CUDA-core dot products per assignment / token.
+    # Defaults provisional, to be set by the H200 sweep (bench/int4_moe_gemv_sweep.py).
+    gemv: bool = False
+    gv_block_n: int = 8  # gate/up: intermediate rows per program
+    gv_block_k: int = 256  # gate/up: hidden columns per loop step
+    gv_warps: int = 4
+    gv_stages: int = 1  # > 1: software-pipelined weight loads (tl.range num_stages)
+    gvd_block_n: int = 16  # down: hidden rows per program
+    gvd_block_k: int = 128  # down: intermediate columns per loop step
+    gvd_warps: int = 4
+    gvd_stages: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "gu_block_n", "gu_block_k", "dn_block_n", "dn_block_k"):
             v = getattr(self, name)
-            assert v >= 16 and v & (v - 1) == 0, f"{name}={v} must be a power of two >= 16"
-        assert self.gu_block_k >= 32 and self.dn_block_k >= 32, "block_k must cover a 32-wide scale group"
+            assert v >= 16 and v & (v - 1) == 0, f"{name}={v} must be a power of two >= 16 (tl.dot)"
+        for name in ("gv_block_n", "gvd_block_n", "gv_warps", "gvd_warps"):
+            v = getattr(self, name)
+            assert v >= 1 and v & (v - 1) == 0, f"{name}={v} must be a power of two"
+        for name in ("gu_block_k", "dn_block_k", "gv_block_k", "gvd_block_k"):
+            v = getattr(self, name)
+            # Group 32 reads BLOCK_K / 32 scales per row; larger groups read one per word.
+            assert v >= 32 and v & (v - 1) == 0, f"{name}={v} must be a power of two >= 32 (a 32-wide scale group)"
         assert self.reduce in ("sum", "atomic"), f"reduce must be 'sum' or 'atomic', got {self.reduce!r}"
         assert self.gu_split_k >= 1, f"gu_split_k must be >= 1, got {self.gu_split_k}"
+        assert self.gv_stages >= 1 and self.gvd_stages >= 1, f"stages must be >= 1, got {self.gv_stages}, {self.gvd_stages}"
 
     def spec(self) -> str:
         """The ``CONFIG_ENV`` string of this config."""
         return (
             f"bm={self.block_m},gu={self.gu_block_n}x{self.gu_block_k}x{self.gu_warps}x{self.gu_stages},"
             f"dn={self.dn_block_n}x{self.dn_block_k}x{self.dn_warps}x{self.dn_stages},"
-            f"swap={int(self.swap_ab)},reduce={self.reduce},split={self.gu_split_k},asm={int(self.deq_asm)}"
+            f"swap={int(self.swap_ab)},reduce={self.reduce},split={self.gu_split_k},asm={int(self.deq_asm)},"
+            f"gemv={int(self.gemv)},gv={self.gv_block_n}x{self.gv_block_k}x{self.gv_warps}x{self.gv_stages},"
+            f"gvd={self.gvd_block_n}x{self.gvd_block_k}x{self.gvd_warps}x{self.gvd_stages}"
         )
 
     @classmethod
@@ -447,7 +620,7 @@ class Int4MoEConfig:
             key, _, val = item.partition("=")
             if key == "bm":
                 kw["block_m"] = int(val)
-            elif key in ("gu", "dn"):
+            elif key in ("gu", "dn", "gv", "gvd"):
                 bn, bk, w, st = (int(v) for v in val.split("x"))
                 kw.update({f"{key}_block_n": bn, f"{key}_block_k": bk, f"{key}_warps": w, f"{key}_stages": st})
             elif key == "swap":
@@ -458,9 +631,18 @@ class Int4MoEConfig:
                 kw["gu_split_k"] = int(val)
             elif key == "asm":
                 kw["deq_asm"] = val not in ("0", "false", "False")
+            elif key == "gemv":
+                kw["gemv"] = val not in ("0", "false", "False")
             else:
                 raise ValueError(f"{CONFIG_ENV}: unknown key {key!r} in {spec!r}")
         return cls(**kw)
+
+
+# GEMV path up to this many assignments (tokens * top_k). Provisional: to be set by the H200 sweep
+# (bench/int4_moe_gemv_sweep.py), as are the launch parameters below.
+_GEMV_MAX_ASSIGN_TP = 16  # ranks holding a slice of every expert (K2 TP8: I = 256)
+_GEMV_MAX_ASSIGN_EP = 16  # ranks holding whole experts (K2 EP8: I = 2048)
+_GEMV_LAUNCH = dict(gv_block_n=8, gv_block_k=256, gv_warps=4, gvd_block_n=16, gvd_block_k=128, gvd_warps=4)
 
 
 def choose_config(tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int) -> Int4MoEConfig:
@@ -469,12 +651,21 @@ def choose_config(tokens: int, num_experts: int, hidden: int, intermediate: int,
     A host-side number, so no device sync; a handful of buckets, not one config per M.
     ``CONFIG_ENV`` pins one config for every call. The table is the H200 sweep of
     ``bench/int4_moe_bench.py`` (all timings in ``bench/results/int4_moe.json``; BENCHMARKS.md).
+    A handful of assignments take the GEMV path; its config keeps the tensor-core fields of that
+    M, so ``dataclasses.replace(cfg, gemv=False)`` is what the tensor-core path would run.
     """
     pinned = os.environ.get(CONFIG_ENV)
     if pinned:
         return Int4MoEConfig.parse(pinned)
-    r = tokens * top_k / max(num_experts, 1)
     whole_experts = intermediate >= 1024  # EP-style ranks hold whole experts (K2 EP8: I = 2048)
+    cfg = _tensor_core_config(tokens * top_k / max(num_experts, 1), whole_experts)
+    if tokens * top_k <= (_GEMV_MAX_ASSIGN_EP if whole_experts else _GEMV_MAX_ASSIGN_TP):
+        return dataclasses.replace(cfg, gemv=True, **_GEMV_LAUNCH)
+    return cfg
+
+
+def _tensor_core_config(r: float, whole_experts: bool) -> Int4MoEConfig:
+    """The tensor-core path's config for ``r`` rows per expert (see ``choose_config``)."""
     if r <= 8:
         # Small-M path (decode / tree verify): one 16-row block per active expert, so each expert's
         # weights stream once. Split-K on gate/up multiplies the programs when few experts are
@@ -554,6 +745,28 @@ def _check_stack(name: str, w: Int4Weight, out_f: int, in_f: int, group_size: in
     assert w.packed.stride(-1) == 1 and w.scale.stride(-1) == 1, f"{name}: last dim must be contiguous"
 
 
+def _check_moe_args(
+    hidden: Tensor, w_gate: Int4Weight, w_up: Int4Weight, w_down: Int4Weight, topk_ids: Tensor, topk_weights: Tensor,
+    group_size: int,
+) -> tuple[int, int, int, int, int]:
+    """Shape checks shared by both paths; returns ``(M, E, K, I, top_k)``."""
+    assert hidden.dim() == 2 and hidden.stride(-1) == 1, f"hidden must be [M, K] row-contiguous, got {tuple(hidden.shape)}"
+    M, K = hidden.shape
+    E, I = w_gate.packed.shape[0], w_gate.packed.shape[1]
+    assert group_size % 8 == 0 and K % group_size == 0 and I % group_size == 0, (
+        f"hidden {K} and intermediate {I} must be multiples of group_size {group_size} (itself a multiple of 8)"
+    )
+    _check_stack("w_gate", w_gate, I, K, group_size)
+    _check_stack("w_up", w_up, I, K, group_size)
+    _check_stack("w_down", w_down, K, I, group_size)
+    assert w_gate.packed.stride() == w_up.packed.stride() and w_gate.scale.stride() == w_up.scale.stride(), "gate and up stacks must share strides"
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == M, (
+        f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [M={M}, top_k]"
+    )
+    assert topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32/int64, got {topk_ids.dtype}"
+    return M, E, K, I, topk_ids.shape[1]
+
+
 @on_input_device
 def fused_int4_moe(
     hidden: Tensor,
@@ -579,23 +792,13 @@ def fused_int4_moe(
     Returns:
         [M, K] in hidden's dtype.
     """
-    assert hidden.dim() == 2 and hidden.stride(-1) == 1, f"hidden must be [M, K] row-contiguous, got {tuple(hidden.shape)}"
-    M, K = hidden.shape
-    E, I = w_gate.packed.shape[0], w_gate.packed.shape[1]
-    assert group_size % 8 == 0 and K % group_size == 0 and I % group_size == 0, (
-        f"hidden {K} and intermediate {I} must be multiples of group_size {group_size} (itself a multiple of 8)"
-    )
-    _check_stack("w_gate", w_gate, I, K, group_size)
-    _check_stack("w_up", w_up, I, K, group_size)
-    _check_stack("w_down", w_down, K, I, group_size)
-    assert w_gate.packed.stride() == w_up.packed.stride() and w_gate.scale.stride() == w_up.scale.stride(), "gate and up stacks must share strides"
-    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == M, (
-        f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [M={M}, top_k]"
-    )
-    top_k = topk_ids.shape[1]
+    M, E, K, I, top_k = _check_moe_args(hidden, w_gate, w_up, w_down, topk_ids, topk_weights, group_size)
     cfg = config or choose_config(M, E, K, I, top_k)
     if M == 0:
         return hidden.new_zeros(M, K)
+    if cfg.gemv:
+        h = int4_moe_gemv_gate_up(hidden, w_gate, w_up, topk_ids, cfg, group_size)  # [A, I]
+        return int4_moe_gemv_down(h, w_down, topk_ids, topk_weights, cfg, group_size, hidden.dtype)  # [M, K]
     align = int4_moe_align(topk_ids, E, cfg.block_m)
     h = int4_moe_gate_up(hidden, w_gate, w_up, align, top_k, cfg, group_size)  # [P, I]
     return int4_moe_down(h, w_down, align, topk_weights, cfg, group_size, hidden.dtype)  # [M, K]
@@ -681,6 +884,86 @@ def int4_moe_down(
     if top_k == 1:
         return out
     return out.view(M, top_k, K).sum(dim=1)  # [M, K]; torch accumulates bf16 in fp32
+
+
+@on_input_device
+def int4_moe_gemv(
+    hidden: Tensor,
+    w_gate: Int4Weight,
+    w_up: Int4Weight,
+    w_down: Int4Weight,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    group_size: int = 32,
+    config: Int4MoEConfig | None = None,
+) -> Tensor:
+    """``fused_int4_moe`` on the GEMV path whatever ``config.gemv`` says (its ``gv_*`` / ``gvd_*``
+    fields apply; default ``Int4MoEConfig()``'s). Same arguments and result."""
+    cfg = dataclasses.replace(config or Int4MoEConfig(), gemv=True)
+    return fused_int4_moe(hidden, w_gate, w_up, w_down, topk_ids, topk_weights, group_size, cfg)
+
+
+@on_input_device
+def int4_moe_gemv_gate_up(
+    hidden: Tensor, w_gate: Int4Weight, w_up: Int4Weight, topk_ids: Tensor, cfg: Int4MoEConfig, group_size: int = 32
+) -> Tensor:
+    """``[A, I]`` ``h = silu(gate_e x_t) * (up_e x_t)`` per flat assignment ``a = t * top_k + j``.
+
+    One program per (assignment, ``cfg.gv_block_n`` rows): every assignment streams its expert's
+    rows itself (no alignment, no padding rows, no atomics); experts shared by several tokens are
+    re-read from L2. Every element of the result is written.
+    """
+    M, K = hidden.shape
+    I = w_gate.packed.shape[1]
+    top_k = topk_ids.shape[1]
+    A = M * top_k
+    ids = topk_ids.contiguous().view(-1)  # [A]
+    h = torch.empty(A, I, dtype=hidden.dtype, device=hidden.device)  # [A, I]
+    if A == 0:
+        return h
+    grid = (A, triton.cdiv(I, cfg.gv_block_n))
+    _int4_moe_gemv_gate_up_kernel[grid](
+        hidden, ids, w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, h,
+        I, K, top_k,
+        hidden.stride(0), w_gate.packed.stride(0), w_gate.packed.stride(1), w_gate.scale.stride(0), w_gate.scale.stride(1), h.stride(0),
+        GROUP=group_size, BLOCK_N=cfg.gv_block_n, BLOCK_K=cfg.gv_block_k, STAGES=cfg.gv_stages,
+        EVEN_K=K % cfg.gv_block_k == 0, DEQ_ASM=_use_asm(cfg, hidden.dtype, w_gate), DTYPE=_TL_DTYPE[hidden.dtype],
+        num_warps=cfg.gv_warps,
+    )
+    return h
+
+
+@on_input_device
+def int4_moe_gemv_down(
+    h: Tensor, w_down: Int4Weight, topk_ids: Tensor, topk_weights: Tensor, cfg: Int4MoEConfig,
+    group_size: int = 32, out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``[M, K]``: ``sum_j w[t, j] * down_e(h[t * top_k + j])`` with ``h`` from ``int4_moe_gemv_gate_up``,
+    in ``out_dtype`` (default h's dtype).
+
+    One program per (token, ``cfg.gvd_block_n`` rows of K) sums the token's top-k slots in a fixed
+    order: deterministic, and no per-assignment rows or separate sum. A duplicate expert id in a
+    row is summed twice, as in the reference.
+    """
+    M, top_k = topk_ids.shape
+    K, I = w_down.packed.shape[1], w_down.packed.shape[2] * 8
+    assert h.shape == (M * top_k, I) and h.stride(-1) == 1, f"h is {tuple(h.shape)}, want {(M * top_k, I)} row-contiguous"
+    act_dtype = out_dtype or h.dtype
+    out = torch.empty(M, K, dtype=act_dtype, device=h.device)  # [M, K]
+    if M == 0:
+        return out
+    ids = topk_ids.contiguous().view(-1)  # [A]
+    weights = topk_weights.contiguous().view(-1)  # [A]
+    grid = (M, triton.cdiv(K, cfg.gvd_block_n))
+    _int4_moe_gemv_down_kernel[grid](
+        h, ids, weights, w_down.packed, w_down.scale, out,
+        K, I, top_k,
+        h.stride(0), w_down.packed.stride(0), w_down.packed.stride(1), w_down.scale.stride(0), w_down.scale.stride(1), out.stride(0),
+        GROUP=group_size, BLOCK_N=cfg.gvd_block_n, BLOCK_K=cfg.gvd_block_k, STAGES=cfg.gvd_stages,
+        EVEN_K=I % cfg.gvd_block_k == 0, DEQ_ASM=_use_asm(cfg, act_dtype, w_down), DTYPE=_TL_DTYPE[act_dtype],
+        num_warps=cfg.gvd_warps,
+    )
+    return out
 
 
 def int4_moe_reference(

@@ -9,11 +9,14 @@ prints the same table.
 
 Shapes are small but odd: hidden 160 and intermediate 96 are multiples of the 32-wide scale group
 and of no tile size used, so every K tail and N tail is exercised. Scales of experts no token chose
-are NaN, so reading them shows up in the output.
+are NaN, so reading them shows up in the output. The GEMV path's cases also allocate their outputs
+NaN-filled (every element must be written) and are checked against the tensor-core path too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -50,6 +53,19 @@ CASES: dict[str, dict] = {
     # top_k 1: no reduction over slots
     "top1": dict(M=3, top_k=1, cfg=dict(SMALL, swap_ab=False), tol=1e-5),
 }
+# GEMV path (cfg.gemv): name -> case parameters (see _run_gemv_case). Each case also runs the
+# tensor-core path (SMALL) on the same inputs; with fp32 activations the two agree to fp32 rounding.
+# Blocks are large where the tail is not the point: the interpreter's cost grows with programs.
+GEMV_CASES: dict[str, dict] = {
+    # one token; K 160 and I 96 are tails of every block (N and K) of both kernels; int64 ids
+    "gemv_m1": dict(M=1, top_k=4, gv=(64, 64, 4, 1), gvd=(64, 64, 4, 1), tol=1e-5),
+    # every token routes to expert 2, every other row to it twice; int32 ids; pipelined loops (GPU only)
+    "gemv_hot_dup": dict(M=4, top_k=3, hot=2, dup=True, ids_dtype="int32", gv=(64, 256, 4, 2), gvd=(128, 128, 2, 3), tol=1e-5),
+    # block_n 4 / 8, group 64, even K on both kernels (no masks)
+    "gemv_small_blocks_group64": dict(M=1, top_k=2, group=64, K=128, I=64, gv=(4, 128, 2, 1), gvd=(8, 64, 4, 1), tol=1e-5),
+    "gemv_bf16_fp16_scales": dict(M=3, top_k=2, dtype="bfloat16", scale_dtype="float16", gv=(64, 128, 4, 1), gvd=(64, 64, 4, 1), tol=3e-2),
+    "gemv_fp16": dict(M=2, top_k=2, dtype="float16", gv=(32, 256, 4, 1), gvd=(128, 128, 4, 1), tol=2e-3),
+}
 ALIGN_CASES = {"align_m1": (1, 8, 4, 16), "align_random": (50, 16, 3, 16), "align_hot": (40, 6, 2, 8), "align_wide": (300, 384, 8, 64)}
 
 
@@ -64,11 +80,14 @@ def _rand_int4(E: int, out_f: int, in_f: int, group: int, scale_dtype, g):
     return Int4Weight(packed=packed, scale=scale, shape=(out_f, in_f))
 
 
-def _run_case(name: str, M: int, top_k: int, cfg, tol: float, dtype: str = "float32", scale_dtype: str = "bfloat16",
-              group: int = 32, K: int = 160, I: int = 96, E: int = 8, hot: int | None = None) -> dict:
-    import torch
+def _inputs(name: str, M: int, top_k: int, dtype: str = "float32", scale_dtype: str = "bfloat16", group: int = 32,
+            K: int = 160, I: int = 96, E: int = 8, hot: int | None = None, dup: bool = False):
+    """Random stacks, hidden states and a routing over experts ``0 .. E-3`` (the last two: NaN scales).
 
-    from kernels.int4_moe import Int4MoEConfig, fused_int4_moe, int4_moe_reference
+    ``hot``: every row holds that expert once, in a random slot. ``dup``: every other row holds one
+    expert twice (``hot`` where given, else its slot-0 expert; the next slot takes the copy).
+    """
+    import torch
 
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     sdt, dt = getattr(torch, scale_dtype), getattr(torch, dtype)
@@ -83,18 +102,82 @@ def _run_case(name: str, M: int, top_k: int, cfg, tol: float, dtype: str = "floa
             row = [others[j] for j in torch.randperm(len(others), generator=g)[: top_k - 1].tolist()] + [hot]
             rows.append([row[j] for j in torch.randperm(top_k, generator=g).tolist()])
         ids = torch.tensor(rows)  # [M, k]
+    if dup:
+        for r in range(0, M, 2):
+            e = int(ids[r, 0]) if hot is None else hot
+            ids[r, (ids[r].tolist().index(e) + 1) % top_k] = e
     for w in (wg, wu, wd):
         w.scale[chosen:] = float("nan")  # never-chosen experts: any read poisons the output
     x = torch.randn(M, K, generator=g).to(dt)  # [M, K]
     tw = torch.rand(M, top_k, generator=g)  # [M, k]
+    return x, wg, wu, wd, ids, tw
+
+
+def _errors(out, ref) -> tuple[float, float]:
+    diff = out.double() - ref.double()
+    return (diff.norm() / ref.double().norm()).item(), (diff.abs().max() / ref.double().abs().max()).item()
+
+
+def _run_case(name: str, M: int, top_k: int, cfg, tol: float, group: int = 32, **inputs) -> dict:
+    import torch
+
+    from kernels.int4_moe import Int4MoEConfig, fused_int4_moe, int4_moe_reference
+
+    x, wg, wu, wd, ids, tw = _inputs(name, M, top_k, group=group, **inputs)
     config = Int4MoEConfig(**cfg) if cfg is not None else None
     out = fused_int4_moe(x, wg, wu, wd, ids, tw, group_size=group, config=config)  # [M, K]
     ref = int4_moe_reference(x, wg, wu, wd, ids, tw, group_size=group, compute_dtype=torch.float64)  # [M, K]
-    diff = (out.double() - ref.double())
-    rel = (diff.norm() / ref.double().norm()).item()
-    max_rel = (diff.abs().max() / ref.double().abs().max()).item()
+    rel, max_rel = _errors(out, ref)
     return dict(name=name, rel_err=rel, max_rel_err=max_rel, tol=tol, finite=bool(torch.isfinite(out).all()),
                 shape=list(out.shape), dtype=str(out.dtype), want_dtype=str(x.dtype))
+
+
+@contextlib.contextmanager
+def _nan_empty():
+    """``torch.empty`` fills floating tensors with NaN: an output element a kernel skips shows up."""
+    import torch
+
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
+def _run_gemv_case(name: str, M: int, top_k: int, gv: tuple, gvd: tuple, tol: float, group: int = 32,
+                   ids_dtype: str = "int64", **inputs) -> dict:
+    """The GEMV path (outputs NaN-poisoned) against the float64 reference and the tensor-core path."""
+    import torch
+
+    from kernels.int4_moe import Int4MoEConfig, fused_int4_moe, int4_moe_reference
+
+    x, wg, wu, wd, ids, tw = _inputs(name, M, top_k, group=group, **inputs)
+    ids = ids.to(getattr(torch, ids_dtype))
+    cfg = Int4MoEConfig(**dict(SMALL, gemv=True), **{f"gv_{f}": v for f, v in zip(("block_n", "block_k", "warps", "stages"), gv)},
+                        **{f"gvd_{f}": v for f, v in zip(("block_n", "block_k", "warps", "stages"), gvd)})
+    with _nan_empty():
+        out = fused_int4_moe(x, wg, wu, wd, ids, tw, group_size=group, config=cfg)  # [M, K]
+    tc = fused_int4_moe(x, wg, wu, wd, ids, tw, group_size=group, config=dataclasses.replace(cfg, gemv=False))  # [M, K]
+    ref = int4_moe_reference(x, wg, wu, wd, ids, tw, group_size=group, compute_dtype=torch.float64)  # [M, K]
+    rel, max_rel = _errors(out, ref)
+    rel_tc, _ = _errors(out, tc)
+    return dict(name=name, rel_err=rel, max_rel_err=max_rel, rel_err_vs_tensor_cores=rel_tc, tol=tol,
+                finite=bool(torch.isfinite(out).all()), shape=list(out.shape), dtype=str(out.dtype), want_dtype=str(x.dtype),
+                empty_ok=_gemv_m0_ok(x, wg, wu, wd, ids, tw, group, cfg))
+
+
+def _gemv_m0_ok(x, wg, wu, wd, ids, tw, group: int, cfg) -> bool:
+    """Zero tokens: a [0, K] result from both entry points, no launch."""
+    from kernels.int4_moe import fused_int4_moe, int4_moe_gemv
+
+    outs = (f(x[:0], wg, wu, wd, ids[:0], tw[:0], group, cfg) for f in (fused_int4_moe, int4_moe_gemv))
+    return all(tuple(o.shape) == (0, x.shape[1]) and o.dtype == x.dtype for o in outs)
 
 
 def _run_align(name: str, M: int, E: int, top_k: int, block_m: int) -> dict:
@@ -140,9 +223,20 @@ def _run_config_spec() -> dict:
     from kernels.int4_moe import CONFIG_ENV, Int4MoEConfig, choose_config
 
     errors = []
-    for cfg in (Int4MoEConfig(), Int4MoEConfig(block_m=64, gu_block_n=128, dn_stages=4, swap_ab=False, reduce="atomic", gu_split_k=4, deq_asm=False)):
+    gemv = Int4MoEConfig(gemv=True, gv_block_n=4, gv_block_k=512, gv_warps=2, gv_stages=3,
+                         gvd_block_n=64, gvd_block_k=64, gvd_warps=8, gvd_stages=2)
+    tensor_cores = Int4MoEConfig(block_m=64, gu_block_n=128, dn_stages=4, swap_ab=False, reduce="atomic", gu_split_k=4, deq_asm=False)
+    for cfg in (Int4MoEConfig(), tensor_cores, gemv):
         if Int4MoEConfig.parse(cfg.spec()) != cfg:
             errors.append(f"parse(spec) differs for {cfg}")
+    if Int4MoEConfig.parse("gemv=1,gv=4x512x2x3,gvd=64x64x8x2") != gemv:
+        errors.append("parse of the gemv keys alone differs")
+    for bad in (dict(gv_block_n=3), dict(gvd_block_n=0), dict(gv_block_k=16), dict(gvd_block_k=96), dict(gv_stages=0)):
+        try:
+            Int4MoEConfig(**bad)
+            errors.append(f"{bad} accepted")
+        except AssertionError:
+            pass
     pinned = Int4MoEConfig(block_m=32, gu_block_k=64)
     os.environ[CONFIG_ENV] = pinned.spec()
     try:
@@ -152,7 +246,35 @@ def _run_config_spec() -> dict:
         del os.environ[CONFIG_ENV]
     if choose_config(1, 384, 7168, 256, 8) == choose_config(100000, 8, 7168, 256, 8):
         errors.append("small and large M share one config")
+    tp8_m1 = choose_config(1, 384, 7168, 256, 8)
+    if not (tp8_m1.gemv and choose_config(1, 48, 7168, 2048, 8).gemv):
+        errors.append("M=1 on K2 TP8 / EP8 does not take the GEMV path")
+    if choose_config(72, 384, 7168, 256, 8).gemv or choose_config(72, 48, 7168, 2048, 8).gemv:
+        errors.append("M=72 takes the GEMV path")
+    tc = dataclasses.replace(tp8_m1, gemv=False)
+    if (tc.gu_split_k, tc.dn_block_n, tc.dn_block_k) != (8, 256, 64):
+        errors.append(f"the GEMV config at M=1 lost the tensor-core choice of that M: {tc.spec()}")
     return dict(name="config_spec", errors=errors)
+
+
+def _run_sweep_helpers() -> dict:
+    """The pure parts of bench/int4_moe_gemv_sweep.py the GPU run relies on."""
+    from bench.int4_moe_gemv_sweep import DN_GRID, GU_GRID, MAX_ACC_REGS, crossover, gemv_cfg, grid_split, launch_key
+    from kernels.int4_moe import Int4MoEConfig
+
+    errors = []
+    cfg = gemv_cfg(gu=(4, 512, 2, 3), dn=(64, 64, 8, 2))
+    if Int4MoEConfig.parse(f"gemv=1,gv={launch_key((4, 512, 2, 3))},gvd={launch_key((64, 64, 8, 2))}") != cfg:
+        errors.append("launch_key does not give the CONFIG_ENV syntax of gemv_cfg's config")
+    gu_keep, gu_skip = grid_split("gu", GU_GRID)
+    dn_keep, dn_skip = grid_split("dn", DN_GRID)
+    if (len(gu_keep), len(dn_keep)) != (32, 35) or "32x512x4x1" not in gu_skip or "64x256x2x1" not in dn_skip:
+        errors.append(f"grid split: {len(gu_keep)} gate/up, {len(dn_keep)} down kept; skipped {gu_skip} {dn_skip} (max {MAX_ACC_REGS})")
+    timings = ((1, 5, 9), (2, 6, 9), (4, 9, 8), (9, 7, 8))  # tokens, GEMV us, tensor-core us
+    rows = [dict(shape="s", tokens=m, assignments=8 * m, gemv_us=g, tensor_core_us=t) for m, g, t in timings]
+    if crossover(rows) != {"s": 16}:
+        errors.append(f"crossover {crossover(rows)}, want s: 16 (the GEMV loses at M=4, so M=9 does not count)")
+    return dict(name="sweep_helpers", errors=errors)
 
 
 def _main() -> None:
@@ -162,9 +284,12 @@ def _main() -> None:
     torch.set_num_threads(1)
     for name, case in CASES.items():
         print(json.dumps(_run_case(name, **case)), flush=True)
+    for name, case in GEMV_CASES.items():
+        print(json.dumps(_run_gemv_case(name, **case)), flush=True)
     for name, args in ALIGN_CASES.items():
         print(json.dumps(_run_align(name, *args)), flush=True)
     print(json.dumps(_run_config_spec()), flush=True)
+    print(json.dumps(_run_sweep_helpers()), flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +314,14 @@ def test_fused_int4_moe_matches_reference(results: dict[str, dict], name: str) -
     assert r["max_rel_err"] < 3 * r["tol"], f"{name}: max rel err {r['max_rel_err']:.3g} >= {3 * r['tol']}"
 
 
+@pytest.mark.parametrize("name", list(GEMV_CASES))
+def test_int4_moe_gemv_matches_reference_and_tensor_cores(results: dict[str, dict], name: str) -> None:
+    test_fused_int4_moe_matches_reference(results, name)  # finite (every element written), dtype, error
+    r = results[name]
+    assert r["rel_err_vs_tensor_cores"] < r["tol"], f"{name}: rel diff to the tensor-core path {r['rel_err_vs_tensor_cores']:.3g}"
+    assert r["empty_ok"], f"{name}: zero tokens did not give a [0, K] result"
+
+
 @pytest.mark.parametrize("name", list(ALIGN_CASES))
 def test_int4_moe_align_structure(results: dict[str, dict], name: str) -> None:
     assert results[name]["errors"] == [], f"{name}: {results[name]['errors']}"
@@ -196,6 +329,28 @@ def test_int4_moe_align_structure(results: dict[str, dict], name: str) -> None:
 
 def test_int4_moe_config_spec(results: dict[str, dict]) -> None:
     assert results["config_spec"]["errors"] == [], results["config_spec"]["errors"]
+
+
+def test_gemv_sweep_helpers(results: dict[str, dict]) -> None:
+    assert results["sweep_helpers"]["errors"] == [], results["sweep_helpers"]["errors"]
+
+
+def test_gemv_sweep_dry_run(tmp_path: Path) -> None:
+    """The GPU sweep's whole flow (correctness checks, grids, stage variants, JSON) on a tiny shape."""
+    out = tmp_path / "gemv.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(ROOT / "bench" / "int4_moe_gemv_sweep.py"), "--dry-run", "--tokens", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"dry run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["failed"] == {} and row["skipped_for_registers"] == ["64x256x2x1"], (row["failed"], row["skipped_for_registers"])
+    # the grid configs at stages 1, then (the fastest three: here both) at stages 2
+    assert set(row["gate_up"]) == {"32x128x4x1", "64x128x4x1", "32x128x4x2", "64x128x4x2"} and row["gv"] in row["gate_up"], row
+    assert set(row["down"]) == {"64x64x4x1", "128x64x4x1", "64x64x4x2", "128x64x4x2"} and row["gvd"] in row["down"], row
+    assert row["rel_err_vs_tensor_cores"] < 1e-2 and row["rel_err_default_vs_tensor_cores"] < 1e-2, row
+    assert row["gemv_us"] > 0 and row["tensor_core_us"] > 0
+    assert list(result["gemv_wins_up_to_assignments"]) == [row["shape"]]
 
 
 if __name__ == "__main__":
