@@ -578,12 +578,12 @@ class Int4MoEConfig:
     # GEMV path (few assignments): no alignment, CUDA-core dot products per assignment / token.
     # Defaults provisional, to be set by the H200 sweep (bench/int4_moe_gemv_sweep.py).
     gemv: bool = False
-    gv_block_n: int = 8  # gate/up: intermediate rows per program
-    gv_block_k: int = 256  # gate/up: hidden columns per loop step
+    gv_block_n: int = 4  # gate/up: intermediate rows per program
+    gv_block_k: int = 512  # gate/up: hidden columns per loop step
     gv_warps: int = 4
     gv_stages: int = 1  # > 1: software-pipelined weight loads (tl.range num_stages)
     gvd_block_n: int = 16  # down: hidden rows per program
-    gvd_block_k: int = 128  # down: intermediate columns per loop step
+    gvd_block_k: int = 256  # down: intermediate columns per loop step
     gvd_warps: int = 4
     gvd_stages: int = 1
 
@@ -638,11 +638,23 @@ class Int4MoEConfig:
         return cls(**kw)
 
 
-# GEMV path up to this many assignments (tokens * top_k). Provisional: to be set by the H200 sweep
-# (bench/int4_moe_gemv_sweep.py), as are the launch parameters below.
-_GEMV_MAX_ASSIGN_TP = 16  # ranks holding a slice of every expert (K2 TP8: I = 256)
-_GEMV_MAX_ASSIGN_EP = 16  # ranks holding whole experts (K2 EP8: I = 2048)
-_GEMV_LAUNCH = dict(gv_block_n=8, gv_block_k=256, gv_warps=4, gvd_block_n=16, gvd_block_k=128, gvd_warps=4)
+# The GEMV path re-reads an expert for each of its assignments, so it pays while experts are
+# rarely shared: up to 0.75 assignments per expert (H200 sweep, bench/results/int4_moe_gemv.json:
+# faster than the tensor cores at K2 TP8 up to M = 36, 0.75 per expert, 1.08x; at EP8 up to M = 4,
+# 0.67 per expert, 1.06x; both lose at 1.5 per expert).
+_GEMV_MAX_PER_EXPERT = 0.75
+
+
+def _gemv_launch(assignments: int, whole_experts: bool) -> dict[str, int]:
+    """The sweep's configs (block_n, block_k, warps, stages per kernel), robust across its points."""
+    if whole_experts:  # K2 EP8 M = 1: gate/up 69 us, down 68 us
+        return dict(gv_block_n=8, gv_block_k=256, gv_warps=2, gv_stages=3,
+                    gvd_block_n=8, gvd_block_k=256, gvd_warps=2, gvd_stages=2)
+    if assignments <= 8:  # K2 TP8 M = 1: gate/up 13.9 us (17.7 unpipelined), down 10.7 us
+        return dict(gv_block_n=4, gv_block_k=512, gv_warps=2, gv_stages=3,
+                    gvd_block_n=8, gvd_block_k=256, gvd_warps=4, gvd_stages=1)
+    return dict(gv_block_n=4, gv_block_k=512, gv_warps=2, gv_stages=1,  # M = 2..36: within 7% of each point's best
+                gvd_block_n=16, gvd_block_k=256, gvd_warps=2, gvd_stages=1)
 
 
 def choose_config(tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int) -> Int4MoEConfig:
@@ -658,9 +670,10 @@ def choose_config(tokens: int, num_experts: int, hidden: int, intermediate: int,
     if pinned:
         return Int4MoEConfig.parse(pinned)
     whole_experts = intermediate >= 1024  # EP-style ranks hold whole experts (K2 EP8: I = 2048)
-    cfg = _tensor_core_config(tokens * top_k / max(num_experts, 1), whole_experts)
-    if tokens * top_k <= (_GEMV_MAX_ASSIGN_EP if whole_experts else _GEMV_MAX_ASSIGN_TP):
-        return dataclasses.replace(cfg, gemv=True, **_GEMV_LAUNCH)
+    r = tokens * top_k / max(num_experts, 1)
+    cfg = _tensor_core_config(r, whole_experts)
+    if r <= _GEMV_MAX_PER_EXPERT:
+        return dataclasses.replace(cfg, gemv=True, **_gemv_launch(tokens * top_k, whole_experts))
     return cfg
 
 
