@@ -46,12 +46,12 @@ FMA with per-group constants (``_plane``), exact for bf16/fp16 scales. The eight
 ``SWAP_AB`` computes ``W @ X^T`` instead of ``X @ W^T``: the weight tile is the MMA's M side
 (>= 16 rows of output features) and the few tokens its N side, the usual layout for skinny GEMMs.
 
-Where it stands on an H200 (BENCHMARKS.md): 24-35% of copy bandwidth at K2 shapes (vLLM's Triton
-int4 kernel: 5-11%), 38 us at M=1 TP8 (the GEMV path awaits the H200 sweep of
-``bench/int4_moe_gemv_sweep.py``). Not the access pattern: the same tile loads alone read at
-3.9-4.2 TB/s. Nsight Compute on gate/up (TP8, M=72): 3 warps per scheduler (164 registers),
-7 cycles between issues, DRAM 28% busy: latency-bound between the loads, the dequantisation and
-the shared-memory round trip of the MMA operands. More occupancy from smaller tiles did not help
+Where it stands on an H200 (BENCHMARKS.md): 24-36% of copy bandwidth at K2 shapes (vLLM's Triton
+int4 kernel: 5-11%); M=1 TP8 in 24.9 us on the GEMV path (38 us on the tensor cores). Not the
+access pattern: the same tile loads alone read at 3.9-4.2 TB/s. Nsight Compute on gate/up (TP8,
+M=72): 3 warps per scheduler (164 registers), 7 cycles between issues, DRAM 28% busy:
+latency-bound between the loads, the dequantisation and the shared-memory round trip of the MMA
+operands. More occupancy from smaller tiles did not help
 (BN=32: slower). The next steps are structural (a warp-specialised load/dequant/MMA pipeline).
 """
 
