@@ -153,12 +153,19 @@ def _precompile(task: tuple[str, str, str, str]) -> str:
         return f"{task}: {short_error(exc)}"
 
 
-def precompile(shapes: list[str], tokens: list[int], gu_grid: list, dn_grid: list, workers: int) -> None:
+def parse_grid(text: str) -> list[tuple[int, int, int]]:
+    """``"4,8x256,512x2,4"`` (block_n values x block_k values x warps values) -> the product."""
+    bns, bks, ws = ([int(v) for v in part.split(",")] for part in text.split("x"))
+    return [(bn, bk, w) for bn in bns for bk in bks for w in ws]
+
+
+def precompile(shapes: list[str], tokens: list[int], gu_grid: list, dn_grid: list, workers: int,
+               extra_stages: Sequence[int] = STAGES) -> None:
     """Compile every GEMV config at every stage count (which ones get timed depends on the
     timings) and the tensor-core configs compared against, in worker processes. Gate/up
     specialises the same at TP8 and EP8 (every dim and stride % 16 == 0); down does not (TP8's
     scale row stride is 8)."""
-    stages = (1,) + STAGES
+    stages = (1,) + tuple(extra_stages)
     tasks = [("gemv", shapes[0], "gu", gemv_cfg(gu=c + (st,)).spec()) for c in gu_grid for st in stages]
     tasks += [("gemv", s, "dn", gemv_cfg(dn=c + (st,)).spec()) for s in shapes for c in dn_grid for st in stages]
     for s in shapes:
@@ -316,6 +323,9 @@ def main() -> None:
     ap.add_argument("--tokens", default=None, help=f"comma-separated token counts (default {TOKENS})")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shape and grids: checks the logic only")
+    ap.add_argument("--gu-grid", default=None, help='gate/up grid "BNs x BKs x WARPs", e.g. "2,4x512,1024x1,2"')
+    ap.add_argument("--dn-grid", default=None, help="down grid, same syntax")
+    ap.add_argument("--stages", default=None, help=f"comma-separated stage counts tried on the fastest (default {STAGES})")
     args = ap.parse_args()
     import triton
 
@@ -327,7 +337,9 @@ def main() -> None:
     else:
         assert torch.cuda.is_available(), "needs a CUDA GPU (or --dry-run)"
         shapes_def, default_tokens = SHAPES, TOKENS
-        grids = dict(gu=GU_GRID, dn=DN_GRID, stages=STAGES)
+        grids = dict(gu=parse_grid(args.gu_grid) if args.gu_grid else GU_GRID,
+                     dn=parse_grid(args.dn_grid) if args.dn_grid else DN_GRID,
+                     stages=tuple(int(v) for v in args.stages.split(",")) if args.stages else STAGES)
         dev, timer, gpu = torch.device("cuda"), time_graph, torch.cuda.get_device_name()
         shapes = args.shapes.split(",")
         log(f"gpu {gpu}; torch {torch.__version__}; triton {triton.__version__}")
@@ -335,7 +347,8 @@ def main() -> None:
         log(f"copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(default_tokens)
     if not args.dry_run and args.workers > 1:
-        precompile(shapes, tokens, grid_split("gu", GU_GRID)[0], grid_split("dn", DN_GRID)[0], args.workers)
+        precompile(shapes, tokens, grid_split("gu", grids["gu"])[0], grid_split("dn", grids["dn"])[0], args.workers,
+                   grids["stages"])
     result = dict(
         benchmark="int4_moe_gemv",
         commit=args.commit,
