@@ -47,7 +47,7 @@ FMA with per-group constants (``_plane``), exact for bf16/fp16 scales. The eight
 (>= 16 rows of output features) and the few tokens its N side, the usual layout for skinny GEMMs.
 
 Where it stands on an H200 (BENCHMARKS.md): 24-36% of copy bandwidth at K2 shapes (vLLM's Triton
-int4 kernel: 5-11%); M=1 TP8 in 24.9 us on the GEMV path (38 us on the tensor cores). Not the
+int4 kernel: 5-11%); M=1 TP8 in 21 us on the GEMV path (38 us on the tensor cores). Not the
 access pattern: the same tile loads alone read at 3.9-4.2 TB/s. Nsight Compute on gate/up (TP8,
 M=72): 3 warps per scheduler (164 registers), 7 cycles between issues, DRAM 28% busy:
 latency-bound between the loads, the dequantisation and the shared-memory round trip of the MMA
