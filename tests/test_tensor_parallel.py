@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -82,6 +84,20 @@ def test_rank_watchdog_reports_a_death_and_stays_quiet_once_disarmed():
     assert quiet.returncode == 0 and deaths == []
 
 
+def test_stop_workers_escalates_to_sigterm_then_sigkill():
+    script = ("import signal, sys, time\n"
+              "if sys.argv[1] == 'deaf': signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "print('ready', flush=True); time.sleep(60)")
+    procs = [subprocess.Popen([sys.executable, "-c", script, mode], stdout=subprocess.PIPE, text=True)
+             for mode in ("stuck", "deaf")]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == "ready"   # its SIGTERM handling is in place
+    t0 = time.monotonic()
+    stop_workers(procs, grace_s=0.2, kill_after_s=0.5)
+    assert [p.returncode for p in procs] == [-signal.SIGTERM, -signal.SIGKILL]
+    assert time.monotonic() - t0 < 10
+
+
 def _worker_ranks(pid: int) -> list[int]:
     """The verifier's worker-rank child processes (not e.g. its shared-memory resource tracker)."""
     with open(f"/proc/{pid}/task/{pid}/children") as fh:
@@ -103,8 +119,6 @@ def test_dead_rank_makes_the_group_unhealthy_without_hanging(ckpt):
                                                      ignore_eos=True):
                         got += 1
                         if got == 3:
-                            import os
-                            import signal
                             os.kill(worker, signal.SIGKILL)
                             t0 = time.monotonic()
                 return info.value, time.monotonic() - t0

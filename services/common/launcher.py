@@ -168,7 +168,7 @@ class Stack:
             raise RuntimeError(f"{name} is still running")
         self._launch(svc)
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = 30.0) -> None:
         running = [s.proc for s in reversed(self.services) if s.proc is not None]
         for proc in running:
             if proc.poll() is None:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -66,7 +67,9 @@ def spawn_workers(settings: VerifierSettings, config_path: str | None, init_meth
     cmd = [sys.executable, "-m", "services.verifier.ranks", "--init-method", init_method]
     if config_path:
         cmd += ["--config", config_path]
-    return [subprocess.Popen(cmd + ["--rank", str(r)]) for r in range(1, settings.tp)]
+    # Own session: a Ctrl-C or a signal to rank 0's process group reaches rank 0 only, which stops
+    # the workers in order (stop broadcast); PR_SET_PDEATHSIG still ends them if rank 0 dies.
+    return [subprocess.Popen(cmd + ["--rank", str(r)], start_new_session=True) for r in range(1, settings.tp)]
 
 
 def watch_workers(procs: list[subprocess.Popen], on_death: Callable[[str], None],
@@ -88,14 +91,21 @@ def watch_workers(procs: list[subprocess.Popen], on_death: Callable[[str], None]
     return disarmed
 
 
-def stop_workers(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """Wait up to `grace_s` for each worker to leave on its own (after a stop broadcast), then SIGTERM."""
+def stop_workers(procs: list[subprocess.Popen], grace_s: float, kill_after_s: float = 5.0) -> None:
+    """Give all workers `grace_s` together to leave on their own (after a stop broadcast), then
+    SIGTERM the rest, then SIGKILL what is still there `kill_after_s` later."""
+    for deadline, signal_rest in ((time.monotonic() + grace_s, subprocess.Popen.terminate),
+                                  (time.monotonic() + grace_s + kill_after_s, subprocess.Popen.kill)):
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in procs:
+            if proc.poll() is None:
+                signal_rest(proc)
     for proc in procs:
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            proc.wait(timeout=10)
+        proc.wait()
 
 
 def _die_with_parent() -> None:

@@ -157,6 +157,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             log.warning("peer_expired", draft_id=peer.draft_id, reason="no verify stream after the handshake",
                         timeout_s=self.settings.peer_stream_timeout_s)
 
+    def stop_group(self, timeout_s: float) -> bool:
+        """Broadcast the workers' stop once no engine call is running (a step still in flight after
+        the server's grace would otherwise interleave its collectives with the stop). False when
+        the engine stayed busy for `timeout_s`: the workers are then left to the SIGTERM."""
+        if not self._engine_lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            self.group.stop()
+        finally:
+            self._engine_lock.release()
+        return True
+
     async def _locked(self, fn, *args):
         """Runs `fn` in a worker thread holding the engine lock for all of it."""
         def run():
@@ -270,7 +282,8 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     group = EngineGroup(engine, tp)
     server, health = new_server([verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name])
     metrics = Metrics("verifier")
-    verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(group, settings, metrics), server)
+    servicer = VerifierServicer(group, settings, metrics)
+    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     await server.start()
     log.info("serving", address=f"{settings.host}:{port}", tp=settings.tp,
@@ -290,12 +303,13 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
         await serve_until_signal(server, health)
     finally:
         watchdog.set()  # from here on a worker leaving is the shutdown, not a failure
+        stopped = False
         if workers and not died:
             try:
-                group.stop()
+                stopped = servicer.stop_group(timeout_s=10.0)
             except Exception:  # noqa: BLE001 - a worker already gone; it is being reaped below
                 pass
         # Workers leave on the stop broadcast; after a rank died the others may sit in a collective.
-        stop_workers(workers, grace_s=0.0 if died else 10.0)
+        stop_workers(workers, grace_s=10.0 if stopped else 0.0)
     if died:
         raise ServiceError(grpc.StatusCode.UNAVAILABLE, died[0])
