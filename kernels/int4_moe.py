@@ -576,15 +576,15 @@ class Int4MoEConfig:
     gu_split_k: int = 1  # > 1: gate/up partial sums over K slices added atomically (small M: more programs)
     deq_asm: bool = True  # bf16x2 PTX dequantisation where it applies (CUDA, bf16 activations + scales)
     # GEMV path (few assignments): no alignment, CUDA-core dot products per assignment / token.
-    # Defaults provisional, to be set by the H200 sweep (bench/int4_moe_gemv_sweep.py).
+    # Defaults: choose_config's TP-style GEMV config above 8 assignments (see _gemv_launch).
     gemv: bool = False
     gv_block_n: int = 4  # gate/up: intermediate rows per program
     gv_block_k: int = 512  # gate/up: hidden columns per loop step
-    gv_warps: int = 4
+    gv_warps: int = 2
     gv_stages: int = 1  # > 1: software-pipelined weight loads (tl.range num_stages)
     gvd_block_n: int = 16  # down: hidden rows per program
     gvd_block_k: int = 256  # down: intermediate columns per loop step
-    gvd_warps: int = 4
+    gvd_warps: int = 2
     gvd_stages: int = 1
 
     def __post_init__(self) -> None:
@@ -640,7 +640,8 @@ class Int4MoEConfig:
 
 # The GEMV path re-reads an expert for each of its assignments, so it pays while experts are
 # rarely shared: up to 0.75 assignments per expert (H200 sweep, bench/results/int4_moe_gemv.json:
-# faster than the tensor cores at K2 TP8 up to M = 36, 0.75 per expert, 1.08x; at EP8 up to M = 4,
+# faster than the tensor cores at K2 TP8 up to M = 36, 0.75 per expert, 1.08x with that point's best
+# config and about break-even with the served one; at EP8 up to M = 4,
 # 0.67 per expert, 1.06x; both lose at 1.5 per expert).
 _GEMV_MAX_PER_EXPERT = 0.75
 
@@ -653,7 +654,7 @@ def _gemv_launch(assignments: int, whole_experts: bool) -> dict[str, int]:
     if assignments <= 8:  # K2 TP8 M = 1 (int4_moe_gemv_m1.json): gate/up 11.9 us, down 10.1 us; 21.4 end to end
         return dict(gv_block_n=1, gv_block_k=1024, gv_warps=1, gv_stages=1,
                     gvd_block_n=8, gvd_block_k=256, gvd_warps=1, gvd_stages=3)
-    return dict(gv_block_n=4, gv_block_k=512, gv_warps=2, gv_stages=1,  # M = 2..36: within 7% of each point's best
+    return dict(gv_block_n=4, gv_block_k=512, gv_warps=2, gv_stages=1,  # M = 2..36: within 11% of each point's best
                 gvd_block_n=16, gvd_block_k=256, gvd_warps=2, gvd_stages=1)
 
 

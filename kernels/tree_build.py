@@ -213,7 +213,7 @@ class TreeBuildOutput:
 
 @on_input_device
 def tree_build_triton(
-    logprobs: Tensor, budget: int, root_tokens: Tensor, num_warps: int = 8
+    logprobs: Tensor, budget: int, root_tokens: Tensor, num_warps: int = 16
 ) -> TreeBuildOutput:
     """The trees of ``build_trees`` for float32/bf16/fp16 log-probs: vocabulary top-k, then one launch.
 
@@ -221,9 +221,9 @@ def tree_build_triton(
         logprobs: [R, D, V] log-softmax normalised draft log-probs; row d is depth d+1.
         budget: non-root nodes per tree, 1..128.
         root_tokens: [R] int64 pending token of each request.
-        num_warps: warps per request's program. 8 by sweep on an H200 at batch 128, budget 64,
-            depth 15: 80 us against 108 (4 warps), 79 (16) and 116 (32) before the latency
-            changes above; the per-depth sorts are latency-bound.
+        num_warps: warps per request's program. 16 by sweep on an H200 at batch 128, budget 64,
+            depth 15 (bench/results/tree_build.json): 80 us against 86 (8 warps), 97 (4) and
+            125 (32); the per-depth sorts are latency-bound.
 
     Returns:
         :class:`TreeBuildOutput` with ``n_max = budget + 1`` columns. No host sync; capturable in

@@ -65,6 +65,8 @@ GEMV_CASES: dict[str, dict] = {
     "gemv_small_blocks_group64": dict(M=1, top_k=2, group=64, K=128, I=64, gv=(4, 128, 2, 1), gvd=(8, 64, 4, 1), tol=1e-5),
     "gemv_bf16_fp16_scales": dict(M=3, top_k=2, dtype="bfloat16", scale_dtype="float16", gv=(64, 128, 4, 1), gvd=(64, 64, 4, 1), tol=3e-2),
     "gemv_fp16": dict(M=2, top_k=2, dtype="float16", gv=(32, 256, 4, 1), gvd=(128, 128, 4, 1), tol=2e-3),
+    # the served launch at K2 TP8 M=1: one row a program on one warp, pipelined down
+    "gemv_served_m1": dict(M=1, top_k=4, gv=(1, 1024, 1, 1), gvd=(8, 256, 1, 3), tol=1e-5),
 }
 ALIGN_CASES = {"align_m1": (1, 8, 4, 16), "align_random": (50, 16, 3, 16), "align_hot": (40, 6, 2, 8), "align_wide": (300, 384, 8, 64)}
 
@@ -251,6 +253,10 @@ def _run_config_spec() -> dict:
         errors.append("M=1 on K2 TP8 / EP8 does not take the GEMV path")
     if choose_config(72, 384, 7168, 256, 8).gemv or choose_config(72, 48, 7168, 2048, 8).gemv:
         errors.append("M=72 takes the GEMV path")
+    # The threshold, 0.75 assignments per expert: TP8 M = 36 / 37, EP8 M = 4 / 5.
+    edges = [choose_config(m, e, 7168, i, 8).gemv for m, e, i in ((36, 384, 256), (37, 384, 256), (4, 48, 2048), (5, 48, 2048))]
+    if edges != [True, False, True, False]:
+        errors.append(f"GEMV threshold edges {edges}, want [True, False, True, False]")
     tc = dataclasses.replace(tp8_m1, gemv=False)
     if (tc.gu_split_k, tc.dn_block_n, tc.dn_block_k) != (8, 256, 64):
         errors.append(f"the GEMV config at M=1 lost the tensor-core choice of that M: {tc.spec()}")

@@ -74,7 +74,7 @@ FIELDS = ("tokens", "parents", "depths", "scores", "sizes")
     # `ties`: log-probs on a 0.5 grid, so many candidates tie on score and the tie-break decides.
     # Big budgets get few depths: the interpreter's sort costs ~1 s per depth at budget 64.
     [
-        (1, 15, 1, 3, False), (1, 15, 300, 2, True),
+        (1, 15, 1, 3, False), (1, 15, 300, 2, True), (4, 3, 1, 2, False),  # vocab 1: C_PAD == B_PAD
         (2, 15, 2, 3, False), (2, 15, 40, 2, True),
         (5, 15, 5, 3, False), (5, 15, 300, 3, True),
         (8, 15, 8, 2, False), (8, 7, 50, 3, True),
