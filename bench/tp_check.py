@@ -1,6 +1,7 @@
-"""TP=2 equals TP=1 on GPUs: the three-process stack on a random checkpoint, greedy and sampled.
+"""TP=2 against TP=1 on GPUs: the three-process stack, greedy and sampled.
 
-float32: eager verify (the torch expert loop cannot be captured), outputs must be identical.
+float32: eager verify (the torch expert loop cannot be captured); outputs are expected to be
+identical, though sums in another order can still flip a near-exact tie (reported, not asserted).
 bfloat16: the fused INT4 MoE and CUDA-graph verify on every rank (all-reduces inside the graphs);
 TP=2 sums partial results in another order than TP=1, so in bf16 a sequence can drift after a
 near tie: reported as identical count and the length of the common prefix. To tell that drift from
