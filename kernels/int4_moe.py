@@ -33,11 +33,11 @@ GEMV path pays only while assignments are few. The expert-grouped variant (``gv_
 ``gvd_by = "expert"``; explicit config only, not yet measured) runs the alignment of step 1 with
 ``gvg_block_m`` rows a block and reads each weight tile once per block:
 
-6. ``_int4_moe_grouped_gate_up_kernel``: one program per (alignment block of one expert,
+6. ``_int4_moe_grouped_kernel`` (GATED): one program per (alignment block of one expert,
    ``BLOCK_N`` intermediate rows) dequantises each gate / up tile once and multiplies it into the
    block's ``BLOCK_M`` token rows (fp32 ``[BLOCK_M, BLOCK_N, BLOCK_K]`` partial sums, reduced after
    the K loop); writes ``h`` per flat assignment, ``[A, I]``, so either down kernel takes it.
-7. ``_int4_moe_grouped_down_kernel``: the same per block for down, one weighted row per
+7. ``_int4_moe_grouped_kernel`` (not GATED): the same per block for down, one weighted row per
    assignment, then one torch sum over top-k (as ``reduce="sum"``).
 
 Grid order (tensor cores): the block index varies fastest, so the blocks of one expert (and, at
@@ -565,25 +565,27 @@ def _int4_moe_gemv_down_kernel(
 
 
 @triton.jit(do_not_specialize=["A", "top_k"])
-def _int4_moe_grouped_gate_up_kernel(
-    x_ptr,  # [M, K] hidden
+def _int4_moe_grouped_kernel(
+    a_ptr,  # GATED: hidden [M, K]; else h [A, K] (K = intermediate)
     sorted_ids_ptr,  # [P] int32 flat assignment per padded row (A = padding)
     block_expert_ptr,  # [P / BLOCK_M] int32 expert of each block, -1 when unused
-    wg_ptr,  # [E, N, K/8] int32 gate
-    sg_ptr,  # [E, N, K/GROUP] gate scales
-    wu_ptr,  # [E, N, K/8] int32 up (same strides as gate)
-    su_ptr,  # [E, N, K/GROUP] up scales
-    h_ptr,  # [A, N] out: silu(gate x) * (up x) per flat assignment
+    w0_ptr,  # [E, N, K/8] int32: gate (GATED) or down
+    s0_ptr,  # [E, N, K/GROUP] scales of w0
+    w1_ptr,  # [E, N, K/8] int32: up (GATED only; same strides as w0)
+    s1_ptr,  # [E, N, K/GROUP] scales of w1
+    topk_w_ptr,  # [A] routing weights (not GATED)
+    out_ptr,  # [A, N] per flat assignment: silu(gate x) * (up x) (GATED) or the weighted down row
     N,
     K,
     A,
     top_k,
-    stride_xm,
+    stride_am,
     stride_we,
     stride_wn,
     stride_se,
     stride_sn,
-    stride_hm,
+    stride_om,
+    GATED: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,  # assignments per alignment block (all of one expert)
     BLOCK_N: tl.constexpr,
@@ -593,93 +595,22 @@ def _int4_moe_grouped_gate_up_kernel(
     DEQ_ASM: tl.constexpr,
     DTYPE: tl.constexpr,
 ):
-    """One program per (alignment block of BLOCK_M assignments of one expert, BLOCK_N rows of the
-    intermediate dim); grid (P / BLOCK_M, cdiv(N, BLOCK_N)), block index fastest.
+    """One program per (alignment block of BLOCK_M assignments of one expert, BLOCK_N output rows);
+    grid (P / BLOCK_M, cdiv(N, BLOCK_N)), block index fastest.
 
-    The GEMV gate/up kernel with the expert's weight tile dequantised once per block instead of
-    once per assignment: each ``[BN, BK]`` tile is multiplied into the block's ``BM`` token rows on
-    the CUDA cores, fp32 products kept elementwise in ``[BM, BN, BK]`` and reduced over K once,
-    after the loop. Rows of ``h`` are flat assignments, as the per-assignment kernel writes them,
-    so either down kernel consumes it. Padding rows read token 0 and are never stored.
+    The GEMV kernels with the expert's weight tile dequantised once per block instead of once per
+    assignment: each ``[BN, BK]`` tile is multiplied into the block's ``BM`` rows on the CUDA
+    cores, fp32 products kept elementwise in ``[BM, BN, BK]`` and reduced over K once, after the
+    loop. GATED (gate/up): the rows are the assignments' tokens of ``hidden`` and ``h`` comes out
+    per flat assignment, as the per-assignment kernel writes it, so either down kernel takes it.
+    Not GATED (down): the rows are ``h``'s, each scaled by its routing weight first, and one
+    weighted row per assignment comes out; the host sums a token's top-k slots afterwards
+    (deterministic, as the tensor-core path's ``reduce="sum"``). Padding rows read row 0 and are
+    never stored.
 
-    Registers: the accumulators are ``2 * BM * BN * BK / (32 * warps)`` a thread, BM times the
-    GEMV kernel's; compiled for sm_90 offline, up to 128 of them fit in 255 registers without
-    spills (64: about 128 registers), 256 always spill.
-    """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
-        return
-    e64 = expert.to(tl.int64)
-    flat = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM] flat assignments
-    row_ok = flat < A  # [BM]
-    tok = tl.where(row_ok, flat // top_k, 0).to(tl.int64)  # [BM] token of each assignment
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_ok = offs_n < N
-    n_rd = tl.where(n_ok, offs_n, N - 1).to(tl.int64)  # rows past N read row N-1; never stored
-    wg_base = wg_ptr + e64 * stride_we + n_rd[:, None] * stride_wn  # [BN, 1]
-    sg_base = sg_ptr + e64 * stride_se + n_rd[:, None] * stride_sn  # [BN, 1]
-    wu_base = wu_ptr + e64 * stride_we + n_rd[:, None] * stride_wn  # [BN, 1]
-    su_base = su_ptr + e64 * stride_se + n_rd[:, None] * stride_sn  # [BN, 1]
-    x_rows = x_ptr + tok[:, None] * stride_xm  # [BM, 1]
-    KW = K // 8
-    KG = K // GROUP
-    offs_k = tl.arange(0, BLOCK_K)  # [BK]
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        kk = k0 + offs_k  # [BK]
-        if EVEN_K:
-            xk = tl.load(x_rows + kk[None, :])  # [BM, BK]
-        else:
-            xk = tl.load(x_rows + kk[None, :], mask=(kk < K)[None, :], other=0)
-        xk = xk.to(tl.float32)[:, None, :]  # [BM, 1, BK]
-        g = _load_int4_tile(wg_base, sg_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM)  # [BN, BK]
-        acc_g += g.to(tl.float32)[None, :, :] * xk
-        u = _load_int4_tile(wu_base, su_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM)  # [BN, BK]
-        acc_u += u.to(tl.float32)[None, :, :] * xk
-    gate = tl.sum(acc_g, 2)  # [BM, BN]
-    up = tl.sum(acc_u, 2)  # [BM, BN]
-    h = gate / (1.0 + tl.exp(-gate)) * up
-    h_ptrs = h_ptr + flat.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]  # [BM, BN]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["A"])
-def _int4_moe_grouped_down_kernel(
-    h_ptr,  # [A, K] gate/up output per flat assignment (K = intermediate)
-    sorted_ids_ptr,  # [P] int32 flat assignment per padded row (A = padding)
-    block_expert_ptr,  # [P / BLOCK_M] int32 expert of each block, -1 when unused
-    topk_w_ptr,  # [A] routing weights
-    w_ptr,  # [E, N, K/8] int32 down (N = hidden)
-    s_ptr,  # [E, N, K/GROUP] scales
-    out_ptr,  # [A, N] out: weighted down projection per flat assignment
-    N,
-    K,
-    A,
-    stride_hm,
-    stride_we,
-    stride_wn,
-    stride_se,
-    stride_sn,
-    stride_om,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
-    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
-    DEQ_ASM: tl.constexpr,
-    DTYPE: tl.constexpr,
-):
-    """One program per (alignment block of BLOCK_M assignments of one expert, BLOCK_N rows of the
-    hidden dim); grid (P / BLOCK_M, cdiv(N, BLOCK_N)), block index fastest.
-
-    The down weight tile is dequantised once per block and multiplied into the block's rows of
-    ``h``, each scaled by its routing weight first (as the per-token kernel does). One row per
-    assignment comes out; the host sums the top-k slots of a token afterwards (deterministic, as
-    the tensor-core path's ``reduce="sum"``). Padding rows read row 0 of ``h`` and are never stored.
+    Registers: the gate/up accumulators are ``2 * BM * BN * BK / (32 * warps)`` a thread, BM
+    times the GEMV kernel's; compiled for sm_90 offline, up to 128 of them fit in 255 registers
+    without spills (64: about 128 registers), 256 always spill.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -690,29 +621,43 @@ def _int4_moe_grouped_down_kernel(
     flat = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM] flat assignments
     row_ok = flat < A  # [BM]
     rows = tl.where(row_ok, flat, 0).to(tl.int64)  # [BM]
-    wt = tl.load(topk_w_ptr + rows, mask=row_ok, other=0).to(tl.float32)  # [BM]
+    if GATED:
+        a_rows = a_ptr + (rows // top_k)[:, None] * stride_am  # [BM, 1] token of each assignment
+    else:
+        a_rows = a_ptr + rows[:, None] * stride_am  # [BM, 1]
+        wt = tl.load(topk_w_ptr + rows, mask=row_ok, other=0).to(tl.float32)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = offs_n < N
     n_rd = tl.where(n_ok, offs_n, N - 1).to(tl.int64)  # rows past N read row N-1; never stored
-    w_base = w_ptr + e64 * stride_we + n_rd[:, None] * stride_wn  # [BN, 1]
-    s_base = s_ptr + e64 * stride_se + n_rd[:, None] * stride_sn  # [BN, 1]
-    h_rows = h_ptr + rows[:, None] * stride_hm  # [BM, 1]
+    w0_base = w0_ptr + e64 * stride_we + n_rd[:, None] * stride_wn  # [BN, 1]
+    s0_base = s0_ptr + e64 * stride_se + n_rd[:, None] * stride_sn  # [BN, 1]
+    w1_base = w1_ptr + e64 * stride_we + n_rd[:, None] * stride_wn  # [BN, 1]
+    s1_base = s1_ptr + e64 * stride_se + n_rd[:, None] * stride_sn  # [BN, 1]
     KW = K // 8
     KG = K // GROUP
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         kk = k0 + offs_k  # [BK]
         if EVEN_K:
-            hk = tl.load(h_rows + kk[None, :])  # [BM, BK]
+            ak = tl.load(a_rows + kk[None, :])  # [BM, BK]
         else:
-            hk = tl.load(h_rows + kk[None, :], mask=(kk < K)[None, :], other=0)
-        hk = (hk.to(tl.float32) * wt[:, None])[:, None, :]  # [BM, 1, BK]
-        w = _load_int4_tile(w_base, s_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM)  # [BN, BK]
-        acc += w.to(tl.float32)[None, :, :] * hk
-    out = tl.sum(acc, 2)  # [BM, BN]
+            ak = tl.load(a_rows + kk[None, :], mask=(kk < K)[None, :], other=0)
+        ak = ak.to(tl.float32)
+        if not GATED:
+            ak = ak * wt[:, None]
+        ak = ak[:, None, :]  # [BM, 1, BK]
+        b0 = _load_int4_tile(w0_base, s0_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM)  # [BN, BK]
+        acc0 += b0.to(tl.float32)[None, :, :] * ak
+        if GATED:
+            b1 = _load_int4_tile(w1_base, s1_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM)  # [BN, BK]
+            acc1 += b1.to(tl.float32)[None, :, :] * ak
+    res = tl.sum(acc0, 2)  # [BM, BN]
+    if GATED:
+        res = res / (1.0 + tl.exp(-res)) * tl.sum(acc1, 2)  # silu(gate) * up
     o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]  # [BM, BN]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 # --------------------------------------------------------------------------------------------
@@ -1187,11 +1132,11 @@ def int4_moe_grouped_gate_up(
     if A == 0:
         return h
     grid = (align.num_blocks, triton.cdiv(I, cfg.gv_block_n))
-    _int4_moe_grouped_gate_up_kernel[grid](
-        hidden, align.sorted_ids, align.block_expert, w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, h,
+    _int4_moe_grouped_kernel[grid](
+        hidden, align.sorted_ids, align.block_expert, w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, h, h,
         I, K, A, top_k,
         hidden.stride(0), w_gate.packed.stride(0), w_gate.packed.stride(1), w_gate.scale.stride(0), w_gate.scale.stride(1), h.stride(0),
-        GROUP=group_size, BLOCK_M=cfg.gvg_block_m, BLOCK_N=cfg.gv_block_n, BLOCK_K=cfg.gv_block_k, STAGES=cfg.gv_stages,
+        GATED=True, GROUP=group_size, BLOCK_M=cfg.gvg_block_m, BLOCK_N=cfg.gv_block_n, BLOCK_K=cfg.gv_block_k, STAGES=cfg.gv_stages,
         EVEN_K=K % cfg.gv_block_k == 0, DEQ_ASM=_use_asm(cfg, hidden.dtype, w_gate), DTYPE=_TL_DTYPE[hidden.dtype],
         num_warps=cfg.gv_warps,
     )
@@ -1221,11 +1166,11 @@ def int4_moe_grouped_down(
         return torch.zeros(M, K, dtype=act_dtype, device=h.device)
     weights = topk_weights.contiguous().view(-1)  # [A]
     grid = (align.num_blocks, triton.cdiv(K, cfg.gvd_block_n))
-    _int4_moe_grouped_down_kernel[grid](
-        h, align.sorted_ids, align.block_expert, weights, w_down.packed, w_down.scale, out,
-        K, I, A,
+    _int4_moe_grouped_kernel[grid](
+        h, align.sorted_ids, align.block_expert, w_down.packed, w_down.scale, w_down.packed, w_down.scale, weights, out,
+        K, I, A, top_k,
         h.stride(0), w_down.packed.stride(0), w_down.packed.stride(1), w_down.scale.stride(0), w_down.scale.stride(1), out.stride(0),
-        GROUP=group_size, BLOCK_M=cfg.gvg_block_m, BLOCK_N=cfg.gvd_block_n, BLOCK_K=cfg.gvd_block_k, STAGES=cfg.gvd_stages,
+        GATED=False, GROUP=group_size, BLOCK_M=cfg.gvg_block_m, BLOCK_N=cfg.gvd_block_n, BLOCK_K=cfg.gvd_block_k, STAGES=cfg.gvd_stages,
         EVEN_K=I % cfg.gvd_block_k == 0, DEQ_ASM=_use_asm(cfg, act_dtype, w_down), DTYPE=_TL_DTYPE[act_dtype],
         num_warps=cfg.gvd_warps,
     )
