@@ -7,13 +7,6 @@ grid of gate/up configs and one of down configs, each kernel timed alone (down f
 gate/up's ``h``), so the grid is a sum, not a product; pipelined-load variants (``stages``) of
 the fastest few of each; then the best pair and the tensor-core path end to end.
 
-With ``--grouped``, each point also sweeps the expert-grouped GEMV (``gv_by`` / ``gvd_by =
-"expert"``: one program per alignment block of ``gvg_block_m`` assignments of one expert): its
-gate/up over (block_m, block_n, block_k, warps), its down against the per-token GEMV down found
-above, stages on the fastest few, then per down kind the best pair sharing one block_m end to end
-(alignment included). Those rows get ``grouped_*`` keys next to the GEMV and tensor-core times;
-without the flag the run and its JSON are as before.
-
 Timing as in int4_moe_bench.py: CUDA-graph replay of R back-to-back calls with R different
 random routings, so a call's experts are not L2-resident from the call before. Configs whose
 fp32 accumulators alone need more than ``MAX_ACC_REGS`` registers a thread are skipped (certain
@@ -21,16 +14,12 @@ spills, slow to compile); configs that fail to compile or run are recorded, not 
 
     PYTHONPATH=. python bench/int4_moe_gemv_sweep.py --commit SHA   # H200: about 2-3 min
     python bench/int4_moe_gemv_sweep.py --dry-run                     # CPU interpreter, tiny shapes: the logic only
-    python bench/int4_moe_gemv_sweep.py --dry-run --grouped           # the same with the grouped sweep
-    PYTHONPATH=. python bench/int4_moe_gemv_sweep.py --grouped --shapes tp8 --tokens 9,18,36,72,288 \
-        --gu-grid 4,8,16x128,256,512x2,4 --dn-grid 8,16,32,64x64,128,256x2,4 --stages 3   # GEMV grid narrowed to its past winners
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import os
 import statistics
@@ -66,11 +55,8 @@ from kernels.int4_moe import (  # noqa: E402
     choose_config,
     fused_int4_moe,
     int4_moe_gemv,
-    int4_moe_align,
     int4_moe_gemv_down,
     int4_moe_gemv_gate_up,
-    int4_moe_grouped_down,
-    int4_moe_grouped_gate_up,
     int4_moe_reference,
 )
 
@@ -89,20 +75,9 @@ DRY_TOKENS = (1, 3)
 DRY_GU_GRID = [(32, 128, 4), (64, 128, 4), (64, 256, 2)]  # the last: skipped for its accumulators
 DRY_DN_GRID = [(64, 64, 4), (128, 64, 4)]
 DRY_STAGES = (2,)
-# --grouped: (block_m, block_n, block_k, warps) of the expert-grouped kernels, block_m = gvg_block_m
-# (assignments of one expert a program). Accumulators are block_m times the GEMV's ([BM, BN, BK]
-# fp32), so the same MAX_ACC_REGS filter drops the large tiles (compiled for sm_90 offline: every
-# config at <= 128 accumulator registers fits in 255 without spilling, every one at 256 spills).
-GVG_BLOCK_M = (1, 2, 4, 8)
-GG_GRID = [(bm, bn, bk, w) for bm in GVG_BLOCK_M for bn in (1, 2, 4) for bk in (256, 512, 1024) for w in (1, 2, 4)]
-GD_GRID = [(bm, bn, bk, w) for bm in GVG_BLOCK_M for bn in (8, 16, 32) for bk in (128, 256) for w in (1, 2, 4)]
-GROUPED_STAGES = (3,)
-DRY_GG_GRID = [(1, 32, 128, 4), (2, 32, 128, 4), (4, 64, 256, 2)]  # the last: skipped for its accumulators
-DRY_GD_GRID = [(2, 64, 64, 4), (4, 64, 64, 4)]
 
 Timer = Callable[[Sequence[Callable[[], object]], int], float]
 Launch = tuple[int, int, int, int]  # block_n, block_k, warps, stages
-GLaunch = tuple[int, int, int, int, int]  # block_m, block_n, block_k, warps, stages (expert-grouped)
 
 
 def acc_regs(kind: str, bn: int, bk: int, warps: int) -> int:
@@ -116,22 +91,9 @@ def grid_split(kind: str, grid: list[tuple[int, int, int]]) -> tuple[list[tuple[
     return keep, [launch_key(c + (1,)) for c in grid if c not in keep]
 
 
-def grouped_grid_split(kind: str, grid: list[tuple[int, int, int, int]]) -> tuple[list[tuple[int, int, int, int]], list[str]]:
-    """``grid_split`` for the expert-grouped kernels (``kind`` "gg" / "gd"): block_m times the
-    accumulators of the GEMV kernel of the same tile."""
-    gemv_kind = "gu" if kind == "gg" else "dn"
-    keep = [c for c in grid if c[0] * acc_regs(gemv_kind, *c[1:]) <= MAX_ACC_REGS]
-    return keep, [grouped_key(c + (1,)) for c in grid if c not in keep]
-
-
 def launch_key(c: Launch) -> str:
     """``block_n x block_k x warps x stages``: the CONFIG_ENV syntax of ``gv=`` / ``gvd=``."""
     return "x".join(map(str, c))
-
-
-def grouped_key(c: GLaunch) -> str:
-    """``bm<block_m>:<launch_key>``, e.g. ``bm4:2x512x2x1`` is CONFIG_ENV ``gvbm=4,gv=2x512x2x1``."""
-    return f"bm{c[0]}:{launch_key(c[1:])}"
 
 
 def gemv_cfg(gu: Launch | None = None, dn: Launch | None = None) -> Int4MoEConfig:
@@ -141,12 +103,6 @@ def gemv_cfg(gu: Launch | None = None, dn: Launch | None = None) -> Int4MoEConfi
         if c is not None:
             kw.update({f"{prefix}_block_n": c[0], f"{prefix}_block_k": c[1], f"{prefix}_warps": c[2], f"{prefix}_stages": c[3]})
     return Int4MoEConfig(**kw)
-
-
-def grouped_cfg(bm: int, gu: Launch | None = None, dn: Launch | None = None, down_by: str = "expert") -> Int4MoEConfig:
-    """An expert-grouped GEMV config (gate/up by expert block of ``bm``, down by ``down_by``) from
-    launch tuples without block_m; as ``gemv_cfg``, a half left out keeps its defaults."""
-    return dataclasses.replace(gemv_cfg(gu=gu, dn=dn), gv_by="expert", gvd_by=down_by, gvg_block_m=bm)
 
 
 def wall_us(calls: Sequence[Callable[[], object]], reps: int) -> float:
@@ -172,9 +128,7 @@ def short_error(exc: Exception) -> str:
 def _precompile(task: tuple[str, str, str, str]) -> str:
     """Worker: run one kernel once on a 2-expert stack with the shape's strides (fills the disk cache).
 
-    ``("tc", ...)`` tasks are int4_moe_bench's (tensor-core gate/up or down, alignment included);
-    ``("grouped", ...)`` the expert-grouped kernels ("gg" / "gd") and, "align", the alignment at
-    the shape's expert count for both of its chunk sizes.
+    ``("tc", ...)`` tasks are int4_moe_bench's (tensor-core gate/up or down, alignment included).
     """
     path, shape_name, kind, spec = task
     if path == "tc":
@@ -186,19 +140,7 @@ def _precompile(task: tuple[str, str, str, str]) -> str:
         cfg = Int4MoEConfig.parse(spec)
         K, I = sh["hidden"], sh["inter"]
         ids = torch.randint(0, 2, (1, 2), device=dev, dtype=torch.int64)  # int64, as rand_routing's
-        if kind == "align":
-            for M in (1, 40):  # 8 and 320 assignments: both chunk sizes
-                int4_moe_align(torch.randint(0, sh["experts"], (M, sh["top_k"]), device=dev), sh["experts"], cfg.gvg_block_m)
-        elif kind in ("gg", "gd"):
-            align = int4_moe_align(ids, 2, cfg.gvg_block_m)
-            if kind == "gg":
-                w = rand_int4_stack(2, I, K, dev, g)
-                int4_moe_grouped_gate_up(torch.randn(1, K, device=dev, dtype=torch.bfloat16), w, w, align, 2, cfg, GROUP)
-            else:
-                w = rand_int4_stack(2, K, I, dev, g)
-                h = torch.randn(2, I, device=dev, dtype=torch.bfloat16)
-                int4_moe_grouped_down(h, w, align, torch.rand(1, 2, device=dev), cfg, GROUP, torch.bfloat16)
-        elif kind == "gu":
+        if kind == "gu":
             w = rand_int4_stack(2, I, K, dev, g)
             int4_moe_gemv_gate_up(torch.randn(1, K, device=dev, dtype=torch.bfloat16), w, w, ids, cfg, GROUP)
         else:
@@ -211,29 +153,21 @@ def _precompile(task: tuple[str, str, str, str]) -> str:
         return f"{task}: {short_error(exc)}"
 
 
-def parse_grid(text: str) -> list[tuple[int, ...]]:
-    """``"4,8x256,512x2,4"`` (block_n values x block_k values x warps values; with --grouped's
-    grids block_m values first) -> the product."""
-    return list(itertools.product(*([int(v) for v in part.split(",")] for part in text.split("x"))))
+def parse_grid(text: str) -> list[tuple[int, int, int]]:
+    """``"4,8x256,512x2,4"`` (block_n values x block_k values x warps values) -> the product."""
+    bns, bks, ws = ([int(v) for v in part.split(",")] for part in text.split("x"))
+    return [(bn, bk, w) for bn in bns for bk in bks for w in ws]
 
 
 def precompile(shapes: list[str], tokens: list[int], gu_grid: list, dn_grid: list, workers: int,
-               extra_stages: Sequence[int] = STAGES, grouped: dict | None = None) -> None:
+               extra_stages: Sequence[int] = STAGES) -> None:
     """Compile every GEMV config at every stage count (which ones get timed depends on the
     timings) and the tensor-core configs compared against, in worker processes. Gate/up
     specialises the same at TP8 and EP8 (every dim and stride % 16 == 0); down does not (TP8's
-    scale row stride is 8). ``grouped`` (``gg`` / ``gd`` grids already split, ``stages``) adds
-    the expert-grouped kernels and their alignments."""
+    scale row stride is 8)."""
     stages = (1,) + tuple(extra_stages)
     tasks = [("gemv", shapes[0], "gu", gemv_cfg(gu=c + (st,)).spec()) for c in gu_grid for st in stages]
     tasks += [("gemv", s, "dn", gemv_cfg(dn=c + (st,)).spec()) for s in shapes for c in dn_grid for st in stages]
-    if grouped is not None:
-        g_stages = (1,) + tuple(grouped["stages"])
-        tasks += [("grouped", shapes[0], "gg", grouped_cfg(c[0], gu=c[1:] + (st,)).spec()) for c in grouped["gg"] for st in g_stages]
-        tasks += [("grouped", s, "gd", grouped_cfg(c[0], dn=c[1:] + (st,)).spec())
-                  for s in shapes for c in grouped["gd"] for st in g_stages]
-        bms = sorted({c[0] for c in grouped["gg"] + grouped["gd"]})
-        tasks += [("grouped", s, "align", grouped_cfg(bm).spec()) for s in shapes for bm in bms]
     for s in shapes:
         sh = SHAPES[s]
         for M in tokens:
@@ -254,20 +188,18 @@ def precompile(shapes: list[str], tokens: list[int], gu_grid: list, dn_grid: lis
 # ------------------------------------------------------------------------------------------------
 
 
-def time_grid(kind: str, grid: list[tuple[int, ...]], stages: Sequence[int], run: Callable[[tuple], list],
-              timer: Timer, reps: int, failed: dict[str, str], key: Callable[[tuple], str] = launch_key,
-              ) -> tuple[dict[str, float], tuple | None]:
+def time_grid(kind: str, grid: list[tuple[int, int, int]], stages: Sequence[int], run: Callable[[Launch], list],
+              timer: Timer, reps: int, failed: dict[str, str]) -> tuple[dict[str, float], Launch | None]:
     """Times ``run(launch)``'s calls for each grid config at stages 1, then the ``STAGE_TOP``
-    fastest at each of ``stages`` (a launch is a grid tuple plus its stages). Returns every
-    timing by ``key`` (``launch_key``; ``grouped_key`` for the grouped grids) and the fastest
-    launch (None when none ran)."""
-    times: dict[tuple, float] = {}
+    fastest at each of ``stages``. Returns every timing by ``launch_key`` and the fastest launch
+    (None when none ran)."""
+    times: dict[Launch, float] = {}
 
-    def one(c: tuple) -> None:
+    def one(c: Launch) -> None:
         try:
             times[c] = timer(run(c), reps)
         except Exception as exc:  # compile (registers, shared memory) or launch failure
-            failed[f"{kind} {key(c)}"] = short_error(exc)
+            failed[f"{kind} {launch_key(c)}"] = short_error(exc)
 
     for c in grid:
         one(c + (1,))
@@ -275,15 +207,14 @@ def time_grid(kind: str, grid: list[tuple[int, ...]], stages: Sequence[int], run
         return {}, None
     for c in sorted(times, key=times.get)[:STAGE_TOP]:
         for st in stages:
-            one(c[:-1] + (st,))
+            one(c[:3] + (st,))
     best = min(times, key=times.get)
-    return {key(c): round(t, 2) for c, t in times.items()}, best
+    return {launch_key(c): round(t, 2) for c, t in times.items()}, best
 
 
 def sweep_point(name: str, sh: dict, M: int, W: dict, gen: torch.Generator, timer: Timer, grids: dict,
-                copy_gbps: float | None, routings: int, grid_reps: int, final_reps: int, grouped: dict | None = None) -> dict:
-    """One (shape, M) row: correctness, both grids, the best pair and the tensor-core path end to end;
-    with ``grouped`` (its grids, see ``grouped_point``) the expert-grouped GEMV's keys too."""
+                copy_gbps: float | None, routings: int, grid_reps: int, final_reps: int) -> dict:
+    """One (shape, M) row: correctness, both grids, the best pair and the tensor-core path end to end."""
     dev = W["gate"].packed.device
     E, K, I, k = sh["experts"], sh["hidden"], sh["inter"], sh["top_k"]
     wg, wu, wd = W["gate"], W["up"], W["down"]
@@ -336,7 +267,7 @@ def sweep_point(name: str, sh: dict, M: int, W: dict, gen: torch.Generator, time
     default_us = end_to_end(int4_moe_gemv, default_cfg)
     tc_us = end_to_end(fused_int4_moe, tc_cfg)
     gbps = mean_bytes / (gemv_us * 1e-6) / 1e9
-    row = dict(
+    return dict(
         shape=f"{name} {E}x{K}x{I} top{k}",
         tokens=M,
         assignments=M * k,
@@ -365,91 +296,6 @@ def sweep_point(name: str, sh: dict, M: int, W: dict, gen: torch.Generator, time
         down=dn_times,
         failed=failed,
         skipped_for_registers=gu_skipped + dn_skipped,
-    )
-    if grouped is not None:
-        token_down = (dn_best, dn_times[launch_key(dn_best)])
-        row.update(grouped_point(x, W, routes, hs, E, k, out_tc, token_down, timer, grouped, grid_reps,
-                                 end_to_end, mean_bytes, copy_gbps, tc_us, gemv_us))
-    return row
-
-
-def grouped_point(x: torch.Tensor, W: dict, routes: list, hs: list, E: int, k: int, out_tc: torch.Tensor,
-                  token_down: tuple[Launch, float], timer: Timer, grids: dict, grid_reps: int, end_to_end: Callable, mean_bytes: float, copy_gbps: float | None, tc_us: float, gemv_us: float) -> dict:
-    """The expert-grouped GEMV at one point: ``grouped_*`` keys of its row.
-
-    Gate/up grid ("gg") and down grid ("gd", fed by the GEMV's ``hs``: the same ``[A, I]`` per
-    assignment), each kernel alone on precomputed alignments; then, per down kind (the per-token
-    GEMV down ``token_down`` = (launch, us) found by the GEMV grid, or the grouped down), the pair
-    with the least summed kernel time whose halves share one block_m, timed end to end with its
-    alignment, and checked against the tensor-core path on the first routing.
-    """
-    wg, wu, wd = W["gate"], W["up"], W["down"]
-    failed: dict[str, str] = {}
-    gg_grid, gg_skipped = grouped_grid_split("gg", grids["gg"])
-    gd_grid, gd_skipped = grouped_grid_split("gd", grids["gd"])
-    bms = sorted({c[0] for c in gg_grid + gd_grid})
-    aligns = {bm: [int4_moe_align(ids, E, bm) for ids, _ in routes] for bm in bms}
-    align_us = {f"bm{bm}": round(timer([lambda ids=ids, bm=bm: int4_moe_align(ids, E, bm) for ids, _ in routes], grid_reps), 2)
-                for bm in bms}
-
-    def gate_up_calls(c: GLaunch) -> list:
-        cfg = grouped_cfg(c[0], gu=c[1:])
-        return [lambda al=al: int4_moe_grouped_gate_up(x, wg, wu, al, k, cfg, GROUP) for al in aligns[c[0]]]
-
-    def down_calls(c: GLaunch) -> list:
-        cfg = grouped_cfg(c[0], dn=c[1:])
-        return [lambda h=h, al=al, tw=tw: int4_moe_grouped_down(h, wd, al, tw, cfg, GROUP, torch.bfloat16)
-                for h, al, (_, tw) in zip(hs, aligns[c[0]], routes)]
-
-    gg_times, _ = time_grid("gg", gg_grid, grids["stages"], gate_up_calls, timer, grid_reps, failed, grouped_key)
-    gd_times, _ = time_grid("gd", gd_grid, grids["stages"], down_calls, timer, grid_reps, failed, grouped_key)
-    assert gg_times, f"no grouped gate/up config ran: {failed}"
-
-    def best_by_bm(times: dict[str, float]) -> dict[int, tuple[GLaunch, float]]:
-        """block_m -> (its fastest launch, us); keys parsed back from ``grouped_key``."""
-        out: dict[int, tuple[GLaunch, float]] = {}
-        for key, t in times.items():
-            bm, launch = key.split(":")
-            c = (int(bm.removeprefix("bm")),) + tuple(int(v) for v in launch.split("x"))
-            if c[0] not in out or t < out[c[0]][1]:
-                out[c[0]] = (c, t)
-        return out
-
-    gg_best, gd_best = best_by_bm(gg_times), best_by_bm(gd_times)
-    tok_c, tok_us = token_down
-    pairs = {"token": min(((gg_best[bm][0], tok_c, gg_best[bm][1] + tok_us) for bm in gg_best), key=lambda p: p[2])}
-    shared = [bm for bm in gg_best if bm in gd_best]
-    if shared:
-        pairs["expert"] = min(((gg_best[bm][0], gd_best[bm][0], gg_best[bm][1] + gd_best[bm][1]) for bm in shared), key=lambda p: p[2])
-    ids0, tw0 = routes[0]
-    out: dict = {}
-    for down_by, (gu_c, dn_c, kernels_us) in pairs.items():
-        cfg = grouped_cfg(gu_c[0], gu=gu_c[1:], dn=dn_c if down_by == "token" else dn_c[1:], down_by=down_by)
-        rel, max_rel = rel_errs(int4_moe_gemv(x, wg, wu, wd, ids0, tw0, GROUP, cfg), out_tc)
-        out[down_by] = dict(us=round(end_to_end(int4_moe_gemv, cfg), 2), config=cfg.spec(), kernels_us=round(kernels_us, 2),
-                            gate_up_us=gg_times[grouped_key(gu_c)], down_us=round(kernels_us - gg_times[grouped_key(gu_c)], 2),
-                            gv=grouped_key(gu_c), gvd=launch_key(dn_c) if down_by == "token" else grouped_key(dn_c),
-                            rel_err_vs_tensor_cores=rel, max_rel_err_vs_tensor_cores=max_rel)
-    best = min(out, key=lambda d: out[d]["us"])
-    us = out[best]["us"]
-    gbps = mean_bytes / (us * 1e-6) / 1e9
-    return dict(
-        grouped_us=us,
-        grouped_down_by=best,
-        grouped_config=out[best]["config"],
-        grouped_speedup_vs_tensor_cores=round(tc_us / us, 3),
-        grouped_speedup_vs_gemv=round(gemv_us / us, 3),
-        grouped_gbps=round(gbps, 1),
-        grouped_frac_of_copy=round(gbps / copy_gbps, 3) if copy_gbps else None,
-        grouped_gv=out[best]["gv"],
-        grouped_gvd=out[best]["gvd"],
-        grouped_rel_err_vs_tensor_cores=out[best]["rel_err_vs_tensor_cores"],
-        grouped_by_down=out,
-        grouped_align_us=align_us,
-        grouped_gate_up=gg_times,
-        grouped_down=gd_times,
-        grouped_failed=failed,
-        grouped_skipped_for_registers=gg_skipped + gd_skipped,
     )
 
 
@@ -480,10 +326,6 @@ def main() -> None:
     ap.add_argument("--gu-grid", default=None, help='gate/up grid "BNs x BKs x WARPs", e.g. "2,4x512,1024x1,2"')
     ap.add_argument("--dn-grid", default=None, help="down grid, same syntax")
     ap.add_argument("--stages", default=None, help=f"comma-separated stage counts tried on the fastest (default {STAGES})")
-    ap.add_argument("--grouped", action="store_true", help="also sweep the expert-grouped GEMV (gv_by / gvd_by = expert)")
-    ap.add_argument("--gg-grid", default=None, help='grouped gate/up grid "BMs x BNs x BKs x WARPs", e.g. "2,4x1,2x512x2,4"')
-    ap.add_argument("--gd-grid", default=None, help="grouped down grid, same syntax")
-    ap.add_argument("--grouped-stages", default=None, help=f"stage counts tried on the fastest grouped configs (default {GROUPED_STAGES})")
     args = ap.parse_args()
     import triton
 
@@ -503,17 +345,10 @@ def main() -> None:
         log(f"gpu {gpu}; torch {torch.__version__}; triton {triton.__version__}")
         copy_gbps = copy_bandwidth_gbps()
         log(f"copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
-    grouped = None
-    if args.grouped:
-        grouped = dict(gg=parse_grid(args.gg_grid) if args.gg_grid else DRY_GG_GRID if args.dry_run else GG_GRID,
-                       gd=parse_grid(args.gd_grid) if args.gd_grid else DRY_GD_GRID if args.dry_run else GD_GRID,
-                       stages=tuple(int(v) for v in args.grouped_stages.split(",")) if args.grouped_stages else GROUPED_STAGES)
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(default_tokens)
     if not args.dry_run and args.workers > 1:
-        grouped_split = None if grouped is None else dict(
-            gg=grouped_grid_split("gg", grouped["gg"])[0], gd=grouped_grid_split("gd", grouped["gd"])[0], stages=grouped["stages"])
         precompile(shapes, tokens, grid_split("gu", grids["gu"])[0], grid_split("dn", grids["dn"])[0], args.workers,
-                   grids["stages"], grouped_split)
+                   grids["stages"])
     result = dict(
         benchmark="int4_moe_gemv",
         commit=args.commit,
@@ -533,13 +368,6 @@ def main() -> None:
         ),
         rows=[],
     )
-    if grouped is not None:
-        result["params"]["grouped"] = dict(
-            gate_up_grid=[grouped_key(c + (1,)) for c in grouped["gg"]], down_grid=[grouped_key(c + (1,)) for c in grouped["gd"]],
-            stages_on_fastest=dict(stages=list(grouped["stages"]), configs=STAGE_TOP),
-            down_kinds="token: the per-token GEMV down of this point's GEMV grid; expert: the grouped down (block_m shared with gate/up)",
-            timing="each kernel alone on precomputed alignments; end to end (fused_int4_moe, alignment included) for the best pair of each down kind",
-        )
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device=dev).manual_seed(1234)
@@ -557,7 +385,7 @@ def main() -> None:
                 routings, grid_reps, final_reps = 2, 1, 1
             else:
                 routings, grid_reps, final_reps = (16 if M <= 9 else 8), 5, 10
-            row = sweep_point(name, sh, M, W, gen, timer, grids, copy_gbps, routings, grid_reps, final_reps, grouped)
+            row = sweep_point(name, sh, M, W, gen, timer, grids, copy_gbps, routings, grid_reps, final_reps)
             result["rows"].append(row)
             out_path.write_text(json.dumps(result, indent=1))
             log(
@@ -566,13 +394,6 @@ def main() -> None:
                 f"{row['tensor_core_us']:8.2f} us  x{row['speedup_vs_tensor_cores']:.2f}  {row['gbps']:6.0f} GB/s  "
                 f"err {row['rel_err_vs_tensor_cores']:.1e}  {len(row['failed'])} failed  [{time.time() - t0:.1f} s]"
             )
-            if grouped is not None:
-                log(
-                    f"{name} M={M:3d}: grouped {row['grouped_us']:8.2f} us (gu {row['grouped_gv']}, dn {row['grouped_down_by']} "
-                    f"{row['grouped_gvd']})  x{row['grouped_speedup_vs_tensor_cores']:.2f} vs tensor cores, "
-                    f"x{row['grouped_speedup_vs_gemv']:.2f} vs GEMV  {row['grouped_gbps']:6.0f} GB/s  "
-                    f"err {row['grouped_rel_err_vs_tensor_cores']:.1e}  {len(row['grouped_failed'])} failed"
-                )
         del W
     result["gemv_wins_up_to_assignments"] = crossover(result["rows"])
     out_path.write_text(json.dumps(result, indent=1))
@@ -586,17 +407,6 @@ def main() -> None:
         )
     for shape, a in result["gemv_wins_up_to_assignments"].items():
         log(f"{shape}: GEMV faster at every swept M up to {a} assignments (choose_config's threshold)")
-    if grouped is not None:
-        log("\nexpert-grouped GEMV (grouped_*; token / expert = end to end with each down kind)")
-        log("shape                      tokens assign  tc_us  gemv_us grouped  token_dn expert_dn  x_tc x_gemv  GB/s  frac  gv             gvd")
-        for r in result["rows"]:
-            by = r["grouped_by_down"]
-            log(
-                f"{r['shape']:26s} {r['tokens']:6d} {r['assignments']:6d} {r['tensor_core_us']:6.1f} {r['gemv_us']:8.2f} "
-                f"{r['grouped_us']:7.2f} {by['token']['us']:9.2f} {by['expert']['us'] if 'expert' in by else float('nan'):9.2f} "
-                f"{r['grouped_speedup_vs_tensor_cores']:5.2f} {r['grouped_speedup_vs_gemv']:6.2f} {r['grouped_gbps']:5.0f} "
-                f"{r['grouped_frac_of_copy'] or 0:5.2f}  {r['grouped_gv']:14s} {r['grouped_gvd']}"
-            )
 
 
 if __name__ == "__main__":

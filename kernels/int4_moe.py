@@ -29,16 +29,7 @@ surround the two GEMMs. The GEMV path is two launches with none of these, on the
    top-k slots and sums them itself in a fixed order: deterministic, no atomics, no torch sum.
 
 An expert chosen by several tokens is streamed once per token (from L2 after the first), so the
-GEMV path pays only while assignments are few. The expert-grouped variant (``gv_by`` /
-``gvd_by = "expert"``; explicit config only, not yet measured) runs the alignment of step 1 with
-``gvg_block_m`` rows a block and reads each weight tile once per block:
-
-6. ``_int4_moe_grouped_kernel`` (GATED): one program per (alignment block of one expert,
-   ``BLOCK_N`` intermediate rows) dequantises each gate / up tile once and multiplies it into the
-   block's ``BLOCK_M`` token rows (fp32 ``[BLOCK_M, BLOCK_N, BLOCK_K]`` partial sums, reduced after
-   the K loop); writes ``h`` per flat assignment, ``[A, I]``, so either down kernel takes it.
-7. ``_int4_moe_grouped_kernel`` (not GATED): the same per block for down, one weighted row per
-   assignment, then one torch sum over top-k (as ``reduce="sum"``).
+GEMV path pays only while assignments are few.
 
 Grid order (tensor cores): the block index varies fastest, so the blocks of one expert (and, at
 small M, all experts for one N tile) run side by side and share weight tiles through L2.
@@ -89,16 +80,13 @@ __all__ = [
     "int4_moe_gemv",
     "int4_moe_gemv_gate_up",
     "int4_moe_gemv_down",
-    "int4_moe_grouped_gate_up",
-    "int4_moe_grouped_down",
     "int4_moe_reference",
     "choose_config",
     "CONFIG_ENV",
 ]
 
 # Pins one config, e.g. "bm=16,gu=64x128x4x3,dn=128x64x4x4,split=4" (tensor cores) or
-# "gemv=1,gv=8x256x4x1,gvd=16x128x4x1" (GEMV: block_n x block_k x warps x stages per kernel) or
-# "gemv=1,gvby=expert,gvdby=expert,gvbm=4,gv=2x512x2x1,gvd=16x256x2x1" (expert-grouped GEMV).
+# "gemv=1,gv=8x256x4x1,gvd=16x128x4x1" (GEMV: block_n x block_k x warps x stages per kernel).
 CONFIG_ENV = "DDTREE_INT4_MOE_CONFIG"
 
 
@@ -564,102 +552,6 @@ def _int4_moe_gemv_down_kernel(
     tl.store(out_ptr + t * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit(do_not_specialize=["A", "top_k"])
-def _int4_moe_grouped_kernel(
-    a_ptr,  # GATED: hidden [M, K]; else h [A, K] (K = intermediate)
-    sorted_ids_ptr,  # [P] int32 flat assignment per padded row (A = padding)
-    block_expert_ptr,  # [P / BLOCK_M] int32 expert of each block, -1 when unused
-    w0_ptr,  # [E, N, K/8] int32: gate (GATED) or down
-    s0_ptr,  # [E, N, K/GROUP] scales of w0
-    w1_ptr,  # [E, N, K/8] int32: up (GATED only; same strides as w0)
-    s1_ptr,  # [E, N, K/GROUP] scales of w1
-    topk_w_ptr,  # [A] routing weights (not GATED)
-    out_ptr,  # [A, N] per flat assignment: silu(gate x) * (up x) (GATED) or the weighted down row
-    N,
-    K,
-    A,
-    top_k,
-    stride_am,
-    stride_we,
-    stride_wn,
-    stride_se,
-    stride_sn,
-    stride_om,
-    GATED: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # assignments per alignment block (all of one expert)
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,  # > 1: software-pipeline the weight loads of the K loop
-    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the loop
-    DEQ_ASM: tl.constexpr,
-    DTYPE: tl.constexpr,
-):
-    """One program per (alignment block of BLOCK_M assignments of one expert, BLOCK_N output rows);
-    grid (P / BLOCK_M, cdiv(N, BLOCK_N)), block index fastest.
-
-    The GEMV kernels with the expert's weight tile dequantised once per block instead of once per
-    assignment: each ``[BN, BK]`` tile is multiplied into the block's ``BM`` rows on the CUDA
-    cores, fp32 products kept elementwise in ``[BM, BN, BK]`` and reduced over K once, after the
-    loop. GATED (gate/up): the rows are the assignments' tokens of ``hidden`` and ``h`` comes out
-    per flat assignment, as the per-assignment kernel writes it, so either down kernel takes it.
-    Not GATED (down): the rows are ``h``'s, each scaled by its routing weight first, and one
-    weighted row per assignment comes out; the host sums a token's top-k slots afterwards
-    (deterministic, as the tensor-core path's ``reduce="sum"``). Padding rows read row 0 and are
-    never stored.
-
-    Registers: the gate/up accumulators are ``2 * BM * BN * BK / (32 * warps)`` a thread, BM
-    times the GEMV kernel's; compiled for sm_90 offline, up to 128 of them fit in 255 registers
-    without spills (64: about 128 registers), 256 always spill.
-    """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
-        return
-    e64 = expert.to(tl.int64)
-    flat = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM] flat assignments
-    row_ok = flat < A  # [BM]
-    rows = tl.where(row_ok, flat, 0).to(tl.int64)  # [BM]
-    if GATED:
-        a_rows = a_ptr + (rows // top_k)[:, None] * stride_am  # [BM, 1] token of each assignment
-    else:
-        a_rows = a_ptr + rows[:, None] * stride_am  # [BM, 1]
-        wt = tl.load(topk_w_ptr + rows, mask=row_ok, other=0).to(tl.float32)  # [BM]
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_ok = offs_n < N
-    n_rd = tl.where(n_ok, offs_n, N - 1).to(tl.int64)  # rows past N read row N-1; never stored
-    w0_base = w0_ptr + e64 * stride_we + n_rd[:, None] * stride_wn  # [BN, 1]
-    s0_base = s0_ptr + e64 * stride_se + n_rd[:, None] * stride_sn  # [BN, 1]
-    w1_base = w1_ptr + e64 * stride_we + n_rd[:, None] * stride_wn  # [BN, 1]
-    s1_base = s1_ptr + e64 * stride_se + n_rd[:, None] * stride_sn  # [BN, 1]
-    KW = K // 8
-    KG = K // GROUP
-    offs_k = tl.arange(0, BLOCK_K)  # [BK]
-    acc0 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        kk = k0 + offs_k  # [BK]
-        if EVEN_K:
-            ak = tl.load(a_rows + kk[None, :])  # [BM, BK]
-        else:
-            ak = tl.load(a_rows + kk[None, :], mask=(kk < K)[None, :], other=0)
-        ak = ak.to(tl.float32)
-        if not GATED:
-            ak = ak * wt[:, None]
-        ak = ak[:, None, :]  # [BM, 1, BK]
-        b0 = _load_int4_tile(w0_base, s0_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM)  # [BN, BK]
-        acc0 += b0.to(tl.float32)[None, :, :] * ak
-        if GATED:
-            b1 = _load_int4_tile(w1_base, s1_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM)  # [BN, BK]
-            acc1 += b1.to(tl.float32)[None, :, :] * ak
-    res = tl.sum(acc0, 2)  # [BM, BN]
-    if GATED:
-        res = res / (1.0 + tl.exp(-res)) * tl.sum(acc1, 2)  # silu(gate) * up
-    o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]  # [BM, BN]
-    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
-
-
 # --------------------------------------------------------------------------------------------
 # Configs
 # --------------------------------------------------------------------------------------------
@@ -668,9 +560,7 @@ def _int4_moe_grouped_kernel(
 @dataclass(frozen=True)
 class Int4MoEConfig:
     """Launch parameters of one call. ``gu_*`` for the gate/up GEMM, ``dn_*`` for down; with
-    ``gemv`` the GEMV path runs instead, ``gv_*`` for its gate/up kernel and ``gvd_*`` for down.
-    ``gv_by`` / ``gvd_by`` pick which GEMV kernels those are: per assignment / per token (the
-    default), or per alignment block of ``gvg_block_m`` assignments of one expert."""
+    ``gemv`` the GEMV path runs instead, ``gv_*`` for its gate/up kernel and ``gvd_*`` for down."""
 
     block_m: int = 16
     gu_block_n: int = 32
@@ -696,18 +586,12 @@ class Int4MoEConfig:
     gvd_block_k: int = 256  # down: intermediate columns per loop step
     gvd_warps: int = 2
     gvd_stages: int = 1
-    # Expert-grouped GEMV (not chosen by choose_config yet: unmeasured; pin it via CONFIG_ENV). One
-    # program per (alignment block of gvg_block_m assignments of one expert, block_n rows), so a
-    # weight tile is dequantised once per block instead of once per assignment.
-    gv_by: str = "assignment"  # gate/up: "assignment" (one program each) or "expert" (per block)
-    gvd_by: str = "token"  # down: "token" (sums its top-k itself) or "expert" (per block, then a torch sum)
-    gvg_block_m: int = 4  # assignments per block where either is "expert"; gv_* / gvd_* still set the tiles
 
     def __post_init__(self) -> None:
         for name in ("block_m", "gu_block_n", "gu_block_k", "dn_block_n", "dn_block_k"):
             v = getattr(self, name)
             assert v >= 16 and v & (v - 1) == 0, f"{name}={v} must be a power of two >= 16 (tl.dot)"
-        for name in ("gv_block_n", "gvd_block_n", "gv_warps", "gvd_warps", "gvg_block_m"):
+        for name in ("gv_block_n", "gvd_block_n", "gv_warps", "gvd_warps"):
             v = getattr(self, name)
             assert v >= 1 and v & (v - 1) == 0, f"{name}={v} must be a power of two"
         for name in ("gu_block_k", "dn_block_k", "gv_block_k", "gvd_block_k"):
@@ -717,8 +601,6 @@ class Int4MoEConfig:
         assert self.reduce in ("sum", "atomic"), f"reduce must be 'sum' or 'atomic', got {self.reduce!r}"
         assert self.gu_split_k >= 1, f"gu_split_k must be >= 1, got {self.gu_split_k}"
         assert self.gv_stages >= 1 and self.gvd_stages >= 1, f"stages must be >= 1, got {self.gv_stages}, {self.gvd_stages}"
-        assert self.gv_by in ("assignment", "expert"), f"gv_by must be 'assignment' or 'expert', got {self.gv_by!r}"
-        assert self.gvd_by in ("token", "expert"), f"gvd_by must be 'token' or 'expert', got {self.gvd_by!r}"
 
     def spec(self) -> str:
         """The ``CONFIG_ENV`` string of this config."""
@@ -727,13 +609,12 @@ class Int4MoEConfig:
             f"dn={self.dn_block_n}x{self.dn_block_k}x{self.dn_warps}x{self.dn_stages},"
             f"swap={int(self.swap_ab)},reduce={self.reduce},split={self.gu_split_k},asm={int(self.deq_asm)},"
             f"gemv={int(self.gemv)},gv={self.gv_block_n}x{self.gv_block_k}x{self.gv_warps}x{self.gv_stages},"
-            f"gvd={self.gvd_block_n}x{self.gvd_block_k}x{self.gvd_warps}x{self.gvd_stages},"
-            f"gvby={self.gv_by},gvdby={self.gvd_by},gvbm={self.gvg_block_m}"
+            f"gvd={self.gvd_block_n}x{self.gvd_block_k}x{self.gvd_warps}x{self.gvd_stages}"
         )
 
     @classmethod
     def parse(cls, spec: str) -> "Int4MoEConfig":
-        """Inverse of ``spec``; missing keys keep their defaults (so older specs still parse)."""
+        """Inverse of ``spec``; missing keys keep their defaults."""
         kw: dict = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
             key, _, val = item.partition("=")
@@ -752,12 +633,6 @@ class Int4MoEConfig:
                 kw["deq_asm"] = val not in ("0", "false", "False")
             elif key == "gemv":
                 kw["gemv"] = val not in ("0", "false", "False")
-            elif key == "gvby":
-                kw["gv_by"] = val
-            elif key == "gvdby":
-                kw["gvd_by"] = val
-            elif key == "gvbm":
-                kw["gvg_block_m"] = int(val)
             else:
                 raise ValueError(f"{CONFIG_ENV}: unknown key {key!r} in {spec!r}")
         return cls(**kw)
@@ -936,14 +811,7 @@ def fused_int4_moe(
     if M == 0:
         return hidden.new_zeros(M, K)
     if cfg.gemv:
-        grouped = "expert" in (cfg.gv_by, cfg.gvd_by)
-        align = int4_moe_align(topk_ids, E, cfg.gvg_block_m) if grouped else None
-        if cfg.gv_by == "expert":
-            h = int4_moe_grouped_gate_up(hidden, w_gate, w_up, align, top_k, cfg, group_size)  # [A, I]
-        else:
-            h = int4_moe_gemv_gate_up(hidden, w_gate, w_up, topk_ids, cfg, group_size)  # [A, I]
-        if cfg.gvd_by == "expert":
-            return int4_moe_grouped_down(h, w_down, align, topk_weights, cfg, group_size, hidden.dtype)  # [M, K]
+        h = int4_moe_gemv_gate_up(hidden, w_gate, w_up, topk_ids, cfg, group_size)  # [A, I]
         return int4_moe_gemv_down(h, w_down, topk_ids, topk_weights, cfg, group_size, hidden.dtype)  # [M, K]
     align = int4_moe_align(topk_ids, E, cfg.block_m)
     h = int4_moe_gate_up(hidden, w_gate, w_up, align, top_k, cfg, group_size)  # [P, I]
@@ -1044,8 +912,7 @@ def int4_moe_gemv(
     config: Int4MoEConfig | None = None,
 ) -> Tensor:
     """``fused_int4_moe`` on the GEMV path whatever ``config.gemv`` says (its ``gv_*`` / ``gvd_*``
-    fields apply, ``gv_by`` / ``gvd_by`` / ``gvg_block_m`` too; default ``Int4MoEConfig()``'s).
-    Same arguments and result."""
+    fields apply; default ``Int4MoEConfig()``'s). Same arguments and result."""
     cfg = dataclasses.replace(config or Int4MoEConfig(), gemv=True)
     return fused_int4_moe(hidden, w_gate, w_up, w_down, topk_ids, topk_weights, group_size, cfg)
 
@@ -1111,72 +978,6 @@ def int4_moe_gemv_down(
         num_warps=cfg.gvd_warps,
     )
     return out
-
-
-@on_input_device
-def int4_moe_grouped_gate_up(
-    hidden: Tensor, w_gate: Int4Weight, w_up: Int4Weight, align: MoEAlignment, top_k: int, cfg: Int4MoEConfig, group_size: int = 32
-) -> Tensor:
-    """``[A, I]`` ``h = silu(gate_e x_t) * (up_e x_t)`` per flat assignment, as ``int4_moe_gemv_gate_up``.
-
-    One program per (alignment block of ``cfg.gvg_block_m`` assignments of one expert,
-    ``cfg.gv_block_n`` rows): an expert shared by several tokens is streamed and dequantised once
-    per block, not once per assignment, for ``block_m`` times the CUDA-core FMAs per weight.
-    ``align`` is ``int4_moe_align(topk_ids, E, cfg.gvg_block_m)``. Every element is written.
-    """
-    assert align.block_m == cfg.gvg_block_m, f"alignment block_m {align.block_m} != config gvg_block_m {cfg.gvg_block_m}"
-    M, K = hidden.shape
-    I = w_gate.packed.shape[1]
-    A = M * top_k
-    h = torch.empty(A, I, dtype=hidden.dtype, device=hidden.device)  # [A, I]
-    if A == 0:
-        return h
-    grid = (align.num_blocks, triton.cdiv(I, cfg.gv_block_n))
-    _int4_moe_grouped_kernel[grid](
-        hidden, align.sorted_ids, align.block_expert, w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, h, h,
-        I, K, A, top_k,
-        hidden.stride(0), w_gate.packed.stride(0), w_gate.packed.stride(1), w_gate.scale.stride(0), w_gate.scale.stride(1), h.stride(0),
-        GATED=True, GROUP=group_size, BLOCK_M=cfg.gvg_block_m, BLOCK_N=cfg.gv_block_n, BLOCK_K=cfg.gv_block_k, STAGES=cfg.gv_stages,
-        EVEN_K=K % cfg.gv_block_k == 0, DEQ_ASM=_use_asm(cfg, hidden.dtype, w_gate), DTYPE=_TL_DTYPE[hidden.dtype],
-        num_warps=cfg.gv_warps,
-    )
-    return h
-
-
-@on_input_device
-def int4_moe_grouped_down(
-    h: Tensor, w_down: Int4Weight, align: MoEAlignment, topk_weights: Tensor, cfg: Int4MoEConfig,
-    group_size: int = 32, out_dtype: torch.dtype | None = None,
-) -> Tensor:
-    """``[M, K]``: ``sum_j w[t, j] * down_e(h[t * top_k + j])`` like ``int4_moe_gemv_down``, in
-    ``out_dtype`` (default h's dtype), with the down weights read once per alignment block.
-
-    One program per (block of ``cfg.gvg_block_m`` assignments of one expert, ``cfg.gvd_block_n``
-    rows of K) writes a weighted row per assignment (``[A, K]``, activation dtype); one torch sum
-    over top-k follows, as on the tensor-core path with ``reduce="sum"`` (deterministic).
-    """
-    assert align.block_m == cfg.gvg_block_m, f"alignment block_m {align.block_m} != config gvg_block_m {cfg.gvg_block_m}"
-    M, top_k = topk_weights.shape
-    K, I = w_down.packed.shape[1], w_down.packed.shape[2] * 8
-    A = M * top_k
-    assert h.shape == (A, I) and h.stride(-1) == 1, f"h is {tuple(h.shape)}, want {(A, I)} row-contiguous"
-    act_dtype = out_dtype or h.dtype
-    out = torch.empty(A, K, dtype=act_dtype, device=h.device)  # [A, K] one row per assignment
-    if A == 0:
-        return torch.zeros(M, K, dtype=act_dtype, device=h.device)
-    weights = topk_weights.contiguous().view(-1)  # [A]
-    grid = (align.num_blocks, triton.cdiv(K, cfg.gvd_block_n))
-    _int4_moe_grouped_kernel[grid](
-        h, align.sorted_ids, align.block_expert, w_down.packed, w_down.scale, w_down.packed, w_down.scale, weights, out,
-        K, I, A, top_k,
-        h.stride(0), w_down.packed.stride(0), w_down.packed.stride(1), w_down.scale.stride(0), w_down.scale.stride(1), out.stride(0),
-        GATED=False, GROUP=group_size, BLOCK_M=cfg.gvg_block_m, BLOCK_N=cfg.gvd_block_n, BLOCK_K=cfg.gvd_block_k, STAGES=cfg.gvd_stages,
-        EVEN_K=I % cfg.gvd_block_k == 0, DEQ_ASM=_use_asm(cfg, act_dtype, w_down), DTYPE=_TL_DTYPE[act_dtype],
-        num_warps=cfg.gvd_warps,
-    )
-    if top_k == 1:
-        return out
-    return out.view(M, top_k, K).sum(dim=1)  # [M, K]; torch accumulates bf16 in fp32
 
 
 def int4_moe_reference(

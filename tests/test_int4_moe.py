@@ -10,8 +10,7 @@ prints the same table.
 Shapes are small but odd: hidden 160 and intermediate 96 are multiples of the 32-wide scale group
 and of no tile size used, so every K tail and N tail is exercised. Scales of experts no token chose
 are NaN, so reading them shows up in the output. The GEMV path's cases also allocate their outputs
-NaN-filled (every element must be written) and are checked against the tensor-core path too; so
-are the expert-grouped GEMV cases (one, two or four assignments of one expert a block).
+NaN-filled (every element must be written) and are checked against the tensor-core path too.
 """
 
 from __future__ import annotations
@@ -68,24 +67,6 @@ GEMV_CASES: dict[str, dict] = {
     "gemv_fp16": dict(M=2, top_k=2, dtype="float16", gv=(32, 256, 4, 1), gvd=(128, 128, 4, 1), tol=2e-3),
     # the served launch at K2 TP8 M=1: one row a program on one warp, pipelined down
     "gemv_served_m1": dict(M=1, top_k=4, gv=(1, 1024, 1, 1), gvd=(8, 256, 1, 3), tol=1e-5),
-}
-# Expert-grouped GEMV (cfg.gv_by / gvd_by = "expert"): name -> case parameters (see _run_gemv_case);
-# ``by`` = (gv_by, gvd_by), ``bm`` = gvg_block_m. Same checks as the GEMV cases.
-GROUPED_CASES: dict[str, dict] = {
-    # one token, one assignment a block; K 160 and I 96 tails in both kernels (per-token down)
-    "grouped_m1_bm1": dict(M=1, top_k=4, by=("expert", "token"), bm=1, gv=(64, 64, 4, 1), gvd=(64, 64, 4, 1), tol=1e-5),
-    # every token routes to expert 2, every other row twice: 8 assignments of it -> 4 full blocks; int32 ids
-    "grouped_hot_dup_bm2": dict(M=5, top_k=3, hot=2, dup=True, ids_dtype="int32", by=("expert", "expert"), bm=2,
-                                gv=(64, 128, 4, 2), gvd=(128, 64, 4, 3), tol=1e-5),
-    # 6 assignments of the hot expert -> a full and a half-empty block of 4 (padding rows); per-token down
-    "grouped_hot_bm4_token_down": dict(M=6, top_k=2, hot=2, by=("expert", "token"), bm=4, gv=(32, 64, 4, 1), gvd=(128, 128, 4, 1), tol=1e-5),
-    # per-assignment gate/up feeding the grouped down
-    "grouped_down_only_bm4": dict(M=3, top_k=3, by=("assignment", "expert"), bm=4, gv=(64, 256, 4, 1), gvd=(64, 32, 4, 1), tol=1e-5),
-    # group 64, even K in both kernels (no masks)
-    "grouped_group64_even": dict(M=2, top_k=2, group=64, K=128, I=64, by=("expert", "expert"), bm=2, gv=(16, 128, 2, 1),
-                                 gvd=(32, 64, 4, 1), tol=1e-5),
-    "grouped_bf16_fp16_scales_bm4": dict(M=3, top_k=2, dtype="bfloat16", scale_dtype="float16", by=("expert", "expert"), bm=4,
-                                         gv=(64, 128, 4, 1), gvd=(64, 64, 4, 1), tol=3e-2),
 }
 ALIGN_CASES = {"align_m1": (1, 8, 4, 16), "align_random": (50, 16, 3, 16), "align_hot": (40, 6, 2, 8), "align_wide": (300, 384, 8, 64)}
 
@@ -172,19 +153,15 @@ def _nan_empty():
 
 
 def _run_gemv_case(name: str, M: int, top_k: int, gv: tuple, gvd: tuple, tol: float, group: int = 32,
-                   ids_dtype: str = "int64", by: tuple[str, str] = ("assignment", "token"), bm: int = 4, **inputs) -> dict:
-    """The GEMV path (outputs NaN-poisoned) against the float64 reference and the tensor-core path.
-
-    ``by`` = (``gv_by``, ``gvd_by``) and ``bm`` = ``gvg_block_m`` select the expert-grouped kernels.
-    """
+                   ids_dtype: str = "int64", **inputs) -> dict:
+    """The GEMV path (outputs NaN-poisoned) against the float64 reference and the tensor-core path."""
     import torch
 
     from kernels.int4_moe import Int4MoEConfig, fused_int4_moe, int4_moe_reference
 
     x, wg, wu, wd, ids, tw = _inputs(name, M, top_k, group=group, **inputs)
     ids = ids.to(getattr(torch, ids_dtype))
-    cfg = Int4MoEConfig(**dict(SMALL, gemv=True, gv_by=by[0], gvd_by=by[1], gvg_block_m=bm),
-                        **{f"gv_{f}": v for f, v in zip(("block_n", "block_k", "warps", "stages"), gv)},
+    cfg = Int4MoEConfig(**dict(SMALL, gemv=True), **{f"gv_{f}": v for f, v in zip(("block_n", "block_k", "warps", "stages"), gv)},
                         **{f"gvd_{f}": v for f, v in zip(("block_n", "block_k", "warps", "stages"), gvd)})
     with _nan_empty():
         out = fused_int4_moe(x, wg, wu, wd, ids, tw, group_size=group, config=cfg)  # [M, K]
@@ -251,20 +228,12 @@ def _run_config_spec() -> dict:
     gemv = Int4MoEConfig(gemv=True, gv_block_n=4, gv_block_k=512, gv_warps=2, gv_stages=3,
                          gvd_block_n=64, gvd_block_k=64, gvd_warps=8, gvd_stages=2)
     tensor_cores = Int4MoEConfig(block_m=64, gu_block_n=128, dn_stages=4, swap_ab=False, reduce="atomic", gu_split_k=4, deq_asm=False)
-    grouped = dataclasses.replace(gemv, gv_by="expert", gvd_by="expert", gvg_block_m=8)
-    for cfg in (Int4MoEConfig(), tensor_cores, gemv, grouped, dataclasses.replace(grouped, gvd_by="token", gvg_block_m=1)):
+    for cfg in (Int4MoEConfig(), tensor_cores, gemv):
         if Int4MoEConfig.parse(cfg.spec()) != cfg:
             errors.append(f"parse(spec) differs for {cfg}")
     if Int4MoEConfig.parse("gemv=1,gv=4x512x2x3,gvd=64x64x8x2") != gemv:
         errors.append("parse of the gemv keys alone differs")
-    if Int4MoEConfig.parse("gemv=1,gvby=expert,gvdby=expert,gvbm=8,gv=4x512x2x3,gvd=64x64x8x2") != grouped:
-        errors.append("parse of the grouped keys differs")
-    # a spec written before the grouped keys existed: the per-assignment / per-token GEMV
-    old = "bm=16,gu=32x256x4x3,dn=64x256x4x3,swap=1,reduce=sum,split=1,asm=1,gemv=1,gv=4x512x2x1,gvd=16x256x2x1"
-    if Int4MoEConfig.parse(old) != Int4MoEConfig(gemv=True):
-        errors.append("an older spec string no longer parses to the same config")
-    for bad in (dict(gv_block_n=3), dict(gvd_block_n=0), dict(gv_block_k=16), dict(gvd_block_k=96), dict(gv_stages=0),
-                dict(gv_by="token"), dict(gvd_by="assignment"), dict(gvg_block_m=3), dict(gvg_block_m=0)):
+    for bad in (dict(gv_block_n=3), dict(gvd_block_n=0), dict(gv_block_k=16), dict(gvd_block_k=96), dict(gv_stages=0)):
         try:
             Int4MoEConfig(**bad)
             errors.append(f"{bad} accepted")
@@ -288,12 +257,6 @@ def _run_config_spec() -> dict:
     edges = [choose_config(m, e, 7168, i, 8).gemv for m, e, i in ((36, 384, 256), (37, 384, 256), (4, 48, 2048), (5, 48, 2048))]
     if edges != [True, False, True, False]:
         errors.append(f"GEMV threshold edges {edges}, want [True, False, True, False]")
-    # The expert-grouped GEMV is unmeasured: choose_config never serves it.
-    for e, i in ((384, 256), (48, 2048)):
-        for m in (1, 4, 5, 9, 36, 37, 72, 288, 1152):
-            c = choose_config(m, e, 7168, i, 8)
-            if (c.gv_by, c.gvd_by, c.gvg_block_m) != ("assignment", "token", 4):
-                errors.append(f"choose_config({m}, {e}, 7168, {i}, 8) picks the grouped GEMV: {c.spec()}")
     tc = dataclasses.replace(tp8_m1, gemv=False)
     if (tc.gu_split_k, tc.dn_block_n, tc.dn_block_k) != (8, 256, 64):
         errors.append(f"the GEMV config at M=1 lost the tensor-core choice of that M: {tc.spec()}")
@@ -302,10 +265,7 @@ def _run_config_spec() -> dict:
 
 def _run_sweep_helpers() -> dict:
     """The pure parts of bench/int4_moe_gemv_sweep.py the GPU run relies on."""
-    from bench.int4_moe_gemv_sweep import (
-        DN_GRID, GD_GRID, GG_GRID, GU_GRID, MAX_ACC_REGS, crossover, gemv_cfg, grid_split, grouped_cfg, grouped_grid_split,
-        grouped_key, launch_key, parse_grid,
-    )
+    from bench.int4_moe_gemv_sweep import DN_GRID, GU_GRID, MAX_ACC_REGS, crossover, gemv_cfg, grid_split, launch_key
     from kernels.int4_moe import Int4MoEConfig
 
     errors = []
@@ -316,19 +276,6 @@ def _run_sweep_helpers() -> dict:
     dn_keep, dn_skip = grid_split("dn", DN_GRID)
     if (len(gu_keep), len(dn_keep)) != (32, 35) or "32x512x4x1" not in gu_skip or "64x256x2x1" not in dn_skip:
         errors.append(f"grid split: {len(gu_keep)} gate/up, {len(dn_keep)} down kept; skipped {gu_skip} {dn_skip} (max {MAX_ACC_REGS})")
-    # grouped: bm x the GEMV kernel's accumulators; keys name the CONFIG_ENV of grouped_cfg's config
-    gg_keep, gg_skip = grouped_grid_split("gg", GG_GRID)
-    gd_keep, gd_skip = grouped_grid_split("gd", GD_GRID)
-    if (len(gg_keep), len(gd_keep)) != (76, 44) or "bm2:4x512x1x1" not in gg_skip or "bm4:8x256x1x1" not in gd_skip or (2, 4, 512, 2) not in gg_keep:
-        errors.append(f"grouped grid split: {len(gg_keep)} gate/up, {len(gd_keep)} down kept; skipped {gg_skip} {gd_skip}")
-    g = grouped_cfg(4, gu=(2, 512, 2, 3), dn=(16, 256, 2, 1))
-    bm, gv = grouped_key((4, 2, 512, 2, 3)).split(":")
-    if Int4MoEConfig.parse(f"gemv=1,gvby=expert,gvdby=expert,gvbm={bm[2:]},gv={gv},gvd=16x256x2x1") != g:
-        errors.append("grouped_key does not give the CONFIG_ENV syntax of grouped_cfg's config")
-    if grouped_cfg(2, dn=(16, 256, 2, 1), down_by="token").gvd_by != "token":
-        errors.append("grouped_cfg ignores down_by")
-    if parse_grid("1,2x4x512,1024x2") != [(1, 4, 512, 2), (1, 4, 1024, 2), (2, 4, 512, 2), (2, 4, 1024, 2)] or parse_grid("4x256x2") != [(4, 256, 2)]:
-        errors.append("parse_grid")
     timings = ((1, 5, 9), (2, 6, 9), (4, 9, 8), (9, 7, 8))  # tokens, GEMV us, tensor-core us
     rows = [dict(shape="s", tokens=m, assignments=8 * m, gemv_us=g, tensor_core_us=t) for m, g, t in timings]
     if crossover(rows) != {"s": 16}:
@@ -344,8 +291,6 @@ def _main() -> None:
     for name, case in CASES.items():
         print(json.dumps(_run_case(name, **case)), flush=True)
     for name, case in GEMV_CASES.items():
-        print(json.dumps(_run_gemv_case(name, **case)), flush=True)
-    for name, case in GROUPED_CASES.items():
         print(json.dumps(_run_gemv_case(name, **case)), flush=True)
     for name, args in ALIGN_CASES.items():
         print(json.dumps(_run_align(name, *args)), flush=True)
@@ -383,11 +328,6 @@ def test_int4_moe_gemv_matches_reference_and_tensor_cores(results: dict[str, dic
     assert r["empty_ok"], f"{name}: zero tokens did not give a [0, K] result"
 
 
-@pytest.mark.parametrize("name", list(GROUPED_CASES))
-def test_int4_moe_grouped_gemv_matches_reference_and_tensor_cores(results: dict[str, dict], name: str) -> None:
-    test_int4_moe_gemv_matches_reference_and_tensor_cores(results, name)
-
-
 @pytest.mark.parametrize("name", list(ALIGN_CASES))
 def test_int4_moe_align_structure(results: dict[str, dict], name: str) -> None:
     assert results[name]["errors"] == [], f"{name}: {results[name]['errors']}"
@@ -402,21 +342,14 @@ def test_gemv_sweep_helpers(results: dict[str, dict]) -> None:
 
 
 def test_gemv_sweep_dry_run(tmp_path: Path) -> None:
-    """The GPU sweep's whole flow (correctness checks, grids, stage variants, JSON) on a tiny shape,
-    without and with ``--grouped`` (the two runs side by side: each is mostly the same GEMV work)."""
+    """The GPU sweep's whole flow (correctness checks, grids, stage variants, JSON) on a tiny shape."""
+    out = tmp_path / "gemv.json"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    procs = {}
-    for grouped in (False, True):
-        out = tmp_path / f"gemv{'_grouped' if grouped else ''}.json"
-        cmd = [sys.executable, str(ROOT / "bench" / "int4_moe_gemv_sweep.py"), "--dry-run", "--tokens", "1", "--out", str(out)]
-        procs[grouped] = (out, subprocess.Popen(cmd + ["--grouped"] * grouped, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                                stderr=subprocess.PIPE, text=True))
-    for out, proc in procs.values():
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"dry run failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
-    result = json.loads(procs[False][0].read_text())
+    cmd = [sys.executable, str(ROOT / "bench" / "int4_moe_gemv_sweep.py"), "--dry-run", "--tokens", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"dry run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    result = json.loads(out.read_text())
     (row,) = result["rows"]
-    assert not any(k.startswith("grouped") for k in list(row) + list(result["params"])), "grouped keys without --grouped"
     assert row["failed"] == {} and row["skipped_for_registers"] == ["64x256x2x1"], (row["failed"], row["skipped_for_registers"])
     # the grid configs at stages 1, then (the fastest three: here both) at stages 2
     assert set(row["gate_up"]) == {"32x128x4x1", "64x128x4x1", "32x128x4x2", "64x128x4x2"} and row["gv"] in row["gate_up"], row
@@ -424,26 +357,6 @@ def test_gemv_sweep_dry_run(tmp_path: Path) -> None:
     assert row["rel_err_vs_tensor_cores"] < 1e-2 and row["rel_err_default_vs_tensor_cores"] < 1e-2, row
     assert row["gemv_us"] > 0 and row["tensor_core_us"] > 0
     assert list(result["gemv_wins_up_to_assignments"]) == [row["shape"]]
-    _check_grouped_dry_run(json.loads(procs[True][0].read_text()), row)
-
-
-def _check_grouped_dry_run(result: dict, plain_row: dict) -> None:
-    """``--dry-run --grouped``: the plain row's keys plus the grouped ones, both down kinds timed."""
-    (row,) = result["rows"]
-    assert set(row) - set(plain_row) == {k for k in row if k.startswith("grouped_")} and set(plain_row) <= set(row), sorted(row)
-    assert row["grouped_failed"] == {} and row["grouped_skipped_for_registers"] == ["bm4:64x256x2x1"], row["grouped_failed"]
-    # the grid configs at stages 1, then the fastest three of each grid at stages 3
-    gg, gd = set(row["grouped_gate_up"]), set(row["grouped_down"])
-    assert {"bm1:32x128x4x1", "bm2:32x128x4x1"} <= gg and len(gg) == 4 and all(k.endswith(("x1", "x3")) for k in gg), gg
-    assert {"bm2:64x64x4x1", "bm4:64x64x4x1"} <= gd and len(gd) == 4, gd
-    assert set(row["grouped_by_down"]) == {"token", "expert"}, row["grouped_by_down"]
-    for by in row["grouped_by_down"].values():
-        assert by["us"] > 0 and by["rel_err_vs_tensor_cores"] < 1e-2, by
-    assert row["grouped_us"] == row["grouped_by_down"][row["grouped_down_by"]]["us"]
-    # the grouped down pair shares one block_m (one alignment), present in both grids
-    expert = row["grouped_by_down"]["expert"]
-    assert expert["gv"].split(":")[0] == expert["gvd"].split(":")[0] == "bm2", expert
-    assert set(row["grouped_align_us"]) == {"bm1", "bm2", "bm4"} and "grouped" in result["params"]
 
 
 if __name__ == "__main__":
