@@ -9,9 +9,10 @@ positions). Two inputs per shape:
 * ``vocab = 163840`` (Kimi-K2): the builder also runs the vocabulary top-k, which reads
   ``batch x 15 x 163840 x 4`` bytes (1.26 GB at batch 128, ~300 us of HBM time by itself).
 
-``backend``: ``triton`` (one kernel after the top-k, ``kernels.tree_build``) or ``torch`` (the
-tensor-op version); triton rows use the ``num_warps`` of a sweep at the T-tree shape, and
-``params.topk_us_128_64_16`` is the share of the torch top-k inside the builder there.
+``backend``: ``triton`` (``kernels.tree_build``: one launch, which ranks rows of up to 256 tokens
+itself; torch.topk first above that) or ``torch`` (the tensor-op version). Triton rows use the
+kernel's default warps; ``params`` keep a warps sweep at the T-tree shape and what ``torch.topk``
+of those rows alone takes (``topk_us_128_64_16``, the launch the in-kernel ranking replaced).
 ``matches_reference``: the selected prefixes equal ``build_tree_heapq``'s on the first rows;
 ``matches_torch``: every output tensor equals the torch builder's.
 
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.common import git_commit, graph_replay_us, measure_copy_gbps
-from kernels.tree_build import tree_build_triton
+from kernels.tree_build import tree_build_num_warps, tree_build_triton
 from services.draft.tree import TreeBatch, build_tree_heapq, build_trees, tree_paths
 
 K2_VOCAB = 163840
@@ -48,7 +49,7 @@ def random_logprobs(batch: int, depth: int, vocab: int, seed: int) -> torch.Tens
 FIELDS = ("tokens", "parents", "depths", "scores", "sizes")
 
 
-def build(logprobs: torch.Tensor, budget: int, roots: torch.Tensor, backend: str, num_warps: int) -> TreeBatch:
+def build(logprobs: torch.Tensor, budget: int, roots: torch.Tensor, backend: str, num_warps: int | None) -> TreeBatch:
     """``build_trees(..., backend=backend)`` with the Triton launch's warps exposed."""
     if backend == "torch":
         return build_trees(logprobs, budget, roots, backend="torch")
@@ -68,7 +69,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     copy_gbps = measure_copy_gbps(1 << 30)
     # Warps per request's program: the per-depth sorts are latency-bound, so fewer warps (fewer
-    # cross-warp exchanges) may win; measured at the T-tree shape, then used for every row.
+    # cross-warp exchanges) may win; swept at the T-tree shape to check the kernel's default.
     lp = random_logprobs(128, 15, 64, seed=1)
     roots0 = torch.zeros(128, dtype=torch.int64, device="cuda")
     warps_sweep: dict[int, float] = {}
@@ -77,9 +78,10 @@ def main() -> None:
             warps_sweep[w] = round(graph_time_us(lambda w=w: build(lp, 64, roots0, "triton", w)), 2)
         except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
             print(f"num_warps {w}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-    num_warps = min(warps_sweep, key=warps_sweep.get) if warps_sweep else 8
+    num_warps = None  # rows time the served launch: tree_build_triton's default warps
     topk_us = round(graph_time_us(lambda: lp.float().topk(64, dim=-1)), 2)
-    print(f"num_warps sweep at 128/64/16: {warps_sweep} -> {num_warps}; its top-k alone {topk_us} us", flush=True)
+    print(f"num_warps sweep at 128/64/16: {warps_sweep} (rows: the default); torch top-k of its rows alone "
+          f"{topk_us} us", flush=True)
     rows: list[dict] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -94,7 +96,8 @@ def main() -> None:
                 "depth": "block - 1", "dtype": "float32", "timing": "CUDA graph replay, median of 50",
                 "matches_reference": f"heapq reference on the first {HEAPQ_ROWS} rows (prefix sets)",
                 "torch": torch.__version__, "triton": __import__("triton").__version__,
-                "num_warps_sweep_128_64_16_us": warps_sweep, "num_warps": num_warps, "topk_us_128_64_16": topk_us,
+                "num_warps_sweep_128_64_16_us": warps_sweep, "num_warps": "kernel default (one key a thread)",
+                "topk_us_128_64_16": topk_us,
             },
             "rows": rows,
         }
@@ -119,7 +122,7 @@ def main() -> None:
                 except RuntimeError as exc:  # e.g. an op that cannot be captured: record, go on
                     t, error = None, f"{type(exc).__name__}: {str(exc)[:200]}"
                 row = {"batch": batch, "budget": budget, "block": block, "vocab": vocab, "backend": backend,
-                       "num_warps": num_warps if backend == "triton" else None,
+                       "num_warps": tree_build_num_warps(budget, min(budget, vocab)) if backend == "triton" else None,
                        "time_us": t, "matches_reference": matches_ref, "matches_torch": matches_torch}
                 if error:
                     row["error"] = error

@@ -8,11 +8,19 @@ one launch.
 
 Two things make a depth cheap enough for one program:
 
-* Candidate pruning. Both lists are sorted descending, so the pair (i, j) (i-th kept parent, j-th
-  child token) has at least ``(i+1)(j+1) - 1`` pairs at least as good; it can be in the top
-  ``budget`` only if ``(i+1)(j+1) <= budget``. That leaves ``sum_i floor(budget/(i+1))`` pairs
-  (280 at budget 64, 645 at 128) instead of ``budget * k`` (4096, 16384): one in-register sort of
-  512 / 1024 keys per depth.
+* Candidate pruning. Log-probs are <= 0, so every node is beaten by its ancestors. Both lists
+  are sorted descending, so at level d >= 1 (level 0: the root's children) the pair (i, j) (i-th
+  kept parent, j-th child token) is beaten by ``(i+1)(j+1) - 1`` pairs of its own level, by the
+  ``i`` parents ranked before its own, by its parent and by the parent's ``d - 1`` ancestors: it can
+  be in the global top ``budget`` only if ``(i+1)(j+2) + d - 1 <= budget``. A pruned node's
+  descendants are beaten by all of those too, so nothing selectable is lost. At level 1 that
+  leaves ``sum_i floor(budget/(i+1)) - budget`` pairs (216 at budget 64, 517 at 128) instead of
+  ``budget * k`` (4096, 16384): one in-register sort of 256 / 1024 keys per level, fewer valid
+  keys deeper.
+* The vocabulary top-k. Up to ``SORT_VOCAB_MAX`` tokens (the drafter handing over its top-k, or a
+  small vocabulary) every depth's row is sorted in the kernel's prologue, one ``[depth, vocab]``
+  sort along rows; a larger vocabulary takes ``torch.topk`` first (a separate launch, ~27 us at
+  batch 128 x 15 x 64 on an H200, a third of the whole builder before this).
 * Sort keys. A float32 score maps to an int32 with the same order; packed above a 32-bit tie-break
   into an int64, one ``tl.sort`` orders scores and carries the payload (the pair's index).
 
@@ -41,9 +49,12 @@ except ImportError:  # pragma: no cover - only where triton is not installed
     triton = None
     tl = None
 
-__all__ = ["tree_build_triton", "candidate_pairs"]
+__all__ = ["tree_build_triton", "tree_build_num_warps", "candidate_pairs"]
 
 _PAIRS: dict[tuple[int, int, str], tuple[Tensor, Tensor]] = {}
+# Vocabularies up to this many tokens are ranked inside the kernel (its registers hold
+# next_pow2(depth) x next_pow2(vocab) int64 keys); larger ones take torch.topk first.
+SORT_VOCAB_MAX = 256
 
 
 def _next_pow2(n: int) -> int:
@@ -51,14 +62,15 @@ def _next_pow2(n: int) -> int:
 
 
 def candidate_pairs(budget: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """[C_PAD] int32 parent ranks i and child ranks j with ``(i+1)(j+1) <= budget``; -1 pads.
+    """[C_PAD] int32 parent ranks i and child ranks j with ``(i+1)(j+2) <= budget``; -1 pads.
 
-    Cached per (budget, k, device): the first call copies host data to the device, so make it
-    (a warm-up) before capturing a CUDA graph.
+    That is the pruning bound at level 1; the kernel masks deeper levels further. Cached per
+    (budget, k, device): the first call copies host data to the device, so make it (a warm-up)
+    before capturing a CUDA graph.
     """
     key = (budget, k, str(device))
     if key not in _PAIRS:
-        pairs = [(i, j) for i in range(budget) for j in range(min(k, budget // (i + 1)))]
+        pairs = [(i, j) for i in range(budget) for j in range(min(k, budget // (i + 1) - 1))]
         pad = max(_next_pow2(len(pairs)), _next_pow2(budget))
         ci = torch.full((pad,), -1, dtype=torch.int32)
         cj = torch.full((pad,), -1, dtype=torch.int32)
@@ -94,8 +106,11 @@ if triton is not None:
 
     @triton.jit
     def _tree_build_kernel(
-        top_lp_ptr,  # [R, DEPTH, K] float32, each row sorted descending
-        top_tok_ptr,  # [R, DEPTH, K] int64
+        raw_ptr,  # SORT_INPUT: [R, >= DEPTH, V] log-probs (any float dtype, unit stride along V)
+        raw_stride_r,
+        raw_stride_d,
+        top_lp_ptr,  # [R, DEPTH, K] float32, each row sorted descending (written here if SORT_INPUT)
+        top_tok_ptr,  # [R, DEPTH, K] int64 (written here if SORT_INPUT)
         root_ptr,  # [R] int64
         cand_i_ptr,  # [C_PAD] int32 parent rank of each candidate pair (-1: padding)
         cand_j_ptr,  # [C_PAD] int32 child rank
@@ -109,6 +124,7 @@ if triton is not None:
         scores_ptr,  # [R, n_max] float32
         sizes_ptr,  # [R] int64
         n_max,
+        V: tl.constexpr,
         K: tl.constexpr,
         DEPTH: tl.constexpr,
         BUDGET: tl.constexpr,
@@ -116,12 +132,27 @@ if triton is not None:
         C_PAD: tl.constexpr,  # a multiple of B_PAD (both powers of two, C_PAD >= B_PAD)
         G_PAD: tl.constexpr,
         N_PAD: tl.constexpr,
+        SORT_INPUT: tl.constexpr,
+        D_PAD: tl.constexpr,  # SORT_INPUT: next power of two of DEPTH and of V
+        V_PAD: tl.constexpr,
     ):
         r = tl.program_id(0).to(tl.int64)
         lp_row = top_lp_ptr + r * DEPTH * K
         tok_row = top_tok_ptr + r * DEPTH * K
         lvl_base = r * DEPTH * B_PAD
         offs_b = tl.arange(0, B_PAD)
+
+        if SORT_INPUT:  # the top-k of every depth: sort each [V] row, keep the first K columns
+            offs_dd = tl.arange(0, D_PAD)[:, None]
+            offs_v = tl.arange(0, V_PAD)[None, :]
+            in_row = (offs_dd < DEPTH) & (offs_v < V)
+            lp = tl.load(raw_ptr + r * raw_stride_r + offs_dd * raw_stride_d + offs_v, mask=in_row,
+                         other=float("-inf")).to(tl.float32)
+            ranked = tl.sort(_pack_key(lp, offs_v + tl.zeros([D_PAD, V_PAD], tl.int32)), dim=1, descending=True)
+            top_ok = (offs_dd < DEPTH) & (offs_v < K)
+            tl.store(lp_row + offs_dd * K + offs_v, _unpack_score(ranked), mask=top_ok)
+            tl.store(tok_row + offs_dd * K + offs_v, _unpack_index(ranked).to(tl.int64), mask=top_ok)
+            tl.debug_barrier()
 
         # Depth 1: the top-k tokens themselves, children of the root.
         first_ok = offs_b < K
@@ -140,13 +171,13 @@ if triton is not None:
         tl.debug_barrier()
         width = tl.zeros([], tl.int32) + K  # kept nodes at the previous depth (a loop-carried tensor)
         for d in range(1, DEPTH):
-            ok = pair & (ci < width)
+            ok = pair & (ci < width) & ((ci + 1) * (cj + 2) + d - 1 <= BUDGET)
             x = tl.load(lvl_score_ptr + lvl_base + (d - 1) * B_PAD + ci, mask=ok, other=float("-inf"))
             y = tl.where(ok, y_next, float("-inf"))
             # Issued now, used next depth: its latency hides behind this depth's sort.
             y_next = tl.load(lp_row + (d + 1) * K + cj, mask=pair & (d + 1 < DEPTH), other=float("-inf"))
             flat = tl.where(ok, ci * K + cj, 0x7FFFFFFF)  # invalid pairs sort last
-            keep = tl.minimum(width * K, BUDGET)
+            keep = tl.minimum(width * K, BUDGET - d)  # rank r of level d has r + d nodes before it
             kept = offs_b < keep
             keys = tl.sort(_pack_key(x + y, flat), descending=True)  # [C_PAD]
             # A descending [C_PAD] viewed as [C_PAD / B_PAD, B_PAD] has its largest in row 0.
@@ -198,6 +229,11 @@ if triton is not None:
         tl.store(sizes_ptr + r, size.to(tl.int64))
 
 
+def tree_build_num_warps(budget: int, k: int) -> int:
+    """The default warps of a request's program: one candidate sort key a thread, 4..16 warps."""
+    return max(4, min(16, candidate_pairs(budget, k, torch.device("cpu"))[0].numel() // 32))
+
+
 class TreeBuildOutput:
     """The five tensors of a tree batch (``services.draft.tree.TreeBatch`` wraps them)."""
 
@@ -213,17 +249,17 @@ class TreeBuildOutput:
 
 @on_input_device
 def tree_build_triton(
-    logprobs: Tensor, budget: int, root_tokens: Tensor, num_warps: int = 16
+    logprobs: Tensor, budget: int, root_tokens: Tensor, num_warps: int | None = None
 ) -> TreeBuildOutput:
-    """The trees of ``build_trees`` for float32/bf16/fp16 log-probs: vocabulary top-k, then one launch.
+    """The trees of ``build_trees`` for float32/bf16/fp16 log-probs in one launch (two above
+    ``SORT_VOCAB_MAX`` tokens, where the vocabulary top-k is torch's).
 
     Args:
         logprobs: [R, D, V] log-softmax normalised draft log-probs; row d is depth d+1.
         budget: non-root nodes per tree, 1..128.
         root_tokens: [R] int64 pending token of each request.
-        num_warps: warps per request's program. 16 by sweep on an H200 at batch 128, budget 64,
-            depth 15 (bench/results/tree_build.json): 80 us against 86 (8 warps), 97 (4) and
-            125 (32); the per-depth sorts are latency-bound.
+        num_warps: warps per request's program; default one candidate key a thread (4..16
+            warps), the best of a sweep on an H200 (bench/results/tree_build.json).
 
     Returns:
         :class:`TreeBuildOutput` with ``n_max = budget + 1`` columns. No host sync; capturable in
@@ -240,10 +276,17 @@ def tree_build_triton(
     device = logprobs.device
     n_max = budget + 1
     k = min(budget, vocab)
-    # Over a 163840-token vocabulary this top-k (torch) costs 2.4-3.6 ms at batch 128 on an H200,
-    # 30x the tree itself: the drafter should hand over its top-k (fused into its LM head).
-    top_lp, top_tok = logprobs[:, :depth].float().topk(k, dim=-1)  # [R, De, k] each, descending
-    top_lp, top_tok = top_lp.contiguous(), top_tok.contiguous()
+    sort_input = vocab <= SORT_VOCAB_MAX
+    if sort_input:  # the kernel's prologue ranks each row
+        raw = logprobs if logprobs.stride(-1) == 1 else logprobs.contiguous()
+        top_lp = torch.empty(num_req, depth, k, dtype=torch.float32, device=device)
+        top_tok = torch.empty(num_req, depth, k, dtype=torch.int64, device=device)
+    else:
+        # Over a 163840-token vocabulary this top-k costs 2.4-3.6 ms at batch 128 on an H200,
+        # 30x the tree itself: the drafter should hand over its top-k (fused into its LM head).
+        raw = logprobs
+        top_lp, top_tok = logprobs[:, :depth].float().topk(k, dim=-1)  # [R, De, k] each, descending
+        top_lp, top_tok = top_lp.contiguous(), top_tok.contiguous()
     ci, cj = candidate_pairs(budget, k, device)
     b_pad = _next_pow2(budget)
     c_pad = ci.numel()
@@ -261,12 +304,15 @@ def tree_build_triton(
     )
     if num_req == 0:
         return out
+    if num_warps is None:
+        num_warps = tree_build_num_warps(budget, k)
     _tree_build_kernel[(num_req,)](
-        top_lp, top_tok, root_tokens.to(device=device, dtype=torch.int64).contiguous(), ci, cj,
-        lvl_score, lvl_child, lvl_par, slots,
-        out.tokens, out.parents, out.depths, out.scores, out.sizes,
+        raw, raw.stride(0), raw.stride(1), top_lp, top_tok,
+        root_tokens.to(device=device, dtype=torch.int64).contiguous(), ci, cj,
+        lvl_score, lvl_child, lvl_par, slots, out.tokens, out.parents, out.depths, out.scores, out.sizes,
         n_max,
-        K=k, DEPTH=depth, BUDGET=budget, B_PAD=b_pad, C_PAD=c_pad, G_PAD=g_pad,
-        N_PAD=_next_pow2(n_max), num_warps=num_warps,
+        V=vocab if sort_input else 0, K=k, DEPTH=depth, BUDGET=budget, B_PAD=b_pad, C_PAD=c_pad,
+        G_PAD=g_pad, N_PAD=_next_pow2(n_max), SORT_INPUT=sort_input, D_PAD=_next_pow2(depth),
+        V_PAD=_next_pow2(vocab) if sort_input else 1, num_warps=num_warps,
     )
     return out

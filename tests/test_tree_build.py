@@ -112,3 +112,44 @@ def test_triton_matches_reference_with_ties(budget: int, depth: int, vocab: int,
             scores = sorted(sum(lp[d, t].item() for d, t in enumerate(p)) for p in paths)
             assert scores == sorted(sum(lp[d, t].item() for d, t in enumerate(p)) for p in ref)
             assert sorted(got.scores[r, 1 : int(got.sizes[r])].tolist()) == scores
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [256, 257])  # ranked in the kernel / by torch.topk first
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_input_ranking_paths_agree(vocab: int, dtype: torch.dtype) -> None:
+    """Rows strided along the vocabulary, near-certain chains, flat rows: both top-k paths agree."""
+    assert (vocab <= tb.SORT_VOCAB_MAX) == (vocab == 256)
+    gen = torch.Generator().manual_seed(vocab)
+    num_req, depth, budget = 3, 8, 16
+    logprobs = random_logprobs(gen, num_req, depth, vocab)
+    # Request 1 is nearly certain at every depth: a deep chain, where the depth-dependent pruning
+    # bound is tightest. Request 2 is flat: a wide, shallow tree.
+    logprobs[1] = torch.log_softmax(torch.randn(depth, vocab, generator=gen) + 30.0 * (torch.arange(vocab) == 7), -1)
+    logprobs[2] = torch.log_softmax(0.05 * torch.randn(depth, vocab, generator=gen), -1)
+    logprobs = logprobs.to(dtype)
+    strided = torch.empty(num_req, depth, vocab, 2, dtype=dtype)[..., 0]  # stride 2 along V
+    strided.copy_(logprobs)
+    roots = torch.randint(0, vocab, (num_req,), generator=gen)
+    out = tb.tree_build_triton(strided.to(DEVICE), budget, roots.to(DEVICE))
+    got = tb.TreeBuildOutput(*(getattr(out, name).cpu() for name in FIELDS))
+    want = build_trees(logprobs.float(), budget, roots, backend="torch")
+    # bf16 rounds the flat row's 256 log-probs onto a few values: tied tokens may differ.
+    ties = dtype == torch.bfloat16
+    for name in FIELDS if not ties else ("depths", "scores", "sizes"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert int(got.depths[1].max()) == depth  # the chain reaches the last depth
+    for r in range(num_req if not ties else 2):
+        assert tree_paths(got, r) == set(build_tree_heapq(logprobs[r].float(), budget))
+
+
+def test_candidate_pairs_follow_the_pruning_bound() -> None:
+    """Exactly the pairs (i, j) with (i+1)(j+2) <= budget and j < k, padded to a power of two."""
+    for budget, k in ((1, 1), (2, 2), (8, 8), (64, 64), (64, 5), (128, 128)):
+        ci, cj = tb.candidate_pairs(budget, k, torch.device("cpu"))
+        got = {(int(i), int(j)) for i, j in zip(ci, cj) if i >= 0}
+        want = {(i, j) for i in range(budget) for j in range(k) if (i + 1) * (j + 2) <= budget}
+        assert got == want
+        n = ci.numel()
+        assert n & (n - 1) == 0 and n >= len(want) and n >= budget
+        assert bool((cj[ci < 0] == -1).all())
