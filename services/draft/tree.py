@@ -131,9 +131,9 @@ def build_trees(logprobs: Tensor, budget: int, root_tokens: Tensor, *, backend: 
     (depth asc, score desc), so compaction is a cumsum + scatter. All loop bounds are static
     (from shapes and ``budget``): no host sync, capturable in a CUDA graph.
 
-    ``backend``: ``"triton"`` runs everything after the vocabulary top-k as one kernel
-    (``kernels.tree_build``; float32/bf16/fp16 input), ``"torch"`` the tensor ops here (~130 small
-    kernels at budget 64, depth 15). Default: triton on CUDA for non-float64 input, else torch.
+    ``backend``: ``"triton"`` runs it as one kernel (``kernels.tree_build``; float32/bf16/fp16
+    input; above 256 tokens a torch.topk of the vocabulary first), ``"torch"`` the tensor ops here
+    (~130 small kernels at budget 64, depth 15). Default: triton on CUDA for non-float64 input, else torch.
     The two select the same trees (tests/test_tree_build.py). The kernel compiles once per
     (budget, depth) (seconds each): warm up the budgets served at start-up, before graph capture.
     """
