@@ -255,7 +255,6 @@ class TreeMlaConfig:
     dv_splits: 2 gives each program half the value dims (4 warps, the QK product without the
         duplication Triton's chained-dot layout gives 8 warps at 64 rows); it was slower there
         (326 / 940 us), and is kept for other chips and shapes.
-    qk_t: compute the logits as ``K Q^T`` (keys on the MMA's M side; see ``_tile_logits``).
     """
 
     block_m: int
@@ -263,7 +262,6 @@ class TreeMlaConfig:
     num_warps: int = 8
     num_stages: int = 1
     dv_splits: int = 1
-    qk_t: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -318,27 +316,14 @@ if triton is not None:
 
     @triton.jit
     def _tile_logits(q_v, q_o, q_pe, base, slot, key_ok, offs_v, offs_o, offs_r,
-                     KVR: tl.constexpr, DV_SPLITS: tl.constexpr, QK_T: tl.constexpr):
-        """Logits [BM, BN] of one key tile (rows at ``base + slot``) and its value slice [BN, BLOCK_DV].
-
-        QK_T: the q operands are transposed ([dims, BM]) and the product is ``K Q^T`` [BN, BM],
-        keys on the MMA's M side. Its result feeds the next product only through a transpose, so
-        Triton does not give it the chained-dot layout (all warps along M), under which two
-        warpgroups at 64 rows both compute the same logits.
-        """
+                     KVR: tl.constexpr, DV_SPLITS: tl.constexpr):
+        """Logits [BM, BN] of one key tile (rows at ``base + slot``) and its value slice [BN, BLOCK_DV]."""
         k_v = tl.load(base + slot[:, None] + offs_v[None, :], mask=key_ok[:, None], other=0.0)  # [BN, BLOCK_DV]
         k_pe = tl.load(base + slot[:, None] + KVR + offs_r[None, :], mask=key_ok[:, None], other=0.0)  # [BN, ROPE]
-        if QK_T:
-            s_t = tl.dot(k_pe, q_pe, tl.dot(k_v, q_v))  # [BN, BM]
-            if DV_SPLITS == 2:  # the other half of the latent dims: logits only
-                k_o = tl.load(base + slot[:, None] + offs_o[None, :], mask=key_ok[:, None], other=0.0)
-                s_t = tl.dot(k_o, q_o, s_t)
-            s = tl.trans(s_t)  # [BM, BN]
-        else:
-            s = tl.dot(q_pe, tl.trans(k_pe), tl.dot(q_v, tl.trans(k_v)))  # [BM, BN]
-            if DV_SPLITS == 2:
-                k_o = tl.load(base + slot[:, None] + offs_o[None, :], mask=key_ok[:, None], other=0.0)
-                s = tl.dot(q_o, tl.trans(k_o), s)
+        s = tl.dot(q_pe, tl.trans(k_pe), tl.dot(q_v, tl.trans(k_v)))  # [BM, BN]
+        if DV_SPLITS == 2:  # the other half of the latent dims: logits only
+            k_o = tl.load(base + slot[:, None] + offs_o[None, :], mask=key_ok[:, None], other=0.0)
+            s = tl.dot(q_o, tl.trans(k_o), s)
         return s, k_v
 
     # Shape-dependent integers are not specialised (Triton would otherwise compile a variant per
@@ -373,7 +358,6 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         DV_SPLITS: tl.constexpr,  # 1, or 2: each program outputs half of the value dims
         DIRECT: tl.constexpr,  # num_splits == 1: write the output, no partials
-        QK_T: tl.constexpr,  # logits as K Q^T (see _tile_logits)
     ):
         BLOCK_DV: tl.constexpr = KVR // DV_SPLITS
         pid_m = tl.program_id(0) // DV_SPLITS  # the two halves of a tile are neighbours: shared L2
@@ -394,20 +378,14 @@ if triton is not None:
         offs_o = (1 - dv) * BLOCK_DV + tl.arange(0, BLOCK_DV)  # the other half (DV_SPLITS == 2)
         offs_r = tl.arange(0, ROPE)
         tok = (q_start + node).to(tl.int64)  # [BM] flat query token
-        q_row = q_lat_ptr + tok * stride_ql_n + head * stride_ql_h  # [BM] pointers
-        qp_row = q_pe_ptr + tok * stride_qp_n + head * stride_qp_h
-        if QK_T:  # operands of K Q^T: [dims, BM]
-            q_v = tl.load(q_row[None, :] + offs_v[:, None], mask=row_ok[None, :], other=0.0)  # [BLOCK_DV, BM]
-            q_o = q_v
-            if DV_SPLITS == 2:
-                q_o = tl.load(q_row[None, :] + offs_o[:, None], mask=row_ok[None, :], other=0.0)
-            q_pe = tl.load(qp_row[None, :] + offs_r[:, None], mask=row_ok[None, :], other=0.0)  # [ROPE, BM]
-        else:
-            q_v = tl.load(q_row[:, None] + offs_v[None, :], mask=row_ok[:, None], other=0.0)  # [BM, BLOCK_DV]
-            q_o = q_v
-            if DV_SPLITS == 2:
-                q_o = tl.load(q_row[:, None] + offs_o[None, :], mask=row_ok[:, None], other=0.0)
-            q_pe = tl.load(qp_row[:, None] + offs_r[None, :], mask=row_ok[:, None], other=0.0)  # [BM, ROPE]
+        q_row = q_lat_ptr + (tok * stride_ql_n + head * stride_ql_h)[:, None]  # [BM, 1] pointers
+        q_v = tl.load(q_row + offs_v[None, :], mask=row_ok[:, None], other=0.0)  # [BM, BLOCK_DV]
+        q_o = q_v
+        if DV_SPLITS == 2:
+            q_o = tl.load(q_row + offs_o[None, :], mask=row_ok[:, None], other=0.0)  # [BM, BLOCK_DV]
+        q_pe = tl.load(
+            q_pe_ptr + (tok * stride_qp_n + head * stride_qp_h)[:, None] + offs_r[None, :],
+            mask=row_ok[:, None], other=0.0)  # [BM, ROPE]
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -423,7 +401,7 @@ if triton is not None:
             key_ok = offs_n < hi
             page = tl.load(page_table_ptr + r * stride_pt_r + offs_n // page_size, mask=key_ok, other=0)
             slot = page.to(tl.int64) * stride_kv_page + (offs_n % page_size) * stride_kv_tok  # [BN]
-            s, k_v = _tile_logits(q_v, q_o, q_pe, kv_ptr, slot, key_ok, offs_v, offs_o, offs_r, KVR, DV_SPLITS, QK_T)
+            s, k_v = _tile_logits(q_v, q_o, q_pe, kv_ptr, slot, key_ok, offs_v, offs_o, offs_r, KVR, DV_SPLITS)
             s = tl.where(key_ok[None, :], s * scale_log2, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, k_v, m_i, l_i, acc)
 
@@ -435,7 +413,7 @@ if triton is not None:
                 key_ok = offs_j < n_nodes
                 slot = (q_start + offs_j).to(tl.int64) * stride_new_n  # [BN]
                 s, k_v = _tile_logits(q_v, q_o, q_pe, new_kv_ptr, slot, key_ok, offs_v, offs_o, offs_r,
-                                      KVR, DV_SPLITS, QK_T)
+                                      KVR, DV_SPLITS)
                 both_ok = row_ok[:, None] & key_ok[None, :]
                 word = tl.load(bits_row[:, None] + (offs_j // 32)[None, :], mask=both_ok, other=0)  # [BM, BN]
                 visible = ((word >> (offs_j % 32)[None, :]) & 1) != 0
@@ -577,7 +555,7 @@ def tree_mla_triton(
         meta.ancestor_bits.stride(0),
         H, page_size, total_rows, num_splits, softmax_scale * _LOG2E,
         KVR=kvr, ROPE=rope, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV_SPLITS=cfg.dv_splits,
-        DIRECT=num_splits == 1, QK_T=cfg.qk_t,
+        DIRECT=num_splits == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
