@@ -246,15 +246,17 @@ def tree_mla_reference(
 class TreeMlaConfig:
     """Launch parameters of the split kernel.
 
-    block_m: rows (node x head) per program. 64 is the most whose [64, 512] float32 accumulator
-        fits in registers (8 warps, two warpgroups each holding a [64, 256] half).
-    block_n: keys per tile. With 8 warps and block_m 64, the sweep on an H200 (bench/results/
-        tree_mla.json, batch 32, context 4096, 8 heads) put block_n 64 with one stage first
-        (248 us at tree 9, 941 at tree 33), then 32 x 2 stages (267, 1014), 32 x 3 (349, 983),
-        16 x 4 (528, 1543); q (72 KB) plus 64-key tiles leaves no room for a second stage.
-    dv_splits: 2 gives each program half the value dims (4 warps, the QK product without the
-        duplication Triton's chained-dot layout gives 8 warps at 64 rows); it was slower there
-        (326 / 940 us), and is kept for other chips and shapes.
+    block_m: rows (node x head) per program. 8 warps hold a [64, 512] or a [128, 256] float32
+        accumulator (128 registers a thread).
+    block_n: keys per tile.
+    dv_splits: 2 gives each program half the value dims (both programs compute the logits).
+
+    Above 64 rows a request the default is 128 rows x half the value dims, 64-key tiles, one
+    stage: on an H200 (bench/results/tree_mla.json, batch 32, context 4096, 8 heads) 184 / 351 /
+    677 us at trees 9 / 17 / 33 against 248 / 486 / 945 for 64 rows x all 512 dims. At 128 rows
+    each warpgroup owns 64 rows of the logits; at 64 rows on 8 warps Triton's chained-dot layout
+    has both warpgroups compute the same logits, and a 72-row tree needs a second, nearly empty
+    64-row tile. q (144 KB) plus one 64-key tile (72 KB) fill shared memory: one stage.
     """
 
     block_m: int
@@ -271,7 +273,9 @@ class TreeMlaConfig:
 
 
 def default_config(rows_per_request: int) -> TreeMlaConfig:
-    """Smallest M tile that holds a request's rows, capped at 64 (see :class:`TreeMlaConfig`)."""
+    """Smallest M tile that holds a request's rows, 128 rows above 64 (see :class:`TreeMlaConfig`)."""
+    if rows_per_request > 64:
+        return TreeMlaConfig(block_m=128, block_n=64, num_warps=8, num_stages=1, dv_splits=2)
     if rows_per_request > 32:
         return TreeMlaConfig(block_m=64)
     # Below 64 rows the product runs on mma.sync (wgmma needs 64 rows a warpgroup): 4 warps, and
@@ -286,15 +290,17 @@ def choose_num_splits(
 
     ``tiles_per_request`` = M tiles x value-dim splits (programs per request and split). At batch
     32, tree 9, 8 heads (64 programs a split) 2 splits ran in 253 us, 3 (192 programs, a second
-    wave half empty) in 329 us, on an H200. Limits: every split keeps >= 256 keys (the online
-    softmax amortises its setup), and where the shape is memory-bound (<= 128 rows a request) and
-    the float32 partials (``rows x kvr`` per split, written then read by the merge) would spill
-    out of L2 (> 16 MB), they stay under a quarter of the KV bytes read.
+    wave half empty) in 329 us, on an H200. Limits: every split keeps >= 64 keys, at most 32
+    splits (the merge reads every split's partial: at batch 1, tree 9, on an H200, context 1024
+    took 27 us with 16 splits against 39 with 4, context 4096 41 us with 32 against 51 with 64),
+    and where the shape is memory-bound (<= 128 rows a request) and the float32 partials
+    (``rows x kvr`` per split, written then read by the merge) would spill out of L2 (> 16 MB),
+    they stay under a quarter of the KV bytes read.
     """
     if max_prefix <= 0:
         return 1
     want = max(1, sm_count // max(1, num_requests * tiles_per_request))
-    splits = max(1, min(want, max_prefix // 256, 64))
+    splits = max(1, min(want, max_prefix // 64, 32))
     partial_bytes = splits * num_requests * rows * kvr * 4
     if rows <= 128 and partial_bytes > 16 << 20:
         splits = max(1, min(splits, (max_prefix * (kvr + rope) * 2) // (4 * 2 * rows * kvr * 4)))
