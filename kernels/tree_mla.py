@@ -346,7 +346,7 @@ if triton is not None:
         anc_bits_ptr,  # [N, words] int32
         out_ptr,  # [N * H, KVR] when num_splits == 1
         o_part_ptr,  # [num_splits, N * H, KVR] float32 otherwise
-        lse_part_ptr,  # [num_splits, N * H] float32 (log2 domain)
+        lse_part_ptr,  # [num_splits, DV_SPLITS, N * H] float32 (log2 domain)
         stride_ql_n, stride_ql_h,
         stride_qp_n, stride_qp_h,
         stride_kv_page, stride_kv_tok,
@@ -436,31 +436,39 @@ if triton is not None:
             part = split.to(tl.int64) * total_rows + flat_row  # [BM]
             tl.store(o_part_ptr + part[:, None] * KVR + offs_v[None, :], o, mask=row_ok[:, None])
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-            tl.store(lse_part_ptr + part, lse, mask=row_ok)  # both halves write the same value
+            # Each value-dim half keeps its own: the two compute the logits in a different order, so
+            # their sums differ in the last bits, and one shared slot would be a race.
+            lse_part = (split * DV_SPLITS + dv).to(tl.int64) * total_rows + flat_row
+            tl.store(lse_part_ptr + lse_part, lse, mask=row_ok)
 
     @triton.jit(do_not_specialize=["total_rows", "num_splits"])
     def _tree_mla_merge_kernel(
         o_part_ptr,  # [num_splits, rows, KVR] float32
-        lse_part_ptr,  # [num_splits, rows] float32
+        lse_part_ptr,  # [num_splits, DV_SPLITS, rows] float32
         out_ptr,  # [rows, KVR]
         total_rows,
         num_splits,
         KVR: tl.constexpr,
         BLOCK_R: tl.constexpr,
+        DV_SPLITS: tl.constexpr,
     ):
+        BLOCK_DV: tl.constexpr = KVR // DV_SPLITS
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+        dv = tl.program_id(1)  # which value-dim half (and its log-sum-exps)
         row_ok = rows < total_rows
         rows64 = rows.to(tl.int64)
-        offs_d = tl.arange(0, KVR)
+        offs_d = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
         for s in range(num_splits):
-            m = tl.maximum(m, tl.load(lse_part_ptr + s * total_rows + rows64, mask=row_ok, other=float("-inf")))
+            lse_row = (s * DV_SPLITS + dv) * total_rows + rows64
+            m = tl.maximum(m, tl.load(lse_part_ptr + lse_row, mask=row_ok, other=float("-inf")))
         m_use = tl.where(m == float("-inf"), 0.0, m)
         w_sum = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, KVR], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
         for s in range(num_splits):
             part = s * total_rows + rows64  # [BR]
-            w = tl.exp2(tl.load(lse_part_ptr + part, mask=row_ok, other=float("-inf")) - m_use)  # [BR]
+            lse_row = (s * DV_SPLITS + dv) * total_rows + rows64
+            w = tl.exp2(tl.load(lse_part_ptr + lse_row, mask=row_ok, other=float("-inf")) - m_use)  # [BR]
             o = tl.load(o_part_ptr + part[:, None] * KVR + offs_d[None, :], mask=row_ok[:, None], other=0.0)
             acc += w[:, None] * o
             w_sum += w
@@ -548,7 +556,7 @@ def tree_mla_triton(
         o_part = lse_part = out  # unused
     else:
         o_part = torch.empty(num_splits, total_rows, kvr, dtype=torch.float32, device=q_latent.device)
-        lse_part = torch.empty(num_splits, total_rows, dtype=torch.float32, device=q_latent.device)
+        lse_part = torch.empty(num_splits, cfg.dv_splits, total_rows, dtype=torch.float32, device=q_latent.device)
     _tree_mla_split_kernel[(m_tiles * cfg.dv_splits, num_splits, R)](
         q_latent, q_pe, kv_cache, new_kv,
         meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,
@@ -566,9 +574,9 @@ def tree_mla_triton(
     )
     if num_splits > 1:
         block_r = 16
-        _tree_mla_merge_kernel[(triton.cdiv(total_rows, block_r),)](
+        _tree_mla_merge_kernel[(triton.cdiv(total_rows, block_r), cfg.dv_splits)](
             o_part, lse_part, out, total_rows, num_splits,
-            KVR=kvr, BLOCK_R=block_r, num_warps=4,
+            KVR=kvr, BLOCK_R=block_r, DV_SPLITS=cfg.dv_splits, num_warps=4,
         )
     return out
 
