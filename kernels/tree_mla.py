@@ -14,23 +14,21 @@ used by tests and benchmarks). ``tree_mla`` picks one: Triton on CUDA, the refer
 
 Kernel layout. The M dimension of every matrix product is (tree node x head) of one request: row
 ``m = node * H + head`` of the request's ``[n_r * H, kvr]`` query block, because every head and
-every node attends over the same latent keys. One program owns up to ``BLOCK_M = 64`` such rows
-(the most whose ``[64, 512]`` float32 accumulator fits in registers) and one split of the
-request's prefix; it streams that split's KV tiles once, through the page table, with an online
-softmax. Programs of the same request and split but other M tiles are launched next to each other
-(grid axis 0), so their re-reads of a KV tile mostly hit L2. The tree's own keys (``new_kv``) are
-attended by the last split only, and the packed ancestor bitmask applies to those keys only. With
-more than one split each program writes a normalised float32 partial and its log2-sum-exp; a
-second kernel merges them.
+every node attends over the same latent keys. One program owns ``BLOCK_M`` such rows (128 above 64
+rows a request, with half the value dims each: two programs per M tile; see
+:class:`TreeMlaConfig`) and one split of the request's prefix; it streams that split's KV tiles
+once, through the page table, with an online softmax. Programs of the same request and split but
+other M tiles or value halves are launched next to each other (grid axis 0), so their re-reads of
+a KV tile mostly hit L2. The tree's own keys (``new_kv``) are attended by the last split only, and
+the packed ancestor bitmask applies to those keys only. With more than one split each program
+writes a normalised float32 partial and its log2-sum-exp; a second kernel merges them.
 
-Performance (H200, BENCHMARKS.md): 15-16% of copy bandwidth at tree 9 x 8 heads, 1.4-3.6x over
+Performance (H200, BENCHMARKS.md): 20-22% of copy bandwidth at tree 9 x 8 heads, 1.9-4.0x over
 dense-mask SDPA at batch x context >= 32 x 4096, far from the 80% target. Trees of 17+ nodes at 8
-heads are compute-bound on an H200 anyway (~2 FLOP per row per KV byte). The kernel reaches 10-22%
-of its roofline floor. From the sm_90 SASS: Triton lays out the chained QK product for 8 warps at
-64 rows as warpsPerCTA [8, 1] (both warpgroups compute the same logits, with narrow wgmma), the
-accumulator pins 128 registers a thread (255 with spills), and q plus one KV tile fill shared
-memory (one CTA per SM, no overlap between tiles). Next step: a FlashMLA-style warp-specialised
-kernel.
+heads are compute-bound on an H200 anyway (~2 FLOP per row per KV byte). The kernel reaches 12-29%
+of its roofline floor: q plus one KV tile fill shared memory (one CTA per SM, no overlap between
+tiles), and both value-dim programs compute the logits. Next step: a FlashMLA-style
+warp-specialised kernel.
 """
 
 from __future__ import annotations
