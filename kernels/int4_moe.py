@@ -658,7 +658,9 @@ def _gemv_launch(assignments: int, whole_experts: bool) -> dict[str, int]:
                 gvd_block_n=16, gvd_block_k=256, gvd_warps=2, gvd_stages=1)
 
 
-def choose_config(tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int) -> Int4MoEConfig:
+def choose_config(
+    tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int, routing_groups: int | None = None
+) -> Int4MoEConfig:
     """Launch parameters from the model dims and the rows per expert ``tokens * top_k / num_experts``.
 
     A host-side number, so no device sync; a handful of buckets, not one config per M.
@@ -666,6 +668,13 @@ def choose_config(tokens: int, num_experts: int, hidden: int, intermediate: int,
     ``bench/int4_moe_bench.py`` (all timings in ``bench/results/int4_moe.json``; BENCHMARKS.md).
     A handful of assignments take the GEMV path; its config keeps the tensor-core fields of that
     M, so ``dataclasses.replace(cfg, gemv=False)`` is what the tensor-core path would run.
+
+    ``routing_groups``: how many independent groups the tokens come in (the requests of a step;
+    None: every token its own). Tokens of one group, the nodes of one draft tree, tend to share
+    experts, and the GEMV path streams an expert once per assignment, so only steps of one token
+    a group (decode) take it. On the K2 TP8 slice, a budget-16 verify at batch 1 (17 tokens, 136
+    assignments over ~16 experts a layer) took 25.6 ms a step on the GEMV path and 18.1 on the
+    tensor cores (bench/results/k2-slice-moe-path.json).
     """
     pinned = os.environ.get(CONFIG_ENV)
     if pinned:
@@ -673,7 +682,8 @@ def choose_config(tokens: int, num_experts: int, hidden: int, intermediate: int,
     whole_experts = intermediate >= 1024  # EP-style ranks hold whole experts (K2 EP8: I = 2048)
     r = tokens * top_k / max(num_experts, 1)
     cfg = _tensor_core_config(r, whole_experts)
-    if r <= _GEMV_MAX_PER_EXPERT:
+    independent = routing_groups is None or tokens <= routing_groups
+    if r <= _GEMV_MAX_PER_EXPERT and independent:
         return dataclasses.replace(cfg, gemv=True, **_gemv_launch(tokens * top_k, whole_experts))
     return cfg
 
@@ -791,6 +801,7 @@ def fused_int4_moe(
     topk_weights: Tensor,
     group_size: int = 32,
     config: Int4MoEConfig | None = None,
+    routing_groups: int | None = None,
 ) -> Tensor:
     """Routed-expert output ``sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)``, ``e = ids[t, j]``.
 
@@ -802,12 +813,13 @@ def fused_int4_moe(
         topk_weights: [M, top_k] routing weights (already normalised and scaled).
         group_size: scale group along the input dim (multiple of 8; 32 in K2).
         config: launch parameters; default ``choose_config`` (``CONFIG_ENV`` pins one).
+        routing_groups: independent token groups (requests) for ``choose_config``; None: M.
 
     Returns:
         [M, K] in hidden's dtype.
     """
     M, E, K, I, top_k = _check_moe_args(hidden, w_gate, w_up, w_down, topk_ids, topk_weights, group_size)
-    cfg = config or choose_config(M, E, K, I, top_k)
+    cfg = config or choose_config(M, E, K, I, top_k, routing_groups)
     if M == 0:
         return hidden.new_zeros(M, K)
     if cfg.gemv:

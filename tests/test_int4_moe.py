@@ -257,6 +257,14 @@ def _run_config_spec() -> dict:
     edges = [choose_config(m, e, 7168, i, 8).gemv for m, e, i in ((36, 384, 256), (37, 384, 256), (4, 48, 2048), (5, 48, 2048))]
     if edges != [True, False, True, False]:
         errors.append(f"GEMV threshold edges {edges}, want [True, False, True, False]")
+    # A draft tree's nodes share experts: only one token a routing group (decode) takes the GEMV.
+    grouped = [choose_config(17, 384, 7168, 256, 8, routing_groups=g).gemv for g in (None, 17, 32, 1, 16)]
+    if grouped != [True, True, True, False, False]:
+        errors.append(f"GEMV by routing groups {grouped}, want [True, True, True, False, False]")
+    tree, decode = choose_config(17, 384, 7168, 256, 8, routing_groups=1), choose_config(17, 384, 7168, 256, 8)
+    tc_fields = ("block_m", "gu_block_n", "gu_block_k", "gu_split_k", "dn_block_n", "dn_block_k", "swap_ab")
+    if [getattr(tree, f) for f in tc_fields] != [getattr(decode, f) for f in tc_fields]:
+        errors.append("a tree step does not get its M's tensor-core config")
     tc = dataclasses.replace(tp8_m1, gemv=False)
     if (tc.gu_split_k, tc.dn_block_n, tc.dn_block_k) != (8, 256, 64):
         errors.append(f"the GEMV config at M=1 lost the tensor-core choice of that M: {tc.spec()}")
