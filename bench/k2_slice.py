@@ -783,7 +783,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "embedding: a [vocab/8, hidden] table with token ids < vocab/8 (a step reads only its rows)",
         "weights random: experts random INT4 words + bf16 group-32 scales, other weights N(0, 1/fan_in) bf16",
         "KV prefix: random latents, every request owns its own shuffled pages",
-        "routing 'model': the random router (near uniform); 'tree-shared': all nodes of a tree use the root's "
+        "routing 'model': the random router (far from uniform: tokens concentrate on few experts); 'tree-shared': all nodes of a tree use the root's "
         "experts (perfect-locality bound); real K2 trees lie between",
         "all-reduce: 2 per layer of hidden x tokens x 2 bytes, custom in-graph time from allreduce.json "
         "(measured on 2xH200) used for 8 GPUs; linear interpolation in bytes, extrapolated past 4 MB",

@@ -9,7 +9,7 @@ positions). Two inputs per shape:
 * ``vocab = 163840`` (Kimi-K2): the builder also runs the vocabulary top-k, which reads
   ``batch x 15 x 163840 x 4`` bytes (1.26 GB at batch 128, ~300 us of HBM time by itself).
 
-``backend``: ``triton`` (``kernels.tree_build``: one launch, which ranks rows of up to 256 tokens
+``backend``: ``triton`` (``kernels.tree_build``: one launch, which ranks rows of up to 128 tokens
 itself; torch.topk first above that) or ``torch`` (the tensor-op version). Triton rows use the
 kernel's default warps; ``params`` keep a warps sweep at the T-tree shape and what ``torch.topk``
 of those rows alone takes (``topk_us_128_64_16``, the launch the in-kernel ranking replaced).

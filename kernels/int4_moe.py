@@ -16,7 +16,8 @@ experts. Each activated expert's weights are streamed from HBM once per step (on
    assignment (``reduce="sum"``, then one torch sum over top-k: deterministic) or added
    atomically per token (``reduce="atomic"``).
 
-Small M (``cfg.gemv``; ``choose_config`` takes it for a handful of assignments): there the path
+Small M (``cfg.gemv``; ``choose_config`` takes it for a handful of assignments, one token a
+request, i.e. decode): there the path
 above is mostly overhead, 38 us at M=1 TP8 for 25 MB of weights (~7 us at HBM speed): each token
 pads a 16-row MMA block, and alignment, a zero-fill, split-K atomics, a SiLU kernel and a torch sum
 surround the two GEMMs. The GEMV path is two launches with none of these, on the CUDA cores:
@@ -670,11 +671,15 @@ def choose_config(
     M, so ``dataclasses.replace(cfg, gemv=False)`` is what the tensor-core path would run.
 
     ``routing_groups``: how many independent groups the tokens come in (the requests of a step;
-    None: every token its own). Tokens of one group, the nodes of one draft tree, tend to share
-    experts, and the GEMV path streams an expert once per assignment, so only steps of one token
-    a group (decode) take it. On the K2 TP8 slice, a budget-16 verify at batch 1 (17 tokens, 136
-    assignments over ~16 experts a layer) took 25.6 ms a step on the GEMV path and 18.1 on the
-    tensor cores (bench/results/k2-slice-moe-path.json).
+    None: every token its own). The GEMV path streams an expert once per assignment, so it pays
+    only while a step's assignments hit distinct experts; the nodes of one draft tree (and the
+    tokens of one prefill chunk) share a context and tend to share experts, so only steps of one
+    token a group (decode) take it. The trade-off, measured: on the K2 TP8 slice's synthetic
+    router, a budget-16 verify at batch 1 (136 assignments over ~16 experts a layer) took
+    25.6 ms a step on the GEMV path and 18.1 on the tensor cores (bench/results/
+    k2-slice-moe-path.json); under uniform routing the GEMV is 1.27-1.35x faster at those M
+    (bench/results/int4_moe_gemv.json). A real router lies between; choosing on the GPU from
+    the step's distinct-expert count would decide per step.
     """
     pinned = os.environ.get(CONFIG_ENV)
     if pinned:

@@ -6,7 +6,7 @@ then take the global top-``budget`` over all depths, which is prefix-closed. The
 issues ~130 small kernels at budget 64 x depth 15; here everything after the vocabulary top-k is
 one launch.
 
-Two things make a depth cheap enough for one program:
+Three things make a depth cheap enough for one program:
 
 * Candidate pruning. Log-probs are <= 0, so every node is beaten by its ancestors. Both lists
   are sorted descending, so at level d >= 1 (level 0: the root's children) the pair (i, j) (i-th
@@ -19,8 +19,9 @@ Two things make a depth cheap enough for one program:
   keys deeper.
 * The vocabulary top-k. Up to ``SORT_VOCAB_MAX`` tokens (the drafter handing over its top-k, or a
   small vocabulary) every depth's row is sorted in the kernel's prologue, one ``[depth, vocab]``
-  sort along rows; a larger vocabulary takes ``torch.topk`` first (a separate launch, ~27 us at
-  batch 128 x 15 x 64 on an H200, a third of the whole builder before this).
+  sort along rows; a larger vocabulary takes ``torch.topk`` first (a separate launch: 26 us at
+  batch 128 x 15 x 64 on an H200, a third of the whole builder before this). The drafter's full
+  vocabulary (4096 on the demo, 163840 on K2) takes that launch: it should hand over its top-k.
 * Sort keys. A float32 score maps to an int32 with the same order; packed above a 32-bit tie-break
   into an int64, one ``tl.sort`` orders scores and carries the payload (the pair's index).
 
@@ -53,8 +54,9 @@ __all__ = ["tree_build_triton", "tree_build_num_warps", "candidate_pairs"]
 
 _PAIRS: dict[tuple[int, int, str], tuple[Tensor, Tensor]] = {}
 # Vocabularies up to this many tokens are ranked inside the kernel (its registers hold
-# next_pow2(depth) x next_pow2(vocab) int64 keys); larger ones take torch.topk first.
-SORT_VOCAB_MAX = 256
+# next_pow2(depth) x next_pow2(vocab) int64 keys); larger ones take torch.topk first. 128: the
+# largest measured on a GPU (vocab = budget, bench/results/tree_build.json).
+SORT_VOCAB_MAX = 128
 
 
 def _next_pow2(n: int) -> int:
@@ -133,8 +135,8 @@ if triton is not None:
         G_PAD: tl.constexpr,
         N_PAD: tl.constexpr,
         SORT_INPUT: tl.constexpr,
-        D_PAD: tl.constexpr,  # SORT_INPUT: next power of two of DEPTH and of V
-        V_PAD: tl.constexpr,
+        D_PAD: tl.constexpr,  # SORT_INPUT: next power of two of DEPTH
+        V_PAD: tl.constexpr,  # SORT_INPUT: next power of two of V
     ):
         r = tl.program_id(0).to(tl.int64)
         lp_row = top_lp_ptr + r * DEPTH * K
@@ -148,7 +150,9 @@ if triton is not None:
             in_row = (offs_dd < DEPTH) & (offs_v < V)
             lp = tl.load(raw_ptr + r * raw_stride_r + offs_dd * raw_stride_d + offs_v, mask=in_row,
                          other=float("-inf")).to(tl.float32)
-            ranked = tl.sort(_pack_key(lp, offs_v + tl.zeros([D_PAD, V_PAD], tl.int32)), dim=1, descending=True)
+            ranked = _pack_key(lp, offs_v + tl.zeros([D_PAD, V_PAD], tl.int32))
+            if V_PAD > 1:  # one token a row is ranked already
+                ranked = tl.sort(ranked, dim=1, descending=True)
             top_ok = (offs_dd < DEPTH) & (offs_v < K)
             tl.store(lp_row + offs_dd * K + offs_v, _unpack_score(ranked), mask=top_ok)
             tl.store(tok_row + offs_dd * K + offs_v, _unpack_index(ranked).to(tl.int64), mask=top_ok)
@@ -230,7 +234,11 @@ if triton is not None:
 
 
 def tree_build_num_warps(budget: int, k: int) -> int:
-    """The default warps of a request's program: one candidate sort key a thread, 4..16 warps."""
+    """The default warps of a request's program: one candidate sort key a thread, 4..16 warps.
+
+    At the T-tree shape (budget 64) that was the best of 4/8/16/32 warps on an H200
+    (bench/results/tree_build.json); budget 128 gets 16 warps, two keys a thread.
+    """
     return max(4, min(16, candidate_pairs(budget, k, torch.device("cpu"))[0].numel() // 32))
 
 
@@ -258,8 +266,7 @@ def tree_build_triton(
         logprobs: [R, D, V] log-softmax normalised draft log-probs; row d is depth d+1.
         budget: non-root nodes per tree, 1..128.
         root_tokens: [R] int64 pending token of each request.
-        num_warps: warps per request's program; default one candidate key a thread (4..16
-            warps), the best of a sweep on an H200 (bench/results/tree_build.json).
+        num_warps: warps per request's program; default :func:`tree_build_num_warps`.
 
     Returns:
         :class:`TreeBuildOutput` with ``n_max = budget + 1`` columns. No host sync; capturable in
@@ -278,7 +285,7 @@ def tree_build_triton(
     k = min(budget, vocab)
     sort_input = vocab <= SORT_VOCAB_MAX
     if sort_input:  # the kernel's prologue ranks each row
-        raw = logprobs if logprobs.stride(-1) == 1 else logprobs.contiguous()
+        raw = logprobs if logprobs.stride(-1) == 1 else logprobs[:, :depth].contiguous()
         top_lp = torch.empty(num_req, depth, k, dtype=torch.float32, device=device)
         top_tok = torch.empty(num_req, depth, k, dtype=torch.int64, device=device)
     else:

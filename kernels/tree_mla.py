@@ -57,6 +57,7 @@ __all__ = [
     "tree_mla",
     "tree_mla_triton",
     "tree_mla_reference",
+    "fit_shared_memory",
 ]
 
 
@@ -250,11 +251,14 @@ class TreeMlaConfig:
     dv_splits: 2 gives each program half the value dims (both programs compute the logits).
 
     Above 64 rows a request the default is 128 rows x half the value dims, 64-key tiles, one
-    stage: on an H200 (bench/results/tree_mla.json, batch 32, context 4096, 8 heads) 184 / 351 /
-    677 us at trees 9 / 17 / 33 against 248 / 486 / 945 for 64 rows x all 512 dims. At 128 rows
+    stage: on an H200 (the sweep in bench/results/tree_mla.json, batch 32, context 4096, 8 heads)
+    184 / 350 / 681 us at trees 9 / 17 / 33 against 246 / 481 / 951 for 64 rows x all 512 dims.
+    At 128 rows
     each warpgroup owns 64 rows of the logits; at 64 rows on 8 warps Triton's chained-dot layout
     has both warpgroups compute the same logits, and a 72-row tree needs a second, nearly empty
-    64-row tile. q (144 KB) plus one 64-key tile (72 KB) fill shared memory: one stage.
+    64-row tile. q (144 KB) plus one 64-key tile (72 KB) fill shared memory: one stage, and on
+    GPUs with less shared memory a block (A100: 163 KB) the 64-row config runs instead
+    (:func:`fit_shared_memory`).
     """
 
     block_m: int
@@ -281,16 +285,41 @@ def default_config(rows_per_request: int) -> TreeMlaConfig:
     return TreeMlaConfig(block_m=16 if rows_per_request <= 16 else 32, block_n=32, num_warps=4, num_stages=2)
 
 
+def fit_shared_memory(cfg: TreeMlaConfig, kv_dim: int, elem_bytes: int, limit_bytes: int | None) -> TreeMlaConfig:
+    """``cfg``, or the 64-row config where q plus its KV tiles would not fit ``limit_bytes``.
+
+    The kernel keeps the q block and ``num_stages`` key tiles in shared memory; 8 KB is left for
+    the probabilities and layout conversions. ``limit_bytes`` None: no limit known (CPU).
+    """
+    need = (cfg.block_m + cfg.block_n * max(1, cfg.num_stages)) * kv_dim * elem_bytes
+    if limit_bytes is None or need + (8 << 10) <= limit_bytes or cfg.block_m <= 64:
+        return cfg
+    return TreeMlaConfig(block_m=64)
+
+
+_SMEM_LIMIT: dict[int, int | None] = {}
+
+
+def _shared_memory_limit(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMEM_LIMIT:
+        _SMEM_LIMIT[idx] = getattr(torch.cuda.get_device_properties(idx), "shared_memory_per_block_optin", None)
+    return _SMEM_LIMIT[idx]
+
+
 def choose_num_splits(
     num_requests: int, tiles_per_request: int, rows: int, max_prefix: int, kvr: int, rope: int, sm_count: int
 ) -> int:
     """Split each request's prefix so the grid fills one wave of the GPU without starting a second.
 
     ``tiles_per_request`` = M tiles x value-dim splits (programs per request and split). At batch
-    32, tree 9, 8 heads (64 programs a split) 2 splits ran in 253 us, 3 (192 programs, a second
-    wave half empty) in 329 us, on an H200. Limits: every split keeps >= 64 keys, at most 32
-    splits (the merge reads every split's partial: at batch 1, tree 9, on an H200, context 1024
-    took 27 us with 16 splits against 39 with 4, context 4096 41 us with 32 against 51 with 64),
+    32, tree 9, 8 heads (64 programs a split) 2 splits ran in 189 us, 3 (192 programs, a second
+    wave half empty) in 246 us, on an H200 (bench/results/tree_mla.json). Limits: every split
+    keeps >= 64 keys, at most 32 splits (the merge reads every split's partial: at batch 1, tree
+    9, on an H200, context 1024 took 27 us with 16 splits against 39 with 4, context 4096 41 us
+    with 32 against 51 with 64; bench/results/tree_mla_variants.json),
     and where the shape is memory-bound (<= 128 rows a request) and the float32 partials
     (``rows x kvr`` per split, written then read by the merge) would spill out of L2 (> 16 MB),
     they stay under a quarter of the KV bytes read.
@@ -542,7 +571,8 @@ def tree_mla_triton(
     if N == 0 or R == 0:
         return out
     rows = meta.max_nodes * H  # static rows per request
-    cfg = config or default_config(rows)
+    cfg = config or fit_shared_memory(default_config(rows), kv_dim, q_latent.element_size(),
+                                      _shared_memory_limit(q_latent.device))
     m_tiles = -(-rows // cfg.block_m)
     if num_splits is None:
         max_prefix = meta.page_table.shape[1] * page_size  # static bound: graphs keep the grid

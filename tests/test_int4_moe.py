@@ -273,7 +273,9 @@ def _run_config_spec() -> dict:
 
 def _run_sweep_helpers() -> dict:
     """The pure parts of bench/int4_moe_gemv_sweep.py the GPU run relies on."""
-    from bench.int4_moe_gemv_sweep import DN_GRID, GU_GRID, MAX_ACC_REGS, crossover, gemv_cfg, grid_split, launch_key
+    from bench.int4_moe_gemv_sweep import (
+        DN_GRID, GU_GRID, MAX_ACC_REGS, crossover, gemv_cfg, grid_split, launch_key, parse_grid,
+    )
     from kernels.int4_moe import Int4MoEConfig
 
     errors = []
@@ -284,6 +286,8 @@ def _run_sweep_helpers() -> dict:
     dn_keep, dn_skip = grid_split("dn", DN_GRID)
     if (len(gu_keep), len(dn_keep)) != (32, 35) or "32x512x4x1" not in gu_skip or "64x256x2x1" not in dn_skip:
         errors.append(f"grid split: {len(gu_keep)} gate/up, {len(dn_keep)} down kept; skipped {gu_skip} {dn_skip} (max {MAX_ACC_REGS})")
+    if parse_grid("1,2x512,1024x2") != [(1, 512, 2), (1, 1024, 2), (2, 512, 2), (2, 1024, 2)] or parse_grid("4x256x2") != [(4, 256, 2)]:
+        errors.append("parse_grid")
     timings = ((1, 5, 9), (2, 6, 9), (4, 9, 8), (9, 7, 8))  # tokens, GEMV us, tensor-core us
     rows = [dict(shape="s", tokens=m, assignments=8 * m, gemv_us=g, tensor_core_us=t) for m, g, t in timings]
     if crossover(rows) != {"s": 16}:

@@ -115,32 +115,65 @@ def test_triton_matches_reference_with_ties(budget: int, depth: int, vocab: int,
 
 
 @needs_kernel
-@pytest.mark.parametrize("vocab", [256, 257])  # ranked in the kernel / by torch.topk first
+@pytest.mark.parametrize("vocab", [128, 129])  # ranked in the kernel / by torch.topk first
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_input_ranking_paths_agree(vocab: int, dtype: torch.dtype) -> None:
-    """Rows strided along the vocabulary, near-certain chains, flat rows: both top-k paths agree."""
-    assert (vocab <= tb.SORT_VOCAB_MAX) == (vocab == 256)
+    """Rows with padded strides, a near-certain chain, a flat row: both top-k paths agree."""
+    assert (vocab <= tb.SORT_VOCAB_MAX) == (vocab == 128)
     gen = torch.Generator().manual_seed(vocab)
     num_req, depth, budget = 3, 8, 16
     logprobs = random_logprobs(gen, num_req, depth, vocab)
-    # Request 1 is nearly certain at every depth: a deep chain, where the depth-dependent pruning
-    # bound is tightest. Request 2 is flat: a wide, shallow tree.
+    # Request 1 is nearly certain at every depth (a deep chain); request 2 is flat (wide, shallow).
     logprobs[1] = torch.log_softmax(torch.randn(depth, vocab, generator=gen) + 30.0 * (torch.arange(vocab) == 7), -1)
     logprobs[2] = torch.log_softmax(0.05 * torch.randn(depth, vocab, generator=gen), -1)
     logprobs = logprobs.to(dtype)
-    strided = torch.empty(num_req, depth, vocab, 2, dtype=dtype)[..., 0]  # stride 2 along V
-    strided.copy_(logprobs)
+    # Unit stride along the vocabulary, padded rows: the kernel reads the depth and request strides.
+    padded = torch.empty(num_req, depth + 2, vocab + 3, dtype=dtype, device=DEVICE)[:, :depth, :vocab]
+    padded.copy_(logprobs)
     roots = torch.randint(0, vocab, (num_req,), generator=gen)
-    out = tb.tree_build_triton(strided.to(DEVICE), budget, roots.to(DEVICE))
+    out = tb.tree_build_triton(padded, budget, roots.to(DEVICE))
     got = tb.TreeBuildOutput(*(getattr(out, name).cpu() for name in FIELDS))
     want = build_trees(logprobs.float(), budget, roots, backend="torch")
-    # bf16 rounds the flat row's 256 log-probs onto a few values: tied tokens may differ.
+    # bf16 rounds log-probs onto few values: tied tokens may differ (the tie-breaks differ).
     ties = dtype == torch.bfloat16
     for name in FIELDS if not ties else ("depths", "scores", "sizes"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert int(got.depths[1].max()) == depth  # the chain reaches the last depth
-    for r in range(num_req if not ties else 2):
-        assert tree_paths(got, r) == set(build_tree_heapq(logprobs[r].float(), budget))
+    if not ties:
+        for r in range(num_req):
+            assert tree_paths(got, r) == set(build_tree_heapq(logprobs[r], budget))
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["chain_past_budget", "certain_then_flat"])
+def test_triton_pruning_bound_is_tight(case: str) -> None:
+    """Trees whose selected nodes sit exactly on the pruning bound: one step tighter loses them.
+
+    * A near-certain chain deeper than the budget: its last selected node is the pair (0, 0) at
+      level budget - 1, where (i+1)(j+2) + d - 1 == budget.
+    * A certain first token, then a flat depth: level 1 needs rank budget - 2 (all but the root's
+      child), the last rank ``keep = budget - d`` admits.
+    """
+    budget, vocab = 8, 8
+    gen = torch.Generator().manual_seed(17)
+    if case == "chain_past_budget":
+        depth = 12
+        logits = torch.randn(depth, vocab, generator=gen) + 40.0 * (torch.arange(vocab) == 3)
+    else:
+        depth = 2
+        logits = torch.stack([40.0 * (torch.arange(vocab) == 5).float(), 0.01 * torch.randn(vocab, generator=gen)])
+    logprobs = torch.log_softmax(logits, -1)[None]  # [1, depth, vocab]
+    roots = torch.tensor([1])
+    out = tb.tree_build_triton(logprobs.to(DEVICE), budget, roots.to(DEVICE))
+    got = tb.TreeBuildOutput(*(getattr(out, name).cpu() for name in FIELDS))
+    want = build_trees(logprobs, budget, roots, backend="torch")
+    for name in FIELDS:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert tree_paths(got, 0) == set(build_tree_heapq(logprobs[0], budget))
+    if case == "chain_past_budget":
+        assert int(got.depths[0].max()) == budget  # the chain's node at depth `budget` is kept
+    else:
+        assert int((got.depths[0] == 2).sum()) == budget - 1  # every depth-2 node but one
 
 
 def test_candidate_pairs_follow_the_pruning_bound() -> None:

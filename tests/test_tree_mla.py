@@ -27,6 +27,8 @@ from kernels.tree_mla import (  # noqa: E402
     TreeAttentionDeviceMetadata,
     TreeAttentionMetadata,
     TreeMlaConfig,
+    default_config,
+    fit_shared_memory,
     pack_ancestor_bits,
     tree_mla,
     tree_mla_reference,
@@ -170,6 +172,29 @@ def test_padded_bucket_and_many_heads(dv_splits: int) -> None:
     config = TreeMlaConfig(block_m=32, block_n=16, num_warps=4, dv_splits=dv_splits)
     check(*case, num_splits=2, pad={"max_pages": 9, "max_nodes": 40}, config=config)
     check(*case, num_splits=1, config=config)
+
+
+@needs_kernel
+def test_default_config_above_64_rows_with_splits() -> None:
+    """The served config above 64 rows a request (128 rows x half the value dims) with split-K:
+    each half's partials merge with its own log-sum-exps."""
+    gen = torch.Generator().manual_seed(9)
+    trees = [(50, tree_parents("random", 9, gen)), (23, tree_parents("star", 9, gen))]
+    case = make_case(gen, trees, heads=8, page_size=8)  # 72 rows a request
+    assert default_config(72) == TreeMlaConfig(block_m=128, block_n=64, num_warps=8, num_stages=1, dv_splits=2)
+    check(*case, num_splits=3)
+    check(*case, num_splits=1)
+
+
+def test_default_config_falls_back_where_shared_memory_is_small() -> None:
+    """K2's latent (576 dims, bf16): 128 rows fit an H200's 227 KB a block, not an A100's 163 KB."""
+    big = default_config(136)
+    assert fit_shared_memory(big, 576, 2, 232448) == big
+    assert fit_shared_memory(big, 576, 2, None) == big
+    assert fit_shared_memory(big, 576, 2, 166912) == TreeMlaConfig(block_m=64)
+    assert fit_shared_memory(big, 160, 2, 166912) == big  # the demo model's 128 + 32 dims
+    small = default_config(40)
+    assert fit_shared_memory(small, 576, 2, 166912) == small
 
 
 @needs_kernel

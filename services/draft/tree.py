@@ -132,10 +132,11 @@ def build_trees(logprobs: Tensor, budget: int, root_tokens: Tensor, *, backend: 
     (from shapes and ``budget``): no host sync, capturable in a CUDA graph.
 
     ``backend``: ``"triton"`` runs it as one kernel (``kernels.tree_build``; float32/bf16/fp16
-    input; above 256 tokens a torch.topk of the vocabulary first), ``"torch"`` the tensor ops here
+    input; above 128 tokens a torch.topk of the vocabulary first), ``"torch"`` the tensor ops here
     (~130 small kernels at budget 64, depth 15). Default: triton on CUDA for non-float64 input, else torch.
     The two select the same trees (tests/test_tree_build.py). The kernel compiles once per
-    (budget, depth) (seconds each): warm up the budgets served at start-up, before graph capture.
+    (budget, depth, and vocabulary up to 128 tokens) (seconds each): warm up the budgets served at
+    start-up, before graph capture.
     """
     if backend is None:
         use_triton = logprobs.is_cuda and logprobs.dtype != torch.float64 and _triton_available()
