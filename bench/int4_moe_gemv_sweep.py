@@ -224,7 +224,7 @@ def sweep_point(name: str, sh: dict, M: int, W: dict, gen: torch.Generator, time
     mean_bytes = touched * sum(expert_bytes(W[p]) for p in ("gate", "up", "down"))
     chosen = choose_config(M, E, K, I, k)
     tc_cfg = dataclasses.replace(chosen, gemv=False)  # the tensor-core path at this M
-    default_cfg = dataclasses.replace(chosen, gemv=True, gemv_auto=False)  # choose_config's GEMV parameters
+    default_cfg = dataclasses.replace(chosen, gemv=True)  # choose_config's GEMV parameters
 
     # Correctness on the first routing: GEMV against the tensor-core path and the fp32 reference.
     ids0, tw0 = routes[0]

@@ -102,16 +102,13 @@ def _int4_moe_align_kernel(
     sorted_ids_ptr,  # [P] int32 out: flat assignment per padded row, A for padding
     block_expert_ptr,  # [P / BLOCK_M] int32 out: expert of each block, -1 when unused
     cursor_ptr,  # [E_PAD] int32 scratch: next free padded row per expert
-    use_gemv_ptr,  # [1] int32 out (CHOOSE): 1 where the GEMV path serves this step
     A,
     E,
     P,
     NUM_BLOCKS,
-    gemv_max_ratio,  # CHOOSE: the GEMV serves while assignments <= ratio x distinct experts
     BLOCK_M: tl.constexpr,
     E_PAD: tl.constexpr,  # power of two > E: bin E_PAD - 1 swallows masked lanes
     CHUNK: tl.constexpr,
-    CHOOSE: tl.constexpr,
 ):
     offs_e = tl.arange(0, E_PAD)  # [E_PAD]
     offs_c = tl.arange(0, CHUNK)  # [CHUNK]
@@ -133,11 +130,6 @@ def _int4_moe_align_kernel(
         tl.store(block_expert_ptr + b, tl.full([CHUNK], -1, tl.int32), mask=b < NUM_BLOCKS)
     tl.debug_barrier()  # the fills above and the cursor reach every thread before the scatter
     nblk = padded // BLOCK_M  # [E_PAD]
-    if CHOOSE:  # the GEMV path serves: every block stays unused, so the tensor-core kernels skip
-        distinct = tl.sum((counts > 0).to(tl.int32), 0)
-        use_gemv = A <= gemv_max_ratio * distinct
-        tl.store(use_gemv_ptr, use_gemv.to(tl.int32))
-        nblk = tl.where(use_gemv, 0, nblk)
     first = starts // BLOCK_M  # [E_PAD]
     for j in range(0, tl.max(nblk, 0)):
         tl.store(block_expert_ptr + first + j, offs_e, mask=j < nblk)
@@ -440,7 +432,6 @@ def _int4_moe_gemv_gate_up_kernel(
     wu_ptr,  # [E, N, K/8] int32 up (same strides as gate)
     su_ptr,  # [E, N, K/GROUP] up scales
     h_ptr,  # [A, N] out: silu(gate x) * (up x) per assignment
-    use_gemv_ptr,  # [1] int32 (ON_FLAG): 0 = the tensor-core path serves this step, skip
     N,
     K,
     top_k,
@@ -457,16 +448,12 @@ def _int4_moe_gemv_gate_up_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the loop
     DEQ_ASM: tl.constexpr,
     DTYPE: tl.constexpr,
-    ON_FLAG: tl.constexpr,
 ):
     """One program per (assignment, BLOCK_N rows of the intermediate dim); grid (A, cdiv(N, BLOCK_N)).
 
     The assignment index varies fastest, so assignments of one expert (same N tile) run side by
     side and share its weight rows through L2.
     """
-    if ON_FLAG:
-        if tl.load(use_gemv_ptr) == 0:
-            return
     a = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + a).to(tl.int64)
@@ -509,7 +496,6 @@ def _int4_moe_gemv_down_kernel(
     w_ptr,  # [E, N, K/8] int32 down (N = hidden)
     s_ptr,  # [E, N, K/GROUP] scales
     out_ptr,  # [M, N] out
-    use_gemv_ptr,  # [1] int32 (ON_FLAG): 0 = the tensor-core path serves this step, skip
     N,
     K,
     top_k,
@@ -526,7 +512,6 @@ def _int4_moe_gemv_down_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     DEQ_ASM: tl.constexpr,
     DTYPE: tl.constexpr,
-    ON_FLAG: tl.constexpr,
 ):
     """One program per (token, BLOCK_N rows of the hidden dim); grid (M, cdiv(N, BLOCK_N)).
 
@@ -535,9 +520,6 @@ def _int4_moe_gemv_down_kernel(
     two steps per slot, too short a loop to stream on its own. ``h`` is scaled by the slot's
     routing weight, so one accumulator serves all slots and is reduced once.
     """
-    if ON_FLAG:
-        if tl.load(use_gemv_ptr) == 0:
-            return
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -605,9 +587,6 @@ class Int4MoEConfig:
     gvd_block_k: int = 256  # down: intermediate columns per loop step
     gvd_warps: int = 2
     gvd_stages: int = 1
-    # With gemv: pick the path per step on the device (GEMV while assignments <= 1.5x the distinct
-    # experts, else the tensor cores; both launched, the unchosen one's programs return at once).
-    gemv_auto: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "gu_block_n", "gu_block_k", "dn_block_n", "dn_block_k"):
@@ -631,8 +610,7 @@ class Int4MoEConfig:
             f"dn={self.dn_block_n}x{self.dn_block_k}x{self.dn_warps}x{self.dn_stages},"
             f"swap={int(self.swap_ab)},reduce={self.reduce},split={self.gu_split_k},asm={int(self.deq_asm)},"
             f"gemv={int(self.gemv)},gv={self.gv_block_n}x{self.gv_block_k}x{self.gv_warps}x{self.gv_stages},"
-            f"gvd={self.gvd_block_n}x{self.gvd_block_k}x{self.gvd_warps}x{self.gvd_stages},"
-            f"gva={int(self.gemv_auto)}"
+            f"gvd={self.gvd_block_n}x{self.gvd_block_k}x{self.gvd_warps}x{self.gvd_stages}"
         )
 
     @classmethod
@@ -656,8 +634,6 @@ class Int4MoEConfig:
                 kw["deq_asm"] = val not in ("0", "false", "False")
             elif key == "gemv":
                 kw["gemv"] = val not in ("0", "false", "False")
-            elif key == "gva":
-                kw["gemv_auto"] = val not in ("0", "false", "False")
             else:
                 raise ValueError(f"{CONFIG_ENV}: unknown key {key!r} in {spec!r}")
         return cls(**kw)
@@ -669,12 +645,6 @@ class Int4MoEConfig:
 # config and about break-even with the served one; at EP8 up to M = 4,
 # 0.67 per expert, 1.06x; both lose at 1.5 per expert).
 _GEMV_MAX_PER_EXPERT = 0.75
-# Above one token the step's routing decides on the device (``gemv_auto``): the GEMV while its
-# assignments are at most 1.5x the distinct experts they hit. Uniform routing in the same sweeps:
-# TP8 M = 18 (1.19 per expert) GEMV 1.26x faster, M = 36 (1.42) about even, M = 72 (1.91) the
-# tensor cores 1.26x faster; EP8 M = 4 (1.27) GEMV 1.05x, M = 9 (1.89) the tensor cores 1.40x
-# (bench/results/int4_moe_grouped_tp8.json, _ep8.json: their GEMV and tensor-core columns).
-_GEMV_MAX_RATIO = 1.5
 
 
 def _gemv_launch(assignments: int, whole_experts: bool) -> dict[str, int]:
@@ -689,7 +659,9 @@ def _gemv_launch(assignments: int, whole_experts: bool) -> dict[str, int]:
                 gvd_block_n=16, gvd_block_k=256, gvd_warps=2, gvd_stages=1)
 
 
-def choose_config(tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int) -> Int4MoEConfig:
+def choose_config(
+    tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int, routing_groups: int | None = None
+) -> Int4MoEConfig:
     """Launch parameters from the model dims and the rows per expert ``tokens * top_k / num_experts``.
 
     A host-side number, so no device sync; a handful of buckets, not one config per M.
@@ -698,13 +670,16 @@ def choose_config(tokens: int, num_experts: int, hidden: int, intermediate: int,
     A handful of assignments take the GEMV path; its config keeps the tensor-core fields of that
     M, so ``dataclasses.replace(cfg, gemv=False)`` is what the tensor-core path would run.
 
-    Above one token the GEMV config is ``gemv_auto``: the step's own routing picks the path on
-    the device. The GEMV path streams an expert once per assignment, so it pays only while the
-    assignments hit distinct experts, and how many they hit the host cannot know: on the K2 TP8
-    slice's synthetic router a budget-16 verify at batch 1 (136 assignments over ~16 experts a
-    layer) took 25.6 ms a step on the GEMV path and 18.1 on the tensor cores (bench/results/
-    k2-slice-moe-path.json), while under uniform routing the GEMV is 1.27-1.35x faster at those
-    M (bench/results/int4_moe_gemv.json).
+    ``routing_groups``: how many independent groups the tokens come in (the requests of a step;
+    None: every token its own). The GEMV path streams an expert once per assignment, so it pays
+    only while a step's assignments hit distinct experts; the nodes of one draft tree (and the
+    tokens of one prefill chunk) share a context and tend to share experts, so only steps of one
+    token a group (decode) take it. The trade-off, measured: on the K2 TP8 slice's synthetic
+    router, a budget-16 verify at batch 1 (136 assignments over ~16 experts a layer) took
+    25.6 ms a step on the GEMV path and 18.1 on the tensor cores (bench/results/
+    k2-slice-moe-path.json); under uniform routing the GEMV is 1.27-1.35x faster at those M
+    (bench/results/int4_moe_gemv.json). A real router lies between; choosing on the GPU from
+    the step's distinct-expert count would decide per step.
     """
     pinned = os.environ.get(CONFIG_ENV)
     if pinned:
@@ -712,8 +687,9 @@ def choose_config(tokens: int, num_experts: int, hidden: int, intermediate: int,
     whole_experts = intermediate >= 1024  # EP-style ranks hold whole experts (K2 EP8: I = 2048)
     r = tokens * top_k / max(num_experts, 1)
     cfg = _tensor_core_config(r, whole_experts)
-    if r <= _GEMV_MAX_PER_EXPERT:
-        return dataclasses.replace(cfg, gemv=True, gemv_auto=tokens > 1, **_gemv_launch(tokens * top_k, whole_experts))
+    independent = routing_groups is None or tokens <= routing_groups
+    if r <= _GEMV_MAX_PER_EXPERT and independent:
+        return dataclasses.replace(cfg, gemv=True, **_gemv_launch(tokens * top_k, whole_experts))
     return cfg
 
 
@@ -755,7 +731,6 @@ class MoEAlignment:
     sorted_ids: Tensor  # [P] int32 flat assignment (token * top_k + slot) per padded row; A = padding
     block_expert: Tensor  # [P / block_m] int32 expert of each block of rows; -1 = unused block
     block_m: int
-    use_gemv: Tensor | None = None  # [1] int32: 1 where the GEMV path serves (gemv_max_ratio given)
 
     @property
     def num_blocks(self) -> int:
@@ -769,14 +744,10 @@ def _max_padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
 
 
 @on_input_device
-def int4_moe_align(
-    topk_ids: Tensor, num_experts: int, block_m: int, gemv_max_ratio: float | None = None
-) -> MoEAlignment:
+def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlignment:
     """Sort the ``[M, top_k]`` expert ids by expert and pad each expert's rows to ``block_m``.
 
-    One program, no host sync. Ids must lie in ``0 .. num_experts - 1``. With ``gemv_max_ratio``
-    it also picks the path of this step on the device (``use_gemv``): the GEMV where assignments
-    <= ratio x distinct experts, and then every block is left unused.
+    One program, no host sync. Ids must lie in ``0 .. num_experts - 1``.
     """
     assert topk_ids.dim() == 2, f"topk_ids must be [M, top_k], got {tuple(topk_ids.shape)}"
     assert topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32/int64, got {topk_ids.dtype}"
@@ -788,15 +759,11 @@ def int4_moe_align(
     block_expert = torch.empty(P // block_m, dtype=torch.int32, device=dev)  # [P / BM]
     e_pad = triton.next_power_of_2(num_experts + 1)
     cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)  # [E_PAD]
-    choose = gemv_max_ratio is not None
-    use_gemv = torch.empty(1, dtype=torch.int32, device=dev) if choose else cursor  # [1]
     _int4_moe_align_kernel[(1,)](
-        ids, sorted_ids, block_expert, cursor, use_gemv, A, num_experts, P, P // block_m,
-        float(gemv_max_ratio or 0.0),
-        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024 if A > 256 else 256, CHOOSE=choose, num_warps=4,
+        ids, sorted_ids, block_expert, cursor, A, num_experts, P, P // block_m,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024 if A > 256 else 256, num_warps=4,
     )
-    return MoEAlignment(sorted_ids=sorted_ids, block_expert=block_expert, block_m=block_m,
-                        use_gemv=use_gemv if choose else None)
+    return MoEAlignment(sorted_ids=sorted_ids, block_expert=block_expert, block_m=block_m)
 
 
 def _check_stack(name: str, w: Int4Weight, out_f: int, in_f: int, group_size: int) -> None:
@@ -839,6 +806,7 @@ def fused_int4_moe(
     topk_weights: Tensor,
     group_size: int = 32,
     config: Int4MoEConfig | None = None,
+    routing_groups: int | None = None,
 ) -> Tensor:
     """Routed-expert output ``sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)``, ``e = ids[t, j]``.
 
@@ -850,24 +818,18 @@ def fused_int4_moe(
         topk_weights: [M, top_k] routing weights (already normalised and scaled).
         group_size: scale group along the input dim (multiple of 8; 32 in K2).
         config: launch parameters; default ``choose_config`` (``CONFIG_ENV`` pins one).
+        routing_groups: independent token groups (requests) for ``choose_config``; None: M.
 
     Returns:
         [M, K] in hidden's dtype.
     """
     M, E, K, I, top_k = _check_moe_args(hidden, w_gate, w_up, w_down, topk_ids, topk_weights, group_size)
-    cfg = config or choose_config(M, E, K, I, top_k)
+    cfg = config or choose_config(M, E, K, I, top_k, routing_groups)
     if M == 0:
         return hidden.new_zeros(M, K)
-    if cfg.gemv and not cfg.gemv_auto:
+    if cfg.gemv:
         h = int4_moe_gemv_gate_up(hidden, w_gate, w_up, topk_ids, cfg, group_size)  # [A, I]
         return int4_moe_gemv_down(h, w_down, topk_ids, topk_weights, cfg, group_size, hidden.dtype)  # [M, K]
-    if cfg.gemv:  # gemv_auto: both paths launched, one runs (no host sync: graph-capturable)
-        align = int4_moe_align(topk_ids, E, cfg.block_m, gemv_max_ratio=_GEMV_MAX_RATIO)
-        h = int4_moe_gemv_gate_up(hidden, w_gate, w_up, topk_ids, cfg, group_size, align.use_gemv)  # [A, I]
-        out_gemv = int4_moe_gemv_down(h, w_down, topk_ids, topk_weights, cfg, group_size, hidden.dtype, align.use_gemv)
-        h = int4_moe_gate_up(hidden, w_gate, w_up, align, top_k, cfg, group_size)  # [P, I]; no blocks if GEMV
-        out_tc = int4_moe_down(h, w_down, align, topk_weights, cfg, group_size, hidden.dtype)  # [M, K]
-        return torch.where(align.use_gemv.bool(), out_gemv, out_tc)  # [M, K]; the other holds garbage
     align = int4_moe_align(topk_ids, E, cfg.block_m)
     h = int4_moe_gate_up(hidden, w_gate, w_up, align, top_k, cfg, group_size)  # [P, I]
     return int4_moe_down(h, w_down, align, topk_weights, cfg, group_size, hidden.dtype)  # [M, K]
@@ -966,28 +928,21 @@ def int4_moe_gemv(
     group_size: int = 32,
     config: Int4MoEConfig | None = None,
 ) -> Tensor:
-    """``fused_int4_moe`` on the GEMV path whatever ``config.gemv`` / ``gemv_auto`` say (its
-    ``gv_*`` / ``gvd_*`` fields apply; default ``Int4MoEConfig()``'s). Same arguments and result."""
-    cfg = dataclasses.replace(config or Int4MoEConfig(), gemv=True, gemv_auto=False)
+    """``fused_int4_moe`` on the GEMV path whatever ``config.gemv`` says (its ``gv_*`` / ``gvd_*``
+    fields apply; default ``Int4MoEConfig()``'s). Same arguments and result."""
+    cfg = dataclasses.replace(config or Int4MoEConfig(), gemv=True)
     return fused_int4_moe(hidden, w_gate, w_up, w_down, topk_ids, topk_weights, group_size, cfg)
-
-
-def _flag_arg(use_gemv: Tensor | None, placeholder: Tensor) -> Tensor:
-    """The kernels' ``use_gemv_ptr``: the flag, or any tensor where ON_FLAG is off (never read)."""
-    return placeholder if use_gemv is None else use_gemv
 
 
 @on_input_device
 def int4_moe_gemv_gate_up(
-    hidden: Tensor, w_gate: Int4Weight, w_up: Int4Weight, topk_ids: Tensor, cfg: Int4MoEConfig, group_size: int = 32,
-    use_gemv: Tensor | None = None,
+    hidden: Tensor, w_gate: Int4Weight, w_up: Int4Weight, topk_ids: Tensor, cfg: Int4MoEConfig, group_size: int = 32
 ) -> Tensor:
     """``[A, I]`` ``h = silu(gate_e x_t) * (up_e x_t)`` per flat assignment ``a = t * top_k + j``.
 
     One program per (assignment, ``cfg.gv_block_n`` rows): every assignment streams its expert's
     rows itself (no alignment, no padding rows, no atomics); experts shared by several tokens are
-    re-read from L2. Every element of the result is written, unless ``use_gemv`` (the device-side
-    path choice of :func:`int4_moe_align`) holds 0: then the programs return at once.
+    re-read from L2. Every element of the result is written.
     """
     M, K = hidden.shape
     I = w_gate.packed.shape[1]
@@ -999,12 +954,12 @@ def int4_moe_gemv_gate_up(
         return h
     grid = (A, triton.cdiv(I, cfg.gv_block_n))
     _int4_moe_gemv_gate_up_kernel[grid](
-        hidden, ids, w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, h, _flag_arg(use_gemv, ids),
+        hidden, ids, w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, h,
         I, K, top_k,
         hidden.stride(0), w_gate.packed.stride(0), w_gate.packed.stride(1), w_gate.scale.stride(0), w_gate.scale.stride(1), h.stride(0),
         GROUP=group_size, BLOCK_N=cfg.gv_block_n, BLOCK_K=cfg.gv_block_k, STAGES=cfg.gv_stages,
         EVEN_K=K % cfg.gv_block_k == 0, DEQ_ASM=_use_asm(cfg, hidden.dtype, w_gate), DTYPE=_TL_DTYPE[hidden.dtype],
-        ON_FLAG=use_gemv is not None, num_warps=cfg.gv_warps,
+        num_warps=cfg.gv_warps,
     )
     return h
 
@@ -1012,7 +967,7 @@ def int4_moe_gemv_gate_up(
 @on_input_device
 def int4_moe_gemv_down(
     h: Tensor, w_down: Int4Weight, topk_ids: Tensor, topk_weights: Tensor, cfg: Int4MoEConfig,
-    group_size: int = 32, out_dtype: torch.dtype | None = None, use_gemv: Tensor | None = None,
+    group_size: int = 32, out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """``[M, K]``: ``sum_j w[t, j] * down_e(h[t * top_k + j])`` with ``h`` from ``int4_moe_gemv_gate_up``,
     in ``out_dtype`` (default h's dtype).
@@ -1032,12 +987,12 @@ def int4_moe_gemv_down(
     weights = topk_weights.contiguous().view(-1)  # [A]
     grid = (M, triton.cdiv(K, cfg.gvd_block_n))
     _int4_moe_gemv_down_kernel[grid](
-        h, ids, weights, w_down.packed, w_down.scale, out, _flag_arg(use_gemv, ids),
+        h, ids, weights, w_down.packed, w_down.scale, out,
         K, I, top_k,
         h.stride(0), w_down.packed.stride(0), w_down.packed.stride(1), w_down.scale.stride(0), w_down.scale.stride(1), out.stride(0),
         GROUP=group_size, BLOCK_N=cfg.gvd_block_n, BLOCK_K=cfg.gvd_block_k, STAGES=cfg.gvd_stages,
         EVEN_K=I % cfg.gvd_block_k == 0, DEQ_ASM=_use_asm(cfg, act_dtype, w_down), DTYPE=_TL_DTYPE[act_dtype],
-        ON_FLAG=use_gemv is not None, num_warps=cfg.gvd_warps,
+        num_warps=cfg.gvd_warps,
     )
     return out
 

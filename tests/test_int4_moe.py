@@ -174,34 +174,6 @@ def _run_gemv_case(name: str, M: int, top_k: int, gv: tuple, gvd: tuple, tol: fl
                 empty_ok=_gemv_m0_ok(x, wg, wu, wd, ids, tw, group, cfg))
 
 
-# gemv_auto: name -> (ids rows, expected device choice). Spread: every assignment its own expert
-# (the GEMV serves); hot: six tokens on the same two experts, 6 assignments an expert (the tensor
-# cores serve, and every GEMV program returns at once).
-AUTO_CASES = {
-    "auto_spread": ([[0, 1], [2, 3], [4, 5]], 1),
-    "auto_hot": ([[0, 1]] * 3 + [[1, 0]] * 3, 0),
-}
-
-
-def _run_auto_case(name: str, rows: list, want_gemv: int) -> dict:
-    """``gemv_auto`` (outputs NaN-poisoned): the device's choice, and the result either way."""
-    import torch
-
-    from kernels.int4_moe import Int4MoEConfig, fused_int4_moe, int4_moe_align, int4_moe_reference
-
-    x, wg, wu, wd, _, _ = _inputs(name, len(rows), 2)
-    ids = torch.tensor(rows)  # [M, 2]
-    tw = torch.rand(len(rows), 2, generator=torch.Generator().manual_seed(3))  # [M, 2]
-    cfg = Int4MoEConfig(**dict(SMALL, gemv=True, gemv_auto=True, gv_block_n=16, gv_block_k=128, gvd_block_n=64))
-    with _nan_empty():
-        out = fused_int4_moe(x, wg, wu, wd, ids, tw, config=cfg)  # [M, K]
-    chose = int(int4_moe_align(ids, wg.packed.shape[0], cfg.block_m, gemv_max_ratio=1.5).use_gemv.item())
-    ref = int4_moe_reference(x, wg, wu, wd, ids, tw, compute_dtype=torch.float64)  # [M, K]
-    rel, max_rel = _errors(out, ref)
-    return dict(name=name, rel_err=rel, max_rel_err=max_rel, tol=1e-5, finite=bool(torch.isfinite(out).all()),
-                dtype=str(out.dtype), want_dtype=str(x.dtype), chose_gemv=chose, want_gemv=want_gemv)
-
-
 def _gemv_m0_ok(x, wg, wu, wd, ids, tw, group: int, cfg) -> bool:
     """Zero tokens: a [0, K] result from both entry points, no launch."""
     from kernels.int4_moe import fused_int4_moe, int4_moe_gemv
@@ -285,11 +257,14 @@ def _run_config_spec() -> dict:
     edges = [choose_config(m, e, 7168, i, 8).gemv for m, e, i in ((36, 384, 256), (37, 384, 256), (4, 48, 2048), (5, 48, 2048))]
     if edges != [True, False, True, False]:
         errors.append(f"GEMV threshold edges {edges}, want [True, False, True, False]")
-    # Above one token the step's routing picks the path on the device (gemv_auto); M = 1 is static.
-    if tp8_m1.gemv_auto or not choose_config(17, 384, 7168, 256, 8).gemv_auto or choose_config(72, 384, 7168, 256, 8).gemv_auto:
-        errors.append("gemv_auto is not exactly the GEMV configs above one token")
-    if Int4MoEConfig.parse("gemv=1,gva=1") != Int4MoEConfig(gemv=True, gemv_auto=True):
-        errors.append("parse of gva differs")
+    # A draft tree's nodes share experts: only one token a routing group (decode) takes the GEMV.
+    grouped = [choose_config(17, 384, 7168, 256, 8, routing_groups=g).gemv for g in (None, 17, 32, 1, 16)]
+    if grouped != [True, True, True, False, False]:
+        errors.append(f"GEMV by routing groups {grouped}, want [True, True, True, False, False]")
+    tree, decode = choose_config(17, 384, 7168, 256, 8, routing_groups=1), choose_config(17, 384, 7168, 256, 8)
+    tc_fields = ("block_m", "gu_block_n", "gu_block_k", "gu_split_k", "dn_block_n", "dn_block_k", "swap_ab")
+    if [getattr(tree, f) for f in tc_fields] != [getattr(decode, f) for f in tc_fields]:
+        errors.append("a tree step does not get its M's tensor-core config")
     tc = dataclasses.replace(tp8_m1, gemv=False)
     if (tc.gu_split_k, tc.dn_block_n, tc.dn_block_k) != (8, 256, 64):
         errors.append(f"the GEMV config at M=1 lost the tensor-core choice of that M: {tc.spec()}")
@@ -331,8 +306,6 @@ def _main() -> None:
         print(json.dumps(_run_gemv_case(name, **case)), flush=True)
     for name, args in ALIGN_CASES.items():
         print(json.dumps(_run_align(name, *args)), flush=True)
-    for name, args in AUTO_CASES.items():
-        print(json.dumps(_run_auto_case(name, *args)), flush=True)
     print(json.dumps(_run_config_spec()), flush=True)
     print(json.dumps(_run_sweep_helpers()), flush=True)
 
@@ -365,13 +338,6 @@ def test_int4_moe_gemv_matches_reference_and_tensor_cores(results: dict[str, dic
     r = results[name]
     assert r["rel_err_vs_tensor_cores"] < r["tol"], f"{name}: rel diff to the tensor-core path {r['rel_err_vs_tensor_cores']:.3g}"
     assert r["empty_ok"], f"{name}: zero tokens did not give a [0, K] result"
-
-
-@pytest.mark.parametrize("name", list(AUTO_CASES))
-def test_int4_moe_auto_picks_the_path_on_the_device(results: dict[str, dict], name: str) -> None:
-    test_fused_int4_moe_matches_reference(results, name)  # the chosen path wrote every element
-    r = results[name]
-    assert r["chose_gemv"] == r["want_gemv"], f"{name}: the device chose GEMV={r['chose_gemv']}"
 
 
 @pytest.mark.parametrize("name", list(ALIGN_CASES))

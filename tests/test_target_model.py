@@ -189,6 +189,31 @@ def test_batch_equals_each_alone(models: Models) -> None:
     assert_close(together.new_kv, torch.cat([o.new_kv for o in alone], dim=1), rtol=1e-5)
 
 
+def test_moe_layers_learn_the_steps_requests(models: Models, monkeypatch) -> None:
+    """The MoE layers get the step's request count (``routing_groups``): the fused kernel's launch
+    choice depends on it, because the nodes of one tree share experts."""
+    import services.verifier.model as model_mod
+
+    seen: list[int | None] = []
+    real = model_mod.moe_forward
+
+    def spy(*args, routing_groups=None, **kwargs):
+        seen.append(routing_groups)
+        return real(*args, routing_groups=routing_groups, **kwargs)
+
+    monkeypatch.setattr(model_mod, "moe_forward", spy)
+    g = torch.Generator().manual_seed(4)
+    cache = new_cache(models.target, pages=64)
+    reqs = []
+    for rid, plen, n in (("a", 3, 5), ("b", 9, 2)):
+        prefill(models.target, cache, rid, rand_tokens(plen, g))
+        reqs.append(Req(rid, rand_tokens(n, g), random_parents(n, g), plen))
+    seen.clear()
+    run(models.target, cache, reqs)
+    moe_layers = sum(layer.moe is not None for layer in models.target.layers)
+    assert moe_layers > 0 and seen == [2] * moe_layers
+
+
 def test_features_are_hf_hidden_states(models: Models) -> None:
     prompt = rand_tokens(9, torch.Generator().manual_seed(4))
     cache = new_cache(models.target)

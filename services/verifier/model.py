@@ -312,7 +312,10 @@ class TargetModel(torch.nn.Module):
             attn_out, new_kv[i] = self._attention(layer.attn, h, cos, sin, cache.kv[i], batch.attn)
             x = x + self.tp.all_reduce(attn_out)
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)  # [N, hidden]
-            mlp_out = moe_forward(h, layer.moe, c) if layer.moe is not None else mlp_forward(h, layer.mlp)
+            if layer.moe is not None:
+                mlp_out = moe_forward(h, layer.moe, c, routing_groups=batch.attn.num_requests)
+            else:
+                mlp_out = mlp_forward(h, layer.mlp)
             x = x + self.tp.all_reduce(mlp_out)
             if i in feature_layers:
                 kept[i] = x

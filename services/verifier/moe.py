@@ -185,26 +185,31 @@ def mlp_forward(x: Tensor, w: MLPWeights) -> Tensor:
     return (F.silu(x @ w.gate.T) * (x @ w.up.T)) @ w.down.T
 
 
-def moe_forward(x: Tensor, moe: MoEWeights, config: TargetConfig, fused: bool | None = None) -> Tensor:
+def moe_forward(
+    x: Tensor, moe: MoEWeights, config: TargetConfig, fused: bool | None = None, routing_groups: int | None = None
+) -> Tensor:
     """Shared experts + routed experts.
 
     Routed experts run in the fused INT4 Triton kernel (``kernels.int4_moe``: each activated
     expert's packed weights read once per step, no host sync, graph-capturable) when ``fused`` is
     true; ``None`` picks it on CUDA for bf16/fp16 models with packed experts. Otherwise the torch
-    loop below runs: the CPU path and the reference.
+    loop below runs: the CPU path and the reference. ``routing_groups`` (the step's requests)
+    steers the kernel's launch choice: a tree's nodes share experts (``choose_config``).
     """
     N = x.shape[0]
     routing = route(x, moe, config)
     if fused is None:
         fused = uses_fused_kernel(x.device, x.dtype, moe.int4 is not None)
-    out = _routed_fused(x, moe, config, routing) if fused else _routed_torch(x, moe, routing)
+    out = _routed_fused(x, moe, config, routing, routing_groups) if fused else _routed_torch(x, moe, routing)
     if moe.shared is not None:
         out = out + mlp_forward(x, moe.shared)
     assert out.shape[0] == N
     return out
 
 
-def _routed_fused(x: Tensor, moe: MoEWeights, config: TargetConfig, routing: Routing) -> Tensor:
+def _routed_fused(
+    x: Tensor, moe: MoEWeights, config: TargetConfig, routing: Routing, routing_groups: int | None = None
+) -> Tensor:
     """Routed experts through the fused INT4 kernel (imported here: CPU runs never load triton)."""
     from kernels.int4_moe import fused_int4_moe
 
@@ -217,6 +222,7 @@ def _routed_fused(x: Tensor, moe: MoEWeights, config: TargetConfig, routing: Rou
         routing.ids,
         routing.weights.float(),
         group_size=config.quantization.group_size,
+        routing_groups=routing_groups,
     )
 
 
