@@ -678,8 +678,11 @@ def choose_config(
     router, a budget-16 verify at batch 1 (136 assignments over ~16 experts a layer) took
     25.6 ms a step on the GEMV path and 18.1 on the tensor cores (bench/results/
     k2-slice-moe-path.json); under uniform routing the GEMV is 1.27-1.35x faster at those M
-    (bench/results/int4_moe_gemv.json). A real router lies between; choosing on the GPU from
-    the step's distinct-expert count would decide per step.
+    (bench/results/int4_moe_gemv.json). A real router lies between. Choosing on the GPU from
+    the step's distinct-expert count was measured and not kept (bench/results/int4_moe_auto.json):
+    launching both paths, with the unchosen one's programs returning at once, cost 14-43 us a
+    layer at K2 TP8 M = 9-36, more than the choice saves unless routing is as skewed as the
+    slice's.
     """
     pinned = os.environ.get(CONFIG_ENV)
     if pinned:
