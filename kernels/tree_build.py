@@ -3,8 +3,8 @@
 Same selection as ``services.draft.tree.build_trees`` (see its docstring for why it is exact): per
 depth keep the top-``budget`` of (kept nodes of the previous depth) x (top-k tokens of this depth),
 then take the global top-``budget`` over all depths, which is prefix-closed. The torch version
-issues ~130 small kernels at budget 64 x depth 15; here everything after the vocabulary top-k is
-one launch.
+issues ~130 small kernels at budget 64 x depth 15; here it is one launch (two where a vocabulary
+of more than ``SORT_VOCAB_MAX`` tokens needs torch's top-k first).
 
 Three things make a depth cheap enough for one program:
 
@@ -290,7 +290,7 @@ def tree_build_triton(
         top_tok = torch.empty(num_req, depth, k, dtype=torch.int64, device=device)
     else:
         # Over a 163840-token vocabulary this top-k costs 2.4-3.6 ms at batch 128 on an H200,
-        # 30x the tree itself: the drafter should hand over its top-k (fused into its LM head).
+        # ~100x the tree itself: the drafter should hand over its top-k (fused into its LM head).
         raw = logprobs
         top_lp, top_tok = logprobs[:, :depth].float().topk(k, dim=-1)  # [R, De, k] each, descending
         top_lp, top_tok = top_lp.contiguous(), top_tok.contiguous()

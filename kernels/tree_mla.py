@@ -253,12 +253,11 @@ class TreeMlaConfig:
     Above 64 rows a request the default is 128 rows x half the value dims, 64-key tiles, one
     stage: on an H200 (the sweep in bench/results/tree_mla.json, batch 32, context 4096, 8 heads)
     184 / 350 / 681 us at trees 9 / 17 / 33 against 246 / 481 / 951 for 64 rows x all 512 dims.
-    At 128 rows
-    each warpgroup owns 64 rows of the logits; at 64 rows on 8 warps Triton's chained-dot layout
-    has both warpgroups compute the same logits, and a 72-row tree needs a second, nearly empty
-    64-row tile. q (144 KB) plus one 64-key tile (72 KB) fill shared memory: one stage, and on
-    GPUs with less shared memory a block (A100: 163 KB) the 64-row config runs instead
-    (:func:`fit_shared_memory`).
+    At 128 rows each warpgroup owns 64 rows of the logits; at 64 rows on 8 warps Triton's
+    chained-dot layout has both warpgroups compute the same logits, and a 72-row tree needs a
+    second, nearly empty 64-row tile. q (144 KB) plus one 64-key tile (72 KB) fill shared
+    memory: one stage, and on GPUs with less shared memory a block (A100: 163 KB) the 64-row
+    config runs instead (:func:`fit_shared_memory`).
     """
 
     block_m: int
@@ -319,10 +318,10 @@ def choose_num_splits(
     wave half empty) in 246 us, on an H200 (bench/results/tree_mla.json). Limits: every split
     keeps >= 64 keys, at most 32 splits (the merge reads every split's partial: at batch 1, tree
     9, on an H200, context 1024 took 27 us with 16 splits against 39 with 4, context 4096 41 us
-    with 32 against 51 with 64; bench/results/tree_mla_variants.json),
-    and where the shape is memory-bound (<= 128 rows a request) and the float32 partials
-    (``rows x kvr`` per split, written then read by the merge) would spill out of L2 (> 16 MB),
-    they stay under a quarter of the KV bytes read.
+    with 32 against 51 with 64; bench/results/tree_mla_variants.json), and where the shape is
+    memory-bound (<= 128 rows a request) and the float32 partials (``rows x kvr`` per split,
+    written then read by the merge) would spill out of L2 (> 16 MB), they stay under a quarter of
+    the KV bytes read.
     """
     if max_prefix <= 0:
         return 1
