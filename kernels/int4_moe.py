@@ -245,39 +245,25 @@ def _dequant_int4_bf16x2(p, s):
 def _load_int4_tile(
     w_base, s_base, n_ok, k0, KW, KG,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr, DEQ_ASM: tl.constexpr,
-    PAIRED: tl.constexpr = None,
 ):
     """Dequantised ``[BN, BLOCK_K]`` tile of one expert's weight, columns ``k0 .. k0+BLOCK_K``.
 
     ``w_base [BN, 1]`` points at the packed rows, ``s_base [BN, 1]`` at the scale rows (rows past
-    N are clamped by the caller, so only a K tail needs masks). ``PAIRED`` (a 16-bit dtype, group
-    32): ``s_base`` is the scale rows viewed as int32, two scales a word. Triton's pipeliner
-    prefetches only loads of >= 32 bits a thread; a [BN, BK/32] tile of 16-bit scales is one
-    element a thread, so unpaired it is a blocking load from HBM in every K step.
+    N are clamped by the caller, so only a K tail needs masks).
     """
     kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8] word index
     if EVEN_K:
         p = tl.load(w_base + kw[None, :])  # [BN, BK/8] int32
     else:
         p = tl.load(w_base + kw[None, :], mask=(kw < KW)[None, :], other=0)
-    if PAIRED is not None:
-        kp = k0 // 64 + tl.arange(0, BLOCK_K // 64)  # [BK/64] pair index
-        if EVEN_K:
-            s2 = tl.load(s_base + kp[None, :])  # [BN, BK/64] int32
-        else:
-            s2 = tl.load(s_base + kp[None, :], mask=(2 * kp < KG)[None, :], other=0)
-        lo = (s2 & 0xFFFF).to(tl.int16).to(PAIRED, bitcast=True)  # little-endian: group 2j
-        hi = (s2 >> 16).to(tl.int16).to(PAIRED, bitcast=True)  # group 2j + 1
-        s = tl.interleave(lo, hi)  # [BN, BK/32]
+    if GROUP == 32:
+        kg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)  # [BK/32]
     else:
-        if GROUP == 32:
-            kg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)  # [BK/32]
-        else:
-            kg = (k0 + 8 * tl.arange(0, BLOCK_K // 8)) // GROUP  # [BK/8] group of each word
-        if EVEN_K:
-            s = tl.load(s_base + kg[None, :])
-        else:
-            s = tl.load(s_base + kg[None, :], mask=(kg < KG)[None, :], other=0)
+        kg = (k0 + 8 * tl.arange(0, BLOCK_K // 8)) // GROUP  # [BK/8] group of each word
+    if EVEN_K:
+        s = tl.load(s_base + kg[None, :])
+    else:
+        s = tl.load(s_base + kg[None, :], mask=(kg < KG)[None, :], other=0)
     if DEQ_ASM:
         if GROUP == 32:  # [BN, BK/32] -> [BN, BK/8]: 4 words per group
             s = tl.interleave(s, s)
@@ -326,7 +312,6 @@ def _int4_moe_gemm_kernel(
     DEQ_ASM: tl.constexpr,  # bf16x2 PTX dequantisation (GPU, bf16 activations and scales)
     DOT_F32: tl.constexpr,  # CPU interpreter only: its tl.dot multiplies bf16 bit patterns
     DTYPE: tl.constexpr,  # activation dtype: dequantised weights are cast to it
-    PAIRED: tl.constexpr = None,  # 16-bit scales read as int32 pairs (see _load_int4_tile)
 ):
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
@@ -377,7 +362,7 @@ def _int4_moe_gemm_kernel(
             a = tl.load(a_ptrs, mask=k_mask, other=0)
         if DOT_F32:
             a = a.to(tl.float32)
-        b0 = _load_int4_tile(w0_base, s0_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM, PAIRED)  # [BN, BK]
+        b0 = _load_int4_tile(w0_base, s0_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM)  # [BN, BK]
         if DOT_F32:
             b0 = b0.to(tl.float32)
         if SWAP_AB:
@@ -385,7 +370,7 @@ def _int4_moe_gemm_kernel(
         else:
             acc0 = tl.dot(a, tl.trans(b0), acc0)  # [BM, BN]
         if GATED:
-            b1 = _load_int4_tile(w1_base, s1_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM, PAIRED)  # [BN, BK]
+            b1 = _load_int4_tile(w1_base, s1_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM)  # [BN, BK]
             if DOT_F32:
                 b1 = b1.to(tl.float32)
             if SWAP_AB:
@@ -463,7 +448,6 @@ def _int4_moe_gemv_gate_up_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the loop
     DEQ_ASM: tl.constexpr,
     DTYPE: tl.constexpr,
-    PAIRED: tl.constexpr = None,  # 16-bit scales read as int32 pairs (see _load_int4_tile)
 ):
     """One program per (assignment, BLOCK_N rows of the intermediate dim); grid (A, cdiv(N, BLOCK_N)).
 
@@ -494,9 +478,9 @@ def _int4_moe_gemv_gate_up_kernel(
         else:
             xk = tl.load(x_row + kk, mask=kk < K, other=0)
         xk = xk.to(tl.float32)[None, :]  # [1, BK]
-        g = _load_int4_tile(wg_base, sg_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM, PAIRED)  # [BN, BK]
+        g = _load_int4_tile(wg_base, sg_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM)  # [BN, BK]
         acc_g += g.to(tl.float32) * xk
-        u = _load_int4_tile(wu_base, su_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM, PAIRED)  # [BN, BK]
+        u = _load_int4_tile(wu_base, su_base, n_ok, k0, KW, KG, GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM)  # [BN, BK]
         acc_u += u.to(tl.float32) * xk
     gate = tl.sum(acc_g, 1)  # [BN]
     up = tl.sum(acc_u, 1)  # [BN]
@@ -528,7 +512,6 @@ def _int4_moe_gemv_down_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     DEQ_ASM: tl.constexpr,
     DTYPE: tl.constexpr,
-    PAIRED: tl.constexpr = None,  # 16-bit scales read as int32 pairs (see _load_int4_tile)
 ):
     """One program per (token, BLOCK_N rows of the hidden dim); grid (M, cdiv(N, BLOCK_N)).
 
@@ -563,7 +546,7 @@ def _int4_moe_gemv_down_kernel(
         hk = (hk.to(tl.float32) * wt)[None, :]  # [1, BK]
         w = _load_int4_tile(
             w_rows + expert * stride_we, s_rows + expert * stride_se, n_ok, k0, KW, KG,
-            GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM, PAIRED,
+            GROUP, BLOCK_K, EVEN_K, DTYPE, DEQ_ASM,
         )  # [BN, BK]
         acc += w.to(tl.float32) * hk
     out = tl.sum(acc, 1)  # [BN]
@@ -593,7 +576,6 @@ class Int4MoEConfig:
     reduce: str = "sum"  # "sum": per-assignment rows then a torch sum over top-k; "atomic": fp32 atomics
     gu_split_k: int = 1  # > 1: gate/up partial sums over K slices added atomically (small M: more programs)
     deq_asm: bool = True  # bf16x2 PTX dequantisation where it applies (CUDA, bf16 activations + scales)
-    paired_scales: bool = True  # 16-bit group-32 scales read as int32 pairs where the layout allows
     # GEMV path (few assignments): no alignment, CUDA-core dot products per assignment / token.
     # Defaults: choose_config's TP-style GEMV config above 8 assignments (see _gemv_launch).
     gemv: bool = False
@@ -627,7 +609,6 @@ class Int4MoEConfig:
             f"bm={self.block_m},gu={self.gu_block_n}x{self.gu_block_k}x{self.gu_warps}x{self.gu_stages},"
             f"dn={self.dn_block_n}x{self.dn_block_k}x{self.dn_warps}x{self.dn_stages},"
             f"swap={int(self.swap_ab)},reduce={self.reduce},split={self.gu_split_k},asm={int(self.deq_asm)},"
-            f"pair={int(self.paired_scales)},"
             f"gemv={int(self.gemv)},gv={self.gv_block_n}x{self.gv_block_k}x{self.gv_warps}x{self.gv_stages},"
             f"gvd={self.gvd_block_n}x{self.gvd_block_k}x{self.gvd_warps}x{self.gvd_stages}"
         )
@@ -651,8 +632,6 @@ class Int4MoEConfig:
                 kw["gu_split_k"] = int(val)
             elif key == "asm":
                 kw["deq_asm"] = val not in ("0", "false", "False")
-            elif key == "pair":
-                kw["paired_scales"] = val not in ("0", "false", "False")
             elif key == "gemv":
                 kw["gemv"] = val not in ("0", "false", "False")
             else:
@@ -862,26 +841,6 @@ def fused_int4_moe(
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def _scales(ws: tuple[Int4Weight, ...], group_size: int, block_k: int, cfg: Int4MoEConfig) -> tuple[list[Tensor], int, int, object]:
-    """The scale operands of one launch (weights sharing strides): (tensors, expert stride, row
-    stride, ``PAIRED``).
-
-    Paired where the kernel can read two 16-bit group-32 scales as one int32 (see
-    ``_load_int4_tile``): even group counts, strides and offsets, two groups or more a K step.
-    """
-    def pairable(sc: Tensor) -> bool:
-        return (
-            sc.dtype in (torch.bfloat16, torch.float16) and sc.dim() == 3 and sc.stride(2) == 1
-            and sc.shape[2] % 2 == 0 and sc.stride(0) % 2 == 0 and sc.stride(1) % 2 == 0 and sc.storage_offset() % 2 == 0
-        )
-
-    scales = [w.scale for w in ws]
-    s0 = scales[0]
-    if not (cfg.paired_scales and group_size == 32 and block_k >= 64 and all(pairable(sc) for sc in scales)):
-        return scales, s0.stride(0), s0.stride(1), None
-    return [sc.view(torch.int32) for sc in scales], s0.stride(0) // 2, s0.stride(1) // 2, _TL_DTYPE[s0.dtype]
-
-
 def _use_asm(cfg: Int4MoEConfig, act_dtype: torch.dtype, w: Int4Weight) -> bool:
     """The bf16x2 PTX dequantisation applies on CUDA to bf16 activations with bf16 scales."""
     return cfg.deq_asm and w.packed.is_cuda and act_dtype == torch.bfloat16 and w.scale.dtype == torch.bfloat16
@@ -907,12 +866,11 @@ def int4_moe_gate_up(
     h = torch.empty(P, I, dtype=hidden.dtype, device=hidden.device)  # [P, I]
     out = torch.zeros(P, 2 * I, dtype=torch.float32, device=hidden.device) if split > 1 else h  # [P, 2I] gate | up sums
     grid = (nb * triton.cdiv(I, cfg.gu_block_n) * triton.cdiv(K, k_split),)
-    (sg, su), sse, ssn, paired = _scales((w_gate, w_up), group_size, cfg.gu_block_k, cfg)
     _int4_moe_gemm_kernel[grid](
-        hidden, w_gate.packed, sg, w_up.packed, su, out,
+        hidden, w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, out,
         align.sorted_ids, align.block_expert, align.sorted_ids,
         I, K, M * top_k, top_k, nb, k_split,
-        hidden.stride(0), w_gate.packed.stride(0), w_gate.packed.stride(1), sse, ssn, out.stride(0), PAIRED=paired,
+        hidden.stride(0), w_gate.packed.stride(0), w_gate.packed.stride(1), w_gate.scale.stride(0), w_gate.scale.stride(1), out.stride(0),
         GATED=True, ATOMIC=False, SWAP_AB=cfg.swap_ab, GROUP=group_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k, SPLIT_K=split,
         EVEN_K=K % cfg.gu_block_k == 0, DEQ_ASM=_use_asm(cfg, hidden.dtype, w_gate), DOT_F32=hidden.is_cpu,
@@ -945,12 +903,11 @@ def int4_moe_down(
     else:
         out = torch.empty(A, K, dtype=act_dtype, device=h.device)  # [A, K] one row per assignment
     grid = (nb * triton.cdiv(K, cfg.dn_block_n),)
-    (sd,), sse, ssn, paired = _scales((w_down,), group_size, cfg.dn_block_k, cfg)
     _int4_moe_gemm_kernel[grid](
-        h, w_down.packed, sd, w_down.packed, sd, out,
+        h, w_down.packed, w_down.scale, w_down.packed, w_down.scale, out,
         align.sorted_ids, align.block_expert, weights,
         K, I, A, top_k, nb, I,
-        h.stride(0), w_down.packed.stride(0), w_down.packed.stride(1), sse, ssn, out.stride(0), PAIRED=paired,
+        h.stride(0), w_down.packed.stride(0), w_down.packed.stride(1), w_down.scale.stride(0), w_down.scale.stride(1), out.stride(0),
         GATED=False, ATOMIC=atomic, SWAP_AB=cfg.swap_ab, GROUP=group_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, BLOCK_K=cfg.dn_block_k, SPLIT_K=1,
         EVEN_K=I % cfg.dn_block_k == 0, DEQ_ASM=_use_asm(cfg, act_dtype, w_down),
@@ -999,11 +956,10 @@ def int4_moe_gemv_gate_up(
     if A == 0:
         return h
     grid = (A, triton.cdiv(I, cfg.gv_block_n))
-    (sg, su), sse, ssn, paired = _scales((w_gate, w_up), group_size, cfg.gv_block_k, cfg)
     _int4_moe_gemv_gate_up_kernel[grid](
-        hidden, ids, w_gate.packed, sg, w_up.packed, su, h,
+        hidden, ids, w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, h,
         I, K, top_k,
-        hidden.stride(0), w_gate.packed.stride(0), w_gate.packed.stride(1), sse, ssn, h.stride(0), PAIRED=paired,
+        hidden.stride(0), w_gate.packed.stride(0), w_gate.packed.stride(1), w_gate.scale.stride(0), w_gate.scale.stride(1), h.stride(0),
         GROUP=group_size, BLOCK_N=cfg.gv_block_n, BLOCK_K=cfg.gv_block_k, STAGES=cfg.gv_stages,
         EVEN_K=K % cfg.gv_block_k == 0, DEQ_ASM=_use_asm(cfg, hidden.dtype, w_gate), DTYPE=_TL_DTYPE[hidden.dtype],
         num_warps=cfg.gv_warps,
@@ -1033,11 +989,10 @@ def int4_moe_gemv_down(
     ids = topk_ids.contiguous().view(-1)  # [A]
     weights = topk_weights.contiguous().view(-1)  # [A]
     grid = (M, triton.cdiv(K, cfg.gvd_block_n))
-    (sd,), sse, ssn, paired = _scales((w_down,), group_size, cfg.gvd_block_k, cfg)
     _int4_moe_gemv_down_kernel[grid](
-        h, ids, weights, w_down.packed, sd, out,
+        h, ids, weights, w_down.packed, w_down.scale, out,
         K, I, top_k,
-        h.stride(0), w_down.packed.stride(0), w_down.packed.stride(1), sse, ssn, out.stride(0), PAIRED=paired,
+        h.stride(0), w_down.packed.stride(0), w_down.packed.stride(1), w_down.scale.stride(0), w_down.scale.stride(1), out.stride(0),
         GROUP=group_size, BLOCK_N=cfg.gvd_block_n, BLOCK_K=cfg.gvd_block_k, STAGES=cfg.gvd_stages,
         EVEN_K=I % cfg.gvd_block_k == 0, DEQ_ASM=_use_asm(cfg, act_dtype, w_down), DTYPE=_TL_DTYPE[act_dtype],
         num_warps=cfg.gvd_warps,

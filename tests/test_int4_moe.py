@@ -52,13 +52,6 @@ CASES: dict[str, dict] = {
     "split_k_bf16": dict(M=7, top_k=2, dtype="bfloat16", cfg=dict(SMALL, gu_split_k=2, swap_ab=False, reduce="atomic"), tol=3e-2),
     # top_k 1: no reduction over slots
     "top1": dict(M=3, top_k=1, cfg=dict(SMALL, swap_ab=False), tol=1e-5),
-    # Even group counts (hidden 192: 6 groups, a 64-wide K tail of the 128-wide step; intermediate
-    # 128: 4): 16-bit scales are read as int32 pairs (the served layout). Also run unpaired, and
-    # the two must agree bit for bit.
-    "paired_scales": dict(M=6, top_k=3, K=192, I=128, cfg=dict(SMALL, swap_ab=True), tol=1e-5, paired=True),
-    "paired_scales_split_k_fp16": dict(
-        M=5, top_k=2, K=192, I=128, scale_dtype="float16", cfg=dict(SMALL, gu_split_k=2, swap_ab=False), tol=1e-5, paired=True,
-    ),
 }
 # GEMV path (cfg.gemv): name -> case parameters (see _run_gemv_case). Each case also runs the
 # tensor-core path (SMALL) on the same inputs; with fp32 activations the two agree to fp32 rounding.
@@ -74,8 +67,6 @@ GEMV_CASES: dict[str, dict] = {
     "gemv_fp16": dict(M=2, top_k=2, dtype="float16", gv=(32, 256, 4, 1), gvd=(128, 128, 4, 1), tol=2e-3),
     # the served launch at K2 TP8 M=1: one row a program on one warp, pipelined down
     "gemv_served_m1": dict(M=1, top_k=4, gv=(1, 1024, 1, 1), gvd=(8, 256, 1, 3), tol=1e-5),
-    # even group counts: int32 scale pairs in both kernels, a K tail of one pair in gate/up
-    "gemv_paired_scales": dict(M=2, top_k=3, K=192, I=128, gv=(8, 128, 2, 1), gvd=(16, 64, 2, 1), tol=1e-5, paired=True),
 }
 ALIGN_CASES = {"align_m1": (1, 8, 4, 16), "align_random": (50, 16, 3, 16), "align_hot": (40, 6, 2, 8), "align_wide": (300, 384, 8, 64)}
 
@@ -129,37 +120,18 @@ def _errors(out, ref) -> tuple[float, float]:
     return (diff.norm() / ref.double().norm()).item(), (diff.abs().max() / ref.double().abs().max()).item()
 
 
-def _paired_check(name: str, config, run, weights, group: int, block_ks: tuple[int, ...], out) -> dict:
-    """For ``paired`` cases: every launch reads int32 scale pairs, and the unpaired run of the same
-    config gives the same output bit for bit (the scales are the same numbers either way)."""
-    import torch
-
-    from kernels.int4_moe import _scales
-
-    used = [_scales(weights, group, bk, config)[3] is not None for bk in block_ks]
-    unpaired = run(dataclasses.replace(config, paired_scales=False))
-    return dict(paired_used=used, paired_equals_unpaired=bool(torch.equal(out, unpaired)))
-
-
-def _run_case(name: str, M: int, top_k: int, cfg, tol: float, group: int = 32, paired: bool = False, **inputs) -> dict:
+def _run_case(name: str, M: int, top_k: int, cfg, tol: float, group: int = 32, **inputs) -> dict:
     import torch
 
     from kernels.int4_moe import Int4MoEConfig, fused_int4_moe, int4_moe_reference
 
     x, wg, wu, wd, ids, tw = _inputs(name, M, top_k, group=group, **inputs)
     config = Int4MoEConfig(**cfg) if cfg is not None else None
-
-    def run(c):
-        return fused_int4_moe(x, wg, wu, wd, ids, tw, group_size=group, config=c)  # [M, K]
-
-    out = run(config)
+    out = fused_int4_moe(x, wg, wu, wd, ids, tw, group_size=group, config=config)  # [M, K]
     ref = int4_moe_reference(x, wg, wu, wd, ids, tw, group_size=group, compute_dtype=torch.float64)  # [M, K]
     rel, max_rel = _errors(out, ref)
-    row = dict(name=name, rel_err=rel, max_rel_err=max_rel, tol=tol, finite=bool(torch.isfinite(out).all()),
-               shape=list(out.shape), dtype=str(out.dtype), want_dtype=str(x.dtype))
-    if paired:
-        row.update(_paired_check(name, config, run, (wg, wu, wd), group, (config.gu_block_k, config.dn_block_k), out))
-    return row
+    return dict(name=name, rel_err=rel, max_rel_err=max_rel, tol=tol, finite=bool(torch.isfinite(out).all()),
+                shape=list(out.shape), dtype=str(out.dtype), want_dtype=str(x.dtype))
 
 
 @contextlib.contextmanager
@@ -181,7 +153,7 @@ def _nan_empty():
 
 
 def _run_gemv_case(name: str, M: int, top_k: int, gv: tuple, gvd: tuple, tol: float, group: int = 32,
-                   ids_dtype: str = "int64", paired: bool = False, **inputs) -> dict:
+                   ids_dtype: str = "int64", **inputs) -> dict:
     """The GEMV path (outputs NaN-poisoned) against the float64 reference and the tensor-core path."""
     import torch
 
@@ -197,15 +169,9 @@ def _run_gemv_case(name: str, M: int, top_k: int, gv: tuple, gvd: tuple, tol: fl
     ref = int4_moe_reference(x, wg, wu, wd, ids, tw, group_size=group, compute_dtype=torch.float64)  # [M, K]
     rel, max_rel = _errors(out, ref)
     rel_tc, _ = _errors(out, tc)
-    row = dict(name=name, rel_err=rel, max_rel_err=max_rel, rel_err_vs_tensor_cores=rel_tc, tol=tol,
-               finite=bool(torch.isfinite(out).all()), shape=list(out.shape), dtype=str(out.dtype), want_dtype=str(x.dtype),
-               empty_ok=_gemv_m0_ok(x, wg, wu, wd, ids, tw, group, cfg))
-    if paired:
-        def run(c):
-            return fused_int4_moe(x, wg, wu, wd, ids, tw, group_size=group, config=c)
-
-        row.update(_paired_check(name, cfg, run, (wg, wu, wd), group, (cfg.gv_block_k, cfg.gvd_block_k), out))
-    return row
+    return dict(name=name, rel_err=rel, max_rel_err=max_rel, rel_err_vs_tensor_cores=rel_tc, tol=tol,
+                finite=bool(torch.isfinite(out).all()), shape=list(out.shape), dtype=str(out.dtype), want_dtype=str(x.dtype),
+                empty_ok=_gemv_m0_ok(x, wg, wu, wd, ids, tw, group, cfg))
 
 
 def _gemv_m0_ok(x, wg, wu, wd, ids, tw, group: int, cfg) -> bool:
@@ -261,8 +227,7 @@ def _run_config_spec() -> dict:
     errors = []
     gemv = Int4MoEConfig(gemv=True, gv_block_n=4, gv_block_k=512, gv_warps=2, gv_stages=3,
                          gvd_block_n=64, gvd_block_k=64, gvd_warps=8, gvd_stages=2)
-    tensor_cores = Int4MoEConfig(block_m=64, gu_block_n=128, dn_stages=4, swap_ab=False, reduce="atomic", gu_split_k=4, deq_asm=False,
-                                  paired_scales=False)
+    tensor_cores = Int4MoEConfig(block_m=64, gu_block_n=128, dn_stages=4, swap_ab=False, reduce="atomic", gu_split_k=4, deq_asm=False)
     for cfg in (Int4MoEConfig(), tensor_cores, gemv):
         if Int4MoEConfig.parse(cfg.spec()) != cfg:
             errors.append(f"parse(spec) differs for {cfg}")
@@ -373,13 +338,6 @@ def test_int4_moe_gemv_matches_reference_and_tensor_cores(results: dict[str, dic
     r = results[name]
     assert r["rel_err_vs_tensor_cores"] < r["tol"], f"{name}: rel diff to the tensor-core path {r['rel_err_vs_tensor_cores']:.3g}"
     assert r["empty_ok"], f"{name}: zero tokens did not give a [0, K] result"
-
-
-@pytest.mark.parametrize("name", [n for n, c in {**CASES, **GEMV_CASES}.items() if c.get("paired")])
-def test_paired_scales_used_and_exact(results: dict[str, dict], name: str) -> None:
-    r = results[name]
-    assert all(r["paired_used"]), f"{name}: a launch did not read scale pairs: {r['paired_used']}"
-    assert r["paired_equals_unpaired"], f"{name}: paired and unpaired scale reads give different outputs"
 
 
 @pytest.mark.parametrize("name", list(ALIGN_CASES))
