@@ -1,6 +1,10 @@
-"""Benchmark of the tree-attention MLA kernel (``kernels.tree_mla``) on one GPU; target T-mla.
+"""Benchmark of the tree-attention MLA kernels on one GPU; target T-mla.
 
-Prints and writes ``bench/results/tree_mla.json`` (TARGETS.md schema). For each shape:
+Prints and writes ``bench/results/tree_mla.json`` (TARGETS.md schema). Each row times the kernel
+``tree_mla`` serves on this GPU (``choose_backend``: the Gluon kernel of
+``kernels/tree_mla_hopper.py`` on Hopper) and the Triton kernel of ``kernels/tree_mla.py`` beside
+it; both are first checked against the float32 reference (NaN-poisoned outputs, 1 / 3 / default
+splits, the K2 and demo dims) and for graph replay == eager. For each shape:
 
 * bytes the kernel must read: the KV prefix ``batch * context * 576 * 2`` + queries
   ``N * H * 576 * 2`` + the tree's own kv ``N * 576 * 2`` (bf16; N = batch * tree_nodes). Split
@@ -15,7 +19,7 @@ Prints and writes ``bench/results/tree_mla.json`` (TARGETS.md schema). For each 
   pages, build the [nodes x heads, context + nodes] mask, one SDPA call), skipped (null) where its
   mask and scores would pass ~1.5e9 elements.
 
-Usage: python -m bench.tree_mla_bench [--out DIR] [--commit SHA] [--quick]
+Usage: python -m bench.tree_mla_bench [--out DIR] [--commit SHA] [--quick] [--sweep]
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ from kernels.tree_mla import (
     TreeAttentionDeviceMetadata,
     TreeAttentionMetadata,
     TreeMlaConfig,
+    choose_backend,
     tree_mla_reference,
     tree_mla_triton,
 )
+from kernels.tree_mla_hopper import hopper_available, tree_mla_hopper
 
 KVR, ROPE = 512, 64
 PAGE_SIZE = 64
@@ -69,23 +75,25 @@ class Case:
     """One shape's inputs: a shuffled paged cache, random trees, device metadata."""
 
     def __init__(self, batch: int, context: int | list[int], nodes: int, heads: int, seed: int = 0,
-                 page_size: int = PAGE_SIZE, dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> None:
+                 page_size: int = PAGE_SIZE, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+                 kvr: int = KVR, rope: int = ROPE) -> None:
         gen = torch.Generator(device="cpu").manual_seed(seed)
         self.device = device
+        self.kvr, self.rope = kvr, rope
         lens = [context] * batch if isinstance(context, int) else list(context)
         self.batch, self.nodes, self.heads, self.lens = batch, nodes, heads, lens
         pages = [-(-L // page_size) for L in lens]
         num_pages = sum(pages) + 4
-        self.kv_cache = torch.randn(num_pages, page_size, KVR + ROPE, dtype=dtype, device=device)  # [P, ps, 576]
+        self.kv_cache = torch.randn(num_pages, page_size, kvr + rope, dtype=dtype, device=device)  # [P, ps, 576]
         order = torch.randperm(num_pages, generator=gen)
         tables, used = [], 0
         for n_pages in pages:
             tables.append(order[used : used + n_pages].to(device))
             used += n_pages
         N = batch * nodes
-        self.q_latent = torch.randn(N, heads, KVR, dtype=dtype, device=device)  # [N, H, 512]
-        self.q_pe = torch.randn(N, heads, ROPE, dtype=dtype, device=device)  # [N, H, 64]
-        self.new_kv = torch.randn(N, KVR + ROPE, dtype=dtype, device=device)  # [N, 576]
+        self.q_latent = torch.randn(N, heads, kvr, dtype=dtype, device=device)  # [N, H, 512]
+        self.q_pe = torch.randn(N, heads, rope, dtype=dtype, device=device)  # [N, H, 64]
+        self.new_kv = torch.randn(N, kvr + rope, dtype=dtype, device=device)  # [N, 576]
         masks = []
         for _ in range(batch):
             parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
@@ -110,10 +118,10 @@ class Case:
 
     def bytes_read(self) -> int:
         N = self.batch * self.nodes
-        return 2 * (sum(self.lens) * (KVR + ROPE) + N * self.heads * (KVR + ROPE) + N * (KVR + ROPE))
+        return 2 * (sum(self.lens) * (self.kvr + self.rope) + N * self.heads * (self.kvr + self.rope) + N * (self.kvr + self.rope))
 
     def flops(self) -> int:
-        return 2 * self.nodes * self.heads * sum(L + self.nodes for L in self.lens) * (KVR + ROPE + KVR)
+        return 2 * self.nodes * self.heads * sum(L + self.nodes for L in self.lens) * (self.kvr + self.rope + self.kvr)
 
 
 def dense_sdpa_reference(case: Case) -> torch.Tensor:
@@ -147,48 +155,63 @@ def time_eager(fn, reps: int = 3) -> float:
     return eager_us([fn], reps) * 1e-6
 
 
+def run_kernel(backend: str, case: Case, config: TreeMlaConfig | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """One call of the named kernel ("triton" takes a config; both take a split count)."""
+    if backend == "hopper":
+        return tree_mla_hopper(*case.args(), num_splits=num_splits)
+    return tree_mla_triton(*case.args(), config=config, num_splits=num_splits)
+
+
 def time_kernel(batch: int, context: int, nodes: int, heads: int, config: TreeMlaConfig | None = None,
-                num_splits: int | None = None) -> tuple[float, Case]:
-    """Graph-replay time of one tree_mla call, rotating over input copies bigger than L2."""
+                num_splits: int | None = None, backend: str = "triton") -> tuple[float, Case]:
+    """Graph-replay time of one kernel call, rotating over input copies bigger than L2."""
     first = Case(batch, context, nodes, heads, seed=1)
     copies = max(1, min(64, math.ceil(ROTATE_BYTES / first.bytes_read())))
     cases = [first] + [Case(batch, context, nodes, heads, seed=1 + i) for i in range(1, copies)]
-    fns = [lambda c=c: tree_mla_triton(*c.args(), config=config, num_splits=num_splits) for c in cases]
+    fns = [lambda c=c: run_kernel(backend, c, config, num_splits) for c in cases]
     t = time_graph(fns)
     del cases[1:]
     return t, first
 
 
-def check_correctness(log: list) -> list[dict]:
-    """Kernel vs the float32 reference on bf16 inputs at a few awkward shapes; graph vs eager."""
+def check_correctness(log: list, backend: str) -> list[dict]:
+    """One kernel vs the float32 reference on bf16 inputs at awkward shapes (splits 1, 3 and the
+    default; the demo model's 128 + 32 dims); graph replay vs eager. Outputs are NaN-poisoned."""
     checks = []
-    shapes = [  # (context per request, nodes, heads, page_size)
-        ([1000, 37, 0, 4099], 9, 8, 64),
-        ([5000, 1200], 33, 64, 64),
-        ([300], 1, 128, 16),
-        ([777, 2048, 3], 17, 16, 1),
-        ([16384, 100], 129, 8, 64),
+    shapes = [  # (context per request, nodes, heads, page_size, kvr, rope)
+        ([1000, 37, 0, 4099], 9, 8, 64, KVR, ROPE),
+        ([5000, 1200], 33, 64, 64, KVR, ROPE),
+        ([300], 1, 128, 16, KVR, ROPE),
+        ([777, 2048, 3], 17, 16, 1, KVR, ROPE),
+        ([16384, 100], 129, 8, 64, KVR, ROPE),
+        ([1500, 40, 900], 17, 8, 16, 128, 32),
     ]
-    for lens, n, h, ps in shapes:
-        case = Case(len(lens), lens, n, h, seed=7, page_size=ps)
-        got = tree_mla_triton(*case.args())
+    real_empty = torch.empty
+    for lens, n, h, ps, kvr, rope in shapes:
+        case = Case(len(lens), lens, n, h, seed=7, page_size=ps, kvr=kvr, rope=rope)
         want = tree_mla_reference(case.q_latent, case.q_pe, case.kv_cache, case.new_kv, case.host_meta, case.scale)
-        row = {"lens": lens, "nodes": n, "heads": h, "page_size": ps,
-               "max_abs_err": (got.float() - want.float()).abs().max().item(), "rel_err": rel_err(got, want),
-               "finite": bool(torch.isfinite(got).all())}
-        checks.append(row)
-        log.append(f"check {row}")
-        print(log[-1], flush=True)
+        for splits in (None, 1, 3):
+            torch.empty = lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))  # an unwritten element shows
+            try:
+                got = run_kernel(backend, case, num_splits=splits)
+            finally:
+                torch.empty = real_empty
+            row = {"backend": backend, "lens": lens, "nodes": n, "heads": h, "page_size": ps, "kvr": kvr, "rope": rope,
+                   "num_splits": splits, "max_abs_err": (got.float() - want.float()).abs().max().item(),
+                   "rel_err": rel_err(got, want), "finite": bool(torch.isfinite(got).all())}
+            checks.append(row)
+            log.append(f"check {row}")
+            print(log[-1], flush=True)
     case = Case(4, 4096, 17, 8, seed=3)
     dense = dense_sdpa_reference(case)
     want = tree_mla_reference(case.q_latent, case.q_pe, case.kv_cache, case.new_kv, case.host_meta, case.scale)
-    eager = tree_mla_triton(*case.args())
+    eager = run_kernel(backend, case)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed = tree_mla_triton(*case.args())
+        replayed = run_kernel(backend, case)
     graph.replay()
     torch.cuda.synchronize()
-    row = {"dense_sdpa_rel_err": rel_err(dense, want), "graph_equals_eager": bool(torch.equal(replayed, eager))}
+    row = {"backend": backend, "dense_sdpa_rel_err": rel_err(dense, want), "graph_equals_eager": bool(torch.equal(replayed, eager))}
     checks.append(row)
     log.append(f"check {row}")
     print(log[-1], flush=True)
@@ -242,6 +265,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"))
     ap.add_argument("--quick", action="store_true", help="one batch/context/tree per axis (smoke test)")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the Triton kernel's configs (its defaults come from such a sweep)")
     args = ap.parse_args()
     torch.manual_seed(0)
     log: list[str] = []
@@ -249,16 +273,23 @@ def main() -> None:
     copy_gbps = measure_copy_gbps()
     matmul_tflops = measure_matmul_tflops()
     print(f"{gpu}: copy {copy_gbps:.0f} GB/s, bf16 matmul {matmul_tflops:.0f} TFLOP/s", flush=True)
-    checks = check_correctness(log)
-    t0 = time.time()
-    best = sweep_configs(log)
-    log.append(f"sweep took {time.time() - t0:.1f}s; best {best}")
+    probe = Case(1, 64, 9, 8)
+    served = choose_backend(probe.q_latent, probe.q_pe, probe.kv_cache, probe.new_kv)  # what tree_mla runs here
+    backends = ["triton"] + (["hopper"] if hopper_available("cuda") else [])
+    log.append(f"served backend: {served}; measured: {backends}")
     print(log[-1], flush=True)
+    checks = [row for b in backends for row in check_correctness(log, b)]
+    best: dict[str, TreeMlaConfig] = {}
+    if args.sweep:
+        t0 = time.time()
+        best = sweep_configs(log)
+        log.append(f"sweep took {time.time() - t0:.1f}s; best {best}")
+        print(log[-1], flush=True)
 
     splits_sweep = []
     for s in (1, 2, 3, 4, 6, 8):
-        t, _ = time_kernel(32, 4096, 9, 8, config=best.get("small"), num_splits=s)
-        splits_sweep.append({"num_splits": s, "time_us": round(t * 1e6, 2)})
+        t, _ = time_kernel(32, 4096, 9, 8, config=best.get("small"), num_splits=s, backend=served)
+        splits_sweep.append({"backend": served, "num_splits": s, "time_us": round(t * 1e6, 2)})
         print(f"splits {s}: {t * 1e6:.1f} us", flush=True)
 
     batches, contexts, trees = (BATCHES, CONTEXTS, TREES) if not args.quick else ((32,), (4096,), (9,))
@@ -278,7 +309,11 @@ def main() -> None:
                 "bytes": "KV prefix + q + tree kv (reads only)",
                 "matmul_tflops": round(matmul_tflops, 1),
                 "torch": torch.__version__, "triton": __import__("triton").__version__,
-                "configs": {cls: vars(cfg) for cls, cfg in best.items()},
+                "backend": served,
+                "backends": "time_us = the served backend (tree_mla's choice on this GPU: hopper = the Gluon kernel "
+                            "of kernels/tree_mla_hopper.py on sm_90); triton_us = the Triton kernel (other GPUs), "
+                            "default configs unless swept",
+                "triton_configs": {cls: vars(cfg) for cls, cfg in best.items()} or "defaults (default_config)",
                 "splits_sweep_32x4096_tree9_heads8": splits_sweep,
                 "correctness": checks,
                 "reference": "dense-mask SDPA in torch (gather + mask + F.scaled_dot_product_attention); "
@@ -294,7 +329,8 @@ def main() -> None:
             for nodes in trees:
                 for heads in HEADS:
                     cfg = best.get(row_class(nodes * heads))
-                    t, case = time_kernel(batch, context, nodes, heads, config=cfg)
+                    t, case = time_kernel(batch, context, nodes, heads, config=cfg, backend=served)
+                    t_triton = t if served == "triton" else time_kernel(batch, context, nodes, heads, config=cfg)[0]
                     nbytes, flops = case.bytes_read(), case.flops()
                     floor = max(nbytes / (copy_gbps * 1e9), flops / (matmul_tflops * 1e12))
                     elems = batch * nodes * heads * (context + nodes)
@@ -307,7 +343,8 @@ def main() -> None:
                         torch.cuda.empty_cache()
                     row = {
                         "batch": batch, "context": context, "tree_nodes": nodes, "heads": heads,
-                        "time_us": round(t * 1e6, 2),
+                        "backend": served, "time_us": round(t * 1e6, 2),
+                        "triton_us": round(t_triton * 1e6, 2), "speedup_vs_triton": round(t_triton / t, 2),
                         "gbps": round(nbytes / t / 1e9, 1),
                         "frac_of_copy": round(nbytes / t / 1e9 / copy_gbps, 3),
                         "speedup_vs_reference": round(ref_t / t, 2) if ref_t else None,
@@ -321,10 +358,10 @@ def main() -> None:
                     del case
                     torch.cuda.empty_cache()
 
-    print("\n batch context nodes heads   time_us   GB/s  copy%  floor%  vs_ref")
+    print(f"\n batch context nodes heads  {served}_us triton_us   GB/s  copy%  floor%  vs_ref")
     for r in rows:
         ref = f"{r['speedup_vs_reference']:.1f}x" if r["speedup_vs_reference"] else "-"
-        print(f"{r['batch']:6d} {r['context']:7d} {r['tree_nodes']:5d} {r['heads']:5d} {r['time_us']:9.1f} "
+        print(f"{r['batch']:6d} {r['context']:7d} {r['tree_nodes']:5d} {r['heads']:5d} {r['time_us']:9.1f} {r['triton_us']:9.1f} "
               f"{r['gbps']:6.0f} {100 * r['frac_of_copy']:5.0f}% {100 * r['frac_of_floor']:6.0f}% {ref:>7}")
 
 

@@ -10,7 +10,9 @@ kv comes from ``new_kv`` because it is not in the cache yet.
 
 The trio (STYLE.md): ``_tree_mla_split_kernel`` / ``_tree_mla_merge_kernel`` (Triton),
 ``tree_mla_triton`` (host wrapper: checks, launch parameters), ``tree_mla_reference`` (plain torch,
-used by tests and benchmarks). ``tree_mla`` picks one: Triton on CUDA, the reference elsewhere.
+used by tests and benchmarks). ``tree_mla`` picks one (:func:`choose_backend`): on Hopper the Gluon
+kernel of ``kernels/tree_mla_hopper.py`` (same contract, logits computed once per 64-row tile),
+Triton on other CUDA GPUs, the reference elsewhere.
 
 Kernel layout. The M dimension of every matrix product is (tree node x head) of one request: row
 ``m = node * H + head`` of the request's ``[n_r * H, kvr]`` query block, because every head and
@@ -27,18 +29,20 @@ Performance (H200, BENCHMARKS.md): 20-22% of copy bandwidth at tree 9 x 8 heads,
 dense-mask SDPA at batch x context >= 32 x 4096, far from the 80% target. Trees of 17+ nodes at 8
 heads are compute-bound on an H200 anyway (~2 FLOP per row per KV byte). The kernel reaches 12-29%
 of its roofline floor: q plus one KV tile fill shared memory (one CTA per SM, no overlap between
-tiles), and both value-dim programs compute the logits. Next step: a FlashMLA-style
-warp-specialised kernel.
+tiles), and both value-dim programs compute the logits. The Hopper kernel removes the second
+cause; this one serves other GPUs.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from kernels.device import on_input_device
+from kernels.tree_mla_hopper import hopper_available, tree_mla_hopper, unsupported_reason
 
 try:  # Triton is optional: the CPU engine and its tests run on the reference alone.
     import triton
@@ -55,10 +59,16 @@ __all__ = [
     "pack_ancestor_bits",
     "unpack_ancestor_bits",
     "tree_mla",
+    "choose_backend",
+    "BACKEND_ENV",
     "tree_mla_triton",
     "tree_mla_reference",
     "fit_shared_memory",
 ]
+
+
+# Forces tree_mla's backend ("hopper", "triton" or "reference") where the caller does not.
+BACKEND_ENV = "DDTREE_TREE_MLA_BACKEND"
 
 
 @dataclass
@@ -608,6 +618,17 @@ def tree_mla_triton(
     return out
 
 
+def choose_backend(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Tensor) -> str:
+    """``"hopper"`` where the Gluon kernel runs (sm_90, 16-bit, DeepSeek-style dims): 1.4-1.5x the
+    Triton kernel at batch 32 (bench/results/tree_mla.json); ``"triton"`` on other CUDA GPUs;
+    ``"reference"`` off the GPU."""
+    if not q_latent.is_cuda or triton is None:
+        return "reference"
+    if hopper_available(q_latent.device) and unsupported_reason(q_latent, q_pe, kv_cache, new_kv) is None:
+        return "hopper"
+    return "triton"
+
+
 def tree_mla(
     q_latent: Tensor,
     q_pe: Tensor,
@@ -618,18 +639,21 @@ def tree_mla(
     *,
     backend: str | None = None,
 ) -> Tensor:
-    """Tree-attention MLA: the Triton kernel on CUDA, the torch reference elsewhere.
+    """Tree-attention MLA: the Gluon kernel on Hopper, the Triton kernel on other CUDA GPUs, the
+    torch reference elsewhere.
 
-    Same arguments and result as :func:`tree_mla_reference`. ``backend`` forces ``"triton"`` (on
-    CPU that needs ``TRITON_INTERPRET=1`` set before triton is imported: the tests do) or
-    ``"reference"``.
+    Same arguments and result as :func:`tree_mla_reference`. ``backend`` (default: ``BACKEND_ENV``,
+    else :func:`choose_backend`) forces ``"hopper"``, ``"triton"`` (on CPU that needs
+    ``TRITON_INTERPRET=1`` set before triton is imported: the tests do) or ``"reference"``.
     """
     if backend is None:
-        backend = "triton" if q_latent.is_cuda and triton is not None else "reference"
+        backend = os.environ.get(BACKEND_ENV) or choose_backend(q_latent, q_pe, kv_cache, new_kv)
+    if backend == "hopper":
+        return tree_mla_hopper(q_latent, q_pe, kv_cache, new_kv, meta, softmax_scale)
     if backend == "triton":
         return tree_mla_triton(q_latent, q_pe, kv_cache, new_kv, meta, softmax_scale)
     if backend != "reference":
-        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+        raise ValueError(f"backend must be 'hopper', 'triton' or 'reference', got {backend!r}")
     if isinstance(meta, TreeAttentionDeviceMetadata):
         meta = meta.to_host()
     return tree_mla_reference(q_latent, q_pe, kv_cache, new_kv, meta, softmax_scale)

@@ -207,7 +207,7 @@ class TargetModel(torch.nn.Module):
         self.norm_weight = w("model.norm.weight")  # [hidden]
         self.rope = RotaryTable(c, dtype, self.device)
         self.softmax_scale = softmax_scale(c)
-        self.attention_backend: str | None = None   # tree_mla's choice (Triton on CUDA); checks force "reference"
+        self.attention_backend: str | None = None   # tree_mla's choice (tree_mla.choose_backend); checks force "reference"
         H, nope, v = c.num_attention_heads // self.tp.size, c.qk_nope_head_dim, c.v_head_dim  # heads of this rank
         self.layers: list[DecoderLayerWeights] = []
         for i in range(c.num_hidden_layers):

@@ -1,0 +1,297 @@
+"""Tree-attention MLA for Hopper (sm_90), written in Gluon: the logits computed once a 64-row tile.
+
+Why a second kernel: ``kernels/tree_mla.py`` (Triton) keeps its accumulator in registers for 128
+rows by giving each program half the value dims, so both programs compute all the logits: at 8
+heads and a 9-node tree (72 rows) it does 2.7x the MMA work the attention needs, and one pipeline
+stage leaves each tile's load exposed. Triton chooses the warp layout of chained products itself;
+Gluon lets this kernel choose it:
+
+* One CTA = 64 query rows x all 512 value dims on two warpgroups. The logits ``S = Q K^T``
+  ``[64, BLOCK_N]`` are split by keys between the warpgroups (``warps_per_cta [4, 2]``), and the
+  output ``O = P V`` ``[64, 512]`` by value dims (each warpgroup 256 columns, 128 fp32 registers
+  a thread), so every product is computed once. The row maxima and the probabilities cross the
+  warpgroups through shared memory (layout conversions the compiler emits).
+* The key tiles (latent and rope parts, gathered row by row through the page table) stream into a
+  ring of ``NUM_STAGES`` shared buffers with ``cp.async``; tile t+NUM_STAGES-1 is issued before
+  tile t is computed, and the page ids one tile earlier still, so no global load sits on the
+  critical path.
+* The tree's own keys (a few tiles) follow on the last split, with the ancestor bits as mask.
+* Splits write float32 partials and per-row log-sum-exps that ``tree_mla._tree_mla_merge_kernel``
+  combines, exactly as the Triton kernel's do (one value-dim part).
+
+Rows past 64 a request take more CTAs (a 72-row tree: 64 + 8 live rows), each reading the same key
+tiles (from L2 when they run side by side: the row tile is the grid's fastest index).
+
+The CPU has no Gluon: the CPU path and every CPU test use ``tree_mla_reference`` / the Triton kernel
+under the interpreter; this kernel is checked against the float32 reference on the GPU by
+``bench/tree_mla_bench.py`` (its ``hopper`` rows and checks).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels.device import on_input_device
+
+try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kernel serves
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+except Exception:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+__all__ = ["hopper_available", "unsupported_reason", "tree_mla_hopper", "BLOCK_M"]
+
+BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
+
+
+def hopper_available(device: torch.device | str) -> bool:
+    """True where this kernel can run: Gluon importable and a CUDA device of compute capability 9.x."""
+    if gluon is None or not torch.cuda.is_available():
+        return False
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def unsupported_reason(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Tensor) -> str | None:
+    """Why these operands cannot take this kernel (None: they can). Shapes and dtypes only."""
+    kvr, rope = q_latent.shape[-1], q_pe.shape[-1]
+    if q_latent.dtype not in (torch.bfloat16, torch.float16):
+        return f"q is {q_latent.dtype}; the kernel takes bf16 / fp16"
+    if not (kv_cache.dtype == new_kv.dtype == q_pe.dtype == q_latent.dtype):
+        return "q, q_pe, kv_cache and new_kv must share one dtype"
+    if kvr not in (128, 256, 512) or rope not in (16, 32, 64) or kv_cache.shape[-1] != kvr + rope:
+        return f"latent {kvr} + rope {rope} (cache {kv_cache.shape[-1]}): supported 128/256/512 + 16/32/64"
+    for name, t in (("q_latent", q_latent), ("q_pe", q_pe), ("kv_cache", kv_cache), ("new_kv", new_kv)):
+        if t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]) or t.data_ptr() % 16:
+            return f"{name} rows are not 16-byte aligned and contiguous"
+    return None
+
+
+if gluon is not None:
+    _BM = gl.constexpr(BLOCK_M)
+    # Renamed after Triton 3.6 (the GPU image's); CI's newer Triton has the new names.
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+
+    @gluon.jit
+    def _issue_tile(lat_buf, pe_buf, base, page, offs, key_ok, pg_size, stride_page, stride_tok,
+                    KVR: gl.constexpr, ROPE: gl.constexpr, LAT_LD: gl.constexpr, PE_LD: gl.constexpr):
+        """cp.async one key tile: rows ``base + slot`` (``page`` / ``offs`` in LAT_LD's row slice)."""
+        slot = page.to(gl.int64) * stride_page + (offs % pg_size) * stride_tok  # [BN]
+        cols = gl.arange(0, KVR, layout=gl.SliceLayout(0, LAT_LD))
+        _cp_async(lat_buf, base + slot[:, None] + cols[None, :], mask=key_ok[:, None])
+        slot_pe = gl.convert_layout(slot, gl.SliceLayout(1, PE_LD))
+        ok_pe = gl.convert_layout(key_ok, gl.SliceLayout(1, PE_LD))
+        cols_pe = KVR + gl.arange(0, ROPE, layout=gl.SliceLayout(0, PE_LD))
+        _cp_async(pe_buf, base + slot_pe[:, None] + cols_pe[None, :], mask=ok_pe[:, None])
+
+    @gluon.jit
+    def _fold_tile(q_lat, q_pe, lat_buf, pe_buf, s_mask, m_i, l_i, acc, scale_log2,
+                   S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Logits of one resident key tile, online softmax, ``acc += P V``; ``s_mask`` [BM, BN] keeps keys."""
+        s0 = gl.zeros([_BM, BLOCK_N], gl.float32, layout=S_LAYOUT)
+        s = warpgroup_mma(q_lat, lat_buf.permute((1, 0)), s0, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_pe, pe_buf.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = gl.where(s_mask, s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))  # [BM]
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet stay finite
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])  # [BM, BN]
+        l_i = l_i * alpha + gl.sum(p, 1)
+        p_op = gl.convert_layout(p.to(lat_buf.dtype), gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        acc = warpgroup_mma(p_op, lat_buf, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        return m_new, l_i, acc
+
+    # As the Triton kernel: shape-dependent integers are not specialised (one compile per config).
+    @gluon.jit(do_not_specialize=["stride_pt_r", "stride_anc_n", "num_heads", "total_rows", "num_splits"])
+    def _tree_mla_hopper_kernel(
+        q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr,
+        page_table_ptr, prefix_lens_ptr, query_starts_ptr, anc_bits_ptr,
+        out_ptr, o_part_ptr, lse_part_ptr,
+        stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
+        stride_kv_page, stride_kv_tok, stride_new_n, stride_pt_r, stride_anc_n,
+        num_heads, page_size, total_rows, num_splits, scale_log2,
+        KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+        DIRECT: gl.constexpr, Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr,
+        K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
+        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, KVR // 2, 16])
+        LAT_LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # 16-byte copies
+        PE_LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROPE // 8), ROPE // 8], [num_warps, 1], [1, 0])
+        dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
+
+        pid_m = gl.program_id(0)
+        split = gl.program_id(1)
+        r = gl.program_id(2)
+        q_start = gl.load(query_starts_ptr + r)
+        n_nodes = gl.load(query_starts_ptr + r + 1) - q_start
+        rows = n_nodes * num_heads
+        if pid_m * _BM < rows:
+            # q tile -> shared memory (zero rows past the request's)
+            q_lat = gl.allocate_shared_memory(dtype, [_BM, KVR], Q_LAT_SMEM)
+            q_pe = gl.allocate_shared_memory(dtype, [_BM, ROPE], Q_PE_SMEM)
+            offs_m = pid_m * _BM + gl.arange(0, _BM, layout=gl.SliceLayout(1, LAT_LD))
+            tok = (q_start + offs_m // num_heads).to(gl.int64)
+            q_ptrs = q_lat_ptr + (tok * stride_ql_n + (offs_m % num_heads) * stride_ql_h)[:, None] \
+                + gl.arange(0, KVR, layout=gl.SliceLayout(0, LAT_LD))[None, :]
+            _cp_async(q_lat, q_ptrs, mask=(offs_m < rows)[:, None])
+            offs_mp = pid_m * _BM + gl.arange(0, _BM, layout=gl.SliceLayout(1, PE_LD))
+            tok_p = (q_start + offs_mp // num_heads).to(gl.int64)
+            qp_ptrs = q_pe_ptr + (tok_p * stride_qp_n + (offs_mp % num_heads) * stride_qp_h)[:, None] \
+                + gl.arange(0, ROPE, layout=gl.SliceLayout(0, PE_LD))[None, :]
+            _cp_async(q_pe, qp_ptrs, mask=(offs_mp < rows)[:, None])
+
+            k_lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, KVR], K_LAT_SMEM)
+            k_pe = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], K_PE_SMEM)
+
+            m_i = gl.full([_BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+            l_i = gl.zeros([_BM], gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+            acc = gl.zeros([_BM, KVR], gl.float32, layout=O_LAYOUT)
+
+            # Cached prefix: this split's share, whole tiles; every key visible to every row.
+            prefix_len = gl.load(prefix_lens_ptr + r)
+            chunk = gl.cdiv(gl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
+            lo = split * chunk
+            hi = gl.minimum(lo + chunk, prefix_len)
+            n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+            pt_row = page_table_ptr + r * stride_pt_r
+            offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAT_LD))
+            for t in gl.static_range(NUM_STAGES - 1):  # prologue: tiles 0 .. NUM_STAGES-2 (q rides with tile 0)
+                offs = lo + t * BLOCK_N + offs_t
+                ok = offs < hi
+                page = gl.load(pt_row + offs // page_size, mask=ok, other=0)
+                _issue_tile(k_lat.index(t), k_pe.index(t), kv_ptr, page, offs, ok, page_size, stride_kv_page,
+                            stride_kv_tok, KVR, ROPE, LAT_LD, PE_LD)
+                cp.commit_group()
+            # page ids of the next tile to issue, loaded one iteration ahead
+            offs_nx = lo + (NUM_STAGES - 1) * BLOCK_N + offs_t
+            ok_nx = offs_nx < hi
+            page_nx = gl.load(pt_row + offs_nx // page_size, mask=ok_nx, other=0)
+            offs_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+            for t in range(n_tiles):
+                _cta_barrier()  # every warp is done with tile t-1's buffer
+                nx = t + NUM_STAGES - 1
+                _issue_tile(k_lat.index(nx % NUM_STAGES), k_pe.index(nx % NUM_STAGES), kv_ptr, page_nx, offs_nx, ok_nx,
+                            page_size, stride_kv_page, stride_kv_tok, KVR, ROPE, LAT_LD, PE_LD)
+                cp.commit_group()
+                offs_nx = offs_nx + BLOCK_N
+                ok_nx = offs_nx < hi
+                page_nx = gl.load(pt_row + offs_nx // page_size, mask=ok_nx, other=0)
+                cp.wait_group(NUM_STAGES - 1)  # tile t (and q) landed for this thread's copies
+                _cta_barrier()  # ... and for every thread's
+                key_ok = (lo + t * BLOCK_N + offs_s) < hi
+                s_mask = gl.full([_BM, BLOCK_N], 1, gl.int1, layout=S_LAYOUT) & key_ok[None, :]
+                m_i, l_i, acc = _fold_tile(q_lat, q_pe, k_lat.index(t % NUM_STAGES), k_pe.index(t % NUM_STAGES),
+                                           s_mask, m_i, l_i, acc, scale_log2, S_LAYOUT, O_LAYOUT, BLOCK_N)
+            cp.wait_group(0)
+
+            # The tree's own keys, once per request (last split): visible where the ancestor bit is set.
+            if split == num_splits - 1:
+                offs_row = pid_m * _BM + gl.arange(0, _BM, layout=gl.SliceLayout(1, S_LAYOUT))
+                bits_row = anc_bits_ptr + (q_start + offs_row // num_heads).to(gl.int64) * stride_anc_n
+                row_ok_s = offs_row < rows
+                for start in range(0, n_nodes, BLOCK_N):
+                    _cta_barrier()
+                    offs = start + offs_t
+                    ok = offs < n_nodes
+                    slot = (q_start + offs).to(gl.int64)  # new_kv row = flat query token
+                    _issue_tile(k_lat.index(0), k_pe.index(0), new_kv_ptr, slot, slot, ok, 1, stride_new_n,
+                                0, KVR, ROPE, LAT_LD, PE_LD)
+                    cp.commit_group()
+                    cp.wait_group(0)
+                    _cta_barrier()
+                    offs_j = start + offs_s
+                    both = row_ok_s[:, None] & (offs_j < n_nodes)[None, :]
+                    word = gl.load(bits_row[:, None] + (offs_j // 32)[None, :], mask=both, other=0)  # [BM, BN]
+                    s_mask = ((word >> (offs_j % 32)[None, :]) & 1) != 0
+                    m_i, l_i, acc = _fold_tile(q_lat, q_pe, k_lat.index(0), k_pe.index(0), s_mask, m_i, l_i, acc,
+                                               scale_log2, S_LAYOUT, O_LAYOUT, BLOCK_N)
+
+            l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
+            o = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, O_LAYOUT))[:, None]  # [BM, KVR]
+            offs_o = pid_m * _BM + gl.arange(0, _BM, layout=gl.SliceLayout(1, O_LAYOUT))
+            flat_o = q_start.to(gl.int64) * num_heads + offs_o
+            cols = gl.arange(0, KVR, layout=gl.SliceLayout(0, O_LAYOUT))
+            ok_o = (offs_o < rows)[:, None]
+            if DIRECT:
+                gl.store(out_ptr + flat_o[:, None] * KVR + cols[None, :], o.to(dtype), mask=ok_o)
+            else:
+                part = split.to(gl.int64) * total_rows + flat_o
+                gl.store(o_part_ptr + part[:, None] * KVR + cols[None, :], o, mask=ok_o)
+                offs_l = pid_m * _BM + gl.arange(0, _BM, layout=gl.SliceLayout(1, S_LAYOUT))
+                lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
+                lse_part = split.to(gl.int64) * total_rows + q_start.to(gl.int64) * num_heads + offs_l
+                gl.store(lse_part_ptr + lse_part, lse, mask=offs_l < rows)
+
+
+@on_input_device
+def tree_mla_hopper(
+    q_latent: Tensor,
+    q_pe: Tensor,
+    kv_cache: Tensor,
+    new_kv: Tensor,
+    meta,
+    softmax_scale: float,
+    *,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_stages: int = 2,
+) -> Tensor:
+    """``tree_mla_triton``'s contract on the Gluon kernel: same arguments (device metadata), same
+    result ``[N, H, kvr]``. Needs ``hopper_available``, 16-bit q and cache, kvr <= 512, rope >= 16."""
+    from kernels.tree_mla import _LOG2E, _sm_count, _tree_mla_merge_kernel, choose_num_splits
+
+    if not hopper_available(q_latent.device):
+        raise RuntimeError(f"tree_mla_hopper needs Triton's Gluon and a compute capability 9.x GPU; q is on {q_latent.device}")
+    reason = unsupported_reason(q_latent, q_pe, kv_cache, new_kv)
+    if reason is not None:
+        raise ValueError(f"tree_mla_hopper: {reason}")
+    N, H, kvr = q_latent.shape
+    rope = q_pe.shape[-1]
+    _, page_size, _ = kv_cache.shape
+    R = meta.num_requests
+    out = torch.empty(N, H, kvr, dtype=q_latent.dtype, device=q_latent.device)
+    if N == 0 or R == 0:
+        return out
+    rows = meta.max_nodes * H
+    m_tiles = -(-rows // BLOCK_M)
+    if num_splits is None:
+        max_prefix = meta.page_table.shape[1] * page_size
+        num_splits = choose_num_splits(R, m_tiles, rows, max_prefix, kvr, rope, _sm_count(q_latent.device))
+    total_rows = N * H
+    if num_splits == 1:
+        o_part = lse_part = out  # unused
+    else:
+        o_part = torch.empty(num_splits, total_rows, kvr, dtype=torch.float32, device=q_latent.device)
+        lse_part = torch.empty(num_splits, 1, total_rows, dtype=torch.float32, device=q_latent.device)
+    gdt = gl.bfloat16 if q_latent.dtype == torch.bfloat16 else gl.float16
+    smem = {
+        "Q_LAT_SMEM": gl.NVMMASharedLayout.get_default_for([BLOCK_M, kvr], gdt),
+        "Q_PE_SMEM": gl.NVMMASharedLayout.get_default_for([BLOCK_M, rope], gdt),
+        "K_LAT_SMEM": gl.NVMMASharedLayout.get_default_for([block_n, kvr], gdt),
+        "K_PE_SMEM": gl.NVMMASharedLayout.get_default_for([block_n, rope], gdt),
+    }
+    _tree_mla_hopper_kernel[(m_tiles, num_splits, R)](
+        q_latent, q_pe, kv_cache, new_kv,
+        meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,
+        out, o_part, lse_part,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
+        H, page_size, total_rows, num_splits, softmax_scale * _LOG2E,
+        KVR=kvr, ROPE=rope, BLOCK_N=block_n, NUM_STAGES=num_stages, DIRECT=num_splits == 1, **smem,
+        num_warps=8,
+    )
+    if num_splits > 1:
+        block_r = 16
+        _tree_mla_merge_kernel[(triton.cdiv(total_rows, block_r), 1)](
+            o_part, lse_part, out, total_rows, num_splits, KVR=kvr, BLOCK_R=block_r, DV_SPLITS=1, num_warps=4,
+        )
+    return out

@@ -1,0 +1,124 @@
+"""The Hopper (Gluon) tree-MLA kernel off the GPU: backend choice, operand checks, and a build for sm_90.
+
+The kernel itself cannot run here (Gluon has no CPU interpreter); ``bench/tree_mla_bench.py``
+checks it against the float32 reference on an H200 (``checks_hopper`` in
+``bench/results/tree_mla.json``). What the CPU can check: which backend ``tree_mla`` takes, that
+unsupported operands are refused with a reason, and that the kernel still compiles for sm_90 on
+the installed Triton (its Gluon API moves between releases) within the H200's shared memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import tree_mla_hopper as hop
+from kernels.tree_mla import BACKEND_ENV, TreeAttentionMetadata, chain_mask, choose_backend, tree_mla, tree_mla_reference
+
+ROOT = Path(__file__).resolve().parent.parent
+H100_SMEM_PER_BLOCK = 232448  # bytes of dynamic shared memory a CTA may use on sm_90
+
+
+def _operands(kvr: int = 512, rope: int = 64, dtype: torch.dtype = torch.bfloat16, heads: int = 8, nodes: int = 3):
+    g = torch.Generator().manual_seed(0)
+    q_latent = torch.randn(nodes, heads, kvr, generator=g).to(dtype)
+    q_pe = torch.randn(nodes, heads, rope, generator=g).to(dtype)
+    kv_cache = torch.randn(4, 16, kvr + rope, generator=g).to(dtype)
+    new_kv = torch.randn(nodes, kvr + rope, generator=g).to(dtype)
+    return q_latent, q_pe, kv_cache, new_kv
+
+
+def test_unsupported_reason() -> None:
+    assert hop.unsupported_reason(*_operands()) is None  # Kimi-K2 per rank
+    assert hop.unsupported_reason(*_operands(kvr=128, rope=32)) is None  # the demo model
+    assert "bf16 / fp16" in hop.unsupported_reason(*_operands(dtype=torch.float32))
+    assert "supported" in hop.unsupported_reason(*_operands(kvr=96, rope=32))
+    q_latent, q_pe, kv_cache, new_kv = _operands()
+    assert "one dtype" in hop.unsupported_reason(q_latent, q_pe, kv_cache.half(), new_kv)
+    odd = torch.randn(3, 8, 520).to(torch.bfloat16)[..., 4:516]  # rows start 8 bytes off
+    assert "aligned" in hop.unsupported_reason(odd, q_pe, kv_cache, new_kv)
+
+
+def _meta(nodes: int = 3) -> TreeAttentionMetadata:
+    return TreeAttentionMetadata(
+        query_starts=torch.tensor([0, nodes]), prefix_lens=torch.tensor([20]),
+        page_tables=[torch.tensor([2, 0])], tree_masks=[chain_mask(nodes)],
+    )
+
+
+def test_backend_choice_off_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    ops = _operands()
+    assert choose_backend(*ops) == "reference"  # CPU tensors
+    monkeypatch.setenv(BACKEND_ENV, "reference")
+    want = tree_mla_reference(*ops, _meta(), 0.1)
+    torch.testing.assert_close(tree_mla(*ops, _meta(), 0.1), want)
+    monkeypatch.setenv(BACKEND_ENV, "hopper")  # forced where it cannot run: a clear error, not a crash
+    with pytest.raises(RuntimeError, match="compute capability 9"):
+        tree_mla(*ops, _meta(), 0.1)
+    monkeypatch.delenv(BACKEND_ENV)
+    with pytest.raises(ValueError, match="'hopper', 'triton' or 'reference'"):
+        tree_mla(*ops, _meta(), 0.1, backend="cuda")
+
+
+_ARG_TYPES = {
+    **{n: "*bf16" for n in ("q_lat_ptr", "q_pe_ptr", "kv_ptr", "new_kv_ptr", "out_ptr")},
+    **{n: "*i32" for n in ("page_table_ptr", "prefix_lens_ptr", "query_starts_ptr", "anc_bits_ptr")},
+    **{n: "*fp32" for n in ("o_part_ptr", "lse_part_ptr")},
+    **{n: "i32" for n in ("stride_ql_n", "stride_ql_h", "stride_qp_n", "stride_qp_h", "stride_kv_page", "stride_kv_tok",
+                          "stride_new_n", "stride_pt_r", "stride_anc_n", "num_heads", "page_size", "total_rows", "num_splits")},
+    "scale_log2": "fp32",
+}
+
+
+def _build(kvr: int, rope: int, direct: bool) -> dict:
+    """Compile the served launch (64-key tiles, two stages) for sm_90; run without TRITON_INTERPRET."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    gl = hop.gl
+    kernel = hop._tree_mla_hopper_kernel
+    names = [n for n in kernel.arg_names if n in _ARG_TYPES]
+    assert len(names) == len(_ARG_TYPES), f"kernel arguments changed: {kernel.arg_names}"
+    bn = 64
+    constexprs = dict(
+        KVR=kvr, ROPE=rope, BLOCK_N=bn, NUM_STAGES=2, DIRECT=direct,
+        Q_LAT_SMEM=gl.NVMMASharedLayout.get_default_for([hop.BLOCK_M, kvr], gl.bfloat16),
+        Q_PE_SMEM=gl.NVMMASharedLayout.get_default_for([hop.BLOCK_M, rope], gl.bfloat16),
+        K_LAT_SMEM=gl.NVMMASharedLayout.get_default_for([bn, kvr], gl.bfloat16),
+        K_PE_SMEM=gl.NVMMASharedLayout.get_default_for([bn, rope], gl.bfloat16),
+        num_warps=8,
+    )
+    signature = {n: _ARG_TYPES[n] for n in names} | {k: "constexpr" for k in constexprs}
+    aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride_") and n not in ("stride_pt_r", "stride_anc_n")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    return dict(cubin_bytes=len(compiled.asm["cubin"]), wgmma="warp_group_dot" in compiled.asm["ttgir"],
+                shared=compiled.metadata.shared)
+
+
+@pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("kvr,rope,direct", [(512, 64, False), (128, 32, True)])
+def test_kernel_builds_for_sm90(kvr: int, rope: int, direct: bool) -> None:
+    """The K2 and demo shapes compile to a cubin whose products are wgmma and whose shared memory
+    fits a CTA; no GPU needed (Triton ships ptxas). A child process: conftest sets
+    TRITON_INTERPRET for this one, and the interpreter cannot compile Gluon."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, __file__, str(kvr), str(rope), str(int(direct))], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert built["cubin_bytes"] > 0 and built["wgmma"], built
+    assert 0 < built["shared"] <= H100_SMEM_PER_BLOCK, f"{built['shared']} bytes of shared memory"
+
+
+if __name__ == "__main__":
+    print(json.dumps(_build(int(sys.argv[1]), int(sys.argv[2]), bool(int(sys.argv[3])))))
