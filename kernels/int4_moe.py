@@ -67,6 +67,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels import int4_moe_hopper as hop
 from kernels.device import on_input_device
 
 from services.common.int4 import Int4Weight, unpack_int4
@@ -576,6 +577,8 @@ class Int4MoEConfig:
     reduce: str = "sum"  # "sum": per-assignment rows then a torch sum over top-k; "atomic": fp32 atomics
     gu_split_k: int = 1  # > 1: gate/up partial sums over K slices added atomically (small M: more programs)
     deq_asm: bool = True  # bf16x2 PTX dequantisation where it applies (CUDA, bf16 activations + scales)
+    hopper: bool = True  # the Gluon kernels of kernels/int4_moe_hopper.py where they apply (sm_90, bf16, swap_ab)
+    hp_stages: int = 2  # their cp.async ring depth (H200, K2 shapes: 2 beat 3, 4 and 6 at every M)
     # GEMV path (few assignments): no alignment, CUDA-core dot products per assignment / token.
     # Defaults: choose_config's TP-style GEMV config above 8 assignments (see _gemv_launch).
     gemv: bool = False
@@ -602,6 +605,7 @@ class Int4MoEConfig:
         assert self.reduce in ("sum", "atomic"), f"reduce must be 'sum' or 'atomic', got {self.reduce!r}"
         assert self.gu_split_k >= 1, f"gu_split_k must be >= 1, got {self.gu_split_k}"
         assert self.gv_stages >= 1 and self.gvd_stages >= 1, f"stages must be >= 1, got {self.gv_stages}, {self.gvd_stages}"
+        assert self.hp_stages >= 2, f"hp_stages must be >= 2, got {self.hp_stages}"
 
     def spec(self) -> str:
         """The ``CONFIG_ENV`` string of this config."""
@@ -609,6 +613,7 @@ class Int4MoEConfig:
             f"bm={self.block_m},gu={self.gu_block_n}x{self.gu_block_k}x{self.gu_warps}x{self.gu_stages},"
             f"dn={self.dn_block_n}x{self.dn_block_k}x{self.dn_warps}x{self.dn_stages},"
             f"swap={int(self.swap_ab)},reduce={self.reduce},split={self.gu_split_k},asm={int(self.deq_asm)},"
+            f"hopper={int(self.hopper)},hps={self.hp_stages},"
             f"gemv={int(self.gemv)},gv={self.gv_block_n}x{self.gv_block_k}x{self.gv_warps}x{self.gv_stages},"
             f"gvd={self.gvd_block_n}x{self.gvd_block_k}x{self.gvd_warps}x{self.gvd_stages}"
         )
@@ -632,6 +637,10 @@ class Int4MoEConfig:
                 kw["gu_split_k"] = int(val)
             elif key == "asm":
                 kw["deq_asm"] = val not in ("0", "false", "False")
+            elif key == "hopper":
+                kw["hopper"] = val not in ("0", "false", "False")
+            elif key == "hps":
+                kw["hp_stages"] = int(val)
             elif key == "gemv":
                 kw["gemv"] = val not in ("0", "false", "False")
             else:
@@ -713,10 +722,12 @@ def _tensor_core_config(r: float, whole_experts: bool) -> Int4MoEConfig:
             dn_block_n=dn[0], dn_block_k=dn[1], dn_warps=dn[2], dn_stages=dn[3], swap_ab=True,
         )
     if r <= 32:
-        # K2 TP8 M=1152 (24 rows/expert): 1.08 ms (block_m 64: 1.6 ms); EP8 M=72 (12 rows): 1.01 ms.
+        # K2 TP8 M=1152 (24 rows/expert): 0.92 ms; EP8 M=72 (12 rows): 0.73 ms. Gate/up 64 x 128 tiles
+        # since the K slices are 16-byte aligned (the sweep at a48951c: 501 vs 546 us for 64 x 64 at
+        # TP8 M=1152, 464 vs 544 for 128 x 64 on 8 warps at EP8 M=72); block_m 64: 1.5x slower.
         if whole_experts:
-            return Int4MoEConfig(block_m=32, gu_block_n=128, gu_block_k=64, gu_warps=8, dn_block_n=128, dn_block_k=128, dn_warps=8, swap_ab=True)
-        return Int4MoEConfig(block_m=32, gu_block_n=64, gu_block_k=64, dn_block_n=128, dn_block_k=64, dn_stages=4, swap_ab=True)
+            return Int4MoEConfig(block_m=32, gu_block_n=64, gu_block_k=128, gu_warps=4, dn_block_n=128, dn_block_k=128, dn_warps=8, swap_ab=True)
+        return Int4MoEConfig(block_m=32, gu_block_n=64, gu_block_k=128, dn_block_n=128, dn_block_k=64, dn_stages=4, swap_ab=True)
     # Large-M path (prefill): regular tiles, tokens on the MMA's M side. K2 EP8 M=288: 1.17 ms,
     # M=1152: 3.7 ms (219 TFLOP/s: dequantising every 64-row block's weights costs more than the MMA).
     return Int4MoEConfig(block_m=64, gu_block_n=64, gu_block_k=64, dn_block_n=128, dn_block_k=64, dn_warps=8, swap_ab=False)
@@ -841,6 +852,11 @@ def fused_int4_moe(
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+def _use_hopper(cfg: Int4MoEConfig, act: Tensor, w: Int4Weight, group_size: int, block_n: int) -> bool:
+    """The Gluon kernels serve a tensor-core launch on sm_90 where ``hop.supported`` allows."""
+    return cfg.hopper and cfg.swap_ab and hop.supported(act, w.packed, w.scale, group_size, block_n)
+
+
 def _use_asm(cfg: Int4MoEConfig, act_dtype: torch.dtype, w: Int4Weight) -> bool:
     """The bf16x2 PTX dequantisation applies on CUDA to bf16 activations with bf16 scales."""
     return cfg.deq_asm and w.packed.is_cuda and act_dtype == torch.bfloat16 and w.scale.dtype == torch.bfloat16
@@ -865,6 +881,27 @@ def int4_moe_gate_up(
     k_split = triton.cdiv(triton.cdiv(K, split), cfg.gu_block_k) * cfg.gu_block_k
     h = torch.empty(P, I, dtype=hidden.dtype, device=hidden.device)  # [P, I]
     out = torch.zeros(P, 2 * I, dtype=torch.float32, device=hidden.device) if split > 1 else h  # [P, 2I] gate | up sums
+    if _use_hopper(cfg, hidden, w_gate, group_size, cfg.gu_block_n):
+        k_split = triton.cdiv(triton.cdiv(K, split), hop.BLOCK_K) * hop.BLOCK_K
+        hop.gemm(hop.permute_k(hidden), w_gate, w_up, out, align.sorted_ids, align.block_expert, align.sorted_ids,
+                 I, K, M * top_k, top_k, k_split, gated=True, atomic=False, block_m=cfg.block_m,
+                 block_n=cfg.gu_block_n, split_k=split, stages=cfg.hp_stages)
+    else:
+        _gate_up_triton(hidden, w_gate, w_up, out, align, top_k, cfg, group_size, k_split)
+    if split > 1:
+        n = P * I
+        _int4_moe_silu_mul_kernel[(triton.cdiv(n, 1024),)](out, h, n, I, BLOCK=1024, num_warps=4)
+    return h
+
+
+def _gate_up_triton(
+    hidden: Tensor, w_gate: Int4Weight, w_up: Int4Weight, out: Tensor, align: MoEAlignment, top_k: int,
+    cfg: Int4MoEConfig, group_size: int, k_split: int,
+) -> None:
+    M, K = hidden.shape
+    I = w_gate.packed.shape[1]
+    nb = align.num_blocks
+    split = cfg.gu_split_k
     grid = (nb * triton.cdiv(I, cfg.gu_block_n) * triton.cdiv(K, k_split),)
     _int4_moe_gemm_kernel[grid](
         hidden, w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, out,
@@ -876,10 +913,6 @@ def int4_moe_gate_up(
         EVEN_K=K % cfg.gu_block_k == 0, DEQ_ASM=_use_asm(cfg, hidden.dtype, w_gate), DOT_F32=hidden.is_cpu,
         DTYPE=_TL_DTYPE[hidden.dtype], num_warps=cfg.gu_warps, num_stages=cfg.gu_stages,
     )
-    if split > 1:
-        n = P * I
-        _int4_moe_silu_mul_kernel[(triton.cdiv(n, 1024),)](out, h, n, I, BLOCK=1024, num_warps=4)
-    return h
 
 
 @on_input_device
@@ -902,6 +935,11 @@ def int4_moe_down(
         out = torch.zeros(M, K, dtype=torch.float32, device=h.device)  # [M, K]
     else:
         out = torch.empty(A, K, dtype=act_dtype, device=h.device)  # [A, K] one row per assignment
+    if _use_hopper(cfg, h, w_down, group_size, cfg.dn_block_n):
+        hop.gemm(hop.permute_k(h), w_down, w_down, out, align.sorted_ids, align.block_expert, weights,
+                 K, I, A, top_k, I, gated=False, atomic=atomic, block_m=cfg.block_m, block_n=cfg.dn_block_n,
+                 split_k=1, stages=cfg.hp_stages)
+        return _finish_down(out, atomic, act_dtype, M, top_k, K)
     grid = (nb * triton.cdiv(K, cfg.dn_block_n),)
     _int4_moe_gemm_kernel[grid](
         h, w_down.packed, w_down.scale, w_down.packed, w_down.scale, out,
@@ -913,6 +951,11 @@ def int4_moe_down(
         EVEN_K=I % cfg.dn_block_k == 0, DEQ_ASM=_use_asm(cfg, act_dtype, w_down),
         DOT_F32=h.is_cpu, DTYPE=_TL_DTYPE[act_dtype], num_warps=cfg.dn_warps, num_stages=cfg.dn_stages,
     )
+    return _finish_down(out, atomic, act_dtype, M, top_k, K)
+
+
+def _finish_down(out: Tensor, atomic: bool, act_dtype: torch.dtype, M: int, top_k: int, K: int) -> Tensor:
+    """``[M, K]`` from the down GEMM's fp32 token sums (atomic) or per-assignment rows (sum)."""
     if atomic:
         return out.to(act_dtype)
     if top_k == 1:

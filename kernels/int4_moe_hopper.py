@@ -1,0 +1,322 @@
+"""Fused INT4 MoE GEMMs for Hopper (sm_90) in Gluon: weights dequantised straight into wgmma registers.
+
+Why: the Triton kernel (``kernels/int4_moe.py``) dequantises a ``[BLOCK_N, BLOCK_K]`` weight tile
+in whatever register layout its loads had, and Triton converts that to the MMA operand layout
+through shared memory: per K step 16 KB of bf16 stored and re-read a matrix, four times the bytes
+of the INT4 words it came from. At the K2 shapes that round trip uses about as much of an SM's
+shared-memory bandwidth as the HBM stream feeds it, and the kernel sits at 30-42% of copy
+bandwidth. Gluon lets this kernel pick the layouts:
+
+* Each thread loads (from a ``cp.async`` ring in shared memory, 16-byte reads) exactly the int32
+  words whose nibbles are its elements of the wgmma A operand (weights on the MMA's M side,
+  tokens on N, as the Triton kernel's ``SWAP_AB``). That holds for one order of K inside each
+  128-wide step: logical column ``32j + 8q + 2t + i0`` is physical column ``32t + 8j + 2q + i0``
+  (t: the thread's lane in its quad, j: which of its four consecutive words, nibble ``2q + i0``).
+  The layout conversion to the operand is then a register relabelling (``assert_trivial``).
+* The activations are read in that same order: ``permute_k`` reorders the columns of ``hidden``
+  (and of ``h`` before the down GEMM) once per call, a copy of ``M x K`` bf16.
+* Both K orders cover the same columns, so the products are the same sums in another order.
+  A 32-wide scale group is one t: each thread needs one scale a row a step.
+
+Same contract as ``_int4_moe_gemm_kernel`` (alignment rows, split-K partial sums, per-assignment
+or atomic down outputs), restricted to what the K2 path runs: bf16 activations and scales, group
+32, K and N multiples of the tiles. ``int4_moe`` routes a launch here where ``supported`` says so.
+The CPU has no Gluon: CPU tests cover ``permute_k`` and the routing, the GPU check is
+``bench/int4_moe_bench.py`` (every served config against the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kernel serves
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+except Exception:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+__all__ = ["BLOCK_K", "available", "permute_k", "unpermute_k", "supported"]
+
+BLOCK_K = 128  # K per step: one 32-column block per lane of a quad, four words a thread a row
+# Dims of the joined nibble planes [rows, t, j, i0, q0, q1] -> [rows, j, q1, q0, t, i0]: the
+# operand's column order. ``planes_to_operand`` replays it in torch for the CPU test.
+OPERAND_ORDER = (0, 2, 5, 4, 1, 3)
+
+
+def available(device: torch.device) -> bool:
+    """Gluon importable and a CUDA device of compute capability 9.x."""
+    if gluon is None or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def permute_k(x: Tensor) -> Tensor:
+    """``[M, K]`` with each 128-column block in the kernel's K order (a contiguous copy).
+
+    Physical column ``32t + 8j + 2q + i0`` of a block goes to logical column ``32j + 8q + 2t + i0``.
+    """
+    M, K = x.shape
+    assert K % BLOCK_K == 0, f"K = {K} must be a multiple of {BLOCK_K}"
+    return x.reshape(M, K // BLOCK_K, 4, 4, 4, 2).permute(0, 1, 3, 4, 2, 5).reshape(M, K)
+
+
+def planes_to_operand(planes: list[Tensor]) -> Tensor:
+    """``_weight_operand``'s join / permute / reshape on torch tensors: 8 nibble planes
+    ``[rows, 16 words]`` of one K step -> ``[rows, 128]`` in the operand's column order."""
+    rows = planes[0].shape[0]
+    v = [p.reshape(rows, 4, 4) for p in planes]  # [rows, t, j]
+    b0 = torch.stack([torch.stack([v[0], v[1]], -1), torch.stack([v[2], v[3]], -1)], -1)
+    b1 = torch.stack([torch.stack([v[4], v[5]], -1), torch.stack([v[6], v[7]], -1)], -1)
+    return torch.stack([b0, b1], -1).permute(*OPERAND_ORDER).reshape(rows, BLOCK_K)
+
+
+def unpermute_k(x: Tensor) -> Tensor:
+    """Inverse of ``permute_k`` (tests)."""
+    M, K = x.shape
+    return x.reshape(M, K // BLOCK_K, 4, 4, 4, 2).permute(0, 1, 4, 2, 3, 5).reshape(M, K)
+
+
+def supported(act: Tensor, packed: Tensor, scale: Tensor, group_size: int, block_n: int) -> bool:
+    """Whether a launch fits this kernel: sm_90, bf16 activations and scales, group 32, K a
+    multiple of 128, the expert's rows a multiple of ``block_n`` (64 or 128)."""
+    out_f, k_words = packed.shape[-2], packed.shape[-1]
+    return (
+        available(act.device) and act.dtype == torch.bfloat16 and scale.dtype == torch.bfloat16
+        and group_size == 32 and (k_words * 8) % BLOCK_K == 0 and block_n in (64, 128) and out_f % block_n == 0
+        and packed.stride(-1) == 1 and scale.stride(-1) == 1 and all(t.data_ptr() % 16 == 0 for t in (act, packed, scale))
+        and act.stride(0) % 8 == 0 and all(st % 4 == 0 for st in (*packed.stride()[:-1], *scale.stride()[:-1]))
+    )
+
+
+if gluon is not None:
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
+    _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    _OPERAND_ORDER = gl.constexpr(list(OPERAND_ORDER))
+
+    @gluon.jit
+    def _dequant_bf16x2(p, s):
+        """8 planes (nibble i of every word) of ``(n - 8) * scale`` in bf16; see ``int4_moe._dequant_int4_bf16x2``."""
+        return gl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t0, t1, t2, t3, sc, bias;
+            mov.b32 sc, {$9, $9};
+            mov.b32 bias, 0x43084308;
+            lop3.b32 t0, $8, 0x000F000F, 0x43004300, 0xea;
+            shr.u32 t1, $8, 4;
+            lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xea;
+            shr.u32 t2, $8, 8;
+            lop3.b32 t2, t2, 0x000F000F, 0x43004300, 0xea;
+            shr.u32 t3, $8, 12;
+            lop3.b32 t3, t3, 0x000F000F, 0x43004300, 0xea;
+            sub.rn.bf16x2 t0, t0, bias;
+            sub.rn.bf16x2 t1, t1, bias;
+            sub.rn.bf16x2 t2, t2, bias;
+            sub.rn.bf16x2 t3, t3, bias;
+            mul.rn.bf16x2 t0, t0, sc;
+            mul.rn.bf16x2 t1, t1, sc;
+            mul.rn.bf16x2 t2, t2, sc;
+            mul.rn.bf16x2 t3, t3, sc;
+            mov.b32 {$0, $4}, t0;
+            mov.b32 {$1, $5}, t1;
+            mov.b32 {$2, $6}, t2;
+            mov.b32 {$3, $7}, t3;
+            }
+            """,
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+            args=[p, s],
+            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
+            is_pure=True,
+            pack=1,
+        )
+
+    @gluon.jit
+    def _weight_operand(w_buf, s_buf, BLOCK_N: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, A_OP: gl.constexpr):
+        """The resident step's words and scales -> the wgmma A operand ``[BLOCK_N, 128]`` bf16."""
+        p = w_buf.load(WORDS)  # [BN, 16] int32: words 4t .. 4t+3 of the thread's quad lane t
+        s = s_buf.load(SCALES)  # [BN, 4] bf16: group t
+        s = gl.reshape(gl.join(gl.join(s, s), gl.join(s, s)), [BLOCK_N, 16])  # group of word 4t + j is t
+        s = gl.convert_layout(s, WORDS, assert_trivial=True)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _dequant_bf16x2(p, s)  # nibble i of each word
+        r: gl.constexpr = [BLOCK_N, 4, 4]  # [rows, t, j]
+        b0 = gl.join(gl.join(gl.reshape(v0, r), gl.reshape(v1, r)), gl.join(gl.reshape(v2, r), gl.reshape(v3, r)))
+        b1 = gl.join(gl.join(gl.reshape(v4, r), gl.reshape(v5, r)), gl.join(gl.reshape(v6, r), gl.reshape(v7, r)))
+        c = gl.join(b0, b1)  # [rows, t, j, i0, q0, q1]
+        w = gl.reshape(gl.permute(c, _OPERAND_ORDER.value), [BLOCK_N, 128])  # column 32j + 16q1 + 8q0 + 2t + i0
+        return gl.convert_layout(w, A_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _scale_ptrs(rows, sk):
+        """A step's 4 scales a row: 8-byte aligned runs (rows hold K/32, a multiple of 4, scales),
+        which the launch cannot tell the compiler when K/32 is not a multiple of 16 (K2 TP8 down: 8)."""
+        return gl.max_contiguous(gl.multiple_of(rows + sk[None, :], [1, 4]), [1, 4])
+
+    @gluon.jit
+    def _issue_step(x_buf, w0_buf, s0_buf, w1_buf, s1_buf, a_rows, row_ok, step_ok, k0, a_ptr, stride_am,
+                    w0_rows, s0_rows, w1_rows, s1_rows,
+                    GATED: gl.constexpr, X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr):
+        """cp.async one K step: activations ``[BM, 128]``, words ``[BN, 16]`` and scales ``[BN, 4]``."""
+        xk = k0 + gl.arange(0, 128, layout=gl.SliceLayout(0, X_LD))
+        _cp_async(x_buf, a_ptr + a_rows[:, None] * stride_am + xk[None, :], mask=(row_ok & step_ok)[:, None])
+        wk = k0 // 8 + gl.arange(0, 16, layout=gl.SliceLayout(0, W_LD))
+        sk = k0 // 32 + gl.arange(0, 4, layout=gl.SliceLayout(0, S_LD))
+        _cp_async(w0_buf, w0_rows + wk[None, :], mask=step_ok)
+        _cp_async(s0_buf, _scale_ptrs(s0_rows, sk), mask=step_ok)
+        if GATED:
+            _cp_async(w1_buf, w1_rows + wk[None, :], mask=step_ok)
+            _cp_async(s1_buf, _scale_ptrs(s1_rows, sk), mask=step_ok)
+
+    @gluon.jit(do_not_specialize=["A", "top_k", "num_m_blocks"])
+    def _moe_gemm_hopper_kernel(
+        a_ptr,  # GATED: permute_k(hidden) [M, K]; else permute_k(h) [P, K] (K = intermediate)
+        w0_ptr,  # [E, N, K/8] int32: gate (GATED) or down
+        s0_ptr,  # [E, N, K/32] bf16 scales of w0
+        w1_ptr,  # [E, N, K/8] int32: up (GATED only)
+        s1_ptr,  # [E, N, K/32]
+        out_ptr,  # GATED: h [P, N] or, SPLIT_K > 1, gate | up sums [P, 2N] fp32; reduce sum: [A, N]; atomic: [M, N] fp32
+        sorted_ids_ptr,  # [P] int32 flat assignment per padded row (A = padding)
+        block_expert_ptr,  # [P / BLOCK_M] int32
+        topk_w_ptr,  # [A] routing weights (not GATED)
+        N, K, A, top_k, num_m_blocks,
+        k_split,  # K range of one split (a multiple of 128)
+        stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+        GATED: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
+        ACC: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
+        X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr,
+        X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, S_SMEM: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        pid = gl.program_id(0)
+        pid_m = pid % num_m_blocks
+        pid_n = (pid // num_m_blocks) % (N // BLOCK_N)
+        pid_k = pid // (num_m_blocks * (N // BLOCK_N))
+        expert = gl.load(block_expert_ptr + pid_m)
+        if expert >= 0:
+            e64 = expert.to(gl.int64)
+            # token rows of the activation tile, in the copy layout's row slice
+            offs_mx = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, X_LD))
+            flat_x = gl.load(sorted_ids_ptr + offs_mx)
+            row_ok_x = flat_x < A
+            if GATED:
+                a_rows = flat_x // top_k
+            else:
+                a_rows = offs_mx
+            a_rows = gl.where(row_ok_x, a_rows, 0).to(gl.int64)
+            offs_nw = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, W_LD))
+            offs_ns = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S_LD))
+            w0_rows = w0_ptr + e64 * stride_we + offs_nw.to(gl.int64)[:, None] * stride_wn
+            w1_rows = w1_ptr + e64 * stride_we + offs_nw.to(gl.int64)[:, None] * stride_wn
+            # Scale rows hold K/32 (a multiple of 4) bf16: 8-byte aligned, which the launch cannot
+            # tell the compiler when K/32 is not a multiple of 16 (K2 TP8 down: 8).
+            s_off = e64 * stride_se + offs_ns.to(gl.int64)[:, None] * stride_sn
+            s0_rows = s0_ptr + s_off
+            s1_rows = s1_ptr + s_off
+
+            x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 128], X_SMEM)
+            w0_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], W_SMEM)
+            s0_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 4], S_SMEM)
+            w1_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], W_SMEM)
+            s1_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 4], S_SMEM)
+
+            k_lo = gl.multiple_of(pid_k * k_split, 128)  # k_split is a multiple of 128: aligned copies
+            k_hi = gl.minimum(k_lo + k_split, K)
+            n_steps = (k_hi - k_lo) // 128
+            for t in gl.static_range(STAGES - 1):  # prologue
+                _issue_step(x_smem.index(t), w0_smem.index(t), s0_smem.index(t), w1_smem.index(t), s1_smem.index(t),
+                            a_rows, row_ok_x, t < n_steps, k_lo + t * 128, a_ptr, stride_am,
+                            w0_rows, s0_rows, w1_rows, s1_rows, GATED, X_LD, W_LD, S_LD)
+                cp.commit_group()
+            acc0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
+            acc1 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
+            for t in range(n_steps):
+                _cta_barrier()  # every warp is done with step t-1's buffers
+                nx = t + STAGES - 1
+                sl = nx % STAGES
+                _issue_step(x_smem.index(sl), w0_smem.index(sl), s0_smem.index(sl), w1_smem.index(sl), s1_smem.index(sl),
+                            a_rows, row_ok_x, nx < n_steps, k_lo + nx * 128, a_ptr, stride_am,
+                            w0_rows, s0_rows, w1_rows, s1_rows, GATED, X_LD, W_LD, S_LD)
+                cp.commit_group()
+                cp.wait_group(STAGES - 1)
+                _cta_barrier()
+                cur = t % STAGES
+                xb = x_smem.index(cur).permute((1, 0))  # [128, BM]: K-major B operand
+                w0 = _weight_operand(w0_smem.index(cur), s0_smem.index(cur), BLOCK_N, WORDS, SCALES, A_OP)
+                acc0 = warpgroup_mma(w0, xb, acc0, is_async=True)
+                if GATED:
+                    w1 = _weight_operand(w1_smem.index(cur), s1_smem.index(cur), BLOCK_N, WORDS, SCALES, A_OP)
+                    acc1 = warpgroup_mma(w1, xb, acc1, is_async=True)
+                    acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+                else:
+                    acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
+            cp.wait_group(0)
+
+            offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
+            flat = gl.load(sorted_ids_ptr + offs_m)
+            row_ok = flat < A
+            offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC))
+            if GATED:
+                rows = offs_m.to(gl.int64)
+            else:
+                wt = gl.load(topk_w_ptr + flat, mask=row_ok, other=0).to(gl.float32)
+                acc0 = acc0 * wt[None, :]
+                if ATOMIC:
+                    rows = (flat // top_k).to(gl.int64)
+                else:
+                    rows = flat.to(gl.int64)
+            o_ptrs = out_ptr + rows[None, :] * stride_om + offs_n[:, None]  # [BN, BM]
+            o_mask = row_ok[None, :] & (offs_n < N)[:, None]
+            if GATED:
+                if SPLIT_K > 1:
+                    gl.atomic_add(o_ptrs, acc0, mask=o_mask, sem="relaxed")  # gate partial sums
+                    gl.atomic_add(o_ptrs + N, acc1, mask=o_mask, sem="relaxed")  # up partial sums
+                else:
+                    h = acc0 / (1.0 + gl.exp(-acc0)) * acc1  # silu(gate) * up
+                    gl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=o_mask)
+            elif ATOMIC:
+                gl.atomic_add(o_ptrs, acc0, mask=o_mask, sem="relaxed")
+            else:
+                gl.store(o_ptrs, acc0.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+def _layouts(block_m: int, block_n: int, num_warps: int) -> dict:
+    """The kernel's layouts for one (BLOCK_M, BLOCK_N, warps): A operand rows are 16 a warp."""
+    assert block_n == 16 * num_warps, "one 16-row wgmma slice a warp"
+    warp_rows = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16])
+    return dict(
+        ACC=acc,
+        A_OP=gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2),
+        WORDS=gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+            warp_bases=warp_rows, block_bases=[], shape=[block_n, 16]),
+        SCALES=gl.DistributedLinearLayout(
+            reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+            warp_bases=warp_rows, block_bases=[], shape=[block_n, 4]),
+        X_LD=gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0]),
+        W_LD=gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0]),
+        S_LD=gl.BlockedLayout([1, 2], [16, 2], [num_warps, 1], [1, 0]),
+        X_SMEM=gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.bfloat16),
+        W_SMEM=gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]),
+        S_SMEM=gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]),
+    )
+
+
+def gemm(
+    a: Tensor, w0, w1, out: Tensor, sorted_ids: Tensor, block_expert: Tensor, topk_w: Tensor,
+    N: int, K: int, A: int, top_k: int, k_split: int, *, gated: bool, atomic: bool, block_m: int,
+    block_n: int, split_k: int, stages: int,
+) -> None:
+    """Launch one GEMM (``a`` already ``permute_k``'d); arguments as ``_int4_moe_gemm_kernel``'s."""
+    nb = block_expert.numel()
+    warps = block_n // 16
+    grid = (nb * (N // block_n) * (-(-K // k_split)),)
+    _moe_gemm_hopper_kernel[grid](
+        a, w0.packed, w0.scale, w1.packed, w1.scale, out, sorted_ids, block_expert, topk_w,
+        N, K, A, top_k, nb, k_split,
+        a.stride(0), w0.packed.stride(0), w0.packed.stride(1), w0.scale.stride(0), w0.scale.stride(1), out.stride(0),
+        GATED=gated, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=stages,
+        **_layouts(block_m, block_n, warps), num_warps=warps,
+    )

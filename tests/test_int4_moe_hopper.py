@@ -1,0 +1,115 @@
+"""The Hopper (Gluon) INT4 MoE GEMM off the GPU: its K order, its routing, and a build for sm_90.
+
+The kernel cannot run here (Gluon has no CPU interpreter); ``bench/int4_moe_bench.py`` checks
+every served config against the reference on an H200. What the CPU checks: ``permute_k`` puts
+physical column ``32t + 8j + 2q + i0`` of each 128-block at ``32j + 8q + 2t + i0`` (the order in
+which the kernel's threads hold the dequantised weights), so a product over permuted columns equals
+the plain one; launches off sm_90 stay on the Triton kernel; and the kernel still compiles for
+sm_90 on the installed Triton with its layout conversions register-only (``assert_trivial``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import int4_moe_hopper as hop
+from services.common.int4 import pack_int4
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_permute_k_order() -> None:
+    x = torch.arange(2 * 256, dtype=torch.float32).view(2, 256)
+    y = hop.permute_k(x)
+    for blk in range(2):
+        for t in range(4):
+            for j in range(4):
+                for q in range(4):
+                    for i0 in range(2):
+                        logical, physical = 32 * j + 8 * q + 2 * t + i0, 32 * t + 8 * j + 2 * q + i0
+                        assert y[1, 128 * blk + logical] == x[1, 128 * blk + physical]
+    torch.testing.assert_close(hop.unpermute_k(y), x, rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="multiple of 128"):
+        hop.permute_k(torch.zeros(1, 96))
+
+
+def test_operand_order_matches_permute_k() -> None:
+    """The kernel's nibble-plane join (replayed in torch) puts every weight where permute_k puts
+    the activation it multiplies."""
+    from services.common.int4 import unpack_int4
+
+    wq = pack_int4(torch.randn(32, 128), 32, torch.float32)
+    planes = [((wq.packed >> (4 * i)) & 0xF).float() - 8 for i in range(8)]  # nibble i of every word
+    dense = unpack_int4(wq.packed, torch.ones_like(wq.scale), (32, 128)).float()  # n - 8 in column order
+    torch.testing.assert_close(hop.planes_to_operand(planes), hop.permute_k(dense), rtol=0, atol=0)
+
+
+def test_permuted_product_equals_plain() -> None:
+    """Weights read in the kernel's order (each word's nibbles at the logical columns above) times
+    permute_k(x) is the plain product: the kernel's sums are a reordering of the reference's."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 256, generator=g)
+    x = torch.randn(5, 256, generator=g)
+    torch.testing.assert_close(hop.permute_k(w) @ hop.permute_k(x).T, w @ x.T, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_launches_stay_on_triton() -> None:
+    wq = pack_int4(torch.randn(128, 256), 32, torch.bfloat16)
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    assert not hop.available(x.device)
+    assert not hop.supported(x, wq.packed, wq.scale, 32, 64)
+
+
+def _build(gated: bool, block_m: int, block_n: int, split_k: int) -> dict:
+    """Compile one launch for sm_90 (run without TRITON_INTERPRET)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = hop._moe_gemm_hopper_kernel
+    ptrs = {"a_ptr": "*bf16", "w0_ptr": "*i32", "s0_ptr": "*bf16", "w1_ptr": "*i32", "s1_ptr": "*bf16",
+            "out_ptr": "*fp32" if gated and split_k > 1 else "*bf16", "sorted_ids_ptr": "*i32",
+            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32"}
+    ints = ("N", "K", "A", "top_k", "num_m_blocks", "k_split", "stride_am", "stride_we", "stride_wn", "stride_se",
+            "stride_sn", "stride_om")
+    names = [n for n in kernel.arg_names if n in ptrs or n in ints]
+    assert len(names) == len(ptrs) + len(ints), f"kernel arguments changed: {kernel.arg_names}"
+    warps = block_n // 16
+    constexprs = dict(GATED=gated, ATOMIC=False, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=2,
+                      **hop._layouts(block_m, block_n, warps), num_warps=warps)
+    signature = {n: ptrs.get(n, "i32") for n in names} | {k: "constexpr" for k in constexprs}
+    aligned = [n for n in names if n in ptrs or n in ("N", "K", "k_split", "stride_am", "stride_we", "stride_wn", "stride_om")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # scale strides: K2 TP8 down has 8
+    src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    return dict(cubin_bytes=len(compiled.asm["cubin"]), wgmma=compiled.asm["ptx"].count("wgmma.mma_async"),
+                st_shared=compiled.asm["ptx"].count("st.shared"), shared=compiled.metadata.shared)
+
+
+@pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("gated,block_m,block_n,split_k", [(True, 16, 64, 4), (False, 16, 128, 1), (True, 32, 64, 1)])
+def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k: int) -> None:
+    """The served K2 launches compile, their products are wgmma, and no dequantised tile goes
+    through shared memory (no st.shared: only cp.async writes it). A child process: conftest sets
+    TRITON_INTERPRET for this one, and the interpreter cannot compile Gluon."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    args = [str(int(gated)), str(block_m), str(block_n), str(split_k)]
+    proc = subprocess.run([sys.executable, __file__, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert built["cubin_bytes"] > 0 and built["wgmma"] > 0, built
+    assert built["st_shared"] == 0, f"the weight tile went through shared memory: {built}"
+    assert 0 < built["shared"] <= 232448, built
+
+
+if __name__ == "__main__":
+    g, bm, bn, sk = sys.argv[1:5]
+    print(json.dumps(_build(bool(int(g)), int(bm), int(bn), int(sk))))
