@@ -606,6 +606,9 @@ class Int4MoEConfig:
         assert self.gu_split_k >= 1, f"gu_split_k must be >= 1, got {self.gu_split_k}"
         assert self.gv_stages >= 1 and self.gvd_stages >= 1, f"stages must be >= 1, got {self.gv_stages}, {self.gvd_stages}"
         assert self.hp_stages >= 2, f"hp_stages must be >= 2, got {self.hp_stages}"
+        # The Triton down kernel's fp32 atomics gave wrong sums in 1 of 3 runs with 256-row tiles
+        # (H200, K2 EP8 M=1; 64 and 128 rows were exact): not allowed.
+        assert not (self.reduce == "atomic" and self.dn_block_n > 128), "reduce='atomic' needs dn_block_n <= 128"
 
     def spec(self) -> str:
         """The ``CONFIG_ENV`` string of this config."""
@@ -692,17 +695,57 @@ def choose_config(
     launching both paths, with the unchosen one's programs returning at once, cost 14-43 us a
     layer at K2 TP8 M = 9-36, more than the choice saves unless routing is as skewed as the
     slice's.
+
+    On Hopper (``_hopper_here``) the tensor-core launches run the Gluon kernels, whose table
+    differs: the GEMV keeps only one token of a TP-style shape (K2 TP8 M = 1: 21 vs 33 us; M = 9:
+    135 vs 120; EP8 M = 1: 139 vs 103), and large M puts the weights on the MMA's M side too.
     """
     pinned = os.environ.get(CONFIG_ENV)
     if pinned:
         return Int4MoEConfig.parse(pinned)
     whole_experts = intermediate >= 1024  # EP-style ranks hold whole experts (K2 EP8: I = 2048)
     r = tokens * top_k / max(num_experts, 1)
-    cfg = _tensor_core_config(r, whole_experts)
+    hopper = _hopper_here()
+    cfg = _hopper_config(r, whole_experts) if hopper else _tensor_core_config(r, whole_experts)
     independent = routing_groups is None or tokens <= routing_groups
-    if r <= _GEMV_MAX_PER_EXPERT and independent:
+    gemv_pays = not whole_experts and tokens * top_k <= _HOPPER_GEMV_MAX_ASSIGNMENTS if hopper else r <= _GEMV_MAX_PER_EXPERT
+    if gemv_pays and independent:
         return dataclasses.replace(cfg, gemv=True, **_gemv_launch(tokens * top_k, whole_experts))
     return cfg
+
+
+# On Hopper the GEMV path serves a TP-style MoE up to this many assignments (K2 TP8: M = 1 only,
+# bench/results/int4_moe.json at 90f2ac6; the Gluon tensor-core path wins from M = 9 on, and
+# whole-expert shapes from M = 1).
+_HOPPER_GEMV_MAX_ASSIGNMENTS = 8
+_HOPPER_HERE: dict[int, bool] = {}
+
+
+def _hopper_here() -> bool:
+    """Whether the Gluon kernels run on the current CUDA device (cached; False without CUDA)."""
+    if not torch.cuda.is_available():
+        return False
+    idx = torch.cuda.current_device()
+    if idx not in _HOPPER_HERE:
+        _HOPPER_HERE[idx] = hop.available(torch.device("cuda", idx))
+    return _HOPPER_HERE[idx]
+
+
+def _hopper_config(r: float, whole_experts: bool) -> Int4MoEConfig:
+    """``_tensor_core_config`` for the Gluon kernels (K2 shapes, H200 sweep in bench/results/
+    int4_moe.json at 90f2ac6): 64-row down tiles on 4 warps below 32 rows per expert (TP8 M=72
+    down 169 us vs 191 at 128 rows), less split-K (EP8 M=1 gate/up 65 us unsplit), and weights
+    on the M side at large M too (EP8 M=288: 0.82 ms vs 0.99 on the Triton kernel's regular
+    tiles; M=1152: 2.6 vs 3.3 ms). The Gluon kernel fixes K steps at 128 and warps at rows / 16."""
+    if r <= 8:
+        split = 1 if whole_experts else 8 if r < 0.5 else 2 if r <= 2 else 1
+        return Int4MoEConfig(block_m=16, gu_block_n=64, gu_block_k=128, gu_split_k=split,
+                             dn_block_n=64, dn_block_k=128, dn_warps=4, dn_stages=3, swap_ab=True)
+    if r <= 32:
+        dn_n = 128 if whole_experts else 64  # EP8 M=72: 191 us at 128 rows; TP8 M=1152: 372 at 64
+        return Int4MoEConfig(block_m=32, gu_block_n=64, gu_block_k=128, dn_block_n=dn_n, dn_block_k=128,
+                             dn_warps=dn_n // 16, swap_ab=True)
+    return Int4MoEConfig(block_m=64, gu_block_n=64, gu_block_k=128, dn_block_n=128, dn_block_k=128, dn_warps=8, swap_ab=True)
 
 
 def _tensor_core_config(r: float, whole_experts: bool) -> Int4MoEConfig:
