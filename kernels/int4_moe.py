@@ -697,8 +697,9 @@ def choose_config(
     slice's.
 
     On Hopper (``_hopper_here``) the tensor-core launches run the Gluon kernels, whose table
-    differs: the GEMV keeps only one token of a TP-style shape (K2 TP8 M = 1: 21 vs 33 us; M = 9:
-    135 vs 120; EP8 M = 1: 139 vs 103), and large M puts the weights on the MMA's M side too.
+    differs: the GEMV keeps up to five tokens of a TP-style shape (K2 TP8 M = 4: 63 vs 71 us;
+    M = 9: 134 vs 122) and none of a whole-expert one (EP8 M = 1: 139 vs 105), and large M puts
+    the weights on the MMA's M side too.
     """
     pinned = os.environ.get(CONFIG_ENV)
     if pinned:
@@ -714,10 +715,11 @@ def choose_config(
     return cfg
 
 
-# On Hopper the GEMV path serves a TP-style MoE up to this many assignments (K2 TP8: M = 1 only,
-# bench/results/int4_moe.json at 90f2ac6; the Gluon tensor-core path wins from M = 9 on, and
-# whole-expert shapes from M = 1).
-_HOPPER_GEMV_MAX_ASSIGNMENTS = 8
+# On Hopper the GEMV path serves a TP-style MoE up to this many assignments (K2 TP8, H200,
+# bench/results/int4_moe_hopper_gemv_crossover.json: GEMV / Gluon tensor cores 21 / 32 us at M = 1,
+# 63 / 71 at M = 4, 91 / 92 at M = 6, 134 / 122 at M = 9); whole-expert shapes take the tensor
+# cores from M = 1 (EP8: 105 vs 139 us).
+_HOPPER_GEMV_MAX_ASSIGNMENTS = 40
 _HOPPER_HERE: dict[int, bool] = {}
 
 
