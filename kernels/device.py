@@ -1,4 +1,5 @@
-"""Launch Triton kernels on their inputs' GPU, whatever the calling thread's current device is.
+"""Launch Triton kernels on their inputs' GPU, whatever the calling thread's current device is;
+and which GPUs take the Hopper (Gluon) kernels.
 
 Why: Triton launches on the *current* CUDA device and stream, and the current device is
 per-thread. The services run engine calls in worker threads (``asyncio.to_thread``), which start
@@ -14,7 +15,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["on_input_device"]
+__all__ = ["on_input_device", "is_hopper"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -30,3 +31,15 @@ def on_input_device(fn: F) -> F:
         return fn(x, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def is_hopper(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.x (cached per device): where the Gluon kernels run."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) == 9
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]

@@ -47,13 +47,15 @@ FMA with per-group constants (``_plane``), exact for bf16/fp16 scales. The eight
 ``SWAP_AB`` computes ``W @ X^T`` instead of ``X @ W^T``: the weight tile is the MMA's M side
 (>= 16 rows of output features) and the few tokens its N side, the usual layout for skinny GEMMs.
 
-Where it stands on an H200 (BENCHMARKS.md): 24-36% of copy bandwidth at K2 shapes (vLLM's Triton
-int4 kernel: 5-11%); M=1 TP8 in 21 us on the GEMV path (38 us on the tensor cores). Not the
-access pattern: the same tile loads alone read at 3.9-4.2 TB/s. Nsight Compute on gate/up (TP8,
-M=72): 3 warps per scheduler (164 registers), 7 cycles between issues, DRAM 28% busy:
-latency-bound between the loads, the dequantisation and the shared-memory round trip of the MMA
-operands. More occupancy from smaller tiles did not help
-(BN=32: slower). The next steps are structural (a warp-specialised load/dequant/MMA pipeline).
+Where this kernel stands on an H200 (BENCHMARKS.md): 29-42% of copy bandwidth at K2 shapes
+(vLLM's Triton int4 kernel: 5-11%); M=1 TP8 in 21 us on the GEMV path. Not the access pattern:
+the same tile loads alone read at 3.9-4.2 TB/s. Nsight Compute on gate/up (TP8, M=72): 3 warps
+per scheduler, 7 cycles between issues, DRAM 28% busy: latency-bound between the loads, the
+dequantisation and the shared-memory round trip of the MMA operands (Triton converts the
+dequantised tile to the operand layout through shared memory: four times the bytes of the INT4
+words). On Hopper the tensor-core launches run ``kernels/int4_moe_hopper.py`` instead (Gluon,
+weights dequantised straight into the operand registers: 1.1-1.4x, 45-52% of copy at EP8 M=1-72);
+this kernel serves other GPUs and the CPU tests.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from torch import Tensor
 
 from kernels import int4_moe_hopper as hop
 from kernels.device import on_input_device
+from kernels.int4_ptx import DEQUANT_BF16X2, DEQUANT_BF16X2_CONSTRAINTS
 
 from services.common.int4 import Int4Weight, unpack_int4
 
@@ -86,6 +89,9 @@ __all__ = [
     "choose_config",
     "CONFIG_ENV",
 ]
+
+_DEQ_BF16X2_PTX = tl.constexpr(DEQUANT_BF16X2)
+_DEQ_BF16X2_CONSTRAINTS = tl.constexpr(DEQUANT_BF16X2_CONSTRAINTS)
 
 # Pins one config, e.g. "bm=16,gu=64x128x4x3,dn=128x64x4x4,split=4" (tensor cores) or
 # "gemv=1,gv=8x256x4x1,gvd=16x128x4x1" (GEMV: block_n x block_k x warps x stages per kernel).
@@ -200,41 +206,12 @@ def _dequant_int4(p, s, DTYPE: tl.constexpr, GROUP: tl.constexpr):
 
 @triton.jit
 def _dequant_int4_bf16x2(p, s):
-    """GPU-only twin of ``_dequant_int4`` for bf16 activations and bf16 scales (``s [BN, BKW]``).
-
-    Works on two nibbles per 32-bit register: ``(w >> 4i) & 0x000F000F | 0x43004300`` is the bf16
-    pair ``(128 + n_i, 128 + n_{i+4})``; ``- 136`` is exact and ``* scale`` rounds once, as the
-    reference's fp32 product rounded to bf16 does. About half the instructions per element of the
-    fp32 path (no bf16 conversion, two elements per op). The CPU interpreter cannot run PTX.
-    """
+    """GPU-only twin of ``_dequant_int4`` for bf16 activations and bf16 scales (``s [BN, BKW]``):
+    the PTX of ``kernels/int4_ptx.py``, about half the instructions per element of the fp32 path
+    (no bf16 conversion, two elements per op)."""
     return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t0, t1, t2, t3, sc, bias;
-        mov.b32 sc, {$9, $9};
-        mov.b32 bias, 0x43084308;
-        lop3.b32 t0, $8, 0x000F000F, 0x43004300, 0xea;
-        shr.u32 t1, $8, 4;
-        lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xea;
-        shr.u32 t2, $8, 8;
-        lop3.b32 t2, t2, 0x000F000F, 0x43004300, 0xea;
-        shr.u32 t3, $8, 12;
-        lop3.b32 t3, t3, 0x000F000F, 0x43004300, 0xea;
-        sub.rn.bf16x2 t0, t0, bias;
-        sub.rn.bf16x2 t1, t1, bias;
-        sub.rn.bf16x2 t2, t2, bias;
-        sub.rn.bf16x2 t3, t3, bias;
-        mul.rn.bf16x2 t0, t0, sc;
-        mul.rn.bf16x2 t1, t1, sc;
-        mul.rn.bf16x2 t2, t2, sc;
-        mul.rn.bf16x2 t3, t3, sc;
-        mov.b32 {$0, $4}, t0;
-        mov.b32 {$1, $5}, t1;
-        mov.b32 {$2, $6}, t2;
-        mov.b32 {$3, $7}, t3;
-        }
-        """,
-        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+        asm=_DEQ_BF16X2_PTX,
+        constraints=_DEQ_BF16X2_CONSTRAINTS,
         args=[p, s],
         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
         is_pure=True,

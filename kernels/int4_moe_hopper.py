@@ -30,6 +30,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels.device import is_hopper
+from kernels.int4_ptx import DEQUANT_BF16X2, DEQUANT_BF16X2_CONSTRAINTS
+
 try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kernel serves
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -48,9 +51,8 @@ OPERAND_ORDER = (0, 2, 5, 4, 1, 3)
 
 def available(device: torch.device) -> bool:
     """Gluon importable and a CUDA device of compute capability 9.x."""
-    if gluon is None or device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device)[0] == 9
+    return gluon is not None and is_hopper(device)
+
 
 
 def permute_k(x: Tensor) -> Tensor:
@@ -95,38 +97,15 @@ if gluon is not None:
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
     _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
     _OPERAND_ORDER = gl.constexpr(list(OPERAND_ORDER))
+    _DEQ_BF16X2_PTX = gl.constexpr(DEQUANT_BF16X2)
+    _DEQ_BF16X2_CONSTRAINTS = gl.constexpr(DEQUANT_BF16X2_CONSTRAINTS)
 
     @gluon.jit
     def _dequant_bf16x2(p, s):
-        """8 planes (nibble i of every word) of ``(n - 8) * scale`` in bf16; see ``int4_moe._dequant_int4_bf16x2``."""
+        """8 planes (nibble i of every word) of ``(n - 8) * scale`` in bf16 (``kernels/int4_ptx.py``)."""
         return gl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t0, t1, t2, t3, sc, bias;
-            mov.b32 sc, {$9, $9};
-            mov.b32 bias, 0x43084308;
-            lop3.b32 t0, $8, 0x000F000F, 0x43004300, 0xea;
-            shr.u32 t1, $8, 4;
-            lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xea;
-            shr.u32 t2, $8, 8;
-            lop3.b32 t2, t2, 0x000F000F, 0x43004300, 0xea;
-            shr.u32 t3, $8, 12;
-            lop3.b32 t3, t3, 0x000F000F, 0x43004300, 0xea;
-            sub.rn.bf16x2 t0, t0, bias;
-            sub.rn.bf16x2 t1, t1, bias;
-            sub.rn.bf16x2 t2, t2, bias;
-            sub.rn.bf16x2 t3, t3, bias;
-            mul.rn.bf16x2 t0, t0, sc;
-            mul.rn.bf16x2 t1, t1, sc;
-            mul.rn.bf16x2 t2, t2, sc;
-            mul.rn.bf16x2 t3, t3, sc;
-            mov.b32 {$0, $4}, t0;
-            mov.b32 {$1, $5}, t1;
-            mov.b32 {$2, $6}, t2;
-            mov.b32 {$3, $7}, t3;
-            }
-            """,
-            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+            asm=_DEQ_BF16X2_PTX,
+            constraints=_DEQ_BF16X2_CONSTRAINTS,
             args=[p, s],
             dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
             is_pure=True,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.device import on_input_device
+from kernels.device import is_hopper, on_input_device
 
 try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kernel serves
     import triton
@@ -50,10 +50,8 @@ BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
 
 def hopper_available(device: torch.device | str) -> bool:
     """True where this kernel can run: Gluon importable and a CUDA device of compute capability 9.x."""
-    if gluon is None or not torch.cuda.is_available():
-        return False
-    device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return gluon is not None and is_hopper(torch.device(device))
+
 
 
 def unsupported_reason(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Tensor) -> str | None:

@@ -1,0 +1,38 @@
+"""INT4 -> bf16 dequantisation in PTX, two nibbles a 32-bit op; shared by the Triton
+(``kernels/int4_moe.py``) and Gluon (``kernels/int4_moe_hopper.py``) MoE kernels.
+
+Inputs ``$8`` (an int32 word of 8 nibbles) and ``$9`` (its bf16 scale); outputs ``$0 .. $7``, nibble
+i as ``(n - 8) * scale`` in bf16. ``(w >> 4i) & 0x000F000F | 0x43004300`` is the bf16 pair
+``(128 + n_i, 128 + n_{i+4})``; ``- 136`` is exact and ``* scale`` rounds once, as the reference's
+float32 product rounded to bf16 does. The CPU interpreter cannot run PTX.
+"""
+
+__all__ = ["DEQUANT_BF16X2", "DEQUANT_BF16X2_CONSTRAINTS"]
+
+DEQUANT_BF16X2 = """
+        {
+        .reg .b32 t0, t1, t2, t3, sc, bias;
+        mov.b32 sc, {$9, $9};
+        mov.b32 bias, 0x43084308;
+        lop3.b32 t0, $8, 0x000F000F, 0x43004300, 0xea;
+        shr.u32 t1, $8, 4;
+        lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xea;
+        shr.u32 t2, $8, 8;
+        lop3.b32 t2, t2, 0x000F000F, 0x43004300, 0xea;
+        shr.u32 t3, $8, 12;
+        lop3.b32 t3, t3, 0x000F000F, 0x43004300, 0xea;
+        sub.rn.bf16x2 t0, t0, bias;
+        sub.rn.bf16x2 t1, t1, bias;
+        sub.rn.bf16x2 t2, t2, bias;
+        sub.rn.bf16x2 t3, t3, bias;
+        mul.rn.bf16x2 t0, t0, sc;
+        mul.rn.bf16x2 t1, t1, sc;
+        mul.rn.bf16x2 t2, t2, sc;
+        mul.rn.bf16x2 t3, t3, sc;
+        mov.b32 {$0, $4}, t0;
+        mov.b32 {$1, $5}, t1;
+        mov.b32 {$2, $6}, t2;
+        mov.b32 {$3, $7}, t3;
+        }
+        """
+DEQUANT_BF16X2_CONSTRAINTS = "=h,=h,=h,=h,=h,=h,=h,=h,r,h"
