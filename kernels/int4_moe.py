@@ -555,7 +555,7 @@ class Int4MoEConfig:
     gu_split_k: int = 1  # > 1: gate/up partial sums over K slices added atomically (small M: more programs)
     deq_asm: bool = True  # bf16x2 PTX dequantisation where it applies (CUDA, bf16 activations + scales)
     hopper: bool = True  # the Gluon kernels of kernels/int4_moe_hopper.py where they apply (sm_90, bf16, swap_ab)
-    hp_stages: int = 2  # their cp.async ring depth (H200, K2 shapes: 2 beat 3, 4 and 6 at every M)
+    hp_stages: int = 2  # their cp.async ring depth (H200, K2 shapes: 2 best or within 0.1% of 3; 4 and 6 slower)
     # GEMV path (few assignments): no alignment, CUDA-core dot products per assignment / token.
     # Defaults: choose_config's TP-style GEMV config above 8 assignments (see _gemv_launch).
     gemv: bool = False
@@ -711,17 +711,18 @@ def _hopper_here() -> bool:
 
 
 def _hopper_config(r: float, whole_experts: bool) -> Int4MoEConfig:
-    """``_tensor_core_config`` for the Gluon kernels (K2 shapes, H200 sweep in bench/results/
-    int4_moe.json at 90f2ac6): 64-row down tiles on 4 warps below 32 rows per expert (TP8 M=72
-    down 169 us vs 191 at 128 rows), less split-K (EP8 M=1 gate/up 65 us unsplit), and weights
-    on the M side at large M too (EP8 M=288: 0.82 ms vs 0.99 on the Triton kernel's regular
-    tiles; M=1152: 2.6 vs 3.3 ms). The Gluon kernel fixes K steps at 128 and warps at rows / 16."""
+    """``_tensor_core_config`` for the Gluon kernels (K2 shapes, the H200 sweep in bench/results/
+    int4_moe.json): 64-row down tiles on 4 warps below 32 rows per expert (TP8 M=72 down 168 us
+    vs 178 at 128 rows), less split-K (EP8 M=1 gate/up 64 us unsplit, 65 split), and weights on
+    the M side at large M too (EP8 M=288 gate/up 502 us vs 635 on the Triton kernel's regular
+    tiles, down 306 vs 352; M=1152: 1445 vs 2073 and 1007 vs 1152). The Gluon kernel fixes K
+    steps at 128 and warps at rows / 16."""
     if r <= 8:
         split = 1 if whole_experts else 8 if r < 0.5 else 2 if r <= 2 else 1
         return Int4MoEConfig(block_m=16, gu_block_n=64, gu_block_k=128, gu_split_k=split,
                              dn_block_n=64, dn_block_k=128, dn_warps=4, dn_stages=3, swap_ab=True)
     if r <= 32:
-        dn_n = 128 if whole_experts else 64  # EP8 M=72: 191 us at 128 rows; TP8 M=1152: 372 at 64
+        dn_n = 128 if whole_experts else 64  # TP8 M=1152 down: 373 us at 64 rows vs 385 at 128; EP8 M=72: 189 either way
         return Int4MoEConfig(block_m=32, gu_block_n=64, gu_block_k=128, dn_block_n=dn_n, dn_block_k=128,
                              dn_warps=dn_n // 16, swap_ab=True)
     return Int4MoEConfig(block_m=64, gu_block_n=64, gu_block_k=128, dn_block_n=128, dn_block_k=128, dn_warps=8, swap_ab=True)
