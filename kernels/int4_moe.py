@@ -54,7 +54,7 @@ per scheduler, 7 cycles between issues, DRAM 28% busy: latency-bound between the
 dequantisation and the shared-memory round trip of the MMA operands (Triton converts the
 dequantised tile to the operand layout through shared memory: four times the bytes of the INT4
 words). On Hopper the tensor-core launches run ``kernels/int4_moe_hopper.py`` instead (Gluon,
-weights dequantised straight into the operand registers: 1.1-1.4x, 45-52% of copy at EP8 M=1-72);
+weights dequantised straight into the operand registers: 1.1-1.4x, 46-55% of copy at EP8 M=1-72);
 this kernel serves other GPUs and the CPU tests.
 """
 
@@ -582,10 +582,12 @@ class Int4MoEConfig:
         assert self.reduce in ("sum", "atomic"), f"reduce must be 'sum' or 'atomic', got {self.reduce!r}"
         assert self.gu_split_k >= 1, f"gu_split_k must be >= 1, got {self.gu_split_k}"
         assert self.gv_stages >= 1 and self.gvd_stages >= 1, f"stages must be >= 1, got {self.gv_stages}, {self.gvd_stages}"
-        assert self.hp_stages >= 2, f"hp_stages must be >= 2, got {self.hp_stages}"
+        assert 2 <= self.hp_stages <= 8, f"hp_stages must be 2..8, got {self.hp_stages}"
         # The Triton down kernel's fp32 atomics gave wrong sums in 1 of 3 runs with 256-row tiles
-        # (H200, K2 EP8 M=1; 64 and 128 rows were exact): not allowed.
+        # (H200, K2 EP8 M=1; 64 and 128 rows were exact; cause not found): atomics stay on tiles
+        # of <= 128 rows, split-K gate/up included (same atomic_add).
         assert not (self.reduce == "atomic" and self.dn_block_n > 128), "reduce='atomic' needs dn_block_n <= 128"
+        assert not (self.gu_split_k > 1 and self.gu_block_n > 128), "gu_split_k > 1 needs gu_block_n <= 128"
 
     def spec(self) -> str:
         """The ``CONFIG_ENV`` string of this config."""
@@ -674,9 +676,9 @@ def choose_config(
     slice's.
 
     On Hopper (``_hopper_here``) the tensor-core launches run the Gluon kernels, whose table
-    differs: the GEMV keeps up to five tokens of a TP-style shape (K2 TP8 M = 4: 63 vs 71 us;
-    M = 9: 134 vs 122) and none of a whole-expert one (EP8 M = 1: 139 vs 105), and large M puts
-    the weights on the MMA's M side too.
+    differs: the GEMV keeps up to five tokens of a TP-style shape (K2 TP8, GEMV vs tensor cores:
+    M = 4 63 vs 71 us; M = 9 134 vs 122) and none of a whole-expert one (EP8 M = 1: 139 vs 105),
+    and large M puts the weights on the MMA's M side too.
     """
     pinned = os.environ.get(CONFIG_ENV)
     if pinned:
@@ -686,7 +688,7 @@ def choose_config(
     hopper = _hopper_here()
     cfg = _hopper_config(r, whole_experts) if hopper else _tensor_core_config(r, whole_experts)
     independent = routing_groups is None or tokens <= routing_groups
-    gemv_pays = not whole_experts and tokens * top_k <= _HOPPER_GEMV_MAX_ASSIGNMENTS if hopper else r <= _GEMV_MAX_PER_EXPERT
+    gemv_pays = r <= _GEMV_MAX_PER_EXPERT and (not hopper or (not whole_experts and tokens * top_k <= _HOPPER_GEMV_MAX_ASSIGNMENTS))
     if gemv_pays and independent:
         return dataclasses.replace(cfg, gemv=True, **_gemv_launch(tokens * top_k, whole_experts))
     return cfg
@@ -695,19 +697,14 @@ def choose_config(
 # On Hopper the GEMV path serves a TP-style MoE up to this many assignments (K2 TP8, H200,
 # bench/results/int4_moe_hopper_gemv_crossover.json: GEMV / Gluon tensor cores 21 / 32 us at M = 1,
 # 63 / 71 at M = 4, 91 / 92 at M = 6, 134 / 122 at M = 9); whole-expert shapes take the tensor
-# cores from M = 1 (EP8: 105 vs 139 us).
+# cores from M = 1 (EP8, GEMV vs tensor cores: 139 vs 105 us).
 _HOPPER_GEMV_MAX_ASSIGNMENTS = 40
-_HOPPER_HERE: dict[int, bool] = {}
 
 
 def _hopper_here() -> bool:
-    """Whether the Gluon kernels run on the current CUDA device (cached; False without CUDA)."""
-    if not torch.cuda.is_available():
-        return False
-    idx = torch.cuda.current_device()
-    if idx not in _HOPPER_HERE:
-        _HOPPER_HERE[idx] = hop.available(torch.device("cuda", idx))
-    return _HOPPER_HERE[idx]
+    """Whether the Gluon kernels run on the current CUDA device (False without CUDA). The table
+    assumes they serve the launches; fp16 models or other group sizes run its configs on Triton."""
+    return torch.cuda.is_available() and hop.available(torch.device("cuda", torch.cuda.current_device()))
 
 
 def _hopper_config(r: float, whole_experts: bool) -> Int4MoEConfig:

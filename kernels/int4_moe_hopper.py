@@ -4,7 +4,7 @@ Why: the Triton kernel (``kernels/int4_moe.py``) dequantises a ``[BLOCK_N, BLOCK
 in whatever register layout its loads had, and Triton converts that to the MMA operand layout
 through shared memory: per K step 16 KB of bf16 stored and re-read a matrix, four times the bytes
 of the INT4 words it came from. At the K2 shapes that round trip uses about as much of an SM's
-shared-memory bandwidth as the HBM stream feeds it, and the kernel sits at 30-42% of copy
+shared-memory bandwidth as the HBM stream feeds it, and the kernel sits at 29-42% of copy
 bandwidth. Gluon lets this kernel pick the layouts:
 
 * Each thread loads (from a ``cp.async`` ring in shared memory, 16-byte reads) exactly the int32
@@ -36,6 +36,7 @@ from torch import Tensor
 
 from kernels.device import is_hopper
 from kernels.int4_ptx import DEQUANT_BF16X2, DEQUANT_BF16X2_CONSTRAINTS
+from services.common.int4 import Int4Weight
 
 try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kernel serves
     from triton.experimental import gluon
@@ -45,7 +46,7 @@ try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kerne
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-__all__ = ["BLOCK_K", "available", "permute_k", "unpermute_k", "supported"]
+__all__ = ["BLOCK_K", "OPERAND_ORDER", "available", "gemm", "permute_k", "planes_to_operand", "unpermute_k", "supported"]
 
 BLOCK_K = 128  # K per step: one 32-column block per lane of a quad, four words a thread a row
 # Dims of the joined nibble planes [rows, t, j, i0, q0, q1] -> [rows, j, q1, q0, t, i0]: the
@@ -56,7 +57,6 @@ OPERAND_ORDER = (0, 2, 5, 4, 1, 3)
 def available(device: torch.device) -> bool:
     """Gluon importable and a CUDA device of compute capability 9.x."""
     return gluon is not None and is_hopper(device)
-
 
 
 def permute_k(x: Tensor) -> Tensor:
@@ -87,13 +87,14 @@ def unpermute_k(x: Tensor) -> Tensor:
 
 def supported(act: Tensor, packed: Tensor, scale: Tensor, group_size: int, block_n: int) -> bool:
     """Whether a launch fits this kernel: sm_90, bf16 activations and scales, group 32, K a
-    multiple of 128, the expert's rows a multiple of ``block_n`` (64 or 128)."""
+    multiple of 128, the expert's rows a multiple of ``block_n`` (64 or 128), and weight rows
+    the 16-byte copies can read (the activations are read from ``permute_k``'s fresh copy)."""
     out_f, k_words = packed.shape[-2], packed.shape[-1]
     return (
         available(act.device) and act.dtype == torch.bfloat16 and scale.dtype == torch.bfloat16
         and group_size == 32 and (k_words * 8) % BLOCK_K == 0 and block_n in (64, 128) and out_f % block_n == 0
-        and packed.stride(-1) == 1 and scale.stride(-1) == 1 and all(t.data_ptr() % 16 == 0 for t in (act, packed, scale))
-        and act.stride(0) % 8 == 0 and all(st % 4 == 0 for st in (*packed.stride()[:-1], *scale.stride()[:-1]))
+        and packed.stride(-1) == 1 and scale.stride(-1) == 1 and packed.data_ptr() % 16 == 0 and scale.data_ptr() % 16 == 0
+        and all(st % 4 == 0 for st in (*packed.stride()[:-1], *scale.stride()[:-1]))
     )
 
 
@@ -264,7 +265,7 @@ if gluon is not None:
                 gl.store(o_ptrs, acc0.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-def _layouts(block_m: int, block_n: int, num_warps: int) -> dict:
+def _layouts(block_m: int, block_n: int, num_warps: int) -> dict[str, object]:
     """The kernel's layouts for one (BLOCK_M, BLOCK_N, warps): A operand rows are 16 a warp."""
     assert block_n == 16 * num_warps, "one 16-row wgmma slice a warp"
     warp_rows = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
@@ -288,7 +289,7 @@ def _layouts(block_m: int, block_n: int, num_warps: int) -> dict:
 
 
 def gemm(
-    a: Tensor, w0, w1, out: Tensor, sorted_ids: Tensor, block_expert: Tensor, topk_w: Tensor,
+    a: Tensor, w0: Int4Weight, w1: Int4Weight, out: Tensor, sorted_ids: Tensor, block_expert: Tensor, topk_w: Tensor,
     N: int, K: int, A: int, top_k: int, k_split: int, *, gated: bool, atomic: bool, block_m: int,
     block_n: int, split_k: int, stages: int,
 ) -> None:

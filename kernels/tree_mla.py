@@ -552,29 +552,13 @@ def tree_mla_triton(
     """
     if triton is None:
         raise RuntimeError("tree_mla_triton needs triton; install the 'gpu' extra or use tree_mla_reference")
-    if isinstance(meta, TreeAttentionMetadata):
-        meta = TreeAttentionDeviceMetadata.from_host(meta, device=q_latent.device)
+    meta = check_operands(q_latent, q_pe, kv_cache, new_kv, meta)
     N, H, kvr = q_latent.shape
     rope = q_pe.shape[-1]
     num_pages, page_size, kv_dim = kv_cache.shape
     R = meta.num_requests
-    assert kv_dim == kvr + rope, f"kv_cache last dim {kv_dim} != kvr {kvr} + rope {rope}"
-    assert q_pe.shape == (N, H, rope), f"q_pe must be [{N}, {H}, {rope}], got {tuple(q_pe.shape)}"
-    assert new_kv.shape == (N, kv_dim), f"new_kv must be [{N}, {kv_dim}], got {tuple(new_kv.shape)}"
     for name, d in (("kvr", kvr), ("rope", rope)):
         assert d >= 16 and d & (d - 1) == 0, f"{name} = {d}: the kernel needs a power of two >= 16"
-    for name, t in (("q_latent", q_latent), ("q_pe", q_pe), ("kv_cache", kv_cache), ("new_kv", new_kv)):
-        assert t.stride(-1) == 1, f"{name} must be contiguous in its last dim"
-        assert t.device == q_latent.device, f"{name} is on {t.device}, q_latent on {q_latent.device}"
-    assert meta.query_starts.shape == (R + 1,), "query_starts must have R+1 entries"
-    assert meta.ancestor_bits.shape[0] == N, f"ancestor_bits has {meta.ancestor_bits.shape[0]} rows, N = {N}"
-    assert meta.ancestor_bits.shape[1] * 32 >= meta.max_nodes, "ancestor_bits has too few words for max_nodes"
-    for name in ("query_starts", "prefix_lens", "page_table", "ancestor_bits"):
-        t = getattr(meta, name)
-        assert t.dtype == torch.int32, f"meta.{name} must be int32, got {t.dtype}"
-        assert t.device == q_latent.device, f"meta.{name} is on {t.device}, q_latent on {q_latent.device}"
-    assert meta.page_table.stride(1) == 1 and meta.ancestor_bits.stride(1) == 1, (
-        "page_table and ancestor_bits rows must be contiguous")
 
     out = torch.empty(N, H, kvr, dtype=q_latent.dtype, device=q_latent.device)  # [N, H, kvr]
     if N == 0 or R == 0:
@@ -618,9 +602,39 @@ def tree_mla_triton(
     return out
 
 
+def check_operands(
+    q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Tensor,
+    meta: TreeAttentionMetadata | TreeAttentionDeviceMetadata,
+) -> TreeAttentionDeviceMetadata:
+    """The kernels' shared argument checks (both read these tensors raw); returns the device
+    metadata (the host form is packed here, with a host sync)."""
+    if isinstance(meta, TreeAttentionMetadata):
+        meta = TreeAttentionDeviceMetadata.from_host(meta, device=q_latent.device)
+    N, H, kvr = q_latent.shape
+    rope = q_pe.shape[-1]
+    kv_dim = kv_cache.shape[-1]
+    R = meta.num_requests
+    assert kv_dim == kvr + rope, f"kv_cache last dim {kv_dim} != kvr {kvr} + rope {rope}"
+    assert q_pe.shape == (N, H, rope), f"q_pe must be [{N}, {H}, {rope}], got {tuple(q_pe.shape)}"
+    assert new_kv.shape == (N, kv_dim), f"new_kv must be [{N}, {kv_dim}], got {tuple(new_kv.shape)}"
+    for name, t in (("q_latent", q_latent), ("q_pe", q_pe), ("kv_cache", kv_cache), ("new_kv", new_kv)):
+        assert t.stride(-1) == 1, f"{name} must be contiguous in its last dim"
+        assert t.device == q_latent.device, f"{name} is on {t.device}, q_latent on {q_latent.device}"
+    assert meta.query_starts.shape == (R + 1,), "query_starts must have R+1 entries"
+    assert meta.ancestor_bits.shape[0] == N, f"ancestor_bits has {meta.ancestor_bits.shape[0]} rows, N = {N}"
+    assert meta.ancestor_bits.shape[1] * 32 >= meta.max_nodes, "ancestor_bits has too few words for max_nodes"
+    for name in ("query_starts", "prefix_lens", "page_table", "ancestor_bits"):
+        t = getattr(meta, name)
+        assert t.dtype == torch.int32, f"meta.{name} must be int32, got {t.dtype}"
+        assert t.device == q_latent.device, f"meta.{name} is on {t.device}, q_latent on {q_latent.device}"
+    assert meta.page_table.stride(1) == 1 and meta.ancestor_bits.stride(1) == 1, (
+        "page_table and ancestor_bits rows must be contiguous")
+    return meta
+
+
 def choose_backend(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Tensor) -> str:
-    """``"hopper"`` where the Gluon kernel runs (sm_90, 16-bit, DeepSeek-style dims): 1.4-1.5x the
-    Triton kernel at batch 32 (bench/results/tree_mla.json); ``"triton"`` on other CUDA GPUs;
+    """``"hopper"`` where the Gluon kernel runs (sm_90, 16-bit, the K2 or demo dims): 1.4-2.0x the
+    Triton kernel at batch >= 32 (bench/results/tree_mla.json); ``"triton"`` on other CUDA GPUs;
     ``"reference"`` off the GPU."""
     if not q_latent.is_cuda or triton is None:
         return "reference"

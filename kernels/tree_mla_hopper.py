@@ -33,10 +33,15 @@ under the interpreter; this kernel is checked against the float32 reference on t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from kernels.device import is_hopper, on_input_device
+
+if TYPE_CHECKING:
+    from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata
 
 try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kernel serves
     import triton
@@ -47,9 +52,12 @@ try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kerne
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-__all__ = ["hopper_available", "unsupported_reason", "tree_mla_hopper", "BLOCK_M"]
+__all__ = ["hopper_available", "unsupported_reason", "tree_mla_hopper", "BLOCK_M", "SUPPORTED_DIMS"]
 
 BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
+_SMEM_PER_CTA = 227 * 1024 - 8 * 1024  # sm_90's 227 KB a CTA, less room for layout conversions
+# Dims the kernel was checked at on the GPU (bench/tree_mla_bench.py): Kimi-K2 and the demo model.
+SUPPORTED_DIMS = ((512, 64), (128, 32))
 
 
 def hopper_available(device: torch.device | str) -> bool:
@@ -58,17 +66,18 @@ def hopper_available(device: torch.device | str) -> bool:
 
 
 def unsupported_reason(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Tensor) -> str | None:
-    """Why these operands cannot take this kernel (None: they can). Shapes and dtypes only."""
+    """Why these operands cannot take this kernel (None: they can): dims, dtypes and alignment."""
     kvr, rope = q_latent.shape[-1], q_pe.shape[-1]
     if q_latent.dtype not in (torch.bfloat16, torch.float16):
         return f"q is {q_latent.dtype}; the kernel takes bf16 / fp16"
     if not (kv_cache.dtype == new_kv.dtype == q_pe.dtype == q_latent.dtype):
         return "q, q_pe, kv_cache and new_kv must share one dtype"
-    if kvr not in (128, 256, 512) or rope not in (16, 32, 64) or kv_cache.shape[-1] != kvr + rope:
-        return f"latent {kvr} + rope {rope} (cache {kv_cache.shape[-1]}): supported 128/256/512 + 16/32/64"
+    if (kvr, rope) not in SUPPORTED_DIMS or kv_cache.shape[-1] != kvr + rope:
+        return f"latent {kvr} + rope {rope} (cache {kv_cache.shape[-1]}): supported {SUPPORTED_DIMS}"
     for name, t in (("q_latent", q_latent), ("q_pe", q_pe), ("kv_cache", kv_cache), ("new_kv", new_kv)):
-        if t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]) or t.data_ptr() % 16:
-            return f"{name} rows are not 16-byte aligned and contiguous"
+        # Triton knows a stride is aligned only when it is a multiple of 16 elements.
+        if t.stride(-1) != 1 or any(st % 16 for st in t.stride()[:-1]) or t.data_ptr() % 16:
+            return f"{name}: rows must be contiguous, strides multiples of 16 elements, data 16-byte aligned"
     return None
 
 
@@ -239,22 +248,31 @@ def tree_mla_hopper(
     q_pe: Tensor,
     kv_cache: Tensor,
     new_kv: Tensor,
-    meta,
+    meta: TreeAttentionMetadata | TreeAttentionDeviceMetadata,
     softmax_scale: float,
     *,
     num_splits: int | None = None,
     block_n: int = 64,
     num_stages: int = 2,
 ) -> Tensor:
-    """``tree_mla_triton``'s contract on the Gluon kernel: same arguments (device metadata), same
-    result ``[N, H, kvr]``. Needs ``hopper_available``, 16-bit q and cache, kvr <= 512, rope >= 16."""
-    from kernels.tree_mla import _LOG2E, _sm_count, _tree_mla_merge_kernel, choose_num_splits
+    """``tree_mla_triton``'s contract on the Gluon kernel: same arguments (host metadata is packed
+    here, with a host sync), same result ``[N, H, kvr]``. Needs ``hopper_available`` and operands
+    ``unsupported_reason`` accepts. ``block_n`` / ``num_stages``: key-tile rows and ring depth
+    (the served 64 / 2 fill the H200's shared memory)."""
+    from kernels.tree_mla import _LOG2E, _sm_count, _tree_mla_merge_kernel, check_operands, choose_num_splits
 
     if not hopper_available(q_latent.device):
         raise RuntimeError(f"tree_mla_hopper needs Triton's Gluon and a compute capability 9.x GPU; q is on {q_latent.device}")
     reason = unsupported_reason(q_latent, q_pe, kv_cache, new_kv)
     if reason is not None:
         raise ValueError(f"tree_mla_hopper: {reason}")
+    meta = check_operands(q_latent, q_pe, kv_cache, new_kv, meta)
+    kv_bytes = kv_cache.shape[-1] * kv_cache.element_size()
+    assert block_n in (16, 32, 64) and num_stages >= 2, f"block_n {block_n} / num_stages {num_stages}"
+    assert (BLOCK_M + block_n * num_stages) * kv_bytes <= _SMEM_PER_CTA, (
+        f"q and {num_stages} tiles of {block_n} keys need {(BLOCK_M + block_n * num_stages) * kv_bytes} bytes of shared memory")
+    if num_splits is not None:
+        assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     N, H, kvr = q_latent.shape
     rope = q_pe.shape[-1]
     _, page_size, _ = kv_cache.shape

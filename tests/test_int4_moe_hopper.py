@@ -4,12 +4,13 @@ The kernel cannot run here (Gluon has no CPU interpreter); ``bench/int4_moe_benc
 every served config against the reference on an H200. What the CPU checks: ``permute_k`` puts
 physical column ``32t + 8j + 2q + i0`` of each 128-block at ``32j + 8q + 2t + i0`` (the order in
 which the kernel's threads hold the dequantised weights), so a product over permuted columns equals
-the plain one; launches off sm_90 stay on the Triton kernel; and the kernel still compiles for
+the plain one; which launches it takes; and the kernel still compiles for
 sm_90 on the installed Triton with its layout conversions register-only (``assert_trivial``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -51,28 +52,35 @@ def test_operand_order_matches_permute_k() -> None:
     torch.testing.assert_close(hop.planes_to_operand(planes), hop.permute_k(dense), rtol=0, atol=0)
 
 
-def test_permuted_product_equals_plain() -> None:
-    """Weights read in the kernel's order (each word's nibbles at the logical columns above) times
-    permute_k(x) is the plain product: the kernel's sums are a reordering of the reference's."""
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(48, 256, generator=g)
-    x = torch.randn(5, 256, generator=g)
-    torch.testing.assert_close(hop.permute_k(w) @ hop.permute_k(x).T, w @ x.T, rtol=1e-5, atol=1e-5)
+def test_supported_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off sm_90 nothing goes to the Gluon kernel; on it (faked here), only what it was built for."""
+    from kernels import int4_moe as km
 
-
-def test_cpu_launches_stay_on_triton() -> None:
     wq = pack_int4(torch.randn(128, 256), 32, torch.bfloat16)
+    stack = lambda w: type(w)(packed=w.packed[None], scale=w.scale[None], shape=w.shape)  # noqa: E731
+    w = stack(wq)
     x = torch.randn(4, 256).to(torch.bfloat16)
-    assert not hop.available(x.device)
-    assert not hop.supported(x, wq.packed, wq.scale, 32, 64)
+    assert not hop.available(x.device) and not hop.supported(x, w.packed, w.scale, 32, 64)
+    monkeypatch.setattr(hop, "available", lambda device: True)
+    assert hop.supported(x, w.packed, w.scale, 32, 64) and hop.supported(x, w.packed, w.scale, 32, 128)
+    assert not hop.supported(x.half(), w.packed, w.scale, 32, 64)  # bf16 activations only
+    assert not hop.supported(x, w.packed, w.scale.half(), 32, 64)  # bf16 scales only
+    assert not hop.supported(x, w.packed, w.scale, 64, 64)  # group 32 only
+    assert not hop.supported(x, w.packed, w.scale, 32, 256)  # 64- or 128-row tiles
+    w96 = stack(pack_int4(torch.randn(96, 256), 32, torch.bfloat16))
+    assert not hop.supported(x, w96.packed, w96.scale, 32, 64)  # rows a multiple of the tile
+    w160 = stack(pack_int4(torch.randn(128, 160), 32, torch.bfloat16))
+    assert not hop.supported(x[:, :160], w160.packed, w160.scale, 32, 64)  # K a multiple of 128
+    cfg = km.Int4MoEConfig()
+    assert km._use_hopper(cfg, x, w, 32, 64)
+    assert not km._use_hopper(dataclasses.replace(cfg, hopper=False), x, w, 32, 64)
+    assert not km._use_hopper(dataclasses.replace(cfg, swap_ab=False), x, w, 32, 64)
 
 
 def test_choose_config_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the Gluon kernels run, the table changes (measured on an H200): the GEMV keeps up to
     five tokens of a TP-style shape, whole-expert shapes never take it, and every tensor-core
     launch puts the weights on the MMA's M side in tiles the Gluon kernel takes."""
-    import dataclasses
-
     from kernels import int4_moe as km
 
     monkeypatch.setattr(km, "_hopper_here", lambda: True)
@@ -86,6 +94,8 @@ def test_choose_config_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     assert km.choose_config(1152, 48, 7168, 2048, 8).swap_ab is False  # other GPUs keep the Triton table
     with pytest.raises(AssertionError, match="atomic"):
         km.Int4MoEConfig(reduce="atomic", dn_block_n=256)
+    with pytest.raises(AssertionError, match="gu_split_k"):
+        km.Int4MoEConfig(gu_split_k=2, gu_block_n=256)
 
 
 def _build(gated: bool, block_m: int, block_n: int, split_k: int) -> dict:

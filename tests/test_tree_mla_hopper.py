@@ -43,6 +43,9 @@ def test_unsupported_reason() -> None:
     assert "one dtype" in hop.unsupported_reason(q_latent, q_pe, kv_cache.half(), new_kv)
     odd = torch.randn(3, 8, 520).to(torch.bfloat16)[..., 4:516]  # rows start 8 bytes off
     assert "aligned" in hop.unsupported_reason(odd, q_pe, kv_cache, new_kv)
+    wide = torch.randn(3, 8, 520).to(torch.bfloat16)[..., :512]  # head stride 520: 8 mod 16 elements
+    assert "multiples of 16" in hop.unsupported_reason(wide, q_pe, kv_cache, new_kv)
+    assert "supported" in hop.unsupported_reason(*_operands(kvr=256, rope=64))  # not checked on a GPU
 
 
 def _meta(nodes: int = 3) -> TreeAttentionMetadata:
