@@ -46,7 +46,7 @@ try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kerne
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-__all__ = ["BLOCK_K", "OPERAND_ORDER", "available", "gemm", "permute_k", "planes_to_operand", "unpermute_k", "supported"]
+__all__ = ["BLOCK_K", "OPERAND_ORDER", "available", "gemm", "permute_k", "planes_to_operand", "supported"]
 
 BLOCK_K = 128  # K per step: one 32-column block per lane of a quad, four words a thread a row
 # Dims of the joined nibble planes [rows, t, j, i0, q0, q1] -> [rows, j, q1, q0, t, i0]: the
@@ -77,12 +77,6 @@ def planes_to_operand(planes: list[Tensor]) -> Tensor:
     b0 = torch.stack([torch.stack([v[0], v[1]], -1), torch.stack([v[2], v[3]], -1)], -1)
     b1 = torch.stack([torch.stack([v[4], v[5]], -1), torch.stack([v[6], v[7]], -1)], -1)
     return torch.stack([b0, b1], -1).permute(*OPERAND_ORDER).reshape(rows, BLOCK_K)
-
-
-def unpermute_k(x: Tensor) -> Tensor:
-    """Inverse of ``permute_k`` (tests)."""
-    M, K = x.shape
-    return x.reshape(M, K // BLOCK_K, 4, 4, 4, 2).permute(0, 1, 4, 2, 3, 5).reshape(M, K)
 
 
 def supported(act: Tensor, packed: Tensor, scale: Tensor, group_size: int, block_n: int) -> bool:

@@ -573,11 +573,7 @@ def tree_mla_triton(
                                        _sm_count(q_latent.device))
     assert num_splits >= 1
     total_rows = N * H
-    if num_splits == 1:
-        o_part = lse_part = out  # unused
-    else:
-        o_part = torch.empty(num_splits, total_rows, kvr, dtype=torch.float32, device=q_latent.device)
-        lse_part = torch.empty(num_splits, cfg.dv_splits, total_rows, dtype=torch.float32, device=q_latent.device)
+    o_part, lse_part = split_partials(out, num_splits, cfg.dv_splits)
     _tree_mla_split_kernel[(m_tiles * cfg.dv_splits, num_splits, R)](
         q_latent, q_pe, kv_cache, new_kv,
         meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,
@@ -593,13 +589,30 @@ def tree_mla_triton(
         DIRECT=num_splits == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if num_splits > 1:
-        block_r = 16
-        _tree_mla_merge_kernel[(triton.cdiv(total_rows, block_r), cfg.dv_splits)](
-            o_part, lse_part, out, total_rows, num_splits,
-            KVR=kvr, BLOCK_R=block_r, DV_SPLITS=cfg.dv_splits, num_warps=4,
-        )
+    merge_splits(o_part, lse_part, out, num_splits, cfg.dv_splits)
     return out
+
+
+def split_partials(out: Tensor, num_splits: int, dv_splits: int) -> tuple[Tensor, Tensor]:
+    """The split pass's float32 partials ``[splits, N*H, kvr]`` and log-sum-exps ``[splits,
+    dv_splits, N*H]`` (``out`` twice, unused, when there is one split and it writes ``out``)."""
+    if num_splits == 1:
+        return out, out
+    total_rows, kvr = out.shape[0] * out.shape[1], out.shape[2]
+    o_part = torch.empty(num_splits, total_rows, kvr, dtype=torch.float32, device=out.device)
+    lse_part = torch.empty(num_splits, dv_splits, total_rows, dtype=torch.float32, device=out.device)
+    return o_part, lse_part
+
+
+def merge_splits(o_part: Tensor, lse_part: Tensor, out: Tensor, num_splits: int, dv_splits: int) -> None:
+    """``out`` from the partials of more than one split (one merge launch; nothing for one)."""
+    if num_splits == 1:
+        return
+    total_rows, kvr = out.shape[0] * out.shape[1], out.shape[2]
+    block_r = 16
+    _tree_mla_merge_kernel[(triton.cdiv(total_rows, block_r), dv_splits)](
+        o_part, lse_part, out, total_rows, num_splits, KVR=kvr, BLOCK_R=block_r, DV_SPLITS=dv_splits, num_warps=4,
+    )
 
 
 def check_operands(

@@ -16,7 +16,7 @@ Gluon lets this kernel choose it:
   tile t is computed, and the page ids one tile earlier still, so no global load sits on the
   critical path.
 * The tree's own keys (a few tiles) follow on the last split, with the ancestor bits as mask.
-* Splits write float32 partials and per-row log-sum-exps that ``tree_mla._tree_mla_merge_kernel``
+* Splits write float32 partials and per-row log-sum-exps that ``tree_mla.merge_splits``
   combines, exactly as the Triton kernel's do (one value-dim part).
 
 Rows past 64 a request take more CTAs (a 72-row tree: 64 + 8 live rows), each reading the same key
@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata
 
 try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kernel serves
-    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -55,7 +54,6 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 __all__ = ["hopper_available", "unsupported_reason", "tree_mla_hopper", "BLOCK_M", "SUPPORTED_DIMS"]
 
 BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
-_SMEM_PER_CTA = 227 * 1024 - 8 * 1024  # sm_90's 227 KB a CTA, less room for layout conversions
 # Dims the kernel was checked at on the GPU (bench/tree_mla_bench.py): Kimi-K2 and the demo model.
 SUPPORTED_DIMS = ((512, 64), (128, 32))
 
@@ -259,7 +257,9 @@ def tree_mla_hopper(
     here, with a host sync), same result ``[N, H, kvr]``. Needs ``hopper_available`` and operands
     ``unsupported_reason`` accepts. ``block_n`` / ``num_stages``: key-tile rows and ring depth
     (the served 64 / 2 fill the H200's shared memory)."""
-    from kernels.tree_mla import _LOG2E, _sm_count, _tree_mla_merge_kernel, check_operands, choose_num_splits
+    from kernels.tree_mla import (
+        _LOG2E, _shared_memory_limit, _sm_count, check_operands, choose_num_splits, merge_splits, split_partials,
+    )
 
     if not hopper_available(q_latent.device):
         raise RuntimeError(f"tree_mla_hopper needs Triton's Gluon and a compute capability 9.x GPU; q is on {q_latent.device}")
@@ -269,8 +269,9 @@ def tree_mla_hopper(
     meta = check_operands(q_latent, q_pe, kv_cache, new_kv, meta)
     kv_bytes = kv_cache.shape[-1] * kv_cache.element_size()
     assert block_n in (16, 32, 64) and num_stages >= 2, f"block_n {block_n} / num_stages {num_stages}"
-    assert (BLOCK_M + block_n * num_stages) * kv_bytes <= _SMEM_PER_CTA, (
-        f"q and {num_stages} tiles of {block_n} keys need {(BLOCK_M + block_n * num_stages) * kv_bytes} bytes of shared memory")
+    need = (BLOCK_M + block_n * num_stages) * kv_bytes + (8 << 10)  # + room for layout conversions
+    limit = _shared_memory_limit(q_latent.device)
+    assert limit is None or need <= limit, f"q and {num_stages} tiles of {block_n} keys need {need} bytes of shared memory, {limit} here"
     if num_splits is not None:
         assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     N, H, kvr = q_latent.shape
@@ -286,11 +287,7 @@ def tree_mla_hopper(
         max_prefix = meta.page_table.shape[1] * page_size
         num_splits = choose_num_splits(R, m_tiles, rows, max_prefix, kvr, rope, _sm_count(q_latent.device))
     total_rows = N * H
-    if num_splits == 1:
-        o_part = lse_part = out  # unused
-    else:
-        o_part = torch.empty(num_splits, total_rows, kvr, dtype=torch.float32, device=q_latent.device)
-        lse_part = torch.empty(num_splits, 1, total_rows, dtype=torch.float32, device=q_latent.device)
+    o_part, lse_part = split_partials(out, num_splits, 1)
     gdt = gl.bfloat16 if q_latent.dtype == torch.bfloat16 else gl.float16
     smem = {
         "Q_LAT_SMEM": gl.NVMMASharedLayout.get_default_for([BLOCK_M, kvr], gdt),
@@ -308,9 +305,5 @@ def tree_mla_hopper(
         KVR=kvr, ROPE=rope, BLOCK_N=block_n, NUM_STAGES=num_stages, DIRECT=num_splits == 1, **smem,
         num_warps=8,
     )
-    if num_splits > 1:
-        block_r = 16
-        _tree_mla_merge_kernel[(triton.cdiv(total_rows, block_r), 1)](
-            o_part, lse_part, out, total_rows, num_splits, KVR=kvr, BLOCK_R=block_r, DV_SPLITS=1, num_warps=4,
-        )
+    merge_splits(o_part, lse_part, out, num_splits, 1)
     return out
