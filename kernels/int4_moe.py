@@ -556,6 +556,7 @@ class Int4MoEConfig:
     deq_asm: bool = True  # bf16x2 PTX dequantisation where it applies (CUDA, bf16 activations + scales)
     hopper: bool = True  # the Gluon kernels of kernels/int4_moe_hopper.py where they apply (sm_90, bf16, swap_ab)
     hp_stages: int = 2  # their cp.async ring depth (H200, K2 shapes: 2 best or within 0.1% of 3; 4 and 6 slower)
+    hp_dn_tiles: int = 1  # down weight tiles one Gluon CTA streams (a short intermediate keeps its ring full)
     # GEMV path (few assignments): no alignment, CUDA-core dot products per assignment / token.
     # Defaults: choose_config's TP-style GEMV config above 8 assignments (see _gemv_launch).
     gemv: bool = False
@@ -583,6 +584,7 @@ class Int4MoEConfig:
         assert self.gu_split_k >= 1, f"gu_split_k must be >= 1, got {self.gu_split_k}"
         assert self.gv_stages >= 1 and self.gvd_stages >= 1, f"stages must be >= 1, got {self.gv_stages}, {self.gvd_stages}"
         assert 2 <= self.hp_stages <= 8, f"hp_stages must be 2..8, got {self.hp_stages}"
+        assert self.hp_dn_tiles >= 1, f"hp_dn_tiles must be >= 1, got {self.hp_dn_tiles}"
         # The Triton down kernel's fp32 atomics gave wrong sums in 1 of 3 runs with 256-row tiles
         # (H200, K2 EP8 M=1; 64 and 128 rows were exact; cause not found): atomics stay on tiles
         # of <= 128 rows, split-K gate/up included (same atomic_add).
@@ -595,7 +597,7 @@ class Int4MoEConfig:
             f"bm={self.block_m},gu={self.gu_block_n}x{self.gu_block_k}x{self.gu_warps}x{self.gu_stages},"
             f"dn={self.dn_block_n}x{self.dn_block_k}x{self.dn_warps}x{self.dn_stages},"
             f"swap={int(self.swap_ab)},reduce={self.reduce},split={self.gu_split_k},asm={int(self.deq_asm)},"
-            f"hopper={int(self.hopper)},hps={self.hp_stages},"
+            f"hopper={int(self.hopper)},hps={self.hp_stages},hpt={self.hp_dn_tiles},"
             f"gemv={int(self.gemv)},gv={self.gv_block_n}x{self.gv_block_k}x{self.gv_warps}x{self.gv_stages},"
             f"gvd={self.gvd_block_n}x{self.gvd_block_k}x{self.gvd_warps}x{self.gvd_stages}"
         )
@@ -623,6 +625,8 @@ class Int4MoEConfig:
                 kw["hopper"] = val not in ("0", "false", "False")
             elif key == "hps":
                 kw["hp_stages"] = int(val)
+            elif key == "hpt":
+                kw["hp_dn_tiles"] = int(val)
             elif key == "gemv":
                 kw["gemv"] = val not in ("0", "false", "False")
             else:
@@ -958,7 +962,7 @@ def int4_moe_down(
     if _use_hopper(cfg, h, w_down, group_size, cfg.dn_block_n):
         hop.gemm(hop.permute_k(h), w_down, w_down, out, align.sorted_ids, align.block_expert, weights,
                  K, I, A, top_k, I, gated=False, atomic=atomic, block_m=cfg.block_m, block_n=cfg.dn_block_n,
-                 split_k=1, stages=cfg.hp_stages)
+                 split_k=1, stages=cfg.hp_stages, n_tiles=cfg.hp_dn_tiles)
         return _finish_down(out, atomic, act_dtype, M, top_k, K)
     grid = (nb * triton.cdiv(K, cfg.dn_block_n),)
     _int4_moe_gemm_kernel[grid](

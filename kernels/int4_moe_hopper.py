@@ -52,6 +52,7 @@ BLOCK_K = 128  # K per step: one 32-column block per lane of a quad, four words 
 # Dims of the joined nibble planes [rows, t, j, i0, q0, q1] -> [rows, j, q1, q0, t, i0]: the
 # operand's column order. ``planes_to_operand`` replays it in torch for the CPU test.
 OPERAND_ORDER = (0, 2, 5, 4, 1, 3)
+RESIDENT_BYTES = 32768  # most activation bytes a CTA keeps resident (K2 TP8 down: 2 steps x 32 rows = 16 KB)
 
 
 def available(device: torch.device) -> bool:
@@ -133,19 +134,77 @@ if gluon is not None:
         return gl.max_contiguous(gl.multiple_of(rows + sk[None, :], [1, 4]), [1, 4])
 
     @gluon.jit
-    def _issue_step(x_buf, w0_buf, s0_buf, w1_buf, s1_buf, a_rows, row_ok, step_ok, k0, a_ptr, stride_am,
-                    w0_rows, s0_rows, w1_rows, s1_rows,
-                    GATED: gl.constexpr, X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr):
-        """cp.async one K step: activations ``[BM, 128]``, words ``[BN, 16]`` and scales ``[BN, 4]``."""
-        xk = k0 + gl.arange(0, 128, layout=gl.SliceLayout(0, X_LD))
-        _cp_async(x_buf, a_ptr + a_rows[:, None] * stride_am + xk[None, :], mask=(row_ok & step_ok)[:, None])
+    def _issue_weights(w0_buf, s0_buf, w1_buf, s1_buf, ok, k0, w0_rows, s0_rows, w1_rows, s1_rows,
+                       GATED: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr):
+        """cp.async one K step's words ``[BN, 16]`` and scales ``[BN, 4]`` (of both matrices if GATED)."""
         wk = k0 // 8 + gl.arange(0, 16, layout=gl.SliceLayout(0, W_LD))
         sk = k0 // 32 + gl.arange(0, 4, layout=gl.SliceLayout(0, S_LD))
-        _cp_async(w0_buf, w0_rows + wk[None, :], mask=step_ok)
-        _cp_async(s0_buf, _scale_ptrs(s0_rows, sk), mask=step_ok)
+        _cp_async(w0_buf, w0_rows + wk[None, :], mask=ok)
+        _cp_async(s0_buf, _scale_ptrs(s0_rows, sk), mask=ok)
         if GATED:
-            _cp_async(w1_buf, w1_rows + wk[None, :], mask=step_ok)
-            _cp_async(s1_buf, _scale_ptrs(s1_rows, sk), mask=step_ok)
+            _cp_async(w1_buf, w1_rows + wk[None, :], mask=ok)
+            _cp_async(s1_buf, _scale_ptrs(s1_rows, sk), mask=ok)
+
+    @gluon.jit
+    def _issue_acts(x_buf, a_rows, row_ok, ok, k0, a_ptr, stride_am, X_LD: gl.constexpr):
+        """cp.async one K step's activations ``[BM, 128]``."""
+        xk = k0 + gl.arange(0, 128, layout=gl.SliceLayout(0, X_LD))
+        _cp_async(x_buf, a_ptr + a_rows[:, None] * stride_am + xk[None, :], mask=(row_ok & ok)[:, None])
+
+    @gluon.jit
+    def _issue_step(u, n_k, n_tile0, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows, row_ok,
+                    a_ptr, stride_am, w0_base, s0_base, w1_base, s1_base, stride_wn, stride_sn,
+                    GATED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, K_RESIDENT: gl.constexpr,
+                    X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr):
+        """cp.async ring step ``u`` (tile ``u // n_k`` of the CTA's tiles, K step ``u % n_k``) into slot
+        ``u % STAGES``, one commit group; past the CTA's last step it copies nothing."""
+        tile = u // n_k
+        k0 = k_lo + (u % n_k) * 128
+        ok = (u < n_k * n_tiles)
+        sl = u % STAGES
+        n0 = (n_tile0 + tile) * BLOCK_N
+        offs_nw = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, W_LD))).to(gl.int64)
+        offs_ns = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S_LD))).to(gl.int64)
+        _issue_weights(w0_smem.index(sl), s0_smem.index(sl), w1_smem.index(sl), s1_smem.index(sl), ok, k0,
+                       w0_base + offs_nw[:, None] * stride_wn, s0_base + offs_ns[:, None] * stride_sn,
+                       w1_base + offs_nw[:, None] * stride_wn, s1_base + offs_ns[:, None] * stride_sn,
+                       GATED, W_LD, S_LD)
+        if K_RESIDENT == 0:
+            _issue_acts(x_smem.index(sl), a_rows, row_ok, ok, k0, a_ptr, stride_am, X_LD)
+        cp.commit_group()
+
+    @gluon.jit
+    def _epilogue(acc0, acc1, pid_m, n0, out_ptr, sorted_ids_ptr, topk_w_ptr, N, A, top_k, stride_om,
+                  GATED: gl.constexpr, ATOMIC: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, ACC: gl.constexpr):
+        """One finished ``[BLOCK_N, BLOCK_M]`` tile out: ``silu(gate) * up`` (or its split-K partial
+        sums), or the down rows times their routing weights (per assignment, or atomically per token)."""
+        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
+        flat = gl.load(sorted_ids_ptr + offs_m)
+        row_ok = flat < A
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC))
+        if GATED:
+            rows = offs_m.to(gl.int64)
+        else:
+            wt = gl.load(topk_w_ptr + flat, mask=row_ok, other=0).to(gl.float32)
+            acc0 = acc0 * wt[None, :]
+            if ATOMIC:
+                rows = (flat // top_k).to(gl.int64)
+            else:
+                rows = flat.to(gl.int64)
+        o_ptrs = out_ptr + rows[None, :] * stride_om + offs_n[:, None]  # [BN, BM]
+        o_mask = row_ok[None, :] & (offs_n < N)[:, None]
+        if GATED:
+            if SPLIT_K > 1:
+                gl.atomic_add(o_ptrs, acc0, mask=o_mask, sem="relaxed")  # gate partial sums
+                gl.atomic_add(o_ptrs + N, acc1, mask=o_mask, sem="relaxed")  # up partial sums
+            else:
+                h = acc0 / (1.0 + gl.exp(-acc0)) * acc1  # silu(gate) * up
+                gl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=o_mask)
+        elif ATOMIC:
+            gl.atomic_add(o_ptrs, acc0, mask=o_mask, sem="relaxed")
+        else:
+            gl.store(o_ptrs, acc0.to(out_ptr.dtype.element_ty), mask=o_mask)
 
     @gluon.jit(do_not_specialize=["A", "top_k", "num_m_blocks"])
     def _moe_gemm_hopper_kernel(
@@ -162,15 +221,20 @@ if gluon is not None:
         k_split,  # K range of one split (a multiple of 128)
         stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
         GATED: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
+        SPLIT_K: gl.constexpr, STAGES: gl.constexpr, N_TILES: gl.constexpr, K_RESIDENT: gl.constexpr,
         ACC: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
         X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr,
         X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, S_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
+        # A CTA: one block of BLOCK_M rows (one expert), N_TILES consecutive BLOCK_N-row weight tiles,
+        # one K slice. Its (tile, K step) pairs stream through one cp.async ring, so a short K (K2 TP8
+        # down: two steps) still keeps STAGES - 1 steps in flight. K_RESIDENT > 0: the activations
+        # (K_RESIDENT steps, the whole K) are copied once and stay in shared memory for every tile.
         pid = gl.program_id(0)
+        n_groups = gl.cdiv(N // BLOCK_N, N_TILES)
         pid_m = pid % num_m_blocks
-        pid_n = (pid // num_m_blocks) % (N // BLOCK_N)
-        pid_k = pid // (num_m_blocks * (N // BLOCK_N))
+        pid_g = (pid // num_m_blocks) % n_groups
+        pid_k = pid // (num_m_blocks * n_groups)
         expert = gl.load(block_expert_ptr + pid_m)
         if expert >= 0:
             e64 = expert.to(gl.int64)
@@ -183,80 +247,65 @@ if gluon is not None:
             else:
                 a_rows = offs_mx
             a_rows = gl.where(row_ok_x, a_rows, 0).to(gl.int64)
-            offs_nw = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, W_LD))
-            offs_ns = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S_LD))
-            w0_rows = w0_ptr + e64 * stride_we + offs_nw.to(gl.int64)[:, None] * stride_wn
-            w1_rows = w1_ptr + e64 * stride_we + offs_nw.to(gl.int64)[:, None] * stride_wn
-            # Scale rows hold K/32 (a multiple of 4) bf16: 8-byte aligned, which the launch cannot
-            # tell the compiler when K/32 is not a multiple of 16 (K2 TP8 down: 8).
-            s_off = e64 * stride_se + offs_ns.to(gl.int64)[:, None] * stride_sn
-            s0_rows = s0_ptr + s_off
-            s1_rows = s1_ptr + s_off
+            w0_base = w0_ptr + e64 * stride_we
+            w1_base = w1_ptr + e64 * stride_we
+            s0_base = s0_ptr + e64 * stride_se
+            s1_base = s1_ptr + e64 * stride_se
+            n_tile0 = pid_g * N_TILES
+            n_tiles = gl.minimum(N // BLOCK_N - n_tile0, N_TILES)
 
-            x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 128], X_SMEM)
+            if K_RESIDENT > 0:
+                x_smem = gl.allocate_shared_memory(gl.bfloat16, [K_RESIDENT, BLOCK_M, 128], X_SMEM)
+            else:
+                x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 128], X_SMEM)
             w0_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], W_SMEM)
             s0_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 4], S_SMEM)
-            w1_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], W_SMEM)
-            s1_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 4], S_SMEM)
+            if GATED:
+                w1_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], W_SMEM)
+                s1_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 4], S_SMEM)
+            else:  # never read: the down GEMM has one matrix
+                w1_smem = w0_smem
+                s1_smem = s0_smem
 
             k_lo = gl.multiple_of(pid_k * k_split, 128)  # k_split is a multiple of 128: aligned copies
             k_hi = gl.minimum(k_lo + k_split, K)
-            n_steps = (k_hi - k_lo) // 128
-            for t in gl.static_range(STAGES - 1):  # prologue
-                _issue_step(x_smem.index(t), w0_smem.index(t), s0_smem.index(t), w1_smem.index(t), s1_smem.index(t),
-                            a_rows, row_ok_x, t < n_steps, k_lo + t * 128, a_ptr, stride_am,
-                            w0_rows, s0_rows, w1_rows, s1_rows, GATED, X_LD, W_LD, S_LD)
+            n_k = (k_hi - k_lo) // 128
+            if K_RESIDENT > 0:  # its own commit group, older than every ring step
+                for j in gl.static_range(K_RESIDENT):
+                    _issue_acts(x_smem.index(j), a_rows, row_ok_x, True, k_lo + j * 128, a_ptr, stride_am, X_LD)
                 cp.commit_group()
+            for u in gl.static_range(STAGES - 1):  # prologue
+                _issue_step(u, n_k, n_tile0, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows, row_ok_x,
+                            a_ptr, stride_am, w0_base, s0_base, w1_base, s1_base, stride_wn, stride_sn,
+                            GATED, BLOCK_N, STAGES, K_RESIDENT, X_LD, W_LD, S_LD)
             acc0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
             acc1 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
-            for t in range(n_steps):
+            for t in range(n_k * n_tiles):
                 _cta_barrier()  # every warp is done with step t-1's buffers
-                nx = t + STAGES - 1
-                sl = nx % STAGES
-                _issue_step(x_smem.index(sl), w0_smem.index(sl), s0_smem.index(sl), w1_smem.index(sl), s1_smem.index(sl),
-                            a_rows, row_ok_x, nx < n_steps, k_lo + nx * 128, a_ptr, stride_am,
-                            w0_rows, s0_rows, w1_rows, s1_rows, GATED, X_LD, W_LD, S_LD)
-                cp.commit_group()
-                cp.wait_group(STAGES - 1)
+                _issue_step(t + STAGES - 1, n_k, n_tile0, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem,
+                            a_rows, row_ok_x, a_ptr, stride_am, w0_base, s0_base, w1_base, s1_base, stride_wn, stride_sn,
+                            GATED, BLOCK_N, STAGES, K_RESIDENT, X_LD, W_LD, S_LD)
+                cp.wait_group(STAGES - 1)  # step t (and the resident activations) landed
                 _cta_barrier()
                 cur = t % STAGES
-                xb = x_smem.index(cur).permute((1, 0))  # [128, BM]: K-major B operand
+                kk = t % n_k
+                if K_RESIDENT > 0:
+                    xb = x_smem.index(kk).permute((1, 0))  # [128, BM]: K-major B operand
+                else:
+                    xb = x_smem.index(cur).permute((1, 0))
+                keep = kk != 0  # a tile's first K step starts its sums from zero
                 w0 = _weight_operand(w0_smem.index(cur), s0_smem.index(cur), BLOCK_N, WORDS, SCALES, A_OP)
-                acc0 = warpgroup_mma(w0, xb, acc0, is_async=True)
+                acc0 = warpgroup_mma(w0, xb, acc0, use_acc=keep, is_async=True)
                 if GATED:
                     w1 = _weight_operand(w1_smem.index(cur), s1_smem.index(cur), BLOCK_N, WORDS, SCALES, A_OP)
-                    acc1 = warpgroup_mma(w1, xb, acc1, is_async=True)
+                    acc1 = warpgroup_mma(w1, xb, acc1, use_acc=keep, is_async=True)
                     acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
                 else:
                     acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
+                if kk == n_k - 1:
+                    _epilogue(acc0, acc1, pid_m, (n_tile0 + t // n_k) * BLOCK_N, out_ptr, sorted_ids_ptr, topk_w_ptr,
+                              N, A, top_k, stride_om, GATED, ATOMIC, SPLIT_K, BLOCK_M, BLOCK_N, ACC)
             cp.wait_group(0)
-
-            offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
-            flat = gl.load(sorted_ids_ptr + offs_m)
-            row_ok = flat < A
-            offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC))
-            if GATED:
-                rows = offs_m.to(gl.int64)
-            else:
-                wt = gl.load(topk_w_ptr + flat, mask=row_ok, other=0).to(gl.float32)
-                acc0 = acc0 * wt[None, :]
-                if ATOMIC:
-                    rows = (flat // top_k).to(gl.int64)
-                else:
-                    rows = flat.to(gl.int64)
-            o_ptrs = out_ptr + rows[None, :] * stride_om + offs_n[:, None]  # [BN, BM]
-            o_mask = row_ok[None, :] & (offs_n < N)[:, None]
-            if GATED:
-                if SPLIT_K > 1:
-                    gl.atomic_add(o_ptrs, acc0, mask=o_mask, sem="relaxed")  # gate partial sums
-                    gl.atomic_add(o_ptrs + N, acc1, mask=o_mask, sem="relaxed")  # up partial sums
-                else:
-                    h = acc0 / (1.0 + gl.exp(-acc0)) * acc1  # silu(gate) * up
-                    gl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=o_mask)
-            elif ATOMIC:
-                gl.atomic_add(o_ptrs, acc0, mask=o_mask, sem="relaxed")
-            else:
-                gl.store(o_ptrs, acc0.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def _layouts(block_m: int, block_n: int, num_warps: int) -> dict[str, object]:
@@ -285,16 +334,28 @@ def _layouts(block_m: int, block_n: int, num_warps: int) -> dict[str, object]:
 def gemm(
     a: Tensor, w0: Int4Weight, w1: Int4Weight, out: Tensor, sorted_ids: Tensor, block_expert: Tensor, topk_w: Tensor,
     N: int, K: int, A: int, top_k: int, k_split: int, *, gated: bool, atomic: bool, block_m: int,
-    block_n: int, split_k: int, stages: int,
+    block_n: int, split_k: int, stages: int, n_tiles: int = 1, resident: bool | None = None,
 ) -> None:
-    """Launch one GEMM (``a`` already ``permute_k``'d); arguments as ``_int4_moe_gemm_kernel``'s."""
+    """Launch one GEMM (``a`` already ``permute_k``'d); arguments as ``_int4_moe_gemm_kernel``'s.
+
+    ``n_tiles``: weight tiles a CTA streams one after another (a short K's ring stays full).
+    ``resident``: the CTA's activations stay in shared memory across its tiles; default where
+    there are several tiles, one K slice and the whole K fits ``RESIDENT_BYTES``.
+    """
     nb = block_expert.numel()
     warps = block_n // 16
-    grid = (nb * (N // block_n) * (-(-K // k_split)),)
+    k_steps = -(-K // k_split) == 1 and K // BLOCK_K
+    fits = bool(k_steps) and k_steps * block_m * BLOCK_K * a.element_size() <= RESIDENT_BYTES
+    if resident is None:
+        resident = n_tiles > 1 and fits
+    assert not resident or fits, f"resident activations need one K slice of at most {RESIDENT_BYTES} bytes"
+    n_groups = -(-(N // block_n) // n_tiles)
+    grid = (nb * n_groups * (-(-K // k_split)),)
     _moe_gemm_hopper_kernel[grid](
         a, w0.packed, w0.scale, w1.packed, w1.scale, out, sorted_ids, block_expert, topk_w,
         N, K, A, top_k, nb, k_split,
         a.stride(0), w0.packed.stride(0), w0.packed.stride(1), w0.scale.stride(0), w0.scale.stride(1), out.stride(0),
         GATED=gated, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=stages,
+        N_TILES=n_tiles, K_RESIDENT=k_steps if resident else 0,
         **_layouts(block_m, block_n, warps), num_warps=warps,
     )

@@ -99,7 +99,7 @@ def test_choose_config_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
         km.Int4MoEConfig(gu_split_k=2, gu_block_n=256)
 
 
-def _build(gated: bool, block_m: int, block_n: int, split_k: int) -> dict:
+def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int) -> dict:
     """Compile one launch for sm_90 (run without TRITON_INTERPRET)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -115,6 +115,7 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int) -> dict:
     assert len(names) == len(ptrs) + len(ints), f"kernel arguments changed: {kernel.arg_names}"
     warps = block_n // 16
     constexprs = dict(GATED=gated, ATOMIC=False, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=2,
+                      N_TILES=n_tiles, K_RESIDENT=k_resident,
                       **hop._layouts(block_m, block_n, warps), num_warps=warps)
     signature = {n: ptrs.get(n, "i32") for n in names} | {k: "constexpr" for k in constexprs}
     aligned = [n for n in names if n in ptrs or n in ("N", "K", "k_split", "stride_am", "stride_we", "stride_wn", "stride_om")]
@@ -126,14 +127,15 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int) -> dict:
 
 
 @pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("gated,block_m,block_n,split_k", [(True, 16, 64, 4), (False, 16, 128, 1), (True, 32, 64, 1)])
-def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k: int) -> None:
+@pytest.mark.parametrize("gated,block_m,block_n,split_k,n_tiles,k_resident",
+                         [(True, 16, 64, 4, 1, 0), (False, 16, 128, 1, 1, 0), (True, 32, 64, 1, 1, 0), (False, 32, 64, 1, 8, 2)])
+def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int) -> None:
     """The served K2 launches compile, their products are wgmma, and no dequantised tile goes
     through shared memory (no st.shared: only cp.async writes it). A child process: conftest sets
     TRITON_INTERPRET for this one, and the interpreter cannot compile Gluon."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    args = [str(int(gated)), str(block_m), str(block_n), str(split_k)]
+    args = [str(int(gated)), str(block_m), str(block_n), str(split_k), str(n_tiles), str(k_resident)]
     proc = subprocess.run([sys.executable, __file__, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     built = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -143,5 +145,5 @@ def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k
 
 
 if __name__ == "__main__":
-    g, bm, bn, sk = sys.argv[1:5]
-    print(json.dumps(_build(bool(int(g)), int(bm), int(bn), int(sk))))
+    g, bm, bn, sk, nt, kr = sys.argv[1:7]
+    print(json.dumps(_build(bool(int(g)), int(bm), int(bn), int(sk), int(nt), int(kr))))

@@ -1,0 +1,142 @@
+"""A/B of the Gluon MoE GEMMs' weight tiles a CTA streams (``hp_dn_tiles``, ``n_tiles`` of
+``int4_moe_hopper.gemm``) on the Kimi-K2 per-rank shapes, H200.
+
+Why: K2 TP8's down GEMM has K = 256, two 128-wide steps, so a CTA that owns one weight tile
+spends its life filling its ring and waiting on dependent loads (expert id, row ids, routing
+weights). A CTA that streams several tiles keeps the ring full across them, and with a short K
+keeps its activations resident. Each variant is first checked: NaN-poisoned output, every row of
+every assignment written, result against the Triton path's; then timed alone (the GEMM) and, for
+the down variants, inside the whole fused call. Writes ``bench/results/int4_moe_tiles_ab.json``.
+
+    python bench/int4_moe_tiles_ab.py --commit SHA --out bench/results/int4_moe_tiles_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+import torch
+
+import kernels.int4_moe as km
+from bench.common import git_commit, graph_replay_us, measure_copy_gbps
+from bench.int4_moe_bench import GROUP, SHAPES, rand_int4_stack, rand_routing
+from kernels import int4_moe_hopper as hop
+
+# (block_n, n_tiles, stages, resident): resident None = gemm's default
+DOWN_VARIANTS = [(64, 1, 2, None), (64, 4, 2, None), (64, 8, 2, None), (64, 8, 3, None), (64, 8, 4, None),
+                 (64, 16, 3, None), (64, 8, 3, False), (128, 4, 3, None), (128, 8, 3, None)]
+GATE_UP_VARIANTS = [(64, 1, 2), (64, 2, 2), (64, 4, 2), (128, 1, 2), (128, 2, 2)]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a.float() - b.float()).norm() / b.float().norm()).item())
+
+
+def down_call(h, wd, align, weights, K, I, A, top_k, block_m, bn, nt, st, res):
+    """The Gluon down GEMM into a NaN-poisoned [A, K] (reduce sum: one row per assignment)."""
+    out = torch.full((A, K), float("nan"), dtype=torch.bfloat16, device=h.device)
+    hop.gemm(hop.permute_k(h), wd, wd, out, align.sorted_ids, align.block_expert, weights, K, I, A, top_k, I,
+             gated=False, atomic=False, block_m=block_m, block_n=bn, split_k=1, stages=st, n_tiles=nt, resident=res)
+    return out
+
+
+def gate_up_call(x, wg, wu, align, I, K, A, top_k, block_m, bn, nt, st):
+    P = align.num_blocks * block_m
+    out = torch.full((P, I), float("nan"), dtype=torch.bfloat16, device=x.device)
+    hop.gemm(hop.permute_k(x), wg, wu, out, align.sorted_ids, align.block_expert, align.sorted_ids, I, K, A, top_k, K,
+             gated=True, atomic=False, block_m=block_m, block_n=bn, split_k=1, stages=st, n_tiles=nt)
+    return out
+
+
+def point(shape: str, M: int, W: dict, gen) -> dict:
+    sh = SHAPES[shape]
+    E, K, I, k = sh["experts"], sh["hidden"], sh["inter"], sh["top_k"]
+    R = 16 if M <= 9 else 8 if M <= 288 else 4
+    dev = W["gate"].packed.device
+    x = (torch.randn(M, K, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
+    routes = [rand_routing(M, E, k, dev, gen) for _ in range(R)]
+    served = dataclasses.replace(km.choose_config(M, E, K, I, k), gemv=False, reduce="sum")
+    bm, A = served.block_m, M * k
+    aligns = [km.int4_moe_align(ids, E, bm) for ids, _ in routes]
+    hs = [km.int4_moe_gate_up(x, W["gate"], W["up"], a, k, served, GROUP) for a in aligns]
+    wts = [tw.contiguous().view(-1) for _, tw in routes]
+    tri = dataclasses.replace(served, hopper=False)
+    ref_down = km.int4_moe_down(hs[0], W["down"], aligns[0], routes[0][1], tri, GROUP)  # [M, K], Triton path
+    row = dict(shape=shape, tokens=M, served=served.spec())
+    for bn, nt, st, res in DOWN_VARIANTS:
+        name = f"down_bn{bn}_t{nt}_s{st}" + ("" if res is None else "_streamx")
+        try:
+            out = down_call(hs[0], W["down"], aligns[0], wts[0], K, I, A, k, bm, bn, nt, st, res)
+            row[name + "_all_written"] = bool(torch.isfinite(out).all())
+            row[name + "_rel_vs_triton"] = round(rel(out.view(M, k, K).sum(1), ref_down), 6)
+            row[name + "_us"] = round(graph_replay_us(
+                [lambda h=h, a=a, w=w: down_call(h, W["down"], a, w, K, I, A, k, bm, bn, nt, st, res)
+                 for h, a, w in zip(hs, aligns, wts)]), 1)
+        except Exception as e:  # a variant that does not build or fit is a finding, not a crash
+            row[name + "_err"] = f"{type(e).__name__}: {str(e)[-300:]}"
+    ref_gu = km.int4_moe_gate_up(x, W["gate"], W["up"], aligns[0], k, tri, GROUP)
+    real = aligns[0].sorted_ids < A
+    for bn, nt, st in GATE_UP_VARIANTS:
+        name = f"gate_up_bn{bn}_t{nt}_s{st}"
+        try:
+            out = gate_up_call(x, W["gate"], W["up"], aligns[0], I, K, A, k, bm, bn, nt, st)
+            row[name + "_all_written"] = bool(torch.isfinite(out[real]).all())
+            row[name + "_rel_vs_triton"] = round(rel(out[real], ref_gu[real]), 6)
+            row[name + "_us"] = round(graph_replay_us(
+                [lambda a=a: gate_up_call(x, W["gate"], W["up"], a, I, K, A, k, bm, bn, nt, st) for a in aligns]), 1)
+        except Exception as e:
+            row[name + "_err"] = f"{type(e).__name__}: {str(e)[-300:]}"
+    for nt in (1, 8, 16):
+        cfg = dataclasses.replace(km.choose_config(M, E, K, I, k), hp_dn_tiles=nt)
+        row[f"fused_t{nt}_us"] = round(graph_replay_us(
+            [lambda i=i, t=t, c=cfg: km.fused_int4_moe(x, W["gate"], W["up"], W["down"], i, t, GROUP, c) for i, t in routes]), 1)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", default="bench/results/int4_moe_tiles_ab.json")
+    ap.add_argument("--shapes", default="tp8,ep8")
+    ap.add_argument("--tokens", default="9,72,288,1152")
+    ap.add_argument("--deadline-s", type=float, default=480.0)
+    args = ap.parse_args()
+    t0 = time.time()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for shape in args.shapes.split(","):
+        sh = SHAPES[shape]
+        E, K, I = sh["experts"], sh["hidden"], sh["inter"]
+        W = dict(gate=rand_int4_stack(E, I, K, "cuda", gen), up=rand_int4_stack(E, I, K, "cuda", gen),
+                 down=rand_int4_stack(E, K, I, "cuda", gen))
+        for M in (int(t) for t in args.tokens.split(",")):
+            if time.time() - t0 > args.deadline_s:
+                print(f"deadline: skipping {shape} M={M}", flush=True)
+                continue
+            rows.append(point(shape, M, W, gen))
+            print(json.dumps(rows[-1]), flush=True)
+        del W
+        torch.cuda.empty_cache()
+    result = dict(
+        benchmark="int4_moe_tiles_ab", commit=git_commit(args.commit), gpu=torch.cuda.get_device_name(),
+        copy_gbps=round(measure_copy_gbps(), 1),
+        params=dict(shapes={s: SHAPES[s] for s in args.shapes.split(",")}, group_size=GROUP, reduce="sum",
+                    variants="down_bn{rows}_t{tiles a CTA}_s{ring stages}[_streamx: activations through the ring, "
+                             "not resident]; gate_up_bn{rows}_t{tiles}_s{stages}; fused_t{hp_dn_tiles}: the whole "
+                             "call at choose_config's config with that many down tiles a CTA",
+                    timing="CUDA-graph replay of R routings (16/8/4), median of 20, us per call",
+                    check="NaN-poisoned outputs, all_written = every assignment's row finite; rel_vs_triton = "
+                          "relative Frobenius difference to the Triton kernel at the same block_m"),
+        rows=rows,
+    )
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
