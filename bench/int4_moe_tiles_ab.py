@@ -29,7 +29,7 @@ from kernels import int4_moe_hopper as hop
 # (block_n, n_tiles, stages, resident): resident None = gemm's default
 DOWN_VARIANTS = [(64, 1, 2, None), (64, 4, 2, None), (64, 8, 2, None), (64, 8, 3, None), (64, 8, 4, None),
                  (64, 16, 3, None), (64, 8, 3, False), (128, 4, 3, None), (128, 8, 3, None)]
-GATE_UP_VARIANTS = [(64, 1, 2), (64, 2, 2), (64, 4, 2), (128, 1, 2), (128, 2, 2)]
+GATE_UP_VARIANTS = [(64, 1, 2), (64, 1, 3), (64, 2, 2), (64, 4, 2), (128, 1, 2)]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -718,14 +718,19 @@ def _hopper_config(r: float, whole_experts: bool) -> Int4MoEConfig:
     the M side at large M too (EP8 M=288 gate/up 502 us vs 635 on the Triton kernel's regular
     tiles, down 306 vs 352; M=1152: 1445 vs 2073 and 1007 vs 1152). The Gluon kernel fixes K
     steps at 128 and warps at rows / 16."""
+    # A TP-style down GEMM (K = the rank's slice of the intermediate, 256 at K2 TP8: two K steps)
+    # streams 8 weight tiles a CTA with its activations resident: TP8 down M=72 122 us vs 157,
+    # M=288 155 vs 202, M=1152 221 vs 306 (bench/results/int4_moe_tiles_ab.json). Whole experts
+    # (K = 2048) already keep the ring full and lose with more tiles (EP8 M=72 232 vs 217 at 4).
+    tiles = 1 if whole_experts else 8
     if r <= 8:
         split = 1 if whole_experts else 8 if r < 0.5 else 2 if r <= 2 else 1
         return Int4MoEConfig(block_m=16, gu_block_n=64, gu_block_k=128, gu_split_k=split,
-                             dn_block_n=64, dn_block_k=128, dn_warps=4, dn_stages=3, swap_ab=True)
+                             dn_block_n=64, dn_block_k=128, dn_warps=4, dn_stages=3, swap_ab=True, hp_dn_tiles=tiles)
     if r <= 32:
         dn_n = 128 if whole_experts else 64  # TP8 M=1152 down: 373 us at 64 rows vs 385 at 128; EP8 M=72: 189 either way
         return Int4MoEConfig(block_m=32, gu_block_n=64, gu_block_k=128, dn_block_n=dn_n, dn_block_k=128,
-                             dn_warps=dn_n // 16, swap_ab=True)
+                             dn_warps=dn_n // 16, swap_ab=True, hp_dn_tiles=tiles)
     return Int4MoEConfig(block_m=64, gu_block_n=64, gu_block_k=128, dn_block_n=128, dn_block_k=128, dn_warps=8, swap_ab=True)
 
 

@@ -152,25 +152,33 @@ if gluon is not None:
         _cp_async(x_buf, a_ptr + a_rows[:, None] * stride_am + xk[None, :], mask=(row_ok & ok)[:, None])
 
     @gluon.jit
-    def _issue_step(u, n_k, n_tile0, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows, row_ok,
-                    a_ptr, stride_am, w0_base, s0_base, w1_base, s1_base, stride_wn, stride_sn,
-                    GATED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, K_RESIDENT: gl.constexpr,
+    def _issue_step(u, n_k, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows, row_ok, a_ptr, stride_am,
+                    w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
+                    GATED: gl.constexpr, STAGES: gl.constexpr, N_TILES: gl.constexpr, K_RESIDENT: gl.constexpr,
                     X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr):
         """cp.async ring step ``u`` (tile ``u // n_k`` of the CTA's tiles, K step ``u % n_k``) into slot
-        ``u % STAGES``, one commit group; past the CTA's last step it copies nothing."""
-        tile = u // n_k
-        k0 = k_lo + (u % n_k) * 128
-        ok = (u < n_k * n_tiles)
+        ``u % STAGES``, one commit group; past the CTA's last step it copies nothing. The row
+        pointers are the first tile's; a later tile adds ``tile_w`` / ``tile_s`` elements each."""
         sl = u % STAGES
-        n0 = (n_tile0 + tile) * BLOCK_N
-        offs_nw = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, W_LD))).to(gl.int64)
-        offs_ns = (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S_LD))).to(gl.int64)
-        _issue_weights(w0_smem.index(sl), s0_smem.index(sl), w1_smem.index(sl), s1_smem.index(sl), ok, k0,
-                       w0_base + offs_nw[:, None] * stride_wn, s0_base + offs_ns[:, None] * stride_sn,
-                       w1_base + offs_nw[:, None] * stride_wn, s1_base + offs_ns[:, None] * stride_sn,
-                       GATED, W_LD, S_LD)
+        x_buf = x_smem.index(sl)
+        w0_buf = w0_smem.index(sl)
+        s0_buf = s0_smem.index(sl)
+        w1_buf = w1_smem.index(sl)
+        s1_buf = s1_smem.index(sl)
+        if N_TILES == 1:
+            ok = u < n_k
+            k0 = k_lo + u * 128
+            w_off = 0
+            s_off = 0
+        else:
+            ok = u < n_k * n_tiles
+            k0 = k_lo + (u % n_k) * 128
+            w_off = (u // n_k) * tile_w
+            s_off = (u // n_k) * tile_s
         if K_RESIDENT == 0:
-            _issue_acts(x_smem.index(sl), a_rows, row_ok, ok, k0, a_ptr, stride_am, X_LD)
+            _issue_acts(x_buf, a_rows, row_ok, ok, k0, a_ptr, stride_am, X_LD)
+        _issue_weights(w0_buf, s0_buf, w1_buf, s1_buf, ok, k0, w0_rows + w_off, s0_rows + s_off, w1_rows + w_off,
+                       s1_rows + s_off, GATED, W_LD, S_LD)
         cp.commit_group()
 
     @gluon.jit
@@ -247,12 +255,17 @@ if gluon is not None:
             else:
                 a_rows = offs_mx
             a_rows = gl.where(row_ok_x, a_rows, 0).to(gl.int64)
-            w0_base = w0_ptr + e64 * stride_we
-            w1_base = w1_ptr + e64 * stride_we
-            s0_base = s0_ptr + e64 * stride_se
-            s1_base = s1_ptr + e64 * stride_se
             n_tile0 = pid_g * N_TILES
             n_tiles = gl.minimum(N // BLOCK_N - n_tile0, N_TILES)
+            offs_nw = n_tile0 * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, W_LD))
+            offs_ns = n_tile0 * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S_LD))
+            w0_rows = w0_ptr + e64 * stride_we + offs_nw.to(gl.int64)[:, None] * stride_wn
+            w1_rows = w1_ptr + e64 * stride_we + offs_nw.to(gl.int64)[:, None] * stride_wn
+            s_off = e64 * stride_se + offs_ns.to(gl.int64)[:, None] * stride_sn
+            s0_rows = s0_ptr + s_off
+            s1_rows = s1_ptr + s_off
+            tile_w = BLOCK_N * stride_wn.to(gl.int64)  # elements from one tile's rows to the next's
+            tile_s = BLOCK_N * stride_sn.to(gl.int64)
 
             if K_RESIDENT > 0:
                 x_smem = gl.allocate_shared_memory(gl.bfloat16, [K_RESIDENT, BLOCK_M, 128], X_SMEM)
@@ -268,32 +281,41 @@ if gluon is not None:
                 s1_smem = s0_smem
 
             k_lo = gl.multiple_of(pid_k * k_split, 128)  # k_split is a multiple of 128: aligned copies
-            k_hi = gl.minimum(k_lo + k_split, K)
-            n_k = (k_hi - k_lo) // 128
-            if K_RESIDENT > 0:  # its own commit group, older than every ring step
+            if K_RESIDENT > 0:  # one K slice, the whole K; its own commit group, older than every ring step
+                n_k: gl.constexpr = K_RESIDENT
                 for j in gl.static_range(K_RESIDENT):
                     _issue_acts(x_smem.index(j), a_rows, row_ok_x, True, k_lo + j * 128, a_ptr, stride_am, X_LD)
                 cp.commit_group()
+            else:
+                n_k = (gl.minimum(k_lo + k_split, K) - k_lo) // 128
             for u in gl.static_range(STAGES - 1):  # prologue
-                _issue_step(u, n_k, n_tile0, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows, row_ok_x,
-                            a_ptr, stride_am, w0_base, s0_base, w1_base, s1_base, stride_wn, stride_sn,
-                            GATED, BLOCK_N, STAGES, K_RESIDENT, X_LD, W_LD, S_LD)
+                _issue_step(u, n_k, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows, row_ok_x, a_ptr,
+                            stride_am, w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
+                            GATED, STAGES, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD)
             acc0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
             acc1 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
-            for t in range(n_k * n_tiles):
+            if N_TILES == 1:
+                n_steps = n_k
+            else:
+                n_steps = n_k * n_tiles
+            for t in range(n_steps):
                 _cta_barrier()  # every warp is done with step t-1's buffers
-                _issue_step(t + STAGES - 1, n_k, n_tile0, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem,
-                            a_rows, row_ok_x, a_ptr, stride_am, w0_base, s0_base, w1_base, s1_base, stride_wn, stride_sn,
-                            GATED, BLOCK_N, STAGES, K_RESIDENT, X_LD, W_LD, S_LD)
+                _issue_step(t + STAGES - 1, n_k, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows,
+                            row_ok_x, a_ptr, stride_am, w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
+                            GATED, STAGES, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD)
                 cp.wait_group(STAGES - 1)  # step t (and the resident activations) landed
                 _cta_barrier()
                 cur = t % STAGES
-                kk = t % n_k
+                if N_TILES == 1:
+                    kk = t
+                    keep = True  # the sums start from the zeros above
+                else:
+                    kk = t % n_k
+                    keep = kk != 0  # a tile's first K step starts its sums from zero
                 if K_RESIDENT > 0:
                     xb = x_smem.index(kk).permute((1, 0))  # [128, BM]: K-major B operand
                 else:
                     xb = x_smem.index(cur).permute((1, 0))
-                keep = kk != 0  # a tile's first K step starts its sums from zero
                 w0 = _weight_operand(w0_smem.index(cur), s0_smem.index(cur), BLOCK_N, WORDS, SCALES, A_OP)
                 acc0 = warpgroup_mma(w0, xb, acc0, use_acc=keep, is_async=True)
                 if GATED:
@@ -302,10 +324,14 @@ if gluon is not None:
                     acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
                 else:
                     acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
-                if kk == n_k - 1:
-                    _epilogue(acc0, acc1, pid_m, (n_tile0 + t // n_k) * BLOCK_N, out_ptr, sorted_ids_ptr, topk_w_ptr,
-                              N, A, top_k, stride_om, GATED, ATOMIC, SPLIT_K, BLOCK_M, BLOCK_N, ACC)
+                if N_TILES > 1:
+                    if kk == n_k - 1:
+                        _epilogue(acc0, acc1, pid_m, (n_tile0 + t // n_k) * BLOCK_N, out_ptr, sorted_ids_ptr, topk_w_ptr,
+                                  N, A, top_k, stride_om, GATED, ATOMIC, SPLIT_K, BLOCK_M, BLOCK_N, ACC)
             cp.wait_group(0)
+            if N_TILES == 1:
+                _epilogue(acc0, acc1, pid_m, n_tile0 * BLOCK_N, out_ptr, sorted_ids_ptr, topk_w_ptr,
+                          N, A, top_k, stride_om, GATED, ATOMIC, SPLIT_K, BLOCK_M, BLOCK_N, ACC)
 
 
 def _layouts(block_m: int, block_n: int, num_warps: int) -> dict[str, object]:
