@@ -26,29 +26,46 @@ from bench.common import git_commit, graph_replay_us, measure_copy_gbps
 from bench.int4_moe_bench import GROUP, SHAPES, rand_int4_stack, rand_routing
 from kernels import int4_moe_hopper as hop
 
-# (block_n, n_tiles, stages, resident): resident None = gemm's default
-DOWN_VARIANTS = [(64, 1, 2, None), (64, 4, 2, None), (64, 8, 2, None), (64, 8, 3, None), (64, 8, 4, None),
-                 (64, 16, 3, None), (64, 8, 3, False), (128, 4, 3, None), (128, 8, 3, None)]
-GATE_UP_VARIANTS = [(64, 1, 2), (64, 1, 3), (64, 2, 2), (64, 4, 2), (128, 1, 2)]
+# name -> gemm keyword arguments (block_n, n_tiles, stages, resident, sub, overlap); resident None = gemm's default
+DOWN_VARIANTS = {
+    "down_bn64_t1_s2": dict(block_n=64, n_tiles=1, stages=2),
+    "down_bn64_t8_s2": dict(block_n=64, n_tiles=8, stages=2),
+    "down_bn64_t8_s2_k256": dict(block_n=64, n_tiles=8, stages=2, sub=2),
+    "down_bn64_t8_s3": dict(block_n=64, n_tiles=8, stages=3),
+    "down_bn64_t8_s2_streamx": dict(block_n=64, n_tiles=8, stages=2, resident=False),
+    "down_bn128_t1_s2": dict(block_n=128, n_tiles=1, stages=2),
+    "down_bn128_t1_s2_k256": dict(block_n=128, n_tiles=1, stages=2, sub=2),
+    "down_bn128_t1_s2_k256_overlap": dict(block_n=128, n_tiles=1, stages=2, sub=2, overlap=True),
+    "down_bn64_t1_s2_k256": dict(block_n=64, n_tiles=1, stages=2, sub=2),
+}
+GATE_UP_VARIANTS = {
+    "gate_up_bn64_s2": dict(block_n=64, stages=2),
+    "gate_up_bn64_s3": dict(block_n=64, stages=3),
+    "gate_up_bn64_s2_k256": dict(block_n=64, stages=2, sub=2),
+    "gate_up_bn64_s2_k256_overlap": dict(block_n=64, stages=2, sub=2, overlap=True),
+    "gate_up_bn64_s3_k256": dict(block_n=64, stages=3, sub=2),
+    "gate_up_bn64_t4_s2": dict(block_n=64, n_tiles=4, stages=2),
+}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a.float() - b.float()).norm() / b.float().norm()).item())
 
 
-def down_call(h, wd, align, weights, K, I, A, top_k, block_m, bn, nt, st, res):
+def down_call(h, wd, align, weights, K, I, A, top_k, block_m, **kw):
     """The Gluon down GEMM into a NaN-poisoned [A, K] (reduce sum: one row per assignment)."""
     out = torch.full((A, K), float("nan"), dtype=torch.bfloat16, device=h.device)
     hop.gemm(hop.permute_k(h), wd, wd, out, align.sorted_ids, align.block_expert, weights, K, I, A, top_k, I,
-             gated=False, atomic=False, block_m=block_m, block_n=bn, split_k=1, stages=st, n_tiles=nt, resident=res)
+             gated=False, atomic=False, block_m=block_m, split_k=1, **kw)
     return out
 
 
-def gate_up_call(x, wg, wu, align, I, K, A, top_k, block_m, bn, nt, st):
+def gate_up_call(x, wg, wu, align, I, K, A, top_k, block_m, **kw):
+    """The Gluon gate/up GEMM (one K slice) into a NaN-poisoned [P, I]."""
     P = align.num_blocks * block_m
     out = torch.full((P, I), float("nan"), dtype=torch.bfloat16, device=x.device)
     hop.gemm(hop.permute_k(x), wg, wu, out, align.sorted_ids, align.block_expert, align.sorted_ids, I, K, A, top_k, K,
-             gated=True, atomic=False, block_m=block_m, block_n=bn, split_k=1, stages=st, n_tiles=nt)
+             gated=True, atomic=False, block_m=block_m, split_k=1, **kw)
     return out
 
 
@@ -67,30 +84,27 @@ def point(shape: str, M: int, W: dict, gen) -> dict:
     tri = dataclasses.replace(served, hopper=False)
     ref_down = km.int4_moe_down(hs[0], W["down"], aligns[0], routes[0][1], tri, GROUP)  # [M, K], Triton path
     row = dict(shape=shape, tokens=M, served=served.spec())
-    for bn, nt, st, res in DOWN_VARIANTS:
-        name = f"down_bn{bn}_t{nt}_s{st}" + ("" if res is None else "_streamx")
+    for name, kw in DOWN_VARIANTS.items():
         try:
-            out = down_call(hs[0], W["down"], aligns[0], wts[0], K, I, A, k, bm, bn, nt, st, res)
+            out = down_call(hs[0], W["down"], aligns[0], wts[0], K, I, A, k, bm, **kw)
             row[name + "_all_written"] = bool(torch.isfinite(out).all())
             row[name + "_rel_vs_triton"] = round(rel(out.view(M, k, K).sum(1), ref_down), 6)
             row[name + "_us"] = round(graph_replay_us(
-                [lambda h=h, a=a, w=w: down_call(h, W["down"], a, w, K, I, A, k, bm, bn, nt, st, res)
-                 for h, a, w in zip(hs, aligns, wts)]), 1)
+                [lambda h=h, a=a, w=w: down_call(h, W["down"], a, w, K, I, A, k, bm, **kw) for h, a, w in zip(hs, aligns, wts)]), 1)
         except Exception as e:  # a variant that does not build or fit is a finding, not a crash
             row[name + "_err"] = f"{type(e).__name__}: {str(e)[-300:]}"
     ref_gu = km.int4_moe_gate_up(x, W["gate"], W["up"], aligns[0], k, tri, GROUP)
     real = aligns[0].sorted_ids < A
-    for bn, nt, st in GATE_UP_VARIANTS:
-        name = f"gate_up_bn{bn}_t{nt}_s{st}"
+    for name, kw in GATE_UP_VARIANTS.items():
         try:
-            out = gate_up_call(x, W["gate"], W["up"], aligns[0], I, K, A, k, bm, bn, nt, st)
+            out = gate_up_call(x, W["gate"], W["up"], aligns[0], I, K, A, k, bm, **kw)
             row[name + "_all_written"] = bool(torch.isfinite(out[real]).all())
             row[name + "_rel_vs_triton"] = round(rel(out[real], ref_gu[real]), 6)
             row[name + "_us"] = round(graph_replay_us(
-                [lambda a=a: gate_up_call(x, W["gate"], W["up"], a, I, K, A, k, bm, bn, nt, st) for a in aligns]), 1)
+                [lambda a=a: gate_up_call(x, W["gate"], W["up"], a, I, K, A, k, bm, **kw) for a in aligns]), 1)
         except Exception as e:
             row[name + "_err"] = f"{type(e).__name__}: {str(e)[-300:]}"
-    for nt in (1, 8, 16):
+    for nt in (1, 8):
         cfg = dataclasses.replace(km.choose_config(M, E, K, I, k), hp_dn_tiles=nt)
         row[f"fused_t{nt}_us"] = round(graph_replay_us(
             [lambda i=i, t=t, c=cfg: km.fused_int4_moe(x, W["gate"], W["up"], W["down"], i, t, GROUP, c) for i, t in routes]), 1)
@@ -125,9 +139,10 @@ def main() -> None:
         benchmark="int4_moe_tiles_ab", commit=git_commit(args.commit), gpu=torch.cuda.get_device_name(),
         copy_gbps=round(measure_copy_gbps(), 1),
         params=dict(shapes={s: SHAPES[s] for s in args.shapes.split(",")}, group_size=GROUP, reduce="sum",
-                    variants="down_bn{rows}_t{tiles a CTA}_s{ring stages}[_streamx: activations through the ring, "
-                             "not resident]; gate_up_bn{rows}_t{tiles}_s{stages}; fused_t{hp_dn_tiles}: the whole "
-                             "call at choose_config's config with that many down tiles a CTA",
+                    variants="down_/gate_up_bn{rows}[_t{tiles a CTA}]_s{ring stages}[_k256: two 128-wide K steps a "
+                             "ring slot][_overlap: one MMA wait a slot][_streamx: activations through the ring, not "
+                             "resident]; gate/up unsplit; fused_t{hp_dn_tiles}: the whole call at choose_config's "
+                             "config with that many down tiles a CTA",
                     timing="CUDA-graph replay of R routings (16/8/4), median of 20, us per call",
                     check="NaN-poisoned outputs, all_written = every assignment's row finite; rel_vs_triton = "
                           "relative Frobenius difference to the Triton kernel at the same block_m"),

@@ -154,31 +154,28 @@ if gluon is not None:
     @gluon.jit
     def _issue_step(u, n_k, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows, row_ok, a_ptr, stride_am,
                     w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
-                    GATED: gl.constexpr, STAGES: gl.constexpr, N_TILES: gl.constexpr, K_RESIDENT: gl.constexpr,
-                    X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr):
-        """cp.async ring step ``u`` (tile ``u // n_k`` of the CTA's tiles, K step ``u % n_k``) into slot
-        ``u % STAGES``, one commit group; past the CTA's last step it copies nothing. The row
-        pointers are the first tile's; a later tile adds ``tile_w`` / ``tile_s`` elements each."""
+                    GATED: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, N_TILES: gl.constexpr,
+                    K_RESIDENT: gl.constexpr, X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr):
+        """cp.async ring step ``u`` (tile ``u // n_k`` of the CTA's tiles, K step ``u % n_k``, SUB x 128
+        wide) into slot ``u % STAGES``, one commit group; past the CTA's last step it copies nothing.
+        The row pointers are the first tile's; a later tile adds ``tile_w`` / ``tile_s`` elements each."""
         sl = u % STAGES
-        x_buf = x_smem.index(sl)
-        w0_buf = w0_smem.index(sl)
-        s0_buf = s0_smem.index(sl)
-        w1_buf = w1_smem.index(sl)
-        s1_buf = s1_smem.index(sl)
         if N_TILES == 1:
             ok = u < n_k
-            k0 = k_lo + u * 128
+            k0 = k_lo + u * (128 * SUB)
             w_off = 0
             s_off = 0
         else:
             ok = u < n_k * n_tiles
-            k0 = k_lo + (u % n_k) * 128
+            k0 = k_lo + (u % n_k) * (128 * SUB)
             w_off = (u // n_k) * tile_w
             s_off = (u // n_k) * tile_s
-        if K_RESIDENT == 0:
-            _issue_acts(x_buf, a_rows, row_ok, ok, k0, a_ptr, stride_am, X_LD)
-        _issue_weights(w0_buf, s0_buf, w1_buf, s1_buf, ok, k0, w0_rows + w_off, s0_rows + s_off, w1_rows + w_off,
-                       s1_rows + s_off, GATED, W_LD, S_LD)
+        for j in gl.static_range(SUB):  # a row's SUB x 64 bytes of words are adjacent: one burst
+            b = sl * SUB + j
+            if K_RESIDENT == 0:
+                _issue_acts(x_smem.index(b), a_rows, row_ok, ok, k0 + j * 128, a_ptr, stride_am, X_LD)
+            _issue_weights(w0_smem.index(b), s0_smem.index(b), w1_smem.index(b), s1_smem.index(b), ok, k0 + j * 128,
+                           w0_rows + w_off, s0_rows + s_off, w1_rows + w_off, s1_rows + s_off, GATED, W_LD, S_LD)
         cp.commit_group()
 
     @gluon.jit
@@ -229,8 +226,8 @@ if gluon is not None:
         k_split,  # K range of one split (a multiple of 128)
         stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
         GATED: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        SPLIT_K: gl.constexpr, STAGES: gl.constexpr, N_TILES: gl.constexpr, K_RESIDENT: gl.constexpr,
-        ACC: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
+        SPLIT_K: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, OVERLAP: gl.constexpr, N_TILES: gl.constexpr,
+        K_RESIDENT: gl.constexpr, ACC: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
         X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr,
         X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, S_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -270,28 +267,28 @@ if gluon is not None:
             if K_RESIDENT > 0:
                 x_smem = gl.allocate_shared_memory(gl.bfloat16, [K_RESIDENT, BLOCK_M, 128], X_SMEM)
             else:
-                x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 128], X_SMEM)
-            w0_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], W_SMEM)
-            s0_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 4], S_SMEM)
+                x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * SUB, BLOCK_M, 128], X_SMEM)
+            w0_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, BLOCK_N, 16], W_SMEM)
+            s0_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * SUB, BLOCK_N, 4], S_SMEM)
             if GATED:
-                w1_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], W_SMEM)
-                s1_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 4], S_SMEM)
+                w1_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, BLOCK_N, 16], W_SMEM)
+                s1_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * SUB, BLOCK_N, 4], S_SMEM)
             else:  # never read: the down GEMM has one matrix
                 w1_smem = w0_smem
                 s1_smem = s0_smem
 
             k_lo = gl.multiple_of(pid_k * k_split, 128)  # k_split is a multiple of 128: aligned copies
             if K_RESIDENT > 0:  # one K slice, the whole K; its own commit group, older than every ring step
-                n_k: gl.constexpr = K_RESIDENT
+                n_k: gl.constexpr = K_RESIDENT // SUB
                 for j in gl.static_range(K_RESIDENT):
                     _issue_acts(x_smem.index(j), a_rows, row_ok_x, True, k_lo + j * 128, a_ptr, stride_am, X_LD)
                 cp.commit_group()
             else:
-                n_k = (gl.minimum(k_lo + k_split, K) - k_lo) // 128
+                n_k = (gl.minimum(k_lo + k_split, K) - k_lo) // (128 * SUB)  # the launch makes it exact
             for u in gl.static_range(STAGES - 1):  # prologue
                 _issue_step(u, n_k, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows, row_ok_x, a_ptr,
                             stride_am, w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
-                            GATED, STAGES, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD)
+                            GATED, STAGES, SUB, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD)
             acc0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
             acc1 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
             if N_TILES == 1:
@@ -302,7 +299,7 @@ if gluon is not None:
                 _cta_barrier()  # every warp is done with step t-1's buffers
                 _issue_step(t + STAGES - 1, n_k, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows,
                             row_ok_x, a_ptr, stride_am, w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
-                            GATED, STAGES, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD)
+                            GATED, STAGES, SUB, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD)
                 cp.wait_group(STAGES - 1)  # step t (and the resident activations) landed
                 _cta_barrier()
                 cur = t % STAGES
@@ -312,18 +309,25 @@ if gluon is not None:
                 else:
                     kk = t % n_k
                     keep = kk != 0  # a tile's first K step starts its sums from zero
-                if K_RESIDENT > 0:
-                    xb = x_smem.index(kk).permute((1, 0))  # [128, BM]: K-major B operand
-                else:
-                    xb = x_smem.index(cur).permute((1, 0))
-                w0 = _weight_operand(w0_smem.index(cur), s0_smem.index(cur), BLOCK_N, WORDS, SCALES, A_OP)
-                acc0 = warpgroup_mma(w0, xb, acc0, use_acc=keep, is_async=True)
-                if GATED:
-                    w1 = _weight_operand(w1_smem.index(cur), s1_smem.index(cur), BLOCK_N, WORDS, SCALES, A_OP)
-                    acc1 = warpgroup_mma(w1, xb, acc1, use_acc=keep, is_async=True)
-                    acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-                else:
-                    acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
+                for j in gl.static_range(SUB):
+                    if K_RESIDENT > 0:
+                        xb = x_smem.index(kk * SUB + j).permute((1, 0))  # [128, BM]: K-major B operand
+                    else:
+                        xb = x_smem.index(cur * SUB + j).permute((1, 0))
+                    if j == 0:
+                        use = keep
+                    else:
+                        use = True
+                    w0 = _weight_operand(w0_smem.index(cur * SUB + j), s0_smem.index(cur * SUB + j), BLOCK_N, WORDS, SCALES, A_OP)
+                    acc0 = warpgroup_mma(w0, xb, acc0, use_acc=use, is_async=True)
+                    if GATED:
+                        w1 = _weight_operand(w1_smem.index(cur * SUB + j), s1_smem.index(cur * SUB + j), BLOCK_N, WORDS, SCALES, A_OP)
+                        acc1 = warpgroup_mma(w1, xb, acc1, use_acc=use, is_async=True)
+                    if (not OVERLAP) or j == SUB - 1:  # OVERLAP: the next 128 columns dequantise under these MMAs
+                        if GATED:
+                            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+                        else:
+                            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
                 if N_TILES > 1:
                     if kk == n_k - 1:
                         _epilogue(acc0, acc1, pid_m, (n_tile0 + t // n_k) * BLOCK_N, out_ptr, sorted_ids_ptr, topk_w_ptr,
@@ -360,14 +364,18 @@ def _layouts(block_m: int, block_n: int, num_warps: int) -> dict[str, object]:
 def gemm(
     a: Tensor, w0: Int4Weight, w1: Int4Weight, out: Tensor, sorted_ids: Tensor, block_expert: Tensor, topk_w: Tensor,
     N: int, K: int, A: int, top_k: int, k_split: int, *, gated: bool, atomic: bool, block_m: int,
-    block_n: int, split_k: int, stages: int, n_tiles: int = 1, resident: bool | None = None,
+    block_n: int, split_k: int, stages: int, n_tiles: int = 1, resident: bool | None = None, sub: int = 1,
+    overlap: bool = False,
 ) -> None:
     """Launch one GEMM (``a`` already ``permute_k``'d); arguments as ``_int4_moe_gemm_kernel``'s.
 
     ``n_tiles``: weight tiles a CTA streams one after another (a short K's ring stays full).
     ``resident``: the CTA's activations stay in shared memory across its tiles; default where
     there are several tiles, one K slice and the whole K fits ``RESIDENT_BYTES``.
+    ``sub``: 128-wide K steps a ring slot holds (one barrier pair and commit group for all).
+    ``overlap``: one MMA wait a slot, so a slot's later 128 columns dequantise under the earlier MMAs.
     """
+    assert k_split % (BLOCK_K * sub) == 0 and K % (BLOCK_K * sub) == 0, f"K slices must be multiples of {BLOCK_K * sub}"
     nb = block_expert.numel()
     warps = block_n // 16
     k_steps = -(-K // k_split) == 1 and K // BLOCK_K
@@ -381,7 +389,7 @@ def gemm(
         a, w0.packed, w0.scale, w1.packed, w1.scale, out, sorted_ids, block_expert, topk_w,
         N, K, A, top_k, nb, k_split,
         a.stride(0), w0.packed.stride(0), w0.packed.stride(1), w0.scale.stride(0), w0.scale.stride(1), out.stride(0),
-        GATED=gated, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=stages,
+        GATED=gated, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=stages, SUB=sub, OVERLAP=overlap,
         N_TILES=n_tiles, K_RESIDENT=k_steps if resident else 0,
         **_layouts(block_m, block_n, warps), num_warps=warps,
     )

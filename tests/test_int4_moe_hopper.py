@@ -115,7 +115,7 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, 
     assert len(names) == len(ptrs) + len(ints), f"kernel arguments changed: {kernel.arg_names}"
     warps = block_n // 16
     constexprs = dict(GATED=gated, ATOMIC=False, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=2,
-                      N_TILES=n_tiles, K_RESIDENT=k_resident,
+                      N_TILES=n_tiles, K_RESIDENT=k_resident, SUB=1, OVERLAP=False,
                       **hop._layouts(block_m, block_n, warps), num_warps=warps)
     signature = {n: ptrs.get(n, "i32") for n in names} | {k: "constexpr" for k in constexprs}
     aligned = [n for n in names if n in ptrs or n in ("N", "K", "k_split", "stride_am", "stride_we", "stride_wn", "stride_om")]
