@@ -46,7 +46,7 @@ try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kerne
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-__all__ = ["BLOCK_K", "OPERAND_ORDER", "available", "gemm", "permute_k", "planes_to_operand", "supported"]
+__all__ = ["BLOCK_K", "OPERAND_ORDER", "available", "gemm", "permute_k", "planes_to_operand", "stream_plan", "supported"]
 
 BLOCK_K = 128  # K per step: one 32-column block per lane of a quad, four words a thread a row
 # Dims of the joined nibble planes [rows, t, j, i0, q0, q1] -> [rows, j, q1, q0, t, i0]: the
@@ -226,8 +226,8 @@ if gluon is not None:
         k_split,  # K range of one split (a multiple of 128)
         stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
         GATED: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        SPLIT_K: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, OVERLAP: gl.constexpr, N_TILES: gl.constexpr,
-        K_RESIDENT: gl.constexpr, ACC: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
+        SPLIT_K: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, N_TILES: gl.constexpr, K_RESIDENT: gl.constexpr,
+        ACC: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
         X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr,
         X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, S_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -323,11 +323,9 @@ if gluon is not None:
                     if GATED:
                         w1 = _weight_operand(w1_smem.index(cur * SUB + j), s1_smem.index(cur * SUB + j), BLOCK_N, WORDS, SCALES, A_OP)
                         acc1 = warpgroup_mma(w1, xb, acc1, use_acc=use, is_async=True)
-                    if (not OVERLAP) or j == SUB - 1:  # OVERLAP: the next 128 columns dequantise under these MMAs
-                        if GATED:
-                            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-                        else:
-                            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
+                        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+                    else:
+                        acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
                 if N_TILES > 1:
                     if kk == n_k - 1:
                         _epilogue(acc0, acc1, pid_m, (n_tile0 + t // n_k) * BLOCK_N, out_ptr, sorted_ids_ptr, topk_w_ptr,
@@ -361,35 +359,48 @@ def _layouts(block_m: int, block_n: int, num_warps: int) -> dict[str, object]:
     )
 
 
+def stream_plan(
+    K: int, k_split: int, block_m: int, n_tiles: int, element_size: int, resident: bool | None = None, sub: int | None = None,
+) -> tuple[int, int]:
+    """``(K_RESIDENT, SUB)`` of a launch: the 128-wide K steps its activations keep resident (0: they
+    go through the ring) and the steps a ring slot holds; ``gemm``'s ``resident`` / ``sub`` rules."""
+    k_steps = K // BLOCK_K if k_split >= K else 0  # one K slice: the steps resident activations take
+    fits = k_steps > 0 and k_steps * block_m * BLOCK_K * element_size <= RESIDENT_BYTES
+    if resident is None:
+        resident = n_tiles > 1 and fits
+    assert not resident or fits, f"resident activations need one K slice of at most {RESIDENT_BYTES} bytes"
+    if sub is None:
+        sub = 2 if resident and k_steps % 2 == 0 else 1
+    assert sub in (1, 2), f"sub must be 1 or 2, got {sub}"
+    assert k_split % (BLOCK_K * sub) == 0 and K % (BLOCK_K * sub) == 0, f"K slices must be multiples of {BLOCK_K * sub}"
+    return (k_steps if resident else 0), sub
+
+
 def gemm(
     a: Tensor, w0: Int4Weight, w1: Int4Weight, out: Tensor, sorted_ids: Tensor, block_expert: Tensor, topk_w: Tensor,
     N: int, K: int, A: int, top_k: int, k_split: int, *, gated: bool, atomic: bool, block_m: int,
-    block_n: int, split_k: int, stages: int, n_tiles: int = 1, resident: bool | None = None, sub: int = 1,
-    overlap: bool = False,
+    block_n: int, split_k: int, stages: int, n_tiles: int = 1, resident: bool | None = None, sub: int | None = None,
 ) -> None:
     """Launch one GEMM (``a`` already ``permute_k``'d); arguments as ``_int4_moe_gemm_kernel``'s.
 
     ``n_tiles``: weight tiles a CTA streams one after another (a short K's ring stays full).
     ``resident``: the CTA's activations stay in shared memory across its tiles; default where
     there are several tiles, one K slice and the whole K fits ``RESIDENT_BYTES``.
-    ``sub``: 128-wide K steps a ring slot holds (one barrier pair and commit group for all).
-    ``overlap``: one MMA wait a slot, so a slot's later 128 columns dequantise under the earlier MMAs.
+    ``sub``: 128-wide K steps a ring slot holds (one barrier pair and commit group for them all);
+    default 2 with resident activations and an even number of steps, else 1. K2 TP8 down, 8 tiles:
+    M=72 123 us vs 132, M=1152 276 vs 282; the gate/up GEMM lost with 2 (TP8 M=288 387 vs 344)
+    and an MMA wait a slot instead of a step did not help (``bench/results/int4_moe_tiles_ab.json``).
     """
-    assert k_split % (BLOCK_K * sub) == 0 and K % (BLOCK_K * sub) == 0, f"K slices must be multiples of {BLOCK_K * sub}"
     nb = block_expert.numel()
     warps = block_n // 16
-    k_steps = -(-K // k_split) == 1 and K // BLOCK_K
-    fits = bool(k_steps) and k_steps * block_m * BLOCK_K * a.element_size() <= RESIDENT_BYTES
-    if resident is None:
-        resident = n_tiles > 1 and fits
-    assert not resident or fits, f"resident activations need one K slice of at most {RESIDENT_BYTES} bytes"
+    k_resident, sub = stream_plan(K, k_split, block_m, n_tiles, a.element_size(), resident, sub)
     n_groups = -(-(N // block_n) // n_tiles)
     grid = (nb * n_groups * (-(-K // k_split)),)
     _moe_gemm_hopper_kernel[grid](
         a, w0.packed, w0.scale, w1.packed, w1.scale, out, sorted_ids, block_expert, topk_w,
         N, K, A, top_k, nb, k_split,
         a.stride(0), w0.packed.stride(0), w0.packed.stride(1), w0.scale.stride(0), w0.scale.stride(1), out.stride(0),
-        GATED=gated, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=stages, SUB=sub, OVERLAP=overlap,
-        N_TILES=n_tiles, K_RESIDENT=k_steps if resident else 0,
+        GATED=gated, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=stages, SUB=sub,
+        N_TILES=n_tiles, K_RESIDENT=k_resident,
         **_layouts(block_m, block_n, warps), num_warps=warps,
     )

@@ -99,7 +99,21 @@ def test_choose_config_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
         km.Int4MoEConfig(gu_split_k=2, gu_block_n=256)
 
 
-def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int) -> dict:
+def test_stream_plan() -> None:
+    """Resident activations and 256-wide ring slots only where they were measured to pay and fit."""
+    assert hop.stream_plan(256, 256, 16, 8, 2) == (2, 2)  # K2 TP8 down, 8 tiles: resident, two steps a slot
+    assert hop.stream_plan(256, 256, 16, 1, 2) == (0, 1)  # one tile a CTA: the ring as before
+    assert hop.stream_plan(7168, 3584, 16, 1, 2) == (0, 1)  # split-K gate/up: never resident
+    assert hop.stream_plan(384, 384, 16, 8, 2) == (3, 1)  # an odd number of steps keeps 128-wide slots
+    assert hop.stream_plan(2048, 2048, 16, 8, 2) == (0, 1)  # K2 EP8 down: 64 KB would not fit
+    assert hop.stream_plan(2048, 2048, 16, 8, 2, resident=False, sub=2) == (0, 2)
+    with pytest.raises(AssertionError, match="resident"):
+        hop.stream_plan(2048, 2048, 16, 8, 2, resident=True)
+    with pytest.raises(AssertionError, match="multiples of 256"):
+        hop.stream_plan(384, 384, 16, 1, 2, sub=2)
+
+
+def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int, sub: int) -> dict:
     """Compile one launch for sm_90 (run without TRITON_INTERPRET)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -115,7 +129,7 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, 
     assert len(names) == len(ptrs) + len(ints), f"kernel arguments changed: {kernel.arg_names}"
     warps = block_n // 16
     constexprs = dict(GATED=gated, ATOMIC=False, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=2,
-                      N_TILES=n_tiles, K_RESIDENT=k_resident, SUB=1, OVERLAP=False,
+                      N_TILES=n_tiles, K_RESIDENT=k_resident, SUB=sub,
                       **hop._layouts(block_m, block_n, warps), num_warps=warps)
     signature = {n: ptrs.get(n, "i32") for n in names} | {k: "constexpr" for k in constexprs}
     aligned = [n for n in names if n in ptrs or n in ("N", "K", "k_split", "stride_am", "stride_we", "stride_wn", "stride_om")]
@@ -127,15 +141,15 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, 
 
 
 @pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("gated,block_m,block_n,split_k,n_tiles,k_resident",
-                         [(True, 16, 64, 4, 1, 0), (False, 16, 128, 1, 1, 0), (True, 32, 64, 1, 1, 0), (False, 32, 64, 1, 8, 2)])
-def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int) -> None:
+@pytest.mark.parametrize("gated,block_m,block_n,split_k,n_tiles,k_resident,sub",
+                         [(True, 16, 64, 4, 1, 0, 1), (False, 16, 128, 1, 1, 0, 1), (True, 32, 64, 1, 1, 0, 1), (False, 32, 64, 1, 8, 2, 2)])
+def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int, sub: int) -> None:
     """The served K2 launches compile, their products are wgmma, and no dequantised tile goes
     through shared memory (no st.shared: only cp.async writes it). A child process: conftest sets
     TRITON_INTERPRET for this one, and the interpreter cannot compile Gluon."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    args = [str(int(gated)), str(block_m), str(block_n), str(split_k), str(n_tiles), str(k_resident)]
+    args = [str(int(gated)), str(block_m), str(block_n), str(split_k), str(n_tiles), str(k_resident), str(sub)]
     proc = subprocess.run([sys.executable, __file__, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     built = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -145,5 +159,5 @@ def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k
 
 
 if __name__ == "__main__":
-    g, bm, bn, sk, nt, kr = sys.argv[1:7]
-    print(json.dumps(_build(bool(int(g)), int(bm), int(bn), int(sk), int(nt), int(kr))))
+    g, bm, bn, sk, nt, kr, sub = sys.argv[1:8]
+    print(json.dumps(_build(bool(int(g)), int(bm), int(bn), int(sk), int(nt), int(kr), int(sub))))
