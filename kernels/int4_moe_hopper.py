@@ -10,8 +10,10 @@ bandwidth. Gluon lets this kernel pick the layouts:
 * Each thread loads (from a ``cp.async`` ring in shared memory, 16-byte reads) exactly the int32
   words whose nibbles are its elements of the wgmma A operand (weights on the MMA's M side,
   tokens on N, as the Triton kernel's ``SWAP_AB``). That holds for one order of K inside each
-  128-wide step: logical column ``32j + 8q + 2t + i0`` is physical column ``32t + 8j + 2q + i0``
-  (t: the thread's lane in its quad, j: which of its four consecutive words, nibble ``2q + i0``).
+  128-wide step: logical column ``32j + 8q + 2t + i0`` is physical column ``32t + 8j + 4i0 + q``
+  (t: the thread's lane in its quad, j: which of its four consecutive words, nibble ``q + 4i0``).
+  The operand's register pairs (i0 = 0, 1) are then nibbles (q, q + 4) of one word, which one
+  mask-and-magic op turns into a bf16x2 register: no unpacking or re-pairing instructions.
   The layout conversion to the operand is then a register relabelling (``assert_trivial``).
 * The activations are read in that same order: ``permute_k`` reorders the columns of ``hidden``
   (and of ``h`` before the down GEMM) once per call, a copy of ``M x K`` bf16.
@@ -35,7 +37,7 @@ import torch
 from torch import Tensor
 
 from kernels.device import is_hopper
-from kernels.int4_ptx import DEQUANT_BF16X2, DEQUANT_BF16X2_CONSTRAINTS
+from kernels.int4_ptx import DEQUANT_PAIRS, DEQUANT_PAIRS_CONSTRAINTS
 from services.common.int4 import Int4Weight
 
 try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kernel serves
@@ -49,7 +51,7 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 __all__ = ["BLOCK_K", "OPERAND_ORDER", "available", "gemm", "permute_k", "planes_to_operand", "stream_plan", "supported"]
 
 BLOCK_K = 128  # K per step: one 32-column block per lane of a quad, four words a thread a row
-# Dims of the joined nibble planes [rows, t, j, i0, q0, q1] -> [rows, j, q1, q0, t, i0]: the
+# Dims of the joined nibble pairs [rows, t, j, i0, q0, q1] -> [rows, j, q1, q0, t, i0]: the
 # operand's column order. ``planes_to_operand`` replays it in torch for the CPU test.
 OPERAND_ORDER = (0, 2, 5, 4, 1, 3)
 RESIDENT_BYTES = 32768  # most activation bytes a CTA keeps resident (K2 TP8 down: 2 steps x 32 rows = 16 KB)
@@ -63,21 +65,20 @@ def available(device: torch.device) -> bool:
 def permute_k(x: Tensor) -> Tensor:
     """``[M, K]`` with each 128-column block in the kernel's K order (a contiguous copy).
 
-    Physical column ``32t + 8j + 2q + i0`` of a block goes to logical column ``32j + 8q + 2t + i0``.
+    Physical column ``32t + 8j + 4i0 + q`` of a block goes to logical column ``32j + 8q + 2t + i0``.
     """
     M, K = x.shape
     assert K % BLOCK_K == 0, f"K = {K} must be a multiple of {BLOCK_K}"
-    return x.reshape(M, K // BLOCK_K, 4, 4, 4, 2).permute(0, 1, 3, 4, 2, 5).reshape(M, K)
+    return x.reshape(M, K // BLOCK_K, 4, 4, 2, 4).permute(0, 1, 3, 5, 2, 4).reshape(M, K)
 
 
 def planes_to_operand(planes: list[Tensor]) -> Tensor:
-    """``_weight_operand``'s join / permute / reshape on torch tensors: 8 nibble planes
+    """``_weight_operand``'s pairing / join / permute / reshape on torch tensors: 8 nibble planes
     ``[rows, 16 words]`` of one K step -> ``[rows, 128]`` in the operand's column order."""
     rows = planes[0].shape[0]
-    v = [p.reshape(rows, 4, 4) for p in planes]  # [rows, t, j]
-    b0 = torch.stack([torch.stack([v[0], v[1]], -1), torch.stack([v[2], v[3]], -1)], -1)
-    b1 = torch.stack([torch.stack([v[4], v[5]], -1), torch.stack([v[6], v[7]], -1)], -1)
-    return torch.stack([b0, b1], -1).permute(*OPERAND_ORDER).reshape(rows, BLOCK_K)
+    v = [torch.stack([planes[q], planes[q + 4]], -1).reshape(rows, 4, 4, 2) for q in range(4)]  # [rows, t, j, i0]
+    c = torch.stack([torch.stack([v[0], v[1]], -1), torch.stack([v[2], v[3]], -1)], -1)  # [rows, t, j, i0, q0, q1]
+    return c.permute(*OPERAND_ORDER).reshape(rows, BLOCK_K)
 
 
 def supported(act: Tensor, packed: Tensor, scale: Tensor, group_size: int, block_n: int) -> bool:
@@ -97,19 +98,21 @@ if gluon is not None:
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
     _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
     _OPERAND_ORDER = gl.constexpr(list(OPERAND_ORDER))
-    _DEQ_BF16X2_PTX = gl.constexpr(DEQUANT_BF16X2)
-    _DEQ_BF16X2_CONSTRAINTS = gl.constexpr(DEQUANT_BF16X2_CONSTRAINTS)
+    _DEQ_PAIRS_PTX = gl.constexpr(DEQUANT_PAIRS)
+    _DEQ_PAIRS_CONSTRAINTS = gl.constexpr(DEQUANT_PAIRS_CONSTRAINTS)
 
     @gluon.jit
-    def _dequant_bf16x2(p, s):
-        """8 planes (nibble i of every word) of ``(n - 8) * scale`` in bf16 (``kernels/int4_ptx.py``)."""
+    def _dequant_pairs(p2, s2):
+        """``(n - 8) * scale`` in bf16 for nibble pairs (q, q + 4) of each word (``kernels/int4_ptx.py``):
+        ``p2`` / ``s2`` are the words / scales joined with themselves, so each asm call sees one word
+        and one bf16x2 scale pair and returns four bf16x2 registers, output q = nibbles (q, q + 4)."""
         return gl.inline_asm_elementwise(
-            asm=_DEQ_BF16X2_PTX,
-            constraints=_DEQ_BF16X2_CONSTRAINTS,
-            args=[p, s],
-            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
+            asm=_DEQ_PAIRS_PTX,
+            constraints=_DEQ_PAIRS_CONSTRAINTS,
+            args=[p2, s2],
+            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
             is_pure=True,
-            pack=1,
+            pack=2,
         )
 
     @gluon.jit
@@ -119,12 +122,10 @@ if gluon is not None:
         s = s_buf.load(SCALES)  # [BN, 4] bf16: group t
         s = gl.reshape(gl.join(gl.join(s, s), gl.join(s, s)), [BLOCK_N, 16])  # group of word 4t + j is t
         s = gl.convert_layout(s, WORDS, assert_trivial=True)
-        v0, v1, v2, v3, v4, v5, v6, v7 = _dequant_bf16x2(p, s)  # nibble i of each word
-        r: gl.constexpr = [BLOCK_N, 4, 4]  # [rows, t, j]
-        b0 = gl.join(gl.join(gl.reshape(v0, r), gl.reshape(v1, r)), gl.join(gl.reshape(v2, r), gl.reshape(v3, r)))
-        b1 = gl.join(gl.join(gl.reshape(v4, r), gl.reshape(v5, r)), gl.join(gl.reshape(v6, r), gl.reshape(v7, r)))
-        c = gl.join(b0, b1)  # [rows, t, j, i0, q0, q1]
-        w = gl.reshape(gl.permute(c, _OPERAND_ORDER.value), [BLOCK_N, 128])  # column 32j + 16q1 + 8q0 + 2t + i0
+        v0, v1, v2, v3 = _dequant_pairs(gl.join(p, p), gl.join(s, s))  # [BN, 16, 2]: nibble q + 4 i0
+        r: gl.constexpr = [BLOCK_N, 4, 4, 2]  # [rows, t, j, i0]
+        c = gl.join(gl.join(gl.reshape(v0, r), gl.reshape(v1, r)), gl.join(gl.reshape(v2, r), gl.reshape(v3, r)))
+        w = gl.reshape(gl.permute(c, _OPERAND_ORDER.value), [BLOCK_N, 128])  # [rows, t, j, i0, q0, q1] -> column 32j + 8q + 2t + i0
         return gl.convert_layout(w, A_OP, assert_trivial=True)
 
     @gluon.jit

@@ -2,7 +2,7 @@
 
 The kernel cannot run here (Gluon has no CPU interpreter); ``bench/int4_moe_bench.py`` checks
 every served config against the reference on an H200. What the CPU checks: ``permute_k`` puts
-physical column ``32t + 8j + 2q + i0`` of each 128-block at ``32j + 8q + 2t + i0`` (the order in
+physical column ``32t + 8j + 4i0 + q`` of each 128-block at ``32j + 8q + 2t + i0`` (the order in
 which the kernel's threads hold the dequantised weights), so a product over permuted columns equals
 the plain one; which launches it takes; and the kernel still compiles for
 sm_90 on the installed Triton with its layout conversions register-only (``assert_trivial``).
@@ -34,9 +34,9 @@ def test_permute_k_order() -> None:
             for j in range(4):
                 for q in range(4):
                     for i0 in range(2):
-                        logical, physical = 32 * j + 8 * q + 2 * t + i0, 32 * t + 8 * j + 2 * q + i0
+                        logical, physical = 32 * j + 8 * q + 2 * t + i0, 32 * t + 8 * j + 4 * i0 + q
                         assert y[1, 128 * blk + logical] == x[1, 128 * blk + physical]
-    back = y.reshape(2, 2, 4, 4, 4, 2).permute(0, 1, 4, 2, 3, 5).reshape(2, 256)  # the inverse permutation
+    back = y.reshape(2, 2, 4, 4, 4, 2).permute(0, 1, 4, 2, 5, 3).reshape(2, 256)  # the inverse permutation
     torch.testing.assert_close(back, x, rtol=0, atol=0)
     with pytest.raises(AssertionError, match="multiple of 128"):
         hop.permute_k(torch.zeros(1, 96))
