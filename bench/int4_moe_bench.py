@@ -70,9 +70,12 @@ GU_CANDIDATES = {
     32: [(1, 64, 128, 4, 3), (1, 128, 64, 8, 3), (1, 64, 64, 4, 3)],
     64: [(1, 64, 64, 4, 3), (0, 64, 64, 4, 3), (0, 64, 128, 4, 3)],
 }
+# Down tuples may carry a 6th field, hp_dn_tiles (weight tiles a Gluon CTA streams; choose_config
+# serves 8 on TP-style shapes).
 DN_CANDIDATES = {
-    16: [(1, 128, 64, 4, 4), (1, 256, 64, 8, 3), (1, 64, 128, 4, 3), (1, 64, 256, 4, 3), (1, 128, 128, 8, 3)],
-    32: [(1, 64, 128, 4, 3), (1, 128, 128, 8, 3), (1, 128, 64, 4, 4)],
+    16: [(1, 128, 64, 4, 4), (1, 256, 64, 8, 3), (1, 64, 128, 4, 3), (1, 64, 128, 4, 3, 8), (1, 64, 256, 4, 3),
+         (1, 128, 128, 8, 3)],
+    32: [(1, 64, 128, 4, 3), (1, 64, 128, 4, 3, 8), (1, 128, 128, 8, 3), (1, 128, 64, 4, 4)],
     64: [(0, 128, 64, 8, 3), (1, 128, 64, 4, 3)],
 }
 
@@ -95,8 +98,8 @@ def make_cfg(bm: int, gu=None, dn=None, reduce: str = "sum", asm: bool = True) -
         s, bn, bk, w, st = gu[:5]
         kw.update(swap_ab=bool(s), gu_block_n=bn, gu_block_k=bk, gu_warps=w, gu_stages=st, gu_split_k=gu[5] if len(gu) > 5 else 1)
     if dn is not None:
-        s, bn, bk, w, st = dn
-        kw.update(dn_block_n=bn, dn_block_k=bk, dn_warps=w, dn_stages=st)
+        s, bn, bk, w, st = dn[:5]
+        kw.update(dn_block_n=bn, dn_block_k=bk, dn_warps=w, dn_stages=st, hp_dn_tiles=dn[5] if len(dn) > 5 else 1)
         if gu is None:
             kw["swap_ab"] = bool(s)
     return Int4MoEConfig(**kw)
@@ -334,7 +337,8 @@ def bench_point(name: str, sh: dict, M: int, W: dict, bf16: Bf16Grouped | None, 
     assert best is not None, "no config ran"
     _, bm, gu, dn, gu_us, dn_us = best
     # gate/up and down take swap_ab per launch, so a pair with different flags runs as two configs.
-    cfg_sum = dataclasses.replace(make_cfg(bm, gu=gu), dn_block_n=dn[1], dn_block_k=dn[2], dn_warps=dn[3], dn_stages=dn[4])
+    cfg_sum = dataclasses.replace(make_cfg(bm, gu=gu), dn_block_n=dn[1], dn_block_k=dn[2], dn_warps=dn[3], dn_stages=dn[4],
+                                  hp_dn_tiles=dn[5] if len(dn) > 5 else 1)
     mixed_swap = gu[0] != dn[0]
 
     def fused(ids, tw, reduce, asm=True):

@@ -80,8 +80,9 @@ def test_supported_launches(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_choose_config_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the Gluon kernels run, the table changes (measured on an H200): the GEMV keeps up to
-    five tokens of a TP-style shape, whole-expert shapes never take it, and every tensor-core
-    launch puts the weights on the MMA's M side in tiles the Gluon kernel takes."""
+    five tokens of a TP-style shape, whole-expert shapes never take it, every tensor-core
+    launch puts the weights on the MMA's M side in tiles the Gluon kernel takes, and TP-style
+    down GEMMs stream several tiles a CTA."""
     from kernels import int4_moe as km
 
     monkeypatch.setattr(km, "_hopper_here", lambda: True)
@@ -91,6 +92,8 @@ def test_choose_config_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
         cfg = dataclasses.replace(km.choose_config(m, e, 7168, i, 8), gemv=False)
         assert cfg.swap_ab and cfg.gu_block_n in (64, 128) and cfg.dn_block_n in (64, 128), cfg.spec()
         assert cfg.dn_warps == cfg.dn_block_n // 16, cfg.spec()
+        # TP-style down GEMMs (K = 256: two steps) stream 8 tiles a CTA; whole experts one
+        assert cfg.hp_dn_tiles == (8 if i < 1024 else 1), cfg.spec()
     monkeypatch.setattr(km, "_hopper_here", lambda: False)
     assert km.choose_config(1152, 48, 7168, 2048, 8).swap_ab is False  # other GPUs keep the Triton table
     with pytest.raises(AssertionError, match="atomic"):
