@@ -719,9 +719,9 @@ def _hopper_config(r: float, whole_experts: bool) -> Int4MoEConfig:
     tiles, down 306 vs 352; M=1152: 1445 vs 2073 and 1007 vs 1152). The Gluon kernel fixes K
     steps at 128 and warps at rows / 16."""
     # A TP-style down GEMM (K = the rank's slice of the intermediate, 256 at K2 TP8: two K steps)
-    # streams 8 weight tiles a CTA with its activations resident: TP8 down M=72 134 us vs 170,
-    # M=288 179 vs 222, M=1152 281 vs 366 (bench/results/int4_moe_tiles_ab.json). Whole experts
-    # (K = 2048) already keep the ring full and lose with more tiles (EP8 M=72 228 us at 4 vs 194).
+    # streams 8 weight tiles a CTA with its activations resident: TP8 down M=72 116 us vs 155,
+    # M=288 158 vs 207, M=1152 266 vs 353 (bench/results/int4_moe_tiles_ab.json). Whole experts
+    # (K = 2048) already keep the ring full and lose with more tiles (EP8 M=72 219 us vs 184).
     tiles = 1 if whole_experts else 8
     if r <= 8:
         split = 1 if whole_experts else 8 if r < 0.5 else 2 if r <= 2 else 1

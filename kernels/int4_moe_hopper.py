@@ -26,9 +26,12 @@ or atomic down outputs), restricted to what the K2 path runs: bf16 activations a
 The CPU has no Gluon: CPU tests cover ``permute_k`` and the routing, the GPU check is
 ``bench/int4_moe_bench.py`` (every served config against the reference).
 
-Where it stands on an H200 (BENCHMARKS.md): 1.1-1.4x the Triton kernel at the same configs; 46-55%
-of copy bandwidth at K2 EP8 M = 1-72 and 48% at TP8 M = 72 / 288. What is left at those M: two
-CTA barriers and a ring slot per 128-wide K step, and no warp-specialised producer.
+Where it stands on an H200 (BENCHMARKS.md): 1.1-1.4x the Triton kernel at the same configs; 45-56%
+of copy bandwidth at K2 EP8 M = 1-72 and 52-55% at TP8 M = 72 / 288, 35-40% at TP8 M = 1152 and
+EP8 M = 288. Nsight Compute on the gate/up GEMM at those two: DRAM 30-46% busy, the warps stalled
+mostly at the two CTA barriers a step and on fixed-latency dependencies (the dequantisation's
+chains), the ALU pipe half busy, 2-3 CTAs an SM. What is left: a warp-specialised producer
+(no CTA barriers in the consumers) with enough consumer warps to hide the dequantisation chains.
 """
 
 from __future__ import annotations
@@ -389,8 +392,9 @@ def gemm(
     there are several tiles, one K slice and the whole K fits ``RESIDENT_BYTES``.
     ``sub``: 128-wide K steps a ring slot holds (one barrier pair and commit group for them all);
     default 2 with resident activations and an even number of steps, else 1. K2 TP8 down, 8 tiles:
-    M=72 123 us vs 132, M=1152 276 vs 282; the gate/up GEMM lost with 2 (TP8 M=288 387 vs 344)
-    and an MMA wait a slot instead of a step did not help (``bench/results/int4_moe_tiles_ab.json``).
+    M=72 116 us vs 119, M=1152 266 vs 275; the gate/up GEMM lost with 2 (TP8 M=288 374 vs 339;
+    ``bench/results/int4_moe_tiles_ab.json``), and one MMA wait a slot instead of one a step did
+    not help (``int4_moe_tiles_ab_overlap.json``)
     """
     nb = block_expert.numel()
     warps = block_n // 16

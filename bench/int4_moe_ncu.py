@@ -1,0 +1,125 @@
+"""Nsight Compute counters of the Gluon MoE GEMMs at the K2 points that miss 50% of copy bandwidth.
+
+Why: to say where the gate/up and down GEMMs lose time (DRAM busy, warp stall reasons, pipe use,
+occupancy) before choosing the next kernel change. For each point this runs ``ncu`` on itself
+(``--target``: three calls of ``fused_int4_moe`` at ``choose_config``'s config), profiles the
+third call's two Gluon launches and writes the raw counters to ``bench/results/int4_moe_ncu.json``.
+Counters, not times: ``ncu`` serialises and replays each launch (``gpu__time_duration`` is one
+launch's time under the profiler, not the graph-replayed time of ``int4_moe_bench.py``).
+
+    python bench/int4_moe_ncu.py --commit SHA --ncu /usr/local/cuda/bin/ncu --out bench/results/int4_moe_ncu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+
+POINTS = (("tp8", 72), ("tp8", 1152), ("ep8", 288))
+STALLS = ("barrier", "wait", "long_scoreboard", "short_scoreboard", "math_pipe_throttle", "dispatch_stall",
+          "not_selected", "selected", "mio_throttle", "lg_throttle", "no_instruction", "branch_resolving")
+METRICS = [
+    "gpu__time_duration.sum",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active",
+    "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "launch__registers_per_thread",
+    "launch__occupancy_limit_registers",
+    "smsp__inst_executed.sum",
+    "dram__bytes_read.sum",
+] + [f"smsp__average_warp_latency_issue_stalled_{s}.ratio" for s in STALLS]
+
+
+def target(shape: str, tokens: int) -> None:
+    """The profiled process: three calls at the served config (the third's launches are kept)."""
+    import torch
+
+    import kernels.int4_moe as km
+    from bench.int4_moe_bench import GROUP, SHAPES, rand_int4_stack, rand_routing
+
+    sh = SHAPES[shape]
+    E, K, I, k = sh["experts"], sh["hidden"], sh["inter"], sh["top_k"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    wg, wu, wd = (rand_int4_stack(E, I, K, "cuda", gen), rand_int4_stack(E, I, K, "cuda", gen),
+                  rand_int4_stack(E, K, I, "cuda", gen))
+    x = (torch.randn(tokens, K, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    ids, tw = rand_routing(tokens, E, k, "cuda", gen)
+    for _ in range(3):
+        km.fused_int4_moe(x, wg, wu, wd, ids, tw, GROUP)
+    torch.cuda.synchronize()
+
+
+def profile(ncu: str, shape: str, tokens: int) -> list[dict]:
+    """``ncu`` raw counters of the third call's gate/up and down launches, one dict each."""
+    cmd = [ncu, "--csv", "--page", "raw", "--kernel-name", "regex:_moe_gemm_hopper_kernel", "--launch-skip", "4",
+           "--launch-count", "2", "--metrics", ",".join(METRICS),
+           sys.executable, os.path.abspath(__file__), "--target", shape, str(tokens)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    lines = proc.stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if proc.returncode != 0 or start is None:
+        raise RuntimeError(f"ncu failed ({proc.returncode}): {proc.stdout[-1500:]} {proc.stderr[-1500:]}")
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
+    units, launches = rows[0], rows[1:]  # the first row after the header holds the units
+    out = []
+    for gemm, row in zip(("gate_up", "down"), launches):
+        rec = dict(shape=shape, tokens=tokens, gemm=gemm)
+        for m in METRICS:
+            val = row.get(m, "").replace(",", "")
+            try:
+                rec[m] = float(val)
+            except ValueError:
+                rec[m] = val or None
+            if units.get(m):
+                rec[m + ".unit"] = units[m]
+        out.append(rec)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", nargs=2, metavar=("SHAPE", "TOKENS"), help=argparse.SUPPRESS)
+    ap.add_argument("--ncu", default="ncu")
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", default="bench/results/int4_moe_ncu.json")
+    args = ap.parse_args()
+    if args.target:
+        target(args.target[0], int(args.target[1]))
+        return
+    import torch
+
+    from bench.common import git_commit, measure_copy_gbps
+
+    rows = []
+    for shape, tokens in POINTS:
+        rows += profile(args.ncu, shape, tokens)
+        for r in rows[-2:]:
+            print(json.dumps({k: v for k, v in r.items() if not k.endswith(".unit")}), flush=True)
+    result = dict(
+        benchmark="int4_moe_ncu", commit=git_commit(args.commit), gpu=torch.cuda.get_device_name(),
+        copy_gbps=round(measure_copy_gbps(), 1),
+        params=dict(points=[list(p) for p in POINTS], config="choose_config's (the served one)",
+                    launches="the third fused_int4_moe call's gate/up and down Gluon launches",
+                    stalls="smsp__average_warp_latency_issue_stalled_*.ratio: cycles a warp spent in that state "
+                           "per issued instruction (selected = issuing)",
+                    note="ncu replays each launch with its own clock control, so gpu__time_duration is not the "
+                         "graph-replayed time of int4_moe_bench.py"),
+        rows=rows,
+    )
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
