@@ -28,10 +28,12 @@ The CPU has no Gluon: CPU tests cover ``permute_k`` and the routing, the GPU che
 
 Where it stands on an H200 (BENCHMARKS.md): 1.1-1.4x the Triton kernel at the same configs; 45-56%
 of copy bandwidth at K2 EP8 M = 1-72 and 52-55% at TP8 M = 72 / 288, 35-40% at TP8 M = 1152 and
-EP8 M = 288. Nsight Compute on the gate/up GEMM at those two: DRAM 30-46% busy, the warps stalled
-mostly at the two CTA barriers a step and on fixed-latency dependencies (the dequantisation's
-chains), the ALU pipe half busy, 2-3 CTAs an SM. What is left: a warp-specialised producer
-(no CTA barriers in the consumers) with enough consumer warps to hide the dequantisation chains.
+EP8 M = 288. Nsight Compute (``bench/results/int4_moe_ncu.json``): DRAM 32-49% busy in every GEMM
+there; the gate/up warps spend 18-20% of their cycles at the two CTA barriers a step and 9-22% on
+fixed-latency dependencies (the dequantisation's chains), at TP8 M = 72 22% waiting for copies;
+38-67% of issue slots used; 2-5 CTAs an SM (95-199 registers a thread). What is left: a
+warp-specialised producer (no CTA barriers in the consumers) and more consumer warps to hide
+the dequantisation chains.
 """
 
 from __future__ import annotations
