@@ -396,7 +396,7 @@ def gemm(
     default 2 with resident activations and an even number of steps, else 1. K2 TP8 down, 8 tiles:
     M=72 116 us vs 119, M=1152 266 vs 275; the gate/up GEMM lost with 2 (TP8 M=288 374 vs 339;
     ``bench/results/int4_moe_tiles_ab.json``), and one MMA wait a slot instead of one a step did
-    not help (``int4_moe_tiles_ab_overlap.json``)
+    not help (``int4_moe_tiles_ab_overlap.json``).
     """
     nb = block_expert.numel()
     warps = block_n // 16

@@ -1,8 +1,8 @@
-"""INT4 -> bf16 dequantisation in PTX, two nibbles a 32-bit op; shared by the Triton
-(``kernels/int4_moe.py``) and Gluon (``kernels/int4_moe_hopper.py``) MoE kernels.
+"""INT4 -> bf16 dequantisation in PTX, two nibbles a 32-bit op: ``DEQUANT_BF16X2`` for the Triton
+MoE kernel (``kernels/int4_moe.py``), ``DEQUANT_PAIRS`` for the Gluon one (``kernels/int4_moe_hopper.py``).
 
-Inputs ``$8`` (an int32 word of 8 nibbles) and ``$9`` (its bf16 scale); outputs ``$0 .. $7``, nibble
-i as ``(n - 8) * scale`` in bf16. ``(w >> 4i) & 0x000F000F | 0x43004300`` is the bf16 pair
+``DEQUANT_BF16X2``: inputs ``$8`` (an int32 word of 8 nibbles) and ``$9`` (its bf16 scale); outputs
+``$0 .. $7``, nibble i as ``(n - 8) * scale`` in bf16. ``(w >> 4i) & 0x000F000F | 0x43004300`` is the bf16 pair
 ``(128 + n_i, 128 + n_{i+4})``; ``- 136`` is exact and ``* scale`` rounds once, as the reference's
 float32 product rounded to bf16 does. The CPU interpreter cannot run PTX.
 """
