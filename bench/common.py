@@ -113,3 +113,16 @@ def eager_us(calls: Sequence[Callable[[], object]], reps: int = 3) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / len(calls))
     return sorted(times)[len(times) // 2]
+
+
+def write_result(out: str, benchmark: str, commit: str | None, params: dict, rows: list) -> None:
+    """Write one ``bench/results`` file in TARGETS.md's schema: this GPU's name and copy bandwidth
+    measured now, the commit (``git_commit``), the params and the rows."""
+    import json
+    from pathlib import Path
+
+    doc = dict(benchmark=benchmark, commit=git_commit(commit), gpu=torch.cuda.get_device_name(),
+               copy_gbps=round(measure_copy_gbps(), 1), params=params, rows=rows)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))

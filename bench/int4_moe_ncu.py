@@ -96,30 +96,23 @@ def main() -> None:
     if args.target:
         target(args.target[0], int(args.target[1]))
         return
-    import torch
-
-    from bench.common import git_commit, measure_copy_gbps
+    from bench.common import write_result
 
     rows = []
     for shape, tokens in POINTS:
         rows += profile(args.ncu, shape, tokens)
         for r in rows[-2:]:
             print(json.dumps({k: v for k, v in r.items() if not k.endswith(".unit")}), flush=True)
-    result = dict(
-        benchmark="int4_moe_ncu", commit=git_commit(args.commit), gpu=torch.cuda.get_device_name(),
-        copy_gbps=round(measure_copy_gbps(), 1),
-        params=dict(points=[list(p) for p in POINTS], config="choose_config's (the served one)",
-                    launches="the third fused_int4_moe call's gate/up and down Gluon launches",
-                    stalls="smsp__average_warp_latency_issue_stalled_*.ratio: cycles a warp spent in that state "
-                           "per issued instruction (selected = issuing)",
-                    note="ncu replays each launch with its own clock control, so gpu__time_duration is not the "
-                         "graph-replayed time of int4_moe_bench.py"),
-        rows=rows,
+    write_result(
+        args.out, "int4_moe_ncu", args.commit,
+        dict(points=[list(p) for p in POINTS], config="choose_config's (the served one)",
+             launches="the third fused_int4_moe call's gate/up and down Gluon launches",
+             stalls="smsp__average_warp_latency_issue_stalled_*.ratio: cycles a warp spent in that state "
+                    "per issued instruction (selected = issuing)",
+             note="ncu replays each launch with its own clock control, so gpu__time_duration is not the "
+                  "graph-replayed time of int4_moe_bench.py"),
+        rows,
     )
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-
 
 if __name__ == "__main__":
     main()

@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import time
 
 import torch
 
 import kernels.int4_moe as km
-from bench.common import git_commit, graph_replay_us, measure_copy_gbps
+from bench.common import graph_replay_us, write_result
 from bench.int4_moe_bench import GROUP, SHAPES, rand_int4_stack, rand_routing
 from kernels import int4_moe_hopper as hop
 
@@ -142,23 +141,18 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         del W
         torch.cuda.empty_cache()
-    result = dict(
-        benchmark="int4_moe_tiles_ab", commit=git_commit(args.commit), gpu=torch.cuda.get_device_name(),
-        copy_gbps=round(measure_copy_gbps(), 1),
-        params=dict(shapes={s: SHAPES[s] for s in args.shapes.split(",")}, group_size=GROUP, reduce="sum",
-                    variants="down_/gate_up_bn{rows}[_t{tiles a CTA}]_s{ring stages}[_k256: two 128-wide K steps a "
-                             "ring slot][_overlap: one MMA wait a slot][_streamx: activations through the ring, not "
-                             "resident]; gate/up unsplit; fused_*: the whole call at choose_config's config with "
-                             "FUSED_VARIANTS' fields replaced (t1: hp_dn_tiles=1, s3: hp_stages=3, split1: gu_split_k=1)",
-                    timing="CUDA-graph replay of R routings (16/8/4), median of 20, us per call",
-                    check="NaN-poisoned outputs, all_written = every assignment's row finite; rel_vs_triton = "
-                          "relative Frobenius difference to the Triton kernel at the same block_m"),
-        rows=rows,
+    write_result(
+        args.out, "int4_moe_tiles_ab", args.commit,
+        dict(shapes={s: SHAPES[s] for s in args.shapes.split(",")}, group_size=GROUP, reduce="sum",
+             variants="down_/gate_up_bn{rows}[_t{tiles a CTA}]_s{ring stages}[_k256: two 128-wide K steps a "
+                      "ring slot][_overlap: one MMA wait a slot][_streamx: activations through the ring, not "
+                      "resident]; gate/up unsplit; fused_*: the whole call at choose_config's config with "
+                      "FUSED_VARIANTS' fields replaced (t1: hp_dn_tiles=1, s3: hp_stages=3, split1: gu_split_k=1)",
+             timing="CUDA-graph replay of R routings (16/8/4), median of 20, us per call",
+             check="NaN-poisoned outputs, all_written = every assignment's row finite; rel_vs_triton = "
+                   "relative Frobenius difference to the Triton kernel at the same block_m"),
+        rows,
     )
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-
 
 if __name__ == "__main__":
     main()
