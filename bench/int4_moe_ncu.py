@@ -114,5 +114,6 @@ def main() -> None:
         rows,
     )
 
+
 if __name__ == "__main__":
     main()

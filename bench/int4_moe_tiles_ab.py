@@ -154,5 +154,6 @@ def main() -> None:
         rows,
     )
 
+
 if __name__ == "__main__":
     main()
