@@ -1,14 +1,17 @@
-"""A/B of the Gluon MoE GEMMs' weight tiles a CTA streams (``hp_dn_tiles``, ``n_tiles`` of
-``int4_moe_hopper.gemm``) on the Kimi-K2 per-rank shapes, H200.
+"""A/B of the Gluon MoE GEMMs' launch shapes on the Kimi-K2 per-rank shapes, H200: weight tiles a
+CTA streams (``hp_dn_tiles``, ``n_tiles`` of ``int4_moe_hopper.gemm``), ring stages and slot width,
+and a register cap (``max_regs``) that lets more CTAs share an SM.
 
 Why: K2 TP8's down GEMM has K = 256, two 128-wide steps, so a CTA that owns one weight tile
 spends its life filling its ring and waiting on dependent loads (expert id, row ids, routing
 weights). A CTA that streams several tiles keeps the ring full across them, and with a short K
 keeps its activations resident. Each variant is first checked: NaN-poisoned output, every row of
 every assignment written, result against the Triton path's; then timed alone (the GEMM) and, for
-the down variants, inside the whole fused call. Writes ``bench/results/int4_moe_tiles_ab.json``.
+the down variants, inside the whole fused call. Each row also times the served call's steps
+besides the two GEMMs (alignment, the K-order copies, the top-k sum), so their share is known.
+Writes ``bench/results/int4_moe_tiles_ab.json``.
 
-    python bench/int4_moe_tiles_ab.py --commit SHA --out bench/results/int4_moe_tiles_ab.json
+    python bench/int4_moe_tiles_ab.py --commit SHA --out bench/results/int4_moe_tiles_ab.json [--variants REGEX]
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import time
 
 import torch
@@ -36,6 +40,9 @@ DOWN_VARIANTS = {
     "down_bn128_t1_s2": dict(block_n=128, n_tiles=1, stages=2),
     "down_bn128_t1_s2_k256": dict(block_n=128, n_tiles=1, stages=2, sub=2),
     "down_bn64_t1_s2_k256": dict(block_n=64, n_tiles=1, stages=2, sub=2),
+    # _r{N}: at most N registers a thread (bn64 t8: 98 -> 80, 6 CTAs an SM; bn128: 119 -> 80, 3 CTAs)
+    "down_bn64_t8_s2_r80": dict(block_n=64, n_tiles=8, stages=2, max_regs=80),
+    "down_bn128_t1_s2_r80": dict(block_n=128, n_tiles=1, stages=2, max_regs=80),
 }
 GATE_UP_VARIANTS = {
     "gate_up_bn64_s2": dict(block_n=64, stages=2),
@@ -43,6 +50,10 @@ GATE_UP_VARIANTS = {
     "gate_up_bn64_s2_k256": dict(block_n=64, stages=2, sub=2),
     "gate_up_bn64_s3_k256": dict(block_n=64, stages=3, sub=2),
     "gate_up_bn64_t4_s2": dict(block_n=64, n_tiles=4, stages=2),
+    # register caps (ptxas uncapped, sm_90, 2 stages: block_m 16 127, 32 159, 64 199 registers)
+    "gate_up_bn64_s2_r168": dict(block_n=64, stages=2, max_regs=168),
+    "gate_up_bn64_s2_r128": dict(block_n=64, stages=2, max_regs=128),
+    "gate_up_bn64_s2_r96": dict(block_n=64, stages=2, max_regs=96),
 }
 # the whole call at choose_config's config with these fields replaced
 FUSED_VARIANTS = {
@@ -51,6 +62,7 @@ FUSED_VARIANTS = {
     "fused_s3": dict(hp_stages=3),
     "fused_split1": dict(gu_split_k=1),
     "fused_split1_s3": dict(gu_split_k=1, hp_stages=3),
+    "fused_atomic": dict(reduce="atomic"),
 }
 
 
@@ -75,7 +87,24 @@ def gate_up_call(x, wg, wu, align, I, K, A, top_k, block_m, **kw):
     return out
 
 
-def point(shape: str, M: int, W: dict, gen) -> dict:
+def stage_times(x, route, served: km.Int4MoEConfig, E: int, I: int, R: int) -> dict:
+    """Microseconds of the served tensor-core call's steps besides the two GEMMs."""
+    ids, tw = route
+    M, K = x.shape
+    k = ids.shape[1]
+    align = km.int4_moe_align(ids, E, served.block_m)
+    h = torch.randn(align.num_blocks * served.block_m, I, device=x.device, dtype=torch.bfloat16)
+    per_assignment = torch.randn(M * k, K, device=x.device, dtype=torch.bfloat16)
+    steps = dict(
+        align=lambda: km.int4_moe_align(ids, E, served.block_m),
+        permute_x=lambda: hop.permute_k(x),
+        permute_h=lambda: hop.permute_k(h),
+        topk_sum=lambda: per_assignment.view(M, k, K).sum(1),
+    )
+    return {f"step_{n}_us": round(graph_replay_us([f] * R), 1) for n, f in steps.items()}
+
+
+def point(shape: str, M: int, W: dict, gen, pick: re.Pattern) -> dict:
     sh = SHAPES[shape]
     E, K, I, k = sh["experts"], sh["hidden"], sh["inter"], sh["top_k"]
     R = 16 if M <= 9 else 8 if M <= 288 else 4
@@ -90,7 +119,10 @@ def point(shape: str, M: int, W: dict, gen) -> dict:
     tri = dataclasses.replace(served, hopper=False)
     ref_down = km.int4_moe_down(hs[0], W["down"], aligns[0], routes[0][1], tri, GROUP)  # [M, K], Triton path
     row = dict(shape=shape, tokens=M, served=served.spec())
+    row.update(stage_times(x, routes[0], served, E, I, R))
     for name, kw in DOWN_VARIANTS.items():
+        if not pick.search(name):
+            continue
         try:
             out = down_call(hs[0], W["down"], aligns[0], wts[0], K, I, A, k, bm, **kw)
             row[name + "_all_written"] = bool(torch.isfinite(out).all())
@@ -102,6 +134,8 @@ def point(shape: str, M: int, W: dict, gen) -> dict:
     ref_gu = km.int4_moe_gate_up(x, W["gate"], W["up"], aligns[0], k, tri, GROUP)
     real = aligns[0].sorted_ids < A
     for name, kw in GATE_UP_VARIANTS.items():
+        if not pick.search(name):
+            continue
         try:
             out = gate_up_call(x, W["gate"], W["up"], aligns[0], I, K, A, k, bm, **kw)
             row[name + "_all_written"] = bool(torch.isfinite(out[real]).all())
@@ -111,6 +145,8 @@ def point(shape: str, M: int, W: dict, gen) -> dict:
         except Exception as e:
             row[name + "_err"] = f"{type(e).__name__}: {str(e)[-300:]}"
     for name, over in FUSED_VARIANTS.items():
+        if not pick.search(name):
+            continue
         cfg = dataclasses.replace(km.choose_config(M, E, K, I, k), **over)
         row[name + "_us"] = round(graph_replay_us(
             [lambda i=i, t=t, c=cfg: km.fused_int4_moe(x, W["gate"], W["up"], W["down"], i, t, GROUP, c) for i, t in routes]), 1)
@@ -124,7 +160,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="tp8,ep8")
     ap.add_argument("--tokens", default="9,72,288,1152")
     ap.add_argument("--deadline-s", type=float, default=480.0)
+    ap.add_argument("--variants", default="", help="regex: only the variants whose names it matches")
     args = ap.parse_args()
+    pick = re.compile(args.variants)
     t0 = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -137,7 +175,7 @@ def main() -> None:
             if time.time() - t0 > args.deadline_s:
                 print(f"deadline: skipping {shape} M={M}", flush=True)
                 continue
-            rows.append(point(shape, M, W, gen))
+            rows.append(point(shape, M, W, gen, pick))
             print(json.dumps(rows[-1]), flush=True)
         del W
         torch.cuda.empty_cache()
@@ -146,8 +184,10 @@ def main() -> None:
         dict(shapes={s: SHAPES[s] for s in args.shapes.split(",")}, group_size=GROUP, reduce="sum",
              variants="down_/gate_up_bn{rows}[_t{tiles a CTA}]_s{ring stages}[_k256: two 128-wide K steps a "
                       "ring slot][_overlap: one MMA wait a slot][_streamx: activations through the ring, not "
-                      "resident]; gate/up unsplit; fused_*: the whole call at choose_config's config with "
-                      "FUSED_VARIANTS' fields replaced (t1: hp_dn_tiles=1, s3: hp_stages=3, split1: gu_split_k=1)",
+                      "resident][_r{N}: maxnreg N]; gate/up unsplit; fused_*: the whole call at choose_config's config "
+                      "with FUSED_VARIANTS' fields replaced (t1: hp_dn_tiles=1, s3: hp_stages=3, split1: gu_split_k=1, "
+                      "atomic: reduce='atomic'); step_*_us: the served call's other steps timed alone",
+             variants_run=args.variants or "all",
              timing="CUDA-graph replay of R routings (16/8/4), median of 20, us per call",
              check="NaN-poisoned outputs, all_written = every assignment's row finite; rel_vs_triton = "
                    "relative Frobenius difference to the Triton kernel at the same block_m"),

@@ -7,8 +7,9 @@ experts. Each activated expert's weights are streamed from HBM once per step (on
 (DESIGN.md §6). No launch syncs with the host, so the op can be captured in a CUDA graph:
 
 1. ``_int4_moe_align_kernel`` (one program): histogram of expert ids, per-expert padding to
-   ``BLOCK_M``, a sentinel-filled ``sorted_ids`` (flat assignment ``token * top_k + slot`` per
-   padded row) and ``block_expert`` (expert of each block of ``BLOCK_M`` rows, -1 when unused).
+   ``BLOCK_M``, ``block_expert`` (expert of each block of ``BLOCK_M`` rows, -1 when unused) and
+   sentinels in the padding rows; ``_int4_moe_scatter_kernel`` (a program per chunk) writes
+   ``sorted_ids`` (flat assignment ``token * top_k + slot`` per padded row).
 2. ``_int4_moe_gemm_kernel`` (GATED): ``h = silu(x Wg^T) * (x Wu^T)`` per padded row. With
    ``gu_split_k > 1`` (small M) K slices add fp32 partial sums atomically into a zeroed buffer and
    ``_int4_moe_silu_mul_kernel`` forms ``h``.
@@ -107,9 +108,9 @@ CONFIG_ENV = "DDTREE_INT4_MOE_CONFIG"
 @triton.jit(do_not_specialize=["A", "P", "NUM_BLOCKS"])
 def _int4_moe_align_kernel(
     ids_ptr,  # [A] int32/int64 flat top-k expert ids (token-major)
-    sorted_ids_ptr,  # [P] int32 out: flat assignment per padded row, A for padding
+    sorted_ids_ptr,  # [P] int32 out: A at every row no assignment takes (the scatter fills the rest)
     block_expert_ptr,  # [P / BLOCK_M] int32 out: expert of each block, -1 when unused
-    cursor_ptr,  # [E_PAD] int32 scratch: next free padded row per expert
+    cursor_ptr,  # [E_PAD] int32 out: first padded row of each expert, the scatter's cursors
     A,
     E,
     P,
@@ -130,25 +131,38 @@ def _int4_moe_align_kernel(
     ends = tl.cumsum(padded, 0)  # [E_PAD]
     starts = ends - padded  # [E_PAD]
     tl.store(cursor_ptr + offs_e, starts)
+    # Sentinels only where no assignment lands, so the scatter needs no ordering against them:
+    # each expert's padding rows, then every row past the last expert's.
+    for j in range(0, BLOCK_M - 1):
+        tl.store(sorted_ids_ptr + starts + counts + j, tl.zeros([E_PAD], dtype=tl.int32) + A, mask=j < padded - counts)
+    used = tl.sum(padded, 0)
     for p0 in range(0, P, CHUNK):
         p = p0 + offs_c  # [CHUNK]
-        tl.store(sorted_ids_ptr + p, tl.zeros([CHUNK], dtype=tl.int32) + A, mask=p < P)
+        tl.store(sorted_ids_ptr + p, tl.zeros([CHUNK], dtype=tl.int32) + A, mask=(p >= used) & (p < P))
     for b0 in range(0, NUM_BLOCKS, CHUNK):
         b = b0 + offs_c  # [CHUNK]
-        tl.store(block_expert_ptr + b, tl.full([CHUNK], -1, tl.int32), mask=b < NUM_BLOCKS)
-    tl.debug_barrier()  # the fills above and the cursor reach every thread before the scatter
+        tl.store(block_expert_ptr + b, tl.full([CHUNK], -1, tl.int32), mask=(b * BLOCK_M >= used) & (b < NUM_BLOCKS))
     nblk = padded // BLOCK_M  # [E_PAD]
     first = starts // BLOCK_M  # [E_PAD]
     for j in range(0, tl.max(nblk, 0)):
         tl.store(block_expert_ptr + first + j, offs_e, mask=j < nblk)
-    for c0 in range(0, A, CHUNK):
-        i = c0 + offs_c  # [CHUNK]
-        ok = i < A
-        ids = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)  # [CHUNK]
-        # Row order inside an expert is whatever the atomics give: each row's result depends on
-        # that row alone, so the output is the same for any order.
-        slot = tl.atomic_add(cursor_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=ok, sem="relaxed")  # [CHUNK]
-        tl.store(sorted_ids_ptr + slot, i, mask=ok)
+
+
+@triton.jit(do_not_specialize=["A"])
+def _int4_moe_scatter_kernel(
+    ids_ptr,  # [A] int32/int64 flat top-k expert ids
+    sorted_ids_ptr,  # [P] int32 out: flat assignment per padded row
+    cursor_ptr,  # [E_PAD] int32: next free padded row per expert (``_int4_moe_align_kernel``'s starts)
+    A,
+    CHUNK: tl.constexpr,
+):
+    i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
+    ok = i < A
+    ids = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)  # [CHUNK]
+    # Row order inside an expert is whatever the atomics give: each row's result depends on
+    # that row alone, so the output is the same for any order.
+    slot = tl.atomic_add(cursor_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=ok, sem="relaxed")  # [CHUNK]
+    tl.store(sorted_ids_ptr + slot, i, mask=ok)
 
 
 @triton.jit
@@ -392,6 +406,7 @@ def _int4_moe_silu_mul_kernel(
     n_elem,  # P * I
     I,
     BLOCK: tl.constexpr,
+    K_ORDER: tl.constexpr,  # h's columns in the Gluon down GEMM's K order (int4_moe_hopper.permute_k)
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     ok = offs < n_elem
@@ -399,7 +414,11 @@ def _int4_moe_silu_mul_kernel(
     c = offs - r * I
     g = tl.load(ws_ptr + r * 2 * I + c, mask=ok, other=0)
     u = tl.load(ws_ptr + r * 2 * I + I + c, mask=ok, other=0)
-    tl.store(h_ptr + offs, (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty), mask=ok)
+    out = offs
+    if K_ORDER:  # column 32t + 8j + 4i0 + q of a 128-block goes to 32j + 8q + 2t + i0
+        b = c % 128
+        out = offs - b + 32 * ((b // 8) % 4) + 8 * (b % 4) + 2 * (b // 32) + (b // 4) % 2
+    tl.store(h_ptr + out, (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["top_k"])
@@ -558,6 +577,7 @@ class Int4MoEConfig:
     hopper: bool = True  # the Gluon kernels of kernels/int4_moe_hopper.py where they apply (sm_90, bf16, swap_ab)
     hp_stages: int = 2  # their cp.async ring depth (H200, K2 shapes: 2 best or within 0.1% of 3; 4 and 6 slower)
     hp_dn_tiles: int = 1  # down weight tiles one Gluon CTA streams (a short intermediate keeps its ring full)
+    hp_gu_regs: int = 0  # register cap (maxnreg) of the Gluon gate/up launch, so more CTAs share an SM; 0: ptxas's choice
     # GEMV path (few assignments): no alignment, CUDA-core dot products per assignment / token.
     # Defaults: choose_config's TP-style GEMV config above 8 assignments (see _gemv_launch).
     gemv: bool = False
@@ -586,6 +606,7 @@ class Int4MoEConfig:
         assert self.gv_stages >= 1 and self.gvd_stages >= 1, f"stages must be >= 1, got {self.gv_stages}, {self.gvd_stages}"
         assert 2 <= self.hp_stages <= 8, f"hp_stages must be 2..8, got {self.hp_stages}"
         assert self.hp_dn_tiles >= 1, f"hp_dn_tiles must be >= 1, got {self.hp_dn_tiles}"
+        assert self.hp_gu_regs == 0 or 24 <= self.hp_gu_regs <= 255, f"hp_gu_regs must be 0 or 24..255, got {self.hp_gu_regs}"
         # The Triton down kernel's fp32 atomics gave wrong sums in 1 of 3 runs with 256-row tiles
         # (H200, K2 EP8 M=1; 64 and 128 rows were exact; cause not found): atomics stay on tiles
         # of <= 128 rows, split-K gate/up included (same atomic_add).
@@ -598,7 +619,7 @@ class Int4MoEConfig:
             f"bm={self.block_m},gu={self.gu_block_n}x{self.gu_block_k}x{self.gu_warps}x{self.gu_stages},"
             f"dn={self.dn_block_n}x{self.dn_block_k}x{self.dn_warps}x{self.dn_stages},"
             f"swap={int(self.swap_ab)},reduce={self.reduce},split={self.gu_split_k},asm={int(self.deq_asm)},"
-            f"hopper={int(self.hopper)},hps={self.hp_stages},hpt={self.hp_dn_tiles},"
+            f"hopper={int(self.hopper)},hps={self.hp_stages},hpt={self.hp_dn_tiles},hpr={self.hp_gu_regs},"
             f"gemv={int(self.gemv)},gv={self.gv_block_n}x{self.gv_block_k}x{self.gv_warps}x{self.gv_stages},"
             f"gvd={self.gvd_block_n}x{self.gvd_block_k}x{self.gvd_warps}x{self.gvd_stages}"
         )
@@ -628,6 +649,8 @@ class Int4MoEConfig:
                 kw["hp_stages"] = int(val)
             elif key == "hpt":
                 kw["hp_dn_tiles"] = int(val)
+            elif key == "hpr":
+                kw["hp_gu_regs"] = int(val)
             elif key == "gemv":
                 kw["gemv"] = val not in ("0", "false", "False")
             else:
@@ -732,7 +755,11 @@ def _hopper_config(r: float, whole_experts: bool) -> Int4MoEConfig:
         dn_n = 128 if whole_experts else 64  # TP8 M=1152 down: 373 us at 64 rows vs 385 at 128; EP8 M=72: 189 either way
         return Int4MoEConfig(block_m=32, gu_block_n=64, gu_block_k=128, dn_block_n=dn_n, dn_block_k=128,
                              dn_warps=dn_n // 16, swap_ab=True, hp_dn_tiles=tiles)
-    return Int4MoEConfig(block_m=64, gu_block_n=64, gu_block_k=128, dn_block_n=128, dn_block_k=128, dn_warps=8, swap_ab=True)
+    # 64-token blocks: gate/up capped at 128 registers (199 uncapped, no spills), 4 CTAs an SM
+    # instead of 2: EP8 M=1152 gate/up 1475 us vs 1783, M=288 480 either way
+    # (bench/results/int4_moe_regs_ab.json).
+    return Int4MoEConfig(block_m=64, gu_block_n=64, gu_block_k=128, dn_block_n=128, dn_block_k=128, dn_warps=8, swap_ab=True,
+                         hp_gu_regs=128)
 
 
 def _tensor_core_config(r: float, whole_experts: bool) -> Int4MoEConfig:
@@ -791,7 +818,9 @@ def _max_padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
 def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlignment:
     """Sort the ``[M, top_k]`` expert ids by expert and pad each expert's rows to ``block_m``.
 
-    One program, no host sync. Ids must lie in ``0 .. num_experts - 1``.
+    Two launches, no host sync: one program counts and lays out the experts' rows, then one
+    program a chunk of assignments scatters them (K2 TP8 M = 1152, 9216 assignments: one program
+    doing both took 41 us). Ids must lie in ``0 .. num_experts - 1``.
     """
     assert topk_ids.dim() == 2, f"topk_ids must be [M, top_k], got {tuple(topk_ids.shape)}"
     assert topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32/int64, got {topk_ids.dtype}"
@@ -805,8 +834,10 @@ def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlign
     cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)  # [E_PAD]
     _int4_moe_align_kernel[(1,)](
         ids, sorted_ids, block_expert, cursor, A, num_experts, P, P // block_m,
-        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024 if A > 256 else 256, num_warps=4,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=4096 if A > 1024 else 1024 if A > 256 else 256, num_warps=8 if A > 1024 else 4,
     )
+    if A:
+        _int4_moe_scatter_kernel[(triton.cdiv(A, 256),)](ids, sorted_ids, cursor, A, CHUNK=256, num_warps=2)
     return MoEAlignment(sorted_ids=sorted_ids, block_expert=block_expert, block_m=block_m)
 
 
@@ -875,8 +906,9 @@ def fused_int4_moe(
         h = int4_moe_gemv_gate_up(hidden, w_gate, w_up, topk_ids, cfg, group_size)  # [A, I]
         return int4_moe_gemv_down(h, w_down, topk_ids, topk_weights, cfg, group_size, hidden.dtype)  # [M, K]
     align = int4_moe_align(topk_ids, E, cfg.block_m)
-    h = int4_moe_gate_up(hidden, w_gate, w_up, align, top_k, cfg, group_size)  # [P, I]
-    return int4_moe_down(h, w_down, align, topk_weights, cfg, group_size, hidden.dtype)  # [M, K]
+    k_order = _use_hopper(cfg, hidden, w_down, group_size, cfg.dn_block_n)  # the Gluon down reads h as gate/up leaves it
+    h = int4_moe_gate_up(hidden, w_gate, w_up, align, top_k, cfg, group_size, k_order=k_order)  # [P, I]
+    return int4_moe_down(h, w_down, align, topk_weights, cfg, group_size, hidden.dtype, h_k_order=k_order)  # [M, K]
 
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -894,13 +926,16 @@ def _use_asm(cfg: Int4MoEConfig, act_dtype: torch.dtype, w: Int4Weight) -> bool:
 
 @on_input_device
 def int4_moe_gate_up(
-    hidden: Tensor, w_gate: Int4Weight, w_up: Int4Weight, align: MoEAlignment, top_k: int, cfg: Int4MoEConfig, group_size: int = 32
+    hidden: Tensor, w_gate: Int4Weight, w_up: Int4Weight, align: MoEAlignment, top_k: int, cfg: Int4MoEConfig,
+    group_size: int = 32, k_order: bool = False,
 ) -> Tensor:
     """``[P, I]`` ``h = silu(gate x) * (up x)`` per padded row of ``align`` (padding rows unwritten).
 
     With ``cfg.gu_split_k > 1`` the K slices add float32 partial sums into a zeroed ``[P, 2I]``
     buffer (gate | up) and a small elementwise kernel forms ``h``: three launches instead of one,
     for many more programs when few experts are active (M = 1: 8 experts x 8 N tiles x 8 slices).
+    ``k_order``: h's columns in the Gluon down GEMM's K order (``int4_moe_hopper.permute_k(h)``),
+    written so by whichever kernel forms h; I must be a multiple of 128.
     """
     assert align.block_m == cfg.block_m, f"alignment block_m {align.block_m} != config block_m {cfg.block_m}"
     M, K = hidden.shape
@@ -910,18 +945,23 @@ def int4_moe_gate_up(
     split = cfg.gu_split_k
     k_split = triton.cdiv(triton.cdiv(K, split), cfg.gu_block_k) * cfg.gu_block_k
     h = torch.empty(P, I, dtype=hidden.dtype, device=hidden.device)  # [P, I]
+    assert not k_order or I % hop.BLOCK_K == 0, f"k_order needs the intermediate size {I} to be a multiple of {hop.BLOCK_K}"
     out = torch.zeros(P, 2 * I, dtype=torch.float32, device=hidden.device) if split > 1 else h  # [P, 2I] gate | up sums
+    ordered = False  # h already in K order
     if _use_hopper(cfg, hidden, w_gate, group_size, cfg.gu_block_n):
         k_split = triton.cdiv(triton.cdiv(K, split), hop.BLOCK_K) * hop.BLOCK_K
+        ordered = k_order and split == 1
         hop.gemm(hop.permute_k(hidden), w_gate, w_up, out, align.sorted_ids, align.block_expert, align.sorted_ids,
                  I, K, M * top_k, top_k, k_split, gated=True, atomic=False, block_m=cfg.block_m,
-                 block_n=cfg.gu_block_n, split_k=split, stages=cfg.hp_stages)
+                 block_n=cfg.gu_block_n, split_k=split, stages=cfg.hp_stages, max_regs=cfg.hp_gu_regs or None,
+                 k_order_out=ordered)
     else:
         _gate_up_triton(hidden, w_gate, w_up, out, align, top_k, cfg, group_size, k_split)
     if split > 1:
         n = P * I
-        _int4_moe_silu_mul_kernel[(triton.cdiv(n, 1024),)](out, h, n, I, BLOCK=1024, num_warps=4)
-    return h
+        _int4_moe_silu_mul_kernel[(triton.cdiv(n, 1024),)](out, h, n, I, BLOCK=1024, K_ORDER=k_order, num_warps=4)
+        ordered = k_order
+    return hop.permute_k(h) if k_order and not ordered else h
 
 
 def _gate_up_triton(
@@ -948,10 +988,11 @@ def _gate_up_triton(
 @on_input_device
 def int4_moe_down(
     h: Tensor, w_down: Int4Weight, align: MoEAlignment, topk_weights: Tensor, cfg: Int4MoEConfig,
-    group_size: int = 32, out_dtype: torch.dtype | None = None,
+    group_size: int = 32, out_dtype: torch.dtype | None = None, h_k_order: bool = False,
 ) -> Tensor:
     """``[M, K]``: ``h`` (``int4_moe_gate_up``'s ``[P, I]``) through each row's expert's down
-    projection, weighted and summed over top-k; in ``out_dtype`` (default h's dtype)."""
+    projection, weighted and summed over top-k; in ``out_dtype`` (default h's dtype).
+    ``h_k_order``: h came from ``int4_moe_gate_up(k_order=True)``; only the Gluon kernel reads that."""
     assert align.block_m == cfg.block_m, f"alignment block_m {align.block_m} != config block_m {cfg.block_m}"
     M, top_k = topk_weights.shape
     K, I = w_down.packed.shape[1], w_down.packed.shape[2] * 8
@@ -965,8 +1006,11 @@ def int4_moe_down(
         out = torch.zeros(M, K, dtype=torch.float32, device=h.device)  # [M, K]
     else:
         out = torch.empty(A, K, dtype=act_dtype, device=h.device)  # [A, K] one row per assignment
-    if _use_hopper(cfg, h, w_down, group_size, cfg.dn_block_n):
-        hop.gemm(hop.permute_k(h), w_down, w_down, out, align.sorted_ids, align.block_expert, weights,
+    use_hopper = _use_hopper(cfg, h, w_down, group_size, cfg.dn_block_n)
+    if h_k_order and not use_hopper:
+        raise ValueError("h in the Gluon kernel's K order (h_k_order) needs the Gluon down GEMM (sm_90, bf16, swap_ab)")
+    if use_hopper:
+        hop.gemm(h if h_k_order else hop.permute_k(h), w_down, w_down, out, align.sorted_ids, align.block_expert, weights,
                  K, I, A, top_k, I, gated=False, atomic=atomic, block_m=cfg.block_m, block_n=cfg.dn_block_n,
                  split_k=1, stages=cfg.hp_stages, n_tiles=cfg.hp_dn_tiles)
         return _finish_down(out, atomic, act_dtype, M, top_k, K)

@@ -41,6 +41,8 @@ file holds at these operand sizes, or fewer instructions in them.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from kernels.device import is_hopper
@@ -55,7 +57,10 @@ try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kerne
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-__all__ = ["BLOCK_K", "OPERAND_ORDER", "available", "gemm", "permute_k", "planes_to_operand", "stream_plan", "supported"]
+__all__ = [
+    "BLOCK_K", "OPERAND_ORDER", "available", "gemm", "permute_k", "permute_k_reference", "planes_to_operand", "stream_plan",
+    "supported",
+]
 
 BLOCK_K = 128  # K per step: one 32-column block per lane of a quad, four words a thread a row
 # Dims of the joined nibble pairs [rows, t, j, i0, q0, q1] -> [rows, j, q1, q0, t, i0]: the
@@ -69,7 +74,7 @@ def available(device: torch.device) -> bool:
     return gluon is not None and is_hopper(device)
 
 
-def permute_k(x: Tensor) -> Tensor:
+def permute_k_reference(x: Tensor) -> Tensor:
     """``[M, K]`` with each 128-column block in the kernel's K order (a contiguous copy).
 
     Physical column ``32t + 8j + 4i0 + q`` of a block goes to logical column ``32j + 8q + 2t + i0``.
@@ -77,6 +82,32 @@ def permute_k(x: Tensor) -> Tensor:
     M, K = x.shape
     assert K % BLOCK_K == 0, f"K = {K} must be a multiple of {BLOCK_K}"
     return x.reshape(M, K // BLOCK_K, 4, 4, 2, 4).permute(0, 1, 3, 5, 2, 4).reshape(M, K)
+
+
+@triton.jit
+def _permute_k_kernel(x_ptr, y_ptr, M, stride_xm, stride_ym, BLOCK_R: tl.constexpr):
+    """One ``[BLOCK_R, 128]`` block of ``permute_k``: a gather inside each row's 256 bytes, then a
+    contiguous store."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    c = tl.arange(0, 128)  # [128] logical column 32j + 8q + 2t + i0
+    src = 32 * ((c // 2) % 4) + 8 * (c // 32) + 4 * (c % 2) + (c // 8) % 4  # physical 32t + 8j + 4i0 + q
+    k0 = tl.program_id(1) * 128
+    ok = (r < M)[:, None]
+    v = tl.load(x_ptr + r[:, None].to(tl.int64) * stride_xm + k0 + src[None, :], mask=ok)
+    tl.store(y_ptr + r[:, None].to(tl.int64) * stride_ym + k0 + c[None, :], v, mask=ok)
+
+
+def permute_k(x: Tensor) -> Tensor:
+    """``permute_k_reference`` as one Triton launch: torch's strided copy of its 8-byte runs reads
+    at about a third of copy bandwidth (K2 M = 1152: 26 us for 16.5 MB)."""
+    M, K = x.shape
+    assert K % BLOCK_K == 0, f"K = {K} must be a multiple of {BLOCK_K}"
+    assert x.stride(1) == 1, "x must be row-contiguous"
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if M:
+        block_r = 16
+        _permute_k_kernel[(triton.cdiv(M, block_r), K // BLOCK_K)](x, y, M, x.stride(0), y.stride(0), BLOCK_R=block_r, num_warps=4)
+    return y
 
 
 def planes_to_operand(planes: list[Tensor]) -> Tensor:
@@ -188,14 +219,19 @@ if gluon is not None:
 
     @gluon.jit
     def _epilogue(acc0, acc1, pid_m, n0, out_ptr, sorted_ids_ptr, topk_w_ptr, N, A, top_k, stride_om,
-                  GATED: gl.constexpr, ATOMIC: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, ACC: gl.constexpr):
+                  GATED: gl.constexpr, ATOMIC: gl.constexpr, SPLIT_K: gl.constexpr, K_ORDER: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, EPI: gl.constexpr):
         """One finished ``[BLOCK_N, BLOCK_M]`` tile out: ``silu(gate) * up`` (or its split-K partial
-        sums), or the down rows times their routing weights (per assignment, or atomically per token)."""
-        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
+        sums), or the down rows times their routing weights (per assignment, or atomically per token).
+        The tile is first put in ``EPI``: for the down GEMM a layout whose threads hold consecutive
+        output columns (16-byte stores, 4-wide fp32 atomics; the MMA's own layout gives 2-byte
+        stores and scalar atomics); for gate/up the MMA's (a no-op). ``K_ORDER``: h's columns go
+        where ``permute_k`` would put them, so the down GEMM reads h as it is."""
+        acc0 = gl.convert_layout(acc0, EPI)
+        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, EPI))
         flat = gl.load(sorted_ids_ptr + offs_m)
         row_ok = flat < A
-        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC))
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, EPI))
         if GATED:
             rows = offs_m.to(gl.int64)
         else:
@@ -205,9 +241,13 @@ if gluon is not None:
                 rows = (flat // top_k).to(gl.int64)
             else:
                 rows = flat.to(gl.int64)
-        o_ptrs = out_ptr + rows[None, :] * stride_om + offs_n[:, None]  # [BN, BM]
         o_mask = row_ok[None, :] & (offs_n < N)[:, None]
+        if K_ORDER:  # logical column 32t + 8j + 4i0 + q of a 128-block is stored at 32j + 8q + 2t + i0
+            c = offs_n % 128
+            offs_n = offs_n - c + 32 * ((c // 8) % 4) + 8 * (c % 4) + 2 * (c // 32) + (c // 4) % 2
+        o_ptrs = out_ptr + rows[None, :] * stride_om + offs_n[:, None]  # [BN, BM]
         if GATED:
+            acc1 = gl.convert_layout(acc1, EPI)
             if SPLIT_K > 1:
                 gl.atomic_add(o_ptrs, acc0, mask=o_mask, sem="relaxed")  # gate partial sums
                 gl.atomic_add(o_ptrs + N, acc1, mask=o_mask, sem="relaxed")  # up partial sums
@@ -235,10 +275,11 @@ if gluon is not None:
         stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
         GATED: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         SPLIT_K: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, N_TILES: gl.constexpr, K_RESIDENT: gl.constexpr,
-        ACC: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
+        K_ORDER: gl.constexpr, ACC: gl.constexpr, EPI: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
         X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr,
         X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, S_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
+        # out_ptr's columns: GATED, K_ORDER: h in the down GEMM's K order (see _epilogue).
         # A CTA: one block of BLOCK_M rows (one expert), N_TILES consecutive BLOCK_N-row weight tiles,
         # one K slice. Its (tile, K step) pairs stream through one cp.async ring, so a short K (K2 TP8
         # down: two steps) still keeps STAGES - 1 steps in flight. K_RESIDENT > 0: the activations
@@ -337,20 +378,24 @@ if gluon is not None:
                 if N_TILES > 1:
                     if kk == n_k - 1:
                         _epilogue(acc0, acc1, pid_m, (n_tile0 + t // n_k) * BLOCK_N, out_ptr, sorted_ids_ptr, topk_w_ptr,
-                                  N, A, top_k, stride_om, GATED, ATOMIC, SPLIT_K, BLOCK_M, BLOCK_N, ACC)
+                                  N, A, top_k, stride_om, GATED, ATOMIC, SPLIT_K, K_ORDER, BLOCK_M, BLOCK_N, EPI)
             cp.wait_group(0)
             if N_TILES == 1:
                 _epilogue(acc0, acc1, pid_m, n_tile0 * BLOCK_N, out_ptr, sorted_ids_ptr, topk_w_ptr,
-                          N, A, top_k, stride_om, GATED, ATOMIC, SPLIT_K, BLOCK_M, BLOCK_N, ACC)
+                          N, A, top_k, stride_om, GATED, ATOMIC, SPLIT_K, K_ORDER, BLOCK_M, BLOCK_N, EPI)
 
 
-def _layouts(block_m: int, block_n: int, num_warps: int) -> dict[str, object]:
-    """The kernel's layouts for one (BLOCK_M, BLOCK_N, warps): A operand rows are 16 a warp."""
+def _layouts(block_m: int, block_n: int, num_warps: int, gated: bool) -> dict[str, object]:
+    """The kernel's layouts for one (BLOCK_M, BLOCK_N, warps): A operand rows are 16 a warp. The
+    down epilogue's ``EPI``: 8 consecutive output columns a thread, lanes and warps over [BN, 16]
+    exactly (no element held twice, which atomics would add twice)."""
     assert block_n == 16 * num_warps, "one 16-row wgmma slice a warp"
     warp_rows = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16])
+    lanes_n = block_n // 8  # 8 (BN 64) or 16 (BN 128): the [BN, 16] cover is 32 // lanes_n * num_warps = 16 tokens
     return dict(
         ACC=acc,
+        EPI=acc if gated else gl.BlockedLayout([8, 1], [lanes_n, 32 // lanes_n], [1, num_warps], [0, 1]),
         A_OP=gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2),
         WORDS=gl.DistributedLinearLayout(
             reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
@@ -388,6 +433,7 @@ def gemm(
     a: Tensor, w0: Int4Weight, w1: Int4Weight, out: Tensor, sorted_ids: Tensor, block_expert: Tensor, topk_w: Tensor,
     N: int, K: int, A: int, top_k: int, k_split: int, *, gated: bool, atomic: bool, block_m: int,
     block_n: int, split_k: int, stages: int, n_tiles: int = 1, resident: bool | None = None, sub: int | None = None,
+    max_regs: int | None = None, k_order_out: bool = False,
 ) -> None:
     """Launch one GEMM (``a`` already ``permute_k``'d); arguments as ``_int4_moe_gemm_kernel``'s.
 
@@ -399,7 +445,11 @@ def gemm(
     M=72 116 us vs 119, M=1152 266 vs 275; the gate/up GEMM lost with 2 (TP8 M=288 374 vs 339;
     ``bench/results/int4_moe_tiles_ab.json``), and one MMA wait a slot instead of one a step did
     not help (``int4_moe_tiles_ab_overlap.json``).
+    ``max_regs``: registers a thread may use (``maxnreg``), so that more CTAs fit an SM; None: ptxas's choice.
+    ``k_order_out``: the gate/up GEMM (unsplit) writes h's columns in ``permute_k``'s order, which
+    the down GEMM reads as they are: one ``[P, I]`` copy less (K2 EP8 M = 288: 34 us).
     """
+    assert not k_order_out or (gated and split_k == 1 and N % BLOCK_K == 0), "k_order_out: unsplit gate/up, N % 128 == 0"
     nb = block_expert.numel()
     warps = block_n // 16
     k_resident, sub = stream_plan(K, k_split, block_m, n_tiles, a.element_size(), resident, sub)
@@ -410,6 +460,6 @@ def gemm(
         N, K, A, top_k, nb, k_split,
         a.stride(0), w0.packed.stride(0), w0.packed.stride(1), w0.scale.stride(0), w0.scale.stride(1), out.stride(0),
         GATED=gated, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=stages, SUB=sub,
-        N_TILES=n_tiles, K_RESIDENT=k_resident,
-        **_layouts(block_m, block_n, warps), num_warps=warps,
+        N_TILES=n_tiles, K_RESIDENT=k_resident, K_ORDER=k_order_out,
+        **_layouts(block_m, block_n, warps, gated), num_warps=warps, **({} if max_regs is None else {"maxnreg": max_regs}),
     )

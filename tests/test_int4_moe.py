@@ -202,6 +202,8 @@ def _run_align(name: str, M: int, E: int, top_k: int, block_m: int) -> dict:
     real = al.sorted_ids[al.sorted_ids < A]
     if sorted(real.tolist()) != list(range(A)):
         errors.append("sorted_ids is not a permutation of the assignments")
+    if not bool(((al.sorted_ids >= 0) & (al.sorted_ids <= A)).all()):
+        errors.append("sorted_ids holds values other than assignments and the sentinel A")
     used = be >= 0
     if not bool((sid[~used] == A).all()):
         errors.append("unused blocks hold assignments")
@@ -220,6 +222,40 @@ def _run_align(name: str, M: int, E: int, top_k: int, block_m: int) -> dict:
     return dict(name=name, errors=errors)
 
 
+def _run_k_order() -> dict:
+    """The Gluon kernels' K order off the GPU: ``permute_k``'s Triton kernel equals the torch
+    reference (rows not a multiple of its block), and ``int4_moe_gate_up(k_order=True)`` returns
+    exactly ``permute_k`` of the plain h, split-K (the SiLU kernel writes the order) or not."""
+    import torch
+
+    from kernels import int4_moe_hopper as hop
+    from kernels.int4_moe import Int4MoEConfig, int4_moe_align, int4_moe_down, int4_moe_gate_up
+
+    errors = []
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(21, 384, generator=g)
+    if not torch.equal(hop.permute_k(x), hop.permute_k_reference(x)):
+        errors.append("permute_k's kernel differs from the reference")
+    E, K, I, M, k = 6, 160, 128, 5, 2
+    wg, wu, wd = (_rand_int4(E, o, i, 32, torch.bfloat16, g) for o, i in ((I, K), (I, K), (K, I)))
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)])
+    xs = torch.randn(M, K, generator=g)
+    for split in (1, 2):
+        cfg = Int4MoEConfig(**SMALL, gu_split_k=split)
+        al = int4_moe_align(ids, E, cfg.block_m)
+        real = al.sorted_ids < M * k
+        plain = int4_moe_gate_up(xs, wg, wu, al, k, cfg)
+        ordered = int4_moe_gate_up(xs, wg, wu, al, k, cfg, k_order=True)
+        if not torch.equal(ordered[real], hop.permute_k_reference(plain)[real]):
+            errors.append(f"k_order h differs from permute_k of h (split {split})")
+    try:
+        int4_moe_down(ordered, wd, al, torch.rand(M, k, generator=g), cfg, h_k_order=True)
+        errors.append("the Triton down accepted h in the Gluon K order")
+    except ValueError:
+        pass
+    return dict(name="k_order", errors=errors)
+
+
 def _run_config_spec() -> dict:
     """``Int4MoEConfig.spec`` round-trips through ``parse`` and through the pinning variable."""
     import kernels.int4_moe as km
@@ -230,14 +266,14 @@ def _run_config_spec() -> dict:
     gemv = Int4MoEConfig(gemv=True, gv_block_n=4, gv_block_k=512, gv_warps=2, gv_stages=3,
                          gvd_block_n=64, gvd_block_k=64, gvd_warps=8, gvd_stages=2)
     tensor_cores = Int4MoEConfig(block_m=64, gu_block_n=128, dn_stages=4, swap_ab=False, reduce="atomic", gu_split_k=4, deq_asm=False,
-                                 hp_stages=3, hp_dn_tiles=8)
+                                 hp_stages=3, hp_dn_tiles=8, hp_gu_regs=128)
     for cfg in (Int4MoEConfig(), tensor_cores, gemv):
         if Int4MoEConfig.parse(cfg.spec()) != cfg:
             errors.append(f"parse(spec) differs for {cfg}")
     if Int4MoEConfig.parse("gemv=1,gv=4x512x2x3,gvd=64x64x8x2") != gemv:
         errors.append("parse of the gemv keys alone differs")
     for bad in (dict(gv_block_n=3), dict(gvd_block_n=0), dict(gv_block_k=16), dict(gvd_block_k=96), dict(gv_stages=0),
-                dict(hp_stages=1), dict(hp_dn_tiles=0), dict(reduce="atomic", dn_block_n=256)):
+                dict(hp_stages=1), dict(hp_dn_tiles=0), dict(hp_gu_regs=8), dict(reduce="atomic", dn_block_n=256)):
         try:
             Int4MoEConfig(**bad)
             errors.append(f"{bad} accepted")
@@ -310,6 +346,7 @@ def _main() -> None:
         print(json.dumps(_run_gemv_case(name, **case)), flush=True)
     for name, args in ALIGN_CASES.items():
         print(json.dumps(_run_align(name, *args)), flush=True)
+    print(json.dumps(_run_k_order()), flush=True)
     print(json.dumps(_run_config_spec()), flush=True)
     print(json.dumps(_run_sweep_helpers()), flush=True)
 
@@ -347,6 +384,10 @@ def test_int4_moe_gemv_matches_reference_and_tensor_cores(results: dict[str, dic
 @pytest.mark.parametrize("name", list(ALIGN_CASES))
 def test_int4_moe_align_structure(results: dict[str, dict], name: str) -> None:
     assert results[name]["errors"] == [], f"{name}: {results[name]['errors']}"
+
+
+def test_k_order_for_the_gluon_down(results: dict[str, dict]) -> None:
+    assert results["k_order"]["errors"] == [], results["k_order"]["errors"]
 
 
 def test_int4_moe_config_spec(results: dict[str, dict]) -> None:

@@ -132,24 +132,27 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, 
     assert len(names) == len(ptrs) + len(ints), f"kernel arguments changed: {kernel.arg_names}"
     warps = block_n // 16
     constexprs = dict(GATED=gated, ATOMIC=False, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=2,
-                      N_TILES=n_tiles, K_RESIDENT=k_resident, SUB=sub,
-                      **hop._layouts(block_m, block_n, warps), num_warps=warps)
+                      N_TILES=n_tiles, K_RESIDENT=k_resident, SUB=sub, K_ORDER=gated and split_k == 1,
+                      **hop._layouts(block_m, block_n, warps, gated), num_warps=warps)
     signature = {n: ptrs.get(n, "i32") for n in names} | {k: "constexpr" for k in constexprs}
     aligned = [n for n in names if n in ptrs or n in ("N", "K", "k_split", "stride_am", "stride_we", "stride_wn", "stride_om")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # scale strides: K2 TP8 down has 8
     src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    return dict(cubin_bytes=len(compiled.asm["cubin"]), wgmma=compiled.asm["ptx"].count("wgmma.mma_async"),
-                st_shared=compiled.asm["ptx"].count("st.shared"), shared=compiled.metadata.shared)
+    ptx = compiled.asm["ptx"]
+    return dict(cubin_bytes=len(compiled.asm["cubin"]), wgmma=ptx.count("wgmma.mma_async"), st_shared=ptx.count("st.shared"),
+                st_b16=ptx.count("st.global.b16"), st_v4=ptx.count("st.global.v4.b32"), shared=compiled.metadata.shared)
 
 
 @pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("gated,block_m,block_n,split_k,n_tiles,k_resident,sub",
                          [(True, 16, 64, 4, 1, 0, 1), (False, 16, 128, 1, 1, 0, 1), (True, 32, 64, 1, 1, 0, 1), (False, 32, 64, 1, 8, 2, 2)])
 def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int, sub: int) -> None:
-    """The served K2 launches compile, their products are wgmma, and no dequantised tile goes
-    through shared memory (no st.shared: only cp.async writes it). A child process: conftest sets
-    TRITON_INTERPRET for this one, and the interpreter cannot compile Gluon."""
+    """The served K2 launches compile and their products are wgmma. Gate/up: no st.shared at all
+    (no dequantised tile goes through shared memory; only cp.async writes it). Down: its output
+    leaves in 16-byte stores (the epilogue's one trip through shared memory), none of 2 bytes.
+    A child process: conftest sets TRITON_INTERPRET for this one, and the interpreter cannot
+    compile Gluon."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     args = [str(int(gated)), str(block_m), str(block_n), str(split_k), str(n_tiles), str(k_resident), str(sub)]
@@ -157,7 +160,10 @@ def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k
     assert proc.returncode == 0, f"build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     built = json.loads(proc.stdout.strip().splitlines()[-1])
     assert built["cubin_bytes"] > 0 and built["wgmma"] > 0, built
-    assert built["st_shared"] == 0, f"the weight tile went through shared memory: {built}"
+    if gated:
+        assert built["st_shared"] == 0, f"the weight tile went through shared memory: {built}"
+    else:
+        assert built["st_v4"] > 0 and built["st_b16"] == 0, f"the down output is not written in 16-byte stores: {built}"
     assert 0 < built["shared"] <= 232448, built
 
 
