@@ -8,7 +8,8 @@ weights). A CTA that streams several tiles keeps the ring full across them, and 
 keeps its activations resident. Each variant is first checked: NaN-poisoned output, every row of
 every assignment written, result against the Triton path's; then timed alone (the GEMM) and, for
 the down variants, inside the whole fused call. Each row also times the served call's steps
-besides the two GEMMs (alignment, the K-order copies, the top-k sum), so their share is known.
+besides the two GEMMs (alignment, the K-order copies, the top-k sum) alone, and profiles the
+device time of each kernel of one served call, so their shares are known.
 Writes ``bench/results/int4_moe_tiles_ab.json``.
 
     python bench/int4_moe_tiles_ab.py --commit SHA --out bench/results/int4_moe_tiles_ab.json [--variants REGEX]
@@ -87,6 +88,22 @@ def gate_up_call(x, wg, wu, align, I, K, A, top_k, block_m, **kw):
     return out
 
 
+def kernel_times(fn, reps: int = 10) -> dict[str, float]:
+    """Microseconds a call of each kernel ``fn`` launches (torch.profiler, eager), summed by name."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if us:
+            out[e.key[:80]] = round(us / reps, 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def stage_times(x, route, served: km.Int4MoEConfig, E: int, I: int, R: int) -> dict:
     """Microseconds of the served tensor-core call's steps besides the two GEMMs."""
     ids, tw = route
@@ -98,7 +115,7 @@ def stage_times(x, route, served: km.Int4MoEConfig, E: int, I: int, R: int) -> d
     steps = dict(
         align=lambda: km.int4_moe_align(ids, E, served.block_m),
         permute_x=lambda: hop.permute_k(x),
-        permute_h=lambda: hop.permute_k(h),
+        permute_h=lambda: hop.permute_k(h),  # what h written in K order saves the served call
         topk_sum=lambda: per_assignment.view(M, k, K).sum(1),
     )
     return {f"step_{n}_us": round(graph_replay_us([f] * R), 1) for n, f in steps.items()}
@@ -120,6 +137,8 @@ def point(shape: str, M: int, W: dict, gen, pick: re.Pattern) -> dict:
     ref_down = km.int4_moe_down(hs[0], W["down"], aligns[0], routes[0][1], tri, GROUP)  # [M, K], Triton path
     row = dict(shape=shape, tokens=M, served=served.spec())
     row.update(stage_times(x, routes[0], served, E, I, R))
+    ids0, tw0 = routes[0]
+    row["served_kernels_us"] = kernel_times(lambda: km.fused_int4_moe(x, W["gate"], W["up"], W["down"], ids0, tw0, GROUP, served))
     for name, kw in DOWN_VARIANTS.items():
         if not pick.search(name):
             continue
@@ -186,7 +205,8 @@ def main() -> None:
                       "ring slot][_overlap: one MMA wait a slot][_streamx: activations through the ring, not "
                       "resident][_r{N}: maxnreg N]; gate/up unsplit; fused_*: the whole call at choose_config's config "
                       "with FUSED_VARIANTS' fields replaced (t1: hp_dn_tiles=1, s3: hp_stages=3, split1: gu_split_k=1, "
-                      "atomic: reduce='atomic'); step_*_us: the served call's other steps timed alone",
+                      "atomic: reduce='atomic'); step_*_us: the served call's other steps timed alone; served_kernels_us: "
+                      "device time of each kernel of one served call (torch.profiler, eager, mean of 10)",
              variants_run=args.variants or "all",
              timing="CUDA-graph replay of R routings (16/8/4), median of 20, us per call",
              check="NaN-poisoned outputs, all_written = every assignment's row finite; rel_vs_triton = "

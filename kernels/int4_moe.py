@@ -577,7 +577,6 @@ class Int4MoEConfig:
     hopper: bool = True  # the Gluon kernels of kernels/int4_moe_hopper.py where they apply (sm_90, bf16, swap_ab)
     hp_stages: int = 2  # their cp.async ring depth (H200, K2 shapes: 2 best or within 0.1% of 3; 4 and 6 slower)
     hp_dn_tiles: int = 1  # down weight tiles one Gluon CTA streams (a short intermediate keeps its ring full)
-    hp_gu_regs: int = 0  # register cap (maxnreg) of the Gluon gate/up launch, so more CTAs share an SM; 0: ptxas's choice
     # GEMV path (few assignments): no alignment, CUDA-core dot products per assignment / token.
     # Defaults: choose_config's TP-style GEMV config above 8 assignments (see _gemv_launch).
     gemv: bool = False
@@ -606,7 +605,6 @@ class Int4MoEConfig:
         assert self.gv_stages >= 1 and self.gvd_stages >= 1, f"stages must be >= 1, got {self.gv_stages}, {self.gvd_stages}"
         assert 2 <= self.hp_stages <= 8, f"hp_stages must be 2..8, got {self.hp_stages}"
         assert self.hp_dn_tiles >= 1, f"hp_dn_tiles must be >= 1, got {self.hp_dn_tiles}"
-        assert self.hp_gu_regs == 0 or 24 <= self.hp_gu_regs <= 255, f"hp_gu_regs must be 0 or 24..255, got {self.hp_gu_regs}"
         # The Triton down kernel's fp32 atomics gave wrong sums in 1 of 3 runs with 256-row tiles
         # (H200, K2 EP8 M=1; 64 and 128 rows were exact; cause not found): atomics stay on tiles
         # of <= 128 rows, split-K gate/up included (same atomic_add).
@@ -619,7 +617,7 @@ class Int4MoEConfig:
             f"bm={self.block_m},gu={self.gu_block_n}x{self.gu_block_k}x{self.gu_warps}x{self.gu_stages},"
             f"dn={self.dn_block_n}x{self.dn_block_k}x{self.dn_warps}x{self.dn_stages},"
             f"swap={int(self.swap_ab)},reduce={self.reduce},split={self.gu_split_k},asm={int(self.deq_asm)},"
-            f"hopper={int(self.hopper)},hps={self.hp_stages},hpt={self.hp_dn_tiles},hpr={self.hp_gu_regs},"
+            f"hopper={int(self.hopper)},hps={self.hp_stages},hpt={self.hp_dn_tiles},"
             f"gemv={int(self.gemv)},gv={self.gv_block_n}x{self.gv_block_k}x{self.gv_warps}x{self.gv_stages},"
             f"gvd={self.gvd_block_n}x{self.gvd_block_k}x{self.gvd_warps}x{self.gvd_stages}"
         )
@@ -649,8 +647,6 @@ class Int4MoEConfig:
                 kw["hp_stages"] = int(val)
             elif key == "hpt":
                 kw["hp_dn_tiles"] = int(val)
-            elif key == "hpr":
-                kw["hp_gu_regs"] = int(val)
             elif key == "gemv":
                 kw["gemv"] = val not in ("0", "false", "False")
             else:
@@ -755,11 +751,7 @@ def _hopper_config(r: float, whole_experts: bool) -> Int4MoEConfig:
         dn_n = 128 if whole_experts else 64  # TP8 M=1152 down: 373 us at 64 rows vs 385 at 128; EP8 M=72: 189 either way
         return Int4MoEConfig(block_m=32, gu_block_n=64, gu_block_k=128, dn_block_n=dn_n, dn_block_k=128,
                              dn_warps=dn_n // 16, swap_ab=True, hp_dn_tiles=tiles)
-    # 64-token blocks: gate/up capped at 128 registers (199 uncapped, no spills), 4 CTAs an SM
-    # instead of 2: EP8 M=1152 gate/up 1475 us vs 1783, M=288 480 either way
-    # (bench/results/int4_moe_regs_ab.json).
-    return Int4MoEConfig(block_m=64, gu_block_n=64, gu_block_k=128, dn_block_n=128, dn_block_k=128, dn_warps=8, swap_ab=True,
-                         hp_gu_regs=128)
+    return Int4MoEConfig(block_m=64, gu_block_n=64, gu_block_k=128, dn_block_n=128, dn_block_k=128, dn_warps=8, swap_ab=True)
 
 
 def _tensor_core_config(r: float, whole_experts: bool) -> Int4MoEConfig:
@@ -953,7 +945,7 @@ def int4_moe_gate_up(
         ordered = k_order and split == 1
         hop.gemm(hop.permute_k(hidden), w_gate, w_up, out, align.sorted_ids, align.block_expert, align.sorted_ids,
                  I, K, M * top_k, top_k, k_split, gated=True, atomic=False, block_m=cfg.block_m,
-                 block_n=cfg.gu_block_n, split_k=split, stages=cfg.hp_stages, max_regs=cfg.hp_gu_regs or None,
+                 block_n=cfg.gu_block_n, split_k=split, stages=cfg.hp_stages,
                  k_order_out=ordered)
     else:
         _gate_up_triton(hidden, w_gate, w_up, out, align, top_k, cfg, group_size, k_split)
