@@ -6,16 +6,17 @@ experts. Each activated expert's weights are streamed from HBM once per step (on
 ``pack-quantized`` layout as stored (no repacking at load), and multiplied on the tensor cores
 (DESIGN.md §6). No launch syncs with the host, so the op can be captured in a CUDA graph:
 
-1. ``_int4_moe_align_kernel`` (one program): histogram of expert ids, per-expert padding to
-   ``BLOCK_M``, ``block_expert`` (expert of each block of ``BLOCK_M`` rows, -1 when unused) and
-   sentinels in the padding rows; ``_int4_moe_scatter_kernel`` (a program per chunk) writes
-   ``sorted_ids`` (flat assignment ``token * top_k + slot`` per padded row).
+1. ``_int4_moe_count_kernel`` (a program per chunk of assignments): assignments per expert;
+   ``_int4_moe_align_kernel`` (one program): per-expert padding to ``BLOCK_M``, ``block_expert``
+   (expert of each block of ``BLOCK_M`` rows, -1 when unused) and sentinels in the padding rows;
+   ``_int4_moe_scatter_kernel`` (a program per chunk) writes ``sorted_ids`` (flat assignment
+   ``token * top_k + slot`` per padded row).
 2. ``_int4_moe_gemm_kernel`` (GATED): ``h = silu(x Wg^T) * (x Wu^T)`` per padded row. With
    ``gu_split_k > 1`` (small M) K slices add fp32 partial sums atomically into a zeroed buffer and
    ``_int4_moe_silu_mul_kernel`` forms ``h``.
 3. ``_int4_moe_gemm_kernel`` (not GATED): ``h Wd^T`` times the routing weight, written per
-   assignment (``reduce="sum"``, then one torch sum over top-k: deterministic) or added
-   atomically per token (``reduce="atomic"``).
+   assignment (``reduce="sum"``, then ``_int4_moe_topk_sum_kernel`` adds each token's rows in slot
+   order: deterministic) or added atomically per token (``reduce="atomic"``).
 
 Small M (``cfg.gemv``; ``choose_config`` takes it for a handful of assignments, one token a
 request, i.e. decode): there the path
@@ -105,28 +106,35 @@ CONFIG_ENV = "DDTREE_INT4_MOE_CONFIG"
 # --------------------------------------------------------------------------------------------
 
 
+@triton.jit(do_not_specialize=["A"])
+def _int4_moe_count_kernel(
+    ids_ptr,  # [A] int32/int64 flat top-k expert ids
+    counts_ptr,  # [E_PAD] int32, zeroed: assignments per expert
+    A,
+    CHUNK: tl.constexpr,
+):
+    i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
+    ok = i < A
+    ids = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)  # [CHUNK]
+    tl.atomic_add(counts_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=ok, sem="relaxed")
+
+
 @triton.jit(do_not_specialize=["A", "P", "NUM_BLOCKS"])
 def _int4_moe_align_kernel(
-    ids_ptr,  # [A] int32/int64 flat top-k expert ids (token-major)
+    cursor_ptr,  # [E_PAD] int32 in: assignments per expert; out: first padded row of each expert (the scatter's cursors)
     sorted_ids_ptr,  # [P] int32 out: A at every row no assignment takes (the scatter fills the rest)
     block_expert_ptr,  # [P / BLOCK_M] int32 out: expert of each block, -1 when unused
-    cursor_ptr,  # [E_PAD] int32 out: first padded row of each expert, the scatter's cursors
     A,
     E,
     P,
     NUM_BLOCKS,
     BLOCK_M: tl.constexpr,
-    E_PAD: tl.constexpr,  # power of two > E: bin E_PAD - 1 swallows masked lanes
+    E_PAD: tl.constexpr,  # power of two >= E
     CHUNK: tl.constexpr,
 ):
     offs_e = tl.arange(0, E_PAD)  # [E_PAD]
     offs_c = tl.arange(0, CHUNK)  # [CHUNK]
-    counts = tl.zeros([E_PAD], dtype=tl.int32)  # [E_PAD]
-    for c0 in range(0, A, CHUNK):
-        i = c0 + offs_c  # [CHUNK]
-        ids = tl.load(ids_ptr + i, mask=i < A, other=E_PAD - 1).to(tl.int32)  # [CHUNK]
-        counts += tl.histogram(ids, E_PAD)
-    counts = tl.where(offs_e < E, counts, 0)  # [E_PAD]
+    counts = tl.load(cursor_ptr + offs_e, mask=offs_e < E, other=0)  # [E_PAD]
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
     ends = tl.cumsum(padded, 0)  # [E_PAD]
     starts = ends - padded  # [E_PAD]
@@ -146,6 +154,24 @@ def _int4_moe_align_kernel(
     first = starts // BLOCK_M  # [E_PAD]
     for j in range(0, tl.max(nblk, 0)):
         tl.store(block_expert_ptr + first + j, offs_e, mask=j < nblk)
+
+
+@triton.jit
+def _int4_moe_topk_sum_kernel(
+    rows_ptr,  # [M, TOP_K, K] per-assignment down rows
+    out_ptr,  # [M, K]
+    K,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``out[t] = sum_j rows[t, j]`` in fp32, slots in order (deterministic), 16-byte accesses."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    ok = c < K
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(rows_ptr + (t * TOP_K + j) * K + c, mask=ok, other=0).to(tl.float32)
+    tl.store(out_ptr + t * K + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["A"])
@@ -810,9 +836,10 @@ def _max_padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
 def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlignment:
     """Sort the ``[M, top_k]`` expert ids by expert and pad each expert's rows to ``block_m``.
 
-    Two launches, no host sync: one program counts and lays out the experts' rows, then one
-    program a chunk of assignments scatters them (K2 TP8 M = 1152, 9216 assignments: one program
-    doing both took 41 us). Ids must lie in ``0 .. num_experts - 1``.
+    No host sync. Counting and scattering run a program per chunk of assignments (atomics on
+    the experts' counters); one program in between lays out the experts' rows. K2 TP8 M = 1152
+    (9216 assignments, 384 experts): one program doing it all took 41 us, 22 with its histogram
+    alone. Ids must lie in ``0 .. num_experts - 1``.
     """
     assert topk_ids.dim() == 2, f"topk_ids must be [M, top_k], got {tuple(topk_ids.shape)}"
     assert topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32/int64, got {topk_ids.dtype}"
@@ -822,11 +849,13 @@ def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlign
     dev = topk_ids.device
     sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)  # [P]
     block_expert = torch.empty(P // block_m, dtype=torch.int32, device=dev)  # [P / BM]
-    e_pad = triton.next_power_of_2(num_experts + 1)
-    cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)  # [E_PAD]
+    e_pad = triton.next_power_of_2(num_experts)
+    cursor = torch.zeros(e_pad, dtype=torch.int32, device=dev)  # [E_PAD] counts, then cursors
+    if A:
+        _int4_moe_count_kernel[(triton.cdiv(A, 256),)](ids, cursor, A, CHUNK=256, num_warps=2)
     _int4_moe_align_kernel[(1,)](
-        ids, sorted_ids, block_expert, cursor, A, num_experts, P, P // block_m,
-        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=4096 if A > 1024 else 1024 if A > 256 else 256, num_warps=8 if A > 1024 else 4,
+        cursor, sorted_ids, block_expert, A, num_experts, P, P // block_m,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, num_warps=4,
     )
     if A:
         _int4_moe_scatter_kernel[(triton.cdiv(A, 256),)](ids, sorted_ids, cursor, A, CHUNK=256, num_warps=2)
@@ -1026,7 +1055,10 @@ def _finish_down(out: Tensor, atomic: bool, act_dtype: torch.dtype, M: int, top_
         return out.to(act_dtype)
     if top_k == 1:
         return out
-    return out.view(M, top_k, K).sum(dim=1)  # [M, K]; torch accumulates bf16 in fp32
+    summed = torch.empty(M, K, dtype=out.dtype, device=out.device)  # [M, K]
+    block = 1024
+    _int4_moe_topk_sum_kernel[(M, triton.cdiv(K, block))](out, summed, K, TOP_K=top_k, BLOCK=block, num_warps=4)
+    return summed
 
 
 @on_input_device
