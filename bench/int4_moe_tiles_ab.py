@@ -44,9 +44,6 @@ DOWN_VARIANTS = {
     # _r{N}: at most N registers a thread (bn64 t8: 98 -> 80, 6 CTAs an SM; bn128: 119 -> 80, 3 CTAs)
     "down_bn64_t8_s2_r80": dict(block_n=64, n_tiles=8, stages=2, max_regs=80),
     "down_bn128_t1_s2_r80": dict(block_n=128, n_tiles=1, stages=2, max_regs=80),
-    # _w4: 128 rows on 4 warps, two m64 MMAs a step on one activation tile (half the activation traffic)
-    "down_bn128_w4_t1_s2": dict(block_n=128, warps=4, n_tiles=1, stages=2),
-    "down_bn128_w4_t4_s2": dict(block_n=128, warps=4, n_tiles=4, stages=2),
 }
 GATE_UP_VARIANTS = {
     "gate_up_bn64_s2": dict(block_n=64, stages=2),
@@ -58,7 +55,6 @@ GATE_UP_VARIANTS = {
     "gate_up_bn64_s2_r168": dict(block_n=64, stages=2, max_regs=168),
     "gate_up_bn64_s2_r128": dict(block_n=64, stages=2, max_regs=128),
     "gate_up_bn64_s2_r96": dict(block_n=64, stages=2, max_regs=96),
-    "gate_up_bn128_w4_s2": dict(block_n=128, warps=4, stages=2),
 }
 # the whole call at choose_config's config with these fields replaced
 FUSED_VARIANTS = {
@@ -207,7 +203,7 @@ def main() -> None:
         dict(shapes={s: SHAPES[s] for s in args.shapes.split(",")}, group_size=GROUP, reduce="sum",
              variants="down_/gate_up_bn{rows}[_t{tiles a CTA}]_s{ring stages}[_k256: two 128-wide K steps a "
                       "ring slot][_overlap: one MMA wait a slot][_streamx: activations through the ring, not "
-                      "resident][_r{N}: maxnreg N][_w4: 4 warps, two 16-row slices a warp]; gate/up unsplit; fused_*: the whole call at choose_config's config "
+                      "resident][_r{N}: maxnreg N]; gate/up unsplit; fused_*: the whole call at choose_config's config "
                       "with FUSED_VARIANTS' fields replaced (t1: hp_dn_tiles=1, s3: hp_stages=3, split1: gu_split_k=1, "
                       "atomic: reduce='atomic'); step_*_us: the served call's other steps timed alone; served_kernels_us: "
                       "device time of each kernel of one served call (torch.profiler, eager, mean of 10)",

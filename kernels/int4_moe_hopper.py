@@ -385,27 +385,22 @@ if gluon is not None:
 
 
 def _layouts(block_m: int, block_n: int, num_warps: int, gated: bool) -> dict[str, object]:
-    """The kernel's layouts for one (BLOCK_M, BLOCK_N, warps). A operand rows: 16 a warp, and
-    with ``block_n = 32 * num_warps`` a second 16-row slice a warp, ``16 * num_warps`` rows on
-    (a register dimension: one warpgroup issues two m64 MMAs a step on one activation tile). The
-    down epilogue's ``EPI``: 8 consecutive output columns a thread, lanes and warps over
-    [BN, 32 * 8 / (BN / 8) * num_warps / 8] exactly (no element held twice, which atomics would add twice)."""
-    reps = block_n // (16 * num_warps)
-    assert reps in (1, 2) and block_n == 16 * num_warps * reps, "one or two 16-row wgmma slices a warp"
+    """The kernel's layouts for one (BLOCK_M, BLOCK_N, warps): A operand rows are 16 a warp. The
+    down epilogue's ``EPI``: 8 consecutive output columns a thread, lanes and warps over [BN, 16]
+    exactly (no element held twice, which atomics would add twice)."""
+    assert block_n == 16 * num_warps, "one 16-row wgmma slice a warp"
     warp_rows = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
-    rep_rows = [[16 * num_warps, 0]] if reps == 2 else []
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16])
-    lanes_n = min(block_n // 8, 32)  # 8 (BN 64) or 16 (BN 128)
-    assert 32 // lanes_n * num_warps <= block_m, "the epilogue layout would hold a token twice"
+    lanes_n = block_n // 8  # 8 (BN 64) or 16 (BN 128): the [BN, 16] cover is 32 // lanes_n * num_warps = 16 tokens
     return dict(
         ACC=acc,
         EPI=acc if gated else gl.BlockedLayout([8, 1], [lanes_n, 32 // lanes_n], [1, num_warps], [0, 1]),
         A_OP=gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2),
         WORDS=gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [8, 0]] + rep_rows, lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+            reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
             warp_bases=warp_rows, block_bases=[], shape=[block_n, 16]),
         SCALES=gl.DistributedLinearLayout(
-            reg_bases=[[8, 0]] + rep_rows, lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+            reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
             warp_bases=warp_rows, block_bases=[], shape=[block_n, 4]),
         X_LD=gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0]),
         W_LD=gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0]),
@@ -437,7 +432,7 @@ def gemm(
     a: Tensor, w0: Int4Weight, w1: Int4Weight, out: Tensor, sorted_ids: Tensor, block_expert: Tensor, topk_w: Tensor,
     N: int, K: int, A: int, top_k: int, k_split: int, *, gated: bool, atomic: bool, block_m: int,
     block_n: int, split_k: int, stages: int, n_tiles: int = 1, resident: bool | None = None, sub: int | None = None,
-    max_regs: int | None = None, k_order_out: bool = False, warps: int | None = None,
+    max_regs: int | None = None, k_order_out: bool = False,
 ) -> None:
     """Launch one GEMM (``a`` already ``permute_k``'d); arguments as ``_int4_moe_gemm_kernel``'s.
 
@@ -450,14 +445,12 @@ def gemm(
     ``bench/results/int4_moe_tiles_ab.json``), and one MMA wait a slot instead of one a step did
     not help (``int4_moe_tiles_ab_overlap.json``).
     ``max_regs``: registers a thread may use (``maxnreg``), so that more CTAs fit an SM; None: ptxas's choice.
-    ``warps``: default ``block_n // 16`` (a 16-row slice a warp); ``block_n // 32`` gives each warp
-    two slices, one activation tile feeding two m64 MMAs a step.
     ``k_order_out``: the gate/up GEMM (unsplit) writes h's columns in ``permute_k``'s order, which
     the down GEMM reads as they are: one ``[P, I]`` copy less (K2 EP8 M = 288: 34 us).
     """
     assert not k_order_out or (gated and split_k == 1 and N % BLOCK_K == 0), "k_order_out: unsplit gate/up, N % 128 == 0"
     nb = block_expert.numel()
-    warps = warps or block_n // 16
+    warps = block_n // 16
     k_resident, sub = stream_plan(K, k_split, block_m, n_tiles, a.element_size(), resident, sub)
     n_groups = -(-(N // block_n) // n_tiles)
     grid = (nb * n_groups * (-(-K // k_split)),)
