@@ -16,7 +16,8 @@ bandwidth. Gluon lets this kernel pick the layouts:
   mask-and-magic op turns into a bf16x2 register: no unpacking or re-pairing instructions.
   The layout conversion to the operand is then a register relabelling (``assert_trivial``).
 * The activations are read in that same order: ``permute_k`` reorders the columns of ``hidden``
-  (and of ``h`` before the down GEMM) once per call, a copy of ``M x K`` bf16.
+  once per call, a copy of ``M x K`` bf16, and the gate/up epilogue stores h's columns in that
+  order already (``k_order_out``), so the down GEMM reads h as it is.
 * Both K orders cover the same columns, so the products are the same sums in another order.
   A 32-wide scale group is one t: each thread needs one scale a row a step.
 
@@ -26,12 +27,12 @@ or atomic down outputs), restricted to what the K2 path runs: bf16 activations a
 The CPU has no Gluon: CPU tests cover ``permute_k`` and the routing, the GPU check is
 ``bench/int4_moe_bench.py`` (every served config against the reference).
 
-Where it stands on an H200 (BENCHMARKS.md): 1.1-1.4x the Triton kernel at the same configs; 45-56%
-of copy bandwidth at K2 EP8 M = 1-72 and 52-55% at TP8 M = 72 / 288, 35-40% at TP8 M = 1152 and
-EP8 M = 288. Nsight Compute (``bench/results/int4_moe_ncu.json``): DRAM 32-49% busy in every GEMM
-there; the gate/up warps spend 18-20% of their cycles at the two CTA barriers a step and 9-22% on
-fixed-latency dependencies (the dequantisation's chains), at TP8 M = 72 22% waiting for copies;
-38-67% of issue slots used; 2-5 CTAs an SM (95-199 registers a thread). A warp-specialised
+Where it stands on an H200 (BENCHMARKS.md): 1.1-1.4x the Triton kernel at the same configs; the
+whole MoE call at 49-57% of copy bandwidth at K2 EP8 M = 1-72 and 57-59% at TP8 M = 72 / 288, 46%
+at TP8 M = 1152 and 37% at EP8 M = 288. Nsight Compute (``bench/results/int4_moe_ncu.json``):
+DRAM 32-49% busy in every GEMM there; the gate/up warps spend 18-20% of their cycles at the two
+CTA barriers a step and 9-22% on fixed-latency dependencies (the dequantisation's chains), at TP8
+M = 72 22% waiting for copies; 38-67% of issue slots used; 2-5 CTAs an SM (95-199 registers a thread). A warp-specialised
 prototype (a cp.async producer partition, an mbarrier ring, one consumer warpgroup) was correct and
 1.04-1.20x slower (``int4_moe_ws_probe.json``): fewer warps hid the dequantisation chains worse
 than the CTA barriers cost. What is left needs more warps on the chains per SM than the register
