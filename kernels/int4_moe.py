@@ -156,6 +156,23 @@ def _int4_moe_align_kernel(
         tl.store(block_expert_ptr + first + j, offs_e, mask=j < nblk)
 
 
+@triton.jit(do_not_specialize=["A"])
+def _int4_moe_scatter_kernel(
+    ids_ptr,  # [A] int32/int64 flat top-k expert ids
+    sorted_ids_ptr,  # [P] int32 out: flat assignment per padded row
+    cursor_ptr,  # [E_PAD] int32: next free padded row per expert (``_int4_moe_align_kernel``'s starts)
+    A,
+    CHUNK: tl.constexpr,
+):
+    i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
+    ok = i < A
+    ids = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)  # [CHUNK]
+    # Row order inside an expert is whatever the atomics give: each row's result depends on
+    # that row alone, so the output is the same for any order.
+    slot = tl.atomic_add(cursor_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=ok, sem="relaxed")  # [CHUNK]
+    tl.store(sorted_ids_ptr + slot, i, mask=ok)
+
+
 @triton.jit
 def _int4_moe_topk_sum_kernel(
     rows_ptr,  # [M, TOP_K, K] per-assignment down rows
@@ -172,23 +189,6 @@ def _int4_moe_topk_sum_kernel(
     for j in tl.static_range(TOP_K):
         acc += tl.load(rows_ptr + (t * TOP_K + j) * K + c, mask=ok, other=0).to(tl.float32)
     tl.store(out_ptr + t * K + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit(do_not_specialize=["A"])
-def _int4_moe_scatter_kernel(
-    ids_ptr,  # [A] int32/int64 flat top-k expert ids
-    sorted_ids_ptr,  # [P] int32 out: flat assignment per padded row
-    cursor_ptr,  # [E_PAD] int32: next free padded row per expert (``_int4_moe_align_kernel``'s starts)
-    A,
-    CHUNK: tl.constexpr,
-):
-    i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
-    ok = i < A
-    ids = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)  # [CHUNK]
-    # Row order inside an expert is whatever the atomics give: each row's result depends on
-    # that row alone, so the output is the same for any order.
-    slot = tl.atomic_add(cursor_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=ok, sem="relaxed")  # [CHUNK]
-    tl.store(sorted_ids_ptr + slot, i, mask=ok)
 
 
 @triton.jit
@@ -838,8 +838,8 @@ def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlign
 
     No host sync. Counting and scattering run a program per chunk of assignments (atomics on
     the experts' counters); one program in between lays out the experts' rows. K2 TP8 M = 1152
-    (9216 assignments, 384 experts): one program doing it all took 41 us, 22 with its histogram
-    alone. Ids must lie in ``0 .. num_experts - 1``.
+    (9216 assignments, 384 experts): one program doing it all took 41 us, and one program counting
+    (``tl.histogram``) and laying out 22 us. Ids must lie in ``0 .. num_experts - 1``.
     """
     assert topk_ids.dim() == 2, f"topk_ids must be [M, top_k], got {tuple(topk_ids.shape)}"
     assert topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32/int64, got {topk_ids.dtype}"
@@ -974,8 +974,7 @@ def int4_moe_gate_up(
         ordered = k_order and split == 1
         hop.gemm(hop.permute_k(hidden), w_gate, w_up, out, align.sorted_ids, align.block_expert, align.sorted_ids,
                  I, K, M * top_k, top_k, k_split, gated=True, atomic=False, block_m=cfg.block_m,
-                 block_n=cfg.gu_block_n, split_k=split, stages=cfg.hp_stages,
-                 k_order_out=ordered)
+                 block_n=cfg.gu_block_n, split_k=split, stages=cfg.hp_stages, k_order_out=ordered)
     else:
         _gate_up_triton(hidden, w_gate, w_up, out, align, top_k, cfg, group_size, k_split)
     if split > 1:

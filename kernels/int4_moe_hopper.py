@@ -32,11 +32,11 @@ whole MoE call at 49-57% of copy bandwidth at K2 EP8 M = 1-72 and 57-59% at TP8 
 at TP8 M = 1152 and 37% at EP8 M = 288. Nsight Compute (``bench/results/int4_moe_ncu.json``):
 DRAM 32-49% busy in every GEMM there; the gate/up warps spend 18-20% of their cycles at the two
 CTA barriers a step and 9-22% on fixed-latency dependencies (the dequantisation's chains), at TP8
-M = 72 22% waiting for copies; 38-67% of issue slots used; 2-5 CTAs an SM (95-199 registers a thread). A warp-specialised
-prototype (a cp.async producer partition, an mbarrier ring, one consumer warpgroup) was correct and
-1.04-1.20x slower (``int4_moe_ws_probe.json``): fewer warps hid the dequantisation chains worse
-than the CTA barriers cost. What is left needs more warps on the chains per SM than the register
-file holds at these operand sizes, or fewer instructions in them.
+M = 72 22% waiting for copies; 38-67% of issue slots used; 2-5 CTAs an SM (95-199 registers a
+thread). A warp-specialised prototype (a cp.async producer partition, an mbarrier ring, one consumer
+warpgroup) was correct and 1.04-1.20x slower (``int4_moe_ws_probe.json``): fewer warps hid the
+dequantisation chains worse than the CTA barriers cost. What is left needs more warps on the chains
+per SM than the register file holds at these operand sizes, or fewer instructions in them.
 """
 
 from __future__ import annotations
