@@ -117,7 +117,7 @@ def stage_times(x, route, served: km.Int4MoEConfig, E: int, I: int, R: int) -> d
         align=lambda: km.int4_moe_align(ids, E, served.block_m),
         permute_x=lambda: hop.permute_k(x),
         permute_h=lambda: hop.permute_k(h),  # what h written in K order saves the served call
-        topk_sum=lambda: per_assignment.view(M, k, K).sum(1),
+        topk_sum=lambda: km._finish_down(per_assignment, False, x.dtype, M, k, K),  # the served reduction
     )
     return {f"step_{n}_us": round(graph_replay_us([f] * R), 1) for n, f in steps.items()}
 
@@ -206,7 +206,7 @@ def main() -> None:
                       "ring slot][_overlap: one MMA wait a slot][_streamx: activations through the ring, not "
                       "resident][_r{N}: maxnreg N]; gate/up unsplit; fused_*: the whole call at choose_config's config "
                       "with FUSED_VARIANTS' fields replaced (t1: hp_dn_tiles=1, s3: hp_stages=3, split1: gu_split_k=1, "
-                      "atomic: reduce='atomic'); step_*_us: the served call's other steps timed alone; served_kernels_us: "
+                      "atomic: reduce='atomic'); step_*_us: the served call's other steps timed alone (topk_sum: torch's sum in runs before adfe77e); served_kernels_us: "
                       "device time of each kernel of one served call (torch.profiler, eager, mean of 10)",
              variants_run=args.variants or "all",
              timing="CUDA-graph replay of R routings (16/8/4), median of 20, us per call",
