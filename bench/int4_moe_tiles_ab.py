@@ -206,8 +206,9 @@ def main() -> None:
                       "ring slot][_overlap: one MMA wait a slot][_streamx: activations through the ring, not "
                       "resident][_r{N}: maxnreg N]; gate/up unsplit; fused_*: the whole call at choose_config's config "
                       "with FUSED_VARIANTS' fields replaced (t1: hp_dn_tiles=1, s3: hp_stages=3, split1: gu_split_k=1, "
-                      "atomic: reduce='atomic'); step_*_us: the served call's other steps timed alone (topk_sum: torch's sum in runs before adfe77e); served_kernels_us: "
-                      "device time of each kernel of one served call (torch.profiler, eager, mean of 10)",
+                      "atomic: reduce='atomic'); step_*_us: the served call's other steps timed alone (topk_sum: "
+                      "torch's sum in runs before adfe77e); served_kernels_us: device time of each kernel of one "
+                      "served call (torch.profiler, eager, mean of 10)",
              variants_run=args.variants or "all",
              timing="CUDA-graph replay of R routings (16/8/4), median of 20, us per call",
              check="NaN-poisoned outputs, all_written = every assignment's row finite; rel_vs_triton = "
