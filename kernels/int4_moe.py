@@ -597,7 +597,7 @@ class Int4MoEConfig:
     dn_warps: int = 4
     dn_stages: int = 3
     swap_ab: bool = True
-    reduce: str = "sum"  # "sum": per-assignment rows then a torch sum over top-k; "atomic": fp32 atomics
+    reduce: str = "sum"  # "sum": per-assignment rows, then a sum over top-k in slot order; "atomic": fp32 atomics
     gu_split_k: int = 1  # > 1: gate/up partial sums over K slices added atomically (small M: more programs)
     deq_asm: bool = True  # bf16x2 PTX dequantisation where it applies (CUDA, bf16 activations + scales)
     hopper: bool = True  # the Gluon kernels of kernels/int4_moe_hopper.py where they apply (sm_90, bf16, swap_ab)
