@@ -10,8 +10,7 @@ experts. Each activated expert's weights are streamed from HBM once per step (on
    ``_int4_moe_align_kernel`` (one program): per-expert padding to ``BLOCK_M``, ``block_expert``
    (expert of each block of ``BLOCK_M`` rows, -1 when unused) and sentinels in the padding rows;
    ``_int4_moe_scatter_kernel`` (a program per chunk) writes ``sorted_ids`` (flat assignment
-   ``token * top_k + slot`` per padded row). Up to 1024 assignments the align program counts and
-   scatters itself (one launch).
+   ``token * top_k + slot`` per padded row).
 2. ``_int4_moe_gemm_kernel`` (GATED): ``h = silu(x Wg^T) * (x Wu^T)`` per padded row. With
    ``gu_split_k > 1`` (small M) K slices add fp32 partial sums atomically into a zeroed buffer and
    ``_int4_moe_silu_mul_kernel`` forms ``h``.
@@ -122,8 +121,7 @@ def _int4_moe_count_kernel(
 
 @triton.jit(do_not_specialize=["A", "P", "NUM_BLOCKS"])
 def _int4_moe_align_kernel(
-    ids_ptr,  # [A] int32/int64 flat top-k expert ids (read only when FUSED)
-    cursor_ptr,  # [E_PAD] int32 in (not FUSED): assignments per expert; out: first padded row of each expert (the scatter's cursors)
+    cursor_ptr,  # [E_PAD] int32 in: assignments per expert; out: first padded row of each expert (the scatter's cursors)
     sorted_ids_ptr,  # [P] int32 out: A at every row no assignment takes (the scatter fills the rest)
     block_expert_ptr,  # [P / BLOCK_M] int32 out: expert of each block, -1 when unused
     A,
@@ -131,17 +129,12 @@ def _int4_moe_align_kernel(
     P,
     NUM_BLOCKS,
     BLOCK_M: tl.constexpr,
-    E_PAD: tl.constexpr,  # power of two >= E (> E when FUSED: bin E_PAD - 1 swallows masked lanes)
+    E_PAD: tl.constexpr,  # power of two >= E
     CHUNK: tl.constexpr,
-    FUSED: tl.constexpr,  # A <= CHUNK: count and scatter in this program too (one launch for small M)
 ):
     offs_e = tl.arange(0, E_PAD)  # [E_PAD]
     offs_c = tl.arange(0, CHUNK)  # [CHUNK]
-    if FUSED:
-        ids = tl.load(ids_ptr + offs_c, mask=offs_c < A, other=E_PAD - 1).to(tl.int32)  # [CHUNK]
-        counts = tl.where(offs_e < E, tl.histogram(ids, E_PAD), 0)  # [E_PAD]
-    else:
-        counts = tl.load(cursor_ptr + offs_e, mask=offs_e < E, other=0)  # [E_PAD]
+    counts = tl.load(cursor_ptr + offs_e, mask=offs_e < E, other=0)  # [E_PAD]
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
     ends = tl.cumsum(padded, 0)  # [E_PAD]
     starts = ends - padded  # [E_PAD]
@@ -161,12 +154,6 @@ def _int4_moe_align_kernel(
     first = starts // BLOCK_M  # [E_PAD]
     for j in range(0, tl.max(nblk, 0)):
         tl.store(block_expert_ptr + first + j, offs_e, mask=j < nblk)
-    if FUSED:
-        tl.debug_barrier()  # the cursors reach every thread before the scatter's atomics
-        ok = offs_c < A
-        ids = tl.load(ids_ptr + offs_c, mask=ok, other=0).to(tl.int32)  # [CHUNK]
-        slot = tl.atomic_add(cursor_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=ok, sem="relaxed")  # [CHUNK]
-        tl.store(sorted_ids_ptr + slot, offs_c, mask=ok)
 
 
 @triton.jit(do_not_specialize=["A"])
@@ -845,17 +832,13 @@ def _max_padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(p, block_m) * block_m
 
 
-_ALIGN_CHUNK = 1024  # assignments the one-launch alignment takes (K2: M <= 128 tokens at top-8)
-
-
 @on_input_device
 def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlignment:
     """Sort the ``[M, top_k]`` expert ids by expert and pad each expert's rows to ``block_m``.
 
-    No host sync. Up to ``_ALIGN_CHUNK`` assignments one program counts, lays out the experts'
-    rows and scatters. Above that, counting and scattering run a program per chunk of assignments
-    (atomics on the experts' counters) around the one-program layout: at K2 TP8 M = 1152 (9216
-    assignments, 384 experts) one program doing it all took 41 us, and one program counting
+    No host sync. Counting and scattering run a program per chunk of assignments (atomics on
+    the experts' counters); one program in between lays out the experts' rows. K2 TP8 M = 1152
+    (9216 assignments, 384 experts): one program doing it all took 41 us, and one program counting
     (``tl.histogram``) and laying out 22 us. Ids must lie in ``0 .. num_experts - 1``.
     """
     assert topk_ids.dim() == 2, f"topk_ids must be [M, top_k], got {tuple(topk_ids.shape)}"
@@ -866,16 +849,15 @@ def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlign
     dev = topk_ids.device
     sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)  # [P]
     block_expert = torch.empty(P // block_m, dtype=torch.int32, device=dev)  # [P / BM]
-    fused = A <= _ALIGN_CHUNK  # small M: one launch; else counting and scattering spread over programs
-    e_pad = triton.next_power_of_2(num_experts + 1 if fused else num_experts)
-    cursor = (torch.empty if fused else torch.zeros)(e_pad, dtype=torch.int32, device=dev)  # [E_PAD] counts, then cursors
-    if not fused:
+    e_pad = triton.next_power_of_2(num_experts)
+    cursor = torch.zeros(e_pad, dtype=torch.int32, device=dev)  # [E_PAD] counts, then cursors
+    if A:
         _int4_moe_count_kernel[(triton.cdiv(A, 256),)](ids, cursor, A, CHUNK=256, num_warps=2)
     _int4_moe_align_kernel[(1,)](
-        ids, cursor, sorted_ids, block_expert, A, num_experts, P, P // block_m,
-        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, FUSED=fused, num_warps=4,
+        cursor, sorted_ids, block_expert, A, num_experts, P, P // block_m,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, num_warps=4,
     )
-    if not fused:
+    if A:
         _int4_moe_scatter_kernel[(triton.cdiv(A, 256),)](ids, sorted_ids, cursor, A, CHUNK=256, num_warps=2)
     return MoEAlignment(sorted_ids=sorted_ids, block_expert=block_expert, block_m=block_m)
 
