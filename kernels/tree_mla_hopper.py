@@ -33,6 +33,7 @@ under the interpreter; this kernel is checked against the float32 reference on t
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,13 +48,16 @@ try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kerne
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
 __all__ = ["hopper_available", "unsupported_reason", "tree_mla_hopper", "BLOCK_M", "SUPPORTED_DIMS"]
 
 BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
+_PP_CONSUMER_REGS = 224  # registers of each ping-pong consumer warpgroup (the loader gets what is left)
+_PP_TMA = True  # whole prefix tiles by TMA where the page size allows (else cp.async)
 # Dims the kernel was checked at on the GPU (bench/tree_mla_bench.py): Kimi-K2 and the demo model.
 SUPPORTED_DIMS = ((512, 64), (128, 32))
 
@@ -81,6 +85,7 @@ def unsupported_reason(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv:
 
 if gluon is not None:
     _BM = gl.constexpr(BLOCK_M)
+    _PP_ROWS = gl.constexpr(16)  # rows its loader copies at a time
     # Renamed after Triton 3.6 (the GPU image's); CI's newer Triton has the new names.
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
@@ -240,6 +245,287 @@ if gluon is not None:
                 gl.store(lse_part_ptr + lse_part, lse, mask=offs_l < rows)
 
 
+    # ---- Ping-pong schedule (FlashMLA's): one warpgroup computes a tile's logits while the other
+    # runs its products; a loader partition streams the key tiles. See ``_tree_mla_pingpong_kernel``.
+
+    @gluon.jit
+    def _pp_tile_keys(t, n_prefix, lo, hi, n_nodes, offs, BLOCK_N: gl.constexpr):
+        """Key positions of tile ``t`` (prefix tiles first, then the tree's own) and which exist."""
+        if t < n_prefix:
+            pos = lo + t * BLOCK_N + offs
+            ok = pos < hi
+        else:
+            pos = (t - n_prefix) * BLOCK_N + offs
+            ok = pos < n_nodes
+        return pos, ok
+
+    @gluon.jit
+    def _pp_copy_tile(k_lat_t, k_pe_t, ready, t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr,
+                      q_start, stride_kv_page, stride_kv_tok, stride_new_n,
+                      KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, LAT_LD: gl.constexpr, PE_LD: gl.constexpr):
+        """cp.async one key tile, ``_PP_ROWS`` rows a copy (rows past the keys zero-filled: their
+        probabilities are 0, and 0 x stale NaN would not be), then arrive on ``ready`` when landed."""
+        offs_r = gl.arange(0, _PP_ROWS, layout=gl.SliceLayout(1, LAT_LD))
+        for c in gl.static_range(BLOCK_N // _PP_ROWS):
+            pos, ok = _pp_tile_keys(t, n_prefix, lo, hi, n_nodes, c * _PP_ROWS + offs_r, BLOCK_N)
+            lat_buf = k_lat_t.slice(c * _PP_ROWS, _PP_ROWS)
+            pe_buf = k_pe_t.slice(c * _PP_ROWS, _PP_ROWS)
+            if t < n_prefix:
+                page = gl.load(pt_row + pos // page_size, mask=ok, other=0)
+                _issue_tile(lat_buf, pe_buf, kv_ptr, page, pos, ok, page_size, stride_kv_page, stride_kv_tok,
+                            KVR, ROPE, LAT_LD, PE_LD)
+            else:
+                slot = (q_start + pos).to(gl.int64)  # new_kv row = flat query token
+                _issue_tile(lat_buf, pe_buf, new_kv_ptr, slot, slot, ok, 1, stride_new_n, 0, KVR, ROPE, LAT_LD, PE_LD)
+        cp.mbarrier_arrive(ready, increment_count=True)  # +1 expected arrival now, the arrival when landed
+        _cta_barrier()  # every thread counted its arrival ...
+        mbarrier.arrive(ready)  # ... before the one the barrier was initialised with
+
+    @gluon.jit
+    def _pp_loader(q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
+                   q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
+                   n_prefix, n_total, lo, hi, n_nodes, page_size,
+                   stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok, stride_new_n,
+                   KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   TMA_ROWS: gl.constexpr, LOADER_WARPS: gl.constexpr):
+        """Stream the q tile and every key tile into the ring. Whole prefix tiles go by TMA
+        (``TMA_ROWS`` rows a copy, so a copy never crosses a page) where ``TMA_ROWS > 0``; a split's
+        last, partial tile and the tree's own keys by cp.async, which zero-fills the rows past the
+        keys."""
+        LAT_LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [LOADER_WARPS, 1], [1, 0])
+        PE_LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROPE // 8), ROPE // 8], [LOADER_WARPS, 1], [1, 0])
+        offs_r = gl.arange(0, _PP_ROWS, layout=gl.SliceLayout(1, LAT_LD))
+        cols = gl.arange(0, KVR, layout=gl.SliceLayout(0, LAT_LD))
+        offs_rp = gl.arange(0, _PP_ROWS, layout=gl.SliceLayout(1, PE_LD))
+        cols_pe = gl.arange(0, ROPE, layout=gl.SliceLayout(0, PE_LD))
+        for c in gl.static_range(_BM // _PP_ROWS):
+            offs_m = pid_m * _BM + c * _PP_ROWS + offs_r
+            tok = (q_start + offs_m // num_heads).to(gl.int64)
+            q_ptrs = q_lat_ptr + (tok * stride_ql_n + (offs_m % num_heads) * stride_ql_h)[:, None] + cols[None, :]
+            _cp_async(q_lat.slice(c * _PP_ROWS, _PP_ROWS), q_ptrs, mask=(offs_m < rows)[:, None])
+            offs_mp = pid_m * _BM + c * _PP_ROWS + offs_rp
+            tok_p = (q_start + offs_mp // num_heads).to(gl.int64)
+            qp_ptrs = q_pe_ptr + (tok_p * stride_qp_n + (offs_mp % num_heads) * stride_qp_h)[:, None] + cols_pe[None, :]
+            _cp_async(q_pe.slice(c * _PP_ROWS, _PP_ROWS), qp_ptrs, mask=(offs_mp < rows)[:, None])
+        cp.mbarrier_arrive(q_ready, increment_count=False)
+        for t in range(n_total):
+            st = t % NUM_STAGES
+            mbarrier.wait(kv_free.index(st), ((t // NUM_STAGES) & 1) ^ 1)  # both warpgroups are done with it
+            if TMA_ROWS > 0:
+                start = lo + t * BLOCK_N
+                if (t < n_prefix) & (start + BLOCK_N <= hi):
+                    mbarrier.expect(kv_ready.index(st), BLOCK_N * (KVR + ROPE) * 2)
+                    for c in gl.static_range(BLOCK_N // TMA_ROWS):
+                        pos = start + c * TMA_ROWS
+                        page = gl.load(pt_row + pos // page_size)
+                        row = page * page_size + pos % page_size
+                        tma.async_copy_global_to_shared(lat_desc, [row, 0], kv_ready.index(st),
+                                                        k_lat.index(st).slice(c * TMA_ROWS, TMA_ROWS))
+                        tma.async_copy_global_to_shared(pe_desc, [row, 0], kv_ready.index(st),
+                                                        k_pe.index(st).slice(c * TMA_ROWS, TMA_ROWS))
+                else:
+                    _pp_copy_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes,
+                                  pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
+                                  stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
+            else:
+                _pp_copy_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes,
+                              pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
+                              stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
+        cp.commit_group()
+        cp.wait_group(0)  # nothing leaves the CTA with copies in flight (a CTA with no tiles: the q tile)
+
+    @gluon.jit
+    def _pp_logits(q_lat, q_pe, k_lat_t, k_pe_t, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr):
+        """Issue ``S = Q K^T`` for one resident tile (async; the caller waits)."""
+        s0 = gl.zeros([_BM, BLOCK_N], gl.float32, layout=S_LAYOUT)
+        s = warpgroup_mma(q_lat, k_lat_t.permute((1, 0)), s0, use_acc=False, is_async=True)
+        return warpgroup_mma(q_pe, k_pe_t.permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _pp_own_tile(s, j, acc, m_i, l_i, v_tile, p_smem, m_smem, l_smem, a_smem, p_ready,
+                     n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
+                     ROLE: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
+        """Tile j's softmax from its logits ``s``: publish P and the row stats on ``p_ready[j % 2]``,
+        then this warpgroup's half of ``P V`` (waited: the accumulator is loop-carried)."""
+        offs_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+        if j < n_prefix:  # prefix keys past the split's end are masked
+            key_ok = (lo + j * BLOCK_N + offs_s) < hi
+            s_mask = gl.full([_BM, BLOCK_N], 1, gl.int1, layout=S_LAYOUT) & key_ok[None, :]
+        else:  # the tree's own keys: visible where the ancestor bit is set (two words a row and tile)
+            w0 = (j - n_prefix) * (BLOCK_N // 32)
+            lo_w = gl.load(bits_row + w0, mask=row_ok & (w0 * 32 < n_nodes), other=0)  # [BM]
+            hi_w = gl.load(bits_row + w0 + 1, mask=row_ok & ((w0 + 1) * 32 < n_nodes), other=0)
+            word = gl.where((offs_s < 32)[None, :], lo_w[:, None], hi_w[:, None])  # [BM, BN]
+            s_mask = (((word >> (offs_s % 32)[None, :]) & 1) != 0) & ((w0 * 32 + offs_s) < n_nodes)[None, :]
+        s = gl.where(s_mask, s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet stay finite
+        alpha = gl.exp2(m_i - m_use)
+        p32 = gl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p32, 1)
+        p = p32.to(p_smem.dtype)
+        p_smem.store(p)
+        m_smem.store(m_new)
+        l_smem.store(l_i)
+        a_smem.store(alpha)
+        fence_async_shared()
+        _cta_barrier()  # every thread of this warpgroup wrote its part
+        mbarrier.arrive(p_ready.index(j % 2))
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))
+        p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
+        acc = warpgroup_mma(p_op, v_tile.slice(ROLE * HALF, HALF, dim=1), acc * alpha_o[:, None], is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        return m_new, l_i, acc
+
+    @gluon.jit
+    def _pp_consumer(q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
+                     anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+                     q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
+                     total_rows, stride_anc_n, scale_log2,
+                     ROLE: gl.constexpr, KVR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, DIRECT: gl.constexpr):
+        """One warpgroup: value dims ``[ROLE * KVR/2, (ROLE + 1) * KVR/2)`` of every tile's ``P V``, and
+        the logits and softmax of the tiles ``t % 2 == ROLE``. The owner of tile t publishes its
+        probabilities (shared memory) and the running max / sum / rescale (``m_smem`` / ``l_smem`` / ``a_smem``) on
+        ``p_ready[t % 2]``; the other warpgroup reads them for its half. Each warpgroup issues the
+        logits of its next tile before it waits for the other's probabilities, so one warpgroup's
+        MMAs run while the other's softmax does."""
+        HALF: gl.constexpr = KVR // 2
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+
+        acc = gl.zeros([_BM, HALF], gl.float32, layout=O_LAYOUT)
+        m_i = gl.full([_BM], float("-inf"), gl.float32, layout=ROW_S)
+        l_i = gl.zeros([_BM], gl.float32, layout=ROW_S)
+        offs_row = pid_m * _BM + gl.arange(0, _BM, layout=ROW_S)
+        bits_row = anc_bits_ptr + (q_start + offs_row // num_heads).to(gl.int64) * stride_anc_n
+        row_ok = offs_row < rows
+        mbarrier.wait(q_ready, 0)
+        if ROLE == 0:
+            if n_total >= 1:  # tile 0: no earlier tile to fold in
+                mbarrier.wait(kv_ready.index(0), 0)
+                s = _pp_logits(q_lat, q_pe, k_lat.index(0), k_pe.index(0), BLOCK_N, S_LAYOUT)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                m_i, l_i, acc = _pp_own_tile(s, 0, acc, m_i, l_i, k_lat.index(0), p_smem, m_smem, l_smem, a_smem, p_ready,
+                                             n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
+                                             ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT)
+                mbarrier.arrive(kv_free.index(0))
+        for j in range(2 - ROLE, n_total, 2):  # the tiles this warpgroup owns, each after the other's j-1
+            st = j % NUM_STAGES
+            sp = (j - 1) % NUM_STAGES
+            mbarrier.wait(kv_ready.index(st), (j // NUM_STAGES) & 1)
+            s = _pp_logits(q_lat, q_pe, k_lat.index(st), k_pe.index(st), BLOCK_N, S_LAYOUT)
+            mbarrier.wait(p_ready.index((j - 1) % 2), ((j - 1) // 2) & 1)
+            m_i = m_smem.load(ROW_S)
+            l_i = l_smem.load(ROW_S)
+            alpha_o = a_smem.load(ROW_O)
+            acc = warpgroup_mma(p_smem, k_lat.index(sp).slice(ROLE * HALF, HALF, dim=1), acc * alpha_o[:, None],
+                                is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # the logits; P V of tile j-1 may still run
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # ... it read p_smem before we rewrite it
+            mbarrier.arrive(kv_free.index(sp))
+            m_i, l_i, acc = _pp_own_tile(s, j, acc, m_i, l_i, k_lat.index(st), p_smem, m_smem, l_smem, a_smem, p_ready,
+                                         n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
+                                         ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT)
+            mbarrier.arrive(kv_free.index(st))
+        if n_total >= 1:
+            if (n_total - 1) % 2 != ROLE:  # the last tile is the other's: its half here
+                j = n_total - 1
+                mbarrier.wait(kv_ready.index(j % NUM_STAGES), (j // NUM_STAGES) & 1)
+                mbarrier.wait(p_ready.index(j % 2), (j // 2) & 1)
+                m_i = m_smem.load(ROW_S)
+                l_i = l_smem.load(ROW_S)
+                alpha_o = a_smem.load(ROW_O)
+                acc = warpgroup_mma(p_smem, k_lat.index(j % NUM_STAGES).slice(ROLE * HALF, HALF, dim=1),
+                                    acc * alpha_o[:, None], is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(kv_free.index(j % NUM_STAGES))
+
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
+        o = acc / gl.convert_layout(l_safe, ROW_O)[:, None]
+        offs_o = pid_m * _BM + gl.arange(0, _BM, layout=ROW_O)
+        flat_o = q_start.to(gl.int64) * num_heads + offs_o
+        cols = ROLE * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_LAYOUT))
+        ok_o = (offs_o < rows)[:, None]
+        if DIRECT:
+            gl.store(out_ptr + flat_o[:, None] * KVR + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=ok_o)
+        else:
+            part = split.to(gl.int64) * total_rows + flat_o
+            gl.store(o_part_ptr + part[:, None] * KVR + cols[None, :], o, mask=ok_o)
+            if ROLE == 0:
+                lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
+                lse_part = split.to(gl.int64) * total_rows + q_start.to(gl.int64) * num_heads + offs_row
+                gl.store(lse_part_ptr + lse_part, lse, mask=row_ok)
+
+    @gluon.jit(do_not_specialize=["stride_pt_r", "stride_anc_n", "num_heads", "total_rows", "num_splits"])
+    def _tree_mla_pingpong_kernel(
+        q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, lat_desc, pe_desc,
+        page_table_ptr, prefix_lens_ptr, query_starts_ptr, anc_bits_ptr,
+        out_ptr, o_part_ptr, lse_part_ptr,
+        stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
+        stride_kv_page, stride_kv_tok, stride_new_n, stride_pt_r, stride_anc_n,
+        num_heads, page_size, total_rows, num_splits, scale_log2,
+        KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, DIRECT: gl.constexpr,
+        TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr,
+        P_SMEM: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """The same contract as ``_tree_mla_hopper_kernel`` (one 64-row tile, one split, one request a
+        CTA), three partitions: two consumer warpgroups (``_pp_consumer``, ROLE 0 / 1) and a loader."""
+        dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
+        pid_m = gl.program_id(0)
+        split = gl.program_id(1)
+        r = gl.program_id(2)
+        q_start = gl.load(query_starts_ptr + r)
+        n_nodes = gl.load(query_starts_ptr + r + 1) - q_start
+        rows = n_nodes * num_heads
+        if pid_m * _BM < rows:
+            prefix_len = gl.load(prefix_lens_ptr + r)
+            chunk = gl.cdiv(gl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
+            lo = split * chunk
+            hi = gl.minimum(lo + chunk, prefix_len)
+            n_prefix = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+            n_total = n_prefix + gl.where(split == num_splits - 1, gl.cdiv(n_nodes, BLOCK_N), 0)
+
+            q_lat = gl.allocate_shared_memory(dtype, [_BM, KVR], Q_LAT_SMEM)
+            q_pe = gl.allocate_shared_memory(dtype, [_BM, ROPE], Q_PE_SMEM)
+            k_lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, KVR], K_LAT_SMEM)
+            k_pe = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], K_PE_SMEM)
+            p_smem = gl.allocate_shared_memory(dtype, [_BM, BLOCK_N], P_SMEM)
+            flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+            m_smem = gl.allocate_shared_memory(gl.float32, [_BM], flat)
+            l_smem = gl.allocate_shared_memory(gl.float32, [_BM], flat)
+            a_smem = gl.allocate_shared_memory(gl.float32, [_BM], flat)
+            q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            kv_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(NUM_STAGES):
+                mbarrier.init(kv_ready.index(i), count=1)
+                mbarrier.init(kv_free.index(i), count=2)
+            for i in gl.static_range(2):
+                mbarrier.init(p_ready.index(i), count=1)
+            mbarrier.init(q_ready, count=32 * num_warps)
+            fence_async_shared()
+            pt_row = page_table_ptr + r * stride_pt_r
+            gl.warp_specialize([
+                (_pp_loader, (q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
+                              q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
+                              n_prefix, n_total, lo, hi, n_nodes, page_size,
+                              stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
+                              stride_new_n, KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps)),
+                (_pp_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
+                                anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+                                q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
+                                total_rows, stride_anc_n, scale_log2, 0, KVR, BLOCK_N, NUM_STAGES, DIRECT)),
+                (_pp_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
+                                anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+                                q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
+                                total_rows, stride_anc_n, scale_log2, 1, KVR, BLOCK_N, NUM_STAGES, DIRECT)),
+            ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
 @on_input_device
 def tree_mla_hopper(
     q_latent: Tensor,
@@ -250,8 +536,9 @@ def tree_mla_hopper(
     softmax_scale: float,
     *,
     num_splits: int | None = None,
-    block_n: int = 64,
-    num_stages: int = 2,
+    block_n: int | None = None,
+    num_stages: int | None = None,
+    schedule: str = "sync",
 ) -> Tensor:
     """``tree_mla_triton``'s contract on the Gluon kernel: same arguments (host metadata is packed
     here, with a host sync), same result ``[N, H, kvr]``. Needs ``hopper_available`` and operands
@@ -267,6 +554,10 @@ def tree_mla_hopper(
     if reason is not None:
         raise ValueError(f"tree_mla_hopper: {reason}")
     meta = check_operands(q_latent, q_pe, kv_cache, new_kv, meta)
+    if block_n is None:
+        block_n = 32 if schedule == "pingpong" else 64
+    if num_stages is None:
+        num_stages = 4 if schedule == "pingpong" else 2
     kv_bytes = kv_cache.shape[-1] * kv_cache.element_size()
     assert block_n in (16, 32, 64) and num_stages >= 2, f"block_n {block_n} / num_stages {num_stages}"
     need = (BLOCK_M + block_n * num_stages) * kv_bytes + (8 << 10)  # + room for layout conversions
@@ -295,6 +586,24 @@ def tree_mla_hopper(
         "K_LAT_SMEM": gl.NVMMASharedLayout.get_default_for([block_n, kvr], gdt),
         "K_PE_SMEM": gl.NVMMASharedLayout.get_default_for([block_n, rope], gdt),
     }
+    if schedule == "pingpong":
+        tma_rows = math.gcd(page_size, block_n) if _PP_TMA and page_size % 16 == 0 else 0  # a TMA copy stays inside one page
+        kv_rows = kv_cache.view(-1, kvr + rope)  # [pages * page_size, 576]
+        box = max(tma_rows, 16)
+        lat_desc = TensorDescriptor.from_tensor(kv_rows[:, :kvr], [box, kvr], smem["K_LAT_SMEM"])
+        pe_desc = TensorDescriptor.from_tensor(kv_rows[:, kvr:], [box, rope], smem["K_PE_SMEM"])
+        _tree_mla_pingpong_kernel[(m_tiles, num_splits, R)](
+            q_latent, q_pe, kv_cache, new_kv, lat_desc, pe_desc,
+            meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,
+            out, o_part, lse_part,
+            q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
+            H, page_size, total_rows, num_splits, softmax_scale * _LOG2E,
+            KVR=kvr, ROPE=rope, BLOCK_N=block_n, NUM_STAGES=num_stages, DIRECT=num_splits == 1, TMA_ROWS=tma_rows, CONSUMER_REGS=_PP_CONSUMER_REGS,
+            P_SMEM=gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_n], gdt), **smem, num_warps=4,
+        )
+        merge_splits(o_part, lse_part, out, num_splits, 1)
+        return out
     _tree_mla_hopper_kernel[(m_tiles, num_splits, R)](
         q_latent, q_pe, kv_cache, new_kv,
         meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,
