@@ -159,10 +159,6 @@ def run_kernel(backend: str, case: Case, config: TreeMlaConfig | None = None, nu
     """One call of the named kernel ("triton" takes a config; both take a split count)."""
     if backend == "hopper":
         return tree_mla_hopper(*case.args(), num_splits=num_splits)
-    if backend == "hopper_pingpong":
-        return tree_mla_hopper(*case.args(), num_splits=num_splits, schedule="pingpong")
-    if backend == "hopper_pingpong_bn64":
-        return tree_mla_hopper(*case.args(), num_splits=num_splits, schedule="pingpong", block_n=64, num_stages=2)
     return tree_mla_triton(*case.args(), config=config, num_splits=num_splits)
 
 

@@ -1,20 +1,23 @@
-"""Tree-attention MLA for Hopper (sm_90), written in Gluon: the logits computed once a 64-row tile.
+"""Tree-attention MLA for Hopper (sm_90), written in Gluon: FlashMLA's schedule on a paged cache.
 
 Why a second kernel: ``kernels/tree_mla.py`` (Triton) keeps its accumulator in registers for 128
-rows by giving each program half the value dims, so both programs compute all the logits: at 8
-heads and a 9-node tree (72 rows) it does 2.7x the MMA work the attention needs, and one pipeline
-stage leaves each tile's load exposed. Triton chooses the warp layout of chained products itself;
-Gluon lets this kernel choose it:
+rows by giving each program half the value dims, so both programs compute all the logits (at 8
+heads and a 9-node tree, 2.7x the MMA work the attention needs), and Triton cannot split one
+CTA's warps into a copy engine and two compute roles. Gluon can:
 
-* One CTA = 64 query rows x all 512 value dims on two warpgroups. The logits ``S = Q K^T``
-  ``[64, BLOCK_N]`` are split by keys between the warpgroups (``warps_per_cta [4, 2]``), and the
-  output ``O = P V`` ``[64, 512]`` by value dims (each warpgroup 256 columns, 128 fp32 registers
-  a thread), so every product is computed once. The row maxima and the probabilities cross the
-  warpgroups through shared memory (layout conversions the compiler emits).
-* The key tiles (latent and rope parts, gathered row by row through the page table) stream into a
-  ring of ``NUM_STAGES`` shared buffers with ``cp.async``; tile t+NUM_STAGES-1 is issued before
-  tile t is computed, and the page ids one tile earlier still, so no global load sits on the
-  critical path.
+* One CTA = 64 query rows x all 512 value dims, three partitions (``warp_specialize``):
+  - a loader warpgroup streams q once and the key tiles (latent and rope parts) into a ring of
+    ``NUM_STAGES`` shared buffers. Whole prefix tiles go by TMA, one copy per page run (the page
+    table gives each run's first row); a split's last, partial tile and the tree's own keys go by
+    ``cp.async``, which zero-fills rows past the keys (their probabilities are 0, and 0 x a stale
+    NaN would not be);
+  - two consumer warpgroups take turns: the owner of tile t computes its logits ``S = Q K^T``
+    ``[64, BLOCK_N]`` and softmax, publishes P and the row statistics in shared memory, and both
+    add their half of ``P V`` (256 value dims, 128 fp32 registers a thread). Each issues the
+    logits of its next tile before it waits for the other's P, so one warpgroup's MMAs run while
+    the other's softmax does.
+* mbarriers only: tile ready (TMA bytes or cp.async arrivals), tile free (both halves done), P
+  published. No CTA-wide barrier in the loop.
 * The tree's own keys (a few tiles) follow on the last split, with the ancestor bits as mask.
 * Splits write float32 partials and per-row log-sum-exps that ``tree_mla.merge_splits``
   combines, exactly as the Triton kernel's do (one value-dim part).
@@ -22,13 +25,16 @@ Gluon lets this kernel choose it:
 Rows past 64 a request take more CTAs (a 72-row tree: 64 + 8 live rows), each reading the same key
 tiles (from L2 when they run side by side: the row tile is the grid's fastest index).
 
-Where it stands on an H200 (BENCHMARKS.md): 1.4-2.0x the Triton kernel at batch >= 32; 28-33% of
-copy bandwidth at tree 9 x 8 heads. Run alone, the copies and the products each take about 60 us
-of a 64-row request's 79 at batch 32 x 4096; a 72-row tree pays the products of 128 rows.
+Where it stands on an H200 (BENCHMARKS.md; ``bench/results/tree_mla_schedule_ab.json``): 1.13-1.51x
+the previous Gluon kernel (8 warps, cp.async from every warp, each step waited in turn) at every
+shape measured; at batch 32 x 4096 and 8 heads 61 us for 64 rows a request (60% of copy
+bandwidth), 91 us for tree 9's 72 rows (41%), which pays the products of 128 rows. 32-key tiles
+on four stages beat 64-key tiles on two (more bytes in flight); TMA beats cp.async (1.1-1.3x).
 
 The CPU has no Gluon: the CPU path and every CPU test use ``tree_mla_reference`` / the Triton kernel
-under the interpreter; this kernel is checked against the float32 reference on the GPU by
-``bench/tree_mla_bench.py`` (its ``hopper`` rows and checks).
+under the interpreter; ``tests/test_tree_mla_hopper.py`` builds this kernel for sm_90, and
+``bench/tree_mla_bench.py`` checks it against the float32 reference on the GPU (its ``hopper``
+rows and checks).
 """
 
 from __future__ import annotations
@@ -56,8 +62,7 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 __all__ = ["hopper_available", "unsupported_reason", "tree_mla_hopper", "BLOCK_M", "SUPPORTED_DIMS"]
 
 BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
-_PP_CONSUMER_REGS = 224  # registers of each ping-pong consumer warpgroup (the loader gets what is left)
-_PP_TMA = True  # whole prefix tiles by TMA where the page size allows (else cp.async)
+CONSUMER_REGS = 224  # registers of each consumer warpgroup; the loader gets the rest (232: 1-3% slower, H200)
 # Dims the kernel was checked at on the GPU (bench/tree_mla_bench.py): Kimi-K2 and the demo model.
 SUPPORTED_DIMS = ((512, 64), (128, 32))
 
@@ -85,10 +90,11 @@ def unsupported_reason(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv:
 
 if gluon is not None:
     _BM = gl.constexpr(BLOCK_M)
-    _PP_ROWS = gl.constexpr(16)  # rows its loader copies at a time
+    _COPY_ROWS = gl.constexpr(16)  # rows the loader's cp.async copies take at a time
     # Renamed after Triton 3.6 (the GPU image's); CI's newer Triton has the new names.
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
     @gluon.jit
     def _issue_tile(lat_buf, pe_buf, base, page, offs, key_ok, pg_size, stride_page, stride_tok,
@@ -103,153 +109,7 @@ if gluon is not None:
         _cp_async(pe_buf, base + slot_pe[:, None] + cols_pe[None, :], mask=ok_pe[:, None])
 
     @gluon.jit
-    def _fold_tile(q_lat, q_pe, lat_buf, pe_buf, s_mask, m_i, l_i, acc, scale_log2,
-                   S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Logits of one resident key tile, online softmax, ``acc += P V``; ``s_mask`` [BM, BN] keeps keys."""
-        s0 = gl.zeros([_BM, BLOCK_N], gl.float32, layout=S_LAYOUT)
-        s = warpgroup_mma(q_lat, lat_buf.permute((1, 0)), s0, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_pe, pe_buf.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        s = gl.where(s_mask, s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))  # [BM]
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet stay finite
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[:, None])  # [BM, BN]
-        l_i = l_i * alpha + gl.sum(p, 1)
-        p_op = gl.convert_layout(p.to(lat_buf.dtype), gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-        acc = warpgroup_mma(p_op, lat_buf, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        return m_new, l_i, acc
-
-    # As the Triton kernel: shape-dependent integers are not specialised (one compile per config).
-    @gluon.jit(do_not_specialize=["stride_pt_r", "stride_anc_n", "num_heads", "total_rows", "num_splits"])
-    def _tree_mla_hopper_kernel(
-        q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr,
-        page_table_ptr, prefix_lens_ptr, query_starts_ptr, anc_bits_ptr,
-        out_ptr, o_part_ptr, lse_part_ptr,
-        stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
-        stride_kv_page, stride_kv_tok, stride_new_n, stride_pt_r, stride_anc_n,
-        num_heads, page_size, total_rows, num_splits, scale_log2,
-        KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-        DIRECT: gl.constexpr, Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr,
-        K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr, num_warps: gl.constexpr,
-    ):
-        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
-        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, KVR // 2, 16])
-        LAT_LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # 16-byte copies
-        PE_LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROPE // 8), ROPE // 8], [num_warps, 1], [1, 0])
-        dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
-
-        pid_m = gl.program_id(0)
-        split = gl.program_id(1)
-        r = gl.program_id(2)
-        q_start = gl.load(query_starts_ptr + r)
-        n_nodes = gl.load(query_starts_ptr + r + 1) - q_start
-        rows = n_nodes * num_heads
-        if pid_m * _BM < rows:
-            # q tile -> shared memory (zero rows past the request's)
-            q_lat = gl.allocate_shared_memory(dtype, [_BM, KVR], Q_LAT_SMEM)
-            q_pe = gl.allocate_shared_memory(dtype, [_BM, ROPE], Q_PE_SMEM)
-            offs_m = pid_m * _BM + gl.arange(0, _BM, layout=gl.SliceLayout(1, LAT_LD))
-            tok = (q_start + offs_m // num_heads).to(gl.int64)
-            q_ptrs = q_lat_ptr + (tok * stride_ql_n + (offs_m % num_heads) * stride_ql_h)[:, None] \
-                + gl.arange(0, KVR, layout=gl.SliceLayout(0, LAT_LD))[None, :]
-            _cp_async(q_lat, q_ptrs, mask=(offs_m < rows)[:, None])
-            offs_mp = pid_m * _BM + gl.arange(0, _BM, layout=gl.SliceLayout(1, PE_LD))
-            tok_p = (q_start + offs_mp // num_heads).to(gl.int64)
-            qp_ptrs = q_pe_ptr + (tok_p * stride_qp_n + (offs_mp % num_heads) * stride_qp_h)[:, None] \
-                + gl.arange(0, ROPE, layout=gl.SliceLayout(0, PE_LD))[None, :]
-            _cp_async(q_pe, qp_ptrs, mask=(offs_mp < rows)[:, None])
-
-            k_lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, KVR], K_LAT_SMEM)
-            k_pe = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], K_PE_SMEM)
-
-            m_i = gl.full([_BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
-            l_i = gl.zeros([_BM], gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
-            acc = gl.zeros([_BM, KVR], gl.float32, layout=O_LAYOUT)
-
-            # Cached prefix: this split's share, whole tiles; every key visible to every row.
-            prefix_len = gl.load(prefix_lens_ptr + r)
-            chunk = gl.cdiv(gl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
-            lo = split * chunk
-            hi = gl.minimum(lo + chunk, prefix_len)
-            n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-            pt_row = page_table_ptr + r * stride_pt_r
-            offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAT_LD))
-            for t in gl.static_range(NUM_STAGES - 1):  # prologue: tiles 0 .. NUM_STAGES-2 (q rides with tile 0)
-                offs = lo + t * BLOCK_N + offs_t
-                ok = offs < hi
-                page = gl.load(pt_row + offs // page_size, mask=ok, other=0)
-                _issue_tile(k_lat.index(t), k_pe.index(t), kv_ptr, page, offs, ok, page_size, stride_kv_page,
-                            stride_kv_tok, KVR, ROPE, LAT_LD, PE_LD)
-                cp.commit_group()
-            # page ids of the next tile to issue, loaded one iteration ahead
-            offs_nx = lo + (NUM_STAGES - 1) * BLOCK_N + offs_t
-            ok_nx = offs_nx < hi
-            page_nx = gl.load(pt_row + offs_nx // page_size, mask=ok_nx, other=0)
-            offs_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-            for t in range(n_tiles):
-                _cta_barrier()  # every warp is done with tile t-1's buffer
-                nx = t + NUM_STAGES - 1
-                _issue_tile(k_lat.index(nx % NUM_STAGES), k_pe.index(nx % NUM_STAGES), kv_ptr, page_nx, offs_nx, ok_nx,
-                            page_size, stride_kv_page, stride_kv_tok, KVR, ROPE, LAT_LD, PE_LD)
-                cp.commit_group()
-                offs_nx = offs_nx + BLOCK_N
-                ok_nx = offs_nx < hi
-                page_nx = gl.load(pt_row + offs_nx // page_size, mask=ok_nx, other=0)
-                cp.wait_group(NUM_STAGES - 1)  # tile t (and q) landed for this thread's copies
-                _cta_barrier()  # ... and for every thread's
-                key_ok = (lo + t * BLOCK_N + offs_s) < hi
-                s_mask = gl.full([_BM, BLOCK_N], 1, gl.int1, layout=S_LAYOUT) & key_ok[None, :]
-                m_i, l_i, acc = _fold_tile(q_lat, q_pe, k_lat.index(t % NUM_STAGES), k_pe.index(t % NUM_STAGES),
-                                           s_mask, m_i, l_i, acc, scale_log2, S_LAYOUT, O_LAYOUT, BLOCK_N)
-            cp.wait_group(0)
-
-            # The tree's own keys, once per request (last split): visible where the ancestor bit is set.
-            if split == num_splits - 1:
-                offs_row = pid_m * _BM + gl.arange(0, _BM, layout=gl.SliceLayout(1, S_LAYOUT))
-                bits_row = anc_bits_ptr + (q_start + offs_row // num_heads).to(gl.int64) * stride_anc_n
-                row_ok_s = offs_row < rows
-                for start in range(0, n_nodes, BLOCK_N):
-                    _cta_barrier()
-                    offs = start + offs_t
-                    ok = offs < n_nodes
-                    slot = (q_start + offs).to(gl.int64)  # new_kv row = flat query token
-                    _issue_tile(k_lat.index(0), k_pe.index(0), new_kv_ptr, slot, slot, ok, 1, stride_new_n,
-                                0, KVR, ROPE, LAT_LD, PE_LD)
-                    cp.commit_group()
-                    cp.wait_group(0)
-                    _cta_barrier()
-                    offs_j = start + offs_s
-                    both = row_ok_s[:, None] & (offs_j < n_nodes)[None, :]
-                    word = gl.load(bits_row[:, None] + (offs_j // 32)[None, :], mask=both, other=0)  # [BM, BN]
-                    s_mask = ((word >> (offs_j % 32)[None, :]) & 1) != 0
-                    m_i, l_i, acc = _fold_tile(q_lat, q_pe, k_lat.index(0), k_pe.index(0), s_mask, m_i, l_i, acc,
-                                               scale_log2, S_LAYOUT, O_LAYOUT, BLOCK_N)
-
-            l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
-            o = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, O_LAYOUT))[:, None]  # [BM, KVR]
-            offs_o = pid_m * _BM + gl.arange(0, _BM, layout=gl.SliceLayout(1, O_LAYOUT))
-            flat_o = q_start.to(gl.int64) * num_heads + offs_o
-            cols = gl.arange(0, KVR, layout=gl.SliceLayout(0, O_LAYOUT))
-            ok_o = (offs_o < rows)[:, None]
-            if DIRECT:
-                gl.store(out_ptr + flat_o[:, None] * KVR + cols[None, :], o.to(dtype), mask=ok_o)
-            else:
-                part = split.to(gl.int64) * total_rows + flat_o
-                gl.store(o_part_ptr + part[:, None] * KVR + cols[None, :], o, mask=ok_o)
-                offs_l = pid_m * _BM + gl.arange(0, _BM, layout=gl.SliceLayout(1, S_LAYOUT))
-                lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
-                lse_part = split.to(gl.int64) * total_rows + q_start.to(gl.int64) * num_heads + offs_l
-                gl.store(lse_part_ptr + lse_part, lse, mask=offs_l < rows)
-
-
-    # ---- Ping-pong schedule (FlashMLA's): one warpgroup computes a tile's logits while the other
-    # runs its products; a loader partition streams the key tiles. See ``_tree_mla_pingpong_kernel``.
-
-    @gluon.jit
-    def _pp_tile_keys(t, n_prefix, lo, hi, n_nodes, offs, BLOCK_N: gl.constexpr):
+    def _tile_keys(t, n_prefix, lo, hi, n_nodes, offs, BLOCK_N: gl.constexpr):
         """Key positions of tile ``t`` (prefix tiles first, then the tree's own) and which exist."""
         if t < n_prefix:
             pos = lo + t * BLOCK_N + offs
@@ -260,16 +120,16 @@ if gluon is not None:
         return pos, ok
 
     @gluon.jit
-    def _pp_copy_tile(k_lat_t, k_pe_t, ready, t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr,
+    def _copy_tile(k_lat_t, k_pe_t, ready, t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr,
                       q_start, stride_kv_page, stride_kv_tok, stride_new_n,
                       KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, LAT_LD: gl.constexpr, PE_LD: gl.constexpr):
-        """cp.async one key tile, ``_PP_ROWS`` rows a copy (rows past the keys zero-filled: their
+        """cp.async one key tile, ``_COPY_ROWS`` rows a copy (rows past the keys zero-filled: their
         probabilities are 0, and 0 x stale NaN would not be), then arrive on ``ready`` when landed."""
-        offs_r = gl.arange(0, _PP_ROWS, layout=gl.SliceLayout(1, LAT_LD))
-        for c in gl.static_range(BLOCK_N // _PP_ROWS):
-            pos, ok = _pp_tile_keys(t, n_prefix, lo, hi, n_nodes, c * _PP_ROWS + offs_r, BLOCK_N)
-            lat_buf = k_lat_t.slice(c * _PP_ROWS, _PP_ROWS)
-            pe_buf = k_pe_t.slice(c * _PP_ROWS, _PP_ROWS)
+        offs_r = gl.arange(0, _COPY_ROWS, layout=gl.SliceLayout(1, LAT_LD))
+        for c in gl.static_range(BLOCK_N // _COPY_ROWS):
+            pos, ok = _tile_keys(t, n_prefix, lo, hi, n_nodes, c * _COPY_ROWS + offs_r, BLOCK_N)
+            lat_buf = k_lat_t.slice(c * _COPY_ROWS, _COPY_ROWS)
+            pe_buf = k_pe_t.slice(c * _COPY_ROWS, _COPY_ROWS)
             if t < n_prefix:
                 page = gl.load(pt_row + pos // page_size, mask=ok, other=0)
                 _issue_tile(lat_buf, pe_buf, kv_ptr, page, pos, ok, page_size, stride_kv_page, stride_kv_tok,
@@ -282,7 +142,7 @@ if gluon is not None:
         mbarrier.arrive(ready)  # ... before the one the barrier was initialised with
 
     @gluon.jit
-    def _pp_loader(q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
+    def _loader(q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
                    q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
                    n_prefix, n_total, lo, hi, n_nodes, page_size,
                    stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok, stride_new_n,
@@ -294,19 +154,19 @@ if gluon is not None:
         keys."""
         LAT_LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [LOADER_WARPS, 1], [1, 0])
         PE_LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROPE // 8), ROPE // 8], [LOADER_WARPS, 1], [1, 0])
-        offs_r = gl.arange(0, _PP_ROWS, layout=gl.SliceLayout(1, LAT_LD))
+        offs_r = gl.arange(0, _COPY_ROWS, layout=gl.SliceLayout(1, LAT_LD))
         cols = gl.arange(0, KVR, layout=gl.SliceLayout(0, LAT_LD))
-        offs_rp = gl.arange(0, _PP_ROWS, layout=gl.SliceLayout(1, PE_LD))
+        offs_rp = gl.arange(0, _COPY_ROWS, layout=gl.SliceLayout(1, PE_LD))
         cols_pe = gl.arange(0, ROPE, layout=gl.SliceLayout(0, PE_LD))
-        for c in gl.static_range(_BM // _PP_ROWS):
-            offs_m = pid_m * _BM + c * _PP_ROWS + offs_r
+        for c in gl.static_range(_BM // _COPY_ROWS):
+            offs_m = pid_m * _BM + c * _COPY_ROWS + offs_r
             tok = (q_start + offs_m // num_heads).to(gl.int64)
             q_ptrs = q_lat_ptr + (tok * stride_ql_n + (offs_m % num_heads) * stride_ql_h)[:, None] + cols[None, :]
-            _cp_async(q_lat.slice(c * _PP_ROWS, _PP_ROWS), q_ptrs, mask=(offs_m < rows)[:, None])
-            offs_mp = pid_m * _BM + c * _PP_ROWS + offs_rp
+            _cp_async(q_lat.slice(c * _COPY_ROWS, _COPY_ROWS), q_ptrs, mask=(offs_m < rows)[:, None])
+            offs_mp = pid_m * _BM + c * _COPY_ROWS + offs_rp
             tok_p = (q_start + offs_mp // num_heads).to(gl.int64)
             qp_ptrs = q_pe_ptr + (tok_p * stride_qp_n + (offs_mp % num_heads) * stride_qp_h)[:, None] + cols_pe[None, :]
-            _cp_async(q_pe.slice(c * _PP_ROWS, _PP_ROWS), qp_ptrs, mask=(offs_mp < rows)[:, None])
+            _cp_async(q_pe.slice(c * _COPY_ROWS, _COPY_ROWS), qp_ptrs, mask=(offs_mp < rows)[:, None])
         cp.mbarrier_arrive(q_ready, increment_count=False)
         for t in range(n_total):
             st = t % NUM_STAGES
@@ -319,30 +179,30 @@ if gluon is not None:
                         pos = start + c * TMA_ROWS
                         page = gl.load(pt_row + pos // page_size)
                         row = page * page_size + pos % page_size
-                        tma.async_copy_global_to_shared(lat_desc, [row, 0], kv_ready.index(st),
+                        _tma_load(lat_desc, [row, 0], kv_ready.index(st),
                                                         k_lat.index(st).slice(c * TMA_ROWS, TMA_ROWS))
-                        tma.async_copy_global_to_shared(pe_desc, [row, 0], kv_ready.index(st),
+                        _tma_load(pe_desc, [row, 0], kv_ready.index(st),
                                                         k_pe.index(st).slice(c * TMA_ROWS, TMA_ROWS))
                 else:
-                    _pp_copy_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes,
+                    _copy_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes,
                                   pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
                                   stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
             else:
-                _pp_copy_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes,
+                _copy_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes,
                               pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
                               stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
         cp.commit_group()
         cp.wait_group(0)  # nothing leaves the CTA with copies in flight (a CTA with no tiles: the q tile)
 
     @gluon.jit
-    def _pp_logits(q_lat, q_pe, k_lat_t, k_pe_t, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr):
+    def _logits(q_lat, q_pe, k_lat_t, k_pe_t, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr):
         """Issue ``S = Q K^T`` for one resident tile (async; the caller waits)."""
         s0 = gl.zeros([_BM, BLOCK_N], gl.float32, layout=S_LAYOUT)
         s = warpgroup_mma(q_lat, k_lat_t.permute((1, 0)), s0, use_acc=False, is_async=True)
         return warpgroup_mma(q_pe, k_pe_t.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
-    def _pp_own_tile(s, j, acc, m_i, l_i, v_tile, p_smem, m_smem, l_smem, a_smem, p_ready,
+    def _own_tile(s, j, acc, m_i, l_i, v_tile, p_smem, m_smem, l_smem, a_smem, p_ready,
                      n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
                      ROLE: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
         """Tile j's softmax from its logits ``s``: publish P and the row stats on ``p_ready[j % 2]``,
@@ -378,7 +238,7 @@ if gluon is not None:
         return m_new, l_i, acc
 
     @gluon.jit
-    def _pp_consumer(q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
+    def _consumer(q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
                      anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                      q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
                      total_rows, stride_anc_n, scale_log2,
@@ -405,9 +265,9 @@ if gluon is not None:
         if ROLE == 0:
             if n_total >= 1:  # tile 0: no earlier tile to fold in
                 mbarrier.wait(kv_ready.index(0), 0)
-                s = _pp_logits(q_lat, q_pe, k_lat.index(0), k_pe.index(0), BLOCK_N, S_LAYOUT)
+                s = _logits(q_lat, q_pe, k_lat.index(0), k_pe.index(0), BLOCK_N, S_LAYOUT)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                m_i, l_i, acc = _pp_own_tile(s, 0, acc, m_i, l_i, k_lat.index(0), p_smem, m_smem, l_smem, a_smem, p_ready,
+                m_i, l_i, acc = _own_tile(s, 0, acc, m_i, l_i, k_lat.index(0), p_smem, m_smem, l_smem, a_smem, p_ready,
                                              n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
                                              ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT)
                 mbarrier.arrive(kv_free.index(0))
@@ -415,7 +275,7 @@ if gluon is not None:
             st = j % NUM_STAGES
             sp = (j - 1) % NUM_STAGES
             mbarrier.wait(kv_ready.index(st), (j // NUM_STAGES) & 1)
-            s = _pp_logits(q_lat, q_pe, k_lat.index(st), k_pe.index(st), BLOCK_N, S_LAYOUT)
+            s = _logits(q_lat, q_pe, k_lat.index(st), k_pe.index(st), BLOCK_N, S_LAYOUT)
             mbarrier.wait(p_ready.index((j - 1) % 2), ((j - 1) // 2) & 1)
             m_i = m_smem.load(ROW_S)
             l_i = l_smem.load(ROW_S)
@@ -425,7 +285,7 @@ if gluon is not None:
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # the logits; P V of tile j-1 may still run
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # ... it read p_smem before we rewrite it
             mbarrier.arrive(kv_free.index(sp))
-            m_i, l_i, acc = _pp_own_tile(s, j, acc, m_i, l_i, k_lat.index(st), p_smem, m_smem, l_smem, a_smem, p_ready,
+            m_i, l_i, acc = _own_tile(s, j, acc, m_i, l_i, k_lat.index(st), p_smem, m_smem, l_smem, a_smem, p_ready,
                                          n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
                                          ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT)
             mbarrier.arrive(kv_free.index(st))
@@ -459,7 +319,7 @@ if gluon is not None:
                 gl.store(lse_part_ptr + lse_part, lse, mask=row_ok)
 
     @gluon.jit(do_not_specialize=["stride_pt_r", "stride_anc_n", "num_heads", "total_rows", "num_splits"])
-    def _tree_mla_pingpong_kernel(
+    def _tree_mla_hopper_kernel(
         q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, lat_desc, pe_desc,
         page_table_ptr, prefix_lens_ptr, query_starts_ptr, anc_bits_ptr,
         out_ptr, o_part_ptr, lse_part_ptr,
@@ -471,8 +331,8 @@ if gluon is not None:
         Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr,
         P_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """The same contract as ``_tree_mla_hopper_kernel`` (one 64-row tile, one split, one request a
-        CTA), three partitions: two consumer warpgroups (``_pp_consumer``, ROLE 0 / 1) and a loader."""
+        """One 64-row tile, one split, one request a CTA: the loader (default partition, 4 warps) and
+        the two consumer warpgroups (``_consumer``, ROLE 0 / 1)."""
         dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
         pid_m = gl.program_id(0)
         split = gl.program_id(1)
@@ -510,16 +370,16 @@ if gluon is not None:
             fence_async_shared()
             pt_row = page_table_ptr + r * stride_pt_r
             gl.warp_specialize([
-                (_pp_loader, (q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
+                (_loader, (q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
                               q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
                               n_prefix, n_total, lo, hi, n_nodes, page_size,
                               stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
                               stride_new_n, KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps)),
-                (_pp_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
+                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
                                 anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                                 q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
                                 total_rows, stride_anc_n, scale_log2, 0, KVR, BLOCK_N, NUM_STAGES, DIRECT)),
-                (_pp_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
+                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
                                 anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                                 q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
                                 total_rows, stride_anc_n, scale_log2, 1, KVR, BLOCK_N, NUM_STAGES, DIRECT)),
@@ -536,14 +396,15 @@ def tree_mla_hopper(
     softmax_scale: float,
     *,
     num_splits: int | None = None,
-    block_n: int | None = None,
-    num_stages: int | None = None,
-    schedule: str = "sync",
+    block_n: int = 32,
+    num_stages: int = 4,
 ) -> Tensor:
     """``tree_mla_triton``'s contract on the Gluon kernel: same arguments (host metadata is packed
     here, with a host sync), same result ``[N, H, kvr]``. Needs ``hopper_available`` and operands
-    ``unsupported_reason`` accepts. ``block_n`` / ``num_stages``: key-tile rows and ring depth
-    (the served 64 / 2 fill the H200's shared memory)."""
+    ``unsupported_reason`` accepts. ``block_n`` / ``num_stages``: key-tile rows and ring depth; the
+    served 32 / 4 and the alternative 64 / 2 fill the H200's shared memory (H200, batch 32 x 4096,
+    8 heads: 61 / 91 / 160 us at 64 / 72 / 136 rows a request against 80 / 113 / 182;
+    ``bench/results/tree_mla_schedule_ab.json``)."""
     from kernels.tree_mla import (
         _LOG2E, _shared_memory_limit, _sm_count, check_operands, choose_num_splits, merge_splits, split_partials,
     )
@@ -554,13 +415,9 @@ def tree_mla_hopper(
     if reason is not None:
         raise ValueError(f"tree_mla_hopper: {reason}")
     meta = check_operands(q_latent, q_pe, kv_cache, new_kv, meta)
-    if block_n is None:
-        block_n = 32 if schedule == "pingpong" else 64
-    if num_stages is None:
-        num_stages = 4 if schedule == "pingpong" else 2
     kv_bytes = kv_cache.shape[-1] * kv_cache.element_size()
-    assert block_n in (16, 32, 64) and num_stages >= 2, f"block_n {block_n} / num_stages {num_stages}"
-    need = (BLOCK_M + block_n * num_stages) * kv_bytes + (8 << 10)  # + room for layout conversions
+    assert block_n in (32, 64) and num_stages >= 2, f"block_n {block_n} / num_stages {num_stages}"
+    need = (BLOCK_M + block_n * num_stages) * kv_bytes + BLOCK_M * block_n * 2 + 1024  # + P tile, row stats, barriers
     limit = _shared_memory_limit(q_latent.device)
     assert limit is None or need <= limit, f"q and {num_stages} tiles of {block_n} keys need {need} bytes of shared memory, {limit} here"
     if num_splits is not None:
@@ -585,34 +442,22 @@ def tree_mla_hopper(
         "Q_PE_SMEM": gl.NVMMASharedLayout.get_default_for([BLOCK_M, rope], gdt),
         "K_LAT_SMEM": gl.NVMMASharedLayout.get_default_for([block_n, kvr], gdt),
         "K_PE_SMEM": gl.NVMMASharedLayout.get_default_for([block_n, rope], gdt),
+        "P_SMEM": gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_n], gdt),
     }
-    if schedule == "pingpong":
-        tma_rows = math.gcd(page_size, block_n) if _PP_TMA and page_size % 16 == 0 else 0  # a TMA copy stays inside one page
-        kv_rows = kv_cache.view(-1, kvr + rope)  # [pages * page_size, 576]
-        box = max(tma_rows, 16)
-        lat_desc = TensorDescriptor.from_tensor(kv_rows[:, :kvr], [box, kvr], smem["K_LAT_SMEM"])
-        pe_desc = TensorDescriptor.from_tensor(kv_rows[:, kvr:], [box, rope], smem["K_PE_SMEM"])
-        _tree_mla_pingpong_kernel[(m_tiles, num_splits, R)](
-            q_latent, q_pe, kv_cache, new_kv, lat_desc, pe_desc,
-            meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,
-            out, o_part, lse_part,
-            q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
-            H, page_size, total_rows, num_splits, softmax_scale * _LOG2E,
-            KVR=kvr, ROPE=rope, BLOCK_N=block_n, NUM_STAGES=num_stages, DIRECT=num_splits == 1, TMA_ROWS=tma_rows, CONSUMER_REGS=_PP_CONSUMER_REGS,
-            P_SMEM=gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_n], gdt), **smem, num_warps=4,
-        )
-        merge_splits(o_part, lse_part, out, num_splits, 1)
-        return out
+    tma_rows = math.gcd(page_size, block_n) if page_size % 16 == 0 else 0  # a TMA copy stays inside one page
+    kv_rows = kv_cache.view(-1, kvr + rope)  # [pages * page_size, kvr + rope]
+    box = max(tma_rows, 16)  # (descriptors are arguments either way)
+    lat_desc = TensorDescriptor.from_tensor(kv_rows[:, :kvr], [box, kvr], smem["K_LAT_SMEM"])
+    pe_desc = TensorDescriptor.from_tensor(kv_rows[:, kvr:], [box, rope], smem["K_PE_SMEM"])
     _tree_mla_hopper_kernel[(m_tiles, num_splits, R)](
-        q_latent, q_pe, kv_cache, new_kv,
+        q_latent, q_pe, kv_cache, new_kv, lat_desc, pe_desc,
         meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,
         out, o_part, lse_part,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
         H, page_size, total_rows, num_splits, softmax_scale * _LOG2E,
-        KVR=kvr, ROPE=rope, BLOCK_N=block_n, NUM_STAGES=num_stages, DIRECT=num_splits == 1, **smem,
-        num_warps=8,
+        KVR=kvr, ROPE=rope, BLOCK_N=block_n, NUM_STAGES=num_stages, DIRECT=num_splits == 1, TMA_ROWS=tma_rows,
+        CONSUMER_REGS=CONSUMER_REGS, **smem, num_warps=4,
     )
     merge_splits(o_part, lse_part, out, num_splits, 1)
     return out

@@ -80,38 +80,45 @@ _ARG_TYPES = {
 
 
 def _build(kvr: int, rope: int, direct: bool) -> dict:
-    """Compile the served launch (64-key tiles, two stages) for sm_90; run without TRITON_INTERPRET."""
+    """Compile the served launch (32-key tiles, four stages, TMA rows of a 16-token page) for sm_90;
+    run without TRITON_INTERPRET."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     gl = hop.gl
     kernel = hop._tree_mla_hopper_kernel
-    names = [n for n in kernel.arg_names if n in _ARG_TYPES]
-    assert len(names) == len(_ARG_TYPES), f"kernel arguments changed: {kernel.arg_names}"
-    bn = 64
+    descs = ("lat_desc", "pe_desc")
+    names = [n for n in kernel.arg_names if n in _ARG_TYPES or n in descs]
+    assert len(names) == len(_ARG_TYPES) + len(descs), f"kernel arguments changed: {kernel.arg_names}"
+    bn, tma_rows = 32, 16
+    k_lat = gl.NVMMASharedLayout.get_default_for([bn, kvr], gl.bfloat16)
+    k_pe = gl.NVMMASharedLayout.get_default_for([bn, rope], gl.bfloat16)
     constexprs = dict(
-        KVR=kvr, ROPE=rope, BLOCK_N=bn, NUM_STAGES=2, DIRECT=direct,
+        KVR=kvr, ROPE=rope, BLOCK_N=bn, NUM_STAGES=4, DIRECT=direct, TMA_ROWS=tma_rows, CONSUMER_REGS=hop.CONSUMER_REGS,
         Q_LAT_SMEM=gl.NVMMASharedLayout.get_default_for([hop.BLOCK_M, kvr], gl.bfloat16),
         Q_PE_SMEM=gl.NVMMASharedLayout.get_default_for([hop.BLOCK_M, rope], gl.bfloat16),
-        K_LAT_SMEM=gl.NVMMASharedLayout.get_default_for([bn, kvr], gl.bfloat16),
-        K_PE_SMEM=gl.NVMMASharedLayout.get_default_for([bn, rope], gl.bfloat16),
-        num_warps=8,
+        K_LAT_SMEM=k_lat, K_PE_SMEM=k_pe, P_SMEM=gl.NVMMASharedLayout.get_default_for([hop.BLOCK_M, bn], gl.bfloat16),
+        num_warps=4,
     )
-    signature = {n: _ARG_TYPES[n] for n in names} | {k: "constexpr" for k in constexprs}
+    types = _ARG_TYPES | {"lat_desc": f"tensordesc<bf16[{tma_rows}, {kvr}],{k_lat!r}>",
+                          "pe_desc": f"tensordesc<bf16[{tma_rows}, {rope}],{k_pe!r}>"}
+    signature = {n: types[n] for n in names} | {k: "constexpr" for k in constexprs}
     aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride_") and n not in ("stride_pt_r", "stride_anc_n")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    ptx = compiled.asm["ptx"]
     return dict(cubin_bytes=len(compiled.asm["cubin"]), wgmma="warp_group_dot" in compiled.asm["ttgir"],
-                shared=compiled.metadata.shared)
+                tma="cp.async.bulk.tensor" in ptx, setmaxnreg="setmaxnreg" in ptx, shared=compiled.metadata.shared)
 
 
 @pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("kvr,rope,direct", [(512, 64, False), (128, 32, True)])
 def test_kernel_builds_for_sm90(kvr: int, rope: int, direct: bool) -> None:
-    """The K2 and demo shapes compile to a cubin whose products are wgmma and whose shared memory
-    fits a CTA; no GPU needed (Triton ships ptxas). A child process: conftest sets
+    """The K2 and demo shapes compile to a cubin whose products are wgmma, whose loader issues TMA
+    copies, whose partitions get their own register counts and whose shared memory fits a CTA; no
+    GPU needed (Triton ships ptxas). A child process: conftest sets
     TRITON_INTERPRET for this one, and the interpreter cannot compile Gluon."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -119,7 +126,7 @@ def test_kernel_builds_for_sm90(kvr: int, rope: int, direct: bool) -> None:
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     built = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert built["cubin_bytes"] > 0 and built["wgmma"], built
+    assert built["cubin_bytes"] > 0 and built["wgmma"] and built["tma"] and built["setmaxnreg"], built
     assert 0 < built["shared"] <= H100_SMEM_PER_BLOCK, f"{built['shared']} bytes of shared memory"
 
 
