@@ -11,7 +11,8 @@ kv comes from ``new_kv`` because it is not in the cache yet.
 The trio (STYLE.md): ``_tree_mla_split_kernel`` / ``_tree_mla_merge_kernel`` (Triton),
 ``tree_mla_triton`` (host wrapper: checks, launch parameters), ``tree_mla_reference`` (plain torch,
 used by tests and benchmarks). ``tree_mla`` picks one (:func:`choose_backend`): on Hopper the Gluon
-kernel of ``kernels/tree_mla_hopper.py`` (same contract, logits computed once per 64-row tile),
+kernel of ``kernels/tree_mla_hopper.py`` (same contract; a TMA loader and two consumer warpgroups
+taking turns on each 64-row tile),
 Triton on other CUDA GPUs, the reference elsewhere.
 
 Kernel layout. The M dimension of every matrix product is (tree node x head) of one request: row
@@ -646,7 +647,7 @@ def check_operands(
 
 
 def choose_backend(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Tensor) -> str:
-    """``"hopper"`` where the Gluon kernel runs (sm_90, 16-bit, the K2 or demo dims): 1.4-2.0x the
+    """``"hopper"`` where the Gluon kernel runs (sm_90, 16-bit, the K2 or demo dims): 1.8-2.9x the
     Triton kernel at batch >= 32 (bench/results/tree_mla.json); ``"triton"`` on other CUDA GPUs;
     ``"reference"`` off the GPU."""
     if not q_latent.is_cuda or triton is None:
