@@ -176,19 +176,25 @@ def time_kernel(batch: int, context: int, nodes: int, heads: int, config: TreeMl
 
 def check_correctness(log: list, backend: str) -> list[dict]:
     """One kernel vs the float32 reference on bf16 inputs at awkward shapes (splits 1, 3 and the
-    default; the demo model's 128 + 32 dims); graph replay vs eager. Outputs are NaN-poisoned."""
+    default; the demo model's 128 + 32 dims; a cache whose pages are not back to back); graph
+    replay vs eager. Outputs are NaN-poisoned."""
     checks = []
-    shapes = [  # (context per request, nodes, heads, page_size, kvr, rope)
-        ([1000, 37, 0, 4099], 9, 8, 64, KVR, ROPE),
-        ([5000, 1200], 33, 64, 64, KVR, ROPE),
-        ([300], 1, 128, 16, KVR, ROPE),
-        ([777, 2048, 3], 17, 16, 1, KVR, ROPE),
-        ([16384, 100], 129, 8, 64, KVR, ROPE),
-        ([1500, 40, 900], 17, 8, 16, 128, 32),
+    shapes = [  # (context per request, nodes, heads, page_size, kvr, rope, page stride padded by one token)
+        ([1000, 37, 0, 4099], 9, 8, 64, KVR, ROPE, False),
+        ([5000, 1200], 33, 64, 64, KVR, ROPE, False),
+        ([300], 1, 128, 16, KVR, ROPE, False),
+        ([777, 2048, 3], 17, 16, 1, KVR, ROPE, False),
+        ([16384, 100], 129, 8, 64, KVR, ROPE, False),
+        ([1500, 40, 900], 17, 8, 16, 128, 32, False),
+        ([700, 64], 9, 8, 16, KVR, ROPE, True),  # pages not back to back: no flat row view for TMA
     ]
     real_empty = torch.empty
-    for lens, n, h, ps, kvr, rope in shapes:
+    for lens, n, h, ps, kvr, rope, padded in shapes:
         case = Case(len(lens), lens, n, h, seed=7, page_size=ps, kvr=kvr, rope=rope)
+        if padded:
+            wide = torch.randn(case.kv_cache.shape[0], ps + 1, kvr + rope, dtype=case.kv_cache.dtype, device=case.device)
+            wide[:, :ps] = case.kv_cache
+            case.kv_cache = wide[:, :ps]
         want = tree_mla_reference(case.q_latent, case.q_pe, case.kv_cache, case.new_kv, case.host_meta, case.scale)
         for splits in (None, 1, 3):
             torch.empty = lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))  # an unwritten element shows
@@ -197,6 +203,7 @@ def check_correctness(log: list, backend: str) -> list[dict]:
             finally:
                 torch.empty = real_empty
             row = {"backend": backend, "lens": lens, "nodes": n, "heads": h, "page_size": ps, "kvr": kvr, "rope": rope,
+                   "cache_contiguous": case.kv_cache.is_contiguous(),
                    "num_splits": splits, "max_abs_err": (got.float() - want.float()).abs().max().item(),
                    "rel_err": rel_err(got, want), "finite": bool(torch.isfinite(got).all())}
             checks.append(row)

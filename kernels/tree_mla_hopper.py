@@ -444,10 +444,13 @@ def tree_mla_hopper(
         "K_PE_SMEM": gl.NVMMASharedLayout.get_default_for([block_n, rope], gdt),
         "P_SMEM": gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_n], gdt),
     }
-    tma_rows = math.gcd(page_size, block_n) if page_size % 16 == 0 else 0  # a TMA copy stays inside one page
-    kv_rows = kv_cache.view(-1, kvr + rope)  # [pages * page_size, kvr + rope]
-    box = max(tma_rows, 16)  # (descriptors are arguments either way)
-    lat_desc = TensorDescriptor.from_tensor(kv_rows[:, :kvr], [box, kvr], smem["K_LAT_SMEM"])
+    # TMA reads the cache as rows [pages * page_size, kvr + rope]: pages back to back, and copies of
+    # TMA_ROWS rows (a divisor of the page) so none crosses a page; otherwise cp.async serves.
+    flat = kv_cache.stride(0) == page_size * kv_cache.stride(1)
+    tma_rows = math.gcd(page_size, block_n) if flat and page_size % 16 == 0 else 0
+    box = max(tma_rows, 16)
+    kv_rows = kv_cache.as_strided((kv_cache.shape[0] * page_size if flat else page_size, kvr + rope), (kv_cache.stride(1), 1))
+    lat_desc = TensorDescriptor.from_tensor(kv_rows[:, :kvr], [box, kvr], smem["K_LAT_SMEM"])  # (unused without TMA)
     pe_desc = TensorDescriptor.from_tensor(kv_rows[:, kvr:], [box, rope], smem["K_PE_SMEM"])
     _tree_mla_hopper_kernel[(m_tiles, num_splits, R)](
         q_latent, q_pe, kv_cache, new_kv, lat_desc, pe_desc,
