@@ -121,8 +121,8 @@ if gluon is not None:
 
     @gluon.jit
     def _copy_tile(k_lat_t, k_pe_t, ready, t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr,
-                      q_start, stride_kv_page, stride_kv_tok, stride_new_n,
-                      KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, LAT_LD: gl.constexpr, PE_LD: gl.constexpr):
+                   q_start, stride_kv_page, stride_kv_tok, stride_new_n,
+                   KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, LAT_LD: gl.constexpr, PE_LD: gl.constexpr):
         """cp.async one key tile, ``_COPY_ROWS`` rows a copy (rows past the keys zero-filled: their
         probabilities are 0, and 0 x stale NaN would not be), then arrive on ``ready`` when landed."""
         offs_r = gl.arange(0, _COPY_ROWS, layout=gl.SliceLayout(1, LAT_LD))
@@ -143,11 +143,11 @@ if gluon is not None:
 
     @gluon.jit
     def _loader(q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
-                   q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
-                   n_prefix, n_total, lo, hi, n_nodes, page_size,
-                   stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok, stride_new_n,
-                   KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   TMA_ROWS: gl.constexpr, LOADER_WARPS: gl.constexpr):
+                q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
+                n_prefix, n_total, lo, hi, n_nodes, page_size,
+                stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok, stride_new_n,
+                KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                TMA_ROWS: gl.constexpr, LOADER_WARPS: gl.constexpr):
         """Stream the q tile and every key tile into the ring. Whole prefix tiles go by TMA
         (``TMA_ROWS`` rows a copy, so a copy never crosses a page) where ``TMA_ROWS > 0``; a split's
         last, partial tile and the tree's own keys by cp.async, which zero-fills the rows past the
@@ -179,18 +179,16 @@ if gluon is not None:
                         pos = start + c * TMA_ROWS
                         page = gl.load(pt_row + pos // page_size)
                         row = page * page_size + pos % page_size
-                        _tma_load(lat_desc, [row, 0], kv_ready.index(st),
-                                                        k_lat.index(st).slice(c * TMA_ROWS, TMA_ROWS))
-                        _tma_load(pe_desc, [row, 0], kv_ready.index(st),
-                                                        k_pe.index(st).slice(c * TMA_ROWS, TMA_ROWS))
+                        _tma_load(lat_desc, [row, 0], kv_ready.index(st), k_lat.index(st).slice(c * TMA_ROWS, TMA_ROWS))
+                        _tma_load(pe_desc, [row, 0], kv_ready.index(st), k_pe.index(st).slice(c * TMA_ROWS, TMA_ROWS))
                 else:
                     _copy_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes,
-                                  pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
-                                  stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
+                               pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
+                               stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
             else:
                 _copy_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes,
-                              pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
-                              stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
+                           pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
+                           stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
         cp.commit_group()
         cp.wait_group(0)  # nothing leaves the CTA with copies in flight (a CTA with no tiles: the q tile)
 
@@ -203,19 +201,21 @@ if gluon is not None:
 
     @gluon.jit
     def _own_tile(s, j, acc, m_i, l_i, v_tile, p_smem, m_smem, l_smem, a_smem, p_ready,
-                     n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
-                     ROLE: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
+                  n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
+                  ROLE: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr,
+                  O_LAYOUT: gl.constexpr):
         """Tile j's softmax from its logits ``s``: publish P and the row stats on ``p_ready[j % 2]``,
         then this warpgroup's half of ``P V`` (waited: the accumulator is loop-carried)."""
         offs_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
         if j < n_prefix:  # prefix keys past the split's end are masked
             key_ok = (lo + j * BLOCK_N + offs_s) < hi
             s_mask = gl.full([_BM, BLOCK_N], 1, gl.int1, layout=S_LAYOUT) & key_ok[None, :]
-        else:  # the tree's own keys: visible where the ancestor bit is set (two words a row and tile)
+        else:  # the tree's own keys: visible where the ancestor bit is set (one or two words a row and tile)
             w0 = (j - n_prefix) * (BLOCK_N // 32)
-            lo_w = gl.load(bits_row + w0, mask=row_ok & (w0 * 32 < n_nodes), other=0)  # [BM]
-            hi_w = gl.load(bits_row + w0 + 1, mask=row_ok & ((w0 + 1) * 32 < n_nodes), other=0)
-            word = gl.where((offs_s < 32)[None, :], lo_w[:, None], hi_w[:, None])  # [BM, BN]
+            word = gl.load(bits_row + w0, mask=row_ok & (w0 * 32 < n_nodes), other=0)[:, None]  # [BM, 1]
+            if BLOCK_N == 64:
+                hi_w = gl.load(bits_row + w0 + 1, mask=row_ok & ((w0 + 1) * 32 < n_nodes), other=0)
+                word = gl.where((offs_s < 32)[None, :], word, hi_w[:, None])  # [BM, BN]
             s_mask = (((word >> (offs_s % 32)[None, :]) & 1) != 0) & ((w0 * 32 + offs_s) < n_nodes)[None, :]
         s = gl.where(s_mask, s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -239,10 +239,11 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
-                     anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                     q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                     total_rows, stride_anc_n, scale_log2,
-                     ROLE: gl.constexpr, KVR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, DIRECT: gl.constexpr):
+                  anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+                  q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
+                  total_rows, stride_anc_n, scale_log2,
+                  ROLE: gl.constexpr, KVR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  DIRECT: gl.constexpr):
         """One warpgroup: value dims ``[ROLE * KVR/2, (ROLE + 1) * KVR/2)`` of every tile's ``P V``, and
         the logits and softmax of the tiles ``t % 2 == ROLE``. The owner of tile t publishes its
         probabilities (shared memory) and the running max / sum / rescale (``m_smem`` / ``l_smem`` / ``a_smem``) on
