@@ -269,8 +269,8 @@ if gluon is not None:
                 s = _logits(q_lat, q_pe, k_lat.index(0), k_pe.index(0), BLOCK_N, S_LAYOUT)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 m_i, l_i, acc = _own_tile(s, 0, acc, m_i, l_i, k_lat.index(0), p_smem, m_smem, l_smem, a_smem, p_ready,
-                                             n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
-                                             ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT)
+                                          n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
+                                          ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT)
                 mbarrier.arrive(kv_free.index(0))
         for j in range(2 - ROLE, n_total, 2):  # the tiles this warpgroup owns, each after the other's j-1
             st = j % NUM_STAGES
@@ -287,8 +287,8 @@ if gluon is not None:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # ... it read p_smem before we rewrite it
             mbarrier.arrive(kv_free.index(sp))
             m_i, l_i, acc = _own_tile(s, j, acc, m_i, l_i, k_lat.index(st), p_smem, m_smem, l_smem, a_smem, p_ready,
-                                         n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
-                                         ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT)
+                                      n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
+                                      ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT)
             mbarrier.arrive(kv_free.index(st))
         if n_total >= 1:
             if (n_total - 1) % 2 != ROLE:  # the last tile is the other's: its half here
@@ -372,18 +372,18 @@ if gluon is not None:
             pt_row = page_table_ptr + r * stride_pt_r
             gl.warp_specialize([
                 (_loader, (q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
-                              q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
-                              n_prefix, n_total, lo, hi, n_nodes, page_size,
-                              stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
-                              stride_new_n, KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps)),
+                           q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
+                           n_prefix, n_total, lo, hi, n_nodes, page_size,
+                           stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
+                           stride_new_n, KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps)),
                 (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
-                                anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                                q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                                total_rows, stride_anc_n, scale_log2, 0, KVR, BLOCK_N, NUM_STAGES, DIRECT)),
+                             anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+                             q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
+                             total_rows, stride_anc_n, scale_log2, 0, KVR, BLOCK_N, NUM_STAGES, DIRECT)),
                 (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
-                                anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                                q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                                total_rows, stride_anc_n, scale_log2, 1, KVR, BLOCK_N, NUM_STAGES, DIRECT)),
+                             anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+                             q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
+                             total_rows, stride_anc_n, scale_log2, 1, KVR, BLOCK_N, NUM_STAGES, DIRECT)),
             ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
