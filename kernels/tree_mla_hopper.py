@@ -59,7 +59,7 @@ try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kerne
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-__all__ = ["hopper_available", "unsupported_reason", "tree_mla_hopper", "BLOCK_M", "SUPPORTED_DIMS"]
+__all__ = ["hopper_available", "unsupported_reason", "tree_mla_hopper", "choose_splits", "BLOCK_M", "SUPPORTED_DIMS"]
 
 BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
 CONSUMER_REGS = 224  # registers of each consumer warpgroup; the loader gets the rest (232: 1-3% slower, H200)
@@ -86,6 +86,34 @@ def unsupported_reason(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv:
         if t.stride(-1) != 1 or any(st % 16 for st in t.stride()[:-1]) or t.data_ptr() % 16:
             return f"{name}: rows must be contiguous, strides multiples of 16 elements, data 16-byte aligned"
     return None
+
+
+
+def choose_splits(num_requests: int, m_tiles: int, rows: int, max_prefix: int, kvr: int, rope: int, sm_count: int) -> int:
+    """KV splits a request for this kernel: ``tree_mla.choose_num_splits`` (fill one wave) while a
+    split's grid is under half the GPU; above that, the split count that minimises a cost model of
+    whole waves. A CTA holds an SM (its shared memory and registers), so a grid of ``C`` CTAs a split
+    runs ``ceil(C * s / SMs)`` waves of CTAs that each read ``1/s`` of the prefix and a q tile, and
+    ``s > 1`` splits write and re-read float32 partials. Against the grid that ``choose_num_splits``
+    gives (one split once a split fills half the GPU), on an H200 at batch 32 with 8 heads: tree 33
+    at context 4096 / 16384 252 / 789 us with 4 splits against 320 / 1188 with 1, tree 17 149 / 474
+    against 160 / 601; unchanged at batch 128 (``bench/results/tree_mla_splits_large_batch.json``)."""
+    from kernels.tree_mla import choose_num_splits
+
+    base = choose_num_splits(num_requests, m_tiles, rows, max_prefix, kvr, rope, sm_count)
+    ctas = num_requests * m_tiles
+    if 2 * ctas < sm_count or max_prefix < 128:
+        return base
+    kv_bytes = max_prefix * (kvr + rope) * 2  # a request's prefix
+    q_bytes = BLOCK_M * (kvr + rope) * 2
+
+    def cost(s: int) -> float:  # bytes a CTA slot moves, the partials spread over all SMs
+        waves = -(-ctas * s // sm_count)
+        partials = 0 if s == 1 else s * num_requests * rows * kvr * 4 * 2
+        return waves * (kv_bytes / s + q_bytes) + partials / sm_count
+
+    candidates = [s for s in range(1, 9) if max_prefix // s >= 64]
+    return min(candidates, key=lambda s: (cost(s), s))
 
 
 if gluon is not None:
@@ -407,7 +435,7 @@ def tree_mla_hopper(
     8 heads: 61 / 91 / 160 us at 64 / 72 / 136 rows a request against 80 / 113 / 182;
     ``bench/results/tree_mla_schedule_ab.json``)."""
     from kernels.tree_mla import (
-        _LOG2E, _shared_memory_limit, _sm_count, check_operands, choose_num_splits, merge_splits, split_partials,
+        _LOG2E, _shared_memory_limit, _sm_count, check_operands, merge_splits, split_partials,
     )
 
     if not hopper_available(q_latent.device):
@@ -434,7 +462,7 @@ def tree_mla_hopper(
     m_tiles = -(-rows // BLOCK_M)
     if num_splits is None:
         max_prefix = meta.page_table.shape[1] * page_size
-        num_splits = choose_num_splits(R, m_tiles, rows, max_prefix, kvr, rope, _sm_count(q_latent.device))
+        num_splits = choose_splits(R, m_tiles, rows, max_prefix, kvr, rope, _sm_count(q_latent.device))
     total_rows = N * H
     o_part, lse_part = split_partials(out, num_splits, 1)
     gdt = gl.bfloat16 if q_latent.dtype == torch.bfloat16 else gl.float16

@@ -69,6 +69,29 @@ def test_backend_choice_off_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
         tree_mla(*ops, _meta(), 0.1, backend="cuda")
 
 
+
+def test_choose_splits_counts_whole_waves() -> None:
+    """Past half a GPU of CTAs a split, the split count minimises whole waves (132 SMs, K2 dims):
+    batch 32 x 4096, tree 33 (5 row tiles, 160 CTAs: 2 waves at one split) takes 4 splits, which
+    measured 252 us against 320 on an H200; tree 17 (96 CTAs, a part-empty wave) takes 4; batch 128
+    (256+ CTAs, whole waves already) keeps one. Small grids keep ``choose_num_splits``."""
+    from kernels.tree_mla import choose_num_splits
+
+    def splits(batch: int, context: int, nodes: int, heads: int = 8) -> int:
+        rows = nodes * heads
+        return hop.choose_splits(batch, -(-rows // hop.BLOCK_M), rows, context, 512, 64, 132)
+
+    assert splits(32, 4096, 33) == 4 and splits(32, 16384, 33) == 4
+    assert splits(32, 4096, 17) == 4
+    assert splits(128, 4096, 9) == splits(128, 4096, 17) == splits(128, 4096, 33) == 1
+    assert splits(32, 1024, 33, heads=64) == 1  # 1056 CTAs: partials would cost more than the tail
+    for batch, context, nodes in ((32, 4096, 9), (1, 4096, 17), (4, 4096, 17), (1, 100, 9)):
+        rows = nodes * 8
+        m_tiles = -(-rows // hop.BLOCK_M)
+        assert splits(batch, context, nodes) == choose_num_splits(batch, m_tiles, rows, context, 512, 64, 132)
+    assert all(4096 // splits(32, 4096, n) >= 64 for n in (9, 17, 33))
+
+
 _ARG_TYPES = {
     **{n: "*bf16" for n in ("q_lat_ptr", "q_pe_ptr", "kv_ptr", "new_kv_ptr", "out_ptr")},
     **{n: "*i32" for n in ("page_table_ptr", "prefix_lens_ptr", "query_starts_ptr", "anc_bits_ptr")},
