@@ -63,6 +63,7 @@ FUSED_VARIANTS = {
     "fused_t1": dict(hp_dn_tiles=1),
     "fused_s3": dict(hp_stages=3),
     "fused_split1": dict(gu_split_k=1),
+    "fused_split2": dict(gu_split_k=2),
     "fused_split1_s3": dict(gu_split_k=1, hp_stages=3),
     "fused_atomic": dict(reduce="atomic"),
 }
@@ -205,7 +206,7 @@ def main() -> None:
              variants="down_/gate_up_bn{rows}[_t{tiles a CTA}]_s{ring stages}[_k256: two 128-wide K steps a "
                       "ring slot][_overlap: one MMA wait a slot][_streamx: activations through the ring, not "
                       "resident][_r{N}: maxnreg N]; gate/up unsplit; fused_*: the whole call at choose_config's config "
-                      "with FUSED_VARIANTS' fields replaced (t1: hp_dn_tiles=1, s3: hp_stages=3, split1: gu_split_k=1, "
+                      "with FUSED_VARIANTS' fields replaced (t1: hp_dn_tiles=1, s3: hp_stages=3, split1 / split2: gu_split_k=1 / 2, "
                       "atomic: reduce='atomic'); step_*_us: the served call's other steps timed alone (topk_sum: "
                       "torch's sum in runs before adfe77e); served_kernels_us: device time of each kernel of one "
                       "served call (torch.profiler, eager, mean of 10)",
