@@ -647,7 +647,7 @@ def check_operands(
 
 
 def choose_backend(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Tensor) -> str:
-    """``"hopper"`` where the Gluon kernel runs (sm_90, 16-bit, the K2 or demo dims): 1.8-2.9x the
+    """``"hopper"`` where the Gluon kernel runs (sm_90, 16-bit, the K2 or demo dims): 1.8-3.3x the
     Triton kernel at batch >= 32 (bench/results/tree_mla.json); ``"triton"`` on other CUDA GPUs;
     ``"reference"`` off the GPU."""
     if not q_latent.is_cuda or triton is None:
