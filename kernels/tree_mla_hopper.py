@@ -59,7 +59,7 @@ try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kerne
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-__all__ = ["hopper_available", "unsupported_reason", "tree_mla_hopper", "choose_splits", "BLOCK_M", "SUPPORTED_DIMS"]
+__all__ = ["hopper_available", "unsupported_reason", "tree_mla_hopper", "choose_splits", "tma_rows_for", "BLOCK_M", "SUPPORTED_DIMS"]
 
 BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
 CONSUMER_REGS = 224  # registers of each consumer warpgroup; the loader gets the rest (232: 1-3% slower, H200)
@@ -88,6 +88,16 @@ def unsupported_reason(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv:
     return None
 
 
+
+
+def tma_rows_for(kv_cache: Tensor, block_n: int) -> int:
+    """Rows one TMA copy of a key tile takes from ``kv_cache`` ``[pages, page_size, dim]``, or 0 where
+    the loader must use ``cp.async``. TMA reads the cache as rows ``[pages * page_size, dim]``, so the
+    pages must lie back to back; a copy must not cross a page, so it takes a divisor of the page
+    (and of the tile); and a box shorter than 16 rows is not worth a copy."""
+    _, page_size, _ = kv_cache.shape
+    flat = kv_cache.stride(0) == page_size * kv_cache.stride(1)
+    return math.gcd(page_size, block_n) if flat and page_size % 16 == 0 else 0
 
 def choose_splits(num_requests: int, m_tiles: int, rows: int, max_prefix: int, kvr: int, rope: int, sm_count: int) -> int:
     """KV splits a request for this kernel: ``tree_mla.choose_num_splits`` (fill one wave) while a
@@ -473,12 +483,9 @@ def tree_mla_hopper(
         "K_PE_SMEM": gl.NVMMASharedLayout.get_default_for([block_n, rope], gdt),
         "P_SMEM": gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_n], gdt),
     }
-    # TMA reads the cache as rows [pages * page_size, kvr + rope]: pages back to back, and copies of
-    # TMA_ROWS rows (a divisor of the page) so none crosses a page; otherwise cp.async serves.
-    flat = kv_cache.stride(0) == page_size * kv_cache.stride(1)
-    tma_rows = math.gcd(page_size, block_n) if flat and page_size % 16 == 0 else 0
+    tma_rows = tma_rows_for(kv_cache, block_n)
     box = max(tma_rows, 16)
-    kv_rows = kv_cache.as_strided((kv_cache.shape[0] * page_size if flat else page_size, kvr + rope), (kv_cache.stride(1), 1))
+    kv_rows = kv_cache.as_strided((kv_cache.shape[0] * page_size if tma_rows else page_size, kvr + rope), (kv_cache.stride(1), 1))
     lat_desc = TensorDescriptor.from_tensor(kv_rows[:, :kvr], [box, kvr], smem["K_LAT_SMEM"])  # (unused without TMA)
     pe_desc = TensorDescriptor.from_tensor(kv_rows[:, kvr:], [box, rope], smem["K_PE_SMEM"])
     _tree_mla_hopper_kernel[(m_tiles, num_splits, R)](

@@ -92,6 +92,21 @@ def test_choose_splits_counts_whole_waves() -> None:
     assert all(4096 // splits(32, 4096, n) >= 64 for n in (9, 17, 33))
 
 
+
+def test_tma_rows_stay_inside_a_page() -> None:
+    """TMA takes whole tiles only from a cache whose pages lie back to back, in copies that divide
+    both the page and the tile; anything else (page size 1, a padded page stride) goes by cp.async."""
+    def cache(pages: int, page_size: int, pad: int = 0) -> torch.Tensor:
+        return torch.zeros(pages, page_size + pad, 576, dtype=torch.bfloat16)[:, :page_size]
+
+    assert hop.tma_rows_for(cache(4, 64), 32) == 32 and hop.tma_rows_for(cache(4, 64), 64) == 64
+    assert hop.tma_rows_for(cache(4, 16), 32) == 16  # two copies a 32-key tile, one a page
+    assert hop.tma_rows_for(cache(4, 48), 32) == 16  # a 48-token page: 16-row copies never cross it
+    assert hop.tma_rows_for(cache(4, 128), 32) == 32
+    assert hop.tma_rows_for(cache(4, 1), 32) == 0 and hop.tma_rows_for(cache(4, 8), 32) == 0
+    assert hop.tma_rows_for(cache(4, 16, pad=1), 32) == 0  # pages not back to back
+
+
 _ARG_TYPES = {
     **{n: "*bf16" for n in ("q_lat_ptr", "q_pe_ptr", "kv_ptr", "new_kv_ptr", "out_ptr")},
     **{n: "*i32" for n in ("page_table_ptr", "prefix_lens_ptr", "query_starts_ptr", "anc_bits_ptr")},
