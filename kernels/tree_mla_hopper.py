@@ -88,8 +88,6 @@ def unsupported_reason(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv:
     return None
 
 
-
-
 def tma_rows_for(kv_cache: Tensor, block_n: int) -> int:
     """Rows one TMA copy of a key tile takes from ``kv_cache`` ``[pages, page_size, dim]``, or 0 where
     the loader must use ``cp.async``. TMA reads the cache as rows ``[pages * page_size, dim]``, so the
@@ -98,6 +96,7 @@ def tma_rows_for(kv_cache: Tensor, block_n: int) -> int:
     _, page_size, _ = kv_cache.shape
     flat = kv_cache.stride(0) == page_size * kv_cache.stride(1)
     return math.gcd(page_size, block_n) if flat and page_size % 16 == 0 else 0
+
 
 def choose_splits(num_requests: int, m_tiles: int, rows: int, max_prefix: int, kvr: int, rope: int, sm_count: int) -> int:
     """KV splits a request for this kernel: ``tree_mla.choose_num_splits`` (fill one wave) while a
