@@ -227,7 +227,7 @@ if gluon is not None:
                            pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
                            stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
         cp.commit_group()
-        cp.wait_group(0)  # nothing leaves the CTA with copies in flight (a CTA with no tiles: the q tile)
+        cp.wait_group(0)  # belt and braces: the consumers already wait for every copy (q_ready, kv_ready)
 
     @gluon.jit
     def _logits(q_lat, q_pe, k_lat_t, k_pe_t, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr):
