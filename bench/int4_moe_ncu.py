@@ -13,16 +13,13 @@ launch's time under the profiler, not the graph-replayed time of ``int4_moe_benc
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import os
-import subprocess
 import sys
 
+from bench.ncu import STALLS, profile, stall_metrics
+
 POINTS = (("tp8", 72), ("tp8", 1152), ("ep8", 288))
-STALLS = ("barrier", "wait", "long_scoreboard", "short_scoreboard", "math_pipe_throttle", "dispatch_stall",
-          "not_selected", "selected", "mio_throttle", "lg_throttle", "no_instruction", "branch_resolving")
 METRICS = [
     "gpu__time_duration.sum",
     "dram__throughput.avg.pct_of_peak_sustained_elapsed",
@@ -37,7 +34,7 @@ METRICS = [
     "launch__occupancy_limit_registers",
     "smsp__inst_executed.sum",
     "dram__bytes_read.sum",
-] + [f"smsp__average_warp_latency_issue_stalled_{s}.ratio" for s in STALLS]
+] + stall_metrics(STALLS[:12])
 
 
 def target(shape: str, tokens: int) -> None:
@@ -59,31 +56,11 @@ def target(shape: str, tokens: int) -> None:
     torch.cuda.synchronize()
 
 
-def profile(ncu: str, shape: str, tokens: int) -> list[dict]:
+def profile_point(ncu: str, shape: str, tokens: int) -> list[dict]:
     """``ncu`` raw counters of the third call's gate/up and down launches, one dict each."""
-    cmd = [ncu, "--csv", "--page", "raw", "--kernel-name", "regex:_moe_gemm_hopper_kernel", "--launch-skip", "4",
-           "--launch-count", "2", "--metrics", ",".join(METRICS),
-           sys.executable, os.path.abspath(__file__), "--target", shape, str(tokens)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    lines = proc.stdout.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
-    if proc.returncode != 0 or start is None:
-        raise RuntimeError(f"ncu failed ({proc.returncode}): {proc.stdout[-1500:]} {proc.stderr[-1500:]}")
-    rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
-    units, launches = rows[0], rows[1:]  # the first row after the header holds the units
-    out = []
-    for gemm, row in zip(("gate_up", "down"), launches):
-        rec = dict(shape=shape, tokens=tokens, gemm=gemm)
-        for m in METRICS:
-            val = row.get(m, "").replace(",", "")
-            try:
-                rec[m] = float(val)
-            except ValueError:
-                rec[m] = val or None
-            if units.get(m):
-                rec[m + ".unit"] = units[m]
-        out.append(rec)
-    return out
+    target = [sys.executable, os.path.abspath(__file__), "--target", shape, str(tokens)]
+    launches = profile(ncu, target, METRICS, kernel_regex="_moe_gemm_hopper_kernel", launch_skip=4, launch_count=2)
+    return [dict(shape=shape, tokens=tokens, gemm=gemm, **rec) for gemm, rec in zip(("gate_up", "down"), launches)]
 
 
 def main() -> None:
@@ -100,7 +77,7 @@ def main() -> None:
 
     rows = []
     for shape, tokens in POINTS:
-        rows += profile(args.ncu, shape, tokens)
+        rows += profile_point(args.ncu, shape, tokens)
         for r in rows[-2:]:
             print(json.dumps({k: v for k, v in r.items() if not k.endswith(".unit")}), flush=True)
     write_result(
@@ -109,8 +86,8 @@ def main() -> None:
              launches="the third fused_int4_moe call's gate/up and down Gluon launches",
              stalls="smsp__average_warp_latency_issue_stalled_*.ratio: cycles a warp spent in that state "
                     "per issued instruction (selected = issuing)",
-             note="ncu replays each launch with its own clock control, so gpu__time_duration is not the "
-                  "graph-replayed time of int4_moe_bench.py"),
+             note="ncu serialises and replays each launch (clocks left alone since the shared runner, "
+                  "bench/ncu.py), so gpu__time_duration is not the graph-replayed time of int4_moe_bench.py"),
         rows,
     )
 
