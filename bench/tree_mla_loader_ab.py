@@ -33,11 +33,9 @@ SHAPES = ((32, 4096, 8), (32, 4096, 9), (32, 4096, 17), (32, 4096, 33), (128, 40
 HEADS = 8
 VARIANTS = {
     "base": dict(),
-    "early_s": dict(early_s=True),
-    "prefetch4": dict(prefetch=4),
-    "prefetch8": dict(prefetch=8),
-    "early_s+prefetch4": dict(early_s=True, prefetch=4),
-    "early_s+prefetch8": dict(early_s=True, prefetch=8),
+    "base_again": dict(),  # the spread between two timings of one kernel
+    "order_pv": dict(order_pv=True),
+    "late_s": dict(late_s=True),
 }
 
 

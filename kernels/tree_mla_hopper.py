@@ -54,9 +54,7 @@ try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kerne
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
-    )
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
@@ -148,17 +146,6 @@ if gluon is not None:
         _cp_async(pe_buf, base + slot_pe[:, None] + cols_pe[None, :], mask=ok_pe[:, None])
 
     @gluon.jit
-    def _prefetch_l2(addr, NBYTES: gl.constexpr, WARPS: gl.constexpr):
-        """One thread of the partition asks L2 for ``NBYTES`` from ``addr`` (a bulk prefetch that
-        nothing waits for), so the tile's TMA copy later finds it there."""
-        tid = gl.arange(0, 32 * WARPS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-        ptrs = addr + gl.zeros_like(tid)
-        nbytes = gl.full(tid.shape, NBYTES, gl.int32, layout=tid.type.layout)
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.eq.s32 p, $1, 0; @p cp.async.bulk.prefetch.L2.global [$2], $3; mov.b32 $0, 0; }",
-            "=r,r,l,r", [tid, ptrs, nbytes], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _tile_keys(t, n_prefix, lo, hi, n_nodes, offs, BLOCK_N: gl.constexpr):
         """Key positions of tile ``t`` (prefix tiles first, then the tree's own) and which exist."""
         if t < n_prefix:
@@ -197,7 +184,7 @@ if gluon is not None:
                 n_prefix, n_total, lo, hi, n_nodes, page_size,
                 stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok, stride_new_n,
                 KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                TMA_ROWS: gl.constexpr, LOADER_WARPS: gl.constexpr, PREFETCH: gl.constexpr):
+                TMA_ROWS: gl.constexpr, LOADER_WARPS: gl.constexpr):
         """Stream the q tile and every key tile into the ring. Whole prefix tiles go by TMA
         (``TMA_ROWS`` rows a copy, so a copy never crosses a page) where ``TMA_ROWS > 0``; a split's
         last, partial tile and the tree's own keys by cp.async, which zero-fills the rows past the
@@ -220,16 +207,6 @@ if gluon is not None:
         cp.mbarrier_arrive(q_ready, increment_count=False)
         for t in range(n_total):
             st = t % NUM_STAGES
-            if PREFETCH > 0:
-                if TMA_ROWS > 0:
-                    tp = t + PREFETCH
-                    if tp < n_prefix:
-                        for c in gl.static_range(BLOCK_N // TMA_ROWS):
-                            pos = lo + tp * BLOCK_N + c * TMA_ROWS
-                            if pos < hi:
-                                page = gl.load(pt_row + pos // page_size)
-                                _prefetch_l2(kv_ptr + page.to(gl.int64) * stride_kv_page + (pos % page_size) * stride_kv_tok,
-                                             TMA_ROWS * (KVR + ROPE) * 2, LOADER_WARPS)
             mbarrier.wait(kv_free.index(st), ((t // NUM_STAGES) & 1) ^ 1)  # both warpgroups are done with it
             if TMA_ROWS > 0:
                 start = lo + t * BLOCK_N
@@ -263,9 +240,9 @@ if gluon is not None:
     def _own_tile(s, j, acc, m_i, l_i, v_tile, p_smem, m_smem, l_smem, a_smem, p_ready,
                   n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
                   ROLE: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr,
-                  O_LAYOUT: gl.constexpr, WAIT: gl.constexpr):
+                  O_LAYOUT: gl.constexpr):
         """Tile j's softmax from its logits ``s``: publish P and the row stats on ``p_ready[j % 2]``,
-        then issue this warpgroup's half of ``P V`` (waited here if ``WAIT``, else by the caller)."""
+        then this warpgroup's half of ``P V`` (waited: the accumulator is loop-carried)."""
         offs_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
         if j < n_prefix:  # prefix keys past the split's end are masked
             key_ok = (lo + j * BLOCK_N + offs_s) < hi
@@ -294,31 +271,16 @@ if gluon is not None:
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))
         p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
         acc = warpgroup_mma(p_op, v_tile.slice(ROLE * HALF, HALF, dim=1), acc * alpha_o[:, None], is_async=True)
-        if WAIT:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         return m_new, l_i, acc
 
     @gluon.jit
-    def _next_logits(acc, j, n_total, q_lat, q_pe, k_lat, k_pe, kv_ready,
-                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, S_LAYOUT: gl.constexpr):
-        """With this warpgroup's ``P V`` still running, issue the logits of its next tile ``j``, then
-        wait for the ``P V`` alone. Past the last tile it issues them for tile ``j - 2``, still
-        resident (its slot is released after this), so the count of MMA groups in flight is fixed."""
-        jn = j
-        if jn >= n_total:
-            jn = j - 2
-        mbarrier.wait(kv_ready.index(jn % NUM_STAGES), (jn // NUM_STAGES) & 1)
-        s = _logits(q_lat, q_pe, k_lat.index(jn % NUM_STAGES), k_pe.index(jn % NUM_STAGES), BLOCK_N, S_LAYOUT)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        return s, acc
-
-    @gluon.jit
-    def _consumer(q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
+    def _consumer(q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready, pv_issued,
                   anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                   q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
                   total_rows, stride_anc_n, scale_log2,
                   ROLE: gl.constexpr, KVR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  DIRECT: gl.constexpr, EARLY_S: gl.constexpr):
+                  DIRECT: gl.constexpr, ORDER_PV: gl.constexpr, LATE_S: gl.constexpr):
         """One warpgroup: value dims ``[ROLE * KVR/2, (ROLE + 1) * KVR/2)`` of every tile's ``P V``, and
         the logits and softmax of the tiles ``t % 2 == ROLE``. The owner of tile t publishes its
         probabilities (shared memory) and the running max / sum / rescale (``m_smem`` / ``l_smem`` / ``a_smem``) on
@@ -338,9 +300,6 @@ if gluon is not None:
         bits_row = anc_bits_ptr + (q_start + offs_row // num_heads).to(gl.int64) * stride_anc_n
         row_ok = offs_row < rows
         mbarrier.wait(q_ready, 0)
-        s = gl.zeros([_BM, BLOCK_N], gl.float32, layout=S_LAYOUT)
-        if EARLY_S:  # the logits cross the loop's back edge in flight
-            s = warpgroup_mma_init(s)
         if ROLE == 0:
             if n_total >= 1:  # tile 0: no earlier tile to fold in
                 mbarrier.wait(kv_ready.index(0), 0)
@@ -348,19 +307,16 @@ if gluon is not None:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 m_i, l_i, acc = _own_tile(s, 0, acc, m_i, l_i, k_lat.index(0), p_smem, m_smem, l_smem, a_smem, p_ready,
                                           n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
-                                          ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT, not EARLY_S)
-                if EARLY_S:
-                    s, acc = _next_logits(acc, 2, n_total, q_lat, q_pe, k_lat, k_pe, kv_ready, BLOCK_N, NUM_STAGES, S_LAYOUT)
+                                          ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT)
                 mbarrier.arrive(kv_free.index(0))
-        elif EARLY_S:
-            if n_total >= 2:
-                mbarrier.wait(kv_ready.index(1), 0)
-                s = _logits(q_lat, q_pe, k_lat.index(1), k_pe.index(1), BLOCK_N, S_LAYOUT)
         for j in range(2 - ROLE, n_total, 2):  # the tiles this warpgroup owns, each after the other's j-1
             st = j % NUM_STAGES
             sp = (j - 1) % NUM_STAGES
-            if not EARLY_S:
+            if not LATE_S:
                 mbarrier.wait(kv_ready.index(st), (j // NUM_STAGES) & 1)
+                if ORDER_PV:
+                    if j >= 2:  # the other warpgroup's P V of tile j-2 goes first: it leads to the next P
+                        mbarrier.wait(pv_issued.index(j % 2), ((j - 2) // 2) & 1)
                 s = _logits(q_lat, q_pe, k_lat.index(st), k_pe.index(st), BLOCK_N, S_LAYOUT)
             mbarrier.wait(p_ready.index((j - 1) % 2), ((j - 1) // 2) & 1)
             m_i = m_smem.load(ROW_S)
@@ -368,14 +324,19 @@ if gluon is not None:
             alpha_o = a_smem.load(ROW_O)
             acc = warpgroup_mma(p_smem, k_lat.index(sp).slice(ROLE * HALF, HALF, dim=1), acc * alpha_o[:, None],
                                 is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # the logits; P V of tile j-1 may still run
+            if ORDER_PV:
+                mbarrier.arrive(pv_issued.index((j - 1) % 2))
+            if LATE_S:
+                mbarrier.wait(kv_ready.index(st), (j // NUM_STAGES) & 1)
+                s = _logits(q_lat, q_pe, k_lat.index(st), k_pe.index(st), BLOCK_N, S_LAYOUT)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            else:
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # the logits; P V of tile j-1 may still run
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # ... it read p_smem before we rewrite it
             mbarrier.arrive(kv_free.index(sp))
             m_i, l_i, acc = _own_tile(s, j, acc, m_i, l_i, k_lat.index(st), p_smem, m_smem, l_smem, a_smem, p_ready,
                                       n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
-                                      ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT, not EARLY_S)
-            if EARLY_S:
-                s, acc = _next_logits(acc, j + 2, n_total, q_lat, q_pe, k_lat, k_pe, kv_ready, BLOCK_N, NUM_STAGES, S_LAYOUT)
+                                      ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT)
             mbarrier.arrive(kv_free.index(st))
         if n_total >= 1:
             if (n_total - 1) % 2 != ROLE:  # the last tile is the other's: its half here
@@ -387,11 +348,11 @@ if gluon is not None:
                 alpha_o = a_smem.load(ROW_O)
                 acc = warpgroup_mma(p_smem, k_lat.index(j % NUM_STAGES).slice(ROLE * HALF, HALF, dim=1),
                                     acc * alpha_o[:, None], is_async=True)
+                if ORDER_PV:
+                    mbarrier.arrive(pv_issued.index(j % 2))
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(kv_free.index(j % NUM_STAGES))
 
-        if EARLY_S:
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))  # the last logits issued (unused)
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
         o = acc / gl.convert_layout(l_safe, ROW_O)[:, None]
         offs_o = pid_m * _BM + gl.arange(0, _BM, layout=ROW_O)
@@ -417,7 +378,7 @@ if gluon is not None:
         stride_kv_page, stride_kv_tok, stride_new_n, stride_pt_r, stride_anc_n,
         num_heads, page_size, total_rows, num_splits, scale_log2,
         KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, DIRECT: gl.constexpr,
-        TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr, EARLY_S: gl.constexpr, PREFETCH: gl.constexpr,
+        TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ORDER_PV: gl.constexpr, LATE_S: gl.constexpr,
         Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr,
         P_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -451,11 +412,13 @@ if gluon is not None:
             kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
             kv_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
             p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            pv_issued = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(NUM_STAGES):
                 mbarrier.init(kv_ready.index(i), count=1)
                 mbarrier.init(kv_free.index(i), count=2)
             for i in gl.static_range(2):
                 mbarrier.init(p_ready.index(i), count=1)
+                mbarrier.init(pv_issued.index(i), count=1)
             mbarrier.init(q_ready, count=32 * num_warps)
             fence_async_shared()
             pt_row = page_table_ptr + r * stride_pt_r
@@ -464,15 +427,15 @@ if gluon is not None:
                            q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
                            n_prefix, n_total, lo, hi, n_nodes, page_size,
                            stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
-                           stride_new_n, KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps, PREFETCH)),
-                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
+                           stride_new_n, KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps)),
+                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready, pv_issued,
                              anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                              q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                             total_rows, stride_anc_n, scale_log2, 0, KVR, BLOCK_N, NUM_STAGES, DIRECT, EARLY_S)),
-                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
+                             total_rows, stride_anc_n, scale_log2, 0, KVR, BLOCK_N, NUM_STAGES, DIRECT, ORDER_PV, LATE_S)),
+                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready, pv_issued,
                              anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                              q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                             total_rows, stride_anc_n, scale_log2, 1, KVR, BLOCK_N, NUM_STAGES, DIRECT, EARLY_S)),
+                             total_rows, stride_anc_n, scale_log2, 1, KVR, BLOCK_N, NUM_STAGES, DIRECT, ORDER_PV, LATE_S)),
             ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -488,8 +451,8 @@ def tree_mla_hopper(
     num_splits: int | None = None,
     block_n: int = 32,
     num_stages: int = 4,
-    early_s: bool = False,
-    prefetch: int = 0,
+    order_pv: bool = False,
+    late_s: bool = False,
 ) -> Tensor:
     """``tree_mla_triton``'s contract on the Gluon kernel: same arguments (host metadata is packed
     here, with a host sync), same result ``[N, H, kvr]``. Needs ``hopper_available`` and operands
@@ -549,7 +512,7 @@ def tree_mla_hopper(
         kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
         H, page_size, total_rows, num_splits, softmax_scale * _LOG2E,
         KVR=kvr, ROPE=rope, BLOCK_N=block_n, NUM_STAGES=num_stages, DIRECT=num_splits == 1, TMA_ROWS=tma_rows,
-        CONSUMER_REGS=CONSUMER_REGS, EARLY_S=early_s, PREFETCH=prefetch, **smem, num_warps=4,
+        CONSUMER_REGS=CONSUMER_REGS, ORDER_PV=order_pv, LATE_S=late_s, **smem, num_warps=4,
     )
     merge_splits(o_part, lse_part, out, num_splits, 1)
     return out
