@@ -34,8 +34,7 @@ HEADS = 8
 VARIANTS = {
     "base": dict(),
     "base_again": dict(),  # the spread between two timings of one kernel
-    "order_pv": dict(order_pv=True),
-    "late_s": dict(late_s=True),
+    "tau8": dict(tau=8.0),
 }
 
 
