@@ -155,12 +155,10 @@ def time_eager(fn, reps: int = 3) -> float:
     return eager_us([fn], reps) * 1e-6
 
 
-def run_kernel(backend: str, case: Case, config: TreeMlaConfig | None = None, num_splits: int | None = None,
-               **hopper_kw) -> torch.Tensor:
-    """One call of the named kernel ("triton" takes a config; both take a split count; ``hopper_kw``
-    go to ``tree_mla_hopper``)."""
+def run_kernel(backend: str, case: Case, config: TreeMlaConfig | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """One call of the named kernel ("triton" takes a config; both take a split count)."""
     if backend == "hopper":
-        return tree_mla_hopper(*case.args(), num_splits=num_splits, **hopper_kw)
+        return tree_mla_hopper(*case.args(), num_splits=num_splits)
     return tree_mla_triton(*case.args(), config=config, num_splits=num_splits)
 
 
@@ -176,10 +174,10 @@ def time_kernel(batch: int, context: int, nodes: int, heads: int, config: TreeMl
     return t, first
 
 
-def check_correctness(log: list, backend: str, **hopper_kw) -> list[dict]:
+def check_correctness(log: list, backend: str) -> list[dict]:
     """One kernel vs the float32 reference on bf16 inputs at awkward shapes (splits 1, 3 and the
     default; the demo model's 128 + 32 dims; a cache whose pages are not back to back); graph
-    replay vs eager. Outputs are NaN-poisoned. ``hopper_kw``: ``tree_mla_hopper``'s options."""
+    replay vs eager. Outputs are NaN-poisoned."""
     checks = []
     shapes = [  # (context per request, nodes, heads, page_size, kvr, rope, page stride padded by one token)
         ([1000, 37, 0, 4099], 9, 8, 64, KVR, ROPE, False),
@@ -201,10 +199,10 @@ def check_correctness(log: list, backend: str, **hopper_kw) -> list[dict]:
         for splits in (None, 1, 3):
             torch.empty = lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))  # an unwritten element shows
             try:
-                got = run_kernel(backend, case, num_splits=splits, **hopper_kw)
+                got = run_kernel(backend, case, num_splits=splits)
             finally:
                 torch.empty = real_empty
-            row = {"backend": backend, **hopper_kw, "lens": lens, "nodes": n, "heads": h, "page_size": ps, "kvr": kvr, "rope": rope,
+            row = {"backend": backend, "lens": lens, "nodes": n, "heads": h, "page_size": ps, "kvr": kvr, "rope": rope,
                    "cache_contiguous": case.kv_cache.is_contiguous(),
                    "num_splits": splits, "max_abs_err": (got.float() - want.float()).abs().max().item(),
                    "rel_err": rel_err(got, want), "finite": bool(torch.isfinite(got).all())}
@@ -214,13 +212,13 @@ def check_correctness(log: list, backend: str, **hopper_kw) -> list[dict]:
     case = Case(4, 4096, 17, 8, seed=3)
     dense = dense_sdpa_reference(case)
     want = tree_mla_reference(case.q_latent, case.q_pe, case.kv_cache, case.new_kv, case.host_meta, case.scale)
-    eager = run_kernel(backend, case, **hopper_kw)
+    eager = run_kernel(backend, case)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed = run_kernel(backend, case, **hopper_kw)
+        replayed = run_kernel(backend, case)
     graph.replay()
     torch.cuda.synchronize()
-    row = {"backend": backend, **hopper_kw, "dense_sdpa_rel_err": rel_err(dense, want), "graph_equals_eager": bool(torch.equal(replayed, eager))}
+    row = {"backend": backend, "dense_sdpa_rel_err": rel_err(dense, want), "graph_equals_eager": bool(torch.equal(replayed, eager))}
     checks.append(row)
     log.append(f"check {row}")
     print(log[-1], flush=True)

@@ -488,27 +488,41 @@ if triton is not None:
         KVR: tl.constexpr,
         BLOCK_R: tl.constexpr,
         DV_SPLITS: tl.constexpr,
+        D_CHUNKS: tl.constexpr,  # programs a value-dim half is cut into (more programs, more bytes in flight)
+        UNROLL: tl.constexpr,  # > 0: a power of two >= num_splits; every split's partial is read at once
     ):
         BLOCK_DV: tl.constexpr = KVR // DV_SPLITS
+        BLOCK_D: tl.constexpr = BLOCK_DV // D_CHUNKS
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
-        dv = tl.program_id(1)  # which value-dim half (and its log-sum-exps)
+        dv = tl.program_id(1) // D_CHUNKS  # which value-dim half (and its log-sum-exps)
+        chunk = tl.program_id(1) % D_CHUNKS
         row_ok = rows < total_rows
         rows64 = rows.to(tl.int64)
-        offs_d = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        offs_d = dv * BLOCK_DV + chunk * BLOCK_D + tl.arange(0, BLOCK_D)
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
         for s in range(num_splits):
             lse_row = (s * DV_SPLITS + dv) * total_rows + rows64
             m = tl.maximum(m, tl.load(lse_part_ptr + lse_row, mask=row_ok, other=float("-inf")))
         m_use = tl.where(m == float("-inf"), 0.0, m)
         w_sum = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-        for s in range(num_splits):
-            part = s * total_rows + rows64  # [BR]
-            lse_row = (s * DV_SPLITS + dv) * total_rows + rows64
-            w = tl.exp2(tl.load(lse_part_ptr + lse_row, mask=row_ok, other=float("-inf")) - m_use)  # [BR]
-            o = tl.load(o_part_ptr + part[:, None] * KVR + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-            acc += w[:, None] * o
-            w_sum += w
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        if UNROLL > 0:  # splits past num_splits add w = 0 times o = 0: the same sums, in the same order
+            for s in tl.static_range(UNROLL):
+                ok = row_ok & (s < num_splits)
+                part = s * total_rows + rows64  # [BR]
+                lse_row = (s * DV_SPLITS + dv) * total_rows + rows64
+                w = tl.exp2(tl.load(lse_part_ptr + lse_row, mask=ok, other=float("-inf")) - m_use)  # [BR]
+                o = tl.load(o_part_ptr + part[:, None] * KVR + offs_d[None, :], mask=ok[:, None], other=0.0)
+                acc += w[:, None] * o
+                w_sum += w
+        else:
+            for s in range(num_splits):
+                part = s * total_rows + rows64  # [BR]
+                lse_row = (s * DV_SPLITS + dv) * total_rows + rows64
+                w = tl.exp2(tl.load(lse_part_ptr + lse_row, mask=row_ok, other=float("-inf")) - m_use)  # [BR]
+                o = tl.load(o_part_ptr + part[:, None] * KVR + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                acc += w[:, None] * o
+                w_sum += w
         w_sum = tl.where(w_sum == 0.0, 1.0, w_sum)
         tl.store(out_ptr + rows64[:, None] * KVR + offs_d[None, :],
                  (acc / w_sum[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -605,14 +619,16 @@ def split_partials(out: Tensor, num_splits: int, dv_splits: int) -> tuple[Tensor
     return o_part, lse_part
 
 
-def merge_splits(o_part: Tensor, lse_part: Tensor, out: Tensor, num_splits: int, dv_splits: int) -> None:
+def merge_splits(o_part: Tensor, lse_part: Tensor, out: Tensor, num_splits: int, dv_splits: int, *,
+                 block_r: int = 16, d_chunks: int = 1, unroll: bool = False) -> None:
     """``out`` from the partials of more than one split (one merge launch; nothing for one)."""
     if num_splits == 1:
         return
     total_rows, kvr = out.shape[0] * out.shape[1], out.shape[2]
-    block_r = 16
-    _tree_mla_merge_kernel[(triton.cdiv(total_rows, block_r), dv_splits)](
-        o_part, lse_part, out, total_rows, num_splits, KVR=kvr, BLOCK_R=block_r, DV_SPLITS=dv_splits, num_warps=4,
+    splits_p2 = triton.next_power_of_2(num_splits) if unroll else 0
+    _tree_mla_merge_kernel[(triton.cdiv(total_rows, block_r), dv_splits * d_chunks)](
+        o_part, lse_part, out, total_rows, num_splits, KVR=kvr, BLOCK_R=block_r, DV_SPLITS=dv_splits,
+        D_CHUNKS=d_chunks, UNROLL=splits_p2, num_warps=4,
     )
 
 

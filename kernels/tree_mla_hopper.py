@@ -240,7 +240,7 @@ if gluon is not None:
     def _own_tile(s, j, acc, m_i, l_i, v_tile, p_smem, m_smem, l_smem, a_smem, p_ready,
                   n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
                   ROLE: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr,
-                  O_LAYOUT: gl.constexpr, TAU: gl.constexpr):
+                  O_LAYOUT: gl.constexpr):
         """Tile j's softmax from its logits ``s``: publish P and the row stats on ``p_ready[j % 2]``,
         then this warpgroup's half of ``P V`` (waited: the accumulator is loop-carried)."""
         offs_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
@@ -256,8 +256,6 @@ if gluon is not None:
             s_mask = (((word >> (offs_s % 32)[None, :]) & 1) != 0) & ((w0 * 32 + offs_s) < n_nodes)[None, :]
         s = gl.where(s_mask, s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
-        if TAU > 0:  # keep the old max until the new one is TAU above it (p stays below 2^TAU)
-            m_new = gl.where(m_new > m_i + TAU, m_new, m_i)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet stay finite
         alpha = gl.exp2(m_i - m_use)
         p32 = gl.exp2(s - m_use[:, None])
@@ -272,28 +270,17 @@ if gluon is not None:
         mbarrier.arrive(p_ready.index(j % 2))
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))
         p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
-        acc = warpgroup_mma(p_op, v_tile.slice(ROLE * HALF, HALF, dim=1), _rescaled(acc, alpha_o, TAU), is_async=True)
+        acc = warpgroup_mma(p_op, v_tile.slice(ROLE * HALF, HALF, dim=1), acc * alpha_o[:, None], is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         return m_new, l_i, acc
 
     @gluon.jit
-    def _rescaled(acc, alpha, TAU: gl.constexpr):
-        """``acc * alpha`` a row. With a lazy max (``TAU > 0``) most tiles leave every alpha at 1, and
-        then the warpgroup skips the multiplies (128 a thread)."""
-        if TAU > 0:
-            if gl.max(gl.where(alpha != 1.0, 1, 0), 0) != 0:
-                acc = acc * alpha[:, None]
-        else:
-            acc = acc * alpha[:, None]
-        return acc
-
-    @gluon.jit
-    def _consumer(q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready, pv_issued,
+    def _consumer(q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
                   anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                   q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
                   total_rows, stride_anc_n, scale_log2,
                   ROLE: gl.constexpr, KVR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  DIRECT: gl.constexpr, ORDER_PV: gl.constexpr, LATE_S: gl.constexpr, TAU: gl.constexpr):
+                  DIRECT: gl.constexpr):
         """One warpgroup: value dims ``[ROLE * KVR/2, (ROLE + 1) * KVR/2)`` of every tile's ``P V``, and
         the logits and softmax of the tiles ``t % 2 == ROLE``. The owner of tile t publishes its
         probabilities (shared memory) and the running max / sum / rescale (``m_smem`` / ``l_smem`` / ``a_smem``) on
@@ -320,36 +307,25 @@ if gluon is not None:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 m_i, l_i, acc = _own_tile(s, 0, acc, m_i, l_i, k_lat.index(0), p_smem, m_smem, l_smem, a_smem, p_ready,
                                           n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
-                                          ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT, TAU)
+                                          ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT)
                 mbarrier.arrive(kv_free.index(0))
         for j in range(2 - ROLE, n_total, 2):  # the tiles this warpgroup owns, each after the other's j-1
             st = j % NUM_STAGES
             sp = (j - 1) % NUM_STAGES
-            if not LATE_S:
-                mbarrier.wait(kv_ready.index(st), (j // NUM_STAGES) & 1)
-                if ORDER_PV:
-                    if j >= 2:  # the other warpgroup's P V of tile j-2 goes first: it leads to the next P
-                        mbarrier.wait(pv_issued.index(j % 2), ((j - 2) // 2) & 1)
-                s = _logits(q_lat, q_pe, k_lat.index(st), k_pe.index(st), BLOCK_N, S_LAYOUT)
+            mbarrier.wait(kv_ready.index(st), (j // NUM_STAGES) & 1)
+            s = _logits(q_lat, q_pe, k_lat.index(st), k_pe.index(st), BLOCK_N, S_LAYOUT)
             mbarrier.wait(p_ready.index((j - 1) % 2), ((j - 1) // 2) & 1)
             m_i = m_smem.load(ROW_S)
             l_i = l_smem.load(ROW_S)
             alpha_o = a_smem.load(ROW_O)
-            acc = warpgroup_mma(p_smem, k_lat.index(sp).slice(ROLE * HALF, HALF, dim=1), _rescaled(acc, alpha_o, TAU),
+            acc = warpgroup_mma(p_smem, k_lat.index(sp).slice(ROLE * HALF, HALF, dim=1), acc * alpha_o[:, None],
                                 is_async=True)
-            if ORDER_PV:
-                mbarrier.arrive(pv_issued.index((j - 1) % 2))
-            if LATE_S:
-                mbarrier.wait(kv_ready.index(st), (j // NUM_STAGES) & 1)
-                s = _logits(q_lat, q_pe, k_lat.index(st), k_pe.index(st), BLOCK_N, S_LAYOUT)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            else:
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # the logits; P V of tile j-1 may still run
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # the logits; P V of tile j-1 may still run
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # ... it read p_smem before we rewrite it
             mbarrier.arrive(kv_free.index(sp))
             m_i, l_i, acc = _own_tile(s, j, acc, m_i, l_i, k_lat.index(st), p_smem, m_smem, l_smem, a_smem, p_ready,
                                       n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
-                                      ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT, TAU)
+                                      ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT)
             mbarrier.arrive(kv_free.index(st))
         if n_total >= 1:
             if (n_total - 1) % 2 != ROLE:  # the last tile is the other's: its half here
@@ -360,9 +336,7 @@ if gluon is not None:
                 l_i = l_smem.load(ROW_S)
                 alpha_o = a_smem.load(ROW_O)
                 acc = warpgroup_mma(p_smem, k_lat.index(j % NUM_STAGES).slice(ROLE * HALF, HALF, dim=1),
-                                    _rescaled(acc, alpha_o, TAU), is_async=True)
-                if ORDER_PV:
-                    mbarrier.arrive(pv_issued.index(j % 2))
+                                    acc * alpha_o[:, None], is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(kv_free.index(j % NUM_STAGES))
 
@@ -391,7 +365,7 @@ if gluon is not None:
         stride_kv_page, stride_kv_tok, stride_new_n, stride_pt_r, stride_anc_n,
         num_heads, page_size, total_rows, num_splits, scale_log2,
         KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, DIRECT: gl.constexpr,
-        TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ORDER_PV: gl.constexpr, LATE_S: gl.constexpr, TAU: gl.constexpr,
+        TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr,
         P_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -425,13 +399,11 @@ if gluon is not None:
             kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
             kv_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
             p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            pv_issued = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(NUM_STAGES):
                 mbarrier.init(kv_ready.index(i), count=1)
                 mbarrier.init(kv_free.index(i), count=2)
             for i in gl.static_range(2):
                 mbarrier.init(p_ready.index(i), count=1)
-                mbarrier.init(pv_issued.index(i), count=1)
             mbarrier.init(q_ready, count=32 * num_warps)
             fence_async_shared()
             pt_row = page_table_ptr + r * stride_pt_r
@@ -441,14 +413,14 @@ if gluon is not None:
                            n_prefix, n_total, lo, hi, n_nodes, page_size,
                            stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
                            stride_new_n, KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps)),
-                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready, pv_issued,
+                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
                              anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                              q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                             total_rows, stride_anc_n, scale_log2, 0, KVR, BLOCK_N, NUM_STAGES, DIRECT, ORDER_PV, LATE_S, TAU)),
-                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready, pv_issued,
+                             total_rows, stride_anc_n, scale_log2, 0, KVR, BLOCK_N, NUM_STAGES, DIRECT)),
+                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
                              anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                              q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                             total_rows, stride_anc_n, scale_log2, 1, KVR, BLOCK_N, NUM_STAGES, DIRECT, ORDER_PV, LATE_S, TAU)),
+                             total_rows, stride_anc_n, scale_log2, 1, KVR, BLOCK_N, NUM_STAGES, DIRECT)),
             ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -464,9 +436,6 @@ def tree_mla_hopper(
     num_splits: int | None = None,
     block_n: int = 32,
     num_stages: int = 4,
-    order_pv: bool = False,
-    late_s: bool = False,
-    tau: float = 0.0,
 ) -> Tensor:
     """``tree_mla_triton``'s contract on the Gluon kernel: same arguments (host metadata is packed
     here, with a host sync), same result ``[N, H, kvr]``. Needs ``hopper_available`` and operands
@@ -526,7 +495,7 @@ def tree_mla_hopper(
         kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
         H, page_size, total_rows, num_splits, softmax_scale * _LOG2E,
         KVR=kvr, ROPE=rope, BLOCK_N=block_n, NUM_STAGES=num_stages, DIRECT=num_splits == 1, TMA_ROWS=tma_rows,
-        CONSUMER_REGS=CONSUMER_REGS, ORDER_PV=order_pv, LATE_S=late_s, TAU=tau, **smem, num_warps=4,
+        CONSUMER_REGS=CONSUMER_REGS, **smem, num_warps=4,
     )
     merge_splits(o_part, lse_part, out, num_splits, 1)
     return out
