@@ -1,13 +1,15 @@
 """A/B of the split merge's launch shape (``tree_mla.merge_splits``) under the Gluon tree-MLA kernel.
 
-Why: Nsight Compute (``bench/results/tree_mla_ncu.json``) has the merge at 7-14% of a call at batch 32
-x 4096, 8 heads (6.5-23 us), at 30-65% of DRAM bandwidth: one program a 16 rows x 512 dims, 128
-programs at 64 rows a request, each reading the splits one after another. The variants cut the value
-dims into more programs (``d_chunks``) and read every split's partial at once (``unroll``).
+Why: the merge ran one program a 16 rows x 512 dims, each reading the splits one after another. At
+batch 1 (72 rows, tens of splits) that is 5 programs walking a chain of dependent loads; a first
+run of this A/B (``tree_mla_merge_ab_first.json``, commit 4d5decf) found cutting the value dims into
+4 programs 14-20% faster there on the whole call, and within 2% at batch 32 and 128. The variants cut the value
+dims into more programs (``d_chunks``) and read several splits at once (``split_block``); ``plan`` is
+``tree_mla.merge_plan``'s choice, ``old`` the merge before it.
 
 Each variant times the whole ``tree_mla_hopper`` call (split kernel + merge) as served, CUDA-graph
 replays rotating over input copies larger than L2, variants interleaved, the better of two rounds;
-its output is compared bit for bit with the served merge's (the sums are the same, in the same order).
+its output is compared bit for bit with the old merge's (the sums are the same, in the same order).
 
     python -m bench.tree_mla_merge_ab --commit SHA --out bench/results/tree_mla_merge_ab.json
 """
@@ -25,17 +27,17 @@ import kernels.tree_mla as tm
 from bench.common import graph_replay_us, write_result
 from bench.tree_mla_bench import ROTATE_BYTES, Case, run_kernel
 
-SHAPES = ((32, 4096, 8), (32, 4096, 9), (32, 4096, 17), (32, 4096, 33), (128, 4096, 9), (1, 16384, 9), (1, 4096, 9),
-          (32, 16384, 9))
+SHAPES = ((32, 4096, 8), (32, 4096, 9), (32, 4096, 17), (32, 4096, 33), (128, 4096, 9), (32, 16384, 9),
+          (1, 1024, 9), (1, 4096, 9), (1, 16384, 9), (1, 4096, 17), (4, 4096, 9))
 HEADS = 8
-VARIANTS = {  # block_r, d_chunks, unroll
-    "served": None,
-    "r16_d1_unroll": (16, 1, True),
-    "r16_d2_unroll": (16, 2, True),
-    "r16_d4_unroll": (16, 4, True),
-    "r16_d4_loop": (16, 4, False),
-    "r8_d4_unroll": (8, 4, True),
-    "r32_d4_unroll": (32, 4, True),
+VARIANTS = {  # d_chunks, split_block (None: merge_plan's)
+    "plan": (None, None),
+    "old": (1, 1),  # the merge before merge_plan: whole rows, one split at a time
+    "d1_b8": (1, 8),
+    "d2_b8": (2, 8),
+    "d4_b8": (4, 8),
+    "d8_b8": (8, 8),
+    "d8_b4": (8, 4),
 }
 
 
@@ -48,14 +50,14 @@ def main() -> None:
 
     def use(name: str) -> None:
         v = VARIANTS[name]
-        tm.merge_splits = served if v is None else functools.partial(served, block_r=v[0], d_chunks=v[1], unroll=v[2])
+        tm.merge_splits = functools.partial(served, d_chunks=v[0], split_block=v[1])
 
     rows = []
     for batch, context, nodes in SHAPES:
         first = Case(batch, context, nodes, HEADS, seed=1)
         copies = max(1, min(64, math.ceil(ROTATE_BYTES / first.bytes_read())))
         cases = [first] + [Case(batch, context, nodes, HEADS, seed=1 + i) for i in range(1, copies)]
-        use("served")
+        use("old")
         want = run_kernel("hopper", first)
         times: dict[str, list[float]] = {n: [] for n in VARIANTS}
         same = {}
@@ -66,22 +68,22 @@ def main() -> None:
                 if rnd == 0:
                     got = run_kernel("hopper", first)
                     same[name] = bool(torch.equal(got, want))
-        use("served")
+        tm.merge_splits = served
         row = dict(batch=batch, context=context, tree_nodes=nodes, heads=HEADS, rows=nodes * HEADS, copies=copies)
         for name in VARIANTS:
             row[f"{name}_us"] = round(min(times[name]), 2)
             row[f"{name}_us_rounds"] = [round(x, 2) for x in times[name]]
-            row[f"{name}_equals_served"] = same[name]
-            row[f"{name}_speedup"] = round(min(times["served"]) / min(times[name]), 3)
+            row[f"{name}_equals_old"] = same[name]
+            row[f"{name}_speedup_vs_old"] = round(min(times["old"]) / min(times[name]), 3)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k.endswith("_us") or k in ("batch", "context", "tree_nodes")}
-                         | {k: v for k, v in row.items() if k.endswith("_equals_served") and not v}), flush=True)
+                         | {k: v for k, v in row.items() if k.endswith("_equals_old") and not v}), flush=True)
         del cases
         torch.cuda.empty_cache()
     write_result(args.out, "tree_mla_merge_ab", args.commit,
-                 dict(variants={k: (None if v is None else dict(block_r=v[0], d_chunks=v[1], unroll=v[2]))
-                                for k, v in VARIANTS.items()},
-                      served="block_r 16, d_chunks 1, no unroll (the merge before this A/B)", heads=HEADS, page_size=64,
+                 dict(variants={k: dict(d_chunks=v[0], split_block=v[1]) for k, v in VARIANTS.items()},
+                      plan="tree_mla.merge_plan's launch (the served one)", rows_a_program=tm._MERGE_ROWS,
+                      heads=HEADS, page_size=64,
                       timing="whole tree_mla_hopper call, CUDA-graph replay rotating over input copies > L2; min of two "
                              "rounds, variants interleaved (second round in reverse order)"),
                  rows)

@@ -488,8 +488,8 @@ if triton is not None:
         KVR: tl.constexpr,
         BLOCK_R: tl.constexpr,
         DV_SPLITS: tl.constexpr,
-        D_CHUNKS: tl.constexpr,  # programs a value-dim half is cut into (more programs, more bytes in flight)
-        UNROLL: tl.constexpr,  # > 0: a power of two >= num_splits; every split's partial is read at once
+        D_CHUNKS: tl.constexpr,  # programs a value-dim half is cut into
+        SPLIT_BLOCK: tl.constexpr,  # splits read at once (a power of two)
     ):
         BLOCK_DV: tl.constexpr = KVR // DV_SPLITS
         BLOCK_D: tl.constexpr = BLOCK_DV // D_CHUNKS
@@ -499,28 +499,24 @@ if triton is not None:
         row_ok = rows < total_rows
         rows64 = rows.to(tl.int64)
         offs_d = dv * BLOCK_DV + chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+        offs_s = tl.arange(0, SPLIT_BLOCK)
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        for s in range(num_splits):
-            lse_row = (s * DV_SPLITS + dv) * total_rows + rows64
-            m = tl.maximum(m, tl.load(lse_part_ptr + lse_row, mask=row_ok, other=float("-inf")))
+        for s0 in range(0, num_splits, SPLIT_BLOCK):
+            ss = s0 + offs_s  # [SB]
+            lse_rows = ((ss * DV_SPLITS + dv).to(tl.int64) * total_rows)[:, None] + rows64[None, :]  # [SB, BR]
+            ok = (ss < num_splits)[:, None] & row_ok[None, :]
+            m = tl.maximum(m, tl.max(tl.load(lse_part_ptr + lse_rows, mask=ok, other=float("-inf")), 0))
         m_use = tl.where(m == float("-inf"), 0.0, m)
         w_sum = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        if UNROLL > 0:  # splits past num_splits add w = 0 times o = 0: the same sums, in the same order
-            for s in tl.static_range(UNROLL):
-                ok = row_ok & (s < num_splits)
+        for s0 in range(0, num_splits, SPLIT_BLOCK):
+            for u in tl.static_range(SPLIT_BLOCK):  # splits past the last add w = 0 times o = 0: the same sums
+                s = s0 + u
+                ok = row_ok & (rows * 0 + s < num_splits)
                 part = s * total_rows + rows64  # [BR]
                 lse_row = (s * DV_SPLITS + dv) * total_rows + rows64
                 w = tl.exp2(tl.load(lse_part_ptr + lse_row, mask=ok, other=float("-inf")) - m_use)  # [BR]
                 o = tl.load(o_part_ptr + part[:, None] * KVR + offs_d[None, :], mask=ok[:, None], other=0.0)
-                acc += w[:, None] * o
-                w_sum += w
-        else:
-            for s in range(num_splits):
-                part = s * total_rows + rows64  # [BR]
-                lse_row = (s * DV_SPLITS + dv) * total_rows + rows64
-                w = tl.exp2(tl.load(lse_part_ptr + lse_row, mask=row_ok, other=float("-inf")) - m_use)  # [BR]
-                o = tl.load(o_part_ptr + part[:, None] * KVR + offs_d[None, :], mask=row_ok[:, None], other=0.0)
                 acc += w[:, None] * o
                 w_sum += w
         w_sum = tl.where(w_sum == 0.0, 1.0, w_sum)
@@ -619,16 +615,35 @@ def split_partials(out: Tensor, num_splits: int, dv_splits: int) -> tuple[Tensor
     return o_part, lse_part
 
 
+def merge_plan(total_rows: int, kvr: int, num_splits: int, dv_splits: int, sm_count: int) -> tuple[int, int]:
+    """``(d_chunks, split_block)`` of the merge launch: cut each value-dim half into chunks (at least 64
+    dims) until the grid fills the GPU, and read up to 8 splits at once. A request's rows alone
+    make few programs (batch 1, tree 9 at 8 heads: 72 rows, 5 programs), and each walked the splits
+    one by one, a dependent load at a time: on an H200 at batch 1 x 4096 that merge was ~20% of
+    the call (``bench/results/tree_mla_merge_ab.json``)."""
+    programs = -(-total_rows // _MERGE_ROWS) * dv_splits
+    d_chunks = 1
+    while programs * d_chunks < sm_count and kvr // dv_splits // (2 * d_chunks) >= 64:
+        d_chunks *= 2
+    return d_chunks, min(8, triton.next_power_of_2(num_splits))
+
+
+_MERGE_ROWS = 16  # rows a merge program
+
+
 def merge_splits(o_part: Tensor, lse_part: Tensor, out: Tensor, num_splits: int, dv_splits: int, *,
-                 block_r: int = 16, d_chunks: int = 1, unroll: bool = False) -> None:
-    """``out`` from the partials of more than one split (one merge launch; nothing for one)."""
+                 d_chunks: int | None = None, split_block: int | None = None) -> None:
+    """``out`` from the partials of more than one split (one merge launch; nothing for one); the
+    launch shape is ``merge_plan``'s unless given."""
     if num_splits == 1:
         return
     total_rows, kvr = out.shape[0] * out.shape[1], out.shape[2]
-    splits_p2 = triton.next_power_of_2(num_splits) if unroll else 0
-    _tree_mla_merge_kernel[(triton.cdiv(total_rows, block_r), dv_splits * d_chunks)](
-        o_part, lse_part, out, total_rows, num_splits, KVR=kvr, BLOCK_R=block_r, DV_SPLITS=dv_splits,
-        D_CHUNKS=d_chunks, UNROLL=splits_p2, num_warps=4,
+    plan = merge_plan(total_rows, kvr, num_splits, dv_splits, _sm_count(out.device))
+    d_chunks = d_chunks or plan[0]
+    split_block = split_block or plan[1]
+    _tree_mla_merge_kernel[(triton.cdiv(total_rows, _MERGE_ROWS), dv_splits * d_chunks)](
+        o_part, lse_part, out, total_rows, num_splits, KVR=kvr, BLOCK_R=_MERGE_ROWS, DV_SPLITS=dv_splits,
+        D_CHUNKS=d_chunks, SPLIT_BLOCK=split_block, num_warps=4,
     )
 
 

@@ -210,6 +210,45 @@ def test_dispatcher_forced_triton_matches_reference() -> None:
 # ---------------------------------------------------------------- host-side pieces (always run)
 
 
+@pytest.mark.parametrize("num_splits,dv_splits", [(2, 1), (5, 1), (13, 2)])
+def test_merge_splits_matches_float64_and_any_launch_shape(num_splits: int, dv_splits: int) -> None:
+    """The merge equals a float64 log-sum-exp merge of random partials, with empty splits (-inf) and
+    a row no split saw; and every launch shape (value dims cut into programs, splits read a block
+    at a time, more splits than one block) gives the same bits, since the sums run in one order."""
+    gen = torch.Generator().manual_seed(num_splits)
+    n, h, kvr = 5, 7, 128
+    rows = n * h
+    o_part = torch.randn(num_splits, rows, kvr, generator=gen).to(DEVICE)
+    lse = (torch.randn(num_splits, dv_splits, rows, generator=gen) * 4).to(DEVICE)
+    lse[0, :, 3] = float("-inf")  # split 0 saw no key of row 3
+    lse[:, :, 11] = float("-inf")  # no split saw row 11
+    want = torch.zeros(rows, kvr, dtype=torch.float64)
+    half = kvr // dv_splits
+    for d in range(dv_splits):
+        w = torch.softmax(lse[:, d].double().cpu() * torch.log(torch.tensor(2.0, dtype=torch.float64)), dim=0)  # 2^lse
+        w = torch.nan_to_num(w)  # the row no split saw: weights 0, output 0
+        want[:, d * half:(d + 1) * half] = torch.einsum("sr,srk->rk", w, o_part[:, :, d * half:(d + 1) * half].double().cpu())
+    outs = []
+    for d_chunks, split_block in ((None, None), (1, 1), (2, 4), (1, 16)):
+        out = torch.full((n, h, kvr), float("nan"), device=DEVICE)
+        tm.merge_splits(o_part, lse, out, num_splits, dv_splits, d_chunks=d_chunks, split_block=split_block)
+        outs.append(out)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.view(rows, kvr).double().cpu(), want, rtol=1e-5, atol=1e-5)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+def test_merge_plan_fills_the_gpu_and_keeps_64_dims() -> None:
+    """Few rows (batch 1) cut the value dims into programs until the grid reaches the SM count,
+    never below 64 dims a program; many rows keep whole rows; at most 8 splits are read at once."""
+    assert tm.merge_plan(72, 512, 64, 1, 132) == (8, 8)  # 5 row blocks: 40 programs, 64 dims each
+    assert tm.merge_plan(2048, 512, 4, 1, 132) == (2, 4)  # 128 row blocks: 256 programs
+    assert tm.merge_plan(9216, 512, 2, 1, 132) == (1, 2)
+    assert tm.merge_plan(72, 128, 3, 1, 132) == (2, 4)  # the demo's 128 dims: at most 2 chunks
+    assert tm.merge_plan(72, 512, 13, 2, 132) == (4, 8)
+
+
 def test_ancestor_bits_round_trip() -> None:
     gen = torch.Generator().manual_seed(0)
     for n in (1, 31, 32, 33, 64, 129):
