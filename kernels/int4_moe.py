@@ -121,7 +121,8 @@ def _int4_moe_count_kernel(
 
 @triton.jit(do_not_specialize=["A", "P", "NUM_BLOCKS"])
 def _int4_moe_align_kernel(
-    cursor_ptr,  # [E_PAD] int32 in: assignments per expert; out: first padded row of each expert (the scatter's cursors)
+    counts_ptr,  # [E_PAD] int32: assignments per expert
+    cursor_ptr,  # [E_PAD] int32 out: first padded row of each expert (the scatter's cursors)
     sorted_ids_ptr,  # [P] int32 out: A at every row no assignment takes (the scatter fills the rest)
     block_expert_ptr,  # [P / BLOCK_M] int32 out: expert of each block, -1 when unused
     A,
@@ -132,27 +133,33 @@ def _int4_moe_align_kernel(
     E_PAD: tl.constexpr,  # power of two >= E
     CHUNK: tl.constexpr,
 ):
+    """Every program lays out the experts' rows from the counts (a cumsum over E_PAD lanes), then
+    writes its share of the sentinels and block experts: the stores, not the cumsum, are the work,
+    and one program doing them all took 8.9 us at K2 TP8 M = 1152 (``int4_moe_steps.json``)."""
+    g = tl.program_id(0)
+    G = tl.num_programs(0)
     offs_e = tl.arange(0, E_PAD)  # [E_PAD]
     offs_c = tl.arange(0, CHUNK)  # [CHUNK]
-    counts = tl.load(cursor_ptr + offs_e, mask=offs_e < E, other=0)  # [E_PAD]
+    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)  # [E_PAD]
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
     ends = tl.cumsum(padded, 0)  # [E_PAD]
     starts = ends - padded  # [E_PAD]
-    tl.store(cursor_ptr + offs_e, starts)
+    if g == 0:
+        tl.store(cursor_ptr + offs_e, starts)
     # Sentinels only where no assignment lands, so the scatter needs no ordering against them:
     # each expert's padding rows, then every row past the last expert's.
-    for j in range(0, BLOCK_M - 1):
+    for j in range(g, BLOCK_M - 1, G):
         tl.store(sorted_ids_ptr + starts + counts + j, tl.zeros([E_PAD], dtype=tl.int32) + A, mask=j < padded - counts)
     used = tl.sum(padded, 0)
-    for p0 in range(0, P, CHUNK):
+    for p0 in range(g * CHUNK, P, G * CHUNK):
         p = p0 + offs_c  # [CHUNK]
         tl.store(sorted_ids_ptr + p, tl.zeros([CHUNK], dtype=tl.int32) + A, mask=(p >= used) & (p < P))
-    for b0 in range(0, NUM_BLOCKS, CHUNK):
+    for b0 in range(g * CHUNK, NUM_BLOCKS, G * CHUNK):
         b = b0 + offs_c  # [CHUNK]
         tl.store(block_expert_ptr + b, tl.full([CHUNK], -1, tl.int32), mask=(b * BLOCK_M >= used) & (b < NUM_BLOCKS))
     nblk = padded // BLOCK_M  # [E_PAD]
     first = starts // BLOCK_M  # [E_PAD]
-    for j in range(0, tl.max(nblk, 0)):
+    for j in range(g, tl.max(nblk, 0), G):
         tl.store(block_expert_ptr + first + j, offs_e, mask=j < nblk)
 
 
@@ -826,6 +833,9 @@ class MoEAlignment:
         return self.block_expert.numel()
 
 
+ALIGN_PROGRAMS = 8  # programs sharing the alignment's stores (the counts' cumsum is done by each)
+
+
 def _max_padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
     """Upper bound on padded rows: every used expert adds at most ``block_m - 1`` padding rows."""
     p = num_assign + min(num_experts, num_assign) * (block_m - 1)
@@ -837,9 +847,10 @@ def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlign
     """Sort the ``[M, top_k]`` expert ids by expert and pad each expert's rows to ``block_m``.
 
     No host sync. Counting and scattering run a program per chunk of assignments (atomics on
-    the experts' counters); one program in between lays out the experts' rows. K2 TP8 M = 1152
-    (9216 assignments, 384 experts): one program doing it all took 41 us, and one program counting
-    (``tl.histogram``) and laying out 22 us. Ids must lie in ``0 .. num_experts - 1``.
+    the experts' counters); in between ``ALIGN_PROGRAMS`` programs lay out the experts' rows and
+    write the sentinels. K2 TP8 M = 1152 (9216 assignments, 384 experts): one program doing it
+    all took 41 us, one program counting (``tl.histogram``) and laying out 22 us, one program
+    laying out 8.9 us. Ids must lie in ``0 .. num_experts - 1``.
     """
     assert topk_ids.dim() == 2, f"topk_ids must be [M, top_k], got {tuple(topk_ids.shape)}"
     assert topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32/int64, got {topk_ids.dtype}"
@@ -850,11 +861,11 @@ def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlign
     sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)  # [P]
     block_expert = torch.empty(P // block_m, dtype=torch.int32, device=dev)  # [P / BM]
     e_pad = triton.next_power_of_2(num_experts)
-    cursor = torch.zeros(e_pad, dtype=torch.int32, device=dev)  # [E_PAD] counts, then cursors
+    counts, cursor = torch.zeros(2, e_pad, dtype=torch.int32, device=dev)  # [E_PAD] each; only counts need the zeros
     if A:
-        _int4_moe_count_kernel[(triton.cdiv(A, 256),)](ids, cursor, A, CHUNK=256, num_warps=2)
-    _int4_moe_align_kernel[(1,)](
-        cursor, sorted_ids, block_expert, A, num_experts, P, P // block_m,
+        _int4_moe_count_kernel[(triton.cdiv(A, 256),)](ids, counts, A, CHUNK=256, num_warps=2)
+    _int4_moe_align_kernel[(ALIGN_PROGRAMS,)](
+        counts, cursor, sorted_ids, block_expert, A, num_experts, P, P // block_m,
         BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, num_warps=4,
     )
     if A:
