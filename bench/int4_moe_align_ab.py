@@ -6,8 +6,8 @@ sentinels, rows past the last expert, block experts). ``int4_moe_align`` now let
 ``ALIGN_PROGRAMS`` programs share those stores. Same run, same routings: the alignment alone and the
 whole served ``fused_int4_moe`` call, CUDA-graph replay of R routings (R = 8), the better of two
 rounds (variants interleaved, the second round in reverse order). Each alignment is checked: the
-same blocks, experts and assignments per block as the one-program layout (the scatter's atomics
-order rows inside a block freely), sentinels everywhere else.
+same block experts, and the same rows for each expert, as the one-program layout (the scatter's
+atomics order an expert's rows freely), sentinels everywhere else.
 
     python bench/int4_moe_align_ab.py --commit SHA --out bench/results/int4_moe_align_ab.json
 """
@@ -29,12 +29,17 @@ R = 8
 
 
 def same_layout(a: km.MoEAlignment, b: km.MoEAlignment, A: int) -> bool:
-    """Equal block experts, and per block the same set of assignments; sentinels elsewhere."""
+    """Equal block experts, and per expert the same rows (its assignments and sentinels), whatever
+    block of the expert each landed in: the scatter's atomics order an expert's rows freely."""
     if not torch.equal(a.block_expert, b.block_expert) or a.sorted_ids.numel() != b.sorted_ids.numel():
         return False
-    sa = a.sorted_ids.view(-1, a.block_m).sort(dim=1).values
-    sb = b.sorted_ids.view(-1, b.block_m).sort(dim=1).values
-    return bool(torch.equal(sa, sb)) and bool(((a.sorted_ids >= 0) & (a.sorted_ids <= A)).all())
+
+    def by_expert(al: km.MoEAlignment) -> torch.Tensor:
+        expert = al.block_expert.repeat_interleave(al.block_m).to(torch.int64)  # [P]
+        return (expert * (A + 1) + al.sorted_ids.to(torch.int64)).sort().values
+
+    ok = (a.sorted_ids >= 0) & (a.sorted_ids <= A)
+    return bool(torch.equal(by_expert(a), by_expert(b))) and bool(ok.all())
 
 
 def main() -> None:
