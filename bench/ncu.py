@@ -41,10 +41,10 @@ def available_metrics(ncu: str) -> set[str]:
 def profile(ncu: str, target: list[str], metrics: list[str], *, kernel_regex: str | None = None,
             nvtx_include: str | None = None, launch_skip: int = 0, launch_count: int | None = None) -> list[dict]:
     """Raw counters of the chosen launches of ``target`` (a command line), one dict a launch with
-    ``kernel`` (its name) and each metric as a float (``None`` where ncu printed none); metrics this
-    ``ncu`` does not know are left out (``available_metrics``), and units go under ``<metric>.unit``."""
-    known = available_metrics(ncu)
-    keep = [m for m in metrics if not known or m.split(".", 1)[0] in known]
+    ``kernel`` (its name) and each metric as a float (``None`` where ncu printed none); counters this
+    ``ncu`` does not list are left out (``available_metrics``), and units go under ``<metric>.unit``."""
+    known = available_metrics(ncu)  # hardware counters; launch__* attributes are not listed there
+    keep = [m for m in metrics if not known or m.startswith("launch__") or m.split(".", 1)[0] in known]
     cmd = [ncu, "--csv", "--page", "raw", "--clock-control", "none", "--metrics", ",".join(keep)]
     if kernel_regex:
         cmd += ["--kernel-name", f"regex:{kernel_regex}"]
