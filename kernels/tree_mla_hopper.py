@@ -62,7 +62,6 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 __all__ = ["hopper_available", "unsupported_reason", "tree_mla_hopper", "choose_splits", "tma_rows_for", "BLOCK_M", "SUPPORTED_DIMS"]
 
 BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
-NARROW_ROWS = 16  # a CTA with at most this many live rows takes the narrow schedule (keys on the MMA's M side)
 CONSUMER_REGS = 224  # registers of each consumer warpgroup; the loader gets the rest (232: 1-3% slower, H200)
 # Dims the kernel was checked at on the GPU (bench/tree_mla_bench.py): Kimi-K2 and the demo model.
 SUPPORTED_DIMS = ((512, 64), (128, 32))
@@ -133,7 +132,6 @@ if gluon is not None:
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # 3.6: ``_reinterpret``
 
     @gluon.jit
     def _issue_tile(lat_buf, pe_buf, base, page, offs, key_ok, pg_size, stride_page, stride_tok,
@@ -277,12 +275,12 @@ if gluon is not None:
         return m_new, l_i, acc
 
     @gluon.jit
-    def _wide_consumer(q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
-                       anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                       q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                       total_rows, stride_anc_n, scale_log2,
-                       ROLE: gl.constexpr, KVR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                       DIRECT: gl.constexpr):
+    def _consumer(q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
+                  anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+                  q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
+                  total_rows, stride_anc_n, scale_log2,
+                  ROLE: gl.constexpr, KVR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  DIRECT: gl.constexpr):
         """One warpgroup: value dims ``[ROLE * KVR/2, (ROLE + 1) * KVR/2)`` of every tile's ``P V``, and
         the logits and softmax of the tiles ``t % 2 == ROLE``. The owner of tile t publishes its
         probabilities (shared memory) and the running max / sum / rescale (``m_smem`` / ``l_smem`` / ``a_smem``) on
@@ -358,190 +356,6 @@ if gluon is not None:
                 lse_part = split.to(gl.int64) * total_rows + q_start.to(gl.int64) * num_heads + offs_row
                 gl.store(lse_part_ptr + lse_part, lse, mask=row_ok)
 
-    @gluon.jit
-    def _pairs(ring, NUM_STAGES: gl.constexpr, LAYOUT: gl.constexpr):
-        """The ring ``[NUM_STAGES, BLOCK_N, cols]`` seen as ``NUM_STAGES / 2`` tiles of twice the keys
-        (slots 2i and 2i + 1 lie back to back, in the same swizzle)."""
-        shape: gl.constexpr = [NUM_STAGES // 2, 2 * ring.shape[1], ring.shape[2]]
-        if _NEW_REINTERPRET:
-            view = ring.reinterpret(ring.dtype, shape, LAYOUT)
-        else:
-            view = ring._reinterpret(ring.dtype, shape, LAYOUT)
-        return view
-
-    @gluon.jit
-    def _narrow_pv(acc, alpha, v_pair, pt, full, ROLE: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Issue this warpgroup's half of ``O^T = V^T P^T`` for one key pair (``full``: both of its
-        tiles exist; else the first alone, whose partner slot holds no keys of this split)."""
-        acc = acc * alpha[None, :]
-        if full:
-            out = warpgroup_mma(v_pair.slice(ROLE * HALF, HALF, dim=1).permute((1, 0)), pt, acc, is_async=True)
-        else:
-            out = warpgroup_mma(v_pair.slice(0, BLOCK_N, dim=0).slice(ROLE * HALF, HALF, dim=1).permute((1, 0)),
-                                pt.slice(0, BLOCK_N, dim=0), acc, is_async=True)
-        return out
-
-    @gluon.jit
-    def _free_pair(kv_free, q, n_total, NUM_STAGES: gl.constexpr):
-        mbarrier.arrive(kv_free.index((2 * q) % NUM_STAGES))
-        if 2 * q + 1 < n_total:
-            mbarrier.arrive(kv_free.index((2 * q + 1) % NUM_STAGES))
-
-    @gluon.jit
-    def _own_pair(s, q, acc, m_i, l_i, v_pair, pt_smem, m_smem, l_smem, a_smem, p_ready,
-                  n_prefix, n_total, lo, hi, n_nodes, anc_bits_ptr, stride_anc_n, qnode, col_ok, scale_log2,
-                  ROLE: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr,
-                  ST_LAYOUT: gl.constexpr):
-        """Key pair q's softmax from its logits ``s`` ``[2 BLOCK_N keys, NR rows]`` (keys on the MMA's
-        M side): publish ``P^T`` and the row stats on ``p_ready[q % 2]``, then this warpgroup's half
-        of ``O^T`` (waited)."""
-        KEY: gl.constexpr = gl.SliceLayout(1, ST_LAYOUT)
-        offs_k = gl.arange(0, 2 * BLOCK_N, layout=KEY)
-        half = offs_k // BLOCK_N  # which tile of the pair
-        tile = 2 * q + half
-        off = offs_k % BLOCK_N
-        if 2 * q + 1 < n_prefix:  # both tiles are prefix keys: masked past the split's end only
-            seen = ((lo + tile * BLOCK_N + off) < hi)[:, None] & col_ok[None, :]
-        else:  # a tree tile is one 32-bit word of each row's ancestor bits (BLOCK_N == 32)
-            t0 = 2 * q - n_prefix
-            w0 = gl.load(anc_bits_ptr + qnode * stride_anc_n + t0, mask=col_ok & (t0 >= 0) & (2 * q < n_total), other=0)
-            w1 = gl.load(anc_bits_ptr + qnode * stride_anc_n + t0 + 1, mask=col_ok & (t0 + 1 >= 0) & (2 * q + 1 < n_total),
-                         other=0)
-            word = gl.where((half == 0)[:, None], w0[None, :], w1[None, :])  # [keys, NR]
-            node = (tile - n_prefix) * BLOCK_N + off
-            in_tree = (tile >= n_prefix) & (tile < n_total) & (node < n_nodes)
-            in_prefix = (tile < n_prefix) & ((lo + tile * BLOCK_N + off) < hi)
-            seen = (in_prefix[:, None] | (in_tree[:, None] & (((word >> off[:, None]) & 1) != 0))) & col_ok[None, :]
-        s = gl.where(seen, s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet stay finite
-        alpha = gl.exp2(m_i - m_use)
-        p32 = gl.exp2(s - m_use[None, :])
-        l_i = l_i * alpha + gl.sum(p32, 0)
-        pt = pt_smem.index(q % 2)
-        pt.store(p32.to(pt.dtype))
-        m_smem.slice(0, NR).store(m_new)
-        l_smem.slice(0, NR).store(l_i)
-        a_smem.slice(0, NR).store(alpha)
-        fence_async_shared()
-        _cta_barrier()  # every thread of this warpgroup wrote its part
-        mbarrier.arrive(p_ready.index(q % 2))
-        acc = _narrow_pv(acc, alpha, v_pair, pt, 2 * q + 1 < n_total, ROLE, HALF, BLOCK_N)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        return m_new, l_i, acc
-
-    @gluon.jit
-    def _narrow_consumer(q_lat, q_pe, k_lat, k_pe, pt_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
-                         anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                         q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                         total_rows, stride_anc_n, scale_log2,
-                         ROLE: gl.constexpr, KVR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                         DIRECT: gl.constexpr, NR: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr):
-        """``_wide_consumer``'s schedule for a CTA with at most NR live rows (a tree's rows past a
-        multiple of 64, e.g. 8 of a 9-node tree at 8 heads), with the keys on the MMA's M side:
-        ``S^T = K Q^T`` is ``[64 keys, NR]`` and ``O^T = V^T P^T`` ``[256 dims, NR]`` a warpgroup,
-        so the products are those of NR rows, not of 64. It takes the ring's tiles two at a time
-        (pair q = tiles 2q, 2q + 1), owned by turns as the wide schedule owns tiles."""
-        HALF: gl.constexpr = KVR // 2
-        ST_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NR, 16])
-        COL: gl.constexpr = gl.SliceLayout(0, ST_LAYOUT)
-        lat_pairs = _pairs(k_lat, NUM_STAGES, K_LAT_SMEM)
-        pe_pairs = _pairs(k_pe, NUM_STAGES, K_PE_SMEM)
-        q_t = q_lat.slice(0, NR, dim=0).permute((1, 0))  # [KVR, NR]
-        qpe_t = q_pe.slice(0, NR, dim=0).permute((1, 0))
-        acc = gl.zeros([HALF, NR], gl.float32, layout=ST_LAYOUT)
-        s0 = gl.zeros([2 * BLOCK_N, NR], gl.float32, layout=ST_LAYOUT)
-        m_i = gl.full([NR], float("-inf"), gl.float32, layout=COL)
-        l_i = gl.zeros([NR], gl.float32, layout=COL)
-        offs_c = pid_m * _BM + gl.arange(0, NR, layout=COL)  # the request's row of each column
-        col_ok = offs_c < rows
-        qnode = (q_start + offs_c // num_heads).to(gl.int64)
-        n_pairs = (n_total + 1) // 2
-        mbarrier.wait(q_ready, 0)
-        if ROLE == 0:
-            if n_pairs >= 1:  # pair 0: no earlier pair to fold in
-                mbarrier.wait(kv_ready.index(0), 0)
-                if n_total >= 2:
-                    mbarrier.wait(kv_ready.index(1), 0)
-                s = warpgroup_mma(lat_pairs.index(0), q_t, s0, use_acc=False, is_async=True)
-                s = warpgroup_mma(pe_pairs.index(0), qpe_t, s, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                m_i, l_i, acc = _own_pair(s, 0, acc, m_i, l_i, lat_pairs.index(0), pt_smem, m_smem, l_smem, a_smem, p_ready,
-                                          n_prefix, n_total, lo, hi, n_nodes, anc_bits_ptr, stride_anc_n, qnode, col_ok,
-                                          scale_log2, ROLE, HALF, BLOCK_N, NR, ST_LAYOUT)
-                _free_pair(kv_free, 0, n_total, NUM_STAGES)
-        for q in range(2 - ROLE, n_pairs, 2):  # the pairs this warpgroup owns, each after the other's q-1
-            ps = q % (NUM_STAGES // 2)
-            pp = (q - 1) % (NUM_STAGES // 2)
-            mbarrier.wait(kv_ready.index((2 * q) % NUM_STAGES), ((2 * q) // NUM_STAGES) & 1)
-            if 2 * q + 1 < n_total:
-                mbarrier.wait(kv_ready.index((2 * q + 1) % NUM_STAGES), ((2 * q + 1) // NUM_STAGES) & 1)
-            s = warpgroup_mma(lat_pairs.index(ps), q_t, s0, use_acc=False, is_async=True)
-            s = warpgroup_mma(pe_pairs.index(ps), qpe_t, s, is_async=True)
-            mbarrier.wait(p_ready.index((q - 1) % 2), ((q - 1) // 2) & 1)
-            m_i = m_smem.slice(0, NR).load(COL)
-            l_i = l_smem.slice(0, NR).load(COL)
-            alpha = a_smem.slice(0, NR).load(COL)
-            acc = _narrow_pv(acc, alpha, lat_pairs.index(pp), pt_smem.index((q - 1) % 2), True, ROLE, HALF, BLOCK_N)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # the logits; O^T of pair q-1 may still run
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _free_pair(kv_free, q - 1, n_total, NUM_STAGES)
-            m_i, l_i, acc = _own_pair(s, q, acc, m_i, l_i, lat_pairs.index(ps), pt_smem, m_smem, l_smem, a_smem, p_ready,
-                                      n_prefix, n_total, lo, hi, n_nodes, anc_bits_ptr, stride_anc_n, qnode, col_ok,
-                                      scale_log2, ROLE, HALF, BLOCK_N, NR, ST_LAYOUT)
-            _free_pair(kv_free, q, n_total, NUM_STAGES)
-        if n_pairs >= 1:
-            if (n_pairs - 1) % 2 != ROLE:  # the last pair is the other's: its half here
-                q = n_pairs - 1
-                mbarrier.wait(p_ready.index(q % 2), (q // 2) & 1)
-                m_i = m_smem.slice(0, NR).load(COL)
-                l_i = l_smem.slice(0, NR).load(COL)
-                alpha = a_smem.slice(0, NR).load(COL)
-                acc = _narrow_pv(acc, alpha, lat_pairs.index(q % (NUM_STAGES // 2)), pt_smem.index(q % 2),
-                                 2 * q + 1 < n_total, ROLE, HALF, BLOCK_N)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                _free_pair(kv_free, q, n_total, NUM_STAGES)
-
-        l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
-        o = acc / l_safe[None, :]  # [HALF, NR]
-        flat_o = q_start.to(gl.int64) * num_heads + offs_c
-        dims = ROLE * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, ST_LAYOUT))
-        if DIRECT:
-            gl.store(out_ptr + flat_o[None, :] * KVR + dims[:, None], o.to(out_ptr.dtype.element_ty), mask=col_ok[None, :])
-        else:
-            part = split.to(gl.int64) * total_rows + flat_o
-            gl.store(o_part_ptr + part[None, :] * KVR + dims[:, None], o, mask=col_ok[None, :])
-            if ROLE == 0:
-                lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
-                gl.store(lse_part_ptr + part, lse, mask=col_ok)
-
-    @gluon.jit
-    def _consumer(q_lat, q_pe, k_lat, k_pe, p_smem, pt_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
-                  anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                  q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                  total_rows, stride_anc_n, scale_log2,
-                  ROLE: gl.constexpr, KVR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  DIRECT: gl.constexpr, NARROW: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr):
-        """A CTA's rows past the request's last multiple of 64 (at most NARROW of them) take the
-        narrow schedule; every other CTA the wide one."""
-        if NARROW > 0:
-            if rows - pid_m * _BM <= NARROW:
-                _narrow_consumer(q_lat, q_pe, k_lat, k_pe, pt_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free,
-                                 p_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                                 q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                                 total_rows, stride_anc_n, scale_log2, ROLE, KVR, BLOCK_N, NUM_STAGES, DIRECT,
-                                 NARROW, K_LAT_SMEM, K_PE_SMEM)
-            else:
-                _wide_consumer(q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free,
-                               p_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                               q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                               total_rows, stride_anc_n, scale_log2, ROLE, KVR, BLOCK_N, NUM_STAGES, DIRECT)
-        else:
-            _wide_consumer(q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free,
-                           p_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                           q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                           total_rows, stride_anc_n, scale_log2, ROLE, KVR, BLOCK_N, NUM_STAGES, DIRECT)
-
     @gluon.jit(do_not_specialize=["stride_pt_r", "stride_anc_n", "num_heads", "total_rows", "num_splits"])
     def _tree_mla_hopper_kernel(
         q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, lat_desc, pe_desc,
@@ -551,9 +365,9 @@ if gluon is not None:
         stride_kv_page, stride_kv_tok, stride_new_n, stride_pt_r, stride_anc_n,
         num_heads, page_size, total_rows, num_splits, scale_log2,
         KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, DIRECT: gl.constexpr,
-        TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr, NARROW: gl.constexpr,
+        TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr,
-        P_SMEM: gl.constexpr, PT_SMEM: gl.constexpr, num_warps: gl.constexpr,
+        P_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
         """One 64-row tile, one split, one request a CTA: the loader (default partition, 4 warps) and
         the two consumer warpgroups (``_consumer``, ROLE 0 / 1)."""
@@ -577,10 +391,6 @@ if gluon is not None:
             k_lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, KVR], K_LAT_SMEM)
             k_pe = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], K_PE_SMEM)
             p_smem = gl.allocate_shared_memory(dtype, [_BM, BLOCK_N], P_SMEM)
-            if NARROW > 0:  # P^T of the narrow schedule, two pairs' worth
-                pt_smem = gl.allocate_shared_memory(dtype, [2, 2 * BLOCK_N, NARROW], PT_SMEM)
-            else:
-                pt_smem = p_smem
             flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
             m_smem = gl.allocate_shared_memory(gl.float32, [_BM], flat)
             l_smem = gl.allocate_shared_memory(gl.float32, [_BM], flat)
@@ -603,16 +413,14 @@ if gluon is not None:
                            n_prefix, n_total, lo, hi, n_nodes, page_size,
                            stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
                            stride_new_n, KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps)),
-                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, pt_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
+                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
                              anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                              q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                             total_rows, stride_anc_n, scale_log2, 0, KVR, BLOCK_N, NUM_STAGES, DIRECT, NARROW,
-                             K_LAT_SMEM, K_PE_SMEM)),
-                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, pt_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
+                             total_rows, stride_anc_n, scale_log2, 0, KVR, BLOCK_N, NUM_STAGES, DIRECT)),
+                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
                              anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                              q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                             total_rows, stride_anc_n, scale_log2, 1, KVR, BLOCK_N, NUM_STAGES, DIRECT, NARROW,
-                             K_LAT_SMEM, K_PE_SMEM)),
+                             total_rows, stride_anc_n, scale_log2, 1, KVR, BLOCK_N, NUM_STAGES, DIRECT)),
             ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -628,7 +436,6 @@ def tree_mla_hopper(
     num_splits: int | None = None,
     block_n: int = 32,
     num_stages: int = 4,
-    narrow_rows: int | None = None,
 ) -> Tensor:
     """``tree_mla_triton``'s contract on the Gluon kernel: same arguments (host metadata is packed
     here, with a host sync), same result ``[N, H, kvr]``. Needs ``hopper_available`` and operands
@@ -648,12 +455,7 @@ def tree_mla_hopper(
     meta = check_operands(q_latent, q_pe, kv_cache, new_kv, meta)
     kv_bytes = kv_cache.shape[-1] * kv_cache.element_size()
     assert block_n in (32, 64) and num_stages >= 2, f"block_n {block_n} / num_stages {num_stages}"
-    if narrow_rows is None:
-        narrow_rows = NARROW_ROWS if num_stages % 2 == 0 and block_n == 32 else 0
-    assert narrow_rows == 0 or (num_stages % 2 == 0 and block_n == 32), "the narrow schedule pairs 32-key tiles"
-    assert narrow_rows in (0, 16), f"narrow_rows must be 0 (off) or 16, got {narrow_rows}"
     need = (BLOCK_M + block_n * num_stages) * kv_bytes + BLOCK_M * block_n * 2 + 1024  # + P tile, row stats, barriers
-    need += 2 * 2 * block_n * narrow_rows * 2  # the narrow schedule's two P^T tiles
     limit = _shared_memory_limit(q_latent.device)
     assert limit is None or need <= limit, f"q and {num_stages} tiles of {block_n} keys need {need} bytes of shared memory, {limit} here"
     if num_splits is not None:
@@ -679,7 +481,6 @@ def tree_mla_hopper(
         "K_LAT_SMEM": gl.NVMMASharedLayout.get_default_for([block_n, kvr], gdt),
         "K_PE_SMEM": gl.NVMMASharedLayout.get_default_for([block_n, rope], gdt),
         "P_SMEM": gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_n], gdt),
-        "PT_SMEM": gl.NVMMASharedLayout.get_default_for([2 * block_n, max(narrow_rows, 8)], gdt),
     }
     tma_rows = tma_rows_for(kv_cache, block_n)
     box = max(tma_rows, 16)
@@ -694,7 +495,7 @@ def tree_mla_hopper(
         kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
         H, page_size, total_rows, num_splits, softmax_scale * _LOG2E,
         KVR=kvr, ROPE=rope, BLOCK_N=block_n, NUM_STAGES=num_stages, DIRECT=num_splits == 1, TMA_ROWS=tma_rows,
-        CONSUMER_REGS=CONSUMER_REGS, NARROW=narrow_rows, **smem, num_warps=4,
+        CONSUMER_REGS=CONSUMER_REGS, **smem, num_warps=4,
     )
     merge_splits(o_part, lse_part, out, num_splits, 1)
     return out
