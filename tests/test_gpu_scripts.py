@@ -1,7 +1,9 @@
-"""The GPU-only scripts of issue 6 import on the CPU and their pure parts do what the GPU run relies on."""
+"""The GPU-only scripts (issue 6's, and the Nsight runner the kernel benchmarks share) import on the
+CPU and their pure parts do what the GPU run relies on."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,47 @@ def test_transport_rows_append_across_placements() -> None:
         (("cuda_ipc", 1, "cuda:0"), 468.1, "aaa"), (("cuda_ipc", 1, "cuda:1"), 500.0, "bbb")]
     with pytest.raises(ValueError, match="other parameters"):
         merge_rows(old, new, "bbb", {**params, "hidden": 4096})
+
+
+FAKE_NCU = '''#!{python}
+"""Stands in for ncu: lists two counters, and profiles by printing a report like ncu's --csv raw page."""
+import sys
+if "--query-metrics" in sys.argv:
+    print('"Metric Name","Metric Type","Metric Unit","Metric Description"')
+    print('"dram__throughput","Counter","%","DRAM busy"')
+    print('"gpu__time_duration","Counter","nsecond","time"')
+    sys.exit(0)
+metrics = sys.argv[sys.argv.index("--metrics") + 1].split(",")
+assert all(not m.startswith("sm__made_up") for m in metrics), metrics  # dropped before the run
+print("==PROF== Connected to process")
+print(",".join('"' + c + '"' for c in ["ID", "Kernel Name"] + metrics))
+print(",".join('"' + c + '"' for c in ["", ""] + ["%" if m.startswith("dram") else ("register/thread" if m.startswith("launch") else "nsecond") for m in metrics]))
+for i, name in enumerate(("split", "merge")):
+    vals = {{"dram__throughput.avg.pct_of_peak_sustained_elapsed": "61.5", "gpu__time_duration.sum": "54,272",
+             "launch__registers_per_thread": "168"}}
+    print(",".join('"' + c + '"' for c in [str(i), name] + [vals.get(m, "n/a") for m in metrics]))
+'''
+
+
+def test_ncu_runner_reads_the_csv_and_drops_unknown_counters(tmp_path) -> None:
+    """``bench.ncu.profile`` keeps only counters the installed ncu lists (and launch attributes,
+    which it does not list), parses numbers with thousands separators, keeps units, and gives one
+    dict a launch; a failing ncu raises with its output."""
+    from bench.ncu import profile
+
+    fake = tmp_path / "ncu"
+    fake.write_text(FAKE_NCU.format(python=sys.executable))
+    fake.chmod(0o755)
+    metrics = ["gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+               "launch__registers_per_thread", "sm__made_up_counter.sum"]
+    rows = profile(str(fake), ["true"], metrics, nvtx_include="third/")
+    assert [r["kernel"] for r in rows] == ["split", "merge"]
+    assert rows[0]["gpu__time_duration.sum"] == 54272.0 and rows[0]["dram__throughput.avg.pct_of_peak_sustained_elapsed"] == 61.5
+    assert rows[0]["launch__registers_per_thread"] == 168.0
+    assert rows[0]["dram__throughput.avg.pct_of_peak_sustained_elapsed.unit"] == "%"
+    assert "sm__made_up_counter.sum" not in rows[0]
+    broken = tmp_path / "broken"
+    broken.write_text(f"#!{sys.executable}\nimport sys\nprint('no report'); sys.exit(3)\n")
+    broken.chmod(0o755)
+    with pytest.raises(RuntimeError, match="ncu failed"):
+        profile(str(broken), ["true"], metrics)
