@@ -1,11 +1,11 @@
 """A/B of the split merge's launch shape (``tree_mla.merge_splits``) under the Gluon tree-MLA kernel.
 
-Why: the merge ran one program a 16 rows x 512 dims, each reading the splits one after another. At
-batch 1 (72 rows, tens of splits) that is 5 programs walking a chain of dependent loads; a first
-run of this A/B (``tree_mla_merge_ab_first.json``, commit 4d5decf) found cutting the value dims into
-4 programs 14-20% faster there on the whole call, and within 2% at batch 32 and 128. The variants cut the value
-dims into more programs (``d_chunks``) and read several splits at once (``split_block``); ``plan`` is
-``tree_mla.merge_plan``'s choice, ``old`` the merge before it.
+Why: the merge ran one program for every 16 rows x 512 dims, each reading the splits one after
+another. At batch 1 (72 rows, tens of splits) that is 5 programs walking a chain of dependent loads;
+a first run of this A/B (``tree_mla_merge_ab_first.json``, commit 4d5decf) found value dims cut into
+4 programs 14-20% faster there on the whole call, and within 2% at batch 32 and 128. The variants
+cut the value dims into more programs (``d_chunks``) and read several splits at once
+(``split_block``); ``plan`` is ``tree_mla.merge_plan``'s choice, ``old`` the merge before it.
 
 Each variant times the whole ``tree_mla_hopper`` call (split kernel + merge) as served, CUDA-graph
 replays rotating over input copies larger than L2, variants interleaved, the better of two rounds;
