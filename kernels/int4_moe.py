@@ -7,8 +7,9 @@ experts. Each activated expert's weights are streamed from HBM once per step (on
 (DESIGN.md §6). No launch syncs with the host, so the op can be captured in a CUDA graph:
 
 1. ``_int4_moe_count_kernel`` (a program per chunk of assignments): assignments per expert;
-   ``_int4_moe_align_kernel`` (one program): per-expert padding to ``BLOCK_M``, ``block_expert``
-   (expert of each block of ``BLOCK_M`` rows, -1 when unused) and sentinels in the padding rows;
+   ``_int4_moe_align_kernel`` (``ALIGN_PROGRAMS`` programs): per-expert padding to ``BLOCK_M``,
+   ``block_expert`` (expert of each block of ``BLOCK_M`` rows, -1 when unused) and sentinels in
+   the padding rows;
    ``_int4_moe_scatter_kernel`` (a program per chunk) writes ``sorted_ids`` (flat assignment
    ``token * top_k + slot`` per padded row).
 2. ``_int4_moe_gemm_kernel`` (GATED): ``h = silu(x Wg^T) * (x Wu^T)`` per padded row. With
