@@ -54,7 +54,7 @@ try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kerne
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
@@ -62,6 +62,7 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 __all__ = ["hopper_available", "unsupported_reason", "tree_mla_hopper", "choose_splits", "tma_rows_for", "BLOCK_M", "SUPPORTED_DIMS"]
 
 BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
+TRACE_EVENTS = 16  # stamps a trace slot holds (``tree_mla_hopper(trace=...)``)
 CONSUMER_REGS = 224  # registers of each consumer warpgroup; the loader gets the rest (232: 1-3% slower, H200)
 # Dims the kernel was checked at on the GPU (bench/tree_mla_bench.py): Kimi-K2 and the demo model.
 SUPPORTED_DIMS = ((512, 64), (128, 32))
@@ -132,6 +133,23 @@ if gluon is not None:
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _EVENTS = gl.constexpr(TRACE_EVENTS)
+
+    @gluon.jit
+    def _trace(trace_ptr, slot, event, ok, TRACE: gl.constexpr, WALL: gl.constexpr = False):
+        """Traced builds only: store this warpgroup's SM cycle count (``WALL``: the global timer, ns)
+        at ``trace_ptr[slot * TRACE_EVENTS + event]``, to see where a CTA's time goes
+        (``bench/tree_mla_timeline.py``). Untraced builds compile nothing here."""
+        if TRACE:
+            lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            lane = gl.arange(0, 128, layout=lay)
+            if WALL:
+                now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lane], dtype=gl.int64,
+                                                is_pure=False, pack=1)
+            else:
+                now = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [lane], dtype=gl.int64,
+                                                is_pure=False, pack=1)
+            gl.store(trace_ptr + slot.to(gl.int64) * _EVENTS + event + lane, now, mask=(lane == 0) & ok)
 
     @gluon.jit
     def _issue_tile(lat_buf, pe_buf, base, page, offs, key_ok, pg_size, stride_page, stride_tok,
@@ -183,8 +201,9 @@ if gluon is not None:
                 q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
                 n_prefix, n_total, lo, hi, n_nodes, page_size,
                 stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok, stride_new_n,
+                trace_ptr, trace_slot,
                 KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                TMA_ROWS: gl.constexpr, LOADER_WARPS: gl.constexpr):
+                TMA_ROWS: gl.constexpr, LOADER_WARPS: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr):
         """Stream the q tile and every key tile into the ring. Whole prefix tiles go by TMA
         (``TMA_ROWS`` rows a copy, so a copy never crosses a page) where ``TMA_ROWS > 0``; a split's
         last, partial tile and the tree's own keys by cp.async, which zero-fills the rows past the
@@ -207,7 +226,9 @@ if gluon is not None:
         cp.mbarrier_arrive(q_ready, increment_count=False)
         for t in range(n_total):
             st = t % NUM_STAGES
+            _trace(trace_ptr, trace_slot + t, 0, t < TRACE_TILES, TRACE)
             mbarrier.wait(kv_free.index(st), ((t // NUM_STAGES) & 1) ^ 1)  # both warpgroups are done with it
+            _trace(trace_ptr, trace_slot + t, 1, t < TRACE_TILES, TRACE)
             if TMA_ROWS > 0:
                 start = lo + t * BLOCK_N
                 if (t < n_prefix) & (start + BLOCK_N <= hi):
@@ -237,12 +258,10 @@ if gluon is not None:
         return warpgroup_mma(q_pe, k_pe_t.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
-    def _own_tile(s, j, acc, m_i, l_i, v_tile, p_smem, m_smem, l_smem, a_smem, p_ready,
-                  n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
-                  ROLE: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr,
-                  O_LAYOUT: gl.constexpr):
-        """Tile j's softmax from its logits ``s``: publish P and the row stats on ``p_ready[j % 2]``,
-        then this warpgroup's half of ``P V`` (waited: the accumulator is loop-carried)."""
+    def _softmax(s, j, m_i, l_i, n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
+                 BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr, P_DTYPE: gl.constexpr):
+        """Tile j's softmax from its logits ``s`` and the row stats through tile j-1: the new max and
+        sum, P (bf16) and the rescale of what came before."""
         offs_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
         if j < n_prefix:  # prefix keys past the split's end are masked
             key_ok = (lo + j * BLOCK_N + offs_s) < hi
@@ -259,34 +278,47 @@ if gluon is not None:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet stay finite
         alpha = gl.exp2(m_i - m_use)
         p32 = gl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p32, 1)
-        p = p32.to(p_smem.dtype)
-        p_smem.store(p)
-        m_smem.store(m_new)
-        l_smem.store(l_i)
-        a_smem.store(alpha)
-        fence_async_shared()
+        l_new = l_i * alpha + gl.sum(p32, 1)
+        return m_new, l_new, p32.to(P_DTYPE), alpha
+
+    @gluon.jit
+    def _publish_p(p, p_buf, p_ready, j):
+        """P of tile j into shared memory for the other warpgroup's ``P V``, on ``p_ready[j % 2]``."""
+        p_buf.store(p)
+        fence_async_shared()  # the other warpgroup's wgmma reads it through the async proxy
         _cta_barrier()  # every thread of this warpgroup wrote its part
         mbarrier.arrive(p_ready.index(j % 2))
+
+    @gluon.jit
+    def _own_pv(acc, p, alpha, v_tile, ROLE: gl.constexpr, HALF: gl.constexpr, O_LAYOUT: gl.constexpr):
+        """This warpgroup's half of ``P V`` for a tile it owns, P from registers (waited: the
+        accumulator is loop-carried)."""
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))
         p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
         acc = warpgroup_mma(p_op, v_tile.slice(ROLE * HALF, HALF, dim=1), acc * alpha_o[:, None], is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        return m_new, l_i, acc
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+    @gluon.jit
+    def _other_pv(acc, alpha_o, p_buf, v_tile, ROLE: gl.constexpr, HALF: gl.constexpr):
+        """This warpgroup's half of ``P V`` for a tile the other one owns, P from shared memory (waited)."""
+        acc = warpgroup_mma(p_buf, v_tile.slice(ROLE * HALF, HALF, dim=1), acc * alpha_o[:, None], is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     @gluon.jit
     def _consumer(q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
                   anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                   q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                  total_rows, stride_anc_n, scale_log2,
+                  total_rows, stride_anc_n, scale_log2, trace_ptr, trace_slot,
                   ROLE: gl.constexpr, KVR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  DIRECT: gl.constexpr):
+                  DIRECT: gl.constexpr, ABLATE: gl.constexpr, TRACE: gl.constexpr,
+                  TRACE_TILES: gl.constexpr):
         """One warpgroup: value dims ``[ROLE * KVR/2, (ROLE + 1) * KVR/2)`` of every tile's ``P V``, and
         the logits and softmax of the tiles ``t % 2 == ROLE``. The owner of tile t publishes its
         probabilities (shared memory) and the running max / sum / rescale (``m_smem`` / ``l_smem`` / ``a_smem``) on
         ``p_ready[t % 2]``; the other warpgroup reads them for its half. Each warpgroup issues the
         logits of its next tile before it waits for the other's probabilities, so one warpgroup's
-        MMAs run while the other's softmax does."""
+        MMAs run while the other's softmax does. ``ABLATE`` (timing only, wrong output): 1 skips the
+        softmax arithmetic, 2 the logits products."""
         HALF: gl.constexpr = KVR // 2
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
         O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
@@ -299,22 +331,38 @@ if gluon is not None:
         offs_row = pid_m * _BM + gl.arange(0, _BM, layout=ROW_S)
         bits_row = anc_bits_ptr + (q_start + offs_row // num_heads).to(gl.int64) * stride_anc_n
         row_ok = offs_row < rows
+        head = trace_slot + TRACE_TILES  # this warpgroup's start / end stamps
+        _trace(trace_ptr, head, 0, True, TRACE)
+        _trace(trace_ptr, head, 2, True, TRACE, True)
         mbarrier.wait(q_ready, 0)
+        _trace(trace_ptr, head, 4, True, TRACE)
         if ROLE == 0:
             if n_total >= 1:  # tile 0: no earlier tile to fold in
                 mbarrier.wait(kv_ready.index(0), 0)
                 s = _logits(q_lat, q_pe, k_lat.index(0), k_pe.index(0), BLOCK_N, S_LAYOUT)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                m_i, l_i, acc = _own_tile(s, 0, acc, m_i, l_i, k_lat.index(0), p_smem, m_smem, l_smem, a_smem, p_ready,
-                                          n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
-                                          ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT)
+                m_i, l_i, p, alpha = _softmax(s, 0, m_i, l_i, n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
+                                              BLOCK_N, S_LAYOUT, p_smem.dtype)
+                m_smem.store(m_i)
+                l_smem.store(l_i)
+                a_smem.store(alpha)
+                _publish_p(p, p_smem, p_ready, 0)
+                acc = _own_pv(acc, p, alpha, k_lat.index(0), ROLE, HALF, O_LAYOUT)
                 mbarrier.arrive(kv_free.index(0))
         for j in range(2 - ROLE, n_total, 2):  # the tiles this warpgroup owns, each after the other's j-1
             st = j % NUM_STAGES
             sp = (j - 1) % NUM_STAGES
+            slot = trace_slot + j
+            traced = j < TRACE_TILES
+            _trace(trace_ptr, slot, 0, traced, TRACE)
             mbarrier.wait(kv_ready.index(st), (j // NUM_STAGES) & 1)
-            s = _logits(q_lat, q_pe, k_lat.index(st), k_pe.index(st), BLOCK_N, S_LAYOUT)
+            _trace(trace_ptr, slot, 1, traced, TRACE)
+            if ABLATE == 2:
+                s = warpgroup_mma_init(gl.zeros([_BM, BLOCK_N], gl.float32, layout=S_LAYOUT))
+            else:
+                s = _logits(q_lat, q_pe, k_lat.index(st), k_pe.index(st), BLOCK_N, S_LAYOUT)
             mbarrier.wait(p_ready.index((j - 1) % 2), ((j - 1) // 2) & 1)
+            _trace(trace_ptr, slot, 2, traced, TRACE)
             m_i = m_smem.load(ROW_S)
             l_i = l_smem.load(ROW_S)
             alpha_o = a_smem.load(ROW_O)
@@ -323,9 +371,20 @@ if gluon is not None:
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # the logits; P V of tile j-1 may still run
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # ... it read p_smem before we rewrite it
             mbarrier.arrive(kv_free.index(sp))
-            m_i, l_i, acc = _own_tile(s, j, acc, m_i, l_i, k_lat.index(st), p_smem, m_smem, l_smem, a_smem, p_ready,
-                                      n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
-                                      ROLE, HALF, BLOCK_N, S_LAYOUT, O_LAYOUT)
+            _trace(trace_ptr, slot, 3, traced, TRACE)
+            if ABLATE == 1:
+                p = s.to(p_smem.dtype)
+                alpha = gl.full([_BM], 1.0, gl.float32, layout=ROW_S)
+            else:
+                m_i, l_i, p, alpha = _softmax(s, j, m_i, l_i, n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
+                                              BLOCK_N, S_LAYOUT, p_smem.dtype)
+            m_smem.store(m_i)
+            l_smem.store(l_i)
+            a_smem.store(alpha)
+            _publish_p(p, p_smem, p_ready, j)
+            _trace(trace_ptr, slot, 4, traced, TRACE)
+            acc = _own_pv(acc, p, alpha, k_lat.index(st), ROLE, HALF, O_LAYOUT)
+            _trace(trace_ptr, slot, 5, traced, TRACE)
             mbarrier.arrive(kv_free.index(st))
         if n_total >= 1:
             if (n_total - 1) % 2 != ROLE:  # the last tile is the other's: its half here
@@ -334,12 +393,11 @@ if gluon is not None:
                 mbarrier.wait(p_ready.index(j % 2), (j // 2) & 1)
                 m_i = m_smem.load(ROW_S)
                 l_i = l_smem.load(ROW_S)
-                alpha_o = a_smem.load(ROW_O)
-                acc = warpgroup_mma(p_smem, k_lat.index(j % NUM_STAGES).slice(ROLE * HALF, HALF, dim=1),
-                                    acc * alpha_o[:, None], is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                acc = _other_pv(acc, a_smem.load(ROW_O), p_smem, k_lat.index(j % NUM_STAGES), ROLE, HALF)
                 mbarrier.arrive(kv_free.index(j % NUM_STAGES))
 
+        _trace(trace_ptr, head, 1, True, TRACE)
+        _trace(trace_ptr, head, 3, True, TRACE, True)
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
         o = acc / gl.convert_layout(l_safe, ROW_O)[:, None]
         offs_o = pid_m * _BM + gl.arange(0, _BM, layout=ROW_O)
@@ -363,9 +421,10 @@ if gluon is not None:
         out_ptr, o_part_ptr, lse_part_ptr,
         stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
         stride_kv_page, stride_kv_tok, stride_new_n, stride_pt_r, stride_anc_n,
-        num_heads, page_size, total_rows, num_splits, scale_log2,
+        num_heads, page_size, total_rows, num_splits, scale_log2, trace_ptr,
         KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, DIRECT: gl.constexpr,
-        TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ABLATE: gl.constexpr, TRACE: gl.constexpr,
+        TRACE_TILES: gl.constexpr,
         Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr,
         P_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -407,20 +466,25 @@ if gluon is not None:
             mbarrier.init(q_ready, count=32 * num_warps)
             fence_async_shared()
             pt_row = page_table_ptr + r * stride_pt_r
+            cta = (r * num_splits + split) * gl.num_programs(0) + pid_m
+            slots = TRACE_TILES + 1  # a partition's trace: a slot a tile, then its start / end stamps
             gl.warp_specialize([
                 (_loader, (q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
                            q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
                            n_prefix, n_total, lo, hi, n_nodes, page_size,
                            stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
-                           stride_new_n, KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps)),
-                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
-                             anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+                           stride_new_n, trace_ptr, cta * 3 * slots,
+                           KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps, TRACE, TRACE_TILES)),
+                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free,
+                             p_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                              q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                             total_rows, stride_anc_n, scale_log2, 0, KVR, BLOCK_N, NUM_STAGES, DIRECT)),
-                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
-                             anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+                             total_rows, stride_anc_n, scale_log2, trace_ptr, (cta * 3 + 1) * slots,
+                             0, KVR, BLOCK_N, NUM_STAGES, DIRECT, ABLATE, TRACE, TRACE_TILES)),
+                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free,
+                             p_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                              q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                             total_rows, stride_anc_n, scale_log2, 1, KVR, BLOCK_N, NUM_STAGES, DIRECT)),
+                             total_rows, stride_anc_n, scale_log2, trace_ptr, (cta * 3 + 2) * slots,
+                             1, KVR, BLOCK_N, NUM_STAGES, DIRECT, ABLATE, TRACE, TRACE_TILES)),
             ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -436,13 +500,18 @@ def tree_mla_hopper(
     num_splits: int | None = None,
     block_n: int = 32,
     num_stages: int = 4,
+    trace: Tensor | None = None,
+    ablate: int = 0,
 ) -> Tensor:
     """``tree_mla_triton``'s contract on the Gluon kernel: same arguments (host metadata is packed
     here, with a host sync), same result ``[N, H, kvr]``. Needs ``hopper_available`` and operands
     ``unsupported_reason`` accepts. ``block_n`` / ``num_stages``: key-tile rows and ring depth; the
     served 32 / 4 and the alternative 64 / 2 fill the H200's shared memory (H200, batch 32 x 4096,
     8 heads: 61 / 91 / 160 us at 64 / 72 / 136 rows a request against 80 / 113 / 182;
-    ``bench/results/tree_mla_schedule_ab.json``)."""
+    ``bench/results/tree_mla_schedule_ab.json``). ``trace``: an int64 ``[CTAs, 3, tiles + 1, 8]``
+    buffer builds a copy of the kernel that stamps SM clocks into it (``bench/tree_mla_timeline.py``
+    reads them); CTA ``(r * splits + split) * m_tiles + m``, partition loader / consumer 0 / 1, a
+    slot per key tile (the first ``tiles``) and a last one of start and end stamps."""
     from kernels.tree_mla import (
         _LOG2E, _shared_memory_limit, _sm_count, check_operands, merge_splits, split_partials,
     )
@@ -482,6 +551,12 @@ def tree_mla_hopper(
         "K_PE_SMEM": gl.NVMMASharedLayout.get_default_for([block_n, rope], gdt),
         "P_SMEM": gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_n], gdt),
     }
+    trace_tiles = 0
+    if trace is not None:
+        trace_tiles = trace.shape[2] - 1
+        assert trace.dtype == torch.int64 and trace.dim() == 4 and trace.shape[1] == 3 and trace.shape[3] == TRACE_EVENTS \
+            and trace_tiles >= 1 and trace.shape[0] >= m_tiles * num_splits * R and trace.is_contiguous(), \
+            f"trace must be int64 [>= {m_tiles * num_splits * R}, 3, tiles + 1, {TRACE_EVENTS}], contiguous; got {trace.dtype} {tuple(trace.shape)}"
     tma_rows = tma_rows_for(kv_cache, block_n)
     box = max(tma_rows, 16)
     kv_rows = kv_cache.as_strided((kv_cache.shape[0] * page_size if tma_rows else page_size, kvr + rope), (kv_cache.stride(1), 1))
@@ -493,9 +568,9 @@ def tree_mla_hopper(
         out, o_part, lse_part,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
-        H, page_size, total_rows, num_splits, softmax_scale * _LOG2E,
+        H, page_size, total_rows, num_splits, softmax_scale * _LOG2E, out if trace is None else trace,
         KVR=kvr, ROPE=rope, BLOCK_N=block_n, NUM_STAGES=num_stages, DIRECT=num_splits == 1, TMA_ROWS=tma_rows,
-        CONSUMER_REGS=CONSUMER_REGS, **smem, num_warps=4,
+        CONSUMER_REGS=CONSUMER_REGS, ABLATE=ablate, TRACE=trace is not None, TRACE_TILES=trace_tiles, **smem, num_warps=4,
     )
     merge_splits(o_part, lse_part, out, num_splits, 1)
     return out

@@ -114,12 +114,13 @@ _ARG_TYPES = {
     **{n: "i32" for n in ("stride_ql_n", "stride_ql_h", "stride_qp_n", "stride_qp_h", "stride_kv_page", "stride_kv_tok",
                           "stride_new_n", "stride_pt_r", "stride_anc_n", "num_heads", "page_size", "total_rows", "num_splits")},
     "scale_log2": "fp32",
+    "trace_ptr": "*i64",
 }
 
 
-def _build(kvr: int, rope: int, direct: bool) -> dict:
-    """Compile the served launch (32-key tiles, four stages, TMA rows of a 16-token page) for sm_90;
-    run without TRITON_INTERPRET."""
+def _build(kvr: int, rope: int, direct: bool, trace_tiles: int = 0) -> dict:
+    """Compile the served launch (32-key tiles, four stages, TMA rows of a 16-token page) for sm_90,
+    or its traced copy (``trace_tiles`` > 0); run without TRITON_INTERPRET."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -134,6 +135,7 @@ def _build(kvr: int, rope: int, direct: bool) -> dict:
     k_pe = gl.NVMMASharedLayout.get_default_for([bn, rope], gl.bfloat16)
     constexprs = dict(
         KVR=kvr, ROPE=rope, BLOCK_N=bn, NUM_STAGES=4, DIRECT=direct, TMA_ROWS=tma_rows, CONSUMER_REGS=hop.CONSUMER_REGS,
+        ABLATE=0, TRACE=trace_tiles > 0, TRACE_TILES=trace_tiles,
         Q_LAT_SMEM=gl.NVMMASharedLayout.get_default_for([hop.BLOCK_M, kvr], gl.bfloat16),
         Q_PE_SMEM=gl.NVMMASharedLayout.get_default_for([hop.BLOCK_M, rope], gl.bfloat16),
         K_LAT_SMEM=k_lat, K_PE_SMEM=k_pe, P_SMEM=gl.NVMMASharedLayout.get_default_for([hop.BLOCK_M, bn], gl.bfloat16),
@@ -148,25 +150,31 @@ def _build(kvr: int, rope: int, direct: bool) -> dict:
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ptx = compiled.asm["ptx"]
     return dict(cubin_bytes=len(compiled.asm["cubin"]), wgmma="warp_group_dot" in compiled.asm["ttgir"],
-                tma="cp.async.bulk.tensor" in ptx, setmaxnreg="setmaxnreg" in ptx, shared=compiled.metadata.shared)
+                tma="cp.async.bulk.tensor" in ptx, setmaxnreg="setmaxnreg" in ptx, shared=compiled.metadata.shared,
+                clock_reads=ptx.count("%clock64"), timer_reads=ptx.count("%globaltimer"))
 
 
 @pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("kvr,rope,direct", [(512, 64, False), (128, 32, True)])
-def test_kernel_builds_for_sm90(kvr: int, rope: int, direct: bool) -> None:
+@pytest.mark.parametrize("kvr,rope,direct,trace_tiles", [(512, 64, False, 0), (128, 32, True, 0), (512, 64, False, 16)])
+def test_kernel_builds_for_sm90(kvr: int, rope: int, direct: bool, trace_tiles: int) -> None:
     """The K2 and demo shapes compile to a cubin whose products are wgmma, whose loader issues TMA
     copies, whose partitions get their own register counts and whose shared memory fits a CTA; no
-    GPU needed (Triton ships ptxas). A child process: conftest sets
-    TRITON_INTERPRET for this one, and the interpreter cannot compile Gluon."""
+    GPU needed (Triton ships ptxas). The served build reads no clock; the traced one
+    (``bench/tree_mla_timeline.py``) reads the SM clock and the global timer. A child process:
+    conftest sets TRITON_INTERPRET for this one, and the interpreter cannot compile Gluon."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, str(kvr), str(rope), str(int(direct))], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, __file__, str(kvr), str(rope), str(int(direct)), str(trace_tiles)], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     built = json.loads(proc.stdout.strip().splitlines()[-1])
     assert built["cubin_bytes"] > 0 and built["wgmma"] and built["tma"] and built["setmaxnreg"], built
     assert 0 < built["shared"] <= H100_SMEM_PER_BLOCK, f"{built['shared']} bytes of shared memory"
+    if trace_tiles:
+        assert built["clock_reads"] >= 10 and built["timer_reads"] >= 2, built
+    else:
+        assert built["clock_reads"] == built["timer_reads"] == 0, built
 
 
 if __name__ == "__main__":
-    print(json.dumps(_build(int(sys.argv[1]), int(sys.argv[2]), bool(int(sys.argv[3])))))
+    print(json.dumps(_build(int(sys.argv[1]), int(sys.argv[2]), bool(int(sys.argv[3])), int(sys.argv[4]))))
