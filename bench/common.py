@@ -115,6 +115,22 @@ def eager_us(calls: Sequence[Callable[[], object]], reps: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def kernel_times(fn: Callable[[], object], reps: int = 10) -> dict[str, float]:
+    """Microseconds a call of each kernel ``fn`` launches (torch.profiler, eager), summed by name."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if us:
+            out[e.key[:80]] = round(us / reps, 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def write_result(out: str, benchmark: str, commit: str | None, params: dict, rows: list) -> None:
     """Write one ``bench/results`` file in TARGETS.md's schema: this GPU's name and copy bandwidth
     measured now, the commit (``git_commit``), the params and the rows."""

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import kernels.int4_moe as km
-from bench.common import graph_replay_us, write_result
+from bench.common import graph_replay_us, kernel_times, write_result
 from bench.int4_moe_bench import GROUP, SHAPES, rand_int4_stack, rand_routing
 from kernels import int4_moe_hopper as hop
 
@@ -88,22 +88,6 @@ def gate_up_call(x, wg, wu, align, I, K, A, top_k, block_m, **kw):
     hop.gemm(hop.permute_k(x), wg, wu, out, align.sorted_ids, align.block_expert, align.sorted_ids, I, K, A, top_k, K,
              gated=True, atomic=False, block_m=block_m, split_k=1, **kw)
     return out
-
-
-def kernel_times(fn, reps: int = 10) -> dict[str, float]:
-    """Microseconds a call of each kernel ``fn`` launches (torch.profiler, eager), summed by name."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    out: dict[str, float] = {}
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if us:
-            out[e.key[:80]] = round(us / reps, 1)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def stage_times(x, route, served: km.Int4MoEConfig, E: int, I: int, R: int) -> dict:

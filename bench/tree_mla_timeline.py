@@ -2,19 +2,25 @@
 
 Why: Nsight's counters (``bench/tree_mla_ncu.py``) say no unit is saturated at batch 32 x 4096 and
 the warps mostly wait, but not on what. A traced build of ``kernels/tree_mla_hopper.py``
-(``tree_mla_hopper(trace=...)``) stamps each partition's SM clock around every wait of its loop,
-so the steady-state time of one key tile splits into:
+(``tree_mla_hopper(trace=...)``) stamps each partition's SM clock around every wait of its loop.
+For a tile ``j`` a consumer warpgroup owns (phases in ``PHASES``, stamps 0-5 of its slot):
 
-* consumer warpgroup, per tile it owns (``j``): ``kv_wait`` (tile j's keys not landed yet),
-  ``p_wait`` (issue of j's logits, then the other warpgroup's probabilities of tile j-1),
-  ``mma_wait`` (its half of ``P V`` for j-1, and j's logits, to finish), ``softmax`` (masks, max,
-  exponentials, P and the row statistics published), ``own_pv`` (its half of ``P V`` for j), and
-  ``period`` (loop top to loop top, two tiles);
-* loader, per tile: ``free_wait`` (the ring slot still in use) and ``issue`` (the copies issued);
-* per CTA: cycles from start to end, and the global timer's start and end (waves, overlap).
+* ``kv_wait``: j's keys not landed yet;
+* ``p_wait``: issue of j's logits, then the other warpgroup's P of tile j-1;
+* ``mma_wait``: its half of ``P V`` for j-1 issued (after the accumulator's rescale) and, with
+  j's logits, finished;
+* ``softmax``: j's masks, max, exponentials and sums, P and the row statistics published;
+* ``own_pv``: its half of ``P V`` for j;
+* ``period``: loop top to loop top (two tiles), ``handoff``: j's P published to the other
+  warpgroup seeing it; for the loader, ``free_wait`` (the ring slot still in use), ``issue`` (the
+  copies issued) and ``landed_to_use`` (issue to a consumer past ``kv_wait``);
+* per CTA: cycles from start to end, the global timer's start and end (waves, overlap);
+* per kernel of the served call (``served_kernels_us``, torch.profiler, eager): the split kernel
+  against the split merge.
 
-The traced output is checked bit for bit against the served build's, and both are timed (CUDA-graph
-replay over input copies larger than L2) to show what the stamps cost.
+Each point also runs the builds in ``VARIANTS`` (keyword arguments of ``tree_mla_hopper``: the
+A/B hook for a schedule change): the output against the float32 reference, the traced output bit
+for bit against the untraced one, and CUDA-graph replay times over input copies larger than L2.
 
     python -m bench.tree_mla_timeline --commit SHA --out bench/results/tree_mla_timeline.json
 """
@@ -28,7 +34,7 @@ import statistics
 
 import torch
 
-from bench.common import graph_replay_us, write_result
+from bench.common import graph_replay_us, kernel_times, write_result
 from bench.tree_mla_bench import ROTATE_BYTES, Case, rel_err
 from kernels import tree_mla_hopper as hop
 from kernels.tree_mla import tree_mla_reference
@@ -36,8 +42,10 @@ from kernels.tree_mla import tree_mla_reference
 SHAPES = ((32, 4096, 8), (32, 4096, 9), (32, 16384, 8), (32, 4096, 17), (128, 4096, 9), (1, 4096, 9))  # batch, context, nodes
 HEADS = 8
 TILES = 160  # key tiles traced a CTA (a split of 4096 / 4 keys is 32 tiles of 32)
-# Builds compared: keyword arguments of ``tree_mla_hopper`` (``ablate``: timing only, wrong output).
-VARIANTS: dict[str, dict] = {"served": {}, "no_softmax": dict(ablate=1), "no_logits": dict(ablate=2)}
+# Builds compared: keyword arguments of ``tree_mla_hopper``. tree_mla_timeline_ablations.json (commit
+# 0b090eb) also ran two ablations that commit's kernel had (wrong output, timing only): no softmax
+# arithmetic, no logits products.
+VARIANTS: dict[str, dict] = {"served": {}}
 PHASES = dict(kv_wait=(0, 1), p_wait=(1, 2), mma_wait=(2, 3), softmax=(3, 4), own_pv=(4, 5))  # stamps
 
 
@@ -49,12 +57,14 @@ def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 1) if xs else None
 
 
-def _phases(trace: torch.Tensor, n_tiles: list[int]) -> dict:
-    """Median cycles of each phase over every CTA's steady-state tiles (the first and last two left out)."""
-    tr = trace.cpu().tolist()
+def phases(trace: torch.Tensor, n_tiles: list[int]) -> dict:
+    """Median cycles of each phase over every CTA's steady-state tiles (the first and last two left
+    out). ``trace``: ``tree_mla_hopper``'s ``[CTAs, 3, tiles + 1, TRACE_EVENTS]`` stamps; ``n_tiles``:
+    the key tiles of each CTA."""
+    tr, tiles = trace.cpu().tolist(), trace.shape[2] - 1
     out: dict[str, list[float]] = {k: [] for k in list(PHASES) + ["period", "handoff", "free_wait", "issue", "landed_to_use"]}
     for cta, n in enumerate(n_tiles):
-        n = min(n, TILES)
+        n = min(n, tiles)
         loader = tr[cta][0]
         for role in (0, 1):
             ev = tr[cta][1 + role]
@@ -73,9 +83,9 @@ def _phases(trace: torch.Tensor, n_tiles: list[int]) -> dict:
     return {k: _median(v) for k, v in out.items()}
 
 
-def _ctas(trace: torch.Tensor, n_ctas: int) -> dict:
+def cta_spans(trace: torch.Tensor, n_ctas: int) -> dict:
     """Per-CTA clock and wall-clock spans from the consumers' start / end stamps."""
-    head = trace[:n_ctas, 1, TILES].cpu()  # consumer 0: clock start, end, timer start, end, q landed
+    head = trace[:n_ctas, 1, -1].cpu()  # consumer 0: clock start, end, timer start, end, q landed
     cycles = (head[:, 1] - head[:, 0]).double()
     ns = (head[:, 3] - head[:, 2]).double()
     start = head[:, 2] - head[:, 2].min()
@@ -120,7 +130,7 @@ def main() -> None:
                 stamps_written=bool((trace[:, 1:, TILES, :5] >= 0).all().item()),
                 traced_us=round(graph_replay_us([lambda c=c, t=trace, kw=kw: hop.tree_mla_hopper(*c.args(), trace=t, **kw)
                                                  for c in cases]), 2),
-                **_ctas(trace, n_ctas), cycles=_phases(trace, n_tiles))
+                **cta_spans(trace, n_ctas), cycles=phases(trace, n_tiles))
             del trace
         for rnd in range(2):
             for name in (list(VARIANTS) if rnd == 0 else list(VARIANTS)[::-1]):
@@ -129,6 +139,8 @@ def main() -> None:
         for name in VARIANTS:
             row[name]["us"] = round(min(times[name]), 2)
             row[name]["us_rounds"] = [round(x, 2) for x in times[name]]
+        turn = iter(range(1 << 30))  # eager calls rotating over the copies, as the replays do
+        row["served_kernels_us"] = kernel_times(lambda cs=cases: hop.tree_mla_hopper(*cs[next(turn) % len(cs)].args()))
         rows.append(row)
         print(json.dumps(row), flush=True)
         del cases

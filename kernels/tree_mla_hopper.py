@@ -54,7 +54,7 @@ try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kerne
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
@@ -62,7 +62,7 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 __all__ = ["hopper_available", "unsupported_reason", "tree_mla_hopper", "choose_splits", "tma_rows_for", "BLOCK_M", "SUPPORTED_DIMS"]
 
 BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
-TRACE_EVENTS = 16  # stamps a trace slot holds (``tree_mla_hopper(trace=...)``)
+TRACE_EVENTS = 8  # stamps a trace slot holds (``tree_mla_hopper(trace=...)``)
 CONSUMER_REGS = 224  # registers of each consumer warpgroup; the loader gets the rest (232: 1-3% slower, H200)
 # Dims the kernel was checked at on the GPU (bench/tree_mla_bench.py): Kimi-K2 and the demo model.
 SUPPORTED_DIMS = ((512, 64), (128, 32))
@@ -310,15 +310,13 @@ if gluon is not None:
                   q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
                   total_rows, stride_anc_n, scale_log2, trace_ptr, trace_slot,
                   ROLE: gl.constexpr, KVR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  DIRECT: gl.constexpr, ABLATE: gl.constexpr, TRACE: gl.constexpr,
-                  TRACE_TILES: gl.constexpr):
+                  DIRECT: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr):
         """One warpgroup: value dims ``[ROLE * KVR/2, (ROLE + 1) * KVR/2)`` of every tile's ``P V``, and
         the logits and softmax of the tiles ``t % 2 == ROLE``. The owner of tile t publishes its
         probabilities (shared memory) and the running max / sum / rescale (``m_smem`` / ``l_smem`` / ``a_smem``) on
         ``p_ready[t % 2]``; the other warpgroup reads them for its half. Each warpgroup issues the
         logits of its next tile before it waits for the other's probabilities, so one warpgroup's
-        MMAs run while the other's softmax does. ``ABLATE`` (timing only, wrong output): 1 skips the
-        softmax arithmetic, 2 the logits products."""
+        MMAs run while the other's softmax does."""
         HALF: gl.constexpr = KVR // 2
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
         O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
@@ -357,10 +355,7 @@ if gluon is not None:
             _trace(trace_ptr, slot, 0, traced, TRACE)
             mbarrier.wait(kv_ready.index(st), (j // NUM_STAGES) & 1)
             _trace(trace_ptr, slot, 1, traced, TRACE)
-            if ABLATE == 2:
-                s = warpgroup_mma_init(gl.zeros([_BM, BLOCK_N], gl.float32, layout=S_LAYOUT))
-            else:
-                s = _logits(q_lat, q_pe, k_lat.index(st), k_pe.index(st), BLOCK_N, S_LAYOUT)
+            s = _logits(q_lat, q_pe, k_lat.index(st), k_pe.index(st), BLOCK_N, S_LAYOUT)
             mbarrier.wait(p_ready.index((j - 1) % 2), ((j - 1) // 2) & 1)
             _trace(trace_ptr, slot, 2, traced, TRACE)
             m_i = m_smem.load(ROW_S)
@@ -372,12 +367,8 @@ if gluon is not None:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # ... it read p_smem before we rewrite it
             mbarrier.arrive(kv_free.index(sp))
             _trace(trace_ptr, slot, 3, traced, TRACE)
-            if ABLATE == 1:
-                p = s.to(p_smem.dtype)
-                alpha = gl.full([_BM], 1.0, gl.float32, layout=ROW_S)
-            else:
-                m_i, l_i, p, alpha = _softmax(s, j, m_i, l_i, n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
-                                              BLOCK_N, S_LAYOUT, p_smem.dtype)
+            m_i, l_i, p, alpha = _softmax(s, j, m_i, l_i, n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
+                                          BLOCK_N, S_LAYOUT, p_smem.dtype)
             m_smem.store(m_i)
             l_smem.store(l_i)
             a_smem.store(alpha)
@@ -423,8 +414,7 @@ if gluon is not None:
         stride_kv_page, stride_kv_tok, stride_new_n, stride_pt_r, stride_anc_n,
         num_heads, page_size, total_rows, num_splits, scale_log2, trace_ptr,
         KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, DIRECT: gl.constexpr,
-        TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ABLATE: gl.constexpr, TRACE: gl.constexpr,
-        TRACE_TILES: gl.constexpr,
+        TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
         Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr,
         P_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -479,12 +469,12 @@ if gluon is not None:
                              p_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                              q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
                              total_rows, stride_anc_n, scale_log2, trace_ptr, (cta * 3 + 1) * slots,
-                             0, KVR, BLOCK_N, NUM_STAGES, DIRECT, ABLATE, TRACE, TRACE_TILES)),
+                             0, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES)),
                 (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free,
                              p_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                              q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
                              total_rows, stride_anc_n, scale_log2, trace_ptr, (cta * 3 + 2) * slots,
-                             1, KVR, BLOCK_N, NUM_STAGES, DIRECT, ABLATE, TRACE, TRACE_TILES)),
+                             1, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES)),
             ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -501,15 +491,14 @@ def tree_mla_hopper(
     block_n: int = 32,
     num_stages: int = 4,
     trace: Tensor | None = None,
-    ablate: int = 0,
 ) -> Tensor:
     """``tree_mla_triton``'s contract on the Gluon kernel: same arguments (host metadata is packed
     here, with a host sync), same result ``[N, H, kvr]``. Needs ``hopper_available`` and operands
     ``unsupported_reason`` accepts. ``block_n`` / ``num_stages``: key-tile rows and ring depth; the
     served 32 / 4 and the alternative 64 / 2 fill the H200's shared memory (H200, batch 32 x 4096,
     8 heads: 61 / 91 / 160 us at 64 / 72 / 136 rows a request against 80 / 113 / 182;
-    ``bench/results/tree_mla_schedule_ab.json``). ``trace``: an int64 ``[CTAs, 3, tiles + 1, 8]``
-    buffer builds a copy of the kernel that stamps SM clocks into it (``bench/tree_mla_timeline.py``
+    ``bench/results/tree_mla_schedule_ab.json``). ``trace``: an int64 ``[CTAs, 3, tiles + 1,
+    TRACE_EVENTS]`` buffer builds a copy of the kernel that stamps SM clocks into it (``bench/tree_mla_timeline.py``
     reads them); CTA ``(r * splits + split) * m_tiles + m``, partition loader / consumer 0 / 1, a
     slot per key tile (the first ``tiles``) and a last one of start and end stamps."""
     from kernels.tree_mla import (
@@ -570,7 +559,7 @@ def tree_mla_hopper(
         kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
         H, page_size, total_rows, num_splits, softmax_scale * _LOG2E, out if trace is None else trace,
         KVR=kvr, ROPE=rope, BLOCK_N=block_n, NUM_STAGES=num_stages, DIRECT=num_splits == 1, TMA_ROWS=tma_rows,
-        CONSUMER_REGS=CONSUMER_REGS, ABLATE=ablate, TRACE=trace is not None, TRACE_TILES=trace_tiles, **smem, num_warps=4,
+        CONSUMER_REGS=CONSUMER_REGS, TRACE=trace is not None, TRACE_TILES=trace_tiles, **smem, num_warps=4,
     )
     merge_splits(o_part, lse_part, out, num_splits, 1)
     return out

@@ -3,6 +3,7 @@ CPU and their pure parts do what the GPU run relies on."""
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -113,3 +114,32 @@ def test_ncu_runner_reads_the_csv_and_drops_unknown_counters(tmp_path) -> None:
     broken.chmod(0o755)
     with pytest.raises(RuntimeError, match="ncu failed"):
         profile(str(broken), ["true"], metrics)
+
+
+def test_tree_mla_timeline_reads_the_stamps() -> None:
+    """A made-up trace of one CTA with known gaps: each phase's median is its gap, the period two
+    tiles, the handoff from one warpgroup's publish to the other's wake, and the CTA's spans."""
+    import torch
+
+    from bench.tree_mla_timeline import PHASES, cta_spans, phases
+
+    tiles, events = 12, 8
+    trace = torch.full((1, 3, tiles + 1, events), -1, dtype=torch.int64)
+    gaps = [10, 20, 30, 40, 50]  # kv_wait, p_wait, mma_wait, softmax, own_pv (PHASES' order)
+    assert list(PHASES) == ["kv_wait", "p_wait", "mma_wait", "softmax", "own_pv"]
+    for j in range(tiles):
+        stamps = [150 * j]
+        for g in gaps:
+            stamps.append(stamps[-1] + g)
+        trace[0, 1 + j % 2, j, :6] = torch.tensor(stamps)
+        trace[0, 0, j, :2] = torch.tensor([70 * j, 70 * j + 5])  # loader: slot wait, then copies issued
+    trace[0, 1, tiles, :5] = torch.tensor([1000, 4400, 5000, 7000, 1100])
+    got = phases(trace, [tiles])
+    assert [got[k] for k in PHASES] == gaps
+    assert got["period"] == 300 and got["handoff"] == 150 + 30 - 100
+    assert got["free_wait"] == 5 and got["issue"] == 65
+    assert got["landed_to_use"] == statistics.median([150 * j + 10 - (70 * j + 5) for j in range(2, tiles - 2)])
+    spans = cta_spans(trace, 1)
+    assert spans["cta_cycles_median"] == 3400 and spans["cta_us_median"] == 2.0 and spans["ghz"] == 1.7
+    assert spans["q_wait_cycles_median"] == 100 and spans["kernel_span_us"] == 2.0
+    assert phases(trace, [3]) == {k: None for k in got}  # too few tiles for a steady state
