@@ -38,6 +38,10 @@ VARIANTS = {  # d_chunks, split_block (None: merge_plan's)
     "d4_b8": (4, 8),
     "d8_b8": (8, 8),
     "d8_b4": (8, 4),
+    "d16_b8": (16, 8),  # 32 value dims a program
+    "d16_b16": (16, 16),
+    "d32_b8": (32, 8),  # 16 value dims a program
+    "d32_b16": (32, 16),
 }
 
 
@@ -45,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default="bench/results/tree_mla_merge_ab.json")
+    ap.add_argument("--small", action="store_true", help="batch <= 4 only (where the merge is a large share)")
     args = ap.parse_args()
     served = tm.merge_splits
 
@@ -53,7 +58,7 @@ def main() -> None:
         tm.merge_splits = functools.partial(served, d_chunks=v[0], split_block=v[1])
 
     rows = []
-    for batch, context, nodes in SHAPES:
+    for batch, context, nodes in [sh for sh in SHAPES if not args.small or sh[0] <= 4]:
         first = Case(batch, context, nodes, HEADS, seed=1)
         copies = max(1, min(64, math.ceil(ROTATE_BYTES / first.bytes_read())))
         cases = [first] + [Case(batch, context, nodes, HEADS, seed=1 + i) for i in range(1, copies)]
