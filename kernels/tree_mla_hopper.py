@@ -30,6 +30,10 @@ the previous Gluon kernel (8 warps, cp.async from every warp, each step waited i
 shape measured; at batch 32 x 4096 and 8 heads 61 us for 64 rows a request (60% of copy
 bandwidth), 91 us for tree 9's 72 rows (41%), which pays the products of 128 rows. 32-key tiles
 on four stages beat 64-key tiles on two (more bytes in flight); TMA beats cp.async (1.1-1.3x).
+SM clock stamps (``trace=``, ``bench/tree_mla_timeline.py``) show one chain through the two
+warpgroups: a tile costs the other's half P V (about 700 cycles) plus its softmax (about 1300),
+2200 cycles at every shape. At 64 rows that is already the memory's pace. Reorderings of the loop
+did not shorten it (BENCHMARKS.md).
 
 The CPU has no Gluon: the CPU path and every CPU test use ``tree_mla_reference`` / the Triton kernel
 under the interpreter; ``tests/test_tree_mla_hopper.py`` builds this kernel for sm_90, and
