@@ -44,8 +44,9 @@ HEADS = 8
 TILES = 160  # key tiles traced a CTA (a split of 4096 / 4 keys is 32 tiles of 32)
 # Builds compared: keyword arguments of ``tree_mla_hopper``. tree_mla_timeline_ablations.json (commit
 # 0b090eb) also ran two ablations that commit's kernel had (wrong output, timing only): no softmax
-# arithmetic, no logits products.
-VARIANTS: dict[str, dict] = {"served": {}}
+# arithmetic, no logits products. keys64: the kernel's other tile shape, 64-key tiles on a 2-deep ring
+# (cycles are then per pair of 64-key tiles).
+VARIANTS: dict[str, dict] = {"served": {}, "keys64": dict(block_n=64, num_stages=2)}
 PHASES = dict(kv_wait=(0, 1), p_wait=(1, 2), mma_wait=(2, 3), softmax=(3, 4), own_pv=(4, 5))  # stamps
 
 
@@ -111,13 +112,17 @@ def main() -> None:
         m_tiles = -(-rows_a_req // hop.BLOCK_M)
         splits = hop.choose_splits(batch, m_tiles, rows_a_req, context, 512, 64, sms)
         n_ctas = m_tiles * splits * batch
-        chunk = _cdiv(_cdiv(context, splits), 32) * 32  # the kernel's split of the prefix
-        n_prefix = [max(0, min(chunk, context - s * chunk)) for s in range(splits)]
-        n_tiles = [_cdiv(n_prefix[s], 32) + (_cdiv(nodes, 32) if s == splits - 1 else 0)
-                   for _ in range(batch) for s in range(splits) for _ in range(m_tiles)]
+
+        def tiles_of(block_n: int) -> list[int]:
+            """Key tiles of each CTA, in the kernel's split of the prefix."""
+            chunk = _cdiv(_cdiv(context, splits), block_n) * block_n
+            n_prefix = [max(0, min(chunk, context - s * chunk)) for s in range(splits)]
+            return [_cdiv(n_prefix[s], block_n) + (_cdiv(nodes, block_n) if s == splits - 1 else 0)
+                    for _ in range(batch) for s in range(splits) for _ in range(m_tiles)]
+
         want = tree_mla_reference(first.q_latent, first.q_pe, first.kv_cache, first.new_kv, first.host_meta, first.scale)
         row = dict(batch=batch, context=context, tree_nodes=nodes, heads=HEADS, rows=rows_a_req, m_tiles=m_tiles,
-                   splits=splits, ctas=n_ctas, tiles_a_cta=max(n_tiles))
+                   splits=splits, ctas=n_ctas, tiles_a_cta=max(tiles_of(32)))
         times: dict[str, list[float]] = {name: [] for name in VARIANTS}
         for name, kw in VARIANTS.items():
             got = hop.tree_mla_hopper(*first.args(), **kw)
@@ -130,7 +135,7 @@ def main() -> None:
                 stamps_written=bool((trace[:, 1:, TILES, :5] >= 0).all().item()),
                 traced_us=round(graph_replay_us([lambda c=c, t=trace, kw=kw: hop.tree_mla_hopper(*c.args(), trace=t, **kw)
                                                  for c in cases]), 2),
-                **cta_spans(trace, n_ctas), cycles=phases(trace, n_tiles))
+                **cta_spans(trace, n_ctas), cycles=phases(trace, tiles_of(kw.get("block_n", 32))))
             del trace
         for rnd in range(2):
             for name in (list(VARIANTS) if rnd == 0 else list(VARIANTS)[::-1]):
