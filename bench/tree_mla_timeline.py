@@ -44,10 +44,13 @@ HEADS = 8
 TILES = 160  # key tiles traced a CTA (a split of 4096 / 4 keys is 32 tiles of 32)
 # Builds compared: keyword arguments of ``tree_mla_hopper``. tree_mla_timeline_ablations.json (commit
 # 0b090eb) also ran two ablations that commit's kernel had (wrong output, timing only): no softmax
-# arithmetic, no logits products. keys64: the kernel's other tile shape, 64-key tiles on a 2-deep ring
-# (cycles are then per pair of 64-key tiles).
-VARIANTS: dict[str, dict] = {"served": {}, "keys64": dict(block_n=64, num_stages=2)}
+# arithmetic, no logits products; tree_mla_timeline_keys64.json (1d86c91) the other tile shape,
+# dict(block_n=64, num_stages=2) (cycles then per pair of 64-key tiles).
+VARIANTS: dict[str, dict] = {"served": {}, "seesaw": dict(schedule="seesaw")}
 PHASES = dict(kv_wait=(0, 1), p_wait=(1, 2), mma_wait=(2, 3), softmax=(3, 4), own_pv=(4, 5))  # stamps
+# The seesaw schedule's stamps (a pair of tiles, j the warpgroup's own): j's logits waited, the row
+# maxes swapped, P published, the other's P seen, both halves of P V done.
+SEESAW_PHASES = dict(logits_wait=(0, 1), max_swap=(1, 2), softmax=(2, 3), p_wait=(3, 4), pv=(4, 5))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -58,12 +61,12 @@ def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 1) if xs else None
 
 
-def phases(trace: torch.Tensor, n_tiles: list[int]) -> dict:
+def phases(trace: torch.Tensor, n_tiles: list[int], stamps: dict[str, tuple[int, int]] = PHASES) -> dict:
     """Median cycles of each phase over every CTA's steady-state tiles (the first and last two left
     out). ``trace``: ``tree_mla_hopper``'s ``[CTAs, 3, tiles + 1, TRACE_EVENTS]`` stamps; ``n_tiles``:
     the key tiles of each CTA."""
     tr, tiles = trace.cpu().tolist(), trace.shape[2] - 1
-    out: dict[str, list[float]] = {k: [] for k in list(PHASES) + ["period", "handoff", "free_wait", "issue", "landed_to_use"]}
+    out: dict[str, list[float]] = {k: [] for k in list(stamps) + ["period", "handoff", "free_wait", "issue", "landed_to_use"]}
     for cta, n in enumerate(n_tiles):
         n = min(n, tiles)
         loader = tr[cta][0]
@@ -71,7 +74,7 @@ def phases(trace: torch.Tensor, n_tiles: list[int]) -> dict:
             ev = tr[cta][1 + role]
             for j in range(2 + role, n - 2, 2):
                 e = ev[j]
-                for name, (a, b) in PHASES.items():
+                for name, (a, b) in stamps.items():
                     out[name].append(e[b] - e[a])
                 if j + 2 < n - 2:
                     out["period"].append(ev[j + 2][0] - e[0])
@@ -135,7 +138,9 @@ def main() -> None:
                 stamps_written=bool((trace[:, 1:, TILES, :5] >= 0).all().item()),
                 traced_us=round(graph_replay_us([lambda c=c, t=trace, kw=kw: hop.tree_mla_hopper(*c.args(), trace=t, **kw)
                                                  for c in cases]), 2),
-                **cta_spans(trace, n_ctas), cycles=phases(trace, tiles_of(kw.get("block_n", 32))))
+                **cta_spans(trace, n_ctas),
+                cycles=phases(trace, tiles_of(kw.get("block_n", 32)),
+                              SEESAW_PHASES if kw.get("schedule") == "seesaw" else PHASES))
             del trace
         for rnd in range(2):
             for name in (list(VARIANTS) if rnd == 0 else list(VARIANTS)[::-1]):
