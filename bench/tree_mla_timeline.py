@@ -45,12 +45,12 @@ TILES = 160  # key tiles traced a CTA (a split of 4096 / 4 keys is 32 tiles of 3
 # Builds compared: keyword arguments of ``tree_mla_hopper``. tree_mla_timeline_ablations.json (commit
 # 0b090eb) also ran two ablations that commit's kernel had (wrong output, timing only): no softmax
 # arithmetic, no logits products; tree_mla_timeline_keys64.json (1d86c91) the other tile shape,
-# dict(block_n=64, num_stages=2) (cycles then per pair of 64-key tiles).
-VARIANTS: dict[str, dict] = {"served": {}, "seesaw": dict(schedule="seesaw")}
+# dict(block_n=64, num_stages=2) (cycles then per pair of 64-key tiles); tree_mla_timeline_seesaw.json
+# (93774c0) a schedule that commit had, schedule="seesaw" (its stamps: logits waited, row maxes
+# swapped, P published, the other's P seen, both halves of P V done).
+VARIANTS: dict[str, dict] = {"served": {}}
 PHASES = dict(kv_wait=(0, 1), p_wait=(1, 2), mma_wait=(2, 3), softmax=(3, 4), own_pv=(4, 5))  # stamps
-# The seesaw schedule's stamps (a pair of tiles, j the warpgroup's own): j's logits waited, the row
-# maxes swapped, P published, the other's P seen, both halves of P V done.
-SEESAW_PHASES = dict(logits_wait=(0, 1), max_swap=(1, 2), softmax=(2, 3), p_wait=(3, 4), pv=(4, 5))
+
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -139,8 +139,7 @@ def main() -> None:
                 traced_us=round(graph_replay_us([lambda c=c, t=trace, kw=kw: hop.tree_mla_hopper(*c.args(), trace=t, **kw)
                                                  for c in cases]), 2),
                 **cta_spans(trace, n_ctas),
-                cycles=phases(trace, tiles_of(kw.get("block_n", 32)),
-                              SEESAW_PHASES if kw.get("schedule") == "seesaw" else PHASES))
+                cycles=phases(trace, tiles_of(kw.get("block_n", 32))))
             del trace
         for rnd in range(2):
             for name in (list(VARIANTS) if rnd == 0 else list(VARIANTS)[::-1]):

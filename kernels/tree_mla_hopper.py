@@ -58,7 +58,7 @@ try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kerne
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
@@ -426,114 +426,6 @@ if gluon is not None:
         _store_out(acc, m_i, l_i, out_ptr, o_part_ptr, lse_part_ptr, q_start, pid_m, split, rows, num_heads,
                    total_rows, ROLE, KVR, DIRECT, O_LAYOUT)
 
-    @gluon.jit
-    def _consumer_seesaw(q_lat, q_pe, k_lat, k_pe, p0, p1, x0, x1, q_ready, kv_ready, kv_free, p_ready, p_free, x_ready,
-                         anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                         q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                         total_rows, stride_anc_n, scale_log2, trace_ptr, trace_slot,
-                         ROLE: gl.constexpr, KVR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                         DIRECT: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr):
-        """The other schedule (``schedule="seesaw"``): tiles go in pairs, 2p to warpgroup 0 and 2p+1
-        to warpgroup 1, and both softmaxes of a pair run at once. Each warpgroup computes its tile's
-        logits and row max, the two swap row maxes (``x0`` / ``x1`` on ``x_ready``), both take the
-        pair's new max, and each publishes its P (``p0`` / ``p1`` on ``p_ready``) and adds its half of
-        ``P V`` for both tiles. What passes between the warpgroups a pair is 64 floats and a P tile,
-        not a chain of softmaxes. Each keeps its own running sum; the two are added at the end. The
-        next pair's logits are issued before this pair's products are waited. An odd last tile: the
-        warpgroup without one has logits -inf, so P 0 (times the pair's one tile)."""
-        HALF: gl.constexpr = KVR // 2
-        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
-        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-        DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-        if ROLE == 0:
-            p_own = p0
-            p_oth = p1
-            x_own = x0
-            x_oth = x1
-        else:
-            p_own = p1
-            p_oth = p0
-            x_own = x1
-            x_oth = x0
-
-        acc = gl.zeros([_BM, HALF], gl.float32, layout=O_LAYOUT)
-        m_i = gl.full([_BM], float("-inf"), gl.float32, layout=ROW_S)
-        l_i = gl.zeros([_BM], gl.float32, layout=ROW_S)
-        offs_row = pid_m * _BM + gl.arange(0, _BM, layout=ROW_S)
-        bits_row = anc_bits_ptr + (q_start + offs_row // num_heads).to(gl.int64) * stride_anc_n
-        row_ok = offs_row < rows
-        head = trace_slot + TRACE_TILES
-        _trace(trace_ptr, head, 0, True, TRACE)
-        _trace(trace_ptr, head, 2, True, TRACE, True)
-        mbarrier.wait(q_ready, 0)
-        _trace(trace_ptr, head, 4, True, TRACE)
-        s = warpgroup_mma_init(gl.zeros([_BM, BLOCK_N], gl.float32, layout=S_LAYOUT))
-        if ROLE < n_total:
-            mbarrier.wait(kv_ready.index(ROLE), 0)
-            s = _logits(q_lat, q_pe, k_lat.index(ROLE), k_pe.index(ROLE), BLOCK_N, S_LAYOUT)
-        n_pairs = gl.cdiv(n_total, 2)
-        for pr in range(n_pairs):
-            j = 2 * pr + ROLE
-            jo = 2 * pr + 1 - ROLE
-            ph = pr & 1
-            slot = trace_slot + j
-            traced = j < TRACE_TILES
-            _trace(trace_ptr, slot, 0, traced, TRACE)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))  # tile j's logits (issued a pair ahead)
-            _trace(trace_ptr, slot, 1, traced, TRACE)
-            s = _masked(s, j, n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2, BLOCK_N, S_LAYOUT)
-            s = gl.where(j < n_total, s, float("-inf"))  # no tile j: nothing to see
-            mx = gl.max(s, 1)
-            x_own.store(mx)
-            _cta_barrier()
-            mbarrier.arrive(x_ready.index(ROLE))
-            mbarrier.wait(x_ready.index(1 - ROLE), ph)
-            m_new = gl.maximum(m_i, gl.maximum(mx, x_oth.load(ROW_S)))  # both warpgroups: the same max
-            _trace(trace_ptr, slot, 2, traced, TRACE)
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_use)
-            p32 = gl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + gl.sum(p32, 1)
-            m_i = m_new
-            p = p32.to(p_own.dtype)
-            mbarrier.wait(p_free.index(ROLE), ph ^ 1)  # the other's P V of the last pair read p_own
-            _publish_p(p, p_own, p_ready, ROLE)
-            _trace(trace_ptr, slot, 3, traced, TRACE)
-            mine = gl.where(j < n_total, j, jo) % NUM_STAGES  # a missing tile's P is 0: any loaded tile serves
-            theirs = gl.where(jo < n_total, jo, j) % NUM_STAGES
-            alpha_o = gl.convert_layout(alpha, ROW_O)
-            acc = warpgroup_mma(gl.convert_layout(p, DOT_A), k_lat.index(mine).slice(ROLE * HALF, HALF, dim=1),
-                                acc * alpha_o[:, None], is_async=True)
-            mbarrier.wait(p_ready.index(1 - ROLE), ph)
-            _trace(trace_ptr, slot, 4, traced, TRACE)
-            acc = warpgroup_mma(p_oth, k_lat.index(theirs).slice(ROLE * HALF, HALF, dim=1), acc, is_async=True)
-            # The next tile's logits (past the last tile: the last again, its result masked out), so that
-            # one wait leaves exactly them running.
-            nxt = gl.minimum(j + 2, n_total - 1) % NUM_STAGES
-            if j + 2 < n_total:
-                mbarrier.wait(kv_ready.index(nxt), ((j + 2) // NUM_STAGES) & 1)
-            s = _logits(q_lat, q_pe, k_lat.index(nxt), k_pe.index(nxt), BLOCK_N, S_LAYOUT)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # both products done
-            _trace(trace_ptr, slot, 5, traced, TRACE)
-            mbarrier.arrive(p_free.index(1 - ROLE))
-            if j < n_total:
-                mbarrier.arrive(kv_free.index(j % NUM_STAGES))
-            if jo < n_total:
-                mbarrier.arrive(kv_free.index(jo % NUM_STAGES))
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))  # the stand-in logits
-        x_own.store(l_i)  # the other read this pair's row max before it published its P
-        _cta_barrier()
-        mbarrier.arrive(x_ready.index(ROLE))
-        mbarrier.wait(x_ready.index(1 - ROLE), n_pairs & 1)
-        l_i = l_i + x_oth.load(ROW_S)
-
-        _trace(trace_ptr, head, 1, True, TRACE)
-        _trace(trace_ptr, head, 3, True, TRACE, True)
-        _store_out(acc, m_i, l_i, out_ptr, o_part_ptr, lse_part_ptr, q_start, pid_m, split, rows, num_heads,
-                   total_rows, ROLE, KVR, DIRECT, O_LAYOUT)
-
     @gluon.jit(do_not_specialize=["stride_pt_r", "stride_anc_n", "num_heads", "total_rows", "num_splits"])
     def _tree_mla_hopper_kernel(
         q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, lat_desc, pe_desc,
@@ -543,8 +435,7 @@ if gluon is not None:
         stride_kv_page, stride_kv_tok, stride_new_n, stride_pt_r, stride_anc_n,
         num_heads, page_size, total_rows, num_splits, scale_log2, trace_ptr,
         KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, DIRECT: gl.constexpr,
-        TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SEESAW: gl.constexpr, TRACE: gl.constexpr,
-        TRACE_TILES: gl.constexpr,
+        TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
         Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr,
         P_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -588,51 +479,24 @@ if gluon is not None:
             pt_row = page_table_ptr + r * stride_pt_r
             cta = (r * num_splits + split) * gl.num_programs(0) + pid_m
             slots = TRACE_TILES + 1  # a partition's trace: a slot a tile, then its start / end stamps
-            if SEESAW:
-                p_other = gl.allocate_shared_memory(dtype, [_BM, BLOCK_N], P_SMEM)
-                p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-                x_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-                for i in gl.static_range(2):
-                    mbarrier.init(p_free.index(i), count=1)
-                    mbarrier.init(x_ready.index(i), count=1)
-                fence_async_shared()
-                gl.warp_specialize([
-                    (_loader, (q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
-                               q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
-                               n_prefix, n_total, lo, hi, n_nodes, page_size,
-                               stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
-                               stride_new_n, trace_ptr, cta * 3 * slots,
-                               KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps, TRACE, TRACE_TILES)),
-                    (_consumer_seesaw, (q_lat, q_pe, k_lat, k_pe, p_smem, p_other, m_smem, a_smem, q_ready, kv_ready,
-                                        kv_free, p_ready, p_free, x_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                                        q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                                        total_rows, stride_anc_n, scale_log2, trace_ptr, (cta * 3 + 1) * slots,
-                                        0, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES)),
-                    (_consumer_seesaw, (q_lat, q_pe, k_lat, k_pe, p_smem, p_other, m_smem, a_smem, q_ready, kv_ready,
-                                        kv_free, p_ready, p_free, x_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                                        q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                                        total_rows, stride_anc_n, scale_log2, trace_ptr, (cta * 3 + 2) * slots,
-                                        1, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES)),
-                ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
-            else:
-                gl.warp_specialize([
-                    (_loader, (q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
-                               q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
-                               n_prefix, n_total, lo, hi, n_nodes, page_size,
-                               stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
-                               stride_new_n, trace_ptr, cta * 3 * slots,
-                               KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps, TRACE, TRACE_TILES)),
-                    (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free,
-                                 p_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                                 q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                                 total_rows, stride_anc_n, scale_log2, trace_ptr, (cta * 3 + 1) * slots,
-                                 0, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES)),
-                    (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free,
-                                 p_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                                 q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                                 total_rows, stride_anc_n, scale_log2, trace_ptr, (cta * 3 + 2) * slots,
-                                 1, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES)),
-                ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+            gl.warp_specialize([
+                (_loader, (q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
+                           q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
+                           n_prefix, n_total, lo, hi, n_nodes, page_size,
+                           stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
+                           stride_new_n, trace_ptr, cta * 3 * slots,
+                           KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps, TRACE, TRACE_TILES)),
+                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free,
+                             p_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+                             q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
+                             total_rows, stride_anc_n, scale_log2, trace_ptr, (cta * 3 + 1) * slots,
+                             0, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES)),
+                (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free,
+                             p_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+                             q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
+                             total_rows, stride_anc_n, scale_log2, trace_ptr, (cta * 3 + 2) * slots,
+                             1, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES)),
+            ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 @on_input_device
@@ -648,7 +512,6 @@ def tree_mla_hopper(
     block_n: int = 32,
     num_stages: int = 4,
     trace: Tensor | None = None,
-    schedule: str = "ping-pong",
 ) -> Tensor:
     """``tree_mla_triton``'s contract on the Gluon kernel: same arguments (host metadata is packed
     here, with a host sync), same result ``[N, H, kvr]``. Needs ``hopper_available`` and operands
@@ -669,12 +532,9 @@ def tree_mla_hopper(
     if reason is not None:
         raise ValueError(f"tree_mla_hopper: {reason}")
     meta = check_operands(q_latent, q_pe, kv_cache, new_kv, meta)
-    if schedule not in ("ping-pong", "seesaw"):
-        raise ValueError(f"tree_mla_hopper: schedule {schedule!r}; 'ping-pong' (served) or 'seesaw'")
     kv_bytes = kv_cache.shape[-1] * kv_cache.element_size()
     assert block_n in (32, 64) and num_stages >= 2, f"block_n {block_n} / num_stages {num_stages}"
-    p_tiles = 2 if schedule == "seesaw" else 1
-    need = (BLOCK_M + block_n * num_stages) * kv_bytes + p_tiles * BLOCK_M * block_n * 2 + 1024  # + P, row stats, barriers
+    need = (BLOCK_M + block_n * num_stages) * kv_bytes + BLOCK_M * block_n * 2 + 1024  # + P tile, row stats, barriers
     limit = _shared_memory_limit(q_latent.device)
     assert limit is None or need <= limit, f"q and {num_stages} tiles of {block_n} keys need {need} bytes of shared memory, {limit} here"
     if num_splits is not None:
@@ -720,7 +580,7 @@ def tree_mla_hopper(
         kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
         H, page_size, total_rows, num_splits, softmax_scale * _LOG2E, out if trace is None else trace,
         KVR=kvr, ROPE=rope, BLOCK_N=block_n, NUM_STAGES=num_stages, DIRECT=num_splits == 1, TMA_ROWS=tma_rows,
-        CONSUMER_REGS=CONSUMER_REGS, SEESAW=schedule == "seesaw", TRACE=trace is not None, TRACE_TILES=trace_tiles, **smem, num_warps=4,
+        CONSUMER_REGS=CONSUMER_REGS, TRACE=trace is not None, TRACE_TILES=trace_tiles, **smem, num_warps=4,
     )
     merge_splits(o_part, lse_part, out, num_splits, 1)
     return out

@@ -135,7 +135,7 @@ def _build(kvr: int, rope: int, direct: bool, trace_tiles: int = 0) -> dict:
     k_pe = gl.NVMMASharedLayout.get_default_for([bn, rope], gl.bfloat16)
     constexprs = dict(
         KVR=kvr, ROPE=rope, BLOCK_N=bn, NUM_STAGES=4, DIRECT=direct, TMA_ROWS=tma_rows, CONSUMER_REGS=hop.CONSUMER_REGS,
-        SEESAW=False, TRACE=trace_tiles > 0, TRACE_TILES=trace_tiles,
+        TRACE=trace_tiles > 0, TRACE_TILES=trace_tiles,
         Q_LAT_SMEM=gl.NVMMASharedLayout.get_default_for([hop.BLOCK_M, kvr], gl.bfloat16),
         Q_PE_SMEM=gl.NVMMASharedLayout.get_default_for([hop.BLOCK_M, rope], gl.bfloat16),
         K_LAT_SMEM=k_lat, K_PE_SMEM=k_pe, P_SMEM=gl.NVMMASharedLayout.get_default_for([hop.BLOCK_M, bn], gl.bfloat16),
