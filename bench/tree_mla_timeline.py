@@ -52,7 +52,6 @@ VARIANTS: dict[str, dict] = {"served": {}}
 PHASES = dict(kv_wait=(0, 1), p_wait=(1, 2), mma_wait=(2, 3), softmax=(3, 4), own_pv=(4, 5))  # stamps
 
 
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

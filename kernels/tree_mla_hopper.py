@@ -262,9 +262,10 @@ if gluon is not None:
         return warpgroup_mma(q_pe, k_pe_t.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
-    def _masked(s, j, n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
-                BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr):
-        """Tile j's logits in log2 units, -inf where a key is past the split or not an ancestor."""
+    def _softmax(s, j, m_i, l_i, n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
+                 BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr, P_DTYPE: gl.constexpr):
+        """Tile j's softmax from its logits ``s`` and the row stats through tile j-1: the new max and
+        sum, P (bf16) and the rescale of what came before."""
         offs_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
         if j < n_prefix:  # prefix keys past the split's end are masked
             key_ok = (lo + j * BLOCK_N + offs_s) < hi
@@ -276,14 +277,7 @@ if gluon is not None:
                 hi_w = gl.load(bits_row + w0 + 1, mask=row_ok & ((w0 + 1) * 32 < n_nodes), other=0)
                 word = gl.where((offs_s < 32)[None, :], word, hi_w[:, None])  # [BM, BN]
             s_mask = (((word >> (offs_s % 32)[None, :]) & 1) != 0) & ((w0 * 32 + offs_s) < n_nodes)[None, :]
-        return gl.where(s_mask, s * scale_log2, float("-inf"))
-
-    @gluon.jit
-    def _softmax(s, j, m_i, l_i, n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
-                 BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr, P_DTYPE: gl.constexpr):
-        """Tile j's softmax from its logits ``s`` and the row stats through tile j-1: the new max and
-        sum, P (bf16) and the rescale of what came before."""
-        s = _masked(s, j, n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2, BLOCK_N, S_LAYOUT)
+        s = gl.where(s_mask, s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet stay finite
         alpha = gl.exp2(m_i - m_use)
@@ -519,9 +513,10 @@ def tree_mla_hopper(
     served 32 / 4 and the alternative 64 / 2 fill the H200's shared memory (H200, batch 32 x 4096,
     8 heads: 61 / 91 / 160 us at 64 / 72 / 136 rows a request against 80 / 113 / 182;
     ``bench/results/tree_mla_schedule_ab.json``). ``trace``: an int64 ``[CTAs, 3, tiles + 1,
-    TRACE_EVENTS]`` buffer builds a copy of the kernel that stamps SM clocks into it (``bench/tree_mla_timeline.py``
-    reads them); CTA ``(r * splits + split) * m_tiles + m``, partition loader / consumer 0 / 1, a
-    slot per key tile (the first ``tiles``) and a last one of start and end stamps."""
+    TRACE_EVENTS]`` buffer builds a copy of the kernel that stamps SM clocks into it
+    (``bench/tree_mla_timeline.py`` reads them): CTA ``(r * splits + split) * m_tiles + m``,
+    partition loader / consumer 0 / 1, a slot per key tile (the first ``tiles``), then one of start
+    and end stamps."""
     from kernels.tree_mla import (
         _LOG2E, _shared_memory_limit, _sm_count, check_operands, merge_splits, split_partials,
     )
@@ -563,10 +558,11 @@ def tree_mla_hopper(
     }
     trace_tiles = 0
     if trace is not None:
+        ctas = m_tiles * num_splits * R
         trace_tiles = trace.shape[2] - 1
-        assert trace.dtype == torch.int64 and trace.dim() == 4 and trace.shape[1] == 3 and trace.shape[3] == TRACE_EVENTS \
-            and trace_tiles >= 1 and trace.shape[0] >= m_tiles * num_splits * R and trace.is_contiguous(), \
-            f"trace must be int64 [>= {m_tiles * num_splits * R}, 3, tiles + 1, {TRACE_EVENTS}], contiguous; got {trace.dtype} {tuple(trace.shape)}"
+        assert trace.dtype == torch.int64 and trace.is_contiguous() and trace.dim() == 4 and trace.shape[0] >= ctas \
+            and trace.shape[1] == 3 and trace_tiles >= 1 and trace.shape[3] == TRACE_EVENTS, \
+            f"trace: int64 [>= {ctas}, 3, tiles + 1, {TRACE_EVENTS}], contiguous; got {trace.dtype} {tuple(trace.shape)}"
     tma_rows = tma_rows_for(kv_cache, block_n)
     box = max(tma_rows, 16)
     kv_rows = kv_cache.as_strided((kv_cache.shape[0] * page_size if tma_rows else page_size, kvr + rope), (kv_cache.stride(1), 1))
