@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
 from bench.common import write_result
 from bench.tree_mla_bench import KVR, ROPE, time_kernel
 from kernels.tree_mla_hopper import BLOCK_M, choose_splits
@@ -28,10 +30,11 @@ def main() -> None:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default="bench/results/tree_mla_splits_sweep.json")
     args = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for batch, context, nodes in SHAPES:
         m_tiles = -(-(nodes * HEADS) // BLOCK_M)
-        default = choose_splits(batch, m_tiles, nodes * HEADS, context, KVR, ROPE, 132)
+        default = choose_splits(batch, m_tiles, nodes * HEADS, context, KVR, ROPE, sms)
         row = dict(batch=batch, context=context, tree_nodes=nodes, heads=HEADS, default_splits=default)
         row["default_us"] = round(time_kernel(batch, context, nodes, HEADS, backend="hopper")[0] * 1e6, 2)
         for s in SPLITS:
@@ -42,7 +45,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     write_result(args.out, "tree_mla_splits_sweep", args.commit,
-                 dict(heads=HEADS, page_size=64, sm_count=132, splits=list(SPLITS),
+                 dict(heads=HEADS, page_size=64, sm_count=sms, splits=list(SPLITS),
                       timing="bench.tree_mla_bench.time_kernel: CUDA-graph replay, median of 20, inputs rotated past L2"),
                  rows)
 

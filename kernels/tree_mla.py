@@ -615,6 +615,9 @@ def split_partials(out: Tensor, num_splits: int, dv_splits: int) -> tuple[Tensor
     return o_part, lse_part
 
 
+_MERGE_ROWS = 16  # rows a merge program
+
+
 def merge_plan(total_rows: int, kvr: int, num_splits: int, dv_splits: int, sm_count: int) -> tuple[int, int]:
     """``(d_chunks, split_block)`` of the merge launch: cut each value-dim half into chunks (at least 64
     dims) until the grid fills the GPU, and read up to 8 splits at once. A request's rows alone
@@ -626,9 +629,6 @@ def merge_plan(total_rows: int, kvr: int, num_splits: int, dv_splits: int, sm_co
     while programs * d_chunks < sm_count and kvr // dv_splits // (2 * d_chunks) >= 64:
         d_chunks *= 2
     return d_chunks, min(8, triton.next_power_of_2(num_splits))
-
-
-_MERGE_ROWS = 16  # rows a merge program
 
 
 def merge_splits(o_part: Tensor, lse_part: Tensor, out: Tensor, num_splits: int, dv_splits: int, *,
