@@ -102,7 +102,7 @@ def stage_times(x, route, served: km.Int4MoEConfig, E: int, I: int, R: int) -> d
         align=lambda: km.int4_moe_align(ids, E, served.block_m),
         permute_x=lambda: hop.permute_k(x),
         permute_h=lambda: hop.permute_k(h),  # what h written in K order saves the served call
-        topk_sum=lambda: km._finish_down(per_assignment, False, x.dtype, M, k, K),  # the served reduction
+        topk_sum=lambda: km._topk_sum(per_assignment, torch.empty(M, K, device=x.device, dtype=x.dtype), (0, K), k),  # the served reduction
     )
     return {f"step_{n}_us": round(graph_replay_us([f] * R), 1) for n, f in steps.items()}
 

@@ -97,13 +97,15 @@ def _permute_k_kernel(x_ptr, y_ptr, M, stride_xm, stride_ym, BLOCK_R: tl.constex
     tl.store(y_ptr + r[:, None].to(tl.int64) * stride_ym + c[None, :], v, mask=ok)
 
 
-def permute_k(x: Tensor) -> Tensor:
+def permute_k(x: Tensor, out: Tensor | None = None) -> Tensor:
     """``permute_k_reference`` as one Triton launch: torch's strided copy of its 8-byte runs moves
-    about a third of copy bandwidth (K2 M = 1152: 26 us for 16.5 MB)."""
+    about a third of copy bandwidth (K2 M = 1152: 26 us for 16.5 MB). ``out``: where to write it
+    (a contiguous tensor like ``x``; e.g. allocated on another stream than the one launching)."""
     M, K = x.shape
     assert K % BLOCK_K == 0, f"K = {K} must be a multiple of {BLOCK_K}"
     assert x.stride(1) == 1, "x must be row-contiguous"
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    assert y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous(), "out must be a contiguous tensor like x"
     if M:
         block_r = 32
         _permute_k_kernel[(triton.cdiv(M, block_r), K // BLOCK_K)](x, y, M, x.stride(0), y.stride(0), BLOCK_R=block_r, num_warps=4)
