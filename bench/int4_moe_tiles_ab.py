@@ -56,6 +56,12 @@ GATE_UP_VARIANTS = {
     "gate_up_bn64_s2_r168": dict(block_n=64, stages=2, max_regs=168),
     "gate_up_bn64_s2_r128": dict(block_n=64, stages=2, max_regs=128),
     "gate_up_bn64_s2_r96": dict(block_n=64, stages=2, max_regs=96),
+    # 128 weight rows on 8 warps: two warpgroups share each activation tile (half its traffic a
+    # weight byte); uncapped one CTA fits an SM, at 128 registers two
+    "gate_up_bn128_s2": dict(block_n=128, stages=2),
+    "gate_up_bn128_s2_r128": dict(block_n=128, stages=2, max_regs=128),
+    "gate_up_bn128_s3_r128": dict(block_n=128, stages=3, max_regs=128),
+    "gate_up_bn128_s2_r96": dict(block_n=128, stages=2, max_regs=96),
 }
 # the whole call at choose_config's config with these fields replaced
 FUSED_VARIANTS = {
