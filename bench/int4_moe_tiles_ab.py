@@ -45,11 +45,6 @@ DOWN_VARIANTS = {
     # _r{N}: at most N registers a thread (bn64 t8: 98 -> 80, 6 CTAs an SM; bn128: 119 -> 80, 3 CTAs)
     "down_bn64_t8_s2_r80": dict(block_n=64, n_tiles=8, stages=2, max_regs=80),
     "down_bn128_t1_s2_r80": dict(block_n=128, n_tiles=1, stages=2, max_regs=80),
-    # _c4: each 128-wide K step as four 32-wide chunks, chunk c's MMAs in flight while c + 1 is
-    # dequantised (fewer live operand registers too)
-    "down_bn64_t8_s2_k256_c4": dict(block_n=64, n_tiles=8, stages=2, sub=2, k_chunks=4),
-    "down_bn128_t1_s2_c4": dict(block_n=128, n_tiles=1, stages=2, k_chunks=4),
-    "down_bn128_t1_s3_c4": dict(block_n=128, n_tiles=1, stages=3, k_chunks=4),
 }
 GATE_UP_VARIANTS = {
     "gate_up_bn64_s2": dict(block_n=64, stages=2),
@@ -67,13 +62,6 @@ GATE_UP_VARIANTS = {
     "gate_up_bn128_s2_r128": dict(block_n=128, stages=2, max_regs=128),
     "gate_up_bn128_s3_r128": dict(block_n=128, stages=3, max_regs=128),
     "gate_up_bn128_s2_r96": dict(block_n=128, stages=2, max_regs=96),
-    # _c4 as for down (sm_90 registers, uncapped: block_m 16 127 -> 104, 32 163 -> 130, 64 201 -> 166);
-    # _f2: two chunks in flight
-    "gate_up_bn64_s2_c4": dict(block_n=64, stages=2, k_chunks=4),
-    "gate_up_bn64_s2_c4_f2": dict(block_n=64, stages=2, k_chunks=4, chunks_in_flight=2),
-    "gate_up_bn64_s3_c4": dict(block_n=64, stages=3, k_chunks=4),
-    "gate_up_bn64_s2_c4_r128": dict(block_n=64, stages=2, k_chunks=4, max_regs=128),
-    "gate_up_bn64_s2_c4_r96": dict(block_n=64, stages=2, k_chunks=4, max_regs=96),
 }
 # the whole call at choose_config's config with these fields replaced
 FUSED_VARIANTS = {
@@ -120,7 +108,7 @@ def stage_times(x, route, served: km.Int4MoEConfig, E: int, I: int, R: int) -> d
         align=lambda: km.int4_moe_align(ids, E, served.block_m),
         permute_x=lambda: hop.permute_k(x),
         permute_h=lambda: hop.permute_k(h),  # what h written in K order saves the served call
-        topk_sum=lambda: km._topk_sum(per_assignment, torch.empty(M, K, device=x.device, dtype=x.dtype), (0, K), k),  # the served reduction
+        topk_sum=lambda: km._finish_down(per_assignment, False, x.dtype, M, k, K),  # the served reduction
     )
     return {f"step_{n}_us": round(graph_replay_us([f] * R), 1) for n, f in steps.items()}
 

@@ -65,7 +65,6 @@ this kernel serves other GPUs and the CPU tests.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from dataclasses import dataclass
 
@@ -184,20 +183,20 @@ def _int4_moe_scatter_kernel(
 
 @triton.jit
 def _int4_moe_topk_sum_kernel(
-    rows_ptr,  # [M * TOP_K, N] per-assignment down rows (row stride stride_r)
-    out_ptr,  # [M, N] (row stride stride_o)
-    N, stride_r, stride_o,
+    rows_ptr,  # [M, TOP_K, K] per-assignment down rows
+    out_ptr,  # [M, K]
+    K,
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """``out[t] = sum_j rows[t, j]`` in fp32, slots in order (deterministic), 16-byte accesses."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    ok = c < N
+    ok = c < K
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(rows_ptr + (t * TOP_K + j) * stride_r + c, mask=ok, other=0).to(tl.float32)
-    tl.store(out_ptr + t * stride_o + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        acc += tl.load(rows_ptr + (t * TOP_K + j) * K + c, mask=ok, other=0).to(tl.float32)
+    tl.store(out_ptr + t * K + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -612,10 +611,6 @@ class Int4MoEConfig:
     hopper: bool = True  # the Gluon kernels of kernels/int4_moe_hopper.py where they apply (sm_90, bf16, swap_ab)
     hp_stages: int = 2  # their cp.async ring depth (H200, K2 shapes: 2 best or within 0.1% of 3; 4 and 6 slower)
     hp_dn_tiles: int = 1  # down weight tiles one Gluon CTA streams (a short intermediate keeps its ring full)
-    # reduce "sum": the down GEMM in this many column chunks of the hidden dim, each chunk's top-k
-    # sum launched as soon as the chunk is written (on a side stream with side_stream)
-    dn_chunks: int = 1
-    side_stream: bool = True  # CUDA: the hidden permute beside the alignment, chunk sums beside the next chunk
     # GEMV path (few assignments): no alignment, CUDA-core dot products per assignment / token.
     # Defaults: choose_config's TP-style GEMV config above 8 assignments (see _gemv_launch).
     gemv: bool = False
@@ -644,7 +639,6 @@ class Int4MoEConfig:
         assert self.gv_stages >= 1 and self.gvd_stages >= 1, f"stages must be >= 1, got {self.gv_stages}, {self.gvd_stages}"
         assert 2 <= self.hp_stages <= 8, f"hp_stages must be 2..8, got {self.hp_stages}"
         assert self.hp_dn_tiles >= 1, f"hp_dn_tiles must be >= 1, got {self.hp_dn_tiles}"
-        assert self.dn_chunks >= 1, f"dn_chunks must be >= 1, got {self.dn_chunks}"
         # The Triton down kernel's fp32 atomics gave wrong sums in 1 of 3 runs with 256-row tiles
         # (H200, K2 EP8 M=1; 64 and 128 rows were exact; cause not found): atomics stay on tiles
         # of <= 128 rows, split-K gate/up included (same atomic_add).
@@ -658,7 +652,6 @@ class Int4MoEConfig:
             f"dn={self.dn_block_n}x{self.dn_block_k}x{self.dn_warps}x{self.dn_stages},"
             f"swap={int(self.swap_ab)},reduce={self.reduce},split={self.gu_split_k},asm={int(self.deq_asm)},"
             f"hopper={int(self.hopper)},hps={self.hp_stages},hpt={self.hp_dn_tiles},"
-            f"dnc={self.dn_chunks},side={int(self.side_stream)},"
             f"gemv={int(self.gemv)},gv={self.gv_block_n}x{self.gv_block_k}x{self.gv_warps}x{self.gv_stages},"
             f"gvd={self.gvd_block_n}x{self.gvd_block_k}x{self.gvd_warps}x{self.gvd_stages}"
         )
@@ -688,10 +681,6 @@ class Int4MoEConfig:
                 kw["hp_stages"] = int(val)
             elif key == "hpt":
                 kw["hp_dn_tiles"] = int(val)
-            elif key == "dnc":
-                kw["dn_chunks"] = int(val)
-            elif key == "side":
-                kw["side_stream"] = val not in ("0", "false", "False")
             elif key == "gemv":
                 kw["gemv"] = val not in ("0", "false", "False")
             else:
@@ -949,19 +938,9 @@ def fused_int4_moe(
     if cfg.gemv:
         h = int4_moe_gemv_gate_up(hidden, w_gate, w_up, topk_ids, cfg, group_size)  # [A, I]
         return int4_moe_gemv_down(h, w_down, topk_ids, topk_weights, cfg, group_size, hidden.dtype)  # [M, K]
-    x_k = None  # hidden in the Gluon kernel's K order, copied beside the alignment (independent of it)
-    side = _side_stream(hidden.device) if cfg.side_stream and hidden.is_cuda else None
-    if side is not None and _use_hopper(cfg, hidden, w_gate, group_size, cfg.gu_block_n):
-        x_k = torch.empty_like(hidden, memory_format=torch.contiguous_format)  # on the main stream's pool
-        main = torch.cuda.current_stream(hidden.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            hop.permute_k(hidden, out=x_k)
     align = int4_moe_align(topk_ids, E, cfg.block_m)
-    if x_k is not None:
-        main.wait_stream(side)
     k_order = _use_hopper(cfg, hidden, w_down, group_size, cfg.dn_block_n)  # the Gluon down reads h as gate/up leaves it
-    h = int4_moe_gate_up(hidden, w_gate, w_up, align, top_k, cfg, group_size, k_order=k_order, x_k=x_k)  # [P, I]
+    h = int4_moe_gate_up(hidden, w_gate, w_up, align, top_k, cfg, group_size, k_order=k_order)  # [P, I]
     return int4_moe_down(h, w_down, align, topk_weights, cfg, group_size, hidden.dtype, h_k_order=k_order)  # [M, K]
 
 
@@ -981,7 +960,7 @@ def _use_asm(cfg: Int4MoEConfig, act_dtype: torch.dtype, w: Int4Weight) -> bool:
 @on_input_device
 def int4_moe_gate_up(
     hidden: Tensor, w_gate: Int4Weight, w_up: Int4Weight, align: MoEAlignment, top_k: int, cfg: Int4MoEConfig,
-    group_size: int = 32, k_order: bool = False, x_k: Tensor | None = None,
+    group_size: int = 32, k_order: bool = False,
 ) -> Tensor:
     """``[P, I]`` ``h = silu(gate x) * (up x)`` per padded row of ``align`` (padding rows unwritten).
 
@@ -990,7 +969,6 @@ def int4_moe_gate_up(
     for many more programs when few experts are active (M = 1: 8 experts x 8 N tiles x 8 slices).
     ``k_order``: h's columns in the Gluon down GEMM's K order (``int4_moe_hopper.permute_k(h)``),
     written so by whichever kernel forms h; I must be a multiple of 128.
-    ``x_k``: ``permute_k(hidden)`` if the caller has it (the Gluon kernel reads that, not hidden).
     """
     assert align.block_m == cfg.block_m, f"alignment block_m {align.block_m} != config block_m {cfg.block_m}"
     M, K = hidden.shape
@@ -1006,7 +984,7 @@ def int4_moe_gate_up(
     if _use_hopper(cfg, hidden, w_gate, group_size, cfg.gu_block_n):
         k_split = triton.cdiv(triton.cdiv(K, split), hop.BLOCK_K) * hop.BLOCK_K
         ordered = k_order and split == 1
-        hop.gemm(hop.permute_k(hidden) if x_k is None else x_k, w_gate, w_up, out, align.sorted_ids, align.block_expert, align.sorted_ids,
+        hop.gemm(hop.permute_k(hidden), w_gate, w_up, out, align.sorted_ids, align.block_expert, align.sorted_ids,
                  I, K, M * top_k, top_k, k_split, gated=True, atomic=False, block_m=cfg.block_m,
                  block_n=cfg.gu_block_n, split_k=split, stages=cfg.hp_stages, k_order_out=ordered)
     else:
@@ -1046,19 +1024,14 @@ def int4_moe_down(
 ) -> Tensor:
     """``[M, K]``: ``h`` (``int4_moe_gate_up``'s ``[P, I]``) through each row's expert's down
     projection, weighted and summed over top-k; in ``out_dtype`` (default h's dtype).
-    ``h_k_order``: h came from ``int4_moe_gate_up(k_order=True)``; only the Gluon kernel reads that.
-
-    With ``reduce="sum"`` the down GEMM writes one row per assignment and a second kernel sums each
-    token's rows. ``cfg.dn_chunks > 1`` runs both over column chunks of the output, each chunk's sum
-    launched once its rows are written: with ``cfg.side_stream`` (CUDA) on a side stream, under the
-    next chunk's GEMM, which alone leaves most of the memory's bandwidth unused; and a chunk's rows
-    are read back soon after they are written, while some may still be in L2."""
+    ``h_k_order``: h came from ``int4_moe_gate_up(k_order=True)``; only the Gluon kernel reads that."""
     assert align.block_m == cfg.block_m, f"alignment block_m {align.block_m} != config block_m {cfg.block_m}"
     M, top_k = topk_weights.shape
     K, I = w_down.packed.shape[1], w_down.packed.shape[2] * 8
     assert h.shape[1] == I, f"h has {h.shape[1]} columns, want {I}"
     act_dtype = out_dtype or h.dtype
     A = M * top_k
+    nb = align.num_blocks
     weights = topk_weights.contiguous().view(-1)  # [A]
     atomic = cfg.reduce == "atomic"
     if atomic:
@@ -1068,76 +1041,35 @@ def int4_moe_down(
     use_hopper = _use_hopper(cfg, h, w_down, group_size, cfg.dn_block_n)
     if h_k_order and not use_hopper:
         raise ValueError("h in the Gluon kernel's K order (h_k_order) needs the Gluon down GEMM (sm_90, bf16, swap_ab)")
-    if use_hopper and not h_k_order:
-        h = hop.permute_k(h)
-    if atomic or top_k == 1:
-        _down_gemm(h, w_down, out, align, weights, top_k, (0, K), cfg, group_size, act_dtype, use_hopper)
-        return out.to(act_dtype) if atomic else out
-    summed = torch.empty(M, K, dtype=act_dtype, device=h.device)  # [M, K]
-    unit = cfg.dn_block_n * (cfg.hp_dn_tiles if use_hopper else 1)  # a chunk holds whole CTAs' columns
-    side = _side_stream(h.device) if cfg.side_stream and h.is_cuda and cfg.dn_chunks > 1 else None
-    main = torch.cuda.current_stream(h.device) if side is not None else None
-    for cols in _column_chunks(K, unit, cfg.dn_chunks):
-        _down_gemm(h, w_down, out, align, weights, top_k, cols, cfg, group_size, act_dtype, use_hopper)
-        if side is None:
-            _topk_sum(out, summed, cols, top_k)
-            continue
-        side.wait_stream(main)  # this chunk's rows are written
-        with torch.cuda.stream(side):
-            _topk_sum(out, summed, cols, top_k)
-    if side is not None:
-        main.wait_stream(side)  # out and summed were allocated on main: freed only after this point
-    return summed
-
-
-def _column_chunks(K: int, unit: int, chunks: int) -> list[tuple[int, int]]:
-    """``chunks`` (at most) column ranges covering ``[0, K)``, each a multiple of ``unit`` but the last."""
-    units = -(-K // unit)
-    per = -(-units // chunks)
-    return [(c0, min(c0 + per * unit, K)) for c0 in range(0, K, per * unit)]
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per GPU for work that may overlap the main stream's (joined before return)."""
-    return torch.cuda.Stream(device)
-
-
-def _down_gemm(
-    h: Tensor, w_down: Int4Weight, out: Tensor, align: MoEAlignment, weights: Tensor, top_k: int,
-    cols: tuple[int, int], cfg: Int4MoEConfig, group_size: int, act_dtype: torch.dtype, use_hopper: bool,
-) -> None:
-    """The down GEMM for output columns ``cols``, into ``out[:, cols]`` (``h`` permuted for the Gluon kernel)."""
-    c0, c1 = cols
-    I, A, N = h.shape[1], weights.numel(), c1 - c0
-    w = Int4Weight(w_down.packed[:, c0:c1], w_down.scale[:, c0:c1], (N, I))  # views: the experts' rows c0..c1
-    o = out[:, c0:c1]
-    atomic = cfg.reduce == "atomic"
     if use_hopper:
-        hop.gemm(h, w, w, o, align.sorted_ids, align.block_expert, weights, N, I, A, top_k, I, gated=False,
-                 atomic=atomic, block_m=cfg.block_m, block_n=cfg.dn_block_n, split_k=1, stages=cfg.hp_stages,
-                 n_tiles=cfg.hp_dn_tiles)
-        return
-    nb = align.num_blocks
-    grid = (nb * triton.cdiv(N, cfg.dn_block_n),)
+        hop.gemm(h if h_k_order else hop.permute_k(h), w_down, w_down, out, align.sorted_ids, align.block_expert, weights,
+                 K, I, A, top_k, I, gated=False, atomic=atomic, block_m=cfg.block_m, block_n=cfg.dn_block_n,
+                 split_k=1, stages=cfg.hp_stages, n_tiles=cfg.hp_dn_tiles)
+        return _finish_down(out, atomic, act_dtype, M, top_k, K)
+    grid = (nb * triton.cdiv(K, cfg.dn_block_n),)
     _int4_moe_gemm_kernel[grid](
-        h, w.packed, w.scale, w.packed, w.scale, o,
+        h, w_down.packed, w_down.scale, w_down.packed, w_down.scale, out,
         align.sorted_ids, align.block_expert, weights,
-        N, I, A, top_k, nb, I,
-        h.stride(0), w.packed.stride(0), w.packed.stride(1), w.scale.stride(0), w.scale.stride(1), o.stride(0),
+        K, I, A, top_k, nb, I,
+        h.stride(0), w_down.packed.stride(0), w_down.packed.stride(1), w_down.scale.stride(0), w_down.scale.stride(1), out.stride(0),
         GATED=False, ATOMIC=atomic, SWAP_AB=cfg.swap_ab, GROUP=group_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, BLOCK_K=cfg.dn_block_k, SPLIT_K=1,
         EVEN_K=I % cfg.dn_block_k == 0, DEQ_ASM=_use_asm(cfg, act_dtype, w_down),
         DOT_F32=h.is_cpu, DTYPE=_TL_DTYPE[act_dtype], num_warps=cfg.dn_warps, num_stages=cfg.dn_stages,
     )
+    return _finish_down(out, atomic, act_dtype, M, top_k, K)
 
 
-def _topk_sum(rows: Tensor, summed: Tensor, cols: tuple[int, int], top_k: int) -> None:
-    """``summed[:, cols] = rows[:, cols]`` summed over each token's ``top_k`` consecutive rows."""
-    c0, c1 = cols
+def _finish_down(out: Tensor, atomic: bool, act_dtype: torch.dtype, M: int, top_k: int, K: int) -> Tensor:
+    """``[M, K]`` from the down GEMM's fp32 token sums (atomic) or per-assignment rows (sum)."""
+    if atomic:
+        return out.to(act_dtype)
+    if top_k == 1:
+        return out
+    summed = torch.empty(M, K, dtype=out.dtype, device=out.device)  # [M, K]
     block = 1024
-    _int4_moe_topk_sum_kernel[(summed.shape[0], triton.cdiv(c1 - c0, block))](
-        rows[:, c0:], summed[:, c0:], c1 - c0, rows.stride(0), summed.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4)
+    _int4_moe_topk_sum_kernel[(M, triton.cdiv(K, block))](out, summed, K, TOP_K=top_k, BLOCK=block, num_warps=4)
+    return summed
 
 
 @on_input_device

@@ -50,9 +50,6 @@ CASES: dict[str, dict] = {
     # split-K gate/up (3 K slices, the last one a tail) feeding down through the fp32 sums
     "split_k": dict(M=6, top_k=3, cfg=dict(SMALL, gu_block_k=64, gu_split_k=3, swap_ab=True), tol=1e-5),
     "split_k_bf16": dict(M=7, top_k=2, dtype="bfloat16", cfg=dict(SMALL, gu_split_k=2, swap_ab=False, reduce="atomic"), tol=3e-2),
-    # the down GEMM and top-k sum over 3 column chunks of 64 (the last one a 32-wide tail of a tile)
-    "down_chunks": dict(M=5, top_k=3, cfg=dict(SMALL, dn_block_n=64, swap_ab=True, dn_chunks=3), tol=1e-5),
-    "down_chunks_noswap": dict(M=6, top_k=2, cfg=dict(SMALL, dn_block_n=32, swap_ab=False, dn_chunks=2), tol=1e-5),
     # top_k 1: no reduction over slots
     "top1": dict(M=3, top_k=1, cfg=dict(SMALL, swap_ab=False), tol=1e-5),
 }
@@ -259,33 +256,6 @@ def _run_k_order() -> dict:
     return dict(name="k_order", errors=errors)
 
 
-def _run_down_chunks() -> dict:
-    """The down GEMM and top-k sum in column chunks give the unchunked result bit for bit, and the
-    chunks tile the columns in whole CTAs' widths."""
-    import dataclasses
-
-    import torch
-
-    from kernels.int4_moe import Int4MoEConfig, _column_chunks, fused_int4_moe
-
-    errors = []
-    for K, unit, n in ((7168, 512, 4), (7168, 128, 14), (160, 64, 3), (160, 64, 8), (100, 64, 1)):
-        cols = _column_chunks(K, unit, n)
-        flat = [c for r in cols for c in r]
-        if flat[0] != 0 or flat[-1] != K or any(a != b for a, b in zip(flat[1:-1:2], flat[2::2])) or len(cols) > n:
-            errors.append(f"_column_chunks({K}, {unit}, {n}) = {cols}")
-        if any(c0 % unit for c0, _ in cols):
-            errors.append(f"_column_chunks({K}, {unit}, {n}) = {cols}: a chunk starts inside a CTA's columns")
-    x, wg, wu, wd, ids, tw = _inputs("down_chunks_exact", 7, 3)
-    base = Int4MoEConfig(**dict(SMALL, dn_block_n=32))
-    want = fused_int4_moe(x, wg, wu, wd, ids, tw, config=base)
-    for chunks in (2, 5, 9):
-        got = fused_int4_moe(x, wg, wu, wd, ids, tw, config=dataclasses.replace(base, dn_chunks=chunks))
-        if not torch.equal(got, want):
-            errors.append(f"dn_chunks={chunks} differs from one chunk by {(got - want).abs().max().item():.3g}")
-    return dict(name="down_chunks_exact", errors=errors)
-
-
 def _run_config_spec() -> dict:
     """``Int4MoEConfig.spec`` round-trips through ``parse`` and through the pinning variable."""
     import kernels.int4_moe as km
@@ -296,14 +266,14 @@ def _run_config_spec() -> dict:
     gemv = Int4MoEConfig(gemv=True, gv_block_n=4, gv_block_k=512, gv_warps=2, gv_stages=3,
                          gvd_block_n=64, gvd_block_k=64, gvd_warps=8, gvd_stages=2)
     tensor_cores = Int4MoEConfig(block_m=64, gu_block_n=128, dn_stages=4, swap_ab=False, reduce="atomic", gu_split_k=4, deq_asm=False,
-                                 hp_stages=3, hp_dn_tiles=8, dn_chunks=4, side_stream=False)
+                                 hp_stages=3, hp_dn_tiles=8)
     for cfg in (Int4MoEConfig(), tensor_cores, gemv):
         if Int4MoEConfig.parse(cfg.spec()) != cfg:
             errors.append(f"parse(spec) differs for {cfg}")
     if Int4MoEConfig.parse("gemv=1,gv=4x512x2x3,gvd=64x64x8x2") != gemv:
         errors.append("parse of the gemv keys alone differs")
     for bad in (dict(gv_block_n=3), dict(gvd_block_n=0), dict(gv_block_k=16), dict(gvd_block_k=96), dict(gv_stages=0),
-                dict(hp_stages=1), dict(hp_dn_tiles=0), dict(dn_chunks=0), dict(reduce="atomic", dn_block_n=256)):
+                dict(hp_stages=1), dict(hp_dn_tiles=0), dict(reduce="atomic", dn_block_n=256)):
         try:
             Int4MoEConfig(**bad)
             errors.append(f"{bad} accepted")
@@ -377,7 +347,6 @@ def _main() -> None:
     for name, args in ALIGN_CASES.items():
         print(json.dumps(_run_align(name, *args)), flush=True)
     print(json.dumps(_run_k_order()), flush=True)
-    print(json.dumps(_run_down_chunks()), flush=True)
     print(json.dumps(_run_config_spec()), flush=True)
     print(json.dumps(_run_sweep_helpers()), flush=True)
 
@@ -419,10 +388,6 @@ def test_int4_moe_align_structure(results: dict[str, dict], name: str) -> None:
 
 def test_k_order_for_the_gluon_down(results: dict[str, dict]) -> None:
     assert results["k_order"]["errors"] == [], results["k_order"]["errors"]
-
-
-def test_down_chunks_exact(results: dict[str, dict]) -> None:
-    assert results["down_chunks_exact"]["errors"] == [], results["down_chunks_exact"]["errors"]
 
 
 def test_int4_moe_config_spec(results: dict[str, dict]) -> None:
