@@ -62,10 +62,6 @@ GATE_UP_VARIANTS = {
     "gate_up_bn128_s2_r128": dict(block_n=128, stages=2, max_regs=128),
     "gate_up_bn128_s3_r128": dict(block_n=128, stages=3, max_regs=128),
     "gate_up_bn128_s2_r96": dict(block_n=128, stages=2, max_regs=96),
-    # with 32-wide K chunks (k_chunks=4; sm_90: block_m 16 / 32 / 64 at 101 / 130 / 160 registers)
-    "gate_up_bn128_s2_c4": dict(block_n=128, stages=2, k_chunks=4),
-    "gate_up_bn128_s2_c4_r128": dict(block_n=128, stages=2, k_chunks=4, max_regs=128),
-    "gate_up_bn128_s3_c4_r128": dict(block_n=128, stages=3, k_chunks=4, max_regs=128),
 }
 # the whole call at choose_config's config with these fields replaced
 FUSED_VARIANTS = {
