@@ -116,7 +116,8 @@ def test_stream_plan() -> None:
         hop.stream_plan(384, 384, 16, 1, 2, sub=2)
 
 
-def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int, sub: int) -> dict:
+def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int, sub: int,
+           ablate: int = 0, keep: str | None = None) -> dict:
     """Compile one launch for sm_90 (run without TRITON_INTERPRET)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -132,7 +133,7 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, 
     assert len(names) == len(ptrs) + len(ints), f"kernel arguments changed: {kernel.arg_names}"
     warps = block_n // 16
     constexprs = dict(GATED=gated, ATOMIC=False, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=2,
-                      N_TILES=n_tiles, K_RESIDENT=k_resident, SUB=sub, K_ORDER=gated and split_k == 1,
+                      N_TILES=n_tiles, K_RESIDENT=k_resident, SUB=sub, K_ORDER=gated and split_k == 1, ABLATE=ablate,
                       **hop._layouts(block_m, block_n, warps, gated), num_warps=warps)
     signature = {n: ptrs.get(n, "i32") for n in names} | {k: "constexpr" for k in constexprs}
     aligned = [n for n in names if n in ptrs or n in ("N", "K", "k_split", "stride_am", "stride_we", "stride_wn", "stride_om")]
@@ -140,6 +141,8 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, 
     src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     ptx = compiled.asm["ptx"]
+    if keep:
+        Path(keep).write_text(ptx)
     return dict(cubin_bytes=len(compiled.asm["cubin"]), wgmma=ptx.count("wgmma.mma_async"), st_shared=ptx.count("st.shared"),
                 st_b16=ptx.count("st.global.b16"), st_v4=ptx.count("st.global.v4.b32"), shared=compiled.metadata.shared)
 
