@@ -54,7 +54,8 @@ try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kerne
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -135,6 +136,7 @@ def supported(act: Tensor, packed: Tensor, scale: Tensor, group_size: int, block
 if gluon is not None:
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
     _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _OPERAND_ORDER = gl.constexpr(list(OPERAND_ORDER))
     _DEQ_PAIRS_PTX = gl.constexpr(DEQUANT_PAIRS)
     _DEQ_PAIRS_CONSTRAINTS = gl.constexpr(DEQUANT_PAIRS_CONSTRAINTS)
@@ -217,7 +219,8 @@ if gluon is not None:
                     w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
                     GATED: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, N_TILES: gl.constexpr,
                     K_RESIDENT: gl.constexpr, X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr,
-                    ABLATE: gl.constexpr = 0):
+                    ABLATE: gl.constexpr = 0, W_TMA: gl.constexpr = False, w_bar=None, w0_desc=None, w1_desc=None,
+                    w_row0=0, BLOCK_N: gl.constexpr = 64):
         """cp.async ring step ``u`` (tile ``u // n_k`` of the CTA's tiles, K step ``u % n_k``, SUB x 128
         wide) into slot ``u % STAGES``, one commit group; past the CTA's last step it copies nothing.
         The row pointers are the first tile's; a later tile adds ``tile_w`` / ``tile_s`` elements each."""
@@ -236,7 +239,23 @@ if gluon is not None:
             b = sl * SUB + j
             if (K_RESIDENT == 0) & ((ABLATE & 4) == 0):
                 _issue_acts(x_smem.index(b), a_rows, row_ok, ok, k0 + j * 128, a_ptr, stride_am, X_LD)
-            if (ABLATE & 8) == 0:
+            if W_TMA:  # the words by TMA on the slot's barrier, the scales (8 bytes a row) by cp.async
+                if j == 0:
+                    if ok:
+                        mbarrier.expect(w_bar.index(sl), SUB * BLOCK_N * 64 * (GATED + 1))  # one or two matrices
+                if ok:
+                    if N_TILES > 1:
+                        row = w_row0 + (u // n_k) * BLOCK_N
+                    else:
+                        row = w_row0
+                    _tma_load(w0_desc, [row, (k0 + j * 128) // 8], w_bar.index(sl), w0_smem.index(b))
+                    if GATED:
+                        _tma_load(w1_desc, [row, (k0 + j * 128) // 8], w_bar.index(sl), w1_smem.index(b))
+                sk = (k0 + j * 128) // 32 + gl.arange(0, 4, layout=gl.SliceLayout(0, S_LD))
+                _cp_async(s0_smem.index(b), _scale_ptrs(s0_rows + s_off, sk), mask=ok)
+                if GATED:
+                    _cp_async(s1_smem.index(b), _scale_ptrs(s1_rows + s_off, sk), mask=ok)
+            elif (ABLATE & 8) == 0:
                 _issue_weights(w0_smem.index(b), s0_smem.index(b), w1_smem.index(b), s1_smem.index(b), ok, k0 + j * 128,
                                w0_rows + w_off, s0_rows + s_off, w1_rows + w_off, s1_rows + s_off, GATED, W_LD, S_LD)
         cp.commit_group()
@@ -286,6 +305,7 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["A", "top_k", "num_m_blocks"])
     def _moe_gemm_hopper_kernel(
         a_ptr,  # GATED: permute_k(hidden) [M, K]; else permute_k(h) [P, K] (K = intermediate)
+        w0_desc, w1_desc,  # W_TMA: TMA descriptors of w0 / w1 as [E * N, K/8] words, boxes [BLOCK_N, 16]
         w0_ptr,  # [E, N, K/8] int32: gate (GATED) or down
         s0_ptr,  # [E, N, K/32] bf16 scales of w0
         w1_ptr,  # [E, N, K/8] int32: up (GATED only)
@@ -299,7 +319,7 @@ if gluon is not None:
         stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
         GATED: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         SPLIT_K: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, N_TILES: gl.constexpr, K_RESIDENT: gl.constexpr,
-        K_ORDER: gl.constexpr, ABLATE: gl.constexpr, ACC: gl.constexpr, EPI: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
+        K_ORDER: gl.constexpr, ABLATE: gl.constexpr, W_TMA: gl.constexpr, ACC: gl.constexpr, EPI: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
         X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr,
         X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, S_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -349,6 +369,13 @@ if gluon is not None:
             else:  # never read: the down GEMM has one matrix
                 w1_smem = w0_smem
                 s1_smem = s0_smem
+            if W_TMA:
+                w_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+                for i in gl.static_range(STAGES):
+                    mbarrier.init(w_bar.index(i), count=1)
+            else:
+                w_bar = s0_smem  # never used
+            w_row0 = expert * N + n_tile0 * BLOCK_N  # the CTA's first weight row in the [E * N, K/8] view
 
             k_lo = gl.multiple_of(pid_k * k_split, 128)  # k_split is a multiple of 128: aligned copies
             if K_RESIDENT > 0:  # one K slice, the whole K; its own commit group, older than every ring step
@@ -361,7 +388,8 @@ if gluon is not None:
             for u in gl.static_range(STAGES - 1):  # prologue
                 _issue_step(u, n_k, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows, row_ok_x, a_ptr,
                             stride_am, w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
-                            GATED, STAGES, SUB, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD, ABLATE)
+                            GATED, STAGES, SUB, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD, ABLATE,
+                            W_TMA, w_bar, w0_desc, w1_desc, w_row0, BLOCK_N)
             acc0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
             acc1 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
             if N_TILES == 1:
@@ -372,8 +400,11 @@ if gluon is not None:
                 _cta_barrier()  # every warp is done with step t-1's buffers
                 _issue_step(t + STAGES - 1, n_k, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows,
                             row_ok_x, a_ptr, stride_am, w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
-                            GATED, STAGES, SUB, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD, ABLATE)
+                            GATED, STAGES, SUB, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD, ABLATE,
+                            W_TMA, w_bar, w0_desc, w1_desc, w_row0, BLOCK_N)
                 cp.wait_group(STAGES - 1)  # step t (and the resident activations) landed
+                if W_TMA:
+                    mbarrier.wait(w_bar.index(t % STAGES), (t // STAGES) & 1)
                 _cta_barrier()
                 cur = t % STAGES
                 if N_TILES == 1:
@@ -411,7 +442,7 @@ if gluon is not None:
                           N, A, top_k, stride_om, GATED, ATOMIC, SPLIT_K, K_ORDER, BLOCK_M, BLOCK_N, EPI)
 
 
-def _layouts(block_m: int, block_n: int, num_warps: int, gated: bool) -> dict[str, object]:
+def _layouts(block_m: int, block_n: int, num_warps: int, gated: bool, w_tma: bool = False) -> dict[str, object]:
     """The kernel's layouts for one (BLOCK_M, BLOCK_N, warps): A operand rows are 16 a warp. The
     down epilogue's ``EPI``: 8 consecutive output columns a thread, lanes and warps over [BN, 16]
     exactly (no element held twice, which atomics would add twice)."""
@@ -433,9 +464,19 @@ def _layouts(block_m: int, block_n: int, num_warps: int, gated: bool) -> dict[st
         W_LD=gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0]),
         S_LD=gl.BlockedLayout([1, 2], [16, 2], [num_warps, 1], [1, 0]),
         X_SMEM=gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.bfloat16),
-        W_SMEM=gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]),
+        W_SMEM=_WORD_SMEM if w_tma else gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]),
         S_SMEM=gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]),
     )
+
+
+_WORD_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2) if gluon is not None else None
+
+
+def _word_desc(w: Int4Weight, block_n: int) -> "TensorDescriptor":
+    """A TMA descriptor of ``w``'s words as rows ``[E * N, K/8]``, one box a K step of ``block_n`` rows."""
+    rows = w.packed.reshape(-1, w.packed.shape[-1])
+    assert rows.data_ptr() == w.packed.data_ptr(), "TMA weights need the experts' word rows back to back"
+    return TensorDescriptor.from_tensor(rows, [block_n, 16], _WORD_SMEM)
 
 
 def stream_plan(
@@ -459,7 +500,7 @@ def gemm(
     a: Tensor, w0: Int4Weight, w1: Int4Weight, out: Tensor, sorted_ids: Tensor, block_expert: Tensor, topk_w: Tensor,
     N: int, K: int, A: int, top_k: int, k_split: int, *, gated: bool, atomic: bool, block_m: int,
     block_n: int, split_k: int, stages: int, n_tiles: int = 1, resident: bool | None = None, sub: int | None = None,
-    max_regs: int | None = None, k_order_out: bool = False, ablate: int = 0,
+    max_regs: int | None = None, k_order_out: bool = False, ablate: int = 0, w_tma: bool = False,
 ) -> None:
     """Launch one GEMM (``a`` already ``permute_k``'d); arguments as ``_int4_moe_gemm_kernel``'s.
 
@@ -481,11 +522,12 @@ def gemm(
     k_resident, sub = stream_plan(K, k_split, block_m, n_tiles, a.element_size(), resident, sub)
     n_groups = -(-(N // block_n) // n_tiles)
     grid = (nb * n_groups * (-(-K // k_split)),)
+    descs = [_word_desc(w, block_n) for w in (w0, w1)] if w_tma else [w0.packed, w1.packed]
     _moe_gemm_hopper_kernel[grid](
-        a, w0.packed, w0.scale, w1.packed, w1.scale, out, sorted_ids, block_expert, topk_w,
+        a, *descs, w0.packed, w0.scale, w1.packed, w1.scale, out, sorted_ids, block_expert, topk_w,
         N, K, A, top_k, nb, k_split,
         a.stride(0), w0.packed.stride(0), w0.packed.stride(1), w0.scale.stride(0), w0.scale.stride(1), out.stride(0),
         GATED=gated, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=stages, SUB=sub,
-        N_TILES=n_tiles, K_RESIDENT=k_resident, K_ORDER=k_order_out, ABLATE=ablate,
-        **_layouts(block_m, block_n, warps, gated), num_warps=warps, **({} if max_regs is None else {"maxnreg": max_regs}),
+        N_TILES=n_tiles, K_RESIDENT=k_resident, K_ORDER=k_order_out, ABLATE=ablate, W_TMA=w_tma,
+        **_layouts(block_m, block_n, warps, gated, w_tma), num_warps=warps, **({} if max_regs is None else {"maxnreg": max_regs}),
     )

@@ -117,14 +117,16 @@ def test_stream_plan() -> None:
 
 
 def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int, sub: int,
-           ablate: int = 0, keep: str | None = None) -> dict:
+           ablate: int = 0, keep: str | None = None, w_tma: bool = False) -> dict:
     """Compile one launch for sm_90 (run without TRITON_INTERPRET)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = hop._moe_gemm_hopper_kernel
-    ptrs = {"a_ptr": "*bf16", "w0_ptr": "*i32", "s0_ptr": "*bf16", "w1_ptr": "*i32", "s1_ptr": "*bf16",
+    layouts = hop._layouts(block_m, block_n, block_n // 16, gated, w_tma)
+    desc = f"tensordesc<i32[{block_n}, 16],{layouts['W_SMEM']!r}>" if w_tma else "*i32"
+    ptrs = {"a_ptr": "*bf16", "w0_desc": desc, "w1_desc": desc, "w0_ptr": "*i32", "s0_ptr": "*bf16", "w1_ptr": "*i32", "s1_ptr": "*bf16",
             "out_ptr": "*fp32" if gated and split_k > 1 else "*bf16", "sorted_ids_ptr": "*i32",
             "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32"}
     ints = ("N", "K", "A", "top_k", "num_m_blocks", "k_split", "stride_am", "stride_we", "stride_wn", "stride_se",
@@ -134,9 +136,9 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, 
     warps = block_n // 16
     constexprs = dict(GATED=gated, ATOMIC=False, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=2,
                       N_TILES=n_tiles, K_RESIDENT=k_resident, SUB=sub, K_ORDER=gated and split_k == 1, ABLATE=ablate,
-                      **hop._layouts(block_m, block_n, warps, gated), num_warps=warps)
+                      W_TMA=w_tma, **layouts, num_warps=warps)
     signature = {n: ptrs.get(n, "i32") for n in names} | {k: "constexpr" for k in constexprs}
-    aligned = [n for n in names if n in ptrs or n in ("N", "K", "k_split", "stride_am", "stride_we", "stride_wn", "stride_om")]
+    aligned = [n for n in names if (n in ptrs and not n.endswith("_desc")) or n in ("N", "K", "k_split", "stride_am", "stride_we", "stride_wn", "stride_om")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # scale strides: K2 TP8 down has 8
     src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
