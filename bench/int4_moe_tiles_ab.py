@@ -45,8 +45,6 @@ DOWN_VARIANTS = {
     # _r{N}: at most N registers a thread (bn64 t8: 98 -> 80, 6 CTAs an SM; bn128: 119 -> 80, 3 CTAs)
     "down_bn64_t8_s2_r80": dict(block_n=64, n_tiles=8, stages=2, max_regs=80),
     "down_bn128_t1_s2_r80": dict(block_n=128, n_tiles=1, stages=2, max_regs=80),
-    **{f"down_bn64_t8_s2_k256_a{a}": dict(block_n=64, n_tiles=8, stages=2, sub=2, ablate=a) for a in (1, 2, 3, 4, 8, 12)},
-    **{f"down_bn128_t1_s2_a{a}": dict(block_n=128, n_tiles=1, stages=2, ablate=a) for a in (1, 2, 3, 4, 8, 12)},
     **{f"down_bn64_t8_s{st}_k256_tma": dict(block_n=64, n_tiles=8, stages=st, sub=2, w_tma=True) for st in (2, 3)},
     **{f"down_bn128_t1_s{st}_tma": dict(block_n=128, n_tiles=1, stages=st, w_tma=True) for st in (2, 3, 4)},
 }
@@ -66,10 +64,6 @@ GATE_UP_VARIANTS = {
     "gate_up_bn128_s2_r128": dict(block_n=128, stages=2, max_regs=128),
     "gate_up_bn128_s3_r128": dict(block_n=128, stages=3, max_regs=128),
     "gate_up_bn128_s2_r96": dict(block_n=128, stages=2, max_regs=96),
-    # TEMPORARY timing ablations (outputs garbage): _a1 no dequantisation arithmetic (four moves a
-    # word), _a2 no MMAs (dequantisation kept), _a3 neither, _a4 no activation copies, _a8 no weight
-    # copies, _a12 no copies at all
-    **{f"gate_up_bn64_s2_a{a}": dict(block_n=64, stages=2, ablate=a) for a in (1, 2, 3, 4, 8, 12)},
     # _tma: the weight words by TMA (one copy a matrix a step, on an mbarrier), scales still cp.async
     **{f"gate_up_bn64_s{st}_tma": dict(block_n=64, stages=st, w_tma=True) for st in (2, 3, 4)},
     "gate_up_bn64_s3_tma_r128": dict(block_n=64, stages=3, w_tma=True, max_regs=128),

@@ -611,6 +611,8 @@ class Int4MoEConfig:
     hopper: bool = True  # the Gluon kernels of kernels/int4_moe_hopper.py where they apply (sm_90, bf16, swap_ab)
     hp_stages: int = 2  # their cp.async ring depth (H200, K2 shapes: 2 best or within 0.1% of 3; 4 and 6 slower)
     hp_dn_tiles: int = 1  # down weight tiles one Gluon CTA streams (a short intermediate keeps its ring full)
+    hp_gu_tma: bool = True  # Gluon gate/up: weight words by TMA (K2, H200: 1.07-1.38x), not cp.async
+    hp_dn_tma: bool = False  # the same for the Gluon down GEMM (wins only on whole experts)
     # GEMV path (few assignments): no alignment, CUDA-core dot products per assignment / token.
     # Defaults: choose_config's TP-style GEMV config above 8 assignments (see _gemv_launch).
     gemv: bool = False
@@ -652,6 +654,7 @@ class Int4MoEConfig:
             f"dn={self.dn_block_n}x{self.dn_block_k}x{self.dn_warps}x{self.dn_stages},"
             f"swap={int(self.swap_ab)},reduce={self.reduce},split={self.gu_split_k},asm={int(self.deq_asm)},"
             f"hopper={int(self.hopper)},hps={self.hp_stages},hpt={self.hp_dn_tiles},"
+            f"gut={int(self.hp_gu_tma)},dnt={int(self.hp_dn_tma)},"
             f"gemv={int(self.gemv)},gv={self.gv_block_n}x{self.gv_block_k}x{self.gv_warps}x{self.gv_stages},"
             f"gvd={self.gvd_block_n}x{self.gvd_block_k}x{self.gvd_warps}x{self.gvd_stages}"
         )
@@ -681,6 +684,10 @@ class Int4MoEConfig:
                 kw["hp_stages"] = int(val)
             elif key == "hpt":
                 kw["hp_dn_tiles"] = int(val)
+            elif key == "gut":
+                kw["hp_gu_tma"] = val not in ("0", "false", "False")
+            elif key == "dnt":
+                kw["hp_dn_tma"] = val not in ("0", "false", "False")
             elif key == "gemv":
                 kw["gemv"] = val not in ("0", "false", "False")
             else:
@@ -771,7 +778,9 @@ def _hopper_config(r: float, whole_experts: bool) -> Int4MoEConfig:
     vs 178 at 128 rows), less split-K (EP8 M=1 gate/up 64 us unsplit, 65 split), and weights on
     the M side at large M too (EP8 M=288 gate/up 502 us vs 635 on the Triton kernel's regular
     tiles, down 306 vs 352; M=1152: 1445 vs 2073 and 1007 vs 1152). The Gluon kernel fixes K
-    steps at 128 and warps at rows / 16."""
+    steps at 128 and warps at rows / 16. Gate/up weights come by TMA at every M (the dataclass
+    default): TP8 M=72 / 288 / 1152 204 / 247 / 332 us vs 281 / 336 / 390 on cp.async, EP8 M=72 /
+    288 290 / 443 vs 339 / 475; EP8 M=1152 1538 vs 1481 (bench/results/int4_moe_w_tma.json)."""
     # A TP-style down GEMM (K = the rank's slice of the intermediate, 256 at K2 TP8: two K steps)
     # streams 8 weight tiles a CTA with its activations resident: TP8 down M=72 116 us vs 155,
     # M=288 158 vs 207, M=1152 266 vs 353 (bench/results/int4_moe_tiles_ab.json). Whole experts
@@ -785,7 +794,10 @@ def _hopper_config(r: float, whole_experts: bool) -> Int4MoEConfig:
         dn_n = 128 if whole_experts else 64  # TP8 M=1152 down: 373 us at 64 rows vs 385 at 128; EP8 M=72: 189 either way
         return Int4MoEConfig(block_m=32, gu_block_n=64, gu_block_k=128, dn_block_n=dn_n, dn_block_k=128,
                              dn_warps=dn_n // 16, swap_ab=True, hp_dn_tiles=tiles)
-    return Int4MoEConfig(block_m=64, gu_block_n=64, gu_block_k=128, dn_block_n=128, dn_block_k=128, dn_warps=8, swap_ab=True)
+    # Down weights by TMA only pay on whole experts' 128-row tiles at large M (EP8 M=288 258 us vs
+    # 269, M=1152 821 vs 868; TP8 and EP8 M=72 within -1..+6%: bench/results/int4_moe_w_tma.json).
+    return Int4MoEConfig(block_m=64, gu_block_n=64, gu_block_k=128, dn_block_n=128, dn_block_k=128, dn_warps=8, swap_ab=True,
+                         hp_dn_tma=whole_experts)
 
 
 def _tensor_core_config(r: float, whole_experts: bool) -> Int4MoEConfig:
@@ -986,7 +998,8 @@ def int4_moe_gate_up(
         ordered = k_order and split == 1
         hop.gemm(hop.permute_k(hidden), w_gate, w_up, out, align.sorted_ids, align.block_expert, align.sorted_ids,
                  I, K, M * top_k, top_k, k_split, gated=True, atomic=False, block_m=cfg.block_m,
-                 block_n=cfg.gu_block_n, split_k=split, stages=cfg.hp_stages, k_order_out=ordered)
+                 block_n=cfg.gu_block_n, split_k=split, stages=cfg.hp_stages, k_order_out=ordered,
+                 w_tma=cfg.hp_gu_tma and hop.tma_words_ok(w_gate.packed) and hop.tma_words_ok(w_up.packed))
     else:
         _gate_up_triton(hidden, w_gate, w_up, out, align, top_k, cfg, group_size, k_split)
     if split > 1:
@@ -1044,7 +1057,8 @@ def int4_moe_down(
     if use_hopper:
         hop.gemm(h if h_k_order else hop.permute_k(h), w_down, w_down, out, align.sorted_ids, align.block_expert, weights,
                  K, I, A, top_k, I, gated=False, atomic=atomic, block_m=cfg.block_m, block_n=cfg.dn_block_n,
-                 split_k=1, stages=cfg.hp_stages, n_tiles=cfg.hp_dn_tiles)
+                 split_k=1, stages=cfg.hp_stages, n_tiles=cfg.hp_dn_tiles,
+                 w_tma=cfg.hp_dn_tma and hop.tma_words_ok(w_down.packed))
         return _finish_down(out, atomic, act_dtype, M, top_k, K)
     grid = (nb * triton.cdiv(K, cfg.dn_block_n),)
     _int4_moe_gemm_kernel[grid](

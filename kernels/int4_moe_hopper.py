@@ -61,7 +61,7 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 
 __all__ = [
     "BLOCK_K", "OPERAND_ORDER", "available", "gemm", "permute_k", "permute_k_reference", "planes_to_operand", "stream_plan",
-    "supported",
+    "supported", "tma_words_ok",
 ]
 
 BLOCK_K = 128  # K per step: one 32-column block per lane of a quad, four words a thread a row
@@ -141,22 +141,6 @@ if gluon is not None:
     _DEQ_PAIRS_PTX = gl.constexpr(DEQUANT_PAIRS)
     _DEQ_PAIRS_CONSTRAINTS = gl.constexpr(DEQUANT_PAIRS_CONSTRAINTS)
 
-    _ABLATE_PTX = gl.constexpr("mov.b32 $0, $4; mov.b32 $1, $5; mov.b32 $2, $6; mov.b32 $3, $4;")
-
-    @gluon.jit
-    def _dequant_pairs_ablated(p2, s2, PURE: gl.constexpr):
-        """TEMPORARY timing ablation: four moves instead of the dequantisation (garbage weights)."""
-        return gl.inline_asm_elementwise(
-            asm=_ABLATE_PTX, constraints=_DEQ_PAIRS_CONSTRAINTS, args=[p2, s2],
-            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=PURE, pack=2)
-
-    @gluon.jit
-    def _dequant_pairs_kept(p2, s2):
-        """TEMPORARY timing ablation: the dequantisation, kept although its result is unused."""
-        return gl.inline_asm_elementwise(
-            asm=_DEQ_PAIRS_PTX, constraints=_DEQ_PAIRS_CONSTRAINTS, args=[p2, s2],
-            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=False, pack=2)
-
     @gluon.jit
     def _dequant_pairs(p2, s2):
         """``(n - 8) * scale`` in bf16 for nibble pairs (q, q + 4) of each word (``kernels/int4_ptx.py``):
@@ -172,19 +156,13 @@ if gluon is not None:
         )
 
     @gluon.jit
-    def _weight_operand(w_buf, s_buf, BLOCK_N: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, A_OP: gl.constexpr,
-                        ABLATE: gl.constexpr = 0):
+    def _weight_operand(w_buf, s_buf, BLOCK_N: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr, A_OP: gl.constexpr):
         """The resident step's words and scales -> the wgmma A operand ``[BLOCK_N, 128]`` bf16."""
         p = w_buf.load(WORDS)  # [BN, 16] int32: words 4t .. 4t+3 of the thread's quad lane t
         s = s_buf.load(SCALES)  # [BN, 4] bf16: group t
         s = gl.reshape(gl.join(gl.join(s, s), gl.join(s, s)), [BLOCK_N, 16])  # group of word 4t + j is t
         s = gl.convert_layout(s, WORDS, assert_trivial=True)
-        if (ABLATE & 1) != 0:
-            v0, v1, v2, v3 = _dequant_pairs_ablated(gl.join(p, p), gl.join(s, s), (ABLATE & 2) == 0)
-        elif (ABLATE & 2) != 0:
-            v0, v1, v2, v3 = _dequant_pairs_kept(gl.join(p, p), gl.join(s, s))
-        else:
-            v0, v1, v2, v3 = _dequant_pairs(gl.join(p, p), gl.join(s, s))  # [BN, 16, 2]: nibble q + 4 i0
+        v0, v1, v2, v3 = _dequant_pairs(gl.join(p, p), gl.join(s, s))  # [BN, 16, 2]: nibble q + 4 i0
         r: gl.constexpr = [BLOCK_N, 4, 4, 2]  # [rows, t, j, i0]
         c = gl.join(gl.join(gl.reshape(v0, r), gl.reshape(v1, r)), gl.join(gl.reshape(v2, r), gl.reshape(v3, r)))
         w = gl.reshape(gl.permute(c, _OPERAND_ORDER.value), [BLOCK_N, 128])  # [rows, t, j, i0, q0, q1] -> column 32j + 8q + 2t + i0
@@ -219,8 +197,7 @@ if gluon is not None:
                     w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
                     GATED: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, N_TILES: gl.constexpr,
                     K_RESIDENT: gl.constexpr, X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr,
-                    ABLATE: gl.constexpr = 0, W_TMA: gl.constexpr = False, w_bar=None, w0_desc=None, w1_desc=None,
-                    w_row0=0, BLOCK_N: gl.constexpr = 64):
+                    W_TMA: gl.constexpr, w_bar, w0_desc, w1_desc, w_row0, BLOCK_N: gl.constexpr):
         """cp.async ring step ``u`` (tile ``u // n_k`` of the CTA's tiles, K step ``u % n_k``, SUB x 128
         wide) into slot ``u % STAGES``, one commit group; past the CTA's last step it copies nothing.
         The row pointers are the first tile's; a later tile adds ``tile_w`` / ``tile_s`` elements each."""
@@ -237,7 +214,7 @@ if gluon is not None:
             s_off = (u // n_k) * tile_s
         for j in gl.static_range(SUB):  # a row's SUB x 64 bytes of words are adjacent: one burst
             b = sl * SUB + j
-            if (K_RESIDENT == 0) & ((ABLATE & 4) == 0):
+            if K_RESIDENT == 0:
                 _issue_acts(x_smem.index(b), a_rows, row_ok, ok, k0 + j * 128, a_ptr, stride_am, X_LD)
             if W_TMA:  # the words by TMA on the slot's barrier, the scales (8 bytes a row) by cp.async
                 if j == 0:
@@ -255,7 +232,7 @@ if gluon is not None:
                 _cp_async(s0_smem.index(b), _scale_ptrs(s0_rows + s_off, sk), mask=ok)
                 if GATED:
                     _cp_async(s1_smem.index(b), _scale_ptrs(s1_rows + s_off, sk), mask=ok)
-            elif (ABLATE & 8) == 0:
+            else:
                 _issue_weights(w0_smem.index(b), s0_smem.index(b), w1_smem.index(b), s1_smem.index(b), ok, k0 + j * 128,
                                w0_rows + w_off, s0_rows + s_off, w1_rows + w_off, s1_rows + s_off, GATED, W_LD, S_LD)
         cp.commit_group()
@@ -319,7 +296,7 @@ if gluon is not None:
         stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
         GATED: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         SPLIT_K: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, N_TILES: gl.constexpr, K_RESIDENT: gl.constexpr,
-        K_ORDER: gl.constexpr, ABLATE: gl.constexpr, W_TMA: gl.constexpr, ACC: gl.constexpr, EPI: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
+        K_ORDER: gl.constexpr, W_TMA: gl.constexpr, ACC: gl.constexpr, EPI: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
         X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr,
         X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, S_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -388,7 +365,7 @@ if gluon is not None:
             for u in gl.static_range(STAGES - 1):  # prologue
                 _issue_step(u, n_k, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows, row_ok_x, a_ptr,
                             stride_am, w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
-                            GATED, STAGES, SUB, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD, ABLATE,
+                            GATED, STAGES, SUB, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD,
                             W_TMA, w_bar, w0_desc, w1_desc, w_row0, BLOCK_N)
             acc0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
             acc1 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
@@ -400,7 +377,7 @@ if gluon is not None:
                 _cta_barrier()  # every warp is done with step t-1's buffers
                 _issue_step(t + STAGES - 1, n_k, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows,
                             row_ok_x, a_ptr, stride_am, w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
-                            GATED, STAGES, SUB, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD, ABLATE,
+                            GATED, STAGES, SUB, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD,
                             W_TMA, w_bar, w0_desc, w1_desc, w_row0, BLOCK_N)
                 cp.wait_group(STAGES - 1)  # step t (and the resident activations) landed
                 if W_TMA:
@@ -422,15 +399,13 @@ if gluon is not None:
                         use = keep
                     else:
                         use = True
-                    w0 = _weight_operand(w0_smem.index(cur * SUB + j), s0_smem.index(cur * SUB + j), BLOCK_N, WORDS, SCALES, A_OP, ABLATE)
-                    if (ABLATE & 2) == 0:
-                        acc0 = warpgroup_mma(w0, xb, acc0, use_acc=use, is_async=True)
+                    w0 = _weight_operand(w0_smem.index(cur * SUB + j), s0_smem.index(cur * SUB + j), BLOCK_N, WORDS, SCALES, A_OP)
+                    acc0 = warpgroup_mma(w0, xb, acc0, use_acc=use, is_async=True)
                     if GATED:
-                        w1 = _weight_operand(w1_smem.index(cur * SUB + j), s1_smem.index(cur * SUB + j), BLOCK_N, WORDS, SCALES, A_OP, ABLATE)
-                        if (ABLATE & 2) == 0:
-                            acc1 = warpgroup_mma(w1, xb, acc1, use_acc=use, is_async=True)
-                            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-                    elif (ABLATE & 2) == 0:
+                        w1 = _weight_operand(w1_smem.index(cur * SUB + j), s1_smem.index(cur * SUB + j), BLOCK_N, WORDS, SCALES, A_OP)
+                        acc1 = warpgroup_mma(w1, xb, acc1, use_acc=use, is_async=True)
+                        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+                    else:
                         acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
                 if N_TILES > 1:
                     if kk == n_k - 1:
@@ -472,11 +447,15 @@ def _layouts(block_m: int, block_n: int, num_warps: int, gated: bool, w_tma: boo
 _WORD_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2) if gluon is not None else None
 
 
+def tma_words_ok(packed: Tensor) -> bool:
+    """Whether TMA can read these words as rows ``[E * N, K/8]``: experts and rows back to back."""
+    return packed.is_contiguous() and packed.data_ptr() % 16 == 0 and (packed.shape[-1] * 4) % 16 == 0
+
+
 def _word_desc(w: Int4Weight, block_n: int) -> "TensorDescriptor":
     """A TMA descriptor of ``w``'s words as rows ``[E * N, K/8]``, one box a K step of ``block_n`` rows."""
-    rows = w.packed.reshape(-1, w.packed.shape[-1])
-    assert rows.data_ptr() == w.packed.data_ptr(), "TMA weights need the experts' word rows back to back"
-    return TensorDescriptor.from_tensor(rows, [block_n, 16], _WORD_SMEM)
+    assert tma_words_ok(w.packed), "TMA weights need the experts' word rows back to back (tma_words_ok)"
+    return TensorDescriptor.from_tensor(w.packed.view(-1, w.packed.shape[-1]), [block_n, 16], _WORD_SMEM)
 
 
 def stream_plan(
@@ -500,7 +479,7 @@ def gemm(
     a: Tensor, w0: Int4Weight, w1: Int4Weight, out: Tensor, sorted_ids: Tensor, block_expert: Tensor, topk_w: Tensor,
     N: int, K: int, A: int, top_k: int, k_split: int, *, gated: bool, atomic: bool, block_m: int,
     block_n: int, split_k: int, stages: int, n_tiles: int = 1, resident: bool | None = None, sub: int | None = None,
-    max_regs: int | None = None, k_order_out: bool = False, ablate: int = 0, w_tma: bool = False,
+    max_regs: int | None = None, k_order_out: bool = False, w_tma: bool = False,
 ) -> None:
     """Launch one GEMM (``a`` already ``permute_k``'d); arguments as ``_int4_moe_gemm_kernel``'s.
 
@@ -528,6 +507,6 @@ def gemm(
         N, K, A, top_k, nb, k_split,
         a.stride(0), w0.packed.stride(0), w0.packed.stride(1), w0.scale.stride(0), w0.scale.stride(1), out.stride(0),
         GATED=gated, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=stages, SUB=sub,
-        N_TILES=n_tiles, K_RESIDENT=k_resident, K_ORDER=k_order_out, ABLATE=ablate, W_TMA=w_tma,
+        N_TILES=n_tiles, K_RESIDENT=k_resident, K_ORDER=k_order_out, W_TMA=w_tma,
         **_layouts(block_m, block_n, warps, gated, w_tma), num_warps=warps, **({} if max_regs is None else {"maxnreg": max_regs}),
     )

@@ -94,6 +94,8 @@ def test_choose_config_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
         assert cfg.dn_warps == cfg.dn_block_n // 16, cfg.spec()
         # TP-style down GEMMs (K = 256: two steps) stream 8 tiles a CTA; whole experts one
         assert cfg.hp_dn_tiles == (8 if i < 1024 else 1), cfg.spec()
+        # gate/up weights by TMA everywhere; down weights only on whole experts' 128-row tiles at large M
+        assert cfg.hp_gu_tma and cfg.hp_dn_tma == (i >= 1024 and m * 8 / e > 32), cfg.spec()
     monkeypatch.setattr(km, "_hopper_here", lambda: False)
     assert km.choose_config(1152, 48, 7168, 2048, 8).swap_ab is False  # other GPUs keep the Triton table
     with pytest.raises(AssertionError, match="atomic"):
@@ -117,7 +119,7 @@ def test_stream_plan() -> None:
 
 
 def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int, sub: int,
-           ablate: int = 0, keep: str | None = None, w_tma: bool = False) -> dict:
+           w_tma: bool = False, keep: str | None = None) -> dict:
     """Compile one launch for sm_90 (run without TRITON_INTERPRET)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -135,7 +137,7 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, 
     assert len(names) == len(ptrs) + len(ints), f"kernel arguments changed: {kernel.arg_names}"
     warps = block_n // 16
     constexprs = dict(GATED=gated, ATOMIC=False, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=2,
-                      N_TILES=n_tiles, K_RESIDENT=k_resident, SUB=sub, K_ORDER=gated and split_k == 1, ABLATE=ablate,
+                      N_TILES=n_tiles, K_RESIDENT=k_resident, SUB=sub, K_ORDER=gated and split_k == 1,
                       W_TMA=w_tma, **layouts, num_warps=warps)
     signature = {n: ptrs.get(n, "i32") for n in names} | {k: "constexpr" for k in constexprs}
     aligned = [n for n in names if (n in ptrs and not n.endswith("_desc")) or n in ("N", "K", "k_split", "stride_am", "stride_we", "stride_wn", "stride_om")]
@@ -146,21 +148,25 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, 
     if keep:
         Path(keep).write_text(ptx)
     return dict(cubin_bytes=len(compiled.asm["cubin"]), wgmma=ptx.count("wgmma.mma_async"), st_shared=ptx.count("st.shared"),
-                st_b16=ptx.count("st.global.b16"), st_v4=ptx.count("st.global.v4.b32"), shared=compiled.metadata.shared)
+                st_b16=ptx.count("st.global.b16"), st_v4=ptx.count("st.global.v4.b32"), shared=compiled.metadata.shared,
+                tma=ptx.count("cp.async.bulk.tensor"), cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"))
 
 
 @pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("gated,block_m,block_n,split_k,n_tiles,k_resident,sub",
-                         [(True, 16, 64, 4, 1, 0, 1), (False, 16, 128, 1, 1, 0, 1), (True, 32, 64, 1, 1, 0, 1), (False, 32, 64, 1, 8, 2, 2)])
-def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int, sub: int) -> None:
+@pytest.mark.parametrize("gated,block_m,block_n,split_k,n_tiles,k_resident,sub,w_tma",
+                         [(True, 16, 64, 4, 1, 0, 1, True), (True, 32, 64, 1, 1, 0, 1, True), (True, 64, 64, 1, 1, 0, 1, False),
+                          (False, 16, 128, 1, 1, 0, 1, False), (False, 32, 64, 1, 8, 2, 2, False), (False, 64, 128, 1, 1, 0, 1, True)])
+def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int, sub: int,
+                                w_tma: bool) -> None:
     """The served K2 launches compile and their products are wgmma. Gate/up: no st.shared at all
-    (no dequantised tile goes through shared memory; only cp.async writes it). Down: its output
-    leaves in 16-byte stores (the epilogue's one trip through shared memory), none of 2 bytes.
-    A child process: conftest sets TRITON_INTERPRET for this one, and the interpreter cannot
-    compile Gluon."""
+    (no dequantised tile goes through shared memory; only cp.async and TMA write it). Down: its
+    output leaves in 16-byte stores (the epilogue's one trip through shared memory), none of 2
+    bytes. ``w_tma``: the weight words come by TMA (bulk tensor copies) and only the activations
+    and scales by cp.async; else every copy is cp.async. A child process: conftest sets
+    TRITON_INTERPRET for this one, and the interpreter cannot compile Gluon."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    args = [str(int(gated)), str(block_m), str(block_n), str(split_k), str(n_tiles), str(k_resident), str(sub)]
+    args = [str(int(gated)), str(block_m), str(block_n), str(split_k), str(n_tiles), str(k_resident), str(sub), str(int(w_tma))]
     proc = subprocess.run([sys.executable, __file__, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     built = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -169,9 +175,11 @@ def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k
         assert built["st_shared"] == 0, f"the weight tile went through shared memory: {built}"
     else:
         assert built["st_v4"] > 0 and built["st_b16"] == 0, f"the down output is not written in 16-byte stores: {built}"
+    assert (built["tma"] > 0) == w_tma, f"TMA copies: {built}"
+    assert built["cp_async"] > 0, built  # scales (and activations) always
     assert 0 < built["shared"] <= 232448, built
 
 
 if __name__ == "__main__":
-    g, bm, bn, sk, nt, kr, sub = sys.argv[1:8]
-    print(json.dumps(_build(bool(int(g)), int(bm), int(bn), int(sk), int(nt), int(kr), int(sub))))
+    g, bm, bn, sk, nt, kr, sub, wt = sys.argv[1:9]
+    print(json.dumps(_build(bool(int(g)), int(bm), int(bn), int(sk), int(nt), int(kr), int(sub), bool(int(wt)))))
