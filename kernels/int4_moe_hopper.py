@@ -7,7 +7,7 @@ of the INT4 words it came from. At the K2 shapes that round trip uses about as m
 shared-memory bandwidth as the HBM stream feeds it, and the kernel sits at 29-42% of copy
 bandwidth. Gluon lets this kernel pick the layouts:
 
-* Each thread loads (from a ``cp.async`` ring in shared memory, 16-byte reads) exactly the int32
+* Each thread loads (from a ring of shared buffers, 16-byte reads) exactly the int32
   words whose nibbles are its elements of the wgmma A operand (weights on the MMA's M side,
   tokens on N, as the Triton kernel's ``SWAP_AB``). That holds for one order of K inside each
   128-wide step: logical column ``32j + 8q + 2t + i0`` is physical column ``32t + 8j + 4i0 + q``
@@ -20,6 +20,12 @@ bandwidth. Gluon lets this kernel pick the layouts:
   order already (``k_order_out``), so the down GEMM reads h as it is.
 * Both K orders cover the same columns, so the products are the same sums in another order.
   A 32-wide scale group is one t: each thread needs one scale a row a step.
+* The ring is filled by ``cp.async`` from every thread (activation rows gathered by token, and
+  the scales: 8 bytes a row a step), and with ``w_tma`` the weight words by one TMA copy a matrix
+  a step, on an mbarrier a slot. Timing ablations showed the copies alone taking as long as the
+  whole loop at K2 TP8, with DRAM half busy (``bench/results/int4_moe_loop_ablations.json``):
+  per-thread 16-byte copies of 64-byte row pieces were the limit, and TMA words made gate/up
+  1.07-1.38x faster at K2 M = 72-1152 (``int4_moe_w_tma.json``).
 
 Same contract as ``_int4_moe_gemm_kernel`` (alignment rows, split-K partial sums, per-assignment
 or atomic down outputs), restricted to what the K2 path runs: bf16 activations and scales, group
@@ -27,9 +33,9 @@ or atomic down outputs), restricted to what the K2 path runs: bf16 activations a
 The CPU has no Gluon: CPU tests cover ``permute_k`` and the routing, the GPU check is
 ``bench/int4_moe_bench.py`` (every served config against the reference).
 
-Where it stands on an H200 (BENCHMARKS.md): 1.1-1.4x the Triton kernel at the same configs; the
-whole MoE call at 49-57% of copy bandwidth at K2 EP8 M = 1-72 and 57-59% at TP8 M = 72 / 288, 46%
-at TP8 M = 1152 and 37% at EP8 M = 288. Nsight Compute (``bench/results/int4_moe_ncu.json``):
+Where it stands on an H200 (BENCHMARKS.md): 1.1-1.4x the Triton kernel at the same configs
+(cp.async weights); with TMA weights the whole MoE call at 55-72% of copy bandwidth at K2 EP8 M =
+1-72, 52-74% at TP8 M = 9-1152 and 40% at EP8 M = 288. Before TMA, Nsight Compute (``bench/results/int4_moe_ncu.json``):
 DRAM 32-49% busy in every GEMM there; the gate/up warps spend 18-20% of their cycles at the two
 CTA barriers a step and 9-22% on fixed-latency dependencies (the dequantisation's chains), at TP8
 M = 72 22% waiting for copies; 38-67% of issue slots used; 2-5 CTAs an SM (95-199 registers a
