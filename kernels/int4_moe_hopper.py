@@ -203,7 +203,7 @@ if gluon is not None:
                     w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
                     GATED: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, N_TILES: gl.constexpr,
                     K_RESIDENT: gl.constexpr, X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr,
-                    W_TMA: gl.constexpr, w_bar, u_bar, w0_desc, w1_desc, w_row0, BLOCK_N: gl.constexpr):
+                    W_TMA: gl.constexpr, w_bar, w0_desc, w1_desc, w_row0, BLOCK_N: gl.constexpr):
         """cp.async ring step ``u`` (tile ``u // n_k`` of the CTA's tiles, K step ``u % n_k``, SUB x 128
         wide) into slot ``u % STAGES``, one commit group; past the CTA's last step it copies nothing.
         The row pointers are the first tile's; a later tile adds ``tile_w`` / ``tile_s`` elements each."""
@@ -223,6 +223,9 @@ if gluon is not None:
             if K_RESIDENT == 0:
                 _issue_acts(x_smem.index(b), a_rows, row_ok, ok, k0 + j * 128, a_ptr, stride_am, X_LD)
             if W_TMA:  # the words by TMA on the slot's barrier, the scales (8 bytes a row) by cp.async
+                if j == 0:
+                    if ok:
+                        mbarrier.expect(w_bar.index(sl), SUB * BLOCK_N * 64 * (GATED + 1))  # one or two matrices
                 if ok:
                     if N_TILES > 1:
                         row = w_row0 + (u // n_k) * BLOCK_N
@@ -230,7 +233,7 @@ if gluon is not None:
                         row = w_row0
                     _tma_load(w0_desc, [row, (k0 + j * 128) // 8], w_bar.index(sl), w0_smem.index(b))
                     if GATED:
-                        _tma_load(w1_desc, [row, (k0 + j * 128) // 8], u_bar.index(sl), w1_smem.index(b))
+                        _tma_load(w1_desc, [row, (k0 + j * 128) // 8], w_bar.index(sl), w1_smem.index(b))
                 sk = (k0 + j * 128) // 32 + gl.arange(0, 4, layout=gl.SliceLayout(0, S_LD))
                 _cp_async(s0_smem.index(b), _scale_ptrs(s0_rows + s_off, sk), mask=ok)
                 if GATED:
@@ -239,22 +242,6 @@ if gluon is not None:
                 _issue_weights(w0_smem.index(b), s0_smem.index(b), w1_smem.index(b), s1_smem.index(b), ok, k0 + j * 128,
                                w0_rows + w_off, s0_rows + s_off, w1_rows + w_off, s1_rows + s_off, GATED, W_LD, S_LD)
         cp.commit_group()
-
-    @gluon.jit
-    def _expect_words(u, n_k, n_tiles, w_bar, u_bar, GATED: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
-                      N_TILES: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Ring step ``u``'s TMA bytes on its slot's barriers (gate or down on ``w_bar``, up on ``u_bar``).
-        Called a loop step ahead, right after the CTA barrier that follows the waits: Triton puts a
-        CTA barrier between an mbarrier's wait, expect and copies unless one is already there."""
-        sl = u % STAGES
-        if N_TILES == 1:
-            ok = u < n_k
-        else:
-            ok = u < n_k * n_tiles
-        if ok:
-            mbarrier.expect(w_bar.index(sl), SUB * BLOCK_N * 64)
-            if GATED:
-                mbarrier.expect(u_bar.index(sl), SUB * BLOCK_N * 64)
 
     @gluon.jit
     def _epilogue(acc0, acc1, pid_m, n0, out_ptr, sorted_ids_ptr, topk_w_ptr, N, A, top_k, stride_om,
@@ -366,14 +353,11 @@ if gluon is not None:
                 w1_smem = w0_smem
                 s1_smem = s0_smem
             if W_TMA:
-                w_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # gate / down
-                u_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # up
+                w_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
                 for i in gl.static_range(STAGES):
                     mbarrier.init(w_bar.index(i), count=1)
-                    mbarrier.init(u_bar.index(i), count=1)
             else:
                 w_bar = s0_smem  # never used
-                u_bar = s0_smem
             w_row0 = expert * N + n_tile0 * BLOCK_N  # the CTA's first weight row in the [E * N, K/8] view
 
             k_lo = gl.multiple_of(pid_k * k_split, 128)  # k_split is a multiple of 128: aligned copies
@@ -384,17 +368,11 @@ if gluon is not None:
                 cp.commit_group()
             else:
                 n_k = (gl.minimum(k_lo + k_split, K) - k_lo) // (128 * SUB)  # the launch makes it exact
-            if W_TMA:
-                _cta_barrier()  # the barriers' init before any thread uses them
             for u in gl.static_range(STAGES - 1):  # prologue
-                if W_TMA:
-                    _expect_words(u, n_k, n_tiles, w_bar, u_bar, GATED, STAGES, SUB, N_TILES, BLOCK_N)
                 _issue_step(u, n_k, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows, row_ok_x, a_ptr,
                             stride_am, w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
                             GATED, STAGES, SUB, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD,
-                            W_TMA, w_bar, u_bar, w0_desc, w1_desc, w_row0, BLOCK_N)
-            if W_TMA:  # the first loop step copies step STAGES - 1
-                _expect_words(STAGES - 1, n_k, n_tiles, w_bar, u_bar, GATED, STAGES, SUB, N_TILES, BLOCK_N)
+                            W_TMA, w_bar, w0_desc, w1_desc, w_row0, BLOCK_N)
             acc0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
             acc1 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
             if N_TILES == 1:
@@ -406,15 +384,11 @@ if gluon is not None:
                 _issue_step(t + STAGES - 1, n_k, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows,
                             row_ok_x, a_ptr, stride_am, w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
                             GATED, STAGES, SUB, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD,
-                            W_TMA, w_bar, u_bar, w0_desc, w1_desc, w_row0, BLOCK_N)
+                            W_TMA, w_bar, w0_desc, w1_desc, w_row0, BLOCK_N)
                 cp.wait_group(STAGES - 1)  # step t (and the resident activations) landed
                 if W_TMA:
                     mbarrier.wait(w_bar.index(t % STAGES), (t // STAGES) & 1)
-                    if GATED:
-                        mbarrier.wait(u_bar.index(t % STAGES), (t // STAGES) & 1)
                 _cta_barrier()
-                if W_TMA:  # the next loop step copies step t + STAGES into this step's slot; its barriers are done with
-                    _expect_words(t + STAGES, n_k, n_tiles, w_bar, u_bar, GATED, STAGES, SUB, N_TILES, BLOCK_N)
                 cur = t % STAGES
                 if N_TILES == 1:
                     kk = t
