@@ -57,8 +57,8 @@ per scheduler, 7 cycles between issues, DRAM 28% busy: latency-bound between the
 dequantisation and the shared-memory round trip of the MMA operands (Triton converts the
 dequantised tile to the operand layout through shared memory: four times the bytes of the INT4
 words). On Hopper the tensor-core launches run ``kernels/int4_moe_hopper.py`` instead (Gluon,
-weights dequantised straight into the operand registers: 1.1-1.4x, 49-57% of copy at EP8 M=1-72
-and 57-59% at TP8 M=72/288);
+weights dequantised straight into the operand registers, weight words by TMA: 55-72% of copy at
+EP8 M=1-72, 52-74% at TP8 M=9-1152, 40% at EP8 M=288);
 this kernel serves other GPUs and the CPU tests.
 """
 
