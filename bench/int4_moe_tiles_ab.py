@@ -47,8 +47,6 @@ DOWN_VARIANTS = {
     "down_bn128_t1_s2_r80": dict(block_n=128, n_tiles=1, stages=2, max_regs=80),
     **{f"down_bn64_t8_s{st}_k256_tma": dict(block_n=64, n_tiles=8, stages=st, sub=2, w_tma=True) for st in (2, 3)},
     **{f"down_bn128_t1_s{st}_tma": dict(block_n=128, n_tiles=1, stages=st, w_tma=True) for st in (2, 3, 4)},
-    "down_bn128_t1_s2_tma_c4": dict(block_n=128, n_tiles=1, stages=2, w_tma=True, k_chunks=4),
-    "down_bn64_t8_s2_k256_c4": dict(block_n=64, n_tiles=8, stages=2, sub=2, k_chunks=4),
 }
 GATE_UP_VARIANTS = {
     "gate_up_bn64_s2": dict(block_n=64, stages=2),
@@ -69,10 +67,6 @@ GATE_UP_VARIANTS = {
     # _tma: the weight words by TMA (one copy a matrix a step, on an mbarrier), scales still cp.async
     **{f"gate_up_bn64_s{st}_tma": dict(block_n=64, stages=st, w_tma=True) for st in (2, 3, 4)},
     "gate_up_bn64_s3_tma_r128": dict(block_n=64, stages=3, w_tma=True, max_regs=128),
-    # TMA words and 32-wide K chunks (k_chunks=4; sm_90: block_m 16 / 32 / 64 at 102 / 122 / 166 registers)
-    "gate_up_bn64_s2_tma_c4": dict(block_n=64, stages=2, w_tma=True, k_chunks=4),
-    "gate_up_bn64_s2_tma_c4_f2": dict(block_n=64, stages=2, w_tma=True, k_chunks=4, chunks_in_flight=2),
-    "gate_up_bn64_s3_tma_c4": dict(block_n=64, stages=3, w_tma=True, k_chunks=4),
 }
 # the whole call at choose_config's config with these fields replaced
 FUSED_VARIANTS = {

@@ -175,28 +175,6 @@ if gluon is not None:
         return gl.convert_layout(w, A_OP, assert_trivial=True)
 
     @gluon.jit
-    def _weight_chunk(p, s, j: gl.constexpr, BLOCK_N: gl.constexpr, A_OP: gl.constexpr):
-        """Columns ``32j .. 32j + 31`` of ``_weight_operand``'s operand, from the step's words ``p``
-        ``[BN, 16]`` (``WORDS``) and scales ``s`` ``[BN, 4]`` (``SCALES``): word j of each thread's four.
-        A ``[BN, 32]`` A operand whose MMAs can run while the next chunk is dequantised."""
-        q = gl.reshape(p, [BLOCK_N, 4, 2, 2])  # [rows, t, j // 2, j % 2]
-        lo0, lo1 = gl.split(q)
-        if j % 2 == 0:
-            q = lo0
-        else:
-            q = lo1
-        hi0, hi1 = gl.split(q)
-        if j // 2 == 0:
-            w = hi0
-        else:
-            w = hi1  # [BN, 4]: word 4t + j
-        w = gl.convert_layout(w, s.type.layout, assert_trivial=True)
-        v0, v1, v2, v3 = _dequant_pairs(gl.join(w, w), gl.join(s, s))  # [BN, 4, 2]: nibble q + 4 i0
-        c = gl.join(gl.join(v0, v1), gl.join(v2, v3))  # [rows, t, i0, q0, q1]
-        a = gl.reshape(gl.permute(c, [0, 4, 3, 1, 2]), [BLOCK_N, 32])  # column 8q + 2t + i0
-        return gl.convert_layout(a, A_OP, assert_trivial=True)
-
-    @gluon.jit
     def _scale_ptrs(rows, sk):
         """A step's 4 scales a row: 8-byte aligned runs (rows hold K/32, a multiple of 4, scales),
         which the launch cannot tell the compiler when K/32 is not a multiple of 16 (K2 TP8 down: 8)."""
@@ -324,7 +302,7 @@ if gluon is not None:
         stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
         GATED: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         SPLIT_K: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, N_TILES: gl.constexpr, K_RESIDENT: gl.constexpr,
-        K_ORDER: gl.constexpr, W_TMA: gl.constexpr, K_CHUNKS: gl.constexpr, CHUNKS_IN_FLIGHT: gl.constexpr, ACC: gl.constexpr, EPI: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
+        K_ORDER: gl.constexpr, W_TMA: gl.constexpr, ACC: gl.constexpr, EPI: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
         X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr,
         X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, S_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -420,45 +398,21 @@ if gluon is not None:
                     keep = kk != 0  # a tile's first K step starts its sums from zero
                 for j in gl.static_range(SUB):
                     if K_RESIDENT > 0:
-                        xs = x_smem.index(kk * SUB + j)  # [BM, 128]
+                        xb = x_smem.index(kk * SUB + j).permute((1, 0))  # [128, BM]: K-major B operand
                     else:
-                        xs = x_smem.index(cur * SUB + j)
+                        xb = x_smem.index(cur * SUB + j).permute((1, 0))
                     if j == 0:
                         use = keep
                     else:
                         use = True
-                    if K_CHUNKS == 1:
-                        xb = xs.permute((1, 0))  # [128, BM]: K-major B operand
-                        w0 = _weight_operand(w0_smem.index(cur * SUB + j), s0_smem.index(cur * SUB + j), BLOCK_N, WORDS, SCALES, A_OP)
-                        acc0 = warpgroup_mma(w0, xb, acc0, use_acc=use, is_async=True)
-                        if GATED:
-                            w1 = _weight_operand(w1_smem.index(cur * SUB + j), s1_smem.index(cur * SUB + j), BLOCK_N, WORDS, SCALES, A_OP)
-                            acc1 = warpgroup_mma(w1, xb, acc1, use_acc=use, is_async=True)
-                            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-                        else:
-                            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
-                    else:  # 32-wide K chunks: chunk c's MMAs run while chunk c + 1 is dequantised
-                        p0 = w0_smem.index(cur * SUB + j).load(WORDS)
-                        q0 = s0_smem.index(cur * SUB + j).load(SCALES)
-                        if GATED:
-                            p1 = w1_smem.index(cur * SUB + j).load(WORDS)
-                            q1 = s1_smem.index(cur * SUB + j).load(SCALES)
-                        for c in gl.static_range(4):
-                            xb = xs.slice(32 * c, 32, dim=1).permute((1, 0))  # [32, BM]
-                            if c == 0:
-                                use_c = use
-                            else:
-                                use_c = True
-                            acc0 = warpgroup_mma(_weight_chunk(p0, q0, c, BLOCK_N, A_OP), xb, acc0, use_acc=use_c, is_async=True)
-                            if GATED:
-                                acc1 = warpgroup_mma(_weight_chunk(p1, q1, c, BLOCK_N, A_OP), xb, acc1, use_acc=use_c, is_async=True)
-                                acc0, acc1 = warpgroup_mma_wait(num_outstanding=2 * CHUNKS_IN_FLIGHT, deps=(acc0, acc1))
-                            else:
-                                acc0 = warpgroup_mma_wait(num_outstanding=CHUNKS_IN_FLIGHT, deps=(acc0,))
-                        if GATED:
-                            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-                        else:
-                            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
+                    w0 = _weight_operand(w0_smem.index(cur * SUB + j), s0_smem.index(cur * SUB + j), BLOCK_N, WORDS, SCALES, A_OP)
+                    acc0 = warpgroup_mma(w0, xb, acc0, use_acc=use, is_async=True)
+                    if GATED:
+                        w1 = _weight_operand(w1_smem.index(cur * SUB + j), s1_smem.index(cur * SUB + j), BLOCK_N, WORDS, SCALES, A_OP)
+                        acc1 = warpgroup_mma(w1, xb, acc1, use_acc=use, is_async=True)
+                        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+                    else:
+                        acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
                 if N_TILES > 1:
                     if kk == n_k - 1:
                         _epilogue(acc0, acc1, pid_m, (n_tile0 + t // n_k) * BLOCK_N, out_ptr, sorted_ids_ptr, topk_w_ptr,
@@ -531,7 +485,7 @@ def gemm(
     a: Tensor, w0: Int4Weight, w1: Int4Weight, out: Tensor, sorted_ids: Tensor, block_expert: Tensor, topk_w: Tensor,
     N: int, K: int, A: int, top_k: int, k_split: int, *, gated: bool, atomic: bool, block_m: int,
     block_n: int, split_k: int, stages: int, n_tiles: int = 1, resident: bool | None = None, sub: int | None = None,
-    max_regs: int | None = None, k_order_out: bool = False, w_tma: bool = False, k_chunks: int = 1, chunks_in_flight: int = 1,
+    max_regs: int | None = None, k_order_out: bool = False, w_tma: bool = False,
 ) -> None:
     """Launch one GEMM (``a`` already ``permute_k``'d); arguments as ``_int4_moe_gemm_kernel``'s.
 
@@ -559,6 +513,6 @@ def gemm(
         N, K, A, top_k, nb, k_split,
         a.stride(0), w0.packed.stride(0), w0.packed.stride(1), w0.scale.stride(0), w0.scale.stride(1), out.stride(0),
         GATED=gated, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=stages, SUB=sub,
-        N_TILES=n_tiles, K_RESIDENT=k_resident, K_ORDER=k_order_out, W_TMA=w_tma, K_CHUNKS=k_chunks, CHUNKS_IN_FLIGHT=chunks_in_flight,
+        N_TILES=n_tiles, K_RESIDENT=k_resident, K_ORDER=k_order_out, W_TMA=w_tma,
         **_layouts(block_m, block_n, warps, gated, w_tma), num_warps=warps, **({} if max_regs is None else {"maxnreg": max_regs}),
     )

@@ -119,7 +119,7 @@ def test_stream_plan() -> None:
 
 
 def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int, sub: int,
-           w_tma: bool = False, keep: str | None = None, k_chunks: int = 1) -> dict:
+           w_tma: bool = False, keep: str | None = None) -> dict:
     """Compile one launch for sm_90 (run without TRITON_INTERPRET)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -138,7 +138,7 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, 
     warps = block_n // 16
     constexprs = dict(GATED=gated, ATOMIC=False, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=2,
                       N_TILES=n_tiles, K_RESIDENT=k_resident, SUB=sub, K_ORDER=gated and split_k == 1,
-                      W_TMA=w_tma, K_CHUNKS=k_chunks, CHUNKS_IN_FLIGHT=1, **layouts, num_warps=warps)
+                      W_TMA=w_tma, **layouts, num_warps=warps)
     signature = {n: ptrs.get(n, "i32") for n in names} | {k: "constexpr" for k in constexprs}
     aligned = [n for n in names if (n in ptrs and not n.endswith("_desc")) or n in ("N", "K", "k_split", "stride_am", "stride_we", "stride_wn", "stride_om")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # scale strides: K2 TP8 down has 8
