@@ -609,7 +609,7 @@ class Int4MoEConfig:
     gu_split_k: int = 1  # > 1: gate/up partial sums over K slices added atomically (small M: more programs)
     deq_asm: bool = True  # bf16x2 PTX dequantisation where it applies (CUDA, bf16 activations + scales)
     hopper: bool = True  # the Gluon kernels of kernels/int4_moe_hopper.py where they apply (sm_90, bf16, swap_ab)
-    hp_stages: int = 2  # their cp.async ring depth (H200, K2 shapes: 2 best or within 0.1% of 3; 4 and 6 slower)
+    hp_stages: int = 2  # their ring depth (H200, K2 shapes: 2 best or within 0.1% of 3; 4 and 6 slower)
     hp_dn_tiles: int = 1  # down weight tiles one Gluon CTA streams (a short intermediate keeps its ring full)
     hp_gu_tma: bool = True  # Gluon gate/up: weight words by TMA (K2, H200: 1.07-1.38x), not cp.async
     hp_dn_tma: bool = False  # the same for the Gluon down GEMM (wins only on whole experts)

@@ -204,8 +204,9 @@ if gluon is not None:
                     GATED: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, N_TILES: gl.constexpr,
                     K_RESIDENT: gl.constexpr, X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr,
                     W_TMA: gl.constexpr, w_bar, w0_desc, w1_desc, w_row0, BLOCK_N: gl.constexpr):
-        """cp.async ring step ``u`` (tile ``u // n_k`` of the CTA's tiles, K step ``u % n_k``, SUB x 128
-        wide) into slot ``u % STAGES``, one commit group; past the CTA's last step it copies nothing.
+        """Ring step ``u`` (tile ``u // n_k`` of the CTA's tiles, K step ``u % n_k``, SUB x 128 wide) into
+        slot ``u % STAGES``: one cp.async commit group, and with ``W_TMA`` the words by TMA on the
+        slot's mbarrier (armed here for both matrices); past the CTA's last step it copies nothing.
         The row pointers are the first tile's; a later tile adds ``tile_w`` / ``tile_s`` elements each."""
         sl = u % STAGES
         if N_TILES == 1:
@@ -500,6 +501,8 @@ def gemm(
     ``max_regs``: registers a thread may use (``maxnreg``), so that more CTAs fit an SM; None: ptxas's choice.
     ``k_order_out``: the gate/up GEMM (unsplit) writes h's columns in ``permute_k``'s order, which
     the down GEMM reads as they are: one ``[P, I]`` copy less (K2 EP8 M = 288: 34 us).
+    ``w_tma``: the weight words by TMA, one ``[block_n, 16]`` box a matrix a K step, instead of
+    every thread's cp.async (``tma_words_ok`` must hold): gate/up 1.07-1.38x at K2 M = 72-1152.
     """
     assert not k_order_out or (gated and split_k == 1 and N % BLOCK_K == 0), "k_order_out: unsplit gate/up, N % 128 == 0"
     nb = block_expert.numel()

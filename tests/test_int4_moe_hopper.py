@@ -119,7 +119,7 @@ def test_stream_plan() -> None:
 
 
 def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int, sub: int,
-           w_tma: bool = False, keep: str | None = None) -> dict:
+           w_tma: bool = False) -> dict:
     """Compile one launch for sm_90 (run without TRITON_INTERPRET)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -145,8 +145,6 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, 
     src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     ptx = compiled.asm["ptx"]
-    if keep:
-        Path(keep).write_text(ptx)
     return dict(cubin_bytes=len(compiled.asm["cubin"]), wgmma=ptx.count("wgmma.mma_async"), st_shared=ptx.count("st.shared"),
                 st_b16=ptx.count("st.global.b16"), st_v4=ptx.count("st.global.v4.b32"), shared=compiled.metadata.shared,
                 tma=ptx.count("cp.async.bulk.tensor"), cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"))
