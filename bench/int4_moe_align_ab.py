@@ -21,7 +21,7 @@ import torch
 
 import kernels.int4_moe as km
 from bench.common import graph_replay_us, write_result
-from bench.int4_moe_bench import GROUP, SHAPES, rand_int4_stack, rand_routing
+from bench.int4_moe_bench import GROUP, SHAPES, rand_routing, shape_weights
 
 POINTS = (("tp8", 72), ("tp8", 288), ("tp8", 1152), ("ep8", 72), ("ep8", 288), ("ep8", 1152))
 VARIANTS = {"one_program": 1, "programs": km.ALIGN_PROGRAMS}
@@ -53,11 +53,7 @@ def main() -> None:
     for shape, M in POINTS:
         sh = SHAPES[shape]
         E, K, I, k = sh["experts"], sh["hidden"], sh["inter"], sh["top_k"]
-        if shape not in weights:
-            weights.clear()
-            weights[shape] = (rand_int4_stack(E, I, K, "cuda", gen), rand_int4_stack(E, I, K, "cuda", gen),
-                              rand_int4_stack(E, K, I, "cuda", gen))
-        wg, wu, wd = weights[shape]
+        wg, wu, wd = shape_weights(weights, shape, gen)
         x = (torch.randn(M, K, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
         routes = [rand_routing(M, E, k, "cuda", gen) for _ in range(R)]
         cfg = km.choose_config(M, E, K, I, k)

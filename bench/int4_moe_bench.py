@@ -121,6 +121,19 @@ def rand_int4_stack(E: int, out_f: int, in_f: int, device, gen) -> Int4Weight:
     return Int4Weight(packed=packed, scale=scale, shape=(out_f, in_f))
 
 
+def shape_weights(cache: dict, shape: str, gen) -> tuple[Int4Weight, Int4Weight, Int4Weight]:
+    """Random gate, up and down stacks of ``SHAPES[shape]`` on the GPU, kept in ``cache`` for one
+    shape at a time (two shapes' stacks at once would double the memory a script holds)."""
+    if shape not in cache:
+        cache.clear()
+        torch.cuda.empty_cache()
+        sh = SHAPES[shape]
+        E, K, I = sh["experts"], sh["hidden"], sh["inter"]
+        cache[shape] = (rand_int4_stack(E, I, K, "cuda", gen), rand_int4_stack(E, I, K, "cuda", gen),
+                        rand_int4_stack(E, K, I, "cuda", gen))
+    return cache[shape]
+
+
 def rand_routing(M: int, E: int, k: int, device, gen) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniform top-k routing: k distinct experts per token, weights summing to 2.827 (K2's scaling)."""
     ids = torch.rand(M, E, device=device, generator=gen).topk(k, dim=-1).indices  # [M, k] int64

@@ -20,7 +20,7 @@ import torch
 
 import kernels.int4_moe as km
 from bench.common import write_result
-from bench.int4_moe_bench import GROUP, SHAPES, rand_int4_stack, rand_routing
+from bench.int4_moe_bench import SHAPES, rand_routing, shape_weights
 
 # (shape, M, GEMM, gemm keyword arguments): the served TMA launches and the TMA launches that are not served
 LAUNCHES = (
@@ -48,11 +48,7 @@ def main() -> None:
     for shape, M, which, kw in LAUNCHES:
         sh = SHAPES[shape]
         E, K, I, k = sh["experts"], sh["hidden"], sh["inter"], sh["top_k"]
-        if shape not in weights:
-            weights.clear()
-            weights[shape] = (rand_int4_stack(E, I, K, "cuda", gen), rand_int4_stack(E, I, K, "cuda", gen),
-                              rand_int4_stack(E, K, I, "cuda", gen))
-        wg, wu, wd = weights[shape]
+        wg, wu, wd = shape_weights(weights, shape, gen)
         A = M * k
         bad_nan = bad_diff = 0
         for _ in range(args.reps):
@@ -60,6 +56,7 @@ def main() -> None:
             ids, tw = rand_routing(M, E, k, "cuda", gen)
             align = km.int4_moe_align(ids, E, kw["block_m"])
             P = align.num_blocks * kw["block_m"]
+            h = torch.randn(P, I, device="cuda", generator=gen).to(torch.bfloat16) if which == "down" else None
             outs = []
             split = kw.get("split_k", 1)
             for tma in (False, True):
@@ -74,7 +71,6 @@ def main() -> None:
                              k, K, gated=True, atomic=False, split_k=1, w_tma=tma, **kw)
                     outs.append(out[align.sorted_ids < A])
                 else:
-                    h = torch.randn(P, I, device="cuda", generator=gen).to(torch.bfloat16) if not outs else h
                     out = torch.full((A, K), float("nan"), dtype=torch.bfloat16, device="cuda")
                     hop.gemm(hop.permute_k(h), wd, wd, out, align.sorted_ids, align.block_expert, tw.contiguous().view(-1),
                              K, I, A, k, I, gated=False, atomic=False, split_k=1, w_tma=tma, **kw)
