@@ -67,6 +67,8 @@ GATE_UP_VARIANTS = {
     # _tma: the weight words by TMA (one copy a matrix a step, on an mbarrier), scales still cp.async
     **{f"gate_up_bn64_s{st}_tma": dict(block_n=64, stages=st, w_tma=True) for st in (2, 3, 4)},
     "gate_up_bn64_s3_tma_r128": dict(block_n=64, stages=3, w_tma=True, max_regs=128),
+    "gate_up_bn64_s2_tma_r128": dict(block_n=64, stages=2, w_tma=True, max_regs=128),
+    "gate_up_bn64_s2_tma_r120": dict(block_n=64, stages=2, w_tma=True, max_regs=120),
 }
 # the whole call at choose_config's config with these fields replaced
 FUSED_VARIANTS = {
