@@ -79,6 +79,7 @@ FUSED_VARIANTS = {
     "fused_split2": dict(gu_split_k=2),
     "fused_split1_s3": dict(gu_split_k=1, hp_stages=3),
     "fused_atomic": dict(reduce="atomic"),
+    "fused_gur0": dict(hp_gu_regs=0),
 }
 
 

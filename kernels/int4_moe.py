@@ -613,6 +613,7 @@ class Int4MoEConfig:
     hp_dn_tiles: int = 1  # down weight tiles one Gluon CTA streams (a short intermediate keeps its ring full)
     hp_gu_tma: bool = True  # Gluon gate/up: weight words by TMA (K2, H200: 1.07-1.38x), not cp.async
     hp_dn_tma: bool = False  # the same for the Gluon down GEMM (wins only on whole experts)
+    hp_gu_regs: int = 0  # Gluon gate/up: registers a thread (maxnreg), so more CTAs share an SM; 0: ptxas's choice
     # GEMV path (few assignments): no alignment, CUDA-core dot products per assignment / token.
     # Defaults: choose_config's TP-style GEMV config above 8 assignments (see _gemv_launch).
     gemv: bool = False
@@ -641,6 +642,7 @@ class Int4MoEConfig:
         assert self.gv_stages >= 1 and self.gvd_stages >= 1, f"stages must be >= 1, got {self.gv_stages}, {self.gvd_stages}"
         assert 2 <= self.hp_stages <= 8, f"hp_stages must be 2..8, got {self.hp_stages}"
         assert self.hp_dn_tiles >= 1, f"hp_dn_tiles must be >= 1, got {self.hp_dn_tiles}"
+        assert self.hp_gu_regs == 0 or 24 <= self.hp_gu_regs <= 255, f"hp_gu_regs must be 0 or 24..255, got {self.hp_gu_regs}"
         # The Triton down kernel's fp32 atomics gave wrong sums in 1 of 3 runs with 256-row tiles
         # (H200, K2 EP8 M=1; 64 and 128 rows were exact; cause not found): atomics stay on tiles
         # of <= 128 rows, split-K gate/up included (same atomic_add).
@@ -654,7 +656,7 @@ class Int4MoEConfig:
             f"dn={self.dn_block_n}x{self.dn_block_k}x{self.dn_warps}x{self.dn_stages},"
             f"swap={int(self.swap_ab)},reduce={self.reduce},split={self.gu_split_k},asm={int(self.deq_asm)},"
             f"hopper={int(self.hopper)},hps={self.hp_stages},hpt={self.hp_dn_tiles},"
-            f"gut={int(self.hp_gu_tma)},dnt={int(self.hp_dn_tma)},"
+            f"gut={int(self.hp_gu_tma)},dnt={int(self.hp_dn_tma)},gur={self.hp_gu_regs},"
             f"gemv={int(self.gemv)},gv={self.gv_block_n}x{self.gv_block_k}x{self.gv_warps}x{self.gv_stages},"
             f"gvd={self.gvd_block_n}x{self.gvd_block_k}x{self.gvd_warps}x{self.gvd_stages}"
         )
@@ -688,6 +690,8 @@ class Int4MoEConfig:
                 kw["hp_gu_tma"] = val not in ("0", "false", "False")
             elif key == "dnt":
                 kw["hp_dn_tma"] = val not in ("0", "false", "False")
+            elif key == "gur":
+                kw["hp_gu_regs"] = int(val)
             elif key == "gemv":
                 kw["gemv"] = val not in ("0", "false", "False")
             else:
@@ -792,8 +796,10 @@ def _hopper_config(r: float, whole_experts: bool) -> Int4MoEConfig:
                              dn_block_n=64, dn_block_k=128, dn_warps=4, dn_stages=3, swap_ab=True, hp_dn_tiles=tiles)
     if r <= 32:
         dn_n = 128 if whole_experts else 64  # TP8 M=1152 down: 373 us at 64 rows vs 385 at 128; EP8 M=72: 189 either way
+        # block_m 32 gate/up at 128 registers (133 uncapped with TMA words): 4 CTAs an SM instead of 3,
+        # TP8 M=1152 gate/up 321.5 us vs 337.5, EP8 M=72 290.6 vs 293.1 (bench/results/int4_moe_tma_regs.json)
         return Int4MoEConfig(block_m=32, gu_block_n=64, gu_block_k=128, dn_block_n=dn_n, dn_block_k=128,
-                             dn_warps=dn_n // 16, swap_ab=True, hp_dn_tiles=tiles)
+                             dn_warps=dn_n // 16, swap_ab=True, hp_dn_tiles=tiles, hp_gu_regs=128)
     # Down weights by TMA only pay on whole experts' 128-row tiles at large M (EP8 M=288 258 us vs
     # 269, M=1152 821 vs 868; TP8 and EP8 M=72 within -1..+6%: bench/results/int4_moe_w_tma.json).
     return Int4MoEConfig(block_m=64, gu_block_n=64, gu_block_k=128, dn_block_n=128, dn_block_k=128, dn_warps=8, swap_ab=True,
@@ -998,7 +1004,7 @@ def int4_moe_gate_up(
         ordered = k_order and split == 1
         hop.gemm(hop.permute_k(hidden), w_gate, w_up, out, align.sorted_ids, align.block_expert, align.sorted_ids,
                  I, K, M * top_k, top_k, k_split, gated=True, atomic=False, block_m=cfg.block_m,
-                 block_n=cfg.gu_block_n, split_k=split, stages=cfg.hp_stages, k_order_out=ordered,
+                 block_n=cfg.gu_block_n, split_k=split, stages=cfg.hp_stages, k_order_out=ordered, max_regs=cfg.hp_gu_regs or None,
                  w_tma=cfg.hp_gu_tma and hop.tma_words_ok(w_gate.packed) and hop.tma_words_ok(w_up.packed))
     else:
         _gate_up_triton(hidden, w_gate, w_up, out, align, top_k, cfg, group_size, k_split)

@@ -96,6 +96,8 @@ def test_choose_config_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
         assert cfg.hp_dn_tiles == (8 if i < 1024 else 1), cfg.spec()
         # gate/up weights by TMA everywhere; down weights only on whole experts' 128-row tiles at large M
         assert cfg.hp_gu_tma and cfg.hp_dn_tma == (i >= 1024 and m * 8 / e > 32), cfg.spec()
+        # block_m 32 gate/up capped at 128 registers (four CTAs an SM); the others uncapped
+        assert cfg.hp_gu_regs == (128 if cfg.block_m == 32 else 0), cfg.spec()
     monkeypatch.setattr(km, "_hopper_here", lambda: False)
     assert km.choose_config(1152, 48, 7168, 2048, 8).swap_ab is False  # other GPUs keep the Triton table
     with pytest.raises(AssertionError, match="atomic"):
