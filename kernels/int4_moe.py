@@ -797,7 +797,8 @@ def _hopper_config(r: float, whole_experts: bool) -> Int4MoEConfig:
     if r <= 32:
         dn_n = 128 if whole_experts else 64  # TP8 M=1152 down: 373 us at 64 rows vs 385 at 128; EP8 M=72: 189 either way
         # block_m 32 gate/up at 128 registers (133 uncapped with TMA words): 4 CTAs an SM instead of 3,
-        # TP8 M=1152 gate/up 321.5 us vs 337.5, EP8 M=72 290.6 vs 293.1 (bench/results/int4_moe_tma_regs.json)
+        # TP8 M=1152 gate/up 321.5 us vs 337.5, EP8 M=72 290.6 vs 293.1 (bench/results/int4_moe_tma_regs.json);
+        # whole call 549.3 vs 560.8 and 476.8 vs 483.0 in another run (int4_moe_gur_ab.json)
         return Int4MoEConfig(block_m=32, gu_block_n=64, gu_block_k=128, dn_block_n=dn_n, dn_block_k=128,
                              dn_warps=dn_n // 16, swap_ab=True, hp_dn_tiles=tiles, hp_gu_regs=128)
     # Down weights by TMA only pay on whole experts' 128-row tiles at large M (EP8 M=288 258 us vs
