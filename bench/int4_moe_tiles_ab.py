@@ -1,6 +1,6 @@
 """A/B of the Gluon MoE GEMMs' launch shapes on the Kimi-K2 per-rank shapes, H200: weight tiles a
 CTA streams (``hp_dn_tiles``, ``n_tiles`` of ``int4_moe_hopper.gemm``), ring stages and slot width,
-and a register cap (``max_regs``) that lets more CTAs share an SM.
+weight words by TMA (``w_tma``), and a register cap (``max_regs``) that lets more CTAs share an SM.
 
 Why: K2 TP8's down GEMM has K = 256, two 128-wide steps, so a CTA that owns one weight tile
 spends its life filling its ring and waiting on dependent loads (expert id, row ids, routing
@@ -203,9 +203,9 @@ def main() -> None:
         dict(shapes={s: SHAPES[s] for s in args.shapes.split(",")}, group_size=GROUP, reduce="sum",
              variants="down_/gate_up_bn{rows}[_t{tiles a CTA}]_s{ring stages}[_k256: two 128-wide K steps a "
                       "ring slot][_overlap: one MMA wait a slot][_streamx: activations through the ring, not "
-                      "resident][_r{N}: maxnreg N]; gate/up unsplit; fused_*: the whole call at choose_config's config "
+                      "resident][_tma: weight words by TMA][_r{N}: maxnreg N]; gate/up unsplit; fused_*: the whole call at choose_config's config "
                       "with FUSED_VARIANTS' fields replaced (t1: hp_dn_tiles=1, s3: hp_stages=3, split1 / split2: gu_split_k=1 / 2, "
-                      "atomic: reduce='atomic'); step_*_us: the served call's other steps timed alone (topk_sum: "
+                      "atomic: reduce='atomic', gur0: hp_gu_regs=0); step_*_us: the served call's other steps timed alone (topk_sum: "
                       "torch's sum in runs before adfe77e); served_kernels_us: device time of each kernel of one "
                       "served call (torch.profiler, eager, mean of 10)",
              variants_run=args.variants or "all",

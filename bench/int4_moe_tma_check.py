@@ -82,7 +82,7 @@ def main() -> None:
                 bad_diff += int(bool(((outs[0] - outs[1]).abs().max() / scale) > 1e-5))
             else:
                 bad_diff += int(not torch.equal(outs[0], outs[1]))
-        row = dict(shape=shape, tokens=M, gemm=which, launch={k_: v for k_, v in kw.items()}, reps=args.reps,
+        row = dict(shape=shape, tokens=M, gemm=which, launch=dict(kw), reps=args.reps,
                    calls_not_finite=bad_nan, calls_not_equal=bad_diff)
         rows.append(row)
         print(json.dumps(row), flush=True)
