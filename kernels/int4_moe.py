@@ -667,36 +667,23 @@ class Int4MoEConfig:
         kw: dict = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
             key, _, val = item.partition("=")
-            if key == "bm":
-                kw["block_m"] = int(val)
-            elif key in ("gu", "dn", "gv", "gvd"):
+            if key in ("gu", "dn", "gv", "gvd"):
                 bn, bk, w, st = (int(v) for v in val.split("x"))
                 kw.update({f"{key}_block_n": bn, f"{key}_block_k": bk, f"{key}_warps": w, f"{key}_stages": st})
-            elif key == "swap":
-                kw["swap_ab"] = val not in ("0", "false", "False")
+            elif key in _SPEC_INTS:
+                kw[_SPEC_INTS[key]] = int(val)
+            elif key in _SPEC_FLAGS:
+                kw[_SPEC_FLAGS[key]] = val not in ("0", "false", "False")
             elif key == "reduce":
                 kw["reduce"] = val
-            elif key == "split":
-                kw["gu_split_k"] = int(val)
-            elif key == "asm":
-                kw["deq_asm"] = val not in ("0", "false", "False")
-            elif key == "hopper":
-                kw["hopper"] = val not in ("0", "false", "False")
-            elif key == "hps":
-                kw["hp_stages"] = int(val)
-            elif key == "hpt":
-                kw["hp_dn_tiles"] = int(val)
-            elif key == "gut":
-                kw["hp_gu_tma"] = val not in ("0", "false", "False")
-            elif key == "dnt":
-                kw["hp_dn_tma"] = val not in ("0", "false", "False")
-            elif key == "gur":
-                kw["hp_gu_regs"] = int(val)
-            elif key == "gemv":
-                kw["gemv"] = val not in ("0", "false", "False")
             else:
                 raise ValueError(f"{CONFIG_ENV}: unknown key {key!r} in {spec!r}")
         return cls(**kw)
+
+
+# ``Int4MoEConfig.spec`` keys of single fields: integers, and flags written 0 / 1.
+_SPEC_INTS = {"bm": "block_m", "split": "gu_split_k", "hps": "hp_stages", "hpt": "hp_dn_tiles", "gur": "hp_gu_regs"}
+_SPEC_FLAGS = {"swap": "swap_ab", "asm": "deq_asm", "hopper": "hopper", "gut": "hp_gu_tma", "dnt": "hp_dn_tma", "gemv": "gemv"}
 
 
 # The GEMV path re-reads an expert for each of its assignments, so it pays while experts are

@@ -272,6 +272,11 @@ def _run_config_spec() -> dict:
             errors.append(f"parse(spec) differs for {cfg}")
     if Int4MoEConfig.parse("gemv=1,gv=4x512x2x3,gvd=64x64x8x2") != gemv:
         errors.append("parse of the gemv keys alone differs")
+    try:
+        Int4MoEConfig.parse("bm=16,zz=1")
+        errors.append("an unknown key was accepted")
+    except ValueError:
+        pass
     for bad in (dict(gv_block_n=3), dict(gvd_block_n=0), dict(gv_block_k=16), dict(gvd_block_k=96), dict(gv_stages=0),
                 dict(hp_stages=1), dict(hp_dn_tiles=0), dict(hp_gu_regs=16), dict(reduce="atomic", dn_block_n=256)):
         try:
