@@ -78,6 +78,32 @@ def test_supported_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not km._use_hopper(dataclasses.replace(cfg, swap_ab=False), x, w, 32, 64)
 
 
+def test_tma_words_only_where_rows_are_back_to_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TMA weight path takes the experts' words as rows ``[E * N, K/8]``; weights that are not
+    laid out so (a view of every other expert, say) go by cp.async instead of failing."""
+    from kernels import int4_moe as km
+    from services.common.int4 import Int4Weight
+
+    words = torch.randint(-(2**31), 2**31 - 1, (4, 128, 32), dtype=torch.int32)  # [E, N, K/8], K = 256
+    assert hop.tma_words_ok(words)
+    assert not hop.tma_words_ok(words[::2])  # experts not back to back
+    assert not hop.tma_words_ok(words[:, :, :30])  # rows not back to back
+    assert not hop.tma_words_ok(torch.zeros(4, 128, 2, dtype=torch.int32))  # a row of 8 bytes: under TMA's 16
+
+    seen = []
+    monkeypatch.setattr(km, "_use_hopper", lambda *args: True)
+    monkeypatch.setattr(hop, "gemm", lambda *args, **kw: seen.append(kw["w_tma"]))
+    scale = torch.rand(4, 128, 8).to(torch.bfloat16)
+    align = km.MoEAlignment(sorted_ids=torch.zeros(16, dtype=torch.int32), block_expert=torch.zeros(1, dtype=torch.int32), block_m=16)
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    cfg = km.Int4MoEConfig(block_m=16, gu_block_n=64)
+    for packed, want in ((words, True), (words[::2].clone(), True), (torch.cat([words, words], 2)[:, :, :32], False)):
+        w = Int4Weight(packed=packed, scale=scale[: packed.shape[0]], shape=(128, 256))
+        km.int4_moe_gate_up(x, w, w, align, 8, cfg)
+        km.int4_moe_gate_up(x, w, w, align, 8, dataclasses.replace(cfg, hp_gu_tma=False))
+        assert seen[-2:] == [want, False], (packed.is_contiguous(), seen)
+
+
 def test_choose_config_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the Gluon kernels run, the table changes (measured on an H200): the GEMV keeps up to
     five tokens of a TP-style shape, whole-expert shapes never take it, every tensor-core
