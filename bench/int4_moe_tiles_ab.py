@@ -47,11 +47,6 @@ DOWN_VARIANTS = {
     "down_bn128_t1_s2_r80": dict(block_n=128, n_tiles=1, stages=2, max_regs=80),
     **{f"down_bn64_t8_s{st}_k256_tma": dict(block_n=64, n_tiles=8, stages=st, sub=2, w_tma=True) for st in (2, 3)},
     **{f"down_bn128_t1_s{st}_tma": dict(block_n=128, n_tiles=1, stages=st, w_tma=True) for st in (2, 3, 4)},
-    # _a: h's tiles by TMA as well (one box a step, on the words' barrier), not every thread's cp.async
-    **{f"down_bn128_t1_s{st}_tma_a": dict(block_n=128, n_tiles=1, stages=st, w_tma=True, a_tma=True) for st in (2, 3)},
-    "down_bn64_t1_s2_tma": dict(block_n=64, n_tiles=1, stages=2, w_tma=True),
-    "down_bn64_t1_s2_tma_a": dict(block_n=64, n_tiles=1, stages=2, w_tma=True, a_tma=True),
-    "down_bn64_t8_s2_streamx_tma_a": dict(block_n=64, n_tiles=8, stages=2, resident=False, w_tma=True, a_tma=True),
 }
 GATE_UP_VARIANTS = {
     "gate_up_bn64_s2": dict(block_n=64, stages=2),
@@ -85,8 +80,6 @@ FUSED_VARIANTS = {
     "fused_split1_s3": dict(gu_split_k=1, hp_stages=3),
     "fused_atomic": dict(reduce="atomic"),
     "fused_gur0": dict(hp_gu_regs=0),
-    "fused_dna": dict(hp_dn_tma=True, hp_dn_atma=True, hp_dn_tiles=1),  # down: 1 tile a CTA, words and h by TMA
-    "fused_dnt1": dict(hp_dn_tma=True, hp_dn_tiles=1),  # the same with h by cp.async
 }
 
 
@@ -210,9 +203,9 @@ def main() -> None:
         dict(shapes={s: SHAPES[s] for s in args.shapes.split(",")}, group_size=GROUP, reduce="sum",
              variants="down_/gate_up_bn{rows}[_t{tiles a CTA}]_s{ring stages}[_k256: two 128-wide K steps a "
                       "ring slot][_overlap: one MMA wait a slot][_streamx: activations through the ring, not "
-                      "resident][_tma: weight words by TMA][_a: and h's tiles by TMA][_r{N}: maxnreg N]; gate/up unsplit; fused_*: the whole call at choose_config's config "
+                      "resident][_tma: weight words by TMA][_r{N}: maxnreg N]; gate/up unsplit; fused_*: the whole call at choose_config's config "
                       "with FUSED_VARIANTS' fields replaced (t1: hp_dn_tiles=1, s3: hp_stages=3, split1 / split2: gu_split_k=1 / 2, "
-                      "atomic: reduce='atomic', gur0: hp_gu_regs=0, dna: down 1 tile a CTA with words and h by TMA, dnt1: the same with h by cp.async); step_*_us: the served call's other steps timed alone (topk_sum: "
+                      "atomic: reduce='atomic', gur0: hp_gu_regs=0); step_*_us: the served call's other steps timed alone (topk_sum: "
                       "torch's sum in runs before adfe77e); served_kernels_us: device time of each kernel of one "
                       "served call (torch.profiler, eager, mean of 10)",
              variants_run=args.variants or "all",

@@ -613,7 +613,6 @@ class Int4MoEConfig:
     hp_dn_tiles: int = 1  # down weight tiles one Gluon CTA streams (a short intermediate keeps its ring full)
     hp_gu_tma: bool = True  # Gluon gate/up: weight words by TMA (K2, H200: 1.07-1.38x), not cp.async
     hp_dn_tma: bool = False  # the same for the Gluon down GEMM (wins only on whole experts)
-    hp_dn_atma: bool = False  # with hp_dn_tma: the down GEMM's activation tiles (h, block order) by TMA too
     hp_gu_regs: int = 0  # Gluon gate/up: registers a thread (maxnreg), so more CTAs share an SM; 0: ptxas's choice
     # GEMV path (few assignments): no alignment, CUDA-core dot products per assignment / token.
     # Defaults: choose_config's TP-style GEMV config above 8 assignments (see _gemv_launch).
@@ -657,7 +656,7 @@ class Int4MoEConfig:
             f"dn={self.dn_block_n}x{self.dn_block_k}x{self.dn_warps}x{self.dn_stages},"
             f"swap={int(self.swap_ab)},reduce={self.reduce},split={self.gu_split_k},asm={int(self.deq_asm)},"
             f"hopper={int(self.hopper)},hps={self.hp_stages},hpt={self.hp_dn_tiles},"
-            f"gut={int(self.hp_gu_tma)},dnt={int(self.hp_dn_tma)},dna={int(self.hp_dn_atma)},gur={self.hp_gu_regs},"
+            f"gut={int(self.hp_gu_tma)},dnt={int(self.hp_dn_tma)},gur={self.hp_gu_regs},"
             f"gemv={int(self.gemv)},gv={self.gv_block_n}x{self.gv_block_k}x{self.gv_warps}x{self.gv_stages},"
             f"gvd={self.gvd_block_n}x{self.gvd_block_k}x{self.gvd_warps}x{self.gvd_stages}"
         )
@@ -684,8 +683,7 @@ class Int4MoEConfig:
 
 # ``Int4MoEConfig.spec`` keys of single fields: integers, and flags written 0 / 1.
 _SPEC_INTS = {"bm": "block_m", "split": "gu_split_k", "hps": "hp_stages", "hpt": "hp_dn_tiles", "gur": "hp_gu_regs"}
-_SPEC_FLAGS = {"swap": "swap_ab", "asm": "deq_asm", "hopper": "hopper", "gut": "hp_gu_tma", "dnt": "hp_dn_tma", "dna": "hp_dn_atma",
-               "gemv": "gemv"}
+_SPEC_FLAGS = {"swap": "swap_ab", "asm": "deq_asm", "hopper": "hopper", "gut": "hp_gu_tma", "dnt": "hp_dn_tma", "gemv": "gemv"}
 
 
 # The GEMV path re-reads an expert for each of its assignments, so it pays while experts are
@@ -1051,11 +1049,10 @@ def int4_moe_down(
     if h_k_order and not use_hopper:
         raise ValueError("h in the Gluon kernel's K order (h_k_order) needs the Gluon down GEMM (sm_90, bf16, swap_ab)")
     if use_hopper:
-        w_tma = cfg.hp_dn_tma and hop.tma_words_ok(w_down.packed)
         hop.gemm(h if h_k_order else hop.permute_k(h), w_down, w_down, out, align.sorted_ids, align.block_expert, weights,
                  K, I, A, top_k, I, gated=False, atomic=atomic, block_m=cfg.block_m, block_n=cfg.dn_block_n,
                  split_k=1, stages=cfg.hp_stages, n_tiles=cfg.hp_dn_tiles,
-                 w_tma=w_tma, a_tma=w_tma and cfg.hp_dn_atma and cfg.hp_dn_tiles == 1)
+                 w_tma=cfg.hp_dn_tma and hop.tma_words_ok(w_down.packed))
         return _finish_down(out, atomic, act_dtype, M, top_k, K)
     grid = (nb * triton.cdiv(K, cfg.dn_block_n),)
     _int4_moe_gemm_kernel[grid](

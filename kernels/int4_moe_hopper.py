@@ -203,12 +203,10 @@ if gluon is not None:
                     w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
                     GATED: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, N_TILES: gl.constexpr,
                     K_RESIDENT: gl.constexpr, X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr,
-                    W_TMA: gl.constexpr, w_bar, w0_desc, w1_desc, w_row0, BLOCK_N: gl.constexpr,
-                    A_TMA: gl.constexpr, a_desc, a_row0, BLOCK_M: gl.constexpr):
+                    W_TMA: gl.constexpr, w_bar, w0_desc, w1_desc, w_row0, BLOCK_N: gl.constexpr):
         """Ring step ``u`` (tile ``u // n_k`` of the CTA's tiles, K step ``u % n_k``, SUB x 128 wide) into
         slot ``u % STAGES``: one cp.async commit group, and with ``W_TMA`` the words by TMA on the
-        slot's mbarrier (armed here for both matrices; with ``A_TMA`` the activation tile too, rows
-        ``a_row0`` on of a block-ordered ``a``); past the CTA's last step it copies nothing.
+        slot's mbarrier (armed here for both matrices); past the CTA's last step it copies nothing.
         The row pointers are the first tile's; a later tile adds ``tile_w`` / ``tile_s`` elements each."""
         sl = u % STAGES
         if N_TILES == 1:
@@ -224,15 +222,12 @@ if gluon is not None:
         for j in gl.static_range(SUB):  # a row's SUB x 64 bytes of words are adjacent: one burst
             b = sl * SUB + j
             if K_RESIDENT == 0:
-                if not A_TMA:
-                    _issue_acts(x_smem.index(b), a_rows, row_ok, ok, k0 + j * 128, a_ptr, stride_am, X_LD)
+                _issue_acts(x_smem.index(b), a_rows, row_ok, ok, k0 + j * 128, a_ptr, stride_am, X_LD)
             if W_TMA:  # the words by TMA on the slot's barrier, the scales (8 bytes a row) by cp.async
                 if j == 0:
                     if ok:
-                        mbarrier.expect(w_bar.index(sl), SUB * (BLOCK_N * 64 * (GATED + 1) + A_TMA * BLOCK_M * 256))
+                        mbarrier.expect(w_bar.index(sl), SUB * BLOCK_N * 64 * (GATED + 1))  # one or two matrices
                 if ok:
-                    if A_TMA:
-                        _tma_load(a_desc, [a_row0, k0 + j * 128], w_bar.index(sl), x_smem.index(b))
                     if N_TILES > 1:
                         row = w_row0 + (u // n_k) * BLOCK_N
                     else:
@@ -294,7 +289,6 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["A", "top_k", "num_m_blocks"])
     def _moe_gemm_hopper_kernel(
         a_ptr,  # GATED: permute_k(hidden) [M, K]; else permute_k(h) [P, K] (K = intermediate)
-        a_desc,  # A_TMA: TMA descriptor of the block-ordered a [P, K], boxes [BLOCK_M, 128]
         w0_desc, w1_desc,  # W_TMA: TMA descriptors of w0 / w1 as [E * N, K/8] words, boxes [BLOCK_N, 16]
         w0_ptr,  # [E, N, K/8] int32: gate (GATED) or down
         s0_ptr,  # [E, N, K/32] bf16 scales of w0
@@ -309,7 +303,7 @@ if gluon is not None:
         stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
         GATED: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         SPLIT_K: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, N_TILES: gl.constexpr, K_RESIDENT: gl.constexpr,
-        K_ORDER: gl.constexpr, W_TMA: gl.constexpr, A_TMA: gl.constexpr, ACC: gl.constexpr, EPI: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
+        K_ORDER: gl.constexpr, W_TMA: gl.constexpr, ACC: gl.constexpr, EPI: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
         X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr,
         X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, S_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -379,7 +373,7 @@ if gluon is not None:
                 _issue_step(u, n_k, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows, row_ok_x, a_ptr,
                             stride_am, w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
                             GATED, STAGES, SUB, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD,
-                            W_TMA, w_bar, w0_desc, w1_desc, w_row0, BLOCK_N, A_TMA, a_desc, pid_m * BLOCK_M, BLOCK_M)
+                            W_TMA, w_bar, w0_desc, w1_desc, w_row0, BLOCK_N)
             acc0 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
             acc1 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
             if N_TILES == 1:
@@ -391,7 +385,7 @@ if gluon is not None:
                 _issue_step(t + STAGES - 1, n_k, n_tiles, k_lo, x_smem, w0_smem, s0_smem, w1_smem, s1_smem, a_rows,
                             row_ok_x, a_ptr, stride_am, w0_rows, s0_rows, w1_rows, s1_rows, tile_w, tile_s,
                             GATED, STAGES, SUB, N_TILES, K_RESIDENT, X_LD, W_LD, S_LD,
-                            W_TMA, w_bar, w0_desc, w1_desc, w_row0, BLOCK_N, A_TMA, a_desc, pid_m * BLOCK_M, BLOCK_M)
+                            W_TMA, w_bar, w0_desc, w1_desc, w_row0, BLOCK_N)
                 cp.wait_group(STAGES - 1)  # step t (and the resident activations) landed
                 if W_TMA:
                     mbarrier.wait(w_bar.index(t % STAGES), (t // STAGES) & 1)
@@ -492,7 +486,7 @@ def gemm(
     a: Tensor, w0: Int4Weight, w1: Int4Weight, out: Tensor, sorted_ids: Tensor, block_expert: Tensor, topk_w: Tensor,
     N: int, K: int, A: int, top_k: int, k_split: int, *, gated: bool, atomic: bool, block_m: int,
     block_n: int, split_k: int, stages: int, n_tiles: int = 1, resident: bool | None = None, sub: int | None = None,
-    max_regs: int | None = None, k_order_out: bool = False, w_tma: bool = False, a_tma: bool = False,
+    max_regs: int | None = None, k_order_out: bool = False, w_tma: bool = False,
 ) -> None:
     """Launch one GEMM (``a`` already ``permute_k``'d); arguments as ``_int4_moe_gemm_kernel``'s.
 
@@ -509,9 +503,6 @@ def gemm(
     the down GEMM reads as they are: one ``[P, I]`` copy less (K2 EP8 M = 288: 34 us).
     ``w_tma``: the weight words by TMA, one ``[block_n, 16]`` box a matrix a K step, instead of
     every thread's cp.async (``tma_words_ok`` must hold): gate/up 1.07-1.38x at K2 M = 72-1152.
-    ``a_tma``: the down GEMM's activation tiles by TMA too (with ``w_tma``, on the same barrier): h
-    is in block order, so a CTA's rows are one box. Padding rows then hold whatever h holds, which
-    reaches only their own (unstored) output columns; ``cp.async`` zero-fills them.
     """
     assert not k_order_out or (gated and split_k == 1 and N % BLOCK_K == 0), "k_order_out: unsplit gate/up, N % 128 == 0"
     nb = block_expert.numel()
@@ -520,18 +511,11 @@ def gemm(
     n_groups = -(-(N // block_n) // n_tiles)
     grid = (nb * n_groups * (-(-K // k_split)),)
     descs = [_word_desc(w, block_n) for w in (w0, w1)] if w_tma else [w0.packed, w1.packed]
-    layouts = _layouts(block_m, block_n, warps, gated, w_tma)
-    if a_tma:
-        assert w_tma and not gated and k_resident == 0, "a_tma: the down GEMM, weight words by TMA, activations through the ring"
-        assert a.is_contiguous() and a.data_ptr() % 16 == 0 and (a.shape[1] * a.element_size()) % 16 == 0, "a_tma: a contiguous, 16-byte aligned h"
-        a_desc = TensorDescriptor.from_tensor(a, [block_m, BLOCK_K], layouts["X_SMEM"])
-    else:
-        a_desc = a
     _moe_gemm_hopper_kernel[grid](
-        a, a_desc, *descs, w0.packed, w0.scale, w1.packed, w1.scale, out, sorted_ids, block_expert, topk_w,
+        a, *descs, w0.packed, w0.scale, w1.packed, w1.scale, out, sorted_ids, block_expert, topk_w,
         N, K, A, top_k, nb, k_split,
         a.stride(0), w0.packed.stride(0), w0.packed.stride(1), w0.scale.stride(0), w0.scale.stride(1), out.stride(0),
         GATED=gated, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=stages, SUB=sub,
-        N_TILES=n_tiles, K_RESIDENT=k_resident, K_ORDER=k_order_out, W_TMA=w_tma, A_TMA=a_tma,
-        **layouts, num_warps=warps, **({} if max_regs is None else {"maxnreg": max_regs}),
+        N_TILES=n_tiles, K_RESIDENT=k_resident, K_ORDER=k_order_out, W_TMA=w_tma,
+        **_layouts(block_m, block_n, warps, gated, w_tma), num_warps=warps, **({} if max_regs is None else {"maxnreg": max_regs}),
     )

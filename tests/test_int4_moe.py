@@ -266,7 +266,7 @@ def _run_config_spec() -> dict:
     gemv = Int4MoEConfig(gemv=True, gv_block_n=4, gv_block_k=512, gv_warps=2, gv_stages=3,
                          gvd_block_n=64, gvd_block_k=64, gvd_warps=8, gvd_stages=2)
     tensor_cores = Int4MoEConfig(block_m=64, gu_block_n=128, dn_stages=4, swap_ab=False, reduce="atomic", gu_split_k=4, deq_asm=False,
-                                 hp_stages=3, hp_dn_tiles=8, hp_gu_tma=False, hp_dn_tma=True, hp_dn_atma=True, hp_gu_regs=128)
+                                 hp_stages=3, hp_dn_tiles=8, hp_gu_tma=False, hp_dn_tma=True, hp_gu_regs=128)
     for cfg in (Int4MoEConfig(), tensor_cores, gemv):
         if Int4MoEConfig.parse(cfg.spec()) != cfg:
             errors.append(f"parse(spec) differs for {cfg}")

@@ -147,7 +147,7 @@ def test_stream_plan() -> None:
 
 
 def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int, sub: int,
-           w_tma: bool = False, a_tma: bool = False) -> dict:
+           w_tma: bool = False) -> dict:
     """Compile one launch for sm_90 (run without TRITON_INTERPRET)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -156,8 +156,7 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, 
     kernel = hop._moe_gemm_hopper_kernel
     layouts = hop._layouts(block_m, block_n, block_n // 16, gated, w_tma)
     desc = f"tensordesc<i32[{block_n}, 16],{layouts['W_SMEM']!r}>" if w_tma else "*i32"
-    a_desc = f"tensordesc<bf16[{block_m}, 128],{layouts['X_SMEM']!r}>" if a_tma else "*bf16"
-    ptrs = {"a_ptr": "*bf16", "a_desc": a_desc, "w0_desc": desc, "w1_desc": desc, "w0_ptr": "*i32", "s0_ptr": "*bf16", "w1_ptr": "*i32", "s1_ptr": "*bf16",
+    ptrs = {"a_ptr": "*bf16", "w0_desc": desc, "w1_desc": desc, "w0_ptr": "*i32", "s0_ptr": "*bf16", "w1_ptr": "*i32", "s1_ptr": "*bf16",
             "out_ptr": "*fp32" if gated and split_k > 1 else "*bf16", "sorted_ids_ptr": "*i32",
             "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32"}
     ints = ("N", "K", "A", "top_k", "num_m_blocks", "k_split", "stride_am", "stride_we", "stride_wn", "stride_se",
@@ -167,7 +166,7 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, 
     warps = block_n // 16
     constexprs = dict(GATED=gated, ATOMIC=False, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=2,
                       N_TILES=n_tiles, K_RESIDENT=k_resident, SUB=sub, K_ORDER=gated and split_k == 1,
-                      W_TMA=w_tma, A_TMA=a_tma, **layouts, num_warps=warps)
+                      W_TMA=w_tma, **layouts, num_warps=warps)
     signature = {n: ptrs.get(n, "i32") for n in names} | {k: "constexpr" for k in constexprs}
     aligned = [n for n in names if (n in ptrs and not n.endswith("_desc")) or n in ("N", "K", "k_split", "stride_am", "stride_we", "stride_wn", "stride_om")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # scale strides: K2 TP8 down has 8
@@ -189,8 +188,14 @@ def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k
     (no dequantised tile goes through shared memory; only cp.async and TMA write it). Down: its
     output leaves in 16-byte stores (the epilogue's one trip through shared memory), none of 2
     bytes. ``w_tma``: the weight words come by TMA (bulk tensor copies) and only the activations
-    and scales by cp.async; else every copy is cp.async."""
-    built = _build_child(gated, block_m, block_n, split_k, n_tiles, k_resident, sub, w_tma)
+    and scales by cp.async; else every copy is cp.async. A child process: conftest sets
+    TRITON_INTERPRET for this one, and the interpreter cannot compile Gluon."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    args = [str(int(gated)), str(block_m), str(block_n), str(split_k), str(n_tiles), str(k_resident), str(sub), str(int(w_tma))]
+    proc = subprocess.run([sys.executable, __file__, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    built = json.loads(proc.stdout.strip().splitlines()[-1])
     assert built["cubin_bytes"] > 0 and built["wgmma"] > 0, built
     if gated:
         assert built["st_shared"] == 0, f"the weight tile went through shared memory: {built}"
@@ -201,27 +206,6 @@ def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k
     assert 0 < built["shared"] <= 232448, built
 
 
-def _build_child(*launch: int | bool) -> dict:
-    """``_build`` in a child process: conftest sets TRITON_INTERPRET for this one, and the
-    interpreter cannot compile Gluon."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    args = [str(int(v)) for v in launch] + ["0"] * (9 - len(launch))
-    proc = subprocess.run([sys.executable, __file__, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
-def test_down_activations_by_tma_build_for_sm90() -> None:
-    """``a_tma``: the down GEMM's h tiles leave cp.async for TMA (EP8's served down launch, 128-row
-    tiles): more bulk tensor copies, fewer cp.async ones (the scales' remain), same products."""
-    words_only = _build_child(False, 64, 128, 1, 1, 0, 1, True, False)
-    both = _build_child(False, 64, 128, 1, 1, 0, 1, True, True)
-    assert both["tma"] > words_only["tma"] and 0 < both["cp_async"] < words_only["cp_async"], (words_only, both)
-    assert both["wgmma"] == words_only["wgmma"] and both["shared"] == words_only["shared"], (words_only, both)
-
-
 if __name__ == "__main__":
-    g, bm, bn, sk, nt, kr, sub, wt, at = sys.argv[1:10]
-    print(json.dumps(_build(bool(int(g)), int(bm), int(bn), int(sk), int(nt), int(kr), int(sub), bool(int(wt)), bool(int(at)))))
+    g, bm, bn, sk, nt, kr, sub, wt = sys.argv[1:9]
+    print(json.dumps(_build(bool(int(g)), int(bm), int(bn), int(sk), int(nt), int(kr), int(sub), bool(int(wt)))))
