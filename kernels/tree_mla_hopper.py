@@ -286,8 +286,12 @@ if gluon is not None:
         return m_new, l_new, p32.to(P_DTYPE), alpha
 
     @gluon.jit
-    def _publish_p(p, p_buf, p_ready, j):
-        """P of tile j into shared memory for the other warpgroup's ``P V``, on ``p_ready[j % 2]``."""
+    def _publish_p(p, m_i, l_i, alpha, p_buf, m_smem, l_smem, a_smem, p_ready, j):
+        """P of tile j and the row max / sum / rescale into shared memory for the other warpgroup's
+        ``P V``, on ``p_ready[j % 2]``."""
+        m_smem.store(m_i)
+        l_smem.store(l_i)
+        a_smem.store(alpha)
         p_buf.store(p)
         fence_async_shared()  # the other warpgroup's wgmma reads it through the async proxy
         _cta_barrier()  # every thread of this warpgroup wrote its part
@@ -369,10 +373,7 @@ if gluon is not None:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 m_i, l_i, p, alpha = _softmax(s, 0, m_i, l_i, n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
                                               BLOCK_N, S_LAYOUT, p_smem.dtype)
-                m_smem.store(m_i)
-                l_smem.store(l_i)
-                a_smem.store(alpha)
-                _publish_p(p, p_smem, p_ready, 0)
+                _publish_p(p, m_i, l_i, alpha, p_smem, m_smem, l_smem, a_smem, p_ready, 0)
                 acc = _own_pv(acc, p, alpha, k_lat.index(0), ROLE, HALF, O_LAYOUT)
                 mbarrier.arrive(kv_free.index(0))
         for j in range(2 - ROLE, n_total, 2):  # the tiles this warpgroup owns, each after the other's j-1
@@ -397,10 +398,7 @@ if gluon is not None:
             _trace(trace_ptr, slot, 3, traced, TRACE)
             m_i, l_i, p, alpha = _softmax(s, j, m_i, l_i, n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
                                           BLOCK_N, S_LAYOUT, p_smem.dtype)
-            m_smem.store(m_i)
-            l_smem.store(l_i)
-            a_smem.store(alpha)
-            _publish_p(p, p_smem, p_ready, j)
+            _publish_p(p, m_i, l_i, alpha, p_smem, m_smem, l_smem, a_smem, p_ready, j)
             _trace(trace_ptr, slot, 4, traced, TRACE)
             acc = _own_pv(acc, p, alpha, k_lat.index(st), ROLE, HALF, O_LAYOUT)
             _trace(trace_ptr, slot, 5, traced, TRACE)
