@@ -5,7 +5,8 @@ protocol shows up as an occasional wrong or unwritten tile, not as a steady erro
 below runs ``--reps`` times with fresh routings, outputs NaN-poisoned, and must equal the same
 launch with ``cp.async`` weights bit for bit (same data, same products, same order); split-K
 gate/up launches add their K slices' float32 sums with atomics, in any order, so those must agree
-to 1e-5 (relative, largest element) instead.
+to 1e-5 (relative, largest element) instead. The down GEMM's h has NaN in its padding rows, which
+the copies must zero-fill and which must reach no output.
 
     python bench/int4_moe_tma_check.py --commit SHA --out bench/results/int4_moe_tma_check.json [--module M]
 """
@@ -91,7 +92,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     write_result(args.out, "int4_moe_tma_check", args.commit,
                  dict(module=args.module, reps=args.reps, check="TMA-weight output NaN-poisoned, then equal bit for bit "
-                      "to the same launch with cp.async weights (down: h's padding rows NaN) (split-K: within 1e-5 relative to the largest element), "
+                      "to the same launch with cp.async weights (split-K: within 1e-5 relative to the largest element; down: h's "
+                      "padding rows NaN), "
                       "fresh routing and inputs each call"), rows)
 
 
