@@ -22,6 +22,7 @@ from services.common.metrics import Metrics
 from services.common.settings import MAX_BUDGET
 from services.draft.proposer import Proposer
 from services.draft.tree import build_trees
+from services.draft.tree_graphs import HostTrees, TreeGraphs, pack_trees, unpack_trees
 from services.draft.verifier_client import VerifierClient
 
 __all__ = ["DraftEngine"]
@@ -51,6 +52,8 @@ class DraftEngine:
         self._prompts: dict[str, list[int]] = {}   # held until the prefill's features arrive
         self._lock = asyncio.Lock()
         self.max_context = 0
+        out = proposer.propose_output   # with propose graphs, the tree builds replay too
+        self.tree_graphs = TreeGraphs(out, capture=out.is_cuda) if out is not None else None
 
     async def connect(self, wait_s: float = 0.0) -> None:
         hs = await self.verifier.connect(self.proposer.target_layer_ids, self.proposer.hidden_size,
@@ -70,6 +73,8 @@ class DraftEngine:
                 logprobs = torch.log_softmax(torch.randn(r, depth, vocab, device=device), dim=-1)  # [r, D, V]
                 build_trees(logprobs, budget, torch.zeros(r, dtype=torch.int64, device=device))
         self.proposer.warm_up(batch_sizes, context_lengths)
+        if self.tree_graphs is not None:
+            self.tree_graphs.warm_up(budgets, depth)
 
     def model_info(self) -> common_pb2.ModelInfo:
         hs = self.verifier.handshake
@@ -192,9 +197,8 @@ class DraftEngine:
             bonus = torch.tensor([reqs[i].pending for i in idx])                     # [R]
             logprobs = self.proposer.propose([reqs[i].request_id for i in idx], bonus)  # [R, B-1, V]
             t1, c1 = time.perf_counter(), time.thread_time()
-            batch = build_trees(logprobs[:, :depth].float(), budget, bonus.to(logprobs.device))
-            sizes = batch.sizes.tolist()
-            tokens, parents, depths = batch.tokens.cpu(), batch.parents.cpu(), batch.depths.cpu()   # one copy each
+            sizes_t, tokens, parents, depths = self._trees(logprobs, budget, depth, bonus)
+            sizes = sizes_t.tolist()
             propose_s += t1 - t0            # the GPU work of propose lands in tree_s (its first sync)
             propose_cpu_s += c1 - c0        # this thread's CPU time: far below propose_s = waiting (GIL, locks)
             tree_s += time.perf_counter() - t1
@@ -206,6 +210,15 @@ class DraftEngine:
             self.metrics.step_ms.labels("propose_cpu").observe(propose_cpu_s * 1e3)
             self.metrics.step_ms.labels("tree").observe(tree_s * 1e3)
         return [t for t in trees if t is not None]
+
+    def _trees(self, logprobs: torch.Tensor, budget: int, depth: int, roots: torch.Tensor) -> HostTrees:
+        """A group's trees on the host: replayed where the propose was (``TreeGraphs``), else
+        built eagerly; either way one copy to the host."""
+        trees = self.tree_graphs.build(logprobs, budget, depth, roots) if self.tree_graphs is not None else None
+        if trees is None:
+            batch = build_trees(logprobs[:, :depth].float(), budget, roots.to(logprobs.device))
+            trees = unpack_trees(pack_trees(batch).cpu(), len(roots))
+        return trees
 
     def _drop_all(self) -> None:
         for rid in list(self._requests):

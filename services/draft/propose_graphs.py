@@ -31,7 +31,7 @@ from torch import Tensor
 from services.common.cuda_graphs import capture
 from services.common.logging import get_logger
 
-__all__ = ["BATCH_BUCKETS", "COMMIT_BUCKETS", "context_buckets", "ProposeGraphs"]
+__all__ = ["BATCH_BUCKETS", "COMMIT_BUCKETS", "batch_buckets", "context_buckets", "ProposeGraphs"]
 
 BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 COMMIT_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)   # tokens committed in a step
@@ -43,6 +43,11 @@ log = get_logger("draft")
 BlockForward = Callable[[Tensor, Tensor, Callable[[int], tuple[Tensor, Tensor]], int], Tensor]
 # context_kv(features [N, F], positions [N]) -> keys, values [layers, N, kvh, hd]
 ContextKV = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def batch_buckets(rows: int) -> tuple[int, ...]:
+    """The batch sizes captured for a pool of ``rows`` contexts: ``BATCH_BUCKETS`` below it, then ``rows``."""
+    return tuple(b for b in BATCH_BUCKETS if b < rows) + (rows,)
 
 
 def context_buckets(limit: int) -> tuple[int, ...]:
@@ -96,7 +101,7 @@ class ProposeGraphs:
         shape = (num_layers, rows + 1, context, kv_heads, head_dim)   # row `rows`: the commits' scratch
         self.keys = torch.zeros(shape, dtype=dtype, device=device)    # [layers, rows + 1, context, kvh, hd]
         self.values = torch.zeros_like(self.keys)                       # [layers, rows + 1, context, kvh, hd]
-        self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < rows) + (rows,)
+        self.batch_buckets = batch_buckets(rows)
         self.context_buckets = context_buckets(context)
         self.out = torch.empty(rows, *out_shape, dtype=torch.float32, device=device)  # [rows, B-1, V]
         self._free = list(range(rows - 1, -1, -1))   # a stack: row 0 is handed out first

@@ -44,6 +44,11 @@ class Proposer(Protocol):
     def enable_graphs(self, rows: int, context: int) -> int:
         """Propose from CUDA graphs over a pool of ``rows`` contexts; returns the pool's bytes."""
 
+    @property
+    def propose_output(self) -> torch.Tensor | None:
+        """The graphs' output buffer ``[rows, block_size - 1, V]`` whose leading rows a replayed
+        propose returns (the tree build then replays too: ``tree_graphs``), or None without graphs."""
+
     def warm_up(self, batch_sizes: Sequence[int], context_lengths: Sequence[int]) -> None:
         """Run propose over these shapes once, before the first request (GPU: see DFlashProposer)."""
 
@@ -81,6 +86,11 @@ class DFlashProposer:
     def enable_graphs(self, rows: int, context: int) -> int:
         """Context pool + propose graphs (see DFlashDrafter.enable_graphs); returns the pool's bytes."""
         return self.drafter.enable_graphs(rows, context).pool_bytes
+
+    @property
+    def propose_output(self) -> torch.Tensor | None:
+        graphs = self.drafter.graphs
+        return None if graphs is None else graphs.out
 
     def warm_up(self, batch_sizes: Sequence[int], context_lengths: Sequence[int]) -> None:
         """Proposes over throw-away contexts of each (batch, length), and with graphs on captures
@@ -169,6 +179,10 @@ class OracleProposer:
 
     def enable_graphs(self, rows: int, context: int) -> int:
         return 0   # host-only test drafter: nothing to launch, so nothing to capture
+
+    @property
+    def propose_output(self) -> torch.Tensor | None:
+        return None   # it proposes fresh host tensors
 
     def warm_up(self, batch_sizes: Sequence[int], context_lengths: Sequence[int]) -> None:
         pass   # host-only test drafter: nothing to compile or load
