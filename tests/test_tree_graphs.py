@@ -32,30 +32,32 @@ def test_pack_roundtrip() -> None:
     assert torch.equal(tokens, batch.tokens[:2])
 
 
-@pytest.mark.parametrize("rows,budget,depth", [(1, 4, 5), (3, 16, 5), (5, 7, 3), (8, 1, 5)])
-def test_equals_the_eager_build(rows: int, budget: int, depth: int) -> None:
+@pytest.mark.parametrize("rows,budget", [(1, 4), (3, 16), (5, 7), (8, 1)])
+def test_equals_the_eager_build(rows: int, budget: int) -> None:
     """Leading rows of the buffer (what a replayed propose returns), any batch inside a bucket:
     the same trees as ``build_trees`` on those rows, though the bucket's padding rows are built too."""
     buf = _buffer(8)
     graphs = TreeGraphs(buf, capture=False)
     assert graphs.batch_buckets == batch_buckets(8)
     roots = torch.arange(rows) + 3
-    got = graphs.build(buf[:rows], budget, depth, roots)
-    want = build_trees(buf[:rows, :depth], budget, roots)
+    got = graphs.build(buf[:rows], budget, 5, roots)
+    want = build_trees(buf[:rows], budget, roots)
     assert got is not None
     for g, w in zip(got, (want.sizes, want.tokens, want.parents, want.depths)):
         assert torch.equal(g, w)
-    again = graphs.build(buf[:rows], budget, depth, roots + 1)  # the same graph, new roots
+    again = graphs.build(buf[:rows], budget, 5, roots + 1)  # the same graph, new roots
     assert again is not None and torch.equal(again[1][:, 0], roots + 1)
 
 
 def test_only_the_buffer_replays() -> None:
-    """A propose that ran eagerly returns its own tensor: the caller builds eagerly."""
+    """A propose that ran eagerly returns its own tensor, and a shallower tree than the buffer's
+    is built eagerly too (no graph per depth)."""
     buf = _buffer(4)
     graphs = TreeGraphs(buf, capture=False)
     roots = torch.zeros(2, dtype=torch.int64)
     assert graphs.build(buf[:2].clone(), 4, 5, roots) is None   # another tensor
     assert graphs.build(buf[1:3], 4, 5, roots) is None          # not the leading rows
     assert graphs.build(buf[:2], 4, 6, roots) is None           # deeper than the buffer
+    assert graphs.build(buf[:2], 4, 3, roots) is None           # shallower: near a context limit, eager
     assert graphs.build(buf[:2], 4, 5, roots) is not None
     assert graphs.captured == []                                 # nothing is captured on the CPU path

@@ -74,7 +74,7 @@ class DraftEngine:
                 build_trees(logprobs, budget, torch.zeros(r, dtype=torch.int64, device=device))
         self.proposer.warm_up(batch_sizes, context_lengths)
         if self.tree_graphs is not None:
-            self.tree_graphs.warm_up(budgets, depth)
+            self.tree_graphs.warm_up(budgets)
 
     def model_info(self) -> common_pb2.ModelInfo:
         hs = self.verifier.handshake

@@ -7,10 +7,12 @@ that took 0.20-0.32 ms at batch 1, against 0.11 ms replayed with the trees packe
 block that the graph copies into pinned memory; propose plus trees on the host went from 0.54-0.80
 ms to 0.41-0.48. In the service at C=1 the step's tree time went from 0.51-0.63 ms to 0.31-0.34.
 
-A graph is captured per (batch bucket, budget, depth), reading the leading rows of the propose
-graphs' output buffer, whose address never changes. Rows past the batch hold the padding rows'
-log-probs that the propose graph wrote for its own bucket (the same buckets); their trees are
-built and dropped. ``capture=False`` runs the same packed build eagerly (the CPU path and tests).
+A graph is captured per (batch bucket, budget), reading the leading rows of the propose graphs'
+output buffer, whose address never changes, at its full depth. Rows past the batch hold the
+padding rows' log-probs that the propose graph wrote for its own bucket (the same buckets); their
+trees are built and dropped. A shallower tree (a request near its context limit) is built eagerly,
+so those few steps do not each capture a graph. ``capture=False`` runs the same packed build
+eagerly (the CPU path and tests).
 """
 
 from __future__ import annotations
@@ -61,19 +63,19 @@ class TreeGraphs:
         self.buffer = logprobs
         self.batch_buckets = batch_buckets(logprobs.shape[0])
         self.capture = capture
-        self._graphs: dict[tuple[int, int, int], _TreeGraph] = {}
+        self._graphs: dict[tuple[int, int], _TreeGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     @property
-    def captured(self) -> list[tuple[int, int, int]]:
+    def captured(self) -> list[tuple[int, int]]:
         return sorted(k for k, g in self._graphs.items() if g.graph is not None)
 
     def holds(self, logprobs: Tensor, depth: int) -> bool:
-        """Whether ``logprobs`` is the buffer's leading rows (what a replayed propose returns) and a
-        bucket and ``depth`` fit: else the caller builds eagerly."""
+        """Whether ``logprobs`` is the buffer's leading rows (what a replayed propose returns), a
+        bucket holds them and ``depth`` is the buffer's: else the caller builds eagerly."""
         buf = self.buffer
         return (logprobs.data_ptr() == buf.data_ptr() and logprobs.stride() == buf.stride()
-                and logprobs.shape[1:] == buf.shape[1:] and 1 <= depth <= buf.shape[1]
+                and logprobs.shape[1:] == buf.shape[1:] and depth == buf.shape[1]
                 and bisect.bisect_left(self.batch_buckets, logprobs.shape[0]) < len(self.batch_buckets))
 
     def build(self, logprobs: Tensor, budget: int, depth: int, roots: Tensor) -> HostTrees | None:
@@ -83,33 +85,32 @@ class TreeGraphs:
             return None
         rows = logprobs.shape[0]
         batch = self.batch_buckets[bisect.bisect_left(self.batch_buckets, rows)]
-        g = self._graph(batch, budget, depth)
+        g = self._graph(batch, budget)
         g.roots_host.zero_()  # every call ends synchronised, so the pinned twins are free to rewrite
         g.roots_host[:rows] = roots
         g.roots.copy_(g.roots_host, non_blocking=True)
         if not self.capture:
-            self._run(g, batch, budget, depth)
+            self._run(g, batch, budget)
             return unpack_trees(g.out_host, rows)
         if g.graph is None:
-            g.graph, _ = capture(lambda: self._run(g, batch, budget, depth), self.buffer.device, self._pool)
+            g.graph, _ = capture(lambda: self._run(g, batch, budget), self.buffer.device, self._pool)
         g.graph.replay()
         done = torch.cuda.Event()
         done.record()
         done.synchronize()  # the copy into out_host has landed
         return unpack_trees(g.out_host, rows)
 
-    def warm_up(self, budgets: Sequence[int], depth: int) -> int:
+    def warm_up(self, budgets: Sequence[int]) -> int:
         """Captures every batch bucket at these budgets now, not during a user's step; returns the count."""
         for budget in budgets:
             for batch in self.batch_buckets:
-                g = self._graph(batch, budget, depth)
+                g = self._graph(batch, budget)
                 if self.capture and g.graph is None:
-                    g.graph, _ = capture(lambda g=g, b=batch, k=budget: self._run(g, b, k, depth),
-                                         self.buffer.device, self._pool)
+                    g.graph, _ = capture(lambda g=g, b=batch, k=budget: self._run(g, b, k), self.buffer.device, self._pool)
         return len(self.captured)
 
-    def _graph(self, batch: int, budget: int, depth: int) -> _TreeGraph:
-        key = (batch, budget, depth)
+    def _graph(self, batch: int, budget: int) -> _TreeGraph:
+        key = (batch, budget)
         if key not in self._graphs:
             pin = self.capture
             roots_host = torch.zeros(batch, dtype=torch.int64, pin_memory=pin)
@@ -118,7 +119,7 @@ class TreeGraphs:
                 out_host=torch.zeros(batch, 1 + 3 * (budget + 1), dtype=torch.int64, pin_memory=pin))
         return self._graphs[key]
 
-    def _run(self, g: _TreeGraph, batch: int, budget: int, depth: int) -> None:
+    def _run(self, g: _TreeGraph, batch: int, budget: int) -> None:
         """The build from the static inputs, ending in the copy to pinned memory: no host sync."""
-        trees = build_trees(self.buffer[:batch, :depth], budget, g.roots)
+        trees = build_trees(self.buffer[:batch], budget, g.roots)
         g.out_host.copy_(pack_trees(trees), non_blocking=self.capture)
