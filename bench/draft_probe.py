@@ -84,6 +84,11 @@ def main() -> None:
     drafter.extend_context(ctx, feats)
     bonus = torch.tensor([5])
     depth = drafter.block_size - 1
+    ctxs3 = [drafter.new_context() for _ in range(3)]
+    for i, cx in enumerate(ctxs3):
+        drafter.extend_context(cx, torch.randn(args.context + 7 * i, drafter.config.num_features, device=dev,
+                                               dtype=torch.bfloat16))
+    bonus3 = torch.tensor([5, 11, 17])
     pool = ThreadPoolExecutor(4)
     rows = []
     for budget in [int(b) for b in args.budgets.split(",")]:
@@ -112,6 +117,11 @@ def main() -> None:
         row["tree_kernel_variants"] = [before, _variants()]
         if args.graphs:
             row.update(_packed_and_captured(tree_graphs, propose, lp, budget, depth, bonus, args.reps, pool))
+            lp3 = drafter.propose(ctxs3, bonus3)  # three rows of the 4-row bucket: one padding row
+            plain = build_trees(lp3[:, :depth].float(), budget, bonus3.to(dev))
+            got = tree_graphs.build(lp3, budget, depth, bonus3)
+            row["tree_graph_equal_batch3"] = got is not None and all(
+                torch.equal(a, b.cpu()) for a, b in zip(got, (plain.sizes, plain.tokens, plain.parents, plain.depths)))
         rows.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
         print(rows[-1], flush=True)
     if args.out:
