@@ -3,9 +3,10 @@
 Why: on the GPU a propose is one graph replay, but the tree build after it was a few eager
 launches (the vocabulary top-k, the tree kernel) and four device-to-host copies, each a sync. On
 an H200 with the demo drafter (``bench/draft_probe.py --graphs``, ``bench/results/draft-probe-graphs.json``)
-that took 0.20-0.32 ms at batch 1, against 0.11 ms replayed with the trees packed into one int64
-block that the graph copies into pinned memory; propose plus trees on the host went from 0.54-0.80
-ms to 0.41-0.48. In the service at C=1 the step's tree time went from 0.51-0.63 ms to 0.31-0.34.
+that took 0.20-0.22 ms at batch 1, against 0.11-0.12 ms replayed with the trees packed into one
+int64 block that the graph copies into pinned memory; propose plus trees on the host went from
+0.51-0.59 ms to 0.40-0.50. In the service at C=1 the step's tree time went from 0.51-0.63 ms to
+0.31-0.37.
 
 A graph is captured per (batch bucket, budget), reading the leading rows of the propose graphs'
 output buffer, whose address never changes, at its full depth. Rows past the batch hold the
