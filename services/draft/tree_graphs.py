@@ -94,7 +94,7 @@ class TreeGraphs:
             self._run(g, batch, budget)
             return unpack_trees(g.out_host, rows)
         if g.graph is None:
-            g.graph, _ = capture(lambda: self._run(g, batch, budget), self.buffer.device, self._pool)
+            self._capture(g, batch, budget)
         g.graph.replay()
         done = torch.cuda.Event()
         done.record()
@@ -107,7 +107,7 @@ class TreeGraphs:
             for batch in self.batch_buckets:
                 g = self._graph(batch, budget)
                 if self.capture and g.graph is None:
-                    g.graph, _ = capture(lambda g=g, b=batch, k=budget: self._run(g, b, k), self.buffer.device, self._pool)
+                    self._capture(g, batch, budget)
         return len(self.captured)
 
     def _graph(self, batch: int, budget: int) -> _TreeGraph:
@@ -119,6 +119,9 @@ class TreeGraphs:
                 roots_host=roots_host, roots=roots_host.to(self.buffer.device, copy=True),
                 out_host=torch.zeros(batch, 1 + 3 * (budget + 1), dtype=torch.int64, pin_memory=pin))
         return self._graphs[key]
+
+    def _capture(self, g: _TreeGraph, batch: int, budget: int) -> None:
+        g.graph, _ = capture(lambda: self._run(g, batch, budget), self.buffer.device, self._pool)
 
     def _run(self, g: _TreeGraph, batch: int, budget: int) -> None:
         """The build from the static inputs, ending in the copy to pinned memory: no host sync."""
