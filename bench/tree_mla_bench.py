@@ -162,12 +162,19 @@ def run_kernel(backend: str, case: Case, config: TreeMlaConfig | None = None, nu
     return tree_mla_triton(*case.args(), config=config, num_splits=num_splits)
 
 
+def rotating_cases(batch: int, context: int, nodes: int, heads: int) -> list[Case]:
+    """Copies of one shape's inputs (seeds 1, 2, ...) that together pass ``ROTATE_BYTES``, so a graph
+    replaying one call per copy reads them from HBM, not L2; the first is the one to check."""
+    first = Case(batch, context, nodes, heads, seed=1)
+    copies = max(1, min(64, math.ceil(ROTATE_BYTES / first.bytes_read())))
+    return [first] + [Case(batch, context, nodes, heads, seed=1 + i) for i in range(1, copies)]
+
+
 def time_kernel(batch: int, context: int, nodes: int, heads: int, config: TreeMlaConfig | None = None,
                 num_splits: int | None = None, backend: str = "triton") -> tuple[float, Case]:
     """Graph-replay time of one kernel call, rotating over input copies bigger than L2."""
-    first = Case(batch, context, nodes, heads, seed=1)
-    copies = max(1, min(64, math.ceil(ROTATE_BYTES / first.bytes_read())))
-    cases = [first] + [Case(batch, context, nodes, heads, seed=1 + i) for i in range(1, copies)]
+    cases = rotating_cases(batch, context, nodes, heads)
+    first = cases[0]
     fns = [lambda c=c: run_kernel(backend, c, config, num_splits) for c in cases]
     t = time_graph(fns)
     del cases[1:]

@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 
 import torch
 
 import kernels.tree_mla as tm
 from bench.common import graph_replay_us, write_result
-from bench.tree_mla_bench import ROTATE_BYTES, Case, run_kernel
+from bench.tree_mla_bench import rotating_cases, run_kernel
 
 SHAPES = ((32, 4096, 8), (32, 4096, 9), (32, 4096, 17), (32, 4096, 33), (128, 4096, 9), (32, 16384, 9),
           (1, 1024, 9), (1, 4096, 9), (1, 16384, 9), (1, 4096, 17), (4, 4096, 9))
@@ -59,9 +58,8 @@ def main() -> None:
 
     rows = []
     for batch, context, nodes in [sh for sh in SHAPES if not args.small or sh[0] <= 4]:
-        first = Case(batch, context, nodes, HEADS, seed=1)
-        copies = max(1, min(64, math.ceil(ROTATE_BYTES / first.bytes_read())))
-        cases = [first] + [Case(batch, context, nodes, HEADS, seed=1 + i) for i in range(1, copies)]
+        cases = rotating_cases(batch, context, nodes, HEADS)
+        first = cases[0]
         use("old")
         want = run_kernel("hopper", first)
         times: dict[str, list[float]] = {n: [] for n in VARIANTS}
@@ -74,7 +72,7 @@ def main() -> None:
                     got = run_kernel("hopper", first)
                     same[name] = bool(torch.equal(got, want))
         tm.merge_splits = served
-        row = dict(batch=batch, context=context, tree_nodes=nodes, heads=HEADS, rows=nodes * HEADS, copies=copies)
+        row = dict(batch=batch, context=context, tree_nodes=nodes, heads=HEADS, rows=nodes * HEADS, copies=len(cases))
         for name in VARIANTS:
             row[f"{name}_us"] = round(min(times[name]), 2)
             row[f"{name}_us_rounds"] = [round(x, 2) for x in times[name]]

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 import torch
 
 from bench.common import graph_replay_us, write_result
-from bench.tree_mla_bench import ROTATE_BYTES, Case
+from bench.tree_mla_bench import Case, rotating_cases
 from kernels.tree_mla_hopper import tree_mla_hopper
 
 SHAPES = ((32, 4096, 8), (32, 4096, 9), (32, 4096, 17), (32, 4096, 33), (128, 4096, 9), (32, 16384, 9), (1, 4096, 9))
@@ -43,11 +42,10 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for batch, context, nodes in SHAPES:
-        first = Case(batch, context, nodes, HEADS, seed=1)
-        copies = max(1, min(64, math.ceil(ROTATE_BYTES / first.bytes_read())))
-        cases = [first] + [Case(batch, context, nodes, HEADS, seed=1 + i) for i in range(1, copies)]
+        cases = rotating_cases(batch, context, nodes, HEADS)
+        first = cases[0]
         want = call(first, SERVED).float()
-        row = dict(batch=batch, context=context, tree_nodes=nodes, heads=HEADS, rows=nodes * HEADS, copies=copies)
+        row = dict(batch=batch, context=context, tree_nodes=nodes, heads=HEADS, rows=nodes * HEADS, copies=len(cases))
         times: dict[str, list[float]] = {n: [] for n in VARIANTS}
         for rnd in range(2):
             for name in (list(VARIANTS) if rnd == 0 else list(VARIANTS)[::-1]):

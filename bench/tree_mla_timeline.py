@@ -30,13 +30,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import statistics
 
 import torch
 
 from bench.common import graph_replay_us, kernel_times, write_result
-from bench.tree_mla_bench import ROTATE_BYTES, Case, rel_err
+from bench.tree_mla_bench import ROTATE_BYTES, rel_err, rotating_cases
 from kernels import tree_mla_hopper as hop
 from kernels.tree_mla import tree_mla_reference
 
@@ -108,9 +107,8 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for batch, context, nodes in SHAPES:
-        first = Case(batch, context, nodes, HEADS, seed=1)
-        copies = max(1, min(64, math.ceil(ROTATE_BYTES / first.bytes_read())))
-        cases = [first] + [Case(batch, context, nodes, HEADS, seed=1 + i) for i in range(1, copies)]
+        cases = rotating_cases(batch, context, nodes, HEADS)
+        first = cases[0]
         rows_a_req = nodes * HEADS
         m_tiles = -(-rows_a_req // hop.BLOCK_M)
         splits = hop.choose_splits(batch, m_tiles, rows_a_req, context, 512, 64, sms)

@@ -77,7 +77,7 @@ class TreeGraphs:
         buf = self.buffer
         return (logprobs.data_ptr() == buf.data_ptr() and logprobs.stride() == buf.stride()
                 and logprobs.shape[1:] == buf.shape[1:] and depth == buf.shape[1]
-                and bisect.bisect_left(self.batch_buckets, logprobs.shape[0]) < len(self.batch_buckets))
+                and self._bucket(logprobs.shape[0]) is not None)
 
     def build(self, logprobs: Tensor, budget: int, depth: int, roots: Tensor) -> HostTrees | None:
         """The trees of ``build_trees(logprobs[:, :depth], budget, roots)`` on the host, or None
@@ -85,7 +85,7 @@ class TreeGraphs:
         if not self.holds(logprobs, depth):
             return None
         rows = logprobs.shape[0]
-        batch = self.batch_buckets[bisect.bisect_left(self.batch_buckets, rows)]
+        batch = self._bucket(rows)
         g = self._graph(batch, budget)
         g.roots_host.zero_()  # every call ends synchronised, so the pinned twins are free to rewrite
         g.roots_host[:rows] = roots
@@ -109,6 +109,11 @@ class TreeGraphs:
                 if self.capture and g.graph is None:
                     self._capture(g, batch, budget)
         return len(self.captured)
+
+    def _bucket(self, rows: int) -> int | None:
+        """The smallest batch bucket holding ``rows`` trees, or None."""
+        b = bisect.bisect_left(self.batch_buckets, rows)
+        return self.batch_buckets[b] if b < len(self.batch_buckets) else None
 
     def _graph(self, batch: int, budget: int) -> _TreeGraph:
         key = (batch, budget)
