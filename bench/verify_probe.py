@@ -146,7 +146,7 @@ def main() -> None:
             out = f()
             stages.end_step(time.perf_counter() - t0)
             return out
-        targets = [(engine, "_check_tree", "check_tree"), (engine, "_posterior", "posterior_launch"),
+        targets = [(engine, "_check_trees", "check_trees"), (engine, "_posterior", "posterior_launch"),
                    (engine_mod, "accept", "accept"), (engine.cache, "write_many", "commit"),
                    (engine, "_cat_features", "features")]
         if graphs is not None:

@@ -59,6 +59,37 @@ def test_padding_nodes_are_ignored() -> None:
     assert accept(tokens, parents, posterior) == Acceptance(path=[0], tokens=[0])
 
 
+def _walk_by_scanning(tokens: list[int], parents: list[int], posterior: list[int]) -> Acceptance:
+    """The definition, slowly: from the current node, the first child (lowest index) whose token
+    is the posterior there; stop when none is."""
+    path, out, cur = [0], [], 0
+    while True:
+        kids = [c for c in range(len(tokens)) if parents[c] == cur and c > cur and tokens[c] == posterior[cur]]
+        if not kids:
+            return Acceptance(path=path, tokens=out + [posterior[cur]])
+        cur = kids[0]
+        path.append(cur)
+        out.append(tokens[cur])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_trees_match_the_definition(seed: int) -> None:
+    # Small vocabularies make matches, duplicate siblings and deep paths common; some parents are
+    # malformed (-1 padding, or pointing forward), which must never be followed.
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 60, (1,), generator=g))
+    vocab = 2 + seed
+    parents = [-1] + [int(torch.randint(0, c, (1,), generator=g)) for c in range(1, n)]
+    for c in torch.randint(0, n, (n // 8,), generator=g).tolist():
+        if c:
+            parents[c] = -1 if c % 2 else min(n - 1, c + 1)
+    tokens = torch.randint(0, vocab, (n,), generator=g)
+    posterior = torch.randint(0, vocab, (n,), generator=g)
+    want = _walk_by_scanning(tokens.tolist(), parents, posterior.tolist())
+    assert accept(tokens, torch.tensor(parents), posterior) == want
+    assert accept(tokens.tolist(), parents, posterior.tolist()) == want   # host lists, as the engine passes
+
+
 def test_sampling_validation_names_the_field() -> None:
     with pytest.raises(ValueError, match="temperature"):
         Sampling(temperature=-0.1)

@@ -9,9 +9,9 @@ sampling, since each emitted token is the target's draw given the accepted prefi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 __all__ = ["Acceptance", "accept"]
@@ -34,36 +34,30 @@ class Acceptance:
         return len(self.path) - 1
 
 
-def accept(tokens: Tensor, parents: Tensor, posterior: Tensor) -> Acceptance:
+def accept(tokens: Tensor | Sequence[int], parents: Tensor | Sequence[int],
+           posterior: Tensor | Sequence[int]) -> Acceptance:
     """Accepted path and emitted tokens of one tree.
 
     Args:
-        tokens: [n] int64 node tokens (node 0 is the root).
-        parents: [n] int64 parent index per node; -1 for the root and padding nodes.
-        posterior: [n] int64 the target's token at each node (see ``posterior_tokens``).
+        tokens: [n] node tokens (node 0 is the root).
+        parents: [n] parent index per node; -1 for the root and padding nodes.
+        posterior: [n] the target's token at each node (see ``posterior_tokens``).
 
     Returns:
         :class:`Acceptance`. Always emits at least the bonus token at the root.
 
-    The matching child of every node is found in one vectorised pass (a child c matches when
-    tokens[c] == posterior[parents[c]]; the lowest index wins if a malformed tree has duplicate
-    siblings), then the walk is a short host loop over a list.
+    A plain walk over host lists: a tree is at most a few hundred nodes, for which one pass in
+    Python is several times faster than a dozen tensor ops on tensors that small. A child c
+    matches when tokens[c] == posterior[parents[c]] and its parent precedes it (which also rules
+    out cycles); the lowest index wins if a malformed tree has duplicate siblings.
     """
-    n = tokens.shape[0]
-    tokens = tokens.cpu()
-    parents = parents.cpu()
-    posterior = posterior.cpu()
-    index = torch.arange(n)  # [n]
-    has_parent = (parents >= 0) & (parents < index)  # [n]; parent < child also rules out cycles
-    safe_parents = parents.clamp(min=0)  # [n]
-    matches = has_parent & (tokens == posterior[safe_parents])  # [n]
-    child_idx = torch.where(matches, index, n)  # [n]
-    next_node = torch.full((n,), n, dtype=torch.int64)  # [n]; n = no matching child
-    next_node.scatter_reduce_(0, safe_parents, child_idx, reduce="amin")
-
-    nxt = next_node.tolist()
-    tok = tokens.tolist()
-    post = posterior.tolist()
+    tok, par, post = _as_list(tokens), _as_list(parents), _as_list(posterior)
+    n = len(tok)
+    nxt = [n] * n            # each node's matching child; n = none
+    for c in range(n - 1, 0, -1):   # downwards, so the lowest matching index is written last
+        p = par[c]
+        if 0 <= p < c and tok[c] == post[p]:
+            nxt[p] = c
     path = [0]
     out: list[int] = []
     cur = 0
@@ -73,3 +67,7 @@ def accept(tokens: Tensor, parents: Tensor, posterior: Tensor) -> Acceptance:
         out.append(tok[cur])
     out.append(post[cur])
     return Acceptance(path=path, tokens=out)
+
+
+def _as_list(x: Tensor | Sequence[int]) -> list[int]:
+    return x.tolist() if isinstance(x, Tensor) else [int(v) for v in x]

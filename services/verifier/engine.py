@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 import torch
 
 from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata
@@ -201,54 +202,46 @@ class VerifierEngine:
 
         tokens/parents/depths: [N] flat, request r owning the next sizes[r] entries (root first).
         """
-        # Trees are a few hundred ints: check and walk them on the host (one copy each, not a
-        # device sync per check per request when they arrive on the GPU through cuda_ipc).
-        tokens, parents, depths = tokens.cpu(), parents.cpu(), depths.cpu()
+        # Trees are a few hundred ints: check and walk them on the host, as numpy arrays and lists
+        # (one copy each, not a device sync per check per request when they arrive on the GPU).
+        tok, par, dep = (t.cpu().to(torch.int64).numpy() for t in (tokens, parents, depths))
         sizes_l = [int(s) for s in sizes.tolist()]
-        if len(sizes_l) != len(request_ids) or sum(sizes_l) != tokens.numel():
+        if len(sizes_l) != len(request_ids) or sum(sizes_l) != tok.size or min(sizes_l, default=1) < 0:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"tree tensors hold {tokens.numel()} nodes in {len(sizes_l)} trees; "
+                               f"tree tensors hold {tok.size} nodes in {len(sizes_l)} trees; "
                                f"expected {len(request_ids)} trees summing to the node count")
         outcomes: list[ItemOutcome] = [ItemOutcome(rid) for rid in request_ids]
-        live: list[int] = []
-        offsets = [0]
-        for s in sizes_l:
-            offsets.append(offsets[-1] + s)
-        seen = Counter(request_ids)
-        for i, rid in enumerate(request_ids):
-            if seen[rid] > 1:  # two trees for one request would both commit from the same state
-                err = ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"request {rid} appears {seen[rid]} times in one verify call")
-            else:
-                err = self._check_tree(rid, tokens, parents, depths, offsets[i], sizes_l[i])
-            if err is not None:
-                outcomes[i].error = err
-            else:
-                live.append(i)
+        errors = self._check_trees(request_ids, tok, par, dep, sizes_l)
+        live = [i for i, err in enumerate(errors) if err is None]
+        for i, err in enumerate(errors):
+            outcomes[i].error = err
         if not live:
             return StepOutcome(outcomes, self._cat_features([]))
         dev = self.model_device
-        sel = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in live])
+        offsets = np.concatenate([[0], np.cumsum(sizes_l)])
+        if len(live) < len(request_ids):
+            sel = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in live])
+            tok, par, dep = tok[sel], par[sel], dep[sel]                            # [N] live requests
         reqs = [self._requests[request_ids[i]] for i in live]
         live_sizes = [sizes_l[i] for i in live]
-        tokens_h, parents_h, depths_h = tokens[sel], parents[sel], depths[sel]     # [N] host, live requests
         if self.graphs is not None and self.graphs.bucket_for(len(live), max(live_sizes)) is not None:
-            # host tensors: the graph path pads them on the host and copies once
-            out = self.graphs.run(tokens_h, parents_h, depths_h, live_sizes,
-                                  [r.length for r in reqs], [self.cache.page_ids(r.request_id) for r in reqs])
+            # host arrays: the graph path pads them on the host and copies once
+            out = self.graphs.run(tok, par, dep, live_sizes, [r.length for r in reqs],
+                                  [self.cache.page_ids(r.request_id) for r in reqs])
         else:
-            flat_tokens = tokens_h.to(dev)                                         # [N]
-            flat_depths = depths_h.to(dev)                                         # [N]
+            flat_tokens, flat_depths = torch.from_numpy(tok).to(dev), torch.from_numpy(dep).to(dev)   # [N]
             starts = torch.repeat_interleave(torch.tensor([r.length for r in reqs], device=dev),
                                              torch.tensor(live_sizes, device=dev))  # [N]
-            masks = [ancestor_mask(parents[offsets[i]:offsets[i + 1]].to(dev)) for i in live]
+            bounds = np.concatenate([[0], np.cumsum(live_sizes)])
+            masks = [ancestor_mask(torch.from_numpy(par[bounds[j]:bounds[j + 1]]).to(dev)) for j in range(len(reqs))]
             out = self._forward(flat_tokens, starts + flat_depths, reqs, masks)
-        posterior = torch.cat(self._posterior(out.logits, reqs, live_sizes)).cpu()   # [N] one sync
+        posterior = torch.cat(self._posterior(out.logits, reqs, live_sizes)).tolist()   # [N] one sync
+        tok_l, par_l = tok.tolist(), par.tolist()
         keep: list[int] = []           # rows of the accepted paths, in request order
         writes: list[tuple[str, int, int]] = []
         row = 0
         for req, i, n in zip(reqs, live, live_sizes):
-            acc = accept(tokens_h[row:row + n], parents_h[row:row + n], posterior[row:row + n])
+            acc = accept(tok_l[row:row + n], par_l[row:row + n], posterior[row:row + n])
             keep += [row + k for k in acc.path]
             writes.append((req.request_id, req.length, len(acc.path)))
             req.length += len(acc.path)
@@ -261,29 +254,53 @@ class VerifierEngine:
         self.last_commit_ms = (time.perf_counter() - t0) * 1e3
         return StepOutcome(outcomes, self._cat_features([out.features[rows]]))
 
-    def _check_tree(self, rid: str, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-                    start: int, n: int) -> ServiceError | None:
-        """Rejects a tree that would corrupt state: unknown request, wrong root, bad shape."""
-        req = self._requests.get(rid)
-        if req is None:
-            return ServiceError(grpc.StatusCode.NOT_FOUND, f"request {rid} is not prefilled on this verifier")
-        if n < 1:
-            return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: empty tree")
-        t, p, d = tokens[start:start + n], parents[start:start + n], depths[start:start + n]
-        if int(t[0]) != req.pending or int(p[0]) != -1 or int(d[0]) != 0:
-            return ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"request {rid}: tree root must be the pending token {req.pending} at depth 0")
-        if n > 1:
-            idx = torch.arange(1, n, device=p.device)
-            if bool(((p[1:] < 0) | (p[1:] >= idx)).any()):
-                return ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"request {rid}: parents must precede their children")
-            if bool((d[1:] != d[p[1:]] + 1).any()):
-                return ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"request {rid}: depths must be parent depth + 1")
-        if bool(((t < 0) | (t >= self.vocab_size)).any()):
-            return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: tree token outside vocabulary")
-        top = req.length + int(d.max())
+    def _check_trees(self, request_ids: Sequence[str], tok: np.ndarray, par: np.ndarray, dep: np.ndarray,
+                     sizes: Sequence[int]) -> list[ServiceError | None]:
+        """Why each tree would corrupt state, or None: unknown or repeated request, wrong root, bad
+        shape, tokens or positions out of range, no room in the cache. The node checks run over the
+        whole batch at once; a bad tree fails its own request only."""
+        R = len(sizes)
+        sizes_a = np.asarray(sizes, dtype=np.int64)
+        starts = np.cumsum(sizes_a) - sizes_a                                     # [R]
+        owner = np.repeat(np.arange(R), sizes_a)                                  # [N] tree of each node
+        local = np.arange(tok.size) - starts[owner]                               # [N] node index in its tree
+        child = local > 0
+        bad_parent = child & ((par < 0) | (par >= local))
+        parent_at = np.minimum(starts[owner] + np.clip(par, 0, None), max(tok.size - 1, 0))
+        bad_depth = child & (dep != dep[parent_at] + 1)
+        bad_token = (tok < 0) | (tok >= self.vocab_size)
+
+        def per_tree(bad: np.ndarray) -> list[bool]:
+            return (np.bincount(owner[bad], minlength=R) > 0).tolist()
+
+        bad_parent_r, bad_depth_r, bad_token_r = per_tree(bad_parent), per_tree(bad_depth), per_tree(bad_token)
+        seen = Counter(request_ids)
+        errors: list[ServiceError | None] = []
+        for i, rid in enumerate(request_ids):
+            req, n, s = self._requests.get(rid), int(sizes_a[i]), int(starts[i])
+            if seen[rid] > 1:  # two trees for one request would both commit from the same state
+                err = ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"request {rid} appears {seen[rid]} times in one verify call")
+            elif req is None:
+                err = ServiceError(grpc.StatusCode.NOT_FOUND, f"request {rid} is not prefilled on this verifier")
+            elif n < 1:
+                err = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: empty tree")
+            elif int(tok[s]) != req.pending or int(par[s]) != -1 or int(dep[s]) != 0:
+                err = ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"request {rid}: tree root must be the pending token {req.pending} at depth 0")
+            elif bad_parent_r[i]:
+                err = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: parents must precede their children")
+            elif bad_depth_r[i]:
+                err = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: depths must be parent depth + 1")
+            elif bad_token_r[i]:
+                err = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: tree token outside vocabulary")
+            else:
+                err = self._reserve_tree(rid, req.length + int(dep[s:s + n].max()))
+            errors.append(err)
+        return errors
+
+    def _reserve_tree(self, rid: str, top: int) -> ServiceError | None:
+        """Room for a tree whose deepest node sits at position `top`."""
         if top >= self.max_context:
             return ServiceError(grpc.StatusCode.OUT_OF_RANGE,
                                 f"request {rid}: tree reaches position {top}, max context is {self.max_context}")
@@ -340,4 +357,5 @@ class VerifierEngine:
     def _cat_features(self, parts: list[torch.Tensor]) -> torch.Tensor:
         if not parts:
             return torch.empty(0, self._feature_width, dtype=torch.float32, device=self.model_device)
-        return torch.cat(parts).float()   # stays on the model's device (cuda_ipc shares it there)
+        whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return whole.float()   # stays on the model's device (cuda_ipc shares it there)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -56,7 +57,6 @@ class _Bucket:
     host: Tensor  # same, pinned host memory on CUDA
     page_table: Tensor  # [B, max_pages] int32
     query_starts: Tensor  # [B + 1] int32, constant r * T
-    copied: torch.cuda.Event | None = None   # the last host -> device copy; the host twin is reused after it
     output: ForwardOutput | None = None
     graph: torch.cuda.CUDAGraph | None = None
 
@@ -96,6 +96,8 @@ class VerifyGraphs:
         self.device = model.embed_weight.device
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._pages_host = torch.zeros(0, dtype=torch.int32)   # pinned staging of the page table (``_load``)
+        self._copied: torch.cuda.Event | None = None   # the last step's copies; the pinned buffers are reused after it
 
     def set_feature_layers(self, layers: Sequence[int]) -> None:
         """The drafter named its feature layers (at its handshake, after the start-up warm-up): a
@@ -125,8 +127,8 @@ class VerifyGraphs:
         return sorted(k for k, b in self._buckets.items() if b.graph is not None)
 
     # ---- one step ------------------------------------------------------------------------------
-    def run(self, tokens: Tensor, parents: Tensor, depths: Tensor, sizes: Sequence[int],
-            prefix_lens: Sequence[int], page_ids: Sequence[Sequence[int]]) -> ForwardOutput:
+    def run(self, tokens: Tensor | np.ndarray, parents: Tensor | np.ndarray, depths: Tensor | np.ndarray,
+            sizes: Sequence[int], prefix_lens: Sequence[int], page_ids: Sequence[Sequence[int]]) -> ForwardOutput:
         """The forward for flat trees (request r owns the next ``sizes[r]`` entries, root first).
 
         Returns the real rows only, in the flat order given. Raises ValueError when no bucket
@@ -138,11 +140,12 @@ class VerifyGraphs:
         # Engine calls run in worker threads, whose current device is GPU 0: capture, replay and
         # the pinned copies must happen on the model's GPU.
         with current(self.device):
-            return self._run(self._bucket(*key), tokens, parents, depths, sizes, prefix_lens, page_ids)
+            return self._run(self._bucket(*key), _host(tokens), _host(parents), _host(depths), sizes,
+                             prefix_lens, page_ids)
 
-    def _run(self, b: _Bucket, tokens: Tensor, parents: Tensor, depths: Tensor, sizes: Sequence[int],
+    def _run(self, b: _Bucket, tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, sizes: Sequence[int],
              prefix_lens: Sequence[int], page_ids: Sequence[Sequence[int]]) -> ForwardOutput:
-        self._load(b, tokens.cpu(), parents.cpu(), depths.cpu(), sizes, prefix_lens, page_ids)
+        self._load(b, tokens, parents, depths, sizes, prefix_lens, page_ids)
         if self.capture:
             if b.graph is None:
                 self._capture(b)
@@ -154,29 +157,46 @@ class VerifyGraphs:
         rows = b.views(b.inputs)[3][:sum(sizes)]   # [N] device
         return ForwardOutput(logits=out.logits[rows], features=out.features[rows], new_kv=out.new_kv[:, rows])
 
-    def _load(self, b: _Bucket, tokens: Tensor, parents: Tensor, depths: Tensor, sizes: Sequence[int],
+    def _load(self, b: _Bucket, tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, sizes: Sequence[int],
               prefix_lens: Sequence[int], page_ids: Sequence[Sequence[int]]) -> None:
-        """Pad the trees on the host, then two copies: the int64 inputs and the used page columns."""
-        if b.copied is not None:
-            b.copied.synchronize()   # the previous step's copy has left the host twin
-        tok, par, dep, rows, lens = b.views(b.host)
-        sizes_t = torch.tensor(list(sizes), dtype=torch.int64)
-        R, N = len(sizes), int(sizes_t.sum())
-        starts = torch.cumsum(sizes_t, 0) - sizes_t                                            # [R]
-        local = torch.arange(N) - torch.repeat_interleave(starts, sizes_t)                     # [N] node in tree
-        rows[:N] = torch.repeat_interleave(torch.arange(R) * b.nodes, sizes_t) + local
-        tok.fill_(0).view(-1)[rows[:N]] = tokens
-        par.fill_(-1).view(-1)[rows[:N]] = parents
-        dep.fill_(0).view(-1)[rows[:N]] = depths
-        lens.zero_()[:R] = torch.tensor(list(prefix_lens), dtype=torch.int64)
+        """Pad the trees on the host (numpy on pinned memory: a step's few hundred ints cost less
+        there than a dozen tensor ops), then two asynchronous copies: the int64 inputs, and the
+        used page-table columns through a pinned staging buffer (a pageable copy would wait for
+        the stream)."""
+        if self._copied is not None:
+            self._copied.synchronize()   # the previous step's copies have left the pinned buffers
+        tok, par, dep, rows, lens = (v.numpy() for v in b.views(b.host))
+        sizes_a = np.asarray(sizes, dtype=np.int64)
+        R, N = len(sizes), int(sizes_a.sum())
+        starts = np.cumsum(sizes_a) - sizes_a                                                  # [R]
+        rows[:N] = np.repeat(np.arange(R) * b.nodes - starts, sizes_a) + np.arange(N)          # [N] padded row
+        tok.fill(0)
+        par.fill(-1)
+        dep.fill(0)
+        tok.reshape(-1)[rows[:N]] = tokens
+        par.reshape(-1)[rows[:N]] = parents
+        dep.reshape(-1)[rows[:N]] = depths
+        lens.fill(0)
+        lens[:R] = prefix_lens
         b.inputs.copy_(b.host, non_blocking=True)
         used = max(1, max(len(p) for p in page_ids))   # only a request's first pages are read
-        rows_of_pages = [list(p) + [0] * (used - len(p)) for p in page_ids]
-        rows_of_pages += [[0] * used] * (b.batch - len(page_ids))
-        b.page_table[:, :used].copy_(torch.tensor(rows_of_pages, dtype=torch.int32))
+        staged = self._page_staging(b.batch * used).view(b.batch, used)
+        pages = staged.numpy()
+        pages.fill(0)
+        for r, p in enumerate(page_ids):
+            pages[r, :len(p)] = p
+        b.page_table[:, :used].copy_(staged, non_blocking=True)
         if self.capture:
-            b.copied = torch.cuda.Event()
-            b.copied.record()
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _page_staging(self, n: int) -> Tensor:
+        """The first `n` int32 of a pinned buffer that grows as needed (steps never overlap)."""
+        if self._pages_host.numel() < n:
+            self._pages_host = torch.zeros(max(n, 2 * self._pages_host.numel()), dtype=torch.int32,
+                                           pin_memory=self.capture)
+        return self._pages_host[:n]
 
     # ---- the padded forward --------------------------------------------------------------------
     def _bucket(self, batch: int, nodes: int) -> _Bucket:
@@ -209,3 +229,7 @@ class VerifyGraphs:
         t0 = time.perf_counter()
         b.graph, b.output = capture(lambda: self._forward(b), self.device, self._pool)
         log.info("graph_captured", batch=b.batch, nodes=b.nodes, seconds=round(time.perf_counter() - t0, 2))
+
+
+def _host(t: Tensor | np.ndarray) -> np.ndarray:
+    return t.cpu().numpy() if isinstance(t, Tensor) else t

@@ -166,11 +166,19 @@ def select_experts(
 
 
 def route(hidden: Tensor, moe: MoEWeights, config: TargetConfig) -> Routing:
-    """Router logits in at least float32 (``hidden [N, hidden]``), then ``select_experts``."""
+    """Router logits in at least float32 (``hidden [N, hidden]``), then ``select_experts``: on CUDA
+    in one Triton launch (``kernels.moe_routing``), elsewhere the torch expression."""
     rdtype = torch.promote_types(hidden.dtype, torch.float32)
-    scores = torch.sigmoid(hidden.to(rdtype) @ moe.gate_weight.to(rdtype).T)  # [N, E]
+    logits = hidden.to(rdtype) @ moe.gate_weight.to(rdtype).T  # [N, E]
+    if logits.is_cuda and rdtype == torch.float32:
+        from kernels.moe_routing import select_experts_triton   # here: CPU runs never load triton
+
+        ids, weights = select_experts_triton(logits, moe.bias, config.num_experts_per_tok, config.n_group,
+                                             config.topk_group, config.norm_topk_prob,
+                                             config.routed_scaling_factor)
+        return Routing(ids=ids, weights=weights)
     return select_experts(
-        scores,
+        torch.sigmoid(logits),
         moe.bias,
         config.num_experts_per_tok,
         config.n_group,

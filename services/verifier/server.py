@@ -70,6 +70,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.settings = settings
         self.metrics = metrics or Metrics("verifier")
         self.metrics.kv_pages_free.set(self.engine.cache.pages_free)
+        if self.engine.model_device.type == "cuda":
+            # Read at scrape time: torch.cuda.memory_allocated builds the allocator's whole stats
+            # dict, a tenth of a demo-model verify step when it ran after every step.
+            device = self.engine.model_device
+            self.metrics.gpu_memory_allocated.set_function(lambda: torch.cuda.memory_allocated(device))
         # Engine calls run in worker threads; a thread cannot be cancelled with the coroutine that
         # awaits it (a draft dying mid-step cancels its stream), so exclusion is a thread lock held
         # for the whole call, never an asyncio lock that a cancellation would release early.
@@ -210,8 +215,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         else:
             verify = None
         self.metrics.step_ms.labels("verify").observe((time.perf_counter() - t0) * 1e3)
-        features = [prefill.features] + ([verify.features] if verify is not None else [])
-        bundle = peer.writer.write({"features": torch.cat(features)})
+        parts = [f for f in (prefill.features, verify.features if verify is not None else None)
+                 if f is not None and f.shape[0]]
+        features = prefill.features if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+        bundle = peer.writer.write({"features": features})
         self._observe()
         return verifier_pb2.VerifyResponse(
             sequence=req.sequence,
@@ -221,14 +228,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _observe(self) -> None:
         """Gauges that show whether a dead draft gave everything back: KV pages, requests, peers,
-        ring slots, and the GPU bytes its ring held."""
+        ring slots (and, read at scrape time, the GPU bytes its ring held)."""
         peers = list(self._peers.values())
         self.metrics.kv_pages_free.set(self.engine.cache.pages_free)
         self.metrics.running.set(self.engine.active_requests)
         self.metrics.peers.set(len(peers))
         self.metrics.ring_slots_in_use.set(sum(p.writer.slots_in_use for p in peers))
-        if self.engine.model_device.type == "cuda":
-            self.metrics.gpu_memory_allocated.set(torch.cuda.memory_allocated(self.engine.model_device))
 
 
 def _item_pb(o) -> verifier_pb2.ItemResult:

@@ -1,0 +1,107 @@
+"""DeepSeek-V3 expert selection (noaux_tc) in one Triton launch, from the router's logits.
+
+Why: the torch expression (`services.verifier.moe.select_experts` after a sigmoid) is 8 launches a
+MoE layer with one expert group (Kimi-K2) and about 15 with several (DeepSeek-V3, the demo model):
+sigmoid, bias, the group pass (top-2 sums, group top-k, mask), top-k, gather, normalise, scale. At
+decode and verify batch sizes each of them is a few microseconds of launch for a few hundred bytes
+of work, repeated in all 60 MoE layers. One program per token does all of it in registers: it reads
+the token's E logits once and writes its top_k ids and weights.
+
+Semantics are `select_experts`'s: scores = sigmoid(logits); choice = scores + bias; groups ranked by
+the sum of their two best choices, the best `topk_group` kept; the `top_k` best choices among the
+kept groups' experts, best first; weights = their unbiased scores, divided by their sum (plus 1e-20)
+when `norm_topk_prob`, times `routed_scaling_factor`. Equal choices go to the lower expert id (torch's
+top-k leaves their order open; random logits make them vanishingly rare).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels.device import on_input_device
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - only where triton is not installed
+    triton = None
+    tl = None
+
+__all__ = ["select_experts_triton"]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _select_experts_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_l, scale,
+                               E: tl.constexpr, GROUP_E: tl.constexpr, TOP_K: tl.constexpr,
+                               TOPK_GROUP: tl.constexpr, USE_GROUPS: tl.constexpr, NORM: tl.constexpr,
+                               BLOCK_G: tl.constexpr, BLOCK_GE: tl.constexpr, BLOCK_K: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        g = tl.arange(0, BLOCK_G)[:, None]                         # [G, 1] group
+        j = tl.arange(0, BLOCK_GE)[None, :]                        # [1, GE] expert within the group
+        e = g * GROUP_E + j                                        # [G, GE] expert id
+        valid = (j < GROUP_E) & (e < E)
+        x = tl.load(logits_ptr + row * stride_l + e, mask=valid, other=0.0).to(tl.float32)
+        scores = 1.0 / (1.0 + tl.exp(-x))
+        choice = scores + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+        choice = tl.where(valid, choice, float("-inf"))
+        if USE_GROUPS:
+            # A group's rank is the sum of its two best choices (the best one taken out once).
+            best = tl.max(choice, 1)                                                   # [G]
+            first = tl.min(tl.where(choice == best[:, None], j, BLOCK_GE), 1)          # [G]
+            second = tl.max(tl.where(j == first[:, None], float("-inf"), choice), 1)   # [G]
+            gid = tl.arange(0, BLOCK_G)
+            rank = tl.where(gid < E // GROUP_E, best + second, float("-inf"))          # [G]
+            kept = gid < 0                                                             # [G] all False
+            for _ in tl.static_range(TOPK_GROUP):
+                top = tl.max(rank, 0)
+                pick = tl.min(tl.where(rank == top, gid, BLOCK_G), 0)
+                kept = kept | (gid == pick)
+                rank = tl.where(gid == pick, float("-inf"), rank)
+            choice = tl.where(kept[:, None], choice, float("-inf"))
+        slot = tl.arange(0, BLOCK_K)
+        ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+        weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for t in tl.static_range(TOP_K):
+            top = tl.max(tl.max(choice, 1), 0)
+            pick = tl.min(tl.min(tl.where(valid & (choice == top), e, E), 1), 0)
+            w = tl.sum(tl.sum(tl.where(valid & (e == pick), scores, 0.0), 1), 0)   # padding aliases ids
+            ids = tl.where(slot == t, pick.to(tl.int64), ids)
+            weights = tl.where(slot == t, w, weights)
+            choice = tl.where(e == pick, float("-inf"), choice)
+        if NORM:
+            weights = weights / (tl.sum(weights, 0) + 1e-20)
+        out = row * TOP_K + slot
+        tl.store(ids_ptr + out, ids, mask=slot < TOP_K)
+        tl.store(weights_ptr + out, weights * scale, mask=slot < TOP_K)
+
+
+@on_input_device
+def select_experts_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int,
+                          norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[Tensor, Tensor]:
+    """Router logits ``[N, E]`` (float32) -> expert ids ``[N, top_k]`` int64 and weights float32."""
+    if triton is None:
+        raise RuntimeError("select_experts_triton needs triton")
+    N, E = logits.shape
+    if bias.shape != (E,):
+        raise ValueError(f"bias must be [{E}], got {tuple(bias.shape)}")
+    if E % n_group or not 1 <= top_k <= E or not 1 <= topk_group <= n_group:
+        raise ValueError(f"cannot pick {top_k} of {E} experts from {topk_group} of {n_group} groups")
+    use_groups = topk_group < n_group          # every group kept (Kimi-K2): the group pass selects nothing
+    if use_groups and (E // n_group < 2 or topk_group * (E // n_group) < top_k):
+        raise ValueError(f"{topk_group} groups of {E // n_group} experts cannot rank by two or hold {top_k}")
+    groups, per_group = (n_group, E // n_group) if use_groups else (1, E)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    ids = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
+    if N:
+        block = triton.next_power_of_2(groups) * triton.next_power_of_2(per_group)
+        _select_experts_kernel[(N,)](
+            logits, bias.contiguous(), ids, weights, logits.stride(0), float(routed_scaling_factor),
+            E=E, GROUP_E=per_group, TOP_K=top_k, TOPK_GROUP=topk_group, USE_GROUPS=use_groups,
+            NORM=bool(norm_topk_prob and top_k > 1), BLOCK_G=triton.next_power_of_2(groups),
+            BLOCK_GE=triton.next_power_of_2(per_group), BLOCK_K=triton.next_power_of_2(top_k),
+            num_warps=4 if block <= 512 else 8)
+    return ids, weights
