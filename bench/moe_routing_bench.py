@@ -46,6 +46,7 @@ def main() -> None:
             ids, weights = select_experts_triton(logits, bias, top_k, groups, topk_group, True, scale)
             same_ids = (ids == want.ids).all(dim=1).float().mean().item()
             weight_err = (weights - want.weights).abs().max().item()
+            same_weights = (weights == want.weights).float().mean().item()
 
             def torch_select():
                 return select_experts(torch.sigmoid(logits), bias, top_k, groups, topk_group, True, scale)
@@ -55,6 +56,7 @@ def main() -> None:
 
             row = {"shape": name, "tokens": n, "experts": e, "n_group": groups, "topk_group": topk_group,
                    "top_k": top_k, "rows_with_equal_ids": round(same_ids, 6), "max_weight_abs_diff": weight_err,
+                   "weights_bitwise_equal": round(same_weights, 6),
                    "torch_select_us": round(graph_replay_us([torch_select]), 2),
                    "triton_select_us": round(graph_replay_us([triton_select]), 2),
                    "torch_route_us": round(graph_replay_us([lambda: (x.float() @ gate.T, torch_select())]), 2),

@@ -16,6 +16,8 @@ top-k leaves their order open; random logits make them vanishingly rare).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -24,6 +26,7 @@ from kernels.device import on_input_device
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - only where triton is not installed
     triton = None
     tl = None
@@ -37,14 +40,16 @@ if triton is not None:
     def _select_experts_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_l, scale,
                                E: tl.constexpr, GROUP_E: tl.constexpr, TOP_K: tl.constexpr,
                                TOPK_GROUP: tl.constexpr, USE_GROUPS: tl.constexpr, NORM: tl.constexpr,
-                               BLOCK_G: tl.constexpr, BLOCK_GE: tl.constexpr, BLOCK_K: tl.constexpr):
+                               BLOCK_G: tl.constexpr, BLOCK_GE: tl.constexpr, BLOCK_K: tl.constexpr,
+                               LIBDEVICE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         g = tl.arange(0, BLOCK_G)[:, None]                         # [G, 1] group
         j = tl.arange(0, BLOCK_GE)[None, :]                        # [1, GE] expert within the group
         e = g * GROUP_E + j                                        # [G, GE] expert id
         valid = (j < GROUP_E) & (e < E)
         x = tl.load(logits_ptr + row * stride_l + e, mask=valid, other=0.0).to(tl.float32)
-        scores = 1.0 / (1.0 + tl.exp(-x))
+        # torch's sigmoid bit for bit: IEEE exp and divide (the interpreter's numpy exp already is)
+        scores = tl.math.div_rn(1.0, 1.0 + (libdevice.exp(-x) if LIBDEVICE else tl.exp(-x)))
         choice = scores + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
         choice = tl.where(valid, choice, float("-inf"))
         if USE_GROUPS:
@@ -72,7 +77,7 @@ if triton is not None:
             weights = tl.where(slot == t, w, weights)
             choice = tl.where(e == pick, float("-inf"), choice)
         if NORM:
-            weights = weights / (tl.sum(weights, 0) + 1e-20)
+            weights = tl.math.div_rn(weights, tl.sum(weights, 0) + 1e-20)
         out = row * TOP_K + slot
         tl.store(ids_ptr + out, ids, mask=slot < TOP_K)
         tl.store(weights_ptr + out, weights * scale, mask=slot < TOP_K)
@@ -103,5 +108,5 @@ def select_experts_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int
             E=E, GROUP_E=per_group, TOP_K=top_k, TOPK_GROUP=topk_group, USE_GROUPS=use_groups,
             NORM=bool(norm_topk_prob and top_k > 1), BLOCK_G=triton.next_power_of_2(groups),
             BLOCK_GE=triton.next_power_of_2(per_group), BLOCK_K=triton.next_power_of_2(top_k),
-            num_warps=4 if block <= 512 else 8)
+            LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4 if block <= 512 else 8)
     return ids, weights
