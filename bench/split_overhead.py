@@ -5,9 +5,10 @@ no gRPC and no shared buffers. Three-process: `Stack` through the client SDK. Sa
 budget and greedy decoding; the outputs must match token for token. Also reports which transport
 the stack negotiated. Writes bench/results/split-overhead.json (TARGETS.md schema).
 
-Fairness: both sides are warmed the same way before anything is timed (one request on the first
-prompt, `--warmup-tokens` tokens, same budget: it compiles the per-budget tree kernel and the
-verifier's kernels), and both are timed the same way: a request's wall time from sending it to
+Fairness: both sides decode the same way (the stack's scheduler never pauses speculation here, as
+the in-process loop cannot) and are warmed the same way before anything is timed (one request on
+the first prompt, `--warmup-tokens` tokens, same budget: it compiles the per-budget tree kernel and
+the verifier's kernels), and both are timed the same way: a request's wall time from sending it to
 its last token, tok_s = tokens / wall over all prompts; step_ms = (wall - time to first token) /
 verify steps, the steps counted from the acceptance lengths each side reports. The two sides run
 alternately, `--reps` passes each, and each figure is the median pass, so drift (clocks, other
@@ -182,6 +183,10 @@ def main() -> None:
     env = {f"DDTREE_{s}_DEVICE": args.device for s in ("VERIFIER", "DRAFT")}
     env.update({f"DDTREE_{s}_DTYPE": args.dtype for s in ("VERIFIER", "DRAFT")})
     env["DDTREE_DRAFT_WARMUP_BUDGETS"] = str(args.budget)
+    # The same engine work on both sides: the scheduler's pause of speculation that does not pay
+    # (scheduler.spec_min_acceptance) has no in-process twin, and its autoregressive steps would
+    # count as steps of one token against the stack.
+    env["DDTREE_SCHEDULER_SPEC_MIN_ACCEPTANCE"] = "0"
     with Stack(StackSpec(model_path=str(model), scheduler_port=0, extra_env=env, startup_timeout_s=300.0)) as stack, \
             Client(stack.scheduler_address) as client:
         transport = client.model_info().transport

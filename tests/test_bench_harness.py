@@ -138,7 +138,7 @@ def test_split_overhead_end_to_end(tmp_path, ckpt):
     """T-split's script: both sides warmed and timed alike, step_ms on both, outputs identical."""
     out = tmp_path / "split.json"
     subprocess.run([sys.executable, "-m", "bench.split_overhead", "--model", str(ckpt), "--device", "cpu",
-                    "--prompts", "2", "--max-tokens", "8", "--reps", "2", "--commit", "0123abcd", "--out", str(out)],
+                    "--prompts", "2", "--max-tokens", "24", "--reps", "2", "--commit", "0123abcd", "--out", str(out)],
                    check=True, timeout=240, cwd=REPO, env=_env())
     doc = json.loads(out.read_text())
     assert (doc["benchmark"], doc["commit"], doc["gpu"]) == ("split-overhead", "0123abcd", "cpu")
@@ -148,6 +148,9 @@ def test_split_overhead_end_to_end(tmp_path, ckpt):
         assert r["concurrency"] == 1 and r["tok_s"] > 0 and r["step_ms"] > 0 and len(r["tok_s_passes"]) == 2
     st = rows["three_process"]
     assert st["identical_outputs"] == 2 and st["transport"] == "shm"
+    # The same decoding on both sides: a random target accepts ~1 token a step, which would make
+    # the stack's scheduler pause speculation within 24 tokens were it not off here.
+    assert st["mean_acceptance"] == rows["in_process"]["mean_acceptance"]
     assert st["ratio"] == pytest.approx(st["tok_s"] / rows["in_process"]["tok_s"], abs=1e-3)
 
 
