@@ -121,6 +121,28 @@ def replay_alone_ms(side: InProcess, reps: int = 50) -> dict[str, float]:
     return out
 
 
+def replay_kernels(side: InProcess, key: tuple[int, int], reps: int = 5, top: int = 40) -> dict:
+    """The kernels of one bucket's replay (torch.profiler): per replay, how many of each and their
+    device time, largest first; what fusing launches would save."""
+    b = side.engine.graphs._bucket(*key)
+    b.graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            b.graph.replay()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name][0] += 1
+            by_name[e.name][1] += e.device_time_total
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return {"kernels_per_replay": round(sum(n for n, _ in by_name.values()) / reps, 1),
+            "device_us_per_replay": round(sum(us for _, us in by_name.values()) / reps, 1),
+            "top": [{"kernel": name[:120], "per_replay": round(n / reps, 1), "us": round(us / reps, 1)}
+                    for name, (n, us) in ranked[:top]]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="models/demo")
@@ -129,6 +151,7 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--profile-dir", default="")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--kernels", action="store_true", help="profile the 1x1 and 1x17 replays' kernels")
     p.add_argument("--commit", default="")
     args = p.parse_args()
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
@@ -180,6 +203,12 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     alone = replay_alone_ms(side) if graphs is not None else {}
     print("replay alone (ms, with sync):", alone, flush=True)
+    kernels = {}
+    if args.kernels and graphs is not None:
+        for key in ((1, 1), (1, 17)):
+            if key in graphs.captured:
+                kernels[f"{key[0]}x{key[1]}"] = replay_kernels(side, key)
+                print(f"{key}:", json.dumps(kernels[f"{key[0]}x{key[1]}"])[:3000], flush=True)
     if args.out:
         doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit),
                "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu", "copy_gbps": None,
@@ -187,7 +216,7 @@ def main() -> None:
                           "steps": args.steps, "note": "verify_stage_ms: medians over steps of the wall time "
                           "inside each named call; verify = the whole engine.verify call; graph_run includes "
                           "load and the replay call; the GPU wait lands in the rest of verify (posterior .cpu())"},
-               "replay_alone_ms": alone, "rows": rows}
+               "replay_alone_ms": alone, "replay_kernels": kernels, "rows": rows}
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
 
 
