@@ -49,8 +49,9 @@ if triton is not None:
 
 
 @on_input_device
-def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """:func:`rms_norm_reference` over the last dim of ``x`` [..., n] (rows may be strided)."""
+def rms_norm_triton(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+    """:func:`rms_norm_reference` over the last dim of ``x`` [..., n] (rows may be strided); into
+    ``out`` when given (2-D rows, e.g. a column slice of a larger tensor), else a new tensor."""
     if triton is None:
         raise RuntimeError("rms_norm_triton needs triton")
     n = x.shape[-1]
@@ -58,16 +59,23 @@ def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     assert x.stride(-1) == 1 and weight.stride(0) == 1, "the normalised dim must be contiguous"
     rows = x.reshape(-1, n) if x.dim() != 2 else x   # a view where the layout allows
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    if out is None:
+        dst = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    else:
+        assert out.shape == rows.shape and out.dtype == out_dtype and out.stride(-1) == 1, (
+            f"out must be {tuple(rows.shape)} {out_dtype} with a contiguous last dim")
+        dst = out
     if rows.shape[0]:
         block = triton.next_power_of_2(n)
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, eps,
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, dst, rows.stride(0), dst.stride(0), n, eps,
                                            BLOCK=block, num_warps=4 if block <= 2048 else 8)
-    return out.view(*x.shape[:-1], n)
+    return dst if out is not None else dst.view(*x.shape[:-1], n)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """One Triton launch on CUDA (float16/bfloat16/float32); the torch expression elsewhere."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+    """One Triton launch on CUDA (float16/bfloat16/float32); the torch expression elsewhere. With
+    ``out`` (2-D ``x`` only) the result is written there and returned."""
     if x.is_cuda and triton is not None and x.stride(-1) == 1 and x.dtype != torch.float64:
-        return rms_norm_triton(x, weight, eps)
-    return rms_norm_reference(x, weight, eps)
+        return rms_norm_triton(x, weight, eps, out=out)
+    ref = rms_norm_reference(x, weight, eps)
+    return ref if out is None else out.copy_(ref)

@@ -23,7 +23,7 @@ from services.verifier.config import TargetConfig
 from services.verifier.kv_cache import PagedKVCache
 from services.verifier.moe import MLPWeights, MoEWeights, mlp_forward, moe_forward, uses_fused_kernel
 from services.verifier.parallel import TensorParallel, load_rank_slice
-from services.verifier.rope import RotaryTable, apply_rope_interleaved, softmax_scale
+from services.verifier.rope import RotaryTable, apply_rope, softmax_scale
 
 __all__ = [
     "ForwardBatch",
@@ -262,9 +262,10 @@ class TargetModel(torch.nn.Module):
 
     def _attention(
         self, a: AttentionWeights, h: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
-        meta: TreeAttentionMetadata | TreeAttentionDeviceMetadata,
-    ) -> tuple[Tensor, Tensor]:
-        """MLA for one layer; returns (output [N, hidden], new latent kv [N, kvr+rope])."""
+        meta: TreeAttentionMetadata | TreeAttentionDeviceMetadata, new_kv: Tensor,
+    ) -> Tensor:
+        """MLA for one layer: returns the output [N, hidden] and writes the tokens' new latent kv
+        [N, kvr+rope] into ``new_kv`` (the norm and the rope write their halves in place)."""
         c = self.config
         N = h.shape[0]
         H, nope, kvr = a.w_uk.shape[0], c.qk_nope_head_dim, c.kv_lora_rank  # this rank's heads
@@ -273,16 +274,15 @@ class TargetModel(torch.nn.Module):
         else:
             q = rms_norm(h @ a.q_a.T, a.q_a_norm, c.rms_norm_eps) @ a.q_b.T  # [N, H*(nope+rope)]
         q = q.view(N, H, c.qk_head_dim)  # [N, H, nope+rope]
-        q_pe = apply_rope_interleaved(q[..., nope:], cos.unsqueeze(1), sin.unsqueeze(1))  # [N, H, rope]
+        q_pe = apply_rope(q[..., nope:], cos, sin)  # [N, H, rope]
         q_latent = torch.einsum("nhd,hdk->nhk", q[..., :nope], a.w_uk)  # [N, H, kvr]
         kv = h @ a.kv_a.T  # [N, kvr+rope]
-        c_kv = rms_norm(kv[:, :kvr], a.kv_a_norm, c.rms_norm_eps)  # [N, kvr]
-        k_pe = apply_rope_interleaved(kv[:, kvr:], cos, sin)  # [N, rope]
-        new_kv = torch.cat([c_kv, k_pe], dim=-1)  # [N, kvr+rope]
+        rms_norm(kv[:, :kvr], a.kv_a_norm, c.rms_norm_eps, out=new_kv[:, :kvr])  # c_kv [N, kvr]
+        apply_rope(kv[:, kvr:], cos, sin, out=new_kv[:, kvr:])  # k_pe [N, rope]
         latent = tree_mla(q_latent, q_pe, kv_cache, new_kv, meta, self.softmax_scale,
                           backend=self.attention_backend)  # [N, H, kvr]
         out = torch.einsum("nhk,hvk->nhv", latent, a.w_uv).reshape(N, H * c.v_head_dim)  # [N, H*v]
-        return out @ a.o_proj.T, new_kv  # [N, hidden], [N, kvr+rope]
+        return out @ a.o_proj.T  # [N, hidden]
 
     @torch.inference_mode()
     def forward(
@@ -309,7 +309,7 @@ class TargetModel(torch.nn.Module):
         kept: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)  # [N, hidden]
-            attn_out, new_kv[i] = self._attention(layer.attn, h, cos, sin, cache.kv[i], batch.attn)
+            attn_out = self._attention(layer.attn, h, cos, sin, cache.kv[i], batch.attn, new_kv[i])
             x = x + self.tp.all_reduce(attn_out)
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)  # [N, hidden]
             if layer.moe is not None:

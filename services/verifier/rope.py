@@ -19,6 +19,7 @@ __all__ = [
     "softmax_scale",
     "RotaryTable",
     "apply_rope_interleaved",
+    "apply_rope",
     "rotate_half",
 ]
 
@@ -95,3 +96,16 @@ def apply_rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     d = x.shape[-1]
     x = x.unflatten(-1, (d // 2, 2)).transpose(-1, -2).flatten(-2)  # [..., d]
     return x * cos + rotate_half(x) * sin
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor | None = None) -> Tensor:
+    """`apply_rope_interleaved` with per-token ``cos`` / ``sin`` [N, d] for ``x`` [N, d] or [N, heads, d]:
+    one Triton launch on CUDA (``kernels.rope``, bit for bit the same), the torch expression
+    elsewhere. Into ``out`` when given (it may be a slice of a larger tensor)."""
+    if x.is_cuda and x.dtype != torch.float64:
+        from kernels.rope import rope_interleaved_triton   # here: CPU runs never load triton
+
+        return rope_interleaved_triton(x, cos, sin, out=out)
+    per_row = (cos, sin) if x.dim() == 2 else (cos.unsqueeze(1), sin.unsqueeze(1))
+    y = apply_rope_interleaved(x, *per_row)
+    return y if out is None else out.copy_(y)

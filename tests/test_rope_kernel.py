@@ -1,0 +1,72 @@
+"""kernels/rope.py: the one-launch interleaved rope (interpreter on the CPU) against
+`apply_rope_interleaved`, the torch expression: queries with heads, a key row, strided inputs, and
+writes into a slice of a larger tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.rms_norm import rms_norm, rms_norm_reference
+from kernels.rope import rope_interleaved_triton
+from services.verifier.rope import apply_rope, apply_rope_interleaved
+
+# The interpreter rounds float32 -> float16 to nearest, as the GPU does, so these compare bit for bit;
+# its bfloat16 conversion truncates, so bfloat16 is compared with a tolerance here (and bit for bit
+# on the GPU by bench/rope_check.py).
+
+
+def _inputs(n: int, rows: int, d: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(n, rows, d, generator=g)).to(dtype)
+    ang = torch.rand(n, d, generator=g) * 6.3
+    return x, ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+@pytest.mark.parametrize("n,rows,d,dtype", [(3, 8, 64, torch.float32), (5, 8, 32, torch.float16),
+                                            (2, 3, 6, torch.float32), (4, 1, 64, torch.float16)])
+def test_matches_the_torch_expression_bit_for_bit(n, rows, d, dtype):
+    x, cos, sin = _inputs(n, rows, d, dtype, seed=n * rows + d)
+    got = rope_interleaved_triton(x, cos, sin)
+    want = apply_rope_interleaved(x, cos.unsqueeze(1), sin.unsqueeze(1))
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got, want)
+    two_d = rope_interleaved_triton(x[:, 0], cos, sin)              # a key row: [N, d]
+    assert torch.equal(two_d, apply_rope_interleaved(x[:, 0], cos, sin))
+
+
+def test_bfloat16_within_rounding():
+    x, cos, sin = _inputs(4, 8, 64, torch.bfloat16, seed=7)
+    got = rope_interleaved_triton(x, cos, sin)
+    want = apply_rope_interleaved(x, cos.unsqueeze(1), sin.unsqueeze(1))
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=3e-2)
+
+
+def test_strided_views_and_out_slices():
+    # q [N, H, nope + rope]: the rope part is a strided view; the new latent kv [N, kvr + rope]
+    # takes the key's rope in its last columns and the normalised latent in its first.
+    g = torch.Generator().manual_seed(3)
+    N, H, nope, rope, kvr = 5, 4, 16, 8, 24
+    q = torch.randn(N, H, nope + rope, generator=g)
+    kv = torch.randn(N, kvr + rope, generator=g)
+    ang = torch.rand(N, rope, generator=g) * 6.3
+    cos, sin = ang.cos(), ang.sin()
+    q_pe = rope_interleaved_triton(q[..., nope:], cos, sin)
+    assert torch.equal(q_pe, apply_rope_interleaved(q[..., nope:], cos.unsqueeze(1), sin.unsqueeze(1)))
+    new_kv = torch.full((N, kvr + rope), float("nan"))
+    w = torch.rand(kvr, generator=g) + 0.5
+    assert rope_interleaved_triton(kv[:, kvr:], cos, sin, out=new_kv[:, kvr:]).data_ptr() == new_kv[:, kvr:].data_ptr()
+    rms_norm(kv[:, :kvr], w, 1e-6, out=new_kv[:, :kvr])   # the CPU path of the dispatcher
+    assert torch.isfinite(new_kv).all()                      # every element written
+    assert torch.equal(new_kv[:, kvr:], apply_rope_interleaved(kv[:, kvr:], cos, sin))
+    assert torch.equal(new_kv[:, :kvr], rms_norm_reference(kv[:, :kvr], w, 1e-6))
+    # The model's dispatcher takes per-token cos/sin for both shapes on the CPU too.
+    assert torch.equal(apply_rope(q[..., nope:], cos, sin), q_pe)
+
+
+def test_bad_shapes_are_refused():
+    x, cos, sin = _inputs(2, 2, 8, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="cos/sin"):
+        rope_interleaved_triton(x, cos[:, :4], sin[:, :4])
+    with pytest.raises(ValueError, match="out must be"):
+        rope_interleaved_triton(x, cos, sin, out=torch.empty(2, 2, 6))
