@@ -9,10 +9,14 @@ larger tensor (`out`), so the new latent kv needs no concatenation either.
 
 Exactness: torch computes each product and the sum in float32 and rounds each to the tensor's
 dtype; the kernel rounds at the same three places, so its output equals the torch expression's
-bit for bit (the products of two 16-bit floats are exact in float32).
+bit for bit. The products are `mul.rn` on the GPU: left to itself, LLVM narrows a product that is
+rounded to 16 bits into a 16-bit multiply and fuses it with the following add into one FMA, which
+skips a rounding (the interpreter's numpy products are exact already).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -22,6 +26,7 @@ from kernels.device import on_input_device
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - only where triton is not installed
     triton = None
     tl = None
@@ -32,30 +37,34 @@ __all__ = ["rope_interleaved_triton"]
 if triton is not None:
 
     @triton.jit
+    def _mul(a, b, EXACT: tl.constexpr):
+        # mul.rn: LLVM would otherwise narrow a product rounded to 16 bits into a 16-bit multiply
+        # and fuse it with the next add into one FMA, skipping a rounding torch does.
+        return libdevice.mul_rn(a, b) if EXACT else a * b
+
+    @triton.jit
     def _rope_interleaved_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, rows, stride_xt, stride_xr, stride_ct,
                                  stride_st, stride_ot, stride_or, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-                                 BLOCK_H: tl.constexpr):
+                                 BLOCK_H: tl.constexpr, EXACT: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         r = tl.arange(0, BLOCK_R)[:, None]                       # [R, 1] row of this token (a head)
         j = tl.arange(0, BLOCK_H)[None, :]                       # [1, H] rotation pair
         ok = (r < rows) & (j < HALF)
         x_row = x_ptr + token * stride_xt + r * stride_xr
-        even = tl.load(x_row + 2 * j, mask=ok, other=0.0)        # de-interleaved first half
-        odd = tl.load(x_row + 2 * j + 1, mask=ok, other=0.0)     # de-interleaved second half
-        dt = even.dtype
-        c_lo = tl.load(cos_ptr + token * stride_ct + j, mask=j < HALF, other=0.0)
-        c_hi = tl.load(cos_ptr + token * stride_ct + HALF + j, mask=j < HALF, other=0.0)
-        s_lo = tl.load(sin_ptr + token * stride_st + j, mask=j < HALF, other=0.0)
-        s_hi = tl.load(sin_ptr + token * stride_st + HALF + j, mask=j < HALF, other=0.0)
-        # y * cos + rotate_half(y) * sin with y = [even, odd], rotate_half(y) = [-odd, even];
-        # each product and the sum rounded to the dtype, as torch's elementwise ops round them.
-        lo = (even.to(tl.float32) * c_lo.to(tl.float32)).to(dt).to(tl.float32) \
-            + (-(odd.to(tl.float32)) * s_lo.to(tl.float32)).to(dt).to(tl.float32)
-        hi = (odd.to(tl.float32) * c_hi.to(tl.float32)).to(dt).to(tl.float32) \
-            + (even.to(tl.float32) * s_hi.to(tl.float32)).to(dt).to(tl.float32)
+        even = tl.load(x_row + 2 * j, mask=ok, other=0.0).to(tl.float32)      # de-interleaved first half
+        odd = tl.load(x_row + 2 * j + 1, mask=ok, other=0.0).to(tl.float32)   # de-interleaved second half
+        dt = out_ptr.dtype.element_ty
+        c_lo = tl.load(cos_ptr + token * stride_ct + j, mask=j < HALF, other=0.0).to(tl.float32)
+        c_hi = tl.load(cos_ptr + token * stride_ct + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
+        s_lo = tl.load(sin_ptr + token * stride_st + j, mask=j < HALF, other=0.0).to(tl.float32)
+        s_hi = tl.load(sin_ptr + token * stride_st + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
+        # y * cos + rotate_half(y) * sin with y = [even, odd], rotate_half(y) = [-odd, even]; each
+        # product and the sum rounded to the dtype, as torch's elementwise ops round them.
+        lo = _mul(even, c_lo, EXACT).to(dt).to(tl.float32) + _mul(-odd, s_lo, EXACT).to(dt).to(tl.float32)
+        hi = _mul(odd, c_hi, EXACT).to(dt).to(tl.float32) + _mul(even, s_hi, EXACT).to(dt).to(tl.float32)
         out_row = out_ptr + token * stride_ot + r * stride_or
-        tl.store(out_row + j, lo.to(out_ptr.dtype.element_ty), mask=ok)
-        tl.store(out_row + HALF + j, hi.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_row + j, lo.to(dt), mask=ok)
+        tl.store(out_row + HALF + j, hi.to(dt), mask=ok)
 
 
 @on_input_device
@@ -80,5 +89,6 @@ def rope_interleaved_triton(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor | N
         _rope_interleaved_kernel[(N,)](
             rows3, cos, sin, out3, R, rows3.stride(0), rows3.stride(1), cos.stride(0), sin.stride(0),
             out3.stride(0), out3.stride(1), HALF=d // 2, BLOCK_R=triton.next_power_of_2(R),
-            BLOCK_H=triton.next_power_of_2(d // 2), num_warps=1 if R * d <= 1024 else 4)
+            BLOCK_H=triton.next_power_of_2(d // 2), EXACT=os.environ.get("TRITON_INTERPRET") != "1",
+            num_warps=1 if R * d <= 1024 else 4)
     return out
