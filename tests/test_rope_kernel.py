@@ -4,12 +4,20 @@ writes into a slice of a larger tensor."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from kernels.rms_norm import rms_norm, rms_norm_reference
 from kernels.rope import rope_interleaved_triton
 from services.verifier.rope import apply_rope, apply_rope_interleaved
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # The interpreter rounds float32 -> float16 to nearest, as the GPU does, so these compare bit for bit;
 # its bfloat16 conversion truncates, so bfloat16 is compared with a tolerance here (and bit for bit
@@ -70,3 +78,39 @@ def test_bad_shapes_are_refused():
         rope_interleaved_triton(x, cos[:, :4], sin[:, :4])
     with pytest.raises(ValueError, match="out must be"):
         rope_interleaved_triton(x, cos, sin, out=torch.empty(2, 2, 6))
+
+
+_SM90_BUILD = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.rope import _rope_interleaved_kernel as kernel
+
+names = kernel.arg_names
+types = {n: "*bf16" for n in names if n.endswith("_ptr")} | {n: "i32" for n in names if n == "rows" or n.startswith("stride_")}
+constexprs = {"HALF": 32, "BLOCK_R": 8, "BLOCK_H": 32, "EXACT": True}
+assert set(types) | set(constexprs) == set(names), f"kernel arguments changed: {names}"
+src = ASTSource(fn=kernel, signature={n: types.get(n, "constexpr") for n in names}, constexprs=constexprs)
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1)).asm["ptx"]
+body = [line.split("//")[0] for line in ptx.splitlines()]
+print(json.dumps({"fma": sum("fma" in line for line in body),
+                  "mul_rn_f32": sum("mul.rn" in line and ".f32" in line for line in body),
+                  "cvt_bf16": sum("cvt.rn.bf16.f32" in line for line in body)}))
+"""
+
+
+def test_sm90_build_rounds_each_product():
+    """The GPU build must round each product to 16 bits before the sum, as torch does: LLVM fuses a
+    product narrowed to bf16 with the add into one `fma.rn.bf16` unless the product is `mul.rn`
+    (that fusion made an earlier build differ from torch in the last bit). Compiled for sm_90 in a
+    child process, since this one runs Triton's interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", _SM90_BUILD], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert counts["fma"] == 0, "a product was fused with the sum"
+    assert counts["mul_rn_f32"] == 4 * 8            # 4 products x 8 rows a thread (one warp, 8 x 32 pairs)
+    assert counts["cvt_bf16"] >= 4 * 8
