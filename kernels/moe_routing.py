@@ -12,6 +12,11 @@ the sum of their two best choices, the best `topk_group` kept; the `top_k` best 
 kept groups' experts, best first; weights = their unbiased scores, divided by their sum (plus 1e-20)
 when `norm_topk_prob`, times `routed_scaling_factor`. Equal choices go to the lower expert id (torch's
 top-k leaves their order open; random logits make them vanishingly rare).
+
+Numerics: the scores are torch's float32 sigmoid bit for bit (IEEE exp and division; the fast
+approximations changed a weight's last bit, and through a near-tie a greedy path), so the same
+experts are chosen. The weights' sum adds the top_k values in another order than torch's reduction
+may; on every point of bench/results/moe_routing.json the weights were still torch's bit for bit.
 """
 
 from __future__ import annotations
