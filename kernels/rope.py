@@ -1,4 +1,4 @@
-"""DeepSeek-V3's interleaved rope in one Triton launch, bit for bit the torch expression.
+"""DeepSeek-V3's interleaved rope in one Triton launch, rounding where the torch expression rounds.
 
 Why: `services.verifier.rope.apply_rope_interleaved` is six launches (the de-interleave copy, a
 negation and a concatenation for rotate_half, two products, a sum), and an MLA layer applies it
@@ -8,10 +8,11 @@ of its rows (every head of q_pe, or the one k_pe row) and can write straight int
 larger tensor (`out`), so the new latent kv needs no concatenation either.
 
 Exactness: torch computes each product and the sum in float32 and rounds each to the tensor's
-dtype; the kernel rounds at the same three places, so its output equals the torch expression's
-bit for bit. The products are `mul.rn` on the GPU: left to itself, LLVM narrows a product that is
-rounded to 16 bits into a 16-bit multiply and fuses it with the following add into one FMA, which
-skips a rounding (the interpreter's numpy products are exact already).
+dtype; the kernel rounds at the same three places, so its output is the torch expression's bit for
+bit (tests/test_rope_kernel.py: the interpreter in fp32 / fp16, and the sm_90 build's PTX). The
+products are `mul.rn` on the GPU: left to itself, LLVM narrows a product that is rounded to 16
+bits into a 16-bit multiply and fuses it with the following add into one FMA, which skips a
+rounding (the interpreter's numpy products are exact already).
 """
 
 from __future__ import annotations

@@ -100,8 +100,8 @@ def apply_rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor | None = None) -> Tensor:
     """`apply_rope_interleaved` with per-token ``cos`` / ``sin`` [N, d] for ``x`` [N, d] or [N, heads, d]:
-    one Triton launch on CUDA (``kernels.rope``, bit for bit the same), the torch expression
-    elsewhere. Into ``out`` when given (it may be a slice of a larger tensor)."""
+    one Triton launch on CUDA (``kernels.rope``, rounding where the torch expression rounds), the
+    torch expression elsewhere. Into ``out`` when given (it may be a slice of a larger tensor)."""
     if x.is_cuda and x.dtype != torch.float64:
         from kernels.rope import rope_interleaved_triton   # here: CPU runs never load triton
 

@@ -72,7 +72,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.metrics.kv_pages_free.set(self.engine.cache.pages_free)
         if self.engine.model_device.type == "cuda":
             # Read at scrape time: torch.cuda.memory_allocated builds the allocator's whole stats
-            # dict, a tenth of a demo-model verify step when it ran after every step.
+            # dict, which stood out in a profile of the demo stack when it ran after every step.
             device = self.engine.model_device
             self.metrics.gpu_memory_allocated.set_function(lambda: torch.cuda.memory_allocated(device))
         # Engine calls run in worker threads; a thread cannot be cancelled with the coroutine that
