@@ -10,12 +10,13 @@ garbage trees. Torch's own ops follow their tensors; these host wrappers now do 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
-__all__ = ["on_input_device", "is_hopper"]
+__all__ = ["on_input_device", "is_hopper", "interpreted"]
 
 F = TypeVar("F", bound=Callable)
 
@@ -43,3 +44,9 @@ def is_hopper(device: torch.device) -> bool:
 @functools.cache
 def _capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
+
+
+def interpreted() -> bool:
+    """Whether Triton runs its CPU interpreter here (``TRITON_INTERPRET=1``), where libdevice calls
+    such as IEEE ``exp`` or ``mul.rn`` do not exist; its numpy arithmetic needs none of them."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

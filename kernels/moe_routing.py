@@ -21,12 +21,10 @@ may; on every point of bench/results/moe_routing.json the weights were still tor
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-from kernels.device import on_input_device
+from kernels.device import interpreted, on_input_device
 
 try:
     import triton
@@ -113,5 +111,5 @@ def select_experts_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int
             E=E, GROUP_E=per_group, TOP_K=top_k, TOPK_GROUP=topk_group, USE_GROUPS=use_groups,
             NORM=bool(norm_topk_prob and top_k > 1), BLOCK_G=triton.next_power_of_2(groups),
             BLOCK_GE=triton.next_power_of_2(per_group), BLOCK_K=triton.next_power_of_2(top_k),
-            LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4 if block <= 512 else 8)
+            LIBDEVICE=not interpreted(), num_warps=4 if block <= 512 else 8)
     return ids, weights

@@ -17,12 +17,10 @@ rounding (the interpreter's numpy products are exact already).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-from kernels.device import on_input_device
+from kernels.device import interpreted, on_input_device
 
 try:
     import triton
@@ -90,6 +88,6 @@ def rope_interleaved_triton(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor | N
         _rope_interleaved_kernel[(N,)](
             rows3, cos, sin, out3, R, rows3.stride(0), rows3.stride(1), cos.stride(0), sin.stride(0),
             out3.stride(0), out3.stride(1), HALF=d // 2, BLOCK_R=triton.next_power_of_2(R),
-            BLOCK_H=triton.next_power_of_2(d // 2), EXACT=os.environ.get("TRITON_INTERPRET") != "1",
+            BLOCK_H=triton.next_power_of_2(d // 2), EXACT=not interpreted(),
             num_warps=1 if R * d <= 1024 else 4)
     return out

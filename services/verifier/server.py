@@ -215,9 +215,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         else:
             verify = None
         self.metrics.step_ms.labels("verify").observe((time.perf_counter() - t0) * 1e3)
-        parts = [f for f in (prefill.features, verify.features if verify is not None else None)
-                 if f is not None and f.shape[0]]
-        features = prefill.features if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+        features = prefill.features
+        if verify is not None:   # a prefill part is usually empty: no concatenation then
+            features = torch.cat([features, verify.features]) if features.shape[0] else verify.features
         bundle = peer.writer.write({"features": features})
         self._observe()
         return verifier_pb2.VerifyResponse(
