@@ -2,7 +2,8 @@
 
 Why: the torch expression is about eight kernels (cast, square, mean, add, rsqrt, multiply, cast,
 scale); a K2 layer runs four norms, so at decode those tiny launches cost more than the norm's
-bytes. One program per row reads the row once and writes it once.
+bytes. One program per row reads the row once and writes it once. ``add_rms_norm`` also takes the
+decoder's residual add that precedes every norm but the first, one launch fewer each.
 
 Semantics (HF ``DeepseekV3RMSNorm``): statistics in float32, the normalised row rounded to the
 input dtype, then multiplied by the weight (rounded once more to the result dtype).
@@ -22,7 +23,7 @@ except ImportError:  # pragma: no cover - only where triton is not installed
     triton = None
     tl = None
 
-__all__ = ["rms_norm", "rms_norm_reference", "rms_norm_triton"]
+__all__ = ["rms_norm", "rms_norm_reference", "rms_norm_triton", "add_rms_norm", "add_rms_norm_reference", "add_rms_norm_triton"]
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -32,15 +33,25 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * xf.to(x.dtype)
 
 
+def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The decoder's residual step: ``x + residual`` (in ``x``'s dtype) and that sum normalised."""
+    total = x + residual
+    return total, rms_norm_reference(total, weight, eps)
+
+
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
-                         BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_sum, stride_out,
+                         n_cols, eps, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+        if RESIDUAL:  # x + residual rounded to x's dtype, as torch's add is; the norm reads that
+            r = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(sum_ptr + row * stride_sum + cols, x, mask=ok)
         xf = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
         normed = (xf * rstd).to(x.dtype).to(tl.float32)   # rounded to the input dtype, as HF does
@@ -67,9 +78,35 @@ def rms_norm_triton(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = 
         dst = out
     if rows.shape[0]:
         block = triton.next_power_of_2(n)
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, dst, rows.stride(0), dst.stride(0), n, eps,
-                                           BLOCK=block, num_warps=4 if block <= 2048 else 8)
+        _rms_norm_kernel[(rows.shape[0],)](rows, rows, rows, weight, dst, rows.stride(0), 0, 0, dst.stride(0), n, eps,
+                                           BLOCK=block, RESIDUAL=False, num_warps=_warps(block))
     return dst if out is not None else dst.view(*x.shape[:-1], n)
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 2048 else 8
+
+
+@on_input_device
+def add_rms_norm_triton(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """:func:`add_rms_norm_reference` in one launch over 2-D rows ``[N, n]``: a new sum tensor (``x`` is
+    left alone: a caller may hold it, e.g. as a layer's features) and the normalised rows."""
+    if triton is None:
+        raise RuntimeError("add_rms_norm_triton needs triton")
+    n = x.shape[-1]
+    assert x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype, (
+        f"x and residual must be one [N, n] shape and dtype, got {tuple(x.shape)} {x.dtype} / "
+        f"{tuple(residual.shape)} {residual.dtype}")
+    assert weight.shape == (n,), f"weight must be [{n}], got {tuple(weight.shape)}"
+    assert x.stride(-1) == residual.stride(-1) == weight.stride(0) == 1, "the normalised dim must be contiguous"
+    total = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dst = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if x.shape[0]:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(x.shape[0],)](x, residual, total, weight, dst, x.stride(0), residual.stride(0),
+                                        total.stride(0), dst.stride(0), n, eps,
+                                        BLOCK=block, RESIDUAL=True, num_warps=_warps(block))
+    return total, dst
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
@@ -79,3 +116,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -
         return rms_norm_triton(x, weight, eps, out=out)
     ref = rms_norm_reference(x, weight, eps)
     return ref if out is None else out.copy_(ref)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(x + residual, rms_norm(x + residual))``: one Triton launch on CUDA, bit for bit the two torch
+    steps it replaces (the add rounds to the dtype before the norm reads it); torch elsewhere."""
+    if (x.is_cuda and triton is not None and x.dim() == 2 and x.dtype != torch.float64
+            and x.stride(-1) == residual.stride(-1) == 1):
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_reference(x, residual, weight, eps)

@@ -1,11 +1,14 @@
-"""kernels/rms_norm.py: the Triton RMSNorm (interpreter on the CPU) against the torch reference."""
+"""kernels/rms_norm.py: the Triton RMSNorm and the fused residual add + RMSNorm (interpreter on the
+CPU) against the torch reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.rms_norm import rms_norm_reference, rms_norm_triton
+from kernels.rms_norm import (
+    add_rms_norm, add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, rms_norm_triton,
+)
 
 
 @pytest.mark.parametrize("rows,n,dtype", [(1, 7, torch.float32), (5, 96, torch.float32), (3, 128, torch.bfloat16),
@@ -32,3 +35,40 @@ def test_strided_rows_and_leading_dims():
     out = rms_norm_triton(x, w16, 1e-5)
     assert out.shape == (2, 3, 16)
     torch.testing.assert_close(out, rms_norm_reference(x, w16, 1e-5))
+
+
+@pytest.mark.parametrize("rows,n,dtype", [(1, 7, torch.float32), (5, 96, torch.float32), (3, 128, torch.float16),
+                                          (4, 256, torch.bfloat16)])
+def test_add_rms_norm_matches_the_two_steps(rows, n, dtype):
+    # The decoder's residual step: the sum is rounded to the dtype (as torch's add) and the norm
+    # reads that; x itself is left alone (a caller may hold it as a layer's features).
+    g = torch.Generator().manual_seed(rows * 10 + n)
+    x = (3 * torch.randn(rows, n, generator=g)).to(dtype)
+    r = (2 * torch.randn(rows + 1, n, generator=g)).to(dtype)[1:]        # a strided-start view
+    w = (1 + 0.3 * torch.randn(n, generator=g)).to(dtype)
+    x_before = x.clone()
+    total, normed = add_rms_norm_triton(x, r, w, 1e-6)
+    want_total, want_normed = add_rms_norm_reference(x, r, w, 1e-6)
+    assert torch.equal(x, x_before)
+    assert total.dtype == dtype and normed.shape == (rows, n)
+    if dtype == torch.bfloat16:   # the interpreter truncates to bf16; bit for bit on the GPU (bench/fused_ops_check.py)
+        torch.testing.assert_close(total.float(), want_total.float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(normed.float(), want_normed.float(), rtol=3e-2, atol=3e-2)
+    else:
+        assert torch.equal(total, want_total)
+        tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
+        torch.testing.assert_close(normed.float(), want_normed.float(), rtol=tol, atol=tol)
+        # the norm of the rounded sum, not of the exact one: equal to normalising ``total`` itself
+        torch.testing.assert_close(normed, rms_norm_triton(total, w, 1e-6), rtol=0, atol=0)
+
+
+def test_add_rms_norm_dispatch_and_refusals():
+    g = torch.Generator().manual_seed(5)
+    x, r, w = torch.randn(3, 16, generator=g), torch.randn(3, 16, generator=g), torch.rand(16, generator=g)
+    total, normed = add_rms_norm(x, r, w, 1e-6)           # CPU: the torch expression
+    torch.testing.assert_close(total, x + r, rtol=0, atol=0)
+    torch.testing.assert_close(normed, rms_norm_reference(x + r, w, 1e-6))
+    with pytest.raises(AssertionError, match="one \\[N, n\\] shape"):
+        add_rms_norm_triton(x, r[:2], w, 1e-6)
+    with pytest.raises(AssertionError, match="weight must be"):
+        add_rms_norm_triton(x, r, w[:8], 1e-6)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels.rms_norm import rms_norm  # one Triton launch on CUDA, torch elsewhere
+from kernels.rms_norm import add_rms_norm, rms_norm  # one Triton launch on CUDA, torch elsewhere
 from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata, tree_mla
 from services.common.checkpoint import CheckpointError, load_tensors, read_config, tensor_index
 from services.verifier.config import TargetConfig
@@ -157,13 +157,14 @@ class ForwardOutput:
 
 @dataclass
 class AttentionWeights:
-    """MLA weights with kv_b split into the absorbed W_UK / W_UV per head."""
+    """MLA weights with kv_b split into the absorbed W_UK / W_UV per head. The two projections of
+    the normed hidden state, q's (``q_a``, or ``q_proj`` without a q LoRA) and ``kv_a``, are stacked
+    in ``q_kv_a``: one GEMM, one launch and one weight stream."""
 
-    q_proj: Tensor | None  # [H*(nope+rope), hidden] when q_lora_rank is None
-    q_a: Tensor | None  # [q_lora, hidden]
-    q_a_norm: Tensor | None  # [q_lora]
+    q_kv_a: Tensor  # [q_rows + kvr+rope, hidden]: q_a (or q_proj) rows, then kv_a's
+    q_rows: int  # q_lora, or H*(nope+rope) without a q LoRA
+    q_a_norm: Tensor | None  # [q_lora]; None without a q LoRA
     q_b: Tensor | None  # [H*(nope+rope), q_lora]
-    kv_a: Tensor  # [kvr+rope, hidden]
     kv_a_norm: Tensor  # [kvr]
     w_uk: Tensor  # [H, nope, kvr]
     w_uv: Tensor  # [H, v, kvr]
@@ -215,12 +216,12 @@ class TargetModel(torch.nn.Module):
             a = p + "self_attn."
             kv_b = w(a + "kv_b_proj.weight").view(H, nope + v, c.kv_lora_rank)  # [H, nope+v, kvr]
             lora = c.q_lora_rank is not None
+            q_first = w(a + "q_a_proj.weight") if lora else w(a + "q_proj.weight")
             attn = AttentionWeights(
-                q_proj=None if lora else w(a + "q_proj.weight"),
-                q_a=w(a + "q_a_proj.weight") if lora else None,
+                q_kv_a=torch.cat([q_first, w(a + "kv_a_proj_with_mqa.weight")]),
+                q_rows=q_first.shape[0],
                 q_a_norm=w(a + "q_a_layernorm.weight") if lora else None,
                 q_b=w(a + "q_b_proj.weight") if lora else None,
-                kv_a=w(a + "kv_a_proj_with_mqa.weight"),
                 kv_a_norm=w(a + "kv_a_layernorm.weight"),
                 w_uk=kv_b[:, :nope].contiguous(),
                 w_uv=kv_b[:, nope:].contiguous(),
@@ -231,7 +232,7 @@ class TargetModel(torch.nn.Module):
             if c.is_moe_layer(i):
                 moe = MoEWeights.from_checkpoint(weights, m, c, dtype, self.device)
             else:
-                mlp = MLPWeights(w(m + "gate_proj.weight"), w(m + "up_proj.weight"), w(m + "down_proj.weight"))
+                mlp = MLPWeights.stack(w(m + "gate_proj.weight"), w(m + "up_proj.weight"), w(m + "down_proj.weight"))
             self.layers.append(
                 DecoderLayerWeights(w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight"), attn, mlp, moe)
             )
@@ -269,14 +270,13 @@ class TargetModel(torch.nn.Module):
         c = self.config
         N = h.shape[0]
         H, nope, kvr = a.w_uk.shape[0], c.qk_nope_head_dim, c.kv_lora_rank  # this rank's heads
-        if a.q_proj is not None:
-            q = h @ a.q_proj.T  # [N, H*(nope+rope)]
-        else:
-            q = rms_norm(h @ a.q_a.T, a.q_a_norm, c.rms_norm_eps) @ a.q_b.T  # [N, H*(nope+rope)]
+        q_kv = h @ a.q_kv_a.T  # [N, q_rows + kvr+rope]
+        q, kv = q_kv[:, :a.q_rows], q_kv[:, a.q_rows:]  # [N, q_rows], [N, kvr+rope] (strided views)
+        if a.q_b is not None:
+            q = rms_norm(q, a.q_a_norm, c.rms_norm_eps) @ a.q_b.T  # [N, H*(nope+rope)]
         q = q.view(N, H, c.qk_head_dim)  # [N, H, nope+rope]
         q_pe = apply_rope(q[..., nope:], cos, sin)  # [N, H, rope]
         q_latent = torch.einsum("nhd,hdk->nhk", q[..., :nope], a.w_uk)  # [N, H, kvr]
-        kv = h @ a.kv_a.T  # [N, kvr+rope]
         rms_norm(kv[:, :kvr], a.kv_a_norm, c.rms_norm_eps, out=new_kv[:, :kvr])  # c_kv [N, kvr]
         apply_rope(kv[:, kvr:], cos, sin, out=new_kv[:, kvr:])  # k_pe [N, rope]
         latent = tree_mla(q_latent, q_pe, kv_cache, new_kv, meta, self.softmax_scale,
@@ -307,24 +307,25 @@ class TargetModel(torch.nn.Module):
         cos, sin = self.rope.lookup(batch.positions.to(self.device))  # [N, rope] each
         new_kv = torch.empty(L, N, c.kv_dim, dtype=self.dtype, device=self.device)  # [L, N, kvr+rope]
         kept: dict[int, Tensor] = {}
+        # Each residual add is fused with the norm that reads its sum (the next layer's input norm,
+        # after the last layer the final norm): ``x`` is the residual stream, ``h`` its normed form.
+        h = rms_norm(x, self.layers[0].input_norm, c.rms_norm_eps)  # [N, hidden]
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)  # [N, hidden]
             attn_out = self._attention(layer.attn, h, cos, sin, cache.kv[i], batch.attn, new_kv[i])
-            x = x + self.tp.all_reduce(attn_out)
-            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)  # [N, hidden]
+            x, h = add_rms_norm(x, self.tp.all_reduce(attn_out), layer.post_norm, c.rms_norm_eps)
             if layer.moe is not None:
                 mlp_out = moe_forward(h, layer.moe, c, routing_groups=batch.attn.num_requests)
             else:
                 mlp_out = mlp_forward(h, layer.mlp)
-            x = x + self.tp.all_reduce(mlp_out)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < L else self.norm_weight
+            x, h = add_rms_norm(x, self.tp.all_reduce(mlp_out), next_norm, c.rms_norm_eps)
             if i in feature_layers:
                 kept[i] = x
-        x = rms_norm(x, self.norm_weight, c.rms_norm_eps)  # [N, hidden]
         if L - 1 in kept:
-            kept[L - 1] = x
-        logits = (x @ self.lm_head_weight.T).float()  # [N, V / tp] this rank's vocabulary rows
+            kept[L - 1] = h   # HF's last hidden state is after the final norm
+        logits = (h @ self.lm_head_weight.T).float()  # [N, V / tp] this rank's vocabulary rows
         if feature_layers:
             features = torch.cat([kept[i] for i in feature_layers], dim=-1)  # [N, F*hidden]
         else:
-            features = x.new_empty(N, 0)
+            features = h.new_empty(N, 0)
         return ForwardOutput(logits=logits, features=features, new_kv=new_kv)

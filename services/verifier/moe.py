@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.swiglu import silu_mul  # one Triton launch on CUDA, torch elsewhere
 from services.common.int4 import Int4Weight, unpack_int4
 from services.verifier.config import TargetConfig
 
@@ -42,11 +43,24 @@ class Routing:
 
 @dataclass
 class MLPWeights:
-    """SwiGLU MLP (dense layers and shared experts)."""
+    """SwiGLU MLP (dense layers and shared experts). Gate and up are stacked, ``[gate; up]``, so one
+    GEMM computes both (one launch and one weight stream instead of two); ``gate`` / ``up`` are
+    views of the halves."""
 
-    gate: Tensor  # [I, hidden]
-    up: Tensor  # [I, hidden]
+    gate_up: Tensor  # [2I, hidden]
     down: Tensor  # [hidden, I]
+
+    @classmethod
+    def stack(cls, gate: Tensor, up: Tensor, down: Tensor) -> "MLPWeights":
+        return cls(torch.cat([gate, up]), down)
+
+    @property
+    def gate(self) -> Tensor:
+        return self.gate_up[: self.down.shape[1]]
+
+    @property
+    def up(self) -> Tensor:
+        return self.gate_up[self.down.shape[1]:]
 
 
 @dataclass
@@ -113,7 +127,8 @@ class MoEWeights:
         shared = None
         if config.n_shared_experts:
             sp = f"{prefix}shared_experts."
-            shared = MLPWeights(dense(f"{sp}gate_proj.weight"), dense(f"{sp}up_proj.weight"), dense(f"{sp}down_proj.weight"))
+            shared = MLPWeights.stack(dense(f"{sp}gate_proj.weight"), dense(f"{sp}up_proj.weight"),
+                                      dense(f"{sp}down_proj.weight"))
         return cls(
             gate_weight=weights[f"{prefix}gate.weight"].to(device=device, dtype=torch.promote_types(dtype, torch.float32)),
             bias=weights[f"{prefix}gate.e_score_correction_bias"].to(device=device, dtype=torch.promote_types(dtype, torch.float32)),
@@ -188,9 +203,11 @@ def route(hidden: Tensor, moe: MoEWeights, config: TargetConfig) -> Routing:
     )
 
 
-def mlp_forward(x: Tensor, w: MLPWeights) -> Tensor:
-    """SwiGLU: down(silu(gate x) * up x); ``x [N, hidden]`` -> ``[N, hidden]``."""
-    return (F.silu(x @ w.gate.T) * (x @ w.up.T)) @ w.down.T
+def mlp_forward(x: Tensor, w: MLPWeights, add_to: Tensor | None = None) -> Tensor:
+    """SwiGLU: down(silu(gate x) * up x); ``x [N, hidden]`` -> ``[N, hidden]``. ``add_to`` (e.g. the
+    routed experts' output) is added by the down GEMM itself (``addmm``: one launch, one rounding)."""
+    h = silu_mul(x @ w.gate_up.T)  # [N, I]
+    return h @ w.down.T if add_to is None else torch.addmm(add_to, h, w.down.T)
 
 
 def moe_forward(
@@ -210,7 +227,7 @@ def moe_forward(
         fused = uses_fused_kernel(x.device, x.dtype, moe.int4 is not None)
     out = _routed_fused(x, moe, config, routing, routing_groups) if fused else _routed_torch(x, moe, routing)
     if moe.shared is not None:
-        out = out + mlp_forward(x, moe.shared)
+        out = mlp_forward(x, moe.shared, add_to=out)
     assert out.shape[0] == N
     return out
 
