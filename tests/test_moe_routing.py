@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe_routing import ROUTER_PARTIALS_MAX_TOKENS, router_logits_partials, select_experts_triton
+from kernels.moe_routing import (
+    ROUTER_PARTIALS_MAX_TOKENS, RouterLogitsConfig, router_logits_partials, select_experts_triton,
+)
 from services.verifier.moe import select_experts
 
 # name -> (tokens, experts, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor)
@@ -67,18 +69,20 @@ def test_impossible_configs_are_refused(args, match):
         select_experts_triton(torch.randn(2, 8), bias, top_k, groups, topk_group, True, 1.0)
 
 
-@pytest.mark.parametrize("n,hidden,experts,splits", [(1, 512, 48, None), (5, 1024, 64, 3), (17, 320, 16, 1),
-                                                     (ROUTER_PARTIALS_MAX_TOKENS, 256, 40, 2)])
-def test_partial_logits_add_up_to_the_float32_matmul(n, hidden, experts, splits):
+@pytest.mark.parametrize("n,hidden,experts,cfg,splits", [
+    (1, 1024, 48, None, 2),                                           # the default: 512-wide ranges
+    (5, 1024, 64, RouterLogitsConfig(k_chunk=384, block_k=128), 3),   # ranges of several steps, the last short
+    (17, 320, 16, RouterLogitsConfig(k_chunk=4096, block_k=64), 1),   # one range; a last step past K
+    (ROUTER_PARTIALS_MAX_TOKENS, 256, 40, RouterLogitsConfig(k_chunk=128, block_k=128, block_e=32), 2),
+])
+def test_partial_logits_add_up_to_the_float32_matmul(n, hidden, experts, cfg, splits):
     # bf16 hidden states read as they are, a float32 router weight; odd sizes: a partial expert block
-    # (48, 40), a K range shorter than the rest (320 in 64-wide steps), the token limit itself
+    # (48, 40), K ranges that do not divide K, the token limit itself
     g = torch.Generator().manual_seed(n * 7 + hidden)
     h = torch.randn(n, hidden, generator=g).to(torch.bfloat16)
     w = 0.05 * torch.randn(experts, hidden, generator=g)
-    parts = router_logits_partials(h, w, splits=splits)
-    assert parts.dtype == torch.float32 and parts.shape[1:] == (n, experts)
-    if splits is not None:
-        assert parts.shape[0] == splits
+    parts = router_logits_partials(h, w, cfg)
+    assert parts.dtype == torch.float32 and parts.shape == (splits, n, experts)
     want = h.float() @ w.T
     torch.testing.assert_close(parts.sum(0), want, rtol=1e-5, atol=1e-5)
     # the selection adds the partials itself: the same experts as from the whole logits
