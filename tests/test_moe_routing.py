@@ -1,15 +1,12 @@
-"""kernels/moe_routing.py: the one-launch expert selection and the router's partial logits
-(interpreter on the CPU) against `select_experts` and the float32 matmul, the torch reference, on
-random router logits, weights and biases."""
+"""kernels/moe_routing.py: the one-launch expert selection (interpreter on the CPU) against
+`select_experts`, the torch reference, on random router logits and biases."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.moe_routing import (
-    ROUTER_PARTIALS_MAX_TOKENS, RouterLogitsConfig, router_logits_partials, select_experts_triton,
-)
+from kernels.moe_routing import select_experts_triton
 from services.verifier.moe import select_experts
 
 # name -> (tokens, experts, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor)
@@ -67,39 +64,3 @@ def test_impossible_configs_are_refused(args, match):
     bias, top_k, groups, topk_group = args
     with pytest.raises(ValueError, match=match):
         select_experts_triton(torch.randn(2, 8), bias, top_k, groups, topk_group, True, 1.0)
-
-
-@pytest.mark.parametrize("n,hidden,experts,cfg,splits", [
-    (1, 1024, 48, None, 2),                                           # the default: 512-wide ranges
-    (5, 1024, 64, RouterLogitsConfig(k_chunk=384, block_k=128), 3),   # ranges of several steps, the last short
-    (17, 320, 16, RouterLogitsConfig(k_chunk=4096, block_k=64), 1),   # one range; a last step past K
-    (ROUTER_PARTIALS_MAX_TOKENS, 256, 40, RouterLogitsConfig(k_chunk=128, block_k=128, block_e=32), 2),
-])
-def test_partial_logits_add_up_to_the_float32_matmul(n, hidden, experts, cfg, splits):
-    # bf16 hidden states read as they are, a float32 router weight; odd sizes: a partial expert block
-    # (48, 40), K ranges that do not divide K, the token limit itself
-    g = torch.Generator().manual_seed(n * 7 + hidden)
-    h = torch.randn(n, hidden, generator=g).to(torch.bfloat16)
-    w = 0.05 * torch.randn(experts, hidden, generator=g)
-    parts = router_logits_partials(h, w, cfg)
-    assert parts.dtype == torch.float32 and parts.shape == (splits, n, experts)
-    want = h.float() @ w.T
-    torch.testing.assert_close(parts.sum(0), want, rtol=1e-5, atol=1e-5)
-    # the selection adds the partials itself: the same experts as from the whole logits
-    bias = 0.1 * torch.randn(experts, generator=g)
-    groups = 8 if experts % 8 == 0 else 4
-    ids, weights = select_experts_triton(parts, bias, 4, groups, 2, True, 2.5)
-    ref = select_experts(torch.sigmoid(want), bias, 4, groups, 2, True, 2.5)
-    assert torch.equal(ids, ref.ids)
-    torch.testing.assert_close(weights, ref.weights, rtol=1e-5, atol=1e-6)
-
-
-def test_partial_logits_refuse_what_they_do_not_take():
-    w = torch.randn(16, 64)
-    with pytest.raises(ValueError, match="at most"):
-        router_logits_partials(torch.randn(ROUTER_PARTIALS_MAX_TOKENS + 1, 64), w)
-    with pytest.raises(ValueError, match="float32"):
-        router_logits_partials(torch.randn(2, 64), w.to(torch.bfloat16))
-    with pytest.raises(ValueError, match="float32"):
-        router_logits_partials(torch.randn(2, 64), w[:, :32])
-    assert router_logits_partials(torch.randn(0, 64), w).shape[1:] == (0, 16)

@@ -181,25 +181,17 @@ def select_experts(
 
 
 def route(hidden: Tensor, moe: MoEWeights, config: TargetConfig) -> Routing:
-    """Router logits in at least float32 (``hidden [N, hidden]``), then ``select_experts``. On CUDA in
-    float32: two Triton launches up to ``ROUTER_PARTIALS_MAX_TOKENS`` tokens (``kernels.moe_routing``:
-    partial logits over K ranges, then their sum and the selection), above that a cuBLAS GEMM and the
-    selection launch; elsewhere the torch expression."""
+    """Router logits in at least float32 (``hidden [N, hidden]``), then ``select_experts``: on CUDA
+    in one Triton launch (``kernels.moe_routing``), elsewhere the torch expression."""
     rdtype = torch.promote_types(hidden.dtype, torch.float32)
-    if hidden.is_cuda and rdtype == torch.float32:
-        from kernels.moe_routing import (   # here: CPU runs never load triton
-            ROUTER_PARTIALS_MAX_TOKENS, router_logits_partials, select_experts_triton,
-        )
+    logits = hidden.to(rdtype) @ moe.gate_weight.to(rdtype).T  # [N, E]
+    if logits.is_cuda and rdtype == torch.float32:
+        from kernels.moe_routing import select_experts_triton   # here: CPU runs never load triton
 
-        if hidden.shape[0] <= ROUTER_PARTIALS_MAX_TOKENS and hidden.stride(-1) == 1:
-            logits = router_logits_partials(hidden, moe.gate_weight)  # [S, N, E]
-        else:
-            logits = hidden.float() @ moe.gate_weight.T  # [N, E]
         ids, weights = select_experts_triton(logits, moe.bias, config.num_experts_per_tok, config.n_group,
                                              config.topk_group, config.norm_topk_prob,
                                              config.routed_scaling_factor)
         return Routing(ids=ids, weights=weights)
-    logits = hidden.to(rdtype) @ moe.gate_weight.to(rdtype).T  # [N, E]
     return select_experts(
         torch.sigmoid(logits),
         moe.bias,
