@@ -276,13 +276,16 @@ class TargetModel(torch.nn.Module):
             q = rms_norm(q, a.q_a_norm, c.rms_norm_eps) @ a.q_b.T  # [N, H*(nope+rope)]
         q = q.view(N, H, c.qk_head_dim)  # [N, H, nope+rope]
         q_pe = apply_rope(q[..., nope:], cos, sin)  # [N, H, rope]
-        q_latent = torch.einsum("nhd,hdk->nhk", q[..., :nope], a.w_uk)  # [N, H, kvr]
+        # Per-head products as batched GEMMs over strided views, which cuBLAS reads and writes as
+        # they lie: no copy of q_nope, no copy of the output into [N, H*v] (einsum made both).
+        q_latent = torch.bmm(q[..., :nope].transpose(0, 1), a.w_uk).transpose(0, 1)  # [N, H, kvr]
         rms_norm(kv[:, :kvr], a.kv_a_norm, c.rms_norm_eps, out=new_kv[:, :kvr])  # c_kv [N, kvr]
         apply_rope(kv[:, kvr:], cos, sin, out=new_kv[:, kvr:])  # k_pe [N, rope]
         latent = tree_mla(q_latent, q_pe, kv_cache, new_kv, meta, self.softmax_scale,
                           backend=self.attention_backend)  # [N, H, kvr]
-        out = torch.einsum("nhk,hvk->nhv", latent, a.w_uv).reshape(N, H * c.v_head_dim)  # [N, H*v]
-        return out @ a.o_proj.T  # [N, hidden]
+        out = torch.empty(N, H, c.v_head_dim, dtype=latent.dtype, device=latent.device)  # [N, H, v]
+        torch.bmm(latent.transpose(0, 1), a.w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return out.view(N, H * c.v_head_dim) @ a.o_proj.T  # [N, hidden]
 
     @torch.inference_mode()
     def forward(
