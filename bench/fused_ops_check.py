@@ -6,6 +6,9 @@ fresh random inputs, tokens 1 to 2176:
 * ``add_rms_norm`` (residual add + the next RMSNorm, one launch) against ``x + r`` then
   ``rms_norm``: the sum and the normed rows bit for bit, x untouched;
 * ``silu_mul`` (one launch from the stacked gate/up product) against ``F.silu(g) * u``: bit for bit;
+* ``mla_norm_rope`` (the q LoRA's norm, the latent kv's norm and the key's rope, one launch) against
+  the three launches it replaces (``rms_norm`` twice, ``rope_interleaved_triton``): bit for bit,
+  every new-kv element written;
 * the stacked GEMMs the model now runs, against the separate ones they replace: q_a (or q) with
   kv_a, the shared expert's gate with up, and the down GEMM adding the routed output (``addmm``).
   These are other cuBLAS calls, so not bit for bit: the fraction of equal elements and the largest
@@ -25,11 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import git_commit, graph_replay_us
+from kernels.mla_norm_rope import mla_norm_rope
 from kernels.rms_norm import add_rms_norm, rms_norm
+from kernels.rope import rope_interleaved_triton
 from kernels.swiglu import silu_mul
 
 # name -> (hidden, q rows of the stacked projection, kv_a rows, shared-expert intermediate)
 SHAPES = {"kimi_k2_rank": (7168, 1536, 576, 256), "demo": (256, 128, 160, 256)}
+ROPE = {"kimi_k2_rank": 64, "demo": 32}
 
 
 def _agreement(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
@@ -113,6 +119,32 @@ def main() -> None:
                 "down_add_separate_us": round(graph_replay_us([sep_dn]), 2),
                 "down_addmm_us": round(graph_replay_us([add_dn]), 2),
             })
+            rope = ROPE[name]
+            kvr = kv_rows - rope
+            q_kv = rand(n, q_rows + kv_rows, scale=3.0)
+            q_w, kv_w = (1 + 0.1 * torch.randn(q_rows, device="cuda", generator=g)).to(dt), \
+                (1 + 0.1 * torch.randn(kvr, device="cuda", generator=g)).to(dt)
+            ang = torch.rand(n, rope, device="cuda", generator=g) * 6.3
+            cos, sin = ang.cos().to(dt), ang.sin().to(dt)
+            kv_sep = torch.full((n, kv_rows), float("nan"), dtype=dt, device="cuda")
+            kv_fused = torch.full((n, kv_rows), float("nan"), dtype=dt, device="cuda")
+
+            def prep_separate():
+                rms_norm(q_kv[:, q_rows:q_rows + kvr], kv_w, 1e-6, out=kv_sep[:, :kvr])
+                rope_interleaved_triton(q_kv[:, q_rows + kvr:], cos, sin, out=kv_sep[:, kvr:])
+                return rms_norm(q_kv[:, :q_rows], q_w, 1e-6)
+
+            def prep_fused():
+                return mla_norm_rope(q_kv, q_rows, q_w, kv_w, cos, sin, 1e-6, kv_fused)
+
+            q_sep, q_fused = prep_separate(), prep_fused()
+            torch.cuda.synchronize()
+            row.update({
+                "mla_norm_rope_bitwise_equal": bool(torch.equal(q_fused, q_sep) and torch.equal(kv_fused, kv_sep)),
+                "mla_norm_rope_all_written": bool(torch.isfinite(kv_fused).all()),
+                "mla_norm_rope_separate_us": round(graph_replay_us([prep_separate]), 2),
+                "mla_norm_rope_fused_us": round(graph_replay_us([prep_fused]), 2),
+            })
             rows.append(row)
             print(json.dumps(row), flush=True)
     doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit), "gpu": torch.cuda.get_device_name(0),
@@ -121,8 +153,9 @@ def main() -> None:
                                                       for k, v in SHAPES.items()},
                       "timing": "CUDA-graph replay, median of 20 (includes the replay's own launch cost)",
                       "weights": "random bf16, std 0.02 (projections) / 0.05 (down)",
-                      "torch": "x + r then rms_norm; F.silu(g) * u; separate GEMMs; routed + down GEMM",
-                      "fused": "add_rms_norm; silu_mul; stacked GEMMs; addmm(routed, h, W_down^T)"},
+                      "torch": "x + r then rms_norm; F.silu(g) * u; separate GEMMs; routed + down GEMM; "
+                               "rms_norm x2 + rope_interleaved_triton",
+                      "fused": "add_rms_norm; silu_mul; stacked GEMMs; addmm(routed, h, W_down^T); mla_norm_rope"},
            "rows": rows}
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
 

@@ -52,11 +52,17 @@ if triton is not None:
             r = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
             tl.store(sum_ptr + row * stride_sum + cols, x, mask=ok)
+        _norm_store(x, w_ptr, out_ptr + row * stride_out, cols, ok, n_cols, eps)
+
+    @triton.jit
+    def _norm_store(x, w_ptr, out_row, cols, ok, n_cols, eps):
+        """Normalise one loaded row ``x`` (masked past ``n_cols``) and store it at ``out_row``; every
+        kernel that norms a row calls this, so all of them round and reduce alike."""
         xf = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
         normed = (xf * rstd).to(x.dtype).to(tl.float32)   # rounded to the input dtype, as HF does
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_row + cols, (normed * w).to(out_row.dtype.element_ty), mask=ok)
 
 
 @on_input_device
@@ -79,11 +85,12 @@ def rms_norm_triton(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = 
     if rows.shape[0]:
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows.shape[0],)](rows, rows, rows, weight, dst, rows.stride(0), 0, 0, dst.stride(0), n, eps,
-                                           BLOCK=block, RESIDUAL=False, num_warps=_warps(block))
+                                           BLOCK=block, RESIDUAL=False, num_warps=norm_warps(block))
     return dst if out is not None else dst.view(*x.shape[:-1], n)
 
 
-def _warps(block: int) -> int:
+def norm_warps(block: int) -> int:
+    """Warps of a norm launch over ``block`` columns (the reduction's layout, so its order, follows)."""
     return 4 if block <= 2048 else 8
 
 
@@ -105,7 +112,7 @@ def add_rms_norm_triton(x: Tensor, residual: Tensor, weight: Tensor, eps: float)
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(x.shape[0],)](x, residual, total, weight, dst, x.stride(0), residual.stride(0),
                                         total.stride(0), dst.stride(0), n, eps,
-                                        BLOCK=block, RESIDUAL=True, num_warps=_warps(block))
+                                        BLOCK=block, RESIDUAL=True, num_warps=norm_warps(block))
     return total, dst
 
 

@@ -48,20 +48,24 @@ if triton is not None:
         token = tl.program_id(0).to(tl.int64)
         r = tl.arange(0, BLOCK_R)[:, None]                       # [R, 1] row of this token (a head)
         j = tl.arange(0, BLOCK_H)[None, :]                       # [1, H] rotation pair
-        ok = (r < rows) & (j < HALF)
-        x_row = x_ptr + token * stride_xt + r * stride_xr
+        _rope_store(x_ptr + token * stride_xt + r * stride_xr, cos_ptr + token * stride_ct, sin_ptr + token * stride_st,
+                    out_ptr + token * stride_ot + r * stride_or, j, (r < rows) & (j < HALF), HALF, EXACT)
+
+    @triton.jit
+    def _rope_store(x_row, cos_row, sin_row, out_row, j, ok, HALF: tl.constexpr, EXACT: tl.constexpr):
+        """Rotate rows ``x_row`` ([R, 1] pointers; pairs ``j`` [1, H]) by one token's cos / sin into
+        ``out_row``; every kernel that ropes calls this, so all of them round alike."""
         even = tl.load(x_row + 2 * j, mask=ok, other=0.0).to(tl.float32)      # de-interleaved first half
         odd = tl.load(x_row + 2 * j + 1, mask=ok, other=0.0).to(tl.float32)   # de-interleaved second half
-        dt = out_ptr.dtype.element_ty
-        c_lo = tl.load(cos_ptr + token * stride_ct + j, mask=j < HALF, other=0.0).to(tl.float32)
-        c_hi = tl.load(cos_ptr + token * stride_ct + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
-        s_lo = tl.load(sin_ptr + token * stride_st + j, mask=j < HALF, other=0.0).to(tl.float32)
-        s_hi = tl.load(sin_ptr + token * stride_st + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
+        dt = out_row.dtype.element_ty
+        c_lo = tl.load(cos_row + j, mask=j < HALF, other=0.0).to(tl.float32)
+        c_hi = tl.load(cos_row + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
+        s_lo = tl.load(sin_row + j, mask=j < HALF, other=0.0).to(tl.float32)
+        s_hi = tl.load(sin_row + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
         # y * cos + rotate_half(y) * sin with y = [even, odd], rotate_half(y) = [-odd, even]; each
         # product and the sum rounded to the dtype, as torch's elementwise ops round them.
         lo = _mul(even, c_lo, EXACT).to(dt).to(tl.float32) + _mul(-odd, s_lo, EXACT).to(dt).to(tl.float32)
         hi = _mul(odd, c_hi, EXACT).to(dt).to(tl.float32) + _mul(even, s_hi, EXACT).to(dt).to(tl.float32)
-        out_row = out_ptr + token * stride_ot + r * stride_or
         tl.store(out_row + j, lo.to(dt), mask=ok)
         tl.store(out_row + HALF + j, hi.to(dt), mask=ok)
 

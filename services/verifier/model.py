@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kernels.mla_norm_rope import fusable as mla_fusable, mla_norm_rope
 from kernels.rms_norm import add_rms_norm, rms_norm  # one Triton launch on CUDA, torch elsewhere
 from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata, tree_mla
 from services.common.checkpoint import CheckpointError, load_tensors, read_config, tensor_index
@@ -261,6 +262,20 @@ class TargetModel(torch.nn.Module):
         c = self.config
         return PagedKVCache(c.num_hidden_layers, num_pages, page_size, c.kv_dim, self.dtype, self.device, shuffle_seed)
 
+    def _latent_norms(self, a: AttentionWeights, q_kv: Tensor, cos: Tensor, sin: Tensor, new_kv: Tensor) -> Tensor:
+        """From the stacked projection ``q_kv``: q's part, normed when there is a q LoRA, and the new
+        latent kv written into ``new_kv`` (normed latent, roped key). On CUDA in one launch
+        (``kernels.mla_norm_rope``, bit for bit the separate ones); elsewhere a norm and a rope each."""
+        c = self.config
+        kvr = c.kv_lora_rank
+        if q_kv.is_cuda and self.dtype != torch.float64 and (a.q_a_norm is None or mla_fusable(a.q_rows, kvr)):
+            q = mla_norm_rope(q_kv, a.q_rows, a.q_a_norm, a.kv_a_norm, cos, sin, c.rms_norm_eps, new_kv)
+            return q_kv[:, :a.q_rows] if q is None else q
+        q, kv = q_kv[:, :a.q_rows], q_kv[:, a.q_rows:]  # [N, q_rows], [N, kvr+rope] (strided views)
+        rms_norm(kv[:, :kvr], a.kv_a_norm, c.rms_norm_eps, out=new_kv[:, :kvr])  # c_kv [N, kvr]
+        apply_rope(kv[:, kvr:], cos, sin, out=new_kv[:, kvr:])  # k_pe [N, rope]
+        return q if a.q_a_norm is None else rms_norm(q, a.q_a_norm, c.rms_norm_eps)
+
     def _attention(
         self, a: AttentionWeights, h: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
         meta: TreeAttentionMetadata | TreeAttentionDeviceMetadata, new_kv: Tensor,
@@ -271,16 +286,14 @@ class TargetModel(torch.nn.Module):
         N = h.shape[0]
         H, nope, kvr = a.w_uk.shape[0], c.qk_nope_head_dim, c.kv_lora_rank  # this rank's heads
         q_kv = h @ a.q_kv_a.T  # [N, q_rows + kvr+rope]
-        q, kv = q_kv[:, :a.q_rows], q_kv[:, a.q_rows:]  # [N, q_rows], [N, kvr+rope] (strided views)
+        q = self._latent_norms(a, q_kv, cos, sin, new_kv)  # [N, q_rows]; new_kv filled
         if a.q_b is not None:
-            q = rms_norm(q, a.q_a_norm, c.rms_norm_eps) @ a.q_b.T  # [N, H*(nope+rope)]
+            q = q @ a.q_b.T  # [N, H*(nope+rope)]
         q = q.view(N, H, c.qk_head_dim)  # [N, H, nope+rope]
         q_pe = apply_rope(q[..., nope:], cos, sin)  # [N, H, rope]
         # Per-head products as batched GEMMs over strided views, which cuBLAS reads and writes as
         # they lie: no copy of q_nope, no copy of the output into [N, H*v] (einsum made both).
         q_latent = torch.bmm(q[..., :nope].transpose(0, 1), a.w_uk).transpose(0, 1)  # [N, H, kvr]
-        rms_norm(kv[:, :kvr], a.kv_a_norm, c.rms_norm_eps, out=new_kv[:, :kvr])  # c_kv [N, kvr]
-        apply_rope(kv[:, kvr:], cos, sin, out=new_kv[:, kvr:])  # k_pe [N, rope]
         latent = tree_mla(q_latent, q_pe, kv_cache, new_kv, meta, self.softmax_scale,
                           backend=self.attention_backend)  # [N, H, kvr]
         out = torch.empty(N, H, c.v_head_dim, dtype=latent.dtype, device=latent.device)  # [N, H, v]

@@ -1,0 +1,48 @@
+"""kernels/mla_norm_rope.py: the MLA layer's two latent norms and the key's rope in one launch
+(interpreter on the CPU) against the separate kernels it replaces, which match torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.mla_norm_rope import fusable, mla_norm_rope
+from kernels.rms_norm import rms_norm_triton
+from kernels.rope import rope_interleaved_triton
+
+
+def _inputs(n: int, q_rows: int, kvr: int, rope: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q_kv = (3 * torch.randn(n, q_rows + kvr + rope + 8, generator=g)).to(dtype)[:, 4:-4]   # rows strided
+    ang = torch.rand(n, rope, generator=g) * 6.3
+    q_w = (1 + 0.2 * torch.randn(q_rows, generator=g)).to(dtype)
+    kv_w = (1 + 0.2 * torch.randn(kvr, generator=g)).to(dtype)
+    return q_kv, q_w, kv_w, ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+@pytest.mark.parametrize("n,q_rows,kvr,rope,dtype", [(3, 96, 64, 16, torch.float32), (5, 128, 128, 32, torch.float16),
+                                                     (2, 48, 40, 8, torch.float32)])
+def test_equals_the_separate_launches(n, q_rows, kvr, rope, dtype):
+    q_kv, q_w, kv_w, cos, sin = _inputs(n, q_rows, kvr, rope, dtype, seed=n + q_rows)
+    new_kv = torch.full((n, kvr + rope), float("nan"), dtype=dtype)
+    q = mla_norm_rope(q_kv, q_rows, q_w, kv_w, cos, sin, 1e-6, new_kv)
+    want_kv = torch.empty(n, kvr + rope, dtype=dtype)
+    rms_norm_triton(q_kv[:, q_rows:q_rows + kvr], kv_w, 1e-6, out=want_kv[:, :kvr])
+    rope_interleaved_triton(q_kv[:, q_rows + kvr:], cos, sin, out=want_kv[:, kvr:])
+    assert torch.equal(q, rms_norm_triton(q_kv[:, :q_rows], q_w, 1e-6))
+    assert torch.equal(new_kv, want_kv)           # every element written (the NaN poison is gone)
+
+
+def test_without_a_q_lora_only_the_kv_part():
+    q_kv, _, kv_w, cos, sin = _inputs(4, 72, 32, 16, torch.float32, seed=3)
+    new_kv = torch.full((4, 48), float("nan"))
+    assert mla_norm_rope(q_kv, 72, None, kv_w, cos, sin, 1e-6, new_kv) is None
+    torch.testing.assert_close(new_kv[:, :32], rms_norm_triton(q_kv[:, 72:104], kv_w, 1e-6), rtol=0, atol=0)
+    torch.testing.assert_close(new_kv[:, 32:], rope_interleaved_triton(q_kv[:, 104:], cos, sin), rtol=0, atol=0)
+
+
+def test_shapes_it_refuses():
+    q_kv, q_w, kv_w, cos, sin = _inputs(2, 32, 32, 16, torch.float32, seed=4)
+    with pytest.raises(AssertionError, match="q_kv must be"):
+        mla_norm_rope(q_kv, 40, q_w, kv_w, cos, sin, 1e-6, torch.empty(2, 48))
+    assert fusable(1536, 512) and fusable(128, 128) and not fusable(4096, 512)
