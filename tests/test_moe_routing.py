@@ -64,3 +64,24 @@ def test_impossible_configs_are_refused(args, match):
     bias, top_k, groups, topk_group = args
     with pytest.raises(ValueError, match=match):
         select_experts_triton(torch.randn(2, 8), bias, top_k, groups, topk_group, True, 1.0)
+
+
+def test_route_takes_the_float32_upcast_it_is_given():
+    # the norm before the MoE hands the router its input upcast already: the same routing
+    import json
+    from pathlib import Path
+
+    from services.verifier.config import TargetConfig
+    from services.verifier.moe import MoEWeights, route
+
+    demo = Path(__file__).resolve().parent.parent / "models" / "demo" / "config.json"
+    cfg = TargetConfig.from_hf(json.loads(demo.read_text()))
+    g = torch.Generator().manual_seed(8)
+    E, hid = cfg.n_routed_experts, cfg.hidden_size
+    moe = MoEWeights(gate_weight=torch.randn(E, hid, generator=g) / hid ** 0.5, bias=0.1 * torch.randn(E, generator=g),
+                     w_gate=None, w_up=None, w_down=None, shared=None)
+    h = torch.randn(5, hid, generator=g).to(torch.bfloat16)
+    a, b = route(h, moe, cfg), route(h, moe, cfg, hidden_float32=h.float())
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.weights, b.weights)
+    other = route(h, moe, cfg, hidden_float32=-h.float())   # it reads what it is given, not a cast of h
+    assert not torch.equal(other.ids, a.ids)

@@ -72,3 +72,17 @@ def test_add_rms_norm_dispatch_and_refusals():
         add_rms_norm_triton(x, r[:2], w, 1e-6)
     with pytest.raises(AssertionError, match="weight must be"):
         add_rms_norm_triton(x, r, w[:8], 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_add_rms_norm_writes_the_float32_upcast(dtype):
+    # the MoE router's input: exactly the normed rows, upcast (no cast launch of its own)
+    g = torch.Generator().manual_seed(11)
+    x, r = (3 * torch.randn(4, 64, generator=g)).to(dtype), torch.randn(4, 64, generator=g).to(dtype)
+    w = (1 + 0.2 * torch.randn(64, generator=g)).to(dtype)
+    for fn in (add_rms_norm_triton, add_rms_norm_reference):
+        f32 = torch.full((4, 64), float("nan"))
+        _, normed = fn(x, r, w, 1e-6, f32)
+        assert torch.equal(f32, normed.float())
+    with pytest.raises(AssertionError, match="float32_copy must be"):
+        add_rms_norm_triton(x, r, w, 1e-6, torch.empty(4, 64, dtype=dtype))

@@ -180,11 +180,13 @@ def select_experts(
     return Routing(ids=ids, weights=w * routed_scaling_factor)
 
 
-def route(hidden: Tensor, moe: MoEWeights, config: TargetConfig) -> Routing:
-    """Router logits in at least float32 (``hidden [N, hidden]``), then ``select_experts``: on CUDA
-    in one Triton launch (``kernels.moe_routing``), elsewhere the torch expression."""
+def route(hidden: Tensor, moe: MoEWeights, config: TargetConfig, hidden_float32: Tensor | None = None) -> Routing:
+    """Router logits in at least float32 (``hidden [N, hidden]``; ``hidden_float32``, when the caller
+    has it, is that upcast already), then ``select_experts``: on CUDA in one Triton launch
+    (``kernels.moe_routing``), elsewhere the torch expression."""
     rdtype = torch.promote_types(hidden.dtype, torch.float32)
-    logits = hidden.to(rdtype) @ moe.gate_weight.to(rdtype).T  # [N, E]
+    up = hidden_float32 if hidden_float32 is not None and rdtype == torch.float32 else hidden.to(rdtype)
+    logits = up @ moe.gate_weight.to(rdtype).T  # [N, E]
     if logits.is_cuda and rdtype == torch.float32:
         from kernels.moe_routing import select_experts_triton   # here: CPU runs never load triton
 
@@ -211,7 +213,8 @@ def mlp_forward(x: Tensor, w: MLPWeights, add_to: Tensor | None = None) -> Tenso
 
 
 def moe_forward(
-    x: Tensor, moe: MoEWeights, config: TargetConfig, fused: bool | None = None, routing_groups: int | None = None
+    x: Tensor, moe: MoEWeights, config: TargetConfig, fused: bool | None = None, routing_groups: int | None = None,
+    x_float32: Tensor | None = None,
 ) -> Tensor:
     """Shared experts + routed experts.
 
@@ -220,9 +223,10 @@ def moe_forward(
     true; ``None`` picks it on CUDA for bf16/fp16 models with packed experts. Otherwise the torch
     loop below runs: the CPU path and the reference. ``routing_groups`` (the step's requests)
     steers the kernel's launch choice: a tree's nodes share experts (``choose_config``).
+    ``x_float32``: ``x`` upcast, for the float32 router (the norm before it writes one: no cast launch).
     """
     N = x.shape[0]
-    routing = route(x, moe, config)
+    routing = route(x, moe, config, x_float32)
     if fused is None:
         fused = uses_fused_kernel(x.device, x.dtype, moe.int4 is not None)
     out = _routed_fused(x, moe, config, routing, routing_groups) if fused else _routed_torch(x, moe, routing)
