@@ -52,6 +52,7 @@ class MLPWeights:
 
     @classmethod
     def stack(cls, gate: Tensor, up: Tensor, down: Tensor) -> "MLPWeights":
+        """From the checkpoint's three projections (gate and up are copied into one tensor)."""
         return cls(torch.cat([gate, up]), down)
 
     @property
@@ -185,8 +186,8 @@ def route(hidden: Tensor, moe: MoEWeights, config: TargetConfig, hidden_float32:
     has it, is that upcast already), then ``select_experts``: on CUDA in one Triton launch
     (``kernels.moe_routing``), elsewhere the torch expression."""
     rdtype = torch.promote_types(hidden.dtype, torch.float32)
-    up = hidden_float32 if hidden_float32 is not None and rdtype == torch.float32 else hidden.to(rdtype)
-    logits = up @ moe.gate_weight.to(rdtype).T  # [N, E]
+    wide = hidden_float32 if hidden_float32 is not None and rdtype == torch.float32 else hidden.to(rdtype)
+    logits = wide @ moe.gate_weight.to(rdtype).T  # [N, E]
     if logits.is_cuda and rdtype == torch.float32:
         from kernels.moe_routing import select_experts_triton   # here: CPU runs never load triton
 
