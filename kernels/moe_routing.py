@@ -13,6 +13,11 @@ kept groups' experts, best first; weights = their unbiased scores, divided by th
 when `norm_topk_prob`, times `routed_scaling_factor`. Equal choices go to the lower expert id (torch's
 top-k leaves their order open; random logits make them vanishingly rare).
 
+Split logits: ``parts > 1`` reads ``[N, parts * E]`` partial logits, part p in columns
+``[p * E, (p + 1) * E)``, and adds them last part first (``(lo + mid) + hi`` for three). The bf16
+router (`services.verifier.moe.split_bf16`) computes the float32 logits as one tensor-core GEMM over
+three bf16 matrices that sum to the float32 weight, and this kernel's loads do the sum: no launch.
+
 Numerics: the scores are torch's float32 sigmoid bit for bit (IEEE exp and division; the fast
 approximations changed a weight's last bit, and through a near-tie a greedy path), so the same
 experts are chosen. The weights' sum adds the top_k values in another order than torch's reduction
@@ -41,7 +46,7 @@ if triton is not None:
 
     @triton.jit
     def _select_experts_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_l, scale,
-                               E: tl.constexpr, GROUP_E: tl.constexpr, TOP_K: tl.constexpr,
+                               E: tl.constexpr, PARTS: tl.constexpr, GROUP_E: tl.constexpr, TOP_K: tl.constexpr,
                                TOPK_GROUP: tl.constexpr, USE_GROUPS: tl.constexpr, NORM: tl.constexpr,
                                BLOCK_G: tl.constexpr, BLOCK_GE: tl.constexpr, BLOCK_K: tl.constexpr,
                                LIBDEVICE: tl.constexpr):
@@ -50,7 +55,9 @@ if triton is not None:
         j = tl.arange(0, BLOCK_GE)[None, :]                        # [1, GE] expert within the group
         e = g * GROUP_E + j                                        # [G, GE] expert id
         valid = (j < GROUP_E) & (e < E)
-        x = tl.load(logits_ptr + row * stride_l + e, mask=valid, other=0.0).to(tl.float32)
+        x = tl.load(logits_ptr + row * stride_l + (PARTS - 1) * E + e, mask=valid, other=0.0).to(tl.float32)
+        for p in tl.static_range(2, PARTS + 1):   # the other parts, smallest first
+            x += tl.load(logits_ptr + row * stride_l + (PARTS - p) * E + e, mask=valid, other=0.0).to(tl.float32)
         # torch's sigmoid bit for bit: IEEE exp and divide (the interpreter's numpy exp already is)
         scores = tl.math.div_rn(1.0, 1.0 + (libdevice.exp(-x) if LIBDEVICE else tl.exp(-x)))
         choice = scores + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
@@ -88,11 +95,14 @@ if triton is not None:
 
 @on_input_device
 def select_experts_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int,
-                          norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[Tensor, Tensor]:
-    """Router logits ``[N, E]`` (float32) -> expert ids ``[N, top_k]`` int64 and weights float32."""
+                          norm_topk_prob: bool, routed_scaling_factor: float, parts: int = 1) -> tuple[Tensor, Tensor]:
+    """Router logits ``[N, E]`` (float32) -> expert ids ``[N, top_k]`` int64 and weights float32.
+    ``parts``: the logits come as ``[N, parts * E]`` partial sums, added here (module docstring)."""
     if triton is None:
         raise RuntimeError("select_experts_triton needs triton")
-    N, E = logits.shape
+    if parts < 1 or logits.dim() != 2 or logits.shape[1] % parts:
+        raise ValueError(f"logits must be [N, {parts} * E], got {tuple(logits.shape)}")
+    N, E = logits.shape[0], logits.shape[1] // parts
     if bias.shape != (E,):
         raise ValueError(f"bias must be [{E}], got {tuple(bias.shape)}")
     if E % n_group or not 1 <= top_k <= E or not 1 <= topk_group <= n_group:
@@ -108,7 +118,7 @@ def select_experts_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int
         block = triton.next_power_of_2(groups) * triton.next_power_of_2(per_group)
         _select_experts_kernel[(N,)](
             logits, bias.contiguous(), ids, weights, logits.stride(0), float(routed_scaling_factor),
-            E=E, GROUP_E=per_group, TOP_K=top_k, TOPK_GROUP=topk_group, USE_GROUPS=use_groups,
+            E=E, PARTS=parts, GROUP_E=per_group, TOP_K=top_k, TOPK_GROUP=topk_group, USE_GROUPS=use_groups,
             NORM=bool(norm_topk_prob and top_k > 1), BLOCK_G=triton.next_power_of_2(groups),
             BLOCK_GE=triton.next_power_of_2(per_group), BLOCK_K=triton.next_power_of_2(top_k),
             LIBDEVICE=not interpreted(), num_warps=4 if block <= 512 else 8)

@@ -85,3 +85,46 @@ def test_route_takes_the_float32_upcast_it_is_given():
     assert torch.equal(a.ids, b.ids) and torch.equal(a.weights, b.weights)
     other = route(h, moe, cfg, hidden_float32=-h.float())   # it reads what it is given, not a cast of h
     assert not torch.equal(other.ids, a.ids)
+
+
+def test_split_bf16_sums_to_the_float32_weight_exactly():
+    from services.verifier.moe import split_bf16
+
+    g = torch.Generator().manual_seed(21)
+    w = torch.cat([torch.randn(64, 96, generator=g) * s for s in (1e-12, 1e-3, 1.0, 1e20)])
+    parts = split_bf16(w)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (3, *w.shape)
+    assert torch.equal(parts.double().sum(0), w.double())          # float32's 24 bits in three parts
+    assert torch.equal(parts[0], w.to(torch.bfloat16))             # the first part is the plain rounding
+    two = split_bf16(w, parts=2)
+    assert not torch.equal(two.double().sum(0), w.double())        # two parts hold 16 bits, not 24
+
+
+@pytest.mark.parametrize("name", ["kimi_k2_one_group", "demo_model"])
+def test_partial_logits_are_added_smallest_part_first(name):
+    # select_experts_triton(parts=3) reads [N, 3E] partial logits (hi, mid, lo) and adds (lo + mid) + hi
+    from services.verifier.moe import split_bf16
+
+    n, e, groups, topk_group, top_k, norm, scale = CASES[name]
+    g = torch.Generator().manual_seed(e)
+    hid = 64
+    w = torch.randn(e, hid, generator=g) / hid ** 0.5
+    x = torch.randn(n, hid, generator=g).to(torch.bfloat16)
+    partial = torch.cat([x.float() @ part.float().T for part in split_bf16(w)], dim=1)   # [N, 3E]
+    bias = 0.1 * torch.randn(e, generator=g)
+    ids, weights = select_experts_triton(partial, bias, top_k, groups, topk_group, norm, scale, parts=3)
+    summed = (partial[:, 2 * e:] + partial[:, e:2 * e]) + partial[:, :e]
+    want = select_experts(torch.sigmoid(summed), bias, top_k, groups, topk_group, norm, scale)
+    assert torch.equal(ids, want.ids)
+    torch.testing.assert_close(weights, want.weights.float(), rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(summed, x.float() @ w.T, rtol=1e-5, atol=1e-5)   # the float32 logits
+    with pytest.raises(ValueError, match="logits must be"):
+        select_experts_triton(partial[:, 1:], bias, top_k, groups, topk_group, norm, scale, parts=3)
+
+
+def test_router_parts_only_on_cuda_for_bf16_models():
+    from services.verifier.moe import uses_router_parts
+
+    assert uses_router_parts(torch.device("cuda"), torch.bfloat16)
+    assert not uses_router_parts(torch.device("cuda"), torch.float16)    # fp16 parts lack the range
+    assert not uses_router_parts(torch.device("cpu"), torch.bfloat16)    # bf16 GEMM -> float32: CUDA only

@@ -328,9 +328,10 @@ class TargetModel(torch.nn.Module):
         h = rms_norm(x, self.layers[0].input_norm, c.rms_norm_eps)  # [N, hidden]
         for i, layer in enumerate(self.layers):
             attn_out = self._attention(layer.attn, h, cos, sin, cache.kv[i], batch.attn, new_kv[i])
-            # The MoE's float32 router reads the normed rows upcast: the norm writes that copy too.
+            # A float32 router (no bf16 parts) reads the normed rows upcast: the norm writes that copy too.
             h32 = torch.empty(N, c.hidden_size, dtype=torch.float32, device=self.device) \
-                if layer.moe is not None and self.dtype in (torch.bfloat16, torch.float16) else None
+                if layer.moe is not None and layer.moe.gate_parts is None \
+                and self.dtype in (torch.bfloat16, torch.float16) else None
             x, h = add_rms_norm(x, self.tp.all_reduce(attn_out), layer.post_norm, c.rms_norm_eps, float32_copy=h32)
             if layer.moe is not None:
                 mlp_out = moe_forward(h, layer.moe, c, routing_groups=batch.attn.num_requests, x_float32=h32)
