@@ -13,10 +13,11 @@ kept groups' experts, best first; weights = their unbiased scores, divided by th
 when `norm_topk_prob`, times `routed_scaling_factor`. Equal choices go to the lower expert id (torch's
 top-k leaves their order open; random logits make them vanishingly rare).
 
-Split logits: ``parts > 1`` reads ``[N, parts * E]`` partial logits, part p in columns
-``[p * E, (p + 1) * E)``, and adds them last part first (``(lo + mid) + hi`` for three). The bf16
-router (`services.verifier.moe.split_bf16`) computes the float32 logits as one tensor-core GEMM over
-three bf16 matrices that sum to the float32 weight, and this kernel's loads do the sum: no launch.
+Partial logits: the bf16 router (`services.verifier.moe.router_partial_logits`) computes the float32
+logits on the tensor cores as partial sums, ``[chunks, N, parts * E]``: per chunk of the hidden
+dims, one column block per bf16 part of the weight (part p in columns ``[p * E, (p + 1) * E)``).
+This kernel adds them as it loads them, last part first and chunk by chunk within a part (for three
+parts, lo then mid then hi): no launch of its own, and one order on every GPU.
 
 Numerics: the scores are torch's float32 sigmoid bit for bit (IEEE exp and division; the fast
 approximations changed a weight's last bit, and through a near-tie a greedy path), so the same
@@ -45,8 +46,9 @@ __all__ = ["select_experts_triton"]
 if triton is not None:
 
     @triton.jit
-    def _select_experts_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_l, scale,
-                               E: tl.constexpr, PARTS: tl.constexpr, GROUP_E: tl.constexpr, TOP_K: tl.constexpr,
+    def _select_experts_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_c, stride_l, scale,
+                               E: tl.constexpr, CHUNKS: tl.constexpr, PARTS: tl.constexpr, GROUP_E: tl.constexpr,
+                               TOP_K: tl.constexpr,
                                TOPK_GROUP: tl.constexpr, USE_GROUPS: tl.constexpr, NORM: tl.constexpr,
                                BLOCK_G: tl.constexpr, BLOCK_GE: tl.constexpr, BLOCK_K: tl.constexpr,
                                LIBDEVICE: tl.constexpr):
@@ -55,9 +57,11 @@ if triton is not None:
         j = tl.arange(0, BLOCK_GE)[None, :]                        # [1, GE] expert within the group
         e = g * GROUP_E + j                                        # [G, GE] expert id
         valid = (j < GROUP_E) & (e < E)
-        x = tl.load(logits_ptr + row * stride_l + (PARTS - 1) * E + e, mask=valid, other=0.0).to(tl.float32)
-        for p in tl.static_range(2, PARTS + 1):   # the other parts, smallest first
-            x += tl.load(logits_ptr + row * stride_l + (PARTS - p) * E + e, mask=valid, other=0.0).to(tl.float32)
+        x = tl.zeros([BLOCK_G, BLOCK_GE], dtype=tl.float32)
+        for p in tl.static_range(1, PARTS + 1):   # smallest part first (module docstring)
+            for c in tl.static_range(CHUNKS):
+                x += tl.load(logits_ptr + c * stride_c + row * stride_l + (PARTS - p) * E + e, mask=valid,
+                             other=0.0).to(tl.float32)
         # torch's sigmoid bit for bit: IEEE exp and divide (the interpreter's numpy exp already is)
         scores = tl.math.div_rn(1.0, 1.0 + (libdevice.exp(-x) if LIBDEVICE else tl.exp(-x)))
         choice = scores + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
@@ -97,12 +101,13 @@ if triton is not None:
 def select_experts_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int,
                           norm_topk_prob: bool, routed_scaling_factor: float, parts: int = 1) -> tuple[Tensor, Tensor]:
     """Router logits ``[N, E]`` (float32) -> expert ids ``[N, top_k]`` int64 and weights float32.
-    ``parts``: the logits come as ``[N, parts * E]`` partial sums, added here (module docstring)."""
+    Partial logits ``[chunks, N, parts * E]`` (or ``[N, parts * E]``) are added here (module docstring)."""
     if triton is None:
         raise RuntimeError("select_experts_triton needs triton")
-    if parts < 1 or logits.dim() != 2 or logits.shape[1] % parts:
-        raise ValueError(f"logits must be [N, {parts} * E], got {tuple(logits.shape)}")
-    N, E = logits.shape[0], logits.shape[1] // parts
+    chunked = logits if logits.dim() == 3 else logits.unsqueeze(0)
+    if parts < 1 or chunked.dim() != 3 or chunked.shape[2] % parts:
+        raise ValueError(f"logits must be [N, {parts} * E] or [chunks, N, {parts} * E], got {tuple(logits.shape)}")
+    N, E = chunked.shape[1], chunked.shape[2] // parts
     if bias.shape != (E,):
         raise ValueError(f"bias must be [{E}], got {tuple(bias.shape)}")
     if E % n_group or not 1 <= top_k <= E or not 1 <= topk_group <= n_group:
@@ -111,14 +116,14 @@ def select_experts_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int
     if use_groups and (E // n_group < 2 or topk_group * (E // n_group) < top_k):
         raise ValueError(f"{topk_group} groups of {E // n_group} experts cannot rank by two or hold {top_k}")
     groups, per_group = (n_group, E // n_group) if use_groups else (1, E)
-    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    ids = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
-    weights = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
+    chunked = chunked if chunked.stride(-1) == 1 else chunked.contiguous()
+    ids = torch.empty(N, top_k, dtype=torch.int64, device=chunked.device)
+    weights = torch.empty(N, top_k, dtype=torch.float32, device=chunked.device)
     if N:
         block = triton.next_power_of_2(groups) * triton.next_power_of_2(per_group)
         _select_experts_kernel[(N,)](
-            logits, bias.contiguous(), ids, weights, logits.stride(0), float(routed_scaling_factor),
-            E=E, PARTS=parts, GROUP_E=per_group, TOP_K=top_k, TOPK_GROUP=topk_group, USE_GROUPS=use_groups,
+            chunked, bias.contiguous(), ids, weights, chunked.stride(0), chunked.stride(1), float(routed_scaling_factor),
+            E=E, CHUNKS=chunked.shape[0], PARTS=parts, GROUP_E=per_group, TOP_K=top_k, TOPK_GROUP=topk_group, USE_GROUPS=use_groups,
             NORM=bool(norm_topk_prob and top_k > 1), BLOCK_G=triton.next_power_of_2(groups),
             BLOCK_GE=triton.next_power_of_2(per_group), BLOCK_K=triton.next_power_of_2(top_k),
             LIBDEVICE=not interpreted(), num_warps=4 if block <= 512 else 8)

@@ -122,6 +122,45 @@ def test_partial_logits_are_added_smallest_part_first(name):
         select_experts_triton(partial[:, 1:], bias, top_k, groups, topk_group, norm, scale, parts=3)
 
 
+def test_chunked_partial_logits_and_route_with_parts():
+    # router_partial_logits: [chunks, N, 3E] over chunks of the hidden dims (float32 bmm off CUDA);
+    # the kernel adds part by part (smallest first), chunk by chunk; route uses them for bf16 input
+    import json
+    from pathlib import Path
+
+    from services.verifier.config import TargetConfig
+    from services.verifier.moe import MoEWeights, route, router_partial_logits, split_bf16
+
+    demo = Path(__file__).resolve().parent.parent / "models" / "demo" / "config.json"
+    cfg = TargetConfig.from_hf(json.loads(demo.read_text()))
+    g = torch.Generator().manual_seed(9)
+    E, hid = cfg.n_routed_experts, cfg.hidden_size
+    w = torch.randn(E, hid, generator=g) / hid ** 0.5
+    parts = split_bf16(w).flatten(0, 1)
+    x = torch.randn(6, hid, generator=g).to(torch.bfloat16)
+    partial = router_partial_logits(x, parts, chunks=4)
+    assert partial.shape == (4, 6, 3 * E) and partial.dtype == torch.float32
+    c = hid // 4
+    for k in range(4):   # chunk k = hidden dims [k c, (k + 1) c) times each part
+        torch.testing.assert_close(partial[k], x[:, k * c:(k + 1) * c].float() @ parts[:, k * c:(k + 1) * c].float().T)
+    summed = torch.zeros(6, E)
+    for p in (2, 1, 0):
+        for k in range(4):
+            summed = summed + partial[k, :, p * E:(p + 1) * E]
+    torch.testing.assert_close(summed, x.float() @ w.T, rtol=1e-5, atol=1e-5)
+    bias = 0.1 * torch.randn(E, generator=g)
+    sel = (cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    ids, weights = select_experts_triton(partial, bias, *sel, parts=3)
+    want = select_experts(torch.sigmoid(summed), bias, *sel)
+    assert torch.equal(ids, want.ids)
+    torch.testing.assert_close(weights, want.weights.float(), rtol=2e-6, atol=1e-7)
+    moe = MoEWeights(gate_weight=w, bias=bias, w_gate=None, w_up=None, w_down=None, shared=None, gate_parts=parts)
+    r = route(x, moe, cfg)
+    assert torch.equal(r.ids, ids) and torch.equal(r.weights, weights)
+    odd = router_partial_logits(x[:, :248], parts[:, :248].contiguous(), chunks=4)   # 62 dims a chunk: not 16-byte aligned
+    assert odd.shape == (1, 6, 3 * E)
+
+
 def test_router_parts_only_on_cuda_for_bf16_models():
     from services.verifier.moe import uses_router_parts
 

@@ -26,6 +26,8 @@ __all__ = [
     "select_experts",
     "route",
     "split_bf16",
+    "router_partial_logits",
+    "ROUTER_K_CHUNKS",
     "uses_router_parts",
     "ROUTER_PARTS",
     "mlp_forward",
@@ -35,6 +37,7 @@ __all__ = [
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 ROUTER_PARTS = 3  # bf16 matrices that sum to a float32 router weight exactly (``split_bf16``)
+ROUTER_K_CHUNKS = 4  # the router GEMM's hidden dims in chunks, their sums added in float32 (``router_partial_logits``)
 
 
 @dataclass
@@ -168,7 +171,7 @@ def split_bf16(w: Tensor, parts: int = ROUTER_PARTS) -> Tensor:
     computes a float32 GEMM on the CUDA cores: 13.8 us a K2 layer at a 17-node tree, 82 us at
     batch 32 (15% of that verify step). A bf16 hidden state times a bf16 part is exact in float32, so
     one tensor-core GEMM over the stacked parts with float32 accumulation gives the float32 logits
-    as partial sums (``select_experts_triton(parts=...)`` adds them)."""
+    as partial sums (``router_partial_logits``)."""
     rest = w.float()
     out = []
     for _ in range(parts):
@@ -176,6 +179,27 @@ def split_bf16(w: Tensor, parts: int = ROUTER_PARTS) -> Tensor:
         out.append(part)
         rest = rest - part.float()  # exact: the rounding error of a float32 to bf16
     return torch.stack(out)
+
+
+def router_partial_logits(hidden: Tensor, gate_parts: Tensor, chunks: int = ROUTER_K_CHUNKS) -> Tensor:
+    """``[chunks, N, parts * E]`` float32: ``hidden [N, H]`` (bf16) times each bf16 part of the router
+    weight (``gate_parts [parts * E, H]``), over each of ``chunks`` slices of the hidden dims: one
+    batched GEMM, no copies (strided views). ``select_experts_triton(parts=...)`` adds them up.
+
+    Why chunks: the tensor cores' float32 accumulation over all 7168 dims of a K2 router drifts about
+    ten times as far from the float64 logits as cuBLAS's float32 GEMM (1e-5 against 1e-6 of the
+    largest logit), and the experts chosen differed from the float64 choice on 23 of 131072 tokens
+    against 4. Four chunks, their sums added in float32, bring both back to the float32 GEMM's: 2e-6
+    and 5 of 131072 (H200, ``bench/results/router_parts.json``). Off CUDA (tests) the same views run
+    a float32 ``bmm``: torch's bf16 GEMM with a float32 output is CUDA-only."""
+    N, H = hidden.shape
+    if H % (8 * chunks):   # each chunk 16-byte aligned for cuBLAS
+        chunks = 1
+    x = hidden.contiguous().view(N, chunks, H // chunks).transpose(0, 1)  # [chunks, N, H/chunks]
+    w = gate_parts.view(-1, chunks, H // chunks).permute(1, 2, 0)  # [chunks, H/chunks, parts * E]
+    if hidden.is_cuda:
+        return torch.bmm(x, w, out_dtype=torch.float32)
+    return torch.bmm(x.float(), w.float())
 
 
 def uses_fused_kernel(device: torch.device, dtype: torch.dtype, int4_experts: bool) -> bool:
@@ -220,11 +244,11 @@ def route(hidden: Tensor, moe: MoEWeights, config: TargetConfig, hidden_float32:
     """Router logits in at least float32 (``hidden [N, hidden]``; ``hidden_float32``, when the caller
     has it, is that upcast already), then ``select_experts``: on CUDA in one Triton launch
     (``kernels.moe_routing``), elsewhere the torch expression. With ``moe.gate_parts`` (CUDA, bf16)
-    the logits come from one bf16 GEMM with a float32 output (``split_bf16``)."""
-    if moe.gate_parts is not None and hidden.is_cuda and hidden.dtype == torch.bfloat16:
+    the logits come from one batched bf16 GEMM with a float32 output (``router_partial_logits``)."""
+    if moe.gate_parts is not None and hidden.dtype == torch.bfloat16:
         from kernels.moe_routing import select_experts_triton   # here: CPU runs never load triton
 
-        partial = torch.mm(hidden, moe.gate_parts.T, out_dtype=torch.float32)  # [N, parts * E]
+        partial = router_partial_logits(hidden, moe.gate_parts)  # [chunks, N, parts * E]
         ids, weights = select_experts_triton(partial, moe.bias, config.num_experts_per_tok, config.n_group,
                                              config.topk_group, config.norm_topk_prob,
                                              config.routed_scaling_factor, parts=ROUTER_PARTS)
