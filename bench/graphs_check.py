@@ -128,7 +128,7 @@ def main() -> None:
             }
             rows.append(row)
             print(row, flush=True)
-    doc = {"benchmark": "graphs", "commit": git_commit(args.commit), "gpu": torch.cuda.get_device_name(0),
+    doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit), "gpu": torch.cuda.get_device_name(0),
            "copy_gbps": round(measure_copy_gbps(), 1),
            "params": {"model": args.model, "dtype": "bfloat16", "budgets": budgets, "batches": batches,
                       "prompt_tokens": [len(pr) for pr in prompts], "draft_depth": DEPTH,
