@@ -75,7 +75,6 @@ from services.verifier.graphs import VerifyGraphs  # noqa: E402
 from services.verifier.kv_cache import PagedKVCache  # noqa: E402
 from services.verifier.model import TargetModel, expected_tensors  # noqa: E402
 
-BENCHMARK = "k2-slice"
 TP = 8
 GROUP = 32
 DRAFT_DEPTH = 16   # DFlash block: depth limit of the random draft trees
@@ -793,7 +792,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "(the model keeps it in fp32)",
     ]
     doc: dict[str, Any] = {
-        "benchmark": BENCHMARK, "commit": git_commit(args.commit), "gpu": gpu, "copy_gbps": round(copy_gbps, 1),
+        "benchmark": Path(args.out).stem, "commit": git_commit(args.commit), "gpu": gpu, "copy_gbps": round(copy_gbps, 1),
         "params": {
             "config_full": full, "config_rank": rank_dict, "tp": TP, "dtype": str(dtype).replace("torch.", ""),
             "device": device.type, "context": context, "page_size": args.page_size, "batches": batches,
