@@ -10,7 +10,8 @@ fresh random inputs, tokens 1 to 2176:
   the three launches it replaces (``rms_norm`` twice, ``rope_interleaved_triton``): bit for bit,
   every new-kv element written;
 * the stacked GEMMs the model now runs, against the separate ones they replace: q_a (or q) with
-  kv_a, the shared expert's gate with up, and the down GEMM adding the routed output (``addmm``).
+  kv_a, the shared expert's gate with up, and the down GEMM adding the routed output (``addmm``, and
+  ``addmm_`` in place as served: against ``addmm``).
   These are other cuBLAS calls, so not bit for bit: the fraction of equal elements and the largest
   difference relative to the output's scale are reported.
 
@@ -105,11 +106,14 @@ def main() -> None:
             act = swiglu_torch()
             sep_dn = lambda: routed + act @ w_d.T  # noqa: E731
             add_dn = lambda: torch.addmm(routed, act, w_d.T)  # noqa: E731
+            scratch = routed.clone()
+            add_dn_ = lambda: scratch.addmm_(act, w_d.T)  # noqa: E731  (served: in place, no copy first)
             q_a, kv_a = sep_q()
             g_, u_ = sep_gu()
             for key, got, want in (("q_kv_a", stk_q(), torch.cat([q_a, kv_a], dim=1)),
                                    ("gate_up", stk_gu(), torch.cat([g_, u_], dim=1)),
-                                   ("down_addmm", add_dn(), sep_dn())):
+                                   ("down_addmm", add_dn(), sep_dn()),
+                                   ("down_addmm_inplace", routed.clone().addmm_(act, w_d.T), add_dn())):
                 row.update({f"{key}_{k}": v for k, v in _agreement(got, want).items()})
             row.update({
                 "q_kv_a_separate_us": round(graph_replay_us([sep_q]), 2),
@@ -118,6 +122,7 @@ def main() -> None:
                 "gate_up_stacked_us": round(graph_replay_us([stk_gu]), 2),
                 "down_add_separate_us": round(graph_replay_us([sep_dn]), 2),
                 "down_addmm_us": round(graph_replay_us([add_dn]), 2),
+                "down_addmm_inplace_us": round(graph_replay_us([add_dn_]), 2),
             })
             rope = ROPE[name]
             kvr = kv_rows - rope
@@ -155,7 +160,7 @@ def main() -> None:
                       "weights": "random bf16, std 0.02 (projections) / 0.05 (down)",
                       "torch": "x + r then rms_norm; F.silu(g) * u; separate GEMMs; routed + down GEMM; "
                                "rms_norm x2 + rope_interleaved_triton",
-                      "fused": "add_rms_norm; silu_mul; stacked GEMMs; addmm(routed, h, W_down^T); mla_norm_rope"},
+                      "fused": "add_rms_norm; silu_mul; stacked GEMMs; addmm(routed, h, W_down^T) and routed.addmm_(h, W_down^T); mla_norm_rope"},
            "rows": rows}
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
 

@@ -276,9 +276,10 @@ def route(hidden: Tensor, moe: MoEWeights, config: TargetConfig, hidden_float32:
 
 def mlp_forward(x: Tensor, w: MLPWeights, add_to: Tensor | None = None) -> Tensor:
     """SwiGLU: down(silu(gate x) * up x); ``x [N, hidden]`` -> ``[N, hidden]``. ``add_to`` (e.g. the
-    routed experts' output) is added by the down GEMM itself (``addmm``: one launch, one rounding)."""
+    routed experts' output) is added by the down GEMM itself, in place (``addmm_``: one launch, one
+    rounding; ``addmm`` would first copy it into a new tensor) and returned."""
     h = silu_mul(x @ w.gate_up.T)  # [N, I]
-    return h @ w.down.T if add_to is None else torch.addmm(add_to, h, w.down.T)
+    return h @ w.down.T if add_to is None else add_to.addmm_(h, w.down.T)
 
 
 def moe_forward(
