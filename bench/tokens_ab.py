@@ -6,7 +6,7 @@ prompts cut to 60 tokens, 300 new tokens, budgets 0 and 16; `bench.split_overhea
 
     python -m bench.tokens_ab run /tmp/after.json [--float32-router]
     (cd old && python -m bench.tokens_ab run /tmp/before.json)
-    python -m bench.tokens_ab compare /tmp/before.json /tmp/after.json --before SHA --after SHA \\
+    python -m bench.tokens_ab compare /tmp/before.json /tmp/after.json --before-commit SHA --after-commit SHA \\
         --what "..." --out bench/results/tokens-ab-SHA.json
 """
 
@@ -46,8 +46,8 @@ def compare(before: Path, after: Path, args: argparse.Namespace) -> None:
                          equal=x["tokens"] == y["tokens"], first_difference=diff, steps_before=x["steps"],
                          steps_after=y["steps"], acceptance_before=round(len(x["tokens"]) / max(1, x["steps"]), 3),
                          acceptance_after=round(len(y["tokens"]) / max(1, y["steps"]), 3)))
-    doc = dict(benchmark=Path(args.out).stem, commit=args.after, gpu="NVIDIA H200", copy_gbps=None,
-               params=dict(model=str(MODEL), dtype="bfloat16", compared=f"{args.before} (before) against {args.after}"
+    doc = dict(benchmark=Path(args.out).stem, commit=args.after_commit, gpu="NVIDIA H200", copy_gbps=None,
+               params=dict(model=str(MODEL), dtype="bfloat16", compared=f"{args.before_commit} (before) against {args.after_commit}"
                            f" ({args.what}), greedy", in_process="first 4 held-out prompts cut to 60 tokens, 300 "
                            "tokens, budgets 0 and 16 (bench.split_overhead.InProcess)"), rows=rows)
     Path(args.out).write_text(json.dumps(doc, indent=1))
@@ -63,7 +63,7 @@ def main() -> None:
     c = sub.add_parser("compare")
     c.add_argument("before", type=Path)
     c.add_argument("after", type=Path)
-    for name in ("--before", "--after", "--what", "--out"):
+    for name in ("--before-commit", "--after-commit", "--what", "--out"):
         c.add_argument(name, required=True)
     args = ap.parse_args()
     if args.cmd == "run":

@@ -143,3 +143,24 @@ def test_tree_mla_timeline_reads_the_stamps() -> None:
     assert spans["cta_cycles_median"] == 3400 and spans["cta_us_median"] == 2.0 and spans["ghz"] == 1.7
     assert spans["q_wait_cycles_median"] == 100 and spans["kernel_span_us"] == 2.0
     assert phases(trace, [3]) == {k: None for k in got}  # too few tiles for a steady state
+
+
+def test_tokens_ab_compare_marks_the_first_differing_token(tmp_path, monkeypatch) -> None:
+    import json
+
+    from bench import router_ab, router_parts_check  # noqa: F401  (GPU-only scripts: they import on the CPU)
+
+    before, after, out = tmp_path / "before.json", tmp_path / "after.json", tmp_path / "tokens-ab-x.json"
+    before.write_text(json.dumps([{"prompt": 0, "budget": 0, "tokens": [5, 6, 7, 8], "steps": 4},
+                                  {"prompt": 0, "budget": 16, "tokens": [5, 6, 7, 8], "steps": 2}]))
+    after.write_text(json.dumps([{"prompt": 0, "budget": 0, "tokens": [5, 6, 7, 8], "steps": 4},
+                                 {"prompt": 0, "budget": 16, "tokens": [5, 6, 9, 8], "steps": 1}]))
+    monkeypatch.setattr(sys, "argv", ["tokens_ab", "compare", str(before), str(after), "--before-commit", "aaa",
+                                      "--after-commit", "bbb", "--what", "a change", "--out", str(out)])
+    from bench.tokens_ab import main
+
+    main()
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "tokens-ab-x" and doc["commit"] == "bbb" and "aaa (before)" in doc["params"]["compared"]
+    assert [(r["equal"], r["first_difference"]) for r in doc["rows"]] == [(True, None), (False, 2)]
+    assert doc["rows"][1]["acceptance_after"] == 4.0
