@@ -148,7 +148,7 @@ def test_tree_mla_timeline_reads_the_stamps() -> None:
 def test_tokens_ab_compare_marks_the_first_differing_token(tmp_path, monkeypatch) -> None:
     import json
 
-    from bench import router_ab, router_parts_check  # noqa: F401  (GPU-only scripts: they import on the CPU)
+    from bench import k2_ab, router_parts_check  # noqa: F401  (GPU-only scripts: they import on the CPU)
 
     before, after, out = tmp_path / "before.json", tmp_path / "after.json", tmp_path / "tokens-ab-x.json"
     before.write_text(json.dumps([{"prompt": 0, "budget": 0, "tokens": [5, 6, 7, 8], "steps": 4},

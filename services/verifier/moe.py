@@ -278,8 +278,25 @@ def mlp_forward(x: Tensor, w: MLPWeights, add_to: Tensor | None = None) -> Tenso
     """SwiGLU: down(silu(gate x) * up x); ``x [N, hidden]`` -> ``[N, hidden]``. ``add_to`` (e.g. the
     routed experts' output) is added by the down GEMM itself, in place (``addmm_``: one launch, one
     rounding; ``addmm`` would first copy it into a new tensor) and returned."""
-    h = silu_mul(x @ w.gate_up.T)  # [N, I]
+    return _mlp_down(_mlp_act(x, w), w, add_to)
+
+
+def _mlp_act(x: Tensor, w: MLPWeights) -> Tensor:
+    return silu_mul(x @ w.gate_up.T)  # [N, I]
+
+
+def _mlp_down(h: Tensor, w: MLPWeights, add_to: Tensor | None) -> Tensor:
     return h @ w.down.T if add_to is None else add_to.addmm_(h, w.down.T)
+
+
+SHARED_ON_SIDE_STREAM = True  # CUDA: the shared expert's gate/up and SiLU run beside the routing (``moe_forward``)
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
 
 
 def moe_forward(
@@ -294,13 +311,29 @@ def moe_forward(
     loop below runs: the CPU path and the reference. ``routing_groups`` (the step's requests)
     steers the kernel's launch choice: a tree's nodes share experts (``choose_config``).
     ``x_float32``: ``x`` upcast, for the float32 router (the norm before it writes one: no cast launch).
+
+    On CUDA the shared expert's gate/up GEMM and SiLU do not wait for the routing: they run on a
+    second stream (``SHARED_ON_SIDE_STREAM``; in a CUDA graph, a parallel branch) while the router,
+    the selection and the routed experts run on this one, whose small launches at decode sizes
+    leave most SMs idle. The shared down GEMM then adds into the routed output, as without it:
+    the same kernels on the same inputs, so the same bits. Memory: every side-stream segment
+    starts by waiting for this stream, so a block freed by one (the activation, read here after
+    the join) is reused by the next only after this stream is done with it.
     """
     N = x.shape[0]
+    side = _side_stream(x.device) if moe.shared is not None and x.is_cuda and SHARED_ON_SIDE_STREAM else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            h_shared = _mlp_act(x, moe.shared)
     routing = route(x, moe, config, x_float32)
     if fused is None:
         fused = uses_fused_kernel(x.device, x.dtype, moe.int4 is not None)
     out = _routed_fused(x, moe, config, routing, routing_groups) if fused else _routed_torch(x, moe, routing)
-    if moe.shared is not None:
+    if side is not None:
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        out = _mlp_down(h_shared, moe.shared, add_to=out)
+    elif moe.shared is not None:
         out = mlp_forward(x, moe.shared, add_to=out)
     assert out.shape[0] == N
     return out

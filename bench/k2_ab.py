@@ -1,0 +1,100 @@
+"""The K2 slice's steps with one switch of the model flipped, in one process: same weights, cache
+and trees, the two settings interleaved over two rounds (second round reversed), each step
+captured afresh.
+
+Switches:
+* ``router``: the router's float32 logits from cuBLAS's float32 GEMM (``gate_parts`` None) against
+  the bf16 parts (``router_partial_logits``);
+* ``shared-stream``: the shared expert's gate/up on the main stream against a side stream beside
+  the routing (``moe.SHARED_ON_SIDE_STREAM``); the logits must be bit for bit the same.
+
+Why in one process: the slice's synthetic router is sensitive to the last bit of its logits, so two
+runs of different commits can touch different experts; here only the switch differs.
+
+    python -m bench.k2_ab --switch router --commit SHA --out bench/results/router_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.common import write_result
+from bench.k2_slice import (K2_CONFIG, TP, build_cache, build_model, per_rank_config, random_trees, time_full_ms,
+                            time_replay_ms)
+from services.verifier import moe as moe_mod
+from services.verifier.config import TargetConfig
+from services.verifier.graphs import VerifyGraphs
+from services.verifier.model import TargetModel
+
+CASES = ((0, 1), (16, 1), (16, 32))  # (budget, batch); budget 0 = autoregressive
+CONTEXT, PAGE = 1024, 16
+
+
+def switches(model: TargetModel) -> dict[str, tuple[tuple[str, str], Callable[[str], None]]]:
+    """name -> ((setting A, setting B), set(setting))."""
+    moes = [layer.moe for layer in model.layers if layer.moe is not None]
+    parts = [m.gate_parts for m in moes]
+
+    def router(v: str) -> None:
+        for m, p in zip(moes, parts):
+            m.gate_parts = p if v == "parts" else None
+
+    def shared_stream(v: str) -> None:
+        moe_mod.SHARED_ON_SIDE_STREAM = v == "side"
+
+    return {"router": (("float32", "parts"), router), "shared-stream": (("main", "side"), shared_stream)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--switch", choices=("router", "shared-stream"), required=True)
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", default=None, help="default bench/results/<switch>_ab.json")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    out = args.out or f"bench/results/{args.switch.replace('-', '_')}_ab.json"
+    dev = torch.device("cuda")
+    config = TargetConfig.from_hf(per_rank_config(K2_CONFIG, TP, None))
+    model = build_model(config, torch.bfloat16, dev, 0)
+    batch = max(b for _, b in CASES)
+    cache, rids = build_cache(config, batch, CONTEXT, PAGE, torch.bfloat16, dev, 0)
+    gen = torch.Generator().manual_seed(0)
+    trees = {b: random_trees(b, batch, config.vocab_size, gen) for b in sorted({bud for bud, _ in CASES})}
+    (a, b), apply = switches(model)[args.switch]
+    logits: dict[tuple[str, int, int], torch.Tensor] = {}
+    rows = []
+    for rnd, order in enumerate(((a, b), (b, a))):
+        for setting in order:
+            apply(setting)
+            for budget, bsz in CASES:
+                nodes = budget + 1
+                graphs = VerifyGraphs(model, cache, max_context=CONTEXT, batch_buckets=(bsz,), node_buckets=(nodes,),
+                                      capture=True)
+                tokens, parents, depths, sizes = trees[budget].flat(bsz)
+                step_args = (tokens, parents, depths, sizes, [CONTEXT] * bsz, [cache.page_ids(r) for r in rids[:bsz]])
+                logits.setdefault((setting, budget, bsz), graphs.run(*step_args).logits.clone())
+                torch.cuda.synchronize()
+                step = time_full_ms(lambda: graphs.run(*step_args), args.reps, dev)
+                replay = time_replay_ms(graphs, (bsz, nodes), 30)
+                rows.append({"round": rnd, args.switch: setting, "budget": budget, "batch": bsz, "tree_nodes": nodes,
+                             "step_ms": round(step, 3), "replay_ms": round(replay, 3)})
+                print(json.dumps(rows[-1]), flush=True)
+                del graphs
+                torch.cuda.empty_cache()
+    for row in rows:
+        row["logits_equal_across_settings"] = bool(torch.equal(logits[(a, row["budget"], row["batch"])],
+                                                               logits[(b, row["budget"], row["batch"])]))
+    write_result(out, Path(out).stem, args.commit,
+                 dict(model="Kimi-K2 TP8 per-rank slice, 61 layers, random weights (bench.k2_slice)", context=CONTEXT,
+                      page_size=PAGE, routing="model", reps=args.reps, switch=args.switch, settings=[a, b],
+                      timing="step_ms: whole verify call, median of reps; replay_ms: the captured graph alone, "
+                             "median of 30"), rows)
+
+
+if __name__ == "__main__":
+    main()
