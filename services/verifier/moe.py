@@ -168,8 +168,8 @@ def split_bf16(w: Tensor, parts: int = ROUTER_PARTS) -> Tensor:
     three parts the sum is exact (barring parts below bf16's smallest normal, ~1e-38).
 
     Why: the router's logits must be float32 (a routing decision turns on a near-tie), and cuBLAS
-    computes a float32 GEMM on the CUDA cores: 13.8 us a K2 layer at a 17-node tree, 82 us at
-    batch 32 (15% of that verify step). A bf16 hidden state times a bf16 part is exact in float32, so
+    computes a float32 GEMM on the CUDA cores: 27.6 us a K2 layer at a 17-node tree (two launches),
+    82 us at batch 32 (15% of that verify step). A bf16 hidden state times a bf16 part is exact in float32, so
     one tensor-core GEMM over the stacked parts with float32 accumulation gives the float32 logits
     as partial sums (``router_partial_logits``)."""
     rest = w.float()
