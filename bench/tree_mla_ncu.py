@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from bench.ncu import STALLS, profile, stall_metrics
 
@@ -38,6 +39,8 @@ METRICS = [
     "sm__warps_active.avg.pct_of_peak_sustained_active",
     "launch__registers_per_thread",
     "launch__grid_size",
+    "sm__cycles_active.max",
+    "sm__cycles_elapsed.max",
     "launch__shared_mem_per_block_dynamic",
     "smsp__inst_executed.sum",
     "dram__bytes_read.sum",
@@ -68,21 +71,24 @@ def main() -> None:
     ap.add_argument("--ncu", default="ncu")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default="bench/results/tree_mla_ncu.json")
+    ap.add_argument("--points", nargs="+", default=None, metavar="B,C,N",
+                    help="batch,context,nodes triples (default: batch 32 x 4096, trees 8/9/17/33)")
     args = ap.parse_args()
     if args.target:
         target(*args.target)
         return
     from bench.common import write_result
 
+    points = [tuple(int(v) for v in p.split(",")) for p in args.points] if args.points else list(POINTS)
     rows = []
-    for batch, context, nodes in POINTS:
+    for batch, context, nodes in points:
         cmd = [sys.executable, "-m", "bench.tree_mla_ncu", "--target", str(batch), str(context), str(nodes)]
         for rec in profile(args.ncu, cmd, METRICS, nvtx_include="third/"):
             rows.append(dict(batch=batch, context=context, tree_nodes=nodes, heads=HEADS, rows=nodes * HEADS, **rec))
             print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith(".unit")}), flush=True)
     write_result(
-        args.out, "tree_mla_ncu", args.commit,
-        dict(points=[list(p) for p in POINTS], heads=HEADS, page_size=64, splits="the kernel's default (choose_splits)",
+        args.out, Path(args.out).stem, args.commit,
+        dict(points=[list(p) for p in points], heads=HEADS, page_size=64, splits="the kernel's default (choose_splits)",
              launches="the third tree_mla_hopper call: the split kernel, then the merge where there are splits",
              stalls="smsp__average_warp_latency_issue_stalled_*.ratio: cycles a warp spent in that state per issued "
                     "instruction, over all warps (loader and consumers)",
