@@ -47,5 +47,8 @@ def test_mlp_forward_stacks_gate_and_up():
     want = (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
     torch.testing.assert_close(mlp_forward(x, w), want, rtol=1e-5, atol=1e-5)
     base = torch.randn(3, hid, generator=g)
-    torch.testing.assert_close(mlp_forward(x, w, add_to=base), base + want, rtol=1e-5, atol=1e-5)
+    expected = base + want
+    out = mlp_forward(x, w, add_to=base)
+    assert out is base   # the down GEMM adds into add_to itself (no copy first)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert silu_mul(torch.zeros(0, 8)).shape == (0, 4)
