@@ -6,7 +6,9 @@ Switches:
 * ``router``: the router's float32 logits from cuBLAS's float32 GEMM (``gate_parts`` None) against
   the bf16 parts (``router_partial_logits``);
 * ``shared-stream``: the shared expert's gate/up on the main stream against a side stream beside
-  the routing (``moe.SHARED_ON_SIDE_STREAM``): the same kernels on the same inputs.
+  the routing (``moe.SHARED_ON_SIDE_STREAM``): the same kernels on the same inputs;
+* ``router-gemv``: one token's router logits from the GEMM path against ``router_gemv``
+  (``moe.ROUTER_GEMV``; only steps of one token differ).
 
 Each row says whether its logits equal the other setting's in the same round, and its own setting's
 in the other round: where the MoE's split-K sums with atomics (few rows per expert), the second
@@ -51,31 +53,38 @@ def switches(model: TargetModel) -> dict[str, tuple[tuple[str, str], Callable[[s
     def shared_stream(v: str) -> None:
         moe_mod.SHARED_ON_SIDE_STREAM = v == "side"
 
-    return {"router": (("float32", "parts"), router), "shared-stream": (("main", "side"), shared_stream)}
+    def router_gemv(v: str) -> None:
+        moe_mod.ROUTER_GEMV = v == "gemv"
+
+    return {"router": (("float32", "parts"), router), "shared-stream": (("main", "side"), shared_stream),
+            "router-gemv": (("gemm", "gemv"), router_gemv)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--switch", choices=("router", "shared-stream"), required=True)
+    ap.add_argument("--switch", choices=("router", "shared-stream", "router-gemv"), required=True)
+    ap.add_argument("--cases", nargs="+", default=None, metavar="BUDGET,BATCH",
+                    help="steps to time (default: 0,1 16,1 16,32; budget 0 = autoregressive)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=None, help="default bench/results/<switch>_ab.json")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     out = args.out or f"bench/results/{args.switch.replace('-', '_')}_ab.json"
+    cases = [tuple(int(v) for v in c.split(",")) for c in args.cases] if args.cases else list(CASES)
     dev = torch.device("cuda")
     config = TargetConfig.from_hf(per_rank_config(K2_CONFIG, TP, None))
     model = build_model(config, torch.bfloat16, dev, 0)
-    batch = max(b for _, b in CASES)
+    batch = max(b for _, b in cases)
     cache, rids = build_cache(config, batch, CONTEXT, PAGE, torch.bfloat16, dev, 0)
     gen = torch.Generator().manual_seed(0)
-    trees = {b: random_trees(b, batch, config.vocab_size, gen) for b in sorted({bud for bud, _ in CASES})}
+    trees = {b: random_trees(b, batch, config.vocab_size, gen) for b in sorted({bud for bud, _ in cases})}
     (a, b), apply = switches(model)[args.switch]
     logits: dict[tuple[int, str, int, int], torch.Tensor] = {}
     rows = []
     for rnd, order in enumerate(((a, b), (b, a))):
         for setting in order:
             apply(setting)
-            for budget, bsz in CASES:
+            for budget, bsz in cases:
                 nodes = budget + 1
                 graphs = VerifyGraphs(model, cache, max_context=CONTEXT, batch_buckets=(bsz,), node_buckets=(nodes,),
                                       capture=True)
@@ -100,6 +109,7 @@ def main() -> None:
     write_result(out, Path(out).stem, args.commit,
                  dict(model="Kimi-K2 TP8 per-rank slice, 61 layers, random weights (bench.k2_slice)", context=CONTEXT,
                       page_size=PAGE, routing="model", reps=args.reps, switch=args.switch, settings=[a, b],
+                      cases=[list(c) for c in cases],
                       timing="step_ms: whole verify call, median of reps; replay_ms: the captured graph alone, "
                              "median of 30"), rows)
 

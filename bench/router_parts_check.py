@@ -7,7 +7,8 @@ chunks of the hidden dims, and the selection kernel adds the partial logits. On 
 weights and hidden states, per router shape:
 * agreement: over 131072 tokens, the tokens whose experts differ from those chosen from float64
   logits (rounded to float32), and the largest logit error relative to the largest logit, for the
-  float32 GEMM and for the parts over 1, 4 and 8 chunks;
+  float32 GEMM and for the parts over 1, 4 and 8 chunks; over the first 8192, one token a call,
+  for ``router_gemv`` (served for single tokens);
 * time: CUDA-graph replay of the whole route (GEMM + selection) per token count, cycling over 8
   router weights so they stream from HBM as in the model (each layer reads its own router).
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.common import graph_replay_us, write_result
-from kernels.moe_routing import select_experts_triton
+from kernels.moe_routing import router_gemv, select_experts_triton
 from services.verifier.moe import ROUTER_K_CHUNKS, ROUTER_PARTS, router_partial_logits, split_bf16
 
 # name -> (hidden, experts, n_group, topk_group, top_k, routed_scaling_factor)
@@ -43,7 +44,8 @@ def agreement(hidden: int, e: int, sel: dict, g: torch.Generator) -> dict:
     bias = 0.05 * torch.randn(e, device="cuda", generator=g)
     parts = split_bf16(w).flatten(0, 1)
     stats = {k: {"tokens_differ": 0, "max_rel_err": 0.0} for k in ["fp32", *[f"parts_c{c}" for c in CHUNKS]]}
-    for _ in range(AGREEMENT_TOKENS // BLOCK):
+    stats["gemv"] = {"tokens": BLOCK, "tokens_differ": 0, "max_rel_err": 0.0}  # one token a call: one block
+    for block in range(AGREEMENT_TOKENS // BLOCK):
         x = torch.randn(BLOCK, hidden, device="cuda", generator=g).to(torch.bfloat16)
         exact = x.double() @ w.double().T
         want, _ = select_experts_triton(exact.float(), bias, **sel)
@@ -55,6 +57,12 @@ def agreement(hidden: int, e: int, sel: dict, g: torch.Generator) -> dict:
             full = logits.double() if n_parts == 1 else logits.double().sum(0).view(BLOCK, n_parts, e).sum(1)
             err = ((full - exact).abs().max() / exact.abs().max()).item()
             stats[k]["max_rel_err"] = max(stats[k]["max_rel_err"], err)
+        if block == 0:
+            rows = [router_gemv(x[i:i + 1], w) for i in range(BLOCK)]  # [splits, 1, E] each
+            ids = torch.cat([select_experts_triton(r, bias, **sel)[0] for r in rows])
+            stats["gemv"]["tokens_differ"] = int((ids != want).any(1).sum())
+            full = torch.cat([r.double().sum(0) for r in rows])
+            stats["gemv"]["max_rel_err"] = ((full - exact).abs().max() / exact.abs().max()).item()
     return stats
 
 
@@ -82,6 +90,9 @@ def main() -> None:
             x32 = x.float()  # the norm writes this copy for the float32 router
             row[f"fp32_route_us_{n}"] = round(graph_replay_us(
                 [lambda w=w: select_experts_triton(x32 @ w.T, bias, **sel) for w in gates]), 2)
+            if n == 1:
+                row["gemv_route_us_1"] = round(graph_replay_us(
+                    [lambda w=w: select_experts_triton(router_gemv(x, w), bias, **sel) for w in gates]), 2)
             for c in CHUNKS:
                 row[f"parts_c{c}_route_us_{n}"] = round(graph_replay_us(
                     [lambda p=p: select_experts_triton(router_partial_logits(x, p, c), bias, **sel,
@@ -96,7 +107,9 @@ def main() -> None:
                       timing="CUDA-graph replay of route's GEMM + selection, 8 router weights in turn, median of 20",
                       fp32="cuBLAS float32 GEMM on the float32 copy of the hidden states (as route ran before)",
                       parts="router_partial_logits(x, parts, chunks): torch.bmm(bf16, bf16, out_dtype=float32), "
-                            "partials added by the selection kernel"),
+                            "partials added by the selection kernel",
+                      gemv="kernels.moe_routing.router_gemv(x, float32 weight): one token, partials over slices of "
+                           "the hidden dims added by the selection kernel"),
                  rows)
 
 

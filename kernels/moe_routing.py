@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - only where triton is not installed
     triton = None
     tl = None
 
-__all__ = ["select_experts_triton"]
+__all__ = ["select_experts_triton", "router_gemv", "ROUTER_GEMV_SPLITS"]
 
 
 if triton is not None:
@@ -128,3 +128,52 @@ def select_experts_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int
             BLOCK_GE=triton.next_power_of_2(per_group), BLOCK_K=triton.next_power_of_2(top_k),
             LIBDEVICE=not interpreted(), num_warps=4 if block <= 512 else 8)
     return ids, weights
+
+
+if triton is not None:
+
+    @triton.jit
+    def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, K, E, stride_we,
+                            K_SPLIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One token's float32 logits over one slice of the hidden dims: ``out[split, 0, e]``."""
+        pe = tl.program_id(0)
+        ps = tl.program_id(1)
+        offs_e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
+        acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.range(ps * K_SPLIT, (ps + 1) * K_SPLIT, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_k[None, :],
+                        mask=(offs_e[:, None] < E) & (offs_k[None, :] < K), other=0.0)
+            acc += w * x[None, :]
+        tl.store(out_ptr + ps * E + offs_e, tl.sum(acc, 1), mask=offs_e < E)
+
+
+ROUTER_GEMV_SPLITS = 14  # slices of the hidden dims (K2: 7168 = 14 x 512): 12 x 14 = 168 programs
+_GEMV_BLOCK_E, _GEMV_BLOCK_K = 32, 256
+
+
+@on_input_device
+def router_gemv(hidden: Tensor, weight: Tensor, splits: int = ROUTER_GEMV_SPLITS) -> Tensor:
+    """One token's float32 router logits as ``[splits, 1, E]`` partial sums over slices of the hidden
+    dims, for ``select_experts_triton`` to add (``parts=1``): ``hidden [1, H]`` (any float dtype)
+    times the float32 ``weight [E, H]``, each product and sum in float32.
+
+    Why: at one token the router is a GEMV that should stream its 11 MB (Kimi-K2) at HBM speed;
+    cuBLAS's float32 GEMV and the bf16 parts' GEMM (``services.verifier.moe.router_partial_logits``,
+    1.5x the bytes) take 7-9 us a layer for about 3 us of bytes."""
+    if triton is None:
+        raise RuntimeError("router_gemv needs triton")
+    if hidden.dim() != 2 or hidden.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"router_gemv takes hidden [1, H] and weight [E, H]; got {tuple(hidden.shape)}, {tuple(weight.shape)}")
+    if weight.dtype != torch.float32 or weight.stride(-1) != 1:
+        raise ValueError("router_gemv takes a float32 weight with contiguous rows")
+    E, K = weight.shape
+    k_split = triton.cdiv(triton.cdiv(K, splits), _GEMV_BLOCK_K) * _GEMV_BLOCK_K
+    splits = triton.cdiv(K, k_split)
+    out = torch.empty(splits, 1, E, dtype=torch.float32, device=hidden.device)
+    x = hidden.contiguous().view(-1)
+    _router_gemv_kernel[(triton.cdiv(E, _GEMV_BLOCK_E), splits)](
+        x, weight, out, K, E, weight.stride(0), K_SPLIT=k_split, BLOCK_E=_GEMV_BLOCK_E, BLOCK_K=_GEMV_BLOCK_K,
+        num_warps=8)
+    return out

@@ -30,6 +30,7 @@ __all__ = [
     "ROUTER_K_CHUNKS",
     "uses_router_parts",
     "ROUTER_PARTS",
+    "ROUTER_GEMV",
     "mlp_forward",
     "moe_forward",
     "uses_fused_kernel",
@@ -38,6 +39,7 @@ __all__ = [
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 ROUTER_PARTS = 3  # bf16 matrices that sum to a float32 router weight exactly (``split_bf16``)
 ROUTER_K_CHUNKS = 4  # the router GEMM's hidden dims in chunks, their sums added in float32 (``router_partial_logits``)
+ROUTER_GEMV = True  # CUDA, one token: the float32 router as a GEMV at HBM speed (``kernels.moe_routing.router_gemv``)
 
 
 @dataclass
@@ -244,7 +246,15 @@ def route(hidden: Tensor, moe: MoEWeights, config: TargetConfig, hidden_float32:
     """Router logits in at least float32 (``hidden [N, hidden]``; ``hidden_float32``, when the caller
     has it, is that upcast already), then ``select_experts``: on CUDA in one Triton launch
     (``kernels.moe_routing``), elsewhere the torch expression. With ``moe.gate_parts`` (CUDA, bf16)
-    the logits come from one batched bf16 GEMM with a float32 output (``router_partial_logits``)."""
+    the logits come from one batched bf16 GEMM with a float32 output (``router_partial_logits``); a
+    single token on CUDA takes ``router_gemv`` over the float32 weight (``ROUTER_GEMV``)."""
+    if ROUTER_GEMV and hidden.is_cuda and hidden.shape[0] == 1 and moe.gate_weight.dtype == torch.float32:
+        from kernels.moe_routing import router_gemv, select_experts_triton
+
+        ids, weights = select_experts_triton(router_gemv(hidden, moe.gate_weight), moe.bias,
+                                             config.num_experts_per_tok, config.n_group, config.topk_group,
+                                             config.norm_topk_prob, config.routed_scaling_factor)
+        return Routing(ids=ids, weights=weights)
     if moe.gate_parts is not None and hidden.dtype == torch.bfloat16:
         from kernels.moe_routing import select_experts_triton   # here: CPU runs never load triton
 
