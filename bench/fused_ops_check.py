@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import git_commit, graph_replay_us
+from bench.common import graph_replay_us, write_result
 from kernels.mla_norm_rope import mla_norm_rope
 from kernels.rms_norm import add_rms_norm, rms_norm
 from kernels.rope import rope_interleaved_triton
@@ -152,17 +152,15 @@ def main() -> None:
             })
             rows.append(row)
             print(json.dumps(row), flush=True)
-    doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit), "gpu": torch.cuda.get_device_name(0),
-           "copy_gbps": None,
-           "params": {"dtype": "bfloat16", "shapes": {k: dict(zip(("hidden", "q_rows", "kv_a_rows", "shared_inter"), v))
-                                                      for k, v in SHAPES.items()},
-                      "timing": "CUDA-graph replay, median of 20 (includes the replay's own launch cost)",
-                      "weights": "random bf16, std 0.02 (projections) / 0.05 (down)",
-                      "torch": "x + r then rms_norm; F.silu(g) * u; separate GEMMs; routed + down GEMM; "
-                               "rms_norm x2 + rope_interleaved_triton",
-                      "fused": "add_rms_norm; silu_mul; stacked GEMMs; addmm(routed, h, W_down^T) and routed.addmm_(h, W_down^T); mla_norm_rope"},
-           "rows": rows}
-    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    write_result(args.out, Path(args.out).stem, args.commit, dict(
+        dtype="bfloat16",
+        shapes={k: dict(zip(("hidden", "q_rows", "kv_a_rows", "shared_inter"), v)) for k, v in SHAPES.items()},
+        timing="CUDA-graph replay, median of 20 (includes the replay's own launch cost)",
+        weights="random bf16, std 0.02 (projections) / 0.05 (down)",
+        torch="x + r then rms_norm; F.silu(g) * u; separate GEMMs; routed + down GEMM; "
+              "rms_norm x2 + rope_interleaved_triton",
+        fused="add_rms_norm; silu_mul; stacked GEMMs; addmm(routed, h, W_down^T) and routed.addmm_(h, W_down^T); "
+              "mla_norm_rope"), rows)
 
 
 if __name__ == "__main__":

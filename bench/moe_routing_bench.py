@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import git_commit, graph_replay_us
+from bench.common import graph_replay_us, write_result
 from kernels.moe_routing import select_experts_triton
 from services.verifier.moe import select_experts
 
@@ -65,13 +65,10 @@ def main() -> None:
             row["speedup_select"] = round(row["torch_select_us"] / row["triton_select_us"], 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit), "gpu": torch.cuda.get_device_name(0),
-           "copy_gbps": None,
-           "params": {"dtype": "router logits float32 from bf16 hidden states", "timing": "CUDA-graph replay, "
-                      "median of 20; *_route_us includes the float32 router matmul (a cast and a GEMM)",
-                      "check": "ids and weights against services.verifier.moe.select_experts on the same logits"},
-           "rows": rows}
-    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    write_result(args.out, Path(args.out).stem, args.commit, dict(
+        dtype="router logits float32 from bf16 hidden states",
+        timing="CUDA-graph replay, median of 20; *_route_us includes the float32 router matmul (a cast and a GEMM)",
+        check="ids and weights against services.verifier.moe.select_experts on the same logits"), rows)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import git_commit, graph_replay_us
+from bench.common import graph_replay_us, write_result
 from kernels.rms_norm import rms_norm
 from kernels.rope import rope_interleaved_triton
 from services.verifier.rope import apply_rope_interleaved
@@ -68,14 +68,12 @@ def main() -> None:
             row["speedup"] = round(row["torch_us"] / row["fused_us"], 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit), "gpu": torch.cuda.get_device_name(0),
-           "copy_gbps": None,
-           "params": {"dtype": "bfloat16", "timing": "CUDA-graph replay of one layer's q_pe and new latent kv, "
-                      "median of 20 (includes the replay's own launch cost)",
-                      "torch": "apply_rope_interleaved twice + rms_norm + torch.cat",
-                      "fused": "rope_interleaved_triton twice (the key's into the new-kv slice) + rms_norm(out=)"},
-           "rows": rows}
-    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    write_result(args.out, Path(args.out).stem, args.commit, dict(
+        dtype="bfloat16",
+        timing="CUDA-graph replay of one layer's q_pe and new latent kv, median of 20 (includes the replay's own "
+               "launch cost)",
+        torch="apply_rope_interleaved twice + rms_norm + torch.cat",
+        fused="rope_interleaved_triton twice (the key's into the new-kv slice) + rms_norm(out=)"), rows)
 
 
 if __name__ == "__main__":
