@@ -63,9 +63,14 @@ try:  # Gluon ships with Triton >= 3.5; absent or incompatible: the Triton kerne
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-__all__ = ["hopper_available", "unsupported_reason", "tree_mla_hopper", "choose_splits", "tma_rows_for", "BLOCK_M", "SUPPORTED_DIMS"]
+__all__ = [
+    "hopper_available", "unsupported_reason", "tree_mla_hopper", "choose_splits", "tma_rows_for", "few_rows_stages",
+    "BLOCK_M", "FEW_ROWS", "FEW_KEYS", "SUPPORTED_DIMS",
+]
 
 BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
+FEW_ROWS = 16  # query rows a few-row CTA (the wgmma N side of its transposed products)
+FEW_KEYS = 64  # keys a few-row tile (the wgmma M side)
 TRACE_EVENTS = 8  # stamps a trace slot holds (``tree_mla_hopper(trace=...)``)
 CONSUMER_REGS = 224  # registers of each consumer warpgroup; the loader gets the rest (232: 1-3% slower, H200)
 # Dims the kernel was checked at on the GPU (bench/tree_mla_bench.py): Kimi-K2 and the demo model.
@@ -138,6 +143,8 @@ if gluon is not None:
     _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _EVENTS = gl.constexpr(TRACE_EVENTS)
+    _FEW_ROWS = gl.constexpr(FEW_ROWS)
+    _FEW_KEYS = gl.constexpr(FEW_KEYS)
 
     @gluon.jit
     def _trace(trace_ptr, slot, event, ok, TRACE: gl.constexpr, WALL: gl.constexpr = False):
@@ -491,6 +498,159 @@ if gluon is not None:
             ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
+    @gluon.jit
+    def _few_rows_issue(k_lat_t, k_pe_t, ready, t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr,
+                        q_start, stride_kv_page, stride_kv_tok, stride_new_n, lat_desc, pe_desc,
+                        KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, TMA_ROWS: gl.constexpr,
+                        LAT_LD: gl.constexpr, PE_LD: gl.constexpr):
+        """Key tile t into one ring slot: a whole prefix tile by TMA where the cache allows, anything
+        else by cp.async (rows past the keys zero-filled)."""
+        if TMA_ROWS > 0:
+            start = lo + t * BLOCK_N
+            if (t < n_prefix) & (start + BLOCK_N <= hi):
+                mbarrier.expect(ready, BLOCK_N * (KVR + ROPE) * 2)
+                for c in gl.static_range(BLOCK_N // TMA_ROWS):
+                    pos = start + c * TMA_ROWS
+                    page = gl.load(pt_row + pos // page_size)
+                    row = page * page_size + pos % page_size
+                    _tma_load(lat_desc, [row, 0], ready, k_lat_t.slice(c * TMA_ROWS, TMA_ROWS))
+                    _tma_load(pe_desc, [row, 0], ready, k_pe_t.slice(c * TMA_ROWS, TMA_ROWS))
+            else:
+                _copy_tile(k_lat_t, k_pe_t, ready, t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr,
+                           q_start, stride_kv_page, stride_kv_tok, stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
+        else:
+            _copy_tile(k_lat_t, k_pe_t, ready, t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr,
+                       q_start, stride_kv_page, stride_kv_tok, stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
+
+    @gluon.jit(do_not_specialize=["stride_pt_r", "stride_anc_n", "num_heads", "total_rows", "num_splits", "row0"])
+    def _tree_mla_few_rows_kernel(
+        q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, lat_desc, pe_desc,
+        page_table_ptr, prefix_lens_ptr, query_starts_ptr, anc_bits_ptr,
+        out_ptr, o_part_ptr, lse_part_ptr,
+        stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
+        stride_kv_page, stride_kv_tok, stride_new_n, stride_pt_r, stride_anc_n,
+        num_heads, page_size, total_rows, num_splits, row0, scale_log2,
+        KVR: gl.constexpr, ROPE: gl.constexpr, NUM_STAGES: gl.constexpr, DIRECT: gl.constexpr, TMA_ROWS: gl.constexpr,
+        Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr,
+        P_SMEM: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """Rows ``[row0, row0 + FEW_ROWS)`` of one request, one split, one warpgroup: the products
+        transposed, so the keys fill the wgmma's 64-row M side and the few query rows its N side.
+        ``S^T = K Q^T`` ``[64 keys, 16 rows]``, a softmax down each column, ``O^T += V^T P^T``
+        ``[kvr, 16]`` (64 fp32 registers a thread at kvr 512). The 64-row kernel would multiply
+        64 rows (and run its two-warpgroup chain) for these 8 or 16; here a tile's products are
+        a quarter of its. Keys stream through a ring of ``NUM_STAGES`` 64-key slots, each refilled
+        once its products are done."""
+        BN: gl.constexpr = _FEW_KEYS
+        RN: gl.constexpr = _FEW_ROWS
+        dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
+        split = gl.program_id(0)
+        r = gl.program_id(1)
+        q_start = gl.load(query_starts_ptr + r)
+        n_nodes = gl.load(query_starts_ptr + r + 1) - q_start
+        rows = n_nodes * num_heads
+        if row0 < rows:
+            prefix_len = gl.load(prefix_lens_ptr + r)
+            chunk = gl.cdiv(gl.cdiv(prefix_len, num_splits), BN) * BN
+            lo = split * chunk
+            hi = gl.minimum(lo + chunk, prefix_len)
+            n_prefix = gl.cdiv(gl.maximum(hi - lo, 0), BN)
+            n_total = n_prefix + gl.where(split == num_splits - 1, gl.cdiv(n_nodes, BN), 0)
+
+            q_lat = gl.allocate_shared_memory(dtype, [RN, KVR], Q_LAT_SMEM)
+            q_pe = gl.allocate_shared_memory(dtype, [RN, ROPE], Q_PE_SMEM)
+            k_lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BN, KVR], K_LAT_SMEM)
+            k_pe = gl.allocate_shared_memory(dtype, [NUM_STAGES, BN, ROPE], K_PE_SMEM)
+            p_smem = gl.allocate_shared_memory(dtype, [RN, BN], P_SMEM)
+            ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(NUM_STAGES):
+                mbarrier.init(ready.index(i), count=1)
+            fence_async_shared()
+            pt_row = page_table_ptr + r * stride_pt_r
+
+            # q: row i is node (row0 + i) // H, head (row0 + i) % H; rows past the request read as 0
+            LAT_LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+            PE_LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROPE // 8), ROPE // 8], [num_warps, 1], [1, 0])
+            offs_q = row0 + gl.arange(0, RN, layout=gl.SliceLayout(1, LAT_LD))
+            tok = (q_start + offs_q // num_heads).to(gl.int64)
+            cols = gl.arange(0, KVR, layout=gl.SliceLayout(0, LAT_LD))
+            _cp_async(q_lat, q_lat_ptr + (tok * stride_ql_n + (offs_q % num_heads) * stride_ql_h)[:, None] + cols[None, :],
+                      mask=(offs_q < rows)[:, None])
+            offs_qp = row0 + gl.arange(0, RN, layout=gl.SliceLayout(1, PE_LD))
+            tok_p = (q_start + offs_qp // num_heads).to(gl.int64)
+            cols_pe = gl.arange(0, ROPE, layout=gl.SliceLayout(0, PE_LD))
+            _cp_async(q_pe, q_pe_ptr + (tok_p * stride_qp_n + (offs_qp % num_heads) * stride_qp_h)[:, None] + cols_pe[None, :],
+                      mask=(offs_qp < rows)[:, None])
+            cp.commit_group()
+            for t0 in gl.static_range(NUM_STAGES):  # fill the ring
+                if t0 < n_total:
+                    _few_rows_issue(k_lat.index(t0), k_pe.index(t0), ready.index(t0), t0, n_prefix, lo, hi, n_nodes,
+                                    pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
+                                    stride_new_n, lat_desc, pe_desc, KVR, ROPE, BN, TMA_ROWS, LAT_LD, PE_LD)
+            cp.wait_group(0)  # q's group (the tiles' copies report to their barriers)
+            fence_async_shared()
+            _cta_barrier()
+
+            S_T: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, RN, 16])
+            COL: gl.constexpr = gl.SliceLayout(0, S_T)
+            offs_k = gl.arange(0, BN, layout=gl.SliceLayout(1, S_T))
+            offs_n = row0 + gl.arange(0, RN, layout=COL)
+            row_ok = offs_n < rows
+            bits_col = anc_bits_ptr + (q_start + offs_n // num_heads).to(gl.int64) * stride_anc_n
+            acc = gl.zeros([KVR, RN], gl.float32, layout=S_T)
+            m_i = gl.full([RN], float("-inf"), gl.float32, layout=COL)
+            l_i = gl.zeros([RN], gl.float32, layout=COL)
+            for t in range(n_total):
+                st = t % NUM_STAGES
+                mbarrier.wait(ready.index(st), (t // NUM_STAGES) & 1)
+                s = gl.zeros([BN, RN], gl.float32, layout=S_T)
+                s = warpgroup_mma(k_lat.index(st), q_lat.permute((1, 0)), s, use_acc=False, is_async=True)
+                s = warpgroup_mma(k_pe.index(st), q_pe.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                if t < n_prefix:  # prefix keys past the split's end are masked
+                    key_ok = (lo + t * BN + offs_k) < hi
+                    s_mask = gl.full([BN, RN], 1, gl.int1, layout=S_T) & key_ok[:, None]
+                else:  # the tree's own keys: visible where the row's node has the key's ancestor bit
+                    kk = (t - n_prefix) * BN + offs_k
+                    word = gl.load(bits_col[None, :] + (kk // 32)[:, None], mask=(kk < n_nodes)[:, None] & row_ok[None, :],
+                                   other=0)
+                    s_mask = ((word >> (kk % 32)[:, None]) & 1) != 0
+                s = gl.where(s_mask, s * scale_log2, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 0))
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # columns that saw no key yet stay finite
+                alpha = gl.exp2(m_i - m_use)
+                p = gl.exp2(s - m_use[None, :])
+                l_i = l_i * alpha + gl.sum(p, 0)
+                m_i = m_new
+                p_smem.store(gl.permute(p.to(dtype), [1, 0]))
+                fence_async_shared()
+                _cta_barrier()  # every thread's part of P is in place before the product reads it
+                acc = warpgroup_mma(k_lat.index(st).permute((1, 0)), p_smem.permute((1, 0)), acc * alpha[None, :],
+                                    is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                if t + NUM_STAGES < n_total:  # the slot's products are done: refill it
+                    _few_rows_issue(k_lat.index(st), k_pe.index(st), ready.index(st), t + NUM_STAGES, n_prefix, lo, hi,
+                                    n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page,
+                                    stride_kv_tok, stride_new_n, lat_desc, pe_desc, KVR, ROPE, BN, TMA_ROWS, LAT_LD, PE_LD)
+
+            # out[row, d] = O^T[d, row] / l, stored with d contiguous
+            OUT_L: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
+            l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
+            o = gl.convert_layout(acc / l_safe[None, :], OUT_L)
+            offs_o = row0 + gl.arange(0, RN, layout=gl.SliceLayout(0, OUT_L))
+            flat_o = q_start.to(gl.int64) * num_heads + offs_o
+            d = gl.arange(0, KVR, layout=gl.SliceLayout(1, OUT_L))
+            ok_o = gl.full([KVR, RN], 1, gl.int1, layout=OUT_L) & (offs_o < rows)[None, :]
+            if DIRECT:
+                gl.store(out_ptr + flat_o[None, :] * KVR + d[:, None], o.to(out_ptr.dtype.element_ty), mask=ok_o)
+            else:
+                part = split.to(gl.int64) * total_rows + flat_o
+                gl.store(o_part_ptr + part[None, :] * KVR + d[:, None], o, mask=ok_o)
+                lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
+                lse_at = split.to(gl.int64) * total_rows + q_start.to(gl.int64) * num_heads + offs_n
+                gl.store(lse_part_ptr + lse_at, lse, mask=row_ok)
+
+
 @on_input_device
 def tree_mla_hopper(
     q_latent: Tensor,
@@ -504,6 +664,7 @@ def tree_mla_hopper(
     block_n: int = 32,
     num_stages: int = 4,
     trace: Tensor | None = None,
+    few_rows: bool = True,
 ) -> Tensor:
     """``tree_mla_triton``'s contract on the Gluon kernel: same arguments (host metadata is packed
     here, with a host sync), same result ``[N, H, kvr]``. Needs ``hopper_available`` and operands
@@ -514,7 +675,9 @@ def tree_mla_hopper(
     TRACE_EVENTS]`` buffer builds a copy of the kernel that stamps SM clocks into it
     (``bench/tree_mla_timeline.py`` reads them): CTA ``(r * splits + split) * m_tiles + m``,
     partition loader / consumer 0 / 1, a slot per key tile (the first ``tiles``), then one of start
-    and end stamps."""
+    and end stamps. ``few_rows``: where every request has at most ``FEW_ROWS`` rows (nodes x heads:
+    a decode step, or a 2-node tree, at 8 heads), the few-row kernel serves instead (one warpgroup,
+    transposed products; ``block_n`` / ``num_stages`` / ``trace`` are the 64-row kernel's)."""
     from kernels.tree_mla import (
         _LOG2E, _shared_memory_limit, _sm_count, check_operands, merge_splits, split_partials,
     )
@@ -540,13 +703,19 @@ def tree_mla_hopper(
     if N == 0 or R == 0:
         return out
     rows = meta.max_nodes * H
-    m_tiles = -(-rows // BLOCK_M)
+    few = few_rows and trace is None and rows <= FEW_ROWS
+    m_tiles = 1 if few else -(-rows // BLOCK_M)
     if num_splits is None:
         max_prefix = meta.page_table.shape[1] * page_size
         num_splits = choose_splits(R, m_tiles, rows, max_prefix, kvr, rope, _sm_count(q_latent.device))
     total_rows = N * H
     o_part, lse_part = split_partials(out, num_splits, 1)
     gdt = gl.bfloat16 if q_latent.dtype == torch.bfloat16 else gl.float16
+    if few:
+        _launch_few_rows(q_latent, q_pe, kv_cache, new_kv, meta, softmax_scale * _LOG2E, out, o_part, lse_part,
+                         num_splits, 0, gdt, limit)
+        merge_splits(o_part, lse_part, out, num_splits, 1)
+        return out
     smem = {
         "Q_LAT_SMEM": gl.NVMMASharedLayout.get_default_for([BLOCK_M, kvr], gdt),
         "Q_PE_SMEM": gl.NVMMASharedLayout.get_default_for([BLOCK_M, rope], gdt),
@@ -578,3 +747,45 @@ def tree_mla_hopper(
     )
     merge_splits(o_part, lse_part, out, num_splits, 1)
     return out
+
+
+def few_rows_stages(kvr: int, rope: int, elem_bytes: int, limit_bytes: int | None) -> int:
+    """Ring slots (64 keys each, 2 to 4) of the few-row kernel that fit beside its q rows, P and
+    the output's layout change: 2 at Kimi-K2's 512 + 64 (H200: 227 KB a CTA), 4 at the demo's."""
+    kv_bytes = (kvr + rope) * elem_bytes
+    fixed = FEW_ROWS * kv_bytes + FEW_ROWS * FEW_KEYS * elem_bytes + kvr * FEW_ROWS * 4 + 2048
+    limit = limit_bytes if limit_bytes is not None else 227 << 10
+    stages = min(4, (limit - fixed) // (FEW_KEYS * kv_bytes))
+    assert stages >= 2, f"the few-row kernel needs two {FEW_KEYS}-key slots of {kv_bytes} bytes a key; {limit} bytes here"
+    return stages
+
+
+def _launch_few_rows(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Tensor, meta: TreeAttentionDeviceMetadata,
+                     scale_log2: float, out: Tensor, o_part: Tensor, lse_part: Tensor, num_splits: int, row0: int,
+                     gdt: object, limit: int | None) -> None:
+    """Rows ``[row0, row0 + FEW_ROWS)`` of every request on the few-row kernel: a CTA a (split, request)."""
+    N, H, kvr = q_latent.shape
+    rope = q_pe.shape[-1]
+    _, page_size, _ = kv_cache.shape
+    smem = {
+        "Q_LAT_SMEM": gl.NVMMASharedLayout.get_default_for([FEW_ROWS, kvr], gdt),
+        "Q_PE_SMEM": gl.NVMMASharedLayout.get_default_for([FEW_ROWS, rope], gdt),
+        "K_LAT_SMEM": gl.NVMMASharedLayout.get_default_for([FEW_KEYS, kvr], gdt),
+        "K_PE_SMEM": gl.NVMMASharedLayout.get_default_for([FEW_KEYS, rope], gdt),
+        "P_SMEM": gl.NVMMASharedLayout.get_default_for([FEW_ROWS, FEW_KEYS], gdt),
+    }
+    tma_rows = tma_rows_for(kv_cache, FEW_KEYS)
+    box = max(tma_rows, 16)
+    kv_rows = kv_cache.as_strided((kv_cache.shape[0] * page_size if tma_rows else page_size, kvr + rope), (kv_cache.stride(1), 1))
+    lat_desc = TensorDescriptor.from_tensor(kv_rows[:, :kvr], [box, kvr], smem["K_LAT_SMEM"])  # (unused without TMA)
+    pe_desc = TensorDescriptor.from_tensor(kv_rows[:, kvr:], [box, rope], smem["K_PE_SMEM"])
+    _tree_mla_few_rows_kernel[(num_splits, meta.num_requests)](
+        q_latent, q_pe, kv_cache, new_kv, lat_desc, pe_desc,
+        meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,
+        out, o_part, lse_part,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
+        H, page_size, N * H, num_splits, row0, scale_log2,
+        KVR=kvr, ROPE=rope, NUM_STAGES=few_rows_stages(kvr, rope, q_latent.element_size(), limit),
+        DIRECT=num_splits == 1, TMA_ROWS=tma_rows, **smem, num_warps=4,
+    )

@@ -118,18 +118,30 @@ _ARG_TYPES = {
 }
 
 
-def _build(kvr: int, rope: int, direct: bool, trace_tiles: int = 0) -> dict:
-    """Compile the served launch (32-key tiles, four stages, TMA rows of a 16-token page) for sm_90,
-    or its traced copy (``trace_tiles`` > 0); run without TRITON_INTERPRET."""
+def _compile(kernel, types: dict, constexprs: dict, no_divisibility: tuple[str, ...]):
+    """``kernel`` compiled for sm_90 (no GPU: Triton ships ptxas) with these argument types; pointers
+    and strides are declared 16-aligned except ``no_divisibility``, as the launches' are."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    names = [n for n in kernel.arg_names if n in types]
+    assert len(names) == len(types), f"kernel arguments changed: {kernel.arg_names}"
+    signature = {n: types[n] for n in names} | {k: "constexpr" for k in constexprs}
+    aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride_") and n not in no_divisibility]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+def _desc_types(gl, rows: int, kvr: int, rope: int, k_lat, k_pe) -> dict:
+    return {"lat_desc": f"tensordesc<bf16[{rows}, {kvr}],{k_lat!r}>", "pe_desc": f"tensordesc<bf16[{rows}, {rope}],{k_pe!r}>"}
+
+
+def _build(kvr: int, rope: int, direct: bool, trace_tiles: int = 0) -> dict:
+    """Compile the served launch (32-key tiles, four stages, TMA rows of a 16-token page) for sm_90,
+    or its traced copy (``trace_tiles`` > 0); run without TRITON_INTERPRET."""
     gl = hop.gl
-    kernel = hop._tree_mla_hopper_kernel
-    descs = ("lat_desc", "pe_desc")
-    names = [n for n in kernel.arg_names if n in _ARG_TYPES or n in descs]
-    assert len(names) == len(_ARG_TYPES) + len(descs), f"kernel arguments changed: {kernel.arg_names}"
     bn, tma_rows = 32, 16
     k_lat = gl.NVMMASharedLayout.get_default_for([bn, kvr], gl.bfloat16)
     k_pe = gl.NVMMASharedLayout.get_default_for([bn, rope], gl.bfloat16)
@@ -141,33 +153,55 @@ def _build(kvr: int, rope: int, direct: bool, trace_tiles: int = 0) -> dict:
         K_LAT_SMEM=k_lat, K_PE_SMEM=k_pe, P_SMEM=gl.NVMMASharedLayout.get_default_for([hop.BLOCK_M, bn], gl.bfloat16),
         num_warps=4,
     )
-    types = _ARG_TYPES | {"lat_desc": f"tensordesc<bf16[{tma_rows}, {kvr}],{k_lat!r}>",
-                          "pe_desc": f"tensordesc<bf16[{tma_rows}, {rope}],{k_pe!r}>"}
-    signature = {n: types[n] for n in names} | {k: "constexpr" for k in constexprs}
-    aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride_") and n not in ("stride_pt_r", "stride_anc_n")]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    types = _ARG_TYPES | _desc_types(gl, tma_rows, kvr, rope, k_lat, k_pe)
+    compiled = _compile(hop._tree_mla_hopper_kernel, types, constexprs, ("stride_pt_r", "stride_anc_n"))
     ptx = compiled.asm["ptx"]
     return dict(cubin_bytes=len(compiled.asm["cubin"]), wgmma="warp_group_dot" in compiled.asm["ttgir"],
                 tma="cp.async.bulk.tensor" in ptx, setmaxnreg="setmaxnreg" in ptx, shared=compiled.metadata.shared,
                 clock_reads=ptx.count("%clock64"), timer_reads=ptx.count("%globaltimer"))
 
 
+def _build_few_rows(kvr: int, rope: int, direct: bool) -> dict:
+    """Compile the few-row kernel as ``_launch_few_rows`` launches it (64-row TMA copies) for sm_90."""
+    import re
+
+    gl = hop.gl
+    bn, rn = hop.FEW_KEYS, hop.FEW_ROWS
+    k_lat = gl.NVMMASharedLayout.get_default_for([bn, kvr], gl.bfloat16)
+    k_pe = gl.NVMMASharedLayout.get_default_for([bn, rope], gl.bfloat16)
+    constexprs = dict(
+        KVR=kvr, ROPE=rope, NUM_STAGES=hop.few_rows_stages(kvr, rope, 2, H100_SMEM_PER_BLOCK), DIRECT=direct, TMA_ROWS=bn,
+        Q_LAT_SMEM=gl.NVMMASharedLayout.get_default_for([rn, kvr], gl.bfloat16),
+        Q_PE_SMEM=gl.NVMMASharedLayout.get_default_for([rn, rope], gl.bfloat16),
+        K_LAT_SMEM=k_lat, K_PE_SMEM=k_pe, P_SMEM=gl.NVMMASharedLayout.get_default_for([rn, bn], gl.bfloat16), num_warps=4,
+    )
+    types = {k: v for k, v in _ARG_TYPES.items() if k != "trace_ptr"} | {"row0": "i32"}
+    types |= _desc_types(gl, bn, kvr, rope, k_lat, k_pe)
+    compiled = _compile(hop._tree_mla_few_rows_kernel, types, constexprs, ("stride_pt_r", "stride_anc_n", "row0"))
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)[^;]*?, (\d), (\d);", compiled.asm["ptx"])
+    return dict(cubin_bytes=len(compiled.asm["cubin"]), shared=compiled.metadata.shared, stages=constexprs["NUM_STAGES"],
+                shapes=sorted({m for m, _, _ in mmas}), plain=sum(a == "0" for _, a, _ in mmas),
+                a_transposed=sum(a == "1" for _, a, _ in mmas), tma="cp.async.bulk.tensor" in compiled.asm["ptx"])
+
+
+def _child(*args: str) -> dict:
+    """Run this file's ``__main__`` in a child process: conftest sets TRITON_INTERPRET for this one,
+    and the interpreter cannot compile Gluon."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, __file__, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("kvr,rope,direct,trace_tiles", [(512, 64, False, 0), (128, 32, True, 0), (512, 64, False, 16)])
 def test_kernel_builds_for_sm90(kvr: int, rope: int, direct: bool, trace_tiles: int) -> None:
     """The K2 and demo shapes compile to a cubin whose products are wgmma, whose loader issues TMA
-    copies, whose partitions get their own register counts and whose shared memory fits a CTA; no
-    GPU needed (Triton ships ptxas). The served build reads no clock; the traced one
-    (``bench/tree_mla_timeline.py``) reads the SM clock and the global timer. A child process:
-    conftest sets TRITON_INTERPRET for this one, and the interpreter cannot compile Gluon."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, str(kvr), str(rope), str(int(direct)), str(trace_tiles)], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    copies, whose partitions get their own register counts and whose shared memory fits a CTA. The
+    served build reads no clock; the traced one (``bench/tree_mla_timeline.py``) reads the SM clock
+    and the global timer."""
+    built = _child("wide", str(kvr), str(rope), str(int(direct)), str(trace_tiles))
     assert built["cubin_bytes"] > 0 and built["wgmma"] and built["tma"] and built["setmaxnreg"], built
     assert 0 < built["shared"] <= H100_SMEM_PER_BLOCK, f"{built['shared']} bytes of shared memory"
     if trace_tiles:
@@ -176,5 +210,26 @@ def test_kernel_builds_for_sm90(kvr: int, rope: int, direct: bool, trace_tiles: 
         assert built["clock_reads"] == built["timer_reads"] == 0, built
 
 
+@pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("kvr,rope,direct", [(512, 64, False), (128, 32, True)])
+def test_few_rows_kernel_builds_for_sm90(kvr: int, rope: int, direct: bool) -> None:
+    """The few-row kernel's products are 64-key x 16-row wgmmas: per 64-key tile, ``S^T = K Q^T``
+    over kvr + rope dims (plain operands) and ``O^T += V^T P^T`` over kvr / 64 M tiles, whose A
+    operand (V^T, read from the key tile as it lies) is the transposed one; its ring fits a CTA."""
+    built = _child("few", str(kvr), str(rope), str(int(direct)))
+    assert built["shapes"] == ["m64n16k16"], built
+    assert built["plain"] == (kvr + rope) // 16 and built["a_transposed"] == (kvr // 64) * (hop.FEW_KEYS // 16), built
+    assert built["tma"] and 0 < built["shared"] <= H100_SMEM_PER_BLOCK, built
+    assert built["stages"] == (2 if kvr == 512 else 4), built
+
+
+def test_few_rows_stages_fit() -> None:
+    assert hop.few_rows_stages(512, 64, 2, H100_SMEM_PER_BLOCK) == 2
+    assert hop.few_rows_stages(128, 32, 2, H100_SMEM_PER_BLOCK) == 4
+    with pytest.raises(AssertionError, match="two 64-key slots"):
+        hop.few_rows_stages(512, 64, 2, 100 << 10)
+
+
 if __name__ == "__main__":
-    print(json.dumps(_build(int(sys.argv[1]), int(sys.argv[2]), bool(int(sys.argv[3])), int(sys.argv[4]))))
+    kind, dims = sys.argv[1], [int(a) for a in sys.argv[2:]]
+    print(json.dumps(_build(dims[0], dims[1], bool(dims[2]), dims[3]) if kind == "wide" else _build_few_rows(dims[0], dims[1], bool(dims[2]))))

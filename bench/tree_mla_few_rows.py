@@ -1,0 +1,117 @@
+"""The few-row tree-MLA kernel against the 64-row one, where a request has at most 16 query rows.
+
+Why: at Kimi-K2's 8 heads a rank, a decode step (one node) has 8 rows a request and a 2-node tree
+16, yet the 64-row Gluon kernel multiplies 64 rows and runs its two-warpgroup chain for them. The
+few-row kernel (``kernels/tree_mla_hopper.py``, ``_tree_mla_few_rows_kernel``) transposes the
+products so the keys fill the MMA's 64-row side. This script checks it and times both.
+
+* Checks: the float32 reference on bf16 inputs, NaN-poisoned outputs, splits 1 / 3 / the served
+  count, TMA and cp.async caches (page size 1, pages not back to back), the K2 and demo dims, empty
+  prefixes; graph replay equals eager.
+* Times: the whole ``tree_mla_hopper`` call (split kernel + merge) with ``few_rows`` on and off,
+  CUDA-graph replay rotating over input copies larger than L2, variants interleaved, the better of
+  two rounds. GB/s on the bytes it must read (``Case.bytes_read``).
+
+    python -m bench.tree_mla_few_rows --commit SHA --out bench/results/tree_mla_few_rows.json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.common import graph_replay_us, measure_copy_gbps, write_result
+from bench.tree_mla_bench import Case, rel_err, rotating_cases
+from kernels.tree_mla import tree_mla_reference
+from kernels.tree_mla_hopper import tree_mla_hopper
+
+HEADS = 8
+SHAPES = [(b, c, n) for n in (1, 2) for b in (1, 8, 32, 128) for c in (1024, 4096, 16384)]
+CHECKS = [  # (context per request, nodes, heads, page_size, kvr, rope, page stride padded by one token)
+    ([1000, 37, 0, 4099], 1, 8, 64, 512, 64, False),
+    ([300, 5000], 2, 8, 16, 512, 64, False),
+    ([777, 2048, 3], 1, 16, 1, 512, 64, False),
+    ([1500, 40, 900], 2, 8, 16, 128, 32, False),
+    ([700, 64], 2, 8, 16, 512, 64, True),
+    ([0, 0], 1, 8, 64, 512, 64, False),
+]
+
+
+def check(log: list) -> list[dict]:
+    rows = []
+    real_empty = torch.empty
+    for lens, nodes, heads, ps, kvr, rope, padded in CHECKS:
+        case = Case(len(lens), lens, nodes, heads, seed=7, page_size=ps, kvr=kvr, rope=rope)
+        if padded:
+            wide = torch.randn(case.kv_cache.shape[0], ps + 1, kvr + rope, dtype=case.kv_cache.dtype, device=case.device)
+            wide[:, :ps] = case.kv_cache
+            case.kv_cache = wide[:, :ps]
+        want = tree_mla_reference(case.q_latent.float(), case.q_pe.float(), case.kv_cache.float(), case.new_kv.float(),
+                                  case.host_meta, case.scale)
+        for splits in (None, 1, 3):
+            torch.empty = lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))  # an unwritten element shows
+            try:
+                got = tree_mla_hopper(*case.args(), num_splits=splits)
+                wide_kernel = tree_mla_hopper(*case.args(), num_splits=splits, few_rows=False)
+            finally:
+                torch.empty = real_empty
+            row = dict(lens=lens, nodes=nodes, heads=heads, page_size=ps, kvr=kvr, rope=rope,
+                       cache_contiguous=case.kv_cache.is_contiguous(), num_splits=splits,
+                       max_abs_err=(got.float() - want).abs().max().item(), rel_err=rel_err(got, want),
+                       rel_err_64_row_kernel=rel_err(wide_kernel, want), finite=bool(torch.isfinite(got).all()))
+            rows.append(row)
+            log.append(f"check {row}")
+            print(log[-1], flush=True)
+    case = Case(4, 4096, 1, 8, seed=3)
+    eager = tree_mla_hopper(*case.args())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = tree_mla_hopper(*case.args())
+    graph.replay()
+    torch.cuda.synchronize()
+    rows.append(dict(graph_equals_eager=bool(torch.equal(replayed, eager))))
+    print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", default="bench/results/tree_mla_few_rows.json")
+    ap.add_argument("--shapes", default=None, help="batch,context,nodes;... (default: all)")
+    args = ap.parse_args()
+    shapes = SHAPES if not args.shapes else [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
+    log: list[str] = []
+    checks = check(log)
+    ok = all(r.get("rel_err", 0) < 1e-2 and r.get("finite", True) for r in checks) and checks[-1]["graph_equals_eager"]
+    copy = measure_copy_gbps()
+    rows = []
+    for batch, context, nodes in shapes if ok else []:
+        cases = rotating_cases(batch, context, nodes, HEADS)
+        first = cases[0]
+        times: dict[str, list[float]] = {"few_rows": [], "rows64": []}
+        for _ in range(2):
+            for name in times:
+                few = name == "few_rows"
+                times[name].append(graph_replay_us([lambda c=c, f=few: tree_mla_hopper(*c.args(), few_rows=f) for c in cases]))
+        few_us, wide_us = min(times["few_rows"]), min(times["rows64"])
+        gbps = first.bytes_read() / few_us / 1e3
+        row = dict(batch=batch, context=context, tree_nodes=nodes, heads=HEADS, rows=nodes * HEADS, copies=len(cases),
+                   time_us=round(few_us, 2), rows64_us=round(wide_us, 2), speedup=round(wide_us / few_us, 3),
+                   gbps=round(gbps, 1), frac_of_copy=round(gbps / copy, 3),
+                   rows64_frac_of_copy=round(first.bytes_read() / wide_us / 1e3 / copy, 3))
+        rows.append(row)
+        print(row, flush=True)
+        del cases
+    params = dict(kvr=512, rope=64, page_size=64, dtype="bfloat16", heads=HEADS, checks=checks, checks_passed=ok,
+                  timing="whole tree_mla_hopper call (split kernel + merge), CUDA-graph replay rotating over input "
+                         "copies past L2, variants interleaved, better of two rounds",
+                  variants="time_us: few_rows=True (the few-row kernel); rows64_us: few_rows=False (the 64-row kernel)")
+    write_result(args.out, args.out.rsplit("/", 1)[-1].removesuffix(".json"), args.commit, params, rows)
+    if not ok:
+        raise SystemExit("checks failed: no timings")
+
+
+if __name__ == "__main__":
+    main()
