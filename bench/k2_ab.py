@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from bench.common import write_result
+from kernels import tree_mla_hopper
 from bench.k2_slice import (K2_CONFIG, TP, build_cache, build_model, per_rank_config, random_trees, time_full_ms,
                             time_replay_ms)
 from services.verifier import moe as moe_mod
@@ -56,13 +57,20 @@ def switches(model: TargetModel) -> dict[str, tuple[tuple[str, str], Callable[[s
     def router_gemv(v: str) -> None:
         moe_mod.ROUTER_GEMV = v == "gemv"
 
+    def few_rows(v: str) -> None:
+        tree_mla_hopper.FEW_ROWS_SERVED = v == "few"
+
+    def tail(v: str) -> None:
+        tree_mla_hopper.TAIL_SERVED = v
+
     return {"router": (("float32", "parts"), router), "shared-stream": (("main", "side"), shared_stream),
-            "router-gemv": (("gemm", "gemv"), router_gemv)}
+            "router-gemv": (("gemm", "gemv"), router_gemv), "few-rows": (("rows64", "few"), few_rows),
+            "tail": (("wide", "stream"), tail)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--switch", choices=("router", "shared-stream", "router-gemv"), required=True)
+    ap.add_argument("--switch", choices=("router", "shared-stream", "router-gemv", "few-rows", "tail"), required=True)
     ap.add_argument("--cases", nargs="+", default=None, metavar="BUDGET,BATCH",
                     help="steps to time (default: 0,1 16,1 16,32; budget 0 = autoregressive)")
     ap.add_argument("--commit", default=None)

@@ -71,6 +71,8 @@ __all__ = [
 BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
 FEW_ROWS = 16  # query rows a few-row CTA (the wgmma N side of its transposed products)
 FEW_KEYS = 64  # keys a few-row tile (the wgmma M side)
+FEW_ROWS_SERVED = True  # tree_mla_hopper's few_rows default (a switch for A/Bs: bench/k2_ab.py)
+TAIL_SERVED = "wide"  # tree_mla_hopper's tail default
 TRACE_EVENTS = 8  # stamps a trace slot holds (``tree_mla_hopper(trace=...)``)
 CONSUMER_REGS = 224  # registers of each consumer warpgroup; the loader gets the rest (232: 1-3% slower, H200)
 # Dims the kernel was checked at on the GPU (bench/tree_mla_bench.py): Kimi-K2 and the demo model.
@@ -664,8 +666,8 @@ def tree_mla_hopper(
     block_n: int = 32,
     num_stages: int = 4,
     trace: Tensor | None = None,
-    few_rows: bool = True,
-    tail: str = "wide",
+    few_rows: bool | None = None,
+    tail: str | None = None,
 ) -> Tensor:
     """``tree_mla_triton``'s contract on the Gluon kernel: same arguments (host metadata is packed
     here, with a host sync), same result ``[N, H, kvr]``. Needs ``hopper_available`` and operands
@@ -704,6 +706,8 @@ def tree_mla_hopper(
     if N == 0 or R == 0:
         return out
     rows = meta.max_nodes * H
+    few_rows = FEW_ROWS_SERVED if few_rows is None else few_rows
+    tail = TAIL_SERVED if tail is None else tail
     few = few_rows and trace is None and rows <= FEW_ROWS
     m_tiles = 1 if few else -(-rows // BLOCK_M)
     tail_few = tail != "wide" and not few and trace is None and 0 < rows % BLOCK_M <= FEW_ROWS
