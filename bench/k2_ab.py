@@ -60,17 +60,13 @@ def switches(model: TargetModel) -> dict[str, tuple[tuple[str, str], Callable[[s
     def few_rows(v: str) -> None:
         tree_mla_hopper.FEW_ROWS_SERVED = v == "few"
 
-    def tail(v: str) -> None:
-        tree_mla_hopper.TAIL_SERVED = v
-
     return {"router": (("float32", "parts"), router), "shared-stream": (("main", "side"), shared_stream),
-            "router-gemv": (("gemm", "gemv"), router_gemv), "few-rows": (("rows64", "few"), few_rows),
-            "tail": (("wide", "stream"), tail)}
+            "router-gemv": (("gemm", "gemv"), router_gemv), "few-rows": (("rows64", "few"), few_rows)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--switch", choices=("router", "shared-stream", "router-gemv", "few-rows", "tail"), required=True)
+    ap.add_argument("--switch", choices=("router", "shared-stream", "router-gemv", "few-rows"), required=True)
     ap.add_argument("--cases", nargs="+", default=None, metavar="BUDGET,BATCH",
                     help="steps to time (default: 0,1 16,1 16,32; budget 0 = autoregressive)")
     ap.add_argument("--commit", default=None)

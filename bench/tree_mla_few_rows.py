@@ -21,7 +21,7 @@ import argparse
 
 import torch
 
-from bench.common import graph_replay_us, measure_copy_gbps, write_result
+from bench.common import graph_replay_us, kernel_times, measure_copy_gbps, write_result
 from bench.tree_mla_bench import Case, rel_err, rotating_cases
 from kernels.tree_mla import tree_mla_reference
 from kernels.tree_mla_hopper import tree_mla_hopper
@@ -75,50 +75,33 @@ def check(log: list) -> list[dict]:
     return rows
 
 
-TAIL_SHAPES = [(32, 4096, 9), (32, 4096, 17), (32, 16384, 9), (128, 4096, 9), (1, 4096, 9), (1, 4096, 17), (8, 4096, 9)]
-TAIL_SPLITS = (None, 2, 3, 4, 6)
+SPLIT_SHAPES = [(b, c) for b in (1, 4, 8, 16) for c in (1024, 4096, 16384)]
+SPLIT_COUNTS = (None, 4, 8, 16, 24, 32, 48, 64)
 
 
-def tails(out: str, commit: str | None) -> None:
-    """A tree's last few rows (at 8 heads, 72 = 64 + 8) on the few-row kernel: after the 64-row
-    launch ("after"), beside it on a second stream ("stream"), or not at all ("none": the 64-row
-    tiles alone, a bound, wrong output) against the 64-row kernel for all rows ("wide", served)."""
-    checks = []
-    for lens, nodes, ps in (([1000, 37, 0, 4099], 9, 64), ([777, 2048, 3], 17, 1), ([5000, 1200], 33, 16)):
-        case = Case(len(lens), lens, nodes, 8, seed=5, page_size=ps)
-        want = tree_mla_reference(case.q_latent.float(), case.q_pe.float(), case.kv_cache.float(), case.new_kv.float(),
-                                  case.host_meta, case.scale)
-        for tail in ("after", "stream"):
-            for splits in (None, 1, 3):
-                got = tree_mla_hopper(*case.args(), num_splits=splits, tail=tail)
-                checks.append(dict(lens=lens, nodes=nodes, page_size=ps, tail=tail, num_splits=splits,
-                                   rel_err=rel_err(got, want), finite=bool(torch.isfinite(got).all())))
-                print(checks[-1], flush=True)
-    ok = all(c["rel_err"] < 1e-2 and c["finite"] for c in checks)
+def splits(out: str, commit: str | None) -> None:
+    """The few-row call at decode shapes (one node, 8 heads) across split counts, and where its time
+    goes at the served count (split kernel and merge, torch.profiler, eager)."""
     rows = []
-    for batch, context, nodes in TAIL_SHAPES if ok else []:
-        cases = rotating_cases(batch, context, nodes, HEADS)
-        variants = [("wide", None)] + [(t, s) for t in ("wide", "stream", "after", "none") for s in TAIL_SPLITS
-                                       if (t, s) != ("wide", None) and (batch > 1 or s is None or s >= 4)]
-        times: dict[tuple, list[float]] = {v: [] for v in variants}
+    for batch, context in SPLIT_SHAPES:
+        cases = rotating_cases(batch, context, 1, HEADS)
+        counts = [s for s in SPLIT_COUNTS if s is None or context // s >= 64]
+        times: dict[int | None, list[float]] = {s: [] for s in counts}
         for _ in range(2):
-            for tail, splits in variants:
-                times[(tail, splits)].append(graph_replay_us(
-                    [lambda c=c, t=tail, s=splits: tree_mla_hopper(*c.args(), num_splits=s, tail=t) for c in cases]))
-        row = dict(batch=batch, context=context, tree_nodes=nodes, heads=HEADS, rows=nodes * HEADS,
-                   times_us={f"{t}/{s or 'auto'}": round(min(v), 2) for (t, s), v in times.items()})
-        best = min(((t, s) for t, s in variants if t != "none"), key=lambda v: min(times[v]))
-        row["best"] = f"{best[0]}/{best[1] or 'auto'}"
-        row["best_over_served"] = round(min(times[("wide", None)]) / min(times[best]), 3)
+            for s in counts:
+                times[s].append(graph_replay_us([lambda c=c, n=s: tree_mla_hopper(*c.args(), num_splits=n) for c in cases]))
+        first = cases[0]
+        row = dict(batch=batch, context=context, tree_nodes=1, heads=HEADS,
+                   times_us={str(s or "auto"): round(min(v), 2) for s, v in times.items()},
+                   kernels_us=kernel_times(lambda: tree_mla_hopper(*first.args())))
+        row["best"] = str(min(counts, key=lambda s: min(times[s])) or "auto")
         rows.append(row)
         print(row, flush=True)
         del cases
-    params = dict(kvr=512, rope=64, page_size=64, dtype="bfloat16", heads=HEADS, checks=checks, checks_passed=ok,
-                  timing="whole tree_mla_hopper call, CUDA-graph replay rotating over input copies past L2, variants "
-                         "interleaved, better of two rounds; key: tail/num_splits",
-                  variants="wide: the 64-row kernel for all rows (served); after: 64-row tiles, then the few-row "
-                           "kernel for the last rows; stream: the same on a second stream beside it; none: the 64-row "
-                           "tiles alone (a bound; the last rows are not computed)")
+    params = dict(kvr=512, rope=64, page_size=64, dtype="bfloat16", heads=HEADS,
+                  timing="whole tree_mla_hopper call (few-row kernel + merge), CUDA-graph replay rotating over input "
+                         "copies past L2, better of two rounds; key: num_splits (auto: choose_splits); kernels_us: "
+                         "the served count's launches, torch.profiler, eager")
     write_result(out, out.rsplit("/", 1)[-1].removesuffix(".json"), commit, params, rows)
 
 
@@ -127,10 +110,10 @@ def main() -> None:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default="bench/results/tree_mla_few_rows.json")
     ap.add_argument("--shapes", default=None, help="batch,context,nodes;... (default: all)")
-    ap.add_argument("--tails", action="store_true", help="time a tree's last rows on the few-row kernel instead")
+    ap.add_argument("--splits", action="store_true", help="sweep the split count at decode shapes instead")
     args = ap.parse_args()
-    if args.tails:
-        return tails(args.out, args.commit)
+    if args.splits:
+        return splits(args.out, args.commit)
     shapes = SHAPES if not args.shapes else [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
     log: list[str] = []
     checks = check(log)

@@ -72,7 +72,6 @@ BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
 FEW_ROWS = 16  # query rows a few-row CTA (the wgmma N side of its transposed products)
 FEW_KEYS = 64  # keys a few-row tile (the wgmma M side)
 FEW_ROWS_SERVED = True  # tree_mla_hopper's few_rows default (a switch for A/Bs: bench/k2_ab.py)
-TAIL_SERVED = "wide"  # tree_mla_hopper's tail default
 TRACE_EVENTS = 8  # stamps a trace slot holds (``tree_mla_hopper(trace=...)``)
 CONSUMER_REGS = 224  # registers of each consumer warpgroup; the loader gets the rest (232: 1-3% slower, H200)
 # Dims the kernel was checked at on the GPU (bench/tree_mla_bench.py): Kimi-K2 and the demo model.
@@ -667,7 +666,6 @@ def tree_mla_hopper(
     num_stages: int = 4,
     trace: Tensor | None = None,
     few_rows: bool | None = None,
-    tail: str | None = None,
 ) -> Tensor:
     """``tree_mla_triton``'s contract on the Gluon kernel: same arguments (host metadata is packed
     here, with a host sync), same result ``[N, H, kvr]``. Needs ``hopper_available`` and operands
@@ -707,12 +705,8 @@ def tree_mla_hopper(
         return out
     rows = meta.max_nodes * H
     few_rows = FEW_ROWS_SERVED if few_rows is None else few_rows
-    tail = TAIL_SERVED if tail is None else tail
     few = few_rows and trace is None and rows <= FEW_ROWS
     m_tiles = 1 if few else -(-rows // BLOCK_M)
-    tail_few = tail != "wide" and not few and trace is None and 0 < rows % BLOCK_M <= FEW_ROWS
-    if tail_few:
-        m_tiles = rows // BLOCK_M
     if num_splits is None:
         max_prefix = meta.page_table.shape[1] * page_size
         num_splits = choose_splits(R, m_tiles, rows, max_prefix, kvr, rope, _sm_count(q_latent.device))
@@ -753,31 +747,9 @@ def tree_mla_hopper(
         KVR=kvr, ROPE=rope, BLOCK_N=block_n, NUM_STAGES=num_stages, DIRECT=num_splits == 1, TMA_ROWS=tma_rows,
         CONSUMER_REGS=CONSUMER_REGS, TRACE=trace is not None, TRACE_TILES=trace_tiles, **smem, num_warps=4,
     )
-    if tail_few:
-        args = (q_latent, q_pe, kv_cache, new_kv, meta, softmax_scale * _LOG2E, out, o_part, lse_part, num_splits,
-                m_tiles * BLOCK_M, gdt, limit)
-        if tail == "stream":
-            side = _tail_stream(q_latent.device)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                _launch_few_rows(*args)
-            torch.cuda.current_stream().wait_stream(side)
-        elif tail == "none":
-            pass
-        else:
-            _launch_few_rows(*args)
     merge_splits(o_part, lse_part, out, num_splits, 1)
     return out
 
-
-_TAIL_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _tail_stream(device: torch.device) -> torch.cuda.Stream:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _TAIL_STREAMS:
-        _TAIL_STREAMS[idx] = torch.cuda.Stream(device=idx)
-    return _TAIL_STREAMS[idx]
 
 
 def few_rows_stages(kvr: int, rope: int, elem_bytes: int, limit_bytes: int | None) -> int:
