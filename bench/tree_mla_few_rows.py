@@ -105,13 +105,60 @@ def splits(out: str, commit: str | None) -> None:
     write_result(out, out.rsplit("/", 1)[-1].removesuffix(".json"), commit, params, rows)
 
 
+MERGE_SHAPES = [(1, 4096), (1, 16384), (4, 4096), (8, 4096), (1, 1024)]
+MERGE_SPLITS = (16, 24, 32, 48)
+MERGE_PLANS = (None, (8, 8), (8, 16), (16, 16), (16, 32), (32, 32))  # (d_chunks, split_block); None: merge_plan's
+
+
+def merges(out: str, commit: str | None) -> None:
+    """The merge's launch shape at decode shapes: value-dim chunks a row block and splits read at once
+    (``tree_mla.merge_plan`` patched), at several split counts; whole call, outputs compared bitwise."""
+    import kernels.tree_mla as tm
+
+    served_plan = tm.merge_plan
+    rows = []
+    for batch, context in MERGE_SHAPES:
+        cases = rotating_cases(batch, context, 1, HEADS)
+        counts = [s for s in MERGE_SPLITS if context // s >= 64]
+        times: dict[tuple, list[float]] = {(s, p): [] for s in counts for p in MERGE_PLANS}
+        equal = {}
+        try:
+            for rnd in range(2):
+                for (splits, plan) in times:
+                    tm.merge_plan = served_plan if plan is None else (lambda *a, p=plan: p)
+                    times[(splits, plan)].append(graph_replay_us(
+                        [lambda c=c, n=splits: tree_mla_hopper(*c.args(), num_splits=n) for c in cases]))
+                    if rnd == 0:
+                        got = tree_mla_hopper(*cases[0].args(), num_splits=splits)
+                        tm.merge_plan = served_plan
+                        equal[(splits, plan)] = bool(torch.equal(got, tree_mla_hopper(*cases[0].args(), num_splits=splits)))
+        finally:
+            tm.merge_plan = served_plan
+        key = lambda k: f"s{k[0]}/" + ("plan" if k[1] is None else f"d{k[1][0]}_b{k[1][1]}")  # noqa: E731
+        row = dict(batch=batch, context=context, tree_nodes=1, heads=HEADS,
+                   served_plan=list(served_plan(batch * HEADS, 512, 32, 1, 132)),
+                   times_us={key(k): round(min(v), 2) for k, v in times.items()},
+                   equal_to_plan={key(k): v for k, v in equal.items()})
+        row["best"] = key(min(times, key=lambda k: min(times[k])))
+        rows.append(row)
+        print(row, flush=True)
+        del cases
+    params = dict(kvr=512, rope=64, page_size=64, dtype="bfloat16", heads=HEADS,
+                  timing="whole tree_mla_hopper call, CUDA-graph replay rotating over input copies past L2, better "
+                         "of two rounds; key: s<num_splits>/d<d_chunks>_b<split_block> (plan: merge_plan's)")
+    write_result(out, out.rsplit("/", 1)[-1].removesuffix(".json"), commit, params, rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default="bench/results/tree_mla_few_rows.json")
     ap.add_argument("--shapes", default=None, help="batch,context,nodes;... (default: all)")
     ap.add_argument("--splits", action="store_true", help="sweep the split count at decode shapes instead")
+    ap.add_argument("--merges", action="store_true", help="sweep the merge's launch shape at decode shapes instead")
     args = ap.parse_args()
+    if args.merges:
+        return merges(args.out, args.commit)
     if args.splits:
         return splits(args.out, args.commit)
     shapes = SHAPES if not args.shapes else [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
