@@ -57,8 +57,10 @@ def switches(model: TargetModel) -> dict[str, tuple[tuple[str, str], Callable[[s
     def router_gemv(v: str) -> None:
         moe_mod.ROUTER_GEMV = v == "gemv"
 
+    served = tree_mla_hopper.few_rows_serves
+
     def few_rows(v: str) -> None:
-        tree_mla_hopper.FEW_ROWS_SERVED = v == "few"
+        tree_mla_hopper.few_rows_serves = served if v == "few" else (lambda *a: False)
 
     return {"router": (("float32", "parts"), router), "shared-stream": (("main", "side"), shared_stream),
             "router-gemv": (("gemm", "gemv"), router_gemv), "few-rows": (("rows64", "few"), few_rows)}

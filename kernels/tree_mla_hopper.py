@@ -64,14 +64,14 @@ except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
 __all__ = [
-    "hopper_available", "unsupported_reason", "tree_mla_hopper", "choose_splits", "tma_rows_for", "few_rows_stages",
+    "hopper_available", "unsupported_reason", "tree_mla_hopper", "choose_splits", "tma_rows_for", "few_rows_serves",
+    "few_rows_splits", "few_rows_stages",
     "BLOCK_M", "FEW_ROWS", "FEW_KEYS", "SUPPORTED_DIMS",
 ]
 
 BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
 FEW_ROWS = 16  # query rows a few-row CTA (the wgmma N side of its transposed products)
 FEW_KEYS = 64  # keys a few-row tile (the wgmma M side)
-FEW_ROWS_SERVED = True  # tree_mla_hopper's few_rows default (a switch for A/Bs: bench/k2_ab.py)
 TRACE_EVENTS = 8  # stamps a trace slot holds (``tree_mla_hopper(trace=...)``)
 CONSUMER_REGS = 224  # registers of each consumer warpgroup; the loader gets the rest (232: 1-3% slower, H200)
 # Dims the kernel was checked at on the GPU (bench/tree_mla_bench.py): Kimi-K2 and the demo model.
@@ -523,19 +523,19 @@ if gluon is not None:
             _copy_tile(k_lat_t, k_pe_t, ready, t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr,
                        q_start, stride_kv_page, stride_kv_tok, stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
 
-    @gluon.jit(do_not_specialize=["stride_pt_r", "stride_anc_n", "num_heads", "total_rows", "num_splits", "row0"])
+    @gluon.jit(do_not_specialize=["stride_pt_r", "stride_anc_n", "num_heads", "total_rows", "num_splits"])
     def _tree_mla_few_rows_kernel(
         q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, lat_desc, pe_desc,
         page_table_ptr, prefix_lens_ptr, query_starts_ptr, anc_bits_ptr,
         out_ptr, o_part_ptr, lse_part_ptr,
         stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
         stride_kv_page, stride_kv_tok, stride_new_n, stride_pt_r, stride_anc_n,
-        num_heads, page_size, total_rows, num_splits, row0, scale_log2,
+        num_heads, page_size, total_rows, num_splits, scale_log2,
         KVR: gl.constexpr, ROPE: gl.constexpr, NUM_STAGES: gl.constexpr, DIRECT: gl.constexpr, TMA_ROWS: gl.constexpr,
         Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr,
         P_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """Rows ``[row0, row0 + FEW_ROWS)`` of one request, one split, one warpgroup: the products
+        """Rows ``[g * FEW_ROWS, (g + 1) * FEW_ROWS)`` of one request, one split, one warpgroup: the products
         transposed, so the keys fill the wgmma's 64-row M side and the few query rows its N side.
         ``S^T = K Q^T`` ``[64 keys, 16 rows]``, a softmax down each column, ``O^T += V^T P^T``
         ``[kvr, 16]`` (64 fp32 registers a thread at kvr 512). The 64-row kernel would multiply
@@ -545,13 +545,14 @@ if gluon is not None:
         BN: gl.constexpr = _FEW_KEYS
         RN: gl.constexpr = _FEW_ROWS
         dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
-        split = gl.program_id(0)
-        r = gl.program_id(1)
+        row0 = gl.program_id(0) * RN
+        split = gl.program_id(1)
+        r = gl.program_id(2)
         q_start = gl.load(query_starts_ptr + r)
         n_nodes = gl.load(query_starts_ptr + r + 1) - q_start
+        prefix_len = gl.load(prefix_lens_ptr + r)  # beside the loads above, not after them
         rows = n_nodes * num_heads
         if row0 < rows:
-            prefix_len = gl.load(prefix_lens_ptr + r)
             chunk = gl.cdiv(gl.cdiv(prefix_len, num_splits), BN) * BN
             lo = split * chunk
             hi = gl.minimum(lo + chunk, prefix_len)
@@ -676,9 +677,9 @@ def tree_mla_hopper(
     TRACE_EVENTS]`` buffer builds a copy of the kernel that stamps SM clocks into it
     (``bench/tree_mla_timeline.py`` reads them): CTA ``(r * splits + split) * m_tiles + m``,
     partition loader / consumer 0 / 1, a slot per key tile (the first ``tiles``), then one of start
-    and end stamps. ``few_rows``: where every request has at most ``FEW_ROWS`` rows (nodes x heads:
-    a decode step, or a 2-node tree, at 8 heads), the few-row kernel serves instead (one warpgroup,
-    transposed products; ``block_n`` / ``num_stages`` / ``trace`` are the 64-row kernel's)."""
+    and end stamps. ``few_rows``: True takes the few-row kernel (one warpgroup a ``FEW_ROWS`` rows,
+    transposed products; ``block_n`` / ``num_stages`` / ``trace`` are the 64-row kernel's), False the
+    64-row one, None what ``few_rows_serves`` says."""
     from kernels.tree_mla import (
         _LOG2E, _shared_memory_limit, _sm_count, check_operands, merge_splits, split_partials,
     )
@@ -704,18 +705,22 @@ def tree_mla_hopper(
     if N == 0 or R == 0:
         return out
     rows = meta.max_nodes * H
-    few_rows = FEW_ROWS_SERVED if few_rows is None else few_rows
-    few = few_rows and trace is None and rows <= FEW_ROWS
-    m_tiles = 1 if few else -(-rows // BLOCK_M)
+    if few_rows is None:
+        few_rows = few_rows_serves(R, rows)
+    few = trace is None and few_rows
+    groups = -(-rows // FEW_ROWS)
+    m_tiles = -(-rows // BLOCK_M)
     if num_splits is None:
         max_prefix = meta.page_table.shape[1] * page_size
-        num_splits = choose_splits(R, m_tiles, rows, max_prefix, kvr, rope, _sm_count(q_latent.device))
+        sms = _sm_count(q_latent.device)
+        num_splits = (few_rows_splits(R * groups, max_prefix, sms) if few
+                      else choose_splits(R, m_tiles, rows, max_prefix, kvr, rope, sms))
     total_rows = N * H
     o_part, lse_part = split_partials(out, num_splits, 1)
     gdt = gl.bfloat16 if q_latent.dtype == torch.bfloat16 else gl.float16
     if few:
         _launch_few_rows(q_latent, q_pe, kv_cache, new_kv, meta, softmax_scale * _LOG2E, out, o_part, lse_part,
-                         num_splits, 0, gdt, limit)
+                         num_splits, groups, gdt, limit)
         merge_splits(o_part, lse_part, out, num_splits, 1)
         return out
     smem = {
@@ -752,6 +757,25 @@ def tree_mla_hopper(
 
 
 
+def few_rows_serves(num_requests: int, rows: int) -> bool:
+    """Whether ``tree_mla_hopper`` takes the few-row kernel (``few_rows=None``): where every request has
+    at most ``FEW_ROWS`` rows (nodes x heads: a decode step, or a 2-node tree, at 8 heads)."""
+    return rows <= FEW_ROWS
+
+
+def few_rows_splits(ctas_a_split: int, max_prefix: int, sm_count: int) -> int:
+    """KV splits for the few-row kernel: about ``0.375 * sqrt(context)`` (a CTA's keys shrink as
+    ``1 / splits`` while the merge's reads grow with them), at most one wave of CTAs, at least 64
+    keys a split. At one node and 8 heads on an H200 (``bench/results/tree_mla_few_rows_splits-7e54300.json``,
+    ``tree_mla_few_rows_merges-4a9229d.json``) the best swept counts were 8-16 / 24 / 48 at batch 1 and
+    context 1024 / 4096 / 16384 (24 at 4096: 16.5 us against 19.6 with 32, the wave-filling count),
+    24 at batch 4 x 4096 and one wave (16, 8) at batch 8 and 16."""
+    if max_prefix <= 0:
+        return 1
+    want = math.ceil(0.375 * math.sqrt(max_prefix))
+    return max(1, min(want, sm_count // max(1, ctas_a_split), max_prefix // 64))
+
+
 def few_rows_stages(kvr: int, rope: int, elem_bytes: int, limit_bytes: int | None) -> int:
     """Ring slots (64 keys each, 2 to 4) of the few-row kernel that fit beside its q rows, P and
     the output's layout change: 2 at Kimi-K2's 512 + 64 (H200: 227 KB a CTA), 4 at the demo's."""
@@ -764,9 +788,9 @@ def few_rows_stages(kvr: int, rope: int, elem_bytes: int, limit_bytes: int | Non
 
 
 def _launch_few_rows(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Tensor, meta: TreeAttentionDeviceMetadata,
-                     scale_log2: float, out: Tensor, o_part: Tensor, lse_part: Tensor, num_splits: int, row0: int,
+                     scale_log2: float, out: Tensor, o_part: Tensor, lse_part: Tensor, num_splits: int, groups: int,
                      gdt: object, limit: int | None) -> None:
-    """Rows ``[row0, row0 + FEW_ROWS)`` of every request on the few-row kernel: a CTA a (split, request)."""
+    """Every request's rows on the few-row kernel: a CTA a (group of ``FEW_ROWS`` rows, split, request)."""
     N, H, kvr = q_latent.shape
     rope = q_pe.shape[-1]
     _, page_size, _ = kv_cache.shape
@@ -782,13 +806,13 @@ def _launch_few_rows(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: T
     kv_rows = kv_cache.as_strided((kv_cache.shape[0] * page_size if tma_rows else page_size, kvr + rope), (kv_cache.stride(1), 1))
     lat_desc = TensorDescriptor.from_tensor(kv_rows[:, :kvr], [box, kvr], smem["K_LAT_SMEM"])  # (unused without TMA)
     pe_desc = TensorDescriptor.from_tensor(kv_rows[:, kvr:], [box, rope], smem["K_PE_SMEM"])
-    _tree_mla_few_rows_kernel[(num_splits, meta.num_requests)](
+    _tree_mla_few_rows_kernel[(groups, num_splits, meta.num_requests)](
         q_latent, q_pe, kv_cache, new_kv, lat_desc, pe_desc,
         meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,
         out, o_part, lse_part,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
-        H, page_size, N * H, num_splits, row0, scale_log2,
+        H, page_size, N * H, num_splits, scale_log2,
         KVR=kvr, ROPE=rope, NUM_STAGES=few_rows_stages(kvr, rope, q_latent.element_size(), limit),
         DIRECT=num_splits == 1, TMA_ROWS=tma_rows, **smem, num_warps=4,
     )

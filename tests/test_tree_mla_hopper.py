@@ -134,7 +134,7 @@ def _compile(kernel, types: dict, constexprs: dict, no_divisibility: tuple[str, 
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
-def _desc_types(gl, rows: int, kvr: int, rope: int, k_lat, k_pe) -> dict:
+def _desc_types(rows: int, kvr: int, rope: int, k_lat, k_pe) -> dict:
     return {"lat_desc": f"tensordesc<bf16[{rows}, {kvr}],{k_lat!r}>", "pe_desc": f"tensordesc<bf16[{rows}, {rope}],{k_pe!r}>"}
 
 
@@ -153,7 +153,7 @@ def _build(kvr: int, rope: int, direct: bool, trace_tiles: int = 0) -> dict:
         K_LAT_SMEM=k_lat, K_PE_SMEM=k_pe, P_SMEM=gl.NVMMASharedLayout.get_default_for([hop.BLOCK_M, bn], gl.bfloat16),
         num_warps=4,
     )
-    types = _ARG_TYPES | _desc_types(gl, tma_rows, kvr, rope, k_lat, k_pe)
+    types = _ARG_TYPES | _desc_types(tma_rows, kvr, rope, k_lat, k_pe)
     compiled = _compile(hop._tree_mla_hopper_kernel, types, constexprs, ("stride_pt_r", "stride_anc_n"))
     ptx = compiled.asm["ptx"]
     return dict(cubin_bytes=len(compiled.asm["cubin"]), wgmma="warp_group_dot" in compiled.asm["ttgir"],
@@ -175,9 +175,9 @@ def _build_few_rows(kvr: int, rope: int, direct: bool) -> dict:
         Q_PE_SMEM=gl.NVMMASharedLayout.get_default_for([rn, rope], gl.bfloat16),
         K_LAT_SMEM=k_lat, K_PE_SMEM=k_pe, P_SMEM=gl.NVMMASharedLayout.get_default_for([rn, bn], gl.bfloat16), num_warps=4,
     )
-    types = {k: v for k, v in _ARG_TYPES.items() if k != "trace_ptr"} | {"row0": "i32"}
-    types |= _desc_types(gl, bn, kvr, rope, k_lat, k_pe)
-    compiled = _compile(hop._tree_mla_few_rows_kernel, types, constexprs, ("stride_pt_r", "stride_anc_n", "row0"))
+    types = {k: v for k, v in _ARG_TYPES.items() if k != "trace_ptr"}
+    types |= _desc_types(bn, kvr, rope, k_lat, k_pe)
+    compiled = _compile(hop._tree_mla_few_rows_kernel, types, constexprs, ("stride_pt_r", "stride_anc_n"))
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)[^;]*?, (\d), (\d);", compiled.asm["ptx"])
     return dict(cubin_bytes=len(compiled.asm["cubin"]), shared=compiled.metadata.shared, stages=constexprs["NUM_STAGES"],
                 shapes=sorted({m for m, _, _ in mmas}), plain=sum(a == "0" for _, a, _ in mmas),
