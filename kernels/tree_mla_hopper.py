@@ -66,12 +66,13 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 __all__ = [
     "hopper_available", "unsupported_reason", "tree_mla_hopper", "choose_splits", "tma_rows_for", "few_rows_serves",
     "few_rows_splits", "few_rows_stages",
-    "BLOCK_M", "FEW_ROWS", "FEW_KEYS", "SUPPORTED_DIMS",
+    "BLOCK_M", "FEW_ROWS", "FEW_KEYS", "FEW_ROWS_MAX_TILES", "SUPPORTED_DIMS",
 ]
 
 BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
 FEW_ROWS = 16  # query rows a few-row CTA (the wgmma N side of its transposed products)
 FEW_KEYS = 64  # keys a few-row tile (the wgmma M side)
+FEW_ROWS_MAX_TILES = 8  # key tiles a few-row CTA may walk where a request's rows take more than one CTA
 TRACE_EVENTS = 8  # stamps a trace slot holds (``tree_mla_hopper(trace=...)``)
 CONSUMER_REGS = 224  # registers of each consumer warpgroup; the loader gets the rest (232: 1-3% slower, H200)
 # Dims the kernel was checked at on the GPU (bench/tree_mla_bench.py): Kimi-K2 and the demo model.
@@ -705,14 +706,14 @@ def tree_mla_hopper(
     if N == 0 or R == 0:
         return out
     rows = meta.max_nodes * H
+    max_prefix = meta.page_table.shape[1] * page_size
+    sms = _sm_count(q_latent.device)
     if few_rows is None:
-        few_rows = few_rows_serves(R, rows)
+        few_rows = few_rows_serves(R, rows, max_prefix, sms)
     few = trace is None and few_rows
     groups = -(-rows // FEW_ROWS)
     m_tiles = -(-rows // BLOCK_M)
     if num_splits is None:
-        max_prefix = meta.page_table.shape[1] * page_size
-        sms = _sm_count(q_latent.device)
         num_splits = (few_rows_splits(R * groups, max_prefix, sms) if few
                       else choose_splits(R, m_tiles, rows, max_prefix, kvr, rope, sms))
     total_rows = N * H
@@ -757,10 +758,20 @@ def tree_mla_hopper(
 
 
 
-def few_rows_serves(num_requests: int, rows: int) -> bool:
-    """Whether ``tree_mla_hopper`` takes the few-row kernel (``few_rows=None``): where every request has
-    at most ``FEW_ROWS`` rows (nodes x heads: a decode step, or a 2-node tree, at 8 heads)."""
-    return rows <= FEW_ROWS
+def few_rows_serves(num_requests: int, rows: int, max_prefix: int, sm_count: int) -> bool:
+    """Whether ``tree_mla_hopper`` takes the few-row kernel (``few_rows=None``). Where a request has at
+    most ``FEW_ROWS`` rows (a decode step, or a 2-node tree, at 8 heads) it reads the keys once, as
+    the 64-row kernel does, with a quarter of the products: always. Above that each 16-row group
+    reads the keys again (from L2 when the groups run together), which pays while the GPU has room:
+    while a CTA walks at most ``FEW_ROWS_MAX_TILES`` key tiles at ``few_rows_splits``' count. On an
+    H200 at 8 heads (``bench/results/tree_mla_few_rows_groups-6000c41.json``) every swept tree shape
+    under that bound ran 1.10-1.43x faster on the few-row kernel (batch 1 x 4096: tree 9 23.7 -> 17.4
+    us, tree 17 23.9 -> 18.5); at 10 tiles it ranged 0.96-1.23x, past it down to 0.25x."""
+    groups = -(-rows // FEW_ROWS)
+    if groups == 1:
+        return True
+    splits = few_rows_splits(num_requests * groups, max_prefix, sm_count)
+    return -(-max_prefix // (splits * FEW_KEYS)) <= FEW_ROWS_MAX_TILES
 
 
 def few_rows_splits(ctas_a_split: int, max_prefix: int, sm_count: int) -> int:

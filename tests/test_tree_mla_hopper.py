@@ -223,6 +223,24 @@ def test_few_rows_kernel_builds_for_sm90(kvr: int, rope: int, direct: bool) -> N
     assert built["stages"] == (2 if kvr == 512 else 4), built
 
 
+def test_few_rows_policy_follows_the_sweeps() -> None:
+    """Which calls take the few-row kernel and at how many splits (132 SMs, 8 heads), against the
+    H200 sweeps the rules cite: decode steps and 2-node trees always; trees where the few-row call
+    was faster (1.10-1.43x), and not where it was slower (0.25-1.00x)."""
+    def serves(batch: int, context: int, nodes: int) -> bool:
+        return hop.few_rows_serves(batch, nodes * 8, context, 132)
+
+    assert all(serves(b, c, n) for b in (1, 32, 128) for c in (1024, 16384) for n in (1, 2))
+    faster = [(1, 1024, 9), (1, 4096, 9), (2, 4096, 9), (4, 1024, 9), (8, 1024, 9), (1, 4096, 17), (2, 1024, 17),
+              (4, 1024, 17), (1, 1024, 33), (2, 1024, 33)]
+    slower = [(2, 16384, 9), (4, 4096, 9), (8, 4096, 9), (1, 16384, 17), (2, 4096, 17), (8, 1024, 17), (1, 4096, 33),
+              (4, 1024, 33), (32, 4096, 9), (128, 4096, 17)]
+    assert all(serves(*s) for s in faster) and not any(serves(*s) for s in slower)
+    assert [hop.few_rows_splits(b, c, 132) for b, c in ((1, 1024), (1, 4096), (1, 16384), (4, 4096), (8, 4096), (32, 4096))] \
+        == [12, 24, 48, 24, 16, 4]
+    assert hop.few_rows_splits(1, 100, 132) == 1 and hop.few_rows_splits(3, 0, 132) == 1
+
+
 def test_few_rows_stages_fit() -> None:
     assert hop.few_rows_stages(512, 64, 2, H100_SMEM_PER_BLOCK) == 2
     assert hop.few_rows_stages(128, 32, 2, H100_SMEM_PER_BLOCK) == 4
