@@ -11,8 +11,8 @@ kv comes from ``new_kv`` because it is not in the cache yet.
 The trio (STYLE.md): ``_tree_mla_split_kernel`` / ``_tree_mla_merge_kernel`` (Triton),
 ``tree_mla_triton`` (host wrapper: checks, launch parameters), ``tree_mla_reference`` (plain torch,
 used by tests and benchmarks). ``tree_mla`` picks one (:func:`choose_backend`): on Hopper the Gluon
-kernel of ``kernels/tree_mla_hopper.py`` (same contract; a TMA loader and two consumer warpgroups
-taking turns on each 64-row tile),
+kernels of ``kernels/tree_mla_hopper.py`` (same contract; a TMA loader and two consumer warpgroups
+taking turns on each 64-row tile, or one warpgroup a 16 rows where requests have few rows),
 Triton on other CUDA GPUs, the reference elsewhere.
 
 Kernel layout. The M dimension of every matrix product is (tree node x head) of one request: row

@@ -35,10 +35,22 @@ warpgroups: a tile costs the other's half P V (about 700 cycles) plus its softma
 2200 cycles at every shape. At 64 rows that is already the memory's pace. Reorderings of the loop
 did not shorten it (BENCHMARKS.md).
 
+The few-row kernel (``_tree_mla_few_rows_kernel``): a decode step has 8 rows a request at 8 heads,
+a 2-node tree 16, yet the 64-row kernel multiplies 64 rows and runs its two-warpgroup chain for
+them. One warpgroup a (16 rows, split, request) instead computes ``S^T = K Q^T`` with the keys on
+the wgmma's 64-row M side and the rows on its N side, a softmax down each column, and ``O^T += V^T
+P^T`` (V^T read from the key tile as it lies: the transposed-A form of wgmma); 64-key tiles
+through a two-slot ring (TMA or cp.async as above). Decode shapes run 1.08-1.34x faster on it
+(batch 128 x 4096: 4.0 TB/s, 96% of copy). Larger requests take a CTA a 16 rows, each re-reading
+the keys, which pays at small batch and context (``few_rows_serves``). Built alongside, and
+removed: the last few rows of a tree (72 = 64 + 8) on the few-row kernel after or beside the
+64-row launch, which re-read every key from HBM and lost at every shape
+(``bench/results/tree_mla_tails-ef8089e.json``).
+
 The CPU has no Gluon: the CPU path and every CPU test use ``tree_mla_reference`` / the Triton kernel
-under the interpreter; ``tests/test_tree_mla_hopper.py`` builds this kernel for sm_90, and
-``bench/tree_mla_bench.py`` checks it against the float32 reference on the GPU (its ``hopper``
-rows and checks).
+under the interpreter; ``tests/test_tree_mla_hopper.py`` builds both kernels for sm_90, and
+``bench/tree_mla_bench.py`` / ``bench/tree_mla_few_rows.py`` check them against the float32
+reference on the GPU.
 """
 
 from __future__ import annotations
