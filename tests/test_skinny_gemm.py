@@ -1,0 +1,90 @@
+"""The few-row GEMM kernel (``kernels/skinny_gemm.py``) under the Triton interpreter against float64
+torch: plain, batched and strided operands, written into a view, added in place, K split over
+programs (whose partials the last program adds in a fixed order), odd sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import skinny_gemm as sg
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    err = (got.double() - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert err <= 1e-2 * scale + 1e-2, f"max error {err} against max {scale}"
+
+
+@pytest.mark.parametrize("m,n,k,plan", [
+    (1, 40, 300, None), (5, 70, 1100, (16, 128, 4)), (17, 33, 130, (32, 128, 1)), (64, 48, 520, (16, 256, 2)),
+    (3, 130, 2048, None),
+])
+def test_matches_torch(m: int, n: int, k: int, plan: tuple | None) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    got = sg.skinny_linear_triton(x, w, plan=plan)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    _close(got, x.double() @ w.double().T)
+
+
+def test_split_k_is_deterministic_and_leaves_counters_at_zero() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 2048, generator=g).half()
+    w = torch.randn(64, 2048, generator=g).half()
+    a = sg.skinny_linear_triton(x, w, plan=(16, 128, 8))
+    b = sg.skinny_linear_triton(x, w, plan=(16, 128, 8))
+    assert torch.equal(a, b)
+    _close(a, x.double() @ w.double().T)
+    assert int(sg._counters(x.device).abs().sum()) == 0
+
+
+def test_batched_strided_views_and_out() -> None:
+    """The attention's two per-head products: q_nope [N, H, nope] (a strided view) times w_uk [H,
+    nope, kvr] read through its transpose, and latent [N, H, kvr] times w_uv^T written into the
+    [H, N, v] view of an [N, H, v] output."""
+    g = torch.Generator().manual_seed(2)
+    N, H, nope, kvr, v = 3, 4, 32, 64, 16
+    q = torch.randn(N, H, nope + 8, generator=g).bfloat16()
+    w_uk = torch.randn(H, nope, kvr, generator=g).bfloat16()
+    x = q[..., :nope].transpose(0, 1)  # [H, N, nope], strided
+    got = sg.skinny_linear_triton(x, w_uk.transpose(1, 2))
+    _close(got, x.double() @ w_uk.double())
+    latent = torch.randn(N, H, kvr, generator=g).bfloat16()
+    w_uv = torch.randn(H, v, kvr, generator=g).bfloat16()
+    out = torch.full((N, H, v), float("nan"), dtype=torch.bfloat16)
+    sg.skinny_linear_triton(latent.transpose(0, 1), w_uv, out=out.transpose(0, 1))
+    _close(out.transpose(0, 1), latent.transpose(0, 1).double() @ w_uv.double().transpose(1, 2))
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_add_to_in_place(split: int) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 1024, generator=g).bfloat16()
+    w = torch.randn(50, 1024, generator=g).bfloat16()
+    acc = torch.randn(2, 50, generator=g).bfloat16()
+    want = acc.double() + x.double() @ w.double().T
+    got = sg.skinny_linear_triton(x, w, add_to=acc, plan=(16, 256, split))
+    assert got.data_ptr() == acc.data_ptr()
+    _close(acc, want)
+
+
+def test_refusals_and_dispatch() -> None:
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(AssertionError, match="16-bit"):
+        sg.skinny_linear_triton(x.float(), torch.randn(8, 64))
+    with pytest.raises(AssertionError, match="rows"):
+        sg.skinny_linear_triton(torch.randn(sg.MAX_ROWS + 1, 64).bfloat16(), torch.randn(8, 64).bfloat16())
+    w = torch.randn(8, 64).bfloat16()
+    assert torch.equal(sg.skinny_linear(x, w), x @ w.T)  # off CUDA: torch's own product
+
+
+def test_plan_fills_the_gpu() -> None:
+    """Kimi-K2's per-rank projections on 132 SMs: about two programs an SM or more, K slices at
+    least 512 wide."""
+    for n, k, b in ((512, 7168, 1), (2112, 7168, 1), (1536, 1536, 1), (7168, 1024, 1), (7168, 256, 1), (512, 128, 8)):
+        bn, bk, split = sg.skinny_plan(n, k, b, 132)
+        programs = b * -(-n // bn) * split
+        assert programs >= 128 or k // (2 * split) < 512, (n, k, b, bn, split)
+        assert split == 1 or k // split >= 512, (n, k, split)
