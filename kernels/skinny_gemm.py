@@ -147,9 +147,9 @@ def _sm_count(device: torch.device) -> int:
 
 @on_input_device
 def skinny_linear_triton(x: Tensor, weight: Tensor, *, out: Tensor | None = None, add_to: Tensor | None = None,
-                         plan: tuple[int, int, int] | None = None) -> Tensor:
+                         plan: tuple[int, ...] | None = None) -> Tensor:
     """The kernel (see the module docstring); ``plan`` overrides ``skinny_plan``'s
-    ``(block_n, block_k, split_k)``. x has at most ``MAX_ROWS`` rows."""
+    ``(block_n, block_k, split_k[, num_stages, num_warps])``. x has at most ``MAX_ROWS`` rows."""
     batched = x.dim() == 3
     xb = x if batched else x.unsqueeze(0)
     wb = weight if weight.dim() == 3 else weight.unsqueeze(0)
@@ -165,7 +165,8 @@ def skinny_linear_triton(x: Tensor, weight: Tensor, *, out: Tensor | None = None
         out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     ob = out if out.dim() == 3 else out.unsqueeze(0)
     assert ob.shape == (B, M, N), f"out {tuple(out.shape)}, want {(B, M, N) if batched else (M, N)}"
-    block_n, block_k, split_k = plan or skinny_plan(N, K, B, _sm_count(x.device))
+    block_n, block_k, split_k, *launch = plan or skinny_plan(N, K, B, _sm_count(x.device))
+    num_stages, num_warps = (list(launch) + [3, 4][len(launch):])[:2]
     n_tiles = -(-N // block_n)
     block_m = max(16, triton.next_power_of_2(M))
     k_slice = -(-(-(-K // split_k)) // block_k) * block_k
@@ -182,7 +183,7 @@ def skinny_linear_triton(x: Tensor, weight: Tensor, *, out: Tensor | None = None
         ob.stride(0), ob.stride(1), ob.stride(2), add.stride(-2), add.stride(-1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_ADD=add_to is not None,
         DOT_F32=interpreted(),
-        num_warps=4, num_stages=3,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
