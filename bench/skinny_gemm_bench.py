@@ -16,6 +16,7 @@ import argparse
 import math
 
 import torch
+import triton
 
 from bench.common import graph_replay_us, measure_copy_gbps, write_result
 from kernels.skinny_gemm import skinny_linear_triton, skinny_plan
@@ -113,7 +114,10 @@ def sweep(out: str, commit: str | None, names: list[str]) -> None:
                 calls = [lambda o=o, p=plan: (skinny_linear_triton(o.x, o.w, add_to=o.acc, plan=p) if o.kind == "add"
                                               else skinny_linear_triton(o.x, o.w, plan=p, out=None if o.out is None
                                                                         else o.out.transpose(0, 1))) for o in ops]
-                times[plan] = graph_replay_us(calls)
+                try:
+                    times[plan] = graph_replay_us(calls)
+                except triton.runtime.errors.OutOfResources:  # too much shared memory: not a plan here
+                    continue
             best = min(times, key=times.get)
             row = dict(projection=name, tokens=m, torch_us=round(torch_us, 2), served_plan=list(sweep_plans(n, k, batch, sms)[0]),
                        served_us=round(times[sweep_plans(n, k, batch, sms)[0]], 2), best_plan=list(best),
