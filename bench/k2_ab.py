@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from bench.common import write_result
-from kernels import tree_mla_hopper
+from kernels import skinny_gemm, tree_mla_hopper
 from bench.k2_slice import (K2_CONFIG, TP, build_cache, build_model, per_rank_config, random_trees, time_full_ms,
                             time_replay_ms)
 from services.verifier import moe as moe_mod
@@ -62,13 +62,17 @@ def switches(model: TargetModel) -> dict[str, tuple[tuple[str, str], Callable[[s
     def few_rows(v: str) -> None:
         tree_mla_hopper.few_rows_serves = served if v == "few" else (lambda *a: False)
 
+    def skinny(v: str) -> None:
+        skinny_gemm.SERVED = v == "skinny"
+
     return {"router": (("float32", "parts"), router), "shared-stream": (("main", "side"), shared_stream),
-            "router-gemv": (("gemm", "gemv"), router_gemv), "few-rows": (("rows64", "few"), few_rows)}
+            "router-gemv": (("gemm", "gemv"), router_gemv), "few-rows": (("rows64", "few"), few_rows),
+            "skinny": (("cublas", "skinny"), skinny)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--switch", choices=("router", "shared-stream", "router-gemv", "few-rows"), required=True)
+    ap.add_argument("--switch", choices=("router", "shared-stream", "router-gemv", "few-rows", "skinny"), required=True)
     ap.add_argument("--cases", nargs="+", default=None, metavar="BUDGET,BATCH",
                     help="steps to time (default: 0,1 16,1 16,32; budget 0 = autoregressive)")
     ap.add_argument("--commit", default=None)

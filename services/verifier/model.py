@@ -18,6 +18,7 @@ from torch import Tensor
 
 from kernels.mla_norm_rope import fusable as mla_fusable, mla_norm_rope
 from kernels.rms_norm import add_rms_norm, rms_norm  # one Triton launch on CUDA, torch elsewhere
+from kernels.skinny_gemm import skinny_linear  # x @ w^T: one Triton launch for a few rows on CUDA, torch elsewhere
 from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata, tree_mla
 from services.common.checkpoint import CheckpointError, load_tensors, read_config, tensor_index
 from services.verifier.config import TargetConfig
@@ -285,20 +286,20 @@ class TargetModel(torch.nn.Module):
         c = self.config
         N = h.shape[0]
         H, nope, kvr = a.w_uk.shape[0], c.qk_nope_head_dim, c.kv_lora_rank  # this rank's heads
-        q_kv = h @ a.q_kv_a.T  # [N, q_rows + kvr+rope]
+        q_kv = skinny_linear(h, a.q_kv_a)  # [N, q_rows + kvr+rope]
         q = self._latent_norms(a, q_kv, cos, sin, new_kv)  # [N, q_rows]; new_kv filled
         if a.q_b is not None:
-            q = q @ a.q_b.T  # [N, H*(nope+rope)]
+            q = skinny_linear(q, a.q_b)  # [N, H*(nope+rope)]
         q = q.view(N, H, c.qk_head_dim)  # [N, H, nope+rope]
         q_pe = apply_rope(q[..., nope:], cos, sin)  # [N, H, rope]
-        # Per-head products as batched GEMMs over strided views, which cuBLAS reads and writes as
-        # they lie: no copy of q_nope, no copy of the output into [N, H*v] (einsum made both).
-        q_latent = torch.bmm(q[..., :nope].transpose(0, 1), a.w_uk).transpose(0, 1)  # [N, H, kvr]
+        # Per-head products as batched GEMMs over strided views, read and written as they lie: no
+        # copy of q_nope, no copy of the output into [N, H*v] (einsum made both).
+        q_latent = skinny_linear(q[..., :nope].transpose(0, 1), a.w_uk.transpose(1, 2)).transpose(0, 1)  # [N, H, kvr]
         latent = tree_mla(q_latent, q_pe, kv_cache, new_kv, meta, self.softmax_scale,
                           backend=self.attention_backend)  # [N, H, kvr]
         out = torch.empty(N, H, c.v_head_dim, dtype=latent.dtype, device=latent.device)  # [N, H, v]
-        torch.bmm(latent.transpose(0, 1), a.w_uv.transpose(1, 2), out=out.transpose(0, 1))
-        return out.view(N, H * c.v_head_dim) @ a.o_proj.T  # [N, hidden]
+        skinny_linear(latent.transpose(0, 1), a.w_uv, out=out.transpose(0, 1))
+        return skinny_linear(out.view(N, H * c.v_head_dim), a.o_proj)  # [N, hidden]
 
     @torch.inference_mode()
     def forward(
@@ -343,7 +344,7 @@ class TargetModel(torch.nn.Module):
                 kept[i] = x
         if L - 1 in kept:
             kept[L - 1] = h   # HF's last hidden state is after the final norm
-        logits = (h @ self.lm_head_weight.T).float()  # [N, V / tp] this rank's vocabulary rows
+        logits = skinny_linear(h, self.lm_head_weight).float()  # [N, V / tp] this rank's vocabulary rows
         if feature_layers:
             features = torch.cat([kept[i] for i in feature_layers], dim=-1)  # [N, F*hidden]
         else:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.skinny_gemm import skinny_linear  # x @ w^T: one Triton launch for a few rows on CUDA, torch elsewhere
 from kernels.swiglu import silu_mul  # one Triton launch on CUDA, torch elsewhere
 from services.common.int4 import Int4Weight, unpack_int4
 from services.verifier.config import TargetConfig
@@ -292,11 +293,11 @@ def mlp_forward(x: Tensor, w: MLPWeights, add_to: Tensor | None = None) -> Tenso
 
 
 def _mlp_act(x: Tensor, w: MLPWeights) -> Tensor:
-    return silu_mul(x @ w.gate_up.T)  # [N, I]
+    return silu_mul(skinny_linear(x, w.gate_up))  # [N, I]
 
 
 def _mlp_down(h: Tensor, w: MLPWeights, add_to: Tensor | None) -> Tensor:
-    return h @ w.down.T if add_to is None else add_to.addmm_(h, w.down.T)
+    return skinny_linear(h, w.down, add_to=add_to)
 
 
 SHARED_ON_SIDE_STREAM = True  # CUDA: the shared expert's gate/up and SiLU run beside the routing (``moe_forward``)
