@@ -35,6 +35,7 @@ __all__ = ["MAX_ROWS", "skinny_linear", "skinny_linear_reference", "skinny_linea
 MAX_ROWS = 64  # rows of x up to which skinny_linear takes the kernel on CUDA
 SERVED = True  # skinny_linear takes the kernel where it applies (a switch for A/Bs: bench/k2_ab.py)
 _COUNTERS = 1 << 14  # output tiles a launch may split over K (a counter each)
+_STAGE_BUDGET = 192 << 10  # shared memory the pipelined loads may take (an H100 / H200 CTA: 227 KB)
 
 
 def skinny_linear_reference(x: Tensor, weight: Tensor, *, out: Tensor | None = None,
@@ -170,6 +171,8 @@ def skinny_linear_triton(x: Tensor, weight: Tensor, *, out: Tensor | None = None
     num_stages, num_warps = (list(launch) + [3, 4][len(launch):])[:2]
     n_tiles = -(-N // block_n)
     block_m = max(16, triton.next_power_of_2(M))
+    stage_bytes = (block_n + block_m) * block_k * x.element_size()  # a weight tile and an x tile
+    num_stages = max(1, min(num_stages, _STAGE_BUDGET // stage_bytes))
     k_slice = -(-(-(-K // split_k)) // block_k) * block_k
     split_k = -(-K // k_slice)  # slices past K would be empty
     part = counters = out

@@ -18,7 +18,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("m,n,k,plan", [
     (1, 40, 300, None), (5, 70, 1100, (16, 128, 4)), (17, 33, 130, (32, 128, 1)), (64, 48, 520, (16, 256, 2)),
-    (3, 130, 2048, None),
+    (3, 130, 2048, None), (40, 64, 600, (64, 256, 2, 4, 4)),
 ])
 def test_matches_torch(m: int, n: int, k: int, plan: tuple | None) -> None:
     g = torch.Generator().manual_seed(m * 1000 + n)
