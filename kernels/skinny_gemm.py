@@ -30,9 +30,10 @@ except ImportError:  # pragma: no cover - only where triton is not installed
     triton = None
     tl = None
 
-__all__ = ["MAX_ROWS", "skinny_linear", "skinny_linear_reference", "skinny_linear_triton", "skinny_plan"]
+__all__ = ["MAX_ROWS", "KERNEL_ROWS", "skinny_linear", "skinny_linear_reference", "skinny_linear_triton", "skinny_plan"]
 
-MAX_ROWS = 64  # rows of x up to which skinny_linear takes the kernel on CUDA
+MAX_ROWS = 32  # rows of x up to which skinny_linear takes the kernel on CUDA (above: cuBLAS, see skinny_linear)
+KERNEL_ROWS = 64  # rows of x the kernel takes
 SERVED = True  # skinny_linear takes the kernel where it applies (a switch for A/Bs: bench/k2_ab.py)
 _COUNTERS = 1 << 14  # output tiles a launch may split over K (a counter each)
 _STAGE_BUDGET = 192 << 10  # shared memory the pipelined loads may take (an H100 / H200 CTA: 227 KB)
@@ -151,14 +152,14 @@ def _sm_count(device: torch.device) -> int:
 def skinny_linear_triton(x: Tensor, weight: Tensor, *, out: Tensor | None = None, add_to: Tensor | None = None,
                          plan: tuple[int, ...] | None = None) -> Tensor:
     """The kernel (see the module docstring); ``plan`` overrides ``skinny_plan``'s
-    ``(block_n, block_k, split_k[, num_stages, num_warps])``. x has at most ``MAX_ROWS`` rows."""
+    ``(block_n, block_k, split_k[, num_stages, num_warps])``. x has at most ``KERNEL_ROWS`` rows."""
     batched = x.dim() == 3
     xb = x if batched else x.unsqueeze(0)
     wb = weight if weight.dim() == 3 else weight.unsqueeze(0)
     B, M, K = xb.shape
     N = wb.shape[1]
     assert wb.shape == (B, N, K), f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
-    assert 1 <= M <= MAX_ROWS, f"skinny_linear takes 1..{MAX_ROWS} rows, got {M}"
+    assert 1 <= M <= KERNEL_ROWS, f"the kernel takes 1..{KERNEL_ROWS} rows of x, got {M}"
     assert x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16), f"16-bit x and weight, got {x.dtype} / {weight.dtype}"
     assert add_to is None or (not batched and add_to.shape == (M, N)), "add_to is [M, N], x 2-d"
     if add_to is not None:
@@ -193,7 +194,10 @@ def skinny_linear_triton(x: Tensor, weight: Tensor, *, out: Tensor | None = None
 
 
 def skinny_linear(x: Tensor, weight: Tensor, *, out: Tensor | None = None, add_to: Tensor | None = None) -> Tensor:
-    """``x @ weight^T``: the kernel on CUDA up to ``MAX_ROWS`` rows of 16-bit x, torch elsewhere."""
+    """``x @ weight^T``: the kernel on CUDA up to ``MAX_ROWS`` rows of 16-bit x, torch elsewhere. On an
+    H200 at Kimi-K2's per-rank projections (``bench/results/skinny_gemm-d0887b6.json``) the kernel
+    took 0.93-1.53x cuBLAS's time at 1-17 tokens (1.07-1.53x but for the shared expert's down
+    GEMM, 0.93-1.01x), and lost at 33 and 64 tokens on five of the eight (0.85-0.99x)."""
     if SERVED and x.is_cuda and triton is not None and x.shape[-2] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
         return skinny_linear_triton(x, weight, out=out, add_to=add_to)
     return skinny_linear_reference(x, weight, out=out, add_to=add_to)

@@ -75,7 +75,7 @@ def test_refusals_and_dispatch() -> None:
     with pytest.raises(AssertionError, match="16-bit"):
         sg.skinny_linear_triton(x.float(), torch.randn(8, 64))
     with pytest.raises(AssertionError, match="rows"):
-        sg.skinny_linear_triton(torch.randn(sg.MAX_ROWS + 1, 64).bfloat16(), torch.randn(8, 64).bfloat16())
+        sg.skinny_linear_triton(torch.randn(sg.KERNEL_ROWS + 1, 64).bfloat16(), torch.randn(8, 64).bfloat16())
     w = torch.randn(8, 64).bfloat16()
     assert torch.equal(sg.skinny_linear(x, w), x @ w.T)  # off CUDA: torch's own product
 
