@@ -8,7 +8,11 @@ Switches:
 * ``shared-stream``: the shared expert's gate/up on the main stream against a side stream beside
   the routing (``moe.SHARED_ON_SIDE_STREAM``): the same kernels on the same inputs;
 * ``router-gemv``: one token's router logits from the GEMM path against ``router_gemv``
-  (``moe.ROUTER_GEMV``; only steps of one token differ).
+  (``moe.ROUTER_GEMV``; only steps of one token differ);
+* ``few-rows``: the tree attention's 64-row kernel for every step against ``few_rows_serves``'
+  choice (the few-row kernel for decode steps and small trees);
+* ``skinny``: cuBLAS for the dense projections against ``skinny_linear``'s kernel
+  (``skinny_gemm.SERVED``).
 
 Each row says whether its logits equal the other setting's in the same round, and its own setting's
 in the other round: where the MoE's split-K sums with atomics (few rows per expert), the second
@@ -30,9 +34,9 @@ from pathlib import Path
 import torch
 
 from bench.common import write_result
-from kernels import skinny_gemm, tree_mla_hopper
 from bench.k2_slice import (K2_CONFIG, TP, build_cache, build_model, per_rank_config, random_trees, time_full_ms,
                             time_replay_ms)
+from kernels import skinny_gemm, tree_mla_hopper
 from services.verifier import moe as moe_mod
 from services.verifier.config import TargetConfig
 from services.verifier.graphs import VerifyGraphs

@@ -511,7 +511,6 @@ if gluon is not None:
                              1, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES)),
             ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
-
     @gluon.jit
     def _few_rows_issue(k_lat_t, k_pe_t, ready, t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr,
                         q_start, stride_kv_page, stride_kv_tok, stride_new_n, lat_desc, pe_desc,
@@ -767,7 +766,6 @@ def tree_mla_hopper(
     )
     merge_splits(o_part, lse_part, out, num_splits, 1)
     return out
-
 
 
 def few_rows_serves(num_requests: int, rows: int, max_prefix: int, sm_count: int) -> bool:
