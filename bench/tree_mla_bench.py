@@ -116,6 +116,14 @@ class Case:
     def args(self) -> tuple:
         return self.q_latent, self.q_pe, self.kv_cache, self.new_kv, self.meta, self.scale
 
+    def spread_pages(self) -> None:
+        """The same cache with a token of padding after each page, so pages no longer lie back to
+        back (no flat row view for TMA: the kernels' cp.async path)."""
+        pages, ps, dim = self.kv_cache.shape
+        wide = torch.randn(pages, ps + 1, dim, dtype=self.kv_cache.dtype, device=self.device)
+        wide[:, :ps] = self.kv_cache
+        self.kv_cache = wide[:, :ps]
+
     def bytes_read(self) -> int:
         N = self.batch * self.nodes
         return 2 * (sum(self.lens) * (self.kvr + self.rope) + N * self.heads * (self.kvr + self.rope) + N * (self.kvr + self.rope))
@@ -199,9 +207,7 @@ def check_correctness(log: list, backend: str) -> list[dict]:
     for lens, n, h, ps, kvr, rope, padded in shapes:
         case = Case(len(lens), lens, n, h, seed=7, page_size=ps, kvr=kvr, rope=rope)
         if padded:
-            wide = torch.randn(case.kv_cache.shape[0], ps + 1, kvr + rope, dtype=case.kv_cache.dtype, device=case.device)
-            wide[:, :ps] = case.kv_cache
-            case.kv_cache = wide[:, :ps]
+            case.spread_pages()
         want = tree_mla_reference(case.q_latent, case.q_pe, case.kv_cache, case.new_kv, case.host_meta, case.scale)
         for splits in (None, 1, 3):
             torch.empty = lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))  # an unwritten element shows

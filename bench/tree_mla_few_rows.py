@@ -50,9 +50,7 @@ def check(log: list) -> list[dict]:
     for lens, nodes, heads, ps, kvr, rope, padded in CHECKS:
         case = Case(len(lens), lens, nodes, heads, seed=7, page_size=ps, kvr=kvr, rope=rope)
         if padded:
-            wide = torch.randn(case.kv_cache.shape[0], ps + 1, kvr + rope, dtype=case.kv_cache.dtype, device=case.device)
-            wide[:, :ps] = case.kv_cache
-            case.kv_cache = wide[:, :ps]
+            case.spread_pages()
         want = tree_mla_reference(case.q_latent.float(), case.q_pe.float(), case.kv_cache.float(), case.new_kv.float(),
                                   case.host_meta, case.scale)
         for splits in (None, 1, 3):

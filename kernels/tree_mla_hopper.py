@@ -189,6 +189,17 @@ if gluon is not None:
         _cp_async(pe_buf, base + slot_pe[:, None] + cols_pe[None, :], mask=ok_pe[:, None])
 
     @gluon.jit
+    def _split_range(prefix_len, split, num_splits, n_nodes, BLOCK_N: gl.constexpr):
+        """This split's prefix keys ``[lo, hi)`` (chunks whole tiles long), its prefix tiles, and all
+        its tiles: the last split also takes the tree's own keys."""
+        chunk = gl.cdiv(gl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, prefix_len)
+        n_prefix = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        n_total = n_prefix + gl.where(split == num_splits - 1, gl.cdiv(n_nodes, BLOCK_N), 0)
+        return lo, hi, n_prefix, n_total
+
+    @gluon.jit
     def _tile_keys(t, n_prefix, lo, hi, n_nodes, offs, BLOCK_N: gl.constexpr):
         """Key positions of tile ``t`` (prefix tiles first, then the tree's own) and which exist."""
         if t < n_prefix:
@@ -463,11 +474,7 @@ if gluon is not None:
         rows = n_nodes * num_heads
         if pid_m * _BM < rows:
             prefix_len = gl.load(prefix_lens_ptr + r)
-            chunk = gl.cdiv(gl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
-            lo = split * chunk
-            hi = gl.minimum(lo + chunk, prefix_len)
-            n_prefix = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-            n_total = n_prefix + gl.where(split == num_splits - 1, gl.cdiv(n_nodes, BLOCK_N), 0)
+            lo, hi, n_prefix, n_total = _split_range(prefix_len, split, num_splits, n_nodes, BLOCK_N)
 
             q_lat = gl.allocate_shared_memory(dtype, [_BM, KVR], Q_LAT_SMEM)
             q_pe = gl.allocate_shared_memory(dtype, [_BM, ROPE], Q_PE_SMEM)
@@ -565,11 +572,7 @@ if gluon is not None:
         prefix_len = gl.load(prefix_lens_ptr + r)  # beside the loads above, not after them
         rows = n_nodes * num_heads
         if row0 < rows:
-            chunk = gl.cdiv(gl.cdiv(prefix_len, num_splits), BN) * BN
-            lo = split * chunk
-            hi = gl.minimum(lo + chunk, prefix_len)
-            n_prefix = gl.cdiv(gl.maximum(hi - lo, 0), BN)
-            n_total = n_prefix + gl.where(split == num_splits - 1, gl.cdiv(n_nodes, BN), 0)
+            lo, hi, n_prefix, n_total = _split_range(prefix_len, split, num_splits, n_nodes, BN)
 
             q_lat = gl.allocate_shared_memory(dtype, [RN, KVR], Q_LAT_SMEM)
             q_pe = gl.allocate_shared_memory(dtype, [RN, ROPE], Q_PE_SMEM)
