@@ -1,18 +1,22 @@
-"""The few-row tree-MLA kernel against the 64-row one, where a request has at most 16 query rows.
+"""The few-row tree-MLA kernel against the 64-row one: decode steps, small trees, split counts.
 
 Why: at Kimi-K2's 8 heads a rank, a decode step (one node) has 8 rows a request and a 2-node tree
 16, yet the 64-row Gluon kernel multiplies 64 rows and runs its two-warpgroup chain for them. The
 few-row kernel (``kernels/tree_mla_hopper.py``, ``_tree_mla_few_rows_kernel``) transposes the
 products so the keys fill the MMA's 64-row side. This script checks it and times both.
 
-* Checks: the float32 reference on bf16 inputs, NaN-poisoned outputs, splits 1 / 3 / the served
-  count, TMA and cp.async caches (page size 1, pages not back to back), the K2 and demo dims, empty
-  prefixes; graph replay equals eager.
-* Times: the whole ``tree_mla_hopper`` call (split kernel + merge) with ``few_rows`` on and off,
-  CUDA-graph replay rotating over input copies larger than L2, variants interleaved, the better of
-  two rounds. GB/s on the bytes it must read (``Case.bytes_read``).
+* Checks (every mode but ``--splits`` / ``--merges``): both kernels against the float32 reference
+  on bf16 inputs, NaN-poisoned outputs, splits 1 / 3 / the served count, TMA and cp.async caches
+  (page size 1, pages not back to back), the K2 and demo dims, empty prefixes, 1- and 2-node
+  requests and 9 / 17 / 33-node trees; graph replay equals eager.
+* Times: the whole ``tree_mla_hopper`` call (split kernel + merge), CUDA-graph replay rotating over
+  input copies larger than L2, variants interleaved, the better of two rounds. The default mode
+  times decode shapes (1 and 2 nodes) with ``few_rows`` on and off, GB/s on the bytes the call must
+  read (``Case.bytes_read``); ``--groups`` trees at batch 1-8 (``few_rows=True`` at several split
+  counts against the 64-row kernel); ``--splits`` and ``--merges`` sweep the few-row call's split
+  count and the merge's launch shape at decode shapes.
 
-    python -m bench.tree_mla_few_rows --commit SHA --out bench/results/tree_mla_few_rows.json
+    python -m bench.tree_mla_few_rows [--groups | --splits | --merges] --commit SHA --out bench/results/NAME.json
 """
 
 from __future__ import annotations
