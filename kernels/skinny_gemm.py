@@ -198,6 +198,7 @@ def skinny_linear(x: Tensor, weight: Tensor, *, out: Tensor | None = None, add_t
     H200 at Kimi-K2's per-rank projections (``bench/results/skinny_gemm-d0887b6.json``) the kernel
     took 0.93-1.53x cuBLAS's time at 1-17 tokens (1.07-1.53x but for the shared expert's down
     GEMM, 0.93-1.01x), and lost at 33 and 64 tokens on five of the eight (0.85-0.99x)."""
-    if SERVED and x.is_cuda and triton is not None and x.shape[-2] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+    if (SERVED and x.is_cuda and triton is not None and 0 < x.shape[-2] <= MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype):
         return skinny_linear_triton(x, weight, out=out, add_to=add_to)
     return skinny_linear_reference(x, weight, out=out, add_to=add_to)
