@@ -285,7 +285,7 @@ class TargetModel(torch.nn.Module):
         [N, kvr+rope] into ``new_kv`` (the norm and the rope write their halves in place)."""
         c = self.config
         N = h.shape[0]
-        H, nope, kvr = a.w_uk.shape[0], c.qk_nope_head_dim, c.kv_lora_rank  # this rank's heads
+        H, nope = a.w_uk.shape[0], c.qk_nope_head_dim  # this rank's heads
         q_kv = skinny_linear(h, a.q_kv_a)  # [N, q_rows + kvr+rope]
         q = self._latent_norms(a, q_kv, cos, sin, new_kv)  # [N, q_rows]; new_kv filled
         if a.q_b is not None:
