@@ -340,32 +340,41 @@ def _run_sweep_helpers() -> dict:
     return dict(name="sweep_helpers", errors=errors)
 
 
-def _main() -> None:
+def _main(part: int = 0, parts: int = 1) -> None:
+    """Every ``parts``-th case from ``part``: the fixture runs the parts in parallel processes."""
     sys.path.insert(0, str(ROOT))
     import torch
 
     torch.set_num_threads(1)
-    for name, case in CASES.items():
-        print(json.dumps(_run_case(name, **case)), flush=True)
-    for name, case in GEMV_CASES.items():
-        print(json.dumps(_run_gemv_case(name, **case)), flush=True)
-    for name, args in ALIGN_CASES.items():
-        print(json.dumps(_run_align(name, *args)), flush=True)
-    print(json.dumps(_run_k_order()), flush=True)
-    print(json.dumps(_run_config_spec()), flush=True)
-    print(json.dumps(_run_sweep_helpers()), flush=True)
+    jobs = [lambda n=name, c=case: _run_case(n, **c) for name, case in CASES.items()]
+    jobs += [lambda n=name, c=case: _run_gemv_case(n, **c) for name, case in GEMV_CASES.items()]
+    jobs += [lambda n=name, a=args: _run_align(n, *a) for name, args in ALIGN_CASES.items()]
+    jobs += [_run_k_order, _run_config_spec, _run_sweep_helpers]
+    for job in jobs[part::parts]:
+        print(json.dumps(job()), flush=True)
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
+    """All cases under the interpreter, split over up to two single-threaded processes (CI has two
+    cores; one process took 3-4 minutes)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    parts = max(1, min(2, os.cpu_count() or 1))
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(k), str(parts)], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(parts)]
     out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            out[row["name"]] = row
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise
+        assert proc.returncode == 0, f"interpreter run failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+        for line in stdout.splitlines():
+            if line.startswith("{"):
+                row = json.loads(line)
+                out[row["name"]] = row
     return out
 
 
@@ -422,4 +431,4 @@ def test_gemv_sweep_dry_run(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    _main()
+    _main(*(int(a) for a in sys.argv[1:3]))
