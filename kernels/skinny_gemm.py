@@ -113,17 +113,22 @@ if triton is not None:
                 for s in range(SPLIT_K):
                     acc += tl.load(part + s * (BLOCK_N * BLOCK_M) + offs_t, cache_modifier=".cg")
                 tl.store(count_ptr + tile, 0)  # ready for the next call (and graph replay)
-                if HAS_ADD:
-                    add = add_ptr + offs_m[None, :] * stride_am + offs_n[:, None] * stride_an
-                    acc += tl.load(add, mask=tile_ok, other=0.0).to(tl.float32)
-                o = out_ptr + b * stride_ob + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
-                tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+                _skinny_store(acc, out_ptr + b * stride_ob, add_ptr, offs_m, offs_n, tile_ok, stride_om, stride_on,
+                              stride_am, stride_an, HAS_ADD)
         else:
-            if HAS_ADD:
-                add = add_ptr + offs_m[None, :] * stride_am + offs_n[:, None] * stride_an
-                acc += tl.load(add, mask=tile_ok, other=0.0).to(tl.float32)
-            o = out_ptr + b * stride_ob + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
-            tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+            _skinny_store(acc, out_ptr + b * stride_ob, add_ptr, offs_m, offs_n, tile_ok, stride_om, stride_on,
+                          stride_am, stride_an, HAS_ADD)
+
+    @triton.jit
+    def _skinny_store(acc, out_ptr, add_ptr, offs_m, offs_n, tile_ok, stride_om, stride_on, stride_am, stride_an,
+                      HAS_ADD: tl.constexpr):
+        """The tile's ``[BLOCK_N, BLOCK_M]`` sums, plus ``add_to``'s elements where given, rounded once
+        into ``out[m, n]``."""
+        if HAS_ADD:
+            acc += tl.load(add_ptr + offs_m[None, :] * stride_am + offs_n[:, None] * stride_an, mask=tile_ok,
+                           other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on, acc.to(out_ptr.dtype.element_ty),
+                 mask=tile_ok)
 
 
 _COUNTER_BUFFERS: dict[tuple[int, int], Tensor] = {}

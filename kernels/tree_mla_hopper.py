@@ -752,11 +752,7 @@ def tree_mla_hopper(
         assert trace.dtype == torch.int64 and trace.is_contiguous() and trace.dim() == 4 and trace.shape[0] >= ctas \
             and trace.shape[1] == 3 and trace_tiles >= 1 and trace.shape[3] == TRACE_EVENTS, \
             f"trace: int64 [>= {ctas}, 3, tiles + 1, {TRACE_EVENTS}], contiguous; got {trace.dtype} {tuple(trace.shape)}"
-    tma_rows = tma_rows_for(kv_cache, block_n)
-    box = max(tma_rows, 16)
-    kv_rows = kv_cache.as_strided((kv_cache.shape[0] * page_size if tma_rows else page_size, kvr + rope), (kv_cache.stride(1), 1))
-    lat_desc = TensorDescriptor.from_tensor(kv_rows[:, :kvr], [box, kvr], smem["K_LAT_SMEM"])  # (unused without TMA)
-    pe_desc = TensorDescriptor.from_tensor(kv_rows[:, kvr:], [box, rope], smem["K_PE_SMEM"])
+    tma_rows, lat_desc, pe_desc = _key_descriptors(kv_cache, kvr, block_n, smem)
     _tree_mla_hopper_kernel[(m_tiles, num_splits, R)](
         q_latent, q_pe, kv_cache, new_kv, lat_desc, pe_desc,
         meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,
@@ -769,6 +765,18 @@ def tree_mla_hopper(
     )
     merge_splits(o_part, lse_part, out, num_splits, 1)
     return out
+
+
+def _key_descriptors(kv_cache: Tensor, kvr: int, block_n: int, smem: dict) -> tuple[int, object, object]:
+    """``tma_rows_for``'s rows a copy, and the TMA descriptors of the cache's latent and rope columns
+    read as rows ``[pages * page_size, dim]`` (built, unused, where the loader must use cp.async)."""
+    pages, page_size, dim = kv_cache.shape
+    tma_rows = tma_rows_for(kv_cache, block_n)
+    box = max(tma_rows, 16)
+    kv_rows = kv_cache.as_strided((pages * page_size if tma_rows else page_size, dim), (kv_cache.stride(1), 1))
+    lat_desc = TensorDescriptor.from_tensor(kv_rows[:, :kvr], [box, kvr], smem["K_LAT_SMEM"])
+    pe_desc = TensorDescriptor.from_tensor(kv_rows[:, kvr:], [box, dim - kvr], smem["K_PE_SMEM"])
+    return tma_rows, lat_desc, pe_desc
 
 
 def few_rows_serves(num_requests: int, rows: int, max_prefix: int, sm_count: int) -> bool:
@@ -825,11 +833,7 @@ def _launch_few_rows(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: T
         "K_PE_SMEM": gl.NVMMASharedLayout.get_default_for([FEW_KEYS, rope], gdt),
         "P_SMEM": gl.NVMMASharedLayout.get_default_for([FEW_ROWS, FEW_KEYS], gdt),
     }
-    tma_rows = tma_rows_for(kv_cache, FEW_KEYS)
-    box = max(tma_rows, 16)
-    kv_rows = kv_cache.as_strided((kv_cache.shape[0] * page_size if tma_rows else page_size, kvr + rope), (kv_cache.stride(1), 1))
-    lat_desc = TensorDescriptor.from_tensor(kv_rows[:, :kvr], [box, kvr], smem["K_LAT_SMEM"])  # (unused without TMA)
-    pe_desc = TensorDescriptor.from_tensor(kv_rows[:, kvr:], [box, rope], smem["K_PE_SMEM"])
+    tma_rows, lat_desc, pe_desc = _key_descriptors(kv_cache, kvr, FEW_KEYS, smem)
     _tree_mla_few_rows_kernel[(groups, num_splits, meta.num_requests)](
         q_latent, q_pe, kv_cache, new_kv, lat_desc, pe_desc,
         meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,

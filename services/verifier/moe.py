@@ -249,20 +249,17 @@ def route(hidden: Tensor, moe: MoEWeights, config: TargetConfig, hidden_float32:
     (``kernels.moe_routing``), elsewhere the torch expression. With ``moe.gate_parts`` (CUDA, bf16)
     the logits come from one batched bf16 GEMM with a float32 output (``router_partial_logits``); a
     single token on CUDA takes ``router_gemv`` over the float32 weight (``ROUTER_GEMV``)."""
-    if ROUTER_GEMV and hidden.is_cuda and hidden.shape[0] == 1 and moe.gate_weight.dtype == torch.float32:
-        from kernels.moe_routing import router_gemv, select_experts_triton
+    gemv = ROUTER_GEMV and hidden.is_cuda and hidden.shape[0] == 1 and moe.gate_weight.dtype == torch.float32
+    if gemv or (moe.gate_parts is not None and hidden.dtype == torch.bfloat16):
+        from kernels.moe_routing import router_gemv, select_experts_triton   # here: CPU runs never load triton
 
-        ids, weights = select_experts_triton(router_gemv(hidden, moe.gate_weight), moe.bias,
-                                             config.num_experts_per_tok, config.n_group, config.topk_group,
-                                             config.norm_topk_prob, config.routed_scaling_factor)
-        return Routing(ids=ids, weights=weights)
-    if moe.gate_parts is not None and hidden.dtype == torch.bfloat16:
-        from kernels.moe_routing import select_experts_triton   # here: CPU runs never load triton
-
-        partial = router_partial_logits(hidden, moe.gate_parts)  # [chunks, N, parts * E]
+        if gemv:
+            partial, parts = router_gemv(hidden, moe.gate_weight), 1  # [splits, 1, E]
+        else:
+            partial, parts = router_partial_logits(hidden, moe.gate_parts), ROUTER_PARTS  # [chunks, N, parts * E]
         ids, weights = select_experts_triton(partial, moe.bias, config.num_experts_per_tok, config.n_group,
                                              config.topk_group, config.norm_topk_prob,
-                                             config.routed_scaling_factor, parts=ROUTER_PARTS)
+                                             config.routed_scaling_factor, parts=parts)
         return Routing(ids=ids, weights=weights)
     rdtype = torch.promote_types(hidden.dtype, torch.float32)
     wide = hidden_float32 if hidden_float32 is not None and rdtype == torch.float32 else hidden.to(rdtype)
