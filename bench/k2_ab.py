@@ -7,9 +7,8 @@ Switches:
   the bf16 parts (``router_partial_logits``);
 * ``shared-stream``: the shared expert's gate/up on the main stream against a side stream beside
   the routing (``moe.SHARED_ON_SIDE_STREAM``): the same kernels on the same inputs;
-* ``router-gemv``: a few tokens' router logits from the GEMM path (cuBLAS's float32 GEMV at one token,
-  the bf16 parts above) against ``router_gemv`` (``moe.ROUTER_GEMV``; only steps of at most
-  ``ROUTER_GEMV_MAX_TOKENS`` tokens differ);
+* ``router-gemv``: one token's router logits from the GEMM path against ``router_gemv``
+  (``moe.ROUTER_GEMV``; only steps of one token differ);
 * ``few-rows``: the tree attention's 64-row kernel for every step against ``few_rows_serves``'
   choice (the few-row kernel for decode steps and small trees);
 * ``skinny``: cuBLAS for the dense projections against ``skinny_linear``'s kernel

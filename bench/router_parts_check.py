@@ -7,9 +7,8 @@ chunks of the hidden dims, and the selection kernel adds the partial logits. On 
 weights and hidden states, per router shape:
 * agreement: over 131072 tokens, the tokens whose experts differ from those chosen from float64
   logits (rounded to float32), and the largest logit error relative to the largest logit, for the
-  float32 GEMM and for the parts over 1, 4 and 8 chunks; over the first 8192, for ``router_gemv``
-  (served up to ``ROUTER_GEMV_MAX_TOKENS`` tokens) one token a call, and 17 tokens a call with each
-  of its ``tl.dot`` precisions;
+  float32 GEMM and for the parts over 1, 4 and 8 chunks; over the first 8192, one token a call,
+  for ``router_gemv`` (served for single tokens);
 * time: CUDA-graph replay of the whole route (GEMM + selection) per token count, cycling over 8
   router weights so they stream from HBM as in the model (each layer reads its own router).
 
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.common import graph_replay_us, write_result
-from kernels.moe_routing import ROUTER_GEMV_MAX_TOKENS, router_gemv, select_experts_triton
+from kernels.moe_routing import router_gemv, select_experts_triton
 from services.verifier.moe import ROUTER_K_CHUNKS, ROUTER_PARTS, router_partial_logits, split_bf16
 
 # name -> (hidden, experts, n_group, topk_group, top_k, routed_scaling_factor)
@@ -37,8 +36,6 @@ SHAPES = {
 CHUNKS = (1, ROUTER_K_CHUNKS, 8)
 COPIES = 8  # router weights cycled through (8 x 11 MB at K2: past the 50 MB L2)
 AGREEMENT_TOKENS, BLOCK = 131072, 8192
-PRECISIONS = ("ieee", "tf32x3")  # router_gemv's tl.dot input precisions at 2+ tokens
-FEW = 17  # tokens a router_gemv call in the agreement check (a 16-node tree's step at batch 1)
 
 
 def agreement(hidden: int, e: int, sel: dict, g: torch.Generator) -> dict:
@@ -48,8 +45,6 @@ def agreement(hidden: int, e: int, sel: dict, g: torch.Generator) -> dict:
     parts = split_bf16(w).flatten(0, 1)
     stats = {k: {"tokens_differ": 0, "max_rel_err": 0.0} for k in ["fp32", *[f"parts_c{c}" for c in CHUNKS]]}
     stats["gemv"] = {"tokens": BLOCK, "tokens_differ": 0, "max_rel_err": 0.0}  # one token a call: one block
-    for prec in PRECISIONS:
-        stats[f"gemv{FEW}_{prec}"] = {"tokens": BLOCK // FEW * FEW, "tokens_differ": 0, "max_rel_err": 0.0}
     for block in range(AGREEMENT_TOKENS // BLOCK):
         x = torch.randn(BLOCK, hidden, device="cuda", generator=g).to(torch.bfloat16)
         exact = x.double() @ w.double().T
@@ -68,20 +63,12 @@ def agreement(hidden: int, e: int, sel: dict, g: torch.Generator) -> dict:
             stats["gemv"]["tokens_differ"] = int((ids != want).any(1).sum())
             full = torch.cat([r.double().sum(0) for r in rows])
             stats["gemv"]["max_rel_err"] = ((full - exact).abs().max() / exact.abs().max()).item()
-            n = BLOCK // FEW * FEW
-            for prec in PRECISIONS:
-                calls = [router_gemv(x[i:i + FEW], w, precision=prec) for i in range(0, n, FEW)]  # [splits, FEW, E]
-                ids = torch.cat([select_experts_triton(c, bias, **sel)[0] for c in calls])
-                full = torch.cat([c.double().sum(0) for c in calls])
-                st = stats[f"gemv{FEW}_{prec}"]
-                st["tokens_differ"] = int((ids != want[:n]).any(1).sum())
-                st["max_rel_err"] = ((full - exact[:n]).abs().max() / exact[:n].abs().max()).item()
     return stats
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 9, 17, 33, 64, 136, 544, 2176])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 17, 136, 544, 2176])
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default="bench/results/router_parts.json")
     args = ap.parse_args()
@@ -103,10 +90,9 @@ def main() -> None:
             x32 = x.float()  # the norm writes this copy for the float32 router
             row[f"fp32_route_us_{n}"] = round(graph_replay_us(
                 [lambda w=w: select_experts_triton(x32 @ w.T, bias, **sel) for w in gates]), 2)
-            for prec in PRECISIONS[:1] if n == 1 else PRECISIONS if n <= ROUTER_GEMV_MAX_TOKENS else ():
-                row[f"gemv_{prec}_route_us_{n}"] = round(graph_replay_us(
-                    [lambda w=w: select_experts_triton(router_gemv(x, w, precision=prec), bias, **sel)
-                     for w in gates]), 2)
+            if n == 1:
+                row["gemv_route_us_1"] = round(graph_replay_us(
+                    [lambda w=w: select_experts_triton(router_gemv(x, w), bias, **sel) for w in gates]), 2)
             for c in CHUNKS:
                 row[f"parts_c{c}_route_us_{n}"] = round(graph_replay_us(
                     [lambda p=p: select_experts_triton(router_partial_logits(x, p, c), bias, **sel,
@@ -122,10 +108,8 @@ def main() -> None:
                       fp32="cuBLAS float32 GEMM on the float32 copy of the hidden states (as route ran before)",
                       parts="router_partial_logits(x, parts, chunks): torch.bmm(bf16, bf16, out_dtype=float32), "
                             "partials added by the selection kernel",
-                      gemv="kernels.moe_routing.router_gemv(x, float32 weight, precision): up to "
-                           f"{ROUTER_GEMV_MAX_TOKENS} tokens, partials over slices of the hidden dims added by the "
-                           "selection kernel; one token on the CUDA cores element by element (gemv_ieee_route_us_1), "
-                           "more through tl.dot at each precision"),
+                      gemv="kernels.moe_routing.router_gemv(x, float32 weight): one token, partials over slices of "
+                           "the hidden dims added by the selection kernel"),
                  rows)
 
 

@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - only where triton is not installed
     triton = None
     tl = None
 
-__all__ = ["select_experts_triton", "router_gemv", "ROUTER_GEMV_SPLITS", "ROUTER_GEMV_MAX_TOKENS"]
+__all__ = ["select_experts_triton", "router_gemv", "ROUTER_GEMV_SPLITS"]
 
 
 if triton is not None:
@@ -148,69 +148,32 @@ if triton is not None:
             acc += w * x[None, :]
         tl.store(out_ptr + ps * E + offs_e, tl.sum(acc, 1), mask=offs_e < E)
 
-    @triton.jit
-    def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, N, K, E, stride_xn, stride_we,
-                            K_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-        """A few tokens' float32 logits over one slice of the hidden dims: ``out[split, t, e]``."""
-        pe = tl.program_id(0)
-        ps = tl.program_id(1)
-        offs_e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
-        offs_t = tl.arange(0, BLOCK_T)
-        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        for k0 in tl.range(ps * K_SPLIT, (ps + 1) * K_SPLIT, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + offs_t[:, None] * stride_xn + offs_k[None, :],
-                        mask=(offs_t[:, None] < N) & (offs_k[None, :] < K), other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_k[None, :],
-                        mask=(offs_e[:, None] < E) & (offs_k[None, :] < K), other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        tl.store(out_ptr + (ps * N + offs_t[:, None]) * E + offs_e[None, :], acc,
-                 mask=(offs_t[:, None] < N) & (offs_e[None, :] < E))
-
 
 ROUTER_GEMV_SPLITS = 14  # slices of the hidden dims (K2: 7168 = 14 x 512): 12 x 14 = 168 programs
-ROUTER_GEMV_MAX_TOKENS = 64  # tokens ``router_gemv`` takes; more go to the bf16 parts' GEMM
 _GEMV_BLOCK_E, _GEMV_BLOCK_K = 32, 256
-_GEMM_BLOCK_K = {16: 128, 32: 64, 64: 32}  # tokens a program (padded) -> hidden dims a step
-ROUTER_GEMM_PRECISION = "ieee"  # tl.dot's input precision for 2+ tokens: "ieee" (CUDA-core FMAs) or "tf32x3"
 
 
 @on_input_device
-def router_gemv(hidden: Tensor, weight: Tensor, splits: int = ROUTER_GEMV_SPLITS,
-                precision: str | None = None) -> Tensor:
-    """A few tokens' float32 router logits as ``[splits, N, E]`` partial sums over slices of the hidden
-    dims, for ``select_experts_triton`` to add (``parts=1``): ``hidden [N, H]`` (any float dtype,
-    ``N <= ROUTER_GEMV_MAX_TOKENS``) times the float32 ``weight [E, H]``, in float32.
+def router_gemv(hidden: Tensor, weight: Tensor, splits: int = ROUTER_GEMV_SPLITS) -> Tensor:
+    """One token's float32 router logits as ``[splits, 1, E]`` partial sums over slices of the hidden
+    dims, for ``select_experts_triton`` to add (``parts=1``): ``hidden [1, H]`` (any float dtype)
+    times the float32 ``weight [E, H]``, each product and sum in float32.
 
-    Why: at a decode or verify step's few tokens the router should stream its 11 MB (Kimi-K2) at
-    HBM speed; cuBLAS's float32 GEMV and the bf16 parts' GEMM (``services.verifier.moe.router_partial_logits``,
-    1.5x the bytes) take 7-11 us a layer for about 3 us of bytes. One token multiplies on the CUDA
-    cores element by element; two or more through ``tl.dot`` at ``precision`` (default
-    ``ROUTER_GEMM_PRECISION``), the weight tile read once for all of them."""
+    Why: at one token the router is a GEMV that should stream its 11 MB (Kimi-K2) at HBM speed;
+    cuBLAS's float32 GEMV and the bf16 parts' GEMM (``services.verifier.moe.router_partial_logits``,
+    1.5x the bytes) take 7-9 us a layer for about 3 us of bytes."""
     if triton is None:
         raise RuntimeError("router_gemv needs triton")
-    if hidden.dim() != 2 or not 1 <= hidden.shape[0] <= ROUTER_GEMV_MAX_TOKENS or weight.dim() != 2 \
-            or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"router_gemv takes hidden [N, H] with 1 <= N <= {ROUTER_GEMV_MAX_TOKENS} and weight [E, H]; "
-                         f"got {tuple(hidden.shape)}, {tuple(weight.shape)}")
+    if hidden.dim() != 2 or hidden.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"router_gemv takes hidden [1, H] and weight [E, H]; got {tuple(hidden.shape)}, {tuple(weight.shape)}")
     if weight.dtype != torch.float32 or weight.stride(-1) != 1:
         raise ValueError("router_gemv takes a float32 weight with contiguous rows")
-    N = hidden.shape[0]
     E, K = weight.shape
-    block_t = max(16, triton.next_power_of_2(N))
-    block_k = _GEMV_BLOCK_K if N == 1 else _GEMM_BLOCK_K[block_t]
-    k_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    k_split = triton.cdiv(triton.cdiv(K, splits), _GEMV_BLOCK_K) * _GEMV_BLOCK_K
     splits = triton.cdiv(K, k_split)
-    out = torch.empty(splits, N, E, dtype=torch.float32, device=hidden.device)
-    grid = (triton.cdiv(E, _GEMV_BLOCK_E), splits)
-    if N == 1:
-        _router_gemv_kernel[grid](
-            hidden.contiguous().view(-1), weight, out, K, E, weight.stride(0), K_SPLIT=k_split,
-            BLOCK_E=_GEMV_BLOCK_E, BLOCK_K=_GEMV_BLOCK_K, num_warps=8)
-        return out
-    x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
-    _router_gemm_kernel[grid](
-        x, weight, out, N, K, E, x.stride(0), weight.stride(0), K_SPLIT=k_split, BLOCK_T=block_t,
-        BLOCK_E=_GEMV_BLOCK_E, BLOCK_K=block_k, PRECISION=precision or ROUTER_GEMM_PRECISION, num_warps=4)
+    out = torch.empty(splits, 1, E, dtype=torch.float32, device=hidden.device)
+    x = hidden.contiguous().view(-1)
+    _router_gemv_kernel[(triton.cdiv(E, _GEMV_BLOCK_E), splits)](
+        x, weight, out, K, E, weight.stride(0), K_SPLIT=k_split, BLOCK_E=_GEMV_BLOCK_E, BLOCK_K=_GEMV_BLOCK_K,
+        num_warps=8)
     return out

@@ -40,7 +40,7 @@ __all__ = [
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 ROUTER_PARTS = 3  # bf16 matrices that sum to a float32 router weight exactly (``split_bf16``)
 ROUTER_K_CHUNKS = 4  # the router GEMM's hidden dims in chunks, their sums added in float32 (``router_partial_logits``)
-ROUTER_GEMV = True  # CUDA, a few tokens: the float32 router at HBM speed (``kernels.moe_routing.router_gemv``)
+ROUTER_GEMV = True  # CUDA, one token: the float32 router as a GEMV at HBM speed (``kernels.moe_routing.router_gemv``)
 
 
 @dataclass
@@ -247,19 +247,14 @@ def route(hidden: Tensor, moe: MoEWeights, config: TargetConfig, hidden_float32:
     """Router logits in at least float32 (``hidden [N, hidden]``; ``hidden_float32``, when the caller
     has it, is that upcast already), then ``select_experts``: on CUDA in one Triton launch
     (``kernels.moe_routing``), elsewhere the torch expression. With ``moe.gate_parts`` (CUDA, bf16)
-    the logits come from one batched bf16 GEMM with a float32 output (``router_partial_logits``); up
-    to ``ROUTER_GEMV_MAX_TOKENS`` tokens on CUDA take ``router_gemv`` over the float32 weight
-    (``ROUTER_GEMV``)."""
-    gemv = False
-    if ROUTER_GEMV and hidden.is_cuda and moe.gate_weight.dtype == torch.float32:
-        from kernels.moe_routing import ROUTER_GEMV_MAX_TOKENS   # here: CPU runs never load triton
-
-        gemv = 1 <= hidden.shape[0] <= ROUTER_GEMV_MAX_TOKENS
+    the logits come from one batched bf16 GEMM with a float32 output (``router_partial_logits``); a
+    single token on CUDA takes ``router_gemv`` over the float32 weight (``ROUTER_GEMV``)."""
+    gemv = ROUTER_GEMV and hidden.is_cuda and hidden.shape[0] == 1 and moe.gate_weight.dtype == torch.float32
     if gemv or (moe.gate_parts is not None and hidden.dtype == torch.bfloat16):
         from kernels.moe_routing import router_gemv, select_experts_triton   # here: CPU runs never load triton
 
         if gemv:
-            partial, parts = router_gemv(hidden, moe.gate_weight), 1  # [splits, N, E]
+            partial, parts = router_gemv(hidden, moe.gate_weight), 1  # [splits, 1, E]
         else:
             partial, parts = router_partial_logits(hidden, moe.gate_parts), ROUTER_PARTS  # [chunks, N, parts * E]
         ids, weights = select_experts_triton(partial, moe.bias, config.num_experts_per_tok, config.n_group,
