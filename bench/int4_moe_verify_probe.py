@@ -10,7 +10,9 @@ config is best in each regime, and how far apart are they?
 
 Per (tokens, routing): every config's whole call (alignment, gate/up, SiLU where split, down,
 top-k sum), CUDA-graph replay over 16 routings, median of 20; each checked against the served
-config's output on the same routing first (relative error; and every output finite).
+config's output on the same routing first (relative error; and every output finite). With
+``--profile``, each routing's served and best configs also get a per-kernel breakdown (torch.profiler,
+eager, each call on the next routing so the experts come from HBM).
 
     python -m bench.int4_moe_verify_probe --commit SHA --out bench/results/int4_moe_verify_probe.json
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import graph_replay_us, write_result
+from bench.common import graph_replay_us, kernel_times, write_result
 from bench.int4_moe_bench import GROUP, SHAPES, expert_bytes, rand_int4_stack, rand_routing
 from kernels.int4_moe import choose_config, fused_int4_moe
 
@@ -43,6 +45,7 @@ def pooled_routing(m: int, e: int, k: int, pool: int, gen: torch.Generator) -> t
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[9, 17, 33])
+    ap.add_argument("--profile", action="store_true")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default="bench/results/int4_moe_verify_probe.json")
     args = ap.parse_args()
@@ -81,8 +84,18 @@ def main() -> None:
             row["best"] = best[0]
             row["served_us"] = row["variants"]["served"]["us"]
             row["best_us"] = best[1]["us"]
+            if args.profile:
+                for name in ("served", best[0]):
+                    cfg, turn = variants[name], iter(range(10 ** 9))
+
+                    def call(cfg=cfg, turn=turn) -> None:
+                        i, w = routes[next(turn) % ROUTINGS]
+                        fused_int4_moe(x, wg, wu, wd, i, w, GROUP, config=cfg)
+                    row[f"kernels_us_{name}"] = kernel_times(call, reps=ROUTINGS)
             rows.append(row)
-            print(json.dumps({kk: v for kk, v in row.items() if kk != "variants"}), flush=True)
+            print(json.dumps({kk: v for kk, v in row.items() if kk != "variants" and not kk.startswith("kernels")}), flush=True)
+            for kk in (kk for kk in row if kk.startswith("kernels")):
+                print("   ", kk, json.dumps(row[kk]), flush=True)
             print("   ", " ".join(f"{n}={v['us']}" for n, v in row["variants"].items()), flush=True)
     write_result(args.out, Path(args.out).stem, args.commit,
                  dict(shape="K2 TP8: 384 experts x hidden 7168 x intermediate 256, top-8, group 32",
