@@ -16,9 +16,11 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["on_input_device", "is_hopper", "interpreted"]
+__all__ = ["on_input_device", "is_hopper", "interpreted", "tile_counters", "TILE_COUNTERS"]
 
 F = TypeVar("F", bound=Callable)
+TILE_COUNTERS = 1 << 14  # output tiles one launch may split over K (a counter each)
+_COUNTER_BUFFERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def on_input_device(fn: F) -> F:
@@ -50,3 +52,18 @@ def interpreted() -> bool:
     """Whether Triton runs its CPU interpreter here (``TRITON_INTERPRET=1``), where libdevice calls
     such as IEEE ``exp`` or ``mul.rn`` do not exist; its numpy arithmetic needs none of them."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def tile_counters(device: torch.device) -> torch.Tensor:
+    """``TILE_COUNTERS`` zeroed int32 counters for split-K kernels whose last slice to finish a tile
+    adds the partials (``kernels.skinny_gemm``, the INT4 MoE's gate/up). One buffer a (device,
+    stream), shared by every such kernel: launches on one stream never overlap, and each leaves the
+    counters it used at zero, so the next launch (or graph replay) finds them zeroed."""
+    if device.type != "cuda":  # the interpreter runs programs one after another
+        key = (-1, 0)
+    else:
+        key = (device.index if device.index is not None else torch.cuda.current_device(),
+               torch.cuda.current_stream(device).cuda_stream)
+    if key not in _COUNTER_BUFFERS:
+        _COUNTER_BUFFERS[key] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTER_BUFFERS[key]

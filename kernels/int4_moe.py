@@ -13,8 +13,9 @@ experts. Each activated expert's weights are streamed from HBM once per step (on
    ``_int4_moe_scatter_kernel`` (a program per chunk) writes ``sorted_ids`` (flat assignment
    ``token * top_k + slot`` per padded row).
 2. ``_int4_moe_gemm_kernel`` (GATED): ``h = silu(x Wg^T) * (x Wu^T)`` per padded row. With
-   ``gu_split_k > 1`` (small M) K slices add fp32 partial sums atomically into a zeroed buffer and
-   ``_int4_moe_silu_mul_kernel`` forms ``h``.
+   ``gu_split_k > 1`` (small M) K slices write fp32 partial sums to a workspace, and the last
+   slice of each output tile to finish (a counter a tile, ``kernels.device.tile_counters``) adds
+   them in slice order and forms ``h``: one launch, deterministic.
 3. ``_int4_moe_gemm_kernel`` (not GATED): ``h Wd^T`` times the routing weight, written per
    assignment (``reduce="sum"``, then ``_int4_moe_topk_sum_kernel`` adds each token's rows in slot
    order: deterministic) or added atomically per token (``reduce="atomic"``).
@@ -23,7 +24,7 @@ Small M (``cfg.gemv``; ``choose_config`` takes it for a handful of assignments, 
 request, i.e. decode): there the path
 above is mostly overhead, 38 us at M=1 TP8 for 25 MB of weights (~7 us at HBM speed): each token
 pads a 16-row MMA block, and alignment, a zero-fill, split-K atomics, a SiLU kernel and a torch sum
-surround the two GEMMs. The GEMV path is two launches with none of these, on the CUDA cores:
+surrounded the two GEMMs then. The GEMV path is two launches with none of these, on the CUDA cores:
 
 4. ``_int4_moe_gemv_gate_up_kernel``: one program per (assignment, ``BLOCK_N`` intermediate rows)
    streams those rows of its expert's gate and up weights, dequantises them (same tile loader),
@@ -74,7 +75,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import int4_moe_hopper as hop
-from kernels.device import on_input_device
+from kernels.device import TILE_COUNTERS, on_input_device, tile_counters
 from kernels.int4_ptx import DEQUANT_BF16X2, DEQUANT_BF16X2_CONSTRAINTS
 
 from services.common.int4 import Int4Weight, unpack_int4
@@ -311,7 +312,9 @@ def _int4_moe_gemm_kernel(
     s0_ptr,  # [E, N, K/GROUP] scales of w0
     w1_ptr,  # [E, N, K/8] int32: up (GATED only)
     s1_ptr,  # [E, N, K/GROUP] scales of w1
-    out_ptr,  # GATED: h [P, N] or, SPLIT_K > 1, gate | up sums [P, 2N] fp32; reduce sum: [A, N]; atomic: [M, N] fp32
+    out_ptr,  # GATED: h [P, N]; reduce sum: [A, N]; atomic: [M, N] fp32
+    ws_ptr,  # GATED, SPLIT_K > 1: [SPLIT_K, P, 2N] fp32 partial sums, gate | up (else unused)
+    count_ptr,  # GATED, SPLIT_K > 1: int32 counters, one an output tile, zero between launches
     sorted_ids_ptr,  # [P] int32 flat assignment per padded row (A = padding)
     block_expert_ptr,  # [P / BLOCK_M] int32
     topk_w_ptr,  # [A] routing weights (not GATED)
@@ -327,6 +330,7 @@ def _int4_moe_gemm_kernel(
     stride_se,
     stride_sn,
     stride_om,
+    stride_ws,  # elements from one split's partials to the next's (P * 2N)
     GATED: tl.constexpr,
     ATOMIC: tl.constexpr,
     SWAP_AB: tl.constexpr,
@@ -334,7 +338,7 @@ def _int4_moe_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,  # GATED: programs per output tile along K, partial sums added atomically
+    SPLIT_K: tl.constexpr,  # GATED: programs per output tile along K; the last to finish adds their sums
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the main loop
     DEQ_ASM: tl.constexpr,  # bf16x2 PTX dequantisation (GPU, bf16 activations and scales)
     DOT_F32: tl.constexpr,  # CPU interpreter only: its tl.dot multiplies bf16 bit patterns
@@ -406,8 +410,6 @@ def _int4_moe_gemm_kernel(
                 acc1 = tl.dot(a, tl.trans(b1), acc1)
     if GATED:
         rows = offs_m.to(tl.int64)
-        if SPLIT_K == 1:
-            res = acc0 / (1.0 + tl.exp(-acc0)) * acc1  # silu(gate) * up
     else:
         wt = tl.load(topk_w_ptr + flat, mask=row_ok, other=0).to(tl.float32)  # [BM]
         if SWAP_AB:
@@ -424,35 +426,32 @@ def _int4_moe_gemm_kernel(
     else:
         o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]  # [BM, BN]
         o_mask = row_ok[:, None] & n_ok[None, :]
-    if GATED and SPLIT_K > 1:
-        tl.atomic_add(o_ptrs, acc0, mask=o_mask, sem="relaxed")  # gate partial sums
-        tl.atomic_add(o_ptrs + N, acc1, mask=o_mask, sem="relaxed")  # up partial sums
-    elif ATOMIC and not GATED:
+    if GATED:
+        if SPLIT_K > 1:
+            # This slice's partial sums; the last slice of the tile to finish adds all of them in
+            # slice order (the result does not depend on which finished last) and resets the count.
+            if SWAP_AB:
+                part = ws_ptr + rows[None, :] * (2 * N) + offs_n[:, None]  # [BN, BM] in split 0
+            else:
+                part = ws_ptr + rows[:, None] * (2 * N) + offs_n[None, :]  # [BM, BN]
+            tl.store(part + pid_k * stride_ws, acc0, mask=o_mask)
+            tl.store(part + pid_k * stride_ws + N, acc1, mask=o_mask)
+            tl.debug_barrier()  # every thread's partials are written before the count says so
+            tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
+            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                acc0 = tl.zeros_like(acc0)
+                acc1 = tl.zeros_like(acc1)
+                for s in tl.static_range(SPLIT_K):
+                    acc0 += tl.load(part + s * stride_ws, mask=o_mask, other=0.0, cache_modifier=".cg")
+                    acc1 += tl.load(part + s * stride_ws + N, mask=o_mask, other=0.0, cache_modifier=".cg")
+                tl.store(count_ptr + tile, 0)  # ready for the next launch (and graph replay)
+                tl.store(o_ptrs, (acc0 / (1.0 + tl.exp(-acc0)) * acc1).to(out_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            tl.store(o_ptrs, (acc0 / (1.0 + tl.exp(-acc0)) * acc1).to(out_ptr.dtype.element_ty), mask=o_mask)  # silu(gate) * up
+    elif ATOMIC:
         tl.atomic_add(o_ptrs, res, mask=o_mask, sem="relaxed")
     else:
         tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
-
-
-@triton.jit
-def _int4_moe_silu_mul_kernel(
-    ws_ptr,  # [P, 2I] float32 split-K sums: gate | up
-    h_ptr,  # [P, I] out: silu(gate) * up
-    n_elem,  # P * I
-    I,
-    BLOCK: tl.constexpr,
-    K_ORDER: tl.constexpr,  # h's columns in the Gluon down GEMM's K order (int4_moe_hopper.permute_k)
-):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    ok = offs < n_elem
-    r = offs // I
-    c = offs - r * I
-    g = tl.load(ws_ptr + r * 2 * I + c, mask=ok, other=0)
-    u = tl.load(ws_ptr + r * 2 * I + I + c, mask=ok, other=0)
-    out = offs
-    if K_ORDER:  # column 32t + 8j + 4i0 + q of a 128-block goes to 32j + 8q + 2t + i0
-        b = c % 128
-        out = offs - b + 32 * ((b // 8) % 4) + 8 * (b % 4) + 2 * (b // 32) + (b // 4) % 2
-    tl.store(h_ptr + out, (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["top_k"])
@@ -970,53 +969,57 @@ def int4_moe_gate_up(
 ) -> Tensor:
     """``[P, I]`` ``h = silu(gate x) * (up x)`` per padded row of ``align`` (padding rows unwritten).
 
-    With ``cfg.gu_split_k > 1`` the K slices add float32 partial sums into a zeroed ``[P, 2I]``
-    buffer (gate | up) and a small elementwise kernel forms ``h``: three launches instead of one,
-    for many more programs when few experts are active (M = 1: 8 experts x 8 N tiles x 8 slices).
-    ``k_order``: h's columns in the Gluon down GEMM's K order (``int4_moe_hopper.permute_k(h)``),
-    written so by whichever kernel forms h; I must be a multiple of 128.
+    With ``cfg.gu_split_k > 1`` the K slices write float32 partial sums (gate | up) to a
+    ``[split, P, 2I]`` workspace and the last slice of each tile forms ``h`` from them: many more
+    programs when few experts are active (M = 1: 8 experts x 8 N tiles x 8 slices), still one
+    launch. It replaced atomic adds into a zeroed buffer and a SiLU launch (three launches, and
+    sums in whatever order the slices finished). ``k_order``: h's columns in the Gluon down GEMM's
+    K order (``int4_moe_hopper.permute_k(h)``), written so by the Gluon kernel; I must be a
+    multiple of 128.
     """
     assert align.block_m == cfg.block_m, f"alignment block_m {align.block_m} != config block_m {cfg.block_m}"
     M, K = hidden.shape
     I = w_gate.packed.shape[1]
     nb = align.num_blocks
     P = nb * cfg.block_m
-    split = cfg.gu_split_k
-    k_split = triton.cdiv(triton.cdiv(K, split), cfg.gu_block_k) * cfg.gu_block_k
+    hopper = _use_hopper(cfg, hidden, w_gate, group_size, cfg.gu_block_n)
+    step = hop.BLOCK_K if hopper else cfg.gu_block_k  # K slices are whole steps of the kernel's loop
+    k_split = triton.cdiv(triton.cdiv(K, cfg.gu_split_k), step) * step
+    split = triton.cdiv(K, k_split)  # the slices there are: the last one's counter must reach them all
     h = torch.empty(P, I, dtype=hidden.dtype, device=hidden.device)  # [P, I]
     assert not k_order or I % hop.BLOCK_K == 0, f"k_order needs the intermediate size {I} to be a multiple of {hop.BLOCK_K}"
-    out = torch.zeros(P, 2 * I, dtype=torch.float32, device=hidden.device) if split > 1 else h  # [P, 2I] gate | up sums
-    ordered = False  # h already in K order
-    if _use_hopper(cfg, hidden, w_gate, group_size, cfg.gu_block_n):
-        k_split = triton.cdiv(triton.cdiv(K, split), hop.BLOCK_K) * hop.BLOCK_K
-        ordered = k_order and split == 1
-        hop.gemm(hop.permute_k(hidden), w_gate, w_up, out, align.sorted_ids, align.block_expert, align.sorted_ids,
-                 I, K, M * top_k, top_k, k_split, gated=True, atomic=False, block_m=cfg.block_m,
-                 block_n=cfg.gu_block_n, split_k=split, stages=cfg.hp_stages, k_order_out=ordered, max_regs=cfg.hp_gu_regs or None,
-                 w_tma=cfg.hp_gu_tma and hop.tma_words_ok(w_gate.packed) and hop.tma_words_ok(w_up.packed))
-    else:
-        _gate_up_triton(hidden, w_gate, w_up, out, align, top_k, cfg, group_size, k_split)
+    ws, counters = h, h  # unused unless split
     if split > 1:
-        n = P * I
-        _int4_moe_silu_mul_kernel[(triton.cdiv(n, 1024),)](out, h, n, I, BLOCK=1024, K_ORDER=k_order, num_warps=4)
-        ordered = k_order
-    return hop.permute_k(h) if k_order and not ordered else h
+        ws = torch.empty(split, P, 2 * I, dtype=torch.float32, device=hidden.device)  # [split, P, 2I] gate | up sums
+        counters = tile_counters(hidden.device)
+        tiles = nb * triton.cdiv(I, cfg.gu_block_n)
+        assert tiles <= TILE_COUNTERS, f"{tiles} gate/up tiles split over K; {TILE_COUNTERS} counters"
+    if hopper:
+        hop.gemm(hop.permute_k(hidden), w_gate, w_up, h, align.sorted_ids, align.block_expert, align.sorted_ids,
+                 I, K, M * top_k, top_k, k_split, gated=True, atomic=False, block_m=cfg.block_m,
+                 block_n=cfg.gu_block_n, split_k=split, stages=cfg.hp_stages, k_order_out=k_order, max_regs=cfg.hp_gu_regs or None,
+                 w_tma=cfg.hp_gu_tma and hop.tma_words_ok(w_gate.packed) and hop.tma_words_ok(w_up.packed),
+                 ws=ws, counters=counters)
+        return h
+    _gate_up_triton(hidden, w_gate, w_up, h, ws, counters, align, top_k, cfg, group_size, k_split)
+    return hop.permute_k(h) if k_order else h
 
 
 def _gate_up_triton(
-    hidden: Tensor, w_gate: Int4Weight, w_up: Int4Weight, out: Tensor, align: MoEAlignment, top_k: int,
-    cfg: Int4MoEConfig, group_size: int, k_split: int,
+    hidden: Tensor, w_gate: Int4Weight, w_up: Int4Weight, out: Tensor, ws: Tensor, counters: Tensor, align: MoEAlignment,
+    top_k: int, cfg: Int4MoEConfig, group_size: int, k_split: int,
 ) -> None:
     M, K = hidden.shape
     I = w_gate.packed.shape[1]
     nb = align.num_blocks
-    split = cfg.gu_split_k
-    grid = (nb * triton.cdiv(I, cfg.gu_block_n) * triton.cdiv(K, k_split),)
+    split = triton.cdiv(K, k_split)
+    grid = (nb * triton.cdiv(I, cfg.gu_block_n) * split,)
     _int4_moe_gemm_kernel[grid](
-        hidden, w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, out,
+        hidden, w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, out, ws, counters,
         align.sorted_ids, align.block_expert, align.sorted_ids,
         I, K, M * top_k, top_k, nb, k_split,
         hidden.stride(0), w_gate.packed.stride(0), w_gate.packed.stride(1), w_gate.scale.stride(0), w_gate.scale.stride(1), out.stride(0),
+        ws.stride(0) if split > 1 else 0,
         GATED=True, ATOMIC=False, SWAP_AB=cfg.swap_ab, GROUP=group_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k, SPLIT_K=split,
         EVEN_K=K % cfg.gu_block_k == 0, DEQ_ASM=_use_asm(cfg, hidden.dtype, w_gate), DOT_F32=hidden.is_cpu,
@@ -1056,10 +1059,10 @@ def int4_moe_down(
         return _finish_down(out, atomic, act_dtype, M, top_k, K)
     grid = (nb * triton.cdiv(K, cfg.dn_block_n),)
     _int4_moe_gemm_kernel[grid](
-        h, w_down.packed, w_down.scale, w_down.packed, w_down.scale, out,
+        h, w_down.packed, w_down.scale, w_down.packed, w_down.scale, out, out, out,
         align.sorted_ids, align.block_expert, weights,
         K, I, A, top_k, nb, I,
-        h.stride(0), w_down.packed.stride(0), w_down.packed.stride(1), w_down.scale.stride(0), w_down.scale.stride(1), out.stride(0),
+        h.stride(0), w_down.packed.stride(0), w_down.packed.stride(1), w_down.scale.stride(0), w_down.scale.stride(1), out.stride(0), 0,
         GATED=False, ATOMIC=atomic, SWAP_AB=cfg.swap_ab, GROUP=group_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.dn_block_n, BLOCK_K=cfg.dn_block_k, SPLIT_K=1,
         EVEN_K=I % cfg.dn_block_k == 0, DEQ_ASM=_use_asm(cfg, act_dtype, w_down),

@@ -246,14 +246,17 @@ if gluon is not None:
 
     @gluon.jit
     def _epilogue(acc0, acc1, pid_m, n0, out_ptr, sorted_ids_ptr, topk_w_ptr, N, A, top_k, stride_om,
+                  pid_k, ws_ptr, count_ptr, stride_ws,
                   GATED: gl.constexpr, ATOMIC: gl.constexpr, SPLIT_K: gl.constexpr, K_ORDER: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, EPI: gl.constexpr):
-        """One finished ``[BLOCK_N, BLOCK_M]`` tile out: ``silu(gate) * up`` (or its split-K partial
-        sums), or the down rows times their routing weights (per assignment, or atomically per token).
-        The tile is first put in ``EPI``: for the down GEMM a layout whose threads hold consecutive
-        output columns (16-byte stores, 4-wide fp32 atomics; the MMA's own layout gives 2-byte
-        stores and scalar atomics); for gate/up the MMA's (a no-op). ``K_ORDER``: h's columns go
-        where ``permute_k`` would put them, so the down GEMM reads h as it is."""
+        """One finished ``[BLOCK_N, BLOCK_M]`` tile out: ``silu(gate) * up``, or the down rows times
+        their routing weights (per assignment, or atomically per token). Split over K, gate/up
+        writes its partial sums to ``ws`` and the last slice of the tile to finish (a counter a
+        tile) adds them in slice order, then forms h. The tile is first put in ``EPI``: for the
+        down GEMM a layout whose threads hold consecutive output columns (16-byte stores, 4-wide
+        fp32 atomics; the MMA's own layout gives 2-byte stores and scalar atomics); for gate/up the
+        MMA's (a no-op). ``K_ORDER``: h's columns go where ``permute_k`` would put them, so the
+        down GEMM reads h as it is."""
         acc0 = gl.convert_layout(acc0, EPI)
         offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, EPI))
         flat = gl.load(sorted_ids_ptr + offs_m)
@@ -269,15 +272,29 @@ if gluon is not None:
             else:
                 rows = flat.to(gl.int64)
         o_mask = row_ok[None, :] & (offs_n < N)[:, None]
+        cols = offs_n
         if K_ORDER:  # logical column 32t + 8j + 4i0 + q of a 128-block is stored at 32j + 8q + 2t + i0
             c = offs_n % 128
-            offs_n = offs_n - c + 32 * ((c // 8) % 4) + 8 * (c % 4) + 2 * (c // 32) + (c // 4) % 2
-        o_ptrs = out_ptr + rows[None, :] * stride_om + offs_n[:, None]  # [BN, BM]
+            cols = offs_n - c + 32 * ((c // 8) % 4) + 8 * (c % 4) + 2 * (c // 32) + (c // 4) % 2
+        o_ptrs = out_ptr + rows[None, :] * stride_om + cols[:, None]  # [BN, BM]
         if GATED:
             acc1 = gl.convert_layout(acc1, EPI)
             if SPLIT_K > 1:
-                gl.atomic_add(o_ptrs, acc0, mask=o_mask, sem="relaxed")  # gate partial sums
-                gl.atomic_add(o_ptrs + N, acc1, mask=o_mask, sem="relaxed")  # up partial sums
+                part = ws_ptr + rows[None, :] * (2 * N) + offs_n[:, None]  # [BN, BM] gate sums of split 0
+                gl.store(part + pid_k * stride_ws, acc0, mask=o_mask)
+                gl.store(part + pid_k * stride_ws + N, acc1, mask=o_mask)  # up sums
+                _cta_barrier()  # every thread's partials are written before the count says so
+                tile = pid_m * (N // BLOCK_N) + n0 // BLOCK_N
+                last = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+                if last:  # add every slice's sums in slice order: the result does not depend on which finished last
+                    acc0 = gl.zeros_like(acc0)
+                    acc1 = gl.zeros_like(acc1)
+                    for sl in gl.static_range(SPLIT_K):
+                        acc0 += gl.load(part + sl * stride_ws, mask=o_mask, other=0.0, cache_modifier=".cg")
+                        acc1 += gl.load(part + sl * stride_ws + N, mask=o_mask, other=0.0, cache_modifier=".cg")
+                    gl.store(count_ptr + tile, 0)  # ready for the next launch (and graph replay)
+                    h = acc0 / (1.0 + gl.exp(-acc0)) * acc1  # silu(gate) * up
+                    gl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=o_mask)
             else:
                 h = acc0 / (1.0 + gl.exp(-acc0)) * acc1  # silu(gate) * up
                 gl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -294,13 +311,16 @@ if gluon is not None:
         s0_ptr,  # [E, N, K/32] bf16 scales of w0
         w1_ptr,  # [E, N, K/8] int32: up (GATED only)
         s1_ptr,  # [E, N, K/32]
-        out_ptr,  # GATED: h [P, N] or, SPLIT_K > 1, gate | up sums [P, 2N] fp32; reduce sum: [A, N]; atomic: [M, N] fp32
+        out_ptr,  # GATED: h [P, N]; reduce sum: [A, N]; atomic: [M, N] fp32
+        ws_ptr,  # GATED, SPLIT_K > 1: [SPLIT_K, P, 2N] fp32 partial sums, gate | up (else unused)
+        count_ptr,  # GATED, SPLIT_K > 1: int32 counters, one an output tile, zero between launches
         sorted_ids_ptr,  # [P] int32 flat assignment per padded row (A = padding)
         block_expert_ptr,  # [P / BLOCK_M] int32
         topk_w_ptr,  # [A] routing weights (not GATED)
         N, K, A, top_k, num_m_blocks,
         k_split,  # K range of one split (a multiple of 128)
         stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+        stride_ws,  # elements from one split's partials to the next's (P * 2N)
         GATED: gl.constexpr, ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         SPLIT_K: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, N_TILES: gl.constexpr, K_RESIDENT: gl.constexpr,
         K_ORDER: gl.constexpr, W_TMA: gl.constexpr, ACC: gl.constexpr, EPI: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
@@ -417,11 +437,13 @@ if gluon is not None:
                 if N_TILES > 1:
                     if kk == n_k - 1:
                         _epilogue(acc0, acc1, pid_m, (n_tile0 + t // n_k) * BLOCK_N, out_ptr, sorted_ids_ptr, topk_w_ptr,
-                                  N, A, top_k, stride_om, GATED, ATOMIC, SPLIT_K, K_ORDER, BLOCK_M, BLOCK_N, EPI)
+                                  N, A, top_k, stride_om, pid_k, ws_ptr, count_ptr, stride_ws,
+                                  GATED, ATOMIC, SPLIT_K, K_ORDER, BLOCK_M, BLOCK_N, EPI)
             cp.wait_group(0)
             if N_TILES == 1:
                 _epilogue(acc0, acc1, pid_m, n_tile0 * BLOCK_N, out_ptr, sorted_ids_ptr, topk_w_ptr,
-                          N, A, top_k, stride_om, GATED, ATOMIC, SPLIT_K, K_ORDER, BLOCK_M, BLOCK_N, EPI)
+                          N, A, top_k, stride_om, pid_k, ws_ptr, count_ptr, stride_ws,
+                          GATED, ATOMIC, SPLIT_K, K_ORDER, BLOCK_M, BLOCK_N, EPI)
 
 
 def _layouts(block_m: int, block_n: int, num_warps: int, gated: bool, w_tma: bool = False) -> dict[str, object]:
@@ -486,7 +508,8 @@ def gemm(
     a: Tensor, w0: Int4Weight, w1: Int4Weight, out: Tensor, sorted_ids: Tensor, block_expert: Tensor, topk_w: Tensor,
     N: int, K: int, A: int, top_k: int, k_split: int, *, gated: bool, atomic: bool, block_m: int,
     block_n: int, split_k: int, stages: int, n_tiles: int = 1, resident: bool | None = None, sub: int | None = None,
-    max_regs: int | None = None, k_order_out: bool = False, w_tma: bool = False,
+    max_regs: int | None = None, k_order_out: bool = False, w_tma: bool = False, ws: Tensor | None = None,
+    counters: Tensor | None = None,
 ) -> None:
     """Launch one GEMM (``a`` already ``permute_k``'d); arguments as ``_int4_moe_gemm_kernel``'s.
 
@@ -503,8 +526,15 @@ def gemm(
     the down GEMM reads as they are: one ``[P, I]`` copy less (K2 EP8 M = 288: 34 us).
     ``w_tma``: the weight words by TMA, one ``[block_n, 16]`` box a matrix a K step, instead of
     every thread's cp.async (``tma_words_ok`` must hold): gate/up 1.07-1.38x at K2 M = 72-1152.
+    ``ws`` / ``counters``: gate/up split over K (``split_k > 1``) writes its partial sums to ``ws``
+    ``[split_k, P, 2N]`` float32 and counts finished slices in ``counters`` (a zeroed int32 each
+    output tile, ``kernels.device.tile_counters``); ``out`` is h either way.
     """
-    assert not k_order_out or (gated and split_k == 1 and N % BLOCK_K == 0), "k_order_out: unsplit gate/up, N % 128 == 0"
+    assert not k_order_out or (gated and N % BLOCK_K == 0), "k_order_out: gate/up, N % 128 == 0"
+    assert not gated or split_k == -(-K // k_split), f"split_k {split_k}: the K slices of {k_split} there are"
+    split = gated and split_k > 1
+    assert not split or (ws is not None and counters is not None and ws.shape[0] == split_k and ws.stride(2) == 1
+                         and ws.stride(1) == 2 * N), "gate/up split over K needs ws [split_k, P, 2N] and counters"
     nb = block_expert.numel()
     warps = block_n // 16
     k_resident, sub = stream_plan(K, k_split, block_m, n_tiles, a.element_size(), resident, sub)
@@ -512,9 +542,11 @@ def gemm(
     grid = (nb * n_groups * (-(-K // k_split)),)
     descs = [_word_desc(w, block_n) for w in (w0, w1)] if w_tma else [w0.packed, w1.packed]
     _moe_gemm_hopper_kernel[grid](
-        a, *descs, w0.packed, w0.scale, w1.packed, w1.scale, out, sorted_ids, block_expert, topk_w,
+        a, *descs, w0.packed, w0.scale, w1.packed, w1.scale, out, ws if split else out, counters if split else out,
+        sorted_ids, block_expert, topk_w,
         N, K, A, top_k, nb, k_split,
         a.stride(0), w0.packed.stride(0), w0.packed.stride(1), w0.scale.stride(0), w0.scale.stride(1), out.stride(0),
+        ws.stride(0) if split else 0,
         GATED=gated, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=stages, SUB=sub,
         N_TILES=n_tiles, K_RESIDENT=k_resident, K_ORDER=k_order_out, W_TMA=w_tma,
         **_layouts(block_m, block_n, warps, gated, w_tma), num_warps=warps, **({} if max_regs is None else {"maxnreg": max_regs}),

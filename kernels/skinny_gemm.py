@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.device import interpreted, on_input_device
+from kernels.device import TILE_COUNTERS, interpreted, on_input_device, tile_counters
 
 try:
     import triton
@@ -35,7 +35,6 @@ __all__ = ["MAX_ROWS", "KERNEL_ROWS", "skinny_linear", "skinny_linear_reference"
 MAX_ROWS = 32  # rows of x up to which skinny_linear takes the kernel on CUDA (above: cuBLAS, see skinny_linear)
 KERNEL_ROWS = 64  # rows of x the kernel takes
 SERVED = True  # skinny_linear takes the kernel where it applies (a switch for A/Bs: bench/k2_ab.py)
-_COUNTERS = 1 << 14  # output tiles a launch may split over K (a counter each)
 _STAGE_BUDGET = 192 << 10  # shared memory the pipelined loads may take (an H100 / H200 CTA: 227 KB)
 
 
@@ -131,22 +130,6 @@ if triton is not None:
                  mask=tile_ok)
 
 
-_COUNTER_BUFFERS: dict[tuple[int, int], Tensor] = {}
-
-
-def _counters(device: torch.device) -> Tensor:
-    """Zeroed tile counters, one buffer a (device, stream): launches on one stream never overlap,
-    and each leaves its counters at zero."""
-    if device.type != "cuda":  # the interpreter runs programs one after another
-        key = (-1, 0)
-    else:
-        key = (device.index if device.index is not None else torch.cuda.current_device(),
-               torch.cuda.current_stream(device).cuda_stream)
-    if key not in _COUNTER_BUFFERS:
-        _COUNTER_BUFFERS[key] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTER_BUFFERS[key]
-
-
 def _sm_count(device: torch.device) -> int:
     from kernels.tree_mla import _sm_count as sms
 
@@ -183,9 +166,9 @@ def skinny_linear_triton(x: Tensor, weight: Tensor, *, out: Tensor | None = None
     split_k = -(-K // k_slice)  # slices past K would be empty
     part = counters = out
     if split_k > 1:
-        assert B * n_tiles <= _COUNTERS, f"{B * n_tiles} tiles split over K; {_COUNTERS} counters"
+        assert B * n_tiles <= TILE_COUNTERS, f"{B * n_tiles} tiles split over K; {TILE_COUNTERS} counters"
         part = torch.empty(B * n_tiles * split_k * block_n * block_m, dtype=torch.float32, device=x.device)
-        counters = _counters(x.device)
+        counters = tile_counters(x.device)
     add = add_to if add_to is not None else out
     _skinny_kernel[(n_tiles, split_k, B)](
         xb, wb, ob, add, part, counters, M, N, K, k_slice,

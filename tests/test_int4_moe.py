@@ -225,10 +225,12 @@ def _run_align(name: str, M: int, E: int, top_k: int, block_m: int) -> dict:
 def _run_k_order() -> dict:
     """The Gluon kernels' K order off the GPU: ``permute_k``'s Triton kernel equals the torch
     reference (rows not a multiple of its block), and ``int4_moe_gate_up(k_order=True)`` returns
-    exactly ``permute_k`` of the plain h, split-K (the SiLU kernel writes the order) or not."""
+    exactly ``permute_k`` of the plain h, split over K or not; split-K gate/up repeats bit for bit
+    and leaves its tile counters at zero."""
     import torch
 
     from kernels import int4_moe_hopper as hop
+    from kernels.device import tile_counters
     from kernels.int4_moe import Int4MoEConfig, int4_moe_align, int4_moe_down, int4_moe_gate_up
 
     errors = []
@@ -248,6 +250,11 @@ def _run_k_order() -> dict:
         ordered = int4_moe_gate_up(xs, wg, wu, al, k, cfg, k_order=True)
         if not torch.equal(ordered[real], hop.permute_k_reference(plain)[real]):
             errors.append(f"k_order h differs from permute_k of h (split {split})")
+        if split > 1:  # the last slice of a tile adds the partials in slice order, then zeroes its counter
+            if not torch.equal(int4_moe_gate_up(xs, wg, wu, al, k, cfg)[real], plain[real]):
+                errors.append("split-K gate/up gave other bits on a second call")
+            if int(tile_counters(xs.device).abs().sum()):
+                errors.append("split-K gate/up left its tile counters set")
     try:
         int4_moe_down(ordered, wd, al, torch.rand(M, k, generator=g), cfg, h_k_order=True)
         errors.append("the Triton down accepted h in the Gluon K order")
