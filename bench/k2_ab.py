@@ -12,7 +12,10 @@ Switches:
 * ``few-rows``: the tree attention's 64-row kernel for every step against ``few_rows_serves``'
   choice (the few-row kernel for decode steps and small trees);
 * ``skinny``: cuBLAS for the dense projections against ``skinny_linear``'s kernel
-  (``skinny_gemm.SERVED``).
+  (``skinny_gemm.SERVED``);
+* ``moe-split``: the MoE gate/up's K slices on Hopper as ``a182555`` chose them (8 below half a
+  row an expert, 2 up to two rows) against ``choose_config``'s (4 up to one row an expert, 8
+  below half a row for a tree's tokens).
 
 Each row says whether its logits equal the other setting's in the same round, and its own setting's
 in the other round: where the MoE's split-K sums with atomics (few rows per expert), the second
@@ -27,6 +30,7 @@ runs of different commits can touch different experts; here only the switch diff
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +40,7 @@ import torch
 from bench.common import write_result
 from bench.k2_slice import (K2_CONFIG, TP, build_cache, build_model, per_rank_config, random_trees, time_full_ms,
                             time_replay_ms)
-from kernels import skinny_gemm, tree_mla_hopper
+from kernels import int4_moe, skinny_gemm, tree_mla_hopper
 from services.verifier import moe as moe_mod
 from services.verifier.config import TargetConfig
 from services.verifier.graphs import VerifyGraphs
@@ -69,14 +73,25 @@ def switches(model: TargetModel) -> dict[str, tuple[tuple[str, str], Callable[[s
     def skinny(v: str) -> None:
         skinny_gemm.SERVED = v == "skinny"
 
+    rule = int4_moe._hopper_config
+
+    def moe_split(v: str) -> None:
+        def before(r: float, whole_experts: bool, shared: bool = False) -> int4_moe.Int4MoEConfig:
+            cfg = rule(r, whole_experts, shared)
+            if whole_experts or r > 2:
+                return cfg
+            return dataclasses.replace(cfg, gu_split_k=8 if r < 0.5 else 2)
+        int4_moe._hopper_config = rule if v == "served" else before
+
     return {"router": (("float32", "parts"), router), "shared-stream": (("main", "side"), shared_stream),
             "router-gemv": (("gemm", "gemv"), router_gemv), "few-rows": (("rows64", "few"), few_rows),
-            "skinny": (("cublas", "skinny"), skinny)}
+            "skinny": (("cublas", "skinny"), skinny), "moe-split": (("before", "served"), moe_split)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--switch", choices=("router", "shared-stream", "router-gemv", "few-rows", "skinny"), required=True)
+    ap.add_argument("--switch", choices=("router", "shared-stream", "router-gemv", "few-rows", "skinny", "moe-split"),
+                    required=True)
     ap.add_argument("--cases", nargs="+", default=None, metavar="BUDGET,BATCH",
                     help="steps to time (default: 0,1 16,1 16,32; budget 0 = autoregressive)")
     ap.add_argument("--commit", default=None)
