@@ -10,7 +10,8 @@ config is best in each regime, and how far apart are they?
 
 Per (tokens, routing): every config's whole call (alignment, gate/up, SiLU where split, down,
 top-k sum), CUDA-graph replay over 16 routings, median of 20; each checked against the served
-config's output on the same routing first (relative error; and every output finite). With
+config's output on the same routing first (relative error; and every output finite), and the
+served config against ``int4_moe_reference`` in float32 arithmetic. With
 ``--profile``, each routing's served and best configs also get a per-kernel breakdown (torch.profiler,
 eager, each call on the next routing so the experts come from HBM).
 
@@ -28,7 +29,7 @@ import torch
 
 from bench.common import graph_replay_us, kernel_times, write_result
 from bench.int4_moe_bench import GROUP, SHAPES, expert_bytes, rand_int4_stack, rand_routing
-from kernels.int4_moe import choose_config, fused_int4_moe
+from kernels.int4_moe import choose_config, fused_int4_moe, int4_moe_reference
 
 POOLS = {9: 12, 17: 15, 33: 21}  # distinct experts a layer in the K2 slice's verify steps (model routing)
 ROUTINGS = 16
@@ -72,7 +73,9 @@ def main() -> None:
             touched = sum(int(torch.unique(ids).numel()) for ids, _ in routes) / ROUTINGS
             ids0, w0 = routes[0]
             want = fused_int4_moe(x, wg, wu, wd, ids0, w0, GROUP, config=served).float()
-            row = {"tokens": m, "routing": routing, "experts_touched": touched, "served": served.spec(), "variants": {}}
+            ref = int4_moe_reference(x, wg, wu, wd, ids0, w0, GROUP, compute_dtype=torch.float32).float()
+            row = {"tokens": m, "routing": routing, "experts_touched": touched, "served": served.spec(), "variants": {},
+                   "served_rel_err_vs_reference": ((want - ref).norm() / ref.norm()).item()}
             for name, cfg in variants.items():
                 got = fused_int4_moe(x, wg, wu, wd, ids0, w0, GROUP, config=cfg).float()
                 err = ((got - want).norm() / want.norm()).item()
@@ -101,7 +104,8 @@ def main() -> None:
                  dict(shape="K2 TP8: 384 experts x hidden 7168 x intermediate 256, top-8, group 32",
                       pools=POOLS, routings=ROUTINGS,
                       timing="whole fused_int4_moe call, CUDA-graph replay over 16 routings, median of 20",
-                      check="relative error (Frobenius) against the served config's output on routing 0"), rows)
+                      check="relative error (Frobenius) against the served config's output on routing 0; the "
+                            "served config's against int4_moe_reference (float32 arithmetic)"), rows)
 
 
 if __name__ == "__main__":
