@@ -6,9 +6,7 @@ experts. Each activated expert's weights are streamed from HBM once per step (on
 ``pack-quantized`` layout as stored (no repacking at load), and multiplied on the tensor cores
 (DESIGN.md §6). No launch syncs with the host, so the op can be captured in a CUDA graph:
 
-1. Up to ``ALIGN_ONE_PROGRAM`` assignments ``_int4_moe_align_small_kernel`` does all of this step
-   in one program. Above:
-   ``_int4_moe_count_kernel`` (a program per chunk of assignments): assignments per expert;
+1. ``_int4_moe_count_kernel`` (a program per chunk of assignments): assignments per expert;
    ``_int4_moe_align_kernel`` (``ALIGN_PROGRAMS`` programs): per-expert padding to ``BLOCK_M``,
    ``block_expert`` (expert of each block of ``BLOCK_M`` rows, -1 when unused) and sentinels in
    the padding rows;
@@ -123,33 +121,6 @@ def _int4_moe_count_kernel(
     tl.atomic_add(counts_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=ok, sem="relaxed")
 
 
-@triton.jit
-def _align_layout(counts, offs_e, sorted_ids_ptr, block_expert_ptr, A, P, NUM_BLOCKS, g, G,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """The experts' rows from their counts (a cumsum over ``E_PAD`` lanes); program ``g`` of ``G``
-    writes its share of the sentinels and block experts. Returns each expert's first row."""
-    offs_c = tl.arange(0, CHUNK)  # [CHUNK]
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
-    ends = tl.cumsum(padded, 0)  # [E_PAD]
-    starts = ends - padded  # [E_PAD]
-    # Sentinels only where no assignment lands, so the scatter needs no ordering against them:
-    # each expert's padding rows, then every row past the last expert's.
-    for j in range(g, BLOCK_M - 1, G):
-        tl.store(sorted_ids_ptr + starts + counts + j, tl.zeros([E_PAD], dtype=tl.int32) + A, mask=j < padded - counts)
-    used = tl.sum(padded, 0)
-    for p0 in range(g * CHUNK, P, G * CHUNK):
-        p = p0 + offs_c  # [CHUNK]
-        tl.store(sorted_ids_ptr + p, tl.zeros([CHUNK], dtype=tl.int32) + A, mask=(p >= used) & (p < P))
-    for b0 in range(g * CHUNK, NUM_BLOCKS, G * CHUNK):
-        b = b0 + offs_c  # [CHUNK]
-        tl.store(block_expert_ptr + b, tl.full([CHUNK], -1, tl.int32), mask=(b * BLOCK_M >= used) & (b < NUM_BLOCKS))
-    nblk = padded // BLOCK_M  # [E_PAD]
-    first = starts // BLOCK_M  # [E_PAD]
-    for j in range(g, tl.max(nblk, 0), G):
-        tl.store(block_expert_ptr + first + j, offs_e, mask=j < nblk)
-    return starts
-
-
 @triton.jit(do_not_specialize=["A", "P", "NUM_BLOCKS"])
 def _int4_moe_align_kernel(
     counts_ptr,  # [E_PAD] int32: assignments per expert
@@ -168,43 +139,30 @@ def _int4_moe_align_kernel(
     writes its share of the sentinels and block experts: the stores, not the cumsum, are the work,
     and one program doing them all took 8.9 us at K2 TP8 M = 1152 (``int4_moe_steps.json``)."""
     g = tl.program_id(0)
+    G = tl.num_programs(0)
     offs_e = tl.arange(0, E_PAD)  # [E_PAD]
+    offs_c = tl.arange(0, CHUNK)  # [CHUNK]
     counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)  # [E_PAD]
-    starts = _align_layout(counts, offs_e, sorted_ids_ptr, block_expert_ptr, A, P, NUM_BLOCKS, g, tl.num_programs(0),
-                           BLOCK_M, E_PAD, CHUNK)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
+    ends = tl.cumsum(padded, 0)  # [E_PAD]
+    starts = ends - padded  # [E_PAD]
     if g == 0:
         tl.store(cursor_ptr + offs_e, starts)
-
-
-@triton.jit(do_not_specialize=["A", "P", "NUM_BLOCKS"])
-def _int4_moe_align_small_kernel(
-    ids_ptr,  # [A] int32/int64 flat top-k expert ids
-    cursor_ptr,  # [E_PAD] int32 scratch: the scatter's cursors
-    sorted_ids_ptr,  # [P] int32 out: flat assignment per padded row, A in the padding
-    block_expert_ptr,  # [P / BLOCK_M] int32 out: expert of each block, -1 when unused
-    A,
-    E,
-    P,
-    NUM_BLOCKS,
-    BLOCK_M: tl.constexpr,
-    E_PAD: tl.constexpr,  # power of two > E: bin E_PAD - 1 takes the lanes past A
-    A_PAD: tl.constexpr,  # power of two >= A
-    CHUNK: tl.constexpr,
-):
-    """The whole alignment in one program for a few hundred assignments (decode and verify steps):
-    count (a histogram in registers), lay out, scatter. The three-launch path spends a launch and a
-    zero-fill on each step there."""
-    i = tl.arange(0, A_PAD)  # [A_PAD]
-    ok = i < A
-    ids = tl.load(ids_ptr + i, mask=ok, other=E_PAD - 1).to(tl.int32)  # [A_PAD]
-    offs_e = tl.arange(0, E_PAD)  # [E_PAD]
-    counts = tl.where(offs_e < E, tl.histogram(ids, E_PAD), 0)  # [E_PAD]
-    starts = _align_layout(counts, offs_e, sorted_ids_ptr, block_expert_ptr, A, P, NUM_BLOCKS, 0, 1, BLOCK_M, E_PAD, CHUNK)
-    tl.atomic_xchg(cursor_ptr + offs_e, starts, sem="relaxed")
-    tl.debug_barrier()  # every cursor is set (bar.sync orders memory as membar.cta) before any is taken
-    # Row order inside an expert is whatever the atomics give: each row's result depends on that row alone.
-    slot = tl.atomic_add(cursor_ptr + ids, tl.full([A_PAD], 1, tl.int32), mask=ok, sem="relaxed")  # [A_PAD]
-    tl.store(sorted_ids_ptr + slot, i, mask=ok)
+    # Sentinels only where no assignment lands, so the scatter needs no ordering against them:
+    # each expert's padding rows, then every row past the last expert's.
+    for j in range(g, BLOCK_M - 1, G):
+        tl.store(sorted_ids_ptr + starts + counts + j, tl.zeros([E_PAD], dtype=tl.int32) + A, mask=j < padded - counts)
+    used = tl.sum(padded, 0)
+    for p0 in range(g * CHUNK, P, G * CHUNK):
+        p = p0 + offs_c  # [CHUNK]
+        tl.store(sorted_ids_ptr + p, tl.zeros([CHUNK], dtype=tl.int32) + A, mask=(p >= used) & (p < P))
+    for b0 in range(g * CHUNK, NUM_BLOCKS, G * CHUNK):
+        b = b0 + offs_c  # [CHUNK]
+        tl.store(block_expert_ptr + b, tl.full([CHUNK], -1, tl.int32), mask=(b * BLOCK_M >= used) & (b < NUM_BLOCKS))
+    nblk = padded // BLOCK_M  # [E_PAD]
+    first = starts // BLOCK_M  # [E_PAD]
+    for j in range(g, tl.max(nblk, 0), G):
+        tl.store(block_expert_ptr + first + j, offs_e, mask=j < nblk)
 
 
 @triton.jit(do_not_specialize=["A"])
@@ -888,7 +846,6 @@ class MoEAlignment:
 
 
 ALIGN_PROGRAMS = 8  # programs sharing the alignment's stores (the counts' cumsum is done by each)
-ALIGN_ONE_PROGRAM = 512  # assignments up to which one program does the whole alignment (64 tokens at top-8)
 
 
 def _max_padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
@@ -905,8 +862,7 @@ def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlign
     the experts' counters); in between ``ALIGN_PROGRAMS`` programs lay out the experts' rows and
     write the sentinels. K2 TP8 M = 1152 (9216 assignments, 384 experts): one program doing it
     all took 41 us, one program counting (``tl.histogram``) and laying out 22 us, one program
-    laying out 8.9 us. Up to ``ALIGN_ONE_PROGRAM`` assignments one program does it all, one launch
-    instead of three and a zero-fill. Ids must lie in ``0 .. num_experts - 1``.
+    laying out 8.9 us. Ids must lie in ``0 .. num_experts - 1``.
     """
     assert topk_ids.dim() == 2, f"topk_ids must be [M, top_k], got {tuple(topk_ids.shape)}"
     assert topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32/int64, got {topk_ids.dtype}"
@@ -916,14 +872,6 @@ def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlign
     dev = topk_ids.device
     sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)  # [P]
     block_expert = torch.empty(P // block_m, dtype=torch.int32, device=dev)  # [P / BM]
-    if 0 < A <= ALIGN_ONE_PROGRAM:
-        e_pad = triton.next_power_of_2(num_experts + 1)
-        cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)  # [E_PAD]
-        _int4_moe_align_small_kernel[(1,)](
-            ids, cursor, sorted_ids, block_expert, A, num_experts, P, P // block_m,
-            BLOCK_M=block_m, E_PAD=e_pad, A_PAD=max(16, triton.next_power_of_2(A)), CHUNK=1024, num_warps=8,
-        )
-        return MoEAlignment(sorted_ids=sorted_ids, block_expert=block_expert, block_m=block_m)
     e_pad = triton.next_power_of_2(num_experts)
     counts, cursor = torch.zeros(2, e_pad, dtype=torch.int32, device=dev)  # [E_PAD] each; only counts need the zeros
     if A:
