@@ -14,7 +14,8 @@ Switches:
 * ``skinny``: cuBLAS for the dense projections against ``skinny_linear``'s kernel
   (``skinny_gemm.SERVED``);
 * ``moe-split``: the MoE gate/up's K slices on Hopper as ``a182555`` chose them (8 below half a
-  row an expert, 2 up to two rows) against ``choose_config``'s (4 from half a row to one).
+  row an expert, 2 up to two rows) against ``choose_config``'s (4 up to one row, 8 below half a
+  row for a tree's tokens).
 
 Each row says whether its logits equal the other setting's in the same round, and its own setting's
 in the other round: where the MoE's split-K sums with atomics (few rows per expert), the second
@@ -75,8 +76,8 @@ def switches(model: TargetModel) -> dict[str, tuple[tuple[str, str], Callable[[s
     rule = int4_moe._hopper_config
 
     def moe_split(v: str) -> None:
-        def before(r: float, whole_experts: bool) -> int4_moe.Int4MoEConfig:
-            cfg = rule(r, whole_experts)
+        def before(r: float, whole_experts: bool, shared: bool = False) -> int4_moe.Int4MoEConfig:
+            cfg = rule(r, whole_experts, shared)
             if whole_experts or r > 2:
                 return cfg
             return dataclasses.replace(cfg, gu_split_k=8 if r < 0.5 else 2)

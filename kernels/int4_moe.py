@@ -741,8 +741,8 @@ def choose_config(
     whole_experts = intermediate >= 1024  # EP-style ranks hold whole experts (K2 EP8: I = 2048)
     r = tokens * top_k / max(num_experts, 1)
     hopper = _hopper_here()
-    cfg = _hopper_config(r, whole_experts) if hopper else _tensor_core_config(r, whole_experts)
     independent = routing_groups is None or tokens <= routing_groups
+    cfg = _hopper_config(r, whole_experts, shared=not independent) if hopper else _tensor_core_config(r, whole_experts)
     gemv_pays = r <= _GEMV_MAX_PER_EXPERT and (not hopper or (not whole_experts and tokens * top_k <= _HOPPER_GEMV_MAX_ASSIGNMENTS))
     if gemv_pays and independent:
         return dataclasses.replace(cfg, gemv=True, **_gemv_launch(tokens * top_k, whole_experts))
@@ -762,7 +762,7 @@ def _hopper_here() -> bool:
     return torch.cuda.is_available() and hop.available(torch.device("cuda", torch.cuda.current_device()))
 
 
-def _hopper_config(r: float, whole_experts: bool) -> Int4MoEConfig:
+def _hopper_config(r: float, whole_experts: bool, shared: bool = False) -> Int4MoEConfig:
     """``_tensor_core_config`` for the Gluon kernels (K2 shapes, the H200 sweep in bench/results/
     int4_moe.json): 64-row down tiles on 4 warps below 32 rows per expert (TP8 M=72 down 168 us
     vs 178 at 128 rows), less split-K (EP8 M=1 gate/up 64 us unsplit, 65 split), and weights on
@@ -770,7 +770,10 @@ def _hopper_config(r: float, whole_experts: bool) -> Int4MoEConfig:
     tiles, down 306 vs 352; M=1152: 1445 vs 2073 and 1007 vs 1152). The Gluon kernel fixes K
     steps at 128 and warps at rows / 16. Gate/up weights come by TMA at every M (the dataclass
     default): TP8 M=72 / 288 / 1152 204 / 247 / 332 us vs 281 / 336 / 390 on cp.async, EP8 M=72 /
-    288 290 / 443 vs 339 / 475; EP8 M=1152 1538 vs 1481 (bench/results/int4_moe_w_tma.json)."""
+    288 290 / 443 vs 339 / 475; EP8 M=1152 1538 vs 1481 (bench/results/int4_moe_w_tma.json).
+
+    ``shared``: the tokens come in groups that tend to share experts (a tree's nodes, a prefill
+    chunk), so a step touches fewer experts than ``r`` suggests and more K slices pay."""
     # A TP-style down GEMM (K = the rank's slice of the intermediate, 256 at K2 TP8: two K steps)
     # streams 8 weight tiles a CTA with its activations resident: TP8 down M=72 116 us vs 155,
     # M=288 158 vs 207, M=1152 266 vs 353 (bench/results/int4_moe_tiles_ab.json). Whole experts
@@ -779,11 +782,11 @@ def _hopper_config(r: float, whole_experts: bool) -> Int4MoEConfig:
     if r <= 8:
         # Gate/up K slices at K2 TP8 (bench/results/int4_moe_verify_probe-a182555-r*.json; whole call,
         # uniform routing / tokens on 12-21 experts, as a tree's on the K2 slice): M=9 8 slices 96 /
-        # 40 us, 4 88 / 46; M=17 152 / 50 against 137 / 52; M=33 (r = 0.69) 2 slices 204 / 71, 4 210 / 57.
-        # On the K2 slice (moe_split_ab-3e5b5c7.json) 4 slices at M=33 took AR batch 32 from 9.77 to
-        # 9.20 ms and a budget-32 verify at batch 1 from 10.19 to 9.43; 4 at M=16 (r = 0.33) slowed
-        # AR batch 16 from 7.86 to 8.13 (its router's tokens share experts), so 8 stay below r = 0.5.
-        split = 1 if whole_experts else 8 if r < 0.5 else 4 if r <= 1 else 2 if r <= 2 else 1
+        # 41 us, 4 88 / 46; M=17 152 / 50 against 138 / 52; M=33 (r = 0.69) 2 slices 204 / 70, 4
+        # 210 / 57. On the K2 slice (moe_split_ab-3e5b5c7.json, this rule against 8 / 2 slices) a
+        # budget-32 verify at batch 1 went from 10.19 to 9.43 ms and AR batch 32 from 9.77 to 9.20;
+        # AR batch 16 from 7.86 to 8.13, as its synthetic router sends 16 tokens to a few experts.
+        split = 1 if whole_experts else (8 if shared else 4) if r < 0.5 else 4 if r <= 1 else 2 if r <= 2 else 1
         return Int4MoEConfig(block_m=16, gu_block_n=64, gu_block_k=128, gu_split_k=split,
                              dn_block_n=64, dn_block_k=128, dn_warps=4, dn_stages=3, swap_ab=True, hp_dn_tiles=tiles)
     if r <= 32:

@@ -124,9 +124,12 @@ def test_choose_config_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
         assert cfg.hp_gu_tma and cfg.hp_dn_tma == (i >= 1024 and m * 8 / e > 32), cfg.spec()
         # block_m 32 gate/up capped at 128 registers (four CTAs an SM); the others uncapped
         assert cfg.hp_gu_regs == (128 if cfg.block_m == 32 else 0), cfg.spec()
-    # gate/up K slices at TP8: 8 below half a row an expert, 4 up to one row, 2 up to two, then none
-    splits = {m: km.choose_config(m, 384, 7168, 256, 8, routing_groups=1).gu_split_k for m in (9, 23, 24, 48, 49, 96, 97, 288)}
-    assert splits == {9: 8, 23: 8, 24: 4, 48: 4, 49: 2, 96: 2, 97: 1, 288: 1}, splits
+    # gate/up K slices at TP8: up to one row an expert 4 (8 below half a row for a tree's tokens,
+    # which share experts), up to two rows 2, then none
+    splits = {(m, g): km.choose_config(m, 384, 7168, 256, 8, routing_groups=g).gu_split_k
+              for m, g in ((9, 9), (9, 1), (23, 23), (23, 1), (24, 1), (48, 48), (49, 1), (96, 8), (97, 1), (288, 1))}
+    assert splits == {(9, 9): 4, (9, 1): 8, (23, 23): 4, (23, 1): 8, (24, 1): 4, (48, 48): 4, (49, 1): 2, (96, 8): 2,
+                      (97, 1): 1, (288, 1): 1}, splits
     monkeypatch.setattr(km, "_hopper_here", lambda: False)
     assert km.choose_config(1152, 48, 7168, 2048, 8).swap_ab is False  # other GPUs keep the Triton table
     with pytest.raises(AssertionError, match="atomic"):
