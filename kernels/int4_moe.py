@@ -728,7 +728,8 @@ def choose_config(
     the step's distinct-expert count was measured and not kept (bench/results/int4_moe_auto.json):
     launching both paths, with the unchosen one's programs returning at once, cost 14-43 us a
     layer at K2 TP8 M = 9-36, more than the choice saves unless routing is as skewed as the
-    slice's.
+    slice's. On Hopper a tree's tokens also split the gate/up GEMM over more K slices
+    (``_hopper_config``'s ``shared``).
 
     On Hopper (``_hopper_here``) the tensor-core launches run the Gluon kernels, whose table
     differs: the GEMV keeps up to five tokens of a TP-style shape (K2 TP8, GEMV vs tensor cores:
