@@ -21,9 +21,9 @@ import json
 import torch
 
 import kernels.int4_moe as km
-from kernels.device import tile_counters
 from bench.common import write_result
 from bench.int4_moe_bench import SHAPES, rand_routing, shape_weights
+from kernels.device import tile_counters
 
 # (shape, M, GEMM, gemm keyword arguments): the served TMA launches and the TMA launches that are not served
 LAUNCHES = (

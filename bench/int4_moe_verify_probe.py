@@ -3,13 +3,13 @@ down-tile variants, on uniform routing and on routing concentrated in a few expe
 
 Why: at C=1 a budget-8 / 16 / 32 verify step has 9 / 17 / 33 tokens, and ``choose_config`` sizes
 its launch from ``tokens * top_k / experts`` as if routing were uniform (0.19-0.69 rows an expert:
-gate/up in 8 or 2 K slices, a zeroed float32 buffer and a SiLU launch). The K2 slice's router
+gate/up in 8 or 2 K slices at ``15b2a32``). The K2 slice's router
 sends a tree's tokens to 12-21 experts (about 6-13 rows each); its MoE GEMMs took 2.41 ms of a
 8.43 ms budget-16 step (``k2-profile-1b127fe.json``), about 3.6x their bytes' HBM time. Which
 config is best in each regime, and how far apart are they?
 
-Per (tokens, routing): every config's whole call (alignment, gate/up, SiLU where split, down,
-top-k sum), CUDA-graph replay over 16 routings, median of 20; each checked against the served
+Per (tokens, routing): every config's whole call (alignment, gate/up, down, top-k sum),
+CUDA-graph replay over 16 routings, median of 20; each checked against the served
 config's output on the same routing first (relative error; and every output finite), and the
 served config against ``int4_moe_reference`` in float32 arithmetic. With
 ``--profile``, each routing's served and best configs also get a per-kernel breakdown (torch.profiler,

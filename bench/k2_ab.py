@@ -18,8 +18,9 @@ Switches:
   row for a tree's tokens).
 
 Each row says whether its logits equal the other setting's in the same round, and its own setting's
-in the other round: where the MoE's split-K sums with atomics (few rows per expert), the second
-differs from run to run, and so the first cannot be bit for bit.
+in the other round. Before ``a182555`` the MoE's split-K gate/up added its slices with atomics
+(few rows per expert), so the second differed from run to run and the first could not be bit for
+bit; now both should hold wherever the switch leaves the arithmetic alone.
 
 Why in one process: the slice's synthetic router is sensitive to the last bit of its logits, so two
 runs of different commits can touch different experts; here only the switch differs.
