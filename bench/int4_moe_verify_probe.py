@@ -66,9 +66,6 @@ def main() -> None:
                     cfg = dataclasses.replace(served, gemv=False, block_m=bm, gu_split_k=split, hp_dn_tiles=tiles,
                                               hp_gu_regs=128 if bm == 32 else 0)
                     variants[f"bm{bm}_split{split}_tiles{tiles}"] = cfg
-            for gu_tiles in (2, 4):  # gate/up tiles a CTA: fewer CTAs, each waiting once a tile on its split's count
-                variants[f"bm16_split{split}_tiles8_gutiles{gu_tiles}"] = dataclasses.replace(
-                    served, gemv=False, block_m=16, gu_split_k=split, hp_dn_tiles=8, hp_gu_tiles=gu_tiles)
         x = (torch.randn(m, K, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
         for routing in ("uniform", "pooled"):
             routes = [rand_routing(m, E, k, "cuda", gen) if routing == "uniform" else

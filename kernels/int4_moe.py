@@ -610,7 +610,6 @@ class Int4MoEConfig:
     hopper: bool = True  # the Gluon kernels of kernels/int4_moe_hopper.py where they apply (sm_90, bf16, swap_ab)
     hp_stages: int = 2  # their ring depth (H200, K2 shapes: 2 best or within 0.1% of 3; 4 and 6 slower)
     hp_dn_tiles: int = 1  # down weight tiles one Gluon CTA streams (a short intermediate keeps its ring full)
-    hp_gu_tiles: int = 1  # gate/up weight tiles one Gluon CTA streams, one after another
     hp_gu_tma: bool = True  # Gluon gate/up: weight words by TMA (K2, H200: 1.07-1.38x), not cp.async
     hp_dn_tma: bool = False  # the same for the Gluon down GEMM (wins only on whole experts)
     hp_gu_regs: int = 0  # Gluon gate/up: registers a thread (maxnreg), so more CTAs share an SM; 0: ptxas's choice
@@ -641,7 +640,7 @@ class Int4MoEConfig:
         assert self.gu_split_k >= 1, f"gu_split_k must be >= 1, got {self.gu_split_k}"
         assert self.gv_stages >= 1 and self.gvd_stages >= 1, f"stages must be >= 1, got {self.gv_stages}, {self.gvd_stages}"
         assert 2 <= self.hp_stages <= 8, f"hp_stages must be 2..8, got {self.hp_stages}"
-        assert self.hp_dn_tiles >= 1 and self.hp_gu_tiles >= 1, f"hp_dn_tiles / hp_gu_tiles must be >= 1, got {self.hp_dn_tiles} / {self.hp_gu_tiles}"
+        assert self.hp_dn_tiles >= 1, f"hp_dn_tiles must be >= 1, got {self.hp_dn_tiles}"
         assert self.hp_gu_regs == 0 or 24 <= self.hp_gu_regs <= 255, f"hp_gu_regs must be 0 or 24..255, got {self.hp_gu_regs}"
         # The Triton down kernel's fp32 atomics gave wrong sums in 1 of 3 runs with 256-row tiles
         # (H200, K2 EP8 M=1; 64 and 128 rows were exact; cause not found): atomics stay on tiles
@@ -655,7 +654,7 @@ class Int4MoEConfig:
             f"bm={self.block_m},gu={self.gu_block_n}x{self.gu_block_k}x{self.gu_warps}x{self.gu_stages},"
             f"dn={self.dn_block_n}x{self.dn_block_k}x{self.dn_warps}x{self.dn_stages},"
             f"swap={int(self.swap_ab)},reduce={self.reduce},split={self.gu_split_k},asm={int(self.deq_asm)},"
-            f"hopper={int(self.hopper)},hps={self.hp_stages},hpt={self.hp_dn_tiles},hgt={self.hp_gu_tiles},"
+            f"hopper={int(self.hopper)},hps={self.hp_stages},hpt={self.hp_dn_tiles},"
             f"gut={int(self.hp_gu_tma)},dnt={int(self.hp_dn_tma)},gur={self.hp_gu_regs},"
             f"gemv={int(self.gemv)},gv={self.gv_block_n}x{self.gv_block_k}x{self.gv_warps}x{self.gv_stages},"
             f"gvd={self.gvd_block_n}x{self.gvd_block_k}x{self.gvd_warps}x{self.gvd_stages}"
@@ -682,8 +681,7 @@ class Int4MoEConfig:
 
 
 # ``Int4MoEConfig.spec`` keys of single fields: integers, and flags written 0 / 1.
-_SPEC_INTS = {"bm": "block_m", "split": "gu_split_k", "hps": "hp_stages", "hpt": "hp_dn_tiles", "hgt": "hp_gu_tiles",
-              "gur": "hp_gu_regs"}
+_SPEC_INTS = {"bm": "block_m", "split": "gu_split_k", "hps": "hp_stages", "hpt": "hp_dn_tiles", "gur": "hp_gu_regs"}
 _SPEC_FLAGS = {"swap": "swap_ab", "asm": "deq_asm", "hopper": "hopper", "gut": "hp_gu_tma", "dnt": "hp_dn_tma", "gemv": "gemv"}
 
 
@@ -1009,8 +1007,7 @@ def int4_moe_gate_up(
     if hopper:
         hop.gemm(hop.permute_k(hidden), w_gate, w_up, h, align.sorted_ids, align.block_expert, align.sorted_ids,
                  I, K, M * top_k, top_k, k_split, gated=True, atomic=False, block_m=cfg.block_m,
-                 block_n=cfg.gu_block_n, split_k=split, stages=cfg.hp_stages, n_tiles=cfg.hp_gu_tiles, k_order_out=k_order,
-                 max_regs=cfg.hp_gu_regs or None,
+                 block_n=cfg.gu_block_n, split_k=split, stages=cfg.hp_stages, k_order_out=k_order, max_regs=cfg.hp_gu_regs or None,
                  w_tma=cfg.hp_gu_tma and hop.tma_words_ok(w_gate.packed) and hop.tma_words_ok(w_up.packed),
                  ws=ws, counters=counters)
         return h
