@@ -66,6 +66,9 @@ def main() -> None:
                     cfg = dataclasses.replace(served, gemv=False, block_m=bm, gu_split_k=split, hp_dn_tiles=tiles,
                                               hp_gu_regs=128 if bm == 32 else 0)
                     variants[f"bm{bm}_split{split}_tiles{tiles}"] = cfg
+            for stages in (3, 4):  # a deeper ring: more bytes in flight for CTAs of a few K steps
+                variants[f"bm16_split{split}_tiles8_stages{stages}"] = dataclasses.replace(
+                    served, gemv=False, block_m=16, gu_split_k=split, hp_dn_tiles=8, hp_stages=stages)
         x = (torch.randn(m, K, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
         for routing in ("uniform", "pooled"):
             routes = [rand_routing(m, E, k, "cuda", gen) if routing == "uniform" else
