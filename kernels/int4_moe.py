@@ -605,7 +605,7 @@ class Int4MoEConfig:
     dn_stages: int = 3
     swap_ab: bool = True
     reduce: str = "sum"  # "sum": per-assignment rows, then a sum over top-k in slot order; "atomic": fp32 atomics
-    gu_split_k: int = 1  # > 1: gate/up partial sums over K slices added atomically (small M: more programs)
+    gu_split_k: int = 1  # > 1: gate/up over K slices, the last of a tile adds their sums (small M: more programs)
     deq_asm: bool = True  # bf16x2 PTX dequantisation where it applies (CUDA, bf16 activations + scales)
     hopper: bool = True  # the Gluon kernels of kernels/int4_moe_hopper.py where they apply (sm_90, bf16, swap_ab)
     hp_stages: int = 2  # their ring depth (H200, K2 shapes: 2 best or within 0.1% of 3; 4 and 6 slower)
@@ -644,7 +644,8 @@ class Int4MoEConfig:
         assert self.hp_gu_regs == 0 or 24 <= self.hp_gu_regs <= 255, f"hp_gu_regs must be 0 or 24..255, got {self.hp_gu_regs}"
         # The Triton down kernel's fp32 atomics gave wrong sums in 1 of 3 runs with 256-row tiles
         # (H200, K2 EP8 M=1; 64 and 128 rows were exact; cause not found): atomics stay on tiles
-        # of <= 128 rows, split-K gate/up included (same atomic_add).
+        # of <= 128 rows. Split-K gate/up shared that bound while it added with atomics; its
+        # workspace sums (since a182555) are not measured at 256-row tiles, so the bound stays.
         assert not (self.reduce == "atomic" and self.dn_block_n > 128), "reduce='atomic' needs dn_block_n <= 128"
         assert not (self.gu_split_k > 1 and self.gu_block_n > 128), "gu_split_k > 1 needs gu_block_n <= 128"
 
