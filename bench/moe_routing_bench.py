@@ -4,10 +4,8 @@ For each router shape (Kimi-K2 per rank: 384 experts in one group, top 8; DeepSe
 in 8 groups, 4 kept, top 8; the demo model: 16 in 4, 2 kept, top 4) and token count, checks the
 kernel's ids and weights against `select_experts` on fresh random logits and biases, then times
 both (CUDA-graph replay, so launch gaps count as they do in the verifier's graphs): the selection
-alone, and with the router's float32 matmul in front as `route` runs it. With ``--warps``, the
-selection alone again on each warp count a token's program may take, on the logits as a step hands
-them over (one token: ``router_gemv``'s 14 partial sums; more: the bf16 parts' 4 chunks x 3 parts),
-each checked against the default launch's ids and weights. Writes bench/results/moe_routing.json.
+alone, and with the router's float32 matmul in front as `route` runs it. Writes
+bench/results/moe_routing.json.
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 17, 272, 2176])
     p.add_argument("--out", default="bench/results/moe_routing.json")
     p.add_argument("--commit", default="")
-    p.add_argument("--warps", type=int, nargs="*", default=[], help="also time the selection on these warp counts")
     args = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -66,15 +63,6 @@ def main() -> None:
                    "triton_route_us": round(graph_replay_us([lambda: select_experts_triton(
                        x.float() @ gate.T, bias, top_k, groups, topk_group, True, scale)]), 2)}
             row["speedup_select"] = round(row["torch_select_us"] / row["triton_select_us"], 2)
-            # the logits as a step hands them over: partial sums the kernel adds as it loads them
-            chunks, n_parts = (14, 1) if n == 1 else (4, 3)
-            partial = torch.randn(chunks, n, n_parts * e, device="cuda", generator=g) / (chunks * n_parts) ** 0.5
-            base = select_experts_triton(partial, bias, top_k, groups, topk_group, True, scale, parts=n_parts)
-            for w in args.warps:
-                got = select_experts_triton(partial, bias, top_k, groups, topk_group, True, scale, parts=n_parts, num_warps=w)
-                row[f"partials_equal_w{w}"] = bool(torch.equal(got[0], base[0]) and torch.equal(got[1], base[1]))
-                row[f"partials_select_us_w{w}"] = round(graph_replay_us([lambda w=w: select_experts_triton(
-                    partial, bias, top_k, groups, topk_group, True, scale, parts=n_parts, num_warps=w)]), 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
     write_result(args.out, Path(args.out).stem, args.commit, dict(

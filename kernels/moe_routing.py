@@ -99,11 +99,9 @@ if triton is not None:
 
 @on_input_device
 def select_experts_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int,
-                          norm_topk_prob: bool, routed_scaling_factor: float, parts: int = 1,
-                          num_warps: int | None = None) -> tuple[Tensor, Tensor]:
+                          norm_topk_prob: bool, routed_scaling_factor: float, parts: int = 1) -> tuple[Tensor, Tensor]:
     """Router logits ``[N, E]`` (float32) -> expert ids ``[N, top_k]`` int64 and weights float32.
-    Partial logits ``[chunks, N, parts * E]`` (or ``[N, parts * E]``) are added here (module docstring).
-    ``num_warps``: warps a token's program runs on (default: 4 up to 512 experts, else 8)."""
+    Partial logits ``[chunks, N, parts * E]`` (or ``[N, parts * E]``) are added here (module docstring)."""
     if triton is None:
         raise RuntimeError("select_experts_triton needs triton")
     chunked = logits if logits.dim() == 3 else logits.unsqueeze(0)
@@ -128,7 +126,7 @@ def select_experts_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int
             E=E, CHUNKS=chunked.shape[0], PARTS=parts, GROUP_E=per_group, TOP_K=top_k, TOPK_GROUP=topk_group, USE_GROUPS=use_groups,
             NORM=bool(norm_topk_prob and top_k > 1), BLOCK_G=triton.next_power_of_2(groups),
             BLOCK_GE=triton.next_power_of_2(per_group), BLOCK_K=triton.next_power_of_2(top_k),
-            LIBDEVICE=not interpreted(), num_warps=num_warps or (4 if block <= 512 else 8))
+            LIBDEVICE=not interpreted(), num_warps=4 if block <= 512 else 8)
     return ids, weights
 
 
