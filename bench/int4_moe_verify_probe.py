@@ -69,6 +69,9 @@ def main() -> None:
             for stages in (3, 4):  # a deeper ring: more bytes in flight for CTAs of a few K steps
                 variants[f"bm16_split{split}_tiles8_stages{stages}"] = dataclasses.replace(
                     served, gemv=False, block_m=16, gu_split_k=split, hp_dn_tiles=8, hp_stages=stages)
+            for regs in (96, 112):  # gate/up capped to fit more CTAs an SM (about 127 registers uncapped)
+                variants[f"bm16_split{split}_tiles8_regs{regs}"] = dataclasses.replace(
+                    served, gemv=False, block_m=16, gu_split_k=split, hp_dn_tiles=8, hp_gu_regs=regs)
         x = (torch.randn(m, K, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
         for routing in ("uniform", "pooled"):
             routes = [rand_routing(m, E, k, "cuda", gen) if routing == "uniform" else
