@@ -789,8 +789,12 @@ def _hopper_config(r: float, whole_experts: bool, shared: bool = False) -> Int4M
         # budget-32 verify at batch 1 went from 10.19 to 9.43 ms and AR batch 32 from 9.77 to 9.20;
         # AR batch 16 from 7.86 to 8.13, as its synthetic router sends 16 tokens to a few experts.
         split = 1 if whole_experts else (8 if shared else 4) if r < 0.5 else 4 if r <= 1 else 2 if r <= 2 else 1
+        # 8 slices make thousands of short CTAs: capped at 112 registers more of them share an SM
+        # (int4_moe_verify_probe-853c60d.json, 8 slices: M=17 152.4 -> 143.3 us uniform, 49.8 -> 47.9
+        # a tree's; M=9 95.6 -> 92.5 / 40.3 -> 40.5). 4 slices gained nothing from it (137.4 -> 137.7 / 51.4 -> 51.7).
         return Int4MoEConfig(block_m=16, gu_block_n=64, gu_block_k=128, gu_split_k=split,
-                             dn_block_n=64, dn_block_k=128, dn_warps=4, dn_stages=3, swap_ab=True, hp_dn_tiles=tiles)
+                             dn_block_n=64, dn_block_k=128, dn_warps=4, dn_stages=3, swap_ab=True, hp_dn_tiles=tiles,
+                             hp_gu_regs=112 if split == 8 else 0)
     if r <= 32:
         dn_n = 128 if whole_experts else 64  # TP8 M=1152 down: 373 us at 64 rows vs 385 at 128; EP8 M=72: 189 either way
         # block_m 32 gate/up at 128 registers (133 uncapped with TMA words): 4 CTAs an SM instead of 3,

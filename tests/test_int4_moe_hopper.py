@@ -130,6 +130,9 @@ def test_choose_config_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
               for m, g in ((9, 9), (9, 1), (23, 23), (23, 1), (24, 1), (48, 48), (49, 1), (96, 8), (97, 1), (288, 1))}
     assert splits == {(9, 9): 4, (9, 1): 8, (23, 23): 4, (23, 1): 8, (24, 1): 4, (48, 48): 4, (49, 1): 2, (96, 8): 2,
                       (97, 1): 1, (288, 1): 1}, splits
+    # 8 slices: many short CTAs, capped at 112 registers so that more share an SM
+    assert km.choose_config(17, 384, 7168, 256, 8, routing_groups=1).hp_gu_regs == 112
+    assert km.choose_config(17, 384, 7168, 256, 8, routing_groups=17).hp_gu_regs == 0
     monkeypatch.setattr(km, "_hopper_here", lambda: False)
     assert km.choose_config(1152, 48, 7168, 2048, 8).swap_ab is False  # other GPUs keep the Triton table
     with pytest.raises(AssertionError, match="atomic"):
