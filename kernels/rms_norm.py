@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels import pdl
 from kernels.device import on_input_device
 
 try:
@@ -49,10 +50,11 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, out_ptr, f32_ptr, stride_x, stride_res, stride_sum,
                          stride_out, stride_f32, n_cols, eps, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
-                         F32_COPY: tl.constexpr):
+                         F32_COPY: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
+        pdl.grid_sync(PDL)
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
         if RESIDUAL:  # x + residual rounded to x's dtype, as torch's add is; the norm reads that
             r = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
@@ -94,9 +96,10 @@ def rms_norm_triton(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = 
         dst = out
     if rows.shape[0]:
         block = triton.next_power_of_2(n)
+        use_pdl = pdl.enabled(x.device)
         _rms_norm_kernel[(rows.shape[0],)](rows, rows, rows, weight, dst, dst, rows.stride(0), 0, 0, dst.stride(0), 0,
-                                           n, eps, BLOCK=block, RESIDUAL=False, F32_COPY=False,
-                                           num_warps=norm_warps(block))
+                                           n, eps, BLOCK=block, RESIDUAL=False, F32_COPY=False, PDL=use_pdl,
+                                           num_warps=norm_warps(block), launch_pdl=use_pdl)
     return dst if out is not None else dst.view(*x.shape[:-1], n)
 
 
@@ -126,10 +129,11 @@ def add_rms_norm_triton(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
     f32 = dst if float32_copy is None else float32_copy
     if x.shape[0]:
         block = triton.next_power_of_2(n)
+        use_pdl = pdl.enabled(x.device)
         _rms_norm_kernel[(x.shape[0],)](x, residual, total, weight, dst, f32, x.stride(0), residual.stride(0),
                                         total.stride(0), dst.stride(0), f32.stride(0), n, eps,
-                                        BLOCK=block, RESIDUAL=True, F32_COPY=float32_copy is not None,
-                                        num_warps=norm_warps(block))
+                                        BLOCK=block, RESIDUAL=True, F32_COPY=float32_copy is not None, PDL=use_pdl,
+                                        num_warps=norm_warps(block), launch_pdl=use_pdl)
     return total, dst
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import pdl
 from kernels.device import interpreted, on_input_device
 
 try:
@@ -36,10 +37,12 @@ def silu_mul_reference(gate_up: Tensor) -> Tensor:
 if triton is not None:
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, inter, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, inter, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+                         PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < inter
+        pdl.grid_sync(PDL)
         g = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0)
         u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=ok, other=0.0)
         gf = g.to(tl.float32)
@@ -59,9 +62,10 @@ def silu_mul_triton(gate_up: Tensor) -> Tensor:
     out = torch.empty(N, inter, dtype=gate_up.dtype, device=gate_up.device)
     if N:
         block = min(1024, triton.next_power_of_2(inter))
+        use_pdl = pdl.enabled(gate_up.device)
         _silu_mul_kernel[(N, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
-                                                         BLOCK=block, LIBDEVICE=not interpreted(),
-                                                         num_warps=4 if block >= 512 else 1)
+                                                         BLOCK=block, LIBDEVICE=not interpreted(), PDL=use_pdl,
+                                                         num_warps=4 if block >= 512 else 1, launch_pdl=use_pdl)
     return out
 
 

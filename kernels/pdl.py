@@ -1,0 +1,74 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels.
+
+Why: a Kimi-K2 decode step is about 1100 short launches (``bench/results/k2-profile-*.json``), most
+of them a few microseconds long. In a CUDA graph each still starts only once its predecessor has
+drained, and its first loads then pay the full memory latency. A kernel launched with PDL (sm_90
+and later) may be scheduled while its predecessor finishes: its programs become resident and run
+up to ``gdc_wait``, which returns once the predecessor has completed and its writes are visible.
+What a kernel does before that point must touch nothing an earlier kernel writes: the weights
+only (``prefetch_l2``).
+
+The contract every kernel launched with ``launch_pdl=enabled(...)`` keeps:
+* every program calls ``grid_sync`` (or ``gdc_wait`` itself) before it reads or writes any
+  activation, workspace or counter memory, and before any early exit. Then a kernel's completion
+  implies its predecessor's, so the chain of waits stays transitive for the kernel after it;
+* ``grid_sync`` also lets the next kernel launch at once (``gdc_launch_dependents``): its programs
+  wait in their own ``grid_sync`` for this one to finish.
+Kernels launched without PDL (torch's, cuBLAS's, the Gluon kernels) keep full stream order; a PDL
+kernel after one of them starts after it completes, as without PDL.
+
+``PDL`` is the switch (``DDTREE_PDL=0`` turns it off; ``bench/k2_ab.py --switch pdl`` A/Bs it). Off
+CUDA, under the interpreter, before sm_90 or where the installed Triton lacks the instructions,
+``enabled`` is False and the kernels compile without them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.device import interpreted
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - only where triton is not installed
+    triton = None
+    tl = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - a Triton without grid dependency control: PDL stays off
+    gdc_launch_dependents = gdc_wait = None
+
+__all__ = ["PDL", "enabled", "grid_sync", "prefetch_l2"]
+
+PDL = os.environ.get("DDTREE_PDL", "1") != "0"
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether launches on ``device`` use PDL: the switch on, Triton's grid dependency control
+    present, a CUDA device of compute capability 9.0 or later, not the interpreter."""
+    if not PDL or gdc_wait is None or device.type != "cuda" or interpreted():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+if triton is not None:
+
+    @triton.jit
+    def grid_sync(PDL: tl.constexpr):
+        """Wait until the previous kernel's writes are visible, and let the next kernel launch."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch_l2(ptrs, mask, PDL: tl.constexpr):
+        """Ask L2 for the lines at ``ptrs`` (read-only memory: weights) ahead of ``grid_sync``, so a
+        PDL kernel's weight stream starts while its predecessor still runs."""
+        if PDL:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
