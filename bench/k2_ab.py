@@ -15,7 +15,9 @@ Switches:
   (``skinny_gemm.SERVED``);
 * ``moe-split``: the MoE gate/up's K slices on Hopper as ``a182555`` chose them (8 below half a
   row an expert, 2 up to two rows) against ``choose_config``'s (4 up to one row, 8 below half a
-  row for a tree's tokens).
+  row for a tree's tokens);
+* ``pdl``: every Triton kernel of the step launched plainly against with programmatic dependent
+  launch (``kernels.pdl.PDL``).
 
 Each row says whether its logits equal the other setting's in the same round, and its own setting's
 in the other round. Before ``a182555`` the MoE's split-K gate/up added its slices with atomics
@@ -41,7 +43,7 @@ import torch
 from bench.common import write_result
 from bench.k2_slice import (K2_CONFIG, TP, build_cache, build_model, per_rank_config, random_trees, time_full_ms,
                             time_replay_ms)
-from kernels import int4_moe, skinny_gemm, tree_mla_hopper
+from kernels import int4_moe, pdl, skinny_gemm, tree_mla_hopper
 from services.verifier import moe as moe_mod
 from services.verifier.config import TargetConfig
 from services.verifier.graphs import VerifyGraphs
@@ -84,14 +86,18 @@ def switches(model: TargetModel) -> dict[str, tuple[tuple[str, str], Callable[[s
             return dataclasses.replace(cfg, gu_split_k=8 if r < 0.5 else 2)
         int4_moe._hopper_config = rule if v == "served" else before
 
+    def pdl_switch(v: str) -> None:
+        pdl.PDL = v == "pdl"
+
     return {"router": (("float32", "parts"), router), "shared-stream": (("main", "side"), shared_stream),
             "router-gemv": (("gemm", "gemv"), router_gemv), "few-rows": (("rows64", "few"), few_rows),
-            "skinny": (("cublas", "skinny"), skinny), "moe-split": (("before", "served"), moe_split)}
+            "skinny": (("cublas", "skinny"), skinny), "moe-split": (("before", "served"), moe_split),
+            "pdl": (("plain", "pdl"), pdl_switch)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--switch", choices=("router", "shared-stream", "router-gemv", "few-rows", "skinny", "moe-split"),
+    ap.add_argument("--switch", choices=("router", "shared-stream", "router-gemv", "few-rows", "skinny", "moe-split", "pdl"),
                     required=True)
     ap.add_argument("--cases", nargs="+", default=None, metavar="BUDGET,BATCH",
                     help="steps to time (default: 0,1 16,1 16,32; budget 0 = autoregressive)")

@@ -75,6 +75,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import int4_moe_hopper as hop
+from kernels import pdl
 from kernels.device import TILE_COUNTERS, on_input_device, tile_counters
 from kernels.int4_ptx import DEQUANT_BF16X2, DEQUANT_BF16X2_CONSTRAINTS
 
@@ -114,7 +115,9 @@ def _int4_moe_count_kernel(
     counts_ptr,  # [E_PAD] int32, zeroed: assignments per expert
     A,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.grid_sync(PDL)
     i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
     ok = i < A
     ids = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)  # [CHUNK]
@@ -134,10 +137,12 @@ def _int4_moe_align_kernel(
     BLOCK_M: tl.constexpr,
     E_PAD: tl.constexpr,  # power of two >= E
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Every program lays out the experts' rows from the counts (a cumsum over E_PAD lanes), then
     writes its share of the sentinels and block experts: the stores, not the cumsum, are the work,
     and one program doing them all took 8.9 us at K2 TP8 M = 1152 (``int4_moe_steps.json``)."""
+    pdl.grid_sync(PDL)
     g = tl.program_id(0)
     G = tl.num_programs(0)
     offs_e = tl.arange(0, E_PAD)  # [E_PAD]
@@ -172,7 +177,9 @@ def _int4_moe_scatter_kernel(
     cursor_ptr,  # [E_PAD] int32: next free padded row per expert (``_int4_moe_align_kernel``'s starts)
     A,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.grid_sync(PDL)
     i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
     ok = i < A
     ids = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)  # [CHUNK]
@@ -189,8 +196,10 @@ def _int4_moe_topk_sum_kernel(
     K,
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``out[t] = sum_j rows[t, j]`` in fp32, slots in order (deterministic), 16-byte accesses."""
+    pdl.grid_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     ok = c < K
@@ -479,12 +488,14 @@ def _int4_moe_gemv_gate_up_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the loop
     DEQ_ASM: tl.constexpr,
     DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (assignment, BLOCK_N rows of the intermediate dim); grid (A, cdiv(N, BLOCK_N)).
 
     The assignment index varies fastest, so assignments of one expert (same N tile) run side by
     side and share its weight rows through L2.
     """
+    pdl.grid_sync(PDL)
     a = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + a).to(tl.int64)
@@ -543,6 +554,7 @@ def _int4_moe_gemv_down_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     DEQ_ASM: tl.constexpr,
     DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (token, BLOCK_N rows of the hidden dim); grid (M, cdiv(N, BLOCK_N)).
 
@@ -551,6 +563,7 @@ def _int4_moe_gemv_down_kernel(
     two steps per slot, too short a loop to stream on its own. ``h`` is scaled by the slot's
     routing weight, so one accumulator serves all slots and is reduced once.
     """
+    pdl.grid_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -883,14 +896,16 @@ def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlign
     block_expert = torch.empty(P // block_m, dtype=torch.int32, device=dev)  # [P / BM]
     e_pad = triton.next_power_of_2(num_experts)
     counts, cursor = torch.zeros(2, e_pad, dtype=torch.int32, device=dev)  # [E_PAD] each; only counts need the zeros
+    use_pdl = pdl.enabled(dev)
     if A:
-        _int4_moe_count_kernel[(triton.cdiv(A, 256),)](ids, counts, A, CHUNK=256, num_warps=2)
+        _int4_moe_count_kernel[(triton.cdiv(A, 256),)](ids, counts, A, CHUNK=256, PDL=use_pdl, num_warps=2, launch_pdl=use_pdl)
     _int4_moe_align_kernel[(ALIGN_PROGRAMS,)](
         counts, cursor, sorted_ids, block_expert, A, num_experts, P, P // block_m,
-        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, num_warps=4,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
     if A:
-        _int4_moe_scatter_kernel[(triton.cdiv(A, 256),)](ids, sorted_ids, cursor, A, CHUNK=256, num_warps=2)
+        _int4_moe_scatter_kernel[(triton.cdiv(A, 256),)](ids, sorted_ids, cursor, A, CHUNK=256, PDL=use_pdl, num_warps=2,
+                                                         launch_pdl=use_pdl)
     return MoEAlignment(sorted_ids=sorted_ids, block_expert=block_expert, block_m=block_m)
 
 
@@ -1094,7 +1109,9 @@ def _finish_down(out: Tensor, atomic: bool, act_dtype: torch.dtype, M: int, top_
         return out
     summed = torch.empty(M, K, dtype=out.dtype, device=out.device)  # [M, K]
     block = 1024
-    _int4_moe_topk_sum_kernel[(M, triton.cdiv(K, block))](out, summed, K, TOP_K=top_k, BLOCK=block, num_warps=4)
+    use_pdl = pdl.enabled(out.device)
+    _int4_moe_topk_sum_kernel[(M, triton.cdiv(K, block))](out, summed, K, TOP_K=top_k, BLOCK=block, PDL=use_pdl, num_warps=4,
+                                                         launch_pdl=use_pdl)
     return summed
 
 
@@ -1140,7 +1157,7 @@ def int4_moe_gemv_gate_up(
         hidden.stride(0), w_gate.packed.stride(0), w_gate.packed.stride(1), w_gate.scale.stride(0), w_gate.scale.stride(1), h.stride(0),
         GROUP=group_size, BLOCK_N=cfg.gv_block_n, BLOCK_K=cfg.gv_block_k, STAGES=cfg.gv_stages,
         EVEN_K=K % cfg.gv_block_k == 0, DEQ_ASM=_use_asm(cfg, hidden.dtype, w_gate), DTYPE=_TL_DTYPE[hidden.dtype],
-        num_warps=cfg.gv_warps,
+        PDL=pdl.enabled(hidden.device), num_warps=cfg.gv_warps, launch_pdl=pdl.enabled(hidden.device),
     )
     return h
 
@@ -1173,7 +1190,7 @@ def int4_moe_gemv_down(
         h.stride(0), w_down.packed.stride(0), w_down.packed.stride(1), w_down.scale.stride(0), w_down.scale.stride(1), out.stride(0),
         GROUP=group_size, BLOCK_N=cfg.gvd_block_n, BLOCK_K=cfg.gvd_block_k, STAGES=cfg.gvd_stages,
         EVEN_K=I % cfg.gvd_block_k == 0, DEQ_ASM=_use_asm(cfg, act_dtype, w_down), DTYPE=_TL_DTYPE[act_dtype],
-        num_warps=cfg.gvd_warps,
+        PDL=pdl.enabled(h.device), num_warps=cfg.gvd_warps, launch_pdl=pdl.enabled(h.device),
     )
     return out
 

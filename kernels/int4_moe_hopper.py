@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels import pdl
 from kernels.device import is_hopper
 from kernels.int4_ptx import DEQUANT_PAIRS, DEQUANT_PAIRS_CONSTRAINTS
 from services.common.int4 import Int4Weight
@@ -93,9 +94,10 @@ def permute_k_reference(x: Tensor) -> Tensor:
 
 
 @triton.jit
-def _permute_k_kernel(x_ptr, y_ptr, M, stride_xm, stride_ym, BLOCK_R: tl.constexpr):
+def _permute_k_kernel(x_ptr, y_ptr, M, stride_xm, stride_ym, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """One ``[BLOCK_R, 128]`` block of ``permute_k``: contiguous loads and stores, the reorder in
     registers (physical digits t, j, i0, q -> logical j, q, t, i0)."""
+    pdl.grid_sync(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
     c = tl.program_id(1) * 128 + tl.arange(0, 128)  # [128]
     ok = (r < M)[:, None]
@@ -113,7 +115,9 @@ def permute_k(x: Tensor) -> Tensor:
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if M:
         block_r = 32
-        _permute_k_kernel[(triton.cdiv(M, block_r), K // BLOCK_K)](x, y, M, x.stride(0), y.stride(0), BLOCK_R=block_r, num_warps=4)
+        use_pdl = pdl.enabled(x.device)
+        _permute_k_kernel[(triton.cdiv(M, block_r), K // BLOCK_K)](x, y, M, x.stride(0), y.stride(0), BLOCK_R=block_r,
+                                                                  PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
     return y
 
 
@@ -325,13 +329,14 @@ if gluon is not None:
         SPLIT_K: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, N_TILES: gl.constexpr, K_RESIDENT: gl.constexpr,
         K_ORDER: gl.constexpr, W_TMA: gl.constexpr, ACC: gl.constexpr, EPI: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
         X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr,
-        X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, S_SMEM: gl.constexpr, num_warps: gl.constexpr,
+        X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, S_SMEM: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
     ):
         # out_ptr's columns: GATED, K_ORDER: h in the down GEMM's K order (see _epilogue).
         # A CTA: one block of BLOCK_M rows (one expert), N_TILES consecutive BLOCK_N-row weight tiles,
         # one K slice. Its (tile, K step) pairs stream through one cp.async ring, so a short K (K2 TP8
         # down: two steps) still keeps STAGES - 1 steps in flight. K_RESIDENT > 0: the activations
         # (K_RESIDENT steps, the whole K) are copied once and stay in shared memory for every tile.
+        pdl.grid_sync_gluon(PDL)
         pid = gl.program_id(0)
         n_groups = gl.cdiv(N // BLOCK_N, N_TILES)
         pid_m = pid % num_m_blocks
@@ -541,6 +546,7 @@ def gemm(
     n_groups = -(-(N // block_n) // n_tiles)
     grid = (nb * n_groups * (-(-K // k_split)),)
     descs = [_word_desc(w, block_n) for w in (w0, w1)] if w_tma else [w0.packed, w1.packed]
+    use_pdl = pdl.enabled(a.device)
     _moe_gemm_hopper_kernel[grid](
         a, *descs, w0.packed, w0.scale, w1.packed, w1.scale, out, ws if split else out, counters if split else out,
         sorted_ids, block_expert, topk_w,
@@ -549,5 +555,6 @@ def gemm(
         ws.stride(0) if split else 0,
         GATED=gated, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=stages, SUB=sub,
         N_TILES=n_tiles, K_RESIDENT=k_resident, K_ORDER=k_order_out, W_TMA=w_tma,
-        **_layouts(block_m, block_n, warps, gated, w_tma), num_warps=warps, **({} if max_regs is None else {"maxnreg": max_regs}),
+        **_layouts(block_m, block_n, warps, gated, w_tma), PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl,
+        **({} if max_regs is None else {"maxnreg": max_regs}),
     )

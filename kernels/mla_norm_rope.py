@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels import pdl
 from kernels.device import interpreted, on_input_device
 from kernels.rms_norm import norm_warps
 
@@ -35,9 +36,10 @@ if triton is not None:
     def _mla_norm_rope_kernel(qkv_ptr, q_w_ptr, kv_w_ptr, cos_ptr, sin_ptr, q_out_ptr, kv_out_ptr,
                               stride_qkv, stride_ct, stride_st, stride_qo, stride_kvo, q_rows, kvr, eps,
                               Q_PARTS: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr,
-                              HALF: tl.constexpr, BLOCK_H: tl.constexpr, EXACT: tl.constexpr):
+                              HALF: tl.constexpr, BLOCK_H: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
+        pdl.grid_sync(PDL)
         row = qkv_ptr + token * stride_qkv
         if part < Q_PARTS:   # the q LoRA's norm (names differ per branch: their shapes do)
             q_cols = tl.arange(0, Q_BLOCK)
@@ -83,9 +85,11 @@ def mla_norm_rope(q_kv: Tensor, q_rows: int, q_norm: Tensor | None, kv_norm: Ten
     if N:
         kv_block = triton.next_power_of_2(kvr)
         q_block = triton.next_power_of_2(q_rows) if has_q else kv_block
+        use_pdl = pdl.enabled(q_kv.device)
         _mla_norm_rope_kernel[(N, 2 if has_q else 1)](
             q_kv, q_norm if has_q else kv_norm, kv_norm, cos, sin, q_out if has_q else new_kv, new_kv,
             q_kv.stride(0), cos.stride(0), sin.stride(0), q_out.stride(0) if has_q else 0, new_kv.stride(0),
             q_rows, kvr, eps, Q_PARTS=1 if has_q else 0, Q_BLOCK=q_block, KV_BLOCK=kv_block, HALF=rope // 2,
-            BLOCK_H=triton.next_power_of_2(rope // 2), EXACT=not interpreted(), num_warps=norm_warps(kv_block))
+            BLOCK_H=triton.next_power_of_2(rope // 2), EXACT=not interpreted(), PDL=use_pdl, num_warps=norm_warps(kv_block),
+            launch_pdl=use_pdl)
     return q_out

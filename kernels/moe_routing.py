@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels import pdl
 from kernels.device import interpreted, on_input_device
 
 try:
@@ -51,8 +52,9 @@ if triton is not None:
                                TOP_K: tl.constexpr,
                                TOPK_GROUP: tl.constexpr, USE_GROUPS: tl.constexpr, NORM: tl.constexpr,
                                BLOCK_G: tl.constexpr, BLOCK_GE: tl.constexpr, BLOCK_K: tl.constexpr,
-                               LIBDEVICE: tl.constexpr):
+                               LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
+        pdl.grid_sync(PDL)
         g = tl.arange(0, BLOCK_G)[:, None]                         # [G, 1] group
         j = tl.arange(0, BLOCK_GE)[None, :]                        # [1, GE] expert within the group
         e = g * GROUP_E + j                                        # [G, GE] expert id
@@ -121,12 +123,13 @@ def select_experts_triton(logits: Tensor, bias: Tensor, top_k: int, n_group: int
     weights = torch.empty(N, top_k, dtype=torch.float32, device=chunked.device)
     if N:
         block = triton.next_power_of_2(groups) * triton.next_power_of_2(per_group)
+        use_pdl = pdl.enabled(chunked.device)
         _select_experts_kernel[(N,)](
             chunked, bias.contiguous(), ids, weights, chunked.stride(0), chunked.stride(1), float(routed_scaling_factor),
             E=E, CHUNKS=chunked.shape[0], PARTS=parts, GROUP_E=per_group, TOP_K=top_k, TOPK_GROUP=topk_group, USE_GROUPS=use_groups,
             NORM=bool(norm_topk_prob and top_k > 1), BLOCK_G=triton.next_power_of_2(groups),
             BLOCK_GE=triton.next_power_of_2(per_group), BLOCK_K=triton.next_power_of_2(top_k),
-            LIBDEVICE=not interpreted(), num_warps=4 if block <= 512 else 8)
+            LIBDEVICE=not interpreted(), PDL=use_pdl, num_warps=4 if block <= 512 else 8, launch_pdl=use_pdl)
     return ids, weights
 
 
@@ -134,8 +137,9 @@ if triton is not None:
 
     @triton.jit
     def _router_gemv_kernel(x_ptr, w_ptr, out_ptr, K, E, stride_we,
-                            K_SPLIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                            K_SPLIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """One token's float32 logits over one slice of the hidden dims: ``out[split, 0, e]``."""
+        pdl.grid_sync(PDL)
         pe = tl.program_id(0)
         ps = tl.program_id(1)
         offs_e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -175,5 +179,5 @@ def router_gemv(hidden: Tensor, weight: Tensor, splits: int = ROUTER_GEMV_SPLITS
     x = hidden.contiguous().view(-1)
     _router_gemv_kernel[(triton.cdiv(E, _GEMV_BLOCK_E), splits)](
         x, weight, out, K, E, weight.stride(0), K_SPLIT=k_split, BLOCK_E=_GEMV_BLOCK_E, BLOCK_K=_GEMV_BLOCK_K,
-        num_warps=8)
+        PDL=pdl.enabled(x.device), num_warps=8, launch_pdl=pdl.enabled(x.device))
     return out

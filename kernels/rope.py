@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels import pdl
 from kernels.device import interpreted, on_input_device
 
 try:
@@ -44,8 +45,9 @@ if triton is not None:
     @triton.jit
     def _rope_interleaved_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, rows, stride_xt, stride_xr, stride_ct,
                                  stride_st, stride_ot, stride_or, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-                                 BLOCK_H: tl.constexpr, EXACT: tl.constexpr):
+                                 BLOCK_H: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
+        pdl.grid_sync(PDL)
         r = tl.arange(0, BLOCK_R)[:, None]                       # [R, 1] row of this token (a head)
         j = tl.arange(0, BLOCK_H)[None, :]                       # [1, H] rotation pair
         _rope_store(x_ptr + token * stride_xt + r * stride_xr, cos_ptr + token * stride_ct, sin_ptr + token * stride_st,
@@ -92,6 +94,6 @@ def rope_interleaved_triton(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor | N
         _rope_interleaved_kernel[(N,)](
             rows3, cos, sin, out3, R, rows3.stride(0), rows3.stride(1), cos.stride(0), sin.stride(0),
             out3.stride(0), out3.stride(1), HALF=d // 2, BLOCK_R=triton.next_power_of_2(R),
-            BLOCK_H=triton.next_power_of_2(d // 2), EXACT=not interpreted(),
-            num_warps=1 if R * d <= 1024 else 4)
+            BLOCK_H=triton.next_power_of_2(d // 2), EXACT=not interpreted(), PDL=pdl.enabled(x.device),
+            num_warps=1 if R * d <= 1024 else 4, launch_pdl=pdl.enabled(x.device))
     return out

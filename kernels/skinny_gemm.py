@@ -36,7 +36,6 @@ __all__ = ["MAX_ROWS", "KERNEL_ROWS", "skinny_linear", "skinny_linear_reference"
 MAX_ROWS = 32  # rows of x up to which skinny_linear takes the kernel on CUDA (above: cuBLAS, see skinny_linear)
 KERNEL_ROWS = 64  # rows of x the kernel takes
 SERVED = True  # skinny_linear takes the kernel where it applies (a switch for A/Bs: bench/k2_ab.py)
-PREFETCH = True  # with PDL, each program asks L2 for its weight slice before it waits (a switch for A/Bs)
 _STAGE_BUDGET = 192 << 10  # shared memory the pipelined loads may take (an H100 / H200 CTA: 227 KB)
 
 
@@ -76,13 +75,12 @@ if triton is not None:
         stride_xb, stride_xm, stride_xk, stride_wb, stride_wn, stride_wk,
         stride_ob, stride_om, stride_on, stride_am, stride_an,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        HAS_ADD: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        HAS_ADD: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
     ):
         """One ``BLOCK_N``-row weight tile x one K slice x one batch entry; all of x's rows.
         ``DOT_F32``: the products in float32 (the interpreter's 16-bit ``tl.dot`` is wrong for bf16
         in some Triton releases; bf16 x bf16 products are exact in float32 either way).
-        ``PDL``: launched with programmatic dependent launch (``kernels.pdl``); ``PREFETCH``: the
-        program's weight slice is first asked of L2, while the previous kernel may still run."""
+        ``PDL``: launched with programmatic dependent launch (``kernels.pdl``)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
@@ -93,12 +91,6 @@ if triton is not None:
         k_lo = pid_k * k_slice
         w_rows = w_ptr + b * stride_wb + offs_n.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
         x_cols = x_ptr + b * stride_xb + offs_m.to(tl.int64)[None, :] * stride_xm  # [1, BM]
-        if PREFETCH:  # one request a 128-byte line of the slice (64 16-bit weights), all rows
-            lines = tl.arange(0, 32) * 64
-            for k0 in range(0, k_slice, 32 * 64):
-                k_line = k_lo + k0 + lines
-                pdl.prefetch_l2(w_rows + k_line[None, :] * stride_wk,
-                                n_ok[:, None] & ((k_line < K) & (k0 + lines < k_slice))[None, :], PDL)
         pdl.grid_sync(PDL)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, k_slice, BLOCK_K):
@@ -152,8 +144,7 @@ def skinny_linear_triton(x: Tensor, weight: Tensor, *, out: Tensor | None = None
                          plan: tuple[int, ...] | None = None) -> Tensor:
     """The kernel (see the module docstring); ``plan`` overrides ``skinny_plan``'s
     ``(block_n, block_k, split_k[, num_stages, num_warps])``. x has at most ``KERNEL_ROWS`` rows.
-    Where ``kernels.pdl`` is enabled it launches with PDL and, with ``PREFETCH``, first asks L2 for
-    its weights."""
+    Where ``kernels.pdl`` is enabled it launches with PDL."""
     batched = x.dim() == 3
     xb = x if batched else x.unsqueeze(0)
     wb = weight if weight.dim() == 3 else weight.unsqueeze(0)
@@ -189,7 +180,7 @@ def skinny_linear_triton(x: Tensor, weight: Tensor, *, out: Tensor | None = None
         xb.stride(0), xb.stride(1), xb.stride(2), wb.stride(0), wb.stride(1), wb.stride(2),
         ob.stride(0), ob.stride(1), ob.stride(2), add.stride(-2), add.stride(-1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_ADD=add_to is not None,
-        DOT_F32=interpreted(), PDL=use_pdl, PREFETCH=use_pdl and PREFETCH and wb.stride(2) == 1,
+        DOT_F32=interpreted(), PDL=use_pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )
     return out

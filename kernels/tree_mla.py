@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels import pdl
 from kernels.device import on_input_device
 from kernels.tree_mla_hopper import hopper_available, tree_mla_hopper, unsupported_reason
 
@@ -490,7 +491,9 @@ if triton is not None:
         DV_SPLITS: tl.constexpr,
         D_CHUNKS: tl.constexpr,  # programs a value-dim half is cut into
         SPLIT_BLOCK: tl.constexpr,  # splits read at once (a power of two)
+        PDL: tl.constexpr,
     ):
+        pdl.grid_sync(PDL)
         BLOCK_DV: tl.constexpr = KVR // DV_SPLITS
         BLOCK_D: tl.constexpr = BLOCK_DV // D_CHUNKS
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
@@ -643,7 +646,8 @@ def merge_splits(o_part: Tensor, lse_part: Tensor, out: Tensor, num_splits: int,
     split_block = split_block or plan[1]
     _tree_mla_merge_kernel[(triton.cdiv(total_rows, _MERGE_ROWS), dv_splits * d_chunks)](
         o_part, lse_part, out, total_rows, num_splits, KVR=kvr, BLOCK_R=_MERGE_ROWS, DV_SPLITS=dv_splits,
-        D_CHUNKS=d_chunks, SPLIT_BLOCK=split_block, num_warps=4,
+        D_CHUNKS=d_chunks, SPLIT_BLOCK=split_block, PDL=pdl.enabled(out.device), num_warps=4,
+        launch_pdl=pdl.enabled(out.device),
     )
 
 

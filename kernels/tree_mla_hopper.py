@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from kernels import pdl
 from kernels.device import is_hopper, on_input_device
 
 if TYPE_CHECKING:
@@ -461,10 +462,11 @@ if gluon is not None:
         KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, DIRECT: gl.constexpr,
         TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
         Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr,
-        P_SMEM: gl.constexpr, num_warps: gl.constexpr,
+        P_SMEM: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
     ):
         """One 64-row tile, one split, one request a CTA: the loader (default partition, 4 warps) and
         the two consumer warpgroups (``_consumer``, ROLE 0 / 1)."""
+        pdl.grid_sync_gluon(PDL)
         dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
         pid_m = gl.program_id(0)
         split = gl.program_id(1)
@@ -552,7 +554,7 @@ if gluon is not None:
         num_heads, page_size, total_rows, num_splits, scale_log2,
         KVR: gl.constexpr, ROPE: gl.constexpr, NUM_STAGES: gl.constexpr, DIRECT: gl.constexpr, TMA_ROWS: gl.constexpr,
         Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr,
-        P_SMEM: gl.constexpr, num_warps: gl.constexpr,
+        P_SMEM: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
     ):
         """Rows ``[g * FEW_ROWS, (g + 1) * FEW_ROWS)`` of one request, one split, one warpgroup: the products
         transposed, so the keys fill the wgmma's 64-row M side and the few query rows its N side.
@@ -561,6 +563,7 @@ if gluon is not None:
         64 rows (and run its two-warpgroup chain) for these 8 or 16; here a tile's products are
         a quarter of its. Keys stream through a ring of ``NUM_STAGES`` 64-key slots, each refilled
         once its products are done."""
+        pdl.grid_sync_gluon(PDL)
         BN: gl.constexpr = _FEW_KEYS
         RN: gl.constexpr = _FEW_ROWS
         dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
@@ -753,6 +756,7 @@ def tree_mla_hopper(
             and trace.shape[1] == 3 and trace_tiles >= 1 and trace.shape[3] == TRACE_EVENTS, \
             f"trace: int64 [>= {ctas}, 3, tiles + 1, {TRACE_EVENTS}], contiguous; got {trace.dtype} {tuple(trace.shape)}"
     tma_rows, lat_desc, pe_desc = _key_descriptors(kv_cache, kvr, block_n, smem)
+    use_pdl = pdl.enabled(q_latent.device)
     _tree_mla_hopper_kernel[(m_tiles, num_splits, R)](
         q_latent, q_pe, kv_cache, new_kv, lat_desc, pe_desc,
         meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,
@@ -761,7 +765,8 @@ def tree_mla_hopper(
         kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
         H, page_size, total_rows, num_splits, softmax_scale * _LOG2E, out if trace is None else trace,
         KVR=kvr, ROPE=rope, BLOCK_N=block_n, NUM_STAGES=num_stages, DIRECT=num_splits == 1, TMA_ROWS=tma_rows,
-        CONSUMER_REGS=CONSUMER_REGS, TRACE=trace is not None, TRACE_TILES=trace_tiles, **smem, num_warps=4,
+        CONSUMER_REGS=CONSUMER_REGS, TRACE=trace is not None, TRACE_TILES=trace_tiles, **smem, PDL=use_pdl, num_warps=4,
+        launch_pdl=use_pdl,
     )
     merge_splits(o_part, lse_part, out, num_splits, 1)
     return out
@@ -842,5 +847,6 @@ def _launch_few_rows(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: T
         kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
         H, page_size, N * H, num_splits, scale_log2,
         KVR=kvr, ROPE=rope, NUM_STAGES=few_rows_stages(kvr, rope, q_latent.element_size(), limit),
-        DIRECT=num_splits == 1, TMA_ROWS=tma_rows, **smem, num_warps=4,
+        DIRECT=num_splits == 1, TMA_ROWS=tma_rows, **smem, PDL=pdl.enabled(q_latent.device), num_warps=4,
+        launch_pdl=pdl.enabled(q_latent.device),
     )

@@ -175,7 +175,7 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, 
     warps = block_n // 16
     constexprs = dict(GATED=gated, ATOMIC=False, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=2,
                       N_TILES=n_tiles, K_RESIDENT=k_resident, SUB=sub, K_ORDER=gated,
-                      W_TMA=w_tma, **layouts, num_warps=warps)
+                      W_TMA=w_tma, **layouts, PDL=True, num_warps=warps)
     signature = {n: ptrs.get(n, "i32") for n in names} | {k: "constexpr" for k in constexprs}
     aligned = [n for n in names if (n in ptrs and not n.endswith("_desc"))
                or n in ("N", "K", "k_split", "stride_am", "stride_we", "stride_wn", "stride_om", "stride_ws")]
@@ -185,7 +185,8 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, 
     ptx = compiled.asm["ptx"]
     return dict(cubin_bytes=len(compiled.asm["cubin"]), wgmma=ptx.count("wgmma.mma_async"), st_shared=ptx.count("st.shared"),
                 st_b16=ptx.count("st.global.b16"), st_v4=ptx.count("st.global.v4.b32"), shared=compiled.metadata.shared,
-                tma=ptx.count("cp.async.bulk.tensor"), cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"))
+                tma=ptx.count("cp.async.bulk.tensor"), cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+                gdc_wait=ptx.count("griddepcontrol.wait"))
 
 
 @pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
@@ -208,6 +209,7 @@ def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k
     assert proc.returncode == 0, f"build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     built = json.loads(proc.stdout.strip().splitlines()[-1])
     assert built["cubin_bytes"] > 0 and built["wgmma"] > 0, built
+    assert built["gdc_wait"] == 1, built  # launched with PDL (kernels.pdl): it waits for its predecessor
     if gated:  # split over K, one 4-byte store: the tile counter's old value, from the one thread that added
         assert built["st_shared"] == (split_k > 1), f"the weight tile went through shared memory: {built}"
     else:

@@ -4,6 +4,7 @@ before any activation load or store, with only weight prefetches ahead of the wa
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -47,20 +48,16 @@ def order(ptx):
     first = lambda pat: next((i for i, l in enumerate(body) if re.search(pat, l)), None)
     wait = first(r"griddepcontrol\\.wait")
     return dict(wait=wait, launch=first(r"griddepcontrol\\.launch_dependents"),
-                first_access=first(r"^(@%p\\d+ )?(ld\\.global|st\\.global|cp\\.async|atom\\.|red\\.)"),
-                prefetches=sum("prefetch.global.L2" in l for l in body),
-                prefetches_after_wait=sum("prefetch.global.L2" in l for l in body[wait or 0:]))
+                first_access=first(r"^(@%p\\d+ )?(ld\\.global|st\\.global|cp\\.async|atom\\.|red\\.)"))
 
 out = {}
 names = _skinny_kernel.arg_names
 types = {n: ("*bf16" if n in ("x_ptr", "w_ptr", "out_ptr", "add_ptr") else "*fp32" if n == "part_ptr" else "*i32")
          for n in names if n.endswith("_ptr")} | {n: "i32" for n in ("M", "N", "K", "k_slice")} \
         | {n: "i32" for n in names if n.startswith("stride_")}
-for pre in (False, True):
-    ce = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, HAS_ADD=False, DOT_F32=False, PDL=True, PREFETCH=pre)
-    out[f"skinny_prefetch_{pre}"] = order(build(_skinny_kernel, types, ce))
-ce = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, HAS_ADD=False, DOT_F32=False, PDL=False, PREFETCH=False)
-out["skinny_off"] = order(build(_skinny_kernel, types, ce))
+for on in (True, False):
+    ce = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, HAS_ADD=True, DOT_F32=False, PDL=on)
+    out["skinny" if on else "skinny_off"] = order(build(_skinny_kernel, types, ce))
 names = _rms_norm_kernel.arg_names
 types = {n: "*bf16" for n in names if n.endswith("_ptr")} | {n: "i32" for n in names if n.startswith("stride_") or n == "n_cols"}
 types["eps"] = "fp32"
@@ -75,19 +72,64 @@ print(json.dumps(out))
 def test_sm90_builds_wait_before_any_activation_access():
     """Compiled for sm_90 in a child process (this one runs Triton's interpreter): each PDL kernel
     has the wait and the launch of its dependents, and no global load, store, copy or atomic comes
-    before the wait; the skinny GEMM's weight prefetches (``PREFETCH``) all come before it. Without
-    PDL the build has neither instruction."""
+    before the wait. Without PDL the build has neither instruction."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-c", _SM90_BUILD], capture_output=True, text=True, env=env, cwd=ROOT,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    for name in ("skinny_prefetch_False", "skinny_prefetch_True", "rms_norm", "silu_mul"):
+    for name in ("skinny", "rms_norm", "silu_mul"):
         o = got[name]
         assert o["wait"] is not None and o["launch"] is not None, (name, o)
         assert o["first_access"] is not None and o["first_access"] > o["wait"], (name, o)
-    assert got["skinny_prefetch_False"]["prefetches"] == 0
-    assert got["skinny_prefetch_True"]["prefetches"] > 0
-    assert got["skinny_prefetch_True"]["prefetches_after_wait"] == 0
-    assert got["skinny_off"]["wait"] is None and got["skinny_off"]["launch"] is None and got["skinny_off"]["prefetches"] == 0
+    assert got["skinny_off"]["wait"] is None and got["skinny_off"]["launch"] is None
+    assert got["skinny_off"]["first_access"] is not None
+
+
+_BEFORE_SYNC_OK = {"constexpr", "program_id", "num_programs", "arange", "to", "zeros", "full", "cdiv", "multiple_of", "max_contiguous",
+                   "minimum", "maximum", "where"}
+
+
+def _calls_in_order(node: ast.AST) -> list[ast.AST]:
+    """Calls and returns under ``node`` in source order (by position)."""
+    found = [n for n in ast.walk(node) if isinstance(n, (ast.Call, ast.Return))]
+    return sorted(found, key=lambda n: (n.lineno, n.col_offset))
+
+
+def _name(call: ast.Call) -> str:
+    f = call.func
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+
+
+def test_every_pdl_kernel_syncs_first_and_every_launch_says_so():
+    """Static check of the contract in ``kernels/pdl.py`` over every kernel module: a kernel that takes
+    ``PDL`` calls ``pdl.grid_sync(PDL)`` before any call that could touch memory (only index
+    arithmetic may come first) and before any return; and every launch that passes ``PDL=`` passes
+    ``launch_pdl=`` too, and the other way round."""
+    kernels_with_pdl, launched = set(), set()
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef) and "PDL" in [a.arg for a in fn.args.args] and not fn.name.startswith("grid_sync"):
+                kernels_with_pdl.add(fn.name)
+                body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
+                synced = False
+                for stmt in body:
+                    for n in _calls_in_order(stmt):
+                        if isinstance(n, ast.Call) and _name(n).startswith("grid_sync"):
+                            synced = True
+                            break
+                        assert not isinstance(n, ast.Return), f"{path.name}:{n.lineno} {fn.name} returns before grid_sync"
+                        assert _name(n) in _BEFORE_SYNC_OK, f"{path.name}:{n.lineno} {fn.name} calls {_name(n)} before grid_sync"
+                    if synced:
+                        break
+                assert synced, f"{path.name}: {fn.name} takes PDL but never calls grid_sync"
+            if isinstance(fn, ast.Call) and isinstance(fn.func, ast.Subscript):
+                kw = {k.arg for k in fn.keywords}
+                assert ("PDL" in kw) == ("launch_pdl" in kw), f"{path.name}:{fn.lineno}: PDL= and launch_pdl= go together"
+                if "PDL" in kw and isinstance(fn.func.value, ast.Name):
+                    launched.add(fn.func.value.id)
+    assert {"_skinny_kernel", "_rms_norm_kernel", "_int4_moe_gemv_gate_up_kernel", "_tree_mla_merge_kernel",
+            "_moe_gemm_hopper_kernel", "_tree_mla_hopper_kernel", "_tree_mla_few_rows_kernel"} <= kernels_with_pdl
+    assert kernels_with_pdl == launched, kernels_with_pdl ^ launched

@@ -147,7 +147,7 @@ def _build(kvr: int, rope: int, direct: bool, trace_tiles: int = 0) -> dict:
     k_pe = gl.NVMMASharedLayout.get_default_for([bn, rope], gl.bfloat16)
     constexprs = dict(
         KVR=kvr, ROPE=rope, BLOCK_N=bn, NUM_STAGES=4, DIRECT=direct, TMA_ROWS=tma_rows, CONSUMER_REGS=hop.CONSUMER_REGS,
-        TRACE=trace_tiles > 0, TRACE_TILES=trace_tiles,
+        TRACE=trace_tiles > 0, TRACE_TILES=trace_tiles, PDL=True,
         Q_LAT_SMEM=gl.NVMMASharedLayout.get_default_for([hop.BLOCK_M, kvr], gl.bfloat16),
         Q_PE_SMEM=gl.NVMMASharedLayout.get_default_for([hop.BLOCK_M, rope], gl.bfloat16),
         K_LAT_SMEM=k_lat, K_PE_SMEM=k_pe, P_SMEM=gl.NVMMASharedLayout.get_default_for([hop.BLOCK_M, bn], gl.bfloat16),
@@ -158,7 +158,7 @@ def _build(kvr: int, rope: int, direct: bool, trace_tiles: int = 0) -> dict:
     ptx = compiled.asm["ptx"]
     return dict(cubin_bytes=len(compiled.asm["cubin"]), wgmma="warp_group_dot" in compiled.asm["ttgir"],
                 tma="cp.async.bulk.tensor" in ptx, setmaxnreg="setmaxnreg" in ptx, shared=compiled.metadata.shared,
-                clock_reads=ptx.count("%clock64"), timer_reads=ptx.count("%globaltimer"))
+                clock_reads=ptx.count("%clock64"), timer_reads=ptx.count("%globaltimer"), gdc_wait=ptx.count("griddepcontrol.wait"))
 
 
 def _build_few_rows(kvr: int, rope: int, direct: bool) -> dict:
@@ -173,7 +173,7 @@ def _build_few_rows(kvr: int, rope: int, direct: bool) -> dict:
         KVR=kvr, ROPE=rope, NUM_STAGES=hop.few_rows_stages(kvr, rope, 2, H100_SMEM_PER_BLOCK), DIRECT=direct, TMA_ROWS=bn,
         Q_LAT_SMEM=gl.NVMMASharedLayout.get_default_for([rn, kvr], gl.bfloat16),
         Q_PE_SMEM=gl.NVMMASharedLayout.get_default_for([rn, rope], gl.bfloat16),
-        K_LAT_SMEM=k_lat, K_PE_SMEM=k_pe, P_SMEM=gl.NVMMASharedLayout.get_default_for([rn, bn], gl.bfloat16), num_warps=4,
+        K_LAT_SMEM=k_lat, K_PE_SMEM=k_pe, P_SMEM=gl.NVMMASharedLayout.get_default_for([rn, bn], gl.bfloat16), PDL=True, num_warps=4,
     )
     types = {k: v for k, v in _ARG_TYPES.items() if k != "trace_ptr"}
     types |= _desc_types(bn, kvr, rope, k_lat, k_pe)
@@ -203,6 +203,7 @@ def test_kernel_builds_for_sm90(kvr: int, rope: int, direct: bool, trace_tiles: 
     and the global timer."""
     built = _child("wide", str(kvr), str(rope), str(int(direct)), str(trace_tiles))
     assert built["cubin_bytes"] > 0 and built["wgmma"] and built["tma"] and built["setmaxnreg"], built
+    assert built["gdc_wait"] == 1, built  # launched with PDL (kernels.pdl): it waits for its predecessor
     assert 0 < built["shared"] <= H100_SMEM_PER_BLOCK, f"{built['shared']} bytes of shared memory"
     if trace_tiles:
         assert built["clock_reads"] >= 10 and built["timer_reads"] >= 2, built
