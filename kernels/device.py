@@ -56,7 +56,8 @@ def interpreted() -> bool:
 
 def tile_counters(device: torch.device) -> torch.Tensor:
     """``TILE_COUNTERS`` zeroed int32 counters for split-K kernels whose last slice to finish a tile
-    adds the partials (``kernels.skinny_gemm``, the INT4 MoE's gate/up). One buffer a (device,
+    adds the partials (``kernels.skinny_gemm``, the INT4 MoE's gate/up), and for the MoE
+    alignment's expert counts (its last entries). One buffer a (device,
     stream), shared by every such kernel: launches on one stream never overlap, and each leaves the
     counters it used at zero, so the next launch (or graph replay) finds them zeroed."""
     if device.type != "cuda":  # the interpreter runs programs one after another

@@ -175,11 +175,15 @@ def _int4_moe_scatter_kernel(
     ids_ptr,  # [A] int32/int64 flat top-k expert ids
     sorted_ids_ptr,  # [P] int32 out: flat assignment per padded row
     cursor_ptr,  # [E_PAD] int32: next free padded row per expert (``_int4_moe_align_kernel``'s starts)
+    counts_ptr,  # [E_PAD] int32: the count kernel's counts, zeroed here for the next call
     A,
     CHUNK: tl.constexpr,
+    E_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.grid_sync(PDL)
+    if tl.program_id(0) == 0:  # the align kernel, which read them, has finished
+        tl.store(counts_ptr + tl.arange(0, E_PAD), tl.zeros([E_PAD], dtype=tl.int32))
     i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
     ok = i < A
     ids = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)  # [CHUNK]
@@ -884,7 +888,9 @@ def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlign
     the experts' counters); in between ``ALIGN_PROGRAMS`` programs lay out the experts' rows and
     write the sentinels. K2 TP8 M = 1152 (9216 assignments, 384 experts): one program doing it
     all took 41 us, one program counting (``tl.histogram``) and laying out 22 us, one program
-    laying out 8.9 us. Ids must lie in ``0 .. num_experts - 1``.
+    laying out 8.9 us. Ids must lie in ``0 .. num_experts - 1``. The counts live in the last
+    entries of ``tile_counters`` (zeros between launches: the scatter resets them), so no fill
+    launch a call breaks the PDL chain (K2: 60 a step).
     """
     assert topk_ids.dim() == 2, f"topk_ids must be [M, top_k], got {tuple(topk_ids.shape)}"
     assert topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32/int64, got {topk_ids.dtype}"
@@ -895,17 +901,19 @@ def int4_moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlign
     sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)  # [P]
     block_expert = torch.empty(P // block_m, dtype=torch.int32, device=dev)  # [P / BM]
     e_pad = triton.next_power_of_2(num_experts)
-    counts, cursor = torch.zeros(2, e_pad, dtype=torch.int32, device=dev)  # [E_PAD] each; only counts need the zeros
+    assert e_pad <= TILE_COUNTERS, f"{num_experts} experts: at most {TILE_COUNTERS}"
+    counts = tile_counters(dev)[TILE_COUNTERS - e_pad:]  # [E_PAD] zeros; the scatter leaves them zero again
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)  # [E_PAD]: the align kernel writes every entry
     use_pdl = pdl.enabled(dev)
-    if A:
+    if A:  # without assignments nothing is counted, and the counts stay zero
         _int4_moe_count_kernel[(triton.cdiv(A, 256),)](ids, counts, A, CHUNK=256, PDL=use_pdl, num_warps=2, launch_pdl=use_pdl)
     _int4_moe_align_kernel[(ALIGN_PROGRAMS,)](
         counts, cursor, sorted_ids, block_expert, A, num_experts, P, P // block_m,
         BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
     if A:
-        _int4_moe_scatter_kernel[(triton.cdiv(A, 256),)](ids, sorted_ids, cursor, A, CHUNK=256, PDL=use_pdl, num_warps=2,
-                                                         launch_pdl=use_pdl)
+        _int4_moe_scatter_kernel[(triton.cdiv(A, 256),)](ids, sorted_ids, cursor, counts, A, CHUNK=256, E_PAD=e_pad,
+                                                         PDL=use_pdl, num_warps=2, launch_pdl=use_pdl)
     return MoEAlignment(sorted_ids=sorted_ids, block_expert=block_expert, block_m=block_m)
 
 

@@ -183,9 +183,11 @@ def _gemv_m0_ok(x, wg, wu, wd, ids, tw, group: int, cfg) -> bool:
 
 
 def _run_align(name: str, M: int, E: int, top_k: int, block_m: int) -> dict:
-    """Structural check of the alignment: a permutation of the assignments, padded per expert."""
+    """Structural check of the alignment: a permutation of the assignments, padded per expert; the
+    expert counts (kept in ``tile_counters``) are back at zero after it, so a second call agrees."""
     import torch
 
+    from kernels.device import tile_counters
     from kernels.int4_moe import int4_moe_align
 
     g = torch.Generator().manual_seed(M * 131 + E)
@@ -219,6 +221,11 @@ def _run_align(name: str, M: int, E: int, top_k: int, block_m: int) -> dict:
     want_blocks = int(((counts + block_m - 1) // block_m).sum())
     if int(used.sum()) != want_blocks:
         errors.append(f"{int(used.sum())} blocks used, want {want_blocks}")
+    if bool(tile_counters(ids.device).any()):
+        errors.append("the alignment left counters nonzero")
+    again = int4_moe_align(ids, E, block_m)
+    if not torch.equal(again.block_expert, al.block_expert) or not torch.equal(again.sorted_ids.sort().values, al.sorted_ids.sort().values):
+        errors.append("a second alignment of the same ids differs")
     return dict(name=name, errors=errors)
 
 

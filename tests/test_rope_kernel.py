@@ -89,7 +89,7 @@ from kernels.rope import _rope_interleaved_kernel as kernel
 
 names = kernel.arg_names
 types = {n: "*bf16" for n in names if n.endswith("_ptr")} | {n: "i32" for n in names if n == "rows" or n.startswith("stride_")}
-constexprs = {"HALF": 32, "BLOCK_R": 8, "BLOCK_H": 32, "EXACT": True}
+constexprs = {"HALF": 32, "BLOCK_R": 8, "BLOCK_H": 32, "EXACT": True, "PDL": True}
 assert set(types) | set(constexprs) == set(names), f"kernel arguments changed: {names}"
 src = ASTSource(fn=kernel, signature={n: types.get(n, "constexpr") for n in names}, constexprs=constexprs)
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1)).asm["ptx"]
