@@ -17,9 +17,7 @@ Switches:
   row an expert, 2 up to two rows) against ``choose_config``'s (4 up to one row, 8 below half a
   row for a tree's tokens);
 * ``pdl``: every Triton and Gluon kernel of the step launched plainly against with programmatic
-  dependent launch (``kernels.pdl.PDL``);
-* ``router-skinny``: the router parts' GEMM on cuBLAS against ``skinny_linear``'s kernel
-  (``moe.ROUTER_SKINNY``; up to ``skinny_gemm.MAX_ROWS`` tokens).
+  dependent launch (``kernels.pdl.PDL``).
 
 Each row says whether its logits equal the other setting's in the same round, and its own setting's
 in the other round. Before ``a182555`` the MoE's split-K gate/up added its slices with atomics
@@ -91,18 +89,15 @@ def switches(model: TargetModel) -> dict[str, tuple[tuple[str, str], Callable[[s
     def pdl_switch(v: str) -> None:
         pdl.PDL = v == "pdl"
 
-    def router_skinny(v: str) -> None:
-        moe_mod.ROUTER_SKINNY = v == "skinny"
-
     return {"router": (("float32", "parts"), router), "shared-stream": (("main", "side"), shared_stream),
             "router-gemv": (("gemm", "gemv"), router_gemv), "few-rows": (("rows64", "few"), few_rows),
             "skinny": (("cublas", "skinny"), skinny), "moe-split": (("before", "served"), moe_split),
-            "pdl": (("plain", "pdl"), pdl_switch), "router-skinny": (("cublas", "skinny"), router_skinny)}
+            "pdl": (("plain", "pdl"), pdl_switch)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--switch", choices=("router", "shared-stream", "router-gemv", "few-rows", "skinny", "moe-split", "pdl", "router-skinny"),
+    ap.add_argument("--switch", choices=("router", "shared-stream", "router-gemv", "few-rows", "skinny", "moe-split", "pdl"),
                     required=True)
     ap.add_argument("--cases", nargs="+", default=None, metavar="BUDGET,BATCH",
                     help="steps to time (default: 0,1 16,1 16,32; budget 0 = autoregressive)")

@@ -591,10 +591,15 @@ def run_case(bench: Bench, case: Case, batches: Sequence[int], deadline: float, 
 
 def profile_step(bench: Bench, budget: int, batch: int, reps: int = 3, top: int = 25) -> dict[str, Any]:
     """GPU time per kernel name over ``reps`` graph replays of one (budget, batch) step: where the
-    step's time goes, against its floor. Names are grouped by their first 60 characters."""
+    step's time goes, against its floor. Names are grouped by their first 60 characters. Captured
+    with PDL off (``kernels.pdl``): with it a kernel starts early and waits for its predecessor, so
+    its span would hold part of the predecessor's time and the spans would overlap."""
     from torch.profiler import ProfilerActivity, profile
 
+    from kernels import pdl
+
     nodes = budget + 1
+    saved, pdl.PDL = pdl.PDL, False
     graphs = VerifyGraphs(bench.model, bench.cache, max_context=bench.context, batch_buckets=(batch,),
                           node_buckets=(nodes,), capture=bench.device.type == "cuda")
     tokens, parents, depths, sizes = bench.trees[budget].flat(batch)
@@ -602,6 +607,7 @@ def profile_step(bench: Bench, budget: int, batch: int, reps: int = 3, top: int 
             [bench.cache.page_ids(r) for r in bench.rids[:batch]])
     graphs.run(*args)
     _sync(bench.device)
+    pdl.PDL = saved  # the graph is captured
     cuda = bench.device.type == "cuda"   # on the CPU (tests) the ops' own CPU time stands in
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(reps):
@@ -622,7 +628,7 @@ def profile_step(bench: Bench, budget: int, batch: int, reps: int = 3, top: int 
     for r in rows[:top]:
         print(f"  {r['us_per_step']:9.1f} us {r['launches_per_step']:5d}x  {r['kernel']}")
     return {"budget": budget, "batch": batch, "kernel_ms_per_step": round(total / 1e3, 3),
-            "launches_per_step": launches, "top": rows[:top]}
+            "launches_per_step": launches, "pdl": False, "top": rows[:top]}
 
 
 def finish_row(raw: dict[str, Any], config: TargetConfig, nonexpert: dict[str, int], copy_gbps: float,

@@ -8,8 +8,7 @@ weights and hidden states, per router shape:
 * agreement: over 131072 tokens, the tokens whose experts differ from those chosen from float64
   logits (rounded to float32), and the largest logit error relative to the largest logit, for the
   float32 GEMM and for the parts over 1, 4 and 8 chunks; over the first 8192, one token a call,
-  for ``router_gemv`` (served for single tokens), and for the parts 16 tokens a call (``skinny_linear``'s
-  kernel, served up to ``skinny_gemm.MAX_ROWS`` tokens);
+  for ``router_gemv`` (served for single tokens);
 * time: CUDA-graph replay of the whole route (GEMM + selection) per token count, cycling over 8
   router weights so they stream from HBM as in the model (each layer reads its own router).
 
@@ -26,8 +25,6 @@ import torch
 
 from bench.common import graph_replay_us, write_result
 from kernels.moe_routing import router_gemv, select_experts_triton
-from kernels import skinny_gemm
-from services.verifier import moe
 from services.verifier.moe import ROUTER_K_CHUNKS, ROUTER_PARTS, router_partial_logits, split_bf16
 
 # name -> (hidden, experts, n_group, topk_group, top_k, routed_scaling_factor)
@@ -48,7 +45,6 @@ def agreement(hidden: int, e: int, sel: dict, g: torch.Generator) -> dict:
     parts = split_bf16(w).flatten(0, 1)
     stats = {k: {"tokens_differ": 0, "max_rel_err": 0.0} for k in ["fp32", *[f"parts_c{c}" for c in CHUNKS]]}
     stats["gemv"] = {"tokens": BLOCK, "tokens_differ": 0, "max_rel_err": 0.0}  # one token a call: one block
-    stats["parts_16_a_call"] = {"tokens": BLOCK, "tokens_differ": 0, "max_rel_err": 0.0}
     for block in range(AGREEMENT_TOKENS // BLOCK):
         x = torch.randn(BLOCK, hidden, device="cuda", generator=g).to(torch.bfloat16)
         exact = x.double() @ w.double().T
@@ -67,11 +63,6 @@ def agreement(hidden: int, e: int, sel: dict, g: torch.Generator) -> dict:
             stats["gemv"]["tokens_differ"] = int((ids != want).any(1).sum())
             full = torch.cat([r.double().sum(0) for r in rows])
             stats["gemv"]["max_rel_err"] = ((full - exact).abs().max() / exact.abs().max()).item()
-            rows = [router_partial_logits(x[i:i + 16], parts) for i in range(0, BLOCK, 16)]  # the skinny kernel's
-            ids = torch.cat([select_experts_triton(r, bias, **sel, parts=ROUTER_PARTS)[0] for r in rows])
-            stats["parts_16_a_call"]["tokens_differ"] = int((ids != want).any(1).sum())
-            full = torch.cat([r.double().sum(0).view(16, ROUTER_PARTS, e).sum(1) for r in rows])
-            stats["parts_16_a_call"]["max_rel_err"] = ((full - exact).abs().max() / exact.abs().max()).item()
     return stats
 
 
@@ -106,12 +97,6 @@ def main() -> None:
                 row[f"parts_c{c}_route_us_{n}"] = round(graph_replay_us(
                     [lambda p=p: select_experts_triton(router_partial_logits(x, p, c), bias, **sel,
                                                        parts=ROUTER_PARTS) for p in parts]), 2)
-            if n <= skinny_gemm.MAX_ROWS:  # the served parts above ran on skinny_linear's kernel; cuBLAS's bmm here
-                moe.ROUTER_SKINNY = False
-                row[f"parts_c{ROUTER_K_CHUNKS}_cublas_route_us_{n}"] = round(graph_replay_us(
-                    [lambda p=p: select_experts_triton(router_partial_logits(x, p), bias, **sel,
-                                                       parts=ROUTER_PARTS) for p in parts]), 2)
-                moe.ROUTER_SKINNY = True
         rows.append(row)
         print(json.dumps(row), flush=True)
     write_result(args.out, Path(args.out).stem, args.commit,
@@ -121,10 +106,8 @@ def main() -> None:
                       exact="float64 GEMM of the same bf16 hidden states and float32 weights",
                       timing="CUDA-graph replay of route's GEMM + selection, 8 router weights in turn, median of 20",
                       fp32="cuBLAS float32 GEMM on the float32 copy of the hidden states (as route ran before)",
-                      parts="router_partial_logits(x, parts, chunks): up to skinny_gemm.MAX_ROWS tokens "
-                            "skinny_linear's kernel (float32 out), above torch.bmm(bf16, bf16, out_dtype=float32); "
-                            "partials added by the selection kernel; *_cublas_*: torch.bmm at those sizes too",
-                      parts_16_a_call="the parts over the first block, 16 tokens a call (the skinny kernel)",
+                      parts="router_partial_logits(x, parts, chunks): torch.bmm(bf16, bf16, out_dtype=float32), "
+                            "partials added by the selection kernel",
                       gemv="kernels.moe_routing.router_gemv(x, float32 weight): one token, partials over slices of "
                            "the hidden dims added by the selection kernel"),
                  rows)

@@ -95,23 +95,3 @@ def test_plan_follows_the_sweep() -> None:
     assert plans[(512, 128, 8)] == (64, 128, 1, 4, 4)  # w_uk, 8 heads
     assert plans[(128, 512, 8)] == (16, 256, 1, 4, 4)  # w_uv, 8 heads
     assert plans[(20480, 7168, 1)] == (64, 256, 1, 4, 4)  # lm_head
-
-
-def test_router_parts_views_into_float32() -> None:
-    """``router_partial_logits``' GEMM on this kernel (its CUDA path up to ``MAX_ROWS`` tokens): the
-    hidden dims in chunks, both operands strided views, float32 sums written into a float32 ``out``
-    with no bf16 rounding (bf16 products are exact in float32, so only the order of the sums differs
-    from float64)."""
-    from services.verifier.moe import split_bf16
-
-    g = torch.Generator().manual_seed(3)
-    N, H, E, chunks = 5, 512, 24, 4
-    hidden = torch.randn(N, H, generator=g).bfloat16()
-    parts = split_bf16(torch.randn(E, H, generator=g) / H ** 0.5).flatten(0, 1)  # [parts * E, H], as the model keeps it
-    x = hidden.view(N, chunks, H // chunks).transpose(0, 1)
-    w = parts.view(-1, chunks, H // chunks).transpose(0, 1)  # [chunks, parts * E, H/chunks]
-    out = torch.full((chunks, N, parts.shape[0]), float("nan"))
-    sg.skinny_linear_triton(x, w, out=out)
-    want = x.double() @ w.double().transpose(1, 2)
-    assert torch.isfinite(out).all()
-    assert (out.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import skinny_gemm
 from kernels.skinny_gemm import skinny_linear  # x @ w^T: one Triton launch for a few rows on CUDA, torch elsewhere
 from kernels.swiglu import silu_mul  # one Triton launch on CUDA, torch elsewhere
 from services.common.int4 import Int4Weight, unpack_int4
@@ -42,7 +41,6 @@ EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 ROUTER_PARTS = 3  # bf16 matrices that sum to a float32 router weight exactly (``split_bf16``)
 ROUTER_K_CHUNKS = 4  # the router GEMM's hidden dims in chunks, their sums added in float32 (``router_partial_logits``)
 ROUTER_GEMV = True  # CUDA, one token: the float32 router as a GEMV at HBM speed (``kernels.moe_routing.router_gemv``)
-ROUTER_SKINNY = True  # CUDA, up to skinny_gemm.MAX_ROWS tokens: the parts' GEMM on skinny_linear's kernel, not cuBLAS
 
 
 @dataclass
@@ -196,18 +194,12 @@ def router_partial_logits(hidden: Tensor, gate_parts: Tensor, chunks: int = ROUT
     largest logit), and the experts chosen differed from the float64 choice on 23 of 131072 tokens
     against 4. Four chunks, their sums added in float32, bring both back to the float32 GEMM's: 2e-6
     and 5 of 131072 (H200, ``bench/results/router_parts.json``). Off CUDA (tests) the same views run
-    a float32 ``bmm``: torch's bf16 GEMM with a float32 output is CUDA-only. Up to
-    ``skinny_gemm.MAX_ROWS`` tokens on CUDA (``ROUTER_SKINNY``) the GEMM is ``skinny_linear``'s kernel
-    (float32 sums, one launch in the step's PDL chain) instead of cuBLAS's."""
+    a float32 ``bmm``: torch's bf16 GEMM with a float32 output is CUDA-only."""
     N, H = hidden.shape
     if H % (8 * chunks):   # each chunk 16-byte aligned for cuBLAS
         chunks = 1
     x = hidden.contiguous().view(N, chunks, H // chunks).transpose(0, 1)  # [chunks, N, H/chunks]
     w = gate_parts.view(-1, chunks, H // chunks).permute(1, 2, 0)  # [chunks, H/chunks, parts * E]
-    if hidden.is_cuda and ROUTER_SKINNY and skinny_gemm.SERVED and 0 < N <= skinny_gemm.MAX_ROWS \
-            and hidden.dtype == gate_parts.dtype and hidden.dtype in (torch.bfloat16, torch.float16):
-        out = torch.empty(chunks, N, w.shape[2], dtype=torch.float32, device=hidden.device)
-        return skinny_gemm.skinny_linear_triton(x, w.transpose(1, 2), out=out)
     if hidden.is_cuda:
         return torch.bmm(x, w, out_dtype=torch.float32)
     return torch.bmm(x.float(), w.float())
