@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["on_input_device", "is_hopper", "interpreted", "tile_counters", "TILE_COUNTERS"]
+__all__ = ["on_input_device", "is_hopper", "capability_major", "interpreted", "tile_counters", "TILE_COUNTERS"]
 
 F = TypeVar("F", bound=Callable)
 TILE_COUNTERS = 1 << 14  # output tiles one launch may split over K (a counter each)
@@ -40,11 +40,12 @@ def is_hopper(device: torch.device) -> bool:
     """A CUDA device of compute capability 9.x (cached per device): where the Gluon kernels run."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) == 9
+    return capability_major(device.index if device.index is not None else torch.cuda.current_device()) == 9
 
 
 @functools.cache
-def _capability_major(index: int) -> int:
+def capability_major(index: int) -> int:
+    """The compute capability's major number of CUDA device ``index`` (cached: launches ask it)."""
     return torch.cuda.get_device_capability(index)[0]
 
 

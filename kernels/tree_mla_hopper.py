@@ -756,7 +756,7 @@ def tree_mla_hopper(
             and trace.shape[1] == 3 and trace_tiles >= 1 and trace.shape[3] == TRACE_EVENTS, \
             f"trace: int64 [>= {ctas}, 3, tiles + 1, {TRACE_EVENTS}], contiguous; got {trace.dtype} {tuple(trace.shape)}"
     tma_rows, lat_desc, pe_desc = _key_descriptors(kv_cache, kvr, block_n, smem)
-    use_pdl = pdl.enabled(q_latent.device)
+    use_pdl = pdl.enabled(q_latent.device) and trace is None  # a traced CTA's start stamp would include its wait
     _tree_mla_hopper_kernel[(m_tiles, num_splits, R)](
         q_latent, q_pe, kv_cache, new_kv, lat_desc, pe_desc,
         meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,
