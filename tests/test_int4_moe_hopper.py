@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,8 +20,8 @@ import torch
 
 from kernels import int4_moe_hopper as hop
 from services.common.int4 import pack_int4
+from tests.compiled import run_compiled
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_permute_k_order() -> None:
@@ -202,12 +200,8 @@ def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k
     bytes. ``w_tma``: the weight words come by TMA (bulk tensor copies) and only the activations
     and scales by cp.async; else every copy is cp.async. A child process: conftest sets
     TRITON_INTERPRET for this one, and the interpreter cannot compile Gluon."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     args = [str(int(gated)), str(block_m), str(block_n), str(split_k), str(n_tiles), str(k_resident), str(sub), str(int(w_tma))]
-    proc = subprocess.run([sys.executable, __file__, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    built = run_compiled([__file__, *args])
     assert built["cubin_bytes"] > 0 and built["wgmma"] > 0, built
     assert built["gdc_wait"] == 1, built  # launched with PDL (kernels.pdl): it waits for its predecessor
     if gated:  # split over K, one 4-byte store: the tile counter's old value, from the one thread that added

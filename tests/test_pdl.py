@@ -5,15 +5,12 @@ before any activation load or store, with only weight prefetches ahead of the wa
 from __future__ import annotations
 
 import ast
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from kernels import pdl
+from tests.compiled import run_compiled
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,12 +70,7 @@ def test_sm90_builds_wait_before_any_activation_access():
     """Compiled for sm_90 in a child process (this one runs Triton's interpreter): each PDL kernel
     has the wait and the launch of its dependents, and no global load, store, copy or atomic comes
     before the wait. Without PDL the build has neither instruction."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", _SM90_BUILD], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
+    got = run_compiled(["-c", _SM90_BUILD])
     for name in ("skinny", "rms_norm", "silu_mul"):
         o = got[name]
         assert o["wait"] is not None and o["launch"] is not None, (name, o)

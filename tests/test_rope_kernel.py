@@ -4,10 +4,6 @@ writes into a slice of a larger tensor."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +12,8 @@ import torch
 from kernels.rms_norm import rms_norm, rms_norm_reference
 from kernels.rope import rope_interleaved_triton
 from services.verifier.rope import apply_rope, apply_rope_interleaved
+from tests.compiled import run_compiled
 
-ROOT = Path(__file__).resolve().parent.parent
 
 # The interpreter rounds float32 -> float16 to nearest, as the GPU does, so these compare bit for bit;
 # its bfloat16 conversion truncates, so bfloat16 is compared with a tolerance here (and bit for bit
@@ -105,12 +101,7 @@ def test_sm90_build_rounds_each_product():
     product narrowed to bf16 with the add into one `fma.rn.bf16` unless the product is `mul.rn`
     (that fusion made an earlier build differ from torch in the last bit). Compiled for sm_90 in a
     child process, since this one runs Triton's interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", _SM90_BUILD], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    counts = run_compiled(["-c", _SM90_BUILD], timeout=300)
     assert counts["fma"] == 0, "a product was fused with the sum"
     assert counts["mul_rn_f32"] == 4 * 8            # 4 products x 8 rows a thread (one warp, 8 x 32 pairs)
     assert counts["cvt_bf16"] >= 4 * 8

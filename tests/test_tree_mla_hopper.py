@@ -10,8 +10,6 @@ the installed Triton (its Gluon API moves between releases) within the H200's sh
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,8 +18,8 @@ import torch
 
 from kernels import tree_mla_hopper as hop
 from kernels.tree_mla import BACKEND_ENV, TreeAttentionMetadata, chain_mask, choose_backend, tree_mla, tree_mla_reference
+from tests.compiled import run_compiled
 
-ROOT = Path(__file__).resolve().parent.parent
 H100_SMEM_PER_BLOCK = 232448  # bytes of dynamic shared memory a CTA may use on sm_90
 
 
@@ -187,11 +185,7 @@ def _build_few_rows(kvr: int, rope: int, direct: bool) -> dict:
 def _child(*args: str) -> dict:
     """Run this file's ``__main__`` in a child process: conftest sets TRITON_INTERPRET for this one,
     and the interpreter cannot compile Gluon."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"build failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_compiled([__file__, *args])
 
 
 @pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
