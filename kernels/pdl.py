@@ -53,6 +53,7 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 __all__ = ["PDL", "enabled", "grid_sync", "grid_sync_gluon"]
 
 PDL = os.environ.get("DDTREE_PDL", "1") != "0"
+GLUON_RELEASE = True  # the Gluon kernels let the next kernel launch once they start (False: once they finish; an A/B)
 
 
 def enabled(device: torch.device) -> bool:
@@ -76,8 +77,9 @@ if triton is not None:
 if gluon is not None:
 
     @gluon.jit
-    def grid_sync_gluon(PDL: gl.constexpr):
+    def grid_sync_gluon(PDL: gl.constexpr, RELEASE: gl.constexpr = True):
         """``grid_sync`` for the Gluon kernels (a Gluon kernel calls Gluon functions only)."""
         if PDL:
             gdc_wait()
-            gdc_launch_dependents()
+            if RELEASE:
+                gdc_launch_dependents()
