@@ -89,18 +89,15 @@ def switches(model: TargetModel) -> dict[str, tuple[tuple[str, str], Callable[[s
     def pdl_switch(v: str) -> None:
         pdl.PDL = v == "pdl"
 
-    def gluon_release(v: str) -> None:
-        pdl.GLUON_RELEASE = v == "start"
-
     return {"router": (("float32", "parts"), router), "shared-stream": (("main", "side"), shared_stream),
             "router-gemv": (("gemm", "gemv"), router_gemv), "few-rows": (("rows64", "few"), few_rows),
             "skinny": (("cublas", "skinny"), skinny), "moe-split": (("before", "served"), moe_split),
-            "pdl": (("plain", "pdl"), pdl_switch), "gluon-release": (("end", "start"), gluon_release)}
+            "pdl": (("plain", "pdl"), pdl_switch)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--switch", choices=("router", "shared-stream", "router-gemv", "few-rows", "skinny", "moe-split", "pdl", "gluon-release"),
+    ap.add_argument("--switch", choices=("router", "shared-stream", "router-gemv", "few-rows", "skinny", "moe-split", "pdl"),
                     required=True)
     ap.add_argument("--cases", nargs="+", default=None, metavar="BUDGET,BATCH",
                     help="steps to time (default: 0,1 16,1 16,32; budget 0 = autoregressive)")

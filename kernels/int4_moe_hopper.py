@@ -329,15 +329,14 @@ if gluon is not None:
         SPLIT_K: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, N_TILES: gl.constexpr, K_RESIDENT: gl.constexpr,
         K_ORDER: gl.constexpr, W_TMA: gl.constexpr, ACC: gl.constexpr, EPI: gl.constexpr, A_OP: gl.constexpr, WORDS: gl.constexpr, SCALES: gl.constexpr,
         X_LD: gl.constexpr, W_LD: gl.constexpr, S_LD: gl.constexpr,
-        X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, S_SMEM: gl.constexpr, PDL: gl.constexpr, RELEASE: gl.constexpr,
-        num_warps: gl.constexpr,
+        X_SMEM: gl.constexpr, W_SMEM: gl.constexpr, S_SMEM: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
     ):
         # out_ptr's columns: GATED, K_ORDER: h in the down GEMM's K order (see _epilogue).
         # A CTA: one block of BLOCK_M rows (one expert), N_TILES consecutive BLOCK_N-row weight tiles,
         # one K slice. Its (tile, K step) pairs stream through one cp.async ring, so a short K (K2 TP8
         # down: two steps) still keeps STAGES - 1 steps in flight. K_RESIDENT > 0: the activations
         # (K_RESIDENT steps, the whole K) are copied once and stay in shared memory for every tile.
-        pdl.grid_sync_gluon(PDL, RELEASE)
+        pdl.grid_sync_gluon(PDL)
         pid = gl.program_id(0)
         n_groups = gl.cdiv(N // BLOCK_N, N_TILES)
         pid_m = pid % num_m_blocks
@@ -556,7 +555,6 @@ def gemm(
         ws.stride(0) if split else 0,
         GATED=gated, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, STAGES=stages, SUB=sub,
         N_TILES=n_tiles, K_RESIDENT=k_resident, K_ORDER=k_order_out, W_TMA=w_tma,
-        **_layouts(block_m, block_n, warps, gated, w_tma), PDL=use_pdl, RELEASE=pdl.GLUON_RELEASE, num_warps=warps,
-        launch_pdl=use_pdl,
+        **_layouts(block_m, block_n, warps, gated, w_tma), PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl,
         **({} if max_regs is None else {"maxnreg": max_regs}),
     )

@@ -53,7 +53,6 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 __all__ = ["PDL", "enabled", "grid_sync", "grid_sync_gluon"]
 
 PDL = os.environ.get("DDTREE_PDL", "1") != "0"
-GLUON_RELEASE = True  # the Gluon kernels let the next kernel launch once they start (False: once they finish; an A/B)
 
 
 def enabled(device: torch.device) -> bool:
@@ -77,9 +76,8 @@ if triton is not None:
 if gluon is not None:
 
     @gluon.jit
-    def grid_sync_gluon(PDL: gl.constexpr, RELEASE: gl.constexpr = True):
+    def grid_sync_gluon(PDL: gl.constexpr):
         """``grid_sync`` for the Gluon kernels (a Gluon kernel calls Gluon functions only)."""
         if PDL:
             gdc_wait()
-            if RELEASE:
-                gdc_launch_dependents()
+            gdc_launch_dependents()
