@@ -599,15 +599,17 @@ def profile_step(bench: Bench, budget: int, batch: int, reps: int = 3, top: int 
     from kernels import pdl
 
     nodes = budget + 1
-    saved, pdl.PDL = pdl.PDL, False
     graphs = VerifyGraphs(bench.model, bench.cache, max_context=bench.context, batch_buckets=(batch,),
                           node_buckets=(nodes,), capture=bench.device.type == "cuda")
     tokens, parents, depths, sizes = bench.trees[budget].flat(batch)
     args = (tokens, parents, depths, sizes, [bench.context] * batch,
             [bench.cache.page_ids(r) for r in bench.rids[:batch]])
-    graphs.run(*args)
-    _sync(bench.device)
-    pdl.PDL = saved  # the graph is captured
+    saved, pdl.PDL = pdl.PDL, False
+    try:
+        graphs.run(*args)  # captures the graph, without PDL
+        _sync(bench.device)
+    finally:
+        pdl.PDL = saved
     cuda = bench.device.type == "cuda"   # on the CPU (tests) the ops' own CPU time stands in
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(reps):

@@ -1,6 +1,6 @@
 """kernels/pdl.py: programmatic dependent launch. The CPU cannot run it, so these check what it can:
-PDL stays off here, and the sm_90 builds of the kernels that use it wait for their predecessor
-before any activation load or store, with only weight prefetches ahead of the wait."""
+PDL stays off here, the sm_90 builds of the kernels that use it wait for their predecessor before
+any global load or store, and every kernel module keeps the contract in ``kernels/pdl.py``."""
 
 from __future__ import annotations
 
