@@ -1159,13 +1159,14 @@ def int4_moe_gemv_gate_up(
     if A == 0:
         return h
     grid = (A, triton.cdiv(I, cfg.gv_block_n))
+    use_pdl = pdl.enabled(hidden.device)
     _int4_moe_gemv_gate_up_kernel[grid](
         hidden, ids, w_gate.packed, w_gate.scale, w_up.packed, w_up.scale, h,
         I, K, top_k,
         hidden.stride(0), w_gate.packed.stride(0), w_gate.packed.stride(1), w_gate.scale.stride(0), w_gate.scale.stride(1), h.stride(0),
         GROUP=group_size, BLOCK_N=cfg.gv_block_n, BLOCK_K=cfg.gv_block_k, STAGES=cfg.gv_stages,
         EVEN_K=K % cfg.gv_block_k == 0, DEQ_ASM=_use_asm(cfg, hidden.dtype, w_gate), DTYPE=_TL_DTYPE[hidden.dtype],
-        PDL=pdl.enabled(hidden.device), num_warps=cfg.gv_warps, launch_pdl=pdl.enabled(hidden.device),
+        PDL=use_pdl, num_warps=cfg.gv_warps, launch_pdl=use_pdl,
     )
     return h
 
@@ -1192,13 +1193,14 @@ def int4_moe_gemv_down(
     ids = topk_ids.contiguous().view(-1)  # [A]
     weights = topk_weights.contiguous().view(-1)  # [A]
     grid = (M, triton.cdiv(K, cfg.gvd_block_n))
+    use_pdl = pdl.enabled(h.device)
     _int4_moe_gemv_down_kernel[grid](
         h, ids, weights, w_down.packed, w_down.scale, out,
         K, I, top_k,
         h.stride(0), w_down.packed.stride(0), w_down.packed.stride(1), w_down.scale.stride(0), w_down.scale.stride(1), out.stride(0),
         GROUP=group_size, BLOCK_N=cfg.gvd_block_n, BLOCK_K=cfg.gvd_block_k, STAGES=cfg.gvd_stages,
         EVEN_K=I % cfg.gvd_block_k == 0, DEQ_ASM=_use_asm(cfg, act_dtype, w_down), DTYPE=_TL_DTYPE[act_dtype],
-        PDL=pdl.enabled(h.device), num_warps=cfg.gvd_warps, launch_pdl=pdl.enabled(h.device),
+        PDL=use_pdl, num_warps=cfg.gvd_warps, launch_pdl=use_pdl,
     )
     return out
 

@@ -177,7 +177,8 @@ def router_gemv(hidden: Tensor, weight: Tensor, splits: int = ROUTER_GEMV_SPLITS
     splits = triton.cdiv(K, k_split)
     out = torch.empty(splits, 1, E, dtype=torch.float32, device=hidden.device)
     x = hidden.contiguous().view(-1)
+    use_pdl = pdl.enabled(x.device)
     _router_gemv_kernel[(triton.cdiv(E, _GEMV_BLOCK_E), splits)](
         x, weight, out, K, E, weight.stride(0), K_SPLIT=k_split, BLOCK_E=_GEMV_BLOCK_E, BLOCK_K=_GEMV_BLOCK_K,
-        PDL=pdl.enabled(x.device), num_warps=8, launch_pdl=pdl.enabled(x.device))
+        PDL=use_pdl, num_warps=8, launch_pdl=use_pdl)
     return out

@@ -91,9 +91,10 @@ def rope_interleaved_triton(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor | N
         raise ValueError(f"out must be {tuple(x.shape)} with a contiguous last dim, got {tuple(out.shape)}")
     out3 = out if out.dim() == 3 else out.unsqueeze(1)
     if N:
+        use_pdl = pdl.enabled(x.device)
         _rope_interleaved_kernel[(N,)](
             rows3, cos, sin, out3, R, rows3.stride(0), rows3.stride(1), cos.stride(0), sin.stride(0),
             out3.stride(0), out3.stride(1), HALF=d // 2, BLOCK_R=triton.next_power_of_2(R),
-            BLOCK_H=triton.next_power_of_2(d // 2), EXACT=not interpreted(), PDL=pdl.enabled(x.device),
-            num_warps=1 if R * d <= 1024 else 4, launch_pdl=pdl.enabled(x.device))
+            BLOCK_H=triton.next_power_of_2(d // 2), EXACT=not interpreted(), PDL=use_pdl,
+            num_warps=1 if R * d <= 1024 else 4, launch_pdl=use_pdl)
     return out

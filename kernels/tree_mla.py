@@ -644,10 +644,11 @@ def merge_splits(o_part: Tensor, lse_part: Tensor, out: Tensor, num_splits: int,
     plan = merge_plan(total_rows, kvr, num_splits, dv_splits, _sm_count(out.device))
     d_chunks = d_chunks or plan[0]
     split_block = split_block or plan[1]
+    use_pdl = pdl.enabled(out.device)
     _tree_mla_merge_kernel[(triton.cdiv(total_rows, _MERGE_ROWS), dv_splits * d_chunks)](
         o_part, lse_part, out, total_rows, num_splits, KVR=kvr, BLOCK_R=_MERGE_ROWS, DV_SPLITS=dv_splits,
-        D_CHUNKS=d_chunks, SPLIT_BLOCK=split_block, PDL=pdl.enabled(out.device), num_warps=4,
-        launch_pdl=pdl.enabled(out.device),
+        D_CHUNKS=d_chunks, SPLIT_BLOCK=split_block, PDL=use_pdl, num_warps=4,
+        launch_pdl=use_pdl,
     )
 
 

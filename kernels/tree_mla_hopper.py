@@ -839,6 +839,7 @@ def _launch_few_rows(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: T
         "P_SMEM": gl.NVMMASharedLayout.get_default_for([FEW_ROWS, FEW_KEYS], gdt),
     }
     tma_rows, lat_desc, pe_desc = _key_descriptors(kv_cache, kvr, FEW_KEYS, smem)
+    use_pdl = pdl.enabled(q_latent.device)
     _tree_mla_few_rows_kernel[(groups, num_splits, meta.num_requests)](
         q_latent, q_pe, kv_cache, new_kv, lat_desc, pe_desc,
         meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,
@@ -847,6 +848,6 @@ def _launch_few_rows(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: T
         kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
         H, page_size, N * H, num_splits, scale_log2,
         KVR=kvr, ROPE=rope, NUM_STAGES=few_rows_stages(kvr, rope, q_latent.element_size(), limit),
-        DIRECT=num_splits == 1, TMA_ROWS=tma_rows, **smem, PDL=pdl.enabled(q_latent.device), num_warps=4,
-        launch_pdl=pdl.enabled(q_latent.device),
+        DIRECT=num_splits == 1, TMA_ROWS=tma_rows, **smem, PDL=use_pdl, num_warps=4,
+        launch_pdl=use_pdl,
     )
