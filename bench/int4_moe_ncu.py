@@ -8,6 +8,11 @@ Counters, not times: ``ncu`` serialises and replays each launch (``gpu__time_dur
 launch's time under the profiler, not the graph-replayed time of ``int4_moe_bench.py``).
 
     python bench/int4_moe_ncu.py --commit SHA --ncu /usr/local/cuda/bin/ncu --out bench/results/int4_moe_ncu.json
+    python bench/int4_moe_ncu.py --points ep8:288 tp8:288 ...   # other points
+
+The shared-memory counters (``l1tex__data_pipe_lsu_wavefronts_mem_shared``, ``sm__pipe_shared``,
+``sm__memory_throughput``) say whether the SM's shared-memory bandwidth, which the wgmma's B reads,
+the activation fills and the word reads share, limits a GEMM.
 """
 
 from __future__ import annotations
@@ -29,12 +34,21 @@ METRICS = [
     "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active",
     "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__memory_throughput.avg.pct_of_peak_sustained_active",
+    "l1tex__throughput.avg.pct_of_peak_sustained_active",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_active",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
+    "smsp__inst_executed_op_shared_ld.sum",
+    "smsp__inst_executed_op_ldgsts.sum",
     "sm__warps_active.avg.pct_of_peak_sustained_active",
     "launch__registers_per_thread",
     "launch__occupancy_limit_registers",
     "smsp__inst_executed.sum",
     "dram__bytes_read.sum",
-] + stall_metrics(STALLS[:12])
+] + stall_metrics(STALLS[:14])
 
 
 def target(shape: str, tokens: int) -> None:
@@ -69,20 +83,23 @@ def main() -> None:
     ap.add_argument("--ncu", default="ncu")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default="bench/results/int4_moe_ncu.json")
+    ap.add_argument("--points", nargs="+", default=[f"{s}:{t}" for s, t in POINTS],
+                    help="SHAPE:TOKENS points (default: the three that missed 50%% of copy)")
     args = ap.parse_args()
     if args.target:
         target(args.target[0], int(args.target[1]))
         return
     from bench.common import write_result
 
+    points = [(p.split(":")[0], int(p.split(":")[1])) for p in args.points]
     rows = []
-    for shape, tokens in POINTS:
+    for shape, tokens in points:
         rows += profile_point(args.ncu, shape, tokens)
         for r in rows[-2:]:
             print(json.dumps({k: v for k, v in r.items() if not k.endswith(".unit")}), flush=True)
     write_result(
         args.out, "int4_moe_ncu", args.commit,
-        dict(points=[list(p) for p in POINTS], config="choose_config's (the served one)",
+        dict(points=[list(p) for p in points], config="choose_config's (the served one)",
              launches="the third fused_int4_moe call's gate/up and down Gluon launches",
              stalls="smsp__average_warp_latency_issue_stalled_*.ratio: cycles a warp spent in that state "
                     "per issued instruction (selected = issuing)",
