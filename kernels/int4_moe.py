@@ -784,7 +784,7 @@ def _hopper_here() -> bool:
 def _hopper_config(r: float, whole_experts: bool, shared: bool = False) -> Int4MoEConfig:
     """``_tensor_core_config`` for the Gluon kernels (K2 shapes, the H200 sweep in bench/results/
     int4_moe.json): 64-row down tiles on 4 warps below 32 rows per expert (TP8 M=72 down 168 us
-    vs 178 at 128 rows), less split-K (EP8 M=1 gate/up 64 us unsplit, 65 split), and weights on
+    vs 178 at 128 rows), less split-K (whole experts: 2 slices below half a row an expert), and weights on
     the M side at large M too (EP8 M=288 gate/up 502 us vs 635 on the Triton kernel's regular
     tiles, down 306 vs 352; M=1152: 1445 vs 2073 and 1007 vs 1152). The Gluon kernel fixes K
     steps at 128 and warps at rows / 16. Gate/up weights come by TMA at every M (the dataclass
@@ -805,7 +805,13 @@ def _hopper_config(r: float, whole_experts: bool, shared: bool = False) -> Int4M
         # 210 / 57. On the K2 slice (moe_split_ab-3e5b5c7.json, this rule against 8 / 2 slices) a
         # budget-32 verify at batch 1 went from 10.19 to 9.43 ms and AR batch 32 from 9.77 to 9.20;
         # AR batch 16 from 7.86 to 8.13, as its synthetic router sends 16 tokens to a few experts.
-        split = 1 if whole_experts else (8 if shared else 4) if r < 0.5 else 4 if r <= 1 else 2 if r <= 2 else 1
+        # Whole experts (K2 EP8: K = 7168, N = 2048 a matrix) take 2 slices below half a row an expert:
+        # EP8 M=1 gate/up 47.9 / 46.3 us against 53.0 / 51.6 unsplit, 4 slices 50.3 / 48.7; at M=9
+        # (1.5 rows) 2 slices tie (197.5 vs 195.8) (int4_moe_960fafe.json, int4_moe_88ab166.json sweeps).
+        if whole_experts:
+            split = 2 if r < 0.5 else 1
+        else:
+            split = (8 if shared else 4) if r < 0.5 else 4 if r <= 1 else 2 if r <= 2 else 1
         # 8 slices make thousands of short CTAs: capped at 112 registers more of them share an SM
         # (int4_moe_verify_probe-853c60d.json, 8 slices: M=17 152.4 -> 143.3 us uniform, 49.8 -> 47.9
         # a tree's; M=9 95.6 -> 92.5 / 40.3 -> 40.5). 4 slices gained nothing from it (137.4 -> 137.7 / 51.4 -> 51.7).

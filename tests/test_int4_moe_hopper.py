@@ -128,6 +128,9 @@ def test_choose_config_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
               for m, g in ((9, 9), (9, 1), (23, 23), (23, 1), (24, 1), (48, 48), (49, 1), (96, 8), (97, 1), (288, 1))}
     assert splits == {(9, 9): 4, (9, 1): 8, (23, 23): 4, (23, 1): 8, (24, 1): 4, (48, 48): 4, (49, 1): 2, (96, 8): 2,
                       (97, 1): 1, (288, 1): 1}, splits
+    # whole experts (EP8): 2 slices below half a row an expert, then none
+    ep_splits = {m: km.choose_config(m, 48, 7168, 2048, 8).gu_split_k for m in (1, 2, 3, 9, 72)}
+    assert ep_splits == {1: 2, 2: 2, 3: 1, 9: 1, 72: 1}, ep_splits
     # 8 slices: many short CTAs, capped at 112 registers so that more share an SM
     assert km.choose_config(17, 384, 7168, 256, 8, routing_groups=1).hp_gu_regs == 112
     assert km.choose_config(17, 384, 7168, 256, 8, routing_groups=17).hp_gu_regs == 0
