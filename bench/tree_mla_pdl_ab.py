@@ -1,0 +1,69 @@
+"""A/B of programmatic dependent launch on the served tree-attention call (split kernels + merge).
+
+Why: the tree-attention table rerun after PDL (``bench/results/tree_mla-88ab166.json``) had some
+batch-1 rows on the 64-row kernel 10-20% slower than at ``a846691`` while the few-row rows were
+faster and batch 32 / 128 unchanged, on another machine. This times the same calls with
+``kernels.pdl.PDL`` on and off in one process, so the machine cannot be the difference.
+
+Each shape times the whole served ``tree_mla_hopper`` call back to back in one CUDA graph (inputs
+rotated past L2, as ``bench/tree_mla_bench.py``), each setting captured afresh, two rounds in
+alternating order, the better of the two; outputs of both settings must be equal bit for bit.
+
+    python -m bench.tree_mla_pdl_ab --commit SHA --out bench/results/tree_mla_pdl_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from bench.common import graph_replay_us, write_result
+from bench.tree_mla_bench import rotating_cases
+from kernels import pdl
+from kernels.tree_mla_hopper import few_rows_serves, tree_mla_hopper
+
+SHAPES = ((1, 1024, 9, 8), (1, 4096, 9, 8), (1, 4096, 33, 8), (1, 16384, 33, 8), (1, 4096, 9, 64), (1, 4096, 17, 64),
+          (1, 16384, 9, 64), (1, 1024, 1, 8), (8, 4096, 17, 8), (32, 4096, 9, 8))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", default="bench/results/tree_mla_pdl_ab.json")
+    args = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for batch, context, nodes, heads in SHAPES:
+        cases = rotating_cases(batch, context, nodes, heads)
+        row = dict(batch=batch, context=context, tree_nodes=nodes, heads=heads,
+                   kernel="few-row" if few_rows_serves(batch, nodes * heads, context, sms) else "64-row")
+        times: dict[str, list[float]] = {"plain": [], "pdl": []}
+        outs = {}
+        for rnd in range(2):
+            for name in (("plain", "pdl") if rnd == 0 else ("pdl", "plain")):
+                pdl.PDL = name == "pdl"
+                times[name].append(graph_replay_us([lambda c=c: tree_mla_hopper(*c.args()) for c in cases]))
+                if rnd == 0:
+                    outs[name] = tree_mla_hopper(*cases[0].args())
+        pdl.PDL = True
+        for name, ts in times.items():
+            row[f"{name}_us"] = round(min(ts), 2)
+            row[f"{name}_us_rounds"] = [round(t, 2) for t in ts]
+        row["pdl_vs_plain"] = round(row["plain_us"] / row["pdl_us"], 3)
+        row["outputs_equal"] = bool(torch.equal(outs["plain"], outs["pdl"]))
+        row["finite"] = bool(torch.isfinite(outs["pdl"]).all())
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("_rounds")}), flush=True)
+        del cases
+        torch.cuda.empty_cache()
+    write_result(args.out, "tree_mla_pdl_ab", args.commit,
+                 dict(timing="whole tree_mla_hopper call, CUDA-graph replay rotating over inputs > L2, each setting "
+                             "captured afresh; min of two rounds in alternating order",
+                      check="outputs with and without PDL equal bit for bit", kernel="few_rows_serves' choice"),
+                 rows)
+
+
+if __name__ == "__main__":
+    main()
