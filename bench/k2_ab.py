@@ -17,7 +17,10 @@ Switches:
   row an expert, 2 up to two rows) against ``choose_config``'s (4 up to one row, 8 below half a
   row for a tree's tokens);
 * ``pdl``: every Triton and Gluon kernel of the step launched plainly against with programmatic
-  dependent launch (``kernels.pdl.PDL``).
+  dependent launch (``kernels.pdl.PDL``);
+* ``early-merge``: every tree-attention merge launched early (PDL) against the served rule, which
+  launches it after the split launch completes where that launch held more than half the SMs
+  (``tree_mla.EARLY_MERGE_MAX_SHARE``).
 
 Each row says whether its logits equal the other setting's in the same round, and its own setting's
 in the other round. Before ``a182555`` the MoE's split-K gate/up added its slices with atomics
@@ -43,7 +46,7 @@ import torch
 from bench.common import write_result
 from bench.k2_slice import (K2_CONFIG, TP, build_cache, build_model, per_rank_config, random_trees, time_full_ms,
                             time_replay_ms)
-from kernels import int4_moe, pdl, skinny_gemm, tree_mla_hopper
+from kernels import int4_moe, pdl, skinny_gemm, tree_mla, tree_mla_hopper
 from services.verifier import moe as moe_mod
 from services.verifier.config import TargetConfig
 from services.verifier.graphs import VerifyGraphs
@@ -89,16 +92,21 @@ def switches(model: TargetModel) -> dict[str, tuple[tuple[str, str], Callable[[s
     def pdl_switch(v: str) -> None:
         pdl.PDL = v == "pdl"
 
+    share = tree_mla.EARLY_MERGE_MAX_SHARE
+
+    def early_merge(v: str) -> None:
+        tree_mla.EARLY_MERGE_MAX_SHARE = share if v == "served" else float("inf")
+
     return {"router": (("float32", "parts"), router), "shared-stream": (("main", "side"), shared_stream),
             "router-gemv": (("gemm", "gemv"), router_gemv), "few-rows": (("rows64", "few"), few_rows),
             "skinny": (("cublas", "skinny"), skinny), "moe-split": (("before", "served"), moe_split),
-            "pdl": (("plain", "pdl"), pdl_switch)}
+            "pdl": (("plain", "pdl"), pdl_switch), "early-merge": (("always", "served"), early_merge)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--switch", choices=("router", "shared-stream", "router-gemv", "few-rows", "skinny", "moe-split", "pdl"),
-                    required=True)
+    ap.add_argument("--switch", required=True, choices=(
+        "router", "shared-stream", "router-gemv", "few-rows", "skinny", "moe-split", "pdl", "early-merge"))
     ap.add_argument("--cases", nargs="+", default=None, metavar="BUDGET,BATCH",
                     help="steps to time (default: 0,1 16,1 16,32; budget 0 = autoregressive)")
     ap.add_argument("--commit", default=None)

@@ -7,6 +7,9 @@ and off in one process, so the machine cannot be the difference, and with it on 
 the call's two launches (the split kernel, the merge), to say which launch the change is in:
 ``kernels.pdl.enabled`` is replaced for the run by a stub answering each launch in turn (a call
 asks it once a launch, split kernel first; every shape here has more than one split, so a merge).
+``pdl`` is the served rule, under which a merge after a split launch of more than half the SMs'
+CTAs is not launched early (``kernels.tree_mla.merge_splits``); ``pdl_early_merge`` launches every
+merge early, as before that rule.
 
 Each shape times the whole served ``tree_mla_hopper`` call back to back in one CUDA graph (inputs
 rotated past L2, as ``bench/tree_mla_bench.py``), each setting captured afresh, two rounds in
@@ -25,11 +28,12 @@ import torch
 
 from bench.common import graph_replay_us, write_result
 from bench.tree_mla_bench import rotating_cases
-from kernels import pdl
+from kernels import pdl, tree_mla
 from kernels.tree_mla_hopper import few_rows_serves, tree_mla_hopper
 
 SHAPES = ((1, 1024, 9, 8), (1, 4096, 9, 8), (1, 4096, 33, 8), (1, 16384, 33, 8), (1, 4096, 9, 64), (1, 4096, 17, 64),
-          (1, 16384, 9, 64), (1, 1024, 1, 8), (8, 4096, 17, 8), (32, 4096, 9, 8))
+          (1, 16384, 9, 64), (1, 1024, 1, 8), (4, 4096, 17, 8), (8, 4096, 17, 8), (16, 4096, 9, 8), (32, 4096, 9, 8),
+          (8, 4096, 1, 8), (32, 4096, 1, 8), (128, 4096, 1, 8))
 
 
 def main() -> None:
@@ -37,7 +41,9 @@ def main() -> None:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default="bench/results/tree_mla_pdl_ab.json")
     args = ap.parse_args()
-    variants = {"plain": (False, False), "pdl": (True, True), "split_pdl": (True, False), "merge_pdl": (False, True)}
+    variants = {"plain": (False, False), "pdl": (True, True), "pdl_early_merge": (True, True), "split_pdl": (True, False),
+                "merge_pdl": (False, True)}
+    served_share = tree_mla.EARLY_MERGE_MAX_SHARE
     served_enabled = pdl.enabled
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
@@ -52,11 +58,13 @@ def main() -> None:
                 for name in (list(variants) if rnd == 0 else list(variants)[::-1]):
                     answers = itertools.cycle(variants[name])  # split kernel, then merge, call after call
                     pdl.enabled = lambda device, a=answers: next(a) and served_enabled(device)
+                    tree_mla.EARLY_MERGE_MAX_SHARE = float("inf") if name == "pdl_early_merge" else served_share
                     times[name].append(graph_replay_us([lambda c=c: tree_mla_hopper(*c.args()) for c in cases]))
                     if rnd == 0:
                         outs[name] = tree_mla_hopper(*cases[0].args())
         finally:
             pdl.enabled = served_enabled
+            tree_mla.EARLY_MERGE_MAX_SHARE = served_share
         for name, ts in times.items():
             row[f"{name}_us"] = round(min(ts), 2)
             row[f"{name}_us_rounds"] = [round(t, 2) for t in ts]

@@ -739,7 +739,7 @@ def tree_mla_hopper(
     if few:
         _launch_few_rows(q_latent, q_pe, kv_cache, new_kv, meta, softmax_scale * _LOG2E, out, o_part, lse_part,
                          num_splits, groups, gdt, limit)
-        merge_splits(o_part, lse_part, out, num_splits, 1)
+        merge_splits(o_part, lse_part, out, num_splits, 1, after_ctas=groups * num_splits * R)
         return out
     smem = {
         "Q_LAT_SMEM": gl.NVMMASharedLayout.get_default_for([BLOCK_M, kvr], gdt),
@@ -768,7 +768,7 @@ def tree_mla_hopper(
         CONSUMER_REGS=CONSUMER_REGS, TRACE=trace is not None, TRACE_TILES=trace_tiles, **smem, PDL=use_pdl, num_warps=4,
         launch_pdl=use_pdl,
     )
-    merge_splits(o_part, lse_part, out, num_splits, 1)
+    merge_splits(o_part, lse_part, out, num_splits, 1, after_ctas=m_tiles * num_splits * R)
     return out
 
 
