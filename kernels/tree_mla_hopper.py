@@ -212,15 +212,6 @@ if gluon is not None:
         return pos, ok
 
     @gluon.jit
-    def _slot(ring, st, HALF: gl.constexpr, PAIRED: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Key tile ``st`` of the ring: a paired ring holds two tiles a buffer (``[NUM_STAGES / 2,
-        2 * BLOCK_N, dims]``), tile ``st`` in half ``st % 2``, which the caller knows (``HALF``)."""
-        if PAIRED:
-            return ring.index(st // 2).slice(HALF * BLOCK_N, BLOCK_N)
-        else:
-            return ring.index(st)
-
-    @gluon.jit
     def _copy_tile(k_lat_t, k_pe_t, ready, t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr,
                    q_start, stride_kv_page, stride_kv_tok, stride_new_n,
                    KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, LAT_LD: gl.constexpr, PE_LD: gl.constexpr):
@@ -243,52 +234,17 @@ if gluon is not None:
         mbarrier.arrive(ready)  # ... before the one the barrier was initialised with
 
     @gluon.jit
-    def _fill_slot(k_lat, k_pe, kv_ready, kv_free, lat_desc, pe_desc, kv_ptr, new_kv_ptr, pt_row, q_start, t,
-                   n_prefix, lo, hi, n_nodes, page_size, stride_kv_page, stride_kv_tok, stride_new_n,
-                   trace_ptr, trace_slot, HALF: gl.constexpr,
-                   KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   TMA_ROWS: gl.constexpr, PAIRED: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
-                   LAT_LD: gl.constexpr, PE_LD: gl.constexpr):
-        """Key tile ``t`` (half ``HALF`` of its ring buffer where paired) into the ring once both
-        consumers are done with the slot's previous tile."""
-        st = t % NUM_STAGES
-        _trace(trace_ptr, trace_slot + t, 0, t < TRACE_TILES, TRACE)
-        mbarrier.wait(kv_free.index(st), ((t // NUM_STAGES) & 1) ^ 1)  # both warpgroups are done with it
-        _trace(trace_ptr, trace_slot + t, 1, t < TRACE_TILES, TRACE)
-        lat_t = _slot(k_lat, st, HALF, PAIRED, BLOCK_N)
-        pe_t = _slot(k_pe, st, HALF, PAIRED, BLOCK_N)
-        if TMA_ROWS > 0:
-            start = lo + t * BLOCK_N
-            if (t < n_prefix) & (start + BLOCK_N <= hi):
-                mbarrier.expect(kv_ready.index(st), BLOCK_N * (KVR + ROPE) * 2)
-                for c in gl.static_range(BLOCK_N // TMA_ROWS):
-                    pos = start + c * TMA_ROWS
-                    page = gl.load(pt_row + pos // page_size)
-                    row = page * page_size + pos % page_size
-                    _tma_load(lat_desc, [row, 0], kv_ready.index(st), lat_t.slice(c * TMA_ROWS, TMA_ROWS))
-                    _tma_load(pe_desc, [row, 0], kv_ready.index(st), pe_t.slice(c * TMA_ROWS, TMA_ROWS))
-            else:
-                _copy_tile(lat_t, pe_t, kv_ready.index(st), t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr,
-                           new_kv_ptr, q_start, stride_kv_page, stride_kv_tok, stride_new_n, KVR, ROPE, BLOCK_N,
-                           LAT_LD, PE_LD)
-        else:
-            _copy_tile(lat_t, pe_t, kv_ready.index(st), t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr,
-                       new_kv_ptr, q_start, stride_kv_page, stride_kv_tok, stride_new_n, KVR, ROPE, BLOCK_N,
-                       LAT_LD, PE_LD)
-
-    @gluon.jit
     def _loader(q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
                 q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
-                n_prefix, n_load, lo, hi, n_nodes, page_size,
+                n_prefix, n_total, lo, hi, n_nodes, page_size,
                 stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok, stride_new_n,
                 trace_ptr, trace_slot,
                 KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                TMA_ROWS: gl.constexpr, PAIRED: gl.constexpr, LOADER_WARPS: gl.constexpr, TRACE: gl.constexpr,
-                TRACE_TILES: gl.constexpr):
-        """Stream the q tile and ``n_load`` key tiles into the ring. Whole prefix tiles go by TMA
+                TMA_ROWS: gl.constexpr, LOADER_WARPS: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr):
+        """Stream the q tile and every key tile into the ring. Whole prefix tiles go by TMA
         (``TMA_ROWS`` rows a copy, so a copy never crosses a page) where ``TMA_ROWS > 0``; a split's
         last, partial tile and the tree's own keys by cp.async, which zero-fills the rows past the
-        keys (and the narrow path's tile past an odd count, which exists only to fill its pair)."""
+        keys."""
         LAT_LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [LOADER_WARPS, 1], [1, 0])
         PE_LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROPE // 8), ROPE // 8], [LOADER_WARPS, 1], [1, 0])
         offs_r = gl.arange(0, _COPY_ROWS, layout=gl.SliceLayout(1, LAT_LD))
@@ -305,16 +261,29 @@ if gluon is not None:
             qp_ptrs = q_pe_ptr + (tok_p * stride_qp_n + (offs_mp % num_heads) * stride_qp_h)[:, None] + cols_pe[None, :]
             _cp_async(q_pe.slice(c * _COPY_ROWS, _COPY_ROWS), qp_ptrs, mask=(offs_mp < rows)[:, None])
         cp.mbarrier_arrive(q_ready, increment_count=False)
-        for t in range(0, n_load, 2):  # in pairs: a tile's half of a paired ring buffer is then known
-            _fill_slot(k_lat, k_pe, kv_ready, kv_free, lat_desc, pe_desc, kv_ptr, new_kv_ptr, pt_row, q_start, t,
-                       n_prefix, lo, hi, n_nodes, page_size, stride_kv_page, stride_kv_tok, stride_new_n,
-                       trace_ptr, trace_slot, 0, KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, PAIRED, TRACE, TRACE_TILES,
-                       LAT_LD, PE_LD)
-            if t + 1 < n_load:
-                _fill_slot(k_lat, k_pe, kv_ready, kv_free, lat_desc, pe_desc, kv_ptr, new_kv_ptr, pt_row, q_start, t + 1,
-                           n_prefix, lo, hi, n_nodes, page_size, stride_kv_page, stride_kv_tok, stride_new_n,
-                           trace_ptr, trace_slot, 1, KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, PAIRED, TRACE, TRACE_TILES,
-                           LAT_LD, PE_LD)
+        for t in range(n_total):
+            st = t % NUM_STAGES
+            _trace(trace_ptr, trace_slot + t, 0, t < TRACE_TILES, TRACE)
+            mbarrier.wait(kv_free.index(st), ((t // NUM_STAGES) & 1) ^ 1)  # both warpgroups are done with it
+            _trace(trace_ptr, trace_slot + t, 1, t < TRACE_TILES, TRACE)
+            if TMA_ROWS > 0:
+                start = lo + t * BLOCK_N
+                if (t < n_prefix) & (start + BLOCK_N <= hi):
+                    mbarrier.expect(kv_ready.index(st), BLOCK_N * (KVR + ROPE) * 2)
+                    for c in gl.static_range(BLOCK_N // TMA_ROWS):
+                        pos = start + c * TMA_ROWS
+                        page = gl.load(pt_row + pos // page_size)
+                        row = page * page_size + pos % page_size
+                        _tma_load(lat_desc, [row, 0], kv_ready.index(st), k_lat.index(st).slice(c * TMA_ROWS, TMA_ROWS))
+                        _tma_load(pe_desc, [row, 0], kv_ready.index(st), k_pe.index(st).slice(c * TMA_ROWS, TMA_ROWS))
+                else:
+                    _copy_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes,
+                               pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
+                               stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
+            else:
+                _copy_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes,
+                           pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
+                           stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
         cp.commit_group()
         cp.wait_group(0)  # belt and braces: the consumers already wait for every copy (q_ready, kv_ready)
 
@@ -401,146 +370,18 @@ if gluon is not None:
                 gl.store(lse_part_ptr + lse_part, lse, mask=offs_row < rows)
 
     @gluon.jit
-    def _softmax_t(s, s_mask, m_i, l_i, scale_log2):
-        """A key tile's softmax down the columns of ``S^T`` (keys x rows, the transposed products):
-        the new column max and sum, P^T in float32 and the rescale of what came before."""
-        s = gl.where(s_mask, s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # columns that saw no key yet stay finite
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[None, :])
-        return m_new, l_i * alpha + gl.sum(p, 0), p, alpha
-
-    @gluon.jit
-    def _store_rows_t(acc, m_i, l_i, row0, rows, q_start, num_heads, split, total_rows, out_ptr, o_part_ptr,
-                      lse_part_ptr, KVR: gl.constexpr, RN: gl.constexpr, DIRECT: gl.constexpr, COL: gl.constexpr,
-                      CONVERT: gl.constexpr):
-        """Rows ``[row0, row0 + RN)`` of a request out of ``O^T`` (one warpgroup): ``out[row, d] = O^T[d,
-        row] / l`` (one split) or the split's float32 partial and the rows' log-sum-exps. ``CONVERT``:
-        first into a layout whose threads hold consecutive d (coalesced stores), which takes a scratch
-        buffer of the tile's size in shared memory; else stored from the MMA's layout."""
-        l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
-        if CONVERT:
-            OUT_L: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
-        else:
-            OUT_L: gl.constexpr = acc.type.layout
-        o = gl.convert_layout(acc / l_safe[None, :], OUT_L)
-        offs_o = row0 + gl.arange(0, RN, layout=gl.SliceLayout(0, OUT_L))
-        flat_o = q_start.to(gl.int64) * num_heads + offs_o
-        d = gl.arange(0, KVR, layout=gl.SliceLayout(1, OUT_L))
-        ok_o = gl.full([KVR, RN], 1, gl.int1, layout=OUT_L) & (offs_o < rows)[None, :]
-        if DIRECT:
-            gl.store(out_ptr + flat_o[None, :] * KVR + d[:, None], o.to(out_ptr.dtype.element_ty), mask=ok_o)
-        else:
-            part = split.to(gl.int64) * total_rows + flat_o
-            gl.store(o_part_ptr + part[None, :] * KVR + d[:, None], o, mask=ok_o)
-            offs_n = row0 + gl.arange(0, RN, layout=COL)
-            lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
-            lse_at = split.to(gl.int64) * total_rows + q_start.to(gl.int64) * num_heads + offs_n
-            gl.store(lse_part_ptr + lse_at, lse, mask=offs_n < rows)
-
-    @gluon.jit
-    def _narrow_rows(q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, anc_bits_ptr, out_ptr, o_part_ptr,
-                     lse_part_ptr, q_start, pid_m, split, rows, num_heads, n_prefix, n_total, n_load, lo, hi, n_nodes,
-                     total_rows, stride_anc_n, scale_log2,
-                     ROLE: gl.constexpr, KVR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     DIRECT: gl.constexpr):
-        """A CTA with at most ``FEW_ROWS`` live rows (a 9-node tree's last 8 at 8 heads): warpgroup 0
-        runs the few-row kernel's transposed products on each pair of 32-key tiles, one buffer of
-        the paired ring: ``S^T = K Q^T`` ``[64 keys, 16 rows]``, a softmax down each column, ``O^T
-        += V^T P^T`` ``[kvr, 16]``, a quarter of the 64-row products. P^T goes to q's rows 16..31,
-        which this path does not read. Warpgroup 1 only releases each tile once it has landed, so
-        the ring turns as before. ``n_load``: ``n_total`` rounded up to a whole pair (the loader
-        zero-fills or masks the extra tile)."""
-        if ROLE == 1:
-            for t in range(n_load):
-                st = t % NUM_STAGES
-                mbarrier.wait(kv_ready.index(st), (t // NUM_STAGES) & 1)
-                mbarrier.arrive(kv_free.index(st))
-        else:
-            RN: gl.constexpr = _FEW_ROWS
-            PK: gl.constexpr = 2 * BLOCK_N
-            dtype: gl.constexpr = q_lat.dtype
-            S_T: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, RN, 16])
-            COL: gl.constexpr = gl.SliceLayout(0, S_T)
-            offs_k = gl.arange(0, PK, layout=gl.SliceLayout(1, S_T))
-            row0 = pid_m * _BM
-            offs_n = row0 + gl.arange(0, RN, layout=COL)
-            row_ok = offs_n < rows
-            bits_col = anc_bits_ptr + (q_start + offs_n // num_heads).to(gl.int64) * stride_anc_n
-            q_l = q_lat.slice(0, RN)
-            q_p = q_pe.slice(0, RN)
-            p_buf = q_lat.slice(RN, RN).slice(0, PK, dim=1)  # [16 rows, 64 keys]
-            acc = gl.zeros([KVR, RN], gl.float32, layout=S_T)
-            m_i = gl.full([RN], float("-inf"), gl.float32, layout=COL)
-            l_i = gl.zeros([RN], gl.float32, layout=COL)
-            mbarrier.wait(q_ready, 0)
-            for t in range(0, n_load, 2):
-                st = t % NUM_STAGES
-                mbarrier.wait(kv_ready.index(st), (t // NUM_STAGES) & 1)
-                mbarrier.wait(kv_ready.index(st + 1), ((t + 1) // NUM_STAGES) & 1)
-                k_l = k_lat.index(st // 2)  # [64 keys, kvr]: tiles t and t + 1
-                k_p = k_pe.index(st // 2)
-                s = gl.zeros([PK, RN], gl.float32, layout=S_T)
-                s = warpgroup_mma(k_l, q_l.permute((1, 0)), s, use_acc=False, is_async=True)
-                s = warpgroup_mma(k_p, q_p.permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                tile = t + offs_k // BLOCK_N
-                pos = offs_k % BLOCK_N
-                prefix_ok = (tile < n_prefix) & (lo + tile * BLOCK_N + pos < hi)
-                node = gl.where(tile >= n_prefix, (tile - n_prefix) * BLOCK_N + pos, 0)
-                tree = (tile >= n_prefix) & (tile < n_total) & (node < n_nodes)
-                word = gl.load(bits_col[None, :] + (node // 32)[:, None], mask=tree[:, None] & row_ok[None, :], other=0)
-                s_mask = prefix_ok[:, None] | (((word >> (node % 32)[:, None]) & 1) != 0)
-                m_i, l_i, p, alpha = _softmax_t(s, s_mask, m_i, l_i, scale_log2)
-                p_buf.store(gl.permute(p.to(dtype), [1, 0]))
-                fence_async_shared()
-                _cta_barrier()  # every thread's part of P is in place before the product reads it
-                acc = warpgroup_mma(k_l.permute((1, 0)), p_buf.permute((1, 0)), acc * alpha[None, :], is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(kv_free.index(st))
-                mbarrier.arrive(kv_free.index(st + 1))
-            # stored from the MMA's layout: the ring fills shared memory, no room for a conversion's scratch
-            _store_rows_t(acc, m_i, l_i, row0, rows, q_start, num_heads, split, total_rows, out_ptr, o_part_ptr,
-                          lse_part_ptr, KVR, RN, DIRECT, COL, False)
-
-    @gluon.jit
     def _consumer(q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
                   anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                  q_start, pid_m, split, rows, num_heads, n_prefix, n_total, n_load, narrow, lo, hi, n_nodes,
+                  q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
                   total_rows, stride_anc_n, scale_log2, trace_ptr, trace_slot,
                   ROLE: gl.constexpr, KVR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  PAIRED: gl.constexpr, DIRECT: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr):
+                  DIRECT: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr):
         """One warpgroup: value dims ``[ROLE * KVR/2, (ROLE + 1) * KVR/2)`` of every tile's ``P V``, and
         the logits and softmax of the tiles ``t % 2 == ROLE``. The owner of tile t publishes its
         probabilities (shared memory) and the running max / sum / rescale (``m_smem`` / ``l_smem`` / ``a_smem``) on
         ``p_ready[t % 2]``; the other warpgroup reads them for its half. Each warpgroup issues the
         logits of its next tile before it waits for the other's probabilities, so one warpgroup's
-        MMAs run while the other's softmax does. A CTA with at most ``FEW_ROWS`` live rows (``narrow``)
-        takes ``_narrow_rows`` instead."""
-        run_narrow = False
-        if PAIRED:
-            run_narrow = narrow
-        if run_narrow:
-            _narrow_rows(q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, anc_bits_ptr, out_ptr, o_part_ptr,
-                         lse_part_ptr, q_start, pid_m, split, rows, num_heads, n_prefix, n_total, n_load, lo, hi, n_nodes,
-                         total_rows, stride_anc_n, scale_log2, ROLE, KVR, BLOCK_N, NUM_STAGES, DIRECT)
-        else:
-            _wide_rows(q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
-                       anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                       q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                       total_rows, stride_anc_n, scale_log2, trace_ptr, trace_slot,
-                       ROLE, KVR, BLOCK_N, NUM_STAGES, PAIRED, DIRECT, TRACE, TRACE_TILES)
-
-    @gluon.jit
-    def _wide_rows(q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free, p_ready,
-                   anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                   q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                   total_rows, stride_anc_n, scale_log2, trace_ptr, trace_slot,
-                   ROLE: gl.constexpr, KVR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   PAIRED: gl.constexpr, DIRECT: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr):
-        """``_consumer``'s 64-row schedule (its docstring): this warpgroup owns the tiles of its parity,
-        so in a paired ring its own tiles are in half ``ROLE`` and the other's in half ``1 - ROLE``."""
+        MMAs run while the other's softmax does."""
         HALF: gl.constexpr = KVR // 2
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
         O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
@@ -561,13 +402,12 @@ if gluon is not None:
         if ROLE == 0:
             if n_total >= 1:  # tile 0: no earlier tile to fold in
                 mbarrier.wait(kv_ready.index(0), 0)
-                s = _logits(q_lat, q_pe, _slot(k_lat, 0, 0, PAIRED, BLOCK_N), _slot(k_pe, 0, 0, PAIRED, BLOCK_N),
-                            BLOCK_N, S_LAYOUT)
+                s = _logits(q_lat, q_pe, k_lat.index(0), k_pe.index(0), BLOCK_N, S_LAYOUT)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 m_i, l_i, p, alpha = _softmax(s, 0, m_i, l_i, n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
                                               BLOCK_N, S_LAYOUT, p_smem.dtype)
                 _publish_p(p, m_i, l_i, alpha, p_smem, m_smem, l_smem, a_smem, p_ready, 0)
-                acc = _own_pv(acc, p, alpha, _slot(k_lat, 0, 0, PAIRED, BLOCK_N), ROLE, HALF, O_LAYOUT)
+                acc = _own_pv(acc, p, alpha, k_lat.index(0), ROLE, HALF, O_LAYOUT)
                 mbarrier.arrive(kv_free.index(0))
         for j in range(2 - ROLE, n_total, 2):  # the tiles this warpgroup owns, each after the other's j-1
             st = j % NUM_STAGES
@@ -577,15 +417,14 @@ if gluon is not None:
             _trace(trace_ptr, slot, 0, traced, TRACE)
             mbarrier.wait(kv_ready.index(st), (j // NUM_STAGES) & 1)
             _trace(trace_ptr, slot, 1, traced, TRACE)
-            s = _logits(q_lat, q_pe, _slot(k_lat, st, ROLE, PAIRED, BLOCK_N), _slot(k_pe, st, ROLE, PAIRED, BLOCK_N),
-                        BLOCK_N, S_LAYOUT)
+            s = _logits(q_lat, q_pe, k_lat.index(st), k_pe.index(st), BLOCK_N, S_LAYOUT)
             mbarrier.wait(p_ready.index((j - 1) % 2), ((j - 1) // 2) & 1)
             _trace(trace_ptr, slot, 2, traced, TRACE)
             m_i = m_smem.load(ROW_S)
             l_i = l_smem.load(ROW_S)
             alpha_o = a_smem.load(ROW_O)
-            acc = warpgroup_mma(p_smem, _slot(k_lat, sp, 1 - ROLE, PAIRED, BLOCK_N).slice(ROLE * HALF, HALF, dim=1),
-                                acc * alpha_o[:, None], is_async=True)
+            acc = warpgroup_mma(p_smem, k_lat.index(sp).slice(ROLE * HALF, HALF, dim=1), acc * alpha_o[:, None],
+                                is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # the logits; P V of tile j-1 may still run
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # ... it read p_smem before we rewrite it
             mbarrier.arrive(kv_free.index(sp))
@@ -594,7 +433,7 @@ if gluon is not None:
                                           BLOCK_N, S_LAYOUT, p_smem.dtype)
             _publish_p(p, m_i, l_i, alpha, p_smem, m_smem, l_smem, a_smem, p_ready, j)
             _trace(trace_ptr, slot, 4, traced, TRACE)
-            acc = _own_pv(acc, p, alpha, _slot(k_lat, st, ROLE, PAIRED, BLOCK_N), ROLE, HALF, O_LAYOUT)
+            acc = _own_pv(acc, p, alpha, k_lat.index(st), ROLE, HALF, O_LAYOUT)
             _trace(trace_ptr, slot, 5, traced, TRACE)
             mbarrier.arrive(kv_free.index(st))
         if n_total >= 1:
@@ -604,8 +443,7 @@ if gluon is not None:
                 mbarrier.wait(p_ready.index(j % 2), (j // 2) & 1)
                 m_i = m_smem.load(ROW_S)
                 l_i = l_smem.load(ROW_S)
-                acc = _other_pv(acc, a_smem.load(ROW_O), p_smem, _slot(k_lat, j % NUM_STAGES, 1 - ROLE, PAIRED, BLOCK_N),
-                                ROLE, HALF)
+                acc = _other_pv(acc, a_smem.load(ROW_O), p_smem, k_lat.index(j % NUM_STAGES), ROLE, HALF)
                 mbarrier.arrive(kv_free.index(j % NUM_STAGES))
 
         _trace(trace_ptr, head, 1, True, TRACE)
@@ -640,21 +478,10 @@ if gluon is not None:
             prefix_len = gl.load(prefix_lens_ptr + r)
             lo, hi, n_prefix, n_total = _split_range(prefix_len, split, num_splits, n_nodes, BLOCK_N)
 
-            # 32-key tiles on an even ring: two tiles a buffer, so a CTA of at most FEW_ROWS live rows
-            # (``narrow``) can take the few-row kernel's 64-key products; it then loads a whole pair.
-            PAIRED: gl.constexpr = (2 * BLOCK_N == _FEW_KEYS) and (NUM_STAGES % 2 == 0)
-            if PAIRED:
-                narrow = rows - pid_m * _BM <= _FEW_ROWS
-                n_load = n_total + (narrow & (n_total % 2 == 1)).to(gl.int32)
-                k_lat = gl.allocate_shared_memory(dtype, [NUM_STAGES // 2, 2 * BLOCK_N, KVR], K_LAT_SMEM)
-                k_pe = gl.allocate_shared_memory(dtype, [NUM_STAGES // 2, 2 * BLOCK_N, ROPE], K_PE_SMEM)
-            else:
-                narrow = False
-                n_load = n_total
-                k_lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, KVR], K_LAT_SMEM)
-                k_pe = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], K_PE_SMEM)
             q_lat = gl.allocate_shared_memory(dtype, [_BM, KVR], Q_LAT_SMEM)
             q_pe = gl.allocate_shared_memory(dtype, [_BM, ROPE], Q_PE_SMEM)
+            k_lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, KVR], K_LAT_SMEM)
+            k_pe = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], K_PE_SMEM)
             p_smem = gl.allocate_shared_memory(dtype, [_BM, BLOCK_N], P_SMEM)
             flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
             m_smem = gl.allocate_shared_memory(gl.float32, [_BM], flat)
@@ -677,20 +504,20 @@ if gluon is not None:
             gl.warp_specialize([
                 (_loader, (q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
                            q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
-                           n_prefix, n_load, lo, hi, n_nodes, page_size,
+                           n_prefix, n_total, lo, hi, n_nodes, page_size,
                            stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
                            stride_new_n, trace_ptr, cta * 3 * slots,
-                           KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, PAIRED, num_warps, TRACE, TRACE_TILES)),
+                           KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps, TRACE, TRACE_TILES)),
                 (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free,
                              p_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                             q_start, pid_m, split, rows, num_heads, n_prefix, n_total, n_load, narrow, lo, hi,
-                             n_nodes, total_rows, stride_anc_n, scale_log2, trace_ptr, (cta * 3 + 1) * slots,
-                             0, KVR, BLOCK_N, NUM_STAGES, PAIRED, DIRECT, TRACE, TRACE_TILES)),
+                             q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
+                             total_rows, stride_anc_n, scale_log2, trace_ptr, (cta * 3 + 1) * slots,
+                             0, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES)),
                 (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free,
                              p_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                             q_start, pid_m, split, rows, num_heads, n_prefix, n_total, n_load, narrow, lo, hi,
-                             n_nodes, total_rows, stride_anc_n, scale_log2, trace_ptr, (cta * 3 + 2) * slots,
-                             1, KVR, BLOCK_N, NUM_STAGES, PAIRED, DIRECT, TRACE, TRACE_TILES)),
+                             q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
+                             total_rows, stride_anc_n, scale_log2, trace_ptr, (cta * 3 + 2) * slots,
+                             1, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES)),
             ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
     @gluon.jit
@@ -808,7 +635,13 @@ if gluon is not None:
                     word = gl.load(bits_col[None, :] + (kk // 32)[:, None], mask=(kk < n_nodes)[:, None] & row_ok[None, :],
                                    other=0)
                     s_mask = ((word >> (kk % 32)[:, None]) & 1) != 0
-                m_i, l_i, p, alpha = _softmax_t(s, s_mask, m_i, l_i, scale_log2)
+                s = gl.where(s_mask, s * scale_log2, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 0))
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # columns that saw no key yet stay finite
+                alpha = gl.exp2(m_i - m_use)
+                p = gl.exp2(s - m_use[None, :])
+                l_i = l_i * alpha + gl.sum(p, 0)
+                m_i = m_new
                 p_smem.store(gl.permute(p.to(dtype), [1, 0]))
                 fence_async_shared()
                 _cta_barrier()  # every thread's part of P is in place before the product reads it
@@ -820,8 +653,22 @@ if gluon is not None:
                                     n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page,
                                     stride_kv_tok, stride_new_n, lat_desc, pe_desc, KVR, ROPE, BN, TMA_ROWS, LAT_LD, PE_LD)
 
-            _store_rows_t(acc, m_i, l_i, row0, rows, q_start, num_heads, split, total_rows, out_ptr, o_part_ptr,
-                          lse_part_ptr, KVR, RN, DIRECT, COL, True)
+            # out[row, d] = O^T[d, row] / l, stored with d contiguous
+            OUT_L: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
+            l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
+            o = gl.convert_layout(acc / l_safe[None, :], OUT_L)
+            offs_o = row0 + gl.arange(0, RN, layout=gl.SliceLayout(0, OUT_L))
+            flat_o = q_start.to(gl.int64) * num_heads + offs_o
+            d = gl.arange(0, KVR, layout=gl.SliceLayout(1, OUT_L))
+            ok_o = gl.full([KVR, RN], 1, gl.int1, layout=OUT_L) & (offs_o < rows)[None, :]
+            if DIRECT:
+                gl.store(out_ptr + flat_o[None, :] * KVR + d[:, None], o.to(out_ptr.dtype.element_ty), mask=ok_o)
+            else:
+                part = split.to(gl.int64) * total_rows + flat_o
+                gl.store(o_part_ptr + part[None, :] * KVR + d[:, None], o, mask=ok_o)
+                lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
+                lse_at = split.to(gl.int64) * total_rows + q_start.to(gl.int64) * num_heads + offs_n
+                gl.store(lse_part_ptr + lse_at, lse, mask=row_ok)
 
 
 @on_input_device
