@@ -86,7 +86,7 @@ def _worker(rank: int, world: int, port: int, out: str, commit: str) -> None:
         if rank == 0:
             print(row, flush=True)
     if rank == 0:
-        doc = {"benchmark": "allreduce", "commit": commit, "gpu": torch.cuda.get_device_name(0),
+        doc = {"benchmark": Path(out).stem, "commit": commit, "gpu": torch.cuda.get_device_name(0),
                "copy_gbps": None, "params": {"world_size": world, "dtype": "bfloat16", "graph_reps": 50,
                                              "one_shot": custom.one_shot, "fallback_reason": custom.reason},
                "rows": rows}

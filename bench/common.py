@@ -131,13 +131,14 @@ def kernel_times(fn: Callable[[], object], reps: int = 10) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def write_result(out: str, benchmark: str, commit: str | None, params: dict, rows: list) -> None:
-    """Write one ``bench/results`` file in TARGETS.md's schema: this GPU's name and copy bandwidth
-    measured now, the commit (``git_commit``), the params and the rows."""
+def write_result(out: str, commit: str | None, params: dict, rows: list) -> None:
+    """Write one ``bench/results`` file in TARGETS.md's schema: ``benchmark`` is the file's name
+    without ``.json`` (TARGETS.md: ``NAME.json`` holds ``"benchmark": NAME``), this GPU's name and
+    copy bandwidth measured now, the commit (``git_commit``), the params and the rows."""
     import json
     from pathlib import Path
 
-    doc = dict(benchmark=benchmark, commit=git_commit(commit), gpu=torch.cuda.get_device_name(),
+    doc = dict(benchmark=Path(out).stem, commit=git_commit(commit), gpu=torch.cuda.get_device_name(),
                copy_gbps=round(measure_copy_gbps(), 1), params=params, rows=rows)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -406,7 +406,7 @@ def write_results(path: Path, rows: list[dict], args: argparse.Namespace, commit
     params = {"model": args.model, "dtype": "bfloat16", "prompts": args.prompts, "prompt_tokens": args.prompt_len,
               "max_tokens": args.max_tokens, "budget": args.budget, "scheduler_max_batch": 1,
               "verifier_ring": {"slots": RING_SLOTS, "slot_bytes": RING_SLOT_BYTES}, "gpus": args.gpus}
-    doc = {"benchmark": "cuda-ipc", "commit": commit, "gpu": torch.cuda.get_device_name(0), "copy_gbps": None,
+    doc = {"benchmark": path.stem, "commit": commit, "gpu": torch.cuda.get_device_name(0), "copy_gbps": None,
            "params": params, "rows": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2))

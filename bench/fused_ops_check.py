@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -152,7 +151,7 @@ def main() -> None:
             })
             rows.append(row)
             print(json.dumps(row), flush=True)
-    write_result(args.out, Path(args.out).stem, args.commit, dict(
+    write_result(args.out, args.commit, dict(
         dtype="bfloat16",
         shapes={k: dict(zip(("hidden", "q_rows", "kv_a_rows", "shared_inter"), v)) for k, v in SHAPES.items()},
         timing="CUDA-graph replay, median of 20 (includes the replay's own launch cost)",

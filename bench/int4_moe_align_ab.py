@@ -76,7 +76,7 @@ def main() -> None:
             row[f"{name}_call_us"] = round(min(times[name]["call"]), 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    write_result(args.out, "int4_moe_align_ab", args.commit,
+    write_result(args.out, args.commit,
                  dict(points=[list(p) for p in POINTS], variants=VARIANTS, routings_per_graph=R, group_size=GROUP,
                       timing="CUDA-graph replay of R routings, graph_replay_us (median of 20), min of two rounds",
                       config="choose_config's (the served one)"),

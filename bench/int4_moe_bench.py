@@ -460,7 +460,7 @@ def main() -> None:
     if args.workers > 1:
         precompile(shapes, tokens, args.workers)
     result = dict(
-        benchmark="int4_moe",
+        benchmark=Path(args.out).stem,
         commit=args.commit,
         gpu=gpu,
         copy_gbps=round(copy_gbps, 1),

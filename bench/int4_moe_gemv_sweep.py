@@ -350,7 +350,7 @@ def main() -> None:
         precompile(shapes, tokens, grid_split("gu", grids["gu"])[0], grid_split("dn", grids["dn"])[0], args.workers,
                    grids["stages"])
     result = dict(
-        benchmark="int4_moe_gemv",
+        benchmark=Path(args.out).stem,
         commit=args.commit,
         gpu=gpu,
         copy_gbps=round(copy_gbps, 1) if copy_gbps else None,

@@ -98,7 +98,7 @@ def main() -> None:
         for r in rows[-2:]:
             print(json.dumps({k: v for k, v in r.items() if not k.endswith(".unit")}), flush=True)
     write_result(
-        args.out, "int4_moe_ncu", args.commit,
+        args.out, args.commit,
         dict(points=[list(p) for p in points], config="choose_config's (the served one)",
              launches="the third fused_int4_moe call's gate/up and down Gluon launches",
              stalls="smsp__average_warp_latency_issue_stalled_*.ratio: cycles a warp spent in that state "

@@ -93,7 +93,7 @@ def main() -> None:
             row[name + "_vs_gated"] = round(row["gated_us"] / row[name + "_us"], 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    write_result(args.out, "int4_moe_one_matrix_probe", args.commit,
+    write_result(args.out, args.commit,
                  dict(points=[list(p) for p in POINTS], one_matrix=ONE, routing="uniform, R = 8 (M <= 288) / 4 routings a graph",
                       timing="CUDA-graph replay, median of 20, us per call; one_* = gate GEMM + up GEMM (one matrix each, TMA "
                              "words, per-assignment output rows), not counting the gather or a SiLU pass",

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import re
 import time
-from pathlib import Path
 
 import torch
 
@@ -199,7 +198,7 @@ def main() -> None:
         del W
         torch.cuda.empty_cache()
     write_result(
-        args.out, Path(args.out).stem, args.commit,
+        args.out, args.commit,
         dict(shapes={s: SHAPES[s] for s in args.shapes.split(",")}, group_size=GROUP, reduce="sum",
              variants="down_/gate_up_bn{rows}[_t{tiles a CTA}]_s{ring stages}[_k256: two 128-wide K steps a "
                       "ring slot][_overlap: one MMA wait a slot][_streamx: activations through the ring, not "

@@ -90,7 +90,7 @@ def main() -> None:
                    calls_not_finite=bad_nan, calls_not_equal=bad_diff, calls_leaving_counters_set=bad_count)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    write_result(args.out, "int4_moe_tma_check", args.commit,
+    write_result(args.out, args.commit,
                  dict(module=args.module, reps=args.reps, check="TMA-weight output NaN-poisoned, then equal bit for bit "
                       "to the same launch with cp.async weights (split-K: workspace NaN-poisoned, tile counters zero after; down: h's "
                       "padding rows NaN), "

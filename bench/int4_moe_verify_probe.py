@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from pathlib import Path
 
 import torch
 
@@ -106,7 +105,7 @@ def main() -> None:
             for kk in (kk for kk in row if kk.startswith("kernels")):
                 print("   ", kk, json.dumps(row[kk]), flush=True)
             print("   ", " ".join(f"{n}={v['us']}" for n, v in row["variants"].items()), flush=True)
-    write_result(args.out, Path(args.out).stem, args.commit,
+    write_result(args.out, args.commit,
                  dict(shape="K2 TP8: 384 experts x hidden 7168 x intermediate 256, top-8, group 32",
                       pools=POOLS, routings=ROUTINGS,
                       timing="whole fused_int4_moe call, CUDA-graph replay over 16 routings, median of 20",

@@ -39,7 +39,6 @@ import argparse
 import dataclasses
 import json
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -150,7 +149,7 @@ def main() -> None:
         row["logits_equal_other_setting"] = bool(torch.equal(logits[(row["round"], setting, *key)],
                                                              logits[(row["round"], other, *key)]))
         row["logits_equal_other_round"] = bool(torch.equal(logits[(0, setting, *key)], logits[(1, setting, *key)]))
-    write_result(out, Path(out).stem, args.commit,
+    write_result(out, args.commit,
                  dict(model="Kimi-K2 TP8 per-rank slice, 61 layers, random weights (bench.k2_slice)", context=CONTEXT,
                       page_size=PAGE, routing="model", reps=args.reps, switch=args.switch, settings=[a, b],
                       cases=[list(c) for c in cases],

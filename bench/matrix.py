@@ -388,13 +388,13 @@ def _gpu_name() -> str:
         return "cpu"
 
 
-def write_results(rows: list[dict], params: MatrixParams, out_json: Path, name: str = "matrix-demo",
-                  copy_gbps: float | None = None, commit: str | None = None, extra: dict | None = None,
-                  plot: bool = True) -> None:
-    """The TARGETS.md result file; `extra` goes into params (how the stack was configured)."""
+def write_results(rows: list[dict], params: MatrixParams, out_json: Path, copy_gbps: float | None = None,
+                  commit: str | None = None, extra: dict | None = None, plot: bool = True) -> None:
+    """The TARGETS.md result file (``benchmark``: its name without ``.json``); `extra` goes into
+    params (how the stack was configured)."""
     out_json = Path(out_json)
     out_json.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"benchmark": name, "commit": git_commit(commit), "gpu": _gpu_name(), "copy_gbps": copy_gbps,
+    doc = {"benchmark": out_json.stem, "commit": git_commit(commit), "gpu": _gpu_name(), "copy_gbps": copy_gbps,
            "params": {**asdict(params), **(extra or {})}, "rows": rows}
     tmp = out_json.with_suffix(".json.part")
     tmp.write_text(json.dumps(doc, indent=2))

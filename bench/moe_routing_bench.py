@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 
@@ -65,7 +64,7 @@ def main() -> None:
             row["speedup_select"] = round(row["torch_select_us"] / row["triton_select_us"], 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    write_result(args.out, Path(args.out).stem, args.commit, dict(
+    write_result(args.out, args.commit, dict(
         dtype="router logits float32 from bf16 hidden states",
         timing="CUDA-graph replay, median of 20; *_route_us includes the float32 router matmul (a cast and a GEMM)",
         check="ids and weights against services.verifier.moe.select_experts on the same logits"), rows)

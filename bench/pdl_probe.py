@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
@@ -119,8 +118,7 @@ def main() -> None:
         del graphs, weights
         torch.cuda.empty_cache()
     pdl.PDL, skinny_gemm.PREFETCH = True, True
-    stem = Path(args.out).stem
-    write_result(args.out, stem, args.commit, dict(layers=args.layers, tokens=args.tokens, reps=args.reps,
+    write_result(args.out, args.commit, dict(layers=args.layers, tokens=args.tokens, reps=args.reps,
                  chain="add_rms_norm, q_kv_a, rms_norm, q_b, o_proj, add_rms_norm, shared gate/up, silu_mul, shared down",
                  variants={k: dict(pdl=v[0], prefetch=v[1]) for k, v in VARIANTS.items()}), rows)
     sys.exit(0 if all(r["equal_to_off"] in (None, True) for r in rows) else 1)

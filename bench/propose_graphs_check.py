@@ -73,7 +73,7 @@ def main() -> None:
             print(row, flush=True)
             for c in p_ctx:
                 pooled.release_context(c)
-    doc = {"benchmark": "propose-graphs", "commit": git_commit(args.commit), "gpu": torch.cuda.get_device_name(0),
+    doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit), "gpu": torch.cuda.get_device_name(0),
            "copy_gbps": None,
            "params": {**{k: v for k, v in vars(args).items() if k not in ("out", "commit")}, "dtype": "bfloat16",
                       "timing": "wall, synchronised, median of reps", "buckets_captured": captured,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 
@@ -68,7 +67,7 @@ def main() -> None:
             row["speedup"] = round(row["torch_us"] / row["fused_us"], 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    write_result(args.out, Path(args.out).stem, args.commit, dict(
+    write_result(args.out, args.commit, dict(
         dtype="bfloat16",
         timing="CUDA-graph replay of one layer's q_pe and new latent kv, median of 20 (includes the replay's own "
                "launch cost)",

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 
@@ -99,7 +98,7 @@ def main() -> None:
                                                        parts=ROUTER_PARTS) for p in parts]), 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    write_result(args.out, Path(args.out).stem, args.commit,
+    write_result(args.out, args.commit,
                  dict(router_parts=ROUTER_PARTS, served_chunks=ROUTER_K_CHUNKS, chunks=list(CHUNKS),
                       tokens=args.tokens, weight_copies=COPIES,
                       weights="N(0, 1/hidden) float32; hidden states N(0, 1) rounded to bf16; bias 0.05 N(0, 1)",

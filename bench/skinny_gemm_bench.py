@@ -126,7 +126,7 @@ def sweep(out: str, commit: str | None, names: list[str]) -> None:
             rows.append(row)
             print({k2: v for k2, v in row.items() if k2 != "plans_us"}, flush=True)
             del ops
-    write_result(out, out.rsplit("/", 1)[-1].removesuffix(".json"), commit,
+    write_result(out, commit,
                  dict(dtype="bfloat16", plans="block_n x block_k x split_k x num_stages x num_warps",
                       timing="CUDA-graph replay over operand copies past 256 MB, one round"), rows)
 
@@ -177,7 +177,7 @@ def main() -> None:
     params = dict(dtype="bfloat16", shapes={k: list(v) for k, v in SHAPES.items()},
                   timing="CUDA-graph replay of one call per operand copy (copies past 256 MB), better of two rounds",
                   torch="the model's own call: x @ w.T, acc.addmm_(x, w.T), torch.bmm on the attention's views")
-    write_result(args.out, args.out.rsplit("/", 1)[-1].removesuffix(".json"), args.commit, params, rows)
+    write_result(args.out, args.commit, params, rows)
 
 
 if __name__ == "__main__":

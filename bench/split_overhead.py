@@ -210,7 +210,7 @@ def main() -> None:
     on_gpu = args.device.startswith("cuda")
     gpu = torch.cuda.get_device_name(0) if on_gpu else "cpu"
     copy_gbps = round(measure_copy_gbps(), 1) if on_gpu else None
-    doc = {"benchmark": "split-overhead", "commit": git_commit(args.commit), "gpu": gpu, "copy_gbps": copy_gbps,
+    doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit), "gpu": gpu, "copy_gbps": copy_gbps,
            "params": {**{k: v for k, v in vars(args).items() if k not in ("out", "commit", "model")},
                       "model": args.model or "random", "prompt_lengths": [len(q) for q in prompts]},
            "rows": rows}

@@ -57,7 +57,7 @@ def main() -> None:
         if args.device.startswith("cuda"):
             import torch
             gpu = torch.cuda.get_device_name(0)
-        doc = {"benchmark": "step-split", "commit": git_commit(args.commit), "gpu": gpu, "copy_gbps": None,
+        doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit), "gpu": gpu, "copy_gbps": None,
                "params": {**{k: v for k, v in vars(args).items() if k not in ("out", "commit")},
                           "stack_start_s": round(started_s, 1)}, "rows": rows}
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")

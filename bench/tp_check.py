@@ -86,7 +86,7 @@ def main() -> None:
         rows.append(compare("demo", "bfloat16 (TP=2) vs float32 (TP=1)", True, d2, f1))
     print(rows, flush=True)
     commit = git_commit(args.commit)
-    doc = {"benchmark": "tp-equivalence", "commit": commit or "unknown", "gpu": torch.cuda.get_device_name(0),
+    doc = {"benchmark": Path(args.out).stem, "commit": commit or "unknown", "gpu": torch.cuda.get_device_name(0),
            "copy_gbps": None, "params": {"models": {"random": "make-checkpoint, moe_intermediate 128, 6 synthetic prompts, 32 tokens",
                                                     "demo": "the bundled demo pair, first 6 held-out prompts, 64 tokens"},
                                          "dtypes": ["float32", "bfloat16"], "budget": 16,

@@ -123,7 +123,7 @@ def main() -> None:
     out = Path(args.out)
     if args.append and out.is_file():
         rows = merge_rows(json.loads(out.read_text()), rows, commit, params)
-    doc = {"benchmark": "transport", "commit": commit or "unknown", "gpu": torch.cuda.get_device_name(0),
+    doc = {"benchmark": out.stem, "commit": commit or "unknown", "gpu": torch.cuda.get_device_name(0),
            "copy_gbps": None, "rows": rows, "params": params}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))

@@ -114,7 +114,7 @@ def groups(out: str, commit: str | None) -> None:
                   timing="whole tree_mla_hopper call, CUDA-graph replay rotating over input copies past L2, better "
                          "of two rounds; key: kernel/num_splits (few: few_rows=True, rows64: few_rows=False; auto: "
                          "few_rows_splits / choose_splits)")
-    write_result(out, out.rsplit("/", 1)[-1].removesuffix(".json"), commit, params, rows)
+    write_result(out, commit, params, rows)
     if not ok:
         raise SystemExit("checks failed: no timings")
 
@@ -146,7 +146,7 @@ def splits(out: str, commit: str | None) -> None:
                   timing="whole tree_mla_hopper call (few-row kernel + merge), CUDA-graph replay rotating over input "
                          "copies past L2, better of two rounds; key: num_splits (auto: choose_splits); kernels_us: "
                          "the served count's launches, torch.profiler, eager")
-    write_result(out, out.rsplit("/", 1)[-1].removesuffix(".json"), commit, params, rows)
+    write_result(out, commit, params, rows)
 
 
 MERGE_SHAPES = [(1, 4096), (1, 16384), (4, 4096), (8, 4096), (1, 1024)]
@@ -190,7 +190,7 @@ def merges(out: str, commit: str | None) -> None:
     params = dict(kvr=512, rope=64, page_size=64, dtype="bfloat16", heads=HEADS,
                   timing="whole tree_mla_hopper call, CUDA-graph replay rotating over input copies past L2, better "
                          "of two rounds; key: s<num_splits>/d<d_chunks>_b<split_block> (plan: merge_plan's)")
-    write_result(out, out.rsplit("/", 1)[-1].removesuffix(".json"), commit, params, rows)
+    write_result(out, commit, params, rows)
 
 
 def main() -> None:
@@ -235,7 +235,7 @@ def main() -> None:
                   timing="whole tree_mla_hopper call (split kernel + merge), CUDA-graph replay rotating over input "
                          "copies past L2, variants interleaved, better of two rounds",
                   variants="time_us: few_rows=True (the few-row kernel); rows64_us: few_rows=False (the 64-row kernel)")
-    write_result(args.out, args.out.rsplit("/", 1)[-1].removesuffix(".json"), args.commit, params, rows)
+    write_result(args.out, args.commit, params, rows)
     if not ok:
         raise SystemExit("checks failed: no timings")
 

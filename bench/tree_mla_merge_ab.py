@@ -83,7 +83,7 @@ def main() -> None:
                          | {k: v for k, v in row.items() if k.endswith("_equals_old") and not v}), flush=True)
         del cases
         torch.cuda.empty_cache()
-    write_result(args.out, "tree_mla_merge_ab", args.commit,
+    write_result(args.out, args.commit,
                  dict(variants={k: dict(d_chunks=v[0], split_block=v[1]) for k, v in VARIANTS.items()},
                       plan="tree_mla.merge_plan's launch (the served one)", rows_a_program=tm._MERGE_ROWS,
                       heads=HEADS, page_size=64,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from bench.ncu import STALLS, profile, stall_metrics
 
@@ -87,7 +86,7 @@ def main() -> None:
             rows.append(dict(batch=batch, context=context, tree_nodes=nodes, heads=HEADS, rows=nodes * HEADS, **rec))
             print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith(".unit")}), flush=True)
     write_result(
-        args.out, Path(args.out).stem, args.commit,
+        args.out, args.commit,
         dict(points=[list(p) for p in points], heads=HEADS, page_size=64, splits="the kernel's default (choose_splits)",
              launches="the third tree_mla_hopper call: the split kernel, then the merge where there are splits",
              stalls="smsp__average_warp_latency_issue_stalled_*.ratio: cycles a warp spent in that state per issued "

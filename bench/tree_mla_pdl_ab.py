@@ -76,7 +76,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("_rounds")}), flush=True)
         del cases
         torch.cuda.empty_cache()
-    write_result(args.out, "tree_mla_pdl_ab", args.commit,
+    write_result(args.out, args.commit,
                  dict(timing="whole tree_mla_hopper call, CUDA-graph replay rotating over inputs > L2, each setting "
                              "captured afresh; min of two rounds in alternating order",
                       variants={k: dict(split_kernel_pdl=v[0], merge_pdl=v[1]) for k, v in variants.items()},

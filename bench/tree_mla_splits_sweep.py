@@ -44,7 +44,7 @@ def main() -> None:
         row["best"], row["best_us"] = best, row[best]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    write_result(args.out, "tree_mla_splits_sweep", args.commit,
+    write_result(args.out, args.commit,
                  dict(heads=HEADS, page_size=64, sm_count=sms, splits=list(SPLITS),
                       timing="bench.tree_mla_bench.time_kernel: CUDA-graph replay, median of 20, inputs rotated past L2"),
                  rows)

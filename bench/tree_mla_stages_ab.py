@@ -64,7 +64,7 @@ def main() -> None:
                           or k in ("batch", "context", "tree_nodes")}), flush=True)
         del cases
         torch.cuda.empty_cache()
-    write_result(args.out, "tree_mla_stages_ab", args.commit,
+    write_result(args.out, args.commit,
                  dict(variants={k: dict(block_n=v[0], num_stages=v[1]) for k, v in VARIANTS.items()}, served=SERVED,
                       heads=HEADS, splits="choose_splits' count (the served one)",
                       timing="whole tree_mla_hopper call, CUDA-graph replay rotating over input copies > L2; min of two "

@@ -152,7 +152,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del cases
         torch.cuda.empty_cache()
-    write_result(args.out, "tree_mla_timeline", args.commit,
+    write_result(args.out, args.commit,
                  dict(heads=HEADS, page_size=64, traced_tiles=TILES, phases=PHASES,
                       variants={k: v or "served" for k, v in VARIANTS.items()},
                       cycles="medians of SM clock differences over every CTA's tiles but its first and last two",

@@ -144,7 +144,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                           cell_timeout_s=args.cell_timeout, time_budget_s=args.time_budget,
                           warmup_tokens=args.warmup_tokens, power=not args.no_power)
     out = Path(args.out)
-    name = out.stem
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # unwind: stop the stack
     copy_gbps = _copy_gbps()
     extra: dict = {}
@@ -170,8 +169,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         extra["transport"] = info.transport
 
         def save(rows: list[dict], plot: bool = False) -> None:
-            write_results(rows, params, out, name=name, copy_gbps=copy_gbps, commit=args.commit,
-                          extra=extra, plot=plot)
+            write_results(rows, params, out, copy_gbps=copy_gbps, commit=args.commit, extra=extra, plot=plot)
 
         rows = run_matrix(params, on_row=save)
         save(rows, plot=True)

@@ -136,7 +136,7 @@ def test_time_budget_skips_cells_and_reports_each():
 
 def test_split_overhead_end_to_end(tmp_path, ckpt):
     """T-split's script: both sides warmed and timed alike, step_ms on both, outputs identical."""
-    out = tmp_path / "split.json"
+    out = tmp_path / "split-overhead.json"  # a result file's name is its benchmark's (TARGETS.md)
     subprocess.run([sys.executable, "-m", "bench.split_overhead", "--model", str(ckpt), "--device", "cpu",
                     "--prompts", "2", "--max-tokens", "24", "--reps", "2", "--commit", "0123abcd", "--out", str(out)],
                    check=True, timeout=240, cwd=REPO, env=_env())

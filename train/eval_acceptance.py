@@ -230,9 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                   + (f", identical to AR {same}/{len(prompts)}" if temp == 0 else "") + f" ({time.time() - t0:.0f}s)",
                   flush=True)
     result = {
-        "benchmark": "acceptance-demo",
+        "benchmark": args.out.stem,
         "commit": _git_commit(args.commit),
         "gpu": "cpu" if args.device == "cpu" else torch.cuda.get_device_name(torch.device(args.device)),
+        "copy_gbps": None,  # a quality figure: no bandwidth measured
         "params": {
             "model": str(args.model), "prompts": len(prompts), "prompt_source": "held-out split, up to the first def/class",
             "max_new_tokens": args.max_new, "budgets": budgets, "temperatures": temperatures,
