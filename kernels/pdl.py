@@ -19,7 +19,10 @@ The contract every kernel launched with ``launch_pdl=enabled(...)`` keeps:
 * ``grid_sync`` also lets the next kernel launch at once (``gdc_launch_dependents``): its programs
   wait in their own ``grid_sync`` for this one to finish.
 Kernels launched without PDL (torch's, cuBLAS's) keep full stream order; a PDL kernel after one of
-them starts after it completes, as without PDL.
+them starts after it completes, as without PDL. A kernel built with ``PDL`` may still be launched
+plainly: its wait then returns at once, and it still lets the next kernel launch early. The tree
+attention's merge is, after a split launch that holds most SMs (``tree_mla.merge_launches_early``):
+launched early, its programs would sit on the few SMs that launch leaves free and run there.
 
 ``PDL`` is the switch (``DDTREE_PDL=0`` turns it off; ``bench/k2_ab.py --switch pdl`` A/Bs it). Off
 CUDA, under the interpreter, before sm_90 or where the installed Triton lacks the instructions,

@@ -638,6 +638,12 @@ def merge_plan(total_rows: int, kvr: int, num_splits: int, dv_splits: int, sm_co
 EARLY_MERGE_MAX_SHARE = 0.5
 
 
+def merge_launches_early(after_ctas: int | None, sm_count: int) -> bool:
+    """Whether ``merge_splits`` launches the merge early (PDL, where it is on) after a split launch of
+    ``after_ctas`` CTAs, one an SM (None: not known, early); see ``merge_splits``."""
+    return after_ctas is None or after_ctas <= EARLY_MERGE_MAX_SHARE * sm_count
+
+
 def merge_splits(o_part: Tensor, lse_part: Tensor, out: Tensor, num_splits: int, dv_splits: int, *,
                  d_chunks: int | None = None, split_block: int | None = None, after_ctas: int | None = None) -> None:
     """``out`` from the partials of more than one split (one merge launch; nothing for one); the
@@ -658,7 +664,7 @@ def merge_splits(o_part: Tensor, lse_part: Tensor, out: Tensor, num_splits: int,
     d_chunks = d_chunks or plan[0]
     split_block = split_block or plan[1]
     use_pdl = pdl.enabled(out.device)
-    early = use_pdl and (after_ctas is None or after_ctas <= EARLY_MERGE_MAX_SHARE * sms)
+    early = use_pdl and merge_launches_early(after_ctas, sms)
     _tree_mla_merge_kernel[(triton.cdiv(total_rows, _MERGE_ROWS), dv_splits * d_chunks)](
         o_part, lse_part, out, total_rows, num_splits, KVR=kvr, BLOCK_R=_MERGE_ROWS, DV_SPLITS=dv_splits,
         D_CHUNKS=d_chunks, SPLIT_BLOCK=split_block, PDL=use_pdl, num_warps=4,

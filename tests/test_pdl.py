@@ -125,3 +125,15 @@ def test_every_pdl_kernel_syncs_first_and_every_launch_says_so():
     assert {"_skinny_kernel", "_rms_norm_kernel", "_int4_moe_gemv_gate_up_kernel", "_tree_mla_merge_kernel",
             "_moe_gemm_hopper_kernel", "_tree_mla_hopper_kernel", "_tree_mla_few_rows_kernel"} <= kernels_with_pdl
     assert kernels_with_pdl == launched, kernels_with_pdl ^ launched
+
+
+def test_merge_waits_for_a_split_launch_that_holds_most_sms() -> None:
+    """A merge after a split launch of more than half the SMs' CTAs is launched plainly: launched
+    early its programs would sit on the few SMs left free (``bench/results/tree_mla_pdl_ab-*.json``)."""
+    from kernels.tree_mla import EARLY_MERGE_MAX_SHARE, merge_launches_early
+
+    assert EARLY_MERGE_MAX_SHARE == 0.5
+    assert merge_launches_early(None, 132)  # not known: early, as every other launch
+    assert merge_launches_early(24, 132) and merge_launches_early(66, 132)  # few-row at batch 1; half the GPU
+    assert not merge_launches_early(67, 132) and not merge_launches_early(130, 132)  # 64-row at batch 1, tree 33
+    assert not merge_launches_early(264, 132)  # more CTAs than SMs
