@@ -18,7 +18,6 @@ import json
 import threading
 import time
 
-import pynvml
 import torch
 
 from bench.common import write_result
@@ -29,6 +28,8 @@ SHAPES = ((32, 4096, 8, 8), (32, 4096, 9, 8), (32, 4096, 17, 8), (128, 4096, 9, 
 
 
 def sample(handle, stop: threading.Event, out: list) -> None:
+    import pynvml  # nvidia-ml-py: the GPU extra
+
     while not stop.is_set():
         out.append((pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
                     pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0))
@@ -41,6 +42,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/tree_mla_clocks.json")
     ap.add_argument("--seconds", type=float, default=2.0)
     args = ap.parse_args()
+    import pynvml  # nvidia-ml-py: the GPU extra
+
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
     limit_w = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0
