@@ -22,7 +22,7 @@ from services.scheduler.client import AsyncClient, Client, ClientError
 from services.verifier.model import expected_tensors, load_checkpoint
 from services.verifier.parallel import load_rank_slice
 from services.verifier.ranks import stop_workers, watch_workers
-from tests.stack_fixtures import PROMPTS
+from tests.stack_fixtures import PROMPTS, StackStarts
 
 # moe_intermediate 128 / tp 4 = 32: each rank's INT4 down_proj slice is one whole quantization group.
 OVERRIDES = {"moe_intermediate_size": 128}
@@ -32,6 +32,19 @@ OVERRIDES = {"moe_intermediate_size": 128}
 def ckpt(tmp_path_factory):
     return make_random_checkpoint(tmp_path_factory.mktemp("tp") / "ckpt", vocab_size=512, seed=5,
                                   target_overrides=OVERRIDES)
+
+
+def _tp_spec(ckpt, tp: int) -> StackSpec:
+    return StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={"DDTREE_VERIFIER_TP": str(tp)})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def starts(request, ckpt):
+    """The dead-rank test's own TP=2 stack, started as the module starts (alongside the equality
+    test's three), not after them; see ``StackStarts``."""
+    starts = StackStarts(request, {"test_dead_rank_makes_the_group_unhealthy_without_hanging": lambda: _tp_spec(ckpt, 2)})
+    yield starts
+    starts.close()
 
 
 def test_rank_slices_reassemble_the_checkpoint(ckpt):
@@ -52,8 +65,7 @@ def test_tp2_and_tp4_equal_tp1_token_for_token(ckpt):
     start is mostly one process importing at a time, so two cores start three stacks in about the
     time of the slowest. Each is queried and stopped as before."""
     tps = (1, 2, 4)
-    stacks = {tp: Stack(StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={"DDTREE_VERIFIER_TP": str(tp)}))
-              for tp in tps}
+    stacks = {tp: Stack(_tp_spec(ckpt, tp)) for tp in tps}
     results = {}
     with contextlib.ExitStack() as started:
         for stack in stacks.values():
@@ -117,9 +129,8 @@ def _worker_ranks(pid: int) -> list[int]:
     return [k for k in kids if b"services.verifier.ranks" in open(f"/proc/{k}/cmdline", "rb").read()]
 
 
-def test_dead_rank_makes_the_group_unhealthy_without_hanging(ckpt):
-    spec = StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={"DDTREE_VERIFIER_TP": "2"})
-    with Stack(spec) as stack:
+def test_dead_rank_makes_the_group_unhealthy_without_hanging(ckpt, starts):
+    with starts.take("test_dead_rank_makes_the_group_unhealthy_without_hanging", _tp_spec(ckpt, 2)) as stack:
         verifier = stack.process("verifier")
         (worker,) = _worker_ranks(verifier.pid)
 
