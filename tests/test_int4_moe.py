@@ -10,8 +10,8 @@ runs alongside the cases.
 
 Shapes are small but odd: hidden 160 and intermediate 96 are multiples of the 32-wide scale group
 and of no tile size used, so every K tail and N tail is exercised (the one-row-a-program served
-GEMV launch takes intermediate 64: still two scale groups and a K tail of its down kernel). Scales of experts no token chose
-are NaN, so reading them shows up in the output. The GEMV path's cases also allocate their outputs
+GEMV launch takes intermediate 64: still two scale groups and a K tail of its down kernel). Scales
+of experts no token chose are NaN, so reading them shows up in the output. The GEMV path's cases also allocate their outputs
 NaN-filled (every element must be written) and are checked against the tensor-core path too.
 """
 
@@ -182,7 +182,8 @@ def _run_gemv_case(name: str, M: int, top_k: int, gv: tuple, gvd: tuple, tol: fl
     default_name = DEFAULT_CONFIG_CASE.get(name)
     if default_name is not None:
         case = CASES[default_name]
-        assert case["cfg"] is None and all(case.get(k, v) == v for k, v in dict(M=M, top_k=top_k, I=inputs.get("I", 96)).items())
+        assert case["cfg"] is None and (case["M"], case["top_k"], case.get("I", 96)) == (M, top_k, inputs.get("I", 96)), \
+            f"{default_name} must name {name}'s shape"
         E, K, I = wg.packed.shape[0], x.shape[1], wg.packed.shape[1]
         chosen = choose_config(M, E, K, I, top_k)
         with _nan_empty():
