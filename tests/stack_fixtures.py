@@ -1,12 +1,17 @@
-"""Shared set-up for end-to-end tests: a random checkpoint, greedy references, an oracle drafter file."""
+"""Shared set-up for end-to-end tests: a random checkpoint, greedy references, an oracle drafter file,
+stacks started side by side."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from services.common.launcher import Stack, StackSpec
 from services.common.make_checkpoint import make_random_checkpoint
 from services.verifier.reference import ReferenceModel
 
@@ -50,3 +55,51 @@ def write_oracle(path: Path, ckpt: Path, refs: dict[str, tuple[list[int], list[i
     }
     path.write_text(json.dumps(spec))
     return f"oracle:{path}"
+
+
+class StackStarts:
+    """Stacks of one module started side by side when the module starts, each handed to its test.
+
+    Starting a stack is mostly one process importing torch at a time (services start in order), so
+    on two cores several stacks start in about the time of the slowest. ``begin`` starts a stack in a
+    thread; ``take`` waits for it (re-raising a failed start's error) and stops it when the test is
+    done, as ``with Stack(spec) as stack`` does; ``close`` stops whatever no test took.
+    """
+
+    def __init__(self, request, specs: dict[str, Callable[[], StackSpec]]) -> None:
+        selected = {getattr(item, "originalname", None) for item in request.session.items if item.module is request.module}
+        self._pool = ThreadPoolExecutor(max(1, len(specs)))
+        self._stacks: dict[str, Stack] = {}
+        self._starts: dict[str, Future] = {}
+        for name, make_spec in specs.items():
+            if name in selected:
+                stack = self._stacks[name] = Stack(make_spec())
+                self._starts[name] = self._pool.submit(stack.start)
+
+    def started(self, name: str) -> Stack:
+        """The test's stack once started; a start that failed raises its error here."""
+        return self._starts[name].result()
+
+    @contextlib.contextmanager
+    def take(self, name: str, spec: StackSpec | None = None) -> Iterator[Stack]:
+        """``with starts.take(test name) as stack``: the test's stack, stopped at the end. Without a
+        start of its own (a selection the module did not see) ``spec``'s stack starts here."""
+        if name in self._starts:
+            stack = self._stacks.pop(name)
+            try:
+                yield self.started(name)
+            finally:
+                stack.stop()
+        else:
+            with Stack(spec) as stack:
+                yield stack
+
+    def close(self) -> None:
+        for name, start in self._starts.items():
+            try:
+                start.result()
+            except BaseException:  # noqa: BLE001 - a failed start has stopped its own services
+                pass
+        for stack in self._stacks.values():
+            stack.stop()
+        self._pool.shutdown()

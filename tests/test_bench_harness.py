@@ -26,6 +26,37 @@ def ckpt(tmp_path_factory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("bench"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _side_runs(request, ckpt, tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
+    """The two benchmark commands that only run and write a file (``--spawn-stack`` end to end, and
+    split_overhead), started as soon as this module starts when their tests are selected, each in its
+    own child: they then run while the tests before them use their own stacks (a stack mostly keeps
+    one core busy at a time). Their tests wait for them and check the files as before."""
+    selected = {getattr(item, "originalname", None) for item in request.session.items if item.module is request.module}
+    runs: dict[str, tuple[subprocess.Popen, Path]] = {}
+    for name, cmd in (("test_bench_spawn_stack_end_to_end", _spawn_stack_cmd), ("test_split_overhead_end_to_end", _split_cmd)):
+        if name in selected:
+            tmp = tmp_path_factory.mktemp(name)
+            runs[name] = (subprocess.Popen(cmd(tmp, ckpt), cwd=REPO, env=_env()), tmp)
+    yield runs
+    for proc, _ in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _side_run(runs: dict[str, tuple[subprocess.Popen, Path]], name: str, make_cmd, tmp_path: Path, ckpt: Path,
+              timeout: float = 240) -> Path:
+    """The output folder of ``name``'s side run after it exited 0 (run here and now when the
+    fixture did not start it, e.g. under a selection it did not see)."""
+    if name not in runs:
+        subprocess.run(make_cmd(tmp_path, ckpt), check=True, timeout=timeout, cwd=REPO, env=_env())
+        return tmp_path
+    proc, tmp = runs[name]
+    assert proc.wait(timeout=timeout) == 0, f"{name}: the command exited with {proc.returncode}"
+    return tmp
+
+
 def _bench(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.cli", "bench", *args], check=check, timeout=timeout)
 
@@ -74,15 +105,19 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "protos")])}
 
 
-def test_bench_spawn_stack_end_to_end(tmp_path, ckpt):
+def _spawn_stack_cmd(tmp: Path, ckpt: Path) -> list[str]:
+    return [sys.executable, "-m", "services.cli", "bench", "--spawn-stack", str(ckpt), "--device", "cpu",
+            "--dtype", "float32", "--contexts", "8", "--concurrency", "1", "2", "--budgets", "4",
+            "--max-tokens", "8", "--commit", "0123abcd", "--cell-timeout", "60", "--time-budget", "120",
+            "--stack-log", str(tmp / "stack.log"), "--out", str(tmp / "results" / "matrix-tiny.json")]
+
+
+def test_bench_spawn_stack_end_to_end(tmp_path, ckpt, _side_runs):
     """The one command the GPU run uses: start a stack sized for the matrix, run it, write the
-    result file and plot, stop the stack."""
-    out = tmp_path / "results" / "matrix-tiny.json"
-    log = tmp_path / "stack.log"
-    subprocess.run([sys.executable, "-m", "services.cli", "bench", "--spawn-stack", str(ckpt), "--device", "cpu",
-                    "--dtype", "float32", "--contexts", "8", "--concurrency", "1", "2", "--budgets", "4",
-                    "--max-tokens", "8", "--commit", "0123abcd", "--cell-timeout", "60", "--time-budget", "120",
-                    "--stack-log", str(log), "--out", str(out)], check=True, timeout=240, cwd=REPO, env=_env())
+    result file and plot, stop the stack (the command runs from the module's start: ``_side_runs``)."""
+    tmp = _side_run(_side_runs, "test_bench_spawn_stack_end_to_end", _spawn_stack_cmd, tmp_path, ckpt)
+    out = tmp / "results" / "matrix-tiny.json"
+    log = tmp / "stack.log"
     doc = json.loads(out.read_text())
     assert (doc["benchmark"], doc["commit"], doc["gpu"], doc["copy_gbps"]) == ("matrix-tiny", "0123abcd", "cpu", None)
     env = doc["params"]["stack"]["env"]
@@ -134,12 +169,16 @@ def test_time_budget_skips_cells_and_reports_each():
     assert all(set(ROW_KEYS) <= set(r) and r["agg_tok_s"] is None for r in rows)
 
 
-def test_split_overhead_end_to_end(tmp_path, ckpt):
-    """T-split's script: both sides warmed and timed alike, step_ms on both, outputs identical."""
-    out = tmp_path / "split-overhead.json"  # a result file's name is its benchmark's (TARGETS.md)
-    subprocess.run([sys.executable, "-m", "bench.split_overhead", "--model", str(ckpt), "--device", "cpu",
-                    "--prompts", "2", "--max-tokens", "24", "--reps", "2", "--commit", "0123abcd", "--out", str(out)],
-                   check=True, timeout=240, cwd=REPO, env=_env())
+def _split_cmd(tmp: Path, ckpt: Path) -> list[str]:
+    out = tmp / "split-overhead.json"  # a result file's name is its benchmark's (TARGETS.md)
+    return [sys.executable, "-m", "bench.split_overhead", "--model", str(ckpt), "--device", "cpu",
+            "--prompts", "2", "--max-tokens", "24", "--reps", "2", "--commit", "0123abcd", "--out", str(out)]
+
+
+def test_split_overhead_end_to_end(tmp_path, ckpt, _side_runs):
+    """T-split's script: both sides warmed and timed alike, step_ms on both, outputs identical (the
+    command runs from the module's start: ``_side_runs``)."""
+    out = _side_run(_side_runs, "test_split_overhead_end_to_end", _split_cmd, tmp_path, ckpt) / "split-overhead.json"
     doc = json.loads(out.read_text())
     assert (doc["benchmark"], doc["commit"], doc["gpu"]) == ("split-overhead", "0123abcd", "cpu")
     rows = {r["deployment"]: r for r in doc["rows"]}

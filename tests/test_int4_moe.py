@@ -3,13 +3,15 @@
 Why a child process: ``TRITON_INTERPRET=1`` takes effect only when it is set before triton is
 first imported in a process, and another test module may import triton natively first. So this
 module never imports triton itself: a module-scoped fixture runs this file as a script with the
-variable set, the script runs every case and prints one JSON line per case, and the parametrised
-tests below check those lines. Running ``TRITON_INTERPRET=1 python tests/test_int4_moe.py`` by hand
-prints the same table.
+variable set, the script runs every case (in a pool of worker processes) and prints one JSON line
+per case, and the parametrised tests below check those lines. Running ``TRITON_INTERPRET=1 python
+tests/test_int4_moe.py`` by hand prints the same table. The GEMV sweep's dry run (another child)
+runs alongside the cases.
 
 Shapes are small but odd: hidden 160 and intermediate 96 are multiples of the 32-wide scale group
-and of no tile size used, so every K tail and N tail is exercised. Scales of experts no token chose
-are NaN, so reading them shows up in the output. The GEMV path's cases also allocate their outputs
+and of no tile size used, so every K tail and N tail is exercised (the one-row-a-program served
+GEMV launch takes intermediate 64: still two scale groups and a K tail of its down kernel). Scales
+of experts no token chose are NaN, so reading them shows up in the output. The GEMV path's cases also allocate their outputs
 NaN-filled (every element must be written) and are checked against the tensor-core path too.
 """
 
@@ -38,8 +40,9 @@ CASES: dict[str, dict] = {
     "random_noswap_atomic": dict(M=5, top_k=3, cfg=dict(SMALL, swap_ab=False, reduce="atomic"), tol=1e-5),
     # every token routes to expert 2: 37 rows -> three blocks of 16 for one expert
     "hot_expert": dict(M=37, top_k=2, hot=2, cfg=dict(SMALL, swap_ab=True, reduce="sum"), tol=1e-5),
-    # one token, default config (block_k 256 > hidden 160: the whole K is one masked tail)
-    "m1_default_config": dict(M=1, top_k=4, cfg=None, tol=1e-5),
+    # one token, default config (choose_config: at M=1 the GEMV path, with gemv_served_m1's launch).
+    # Not a job of its own: gemv_served_m1 runs the default config on its inputs (see DEFAULT_CONFIG_CASE).
+    "m1_default_config": dict(M=1, top_k=4, cfg=None, I=64, tol=1e-5),
     # bf16 activations and fp16 scales, block_m 32, large tiles
     "bf16_fp16_scales": dict(
         M=9, top_k=2, dtype="bfloat16", scale_dtype="float16",
@@ -65,9 +68,16 @@ GEMV_CASES: dict[str, dict] = {
     "gemv_small_blocks_group64": dict(M=1, top_k=2, group=64, K=128, I=64, gv=(4, 128, 2, 1), gvd=(8, 64, 4, 1), tol=1e-5),
     "gemv_bf16_fp16_scales": dict(M=3, top_k=2, dtype="bfloat16", scale_dtype="float16", gv=(64, 128, 4, 1), gvd=(64, 64, 4, 1), tol=3e-2),
     "gemv_fp16": dict(M=2, top_k=2, dtype="float16", gv=(32, 256, 4, 1), gvd=(128, 128, 4, 1), tol=2e-3),
-    # the served launch at K2 TP8 M=1: one row a program on one warp, pipelined down
-    "gemv_served_m1": dict(M=1, top_k=4, gv=(1, 1024, 1, 1), gvd=(8, 256, 1, 3), tol=1e-5),
+    # the served launch at K2 TP8 M=1: one row a program on one warp, pipelined down. Intermediate 64
+    # (two scale groups, a K tail of down's 256) as gate/up's programs are one a row: A * I of them.
+    "gemv_served_m1": dict(M=1, top_k=4, I=64, gv=(1, 1024, 1, 1), gvd=(8, 256, 1, 3), tol=1e-5),
 }
+# At M=1 choose_config's default *is* the served GEMV launch, so running m1_default_config's default
+# config and gemv_served_m1's launch on the same inputs would interpret the same kernels on the same
+# data twice. gemv_served_m1 therefore runs ``fused_int4_moe(config=None)`` (NaN-poisoned outputs) as
+# its GEMV run and reports m1_default_config's row from it; should the default at M=1 ever stop being
+# that launch, both run, each with its own config (``_run_gemv_case``).
+DEFAULT_CONFIG_CASE = {"gemv_served_m1": "m1_default_config"}
 ALIGN_CASES = {"align_m1": (1, 8, 4, 16), "align_random": (50, 16, 3, 16), "align_hot": (40, 6, 2, 8), "align_wide": (300, 384, 8, 64)}
 
 
@@ -129,9 +139,7 @@ def _run_case(name: str, M: int, top_k: int, cfg, tol: float, group: int = 32, *
     config = Int4MoEConfig(**cfg) if cfg is not None else None
     out = fused_int4_moe(x, wg, wu, wd, ids, tw, group_size=group, config=config)  # [M, K]
     ref = int4_moe_reference(x, wg, wu, wd, ids, tw, group_size=group, compute_dtype=torch.float64)  # [M, K]
-    rel, max_rel = _errors(out, ref)
-    return dict(name=name, rel_err=rel, max_rel_err=max_rel, tol=tol, finite=bool(torch.isfinite(out).all()),
-                shape=list(out.shape), dtype=str(out.dtype), want_dtype=str(x.dtype))
+    return _row(name, out, ref, tol, x)
 
 
 @contextlib.contextmanager
@@ -152,26 +160,53 @@ def _nan_empty():
         torch.empty = real
 
 
+_GEMV_LAUNCH = ("gemv", "deq_asm", *(f"{p}_{f}" for p in ("gv", "gvd") for f in ("block_n", "block_k", "warps", "stages")))
+
+
 def _run_gemv_case(name: str, M: int, top_k: int, gv: tuple, gvd: tuple, tol: float, group: int = 32,
-                   ids_dtype: str = "int64", **inputs) -> dict:
-    """The GEMV path (outputs NaN-poisoned) against the float64 reference and the tensor-core path."""
+                   ids_dtype: str = "int64", **inputs) -> list[dict]:
+    """The GEMV path (outputs NaN-poisoned) against the float64 reference and the tensor-core path.
+
+    For a case in ``DEFAULT_CONFIG_CASE`` also that CASES entry's row: ``fused_int4_moe`` with the
+    default config on these inputs, the GEMV run itself when choose_config picks this very launch."""
     import torch
 
-    from kernels.int4_moe import Int4MoEConfig, fused_int4_moe, int4_moe_reference
+    from kernels.int4_moe import Int4MoEConfig, choose_config, fused_int4_moe, int4_moe_reference
 
     x, wg, wu, wd, ids, tw = _inputs(name, M, top_k, group=group, **inputs)
     ids = ids.to(getattr(torch, ids_dtype))
     cfg = Int4MoEConfig(**dict(SMALL, gemv=True), **{f"gv_{f}": v for f, v in zip(("block_n", "block_k", "warps", "stages"), gv)},
                         **{f"gvd_{f}": v for f, v in zip(("block_n", "block_k", "warps", "stages"), gvd)})
-    with _nan_empty():
-        out = fused_int4_moe(x, wg, wu, wd, ids, tw, group_size=group, config=cfg)  # [M, K]
-    tc = fused_int4_moe(x, wg, wu, wd, ids, tw, group_size=group, config=dataclasses.replace(cfg, gemv=False))  # [M, K]
     ref = int4_moe_reference(x, wg, wu, wd, ids, tw, group_size=group, compute_dtype=torch.float64)  # [M, K]
-    rel, max_rel = _errors(out, ref)
+    rows = []
+    default_name = DEFAULT_CONFIG_CASE.get(name)
+    if default_name is not None:
+        case = CASES[default_name]
+        assert case["cfg"] is None and (case["M"], case["top_k"], case.get("I", 96)) == (M, top_k, inputs.get("I", 96)), \
+            f"{default_name} must name {name}'s shape"
+        E, K, I = wg.packed.shape[0], x.shape[1], wg.packed.shape[1]
+        chosen = choose_config(M, E, K, I, top_k)
+        with _nan_empty():
+            default_out = fused_int4_moe(x, wg, wu, wd, ids, tw, group_size=group)  # [M, K], config=None: choose_config's
+        rows.append(_row(default_name, default_out, ref, case["tol"], x))
+        same_launch = all(getattr(chosen, f) == getattr(cfg, f) for f in _GEMV_LAUNCH)
+    if default_name is not None and same_launch:
+        out = default_out  # the same kernels with the same launch parameters on the same inputs
+    else:
+        with _nan_empty():
+            out = fused_int4_moe(x, wg, wu, wd, ids, tw, group_size=group, config=cfg)  # [M, K]
+    tc = fused_int4_moe(x, wg, wu, wd, ids, tw, group_size=group, config=dataclasses.replace(cfg, gemv=False))  # [M, K]
     rel_tc, _ = _errors(out, tc)
-    return dict(name=name, rel_err=rel, max_rel_err=max_rel, rel_err_vs_tensor_cores=rel_tc, tol=tol,
-                finite=bool(torch.isfinite(out).all()), shape=list(out.shape), dtype=str(out.dtype), want_dtype=str(x.dtype),
-                empty_ok=_gemv_m0_ok(x, wg, wu, wd, ids, tw, group, cfg))
+    rows.append(dict(_row(name, out, ref, tol, x), rel_err_vs_tensor_cores=rel_tc, empty_ok=_gemv_m0_ok(x, wg, wu, wd, ids, tw, group, cfg)))
+    return rows
+
+
+def _row(name: str, out, ref, tol: float, x) -> dict:
+    import torch
+
+    rel, max_rel = _errors(out, ref)
+    return dict(name=name, rel_err=rel, max_rel_err=max_rel, tol=tol, finite=bool(torch.isfinite(out).all()),
+                shape=list(out.shape), dtype=str(out.dtype), want_dtype=str(x.dtype))
 
 
 def _gemv_m0_ok(x, wg, wu, wd, ids, tw, group: int, cfg) -> bool:
@@ -354,41 +389,102 @@ def _run_sweep_helpers() -> dict:
     return dict(name="sweep_helpers", errors=errors)
 
 
-def _main(part: int = 0, parts: int = 1) -> None:
-    """Every ``parts``-th case from ``part``: the fixture runs the parts in parallel processes."""
-    sys.path.insert(0, str(ROOT))
+def _job_keys() -> list[str]:
+    """Every job, the longest first (the one-row-a-program served launch, then the other GEMV cases,
+    which also run the tensor-core path): a pool that hands out the long jobs first ends its workers
+    close together."""
+    shared = set(DEFAULT_CONFIG_CASE.values())  # run by their GEMV case
+    gemv = sorted(GEMV_CASES, key=lambda n: n != "gemv_served_m1")
+    return ([f"gemv:{n}" for n in gemv] + ["k_order"] + [f"case:{n}" for n in CASES if n not in shared]
+            + [f"align:{n}" for n in ALIGN_CASES] + ["config_spec", "sweep_helpers"])
+
+
+def _job(key: str) -> list[dict]:
+    """One job's rows (a GEMV case may report a CASES row too)."""
+    kind, _, name = key.partition(":")
+    if kind == "case":
+        return [_run_case(name, **CASES[name])]
+    if kind == "gemv":
+        return _run_gemv_case(name, **GEMV_CASES[name])
+    if kind == "align":
+        return [_run_align(name, *ALIGN_CASES[name])]
+    return [{"k_order": _run_k_order, "config_spec": _run_config_spec, "sweep_helpers": _run_sweep_helpers}[kind]()]
+
+
+def _worker_init() -> None:
     import torch
 
+    from tests.fast_interpreter import install
+
     torch.set_num_threads(1)
-    jobs = [lambda n=name, c=case: _run_case(n, **c) for name, case in CASES.items()]
-    jobs += [lambda n=name, c=case: _run_gemv_case(n, **c) for name, case in GEMV_CASES.items()]
-    jobs += [lambda n=name, a=args: _run_align(n, *a) for name, args in ALIGN_CASES.items()]
-    jobs += [_run_k_order, _run_config_spec, _run_sweep_helpers]
-    for job in jobs[part::parts]:
-        print(json.dumps(job()), flush=True)
+    install()  # as in the pytest process (tests/conftest.py)
+
+
+def _main(workers: int = 1) -> None:
+    """Every job, handed out one at a time to ``workers`` single-threaded processes (forked before
+    torch is imported); one JSON line per row, in the order they finish."""
+    sys.path.insert(0, str(ROOT))
+    if workers <= 1:
+        _worker_init()
+        rows = (row for key in _job_keys() for row in _job(key))
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        return
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(workers, initializer=_worker_init) as pool:
+        for job_rows in pool.imap_unordered(_job, _job_keys(), chunksize=1):
+            for row in job_rows:
+                print(json.dumps(row), flush=True)
+
+
+def _dry_run_cmd(out: Path) -> list[str]:
+    """``python bench/int4_moe_gemv_sweep.py --dry-run --tokens 1 --out OUT``, run as ``__main__`` by
+    runpy after ``tests/fast_interpreter.py`` is installed (as in the pytest process)."""
+    script = ROOT / "bench" / "int4_moe_gemv_sweep.py"
+    argv = [str(script), "--dry-run", "--tokens", "1", "--out", str(out)]
+    launcher = ("import runpy, sys; from tests.fast_interpreter import install; install(); "
+                f"sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')")
+    return [sys.executable, "-c", launcher]
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, dict]:
-    """All cases under the interpreter, split over up to two single-threaded processes (CI has two
-    cores; one process took 3-4 minutes)."""
+def dry_run(tmp_path_factory) -> tuple[subprocess.Popen, Path, Path]:
+    """The GEMV sweep's dry run in a child of its own, started when first asked for (``results``
+    starts it alongside the cases); ``test_gemv_sweep_dry_run`` waits for it."""
+    tmp = tmp_path_factory.mktemp("gemv_dry_run")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    with open(tmp / "log.txt", "w") as log:
+        proc = subprocess.Popen(_dry_run_cmd(tmp / "gemv.json"), env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    yield proc, tmp / "gemv.json", tmp / "log.txt"
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def results(request) -> dict[str, dict]:
+    """All cases under the interpreter in a pool of up to two single-threaded workers (CI has two
+    cores; one process took 3-4 minutes). The GEMV sweep's dry run, when selected, runs alongside
+    (three busy processes on two cores end sooner than the cases and then the dry run)."""
+    if any(getattr(item, "originalname", None) == "test_gemv_sweep_dry_run" and item.module.__name__ == __name__
+           for item in request.session.items):
+        request.getfixturevalue("dry_run")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
-    parts = max(1, min(2, os.cpu_count() or 1))
-    procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(k), str(parts)], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(parts)]
+    workers = max(1, min(2, os.cpu_count() or 1))
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(workers)], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 0, f"interpreter run failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
     out = {}
-    for proc in procs:
-        try:
-            stdout, stderr = proc.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise
-        assert proc.returncode == 0, f"interpreter run failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
-        for line in stdout.splitlines():
-            if line.startswith("{"):
-                row = json.loads(line)
-                out[row["name"]] = row
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            out[row["name"]] = row
     return out
 
 
@@ -426,13 +522,11 @@ def test_gemv_sweep_helpers(results: dict[str, dict]) -> None:
     assert results["sweep_helpers"]["errors"] == [], results["sweep_helpers"]["errors"]
 
 
-def test_gemv_sweep_dry_run(tmp_path: Path) -> None:
+def test_gemv_sweep_dry_run(dry_run: tuple[subprocess.Popen, Path, Path]) -> None:
     """The GPU sweep's whole flow (correctness checks, grids, stage variants, JSON) on a tiny shape."""
-    out = tmp_path / "gemv.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(ROOT / "bench" / "int4_moe_gemv_sweep.py"), "--dry-run", "--tokens", "1", "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"dry run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    proc, out, log = dry_run
+    proc.wait(timeout=300)
+    assert proc.returncode == 0, f"dry run failed:\n{log.read_text()[-9000:]}"
     result = json.loads(out.read_text())
     (row,) = result["rows"]
     assert row["failed"] == {} and row["skipped_for_registers"] == ["64x256x2x1"], (row["failed"], row["skipped_for_registers"])
@@ -445,4 +539,4 @@ def test_gemv_sweep_dry_run(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    _main(*(int(a) for a in sys.argv[1:3]))
+    _main(*(int(a) for a in sys.argv[1:2]))

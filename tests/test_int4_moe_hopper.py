@@ -11,8 +11,6 @@ sm_90 on the installed Triton with its layout conversions register-only (``asser
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ import torch
 
 from kernels import int4_moe_hopper as hop
 from services.common.int4 import pack_int4
-from tests.compiled import run_compiled
+from tests.compiled import build_main, build_result, run_compiled_batch, selected_params
 
 
 
@@ -190,21 +188,36 @@ def _build(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, 
                 gdc_wait=ptx.count("griddepcontrol.wait"))
 
 
+BUILD_PARAMS = ("gated", "block_m", "block_n", "split_k", "n_tiles", "k_resident", "sub", "w_tma")
+
+
+def _build_args(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int, sub: int,
+                w_tma: bool) -> list[str]:
+    return [str(int(gated)), str(block_m), str(block_n), str(split_k), str(n_tiles), str(k_resident), str(sub), str(int(w_tma))]
+
+
+@pytest.fixture(scope="module")
+def builds(request) -> dict:
+    """Every selected launch of ``test_kernel_builds_for_sm90``, built in two child processes side by
+    side (each pays torch's and Triton's start-up once, not once a launch)."""
+    params = selected_params(request, "test_kernel_builds_for_sm90")
+    return run_compiled_batch(__file__, [_build_args(**{k: p[k] for k in BUILD_PARAMS}) for p in params])
+
+
 @pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("gated,block_m,block_n,split_k,n_tiles,k_resident,sub,w_tma",
+@pytest.mark.parametrize(",".join(BUILD_PARAMS),
                          [(True, 16, 64, 4, 1, 0, 1, True), (True, 32, 64, 1, 1, 0, 1, True), (True, 64, 64, 1, 1, 0, 1, False),
                           (False, 16, 128, 1, 1, 0, 1, False), (False, 32, 64, 1, 8, 2, 2, False), (False, 64, 128, 1, 1, 0, 1, True)])
-def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int, sub: int,
-                                w_tma: bool) -> None:
+def test_kernel_builds_for_sm90(builds: dict, gated: bool, block_m: int, block_n: int, split_k: int, n_tiles: int, k_resident: int,
+                                sub: int, w_tma: bool) -> None:
     """The served K2 launches compile and their products are wgmma. Gate/up: no st.shared but the
     split's tile counter (no dequantised tile goes through shared memory; only cp.async and TMA
     write it). Down: its
     output leaves in 16-byte stores (the epilogue's one trip through shared memory), none of 2
     bytes. ``w_tma``: the weight words come by TMA (bulk tensor copies) and only the activations
     and scales by cp.async; else every copy is cp.async. A child process: conftest sets
-    TRITON_INTERPRET for this one, and the interpreter cannot compile Gluon."""
-    args = [str(int(gated)), str(block_m), str(block_n), str(split_k), str(n_tiles), str(k_resident), str(sub), str(int(w_tma))]
-    built = run_compiled([__file__, *args])
+    TRITON_INTERPRET for this one, and the interpreter cannot compile Gluon (the ``builds`` fixture)."""
+    built = build_result(builds, _build_args(gated, block_m, block_n, split_k, n_tiles, k_resident, sub, w_tma))
     assert built["cubin_bytes"] > 0 and built["wgmma"] > 0, built
     assert built["gdc_wait"] == 1, built  # launched with PDL (kernels.pdl): it waits for its predecessor
     if gated:  # split over K, one 4-byte store: the tile counter's old value, from the one thread that added
@@ -216,6 +229,10 @@ def test_kernel_builds_for_sm90(gated: bool, block_m: int, block_n: int, split_k
     assert 0 < built["shared"] <= 232448, built
 
 
+def _build_from_args(args: list[str]) -> dict:
+    g, bm, bn, sk, nt, kr, sub, wt = args
+    return _build(bool(int(g)), int(bm), int(bn), int(sk), int(nt), int(kr), int(sub), bool(int(wt)))
+
+
 if __name__ == "__main__":
-    g, bm, bn, sk, nt, kr, sub, wt = sys.argv[1:9]
-    print(json.dumps(_build(bool(int(g)), int(bm), int(bn), int(sk), int(nt), int(kr), int(sub), bool(int(wt)))))
+    build_main(_build_from_args)

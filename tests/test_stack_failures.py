@@ -1,4 +1,7 @@
-"""The stack with the real DFlash drafter, the inline transport, and the ways it must fail cleanly."""
+"""The stack with the real DFlash drafter, the inline transport, and the ways it must fail cleanly.
+
+Each test's stack is its own (nothing shared between tests); the ``starts`` fixture starts them side
+by side as the module starts, so they come up while the first test runs."""
 
 from __future__ import annotations
 
@@ -7,14 +10,15 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
-from services.common.launcher import Stack, StackSpec
+from services.common.launcher import StackSpec
 from services.common.make_checkpoint import make_random_checkpoint
 from services.scheduler.client import AsyncClient, Client, ClientError
-from tests.stack_fixtures import PROMPTS, build_checkpoint
+from tests.stack_fixtures import PROMPTS, StackStarts, build_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +26,54 @@ def ckpt(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("failures"))
 
 
+def _inline_spec(ckpt) -> StackSpec:
+    return StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={"DDTREE_DRAFT_TRANSPORT": "inline"})
+
+
+def _other_target_spec(ckpt, other) -> StackSpec:
+    """The target at ``ckpt``, the drafter (and the draft service's target) of ``other``."""
+    return StackSpec(model_path=str(ckpt), scheduler_port=0, drafter_path=str(other / "drafter"),
+                     extra_env={"DDTREE_DRAFT_TARGET_PATH": str(other)})
+
+
+def _queue_spec(ckpt) -> StackSpec:
+    return StackSpec(model_path=str(ckpt), scheduler_port=0,
+                     extra_env={"DDTREE_SCHEDULER_MAX_QUEUE": "1", "DDTREE_SCHEDULER_MAX_BATCH": "1"})
+
+
+def _plain_spec(ckpt) -> StackSpec:
+    return StackSpec(model_path=str(ckpt), scheduler_port=0)
+
+
+@pytest.fixture(scope="module")
+def other_ckpt(tmp_path_factory):
+    """A checkpoint of another target (hidden size 32): its drafter does not fit ``ckpt``."""
+    return make_random_checkpoint(tmp_path_factory.mktemp("other") / "other", vocab_size=512, seed=3,
+                                  target_overrides={"hidden_size": 32})
+
+
+@pytest.fixture(scope="module")
+def starts(request, ckpt, other_ckpt):
+    """The stacks of the selected tests below, started side by side as the module starts (each test
+    takes its own, unshared; see ``StackStarts``)."""
+    starts = StackStarts(request, {
+        "test_real_drafter_over_inline_transport_is_lossless": lambda: _inline_spec(ckpt),
+        "test_drafter_for_another_target_is_refused_at_handshake": lambda: _other_target_spec(ckpt, other_ckpt),
+        "test_queue_bound_rejects_with_resource_exhausted": lambda: _queue_spec(ckpt),
+        "test_dead_verifier_is_reported_not_hung_on": lambda: _plain_spec(ckpt),
+    })
+    yield starts
+    starts.close()
+
+
 def _serve(service: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.cli", "serve", service], env={**os.environ, **env},
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_real_drafter_over_inline_transport_is_lossless(ckpt):
-    spec = StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={"DDTREE_DRAFT_TRANSPORT": "inline"})
-    with Stack(spec) as stack, Client(stack.scheduler_address) as c:
+def test_real_drafter_over_inline_transport_is_lossless(ckpt, starts):
+    with starts.take("test_real_drafter_over_inline_transport_is_lossless", _inline_spec(ckpt)) as stack, \
+            Client(stack.scheduler_address) as c:
         assert c.model_info().transport == "inline"
         for p in PROMPTS[:5]:
             ar = c.generate(p, max_tokens=16, mode="autoregressive", ignore_eos=True)
@@ -42,35 +86,31 @@ def test_real_drafter_over_inline_transport_is_lossless(ckpt):
 def test_malformed_checkpoint_directory_fails_start_with_a_clear_message(tmp_path, ckpt):
     empty = tmp_path / "empty"
     empty.mkdir()
-    res = _serve("verifier", {"DDTREE_VERIFIER_MODEL_PATH": str(empty), "DDTREE_VERIFIER_PORT": "0"})
-    assert res.returncode == 2 and "config.json" in res.stderr, res.stderr
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((ckpt / "config.json").read_text().replace('"hidden_size": 64', '"hidden_size": 96'))
     (broken / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes())
-    res = _serve("verifier", {"DDTREE_VERIFIER_MODEL_PATH": str(broken), "DDTREE_VERIFIER_PORT": "0"})
-    assert res.returncode == 2 and "model.safetensors" in res.stderr, res.stderr
+    with ThreadPoolExecutor(2) as pool:   # two independent verifier start-ups, side by side
+        no_config, bad_shapes = pool.map(lambda d: _serve("verifier", {"DDTREE_VERIFIER_MODEL_PATH": str(d),
+                                                                       "DDTREE_VERIFIER_PORT": "0"}), (empty, broken))
+    assert no_config.returncode == 2 and "config.json" in no_config.stderr, no_config.stderr
+    assert bad_shapes.returncode == 2 and "model.safetensors" in bad_shapes.stderr, bad_shapes.stderr
 
 
-def test_drafter_for_another_target_is_refused_at_handshake(tmp_path, ckpt):
-    other = make_random_checkpoint(tmp_path / "other", vocab_size=512, seed=3,
-                                   target_overrides={"hidden_size": 32})
-    spec = StackSpec(model_path=str(ckpt), scheduler_port=0, drafter_path=str(other / "drafter"),
-                     extra_env={"DDTREE_DRAFT_TARGET_PATH": str(other)})
+def test_drafter_for_another_target_is_refused_at_handshake(ckpt, other_ckpt, starts):
     with pytest.raises(RuntimeError, match="draft exited with code 3"):
-        Stack(spec).start()
+        with starts.take("test_drafter_for_another_target_is_refused_at_handshake", _other_target_spec(ckpt, other_ckpt)):
+            pass
 
 
-def test_queue_bound_rejects_with_resource_exhausted(ckpt):
-    spec = StackSpec(model_path=str(ckpt), scheduler_port=0,
-                     extra_env={"DDTREE_SCHEDULER_MAX_QUEUE": "1", "DDTREE_SCHEDULER_MAX_BATCH": "1"})
+def test_queue_bound_rejects_with_resource_exhausted(ckpt, starts):
 
     async def burst(address):
         async with AsyncClient(address) as client:
             return await asyncio.gather(*(client.generate(PROMPTS[0], max_tokens=40, ignore_eos=True)
                                           for _ in range(6)), return_exceptions=True)
 
-    with Stack(spec) as stack:
+    with starts.take("test_queue_bound_rejects_with_resource_exhausted", _queue_spec(ckpt)) as stack:
         results = asyncio.run(burst(stack.scheduler_address))
     rejected = [r for r in results if isinstance(r, ClientError)]
     served = [r for r in results if not isinstance(r, BaseException)]
@@ -79,9 +119,8 @@ def test_queue_bound_rejects_with_resource_exhausted(ckpt):
     assert served and all(len(r.token_ids) == 40 for r in served)
 
 
-def test_dead_verifier_is_reported_not_hung_on(ckpt):
-    spec = StackSpec(model_path=str(ckpt), scheduler_port=0)
-    with Stack(spec) as stack:
+def test_dead_verifier_is_reported_not_hung_on(ckpt, starts):
+    with starts.take("test_dead_verifier_is_reported_not_hung_on", _plain_spec(ckpt)) as stack:
         async def scenario():
             async with AsyncClient(stack.scheduler_address) as client:
                 got = []

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -20,7 +22,7 @@ from services.scheduler.client import AsyncClient, Client, ClientError
 from services.verifier.model import expected_tensors, load_checkpoint
 from services.verifier.parallel import load_rank_slice
 from services.verifier.ranks import stop_workers, watch_workers
-from tests.stack_fixtures import PROMPTS
+from tests.stack_fixtures import PROMPTS, StackStarts
 
 # moe_intermediate 128 / tp 4 = 32: each rank's INT4 down_proj slice is one whole quantization group.
 OVERRIDES = {"moe_intermediate_size": 128}
@@ -30,6 +32,19 @@ OVERRIDES = {"moe_intermediate_size": 128}
 def ckpt(tmp_path_factory):
     return make_random_checkpoint(tmp_path_factory.mktemp("tp") / "ckpt", vocab_size=512, seed=5,
                                   target_overrides=OVERRIDES)
+
+
+def _tp_spec(ckpt, tp: int) -> StackSpec:
+    return StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={"DDTREE_VERIFIER_TP": str(tp)})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def starts(request, ckpt):
+    """The dead-rank test's own TP=2 stack, started as the module starts (alongside the equality
+    test's three), not after them; see ``StackStarts``."""
+    starts = StackStarts(request, {"test_dead_rank_makes_the_group_unhealthy_without_hanging": lambda: _tp_spec(ckpt, 2)})
+    yield starts
+    starts.close()
 
 
 def test_rank_slices_reassemble_the_checkpoint(ckpt):
@@ -46,14 +61,21 @@ def test_rank_slices_reassemble_the_checkpoint(ckpt):
 
 
 def test_tp2_and_tp4_equal_tp1_token_for_token(ckpt):
+    """The three stacks start side by side (each starts its own services in order, as always): a
+    start is mostly one process importing at a time, so two cores start three stacks in about the
+    time of the slowest. Each is queried and stopped as before."""
+    tps = (1, 2, 4)
+    stacks = {tp: Stack(_tp_spec(ckpt, tp)) for tp in tps}
     results = {}
-    for tp in (1, 2, 4):
-        spec = StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={"DDTREE_VERIFIER_TP": str(tp)})
-        with Stack(spec) as stack:
-            verifier = stack.process("verifier")
-
-            async def run():
-                async with AsyncClient(stack.scheduler_address) as client:
+    with contextlib.ExitStack() as started:
+        for stack in stacks.values():
+            started.callback(stack.stop)   # a stack whose start failed has stopped its own services
+        with ThreadPoolExecutor(len(tps)) as pool:
+            for done in [pool.submit(stack.start) for stack in stacks.values()]:
+                done.result()
+        for tp, stack in stacks.items():
+            async def run(address=stack.scheduler_address):
+                async with AsyncClient(address) as client:
                     greedy = await asyncio.gather(*(client.generate(p, max_tokens=16, budget=8, ignore_eos=True)
                                                     for p in PROMPTS[:6]))
                     sampled = await client.generate(PROMPTS[0], max_tokens=16, temperature=1.0, seed=3,
@@ -62,7 +84,9 @@ def test_tp2_and_tp4_equal_tp1_token_for_token(ckpt):
             results[tp] = asyncio.run(run())
             with Client(stack.scheduler_address) as c:
                 assert c.model_info().tp_size == tp
-        assert verifier.returncode == 0, f"tp={tp}: an orderly stop must not read as a rank dying"
+            verifier = stack.process("verifier")
+            stack.stop()
+            assert verifier.returncode == 0, f"tp={tp}: an orderly stop must not read as a rank dying"
     assert results[2] == results[1] and results[4] == results[1]
 
 
@@ -105,9 +129,8 @@ def _worker_ranks(pid: int) -> list[int]:
     return [k for k in kids if b"services.verifier.ranks" in open(f"/proc/{k}/cmdline", "rb").read()]
 
 
-def test_dead_rank_makes_the_group_unhealthy_without_hanging(ckpt):
-    spec = StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={"DDTREE_VERIFIER_TP": "2"})
-    with Stack(spec) as stack:
+def test_dead_rank_makes_the_group_unhealthy_without_hanging(ckpt, starts):
+    with starts.take("test_dead_rank_makes_the_group_unhealthy_without_hanging", _tp_spec(ckpt, 2)) as stack:
         verifier = stack.process("verifier")
         (worker,) = _worker_ranks(verifier.pid)
 

@@ -121,7 +121,7 @@ def test_triton_input_ranking_paths_agree(vocab: int, dtype: torch.dtype) -> Non
     """Rows with padded strides, a near-certain chain, a flat row: both top-k paths agree."""
     assert (vocab <= tb.SORT_VOCAB_MAX) == (vocab == 128)
     gen = torch.Generator().manual_seed(vocab)
-    num_req, depth, budget = 3, 8, 16
+    num_req, depth, budget = 3, 4, 16
     logprobs = random_logprobs(gen, num_req, depth, vocab)
     # Request 1 is nearly certain at every depth (a deep chain); request 2 is flat (wide, shallow).
     logprobs[1] = torch.log_softmax(torch.randn(depth, vocab, generator=gen) + 30.0 * (torch.arange(vocab) == 7), -1)

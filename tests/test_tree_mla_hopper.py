@@ -9,8 +9,6 @@ the installed Triton (its Gluon API moves between releases) within the H200's sh
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ import torch
 
 from kernels import tree_mla_hopper as hop
 from kernels.tree_mla import BACKEND_ENV, TreeAttentionMetadata, chain_mask, choose_backend, tree_mla, tree_mla_reference
-from tests.compiled import run_compiled
+from tests.compiled import build_main, build_result, run_compiled_batch, selected_params
 
 H100_SMEM_PER_BLOCK = 232448  # bytes of dynamic shared memory a CTA may use on sm_90
 
@@ -182,20 +180,32 @@ def _build_few_rows(kvr: int, rope: int, direct: bool) -> dict:
                 a_transposed=sum(a == "1" for _, a, _ in mmas), tma="cp.async.bulk.tensor" in compiled.asm["ptx"])
 
 
-def _child(*args: str) -> dict:
-    """Run this file's ``__main__`` in a child process: conftest sets TRITON_INTERPRET for this one,
-    and the interpreter cannot compile Gluon."""
-    return run_compiled([__file__, *args])
+def _wide_args(kvr: int, rope: int, direct: bool, trace_tiles: int) -> list[str]:
+    return ["wide", str(kvr), str(rope), str(int(direct)), str(trace_tiles)]
+
+
+def _few_args(kvr: int, rope: int, direct: bool) -> list[str]:
+    return ["few", str(kvr), str(rope), str(int(direct))]
+
+
+@pytest.fixture(scope="module")
+def builds(request) -> dict:
+    """The selected builds of both kernels, by this file's ``__main__`` in two child processes side by
+    side (conftest sets TRITON_INTERPRET for this one, and the interpreter cannot compile Gluon); each
+    child pays torch's and Triton's start-up once, not once a build."""
+    wide = [_wide_args(**p) for p in selected_params(request, "test_kernel_builds_for_sm90")]
+    few = [_few_args(**p) for p in selected_params(request, "test_few_rows_kernel_builds_for_sm90")]
+    return run_compiled_batch(__file__, wide + few)
 
 
 @pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("kvr,rope,direct,trace_tiles", [(512, 64, False, 0), (128, 32, True, 0), (512, 64, False, 16)])
-def test_kernel_builds_for_sm90(kvr: int, rope: int, direct: bool, trace_tiles: int) -> None:
+def test_kernel_builds_for_sm90(builds: dict, kvr: int, rope: int, direct: bool, trace_tiles: int) -> None:
     """The K2 and demo shapes compile to a cubin whose products are wgmma, whose loader issues TMA
     copies, whose partitions get their own register counts and whose shared memory fits a CTA. The
     served build reads no clock; the traced one (``bench/tree_mla_timeline.py``) reads the SM clock
     and the global timer."""
-    built = _child("wide", str(kvr), str(rope), str(int(direct)), str(trace_tiles))
+    built = build_result(builds, _wide_args(kvr, rope, direct, trace_tiles))
     assert built["cubin_bytes"] > 0 and built["wgmma"] and built["tma"] and built["setmaxnreg"], built
     assert built["gdc_wait"] == 1, built  # launched with PDL (kernels.pdl): it waits for its predecessor
     assert 0 < built["shared"] <= H100_SMEM_PER_BLOCK, f"{built['shared']} bytes of shared memory"
@@ -207,11 +217,11 @@ def test_kernel_builds_for_sm90(kvr: int, rope: int, direct: bool, trace_tiles: 
 
 @pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("kvr,rope,direct", [(512, 64, False), (128, 32, True)])
-def test_few_rows_kernel_builds_for_sm90(kvr: int, rope: int, direct: bool) -> None:
+def test_few_rows_kernel_builds_for_sm90(builds: dict, kvr: int, rope: int, direct: bool) -> None:
     """The few-row kernel's products are 64-key x 16-row wgmmas: per 64-key tile, ``S^T = K Q^T``
     over kvr + rope dims (plain operands) and ``O^T += V^T P^T`` over kvr / 64 M tiles, whose A
     operand (V^T, read from the key tile as it lies) is the transposed one; its ring fits a CTA."""
-    built = _child("few", str(kvr), str(rope), str(int(direct)))
+    built = build_result(builds, _few_args(kvr, rope, direct))
     assert built["shapes"] == ["m64n16k16"], built
     assert built["plain"] == (kvr + rope) // 16 and built["a_transposed"] == (kvr // 64) * (hop.FEW_KEYS // 16), built
     assert built["tma"] and 0 < built["shared"] <= H100_SMEM_PER_BLOCK, built
@@ -243,6 +253,10 @@ def test_few_rows_stages_fit() -> None:
         hop.few_rows_stages(512, 64, 2, 100 << 10)
 
 
+def _build_from_args(args: list[str]) -> dict:
+    kind, dims = args[0], [int(a) for a in args[1:]]
+    return _build(dims[0], dims[1], bool(dims[2]), dims[3]) if kind == "wide" else _build_few_rows(dims[0], dims[1], bool(dims[2]))
+
+
 if __name__ == "__main__":
-    kind, dims = sys.argv[1], [int(a) for a in sys.argv[2:]]
-    print(json.dumps(_build(dims[0], dims[1], bool(dims[2]), dims[3]) if kind == "wide" else _build_few_rows(dims[0], dims[1], bool(dims[2]))))
+    build_main(_build_from_args)
