@@ -2,9 +2,7 @@
 and run Triton kernels in its interpreter where there is no GPU.
 
 TRITON_INTERPRET must be set before triton's first import anywhere in the process, so it is set
-here, before any test module is collected. Under it, ``tests/fast_interpreter.py`` drops the
-interpreter's redundant re-patching of ``triton.language`` on every @jit helper call (same results,
-about half the time of an interpreted launch).
+here, before any test module is collected.
 """
 
 import os
@@ -20,7 +18,3 @@ _ROOT = Path(__file__).resolve().parent.parent
 for p in (_ROOT, _ROOT / "protos"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
-
-from tests.fast_interpreter import install as _fast_interpreter  # noqa: E402
-
-_fast_interpreter()  # a no-op unless TRITON_INTERPRET=1

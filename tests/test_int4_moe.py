@@ -414,10 +414,7 @@ def _job(key: str) -> list[dict]:
 def _worker_init() -> None:
     import torch
 
-    from tests.fast_interpreter import install
-
     torch.set_num_threads(1)
-    install()  # as in the pytest process (tests/conftest.py)
 
 
 def _main(workers: int = 1) -> None:
@@ -439,13 +436,7 @@ def _main(workers: int = 1) -> None:
 
 
 def _dry_run_cmd(out: Path) -> list[str]:
-    """``python bench/int4_moe_gemv_sweep.py --dry-run --tokens 1 --out OUT``, run as ``__main__`` by
-    runpy after ``tests/fast_interpreter.py`` is installed (as in the pytest process)."""
-    script = ROOT / "bench" / "int4_moe_gemv_sweep.py"
-    argv = [str(script), "--dry-run", "--tokens", "1", "--out", str(out)]
-    launcher = ("import runpy, sys; from tests.fast_interpreter import install; install(); "
-                f"sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')")
-    return [sys.executable, "-c", launcher]
+    return [sys.executable, str(ROOT / "bench" / "int4_moe_gemv_sweep.py"), "--dry-run", "--tokens", "1", "--out", str(out)]
 
 
 @pytest.fixture(scope="module")
