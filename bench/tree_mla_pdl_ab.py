@@ -13,7 +13,7 @@ merge early, as before that rule.
 
 Each shape times the whole served ``tree_mla_hopper`` call back to back in one CUDA graph (inputs
 rotated past L2, as ``bench/tree_mla_bench.py``), each setting captured afresh, two rounds in
-alternating order, the better of the two; outputs of both settings must be equal bit for bit.
+alternating order, the better of the two; the outputs of every setting must be equal bit for bit.
 
     python -m bench.tree_mla_pdl_ab --commit SHA --out bench/results/tree_mla_pdl_ab.json
 """
