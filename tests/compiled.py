@@ -77,8 +77,3 @@ def build_main(build: Callable[[list[str]], dict]) -> None:
     else:
         print(json.dumps(build(sys.argv[1:])))
 
-
-def selected_params(request, test_name: str) -> list[dict]:
-    """The parameters of the selected items of ``test_name`` in the requesting module."""
-    return [item.callspec.params for item in request.session.items
-            if getattr(item, "originalname", None) == test_name and item.module is request.module and hasattr(item, "callspec")]

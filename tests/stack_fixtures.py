@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from services.common.launcher import Stack, StackSpec
 from services.common.make_checkpoint import make_random_checkpoint
 from services.verifier.reference import ReferenceModel
+from tests.selection import selected_names
 
 PROMPTS = [
     "def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):",
@@ -61,13 +62,13 @@ class StackStarts:
     """Stacks of one module started side by side when the module starts, each handed to its test.
 
     Starting a stack is mostly one process importing torch at a time (services start in order), so
-    on two cores several stacks start in about the time of the slowest. ``begin`` starts a stack in a
-    thread; ``take`` waits for it (re-raising a failed start's error) and stops it when the test is
+    on two cores several stacks start in about the time of the slowest. The constructor starts each
+    selected test's stack in a thread; ``take`` waits for it (re-raising a failed start's error) and stops it when the test is
     done, as ``with Stack(spec) as stack`` does; ``close`` stops whatever no test took.
     """
 
     def __init__(self, request, specs: dict[str, Callable[[], StackSpec]]) -> None:
-        selected = {getattr(item, "originalname", None) for item in request.session.items if item.module is request.module}
+        selected = selected_names(request)
         self._pool = ThreadPoolExecutor(max(1, len(specs)))
         self._stacks: dict[str, Stack] = {}
         self._starts: dict[str, Future] = {}

@@ -16,6 +16,7 @@ import pytest
 
 from bench.matrix import ROW_KEYS, MatrixParams, run_matrix
 from services.common.launcher import Stack, StackSpec, free_port
+from tests.selection import selected_names
 from tests.stack_fixtures import build_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def _side_runs(request, ckpt, tmp_path_factory) -> dict[str, tuple[subprocess.Po
     split_overhead), started as soon as this module starts when their tests are selected, each in its
     own child: they then run while the tests before them use their own stacks (a stack mostly keeps
     one core busy at a time). Their tests wait for them and check the files as before."""
-    selected = {getattr(item, "originalname", None) for item in request.session.items if item.module is request.module}
+    selected = selected_names(request)
     runs: dict[str, tuple[subprocess.Popen, Path]] = {}
     for name, cmd in (("test_bench_spawn_stack_end_to_end", _spawn_stack_cmd), ("test_split_overhead_end_to_end", _split_cmd)):
         if name in selected:

@@ -458,8 +458,9 @@ def results(request) -> dict[str, dict]:
     """All cases under the interpreter in a pool of up to two single-threaded workers (CI has two
     cores; one process took 3-4 minutes). The GEMV sweep's dry run, when selected, runs alongside
     (three busy processes on two cores end sooner than the cases and then the dry run)."""
-    if any(getattr(item, "originalname", None) == "test_gemv_sweep_dry_run" and item.module.__name__ == __name__
-           for item in request.session.items):
+    from tests.selection import selected_names  # here: the child run of this file has no tests package
+
+    if "test_gemv_sweep_dry_run" in selected_names(request):
         request.getfixturevalue("dry_run")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
     workers = max(1, min(2, os.cpu_count() or 1))

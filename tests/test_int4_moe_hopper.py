@@ -11,14 +11,14 @@ sm_90 on the installed Triton with its layout conversions register-only (``asser
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import int4_moe_hopper as hop
 from services.common.int4 import pack_int4
-from tests.compiled import build_main, build_result, run_compiled_batch, selected_params
+from tests.compiled import build_main, build_result, run_compiled_batch
+from tests.selection import selected_params
 
 
 

@@ -4,7 +4,6 @@ writes into a slice of a larger tensor."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

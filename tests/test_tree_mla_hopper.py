@@ -9,14 +9,14 @@ the installed Triton (its Gluon API moves between releases) within the H200's sh
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import tree_mla_hopper as hop
 from kernels.tree_mla import BACKEND_ENV, TreeAttentionMetadata, chain_mask, choose_backend, tree_mla, tree_mla_reference
-from tests.compiled import build_main, build_result, run_compiled_batch, selected_params
+from tests.compiled import build_main, build_result, run_compiled_batch
+from tests.selection import selected_params
 
 H100_SMEM_PER_BLOCK = 232448  # bytes of dynamic shared memory a CTA may use on sm_90
 
