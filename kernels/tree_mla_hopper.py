@@ -89,7 +89,8 @@ FEW_ROWS_MAX_TILES = 8  # key tiles a few-row CTA may walk where a request's row
 TRACE_EVENTS = 8  # stamps a trace slot holds (``tree_mla_hopper(trace=...)``)
 CONSUMER_REGS = 224  # registers of each consumer warpgroup; the loader gets the rest (232: 1-3% slower, H200)
 TAIL_ROWS = 8  # rows past a request's last full 64-row tile that its loader warpgroup attends (``_tail_loop``)
-TAIL_CONSUMER_REGS = 208  # consumer registers where the loader attends a tail (it needs about 90)
+TAIL_CONSUMER_REGS = 192  # consumer registers where the loader attends a tail (H200, b238469: 0.84x at 208 -> 0.71x)
+TAIL_CHUNK = 128  # latent columns of the tail's q a staging buffer takes
 # Dims the kernel was checked at on the GPU (bench/tree_mla_bench.py): Kimi-K2 and the demo model.
 SUPPORTED_DIMS = ((512, 64), (128, 32))
 
@@ -163,6 +164,7 @@ if gluon is not None:
     _FEW_ROWS = gl.constexpr(FEW_ROWS)
     _FEW_KEYS = gl.constexpr(FEW_KEYS)
     _TAIL_ROWS = gl.constexpr(TAIL_ROWS)
+    _TAIL_CHUNK = gl.constexpr(TAIL_CHUNK)
 
     @gluon.jit
     def _trace(trace_ptr, slot, event, ok, TRACE: gl.constexpr, WALL: gl.constexpr = False):
@@ -249,13 +251,40 @@ if gluon is not None:
 
     @gluon.jit
     def _tail_q(q_lat_ptr, tok, head, ok, stride_ql_n, stride_ql_h, C: gl.constexpr, LAYOUT: gl.constexpr):
-        """Latent columns ``[64 C, 64 C + 64)`` of the tail rows' q, into registers."""
-        cols = C * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, LAYOUT))
+        """Latent columns ``[TAIL_CHUNK C, TAIL_CHUNK (C + 1))`` of the tail rows' q, into registers."""
+        cols = C * _TAIL_CHUNK + gl.arange(0, _TAIL_CHUNK, layout=gl.SliceLayout(0, LAYOUT))
         return gl.load(q_lat_ptr + (tok * stride_ql_n + head * stride_ql_h)[:, None] + cols[None, :], mask=ok[:, None],
                        other=0.0)
 
     @gluon.jit
-    def _tail_loop(q_stage, q_pe_tail, p_tail, k_lat, k_pe, kv_ready, kv_free, lat_desc, pe_desc,
+    def _tail_logits(q_stage, qs, q_pe_t, k_lat_p, k_pe_p, PK: gl.constexpr, KVR: gl.constexpr, ROPE: gl.constexpr,
+                     S_T: gl.constexpr):
+        """``S^T = K Q^T`` ``[PK keys, TAIL_ROWS]`` of one pair, waited. There is no room for the tail's q
+        in shared memory, so its chunks (registers) go through two staging buffers, the rope part last;
+        the previous pair's ``O^T`` product may still run ahead of these."""
+        TR: gl.constexpr = _TAIL_ROWS
+        NC: gl.constexpr = KVR // _TAIL_CHUNK
+        s = gl.zeros([PK, TR], gl.float32, layout=S_T)
+        for c in gl.static_range(NC + 1):
+            buf = q_stage.index(c % 2)
+            if c >= 2:
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # chunk c - 2 has read this buffer
+            if c < NC:
+                buf.store(qs[c])
+            else:
+                buf = buf.slice(0, ROPE, dim=1)
+                buf.store(q_pe_t)
+            fence_async_shared()
+            _cta_barrier()
+            if c < NC:
+                s = warpgroup_mma(k_lat_p.slice(c * _TAIL_CHUNK, _TAIL_CHUNK, dim=1), buf.permute((1, 0)), s,
+                                  use_acc=c > 0, is_async=True)
+            else:
+                s = warpgroup_mma(k_pe_p, buf.permute((1, 0)), s, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+    @gluon.jit
+    def _tail_loop(q_stage, p_tail, k_lat, k_pe, kv_ready, kv_free, lat_desc, pe_desc,
                    q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
                    n_prefix, n_total, lo, hi, n_nodes, page_size,
                    stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok, stride_new_n,
@@ -266,10 +295,9 @@ if gluon is not None:
         """The loader of a launch with a tail: the ring in pairs of tiles, and, in the last row tile of
         a request whose rows run up to ``TAIL_ROWS`` past it, those rows' attention, with the few-row
         kernel's transposed products on each pair: ``S^T = K Q^T`` ``[64 keys, 8 rows]``, a softmax
-        down each column, ``O^T += V^T P^T`` ``[kvr, 8]`` (32 fp32 registers a thread). The
-        consumers' chain is the CTA's pace (about 2200 cycles a 32-key tile on an H200), which
-        leaves this warpgroup time for a pair's products between its copies; without it those rows
-        took a whole second CTA that repeats every key tile's products for 64 rows."""
+        down each column, ``O^T += V^T P^T`` ``[kvr, 8]`` (32 fp32 registers a thread), left running
+        while the next pair's logits are issued. Without it those rows take a second CTA that repeats
+        every key tile's products for 64 rows."""
         TR: gl.constexpr = _TAIL_ROWS
         PK: gl.constexpr = 2 * BLOCK_N  # keys a pair
         PAIRS: gl.constexpr = NUM_STAGES // 2
@@ -282,20 +310,20 @@ if gluon is not None:
                                 n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr, q_start,
                                 stride_kv_page, stride_kv_tok, stride_new_n, lat_desc, pe_desc,
                                 KVR, ROPE, BLOCK_N, TMA_ROWS, LAT_LD, PE_LD)
-        # the tail rows' q (nothing is read where this CTA has no tail), the latent part in registers
-        Q_LD: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [LOADER_WARPS, 1], [1, 0])
+        # the tail rows' q in registers (nothing is read where this CTA has no tail)
+        Q_LD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LOADER_WARPS, 1], [1, 0])
         offs_q = tail_row0 + gl.arange(0, TR, layout=gl.SliceLayout(1, Q_LD))
         q_ok = (offs_q < rows) & has_tail
         tok = (q_start + offs_q // num_heads).to(gl.int64)
         head = offs_q % num_heads
         qs = (_tail_q(q_lat_ptr, tok, head, q_ok, stride_ql_n, stride_ql_h, 0, Q_LD),)
-        for c in gl.static_range(1, KVR // 64):
+        for c in gl.static_range(1, KVR // _TAIL_CHUNK):
             qs = qs + (_tail_q(q_lat_ptr, tok, head, q_ok, stride_ql_n, stride_ql_h, c, Q_LD),)
         offs_qp = tail_row0 + gl.arange(0, TR, layout=gl.SliceLayout(1, PE_LD))
         tok_p = (q_start + offs_qp // num_heads).to(gl.int64)
         cols_pe = gl.arange(0, ROPE, layout=gl.SliceLayout(0, PE_LD))
-        q_pe_tail.store(gl.load(q_pe_ptr + (tok_p * stride_qp_n + (offs_qp % num_heads) * stride_qp_h)[:, None]
-                                + cols_pe[None, :], mask=((offs_qp < rows) & has_tail)[:, None], other=0.0))
+        q_pe_t = gl.load(q_pe_ptr + (tok_p * stride_qp_n + (offs_qp % num_heads) * stride_qp_h)[:, None] + cols_pe[None, :],
+                         mask=((offs_qp < rows) & has_tail)[:, None], other=0.0)
 
         S_T: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[LOADER_WARPS, 1],
                                                       instr_shape=[16, TR, 16])
@@ -309,21 +337,18 @@ if gluon is not None:
         l_i = gl.zeros([TR], gl.float32, layout=COL)
         for tp in range(0, n_total, 2):
             pb = (tp // 2) % PAIRS
+            s = gl.zeros([PK, TR], gl.float32, layout=S_T)
             if has_tail:
                 mbarrier.wait(kv_ready.index(tp % NUM_STAGES), (tp // NUM_STAGES) & 1)
                 if tp + 1 < n_total:
                     mbarrier.wait(kv_ready.index((tp + 1) % NUM_STAGES), ((tp + 1) // NUM_STAGES) & 1)
-                s = gl.zeros([PK, TR], gl.float32, layout=S_T)
-                for c in gl.static_range(KVR // 64):  # latent q through two staging buffers
-                    if c >= 2:
-                        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # chunk c - 2 has read its buffer
-                    q_stage.index(c % 2).store(qs[c])
-                    fence_async_shared()
-                    _cta_barrier()
-                    s = warpgroup_mma(k_lat.index(pb).slice(c * 64, 64, dim=1), q_stage.index(c % 2).permute((1, 0)), s,
-                                      use_acc=c > 0, is_async=True)
-                s = warpgroup_mma(k_pe.index(pb), q_pe_tail.permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                s = _tail_logits(q_stage, qs, q_pe_t, k_lat.index(pb), k_pe.index(pb), PK, KVR, ROPE, S_T)
+                # the previous pair's O^T product ran behind these logits and is done too: refill its buffer
+            if tp >= 2:
+                _tail_refill(k_lat, k_pe, kv_ready, kv_free, tp - 2, (tp // 2 - 1) % PAIRS, n_prefix, n_total, lo, hi,
+                             n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
+                             stride_new_n, lat_desc, pe_desc, KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, LAT_LD, PE_LD)
+            if has_tail:
                 # keys of the pair: tile tp + k // BLOCK_N, prefix keys up to hi, then the tree's own
                 tile = tp + offs_k // BLOCK_N
                 within = offs_k % BLOCK_N
@@ -342,23 +367,17 @@ if gluon is not None:
                 p_tail.store(gl.permute(p.to(p_tail.dtype), [1, 0]))
                 fence_async_shared()
                 _cta_barrier()  # every thread's part of P is in place before the product reads it
+                # O^T += V^T P^T, left in flight beside the next pair's logits (they wait for it)
                 if tp + 1 < n_total:
                     pv = warpgroup_mma(k_lat.index(pb).permute((1, 0)), p_tail.permute((1, 0)), acc * alpha[None, :],
                                        is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(pv,))
                 else:  # a lone last tile: the pair's other half holds an older tile (0 x a stale NaN is NaN)
                     pv = warpgroup_mma(k_lat.index(pb).slice(0, BLOCK_N).permute((1, 0)),
                                        p_tail.slice(0, BLOCK_N, dim=1).permute((1, 0)), acc * alpha[None, :],
                                        is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-            for h in gl.static_range(2):  # refill each half once the consumers are done with it
-                t = tp + h
-                if t + NUM_STAGES < n_total:
-                    mbarrier.wait(kv_free.index(t % NUM_STAGES), (t // NUM_STAGES) & 1)
-                    _few_rows_issue(k_lat.index(pb).slice(h * BLOCK_N, BLOCK_N), k_pe.index(pb).slice(h * BLOCK_N, BLOCK_N),
-                                    kv_ready.index(t % NUM_STAGES), t + NUM_STAGES, n_prefix, lo, hi, n_nodes, pt_row,
-                                    page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok, stride_new_n,
-                                    lat_desc, pe_desc, KVR, ROPE, BLOCK_N, TMA_ROWS, LAT_LD, PE_LD)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(pv,))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         if has_tail:  # out[row, d] = O^T[d, row] / l, from the accumulator's layout (no room to change it)
             l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
             o = acc / l_safe[None, :]
@@ -374,11 +393,27 @@ if gluon is not None:
                 gl.store(lse_part_ptr + part, lse, mask=row_ok)
 
     @gluon.jit
+    def _tail_refill(k_lat, k_pe, kv_ready, kv_free, tp, pb, n_prefix, n_total, lo, hi, n_nodes, pt_row, page_size,
+                     kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok, stride_new_n, lat_desc, pe_desc,
+                     KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                     TMA_ROWS: gl.constexpr, LAT_LD: gl.constexpr, PE_LD: gl.constexpr):
+        """Pair ``tp, tp + 1``'s buffer ``pb`` gets tiles ``tp + NUM_STAGES`` and the next, each half once
+        the consumers are done with it."""
+        for h in gl.static_range(2):
+            t = tp + h
+            if t + NUM_STAGES < n_total:
+                mbarrier.wait(kv_free.index(t % NUM_STAGES), (t // NUM_STAGES) & 1)
+                _few_rows_issue(k_lat.index(pb).slice(h * BLOCK_N, BLOCK_N), k_pe.index(pb).slice(h * BLOCK_N, BLOCK_N),
+                                kv_ready.index(t % NUM_STAGES), t + NUM_STAGES, n_prefix, lo, hi, n_nodes, pt_row,
+                                page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok, stride_new_n,
+                                lat_desc, pe_desc, KVR, ROPE, BLOCK_N, TMA_ROWS, LAT_LD, PE_LD)
+
+    @gluon.jit
     def _loader(q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
                 q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
                 n_prefix, n_total, lo, hi, n_nodes, page_size,
                 stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok, stride_new_n,
-                trace_ptr, trace_slot, q_stage, q_pe_tail, p_tail, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+                trace_ptr, trace_slot, q_stage, p_tail, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                 split, total_rows, stride_anc_n, scale_log2,
                 KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                 TMA_ROWS: gl.constexpr, LOADER_WARPS: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
@@ -405,7 +440,7 @@ if gluon is not None:
             _cp_async(q_pe.slice(c * _COPY_ROWS, _COPY_ROWS), qp_ptrs, mask=(offs_mp < rows)[:, None])
         cp.mbarrier_arrive(q_ready, increment_count=False)
         if TAIL:
-            _tail_loop(q_stage, q_pe_tail, p_tail, k_lat, k_pe, kv_ready, kv_free, lat_desc, pe_desc,
+            _tail_loop(q_stage, p_tail, k_lat, k_pe, kv_ready, kv_free, lat_desc, pe_desc,
                        q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
                        n_prefix, n_total, lo, hi, n_nodes, page_size,
                        stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok, stride_new_n,
@@ -618,7 +653,7 @@ if gluon is not None:
         TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
         Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr,
         P_SMEM: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr, TAIL_Q_SMEM: gl.constexpr,
-        TAIL_PE_SMEM: gl.constexpr, TAIL_P_SMEM: gl.constexpr, num_warps: gl.constexpr,
+        TAIL_P_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
         """One 64-row tile, one split, one request a CTA: the loader (default partition, 4 warps) and
         the two consumer warpgroups (``_consumer``, ROLE 0 / 1). ``TAIL``: a request's last row tile
@@ -637,17 +672,15 @@ if gluon is not None:
 
             q_lat = gl.allocate_shared_memory(dtype, [_BM, KVR], Q_LAT_SMEM)
             q_pe = gl.allocate_shared_memory(dtype, [_BM, ROPE], Q_PE_SMEM)
-            if TAIL:  # the ring in pairs of tiles (``_slot``), and the tail's q (staged) and P
+            if TAIL:  # the ring in pairs of tiles (``_slot``), and the staging buffers of the tail's q and P
                 k_lat = gl.allocate_shared_memory(dtype, [NUM_STAGES // 2, 2 * BLOCK_N, KVR], K_LAT_SMEM)
                 k_pe = gl.allocate_shared_memory(dtype, [NUM_STAGES // 2, 2 * BLOCK_N, ROPE], K_PE_SMEM)
-                q_stage = gl.allocate_shared_memory(dtype, [2, _TAIL_ROWS, 64], TAIL_Q_SMEM)
-                q_pe_tail = gl.allocate_shared_memory(dtype, [_TAIL_ROWS, ROPE], TAIL_PE_SMEM)
+                q_stage = gl.allocate_shared_memory(dtype, [2, _TAIL_ROWS, _TAIL_CHUNK], TAIL_Q_SMEM)
                 p_tail = gl.allocate_shared_memory(dtype, [_TAIL_ROWS, 2 * BLOCK_N], TAIL_P_SMEM)
             else:
                 k_lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, KVR], K_LAT_SMEM)
                 k_pe = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], K_PE_SMEM)
                 q_stage = k_lat  # unused
-                q_pe_tail = k_pe
                 p_tail = k_lat
             p_smem = gl.allocate_shared_memory(dtype, [_BM, BLOCK_N], P_SMEM)
             flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -673,7 +706,7 @@ if gluon is not None:
                            q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
                            n_prefix, n_total, lo, hi, n_nodes, page_size,
                            stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
-                           stride_new_n, trace_ptr, cta * 3 * slots, q_stage, q_pe_tail, p_tail, anc_bits_ptr,
+                           stride_new_n, trace_ptr, cta * 3 * slots, q_stage, p_tail, anc_bits_ptr,
                            out_ptr, o_part_ptr, lse_part_ptr, split, total_rows, stride_anc_n, scale_log2,
                            KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps, TRACE, TRACE_TILES, TAIL, DIRECT)),
                 (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free,
@@ -905,7 +938,7 @@ def tree_mla_hopper(
     tail = can_tail if tail is None else tail
     m_tiles = rows // BLOCK_M if tail else -(-rows // BLOCK_M)
     need = ((BLOCK_M + block_n * num_stages) * kv_bytes + BLOCK_M * block_n * 2 + 1024  # + P tile, row stats, barriers
-            + (TAIL_ROWS * (2 * 64 + rope + 2 * block_n) * 2 if tail else 0))  # the tail's staged q, rope q and P
+            + (TAIL_ROWS * (2 * TAIL_CHUNK + 2 * block_n) * 2 if tail else 0))  # the tail's staged q and its P
     assert few or limit is None or need <= limit, \
         f"q and {num_stages} tiles of {block_n} keys need {need} bytes of shared memory, {limit} here"
     if num_splits is None:
@@ -925,8 +958,7 @@ def tree_mla_hopper(
         "K_LAT_SMEM": gl.NVMMASharedLayout.get_default_for([block_n, kvr], gdt),
         "K_PE_SMEM": gl.NVMMASharedLayout.get_default_for([block_n, rope], gdt),
         "P_SMEM": gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_n], gdt),
-        "TAIL_Q_SMEM": gl.NVMMASharedLayout.get_default_for([TAIL_ROWS, 64], gdt),
-        "TAIL_PE_SMEM": gl.NVMMASharedLayout.get_default_for([TAIL_ROWS, rope], gdt),
+        "TAIL_Q_SMEM": gl.NVMMASharedLayout.get_default_for([TAIL_ROWS, TAIL_CHUNK], gdt),
         "TAIL_P_SMEM": gl.NVMMASharedLayout.get_default_for([TAIL_ROWS, 2 * block_n], gdt),
     }
     trace_tiles = 0
