@@ -42,7 +42,8 @@ CHECKS = (  # (context per request, nodes, heads, page size, kvr, rope, pages no
 SHAPES = ((32, 4096, 8, 8), (32, 4096, 9, 8), (32, 4096, 17, 8), (32, 4096, 33, 8), (128, 4096, 9, 8),
           (128, 4096, 17, 8), (128, 4096, 33, 8), (32, 16384, 9, 8), (32, 16384, 17, 8), (32, 16384, 33, 8),
           (128, 16384, 9, 8), (4, 4096, 17, 8), (1, 16384, 9, 8))
-REGS = (192, 176, 184)  # consumer registers with a tail; the first is the served one
+REGS = (176, 184, 192)  # consumer registers with a tail; the first is the served one
+ABLATIONS = ("tail", "no_q_staging", "no_logits", "no_o_products", "no_products")  # TAIL_ABLATE 0..4
 
 
 def run(case: Case, tail: bool | None, splits: int | None = None) -> torch.Tensor:
@@ -90,27 +91,35 @@ def main() -> None:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default="bench/results/tree_mla_tail_ab.json")
     ap.add_argument("--no-checks", action="store_true")
+    ap.add_argument("--ablate", action="store_true", help="instead of register counts: the tail with parts left out "
+                    "(TAIL_ABLATE; timing only, wrong output)")
+    ap.add_argument("--shapes", default=None, help="batch,context,nodes,heads;... (default: SHAPES)")
     args = ap.parse_args()
     served_regs = hop.TAIL_CONSUMER_REGS
     check_rows = [] if args.no_checks else checks()
-    variants = {"no_tail": (False, served_regs)} | {f"tail_{r}": (True, r) for r in REGS}
+    variants = {"no_tail": (False, served_regs, 0)}
+    if args.ablate:
+        variants |= {name: (True, served_regs, a) for a, name in enumerate(ABLATIONS)}
+    else:
+        variants |= {f"tail_{r}": (True, r, 0) for r in REGS}
+    shapes = SHAPES if args.shapes is None else [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
     rows = []
-    for batch, context, nodes, heads in SHAPES:
+    for batch, context, nodes, heads in shapes:
         cases = rotating_cases(batch, context, nodes, heads)
         has_tail = hop.tail_rows(nodes * heads) > 0
-        names = [n for n, (t, _) in variants.items() if has_tail or not t]
+        names = [n for n, (t, _, _) in variants.items() if has_tail or not t]
         times: dict[str, list[float]] = {n: [] for n in names}
         outs = {}
         try:
             for rnd in range(2):
                 for name in (names if rnd == 0 else names[::-1]):
-                    tail, regs = variants[name]
-                    hop.TAIL_CONSUMER_REGS = regs
+                    tail, regs, ablate = variants[name]
+                    hop.TAIL_CONSUMER_REGS, hop.TAIL_ABLATE = regs, ablate
                     times[name].append(graph_replay_us([lambda c=c, t=tail: run(c, t) for c in cases]))
                     if rnd == 0:
                         outs[name] = run(cases[0], tail)
         finally:
-            hop.TAIL_CONSUMER_REGS = served_regs
+            hop.TAIL_CONSUMER_REGS, hop.TAIL_ABLATE = served_regs, 0
         row = dict(batch=batch, context=context, tree_nodes=nodes, heads=heads, tail_rows=hop.tail_rows(nodes * heads))
         for name, ts in times.items():
             row[f"{name}_us"] = round(min(ts), 2)
@@ -127,7 +136,7 @@ def main() -> None:
     write_result(args.out, args.commit,
                  dict(timing="whole tree_mla_hopper call (64-row kernel), CUDA-graph replay rotating over inputs > L2, "
                              "each setting captured afresh; min of two rounds in alternating order",
-                      variants={k: dict(tail=v[0], consumer_regs=v[1] if v[0] else hop.CONSUMER_REGS)
+                      variants={k: dict(tail=v[0], consumer_regs=v[1] if v[0] else hop.CONSUMER_REGS, ablate=v[2])
                                 for k, v in variants.items()},
                       served_tail_consumer_regs=served_regs, checks=check_rows),
                  rows)

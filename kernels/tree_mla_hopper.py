@@ -89,8 +89,9 @@ FEW_ROWS_MAX_TILES = 8  # key tiles a few-row CTA may walk where a request's row
 TRACE_EVENTS = 8  # stamps a trace slot holds (``tree_mla_hopper(trace=...)``)
 CONSUMER_REGS = 224  # registers of each consumer warpgroup; the loader gets the rest (232: 1-3% slower, H200)
 TAIL_ROWS = 8  # rows past a request's last full 64-row tile that its loader warpgroup attends (``_tail_loop``)
-TAIL_CONSUMER_REGS = 192  # consumer registers where the loader attends a tail (H200, b238469: 0.84x at 208 -> 0.71x)
+TAIL_CONSUMER_REGS = 176  # consumer registers where the loader attends a tail (H200, 0bf90a9: best of 176 / 184 / 192)
 TAIL_CHUNK = 128  # latent columns of the tail's q a staging buffer takes
+TAIL_ABLATE = 0  # timing only, wrong output: 1 no q staging, 2 no logits products, 3 no O^T products, 4 neither
 # Dims the kernel was checked at on the GPU (bench/tree_mla_bench.py): Kimi-K2 and the demo model.
 SUPPORTED_DIMS = ((512, 64), (128, 32))
 
@@ -258,7 +259,7 @@ if gluon is not None:
 
     @gluon.jit
     def _tail_logits(q_stage, qs, q_pe_t, k_lat_p, k_pe_p, PK: gl.constexpr, KVR: gl.constexpr, ROPE: gl.constexpr,
-                     S_T: gl.constexpr):
+                     S_T: gl.constexpr, ABLATE: gl.constexpr):
         """``S^T = K Q^T`` ``[PK keys, TAIL_ROWS]`` of one pair, waited. There is no room for the tail's q
         in shared memory, so its chunks (registers) go through two staging buffers, the rope part last;
         the previous pair's ``O^T`` product may still run ahead of these."""
@@ -269,13 +270,15 @@ if gluon is not None:
             buf = q_stage.index(c % 2)
             if c >= 2:
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # chunk c - 2 has read this buffer
-            if c < NC:
-                buf.store(qs[c])
-            else:
+            if c >= NC:
                 buf = buf.slice(0, ROPE, dim=1)
-                buf.store(q_pe_t)
-            fence_async_shared()
-            _cta_barrier()
+            if ABLATE != 1:
+                if c < NC:
+                    buf.store(qs[c])
+                else:
+                    buf.store(q_pe_t)
+                fence_async_shared()
+                _cta_barrier()
             if c < NC:
                 s = warpgroup_mma(k_lat_p.slice(c * _TAIL_CHUNK, _TAIL_CHUNK, dim=1), buf.permute((1, 0)), s,
                                   use_acc=c > 0, is_async=True)
@@ -291,7 +294,7 @@ if gluon is not None:
                    anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr, split, total_rows, stride_anc_n, scale_log2,
                    KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                    TMA_ROWS: gl.constexpr, DIRECT: gl.constexpr, LAT_LD: gl.constexpr, PE_LD: gl.constexpr,
-                   LOADER_WARPS: gl.constexpr):
+                   LOADER_WARPS: gl.constexpr, ABLATE: gl.constexpr):
         """The loader of a launch with a tail: the ring in pairs of tiles, and, in the last row tile of
         a request whose rows run up to ``TAIL_ROWS`` past it, those rows' attention, with the few-row
         kernel's transposed products on each pair: ``S^T = K Q^T`` ``[64 keys, 8 rows]``, a softmax
@@ -342,7 +345,8 @@ if gluon is not None:
                 mbarrier.wait(kv_ready.index(tp % NUM_STAGES), (tp // NUM_STAGES) & 1)
                 if tp + 1 < n_total:
                     mbarrier.wait(kv_ready.index((tp + 1) % NUM_STAGES), ((tp + 1) // NUM_STAGES) & 1)
-                s = _tail_logits(q_stage, qs, q_pe_t, k_lat.index(pb), k_pe.index(pb), PK, KVR, ROPE, S_T)
+                if (ABLATE != 2) & (ABLATE < 4):
+                    s = _tail_logits(q_stage, qs, q_pe_t, k_lat.index(pb), k_pe.index(pb), PK, KVR, ROPE, S_T, ABLATE)
                 # the previous pair's O^T product ran behind these logits and is done too: refill its buffer
             if tp >= 2:
                 _tail_refill(k_lat, k_pe, kv_ready, kv_free, tp - 2, (tp // 2 - 1) % PAIRS, n_prefix, n_total, lo, hi,
@@ -368,7 +372,9 @@ if gluon is not None:
                 fence_async_shared()
                 _cta_barrier()  # every thread's part of P is in place before the product reads it
                 # O^T += V^T P^T, left in flight beside the next pair's logits (they wait for it)
-                if tp + 1 < n_total:
+                if ABLATE >= 3:
+                    acc = acc * alpha[None, :]
+                elif tp + 1 < n_total:
                     pv = warpgroup_mma(k_lat.index(pb).permute((1, 0)), p_tail.permute((1, 0)), acc * alpha[None, :],
                                        is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(pv,))
@@ -417,7 +423,7 @@ if gluon is not None:
                 split, total_rows, stride_anc_n, scale_log2,
                 KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                 TMA_ROWS: gl.constexpr, LOADER_WARPS: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
-                TAIL: gl.constexpr, DIRECT: gl.constexpr):
+                TAIL: gl.constexpr, DIRECT: gl.constexpr, TAIL_ABLATE: gl.constexpr):
         """Stream the q tile and every key tile into the ring. Whole prefix tiles go by TMA
         (``TMA_ROWS`` rows a copy, so a copy never crosses a page) where ``TMA_ROWS > 0``; a split's
         last, partial tile and the tree's own keys by cp.async, which zero-fills the rows past the
@@ -445,7 +451,7 @@ if gluon is not None:
                        n_prefix, n_total, lo, hi, n_nodes, page_size,
                        stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok, stride_new_n,
                        anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr, split, total_rows, stride_anc_n, scale_log2,
-                       KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, DIRECT, LAT_LD, PE_LD, LOADER_WARPS)
+                       KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, DIRECT, LAT_LD, PE_LD, LOADER_WARPS, TAIL_ABLATE)
         else:
             for t in range(n_total):
                 st = t % NUM_STAGES
@@ -653,7 +659,7 @@ if gluon is not None:
         TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
         Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr,
         P_SMEM: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr, TAIL_Q_SMEM: gl.constexpr,
-        TAIL_P_SMEM: gl.constexpr, num_warps: gl.constexpr,
+        TAIL_P_SMEM: gl.constexpr, TAIL_ABLATE: gl.constexpr, num_warps: gl.constexpr,
     ):
         """One 64-row tile, one split, one request a CTA: the loader (default partition, 4 warps) and
         the two consumer warpgroups (``_consumer``, ROLE 0 / 1). ``TAIL``: a request's last row tile
@@ -708,7 +714,8 @@ if gluon is not None:
                            stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
                            stride_new_n, trace_ptr, cta * 3 * slots, q_stage, p_tail, anc_bits_ptr,
                            out_ptr, o_part_ptr, lse_part_ptr, split, total_rows, stride_anc_n, scale_log2,
-                           KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps, TRACE, TRACE_TILES, TAIL, DIRECT)),
+                           KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps, TRACE, TRACE_TILES, TAIL, DIRECT,
+                           TAIL_ABLATE)),
                 (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free,
                              p_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                              q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
@@ -979,7 +986,7 @@ def tree_mla_hopper(
         H, page_size, total_rows, num_splits, softmax_scale * _LOG2E, out if trace is None else trace,
         KVR=kvr, ROPE=rope, BLOCK_N=block_n, NUM_STAGES=num_stages, DIRECT=num_splits == 1, TMA_ROWS=tma_rows,
         CONSUMER_REGS=TAIL_CONSUMER_REGS if tail else CONSUMER_REGS, TRACE=trace is not None, TRACE_TILES=trace_tiles,
-        **smem, PDL=use_pdl, TAIL=tail, num_warps=4,
+        **smem, PDL=use_pdl, TAIL=tail, TAIL_ABLATE=TAIL_ABLATE, num_warps=4,
         launch_pdl=use_pdl,
     )
     merge_splits(o_part, lse_part, out, num_splits, 1, after_ctas=m_tiles * num_splits * R)
