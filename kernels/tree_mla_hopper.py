@@ -78,8 +78,8 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 
 __all__ = [
     "hopper_available", "unsupported_reason", "tree_mla_hopper", "choose_splits", "tma_rows_for", "few_rows_serves",
-    "few_rows_splits", "few_rows_stages", "tail_rows",
-    "BLOCK_M", "TAIL_ROWS", "FEW_ROWS", "FEW_KEYS", "FEW_ROWS_MAX_TILES", "SUPPORTED_DIMS",
+    "few_rows_splits", "few_rows_stages",
+    "BLOCK_M", "FEW_ROWS", "FEW_KEYS", "FEW_ROWS_MAX_TILES", "SUPPORTED_DIMS",
 ]
 
 BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
@@ -88,10 +88,6 @@ FEW_KEYS = 64  # keys a few-row tile (the wgmma M side)
 FEW_ROWS_MAX_TILES = 8  # key tiles a few-row CTA may walk where a request's rows take more than one CTA
 TRACE_EVENTS = 8  # stamps a trace slot holds (``tree_mla_hopper(trace=...)``)
 CONSUMER_REGS = 224  # registers of each consumer warpgroup; the loader gets the rest (232: 1-3% slower, H200)
-TAIL_ROWS = 8  # rows past a request's last full 64-row tile that its loader warpgroup attends (``_tail_loop``)
-TAIL_CONSUMER_REGS = 176  # consumer registers where the loader attends a tail (H200, 0bf90a9: best of 176 / 184 / 192)
-TAIL_CHUNK = 128  # latent columns of the tail's q a staging buffer takes
-TAIL_ABLATE = 0  # timing only, wrong output: 1 no q staging, 2 no logits products, 3 no O^T products, 4 neither
 # Dims the kernel was checked at on the GPU (bench/tree_mla_bench.py): Kimi-K2 and the demo model.
 SUPPORTED_DIMS = ((512, 64), (128, 32))
 
@@ -164,8 +160,6 @@ if gluon is not None:
     _EVENTS = gl.constexpr(TRACE_EVENTS)
     _FEW_ROWS = gl.constexpr(FEW_ROWS)
     _FEW_KEYS = gl.constexpr(FEW_KEYS)
-    _TAIL_ROWS = gl.constexpr(TAIL_ROWS)
-    _TAIL_CHUNK = gl.constexpr(TAIL_CHUNK)
 
     @gluon.jit
     def _trace(trace_ptr, slot, event, ok, TRACE: gl.constexpr, WALL: gl.constexpr = False):
@@ -240,195 +234,17 @@ if gluon is not None:
         mbarrier.arrive(ready)  # ... before the one the barrier was initialised with
 
     @gluon.jit
-    def _slot(buf, j, HALF: gl.constexpr, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, PAIRED: gl.constexpr):
-        """The ring slot of key tile ``j``. Paired (a launch with a tail): a buffer holds two tiles in
-        a row, tile j in half ``HALF`` (``j % 2``, static at every use) of buffer ``(j // 2) % (NUM_STAGES
-        // 2)``, so the tail's products take both as one 64-key operand."""
-        if PAIRED:
-            view = buf.index((j // 2) % (NUM_STAGES // 2)).slice(HALF * BLOCK_N, BLOCK_N)
-        else:
-            view = buf.index(j % NUM_STAGES)
-        return view
-
-    @gluon.jit
-    def _tail_q(q_lat_ptr, tok, head, ok, stride_ql_n, stride_ql_h, C: gl.constexpr, LAYOUT: gl.constexpr):
-        """Latent columns ``[TAIL_CHUNK C, TAIL_CHUNK (C + 1))`` of the tail rows' q, into registers."""
-        cols = C * _TAIL_CHUNK + gl.arange(0, _TAIL_CHUNK, layout=gl.SliceLayout(0, LAYOUT))
-        return gl.load(q_lat_ptr + (tok * stride_ql_n + head * stride_ql_h)[:, None] + cols[None, :], mask=ok[:, None],
-                       other=0.0)
-
-    @gluon.jit
-    def _tail_logits(q_stage, qs, q_pe_t, k_lat_p, k_pe_p, PK: gl.constexpr, KVR: gl.constexpr, ROPE: gl.constexpr,
-                     S_T: gl.constexpr, ABLATE: gl.constexpr):
-        """``S^T = K Q^T`` ``[PK keys, TAIL_ROWS]`` of one pair, waited. There is no room for the tail's q
-        in shared memory, so its chunks (registers) go through two staging buffers, the rope part last;
-        the previous pair's ``O^T`` product may still run ahead of these."""
-        TR: gl.constexpr = _TAIL_ROWS
-        NC: gl.constexpr = KVR // _TAIL_CHUNK
-        s = gl.zeros([PK, TR], gl.float32, layout=S_T)
-        for c in gl.static_range(NC + 1):
-            buf = q_stage.index(c % 2)
-            if c >= 2:
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # chunk c - 2 has read this buffer
-            if c >= NC:
-                buf = buf.slice(0, ROPE, dim=1)
-            if ABLATE != 1:
-                if c < NC:
-                    buf.store(qs[c])
-                else:
-                    buf.store(q_pe_t)
-                fence_async_shared()
-                _cta_barrier()
-            if c < NC:
-                s = warpgroup_mma(k_lat_p.slice(c * _TAIL_CHUNK, _TAIL_CHUNK, dim=1), buf.permute((1, 0)), s,
-                                  use_acc=c > 0, is_async=True)
-            else:
-                s = warpgroup_mma(k_pe_p, buf.permute((1, 0)), s, is_async=True)
-        return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-
-    @gluon.jit
-    def _tail_loop(q_stage, p_tail, k_lat, k_pe, kv_ready, kv_free, lat_desc, pe_desc,
-                   q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
-                   n_prefix, n_total, lo, hi, n_nodes, page_size,
-                   stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok, stride_new_n,
-                   anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr, split, total_rows, stride_anc_n, scale_log2,
-                   KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   TMA_ROWS: gl.constexpr, DIRECT: gl.constexpr, LAT_LD: gl.constexpr, PE_LD: gl.constexpr,
-                   LOADER_WARPS: gl.constexpr, ABLATE: gl.constexpr):
-        """The loader of a launch with a tail: the ring in pairs of tiles, and, in the last row tile of
-        a request whose rows run up to ``TAIL_ROWS`` past it, those rows' attention, with the few-row
-        kernel's transposed products on each pair: ``S^T = K Q^T`` ``[64 keys, 8 rows]``, a softmax
-        down each column, ``O^T += V^T P^T`` ``[kvr, 8]`` (32 fp32 registers a thread), left running
-        while the next pair's logits are issued. Without it those rows take a second CTA that repeats
-        every key tile's products for 64 rows."""
-        TR: gl.constexpr = _TAIL_ROWS
-        PK: gl.constexpr = 2 * BLOCK_N  # keys a pair
-        PAIRS: gl.constexpr = NUM_STAGES // 2
-        tail_row0 = (pid_m + 1) * _BM
-        has_tail = (pid_m == gl.num_programs(0) - 1) & (tail_row0 < rows)
-        for t0 in gl.static_range(NUM_STAGES):  # fill the ring
-            if t0 < n_total:
-                _few_rows_issue(k_lat.index(t0 // 2).slice((t0 % 2) * BLOCK_N, BLOCK_N),
-                                k_pe.index(t0 // 2).slice((t0 % 2) * BLOCK_N, BLOCK_N), kv_ready.index(t0), t0,
-                                n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr, q_start,
-                                stride_kv_page, stride_kv_tok, stride_new_n, lat_desc, pe_desc,
-                                KVR, ROPE, BLOCK_N, TMA_ROWS, LAT_LD, PE_LD)
-        # the tail rows' q in registers (nothing is read where this CTA has no tail)
-        Q_LD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LOADER_WARPS, 1], [1, 0])
-        offs_q = tail_row0 + gl.arange(0, TR, layout=gl.SliceLayout(1, Q_LD))
-        q_ok = (offs_q < rows) & has_tail
-        tok = (q_start + offs_q // num_heads).to(gl.int64)
-        head = offs_q % num_heads
-        qs = (_tail_q(q_lat_ptr, tok, head, q_ok, stride_ql_n, stride_ql_h, 0, Q_LD),)
-        for c in gl.static_range(1, KVR // _TAIL_CHUNK):
-            qs = qs + (_tail_q(q_lat_ptr, tok, head, q_ok, stride_ql_n, stride_ql_h, c, Q_LD),)
-        offs_qp = tail_row0 + gl.arange(0, TR, layout=gl.SliceLayout(1, PE_LD))
-        tok_p = (q_start + offs_qp // num_heads).to(gl.int64)
-        cols_pe = gl.arange(0, ROPE, layout=gl.SliceLayout(0, PE_LD))
-        q_pe_t = gl.load(q_pe_ptr + (tok_p * stride_qp_n + (offs_qp % num_heads) * stride_qp_h)[:, None] + cols_pe[None, :],
-                         mask=((offs_qp < rows) & has_tail)[:, None], other=0.0)
-
-        S_T: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[LOADER_WARPS, 1],
-                                                      instr_shape=[16, TR, 16])
-        COL: gl.constexpr = gl.SliceLayout(0, S_T)
-        offs_k = gl.arange(0, PK, layout=gl.SliceLayout(1, S_T))
-        offs_n = tail_row0 + gl.arange(0, TR, layout=COL)
-        row_ok = offs_n < rows
-        bits_col = anc_bits_ptr + (q_start + offs_n // num_heads).to(gl.int64) * stride_anc_n
-        acc = gl.zeros([KVR, TR], gl.float32, layout=S_T)
-        m_i = gl.full([TR], float("-inf"), gl.float32, layout=COL)
-        l_i = gl.zeros([TR], gl.float32, layout=COL)
-        for tp in range(0, n_total, 2):
-            pb = (tp // 2) % PAIRS
-            s = gl.zeros([PK, TR], gl.float32, layout=S_T)
-            if has_tail:
-                mbarrier.wait(kv_ready.index(tp % NUM_STAGES), (tp // NUM_STAGES) & 1)
-                if tp + 1 < n_total:
-                    mbarrier.wait(kv_ready.index((tp + 1) % NUM_STAGES), ((tp + 1) // NUM_STAGES) & 1)
-                if (ABLATE != 2) & (ABLATE < 4):
-                    s = _tail_logits(q_stage, qs, q_pe_t, k_lat.index(pb), k_pe.index(pb), PK, KVR, ROPE, S_T, ABLATE)
-                # the previous pair's O^T product ran behind these logits and is done too: refill its buffer
-            if tp >= 2:
-                _tail_refill(k_lat, k_pe, kv_ready, kv_free, tp - 2, (tp // 2 - 1) % PAIRS, n_prefix, n_total, lo, hi,
-                             n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
-                             stride_new_n, lat_desc, pe_desc, KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, LAT_LD, PE_LD)
-            if has_tail:
-                # keys of the pair: tile tp + k // BLOCK_N, prefix keys up to hi, then the tree's own
-                tile = tp + offs_k // BLOCK_N
-                within = offs_k % BLOCK_N
-                pre_ok = (tile < n_prefix) & (lo + tile * BLOCK_N + within < hi)
-                kk = gl.where(tile >= n_prefix, (tile - n_prefix) * BLOCK_N + within, 0)
-                tree_key = (tile >= n_prefix) & (tile < n_total) & (kk < n_nodes)
-                word = gl.load(bits_col[None, :] + (kk // 32)[:, None], mask=tree_key[:, None] & row_ok[None, :], other=0)
-                s_mask = pre_ok[:, None] | (tree_key[:, None] & (((word >> (kk % 32)[:, None]) & 1) != 0))
-                s = gl.where(s_mask, s * scale_log2, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 0))
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # columns that saw no key yet stay finite
-                alpha = gl.exp2(m_i - m_use)
-                p = gl.exp2(s - m_use[None, :])
-                l_i = l_i * alpha + gl.sum(p, 0)
-                m_i = m_new
-                p_tail.store(gl.permute(p.to(p_tail.dtype), [1, 0]))
-                fence_async_shared()
-                _cta_barrier()  # every thread's part of P is in place before the product reads it
-                # O^T += V^T P^T, left in flight beside the next pair's logits (they wait for it)
-                if ABLATE >= 3:
-                    acc = acc * alpha[None, :]
-                elif tp + 1 < n_total:
-                    pv = warpgroup_mma(k_lat.index(pb).permute((1, 0)), p_tail.permute((1, 0)), acc * alpha[None, :],
-                                       is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(pv,))
-                else:  # a lone last tile: the pair's other half holds an older tile (0 x a stale NaN is NaN)
-                    pv = warpgroup_mma(k_lat.index(pb).slice(0, BLOCK_N).permute((1, 0)),
-                                       p_tail.slice(0, BLOCK_N, dim=1).permute((1, 0)), acc * alpha[None, :],
-                                       is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(pv,))
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if has_tail:  # out[row, d] = O^T[d, row] / l, from the accumulator's layout (no room to change it)
-            l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
-            o = acc / l_safe[None, :]
-            flat_o = q_start.to(gl.int64) * num_heads + offs_n
-            d = gl.arange(0, KVR, layout=gl.SliceLayout(1, S_T))
-            ok_o = gl.full([KVR, TR], 1, gl.int1, layout=S_T) & row_ok[None, :]
-            if DIRECT:
-                gl.store(out_ptr + flat_o[None, :] * KVR + d[:, None], o.to(out_ptr.dtype.element_ty), mask=ok_o)
-            else:
-                part = split.to(gl.int64) * total_rows + flat_o
-                gl.store(o_part_ptr + part[None, :] * KVR + d[:, None], o, mask=ok_o)
-                lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
-                gl.store(lse_part_ptr + part, lse, mask=row_ok)
-
-    @gluon.jit
-    def _tail_refill(k_lat, k_pe, kv_ready, kv_free, tp, pb, n_prefix, n_total, lo, hi, n_nodes, pt_row, page_size,
-                     kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok, stride_new_n, lat_desc, pe_desc,
-                     KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     TMA_ROWS: gl.constexpr, LAT_LD: gl.constexpr, PE_LD: gl.constexpr):
-        """Pair ``tp, tp + 1``'s buffer ``pb`` gets tiles ``tp + NUM_STAGES`` and the next, each half once
-        the consumers are done with it."""
-        for h in gl.static_range(2):
-            t = tp + h
-            if t + NUM_STAGES < n_total:
-                mbarrier.wait(kv_free.index(t % NUM_STAGES), (t // NUM_STAGES) & 1)
-                _few_rows_issue(k_lat.index(pb).slice(h * BLOCK_N, BLOCK_N), k_pe.index(pb).slice(h * BLOCK_N, BLOCK_N),
-                                kv_ready.index(t % NUM_STAGES), t + NUM_STAGES, n_prefix, lo, hi, n_nodes, pt_row,
-                                page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok, stride_new_n,
-                                lat_desc, pe_desc, KVR, ROPE, BLOCK_N, TMA_ROWS, LAT_LD, PE_LD)
-
-    @gluon.jit
     def _loader(q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
                 q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
                 n_prefix, n_total, lo, hi, n_nodes, page_size,
                 stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok, stride_new_n,
-                trace_ptr, trace_slot, q_stage, p_tail, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                split, total_rows, stride_anc_n, scale_log2,
+                trace_ptr, trace_slot,
                 KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                TMA_ROWS: gl.constexpr, LOADER_WARPS: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
-                TAIL: gl.constexpr, DIRECT: gl.constexpr, TAIL_ABLATE: gl.constexpr):
+                TMA_ROWS: gl.constexpr, LOADER_WARPS: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr):
         """Stream the q tile and every key tile into the ring. Whole prefix tiles go by TMA
         (``TMA_ROWS`` rows a copy, so a copy never crosses a page) where ``TMA_ROWS > 0``; a split's
         last, partial tile and the tree's own keys by cp.async, which zero-fills the rows past the
-        keys. ``TAIL``: the ring goes in pairs and this warpgroup also attends the tail rows
-        (``_tail_loop``)."""
+        keys."""
         LAT_LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [LOADER_WARPS, 1], [1, 0])
         PE_LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROPE // 8), ROPE // 8], [LOADER_WARPS, 1], [1, 0])
         offs_r = gl.arange(0, _COPY_ROWS, layout=gl.SliceLayout(1, LAT_LD))
@@ -445,37 +261,29 @@ if gluon is not None:
             qp_ptrs = q_pe_ptr + (tok_p * stride_qp_n + (offs_mp % num_heads) * stride_qp_h)[:, None] + cols_pe[None, :]
             _cp_async(q_pe.slice(c * _COPY_ROWS, _COPY_ROWS), qp_ptrs, mask=(offs_mp < rows)[:, None])
         cp.mbarrier_arrive(q_ready, increment_count=False)
-        if TAIL:
-            _tail_loop(q_stage, p_tail, k_lat, k_pe, kv_ready, kv_free, lat_desc, pe_desc,
-                       q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
-                       n_prefix, n_total, lo, hi, n_nodes, page_size,
-                       stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok, stride_new_n,
-                       anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr, split, total_rows, stride_anc_n, scale_log2,
-                       KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, DIRECT, LAT_LD, PE_LD, LOADER_WARPS, TAIL_ABLATE)
-        else:
-            for t in range(n_total):
-                st = t % NUM_STAGES
-                _trace(trace_ptr, trace_slot + t, 0, t < TRACE_TILES, TRACE)
-                mbarrier.wait(kv_free.index(st), ((t // NUM_STAGES) & 1) ^ 1)  # both warpgroups are done with it
-                _trace(trace_ptr, trace_slot + t, 1, t < TRACE_TILES, TRACE)
-                if TMA_ROWS > 0:
-                    start = lo + t * BLOCK_N
-                    if (t < n_prefix) & (start + BLOCK_N <= hi):
-                        mbarrier.expect(kv_ready.index(st), BLOCK_N * (KVR + ROPE) * 2)
-                        for c in gl.static_range(BLOCK_N // TMA_ROWS):
-                            pos = start + c * TMA_ROWS
-                            page = gl.load(pt_row + pos // page_size)
-                            row = page * page_size + pos % page_size
-                            _tma_load(lat_desc, [row, 0], kv_ready.index(st), k_lat.index(st).slice(c * TMA_ROWS, TMA_ROWS))
-                            _tma_load(pe_desc, [row, 0], kv_ready.index(st), k_pe.index(st).slice(c * TMA_ROWS, TMA_ROWS))
-                    else:
-                        _copy_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes,
-                                   pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
-                                   stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
+        for t in range(n_total):
+            st = t % NUM_STAGES
+            _trace(trace_ptr, trace_slot + t, 0, t < TRACE_TILES, TRACE)
+            mbarrier.wait(kv_free.index(st), ((t // NUM_STAGES) & 1) ^ 1)  # both warpgroups are done with it
+            _trace(trace_ptr, trace_slot + t, 1, t < TRACE_TILES, TRACE)
+            if TMA_ROWS > 0:
+                start = lo + t * BLOCK_N
+                if (t < n_prefix) & (start + BLOCK_N <= hi):
+                    mbarrier.expect(kv_ready.index(st), BLOCK_N * (KVR + ROPE) * 2)
+                    for c in gl.static_range(BLOCK_N // TMA_ROWS):
+                        pos = start + c * TMA_ROWS
+                        page = gl.load(pt_row + pos // page_size)
+                        row = page * page_size + pos % page_size
+                        _tma_load(lat_desc, [row, 0], kv_ready.index(st), k_lat.index(st).slice(c * TMA_ROWS, TMA_ROWS))
+                        _tma_load(pe_desc, [row, 0], kv_ready.index(st), k_pe.index(st).slice(c * TMA_ROWS, TMA_ROWS))
                 else:
                     _copy_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes,
                                pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
                                stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
+            else:
+                _copy_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes,
+                           pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
+                           stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
         cp.commit_group()
         cp.wait_group(0)  # belt and braces: the consumers already wait for every copy (q_ready, kv_ready)
 
@@ -567,7 +375,7 @@ if gluon is not None:
                   q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
                   total_rows, stride_anc_n, scale_log2, trace_ptr, trace_slot,
                   ROLE: gl.constexpr, KVR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  DIRECT: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr, PAIRED: gl.constexpr):
+                  DIRECT: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr):
         """One warpgroup: value dims ``[ROLE * KVR/2, (ROLE + 1) * KVR/2)`` of every tile's ``P V``, and
         the logits and softmax of the tiles ``t % 2 == ROLE``. The owner of tile t publishes its
         probabilities (shared memory) and the running max / sum / rescale (``m_smem`` / ``l_smem`` / ``a_smem``) on
@@ -594,13 +402,12 @@ if gluon is not None:
         if ROLE == 0:
             if n_total >= 1:  # tile 0: no earlier tile to fold in
                 mbarrier.wait(kv_ready.index(0), 0)
-                s = _logits(q_lat, q_pe, _slot(k_lat, 0, 0, NUM_STAGES, BLOCK_N, PAIRED),
-                            _slot(k_pe, 0, 0, NUM_STAGES, BLOCK_N, PAIRED), BLOCK_N, S_LAYOUT)
+                s = _logits(q_lat, q_pe, k_lat.index(0), k_pe.index(0), BLOCK_N, S_LAYOUT)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 m_i, l_i, p, alpha = _softmax(s, 0, m_i, l_i, n_prefix, lo, hi, n_nodes, bits_row, row_ok, scale_log2,
                                               BLOCK_N, S_LAYOUT, p_smem.dtype)
                 _publish_p(p, m_i, l_i, alpha, p_smem, m_smem, l_smem, a_smem, p_ready, 0)
-                acc = _own_pv(acc, p, alpha, _slot(k_lat, 0, 0, NUM_STAGES, BLOCK_N, PAIRED), ROLE, HALF, O_LAYOUT)
+                acc = _own_pv(acc, p, alpha, k_lat.index(0), ROLE, HALF, O_LAYOUT)
                 mbarrier.arrive(kv_free.index(0))
         for j in range(2 - ROLE, n_total, 2):  # the tiles this warpgroup owns, each after the other's j-1
             st = j % NUM_STAGES
@@ -610,15 +417,13 @@ if gluon is not None:
             _trace(trace_ptr, slot, 0, traced, TRACE)
             mbarrier.wait(kv_ready.index(st), (j // NUM_STAGES) & 1)
             _trace(trace_ptr, slot, 1, traced, TRACE)
-            own_lat = _slot(k_lat, j, ROLE, NUM_STAGES, BLOCK_N, PAIRED)  # j % 2 == ROLE
-            s = _logits(q_lat, q_pe, own_lat, _slot(k_pe, j, ROLE, NUM_STAGES, BLOCK_N, PAIRED), BLOCK_N, S_LAYOUT)
+            s = _logits(q_lat, q_pe, k_lat.index(st), k_pe.index(st), BLOCK_N, S_LAYOUT)
             mbarrier.wait(p_ready.index((j - 1) % 2), ((j - 1) // 2) & 1)
             _trace(trace_ptr, slot, 2, traced, TRACE)
             m_i = m_smem.load(ROW_S)
             l_i = l_smem.load(ROW_S)
             alpha_o = a_smem.load(ROW_O)
-            prev_lat = _slot(k_lat, j - 1, 1 - ROLE, NUM_STAGES, BLOCK_N, PAIRED)
-            acc = warpgroup_mma(p_smem, prev_lat.slice(ROLE * HALF, HALF, dim=1), acc * alpha_o[:, None],
+            acc = warpgroup_mma(p_smem, k_lat.index(sp).slice(ROLE * HALF, HALF, dim=1), acc * alpha_o[:, None],
                                 is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # the logits; P V of tile j-1 may still run
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # ... it read p_smem before we rewrite it
@@ -628,7 +433,7 @@ if gluon is not None:
                                           BLOCK_N, S_LAYOUT, p_smem.dtype)
             _publish_p(p, m_i, l_i, alpha, p_smem, m_smem, l_smem, a_smem, p_ready, j)
             _trace(trace_ptr, slot, 4, traced, TRACE)
-            acc = _own_pv(acc, p, alpha, own_lat, ROLE, HALF, O_LAYOUT)
+            acc = _own_pv(acc, p, alpha, k_lat.index(st), ROLE, HALF, O_LAYOUT)
             _trace(trace_ptr, slot, 5, traced, TRACE)
             mbarrier.arrive(kv_free.index(st))
         if n_total >= 1:
@@ -638,8 +443,7 @@ if gluon is not None:
                 mbarrier.wait(p_ready.index(j % 2), (j // 2) & 1)
                 m_i = m_smem.load(ROW_S)
                 l_i = l_smem.load(ROW_S)
-                acc = _other_pv(acc, a_smem.load(ROW_O), p_smem, _slot(k_lat, j, 1 - ROLE, NUM_STAGES, BLOCK_N, PAIRED),
-                                ROLE, HALF)
+                acc = _other_pv(acc, a_smem.load(ROW_O), p_smem, k_lat.index(j % NUM_STAGES), ROLE, HALF)
                 mbarrier.arrive(kv_free.index(j % NUM_STAGES))
 
         _trace(trace_ptr, head, 1, True, TRACE)
@@ -658,12 +462,10 @@ if gluon is not None:
         KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, DIRECT: gl.constexpr,
         TMA_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr, TRACE: gl.constexpr, TRACE_TILES: gl.constexpr,
         Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr,
-        P_SMEM: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr, TAIL_Q_SMEM: gl.constexpr,
-        TAIL_P_SMEM: gl.constexpr, TAIL_ABLATE: gl.constexpr, num_warps: gl.constexpr,
+        P_SMEM: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
     ):
         """One 64-row tile, one split, one request a CTA: the loader (default partition, 4 warps) and
-        the two consumer warpgroups (``_consumer``, ROLE 0 / 1). ``TAIL``: a request's last row tile
-        also takes the ``TAIL_ROWS`` rows past it, in the loader (``_tail_loop``)."""
+        the two consumer warpgroups (``_consumer``, ROLE 0 / 1)."""
         pdl.grid_sync_gluon(PDL)
         dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
         pid_m = gl.program_id(0)
@@ -678,16 +480,8 @@ if gluon is not None:
 
             q_lat = gl.allocate_shared_memory(dtype, [_BM, KVR], Q_LAT_SMEM)
             q_pe = gl.allocate_shared_memory(dtype, [_BM, ROPE], Q_PE_SMEM)
-            if TAIL:  # the ring in pairs of tiles (``_slot``), and the staging buffers of the tail's q and P
-                k_lat = gl.allocate_shared_memory(dtype, [NUM_STAGES // 2, 2 * BLOCK_N, KVR], K_LAT_SMEM)
-                k_pe = gl.allocate_shared_memory(dtype, [NUM_STAGES // 2, 2 * BLOCK_N, ROPE], K_PE_SMEM)
-                q_stage = gl.allocate_shared_memory(dtype, [2, _TAIL_ROWS, _TAIL_CHUNK], TAIL_Q_SMEM)
-                p_tail = gl.allocate_shared_memory(dtype, [_TAIL_ROWS, 2 * BLOCK_N], TAIL_P_SMEM)
-            else:
-                k_lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, KVR], K_LAT_SMEM)
-                k_pe = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], K_PE_SMEM)
-                q_stage = k_lat  # unused
-                p_tail = k_lat
+            k_lat = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, KVR], K_LAT_SMEM)
+            k_pe = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], K_PE_SMEM)
             p_smem = gl.allocate_shared_memory(dtype, [_BM, BLOCK_N], P_SMEM)
             flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
             m_smem = gl.allocate_shared_memory(gl.float32, [_BM], flat)
@@ -712,20 +506,18 @@ if gluon is not None:
                            q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
                            n_prefix, n_total, lo, hi, n_nodes, page_size,
                            stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
-                           stride_new_n, trace_ptr, cta * 3 * slots, q_stage, p_tail, anc_bits_ptr,
-                           out_ptr, o_part_ptr, lse_part_ptr, split, total_rows, stride_anc_n, scale_log2,
-                           KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps, TRACE, TRACE_TILES, TAIL, DIRECT,
-                           TAIL_ABLATE)),
+                           stride_new_n, trace_ptr, cta * 3 * slots,
+                           KVR, ROPE, BLOCK_N, NUM_STAGES, TMA_ROWS, num_warps, TRACE, TRACE_TILES)),
                 (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free,
                              p_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                              q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
                              total_rows, stride_anc_n, scale_log2, trace_ptr, (cta * 3 + 1) * slots,
-                             0, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES, TAIL)),
+                             0, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES)),
                 (_consumer, (q_lat, q_pe, k_lat, k_pe, p_smem, m_smem, l_smem, a_smem, q_ready, kv_ready, kv_free,
                              p_ready, anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                              q_start, pid_m, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
                              total_rows, stride_anc_n, scale_log2, trace_ptr, (cta * 3 + 2) * slots,
-                             1, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES, TAIL)),
+                             1, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES)),
             ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
     @gluon.jit
@@ -893,7 +685,6 @@ def tree_mla_hopper(
     num_stages: int = 4,
     trace: Tensor | None = None,
     few_rows: bool | None = None,
-    tail: bool | None = None,
 ) -> Tensor:
     """``tree_mla_triton``'s contract on the Gluon kernel: same arguments (host metadata is packed
     here, with a host sync), same result ``[N, H, kvr]``. Needs ``hopper_available`` and operands
@@ -906,9 +697,7 @@ def tree_mla_hopper(
     partition loader / consumer 0 / 1, a slot per key tile (the first ``tiles``), then one of start
     and end stamps. ``few_rows``: True takes the few-row kernel (one warpgroup a ``FEW_ROWS`` rows,
     transposed products; ``block_n`` / ``num_stages`` / ``trace`` are the 64-row kernel's), False the
-    64-row one, None what ``few_rows_serves`` says. ``tail``: whether the 64-row kernel's loader
-    attends the up to ``TAIL_ROWS`` rows past a request's last whole 64-row tile (``_tail_loop``)
-    instead of a CTA of their own; None: wherever ``tail_rows`` allows it."""
+    64-row one, None what ``few_rows_serves`` says."""
     from kernels.tree_mla import (
         _LOG2E, _shared_memory_limit, _sm_count, check_operands, merge_splits, split_partials,
     )
@@ -921,7 +710,9 @@ def tree_mla_hopper(
     meta = check_operands(q_latent, q_pe, kv_cache, new_kv, meta)
     kv_bytes = kv_cache.shape[-1] * kv_cache.element_size()
     assert block_n in (32, 64) and num_stages >= 2, f"block_n {block_n} / num_stages {num_stages}"
+    need = (BLOCK_M + block_n * num_stages) * kv_bytes + BLOCK_M * block_n * 2 + 1024  # + P tile, row stats, barriers
     limit = _shared_memory_limit(q_latent.device)
+    assert limit is None or need <= limit, f"q and {num_stages} tiles of {block_n} keys need {need} bytes of shared memory, {limit} here"
     if num_splits is not None:
         assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     N, H, kvr = q_latent.shape
@@ -938,16 +729,7 @@ def tree_mla_hopper(
         few_rows = few_rows_serves(R, rows, max_prefix, sms)
     few = trace is None and few_rows
     groups = -(-rows // FEW_ROWS)
-    can_tail = not few and trace is None and block_n == 32 and num_stages % 2 == 0 and tail_rows(rows) > 0
-    if tail and not can_tail:
-        raise ValueError(f"tail=True needs the 64-row kernel, no trace, 32-key tiles, an even ring and "
-                         f"1..{TAIL_ROWS} rows past a whole 64-row tile ({rows} rows a request)")
-    tail = can_tail if tail is None else tail
-    m_tiles = rows // BLOCK_M if tail else -(-rows // BLOCK_M)
-    need = ((BLOCK_M + block_n * num_stages) * kv_bytes + BLOCK_M * block_n * 2 + 1024  # + P tile, row stats, barriers
-            + (TAIL_ROWS * (2 * TAIL_CHUNK + 2 * block_n) * 2 if tail else 0))  # the tail's staged q and its P
-    assert few or limit is None or need <= limit, \
-        f"q and {num_stages} tiles of {block_n} keys need {need} bytes of shared memory, {limit} here"
+    m_tiles = -(-rows // BLOCK_M)
     if num_splits is None:
         num_splits = (few_rows_splits(R * groups, max_prefix, sms) if few
                       else choose_splits(R, m_tiles, rows, max_prefix, kvr, rope, sms))
@@ -965,8 +747,6 @@ def tree_mla_hopper(
         "K_LAT_SMEM": gl.NVMMASharedLayout.get_default_for([block_n, kvr], gdt),
         "K_PE_SMEM": gl.NVMMASharedLayout.get_default_for([block_n, rope], gdt),
         "P_SMEM": gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_n], gdt),
-        "TAIL_Q_SMEM": gl.NVMMASharedLayout.get_default_for([TAIL_ROWS, TAIL_CHUNK], gdt),
-        "TAIL_P_SMEM": gl.NVMMASharedLayout.get_default_for([TAIL_ROWS, 2 * block_n], gdt),
     }
     trace_tiles = 0
     if trace is not None:
@@ -985,21 +765,11 @@ def tree_mla_hopper(
         kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
         H, page_size, total_rows, num_splits, softmax_scale * _LOG2E, out if trace is None else trace,
         KVR=kvr, ROPE=rope, BLOCK_N=block_n, NUM_STAGES=num_stages, DIRECT=num_splits == 1, TMA_ROWS=tma_rows,
-        CONSUMER_REGS=TAIL_CONSUMER_REGS if tail else CONSUMER_REGS, TRACE=trace is not None, TRACE_TILES=trace_tiles,
-        **smem, PDL=use_pdl, TAIL=tail, TAIL_ABLATE=TAIL_ABLATE, num_warps=4,
+        CONSUMER_REGS=CONSUMER_REGS, TRACE=trace is not None, TRACE_TILES=trace_tiles, **smem, PDL=use_pdl, num_warps=4,
         launch_pdl=use_pdl,
     )
     merge_splits(o_part, lse_part, out, num_splits, 1, after_ctas=m_tiles * num_splits * R)
     return out
-
-
-def tail_rows(rows: int) -> int:
-    """Rows past a request's last whole 64-row tile that its loader can attend (``_tail_loop``): 1 to
-    ``TAIL_ROWS`` past at least one whole tile, else 0. At 8 heads trees of 9, 17 and 33 nodes are
-    64, 128 and 256 rows + 8: without a tail they take a CTA more a request, which repeats every key
-    tile's products for 64 rows."""
-    rest = rows % BLOCK_M
-    return rest if rows > BLOCK_M and rest <= TAIL_ROWS else 0
 
 
 def _key_descriptors(kv_cache: Tensor, kvr: int, block_n: int, smem: dict) -> tuple[int, object, object]:
