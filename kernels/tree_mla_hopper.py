@@ -45,7 +45,9 @@ through a two-slot ring (TMA or cp.async as above). Decode shapes run 1.08-1.34x
 the keys, which pays at small batch and context (``few_rows_serves``). Built alongside, and
 removed: the last few rows of a tree (72 = 64 + 8) on the few-row kernel after or beside the
 64-row launch, which re-read every key from HBM and lost at every shape
-(``bench/results/tree_mla_tails-ef8089e.json``).
+(``bench/results/tree_mla_tails-ef8089e.json``); and the same rows attended by the 64-row CTA's
+loader warpgroup, which was correct but 0.48-0.93x, since the ~120 registers it needs leave the
+consumers 176 instead of 224 (``bench/results/tree_mla_tail_ablate-f2c2d20.json``).
 
 The CPU has no Gluon: the CPU path and every CPU test use ``tree_mla_reference`` / the Triton kernel
 under the interpreter; ``tests/test_tree_mla_hopper.py`` builds both kernels for sm_90, and
