@@ -236,6 +236,30 @@ if gluon is not None:
         mbarrier.arrive(ready)  # ... before the one the barrier was initialised with
 
     @gluon.jit
+    def _issue_key_tile(k_lat_t, k_pe_t, ready, t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr,
+                        q_start, stride_kv_page, stride_kv_tok, stride_new_n, lat_desc, pe_desc,
+                        KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, TMA_ROWS: gl.constexpr,
+                        LAT_LD: gl.constexpr, PE_LD: gl.constexpr):
+        """Key tile t into one ring slot: a whole prefix tile by TMA where the cache allows, anything
+        else by cp.async (rows past the keys zero-filled)."""
+        if TMA_ROWS > 0:
+            start = lo + t * BLOCK_N
+            if (t < n_prefix) & (start + BLOCK_N <= hi):
+                mbarrier.expect(ready, BLOCK_N * (KVR + ROPE) * 2)
+                for c in gl.static_range(BLOCK_N // TMA_ROWS):
+                    pos = start + c * TMA_ROWS
+                    page = gl.load(pt_row + pos // page_size)
+                    row = page * page_size + pos % page_size
+                    _tma_load(lat_desc, [row, 0], ready, k_lat_t.slice(c * TMA_ROWS, TMA_ROWS))
+                    _tma_load(pe_desc, [row, 0], ready, k_pe_t.slice(c * TMA_ROWS, TMA_ROWS))
+            else:
+                _copy_tile(k_lat_t, k_pe_t, ready, t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr,
+                           q_start, stride_kv_page, stride_kv_tok, stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
+        else:
+            _copy_tile(k_lat_t, k_pe_t, ready, t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr,
+                       q_start, stride_kv_page, stride_kv_tok, stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
+
+    @gluon.jit
     def _loader(q_lat, q_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
                 q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, pid_m, rows, num_heads,
                 n_prefix, n_total, lo, hi, n_nodes, page_size,
@@ -268,24 +292,9 @@ if gluon is not None:
             _trace(trace_ptr, trace_slot + t, 0, t < TRACE_TILES, TRACE)
             mbarrier.wait(kv_free.index(st), ((t // NUM_STAGES) & 1) ^ 1)  # both warpgroups are done with it
             _trace(trace_ptr, trace_slot + t, 1, t < TRACE_TILES, TRACE)
-            if TMA_ROWS > 0:
-                start = lo + t * BLOCK_N
-                if (t < n_prefix) & (start + BLOCK_N <= hi):
-                    mbarrier.expect(kv_ready.index(st), BLOCK_N * (KVR + ROPE) * 2)
-                    for c in gl.static_range(BLOCK_N // TMA_ROWS):
-                        pos = start + c * TMA_ROWS
-                        page = gl.load(pt_row + pos // page_size)
-                        row = page * page_size + pos % page_size
-                        _tma_load(lat_desc, [row, 0], kv_ready.index(st), k_lat.index(st).slice(c * TMA_ROWS, TMA_ROWS))
-                        _tma_load(pe_desc, [row, 0], kv_ready.index(st), k_pe.index(st).slice(c * TMA_ROWS, TMA_ROWS))
-                else:
-                    _copy_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes,
-                               pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
-                               stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
-            else:
-                _copy_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes,
-                           pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
-                           stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
+            _issue_key_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes, pt_row,
+                            page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok, stride_new_n,
+                            lat_desc, pe_desc, KVR, ROPE, BLOCK_N, TMA_ROWS, LAT_LD, PE_LD)
         cp.commit_group()
         cp.wait_group(0)  # belt and braces: the consumers already wait for every copy (q_ready, kv_ready)
 
@@ -522,30 +531,6 @@ if gluon is not None:
                              1, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES)),
             ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
-    @gluon.jit
-    def _few_rows_issue(k_lat_t, k_pe_t, ready, t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr,
-                        q_start, stride_kv_page, stride_kv_tok, stride_new_n, lat_desc, pe_desc,
-                        KVR: gl.constexpr, ROPE: gl.constexpr, BLOCK_N: gl.constexpr, TMA_ROWS: gl.constexpr,
-                        LAT_LD: gl.constexpr, PE_LD: gl.constexpr):
-        """Key tile t into one ring slot: a whole prefix tile by TMA where the cache allows, anything
-        else by cp.async (rows past the keys zero-filled)."""
-        if TMA_ROWS > 0:
-            start = lo + t * BLOCK_N
-            if (t < n_prefix) & (start + BLOCK_N <= hi):
-                mbarrier.expect(ready, BLOCK_N * (KVR + ROPE) * 2)
-                for c in gl.static_range(BLOCK_N // TMA_ROWS):
-                    pos = start + c * TMA_ROWS
-                    page = gl.load(pt_row + pos // page_size)
-                    row = page * page_size + pos % page_size
-                    _tma_load(lat_desc, [row, 0], ready, k_lat_t.slice(c * TMA_ROWS, TMA_ROWS))
-                    _tma_load(pe_desc, [row, 0], ready, k_pe_t.slice(c * TMA_ROWS, TMA_ROWS))
-            else:
-                _copy_tile(k_lat_t, k_pe_t, ready, t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr,
-                           q_start, stride_kv_page, stride_kv_tok, stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
-        else:
-            _copy_tile(k_lat_t, k_pe_t, ready, t, n_prefix, lo, hi, n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr,
-                       q_start, stride_kv_page, stride_kv_tok, stride_new_n, KVR, ROPE, BLOCK_N, LAT_LD, PE_LD)
-
     @gluon.jit(do_not_specialize=["stride_pt_r", "stride_anc_n", "num_heads", "total_rows", "num_splits"])
     def _tree_mla_few_rows_kernel(
         q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, lat_desc, pe_desc,
@@ -606,7 +591,7 @@ if gluon is not None:
             cp.commit_group()
             for t0 in gl.static_range(NUM_STAGES):  # fill the ring
                 if t0 < n_total:
-                    _few_rows_issue(k_lat.index(t0), k_pe.index(t0), ready.index(t0), t0, n_prefix, lo, hi, n_nodes,
+                    _issue_key_tile(k_lat.index(t0), k_pe.index(t0), ready.index(t0), t0, n_prefix, lo, hi, n_nodes,
                                     pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok,
                                     stride_new_n, lat_desc, pe_desc, KVR, ROPE, BN, TMA_ROWS, LAT_LD, PE_LD)
             cp.wait_group(0)  # q's group (the tiles' copies report to their barriers)
@@ -651,7 +636,7 @@ if gluon is not None:
                                     is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 if t + NUM_STAGES < n_total:  # the slot's products are done: refill it
-                    _few_rows_issue(k_lat.index(st), k_pe.index(st), ready.index(st), t + NUM_STAGES, n_prefix, lo, hi,
+                    _issue_key_tile(k_lat.index(st), k_pe.index(st), ready.index(st), t + NUM_STAGES, n_prefix, lo, hi,
                                     n_nodes, pt_row, page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page,
                                     stride_kv_tok, stride_new_n, lat_desc, pe_desc, KVR, ROPE, BN, TMA_ROWS, LAT_LD, PE_LD)
 
