@@ -22,7 +22,7 @@ from services.common.metrics import Metrics
 from services.common.settings import VerifierSettings
 from services.common.transport import InlineWriter, make_reader, make_writer
 from services.draft import verifier_client
-from services.draft.verifier_client import VerifierClient, next_offer, private_copy
+from services.draft.verifier_client import VerifierClient, auto_offer, next_offer, private_copy
 from services.verifier import server as verifier_server
 from services.verifier.server import VerifierServicer
 
@@ -77,12 +77,12 @@ async def _peers_after_close(servicer: VerifierServicer) -> int:
     return len(servicer._peers)
 
 
-async def _negotiate(verifier_device: str, draft_device: str, transport: str = "auto"):
+async def _negotiate(verifier_device: str, draft_device: str, transport: str = "auto", target: str = "{}"):
     """Hand-shakes once; returns (negotiated kind, draft writer kind, verifier peers, peers gauge,
-    (peers, peers gauge) after the draft closed)."""
+    (peers, peers gauge) after the draft closed). `target`: the gRPC target, `{}` the address."""
     server, servicer, metrics, address = await _serve(verifier_device)
     try:
-        client = VerifierClient(address, transport, ring_slots=2, ring_slot_bytes=8192, device=draft_device)
+        client = VerifierClient(target.format(address), transport, ring_slots=2, ring_slot_bytes=8192, device=draft_device)
         try:
             hs = await client.connect([1, 2], HIDDEN, VOCAB)
             peers = {k: p.writer.kind for k, p in servicer._peers.items()}
@@ -130,6 +130,32 @@ def test_a_single_kind_that_cannot_attach_fails_with_a_clear_status(monkeypatch)
     with pytest.raises(ServiceError) as err:
         asyncio.run(_negotiate("cpu", "cpu", transport="shm"))
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "no such segment" in err.value.message
+
+
+def test_auto_offers_shared_rings_first() -> None:
+    assert auto_offer(torch.device("cpu")) == ["shm", "inline"]
+    assert auto_offer(torch.device("cuda", 1)) == ["cuda_ipc", "shm", "inline"]
+
+
+def test_auto_uses_a_shared_ring_behind_a_service_name() -> None:
+    """Compose's draft reaches its verifier by service name (`verifier:50053`), not loopback, yet
+    both share the host's IPC namespace: `auto` must still settle on a shared ring. The target
+    `ipv4:127.0.0.1:PORT` stands for such a name (it is no loopback address as text)."""
+    kind, writer_kind, peers, _, _ = asyncio.run(_negotiate("cpu", "cpu", target="ipv4:{}"))
+    assert (kind, writer_kind, list(peers.values())) == ("shm", "shm", ["shm"])
+
+
+def test_auto_falls_back_to_inline_where_the_verifier_cannot_see_the_ring(monkeypatch) -> None:
+    """A verifier on another host finds no segment of the draft's ring name: inline, no error."""
+    def other_host(kind, *args, **kwargs):
+        if kind == "shm":
+            raise FileNotFoundError(2, "No such file or directory", "/ddtree-draft-ring")
+        return make_reader(kind, *args, **kwargs)
+
+    monkeypatch.setattr(verifier_server, "make_reader", other_host)
+    kind, writer_kind, peers, _, after = asyncio.run(_negotiate("cpu", "cpu", target="ipv4:{}"))
+    assert (kind, writer_kind, list(peers.values())) == ("inline", "inline", ["inline"])
+    assert after == (0, 0)
 
 
 def test_next_offer() -> None:
@@ -192,3 +218,4 @@ def test_a_draft_that_never_opens_its_stream_is_dropped() -> None:
     before, after, gauge = asyncio.run(scenario())
     assert before == ["silent"]
     assert len(after) == 1 and "silent" not in after and gauge == 1   # the streaming draft stays
+

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -14,18 +13,19 @@ from ddtree.v1 import verifier_pb2, verifier_pb2_grpc
 from services.common.grpc_server import ServiceError, server_options
 from services.common.transport import TensorReader, TensorWriter, bundle_slot, make_reader, make_writer
 
-__all__ = ["VerifierClient", "VerifyReply", "is_local_address", "next_offer", "private_copy"]
+__all__ = ["VerifierClient", "VerifyReply", "auto_offer", "next_offer", "private_copy"]
 
 
-def is_local_address(address: str) -> bool:
-    """True when the verifier is on this host, where a shared ring can be used."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host in ("localhost", ""):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def auto_offer(device: torch.device) -> list[str]:
+    """What `transport = "auto"` offers, best first: a ring in GPU memory when this draft has a GPU,
+    then POSIX shared memory, then the bytes inside the messages.
+
+    Every address gets the shared rings, not only a loopback one: containers of one host (compose,
+    `ipc: host`) reach each other by service name, yet share the IPC namespace and the GPUs. Where
+    the verifier cannot map a ring (another host, another IPC namespace, a GPU it cannot see), the
+    handshake moves on to the next kind, so a remote verifier costs two extra handshakes at connect.
+    """
+    return (["cuda_ipc"] if device.type == "cuda" else []) + ["shm", "inline"]
 
 
 def next_offer(offer: Sequence[str], answered: str) -> list[str]:
@@ -68,13 +68,7 @@ class VerifierClient:
         self.address = address
         self.draft_id = f"draft-{uuid.uuid4().hex[:12]}"
         self.device = torch.device(device)
-        if transport != "auto":
-            kinds = [transport]
-        elif is_local_address(address):   # same host: by reference, in GPU memory when both sides have one
-            kinds = (["cuda_ipc"] if self.device.type == "cuda" else []) + ["shm", "inline"]
-        else:
-            kinds = ["inline"]
-        self._offer = kinds
+        self._offer = auto_offer(self.device) if transport == "auto" else [transport]
         self._ring_slots = ring_slots
         self._ring_slot_bytes = ring_slot_bytes
         self._channel: grpc.aio.Channel | None = None

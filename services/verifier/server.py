@@ -110,8 +110,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except (OSError, ValueError, RuntimeError) as exc:   # e.g. the draft's GPU is not visible here
             if len(usable) == 1:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot attach the draft's ring: {exc}")
-            log.warning("ring_attach_failed", draft_id=request.draft_id, transport=kind, error=str(exc),
-                        fallback=usable[1])
+            # The designed path where the draft is on another host or IPC namespace: not a warning.
+            log.info("ring_attach_failed", draft_id=request.draft_id, transport=kind, error=str(exc),
+                     fallback=usable[1])
             return verifier_pb2.HandshakeResponse(transport=usable[1])   # the draft retries with that kind
         writer = make_writer(kind, self.settings.ring_slot_bytes, self.settings.ring_slots, "ddtree-verifier",
                              device=self.engine.model_device)
