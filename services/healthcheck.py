@@ -1,26 +1,54 @@
 """Container health probe: `python -m services.healthcheck [PORT]` exits 0 when the local service is SERVING.
 
-Compose runs it in each container; the port comes from the argument or DDTREE_HEALTH_PORT.
+Compose runs it in each container; the port comes from the argument or DDTREE_HEALTH_PORT. A
+scheduler with `tls_cert` set speaks only TLS on its port, so where the plaintext probe gets no
+answer and DDTREE_SCHEDULER_TLS_CERT names a certificate, the probe asks again over TLS, trusting
+that certificate (as `ddtree up` does; it verifies a self-signed one). The certificate must name
+127.0.0.1, or DDTREE_HEALTH_TLS_NAME gives the name to check instead.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def main(argv: list[str]) -> int:
-    port = argv[1] if len(argv) > 1 else os.environ.get("DDTREE_HEALTH_PORT", "50051")
+def check(address: str, tls_roots: bytes | None = None, tls_name: str | None = None, timeout_s: float = 3.0) -> int:
+    """The service's health status (``HealthCheckResponse.ServingStatus``); raises ``grpc.RpcError``."""
+    if tls_roots is None:
+        channel = grpc.insecure_channel(address)
+    else:
+        options = [("grpc.ssl_target_name_override", tls_name)] if tls_name else []
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_roots), options=options)
+    with channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                         timeout=timeout_s).status
+
+
+def main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    address = f"127.0.0.1:{argv[1] if len(argv) > 1 else env.get('DDTREE_HEALTH_PORT', '50051')}"
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
+        status = check(address)
     except grpc.RpcError as exc:
-        print(f"unhealthy: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
-    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+        cert = env.get("DDTREE_SCHEDULER_TLS_CERT")
+        if exc.code() != grpc.StatusCode.UNAVAILABLE or not cert:
+            print(f"unhealthy: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        try:
+            status = check(address, Path(cert).read_bytes(), env.get("DDTREE_HEALTH_TLS_NAME"))
+        except OSError as err:
+            print(f"unhealthy: cannot read DDTREE_SCHEDULER_TLS_CERT {cert}: {err.strerror}", file=sys.stderr)
+            return 1
+        except grpc.RpcError as err:
+            print(f"unhealthy: {err.code().name} (plaintext and TLS): {err.details()}", file=sys.stderr)
+            return 1
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 if __name__ == "__main__":

@@ -63,3 +63,17 @@ def test_health_is_open_without_token(tls_stack):
     with grpc.secure_channel(stack.scheduler_address, creds) as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_container_probe_speaks_tls_to_a_tls_scheduler(tls_stack):
+    """Compose's health probe: plaintext gets no answer from the TLS-only port, so with the
+    scheduler's certificate in the environment it asks again over TLS."""
+    from services import healthcheck
+
+    stack, cert = tls_stack
+    port = stack.scheduler_address.rsplit(":", 1)[1]
+    assert healthcheck.main(["probe", port], env={}) == 1
+    assert healthcheck.main(["probe", port], env={"DDTREE_SCHEDULER_TLS_CERT": str(cert)}) == 0
+    assert healthcheck.main(["probe", port], env={"DDTREE_SCHEDULER_TLS_CERT": str(cert),
+                                                 "DDTREE_HEALTH_TLS_NAME": "not-in-the-cert"}) == 1
+    assert healthcheck.main(["probe", port], env={"DDTREE_SCHEDULER_TLS_CERT": str(cert) + ".missing"}) == 1
