@@ -99,7 +99,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     prompt: str | list[int] = args.prompt
     if args.token_ids:
-        prompt = [int(t) for t in args.prompt.split(",")]
+        try:
+            prompt = [int(t) for t in args.prompt.split(",")]
+        except ValueError:
+            print(f"ddtree generate: --token-ids: --prompt must be comma-separated integers, got {args.prompt!r}",
+                  file=sys.stderr)
+            return 2
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   seed=args.seed, budget=args.budget, mode=args.mode, stop=args.stop or (),
                   timeout_s=args.timeout)

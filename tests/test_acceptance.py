@@ -145,3 +145,20 @@ def test_samples_follow_softmax() -> None:
     expected = torch.softmax(logits.double(), dim=-1)  # [V]
     total_variation = 0.5 * (empirical - expected).abs().sum().item()
     assert total_variation < 0.02
+
+
+def test_sampling_at_the_ends_of_the_temperature_range_draws_valid_tokens() -> None:
+    """Logits of either sign and large size, divided by the smallest and largest temperature a
+    request may ask for, still give a softmax to draw from (the bounds the scheduler enforces)."""
+    from services.common.settings import TEMPERATURE_RANGE
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 512, generator=g) * 300
+    logits[:, :8] = float("-inf")   # filtered entries stay out at any temperature
+    for t in TEMPERATURE_RANGE:
+        tokens = posterior_tokens(logits.to(torch.bfloat16), Sampling(temperature=t, top_p=0.9, top_k=50),
+                                  torch.Generator().manual_seed(0))
+        assert tokens.shape == (64,) and bool(((tokens >= 8) & (tokens < 512)).all())
+    assert torch.equal(posterior_tokens(logits, Sampling(temperature=TEMPERATURE_RANGE[0]), g), logits.argmax(-1))
+    with pytest.raises(ValueError):
+        Sampling(temperature=TEMPERATURE_RANGE[0] / 2)

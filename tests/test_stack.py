@@ -123,6 +123,8 @@ BAD_REQUESTS = [
     (dict(budget=129), "budget"),
     (dict(budget=-1), "budget"),
     (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),   # once failed every request of the verify step
+    (dict(temperature=1e-40), "temperature"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-1), "top_k"),
     (dict(stop_token_ids=[99999]), "stop_token_ids"),
@@ -151,6 +153,29 @@ def test_bad_input_gets_clear_status_and_others_keep_running(stack, refs):
         assert err.code == grpc.StatusCode.INVALID_ARGUMENT, (field, err)
         assert field in err.message, (field, err.message)
     assert done.token_ids == expected
+
+
+def test_an_async_stream_closed_early_ends_its_request(stack, refs):
+    """`break` + `aclose()` on AsyncClient.stream cancels the call, so the request id is free again
+    at once (before, the request ran to max_tokens and a reuse got ALREADY_EXISTS)."""
+    prompt = refs[PROMPTS[2]][0]
+
+    async def scenario():
+        async with AsyncClient(stack.scheduler_address) as client:
+            chunks = client.stream(prompt, max_tokens=400, request_id="closed-early", mode="autoregressive",
+                                   ignore_eos=True)
+            async for _ in chunks:
+                break
+            await chunks.aclose()
+            for _ in range(100):   # the cancellation reaches the scheduler asynchronously
+                try:
+                    return await client.generate(prompt, max_tokens=3, request_id="closed-early", ignore_eos=True)
+                except ClientError as exc:
+                    assert exc.code == grpc.StatusCode.ALREADY_EXISTS
+                    await asyncio.sleep(0.02)
+
+    out = asyncio.run(scenario())
+    assert out is not None and len(out.token_ids) == 3
 
 
 def test_abort_and_deadline_end_requests_and_free_them(stack, refs):

@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from ddtree.v1 import verifier_pb2, verifier_pb2_grpc
+from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.common.grpc_server import ServiceError
 from services.common.metrics import Metrics
 from services.common.settings import VerifierSettings
@@ -219,3 +219,29 @@ def test_a_draft_that_never_opens_its_stream_is_dropped() -> None:
     assert before == ["silent"]
     assert len(after) == 1 and "silent" not in after and gauge == 1   # the streaming draft stays
 
+
+def test_a_prefill_with_unusable_sampling_fails_alone() -> None:
+    """A request whose sampling the verifier refuses gets its own INVALID_ARGUMENT; the step's other
+    prefills run, in order. Before, the ValueError ended the verify stream, failing every request."""
+    from services.common.transport import InlineReader
+
+    seen = []
+
+    class Group(_Group):
+        def call(self, name: str, *args):
+            if name == "prefill":
+                seen.extend(p.request_id for p in args[0])
+                items = [SimpleNamespace(request_id=p.request_id, error=None, tokens=[7], committed=1) for p in args[0]]
+                return SimpleNamespace(items=items, features=torch.zeros(len(items), HIDDEN))
+            return super().call(name, *args)
+
+    servicer = VerifierServicer(Group(), VerifierSettings(device="cpu"), Metrics("verifier"))
+    peer = verifier_server._Peer("d", InlineWriter(), InlineReader())
+    prefills = [verifier_pb2.PrefillItem(request_id=r, token_ids=[1, 2], reserve_tokens=8,
+                                         sampling=common_pb2.SamplingParams(temperature=t))
+                for r, t in (("a", 0.0), ("bad", float("inf")), ("c", 0.7))]
+    resp = servicer._step(peer, verifier_pb2.VerifyRequest(sequence=1, prefills=prefills))
+    assert seen == ["a", "c"]
+    assert [(i.request_id, i.error_code) for i in resp.prefills] == [
+        ("a", 0), ("bad", grpc.StatusCode.INVALID_ARGUMENT.value[0]), ("c", 0)]
+    assert "temperature" in resp.prefills[1].error_message and list(resp.prefills[2].token_ids) == [7]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import struct
 import re
 import tomllib
 from collections.abc import Mapping
@@ -25,9 +26,21 @@ __all__ = [
     "load_settings",
     "is_device",
     "MAX_BUDGET",
+    "TEMPERATURE_RANGE",
+    "temperature_ok",
 ]
 
 MAX_BUDGET = 128  # the largest tree budget any service accepts (DESIGN.md §5)
+# Sampling temperatures a request may ask for besides 0 (greedy). The logits are divided by it in
+# float32: far below this floor a logit becomes inf and the softmax NaN (and inf or a value past
+# float32's range overflows the other way), which failed every request of the verify step.
+TEMPERATURE_RANGE = (1e-6, 1e4)
+
+
+def temperature_ok(t: float) -> bool:
+    """0 (greedy), or within ``TEMPERATURE_RANGE`` with its ends as the wire's float32 holds them."""
+    lo, hi = (struct.unpack("f", struct.pack("f", x))[0] for x in TEMPERATURE_RANGE)
+    return t == 0 or lo <= t <= hi  # NaN fails both
 
 
 class SettingsError(ValueError):

@@ -5,11 +5,13 @@
         for chunk in c.stream("import os", max_tokens=32):
             print(chunk.text, end="")
 
-Errors from the server raise `ClientError` carrying the gRPC status code and the server's message.
+Errors from the server raise `ClientError` carrying the gRPC status code and the server's message;
+arguments that cannot form a request raise it too, with INVALID_ARGUMENT, before anything is sent.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -67,20 +69,56 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, tempera
                   top_p: float = 1.0, top_k: int = 0, seed: int | None = None, budget: int = 0,
                   mode: str | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                   ignore_eos: bool = False, request_id: str = "") -> scheduler_pb2.GenerateRequest:
-    """A GenerateRequest; `prompt` is text or a list of token ids; budget 0 = server default."""
+    """A GenerateRequest; `prompt` is text or a list of token ids; budget 0 = server default.
+    `stop` is one string or several. Raises `ClientError` (INVALID_ARGUMENT) naming the argument
+    that cannot be sent: a value outside its wire type's range, a non-integer token id, text that
+    is not valid Unicode."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
     if mode not in _MODES:
-        raise ValueError(f"mode must be 'ddtree' or 'autoregressive', not {mode!r}")
-    sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
-    if seed is not None:
-        sampling.seed = seed
-    req = scheduler_pb2.GenerateRequest(request_id=request_id, sampling=sampling, max_tokens=max_tokens,
-                                        stop=list(stop), stop_token_ids=list(stop_token_ids), budget=budget,
-                                        mode=_MODES[mode], ignore_eos=ignore_eos)
-    if isinstance(prompt, str):
-        req.text = prompt
-    else:
-        req.token_ids.ids.extend(int(t) for t in prompt)
+        raise ClientError(invalid, f"mode must be 'ddtree' or 'autoregressive', not {mode!r}")
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    for name, ids in (("prompt", [] if isinstance(prompt, str) else prompt), ("stop_token_ids", stop_token_ids)):
+        bad = next((t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+        if bad is not None:
+            raise ClientError(invalid, f"{name}: token ids must be integers, got {bad!r}")
+    fields = (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed), ("max_tokens", max_tokens),
+              ("budget", budget), ("request_id", request_id), ("stop", stops), ("stop_token_ids", stop_token_ids),
+              ("prompt", prompt))
+    try:
+        sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        if seed is not None:
+            sampling.seed = seed
+        req = scheduler_pb2.GenerateRequest(request_id=request_id, sampling=sampling, max_tokens=max_tokens,
+                                            stop=stops, stop_token_ids=[int(t) for t in stop_token_ids], budget=budget,
+                                            mode=_MODES[mode], ignore_eos=ignore_eos)
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(int(t) for t in prompt)
+        req.SerializeToString()  # text that is not valid Unicode fails here, not inside gRPC
+    except (ValueError, TypeError) as exc:
+        raise ClientError(invalid, f"cannot send this request ({_culprit(fields)}): {exc}") from None
     return req
+
+
+def _culprit(fields: tuple) -> str:
+    """The first argument that protobuf refuses alone: what the error message should name."""
+    for name, value in fields:
+        try:
+            if name in ("temperature", "top_p", "top_k", "seed"):
+                common_pb2.SamplingParams(**{name: value})
+            elif name == "prompt":
+                m = scheduler_pb2.GenerateRequest()
+                if isinstance(value, str):
+                    m.text = value
+                else:
+                    m.token_ids.ids.extend(int(t) for t in value)
+                m.SerializeToString()
+            else:
+                scheduler_pb2.GenerateRequest(**{name: value}).SerializeToString()
+        except (ValueError, TypeError):
+            return name
+    return "its arguments"
 
 
 def _chunk(msg: scheduler_pb2.GenerateResponse) -> Chunk:
@@ -138,12 +176,15 @@ class Client:
 
     def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[Chunk]:
         timeout = kwargs.pop("timeout_s", self.timeout_s)
+        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
+                                   wait_for_ready=self.wait_for_ready, metadata=self._md)
         try:
-            for msg in self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
-                                           wait_for_ready=self.wait_for_ready, metadata=self._md):
+            for msg in call:
                 yield _chunk(msg)
         except grpc.RpcError as exc:
             raise _error(exc) from None
+        finally:
+            call.cancel()  # a caller that stops reading (break, close) ends the request on the server now
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
         out = Completion()
@@ -191,12 +232,15 @@ class AsyncClient:
 
     async def stream(self, prompt: str | Sequence[int], **kwargs) -> AsyncIterator[Chunk]:
         timeout = kwargs.pop("timeout_s", self.timeout_s)
+        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
+                                   wait_for_ready=self.wait_for_ready, metadata=self._md)
         try:
-            async for msg in self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
-                                                 wait_for_ready=self.wait_for_ready, metadata=self._md):
+            async for msg in call:
                 yield _chunk(msg)
         except grpc.RpcError as exc:
             raise _error(exc) from None
+        finally:
+            call.cancel()  # `break` / `aclose()` would otherwise leave the request running to the end
 
     async def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
         out = Completion()

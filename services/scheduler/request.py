@@ -16,11 +16,17 @@ from tokenizers import Tokenizer
 
 from ddtree.v1 import common_pb2, scheduler_pb2
 from services.common.grpc_server import ServiceError
-from services.common.settings import MAX_BUDGET, SchedulerSettings
+from services.common.settings import MAX_BUDGET, TEMPERATURE_RANGE, SchedulerSettings, temperature_ok
 
-__all__ = ["ActiveRequest", "Limits", "validate"]
+__all__ = ["ActiveRequest", "Limits", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "encode_prompt",
+           "max_token_bytes", "validate"]
 
 _REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to: hold it back until complete
+# Every step rescans each stop string, and the stream holds back the longest one's length of text:
+# a request's stop rules must stay small beside the work of a step.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024
+MAX_REQUEST_ID_CHARS = 256  # the id is echoed in every message and log line
 
 
 @dataclass(frozen=True)
@@ -89,12 +95,23 @@ class ActiveRequest:
         ids = self.out_ids
         if self.finish == scheduler_pb2.FINISH_REASON_STOP and ids and ids[-1] in self._hidden_ids():
             ids = ids[:-1]
-        self.text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        full = self.tokenizer.decode(ids, skip_special_tokens=False)
+        self.text, end = full, -1
         for s in self.stop:
             pos = self.text.find(s, max(0, self.emitted_chars - len(s)))
             if pos >= 0:
-                self.text = self.text[:pos]
+                self.text, end = self.text[:pos], pos + len(s)
                 self.finish = scheduler_pb2.FINISH_REASON_STOP
+        if end >= 0:
+            self._keep_tokens_through(full[:end])
+
+    def _keep_tokens_through(self, head: str) -> None:
+        """Drops the tokens past the one that completes a stop string (a verify step may accept
+        several), so that token_ids and usage end where the text does, as for a stop token."""
+        for k in range(self.emitted_ids + 1, len(self.out_ids) + 1):
+            if self.tokenizer.decode(self.out_ids[:k], skip_special_tokens=False).startswith(head):
+                del self.out_ids[k:]
+                return
 
     def _hidden_ids(self) -> set[int]:
         hidden = set(self.stop_ids)
@@ -139,10 +156,36 @@ class ActiveRequest:
         self.events.put_nowait(error)
 
 
+def max_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most UTF-8 bytes one token decodes to (at least its raw bytes: a partial character
+    decodes to U+FFFD, three bytes), so a text of B bytes is at least B / this many tokens."""
+    pieces = tokenizer.decode_batch([[i] for i in range(tokenizer.get_vocab_size(with_added_tokens=True))],
+                                    skip_special_tokens=False)
+    return max((len(p.encode("utf-8", "surrogatepass")) for p in pieces), default=1) or 1
+
+
+def encode_prompt(text: str, tokenizer: Tokenizer, limits: Limits, token_bytes: int) -> list[int]:
+    """A text prompt's token ids. A text too long for the context by its size alone is refused
+    before it is tokenized: a 4 MB text held the scheduler's event loop for 10 s."""
+    room = limits.max_context - limits.block_size
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > room * token_bytes:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"prompt text of {size} bytes is over {room} tokens (a token is at most {token_bytes} "
+                           f"bytes); max context is {limits.max_context}")
+    try:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+    except Exception as exc:  # noqa: BLE001 - the tokenizer's own error type (e.g. a lone surrogate)
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt text cannot be tokenized: {exc}") from None
+
+
 def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, limits: Limits,
-             tokenizer: Tokenizer | None) -> ActiveRequest:
-    """Checks every field a client sets; the error names the field so the caller can fix it."""
+             tokenizer: Tokenizer | None, text_ids: list[int] | None = None) -> ActiveRequest:
+    """Checks every field a client sets; the error names the field so the caller can fix it.
+    ``text_ids``: the text prompt already tokenized (``encode_prompt``), else it is done here."""
     invalid = grpc.StatusCode.INVALID_ARGUMENT
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise ServiceError(invalid, f"request_id has {len(req.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
     which = req.WhichOneof("prompt")
     if which == "text":
         if not req.text:
@@ -150,7 +193,7 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
         if tokenizer is None:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                "this server has no tokenizer; send prompt as token_ids")
-        prompt = tokenizer.encode(req.text, add_special_tokens=False).ids
+        prompt = text_ids if text_ids is not None else encode_prompt(req.text, tokenizer, limits, max_token_bytes(tokenizer))
     elif which == "token_ids":
         prompt = list(req.token_ids.ids)
     else:
@@ -171,9 +214,13 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
                                     f"{settings.max_tokens_limit}")
     if req.budget != 0 and not 1 <= req.budget <= MAX_BUDGET:
         raise ServiceError(invalid, f"budget must be in 1..{MAX_BUDGET} (got {req.budget})")
+    if req.mode not in (common_pb2.MODE_UNSPECIFIED, common_pb2.MODE_DDTREE, common_pb2.MODE_AUTOREGRESSIVE):
+        raise ServiceError(invalid, f"mode {req.mode} is not a Mode (ddtree or autoregressive)")
     s = req.sampling
-    if not s.temperature >= 0:  # also catches NaN
-        raise ServiceError(invalid, f"sampling.temperature must be >= 0 (got {s.temperature})")
+    lo, hi = TEMPERATURE_RANGE
+    if not temperature_ok(s.temperature):  # also catches NaN and inf
+        raise ServiceError(invalid, f"sampling.temperature must be 0 (greedy) or in [{lo:g}, {hi:g}] "
+                                    f"(got {s.temperature})")
     if not 0 <= s.top_p <= 1:
         raise ServiceError(invalid, f"sampling.top_p must be in (0, 1] (got {s.top_p})")
     if s.top_k < 0:
@@ -181,8 +228,12 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
     for i, t in enumerate(req.stop_token_ids):
         if not 0 <= t < limits.vocab_size:
             raise ServiceError(invalid, f"stop_token_ids[{i}] = {t} is outside the vocabulary")
+    if len(req.stop) > MAX_STOP_STRINGS:
+        raise ServiceError(invalid, f"stop has {len(req.stop)} strings; at most {MAX_STOP_STRINGS}")
     if any(not s for s in req.stop):
         raise ServiceError(invalid, "stop strings must not be empty")
+    if any(len(s) > MAX_STOP_CHARS for s in req.stop):
+        raise ServiceError(invalid, f"a stop string is longer than {MAX_STOP_CHARS} characters")
     if req.stop and tokenizer is None:
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "stop strings need a tokenizer on the server")
     mode = req.mode

@@ -20,7 +20,7 @@ from services.common.grpc_server import ServiceError, new_server, serve_until_si
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings
-from services.scheduler.request import validate
+from services.scheduler.request import encode_prompt, max_token_bytes, validate
 from services.scheduler.router import Router
 
 __all__ = ["SchedulerServicer", "load_tokenizer", "serve"]
@@ -35,11 +35,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.router = router
         self.info = info
         self.tokenizer = tokenizer
+        self.token_bytes = max_token_bytes(tokenizer) if tokenizer is not None else 0
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         try:
-            req = validate(request, self.settings, self.router.limits, self.tokenizer)
+            text_ids = None
+            if request.WhichOneof("prompt") == "text" and request.text and self.tokenizer is not None:
+                # On the event loop: the tokenizer holds the GIL while it encodes (a thread does not
+                # help), so a text too large for the context is refused by its size first.
+                text_ids = encode_prompt(request.text, self.tokenizer, self.router.limits, self.token_bytes)
+            req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids)
             self.router.submit(req)
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)

@@ -8,11 +8,12 @@ those draws reproduces ordinary sampling exactly, so the output distribution is 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from services.common.settings import TEMPERATURE_RANGE, temperature_ok
 
 __all__ = ["Sampling", "posterior_tokens"]
 
@@ -33,8 +34,9 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        lo, hi = TEMPERATURE_RANGE
+        if not temperature_ok(self.temperature):  # also NaN
+            raise ValueError(f"temperature must be 0 (greedy) or in [{lo:g}, {hi:g}], got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -201,9 +201,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         peer.writer.release(req.released_slots)
         if req.release:
             self.group.call("release", list(req.release))
-        prefill = self.group.call("prefill", [
-            PrefillInput(p.request_id, list(p.token_ids), sampling_from_proto(p.sampling), p.reserve_tokens,
-                         owner=peer.draft_id) for p in req.prefills])
+        inputs, rejected = [], {}
+        for p in req.prefills:
+            try:
+                sampling = sampling_from_proto(p.sampling)
+            except ValueError as exc:   # this request fails alone; the others of the step go on
+                rejected[p.request_id] = verifier_pb2.ItemResult(
+                    request_id=p.request_id, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                    error_message=f"sampling: {exc}")
+                continue
+            inputs.append(PrefillInput(p.request_id, list(p.token_ids), sampling, p.reserve_tokens,
+                                       owner=peer.draft_id))
+        prefill = self.group.call("prefill", inputs)
         released: list[int] = []
         if req.verify_ids:
             trees = peer.reader.read(req.trees)
@@ -223,7 +232,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._observe()
         return verifier_pb2.VerifyResponse(
             sequence=req.sequence,
-            prefills=[_item_pb(o) for o in prefill.items],
+            prefills=_in_order(req.prefills, rejected, prefill.items),
             verifies=[_item_pb(o) for o in verify.items] if verify is not None else [],
             features=bundle, released_slots=released, verify_ms=(time.perf_counter() - t0) * 1e3)
 
@@ -235,6 +244,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.metrics.running.set(self.engine.active_requests)
         self.metrics.peers.set(len(peers))
         self.metrics.ring_slots_in_use.set(sum(p.writer.slots_in_use for p in peers))
+
+
+def _in_order(prefills, rejected: dict[str, verifier_pb2.ItemResult], done) -> list[verifier_pb2.ItemResult]:
+    """The step's prefill results in request order: the engine's, with the rejected ones between."""
+    items = iter(done)
+    return [rejected[p.request_id] if p.request_id in rejected else _item_pb(next(items)) for p in prefills]
 
 
 def _item_pb(o) -> verifier_pb2.ItemResult:

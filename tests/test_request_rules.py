@@ -1,0 +1,102 @@
+"""The scheduler's request rules on the demo tokenizer: what `validate` refuses, and where a stop
+string ends the output (text, token ids and usage alike)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from ddtree.v1 import common_pb2, scheduler_pb2
+from services.common.grpc_server import ServiceError
+from services.common.settings import TEMPERATURE_RANGE, SchedulerSettings
+from services.scheduler.client import ClientError, build_request
+from services.scheduler.request import (MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, ActiveRequest, Limits,
+                                        encode_prompt, max_token_bytes, validate)
+from services.scheduler.server import load_tokenizer
+
+TOKENIZER = load_tokenizer("models/demo")
+LIMITS = Limits(vocab_size=TOKENIZER.get_vocab_size(), max_context=2048, block_size=16, eos_token_id=0,
+                kv_capacity_tokens=65536)
+
+
+def _refused(req: scheduler_pb2.GenerateRequest) -> ServiceError:
+    with pytest.raises(ServiceError) as info:
+        validate(req, SchedulerSettings(), LIMITS, TOKENIZER)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    return info.value
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), 1e39, 1e-40, TEMPERATURE_RANGE[1] * 2, TEMPERATURE_RANGE[0] / 2])
+def test_temperatures_the_verifier_cannot_divide_by_are_refused(temperature) -> None:
+    req = build_request("def f():", max_tokens=4)
+    req.sampling.temperature = temperature  # past the SDK, as a raw client would send it
+    assert "temperature" in _refused(req).message
+
+
+def test_temperatures_in_range_pass() -> None:
+    for t in (0.0, TEMPERATURE_RANGE[0], 0.7, TEMPERATURE_RANGE[1]):
+        assert validate(build_request("def f():", max_tokens=4, temperature=t), SchedulerSettings(), LIMITS, TOKENIZER)
+
+
+@pytest.mark.parametrize("mode", [99, -1])
+def test_unknown_mode_is_refused(mode) -> None:
+    req = build_request("def f():", max_tokens=4)
+    req.mode = mode
+    assert "mode" in _refused(req).message
+
+
+def test_stop_rules_and_request_id_are_bounded() -> None:
+    assert "stop" in _refused(build_request("x", max_tokens=4, stop=["a"] * (MAX_STOP_STRINGS + 1))).message
+    assert "stop" in _refused(build_request("x", max_tokens=4, stop=["a" * (MAX_STOP_CHARS + 1)])).message
+    assert "request_id" in _refused(build_request("x", max_tokens=4, request_id="r" * (MAX_REQUEST_ID_CHARS + 1))).message
+    ok = build_request("x", max_tokens=4, stop=["a" * MAX_STOP_CHARS] * MAX_STOP_STRINGS, request_id="r" * MAX_REQUEST_ID_CHARS)
+    assert validate(ok, SchedulerSettings(), LIMITS, TOKENIZER).request_id == "r" * MAX_REQUEST_ID_CHARS
+
+
+def test_a_text_too_large_for_the_context_is_refused_by_its_size() -> None:
+    token_bytes = max_token_bytes(TOKENIZER)
+    longest = max(len(TOKENIZER.decode([i], skip_special_tokens=False).encode())
+                  for i in range(TOKENIZER.get_vocab_size()))
+    assert token_bytes == longest
+    room = LIMITS.max_context - LIMITS.block_size
+    with pytest.raises(ServiceError) as info:
+        encode_prompt("a" * (room * token_bytes + 1), TOKENIZER, LIMITS, token_bytes)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in info.value.message
+    # at the bound it is tokenized, and the token count decides (here: too long)
+    assert "prompt has" in _refused(build_request("a" * (room * token_bytes), max_tokens=4)).message
+
+
+def test_a_stop_string_ends_token_ids_and_usage_where_it_ends_the_text() -> None:
+    """A verify step may accept tokens past the one that completes a stop string: they are dropped
+    from token_ids and usage as from the text."""
+    text = "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n"
+    ids = TOKENIZER.encode(text, add_special_tokens=False).ids
+    stop = "return"
+    req = ActiveRequest(request_id="r", prompt_ids=[1], sampling=common_pb2.SamplingParams(), max_tokens=100,
+                        budget=8, mode=common_pb2.MODE_DDTREE, stop=(stop,), stop_ids=frozenset(), eos_id=None,
+                        tokenizer=TOKENIZER)
+    req.add_tokens(ids[:2], 2)
+    req.add_tokens(ids[2:], len(ids) - 2)  # one step takes the rest, far past the stop string
+    messages = [req.events.get_nowait() for _ in range(2)]
+    kept = [t for m in messages for t in m.token_ids]
+    assert "".join(m.text for m in messages) == text[:text.index(stop)]
+    k = next(k for k in range(1, len(ids) + 1) if stop in TOKENIZER.decode(ids[:k], skip_special_tokens=False))
+    assert kept == ids[:k] < ids  # through the token that completes "return", none after it
+    assert messages[-1].finish_reason == scheduler_pb2.FINISH_REASON_STOP
+    assert messages[-1].usage.completion_tokens == k
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(budget=2**31), "budget"), (dict(max_tokens=2**31), "max_tokens"), (dict(seed=-1), "seed"),
+    (dict(seed=2**64), "seed"), (dict(stop_token_ids=[2**40]), "stop_token_ids"), (dict(prompt=[2**40]), "prompt"),
+    (dict(prompt=[1.7, 2.2]), "prompt"), (dict(prompt="a\ud800b"), "prompt"), (dict(mode="fast"), "mode"),
+])
+def test_the_sdk_names_the_argument_it_cannot_send(kwargs, field) -> None:
+    kwargs = {"prompt": "def f():", **kwargs}
+    with pytest.raises(ClientError) as info:
+        build_request(kwargs.pop("prompt"), **kwargs)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and field in info.value.message, info.value.message
+
+
+def test_one_stop_string_is_not_split_into_characters() -> None:
+    assert list(build_request("x", stop="ab").stop) == ["ab"]
