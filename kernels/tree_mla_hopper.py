@@ -40,7 +40,8 @@ a 2-node tree 16, yet the 64-row kernel multiplies 64 rows and runs its two-warp
 them. One warpgroup a (16 rows, split, request) instead computes ``S^T = K Q^T`` with the keys on
 the wgmma's 64-row M side and the rows on its N side, a softmax down each column, and ``O^T += V^T
 P^T`` (V^T read from the key tile as it lies: the transposed-A form of wgmma); 64-key tiles
-through a two-slot ring (TMA or cp.async as above). Decode shapes run 1.08-1.34x faster on it
+through a ring of ``few_rows_stages`` slots (2 at Kimi-K2's dims, 4 at the demo's; TMA or cp.async
+as above). Decode shapes run 1.08-1.34x faster on it
 (batch 128 x 4096: 4.0 TB/s, 96% of copy). Larger requests take a CTA a 16 rows, each re-reading
 the keys, which pays at small batch and context (``few_rows_serves``). Built alongside, and
 removed: the last few rows of a tree (72 = 64 + 8) on the few-row kernel after or beside the

@@ -1,10 +1,11 @@
 """The `ddtree` command: run the stack, call it, and make checkpoints.
 
-    ddtree up [--model DIR] [--port N] [--config FILE]      # three processes, Ctrl-C stops all
-    ddtree generate --prompt TEXT [--max-tokens N] [--temperature T] [--budget B]
-                    [--mode ddtree|autoregressive] [--json]
+    ddtree up [--model DIR] [--drafter DIR] [--port N] [--config FILE] [--draft-replicas N] [--tp N]
+                    # the three services; a service that dies is restarted; Ctrl-C stops all
+    ddtree generate --prompt TEXT [--token-ids] [--max-tokens N] [--temperature T] [--budget B]
+                    [--mode ddtree|autoregressive] [--json] [--address HOST:PORT] [--token T --tls-ca FILE]
     ddtree serve {scheduler,draft,verifier} [--config FILE]  # one service (what `up` and compose run)
-    ddtree make-checkpoint DIR [--vocab-size N] [--seed S]   # a small random target + drafter + tokenizer
+    ddtree make-checkpoint DIR [--vocab-size N] [--seed S] [--bf16-experts]  # a small random target + drafter
     ddtree bench [--contexts ...] [--concurrency ...] [--budgets ...] [--out FILE.json]
                  [--spawn-stack MODEL --device cuda --dtype bfloat16]  # starts and stops its own stack
 """
@@ -16,7 +17,6 @@ import asyncio
 import json
 import signal
 import sys
-import time
 from pathlib import Path
 
 __all__ = ["main"]
@@ -83,12 +83,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
     print(f"ddtree up: serving {model} at {stack.scheduler_address} "
           f"(try: ddtree generate --prompt 'def fibonacci(n):'); Ctrl-C stops", file=sys.stderr, flush=True)
     try:
-        while not stop["now"]:
-            for name, proc in stack.procs:
-                if proc.poll() is not None:
-                    print(f"ddtree up: {name} exited with code {proc.returncode}; stopping", file=sys.stderr)
-                    stop["now"] = True
-            time.sleep(0.5)
+        stack.supervise(lambda: stop["now"], report=lambda msg: print(f"ddtree up: {msg}", file=sys.stderr, flush=True))
+    except RuntimeError as exc:
+        print(f"ddtree up: {exc}; stopping", file=sys.stderr)
+        return 1
     finally:
         stack.stop()
     return 0

@@ -138,5 +138,28 @@ def test_dead_verifier_is_reported_not_hung_on(ckpt, starts):
                 return info.value, ended_in, later.value, time.monotonic() - t0
 
         err, ended_in, later, later_s = asyncio.run(scenario())
+        # `ddtree up`'s supervision starts it again on its address, and the stack serves again
+        restarted: list[str] = []
+        stack.supervise(lambda: bool(restarted), poll_s=0.05, report=restarted.append)
+        with Client(stack.scheduler_address, timeout_s=60) as c:
+            for _ in range(50):   # the draft re-opens its verify stream on the next step
+                try:
+                    out = c.generate(PROMPTS[0], max_tokens=4, ignore_eos=True)
+                    break
+                except ClientError as exc:
+                    assert exc.code == grpc.StatusCode.UNAVAILABLE
+                    time.sleep(0.2)
+        # a service that keeps dying is not restarted forever
+
+        def kill_verifier() -> bool:
+            proc = stack.process("verifier")
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            return False
+
+        with pytest.raises(RuntimeError, match="verifier exited 2 times"):
+            stack.supervise(kill_verifier, poll_s=0.05, max_restarts=1)
     assert err.code == grpc.StatusCode.UNAVAILABLE and ended_in < 5.0
     assert later.code == grpc.StatusCode.UNAVAILABLE and later_s < 5.0
+    assert restarted == ["verifier exited with code -9; restarting it"] and len(out.token_ids) == 4

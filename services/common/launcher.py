@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,6 +168,26 @@ class Stack:
         if svc.proc is not None and svc.proc.poll() is None:
             raise RuntimeError(f"{name} is still running")
         self._launch(svc)
+
+    def supervise(self, should_stop: Callable[[], bool], poll_s: float = 0.5, max_restarts: int = 3,
+                  window_s: float = 60.0, report: Callable[[str], None] = lambda msg: None) -> None:
+        """Keeps the stack up until ``should_stop()``, as compose's ``restart: unless-stopped`` does:
+        a service that exits is started again, unless it exited more than ``max_restarts`` times
+        in ``window_s`` (a crash loop), which raises RuntimeError."""
+        exits: dict[str, list[float]] = {}
+        while not should_stop():
+            for svc in self.services:
+                if svc.proc is None or svc.proc.poll() is None:
+                    continue
+                now = time.monotonic()
+                recent = [t for t in exits.get(svc.name, []) if now - t < window_s] + [now]
+                exits[svc.name] = recent
+                if len(recent) > max_restarts:
+                    raise RuntimeError(f"{svc.name} exited {len(recent)} times in {window_s:.0f} s "
+                                       f"(last code {svc.proc.returncode}); not restarting it again")
+                report(f"{svc.name} exited with code {svc.proc.returncode}; restarting it")
+                self.restart(svc.name)
+            time.sleep(poll_s)
 
     def stop(self, grace_s: float = 30.0) -> None:
         running = [s.proc for s in reversed(self.services) if s.proc is not None]

@@ -1,6 +1,7 @@
 """Prometheus metrics, one registry per process, named with the shared stage vocabulary.
 
-Stages: draft (proposal + tree build), verify (target forward + acceptance), commit, transport.
+Stages: draft (proposal + tree build; on the draft also its parts propose, propose_cpu, tree),
+verify (target forward + acceptance), commit, transport.
 Each service serves `/metrics` over HTTP on its `metrics_port` (0 = off).
 """
 

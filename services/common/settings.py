@@ -3,7 +3,8 @@
 The launcher, compose and each service read the same TOML file (one table per service), so a
 value means the same thing wherever it is set. Precedence: flags > environment > file > defaults.
 Environment variables are `DDTREE_<SERVICE>_<FIELD>` (e.g. `DDTREE_VERIFIER_PAGE_SIZE=32`).
-Nothing else in the code reads `os.environ`.
+The only other variables read are not settings: the launcher's (it passes these to the services),
+the health probe's (`DDTREE_HEALTH_*`) and the kernel overrides README.md lists.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class MoEWeights:
     group_size: int = 32
     dtype: torch.dtype = torch.float32  # compute dtype of a dense expert
     # [ROUTER_PARTS * E, hidden] bf16, ``split_bf16(gate_weight)``: on CUDA for bf16 models, where
-    # ``route`` computes the float32 logits on the tensor cores from them (11 MB more a K2 layer).
+    # ``route`` computes the float32 logits on the tensor cores from them (16.5 MB more a K2 layer).
     gate_parts: Tensor | None = None
 
     @property
