@@ -28,15 +28,33 @@ def admitted(step: StepLoop) -> list[str]:
     return [i.request_id for i in step._schedule() if i.prompt_token_ids]
 
 
-def test_prefill_tokens_per_step_are_bounded_and_the_rest_waits() -> None:
+def pieces(step: StepLoop) -> tuple[dict[str, tuple[int, bool]], list[str]]:
+    """One step: each prompt piece's (length, more to come), and the requests it verifies."""
+    items = step._schedule()
+    return ({i.request_id: (len(i.prompt_token_ids), i.prompt_continues) for i in items if i.prompt_token_ids},
+            [i.request_id for i in items if not i.prompt_token_ids])
+
+
+def test_prompt_tokens_a_step_are_bounded_and_long_prompts_go_in_pieces() -> None:
     async def scenario() -> None:
         step = loop(max_prefill_tokens=1000, max_batch=64)
         step.waiting.extend([request("a", 600), request("b", 300), request("c", 200), request("d", 50)])
-        assert admitted(step) == ["a", "b"]               # 900; c would make 1100
-        assert admitted(step) == ["c", "d"]               # the next step takes the rest
-        step.waiting.append(request("long", 5000))
-        assert admitted(step) == ["long"]                 # longer than the budget: goes alone
-        assert step.kv.reserved == 500
+        assert pieces(step) == ({"a": (600, False), "b": (300, False), "c": (100, True)}, [])
+        assert pieces(step) == ({"c": (100, False), "d": (50, False)}, ["a", "b"])
+        long = request("long", 2500)
+        step.waiting.append(long)
+        sent, verified = [], []
+        for _ in range(3):
+            items = step._schedule()
+            sent += [i for i in items if i.prompt_token_ids]
+            verified.append([i.request_id for i in items if not i.prompt_token_ids])
+        assert [(i.request_id, len(i.prompt_token_ids), i.prompt_continues) for i in sent] == [
+            ("long", 1000, True), ("long", 1000, True), ("long", 500, False)]
+        assert [t for i in sent for t in i.prompt_token_ids] == long.prompt_ids
+        assert verified == [["a", "b", "c", "d"]] * 3     # the running requests decode between the pieces
+        assert sent[0].max_new_tokens == long.max_tokens + 1500 and sent[0].mode == common_pb2.MODE_DDTREE
+        assert not sent[1].HasField("sampling") and sent[1].max_new_tokens == 0
+        assert step.kv.reserved == 500                    # the KV of every request, reserved once
 
     asyncio.run(scenario())
 

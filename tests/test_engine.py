@@ -253,6 +253,44 @@ def test_chunked_prefill_matches_single_chunk(target: Target) -> None:
         assert g == target.continuation(p, len(g))
 
 
+def test_prompt_in_pieces_over_steps_matches_one_prefill(target: Target) -> None:
+    """A prompt sent in pieces over several prefill calls (``more`` on all but the last, the first
+    reserving the whole request) gives the same first token, features and greedy continuation as one
+    prefill; a piece samples nothing, verifying a request mid-prompt is refused, and a piece past
+    the first one's reservation is refused without touching the cache."""
+    prompt = PROMPTS[2] + [7, 7, 9, 1] + PROMPTS[0]  # 20 tokens
+    whole = make_engine(target.model)
+    whole.set_feature_layers([0, 2])
+    ref = whole.prefill([PrefillInput("w", prompt, Sampling(), 64)])
+    engine = make_engine(target.model)
+    engine.set_feature_layers([0, 2])
+    cuts = [0, 6, 7, 15, 20]
+    outs = []
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        more = b < len(prompt)
+        outs.append(engine.prefill([PrefillInput("p", prompt[a:b], Sampling(), 64 if i == 0 else 0, more=more, offset=a)]))
+        if more:
+            assert outs[-1].items[0].tokens == [] and outs[-1].items[0].committed == b - a
+            refused = engine.verify(["p"], *pack([root_only(0)]))
+            assert refused.items[0].error.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert outs[-1].items[0].tokens == ref.items[0].tokens == target.continuation(prompt, 1)
+    torch.testing.assert_close(torch.cat([o.features for o in outs]), ref.features, rtol=1e-4, atol=1e-4)
+    gen = list(outs[-1].items[0].tokens)
+    for _ in range(5):   # decoding goes on from the whole prompt
+        step = engine.verify(["p"], *pack([root_only(gen[-1])]))
+        assert step.items[0].error is None
+        gen += step.items[0].tokens
+    assert gen == target.continuation(prompt, len(gen))
+
+    over = make_engine(target.model, pages=64, page_size=4)
+    over.prefill([PrefillInput("o", prompt[:4], Sampling(), 8, more=True)])  # reserves 8 slots
+    bad = over.prefill([PrefillInput("o", prompt[4:12], Sampling(), 0, more=True, offset=4),   # past them
+                        PrefillInput("o", prompt[5:6], Sampling(), 0, more=True, offset=5),    # not where it ended
+                        PrefillInput("x", prompt[4:6], Sampling(), 0, offset=4)])              # no such request
+    assert [it.error.code for it in bad.items] == [grpc.StatusCode.INVALID_ARGUMENT] + [grpc.StatusCode.FAILED_PRECONDITION] * 2
+    assert over._requests["o"].length == 4 and "x" not in over._requests
+
+
 # ============================================================================== 3. lossless sampling
 
 

@@ -18,7 +18,7 @@ import pytest
 from services.common.launcher import StackSpec
 from services.common.make_checkpoint import make_random_checkpoint
 from services.scheduler.client import AsyncClient, Client, ClientError
-from tests.stack_fixtures import PROMPTS, StackStarts, build_checkpoint
+from tests.stack_fixtures import PROMPTS, StackStarts, build_checkpoint, greedy_references
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,11 @@ def _plain_spec(ckpt) -> StackSpec:
     return StackSpec(model_path=str(ckpt), scheduler_port=0)
 
 
+def _pieces_spec(ckpt) -> StackSpec:
+    """Five prompt tokens a step: every prompt here arrives in pieces over several steps."""
+    return StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={"DDTREE_SCHEDULER_MAX_PREFILL_TOKENS": "5"})
+
+
 @pytest.fixture(scope="module")
 def other_ckpt(tmp_path_factory):
     """A checkpoint of another target (hidden size 32): its drafter does not fit ``ckpt``."""
@@ -61,6 +66,7 @@ def starts(request, ckpt, other_ckpt):
         "test_drafter_for_another_target_is_refused_at_handshake": lambda: _other_target_spec(ckpt, other_ckpt),
         "test_queue_bound_rejects_with_resource_exhausted": lambda: _queue_spec(ckpt),
         "test_dead_verifier_is_reported_not_hung_on": lambda: _plain_spec(ckpt),
+        "test_prompts_in_pieces_decode_as_whole_ones": lambda: _pieces_spec(ckpt),
     })
     yield starts
     starts.close()
@@ -81,6 +87,25 @@ def test_real_drafter_over_inline_transport_is_lossless(ckpt, starts):
                 dd = c.generate(p, max_tokens=16, budget=budget, ignore_eos=True)
                 assert dd.token_ids == ar.token_ids, (p, budget)
                 assert sum(dd.acceptance_lengths) >= 15
+
+
+def test_prompts_in_pieces_decode_as_whole_ones(ckpt, starts):
+    """With five prompt tokens a step, prompts go in pieces while other requests decode between
+    them (real drafter); every output is still the float64 reference's greedy continuation."""
+    prompts = [p for p in PROMPTS if len(p) > 20][:6]
+    refs = greedy_references(ckpt, prompts, 12)
+    assert all(len(ids) > 10 for ids, _ in refs.values())   # three pieces or more each
+
+    async def scenario():
+        async with AsyncClient(stack.scheduler_address) as client:
+            return await asyncio.gather(*[client.generate(p, max_tokens=12, budget=(4, 16, 0)[i % 3], ignore_eos=True,
+                                                          mode="autoregressive" if i % 3 == 2 else "ddtree")
+                                          for i, p in enumerate(prompts)])
+
+    with starts.take("test_prompts_in_pieces_decode_as_whole_ones", _pieces_spec(ckpt)) as stack:
+        outs = asyncio.run(scenario())
+    for p, out in zip(prompts, outs):
+        assert out.token_ids == refs[p][1], p
 
 
 def test_malformed_checkpoint_directory_fails_start_with_a_clear_message(tmp_path, ckpt):

@@ -72,7 +72,7 @@ class SchedulerSettings:
     tokenizer_path: str = "models/demo"
     max_queue: int = 256            # waiting requests beyond this are rejected (RESOURCE_EXHAUSTED)
     max_batch: int = 64             # requests decoded together in one step
-    max_prefill_tokens: int = 8192  # prompt tokens admitted per step (one longer prompt still goes alone)
+    max_prefill_tokens: int = 8192  # prompt tokens a step; a longer prompt goes in pieces over several steps
     default_budget: int = 16
     default_mode: str = "ddtree"
     spec_min_acceptance: float = 1.5   # a batch whose DDTree requests accept fewer tokens a step decodes AR for a while (0 = never)

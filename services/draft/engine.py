@@ -34,6 +34,7 @@ class _Request:
     mode: int
     pending: int = -1   # the last token the verifier sampled: the next tree's root
     length: int = 0     # tokens in the target's cache
+    prefilling: bool = False  # its prompt is still arriving in pieces
 
 
 @dataclass
@@ -121,7 +122,8 @@ class DraftEngine:
                                          list(request.release))
         features, row = reply.features, 0
         commits: list[tuple[str, list[int], torch.Tensor]] = []
-        for res in list(reply.response.prefills) + list(reply.response.verifies):
+        n_prefills = len(reply.response.prefills)
+        for i, res in enumerate(list(reply.response.prefills) + list(reply.response.verifies)):
             req = self._requests.get(res.request_id)
             if res.error_code != 0 or req is None:
                 self._drop(res.request_id)
@@ -129,17 +131,19 @@ class DraftEngine:
                                                                 error_code=res.error_code,
                                                                 error_message=res.error_message)
                 continue
-            committed = ([req.pending] + list(res.token_ids[:-1])) if req.length else None
+            prefill = i < n_prefills
             feats = features[row:row + res.committed]
             row += res.committed
-            # A prefill's committed tokens are the prompt.
-            commits.append((req.request_id, self._prompts.pop(req.request_id) if committed is None else committed,
-                            feats))
+            # A prefill's committed tokens are the prompt (or this piece of it); a verify's the
+            # pending root and the accepted path.
+            commits.append((req.request_id, self._prompts.pop(req.request_id) if prefill else
+                            [req.pending] + list(res.token_ids[:-1]), feats))
             req.length += res.committed
-            req.pending = int(res.token_ids[-1])
+            if res.token_ids:   # none while the prompt is still arriving
+                req.pending = int(res.token_ids[-1])
             results[res.request_id] = draft_pb2.StepResult(
                 request_id=res.request_id, token_ids=list(res.token_ids),
-                acceptance_length=len(res.token_ids) if committed is not None else 0)
+                acceptance_length=0 if prefill else len(res.token_ids))
         if commits:
             await asyncio.to_thread(self._on_device, self.proposer.commit_many, commits)
         t2 = time.perf_counter()
@@ -156,19 +160,30 @@ class DraftEngine:
         if item.budget < 0 or item.budget > MAX_BUDGET:
             return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"budget {item.budget} outside 0..{MAX_BUDGET}")
         req = self._requests.get(item.request_id)
-        if item.prompt_token_ids:
-            if req is not None:
+        if item.prompt_token_ids:   # a prompt, or the next piece of one
+            if item.prompt_offset == 0 and req is not None:
                 return ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {item.request_id} already running")
-            req = _Request(item.request_id, item.mode)
-            self._requests[item.request_id] = req
+            if item.prompt_offset > 0 and (req is None or not req.prefilling or req.length != item.prompt_offset):
+                return ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"request {item.request_id}: a prompt piece at {item.prompt_offset} does not follow "
+                                    f"what this draft holds ({'nothing' if req is None else f'{req.length} tokens'})")
+            piece = verifier_pb2.PrefillItem(request_id=item.request_id, token_ids=item.prompt_token_ids,
+                                             prompt_continues=item.prompt_continues, prompt_offset=item.prompt_offset)
+            if req is None:
+                req = _Request(item.request_id, item.mode)
+                self._requests[item.request_id] = req
+                self.proposer.start(item.request_id, item.prompt_token_ids)
+                piece.sampling.CopyFrom(item.sampling)
+                piece.reserve_tokens = len(item.prompt_token_ids) + item.max_new_tokens + self.proposer.block_size
+            req.prefilling = item.prompt_continues
             self._prompts[item.request_id] = list(item.prompt_token_ids)
-            self.proposer.start(item.request_id, item.prompt_token_ids)
-            prefills.append(verifier_pb2.PrefillItem(
-                request_id=item.request_id, token_ids=item.prompt_token_ids, sampling=item.sampling,
-                reserve_tokens=len(item.prompt_token_ids) + item.max_new_tokens + self.proposer.block_size))
+            prefills.append(piece)
             return None
         if req is None:
             return ServiceError(grpc.StatusCode.NOT_FOUND, f"request {item.request_id} is unknown to this draft")
+        if req.prefilling:
+            return ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"request {item.request_id}: its prompt has not all arrived")
         verifying.append(req)
         ddtree = req.mode != common_pb2.MODE_AUTOREGRESSIVE
         budgets.append(item.budget if ddtree else 0)

@@ -117,6 +117,8 @@ class StepLoop:
                     self._finish(req, error=ServiceError(grpc.StatusCode(_code(res.error_code)), res.error_message))
                     continue
                 req.started = True
+                if not res.token_ids:   # a piece of a long prompt went in; the first token comes with the last
+                    continue
                 before = len(req.out_ids)
                 req.add_tokens(list(res.token_ids), res.acceptance_length)
                 if res.acceptance_length and req.mode != common_pb2.MODE_AUTOREGRESSIVE and not _sampled(req):
@@ -158,25 +160,46 @@ class StepLoop:
 
     def _schedule(self) -> list[draft_pb2.StepItem]:
         """All running requests, then admissions in arrival order while batch, KV and the step's
-        prefill budget allow (a burst of long prompts is spread over steps: one step's prefill
-        features and time stay bounded, and running requests keep decoding between them)."""
+        prefill budget allow. Prompt tokens a step stay within ``max_prefill_tokens``: a prompt
+        longer than what is left goes in pieces over the next steps, so one step's prefill time
+        stays bounded and running requests keep decoding between the pieces (a 2000-token prompt
+        used to stop every stream for the whole prefill)."""
         if self.running:   # one decision for the whole batch (see speculation.py); idle calls are no step
             self._speculating = self.gate.speculate()
-        items = [draft_pb2.StepItem(request_id=r.request_id,
-                                    budget=r.budget if self._speculating or _sampled(r) else 0)
-                 for r in self.running.values()]
-        prefill = 0
-        while self.waiting and len(items) < self.settings.max_batch and \
-                self.kv.reserved + self.waiting[0].kv_tokens <= self.kv.capacity and \
-                (prefill == 0 or prefill + len(self.waiting[0].prompt_ids) <= self.settings.max_prefill_tokens):
+        left = self.settings.max_prefill_tokens
+        items = []
+        for r in self.running.values():
+            if r.prompt_sent < len(r.prompt_ids):   # its prompt's next piece, while the budget lasts
+                if left > 0:
+                    items.append(self._piece(r, left))
+                    left -= len(items[-1].prompt_token_ids)
+                continue
+            items.append(draft_pb2.StepItem(request_id=r.request_id,
+                                            budget=r.budget if self._speculating or _sampled(r) else 0))
+        while self.waiting and left > 0 and len(items) < self.settings.max_batch and \
+                self.kv.reserved + self.waiting[0].kv_tokens <= self.kv.capacity:
             req = self.waiting.popleft()
-            prefill += len(req.prompt_ids)
             self.running[req.request_id] = req
             self.kv.reserved += req.kv_tokens
-            items.append(draft_pb2.StepItem(
-                request_id=req.request_id, prompt_token_ids=req.prompt_ids, sampling=req.sampling, mode=req.mode,
-                budget=req.budget, max_new_tokens=req.max_tokens))
+            items.append(self._piece(req, left))
+            left -= len(items[-1].prompt_token_ids)
         return items
+
+    @staticmethod
+    def _piece(req: ActiveRequest, budget: int) -> draft_pb2.StepItem:
+        """The next at most ``budget`` tokens of the prompt. The first piece carries the request's
+        parameters and reserves the KV of the whole request (the later pieces are counted in
+        ``max_new_tokens``, which the draft adds to the piece's length)."""
+        start = req.prompt_sent
+        piece = req.prompt_ids[start:start + budget]
+        req.prompt_sent += len(piece)
+        item = draft_pb2.StepItem(request_id=req.request_id, prompt_token_ids=piece, budget=req.budget,
+                                  prompt_continues=req.prompt_sent < len(req.prompt_ids), prompt_offset=start)
+        if start == 0:
+            item.sampling.CopyFrom(req.sampling)
+            item.mode = req.mode
+            item.max_new_tokens = req.max_tokens + len(req.prompt_ids) - len(piece)
+        return item
 
     def _retire_aborted(self) -> None:
         for req in [r for r in self.running.values() if r.aborted]:

@@ -63,6 +63,7 @@ class ActiveRequest:
     finish: int = scheduler_pb2.FINISH_REASON_UNSPECIFIED
     error: ServiceError | None = None
     started: bool = False                   # prefill sent
+    prompt_sent: int = 0                    # prompt tokens sent to the draft so far (a long one goes in pieces)
     aborted: bool = False
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None

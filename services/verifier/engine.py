@@ -35,6 +35,8 @@ class PrefillInput:
     sampling: Sampling
     reserve_tokens: int
     owner: str = ""
+    more: bool = False  # more of the prompt follows in a later step: commit this piece, sample nothing
+    offset: int = 0     # where the piece starts in the prompt; > 0: a request still being prefilled
 
 
 @dataclass
@@ -61,6 +63,7 @@ class _Request:
     generator: torch.Generator | None
     length: int = 0          # tokens whose KV is in the cache
     pending: int = -1        # the last sampled token: the next tree's root
+    prefilling: bool = False  # its prompt is still arriving in pieces (no token sampled yet)
 
 
 class VerifierEngine:
@@ -153,31 +156,58 @@ class VerifierEngine:
         if item.request_id in self._requests:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {item.request_id} already exists")
 
+    def _validate_piece(self, item: PrefillInput, req: _Request | None) -> None:
+        """A later piece of a prompt: it follows what the cache holds, its tokens are in the
+        vocabulary, and the prompt so far fits the KV its first piece reserved (``cache.write``
+        would refuse it after the forward)."""
+        if req is None or not req.prefilling or req.length != item.offset:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"request {item.request_id}: a prompt piece at {item.offset} does not follow what the "
+                               f"cache holds ({'nothing' if req is None else f'{req.length} tokens'})")
+        bad = [t for t in item.token_ids if not 0 <= t < self.vocab_size]
+        if not item.token_ids or bad:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"request {item.request_id}: prompt piece is empty "
+                               f"or has a token outside the vocabulary [0, {self.vocab_size})")
+        room = self.cache.reserved_tokens(item.request_id) - 1  # the first token's slot stays free
+        if req.length + len(item.token_ids) > room:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"request {item.request_id}: prompt of {req.length + len(item.token_ids)} tokens so far "
+                               f"is over the {room} its first piece reserved")
+
     def prefill(self, items: Sequence[PrefillInput]) -> StepOutcome:
-        """Runs each prompt in chunks (a chain is a tree), commits it all, samples the first token."""
+        """Runs each prompt in chunks (a chain is a tree), commits it all, samples the first token.
+        A prompt may come in pieces over several steps (``more`` on all but the last, the first
+        reserving the KV of the whole request): each piece extends the cache where the last one
+        ended, and only the last samples, so running requests decode between the pieces."""
         outcomes: list[ItemOutcome] = []
         features: list[torch.Tensor] = []
         for item in items:
+            req = self._requests.get(item.request_id) if item.offset > 0 else None
             try:
-                self._validate_prompt(item)
-                reserve = min(max(item.reserve_tokens, len(item.token_ids) + 1), self.max_context)
-                try:
-                    self.cache.reserve(item.request_id, reserve)
-                except OutOfPages:
-                    raise ServiceError(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"KV cache full: request needs {reserve} tokens, {self.cache.pages_free} pages free "
-                        f"of {self.cache.page_size} tokens") from None
+                if item.offset > 0:
+                    self._validate_piece(item, req)
+                else:
+                    self._validate_prompt(item)
+                    reserve = min(max(item.reserve_tokens, len(item.token_ids) + 1), self.max_context)
+                    try:
+                        self.cache.reserve(item.request_id, reserve)
+                    except OutOfPages:
+                        raise ServiceError(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"KV cache full: request needs {reserve} tokens, {self.cache.pages_free} pages free "
+                            f"of {self.cache.page_size} tokens") from None
             except ServiceError as exc:
                 outcomes.append(ItemOutcome(item.request_id, error=exc))
                 continue
-            gen = None
-            if item.sampling.temperature > 0:
-                gen = torch.Generator(device=self.model_device)
-                gen.manual_seed(item.sampling.seed if item.sampling.seed is not None else
-                                int(torch.randint(0, 2**62, (1,)).item()))
-            req = _Request(item.request_id, item.owner, item.sampling, gen)
-            self._requests[item.request_id] = req
+            if req is None:
+                gen = None
+                if item.sampling.temperature > 0:
+                    gen = torch.Generator(device=self.model_device)
+                    gen.manual_seed(item.sampling.seed if item.sampling.seed is not None else
+                                    int(torch.randint(0, 2**62, (1,)).item()))
+                req = _Request(item.request_id, item.owner, item.sampling, gen)
+                self._requests[item.request_id] = req
+            req.prefilling = item.more
             ids = torch.tensor(item.token_ids, dtype=torch.int64, device=self.model_device)  # [T]
             last_logits = None
             for start in range(0, len(ids), self.prefill_chunk):
@@ -191,6 +221,9 @@ class VerifierEngine:
                 features.append(out.features)
                 last_logits = out.logits[-1:]  # [1, V]
             assert last_logits is not None
+            if item.more:
+                outcomes.append(ItemOutcome(item.request_id, [], committed=len(ids)))
+                continue
             req.pending = int(self._posterior(last_logits, [req])[0][0])
             outcomes.append(ItemOutcome(item.request_id, [req.pending], committed=len(ids)))
         return StepOutcome(outcomes, self._cat_features(features))
@@ -281,8 +314,9 @@ class VerifierEngine:
             if seen[rid] > 1:  # two trees for one request would both commit from the same state
                 err = ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"request {rid} appears {seen[rid]} times in one verify call")
-            elif req is None:
-                err = ServiceError(grpc.StatusCode.NOT_FOUND, f"request {rid} is not prefilled on this verifier")
+            elif req is None or req.prefilling:
+                err = ServiceError(grpc.StatusCode.NOT_FOUND if req is None else grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"request {rid} is not prefilled on this verifier")
             elif n < 1:
                 err = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: empty tree")
             elif int(tok[s]) != req.pending or int(par[s]) != -1 or int(dep[s]) != 0:

@@ -211,7 +211,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     error_message=f"sampling: {exc}")
                 continue
             inputs.append(PrefillInput(p.request_id, list(p.token_ids), sampling, p.reserve_tokens,
-                                       owner=peer.draft_id))
+                                       owner=peer.draft_id, more=p.prompt_continues, offset=p.prompt_offset))
         prefill = self.group.call("prefill", inputs)
         released: list[int] = []
         if req.verify_ids:

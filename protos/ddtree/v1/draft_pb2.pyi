@@ -8,20 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StepItem(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode", "budget", "max_new_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode", "budget", "max_new_tokens", "prompt_continues", "prompt_offset")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CONTINUES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     mode: _common_pb2.Mode
     budget: int
     max_new_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.Mode, str]] = ..., budget: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    prompt_continues: bool
+    prompt_offset: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.Mode, str]] = ..., budget: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., prompt_continues: _Optional[bool] = ..., prompt_offset: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("items", "release")

@@ -58,16 +58,20 @@ class HandshakeResponse(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., verifier_ring: _Optional[str] = ..., verifier_ring_slot_bytes: _Optional[int] = ..., verifier_ring_slots: _Optional[int] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., tp_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., verifier_id: _Optional[str] = ...) -> None: ...
 
 class PrefillItem(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "reserve_tokens")
+    __slots__ = ("request_id", "token_ids", "sampling", "reserve_tokens", "prompt_continues", "prompt_offset")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CONTINUES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     reserve_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., reserve_tokens: _Optional[int] = ...) -> None: ...
+    prompt_continues: bool
+    prompt_offset: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., prompt_continues: _Optional[bool] = ..., prompt_offset: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("sequence", "prefills", "verify_ids", "trees", "release", "released_slots")
