@@ -141,6 +141,36 @@ def rand_routing(M: int, E: int, k: int, device, gen) -> tuple[torch.Tensor, tor
     return ids, (w / w.sum(-1, keepdim=True) * 2.827).float()
 
 
+@dataclasses.dataclass
+class GatedPoint:
+    """What a probe of the Gluon gate/up GEMM needs at one (shape, M): the dims, the weights, the
+    config ``choose_config`` serves there (tensor cores), the activations in ``permute_k``'s order,
+    and R uniform routings' alignments (R = 8 up to M = 288, else 4)."""
+
+    E: int
+    K: int
+    I: int
+    k: int
+    A: int
+    wg: Int4Weight
+    wu: Int4Weight
+    cfg: Int4MoEConfig
+    xk: torch.Tensor
+    aligns: list
+
+
+def gated_point(weights: dict, shape: str, M: int, gen) -> GatedPoint:
+    from kernels import int4_moe_hopper as hop
+
+    sh = SHAPES[shape]
+    E, K, I, k = sh["experts"], sh["hidden"], sh["inter"], sh["top_k"]
+    wg, wu, _ = shape_weights(weights, shape, gen)
+    cfg = dataclasses.replace(choose_config(M, E, K, I, k), gemv=False)
+    x = (torch.randn(M, K, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    aligns = [int4_moe_align(rand_routing(M, E, k, "cuda", gen)[0], E, cfg.block_m) for _ in range(8 if M <= 288 else 4)]
+    return GatedPoint(E, K, I, k, M * k, wg, wu, cfg, hop.permute_k(x), aligns)
+
+
 def expert_bytes(w: Int4Weight) -> int:
     return w.packed[0].numel() * w.packed.element_size() + w.scale[0].numel() * w.scale.element_size()
 

@@ -19,14 +19,13 @@ served h, bit for bit (every row sums the same K steps in the same order), every
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 import torch
 
 import kernels.int4_moe as km
 from bench.common import graph_replay_us, write_result
-from bench.int4_moe_bench import SHAPES, rand_routing, shape_weights
+from bench.int4_moe_bench import gated_point
 from kernels import int4_moe_hopper as hop
 
 POINTS = (("ep8", 72), ("ep8", 288), ("ep8", 1152), ("tp8", 72), ("tp8", 288), ("tp8", 1152))
@@ -44,15 +43,9 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows, weights = [], {}
     for shape, M in POINTS:
-        sh = SHAPES[shape]
-        E, K, I, k = sh["experts"], sh["hidden"], sh["inter"], sh["top_k"]
-        wg, wu, _ = shape_weights(weights, shape, gen)
-        R = 8 if M <= 288 else 4
-        cfg = dataclasses.replace(km.choose_config(M, E, K, I, k), gemv=False)
-        bm, A = cfg.block_m, M * k
-        x = (torch.randn(M, K, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
-        xk = hop.permute_k(x)
-        aligns = [km.int4_moe_align(rand_routing(M, E, k, "cuda", gen)[0], E, bm) for _ in range(R)]
+        pt = gated_point(weights, shape, M, gen)
+        K, I, k, A, wg, wu, cfg, xk, aligns = pt.K, pt.I, pt.k, pt.A, pt.wg, pt.wu, pt.cfg, pt.xk, pt.aligns
+        bm = cfg.block_m
         served = dict(block_n=cfg.gu_block_n, stages=cfg.hp_stages, max_regs=cfg.hp_gu_regs or None)
 
         def gated(al: km.MoEAlignment, kw: dict) -> torch.Tensor:
