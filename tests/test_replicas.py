@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import grpc
+import pytest
 
 from services.common.launcher import Stack, StackSpec
 from services.scheduler.client import AsyncClient, Client, ClientError
@@ -72,3 +73,39 @@ def test_replica_death_ends_its_requests_and_spares_the_rest(tmp_path):
                     assert exc.code == grpc.StatusCode.UNAVAILABLE
                     outcomes.append(None)
         assert outcomes[1:] == [True, True], outcomes
+
+
+def test_supervise_retries_a_restart_that_dies_and_stops_a_crash_loop() -> None:
+    """`ddtree up`'s supervision without processes: a restart that fails during start-up (the
+    service died before it was healthy) is one more exit to retry, not the end of the stack; more
+    than `max_restarts` exits in the window is."""
+    from services.common.launcher import _Service
+
+    class Proc:
+        def __init__(self, code):
+            self.returncode = code
+
+        def poll(self):
+            return self.returncode
+
+    stack = Stack(StackSpec(model_path="unused"))
+    svc = _Service("draft", "draft", "127.0.0.1:1", {}, Proc(-9))
+    stack.services = [svc]
+    attempts, reports = [], []
+
+    def restart(name):
+        attempts.append(name)
+        if len(attempts) == 1:
+            svc.proc = Proc(-9)   # dies again before it is healthy
+            raise RuntimeError("draft exited with code -9 during start-up (see its output)")
+        svc.proc = Proc(None)     # up
+
+    stack.restart = restart
+    stack.supervise(lambda: len(attempts) == 2, poll_s=0.0, report=reports.append)
+    assert attempts == ["draft", "draft"] and svc.proc.poll() is None
+    assert reports[1].startswith("draft restart failed: draft exited with code -9")
+
+    stack.restart = lambda name: setattr(svc, "proc", Proc(1))   # dies at once, every time
+    svc.proc = Proc(1)
+    with pytest.raises(RuntimeError, match="draft exited 4 times"):
+        stack.supervise(lambda: False, poll_s=0.0, max_restarts=3)

@@ -173,7 +173,8 @@ class Stack:
                   window_s: float = 60.0, report: Callable[[str], None] = lambda msg: None) -> None:
         """Keeps the stack up until ``should_stop()``, as compose's ``restart: unless-stopped`` does:
         a service that exits is started again, unless it exited more than ``max_restarts`` times
-        in ``window_s`` (a crash loop), which raises RuntimeError."""
+        in ``window_s`` (a crash loop), which raises RuntimeError. A restart that dies before it is
+        healthy counts as one more exit, to be retried on the next round, not as the end."""
         exits: dict[str, list[float]] = {}
         while not should_stop():
             for svc in self.services:
@@ -186,7 +187,10 @@ class Stack:
                     raise RuntimeError(f"{svc.name} exited {len(recent)} times in {window_s:.0f} s "
                                        f"(last code {svc.proc.returncode}); not restarting it again")
                 report(f"{svc.name} exited with code {svc.proc.returncode}; restarting it")
-                self.restart(svc.name)
+                try:
+                    self.restart(svc.name)
+                except RuntimeError as exc:   # died (or hung) during its start-up: the next round sees it
+                    report(f"{svc.name} restart failed: {exc}")
             time.sleep(poll_s)
 
     def stop(self, grace_s: float = 30.0) -> None:
