@@ -100,3 +100,46 @@ def test_the_sdk_names_the_argument_it_cannot_send(kwargs, field) -> None:
 
 def test_one_stop_string_is_not_split_into_characters() -> None:
     assert list(build_request("x", stop="ab").stop) == ["ab"]
+
+
+def test_a_long_text_tokenizes_beside_the_event_loop() -> None:
+    """The tokenizer keeps the GIL while it encodes, so the scheduler encodes long texts in a worker
+    process: the event loop keeps ticking meanwhile, and the ids are the inline ones."""
+    import asyncio
+    import time
+
+    from services.scheduler.tokenizing import PromptEncoder
+
+    text = "def f(x):\n    return x  # " + "word " * 4 + "\n"
+    text = text * (600_000 // len(text))
+    t0 = time.perf_counter()
+    want = TOKENIZER.encode(text, add_special_tokens=False).ids
+    inline_s = time.perf_counter() - t0
+    encoder = PromptEncoder(TOKENIZER, "models/demo/tokenizer.json", inline_chars=1000)
+
+    async def scenario() -> tuple[list[int], float]:
+        gaps, done = [], asyncio.Event()
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker())
+        await encoder.encode("warm up the worker " * 100)
+        gaps.clear()
+        ids = await encoder.encode(text)
+        done.set()
+        await tick
+        return ids, max(gaps)
+
+    try:
+        ids, gap = asyncio.run(scenario())
+        assert asyncio.run(encoder.encode("def f():")) == TOKENIZER.encode("def f():", add_special_tokens=False).ids
+    finally:
+        encoder.close()
+    assert ids == want
+    assert gap < max(0.1, inline_s / 3), (gap, inline_s)   # inline, the loop would stall inline_s

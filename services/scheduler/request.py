@@ -18,8 +18,8 @@ from ddtree.v1 import common_pb2, scheduler_pb2
 from services.common.grpc_server import ServiceError
 from services.common.settings import MAX_BUDGET, TEMPERATURE_RANGE, SchedulerSettings, temperature_ok
 
-__all__ = ["ActiveRequest", "Limits", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "encode_prompt",
-           "max_token_bytes", "validate"]
+__all__ = ["ActiveRequest", "Limits", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_text_size",
+           "encode_prompt", "max_token_bytes", "validate"]
 
 _REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to: hold it back until complete
 # Every step rescans each stop string, and the stream holds back the longest one's length of text:
@@ -165,15 +165,20 @@ def max_token_bytes(tokenizer: Tokenizer) -> int:
     return max((len(p.encode("utf-8", "surrogatepass")) for p in pieces), default=1) or 1
 
 
-def encode_prompt(text: str, tokenizer: Tokenizer, limits: Limits, token_bytes: int) -> list[int]:
-    """A text prompt's token ids. A text too long for the context by its size alone is refused
-    before it is tokenized: a 4 MB text held the scheduler's event loop for 10 s."""
+def check_text_size(text: str, limits: Limits, token_bytes: int) -> None:
+    """Refuses a text too long for the context by its size alone, before anyone tokenizes it (a
+    4 MB text took 10 s to tokenize)."""
     room = limits.max_context - limits.block_size
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > room * token_bytes:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"prompt text of {size} bytes is over {room} tokens (a token is at most {token_bytes} "
                            f"bytes); max context is {limits.max_context}")
+
+
+def encode_prompt(text: str, tokenizer: Tokenizer, limits: Limits, token_bytes: int) -> list[int]:
+    """A text prompt's token ids, inline (the server encodes through ``tokenizing.PromptEncoder``)."""
+    check_text_size(text, limits, token_bytes)
     try:
         return tokenizer.encode(text, add_special_tokens=False).ids
     except Exception as exc:  # noqa: BLE001 - the tokenizer's own error type (e.g. a lone surrogate)

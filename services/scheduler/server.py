@@ -20,7 +20,8 @@ from services.common.grpc_server import ServiceError, new_server, serve_until_si
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings
-from services.scheduler.request import encode_prompt, max_token_bytes, validate
+from services.scheduler.request import check_text_size, max_token_bytes, validate
+from services.scheduler.tokenizing import PromptEncoder
 from services.scheduler.router import Router
 
 __all__ = ["SchedulerServicer", "load_tokenizer", "serve"]
@@ -30,21 +31,24 @@ log = get_logger("scheduler")
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, settings: SchedulerSettings, router: Router, info: common_pb2.ModelInfo,
-                 tokenizer: Tokenizer | None) -> None:
+                 tokenizer: Tokenizer | None, encoder: PromptEncoder | None = None) -> None:
         self.settings = settings
         self.router = router
         self.info = info
         self.tokenizer = tokenizer
         self.token_bytes = max_token_bytes(tokenizer) if tokenizer is not None else 0
+        self.encoder = encoder or (PromptEncoder(tokenizer) if tokenizer is not None else None)
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         try:
             text_ids = None
-            if request.WhichOneof("prompt") == "text" and request.text and self.tokenizer is not None:
-                # On the event loop: the tokenizer holds the GIL while it encodes (a thread does not
-                # help), so a text too large for the context is refused by its size first.
-                text_ids = encode_prompt(request.text, self.tokenizer, self.router.limits, self.token_bytes)
+            if request.WhichOneof("prompt") == "text" and request.text and self.encoder is not None:
+                check_text_size(request.text, self.router.limits, self.token_bytes)
+                try:   # a long text in the encoder's worker process: the other streams go on meanwhile
+                    text_ids = await self.encoder.encode(request.text)
+                except Exception as exc:  # noqa: BLE001 - the tokenizer's own error type
+                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt text cannot be tokenized: {exc}") from None
             req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids)
             self.router.submit(req)
         except ServiceError as exc:
@@ -71,11 +75,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return self.info
 
 
+def tokenizer_file(path: str) -> Path:
+    """`path` itself, or its tokenizer.json where it is a directory."""
+    p = Path(path)
+    return p / "tokenizer.json" if p.is_dir() else p
+
+
 def load_tokenizer(path: str) -> Tokenizer | None:
     """`path` is a tokenizer.json or a directory holding one; None when absent (token-id prompts only)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "tokenizer.json"
+    p = tokenizer_file(path)
     if not p.is_file():
         return None
     return Tokenizer.from_file(str(p))
@@ -89,6 +97,7 @@ async def serve(settings: SchedulerSettings) -> None:
     info.default_budget = settings.default_budget
     info.max_budget = MAX_BUDGET
     tokenizer = load_tokenizer(settings.tokenizer_path)
+    encoder = PromptEncoder(tokenizer, str(tokenizer_file(settings.tokenizer_path))) if tokenizer is not None else None
     log.info("model_info", vocab_size=info.vocab_size, max_context=info.max_context, block_size=info.block_size,
              kv_capacity_tokens=info.kv_capacity_tokens, transport=info.transport,
              tokenizer=settings.tokenizer_path if tokenizer else None,
@@ -96,7 +105,7 @@ async def serve(settings: SchedulerSettings) -> None:
     interceptors = [BearerTokenInterceptor(settings.auth_token)] if settings.auth_token else []
     server, health = new_server([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name], interceptors,
                                 max_receive_bytes=settings.max_request_bytes)
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(settings, router, info, tokenizer), server)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(settings, router, info, tokenizer, encoder), server)
     address = f"{settings.host}:{settings.port}"
     if settings.tls_cert:
         port = server.add_secure_port(address, server_credentials(settings.tls_cert, settings.tls_key))
@@ -109,3 +118,5 @@ async def serve(settings: SchedulerSettings) -> None:
         await serve_until_signal(server, health)
     finally:
         await router.stop()
+        if encoder is not None:
+            encoder.close()

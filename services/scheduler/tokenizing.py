@@ -1,0 +1,64 @@
+"""Text prompts tokenized beside the scheduler's event loop, not on it.
+
+Why: the `tokenizers` library keeps the GIL while it encodes, so a long text held every stream the
+scheduler serves for as long as it took (460 KB: 0.7 s on the CI machine; a thread does not help).
+A worker process encodes long texts; short ones, the common case, stay inline, where the round trip
+to a process would cost more than the encode itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from tokenizers import Tokenizer
+
+from services.common.logging import get_logger
+
+__all__ = ["INLINE_CHARS", "PromptEncoder"]
+
+INLINE_CHARS = 16384  # texts up to this long encode inline (a few ms at most)
+
+log = get_logger("scheduler")
+_worker: Tokenizer | None = None  # the worker process's own copy
+
+
+def _load(path: str) -> None:
+    global _worker
+    _worker = Tokenizer.from_file(path)
+
+
+def _encode(text: str) -> list[int]:
+    assert _worker is not None
+    return _worker.encode(text, add_special_tokens=False).ids
+
+
+class PromptEncoder:
+    """``encode(text)``: the text's token ids (no special tokens added), long texts in a worker
+    process started on first use from ``path`` (a tokenizer.json); without a path, all inline."""
+
+    def __init__(self, tokenizer: Tokenizer, path: str | None = None, inline_chars: int = INLINE_CHARS) -> None:
+        self.tokenizer = tokenizer
+        self.path = path
+        self.inline_chars = inline_chars
+        self._pool: ProcessPoolExecutor | None = None
+
+    async def encode(self, text: str) -> list[int]:
+        if self.path is None or len(text) <= self.inline_chars:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        if self._pool is None:  # spawn, not fork: this process runs gRPC's threads
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
+                                             initargs=(self.path,))
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, _encode, text)
+        except BrokenProcessPool as exc:  # the worker died: a new one next time, this text inline
+            log.warning("tokenizer_worker_lost", error=str(exc))
+            self._pool = None
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
