@@ -38,9 +38,12 @@ MAX_BUDGET = 128  # the largest tree budget any service accepts (DESIGN.md §5)
 TEMPERATURE_RANGE = (1e-6, 1e4)
 
 
+_TEMPERATURE_F32 = tuple(struct.unpack("f", struct.pack("f", x))[0] for x in TEMPERATURE_RANGE)  # the wire's float32 ends
+
+
 def temperature_ok(t: float) -> bool:
     """0 (greedy), or within ``TEMPERATURE_RANGE`` with its ends as the wire's float32 holds them."""
-    lo, hi = (struct.unpack("f", struct.pack("f", x))[0] for x in TEMPERATURE_RANGE)
+    lo, hi = _TEMPERATURE_F32
     return t == 0 or lo <= t <= hi  # NaN fails both
 
 

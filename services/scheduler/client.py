@@ -73,52 +73,39 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, tempera
     `stop` is one string or several. Raises `ClientError` (INVALID_ARGUMENT) naming the argument
     that cannot be sent: a value outside its wire type's range, a non-integer token id, text that
     is not valid Unicode."""
-    invalid = grpc.StatusCode.INVALID_ARGUMENT
     if mode not in _MODES:
-        raise ClientError(invalid, f"mode must be 'ddtree' or 'autoregressive', not {mode!r}")
+        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"mode must be 'ddtree' or 'autoregressive', not {mode!r}")
     stops = [stop] if isinstance(stop, str) else list(stop)
-    for name, ids in (("prompt", [] if isinstance(prompt, str) else prompt), ("stop_token_ids", stop_token_ids)):
-        bad = next((t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+    texts = [prompt] if isinstance(prompt, str) else []
+    ids = [] if isinstance(prompt, str) else prompt
+    for name, values in (("prompt", ids), ("stop_token_ids", stop_token_ids)):
+        bad = next((t for t in values if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
         if bad is not None:
-            raise ClientError(invalid, f"{name}: token ids must be integers, got {bad!r}")
-    fields = (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed), ("max_tokens", max_tokens),
-              ("budget", budget), ("request_id", request_id), ("stop", stops), ("stop_token_ids", stop_token_ids),
-              ("prompt", prompt))
-    try:
-        sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
-        if seed is not None:
-            sampling.seed = seed
-        req = scheduler_pb2.GenerateRequest(request_id=request_id, sampling=sampling, max_tokens=max_tokens,
-                                            stop=stops, stop_token_ids=[int(t) for t in stop_token_ids], budget=budget,
-                                            mode=_MODES[mode], ignore_eos=ignore_eos)
-        if isinstance(prompt, str):
-            req.text = prompt
-        else:
-            req.token_ids.ids.extend(int(t) for t in prompt)
-        req.SerializeToString()  # text that is not valid Unicode fails here, not inside gRPC
-    except (ValueError, TypeError) as exc:
-        raise ClientError(invalid, f"cannot send this request ({_culprit(fields)}): {exc}") from None
+            raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: token ids must be integers, got {bad!r}")
+    req = scheduler_pb2.GenerateRequest(mode=_MODES[mode], ignore_eos=ignore_eos)
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+        if value is not None:
+            _put(name, setattr, req.sampling, name, value)
+    for name, value in (("max_tokens", max_tokens), ("budget", budget), ("request_id", request_id)):
+        _put(name, setattr, req, name, value)
+    _put("stop", req.stop.extend, stops)
+    _put("stop_token_ids", req.stop_token_ids.extend, [int(t) for t in stop_token_ids])
+    if texts:
+        _put("prompt", setattr, req, "text", prompt)
+    else:
+        _put("prompt", req.token_ids.ids.extend, [int(t) for t in ids])
+    for name, strings in (("request_id", [request_id]), ("stop", stops), ("prompt", texts)):
+        for s in strings:  # text that is not valid Unicode would fail inside gRPC, unnamed
+            _put(name, s.encode, "utf-8")
     return req
 
 
-def _culprit(fields: tuple) -> str:
-    """The first argument that protobuf refuses alone: what the error message should name."""
-    for name, value in fields:
-        try:
-            if name in ("temperature", "top_p", "top_k", "seed"):
-                common_pb2.SamplingParams(**{name: value})
-            elif name == "prompt":
-                m = scheduler_pb2.GenerateRequest()
-                if isinstance(value, str):
-                    m.text = value
-                else:
-                    m.token_ids.ids.extend(int(t) for t in value)
-                m.SerializeToString()
-            else:
-                scheduler_pb2.GenerateRequest(**{name: value}).SerializeToString()
-        except (ValueError, TypeError):
-            return name
-    return "its arguments"
+def _put(name: str, fn, *args) -> None:
+    """``fn(*args)``, one argument's way into the message; what protobuf refuses names that argument."""
+    try:
+        fn(*args)
+    except (ValueError, TypeError) as exc:
+        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot send this request ({name}): {exc}") from None
 
 
 def _chunk(msg: scheduler_pb2.GenerateResponse) -> Chunk:
