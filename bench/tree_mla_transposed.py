@@ -29,7 +29,7 @@ from kernels.tree_mla import tree_mla_reference
 from kernels.tree_mla_hopper import tree_mla_hopper
 
 HEADS = 8
-SHAPES = [(b, c, n) for n in (9, 17, 33) for b in (1, 8, 32, 128) for c in (1024, 4096, 16384)]
+SHAPES = [(b, c, n) for n in (8, 9, 17, 33) for b in (1, 8, 32, 128) for c in (1024, 4096, 16384)]
 CHECKS = [  # (context per request, nodes, heads, page_size, page stride padded by one token)
     ([1000, 37, 0, 4099], 9, 8, 64, False),
     ([300, 5000], 9, 8, 16, False),

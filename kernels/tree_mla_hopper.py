@@ -991,12 +991,12 @@ def tree_mla_hopper(
     if transposed is None:
         transposed = False
     if transposed and not few and trace is None and (kvr, rope) == TRANSPOSED_DIMS:
-        t_groups = -(-rows // (T_MAIN + T_TAIL))
+        t_groups = -(-rows // T_MAIN)
         if num_splits is None:
             num_splits = choose_splits(R, t_groups, rows, max_prefix, kvr, rope, sms)
         o_part, lse_part = split_partials(out, num_splits, 1)
         _launch_transposed(q_latent, q_pe, kv_cache, new_kv, meta, softmax_scale * _LOG2E, out, o_part, lse_part,
-                           num_splits, t_groups)
+                           num_splits, t_groups, 0)
         merge_splits(o_part, lse_part, out, num_splits, 1, after_ctas=t_groups * num_splits * R)
         return out
     groups = -(-rows // FEW_ROWS)
@@ -1126,8 +1126,8 @@ def _launch_few_rows(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: T
 
 def _launch_transposed(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Tensor,
                        meta: TreeAttentionDeviceMetadata, scale_log2: float, out: Tensor, o_part: Tensor,
-                       lse_part: Tensor, num_splits: int, groups: int) -> None:
-    """Every request's rows on the transposed kernel: a CTA a (``T_MAIN + T_TAIL`` rows, split, request)."""
+                       lse_part: Tensor, num_splits: int, groups: int, tail: int) -> None:
+    """Every request's rows on the transposed kernel: a CTA a (``T_MAIN + tail`` rows, split, request)."""
     N, H, kvr = q_latent.shape
     rope = q_pe.shape[-1]
     _, page_size, _ = kv_cache.shape
@@ -1147,6 +1147,6 @@ def _launch_transposed(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv:
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
         H, page_size, N * H, num_splits, scale_log2,
-        KVR=kvr, ROPE=rope, TAIL=T_TAIL, DIRECT=num_splits == 1, TMA_ROWS=tma_rows, CONSUMER_REGS=CONSUMER_REGS,
+        KVR=kvr, ROPE=rope, TAIL=tail, DIRECT=num_splits == 1, TMA_ROWS=tma_rows, CONSUMER_REGS=CONSUMER_REGS,
         REGS_SHIFT=0, **smem, PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
