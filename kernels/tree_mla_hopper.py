@@ -693,11 +693,11 @@ if gluon is not None:
         LAT_LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [LOADER_WARPS, 1], [1, 0])
         PE_LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROPE // 8), ROPE // 8], [LOADER_WARPS, 1], [1, 0])
         for c in gl.static_range(_T_MAIN // _COPY_ROWS):
-            _copy_q_rows(q_lat.slice(c * _COPY_ROWS, _COPY_ROWS), q_pe.slice(c * _COPY_ROWS, _COPY_ROWS),
+            _copy_q_rows(q_lat.index(0).slice(c * _COPY_ROWS, _COPY_ROWS), q_pe.index(0).slice(c * _COPY_ROWS, _COPY_ROWS),
                          row0 + c * _COPY_ROWS, _COPY_ROWS, q_lat_ptr, q_pe_ptr, q_start, rows, num_heads,
                          stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, _COPY_ROWS, KVR, ROPE, LAT_LD, PE_LD)
         if TAIL > 0:
-            _copy_q_rows(q_tail, q_tail_pe, row0 + _T_MAIN, TAIL, q_lat_ptr, q_pe_ptr, q_start, rows, num_heads,
+            _copy_q_rows(q_tail.index(0), q_tail_pe.index(0), row0 + _T_MAIN, TAIL, q_lat_ptr, q_pe_ptr, q_start, rows, num_heads,
                          stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, TAIL, KVR, ROPE, LAT_LD, PE_LD)
         cp.mbarrier_arrive(q_ready, increment_count=False)
         for t in range(n_total):
@@ -808,8 +808,6 @@ if gluon is not None:
         cols = row0 + ROLE * RN + gl.arange(0, RN, layout=COL)
         col_ok = cols < rows
         node_off = (q_start + cols // num_heads) * stride_anc_n
-        q_lat_w = q_lat.slice(ROLE * RN, RN)
-        q_pe_w = q_pe.slice(ROLE * RN, RN)
         acc0 = gl.zeros([DQ, RN], gl.float32, layout=S_L)
         acc1 = gl.zeros([DQ, RN], gl.float32, layout=S_L)
         acc2 = gl.zeros([DQ, RN], gl.float32, layout=S_L)
@@ -832,9 +830,14 @@ if gluon is not None:
             k_lat_t = k_lat.index(st)
             k_pe_t = k_pe.index(st)
             mbarrier.wait(kv_ready.index(st), phase)
-            s = _t_logits(k_lat_t, k_pe_t, q_lat_w, q_pe_w, RN, S_L)
+            # q read through an index the compiler cannot prove is 0: with a constant one it computes
+            # the 36 wgmma descriptors of q once, before the loop, and holds them in 72 registers,
+            # which pushes the accumulators to local memory around every tile's logits.
+            fresh = t // (n_total + 1)
+            s = _t_logits(k_lat_t, k_pe_t, q_lat.index(fresh).slice(ROLE * RN, RN), q_pe.index(fresh).slice(ROLE * RN, RN),
+                          RN, S_L)
             if ROLE == 0 and TAIL > 0:
-                s_t = _t_logits(k_lat_t, k_pe_t, q_tail, q_tail_pe, TN, S_T)
+                s_t = _t_logits(k_lat_t, k_pe_t, q_tail.index(fresh), q_tail_pe.index(fresh), TN, S_T)
                 s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             mbarrier.arrive(pe_done.index(st))  # this warpgroup is done with the tile's rope rows
@@ -895,10 +898,11 @@ if gluon is not None:
         if row0 < rows:
             lo, hi, n_prefix, n_total = _split_range(prefix_len, split, num_splits, n_nodes, _FEW_KEYS)
             TN: gl.constexpr = TAIL if TAIL > 0 else 8
-            q_lat = gl.allocate_shared_memory(dtype, [_T_MAIN, KVR], Q_LAT_SMEM)
-            q_pe = gl.allocate_shared_memory(dtype, [_T_MAIN, ROPE], Q_PE_SMEM)
-            q_tail = gl.allocate_shared_memory(dtype, [TN, KVR], QT_LAT_SMEM)
-            q_tail_pe = gl.allocate_shared_memory(dtype, [TN, ROPE], QT_PE_SMEM)
+            # q's buffers have a leading dim of 1 for the consumers' loop-variant index (``_t_consumer``)
+            q_lat = gl.allocate_shared_memory(dtype, [1, _T_MAIN, KVR], Q_LAT_SMEM)
+            q_pe = gl.allocate_shared_memory(dtype, [1, _T_MAIN, ROPE], Q_PE_SMEM)
+            q_tail = gl.allocate_shared_memory(dtype, [1, TN, KVR], QT_LAT_SMEM)
+            q_tail_pe = gl.allocate_shared_memory(dtype, [1, TN, ROPE], QT_PE_SMEM)
             k_lat = gl.allocate_shared_memory(dtype, [2, _FEW_KEYS, KVR], K_LAT_SMEM)
             k_pe = gl.allocate_shared_memory(dtype, [2, _FEW_KEYS, ROPE], K_PE_SMEM)
             p_tail = gl.allocate_shared_memory(dtype, [TN, _FEW_KEYS], PT_SMEM)
