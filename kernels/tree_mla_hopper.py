@@ -790,16 +790,16 @@ if gluon is not None:
             gl.store(lse_part_ptr + split.to(gl.int64) * total_rows + flat, lse, mask=col_ok)
 
     @gluon.jit
-    def _t_consumer(q_lat, q_pe, q_tail, q_tail_pe, k_lat, k_pe, p_tail, q_ready, kv_ready, kv_free, pe_done,
+    def _t_consumer(q_lat, q_pe, q_tail, q_tail_pe, k_lat, k_pe, p_tail, p_own, q_ready, kv_ready, kv_free, pe_done,
                     anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                     q_start, row0, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
                     total_rows, stride_anc_n, scale_log2,
                     ROLE: gl.constexpr, KVR: gl.constexpr, TAIL: gl.constexpr, DIRECT: gl.constexpr):
         """One warpgroup of the transposed kernel: CTA rows ``[ROLE * 32, ROLE * 32 + 32)`` (and, ROLE 0,
         the ``TAIL`` rows past 64) as the N side of ``S^T = K Q^T`` and ``O^T += V^T P^T``, the keys
-        on the M side. P^T goes to shared memory (the product's B operand) in the tile's own rope
-        rows, which both warpgroups have read once ``pe_done`` completes: q and two 64-key slots
-        leave no room for a P buffer."""
+        on the M side. P^T goes to shared memory (the product's B operand): its own buffer
+        (``p_own``) where there is no tail, else the tile's own rope rows, which both warpgroups have
+        read once ``pe_done`` completes (q's 72 rows and two 64-key slots leave no room for one)."""
         RN: gl.constexpr = _T_MAIN // 2
         DQ: gl.constexpr = KVR // 4
         dtype: gl.constexpr = q_lat.dtype
@@ -840,15 +840,19 @@ if gluon is not None:
                 s_t = _t_logits(k_lat_t, k_pe_t, q_tail.index(fresh), q_tail_pe.index(fresh), TN, S_T)
                 s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            mbarrier.arrive(pe_done.index(st))  # this warpgroup is done with the tile's rope rows
+            if TAIL > 0:
+                mbarrier.arrive(pe_done.index(st))  # this warpgroup is done with the tile's rope rows
             m_i, l_i, p, alpha = _t_softmax(s, t, m_i, l_i, n_prefix, lo, hi, n_nodes, anc_bits_ptr, node_off, col_ok,
                                             scale_log2, S_L)
             if ROLE == 0 and TAIL > 0:
                 m_t, l_t, p_t, alpha_t = _t_softmax(s_t, t, m_t, l_t, n_prefix, lo, hi, n_nodes, anc_bits_ptr, node_off_t,
                                                     col_ok_t, scale_log2, S_T)
                 p_tail.store(gl.permute(p_t.to(dtype), [1, 0]))
-            p_buf = k_pe_t.slice(ROLE * RN, RN)
-            mbarrier.wait(pe_done.index(st), phase)  # ... and so is the other: its rope rows may take P
+            if TAIL > 0:  # P in the tile's rope rows, once the other warpgroup is done with them too
+                p_buf = k_pe_t.slice(ROLE * RN, RN)
+                mbarrier.wait(pe_done.index(st), phase)
+            else:  # a P buffer of its own: the warpgroups need not wait for each other
+                p_buf = p_own.slice(ROLE * RN, RN)
             p_buf.store(gl.permute(p.to(dtype), [1, 0]))
             fence_async_shared()
             _cta_barrier()  # every thread's part of P is in place before the product reads it
@@ -880,7 +884,7 @@ if gluon is not None:
         KVR: gl.constexpr, ROPE: gl.constexpr, TAIL: gl.constexpr, DIRECT: gl.constexpr, TMA_ROWS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, REGS_SHIFT: gl.constexpr,
         Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, QT_LAT_SMEM: gl.constexpr, QT_PE_SMEM: gl.constexpr,
-        K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr, PT_SMEM: gl.constexpr, PDL: gl.constexpr,
+        K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr, PT_SMEM: gl.constexpr, PO_SMEM: gl.constexpr, PDL: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """``64 + TAIL`` rows of one request, one split a CTA, the products transposed as in the few-row
@@ -906,6 +910,7 @@ if gluon is not None:
             k_lat = gl.allocate_shared_memory(dtype, [2, _FEW_KEYS, KVR], K_LAT_SMEM)
             k_pe = gl.allocate_shared_memory(dtype, [2, _FEW_KEYS, ROPE], K_PE_SMEM)
             p_tail = gl.allocate_shared_memory(dtype, [TN, _FEW_KEYS], PT_SMEM)
+            p_own = gl.allocate_shared_memory(dtype, [_T_MAIN if TAIL == 0 else 8, _FEW_KEYS], PO_SMEM)
             q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -923,11 +928,11 @@ if gluon is not None:
                              n_prefix, n_total, lo, hi, n_nodes, page_size,
                              stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
                              stride_new_n, KVR, ROPE, TAIL, TMA_ROWS, num_warps)),
-                (_t_consumer, (q_lat, q_pe, q_tail, q_tail_pe, k_lat, k_pe, p_tail, q_ready, kv_ready, kv_free, pe_done,
+                (_t_consumer, (q_lat, q_pe, q_tail, q_tail_pe, k_lat, k_pe, p_tail, p_own, q_ready, kv_ready, kv_free, pe_done,
                                anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                                q_start, row0, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
                                total_rows, stride_anc_n, scale_log2, 0, KVR, TAIL, DIRECT)),
-                (_t_consumer, (q_lat, q_pe, q_tail, q_tail_pe, k_lat, k_pe, p_tail, q_ready, kv_ready, kv_free, pe_done,
+                (_t_consumer, (q_lat, q_pe, q_tail, q_tail_pe, k_lat, k_pe, p_tail, p_own, q_ready, kv_ready, kv_free, pe_done,
                                anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
                                q_start, row0, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
                                total_rows, stride_anc_n, scale_log2, 1, KVR, TAIL, DIRECT)),
@@ -1141,6 +1146,7 @@ def _launch_transposed(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv:
         "Q_LAT_SMEM": nvmma([T_MAIN, kvr]), "Q_PE_SMEM": nvmma([T_MAIN, rope]),
         "QT_LAT_SMEM": nvmma([T_TAIL, kvr]), "QT_PE_SMEM": nvmma([T_TAIL, rope]),
         "K_LAT_SMEM": nvmma([FEW_KEYS, kvr]), "K_PE_SMEM": nvmma([FEW_KEYS, rope]), "PT_SMEM": nvmma([T_TAIL, FEW_KEYS]),
+        "PO_SMEM": nvmma([T_MAIN if tail == 0 else 8, FEW_KEYS]),
     }
     tma_rows, lat_desc, pe_desc = _key_descriptors(kv_cache, kvr, FEW_KEYS, smem)
     use_pdl = pdl.enabled(q_latent.device)
