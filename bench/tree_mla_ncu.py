@@ -47,9 +47,8 @@ METRICS = [
 ] + stall_metrics(STALLS)
 
 
-def target(batch: int, context: int, nodes: int, transposed: bool = False) -> None:
-    """The profiled process: three calls, the third in the NVTX range ``third`` (``transposed``: that
-    kernel, ``tree_mla_hopper(transposed=True)``)."""
+def target(batch: int, context: int, nodes: int) -> None:
+    """The profiled process: three calls, the third in the NVTX range ``third``."""
     import torch
 
     from bench.tree_mla_bench import Case
@@ -59,7 +58,7 @@ def target(batch: int, context: int, nodes: int, transposed: bool = False) -> No
     for i in range(3):
         if i == 2:
             torch.cuda.nvtx.range_push("third")
-        tree_mla_hopper(*case.args(), transposed=transposed)
+        tree_mla_hopper(*case.args())
         if i == 2:
             torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
@@ -69,14 +68,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", nargs=3, type=int, metavar=("BATCH", "CONTEXT", "NODES"), help=argparse.SUPPRESS)
     ap.add_argument("--ncu", default="ncu")
-    ap.add_argument("--transposed", action="store_true", help="profile tree_mla_hopper(transposed=True)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default="bench/results/tree_mla_ncu.json")
     ap.add_argument("--points", nargs="+", default=None, metavar="B,C,N",
                     help="batch,context,nodes triples (default: batch 32 x 4096, trees 8/9/17/33)")
     args = ap.parse_args()
     if args.target:
-        target(*args.target, transposed=args.transposed)
+        target(*args.target)
         return
     from bench.common import write_result
 
@@ -84,13 +82,12 @@ def main() -> None:
     rows = []
     for batch, context, nodes in points:
         cmd = [sys.executable, "-m", "bench.tree_mla_ncu", "--target", str(batch), str(context), str(nodes)]
-        cmd += ["--transposed"] if args.transposed else []
         for rec in profile(args.ncu, cmd, METRICS, nvtx_include="third/"):
             rows.append(dict(batch=batch, context=context, tree_nodes=nodes, heads=HEADS, rows=nodes * HEADS, **rec))
             print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith(".unit")}), flush=True)
     write_result(
         args.out, args.commit,
-        dict(points=[list(p) for p in points], heads=HEADS, kernel="transposed" if args.transposed else "served", page_size=64, splits="the kernel's default (choose_splits)",
+        dict(points=[list(p) for p in points], heads=HEADS, page_size=64, splits="the kernel's default (choose_splits)",
              launches="the third tree_mla_hopper call: the split kernel, then the merge where there are splits",
              stalls="smsp__average_warp_latency_issue_stalled_*.ratio: cycles a warp spent in that state per issued "
                     "instruction, over all warps (loader and consumers)",

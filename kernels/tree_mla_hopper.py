@@ -48,7 +48,10 @@ removed: the last few rows of a tree (72 = 64 + 8) on the few-row kernel after o
 64-row launch, which re-read every key from HBM and lost at every shape
 (``bench/results/tree_mla_tails-ef8089e.json``); and the same rows attended by the 64-row CTA's
 loader warpgroup, which was correct but 0.48-0.93x, since the ~120 registers it needs leave the
-consumers 176 instead of 224 (``bench/results/tree_mla_tail_ablate-f2c2d20.json``).
+consumers 176 instead of 224 (``bench/results/tree_mla_tail_ablate-f2c2d20.json``); and the
+transposed products for whole requests (64 rows a CTA on two warpgroups, two 64-key ring slots):
+0.80-0.84x at every shape measured, and no shared memory left on Triton 3.6 for tree 9's last 8
+rows (``bench/results/tree_mla_transposed-f601eeb.json``, BENCHMARKS.md).
 
 The CPU has no Gluon: the CPU path and every CPU test use ``tree_mla_reference`` / the Triton kernel
 under the interpreter; ``tests/test_tree_mla_hopper.py`` builds both kernels for sm_90, and
@@ -88,9 +91,6 @@ __all__ = [
 BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
 FEW_ROWS = 16  # query rows a few-row CTA (the wgmma N side of its transposed products)
 FEW_KEYS = 64  # keys a few-row tile (the wgmma M side)
-T_MAIN = 64  # rows a transposed CTA splits between its two warpgroups (32 each), past which ``T_TAIL`` more go
-TRANSPOSED_DIMS = (512, 64)  # the transposed kernel's latent + rope dims: P takes the tile's 64 rope rows
-T_TAIL = 8  # rows past ``T_MAIN`` a transposed CTA takes (warpgroup 0): a 9-node tree at 8 heads is 72
 FEW_ROWS_MAX_TILES = 8  # key tiles a few-row CTA may walk where a request's rows take more than one CTA
 TRACE_EVENTS = 8  # stamps a trace slot holds (``tree_mla_hopper(trace=...)``)
 CONSUMER_REGS = 224  # registers of each consumer warpgroup; the loader gets the rest (232: 1-3% slower, H200)
@@ -166,7 +166,6 @@ if gluon is not None:
     _EVENTS = gl.constexpr(TRACE_EVENTS)
     _FEW_ROWS = gl.constexpr(FEW_ROWS)
     _FEW_KEYS = gl.constexpr(FEW_KEYS)
-    _T_MAIN = gl.constexpr(T_MAIN)
 
     @gluon.jit
     def _trace(trace_ptr, slot, event, ok, TRACE: gl.constexpr, WALL: gl.constexpr = False):
@@ -662,282 +661,6 @@ if gluon is not None:
                 lse_at = split.to(gl.int64) * total_rows + q_start.to(gl.int64) * num_heads + offs_n
                 gl.store(lse_part_ptr + lse_at, lse, mask=row_ok)
 
-    @gluon.jit
-    def _copy_q_rows(lat_buf, pe_buf, first, n_rows, q_lat_ptr, q_pe_ptr, q_start, rows, num_heads,
-                     stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, N_ROWS: gl.constexpr,
-                     KVR: gl.constexpr, ROPE: gl.constexpr, LAT_LD: gl.constexpr, PE_LD: gl.constexpr):
-        """cp.async request rows ``[first, first + N_ROWS)`` of q into ``lat_buf`` / ``pe_buf``; row i is
-        node i // H, head i % H, and rows past the request (or past ``n_rows``) read as 0."""
-        offs = first + gl.arange(0, N_ROWS, layout=gl.SliceLayout(1, LAT_LD))
-        tok = (q_start + offs // num_heads).to(gl.int64)
-        cols = gl.arange(0, KVR, layout=gl.SliceLayout(0, LAT_LD))
-        ok = (offs < rows) & (offs < first + n_rows)
-        _cp_async(lat_buf, q_lat_ptr + (tok * stride_ql_n + (offs % num_heads) * stride_ql_h)[:, None] + cols[None, :],
-                  mask=ok[:, None])
-        offs_p = first + gl.arange(0, N_ROWS, layout=gl.SliceLayout(1, PE_LD))
-        tok_p = (q_start + offs_p // num_heads).to(gl.int64)
-        cols_pe = gl.arange(0, ROPE, layout=gl.SliceLayout(0, PE_LD))
-        ok_p = (offs_p < rows) & (offs_p < first + n_rows)
-        _cp_async(pe_buf, q_pe_ptr + (tok_p * stride_qp_n + (offs_p % num_heads) * stride_qp_h)[:, None] + cols_pe[None, :],
-                  mask=ok_p[:, None])
-
-    @gluon.jit
-    def _t_loader(q_lat, q_pe, q_tail, q_tail_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
-                  q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, row0, rows, num_heads,
-                  n_prefix, n_total, lo, hi, n_nodes, page_size,
-                  stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok, stride_new_n,
-                  KVR: gl.constexpr, ROPE: gl.constexpr, TAIL: gl.constexpr, TMA_ROWS: gl.constexpr,
-                  LOADER_WARPS: gl.constexpr):
-        """The transposed kernel's loader: the CTA's q rows once, then every 64-key tile into a ring of
-        two slots, each refilled once both warpgroups are done with it."""
-        LAT_LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [LOADER_WARPS, 1], [1, 0])
-        PE_LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROPE // 8), ROPE // 8], [LOADER_WARPS, 1], [1, 0])
-        for c in gl.static_range(_T_MAIN // _COPY_ROWS):
-            _copy_q_rows(q_lat.index(0).slice(c * _COPY_ROWS, _COPY_ROWS), q_pe.index(0).slice(c * _COPY_ROWS, _COPY_ROWS),
-                         row0 + c * _COPY_ROWS, _COPY_ROWS, q_lat_ptr, q_pe_ptr, q_start, rows, num_heads,
-                         stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, _COPY_ROWS, KVR, ROPE, LAT_LD, PE_LD)
-        if TAIL > 0:
-            _copy_q_rows(q_tail.index(0), q_tail_pe.index(0), row0 + _T_MAIN, TAIL, q_lat_ptr, q_pe_ptr, q_start, rows, num_heads,
-                         stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, TAIL, KVR, ROPE, LAT_LD, PE_LD)
-        cp.mbarrier_arrive(q_ready, increment_count=False)
-        for t in range(n_total):
-            st = t % 2
-            mbarrier.wait(kv_free.index(st), ((t // 2) & 1) ^ 1)
-            _issue_key_tile(k_lat.index(st), k_pe.index(st), kv_ready.index(st), t, n_prefix, lo, hi, n_nodes, pt_row,
-                            page_size, kv_ptr, new_kv_ptr, q_start, stride_kv_page, stride_kv_tok, stride_new_n,
-                            lat_desc, pe_desc, KVR, ROPE, _FEW_KEYS, TMA_ROWS, LAT_LD, PE_LD)
-        cp.commit_group()
-        cp.wait_group(0)
-
-    @gluon.jit
-    def _t_logits(k_lat_t, k_pe_t, q_lat_b, q_pe_b, RN: gl.constexpr, LAYOUT: gl.constexpr):
-        """Issue ``S^T = K Q^T`` ``[64 keys, RN rows]`` for one resident tile (async; the caller waits)."""
-        s = gl.zeros([_FEW_KEYS, RN], gl.float32, layout=LAYOUT)
-        s = warpgroup_mma(k_lat_t, q_lat_b.permute((1, 0)), s, use_acc=False, is_async=True)
-        return warpgroup_mma(k_pe_t, q_pe_b.permute((1, 0)), s, is_async=True)
-
-    @gluon.jit
-    def _t_softmax(s, t, m_i, l_i, n_prefix, lo, hi, n_nodes, bits_ptr, node_off, col_ok, scale_log2,
-                   LAYOUT: gl.constexpr):
-        """Tile t's softmax down each column of ``S^T`` (one query row a column): the new max and sum,
-        P and the rescale of what came before."""
-        BN: gl.constexpr = _FEW_KEYS
-        offs_k = gl.arange(0, BN, layout=gl.SliceLayout(1, LAYOUT))
-        if t < n_prefix:  # prefix keys past the split's end are masked
-            s = gl.where(((lo + t * BN + offs_k) < hi)[:, None], s * scale_log2, float("-inf"))
-        else:  # the tree's own keys: visible where the row's node has the key's ancestor bit (two words a column)
-            w0 = (t - n_prefix) * (BN // 32)
-            lo_w = gl.load(bits_ptr + node_off + w0, mask=col_ok & (w0 * 32 < n_nodes), other=0)
-            hi_w = gl.load(bits_ptr + node_off + w0 + 1, mask=col_ok & ((w0 + 1) * 32 < n_nodes), other=0)
-            word = gl.where((offs_k < 32)[:, None], lo_w[None, :], hi_w[None, :])
-            seen = (((word >> (offs_k % 32)[:, None]) & 1) != 0) & ((w0 * 32 + offs_k) < n_nodes)[:, None]
-            s = gl.where(seen, s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # columns that saw no key yet stay finite
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[None, :])
-        return m_new, l_i * alpha + gl.sum(p, 0), p, alpha
-
-    @gluon.jit
-    def _t_pv(k_lat_t, p_buf, acc0, acc1, acc2, acc3, alpha, KVR: gl.constexpr):
-        """Issue ``O^T += V^T P^T`` for one tile, the value dims in four accumulators (async; the caller
-        waits): four quarter-size stores at the end need far fewer registers than one."""
-        DQ: gl.constexpr = KVR // 4
-        p_op = p_buf.permute((1, 0))
-        acc0 = warpgroup_mma(k_lat_t.slice(0, DQ, dim=1).permute((1, 0)), p_op, acc0 * alpha[None, :], is_async=True)
-        acc1 = warpgroup_mma(k_lat_t.slice(DQ, DQ, dim=1).permute((1, 0)), p_op, acc1 * alpha[None, :], is_async=True)
-        acc2 = warpgroup_mma(k_lat_t.slice(2 * DQ, DQ, dim=1).permute((1, 0)), p_op, acc2 * alpha[None, :], is_async=True)
-        acc3 = warpgroup_mma(k_lat_t.slice(3 * DQ, DQ, dim=1).permute((1, 0)), p_op, acc3 * alpha[None, :], is_async=True)
-        return acc0, acc1, acc2, acc3
-
-    @gluon.jit
-    def _t_wait(acc0, acc1, acc2, acc3):
-        """Wait for ``_t_pv``'s products (all of them: one wait would do; one a dependency keeps each live)."""
-        acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc3,))
-        acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc2,))
-        acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
-        acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
-        return acc0, acc1, acc2, acc3
-
-    @gluon.jit
-    def _t_store(acc, d0, l_safe, flat, col_ok, out_ptr, o_part_ptr, split, total_rows,
-                 KVR: gl.constexpr, DIRECT: gl.constexpr, LAYOUT: gl.constexpr):
-        """``out[row, d0 + i] = acc[i, col] / l``: the output itself (one split) or the split's float32
-        partial, straight from the accumulator's registers (no shared memory is left for a layout
-        change)."""
-        o = acc / l_safe[None, :]
-        d = d0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, LAYOUT))
-        ok = gl.full(acc.shape, 1, gl.int1, layout=LAYOUT) & col_ok[None, :]
-        if DIRECT:
-            gl.store(out_ptr + flat[None, :] * KVR + d[:, None], o.to(out_ptr.dtype.element_ty), mask=ok)
-        else:
-            part = split.to(gl.int64) * total_rows + flat
-            gl.store(o_part_ptr + part[None, :] * KVR + d[:, None], o, mask=ok)
-
-    @gluon.jit
-    def _t_finish(acc0, acc1, acc2, acc3, m_i, l_i, cols, col_ok, out_ptr, o_part_ptr, lse_part_ptr, q_start, split,
-                  num_heads, total_rows, KVR: gl.constexpr, DIRECT: gl.constexpr, LAYOUT: gl.constexpr):
-        """This warpgroup's columns of the output, and (several splits) their log-sum-exps for the merge."""
-        DQ: gl.constexpr = KVR // 4
-        l_safe = gl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
-        flat = q_start.to(gl.int64) * num_heads + cols
-        _t_store(acc0, 0, l_safe, flat, col_ok, out_ptr, o_part_ptr, split, total_rows, KVR, DIRECT, LAYOUT)
-        _t_store(acc1, DQ, l_safe, flat, col_ok, out_ptr, o_part_ptr, split, total_rows, KVR, DIRECT, LAYOUT)
-        _t_store(acc2, 2 * DQ, l_safe, flat, col_ok, out_ptr, o_part_ptr, split, total_rows, KVR, DIRECT, LAYOUT)
-        _t_store(acc3, 3 * DQ, l_safe, flat, col_ok, out_ptr, o_part_ptr, split, total_rows, KVR, DIRECT, LAYOUT)
-        if not DIRECT:
-            lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
-            gl.store(lse_part_ptr + split.to(gl.int64) * total_rows + flat, lse, mask=col_ok)
-
-    @gluon.jit
-    def _t_consumer(q_lat, q_pe, q_tail, q_tail_pe, k_lat, k_pe, p_tail, p_own, q_ready, kv_ready, kv_free, pe_done,
-                    anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                    q_start, row0, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                    total_rows, stride_anc_n, scale_log2,
-                    ROLE: gl.constexpr, KVR: gl.constexpr, TAIL: gl.constexpr, DIRECT: gl.constexpr):
-        """One warpgroup of the transposed kernel: CTA rows ``[ROLE * 32, ROLE * 32 + 32)`` (and, ROLE 0,
-        the ``TAIL`` rows past 64) as the N side of ``S^T = K Q^T`` and ``O^T += V^T P^T``, the keys
-        on the M side. P^T goes to shared memory (the product's B operand): its own buffer
-        (``p_own``) where there is no tail, else the tile's own rope rows, which both warpgroups have
-        read once ``pe_done`` completes (q's 72 rows and two 64-key slots leave no room for one)."""
-        RN: gl.constexpr = _T_MAIN // 2
-        DQ: gl.constexpr = KVR // 4
-        dtype: gl.constexpr = q_lat.dtype
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, RN, 16])
-        COL: gl.constexpr = gl.SliceLayout(0, S_L)
-        cols = row0 + ROLE * RN + gl.arange(0, RN, layout=COL)
-        col_ok = cols < rows
-        node_off = (q_start + cols // num_heads) * stride_anc_n
-        acc0 = gl.zeros([DQ, RN], gl.float32, layout=S_L)
-        acc1 = gl.zeros([DQ, RN], gl.float32, layout=S_L)
-        acc2 = gl.zeros([DQ, RN], gl.float32, layout=S_L)
-        acc3 = gl.zeros([DQ, RN], gl.float32, layout=S_L)
-        m_i = gl.full([RN], float("-inf"), gl.float32, layout=COL)
-        l_i = gl.zeros([RN], gl.float32, layout=COL)
-        TN: gl.constexpr = TAIL if TAIL > 0 else 8
-        S_T: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TN, 16])
-        COL_T: gl.constexpr = gl.SliceLayout(0, S_T)
-        cols_t = row0 + _T_MAIN + gl.arange(0, TN, layout=COL_T)
-        col_ok_t = cols_t < rows
-        node_off_t = (q_start + cols_t // num_heads) * stride_anc_n
-        acc_t = gl.zeros([KVR, TN], gl.float32, layout=S_T)
-        m_t = gl.full([TN], float("-inf"), gl.float32, layout=COL_T)
-        l_t = gl.zeros([TN], gl.float32, layout=COL_T)
-        mbarrier.wait(q_ready, 0)
-        for t in range(n_total):
-            st = t % 2
-            phase = (t // 2) & 1
-            k_lat_t = k_lat.index(st)
-            k_pe_t = k_pe.index(st)
-            mbarrier.wait(kv_ready.index(st), phase)
-            # q read through an index the compiler cannot prove is 0: with a constant one it computes
-            # the 36 wgmma descriptors of q once, before the loop, and holds them in 72 registers,
-            # which pushes the accumulators to local memory around every tile's logits.
-            fresh = t // (n_total + 1)
-            s = _t_logits(k_lat_t, k_pe_t, q_lat.index(fresh).slice(ROLE * RN, RN), q_pe.index(fresh).slice(ROLE * RN, RN),
-                          RN, S_L)
-            if ROLE == 0 and TAIL > 0:
-                s_t = _t_logits(k_lat_t, k_pe_t, q_tail.index(fresh), q_tail_pe.index(fresh), TN, S_T)
-                s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            if TAIL > 0:
-                mbarrier.arrive(pe_done.index(st))  # this warpgroup is done with the tile's rope rows
-            m_i, l_i, p, alpha = _t_softmax(s, t, m_i, l_i, n_prefix, lo, hi, n_nodes, anc_bits_ptr, node_off, col_ok,
-                                            scale_log2, S_L)
-            if ROLE == 0 and TAIL > 0:
-                m_t, l_t, p_t, alpha_t = _t_softmax(s_t, t, m_t, l_t, n_prefix, lo, hi, n_nodes, anc_bits_ptr, node_off_t,
-                                                    col_ok_t, scale_log2, S_T)
-                p_tail.store(gl.permute(p_t.to(dtype), [1, 0]))
-            if TAIL > 0:  # P in the tile's rope rows, once the other warpgroup is done with them too
-                p_buf = k_pe_t.slice(ROLE * RN, RN)
-                mbarrier.wait(pe_done.index(st), phase)
-            else:  # a P buffer of its own: the warpgroups need not wait for each other
-                p_buf = p_own.slice(ROLE * RN, RN)
-            p_buf.store(gl.permute(p.to(dtype), [1, 0]))
-            fence_async_shared()
-            _cta_barrier()  # every thread's part of P is in place before the product reads it
-            acc0, acc1, acc2, acc3 = _t_pv(k_lat_t, p_buf, acc0, acc1, acc2, acc3, alpha, KVR)
-            if ROLE == 0 and TAIL > 0:
-                acc_t = warpgroup_mma(k_lat_t.permute((1, 0)), p_tail.permute((1, 0)), acc_t * alpha_t[None, :],
-                                      is_async=True)
-                acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
-            acc0, acc1, acc2, acc3 = _t_wait(acc0, acc1, acc2, acc3)
-            mbarrier.arrive(kv_free.index(st))
-        _t_finish(acc0, acc1, acc2, acc3, m_i, l_i, cols, col_ok, out_ptr, o_part_ptr, lse_part_ptr, q_start, split,
-                  num_heads, total_rows, KVR, DIRECT, S_L)
-        if ROLE == 0 and TAIL > 0:
-            l_safe_t = gl.where(l_t == 0.0, 1.0, l_t)
-            flat_t = q_start.to(gl.int64) * num_heads + cols_t
-            _t_store(acc_t, 0, l_safe_t, flat_t, col_ok_t, out_ptr, o_part_ptr, split, total_rows, KVR, DIRECT, S_T)
-            if not DIRECT:
-                lse_t = gl.where(l_t == 0.0, float("-inf"), m_t + gl.log2(l_safe_t))
-                gl.store(lse_part_ptr + split.to(gl.int64) * total_rows + flat_t, lse_t, mask=col_ok_t)
-
-    @gluon.jit(do_not_specialize=["stride_pt_r", "stride_anc_n", "num_heads", "total_rows", "num_splits"])
-    def _tree_mla_transposed_kernel(
-        q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, lat_desc, pe_desc,
-        page_table_ptr, prefix_lens_ptr, query_starts_ptr, anc_bits_ptr,
-        out_ptr, o_part_ptr, lse_part_ptr,
-        stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
-        stride_kv_page, stride_kv_tok, stride_new_n, stride_pt_r, stride_anc_n,
-        num_heads, page_size, total_rows, num_splits, scale_log2,
-        KVR: gl.constexpr, ROPE: gl.constexpr, TAIL: gl.constexpr, DIRECT: gl.constexpr, TMA_ROWS: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, REGS_SHIFT: gl.constexpr,
-        Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, QT_LAT_SMEM: gl.constexpr, QT_PE_SMEM: gl.constexpr,
-        K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr, PT_SMEM: gl.constexpr, PO_SMEM: gl.constexpr, PDL: gl.constexpr,
-        num_warps: gl.constexpr,
-    ):
-        """``64 + TAIL`` rows of one request, one split a CTA, the products transposed as in the few-row
-        kernel: the loader (default partition) and two consumer warpgroups (``_t_consumer``), each
-        with 32 of the rows (ROLE 0 also the tail) as its products' N side."""
-        pdl.grid_sync_gluon(PDL)
-        dtype: gl.constexpr = q_lat_ptr.dtype.element_ty
-        row0 = gl.program_id(0) * (_T_MAIN + TAIL)
-        split = gl.program_id(1)
-        r = gl.program_id(2)
-        q_start = gl.load(query_starts_ptr + r)
-        n_nodes = gl.load(query_starts_ptr + r + 1) - q_start
-        prefix_len = gl.load(prefix_lens_ptr + r)
-        rows = n_nodes * num_heads
-        if row0 < rows:
-            lo, hi, n_prefix, n_total = _split_range(prefix_len, split, num_splits, n_nodes, _FEW_KEYS)
-            TN: gl.constexpr = TAIL if TAIL > 0 else 8
-            # q's buffers have a leading dim of 1 for the consumers' loop-variant index (``_t_consumer``)
-            q_lat = gl.allocate_shared_memory(dtype, [1, _T_MAIN, KVR], Q_LAT_SMEM)
-            q_pe = gl.allocate_shared_memory(dtype, [1, _T_MAIN, ROPE], Q_PE_SMEM)
-            q_tail = gl.allocate_shared_memory(dtype, [1, TN, KVR], QT_LAT_SMEM)
-            q_tail_pe = gl.allocate_shared_memory(dtype, [1, TN, ROPE], QT_PE_SMEM)
-            k_lat = gl.allocate_shared_memory(dtype, [2, _FEW_KEYS, KVR], K_LAT_SMEM)
-            k_pe = gl.allocate_shared_memory(dtype, [2, _FEW_KEYS, ROPE], K_PE_SMEM)
-            p_tail = gl.allocate_shared_memory(dtype, [TN, _FEW_KEYS], PT_SMEM)
-            p_own = gl.allocate_shared_memory(dtype, [_T_MAIN if TAIL == 0 else 8, _FEW_KEYS], PO_SMEM)
-            q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            pe_done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(2):
-                mbarrier.init(kv_ready.index(i), count=1)
-                mbarrier.init(kv_free.index(i), count=2)
-                mbarrier.init(pe_done.index(i), count=2)
-            mbarrier.init(q_ready, count=32 * num_warps)
-            fence_async_shared()
-            pt_row = page_table_ptr + r * stride_pt_r
-            gl.warp_specialize([
-                (_t_loader, (q_lat, q_pe, q_tail, q_tail_pe, k_lat, k_pe, q_ready, kv_ready, kv_free, lat_desc, pe_desc,
-                             q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, pt_row, q_start, row0, rows, num_heads,
-                             n_prefix, n_total, lo, hi, n_nodes, page_size,
-                             stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h, stride_kv_page, stride_kv_tok,
-                             stride_new_n, KVR, ROPE, TAIL, TMA_ROWS, num_warps)),
-                (_t_consumer, (q_lat, q_pe, q_tail, q_tail_pe, k_lat, k_pe, p_tail, p_own, q_ready, kv_ready, kv_free, pe_done,
-                               anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                               q_start, row0, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                               total_rows, stride_anc_n, scale_log2, 0, KVR, TAIL, DIRECT)),
-                (_t_consumer, (q_lat, q_pe, q_tail, q_tail_pe, k_lat, k_pe, p_tail, p_own, q_ready, kv_ready, kv_free, pe_done,
-                               anc_bits_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-                               q_start, row0, split, rows, num_heads, n_prefix, n_total, lo, hi, n_nodes,
-                               total_rows, stride_anc_n, scale_log2, 1, KVR, TAIL, DIRECT)),
-            ], [4, 4], [CONSUMER_REGS + REGS_SHIFT, CONSUMER_REGS - REGS_SHIFT])
-
 
 @on_input_device
 def tree_mla_hopper(
@@ -953,7 +676,6 @@ def tree_mla_hopper(
     num_stages: int = 4,
     trace: Tensor | None = None,
     few_rows: bool | None = None,
-    transposed: bool | None = None,
 ) -> Tensor:
     """``tree_mla_triton``'s contract on the Gluon kernel: same arguments (host metadata is packed
     here, with a host sync), same result ``[N, H, kvr]``. Needs ``hopper_available`` and operands
@@ -997,17 +719,6 @@ def tree_mla_hopper(
     if few_rows is None:
         few_rows = few_rows_serves(R, rows, max_prefix, sms)
     few = trace is None and few_rows
-    if transposed is None:
-        transposed = False
-    if transposed and not few and trace is None and (kvr, rope) == TRANSPOSED_DIMS:
-        t_groups = -(-rows // T_MAIN)
-        if num_splits is None:
-            num_splits = choose_splits(R, t_groups, rows, max_prefix, kvr, rope, sms)
-        o_part, lse_part = split_partials(out, num_splits, 1)
-        _launch_transposed(q_latent, q_pe, kv_cache, new_kv, meta, softmax_scale * _LOG2E, out, o_part, lse_part,
-                           num_splits, t_groups, 0)
-        merge_splits(o_part, lse_part, out, num_splits, 1, after_ctas=t_groups * num_splits * R)
-        return out
     groups = -(-rows // FEW_ROWS)
     m_tiles = -(-rows // BLOCK_M)
     if num_splits is None:
@@ -1130,33 +841,4 @@ def _launch_few_rows(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: T
         KVR=kvr, ROPE=rope, NUM_STAGES=few_rows_stages(kvr, rope, q_latent.element_size(), limit),
         DIRECT=num_splits == 1, TMA_ROWS=tma_rows, **smem, PDL=use_pdl, num_warps=4,
         launch_pdl=use_pdl,
-    )
-
-
-def _launch_transposed(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Tensor,
-                       meta: TreeAttentionDeviceMetadata, scale_log2: float, out: Tensor, o_part: Tensor,
-                       lse_part: Tensor, num_splits: int, groups: int, tail: int) -> None:
-    """Every request's rows on the transposed kernel: a CTA a (``T_MAIN + tail`` rows, split, request)."""
-    N, H, kvr = q_latent.shape
-    rope = q_pe.shape[-1]
-    _, page_size, _ = kv_cache.shape
-    gdt = gl.bfloat16 if q_latent.dtype == torch.bfloat16 else gl.float16
-    nvmma = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gdt)  # noqa: E731
-    smem = {
-        "Q_LAT_SMEM": nvmma([T_MAIN, kvr]), "Q_PE_SMEM": nvmma([T_MAIN, rope]),
-        "QT_LAT_SMEM": nvmma([T_TAIL, kvr]), "QT_PE_SMEM": nvmma([T_TAIL, rope]),
-        "K_LAT_SMEM": nvmma([FEW_KEYS, kvr]), "K_PE_SMEM": nvmma([FEW_KEYS, rope]), "PT_SMEM": nvmma([T_TAIL, FEW_KEYS]),
-        "PO_SMEM": nvmma([T_MAIN if tail == 0 else 8, FEW_KEYS]),
-    }
-    tma_rows, lat_desc, pe_desc = _key_descriptors(kv_cache, kvr, FEW_KEYS, smem)
-    use_pdl = pdl.enabled(q_latent.device)
-    _tree_mla_transposed_kernel[(groups, num_splits, meta.num_requests)](
-        q_latent, q_pe, kv_cache, new_kv, lat_desc, pe_desc,
-        meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,
-        out, o_part, lse_part,
-        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
-        H, page_size, N * H, num_splits, scale_log2,
-        KVR=kvr, ROPE=rope, TAIL=tail, DIRECT=num_splits == 1, TMA_ROWS=tma_rows, CONSUMER_REGS=CONSUMER_REGS,
-        REGS_SHIFT=0, **smem, PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
