@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Iterable, Sequence
 
@@ -10,9 +11,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-__all__ = ["ServiceError", "new_server", "serve_until_signal", "HEALTH_SERVICE_NAME"]
+from services.common.logging import get_logger
+
+__all__ = ["ServiceError", "new_server", "serve_until_signal", "HEALTH_SERVICE_NAME", "PARENT_PID_ENV"]
 
 HEALTH_SERVICE_NAME = ""  # the overall server health, what `grpc_health_probe` asks by default
+# Set by `ddtree up` to its own pid: a service whose parent is no longer that process stops (below).
+PARENT_PID_ENV = "DDTREE_PARENT_PID"
 
 # Inline tensor bundles (a payload larger than a ring slot, or no shared memory) can be large: a
 # step that prefills 8192 prompt tokens of K2 carries ~700 MB of float32 features.
@@ -48,14 +53,39 @@ def new_server(service_full_names: Iterable[str], interceptors: Sequence[grpc.ai
 
 
 async def serve_until_signal(server: grpc.aio.Server, health_servicer: health.HealthServicer,
-                             grace_s: float = 5.0) -> None:
-    """Runs until SIGTERM/SIGINT, then reports NOT_SERVING and stops with a grace period."""
+                             grace_s: float = 5.0, parent_poll_s: float = 1.0) -> None:
+    """Runs until SIGTERM/SIGINT, or until the launcher named by ``DDTREE_PARENT_PID`` is gone,
+    then reports NOT_SERVING and stops with a grace period.
+
+    Why the parent check: ``ddtree up`` starts each service in a session of its own (a Ctrl-C in
+    the terminal must reach the launcher only, which stops the stack in order), so a SIGKILL of the
+    launcher would leave the services running, holding their ports and GPU memory. A service is
+    re-parented when its launcher dies, which ``os.getppid()`` shows; PR_SET_PDEATHSIG would not do,
+    as it fires when the launching *thread* exits, and test stacks start from worker threads."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watcher = None
+    parent = os.environ.get(PARENT_PID_ENV, "")
+    if parent.isdigit():
+        watcher = asyncio.create_task(_stop_when_orphaned(int(parent), stop, parent_poll_s))
     try:
         await stop.wait()
     finally:
+        if watcher is not None:
+            watcher.cancel()
         health_servicer.enter_graceful_shutdown()
         await server.stop(grace_s)
+
+
+async def _stop_when_orphaned(parent_pid: int, stop: asyncio.Event, poll_s: float) -> None:
+    while not stop.is_set():
+        if os.getppid() != parent_pid:
+            stop.set()
+            try:  # the launcher's end of our stdout may be gone with it
+                get_logger("server").warning("launcher_gone", launcher_pid=parent_pid, parent_pid=os.getppid())
+            except OSError:
+                pass
+            return
+        await asyncio.sleep(poll_s)

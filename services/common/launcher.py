@@ -19,6 +19,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.grpc_server import PARENT_PID_ENV
+
 __all__ = ["StackSpec", "Stack", "free_port", "wait_healthy"]
 
 
@@ -99,6 +101,7 @@ class Stack:
             "DDTREE_DRAFT_TARGET_PATH": spec.model_path,
             "DDTREE_DRAFT_DRAFTER_PATH": spec.drafter_path or str(Path(spec.model_path) / "drafter"),
             "DDTREE_SCHEDULER_TOKENIZER_PATH": spec.model_path,
+            PARENT_PID_ENV: str(os.getpid()),   # the services stop if this process dies without stopping them
         })
         base.update(spec.extra_env)
         vport = spec.verifier_port or free_port()

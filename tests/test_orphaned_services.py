@@ -1,0 +1,85 @@
+"""A service started by ``ddtree up`` stops when its launcher dies without stopping it (SIGKILL),
+and keeps serving while the launcher lives."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from services.common.grpc_server import PARENT_PID_ENV
+from services.common.launcher import Stack, StackSpec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A server with nothing but health, run as the services run it (serve_until_signal).
+SERVICE = textwrap.dedent("""
+    import asyncio
+    from services.common.grpc_server import new_server, serve_until_signal
+
+    async def main():
+        server, health = new_server([])
+        server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print("serving", flush=True)
+        await serve_until_signal(server, health, grace_s=0.1, parent_poll_s=0.1)
+        print("stopped", flush=True)
+
+    asyncio.run(main())
+""")
+
+# The launcher: starts the service in a session of its own, with its pid in the environment, as
+# ``Stack`` does, prints the service's pid, then waits to be killed.
+LAUNCHER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    env = dict(os.environ)
+    env[{env}] = str(os.getpid())
+    proc = subprocess.Popen([sys.executable, "-c", {service!r}], env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "serving"
+    print(proc.pid, flush=True)
+    proc.stdout.close()
+    time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by init) counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_service_stops_when_its_launcher_is_killed() -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER.format(env=repr(PARENT_PID_ENV), service=SERVICE)],
+                                env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        service_pid = int(launcher.stdout.readline())
+        time.sleep(1.0)
+        assert _alive(service_pid), "the service stopped while its launcher was alive"
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while _alive(service_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(service_pid), "the service outlived its launcher by 10 s"
+    finally:
+        launcher.kill()
+        launcher.wait()
+        if "service_pid" in locals() and _alive(service_pid):
+            os.kill(service_pid, signal.SIGKILL)
+
+
+def test_stack_tells_each_service_its_launcher() -> None:
+    plan = Stack(StackSpec(model_path="models/demo", scheduler_port=0))._plan()
+    assert {s.env[PARENT_PID_ENV] for s in plan} == {str(os.getpid())}
