@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 from ddtree.v1 import common_pb2, scheduler_pb2
 from services.common.grpc_server import ServiceError
 from services.common.settings import MAX_BUDGET, TEMPERATURE_RANGE, SchedulerSettings, temperature_ok
+from services.scheduler.detokenize import IncrementalDetokenizer
 
 __all__ = ["ActiveRequest", "Limits", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_text_size",
            "encode_prompt", "max_token_bytes", "validate"]
@@ -68,6 +69,7 @@ class ActiveRequest:
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _detok: IncrementalDetokenizer | None = field(default=None, repr=False)
 
     @property
     def done(self) -> bool:
@@ -96,7 +98,9 @@ class ActiveRequest:
         ids = self.out_ids
         if self.finish == scheduler_pb2.FINISH_REASON_STOP and ids and ids[-1] in self._hidden_ids():
             ids = ids[:-1]
-        full = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if self._detok is None:
+            self._detok = IncrementalDetokenizer(self.tokenizer)
+        full = self._detok.update(ids, final=self.done)
         self.text, end = full, -1
         for s in self.stop:
             pos = self.text.find(s, max(0, self.emitted_chars - len(s)))
