@@ -41,3 +41,36 @@ def test_unknown_key_and_missing_file(tmp_path):
         load_settings(DraftSettings, cfg, env={})
     with pytest.raises(SettingsError, match="config file"):
         load_settings(DraftSettings, tmp_path / "missing.toml", env={})
+
+
+@pytest.mark.parametrize("toml,needle", [
+    ("[scheduler]\ndraft_addresses = 5\n", "scheduler.draft_addresses: 5 is not a list"),
+    ("[draft]\nwarmup_budgets = 16\n", "draft.warmup_budgets: 16 is not a list"),
+    ("[verifier]\ngraph_batches = [1, 2.5]\n", "verifier.graph_batches"),
+    ("[scheduler]\nmax_batch = 1.7\n", "scheduler.max_batch: 1.7 is not an integer"),
+    ("[scheduler]\nmax_batch = true\n", "scheduler.max_batch: True is not an integer"),
+    ("[scheduler]\njson_logs = 5\n", "scheduler.json_logs: 5 is not a boolean"),
+    ("[verifier]\ncuda_graphs = 2\n", "verifier.cuda_graphs: 2 is not a boolean"),
+    ("[scheduler]\nhost = 5\n", "scheduler.host: 5 is not a string"),
+    ("[scheduler]\nstep_timeout_s = true\n", "scheduler.step_timeout_s: True is not a number"),
+    ("scheduler = 5\n", "'scheduler' is not one of the tables"),
+    ("[schedular]\nmax_batch = 8\n", "'schedular' is not one of the tables"),
+    ("max_batch = 8\n", "'max_batch' is not one of the tables"),
+    ("[scheduler]\nmetrics_port = 70000\n", "scheduler.metrics_port"),
+    ("[draft]\nmetrics_port = -5\n", "draft.metrics_port"),
+    ("[verifier]\nring_slot_bytes = 0\n", "verifier.ring_slot_bytes"),
+])
+def test_a_config_file_slip_names_the_setting(tmp_path, toml, needle):
+    """A value of the wrong shape fails at start-up with the setting's name; before, a scalar where a
+    list belongs crashed with a TypeError, ``true`` and 1.7 became the integer 1, and a misspelt
+    table was ignored."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(toml)
+    with pytest.raises(SettingsError, match=needle.replace(".", r"\.").replace("[", r"\[")):
+        for cls in (SchedulerSettings, DraftSettings, VerifierSettings):
+            load_settings(cls, cfg, env={})
+
+
+def test_the_shipped_config_still_loads():
+    for cls in (SchedulerSettings, DraftSettings, VerifierSettings):
+        load_settings(cls, "compose/ddtree.toml", env={})

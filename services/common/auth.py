@@ -43,10 +43,18 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
 
 def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
-    """TLS from PEM files; the error names the file that could not be read."""
-    try:
-        cert = Path(cert_file).read_bytes()
-        key = Path(key_file).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"TLS: cannot read {exc.filename}: {exc.strerror}") from None
-    return grpc.ssl_server_credentials([(key, cert)])
+    """TLS from PEM files. Checked when the scheduler starts, before it waits for its drafts: a file
+    that cannot be read, or is not PEM, fails start-up naming the setting (gRPC itself would only
+    fail to bind the port, which points at the wrong thing)."""
+    from services.common.settings import SettingsError
+
+    pem = {}
+    for setting, path, marker in (("scheduler.tls_cert", cert_file, b"-----BEGIN CERTIFICATE-----"),
+                                  ("scheduler.tls_key", key_file, b"PRIVATE KEY-----")):
+        try:
+            pem[setting] = Path(path).read_bytes()
+        except OSError as exc:
+            raise SettingsError(f"{setting}: cannot read {path}: {exc.strerror}") from None
+        if marker not in pem[setting]:
+            raise SettingsError(f"{setting}: {path} is not a PEM {'certificate' if 'cert' in setting else 'private key'}")
+    return grpc.ssl_server_credentials([(pem["scheduler.tls_key"], pem["scheduler.tls_cert"])])

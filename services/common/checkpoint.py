@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -52,6 +52,15 @@ def read_config(path: Path) -> dict:
     return data
 
 
+def open_safetensors(file_path: Path):
+    """``safe_open`` of one file, whose failure (a damaged or foreign file) names the file as a
+    ``CheckpointError``, which the services report in one line, instead of safetensors' own error."""
+    try:
+        return safe_open(str(file_path), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{file_path}: not a readable safetensors file ({exc})") from None
+
+
 def tensor_index(path: Path) -> dict[str, str]:
     """Map every tensor name of the checkpoint in ``path`` to the safetensors file holding it."""
     path = Path(path)
@@ -68,7 +77,7 @@ def tensor_index(path: Path) -> dict[str, str]:
     single = path / SINGLE_FILE
     if not single.is_file():
         raise CheckpointError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
-    with safe_open(str(single), framework="pt") as f:
+    with open_safetensors(single) as f:
         return {name: SINGLE_FILE for name in f.keys()}
 
 
@@ -100,7 +109,7 @@ def load_tensors(
         file_path = path / file_name
         if not file_path.is_file():
             raise CheckpointError(f"{path}: shard file {file_name} (listed in {INDEX_FILE}) is missing")
-        with safe_open(str(file_path), framework="pt") as f:
+        with open_safetensors(file_path) as f:
             present = set(f.keys())
             for name in file_names:
                 if name not in present:

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.logging import get_logger
 
-__all__ = ["ServiceError", "new_server", "serve_until_signal", "HEALTH_SERVICE_NAME", "PARENT_PID_ENV"]
+__all__ = ["ServiceError", "new_server", "listen", "serve_until_signal", "HEALTH_SERVICE_NAME", "PARENT_PID_ENV"]
 
 HEALTH_SERVICE_NAME = ""  # the overall server health, what `grpc_health_probe` asks by default
 # Set by `ddtree up` to its own pid: a service whose parent is no longer that process stops (below).
@@ -34,8 +34,27 @@ class ServiceError(Exception):
 
 
 def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    # SO_REUSEPORT off: with gRPC's default a second server binds a port already in use without an
+    # error, and the two then share the calls (a scheduler started on a verifier's port answered
+    # one call in six with UNIMPLEMENTED).
     return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", max_receive_bytes)]
+            ("grpc.max_receive_message_length", max_receive_bytes),
+            ("grpc.so_reuseport", 0)]
+
+
+def listen(server: grpc.aio.Server, address: str, setting: str,
+           credentials: grpc.ServerCredentials | None = None) -> int:
+    """Binds ``address`` (TLS with ``credentials``) and returns the port; a port that cannot be had
+    fails start-up with the setting's name (``SettingsError``), not gRPC's bare RuntimeError."""
+    from services.common.settings import SettingsError
+
+    try:
+        if credentials is not None:
+            return server.add_secure_port(address, credentials)
+        return server.add_insecure_port(address)
+    except RuntimeError:
+        raise SettingsError(f"{setting}: cannot listen on {address} (the port is in use, "
+                            "or the host is not an address of this machine)") from None
 
 
 def new_server(service_full_names: Iterable[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = (),

@@ -42,5 +42,9 @@ def serve_metrics(metrics: Metrics, host: str, port: int) -> int | None:
     """Starts the /metrics HTTP endpoint; returns the port, or None when disabled (port 0)."""
     if port <= 0:
         return None
-    server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+    try:
+        server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+    except OSError as exc:
+        from services.common.settings import SettingsError
+        raise SettingsError(f"{metrics.service}.metrics_port: cannot listen on {host}:{port}: {exc.strerror}") from None
     return server.server_port

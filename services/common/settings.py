@@ -57,6 +57,7 @@ def _check(ok: bool, name: str, message: str) -> None:
 
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_ADDRESS = re.compile(r"(dns:(//)?)?[^\s]+:\d{1,5}")  # host:port, [v6]:port, dns:name:port
 
 
 def is_device(text: str) -> bool:
@@ -94,7 +95,11 @@ class SchedulerSettings:
                "tls_cert and tls_key must be set together")
         _check(self.max_request_bytes >= 1024, "scheduler.max_request_bytes", "must be >= 1024")
         _check(0 <= self.port < 65536, "scheduler.port", f"{self.port} is not a TCP port")
+        _check(0 <= self.metrics_port < 65536, "scheduler.metrics_port", f"{self.metrics_port} is not a TCP port (0 = off)")
         _check(len(self.draft_addresses) > 0, "scheduler.draft_addresses", "needs at least one address")
+        for entry in self.draft_addresses:
+            _check(_ADDRESS.fullmatch(entry) is not None, "scheduler.draft_addresses",
+                   f"{entry!r} is not host:port or dns:host:port")
         _check(self.max_queue > 0, "scheduler.max_queue", "must be > 0")
         _check(self.max_batch > 0, "scheduler.max_batch", "must be > 0")
         _check(self.max_prefill_tokens > 0, "scheduler.max_prefill_tokens", "must be > 0")
@@ -136,6 +141,9 @@ class DraftSettings:
         _check(all(1 <= b <= MAX_BUDGET for b in self.warmup_budgets),
                "draft.warmup_budgets", f"must be budgets in 1..{MAX_BUDGET}")
         _check(0 <= self.port < 65536, "draft.port", f"{self.port} is not a TCP port")
+        _check(_ADDRESS.fullmatch(self.verifier_address) is not None and not self.verifier_address.startswith("dns:"),
+               "draft.verifier_address", f"{self.verifier_address!r} is not host:port")
+        _check(0 <= self.metrics_port < 65536, "draft.metrics_port", f"{self.metrics_port} is not a TCP port (0 = off)")
         _check(self.transport in ("auto", "cuda_ipc", "shm", "inline"), "draft.transport",
                "must be auto, cuda_ipc, shm or inline")
         _check(self.ring_slots >= 2, "draft.ring_slots", "must be >= 2")
@@ -176,6 +184,7 @@ class VerifierSettings:
         _check(self.tp_timeout_s > 0, "verifier.tp_timeout_s", "must be > 0")
         _check(self.peer_stream_timeout_s > 0, "verifier.peer_stream_timeout_s", "must be > 0")
         _check(0 <= self.port < 65536, "verifier.port", f"{self.port} is not a TCP port")
+        _check(0 <= self.metrics_port < 65536, "verifier.metrics_port", f"{self.metrics_port} is not a TCP port (0 = off)")
         _check(self.page_size > 0, "verifier.page_size", "must be > 0")
         _check(self.kv_capacity_tokens >= self.page_size, "verifier.kv_capacity_tokens", "must hold one page")
         _check(self.max_context >= 0, "verifier.max_context", "must be >= 0")
@@ -184,6 +193,7 @@ class VerifierSettings:
         _check(all(0 <= b <= MAX_BUDGET for b in self.warmup_budgets), "verifier.warmup_budgets",
                f"must be budgets in 0..{MAX_BUDGET}")
         _check(self.ring_slots >= 2, "verifier.ring_slots", "must be >= 2")
+        _check(self.ring_slot_bytes >= 4096, "verifier.ring_slot_bytes", "must be >= 4096")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "verifier.dtype",
                "must be float32, bfloat16 or float16")
         _check(is_device(self.device), "verifier.device", f"{self.device!r} is not cpu, cuda or cuda:N")
@@ -195,33 +205,52 @@ _SECTIONS: dict[type, str] = {SchedulerSettings: "scheduler", DraftSettings: "dr
 
 
 def _coerce(name: str, value: Any, target: Any) -> Any:
-    """Turns a TOML or environment value into the field's declared type."""
-    kind = target if isinstance(target, type) else None
-    text = str(target)
-    if isinstance(value, str) and (kind is bool or text == "bool"):
-        if value.lower() in ("1", "true", "yes", "on"):
+    """Turns a TOML or environment value into the field's declared type. Environment values are
+    strings and are parsed; TOML values must already have the type (a list where a list is meant,
+    no ``true`` for a number, no 1.7 for an integer), so a slip in the file fails at start-up with
+    the setting's name instead of being rounded or crashing later."""
+    text = str(target.__name__ if isinstance(target, type) else target)
+    if text == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
             return True
-        if value.lower() in ("0", "false", "no", "off"):
+        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
             return False
         raise SettingsError(f"{name}: {value!r} is not a boolean")
-    if kind is float or text == "float":
+    if text == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise SettingsError(f"{name}: {value!r} is not a number")
         try:
             return float(value)
-        except (TypeError, ValueError):
+        except ValueError:
             raise SettingsError(f"{name}: {value!r} is not a number") from None
-    if kind is int or text == "int":
+    if text == "int":
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise SettingsError(f"{name}: {value!r} is not an integer")
         try:
             return int(value)
-        except (TypeError, ValueError):
+        except ValueError:
             raise SettingsError(f"{name}: {value!r} is not an integer") from None
     if text.startswith("tuple"):
-        items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
+        if isinstance(value, str):
+            items = [v.strip() for v in value.split(",") if v.strip()]
+        elif isinstance(value, list):
+            items = value
+        else:
+            raise SettingsError(f"{name}: {value!r} is not a list (write [{value!r}] for one item)")
         if text.startswith("tuple[int"):
+            if any(isinstance(v, (bool, float)) for v in items):
+                raise SettingsError(f"{name}: {value!r} is not a list of integers")
             try:
                 return tuple(int(v) for v in items)
             except (TypeError, ValueError):
                 raise SettingsError(f"{name}: {value!r} is not a list of integers") from None
-        return tuple(str(v) for v in items)
+        if not all(isinstance(v, str) for v in items):
+            raise SettingsError(f"{name}: {value!r} is not a list of strings")
+        return tuple(items)
+    if text == "str" and not isinstance(value, str):
+        raise SettingsError(f"{name}: {value!r} is not a string")
     return value
 
 
@@ -237,11 +266,16 @@ def load_settings(cls: type[S], path: str | Path | None = None, env: Mapping[str
     if path is not None:
         try:
             with open(path, "rb") as fh:
-                table = tomllib.load(fh).get(section, {})
+                doc = tomllib.load(fh)
         except OSError as exc:
             raise SettingsError(f"config file {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise SettingsError(f"config file {path}: {exc}") from None
+        known = sorted(_SECTIONS.values())
+        for key, value in doc.items():  # a misspelt table would otherwise be ignored without a word
+            if key not in known or not isinstance(value, dict):
+                raise SettingsError(f"config file {path}: {key!r} is not one of the tables [{'], ['.join(known)}]")
+        table = doc.get(section, {})
         for key, value in table.items():
             if key not in fields:
                 raise SettingsError(f"{section}.{key}: unknown setting (known: {', '.join(fields)})")

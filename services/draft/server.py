@@ -10,7 +10,7 @@ import torch
 
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from services.common.devices import pin_device
-from services.common.grpc_server import ServiceError, new_server, serve_until_signal
+from services.common.grpc_server import ServiceError, listen, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import DraftSettings
@@ -23,6 +23,7 @@ __all__ = ["DraftServicer", "serve"]
 log = get_logger("draft")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+VERIFIER_WAIT_S = 120.0  # how long a starting draft waits for its verifier (compose starts them together)
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
@@ -47,6 +48,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
 async def serve(settings: DraftSettings) -> None:
     configure_logging("draft", settings.json_logs)
+    # Ports first: one that cannot be had fails start-up now, not after the weights load and the verifier answers.
+    server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
+    port = listen(server, f"{settings.host}:{settings.port}", "draft.port")
+    metrics = Metrics("draft")
+    metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
     torch.set_num_threads(settings.cpu_threads)
     device = pin_device(settings.device)   # Triton launches and the shared ring follow the current device
     proposer = load_proposer(settings.drafter_path, settings.target_path, _DTYPES[settings.dtype], str(device))
@@ -54,7 +60,6 @@ async def serve(settings: DraftSettings) -> None:
              target_layer_ids=list(proposer.target_layer_ids))
     client = VerifierClient(settings.verifier_address, settings.transport, settings.ring_slots,
                             settings.ring_slot_bytes, device=str(device))
-    metrics = Metrics("draft")
     if device.type == "cuda" and settings.cuda_graphs:
         pool = proposer.enable_graphs(settings.graph_rows, settings.graph_context)
         log.info("propose_graphs_on", rows=settings.graph_rows, context=settings.graph_context,
@@ -63,15 +68,18 @@ async def serve(settings: DraftSettings) -> None:
     t0 = time.perf_counter()
     engine.warm_up(settings.warmup_budgets, str(device))
     log.info("draft_warm", budgets=list(settings.warmup_budgets), seconds=round(time.perf_counter() - t0, 2))
-    await engine.connect(wait_s=120.0)   # fail fast on an incompatible verifier (FAILED_PRECONDITION names the field)
+    log.info("verifier_connecting", verifier=settings.verifier_address, wait_s=VERIFIER_WAIT_S)
+    try:   # fail fast on an incompatible verifier (FAILED_PRECONDITION names the field)
+        await engine.connect(wait_s=VERIFIER_WAIT_S)
+    except ServiceError as exc:
+        waited = f"nothing answered within {VERIFIER_WAIT_S:.0f} s" if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED \
+            else exc.message
+        raise ServiceError(exc.code, f"draft.verifier_address {settings.verifier_address}: {waited}") from None
     log.info("verifier_connected", transport=client.handshake.transport, device=str(device),
              max_context=engine.max_context)
-    server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
     draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(engine), server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     await server.start()
-    log.info("serving", address=f"{settings.host}:{port}", verifier=settings.verifier_address,
-             metrics_port=serve_metrics(metrics, settings.host, settings.metrics_port))
+    log.info("serving", address=f"{settings.host}:{port}", verifier=settings.verifier_address, metrics_port=metrics_port)
     try:
         await serve_until_signal(server, health)
     finally:

@@ -64,12 +64,16 @@ class Router:
     async def start(self, timeout_s: float = 120.0) -> common_pb2.ModelInfo:
         """Connects to every configured replica; needs at least one to answer within `timeout_s`."""
         addresses = discover(self.settings.draft_addresses)
+        if not addresses:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "scheduler.draft_addresses: no address to try "
+                               f"(no dns: name resolved): {list(self.settings.draft_addresses)}")
         stubs = [self._stub(a) for a in addresses]
-        infos = await asyncio.gather(*(self._probe(s, timeout_s) for s in stubs))
+        errors: list[str] = []
+        infos = await asyncio.gather(*(self._probe(s, timeout_s, a, errors) for s, a in zip(stubs, addresses)))
         live = [i for i in infos if i is not None]
         if not live:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               f"no draft replica answered within {timeout_s:.0f} s: {addresses}")
+                               f"scheduler.draft_addresses: no draft replica answered: {'; '.join(errors)}")
         self.info = live[0]
         for address, stub, info in zip(addresses, stubs, infos):
             self._add_lane(address, stub, info)
@@ -102,11 +106,17 @@ class Router:
         return self._budgets[key]
 
     @staticmethod
-    async def _probe(stub: draft_pb2_grpc.DraftStub, timeout_s: float) -> common_pb2.ModelInfo | None:
+    async def _probe(stub: draft_pb2_grpc.DraftStub, timeout_s: float, address: str = "",
+                     errors: list[str] | None = None) -> common_pb2.ModelInfo | None:
+        """The replica's model info, or None (its error appended to ``errors``, for the start-up message)."""
         try:
             return await stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=True,
                                            timeout=timeout_s)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
+            if errors is not None:
+                why = f"nothing answered within {timeout_s:.0f} s" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED \
+                    else f"{exc.code().name}: {exc.details()}"
+                errors.append(f"{address}: {why}")
             return None
 
     @property

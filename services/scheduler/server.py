@@ -16,10 +16,10 @@ from tokenizers import Tokenizer
 
 from ddtree.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.auth import BearerTokenInterceptor, server_credentials
-from services.common.grpc_server import ServiceError, new_server, serve_until_signal
+from services.common.grpc_server import ServiceError, listen, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
-from services.common.settings import MAX_BUDGET, SchedulerSettings
+from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
 from services.scheduler.request import check_text_size, max_token_bytes, validate
 from services.scheduler.tokenizing import PromptEncoder
 from services.scheduler.router import Router
@@ -82,35 +82,41 @@ def tokenizer_file(path: str) -> Path:
 
 
 def load_tokenizer(path: str) -> Tokenizer | None:
-    """`path` is a tokenizer.json or a directory holding one; None when absent (token-id prompts only)."""
+    """`path` is a tokenizer.json or a directory holding one; "" serves token-id prompts only (None).
+    A path with no tokenizer fails start-up: before, it was taken silently, and every text prompt
+    then failed with a message that did not name the setting."""
+    if not path:
+        return None
     p = tokenizer_file(path)
     if not p.is_file():
-        return None
-    return Tokenizer.from_file(str(p))
+        raise SettingsError(f"scheduler.tokenizer_path: no tokenizer at {p} "
+                            '(set it to "" to serve token-id prompts only)')
+    try:
+        return Tokenizer.from_file(str(p))
+    except Exception as exc:  # the tokenizers library raises its own exception type
+        raise SettingsError(f"scheduler.tokenizer_path: {p} is not a tokenizer: {exc}") from None
 
 
 async def serve(settings: SchedulerSettings) -> None:
     configure_logging("scheduler", settings.json_logs)
     metrics = Metrics("scheduler")
+    # Ports, TLS files and the tokenizer first: a bad one fails start-up now, not after the drafts answer.
+    interceptors = [BearerTokenInterceptor(settings.auth_token)] if settings.auth_token else []
+    server, health = new_server([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name], interceptors,
+                                max_receive_bytes=settings.max_request_bytes)
+    credentials = server_credentials(settings.tls_cert, settings.tls_key) if settings.tls_cert else None
+    port = listen(server, f"{settings.host}:{settings.port}", "scheduler.port", credentials)
+    metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
+    tokenizer = load_tokenizer(settings.tokenizer_path)
+    encoder = PromptEncoder(tokenizer, str(tokenizer_file(settings.tokenizer_path))) if tokenizer is not None else None
     router = Router(settings, metrics)
     info = await router.start()
     info.default_budget = settings.default_budget
     info.max_budget = MAX_BUDGET
-    tokenizer = load_tokenizer(settings.tokenizer_path)
-    encoder = PromptEncoder(tokenizer, str(tokenizer_file(settings.tokenizer_path))) if tokenizer is not None else None
     log.info("model_info", vocab_size=info.vocab_size, max_context=info.max_context, block_size=info.block_size,
              kv_capacity_tokens=info.kv_capacity_tokens, transport=info.transport,
-             tokenizer=settings.tokenizer_path if tokenizer else None,
-             metrics_port=serve_metrics(metrics, settings.host, settings.metrics_port))
-    interceptors = [BearerTokenInterceptor(settings.auth_token)] if settings.auth_token else []
-    server, health = new_server([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name], interceptors,
-                                max_receive_bytes=settings.max_request_bytes)
+             tokenizer=settings.tokenizer_path if tokenizer else None, metrics_port=metrics_port)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(settings, router, info, tokenizer, encoder), server)
-    address = f"{settings.host}:{settings.port}"
-    if settings.tls_cert:
-        port = server.add_secure_port(address, server_credentials(settings.tls_cert, settings.tls_key))
-    else:
-        port = server.add_insecure_port(address)
     await server.start()
     log.info("serving", address=f"{settings.host}:{port}", tls=bool(settings.tls_cert),
              auth=bool(settings.auth_token))

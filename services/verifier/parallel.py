@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
-from services.common.checkpoint import CheckpointError, tensor_index
+from services.common.checkpoint import CheckpointError, open_safetensors, tensor_index
 from services.verifier.config import TargetConfig
 
 __all__ = ["TensorParallel", "load_rank_slice", "split_rule"]
@@ -80,7 +79,7 @@ def load_rank_slice(path: Path, config: TargetConfig, expected: dict[str, tuple[
             if file_name not in handles:
                 if not (path / file_name).is_file():
                     raise CheckpointError(f"{path}: shard file {file_name} is missing")
-                handles[file_name] = safe_open(str(path / file_name), framework="pt")
+                handles[file_name] = open_safetensors(path / file_name)
             sl = handles[file_name].get_slice(name)
             shape = tuple(sl.get_shape())
             if shape != tuple(want):

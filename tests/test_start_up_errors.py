@@ -1,0 +1,110 @@
+"""Start-up failures a user makes by configuration: each names the setting, early, without a
+traceback (``SettingsError`` / ``ServiceError``, which ``ddtree serve`` prints as one line)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+
+from services.common.auth import server_credentials
+from services.common.grpc_server import ServiceError, listen, new_server
+from services.common.launcher import free_port
+from services.common.metrics import Metrics, serve_metrics
+from services.common.settings import SchedulerSettings, SettingsError
+from services.scheduler.router import Router
+from services.scheduler.server import load_tokenizer
+
+
+def test_a_port_in_use_is_refused_not_shared() -> None:
+    """gRPC's default SO_REUSEPORT let a second server bind a port in use and share its calls."""
+    async def run() -> None:
+        first, _ = new_server([])
+        port = listen(first, "127.0.0.1:0", "verifier.port")
+        await first.start()
+        try:
+            second, _ = new_server([])
+            with pytest.raises(SettingsError, match=r"scheduler\.port: cannot listen on 127\.0\.0\.1:%d" % port):
+                listen(second, f"127.0.0.1:{port}", "scheduler.port")
+        finally:
+            await first.stop(0)
+    asyncio.run(run())
+
+
+def test_a_busy_metrics_port_names_the_setting() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        with pytest.raises(SettingsError, match=r"draft\.metrics_port: cannot listen"):
+            serve_metrics(Metrics("draft"), "127.0.0.1", held.getsockname()[1])
+
+
+def test_tls_files_are_checked_before_anything_starts(tmp_path) -> None:
+    with pytest.raises(SettingsError, match=r"scheduler\.tls_cert: cannot read"):
+        server_credentials(str(tmp_path / "missing.pem"), str(tmp_path / "missing.key"))
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate")
+    with pytest.raises(SettingsError, match=r"scheduler\.tls_cert: .* is not a PEM certificate"):
+        server_credentials(str(junk), str(junk))
+
+
+def test_a_missing_tokenizer_is_refused_and_empty_means_token_ids_only(tmp_path) -> None:
+    with pytest.raises(SettingsError, match=r"scheduler\.tokenizer_path: no tokenizer at"):
+        load_tokenizer(str(tmp_path / "nope"))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(SettingsError, match=r"scheduler\.tokenizer_path: .* is not a tokenizer"):
+        load_tokenizer(str(tmp_path))
+    assert load_tokenizer("") is None
+    assert load_tokenizer("models/demo") is not None
+
+
+def test_no_draft_replica_says_why_for_each_address() -> None:
+    """Before: 'no draft replica answered within 120 s' whatever the cause, even after 3 s."""
+    async def run(addresses: tuple[str, ...], timeout_s: float) -> str:
+        from services.common.metrics import Metrics
+        router = Router(SchedulerSettings(draft_addresses=addresses), Metrics("scheduler"))
+        with pytest.raises(ServiceError) as info:
+            await router.start(timeout_s=timeout_s)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        return info.value.message
+
+    closed = f"127.0.0.1:{free_port()}"
+    msg = asyncio.run(run((closed,), 0.5))
+    assert msg.startswith("scheduler.draft_addresses:") and f"{closed}: nothing answered within" in msg
+
+    async def wrong_service() -> str:  # a server that is not a draft (a verifier, say) answers UNIMPLEMENTED
+        server, _ = new_server([])
+        port = listen(server, "127.0.0.1:0", "verifier.port")
+        await server.start()
+        try:
+            return await run((f"127.0.0.1:{port}",), 5.0)
+        finally:
+            await server.stop(0)
+    assert "UNIMPLEMENTED" in asyncio.run(wrong_service())
+    assert "no dns: name resolved" in asyncio.run(run(("dns:no-such-host.invalid:50052",), 0.5))
+
+
+@pytest.mark.parametrize("address", ["dns:draft", "localhost", "draft:port"])
+def test_a_draft_address_without_a_port_is_refused(address) -> None:
+    with pytest.raises(SettingsError, match=r"scheduler\.draft_addresses"):
+        SchedulerSettings(draft_addresses=(address,))
+
+
+def test_a_damaged_weights_file_is_a_checkpoint_error(tmp_path) -> None:
+    import shutil
+
+    from services.common.checkpoint import CheckpointError, load_tensors
+
+    shutil.copy("models/demo/config.json", tmp_path / "config.json")
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match="model.safetensors: not a readable safetensors file"):
+        load_tensors(tmp_path)
+
+
+def test_a_verifier_address_without_a_port_is_refused() -> None:
+    from services.common.settings import DraftSettings
+
+    with pytest.raises(SettingsError, match=r"draft\.verifier_address"):
+        DraftSettings(verifier_address="verifier")
