@@ -143,3 +143,45 @@ def test_a_long_text_tokenizes_beside_the_event_loop() -> None:
         encoder.close()
     assert ids == want
     assert gap < max(0.1, inline_s / 3), (gap, inline_s)   # inline, the loop would stall inline_s
+
+
+def _request(stop: tuple[str, ...] = (), max_tokens: int = 100) -> ActiveRequest:
+    return ActiveRequest(request_id="r", prompt_ids=[1], sampling=common_pb2.SamplingParams(), max_tokens=max_tokens,
+                         budget=8, mode=common_pb2.MODE_DDTREE, stop=stop, stop_ids=frozenset(), eos_id=None,
+                         tokenizer=TOKENIZER)
+
+
+def _run(req: ActiveRequest, ids: list[int], step: int = 5) -> list[scheduler_pb2.GenerateResponse]:
+    req.add_tokens(ids[:1], 0)  # the prefill's token
+    for i in range(1, len(ids), step):
+        if req.done:
+            break
+        req.add_tokens(ids[i:i + step], len(ids[i:i + step]))
+    out = []
+    while not req.events.empty():
+        out.append(req.events.get_nowait())
+    return out
+
+
+def test_the_stop_string_that_starts_first_ends_the_text_whatever_the_order() -> None:
+    """'elf' and 'self' complete in the same step: the text ends before 'self' both ways (before, the
+    list's first entry won, and 'elf' left 's' in the text)."""
+    text = "class Stack:\n    def __init__(self):\n        self.items = []\n"
+    ids = TOKENIZER.encode(text, add_special_tokens=False).ids
+    for stop in (("elf", "self"), ("self", "elf")):
+        messages = _run(_request(stop), ids, step=len(ids))
+        assert "".join(m.text for m in messages) == text[:text.index("self")], stop
+
+
+@pytest.mark.parametrize("cut", ["max_tokens", "stop"])
+def test_acceptance_counts_only_the_tokens_returned(cut) -> None:
+    """A verify step cut by max_tokens or a stop string reports the tokens kept, so the acceptance
+    lengths add up to the tokens after the prefill's."""
+    text = "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n" * 3
+    ids = TOKENIZER.encode(text, add_special_tokens=False).ids
+    req = _request(stop=("return",)) if cut == "stop" else _request(max_tokens=13)
+    messages = _run(req, ids, step=5)
+    steps = [a for m in messages for a in m.acceptance_lengths]
+    usage = messages[-1].usage
+    assert sum(steps) == usage.completion_tokens - 1 == len([t for m in messages for t in m.token_ids]) - 1
+    assert steps[-1] < 5 and usage.mean_acceptance == pytest.approx(sum(steps) / len(steps))

@@ -79,8 +79,7 @@ class ActiveRequest:
         """Takes one step's tokens, applying max_tokens, EOS and stop rules, then queues a message."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        if acceptance_length:
-            self.acceptance.append(acceptance_length)
+        before = len(self.out_ids)
         for tok in token_ids:
             self.out_ids.append(tok)
             if tok in self.stop_ids or (self.eos_id is not None and tok == self.eos_id):
@@ -89,6 +88,8 @@ class ActiveRequest:
             if len(self.out_ids) >= self.max_tokens:
                 self.finish = scheduler_pb2.FINISH_REASON_LENGTH
                 break
+        if acceptance_length:  # a step cut short by a stop rule or max_tokens counts the tokens the user gets
+            self.acceptance.append(min(acceptance_length, len(self.out_ids) - before))
         self._decode()
         self.events.put_nowait(self._message())
 
@@ -101,20 +102,23 @@ class ActiveRequest:
         if self._detok is None:
             self._detok = IncrementalDetokenizer(self.tokenizer)
         full = self._detok.update(ids, final=self.done)
-        self.text, end = full, -1
-        for s in self.stop:
-            pos = self.text.find(s, max(0, self.emitted_chars - len(s)))
-            if pos >= 0:
-                self.text, end = self.text[:pos], pos + len(s)
-                self.finish = scheduler_pb2.FINISH_REASON_STOP
-        if end >= 0:
-            self._keep_tokens_through(full[:end])
+        self.text = full
+        # The stop string that starts first ends the text, whatever the order of the list (two can
+        # complete in one step: "elf" inside "self").
+        found = [(pos, -len(s)) for s in self.stop if (pos := full.find(s, max(0, self.emitted_chars - len(s)))) >= 0]
+        if found:
+            pos, neg_len = min(found)
+            self.text = full[:pos]
+            self.finish = scheduler_pb2.FINISH_REASON_STOP
+            self._keep_tokens_through(full[:pos - neg_len])
 
     def _keep_tokens_through(self, head: str) -> None:
         """Drops the tokens past the one that completes a stop string (a verify step may accept
         several), so that token_ids and usage end where the text does, as for a stop token."""
         for k in range(self.emitted_ids + 1, len(self.out_ids) + 1):
             if self.tokenizer.decode(self.out_ids[:k], skip_special_tokens=False).startswith(head):
+                if self.acceptance and len(self.acceptance) > self.emitted_steps:  # the tokens cut were this step's
+                    self.acceptance[-1] = max(1, self.acceptance[-1] - (len(self.out_ids) - k))
                 del self.out_ids[k:]
                 return
 
