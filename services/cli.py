@@ -103,21 +103,33 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(f"ddtree generate: --token-ids: --prompt must be comma-separated integers, got {args.prompt!r}",
                   file=sys.stderr)
             return 2
+    try:
+        stop_ids = [int(t) for t in args.stop_token_ids.split(",") if t.strip()] if args.stop_token_ids else []
+    except ValueError:
+        print(f"ddtree generate: --stop-token-ids must be comma-separated integers, got {args.stop_token_ids!r}",
+              file=sys.stderr)
+        return 2
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  seed=args.seed, budget=args.budget, mode=args.mode, stop=args.stop or (),
-                  timeout_s=args.timeout)
+                  seed=args.seed, budget=args.budget, mode=args.mode, stop=args.stop or (), stop_token_ids=stop_ids,
+                  ignore_eos=args.ignore_eos, timeout_s=args.timeout)
+    started = False
     try:
         with Client(args.address, tls_ca=args.tls_ca, token=args.token) as client:
             if args.json:
                 out = client.generate(prompt, **kwargs)
+                usage = out.usage.__dict__ if out.usage else None
                 print(json.dumps({"request_id": out.request_id, "text": out.text, "token_ids": out.token_ids,
                                   "acceptance_lengths": out.acceptance_lengths,
-                                  "mean_acceptance": out.mean_acceptance, "finish_reason": out.finish_reason}))
+                                  "mean_acceptance": out.mean_acceptance, "finish_reason": out.finish_reason,
+                                  "usage": usage}))
             else:
                 for chunk in client.stream(prompt, **kwargs):
+                    started = started or bool(chunk.text)
                     print(chunk.text, end="", flush=True)
                 print()
     except ClientError as exc:
+        if started:
+            print()  # end the partial text's line before the error
         print(f"ddtree generate: {exc.code.name}: {exc.message}", file=sys.stderr)
         return 1
     return 0
@@ -224,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--budget", type=int, default=0, help="tree budget 1..128 (0 = server default)")
     gen.add_argument("--mode", choices=["ddtree", "autoregressive"], default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--stop-token-ids", default=None, help="comma-separated token ids that end the output")
+    gen.add_argument("--ignore-eos", action="store_true", help="generate past EOS, up to --max-tokens")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="print text, token ids and per-step acceptance")
     gen.add_argument("--token", default=None, help="bearer token, when the server requires one")

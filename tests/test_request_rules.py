@@ -185,3 +185,47 @@ def test_acceptance_counts_only_the_tokens_returned(cut) -> None:
     usage = messages[-1].usage
     assert sum(steps) == usage.completion_tokens - 1 == len([t for m in messages for t in m.token_ids]) - 1
     assert steps[-1] < 5 and usage.mean_acceptance == pytest.approx(sum(steps) / len(steps))
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(prompt=b"hello"), "prompt must be text or a list of token ids, not bytes"),
+    (dict(prompt=None), "prompt must be text or a list of token ids, not NoneType"),
+    (dict(prompt=5), "prompt must be text or a list of token ids, not int"),
+    (dict(prompt="x", stop_token_ids=5), "stop_token_ids must be a list, not int"),
+    (dict(prompt="x", ignore_eos="no"), "ignore_eos must be True or False"),
+])
+def test_the_sdk_refuses_what_it_would_misread(kwargs, needle) -> None:
+    """Bytes passed as integers (b"hello" went out as token ids 104, 101, ...); the others raised
+    plain TypeErrors."""
+    with pytest.raises(ClientError, match=needle) as info:
+        build_request(**kwargs)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_sdk_takes_any_iterable_of_ids_and_none_for_no_stop() -> None:
+    req = build_request((i for i in (5, 6, 7)), stop=None, stop_token_ids=None)  # a generator is read once
+    assert list(req.token_ids.ids) == [5, 6, 7] and not req.stop and not req.stop_token_ids
+
+
+def test_the_sdk_reports_a_missing_ca_file_and_a_closed_client(tmp_path) -> None:
+    from services.scheduler.client import AsyncClient, Client
+
+    with pytest.raises(ClientError, match="tls_ca: cannot read") as info:
+        Client("127.0.0.1:1", tls_ca=str(tmp_path / "missing.pem"))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    c = Client("127.0.0.1:1")
+    c.close()
+    for call in (lambda: c.generate("x"), lambda: c.abort("x"), lambda: c.model_info()):
+        with pytest.raises(ClientError, match="closed") as info:
+            call()
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+    async def closed_async() -> None:
+        a = AsyncClient("127.0.0.1:1")
+        await a.close()
+        with pytest.raises(ClientError, match="closed"):
+            await a.generate("x")
+        with pytest.raises(ClientError, match="closed"):
+            await a.abort("x")
+    import asyncio
+    asyncio.run(closed_async())

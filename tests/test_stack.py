@@ -155,27 +155,37 @@ def test_bad_input_gets_clear_status_and_others_keep_running(stack, refs):
     assert done.token_ids == expected
 
 
-def test_an_async_stream_closed_early_ends_its_request(stack, refs):
-    """`break` + `aclose()` on AsyncClient.stream cancels the call, so the request id is free again
-    at once (before, the request ran to max_tokens and a reuse got ALREADY_EXISTS)."""
+def test_a_stream_closed_early_or_aborted_frees_its_id_at_once(stack, refs):
+    """`break` (+ `aclose()`) cancels the call, and abort ends the request; either way its id may be
+    used again by the very next call (before, the request ran to max_tokens and a reuse got
+    ALREADY_EXISTS; later, until the next step had retired it), and the new request's output is
+    its own."""
     prompt = refs[PROMPTS[2]][0]
+    kwargs = dict(max_tokens=400, mode="autoregressive", ignore_eos=True)
 
     async def scenario():
         async with AsyncClient(stack.scheduler_address) as client:
-            chunks = client.stream(prompt, max_tokens=400, request_id="closed-early", mode="autoregressive",
-                                   ignore_eos=True)
+            chunks = client.stream(prompt, request_id="closed-early", **kwargs)
             async for _ in chunks:
                 break
             await chunks.aclose()
-            for _ in range(100):   # the cancellation reaches the scheduler asynchronously
-                try:
-                    return await client.generate(prompt, max_tokens=3, request_id="closed-early", ignore_eos=True)
-                except ClientError as exc:
-                    assert exc.code == grpc.StatusCode.ALREADY_EXISTS
-                    await asyncio.sleep(0.02)
+            first = await client.generate(prompt, max_tokens=3, request_id="closed-early", ignore_eos=True)
+            got = []
+            async for chunk in client.stream(prompt, request_id="aborted", **kwargs):
+                got.append(chunk)
+                if len(got) == 2:
+                    assert await client.abort("aborted")
+                    second = await client.generate(prompt, max_tokens=3, request_id="aborted", ignore_eos=True)
+            return first, second, got
 
-    out = asyncio.run(scenario())
-    assert out is not None and len(out.token_ids) == 3
+    first, second, got = asyncio.run(scenario())
+    assert got[-1].finish_reason == "aborted"
+    want = refs[PROMPTS[2]][1][:3]
+    assert first.token_ids == second.token_ids == want
+    with Client(stack.scheduler_address) as c:
+        for chunk in c.stream(prompt, request_id="sync-closed", **kwargs):
+            break
+        assert c.generate(prompt, max_tokens=3, request_id="sync-closed", ignore_eos=True).token_ids == want
 
 
 def test_abort_and_deadline_end_requests_and_free_them(stack, refs):
@@ -219,7 +229,13 @@ def test_health_reflection_and_cli_json(stack):
                          capture_output=True, text=True, timeout=60, check=True)
     result = json.loads(out.stdout)
     assert len(result["token_ids"]) <= 12 and result["finish_reason"] in ("length", "stop")
-    assert result["acceptance_lengths"] and sum(result["acceptance_lengths"]) >= len(result["token_ids"]) - 1
+    assert result["acceptance_lengths"] and sum(result["acceptance_lengths"]) == len(result["token_ids"]) - 1
+    usage = result["usage"]
+    assert usage["completion_tokens"] == len(result["token_ids"]) and usage["prompt_tokens"] > 0
+    assert usage["steps"] == len(result["acceptance_lengths"])
+    with Client(stack.scheduler_address) as c:   # the SDK carries the server's usage
+        out = c.generate("def fibonacci(n):", max_tokens=12, budget=8)
+        assert out.prompt_tokens == usage["prompt_tokens"] and out.usage.completion_tokens == len(out.token_ids)
 
 
 def test_every_service_exports_prometheus_metrics(stack):

@@ -19,7 +19,7 @@ import grpc
 
 from ddtree.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-__all__ = ["Client", "AsyncClient", "ClientError", "Chunk", "Completion", "build_request"]
+__all__ = ["Client", "AsyncClient", "ClientError", "Chunk", "Completion", "Usage", "build_request"]
 
 _MODES = {"ddtree": common_pb2.MODE_DDTREE, "autoregressive": common_pb2.MODE_AUTOREGRESSIVE, None: 0}
 _FINISH = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in scheduler_pb2.FinishReason.items()}
@@ -33,14 +33,26 @@ class ClientError(Exception):
 
 
 @dataclass
+class Usage:
+    """The server's count for a finished request (the last chunk carries it)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    steps: int                 # verify steps (the prefill's first token is not one)
+    mean_acceptance: float     # tokens a verify step, bonus token included
+
+
+@dataclass
 class Chunk:
-    """One streamed message: the new tokens and text, and the acceptance length of each step."""
+    """One streamed message: the new tokens and text, the acceptance length of each step, and (the
+    last one) why it finished and the usage."""
 
     request_id: str
     token_ids: list[int]
     text: str
     acceptance_lengths: list[int]
     finish_reason: str | None
+    usage: Usage | None = None
 
 
 @dataclass
@@ -50,7 +62,11 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    prompt_tokens: int = 0
+    usage: Usage | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.usage.prompt_tokens if self.usage else 0
 
     @property
     def mean_acceptance(self) -> float:
@@ -63,6 +79,7 @@ class Completion:
         self.token_ids += chunk.token_ids
         self.acceptance_lengths += chunk.acceptance_lengths
         self.finish_reason = chunk.finish_reason or self.finish_reason
+        self.usage = chunk.usage or self.usage
 
 
 def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
@@ -75,9 +92,12 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, tempera
     is not valid Unicode."""
     if mode not in _MODES:
         raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"mode must be 'ddtree' or 'autoregressive', not {mode!r}")
-    stops = [stop] if isinstance(stop, str) else list(stop)
+    if not isinstance(ignore_eos, bool):
+        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"ignore_eos must be True or False, not {ignore_eos!r}")
+    stops = [stop] if isinstance(stop, str) else _listed("stop", stop)
+    stop_token_ids = _listed("stop_token_ids", stop_token_ids)
     texts = [prompt] if isinstance(prompt, str) else []
-    ids = [] if isinstance(prompt, str) else prompt
+    ids = [] if isinstance(prompt, str) else _listed("prompt", prompt)
     for name, values in (("prompt", ids), ("stop_token_ids", stop_token_ids)):
         bad = next((t for t in values if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
         if bad is not None:
@@ -100,6 +120,17 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, tempera
     return req
 
 
+def _listed(name: str, value) -> list:
+    """``value`` (None: nothing, except for the prompt) as a list: any iterable but text and bytes,
+    which would otherwise pass as characters or as token ids (b"hi" is [104, 105])."""
+    if value is None and name != "prompt":
+        return []
+    if isinstance(value, (str, bytes, bytearray, memoryview)) or not hasattr(value, "__iter__"):
+        want = "text or a list of token ids" if name == "prompt" else "a list"
+        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be {want}, not {type(value).__name__}")
+    return list(value)
+
+
 def _put(name: str, fn, *args) -> None:
     """``fn(*args)``, one argument's way into the message; what protobuf refuses names that argument."""
     try:
@@ -109,9 +140,14 @@ def _put(name: str, fn, *args) -> None:
 
 
 def _chunk(msg: scheduler_pb2.GenerateResponse) -> Chunk:
+    usage = None
+    if msg.HasField("usage"):
+        u = msg.usage
+        usage = Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, steps=u.steps,
+                      mean_acceptance=u.mean_acceptance)
     return Chunk(request_id=msg.request_id, token_ids=list(msg.token_ids), text=msg.text,
                  acceptance_lengths=list(msg.acceptance_lengths),
-                 finish_reason=_FINISH[msg.finish_reason] if msg.finish_reason else None)
+                 finish_reason=_FINISH[msg.finish_reason] if msg.finish_reason else None, usage=usage)
 
 
 def _error(exc: grpc.RpcError) -> ClientError:
@@ -124,13 +160,21 @@ def _channel_args(tls_ca: str | bytes | None, token: str | None,
     creds = None
     options = []
     if tls_ca is not None:
-        roots = tls_ca if isinstance(tls_ca, bytes) else open(tls_ca, "rb").read()
+        try:
+            roots = tls_ca if isinstance(tls_ca, bytes) else open(tls_ca, "rb").read()
+        except OSError as exc:
+            raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"tls_ca: cannot read {tls_ca}: {exc.strerror}") from None
         creds = grpc.ssl_channel_credentials(root_certificates=roots or None)
         if token:
             creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
     return creds, options
+
+
+def _check_open(closed: bool) -> None:
+    if closed:  # gRPC's own error here is a ValueError or its UsageError, not a status
+        raise ClientError(grpc.StatusCode.FAILED_PRECONDITION, "this client is closed")
 
 
 def _metadata(tls_ca, token) -> tuple:
@@ -151,6 +195,7 @@ class Client:
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self.timeout_s = timeout_s
         self.wait_for_ready = wait_for_ready
+        self._closed = False
 
     def __enter__(self) -> Client:
         return self
@@ -159,9 +204,11 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
 
     def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[Chunk]:
+        _check_open(self._closed)
         timeout = kwargs.pop("timeout_s", self.timeout_s)
         call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
                                    wait_for_ready=self.wait_for_ready, metadata=self._md)
@@ -180,12 +227,14 @@ class Client:
         return out
 
     def abort(self, request_id: str) -> bool:
+        _check_open(self._closed)
         try:
             return self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), metadata=self._md).found
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
     def model_info(self) -> common_pb2.ModelInfo:
+        _check_open(self._closed)
         try:
             return self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=self.wait_for_ready,
                                            metadata=self._md,
@@ -207,6 +256,7 @@ class AsyncClient:
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self.timeout_s = timeout_s
         self.wait_for_ready = wait_for_ready
+        self._closed = False
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -215,9 +265,11 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        self._closed = True
         await self._channel.close()
 
     async def stream(self, prompt: str | Sequence[int], **kwargs) -> AsyncIterator[Chunk]:
+        _check_open(self._closed)
         timeout = kwargs.pop("timeout_s", self.timeout_s)
         call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
                                    wait_for_ready=self.wait_for_ready, metadata=self._md)
@@ -236,12 +288,14 @@ class AsyncClient:
         return out
 
     async def abort(self, request_id: str) -> bool:
+        _check_open(self._closed)
         try:
             return (await self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), metadata=self._md)).found
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
     async def model_info(self) -> common_pb2.ModelInfo:
+        _check_open(self._closed)
         try:
             return await self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(),
                                                  wait_for_ready=self.wait_for_ready, metadata=self._md,

@@ -46,6 +46,10 @@ def discover(entries: tuple[str, ...] | list[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def _live(req: ActiveRequest | None) -> bool:
+    return req is not None and not req.aborted
+
+
 def limits_from_info(info: common_pb2.ModelInfo) -> Limits:
     return Limits(vocab_size=info.vocab_size, max_context=info.max_context, block_size=info.block_size,
                   eos_token_id=info.eos_token_id, kv_capacity_tokens=info.kv_capacity_tokens)
@@ -138,10 +142,14 @@ class Router:
         if self.waiting >= self.settings.max_queue:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"queue full ({self.settings.max_queue} requests waiting); retry later")
-        if any(req.request_id in lane.running or any(w.request_id == req.request_id for w in lane.waiting)
+        # An aborted request that has not left its step loop yet does not hold its id: the id may be
+        # reused at once, on the same loop, which releases the old one downstream before the next
+        # step's items (another replica's step could reach the shared verifier first).
+        if any(_live(lane.running.get(req.request_id)) or any(w.request_id == req.request_id for w in lane.waiting)
                for lane in self.lanes):
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id} is already in use")
-        min(live, key=lambda lane: lane.load).submit(req)
+        leaving = [lane for lane in live if req.request_id in lane.running]
+        (leaving[0] if leaving else min(live, key=lambda lane: lane.load)).submit(req)
         self._update_gauges()
 
     def abort(self, request_id: str) -> bool:
