@@ -58,7 +58,14 @@ def _run_async(coro) -> None:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from services.common.launcher import Stack, StackSpec
+    from services.common.settings import SettingsError
 
+    for ok, flag in ((0 <= args.port < 65536, f"--port {args.port}: not a TCP port (0 = any free one)"),
+                     (args.draft_replicas >= 1, f"--draft-replicas {args.draft_replicas}: must be >= 1"),
+                     (args.tp >= 0, f"--tp {args.tp}: must be >= 1 (or 0: the config's)")):
+        if not ok:
+            print(f"ddtree up: {flag}", file=sys.stderr)
+            return 2
     model = Path(args.model)
     if not (model / "config.json").is_file():
         print(f"ddtree up: no checkpoint at {model} (config.json missing); "
@@ -77,6 +84,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     try:
         stack.start()
+    except SettingsError as exc:
+        print(f"ddtree up: {exc}", file=sys.stderr)
+        return 2
     except RuntimeError as exc:
         print(f"ddtree up: {exc}", file=sys.stderr)
         return 1

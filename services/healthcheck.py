@@ -2,9 +2,10 @@
 
 Compose runs it in each container; the port comes from the argument or DDTREE_HEALTH_PORT. A
 scheduler with `tls_cert` set speaks only TLS on its port, so where the plaintext probe gets no
-answer and DDTREE_SCHEDULER_TLS_CERT names a certificate, the probe asks again over TLS, trusting
-that certificate (as `ddtree up` does; it verifies a self-signed one). The certificate must name
-127.0.0.1, or DDTREE_HEALTH_TLS_NAME gives the name to check instead.
+answer and the scheduler's `tls_cert` is known (`DDTREE_SCHEDULER_TLS_CERT`, or the config file
+that DDTREE_HEALTH_CONFIG names, read as the scheduler reads it), the probe asks again over TLS,
+trusting that certificate (as `ddtree up` does; it verifies a self-signed one). The certificate
+must name 127.0.0.1, or DDTREE_HEALTH_TLS_NAME gives the name to check instead.
 """
 
 from __future__ import annotations
@@ -30,20 +31,31 @@ def check(address: str, tls_roots: bytes | None = None, tls_name: str | None = N
                                                          timeout=timeout_s).status
 
 
+def scheduler_tls_cert(config_path: str | None, env: Mapping[str, str]) -> str:
+    """The scheduler's `tls_cert` as the scheduler itself resolves it (file, then environment); ""
+    when it has none, or when its settings do not load (the scheduler then fails on its own)."""
+    from services.common.settings import SchedulerSettings, SettingsError, load_settings
+
+    try:
+        return load_settings(SchedulerSettings, config_path, env=env).tls_cert
+    except SettingsError:
+        return env.get("DDTREE_SCHEDULER_TLS_CERT", "")
+
+
 def main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     address = f"127.0.0.1:{argv[1] if len(argv) > 1 else env.get('DDTREE_HEALTH_PORT', '50051')}"
     try:
         status = check(address)
     except grpc.RpcError as exc:
-        cert = env.get("DDTREE_SCHEDULER_TLS_CERT")
+        cert = scheduler_tls_cert(env.get("DDTREE_HEALTH_CONFIG") or None, env)
         if exc.code() != grpc.StatusCode.UNAVAILABLE or not cert:
             print(f"unhealthy: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
         try:
             status = check(address, Path(cert).read_bytes(), env.get("DDTREE_HEALTH_TLS_NAME"))
         except OSError as err:
-            print(f"unhealthy: cannot read DDTREE_SCHEDULER_TLS_CERT {cert}: {err.strerror}", file=sys.stderr)
+            print(f"unhealthy: cannot read the scheduler's tls_cert {cert}: {err.strerror}", file=sys.stderr)
             return 1
         except grpc.RpcError as err:
             print(f"unhealthy: {err.code().name} (plaintext and TLS): {err.details()}", file=sys.stderr)

@@ -23,10 +23,15 @@ def tls_stack(tmp_path_factory):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True)
-    spec = StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={
-        "DDTREE_SCHEDULER_TLS_CERT": str(cert), "DDTREE_SCHEDULER_TLS_KEY": str(key),
-        "DDTREE_SCHEDULER_AUTH_TOKEN": TOKEN})
+    # TLS from the config file (`ddtree up --config`): the launcher's health check must find the
+    # certificate there, as the scheduler does (it used to look in the environment only, and waited
+    # out its start-up timeout against a TLS-only port).
+    config = root / "ddtree.toml"
+    config.write_text(f'[scheduler]\ntls_cert = "{cert}"\ntls_key = "{key}"\n')
+    spec = StackSpec(model_path=str(ckpt), scheduler_port=0, config_path=str(config),
+                     extra_env={"DDTREE_SCHEDULER_AUTH_TOKEN": TOKEN}, startup_timeout_s=60)
     with Stack(spec) as stack:
+        stack.config = config
         yield stack, cert
 
 
@@ -77,3 +82,4 @@ def test_container_probe_speaks_tls_to_a_tls_scheduler(tls_stack):
     assert healthcheck.main(["probe", port], env={"DDTREE_SCHEDULER_TLS_CERT": str(cert),
                                                  "DDTREE_HEALTH_TLS_NAME": "not-in-the-cert"}) == 1
     assert healthcheck.main(["probe", port], env={"DDTREE_SCHEDULER_TLS_CERT": str(cert) + ".missing"}) == 1
+    assert healthcheck.main(["probe", port], env={"DDTREE_HEALTH_CONFIG": str(stack.config)}) == 0  # compose's way

@@ -20,6 +20,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_server import PARENT_PID_ENV
+from services.common.settings import DraftSettings, SchedulerSettings, VerifierSettings, load_settings
+
+_SETTINGS = {"verifier": VerifierSettings, "draft": DraftSettings, "scheduler": SchedulerSettings}
 
 __all__ = ["StackSpec", "Stack", "free_port", "wait_healthy"]
 
@@ -102,6 +105,10 @@ class Stack:
             "DDTREE_DRAFT_DRAFTER_PATH": spec.drafter_path or str(Path(spec.model_path) / "drafter"),
             "DDTREE_SCHEDULER_TOKENIZER_PATH": spec.model_path,
             PARENT_PID_ENV: str(os.getpid()),   # the services stop if this process dies without stopping them
+            # The launcher reaches the draft and verifier on loopback; a config file written for
+            # containers (host = "0.0.0.0") must not open them to the network here.
+            "DDTREE_VERIFIER_HOST": "127.0.0.1",
+            "DDTREE_DRAFT_HOST": "127.0.0.1",
         })
         base.update(spec.extra_env)
         vport = spec.verifier_port or free_port()
@@ -113,9 +120,13 @@ class Stack:
             dport = (spec.draft_port + i) if spec.draft_port else free_port()
             drafts.append(f"127.0.0.1:{dport}")
             name = f"draft-{i}" if spec.draft_replicas > 1 else "draft"
-            plan.append(_Service(name, "draft", drafts[-1],
-                                 {**self._env(base, "draft", name), "DDTREE_DRAFT_PORT": str(dport),
-                                  "DDTREE_DRAFT_VERIFIER_ADDRESS": verifier}))
+            env = {"DDTREE_DRAFT_PORT": str(dport), "DDTREE_DRAFT_VERIFIER_ADDRESS": verifier,
+                   **self._env(base, "draft", name)}
+            metrics = load_settings(DraftSettings, spec.config_path, env=env).metrics_port
+            if metrics and i > 0 and "DDTREE_DRAFT_METRICS_PORT" not in spec.service_env.get(name, {}):
+                env["DDTREE_DRAFT_METRICS_PORT"] = str(metrics + i)  # replicas would share the file's port
+            env.update({"DDTREE_DRAFT_PORT": str(dport), "DDTREE_DRAFT_VERIFIER_ADDRESS": verifier})
+            plan.append(_Service(name, "draft", drafts[-1], env))
         sport = spec.scheduler_port or free_port()
         plan.append(_Service("scheduler", "scheduler", f"127.0.0.1:{sport}",
                              {**self._env(base, "scheduler", "scheduler"), "DDTREE_SCHEDULER_PORT": str(sport),
@@ -130,7 +141,11 @@ class Stack:
         return env
 
     def start(self) -> Stack:
+        """Starts the services in order; raises ``SettingsError`` before starting any where one of
+        them could not load its settings (file + environment), ``RuntimeError`` where one fails."""
         self.services = self._plan()
+        for svc in self.services:
+            load_settings(_SETTINGS[svc.role], self.spec.config_path, env=svc.env)
         self.scheduler_address = self.services[-1].address
         try:
             for svc in self.services:
@@ -151,8 +166,10 @@ class Stack:
         else:
             svc.proc = subprocess.Popen(cmd, env=svc.env, start_new_session=True)
         roots = None
-        if svc.role == "scheduler" and svc.env.get("DDTREE_SCHEDULER_TLS_CERT"):
-            roots = Path(svc.env["DDTREE_SCHEDULER_TLS_CERT"]).read_bytes()
+        if svc.role == "scheduler":  # a TLS-only scheduler (its cert from the config file or the environment)
+            from services.healthcheck import scheduler_tls_cert
+            cert = scheduler_tls_cert(self.spec.config_path, svc.env)
+            roots = Path(cert).read_bytes() if cert and Path(cert).is_file() else None
         wait_healthy(svc.address, svc.proc, svc.name, self.spec.startup_timeout_s, roots)
 
     @property

@@ -1,0 +1,43 @@
+"""What `ddtree up` gives each service before starting it, and the mistakes it refuses before
+starting any."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from services.common.launcher import Stack, StackSpec
+from services.common.settings import DraftSettings, SettingsError, VerifierSettings, load_settings
+
+
+def test_the_compose_config_runs_under_up_with_replicas_on_loopback() -> None:
+    """compose/ddtree.toml sets host 0.0.0.0 and draft metrics port 9102 for containers; under
+    `ddtree up` the draft and verifier stay on loopback and each replica gets a metrics port of
+    its own (two replicas used to fight over 9102, and the second died at start-up)."""
+    stack = Stack(StackSpec(model_path="models/demo", config_path="compose/ddtree.toml", scheduler_port=0,
+                            draft_replicas=3))
+    plan = stack._plan()
+    drafts = [load_settings(DraftSettings, "compose/ddtree.toml", env=s.env) for s in plan if s.role == "draft"]
+    assert [d.metrics_port for d in drafts] == [9102, 9103, 9104]
+    assert {d.host for d in drafts} == {"127.0.0.1"}
+    assert load_settings(VerifierSettings, "compose/ddtree.toml", env=plan[0].env).host == "127.0.0.1"
+    assert len({d.port for d in drafts}) == 3
+
+
+def test_a_bad_setting_fails_before_any_service_starts(tmp_path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[scheduler]\nmax_batch = 0\n")
+    stack = Stack(StackSpec(model_path="models/demo", config_path=str(cfg), scheduler_port=0))
+    with pytest.raises(SettingsError, match=r"scheduler\.max_batch"):
+        stack.start()
+    assert stack.procs == []  # nothing was started
+
+
+@pytest.mark.parametrize("flags, needle", [(["--draft-replicas", "0"], "--draft-replicas 0"),
+                                           (["--port", "-1"], "--port -1"), (["--tp", "-2"], "--tp -2")])
+def test_up_refuses_bad_flags_at_once(flags, needle) -> None:
+    out = subprocess.run([sys.executable, "-m", "services.cli", "up", *flags], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and needle in out.stderr, out.stderr
