@@ -128,6 +128,9 @@ BAD_REQUESTS = [
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-1), "top_k"),
     (dict(stop_token_ids=[99999]), "stop_token_ids"),
+    # past the request size limit (4 MiB) but under gRPC's own (twice that): refused by name, where
+    # gRPC answered RESOURCE_EXHAUSTED "Received message larger than max"
+    (dict(prompt=[1 << 27] * (1100 << 10)), "scheduler.max_request_bytes"),  # 4-byte varints: 4.5 MB
 ]
 
 

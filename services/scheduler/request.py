@@ -236,7 +236,7 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
         raise ServiceError(invalid, f"sampling.temperature must be 0 (greedy) or in [{lo:g}, {hi:g}] "
                                     f"(got {s.temperature})")
     if not 0 <= s.top_p <= 1:
-        raise ServiceError(invalid, f"sampling.top_p must be in (0, 1] (got {s.top_p})")
+        raise ServiceError(invalid, f"sampling.top_p must be in [0, 1] (0 or 1: no nucleus cut; got {s.top_p})")
     if s.top_k < 0:
         raise ServiceError(invalid, f"sampling.top_k must be >= 0 (got {s.top_k})")
     for i, t in enumerate(req.stop_token_ids):

@@ -43,6 +43,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         try:
             text_ids = None
+            size = request.ByteSize()
+            if size > self.settings.max_request_bytes:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"request is {size} bytes; scheduler.max_request_bytes allows "
+                                   f"{self.settings.max_request_bytes}")
             if request.WhichOneof("prompt") == "text" and request.text and self.encoder is not None:
                 check_text_size(request.text, self.router.limits, self.token_bytes)
                 try:   # a long text in the encoder's worker process: the other streams go on meanwhile
@@ -103,7 +108,7 @@ async def serve(settings: SchedulerSettings) -> None:
     # Ports, TLS files and the tokenizer first: a bad one fails start-up now, not after the drafts answer.
     interceptors = [BearerTokenInterceptor(settings.auth_token)] if settings.auth_token else []
     server, health = new_server([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name], interceptors,
-                                max_receive_bytes=settings.max_request_bytes)
+                                max_receive_bytes=2 * settings.max_request_bytes)  # up to 2x: a named refusal (Generate)
     credentials = server_credentials(settings.tls_cert, settings.tls_key) if settings.tls_cert else None
     port = listen(server, f"{settings.host}:{settings.port}", "scheduler.port", credentials)
     metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
