@@ -1,7 +1,8 @@
 """One typed, frozen settings object per service, built from file + environment + flags.
 
 The launcher, compose and each service read the same TOML file (one table per service), so a
-value means the same thing wherever it is set. Precedence: flags > environment > file > defaults.
+value means the same thing wherever it is set. Precedence: the launcher's own values (ports,
+addresses, model paths) > environment > file > defaults.
 Environment variables are `DDTREE_<SERVICE>_<FIELD>` (e.g. `DDTREE_VERIFIER_PAGE_SIZE=32`).
 The only other variables read are not settings: the launcher's (it passes these to the services),
 the health probe's (`DDTREE_HEALTH_*`) and the kernel overrides README.md lists.
