@@ -108,3 +108,11 @@ def test_a_verifier_address_without_a_port_is_refused() -> None:
 
     with pytest.raises(SettingsError, match=r"draft\.verifier_address"):
         DraftSettings(verifier_address="verifier")
+
+
+def test_a_context_past_the_model_is_refused() -> None:
+    from services.common.settings import VerifierSettings
+    from services.verifier.server import build_engine
+
+    with pytest.raises(SettingsError, match=r"verifier\.max_context: 100000 is past the model's max_position_embeddings"):
+        build_engine(VerifierSettings(model_path="models/demo", max_context=100000))

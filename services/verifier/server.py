@@ -27,7 +27,7 @@ from services.common.devices import pin_device
 from services.common.grpc_server import ServiceError, listen, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
-from services.common.settings import VerifierSettings
+from services.common.settings import SettingsError, VerifierSettings
 from services.common.transport import TensorReader, TensorWriter, bundle_slot, make_reader, make_writer
 from services.verifier.engine import PrefillInput, VerifierEngine
 from services.verifier.kv_cache import PagedKVCache
@@ -270,6 +270,9 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
     cfg = model.config
     log.info("weights_loaded", path=settings.model_path, layers=cfg.num_hidden_layers, rank=tp.rank, tp=tp.size,
              seconds=round(time.perf_counter() - t0, 2))
+    if settings.max_context > cfg.max_position_embeddings:
+        raise SettingsError(f"verifier.max_context: {settings.max_context} is past the model's "
+                            f"max_position_embeddings ({cfg.max_position_embeddings})")
     max_context = settings.max_context or cfg.max_position_embeddings
     num_pages = -(-settings.kv_capacity_tokens // settings.page_size)
     cache = PagedKVCache(cfg.num_hidden_layers, num_pages, settings.page_size,
