@@ -116,3 +116,20 @@ def test_a_context_past_the_model_is_refused() -> None:
 
     with pytest.raises(SettingsError, match=r"verifier\.max_context: 100000 is past the model's max_position_embeddings"):
         build_engine(VerifierSettings(model_path="models/demo", max_context=100000))
+
+
+def test_a_draft_without_its_verifier_names_the_address_and_the_wait() -> None:
+    """It used to wait a fixed 120 s without a word, then say 'verifier handshake failed: Deadline
+    Exceeded' without the address."""
+    import os
+    import subprocess
+    import sys
+
+    address = f"127.0.0.1:{free_port()}"
+    env = {"DDTREE_DRAFT_VERIFIER_ADDRESS": address, "DDTREE_DRAFT_VERIFIER_WAIT_S": "1", "DDTREE_DRAFT_PORT": "0",
+           "DDTREE_DRAFT_TRANSPORT": "inline"}
+    out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "draft"], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert f"draft.verifier_address {address}: nothing answered within 1 s (draft.verifier_wait_s)" in out.stderr
+    assert "verifier_connecting" in out.stdout + out.stderr

@@ -23,7 +23,6 @@ __all__ = ["DraftServicer", "serve"]
 log = get_logger("draft")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-VERIFIER_WAIT_S = 120.0  # how long a starting draft waits for its verifier (compose starts them together)
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
@@ -68,12 +67,12 @@ async def serve(settings: DraftSettings) -> None:
     t0 = time.perf_counter()
     engine.warm_up(settings.warmup_budgets, str(device))
     log.info("draft_warm", budgets=list(settings.warmup_budgets), seconds=round(time.perf_counter() - t0, 2))
-    log.info("verifier_connecting", verifier=settings.verifier_address, wait_s=VERIFIER_WAIT_S)
+    log.info("verifier_connecting", verifier=settings.verifier_address, wait_s=settings.verifier_wait_s)
     try:   # fail fast on an incompatible verifier (FAILED_PRECONDITION names the field)
-        await engine.connect(wait_s=VERIFIER_WAIT_S)
+        await engine.connect(wait_s=settings.verifier_wait_s)
     except ServiceError as exc:
-        waited = f"nothing answered within {VERIFIER_WAIT_S:.0f} s" if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED \
-            else exc.message
+        waited = (f"nothing answered within {settings.verifier_wait_s:g} s (draft.verifier_wait_s)"
+                  if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED else exc.message)
         raise ServiceError(exc.code, f"draft.verifier_address {settings.verifier_address}: {waited}") from None
     log.info("verifier_connected", transport=client.handshake.transport, device=str(device),
              max_context=engine.max_context)
