@@ -169,3 +169,54 @@ def test_requests_of_a_failed_step_are_released_when_the_replica_is_back() -> No
         assert sorted(step.draft.calls[1].release) == ["a", "b", "old"]
 
     asyncio.run(scenario())
+
+
+def test_a_reused_id_survives_the_late_cancellation_of_the_stream_it_replaced() -> None:
+    """Abort request "x", reuse the id at once, then the old stream's client goes away: the
+    cancellation ends the old request object only, not the new one with its id."""
+    from ddtree.v1 import draft_pb2, scheduler_pb2
+    from services.scheduler.router import Router
+    from services.scheduler.server import SchedulerServicer
+
+    class SlowDraft:  # every step in flight for a while, a token a request
+        async def Step(self, req, timeout=None):
+            await asyncio.sleep(0.1)
+            return draft_pb2.StepResponse(results=[draft_pb2.StepResult(
+                request_id=i.request_id, token_ids=[5], acceptance_length=0 if i.prompt_token_ids else 1) for i in req.items])
+
+    def generate(max_tokens: int) -> scheduler_pb2.GenerateRequest:
+        req = scheduler_pb2.GenerateRequest(request_id="x", max_tokens=max_tokens, ignore_eos=True)
+        req.token_ids.ids.extend([1, 2, 3])
+        return req
+
+    async def scenario() -> list[scheduler_pb2.GenerateResponse]:
+        settings = SchedulerSettings(tokenizer_path="")
+        router = Router(settings, Metrics("scheduler-test"))
+        router.info = common_pb2.ModelInfo(vocab_size=64, max_context=4096, block_size=16, kv_capacity_tokens=10_000)
+        limits = Limits(vocab_size=64, max_context=4096, block_size=16, eos_token_id=0, kv_capacity_tokens=10_000)
+        lane = StepLoop(settings, "draft", SlowDraft(), limits, KvBudget(capacity=10_000), router.metrics)
+        lane.start()
+        router.lanes.append(lane)
+        servicer = SchedulerServicer(settings, router, router.info, None)
+        old = servicer.Generate(generate(50), None)
+        await old.__anext__()
+        waiting = asyncio.create_task(old.__anext__())
+        await asyncio.sleep(0.01)
+        assert router.abort("x")
+        new = servicer.Generate(generate(3), None)
+        first = asyncio.create_task(new.__anext__())
+        await asyncio.sleep(0.01)
+        waiting.cancel()  # the old stream's client leaves
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            pass
+        messages = [await first]
+        while not messages[-1].finish_reason:
+            messages.append(await new.__anext__())
+        await router.stop()
+        return messages
+
+    messages = asyncio.run(scenario())
+    assert messages[-1].finish_reason == scheduler_pb2.FINISH_REASON_LENGTH
+    assert sum(len(m.token_ids) for m in messages) == 3

@@ -15,12 +15,13 @@ from services.common.settings import DraftSettings, SettingsError, VerifierSetti
 def test_the_compose_config_runs_under_up_with_replicas_on_loopback() -> None:
     """compose/ddtree.toml sets host 0.0.0.0 and draft metrics port 9102 for containers; under
     `ddtree up` the draft and verifier stay on loopback and each replica gets a metrics port of
-    its own (two replicas used to fight over 9102, and the second died at start-up)."""
+    its own that no other service uses (two replicas used to fight over 9102, and the second died
+    at start-up)."""
     stack = Stack(StackSpec(model_path="models/demo", config_path="compose/ddtree.toml", scheduler_port=0,
                             draft_replicas=3))
     plan = stack._plan()
     drafts = [load_settings(DraftSettings, "compose/ddtree.toml", env=s.env) for s in plan if s.role == "draft"]
-    assert [d.metrics_port for d in drafts] == [9102, 9103, 9104]
+    assert [d.metrics_port for d in drafts] == [9102, 9104, 9105]  # 9101 / 9103: scheduler / verifier
     assert {d.host for d in drafts} == {"127.0.0.1"}
     assert load_settings(VerifierSettings, "compose/ddtree.toml", env=plan[0].env).host == "127.0.0.1"
     assert len({d.port for d in drafts}) == 3
@@ -41,3 +42,12 @@ def test_up_refuses_bad_flags_at_once(flags, needle) -> None:
     out = subprocess.run([sys.executable, "-m", "services.cli", "up", *flags], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and needle in out.stderr, out.stderr
+
+
+def test_a_model_without_a_tokenizer_serves_token_ids(tmp_path) -> None:
+    """`ddtree up` points the scheduler at the model's tokenizer.json only where there is one (a
+    missing tokenizer is a start-up error when configured by hand)."""
+    (tmp_path / "config.json").write_text("{}")
+    for model, want in ((str(tmp_path), ""), ("models/demo", "models/demo")):
+        plan = Stack(StackSpec(model_path=model, scheduler_port=0))._plan()
+        assert plan[-1].env["DDTREE_SCHEDULER_TOKENIZER_PATH"] == want

@@ -229,3 +229,70 @@ def test_the_sdk_reports_a_missing_ca_file_and_a_closed_client(tmp_path) -> None
             await a.abort("x")
     import asyncio
     asyncio.run(closed_async())
+
+
+def _byte_token(b: int) -> int:
+    """The demo tokenizer's token for one byte (byte-level BPE's printable stand-in for it)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    char = chr(b) if b in printable else chr(256 + sorted(set(range(256)) - set(printable)).index(b))
+    return TOKENIZER.token_to_id(char)
+
+
+def _steps(req: ActiveRequest, steps: list[list[int]]) -> tuple[str, list[int], list[int]]:
+    req.add_tokens(steps[0], 0)
+    for step in steps[1:]:
+        if req.done:
+            break
+        req.add_tokens(step, len(step))
+    if not req.done:
+        req.end(scheduler_pb2.FINISH_REASON_LENGTH)
+    messages = []
+    while not req.events.empty():
+        messages.append(req.events.get_nowait())
+    return ("".join(m.text for m in messages), [t for m in messages for t in m.token_ids],
+            [a for m in messages for a in m.acceptance_lengths])
+
+
+def test_a_stop_string_before_a_split_character_is_seen_in_its_own_step() -> None:
+    """A step that ends inside a multi-byte character still shows the text before it, so a stop
+    string completed there ends the output then (before, it was seen a step late, with the split
+    character's tokens kept)."""
+    x, c = TOKENIZER.token_to_id("x"), TOKENIZER.token_to_id("c")
+    e4, b8, ad = (_byte_token(b) for b in (0xE4, 0xB8, 0xAD))  # 中
+    assert TOKENIZER.decode([e4, b8, ad]) == "中"
+    for steps in ([[x], [c], [e4], [b8], [ad]], [[x], [c, e4], [b8, ad]]):
+        text, ids, acceptance = _steps(_request(stop=("c",)), steps)
+        assert (text, ids, sum(acceptance)) == ("x", [x, c], 1), steps
+
+
+def test_the_same_tokens_stop_the_same_way_however_they_came_in_steps() -> None:
+    """The stop string completed first wins, as with one token a step: 'c' inside 'abcd'."""
+    x, a, b, c, d, y = (TOKENIZER.token_to_id(ch) for ch in "xabcdy")
+    tokens = [x, a, b, c, d, y]
+    one_a_step = _steps(_request(stop=("abcd", "c")), [[t] for t in tokens])
+    together = _steps(_request(stop=("abcd", "c")), [tokens[:1], tokens[1:]])
+    assert one_a_step[:2] == together[:2] == ("xab", [x, a, b, c])
+
+
+def test_a_run_of_steps_that_end_inside_a_character_decodes_a_bounded_window() -> None:
+    """Invalid UTF-8 at every step's end (a lead byte, then ASCII): the window still moves on."""
+    from services.scheduler.detokenize import IncrementalDetokenizer
+
+    class Counting:
+        tokens = 0
+
+        def decode(self, ids, skip_special_tokens=False):
+            Counting.tokens += len(ids)
+            return TOKENIZER.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    x, e4 = TOKENIZER.token_to_id("x"), _byte_token(0xE4)
+    detok, ids = IncrementalDetokenizer(Counting()), []
+    for _ in range(400):
+        ids += [x, e4]
+        text = detok.update(ids)
+        assert TOKENIZER.decode(ids).startswith(text)
+    before = Counting.tokens
+    ids += [x, e4]
+    detok.update(ids)
+    assert Counting.tokens - before <= 4 * IncrementalDetokenizer.MAX_WINDOW
+    assert detok.update(ids, final=True) == TOKENIZER.decode(ids)

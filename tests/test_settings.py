@@ -49,6 +49,8 @@ def test_unknown_key_and_missing_file(tmp_path):
     ("[verifier]\ngraph_batches = [1, 2.5]\n", "verifier.graph_batches"),
     ("[scheduler]\nmax_batch = 1.7\n", "scheduler.max_batch: 1.7 is not an integer"),
     ("[scheduler]\nmax_batch = true\n", "scheduler.max_batch: True is not an integer"),
+    ("[scheduler]\nmax_batch = \"8\"\n", "scheduler.max_batch: '8' is a string"),
+    ("[scheduler]\ndraft_addresses = \"a:1\"\n", "scheduler.draft_addresses: 'a:1' is a string; this setting is tuple"),
     ("[scheduler]\njson_logs = 5\n", "scheduler.json_logs: 5 is not a boolean"),
     ("[verifier]\ncuda_graphs = 2\n", "verifier.cuda_graphs: 2 is not a boolean"),
     ("[scheduler]\nhost = 5\n", "scheduler.host: 5 is not a string"),

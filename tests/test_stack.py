@@ -158,11 +158,22 @@ def test_bad_input_gets_clear_status_and_others_keep_running(stack, refs):
     assert done.token_ids == expected
 
 
+async def _reuse(client: AsyncClient, prompt, request_id: str):
+    """A call with ``request_id`` as soon as the server has the closed stream's cancellation, which
+    reaches it asynchronously (a few tries at most)."""
+    for _ in range(50):
+        try:
+            return await client.generate(prompt, max_tokens=3, request_id=request_id, ignore_eos=True)
+        except ClientError as exc:
+            assert exc.code == grpc.StatusCode.ALREADY_EXISTS
+            await asyncio.sleep(0.01)
+
+
 def test_a_stream_closed_early_or_aborted_frees_its_id_at_once(stack, refs):
     """`break` (+ `aclose()`) cancels the call, and abort ends the request; either way its id may be
-    used again by the very next call (before, the request ran to max_tokens and a reuse got
-    ALREADY_EXISTS; later, until the next step had retired it), and the new request's output is
-    its own."""
+    used again at once (before, the request ran to max_tokens and a reuse got ALREADY_EXISTS;
+    later, until the next step had retired it): right after ``abort`` returns, and as soon as a
+    closed stream's cancellation arrives. The new request's output is its own."""
     prompt = refs[PROMPTS[2]][0]
     kwargs = dict(max_tokens=400, mode="autoregressive", ignore_eos=True)
 
@@ -172,7 +183,7 @@ def test_a_stream_closed_early_or_aborted_frees_its_id_at_once(stack, refs):
             async for _ in chunks:
                 break
             await chunks.aclose()
-            first = await client.generate(prompt, max_tokens=3, request_id="closed-early", ignore_eos=True)
+            first = await _reuse(client, prompt, "closed-early")
             got = []
             async for chunk in client.stream(prompt, request_id="aborted", **kwargs):
                 got.append(chunk)
@@ -188,7 +199,11 @@ def test_a_stream_closed_early_or_aborted_frees_its_id_at_once(stack, refs):
     with Client(stack.scheduler_address) as c:
         for chunk in c.stream(prompt, request_id="sync-closed", **kwargs):
             break
-        assert c.generate(prompt, max_tokens=3, request_id="sync-closed", ignore_eos=True).token_ids == want
+
+    async def sync_closed_reused():
+        async with AsyncClient(stack.scheduler_address) as client:
+            return await _reuse(client, prompt, "sync-closed")
+    assert asyncio.run(sync_closed_reused()).token_ids == want
 
 
 def test_abort_and_deadline_end_requests_and_free_them(stack, refs):

@@ -33,6 +33,20 @@ def test_a_port_in_use_is_refused_not_shared() -> None:
     asyncio.run(run())
 
 
+def test_a_busy_port_is_found_before_the_slow_work() -> None:
+    """Each service checks its port first (the real bind waits until it can serve: a port bound
+    early accepts connections whose calls hang), so a busy one fails in a second, not after the
+    weights load."""
+    from services.common.grpc_server import check_port_free
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        with pytest.raises(SettingsError, match=r"verifier\.port: cannot listen on 127\.0\.0\.1:%d" % held.getsockname()[1]):
+            check_port_free("127.0.0.1", held.getsockname()[1], "verifier.port")
+    check_port_free("127.0.0.1", 0, "verifier.port")  # any free port: nothing to check
+
+
 def test_a_busy_metrics_port_names_the_setting() -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

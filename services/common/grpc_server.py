@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 from collections.abc import Iterable, Sequence
 
 import grpc
@@ -13,7 +14,8 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.logging import get_logger
 
-__all__ = ["ServiceError", "new_server", "listen", "serve_until_signal", "HEALTH_SERVICE_NAME", "PARENT_PID_ENV"]
+__all__ = ["ServiceError", "new_server", "check_port_free", "listen", "serve_until_signal", "HEALTH_SERVICE_NAME",
+           "PARENT_PID_ENV"]
 
 HEALTH_SERVICE_NAME = ""  # the overall server health, what `grpc_health_probe` asks by default
 # Set by `ddtree up` to its own pid: a service whose parent is no longer that process stops (below).
@@ -40,6 +42,24 @@ def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
     return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.so_reuseport", 0)]
+
+
+def check_port_free(host: str, port: int, setting: str) -> None:
+    """Fails start-up now, by the setting's name, where ``host:port`` cannot be bound, so a busy port
+    is found before minutes of loading. The real bind (``listen``) comes just before the server
+    starts: a port bound early accepts connections whose calls then hang until it starts, where an
+    unbound one refuses them at once."""
+    from services.common.settings import SettingsError
+
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no conflict
+            probe.bind(addr)
+    except OSError as exc:
+        raise SettingsError(f"{setting}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def listen(server: grpc.aio.Server, address: str, setting: str,

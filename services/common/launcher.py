@@ -103,7 +103,8 @@ class Stack:
             "DDTREE_VERIFIER_MODEL_PATH": spec.model_path,
             "DDTREE_DRAFT_TARGET_PATH": spec.model_path,
             "DDTREE_DRAFT_DRAFTER_PATH": spec.drafter_path or str(Path(spec.model_path) / "drafter"),
-            "DDTREE_SCHEDULER_TOKENIZER_PATH": spec.model_path,
+            # the model's tokenizer.json; a model without one serves token-id prompts only
+            "DDTREE_SCHEDULER_TOKENIZER_PATH": spec.model_path if (Path(spec.model_path) / "tokenizer.json").is_file() else "",
             PARENT_PID_ENV: str(os.getpid()),   # the services stop if this process dies without stopping them
             # The launcher reaches the draft and verifier on loopback; a config file written for
             # containers (host = "0.0.0.0") must not open them to the network here.
@@ -116,6 +117,10 @@ class Stack:
         plan = [_Service("verifier", "verifier", verifier,
                          {**self._env(base, "verifier", "verifier"), "DDTREE_VERIFIER_PORT": str(vport)})]
         drafts = []
+        # Draft replicas after the first take the next metrics ports after the configured one that
+        # no other service of the stack uses (replicas would otherwise share the file's port).
+        taken = {load_settings(VerifierSettings, spec.config_path, env=plan[0].env).metrics_port,
+                 load_settings(SchedulerSettings, spec.config_path, env=self._env(base, "scheduler", "scheduler")).metrics_port}
         for i in range(spec.draft_replicas):
             dport = (spec.draft_port + i) if spec.draft_port else free_port()
             drafts.append(f"127.0.0.1:{dport}")
@@ -123,8 +128,11 @@ class Stack:
             env = {"DDTREE_DRAFT_PORT": str(dport), "DDTREE_DRAFT_VERIFIER_ADDRESS": verifier,
                    **self._env(base, "draft", name)}
             metrics = load_settings(DraftSettings, spec.config_path, env=env).metrics_port
-            if metrics and i > 0 and "DDTREE_DRAFT_METRICS_PORT" not in spec.service_env.get(name, {}):
-                env["DDTREE_DRAFT_METRICS_PORT"] = str(metrics + i)  # replicas would share the file's port
+            if metrics and "DDTREE_DRAFT_METRICS_PORT" not in spec.service_env.get(name, {}):
+                while metrics in taken:
+                    metrics += 1
+                taken.add(metrics)
+                env["DDTREE_DRAFT_METRICS_PORT"] = str(metrics)
             env.update({"DDTREE_DRAFT_PORT": str(dport), "DDTREE_DRAFT_VERIFIER_ADDRESS": verifier})
             plan.append(_Service(name, "draft", drafts[-1], env))
         sport = spec.scheduler_port or free_port()

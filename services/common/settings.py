@@ -207,12 +207,15 @@ S = TypeVar("S", SchedulerSettings, DraftSettings, VerifierSettings)
 _SECTIONS: dict[type, str] = {SchedulerSettings: "scheduler", DraftSettings: "draft", VerifierSettings: "verifier"}
 
 
-def _coerce(name: str, value: Any, target: Any) -> Any:
+def _coerce(name: str, value: Any, target: Any, from_text: bool = True) -> Any:
     """Turns a TOML or environment value into the field's declared type. Environment values are
-    strings and are parsed; TOML values must already have the type (a list where a list is meant,
-    no ``true`` for a number, no 1.7 for an integer), so a slip in the file fails at start-up with
-    the setting's name instead of being rounded or crashing later."""
+    strings and are parsed (``from_text``); TOML values must already have the type (a list where a
+    list is meant, no ``true`` or ``"8"`` for a number, no 1.7 for an integer), so a slip in the
+    file fails at start-up with the setting's name instead of being rounded or crashing later."""
     text = str(target.__name__ if isinstance(target, type) else target)
+    if not from_text and isinstance(value, str) and text != "str":
+        shape = "a list, e.g. [...]" if text.startswith("tuple") else "written without quotes"
+        raise SettingsError(f"{name}: {value!r} is a string; this setting is {text}, {shape}")
     if text == "bool":
         if isinstance(value, bool):
             return value
@@ -282,7 +285,7 @@ def load_settings(cls: type[S], path: str | Path | None = None, env: Mapping[str
         for key, value in table.items():
             if key not in fields:
                 raise SettingsError(f"{section}.{key}: unknown setting (known: {', '.join(fields)})")
-            values[key] = _coerce(f"{section}.{key}", value, fields[key].type)
+            values[key] = _coerce(f"{section}.{key}", value, fields[key].type, from_text=False)
     environ = os.environ if env is None else env
     prefix = f"DDTREE_{section.upper()}_"
     for key, value in environ.items():

@@ -10,7 +10,7 @@ import torch
 
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from services.common.devices import pin_device
-from services.common.grpc_server import ServiceError, listen, new_server, serve_until_signal
+from services.common.grpc_server import ServiceError, check_port_free, listen, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import DraftSettings
@@ -48,8 +48,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 async def serve(settings: DraftSettings) -> None:
     configure_logging("draft", settings.json_logs)
     # Ports first: one that cannot be had fails start-up now, not after the weights load and the verifier answers.
-    server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
-    port = listen(server, f"{settings.host}:{settings.port}", "draft.port")
+    check_port_free(settings.host, settings.port, "draft.port")
     metrics = Metrics("draft")
     metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
     torch.set_num_threads(settings.cpu_threads)
@@ -76,7 +75,9 @@ async def serve(settings: DraftSettings) -> None:
         raise ServiceError(exc.code, f"draft.verifier_address {settings.verifier_address}: {waited}") from None
     log.info("verifier_connected", transport=client.handshake.transport, device=str(device),
              max_context=engine.max_context)
+    server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
     draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(engine), server)
+    port = listen(server, f"{settings.host}:{settings.port}", "draft.port")
     await server.start()
     log.info("serving", address=f"{settings.host}:{port}", verifier=settings.verifier_address, metrics_port=metrics_port)
     try:

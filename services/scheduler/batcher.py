@@ -68,15 +68,17 @@ class StepLoop:
         self.waiting.append(req)
         self._wake.set()
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, only: ActiveRequest | None = None) -> bool:
+        """Ends the request with this id; with ``only``, just that request object (a stream that
+        went away must not end a newer request that reuses its id)."""
         for req in self.waiting:
-            if req.request_id == request_id:
+            if req.request_id == request_id and (only is None or req is only):
                 self.waiting.remove(req)
                 req.end(scheduler_pb2.FINISH_REASON_ABORTED)
                 self._log_end(req)
                 return True
         req = self.running.get(request_id)
-        if req is None:
+        if req is None or (only is not None and req is not only):
             return False
         req.aborted = True
         self._wake.set()

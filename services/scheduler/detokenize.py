@@ -17,8 +17,12 @@ _PARTIAL = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
 
 
 class IncrementalDetokenizer:
-    """``text`` is ``tokenizer.decode(ids[:read])`` for the ids given so far, where ``read`` stops
-    short of a trailing incomplete character until more tokens complete it (or ``final``)."""
+    """The text of a growing token list. ``text`` is ``tokenizer.decode(ids[:read])``, where ``read``
+    is the last point at which the text ended on a whole character; ``update`` returns it plus the
+    whole characters decoded since, so a step that ends inside a character still shows (and lets
+    stop strings see) everything before it."""
+
+    MAX_WINDOW = 64  # tokens a window may grow to while its end stays partial (then it is cut shorter)
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -31,12 +35,22 @@ class IncrementalDetokenizer:
         last whole character; ``final``: through its end, partial characters included."""
         if len(ids) <= self._read:
             return self.text
-        window = self._decode(ids[self._prefix:])
         before = self._decode(ids[self._prefix:self._read])
-        if final or (len(window) > len(before) and not window.endswith(_PARTIAL)):
-            self.text += window[len(before):]
-            self._prefix, self._read = self._read, len(ids)
-        return self.text
+        new = self._decode(ids[self._prefix:])[len(before):]
+        if final or (new and not new.endswith(_PARTIAL)):
+            self._commit(new, len(ids))
+            return self.text
+        if len(ids) - self._prefix > self.MAX_WINDOW:  # a run of partial ends: move the window on
+            for end in range(len(ids) - 1, max(self._read, len(ids) - 4), -1):
+                head = self._decode(ids[self._prefix:end])[len(before):]
+                if head and not head.endswith(_PARTIAL):
+                    self._commit(head, end)
+                    return self.update(ids)
+        return self.text + new.rstrip(_PARTIAL)
+
+    def _commit(self, new: str, read: int) -> None:
+        self.text += new
+        self._prefix, self._read = self._read, read
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""

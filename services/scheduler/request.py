@@ -103,14 +103,15 @@ class ActiveRequest:
             self._detok = IncrementalDetokenizer(self.tokenizer)
         full = self._detok.update(ids, final=self.done)
         self.text = full
-        # The stop string that starts first ends the text, whatever the order of the list (two can
-        # complete in one step: "elf" inside "self").
-        found = [(pos, -len(s)) for s in self.stop if (pos := full.find(s, max(0, self.emitted_chars - len(s)))) >= 0]
+        # The stop string completed first ends the output, as it would have with one token a step,
+        # whatever the list order or how the tokens came in steps; of two ending together, the one
+        # that starts first ("self" over "elf").
+        found = [(pos + len(s), pos) for s in self.stop if (pos := full.find(s, max(0, self.emitted_chars - len(s)))) >= 0]
         if found:
-            pos, neg_len = min(found)
+            end, pos = min(found)
             self.text = full[:pos]
             self.finish = scheduler_pb2.FINISH_REASON_STOP
-            self._keep_tokens_through(full[:pos - neg_len])
+            self._keep_tokens_through(full[:end])
 
     def _keep_tokens_through(self, head: str) -> None:
         """Drops the tokens past the one that completes a stop string (a verify step may accept

@@ -152,8 +152,8 @@ class Router:
         (leaving[0] if leaving else min(live, key=lambda lane: lane.load)).submit(req)
         self._update_gauges()
 
-    def abort(self, request_id: str) -> bool:
-        return any(lane.abort(request_id) for lane in self.lanes)
+    def abort(self, request_id: str, only: ActiveRequest | None = None) -> bool:
+        return any(lane.abort(request_id, only) for lane in self.lanes)
 
     def _update_gauges(self) -> None:
         self.metrics.queue_depth.set(self.waiting)

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from ddtree.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.auth import BearerTokenInterceptor, server_credentials
-from services.common.grpc_server import ServiceError, listen, new_server, serve_until_signal
+from services.common.grpc_server import ServiceError, check_port_free, listen, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
@@ -67,8 +67,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 if event.finish_reason != scheduler_pb2.FINISH_REASON_UNSPECIFIED:
                     return
         except asyncio.CancelledError:
-            # Client went away or its deadline passed: free the request's slot and KV.
-            self.router.abort(req.request_id)
+            # Client went away or its deadline passed: free the request's slot and KV (this request's:
+            # after an abort, its id may already belong to a newer one).
+            self.router.abort(req.request_id, only=req)
             raise
 
     async def Abort(self, request: scheduler_pb2.AbortRequest,
@@ -105,12 +106,9 @@ def load_tokenizer(path: str) -> Tokenizer | None:
 async def serve(settings: SchedulerSettings) -> None:
     configure_logging("scheduler", settings.json_logs)
     metrics = Metrics("scheduler")
-    # Ports, TLS files and the tokenizer first: a bad one fails start-up now, not after the drafts answer.
-    interceptors = [BearerTokenInterceptor(settings.auth_token)] if settings.auth_token else []
-    server, health = new_server([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name], interceptors,
-                                max_receive_bytes=2 * settings.max_request_bytes)  # up to 2x: a named refusal (Generate)
+    # Port, TLS files and the tokenizer first: a bad one fails start-up now, not after the drafts answer.
+    check_port_free(settings.host, settings.port, "scheduler.port")
     credentials = server_credentials(settings.tls_cert, settings.tls_key) if settings.tls_cert else None
-    port = listen(server, f"{settings.host}:{settings.port}", "scheduler.port", credentials)
     metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
     tokenizer = load_tokenizer(settings.tokenizer_path)
     encoder = PromptEncoder(tokenizer, str(tokenizer_file(settings.tokenizer_path))) if tokenizer is not None else None
@@ -121,7 +119,12 @@ async def serve(settings: SchedulerSettings) -> None:
     log.info("model_info", vocab_size=info.vocab_size, max_context=info.max_context, block_size=info.block_size,
              kv_capacity_tokens=info.kv_capacity_tokens, transport=info.transport,
              tokenizer=settings.tokenizer_path if tokenizer else None, metrics_port=metrics_port)
+    interceptors = [BearerTokenInterceptor(settings.auth_token)] if settings.auth_token else []
+    # Up to twice the limit a request reaches Generate, which refuses it by the setting's name.
+    server, health = new_server([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name], interceptors,
+                                max_receive_bytes=min(2 * settings.max_request_bytes, 2**31 - 1))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(settings, router, info, tokenizer, encoder), server)
+    port = listen(server, f"{settings.host}:{settings.port}", "scheduler.port", credentials)
     await server.start()
     log.info("serving", address=f"{settings.host}:{port}", tls=bool(settings.tls_cert),
              auth=bool(settings.auth_token))

@@ -24,7 +24,7 @@ import torch
 
 from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.common.devices import pin_device
-from services.common.grpc_server import ServiceError, listen, new_server, serve_until_signal
+from services.common.grpc_server import ServiceError, check_port_free, listen, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import SettingsError, VerifierSettings
@@ -297,8 +297,7 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
 async def serve(settings: VerifierSettings, config_path: str | None = None) -> None:
     configure_logging("verifier", settings.json_logs)
     # Ports first: one that cannot be had fails start-up now, not after the weights load.
-    server, health = new_server([verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name])
-    port = listen(server, f"{settings.host}:{settings.port}", "verifier.port")
+    check_port_free(settings.host, settings.port, "verifier.port")
     metrics = Metrics("verifier")
     metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
     workers = []
@@ -309,8 +308,10 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
         tp = TensorParallel(0, settings.tp, init_method, backend=backend_for(settings), timeout_s=settings.tp_timeout_s)
     engine = build_engine(settings, tp)
     group = EngineGroup(engine, tp)
+    server, health = new_server([verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name])
     servicer = VerifierServicer(group, settings, metrics)
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+    port = listen(server, f"{settings.host}:{settings.port}", "verifier.port")
     await server.start()
     log.info("serving", address=f"{settings.host}:{port}", tp=settings.tp, metrics_port=metrics_port)
     died: list[str] = []
