@@ -12,6 +12,8 @@ from pathlib import Path
 
 import grpc
 
+from services.common.settings import SettingsError
+
 __all__ = ["BearerTokenInterceptor", "server_credentials"]
 
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
@@ -46,8 +48,6 @@ def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
     """TLS from PEM files. Checked when the scheduler starts, before it waits for its drafts: a file
     that cannot be read, or is not PEM, fails start-up naming the setting (gRPC itself would only
     fail to bind the port, which points at the wrong thing)."""
-    from services.common.settings import SettingsError
-
     pem = {}
     for setting, path, marker in (("scheduler.tls_cert", cert_file, b"-----BEGIN CERTIFICATE-----"),
                                   ("scheduler.tls_key", key_file, b"PRIVATE KEY-----")):

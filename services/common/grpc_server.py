@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.logging import get_logger
+from services.common.settings import SettingsError
 
 __all__ = ["ServiceError", "new_server", "check_port_free", "listen", "serve_until_signal", "HEALTH_SERVICE_NAME",
            "PARENT_PID_ENV"]
@@ -49,8 +50,6 @@ def check_port_free(host: str, port: int, setting: str) -> None:
     is found before minutes of loading. The real bind (``listen``) comes just before the server
     starts: a port bound early accepts connections whose calls then hang until it starts, where an
     unbound one refuses them at once."""
-    from services.common.settings import SettingsError
-
     if port == 0:
         return
     try:
@@ -66,8 +65,6 @@ def listen(server: grpc.aio.Server, address: str, setting: str,
            credentials: grpc.ServerCredentials | None = None) -> int:
     """Binds ``address`` (TLS with ``credentials``) and returns the port; a port that cannot be had
     fails start-up with the setting's name (``SettingsError``), not gRPC's bare RuntimeError."""
-    from services.common.settings import SettingsError
-
     try:
         if credentials is not None:
             return server.add_secure_port(address, credentials)

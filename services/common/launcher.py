@@ -125,15 +125,14 @@ class Stack:
             dport = (spec.draft_port + i) if spec.draft_port else free_port()
             drafts.append(f"127.0.0.1:{dport}")
             name = f"draft-{i}" if spec.draft_replicas > 1 else "draft"
-            env = {"DDTREE_DRAFT_PORT": str(dport), "DDTREE_DRAFT_VERIFIER_ADDRESS": verifier,
-                   **self._env(base, "draft", name)}
+            env = {**self._env(base, "draft", name), "DDTREE_DRAFT_PORT": str(dport),
+                   "DDTREE_DRAFT_VERIFIER_ADDRESS": verifier}
             metrics = load_settings(DraftSettings, spec.config_path, env=env).metrics_port
             if metrics and "DDTREE_DRAFT_METRICS_PORT" not in spec.service_env.get(name, {}):
                 while metrics in taken:
                     metrics += 1
                 taken.add(metrics)
                 env["DDTREE_DRAFT_METRICS_PORT"] = str(metrics)
-            env.update({"DDTREE_DRAFT_PORT": str(dport), "DDTREE_DRAFT_VERIFIER_ADDRESS": verifier})
             plan.append(_Service(name, "draft", drafts[-1], env))
         sport = spec.scheduler_port or free_port()
         plan.append(_Service("scheduler", "scheduler", f"127.0.0.1:{sport}",

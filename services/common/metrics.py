@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from services.common.settings import SettingsError
+
 __all__ = ["Metrics", "serve_metrics"]
 
 _STEP_BUCKETS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
@@ -45,6 +47,5 @@ def serve_metrics(metrics: Metrics, host: str, port: int) -> int | None:
     try:
         server, _ = start_http_server(port, addr=host, registry=metrics.registry)
     except OSError as exc:
-        from services.common.settings import SettingsError
         raise SettingsError(f"{metrics.service}.metrics_port: cannot listen on {host}:{port}: {exc.strerror}") from None
     return server.server_port
