@@ -1,9 +1,16 @@
-"""Per-request step split of a fresh stack: does a draft service start warm?
+"""Per-request step split of a fresh stack: does a draft service start warm, and where does a
+step's time go between the three processes?
 
-Starts the stack, sends `--requests` requests one after another and reports, per request, the
-mean draft / propose / tree / verify / transport milliseconds per step from the draft's
-Prometheus page (differences between scrapes). A warm start shows the same figures for the first
-request as for the last. Writes JSON when `--out` is given.
+Starts the stack, sends `--requests` requests one after another (C=1) and reports, per request, the
+mean milliseconds per step of every stage each service times (README "Metrics"), from the three
+Prometheus pages (differences between scrapes), as `<service>_<stage>_ms`. The hops are the
+differences between a caller's time and its callee's:
+* `scheduler_hop_ms` = the scheduler's Step round trip - the draft's whole handler;
+* `verifier_hop_ms` = the draft's call to the verifier - the verifier's time for that message;
+* `verifier_thread_ms` = the verifier's time for a message - its engine work and feature write;
+and `step_ms` = the scheduler's round trip + its own time between steps: one step as the stack runs it.
+A warm start shows the same figures for the first request as for the last. Writes JSON when `--out`
+is given.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from bench.matrix import stage_totals
 from services.common.launcher import Stack, StackSpec, free_port
 from services.scheduler.client import Client
 
+SERVICES = ("scheduler", "draft", "verifier")
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -31,8 +40,8 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--commit", default="")
     args = p.parse_args()
-    port = free_port()
-    env = {"DDTREE_DRAFT_METRICS_PORT": str(port)}
+    ports = {svc: free_port() for svc in SERVICES}
+    env = {f"DDTREE_{svc.upper()}_METRICS_PORT": str(port) for svc, port in ports.items()}
     for svc in ("VERIFIER", "DRAFT"):
         env[f"DDTREE_{svc}_DEVICE"], env[f"DDTREE_{svc}_DTYPE"] = args.device, args.dtype
     prompts = json.loads((Path(args.model) / "heldout_prompts.json").read_text())["prompts"]
@@ -42,15 +51,14 @@ def main() -> None:
             Client(stack.scheduler_address) as client:
         started_s = time.perf_counter() - t_start
         for i in range(args.requests):
-            before = stage_totals(f"127.0.0.1:{port}")
+            before = scrape(ports)
             t0 = time.perf_counter()
             client.generate(prompts[i % len(prompts)]["ids"][:args.prompt_len], max_tokens=args.max_tokens,
                             budget=args.budget, ignore_eos=True)
             wall = time.perf_counter() - t0
-            after = stage_totals(f"127.0.0.1:{port}")
-            split = {f"{k}_ms": round((s - before.get(k, (0, 0))[0]) / (n - before.get(k, (0, 0))[1]), 3)
-                     for k, (s, n) in after.items() if n > before.get(k, (0, 0))[1]}
-            rows.append({"request": i, "wall_s": round(wall, 3), **split})
+            time.sleep(0.2)   # the release-only step after the last token: counted by every service
+            split = per_step(before, scrape(ports))
+            rows.append({"request": i, "wall_s": round(wall, 3), **hops(split), **split})
             print(rows[-1], flush=True)
     if args.out:
         gpu = "cpu"
@@ -61,6 +69,31 @@ def main() -> None:
                "params": {**{k: v for k, v in vars(args).items() if k not in ("out", "commit")},
                           "stack_start_s": round(started_s, 1)}, "rows": rows}
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def scrape(ports: dict[str, int]) -> dict[str, tuple[float, float]]:
+    """(sum_ms, count) of every service's stages, keyed ``<service>_<stage>``."""
+    return {f"{svc}_{stage}": v for svc, port in ports.items()
+            for stage, v in stage_totals(f"127.0.0.1:{port}").items()}
+
+
+def per_step(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean ms a step of each stage between two scrapes."""
+    out = {}
+    for key, (s1, n1) in after.items():
+        s0, n0 = before.get(key, (0.0, 0.0))
+        if n1 > n0:
+            out[f"{key}_ms"] = round((s1 - s0) / (n1 - n0), 3)
+    return out
+
+
+def hops(split: dict[str, float]) -> dict[str, float]:
+    """The time between the services: each caller's time less its callee's."""
+    g = lambda key: split.get(f"{key}_ms", 0.0)  # noqa: E731
+    return {"step_ms": round(g("scheduler_step_rpc") + g("scheduler_scheduler"), 3),
+            "scheduler_hop_ms": round(g("scheduler_step_rpc") - g("draft_step"), 3),
+            "verifier_hop_ms": round(g("draft_verifier_rpc") - g("verifier_stream_step"), 3),
+            "verifier_thread_ms": round(g("verifier_stream_step") - g("verifier_verify") - g("verifier_features"), 3)}
 
 
 if __name__ == "__main__":

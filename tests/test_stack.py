@@ -11,6 +11,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import grpc
@@ -268,9 +269,26 @@ def test_every_service_exports_prometheus_metrics(stack):
     assert _value(sched, 'ddtree_requests_total{status="length"}') >= 1
     assert _value(sched, "ddtree_acceptance_length_count") >= 1
     assert "ddtree_queue_depth" in sched
-    for stage in ("draft", "verify", "transport"):
+    for stage in ("draft", "verify", "transport", "verifier_rpc", "context_commit", "step"):
         assert _value(pages["draft"], f'ddtree_step_ms_count{{stage="{stage}"}}') >= 1
-    assert _value(pages["verifier"], 'ddtree_step_ms_count{stage="commit"}') >= 1
+    for stage in ("commit", "stream_step", "features"):
+        assert _value(pages["verifier"], f'ddtree_step_ms_count{{stage="{stage}"}}') >= 1
+    assert _value(sched, 'ddtree_step_ms_count{stage="scheduler"}') >= 1
+    # Each caller's time holds its callee's: the hops are the differences. A release-only step may
+    # still be in flight after the request ended: read the pages again once both counted it.
+    deadline = time.monotonic() + 10
+    while _value(sched, 'ddtree_step_ms_count{stage="step_rpc"}') != \
+            _value(pages["draft"], 'ddtree_step_ms_count{stage="step"}') and time.monotonic() < deadline:
+        time.sleep(0.1)
+        pages = {name: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                 for name, port in METRICS_PORTS.items()}
+        sched = pages["scheduler"]
+    assert _value(sched, 'ddtree_step_ms_count{stage="step_rpc"}') == \
+        _value(pages["draft"], 'ddtree_step_ms_count{stage="step"}') >= 1
+    assert _value(sched, 'ddtree_step_ms_sum{stage="step_rpc"}') >= _value(pages["draft"], 'ddtree_step_ms_sum{stage="step"}')
+    assert _value(pages["draft"], 'ddtree_step_ms_sum{stage="step"}') >= \
+        _value(pages["draft"], 'ddtree_step_ms_sum{stage="verifier_rpc"}') >= \
+        _value(pages["verifier"], 'ddtree_step_ms_sum{stage="stream_step"}')
     assert _value(pages["verifier"], "ddtree_kv_pages_free") > 0
 
 

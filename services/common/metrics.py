@@ -1,7 +1,8 @@
 """Prometheus metrics, one registry per process, named with the shared stage vocabulary.
 
-Stages: draft (proposal + tree build; on the draft also its parts propose, propose_cpu, tree),
-verify (target forward + acceptance), commit, transport.
+Stages (`ddtree_step_ms{stage=...}`; README "Metrics" says what each service times): scheduler
+step_rpc, scheduler; draft step, draft (propose, propose_cpu, tree), verifier_rpc, context_commit,
+transport; verifier stream_step, verify, commit, features.
 Each service serves `/metrics` over HTTP on its `metrics_port` (0 = off).
 """
 

@@ -120,6 +120,7 @@ class DraftEngine:
         t1 = time.perf_counter()
         reply = await self.verifier.step(prefills, [r.request_id for r in verifying], packed,
                                          list(request.release))
+        t_reply = time.perf_counter()
         features, row = reply.features, 0
         commits: list[tuple[str, list[int], torch.Tensor]] = []
         n_prefills = len(reply.response.prefills)
@@ -144,12 +145,17 @@ class DraftEngine:
             results[res.request_id] = draft_pb2.StepResult(
                 request_id=res.request_id, token_ids=list(res.token_ids),
                 acceptance_length=0 if prefill else len(res.token_ids))
+        t_commit = time.perf_counter()
         if commits:
             await asyncio.to_thread(self._on_device, self.proposer.commit_many, commits)
         t2 = time.perf_counter()
-        self.metrics.step_ms.labels("draft").observe((t1 - t0) * 1e3)
-        self.metrics.step_ms.labels("verify").observe(reply.response.verify_ms)
-        self.metrics.step_ms.labels("transport").observe(max(0.0, (t2 - t1) * 1e3 - reply.response.verify_ms))
+        stage = self.metrics.step_ms.labels
+        stage("draft").observe((t1 - t0) * 1e3)
+        stage("verify").observe(reply.response.verify_ms)
+        stage("transport").observe(max(0.0, (t2 - t1) * 1e3 - reply.response.verify_ms))
+        stage("verifier_rpc").observe((t_reply - t1) * 1e3)
+        stage("context_commit").observe((t2 - t_commit) * 1e3)
+        stage("step").observe((t2 - t0) * 1e3)
         return draft_pb2.StepResponse(results=[results[i.request_id] for i in request.items
                                                if i.request_id in results],
                                       draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3)

@@ -93,21 +93,29 @@ class StepLoop:
 
     # ---- the loop -----------------------------------------------------------------------------
     async def run(self) -> None:
+        answered: float | None = None   # when the last step's answer came, while no wait followed it
         while True:
             self._retire_aborted()
             items = self._schedule() if self.healthy else []
             if not items and not (self._release and self.healthy):
                 self._wake.clear()
+                answered = None
                 await self._wake.wait()
                 continue
             release, self._release = self._release, []
+            sent = time.perf_counter()
+            if answered is not None:   # this loop's own time between two steps
+                self.metrics.step_ms.labels("scheduler").observe((sent - answered) * 1e3)
             try:
                 resp = await self.draft.Step(draft_pb2.StepRequest(items=items, release=release),
                                              timeout=self.settings.step_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 self._release = release + self._release   # not delivered: they go with the next step
                 self._fail_replica(exc)
+                answered = None
                 continue
+            answered = time.perf_counter()
+            self.metrics.step_ms.labels("step_rpc").observe((answered - sent) * 1e3)
             self.metrics.step_ms.labels("draft").observe(resp.draft_ms)
             self.metrics.step_ms.labels("verify").observe(resp.verify_ms)
             drafted: list[int] = []   # accepted tokens of this step's DDTree requests

@@ -143,7 +143,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         peer.streamed = True
         try:
             async for req in request_iterator:
-                yield await self._locked(self._step, peer, req)
+                t0 = time.perf_counter()
+                resp = await self._locked(self._step, peer, req)
+                self.metrics.step_ms.labels("stream_step").observe((time.perf_counter() - t0) * 1e3)
+                yield resp
         finally:
             # The stream ended (cleanly or because the draft died): nothing it held may leak. gRPC
             # cancels a dead draft's handler, and a cancelled await would cancel the clean-up before
@@ -228,7 +231,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         features = prefill.features
         if verify is not None:   # a prefill part is usually empty: no concatenation then
             features = torch.cat([features, verify.features]) if features.shape[0] else verify.features
+        t_write = time.perf_counter()
         bundle = peer.writer.write({"features": features})
+        self.metrics.step_ms.labels("features").observe((time.perf_counter() - t_write) * 1e3)
         self._observe()
         return verifier_pb2.VerifyResponse(
             sequence=req.sequence,
