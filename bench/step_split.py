@@ -5,7 +5,8 @@ Starts the stack, sends `--requests` requests one after another (C=1) and report
 mean milliseconds per step of every stage each service times (README "Metrics"), from the three
 Prometheus pages (differences between scrapes), as `<service>_<stage>_ms`. The hops are the
 differences between a caller's time and its callee's:
-* `scheduler_hop_ms` = the scheduler's Step round trip - the draft's whole handler;
+* `scheduler_hop_ms` = the scheduler's Step round trip - the draft's whole handler (its wait for
+  the last step's commit and trees drafted ahead included);
 * `verifier_hop_ms` = the draft's call to the verifier - the verifier's time for that message;
 * `verifier_thread_ms` = the verifier's time for a message - its engine work and feature write;
 and `step_ms` = the scheduler's round trip + its own time between steps: one step as the stack runs it.
@@ -91,7 +92,7 @@ def hops(split: dict[str, float]) -> dict[str, float]:
     """The time between the services: each caller's time less its callee's."""
     g = lambda key: split.get(f"{key}_ms", 0.0)  # noqa: E731
     return {"step_ms": round(g("scheduler_step_rpc") + g("scheduler_scheduler"), 3),
-            "scheduler_hop_ms": round(g("scheduler_step_rpc") - g("draft_step"), 3),
+            "scheduler_hop_ms": round(g("scheduler_step_rpc") - g("draft_ahead_wait") - g("draft_step"), 3),
             "verifier_hop_ms": round(g("draft_verifier_rpc") - g("verifier_stream_step"), 3),
             "verifier_thread_ms": round(g("verifier_stream_step") - g("verifier_verify") - g("verifier_features"), 3)}
 

@@ -269,7 +269,7 @@ def test_every_service_exports_prometheus_metrics(stack):
     assert _value(sched, 'ddtree_requests_total{status="length"}') >= 1
     assert _value(sched, "ddtree_acceptance_length_count") >= 1
     assert "ddtree_queue_depth" in sched
-    for stage in ("draft", "verify", "transport", "verifier_rpc", "context_commit", "step"):
+    for stage in ("draft", "verify", "transport", "verifier_rpc", "context_commit", "draft_ahead", "step", "ahead_wait"):
         assert _value(pages["draft"], f'ddtree_step_ms_count{{stage="{stage}"}}') >= 1
     for stage in ("commit", "stream_step", "features"):
         assert _value(pages["verifier"], f'ddtree_step_ms_count{{stage="{stage}"}}') >= 1
@@ -285,7 +285,10 @@ def test_every_service_exports_prometheus_metrics(stack):
         sched = pages["scheduler"]
     assert _value(sched, 'ddtree_step_ms_count{stage="step_rpc"}') == \
         _value(pages["draft"], 'ddtree_step_ms_count{stage="step"}') >= 1
-    assert _value(sched, 'ddtree_step_ms_sum{stage="step_rpc"}') >= _value(pages["draft"], 'ddtree_step_ms_sum{stage="step"}')
+    assert _value(sched, 'ddtree_step_ms_sum{stage="step_rpc"}') >= \
+        _value(pages["draft"], 'ddtree_step_ms_sum{stage="step"}') + _value(pages["draft"], 'ddtree_step_ms_sum{stage="ahead_wait"}')
+    # Every decoding step after the first of a request finds its tree drafted ahead.
+    assert _value(pages["draft"], 'ddtree_draft_trees_total{drafted="ahead"}') >= 4
     assert _value(pages["draft"], 'ddtree_step_ms_sum{stage="step"}') >= \
         _value(pages["draft"], 'ddtree_step_ms_sum{stage="verifier_rpc"}') >= \
         _value(pages["verifier"], 'ddtree_step_ms_sum{stage="stream_step"}')

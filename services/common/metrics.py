@@ -1,8 +1,8 @@
 """Prometheus metrics, one registry per process, named with the shared stage vocabulary.
 
 Stages (`ddtree_step_ms{stage=...}`; README "Metrics" says what each service times): scheduler
-step_rpc, scheduler; draft step, draft (propose, propose_cpu, tree), verifier_rpc, context_commit,
-transport; verifier stream_step, verify, commit, features.
+step_rpc, scheduler; draft ahead_wait, step, draft (propose, propose_cpu, tree), verifier_rpc,
+context_commit, draft_ahead, transport; verifier stream_step, verify, commit, features.
 Each service serves `/metrics` over HTTP on its `metrics_port` (0 = off).
 """
 
@@ -29,6 +29,9 @@ class Metrics:
                                     buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=r)
         self.step_ms = Histogram("ddtree_step_ms", "Step time by stage", ["stage"], buckets=_STEP_BUCKETS_MS,
                                  registry=r)
+        self.draft_trees = Counter("ddtree_draft_trees", "Trees sent to the verifier, by when they were drafted "
+                                   "(ahead: while the last step's answer travelled; step: in the step)",
+                                   ["drafted"], registry=r)
         self.queue_depth = Gauge("ddtree_queue_depth", "Requests waiting for admission", registry=r)
         self.running = Gauge("ddtree_running_requests", "Requests being decoded", registry=r)
         self.kv_pages_free = Gauge("ddtree_kv_pages_free", "Free KV cache pages", registry=r)

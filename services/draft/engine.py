@@ -3,6 +3,12 @@
 `step` reads top to bottom: sort the batch into prefills and verifies, draft a tree for each
 DDTree request (one batched tree build per budget), send everything in one verify message, then
 fold the answer back into each request's drafter context.
+
+The answer goes back to the scheduler before the drafter's context commit: the commit, and the
+next step's trees for every request still decoding, run while the answer travels and the
+scheduler plans its next step (`_ahead`). At C=1 that hides the draft's own work behind the
+scheduler's round trip. The next step waits for them first, and takes a tree drafted ahead only
+where the request and its budget are the ones it was drafted for; the rest it drafts as before.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 from ddtree.v1 import common_pb2, draft_pb2, verifier_pb2
 from services.common.devices import current
 from services.common.grpc_server import ServiceError
+from services.common.logging import get_logger
 from services.common.metrics import Metrics
 from services.common.settings import MAX_BUDGET
 from services.draft.proposer import Proposer
@@ -27,6 +34,8 @@ from services.draft.verifier_client import VerifierClient
 
 __all__ = ["DraftEngine"]
 
+log = get_logger("draft")
+
 
 @dataclass
 class _Request:
@@ -35,6 +44,7 @@ class _Request:
     pending: int = -1   # the last token the verifier sampled: the next tree's root
     length: int = 0     # tokens in the target's cache
     prefilling: bool = False  # its prompt is still arriving in pieces
+    budget: int = 0     # the tree budget of its last step (0: root only), what a tree drafted ahead uses
 
 
 @dataclass
@@ -52,6 +62,8 @@ class DraftEngine:
         self._requests: dict[str, _Request] = {}
         self._prompts: dict[str, list[int]] = {}   # held until the prefill's features arrive
         self._lock = asyncio.Lock()
+        self._ahead: asyncio.Future | None = None        # the last step's commit and next trees
+        self._ahead_trees: dict[str, tuple[int, _Tree]] = {}   # request -> (budget, tree) drafted ahead
         self.max_context = 0
         out = proposer.propose_output   # with propose graphs, the tree builds replay too
         self.tree_graphs = TreeGraphs(out, capture=out.is_cuda) if out is not None else None
@@ -89,6 +101,9 @@ class DraftEngine:
 
     async def step(self, request: draft_pb2.StepRequest) -> draft_pb2.StepResponse:
         async with self._lock:
+            t0 = time.perf_counter()
+            await self._settle()
+            self.metrics.step_ms.labels("ahead_wait").observe((time.perf_counter() - t0) * 1e3)
             try:
                 if not self.verifier.connected:
                     self._drop_all()   # a new stream means a verifier without our requests
@@ -115,7 +130,7 @@ class DraftEngine:
                 results[item.request_id] = draft_pb2.StepResult(request_id=item.request_id,
                                                                 error_code=err.code.value[0],
                                                                 error_message=err.message)
-        trees = await asyncio.to_thread(self._on_device, self._draft, verifying, budgets) if verifying else []
+        trees = await self._trees_for(verifying, budgets) if verifying else []
         packed = _pack_trees(trees) if trees else None
         t1 = time.perf_counter()
         reply = await self.verifier.step(prefills, [r.request_id for r in verifying], packed,
@@ -145,16 +160,17 @@ class DraftEngine:
             results[res.request_id] = draft_pb2.StepResult(
                 request_id=res.request_id, token_ids=list(res.token_ids),
                 acceptance_length=0 if prefill else len(res.token_ids))
-        t_commit = time.perf_counter()
-        if commits:
-            await asyncio.to_thread(self._on_device, self.proposer.commit_many, commits)
+        if commits:   # the answer leaves now; the commit and the next trees follow it
+            nxt = [r for r in (self._requests.get(rid) for rid, _, _ in commits)
+                   if r is not None and not r.prefilling and r.pending >= 0]
+            self._ahead = asyncio.ensure_future(asyncio.to_thread(self._on_device, self._commit_and_draft,
+                                                                  commits, nxt))
         t2 = time.perf_counter()
         stage = self.metrics.step_ms.labels
         stage("draft").observe((t1 - t0) * 1e3)
         stage("verify").observe(reply.response.verify_ms)
         stage("transport").observe(max(0.0, (t2 - t1) * 1e3 - reply.response.verify_ms))
         stage("verifier_rpc").observe((t_reply - t1) * 1e3)
-        stage("context_commit").observe((t2 - t_commit) * 1e3)
         stage("step").observe((t2 - t0) * 1e3)
         return draft_pb2.StepResponse(results=[results[i.request_id] for i in request.items
                                                if i.request_id in results],
@@ -182,6 +198,7 @@ class DraftEngine:
                 piece.sampling.CopyFrom(item.sampling)
                 piece.reserve_tokens = len(item.prompt_token_ids) + item.max_new_tokens + self.proposer.block_size
             req.prefilling = item.prompt_continues
+            req.budget = _budget(req, item)
             self._prompts[item.request_id] = list(item.prompt_token_ids)
             prefills.append(piece)
             return None
@@ -191,9 +208,50 @@ class DraftEngine:
             return ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"request {item.request_id}: its prompt has not all arrived")
         verifying.append(req)
-        ddtree = req.mode != common_pb2.MODE_AUTOREGRESSIVE
-        budgets.append(item.budget if ddtree else 0)
+        req.budget = _budget(req, item)
+        budgets.append(req.budget)
         return None
+
+    async def _settle(self) -> None:
+        """Waits for the last step's context commit and trees drafted ahead. A commit that failed
+        fails this step, as it failed the step that ran it before the commit moved here."""
+        ahead, self._ahead = self._ahead, None
+        self._ahead_trees = await ahead if ahead is not None else {}
+
+    def _commit_and_draft(self, commits: Sequence[tuple[str, list[int], torch.Tensor]],
+                          nxt: Sequence[_Request]) -> dict[str, tuple[int, _Tree]]:
+        """The step's context commit, then the next step's trees for ``nxt`` at their last budgets
+        (one thread hop for both). A tree drafting that fails here is left to the next step."""
+        t0 = time.perf_counter()
+        self.proposer.commit_many(commits)
+        t1 = time.perf_counter()
+        self.metrics.step_ms.labels("context_commit").observe((t1 - t0) * 1e3)
+        if not nxt:
+            return {}
+        try:
+            trees = self._draft(nxt, [r.budget for r in nxt])
+        except Exception as exc:  # noqa: BLE001 - drafted again, in the step that needs them
+            log.warning("draft_ahead_failed", error=repr(exc))
+            return {}
+        self.metrics.step_ms.labels("draft_ahead").observe((time.perf_counter() - t1) * 1e3)
+        return {r.request_id: (r.budget, t) for r, t in zip(nxt, trees)}
+
+    async def _trees_for(self, reqs: Sequence[_Request], budgets: Sequence[int]) -> list[_Tree]:
+        """Each request's tree: drafted ahead where it was drafted at this budget, else drafted now."""
+        ahead, self._ahead_trees = self._ahead_trees, {}
+        trees: list[_Tree | None] = []
+        for req, budget in zip(reqs, budgets):
+            hit = ahead.get(req.request_id)
+            trees.append(hit[1] if hit is not None and hit[0] == budget else None)
+        missing = [i for i, t in enumerate(trees) if t is None]
+        if missing:
+            drafted = await asyncio.to_thread(self._on_device, self._draft, [reqs[i] for i in missing],
+                                              [budgets[i] for i in missing])
+            for i, t in zip(missing, drafted):
+                trees[i] = t
+        self.metrics.draft_trees.labels("ahead").inc(len(reqs) - len(missing))
+        self.metrics.draft_trees.labels("step").inc(len(missing))
+        return trees   # type: ignore[return-value]
 
     def _on_device(self, fn, *args):
         """Runs ``fn`` with the drafter's GPU current: worker threads start on GPU 0, and kernels
@@ -249,6 +307,11 @@ class DraftEngine:
         if self._requests.pop(rid, None) is not None:
             self.proposer.drop(rid)
         self._prompts.pop(rid, None)
+
+
+def _budget(req: _Request, item: draft_pb2.StepItem) -> int:
+    """The step's tree budget for this request: the item's, or 0 (root only) in autoregressive mode."""
+    return item.budget if req.mode != common_pb2.MODE_AUTOREGRESSIVE else 0
 
 
 def _pack_trees(trees: Sequence[_Tree]) -> dict[str, torch.Tensor]:

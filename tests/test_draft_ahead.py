@@ -1,0 +1,118 @@
+"""The draft answers before its context commit and drafts the next step's trees meanwhile.
+
+A fake verifier stands in for the stream: it accepts each tree's root and a random continuation,
+and checks, at every step, that the trees it was sent are the trees the draft would draft from its
+state at that moment (so a tree drafted ahead is never stale).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from ddtree.v1 import common_pb2, draft_pb2, verifier_pb2
+from services.draft.engine import DraftEngine
+from services.draft.proposer import OracleProposer
+from services.draft.verifier_client import VerifyReply
+
+VOCAB, HIDDEN, LAYERS, BLOCK = 64, 8, (0, 1), 6
+FEATURES = HIDDEN * len(LAYERS)
+
+
+class FakeVerifier:
+    """Accepts each tree's root plus one drawn token; records the trees it was sent."""
+
+    connected = True
+    handshake = None
+
+    def __init__(self, engine_ref: list, bad_features: bool = False) -> None:
+        self.engine_ref = engine_ref
+        self.gen = torch.Generator().manual_seed(7)
+        self.sent: list[dict[str, list[list[int]]]] = []
+        self.bad_features = bad_features
+
+    async def step(self, prefills, verify_ids, packed, release) -> VerifyReply:
+        engine: DraftEngine = self.engine_ref[0]
+        resp = verifier_pb2.VerifyResponse()
+        feats = []
+        for p in prefills:
+            resp.prefills.add(request_id=p.request_id, token_ids=[int(torch.randint(VOCAB, (), generator=self.gen))],
+                              committed=len(p.token_ids))
+            feats.append(torch.randn(len(p.token_ids), FEATURES, generator=self.gen))
+        if verify_ids:
+            sizes = packed["sizes"].tolist()
+            tokens = packed["tokens"].split(sizes)
+            self.sent.append({rid: t.tolist() for rid, t in zip(verify_ids, tokens)})
+            # What the draft would draft now, from the state this step runs on.
+            reqs = [engine._requests[rid] for rid in verify_ids]
+            fresh = engine._draft(reqs, [r.budget for r in reqs])
+            assert [t.tokens.tolist() for t in fresh] == [t.tolist() for t in tokens]
+            for rid in verify_ids:
+                committed = 2 if self.bad_features else 1   # bad: more rows than the one token it names
+                resp.verifies.add(request_id=rid, token_ids=[int(torch.randint(VOCAB, (), generator=self.gen))],
+                                  committed=committed)
+                feats.append(torch.randn(committed, FEATURES, generator=self.gen))
+        return VerifyReply(resp, torch.cat(feats) if feats else torch.empty(0, FEATURES))
+
+
+def make_engine(bad_features: bool = False) -> tuple[DraftEngine, FakeVerifier]:
+    prompt = [3, 9, 27, 17]
+    proposer = OracleProposer({"vocab_size": VOCAB, "hidden_size": HIDDEN, "block_size": BLOCK,
+                               "target_layer_ids": list(LAYERS), "seed": 5,
+                               "continuations": [{"prompt": prompt, "continuation": [1, 2, 3, 4, 5, 6, 7, 8]}]})
+    ref: list = []
+    verifier = FakeVerifier(ref, bad_features)
+    engine = DraftEngine(proposer, verifier)   # type: ignore[arg-type]
+    engine.max_context = 512
+    ref.append(engine)
+    return engine, verifier
+
+
+def admit(rid: str, budget: int, prompt=(3, 9, 27, 17)) -> draft_pb2.StepItem:
+    return draft_pb2.StepItem(request_id=rid, prompt_token_ids=list(prompt), budget=budget, max_new_tokens=32,
+                              mode=common_pb2.MODE_DDTREE)
+
+
+def trees_by(engine: DraftEngine, drafted: str) -> float:
+    return engine.metrics.draft_trees.labels(drafted)._value.get()
+
+
+def test_next_trees_are_drafted_ahead_and_match_a_fresh_draft():
+    async def run():
+        engine, verifier = make_engine()
+        await engine.step(draft_pb2.StepRequest(items=[admit("a", 4), admit("b", 4)]))
+        for _ in range(3):
+            resp = await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=4),
+                                                                  draft_pb2.StepItem(request_id="b", budget=4)]))
+            assert all(not r.error_code and len(r.token_ids) == 1 for r in resp.results)
+        assert len(verifier.sent) == 3 and all(len(t["a"]) == 1 + 4 for t in verifier.sent)   # root + budget
+        assert trees_by(engine, "ahead") == 6 and trees_by(engine, "step") == 0
+        # A new budget for one request: its tree is drafted in the step, the other's is used.
+        await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=8),
+                                                       draft_pb2.StepItem(request_id="b", budget=4)]))
+        assert len(verifier.sent[-1]["a"]) == 1 + 8 and len(verifier.sent[-1]["b"]) == 1 + 4
+        assert trees_by(engine, "ahead") == 7 and trees_by(engine, "step") == 1
+        # Released, then admitted again under the same id: a prefill first, then fresh trees.
+        await engine.step(draft_pb2.StepRequest(items=[admit("a", 4, prompt=(5, 6, 7)),
+                                                       draft_pb2.StepItem(request_id="b", budget=4)],
+                                                release=["a"]))
+        await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=4),
+                                                       draft_pb2.StepItem(request_id="b", budget=4)]))
+        assert engine._requests["a"].length == 3 + 1   # the new prompt and one step, nothing of the old
+        await engine._settle()
+    asyncio.run(run())
+
+
+def test_a_failed_context_commit_fails_the_next_step():
+    async def run():
+        engine, _ = make_engine(bad_features=True)
+        await engine.step(draft_pb2.StepRequest(items=[admit("a", 4)]))
+        # The verify's features do not match its committed tokens: the commit after the answer fails...
+        resp = await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=4)]))
+        assert not resp.results[0].error_code
+        # ...and the next step says so.
+        with pytest.raises(ValueError, match="features have 2 rows for 1 committed tokens"):
+            await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=4)]))
+    asyncio.run(run())
