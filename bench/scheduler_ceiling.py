@@ -35,12 +35,14 @@ def _fake_draft(port: int, accept: int) -> None:
             return common_pb2.ModelInfo(model_type="instant", vocab_size=4096, max_context=1 << 20, block_size=16,
                                         max_budget=128, eos_token_id=0, kv_capacity_tokens=1 << 30, kv_page_size=16)
 
-        async def Step(self, request, context):
-            res = [draft_pb2.StepResult(request_id=it.request_id, acceptance_length=0 if it.prompt_token_ids else accept,
-                                        token_ids=[random.randrange(5, 4096) for _ in
-                                                   range(1 if it.prompt_token_ids else accept)])
-                   for it in request.items if not it.prompt_continues]
-            return draft_pb2.StepResponse(results=res, draft_ms=0.0, verify_ms=0.0)
+        async def StepStream(self, request_iterator, context):
+            async for request in request_iterator:
+                res = [draft_pb2.StepResult(request_id=it.request_id,
+                                            acceptance_length=0 if it.prompt_token_ids else accept,
+                                            token_ids=[random.randrange(5, 4096) for _ in
+                                                       range(1 if it.prompt_token_ids else accept)])
+                       for it in request.items if not it.prompt_continues]
+                yield draft_pb2.StepResponse(results=res, draft_ms=0.0, verify_ms=0.0)
 
     async def serve() -> None:
         server, _ = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])

@@ -8,6 +8,7 @@ from ddtree.v1 import common_pb2
 from services.common.metrics import Metrics
 from services.common.settings import SchedulerSettings
 from services.scheduler.batcher import KvBudget, StepLoop
+from services.scheduler.draft_link import StepFailed
 from services.scheduler.request import ActiveRequest, Limits
 
 
@@ -138,12 +139,14 @@ def test_requests_of_a_failed_step_are_released_when_the_replica_is_back() -> No
         def __init__(self) -> None:
             self.calls: list[draft_pb2.StepRequest] = []
 
-        async def Step(self, request, timeout=None):   # noqa: N802 - the gRPC method name
+        async def step(self, request, timeout):
             self.calls.append(request)
             if len(self.calls) == 1:
-                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
-                                           grpc.aio.Metadata(), "step timed out")
+                raise StepFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "step timed out")
             return draft_pb2.StepResponse()
+
+        def close(self) -> None:
+            pass
 
     async def scenario() -> None:
         step = loop(max_batch=8)
@@ -179,10 +182,13 @@ def test_a_reused_id_survives_the_late_cancellation_of_the_stream_it_replaced() 
     from services.scheduler.server import SchedulerServicer
 
     class SlowDraft:  # every step in flight for a while, a token a request
-        async def Step(self, req, timeout=None):
+        async def step(self, req, timeout):
             await asyncio.sleep(0.1)
             return draft_pb2.StepResponse(results=[draft_pb2.StepResult(
                 request_id=i.request_id, token_ids=[5], acceptance_length=0 if i.prompt_token_ids else 1) for i in req.items])
+
+        def close(self) -> None:
+            pass
 
     def generate(max_tokens: int) -> scheduler_pb2.GenerateRequest:
         req = scheduler_pb2.GenerateRequest(request_id="x", max_tokens=max_tokens, ignore_eos=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import torch
@@ -29,13 +30,15 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, engine: DraftEngine) -> None:
         self.engine = engine
 
-    async def Step(self, request: draft_pb2.StepRequest, context: grpc.aio.ServicerContext) -> draft_pb2.StepResponse:
-        try:
-            # Shielded: if the scheduler gives up on this call, the step still runs to its end
-            # (holding the engine's lock), so the next step never starts beside a half-done one.
-            return await asyncio.shield(self.engine.step(request))
-        except ServiceError as exc:
-            await context.abort(exc.code, exc.message)
+    async def StepStream(self, request_iterator: AsyncIterator[draft_pb2.StepRequest],
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[draft_pb2.StepResponse]:
+        async for request in request_iterator:
+            try:
+                # Shielded: if the scheduler gives up on the stream, the step still runs to its end
+                # (holding the engine's lock), so the next step never starts beside a half-done one.
+                yield await asyncio.shield(self.engine.step(request))
+            except ServiceError as exc:
+                await context.abort(exc.code, exc.message)
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc, scheduler_pb2
+from ddtree.v1 import common_pb2, draft_pb2, scheduler_pb2
 from services.common.grpc_server import ServiceError
 from services.common.logging import get_logger
 from services.common.metrics import Metrics
 from services.common.settings import SchedulerSettings
+from services.scheduler.draft_link import DraftLink, StepFailed
 from services.scheduler.request import ActiveRequest, Limits
 from services.scheduler.speculation import SpeculationGate
 
@@ -41,7 +42,7 @@ class KvBudget:
 class StepLoop:
     """One draft replica's batch: its running requests, its queue, its step loop."""
 
-    def __init__(self, settings: SchedulerSettings, address: str, draft: draft_pb2_grpc.DraftStub, limits: Limits,
+    def __init__(self, settings: SchedulerSettings, address: str, draft: DraftLink, limits: Limits,
                  kv: KvBudget, metrics: Metrics) -> None:
         self.settings = settings
         self.address = address
@@ -90,6 +91,7 @@ class StepLoop:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        self.draft.close()
 
     # ---- the loop -----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -107,9 +109,9 @@ class StepLoop:
             if answered is not None:   # this loop's own time between two steps
                 self.metrics.step_ms.labels("scheduler").observe((sent - answered) * 1e3)
             try:
-                resp = await self.draft.Step(draft_pb2.StepRequest(items=items, release=release),
+                resp = await self.draft.step(draft_pb2.StepRequest(items=items, release=release),
                                              timeout=self.settings.step_timeout_s)
-            except grpc.aio.AioRpcError as exc:
+            except StepFailed as exc:
                 self._release = release + self._release   # not delivered: they go with the next step
                 self._fail_replica(exc)
                 answered = None
@@ -143,14 +145,14 @@ class StepLoop:
                          mean_acceptance=round(sum(drafted) / len(drafted), 2),
                          min_acceptance=self.settings.spec_min_acceptance)
 
-    def _fail_replica(self, exc: grpc.aio.AioRpcError) -> None:
+    def _fail_replica(self, exc: StepFailed) -> None:
         """The draft replica failed a step: its running requests are lost; mark it down."""
-        code = exc.code()
+        code = exc.code
         if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             code = grpc.StatusCode.UNAVAILABLE
             self.healthy = False
-        err = ServiceError(code, f"draft replica {self.address} failed: {exc.details()}")
-        log.warning("draft_replica_failed", address=self.address, code=exc.code().name, details=exc.details(),
+        err = ServiceError(code, f"draft replica {self.address} failed: {exc.details}")
+        log.warning("draft_replica_failed", address=self.address, code=exc.code.name, details=exc.details,
                     running=len(self.running))
         for req in list(self.running.values()):
             self._finish(req, error=err)

@@ -18,6 +18,7 @@ from services.common.logging import get_logger
 from services.common.metrics import Metrics
 from services.common.settings import SchedulerSettings
 from services.scheduler.batcher import KvBudget, StepLoop
+from services.scheduler.draft_link import DraftLink
 from services.scheduler.request import ActiveRequest, Limits
 
 __all__ = ["Router", "discover", "limits_from_info"]
@@ -98,7 +99,8 @@ class Router:
 
     def _add_lane(self, address: str, stub: draft_pb2_grpc.DraftStub, info: common_pb2.ModelInfo | None) -> None:
         assert self.info is not None
-        lane = StepLoop(self.settings, address, stub, limits_from_info(self.info), self._budget(info), self.metrics)
+        lane = StepLoop(self.settings, address, DraftLink(stub), limits_from_info(self.info), self._budget(info),
+                        self.metrics)
         lane.healthy = info is not None
         lane.start()
         self.lanes.append(lane)
@@ -182,7 +184,7 @@ class Router:
                         min(live, key=lambda x: x.load).submit(req)
                     else:
                         req.fail(ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica is up"))
-                info = await self._probe(lane.draft, 1.0)
+                info = await self._probe(lane.draft.stub, 1.0)
                 if info is not None:
                     lane.kv = self._budget(info)
                     lane.mark_healthy()

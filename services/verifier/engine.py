@@ -388,8 +388,12 @@ class VerifierEngine:
         batch = ForwardBatch(input_ids=input_ids, positions=positions, attn=meta)
         return self.model(batch, self.cache, feature_layers=self.feature_layers)
 
+    def no_features(self) -> torch.Tensor:
+        """A step's features when it committed nothing: [0, F] float32 on the model's device."""
+        return torch.empty(0, self._feature_width, dtype=torch.float32, device=self.model_device)
+
     def _cat_features(self, parts: list[torch.Tensor]) -> torch.Tensor:
         if not parts:
-            return torch.empty(0, self._feature_width, dtype=torch.float32, device=self.model_device)
+            return self.no_features()
         whole = parts[0] if len(parts) == 1 else torch.cat(parts)
         return whole.float()   # stays on the model's device (cuda_ipc shares it there)

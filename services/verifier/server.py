@@ -144,7 +144,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         try:
             async for req in request_iterator:
                 t0 = time.perf_counter()
-                resp = await self._locked(self._step, peer, req)
+                resp = self._inline(self._step, peer, req) if not req.prefills else None
+                if resp is None:
+                    resp = await self._locked(self._step, peer, req)
                 self.metrics.step_ms.labels("stream_step").observe((time.perf_counter() - t0) * 1e3)
                 yield resp
         finally:
@@ -177,6 +179,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         finally:
             self._engine_lock.release()
         return True
+
+    def _inline(self, fn, *args):
+        """Runs `fn` on the event loop's thread when the engine lock is free at once, else returns
+        None. For verify-only steps: they are short (bounded by the trees' nodes), and a worker
+        thread's hand-off both ways cost 0.2-0.3 ms a step, which at C=1 is on the critical path.
+        Prefills, which can run long, and clean-ups keep their worker thread (`_locked`), so health
+        checks and handshakes wait at most one verify step."""
+        if not self._engine_lock.acquire(blocking=False):
+            return None
+        try:
+            return fn(*args)
+        finally:
+            self._engine_lock.release()
 
     async def _locked(self, fn, *args):
         """Runs `fn` in a worker thread holding the engine lock for all of it."""
@@ -215,7 +230,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 continue
             inputs.append(PrefillInput(p.request_id, list(p.token_ids), sampling, p.reserve_tokens,
                                        owner=peer.draft_id, more=p.prompt_continues, offset=p.prompt_offset))
-        prefill = self.group.call("prefill", inputs)
+        # A verify-only step makes no prefill call (with TP, that is one broadcast to the ranks less).
+        prefill = self.group.call("prefill", inputs) if inputs else None
         released: list[int] = []
         if req.verify_ids:
             trees = peer.reader.read(req.trees)
@@ -228,16 +244,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         else:
             verify = None
         self.metrics.step_ms.labels("verify").observe((time.perf_counter() - t0) * 1e3)
-        features = prefill.features
-        if verify is not None:   # a prefill part is usually empty: no concatenation then
-            features = torch.cat([features, verify.features]) if features.shape[0] else verify.features
+        parts = [o.features for o in (prefill, verify) if o is not None and o.features.shape[0]]
+        features = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else self.engine.no_features()
         t_write = time.perf_counter()
         bundle = peer.writer.write({"features": features})
         self.metrics.step_ms.labels("features").observe((time.perf_counter() - t_write) * 1e3)
         self._observe()
         return verifier_pb2.VerifyResponse(
             sequence=req.sequence,
-            prefills=_in_order(req.prefills, rejected, prefill.items),
+            prefills=_in_order(req.prefills, rejected, prefill.items if prefill is not None else []),
             verifies=[_item_pb(o) for o in verify.items] if verify is not None else [],
             features=bundle, released_slots=released, verify_ms=(time.perf_counter() - t0) * 1e3)
 

@@ -1,0 +1,67 @@
+"""A scheduler lane's step stream to its draft replica: one message each way a step.
+
+A unary call a step cost about twice what a message on an open stream does (call set-up, headers,
+the call's own completion), and at C=1 that is on every step's critical path. The stream opens on
+the first step and again after it broke or ended between steps; a step that fails, by the draft's error, a broken stream
+or the step timeout, closes it and raises `StepFailed` with the gRPC code the lane acts on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from ddtree.v1 import draft_pb2, draft_pb2_grpc
+
+__all__ = ["DraftLink", "StepFailed"]
+
+
+class StepFailed(Exception):
+    """A step that did not come back: its code says whether the replica is down (UNAVAILABLE,
+    DEADLINE_EXCEEDED, CANCELLED) or failed the step itself."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class DraftLink:
+    def __init__(self, stub: draft_pb2_grpc.DraftStub) -> None:
+        self.stub = stub
+        self._call: grpc.aio.StreamStreamCall | None = None
+
+    async def step(self, request: draft_pb2.StepRequest, timeout: float) -> draft_pb2.StepResponse:
+        if self._call is not None and self._call.done():   # it ended between steps (a draft restarted)
+            self._call = None
+        if self._call is None:
+            self._call = self.stub.StepStream()
+        call = self._call
+        try:
+            resp = await asyncio.wait_for(self._exchange(call, request), timeout)
+        except asyncio.TimeoutError:
+            self.close()
+            raise StepFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer to a step within {timeout:g} s") from None
+        except grpc.aio.AioRpcError as exc:
+            code, details = exc.code(), exc.details()
+            if call.done():   # a write to a stream that already ended fails INTERNAL: the end says why
+                code, details = await call.code(), await call.details()
+            self.close()
+            raise StepFailed(code, details or code.name) from None
+        if resp is grpc.aio.EOF:
+            self.close()
+            raise StepFailed(grpc.StatusCode.UNAVAILABLE, "the draft ended the step stream")
+        return resp
+
+    @staticmethod
+    async def _exchange(call: grpc.aio.StreamStreamCall, request: draft_pb2.StepRequest):
+        await call.write(request)
+        return await call.read()
+
+    def close(self) -> None:
+        """Ends the stream (the draft finishes a step in flight, its engine lock held); the next
+        step opens another."""
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None

@@ -1,0 +1,102 @@
+"""The scheduler's step stream: many steps on one stream; a failed step closes it with the code the
+lane acts on, and the next step opens another."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from ddtree.v1 import draft_pb2, draft_pb2_grpc
+from services.scheduler.draft_link import DraftLink, StepFailed
+
+
+class Draft(draft_pb2_grpc.DraftServicer):
+    """Echoes each item as one token; item "fail" aborts the stream, item "slow" takes 2 s."""
+
+    def __init__(self) -> None:
+        self.streams = 0
+
+    async def StepStream(self, request_iterator, context):
+        self.streams += 1
+        async for request in request_iterator:
+            ids = [i.request_id for i in request.items]
+            if "fail" in ids:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad step")
+            if "slow" in ids:
+                await asyncio.sleep(2)
+            yield draft_pb2.StepResponse(results=[draft_pb2.StepResult(request_id=i, token_ids=[len(i)])
+                                                  for i in ids])
+
+
+def step(*ids: str) -> draft_pb2.StepRequest:
+    return draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id=i) for i in ids])
+
+
+def test_steps_share_a_stream_and_a_failure_opens_a_new_one():
+    async def run():
+        servicer = Draft()
+        server = grpc.aio.server()
+        draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        link = DraftLink(draft_pb2_grpc.DraftStub(channel))
+        try:
+            for n in range(5):
+                resp = await link.step(step("a", "bb" * n), timeout=5)
+                assert [list(r.token_ids) for r in resp.results] == [[1], [2 * n]]
+            assert servicer.streams == 1
+            with pytest.raises(StepFailed) as failed:
+                await link.step(step("fail"), timeout=5)
+            assert failed.value.code == grpc.StatusCode.INVALID_ARGUMENT and "bad step" in failed.value.details
+            resp = await link.step(step("ccc"), timeout=5)
+            assert list(resp.results[0].token_ids) == [3] and servicer.streams == 2
+            with pytest.raises(StepFailed) as failed:
+                await link.step(step("slow"), timeout=0.2)
+            assert failed.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            resp = await link.step(step("dddd"), timeout=5)
+            assert list(resp.results[0].token_ids) == [4] and servicer.streams == 3
+        finally:
+            link.close()
+            await channel.close()
+            await server.stop(0)
+    asyncio.run(run())
+
+
+def test_a_draft_that_goes_away_is_unavailable_and_one_that_came_back_answers():
+    async def serve(port: int = 0) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        draft_pb2_grpc.add_DraftServicer_to_server(Draft(), server)
+        port = server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        return server, port
+
+    async def run():
+        server, port = await serve()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.initial_reconnect_backoff_ms", 100),
+                                                                            ("grpc.max_reconnect_backoff_ms", 200)])
+        link = DraftLink(draft_pb2_grpc.DraftStub(channel))
+        try:
+            await link.step(step("a"), timeout=5)
+            stopping = asyncio.ensure_future(server.stop(1))
+            await asyncio.sleep(0.2)   # the step below reaches a server that is going away
+            with pytest.raises(StepFailed) as failed:
+                await link.step(step("slow"), timeout=5)
+            assert failed.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            await stopping
+            # Back between two steps, on the same address: the next step is answered, not failed
+            # for the stream the old process ended.
+            server, _ = await serve(port)
+            await link.step(step("a"), timeout=5)
+            await server.stop(0)
+            await asyncio.sleep(0.3)
+            server, _ = await serve(port)
+            resp = await link.step(step("bb"), timeout=5)
+            assert list(resp.results[0].token_ids) == [2]
+            await server.stop(0)
+        finally:
+            link.close()
+            await channel.close()
+    asyncio.run(run())
