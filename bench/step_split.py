@@ -9,7 +9,8 @@ differences between a caller's time and its callee's:
   the last step's commit and trees drafted ahead included);
 * `verifier_hop_ms` = the draft's call to the verifier - the verifier's time for that message;
 * `verifier_thread_ms` = the verifier's time for a message - its engine work and feature write;
-and `step_ms` = the scheduler's round trip + its own time between steps: one step as the stack runs it.
+and `step_ms` = the scheduler's round trips + its own time between steps, over its round trips: one
+step as the stack runs it.
 A warm start shows the same figures for the first request as for the last. Writes JSON when `--out`
 is given.
 """
@@ -58,8 +59,10 @@ def main() -> None:
                             budget=args.budget, ignore_eos=True)
             wall = time.perf_counter() - t0
             time.sleep(0.2)   # the release-only step after the last token: counted by every service
-            split = per_step(before, scrape(ports))
-            rows.append({"request": i, "wall_s": round(wall, 3), **hops(split), **split})
+            after = scrape(ports)
+            split = per_step(before, after)
+            rows.append({"request": i, "wall_s": round(wall, 3), "step_ms": step_ms(before, after), **hops(split),
+                         **split})
             print(rows[-1], flush=True)
     if args.out:
         gpu = "cpu"
@@ -88,11 +91,19 @@ def per_step(before: dict[str, tuple[float, float]], after: dict[str, tuple[floa
     return out
 
 
+def step_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> float:
+    """Mean ms a step as the scheduler runs them: its round trips and its own time between steps,
+    over the round trips (its own time is not counted for a step that followed an idle wait)."""
+    d = {k: (after[k][0] - before.get(k, (0.0, 0.0))[0], after[k][1] - before.get(k, (0.0, 0.0))[1])
+         for k in ("scheduler_step_rpc", "scheduler_scheduler") if k in after}
+    rpc_sum, steps = d.get("scheduler_step_rpc", (0.0, 0.0))
+    return round((rpc_sum + d.get("scheduler_scheduler", (0.0, 0.0))[0]) / steps, 3) if steps else 0.0
+
+
 def hops(split: dict[str, float]) -> dict[str, float]:
     """The time between the services: each caller's time less its callee's."""
     g = lambda key: split.get(f"{key}_ms", 0.0)  # noqa: E731
-    return {"step_ms": round(g("scheduler_step_rpc") + g("scheduler_scheduler"), 3),
-            "scheduler_hop_ms": round(g("scheduler_step_rpc") - g("draft_ahead_wait") - g("draft_step"), 3),
+    return {"scheduler_hop_ms": round(g("scheduler_step_rpc") - g("draft_ahead_wait") - g("draft_step"), 3),
             "verifier_hop_ms": round(g("draft_verifier_rpc") - g("verifier_stream_step"), 3),
             "verifier_thread_ms": round(g("verifier_stream_step") - g("verifier_verify") - g("verifier_features"), 3)}
 

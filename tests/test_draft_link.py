@@ -100,3 +100,51 @@ def test_a_draft_that_goes_away_is_unavailable_and_one_that_came_back_answers():
             link.close()
             await channel.close()
     asyncio.run(run())
+
+
+class _EndingCall:
+    """A stream call that ends as it is written to: the write raises ``error``; the call's own
+    end says UNAVAILABLE."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.cancelled = False
+
+    def done(self) -> bool:
+        return False
+
+    async def write(self, request) -> None:
+        raise self.error
+
+    async def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    async def details(self) -> str:
+        return "draft going away"
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("error", [
+    asyncio.InvalidStateError("RPC already finished"),
+    grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "Internal error from Core"),
+])
+def test_a_stream_ending_under_a_write_fails_the_step_as_unavailable(error):
+    class Stub:
+        def __init__(self) -> None:
+            self.calls: list[_EndingCall] = []
+
+        def StepStream(self):  # noqa: N802 - the gRPC method name
+            self.calls.append(_EndingCall(error))
+            return self.calls[-1]
+
+    async def run():
+        stub = Stub()
+        link = DraftLink(stub)   # type: ignore[arg-type]
+        for _ in range(2):
+            with pytest.raises(StepFailed) as failed:
+                await link.step(step("a"), timeout=5)
+            assert failed.value.code == grpc.StatusCode.UNAVAILABLE   # the lane marks the replica down
+        assert len(stub.calls) == 2 and all(c.cancelled for c in stub.calls)   # closed, then a new one
+    asyncio.run(run())

@@ -2,7 +2,7 @@
 
 Stages (`ddtree_step_ms{stage=...}`; README "Metrics" says what each service times): scheduler
 step_rpc, scheduler; draft ahead_wait, step, draft (propose, propose_cpu, tree), verifier_rpc,
-context_commit, draft_ahead, transport; verifier stream_step, verify, commit, features.
+context_commit, draft_ahead, verify, transport; verifier stream_step, verify, commit, features.
 Each service serves `/metrics` over HTTP on its `metrics_port` (0 = off).
 """
 

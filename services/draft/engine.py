@@ -2,7 +2,7 @@
 
 `step` reads top to bottom: sort the batch into prefills and verifies, draft a tree for each
 DDTree request (one batched tree build per budget), send everything in one verify message, then
-fold the answer back into each request's drafter context.
+fold the answer into each request's state and answer the scheduler.
 
 The answer goes back to the scheduler before the drafter's context commit: the commit, and the
 next step's trees for every request still decoding, run while the answer travels and the

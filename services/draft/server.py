@@ -1,4 +1,4 @@
-"""The draft service's gRPC face: `Step` for the scheduler, `GetModelInfo` for clients' limits."""
+"""The draft service's gRPC face: `StepStream` for the scheduler's steps, `GetModelInfo` for clients' limits."""
 
 from __future__ import annotations
 

@@ -45,10 +45,16 @@ class DraftLink:
             raise StepFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer to a step within {timeout:g} s") from None
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details()
-            if call.done():   # a write to a stream that already ended fails INTERNAL: the end says why
-                code, details = await call.code(), await call.details()
+            if code == grpc.StatusCode.INTERNAL:   # a write to a stream that is ending: its end says why
+                try:
+                    code, details = await asyncio.wait_for(call.code(), 1.0), await call.details()
+                except (asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.CancelledError):
+                    pass
             self.close()
             raise StepFailed(code, details or code.name) from None
+        except Exception as exc:  # noqa: BLE001 - e.g. InvalidStateError: the stream ended as we wrote
+            self.close()
+            raise StepFailed(grpc.StatusCode.UNAVAILABLE, f"the step stream failed: {exc!r}") from None
         if resp is grpc.aio.EOF:
             self.close()
             raise StepFailed(grpc.StatusCode.UNAVAILABLE, "the draft ended the step stream")

@@ -144,7 +144,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         try:
             async for req in request_iterator:
                 t0 = time.perf_counter()
-                resp = self._inline(self._step, peer, req) if not req.prefills else None
+                resp = self._inline(self._step, peer, req) if self.settings.tp == 1 and not req.prefills else None
                 if resp is None:
                     resp = await self._locked(self._step, peer, req)
                 self.metrics.step_ms.labels("stream_step").observe((time.perf_counter() - t0) * 1e3)
@@ -182,10 +182,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _inline(self, fn, *args):
         """Runs `fn` on the event loop's thread when the engine lock is free at once, else returns
-        None. For verify-only steps: they are short (bounded by the trees' nodes), and a worker
-        thread's hand-off both ways cost 0.2-0.3 ms a step, which at C=1 is on the critical path.
-        Prefills, which can run long, and clean-ups keep their worker thread (`_locked`), so health
-        checks and handshakes wait at most one verify step."""
+        None (the caller then takes a worker thread). For verify-only steps of one rank: they are
+        short (bounded by the trees' nodes), and a worker thread's hand-off both ways cost 0.2-0.3
+        ms a step, which at C=1 is on the critical path. Prefills, which can run long, clean-ups,
+        and every step with TP ranks (whose collectives wait on the other ranks, and would keep the
+        loop from reporting a dead rank) keep their worker thread (`_locked`). Health checks and
+        handshakes wait for the inline step in progress, a few milliseconds."""
         if not self._engine_lock.acquire(blocking=False):
             return None
         try:
