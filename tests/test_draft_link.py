@@ -148,3 +148,38 @@ def test_a_stream_ending_under_a_write_fails_the_step_as_unavailable(error):
             assert failed.value.code == grpc.StatusCode.UNAVAILABLE   # the lane marks the replica down
         assert len(stub.calls) == 2 and all(c.cancelled for c in stub.calls)   # closed, then a new one
     asyncio.run(run())
+
+
+def test_a_stopping_draft_ends_idle_step_streams_and_finishes_the_step_in_flight():
+    from services.draft.server import DraftServicer
+
+    class Engine:
+        async def step(self, request):
+            await asyncio.sleep(0.3 if request.items[0].request_id == "slow" else 0)
+            return draft_pb2.StepResponse(results=[draft_pb2.StepResult(request_id=request.items[0].request_id)])
+
+    async def run():
+        servicer = DraftServicer(Engine())   # type: ignore[arg-type]
+        server = grpc.aio.server()
+        draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        busy, idle = DraftLink(draft_pb2_grpc.DraftStub(channel)), DraftLink(draft_pb2_grpc.DraftStub(channel))
+        try:
+            await idle.step(step("a"), timeout=5)
+            in_flight = asyncio.ensure_future(busy.step(step("slow"), timeout=5))
+            await asyncio.sleep(0.1)
+            servicer.end_idle_streams()
+            # The idle stream ends at once (its lane would mark this replica down at its next step)...
+            assert await asyncio.wait_for(idle._call.code(), 2) == grpc.StatusCode.OK
+            # ...while the step in flight is answered.
+            assert (await in_flight).results[0].request_id == "slow"
+            # ...and then its stream ends too.
+            assert await asyncio.wait_for(busy._call.code(), 2) == grpc.StatusCode.OK
+        finally:
+            busy.close()
+            idle.close()
+            await channel.close()
+            await server.stop(0)
+    asyncio.run(run())

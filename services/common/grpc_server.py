@@ -6,7 +6,7 @@ import asyncio
 import os
 import signal
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -89,9 +89,11 @@ def new_server(service_full_names: Iterable[str], interceptors: Sequence[grpc.ai
 
 
 async def serve_until_signal(server: grpc.aio.Server, health_servicer: health.HealthServicer,
-                             grace_s: float = 5.0, parent_poll_s: float = 1.0) -> None:
+                             grace_s: float = 5.0, parent_poll_s: float = 1.0,
+                             on_stop: Callable[[], None] | None = None) -> None:
     """Runs until SIGTERM/SIGINT, or until the launcher named by ``DDTREE_PARENT_PID`` is gone,
-    then reports NOT_SERVING and stops with a grace period.
+    then reports NOT_SERVING, calls ``on_stop`` (a service ends its idle streams there) and stops
+    with a grace period.
 
     Why the parent check: ``ddtree up`` starts each service in a session of its own (a Ctrl-C in
     the terminal must reach the launcher only, which stops the stack in order), so a SIGKILL of the
@@ -112,6 +114,8 @@ async def serve_until_signal(server: grpc.aio.Server, health_servicer: health.He
         if watcher is not None:
             watcher.cancel()
         health_servicer.enter_graceful_shutdown()
+        if on_stop is not None:
+            on_stop()
         await server.stop(grace_s)
 
 

@@ -29,16 +29,39 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, engine: DraftEngine) -> None:
         self.engine = engine
+        self._idle: set[asyncio.Task] = set()   # step streams waiting for their next step
+        self._stopping = False
 
     async def StepStream(self, request_iterator: AsyncIterator[draft_pb2.StepRequest],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[draft_pb2.StepResponse]:
-        async for request in request_iterator:
+        me = asyncio.current_task()
+        requests = request_iterator.__aiter__()
+        while not self._stopping:   # stopping: a step in flight is answered, then the stream ends
+            self._idle.add(me)
+            try:
+                request = await requests.__anext__()
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if self._stopping:   # ended by end_idle_streams: return, so the stream ends (OK, no more steps)
+                    return
+                raise
+            finally:
+                self._idle.discard(me)
             try:
                 # Shielded: if the scheduler gives up on the stream, the step still runs to its end
                 # (holding the engine's lock), so the next step never starts beside a half-done one.
                 yield await asyncio.shield(self.engine.step(request))
             except ServiceError as exc:
                 await context.abort(exc.code, exc.message)
+
+    def end_idle_streams(self) -> None:
+        """At shutdown: ends every step stream between two steps, and every other one after the
+        step in flight, so the grace period waits for steps in flight only, not for the schedulers'
+        open streams (a lane whose stream ended finds this replica down at its next step)."""
+        self._stopping = True
+        for task in list(self._idle):
+            task.cancel()
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
@@ -79,11 +102,12 @@ async def serve(settings: DraftSettings) -> None:
     log.info("verifier_connected", transport=client.handshake.transport, device=str(device),
              max_context=engine.max_context)
     server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
-    draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(engine), server)
+    servicer = DraftServicer(engine)
+    draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
     port = listen(server, f"{settings.host}:{settings.port}", "draft.port")
     await server.start()
     log.info("serving", address=f"{settings.host}:{port}", verifier=settings.verifier_address, metrics_port=metrics_port)
     try:
-        await serve_until_signal(server, health)
+        await serve_until_signal(server, health, on_stop=servicer.end_idle_streams)
     finally:
         await client.close()
