@@ -23,12 +23,15 @@ __all__ = ["main"]
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from services.common.checkpoint import CheckpointError
     from services.common.grpc_server import ServiceError
     from services.common.settings import (DraftSettings, SchedulerSettings, SettingsError, VerifierSettings,
                                           load_settings)
 
+    usage_errors: tuple[type[Exception], ...] = (SettingsError,)
     try:
+        if args.service != "scheduler":   # checkpoints need torch; the scheduler runs without it
+            from services.common.checkpoint import CheckpointError
+            usage_errors += (CheckpointError,)
         if args.service == "verifier":
             from services.verifier.server import serve
             coro = serve(load_settings(VerifierSettings, args.config), args.config)
@@ -39,7 +42,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             from services.scheduler.server import serve
             coro = serve(load_settings(SchedulerSettings, args.config))
         _run_async(coro)
-    except (SettingsError, CheckpointError) as exc:
+    except usage_errors as exc:
         print(f"ddtree serve {args.service}: {exc}", file=sys.stderr)
         return 2
     except ServiceError as exc:

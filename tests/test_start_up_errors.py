@@ -147,3 +147,21 @@ def test_a_draft_without_its_verifier_names_the_address_and_the_wait() -> None:
     assert out.returncode == 3, out.stderr[-2000:]
     assert f"draft.verifier_address {address}: nothing answered within 1 s (draft.verifier_wait_s)" in out.stderr
     assert "verifier_connecting" in out.stdout + out.stderr
+
+
+def test_the_scheduler_process_runs_without_torch() -> None:
+    """The scheduler needs no torch (DESIGN.md §1): `ddtree serve scheduler` must not import it,
+    a second or two of start-up and a few hundred MB a process (it is imported here only when a
+    settings error stops it after its imports)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
+            "from services.cli import main\n"
+            "sys.exit(main(['serve', 'scheduler']))\n")
+    env = {**os.environ, "DDTREE_SCHEDULER_PORT": "-1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "scheduler.port" in out.stderr, out.stderr
+    assert "torch imported: False" in out.stdout, out.stdout
