@@ -2,8 +2,9 @@
 
 A unary call a step cost about twice what a message on an open stream does (call set-up, headers,
 the call's own completion), and at C=1 that is on every step's critical path. The stream opens on
-the first step and again after it broke or ended between steps; a step that fails, by the draft's error, a broken stream
-or the step timeout, closes it and raises `StepFailed` with the gRPC code the lane acts on.
+the first step and again after it broke or ended between steps; a step that fails, by the draft's
+error, a broken stream or the step timeout, closes it and raises `StepFailed` with the gRPC code
+the lane acts on.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class StepFailed(Exception):
 
 
 class DraftLink:
+    """One lane's stream; `step` sends a step and waits for its answer, one step at a time."""
+
     def __init__(self, stub: draft_pb2_grpc.DraftStub) -> None:
         self.stub = stub
         self._call: grpc.aio.StreamStreamCall | None = None
@@ -48,7 +51,7 @@ class DraftLink:
             if code == grpc.StatusCode.INTERNAL:   # a write to a stream that is ending: its end says why
                 try:
                     code, details = await asyncio.wait_for(call.code(), 1.0), await call.details()
-                except (asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.CancelledError):
+                except (asyncio.TimeoutError, grpc.aio.AioRpcError):
                     pass
             self.close()
             raise StepFailed(code, details or code.name) from None
