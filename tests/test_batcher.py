@@ -118,6 +118,15 @@ def test_step_loop_pauses_speculation_for_the_whole_batch() -> None:
         # Two DDTree steps averaging 1.25 < 1.5: both greedy requests decode AR for two steps (no
         # tree of one pads the other's), then both probe again; the seeded one keeps its trees.
         assert budgets == [[8, 8, 8], [8, 8, 8], [0, 0, 8], [0, 0, 8], [8, 8, 8], [8, 8, 8]]
+        # A prompt admitted while speculation is paused carries budget 0 too (the draft drafts its
+        # first tree at that budget); a sampled one keeps its budget.
+        step.gate.observe(True, 1.0), step.gate.observe(True, 1.0)   # two poor steps: paused again
+        late, late_sampled = request("c", 10), request("t", 10)
+        late_sampled.sampling.temperature = 0.8
+        step.waiting.extend([late, late_sampled])
+        items = {i.request_id: i for i in step._schedule()}
+        assert not step._speculating and items["a"].budget == 0
+        assert list(items["c"].prompt_token_ids) and items["c"].budget == 0 and items["t"].budget == 8
         idle = loop(spec_min_acceptance=1.5, spec_backoff_steps=2)
         idle.gate.observe(True, 1.0), idle.gate.observe(True, 1.0), idle.gate.observe(True, 1.0)
         idle.gate.observe(True, 1.0)

@@ -184,29 +184,35 @@ class StepLoop:
         for r in self.running.values():
             if r.prompt_sent < len(r.prompt_ids):   # its prompt's next piece, while the budget lasts
                 if left > 0:
-                    items.append(self._piece(r, left))
+                    items.append(self._piece(r, left, self._budget(r)))
                     left -= len(items[-1].prompt_token_ids)
                 continue
             items.append(draft_pb2.StepItem(request_id=r.request_id,
-                                            budget=r.budget if self._speculating or _sampled(r) else 0))
+                                            budget=self._budget(r)))
         while self.waiting and left > 0 and len(items) < self.settings.max_batch and \
                 self.kv.reserved + self.waiting[0].kv_tokens <= self.kv.capacity:
             req = self.waiting.popleft()
             self.running[req.request_id] = req
             self.kv.reserved += req.kv_tokens
-            items.append(self._piece(req, left))
+            items.append(self._piece(req, left, self._budget(req)))
             left -= len(items[-1].prompt_token_ids)
         return items
 
+    def _budget(self, req: ActiveRequest) -> int:
+        """The request's tree budget this step: 0 while the gate pauses speculation (greedy only).
+        Prompt pieces carry it too: the draft drafts a request's next tree at the budget of its
+        last item, before the next step says which budget that step wants."""
+        return req.budget if self._speculating or _sampled(req) else 0
+
     @staticmethod
-    def _piece(req: ActiveRequest, budget: int) -> draft_pb2.StepItem:
-        """The next at most ``budget`` tokens of the prompt. The first piece carries the request's
+    def _piece(req: ActiveRequest, tokens: int, tree_budget: int) -> draft_pb2.StepItem:
+        """The next at most ``tokens`` tokens of the prompt. The first piece carries the request's
         parameters and reserves the KV of the whole request (the later pieces are counted in
         ``max_new_tokens``, which the draft adds to the piece's length)."""
         start = req.prompt_sent
-        piece = req.prompt_ids[start:start + budget]
+        piece = req.prompt_ids[start:start + tokens]
         req.prompt_sent += len(piece)
-        item = draft_pb2.StepItem(request_id=req.request_id, prompt_token_ids=piece, budget=req.budget,
+        item = draft_pb2.StepItem(request_id=req.request_id, prompt_token_ids=piece, budget=tree_budget,
                                   prompt_continues=req.prompt_sent < len(req.prompt_ids), prompt_offset=start)
         if start == 0:
             item.sampling.CopyFrom(req.sampling)
