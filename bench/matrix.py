@@ -172,7 +172,8 @@ def stage_totals(metrics_address: str) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def _split(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float | None]:
+def stage_split(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float | None]:
+    """Mean ms a step of each stage between two ``stage_totals`` scrapes (None: no step between)."""
     split: dict[str, float | None] = {}
     for stage, (s1, n1) in after.items():
         s0, n0 = before.get(stage, (0.0, 0.0))
@@ -315,7 +316,7 @@ def run_matrix(p: MatrixParams, progress: bool = True,
             watts, util = power.mean()
             rows.append({"context": cell.context, "concurrency": cell.concurrency, "mode": cell.mode,
                          "budget": cell.budget or None, **stats,
-                         "step_split_ms": _split(before, stage_totals(p.draft_metrics)),
+                         "step_split_ms": stage_split(before, stage_totals(p.draft_metrics)),
                          "power_w": watts, "gpu_util": util, "power_source": power.source})
             if stats["status"] == "timed_out":
                 time.sleep(1.0)   # let the scheduler retire the aborted requests before the next cell

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from bench.common import git_commit
-from bench.matrix import stage_totals
+from bench.matrix import stage_split, stage_totals
 from services.common.launcher import Stack, StackSpec, free_port
 from services.scheduler.client import Client
 
@@ -60,7 +60,7 @@ def main() -> None:
             wall = time.perf_counter() - t0
             time.sleep(0.2)   # the release-only step after the last token: counted by every service
             after = scrape(ports)
-            split = per_step(before, after)
+            split = {k: round(v, 3) for k, v in stage_split(before, after).items() if v is not None}
             rows.append({"request": i, "wall_s": round(wall, 3), "step_ms": step_ms(before, after), **hops(split),
                          **split})
             print(rows[-1], flush=True)
@@ -79,16 +79,6 @@ def scrape(ports: dict[str, int]) -> dict[str, tuple[float, float]]:
     """(sum_ms, count) of every service's stages, keyed ``<service>_<stage>``."""
     return {f"{svc}_{stage}": v for svc, port in ports.items()
             for stage, v in stage_totals(f"127.0.0.1:{port}").items()}
-
-
-def per_step(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
-    """Mean ms a step of each stage between two scrapes."""
-    out = {}
-    for key, (s1, n1) in after.items():
-        s0, n0 = before.get(key, (0.0, 0.0))
-        if n1 > n0:
-            out[f"{key}_ms"] = round((s1 - s0) / (n1 - n0), 3)
-    return out
 
 
 def step_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> float:

@@ -171,7 +171,7 @@ def main() -> None:
             return out
         targets = [(engine, "_check_trees", "check_trees"), (engine, "_posterior", "posterior_launch"),
                    (engine_mod, "accept", "accept"), (engine.cache, "write_many", "commit"),
-                   (engine, "_cat_features", "features")]
+                   (engine, "cat_features", "features")]
         if graphs is not None:
             targets += [(graphs, "_load", "load"), (graphs, "run", "graph_run")]
         with stages.patched(targets):

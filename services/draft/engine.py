@@ -62,8 +62,7 @@ class DraftEngine:
         self._requests: dict[str, _Request] = {}
         self._prompts: dict[str, list[int]] = {}   # held until the prefill's features arrive
         self._lock = asyncio.Lock()
-        self._ahead: asyncio.Future | None = None        # the last step's commit and next trees
-        self._ahead_trees: dict[str, tuple[int, _Tree]] = {}   # request -> (budget, tree) drafted ahead
+        self._ahead: asyncio.Future | None = None   # the last step's commit and next trees
         self.max_context = 0
         out = proposer.propose_output   # with propose graphs, the tree builds replay too
         self.tree_graphs = TreeGraphs(out, capture=out.is_cuda) if out is not None else None
@@ -102,13 +101,13 @@ class DraftEngine:
     async def step(self, request: draft_pb2.StepRequest) -> draft_pb2.StepResponse:
         async with self._lock:
             t0 = time.perf_counter()
-            await self._settle()
+            ahead = await self._settle()
             self.metrics.step_ms.labels("ahead_wait").observe((time.perf_counter() - t0) * 1e3)
             try:
                 if not self.verifier.connected:
                     self._drop_all()   # a new stream means a verifier without our requests
                     await self.connect()
-                return await self._step(request)
+                return await self._step(request, ahead)
             except ServiceError as exc:
                 # The verifier is gone: every request in flight is lost; say so per request.
                 self._drop_all()
@@ -116,7 +115,8 @@ class DraftEngine:
                     draft_pb2.StepResult(request_id=i.request_id, error_code=exc.code.value[0],
                                          error_message=exc.message) for i in request.items])
 
-    async def _step(self, request: draft_pb2.StepRequest) -> draft_pb2.StepResponse:
+    async def _step(self, request: draft_pb2.StepRequest,
+                    ahead: dict[str, tuple[int, _Tree]]) -> draft_pb2.StepResponse:
         t0 = time.perf_counter()
         for rid in request.release:
             self._drop(rid)
@@ -130,7 +130,7 @@ class DraftEngine:
                 results[item.request_id] = draft_pb2.StepResult(request_id=item.request_id,
                                                                 error_code=err.code.value[0],
                                                                 error_message=err.message)
-        trees = await self._trees_for(verifying, budgets) if verifying else []
+        trees = await self._trees_for(verifying, budgets, ahead) if verifying else []
         packed = _pack_trees(trees) if trees else None
         t1 = time.perf_counter()
         reply = await self.verifier.step(prefills, [r.request_id for r in verifying], packed,
@@ -212,11 +212,12 @@ class DraftEngine:
         budgets.append(req.budget)
         return None
 
-    async def _settle(self) -> None:
-        """Waits for the last step's context commit and trees drafted ahead. A commit that failed
-        fails this step, as it failed the step that ran it before the commit moved here."""
+    async def _settle(self) -> dict[str, tuple[int, _Tree]]:
+        """Waits for the last step's context commit; returns its trees drafted ahead (request ->
+        (budget, tree)). A commit that failed fails this step, as it failed the step that ran it
+        before the commit moved here."""
         ahead, self._ahead = self._ahead, None
-        self._ahead_trees = await ahead if ahead is not None else {}
+        return await ahead if ahead is not None else {}
 
     def _commit_and_draft(self, commits: Sequence[tuple[str, list[int], torch.Tensor]],
                           nxt: Sequence[_Request]) -> dict[str, tuple[int, _Tree]]:
@@ -236,9 +237,9 @@ class DraftEngine:
         self.metrics.step_ms.labels("draft_ahead").observe((time.perf_counter() - t1) * 1e3)
         return {r.request_id: (r.budget, t) for r, t in zip(nxt, trees)}
 
-    async def _trees_for(self, reqs: Sequence[_Request], budgets: Sequence[int]) -> list[_Tree]:
+    async def _trees_for(self, reqs: Sequence[_Request], budgets: Sequence[int],
+                         ahead: dict[str, tuple[int, _Tree]]) -> list[_Tree]:
         """Each request's tree: drafted ahead where it was drafted at this budget, else drafted now."""
-        ahead, self._ahead_trees = self._ahead_trees, {}
         trees: list[_Tree | None] = []
         for req, budget in zip(reqs, budgets):
             hit = ahead.get(req.request_id)

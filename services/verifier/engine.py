@@ -226,7 +226,7 @@ class VerifierEngine:
                 continue
             req.pending = int(self._posterior(last_logits, [req])[0][0])
             outcomes.append(ItemOutcome(item.request_id, [req.pending], committed=len(ids)))
-        return StepOutcome(outcomes, self._cat_features(features))
+        return StepOutcome(outcomes, self.cat_features(features))
 
     # ---- verify -------------------------------------------------------------------------------
     def verify(self, request_ids: Sequence[str], tokens: torch.Tensor, parents: torch.Tensor,
@@ -249,7 +249,7 @@ class VerifierEngine:
         for i, err in enumerate(errors):
             outcomes[i].error = err
         if not live:
-            return StepOutcome(outcomes, self._cat_features([]))
+            return StepOutcome(outcomes, self.cat_features([]))
         dev = self.model_device
         offsets = np.concatenate([[0], np.cumsum(sizes_l)])
         if len(live) < len(request_ids):
@@ -285,7 +285,7 @@ class VerifierEngine:
         t0 = time.perf_counter()
         self.cache.write_many(writes, out.new_kv[:, rows])                            # one scatter
         self.last_commit_ms = (time.perf_counter() - t0) * 1e3
-        return StepOutcome(outcomes, self._cat_features([out.features[rows]]))
+        return StepOutcome(outcomes, self.cat_features([out.features[rows]]))
 
     def _check_trees(self, request_ids: Sequence[str], tok: np.ndarray, par: np.ndarray, dep: np.ndarray,
                      sizes: Sequence[int]) -> list[ServiceError | None]:
@@ -388,12 +388,9 @@ class VerifierEngine:
         batch = ForwardBatch(input_ids=input_ids, positions=positions, attn=meta)
         return self.model(batch, self.cache, feature_layers=self.feature_layers)
 
-    def no_features(self) -> torch.Tensor:
-        """A step's features when it committed nothing: [0, F] float32 on the model's device."""
-        return torch.empty(0, self._feature_width, dtype=torch.float32, device=self.model_device)
-
-    def _cat_features(self, parts: list[torch.Tensor]) -> torch.Tensor:
+    def cat_features(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """A step's features, [rows, F] float32 on the model's device ([0, F] when none)."""
         if not parts:
-            return self.no_features()
+            return torch.empty(0, self._feature_width, dtype=torch.float32, device=self.model_device)
         whole = parts[0] if len(parts) == 1 else torch.cat(parts)
         return whole.float()   # stays on the model's device (cuda_ipc shares it there)

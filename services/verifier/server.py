@@ -247,7 +247,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             verify = None
         self.metrics.step_ms.labels("verify").observe((time.perf_counter() - t0) * 1e3)
         parts = [o.features for o in (prefill, verify) if o is not None and o.features.shape[0]]
-        features = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else self.engine.no_features()
+        features = self.engine.cat_features(parts)
         t_write = time.perf_counter()
         bundle = peer.writer.write({"features": features})
         self.metrics.step_ms.labels("features").observe((time.perf_counter() - t_write) * 1e3)
