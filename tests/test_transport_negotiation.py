@@ -51,7 +51,8 @@ class _Group:
         config = SimpleNamespace(hidden_size=HIDDEN, vocab_size=VOCAB, model_type="deepseek_v3", eos_token_id=[0])
         cache = SimpleNamespace(pages_free=64, capacity_tokens=1024, page_size=16)
         self.engine = SimpleNamespace(model=SimpleNamespace(config=config), cache=cache, max_context=256,
-                                      active_requests=0, model_device=torch.device("cpu"))
+                                      active_requests=0, model_device=torch.device("cpu"),
+                                      cat_features=lambda parts: torch.cat(parts) if parts else torch.zeros(0, HIDDEN))
 
     def call(self, name: str, *args):
         return 0 if name == "release_owner" else None
