@@ -13,6 +13,7 @@ import asyncio
 from types import SimpleNamespace
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ from services.common.metrics import Metrics
 from services.common.settings import VerifierSettings
 from services.common.transport import InlineWriter, make_reader, make_writer
 from services.draft import verifier_client
-from services.draft.verifier_client import VerifierClient, auto_offer, next_offer, private_copy
+from services.draft.verifier_client import VerifierClient, auto_offer, next_offer, private_copy, readable_in_place
 from services.verifier import server as verifier_server
 from services.verifier.server import VerifierServicer
 
@@ -173,6 +174,52 @@ def test_private_copy_owns_its_memory() -> None:
     out = private_copy(view, "cpu")
     ring.zero_()   # the slot is rewritten after release
     assert out.tolist() == [[4, 5, 6], [7, 8, 9]] and out.device.type == "cpu"
+
+
+def test_readable_in_place() -> None:
+    host = torch.zeros(2, 3)
+    assert readable_in_place(host, torch.device("cpu"))
+    assert readable_in_place(host, torch.device("cuda", 1))   # a shm ring read by a draft on a GPU
+
+
+def test_features_are_read_in_the_ring_and_their_slot_held_until_the_next_step() -> None:
+    """The answer's features are a view of the verifier's ring, not a copy; their slot goes back
+    with the next step, so the verifier never writes into it while the draft may still read it."""
+    class Group(_Group):
+        def call(self, name: str, *args):
+            if name == "prefill":
+                items = [SimpleNamespace(request_id=p.request_id, error=None, tokens=[7], committed=len(p.token_ids))
+                         for p in args[0]]
+                n = sum(len(p.token_ids) for p in args[0])
+                return SimpleNamespace(items=items, features=torch.randn(n, HIDDEN))
+            return super().call(name, *args)
+
+    async def scenario():
+        metrics = Metrics("verifier")
+        servicer = VerifierServicer(Group(), VerifierSettings(device="cpu", ring_slot_bytes=8192), metrics)
+        server = grpc.aio.server()
+        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = VerifierClient(f"127.0.0.1:{port}", "shm", ring_slots=4, ring_slot_bytes=8192, device="cpu")
+        try:
+            await client.connect([1, 2], HIDDEN, VOCAB)
+            peer = next(iter(servicer._peers.values()))
+            held, replies = [], []
+            for rid, n in (("a", 5), ("b", 3), ("c", 2)):
+                prefill = verifier_pb2.PrefillItem(request_id=rid, token_ids=list(range(1, n + 1)), reserve_tokens=16)
+                reply = await client.step([prefill], [], None, [])
+                ring = np.frombuffer(client._reader._shm.buf, dtype=np.uint8)
+                replies.append((reply.features.shape, np.shares_memory(ring, reply.features.numpy())))
+                held.append(peer.writer.slots_in_use)
+            return replies, held
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    replies, held = asyncio.run(scenario())
+    assert replies == [((5, HIDDEN), True), ((3, HIDDEN), True), ((2, HIDDEN), True)]
+    assert held == [1, 1, 1]   # each step's features hold one slot; the step after gives it back
 
 
 def test_a_vanishing_draft_always_leaves_nothing_behind() -> None:

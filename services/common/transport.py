@@ -111,7 +111,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 def _expected_nbytes(ref: common_pb2.TensorRef, dtype: torch.dtype) -> int:
     if any(d < 0 for d in ref.shape):
         raise ValueError(f"tensor {ref.name!r} has a negative dimension in shape {list(ref.shape)}")
-    return math.prod(ref.shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(ref.shape) * dtype.itemsize
 
 
 @dataclass(frozen=True)
