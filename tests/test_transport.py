@@ -17,7 +17,9 @@ from services.common.transport import (
     SUPPORTED_DTYPES,
     RingFull,
     SlotRing,
+    _as_bytes,
     bundle_slot,
+    host_bytes,
     make_reader,
     make_writer,
 )
@@ -270,3 +272,13 @@ def test_concurrent_writes_get_distinct_slots() -> None:
             assert torch.equal(reader.read(b)["v"], torch.full((256,), i))
         writer.release(bundle_slot(b) for b in bundles)
         assert writer.slots_in_use == 0
+
+
+def test_host_bytes_are_the_tensors_bytes_in_c_order() -> None:
+    """The numpy shortcut and the uint8 view agree for every wire dtype, strided tensors included."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(6, 10, generator=g)
+    for t in (torch.randint(-9, 9, (7, 5), generator=g).t(),            # int64, not contiguous
+              torch.randint(-9, 9, (11,), generator=g, dtype=torch.int32),
+              base[:, ::3], base.half(), base.bfloat16()[1:4], base > 0):
+        assert host_bytes(t) == _as_bytes(t).numpy().tobytes() == t.contiguous().view(torch.uint8).numpy().tobytes()

@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from ddtree.v1 import common_pb2
-from services.common.transport import (ALIGNMENT, RingFull, RingWriter, SlotRing, TensorReader, _dtype_name,
-                                       _round_up)
+from services.common.transport import (ALIGNMENT, RingFull, RingWriter, SlotRing, TensorReader, _as_bytes,
+                                       _dtype_name, _round_up, host_bytes)
 
 __all__ = ["CudaIpcWriter", "CudaIpcReader", "RingFull", "RingHandle", "encode_ring_handle",
            "decode_ring_handle", "local_device_index"]
@@ -180,7 +180,7 @@ class CudaIpcWriter(RingWriter):
         for name, t in tensors.items():
             cursor = _round_up(cursor, ALIGNMENT)
             layout.append((name, t, cursor))
-            cursor += t.numel() * t.element_size()
+            cursor += t.nbytes
         bundle = common_pb2.TensorBundle()
         # Small host tensors (a step's trees: a few hundred ints) ride in the message itself: a slot
         # would cost a host-to-device copy and a stream sync here and a copy back on the reader.
@@ -189,8 +189,8 @@ class CudaIpcWriter(RingWriter):
             if cursor > self._slot_bytes:
                 self.inline_fallbacks += 1
             for name, t in tensors.items():
-                data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                bundle.tensors.add(name=name, dtype=_dtype_name(t.dtype), shape=tuple(t.shape), inline_data=data)
+                bundle.tensors.add(name=name, dtype=_dtype_name(t.dtype), shape=tuple(t.shape),
+                                   inline_data=host_bytes(t) if not t.is_cuda else _as_bytes(t).numpy().tobytes())
             return bundle
         with self._lock:
             if self._buf is None:

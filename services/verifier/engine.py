@@ -237,7 +237,7 @@ class VerifierEngine:
         """
         # Trees are a few hundred ints: check and walk them on the host, as numpy arrays and lists
         # (one copy each, not a device sync per check per request when they arrive on the GPU).
-        tok, par, dep = (t.cpu().to(torch.int64).numpy() for t in (tokens, parents, depths))
+        tok, par, dep = (_host_int64(t) for t in (tokens, parents, depths))
         sizes_l = [int(s) for s in sizes.tolist()]
         if len(sizes_l) != len(request_ids) or sum(sizes_l) != tok.size or min(sizes_l, default=1) < 0:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -394,3 +394,11 @@ class VerifierEngine:
             return torch.empty(0, self._feature_width, dtype=torch.float32, device=self.model_device)
         whole = parts[0] if len(parts) == 1 else torch.cat(parts)
         return whole.float()   # stays on the model's device (cuda_ipc shares it there)
+
+
+def _host_int64(t: torch.Tensor) -> np.ndarray:
+    """A tree tensor as a host int64 array: a view when it came over the wire that way (every
+    step's trees do), else one copy."""
+    if t.device.type == "cpu" and t.dtype == torch.int64:
+        return t.numpy()
+    return t.cpu().to(torch.int64).numpy()
