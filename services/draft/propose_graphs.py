@@ -194,9 +194,11 @@ class ProposeGraphs:
         this bucket has none yet) or, without capture, the same forward eagerly."""
         if g.copied is not None:
             g.copied.synchronize()   # the previous call's copy has left the host twin
+        host = g.host.numpy()   # numpy on the pinned twin: a tensor op a column costs more on the host
         for i, (col, fill) in enumerate(zip(columns, pad)):
-            g.host[i].fill_(fill)
-            g.host[i, :len(col)] = torch.tensor(list(col), dtype=torch.int64)
+            n = len(col)
+            host[i, :n] = col.tolist() if isinstance(col, Tensor) else col
+            host[i, n:] = fill
         g.inputs.copy_(g.host, non_blocking=True)
         if features is not None:
             g.features[:features.shape[0]].copy_(features)
