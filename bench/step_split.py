@@ -5,8 +5,9 @@ Starts the stack, sends `--requests` requests one after another (C=1) and report
 mean milliseconds per step of every stage each service times (README "Metrics"), from the three
 Prometheus pages (differences between scrapes), as `<service>_<stage>_ms`. The hops are the
 differences between a caller's time and its callee's:
-* `scheduler_hop_ms` = the scheduler's Step round trip - the draft's whole handler (its wait for
-  the last step's commit and trees drafted ahead included);
+* `scheduler_hop_ms` = the scheduler's Step round trip - the draft's whole handler. The draft's
+  work ahead (its context commit and the next trees, run on its event loop once the answer has
+  left) falls inside this hop where it outlasts the answer's trip;
 * `verifier_hop_ms` = the draft's call to the verifier - the verifier's time for that message;
 * `verifier_thread_ms` = the verifier's time for a message - its engine work and feature write;
 and `step_ms` = the scheduler's round trips + its own time between steps, over its round trips: one

@@ -83,10 +83,12 @@ def test_next_trees_are_drafted_ahead_and_match_a_fresh_draft():
     async def run():
         engine, verifier = make_engine()
         await engine.step(draft_pb2.StepRequest(items=[admit("a", 4), admit("b", 4)]))
-        for _ in range(3):
+        for i in range(3):
             resp = await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=4),
                                                                   draft_pb2.StepItem(request_id="b", budget=4)]))
             assert all(not r.error_code and len(r.token_ids) == 1 for r in resp.results)
+            if i != 1:   # as the service does once the answer has left; else the next step runs it
+                engine.run_ahead()
         assert len(verifier.sent) == 3 and all(len(t["a"]) == 1 + 4 for t in verifier.sent)   # root + budget
         assert trees_by(engine, "ahead") == 6 and trees_by(engine, "step") == 0
         # A new budget for one request: its tree is drafted in the step, the other's is used.
@@ -101,7 +103,7 @@ def test_next_trees_are_drafted_ahead_and_match_a_fresh_draft():
         await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=4),
                                                        draft_pb2.StepItem(request_id="b", budget=4)]))
         assert engine._requests["a"].length == 3 + 1   # the new prompt and one step, nothing of the old
-        await engine._settle()
+        engine._settle()
     asyncio.run(run())
 
 
@@ -112,6 +114,7 @@ def test_a_failed_context_commit_fails_the_next_step():
         # The verify's features do not match its committed tokens: the commit after the answer fails...
         resp = await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=4)]))
         assert not resp.results[0].error_code
+        engine.run_ahead()   # (the service's call: it does not raise; the next step does)
         # ...and the next step says so.
         with pytest.raises(ValueError, match="features have 2 rows for 1 committed tokens"):
             await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=4)]))

@@ -158,6 +158,9 @@ def test_a_stopping_draft_ends_idle_step_streams_and_finishes_the_step_in_flight
             await asyncio.sleep(0.3 if request.items[0].request_id == "slow" else 0)
             return draft_pb2.StepResponse(results=[draft_pb2.StepResult(request_id=request.items[0].request_id)])
 
+        def run_ahead(self) -> None:
+            pass
+
     async def run():
         servicer = DraftServicer(Engine())   # type: ignore[arg-type]
         server = grpc.aio.server()
@@ -183,3 +186,40 @@ def test_a_stopping_draft_ends_idle_step_streams_and_finishes_the_step_in_flight
             await channel.close()
             await server.stop(0)
     asyncio.run(run())
+
+
+def test_the_draft_runs_its_work_ahead_after_each_answer_before_the_next_step():
+    """The context commit and next trees (`DraftEngine.run_ahead`) run once the answer has gone
+    out, and before the next step on the stream starts."""
+    from services.draft.server import DraftServicer
+
+    events: list[str] = []
+
+    class Engine:
+        async def step(self, request):
+            events.append(f"step {request.items[0].request_id}")
+            return draft_pb2.StepResponse(results=[draft_pb2.StepResult(request_id=request.items[0].request_id)])
+
+        def run_ahead(self) -> None:
+            events.append("ahead")
+
+    async def run():
+        server = grpc.aio.server()
+        draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(Engine()), server)   # type: ignore[arg-type]
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        link = DraftLink(draft_pb2_grpc.DraftStub(channel))
+        try:
+            for rid in "abc":
+                assert (await link.step(step(rid), timeout=5)).results[0].request_id == rid
+            for _ in range(100):   # the last answer's work runs after the answer left
+                if len(events) == 6:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            link.close()
+            await channel.close()
+            await server.stop(0)
+    asyncio.run(run())
+    assert events == ["step a", "ahead", "step b", "ahead", "step c", "ahead"]

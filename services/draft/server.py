@@ -54,6 +54,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 yield await asyncio.shield(self.engine.step(request))
             except ServiceError as exc:
                 await context.abort(exc.code, exc.message)
+            self.engine.run_ahead()   # the answer has gone out; the next step needs this work first
 
     def end_idle_streams(self) -> None:
         """At shutdown: ends every step stream between two steps, and every other one after the
