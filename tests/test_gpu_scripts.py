@@ -164,3 +164,15 @@ def test_tokens_ab_compare_marks_the_first_differing_token(tmp_path, monkeypatch
     assert doc["benchmark"] == "tokens-ab-x" and doc["commit"] == "bbb" and "aaa (before)" in doc["params"]["compared"]
     assert [(r["equal"], r["first_difference"]) for r in doc["rows"]] == [(True, None), (False, 2)]
     assert doc["rows"][1]["acceptance_after"] == 4.0
+
+
+def test_host_costs_measures_each_host_step() -> None:
+    """The host-cost probe (run on the device machine's host) measures what it names, every figure > 0."""
+    from bench.host_costs import grpc_rows, transport_rows
+
+    rows = grpc_rows(n=20, size=100) + transport_rows(n=50)
+    assert [(r["what"], r.get("loop")) for r in rows] == [
+        ("grpc_stream_round_trip", "asyncio"), ("grpc_unary_call", "asyncio"),
+        ("grpc_stream_round_trip", "uvloop"), ("grpc_unary_call", "uvloop"),
+        ("trees_inline_write", None), ("trees_inline_read", None), ("features_shm_write", None)]
+    assert all(r["p50_us"] > 0 for r in rows)
