@@ -2,9 +2,9 @@
 
 Warm up on a side stream first: the first run compiles Triton kernels, picks cuBLAS and attention
 algorithms and allocates workspaces, none of which may happen inside a capture. Capture in
-``thread_local`` mode: the services capture in worker threads while other threads keep working
-(a handshake mapping a new peer's ring allocates and opens IPC handles), and neither may break
-the other.
+``thread_local`` mode: the services capture in worker threads (the draft also on its event loop)
+while other threads keep working (a handshake mapping a new peer's ring allocates and opens IPC
+handles), and neither may break the other.
 """
 
 from __future__ import annotations

@@ -244,8 +244,8 @@ class DraftEngine:
 
     def _commit_and_draft(self, commits: Sequence[tuple[str, list[int], torch.Tensor]],
                           nxt: Sequence[_Request]) -> dict[str, tuple[int, _Tree]]:
-        """The step's context commit, then the next step's trees for ``nxt`` at their last budgets
-        (one thread hop for both). A tree drafting that fails here is left to the next step."""
+        """The step's context commit, then the next step's trees for ``nxt`` at their last budgets.
+        A tree drafting that fails here is left to the next step."""
         t0 = time.perf_counter()
         self.proposer.commit_many(commits)
         t1 = time.perf_counter()

@@ -164,7 +164,7 @@ class ProposeGraphs:
     def extend(self, features: Sequence[Tensor], rows: Sequence[int], positions: Sequence[int]) -> None:
         """Writes the context keys and values of committed tokens into their pool rows.
 
-        features: per request [n_r, F] target features (any float dtype, on this GPU), in the
+        features: per request [n_r, F] target features (any float dtype, on this GPU or the host), in the
         order of ``rows`` / ``positions`` (one entry per token). Raises ValueError when no bucket
         holds the commit (``extend_bucket`` says so beforehand).
         """

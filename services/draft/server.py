@@ -54,7 +54,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 yield await asyncio.shield(self.engine.step(request))
             except ServiceError as exc:
                 await context.abort(exc.code, exc.message)
-            self.engine.run_ahead()   # the answer has gone out; the next step needs this work first
+            finally:
+                # The answer has gone out (or the stream ended under it): the next step needs this
+                # work first, and the commit reads features that the verifier's ring holds for us
+                # only while our stream to it lasts.
+                self.engine.run_ahead()
 
     def end_idle_streams(self) -> None:
         """At shutdown: ends every step stream between two steps, and every other one after the

@@ -172,11 +172,11 @@ class VerifierClient:
             await self.close()
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "verifier closed the stream")
         self._writer.release(resp.released_slots)
+        slot = bundle_slot(resp.features)
+        if slot is not None:   # returned to the verifier with the next request, even if it reads badly here
+            self._to_release.append(slot)
         view = self._reader.read(resp.features)["features"]
         features = view if readable_in_place(view, self.device) else private_copy(view, self.device)   # [sum(committed), F]
-        slot = bundle_slot(resp.features)
-        if slot is not None:
-            self._to_release.append(slot)   # returned to the verifier with the next request
         return VerifyReply(resp, features)
 
     async def close(self) -> None:
