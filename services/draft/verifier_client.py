@@ -147,9 +147,10 @@ class VerifierClient:
         The answer's features stay in the verifier's ring where this draft can read them there
         (host memory, or this draft's GPU): their slot goes back to the verifier with the next
         step, so they must be consumed by then, on this device's current stream (the drafter's
-        context commit does), or copied. A copy out of the ring and a stream sync cost 0.2 ms on
-        the H200 here, on the critical path of every step at C=1. Before the slot goes back, this
-        device's stream is synchronised, so the verifier never overwrites what is still being read.
+        context commit does), or copied. A copy out of the ring and a stream sync cost 0.2 ms a
+        step on the H200 machine (BENCHMARKS.md, T-split), on the critical path at C=1. Before the
+        slot goes back, this device's stream is synchronised, so the verifier never overwrites
+        what is still being read.
         """
         if self._call is None or self._writer is None or self._reader is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "verifier stream is not connected")
