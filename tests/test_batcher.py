@@ -183,36 +183,74 @@ def test_requests_of_a_failed_step_are_released_when_the_replica_is_back() -> No
     asyncio.run(scenario())
 
 
-def test_a_reused_id_survives_the_late_cancellation_of_the_stream_it_replaced() -> None:
-    """Abort request "x", reuse the id at once, then the old stream's client goes away: the
-    cancellation ends the old request object only, not the new one with its id."""
-    from ddtree.v1 import draft_pb2, scheduler_pb2
+class SlowDraft:
+    """Every step in flight for ``delay`` s, a token a request."""
+
+    def __init__(self, delay: float = 0.1) -> None:
+        self.delay = delay
+
+    async def step(self, req, timeout):
+        from ddtree.v1 import draft_pb2
+
+        await asyncio.sleep(self.delay)
+        return draft_pb2.StepResponse(results=[draft_pb2.StepResult(
+            request_id=i.request_id, token_ids=[5], acceptance_length=0 if i.prompt_token_ids else 1) for i in req.items])
+
+    def close(self) -> None:
+        pass
+
+
+def scheduler(draft):
+    """A scheduler servicer in front of one lane to ``draft``: (servicer, router, lane). Stop the router."""
     from services.scheduler.router import Router
     from services.scheduler.server import SchedulerServicer
 
-    class SlowDraft:  # every step in flight for a while, a token a request
-        async def step(self, req, timeout):
-            await asyncio.sleep(0.1)
-            return draft_pb2.StepResponse(results=[draft_pb2.StepResult(
-                request_id=i.request_id, token_ids=[5], acceptance_length=0 if i.prompt_token_ids else 1) for i in req.items])
+    settings = SchedulerSettings(tokenizer_path="")
+    router = Router(settings, Metrics("scheduler-test"))
+    router.info = common_pb2.ModelInfo(vocab_size=64, max_context=4096, block_size=16, kv_capacity_tokens=10_000)
+    limits = Limits(vocab_size=64, max_context=4096, block_size=16, eos_token_id=0, kv_capacity_tokens=10_000)
+    lane = StepLoop(settings, "draft", draft, limits, KvBudget(capacity=10_000), router.metrics)
+    lane.start()
+    router.lanes.append(lane)
+    return SchedulerServicer(settings, router, router.info, None), router, lane
 
-        def close(self) -> None:
-            pass
 
-    def generate(max_tokens: int) -> scheduler_pb2.GenerateRequest:
-        req = scheduler_pb2.GenerateRequest(request_id="x", max_tokens=max_tokens, ignore_eos=True)
-        req.token_ids.ids.extend([1, 2, 3])
-        return req
+def generate(max_tokens: int, request_id: str = "x"):
+    from ddtree.v1 import scheduler_pb2
+
+    req = scheduler_pb2.GenerateRequest(request_id=request_id, max_tokens=max_tokens, ignore_eos=True)
+    req.token_ids.ids.extend([1, 2, 3])
+    return req
+
+
+def test_a_stream_closed_while_it_sends_an_event_cancels_its_request() -> None:
+    """A client that leaves while gRPC sends it an event closes the stream at its yield
+    (GeneratorExit, not a cancellation in its await): the request must end there too, not decode
+    on to max_tokens holding its slot and KV."""
+    async def scenario() -> tuple[bool, bool]:
+        servicer, router, lane = scheduler(SlowDraft(delay=0.005))
+        stream = servicer.Generate(generate(4000), None)
+        await stream.__anext__()    # the first token
+        running = "x" in lane.running
+        await stream.aclose()       # closed at the yield
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if "x" not in lane.running:
+                break
+        gone = "x" not in lane.running and all(r.request_id != "x" for r in lane.waiting)
+        await router.stop()
+        return running, gone
+
+    assert asyncio.run(scenario()) == (True, True)
+
+
+def test_a_reused_id_survives_the_late_cancellation_of_the_stream_it_replaced() -> None:
+    """Abort request "x", reuse the id at once, then the old stream's client goes away: the
+    cancellation ends the old request object only, not the new one with its id."""
+    from ddtree.v1 import scheduler_pb2
 
     async def scenario() -> list[scheduler_pb2.GenerateResponse]:
-        settings = SchedulerSettings(tokenizer_path="")
-        router = Router(settings, Metrics("scheduler-test"))
-        router.info = common_pb2.ModelInfo(vocab_size=64, max_context=4096, block_size=16, kv_capacity_tokens=10_000)
-        limits = Limits(vocab_size=64, max_context=4096, block_size=16, eos_token_id=0, kv_capacity_tokens=10_000)
-        lane = StepLoop(settings, "draft", SlowDraft(), limits, KvBudget(capacity=10_000), router.metrics)
-        lane.start()
-        router.lanes.append(lane)
-        servicer = SchedulerServicer(settings, router, router.info, None)
+        servicer, router, lane = scheduler(SlowDraft())
         old = servicer.Generate(generate(50), None)
         await old.__anext__()
         waiting = asyncio.create_task(old.__anext__())

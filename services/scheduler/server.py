@@ -7,7 +7,6 @@ aborts its request, which frees its batch slot and KV at the next step.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -58,19 +57,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.router.submit(req)
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
+        ended = False
         try:
             while True:
                 event = await req.events.get()
                 if isinstance(event, ServiceError):
+                    ended = True
                     await context.abort(event.code, event.message)
                 yield event
                 if event.finish_reason != scheduler_pb2.FINISH_REASON_UNSPECIFIED:
+                    ended = True
                     return
-        except asyncio.CancelledError:
-            # Client went away or its deadline passed: free the request's slot and KV (this request's:
-            # after an abort, its id may already belong to a newer one).
-            self.router.abort(req.request_id, only=req)
-            raise
+        finally:
+            if not ended:
+                # Client went away or its deadline passed: free the request's slot and KV (this
+                # request's: after an abort, its id may already belong to a newer one). Not only on
+                # a cancellation here: one that lands while gRPC sends the last event closes this
+                # stream at its yield instead (GeneratorExit), about one client in four that left.
+                self.router.abort(req.request_id, only=req)
 
     async def Abort(self, request: scheduler_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
