@@ -273,3 +273,29 @@ def test_a_reused_id_survives_the_late_cancellation_of_the_stream_it_replaced() 
     messages = asyncio.run(scenario())
     assert messages[-1].finish_reason == scheduler_pb2.FINISH_REASON_LENGTH
     assert sum(len(m.token_ids) for m in messages) == 3
+
+
+def test_kv_freed_on_one_replica_admits_a_request_queued_on_another() -> None:
+    """Two draft replicas in front of one verifier share its KV: a request queued on one for want
+    of KV is admitted when a request of the other finishes (before, only the finishing lane woke,
+    and the other slept on until its deadline)."""
+    async def scenario() -> tuple[bool, bool]:
+        limits = Limits(vocab_size=64, max_context=4096, block_size=16, eos_token_id=0, kv_capacity_tokens=3000)
+        budget = KvBudget(capacity=3000)
+        lanes = [StepLoop(SchedulerSettings(), f"draft{i}", SlowDraft(delay=0.01), limits, budget,
+                          Metrics("scheduler-test")) for i in range(2)]
+        first, second = request("a", 10, kv=2018), request("b", 10, kv=2018)
+        lanes[0].submit(first)
+        for lane in lanes:
+            lane.start()
+        await asyncio.sleep(0.02)
+        lanes[1].submit(second)           # does not fit beside "a"
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if second.finish:
+                break
+        for lane in lanes:
+            await lane.stop()
+        return bool(first.finish), bool(second.finish)
+
+    assert asyncio.run(scenario()) == (True, True)

@@ -11,7 +11,7 @@ from services.common.grpc_server import ServiceError
 from services.common.settings import TEMPERATURE_RANGE, SchedulerSettings
 from services.scheduler.client import ClientError, build_request
 from services.scheduler.request import (MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, ActiveRequest, Limits,
-                                        encode_prompt, max_token_bytes, validate)
+                                        encode_prompt, kv_reservation, max_token_bytes, validate)
 from services.scheduler.server import load_tokenizer
 
 TOKENIZER = load_tokenizer("models/demo")
@@ -296,3 +296,15 @@ def test_a_run_of_steps_that_end_inside_a_character_decodes_a_bounded_window() -
     detok.update(ids)
     assert Counting.tokens - before <= 4 * IncrementalDetokenizer.MAX_WINDOW
     assert detok.update(ids, final=True) == TOKENIZER.decode(ids)
+
+
+def test_a_request_reserves_kv_in_the_verifiers_whole_pages() -> None:
+    """The verifier reserves ceil(tokens / page) pages: admitting by tokens alone let 64 requests
+    of 65536 tokens in all into a cache of 4096 pages that they needed 4156 of."""
+    paged = Limits(vocab_size=LIMITS.vocab_size, max_context=2048, block_size=16, eos_token_id=0,
+                   kv_capacity_tokens=65536, kv_page_size=16)
+    req = scheduler_pb2.GenerateRequest(max_tokens=10)
+    req.token_ids.ids.extend([5, 6, 7])
+    assert validate(req, SchedulerSettings(), paged, TOKENIZER).kv_tokens == 32        # 3 + 10 + 16 = 29 -> 2 pages
+    assert validate(req, SchedulerSettings(), LIMITS, TOKENIZER).kv_tokens == 29       # pages of one token
+    assert [kv_reservation(n, paged) for n in (1, 16, 17, 1025)] == [16, 16, 32, 1040]

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -38,6 +39,17 @@ class KvBudget:
 
     capacity: int
     reserved: int = 0
+    _wakes: list[Callable[[], None]] = field(default_factory=list)   # each sharing lane's wake-up
+
+    def share(self, wake: Callable[[], None]) -> None:
+        self._wakes.append(wake)
+
+    def release(self, tokens: int) -> None:
+        """A finished request's KV back, and every lane that shares it woken: a request queued on
+        another replica for want of KV may fit now (woken alone, that lane slept on with it)."""
+        self.reserved -= tokens
+        for wake in self._wakes:
+            wake()
 
 
 class StepLoop:
@@ -56,6 +68,7 @@ class StepLoop:
         self.running: dict[str, ActiveRequest] = {}
         self._release: list[str] = []
         self._wake = asyncio.Event()
+        kv.share(self._wake.set)
         self._task: asyncio.Task | None = None
         self.gate = SpeculationGate(settings.spec_min_acceptance, backoff=settings.spec_backoff_steps)
         self._speculating = True
@@ -229,7 +242,7 @@ class StepLoop:
         if error is not None:
             req.fail(error)
         if self.running.pop(req.request_id, None) is not None:
-            self.kv.reserved -= req.kv_tokens
+            self.kv.release(req.kv_tokens)
         self._release.append(req.request_id)
         self._wake.set()
         self._log_end(req)

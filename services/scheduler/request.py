@@ -20,7 +20,7 @@ from services.common.settings import MAX_BUDGET, TEMPERATURE_RANGE, SchedulerSet
 from services.scheduler.detokenize import IncrementalDetokenizer
 
 __all__ = ["ActiveRequest", "Limits", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_text_size",
-           "encode_prompt", "max_token_bytes", "validate"]
+           "encode_prompt", "kv_reservation", "max_token_bytes", "validate"]
 
 _REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to: hold it back until complete
 # Every step rescans each stop string, and the stream holds back the longest one's length of text:
@@ -39,6 +39,15 @@ class Limits:
     block_size: int
     eos_token_id: int
     kv_capacity_tokens: int
+    kv_page_size: int = 1   # the verifier reserves whole pages
+
+
+def kv_reservation(tokens: int, limits: Limits) -> int:
+    """The KV the verifier reserves for ``tokens`` tokens: whole pages. Admitting by the tokens
+    alone let a full batch's last request find its pages gone (RESOURCE_EXHAUSTED at the
+    verifier) where it should have waited in the queue."""
+    page = max(1, limits.kv_page_size)
+    return -(-tokens // page) * page
 
 
 @dataclass
@@ -53,7 +62,7 @@ class ActiveRequest:
     stop_ids: frozenset[int]
     eos_id: int | None
     tokenizer: Tokenizer | None
-    kv_tokens: int = 0                      # KV the verifier reserves: prompt + output + one block
+    kv_tokens: int = 0                      # KV the verifier reserves: prompt + output + one block, in pages
     draft: str = ""                         # the draft replica this request is pinned to
     out_ids: list[int] = field(default_factory=list)
     acceptance: list[int] = field(default_factory=list)
@@ -263,4 +272,4 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
         request_id=req.request_id or uuid.uuid4().hex, prompt_ids=prompt, sampling=sampling,
         max_tokens=max_tokens, budget=req.budget or settings.default_budget, mode=mode, stop=tuple(req.stop),
         stop_ids=frozenset(req.stop_token_ids), eos_id=None if req.ignore_eos else limits.eos_token_id,
-        tokenizer=tokenizer, kv_tokens=len(prompt) + max_tokens + limits.block_size)
+        tokenizer=tokenizer, kv_tokens=kv_reservation(len(prompt) + max_tokens + limits.block_size, limits))

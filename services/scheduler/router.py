@@ -53,7 +53,8 @@ def _live(req: ActiveRequest | None) -> bool:
 
 def limits_from_info(info: common_pb2.ModelInfo) -> Limits:
     return Limits(vocab_size=info.vocab_size, max_context=info.max_context, block_size=info.block_size,
-                  eos_token_id=info.eos_token_id, kv_capacity_tokens=info.kv_capacity_tokens)
+                  eos_token_id=info.eos_token_id, kv_capacity_tokens=info.kv_capacity_tokens,
+                  kv_page_size=info.kv_page_size or 1)
 
 
 class Router:
@@ -139,7 +140,7 @@ class Router:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica is up; retry later")
         if req.kv_tokens > max(lane.kv.capacity for lane in live):
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"request needs {req.kv_tokens} KV tokens (prompt + max_tokens + one block); "
+                               f"request needs {req.kv_tokens} KV tokens (prompt + max_tokens + one block, in whole pages); "
                                f"the cache holds {max(lane.kv.capacity for lane in live)}")
         if self.waiting >= self.settings.max_queue:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
