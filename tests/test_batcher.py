@@ -299,3 +299,28 @@ def test_kv_freed_on_one_replica_admits_a_request_queued_on_another() -> None:
         return bool(first.finish), bool(second.finish)
 
     assert asyncio.run(scenario()) == (True, True)
+
+
+def test_the_router_places_a_request_where_its_kv_fits_and_its_id_is_owed() -> None:
+    """Replicas in front of verifier groups of different sizes: a request goes to one whose cache
+    holds it, however loaded the others are. An id whose release a lane still owes goes to that
+    lane, whose next step releases the old request before it admits the new one."""
+    from services.scheduler.router import Router
+
+    async def scenario() -> tuple[str, str, str]:
+        router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+        small, big = (StepLoop(SchedulerSettings(), name, SlowDraft(), Limits(64, 4096, 16, 0, cap), KvBudget(cap),
+                               router.metrics) for name, cap in (("small", 1024), ("big", 4096)))
+        router.lanes += [small, big]
+        big.waiting.append(request("queued", 10))                  # the big lane is the busier one
+        large = request("large", 10, kv=2018)
+        router.submit(large)
+        small.waiting.extend(request(f"q{i}", 10) for i in range(3))   # now the small lane is the busier one
+        small._release.append("x")                                 # "x" ended on the small lane
+        again = request("x", 10)
+        router.submit(again)
+        fresh = request("y", 10)
+        router.submit(fresh)
+        return large.draft, again.draft, fresh.draft
+
+    assert asyncio.run(scenario()) == ("big", "small", "big")

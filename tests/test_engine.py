@@ -643,3 +643,15 @@ def test_prefill_errors(target: Target) -> None:
     assert small.active_requests == 1 and small.cache.pages_free == 1
     small.release(["fits"])
     assert small.cache.pages_free == 2
+
+
+def test_a_release_frees_only_the_calling_replicas_request(target: Target) -> None:
+    """A draft replica that comes back sends the releases its scheduler lane kept; an id among them
+    may name another replica's request by then (a client retried under the same id): untouched."""
+    engine = make_engine(target.model, pages=64, page_size=4, max_context=32)
+    free0 = engine.cache.pages_free
+    engine.prefill([PrefillInput("x", PROMPTS[0], Sampling(), 8, owner="draft-b")])
+    engine.release(["x"], owner="draft-a")
+    assert engine.active_requests == 1 and engine.cache.pages_free < free0
+    engine.release(["x"], owner="draft-b")
+    assert engine.active_requests == 0 and engine.cache.pages_free == free0

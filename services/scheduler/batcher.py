@@ -77,6 +77,11 @@ class StepLoop:
     def load(self) -> int:
         return len(self.running) + len(self.waiting)
 
+    @property
+    def pending_releases(self) -> list[str]:
+        """Ids of ended requests whose release goes out with this lane's next step."""
+        return self._release
+
     # ---- called by the router -----------------------------------------------------------------
     def submit(self, req: ActiveRequest) -> None:
         req.draft = self.address

@@ -138,7 +138,8 @@ class Router:
         live = [lane for lane in self.lanes if lane.healthy]
         if not live:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica is up; retry later")
-        if req.kv_tokens > max(lane.kv.capacity for lane in live):
+        fits = [lane for lane in live if req.kv_tokens <= lane.kv.capacity]   # verifier groups may differ
+        if not fits:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"request needs {req.kv_tokens} KV tokens (prompt + max_tokens + one block, in whole pages); "
                                f"the cache holds {max(lane.kv.capacity for lane in live)}")
@@ -151,8 +152,10 @@ class Router:
         if any(_live(lane.running.get(req.request_id)) or any(w.request_id == req.request_id for w in lane.waiting)
                for lane in self.lanes):
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id} is already in use")
-        leaving = [lane for lane in live if req.request_id in lane.running]
-        (leaving[0] if leaving else min(live, key=lambda lane: lane.load)).submit(req)
+        # A lane that still owes the id's release (an aborted request not retired yet, or a finished
+        # one whose release has not gone out) takes it: its next step releases the old one first.
+        owing = [lane for lane in fits if req.request_id in lane.running or req.request_id in lane.pending_releases]
+        (owing[0] if owing else min(fits, key=lambda lane: lane.load)).submit(req)
         self._update_gauges()
 
     def abort(self, request_id: str, only: ActiveRequest | None = None) -> bool:

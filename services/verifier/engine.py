@@ -131,9 +131,15 @@ class VerifierEngine:
         return len(self._requests)
 
     # ---- lifecycle ----------------------------------------------------------------------------
-    def release(self, request_ids: Sequence[str]) -> None:
+    def release(self, request_ids: Sequence[str], owner: str | None = None) -> None:
+        """Frees these requests; with ``owner``, only those that draft replica holds. A replica
+        that comes back after its requests were freed (`release_owner`) still sends the releases
+        its scheduler lane kept for it, and one of those ids may by then name a request of another
+        replica that a client retried under the same id."""
         for rid in request_ids:
-            if self._requests.pop(rid, None) is not None:
+            req = self._requests.get(rid)
+            if req is not None and (owner is None or req.owner == owner):
+                del self._requests[rid]
                 self.cache.free(rid)
 
     def release_owner(self, owner: str) -> int:

@@ -220,7 +220,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         t0 = time.perf_counter()
         peer.writer.release(req.released_slots)
         if req.release:
-            self.group.call("release", list(req.release))
+            self.group.call("release", list(req.release), peer.draft_id)
         inputs, rejected = [], {}
         for p in req.prefills:
             try:
