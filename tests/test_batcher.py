@@ -324,3 +324,30 @@ def test_the_router_places_a_request_where_its_kv_fits_and_its_id_is_owed() -> N
         return large.draft, again.draft, fresh.draft
 
     assert asyncio.run(scenario()) == ("big", "small", "big")
+
+
+def test_a_failed_round_of_the_replica_watcher_does_not_end_it(monkeypatch) -> None:
+    """An error in one round (a probe, a discovery) is logged; the next round runs. A watcher that
+    died would leave every replica that went down out for good."""
+    from services.scheduler import router as router_module
+
+    async def scenario() -> int:
+        router = router_module.Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+        rounds = []
+
+        async def flaky_round(n: int) -> None:
+            rounds.append(n)
+            if n == 1:
+                raise RuntimeError("a probe that blew up")
+
+        monkeypatch.setattr(router_module, "PROBE_INTERVAL_S", 0.01)
+        monkeypatch.setattr(router, "_watch_round", flaky_round)
+        watcher = asyncio.create_task(router._watch_replicas())
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if len(rounds) >= 3:
+                break
+        watcher.cancel()
+        return len(rounds)
+
+    assert asyncio.run(scenario()) >= 3

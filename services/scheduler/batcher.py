@@ -42,7 +42,8 @@ class KvBudget:
     _wakes: list[Callable[[], None]] = field(default_factory=list)   # each sharing lane's wake-up
 
     def share(self, wake: Callable[[], None]) -> None:
-        self._wakes.append(wake)
+        if wake not in self._wakes:
+            self._wakes.append(wake)
 
     def release(self, tokens: int) -> None:
         """A finished request's KV back, and every lane that shares it woken: a request queued on
@@ -61,14 +62,13 @@ class StepLoop:
         self.address = address
         self.draft = draft
         self.limits = limits
-        self.kv = kv
         self.metrics = metrics
         self.healthy = True
         self.waiting: deque[ActiveRequest] = deque()
         self.running: dict[str, ActiveRequest] = {}
         self._release: list[str] = []
         self._wake = asyncio.Event()
-        kv.share(self._wake.set)
+        self.kv = kv
         self._task: asyncio.Task | None = None
         self.gate = SpeculationGate(settings.spec_min_acceptance, backoff=settings.spec_backoff_steps)
         self._speculating = True
@@ -76,6 +76,16 @@ class StepLoop:
     @property
     def load(self) -> int:
         return len(self.running) + len(self.waiting)
+
+    @property
+    def kv(self) -> KvBudget:
+        """The KV of the verifier group this replica is in front of (set again when it rejoins)."""
+        return self._kv
+
+    @kv.setter
+    def kv(self, budget: KvBudget) -> None:
+        self._kv = budget
+        budget.share(self._wake.set)
 
     @property
     def pending_releases(self) -> list[str]:

@@ -224,13 +224,13 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
         prompt = []
     if not prompt:
         raise ServiceError(invalid, "prompt is empty: set text or token_ids")
+    room = limits.max_context - limits.block_size
+    if len(prompt) >= room:   # before the per-id check: a huge prompt is refused without a walk over it
+        raise ServiceError(invalid, f"prompt has {len(prompt)} tokens; max context is {limits.max_context} "
+                                    f"({room - 1} prompt tokens at most, leaving room for one tree)")
     for i, t in enumerate(prompt):
         if not 0 <= t < limits.vocab_size:
             raise ServiceError(invalid, f"prompt.token_ids[{i}] = {t} is outside the vocabulary [0, {limits.vocab_size})")
-    room = limits.max_context - limits.block_size
-    if len(prompt) >= room:
-        raise ServiceError(invalid, f"prompt has {len(prompt)} tokens; max context is {limits.max_context} "
-                                    f"({room - 1} prompt tokens at most, leaving room for one tree)")
     if req.max_tokens <= 0:
         raise ServiceError(invalid, f"max_tokens must be > 0 (got {req.max_tokens})")
     if req.max_tokens > settings.max_tokens_limit:

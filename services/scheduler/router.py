@@ -166,33 +166,42 @@ class Router:
         self.metrics.running.set(sum(len(lane.running) for lane in self.lanes))
 
     async def _watch_replicas(self) -> None:
-        """Moves queued work off replicas that went down, brings recovered ones back, finds new ones."""
+        """Moves queued work off replicas that went down, brings recovered ones back, finds new ones.
+        A round that fails is logged and the next one runs: a watcher that died silently would
+        leave every replica that went down out for good, and its queued requests waiting."""
         rounds = 0
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            self._update_gauges()
             rounds += 1
-            if rounds % DISCOVERY_EVERY == 0:
-                known = {lane.address for lane in self.lanes}
-                for address in discover(self.settings.draft_addresses):
-                    if address not in known:
-                        stub = self._stub(address)
-                        self._add_lane(address, stub, await self._probe(stub, 1.0))
-                        log.info("draft_replica_discovered", address=address)
-            live = [lane for lane in self.lanes if lane.healthy]
-            for lane in self.lanes:
-                if lane.healthy:
-                    continue
-                for req in lane.take_waiting():
-                    if live:
-                        min(live, key=lambda x: x.load).submit(req)
-                    else:
-                        req.fail(ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica is up"))
-                info = await self._probe(lane.draft.stub, 1.0)
-                if info is not None:
-                    lane.kv = self._budget(info)
-                    lane.mark_healthy()
-                    log.info("draft_replica_rejoined", address=lane.address)
+            try:
+                await self._watch_round(rounds)
+            except Exception as exc:  # noqa: BLE001 - the next round tries again
+                log.error("replica_watch_failed", error=repr(exc))
+
+    async def _watch_round(self, rounds: int) -> None:
+        self._update_gauges()
+        if rounds % DISCOVERY_EVERY == 0:
+            known = {lane.address for lane in self.lanes}
+            for address in discover(self.settings.draft_addresses):
+                if address not in known:
+                    stub = self._stub(address)
+                    self._add_lane(address, stub, await self._probe(stub, 1.0))
+                    log.info("draft_replica_discovered", address=address)
+        live = [lane for lane in self.lanes if lane.healthy]
+        for lane in self.lanes:
+            if lane.healthy:
+                continue
+            for req in lane.take_waiting():
+                fits = [x for x in live if req.kv_tokens <= x.kv.capacity]
+                if fits:
+                    min(fits, key=lambda x: x.load).submit(req)
+                else:
+                    req.fail(ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica that can hold it is up"))
+            info = await self._probe(lane.draft.stub, 1.0)
+            if info is not None:
+                lane.kv = self._budget(info)
+                lane.mark_healthy()
+                log.info("draft_replica_rejoined", address=lane.address)
 
     async def stop(self) -> None:
         if self._watch is not None:
