@@ -351,3 +351,33 @@ def test_a_failed_round_of_the_replica_watcher_does_not_end_it(monkeypatch) -> N
         return len(rounds)
 
     assert asyncio.run(scenario()) >= 3
+
+
+def test_an_id_reused_while_its_release_is_in_flight_goes_to_the_lane_releasing_it() -> None:
+    """A request's last event reaches its client while the next step, which carries its release,
+    is in flight: an immediate reuse of the id must still go to that lane (elsewhere, its prefill
+    could reach a shared verifier before the release and be refused ALREADY_EXISTS)."""
+    from services.scheduler.router import Router
+
+    async def scenario() -> tuple[list[str], str]:
+        router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+        limits = Limits(64, 4096, 16, 0, 10_000)
+        busy, idle = (StepLoop(SchedulerSettings(), name, SlowDraft(delay=0.05), limits, KvBudget(10_000),
+                               router.metrics) for name in ("busy", "idle"))
+        router.lanes += [busy, idle]
+        busy.waiting.extend(request(f"q{i}", 10) for i in range(3))   # the busier lane
+        first = request("x", 10)
+        busy.submit(first)
+        for lane in router.lanes:
+            lane.start()
+        while not first.finish:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.01)          # the step that releases "x" is in flight now
+        in_flight = list(busy.pending_releases)
+        again = request("x", 10)
+        router.submit(again)
+        await router.stop()
+        return in_flight, again.draft
+
+    in_flight, lane = asyncio.run(scenario())
+    assert "x" in in_flight and lane == "busy"

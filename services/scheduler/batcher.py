@@ -67,6 +67,7 @@ class StepLoop:
         self.waiting: deque[ActiveRequest] = deque()
         self.running: dict[str, ActiveRequest] = {}
         self._release: list[str] = []
+        self._releasing: list[str] = []   # the releases of the step in flight
         self._wake = asyncio.Event()
         self.kv = kv
         self._task: asyncio.Task | None = None
@@ -89,8 +90,10 @@ class StepLoop:
 
     @property
     def pending_releases(self) -> list[str]:
-        """Ids of ended requests whose release goes out with this lane's next step."""
-        return self._release
+        """Ids of ended requests whose release is on its way down this lane: in the step in flight
+        (a request's last event reaches its client while the next step, which releases it, runs),
+        or with the next one."""
+        return self._releasing + self._release
 
     # ---- called by the router -----------------------------------------------------------------
     def submit(self, req: ActiveRequest) -> None:
@@ -137,6 +140,7 @@ class StepLoop:
             sent = time.perf_counter()
             if answered is not None:   # this loop's own time between two steps
                 self.metrics.step_ms.labels("scheduler").observe((sent - answered) * 1e3)
+            self._releasing = release
             try:
                 resp = await self.draft.step(draft_pb2.StepRequest(items=items, release=release),
                                              timeout=self.settings.step_timeout_s)
@@ -145,6 +149,8 @@ class StepLoop:
                 self._fail_replica(exc)
                 answered = None
                 continue
+            finally:
+                self._releasing = []
             answered = time.perf_counter()
             self.metrics.step_ms.labels("step_rpc").observe((answered - sent) * 1e3)
             self.metrics.step_ms.labels("draft").observe(resp.draft_ms)

@@ -188,20 +188,25 @@ class Router:
                     self._add_lane(address, stub, await self._probe(stub, 1.0))
                     log.info("draft_replica_discovered", address=address)
         live = [lane for lane in self.lanes if lane.healthy]
-        for lane in self.lanes:
-            if lane.healthy:
-                continue
-            for req in lane.take_waiting():
-                fits = [x for x in live if req.kv_tokens <= x.kv.capacity]
-                if fits:
-                    min(fits, key=lambda x: x.load).submit(req)
-                else:
-                    req.fail(ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica that can hold it is up"))
-            info = await self._probe(lane.draft.stub, 1.0)
-            if info is not None:
-                lane.kv = self._budget(info)
-                lane.mark_healthy()
-                log.info("draft_replica_rejoined", address=lane.address)
+        for lane in [x for x in self.lanes if not x.healthy]:
+            try:   # one lane's trouble leaves the others' moves and probes to run
+                await self._recover(lane, live)
+            except Exception as exc:  # noqa: BLE001 - the next round tries again
+                log.error("replica_recover_failed", address=lane.address, error=repr(exc))
+
+    async def _recover(self, lane: StepLoop, live: list[StepLoop]) -> None:
+        """A down replica: its queued work goes where it fits, then a probe; an answer brings it back."""
+        for req in lane.take_waiting():
+            fits = [x for x in live if req.kv_tokens <= x.kv.capacity]
+            if fits:
+                min(fits, key=lambda x: x.load).submit(req)
+            else:
+                req.fail(ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica that can hold it is up"))
+        info = await self._probe(lane.draft.stub, 1.0)
+        if info is not None:
+            lane.kv = self._budget(info)
+            lane.mark_healthy()
+            log.info("draft_replica_rejoined", address=lane.address)
 
     async def stop(self) -> None:
         if self._watch is not None:
