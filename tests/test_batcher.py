@@ -381,3 +381,42 @@ def test_an_id_reused_while_its_release_is_in_flight_goes_to_the_lane_releasing_
 
     in_flight, lane = asyncio.run(scenario())
     assert "x" in in_flight and lane == "busy"
+
+
+def test_a_lane_follows_its_replicas_verifier_to_that_groups_kv_budget() -> None:
+    """A verifier restarts with a new id; its replicas reconnect and stay up. Each lane's KV budget
+    follows (a lane that rejoined later would get the new group's, and one group would be admitted
+    against two budgets); a request admitted before gives its KV back where it took it."""
+    from services.scheduler.router import Router
+
+    class Stub:
+        def __init__(self, verifier_id: str) -> None:
+            self.verifier_id = verifier_id
+
+        async def GetModelInfo(self, request, wait_for_ready=True, timeout=None):
+            return common_pb2.ModelInfo(verifier_id=self.verifier_id, kv_capacity_tokens=10_000)
+
+    class Draft(SlowDraft):
+        def __init__(self, verifier_id: str) -> None:
+            super().__init__(delay=0.01)
+            self.stub = Stub(verifier_id)
+
+    async def scenario():
+        router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+        old = router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000))
+        lanes = [StepLoop(SchedulerSettings(), f"d{i}", Draft("v1"), Limits(64, 4096, 16, 0, 10_000), old,
+                          router.metrics) for i in range(2)]
+        router.lanes += lanes
+        before = request("before", 10, kv=500)
+        lanes[0].waiting.append(before)
+        lanes[0]._schedule()                      # admitted against v1's budget
+        for lane in lanes:
+            lane.draft.stub.verifier_id = "v2"    # the verifier restarted
+        await router._follow_verifiers()
+        new = lanes[0].kv
+        lanes[0]._finish(before)
+        return old, new, lanes[1].kv
+
+    old, new, other = asyncio.run(scenario())
+    assert new is other and new is not old and new.verifier_id == "v2"
+    assert old.reserved == 0 and new.reserved == 0

@@ -39,6 +39,7 @@ class KvBudget:
 
     capacity: int
     reserved: int = 0
+    verifier_id: str = ""   # the group's, as its replicas report it ("" where unknown)
     _wakes: list[Callable[[], None]] = field(default_factory=list)   # each sharing lane's wake-up
 
     def share(self, wake: Callable[[], None]) -> None:
@@ -228,6 +229,7 @@ class StepLoop:
             req = self.waiting.popleft()
             self.running[req.request_id] = req
             self.kv.reserved += req.kv_tokens
+            req.kv_budget = self.kv
             items.append(self._piece(req, left, self._budget(req)))
             left -= len(items[-1].prompt_token_ids)
         return items
@@ -263,7 +265,7 @@ class StepLoop:
         if error is not None:
             req.fail(error)
         if self.running.pop(req.request_id, None) is not None:
-            self.kv.release(req.kv_tokens)
+            (req.kv_budget or self.kv).release(req.kv_tokens)   # the lane may have moved to another group since
         self._release.append(req.request_id)
         self._wake.set()
         self._log_end(req)

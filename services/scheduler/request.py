@@ -10,6 +10,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from tokenizers import Tokenizer
@@ -18,6 +19,9 @@ from ddtree.v1 import common_pb2, scheduler_pb2
 from services.common.grpc_server import ServiceError
 from services.common.settings import MAX_BUDGET, TEMPERATURE_RANGE, SchedulerSettings, temperature_ok
 from services.scheduler.detokenize import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from services.scheduler.batcher import KvBudget
 
 __all__ = ["ActiveRequest", "Limits", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_text_size",
            "encode_prompt", "kv_reservation", "max_token_bytes", "validate"]
@@ -63,6 +67,7 @@ class ActiveRequest:
     eos_id: int | None
     tokenizer: Tokenizer | None
     kv_tokens: int = 0                      # KV the verifier reserves: prompt + output + one block, in pages
+    kv_budget: KvBudget | None = None       # the verifier group's KV it was admitted against, given back there
     draft: str = ""                         # the draft replica this request is pinned to
     out_ids: list[int] = field(default_factory=list)
     acceptance: list[int] = field(default_factory=list)

@@ -107,9 +107,11 @@ class Router:
         self.lanes.append(lane)
 
     def _budget(self, info: common_pb2.ModelInfo | None) -> KvBudget:
-        key = info.verifier_id if info is not None and info.verifier_id else f"unknown-{len(self._budgets)}"
+        known = info is not None and info.verifier_id
+        key = info.verifier_id if known else f"unknown-{len(self._budgets)}"
         if key not in self._budgets:
-            self._budgets[key] = KvBudget(info.kv_capacity_tokens if info is not None else 0)
+            self._budgets[key] = KvBudget(info.kv_capacity_tokens if info is not None else 0,
+                                          verifier_id=info.verifier_id if known else "")
         return self._budgets[key]
 
     @staticmethod
@@ -187,12 +189,23 @@ class Router:
                     stub = self._stub(address)
                     self._add_lane(address, stub, await self._probe(stub, 1.0))
                     log.info("draft_replica_discovered", address=address)
+            await self._follow_verifiers()
         live = [lane for lane in self.lanes if lane.healthy]
         for lane in [x for x in self.lanes if not x.healthy]:
             try:   # one lane's trouble leaves the others' moves and probes to run
                 await self._recover(lane, live)
             except Exception as exc:  # noqa: BLE001 - the next round tries again
                 log.error("replica_recover_failed", address=lane.address, error=repr(exc))
+
+    async def _follow_verifiers(self) -> None:
+        """A verifier that restarted has a new id, and the replicas in front of it reconnect on
+        their own, staying up: each lane's KV budget follows its replica's verifier, so one group
+        is never admitted against two budgets (the lanes that rejoined would have the new one)."""
+        for lane in [x for x in self.lanes if x.healthy]:
+            info = await self._probe(lane.draft.stub, 1.0)
+            if info is not None and info.verifier_id and info.verifier_id != lane.kv.verifier_id:
+                lane.kv = self._budget(info)
+                log.info("draft_replica_verifier_changed", address=lane.address, verifier_id=info.verifier_id)
 
     async def _recover(self, lane: StepLoop, live: list[StepLoop]) -> None:
         """A down replica: its queued work goes where it fits, then a probe; an answer brings it back."""
