@@ -200,6 +200,29 @@ class SlowDraft:
         pass
 
 
+class Stub:
+    """A replica's model info as the router probes it; ``down``: the probe fails."""
+
+    def __init__(self, verifier_id: str, down: bool = False) -> None:
+        self.verifier_id = verifier_id
+        self.down = down
+
+    async def GetModelInfo(self, request, wait_for_ready=True, timeout=None):
+        import grpc
+
+        if self.down:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down")
+        return common_pb2.ModelInfo(verifier_id=self.verifier_id, kv_capacity_tokens=10_000)
+
+
+class Draft(SlowDraft):
+    """A SlowDraft the router can probe."""
+
+    def __init__(self, verifier_id: str, down: bool = False) -> None:
+        super().__init__(delay=0.01)
+        self.stub = Stub(verifier_id, down)
+
+
 def scheduler(draft):
     """A scheduler servicer in front of one lane to ``draft``: (servicer, router, lane). Stop the router."""
     from services.scheduler.router import Router
@@ -389,18 +412,6 @@ def test_a_lane_follows_its_replicas_verifier_to_that_groups_kv_budget() -> None
     against two budgets); a request admitted before gives its KV back where it took it."""
     from services.scheduler.router import Router
 
-    class Stub:
-        def __init__(self, verifier_id: str) -> None:
-            self.verifier_id = verifier_id
-
-        async def GetModelInfo(self, request, wait_for_ready=True, timeout=None):
-            return common_pb2.ModelInfo(verifier_id=self.verifier_id, kv_capacity_tokens=10_000)
-
-    class Draft(SlowDraft):
-        def __init__(self, verifier_id: str) -> None:
-            super().__init__(delay=0.01)
-            self.stub = Stub(verifier_id)
-
     async def scenario():
         router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
         old = router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000))
@@ -420,3 +431,23 @@ def test_a_lane_follows_its_replicas_verifier_to_that_groups_kv_budget() -> None
     old, new, other = asyncio.run(scenario())
     assert new is other and new is not old and new.verifier_id == "v2"
     assert old.reserved == 0 and new.reserved == 0
+
+
+def test_a_lone_replica_marked_down_keeps_its_queue_if_it_answers_again() -> None:
+    """One replica, marked down by a slow step: its queued requests wait for it when its probe
+    answers (before, they failed UNAVAILABLE before it was probed), and fail when it does not."""
+    from services.scheduler.router import Router
+
+    async def scenario(down: bool) -> tuple[bool, list[str], bool]:
+        router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+        lane = StepLoop(SchedulerSettings(), "d0", Draft("v1", down=down), Limits(64, 4096, 16, 0, 10_000),
+                        router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000)), router.metrics)
+        router.lanes.append(lane)
+        lane.healthy = False
+        queued = request("q", 10)
+        lane.waiting.append(queued)
+        await router._recover(lane, [])
+        return lane.healthy, [r.request_id for r in lane.waiting], queued.error is not None
+
+    assert asyncio.run(scenario(down=False)) == (True, ["q"], False)
+    assert asyncio.run(scenario(down=True)) == (False, [], True)

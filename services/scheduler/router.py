@@ -208,18 +208,30 @@ class Router:
                 log.info("draft_replica_verifier_changed", address=lane.address, verifier_id=info.verifier_id)
 
     async def _recover(self, lane: StepLoop, live: list[StepLoop]) -> None:
-        """A down replica: its queued work goes where it fits, then a probe; an answer brings it back."""
+        """A down replica: its queued work goes to another where it fits, then a probe; an answer
+        brings it back, with the work no other replica could take (a single replica marked down
+        by one slow step keeps its queue), and no answer fails that work."""
+        stranded = []
         for req in lane.take_waiting():
             fits = [x for x in live if req.kv_tokens <= x.kv.capacity]
             if fits:
                 min(fits, key=lambda x: x.load).submit(req)
             else:
-                req.fail(ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica that can hold it is up"))
+                stranded.append(req)
         info = await self._probe(lane.draft.stub, 1.0)
-        if info is not None:
-            lane.kv = self._budget(info)
-            lane.mark_healthy()
-            log.info("draft_replica_rejoined", address=lane.address)
+        if info is None:
+            for req in stranded:
+                req.fail(ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica that can hold it is up"))
+            return
+        lane.kv = self._budget(info)
+        for req in stranded:
+            if req.kv_tokens <= lane.kv.capacity:
+                lane.submit(req)
+            else:
+                req.fail(ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"request needs {req.kv_tokens} KV tokens; the cache holds {lane.kv.capacity}"))
+        lane.mark_healthy()
+        log.info("draft_replica_rejoined", address=lane.address)
 
     async def stop(self) -> None:
         if self._watch is not None:
