@@ -19,9 +19,9 @@ from services.common.transport import (
     SlotRing,
     _as_bytes,
     bundle_slot,
-    host_bytes,
     make_reader,
     make_writer,
+    tensor_bytes,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -274,11 +274,11 @@ def test_concurrent_writes_get_distinct_slots() -> None:
         assert writer.slots_in_use == 0
 
 
-def test_host_bytes_are_the_tensors_bytes_in_c_order() -> None:
+def test_tensor_bytes_are_the_tensors_bytes_in_c_order() -> None:
     """The numpy shortcut and the uint8 view agree for every wire dtype, strided tensors included."""
     g = torch.Generator().manual_seed(5)
     base = torch.randn(6, 10, generator=g)
     for t in (torch.randint(-9, 9, (7, 5), generator=g).t(),            # int64, not contiguous
               torch.randint(-9, 9, (11,), generator=g, dtype=torch.int32),
               base[:, ::3], base.half(), base.bfloat16()[1:4], base > 0):
-        assert host_bytes(t) == _as_bytes(t).numpy().tobytes() == t.contiguous().view(torch.uint8).numpy().tobytes()
+        assert tensor_bytes(t) == _as_bytes(t).numpy().tobytes() == t.contiguous().view(torch.uint8).numpy().tobytes()

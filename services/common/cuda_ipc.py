@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from ddtree.v1 import common_pb2
-from services.common.transport import (ALIGNMENT, RingFull, RingWriter, SlotRing, TensorReader, _as_bytes,
-                                       _dtype_name, _round_up, host_bytes)
+from services.common.transport import (ALIGNMENT, RingFull, RingWriter, SlotRing, TensorReader, _dtype_name,
+                                       _round_up, tensor_bytes)
 
 __all__ = ["CudaIpcWriter", "CudaIpcReader", "RingFull", "RingHandle", "encode_ring_handle",
            "decode_ring_handle", "local_device_index"]
@@ -190,7 +190,7 @@ class CudaIpcWriter(RingWriter):
                 self.inline_fallbacks += 1
             for name, t in tensors.items():
                 bundle.tensors.add(name=name, dtype=_dtype_name(t.dtype), shape=tuple(t.shape),
-                                   inline_data=host_bytes(t) if not t.is_cuda else _as_bytes(t).numpy().tobytes())
+                                   inline_data=tensor_bytes(t))
             return bundle
         with self._lock:
             if self._buf is None:

@@ -57,7 +57,7 @@ __all__ = [
     "make_writer",
     "make_reader",
     "bundle_slot",
-    "host_bytes",
+    "tensor_bytes",
 ]
 
 ALIGNMENT = 64
@@ -110,10 +110,11 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)  # [nbytes]
 
 
-def host_bytes(t: torch.Tensor) -> bytes:
-    """A host tensor's bytes, in C order. Through numpy where it has the dtype: two calls where
-    `_as_bytes` makes six, and a step's trees go this way every step (each call is microseconds)."""
-    if t.dtype in _NUMPY_DTYPES and not t.requires_grad:
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes, in C order. A host tensor goes through numpy where it has the dtype: two
+    calls where `_as_bytes` makes six, and a step's trees go this way every step (each call is
+    microseconds)."""
+    if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES and not t.requires_grad:
         return t.numpy().tobytes()
     return _as_bytes(t).numpy().tobytes()
 

@@ -89,6 +89,10 @@ class StepLoop:
         self._kv = budget
         budget.share(self._wake.set)
 
+    def holds(self, req: ActiveRequest) -> bool:
+        """Whether this replica's verifier group can hold the request's KV at all (groups may differ)."""
+        return req.kv_tokens <= self.kv.capacity
+
     @property
     def pending_releases(self) -> list[str]:
         """Ids of ended requests whose release is on its way down this lane: in the step in flight

@@ -140,11 +140,11 @@ class Router:
         live = [lane for lane in self.lanes if lane.healthy]
         if not live:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica is up; retry later")
-        fits = [lane for lane in live if req.kv_tokens <= lane.kv.capacity]   # verifier groups may differ
+        fits = [lane for lane in live if lane.holds(req)]
         if not fits:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"request needs {req.kv_tokens} KV tokens (prompt + max_tokens + one block, in whole pages); "
-                               f"the cache holds {max(lane.kv.capacity for lane in live)}")
+                               f"request needs {req.kv_tokens} KV tokens (prompt + max_tokens + one block, "
+                               f"in whole pages); the cache holds {max(lane.kv.capacity for lane in live)}")
         if self.waiting >= self.settings.max_queue:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"queue full ({self.settings.max_queue} requests waiting); retry later")
@@ -213,7 +213,7 @@ class Router:
         by one slow step keeps its queue), and no answer fails that work."""
         stranded = []
         for req in lane.take_waiting():
-            fits = [x for x in live if req.kv_tokens <= x.kv.capacity]
+            fits = [x for x in live if x.holds(req)]
             if fits:
                 min(fits, key=lambda x: x.load).submit(req)
             else:
@@ -225,7 +225,7 @@ class Router:
             return
         lane.kv = self._budget(info)
         for req in stranded:
-            if req.kv_tokens <= lane.kv.capacity:
+            if lane.holds(req):
                 lane.submit(req)
             else:
                 req.fail(ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
