@@ -15,12 +15,12 @@ from services.scheduler.request import ActiveRequest, Limits
 def request(rid: str, prompt_len: int, kv: int = 100) -> ActiveRequest:
     return ActiveRequest(request_id=rid, prompt_ids=list(range(2, 2 + prompt_len)),
                          sampling=common_pb2.SamplingParams(), max_tokens=8, budget=8,
-                         mode=common_pb2.MODE_DDTREE, stop=(), stop_ids=frozenset(), eos_id=None,
+                         mode=common_pb2.MODE_DDTREE, stop=(), stop_ids=frozenset(), eos_ids=frozenset(),
                          tokenizer=None, kv_tokens=kv)
 
 
 def loop(**settings) -> StepLoop:
-    limits = Limits(vocab_size=64, max_context=4096, block_size=16, eos_token_id=0, kv_capacity_tokens=10_000)
+    limits = Limits(vocab_size=64, max_context=4096, block_size=16, eos_token_ids=(0,), kv_capacity_tokens=10_000)
     return StepLoop(SchedulerSettings(**settings), "draft", None, limits, KvBudget(capacity=10_000),
                     Metrics("scheduler-test"))
 
@@ -231,7 +231,7 @@ def scheduler(draft):
     settings = SchedulerSettings(tokenizer_path="")
     router = Router(settings, Metrics("scheduler-test"))
     router.info = common_pb2.ModelInfo(vocab_size=64, max_context=4096, block_size=16, kv_capacity_tokens=10_000)
-    limits = Limits(vocab_size=64, max_context=4096, block_size=16, eos_token_id=0, kv_capacity_tokens=10_000)
+    limits = Limits(vocab_size=64, max_context=4096, block_size=16, eos_token_ids=(0,), kv_capacity_tokens=10_000)
     lane = StepLoop(settings, "draft", draft, limits, KvBudget(capacity=10_000), router.metrics)
     lane.start()
     router.lanes.append(lane)
@@ -303,7 +303,7 @@ def test_kv_freed_on_one_replica_admits_a_request_queued_on_another() -> None:
     of KV is admitted when a request of the other finishes (before, only the finishing lane woke,
     and the other slept on until its deadline)."""
     async def scenario() -> tuple[bool, bool]:
-        limits = Limits(vocab_size=64, max_context=4096, block_size=16, eos_token_id=0, kv_capacity_tokens=3000)
+        limits = Limits(vocab_size=64, max_context=4096, block_size=16, eos_token_ids=(0,), kv_capacity_tokens=3000)
         budget = KvBudget(capacity=3000)
         lanes = [StepLoop(SchedulerSettings(), f"draft{i}", SlowDraft(delay=0.01), limits, budget,
                           Metrics("scheduler-test")) for i in range(2)]
@@ -332,7 +332,7 @@ def test_the_router_places_a_request_where_its_kv_fits_and_its_id_is_owed() -> N
 
     async def scenario() -> tuple[str, str, str]:
         router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
-        small, big = (StepLoop(SchedulerSettings(), name, SlowDraft(), Limits(64, 4096, 16, 0, cap), KvBudget(cap),
+        small, big = (StepLoop(SchedulerSettings(), name, SlowDraft(), Limits(64, 4096, 16, (0,), cap), KvBudget(cap),
                                router.metrics) for name, cap in (("small", 1024), ("big", 4096)))
         router.lanes += [small, big]
         big.waiting.append(request("queued", 10))                  # the big lane is the busier one
@@ -384,7 +384,7 @@ def test_an_id_reused_while_its_release_is_in_flight_goes_to_the_lane_releasing_
 
     async def scenario() -> tuple[list[str], str]:
         router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
-        limits = Limits(64, 4096, 16, 0, 10_000)
+        limits = Limits(64, 4096, 16, (0,), 10_000)
         busy, idle = (StepLoop(SchedulerSettings(), name, SlowDraft(delay=0.05), limits, KvBudget(10_000),
                                router.metrics) for name in ("busy", "idle"))
         router.lanes += [busy, idle]
@@ -415,7 +415,7 @@ def test_a_lane_follows_its_replicas_verifier_to_that_groups_kv_budget() -> None
     async def scenario():
         router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
         old = router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000))
-        lanes = [StepLoop(SchedulerSettings(), f"d{i}", Draft("v1"), Limits(64, 4096, 16, 0, 10_000), old,
+        lanes = [StepLoop(SchedulerSettings(), f"d{i}", Draft("v1"), Limits(64, 4096, 16, (0,), 10_000), old,
                           router.metrics) for i in range(2)]
         router.lanes += lanes
         before = request("before", 10, kv=500)
@@ -440,7 +440,7 @@ def test_a_lone_replica_marked_down_keeps_its_queue_if_it_answers_again() -> Non
 
     async def scenario(down: bool) -> tuple[bool, list[str], bool]:
         router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
-        lane = StepLoop(SchedulerSettings(), "d0", Draft("v1", down=down), Limits(64, 4096, 16, 0, 10_000),
+        lane = StepLoop(SchedulerSettings(), "d0", Draft("v1", down=down), Limits(64, 4096, 16, (0,), 10_000),
                         router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000)), router.metrics)
         router.lanes.append(lane)
         lane.healthy = False

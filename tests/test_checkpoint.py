@@ -14,7 +14,7 @@ from services.common.checkpoint import (
     read_config,
     save_tensors,
 )
-from services.verifier.config import TargetConfig
+from services.verifier.config import TargetConfig, read_target_config
 from services.verifier.make_target import write_random_target
 from services.verifier.model import TargetModel
 from services.verifier.reference import ReferenceModel
@@ -173,3 +173,23 @@ def test_int4_config_ignores_everything_but_routed_experts(target_dir: Path) -> 
     names = load_tensors(target_dir).keys()
     assert "model.layers.1.mlp.experts.0.gate_proj.weight_packed" in names
     assert "model.layers.1.mlp.experts.0.gate_proj.weight" not in names
+
+
+def test_eos_ids_come_from_config_and_generation_config(target_dir: Path) -> None:
+    """Chat checkpoints often list their end-of-turn ids only in generation_config.json; the
+    verifier stops at every id either file names, config.json's first."""
+    _rewrite_config(target_dir, eos_token_id=[5, 7])
+    assert read_target_config(target_dir).eos_token_id == (5, 7)
+    (target_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9], "do_sample": True}))
+    assert read_target_config(target_dir).eos_token_id == (5, 7, 9)
+    assert TargetModel.load(target_dir).config.eos_token_id == (5, 7, 9)
+    (target_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": "9"}))
+    with pytest.raises(CheckpointError, match="generation_config.json: field 'eos_token_id' must be a token id"):
+        read_target_config(target_dir)
+    (target_dir / "generation_config.json").write_text("{")
+    with pytest.raises(CheckpointError, match="generation_config.json: invalid JSON"):
+        read_target_config(target_dir)
+    (target_dir / "generation_config.json").unlink()
+    _rewrite_config(target_dir, eos_token_id=True)
+    with pytest.raises(CheckpointError, match="config.json: field 'eos_token_id' must be a token id"):
+        read_target_config(target_dir)

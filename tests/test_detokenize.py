@@ -59,7 +59,7 @@ def test_a_request_streams_what_decoding_everything_streamed() -> None:
     for ids in _token_lists(rng)[:20]:
         req = validate(build_request("x", max_tokens=len(ids) + 1), SchedulerSettings(), LIMITS, TOKENIZER)
         assert isinstance(req, ActiveRequest)
-        req.eos_id = None
+        req.eos_ids = frozenset()
         chunks = []
         for step in _streams(ids, rng):
             req.add_tokens(step, len(step))

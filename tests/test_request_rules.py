@@ -12,10 +12,11 @@ from services.common.settings import TEMPERATURE_RANGE, SchedulerSettings
 from services.scheduler.client import ClientError, build_request
 from services.scheduler.request import (MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, ActiveRequest, Limits,
                                         encode_prompt, kv_reservation, max_token_bytes, validate)
+from services.scheduler.router import limits_from_info
 from services.scheduler.server import load_tokenizer
 
 TOKENIZER = load_tokenizer("models/demo")
-LIMITS = Limits(vocab_size=TOKENIZER.get_vocab_size(), max_context=2048, block_size=16, eos_token_id=0,
+LIMITS = Limits(vocab_size=TOKENIZER.get_vocab_size(), max_context=2048, block_size=16, eos_token_ids=(0,),
                 kv_capacity_tokens=65536)
 
 
@@ -73,7 +74,7 @@ def test_a_stop_string_ends_token_ids_and_usage_where_it_ends_the_text() -> None
     ids = TOKENIZER.encode(text, add_special_tokens=False).ids
     stop = "return"
     req = ActiveRequest(request_id="r", prompt_ids=[1], sampling=common_pb2.SamplingParams(), max_tokens=100,
-                        budget=8, mode=common_pb2.MODE_DDTREE, stop=(stop,), stop_ids=frozenset(), eos_id=None,
+                        budget=8, mode=common_pb2.MODE_DDTREE, stop=(stop,), stop_ids=frozenset(), eos_ids=frozenset(),
                         tokenizer=TOKENIZER)
     req.add_tokens(ids[:2], 2)
     req.add_tokens(ids[2:], len(ids) - 2)  # one step takes the rest, far past the stop string
@@ -147,7 +148,7 @@ def test_a_long_text_tokenizes_beside_the_event_loop() -> None:
 
 def _request(stop: tuple[str, ...] = (), max_tokens: int = 100) -> ActiveRequest:
     return ActiveRequest(request_id="r", prompt_ids=[1], sampling=common_pb2.SamplingParams(), max_tokens=max_tokens,
-                         budget=8, mode=common_pb2.MODE_DDTREE, stop=stop, stop_ids=frozenset(), eos_id=None,
+                         budget=8, mode=common_pb2.MODE_DDTREE, stop=stop, stop_ids=frozenset(), eos_ids=frozenset(),
                          tokenizer=TOKENIZER)
 
 
@@ -301,10 +302,34 @@ def test_a_run_of_steps_that_end_inside_a_character_decodes_a_bounded_window() -
 def test_a_request_reserves_kv_in_the_verifiers_whole_pages() -> None:
     """The verifier reserves ceil(tokens / page) pages: admitting by tokens alone let 64 requests
     of 65536 tokens in all into a cache of 4096 pages that they needed 4156 of."""
-    paged = Limits(vocab_size=LIMITS.vocab_size, max_context=2048, block_size=16, eos_token_id=0,
+    paged = Limits(vocab_size=LIMITS.vocab_size, max_context=2048, block_size=16, eos_token_ids=(0,),
                    kv_capacity_tokens=65536, kv_page_size=16)
     req = scheduler_pb2.GenerateRequest(max_tokens=10)
     req.token_ids.ids.extend([5, 6, 7])
     assert validate(req, SchedulerSettings(), paged, TOKENIZER).kv_tokens == 32        # 3 + 10 + 16 = 29 -> 2 pages
     assert validate(req, SchedulerSettings(), LIMITS, TOKENIZER).kv_tokens == 29       # pages of one token
     assert [kv_reservation(n, paged) for n in (1, 16, 17, 1025)] == [16, 16, 32, 1040]
+
+
+def test_every_eos_id_of_the_model_ends_a_request_unless_it_ignores_eos() -> None:
+    """A model may have several end-of-sequence ids (end of text, end of turn); any of them ends
+    the output, and is not shown in the text."""
+    ids = TOKENIZER.encode("def add(a, b):\n    return a + b\n", add_special_tokens=False).ids
+    limits = Limits(vocab_size=LIMITS.vocab_size, max_context=2048, block_size=16, eos_token_ids=(0, 1),
+                    kv_capacity_tokens=65536)
+    for eos in (0, 1):
+        req = validate(build_request(ids[:3], max_tokens=50), SchedulerSettings(), limits, TOKENIZER)
+        messages = _run(req, ids[:6] + [eos] + ids[6:], step=4)
+        assert messages[-1].finish_reason == scheduler_pb2.FINISH_REASON_STOP
+        assert [t for m in messages for t in m.token_ids] == ids[:6] + [eos]
+        assert "".join(m.text for m in messages) == TOKENIZER.decode(ids[:6])
+    req = validate(build_request(ids[:3], max_tokens=9, ignore_eos=True), SchedulerSettings(), limits, TOKENIZER)
+    messages = _run(req, [0, 1] * 8, step=4)
+    assert messages[-1].finish_reason == scheduler_pb2.FINISH_REASON_LENGTH and len(req.out_ids) == 9
+
+
+def test_limits_take_every_eos_id_and_an_older_drafts_single_one() -> None:
+    info = common_pb2.ModelInfo(vocab_size=64, max_context=512, block_size=16, eos_token_id=3, eos_token_ids=[3, 4])
+    assert limits_from_info(info).eos_token_ids == (3, 4)
+    assert limits_from_info(common_pb2.ModelInfo(eos_token_id=3)).eos_token_ids == (3,)
+    assert limits_from_info(common_pb2.ModelInfo(eos_token_id=-1)).eos_token_ids == ()

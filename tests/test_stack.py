@@ -56,6 +56,7 @@ def test_stack_uses_shared_memory_transport(stack):
         info = c.model_info()
     assert info.transport == "shm"
     assert info.block_size == 16 and info.max_context == 256
+    assert list(info.eos_token_ids) == [info.eos_token_id] == [0]   # the demo's "<|eos|>", verifier to client
 
 
 def test_greedy_ddtree_equals_autoregressive_every_budget(stack, refs):

@@ -98,7 +98,8 @@ class DraftEngine:
         return common_pb2.ModelInfo(
             model_type=hs.model_type, vocab_size=hs.vocab_size, max_context=hs.max_context,
             block_size=self.proposer.block_size, max_budget=MAX_BUDGET, eos_token_id=hs.eos_token_id,
-            tp_size=hs.tp_size, kv_capacity_tokens=hs.kv_capacity_tokens, kv_page_size=hs.kv_page_size,
+            eos_token_ids=hs.eos_token_ids, tp_size=hs.tp_size, kv_capacity_tokens=hs.kv_capacity_tokens,
+            kv_page_size=hs.kv_page_size,
             transport=hs.transport, verifier_id=hs.verifier_id)
 
     async def step(self, request: draft_pb2.StepRequest) -> draft_pb2.StepResponse:

@@ -41,7 +41,7 @@ class Limits:
     vocab_size: int
     max_context: int
     block_size: int
-    eos_token_id: int
+    eos_token_ids: tuple[int, ...]          # every id that ends a sequence (none: an empty tuple)
     kv_capacity_tokens: int
     kv_page_size: int = 1   # the verifier reserves whole pages
 
@@ -64,7 +64,7 @@ class ActiveRequest:
     mode: int
     stop: tuple[str, ...]
     stop_ids: frozenset[int]
-    eos_id: int | None
+    eos_ids: frozenset[int]                 # empty when the request ignores EOS
     tokenizer: Tokenizer | None
     kv_tokens: int = 0                      # KV the verifier reserves: prompt + output + one block, in pages
     kv_budget: KvBudget | None = None       # the verifier group's KV it was admitted against, given back there
@@ -96,7 +96,7 @@ class ActiveRequest:
         before = len(self.out_ids)
         for tok in token_ids:
             self.out_ids.append(tok)
-            if tok in self.stop_ids or (self.eos_id is not None and tok == self.eos_id):
+            if tok in self.stop_ids or tok in self.eos_ids:
                 self.finish = scheduler_pb2.FINISH_REASON_STOP
                 break
             if len(self.out_ids) >= self.max_tokens:
@@ -137,11 +137,8 @@ class ActiveRequest:
                 del self.out_ids[k:]
                 return
 
-    def _hidden_ids(self) -> set[int]:
-        hidden = set(self.stop_ids)
-        if self.eos_id is not None:
-            hidden.add(self.eos_id)
-        return hidden
+    def _hidden_ids(self) -> frozenset[int]:
+        return self.stop_ids | self.eos_ids
 
     def _message(self) -> scheduler_pb2.GenerateResponse:
         """New tokens and the text that is safe to show (not a possible stop-string prefix)."""
@@ -276,5 +273,5 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
     return ActiveRequest(
         request_id=req.request_id or uuid.uuid4().hex, prompt_ids=prompt, sampling=sampling,
         max_tokens=max_tokens, budget=req.budget or settings.default_budget, mode=mode, stop=tuple(req.stop),
-        stop_ids=frozenset(req.stop_token_ids), eos_id=None if req.ignore_eos else limits.eos_token_id,
+        stop_ids=frozenset(req.stop_token_ids), eos_ids=frozenset() if req.ignore_eos else frozenset(limits.eos_token_ids),
         tokenizer=tokenizer, kv_tokens=kv_reservation(len(prompt) + max_tokens + limits.block_size, limits))

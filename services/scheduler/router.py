@@ -52,8 +52,10 @@ def _live(req: ActiveRequest | None) -> bool:
 
 
 def limits_from_info(info: common_pb2.ModelInfo) -> Limits:
+    # A draft older than eos_token_ids sends only eos_token_id (-1: none).
+    eos = tuple(info.eos_token_ids) or ((info.eos_token_id,) if info.eos_token_id >= 0 else ())
     return Limits(vocab_size=info.vocab_size, max_context=info.max_context, block_size=info.block_size,
-                  eos_token_id=info.eos_token_id, kv_capacity_tokens=info.kv_capacity_tokens,
+                  eos_token_ids=eos, kv_capacity_tokens=info.kv_capacity_tokens,
                   kv_page_size=info.kv_page_size or 1)
 
 

@@ -7,12 +7,16 @@ a matmul.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
-from services.common.checkpoint import CheckpointError
+from services.common.checkpoint import CONFIG_FILE, CheckpointError, read_config
 
-__all__ = ["TargetConfig", "YarnScaling", "Int4Quantization", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["TargetConfig", "YarnScaling", "Int4Quantization", "SUPPORTED_MODEL_TYPES", "read_target_config"]
+
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
@@ -173,6 +177,33 @@ def _parse_quant(d: dict, source: str) -> Int4Quantization | None:
     return Int4Quantization(group_size=group_size, ignore=tuple(ignore))
 
 
+def _eos_ids(d: dict[str, Any], source: str) -> tuple[int, ...]:
+    eos = d.get("eos_token_id")
+    eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos) if isinstance(eos, list) else None)
+    if eos_ids is None or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos_ids):
+        raise _fail(source, "eos_token_id", f"must be a token id or a list of them, got {eos!r}")
+    return eos_ids
+
+
+def read_target_config(path: Path) -> TargetConfig:
+    """The target's config from ``path/config.json``, with the end-of-sequence ids of
+    ``generation_config.json`` added where the checkpoint has one: chat models often list their
+    end-of-turn ids only there, and generation must stop at any of them, as HF ``generate`` does."""
+    path = Path(path)
+    config = TargetConfig.from_hf(read_config(path), source=str(path / CONFIG_FILE))
+    gen_path = path / GENERATION_CONFIG_FILE
+    if not gen_path.is_file():
+        return config
+    try:
+        gen = json.loads(gen_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{gen_path}: invalid JSON ({exc})") from exc
+    if not isinstance(gen, dict):
+        raise CheckpointError(f"{gen_path}: expected a JSON object at top level, got {type(gen).__name__}")
+    extra = [e for e in _eos_ids(gen, str(gen_path)) if e not in config.eos_token_id]
+    return replace(config, eos_token_id=config.eos_token_id + tuple(extra)) if extra else config
+
+
 def _parse(d: dict[str, Any], source: str) -> TargetConfig:
     if not isinstance(d, dict):
         raise CheckpointError(f"{source}: expected a JSON object")
@@ -180,10 +211,7 @@ def _parse(d: dict[str, Any], source: str) -> TargetConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _fail(source, "model_type", f"unsupported {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     g = lambda field, kind, default=..., positive=False: _get(d, source, field, kind, default, positive)  # noqa: E731
-    eos = d.get("eos_token_id")
-    eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
-    if not all(isinstance(e, int) for e in eos_ids):
-        raise _fail(source, "eos_token_id", f"must be an int or list of ints, got {eos!r}")
+    eos_ids = _eos_ids(d, source)
     q_lora = d.get("q_lora_rank")
     if q_lora is not None and (not isinstance(q_lora, int) or q_lora <= 0):
         raise _fail(source, "q_lora_rank", f"must be null or a positive int, got {q_lora!r}")

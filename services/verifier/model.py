@@ -20,8 +20,8 @@ from kernels.mla_norm_rope import fusable as mla_fusable, mla_norm_rope
 from kernels.rms_norm import add_rms_norm, rms_norm  # one Triton launch on CUDA, torch elsewhere
 from kernels.skinny_gemm import skinny_linear  # x @ w^T: one Triton launch for a few rows on CUDA, torch elsewhere
 from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata, tree_mla
-from services.common.checkpoint import CheckpointError, load_tensors, read_config, tensor_index
-from services.verifier.config import TargetConfig
+from services.common.checkpoint import CheckpointError, load_tensors, tensor_index
+from services.verifier.config import TargetConfig, read_target_config
 from services.verifier.kv_cache import PagedKVCache
 from services.verifier.moe import MLPWeights, MoEWeights, mlp_forward, moe_forward, uses_fused_kernel
 from services.verifier.parallel import TensorParallel, load_rank_slice
@@ -127,7 +127,7 @@ def _int4_dense_shape(name: str, config: TargetConfig) -> tuple[int, int]:
 def load_checkpoint(path: Path) -> tuple[TargetConfig, dict[str, Tensor]]:
     """Read and validate config + the tensors the config needs (extra tensors, e.g. MTP, are skipped)."""
     path = Path(path)
-    config = TargetConfig.from_hf(read_config(path), source=str(path / "config.json"))
+    config = read_target_config(path)
     index = tensor_index(path)
     expected = expected_tensors(config)
     missing = [n for n in expected if n not in index]
@@ -254,7 +254,7 @@ class TargetModel(torch.nn.Module):
         if tp is None or not tp.enabled:
             config, weights = load_checkpoint(Path(path))
             return cls(config, weights, dtype=dtype, device=device)
-        config = TargetConfig.from_hf(read_config(Path(path)), source=str(Path(path) / "config.json"))
+        config = read_target_config(Path(path))
         weights = load_rank_slice(Path(path), config, expected_tensors(config), tp.rank, tp.size)
         return cls(config, weights, dtype=dtype, device=device, tp=tp)
 

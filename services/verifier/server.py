@@ -129,7 +129,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.HandshakeResponse(
             transport=kind, verifier_ring=writer.ring_name or "", verifier_ring_slot_bytes=writer.slot_bytes,
             verifier_ring_slots=writer.num_slots, model_type=cfg.model_type, vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size, max_context=self.engine.max_context, eos_token_id=cfg.eos_token_id[0] if cfg.eos_token_id else -1,
+            hidden_size=cfg.hidden_size, max_context=self.engine.max_context,
+            eos_token_id=cfg.eos_token_id[0] if cfg.eos_token_id else -1, eos_token_ids=cfg.eos_token_id,
             tp_size=self.settings.tp, kv_capacity_tokens=self.engine.cache.capacity_tokens, kv_page_size=self.engine.cache.page_size,
             verifier_id=self.verifier_id)
 
