@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 import shutil
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from services.common.settings import DraftSettings, SchedulerSettings, VerifierSettings, load_settings
+from services.scheduler import router
 from services.scheduler.router import discover
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +76,34 @@ def test_config_file_is_valid_for_every_service_and_addresses_agree(compose):
 def test_dns_discovery_lists_every_address():
     assert discover(["dns:localhost:50052", "10.0.0.9:1"])[-1] == "10.0.0.9:1"
     assert any(a.endswith(":50052") for a in discover(["dns:localhost:50052"]))
+
+
+def test_a_slow_dns_lookup_leaves_the_event_loop_running(monkeypatch):
+    """The scheduler looks for new replicas every few seconds; a resolver that takes its time
+    must not hold up the streams it serves."""
+    def slow_getaddrinfo(host, port, *args, **kwargs):
+        time.sleep(0.5)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.1.2.3", port))]
+    monkeypatch.setattr(router.socket, "getaddrinfo", slow_getaddrinfo)
+
+    async def scenario() -> tuple[list[str], float]:
+        gaps, last = [], time.monotonic()
+
+        async def tick() -> None:
+            nonlocal last
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+        ticker = asyncio.create_task(tick())
+        found = await router.resolve(["dns:draft:50052"])
+        ticker.cancel()
+        return found, max(gaps)
+
+    found, gap = asyncio.run(scenario())
+    assert found == ["10.1.2.3:50052"]
+    assert gap < 0.25, gap   # inline, the loop would stop for the whole 0.5 s look-up
 
 
 @pytest.mark.skipif(shutil.which("docker") is None or subprocess.run(

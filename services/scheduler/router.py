@@ -47,6 +47,12 @@ def discover(entries: tuple[str, ...] | list[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+async def resolve(entries: tuple[str, ...] | list[str]) -> list[str]:
+    """`discover` in a worker thread: a DNS look-up can wait seconds for a slow or missing
+    server, and every stream the scheduler serves would stall with the event loop meanwhile."""
+    return await asyncio.to_thread(discover, entries)
+
+
 def _live(req: ActiveRequest | None) -> bool:
     return req is not None and not req.aborted
 
@@ -71,7 +77,7 @@ class Router:
 
     async def start(self, timeout_s: float = 120.0) -> common_pb2.ModelInfo:
         """Connects to every configured replica; needs at least one to answer within `timeout_s`."""
-        addresses = discover(self.settings.draft_addresses)
+        addresses = await resolve(self.settings.draft_addresses)
         if not addresses:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "scheduler.draft_addresses: no address to try "
                                f"(no dns: name resolved): {list(self.settings.draft_addresses)}")
@@ -186,7 +192,7 @@ class Router:
         self._update_gauges()
         if rounds % DISCOVERY_EVERY == 0:
             known = {lane.address for lane in self.lanes}
-            for address in discover(self.settings.draft_addresses):
+            for address in await resolve(self.settings.draft_addresses):
                 if address not in known:
                     stub = self._stub(address)
                     self._add_lane(address, stub, await self._probe(stub, 1.0))
