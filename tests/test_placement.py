@@ -56,3 +56,21 @@ def test_rank_device_starts_at_the_configured_gpu() -> None:
     assert [rank_device("cuda", r) for r in range(2)] == ["cuda:0", "cuda:1"]
     assert [rank_device("cuda:1", r) for r in range(2)] == ["cuda:1", "cuda:2"]
     assert rank_device("cpu", 3) == "cpu"
+
+
+def test_a_tp_rank_binds_nccl_to_the_gpu_its_model_is_on(monkeypatch) -> None:
+    """`verifier.device = "cuda:4"` puts rank r on cuda:4+r; its NCCL communicator must be bound
+    there too, not to cuda:r (another group's GPU in a several-group layout)."""
+    import torch.distributed as dist
+
+    from services.verifier import parallel
+    from services.verifier.ranks import rank_device
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(d))))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append(("device_id", str(k["device_id"]))))
+    monkeypatch.setattr(dist, "new_group", lambda *a, **k: calls.append(("new_group", k["backend"])))
+    for rank in range(2):
+        calls.clear()
+        parallel.TensorParallel(rank, 2, "tcp://127.0.0.1:1", backend="nccl", device=rank_device("cuda:4", rank))
+        assert calls == [("set_device", f"cuda:{4 + rank}"), ("device_id", f"cuda:{4 + rank}"), ("new_group", "gloo")]

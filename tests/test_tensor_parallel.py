@@ -66,6 +66,10 @@ def test_tp2_and_tp4_equal_tp1_token_for_token(ckpt):
     time of the slowest. Each is queried and stopped as before."""
     tps = (1, 2, 4)
     stacks = {tp: Stack(_tp_spec(ckpt, tp)) for tp in tps}
+    # TP=2 is queried after an idle spell longer than its collectives' timeout: the workers' wait
+    # for rank 0's next call is not a collective that times out (an idle minute killed the group).
+    idle_timeout_s = 5
+    stacks[2].spec.extra_env["DDTREE_VERIFIER_TP_TIMEOUT_S"] = str(idle_timeout_s)
     results = {}
     with contextlib.ExitStack() as started:
         for stack in stacks.values():
@@ -73,7 +77,10 @@ def test_tp2_and_tp4_equal_tp1_token_for_token(ckpt):
         with ThreadPoolExecutor(len(tps)) as pool:
             for done in [pool.submit(stack.start) for stack in stacks.values()]:
                 done.result()
+        ready = time.monotonic()
         for tp, stack in stacks.items():
+            if tp == 2:
+                time.sleep(max(0.0, ready + idle_timeout_s + 2 - time.monotonic()))
             async def run(address=stack.scheduler_address):
                 async with AsyncClient(address) as client:
                     greedy = await asyncio.gather(*(client.generate(p, max_tokens=16, budget=8, ignore_eos=True)

@@ -171,7 +171,7 @@ class VerifierSettings:
     ring_slots: int = 4
     ring_slot_bytes: int = 8 << 20
     tp: int = 1                      # tensor-parallel ranks (processes); device "cuda" puts rank i on GPU i
-    tp_timeout_s: float = 60.0       # a collective waiting longer than this fails the group
+    tp_timeout_s: float = 60.0       # a step's collective waiting longer than this fails the group
     peer_stream_timeout_s: float = 30.0   # a draft that hand-shook but opened no stream by then is dropped
     cuda_graphs: bool = True         # verify replays CUDA graphs on GPU (warm-up captures; other buckets on first use)
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets; larger steps run eagerly

@@ -128,7 +128,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     settings = load_settings(VerifierSettings, args.config)
     configure_logging(f"verifier-rank{args.rank}", settings.json_logs)
     tp = TensorParallel(args.rank, settings.tp, args.init_method, backend=backend_for(settings),
-                        timeout_s=settings.tp_timeout_s)
+                        timeout_s=settings.tp_timeout_s, device=rank_device(settings.device, args.rank))
     engine = build_engine(settings, tp)
     try:
         worker_loop(engine, tp)

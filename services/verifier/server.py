@@ -328,7 +328,8 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     if settings.tp > 1:
         init_method = f"tcp://127.0.0.1:{free_port()}"
         workers = spawn_workers(settings, config_path, init_method)
-        tp = TensorParallel(0, settings.tp, init_method, backend=backend_for(settings), timeout_s=settings.tp_timeout_s)
+        tp = TensorParallel(0, settings.tp, init_method, backend=backend_for(settings), timeout_s=settings.tp_timeout_s,
+                            device=rank_device(settings.device, 0))
     engine = build_engine(settings, tp)
     group = EngineGroup(engine, tp)
     server, health = new_server([verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name])
