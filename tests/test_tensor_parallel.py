@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -16,7 +17,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ddtree.v1 import verifier_pb2, verifier_pb2_grpc
 from services.common.launcher import Stack, StackSpec
+from services.common.transport import InlineWriter
 from services.common.make_checkpoint import make_random_checkpoint
 from services.scheduler.client import AsyncClient, Client, ClientError
 from services.verifier.model import expected_tensors, load_checkpoint
@@ -60,14 +63,16 @@ def test_rank_slices_reassemble_the_checkpoint(ckpt):
         assert torch.equal(torch.cat(pieces, dim=dim), tensor), name
 
 
-def test_tp2_and_tp4_equal_tp1_token_for_token(ckpt):
+def test_tp2_and_tp4_equal_tp1_and_outlast_idle_time_and_bad_input(ckpt):
     """The three stacks start side by side (each starts its own services in order, as always): a
     start is mostly one process importing at a time, so two cores start three stacks in about the
-    time of the slowest. Each is queried and stopped as before."""
+    time of the slowest. Each is queried and stopped as before. TP=2 is first left idle longer
+    than its collectives' timeout, and every stack gets a second draft's bad input between two
+    rounds of queries: the group stays up and in step, and its own draft's outputs are unchanged."""
     tps = (1, 2, 4)
     stacks = {tp: Stack(_tp_spec(ckpt, tp)) for tp in tps}
-    # TP=2 is queried after an idle spell longer than its collectives' timeout: the workers' wait
-    # for rank 0's next call is not a collective that times out (an idle minute killed the group).
+    # The workers' wait for rank 0's next call is not a collective that times out (an idle minute
+    # killed the group).
     idle_timeout_s = 5
     stacks[2].spec.extra_env["DDTREE_VERIFIER_TP_TIMEOUT_S"] = str(idle_timeout_s)
     results = {}
@@ -81,20 +86,64 @@ def test_tp2_and_tp4_equal_tp1_token_for_token(ckpt):
         for tp, stack in stacks.items():
             if tp == 2:
                 time.sleep(max(0.0, ready + idle_timeout_s + 2 - time.monotonic()))
-            async def run(address=stack.scheduler_address):
-                async with AsyncClient(address) as client:
-                    greedy = await asyncio.gather(*(client.generate(p, max_tokens=16, budget=8, ignore_eos=True)
-                                                    for p in PROMPTS[:6]))
-                    sampled = await client.generate(PROMPTS[0], max_tokens=16, temperature=1.0, seed=3,
-                                                    budget=8, ignore_eos=True)
-                    return [g.token_ids for g in greedy], sampled.token_ids
-            results[tp] = asyncio.run(run())
+            results[tp] = asyncio.run(_query(stack.scheduler_address))
+            asyncio.run(_bad_input(stack.address("verifier"), ckpt))
+            assert asyncio.run(_query(stack.scheduler_address)) == results[tp], f"tp={tp}"
             with Client(stack.scheduler_address) as c:
                 assert c.model_info().tp_size == tp
             verifier = stack.process("verifier")
             stack.stop()
             assert verifier.returncode == 0, f"tp={tp}: an orderly stop must not read as a rank dying"
     assert results[2] == results[1] and results[4] == results[1]
+
+
+async def _query(address: str) -> tuple[list[list[int]], list[int]]:
+    async with AsyncClient(address) as client:
+        greedy = await asyncio.gather(*(client.generate(p, max_tokens=16, budget=8, ignore_eos=True)
+                                        for p in PROMPTS[:6]))
+        sampled = await client.generate(PROMPTS[0], max_tokens=16, temperature=1.0, seed=3, budget=8, ignore_eos=True)
+        return [g.token_ids for g in greedy], sampled.token_ids
+
+
+async def _bad_input(verifier: str, ckpt) -> None:
+    """A second draft (as a misconfigured replica or a bug would) names a layer the target lacks,
+    then sends tree bundles that cannot be split into its trees: each gets a clear status for its
+    own trees, and its stream and other request go on (before, a TP group's worker ranks re-raised
+    the refusal and the group ended; at TP=1 the stream ended UNKNOWN, freeing the draft's requests)."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    layers = json.loads((ckpt / "drafter" / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    hello = verifier_pb2.HandshakeRequest(draft_id="second", feature_layer_ids=layers, hidden_size=cfg["hidden_size"],
+                                          vocab_size=cfg["vocab_size"], transports=["inline"])
+    async with grpc.aio.insecure_channel(verifier) as ch:
+        stub = verifier_pb2_grpc.VerifierStub(ch)
+        wrong = verifier_pb2.HandshakeRequest()
+        wrong.CopyFrom(hello)
+        wrong.feature_layer_ids[:] = [cfg["num_hidden_layers"]]
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Handshake(wrong)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "outside the target" in info.value.details()
+        await stub.Handshake(hello)
+        call = stub.VerifyStream(metadata=(("draft-id", "second"),))
+        await call.write(verifier_pb2.VerifyRequest(sequence=1, prefills=[
+            verifier_pb2.PrefillItem(request_id=r, token_ids=[5, 6, 7], reserve_tokens=64) for r in ("x", "y")]))
+        pending = {item.request_id: item.token_ids[0] for item in (await call.read()).prefills}
+        t = torch.tensor
+        bad_bundles = [
+            {"tokens": t([pending["x"], 9]), "parents": t([-1, 0]), "depths": t([0, 1]), "sizes": t([3])},
+            {"tokens": t([pending["x"], 9, 9]), "parents": t([-1, 0]), "depths": t([0, 1, 1]), "sizes": t([3])},
+            {"tokens": t([[pending["x"]]]), "parents": t([[-1]]), "depths": t([[0]]), "sizes": t([1])},
+            {"tokens": t([pending["x"]]), "parents": t([-1])},
+        ]
+        for seq, trees in enumerate(bad_bundles, start=2):
+            await call.write(verifier_pb2.VerifyRequest(sequence=seq, verify_ids=["x"], trees=InlineWriter().write(trees)))
+            answer = await call.read()
+            assert [(v.request_id, v.error_code) for v in answer.verifies] == \
+                [("x", grpc.StatusCode.INVALID_ARGUMENT.value[0])], (seq, answer.verifies)
+        good = {"tokens": t([pending["y"]]), "parents": t([-1]), "depths": t([0]), "sizes": t([1])}
+        await call.write(verifier_pb2.VerifyRequest(sequence=9, verify_ids=["y"], trees=InlineWriter().write(good)))
+        (item,) = (await call.read()).verifies
+        assert item.error_code == 0 and len(item.token_ids) == 1
+        await call.done_writing()
 
 
 def test_rank_watchdog_reports_a_death_and_stays_quiet_once_disarmed():

@@ -25,7 +25,7 @@ from services.verifier.kv_cache import OutOfPages, PagedKVCache
 from services.verifier.model import ForwardBatch, TargetModel
 from services.verifier.sampling import Sampling, posterior_tokens
 
-__all__ = ["VerifierEngine", "PrefillInput", "ItemOutcome", "StepOutcome"]
+__all__ = ["VerifierEngine", "PrefillInput", "ItemOutcome", "StepOutcome", "tree_shape_error"]
 
 
 @dataclass
@@ -84,13 +84,17 @@ class VerifierEngine:
         self.vocab_size = cfg.vocab_size
 
     # ---- set-up -------------------------------------------------------------------------------
-    def set_feature_layers(self, layer_ids: Sequence[int]) -> None:
-        """The drafter names the target layers it reads; checked against the model's depth."""
+    def check_feature_layers(self, layer_ids: Sequence[int]) -> None:
+        """The drafter names the target layers it reads; checked against the model's depth (on
+        rank 0 before the call goes to the other ranks)."""
         n = self.model.config.num_hidden_layers
         bad = [i for i in layer_ids if not 0 <= i < n]
         if bad:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"feature_layer_ids {bad} outside the target's {n} layers")
+
+    def set_feature_layers(self, layer_ids: Sequence[int]) -> None:
+        self.check_feature_layers(layer_ids)
         self.feature_layers = tuple(int(i) for i in layer_ids)
         self._feature_width = len(self.feature_layers) * self._hidden
         if self.graphs is not None:
@@ -243,12 +247,11 @@ class VerifierEngine:
         """
         # Trees are a few hundred ints: check and walk them on the host, as numpy arrays and lists
         # (one copy each, not a device sync per check per request when they arrive on the GPU).
+        shape_error = tree_shape_error(len(request_ids), tokens, parents, depths, sizes)
+        if shape_error is not None:
+            raise shape_error
         tok, par, dep = (_host_int64(t) for t in (tokens, parents, depths))
         sizes_l = [int(s) for s in sizes.tolist()]
-        if len(sizes_l) != len(request_ids) or sum(sizes_l) != tok.size or min(sizes_l, default=1) < 0:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"tree tensors hold {tok.size} nodes in {len(sizes_l)} trees; "
-                               f"expected {len(request_ids)} trees summing to the node count")
         outcomes: list[ItemOutcome] = [ItemOutcome(rid) for rid in request_ids]
         errors = self._check_trees(request_ids, tok, par, dep, sizes_l)
         live = [i for i, err in enumerate(errors) if err is None]
@@ -400,6 +403,27 @@ class VerifierEngine:
             return torch.empty(0, self._feature_width, dtype=torch.float32, device=self.model_device)
         whole = parts[0] if len(parts) == 1 else torch.cat(parts)
         return whole.float()   # stays on the model's device (cuda_ipc shares it there)
+
+
+def tree_shape_error(num_trees: int, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                     sizes: torch.Tensor) -> ServiceError | None:
+    """Why a step's tree tensors cannot be split into its trees at all, or None. A malformed
+    bundle fails the step's trees, not the verifier: rank 0 checks it before the call goes to
+    the other tensor-parallel ranks, whose copy of the call would otherwise fail and end the group."""
+    flat = (tokens, parents, depths)
+    if any(t.dim() != 1 for t in flat) or sizes.dim() != 1 or len({t.shape[0] for t in flat}) != 1:
+        return ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"tree tensors must be 1-D, tokens / parents / depths of one length; got shapes "
+                            f"{[list(t.shape) for t in flat]} and sizes {list(sizes.shape)}")
+    if any(t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool for t in (*flat, sizes)):
+        return ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"tree tensors must be integers, got {[str(t.dtype) for t in (*flat, sizes)]}")
+    sizes_l = sizes.tolist()
+    if len(sizes_l) != num_trees or sum(sizes_l) != tokens.shape[0] or min(sizes_l, default=1) < 0:
+        return ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"tree tensors hold {tokens.shape[0]} nodes in {len(sizes_l)} trees; "
+                            f"expected {num_trees} trees summing to the node count")
+    return None
 
 
 def _host_int64(t: torch.Tensor) -> np.ndarray:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from services.common.grpc_server import ServiceError
 from services.common.logging import configure_logging, get_logger
 from services.common.settings import VerifierSettings, load_settings
 from services.verifier.engine import VerifierEngine
@@ -51,7 +52,12 @@ def worker_loop(engine: VerifierEngine, tp: TensorParallel) -> None:
         method, args = tp.broadcast(None)
         if method == _STOP:
             return
-        getattr(engine, method)(*args)
+        try:
+            getattr(engine, method)(*args)
+        except ServiceError as exc:
+            # A refusal of the call's input: every rank holds the same state and input, so rank 0
+            # refused it at the same point and answered its caller; the group stays in step.
+            log.info("call_refused", rank=tp.rank, method=method, error=exc.message)
 
 
 def rank_device(device: str, rank: int) -> str:

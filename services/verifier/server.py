@@ -29,7 +29,7 @@ from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import SettingsError, VerifierSettings
 from services.common.transport import TensorReader, TensorWriter, bundle_slot, make_reader, make_writer
-from services.verifier.engine import PrefillInput, VerifierEngine
+from services.verifier.engine import ItemOutcome, PrefillInput, StepOutcome, VerifierEngine, tree_shape_error
 from services.verifier.kv_cache import PagedKVCache
 from services.common.launcher import free_port
 from services.verifier.model import TargetModel
@@ -42,6 +42,7 @@ __all__ = ["VerifierServicer", "build_engine", "serve"]
 log = get_logger("verifier")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TREE_FIELDS = ("tokens", "parents", "depths", "sizes")   # a verify step's tree bundle, in the engine's order
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> Sampling:
@@ -90,7 +91,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"drafter expects hidden_size={request.hidden_size}, vocab_size={request.vocab_size}; "
                                 f"target has hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}")
-        try:
+        try:   # checked here first: a call the other ranks refuse would end the group
+            self.engine.check_feature_layers(list(request.feature_layer_ids))
             await self._locked(self.group.call, "set_feature_layers", list(request.feature_layer_ids))
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
@@ -237,9 +239,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         prefill = self.group.call("prefill", inputs) if inputs else None
         released: list[int] = []
         if req.verify_ids:
-            trees = peer.reader.read(req.trees)
-            verify = self.group.call("verify", list(req.verify_ids), trees["tokens"], trees["parents"],
-                                     trees["depths"], trees["sizes"])
+            verify = self._verify(peer, req)
             self.metrics.step_ms.labels("commit").observe(self.engine.last_commit_ms)
             slot = bundle_slot(req.trees)
             if slot is not None:   # read and copied into the forward: the draft may reuse the slot
@@ -258,6 +258,27 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             prefills=_in_order(req.prefills, rejected, prefill.items if prefill is not None else []),
             verifies=[_item_pb(o) for o in verify.items] if verify is not None else [],
             features=bundle, released_slots=released, verify_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _verify(self, peer: _Peer, req: verifier_pb2.VerifyRequest) -> StepOutcome:
+        """The step's trees verified; a bundle that cannot be read or split into the step's trees
+        fails those trees with its reason, and the stream, the draft's other requests and (with
+        tensor parallelism) the other ranks go on."""
+        ids = list(req.verify_ids)
+        try:
+            trees = peer.reader.read(req.trees)
+            missing = [k for k in TREE_FIELDS if k not in trees]
+            if missing:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"the tree bundle lacks {missing}")
+            args = [trees[k] for k in TREE_FIELDS]
+            error = tree_shape_error(len(ids), *args)
+            if error is None:
+                return self.group.call("verify", ids, *args)
+        except ValueError as exc:   # the transport's account of a bundle it cannot read
+            error = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"tree bundle: {exc}")
+        except ServiceError as exc:   # raised alike on every rank: the group stays in step
+            error = exc
+        log.warning("verify_refused", draft_id=peer.draft_id, requests=len(ids), error=error.message)
+        return StepOutcome([ItemOutcome(rid, error=error) for rid in ids], self.engine.cat_features([]))
 
     def _observe(self) -> None:
         """Gauges that show whether a dead draft gave everything back: KV pages, requests, peers,
