@@ -154,11 +154,14 @@ def test_a_stopping_draft_ends_idle_step_streams_and_finishes_the_step_in_flight
     from services.draft.server import DraftServicer
 
     class Engine:
-        async def step(self, request):
+        async def step(self, request, owner=0):
             await asyncio.sleep(0.3 if request.items[0].request_id == "slow" else 0)
             return draft_pb2.StepResponse(results=[draft_pb2.StepResult(request_id=request.items[0].request_id)])
 
         def run_ahead(self) -> None:
+            pass
+
+        async def end_stream(self, owner) -> None:
             pass
 
     async def run():
@@ -196,12 +199,15 @@ def test_the_draft_runs_its_work_ahead_after_each_answer_before_the_next_step():
     events: list[str] = []
 
     class Engine:
-        async def step(self, request):
+        async def step(self, request, owner=0):
             events.append(f"step {request.items[0].request_id}")
             return draft_pb2.StepResponse(results=[draft_pb2.StepResult(request_id=request.items[0].request_id)])
 
         def run_ahead(self) -> None:
             events.append("ahead")
+
+        async def end_stream(self, owner) -> None:
+            events.append("end")
 
     async def run():
         server = grpc.aio.server()
@@ -222,4 +228,4 @@ def test_the_draft_runs_its_work_ahead_after_each_answer_before_the_next_step():
             await channel.close()
             await server.stop(0)
     asyncio.run(run())
-    assert events == ["step a", "ahead", "step b", "ahead", "step c", "ahead"]
+    assert events == ["step a", "ahead", "step b", "ahead", "step c", "ahead", "end"]

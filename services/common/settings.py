@@ -121,6 +121,7 @@ class DraftSettings:
     port: int = 50052
     verifier_address: str = "127.0.0.1:50053"
     verifier_wait_s: float = 120.0   # how long a starting draft waits for its verifier (compose starts them together)
+    verifier_step_timeout_s: float = 60.0   # a verifier that answers no step within this is taken for gone
     target_path: str = "models/demo"
     drafter_path: str = "models/demo/drafter"
     transport: str = "auto"          # auto | cuda_ipc | shm | inline (auto: cuda_ipc or shm when the verifier is local)
@@ -139,6 +140,7 @@ class DraftSettings:
     def __post_init__(self) -> None:
         _check(self.cpu_threads >= 1, "draft.cpu_threads", "must be >= 1")
         _check(self.verifier_wait_s > 0, "draft.verifier_wait_s", "must be > 0")
+        _check(self.verifier_step_timeout_s > 0, "draft.verifier_step_timeout_s", "must be > 0")
         _check(self.graph_rows >= 1, "draft.graph_rows", "must be >= 1")
         _check(self.graph_context >= 64, "draft.graph_context", "must be >= 64")
         _check(all(1 <= b <= MAX_BUDGET for b in self.warmup_budgets),

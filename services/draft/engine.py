@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ class _Request:
     length: int = 0     # tokens in the target's cache
     prefilling: bool = False  # its prompt is still arriving in pieces
     budget: int = 0     # the tree budget of its last step (0: root only), what a tree drafted ahead uses
+    owner: int = 0      # the scheduler's step stream that admitted it (``end_stream``)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class DraftEngine:
         self._lock = asyncio.Lock()
         # The last step's commit and next trees: to run (`_job`), then their outcome (`_ahead`).
         self._job: tuple[list, list[_Request]] | None = None
+        self._lost: set[str] = set()   # ids dropped when the verifier's stream was lost, until released
         self._ahead: dict[str, tuple[int, _Tree]] | BaseException = {}
         self.max_context = 0
         out = proposer.propose_output   # with propose graphs, the tree builds replay too
@@ -102,34 +105,69 @@ class DraftEngine:
             kv_page_size=hs.kv_page_size,
             transport=hs.transport, verifier_id=hs.verifier_id)
 
-    async def step(self, request: draft_pb2.StepRequest) -> draft_pb2.StepResponse:
+    async def step(self, request: draft_pb2.StepRequest, owner: int = 0) -> draft_pb2.StepResponse:
+        """One step; ``owner`` names the step stream it came on, whose requests go when it ends
+        (``end_stream``). Raises ``ServiceError`` when the verifier cannot be reached: every request
+        of this replica is lost then, and the scheduler must take the replica for down (answered
+        request by request, it kept sending new work to a replica that failed all of it)."""
         async with self._lock:
             t0 = time.perf_counter()
             ahead = self._settle()
             self.metrics.step_ms.labels("ahead_wait").observe((time.perf_counter() - t0) * 1e3)
             try:
-                if not self.verifier.connected:
-                    self._drop_all()   # a new stream means a verifier without our requests
-                    await self.connect()
-                return await self._step(request, ahead)
-            except ServiceError as exc:
-                # The verifier is gone: every request in flight is lost; say so per request.
+                await self._reconnect_if_lost()
+                return await self._step(request, ahead, owner)
+            except ServiceError:   # from the verifier's client: its stream broke, or no handshake
                 self._drop_all()
-                return draft_pb2.StepResponse(results=[
-                    draft_pb2.StepResult(request_id=i.request_id, error_code=exc.code.value[0],
-                                         error_message=exc.message) for i in request.items])
+                raise
 
-    async def _step(self, request: draft_pb2.StepRequest,
-                    ahead: dict[str, tuple[int, _Tree]]) -> draft_pb2.StepResponse:
+    async def ensure_connected(self) -> None:
+        """Hand-shakes again where the verifier's stream was lost (the replica's probe calls this:
+        a replica answers only while it reaches a verifier, and then with that verifier's id)."""
+        if not self.verifier.connected:
+            async with self._lock:
+                await self._reconnect_if_lost()
+
+    async def _reconnect_if_lost(self) -> None:
+        if not self.verifier.connected:
+            self._lost = set(self._requests)   # a new stream means a verifier without our requests
+            self._drop_all()
+            await self.connect()
+
+    async def end_stream(self, owner: int) -> None:
+        """A scheduler's step stream ended (it restarted, gave up on a step, or stopped): the
+        requests it admitted here can no longer be stepped or released by it, so they go now, here
+        and at the verifier (their KV pages were held until this draft or its verifier restarted)."""
+        async with self._lock:
+            gone = [rid for rid, r in self._requests.items() if r.owner == owner]
+            for rid in gone:
+                self._drop(rid)
+            if gone and self.verifier.connected:
+                try:
+                    await self.verifier.step([], [], None, gone)
+                except ServiceError:   # the verifier went too: its end of the stream frees them
+                    pass
+                log.info("stream_requests_released", requests=len(gone))
+
+    async def _step(self, request: draft_pb2.StepRequest, ahead: dict[str, tuple[int, _Tree]],
+                    owner: int = 0) -> draft_pb2.StepResponse:
         t0 = time.perf_counter()
         for rid in request.release:
             self._drop(rid)
+            self._lost.discard(rid)
         results: dict[str, draft_pb2.StepResult] = {}
         prefills: list[verifier_pb2.PrefillItem] = []
         verifying: list[_Request] = []
         budgets: list[int] = []
+        repeated = {rid for rid, n in Counter(i.request_id for i in request.items).items() if n > 1}
         for item in request.items:
-            err = self._admit(item, prefills, verifying, budgets)
+            if item.request_id in repeated:   # two items of one request would step it twice from one state
+                self._drop(item.request_id)
+                results[item.request_id] = draft_pb2.StepResult(
+                    request_id=item.request_id, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                    error_message=f"request {item.request_id} appears more than once in one step")
+                continue
+            err = self._admit(item, prefills, verifying, budgets, owner)
             if err is not None:
                 results[item.request_id] = draft_pb2.StepResult(request_id=item.request_id,
                                                                 error_code=err.code.value[0],
@@ -179,7 +217,7 @@ class DraftEngine:
                                                if i.request_id in results],
                                       draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3)
 
-    def _admit(self, item: draft_pb2.StepItem, prefills: list, verifying: list, budgets: list) -> \
+    def _admit(self, item: draft_pb2.StepItem, prefills: list, verifying: list, budgets: list, owner: int = 0) -> \
             ServiceError | None:
         """Sorts one batch item into a prefill or a verify, or says why it can't be either."""
         if item.budget < 0 or item.budget > MAX_BUDGET:
@@ -195,7 +233,8 @@ class DraftEngine:
             piece = verifier_pb2.PrefillItem(request_id=item.request_id, token_ids=item.prompt_token_ids,
                                              prompt_continues=item.prompt_continues, prompt_offset=item.prompt_offset)
             if req is None:
-                req = _Request(item.request_id, item.mode)
+                req = _Request(item.request_id, item.mode, owner=owner)
+                self._lost.discard(item.request_id)
                 self._requests[item.request_id] = req
                 self.proposer.start(item.request_id, item.prompt_token_ids)
                 piece.sampling.CopyFrom(item.sampling)
@@ -206,6 +245,9 @@ class DraftEngine:
             prefills.append(piece)
             return None
         if req is None:
+            if item.request_id in self._lost:
+                return ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                    f"request {item.request_id} was lost with the verifier's stream (it restarted?)")
             return ServiceError(grpc.StatusCode.NOT_FOUND, f"request {item.request_id} is unknown to this draft")
         if req.prefilling:
             return ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -247,6 +289,10 @@ class DraftEngine:
                           nxt: Sequence[_Request]) -> dict[str, tuple[int, _Tree]]:
         """The step's context commit, then the next step's trees for ``nxt`` at their last budgets.
         A tree drafting that fails here is left to the next step."""
+        # Requests dropped since the step that left this work (the verifier was lost, a stream
+        # ended) have no context to commit to, and no next tree.
+        commits = [c for c in commits if c[0] in self._requests]
+        nxt = [r for r in nxt if self._requests.get(r.request_id) is r]
         t0 = time.perf_counter()
         self.proposer.commit_many(commits)
         t1 = time.perf_counter()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import time
 from collections.abc import AsyncIterator
 
@@ -31,9 +33,22 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.engine = engine
         self._idle: set[asyncio.Task] = set()   # step streams waiting for their next step
         self._stopping = False
+        self._streams = itertools.count(1)      # each step stream's number: the owner of what it admits
 
     async def StepStream(self, request_iterator: AsyncIterator[draft_pb2.StepRequest],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[draft_pb2.StepResponse]:
+        owner = next(self._streams)
+        try:
+            async with contextlib.aclosing(self._steps(request_iterator, context, owner)) as steps:
+                async for response in steps:   # closed with this stream, so its clean-ups run first
+                    yield response
+        finally:
+            # The stream ended: what it admitted goes (shielded as a step is, so a cancelled
+            # stream still frees it, after the step in flight).
+            await asyncio.shield(self.engine.end_stream(owner))
+
+    async def _steps(self, request_iterator: AsyncIterator[draft_pb2.StepRequest],
+                     context: grpc.aio.ServicerContext, owner: int) -> AsyncIterator[draft_pb2.StepResponse]:
         me = asyncio.current_task()
         requests = request_iterator.__aiter__()
         while not self._stopping:   # stopping: a step in flight is answered, then the stream ends
@@ -51,7 +66,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             try:
                 # Shielded: if the scheduler gives up on the stream, the step still runs to its end
                 # (holding the engine's lock), so the next step never starts beside a half-done one.
-                yield await asyncio.shield(self.engine.step(request))
+                yield await asyncio.shield(self.engine.step(request, owner))
             except ServiceError as exc:
                 await context.abort(exc.code, exc.message)
             finally:
@@ -71,6 +86,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
         try:
+            await self.engine.ensure_connected()   # a replica without its verifier is down
             return self.engine.model_info()
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
@@ -88,7 +104,7 @@ async def serve(settings: DraftSettings) -> None:
     log.info("drafter_loaded", path=settings.drafter_path, block_size=proposer.block_size,
              target_layer_ids=list(proposer.target_layer_ids))
     client = VerifierClient(settings.verifier_address, settings.transport, settings.ring_slots,
-                            settings.ring_slot_bytes, device=str(device))
+                            settings.ring_slot_bytes, device=str(device), step_timeout_s=settings.verifier_step_timeout_s)
     if device.type == "cuda" and settings.cuda_graphs:
         pool = proposer.enable_graphs(settings.graph_rows, settings.graph_context)
         log.info("propose_graphs_on", rows=settings.graph_rows, context=settings.graph_context,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -76,9 +77,12 @@ class VerifierClient:
     """Keeps one stream open; a broken stream raises UNAVAILABLE and is re-opened on the next step."""
 
     def __init__(self, address: str, transport: str, ring_slots: int, ring_slot_bytes: int,
-                 device: str = "cpu") -> None:
-        """`device`: this draft's device; our ring lives there (cuda_ipc) and the features land there."""
+                 device: str = "cpu", step_timeout_s: float = 60.0) -> None:
+        """`device`: this draft's device; our ring lives there (cuda_ipc) and the features land there.
+        `step_timeout_s`: a verifier that answers no step within this is taken for gone (a frozen
+        process or a half-open connection would otherwise hold the draft's lock for ever)."""
         self.address = address
+        self.step_timeout_s = step_timeout_s
         self.draft_id = f"draft-{uuid.uuid4().hex[:12]}"
         self.device = torch.device(device)
         self._offer = auto_offer(self.device) if transport == "auto" else [transport]
@@ -138,7 +142,9 @@ class VerifierClient:
 
     @property
     def connected(self) -> bool:
-        return self._call is not None
+        """An open stream. One the verifier ended between steps (it restarted) is not: the next
+        step hand-shakes again instead of writing to it."""
+        return self._call is not None and not self._call.done()
 
     async def step(self, prefills: Sequence[verifier_pb2.PrefillItem], verify_ids: Sequence[str],
                    trees: Mapping[str, torch.Tensor] | None, release: Sequence[str]) -> VerifyReply:
@@ -164,11 +170,17 @@ class VerifierClient:
             req.trees.CopyFrom(bundle)
         self._to_release = []
         try:
-            await self._call.write(req)
-            resp = await self._call.read()
+            resp = await asyncio.wait_for(_exchange(self._call, req), self.step_timeout_s)
         except grpc.aio.AioRpcError as exc:
             await self.close()
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"verifier stream broke: {exc.details()}") from None
+        except asyncio.TimeoutError:
+            await self.close()
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"the verifier answered no step within {self.step_timeout_s:g} s") from None
+        except Exception as exc:  # noqa: BLE001 - e.g. InvalidStateError: the stream ended as we wrote
+            await self.close()
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"verifier stream failed: {exc!r}") from None
         if resp is grpc.aio.EOF or resp is None:
             await self.close()
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "verifier closed the stream")
@@ -181,6 +193,9 @@ class VerifierClient:
         return VerifyReply(resp, features)
 
     async def close(self) -> None:
+        """Ends the stream and frees the rings; the handshake's answer is forgotten too, so nothing
+        reports a verifier this draft no longer reaches."""
+        self.handshake = None
         if self._call is not None:
             self._call.cancel()
             self._call = None
@@ -194,3 +209,8 @@ class VerifierClient:
             self._reader.close()
             self._reader = None
         self._to_release = []
+
+
+async def _exchange(call, req: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
+    await call.write(req)
+    return await call.read()

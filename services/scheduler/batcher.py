@@ -186,11 +186,13 @@ class StepLoop:
                          min_acceptance=self.settings.spec_min_acceptance)
 
     def _fail_replica(self, exc: StepFailed) -> None:
-        """The draft replica failed a step: its running requests are lost; mark it down."""
+        """The draft replica failed a step: its running requests are lost; mark it down (its
+        probe brings it back once it answers: a replica that failed every step at once, left up,
+        took the next one at once, thousands a second)."""
         code = exc.code
         if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             code = grpc.StatusCode.UNAVAILABLE
-            self.healthy = False
+        self.healthy = False
         err = ServiceError(code, f"draft replica {self.address} failed: {exc.details}")
         log.warning("draft_replica_failed", address=self.address, code=exc.code.name, details=exc.details,
                     running=len(self.running))

@@ -1,0 +1,263 @@
+"""A draft replica when what is around it fails: its verifier restarts between steps, freezes, or
+dies for good beside another group's; its scheduler goes away; a step names a request twice.
+
+Real services in one process over real sockets (CPU): the verifier's servicer and engine on a tiny
+random target, the draft's servicer and engine with a random drafter, and the scheduler's own
+step link (and router, where placement matters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc, scheduler_pb2, verifier_pb2_grpc
+from services.common.make_checkpoint import make_random_checkpoint
+from services.common.metrics import Metrics
+from services.common.settings import SchedulerSettings, VerifierSettings
+from services.draft.engine import DraftEngine
+from services.draft.proposer import load_proposer
+from services.draft.server import DraftServicer
+from services.draft.verifier_client import VerifierClient
+from services.scheduler.draft_link import DraftLink, StepFailed
+from services.scheduler.request import ActiveRequest
+from services.scheduler.router import Router
+from services.verifier.parallel import TensorParallel
+from services.verifier.ranks import EngineGroup
+from services.verifier.server import VerifierServicer, build_engine
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    torch.set_num_threads(1)
+    return make_random_checkpoint(tmp_path_factory.mktemp("draft-failures") / "ckpt", vocab_size=512, seed=0)
+
+
+class Verifier:
+    """A verifier service in this process; ``hang`` makes it take the next verify message and
+    never answer it (a frozen process whose socket stays open)."""
+
+    def __init__(self, ckpt: Path, port: int = 0, kv_capacity_tokens: int = 4096) -> None:
+        self.ckpt, self.port, self.kv = ckpt, port, kv_capacity_tokens
+        self.hang = False
+
+    async def start(self) -> Verifier:
+        settings = VerifierSettings(model_path=str(self.ckpt), kv_capacity_tokens=self.kv, max_context=1024,
+                                    ring_slot_bytes=1 << 20, ring_slots=4, port=self.port)
+        engine = build_engine(settings, TensorParallel(0, 1))
+        self.servicer = VerifierServicer(EngineGroup(engine, TensorParallel(0, 1)), settings, Metrics("verifier"))
+        outer = self
+
+        class Servicer(verifier_pb2_grpc.VerifierServicer):
+            Handshake = self.servicer.Handshake
+
+            async def VerifyStream(self, request_iterator, context):
+                async for resp in outer.servicer.VerifyStream(outer._maybe_hang(request_iterator), context):
+                    yield resp
+
+        self.server = grpc.aio.server()
+        verifier_pb2_grpc.add_VerifierServicer_to_server(Servicer(), self.server)
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")
+        await self.server.start()
+        return self
+
+    async def _maybe_hang(self, requests: AsyncIterator) -> AsyncIterator:
+        async for req in requests:
+            if self.hang:
+                self.hang = False
+                await asyncio.Event().wait()
+            yield req
+
+    @property
+    def engine(self):
+        return self.servicer.engine
+
+    async def stop(self) -> None:
+        await self.server.stop(0)
+
+
+class Draft:
+    def __init__(self, ckpt: Path, verifier_port: int, step_timeout_s: float = 60.0) -> None:
+        proposer = load_proposer(str(ckpt / "drafter"), str(ckpt), torch.float32, "cpu")
+        self.client = VerifierClient(f"127.0.0.1:{verifier_port}", "shm", 4, 1 << 20, device="cpu",
+                                     step_timeout_s=step_timeout_s)
+        self.engine = DraftEngine(proposer, self.client)
+
+    async def start(self) -> Draft:
+        await self.engine.connect(wait_s=5)
+        self.server = grpc.aio.server()
+        draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(self.engine), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        self.address = f"127.0.0.1:{self.port}"
+        return self
+
+    def link(self) -> tuple[DraftLink, grpc.aio.Channel]:
+        channel = grpc.aio.insecure_channel(self.address)
+        return DraftLink(draft_pb2_grpc.DraftStub(channel)), channel
+
+    async def stop(self) -> None:
+        await self.server.stop(0)
+        await self.client.close()
+
+
+def admit(rid: str, max_new: int = 64) -> draft_pb2.StepItem:
+    return draft_pb2.StepItem(request_id=rid, prompt_token_ids=[5, 6, 7, 8, 9, 10], budget=4, max_new_tokens=max_new,
+                              mode=common_pb2.MODE_DDTREE)
+
+
+def decode(rid: str) -> draft_pb2.StepItem:
+    return draft_pb2.StepItem(request_id=rid, budget=4)
+
+
+async def step(link: DraftLink, items, release=(), timeout: float = 30.0) -> list[tuple[str, str]] | str:
+    """Each item's outcome by code name, or the step's failure."""
+    try:
+        resp = await link.step(draft_pb2.StepRequest(items=items, release=list(release)), timeout)
+    except StepFailed as exc:
+        return f"StepFailed({exc.code.name})"
+    names = {c.value[0]: c.name for c in grpc.StatusCode}
+    return [(r.request_id, names[r.error_code]) for r in resp.results]
+
+
+def test_a_verifier_restarted_between_steps_is_hand_shaken_again(ckpt):
+    """Its old stream ended while the draft was idle: the next step hand-shakes again (it wrote to
+    the finished stream and failed UNKNOWN, then and on every step after, until a restart), and a
+    request lost with the old verifier is reported UNAVAILABLE, not unknown."""
+    async def run():
+        verifier = await Verifier(ckpt).start()
+        draft = await Draft(ckpt, verifier.port).start()
+        link, channel = draft.link()
+        try:
+            assert await step(link, [admit("a")]) == [("a", "OK")]
+            port = verifier.port
+            await verifier.stop()
+            await asyncio.sleep(0.3)
+            verifier = await Verifier(ckpt, port=port).start()   # back on its address before the next step
+            return [await step(link, [decode("a"), admit("b")]), await step(link, [decode("b")], release=["a"])]
+        finally:
+            link.close()
+            await channel.close()
+            await draft.stop()
+            await verifier.stop()
+    assert asyncio.run(run()) == [[("a", "UNAVAILABLE"), ("b", "OK")], [("b", "OK")]]
+
+
+def test_a_frozen_verifier_costs_one_step_not_the_replica(ckpt):
+    """A verifier that takes a step and never answers (alive, socket open) held the draft's lock
+    for ever: every later step timed out. Past `verifier_step_timeout_s` the step fails, the
+    replica counts as down, and it serves again once the verifier answers."""
+    async def run():
+        verifier = await Verifier(ckpt).start()
+        draft = await Draft(ckpt, verifier.port, step_timeout_s=1.0).start()
+        link, channel = draft.link()
+        try:
+            assert await step(link, [admit("a")]) == [("a", "OK")]
+            verifier.hang = True
+            frozen = await step(link, [decode("a")], timeout=10)
+            after = await step(link, [admit("b")], timeout=10)
+            return frozen, after, draft.engine._lock.locked()
+        finally:
+            link.close()
+            await channel.close()
+            await draft.stop()
+            await verifier.stop()
+    frozen, after, locked = asyncio.run(run())
+    assert frozen == "StepFailed(UNAVAILABLE)" and after == [("b", "OK")] and not locked
+
+
+def test_a_scheduler_that_goes_away_leaves_no_request_behind(ckpt):
+    """Its step stream ended (a restart): the requests it admitted kept their drafter contexts and
+    KV pages until the draft or the verifier restarted, and their ids stayed taken."""
+    async def run():
+        verifier = await Verifier(ckpt, kv_capacity_tokens=2048).start()
+        draft = await Draft(ckpt, verifier.port).start()
+        link, channel = draft.link()
+        try:
+            assert await step(link, [admit("a", max_new=900), admit("b", max_new=900)]) == [("a", "OK"), ("b", "OK")]
+            assert verifier.engine.active_requests == 2
+            link.close()
+            await channel.close()
+            for _ in range(100):
+                if verifier.engine.active_requests == 0:
+                    break
+                await asyncio.sleep(0.02)
+            freed = verifier.engine.active_requests == 0 and not draft.engine._requests
+            link, channel = draft.link()   # the next scheduler: nothing reserved, ids free
+            return freed, await step(link, [admit("c", max_new=900), admit("a", max_new=900)])
+        finally:
+            link.close()
+            await channel.close()
+            await draft.stop()
+            await verifier.stop()
+    freed, next_scheduler = asyncio.run(run())
+    assert freed and next_scheduler == [("c", "OK"), ("a", "OK")]
+
+
+def test_a_request_named_twice_in_a_step_fails_alone(ckpt):
+    """Its two items would step it twice from one state; the other requests go on (its dropped
+    prefill's commit failed the next step of every request, KeyError)."""
+    async def run():
+        verifier = await Verifier(ckpt).start()
+        draft = await Draft(ckpt, verifier.port).start()
+        link, channel = draft.link()
+        try:
+            assert await step(link, [admit("b")]) == [("b", "OK")]
+            twice = await step(link, [decode("b"), admit("a"), decode("a")])
+            return twice, await step(link, [decode("b")], release=["a"])
+        finally:
+            link.close()
+            await channel.close()
+            await draft.stop()
+            await verifier.stop()
+    twice, after = asyncio.run(run())
+    assert twice == [("b", "OK"), ("a", "INVALID_ARGUMENT"), ("a", "INVALID_ARGUMENT")] and after == [("b", "OK")]
+
+
+def _request(name: str, max_tokens: int = 6, kv_tokens: int = 64) -> ActiveRequest:
+    return ActiveRequest(name, [5, 6, 7, 8], common_pb2.SamplingParams(), max_tokens, 4, common_pb2.MODE_DDTREE,
+                         (), frozenset(), frozenset(), None, kv_tokens=kv_tokens)
+
+
+async def _settled(req: ActiveRequest) -> str:
+    for _ in range(400):
+        if req.error is not None or req.finish != scheduler_pb2.FINISH_REASON_UNSPECIFIED:
+            return req.error.code.name if req.error is not None else "OK"
+        await asyncio.sleep(0.025)
+    return "still running"
+
+
+def test_a_dead_verifier_group_takes_no_new_requests(ckpt):
+    """Two verifier groups, one draft each; A's verifier dies under a running request. That draft
+    answered every step request by request, so its lane stayed up, was the least loaded, and
+    took (and failed) every new request while group B idled."""
+    async def run():
+        verifier_a, verifier_b = await Verifier(ckpt).start(), await Verifier(ckpt).start()
+        draft_a, draft_b = await Draft(ckpt, verifier_a.port).start(), await Draft(ckpt, verifier_b.port).start()
+        router = Router(SchedulerSettings(tokenizer_path="", draft_addresses=(draft_a.address, draft_b.address)),
+                        Metrics("scheduler"))
+        await router.start(timeout_s=10)
+        try:
+            running = _request("running", max_tokens=900, kv_tokens=1024)
+            router.lanes[0].submit(running)
+            await asyncio.sleep(0.3)
+            await verifier_a.stop()
+            lost = await _settled(running)
+            outcomes = []
+            for i in range(4):
+                req = _request(f"new{i}")
+                router.submit(req)
+                outcomes.append(await _settled(req))
+            return lost, outcomes, [lane.healthy for lane in router.lanes]
+        finally:
+            await router.stop()
+            await draft_a.stop()
+            await draft_b.stop()
+            await verifier_b.stop()
+    lost, outcomes, healthy = asyncio.run(run())
+    assert lost == "UNAVAILABLE" and outcomes == ["OK"] * 4 and healthy == [False, True]
