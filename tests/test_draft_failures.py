@@ -9,6 +9,7 @@ step link (and router, where placement matters).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,10 +17,11 @@ import grpc
 import pytest
 import torch
 
-from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc, scheduler_pb2, verifier_pb2_grpc
+from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc, scheduler_pb2, verifier_pb2, verifier_pb2_grpc
 from services.common.make_checkpoint import make_random_checkpoint
 from services.common.metrics import Metrics
 from services.common.settings import SchedulerSettings, VerifierSettings
+from services.common.transport import InlineWriter
 from services.draft.engine import DraftEngine
 from services.draft.proposer import load_proposer
 from services.draft.server import DraftServicer
@@ -261,3 +263,46 @@ def test_a_dead_verifier_group_takes_no_new_requests(ckpt):
             await verifier_b.stop()
     lost, outcomes, healthy = asyncio.run(run())
     assert lost == "UNAVAILABLE" and outcomes == ["OK"] * 4 and healthy == [False, True]
+
+
+def test_an_old_streams_end_frees_only_what_it_admitted(ckpt):
+    """A draft hand-shakes again under its id (its stream broke) and admits on the new stream
+    before the verifier notices the old one end: that end freed the new stream's requests too (by
+    draft id), and their next verify found nothing. What the old stream admitted goes at the new
+    handshake."""
+    import json
+    layers = json.loads((ckpt / "drafter" / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    cfg = json.loads((ckpt / "config.json").read_text())
+    hello = verifier_pb2.HandshakeRequest(draft_id="d1", feature_layer_ids=layers, hidden_size=cfg["hidden_size"],
+                                          vocab_size=cfg["vocab_size"], transports=["inline"])
+
+    def prefill(rid: str) -> verifier_pb2.VerifyRequest:
+        return verifier_pb2.VerifyRequest(sequence=1, prefills=[
+            verifier_pb2.PrefillItem(request_id=rid, token_ids=[5, 6, 7], reserve_tokens=64)])
+
+    async def run():
+        verifier = await Verifier(ckpt).start()
+        address = f"127.0.0.1:{verifier.port}"
+        old_channel, new_channel = grpc.aio.insecure_channel(address), grpc.aio.insecure_channel(address)
+        try:
+            await verifier_pb2_grpc.VerifierStub(old_channel).Handshake(hello)
+            old = verifier_pb2_grpc.VerifierStub(old_channel).VerifyStream(metadata=(("draft-id", "d1"),))
+            await old.write(prefill("a"))
+            await old.read()
+            await verifier_pb2_grpc.VerifierStub(new_channel).Handshake(hello)
+            held_after_handshake = sorted(verifier.engine._requests)
+            new = verifier_pb2_grpc.VerifierStub(new_channel).VerifyStream(metadata=(("draft-id", "d1"),))
+            await new.write(prefill("b"))
+            root = (await new.read()).prefills[0].token_ids[0]
+            await old_channel.close()   # the old stream's end reaches the verifier now
+            await asyncio.sleep(0.3)
+            t = torch.tensor
+            trees = {"tokens": t([root]), "parents": t([-1]), "depths": t([0]), "sizes": t([1])}
+            await new.write(verifier_pb2.VerifyRequest(sequence=2, verify_ids=["b"], trees=InlineWriter().write(trees)))
+            (item,) = (await new.read()).verifies
+            return held_after_handshake, item.error_code, sorted(verifier.engine._requests)
+        finally:
+            await new_channel.close()
+            await verifier.stop()
+    held_after_handshake, code, held_at_end = asyncio.run(run())
+    assert held_after_handshake == [] and code == 0 and held_at_end == ["b"]

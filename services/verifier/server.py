@@ -9,6 +9,7 @@ checks answer while a step computes.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import secrets
 import signal
@@ -59,6 +60,7 @@ class _Peer:
     draft_id: str
     writer: TensorWriter
     reader: TensorReader
+    owner: str = ""          # what its stream admits is the engine's under this name: one per handshake
     streamed: bool = False   # its verify stream reached us (from then on the stream's end drops it)
 
 
@@ -81,6 +83,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         # for the whole call, never an asyncio lock that a cancellation would release early.
         self._engine_lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
+        self._handshakes = itertools.count(1)
         self._cleanups: set[asyncio.Future] = set()   # stream clean-ups running past their handler
         self.verifier_id = f"verifier-{uuid.uuid4().hex[:12]}"
 
@@ -101,8 +104,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if not usable:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no common transport: draft offers {list(request.transports)}, verifier has {mine}")
-        if request.draft_id in self._peers:
-            await self._locked(self._drop_peer, request.draft_id)
+        if request.draft_id in self._peers:   # the draft came back (its stream broke): what it had is gone
+            await self._locked(self._retire_peer, request.draft_id)
         kind = usable[0]
         if kind != request.transports[0]:   # the draft's ring is of its first choice: ask for one of ours
             return verifier_pb2.HandshakeResponse(transport=kind)
@@ -118,7 +121,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return verifier_pb2.HandshakeResponse(transport=usable[1])   # the draft retries with that kind
         writer = make_writer(kind, self.settings.ring_slot_bytes, self.settings.ring_slots, "ddtree-verifier",
                              device=self.engine.model_device)
-        peer = _Peer(request.draft_id, writer, reader)
+        peer = _Peer(request.draft_id, writer, reader, owner=f"{request.draft_id}#{next(self._handshakes)}")
         self._peers[request.draft_id] = peer
         self._observe()
         # A draft that dies (or gives up on our ring) before opening its stream never runs the
@@ -206,15 +209,25 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return await asyncio.to_thread(run)
 
     def _end_stream(self, draft_id: str, peer: _Peer) -> int:
-        freed = self.group.call("release_owner", draft_id)
+        # Only this handshake's requests: an old stream whose end is noticed late must not free
+        # those the draft admitted since on its new one.
+        freed = self.group.call("release_owner", peer.owner)
         if self._peers.get(draft_id) is peer:
             self._drop_peer(draft_id)
         self._observe()
         log.info("stream_closed", draft_id=draft_id, requests_freed=freed)
         return freed
 
+    def _retire_peer(self, draft_id: str) -> None:
+        peer = self._peers.get(draft_id)
+        if peer is not None:
+            self.group.call("release_owner", peer.owner)
+            self._drop_peer(draft_id)
+
     def _drop_peer(self, draft_id: str) -> None:
-        peer = self._peers.pop(draft_id)
+        peer = self._peers.pop(draft_id, None)
+        if peer is None:   # its stream's clean-up came first
+            return
         peer.writer.release_all()
         peer.writer.close()
         peer.reader.close()
@@ -223,7 +236,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         t0 = time.perf_counter()
         peer.writer.release(req.released_slots)
         if req.release:
-            self.group.call("release", list(req.release), peer.draft_id)
+            self.group.call("release", list(req.release), peer.owner)
         inputs, rejected = [], {}
         for p in req.prefills:
             try:
@@ -234,7 +247,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     error_message=f"sampling: {exc}")
                 continue
             inputs.append(PrefillInput(p.request_id, list(p.token_ids), sampling, p.reserve_tokens,
-                                       owner=peer.draft_id, more=p.prompt_continues, offset=p.prompt_offset))
+                                       owner=peer.owner, more=p.prompt_continues, offset=p.prompt_offset))
         # A verify-only step makes no prefill call (with TP, that is one broadcast to the ranks less).
         prefill = self.group.call("prefill", inputs) if inputs else None
         released: list[int] = []
