@@ -2,8 +2,9 @@
 
 Each request message carries prefills and trees for one step; the engine runs them and the answer
 carries accepted tokens plus the committed tokens' target features, the bulk by shared buffer.
-Calls into the engine are serialised (one forward at a time) and run off the event loop so health
-checks answer while a step computes.
+Calls into the engine are serialised (one forward at a time). Prefills, clean-ups and every step of
+a tensor-parallel group run off the event loop, so health checks answer while they compute; a
+verify-only step of one rank runs on the loop when the engine is free (`_inline`: a few ms).
 """
 
 from __future__ import annotations
