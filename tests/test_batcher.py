@@ -451,3 +451,33 @@ def test_a_lone_replica_marked_down_keeps_its_queue_if_it_answers_again() -> Non
 
     assert asyncio.run(scenario(down=False)) == (True, ["q"], False)
     assert asyncio.run(scenario(down=True)) == (False, [], True)
+
+
+def test_a_slow_dns_lookup_does_not_hold_up_a_down_replicas_recovery(monkeypatch) -> None:
+    """Discovery (a DNS look-up that may take seconds) runs beside the watcher's probes: a replica
+    that is down is probed, and rejoins, in the same round."""
+    import socket
+    import time
+
+    from services.scheduler import router as router_module
+
+    def slow_getaddrinfo(host, port, *args, **kwargs):
+        time.sleep(1.5)
+        raise socket.gaierror("timed out")
+    monkeypatch.setattr(router_module.socket, "getaddrinfo", slow_getaddrinfo)
+
+    async def scenario() -> tuple[bool, float]:
+        router = router_module.Router(SchedulerSettings(tokenizer_path="", draft_addresses=("127.0.0.1:1", "dns:draft:50052")),
+                                      Metrics("scheduler-test"))
+        lane = StepLoop(SchedulerSettings(), "127.0.0.1:1", Draft("v1"), Limits(64, 4096, 16, (0,), 10_000),
+                        router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000)), router.metrics)
+        router.lanes.append(lane)
+        lane.healthy = False
+        t0 = time.monotonic()
+        await router._watch_round(router_module.DISCOVERY_EVERY)   # a round that also discovers
+        took = time.monotonic() - t0
+        await router.stop()
+        return lane.healthy, took
+
+    healthy, took = asyncio.run(scenario())
+    assert healthy and took < 1.0, took

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -270,7 +271,6 @@ def test_an_old_streams_end_frees_only_what_it_admitted(ckpt):
     before the verifier notices the old one end: that end freed the new stream's requests too (by
     draft id), and their next verify found nothing. What the old stream admitted goes at the new
     handshake."""
-    import json
     layers = json.loads((ckpt / "drafter" / "config.json").read_text())["dflash_config"]["target_layer_ids"]
     cfg = json.loads((ckpt / "config.json").read_text())
     hello = verifier_pb2.HandshakeRequest(draft_id="d1", feature_layer_ids=layers, hidden_size=cfg["hidden_size"],
@@ -306,3 +306,57 @@ def test_an_old_streams_end_frees_only_what_it_admitted(ckpt):
             await verifier.stop()
     held_after_handshake, code, held_at_end = asyncio.run(run())
     assert held_after_handshake == [] and code == 0 and held_at_end == ["b"]
+
+
+def test_a_step_stream_that_ended_between_steps_fails_its_requests_as_unavailable(ckpt):
+    """The draft frees what a step stream admitted when it ends (a dropped connection); the lane
+    must hear so at its next step, not step on as if nothing happened and get NOT_FOUND."""
+    async def run():
+        verifier = await Verifier(ckpt).start()
+        draft = await Draft(ckpt, verifier.port).start()
+        link, channel = draft.link()
+        try:
+            out = [await step(link, [admit("a")])]
+            link._call.cancel()   # as a connection that dropped between steps
+            await asyncio.sleep(0.2)
+            out.append(await step(link, [decode("a")]))
+            out.append(await step(link, [decode("a"), admit("b")]))   # a late reference to the lost request
+            return out, verifier.engine.active_requests
+        finally:
+            link.close()
+            await channel.close()
+            await draft.stop()
+            await verifier.stop()
+    out, active = asyncio.run(run())
+    assert out == [[("a", "OK")], "StepFailed(UNAVAILABLE)", [("a", "UNAVAILABLE"), ("b", "OK")]] and active == 1
+
+
+def test_a_replica_comes_back_when_its_verifiers_handshake_outlasts_the_probe(ckpt):
+    """A replica down for want of its verifier rejoins through its probe, which hand-shakes again.
+    The probe gives up after 1 s; a handshake that takes longer (the verifier's engine busy with
+    other replicas' steps) was cancelled with it, every time, and the replica stayed down."""
+    async def run():
+        verifier = await Verifier(ckpt).start()
+        port = verifier.port
+        draft = await Draft(ckpt, verifier.port).start()
+        router = Router(SchedulerSettings(tokenizer_path="", draft_addresses=(draft.address,)), Metrics("scheduler"))
+        await router.start(timeout_s=10)
+        try:
+            await verifier.stop()
+            req = _request("r0")
+            router.submit(req)
+            lost, down = await _settled(req), not router.lanes[0].healthy
+            verifier = await Verifier(ckpt, port=port).start()
+            engine = verifier.servicer.engine
+            set_layers = engine.set_feature_layers
+            engine.set_feature_layers = lambda layers: (time.sleep(1.5), set_layers(layers))
+            for _ in range(100):
+                if router.lanes[0].healthy:
+                    break
+                await asyncio.sleep(0.1)
+            return lost, down, router.lanes[0].healthy
+        finally:
+            await router.stop()
+            await draft.stop()
+            await verifier.stop()
+    assert asyncio.run(run()) == ("UNAVAILABLE", True, True)

@@ -86,15 +86,23 @@ def test_a_draft_that_goes_away_is_unavailable_and_one_that_came_back_answers():
                 await link.step(step("slow"), timeout=5)
             assert failed.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
             await stopping
-            # Back between two steps, on the same address: the next step is answered, not failed
-            # for the stream the old process ended.
+            # Back between two steps, on the same address: a step of running requests fails, for
+            # the draft let go of what the ended stream admitted; the next opens a stream and is answered.
             server, _ = await serve(port)
             await link.step(step("a"), timeout=5)
             await server.stop(0)
             await asyncio.sleep(0.3)
             server, _ = await serve(port)
+            with pytest.raises(StepFailed) as failed:
+                await link.step(step("bb"), timeout=5)
+            assert failed.value.code == grpc.StatusCode.UNAVAILABLE and "between steps" in failed.value.details
             resp = await link.step(step("bb"), timeout=5)
             assert list(resp.results[0].token_ids) == [2]
+            new_prompt = draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="p", prompt_token_ids=[1, 2])])
+            await server.stop(0)
+            await asyncio.sleep(0.3)
+            server, _ = await serve(port)
+            assert (await link.step(new_prompt, timeout=5)).results[0].request_id == "p"   # new prompts only: a new stream
             await server.stop(0)
         finally:
             link.close()

@@ -38,6 +38,8 @@ __all__ = ["DraftEngine"]
 
 log = get_logger("draft")
 
+MAX_LOST = 1 << 16   # lost request ids remembered (to answer UNAVAILABLE, not NOT_FOUND) until released
+
 
 @dataclass
 class _Request:
@@ -67,7 +69,8 @@ class DraftEngine:
         self._lock = asyncio.Lock()
         # The last step's commit and next trees: to run (`_job`), then their outcome (`_ahead`).
         self._job: tuple[list, list[_Request]] | None = None
-        self._lost: set[str] = set()   # ids dropped when the verifier's stream was lost, until released
+        self._lost: set[str] = set()   # ids dropped with a lost stream (the verifier's, a scheduler's), until released
+        self._reconnecting: asyncio.Future | None = None   # the probe's hand-shake (`ensure_connected`)
         self._ahead: dict[str, tuple[int, _Tree]] | BaseException = {}
         self.max_context = 0
         out = proposer.propose_output   # with propose graphs, the tree builds replay too
@@ -123,15 +126,23 @@ class DraftEngine:
 
     async def ensure_connected(self) -> None:
         """Hand-shakes again where the verifier's stream was lost (the replica's probe calls this:
-        a replica answers only while it reaches a verifier, and then with that verifier's id)."""
-        if not self.verifier.connected:
-            async with self._lock:
-                await self._reconnect_if_lost()
+        a replica answers only while it reaches a verifier, and then with that verifier's id).
+        One attempt at a time, shielded: a probe that gives up (its deadline is short) leaves the
+        handshake running, and the next probe finds it done instead of starting over."""
+        if self.verifier.connected:
+            return
+        if self._reconnecting is None or self._reconnecting.done():
+            self._reconnecting = asyncio.ensure_future(self._reconnect_locked())
+            self._reconnecting.add_done_callback(lambda t: t.cancelled() or t.exception())   # retrieved
+        await asyncio.shield(self._reconnecting)
+
+    async def _reconnect_locked(self) -> None:
+        async with self._lock:
+            await self._reconnect_if_lost()
 
     async def _reconnect_if_lost(self) -> None:
         if not self.verifier.connected:
-            self._lost = set(self._requests)   # a new stream means a verifier without our requests
-            self._drop_all()
+            self._drop_all()   # a new stream means a verifier without our requests
             await self.connect()
 
     async def end_stream(self, owner: int) -> None:
@@ -139,7 +150,9 @@ class DraftEngine:
         requests it admitted here can no longer be stepped or released by it, so they go now, here
         and at the verifier (their KV pages were held until this draft or its verifier restarted)."""
         async with self._lock:
+            self.run_ahead()   # another stream's commit reads features whose slot may go back below
             gone = [rid for rid, r in self._requests.items() if r.owner == owner]
+            self._mark_lost(gone)
             for rid in gone:
                 self._drop(rid)
             if gone and self.verifier.connected:
@@ -247,7 +260,7 @@ class DraftEngine:
         if req is None:
             if item.request_id in self._lost:
                 return ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                    f"request {item.request_id} was lost with the verifier's stream (it restarted?)")
+                                    f"request {item.request_id} was lost with a stream that ended (verifier or scheduler)")
             return ServiceError(grpc.StatusCode.NOT_FOUND, f"request {item.request_id} is unknown to this draft")
         if req.prefilling:
             return ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -371,8 +384,16 @@ class DraftEngine:
         return trees
 
     def _drop_all(self) -> None:
+        """Every request gone with the verifier's stream; a later step naming one is told so
+        (UNAVAILABLE), not that it was never here."""
+        self._mark_lost(self._requests)
         for rid in list(self._requests):
             self._drop(rid)
+
+    def _mark_lost(self, ids) -> None:
+        if len(self._lost) > MAX_LOST:   # ids no scheduler will release (it went away): forgotten
+            self._lost.clear()
+        self._lost.update(ids)
 
     def _drop(self, rid: str) -> None:
         if self._requests.pop(rid, None) is not None:

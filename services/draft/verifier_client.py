@@ -74,7 +74,8 @@ class VerifyReply:
 
 
 class VerifierClient:
-    """Keeps one stream open; a broken stream raises UNAVAILABLE and is re-opened on the next step."""
+    """Keeps one stream open; a broken stream raises UNAVAILABLE and is re-opened by the next step
+    or the replica's next probe (`DraftEngine.ensure_connected`)."""
 
     def __init__(self, address: str, transport: str, ring_slots: int, ring_slot_bytes: int,
                  device: str = "cpu", step_timeout_s: float = 60.0) -> None:
@@ -170,7 +171,9 @@ class VerifierClient:
             req.trees.CopyFrom(bundle)
         self._to_release = []
         try:
-            resp = await asyncio.wait_for(_exchange(self._call, req), self.step_timeout_s)
+            async with asyncio.timeout(self.step_timeout_s):   # no extra task a step, as wait_for makes
+                await self._call.write(req)
+                resp = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             await self.close()
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"verifier stream broke: {exc.details()}") from None
@@ -209,8 +212,3 @@ class VerifierClient:
             self._reader.close()
             self._reader = None
         self._to_release = []
-
-
-async def _exchange(call, req: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
-    await call.write(req)
-    return await call.read()

@@ -198,9 +198,10 @@ class StepLoop:
                     running=len(self.running))
         for req in list(self.running.values()):
             self._finish(req, error=err)
-        # The failed requests are released with the next step that reaches the replica: one that
-        # kept running (a step timed out, or failed on its own) still holds their drafter
-        # contexts, pool rows and KV pages; a restarted one ignores ids it does not know.
+        # The failed requests are released with the next step that reaches the replica (the draft
+        # frees what a step stream admitted when that stream ends, too): a replica that kept
+        # running still holds their drafter contexts, pool rows and KV pages until then; a
+        # restarted one ignores ids it does not know.
 
     def take_waiting(self) -> list[ActiveRequest]:
         """Hands queued (never started) requests back to the router to place on another replica."""

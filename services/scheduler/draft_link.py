@@ -2,9 +2,11 @@
 
 A unary call a step cost about twice what a message on an open stream does (call set-up, headers,
 the call's own completion), and at C=1 that is on every step's critical path. The stream opens on
-the first step and again after it broke or ended between steps; a step that fails, by the draft's
-error, a broken stream or the step timeout, closes it and raises `StepFailed` with the gRPC code
-the lane acts on.
+the first step and again on the step after it failed. A step that fails, by the draft's error, a
+broken stream or the step timeout, closes it and raises `StepFailed` with the gRPC code the lane
+reports; so does a step for requests admitted before its stream ended since the last step (the
+draft restarted, or the connection dropped): the draft frees what a stream admitted when it ends.
+A step of new prompts only opens a new stream.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ __all__ = ["DraftLink", "StepFailed"]
 
 
 class StepFailed(Exception):
-    """A step that did not come back: its code says whether the replica is down (UNAVAILABLE,
-    DEADLINE_EXCEEDED, CANCELLED) or failed the step itself."""
+    """A step that did not come back; the lane marks its replica down either way, and its code
+    is what the lane's running requests fail with (UNAVAILABLE for DEADLINE_EXCEEDED or CANCELLED)."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
@@ -38,6 +40,9 @@ class DraftLink:
     async def step(self, request: draft_pb2.StepRequest, timeout: float) -> draft_pb2.StepResponse:
         if self._call is not None and self._call.done():   # it ended between steps (a draft restarted)
             self._call = None
+            if any(not item.prompt_token_ids or item.prompt_offset for item in request.items):
+                # The draft let go of what that stream admitted: these requests' state is gone.
+                raise StepFailed(grpc.StatusCode.UNAVAILABLE, "the step stream ended between steps")
         if self._call is None:
             self._call = self.stub.StepStream()
         call = self._call

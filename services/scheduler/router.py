@@ -74,6 +74,7 @@ class Router:
         self._budgets: dict[str, KvBudget] = {}
         self.info: common_pb2.ModelInfo | None = None
         self._watch: asyncio.Task | None = None
+        self._discovery: asyncio.Task | None = None
 
     async def start(self, timeout_s: float = 120.0) -> common_pb2.ModelInfo:
         """Connects to every configured replica; needs at least one to answer within `timeout_s`."""
@@ -190,7 +191,19 @@ class Router:
 
     async def _watch_round(self, rounds: int) -> None:
         self._update_gauges()
-        if rounds % DISCOVERY_EVERY == 0:
+        if rounds % DISCOVERY_EVERY == 0 and (self._discovery is None or self._discovery.done()):
+            # Beside the probes, not before them: a DNS look-up or a slow replica's answer can
+            # take seconds, and a down replica's queue should not wait for it.
+            self._discovery = asyncio.create_task(self._discover())
+        live = [lane for lane in self.lanes if lane.healthy]
+        for lane in [x for x in self.lanes if not x.healthy]:
+            try:   # one lane's trouble leaves the others' moves and probes to run
+                await self._recover(lane, live)
+            except Exception as exc:  # noqa: BLE001 - the next round tries again
+                log.error("replica_recover_failed", address=lane.address, error=repr(exc))
+
+    async def _discover(self) -> None:
+        try:
             known = {lane.address for lane in self.lanes}
             for address in await resolve(self.settings.draft_addresses):
                 if address not in known:
@@ -198,12 +211,8 @@ class Router:
                     self._add_lane(address, stub, await self._probe(stub, 1.0))
                     log.info("draft_replica_discovered", address=address)
             await self._follow_verifiers()
-        live = [lane for lane in self.lanes if lane.healthy]
-        for lane in [x for x in self.lanes if not x.healthy]:
-            try:   # one lane's trouble leaves the others' moves and probes to run
-                await self._recover(lane, live)
-            except Exception as exc:  # noqa: BLE001 - the next round tries again
-                log.error("replica_recover_failed", address=lane.address, error=repr(exc))
+        except Exception as exc:  # noqa: BLE001 - the next discovery round tries again
+            log.error("replica_discovery_failed", error=repr(exc))
 
     async def _follow_verifiers(self) -> None:
         """A verifier that restarted has a new id, and the replicas in front of it reconnect on
@@ -242,8 +251,9 @@ class Router:
         log.info("draft_replica_rejoined", address=lane.address)
 
     async def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
+        for task in (self._watch, self._discovery):
+            if task is not None:
+                task.cancel()
         for lane in self.lanes:
             await lane.stop()
         for channel in self._channels:

@@ -407,9 +407,9 @@ class VerifierEngine:
 
 def tree_shape_error(num_trees: int, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
                      sizes: torch.Tensor) -> ServiceError | None:
-    """Why a step's tree tensors cannot be split into its trees at all, or None. A malformed
-    bundle fails the step's trees, not the verifier: rank 0 checks it before the call goes to
-    the other tensor-parallel ranks, whose copy of the call would otherwise fail and end the group."""
+    """Why a step's tree tensors cannot be split into its trees at all, or None. Checked before
+    any collective, so every tensor-parallel rank refuses a malformed bundle alike and the group
+    stays in step; the step's trees fail, not the verifier."""
     flat = (tokens, parents, depths)
     if any(t.dim() != 1 for t in flat) or sizes.dim() != 1 or len({t.shape[0] for t in flat}) != 1:
         return ServiceError(grpc.StatusCode.INVALID_ARGUMENT,

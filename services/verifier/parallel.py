@@ -27,8 +27,6 @@ from services.verifier.config import TargetConfig
 
 __all__ = ["TensorParallel", "load_rank_slice", "split_rule"]
 
-CONTROL_TIMEOUT = datetime.timedelta(days=3650)   # an idle verifier's workers wait this long for a call
-
 
 @dataclass(frozen=True)
 class _Rule:
@@ -117,7 +115,6 @@ class TensorParallel:
         self.rank = rank
         self.size = size
         self._small = None   # SmallAllReduce, made at the first GPU all-reduce (a collective on every rank)
-        self._control = None   # the group rank 0's calls go through (`broadcast`)
         if size > 1 and not dist.is_initialized():
             kwargs = {}
             if backend == "nccl":   # NCCL binds a communicator to the current device: this rank's GPU
@@ -126,12 +123,6 @@ class TensorParallel:
                 kwargs["device_id"] = gpu
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                     timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-        if size > 1:
-            # A worker waits for rank 0's next call in a broadcast for as long as the verifier is
-            # idle. Under the compute collectives' `timeout_s` an idle minute killed the group, so
-            # that wait goes through a gloo group of its own (host memory, no GPU copy) with no
-            # practical time limit; a rank that dies still ends it at once (closed connections).
-            self._control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
     @property
     def enabled(self) -> bool:
@@ -177,7 +168,7 @@ class TensorParallel:
         if self.size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._control)
+        dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from services.common.devices import current
 from services.common.grpc_server import ServiceError
 from services.common.logging import configure_logging, get_logger
 from services.common.settings import VerifierSettings, load_settings
@@ -29,6 +30,7 @@ __all__ = ["EngineGroup", "backend_for", "rank_device", "spawn_workers", "stop_w
 log = get_logger("verifier")
 
 _STOP = "__stop__"
+_NOOP = "__noop__"
 
 
 class EngineGroup:
@@ -37,14 +39,27 @@ class EngineGroup:
     def __init__(self, engine: VerifierEngine, tp: TensorParallel) -> None:
         self.engine = engine
         self.tp = tp
+        self.last_call = time.monotonic()
 
     def call(self, method: str, *args: Any) -> Any:
-        self.tp.broadcast((method, args))
+        self._broadcast((method, args))
         return getattr(self.engine, method)(*args)
+
+    def heartbeat(self) -> None:
+        """A call that does nothing. Workers wait for rank 0's next call in a broadcast, a
+        collective that fails after `verifier.tp_timeout_s` like any other: an idle group (no
+        draft, no request) ended itself every minute. Rank 0 sends this while idle (`keep_awake`)."""
+        if self.tp.enabled:
+            self._broadcast((_NOOP, ()))
+
+    def _broadcast(self, call: tuple[str, tuple]) -> None:
+        with current(self.engine.model_device):   # engine calls come from worker threads (GPU 0)
+            self.tp.broadcast(call)
+        self.last_call = time.monotonic()
 
     def stop(self) -> None:
         if self.tp.enabled:
-            self.tp.broadcast((_STOP, ()))
+            self._broadcast((_STOP, ()))
 
 
 def worker_loop(engine: VerifierEngine, tp: TensorParallel) -> None:
@@ -52,6 +67,8 @@ def worker_loop(engine: VerifierEngine, tp: TensorParallel) -> None:
         method, args = tp.broadcast(None)
         if method == _STOP:
             return
+        if method == _NOOP:
+            continue
         try:
             getattr(engine, method)(*args)
         except ServiceError as exc:

@@ -31,7 +31,7 @@ from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import SettingsError, VerifierSettings
 from services.common.transport import TensorReader, TensorWriter, bundle_slot, make_reader, make_writer
-from services.verifier.engine import ItemOutcome, PrefillInput, StepOutcome, VerifierEngine, tree_shape_error
+from services.verifier.engine import ItemOutcome, PrefillInput, StepOutcome, VerifierEngine
 from services.verifier.kv_cache import PagedKVCache
 from services.common.launcher import free_port
 from services.verifier.model import TargetModel
@@ -175,6 +175,20 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             log.warning("peer_expired", draft_id=peer.draft_id, reason="no verify stream after the handshake",
                         timeout_s=self.settings.peer_stream_timeout_s)
 
+    async def keep_awake(self, interval_s: float) -> None:
+        """Sends the group a call that does nothing whenever no call went to it for `interval_s`
+        (`EngineGroup.heartbeat`); a call in progress is a collective itself, so then none."""
+        def beat() -> None:
+            if self._engine_lock.acquire(blocking=False):
+                try:
+                    self.group.heartbeat()
+                finally:
+                    self._engine_lock.release()
+        while True:   # a gap between two collectives is at most twice the interval
+            await asyncio.sleep(interval_s)
+            if time.monotonic() - self.group.last_call >= interval_s:
+                await asyncio.to_thread(beat)
+
     def stop_group(self, timeout_s: float) -> bool:
         """Broadcast the workers' stop once no engine call is running (a step still in flight after
         the server's grace would otherwise interleave its collectives with the stop). False when
@@ -255,7 +269,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if req.verify_ids:
             verify = self._verify(peer, req)
             self.metrics.step_ms.labels("commit").observe(self.engine.last_commit_ms)
-            slot = bundle_slot(req.trees)
+            slot = _slot_or_none(req.trees)
             if slot is not None:   # read and copied into the forward: the draft may reuse the slot
                 released.append(slot)
         else:
@@ -280,17 +294,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         ids = list(req.verify_ids)
         try:
             trees = peer.reader.read(req.trees)
-            missing = [k for k in TREE_FIELDS if k not in trees]
-            if missing:
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"the tree bundle lacks {missing}")
-            args = [trees[k] for k in TREE_FIELDS]
-            error = tree_shape_error(len(ids), *args)
-            if error is None:
-                return self.group.call("verify", ids, *args)
         except ValueError as exc:   # the transport's account of a bundle it cannot read
-            error = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"tree bundle: {exc}")
-        except ServiceError as exc:   # raised alike on every rank: the group stays in step
-            error = exc
+            trees, error = {}, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"tree bundle: {exc}")
+        else:
+            missing = [k for k in TREE_FIELDS if k not in trees]
+            error = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"the tree bundle lacks {missing}") if missing else None
+        if error is None:
+            try:   # the engine checks the trees' shapes before any collective, on every rank alike
+                return self.group.call("verify", ids, *(trees[k] for k in TREE_FIELDS))
+            except ServiceError as exc:
+                error = exc
         log.warning("verify_refused", draft_id=peer.draft_id, requests=len(ids), error=error.message)
         return StepOutcome([ItemOutcome(rid, error=error) for rid in ids], self.engine.cat_features([]))
 
@@ -302,6 +315,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.metrics.running.set(self.engine.active_requests)
         self.metrics.peers.set(len(peers))
         self.metrics.ring_slots_in_use.set(sum(p.writer.slots_in_use for p in peers))
+
+
+def _slot_or_none(bundle: common_pb2.TensorBundle) -> int | None:
+    try:
+        return bundle_slot(bundle)
+    except ValueError:   # several slots: refused when read (`_verify`); none is given back
+        return None
 
 
 def _in_order(prefills, rejected: dict[str, verifier_pb2.ItemResult], done) -> list[verifier_pb2.ItemResult]:
@@ -384,9 +404,13 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
         os.kill(os.getpid(), signal.SIGTERM)
 
     watchdog = watch_workers(workers, on_death)
+    # Idle workers wait for the next call in a collective with the compute collectives' timeout.
+    awake = asyncio.ensure_future(servicer.keep_awake(settings.tp_timeout_s / 4)) if workers else None
     try:
         await serve_until_signal(server, health)
     finally:
+        if awake is not None:
+            awake.cancel()
         watchdog.set()  # from here on a worker leaving is the shutdown, not a failure
         stopped = False
         if workers and not died:
