@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from ddtree.v1 import common_pb2
 from services.common.metrics import Metrics
 from services.common.settings import SchedulerSettings
@@ -89,6 +91,7 @@ def test_speculation_gate_falls_back_while_drafts_are_rejected_and_probes_again(
         step(5)                      # ... three AR steps, whatever the drafts would have done
     for _ in range(2):
         step(1.2)                    # the probe fails: the pause doubles
+    assert gate.window_mean == pytest.approx(1.2)   # what the pause was decided on (the log says it)
     for _ in range(6):
         step(1)
     for _ in range(4):

@@ -110,3 +110,11 @@ def test_a_slow_dns_lookup_leaves_the_event_loop_running(monkeypatch):
     ["docker", "compose", "version"], capture_output=True).returncode != 0, reason="docker compose not installed")
 def test_docker_compose_config_accepts_the_file():
     subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"], check=True)
+
+
+def test_every_service_reads_the_settings_file_as_edited(compose):
+    """The image holds a copy of compose/ddtree.toml from its build; a mount makes an edit count
+    without a rebuild (it was silently ignored)."""
+    for name, svc in compose["services"].items():
+        assert "./ddtree.toml:/etc/ddtree/ddtree.toml:ro" in svc["volumes"], name
+        assert "/etc/ddtree/ddtree.toml" in svc["command"], name

@@ -45,10 +45,16 @@ def test_pin_device_leaves_cpu_alone() -> None:
     assert pin_device("cpu") == torch.device("cpu")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a host without GPUs")
-def test_pin_device_names_a_missing_gpu() -> None:
-    with pytest.raises(SettingsError, match="sees 0 GPU"):
-        pin_device("cuda:1")
+def test_pin_device_names_the_setting_and_why_there_is_no_gpu(monkeypatch) -> None:
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(SettingsError, match=r"draft\.device: cuda:1 asked for, but this torch build has no CUDA"):
+        pin_device("cuda:1", "draft.device")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(SettingsError, match=r"verifier\.device: device cuda:1 does not exist: this process sees "
+                                            r"1 GPU\(s\) \(CUDA_VISIBLE_DEVICES=3\)"):
+        pin_device("cuda:1", "verifier.device")
 
 
 def test_rank_device_starts_at_the_configured_gpu() -> None:

@@ -333,3 +333,12 @@ def test_limits_take_every_eos_id_and_an_older_drafts_single_one() -> None:
     assert limits_from_info(info).eos_token_ids == (3, 4)
     assert limits_from_info(common_pb2.ModelInfo(eos_token_id=3)).eos_token_ids == (3,)
     assert limits_from_info(common_pb2.ModelInfo(eos_token_id=-1)).eos_token_ids == ()
+
+
+def test_the_sdk_reaches_a_restarted_server_within_a_second() -> None:
+    """gRPC's default reconnect back-off grows towards two minutes: after a scheduler restart a
+    long-lived client failed UNAVAILABLE for seconds after the server was back."""
+    from services.scheduler.client import _channel_args
+    for tls_ca in (None, b""):
+        options = dict(_channel_args(tls_ca, None, None)[1])
+        assert options["grpc.max_reconnect_backoff_ms"] <= 1000 and options["grpc.initial_reconnect_backoff_ms"] <= 1000

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 
 import grpc
 import pytest
@@ -62,6 +63,23 @@ def test_tls_files_are_checked_before_anything_starts(tmp_path) -> None:
     junk.write_text("not a certificate")
     with pytest.raises(SettingsError, match=r"scheduler\.tls_cert: .* is not a PEM certificate"):
         server_credentials(str(junk), str(junk))
+
+
+def test_a_tls_key_of_another_certificate_or_with_a_passphrase_names_the_setting(tmp_path) -> None:
+    """gRPC itself only fails to bind the port on these, which read as a port in use."""
+    def pair(name: str, *extra: str) -> tuple[str, str]:
+        cert, key = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-days", "1", "-subj", "/CN=localhost",
+                        "-keyout", str(key), "-out", str(cert), *extra], check=True, capture_output=True)
+        return str(cert), str(key)
+    cert, key = pair("a", "-nodes")
+    other_cert, _ = pair("b", "-nodes")
+    server_credentials(cert, key)
+    with pytest.raises(SettingsError, match=r"scheduler\.tls_key: .* does not go with scheduler\.tls_cert"):
+        server_credentials(other_cert, key)
+    locked_cert, locked_key = pair("c", "-passout", "pass:secret")
+    with pytest.raises(SettingsError, match=r"scheduler\.tls_key: .* is encrypted"):
+        server_credentials(locked_cert, locked_key)
 
 
 def test_a_missing_tokenizer_is_refused_and_empty_means_token_ids_only(tmp_path) -> None:
@@ -165,3 +183,13 @@ def test_the_scheduler_process_runs_without_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "scheduler.port" in out.stderr, out.stderr
     assert "torch imported: False" in out.stdout, out.stdout
+
+
+def test_a_kv_cache_larger_than_memory_names_the_setting(tmp_path) -> None:
+    from services.common.make_checkpoint import make_random_checkpoint
+    from services.common.settings import VerifierSettings
+    from services.verifier.server import build_engine
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", vocab_size=512, seed=0)
+    settings = VerifierSettings(model_path=str(ckpt), kv_capacity_tokens=100_000_000_000, max_context=512)
+    with pytest.raises(SettingsError, match=r"verifier\.kv_capacity_tokens: 100000000000 tokens need [\d.]+ GiB on cpu"):
+        build_engine(settings)

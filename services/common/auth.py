@@ -7,6 +7,7 @@ Health checks stay open so orchestrators can probe without the token; reflection
 from __future__ import annotations
 
 import hmac
+import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -57,4 +58,11 @@ def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
             raise SettingsError(f"{setting}: cannot read {path}: {exc.strerror}") from None
         if marker not in pem[setting]:
             raise SettingsError(f"{setting}: {path} is not a PEM {'certificate' if 'cert' in setting else 'private key'}")
+    if b"ENCRYPTED" in pem["scheduler.tls_key"]:
+        raise SettingsError(f"scheduler.tls_key: {key_file} is encrypted; the server needs the key without a passphrase")
+    try:   # a key of another certificate: gRPC would only fail to bind, reported as a port in use
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_file, key_file)
+    except ssl.SSLError as exc:
+        raise SettingsError(f"scheduler.tls_key: {key_file} does not go with scheduler.tls_cert {cert_file} "
+                            f"({exc.reason or exc})") from None
     return grpc.ssl_server_credentials([(pem["scheduler.tls_key"], pem["scheduler.tls_cert"])])

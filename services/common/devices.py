@@ -9,6 +9,7 @@ launch its Triton tree builder on cuda:0 with pointers into cuda:1.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -17,16 +18,21 @@ from services.common.settings import SettingsError
 __all__ = ["pin_device", "current"]
 
 
-def pin_device(device: str | torch.device) -> torch.device:
-    """Makes `device` current when it is a GPU; returns it with its index filled in ("cuda" -> "cuda:N")."""
+def pin_device(device: str | torch.device, setting: str = "device") -> torch.device:
+    """Makes `device` current when it is a GPU; returns it with its index filled in ("cuda" -> "cuda:N").
+    `setting` names where the device came from, for the error when there is no such GPU."""
     d = torch.device(device)
     if d.type != "cuda":
         return d
-    if d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
+    if torch.version.cuda is None:
+        raise SettingsError(f"{setting}: {d} asked for, but this torch build has no CUDA support "
+                            f"(torch {torch.__version__}; a CPU build runs with device = \"cpu\")")
     count = torch.cuda.device_count()
-    if d.index >= count:
-        raise SettingsError(f"device {d} does not exist: this process sees {count} GPU(s) (CUDA_VISIBLE_DEVICES)")
+    if d.index is None and count:
+        d = torch.device("cuda", torch.cuda.current_device())
+    if (d.index or 0) >= count:
+        raise SettingsError(f"{setting}: device {d} does not exist: this process sees {count} GPU(s) "
+                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
     torch.cuda.set_device(d)
     return d
 

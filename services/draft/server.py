@@ -99,7 +99,7 @@ async def serve(settings: DraftSettings) -> None:
     metrics = Metrics("draft")
     metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
     torch.set_num_threads(settings.cpu_threads)
-    device = pin_device(settings.device)   # Triton launches and the shared ring follow the current device
+    device = pin_device(settings.device, "draft.device")   # Triton launches and the shared ring follow the current device
     proposer = load_proposer(settings.drafter_path, settings.target_path, _DTYPES[settings.dtype], str(device))
     log.info("drafter_loaded", path=settings.drafter_path, block_size=proposer.block_size,
              target_layer_ids=list(proposer.target_layer_ids))

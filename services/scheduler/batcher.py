@@ -182,7 +182,7 @@ class StepLoop:
                     self._finish(req)
             if drafted and self.gate.observe(self._speculating, sum(drafted) / len(drafted)):
                 log.info("speculation_paused", draft=self.address, steps=self.gate.pause_left,
-                         mean_acceptance=round(sum(drafted) / len(drafted), 2),
+                         mean_acceptance=round(self.gate.window_mean, 2),   # the window's, that decided
                          min_acceptance=self.settings.spec_min_acceptance)
 
     def _fail_replica(self, exc: StepFailed) -> None:

@@ -156,9 +156,13 @@ def _error(exc: grpc.RpcError) -> ClientError:
 
 def _channel_args(tls_ca: str | bytes | None, token: str | None,
                   tls_server_name: str | None) -> tuple[grpc.ChannelCredentials | None, list]:
-    """TLS credentials (a CA file path or PEM bytes; b"" trusts the system roots) and the bearer token."""
+    """TLS credentials (a CA file path or PEM bytes; b"" trusts the system roots), the bearer
+    token, and channel options. A server that restarts is reached again within about a second:
+    gRPC's default reconnect back-off grows towards two minutes, and a long-lived client kept
+    failing UNAVAILABLE for seconds after the scheduler was back."""
     creds = None
-    options = []
+    options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+               ("grpc.max_reconnect_backoff_ms", 1000)]
     if tls_ca is not None:
         try:
             roots = tls_ca if isinstance(tls_ca, bytes) else open(tls_ca, "rb").read()
@@ -190,7 +194,8 @@ class Client:
                  tls_ca: str | bytes | None = None, token: str | None = None,
                  tls_server_name: str | None = None) -> None:
         creds, options = _channel_args(tls_ca, token, tls_server_name)
-        self._channel = grpc.secure_channel(address, creds, options) if creds else grpc.insecure_channel(address)
+        self._channel = (grpc.secure_channel(address, creds, options) if creds
+                         else grpc.insecure_channel(address, options))
         self._md = _metadata(tls_ca, token)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self.timeout_s = timeout_s
@@ -251,7 +256,7 @@ class AsyncClient:
                  tls_server_name: str | None = None) -> None:
         creds, options = _channel_args(tls_ca, token, tls_server_name)
         self._channel = (grpc.aio.secure_channel(address, creds, options) if creds
-                         else grpc.aio.insecure_channel(address))
+                         else grpc.aio.insecure_channel(address, options))
         self._md = _metadata(tls_ca, token)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self.timeout_s = timeout_s

@@ -132,6 +132,10 @@ async def serve(settings: SchedulerSettings) -> None:
     await server.start()
     log.info("serving", address=f"{settings.host}:{port}", tls=bool(settings.tls_cert),
              auth=bool(settings.auth_token))
+    if settings.auth_token and not settings.tls_cert and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("token_in_clear", address=f"{settings.host}:{port}",
+                    advice="the bearer token crosses the network readable; set scheduler.tls_cert / tls_key "
+                           "or put a TLS-terminating proxy in front")
     try:
         await serve_until_signal(server, health)
     finally:

@@ -34,6 +34,7 @@ class SpeculationGate:
     _ar_left: int = 0
     _next_backoff: int = 0
     fallbacks: int = 0
+    window_mean: float = 0.0       # the last full window's mean acceptance (what a pause was decided on)
 
     def __post_init__(self) -> None:
         self._next_backoff = self.backoff
@@ -54,6 +55,7 @@ class SpeculationGate:
         if len(self._recent) < self.window:
             return False
         mean = sum(self._recent) / len(self._recent)
+        self.window_mean = mean
         self._recent.popleft()
         if mean >= self.min_acceptance:
             self._next_backoff = self.backoff

@@ -342,7 +342,7 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
     dtype = _DTYPES[settings.dtype]
     tp = tp or TensorParallel(0, 1)
     torch.set_num_threads(settings.cpu_threads)
-    device = str(pin_device(rank_device(settings.device, tp.rank)))   # Triton, graphs, rings follow it
+    device = str(pin_device(rank_device(settings.device, tp.rank), "verifier.device"))   # Triton, graphs, rings follow it
     t0 = time.perf_counter()
     model = TargetModel.load(Path(settings.model_path), dtype=dtype, device=device, tp=tp)
     cfg = model.config
@@ -353,8 +353,14 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
                             f"max_position_embeddings ({cfg.max_position_embeddings})")
     max_context = settings.max_context or cfg.max_position_embeddings
     num_pages = -(-settings.kv_capacity_tokens // settings.page_size)
-    cache = PagedKVCache(cfg.num_hidden_layers, num_pages, settings.page_size,
-                         cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype, torch.device(device))
+    try:
+        cache = PagedKVCache(cfg.num_hidden_layers, num_pages, settings.page_size,
+                             cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype, torch.device(device))
+    except (torch.OutOfMemoryError, RuntimeError) as exc:   # the CPU allocator raises RuntimeError
+        need = num_pages * settings.page_size * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        raise SettingsError(f"verifier.kv_capacity_tokens: {settings.kv_capacity_tokens} tokens need "
+                            f"{need * dtype.itemsize / 2**30:.1f} GiB on {device} beside the weights, more than "
+                            f"there is ({str(exc).splitlines()[0][:120]})") from None
     log.info("kv_cache_sized", pages=num_pages, page_size=settings.page_size, tokens=num_pages * settings.page_size,
              max_context=max_context)
     engine = VerifierEngine(model, cache, max_context=max_context, prefill_chunk=settings.prefill_chunk)
