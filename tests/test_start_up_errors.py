@@ -193,3 +193,22 @@ def test_a_kv_cache_larger_than_memory_names_the_setting(tmp_path) -> None:
     settings = VerifierSettings(model_path=str(ckpt), kv_capacity_tokens=100_000_000_000, max_context=512)
     with pytest.raises(SettingsError, match=r"verifier\.kv_capacity_tokens: 100000000000 tokens need [\d.]+ GiB on cpu"):
         build_engine(settings)
+
+
+def test_an_ipv6_host_is_listened_on_in_brackets() -> None:
+    """`host = "::"` reached gRPC as ":::PORT", refused as a port in use."""
+    from services.common.grpc_server import host_port, listen
+    assert host_port("::", 50051) == "[::]:50051" and host_port("[::1]", 1) == "[::1]:1"
+    assert host_port("127.0.0.1", 1) == "127.0.0.1:1"
+
+    async def bind() -> int:
+        server = grpc.aio.server()
+        try:
+            return listen(server, host_port("::1", 0), "scheduler.port")
+        finally:
+            await server.stop(0)
+    try:
+        socket.socket(socket.AF_INET6).close()
+    except OSError:
+        return   # no IPv6 on this host: the address form above is what counts
+    assert asyncio.run(bind()) > 0

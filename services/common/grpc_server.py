@@ -45,6 +45,12 @@ def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
             ("grpc.so_reuseport", 0)]
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as gRPC reads it: an IPv6 host ("::", "::1") in brackets."""
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def check_port_free(host: str, port: int, setting: str) -> None:
     """Fails start-up now, by the setting's name, where ``host:port`` cannot be bound, so a busy port
     is found before minutes of loading. The real bind (``listen``) comes just before the server
@@ -53,7 +59,7 @@ def check_port_free(host: str, port: int, setting: str) -> None:
     if port == 0:
         return
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        family, kind, proto, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no conflict
             probe.bind(addr)

@@ -13,7 +13,7 @@ import torch
 
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from services.common.devices import pin_device
-from services.common.grpc_server import ServiceError, check_port_free, listen, new_server, serve_until_signal
+from services.common.grpc_server import ServiceError, check_port_free, host_port, listen, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import DraftSettings
@@ -125,9 +125,9 @@ async def serve(settings: DraftSettings) -> None:
     server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
     servicer = DraftServicer(engine)
     draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
-    port = listen(server, f"{settings.host}:{settings.port}", "draft.port")
+    port = listen(server, host_port(settings.host, settings.port), "draft.port")
     await server.start()
-    log.info("serving", address=f"{settings.host}:{port}", verifier=settings.verifier_address, metrics_port=metrics_port)
+    log.info("serving", address=host_port(settings.host, port), verifier=settings.verifier_address, metrics_port=metrics_port)
     try:
         await serve_until_signal(server, health, on_stop=servicer.end_idle_streams)
     finally:

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from ddtree.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.auth import BearerTokenInterceptor, server_credentials
-from services.common.grpc_server import ServiceError, check_port_free, listen, new_server, serve_until_signal
+from services.common.grpc_server import ServiceError, check_port_free, host_port, listen, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
@@ -128,12 +128,12 @@ async def serve(settings: SchedulerSettings) -> None:
     server, health = new_server([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name], interceptors,
                                 max_receive_bytes=min(2 * settings.max_request_bytes, 2**31 - 1))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(settings, router, info, tokenizer, encoder), server)
-    port = listen(server, f"{settings.host}:{settings.port}", "scheduler.port", credentials)
+    port = listen(server, host_port(settings.host, settings.port), "scheduler.port", credentials)
     await server.start()
-    log.info("serving", address=f"{settings.host}:{port}", tls=bool(settings.tls_cert),
+    log.info("serving", address=host_port(settings.host, port), tls=bool(settings.tls_cert),
              auth=bool(settings.auth_token))
     if settings.auth_token and not settings.tls_cert and settings.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("token_in_clear", address=f"{settings.host}:{port}",
+        log.warning("token_in_clear", address=host_port(settings.host, port),
                     advice="the bearer token crosses the network readable; set scheduler.tls_cert / tls_key "
                            "or put a TLS-terminating proxy in front")
     try:

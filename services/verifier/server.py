@@ -26,7 +26,7 @@ import torch
 
 from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.common.devices import pin_device
-from services.common.grpc_server import ServiceError, check_port_free, listen, new_server, serve_until_signal
+from services.common.grpc_server import ServiceError, check_port_free, host_port, listen, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import SettingsError, VerifierSettings
@@ -396,9 +396,9 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     server, health = new_server([verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name])
     servicer = VerifierServicer(group, settings, metrics)
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
-    port = listen(server, f"{settings.host}:{settings.port}", "verifier.port")
+    port = listen(server, host_port(settings.host, settings.port), "verifier.port")
     await server.start()
-    log.info("serving", address=f"{settings.host}:{port}", tp=settings.tp, metrics_port=metrics_port)
+    log.info("serving", address=host_port(settings.host, port), tp=settings.tp, metrics_port=metrics_port)
     died: list[str] = []
     loop = asyncio.get_running_loop()
 
