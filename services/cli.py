@@ -1,12 +1,12 @@
 """The `ddtree` command: run the stack, call it, and make checkpoints.
 
-    ddtree up [--model DIR] [--drafter DIR] [--port N] [--config FILE] [--draft-replicas N] [--tp N]
-                    # the three services; a service that dies is restarted; Ctrl-C stops all
+    ddtree up [--model DIR] [--drafter DIR] [--host H] [--port N] [--config FILE] [--draft-replicas N] [--tp N]
+              [--startup-timeout S]  # the three services; a service that dies is restarted; Ctrl-C stops all
     ddtree generate --prompt TEXT [--token-ids] [--max-tokens N] [--temperature T] [--budget B]
                     [--mode ddtree|autoregressive] [--json] [--address HOST:PORT] [--token T --tls-ca FILE]
     ddtree serve {scheduler,draft,verifier} [--config FILE]  # one service (what `up` and compose run)
     ddtree make-checkpoint DIR [--vocab-size N] [--seed S] [--bf16-experts]  # a small random target + drafter
-    ddtree bench [--contexts ...] [--concurrency ...] [--budgets ...] [--out FILE.json]
+    ddtree bench [--contexts ...] [--concurrency ...] [--budgets ...] [--out FILE.json (default matrix-local.json)]
                  [--spawn-stack MODEL --device cuda --dtype bfloat16]  # starts and stops its own stack
 """
 
@@ -60,12 +60,14 @@ def _run_async(coro) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from services.common.launcher import Stack, StackSpec
+    from services.common.grpc_server import check_port_free
+    from services.common.launcher import Stack, StackSpec, StartupStopped
     from services.common.settings import SettingsError
 
     for ok, flag in ((0 <= args.port < 65536, f"--port {args.port}: not a TCP port (0 = any free one)"),
                      (args.draft_replicas >= 1, f"--draft-replicas {args.draft_replicas}: must be >= 1"),
-                     (args.tp >= 0, f"--tp {args.tp}: must be >= 1 (or 0: the config's)")):
+                     (args.tp >= 0, f"--tp {args.tp}: must be >= 1 (or 0: the config's)"),
+                     (args.startup_timeout > 0, f"--startup-timeout {args.startup_timeout:g}: must be > 0 seconds")):
         if not ok:
             print(f"ddtree up: {flag}", file=sys.stderr)
             return 2
@@ -74,8 +76,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"ddtree up: no checkpoint at {model} (config.json missing); "
               f"make one with `ddtree make-checkpoint {model}`", file=sys.stderr)
         return 2
+    # Before anything starts: another stack on the port would answer our health probe while our
+    # scheduler crash-looped on "Address already in use".
+    try:
+        check_port_free(args.host, args.port, "--host/--port")
+    except SettingsError as exc:
+        print(f"ddtree up: {exc} (another stack? --port picks another, 0 any free one)", file=sys.stderr)
+        return 2
     spec = StackSpec(model_path=str(model), drafter_path=args.drafter, config_path=args.config,
-                     scheduler_port=args.port, draft_replicas=args.draft_replicas,
+                     scheduler_port=args.port, scheduler_host=args.host, draft_replicas=args.draft_replicas,
+                     startup_timeout_s=args.startup_timeout,
                      extra_env={"DDTREE_VERIFIER_TP": str(args.tp)} if args.tp else {})
     stack = Stack(spec)
     stop = {"now": False}
@@ -86,17 +96,25 @@ def _cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     try:
-        stack.start()
+        stack.start(should_stop=lambda: stop["now"])   # a signal stops the start-up too, not only the stack
+    except StartupStopped:
+        print("ddtree up: stopped during start-up", file=sys.stderr)
+        return 0
     except SettingsError as exc:
         print(f"ddtree up: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
         print(f"ddtree up: {exc}", file=sys.stderr)
         return 1
-    print(f"ddtree up: serving {model} at {stack.scheduler_address} "
-          f"(try: ddtree generate --prompt 'def fibonacci(n):'); Ctrl-C stops", file=sys.stderr, flush=True)
+    here = stack.scheduler_address
+    reach = "" if here == stack.scheduler_listen_address else f" (from this host: {here})"
+    address = "" if here == "127.0.0.1:50051" else f" --address {here}"
+    print(f"ddtree up: serving {model} at {stack.scheduler_listen_address}{reach} "
+          f"(try: ddtree generate{address} --prompt 'def fibonacci(n):'); Ctrl-C stops", file=sys.stderr, flush=True)
     try:
         stack.supervise(lambda: stop["now"], report=lambda msg: print(f"ddtree up: {msg}", file=sys.stderr, flush=True))
+    except StartupStopped:   # a signal while a service restarted
+        pass
     except RuntimeError as exc:
         print(f"ddtree up: {exc}; stopping", file=sys.stderr)
         return 1
@@ -126,6 +144,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                   seed=args.seed, budget=args.budget, mode=args.mode, stop=args.stop or (), stop_token_ids=stop_ids,
                   ignore_eos=args.ignore_eos, timeout_s=args.timeout)
     started = False
+    ids: list[int] = []   # tokens streamed without text: a scheduler without a tokenizer sends only ids
     try:
         with Client(args.address, tls_ca=args.tls_ca, token=args.token) as client:
             if args.json:
@@ -137,12 +156,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                   "usage": usage}))
             else:
                 for chunk in client.stream(prompt, **kwargs):
-                    started = started or bool(chunk.text)
-                    print(chunk.text, end="", flush=True)
+                    if chunk.text:
+                        started = True
+                        print(chunk.text, end="", flush=True)
+                    elif not started:   # text held back (a partial character) comes later; no text ever: ids
+                        ids += chunk.token_ids
+                if not started and ids:
+                    print(",".join(map(str, ids)), end="")
                 print()
     except ClientError as exc:
+        if not started and ids:
+            print(",".join(map(str, ids)), end="")
+            started = True
         if started:
-            print()  # end the partial text's line before the error
+            print()  # end the partial output's line before the error
         print(f"ddtree generate: {exc.code.name}: {exc.message}", file=sys.stderr)
         return 1
     return 0
@@ -151,15 +178,39 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
     from services.common.make_checkpoint import make_random_checkpoint
 
-    make_random_checkpoint(Path(args.out), vocab_size=args.vocab_size, seed=args.seed,
-                           int4=not args.bf16_experts)
+    try:
+        make_random_checkpoint(Path(args.out), vocab_size=args.vocab_size, seed=args.seed,
+                               int4=not args.bf16_experts)
+    except (ValueError, OSError) as exc:   # e.g. a vocabulary smaller than the byte alphabet: the message says so
+        print(f"ddtree make-checkpoint: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote a random target, drafter and tokenizer to {args.out}", file=sys.stderr)
     return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     """The matrix against `--address`, or (`--spawn-stack MODEL`) against a stack started here,
-    sized for the matrix and stopped at the end, also when the run is cut short by SIGTERM."""
+    sized for the matrix and stopped at the end, also when the run is cut short by SIGTERM. A
+    mistake (a bad setting, no server at the address, a file it cannot read or write) is one line."""
+    from services.common.settings import SettingsError
+    from services.scheduler.client import ClientError
+
+    try:
+        return _run_bench(args)
+    except SettingsError as exc:
+        print(f"ddtree bench: {exc}", file=sys.stderr)
+        return 2
+    except ClientError as exc:
+        where = "" if args.spawn_stack else f"{args.address}: "
+        print(f"ddtree bench: {where}{exc.code.name}: {exc.message}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"ddtree bench: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
+
+
+def _run_bench(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
     from bench.matrix import MatrixParams, check_fits, run_matrix, stack_spec, write_results
@@ -183,7 +234,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             spec, params.draft_metrics = stack_spec(params, model, args.device, args.dtype, args.stack_log)
             print(f"ddtree bench: starting the stack on {model} ({args.device}, {args.dtype})", file=sys.stderr,
                   flush=True)
-            stack = scope.enter_context(Stack(spec))
+            try:
+                stack = scope.enter_context(Stack(spec))
+            except RuntimeError as exc:   # a service died or never became healthy: it says which
+                print(f"ddtree bench: {exc}", file=sys.stderr)
+                return 1
             params.address = stack.scheduler_address
             extra = {"stack": {"model": model, "device": args.device, "dtype": args.dtype,
                                "env": {k: v for k, v in spec.extra_env.items() if "PORT" not in k}}}
@@ -232,9 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default="models/demo", help="target checkpoint dir (drafter in <model>/drafter)")
     up.add_argument("--drafter", default=None, help="drafter checkpoint dir (default <model>/drafter)")
     up.add_argument("--config", default=None, help="TOML config file shared by the services")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="scheduler host (the public API; 0.0.0.0 = every interface); draft and verifier stay on loopback")
     up.add_argument("--port", type=int, default=50051, help="scheduler port (the public API)")
     up.add_argument("--draft-replicas", type=int, default=1, help="draft processes in front of the verifier")
     up.add_argument("--tp", type=int, default=0, help="verifier tensor-parallel ranks (default: config, else 1)")
+    up.add_argument("--startup-timeout", type=float, default=120.0, metavar="S",
+                    help="seconds each service has to become healthy (default 120); a large model's verifier "
+                    "needs longer (loading and compiling take minutes)")
     up.set_defaults(func=_cmd_up)
 
     gen = sub.add_parser("generate", help="call the running stack")
@@ -280,7 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the warm-up requests (0 = none)")
     b.add_argument("--no-power", action="store_true", help="do not sample GPU power (NVML / nvidia-smi)")
     b.add_argument("--commit", default="", help="commit to record (default: git HEAD, where there is a .git)")
-    b.add_argument("--out", default="bench/results/matrix-demo.json")
+    b.add_argument("--out", default="matrix-local.json",
+                   help="result file, a PNG beside it (default: matrix-local.json here; the files under "
+                   "bench/results/ are committed runs, named explicitly)")
     b.add_argument("--spawn-stack", default="", metavar="MODEL",
                    help="start scheduler, draft and verifier on MODEL here, sized for the matrix, and stop them after")
     b.add_argument("--device", default="cpu", help="with --spawn-stack: cpu or cuda")

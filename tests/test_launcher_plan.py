@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from services.common.launcher import Stack, StackSpec
-from services.common.settings import DraftSettings, SettingsError, VerifierSettings, load_settings
+from services.common.settings import DraftSettings, SchedulerSettings, SettingsError, VerifierSettings, load_settings
 
 
 def test_the_compose_config_runs_under_up_with_replicas_on_loopback() -> None:
@@ -51,3 +51,19 @@ def test_a_model_without_a_tokenizer_serves_token_ids(tmp_path) -> None:
     for model, want in ((str(tmp_path), ""), ("models/demo", "models/demo")):
         plan = Stack(StackSpec(model_path=model, scheduler_port=0))._plan()
         assert plan[-1].env["DDTREE_SCHEDULER_TOKENIZER_PATH"] == want
+
+
+def test_the_scheduler_is_probed_where_it_listens() -> None:
+    """compose/ddtree.toml puts the scheduler on 0.0.0.0: the launcher reached it (and reported it)
+    on 127.0.0.1 whatever it listened on. `scheduler_host` (`ddtree up --host`) sets it."""
+    def scheduler(**kw):
+        return Stack(StackSpec(model_path="models/demo", config_path="compose/ddtree.toml", scheduler_port=50123,
+                               **kw))._plan()[-1]
+
+    for host, listen, reached in ((None, "0.0.0.0:50123", "127.0.0.1:50123"),          # the file's
+                                  ("127.0.0.1", "127.0.0.1:50123", "127.0.0.1:50123"),  # `ddtree up`'s default
+                                  ("localhost", "localhost:50123", "localhost:50123"),
+                                  ("::1", "[::1]:50123", "[::1]:50123"), ("::", "[::]:50123", "127.0.0.1:50123")):
+        svc = scheduler(scheduler_host=host)
+        assert (svc.listen, svc.address) == (listen, reached), host
+        assert load_settings(SchedulerSettings, "compose/ddtree.toml", env=svc.env).host == (host or "0.0.0.0")

@@ -19,12 +19,22 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.grpc_server import PARENT_PID_ENV
+from services.common.grpc_server import PARENT_PID_ENV, host_port
 from services.common.settings import DraftSettings, SchedulerSettings, VerifierSettings, load_settings
 
 _SETTINGS = {"verifier": VerifierSettings, "draft": DraftSettings, "scheduler": SchedulerSettings}
 
-__all__ = ["StackSpec", "Stack", "free_port", "wait_healthy"]
+__all__ = ["StackSpec", "Stack", "StartupStopped", "free_port", "wait_healthy"]
+
+
+class StartupStopped(Exception):
+    """``should_stop()`` turned true while a service started: the caller stops the stack (a
+    Ctrl-C during minutes of loading must not wait for every service to be healthy)."""
+
+
+def _reach(host: str) -> str:
+    """Where this host reaches a service listening on ``host``: loopback for a wildcard."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
 
 
 def free_port() -> int:
@@ -48,33 +58,62 @@ class StackSpec:
     # service name ("draft-1"), the name's entry winning: one draft replica per GPU, or a
     # CUDA_VISIBLE_DEVICES for one service only.
     service_env: dict[str, dict[str, str]] = field(default_factory=dict)
-    startup_timeout_s: float = 120.0
+    startup_timeout_s: float = 120.0           # per service; a large model's verifier needs longer
+    scheduler_host: str | None = None         # the scheduler's listen host; None: the config's (or its environment's)
     log_path: str | None = None               # the services' stdout and stderr go here (appended), not to ours
 
 
 def wait_healthy(address: str, proc: subprocess.Popen, name: str, timeout_s: float,
-                 tls_roots: bytes | None = None) -> None:
-    """Polls grpc.health.v1 until SERVING; raises if the process exits or time runs out.
+                 tls_roots: bytes | None = None, *, tls_name: str | None = None,
+                 should_stop: Callable[[], bool] | None = None, settle_s: float = 1.0) -> None:
+    """Polls grpc.health.v1 until SERVING; raises RuntimeError if the process exits or time runs
+    out (naming the last answer), ``StartupStopped`` as soon as ``should_stop()`` is true.
 
+    A SERVING answer counts only once ``proc`` has lived ``settle_s`` and is still alive after it:
+    another process holding the port answers at once, while ours dies on the busy port within a
+    second of its start (the launcher used to report such a stack as serving).
     `tls_roots`: PEM roots to trust when the service speaks TLS (the launcher passes the
-    scheduler's own certificate, which verifies a self-signed one).
+    scheduler's own certificate, which verifies a self-signed one); `tls_name`: the name to check
+    in its certificate instead of the address's host (DDTREE_HEALTH_TLS_NAME, as the compose probe).
     """
-    deadline = time.monotonic() + timeout_s
-    channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_roots)) if tls_roots
-               else grpc.insecure_channel(address))
+    start = time.monotonic()
+    deadline = start + timeout_s
+    settle_s = min(settle_s, timeout_s / 2)
+    if tls_roots:
+        options = [("grpc.ssl_target_name_override", tls_name)] if tls_name else []
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_roots), options=options)
+    else:
+        channel = grpc.insecure_channel(address)
+    last = "none"
+    serving_seen = False
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
+        while True:
+            if should_stop is not None and should_stop():
+                raise StartupStopped(f"{name}: start-up stopped")
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up (see its output)")
+                other = (f"; yet something answered SERVING on {address}: another process holds the port"
+                         if serving_seen else "")
+                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up (see its output){other}")
+            now = time.monotonic()
+            if now >= deadline:
+                break
             try:
-                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=min(1.0, max(0.05, deadline - now)))
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
+                    serving_seen = True
+                    if time.monotonic() - start >= settle_s and proc.poll() is None:
+                        return
+            except grpc.RpcError as exc:
+                last = f"{exc.code().name}: {exc.details()}"
             time.sleep(0.2)
-    raise RuntimeError(f"{name} at {address} not healthy after {timeout_s:.0f} s")
+    hint = ""
+    if tls_roots and not serving_seen and last.startswith("UNAVAILABLE"):
+        host = tls_name or address.rsplit(":", 1)[0]
+        hint = (f"; over TLS its certificate must name {host} (DDTREE_HEALTH_TLS_NAME gives the name to check "
+                "instead)")
+    raise RuntimeError(f"{name} at {address} not healthy after {timeout_s:g} s (last answer: {last}){hint}")
 
 
 @dataclass
@@ -83,9 +122,10 @@ class _Service:
 
     name: str
     role: str
-    address: str
+    address: str                  # where the launcher reaches it
     env: dict[str, str]
     proc: subprocess.Popen | None = None
+    listen: str = ""              # host:port it listens on (the scheduler's: 0.0.0.0:50051 for all interfaces)
 
 
 class Stack:
@@ -94,7 +134,8 @@ class Stack:
     def __init__(self, spec: StackSpec) -> None:
         self.spec = spec
         self.services: list[_Service] = []
-        self.scheduler_address = ""
+        self.scheduler_address = ""         # where this host reaches the scheduler
+        self.scheduler_listen_address = ""  # where it listens (0.0.0.0:50051 for all interfaces)
 
     def _plan(self) -> list[_Service]:
         spec = self.spec
@@ -112,6 +153,8 @@ class Stack:
             "DDTREE_DRAFT_HOST": "127.0.0.1",
         })
         base.update(spec.extra_env)
+        if spec.scheduler_host is not None:
+            base["DDTREE_SCHEDULER_HOST"] = spec.scheduler_host
         vport = spec.verifier_port or free_port()
         verifier = f"127.0.0.1:{vport}"
         plan = [_Service("verifier", "verifier", verifier,
@@ -119,8 +162,8 @@ class Stack:
         drafts = []
         # Draft replicas after the first take the next metrics ports after the configured one that
         # no other service of the stack uses (replicas would otherwise share the file's port).
-        taken = {load_settings(VerifierSettings, spec.config_path, env=plan[0].env).metrics_port,
-                 load_settings(SchedulerSettings, spec.config_path, env=self._env(base, "scheduler", "scheduler")).metrics_port}
+        scheduler = load_settings(SchedulerSettings, spec.config_path, env=self._env(base, "scheduler", "scheduler"))
+        taken = {load_settings(VerifierSettings, spec.config_path, env=plan[0].env).metrics_port, scheduler.metrics_port}
         for i in range(spec.draft_replicas):
             dport = (spec.draft_port + i) if spec.draft_port else free_port()
             drafts.append(f"127.0.0.1:{dport}")
@@ -135,9 +178,12 @@ class Stack:
                 env["DDTREE_DRAFT_METRICS_PORT"] = str(metrics)
             plan.append(_Service(name, "draft", drafts[-1], env))
         sport = spec.scheduler_port or free_port()
-        plan.append(_Service("scheduler", "scheduler", f"127.0.0.1:{sport}",
+        # Probed where it listens (the config file's host, e.g. 0.0.0.0 in compose/ddtree.toml,
+        # is reached on loopback), not on 127.0.0.1 whatever it listens on.
+        plan.append(_Service("scheduler", "scheduler", host_port(_reach(scheduler.host), sport),
                              {**self._env(base, "scheduler", "scheduler"), "DDTREE_SCHEDULER_PORT": str(sport),
-                              "DDTREE_SCHEDULER_DRAFT_ADDRESSES": ",".join(drafts)}))
+                              "DDTREE_SCHEDULER_DRAFT_ADDRESSES": ",".join(drafts)},
+                             listen=host_port(scheduler.host, sport)))
         return plan
 
     def _env(self, base: dict[str, str], role: str, name: str) -> dict[str, str]:
@@ -147,22 +193,26 @@ class Stack:
             env.update(self.spec.service_env.get(name, {}))
         return env
 
-    def start(self) -> Stack:
+    def start(self, should_stop: Callable[[], bool] | None = None) -> Stack:
         """Starts the services in order; raises ``SettingsError`` before starting any where one of
-        them could not load its settings (file + environment), ``RuntimeError`` where one fails."""
+        them could not load its settings (file + environment), ``RuntimeError`` where one fails,
+        ``StartupStopped`` once ``should_stop()`` is true (each after stopping what it started)."""
         self.services = self._plan()
         for svc in self.services:
             load_settings(_SETTINGS[svc.role], self.spec.config_path, env=svc.env)
         self.scheduler_address = self.services[-1].address
+        self.scheduler_listen_address = self.services[-1].listen or self.scheduler_address
         try:
             for svc in self.services:
-                self._launch(svc)
+                if should_stop is not None and should_stop():
+                    raise StartupStopped(f"stopped before {svc.name} started")
+                self._launch(svc, should_stop)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _launch(self, svc: _Service) -> None:
+    def _launch(self, svc: _Service, should_stop: Callable[[], bool] | None = None) -> None:
         cmd = [sys.executable, "-m", "services.cli", "serve", svc.role]
         if self.spec.config_path:
             cmd += ["--config", self.spec.config_path]
@@ -172,12 +222,14 @@ class Stack:
                                             stderr=subprocess.STDOUT)
         else:
             svc.proc = subprocess.Popen(cmd, env=svc.env, start_new_session=True)
-        roots = None
+        roots = tls_name = None
         if svc.role == "scheduler":  # a TLS-only scheduler (its cert from the config file or the environment)
             from services.healthcheck import scheduler_tls_cert
             cert = scheduler_tls_cert(self.spec.config_path, svc.env)
             roots = Path(cert).read_bytes() if cert and Path(cert).is_file() else None
-        wait_healthy(svc.address, svc.proc, svc.name, self.spec.startup_timeout_s, roots)
+            tls_name = svc.env.get("DDTREE_HEALTH_TLS_NAME") or None   # a certificate not naming 127.0.0.1
+        wait_healthy(svc.address, svc.proc, svc.name, self.spec.startup_timeout_s, roots, tls_name=tls_name,
+                     should_stop=should_stop)
 
     @property
     def procs(self) -> list[tuple[str, subprocess.Popen]]:
@@ -189,19 +241,20 @@ class Stack:
     def address(self, name: str) -> str:
         return next(s.address for s in self.services if s.name == name)
 
-    def restart(self, name: str) -> None:
+    def restart(self, name: str, should_stop: Callable[[], bool] | None = None) -> None:
         """Starts a service again on the same address (after it died or was killed)."""
         svc = next(s for s in self.services if s.name == name)
         if svc.proc is not None and svc.proc.poll() is None:
             raise RuntimeError(f"{name} is still running")
-        self._launch(svc)
+        self._launch(svc, should_stop)
 
     def supervise(self, should_stop: Callable[[], bool], poll_s: float = 0.5, max_restarts: int = 3,
                   window_s: float = 60.0, report: Callable[[str], None] = lambda msg: None) -> None:
         """Keeps the stack up until ``should_stop()``, as compose's ``restart: unless-stopped`` does:
         a service that exits is started again, unless it exited more than ``max_restarts`` times
         in ``window_s`` (a crash loop), which raises RuntimeError. A restart that dies before it is
-        healthy counts as one more exit, to be retried on the next round, not as the end."""
+        healthy counts as one more exit, to be retried on the next round, not as the end; a
+        ``should_stop()`` during a restart's wait raises ``StartupStopped``."""
         exits: dict[str, list[float]] = {}
         while not should_stop():
             for svc in self.services:
@@ -215,7 +268,7 @@ class Stack:
                                        f"(last code {svc.proc.returncode}); not restarting it again")
                 report(f"{svc.name} exited with code {svc.proc.returncode}; restarting it")
                 try:
-                    self.restart(svc.name)
+                    self.restart(svc.name, should_stop)
                 except RuntimeError as exc:   # died (or hung) during its start-up: the next round sees it
                     report(f"{svc.name} restart failed: {exc}")
             time.sleep(poll_s)

@@ -1,0 +1,273 @@
+"""`ddtree up` start-up (a busy port, TLS names, the host, the timeout, a signal) and the one-line
+errors of `generate`, `bench` and `make-checkpoint`."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services import cli
+from services.common.launcher import Stack, StackSpec, StartupStopped, free_port, wait_healthy
+from services.scheduler.client import Chunk, ClientError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _up(*flags: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "up", *flags], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
+
+
+def _health_server(credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, str]:
+    """A SERVING grpc.health.v1 server on a free loopback port: "another stack"."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.so_reuseport", 0)])
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    if credentials is None:
+        server.add_insecure_port(address)
+    else:
+        server.add_secure_port(address, credentials)
+    server.start()
+    return server, address
+
+
+@pytest.fixture
+def alive():
+    """A process that stays up (the service under test, as far as wait_healthy can tell)."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_up_refuses_a_scheduler_port_that_is_taken() -> None:
+    """Another stack on 50051 answered the health probe: `up` said "serving" while its own
+    scheduler crash-looped on "Address already in use". Now nothing starts."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        out = _up("--port", str(port), timeout=30)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "serving" not in out.stderr
+    assert "service=verifier" not in out.stdout + out.stderr   # nothing was started
+
+
+def test_wait_healthy_does_not_take_another_servers_answer_for_ours(alive) -> None:
+    """A SERVING answer counts only while the launched process lives on after it: ours dies on the
+    busy port a moment after its start, while the other server answers at once."""
+    server, address = _health_server()
+    try:
+        dying = subprocess.Popen(["sh", "-c", "sleep 0.3; exit 2"])
+        with pytest.raises(RuntimeError, match=r"scheduler exited with code 2 .*another process holds the port"):
+            wait_healthy(address, dying, "scheduler", 10.0)
+        wait_healthy(address, alive, "scheduler", 10.0)   # the same answer, from a process that stays up
+    finally:
+        server.stop(0)
+
+
+def _cert(tmp_path: Path, name: str) -> tuple[bytes, bytes]:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name}",
+                    "-addext", f"subjectAltName=DNS:{name}", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert.read_bytes(), key.read_bytes()
+
+
+def test_wait_healthy_checks_the_tls_name_given_and_says_why_it_waited(tmp_path, alive) -> None:
+    """A certificate that does not name 127.0.0.1: 120 s of waiting, then "not healthy" without a
+    reason. The name comes from DDTREE_HEALTH_TLS_NAME (as for the compose probe), and the
+    timeout names the last answer."""
+    cert, key = _cert(tmp_path, "ddtree.test")
+    server, address = _health_server(grpc.ssl_server_credentials([(key, cert)]))
+    try:
+        with pytest.raises(RuntimeError) as info:
+            wait_healthy(address, alive, "scheduler", 1.5, cert)
+        msg = str(info.value)
+        assert msg.startswith(f"scheduler at {address} not healthy after 1.5 s (last answer: UNAVAILABLE: "), msg
+        assert "DDTREE_HEALTH_TLS_NAME" in msg
+        wait_healthy(address, alive, "scheduler", 20.0, cert, tls_name="ddtree.test")
+    finally:
+        server.stop(0)
+
+
+def test_a_stop_request_ends_the_wait_and_the_start_up() -> None:
+    started = time.monotonic()
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        with pytest.raises(StartupStopped):
+            wait_healthy(f"127.0.0.1:{free_port()}", proc, "verifier", 60.0, should_stop=lambda: True)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert time.monotonic() - started < 5
+    stack = Stack(StackSpec(model_path="models/demo", scheduler_port=0))
+    with pytest.raises(StartupStopped):
+        stack.start(should_stop=lambda: True)
+    assert stack.procs == []
+
+
+def test_up_startup_timeout_is_honoured_and_names_the_last_answer() -> None:
+    out = _up("--startup-timeout", "0", timeout=30)
+    assert out.returncode == 2 and "--startup-timeout 0: must be > 0" in out.stderr, out.stderr
+    # The verifier needs seconds to import and load: half a second runs out, with the reason.
+    out = _up("--port", "0", "--startup-timeout", "0.5", timeout=60)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "ddtree up: verifier at 127.0.0.1:" in out.stderr
+    assert "not healthy after 0.5 s (last answer: UNAVAILABLE" in out.stderr
+
+
+def test_up_serves_tls_on_its_host_with_the_health_tls_name(tmp_path) -> None:
+    """A config file written for containers (host 0.0.0.0) and a certificate that does not name
+    127.0.0.1: `up` keeps the scheduler on --host (loopback by default), finds it healthy through
+    DDTREE_HEALTH_TLS_NAME, prints the address it serves, and stops on SIGTERM."""
+    cert, key = _cert(tmp_path, "ddtree.test")
+    config = tmp_path / "ddtree.toml"
+    config.write_text(f'[scheduler]\nhost = "0.0.0.0"\ntls_cert = "{tmp_path / "cert.pem"}"\n'
+                      f'tls_key = "{tmp_path / "key.pem"}"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", "--config", str(config),
+                             "--startup-timeout", "90"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "DDTREE_HEALTH_TLS_NAME": "ddtree.test"})
+    lines = _lines(proc)
+    try:
+        seen = _wait_for(lines, "ddtree up: serving", 120)
+        assert "ddtree up: serving models/demo at 127.0.0.1:" in seen[-1], seen[-1]
+        assert "--address 127.0.0.1:" in seen[-1]   # not the default port: the hint says where
+        scheduler = [ln for ln in seen if "service=scheduler" in ln and "serving" in ln]
+        assert scheduler and "address=127.0.0.1:" in scheduler[-1], seen[-5:]   # not 0.0.0.0 from the file
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_signal_during_start_up_stops_the_stack_at_once() -> None:
+    """Ctrl-C used to wait until every service was healthy."""
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = _lines(proc)
+    try:
+        seen = _wait_for(lines, "service=verifier", 60)   # the verifier is loading: start-up is under way
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) == 0
+        while (line := lines.get(timeout=5)) is not None:
+            seen.append(line)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "ddtree up: stopped during start-up" in "".join(seen)
+    assert not any(line.startswith("ddtree up: serving") for line in seen)
+
+
+def _lines(proc: subprocess.Popen) -> queue.Queue:
+    """`proc`'s output lines as they come (None at its end)."""
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
+def _wait_for(lines: queue.Queue, needle: str, timeout_s: float) -> list[str]:
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        seen.append(line)
+        if needle in line:
+            return seen
+    raise AssertionError(f"no {needle!r} in the output:\n{''.join(seen[-30:])}")
+
+
+class _FakeClient:
+    """Client's place in `ddtree generate` / `ddtree bench`: streams the given chunks."""
+
+    chunks: list[Chunk] = []
+    error: ClientError | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __enter__(self) -> _FakeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def stream(self, prompt, **kwargs):
+        yield from self.chunks
+
+    def model_info(self):
+        raise self.error
+
+
+def _chunk(ids: list[int], text: str) -> Chunk:
+    return Chunk(request_id="r", token_ids=ids, text=text, acceptance_lengths=[], finish_reason=None)
+
+
+def test_generate_prints_token_ids_where_the_server_sends_no_text(monkeypatch, capsys) -> None:
+    """A scheduler without a tokenizer streams ids only: the output was an empty line."""
+    monkeypatch.setattr("services.scheduler.client.Client", _FakeClient)
+    monkeypatch.setattr(_FakeClient, "chunks", [_chunk([5], ""), _chunk([6, 7], "")])
+    assert cli.main(["generate", "--prompt", "1,2,3", "--token-ids"]) == 0
+    assert capsys.readouterr().out == "5,6,7\n"
+    # Text held back for a moment (a partial character) is text, not ids.
+    monkeypatch.setattr(_FakeClient, "chunks", [_chunk([5], ""), _chunk([6], "é"), _chunk([7], "")])
+    assert cli.main(["generate", "--prompt", "1,2,3", "--token-ids"]) == 0
+    assert capsys.readouterr().out == "é\n"
+
+
+def test_bench_writes_no_tracked_file_by_default() -> None:
+    out = cli.build_parser().parse_args(["bench"]).out
+    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", out], cwd=REPO, capture_output=True)
+    if tracked.returncode != 0 and b"not a git repository" in tracked.stderr:
+        pytest.skip("no git checkout")
+    assert tracked.returncode != 0, f"the default --out {out} is a committed file"
+
+
+def test_bench_mistakes_are_one_line(monkeypatch, capsys, tmp_path) -> None:
+    monkeypatch.setattr(signal, "signal", lambda *args: None)   # keep pytest's handlers
+    monkeypatch.setattr(cli, "_copy_gbps", lambda: None)
+    monkeypatch.setattr("services.scheduler.client.Client", _FakeClient)
+    monkeypatch.setattr(_FakeClient, "error", ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+    out = str(tmp_path / "m.json")
+    assert cli.main(["bench", "--address", "127.0.0.1:1", "--out", out]) == 1
+    assert capsys.readouterr().err == "ddtree bench: 127.0.0.1:1: DEADLINE_EXCEEDED: Deadline Exceeded\n"
+    assert cli.main(["bench", "--spawn-stack", str(tmp_path / "nope"), "--out", out]) == 2   # no checkpoint
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(f"ddtree bench: {tmp_path / 'nope'}") and "No such file" in err[-1], err
+    monkeypatch.setenv("DDTREE_SCHEDULER_DEFAULT_BUDGET", "0")   # refused before any service starts
+    assert cli.main(["bench", "--spawn-stack", "models/demo", "--out", out]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("ddtree bench: scheduler.default_budget")
+
+
+def test_make_checkpoint_says_what_is_wrong_in_one_line(capsys, tmp_path) -> None:
+    assert cli.main(["make-checkpoint", str(tmp_path / "ckpt"), "--vocab-size", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err == "ddtree make-checkpoint: vocab_size must be >= 258 (byte alphabet + special tokens), got 10\n"
