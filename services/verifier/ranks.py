@@ -53,6 +53,8 @@ class EngineGroup:
             self._broadcast((_NOOP, ()))
 
     def _broadcast(self, call: tuple[str, tuple]) -> None:
+        if not self.tp.enabled:
+            return
         with current(self.engine.model_device):   # engine calls come from worker threads (GPU 0)
             self.tp.broadcast(call)
         self.last_call = time.monotonic()
