@@ -83,9 +83,10 @@ def grpc_rows(n: int, size: int) -> list[dict]:
     from services.common.launcher import free_port
 
     rows = []
+    spawn = mp.get_context("spawn")   # a forked child of a process that has used gRPC can crash (gRPC is not fork-safe)
     for loop in ("asyncio", "uvloop"):
-        port, ready = free_port(), mp.Event()
-        server = mp.Process(target=_serve, args=(port, ready, loop), daemon=True)
+        port, ready = free_port(), spawn.Event()
+        server = spawn.Process(target=_serve, args=(port, ready, loop), daemon=True)
         server.start()
         try:
             if not ready.wait(30):

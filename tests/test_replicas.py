@@ -93,7 +93,7 @@ def test_supervise_retries_a_restart_that_dies_and_stops_a_crash_loop() -> None:
     stack.services = [svc]
     attempts, reports = [], []
 
-    def restart(name):
+    def restart(name, should_stop=None):
         attempts.append(name)
         if len(attempts) == 1:
             svc.proc = Proc(-9)   # dies again before it is healthy
@@ -105,7 +105,7 @@ def test_supervise_retries_a_restart_that_dies_and_stops_a_crash_loop() -> None:
     assert attempts == ["draft", "draft"] and svc.proc.poll() is None
     assert reports[1].startswith("draft restart failed: draft exited with code -9")
 
-    stack.restart = lambda name: setattr(svc, "proc", Proc(1))   # dies at once, every time
+    stack.restart = lambda name, should_stop=None: setattr(svc, "proc", Proc(1))   # dies at once, every time
     svc.proc = Proc(1)
     with pytest.raises(RuntimeError, match="draft exited 4 times"):
         stack.supervise(lambda: False, poll_s=0.0, max_restarts=3)

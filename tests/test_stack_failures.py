@@ -164,8 +164,15 @@ def test_dead_verifier_is_reported_not_hung_on(ckpt, starts):
 
         err, ended_in, later, later_s = asyncio.run(scenario())
         # `ddtree up`'s supervision starts it again on its address, and the stack serves again
-        restarted: list[str] = []
-        stack.supervise(lambda: bool(restarted), poll_s=0.05, report=restarted.append)
+        restarted, back = [], []
+        launch = stack.restart
+
+        def restart(name: str, should_stop=None) -> None:   # supervision ends once the restart is done
+            launch(name, should_stop)
+            back.append(name)
+        stack.restart = restart
+        stack.supervise(lambda: bool(back), poll_s=0.05, report=restarted.append)
+        del stack.restart
         with Client(stack.scheduler_address, timeout_s=60) as c:
             for _ in range(50):   # the draft re-opens its verify stream on the next step
                 try:
