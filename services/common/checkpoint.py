@@ -22,6 +22,7 @@ __all__ = [
     "SINGLE_FILE",
     "INDEX_FILE",
     "read_config",
+    "read_json_object",
     "tensor_index",
     "load_tensors",
     "save_tensors",
@@ -40,15 +41,19 @@ class CheckpointError(ValueError):
 def read_config(path: Path) -> dict:
     """Read ``path/config.json`` as a dict; CheckpointError when missing or not a JSON object."""
     path = Path(path)
-    cfg_path = path / CONFIG_FILE
-    if not cfg_path.is_file():
+    if not (path / CONFIG_FILE).is_file():
         raise CheckpointError(f"{path}: missing {CONFIG_FILE}")
+    return read_json_object(path / CONFIG_FILE)
+
+
+def read_json_object(file: Path) -> dict:
+    """A JSON file holding one object; CheckpointError naming the file otherwise."""
     try:
-        data = json.loads(cfg_path.read_text())
+        data = json.loads(Path(file).read_text())
     except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{cfg_path}: invalid JSON ({exc})") from exc
+        raise CheckpointError(f"{file}: invalid JSON ({exc})") from exc
     if not isinstance(data, dict):
-        raise CheckpointError(f"{cfg_path}: expected a JSON object at top level, got {type(data).__name__}")
+        raise CheckpointError(f"{file}: expected a JSON object at top level, got {type(data).__name__}")
     return data
 
 

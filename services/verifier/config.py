@@ -7,12 +7,11 @@ a matmul.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from services.common.checkpoint import CONFIG_FILE, CheckpointError, read_config
+from services.common.checkpoint import CONFIG_FILE, CheckpointError, read_config, read_json_object
 
 __all__ = ["TargetConfig", "YarnScaling", "Int4Quantization", "SUPPORTED_MODEL_TYPES", "read_target_config"]
 
@@ -194,13 +193,7 @@ def read_target_config(path: Path) -> TargetConfig:
     gen_path = path / GENERATION_CONFIG_FILE
     if not gen_path.is_file():
         return config
-    try:
-        gen = json.loads(gen_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{gen_path}: invalid JSON ({exc})") from exc
-    if not isinstance(gen, dict):
-        raise CheckpointError(f"{gen_path}: expected a JSON object at top level, got {type(gen).__name__}")
-    extra = [e for e in _eos_ids(gen, str(gen_path)) if e not in config.eos_token_id]
+    extra = [e for e in _eos_ids(read_json_object(gen_path), str(gen_path)) if e not in config.eos_token_id]
     return replace(config, eos_token_id=config.eos_token_id + tuple(extra)) if extra else config
 
 
