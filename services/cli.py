@@ -4,6 +4,7 @@
               [--startup-timeout S]  # the three services; a service that dies is restarted; Ctrl-C stops all
     ddtree generate --prompt TEXT [--token-ids] [--max-tokens N] [--temperature T] [--budget B]
                     [--mode ddtree|autoregressive] [--json] [--address HOST:PORT] [--token T --tls-ca FILE]
+                    [--tls-server-name NAME]
     ddtree serve {scheduler,draft,verifier} [--config FILE]  # one service (what `up` and compose run)
     ddtree make-checkpoint DIR [--vocab-size N] [--seed S] [--bf16-experts]  # a small random target + drafter
     ddtree bench [--contexts ...] [--concurrency ...] [--budgets ...] [--out FILE.json (default matrix-local.json)]
@@ -146,7 +147,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     started = False
     ids: list[int] = []   # tokens streamed without text: a scheduler without a tokenizer sends only ids
     try:
-        with Client(args.address, tls_ca=args.tls_ca, token=args.token) as client:
+        with Client(args.address, tls_ca=args.tls_ca, token=args.token, tls_server_name=args.tls_server_name) as client:
             if args.json:
                 out = client.generate(prompt, **kwargs)
                 usage = out.usage.__dict__ if out.usage else None
@@ -171,6 +172,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if started:
             print()  # end the partial output's line before the error
         print(f"ddtree generate: {exc.code.name}: {exc.message}", file=sys.stderr)
+        if exc.code.name == "UNAVAILABLE" and args.tls_ca is None and not started:
+            print(f"ddtree generate: no scheduler answered at {args.address} in plaintext: is it running "
+                  "(ddtree up), or does it speak TLS (--tls-ca FILE)?", file=sys.stderr)
         return 1
     return 0
 
@@ -315,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print text, token ids and per-step acceptance")
     gen.add_argument("--token", default=None, help="bearer token, when the server requires one")
     gen.add_argument("--tls-ca", default=None, help="PEM file of the CA (or self-signed cert) to trust; enables TLS")
+    gen.add_argument("--tls-server-name", default=None,
+                     help="the name the server's certificate must hold, where it is not the --address host")
     gen.set_defaults(func=_cmd_generate)
 
     serve = sub.add_parser("serve", help="run one service in the foreground")

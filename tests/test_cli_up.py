@@ -243,6 +243,24 @@ def test_generate_prints_token_ids_where_the_server_sends_no_text(monkeypatch, c
     assert capsys.readouterr().out == "é\n"
 
 
+def test_generate_passes_the_tls_name_and_hints_at_tls_when_nothing_answers(monkeypatch, capsys) -> None:
+    seen = {}
+
+    class Unanswered(_FakeClient):
+        def __init__(self, *args, **kwargs) -> None:
+            seen.update(kwargs)
+
+        def stream(self, prompt, **kwargs):
+            raise ClientError(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+            yield
+    monkeypatch.setattr("services.scheduler.client.Client", Unanswered)
+    assert cli.main(["generate", "--prompt", "x", "--tls-server-name", "api.example"]) == 1
+    assert seen["tls_server_name"] == "api.example"
+    assert "does it speak TLS (--tls-ca FILE)?" in capsys.readouterr().err
+    assert cli.main(["generate", "--prompt", "x", "--tls-ca", "ca.pem"]) == 1
+    assert "does it speak TLS" not in capsys.readouterr().err   # over TLS already: no such hint
+
+
 def test_bench_writes_no_tracked_file_by_default() -> None:
     out = cli.build_parser().parse_args(["bench"]).out
     tracked = subprocess.run(["git", "ls-files", "--error-unmatch", out], cwd=REPO, capture_output=True)
