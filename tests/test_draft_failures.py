@@ -142,13 +142,15 @@ def test_a_verifier_restarted_between_steps_is_hand_shaken_again(ckpt):
             await verifier.stop()
             await asyncio.sleep(0.3)
             verifier = await Verifier(ckpt, port=port).start()   # back on its address before the next step
-            return [await step(link, [decode("a"), admit("b")]), await step(link, [decode("b")], release=["a"])]
+            piece = draft_pb2.StepItem(request_id="a", prompt_token_ids=[11, 12], prompt_offset=6, budget=4)
+            return [await step(link, [decode("a"), admit("b")]), await step(link, [piece]),
+                    await step(link, [decode("b")], release=["a"])]
         finally:
             link.close()
             await channel.close()
             await draft.stop()
             await verifier.stop()
-    assert asyncio.run(run()) == [[("a", "UNAVAILABLE"), ("b", "OK")], [("b", "OK")]]
+    assert asyncio.run(run()) == [[("a", "UNAVAILABLE"), ("b", "OK")], [("a", "UNAVAILABLE")], [("b", "OK")]]
 
 
 def test_a_frozen_verifier_costs_one_step_not_the_replica(ckpt):

@@ -209,3 +209,33 @@ def test_dead_rank_makes_the_group_unhealthy_without_hanging(ckpt, starts):
         with grpc.insecure_channel(stack.address("verifier")) as ch:
             with pytest.raises(grpc.RpcError):    # nothing answers for the dead group any more
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+
+
+def _align_rank(rank: int, port: int, lag_s: float, timeout_s: float, out) -> None:
+    from services.verifier.parallel import TensorParallel
+    tp = TensorParallel(rank, 2, f"tcp://127.0.0.1:{port}", backend="gloo", timeout_s=timeout_s)
+    time.sleep(lag_s)   # this rank's weights take longer to load
+    tp.align()
+    try:
+        got = tp.broadcast(("call", rank) if rank == 0 else None)   # the first call, under the timeout
+        out.put((rank, got))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out.put((rank, repr(exc)[:200]))
+    tp.close()
+
+
+def test_ranks_that_load_at_different_speeds_meet_before_their_first_timed_call():
+    """A worker done loading waits for rank 0's first call in a collective that times out after
+    `verifier.tp_timeout_s`: rank 0 loading slower than that (a large model) ended the group at
+    start-up. The ranks meet after loading, with no such limit, then call as before."""
+    import multiprocessing as mp
+
+    from services.common.launcher import free_port
+    spawn = mp.get_context("spawn")
+    out, port = spawn.Queue(), free_port()
+    procs = [spawn.Process(target=_align_rank, args=(rank, port, lag, 1.0, out)) for rank, lag in ((0, 2.5), (1, 0.0))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert sorted(out.get(timeout=5) for _ in procs) == [(0, ("call", 0)), (1, ("call", 0))]

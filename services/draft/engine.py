@@ -236,6 +236,9 @@ class DraftEngine:
         if item.budget < 0 or item.budget > MAX_BUDGET:
             return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"budget {item.budget} outside 0..{MAX_BUDGET}")
         req = self._requests.get(item.request_id)
+        if req is None and item.request_id in self._lost and (item.prompt_offset or not item.prompt_token_ids):
+            return ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                f"request {item.request_id} was lost with a stream that ended (verifier or scheduler)")
         if item.prompt_token_ids:   # a prompt, or the next piece of one
             if item.prompt_offset == 0 and req is not None:
                 return ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {item.request_id} already running")
@@ -258,9 +261,6 @@ class DraftEngine:
             prefills.append(piece)
             return None
         if req is None:
-            if item.request_id in self._lost:
-                return ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                    f"request {item.request_id} was lost with a stream that ended (verifier or scheduler)")
             return ServiceError(grpc.StatusCode.NOT_FOUND, f"request {item.request_id} is unknown to this draft")
         if req.prefilling:
             return ServiceError(grpc.StatusCode.FAILED_PRECONDITION,

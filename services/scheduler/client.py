@@ -159,10 +159,10 @@ def _channel_args(tls_ca: str | bytes | None, token: str | None,
     """TLS credentials (a CA file path or PEM bytes; b"" trusts the system roots), the bearer
     token, and channel options. A server that restarts is reached again within about a second:
     gRPC's default reconnect back-off grows towards two minutes, and a long-lived client kept
-    failing UNAVAILABLE for seconds after the scheduler was back."""
+    failing UNAVAILABLE for seconds after the scheduler was back. (Not `min_reconnect_backoff_ms`:
+    that is the time a connection attempt may take, and a short one fails far clients.)"""
     creds = None
-    options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-               ("grpc.max_reconnect_backoff_ms", 1000)]
+    options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
     if tls_ca is not None:
         try:
             roots = tls_ca if isinstance(tls_ca, bytes) else open(tls_ca, "rb").read()

@@ -100,8 +100,8 @@ class Router:
     def _stub(self, address: str) -> draft_pb2_grpc.DraftStub:
         # A replica that died and came back must be seen within a probe or two, not after gRPC's
         # default reconnect back-off (which grows towards two minutes).
+        # (Not min_reconnect_backoff_ms: that bounds how long one connection attempt may take.)
         options = server_options() + [("grpc.initial_reconnect_backoff_ms", 200),
-                                      ("grpc.min_reconnect_backoff_ms", 200),
                                       ("grpc.max_reconnect_backoff_ms", 1000)]
         channel = grpc.aio.insecure_channel(address, options=options)
         self._channels.append(channel)

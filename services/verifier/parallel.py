@@ -27,6 +27,8 @@ from services.verifier.config import TargetConfig
 
 __all__ = ["TensorParallel", "load_rank_slice", "split_rule"]
 
+ALIGN_TIMEOUT = datetime.timedelta(hours=6)   # the longest the ranks of a group may take to load, apart
+
 
 @dataclass(frozen=True)
 class _Rule:
@@ -123,10 +125,19 @@ class TensorParallel:
                 kwargs["device_id"] = gpu
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                     timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        # Loading weights may take one rank far longer than another (minutes for a large model);
+        # the ranks meet after it (`align`) on a group whose wait has no such limit.
+        self._start_up = dist.new_group(backend="gloo", timeout=ALIGN_TIMEOUT) if size > 1 else None
 
     @property
     def enabled(self) -> bool:
         return self.size > 1
+
+    def align(self) -> None:
+        """Waits until every rank got here (after loading, before the first collective with a
+        timeout: a worker done first would otherwise time out waiting for rank 0's first call)."""
+        if self._start_up is not None:
+            dist.barrier(group=self._start_up)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums the ranks' partial results in place (the one collective per block)."""

@@ -85,6 +85,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._engine_lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._handshakes = itertools.count(1)
+        self._group_stopped = False   # the workers were sent their stop (`stop_group`)
         self._cleanups: set[asyncio.Future] = set()   # stream clean-ups running past their handler
         self.verifier_id = f"verifier-{uuid.uuid4().hex[:12]}"
 
@@ -181,9 +182,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         def beat() -> None:
             if self._engine_lock.acquire(blocking=False):
                 try:
-                    self.group.heartbeat()
+                    if not self._group_stopped:   # after the stop broadcast the workers are gone
+                        self.group.heartbeat()
                 finally:
                     self._engine_lock.release()
+        await asyncio.to_thread(beat)   # at once: the workers have waited since their own start-up
         while True:   # a gap between two collectives is at most twice the interval
             await asyncio.sleep(interval_s)
             if time.monotonic() - self.group.last_call >= interval_s:
@@ -196,6 +199,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if not self._engine_lock.acquire(timeout=timeout_s):
             return False
         try:
+            self._group_stopped = True
             self.group.stop()
         finally:
             self._engine_lock.release()
@@ -348,6 +352,7 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
     cfg = model.config
     log.info("weights_loaded", path=settings.model_path, layers=cfg.num_hidden_layers, rank=tp.rank, tp=tp.size,
              seconds=round(time.perf_counter() - t0, 2))
+    tp.align()   # the warm-up's collectives and the workers' wait for calls time out; loading may not
     if settings.max_context > cfg.max_position_embeddings:
         raise SettingsError(f"verifier.max_context: {settings.max_context} is past the model's "
                             f"max_position_embeddings ({cfg.max_position_embeddings})")
