@@ -9,10 +9,12 @@ step link (and router, where placement matters).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -128,28 +130,36 @@ async def step(link: DraftLink, items, release=(), timeout: float = 30.0) -> lis
     return [(r.request_id, names[r.error_code]) for r in resp.results]
 
 
+@contextlib.asynccontextmanager
+async def replica(ckpt: Path, kv_capacity_tokens: int = 4096, step_timeout_s: float = 60.0):
+    """A verifier, a draft in front of it and a scheduler's link to the draft, all stopped at the
+    end; a test that replaces one (a restart, a new scheduler) sets it on the returned namespace."""
+    verifier = await Verifier(ckpt, kv_capacity_tokens=kv_capacity_tokens).start()
+    draft = await Draft(ckpt, verifier.port, step_timeout_s=step_timeout_s).start()
+    link, channel = draft.link()
+    r = SimpleNamespace(verifier=verifier, draft=draft, link=link, channel=channel)
+    try:
+        yield r
+    finally:
+        r.link.close()
+        await r.channel.close()
+        await r.draft.stop()
+        await r.verifier.stop()
+
+
 def test_a_verifier_restarted_between_steps_is_hand_shaken_again(ckpt):
     """Its old stream ended while the draft was idle: the next step hand-shakes again (it wrote to
     the finished stream and failed UNKNOWN, then and on every step after, until a restart), and a
     request lost with the old verifier is reported UNAVAILABLE, not unknown."""
     async def run():
-        verifier = await Verifier(ckpt).start()
-        draft = await Draft(ckpt, verifier.port).start()
-        link, channel = draft.link()
-        try:
-            assert await step(link, [admit("a")]) == [("a", "OK")]
-            port = verifier.port
-            await verifier.stop()
+        async with replica(ckpt) as r:
+            assert await step(r.link, [admit("a")]) == [("a", "OK")]
+            await r.verifier.stop()
             await asyncio.sleep(0.3)
-            verifier = await Verifier(ckpt, port=port).start()   # back on its address before the next step
+            r.verifier = await Verifier(ckpt, port=r.verifier.port).start()   # back before the next step
             piece = draft_pb2.StepItem(request_id="a", prompt_token_ids=[11, 12], prompt_offset=6, budget=4)
-            return [await step(link, [decode("a"), admit("b")]), await step(link, [piece]),
-                    await step(link, [decode("b")], release=["a"])]
-        finally:
-            link.close()
-            await channel.close()
-            await draft.stop()
-            await verifier.stop()
+            return [await step(r.link, [decode("a"), admit("b")]), await step(r.link, [piece]),
+                    await step(r.link, [decode("b")], release=["a"])]
     assert asyncio.run(run()) == [[("a", "UNAVAILABLE"), ("b", "OK")], [("a", "UNAVAILABLE")], [("b", "OK")]]
 
 
@@ -158,20 +168,12 @@ def test_a_frozen_verifier_costs_one_step_not_the_replica(ckpt):
     for ever: every later step timed out. Past `verifier_step_timeout_s` the step fails, the
     replica counts as down, and it serves again once the verifier answers."""
     async def run():
-        verifier = await Verifier(ckpt).start()
-        draft = await Draft(ckpt, verifier.port, step_timeout_s=1.0).start()
-        link, channel = draft.link()
-        try:
-            assert await step(link, [admit("a")]) == [("a", "OK")]
-            verifier.hang = True
-            frozen = await step(link, [decode("a")], timeout=10)
-            after = await step(link, [admit("b")], timeout=10)
-            return frozen, after, draft.engine._lock.locked()
-        finally:
-            link.close()
-            await channel.close()
-            await draft.stop()
-            await verifier.stop()
+        async with replica(ckpt, step_timeout_s=1.0) as r:
+            assert await step(r.link, [admit("a")]) == [("a", "OK")]
+            r.verifier.hang = True
+            frozen = await step(r.link, [decode("a")], timeout=10)
+            after = await step(r.link, [admit("b")], timeout=10)
+            return frozen, after, r.draft.engine._lock.locked()
     frozen, after, locked = asyncio.run(run())
     assert frozen == "StepFailed(UNAVAILABLE)" and after == [("b", "OK")] and not locked
 
@@ -180,26 +182,18 @@ def test_a_scheduler_that_goes_away_leaves_no_request_behind(ckpt):
     """Its step stream ended (a restart): the requests it admitted kept their drafter contexts and
     KV pages until the draft or the verifier restarted, and their ids stayed taken."""
     async def run():
-        verifier = await Verifier(ckpt, kv_capacity_tokens=2048).start()
-        draft = await Draft(ckpt, verifier.port).start()
-        link, channel = draft.link()
-        try:
-            assert await step(link, [admit("a", max_new=900), admit("b", max_new=900)]) == [("a", "OK"), ("b", "OK")]
-            assert verifier.engine.active_requests == 2
-            link.close()
-            await channel.close()
+        async with replica(ckpt, kv_capacity_tokens=2048) as r:
+            assert await step(r.link, [admit("a", max_new=900), admit("b", max_new=900)]) == [("a", "OK"), ("b", "OK")]
+            assert r.verifier.engine.active_requests == 2
+            r.link.close()
+            await r.channel.close()
             for _ in range(100):
-                if verifier.engine.active_requests == 0:
+                if r.verifier.engine.active_requests == 0:
                     break
                 await asyncio.sleep(0.02)
-            freed = verifier.engine.active_requests == 0 and not draft.engine._requests
-            link, channel = draft.link()   # the next scheduler: nothing reserved, ids free
-            return freed, await step(link, [admit("c", max_new=900), admit("a", max_new=900)])
-        finally:
-            link.close()
-            await channel.close()
-            await draft.stop()
-            await verifier.stop()
+            freed = r.verifier.engine.active_requests == 0 and not r.draft.engine._requests
+            r.link, r.channel = r.draft.link()   # the next scheduler: nothing reserved, ids free
+            return freed, await step(r.link, [admit("c", max_new=900), admit("a", max_new=900)])
     freed, next_scheduler = asyncio.run(run())
     assert freed and next_scheduler == [("c", "OK"), ("a", "OK")]
 
@@ -208,18 +202,10 @@ def test_a_request_named_twice_in_a_step_fails_alone(ckpt):
     """Its two items would step it twice from one state; the other requests go on (its dropped
     prefill's commit failed the next step of every request, KeyError)."""
     async def run():
-        verifier = await Verifier(ckpt).start()
-        draft = await Draft(ckpt, verifier.port).start()
-        link, channel = draft.link()
-        try:
-            assert await step(link, [admit("b")]) == [("b", "OK")]
-            twice = await step(link, [decode("b"), admit("a"), decode("a")])
-            return twice, await step(link, [decode("b")], release=["a"])
-        finally:
-            link.close()
-            await channel.close()
-            await draft.stop()
-            await verifier.stop()
+        async with replica(ckpt) as r:
+            assert await step(r.link, [admit("b")]) == [("b", "OK")]
+            twice = await step(r.link, [decode("b"), admit("a"), decode("a")])
+            return twice, await step(r.link, [decode("b")], release=["a"])
     twice, after = asyncio.run(run())
     assert twice == [("b", "OK"), ("a", "INVALID_ARGUMENT"), ("a", "INVALID_ARGUMENT")] and after == [("b", "OK")]
 
@@ -314,21 +300,13 @@ def test_a_step_stream_that_ended_between_steps_fails_its_requests_as_unavailabl
     """The draft frees what a step stream admitted when it ends (a dropped connection); the lane
     must hear so at its next step, not step on as if nothing happened and get NOT_FOUND."""
     async def run():
-        verifier = await Verifier(ckpt).start()
-        draft = await Draft(ckpt, verifier.port).start()
-        link, channel = draft.link()
-        try:
-            out = [await step(link, [admit("a")])]
-            link._call.cancel()   # as a connection that dropped between steps
+        async with replica(ckpt) as r:
+            out = [await step(r.link, [admit("a")])]
+            r.link._call.cancel()   # as a connection that dropped between steps
             await asyncio.sleep(0.2)
-            out.append(await step(link, [decode("a")]))
-            out.append(await step(link, [decode("a"), admit("b")]))   # a late reference to the lost request
-            return out, verifier.engine.active_requests
-        finally:
-            link.close()
-            await channel.close()
-            await draft.stop()
-            await verifier.stop()
+            out.append(await step(r.link, [decode("a")]))
+            out.append(await step(r.link, [decode("a"), admit("b")]))   # a late reference to the lost request
+            return out, r.verifier.engine.active_requests
     out, active = asyncio.run(run())
     assert out == [[("a", "OK")], "StepFailed(UNAVAILABLE)", [("a", "UNAVAILABLE"), ("b", "OK")]] and active == 1
 
