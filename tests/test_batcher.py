@@ -484,3 +484,47 @@ def test_a_slow_dns_lookup_does_not_hold_up_a_down_replicas_recovery(monkeypatch
 
     healthy, took = asyncio.run(scenario())
     assert healthy and took < 1.0, took
+
+
+def test_a_refused_request_is_counted_and_the_scheduler_reports_whether_it_can_serve() -> None:
+    """Refusals (queue full, no replica up, invalid) were in no metric and no log; and the health
+    check said SERVING while no draft replica was up and every request failed."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.common.grpc_server import new_server, report_health
+
+    class Context:
+        async def abort(self, code, message):
+            raise RuntimeError(code)
+
+    async def scenario() -> tuple[float, list[str]]:
+        servicer, router, lane = scheduler(SlowDraft())
+        lane.healthy = False
+        stream = servicer.Generate(generate(4), Context())
+        try:
+            await stream.__anext__()
+        except RuntimeError:
+            pass
+        refused = router.metrics.refused.labels("unavailable")._value.get()
+        server, health = new_server(["ddtree.v1.Scheduler"])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        watch = asyncio.ensure_future(report_health(health, ["ddtree.v1.Scheduler"],
+                                                    lambda: any(x.healthy for x in router.lanes), "no replica", 0.05))
+        seen = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for healthy in (False, True):
+                lane.healthy = healthy
+                await asyncio.sleep(0.2)
+                for name in ("", "ddtree.v1.Scheduler"):
+                    status = (await stub.Check(health_pb2.HealthCheckRequest(service=name))).status
+                    seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+        watch.cancel()
+        await server.stop(0)
+        await router.stop()
+        return refused, seen
+
+    refused, seen = asyncio.run(scenario())
+    assert refused == 1 and seen == ["NOT_SERVING", "NOT_SERVING", "SERVING", "SERVING"]

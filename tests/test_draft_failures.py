@@ -340,3 +340,28 @@ def test_a_replica_comes_back_when_its_verifiers_handshake_outlasts_the_probe(ck
             await draft.stop()
             await verifier.stop()
     assert asyncio.run(run()) == ("UNAVAILABLE", True, True)
+
+
+def test_a_draft_hand_shakes_again_by_itself_once_its_verifier_is_back(ckpt):
+    """Between the loss and the next step or probe, the draft reports NOT_SERVING (its health
+    follows `connected`); it reconnects on its own, so a replica no scheduler steps comes back too."""
+    from services.draft.server import _reconnect_when_lost
+
+    async def run():
+        async with replica(ckpt) as r:
+            first = r.draft.client.handshake.verifier_id
+            await r.verifier.stop()
+            for _ in range(50):
+                if not r.draft.client.connected:
+                    break
+                await asyncio.sleep(0.02)
+            lost = not r.draft.client.connected
+            r.verifier = await Verifier(ckpt, port=r.verifier.port).start()
+            task = asyncio.ensure_future(_reconnect_when_lost(r.draft.engine, interval_s=0.05))
+            for _ in range(100):
+                if r.draft.client.connected:
+                    break
+                await asyncio.sleep(0.05)
+            task.cancel()
+            return lost, r.draft.client.connected, r.draft.client.handshake.verifier_id != first
+    assert asyncio.run(run()) == (True, True, True)

@@ -15,8 +15,8 @@ from grpc_reflection.v1alpha import reflection
 from services.common.logging import get_logger
 from services.common.settings import SettingsError
 
-__all__ = ["ServiceError", "new_server", "check_port_free", "listen", "serve_until_signal", "HEALTH_SERVICE_NAME",
-           "PARENT_PID_ENV"]
+__all__ = ["ServiceError", "new_server", "check_port_free", "listen", "serve_until_signal", "report_health",
+           "HEALTH_SERVICE_NAME", "PARENT_PID_ENV"]
 
 HEALTH_SERVICE_NAME = ""  # the overall server health, what `grpc_health_probe` asks by default
 # Set by `ddtree up` to its own pid: a service whose parent is no longer that process stops (below).
@@ -92,6 +92,28 @@ def new_server(service_full_names: Iterable[str], interceptors: Sequence[grpc.ai
     reflection.enable_server_reflection(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
     return server, health_servicer
+
+
+async def report_health(health_servicer: health.HealthServicer, service_full_names: Iterable[str],
+                        can_serve: Callable[[], bool], why_not: str, interval_s: float = 0.5) -> None:
+    """Keeps grpc.health.v1 saying whether the service can serve now, not only that it started: a
+    scheduler with no draft replica up, or a draft without its verifier, answered SERVING while it
+    failed every request. Runs until cancelled; a graceful shutdown's NOT_SERVING stays (the
+    servicer ignores later changes)."""
+    names = [HEALTH_SERVICE_NAME, *service_full_names]
+    up = True
+    while True:
+        await asyncio.sleep(interval_s)
+        now = bool(can_serve())
+        if now != up:
+            up = now
+            status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in names:
+                health_servicer.set(name, status)
+            if up:
+                get_logger("server").info("serving_again")
+            else:
+                get_logger("server").warning("not_serving", reason=why_not)
 
 
 async def serve_until_signal(server: grpc.aio.Server, health_servicer: health.HealthServicer,

@@ -25,6 +25,8 @@ class Metrics:
         r = self.registry
         self.tokens = Counter("ddtree_generated_tokens", "Tokens streamed to clients", registry=r)
         self.requests = Counter("ddtree_requests", "Requests by final status", ["status"], registry=r)
+        self.refused = Counter("ddtree_requests_refused", "Requests refused before they ran (queue full, no "
+                               "replica up, invalid, too large), by gRPC code", ["code"], registry=r)
         self.acceptance = Histogram("ddtree_acceptance_length", "Tokens per verify step (bonus included)",
                                     buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=r)
         self.step_ms = Histogram("ddtree_step_ms", "Step time by stage", ["stage"], buckets=_STEP_BUCKETS_MS,

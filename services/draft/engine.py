@@ -123,6 +123,8 @@ class DraftEngine:
             except ServiceError:   # from the verifier's client: its stream broke, or no handshake
                 self._drop_all()
                 raise
+            finally:
+                self.metrics.running.set(len(self._requests))
 
     async def ensure_connected(self) -> None:
         """Hand-shakes again where the verifier's stream was lost (the replica's probe calls this:

@@ -13,7 +13,8 @@ import torch
 
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from services.common.devices import pin_device
-from services.common.grpc_server import ServiceError, check_port_free, host_port, listen, new_server, serve_until_signal
+from services.common.grpc_server import (ServiceError, check_port_free, host_port, listen, new_server, report_health,
+                                         serve_until_signal)
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import DraftSettings
@@ -92,6 +93,19 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             await context.abort(exc.code, exc.message)
 
 
+async def _reconnect_when_lost(engine: DraftEngine, interval_s: float = 1.0) -> None:
+    """Hand-shakes again soon after the verifier's stream was lost, whether or not a step or a
+    scheduler's probe comes: the replica's health says NOT_SERVING until then."""
+    while True:
+        await asyncio.sleep(interval_s)
+        if not engine.verifier.connected:
+            try:
+                await engine.ensure_connected()
+                log.info("verifier_reconnected", verifier_id=engine.verifier.handshake.verifier_id)
+            except ServiceError as exc:
+                log.debug("verifier_reconnect_failed", code=exc.code.name, error=exc.message)
+
+
 async def serve(settings: DraftSettings) -> None:
     configure_logging("draft", settings.json_logs)
     # Ports first: one that cannot be had fails start-up now, not after the weights load and the verifier answers.
@@ -128,7 +142,12 @@ async def serve(settings: DraftSettings) -> None:
     port = listen(server, host_port(settings.host, settings.port), "draft.port")
     await server.start()
     log.info("serving", address=host_port(settings.host, port), verifier=settings.verifier_address, metrics_port=metrics_port)
+    tasks = [asyncio.ensure_future(report_health(health, [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name],
+                                                 lambda: client.connected, "no verifier stream")),
+             asyncio.ensure_future(_reconnect_when_lost(engine))]
     try:
         await serve_until_signal(server, health, on_stop=servicer.end_idle_streams)
     finally:
+        for task in tasks:
+            task.cancel()
         await client.close()

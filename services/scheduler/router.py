@@ -239,6 +239,7 @@ class Router:
         if info is None:
             for req in stranded:
                 req.fail(ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica that can hold it is up"))
+                lane._log_end(req)   # counted and logged as every other request that ends
             return
         lane.kv = self._budget(info)
         for req in stranded:
@@ -247,6 +248,7 @@ class Router:
             else:
                 req.fail(ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       f"request needs {req.kv_tokens} KV tokens; the cache holds {lane.kv.capacity}"))
+                lane._log_end(req)
         lane.mark_healthy()
         log.info("draft_replica_rejoined", address=lane.address)
 

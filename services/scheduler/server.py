@@ -7,6 +7,7 @@ aborts its request, which frees its batch slot and KV at the next step.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from tokenizers import Tokenizer
 
 from ddtree.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.auth import BearerTokenInterceptor, server_credentials
-from services.common.grpc_server import ServiceError, check_port_free, host_port, listen, new_server, serve_until_signal
+from services.common.grpc_server import (ServiceError, check_port_free, host_port, listen, new_server, report_health,
+                                         serve_until_signal)
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
@@ -56,6 +58,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids)
             self.router.submit(req)
         except ServiceError as exc:
+            self.router.metrics.refused.labels(exc.code.name.lower()).inc()
+            log.info("request_refused", code=exc.code.name, reason=exc.message[:200])
             await context.abort(exc.code, exc.message)
         ended = False
         try:
@@ -136,9 +140,13 @@ async def serve(settings: SchedulerSettings) -> None:
         log.warning("token_in_clear", address=host_port(settings.host, port),
                     advice="the bearer token crosses the network readable; set scheduler.tls_cert / tls_key "
                            "or put a TLS-terminating proxy in front")
+    watch = asyncio.ensure_future(report_health(health, [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name],
+                                                lambda: any(lane.healthy for lane in router.lanes),
+                                                "no draft replica is up"))
     try:
         await serve_until_signal(server, health)
     finally:
+        watch.cancel()
         await router.stop()
         if encoder is not None:
             encoder.close()

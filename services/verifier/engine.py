@@ -76,7 +76,7 @@ class VerifierEngine:
         self.prefill_chunk = prefill_chunk
         self.feature_layers: tuple[int, ...] = ()
         self._requests: dict[str, _Request] = {}
-        self.last_commit_ms = 0.0   # time spent writing accepted KV in the last verify (metrics)
+        self._commit_ms: float | None = None   # the last verify's KV write, until taken (`take_commit_ms`)
         self.graphs: VerifyGraphs | None = None   # CUDA graphs for verify (``enable_graphs``)
         cfg = model.config
         self._feature_width = 0
@@ -129,6 +129,12 @@ class VerifierEngine:
                 depths = torch.arange(n).repeat(len(live))
                 self.verify(live, tokens, parents, depths, torch.full((len(live),), n))
         self.release(rids)
+
+    def take_commit_ms(self) -> float | None:
+        """The last verify's KV write time, once (None where no verify committed since): a step
+        whose trees were all refused wrote nothing, and must not repeat an older figure."""
+        ms, self._commit_ms = self._commit_ms, None
+        return ms
 
     @property
     def active_requests(self) -> int:
@@ -293,7 +299,7 @@ class VerifierEngine:
         rows = torch.tensor(keep, dtype=torch.int64, device=dev)                      # [K]
         t0 = time.perf_counter()
         self.cache.write_many(writes, out.new_kv[:, rows])                            # one scatter
-        self.last_commit_ms = (time.perf_counter() - t0) * 1e3
+        self._commit_ms = (time.perf_counter() - t0) * 1e3
         return StepOutcome(outcomes, self.cat_features([out.features[rows]]))
 
     def _check_trees(self, request_ids: Sequence[str], tok: np.ndarray, par: np.ndarray, dep: np.ndarray,

@@ -152,9 +152,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         try:
             async for req in request_iterator:
                 t0 = time.perf_counter()
-                resp = self._inline(self._step, peer, req) if self.settings.tp == 1 and not req.prefills else None
-                if resp is None:
-                    resp = await self._locked(self._step, peer, req)
+                try:
+                    resp = self._inline(self._step, peer, req) if self.settings.tp == 1 and not req.prefills else None
+                    if resp is None:
+                        resp = await self._locked(self._step, peer, req)
+                except Exception:   # the engine failed the step (a CUDA error, a bug): say so here, not only downstream
+                    log.exception("verify_step_failed", draft_id=draft_id, sequence=req.sequence)
+                    raise
                 self.metrics.step_ms.labels("stream_step").observe((time.perf_counter() - t0) * 1e3)
                 yield resp
         finally:
@@ -272,7 +276,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         released: list[int] = []
         if req.verify_ids:
             verify = self._verify(peer, req)
-            self.metrics.step_ms.labels("commit").observe(self.engine.last_commit_ms)
+            commit_ms = self.engine.take_commit_ms()
+            if commit_ms is not None:
+                self.metrics.step_ms.labels("commit").observe(commit_ms)
             slot = _slot_or_none(req.trees)
             if slot is not None:   # read and copied into the forward: the draft may reuse the slot
                 released.append(slot)
