@@ -441,7 +441,7 @@ def test_a_lone_replica_marked_down_keeps_its_queue_if_it_answers_again() -> Non
     answers (before, they failed UNAVAILABLE before it was probed), and fail when it does not."""
     from services.scheduler.router import Router
 
-    async def scenario(down: bool) -> tuple[bool, list[str], bool]:
+    async def scenario(down: bool) -> tuple[bool, list[str], bool, float]:
         router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
         lane = StepLoop(SchedulerSettings(), "d0", Draft("v1", down=down), Limits(64, 4096, 16, (0,), 10_000),
                         router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000)), router.metrics)
@@ -450,10 +450,11 @@ def test_a_lone_replica_marked_down_keeps_its_queue_if_it_answers_again() -> Non
         queued = request("q", 10)
         lane.waiting.append(queued)
         await router._recover(lane, [])
-        return lane.healthy, [r.request_id for r in lane.waiting], queued.error is not None
+        counted = router.metrics.requests.labels("unavailable")._value.get()   # each ended request is counted
+        return lane.healthy, [r.request_id for r in lane.waiting], queued.error is not None, counted
 
-    assert asyncio.run(scenario(down=False)) == (True, ["q"], False)
-    assert asyncio.run(scenario(down=True)) == (False, [], True)
+    assert asyncio.run(scenario(down=False)) == (True, ["q"], False, 0)
+    assert asyncio.run(scenario(down=True)) == (False, [], True, 1)
 
 
 def test_a_slow_dns_lookup_does_not_hold_up_a_down_replicas_recovery(monkeypatch) -> None:

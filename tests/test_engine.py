@@ -590,8 +590,10 @@ def test_verify_errors_do_not_disturb_other_items(target: Target) -> None:
 
     engine.release(["ok", "other", "long", "never-existed"] + bad_ids)
     assert engine.active_requests == 0 and engine.cache.pages_free == free0
+    assert engine.take_commit_ms() is not None   # the last verify that committed
     res = engine.verify(["ok"], *pack([root_only(gen_ok[-1])]))
     assert res.items[0].error.code == grpc.StatusCode.NOT_FOUND
+    assert engine.take_commit_ms() is None   # nothing committed: no figure (it repeated the last one)
 
 
 def test_verify_out_of_pages_is_per_item(target: Target) -> None:
