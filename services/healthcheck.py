@@ -60,7 +60,10 @@ def main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
         except grpc.RpcError as err:
             print(f"unhealthy: {err.code().name} (plaintext and TLS): {err.details()}", file=sys.stderr)
             return 1
-    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+    if status != health_pb2.HealthCheckResponse.SERVING:
+        print(f"unhealthy: {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

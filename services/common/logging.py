@@ -11,11 +11,18 @@ __all__ = ["configure_logging", "get_logger"]
 
 
 def configure_logging(service: str, json_logs: bool, level: int = logging.INFO) -> None:
-    """Routes structlog to stderr, tagging every event with the service name."""
+    """Routes structlog to stderr, tagging every event with the service name (by a processor, not a
+    context variable: threads do not inherit those, and a rank watchdog's events went out without it)."""
     renderer = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=False)
+
+    def add_service(logger, method: str, event: dict) -> dict:
+        event.setdefault("service", service)
+        return event
+
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_service,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             renderer,
@@ -24,7 +31,6 @@ def configure_logging(service: str, json_logs: bool, level: int = logging.INFO) 
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
-    structlog.contextvars.bind_contextvars(service=service)
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:

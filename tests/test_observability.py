@@ -1,0 +1,43 @@
+"""What an operator reads: log events carry their service wherever they are logged from, and the
+health probe says why a service is unhealthy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services import healthcheck
+from services.common.launcher import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_an_event_logged_from_a_thread_names_its_service() -> None:
+    """A rank watchdog logs from a thread of its own; its `rank_died` went out without `service`."""
+    code = ("import threading; from services.common.logging import configure_logging, get_logger; "
+            "configure_logging('verifier', True); get_logger('v').info('main_event'); "
+            "t = threading.Thread(target=lambda: get_logger('v').error('thread_event')); t.start(); t.join()")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    events = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
+    assert [(e["event"], e.get("service")) for e in events] == [("main_event", "verifier"), ("thread_event", "verifier")]
+
+
+def test_the_health_probe_says_not_serving(capsys) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    try:
+        assert healthcheck.main(["probe", str(port)], env={}) == 1
+        assert "unhealthy: NOT_SERVING" in capsys.readouterr().err
+    finally:
+        server.stop(0)
