@@ -203,6 +203,12 @@ class StepLoop:
         # running still holds their drafter contexts, pool rows and KV pages until then; a
         # restarted one ignores ids it does not know.
 
+    def fail_unstarted(self, req: ActiveRequest, error: ServiceError) -> None:
+        """Fails a request that never reached a step (taken off a down replica, nowhere to go):
+        counted and logged as every request that ends."""
+        req.fail(error)
+        self._log_end(req)
+
     def take_waiting(self) -> list[ActiveRequest]:
         """Hands queued (never started) requests back to the router to place on another replica."""
         out = list(self.waiting)

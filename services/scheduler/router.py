@@ -238,17 +238,16 @@ class Router:
         info = await self._probe(lane.draft.stub, 1.0)
         if info is None:
             for req in stranded:
-                req.fail(ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica that can hold it is up"))
-                lane._log_end(req)   # counted and logged as every other request that ends
+                lane.fail_unstarted(req, ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica that can hold it is up"))
             return
         lane.kv = self._budget(info)
         for req in stranded:
             if lane.holds(req):
                 lane.submit(req)
             else:
-                req.fail(ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      f"request needs {req.kv_tokens} KV tokens; the cache holds {lane.kv.capacity}"))
-                lane._log_end(req)
+                lane.fail_unstarted(req, ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                      f"request needs {req.kv_tokens} KV tokens; the cache holds "
+                                                      f"{lane.kv.capacity}"))
         lane.mark_healthy()
         log.info("draft_replica_rejoined", address=lane.address)
 
