@@ -529,3 +529,88 @@ def test_a_refused_request_is_counted_and_the_scheduler_reports_whether_it_can_s
 
     refused, seen = asyncio.run(scenario())
     assert refused == 1 and seen == ["NOT_SERVING", "NOT_SERVING", "SERVING", "SERVING"]
+
+
+def test_metrics_count_tree_steps_only_and_read_the_lanes_when_scraped() -> None:
+    """The acceptance histogram holds tree steps as verified (an autoregressive step's single
+    token is no acceptance), release-only steps time no stage, every request's end is logged with
+    its mode, and the gauges say the lanes' state at the scrape, not at the last probe round."""
+    from structlog.testing import capture_logs
+
+    from ddtree.v1 import draft_pb2
+    from services.scheduler.router import Router
+
+    class TreeDraft:
+        """Accepts 3 tokens a tree step, 1 an autoregressive one; records every step."""
+
+        def __init__(self) -> None:
+            self.calls: list[draft_pb2.StepRequest] = []
+            self.modes: dict[str, int] = {}
+
+        async def step(self, req, timeout):
+            self.calls.append(req)
+            out = []
+            for i in req.items:
+                if i.prompt_token_ids:
+                    self.modes[i.request_id] = i.mode
+                    out.append(draft_pb2.StepResult(request_id=i.request_id, token_ids=[5]))
+                else:
+                    n = 1 if self.modes[i.request_id] == common_pb2.MODE_AUTOREGRESSIVE else 3
+                    out.append(draft_pb2.StepResult(request_id=i.request_id, token_ids=[5] * n,
+                                                    acceptance_length=n))
+            return draft_pb2.StepResponse(results=out)
+
+        def close(self) -> None:
+            pass
+
+    async def scenario():
+        metrics = Metrics("scheduler-test")
+        value = metrics.registry.get_sample_value
+        settings = SchedulerSettings(tokenizer_path="", spec_min_acceptance=0)
+        router = Router(settings, metrics)
+        budget = router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000))
+        draft = TreeDraft()
+        lane = StepLoop(settings, "d0", draft, Limits(64, 4096, 16, (0,), 10_000), budget, metrics)
+        router.lanes.append(lane)
+        metrics.replica_up.labels("d0").set_function(lambda: float(lane.healthy))
+        tree, ar = request("tree", 4), request("ar", 4)
+        tree.max_tokens, ar.max_tokens = 1 + 3 * 3, 1 + 4
+        ar.mode = common_pb2.MODE_AUTOREGRESSIVE
+        lane.waiting.extend([tree, ar])
+        assert value("ddtree_queue_depth") == 2 and value("ddtree_running_requests") == 0
+        lane._schedule()   # admitted, as the loop's first step does
+        assert value("ddtree_queue_depth") == 0 and value("ddtree_running_requests") == 2
+        assert value("ddtree_kv_tokens_reserved", {"verifier": "v1"}) == 200
+        assert value("ddtree_kv_tokens_capacity", {"verifier": "v1"}) == 10_000
+        lane.running.clear()
+        lane.waiting.extend([tree, ar])
+        budget.reserved = 0
+        for r in (tree, ar):
+            r.prompt_sent = 0
+        with capture_logs() as logs:
+            lane.start()
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if not lane.running and not lane.pending_releases and draft.calls and not draft.calls[-1].items:
+                    break
+            await lane.stop()
+        assert value("ddtree_draft_replica_up", {"draft": "d0"}) == 1
+        lane.healthy = False
+        assert value("ddtree_draft_replica_up", {"draft": "d0"}) == 0
+        return metrics, draft, logs, router
+
+    metrics, draft, logs, router = asyncio.run(scenario())
+    value = metrics.registry.get_sample_value
+    stepped = [c for c in draft.calls if c.items]
+    assert len(stepped) == 5 and len(draft.calls) == len(stepped) + 1   # the last one only releases
+    assert list(draft.calls[-1].release) == ["ar"]
+    assert value("ddtree_acceptance_length_count") == 3 and value("ddtree_acceptance_length_sum") == 9
+    assert value("ddtree_step_ms_count", {"stage": "step_rpc"}) == 5
+    assert value("ddtree_step_ms_count", {"stage": "scheduler"}) == 4
+    ends = {e["request_id"]: e for e in logs if e["event"] == "request_end"}
+    assert ends["tree"]["mode"] == "ddtree" and ends["ar"]["mode"] == "autoregressive"
+    assert ends["tree"]["finish"] == "FINISH_REASON_LENGTH" and ends["tree"]["code"] is None
+    assert value("ddtree_kv_tokens_reserved", {"verifier": "v1"}) == 0
+    router.lanes.clear()                    # no replica is in front of v1 any more: its series go
+    router._prune_budgets()
+    assert value("ddtree_kv_tokens_capacity", {"verifier": "v1"}) is None

@@ -103,6 +103,15 @@ def test_next_trees_are_drafted_ahead_and_match_a_fresh_draft():
         await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=4),
                                                        draft_pb2.StepItem(request_id="b", budget=4)]))
         assert engine._requests["a"].length == 3 + 1   # the new prompt and one step, nothing of the old
+        # A step that only releases is no decode step: it times no stage.
+        engine.run_ahead()
+        timed = {s.labels["stage"]: s.value for m in engine.metrics.registry.collect() for s in m.samples
+                 if s.name == "ddtree_step_ms_count"}
+        assert timed["step"] == timed["ahead_wait"] == 7
+        await engine.step(draft_pb2.StepRequest(release=["a", "b"]))
+        assert not engine._requests
+        assert {s.labels["stage"]: s.value for m in engine.metrics.registry.collect() for s in m.samples
+                if s.name == "ddtree_step_ms_count"} == timed
         engine._settle()
     asyncio.run(run())
 

@@ -294,3 +294,33 @@ def test_a_prefill_with_unusable_sampling_fails_alone() -> None:
     assert [(i.request_id, i.error_code) for i in resp.prefills] == [
         ("a", 0), ("bad", grpc.StatusCode.INVALID_ARGUMENT.value[0]), ("c", 0)]
     assert "temperature" in resp.prefills[1].error_message and list(resp.prefills[2].token_ids) == [7]
+
+
+def test_a_release_only_step_times_no_stage() -> None:
+    """A step that only gives requests back is no decode step: the verifier's stage histograms
+    (what an operator reads as step time) leave it out, and a prefill step is still timed."""
+    from services.common.transport import InlineReader
+
+    class Group(_Group):
+        def call(self, name: str, *args):
+            if name == "prefill":
+                items = [SimpleNamespace(request_id=p.request_id, error=None, tokens=[7], committed=2) for p in args[0]]
+                return SimpleNamespace(items=items, features=torch.ones(2 * len(items), HIDDEN))
+            if name == "release":
+                return None
+            return super().call(name, *args)
+
+    metrics = Metrics("verifier")
+    servicer = VerifierServicer(Group(), VerifierSettings(device="cpu"), metrics)
+    peer = verifier_server._Peer("d", InlineWriter(), InlineReader())
+
+    def timed() -> dict[str, float]:
+        return {s.labels["stage"]: s.value for m in metrics.registry.collect() for s in m.samples
+                if s.name == "ddtree_step_ms_count"}
+
+    servicer._step(peer, verifier_pb2.VerifyRequest(sequence=1, prefills=[verifier_pb2.PrefillItem(
+        request_id="a", token_ids=[1, 2], reserve_tokens=8)]))
+    assert timed() == {"verify": 1, "features": 1}
+    resp = servicer._step(peer, verifier_pb2.VerifyRequest(sequence=2, release=["a"]))
+    assert resp.sequence == 2 and not resp.prefills and not resp.verifies
+    assert timed() == {"verify": 1, "features": 1}

@@ -27,7 +27,8 @@ class Metrics:
         self.requests = Counter("ddtree_requests", "Requests by final status", ["status"], registry=r)
         self.refused = Counter("ddtree_requests_refused", "Requests refused before they ran (queue full, no "
                                "replica up, invalid, too large), by gRPC code", ["code"], registry=r)
-        self.acceptance = Histogram("ddtree_acceptance_length", "Tokens per verify step (bonus included)",
+        self.acceptance = Histogram("ddtree_acceptance_length", "Tokens a tree step's verify accepted (bonus "
+                                    "included; autoregressive and paused steps left out)",
                                     buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=r)
         self.step_ms = Histogram("ddtree_step_ms", "Step time by stage", ["stage"], buckets=_STEP_BUCKETS_MS,
                                  registry=r)
@@ -37,6 +38,13 @@ class Metrics:
         self.queue_depth = Gauge("ddtree_queue_depth", "Requests waiting for admission", registry=r)
         self.running = Gauge("ddtree_running_requests", "Requests being decoded", registry=r)
         self.kv_pages_free = Gauge("ddtree_kv_pages_free", "Free KV cache pages", registry=r)
+        # The scheduler's view, read when scraped: which replicas it steps, what it has admitted.
+        self.replica_up = Gauge("ddtree_draft_replica_up", "Draft replicas the scheduler knows: 1 while it "
+                                "steps them, 0 while marked down", ["draft"], registry=r)
+        self.kv_reserved = Gauge("ddtree_kv_tokens_reserved", "KV tokens reserved for admitted requests (prompt + "
+                                 "max_tokens + one block each), by verifier group", ["verifier"], registry=r)
+        self.kv_capacity = Gauge("ddtree_kv_tokens_capacity", "KV tokens a verifier group holds, as its "
+                                 "replicas report it", ["verifier"], registry=r)
         # What a dead peer must give back (DESIGN.md §3): its stream, its ring slots, the ring's memory.
         self.peers = Gauge("ddtree_transport_peers", "Draft replicas with a live verify stream", registry=r)
         self.ring_slots_in_use = Gauge("ddtree_ring_slots_in_use", "Shared-buffer slots peers have not released",

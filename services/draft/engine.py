@@ -116,7 +116,8 @@ class DraftEngine:
         async with self._lock:
             t0 = time.perf_counter()
             ahead = self._settle()
-            self.metrics.step_ms.labels("ahead_wait").observe((time.perf_counter() - t0) * 1e3)
+            if request.items:   # a release-only step is no decode step: its stages are not observed
+                self.metrics.step_ms.labels("ahead_wait").observe((time.perf_counter() - t0) * 1e3)
             try:
                 await self._reconnect_if_lost()
                 return await self._step(request, ahead, owner)
@@ -222,12 +223,13 @@ class DraftEngine:
                    if r is not None and not r.prefilling and r.pending >= 0]
             self._job = (commits, nxt)
         t2 = time.perf_counter()
-        stage = self.metrics.step_ms.labels
-        stage("draft").observe((t1 - t0) * 1e3)
-        stage("verify").observe(reply.response.verify_ms)
-        stage("transport").observe(max(0.0, (t2 - t1) * 1e3 - reply.response.verify_ms))
-        stage("verifier_rpc").observe((t_reply - t1) * 1e3)
-        stage("step").observe((t2 - t0) * 1e3)
+        if request.items:
+            stage = self.metrics.step_ms.labels
+            stage("draft").observe((t1 - t0) * 1e3)
+            stage("verify").observe(reply.response.verify_ms)
+            stage("transport").observe(max(0.0, (t2 - t1) * 1e3 - reply.response.verify_ms))
+            stage("verifier_rpc").observe((t_reply - t1) * 1e3)
+            stage("step").observe((t2 - t0) * 1e3)
         return draft_pb2.StepResponse(results=[results[i.request_id] for i in request.items
                                                if i.request_id in results],
                                       draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3)

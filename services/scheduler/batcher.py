@@ -143,7 +143,7 @@ class StepLoop:
                 continue
             release, self._release = self._release, []
             sent = time.perf_counter()
-            if answered is not None:   # this loop's own time between two steps
+            if answered is not None and items:   # this loop's own time between two steps
                 self.metrics.step_ms.labels("scheduler").observe((sent - answered) * 1e3)
             self._releasing = release
             try:
@@ -157,9 +157,11 @@ class StepLoop:
             finally:
                 self._releasing = []
             answered = time.perf_counter()
-            self.metrics.step_ms.labels("step_rpc").observe((answered - sent) * 1e3)
-            self.metrics.step_ms.labels("draft").observe(resp.draft_ms)
-            self.metrics.step_ms.labels("verify").observe(resp.verify_ms)
+            if items:   # a release-only step is no decode step
+                self.metrics.step_ms.labels("step_rpc").observe((answered - sent) * 1e3)
+                self.metrics.step_ms.labels("draft").observe(resp.draft_ms)
+                self.metrics.step_ms.labels("verify").observe(resp.verify_ms)
+            trees = {i.request_id for i in items if i.budget > 0}   # sent with a tree this step
             drafted: list[int] = []   # accepted tokens of this step's DDTree requests
             for res in resp.results:
                 req = self.running.get(res.request_id)
@@ -173,10 +175,11 @@ class StepLoop:
                     continue
                 before = len(req.out_ids)
                 req.add_tokens(list(res.token_ids), res.acceptance_length)
-                if res.acceptance_length and req.mode != common_pb2.MODE_AUTOREGRESSIVE and not _sampled(req):
+                tree_step = res.acceptance_length and req.mode != common_pb2.MODE_AUTOREGRESSIVE
+                if tree_step and not _sampled(req):
                     drafted.append(res.acceptance_length)
                 self.metrics.tokens.inc(len(req.out_ids) - before)
-                if res.acceptance_length:
+                if tree_step and res.request_id in trees:   # as verified (not autoregressive or paused steps)
                     self.metrics.acceptance.observe(res.acceptance_length)
                 if req.done:
                     self._finish(req)
@@ -289,7 +292,9 @@ class StepLoop:
         usage = req.usage()
         now = time.monotonic()
         log.info("request_end", request_id=req.request_id, draft=req.draft,
+                 mode=common_pb2.Mode.Name(req.mode).removeprefix("MODE_").lower(),
                  finish=_FINISH_NAMES.get(req.finish, "") if req.error is None else "ERROR",
+                 code=req.error.code.name if req.error is not None else None,
                  error=req.error.message if req.error is not None else None,
                  prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, steps=usage.steps,
                  mean_acceptance=round(usage.mean_acceptance, 3), budget=req.budget,

@@ -8,6 +8,7 @@ probed until it answers again, when it rejoins.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 
 import grpc
@@ -72,9 +73,13 @@ class Router:
         self.lanes: list[StepLoop] = []
         self._channels: list[grpc.aio.Channel] = []
         self._budgets: dict[str, KvBudget] = {}
+        self._unknown = itertools.count()   # budgets of replicas whose verifier is not known yet
         self.info: common_pb2.ModelInfo | None = None
         self._watch: asyncio.Task | None = None
         self._discovery: asyncio.Task | None = None
+        # Read when scraped (a gauge set on each change lagged by up to a probe round).
+        metrics.queue_depth.set_function(lambda: self.waiting)
+        metrics.running.set_function(lambda: sum(len(lane.running) for lane in list(self.lanes)))
 
     async def start(self, timeout_s: float = 120.0) -> common_pb2.ModelInfo:
         """Connects to every configured replica; needs at least one to answer within `timeout_s`."""
@@ -114,14 +119,27 @@ class Router:
         lane.healthy = info is not None
         lane.start()
         self.lanes.append(lane)
+        self.metrics.replica_up.labels(address).set_function(lambda: float(lane.healthy))
 
     def _budget(self, info: common_pb2.ModelInfo | None) -> KvBudget:
         known = info is not None and info.verifier_id
-        key = info.verifier_id if known else f"unknown-{len(self._budgets)}"
+        key = info.verifier_id if known else f"unknown-{next(self._unknown)}"
         if key not in self._budgets:
-            self._budgets[key] = KvBudget(info.kv_capacity_tokens if info is not None else 0,
-                                          verifier_id=info.verifier_id if known else "")
+            budget = self._budgets[key] = KvBudget(info.kv_capacity_tokens if info is not None else 0,
+                                                   verifier_id=info.verifier_id if known else "")
+            self.metrics.kv_reserved.labels(key).set_function(lambda: budget.reserved)
+            self.metrics.kv_capacity.labels(key).set_function(lambda: budget.capacity)
         return self._budgets[key]
+
+    def _prune_budgets(self) -> None:
+        """Forgets the budgets of verifier groups no replica is in front of any more (a restarted
+        verifier has a new id), with their gauges, once nothing is reserved against them."""
+        used = {id(lane.kv) for lane in self.lanes}
+        for key, budget in list(self._budgets.items()):
+            if id(budget) not in used and budget.reserved == 0:
+                del self._budgets[key]
+                self.metrics.kv_reserved.remove(key)
+                self.metrics.kv_capacity.remove(key)
 
     @staticmethod
     async def _probe(stub: draft_pb2_grpc.DraftStub, timeout_s: float, address: str = "",
@@ -143,7 +161,7 @@ class Router:
 
     @property
     def waiting(self) -> int:
-        return sum(len(lane.waiting) for lane in self.lanes)
+        return sum(len(lane.waiting) for lane in list(self.lanes))
 
     def submit(self, req: ActiveRequest) -> None:
         live = [lane for lane in self.lanes if lane.healthy]
@@ -167,14 +185,9 @@ class Router:
         # one whose release has not gone out) takes it: its next step releases the old one first.
         owing = [lane for lane in fits if req.request_id in lane.running or req.request_id in lane.pending_releases]
         (owing[0] if owing else min(fits, key=lambda lane: lane.load)).submit(req)
-        self._update_gauges()
 
     def abort(self, request_id: str, only: ActiveRequest | None = None) -> bool:
         return any(lane.abort(request_id, only) for lane in self.lanes)
-
-    def _update_gauges(self) -> None:
-        self.metrics.queue_depth.set(self.waiting)
-        self.metrics.running.set(sum(len(lane.running) for lane in self.lanes))
 
     async def _watch_replicas(self) -> None:
         """Moves queued work off replicas that went down, brings recovered ones back, finds new ones.
@@ -190,7 +203,7 @@ class Router:
                 log.error("replica_watch_failed", error=repr(exc))
 
     async def _watch_round(self, rounds: int) -> None:
-        self._update_gauges()
+        self._prune_budgets()
         if rounds % DISCOVERY_EVERY == 0 and (self._discovery is None or self._discovery.done()):
             # Beside the probes, not before them: a DNS look-up or a slow replica's answer can
             # take seconds, and a down replica's queue should not wait for it.

@@ -159,7 +159,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 except Exception:   # the engine failed the step (a CUDA error, a bug): say so here, not only downstream
                     log.exception("verify_step_failed", draft_id=draft_id, sequence=req.sequence)
                     raise
-                self.metrics.step_ms.labels("stream_step").observe((time.perf_counter() - t0) * 1e3)
+                if req.prefills or req.verify_ids:   # a release-only step is no decode step
+                    self.metrics.step_ms.labels("stream_step").observe((time.perf_counter() - t0) * 1e3)
                 yield resp
         finally:
             # The stream ended (cleanly or because the draft died): nothing it held may leak. gRPC
@@ -284,12 +285,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 released.append(slot)
         else:
             verify = None
-        self.metrics.step_ms.labels("verify").observe((time.perf_counter() - t0) * 1e3)
+        if inputs or verify is not None:
+            self.metrics.step_ms.labels("verify").observe((time.perf_counter() - t0) * 1e3)
         parts = [o.features for o in (prefill, verify) if o is not None and o.features.shape[0]]
         features = self.engine.cat_features(parts)
         t_write = time.perf_counter()
         bundle = peer.writer.write({"features": features})
-        self.metrics.step_ms.labels("features").observe((time.perf_counter() - t_write) * 1e3)
+        if features.shape[0]:
+            self.metrics.step_ms.labels("features").observe((time.perf_counter() - t_write) * 1e3)
         self._observe()
         return verifier_pb2.VerifyResponse(
             sequence=req.sequence,
