@@ -26,6 +26,10 @@ PARENT_PID_ENV = "DDTREE_PARENT_PID"
 # step that prefills 8192 prompt tokens of K2 carries ~700 MB of float32 features.
 MAX_MESSAGE_BYTES = 1 << 30
 
+# How often each end of a connection pings the other, and how long it waits for the ack.
+KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+
 
 class ServiceError(Exception):
     """An error meant for the caller: carries the gRPC status code and a message naming the cause."""
@@ -37,12 +41,30 @@ class ServiceError(Exception):
 
 
 def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """The stack's servers' options, and its channels' between services (the scheduler's to its
+    drafts, a draft's to its verifier)."""
     # SO_REUSEPORT off: with gRPC's default a second server binds a port already in use without an
     # error, and the two then share the calls (a scheduler started on a verifier's port answered
     # one call in six with UNIMPLEMENTED).
     return [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", max_receive_bytes),
-            ("grpc.so_reuseport", 0)]
+            ("grpc.so_reuseport", 0), *keepalive_options()]
+
+
+def keepalive_options() -> list[tuple[str, int]]:
+    """Pings both ways on every connection, so that a peer whose host vanished without closing it
+    (a crash, a cut network: no FIN) is found within ``KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS``.
+    Its streams then end as if it had closed them, and what it held is freed: a draft's KV pages
+    at its verifier, a scheduler's requests at its draft, a client's request at the scheduler.
+    Without them an idle half-open connection stayed up for TCP's two hours or more. The server
+    side accepts pings as often as half the interval (gRPC's default refuses them under 5 minutes
+    apart, and closes the connection after two)."""
+    return [("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),   # gRPC's own wait for the ack otherwise (60 s)
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2)]
 
 
 def host_port(host: str, port: int) -> str:
