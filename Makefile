@@ -6,6 +6,9 @@ MODEL ?= models/demo
 # Where the trained demo pair is absent, `make up` serves a random checkpoint of the same format.
 FALLBACK_MODEL ?= models/random
 TORCH_CPU ?= torch==2.13.0
+# PyPI's Linux torch wheel is the CUDA build: the CPU build comes from PyTorch's own index, unless a
+# local wheel (pip's find-links) has it already.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: install test up protos clean
 
@@ -14,7 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	@# Without a GPU take the CPU build of torch first, so the project's torch requirement is met
 	@# by it instead of pulling a multi-GB CUDA build.
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q "$(TORCH_CPU)"; fi
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PY) -m pip install -q --no-index --no-deps "$(TORCH_CPU)" 2>/dev/null || \
+	  $(PY) -m pip install -q --index-url "$(TORCH_CPU_INDEX)" "$(TORCH_CPU)"; fi
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
