@@ -27,15 +27,22 @@ def loop(**settings) -> StepLoop:
                     Metrics("scheduler-test"))
 
 
+def client_id(wire_id: str) -> str:
+    """The request_id an item's wire id was made from (``batcher.wire_id``)."""
+    head, sep, _ = wire_id.rpartition("#")
+    return head if sep else wire_id
+
+
 def admitted(step: StepLoop) -> list[str]:
-    return [i.request_id for i in step._schedule() if i.prompt_token_ids]
+    return [client_id(i.request_id) for i in step._schedule() if i.prompt_token_ids]
 
 
 def pieces(step: StepLoop) -> tuple[dict[str, tuple[int, bool]], list[str]]:
     """One step: each prompt piece's (length, more to come), and the requests it verifies."""
     items = step._schedule()
-    return ({i.request_id: (len(i.prompt_token_ids), i.prompt_continues) for i in items if i.prompt_token_ids},
-            [i.request_id for i in items if not i.prompt_token_ids])
+    return ({client_id(i.request_id): (len(i.prompt_token_ids), i.prompt_continues) for i in items
+             if i.prompt_token_ids},
+            [client_id(i.request_id) for i in items if not i.prompt_token_ids])
 
 
 def test_prompt_tokens_a_step_are_bounded_and_long_prompts_go_in_pieces() -> None:
@@ -50,8 +57,8 @@ def test_prompt_tokens_a_step_are_bounded_and_long_prompts_go_in_pieces() -> Non
         for _ in range(3):
             items = step._schedule()
             sent += [i for i in items if i.prompt_token_ids]
-            verified.append([i.request_id for i in items if not i.prompt_token_ids])
-        assert [(i.request_id, len(i.prompt_token_ids), i.prompt_continues) for i in sent] == [
+            verified.append([client_id(i.request_id) for i in items if not i.prompt_token_ids])
+        assert [(client_id(i.request_id), len(i.prompt_token_ids), i.prompt_continues) for i in sent] == [
             ("long", 1000, True), ("long", 1000, True), ("long", 500, False)]
         assert [t for i in sent for t in i.prompt_token_ids] == long.prompt_ids
         assert verified == [["a", "b", "c", "d"]] * 3     # the running requests decode between the pieces
@@ -127,7 +134,7 @@ def test_step_loop_pauses_speculation_for_the_whole_batch() -> None:
         late, late_sampled = request("c", 10), request("t", 10)
         late_sampled.sampling.temperature = 0.8
         step.waiting.extend([late, late_sampled])
-        items = {i.request_id: i for i in step._schedule()}
+        items = {client_id(i.request_id): i for i in step._schedule()}
         assert not step._speculating and items["a"].budget == 0
         assert list(items["c"].prompt_token_ids) and items["c"].budget == 0 and items["t"].budget == 8
         idle = loop(spec_min_acceptance=1.5, spec_backoff_steps=2)
@@ -181,7 +188,7 @@ def test_requests_of_a_failed_step_are_released_when_the_replica_is_back() -> No
         await step.stop()
         # It still holds the failed requests' contexts, pool rows and KV: they are released.
         assert list(step.draft.calls[0].release) == ["old"]
-        assert sorted(step.draft.calls[1].release) == ["a", "b", "old"]
+        assert sorted(map(client_id, step.draft.calls[1].release)) == ["a", "b", "old"]
 
     asyncio.run(scenario())
 
@@ -191,10 +198,12 @@ class SlowDraft:
 
     def __init__(self, delay: float = 0.1) -> None:
         self.delay = delay
+        self.seen: list = []   # every item of every step
 
     async def step(self, req, timeout):
         from ddtree.v1 import draft_pb2
 
+        self.seen.extend(req.items)
         await asyncio.sleep(self.delay)
         return draft_pb2.StepResponse(results=[draft_pb2.StepResult(
             request_id=i.request_id, token_ids=[5], acceptance_length=0 if i.prompt_token_ids else 1) for i in req.items])
@@ -257,13 +266,13 @@ def test_a_stream_closed_while_it_sends_an_event_cancels_its_request() -> None:
         servicer, router, lane = scheduler(SlowDraft(delay=0.005))
         stream = servicer.Generate(generate(4000), None)
         await stream.__anext__()    # the first token
-        running = "x" in lane.running
+        running = lane.find("x") is not None
         await stream.aclose()       # closed at the yield
         for _ in range(100):
             await asyncio.sleep(0.01)
-            if "x" not in lane.running:
+            if lane.find("x") is None:
                 break
-        gone = "x" not in lane.running and all(r.request_id != "x" for r in lane.waiting)
+        gone = lane.find("x") is None and all(r.request_id != "x" for r in lane.waiting)
         await router.stop()
         return running, gone
 
@@ -327,13 +336,12 @@ def test_kv_freed_on_one_replica_admits_a_request_queued_on_another() -> None:
     assert asyncio.run(scenario()) == (True, True)
 
 
-def test_the_router_places_a_request_where_its_kv_fits_and_its_id_is_owed() -> None:
+def test_the_router_places_a_request_where_its_kv_fits() -> None:
     """Replicas in front of verifier groups of different sizes: a request goes to one whose cache
-    holds it, however loaded the others are. An id whose release a lane still owes goes to that
-    lane, whose next step releases the old request before it admits the new one."""
+    holds it, however loaded the others are; otherwise to the least loaded."""
     from services.scheduler.router import Router
 
-    async def scenario() -> tuple[str, str, str]:
+    async def scenario() -> tuple[str, str]:
         router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
         small, big = (StepLoop(SchedulerSettings(), name, SlowDraft(), Limits(64, 4096, 16, (0,), cap), KvBudget(cap),
                                router.metrics) for name, cap in (("small", 1024), ("big", 4096)))
@@ -342,14 +350,11 @@ def test_the_router_places_a_request_where_its_kv_fits_and_its_id_is_owed() -> N
         large = request("large", 10, kv=2018)
         router.submit(large)
         small.waiting.extend(request(f"q{i}", 10) for i in range(3))   # now the small lane is the busier one
-        small._release.append("x")                                 # "x" ended on the small lane
-        again = request("x", 10)
-        router.submit(again)
         fresh = request("y", 10)
         router.submit(fresh)
-        return large.draft, again.draft, fresh.draft
+        return large.draft, fresh.draft
 
-    assert asyncio.run(scenario()) == ("big", "small", "big")
+    assert asyncio.run(scenario()) == ("big", "big")
 
 
 def test_a_failed_round_of_the_replica_watcher_does_not_end_it(monkeypatch) -> None:
@@ -379,19 +384,22 @@ def test_a_failed_round_of_the_replica_watcher_does_not_end_it(monkeypatch) -> N
     assert asyncio.run(scenario()) >= 3
 
 
-def test_an_id_reused_while_its_release_is_in_flight_goes_to_the_lane_releasing_it() -> None:
+def test_an_id_reused_while_its_release_is_in_flight_goes_downstream_under_another_wire_id() -> None:
     """A request's last event reaches its client while the next step, which carries its release,
-    is in flight: an immediate reuse of the id must still go to that lane (elsewhere, its prefill
-    could reach a shared verifier before the release and be refused ALREADY_EXISTS)."""
+    is in flight: the id may be reused at once, on any replica, since the draft and verifier know
+    each admission by an id of its own (under the bare id, the new prefill could reach a shared
+    verifier before the old release, or before a failed replica's clean-up: ALREADY_EXISTS)."""
     from services.scheduler.router import Router
 
-    async def scenario() -> tuple[list[str], str]:
+    async def scenario() -> tuple[list[str], ActiveRequest, ActiveRequest, list[str]]:
         router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
         limits = Limits(64, 4096, 16, (0,), 10_000)
         busy, idle = (StepLoop(SchedulerSettings(), name, SlowDraft(delay=0.05), limits, KvBudget(10_000),
                                router.metrics) for name in ("busy", "idle"))
         router.lanes += [busy, idle]
-        busy.waiting.extend(request(f"q{i}", 10) for i in range(3))   # the busier lane
+        for i in range(3):   # the busier lane, for longer than "x"
+            busy.waiting.append(request(f"q{i}", 10))
+            busy.waiting[-1].max_tokens = 1000
         first = request("x", 10)
         busy.submit(first)
         for lane in router.lanes:
@@ -402,11 +410,17 @@ def test_an_id_reused_while_its_release_is_in_flight_goes_to_the_lane_releasing_
         in_flight = list(busy.pending_releases)
         again = request("x", 10)
         router.submit(again)
+        for _ in range(100):
+            await asyncio.sleep(0.005)
+            if again.started:
+                break
         await router.stop()
-        return in_flight, again.draft
+        return in_flight, first, again, [i.request_id for i in idle.draft.seen]
 
-    in_flight, lane = asyncio.run(scenario())
-    assert "x" in in_flight and lane == "busy"
+    in_flight, first, again, idle_items = asyncio.run(scenario())
+    assert first.wire_id in in_flight and again.draft == "idle"     # the least loaded replica
+    assert first.wire_id.startswith("x#") and again.wire_id.startswith("x#") and again.wire_id != first.wire_id
+    assert again.wire_id in idle_items and "x" not in idle_items
 
 
 def test_a_lane_follows_its_replicas_verifier_to_that_groups_kv_budget() -> None:
@@ -429,11 +443,18 @@ def test_a_lane_follows_its_replicas_verifier_to_that_groups_kv_budget() -> None
         await router._follow_verifiers()
         new = lanes[0].kv
         lanes[0]._finish(before)
-        return old, new, lanes[1].kv
+        owed = old.reserved                       # until the step that releases it is answered
+        lanes[0].start()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not lanes[0].pending_releases:
+                break
+        await lanes[0].stop()
+        return old, new, lanes[1].kv, owed
 
-    old, new, other = asyncio.run(scenario())
+    old, new, other, owed = asyncio.run(scenario())
     assert new is other and new is not old and new.verifier_id == "v2"
-    assert old.reserved == 0 and new.reserved == 0
+    assert owed == 500 and old.reserved == 0 and new.reserved == 0
 
 
 def test_a_lone_replica_marked_down_keeps_its_queue_if_it_answers_again() -> None:
@@ -603,7 +624,7 @@ def test_metrics_count_tree_steps_only_and_read_the_lanes_when_scraped() -> None
     value = metrics.registry.get_sample_value
     stepped = [c for c in draft.calls if c.items]
     assert len(stepped) == 5 and len(draft.calls) == len(stepped) + 1   # the last one only releases
-    assert list(draft.calls[-1].release) == ["ar"]
+    assert list(map(client_id, draft.calls[-1].release)) == ["ar"]
     assert value("ddtree_acceptance_length_count") == 3 and value("ddtree_acceptance_length_sum") == 9
     assert value("ddtree_step_ms_count", {"stage": "step_rpc"}) == 5
     assert value("ddtree_step_ms_count", {"stage": "scheduler"}) == 4
@@ -614,3 +635,97 @@ def test_metrics_count_tree_steps_only_and_read_the_lanes_when_scraped() -> None
     router.lanes.clear()                    # no replica is in front of v1 any more: its series go
     router._prune_budgets()
     assert value("ddtree_kv_tokens_capacity", {"verifier": "v1"}) is None
+
+
+def test_an_ended_requests_kv_is_admitted_against_elsewhere_only_once_its_release_is_answered() -> None:
+    """Two replicas in front of one verifier share its KV. A request that ended still holds its
+    pages at the verifier until the step carrying its release is answered: the other replica may
+    not admit against them before then (its prefill could reach the verifier first and find no
+    pages: RESOURCE_EXHAUSTED for a request admission had taken). The replica that releases may,
+    since its next step releases before it prefills."""
+
+    class GatedDraft(SlowDraft):
+        """Holds any step that releases until ``gate`` is set."""
+
+        def __init__(self) -> None:
+            super().__init__(delay=0.0)
+            self.gate = asyncio.Event()
+
+        async def step(self, req, timeout):
+            if req.release:
+                await self.gate.wait()
+            return await super().step(req, timeout)
+
+    async def scenario() -> dict[str, object]:
+        budget = KvBudget(capacity=1000)
+        limits = Limits(64, 4096, 16, (0,), 1000)
+        a, b = (StepLoop(SchedulerSettings(), name, GatedDraft(), limits, budget, Metrics("scheduler-test"))
+                for name in ("a", "b"))
+        first = request("first", 10, kv=600)
+        a.waiting.append(first)
+        a._schedule()
+        a._finish(first)                               # ended; its release goes with a's next step
+        out: dict[str, object] = {"reserved_after_end": budget.reserved}
+        b.waiting.append(request("other", 10, kv=600))
+        out["b_admits_before_release"] = admitted(b)
+        mine = request("mine", 10, kv=600)
+        a.waiting.append(mine)
+        out["a_admits_with_its_release"] = admitted(a)  # this very step releases "first" first
+        a.running.clear()
+        a.waiting.clear()
+        budget.reserved -= mine.kv_tokens
+        a.start()                                      # the release-only step, held by the draft
+        await asyncio.sleep(0.05)
+        out["b_admits_while_release_in_flight"] = admitted(b)
+        a.draft.gate.set()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not a.pending_releases:
+                break
+        out["b_admits_after_release"] = admitted(b)
+        out["reserved_at_end"] = budget.reserved
+        await a.stop()
+        return out
+
+    assert asyncio.run(scenario()) == {
+        "reserved_after_end": 600, "b_admits_before_release": [], "a_admits_with_its_release": ["mine"],
+        "b_admits_while_release_in_flight": [], "b_admits_after_release": ["other"], "reserved_at_end": 600}
+
+
+def test_a_request_queued_on_a_replica_being_probed_can_still_be_aborted() -> None:
+    """A replica marked down keeps the queued work no other replica can hold while the router
+    probes it; a client that leaves meanwhile must find its request there (before, the probe held
+    it aside, the abort missed it, and it was decoded to max_tokens for nobody)."""
+    from services.scheduler.router import Router
+
+    class SlowStub:
+        async def GetModelInfo(self, request, wait_for_ready=True, timeout=None):
+            await asyncio.sleep(0.2)   # the replica is coming back: the probe waits for it
+            return common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000)
+
+    async def scenario():
+        router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+        draft = SlowDraft(delay=0.01)
+        draft.stub = SlowStub()
+        lane = StepLoop(SchedulerSettings(), "d0", draft, Limits(64, 4096, 16, (0,), 10_000),
+                        router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000)),
+                        router.metrics)
+        router.lanes.append(lane)
+        lane.start()
+        lane.healthy = False
+        queued = request("q", 10)
+        queued.max_tokens = 200
+        lane.waiting.append(queued)
+        recover = asyncio.create_task(router._recover(lane, []))
+        await asyncio.sleep(0.05)                      # the probe is in flight
+        found = router.abort("q", only=queued)         # the client went away
+        await recover
+        await asyncio.sleep(0.1)
+        await router.stop()
+        return found, queued, lane.healthy, draft.seen
+
+    found, queued, healthy, seen = asyncio.run(scenario())
+    from ddtree.v1 import scheduler_pb2
+
+    assert found and queued.finish == scheduler_pb2.FINISH_REASON_ABORTED and not queued.out_ids
+    assert healthy and not seen                        # back up, and nothing was decoded for nobody

@@ -289,6 +289,13 @@ def test_prompt_in_pieces_over_steps_matches_one_prefill(target: Target) -> None
                         PrefillInput("x", prompt[4:6], Sampling(), 0, offset=4)])              # no such request
     assert [it.error.code for it in bad.items] == [grpc.StatusCode.INVALID_ARGUMENT] + [grpc.StatusCode.FAILED_PRECONDITION] * 2
     assert over._requests["o"].length == 4 and "x" not in over._requests
+    # Pages of 16 hold 32 slots, max context is 18: in pieces the prompt is held to 17 as in one.
+    short = make_engine(target.model, pages=64, page_size=16, max_context=18)
+    short.prefill([PrefillInput("s", prompt[:10], Sampling(), 64, more=True)])
+    past = short.prefill([PrefillInput("s", prompt[10:19], Sampling(), 0, offset=10)])
+    assert past.items[0].error.code == grpc.StatusCode.INVALID_ARGUMENT and short._requests["s"].length == 10
+    fits = short.prefill([PrefillInput("s", prompt[10:17], Sampling(), 0, offset=10)])
+    assert fits.items[0].error is None and fits.items[0].tokens == target.continuation(prompt[:17], 1)
 
 
 # ============================================================================== 3. lossless sampling

@@ -10,6 +10,8 @@ router sends new work elsewhere until it is back.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,6 +33,17 @@ __all__ = ["StepLoop", "KvBudget"]
 log = get_logger("scheduler")
 
 _FINISH_NAMES = {v: k for k, v in scheduler_pb2.FinishReason.items()}
+
+_RUN = secrets.token_hex(3)         # this scheduler process's, so a restarted one never reuses a wire id
+_ADMISSIONS = itertools.count()
+
+
+def wire_id(request_id: str) -> str:
+    """The id an admitted request goes by downstream: its request_id plus this admission's number.
+    A client may reuse a request_id as soon as its request ended, while the draft and verifier
+    still hold the old one until its release arrives (after a failed step, until the old stream's
+    clean-up): under the bare id the new request met the old one there (ALREADY_EXISTS)."""
+    return f"{request_id}#{_RUN}.{next(_ADMISSIONS)}"
 
 
 @dataclass
@@ -66,9 +79,13 @@ class StepLoop:
         self.metrics = metrics
         self.healthy = True
         self.waiting: deque[ActiveRequest] = deque()
-        self.running: dict[str, ActiveRequest] = {}
-        self._release: list[str] = []
+        self.running: dict[str, ActiveRequest] = {}   # by wire id
+        self._release: list[str] = []     # wire ids of ended requests, released with the next step
         self._releasing: list[str] = []   # the releases of the step in flight
+        # The KV of those: still held at the verifier until the step that releases them is answered,
+        # so no lane sharing the budget may admit against it before then (its prefill could reach the
+        # verifier first and find no pages). This lane may: its next step releases, then prefills.
+        self._owed: list[tuple[KvBudget, int]] = []
         self._wake = asyncio.Event()
         self.kv = kv
         self._task: asyncio.Task | None = None
@@ -95,7 +112,7 @@ class StepLoop:
 
     @property
     def pending_releases(self) -> list[str]:
-        """Ids of ended requests whose release is on its way down this lane: in the step in flight
+        """Wire ids of ended requests whose release is on its way down this lane: in the step in flight
         (a request's last event reaches its client while the next step, which releases it, runs),
         or with the next one."""
         return self._releasing + self._release
@@ -115,12 +132,17 @@ class StepLoop:
                 req.end(scheduler_pb2.FINISH_REASON_ABORTED)
                 self._log_end(req)
                 return True
-        req = self.running.get(request_id)
+        req = self.find(request_id)
         if req is None or (only is not None and req is not only):
             return False
         req.aborted = True
         self._wake.set()
         return True
+
+    def find(self, request_id: str) -> ActiveRequest | None:
+        """The running request with this client id that is not being aborted, else any with it."""
+        found = [r for r in self.running.values() if r.request_id == request_id]
+        return next((r for r in found if not r.aborted), found[0] if found else None)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run())
@@ -142,6 +164,7 @@ class StepLoop:
                 await self._wake.wait()
                 continue
             release, self._release = self._release, []
+            owed, self._owed = self._owed, []
             sent = time.perf_counter()
             if answered is not None and items:   # this loop's own time between two steps
                 self.metrics.step_ms.labels("scheduler").observe((sent - answered) * 1e3)
@@ -151,11 +174,14 @@ class StepLoop:
                                              timeout=self.settings.step_timeout_s)
             except StepFailed as exc:
                 self._release = release + self._release   # not delivered: they go with the next step
+                self._owed = owed + self._owed
                 self._fail_replica(exc)
                 answered = None
                 continue
             finally:
                 self._releasing = []
+            for budget, tokens in owed:   # freed at the verifier now: any lane sharing it may admit
+                budget.release(tokens)
             answered = time.perf_counter()
             if items:   # a release-only step is no decode step
                 self.metrics.step_ms.labels("step_rpc").observe((answered - sent) * 1e3)
@@ -204,7 +230,12 @@ class StepLoop:
         # The failed requests are released with the next step that reaches the replica (the draft
         # frees what a step stream admitted when that stream ends, too): a replica that kept
         # running still holds their drafter contexts, pool rows and KV pages until then; a
-        # restarted one ignores ids it does not know.
+        # restarted one ignores ids it does not know. Their KV is given back to admission now: a
+        # replica that never answers again must not hold its group's budget for good (a prefill
+        # elsewhere may meet pages not yet freed, and fails alone, RESOURCE_EXHAUSTED).
+        owed, self._owed = self._owed, []
+        for budget, tokens in owed:
+            budget.release(tokens)
 
     def fail_unstarted(self, req: ActiveRequest, error: ServiceError) -> None:
         """Fails a request that never reached a step (taken off a down replica, nowhere to go):
@@ -238,12 +269,13 @@ class StepLoop:
                     items.append(self._piece(r, left, self._budget(r)))
                     left -= len(items[-1].prompt_token_ids)
                 continue
-            items.append(draft_pb2.StepItem(request_id=r.request_id,
-                                            budget=self._budget(r)))
+            items.append(draft_pb2.StepItem(request_id=r.wire_id, budget=self._budget(r)))
+        freed = sum(tokens for budget, tokens in self._owed if budget is self.kv)   # released first in this step
         while self.waiting and left > 0 and len(items) < self.settings.max_batch and \
-                self.kv.reserved + self.waiting[0].kv_tokens <= self.kv.capacity:
+                self.kv.reserved - freed + self.waiting[0].kv_tokens <= self.kv.capacity:
             req = self.waiting.popleft()
-            self.running[req.request_id] = req
+            req.wire_id = wire_id(req.request_id)
+            self.running[req.wire_id] = req
             self.kv.reserved += req.kv_tokens
             req.kv_budget = self.kv
             items.append(self._piece(req, left, self._budget(req)))
@@ -264,7 +296,7 @@ class StepLoop:
         start = req.prompt_sent
         piece = req.prompt_ids[start:start + tokens]
         req.prompt_sent += len(piece)
-        item = draft_pb2.StepItem(request_id=req.request_id, prompt_token_ids=piece, budget=tree_budget,
+        item = draft_pb2.StepItem(request_id=req.wire_id, prompt_token_ids=piece, budget=tree_budget,
                                   prompt_continues=req.prompt_sent < len(req.prompt_ids), prompt_offset=start)
         if start == 0:
             item.sampling.CopyFrom(req.sampling)
@@ -280,9 +312,10 @@ class StepLoop:
     def _finish(self, req: ActiveRequest, error: ServiceError | None = None) -> None:
         if error is not None:
             req.fail(error)
-        if self.running.pop(req.request_id, None) is not None:
-            (req.kv_budget or self.kv).release(req.kv_tokens)   # the lane may have moved to another group since
-        self._release.append(req.request_id)
+        if self.running.pop(req.wire_id, None) is not None:
+            # Owed to the budget it was admitted against (the lane may have moved to another group since).
+            self._owed.append((req.kv_budget or self.kv, req.kv_tokens))
+            self._release.append(req.wire_id)
         self._wake.set()
         self._log_end(req)
 

@@ -69,6 +69,7 @@ class ActiveRequest:
     kv_tokens: int = 0                      # KV the verifier reserves: prompt + output + one block, in pages
     kv_budget: KvBudget | None = None       # the verifier group's KV it was admitted against, given back there
     draft: str = ""                         # the draft replica this request is pinned to
+    wire_id: str = ""                       # what the draft and verifier call it, from admission (batcher.wire_id)
     out_ids: list[int] = field(default_factory=list)
     acceptance: list[int] = field(default_factory=list)
     text: str = ""                          # text decoded so far (before stop truncation)

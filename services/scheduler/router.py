@@ -176,15 +176,11 @@ class Router:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"queue full ({self.settings.max_queue} requests waiting); retry later")
         # An aborted request that has not left its step loop yet does not hold its id: the id may be
-        # reused at once, on the same loop, which releases the old one downstream before the next
-        # step's items (another replica's step could reach the shared verifier first).
-        if any(_live(lane.running.get(req.request_id)) or any(w.request_id == req.request_id for w in lane.waiting)
+        # reused at once, anywhere (downstream, each admission has an id of its own: batcher.wire_id).
+        if any(_live(lane.find(req.request_id)) or any(w.request_id == req.request_id for w in lane.waiting)
                for lane in self.lanes):
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id} is already in use")
-        # A lane that still owes the id's release (an aborted request not retired yet, or a finished
-        # one whose release has not gone out) takes it: its next step releases the old one first.
-        owing = [lane for lane in fits if req.request_id in lane.running or req.request_id in lane.pending_releases]
-        (owing[0] if owing else min(fits, key=lambda lane: lane.load)).submit(req)
+        min(fits, key=lambda lane: lane.load).submit(req)
 
     def abort(self, request_id: str, only: ActiveRequest | None = None) -> bool:
         return any(lane.abort(request_id, only) for lane in self.lanes)
@@ -240,27 +236,24 @@ class Router:
     async def _recover(self, lane: StepLoop, live: list[StepLoop]) -> None:
         """A down replica: its queued work goes to another where it fits, then a probe; an answer
         brings it back, with the work no other replica could take (a single replica marked down
-        by one slow step keeps its queue), and no answer fails that work."""
-        stranded = []
-        for req in lane.take_waiting():
+        by one slow step keeps its queue), and no answer fails that work. That work stays in the
+        lane's queue during the probe, where an abort finds it (nothing steps a lane that is down)."""
+        for req in list(lane.waiting):
             fits = [x for x in live if x.holds(req)]
             if fits:
+                lane.waiting.remove(req)
                 min(fits, key=lambda x: x.load).submit(req)
-            else:
-                stranded.append(req)
         info = await self._probe(lane.draft.stub, 1.0)
         if info is None:
-            for req in stranded:
+            for req in lane.take_waiting():
                 lane.fail_unstarted(req, ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica that can hold it is up"))
             return
         lane.kv = self._budget(info)
-        for req in stranded:
-            if lane.holds(req):
-                lane.submit(req)
-            else:
-                lane.fail_unstarted(req, ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                      f"request needs {req.kv_tokens} KV tokens; the cache holds "
-                                                      f"{lane.kv.capacity}"))
+        for req in [r for r in lane.waiting if not lane.holds(r)]:
+            lane.waiting.remove(req)
+            lane.fail_unstarted(req, ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                  f"request needs {req.kv_tokens} KV tokens; the cache holds "
+                                                  f"{lane.kv.capacity}"))
         lane.mark_healthy()
         log.info("draft_replica_rejoined", address=lane.address)
 

@@ -184,11 +184,13 @@ class VerifierEngine:
         if not item.token_ids or bad:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"request {item.request_id}: prompt piece is empty "
                                f"or has a token outside the vocabulary [0, {self.vocab_size})")
-        room = self.cache.reserved_tokens(item.request_id) - 1  # the first token's slot stays free
+        # The first token's slot stays free. Whole pages may hold more than max_context: the prompt
+        # may not (as one piece it is refused above; in pieces it ran past the rope table).
+        room = min(self.cache.reserved_tokens(item.request_id), self.max_context) - 1
         if req.length + len(item.token_ids) > room:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"request {item.request_id}: prompt of {req.length + len(item.token_ids)} tokens so far "
-                               f"is over the {room} its first piece reserved")
+                               f"is over the {room} its first piece reserved within max context {self.max_context}")
 
     def prefill(self, items: Sequence[PrefillInput]) -> StepOutcome:
         """Runs each prompt in chunks (a chain is a tree), commits it all, samples the first token.
