@@ -39,7 +39,7 @@ def test_services_and_commands_match_the_launcher(compose):
     assert set(services) == set(SETTINGS)
     for name, svc in services.items():
         assert svc["command"][0] == name and svc["command"][1:] == ["--config", "/etc/ddtree/ddtree.toml"]
-        assert svc["ipc"] == "host" and svc["shm_size"]
+        assert svc["ipc"] == "host" and "shm_size" not in svc   # the host's /dev/shm (shm_size is ignored there)
         assert "healthcheck" in svc
     for name in ("draft", "verifier"):
         devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
@@ -118,3 +118,12 @@ def test_every_service_reads_the_settings_file_as_edited(compose):
     for name, svc in compose["services"].items():
         assert "./ddtree.toml:/etc/ddtree/ddtree.toml:ro" in svc["volumes"], name
         assert "/etc/ddtree/ddtree.toml" in svc["command"], name
+
+
+def test_the_image_can_build_tritons_launcher():
+    """Triton compiles a small C launcher (against Python's headers) the first time a kernel runs on
+    a GPU: an image without a C compiler failed every Triton kernel at its first launch."""
+    dockerfile = (ROOT / "compose" / "Dockerfile").read_text()
+    installs = " ".join(line for line in dockerfile.replace("\\\n", " ").splitlines() if "apt-get install" in line)
+    for package in ("gcc", "libc6-dev", "python3-dev"):
+        assert package in installs.split(), package
