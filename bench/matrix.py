@@ -21,6 +21,7 @@ import json
 import shutil
 import statistics
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -60,6 +61,14 @@ class MatrixParams:
     time_budget_s: float = 0.0     # 0 = unbounded; cells not started within it are recorded as skipped
     warmup_tokens: int = 8         # per (context, mode) warm-up request pair before the matrix; 0 = none
     power: bool = True             # sample GPU power; off isolates the sampler's cost (see BENCHMARKS.md)
+    tls_ca: str = ""               # a scheduler that speaks TLS: the PEM roots to trust
+    tls_server_name: str = ""      # the name its certificate holds, where not the address's host
+    token: str = field(default="", repr=False)   # its bearer token (never written to the results)
+
+    def client_options(self) -> dict:
+        """What a client of this scheduler needs besides its address."""
+        return {"tls_ca": self.tls_ca or None, "token": self.token or None,
+                "tls_server_name": self.tls_server_name or None}
 
 
 @dataclass(frozen=True)
@@ -235,7 +244,7 @@ async def _stream_one(client: AsyncClient, prompt: list[int], cell: Cell, max_to
 async def _run_cell(p: MatrixParams, cell: Cell, max_tokens: int, stream: list[int] | None,
                     timeout_s: float) -> dict:
     """All `concurrency` requests at once, bounded by `timeout_s`."""
-    async with AsyncClient(p.address) as client:
+    async with AsyncClient(p.address, **p.client_options()) as client:
         t0 = time.perf_counter()
         traces = [_Trace(start=t0) for _ in range(cell.concurrency)]
         jobs = [_stream_one(client, _prompt(cell.context, i, p, stream), cell, max_tokens, p, p.seed + i, traces[i])
@@ -396,7 +405,7 @@ def write_results(rows: list[dict], params: MatrixParams, out_json: Path, copy_g
     out_json = Path(out_json)
     out_json.parent.mkdir(parents=True, exist_ok=True)
     doc = {"benchmark": out_json.stem, "commit": git_commit(commit), "gpu": _gpu_name(), "copy_gbps": copy_gbps,
-           "params": {**asdict(params), **(extra or {})}, "rows": rows}
+           "params": {**{k: v for k, v in asdict(params).items() if k != "token"}, **(extra or {})}, "rows": rows}
     tmp = out_json.with_suffix(".json.part")
     tmp.write_text(json.dumps(doc, indent=2))
     tmp.replace(out_json)   # a reader (or a kill) never sees half a file
@@ -410,6 +419,7 @@ def _plot(rows: list[dict], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print(f"no {path.name}: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
         return
     rows = [r for r in rows if r.get("agg_tok_s") is not None]
     contexts = sorted({r["context"] for r in rows})

@@ -77,6 +77,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"ddtree up: no checkpoint at {model} (config.json missing); "
               f"make one with `ddtree make-checkpoint {model}`", file=sys.stderr)
         return 2
+    drafter = args.drafter or str(model / "drafter")
+    if not drafter.startswith("oracle:") and not (Path(drafter) / "config.json").is_file():
+        print(f"ddtree up: no drafter checkpoint at {drafter} (config.json missing)"
+              f"{'' if args.drafter else '; --drafter DIR names another'}", file=sys.stderr)
+        return 2
     # Before anything starts: another stack on the port would answer our health probe while our
     # scheduler crash-looped on "Address already in use".
     try:
@@ -109,9 +114,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return 1
     here = stack.scheduler_address
     reach = "" if here == stack.scheduler_listen_address else f" (from this host: {here})"
-    address = "" if here == "127.0.0.1:50051" else f" --address {here}"
+    sched = stack.scheduler_settings
+    flags = ("" if here == "127.0.0.1:50051" else f" --address {here}") + \
+        (f" --tls-ca {sched.tls_cert}" if sched.tls_cert else "") + (" --token TOKEN" if sched.auth_token else "")
     print(f"ddtree up: serving {model} at {stack.scheduler_listen_address}{reach} "
-          f"(try: ddtree generate{address} --prompt 'def fibonacci(n):'); Ctrl-C stops", file=sys.stderr, flush=True)
+          f"(try: ddtree generate{flags} --prompt 'def fibonacci(n):'); Ctrl-C stops", file=sys.stderr, flush=True)
     try:
         stack.supervise(lambda: stop["now"], report=lambda msg: print(f"ddtree up: {msg}", file=sys.stderr, flush=True))
     except StartupStopped:   # a signal while a service restarted
@@ -144,7 +151,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   seed=args.seed, budget=args.budget, mode=args.mode, stop=args.stop or (), stop_token_ids=stop_ids,
                   ignore_eos=args.ignore_eos, timeout_s=args.timeout)
-    started = False
+    started = False       # output printed
+    answered = False      # any message came back (the scheduler was reached)
     ids: list[int] = []   # tokens streamed without text: a scheduler without a tokenizer sends only ids
     try:
         with Client(args.address, tls_ca=args.tls_ca, token=args.token, tls_server_name=args.tls_server_name) as client:
@@ -157,14 +165,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                   "usage": usage}))
             else:
                 for chunk in client.stream(prompt, **kwargs):
+                    answered = True
                     if chunk.text:
                         started = True
                         print(chunk.text, end="", flush=True)
                     elif not started:   # text held back (a partial character) comes later; no text ever: ids
                         ids += chunk.token_ids
+                    if chunk.finish_reason == "stop" and not started and ids:
+                        ids.pop()   # the stop or end-of-sequence id: never part of the output, as in the text
                 if not started and ids:
                     print(",".join(map(str, ids)), end="")
                 print()
+    except KeyboardInterrupt:   # leaving the client's block cancelled the request
+        if started or ids:
+            print()
+        print("ddtree generate: interrupted", file=sys.stderr)
+        return 130
     except ClientError as exc:
         if not started and ids:
             print(",".join(map(str, ids)), end="")
@@ -172,11 +188,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if started:
             print()  # end the partial output's line before the error
         print(f"ddtree generate: {exc.code.name}: {exc.message}", file=sys.stderr)
-        if exc.code.name == "UNAVAILABLE" and args.tls_ca is None and not started:
-            print(f"ddtree generate: no scheduler answered at {args.address} in plaintext: is it running "
-                  "(ddtree up), or does it speak TLS (--tls-ca FILE)?", file=sys.stderr)
+        if exc.code.name == "UNAVAILABLE" and not answered and not _answers(args):
+            hint = "is it running (ddtree up)" + (", or does it speak TLS (--tls-ca FILE)" if args.tls_ca is None else "")
+            print(f"ddtree generate: no scheduler answered at {args.address}"
+                  f"{' in plaintext' if args.tls_ca is None else ''}: {hint}?", file=sys.stderr)
         return 1
     return 0
+
+
+def _answers(args: argparse.Namespace) -> bool:
+    """Whether the scheduler at ``--address`` answers at all: an UNAVAILABLE it sent itself (a draft
+    replica that died mid-request) must not read as "no scheduler answered"."""
+    from services.scheduler.client import Client, ClientError
+
+    try:
+        with Client(args.address, timeout_s=3.0, tls_ca=args.tls_ca, token=args.token,
+                    tls_server_name=args.tls_server_name) as client:
+            client.model_info()
+        return True
+    except ClientError:
+        return False
 
 
 def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
@@ -219,13 +250,14 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     from bench.matrix import MatrixParams, check_fits, run_matrix, stack_spec, write_results
     from services.common.launcher import Stack
-    from services.scheduler.client import Client
+    from services.scheduler.client import Client, ClientError
 
     params = MatrixParams(address=args.address, contexts=args.contexts, concurrencies=args.concurrency,
                           budgets=args.budgets, max_tokens=args.max_tokens, temperature=args.temperature,
                           draft_metrics=args.draft_metrics, vocab_high=args.vocab_high, prompt_file=args.prompt_file,
                           cell_timeout_s=args.cell_timeout, time_budget_s=args.time_budget,
-                          warmup_tokens=args.warmup_tokens, power=not args.no_power)
+                          warmup_tokens=args.warmup_tokens, power=not args.no_power, tls_ca=args.tls_ca or "",
+                          tls_server_name=args.tls_server_name or "", token=args.token or "")
     out = Path(args.out)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # unwind: stop the stack
     copy_gbps = _copy_gbps()
@@ -246,8 +278,14 @@ def _run_bench(args: argparse.Namespace) -> int:
             params.address = stack.scheduler_address
             extra = {"stack": {"model": model, "device": args.device, "dtype": args.dtype,
                                "env": {k: v for k, v in spec.extra_env.items() if "PORT" not in k}}}
-        with Client(params.address, timeout_s=30.0, wait_for_ready=True) as client:
-            info = client.model_info()
+        try:
+            with Client(params.address, timeout_s=30.0, wait_for_ready=True, **params.client_options()) as client:
+                info = client.model_info()
+        except ClientError as exc:
+            if exc.code.name != "DEADLINE_EXCEEDED":
+                raise
+            raise ClientError(exc.code, "no scheduler answered within 30 s (is it running? does it speak TLS: "
+                              "--tls-ca FILE?)") from None
         try:
             check_fits(info, params)
         except ValueError as exc:
@@ -330,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="the context x concurrency x mode matrix against a running stack")
     b.add_argument("--address", default="127.0.0.1:50051")
+    b.add_argument("--tls-ca", default=None, help="PEM roots to trust: the scheduler speaks TLS")
+    b.add_argument("--tls-server-name", default=None, help="the name its certificate holds, if not the address's")
+    b.add_argument("--token", default=None, help="the scheduler's bearer token")
     b.add_argument("--contexts", type=int, nargs="+", default=[60, 1024])
     b.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 64, 128])
     b.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32])

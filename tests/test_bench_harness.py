@@ -199,3 +199,16 @@ def test_power_sampler_off_reads_nothing() -> None:
     with PowerSampler(enabled=False) as sampler:
         pass
     assert sampler.source == "off" and sampler.mean() == (None, None)
+
+
+def test_the_results_name_the_schedulers_tls_but_never_its_token(tmp_path) -> None:
+    """`ddtree bench --token` reaches a secured stack; the committed JSON must not carry the token."""
+    from bench.matrix import write_results
+
+    params = MatrixParams(tls_ca="ca.pem", tls_server_name="api.example", token="s3cret")
+    assert params.client_options() == {"tls_ca": "ca.pem", "token": "s3cret", "tls_server_name": "api.example"}
+    out = tmp_path / "matrix-t.json"
+    write_results([], params, out, commit="abc", plot=False)
+    doc = json.loads(out.read_text())
+    assert doc["params"]["tls_ca"] == "ca.pem" and "token" not in doc["params"] and "s3cret" not in out.read_text()
+    assert "s3cret" not in repr(params)

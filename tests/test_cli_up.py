@@ -253,12 +253,58 @@ def test_generate_passes_the_tls_name_and_hints_at_tls_when_nothing_answers(monk
         def stream(self, prompt, **kwargs):
             raise ClientError(grpc.StatusCode.UNAVAILABLE, "Socket closed")
             yield
+
+        def model_info(self):
+            raise ClientError(grpc.StatusCode.UNAVAILABLE, "Socket closed")
     monkeypatch.setattr("services.scheduler.client.Client", Unanswered)
     assert cli.main(["generate", "--prompt", "x", "--tls-server-name", "api.example"]) == 1
     assert seen["tls_server_name"] == "api.example"
     assert "does it speak TLS (--tls-ca FILE)?" in capsys.readouterr().err
     assert cli.main(["generate", "--prompt", "x", "--tls-ca", "ca.pem"]) == 1
     assert "does it speak TLS" not in capsys.readouterr().err   # over TLS already: no such hint
+
+
+def test_generate_hints_only_where_no_scheduler_answers_and_hides_a_stop_id(monkeypatch, capsys) -> None:
+    """An UNAVAILABLE the scheduler sent itself (a draft replica died) read as "no scheduler
+    answered"; a stop or end-of-sequence id was printed as if it were the output."""
+    class DraftDied(_FakeClient):
+        def stream(self, prompt, **kwargs):
+            raise ClientError(grpc.StatusCode.UNAVAILABLE, "draft replica 127.0.0.1:5 failed: Socket closed")
+            yield
+
+        def model_info(self):
+            return object()   # the scheduler itself answers
+    monkeypatch.setattr("services.scheduler.client.Client", DraftDied)
+    assert cli.main(["generate", "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert "draft replica 127.0.0.1:5 failed" in err and "no scheduler answered" not in err
+    monkeypatch.setattr("services.scheduler.client.Client", _FakeClient)
+    stop = Chunk(request_id="r", token_ids=[338], text="", acceptance_lengths=[], finish_reason="stop")
+    monkeypatch.setattr(_FakeClient, "chunks", [stop])
+    assert cli.main(["generate", "--prompt", "x"]) == 0
+    assert capsys.readouterr().out == "\n"
+    monkeypatch.setattr(_FakeClient, "chunks", [_chunk([5], ""), Chunk("r", [6, 0], "", [2], "stop")])
+    assert cli.main(["generate", "--prompt", "1,2", "--token-ids"]) == 0
+    assert capsys.readouterr().out == "5,6\n"
+
+
+def test_up_checks_files_and_ports_of_every_service_before_starting_any(tmp_path) -> None:
+    """A scheduler's TLS file it cannot read, or a metrics port in use, failed start-up only once
+    the scheduler started, after the verifier had loaded; a drafter directory without a checkpoint,
+    once the draft did."""
+    config = tmp_path / "c.toml"
+    config.write_text(f'[scheduler]\ntls_cert = "{tmp_path}/nope.pem"\ntls_key = "{tmp_path}/nope.key"\n')
+    out = _up("--port", "0", "--config", str(config), timeout=30)
+    assert out.returncode == 2 and "scheduler.tls_cert: cannot read" in out.stderr, out.stderr[-2000:]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        out = _up("--port", "0", env={"DDTREE_VERIFIER_METRICS_PORT": str(held.getsockname()[1])}, timeout=30)
+    assert out.returncode == 2 and "verifier.metrics_port: cannot listen" in out.stderr, out.stderr[-2000:]
+    out = _up("--port", "0", "--drafter", str(tmp_path), timeout=30)
+    assert out.returncode == 2 and f"no drafter checkpoint at {tmp_path}" in out.stderr, out.stderr[-2000:]
+    for run in (out,):
+        assert "service=verifier" not in run.stdout + run.stderr   # nothing was started
 
 
 def test_bench_writes_no_tracked_file_by_default() -> None:
@@ -276,7 +322,8 @@ def test_bench_mistakes_are_one_line(monkeypatch, capsys, tmp_path) -> None:
     monkeypatch.setattr(_FakeClient, "error", ClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
     out = str(tmp_path / "m.json")
     assert cli.main(["bench", "--address", "127.0.0.1:1", "--out", out]) == 1
-    assert capsys.readouterr().err == "ddtree bench: 127.0.0.1:1: DEADLINE_EXCEEDED: Deadline Exceeded\n"
+    assert capsys.readouterr().err == ("ddtree bench: 127.0.0.1:1: DEADLINE_EXCEEDED: no scheduler answered within "
+                                       "30 s (is it running? does it speak TLS: --tls-ca FILE?)\n")
     assert cli.main(["bench", "--spawn-stack", str(tmp_path / "nope"), "--out", out]) == 2   # no checkpoint
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith(f"ddtree bench: {tmp_path / 'nope'}") and "No such file" in err[-1], err

@@ -125,6 +125,22 @@ def test_a_draft_address_without_a_port_is_refused(address) -> None:
         SchedulerSettings(draft_addresses=(address,))
 
 
+def test_a_checkpoint_directory_without_one_names_its_setting(tmp_path) -> None:
+    import torch
+
+    from services.common.checkpoint import CheckpointError
+    from services.common.settings import VerifierSettings
+    from services.draft.proposer import load_proposer
+    from services.verifier.server import build_engine
+
+    with pytest.raises(CheckpointError, match=rf"verifier\.model_path: no checkpoint at {tmp_path}"):
+        build_engine(VerifierSettings(model_path=str(tmp_path), device="cpu"))
+    with pytest.raises(CheckpointError, match=rf"draft\.drafter_path: no checkpoint at {tmp_path}"):
+        load_proposer(str(tmp_path), "models/demo", torch.float32, "cpu")
+    with pytest.raises(CheckpointError, match=rf"draft\.target_path: no checkpoint at {tmp_path}"):
+        load_proposer("models/demo/drafter", str(tmp_path), torch.float32, "cpu")
+
+
 def test_a_damaged_weights_file_is_a_checkpoint_error(tmp_path) -> None:
     import shutil
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.grpc_server import PARENT_PID_ENV, host_port
+from services.common.auth import server_credentials
+from services.common.grpc_server import PARENT_PID_ENV, check_port_free, host_port
 from services.common.settings import DraftSettings, SchedulerSettings, VerifierSettings, load_settings
 
 _SETTINGS = {"verifier": VerifierSettings, "draft": DraftSettings, "scheduler": SchedulerSettings}
@@ -61,6 +62,15 @@ class StackSpec:
     startup_timeout_s: float = 120.0           # per service; a large model's verifier needs longer
     scheduler_host: str | None = None         # the scheduler's listen host; None: the config's (or its environment's)
     log_path: str | None = None               # the services' stdout and stderr go here (appended), not to ours
+
+
+def _check_before_start(role: str, settings) -> None:
+    """What a service would fail on only once it starts, checked before any starts: the scheduler
+    starts last, after minutes of weight loading on a large model, and a TLS file it cannot use or
+    a metrics port in use then failed the whole start-up. ``SettingsError`` names the setting."""
+    if role == "scheduler" and settings.tls_cert:
+        server_credentials(settings.tls_cert, settings.tls_key)
+    check_port_free(settings.host, settings.metrics_port, f"{role}.metrics_port")
 
 
 def wait_healthy(address: str, proc: subprocess.Popen, name: str, timeout_s: float,
@@ -126,6 +136,7 @@ class _Service:
     env: dict[str, str]
     proc: subprocess.Popen | None = None
     listen: str = ""              # host:port it listens on (the scheduler's: 0.0.0.0:50051 for all interfaces)
+    settings: object = None       # what it reads from the config file and its environment (set by start)
 
 
 class Stack:
@@ -199,7 +210,8 @@ class Stack:
         ``StartupStopped`` once ``should_stop()`` is true (each after stopping what it started)."""
         self.services = self._plan()
         for svc in self.services:
-            load_settings(_SETTINGS[svc.role], self.spec.config_path, env=svc.env)
+            svc.settings = load_settings(_SETTINGS[svc.role], self.spec.config_path, env=svc.env)
+            _check_before_start(svc.role, svc.settings)
         self.scheduler_address = self.services[-1].address
         self.scheduler_listen_address = self.services[-1].listen or self.scheduler_address
         try:
@@ -230,6 +242,11 @@ class Stack:
             tls_name = svc.env.get("DDTREE_HEALTH_TLS_NAME") or None   # a certificate not naming 127.0.0.1
         wait_healthy(svc.address, svc.proc, svc.name, self.spec.startup_timeout_s, roots, tls_name=tls_name,
                      should_stop=should_stop)
+
+    @property
+    def scheduler_settings(self) -> SchedulerSettings:
+        """The scheduler's settings as it reads them (TLS, token: what a client must bring)."""
+        return self.services[-1].settings
 
     @property
     def procs(self) -> list[tuple[str, subprocess.Popen]]:

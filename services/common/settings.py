@@ -248,8 +248,9 @@ def _coerce(name: str, value: Any, target: Any, from_text: bool = True) -> Any:
         else:
             raise SettingsError(f"{name}: {value!r} is not a list (write [{value!r}] for one item)")
         if text.startswith("tuple[int"):
-            if any(isinstance(v, (bool, float)) for v in items):
-                raise SettingsError(f"{name}: {value!r} is not a list of integers")
+            if any(isinstance(v, (bool, float)) or (not from_text and isinstance(v, str)) for v in items):
+                raise SettingsError(f"{name}: {value!r} is not a list of integers"
+                                    f"{' (written without quotes)' if not from_text else ''}")
             try:
                 return tuple(int(v) for v in items)
             except (TypeError, ValueError):
