@@ -4,25 +4,48 @@
         print(c.generate("def fibonacci(n):", max_tokens=64).text)
         for chunk in c.stream("import os", max_tokens=32):
             print(chunk.text, end="")
+        with c.stream("class Stack:", max_tokens=512) as s:   # kept in a variable: `with` it, or close() it
+            first = next(s)
 
 Errors from the server raise `ClientError` carrying the gRPC status code and the server's message;
-arguments that cannot form a request raise it too, with INVALID_ARGUMENT, before anything is sent.
+arguments that cannot form a request raise it too, with INVALID_ARGUMENT, when the call is made and
+before anything is sent.
 """
 
 from __future__ import annotations
 
+import asyncio
+import enum
+import math
 import numbers
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
 from ddtree.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-__all__ = ["Client", "AsyncClient", "ClientError", "Chunk", "Completion", "Usage", "build_request"]
+__all__ = ["Client", "AsyncClient", "Stream", "AsyncStream", "ClientError", "Chunk", "Completion", "Usage",
+           "build_request", "ABORT_TIMEOUT_S"]
 
 _MODES = {"ddtree": common_pb2.MODE_DDTREE, "autoregressive": common_pb2.MODE_AUTOREGRESSIVE, None: 0}
 _FINISH = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in scheduler_pb2.FinishReason.items()}
+
+# abort()'s deadline where neither the call nor the client names one: an abort is one short call, and
+# without a deadline one to a server that stopped answering (a frozen process) waited forever.
+ABORT_TIMEOUT_S = 10.0
+
+
+class _Unset(enum.Enum):
+    """`timeout_s` not passed: the client's own applies (None passed means no deadline)."""
+
+    UNSET = "unset"
+
+    def __repr__(self) -> str:
+        return "<the client's timeout_s>"
+
+
+_UNSET = _Unset.UNSET
 
 
 class ClientError(Exception):
@@ -154,26 +177,177 @@ def _error(exc: grpc.RpcError) -> ClientError:
     return ClientError(exc.code(), exc.details() or "")
 
 
+def _timeout(value: object) -> float | None:
+    """`value` as a gRPC deadline: a positive, finite number of seconds, or None (no deadline).
+    gRPC fails a call at once with an unnamed DEADLINE_EXCEEDED for 0, a negative number, NaN and
+    even infinity, and a string breaks inside it as a TypeError at the first read."""
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or value <= 0):
+        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"timeout_s must be a positive number of seconds or None (no deadline), not {value!r}")
+    return float(value)
+
+
+_PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
+
+
 def _channel_args(tls_ca: str | bytes | None, token: str | None,
                   tls_server_name: str | None) -> tuple[grpc.ChannelCredentials | None, list]:
     """TLS credentials (a CA file path or PEM bytes; b"" trusts the system roots), the bearer
     token, and channel options. A server that restarts is reached again within about a second:
     gRPC's default reconnect back-off grows towards two minutes, and a long-lived client kept
     failing UNAVAILABLE for seconds after the scheduler was back. (Not `min_reconnect_backoff_ms`:
-    that is the time a connection attempt may take, and a short one fails far clients.)"""
+    that is the time a connection attempt may take, and a short one fails far clients.)
+
+    A CA that holds no PEM certificate (a key, a DER file, the wrong path's contents) is refused
+    here by name: gRPC takes it and fails every call's handshake with an error naming nothing. So
+    is `tls_server_name` without `tls_ca`, which a plaintext channel would silently ignore."""
     creds = None
     options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
+    if tls_server_name and tls_ca is None:
+        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"tls_server_name ({tls_server_name!r}) needs tls_ca: without it the channel is "
+                          "plaintext and has no server name to check")
     if tls_ca is not None:
-        try:
-            roots = tls_ca if isinstance(tls_ca, bytes) else open(tls_ca, "rb").read()
-        except OSError as exc:
-            raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"tls_ca: cannot read {tls_ca}: {exc.strerror}") from None
+        if isinstance(tls_ca, bytes):
+            roots, what = tls_ca, "the tls_ca bytes"
+        else:
+            try:
+                with open(tls_ca, "rb") as fh:
+                    roots = fh.read()
+            except OSError as exc:
+                raise ClientError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"tls_ca: cannot read {tls_ca}: {exc.strerror}") from None
+            what = str(tls_ca)
+        if (roots or not isinstance(tls_ca, bytes)) and _PEM_CERTIFICATE not in roots:
+            raise ClientError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"tls_ca: {what} is not a PEM certificate (no {_PEM_CERTIFICATE.decode()} line)")
         creds = grpc.ssl_channel_credentials(root_certificates=roots or None)
         if token:
             creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
     return creds, options
+
+
+class Stream(Iterator[Chunk]):
+    """The chunks of one `Client.stream` call: an iterator, and a context manager whose exit (as
+    `close()`) cancels the request on the server.
+
+    The call starts at the first chunk read; reading it to its end, an error and an exception
+    while waiting (Ctrl-C) end it. A stream left early goes on decoding on the server, holding a
+    batch slot and KV, until it is closed: `for chunk in c.stream(...): break` closes it as the
+    loop drops the stream, but one kept in a variable lives as long as the variable, so use
+    `with c.stream(...) as s:` or call `s.close()`."""
+
+    def __init__(self, start: Callable[[], grpc.Call]) -> None:
+        self._start = start
+        self._call: grpc.Call | None = None
+        self._closed = False
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Chunk:
+        if self._closed:
+            raise StopIteration
+        try:
+            if self._call is None:
+                self._call = self._start()
+            msg = next(self._call)
+        except BaseException as exc:
+            closed_here = self._closed   # close() from another thread: the reader ends, as at the end
+            self.close()
+            if isinstance(exc, grpc.RpcError):
+                if closed_here and exc.code() == grpc.StatusCode.CANCELLED:
+                    raise StopIteration from None
+                raise _error(exc) from None
+            raise
+        return _chunk(msg)
+
+    def close(self) -> None:
+        """Cancels the request on the server (nothing where it has ended); later reads end at once."""
+        self._closed = True
+        if self._call is not None:
+            self._call.cancel()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # An inline `for ... in c.stream(...): break` drops the stream here: its request ends now.
+        if getattr(self, "_call", None) is not None and not self._closed:
+            self._call.cancel()
+
+
+class AsyncStream(AsyncIterator[Chunk]):
+    """The chunks of one `AsyncClient.stream` call: an async iterator, and an async context manager
+    whose exit (as `aclose()`) cancels the request on the server.
+
+    As with `Stream`, a loop over an inline `c.stream(...)` that breaks ends the request as the
+    stream is dropped, but `break` closes no (async) iterator: a stream kept in a variable runs on
+    until `async with c.stream(...) as s:` exits or `await s.aclose()`."""
+
+    def __init__(self, start: Callable[[], grpc.aio.UnaryStreamCall]) -> None:
+        self._start = start
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._closed = False
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            if self._call is None:
+                self._call = self._start()
+            msg = await self._call.read()
+        except BaseException as exc:
+            closed_here = self._closed
+            self._cancel()
+            if isinstance(exc, grpc.RpcError):
+                raise _error(exc) from None
+            # aclose() from another task: gRPC raises CancelledError in this reader, which no one cancelled.
+            if closed_here and isinstance(exc, asyncio.CancelledError) and not _cancelling():
+                raise StopAsyncIteration from None
+            raise
+        if msg is grpc.aio.EOF:
+            self._closed = True
+            raise StopAsyncIteration
+        return _chunk(msg)
+
+    def _cancel(self) -> None:
+        self._closed = True
+        if self._call is not None:
+            self._call.cancel()
+
+    async def aclose(self) -> None:
+        """Cancels the request on the server (nothing where it has ended); later reads end at once."""
+        self._cancel()
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._cancel()
+
+    def __del__(self) -> None:
+        # An inline `async for ... in c.stream(...): break` drops the stream here: its request ends
+        # now (gRPC's own call is not collected at once, and went on decoding to max_tokens).
+        if getattr(self, "_call", None) is not None and not self._closed:
+            self._call.cancel()
+
+
+def _cancelling() -> bool:
+    """Whether the running task is being cancelled (then its CancelledError must go on)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _check_open(closed: bool) -> None:
@@ -186,21 +360,46 @@ def _metadata(tls_ca, token) -> tuple:
     return (("authorization", f"Bearer {token}"),) if token and tls_ca is None else ()
 
 
-class Client:
+class _Calls:
+    """What `Client` and `AsyncClient` share: the channel's set-up and each call's deadline."""
+
+    def __init__(self, timeout_s: float | None, wait_for_ready: bool, tls_ca: str | bytes | None,
+                 token: str | None, tls_server_name: str | None) -> None:
+        self.timeout_s = _timeout(timeout_s)
+        self.wait_for_ready = wait_for_ready
+        self._creds, self._options = _channel_args(tls_ca, token, tls_server_name)
+        self._md = _metadata(tls_ca, token)
+        self._closed = False
+
+    def _deadline(self, timeout_s: float | None | _Unset) -> float | None:
+        return self.timeout_s if timeout_s is _UNSET else _timeout(timeout_s)
+
+    def _abort_deadline(self, timeout_s: float | _Unset) -> float:
+        """An abort always has one: the call's, else the client's, else ABORT_TIMEOUT_S."""
+        if timeout_s is _UNSET:
+            return self.timeout_s if self.timeout_s is not None else ABORT_TIMEOUT_S
+        if timeout_s is None:
+            raise ClientError(grpc.StatusCode.INVALID_ARGUMENT,
+                              "abort's timeout_s must be a positive number of seconds (an abort is always bounded)")
+        return _timeout(timeout_s)
+
+
+class Client(_Calls):
     """`wait_for_ready=False` (default) fails at once with UNAVAILABLE when no server is listening;
-    True waits for the server to come up, bounded by `timeout_s`."""
+    True waits for the server to come up, bounded by `timeout_s` (each call's deadline in seconds;
+    None: streams have none, `abort` takes ABORT_TIMEOUT_S). `tls_ca` is a CA certificate's PEM
+    file (or its bytes; b"" trusts the system roots) and makes the channel TLS; `tls_server_name`
+    is the name to check the server's certificate for, where it is not the address's host.
+    Raises `ClientError` (INVALID_ARGUMENT) for a timeout that is no positive number, a `tls_ca`
+    that cannot be read or is no PEM certificate, and `tls_server_name` without `tls_ca`."""
 
     def __init__(self, address: str, timeout_s: float | None = None, wait_for_ready: bool = False, *,
                  tls_ca: str | bytes | None = None, token: str | None = None,
                  tls_server_name: str | None = None) -> None:
-        creds, options = _channel_args(tls_ca, token, tls_server_name)
-        self._channel = (grpc.secure_channel(address, creds, options) if creds
-                         else grpc.insecure_channel(address, options))
-        self._md = _metadata(tls_ca, token)
+        super().__init__(timeout_s, wait_for_ready, tls_ca, token, tls_server_name)
+        self._channel = (grpc.secure_channel(address, self._creds, self._options) if self._creds
+                         else grpc.insecure_channel(address, self._options))
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
-        self.timeout_s = timeout_s
-        self.wait_for_ready = wait_for_ready
-        self._closed = False
 
     def __enter__(self) -> Client:
         return self
@@ -212,29 +411,73 @@ class Client:
         self._closed = True
         self._channel.close()
 
-    def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[Chunk]:
-        _check_open(self._closed)
-        timeout = kwargs.pop("timeout_s", self.timeout_s)
-        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
-                                   wait_for_ready=self.wait_for_ready, metadata=self._md)
-        try:
-            for msg in call:
-                yield _chunk(msg)
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
-        finally:
-            call.cancel()  # a caller that stops reading (break, close) ends the request on the server now
+    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, budget: int = 0,
+               mode: str | None = None, stop: str | Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+               ignore_eos: bool = False, request_id: str = "",
+               timeout_s: float | None | _Unset = _UNSET) -> Stream:
+        """Generates from `prompt`, a `Chunk` at a time as the server sends them.
 
-    def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
-        out = Completion()
-        for chunk in self.stream(prompt, **kwargs):
-            out.add(chunk)
+        prompt: text (the server tokenizes it) or a list of token ids.
+        max_tokens: the most tokens to generate (fewer where the context ends first: "length").
+        temperature: 0 is greedy; else between 1e-6 and 1e4. top_p, top_k: nucleus and top-k cuts
+            of the sampled distribution (1.0 and 0: none).
+        seed: reproduces a sampled output for the same prompt, parameters, mode and budget; None: random.
+        budget: draft-tree nodes a verify step, 1..128; 0: the server's default.
+        mode: "ddtree" (speculative) or "autoregressive" (a token a step); None: the server's default.
+        stop: one string or several; the text ends before the first one completed.
+        stop_token_ids: ids that end the output (kept in token_ids, not in the text).
+        ignore_eos: go on past the model's end-of-sequence ids.
+        request_id: the id `abort()` takes, unique among running requests; "": the server picks
+            one (each chunk's `request_id`).
+        timeout_s: a deadline for the whole stream in seconds; None: none; not given: the client's.
+
+        Returns a `Stream`, read by iterating it. Leaving a loop over an inline
+        `c.stream(...)` early cancels the request; a stream kept in a variable is cancelled when
+        it is closed: use `with c.stream(...) as s:` or `s.close()`, or it runs on the server
+        until the variable goes.
+
+        Raises `ClientError` at this call for what cannot be sent or has no meaning
+        (INVALID_ARGUMENT, naming the argument) and on a closed client (FAILED_PRECONDITION), a
+        misspelt argument's TypeError too; while reading, the server's refusals and failures
+        (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ALREADY_EXISTS, UNAVAILABLE, UNAUTHENTICATED, ...)
+        and DEADLINE_EXCEEDED when `timeout_s` passes."""
+        _check_open(self._closed)
+        req = build_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, budget=budget, mode=mode, stop=stop, stop_token_ids=stop_token_ids,
+                            ignore_eos=ignore_eos, request_id=request_id)
+        timeout = self._deadline(timeout_s)
+
+        def start() -> grpc.Call:
+            _check_open(self._closed)
+            return self._stub.Generate(req, timeout=timeout, wait_for_ready=self.wait_for_ready, metadata=self._md)
+        return Stream(start)
+
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, budget: int = 0,
+                 mode: str | None = None, stop: str | Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                 ignore_eos: bool = False, request_id: str = "",
+                 timeout_s: float | None | _Unset = _UNSET) -> Completion:
+        """The whole output of `stream` with the same arguments (its docstring says each), as one
+        `Completion`. Raises what `stream` raises; an error ends the request on the server."""
+        with self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                         seed=seed, budget=budget, mode=mode, stop=stop, stop_token_ids=stop_token_ids,
+                         ignore_eos=ignore_eos, request_id=request_id, timeout_s=timeout_s) as chunks:
+            out = Completion()
+            for chunk in chunks:
+                out.add(chunk)
         return out
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, *, timeout_s: float | _Unset = _UNSET) -> bool:
+        """Ends the running or queued request `request_id` (its stream ends "aborted"); False where
+        no such request runs. Waits at most `timeout_s` (not given: the client's timeout_s, else
+        ABORT_TIMEOUT_S), then raises `ClientError` DEADLINE_EXCEEDED; UNAVAILABLE when no server
+        is reached (and `wait_for_ready` is False)."""
         _check_open(self._closed)
+        timeout = self._abort_deadline(timeout_s)
         try:
-            return self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), metadata=self._md).found
+            return self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), timeout=timeout,
+                                    wait_for_ready=self.wait_for_ready, metadata=self._md).found
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
@@ -248,20 +491,17 @@ class Client:
             raise _error(exc) from None
 
 
-class AsyncClient:
-    """The asyncio twin of `Client`, for many concurrent streams from one process."""
+class AsyncClient(_Calls):
+    """The asyncio twin of `Client` (the same arguments and errors), for many concurrent streams
+    from one process."""
 
     def __init__(self, address: str, timeout_s: float | None = None, wait_for_ready: bool = False, *,
                  tls_ca: str | bytes | None = None, token: str | None = None,
                  tls_server_name: str | None = None) -> None:
-        creds, options = _channel_args(tls_ca, token, tls_server_name)
-        self._channel = (grpc.aio.secure_channel(address, creds, options) if creds
-                         else grpc.aio.insecure_channel(address, options))
-        self._md = _metadata(tls_ca, token)
+        super().__init__(timeout_s, wait_for_ready, tls_ca, token, tls_server_name)
+        self._channel = (grpc.aio.secure_channel(address, self._creds, self._options) if self._creds
+                         else grpc.aio.insecure_channel(address, self._options))
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
-        self.timeout_s = timeout_s
-        self.wait_for_ready = wait_for_ready
-        self._closed = False
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -273,29 +513,48 @@ class AsyncClient:
         self._closed = True
         await self._channel.close()
 
-    async def stream(self, prompt: str | Sequence[int], **kwargs) -> AsyncIterator[Chunk]:
+    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, budget: int = 0,
+               mode: str | None = None, stop: str | Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+               ignore_eos: bool = False, request_id: str = "",
+               timeout_s: float | None | _Unset = _UNSET) -> AsyncStream:
+        """`Client.stream` for asyncio (the same arguments and errors, raised at this call or while
+        reading), not a coroutine: it returns an `AsyncStream` at once, for `async for`. A stream
+        kept in a variable is cancelled when it is closed: `async with c.stream(...) as s:` or
+        `await s.aclose()`; else it runs on the server until the variable goes."""
         _check_open(self._closed)
-        timeout = kwargs.pop("timeout_s", self.timeout_s)
-        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
-                                   wait_for_ready=self.wait_for_ready, metadata=self._md)
-        try:
-            async for msg in call:
-                yield _chunk(msg)
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
-        finally:
-            call.cancel()  # `break` / `aclose()` would otherwise leave the request running to the end
+        req = build_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, budget=budget, mode=mode, stop=stop, stop_token_ids=stop_token_ids,
+                            ignore_eos=ignore_eos, request_id=request_id)
+        timeout = self._deadline(timeout_s)
 
-    async def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
-        out = Completion()
-        async for chunk in self.stream(prompt, **kwargs):
-            out.add(chunk)
+        def start() -> grpc.aio.UnaryStreamCall:
+            _check_open(self._closed)
+            return self._stub.Generate(req, timeout=timeout, wait_for_ready=self.wait_for_ready, metadata=self._md)
+        return AsyncStream(start)
+
+    async def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
+                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None, budget: int = 0,
+                       mode: str | None = None, stop: str | Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                       ignore_eos: bool = False, request_id: str = "",
+                       timeout_s: float | None | _Unset = _UNSET) -> Completion:
+        """`Client.generate` for asyncio: the whole output as one `Completion`; the arguments and
+        errors are `Client.stream`'s. A cancelled task ends its request on the server."""
+        async with self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                               seed=seed, budget=budget, mode=mode, stop=stop, stop_token_ids=stop_token_ids,
+                               ignore_eos=ignore_eos, request_id=request_id, timeout_s=timeout_s) as chunks:
+            out = Completion()
+            async for chunk in chunks:
+                out.add(chunk)
         return out
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, *, timeout_s: float | _Unset = _UNSET) -> bool:
+        """`Client.abort` for asyncio: bounded by `timeout_s` the same way."""
         _check_open(self._closed)
+        timeout = self._abort_deadline(timeout_s)
         try:
-            return (await self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), metadata=self._md)).found
+            return (await self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), timeout=timeout,
+                                           wait_for_ready=self.wait_for_ready, metadata=self._md)).found
         except grpc.RpcError as exc:
             raise _error(exc) from None
 

@@ -1,0 +1,366 @@
+"""The client SDK (`Client`, `AsyncClient`) against a real scheduler server: the public gRPC server with
+the SchedulerServicer, in front of one lane to a fake draft, on the CPU in a thread of its own.
+
+A stream kept in a variable and left is cancelled on the server when its `with` block exits or it is
+closed (a generator held in a variable ran on to max_tokens until it was collected); the TLS
+arguments are checked when the client is made; `stream` and `generate` take typed keyword arguments,
+checked at the call; `abort` is bounded by a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections.abc
+import contextlib
+import inspect
+import math
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from ddtree.v1 import common_pb2, draft_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.grpc_server import new_server
+from services.common.metrics import Metrics
+from services.common.settings import SchedulerSettings
+from services.scheduler import client as sdk
+from services.scheduler.batcher import KvBudget, StepLoop
+from services.scheduler.client import AsyncClient, Client, ClientError, build_request
+from services.scheduler.request import ActiveRequest, Limits
+from services.scheduler.router import Router
+from services.scheduler.server import SchedulerServicer
+
+IDS = [1, 2, 3]                                            # the server has no tokenizer: token-id prompts
+LONG = dict(max_tokens=4000, ignore_eos=True)              # ~20 s of 5 ms steps: runs until it is ended
+ABORTED = scheduler_pb2.FINISH_REASON_ABORTED
+
+
+class Draft:
+    """Every step in flight for 5 ms, a token a request."""
+
+    async def step(self, req, timeout):
+        await asyncio.sleep(0.005)
+        return draft_pb2.StepResponse(results=[draft_pb2.StepResult(
+            request_id=i.request_id, token_ids=[5], acceptance_length=0 if i.prompt_token_ids else 1)
+            for i in req.items])
+
+    def close(self) -> None:
+        pass
+
+
+class Server:
+    """The scheduler's public server as `serve` builds it, in front of one lane to `Draft`, on an
+    event loop in a thread of its own, so that sync and asyncio clients alike reach it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.submitted: list[str] = []     # request ids that reached the router
+        self.address = self.call(self._start())
+
+    async def _start(self) -> str:
+        settings = SchedulerSettings(tokenizer_path="")
+        self.router = Router(settings, Metrics("client-sdk-test"))
+        self.router.info = common_pb2.ModelInfo(vocab_size=64, max_context=4096, block_size=16,
+                                                kv_capacity_tokens=10_000)
+        limits = Limits(vocab_size=64, max_context=4096, block_size=16, eos_token_ids=(0,), kv_capacity_tokens=10_000)
+        lane = StepLoop(settings, "draft", Draft(), limits, KvBudget(capacity=10_000), self.router.metrics)
+        lane.start()
+        self.router.lanes.append(lane)
+        submit = self.router.submit
+
+        def recorded(req: ActiveRequest) -> None:
+            self.submitted.append(req.request_id)
+            submit(req)
+        self.router.submit = recorded
+        name = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+        self.server, _ = new_server([name])
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(
+            SchedulerServicer(settings, self.router, self.router.info, None), self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return f"127.0.0.1:{port}"
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
+
+    def request(self, request_id: str) -> ActiveRequest | None:
+        """The server's request with this id, running or queued (read on the server's loop)."""
+        async def find() -> ActiveRequest | None:
+            for lane in self.router.lanes:
+                found = lane.find(request_id) or next((r for r in lane.waiting if r.request_id == request_id), None)
+                if found is not None:
+                    return found
+            return None
+        return self.call(find())
+
+    @staticmethod
+    def ended_aborted(req: ActiveRequest, within_s: float = 1.0) -> bool:
+        """Whether the request ends aborted within `within_s` (its steps are 5 ms apart)."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            if req.finish == ABORTED:
+                return True
+            time.sleep(0.01)
+        return req.finish == ABORTED
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """The server's event loop blocked, as in a process that stopped answering: connections are
+        taken (gRPC's core threads) but no call is answered."""
+        blocked, release = threading.Event(), threading.Event()
+
+        def block() -> None:
+            blocked.set()
+            release.wait(30)
+        self.loop.call_soon_threadsafe(block)
+        assert blocked.wait(5)
+        try:
+            yield
+        finally:
+            release.set()
+
+    def stop(self) -> None:
+        self.call(self.server.stop(0))
+        self.call(self.router.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    s = Server()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def running(server: Server, request_id: str) -> ActiveRequest:
+    req = server.request(request_id)
+    assert req is not None and not req.done, f"{request_id} is not running on the server"
+    return req
+
+
+# 1. A stream left early is cancelled on the server.
+
+def test_a_sync_stream_kept_in_a_variable_is_cancelled_when_its_with_block_exits_or_it_is_closed(server) -> None:
+    with Client(server.address) as c:
+        with c.stream(IDS, request_id="sync-with", **LONG) as s:
+            assert iter(s) is s and isinstance(s, collections.abc.Iterator)
+            for _ in s:
+                break
+            req = running(server, "sync-with")
+            time.sleep(0.2)
+            assert not req.done         # held in `s`: `break` alone does not end it
+        assert server.ended_aborted(req)  # the block's exit did, `s` still held
+        assert list(s) == []            # a closed stream ends at once
+
+        kept = c.stream(IDS, request_id="sync-close", **LONG)
+        next(kept)
+        req = running(server, "sync-close")
+        kept.close()
+        assert server.ended_aborted(req)
+        assert list(kept) == []
+
+        with pytest.raises(RuntimeError):   # an exception leaving the block ends the request too
+            with c.stream(IDS, request_id="sync-raise", **LONG) as s:
+                next(s)
+                req = running(server, "sync-raise")
+                raise RuntimeError
+        assert server.ended_aborted(req)
+
+        for _ in c.stream(IDS, request_id="sync-inline", **LONG):   # inline: `break` still ends it
+            req = running(server, "sync-inline")
+            break
+        assert server.ended_aborted(req)
+        assert c.generate(IDS, max_tokens=3, ignore_eos=True).token_ids == [5, 5, 5]   # read to its end
+
+
+def test_an_async_stream_kept_in_a_variable_is_cancelled_when_its_with_block_exits_or_it_is_closed(server) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(server.address) as c:
+            async with c.stream(IDS, request_id="async-with", **LONG) as s:
+                assert s.__aiter__() is s and isinstance(s, collections.abc.AsyncIterator)
+                async for _ in s:
+                    break
+                req = await asyncio.to_thread(running, server, "async-with")
+                await asyncio.sleep(0.2)
+                assert not req.done
+            assert await asyncio.to_thread(server.ended_aborted, req)
+            assert [chunk async for chunk in s] == []
+
+            kept = c.stream(IDS, request_id="async-close", **LONG)
+            await kept.__anext__()
+            req = await asyncio.to_thread(running, server, "async-close")
+            await kept.aclose()
+            assert await asyncio.to_thread(server.ended_aborted, req)
+            assert [chunk async for chunk in kept] == []
+
+            async for _ in c.stream(IDS, request_id="async-inline", **LONG):
+                req = await asyncio.to_thread(running, server, "async-inline")
+                break
+            assert await asyncio.to_thread(server.ended_aborted, req)
+
+            # A task cancelled while it reads ends its request too.
+            async def read_forever() -> None:
+                async for _ in c.stream(IDS, request_id="async-task", **LONG):
+                    pass
+            task = asyncio.create_task(read_forever())
+            while (req := await asyncio.to_thread(server.request, "async-task")) is None:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await asyncio.to_thread(server.ended_aborted, req)
+            assert (await c.generate(IDS, max_tokens=3, ignore_eos=True)).token_ids == [5, 5, 5]
+
+    asyncio.run(scenario())
+
+
+# 2. TLS arguments are checked when the client is made.
+
+def test_a_tls_ca_that_is_no_pem_certificate_and_a_server_name_without_one_are_refused_at_once(server, tmp_path) -> None:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    der = tmp_path / "cert.der"
+    subprocess.run(["openssl", "x509", "-in", str(cert), "-outform", "DER", "-out", str(der)], check=True)
+    text = tmp_path / "notes.txt"
+    text.write_text("not a certificate\n")
+
+    def refused(make, *needles: str) -> None:
+        with pytest.raises(ClientError) as info:
+            make()
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        for needle in needles:
+            assert needle in info.value.message, info.value.message
+
+    async def make_async(**kwargs) -> None:
+        await AsyncClient(server.address, **kwargs).close()
+
+    for path in (key, der, text):   # a private key, a DER certificate, any other file
+        refused(lambda: Client(server.address, tls_ca=str(path)), "tls_ca", str(path), "not a PEM certificate")
+        refused(lambda: asyncio.run(make_async(tls_ca=str(path))), "tls_ca", str(path))
+    refused(lambda: Client(server.address, tls_ca=key.read_bytes()), "tls_ca", "not a PEM certificate")
+    refused(lambda: Client(server.address, tls_server_name="api.example"), "tls_server_name", "tls_ca")
+    refused(lambda: asyncio.run(make_async(tls_server_name="api.example")), "tls_server_name", "tls_ca")
+    refused(lambda: Client(server.address, tls_ca=str(tmp_path / "missing.pem")), "tls_ca: cannot read")
+
+    # What is a certificate still makes a client (b"": the system's roots).
+    for tls_ca in (str(cert), cert.read_bytes(), b""):
+        Client(server.address, tls_ca=tls_ca, tls_server_name="localhost").close()
+        asyncio.run(make_async(tls_ca=tls_ca, tls_server_name="localhost"))
+    with Client(server.address) as c:   # and plaintext to this server still works
+        assert c.model_info().vocab_size == 64
+
+
+# 3. Typed keyword arguments, checked at the call.
+
+def test_stream_and_generate_take_build_requests_arguments_by_name_with_types_and_docstrings() -> None:
+    want = [p for p in inspect.signature(build_request).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    for method in (Client.stream, Client.generate, AsyncClient.stream, AsyncClient.generate):
+        params = list(inspect.signature(method).parameters.values())
+        assert [p.name for p in params] == ["self", "prompt", *(p.name for p in want), "timeout_s"], method
+        assert not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params)
+        by_name = {p.name: p for p in params}
+        for p in want:
+            assert by_name[p.name].kind is p.KEYWORD_ONLY and by_name[p.name].default == p.default, (method, p.name)
+        assert all(p.annotation is not p.empty for p in params[1:]), method
+        assert method.__doc__ and "timeout_s" in (method.__doc__ + Client.stream.__doc__)
+    for name in ("max_tokens", "temperature", "seed", "budget", "mode", "stop", "stop_token_ids", "ignore_eos",
+                 "request_id", "timeout_s", "ClientError", "TypeError"):
+        assert name in Client.stream.__doc__, name
+
+
+BAD_TIMEOUTS = [0, -1, math.nan, math.inf, "5", True]
+
+
+def test_a_misspelt_or_unsendable_argument_fails_at_the_call_and_nothing_reaches_the_server(server) -> None:
+    before = list(server.submitted)
+    with Client(server.address) as c:
+        with pytest.raises(TypeError, match="max_token"):
+            c.stream(IDS, max_token=5)                      # at the call, not at the first chunk
+        with pytest.raises(TypeError, match="max_token"):
+            c.generate(IDS, max_token=5)
+        with pytest.raises(ClientError, match="mode") as info:
+            c.stream(IDS, mode="fast")
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        for bad in BAD_TIMEOUTS:
+            for call in (c.stream, c.generate):
+                with pytest.raises(ClientError, match="timeout_s") as info:
+                    call(IDS, max_tokens=3, timeout_s=bad)
+                assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, bad
+            with pytest.raises(ClientError, match="timeout_s"):
+                Client(server.address, timeout_s=bad)
+
+        # Every argument by name reaches the server; an explicit None is no deadline.
+        out = c.generate(IDS, max_tokens=3, temperature=0.0, top_p=1.0, top_k=0, seed=1, budget=4,
+                         mode="autoregressive", stop=(), stop_token_ids=[7], ignore_eos=True, request_id="named",
+                         timeout_s=None)
+        assert (out.request_id, out.token_ids, out.finish_reason) == ("named", [5, 5, 5], "length")
+        assert [ch.token_ids for ch in c.stream(IDS, max_tokens=2, ignore_eos=True, timeout_s=5)] == [[5], [5]]
+
+    async def scenario() -> None:
+        async with AsyncClient(server.address) as c:
+            with pytest.raises(TypeError, match="max_token"):
+                c.stream(IDS, max_token=5)
+            with pytest.raises(TypeError, match="max_token"):
+                await c.generate(IDS, max_token=5)
+            with pytest.raises(ClientError, match="mode"):
+                c.stream(IDS, mode="fast")
+            for bad in BAD_TIMEOUTS:
+                with pytest.raises(ClientError, match="timeout_s"):
+                    c.stream(IDS, max_tokens=3, timeout_s=bad)
+                with pytest.raises(ClientError, match="timeout_s"):
+                    await c.generate(IDS, max_tokens=3, timeout_s=bad)
+            out = await c.generate(IDS, max_tokens=3, ignore_eos=True, request_id="named-async", timeout_s=5)
+            assert (out.request_id, out.token_ids) == ("named-async", [5, 5, 5])
+    asyncio.run(scenario())
+    sent = server.submitted[len(before):]   # the three calls that were made, nothing else
+    assert len(sent) == 3 and sent[0] == "named" and sent[2] == "named-async"
+
+
+# 4. abort is bounded by a deadline.
+
+def test_abort_gives_up_at_its_deadline_on_a_server_that_does_not_answer(server, monkeypatch) -> None:
+    monkeypatch.setattr(sdk, "ABORT_TIMEOUT_S", 0.3)   # the default where neither call nor client gives one
+
+    def timed_out(call) -> None:
+        started = time.monotonic()
+        with pytest.raises(ClientError) as info:
+            call()
+        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < 3
+
+    async def async_aborts() -> None:
+        async with AsyncClient(server.address) as c, AsyncClient(server.address, timeout_s=0.3) as bounded:
+            for call in (lambda: c.abort("x", timeout_s=0.3), lambda: bounded.abort("x"), lambda: c.abort("x")):
+                started = time.monotonic()
+                with pytest.raises(ClientError) as info:
+                    await call()
+                assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert time.monotonic() - started < 3
+
+    with Client(server.address) as c, Client(server.address, timeout_s=0.3) as bounded:
+        assert c.model_info().vocab_size == 64   # connected before the server stops answering
+        with server.frozen():
+            timed_out(lambda: c.abort("x", timeout_s=0.3))    # the call's deadline
+            timed_out(lambda: bounded.abort("x"))             # the client's
+            timed_out(lambda: c.abort("x"))                   # ABORT_TIMEOUT_S
+            asyncio.run(async_aborts())
+        for bad in (None, 0, -1, "1"):
+            with pytest.raises(ClientError, match="timeout_s") as info:
+                c.abort("x", timeout_s=bad)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        # Answered again: an abort ends a running request, and finds no unknown one.
+        with c.stream(IDS, request_id="to-abort", **LONG) as s:
+            next(s)
+            assert c.abort("to-abort", timeout_s=5)
+            assert [ch.finish_reason for ch in s][-1] == "aborted"
+        assert not c.abort("no-such-request")
