@@ -212,3 +212,27 @@ def test_the_results_name_the_schedulers_tls_but_never_its_token(tmp_path) -> No
     doc = json.loads(out.read_text())
     assert doc["params"]["tls_ca"] == "ca.pem" and "token" not in doc["params"] and "s3cret" not in out.read_text()
     assert "s3cret" not in repr(params)
+
+
+def test_the_split_overhead_ab_alternates_the_commits_and_merges_their_rows(monkeypatch, tmp_path) -> None:
+    """Old and new alternate (a change is judged against its parent in the same call), each run's
+    rows carry its commit and round, and the params say the order."""
+    from bench import split_overhead_ab
+
+    runs = []
+
+    def fake_run(tree, code, args, out):
+        runs.append((tree, code, args))
+        row = {"deployment": "three_process", "step_ms": 3.0 + len(runs), "tok_s": 100.0 * len(runs), "ratio": 0.5}
+        return {"gpu": "cpu", "copy_gbps": None, "params": {"prompts": 6}, "rows": [row]}
+
+    monkeypatch.setattr(split_overhead_ab, "_run", fake_run)
+    out = tmp_path / "split-overhead-ab-new.json"
+    assert split_overhead_ab.main(["--old-dir", str(tmp_path), "--old-code", "old", "--new-code", "new",
+                                   "--out", str(out), "--", "--prompts", "6"]) == 0
+    doc = json.loads(out.read_text())
+    assert [c for _, c, _ in runs] == doc["params"]["order"] == ["old", "new", "old", "new"]
+    assert all(args == ["--prompts", "6"] for _, _, args in runs) and runs[0][0] == tmp_path.resolve()
+    assert [(r["code"], r["round"], r["tok_s"]) for r in doc["rows"]] == [
+        ("old", 1, 100.0), ("new", 1, 200.0), ("old", 2, 300.0), ("new", 2, 400.0)]
+    assert doc["benchmark"] == out.stem and doc["commit"] == "new" and doc["params"]["prompts"] == 6
