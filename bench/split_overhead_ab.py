@@ -30,7 +30,8 @@ def _run(tree: Path, code: str, args: list[str], out: Path) -> dict:
     """One `bench.split_overhead` run in ``tree``, its result file read back."""
     if not (tree / "models").exists():
         (tree / "models").symlink_to(HERE / "models")   # the weights are the same for both
-    env = {**os.environ, "PYTHONPATH": f"{tree}:{tree / 'protos'}"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), str(tree / "protos"),
+                                                                      os.environ.get("PYTHONPATH", "")]))}
     subprocess.run([sys.executable, "-m", "bench.split_overhead", *args, "--out", str(out), "--commit", code],
                    cwd=tree, env=env, check=True)
     return json.loads(out.read_text())
