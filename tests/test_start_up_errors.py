@@ -119,6 +119,24 @@ def test_no_draft_replica_says_why_for_each_address() -> None:
     assert "no dns: name resolved" in asyncio.run(run(("dns:no-such-host.invalid:50052",), 0.5))
 
 
+def test_the_schedulers_wait_for_a_draft_is_its_setting() -> None:
+    """`scheduler.draft_wait_s`: a scheduler started before its drafts waited a fixed 120 s."""
+    import os
+    import sys
+    import time
+
+    closed = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "DDTREE_SCHEDULER_DRAFT_ADDRESSES": closed, "DDTREE_SCHEDULER_DRAFT_WAIT_S": "1.5",
+           "DDTREE_SCHEDULER_PORT": str(free_port()), "DDTREE_SCHEDULER_TOKENIZER_PATH": ""}
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "scheduler"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3 and f"{closed}: nothing answered within 2 s" in out.stderr, out.stderr[-2000:]
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(SettingsError, match=r"scheduler\.draft_wait_s"):
+        SchedulerSettings(draft_wait_s=0)
+
+
 @pytest.mark.parametrize("address", ["dns:draft", "localhost", "draft:port"])
 def test_a_draft_address_without_a_port_is_refused(address) -> None:
     with pytest.raises(SettingsError, match=r"scheduler\.draft_addresses"):

@@ -84,6 +84,7 @@ class SchedulerSettings:
     spec_backoff_steps: int = 16       # AR steps after the first such window (doubling per failed probe, up to 256)
     max_tokens_limit: int = 4096    # the largest max_tokens a request may ask for
     step_timeout_s: float = 60.0    # a draft replica slower than this for one step is marked down
+    draft_wait_s: float = 120.0     # at start-up, how long to wait for a first draft replica to answer
     metrics_port: int = 0           # Prometheus /metrics (0 = off)
     tls_cert: str = ""              # PEM certificate chain; with tls_key, the public port speaks TLS only
     tls_key: str = ""
@@ -108,6 +109,7 @@ class SchedulerSettings:
         _check(self.default_mode in ("ddtree", "autoregressive"), "scheduler.default_mode",
                "must be 'ddtree' or 'autoregressive'")
         _check(self.max_tokens_limit > 0, "scheduler.max_tokens_limit", "must be > 0")
+        _check(self.draft_wait_s > 0, "scheduler.draft_wait_s", "must be > 0 seconds")
         _check(self.spec_min_acceptance >= 0, "scheduler.spec_min_acceptance", "must be >= 0 (0 = never fall back)")
         _check(self.spec_backoff_steps >= 1, "scheduler.spec_backoff_steps", "must be >= 1")
         _check(self.step_timeout_s > 0, "scheduler.step_timeout_s", "must be > 0")

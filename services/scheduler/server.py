@@ -121,7 +121,7 @@ async def serve(settings: SchedulerSettings) -> None:
     tokenizer = load_tokenizer(settings.tokenizer_path)
     encoder = PromptEncoder(tokenizer, str(tokenizer_file(settings.tokenizer_path))) if tokenizer is not None else None
     router = Router(settings, metrics)
-    info = await router.start()
+    info = await router.start(settings.draft_wait_s)
     info.default_budget = settings.default_budget
     info.max_budget = MAX_BUDGET
     log.info("model_info", vocab_size=info.vocab_size, max_context=info.max_context, block_size=info.block_size,
