@@ -153,7 +153,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                   ignore_eos=args.ignore_eos, timeout_s=args.timeout)
     started = False       # output printed
     answered = False      # any message came back (the scheduler was reached)
-    ids: list[int] = []   # tokens streamed without text: a scheduler without a tokenizer sends only ids
+    # Tokens streamed without text: a scheduler without a tokenizer sends only ids. It took the
+    # prompt as ids then; a text prompt that went in means it has one, and empty text is the output.
+    ids: list[int] = []
     try:
         with Client(args.address, tls_ca=args.tls_ca, token=args.token, tls_server_name=args.tls_server_name) as client:
             if args.json:
@@ -169,7 +171,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                     if chunk.text:
                         started = True
                         print(chunk.text, end="", flush=True)
-                    elif not started:   # text held back (a partial character) comes later; no text ever: ids
+                    elif not started and args.token_ids:   # text held back (a partial character) comes later
                         ids += chunk.token_ids
                     if chunk.finish_reason == "stop" and not started and ids:
                         ids.pop()   # the stop or end-of-sequence id: never part of the output, as in the text

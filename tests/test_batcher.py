@@ -729,3 +729,73 @@ def test_a_request_queued_on_a_replica_being_probed_can_still_be_aborted() -> No
 
     assert found and queued.finish == scheduler_pb2.FINISH_REASON_ABORTED and not queued.out_ids
     assert healthy and not seen                        # back up, and nothing was decoded for nobody
+
+
+def test_an_abort_reaches_a_reused_id_on_another_replica_before_its_aborted_predecessor() -> None:
+    """Abort "x", reuse the id at once (placed on the least-loaded replica), abort again: the
+    second abort must end the new request, not answer for the predecessor that another replica
+    still holds, aborted, until its step in flight returns."""
+    from ddtree.v1 import scheduler_pb2
+    from services.scheduler.router import Router
+
+    async def scenario():
+        router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+        limits, budget = Limits(64, 4096, 16, (0,), 10_000), KvBudget(10_000)
+        a = StepLoop(SchedulerSettings(), "A", SlowDraft(delay=0.3), limits, budget, router.metrics)
+        b = StepLoop(SchedulerSettings(), "B", SlowDraft(delay=0.01), limits, budget, router.metrics)
+        router.lanes += [a, b]
+        for i in range(3):                       # A is the busier replica
+            a.waiting.append(request(f"busy{i}", 10))
+            a.waiting[-1].max_tokens = 1000
+        first = request("x", 10)
+        first.max_tokens = 1000
+        a.waiting.append(first)
+        for lane in router.lanes:
+            lane.start()
+        while not first.started:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)                # A's next step is in flight
+        assert router.abort("x")
+        again = request("x", 10)
+        again.max_tokens = 1000
+        router.submit(again)
+        while not again.started:
+            await asyncio.sleep(0.005)
+        held = first in a.running.values()
+        found = router.abort("x")
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if again.done:
+                break
+        await router.stop()
+        return again.draft, held, found, again
+
+    lane, held, found, again = asyncio.run(scenario())
+    assert lane == "B" and held and found
+    assert again.finish == scheduler_pb2.FINISH_REASON_ABORTED and len(again.out_ids) < 100
+
+
+def test_a_downstream_error_names_the_clients_request_id() -> None:
+    """The draft and verifier know a request by its wire id; the client, by its own."""
+    from ddtree.v1 import draft_pb2
+
+    class Refusing(SlowDraft):
+        async def step(self, req, timeout):
+            return draft_pb2.StepResponse(results=[draft_pb2.StepResult(
+                request_id=i.request_id, error_code=5, error_message=f"request {i.request_id} was lost") for i in req.items])
+
+    async def scenario():
+        lane = loop()
+        lane.draft = Refusing()
+        req = request("mine", 10)
+        lane.waiting.append(req)
+        lane.start()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if req.done:
+                break
+        await lane.stop()
+        return req
+
+    req = asyncio.run(scenario())
+    assert req.error is not None and req.error.message == "request mine was lost" and req.wire_id.startswith("mine#")

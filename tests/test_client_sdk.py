@@ -364,3 +364,37 @@ def test_abort_gives_up_at_its_deadline_on_a_server_that_does_not_answer(server,
             assert c.abort("to-abort", timeout_s=5)
             assert [ch.finish_reason for ch in s][-1] == "aborted"
         assert not c.abort("no-such-request")
+
+
+def test_a_stream_closed_while_its_call_is_being_made_cancels_the_call() -> None:
+    """close() from another thread can land while the reader creates the call: the call must be
+    cancelled then too (it saw no call to cancel, and the request decoded on for nobody)."""
+    from services.scheduler.client import Stream
+
+    class Cancelled(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.CANCELLED
+
+        def details(self):
+            return "cancelled"
+
+    class Call:
+        cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+        def __next__(self):
+            if self.cancelled:
+                raise Cancelled()
+            return scheduler_pb2.GenerateResponse(request_id="r")
+
+    call = Call()
+    stream: Stream
+
+    def start():
+        stream.close()   # the other thread's close(), while the call is made
+        return call
+
+    stream = Stream(start)
+    assert list(stream) == [] and call.cancelled

@@ -193,8 +193,9 @@ class StepLoop:
                 req = self.running.get(res.request_id)
                 if req is None:
                     continue
-                if res.error_code:
-                    self._finish(req, error=ServiceError(grpc.StatusCode(_code(res.error_code)), res.error_message))
+                if res.error_code:   # the draft and verifier name it by its wire id; the client knows its own
+                    message = res.error_message.replace(req.wire_id, req.request_id)
+                    self._finish(req, error=ServiceError(grpc.StatusCode(_code(res.error_code)), message))
                     continue
                 req.started = True
                 if not res.token_ids:   # a piece of a long prompt went in; the first token comes with the last
@@ -324,7 +325,7 @@ class StepLoop:
                                      if req.error is None else req.error.code.name.lower()).inc()
         usage = req.usage()
         now = time.monotonic()
-        log.info("request_end", request_id=req.request_id, draft=req.draft,
+        log.info("request_end", request_id=req.request_id, wire_id=req.wire_id or None, draft=req.draft,
                  mode=common_pb2.Mode.Name(req.mode).removeprefix("MODE_").lower(),
                  finish=_FINISH_NAMES.get(req.finish, "") if req.error is None else "ERROR",
                  code=req.error.code.name if req.error is not None else None,

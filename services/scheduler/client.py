@@ -256,6 +256,8 @@ class Stream(Iterator[Chunk]):
         try:
             if self._call is None:
                 self._call = self._start()
+                if self._closed:   # closed from another thread while the call was being made
+                    self._call.cancel()
             msg = next(self._call)
         except BaseException as exc:
             closed_here = self._closed   # close() from another thread: the reader ends, as at the end

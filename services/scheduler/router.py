@@ -183,6 +183,13 @@ class Router:
         min(fits, key=lambda lane: lane.load).submit(req)
 
     def abort(self, request_id: str, only: ActiveRequest | None = None) -> bool:
+        """Ends the request with this id (with ``only``, that request object alone). A live one is
+        looked for first: an id aborted on one replica may already run again on another while the
+        first still holds its aborted predecessor, which would otherwise answer for it."""
+        if only is None:
+            live = [lane for lane in self.lanes
+                    if _live(lane.find(request_id)) or any(w.request_id == request_id for w in lane.waiting)]
+            return any(lane.abort(request_id) for lane in live or self.lanes)
         return any(lane.abort(request_id, only) for lane in self.lanes)
 
     async def _watch_replicas(self) -> None:
