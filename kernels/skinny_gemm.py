@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - only where triton is not installed
     triton = None
     tl = None
 
-__all__ = ["MAX_ROWS", "KERNEL_ROWS", "kernel_serves", "skinny_linear", "skinny_linear_reference", "skinny_linear_triton", "skinny_plan"]
+__all__ = ["MAX_ROWS", "KERNEL_ROWS", "skinny_linear", "skinny_linear_reference", "skinny_linear_triton", "skinny_plan"]
 
 MAX_ROWS = 32  # rows of x up to which skinny_linear takes the kernel on CUDA (above: cuBLAS, see skinny_linear)
 KERNEL_ROWS = 64  # rows of x the kernel takes
@@ -191,13 +191,7 @@ def skinny_linear(x: Tensor, weight: Tensor, *, out: Tensor | None = None, add_t
     H200 at Kimi-K2's per-rank projections (``bench/results/skinny_gemm-d0887b6.json``) the kernel
     took 0.93-1.53x cuBLAS's time at 1-17 tokens (1.07-1.53x but for the shared expert's down
     GEMM, 0.93-1.01x), and lost at 33 and 64 tokens on five of the eight (0.85-0.99x)."""
-    if kernel_serves(x, weight):
+    if (SERVED and x.is_cuda and triton is not None and 0 < x.shape[-2] <= MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype):
         return skinny_linear_triton(x, weight, out=out, add_to=add_to)
     return skinny_linear_reference(x, weight, out=out, add_to=add_to)
-
-
-def kernel_serves(x: Tensor, weight: Tensor) -> bool:
-    """Whether ``skinny_linear`` takes the kernel for these operands (which also stores into a
-    float32 ``out``; torch's ``mm`` wants ``out`` in the operands' dtype)."""
-    return (SERVED and x.is_cuda and triton is not None and 0 < x.shape[-2] <= MAX_ROWS
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype)

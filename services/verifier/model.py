@@ -18,7 +18,7 @@ from torch import Tensor
 
 from kernels.mla_norm_rope import fusable as mla_fusable, mla_norm_rope
 from kernels.rms_norm import add_rms_norm, rms_norm  # one Triton launch on CUDA, torch elsewhere
-from kernels.skinny_gemm import kernel_serves, skinny_linear  # x @ w^T: one Triton launch for a few rows on CUDA
+from kernels.skinny_gemm import skinny_linear  # x @ w^T: one Triton launch for a few rows on CUDA, torch elsewhere
 from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata, tree_mla
 from services.common.checkpoint import CheckpointError, load_tensors, tensor_index
 from services.verifier.config import TargetConfig, read_target_config
@@ -180,26 +180,6 @@ class DecoderLayerWeights:
     attn: AttentionWeights
     mlp: MLPWeights | None  # dense layers
     moe: MoEWeights | None  # MoE layers
-
-
-# float32 logits from the float32 accumulation, not rounded to bf16 first (``float32_logits``).
-LOGITS_FLOAT32 = True
-
-
-def float32_logits(h: Tensor, weight: Tensor) -> Tensor:
-    """``h @ weight^T`` in float32 without a 16-bit rounding of the logits: at a logit of ~12 a
-    bf16 step is 0.06, and the demo model's top two logits then tied exactly in about 1% of steps,
-    a tie that an AR step and a tree step (other kernels, other rounding upstream) broke
-    differently, so greedy DDTree parted from greedy AR (T-lossless). ``LOGITS_FLOAT32 = False``
-    is the old rounding (for the A/B in ``bench.logits_ab``)."""
-    if h.dtype == torch.float32 or not LOGITS_FLOAT32:
-        return skinny_linear(h, weight).float()
-    if not h.is_cuda:
-        return h.float() @ weight.float().T
-    if kernel_serves(h, weight):   # the kernel stores its float32 sums as they are
-        return skinny_linear(h, weight, out=torch.empty(h.shape[0], weight.shape[0], dtype=torch.float32,
-                                                        device=h.device))
-    return torch.mm(h, weight.T, out_dtype=torch.float32)
 
 
 class TargetModel(torch.nn.Module):
@@ -364,7 +344,7 @@ class TargetModel(torch.nn.Module):
                 kept[i] = x
         if L - 1 in kept:
             kept[L - 1] = h   # HF's last hidden state is after the final norm
-        logits = float32_logits(h, self.lm_head_weight)  # [N, V / tp] this rank's vocabulary rows
+        logits = skinny_linear(h, self.lm_head_weight).float()  # [N, V / tp] this rank's vocabulary rows
         if feature_layers:
             features = torch.cat([kept[i] for i in feature_layers], dim=-1)  # [N, F*hidden]
         else:
