@@ -404,7 +404,9 @@ def test_an_id_reused_while_its_release_is_in_flight_goes_downstream_under_anoth
         busy.submit(first)
         for lane in router.lanes:
             lane.start()
-        while not first.finish:
+        for _ in range(400):
+            if first.finish:
+                break
             await asyncio.sleep(0.005)
         await asyncio.sleep(0.01)          # the step that releases "x" is in flight now
         in_flight = list(busy.pending_releases)
@@ -752,14 +754,18 @@ def test_an_abort_reaches_a_reused_id_on_another_replica_before_its_aborted_pred
         a.waiting.append(first)
         for lane in router.lanes:
             lane.start()
-        while not first.started:
+        for _ in range(300):
+            if first.started:
+                break
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)                # A's next step is in flight
         assert router.abort("x")
         again = request("x", 10)
         again.max_tokens = 1000
         router.submit(again)
-        while not again.started:
+        for _ in range(400):
+            if again.started:
+                break
             await asyncio.sleep(0.005)
         held = first in a.running.values()
         found = router.abort("x")

@@ -294,16 +294,16 @@ def test_up_checks_files_and_ports_of_every_service_before_starting_any(tmp_path
     once the draft did."""
     config = tmp_path / "c.toml"
     config.write_text(f'[scheduler]\ntls_cert = "{tmp_path}/nope.pem"\ntls_key = "{tmp_path}/nope.key"\n')
-    out = _up("--port", "0", "--config", str(config), timeout=30)
-    assert out.returncode == 2 and "scheduler.tls_cert: cannot read" in out.stderr, out.stderr[-2000:]
+    tls = _up("--port", "0", "--config", str(config), timeout=30)
+    assert tls.returncode == 2 and "scheduler.tls_cert: cannot read" in tls.stderr, tls.stderr[-2000:]
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
-        out = _up("--port", "0", env={"DDTREE_VERIFIER_METRICS_PORT": str(held.getsockname()[1])}, timeout=30)
-    assert out.returncode == 2 and "verifier.metrics_port: cannot listen" in out.stderr, out.stderr[-2000:]
-    out = _up("--port", "0", "--drafter", str(tmp_path), timeout=30)
-    assert out.returncode == 2 and f"no drafter checkpoint at {tmp_path}" in out.stderr, out.stderr[-2000:]
-    for run in (out,):
+        metrics = _up("--port", "0", env={"DDTREE_VERIFIER_METRICS_PORT": str(held.getsockname()[1])}, timeout=30)
+    assert metrics.returncode == 2 and "verifier.metrics_port: cannot listen" in metrics.stderr, metrics.stderr[-2000:]
+    drafter = _up("--port", "0", "--drafter", str(tmp_path), timeout=30)
+    assert drafter.returncode == 2 and f"no drafter checkpoint at {tmp_path}" in drafter.stderr, drafter.stderr[-2000:]
+    for run in (tls, metrics, drafter):
         assert "service=verifier" not in run.stdout + run.stderr   # nothing was started
 
 

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -38,9 +38,11 @@ from services.verifier.server import VerifierServicer, build_engine
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    torch.set_num_threads(1)
-    return make_random_checkpoint(tmp_path_factory.mktemp("draft-failures") / "ckpt", vocab_size=512, seed=0)
+def ckpt(tmp_path_factory) -> Iterator[Path]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # this module's in-process services, as each service process runs
+    yield make_random_checkpoint(tmp_path_factory.mktemp("draft-failures") / "ckpt", vocab_size=512, seed=0)
+    torch.set_num_threads(threads)   # later modules' timings must not depend on the order
 
 
 class Verifier:

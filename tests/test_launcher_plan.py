@@ -67,3 +67,11 @@ def test_the_scheduler_is_probed_where_it_listens() -> None:
         svc = scheduler(scheduler_host=host)
         assert (svc.listen, svc.address) == (listen, reached), host
         assert load_settings(SchedulerSettings, "compose/ddtree.toml", env=svc.env).host == (host or "0.0.0.0")
+
+
+def test_free_port_never_hands_out_a_port_twice() -> None:
+    """A stack's ports are picked together and bound later; the OS may pick one twice meanwhile."""
+    from services.common.launcher import free_port
+
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)

@@ -239,3 +239,47 @@ def test_ranks_that_load_at_different_speeds_meet_before_their_first_timed_call(
     for p in procs:
         p.join(60)
     assert sorted(out.get(timeout=5) for _ in procs) == [(0, ("call", 0)), (1, ("call", 0))]
+
+
+def test_a_call_that_fails_on_rank_0_with_ranks_ends_the_group() -> None:
+    """A collective that timed out closes its connections for good, and a call only rank 0 failed
+    leaves the workers a call ahead: the group is out of step. It stayed up and SERVING, failing
+    every handshake and step; now the failure goes to `on_failure` (NOT_SERVING, then exit), naming
+    the call. A refusal of the input (ServiceError) is every rank's alike and ends nothing."""
+    from types import SimpleNamespace
+
+    import grpc
+
+    from services.common.grpc_server import ServiceError
+    from services.verifier.ranks import EngineGroup
+
+    class Ranks:
+        enabled = True
+        fail = True
+
+        def broadcast(self, call):
+            if self.fail:
+                raise RuntimeError("Application timeout caused pair closure")
+
+    def refuse(*args):
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "bad tree")
+
+    reasons: list[str] = []
+    engine = SimpleNamespace(model_device=torch.device("cpu"), verify=refuse, prefill=lambda items: "ok")
+    ranks = Ranks()
+    group = EngineGroup(engine, ranks, on_failure=reasons.append)
+    with pytest.raises(RuntimeError):
+        group.call("prefill", [])
+    assert len(reasons) == 1 and "rank 0's prefill failed" in reasons[0] and "pair closure" in reasons[0]
+    with pytest.raises(RuntimeError):
+        group.heartbeat()
+    assert "rank 0's heartbeat failed" in reasons[1]
+    ranks.fail = False
+    with pytest.raises(ServiceError):
+        group.call("verify", [])
+    assert group.call("prefill", []) == "ok" and len(reasons) == 2
+    alone = EngineGroup(engine, SimpleNamespace(enabled=False), on_failure=reasons.append)
+    with pytest.raises(ZeroDivisionError):   # one rank: an engine error is the step's, not the group's
+        engine.prefill = lambda items: 1 / 0
+        alone.call("prefill", [])
+    assert len(reasons) == 2

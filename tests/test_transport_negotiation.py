@@ -251,7 +251,7 @@ def test_a_draft_that_never_opens_its_stream_is_dropped() -> None:
         try:
             stub = verifier_pb2_grpc.VerifierStub(grpc.aio.insecure_channel(address))
             await stub.Handshake(verifier_pb2.HandshakeRequest(
-                draft_id="silent", feature_layer_ids=[1], hidden_size=HIDDEN, vocab_size=VOCAB,
+                draft_id="silent", feature_layer_ids=[1, 2], hidden_size=HIDDEN, vocab_size=VOCAB,
                 transports=["inline"]))
             before = sorted(servicer._peers)
             streaming = VerifierClient(address, "auto", ring_slots=2, ring_slot_bytes=8192, device="cpu")
@@ -286,6 +286,7 @@ def test_a_prefill_with_unusable_sampling_fails_alone() -> None:
 
     servicer = VerifierServicer(Group(), VerifierSettings(device="cpu"), Metrics("verifier"))
     peer = verifier_server._Peer("d", InlineWriter(), InlineReader())
+    servicer._peers["d"] = peer
     prefills = [verifier_pb2.PrefillItem(request_id=r, token_ids=[1, 2], reserve_tokens=8,
                                          sampling=common_pb2.SamplingParams(temperature=t))
                 for r, t in (("a", 0.0), ("bad", float("inf")), ("c", 0.7))]
@@ -313,6 +314,7 @@ def test_a_release_only_step_times_no_stage() -> None:
     metrics = Metrics("verifier")
     servicer = VerifierServicer(Group(), VerifierSettings(device="cpu"), metrics)
     peer = verifier_server._Peer("d", InlineWriter(), InlineReader())
+    servicer._peers["d"] = peer
 
     def timed() -> dict[str, float]:
         return {s.labels["stage"]: s.value for m in metrics.registry.collect() for s in m.samples
@@ -324,3 +326,120 @@ def test_a_release_only_step_times_no_stage() -> None:
     resp = servicer._step(peer, verifier_pb2.VerifyRequest(sequence=2, release=["a"]))
     assert resp.sequence == 2 and not resp.prefills and not resp.verifies
     assert timed() == {"verify": 1, "features": 1}
+
+
+def test_a_shm_ring_without_room_is_refused_and_the_handshake_falls_back(monkeypatch) -> None:
+    """A POSIX segment is only sized: touching a page /dev/shm had no room for killed the verifier
+    with SIGBUS in a handshake. The space is reserved when the ring is made, so a full /dev/shm is
+    an OSError naming it, and both ends fall back to the next kind (here: inline)."""
+    import errno
+    import os
+
+    from services.common import transport
+
+    def no_room(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(OSError, match="no room for a .* shared-memory ring in /dev/shm"):
+        transport.ShmWriter(1 << 20, 4, "ddtree-test")
+    assert set(os.listdir("/dev/shm")) == before          # the segment went with the error
+    kind, writer_kind, peers, _, after = asyncio.run(_negotiate("cpu", "cpu", transport="auto"))
+    assert (kind, writer_kind, list(peers.values())) == ("inline", "inline", ["inline"]) and after == (0, 0)
+
+
+def test_a_draft_of_other_feature_layers_is_refused_while_another_is_connected() -> None:
+    """The engine keeps one set of feature layers: a second drafter naming others re-pointed the
+    first draft's features (same width: no error, acceptance just fell)."""
+    async def scenario():
+        server, servicer, _, address = await _serve("cpu")
+        first = VerifierClient(address, "inline", ring_slots=2, ring_slot_bytes=8192, device="cpu")
+        other = VerifierClient(address, "inline", ring_slots=2, ring_slot_bytes=8192, device="cpu")
+        same = VerifierClient(address, "inline", ring_slots=2, ring_slot_bytes=8192, device="cpu")
+        try:
+            await first.connect([1, 2], HIDDEN, VOCAB)
+            with pytest.raises(ServiceError) as refused:
+                await other.connect([0, 2], HIDDEN, VOCAB)
+            await same.connect([1, 2], HIDDEN, VOCAB)
+            await first.connect([0, 2], HIDDEN, VOCAB)     # the same draft may not change them under `same`
+            return refused.value, None
+        except ServiceError as exc:
+            return refused.value, exc
+        finally:
+            for c in (first, other, same):
+                await c.close()
+            await server.stop(None)
+
+    refused, second = asyncio.run(scenario())
+    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION and "[0, 2]" in refused.message
+    assert second is not None and second.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_peer_that_opens_its_stream_while_its_expiry_waits_is_kept() -> None:
+    """The expiry of a draft that opened no stream after its handshake waits for the engine lock;
+    a stream opened meanwhile was accepted, then its peer dropped under it (its steps failed on a
+    closed ring)."""
+    async def scenario():
+        server, servicer, _, address = await _serve("cpu", peer_stream_timeout_s=0.2)
+        stub = verifier_pb2_grpc.VerifierStub(grpc.aio.insecure_channel(address))
+        try:
+            await stub.Handshake(verifier_pb2.HandshakeRequest(
+                draft_id="late", feature_layer_ids=[1, 2], hidden_size=HIDDEN, vocab_size=VOCAB,
+                transports=["inline"]))
+            peer = servicer._peers["late"]
+            servicer._engine_lock.acquire()               # the engine is busy with another draft's step
+            await asyncio.sleep(0.4)                      # the expiry is waiting for the lock
+            peer.streamed = True                          # ... when the stream opens
+            servicer._engine_lock.release()
+            await asyncio.sleep(0.2)
+            return servicer._peers.get("late") is peer
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(scenario())
+
+
+def test_a_step_of_a_stale_handshake_is_refused_before_the_engine() -> None:
+    from services.common.transport import InlineReader
+
+    calls = []
+
+    class Group(_Group):
+        def call(self, name: str, *args):
+            calls.append(name)
+            return super().call(name, *args)
+
+    servicer = VerifierServicer(Group(), VerifierSettings(device="cpu"), Metrics("verifier"))
+    peer = verifier_server._Peer("d", InlineWriter(), InlineReader())   # not (any more) the peer of "d"
+    with pytest.raises(ServiceError) as stale:
+        servicer._step(peer, verifier_pb2.VerifyRequest(sequence=1, release=["a"]))
+    assert stale.value.code == grpc.StatusCode.FAILED_PRECONDITION and calls == []
+
+
+def test_with_ranks_a_verify_call_carries_its_trees_not_the_ring_they_lie_in() -> None:
+    """With TP the call is pickled to every worker, and a tree read in place is a view of the ring:
+    pickled, it took the whole ring (16 MiB a step for a cuda_ipc ring)."""
+    import pickle
+
+    from services.verifier.server import TREE_FIELDS
+
+    ring = torch.zeros(1 << 22, dtype=torch.int64)            # 32 MiB of ring
+    trees = {k: ring[i * 16:(i + 1) * 16] for i, k in enumerate(TREE_FIELDS)}
+    sizes = []
+
+    class Group(_Group):
+        def call(self, name: str, *args):
+            if name == "verify":
+                sizes.append(len(pickle.dumps(args)))
+                return SimpleNamespace(items=[], features=torch.zeros(0, HIDDEN))
+            return super().call(name, *args)
+
+    class Reader:
+        def read(self, bundle):
+            return trees
+
+    servicer = VerifierServicer(Group(), VerifierSettings(device="cpu", tp=2), Metrics("verifier"))
+    peer = verifier_server._Peer("d", InlineWriter(), Reader())
+    servicer._verify(peer, verifier_pb2.VerifyRequest(sequence=1, verify_ids=["a"]))
+    assert sizes and sizes[0] < 64 * 1024, sizes

@@ -34,7 +34,8 @@ KERNEL_RUNNABLE = tb is not None and tb.triton is not None and (
     CUDA or ((TRITON_FRESH or INTERPRET_PRESET) and type(tb._tree_build_kernel).__name__ == "InterpretedFunction")
 )
 needs_kernel = pytest.mark.skipif(
-    not KERNEL_RUNNABLE, reason="triton was set up before TRITON_INTERPRET=1; the subprocess test runs these"
+    not KERNEL_RUNNABLE, reason="the kernel needs a GPU or TRITON_INTERPRET=1 before triton's first import "
+    "(tests/conftest.py sets it unless the environment sets it otherwise)"
 )
 
 

@@ -43,8 +43,8 @@ KERNEL_RUNNABLE = tm.triton is not None and (
 )
 needs_kernel = pytest.mark.skipif(
     not KERNEL_RUNNABLE,
-    reason="triton was imported before TRITON_INTERPRET=1 could be set; "
-    "test_kernel_in_interpreter_subprocess runs these tests instead",
+    reason="the kernel needs a GPU or TRITON_INTERPRET=1 before triton's first import "
+    "(tests/conftest.py sets it unless the environment sets it otherwise)",
 )
 KVR, ROPE = 64, 16  # small stand-ins for 512 / 64: powers of two, like the real ones
 

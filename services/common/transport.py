@@ -24,6 +24,7 @@ Slot protocol (shm):
 from __future__ import annotations
 
 import abc
+import errno
 import math
 import os
 import secrets
@@ -401,6 +402,22 @@ def _close_segment(shm: SharedMemory, unlink: bool) -> None:
                 resource_tracker.unregister(_tracker_name(shm), "shared_memory")
 
 
+def _reserve(shm: SharedMemory, size: int) -> None:
+    """Backs a new segment with memory now. A POSIX segment is only sized, not reserved: touching
+    a page that /dev/shm has no room for kills the process with SIGBUS (a verifier died in a
+    handshake once a container's 64 MB /dev/shm was used up). Raises ``OSError`` (ENOSPC) with the
+    segment unlinked instead; a filesystem that cannot reserve is left as it was."""
+    try:
+        os.posix_fallocate(shm._fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return
+        _close_segment(shm, True)
+        raise OSError(exc.errno, f"no room for a {size >> 20} MiB shared-memory ring in /dev/shm ({exc.strerror}): "
+                      "give it more (compose: ipc: host; docker: --shm-size) or fewer ring slots "
+                      "(verifier.ring_slots / ring_slot_bytes, draft.ring_slots / ring_slot_bytes)") from None
+
+
 def _slot_stride(slot_bytes: int) -> int:
     return SLOT_HEADER_BYTES + _round_up(slot_bytes, ALIGNMENT)
 
@@ -420,6 +437,7 @@ class ShmWriter(RingWriter):
         self._stride = _slot_stride(slot_bytes)
         name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
         self._shm = _QuietSharedMemory(name=name, create=True, size=self._stride * num_slots)
+        _reserve(self._shm, self._stride * num_slots)
         self._name = self._shm.name
         self._bytes = torch.frombuffer(self._shm.buf, dtype=torch.uint8)  # [num_slots * stride]
         self._words = self._bytes.view(torch.int64)  # [num_slots * stride / 8]

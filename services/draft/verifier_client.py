@@ -12,9 +12,12 @@ import torch
 
 from ddtree.v1 import verifier_pb2, verifier_pb2_grpc
 from services.common.grpc_server import ServiceError, server_options
+from services.common.logging import get_logger
 from services.common.transport import TensorReader, TensorWriter, bundle_slot, make_reader, make_writer
 
 __all__ = ["VerifierClient", "VerifyReply", "auto_offer", "next_offer", "private_copy", "readable_in_place"]
+
+log = get_logger("draft")
 
 
 def auto_offer(device: torch.device) -> list[str]:
@@ -106,8 +109,17 @@ class VerifierClient:
         stub = verifier_pb2_grpc.VerifierStub(self._channel)
         offer = list(self._offer)
         while True:   # each round offers fewer kinds, so this ends
-            self._writer = make_writer(offer[0], self._ring_slot_bytes, self._ring_slots, "ddtree-draft",
-                                       device=self.device)
+            try:
+                self._writer = make_writer(offer[0], self._ring_slot_bytes, self._ring_slots, "ddtree-draft",
+                                           device=self.device)
+            except OSError as exc:   # e.g. /dev/shm has no room for the ring: the next kind, if any
+                if len(offer) == 1:
+                    await self.close()
+                    raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"cannot make a {offer[0]} ring: {exc.strerror or exc}") from None
+                log.warning("ring_create_failed", transport=offer[0], error=exc.strerror or str(exc), fallback=offer[1])
+                offer = offer[1:]
+                continue
             try:
                 hs = await stub.Handshake(verifier_pb2.HandshakeRequest(
                     draft_id=self.draft_id, feature_layer_ids=list(feature_layer_ids), hidden_size=hidden_size,

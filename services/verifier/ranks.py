@@ -36,21 +36,41 @@ _NOOP = "__noop__"
 class EngineGroup:
     """Rank 0's engine handle: every state-changing call runs on all ranks in the same order."""
 
-    def __init__(self, engine: VerifierEngine, tp: TensorParallel) -> None:
+    def __init__(self, engine: VerifierEngine, tp: TensorParallel,
+                 on_failure: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.tp = tp
         self.last_call = time.monotonic()
+        # Called when a call fails on rank 0 with ranks: the group is out of step for good (a
+        # collective that timed out closes its connections; a call only rank 0 failed leaves the
+        # workers a call ahead). It stayed up and SERVING, failing every handshake and step.
+        self.on_failure = on_failure
 
     def call(self, method: str, *args: Any) -> Any:
-        self._broadcast((method, args))
-        return getattr(self.engine, method)(*args)
+        try:
+            self._broadcast((method, args))
+            return getattr(self.engine, method)(*args)
+        except ServiceError:   # refused input: every rank refused it alike (see worker_loop)
+            raise
+        except Exception as exc:
+            self._failed(method, exc)
+            raise
 
     def heartbeat(self) -> None:
         """A call that does nothing. Workers wait for rank 0's next call in a broadcast, a
         collective that fails after `verifier.tp_timeout_s` like any other: an idle group (no
         draft, no request) ended itself every minute. Rank 0 sends this while idle (`keep_awake`)."""
         if self.tp.enabled:
-            self._broadcast((_NOOP, ()))
+            try:
+                self._broadcast((_NOOP, ()))
+            except Exception as exc:
+                self._failed("heartbeat", exc)
+                raise
+
+    def _failed(self, method: str, exc: Exception) -> None:
+        if self.tp.enabled and self.on_failure is not None:
+            self.on_failure(f"verifier ranks out of step: rank 0's {method} failed "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
 
     def _broadcast(self, call: tuple[str, tuple]) -> None:
         if not self.tp.enabled:

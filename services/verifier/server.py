@@ -64,6 +64,7 @@ class _Peer:
     reader: TensorReader
     owner: str = ""          # what its stream admits is the engine's under this name: one per handshake
     streamed: bool = False   # its verify stream reached us (from then on the stream's end drops it)
+    feature_layers: tuple[int, ...] = ()   # the target layers whose features it drafts from
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -97,9 +98,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"drafter expects hidden_size={request.hidden_size}, vocab_size={request.vocab_size}; "
                                 f"target has hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}")
+        layers = tuple(request.feature_layer_ids)
         try:   # checked here first: a call the other ranks refuse would end the group
-            self.engine.check_feature_layers(list(request.feature_layer_ids))
-            await self._locked(self.group.call, "set_feature_layers", list(request.feature_layer_ids))
+            self.engine.check_feature_layers(list(layers))
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+        others = {p.feature_layers for p in self._peers.values() if p.draft_id != request.draft_id}
+        if others and others != {layers}:   # one set for the engine: a second would re-point the first's features
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"draft {request.draft_id} drafts from target layers {list(layers)}; the drafts "
+                                f"connected here use {[list(o) for o in others]} (a verifier serves one set; "
+                                "point drafters of another kind at another verifier)")
+        try:
+            await self._locked(self.group.call, "set_feature_layers", list(layers))
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
         mine = (("cuda_ipc",) if self.settings.device.startswith("cuda") else ()) + ("shm", "inline")
@@ -122,9 +133,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             log.info("ring_attach_failed", draft_id=request.draft_id, transport=kind, error=str(exc),
                      fallback=usable[1])
             return verifier_pb2.HandshakeResponse(transport=usable[1])   # the draft retries with that kind
-        writer = make_writer(kind, self.settings.ring_slot_bytes, self.settings.ring_slots, "ddtree-verifier",
-                             device=self.engine.model_device)
-        peer = _Peer(request.draft_id, writer, reader, owner=f"{request.draft_id}#{next(self._handshakes)}")
+        try:
+            writer = make_writer(kind, self.settings.ring_slot_bytes, self.settings.ring_slots, "ddtree-verifier",
+                                 device=self.engine.model_device)
+        except OSError as exc:   # e.g. /dev/shm has no room for another ring: refused, not a crash
+            reader.close()
+            if len(usable) == 1:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot make a {kind} ring here: {exc.strerror or exc}")
+            log.warning("ring_create_failed", draft_id=request.draft_id, transport=kind, error=exc.strerror or str(exc),
+                        fallback=usable[1])
+            return verifier_pb2.HandshakeResponse(transport=usable[1])   # the draft retries with that kind
+        peer = _Peer(request.draft_id, writer, reader, owner=f"{request.draft_id}#{next(self._handshakes)}",
+                     feature_layers=layers)
         self._peers[request.draft_id] = peer
         self._observe()
         # A draft that dies (or gives up on our ring) before opening its stream never runs the
@@ -157,6 +177,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     resp = self._inline(self._step, peer, req) if self.settings.tp == 1 and not req.prefills else None
                     if resp is None:
                         resp = await self._locked(self._step, peer, req)
+                except ServiceError as exc:   # the stream itself is refused: the draft hand-shakes again
+                    await context.abort(exc.code, exc.message)
                 except Exception:   # the engine failed the step (a CUDA error, a bug): say so here, not only downstream
                     log.exception("verify_step_failed", draft_id=draft_id, sequence=req.sequence)
                     raise
@@ -177,8 +199,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return future
 
     async def _expire_if_silent(self, peer: _Peer) -> None:
-        if not peer.streamed and self._peers.get(peer.draft_id) is peer:
-            await self._locked(self._end_stream, peer.draft_id, peer)
+        def expire() -> bool:   # decided under the engine lock: the stream may open while it is awaited
+            if peer.streamed or self._peers.get(peer.draft_id) is not peer:
+                return False
+            self._end_stream(peer.draft_id, peer)
+            return True
+        if not peer.streamed and await self._locked(expire):
             log.warning("peer_expired", draft_id=peer.draft_id, reason="no verify stream after the handshake",
                         timeout_s=self.settings.peer_stream_timeout_s)
 
@@ -235,8 +261,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _end_stream(self, draft_id: str, peer: _Peer) -> int:
         # Only this handshake's requests: an old stream whose end is noticed late must not free
-        # those the draft admitted since on its new one.
-        freed = self.group.call("release_owner", peer.owner)
+        # those the draft admitted since on its new one. After the workers' stop (the server is
+        # going) no call may reach the group: rank 0 alone would wait on workers that are gone.
+        freed = 0 if self._group_stopped else self.group.call("release_owner", peer.owner)
         if self._peers.get(draft_id) is peer:
             self._drop_peer(draft_id)
         self._observe()
@@ -246,7 +273,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _retire_peer(self, draft_id: str) -> None:
         peer = self._peers.get(draft_id)
         if peer is not None:
-            self.group.call("release_owner", peer.owner)
+            if not self._group_stopped:
+                self.group.call("release_owner", peer.owner)
             self._drop_peer(draft_id)
 
     def _drop_peer(self, draft_id: str) -> None:
@@ -258,6 +286,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         peer.reader.close()
 
     def _step(self, peer: _Peer, req: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
+        if self._peers.get(peer.draft_id) is not peer:   # expired, or the draft hand-shook again since
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"draft {peer.draft_id}: this stream's handshake is no longer current; hand-shake again")
         t0 = time.perf_counter()
         peer.writer.release(req.released_slots)
         if req.release:
@@ -314,8 +345,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             missing = [k for k in TREE_FIELDS if k not in trees]
             error = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"the tree bundle lacks {missing}") if missing else None
         if error is None:
+            args = [trees[k] for k in TREE_FIELDS]
+            if self.settings.tp > 1:   # the call is pickled to the workers: a ring view would take its whole ring
+                args = [t.to("cpu", copy=True) for t in args]
             try:   # the engine checks the trees' shapes before any collective, on every rank alike
-                return self.group.call("verify", ids, *(trees[k] for k in TREE_FIELDS))
+                return self.group.call("verify", ids, *args)
             except ServiceError as exc:
                 error = exc
         log.warning("verify_refused", draft_id=peer.draft_id, requests=len(ids), error=error.message)
@@ -421,11 +455,14 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
 
     def on_death(reason: str) -> None:
         # A lost rank ends the group: report NOT_SERVING now, then stop (the supervisor restarts it).
+        if died:   # the watchdog and a failed call may both see it
+            return
         died.append(reason)
         log.error("rank_died", reason=reason)
         loop.call_soon_threadsafe(health.enter_graceful_shutdown)
         os.kill(os.getpid(), signal.SIGTERM)
 
+    group.on_failure = on_death
     watchdog = watch_workers(workers, on_death)
     # Idle workers wait for the next call in a collective with the compute collectives' timeout.
     awake = asyncio.ensure_future(servicer.keep_awake(settings.tp_timeout_s / 4)) if workers else None
