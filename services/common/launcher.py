@@ -7,6 +7,7 @@ config file, so the launcher and docker compose configure the services the same 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -39,19 +40,35 @@ def _reach(host: str) -> str:
 
 
 _HANDED_OUT: set[int] = set()
+_PICK = random.SystemRandom()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def free_port() -> int:
-    """A loopback port that is free now (the OS picks it), and not one this process handed out
-    before: the ports of a stack are picked together and bound later, and the OS gave one port
-    twice in about 1 of 160 batches of 15 (two services of a test stack then fought over it)."""
+    """A loopback port that is free now and not one this process handed out before. The ports of
+    a stack are picked together and bound later: asked for port 0, the OS gave one port twice in
+    about 1 of 160 batches of 15, and nearly the same ports to processes asking at the same time
+    (a draft's port went to a verifier's TP rendezvous). So the pick is uniform over the
+    ephemeral range, then checked by a bind."""
+    low, high = _ephemeral_range()
     while True:
+        port = _PICK.randint(low, high)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
 
 
 @dataclass
