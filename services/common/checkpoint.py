@@ -18,6 +18,7 @@ from torch import Tensor
 
 __all__ = [
     "CheckpointError",
+    "require_checkpoint",
     "CONFIG_FILE",
     "SINGLE_FILE",
     "INDEX_FILE",
@@ -36,6 +37,13 @@ INDEX_FILE = "model.safetensors.index.json"
 
 class CheckpointError(ValueError):
     """A checkpoint directory is missing something or holds something inconsistent."""
+
+
+def require_checkpoint(path: str | Path, setting: str) -> None:
+    """A checkpoint directory named by ``setting``, checked before anything loads, so the error
+    names the setting and not only the path."""
+    if not (Path(path) / CONFIG_FILE).is_file():
+        raise CheckpointError(f"{setting}: no checkpoint at {path} ({CONFIG_FILE} missing)")
 
 
 def read_config(path: Path) -> dict:

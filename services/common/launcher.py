@@ -6,6 +6,7 @@ config file, so the launcher and docker compose configure the services the same 
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import signal
@@ -43,6 +44,7 @@ _HANDED_OUT: set[int] = set()
 _PICK = random.SystemRandom()
 
 
+@functools.cache
 def _ephemeral_range() -> tuple[int, int]:
     try:
         low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from services.common.checkpoint import CONFIG_FILE, CheckpointError
+from services.common.checkpoint import CheckpointError, require_checkpoint
 from services.draft.dflash import DFlashDrafter, DraftContext
 
 __all__ = ["Proposer", "DFlashProposer", "OracleProposer", "load_proposer"]
@@ -196,7 +196,6 @@ def load_proposer(drafter_path: str, target_path: str, dtype: torch.dtype, devic
             return OracleProposer(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointError(f"oracle drafter spec {path}: {exc}") from None
-    for setting, path in (("draft.drafter_path", drafter_path), ("draft.target_path", target_path)):
-        if not (Path(path) / CONFIG_FILE).is_file():   # named by its setting, not only by its path
-            raise CheckpointError(f"{setting}: no checkpoint at {path} ({CONFIG_FILE} missing)")
+    require_checkpoint(drafter_path, "draft.drafter_path")
+    require_checkpoint(target_path, "draft.target_path")
     return DFlashProposer(DFlashDrafter.load(Path(drafter_path), Path(target_path), dtype=dtype, device=device))

@@ -139,6 +139,11 @@ class StepLoop:
         self._wake.set()
         return True
 
+    def has_live(self, request_id: str) -> bool:
+        """Whether a request with this client id runs here (not being aborted) or waits here."""
+        found = self.find(request_id)
+        return (found is not None and not found.aborted) or any(w.request_id == request_id for w in self.waiting)
+
     def find(self, request_id: str) -> ActiveRequest | None:
         """The running request with this client id that is not being aborted, else any with it."""
         found = [r for r in self.running.values() if r.request_id == request_id]

@@ -54,10 +54,6 @@ async def resolve(entries: tuple[str, ...] | list[str]) -> list[str]:
     return await asyncio.to_thread(discover, entries)
 
 
-def _live(req: ActiveRequest | None) -> bool:
-    return req is not None and not req.aborted
-
-
 def limits_from_info(info: common_pb2.ModelInfo) -> Limits:
     # A draft older than eos_token_ids sends only eos_token_id (-1: none).
     eos = tuple(info.eos_token_ids) or ((info.eos_token_id,) if info.eos_token_id >= 0 else ())
@@ -177,8 +173,7 @@ class Router:
                                f"queue full ({self.settings.max_queue} requests waiting); retry later")
         # An aborted request that has not left its step loop yet does not hold its id: the id may be
         # reused at once, anywhere (downstream, each admission has an id of its own: batcher.wire_id).
-        if any(_live(lane.find(req.request_id)) or any(w.request_id == req.request_id for w in lane.waiting)
-               for lane in self.lanes):
+        if any(lane.has_live(req.request_id) for lane in self.lanes):
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id} is already in use")
         min(fits, key=lambda lane: lane.load).submit(req)
 
@@ -187,8 +182,7 @@ class Router:
         looked for first: an id aborted on one replica may already run again on another while the
         first still holds its aborted predecessor, which would otherwise answer for it."""
         if only is None:
-            live = [lane for lane in self.lanes
-                    if _live(lane.find(request_id)) or any(w.request_id == request_id for w in lane.waiting)]
+            live = [lane for lane in self.lanes if lane.has_live(request_id)]
             return any(lane.abort(request_id) for lane in live or self.lanes)
         return any(lane.abort(request_id, only) for lane in self.lanes)
 

@@ -25,7 +25,7 @@ import grpc
 import torch
 
 from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from services.common.checkpoint import CONFIG_FILE, CheckpointError
+from services.common.checkpoint import require_checkpoint
 from services.common.devices import pin_device
 from services.common.grpc_server import ServiceError, check_port_free, host_port, listen, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
@@ -392,8 +392,7 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
     torch.set_num_threads(settings.cpu_threads)
     device = str(pin_device(rank_device(settings.device, tp.rank), "verifier.device"))   # Triton, graphs, rings follow it
     t0 = time.perf_counter()
-    if not (Path(settings.model_path) / CONFIG_FILE).is_file():   # named by its setting, not only by its path
-        raise CheckpointError(f"verifier.model_path: no checkpoint at {settings.model_path} ({CONFIG_FILE} missing)")
+    require_checkpoint(settings.model_path, "verifier.model_path")
     model = TargetModel.load(Path(settings.model_path), dtype=dtype, device=device, tp=tp)
     cfg = model.config
     log.info("weights_loaded", path=settings.model_path, layers=cfg.num_hidden_layers, rank=tp.rank, tp=tp.size,
