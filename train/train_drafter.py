@@ -6,6 +6,10 @@ As DFlash is trained: the drafter learns to predict the *target's own* greedy co
 (1) Data: prompts are random windows of the train split (a quarter of them file starts) of
 16..96 tokens; the frozen target (INT4 experts dequantised, float32) continues each greedily to
 ``--seq-len`` tokens, and one teacher-forced pass records its features at ``target_layer_ids``.
+A second, long set does the same from prompts of 768..1152 tokens continued to ``--long-seq-len``
+(1664: a 1024-token prompt plus 512 new tokens and a block), so the drafter has seen the positions
+and features of long contexts; a drafter trained on short sequences alone accepted ~1.2 tokens a
+step at context 1024. Every step trains on a batch of each set.
 In such a sequence the token at any position L past the prompt is the target's greedy choice
 given 0..L-1, exactly the bonus token the verifier hands the drafter, and the 15 tokens after it
 are the target's greedy continuation, the block the drafter should propose.
@@ -53,8 +57,11 @@ class GreedyData:
 
 @torch.no_grad()
 def generate_data(target: TrainTarget, stream: torch.Tensor, n: int, seq_len: int, min_prompt: int, max_prompt: int,
-                  layer_ids: list[int], chunk: int, gen: torch.Generator, eos: int, desc: str) -> GreedyData:
-    """``n`` greedy rollouts of ``target`` from prompts drawn from ``stream`` (chunks share a prompt length)."""
+                  layer_ids: list[int], chunk: int, gen: torch.Generator, eos: int, desc: str,
+                  feature_chunk: int = 256) -> GreedyData:
+    """``n`` greedy rollouts of ``target`` from prompts drawn from ``stream`` (chunks share a prompt
+    length); the teacher-forced feature pass takes ``feature_chunk`` rows at a time, since the
+    target's dense expert compute holds rows x tokens x experts x intermediate floats."""
     dev = stream.device
     file_starts = torch.nonzero(stream[:-max_prompt - 1] == eos).flatten() + 1  # [files]
     toks, feats, prompts = [], [], []
@@ -70,8 +77,8 @@ def generate_data(target: TrainTarget, stream: torch.Tensor, n: int, seq_len: in
         prompt = stream[starts[:, None] + torch.arange(P, device=dev)]  # [b, P]
         cont = target.greedy(prompt, seq_len - P)  # [b, S-P]
         seq = torch.cat([prompt, cont], dim=1)  # [b, S]
-        for s in range(0, b, 256):
-            _, f = target(seq[s:s + 256], feature_layers=layer_ids)
+        for s in range(0, b, feature_chunk):
+            _, f = target(seq[s:s + feature_chunk], feature_layers=layer_ids)
             feats.append(f.to(torch.bfloat16))  # [<=256, S, F]
         toks.append(seq)
         prompts.append(torch.full((b,), P, dtype=torch.int64, device=dev))
@@ -94,6 +101,19 @@ def _sample(data: GreedyData, batch: int, anchors: int, block: int, gen: torch.G
     idx = L[:, :, None] + torch.arange(1, block, device=dev)  # [b, K, block-1]
     labels = tokens.gather(1, idx.flatten(1)).view_as(idx)
     return rows, L, labels
+
+
+def _block_loss(drafter: TrainDrafter, data: GreedyData, batch: int, anchors: int, block: int,
+                gen: torch.Generator, use_amp: bool, pos_w: torch.Tensor) -> tuple:
+    """Position-weighted cross-entropy [b, K] of a random batch, with its logits and labels."""
+    rows, L, labels = _sample(data, batch, anchors, block, gen)
+    feats = data.features[rows]
+    if not use_amp:
+        feats = feats.float()
+    with torch.autocast(device_type=feats.device.type, dtype=torch.bfloat16, enabled=use_amp):
+        logits = drafter(feats, data.tokens[rows], L)  # [b, K, block-1, V]
+    ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+    return (ce * pos_w).sum(-1), logits, labels
 
 
 def _chain_accept(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -137,8 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-prompt", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=96)
     p.add_argument("--gen-chunk", type=int, default=4096)
+    p.add_argument("--long-sequences", type=int, default=8192, help="long-context rollouts (0: short set only)")
+    p.add_argument("--long-heldout-sequences", type=int, default=256)
+    p.add_argument("--long-seq-len", type=int, default=1664)
+    p.add_argument("--long-min-prompt", type=int, default=768)
+    p.add_argument("--long-max-prompt", type=int, default=1152)
+    p.add_argument("--long-gen-chunk", type=int, default=512)
+    p.add_argument("--long-batch", type=int, default=32, help="long sequences in each step's batch")
     p.add_argument("--steps", type=int, default=5000)
-    p.add_argument("--max-minutes", type=float, default=2.2)
+    p.add_argument("--max-minutes", type=float, default=5.0)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--anchors", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -169,10 +196,18 @@ def main(argv: list[str] | None = None) -> int:
                          layer_ids, args.gen_chunk, gen, eos, "drafter data (train prompts)")
     held = generate_data(target, held_stream, args.heldout_sequences, args.seq_len, args.min_prompt,
                          args.max_prompt, layer_ids, args.gen_chunk, gen, eos, "drafter data (held-out prompts)")
+    long_data = long_held = None
+    if args.long_sequences > 0:
+        long_args = (args.long_seq_len, args.long_min_prompt, args.long_max_prompt, layer_ids, args.long_gen_chunk, gen, eos)
+        long_data = generate_data(target, train_stream, args.long_sequences, *long_args, "long data (train prompts)",
+                                  feature_chunk=64)
+        long_held = generate_data(target, held_stream, args.long_heldout_sequences, *long_args,
+                                  "long data (held-out prompts)", feature_chunk=64)
     gen_seconds = time.time() - t0
     del train_stream, held_stream, target
-    print(f"drafter: {data.tokens.shape[0]} + {held.tokens.shape[0]} greedy sequences of {args.seq_len} tokens "
-          f"in {gen_seconds:.0f}s", flush=True)
+    print(f"drafter: {data.tokens.shape[0]} + {held.tokens.shape[0]} greedy sequences of {args.seq_len} tokens, "
+          f"{0 if long_data is None else long_data.tokens.shape[0]} + "
+          f"{0 if long_held is None else long_held.tokens.shape[0]} of {args.long_seq_len} in {gen_seconds:.0f}s", flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
         dcfg = write_random_drafter(Path(tmp), target_cfg, block_size=args.block, num_layers=args.layers,
@@ -191,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     pos_w = torch.exp(-(k - 1) / args.gamma)
     pos_w = pos_w / pos_w.sum()  # [block-1]
     log = CsvLog(args.out / "logs" / "drafter_train.csv",
-                 ["step", "loss", "chain_acceptance", "lr", "elapsed_s", "heldout_chain_acceptance", "heldout_top1_first"])
+                 ["step", "loss", "chain_acceptance", "lr", "elapsed_s", "heldout_chain_acceptance", "heldout_top1_first",
+                  "long_heldout_chain_acceptance"])
     sched = Schedule(args.lr, args.steps, args.max_minutes * 60 or None, args.warmup)
     bar = progress_bar(args.steps, "drafter")
     step = 0
@@ -199,14 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         lr = sched.lr_at(step)
         for g in opt.param_groups:
             g["lr"] = lr
-        rows, L, labels = _sample(data, args.batch, args.anchors, args.block, gen)
-        feats = data.features[rows]
-        if not use_amp:
-            feats = feats.float()
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_amp):
-            logits = drafter(feats, data.tokens[rows], L)  # [b, K, block-1, V]
-        ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
-        loss = (ce * pos_w).sum(-1).mean()
+        ce, logits, labels = _block_loss(drafter, data, args.batch, args.anchors, args.block, gen, use_amp, pos_w)
+        if long_data is not None:  # one loss over both batches' anchors
+            ce_long, _, _ = _block_loss(drafter, long_data, args.long_batch, args.anchors, args.block, gen, use_amp, pos_w)
+            ce = torch.cat([ce.flatten(), ce_long.flatten()])
+        loss = ce.mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -215,10 +248,14 @@ def main(argv: list[str] | None = None) -> int:
         bar.update(1)
         if step % args.log_every == 0 or sched.done(step):
             row = dict(step=step, loss=loss.item(), chain_acceptance=float(_chain_accept(logits.detach(), labels).mean()),
-                       lr=lr, elapsed_s=sched.elapsed(), heldout_chain_acceptance="", heldout_top1_first="")
+                       lr=lr, elapsed_s=sched.elapsed(), heldout_chain_acceptance="", heldout_top1_first="",
+                       long_heldout_chain_acceptance="")
             if step % args.eval_every == 0 or sched.done(step):
                 ev = _evaluate(drafter, held, args.block, gen, use_amp)
                 row.update(heldout_chain_acceptance=ev["chain_acceptance"], heldout_top1_first=ev["top1_first"])
+                if long_held is not None:
+                    row.update(long_heldout_chain_acceptance=_evaluate(drafter, long_held, args.block, gen,
+                                                                       use_amp)["chain_acceptance"])
             log.write(**row)
             bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['chain_acceptance']:.2f}")
     bar.close()
@@ -226,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     train_seconds = sched.elapsed()
     final_train = _evaluate(drafter, data, args.block, gen, use_amp)
     final_held = _evaluate(drafter, held, args.block, gen, use_amp, rounds=16)
+    final_long = None if long_held is None else _evaluate(drafter, long_held, args.block, gen, use_amp, rounds=16)
     print(f"drafter: {step} steps in {train_seconds:.0f}s; chain acceptance (greedy, budget-15 chain) "
-          f"train {final_train['chain_acceptance']:.2f}, held-out {final_held['chain_acceptance']:.2f}", flush=True)
+          f"train {final_train['chain_acceptance']:.2f}, held-out {final_held['chain_acceptance']:.2f}"
+          + ("" if final_long is None else f", long held-out {final_long['chain_acceptance']:.2f}"), flush=True)
 
     out = args.out / "drafter"
     write_random_drafter(out, target_cfg, block_size=args.block, num_layers=args.layers, seed=args.seed,
@@ -250,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         "train_seconds": round(train_seconds, 1),
         "chain_acceptance_train": final_train,
         "chain_acceptance_heldout": final_held,
+        "long_sequences": 0 if long_data is None else int(long_data.tokens.shape[0]),
+        "long_seq_len": args.long_seq_len,
+        "chain_acceptance_long_heldout": final_long,
         "reload_check": check,
         "checkpoint_bytes": sum(f.stat().st_size for f in out.glob("model*.safetensors")),
         "total_seconds": round(time.time() - t_start, 1),
