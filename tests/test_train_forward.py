@@ -75,9 +75,13 @@ def test_greedy_with_cache_matches_reference(target_dir: Path) -> None:
     got = model.greedy(torch.tensor([prompt, prompt]), 12)
     want = ReferenceModel(config, weights).greedy(prompt, 12)
     assert got[0].tolist() == want and got[1].tolist() == want
-    cache = KVCache(config.num_hidden_layers)
+    cache = KVCache(config.num_hidden_layers, capacity=len(prompt) + 1)
     model(torch.tensor([prompt]), cache)
     assert cache.length == len(prompt)
+    model(torch.tensor([[7]]), cache)
+    assert cache.length == len(prompt) + 1
+    with pytest.raises(ValueError, match="cannot take"):  # written in place: no silent growth past its buffers
+        model(torch.tensor([[7]]), cache)
 
 
 def test_drafter_forward_matches_dflash(tmp_path: Path, target_dir: Path) -> None:
