@@ -298,6 +298,43 @@ def test_an_old_streams_end_frees_only_what_it_admitted(ckpt):
     assert held_after_handshake == [] and code == 0 and held_at_end == ["b"]
 
 
+def test_a_second_stream_on_one_handshake_is_refused_and_the_first_goes_on(ckpt):
+    """Two streams of one handshake would interleave their steps on the same rings, and the end of
+    either would drop the peer under the other: the second is refused, the first is untouched."""
+    layers = json.loads((ckpt / "drafter" / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    cfg = json.loads((ckpt / "config.json").read_text())
+    hello = verifier_pb2.HandshakeRequest(draft_id="d1", feature_layer_ids=layers, hidden_size=cfg["hidden_size"],
+                                          vocab_size=cfg["vocab_size"], transports=["inline"])
+
+    def prefill(rid: str, seq: int) -> verifier_pb2.VerifyRequest:
+        return verifier_pb2.VerifyRequest(sequence=seq, prefills=[
+            verifier_pb2.PrefillItem(request_id=rid, token_ids=[5, 6, 7], reserve_tokens=64)])
+
+    async def run():
+        verifier = await Verifier(ckpt).start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}")
+        try:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            await stub.Handshake(hello)
+            first = stub.VerifyStream(metadata=(("draft-id", "d1"),))
+            await first.write(prefill("a", 1))
+            await first.read()
+            second = stub.VerifyStream(metadata=(("draft-id", "d1"),))
+            await second.write(prefill("b", 1))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await second.read()
+            await asyncio.sleep(0.2)   # the refused stream's end must not have dropped the first's peer
+            await first.write(prefill("c", 2))
+            (item,) = (await first.read()).prefills
+            return refused.value, item.error_code, sorted(verifier.engine._requests)
+        finally:
+            await channel.close()
+            await verifier.stop()
+    refused, code, held = asyncio.run(run())
+    assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and "already open" in refused.details()
+    assert code == 0 and held == ["a", "c"]
+
+
 def test_a_step_stream_that_ended_between_steps_fails_its_requests_as_unavailable(ckpt):
     """The draft frees what a step stream admitted when it ends (a dropped connection); the lane
     must hear so at its next step, not step on as if nothing happened and get NOT_FOUND."""

@@ -169,6 +169,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if peer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no handshake for draft-id {draft_id!r}; call Handshake first")
+        if peer.streamed:   # two streams would interleave steps on one pair of rings, and either's end drops both
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"draft {draft_id}: a verify stream of this handshake is already open; "
+                                "hand-shake again to replace it")
         peer.streamed = True
         try:
             async for req in request_iterator:
