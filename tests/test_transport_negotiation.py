@@ -10,6 +10,7 @@ stand-in engine (a handshake needs only the model's shape and the cache's size).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from types import SimpleNamespace
 
 import grpc
@@ -221,6 +222,49 @@ def test_features_are_read_in_the_ring_and_their_slot_held_until_the_next_step()
     replies, held = asyncio.run(scenario())
     assert replies == [((5, HIDDEN), True), ((3, HIDDEN), True), ((2, HIDDEN), True)]
     assert held == [1, 1, 1]   # each step's features hold one slot; the step after gives it back
+
+
+def test_messages_too_big_for_a_slot_go_inline_and_are_counted() -> None:
+    """A ring slot smaller than the traffic costs a copy through gRPC on every such message: both
+    sides count those (`ddtree_ring_inline_fallbacks`), so the operator sees when to raise it."""
+    class Group(_Group):
+        def call(self, name: str, *args):
+            if name == "prefill":
+                items = [SimpleNamespace(request_id=p.request_id, error=None, tokens=[7], committed=len(p.token_ids))
+                         for p in args[0]]
+                n = sum(len(p.token_ids) for p in args[0])
+                return SimpleNamespace(items=items, features=torch.randn(n, HIDDEN))
+            return super().call(name, *args)
+
+    draft_fallbacks = []
+
+    async def scenario():
+        metrics = Metrics("verifier")
+        servicer = VerifierServicer(Group(), VerifierSettings(device="cpu", ring_slot_bytes=8192), metrics)
+        server = grpc.aio.server()
+        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = VerifierClient(f"127.0.0.1:{port}", "shm", ring_slots=4, ring_slot_bytes=8192, device="cpu",
+                                on_inline_fallback=lambda: draft_fallbacks.append(1))
+        counted = lambda: metrics.registry.get_sample_value("ddtree_ring_inline_fallbacks_total")  # noqa: E731
+        try:
+            await client.connect([1, 2], HIDDEN, VOCAB)
+            seen = []
+            for rid, n in (("small", 4), ("big", 64), ("small2", 4)):   # 64 x 64 float32 = 16 KB > 8 KB
+                prefill = verifier_pb2.PrefillItem(request_id=rid, token_ids=list(range(1, n + 1)), reserve_tokens=128)
+                reply = await client.step([prefill], [], None, [])
+                seen.append((reply.features.shape[0], counted()))
+            big_trees = {"tokens": torch.arange(2048), "parents": torch.arange(2048)}   # 32 KB of trees
+            with contextlib.suppress(ServiceError):   # what the verifier makes of them does not matter here
+                await client.step([], ["small"], big_trees, [])
+            return seen
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    assert asyncio.run(scenario()) == [(4, 0.0), (64, 1.0), (4, 1.0)]
+    assert draft_fallbacks == [1]
 
 
 def test_a_vanishing_draft_always_leaves_nothing_behind() -> None:

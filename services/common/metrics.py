@@ -49,6 +49,9 @@ class Metrics:
         self.peers = Gauge("ddtree_transport_peers", "Draft replicas with a live verify stream", registry=r)
         self.ring_slots_in_use = Gauge("ddtree_ring_slots_in_use", "Shared-buffer slots peers have not released",
                                        registry=r)
+        self.ring_inline_fallbacks = Counter("ddtree_ring_inline_fallbacks", "Messages larger than a ring slot, "
+                                             "sent inside the gRPC message instead (raise ring_slot_bytes if this "
+                                             "grows)", registry=r)
         self.gpu_memory_allocated = Gauge("ddtree_gpu_memory_allocated_bytes",
                                           "Bytes of live tensors on this service's GPU (torch allocator)", registry=r)
         self.service = service

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -81,10 +81,12 @@ class VerifierClient:
     or the replica's next probe (`DraftEngine.ensure_connected`)."""
 
     def __init__(self, address: str, transport: str, ring_slots: int, ring_slot_bytes: int,
-                 device: str = "cpu", step_timeout_s: float = 60.0) -> None:
+                 device: str = "cpu", step_timeout_s: float = 60.0,
+                 on_inline_fallback: Callable[[], None] | None = None) -> None:
         """`device`: this draft's device; our ring lives there (cuda_ipc) and the features land there.
         `step_timeout_s`: a verifier that answers no step within this is taken for gone (a frozen
-        process or a half-open connection would otherwise hold the draft's lock for ever)."""
+        process or a half-open connection would otherwise hold the draft's lock for ever).
+        `on_inline_fallback`: called for each tree bundle too big for a ring slot (sent inline)."""
         self.address = address
         self.step_timeout_s = step_timeout_s
         self.draft_id = f"draft-{uuid.uuid4().hex[:12]}"
@@ -98,6 +100,7 @@ class VerifierClient:
         self._reader: TensorReader | None = None
         self._to_release: list[int] = []
         self._sequence = 0
+        self._on_inline_fallback = on_inline_fallback
         self.handshake: verifier_pb2.HandshakeResponse | None = None
 
     async def connect(self, feature_layer_ids: Sequence[int], hidden_size: int, vocab_size: int,
@@ -176,7 +179,10 @@ class VerifierClient:
         if self._to_release and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()   # the last features are read
         self._sequence += 1
+        before = self._writer.inline_fallbacks
         bundle = self._writer.write(trees) if trees is not None else None
+        if self._writer.inline_fallbacks != before and self._on_inline_fallback is not None:
+            self._on_inline_fallback()
         req = verifier_pb2.VerifyRequest(sequence=self._sequence, prefills=prefills, verify_ids=list(verify_ids),
                                          release=list(release), released_slots=self._to_release)
         if bundle is not None:

@@ -326,7 +326,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         parts = [o.features for o in (prefill, verify) if o is not None and o.features.shape[0]]
         features = self.engine.cat_features(parts)
         t_write = time.perf_counter()
+        before = peer.writer.inline_fallbacks
         bundle = peer.writer.write({"features": features})
+        if peer.writer.inline_fallbacks != before:
+            self.metrics.ring_inline_fallbacks.inc()
         if features.shape[0]:
             self.metrics.step_ms.labels("features").observe((time.perf_counter() - t_write) * 1e3)
         self._observe()
