@@ -30,19 +30,35 @@ class SmallAllReduce:
         self._buf: torch.Tensor | None = None
         self._group_name = self.group.group_name
         self.reason = ""
+        # Every rank must take the same path for every call, or the ranks' collectives no longer
+        # pair up (a hang, or sums of unrelated tensors): each phase's outcome is agreed on by
+        # all ranks before the next, and any rank's failure sends all of them to NCCL.
+        buf = None
         try:
             import torch.distributed._symmetric_memory as symm_mem
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
                 symm_mem.enable_symm_mem_for_group(self._group_name)
             buf = symm_mem.empty(max_bytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype, device=device)
             symm_mem.rendezvous(buf, self._group_name)
-            self._buf = buf
-            self._check()
         except Exception as exc:  # noqa: BLE001 - any failure of the private API means NCCL
-            self._buf = None
-            self.reason = f"{type(exc).__name__}: {exc}"
+            buf, self.reason = None, f"{type(exc).__name__}: {exc}"
+        if self._agreed(buf is not None, device):
+            self._buf = buf
+            try:
+                self._check()
+            except Exception as exc:  # noqa: BLE001
+                self.reason = f"{type(exc).__name__}: {exc}"
+            if not self._agreed(not self.reason, device):
+                self._buf = None
+        self.reason = self.reason or ("" if self._buf is not None else "another rank cannot use the one-shot path")
         log.info("small_allreduce", one_shot=self._buf is not None, max_bytes=max_bytes,
                  fallback_reason=self.reason or None)
+
+    def _agreed(self, ok: bool, device: torch.device | str) -> bool:
+        """True when `ok` holds on every rank (a MIN over the group through the default backend)."""
+        flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
 
     @property
     def one_shot(self) -> bool:
