@@ -184,21 +184,24 @@ def test_readable_in_place() -> None:
     assert readable_in_place(host, torch.device("cuda", 1))   # a shm ring read by a draft on a GPU
 
 
+class _PrefillGroup(_Group):
+    """Prefills answer one token and random features per prompt token."""
+
+    def call(self, name: str, *args):
+        if name == "prefill":
+            items = [SimpleNamespace(request_id=p.request_id, error=None, tokens=[7], committed=len(p.token_ids))
+                     for p in args[0]]
+            n = sum(len(p.token_ids) for p in args[0])
+            return SimpleNamespace(items=items, features=torch.randn(n, HIDDEN))
+        return super().call(name, *args)
+
+
 def test_features_are_read_in_the_ring_and_their_slot_held_until_the_next_step() -> None:
     """The answer's features are a view of the verifier's ring, not a copy; their slot goes back
     with the next step, so the verifier never writes into it while the draft may still read it."""
-    class Group(_Group):
-        def call(self, name: str, *args):
-            if name == "prefill":
-                items = [SimpleNamespace(request_id=p.request_id, error=None, tokens=[7], committed=len(p.token_ids))
-                         for p in args[0]]
-                n = sum(len(p.token_ids) for p in args[0])
-                return SimpleNamespace(items=items, features=torch.randn(n, HIDDEN))
-            return super().call(name, *args)
-
     async def scenario():
         metrics = Metrics("verifier")
-        servicer = VerifierServicer(Group(), VerifierSettings(device="cpu", ring_slot_bytes=8192), metrics)
+        servicer = VerifierServicer(_PrefillGroup(), VerifierSettings(device="cpu", ring_slot_bytes=8192), metrics)
         server = grpc.aio.server()
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
@@ -227,20 +230,11 @@ def test_features_are_read_in_the_ring_and_their_slot_held_until_the_next_step()
 def test_messages_too_big_for_a_slot_go_inline_and_are_counted() -> None:
     """A ring slot smaller than the traffic costs a copy through gRPC on every such message: both
     sides count those (`ddtree_ring_inline_fallbacks`), so the operator sees when to raise it."""
-    class Group(_Group):
-        def call(self, name: str, *args):
-            if name == "prefill":
-                items = [SimpleNamespace(request_id=p.request_id, error=None, tokens=[7], committed=len(p.token_ids))
-                         for p in args[0]]
-                n = sum(len(p.token_ids) for p in args[0])
-                return SimpleNamespace(items=items, features=torch.randn(n, HIDDEN))
-            return super().call(name, *args)
-
     draft_fallbacks = []
 
     async def scenario():
         metrics = Metrics("verifier")
-        servicer = VerifierServicer(Group(), VerifierSettings(device="cpu", ring_slot_bytes=8192), metrics)
+        servicer = VerifierServicer(_PrefillGroup(), VerifierSettings(device="cpu", ring_slot_bytes=8192), metrics)
         server = grpc.aio.server()
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
