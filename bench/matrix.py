@@ -3,7 +3,8 @@
 For each context length x concurrency x mode (autoregressive, DDTree at each budget) it sends
 `concurrency` requests of `context` prompt tokens at once, `max_tokens` each, and reports aggregate
 and per-request tokens/s, p50/p99 time per output token, time to first token, mean acceptance, the
-step-time split from the draft's Prometheus page (when its metrics port is given) and GPU
+step-time split from the draft's Prometheus page and the scheduler's own loop time and step round
+trip from its page (each when its metrics port is given; `--spawn-stack` gives both) and GPU
 power/utilisation (NVML, else `nvidia-smi`, when there is a GPU). Writes JSON (TARGETS.md schema)
 after every cell, so a run cut short still leaves its rows, and a PNG plot at the end.
 
@@ -53,6 +54,7 @@ class MatrixParams:
     max_tokens: int = 512
     temperature: float = 0.0
     draft_metrics: str = ""        # host:port of the draft's /metrics, for the step-time split
+    scheduler_metrics: str = ""    # host:port of the scheduler's /metrics: its own loop time and the step's round trip
     vocab_low: int = 2             # synthetic prompt ids are drawn from [vocab_low, vocab_high)
     vocab_high: int = 256
     seed: int = 0
@@ -319,13 +321,14 @@ def run_matrix(p: MatrixParams, progress: bool = True,
         if left <= 0:
             rows.append(_empty_row(cell, "skipped"))
         else:
-            before = stage_totals(p.draft_metrics)
+            before, sched_before = stage_totals(p.draft_metrics), stage_totals(p.scheduler_metrics)
             with PowerSampler(p.power) as power:   # the last cell is cut at the deadline, so the run ends by it
                 stats = asyncio.run(_run_cell(p, cell, p.max_tokens, stream, min(p.cell_timeout_s, left)))
             watts, util = power.mean()
             rows.append({"context": cell.context, "concurrency": cell.concurrency, "mode": cell.mode,
                          "budget": cell.budget or None, **stats,
                          "step_split_ms": stage_split(before, stage_totals(p.draft_metrics)),
+                         "scheduler_split_ms": stage_split(sched_before, stage_totals(p.scheduler_metrics)),
                          "power_w": watts, "gpu_util": util, "power_source": power.source})
             if stats["status"] == "timed_out":
                 time.sleep(1.0)   # let the scheduler retire the aborted requests before the next cell
@@ -345,12 +348,12 @@ def _kv_tokens_per_request(p: MatrixParams, block_size: int, page_size: int) -> 
 
 
 def stack_spec(p: MatrixParams, model: str, device: str, dtype: str, log_path: str | None = None,
-               page_size: int = 16) -> tuple[StackSpec, str]:
+               page_size: int = 16) -> tuple[StackSpec, str, str]:
     """A stack that runs every cell unqueued: batch and queue hold the largest concurrency, the KV
     cache all its requests at the largest context, and the verifier's shared-buffer slots the
     features of one step (the scheduler admits at most `max_prefill_tokens` prompt tokens a step,
     plus every request's tree; the verifier sends float32 features; a slot too small falls back to
-    inline gRPC bytes, slow). Returns the spec and the draft's metrics address."""
+    inline gRPC bytes, slow). Returns the spec and the draft's and the scheduler's metrics addresses."""
     from services.draft.config import DraftConfig
 
     drafter = DraftConfig.from_hf(json.loads((Path(model) / "drafter" / "config.json").read_text()))
@@ -358,7 +361,7 @@ def stack_spec(p: MatrixParams, model: str, device: str, dtype: str, log_path: s
     kv_tokens = conc * _kv_tokens_per_request(p, drafter.block_size, page_size)
     rows = min(conc * max(p.contexts), SchedulerSettings().max_prefill_tokens) + conc * (max(p.budgets, default=0) + 1)
     feature_bytes = rows * drafter.num_features * 4   # float32 on the wire, whatever the model dtype
-    metrics_port = free_port()
+    metrics_port, scheduler_metrics_port = free_port(), free_port()
     env = {
         "DDTREE_VERIFIER_DEVICE": device, "DDTREE_DRAFT_DEVICE": device,
         "DDTREE_VERIFIER_DTYPE": dtype, "DDTREE_DRAFT_DTYPE": dtype,
@@ -369,10 +372,11 @@ def stack_spec(p: MatrixParams, model: str, device: str, dtype: str, log_path: s
         "DDTREE_SCHEDULER_MAX_QUEUE": str(max(256, 2 * conc)),
         "DDTREE_SCHEDULER_STEP_TIMEOUT_S": str(max(60.0, p.cell_timeout_s)),
         "DDTREE_DRAFT_METRICS_PORT": str(metrics_port),
+        "DDTREE_SCHEDULER_METRICS_PORT": str(scheduler_metrics_port),
         "DDTREE_DRAFT_WARMUP_BUDGETS": ",".join(str(b) for b in p.budgets) or "8",
     }
     spec = StackSpec(model_path=model, scheduler_port=0, extra_env=env, startup_timeout_s=300.0, log_path=log_path)
-    return spec, f"127.0.0.1:{metrics_port}"
+    return spec, f"127.0.0.1:{metrics_port}", f"127.0.0.1:{scheduler_metrics_port}"
 
 
 def check_fits(info: common_pb2.ModelInfo, p: MatrixParams) -> None:

@@ -256,7 +256,8 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     params = MatrixParams(address=args.address, contexts=args.contexts, concurrencies=args.concurrency,
                           budgets=args.budgets, max_tokens=args.max_tokens, temperature=args.temperature,
-                          draft_metrics=args.draft_metrics, vocab_high=args.vocab_high, prompt_file=args.prompt_file,
+                          draft_metrics=args.draft_metrics, scheduler_metrics=args.scheduler_metrics,
+                          vocab_high=args.vocab_high, prompt_file=args.prompt_file,
                           cell_timeout_s=args.cell_timeout, time_budget_s=args.time_budget,
                           warmup_tokens=args.warmup_tokens, power=not args.no_power, tls_ca=args.tls_ca or "",
                           tls_server_name=args.tls_server_name or "", token=args.token or "")
@@ -269,7 +270,8 @@ def _run_bench(args: argparse.Namespace) -> int:
             model = args.spawn_stack
             if not params.prompt_file and (Path(model) / "heldout_prompts.json").is_file():
                 params.prompt_file = str(Path(model) / "heldout_prompts.json")
-            spec, params.draft_metrics = stack_spec(params, model, args.device, args.dtype, args.stack_log)
+            spec, params.draft_metrics, params.scheduler_metrics = stack_spec(params, model, args.device, args.dtype,
+                                                                              args.stack_log)
             print(f"ddtree bench: starting the stack on {model} ({args.device}, {args.dtype})", file=sys.stderr,
                   flush=True)
             try:
@@ -379,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=512)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--draft-metrics", default="", help="host:port of the draft's /metrics (step-time split)")
+    b.add_argument("--scheduler-metrics", default="",
+                   help="host:port of the scheduler's /metrics (its loop time and the step round trip)")
     b.add_argument("--vocab-high", type=int, default=256, help="prompt ids are drawn below this")
     b.add_argument("--prompt-file", default="", help="JSON {'prompts': [{'ids': [...]}]} to cut prompts from "
                    "(default with --spawn-stack: <model>/heldout_prompts.json when present; else synthetic ids)")
