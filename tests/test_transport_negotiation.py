@@ -196,19 +196,28 @@ class _PrefillGroup(_Group):
         return super().call(name, *args)
 
 
+@contextlib.asynccontextmanager
+async def _prefill_link(metrics: Metrics, **client_kw):
+    """A verifier over `_PrefillGroup` with 8 KB shm slots, and a connected draft-side client."""
+    servicer = VerifierServicer(_PrefillGroup(), VerifierSettings(device="cpu", ring_slot_bytes=8192), metrics)
+    server = grpc.aio.server()
+    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = VerifierClient(f"127.0.0.1:{port}", "shm", ring_slots=4, ring_slot_bytes=8192, device="cpu", **client_kw)
+    try:
+        await client.connect([1, 2], HIDDEN, VOCAB)
+        yield servicer, client
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
 def test_features_are_read_in_the_ring_and_their_slot_held_until_the_next_step() -> None:
     """The answer's features are a view of the verifier's ring, not a copy; their slot goes back
     with the next step, so the verifier never writes into it while the draft may still read it."""
     async def scenario():
-        metrics = Metrics("verifier")
-        servicer = VerifierServicer(_PrefillGroup(), VerifierSettings(device="cpu", ring_slot_bytes=8192), metrics)
-        server = grpc.aio.server()
-        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        client = VerifierClient(f"127.0.0.1:{port}", "shm", ring_slots=4, ring_slot_bytes=8192, device="cpu")
-        try:
-            await client.connect([1, 2], HIDDEN, VOCAB)
+        async with _prefill_link(Metrics("verifier")) as (servicer, client):
             peer = next(iter(servicer._peers.values()))
             held, replies = [], []
             for rid, n in (("a", 5), ("b", 3), ("c", 2)):
@@ -218,9 +227,6 @@ def test_features_are_read_in_the_ring_and_their_slot_held_until_the_next_step()
                 replies.append((reply.features.shape, np.shares_memory(ring, reply.features.numpy())))
                 held.append(peer.writer.slots_in_use)
             return replies, held
-        finally:
-            await client.close()
-            await server.stop(None)
 
     replies, held = asyncio.run(scenario())
     assert replies == [((5, HIDDEN), True), ((3, HIDDEN), True), ((2, HIDDEN), True)]
@@ -234,16 +240,8 @@ def test_messages_too_big_for_a_slot_go_inline_and_are_counted() -> None:
 
     async def scenario():
         metrics = Metrics("verifier")
-        servicer = VerifierServicer(_PrefillGroup(), VerifierSettings(device="cpu", ring_slot_bytes=8192), metrics)
-        server = grpc.aio.server()
-        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        client = VerifierClient(f"127.0.0.1:{port}", "shm", ring_slots=4, ring_slot_bytes=8192, device="cpu",
-                                on_inline_fallback=lambda: draft_fallbacks.append(1))
         counted = lambda: metrics.registry.get_sample_value("ddtree_ring_inline_fallbacks_total")  # noqa: E731
-        try:
-            await client.connect([1, 2], HIDDEN, VOCAB)
+        async with _prefill_link(metrics, on_inline_fallback=lambda: draft_fallbacks.append(1)) as (_, client):
             seen = []
             for rid, n in (("small", 4), ("big", 64), ("small2", 4)):   # 64 x 64 float32 = 16 KB > 8 KB
                 prefill = verifier_pb2.PrefillItem(request_id=rid, token_ids=list(range(1, n + 1)), reserve_tokens=128)
@@ -253,9 +251,6 @@ def test_messages_too_big_for_a_slot_go_inline_and_are_counted() -> None:
             with contextlib.suppress(ServiceError):   # what the verifier makes of them does not matter here
                 await client.step([], ["small"], big_trees, [])
             return seen
-        finally:
-            await client.close()
-            await server.stop(None)
 
     assert asyncio.run(scenario()) == [(4, 0.0), (64, 1.0), (4, 1.0)]
     assert draft_fallbacks == [1]
