@@ -27,6 +27,7 @@ import argparse
 import json
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -79,7 +80,7 @@ def generate_data(target: TrainTarget, stream: torch.Tensor, n: int, seq_len: in
         seq = torch.cat([prompt, cont], dim=1)  # [b, S]
         for s in range(0, b, feature_chunk):
             _, f = target(seq[s:s + feature_chunk], feature_layers=layer_ids)
-            feats.append(f.to(torch.bfloat16))  # [<=256, S, F]
+            feats.append(f.to(torch.bfloat16))  # [<=feature_chunk, S, F]
         toks.append(seq)
         prompts.append(torch.full((b,), P, dtype=torch.int64, device=dev))
         done += b
@@ -198,11 +199,12 @@ def main(argv: list[str] | None = None) -> int:
                          args.max_prompt, layer_ids, args.gen_chunk, gen, eos, "drafter data (held-out prompts)")
     long_data = long_held = None
     if args.long_sequences > 0:
-        long_args = (args.long_seq_len, args.long_min_prompt, args.long_max_prompt, layer_ids, args.long_gen_chunk, gen, eos)
-        long_data = generate_data(target, train_stream, args.long_sequences, *long_args, "long data (train prompts)",
-                                  feature_chunk=64)
-        long_held = generate_data(target, held_stream, args.long_heldout_sequences, *long_args,
-                                  "long data (held-out prompts)", feature_chunk=64)
+        long_rollouts = partial(generate_data, target, seq_len=args.long_seq_len, min_prompt=args.long_min_prompt,
+                                max_prompt=args.long_max_prompt, layer_ids=layer_ids, chunk=args.long_gen_chunk,
+                                gen=gen, eos=eos, feature_chunk=64)
+        long_data = long_rollouts(train_stream, args.long_sequences, desc="long data (train prompts)")
+        long_held = long_rollouts(held_stream, args.long_heldout_sequences, desc="long data (held-out prompts)")
+        del long_rollouts   # it holds the target
     gen_seconds = time.time() - t0
     del train_stream, held_stream, target
     print(f"drafter: {data.tokens.shape[0]} + {held.tokens.shape[0]} greedy sequences of {args.seq_len} tokens, "
