@@ -1,0 +1,367 @@
+"""Soak: a stack under a random mix of requests for a while, every answer checked as it comes and
+the stack's state checked after.
+
+Why: the tests check each rule alone, on small checkpoints; a server breaks where rules meet under
+load: a cancel while a long prompt is prefilled in pieces, a deadline in a step that also admits, a
+budget-128 tree beside an autoregressive request, an abort racing the last token. Each worker sends
+one request after another, each of a kind drawn at random (`KINDS`), and checks the answer against
+the rules the README states for it (finish reason, token count, acceptance lengths, stop strings,
+which error codes may come). After the load, once the scheduler is idle, every gauge that counts
+something held (KV pages, ring slots, transport peers, running and queued requests) must be back
+where it stood before the load, and the scheduler's request counters must have moved by what the
+clients saw.
+
+It also measures what the README says of repeated requests: probe requests (greedy DDTree, greedy
+autoregressive, seeded sampling) are run alone before the load, again and again during it, and alone
+after it; each run is compared token for token with the first. Writes `bench/results/NAME.json`
+(TARGETS.md schema: one row per request kind, per probe, and the state check).
+
+    python -m bench.soak --model models/demo --device cuda --dtype bfloat16 --duration 240 \
+        --concurrency 48 --out bench/results/soak-demo.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+import urllib.request
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.common import git_commit
+from bench.matrix import MatrixParams, load_token_stream, stack_spec
+from services.common.launcher import Stack, free_port
+from services.scheduler.client import AsyncClient, ClientError, Completion
+
+__all__ = ["KINDS", "SoakParams", "Probe", "run_soak", "scrape", "held_state", "main"]
+
+# Request kinds and their weights in the mix. Each kind's builder and checks are in `_one`.
+KINDS = {"greedy": 6, "sampled": 4, "autoregressive": 2, "stop": 2, "long": 2, "token_ids": 1, "cancel": 2,
+         "deadline": 1, "abort": 1, "invalid": 1}
+BUDGETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+# Gauges that count something a request holds: idle before the load, they must read the same after it.
+HELD = ("ddtree_kv_pages_free", "ddtree_ring_slots_in_use", "ddtree_transport_peers", "ddtree_running_requests",
+        "ddtree_queue_depth", "ddtree_kv_tokens_reserved")
+
+
+@dataclass
+class SoakParams:
+    duration_s: float = 60.0
+    concurrency: int = 16
+    max_tokens: int = 160          # the largest max_tokens a request draws
+    long_context: int = 1024       # the longest prompt of kind "long"
+    seed: int = 0
+    probe_tokens: int = 64
+    probe_every_s: float = 2.0     # a probe request is sent this often during the load
+
+
+@dataclass
+class Probe:
+    """A request run alone and under load; every output is compared with its first alone run."""
+
+    name: str
+    kwargs: dict
+    prompt: list[int]
+    outputs: list[tuple[str, list[int]]] = field(default_factory=list)   # (when, token ids)
+
+    def row(self) -> dict:
+        first = self.outputs[0][1]
+        runs = Counter(when for when, _ in self.outputs)
+        same = Counter(when for when, ids in self.outputs if ids == first)
+        parted = [_first_difference(first, ids) for when, ids in self.outputs if ids != first]
+        return {"probe": self.name, "kwargs": self.kwargs, "runs": dict(runs), "equal_to_first": dict(same),
+                "first_difference_at": parted}
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# ---- metrics ----------------------------------------------------------------------------------
+def scrape(address: str) -> dict[str, float]:
+    """Every sample of a /metrics page, keyed by name{labels} ({} when it does not answer)."""
+    try:
+        page = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for family in text_string_to_metric_families(page):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def held_state(pages: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The `HELD` gauges of each service's page, as service:name."""
+    return {f"{svc}:{k}": v for svc, page in pages.items() for k, v in page.items() if k.split("{")[0] in HELD}
+
+
+# ---- one request --------------------------------------------------------------------------------
+class Soak:
+    def __init__(self, p: SoakParams, stream: list[int], vocab: int, context_limit: int) -> None:
+        self.p, self.stream, self.vocab = p, stream, vocab
+        self.context_limit = context_limit   # prompt + output where output stops ("length")
+        self.sent: Counter = Counter()
+        self.ok: Counter = Counter()
+        self.expected_errors: Counter = Counter()
+        self.findings: dict[str, list[str]] = defaultdict(list)   # kind -> what broke a rule
+        self.tokens: Counter = Counter()
+        self.finishes: Counter = Counter()   # finish reasons of the requests that ran to an end
+        self.seq = 0
+
+    def _prompt(self, rng: random.Random, n: int) -> list[int]:
+        start = rng.randrange(len(self.stream))
+        return [self.stream[(start + i) % len(self.stream)] for i in range(n)]
+
+    def _find(self, kind: str, what: str) -> None:
+        if len(self.findings[kind]) < 20:
+            self.findings[kind].append(what)
+
+    def _check_done(self, kind: str, out: Completion, kw: dict) -> None:
+        """The rules of a request that ran to its end."""
+        n, max_tokens, budget, mode = len(out.token_ids), kw["max_tokens"], kw["budget"], kw["mode"]
+        if out.finish_reason not in ("length", "stop"):
+            self._find(kind, f"finish_reason {out.finish_reason!r}")
+        if out.finish_reason == "stop" and kw["ignore_eos"] and not kw.get("stop"):
+            self._find(kind, "finish 'stop' with ignore_eos and no stop rule")
+        if not 1 <= n <= max_tokens:
+            self._find(kind, f"{n} tokens for max_tokens {max_tokens}")
+        if out.usage is None or out.usage.completion_tokens != n:
+            self._find(kind, f"usage {out.usage} for {n} tokens")
+        if sum(out.acceptance_lengths) != n - 1:
+            self._find(kind, f"acceptance lengths add to {sum(out.acceptance_lengths)} for {n} tokens")
+        top = 1 if mode == "autoregressive" else budget + 1
+        if any(not 1 <= a <= top for a in out.acceptance_lengths):
+            self._find(kind, f"acceptance lengths {sorted(set(out.acceptance_lengths))} at budget {budget} ({mode})")
+        prompt = out.usage.prompt_tokens if out.usage else 0
+        if out.finish_reason == "length" and n < max_tokens and prompt + n < self.context_limit:
+            self._find(kind, f"finish 'length' after {n} of {max_tokens} tokens ({prompt}-token prompt)")
+
+    async def one(self, client: AsyncClient, rng: random.Random) -> None:
+        kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+        self.seq += 1
+        self.sent[kind] += 1
+        max_tokens = rng.randint(1, self.p.max_tokens)
+        budget = rng.choice(BUDGETS)
+        mode = "autoregressive" if kind == "autoregressive" else "ddtree"
+        kw: dict = dict(max_tokens=max_tokens, budget=budget, mode=mode, ignore_eos=rng.random() < 0.7)
+        prompt: list[int] | str = self._prompt(rng, rng.randint(8, 96))
+        allowed: set[str] = set()
+        if kind == "sampled":
+            kw.update(temperature=rng.uniform(0.5, 1.5), top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 20]),
+                      seed=rng.randrange(1 << 30))
+        elif kind == "stop":
+            prompt = rng.choice(["def f(x):\n", "import os\n", "class A:\n    def __init__(self):\n"])
+            kw.update(stop=[rng.choice(["\n", "return", "(", "self"])], ignore_eos=False)
+        elif kind == "long":
+            prompt = self._prompt(rng, rng.randint(self.p.long_context // 2, self.p.long_context))
+        elif kind == "token_ids":
+            prompt = [rng.randrange(2, self.vocab) for _ in range(rng.randint(1, 64))]
+        elif kind == "deadline":
+            kw.update(timeout_s=rng.uniform(0.05, 1.0), max_tokens=self.p.max_tokens)
+            allowed = {"DEADLINE_EXCEEDED"}
+        elif kind == "invalid":
+            kw.update(rng.choice([dict(budget=129), dict(temperature=-1.0), dict(max_tokens=0), dict(top_p=1.5)]))
+            allowed = {"INVALID_ARGUMENT"}
+        try:
+            if kind == "cancel":
+                got = 0
+                async with client.stream(prompt, **kw) as s:
+                    async for chunk in s:
+                        got += len(chunk.token_ids)
+                        if got >= rng.randint(1, max(1, max_tokens // 2)):
+                            break
+                self.tokens[kind] += got
+                self.ok[kind] += 1
+                return
+            if kind == "abort":
+                rid = f"soak-{self.p.seed}-{self.seq}"
+                task = asyncio.create_task(client.generate(prompt, request_id=rid, **kw))
+                await asyncio.sleep(rng.uniform(0.0, 0.3))
+                await client.abort(rid)
+                out = await task
+                if out.finish_reason not in ("aborted", "length", "stop"):
+                    self._find(kind, f"finish_reason {out.finish_reason!r} after an abort")
+                self.finishes[out.finish_reason] += 1
+                self.tokens[kind] += len(out.token_ids)
+                self.ok[kind] += 1
+                return
+            out = await client.generate(prompt, **kw)
+        except ClientError as exc:
+            if exc.code.name in allowed:
+                self.expected_errors[kind] += 1
+            else:
+                self._find(kind, f"{exc.code.name}: {exc.message[:200]}")
+            return
+        if kind == "invalid":
+            self._find(kind, f"{kw} was accepted")
+            return
+        self._check_done(kind, out, kw)
+        if kind == "stop" and kw["stop"][0] in out.text:
+            self._find(kind, f"stop string {kw['stop'][0]!r} in the text")
+        self.finishes[out.finish_reason] += 1
+        self.tokens[kind] += len(out.token_ids)
+        self.ok[kind] += 1
+
+    def rows(self) -> list[dict]:
+        """One row a kind, and one ("all") for what no one kind broke."""
+        return [{"kind": k, "sent": self.sent[k], "answered": self.ok[k], "expected_errors": self.expected_errors[k],
+                 "findings": self.findings.get(k, []), "tokens": self.tokens[k]} for k in [*KINDS, "all"]]
+
+
+# ---- the run ------------------------------------------------------------------------------------
+async def _probe_all(client: AsyncClient, probes: list[Probe], when: str) -> None:
+    for pr in probes:
+        out = await client.generate(pr.prompt, **pr.kwargs)
+        pr.outputs.append((when, out.token_ids))
+
+
+async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict[str, str],
+                   log=print) -> dict:
+    """The load against a running stack; `metrics` maps service name -> its /metrics address."""
+    async with AsyncClient(address, timeout_s=300.0) as client:
+        info = await client.model_info()
+        soak = Soak(p, stream, info.vocab_size, info.max_context - info.block_size)
+        rng = random.Random(p.seed)
+        n = p.probe_tokens
+        base = dict(max_tokens=n, ignore_eos=True)
+        probes = [Probe("greedy_b16", dict(base, budget=16), soak._prompt(rng, 48)),
+                  Probe("greedy_autoregressive", dict(base, mode="autoregressive"), []),
+                  Probe("sampled_b16_seed", dict(base, budget=16, temperature=1.0, seed=1234), soak._prompt(rng, 48)),
+                  Probe("greedy_b64_long", dict(base, budget=64), soak._prompt(rng, p.long_context))]
+        probes[1].prompt = probes[0].prompt   # greedy AR of the same prompt: DDTree must give its tokens
+        await _probe_all(client, probes, "alone")   # warms the budgets up too
+        await _probe_all(client, probes, "alone")
+        before = {svc: scrape(addr) for svc, addr in metrics.items()}
+        t0 = time.monotonic()
+        deadline = t0 + p.duration_s
+
+        async def worker(i: int) -> None:
+            wrng = random.Random(p.seed * 1000 + i)
+            while time.monotonic() < deadline:
+                await soak.one(client, wrng)
+
+        async def prober() -> None:
+            k = 0
+            while time.monotonic() < deadline:
+                await asyncio.sleep(p.probe_every_s)
+                pr = probes[k % len(probes)]
+                out = await client.generate(pr.prompt, **pr.kwargs)
+                pr.outputs.append(("under_load", out.token_ids))
+                k += 1
+
+        async def progress() -> None:
+            while time.monotonic() < deadline:
+                await asyncio.sleep(15)
+                log(f"soak: {time.monotonic() - t0:5.0f} s, {sum(soak.sent.values())} requests, "
+                    f"{sum(len(v) for v in soak.findings.values())} findings")
+
+        await asyncio.gather(*(worker(i) for i in range(p.concurrency)), prober(), progress())
+        wall = time.monotonic() - t0
+        # Idle again: what a request held is given back (the last step's release is answered first).
+        idle_by = time.monotonic() + 60
+        while time.monotonic() < idle_by:
+            page = scrape(metrics["scheduler"])
+            if page.get("ddtree_running_requests", 1) == 0 and page.get("ddtree_queue_depth", 1) == 0:
+                break
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(2.0)
+        await _probe_all(client, probes, "alone_after")
+        after = {svc: scrape(addr) for svc, addr in metrics.items()}
+    held_before, held_after = held_state(before), held_state(after)
+    state = {"held_before": held_before, "held_after": held_after,
+             "held_differs": sorted(k for k in held_before.keys() | held_after.keys()
+                                    if held_before.get(k) != held_after.get(k))}
+    # The scheduler's count of requests by how they ended, against what the clients saw.
+    ended = {k.split("status=")[1].rstrip("}"): after["scheduler"].get(k, 0) - before["scheduler"].get(k, 0)
+             for k in after["scheduler"] if k.startswith("ddtree_requests_total{")}
+    state["scheduler_requests_by_status"] = ended
+    state["client_finishes"] = dict(soak.finishes)
+    # Every request that reached a decode (all but the invalid ones, the probes after the first two
+    # rounds included) is counted once by how it ended.
+    ran = sum(soak.sent.values()) - soak.sent["invalid"] + sum(len(pr.outputs) - 2 for pr in probes)
+    state["requests_counted"] = [sum(ended.values()), ran]
+    if sum(ended.values()) != ran:
+        soak._find("all", f"the scheduler counted {sum(ended.values())} ended requests; {ran} ran")
+    state["gpu_memory_allocated_bytes"] = {svc: [before[svc].get("ddtree_gpu_memory_allocated_bytes"),
+                                                 after[svc].get("ddtree_gpu_memory_allocated_bytes")] for svc in metrics}
+    # Greedy DDTree against greedy autoregressive decoding of the same prompt, each alone.
+    state["greedy_ddtree_equals_autoregressive"] = probes[0].outputs[0][1] == probes[1].outputs[0][1]
+    requests = sum(soak.sent.values())
+    log(f"soak: {requests} requests in {wall:.0f} s ({sum(soak.tokens.values())} tokens), "
+        f"{sum(len(v) for v in soak.findings.values())} findings, held state differs: {state['held_differs']}")
+    return {"wall_s": wall, "requests": requests, "kinds": soak.rows(), "probes": [pr.row() for pr in probes],
+            "state": state}
+
+
+def _synthetic_stream(vocab: int, n: int = 8192, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, vocab) for _ in range(n)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="models/demo")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of load")
+    ap.add_argument("--concurrency", type=int, default=16, help="clients sending requests at once")
+    ap.add_argument("--max-batch", type=int, default=0, help="scheduler.max_batch (default: half the clients, so "
+                    "some wait in the queue)")
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--long-context", type=int, default=1024)
+    ap.add_argument("--prefill-tokens", type=int, default=512, help="scheduler.max_prefill_tokens (small: long "
+                    "prompts go in pieces)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--stack-log", default=None)
+    ap.add_argument("--out", default="soak-local.json")
+    args = ap.parse_args(argv)
+    p = SoakParams(duration_s=args.duration, concurrency=args.concurrency, max_tokens=args.max_tokens,
+                   long_context=args.long_context, seed=args.seed)
+    prompts = Path(args.model) / "heldout_prompts.json"
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    stream = load_token_stream(prompts) if prompts.is_file() else _synthetic_stream(vocab, seed=args.seed)
+    mp = MatrixParams(contexts=[p.long_context], concurrencies=[p.concurrency + 1], budgets=list(BUDGETS),
+                      max_tokens=max(p.max_tokens, p.probe_tokens))
+    spec, draft_metrics, scheduler_metrics = stack_spec(mp, args.model, args.device, args.dtype, args.stack_log)
+    verifier_metrics = f"127.0.0.1:{free_port()}"
+    spec.extra_env.update({
+        "DDTREE_VERIFIER_METRICS_PORT": verifier_metrics.split(":")[1],
+        "DDTREE_SCHEDULER_MAX_BATCH": str(args.max_batch or max(1, p.concurrency // 2)),
+        "DDTREE_SCHEDULER_MAX_PREFILL_TOKENS": str(args.prefill_tokens),
+        "DDTREE_DRAFT_WARMUP_BUDGETS": "8,16,32",
+    })
+    metrics = {"scheduler": scheduler_metrics, "draft": draft_metrics, "verifier": verifier_metrics}
+    print(f"soak: starting the stack on {args.model} ({args.device}, {args.dtype})", file=sys.stderr, flush=True)
+    with Stack(spec) as stack:
+        result = asyncio.run(run_soak(stack.scheduler_address, p, stream, metrics,
+                                      log=lambda m: print(m, file=sys.stderr, flush=True)))
+    gpu = "cpu"
+    if args.device.startswith("cuda"):
+        import torch
+        gpu = torch.cuda.get_device_name(0)
+    params = {**vars(args), "soak": vars(p), "env": {k: v for k, v in spec.extra_env.items() if "PORT" not in k}}
+    rows = ([{"row": "kind", **r} for r in result["kinds"]] + [{"row": "probe", **r} for r in result["probes"]]
+            + [{"row": "state", **result["state"]}])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": out.stem, "commit": git_commit(args.commit or None), "gpu": gpu,
+                               "copy_gbps": None, "params": params, "wall_s": result["wall_s"],
+                               "requests": result["requests"], "rows": rows}, indent=2))
+    findings = sum(len(r["findings"]) for r in result["kinds"])
+    bad_state = result["state"]["held_differs"]
+    print(f"soak: wrote {out}; {findings} findings; held state differs: {bad_state or 'no'}", file=sys.stderr)
+    return 0 if not findings and not bad_state else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
