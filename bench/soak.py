@@ -60,6 +60,7 @@ class SoakParams:
     seed: int = 0
     probe_tokens: int = 64
     probe_every_s: float = 2.0     # a probe request is sent this often during the load
+    kinds: tuple[str, ...] = ()    # the request kinds of the mix (KINDS' weights); () = all
 
 
 @dataclass
@@ -108,6 +109,7 @@ def held_state(pages: dict[str, dict[str, float]]) -> dict[str, float]:
 class Soak:
     def __init__(self, p: SoakParams, stream: list[int], vocab: int, context_limit: int) -> None:
         self.p, self.stream, self.vocab = p, stream, vocab
+        self.mix = {k: w for k, w in KINDS.items() if not p.kinds or k in p.kinds}
         self.context_limit = context_limit   # prompt + output where output stops ("length")
         self.sent: Counter = Counter()
         self.ok: Counter = Counter()
@@ -146,7 +148,7 @@ class Soak:
             self._find(kind, f"finish 'length' after {n} of {max_tokens} tokens ({prompt}-token prompt)")
 
     async def one(self, client: AsyncClient, rng: random.Random) -> None:
-        kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+        kind = rng.choices(list(self.mix), weights=list(self.mix.values()))[0]
         self.seq += 1
         self.sent[kind] += 1
         max_tokens = rng.randint(1, self.p.max_tokens)
@@ -224,6 +226,21 @@ async def _probe_all(client: AsyncClient, probes: list[Probe], when: str) -> Non
         pr.outputs.append((when, out.token_ids))
 
 
+async def _idle(scheduler_metrics: str, within_s: float = 60.0) -> None:
+    """Until the scheduler runs and queues nothing and has every ended request's release answered
+    (its KV reservations back to 0): the last request's answer reaches its client before the step
+    that releases it."""
+    by = time.monotonic() + within_s
+    while time.monotonic() < by:
+        page = scrape(scheduler_metrics)
+        busy = [k for k, v in page.items()
+                if k.split("{")[0] in ("ddtree_running_requests", "ddtree_queue_depth", "ddtree_kv_tokens_reserved")
+                and v != 0]
+        if page and not busy:
+            return
+        await asyncio.sleep(0.2)
+
+
 async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict[str, str],
                    log=print) -> dict:
     """The load against a running stack; `metrics` maps service name -> its /metrics address."""
@@ -240,6 +257,7 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
         probes[1].prompt = probes[0].prompt   # greedy AR of the same prompt: DDTree must give its tokens
         await _probe_all(client, probes, "alone")   # warms the budgets up too
         await _probe_all(client, probes, "alone")
+        await _idle(metrics["scheduler"])
         before = {svc: scrape(addr) for svc, addr in metrics.items()}
         t0 = time.monotonic()
         deadline = t0 + p.duration_s
@@ -266,15 +284,9 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
 
         await asyncio.gather(*(worker(i) for i in range(p.concurrency)), prober(), progress())
         wall = time.monotonic() - t0
-        # Idle again: what a request held is given back (the last step's release is answered first).
-        idle_by = time.monotonic() + 60
-        while time.monotonic() < idle_by:
-            page = scrape(metrics["scheduler"])
-            if page.get("ddtree_running_requests", 1) == 0 and page.get("ddtree_queue_depth", 1) == 0:
-                break
-            await asyncio.sleep(0.5)
-        await asyncio.sleep(2.0)
+        await _idle(metrics["scheduler"])
         await _probe_all(client, probes, "alone_after")
+        await _idle(metrics["scheduler"])   # idle again: what a request held is given back
         after = {svc: scrape(addr) for svc, addr in metrics.items()}
     held_before, held_after = held_state(before), held_state(after)
     state = {"held_before": held_before, "held_after": held_after,
@@ -321,12 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-tokens", type=int, default=512, help="scheduler.max_prefill_tokens (small: long "
                     "prompts go in pieces)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", nargs="+", default=[], choices=list(KINDS), help="only these request kinds")
     ap.add_argument("--commit", default="")
     ap.add_argument("--stack-log", default=None)
     ap.add_argument("--out", default="soak-local.json")
     args = ap.parse_args(argv)
     p = SoakParams(duration_s=args.duration, concurrency=args.concurrency, max_tokens=args.max_tokens,
-                   long_context=args.long_context, seed=args.seed)
+                   long_context=args.long_context, seed=args.seed, kinds=tuple(args.kinds))
     prompts = Path(args.model) / "heldout_prompts.json"
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     stream = load_token_stream(prompts) if prompts.is_file() else _synthetic_stream(vocab, seed=args.seed)

@@ -29,13 +29,14 @@ def ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module", autouse=True)
 def _side_runs(request, ckpt, tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
-    """The two benchmark commands that only run and write a file (``--spawn-stack`` end to end, and
-    split_overhead), started as soon as this module starts when their tests are selected, each in its
+    """The benchmark commands that only run and write a file (``--spawn-stack`` end to end,
+    split_overhead and the soak), started as soon as this module starts when their tests are selected, each in its
     own child: they then run while the tests before them use their own stacks (a stack mostly keeps
     one core busy at a time). Their tests wait for them and check the files as before."""
     selected = selected_names(request)
     runs: dict[str, tuple[subprocess.Popen, Path]] = {}
-    for name, cmd in (("test_bench_spawn_stack_end_to_end", _spawn_stack_cmd), ("test_split_overhead_end_to_end", _split_cmd)):
+    for name, cmd in (("test_bench_spawn_stack_end_to_end", _spawn_stack_cmd), ("test_split_overhead_end_to_end", _split_cmd),
+                      ("test_soak_end_to_end", _soak_cmd)):
         if name in selected:
             tmp = tmp_path_factory.mktemp(name)
             runs[name] = (subprocess.Popen(cmd(tmp, ckpt), cwd=REPO, env=_env()), tmp)
@@ -194,6 +195,36 @@ def test_split_overhead_end_to_end(tmp_path, ckpt, _side_runs):
     # the stack's scheduler pause speculation within 24 tokens were it not off here.
     assert st["mean_acceptance"] == rows["in_process"]["mean_acceptance"]
     assert st["ratio"] == pytest.approx(st["tok_s"] / rows["in_process"]["tok_s"], abs=1e-3)
+
+
+def _soak_cmd(tmp: Path, ckpt: Path) -> list[str]:
+    return [sys.executable, "-m", "bench.soak", "--model", str(ckpt), "--duration", "12", "--concurrency", "4",
+            "--max-tokens", "24", "--long-context", "160", "--prefill-tokens", "64", "--seed", "3",
+            "--commit", "0123abcd", "--stack-log", str(tmp / "stack.log"), "--out", str(tmp / "soak-tiny.json")]
+
+
+def test_soak_end_to_end(tmp_path, ckpt, _side_runs):
+    """The soak on the CPU (float32): a random mix of requests, among them cancels, deadlines,
+    aborts, invalid ones and long prompts in pieces, breaks no rule, gives back every KV page and
+    ring slot, and each probe decodes the same alone and under load (the command exits 1 on a
+    finding or a held gauge that moved; it runs from the module's start: ``_side_runs``)."""
+    out = _side_run(_side_runs, "test_soak_end_to_end", _soak_cmd, tmp_path, ckpt) / "soak-tiny.json"
+    doc = json.loads(out.read_text())
+    assert (doc["benchmark"], doc["commit"], doc["gpu"]) == ("soak-tiny", "0123abcd", "cpu")
+    kinds = [r for r in doc["rows"] if r["row"] == "kind"]
+    assert sum(r["sent"] for r in kinds) >= 20 and not any(r["findings"] for r in kinds)
+    assert sum(r["answered"] for r in kinds) > 0
+    state = next(r for r in doc["rows"] if r["row"] == "state")
+    assert state["held_differs"] == [] and state["held_before"]
+    assert any(k.endswith("ddtree_kv_pages_free") for k in state["held_before"])
+    reserved = [v for k, v in state["held_after"].items() if "ddtree_kv_tokens_reserved" in k]
+    assert reserved == [0.0]   # idle: every ended request's KV given back
+    counted, ran = state["requests_counted"]
+    assert counted == ran > 0
+    assert state["greedy_ddtree_equals_autoregressive"]
+    for probe in (r for r in doc["rows"] if r["row"] == "probe"):   # float32 on the CPU: the same every time
+        assert probe["runs"]["alone"] == 2 and probe["runs"]["alone_after"] == 1, probe
+        assert probe["equal_to_first"] == probe["runs"] and not probe["first_difference_at"], probe
 
 
 def test_power_sampler_off_reads_nothing() -> None:
