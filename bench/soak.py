@@ -44,8 +44,8 @@ __all__ = ["KINDS", "SoakParams", "Probe", "run_soak", "scrape", "held_state", "
 
 # Request kinds and their weights in the mix. Each kind's builder and checks are in `_one`.
 KINDS = {"greedy": 6, "sampled": 4, "autoregressive": 2, "stop": 2, "long": 2, "token_ids": 1, "cancel": 2,
-         "deadline": 1, "abort": 1, "invalid": 1}
-BUDGETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+         "deadline": 1, "abort": 1, "invalid": 1, "duplicate_id": 1}
+BUDGETS = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)   # 0: the server's default
 # Gauges that count something a request holds: idle before the load, they must read the same after it.
 HELD = ("ddtree_kv_pages_free", "ddtree_ring_slots_in_use", "ddtree_transport_peers", "ddtree_running_requests",
         "ddtree_queue_depth", "ddtree_kv_tokens_reserved")
@@ -107,8 +107,8 @@ def held_state(pages: dict[str, dict[str, float]]) -> dict[str, float]:
 
 # ---- one request --------------------------------------------------------------------------------
 class Soak:
-    def __init__(self, p: SoakParams, stream: list[int], vocab: int, context_limit: int) -> None:
-        self.p, self.stream, self.vocab = p, stream, vocab
+    def __init__(self, p: SoakParams, stream: list[int], vocab: int, context_limit: int, default_budget: int) -> None:
+        self.p, self.stream, self.vocab, self.default_budget = p, stream, vocab, default_budget
         self.mix = {k: w for k, w in KINDS.items() if not p.kinds or k in p.kinds}
         self.context_limit = context_limit   # prompt + output where output stops ("length")
         self.sent: Counter = Counter()
@@ -118,6 +118,7 @@ class Soak:
         self.tokens: Counter = Counter()
         self.finishes: Counter = Counter()   # finish reasons of the requests that ran to an end
         self.seq = 0
+        self.also_ran = 0   # second requests of kind duplicate_id that ran (their first had ended)
 
     def _prompt(self, rng: random.Random, n: int) -> list[int]:
         start = rng.randrange(len(self.stream))
@@ -140,7 +141,7 @@ class Soak:
             self._find(kind, f"usage {out.usage} for {n} tokens")
         if sum(out.acceptance_lengths) != n - 1:
             self._find(kind, f"acceptance lengths add to {sum(out.acceptance_lengths)} for {n} tokens")
-        top = 1 if mode == "autoregressive" else budget + 1
+        top = 1 if mode == "autoregressive" else (budget or self.default_budget) + 1
         if any(not 1 <= a <= top for a in out.acceptance_lengths):
             self._find(kind, f"acceptance lengths {sorted(set(out.acceptance_lengths))} at budget {budget} ({mode})")
         prompt = out.usage.prompt_tokens if out.usage else 0
@@ -182,6 +183,25 @@ class Soak:
                         if got >= rng.randint(1, max(1, max_tokens // 2)):
                             break
                 self.tokens[kind] += got
+                self.ok[kind] += 1
+                return
+            if kind == "duplicate_id":   # a second request under the id of one still running is refused
+                rid = f"soak-{self.p.seed}-{self.seq}"
+                first = asyncio.create_task(client.generate(prompt, request_id=rid, **kw))
+                await asyncio.sleep(rng.uniform(0.0, 0.1))
+                try:
+                    again = await client.generate(prompt, request_id=rid, **kw)
+                    self._check_done(kind, again, kw)   # the first had ended: the id is free again
+                    self.also_ran += 1
+                except ClientError as exc:
+                    if exc.code.name != "ALREADY_EXISTS":
+                        self._find(kind, f"the second request: {exc.code.name}: {exc.message[:200]}")
+                    else:
+                        self.expected_errors[kind] += 1
+                out = await first
+                self._check_done(kind, out, kw)
+                self.finishes[out.finish_reason] += 1
+                self.tokens[kind] += len(out.token_ids)
                 self.ok[kind] += 1
                 return
             if kind == "abort":
@@ -246,7 +266,7 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
     """The load against a running stack; `metrics` maps service name -> its /metrics address."""
     async with AsyncClient(address, timeout_s=300.0) as client:
         info = await client.model_info()
-        soak = Soak(p, stream, info.vocab_size, info.max_context - info.block_size)
+        soak = Soak(p, stream, info.vocab_size, info.max_context - info.block_size, info.default_budget)
         rng = random.Random(p.seed)
         n = p.probe_tokens
         base = dict(max_tokens=n, ignore_eos=True)
@@ -299,7 +319,8 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
     state["client_finishes"] = dict(soak.finishes)
     # Every request that reached a decode (all but the invalid ones, the probes after the first two
     # rounds included) is counted once by how it ended.
-    ran = sum(soak.sent.values()) - soak.sent["invalid"] + sum(len(pr.outputs) - 2 for pr in probes)
+    ran = (sum(soak.sent.values()) - soak.sent["invalid"] + soak.also_ran
+           + sum(len(pr.outputs) - 2 for pr in probes))
     state["requests_counted"] = [sum(ended.values()), ran]
     if sum(ended.values()) != ran:
         soak._find("all", f"the scheduler counted {sum(ended.values())} ended requests; {ran} ran")
