@@ -354,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-tokens", type=int, default=512, help="scheduler.max_prefill_tokens (small: long "
                     "prompts go in pieces)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tp", type=int, default=1, help="verifier tensor-parallel ranks")
+    ap.add_argument("--draft-replicas", type=int, default=1)
     ap.add_argument("--kinds", nargs="+", default=[], choices=list(KINDS), help="only these request kinds")
     ap.add_argument("--commit", default="")
     ap.add_argument("--stack-log", default=None)
@@ -374,7 +376,15 @@ def main(argv: list[str] | None = None) -> int:
         "DDTREE_SCHEDULER_MAX_PREFILL_TOKENS": str(args.prefill_tokens),
         "DDTREE_DRAFT_WARMUP_BUDGETS": "8,16,32",
     })
+    spec.extra_env["DDTREE_VERIFIER_TP"] = str(args.tp)
     metrics = {"scheduler": scheduler_metrics, "draft": draft_metrics, "verifier": verifier_metrics}
+    if args.draft_replicas > 1:   # each replica its own metrics page
+        spec.draft_replicas = args.draft_replicas
+        del metrics["draft"]
+        for i in range(args.draft_replicas):
+            port = draft_metrics.split(":")[1] if i == 0 else str(free_port())
+            spec.service_env[f"draft-{i}"] = {"DDTREE_DRAFT_METRICS_PORT": port}
+            metrics[f"draft-{i}"] = f"127.0.0.1:{port}"
     print(f"soak: starting the stack on {args.model} ({args.device}, {args.dtype})", file=sys.stderr, flush=True)
     with Stack(spec) as stack:
         result = asyncio.run(run_soak(stack.scheduler_address, p, stream, metrics,
