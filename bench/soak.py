@@ -148,14 +148,11 @@ class Soak:
         if out.finish_reason == "length" and n < max_tokens and prompt + n < self.context_limit:
             self._find(kind, f"finish 'length' after {n} of {max_tokens} tokens ({prompt}-token prompt)")
 
-    async def one(self, client: AsyncClient, rng: random.Random) -> None:
-        kind = rng.choices(list(self.mix), weights=list(self.mix.values()))[0]
-        self.seq += 1
-        self.sent[kind] += 1
-        max_tokens = rng.randint(1, self.p.max_tokens)
-        budget = rng.choice(BUDGETS)
-        mode = "autoregressive" if kind == "autoregressive" else "ddtree"
-        kw: dict = dict(max_tokens=max_tokens, budget=budget, mode=mode, ignore_eos=rng.random() < 0.7)
+    def _request(self, kind: str, rng: random.Random) -> tuple[list[int] | str, dict, set[str]]:
+        """A request of this kind: its prompt, its arguments, and the error codes it may get."""
+        kw: dict = dict(max_tokens=rng.randint(1, self.p.max_tokens), budget=rng.choice(BUDGETS),
+                        mode="autoregressive" if kind == "autoregressive" else "ddtree",
+                        ignore_eos=rng.random() < 0.7)
         prompt: list[int] | str = self._prompt(rng, rng.randint(8, 96))
         allowed: set[str] = set()
         if kind == "sampled":
@@ -174,63 +171,62 @@ class Soak:
         elif kind == "invalid":
             kw.update(rng.choice([dict(budget=129), dict(temperature=-1.0), dict(max_tokens=0), dict(top_p=1.5)]))
             allowed = {"INVALID_ARGUMENT"}
+        elif kind in ("abort", "duplicate_id"):
+            kw.update(request_id=f"soak-{self.p.seed}-{self.seq}")
+        return prompt, kw, allowed
+
+    def _ended(self, kind: str, out: Completion, kw: dict) -> None:
+        """A request that ran to its end (or was aborted): checked and counted."""
+        if out.finish_reason != "aborted" or kind != "abort":
+            self._check_done(kind, out, kw)
+        if kind == "stop" and kw["stop"][0] in out.text:
+            self._find(kind, f"stop string {kw['stop'][0]!r} in the text")
+        self.finishes[out.finish_reason] += 1
+        self.tokens[kind] += len(out.token_ids)
+
+    async def one(self, client: AsyncClient, rng: random.Random) -> None:
+        """One request of a kind drawn from the mix, sent, and its answer checked."""
+        kind = rng.choices(list(self.mix), weights=list(self.mix.values()))[0]
+        self.seq += 1
+        self.sent[kind] += 1
+        prompt, kw, allowed = self._request(kind, rng)
         try:
-            if kind == "cancel":
-                got = 0
+            if kind == "cancel":   # leave the stream after some tokens: the server aborts the request
+                got, leave_at = 0, rng.randint(1, max(1, kw["max_tokens"] // 2))
                 async with client.stream(prompt, **kw) as s:
                     async for chunk in s:
                         got += len(chunk.token_ids)
-                        if got >= rng.randint(1, max(1, max_tokens // 2)):
+                        if got >= leave_at:
                             break
                 self.tokens[kind] += got
-                self.ok[kind] += 1
-                return
-            if kind == "duplicate_id":   # a second request under the id of one still running is refused
-                rid = f"soak-{self.p.seed}-{self.seq}"
-                first = asyncio.create_task(client.generate(prompt, request_id=rid, **kw))
+            elif kind == "duplicate_id":   # a second request under the id of one still running is refused
+                first = asyncio.create_task(client.generate(prompt, **kw))
                 await asyncio.sleep(rng.uniform(0.0, 0.1))
                 try:
-                    again = await client.generate(prompt, request_id=rid, **kw)
-                    self._check_done(kind, again, kw)   # the first had ended: the id is free again
+                    self._ended(kind, await client.generate(prompt, **kw), kw)   # the first had ended: the id is free
                     self.also_ran += 1
                 except ClientError as exc:
                     if exc.code.name != "ALREADY_EXISTS":
-                        self._find(kind, f"the second request: {exc.code.name}: {exc.message[:200]}")
-                    else:
-                        self.expected_errors[kind] += 1
-                out = await first
-                self._check_done(kind, out, kw)
-                self.finishes[out.finish_reason] += 1
-                self.tokens[kind] += len(out.token_ids)
-                self.ok[kind] += 1
-                return
-            if kind == "abort":
-                rid = f"soak-{self.p.seed}-{self.seq}"
-                task = asyncio.create_task(client.generate(prompt, request_id=rid, **kw))
+                        raise
+                    self.expected_errors[kind] += 1
+                self._ended(kind, await first, kw)
+            elif kind == "abort":
+                task = asyncio.create_task(client.generate(prompt, **kw))
                 await asyncio.sleep(rng.uniform(0.0, 0.3))
-                await client.abort(rid)
-                out = await task
-                if out.finish_reason not in ("aborted", "length", "stop"):
-                    self._find(kind, f"finish_reason {out.finish_reason!r} after an abort")
-                self.finishes[out.finish_reason] += 1
-                self.tokens[kind] += len(out.token_ids)
-                self.ok[kind] += 1
-                return
-            out = await client.generate(prompt, **kw)
+                await client.abort(kw["request_id"])
+                self._ended(kind, await task, kw)   # aborted, or it had ended before the abort came
+            else:
+                out = await client.generate(prompt, **kw)
+                if kind == "invalid":
+                    self._find(kind, f"{kw} was accepted")
+                    return
+                self._ended(kind, out, kw)
         except ClientError as exc:
             if exc.code.name in allowed:
                 self.expected_errors[kind] += 1
             else:
                 self._find(kind, f"{exc.code.name}: {exc.message[:200]}")
             return
-        if kind == "invalid":
-            self._find(kind, f"{kw} was accepted")
-            return
-        self._check_done(kind, out, kw)
-        if kind == "stop" and kw["stop"][0] in out.text:
-            self._find(kind, f"stop string {kw['stop'][0]!r} in the text")
-        self.finishes[out.finish_reason] += 1
-        self.tokens[kind] += len(out.token_ids)
         self.ok[kind] += 1
 
     def rows(self) -> list[dict]:
