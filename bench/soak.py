@@ -292,9 +292,14 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
                 pr.outputs.append(("under_load", out.token_ids))
                 k += 1
 
+        memory: list[dict] = []   # each service's GPU memory every 15 s: growth that never levels off is a leak
+
         async def progress() -> None:
             while time.monotonic() < deadline:
                 await asyncio.sleep(15)
+                pages = {svc: scrape(addr) for svc, addr in metrics.items()}
+                memory.append({"t_s": round(time.monotonic() - t0, 1),
+                               **{svc: page.get("ddtree_gpu_memory_allocated_bytes") for svc, page in pages.items()}})
                 log(f"soak: {time.monotonic() - t0:5.0f} s, {sum(soak.sent.values())} requests, "
                     f"{sum(len(v) for v in soak.findings.values())} findings")
 
@@ -322,6 +327,7 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
         soak._find("all", f"the scheduler counted {sum(ended.values())} ended requests; {ran} ran")
     state["gpu_memory_allocated_bytes"] = {svc: [before[svc].get("ddtree_gpu_memory_allocated_bytes"),
                                                  after[svc].get("ddtree_gpu_memory_allocated_bytes")] for svc in metrics}
+    state["gpu_memory_over_time"] = memory
     # Greedy DDTree against greedy autoregressive decoding of the same prompt, each alone.
     state["greedy_ddtree_equals_autoregressive"] = probes[0].outputs[0][1] == probes[1].outputs[0][1]
     requests = sum(soak.sent.values())
