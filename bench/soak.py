@@ -285,7 +285,7 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
 
         async def prober() -> None:
             k = 0
-            while time.monotonic() < deadline:
+            while time.monotonic() + p.probe_every_s < deadline:
                 await asyncio.sleep(p.probe_every_s)
                 pr = probes[k % len(probes)]
                 out = await client.generate(pr.prompt, **pr.kwargs)
@@ -295,7 +295,7 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
         memory: list[dict] = []   # each service's GPU memory every 15 s: growth that never levels off is a leak
 
         async def progress() -> None:
-            while time.monotonic() < deadline:
+            while time.monotonic() + 15 < deadline:
                 await asyncio.sleep(15)
                 pages = {svc: scrape(addr) for svc, addr in metrics.items()}
                 memory.append({"t_s": round(time.monotonic() - t0, 1),
