@@ -396,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         gpu = torch.cuda.get_device_name(0)
     params = {**vars(args), "soak": vars(p), "env": {k: v for k, v in spec.extra_env.items() if "PORT" not in k}}
+    for key in ("out", "stack_log"):   # file names only: where a run wrote them is that machine's business
+        params[key] = Path(params[key]).name if params[key] else None
     rows = ([{"row": "kind", **r} for r in result["kinds"]] + [{"row": "probe", **r} for r in result["probes"]]
             + [{"row": "state", **result["state"]}])
     out = Path(args.out)

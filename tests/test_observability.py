@@ -41,3 +41,20 @@ def test_the_health_probe_says_not_serving(capsys) -> None:
         assert "unhealthy: NOT_SERVING" in capsys.readouterr().err
     finally:
         server.stop(0)
+
+
+def test_gpu_memory_is_reported_for_a_cuda_device_only(monkeypatch) -> None:
+    """The draft holds GPU memory too (drafter, context pool, ring): its gauge stayed 0 before."""
+    import torch
+    from prometheus_client import generate_latest
+
+    from services.common.metrics import Metrics
+
+    seen: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: seen.append(device) or 12345)
+    on_gpu, on_cpu = Metrics("draft"), Metrics("draft")
+    on_gpu.track_gpu_memory(torch.device("cuda", 1))
+    on_cpu.track_gpu_memory(torch.device("cpu"))
+    assert b"ddtree_gpu_memory_allocated_bytes 12345.0" in generate_latest(on_gpu.registry)
+    assert seen == [torch.device("cuda", 1)]   # read at scrape time, on the service's own device
+    assert b"ddtree_gpu_memory_allocated_bytes 0.0" in generate_latest(on_cpu.registry)

@@ -114,6 +114,7 @@ async def serve(settings: DraftSettings) -> None:
     metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
     torch.set_num_threads(settings.cpu_threads)
     device = pin_device(settings.device, "draft.device")   # Triton launches and the shared ring follow the current device
+    metrics.track_gpu_memory(device)   # the drafter, its context pool, a cuda_ipc ring
     proposer = load_proposer(settings.drafter_path, settings.target_path, _DTYPES[settings.dtype], str(device))
     log.info("drafter_loaded", path=settings.drafter_path, block_size=proposer.block_size,
              target_layer_ids=list(proposer.target_layer_ids))

@@ -76,11 +76,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.settings = settings
         self.metrics = metrics or Metrics("verifier")
         self.metrics.kv_pages_free.set(self.engine.cache.pages_free)
-        if self.engine.model_device.type == "cuda":
-            # Read at scrape time: torch.cuda.memory_allocated builds the allocator's whole stats
-            # dict, which stood out in a profile of the demo stack when it ran after every step.
-            device = self.engine.model_device
-            self.metrics.gpu_memory_allocated.set_function(lambda: torch.cuda.memory_allocated(device))
+        self.metrics.track_gpu_memory(self.engine.model_device)
         # Engine calls run in worker threads; a thread cannot be cancelled with the coroutine that
         # awaits it (a draft dying mid-step cancels its stream), so exclusion is a thread lock held
         # for the whole call, never an asyncio lock that a cancellation would release early.
