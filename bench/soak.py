@@ -329,7 +329,9 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
                                                  after[svc].get("ddtree_gpu_memory_allocated_bytes")] for svc in metrics}
     state["gpu_memory_over_time"] = memory
     # Greedy DDTree against greedy autoregressive decoding of the same prompt, each alone.
-    state["greedy_ddtree_equals_autoregressive"] = probes[0].outputs[0][1] == probes[1].outputs[0][1]
+    ddtree, ar = probes[0].outputs[0][1], probes[1].outputs[0][1]
+    state["greedy_ddtree_equals_autoregressive"] = ddtree == ar
+    state["greedy_ddtree_parts_from_autoregressive_at"] = None if ddtree == ar else _first_difference(ddtree, ar)
     requests = sum(soak.sent.values())
     log(f"soak: {requests} requests in {wall:.0f} s ({sum(soak.tokens.values())} tokens), "
         f"{sum(len(v) for v in soak.findings.values())} findings, held state differs: {state['held_differs']}")
