@@ -107,8 +107,9 @@ def held_state(pages: dict[str, dict[str, float]]) -> dict[str, float]:
 
 # ---- one request --------------------------------------------------------------------------------
 class Soak:
-    def __init__(self, p: SoakParams, stream: list[int], vocab: int, context_limit: int, default_budget: int) -> None:
-        self.p, self.stream, self.vocab, self.default_budget = p, stream, vocab, default_budget
+    def __init__(self, p: SoakParams, stream: list[int], vocab: int, context_limit: int, default_budget: int,
+                 eos_ids: frozenset[int] = frozenset()) -> None:
+        self.p, self.stream, self.vocab, self.default_budget, self.eos_ids = p, stream, vocab, default_budget, eos_ids
         self.mix = {k: w for k, w in KINDS.items() if not p.kinds or k in p.kinds}
         self.context_limit = context_limit   # prompt + output where output stops ("length")
         self.sent: Counter = Counter()
@@ -133,8 +134,14 @@ class Soak:
         n, max_tokens, budget, mode = len(out.token_ids), kw["max_tokens"], kw["budget"], kw["mode"]
         if out.finish_reason not in ("length", "stop"):
             self._find(kind, f"finish_reason {out.finish_reason!r}")
-        if out.finish_reason == "stop" and kw["ignore_eos"] and not kw.get("stop"):
+        if out.finish_reason == "stop" and kw["ignore_eos"] and not kw.get("stop") and not kw.get("stop_token_ids"):
             self._find(kind, "finish 'stop' with ignore_eos and no stop rule")
+        # An end-of-sequence id (unless ignored) or a stop token ends the output: it can only be the last.
+        enders = set(kw.get("stop_token_ids", ())) | (set() if kw["ignore_eos"] else set(self.eos_ids))
+        if enders & set(out.token_ids[:-1]):
+            self._find(kind, f"a stop or end-of-sequence id {sorted(enders & set(out.token_ids[:-1]))} inside the output")
+        if out.token_ids and out.token_ids[-1] in enders and out.finish_reason != "stop":
+            self._find(kind, f"ended on stop id {out.token_ids[-1]} with finish_reason {out.finish_reason!r}")
         if not 1 <= n <= max_tokens:
             self._find(kind, f"{n} tokens for max_tokens {max_tokens}")
         if out.usage is None or out.usage.completion_tokens != n:
@@ -161,6 +168,8 @@ class Soak:
         elif kind == "stop":
             prompt = rng.choice(["def f(x):\n", "import os\n", "class A:\n    def __init__(self):\n"])
             kw.update(stop=[rng.choice(["\n", "return", "(", "self"])], ignore_eos=False)
+            if rng.random() < 0.5:   # and a stop token: one of the prompt's, so it is likely to come
+                kw.update(stop_token_ids=[rng.choice(self._prompt(rng, 16))])
         elif kind == "long":
             prompt = self._prompt(rng, rng.randint(self.p.long_context // 2, self.p.long_context))
         elif kind == "token_ids":
@@ -262,7 +271,8 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
     """The load against a running stack; `metrics` maps service name -> its /metrics address."""
     async with AsyncClient(address, timeout_s=300.0) as client:
         info = await client.model_info()
-        soak = Soak(p, stream, info.vocab_size, info.max_context - info.block_size, info.default_budget)
+        soak = Soak(p, stream, info.vocab_size, info.max_context - info.block_size, info.default_budget,
+                    frozenset(info.eos_token_ids))
         rng = random.Random(p.seed)
         n = p.probe_tokens
         base = dict(max_tokens=n, ignore_eos=True)

@@ -227,6 +227,36 @@ def test_soak_end_to_end(tmp_path, ckpt, _side_runs):
         assert probe["equal_to_first"] == probe["runs"] and not probe["first_difference_at"], probe
 
 
+def test_the_soaks_checks_flag_each_broken_rule() -> None:
+    """Each rule the soak checks an ended request against, broken once (no stack needed)."""
+    from bench.soak import Soak, SoakParams
+    from services.scheduler.client import Completion, Usage
+
+    soak = Soak(SoakParams(), stream=[1, 2, 3], vocab=100, context_limit=1000, default_budget=16,
+                eos_ids=frozenset({0}))
+    kw = dict(max_tokens=4, budget=2, mode="ddtree", ignore_eos=False, stop_token_ids=[7])
+
+    def check(tokens: list[int], acceptance: list[int], finish: str, completion_tokens: int | None = None) -> list[str]:
+        soak.findings.clear()
+        usage = Usage(prompt_tokens=5, completion_tokens=len(tokens) if completion_tokens is None else completion_tokens,
+                      steps=len(acceptance), mean_acceptance=1.0)
+        soak._check_done("k", Completion(token_ids=tokens, acceptance_lengths=acceptance, finish_reason=finish,
+                                         usage=usage), kw)
+        return soak.findings.get("k", [])
+
+    assert check([5, 6, 8, 9], [2, 1], "length") == []                  # a request that kept every rule
+    assert check([5, 6, 7], [2], "stop") == []                           # ended on its stop token
+    assert check([5, 6, 8, 9, 4], [2, 2], "length")                      # more than max_tokens
+    assert check([5, 6, 8], [2], "aborted")                              # a finish reason it cannot have
+    assert check([5, 7, 8, 9], [2, 1], "length")                         # a stop token inside the output
+    assert check([5, 6, 0], [2], "length")                               # ended on EOS, not as 'stop'
+    assert check([5, 6, 8, 9], [2], "length")                            # acceptance adds up to too few
+    assert check([5, 6, 8, 9], [3, 0], "length")                         # an acceptance length of 0
+    assert check([5, 6, 8, 9], [1, 1, 1], "length", completion_tokens=3)  # usage miscounts
+    kw.update(budget=1)
+    assert check([5, 6, 8, 9], [3], "length")                            # 3 accepted from a budget-1 tree
+
+
 def test_power_sampler_off_reads_nothing() -> None:
     from bench.matrix import PowerSampler
     with PowerSampler(enabled=False) as sampler:
