@@ -8,10 +8,14 @@ Each service serves `/metrics` over HTTP on its `metrics_port` (0 = off).
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from services.common.settings import SettingsError
+
+if TYPE_CHECKING:   # the scheduler imports this module and runs without torch
+    import torch
 
 __all__ = ["Metrics", "serve_metrics"]
 
@@ -62,6 +66,8 @@ class Metrics:
         torch.cuda.memory_allocated builds the allocator's whole stats dict, which stood out in a
         profile of the demo stack when it ran after every step."""
         if device.type == "cuda":
+            import torch
+
             self.gpu_memory_allocated.set_function(lambda: torch.cuda.memory_allocated(device))
 
 
