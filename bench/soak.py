@@ -7,7 +7,7 @@ budget-128 tree beside an autoregressive request, an abort racing the last token
 one request after another, each of a kind drawn at random (`KINDS`), and checks the answer against
 the rules the README states for it (finish reason, token count, acceptance lengths, stop strings,
 which error codes may come). After the load, once the scheduler is idle, every gauge that counts
-something held (KV pages, ring slots, transport peers, running and queued requests) must be back
+something held (KV pages, ring slots, transport peers, running and queued requests, KV reserved) must be back
 where it stood before the load, and the scheduler's request counters must have moved by what the
 clients saw.
 
@@ -40,9 +40,9 @@ from bench.matrix import MatrixParams, load_token_stream, stack_spec
 from services.common.launcher import Stack, free_port
 from services.scheduler.client import AsyncClient, ClientError, Completion
 
-__all__ = ["KINDS", "SoakParams", "Probe", "run_soak", "scrape", "held_state", "main"]
+__all__ = ["KINDS", "SoakParams", "Soak", "Probe", "run_soak", "scrape", "held_state", "main"]
 
-# Request kinds and their weights in the mix. Each kind's builder and checks are in `_one`.
+# Request kinds and their weights in the mix: `Soak._request` builds each, `Soak.one` sends and checks it.
 KINDS = {"greedy": 6, "sampled": 4, "autoregressive": 2, "stop": 2, "long": 2, "token_ids": 1, "cancel": 2,
          "deadline": 1, "abort": 1, "invalid": 1, "duplicate_id": 1}
 BUDGETS = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)   # 0: the server's default

@@ -30,9 +30,9 @@ def ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module", autouse=True)
 def _side_runs(request, ckpt, tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
     """The benchmark commands that only run and write a file (``--spawn-stack`` end to end,
-    split_overhead and the soak), started as soon as this module starts when their tests are selected, each in its
-    own child: they then run while the tests before them use their own stacks (a stack mostly keeps
-    one core busy at a time). Their tests wait for them and check the files as before."""
+    split_overhead and the soak), started as soon as this module starts when their tests are
+    selected, each in its own child: they then run while the tests before them use their own stacks
+    (a stack mostly keeps one core busy at a time). Their tests wait for them and check the files."""
     selected = selected_names(request)
     runs: dict[str, tuple[subprocess.Popen, Path]] = {}
     for name, cmd in (("test_bench_spawn_stack_end_to_end", _spawn_stack_cmd), ("test_split_overhead_end_to_end", _split_cmd),
