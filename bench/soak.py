@@ -117,6 +117,7 @@ class Soak:
         self.expected_errors: Counter = Counter()
         self.findings: dict[str, list[str]] = defaultdict(list)   # kind -> what broke a rule
         self.tokens: Counter = Counter()
+        self.seconds: dict[str, list[float]] = defaultdict(list)   # kind -> wall time of each answered request
         self.finishes: Counter = Counter()   # finish reasons of the requests that ran to an end
         self.seq = 0
         self.also_ran = 0   # second requests of kind duplicate_id that ran (their first had ended)
@@ -199,6 +200,7 @@ class Soak:
         self.seq += 1
         self.sent[kind] += 1
         prompt, kw, allowed = self._request(kind, rng)
+        t0 = time.perf_counter()
         try:
             if kind == "cancel":   # leave the stream after some tokens: the server aborts the request
                 got, leave_at = 0, rng.randint(1, max(1, kw["max_tokens"] // 2))
@@ -237,11 +239,17 @@ class Soak:
                 self._find(kind, f"{exc.code.name}: {exc.message[:200]}")
             return
         self.ok[kind] += 1
+        self.seconds[kind].append(time.perf_counter() - t0)
 
     def rows(self) -> list[dict]:
-        """One row a kind, and one ("all") for what no one kind broke."""
+        """One row a kind, and one ("all") for what no one kind broke. `seconds`: the answered
+        requests' wall times (a stall, e.g. a kernel compiled on first use, shows in the max)."""
+        def spread(xs: list[float]) -> dict | None:
+            xs = sorted(xs)
+            return {"p50": xs[len(xs) // 2], "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))], "max": xs[-1]} if xs else None
         return [{"kind": k, "sent": self.sent[k], "answered": self.ok[k], "expected_errors": self.expected_errors[k],
-                 "findings": self.findings.get(k, []), "tokens": self.tokens[k]} for k in [*KINDS, "all"]]
+                 "findings": self.findings.get(k, []), "tokens": self.tokens[k], "seconds": spread(self.seconds[k])}
+                for k in [*KINDS, "all"]]
 
 
 # ---- the run ------------------------------------------------------------------------------------
