@@ -5,11 +5,13 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["git_commit", "measure_copy_gbps", "graph_replay_us", "replay_ms", "eager_us", "wall_ms"]
+__all__ = ["git_commit", "measure_copy_gbps", "graph_replay_us", "replay_ms", "eager_us", "wall_ms",
+           "parse_metrics", "read_metrics"]
 
 
 def git_commit(explicit: str | None = None) -> str:
@@ -143,3 +145,27 @@ def write_result(out: str, commit: str | None, params: dict, rows: list) -> None
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1))
+
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {'name{labels}': value}, labels as the page writes them."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and not line.startswith("#"):
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def read_metrics(address: str) -> dict[str, float]:
+    """A service's /metrics page at host:port, parsed; {} when there is none or it does not answer."""
+    if not address:
+        return {}
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
+            return parse_metrics(resp.read().decode())
+    except OSError:
+        return {}

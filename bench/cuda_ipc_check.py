@@ -34,7 +34,6 @@ import gc
 import json
 import multiprocessing as mp
 import os
-import re
 import signal
 import sys
 import time
@@ -46,7 +45,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from bench.common import git_commit
+from bench.common import git_commit, parse_metrics
 from ddtree.v1 import common_pb2, draft_pb2_grpc
 from services.common.launcher import Stack, StackSpec, free_port
 from services.common.transport import bundle_slot, make_reader
@@ -92,19 +91,6 @@ def placements(gpus: Sequence[str]) -> list[Placement]:
         Placement("isolated", f"verifier sees only GPU {a} / draft sees only GPU {b}",
                   {"verifier": _env("verifier", "cuda:0", a), "draft": _env("draft", "cuda:0", b)}, "shm"),
     ]
-
-
-_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)")
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> {'name{labels}': value}."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and not line.startswith("#"):
-            out[m.group(1)] = float(m.group(2))
-    return out
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -25,14 +25,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import git_commit
+from bench.common import git_commit, read_metrics
 from ddtree.v1 import common_pb2
 from services.common.launcher import StackSpec, free_port
 from services.common.settings import SchedulerSettings
@@ -167,19 +166,13 @@ def _smi_reader() -> Callable[[], tuple[float, float]] | None:
 # ---- the stack's own numbers --------------------------------------------------------------------
 def stage_totals(metrics_address: str) -> dict[str, tuple[float, float]]:
     """(sum_ms, count) per stage from a /metrics page; {} when there is none or it does not answer."""
-    if not metrics_address:
-        return {}
-    try:
-        page = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read().decode()
-    except OSError:
-        return {}
     out: dict[str, list[float]] = {}
-    for line in page.splitlines():
+    for key, value in read_metrics(metrics_address).items():
         for kind in ("sum", "count"):
             prefix = f"ddtree_step_ms_{kind}{{stage=\""
-            if line.startswith(prefix):
-                stage = line[len(prefix):].split('"')[0]
-                out.setdefault(stage, [0.0, 0.0])[0 if kind == "sum" else 1] = float(line.split()[-1])
+            if key.startswith(prefix):
+                stage = key[len(prefix):].split('"')[0]
+                out.setdefault(stage, [0.0, 0.0])[0 if kind == "sum" else 1] = value
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 

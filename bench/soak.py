@@ -28,19 +28,16 @@ import json
 import random
 import sys
 import time
-import urllib.request
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from bench.common import git_commit
+from bench.common import git_commit, read_metrics
 from bench.matrix import MatrixParams, load_token_stream, stack_spec
 from services.common.launcher import Stack, free_port
 from services.scheduler.client import AsyncClient, ClientError, Completion
 
-__all__ = ["KINDS", "SoakParams", "Soak", "Probe", "run_soak", "scrape", "held_state", "main"]
+__all__ = ["KINDS", "SoakParams", "Soak", "Probe", "run_soak", "held_state", "main"]
 
 # Request kinds and their weights in the mix: `Soak._request` builds each, `Soak.one` sends and checks it.
 KINDS = {"greedy": 6, "sampled": 4, "autoregressive": 2, "stop": 2, "long": 2, "token_ids": 1, "cancel": 2,
@@ -86,20 +83,6 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 
 # ---- metrics ----------------------------------------------------------------------------------
-def scrape(address: str) -> dict[str, float]:
-    """Every sample of a /metrics page, keyed by name{labels} ({} when it does not answer)."""
-    try:
-        page = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    except OSError:
-        return {}
-    out = {}
-    for family in text_string_to_metric_families(page):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
-
-
 def held_state(pages: dict[str, dict[str, float]]) -> dict[str, float]:
     """The `HELD` gauges of each service's page, as service:name."""
     return {f"{svc}:{k}": v for svc, page in pages.items() for k, v in page.items() if k.split("{")[0] in HELD}
@@ -265,7 +248,7 @@ async def _idle(scheduler_metrics: str, within_s: float = 60.0) -> None:
     that releases it."""
     by = time.monotonic() + within_s
     while time.monotonic() < by:
-        page = scrape(scheduler_metrics)
+        page = read_metrics(scheduler_metrics)
         busy = [k for k, v in page.items()
                 if k.split("{")[0] in ("ddtree_running_requests", "ddtree_queue_depth", "ddtree_kv_tokens_reserved")
                 and v != 0]
@@ -284,15 +267,15 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
         rng = random.Random(p.seed)
         n = p.probe_tokens
         base = dict(max_tokens=n, ignore_eos=True)
-        probes = [Probe("greedy_b16", dict(base, budget=16), soak._prompt(rng, 48)),
-                  Probe("greedy_autoregressive", dict(base, mode="autoregressive"), []),
+        short = soak._prompt(rng, 48)   # greedy DDTree and greedy AR of one prompt: the same tokens
+        probes = [Probe("greedy_b16", dict(base, budget=16), short),
+                  Probe("greedy_autoregressive", dict(base, mode="autoregressive"), short),
                   Probe("sampled_b16_seed", dict(base, budget=16, temperature=1.0, seed=1234), soak._prompt(rng, 48)),
                   Probe("greedy_b64_long", dict(base, budget=64), soak._prompt(rng, p.long_context))]
-        probes[1].prompt = probes[0].prompt   # greedy AR of the same prompt: DDTree must give its tokens
         await _probe_all(client, probes, "alone")   # warms the budgets up too
         await _probe_all(client, probes, "alone")
         await _idle(metrics["scheduler"])
-        before = {svc: scrape(addr) for svc, addr in metrics.items()}
+        before = {svc: read_metrics(addr) for svc, addr in metrics.items()}
         t0 = time.monotonic()
         deadline = t0 + p.duration_s
 
@@ -315,7 +298,7 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
         async def progress() -> None:
             while time.monotonic() + 15 < deadline:
                 await asyncio.sleep(15)
-                pages = {svc: scrape(addr) for svc, addr in metrics.items()}
+                pages = {svc: read_metrics(addr) for svc, addr in metrics.items()}
                 memory.append({"t_s": round(time.monotonic() - t0, 1),
                                **{svc: page.get("ddtree_gpu_memory_allocated_bytes") for svc, page in pages.items()}})
                 log(f"soak: {time.monotonic() - t0:5.0f} s, {sum(soak.sent.values())} requests, "
@@ -326,13 +309,13 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
         await _idle(metrics["scheduler"])
         await _probe_all(client, probes, "alone_after")
         await _idle(metrics["scheduler"])   # idle again: what a request held is given back
-        after = {svc: scrape(addr) for svc, addr in metrics.items()}
+        after = {svc: read_metrics(addr) for svc, addr in metrics.items()}
     held_before, held_after = held_state(before), held_state(after)
     state = {"held_before": held_before, "held_after": held_after,
              "held_differs": sorted(k for k in held_before.keys() | held_after.keys()
                                     if held_before.get(k) != held_after.get(k))}
     # The scheduler's count of requests by how they ended, against what the clients saw.
-    ended = {k.split("status=")[1].rstrip("}"): after["scheduler"].get(k, 0) - before["scheduler"].get(k, 0)
+    ended = {k.split('status="')[1].split('"')[0]: after["scheduler"].get(k, 0) - before["scheduler"].get(k, 0)
              for k in after["scheduler"] if k.startswith("ddtree_requests_total{")}
     state["scheduler_requests_by_status"] = ended
     state["client_finishes"] = dict(soak.finishes)
@@ -397,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         "DDTREE_SCHEDULER_MAX_BATCH": str(args.max_batch or max(1, p.concurrency // 2)),
         "DDTREE_SCHEDULER_MAX_PREFILL_TOKENS": str(args.prefill_tokens),
         "DDTREE_DRAFT_WARMUP_BUDGETS": "8,16,32",
+        "DDTREE_VERIFIER_TP": str(args.tp),
     })
-    spec.extra_env["DDTREE_VERIFIER_TP"] = str(args.tp)
     metrics = {"scheduler": scheduler_metrics, "draft": draft_metrics, "verifier": verifier_metrics}
     if args.draft_replicas > 1:   # each replica its own metrics page
         spec.draft_replicas = args.draft_replicas
