@@ -121,8 +121,9 @@ def main() -> None:
                     error = None
                 except RuntimeError as exc:  # e.g. an op that cannot be captured: record, go on
                     t, error = None, f"{type(exc).__name__}: {str(exc)[:200]}"
+                top = 1 << (budget - 1).bit_length()   # the served warps are those of the budget's bucket
                 row = {"batch": batch, "budget": budget, "block": block, "vocab": vocab, "backend": backend,
-                       "num_warps": tree_build_num_warps(budget, min(budget, vocab)) if backend == "triton" else None,
+                       "num_warps": tree_build_num_warps(top, min(top, vocab)) if backend == "triton" else None,
                        "time_us": t, "matches_reference": matches_ref, "matches_torch": matches_torch}
                 if error:
                     row["error"] = error

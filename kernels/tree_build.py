@@ -52,7 +52,7 @@ except ImportError:  # pragma: no cover - only where triton is not installed
 
 __all__ = ["tree_build_triton", "tree_build_num_warps", "candidate_pairs"]
 
-_PAIRS: dict[tuple[int, int, str], tuple[Tensor, Tensor]] = {}
+_PAIRS: dict[tuple[int, int, int, str], tuple[Tensor, Tensor]] = {}
 # Vocabularies up to this many tokens are ranked inside the kernel (its registers hold
 # next_pow2(depth) x next_pow2(vocab) int64 keys); larger ones take torch.topk first. 128: the
 # largest measured on a GPU (vocab = budget, bench/results/tree_build.json).
@@ -63,17 +63,28 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def candidate_pairs(budget: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """[C_PAD] int32 parent ranks i and child ranks j with ``(i+1)(j+2) <= budget``; -1 pads.
+def _pairs(budget: int, k: int) -> list[tuple[int, int]]:
+    return [(i, j) for i in range(budget) for j in range(min(k, budget // (i + 1) - 1))]
 
-    That is the pruning bound at level 1; the kernel masks deeper levels further. Cached per
-    (budget, k, device): the first call copies host data to the device, so make it (a warm-up)
-    before capturing a CUDA graph.
+
+def candidate_pad(budget: int, k: int) -> int:
+    """The power of two that holds the candidate pairs of (budget, k) (and at least budget)."""
+    return max(_next_pow2(len(_pairs(budget, k))), _next_pow2(budget))
+
+
+def candidate_pairs(budget: int, k: int, device: torch.device, pad: int | None = None) -> tuple[Tensor, Tensor]:
+    """[pad] int32 parent ranks i and child ranks j with ``(i+1)(j+2) <= budget``; -1 pads.
+
+    That is the pruning bound at level 1; the kernel masks deeper levels further. `pad` defaults
+    to `candidate_pad(budget, k)`; the kernel passes its bucket's, so that every budget of a
+    power-of-two bucket shares one compiled kernel. Cached per (budget, k, pad, device): the first
+    call copies host data to the device, so make it (a warm-up) before capturing a CUDA graph.
     """
-    key = (budget, k, str(device))
+    pad = candidate_pad(budget, k) if pad is None else pad
+    key = (budget, k, pad, str(device))
     if key not in _PAIRS:
-        pairs = [(i, j) for i in range(budget) for j in range(min(k, budget // (i + 1) - 1))]
-        pad = max(_next_pow2(len(pairs)), _next_pow2(budget))
+        pairs = _pairs(budget, k)
+        assert pad >= len(pairs), f"pad {pad} < {len(pairs)} candidate pairs"
         ci = torch.full((pad,), -1, dtype=torch.int32)
         cj = torch.full((pad,), -1, dtype=torch.int32)
         if pairs:
@@ -106,7 +117,9 @@ if triton is not None:
     def _unpack_index(key):
         return 0x7FFFFFFF - (key & 0xFFFFFFFF).to(tl.int32)
 
-    @triton.jit
+    # K, DEPTH and BUDGET are run-time values (not specialised): one compiled kernel serves every
+    # budget of a power-of-two bucket, whose pads are the constexprs.
+    @triton.jit(do_not_specialize=["n_max", "K", "DEPTH", "BUDGET"])
     def _tree_build_kernel(
         raw_ptr,  # SORT_INPUT: [R, >= DEPTH, V] log-probs (any float dtype, unit stride along V)
         raw_stride_r,
@@ -126,10 +139,10 @@ if triton is not None:
         scores_ptr,  # [R, n_max] float32
         sizes_ptr,  # [R] int64
         n_max,
+        K,
+        DEPTH,
+        BUDGET,
         V: tl.constexpr,
-        K: tl.constexpr,
-        DEPTH: tl.constexpr,
-        BUDGET: tl.constexpr,
         B_PAD: tl.constexpr,
         C_PAD: tl.constexpr,  # a multiple of B_PAD (both powers of two, C_PAD >= B_PAD)
         G_PAD: tl.constexpr,
@@ -168,10 +181,8 @@ if triton is not None:
         ci = tl.load(cand_i_ptr + offs_c)  # [C_PAD]
         cj = tl.load(cand_j_ptr + offs_c)
         pair = ci >= 0
-        if DEPTH > 1:
-            y_next = tl.load(lp_row + K + cj, mask=pair, other=float("-inf"))  # depth 2's child scores
-        else:
-            y_next = tl.full([C_PAD], float("-inf"), tl.float32)
+        # Depth 2's child scores, where there is a depth 2 (row 1 of the [DEPTH, K] table).
+        y_next = tl.load(lp_row + K + cj, mask=pair & (K + cj < DEPTH * K), other=float("-inf"))
         tl.debug_barrier()
         width = tl.zeros([], tl.int32) + K  # kept nodes at the previous depth (a loop-carried tensor)
         for d in range(1, DEPTH):
@@ -179,7 +190,7 @@ if triton is not None:
             x = tl.load(lvl_score_ptr + lvl_base + (d - 1) * B_PAD + ci, mask=ok, other=float("-inf"))
             y = tl.where(ok, y_next, float("-inf"))
             # Issued now, used next depth: its latency hides behind this depth's sort.
-            y_next = tl.load(lp_row + (d + 1) * K + cj, mask=pair & (d + 1 < DEPTH), other=float("-inf"))
+            y_next = tl.load(lp_row + (d + 1) * K + cj, mask=pair & ((d + 1) * K + cj < DEPTH * K), other=float("-inf"))
             flat = tl.where(ok, ci * K + cj, 0x7FFFFFFF)  # invalid pairs sort last
             keep = tl.minimum(width * K, BUDGET - d)  # rank r of level d has r + d nodes before it
             kept = offs_b < keep
@@ -270,7 +281,8 @@ def tree_build_triton(
 
     Returns:
         :class:`TreeBuildOutput` with ``n_max = budget + 1`` columns. No host sync; capturable in
-        a CUDA graph after one warm-up call per (budget, k) (see :func:`candidate_pairs`).
+        a CUDA graph after one warm-up call per (budget, k) (see :func:`candidate_pairs`). One
+        compiled kernel serves every budget of a power-of-two bucket.
     """
     if triton is None:
         raise RuntimeError("tree_build_triton needs triton")
@@ -294,10 +306,14 @@ def tree_build_triton(
         raw = logprobs
         top_lp, top_tok = logprobs[:, :depth].float().topk(k, dim=-1)  # [R, De, k] each, descending
         top_lp, top_tok = top_lp.contiguous(), top_tok.contiguous()
-    ci, cj = candidate_pairs(budget, k, device)
-    b_pad = _next_pow2(budget)
+    # The pads are those of the budget's power-of-two bucket (its largest budget, depth and k), so
+    # one compiled kernel serves the whole bucket: 8 kernels for budgets 1..128, not 128.
+    top = _next_pow2(budget)
+    top_k, top_depth = min(top, vocab), min(depth_limit, top)
+    ci, cj = candidate_pairs(budget, k, device, pad=candidate_pad(top, top_k))
+    b_pad = top
     c_pad = ci.numel()
-    g_pad = _next_pow2(depth * b_pad)
+    g_pad = _next_pow2(top_depth * b_pad)
     lvl_score = torch.empty(num_req, depth, b_pad, dtype=torch.float32, device=device)
     lvl_child = torch.empty(num_req, depth, b_pad, dtype=torch.int32, device=device)
     lvl_par = torch.empty(num_req, depth, b_pad, dtype=torch.int32, device=device)
@@ -312,14 +328,14 @@ def tree_build_triton(
     if num_req == 0:
         return out
     if num_warps is None:
-        num_warps = tree_build_num_warps(budget, k)
+        num_warps = tree_build_num_warps(top, top_k)
     _tree_build_kernel[(num_req,)](
         raw, raw.stride(0), raw.stride(1), top_lp, top_tok,
         root_tokens.to(device=device, dtype=torch.int64).contiguous(), ci, cj,
         lvl_score, lvl_child, lvl_par, slots, out.tokens, out.parents, out.depths, out.scores, out.sizes,
-        n_max,
-        V=vocab if sort_input else 0, K=k, DEPTH=depth, BUDGET=budget, B_PAD=b_pad, C_PAD=c_pad,
-        G_PAD=g_pad, N_PAD=_next_pow2(n_max), SORT_INPUT=sort_input, D_PAD=_next_pow2(depth),
+        n_max, k, depth, budget,
+        V=vocab if sort_input else 0, B_PAD=b_pad, C_PAD=c_pad,
+        G_PAD=g_pad, N_PAD=_next_pow2(top + 1), SORT_INPUT=sort_input, D_PAD=_next_pow2(top_depth),
         V_PAD=_next_pow2(vocab) if sort_input else 1, num_warps=num_warps,
     )
     return out

@@ -187,3 +187,26 @@ def test_candidate_pairs_follow_the_pruning_bound() -> None:
         n = ci.numel()
         assert n & (n - 1) == 0 and n >= len(want) and n >= budget
         assert bool((cj[ci < 0] == -1).all())
+
+
+def test_every_budget_of_a_power_of_two_bucket_shares_one_kernel(monkeypatch) -> None:
+    """The kernel's compile-time arguments are those of the budget's bucket, so budgets 1..128
+    compile 8 kernels (a budget compiled on first use stalled its draft replica for seconds)."""
+    seen: dict[int, set] = {}
+
+    class Launch:
+        def __getitem__(self, grid):
+            def run(*args, **constexprs):
+                seen.setdefault(budget, set()).add(tuple(sorted(constexprs.items())))
+            return run
+
+    monkeypatch.setattr(tb, "_tree_build_kernel", Launch())
+    for vocab in (64, 4096):
+        seen.clear()
+        for budget in range(1, 129):
+            logprobs = torch.log_softmax(torch.randn(2, 15, vocab), dim=-1)
+            tb.tree_build_triton(logprobs, budget, torch.zeros(2, dtype=torch.int64))
+        kernels = {b: next(iter(c)) for b, c in seen.items()}
+        assert len(set(kernels.values())) == 8, vocab
+        for budget, key in kernels.items():
+            assert key == kernels[1 << (budget - 1).bit_length()], (vocab, budget)

@@ -89,8 +89,11 @@ class DraftEngine:
             return   # nothing is compiled or loaded lazily on the CPU path
         depth = self.proposer.block_size - 1
         vocab = self.proposer.vocab_size
-        for budget in budgets:
-            for r in batch_sizes:
+        # One tree kernel per power-of-two bucket of budgets (kernels/tree_build.py): compiling the
+        # 8 buckets now means no budget compiles while users wait.
+        buckets = [1 << i for i in range(MAX_BUDGET.bit_length()) if 1 << i <= MAX_BUDGET]
+        for budget in dict.fromkeys([*buckets, *budgets]):
+            for r in batch_sizes if budget in budgets else batch_sizes[:1]:
                 logprobs = torch.log_softmax(torch.randn(r, depth, vocab, device=device), dim=-1)  # [r, D, V]
                 build_trees(logprobs, budget, torch.zeros(r, dtype=torch.int64, device=device))
         self.proposer.warm_up(batch_sizes, context_lengths)

@@ -135,8 +135,8 @@ def build_trees(logprobs: Tensor, budget: int, root_tokens: Tensor, *, backend: 
     input; above 128 tokens a torch.topk of the vocabulary first), ``"torch"`` the tensor ops here
     (~130 small kernels at budget 64, depth 15). Default: triton on CUDA for non-float64 input, else torch.
     The two select the same trees (tests/test_tree_build.py). The kernel compiles once per
-    (budget, depth, and vocabulary up to 128 tokens) (seconds each): warm up the budgets served at
-    start-up, before graph capture.
+    power-of-two bucket of budgets (and vocabulary up to 128 tokens) (seconds each): the draft
+    warms all 8 buckets up at start-up, before graph capture.
     """
     if backend is None:
         use_triton = logprobs.is_cuda and logprobs.dtype != torch.float64 and _triton_available()
