@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.common import git_commit, graph_replay_us, measure_copy_gbps
-from kernels.tree_build import tree_build_num_warps, tree_build_triton
+from kernels.tree_build import pads_budget, tree_build_num_warps, tree_build_triton
 from services.draft.tree import TreeBatch, build_tree_heapq, build_trees, tree_paths
 
 K2_VOCAB = 163840
@@ -121,9 +121,9 @@ def main() -> None:
                     error = None
                 except RuntimeError as exc:  # e.g. an op that cannot be captured: record, go on
                     t, error = None, f"{type(exc).__name__}: {str(exc)[:200]}"
-                top = 1 << (budget - 1).bit_length()   # the served warps are those of the budget's bucket
+                pads = pads_budget(budget)   # the served kernel's warps are those of its pads
                 row = {"batch": batch, "budget": budget, "block": block, "vocab": vocab, "backend": backend,
-                       "num_warps": tree_build_num_warps(top, min(top, vocab)) if backend == "triton" else None,
+                       "num_warps": tree_build_num_warps(pads, min(pads, vocab)) if backend == "triton" else None,
                        "time_us": t, "matches_reference": matches_ref, "matches_torch": matches_torch}
                 if error:
                     row["error"] = error

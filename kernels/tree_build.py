@@ -50,7 +50,7 @@ except ImportError:  # pragma: no cover - only where triton is not installed
     triton = None
     tl = None
 
-__all__ = ["tree_build_triton", "tree_build_num_warps", "candidate_pairs"]
+__all__ = ["tree_build_triton", "tree_build_num_warps", "candidate_pairs", "pads_budget"]
 
 _PAIRS: dict[tuple[int, int, int, str], tuple[Tensor, Tensor]] = {}
 # Vocabularies up to this many tokens are ranked inside the kernel (its registers hold
@@ -72,12 +72,25 @@ def candidate_pad(budget: int, k: int) -> int:
     return max(_next_pow2(len(_pairs(budget, k))), _next_pow2(budget))
 
 
+def pads_budget(budget: int) -> int:
+    """The budget whose compile-time pads a budget's kernel takes: 10 kernels serve 1..128.
+
+    A kernel compiles in 1-10 s on an H200, and one per budget meant a budget's first request
+    stalled its draft replica while it compiled. Every budget now runs with the pads of the largest
+    budget of its power-of-two bucket below the power of two (budgets 65..127 those of 127), so one
+    kernel serves the bucket and the draft compiles them all at start-up. A power of two keeps its
+    own: at 16 and 128 its level-1 candidates just pass a power of two (65 and 517), and the rest of
+    its bucket would sort twice the keys it needs (budget 127 in 128's pads: 142 against 75 us).
+    """
+    return budget if budget & (budget - 1) == 0 else _next_pow2(budget) - 1
+
+
 def candidate_pairs(budget: int, k: int, device: torch.device, pad: int | None = None) -> tuple[Tensor, Tensor]:
     """[pad] int32 parent ranks i and child ranks j with ``(i+1)(j+2) <= budget``; -1 pads.
 
     That is the pruning bound at level 1; the kernel masks deeper levels further. `pad` defaults
-    to `candidate_pad(budget, k)`; the kernel passes its bucket's, so that every budget of a
-    power-of-two bucket shares one compiled kernel. Cached per (budget, k, pad, device): the first
+    to `candidate_pad(budget, k)`; the kernel passes that of :func:`pads_budget`, so that budgets
+    share compiled kernels. Cached per (budget, k, pad, device): the first
     call copies host data to the device, so make it (a warm-up) before capturing a CUDA graph.
     """
     pad = candidate_pad(budget, k) if pad is None else pad
@@ -118,7 +131,7 @@ if triton is not None:
         return 0x7FFFFFFF - (key & 0xFFFFFFFF).to(tl.int32)
 
     # K, DEPTH and BUDGET are run-time values (not specialised): one compiled kernel serves every
-    # budget of a power-of-two bucket, whose pads are the constexprs.
+    # budget with the same pads (pads_budget), which are the constexprs.
     @triton.jit(do_not_specialize=["n_max", "K", "DEPTH", "BUDGET"])
     def _tree_build_kernel(
         raw_ptr,  # SORT_INPUT: [R, >= DEPTH, V] log-probs (any float dtype, unit stride along V)
@@ -281,8 +294,8 @@ def tree_build_triton(
 
     Returns:
         :class:`TreeBuildOutput` with ``n_max = budget + 1`` columns. No host sync; capturable in
-        a CUDA graph after one warm-up call per (budget, k) (see :func:`candidate_pairs`). One
-        compiled kernel serves every budget of a power-of-two bucket.
+        a CUDA graph after one warm-up call per (budget, k) (see :func:`candidate_pairs`). Budgets
+        share compiled kernels (:func:`pads_budget`).
     """
     if triton is None:
         raise RuntimeError("tree_build_triton needs triton")
@@ -306,14 +319,13 @@ def tree_build_triton(
         raw = logprobs
         top_lp, top_tok = logprobs[:, :depth].float().topk(k, dim=-1)  # [R, De, k] each, descending
         top_lp, top_tok = top_lp.contiguous(), top_tok.contiguous()
-    # The pads are those of the budget's power-of-two bucket (its largest budget, depth and k), so
-    # one compiled kernel serves the whole bucket: 8 kernels for budgets 1..128, not 128.
-    top = _next_pow2(budget)
-    top_k, top_depth = min(top, vocab), min(depth_limit, top)
-    ci, cj = candidate_pairs(budget, k, device, pad=candidate_pad(top, top_k))
-    b_pad = top
+    # Every pad is that of pads_budget(budget) (>= budget), so budgets share compiled kernels.
+    pads = pads_budget(budget)
+    pads_k, pads_depth = min(pads, vocab), min(depth_limit, pads)
+    ci, cj = candidate_pairs(budget, k, device, pad=candidate_pad(pads, pads_k))
+    b_pad = _next_pow2(pads)
     c_pad = ci.numel()
-    g_pad = _next_pow2(top_depth * b_pad)
+    g_pad = _next_pow2(pads_depth * b_pad)
     lvl_score = torch.empty(num_req, depth, b_pad, dtype=torch.float32, device=device)
     lvl_child = torch.empty(num_req, depth, b_pad, dtype=torch.int32, device=device)
     lvl_par = torch.empty(num_req, depth, b_pad, dtype=torch.int32, device=device)
@@ -328,14 +340,14 @@ def tree_build_triton(
     if num_req == 0:
         return out
     if num_warps is None:
-        num_warps = tree_build_num_warps(top, top_k)
+        num_warps = tree_build_num_warps(pads, pads_k)
     _tree_build_kernel[(num_req,)](
         raw, raw.stride(0), raw.stride(1), top_lp, top_tok,
         root_tokens.to(device=device, dtype=torch.int64).contiguous(), ci, cj,
         lvl_score, lvl_child, lvl_par, slots, out.tokens, out.parents, out.depths, out.scores, out.sizes,
         n_max, k, depth, budget,
         V=vocab if sort_input else 0, B_PAD=b_pad, C_PAD=c_pad,
-        G_PAD=g_pad, N_PAD=_next_pow2(top + 1), SORT_INPUT=sort_input, D_PAD=_next_pow2(top_depth),
+        G_PAD=g_pad, N_PAD=2 * b_pad, SORT_INPUT=sort_input, D_PAD=_next_pow2(pads_depth),
         V_PAD=_next_pow2(vocab) if sort_input else 1, num_warps=num_warps,
     )
     return out

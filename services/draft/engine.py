@@ -29,6 +29,7 @@ from services.common.grpc_server import ServiceError
 from services.common.logging import get_logger
 from services.common.metrics import Metrics
 from services.common.settings import MAX_BUDGET
+from kernels.tree_build import pads_budget
 from services.draft.proposer import Proposer
 from services.draft.tree import build_trees
 from services.draft.tree_graphs import HostTrees, TreeGraphs, pack_trees, unpack_trees
@@ -83,16 +84,17 @@ class DraftEngine:
 
     def warm_up(self, budgets: Sequence[int], device: str,
                 batch_sizes: Sequence[int] = (1, 4, 16, 64), context_lengths: Sequence[int] = (64, 512)) -> None:
-        """Compiles the GPU tree kernel per budget (seconds each) and runs propose over a spread of
-        batch sizes and context lengths, before the first request rather than while users wait."""
+        """Compiles the GPU tree kernels (10 serve budgets 1..128, seconds each), builds trees for
+        `budgets` and runs propose over a spread of batch sizes and context lengths, before the
+        first request rather than while users wait."""
         if torch.device(device).type != "cuda":
             return   # nothing is compiled or loaded lazily on the CPU path
         depth = self.proposer.block_size - 1
         vocab = self.proposer.vocab_size
-        # One tree kernel per power-of-two bucket of budgets (kernels/tree_build.py): compiling the
-        # 8 buckets now means no budget compiles while users wait.
-        buckets = [1 << i for i in range(MAX_BUDGET.bit_length()) if 1 << i <= MAX_BUDGET]
-        for budget in dict.fromkeys([*buckets, *budgets]):
+        # Budgets share tree kernels (kernels/tree_build.pads_budget): compiling each one now means
+        # no budget compiles while users wait.
+        shared = sorted({pads_budget(b) for b in range(1, MAX_BUDGET + 1)})
+        for budget in dict.fromkeys([*shared, *budgets]):
             for r in batch_sizes if budget in budgets else batch_sizes[:1]:
                 logprobs = torch.log_softmax(torch.randn(r, depth, vocab, device=device), dim=-1)  # [r, D, V]
                 build_trees(logprobs, budget, torch.zeros(r, dtype=torch.int64, device=device))
