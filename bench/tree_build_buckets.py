@@ -7,9 +7,10 @@ two inputs: ``vocab = budget`` (the T-tree input: the kernel ranks each row itse
 budget: ``time_us``, the call replayed in a CUDA graph (median of 50), and whether the trees equal
 the torch builder's bit for bit and the heapq reference's prefix sets on the first rows.
 
-``startup`` rows: the wall time of compiling every kernel budgets 1..128 need (one batch-1 call per
-kernel at vocab 4096, as the draft's warm-up makes them), each in a fresh process with an empty
-Triton cache, one after another (``serial``) and from a thread each (``threads``).
+``startup`` rows: the wall time of compiling every kernel budgets 1..128 need (one batch-1 call a
+pads budget at vocab 4096, 14 calls for 10 kernels), each in a fresh process with an empty Triton
+cache, one after another (``serial``) and from a thread each (``threads``, the draft's
+``warm_up_kernels``).
 
 Usage: python -m bench.tree_build_buckets [--baseline FILE] [--out DIR] [--commit SHA]
 """
@@ -24,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -46,20 +46,18 @@ def load_variant(path: str):
 
 def compile_all(mode: str) -> dict:
     """Compiles the served kernels for budgets 1..128 (this process, the Triton cache it was given)."""
-    from kernels.tree_build import pads_budget, tree_build_triton
-    shared = sorted({pads_budget(b) for b in range(1, 129)})
-    logprobs = torch.log_softmax(torch.randn(1, 15, DEMO_VOCAB, device="cuda"), dim=-1)
-    roots = torch.zeros(1, dtype=torch.int64, device="cuda")
+    from kernels.tree_build import pads_budget, tree_build_triton, warm_up_kernels
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    if mode == "threads":
-        with ThreadPoolExecutor(len(shared)) as pool:
-            list(pool.map(lambda b: tree_build_triton(logprobs, b, roots), shared))
+    if mode == "threads":   # as the draft does at start-up
+        shared = warm_up_kernels(15, DEMO_VOCAB, "cuda")
     else:
+        shared = sorted({pads_budget(b) for b in range(1, 129)})
+        logprobs = torch.log_softmax(torch.randn(1, 15, DEMO_VOCAB, device="cuda"), dim=-1)
         for b in shared:
-            tree_build_triton(logprobs, b, roots)
+            tree_build_triton(logprobs, b, torch.zeros(1, dtype=torch.int64, device="cuda"))
     torch.cuda.synchronize()
-    return {"row": "startup", "mode": mode, "kernels": len(shared), "seconds": round(time.perf_counter() - t0, 2)}
+    return {"row": "startup", "mode": mode, "pads_budgets": len(shared), "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def startup_row(mode: str) -> dict:
@@ -129,7 +127,7 @@ def main() -> None:
     }
     (out / "tree_build_buckets.json").write_text(json.dumps(result, indent=1) + "\n")
     for r in rows[:2]:
-        print(f"start-up compile, {r['mode']}: {r.get('seconds', r.get('error'))} s ({r.get('kernels')} kernels)")
+        print(f"start-up compile, {r['mode']}: {r.get('seconds', r.get('error'))} s ({r.get('pads_budgets')} pads budgets)")
     print("\nbudget " + " ".join(f"{n + ' v=' + str(v):>22}" for v in ("budget", DEMO_VOCAB) for n in variants))
     for budget in BUDGETS:
         cells = []

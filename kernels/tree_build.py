@@ -38,6 +38,8 @@ next depth's threads; ``tl.debug_barrier()`` orders each write before the reads 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 from torch import Tensor
 
@@ -50,7 +52,7 @@ except ImportError:  # pragma: no cover - only where triton is not installed
     triton = None
     tl = None
 
-__all__ = ["tree_build_triton", "tree_build_num_warps", "candidate_pairs", "pads_budget"]
+__all__ = ["tree_build_triton", "tree_build_num_warps", "candidate_pairs", "pads_budget", "warm_up_kernels"]
 
 _PAIRS: dict[tuple[int, int, int, str], tuple[Tensor, Tensor]] = {}
 # Vocabularies up to this many tokens are ranked inside the kernel (its registers hold
@@ -264,6 +266,21 @@ def tree_build_num_warps(budget: int, k: int) -> int:
     (bench/results/tree_build.json); budget 128 gets 16 warps, two keys a thread.
     """
     return max(4, min(16, candidate_pairs(budget, k, torch.device("cpu"))[0].numel() // 32))
+
+
+def warm_up_kernels(depth_limit: int, vocab: int, device: torch.device | str, max_budget: int = 128) -> list[int]:
+    """Compiles every kernel budgets 1..max_budget need (one batch-1 call a pads budget).
+
+    From a thread each: the compiles overlap (on an H200 with an empty Triton cache, 18.5 s for
+    all of them against 38 s one after another, bench/results/tree_build_buckets.json). Returns
+    the pads budgets called.
+    """
+    shared = sorted({pads_budget(b) for b in range(1, max_budget + 1)})
+    logprobs = torch.log_softmax(torch.randn(1, depth_limit, vocab, device=device), dim=-1)  # [1, D, V]
+    roots = torch.zeros(1, dtype=torch.int64, device=device)
+    with ThreadPoolExecutor(len(shared)) as pool:
+        list(pool.map(lambda b: tree_build_triton(logprobs, b, roots), shared))
+    return shared
 
 
 class TreeBuildOutput:

@@ -212,3 +212,20 @@ def test_budgets_share_ten_compiled_kernels(monkeypatch) -> None:
         for budget, key in kernels.items():
             assert key == kernels[tb.pads_budget(budget)], (vocab, budget)
     assert len(set(kernels.values())) == 10
+
+
+def test_the_draft_warm_up_compiles_every_shared_kernel(monkeypatch) -> None:
+    """warm_up_kernels (the draft's start-up) launches every kernel budgets 1..128 need, so none
+    compiles on a request; the launches run from a thread pool."""
+    launched: dict[int, tuple] = {}
+
+    class Launch:
+        def __getitem__(self, grid):
+            def run(*args, **constexprs):
+                launched[args[-1]] = tuple(sorted(constexprs.items()))   # the last argument is BUDGET
+            return run
+
+    monkeypatch.setattr(tb, "_tree_build_kernel", Launch())
+    called = tb.warm_up_kernels(15, 4096, "cpu")
+    assert called == sorted(launched) == sorted({tb.pads_budget(b) for b in range(1, 129)})
+    assert len(set(launched.values())) == 10

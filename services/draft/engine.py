@@ -29,7 +29,7 @@ from services.common.grpc_server import ServiceError
 from services.common.logging import get_logger
 from services.common.metrics import Metrics
 from services.common.settings import MAX_BUDGET
-from kernels.tree_build import pads_budget
+from kernels.tree_build import warm_up_kernels
 from services.draft.proposer import Proposer
 from services.draft.tree import build_trees
 from services.draft.tree_graphs import HostTrees, TreeGraphs, pack_trees, unpack_trees
@@ -91,11 +91,11 @@ class DraftEngine:
             return   # nothing is compiled or loaded lazily on the CPU path
         depth = self.proposer.block_size - 1
         vocab = self.proposer.vocab_size
-        # Budgets share tree kernels (kernels/tree_build.pads_budget): compiling each one now means
+        # Budgets share tree kernels (kernels/tree_build.pads_budget): compiling them all now means
         # no budget compiles while users wait.
-        shared = sorted({pads_budget(b) for b in range(1, MAX_BUDGET + 1)})
-        for budget in dict.fromkeys([*shared, *budgets]):
-            for r in batch_sizes if budget in budgets else batch_sizes[:1]:
+        warm_up_kernels(depth, vocab, device, MAX_BUDGET)
+        for budget in budgets:
+            for r in batch_sizes:
                 logprobs = torch.log_softmax(torch.randn(r, depth, vocab, device=device), dim=-1)  # [r, D, V]
                 build_trees(logprobs, budget, torch.zeros(r, dtype=torch.int64, device=device))
         self.proposer.warm_up(batch_sizes, context_lengths)
