@@ -46,6 +46,16 @@ def test_services_and_commands_match_the_launcher(compose):
         assert devices[0]["capabilities"] == ["gpu"]
 
 
+def test_gpu_services_keep_compiled_kernels_in_a_named_volume(compose):
+    """The Triton cache outlives containers, so a restart or a new draft replica loads the
+    kernels it would otherwise compile for tens of seconds at start-up."""
+    assert "triton-cache" in compose["volumes"]
+    for name in ("draft", "verifier"):
+        svc = compose["services"][name]
+        cache = svc["environment"]["TRITON_CACHE_DIR"]
+        assert f"triton-cache:{cache}" in svc["volumes"]
+
+
 def test_only_the_scheduler_is_published_and_on_loopback_by_default(compose):
     services = compose["services"]
     assert "ports" not in services["draft"] and "ports" not in services["verifier"]

@@ -134,9 +134,9 @@ def build_trees(logprobs: Tensor, budget: int, root_tokens: Tensor, *, backend: 
     ``backend``: ``"triton"`` runs it as one kernel (``kernels.tree_build``; float32/bf16/fp16
     input; above 128 tokens a torch.topk of the vocabulary first), ``"torch"`` the tensor ops here
     (~130 small kernels at budget 64, depth 15). Default: triton on CUDA for non-float64 input, else torch.
-    The two select the same trees (tests/test_tree_build.py). The kernel compiles once per
-    power-of-two bucket of budgets (and vocabulary up to 128 tokens) (seconds each): the draft
-    warms all 8 buckets up at start-up, before graph capture.
+    The two select the same trees (tests/test_tree_build.py). Budgets share 10 compiled
+    kernels (``kernels.tree_build.pads_budget``; seconds each to compile): the draft compiles them
+    all at start-up (``warm_up_kernels``), before graph capture.
     """
     if backend is None:
         use_triton = logprobs.is_cuda and logprobs.dtype != torch.float64 and _triton_available()
