@@ -24,12 +24,12 @@ import grpc
 import torch
 
 from ddtree.v1 import common_pb2, draft_pb2, verifier_pb2
+from kernels.tree_build import warm_up_kernels
 from services.common.devices import current
 from services.common.grpc_server import ServiceError
 from services.common.logging import get_logger
 from services.common.metrics import Metrics
 from services.common.settings import MAX_BUDGET
-from kernels.tree_build import warm_up_kernels
 from services.draft.proposer import Proposer
 from services.draft.tree import build_trees
 from services.draft.tree_graphs import HostTrees, TreeGraphs, pack_trees, unpack_trees
