@@ -1,14 +1,16 @@
-"""The `ddtree` command: run the stack, call it, and make checkpoints.
+"""The `ddtree` command: run the stack, call it, and make checkpoints (`ddtree <command> --help`
+lists every flag).
 
     ddtree up [--model DIR] [--drafter DIR] [--host H] [--port N] [--config FILE] [--draft-replicas N] [--tp N]
               [--startup-timeout S]  # the three services; a service that dies is restarted; Ctrl-C stops all
-    ddtree generate --prompt TEXT [--token-ids] [--max-tokens N] [--temperature T] [--budget B]
-                    [--mode ddtree|autoregressive] [--json] [--address HOST:PORT] [--token T --tls-ca FILE]
-                    [--tls-server-name NAME]
+    ddtree generate --prompt TEXT [--token-ids] [--max-tokens N] [--temperature T] [--top-p P] [--top-k K]
+                    [--seed S] [--budget B] [--mode ddtree|autoregressive] [--stop STR ...] [--stop-token-ids IDS]
+                    [--ignore-eos] [--timeout S] [--json] [--address HOST:PORT] [--token T]
+                    [--tls-ca FILE] [--tls-server-name NAME]
     ddtree serve {scheduler,draft,verifier} [--config FILE]  # one service (what `up` and compose run)
     ddtree make-checkpoint DIR [--vocab-size N] [--seed S] [--bf16-experts]  # a small random target + drafter
-    ddtree bench [--contexts ...] [--concurrency ...] [--budgets ...] [--out FILE.json (default matrix-local.json)]
-                 [--spawn-stack MODEL --device cuda --dtype bfloat16]  # starts and stops its own stack
+    ddtree bench [--contexts ...] [--concurrency ...] [--budgets ...] [--max-tokens N] [--out FILE.json]
+                 [--spawn-stack MODEL --device cuda --dtype bfloat16]  # the serving matrix; more: --help
 """
 
 from __future__ import annotations

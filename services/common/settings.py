@@ -122,11 +122,11 @@ class DraftSettings:
     host: str = "127.0.0.1"
     port: int = 50052
     verifier_address: str = "127.0.0.1:50053"
-    verifier_wait_s: float = 120.0   # how long a starting draft waits for its verifier (compose starts them together)
+    verifier_wait_s: float = 120.0   # how long a starting draft waits for its verifier (one restarting, or started by hand)
     verifier_step_timeout_s: float = 60.0   # a verifier that answers no step within this is taken for gone
     target_path: str = "models/demo"
     drafter_path: str = "models/demo/drafter"
-    transport: str = "auto"          # auto | cuda_ipc | shm | inline (auto: cuda_ipc or shm when the verifier is local)
+    transport: str = "auto"          # auto | cuda_ipc | shm | inline (auto: the first both sides can map, in that order)
     ring_slots: int = 4
     ring_slot_bytes: int = 1 << 20
     device: str = "cpu"
