@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.verifier.acceptance import Acceptance, accept
-from services.verifier.sampling import Sampling, posterior_tokens
+from services.verifier.sampling import Sampling, posterior_tokens, request_generator
 
 #  Hand-built tree used below (index: token):
 #          0:100
@@ -116,6 +116,20 @@ def test_seeded_sampling_is_reproducible() -> None:
     assert torch.equal(first, second)
     other = posterior_tokens(logits, sampling, torch.Generator().manual_seed(124))
     assert not torch.equal(first, other)
+
+
+def test_seeds_that_differ_only_above_bit_32_draw_differently_on_the_cpu() -> None:
+    """The CPU generator keeps only a seed's low 32 bits: 7 and 2**32 + 7 drew the same tokens."""
+    logits = torch.randn(64, 500, generator=torch.Generator().manual_seed(0))
+    s = Sampling(temperature=1.0)
+
+    def draws(seed: int) -> list[int]:
+        return posterior_tokens(logits, s, request_generator(seed, "cpu")).tolist()
+    for low, high in ((7, 2**32 + 7), (1, 2**63 + 1), (5, 2**62 + 5), (0, 2**64 - 2**32)):
+        assert draws(low) != draws(high), (low, high)
+        assert draws(high) == draws(high)
+    for seed in (0, 7, 2**32 - 1):   # below 2**32 a seed is used as it is
+        assert request_generator(seed, "cpu").initial_seed() == seed
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 5.0])

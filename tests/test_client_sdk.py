@@ -398,3 +398,24 @@ def test_a_stream_closed_while_its_call_is_being_made_cancels_the_call() -> None
 
     stream = Stream(start)
     assert list(stream) == [] and call.cancelled
+
+
+# 6. A request that does not parse is refused by name, and the server goes on.
+def test_a_request_that_does_not_parse_gets_invalid_argument_and_the_server_goes_on(server) -> None:
+    good = scheduler_pb2.GenerateRequest(text="aXb", max_tokens=1).SerializeToString()
+    not_utf8 = good.replace(b"aXb", b"a\xffb")          # a string field that is not UTF-8
+    truncated = scheduler_pb2.GenerateRequest(token_ids=scheduler_pb2.TokenIds(ids=IDS), max_tokens=3).SerializeToString()[:-1]
+    with grpc.insecure_channel(server.address) as channel:
+        generate = channel.unary_stream("/ddtree.v1.Scheduler/Generate")   # bytes as they are
+        abort = channel.unary_unary("/ddtree.v1.Scheduler/Abort")
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        for call, data in ((generate, b"\xff\xff"), (generate, not_utf8), (generate, truncated),
+                           (abort, b"\xff\xff"), (check, b"\xff\xff")):
+            with pytest.raises(grpc.RpcError) as info:
+                out = call(data, timeout=5)
+                list(out) if call is generate else out
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (data, info.value.details())
+            assert "does not parse" in info.value.details() and "Unexpected" not in info.value.details()
+    with Client(server.address) as c:   # undisturbed
+        assert c.generate(IDS, max_tokens=2, ignore_eos=True, timeout_s=5).token_ids == [5, 5]
+        assert c.abort("nobody") is False

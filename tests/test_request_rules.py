@@ -9,8 +9,9 @@ import pytest
 from ddtree.v1 import common_pb2, scheduler_pb2
 from services.common.grpc_server import ServiceError
 from services.common.settings import TEMPERATURE_RANGE, SchedulerSettings
-from services.scheduler.client import ClientError, build_request
-from services.scheduler.request import (MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, ActiveRequest, Limits,
+from services.scheduler.client import Client, ClientError, build_request
+from services.scheduler.request import (MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                        ActiveRequest, Limits,
                                         encode_prompt, kv_reservation, max_token_bytes, validate)
 from services.scheduler.router import limits_from_info
 from services.scheduler.server import load_tokenizer
@@ -50,7 +51,11 @@ def test_stop_rules_and_request_id_are_bounded() -> None:
     assert "stop" in _refused(build_request("x", max_tokens=4, stop=["a"] * (MAX_STOP_STRINGS + 1))).message
     assert "stop" in _refused(build_request("x", max_tokens=4, stop=["a" * (MAX_STOP_CHARS + 1)])).message
     assert "request_id" in _refused(build_request("x", max_tokens=4, request_id="r" * (MAX_REQUEST_ID_CHARS + 1))).message
-    ok = build_request("x", max_tokens=4, stop=["a" * MAX_STOP_CHARS] * MAX_STOP_STRINGS, request_id="r" * MAX_REQUEST_ID_CHARS)
+    # Stop token ids are bounded (1.3M of them, walked one by one, held the event loop for 0.5 s).
+    many = build_request("x", max_tokens=4, stop_token_ids=[3] * 1_300_000)
+    assert "stop_token_ids has 1300000 ids; at most 4096" in _refused(many).message
+    ok = build_request("x", max_tokens=4, stop=["a" * MAX_STOP_CHARS] * MAX_STOP_STRINGS, request_id="r" * MAX_REQUEST_ID_CHARS,
+                       stop_token_ids=[3] * MAX_STOP_TOKEN_IDS)
     assert validate(ok, SchedulerSettings(), LIMITS, TOKENIZER).request_id == "r" * MAX_REQUEST_ID_CHARS
 
 
@@ -194,6 +199,10 @@ def test_acceptance_counts_only_the_tokens_returned(cut) -> None:
     (dict(prompt=5), "prompt must be text or a list of token ids, not int"),
     (dict(prompt="x", stop_token_ids=5), "stop_token_ids must be a list, not int"),
     (dict(prompt="x", ignore_eos="no"), "ignore_eos must be True or False"),
+    # float32 on the wire: a tiny top_p would arrive as 0 (no cut at all), a tiny temperature as greedy
+    (dict(prompt="x", top_p=1e-50), "top_p = 1e-50 is sent as a float32 and would arrive as 0.0"),
+    (dict(prompt="x", temperature=1e-50), "temperature = 1e-50 is sent as a float32 and would arrive as 0.0"),
+    (dict(prompt="x", temperature=1e39), r"temperature = 1e\+39 is sent as a float32 and would arrive as inf"),
 ])
 def test_the_sdk_refuses_what_it_would_misread(kwargs, needle) -> None:
     """Bytes passed as integers (b"hello" went out as token ids 104, 101, ...); the others raised
@@ -201,6 +210,16 @@ def test_the_sdk_refuses_what_it_would_misread(kwargs, needle) -> None:
     with pytest.raises(ClientError, match=needle) as info:
         build_request(**kwargs)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_sdk_refuses_a_token_it_cannot_send_when_the_client_is_made() -> None:
+    """gRPC failed each call with INTERNAL ("Illegal header value") instead."""
+    for token in ("a\nb", "ä", b"abc"):
+        with pytest.raises(ClientError, match="token must be text of printable ASCII") as info:
+            Client("127.0.0.1:1", token=token)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    Client("127.0.0.1:1", token="Abc-123_~ ok").close()
+    assert build_request("x", top_p=1e-40).sampling.top_p > 0     # a float32 subnormal: still a cut
 
 
 def test_the_sdk_takes_any_iterable_of_ids_and_none_for_no_stop() -> None:

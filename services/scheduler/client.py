@@ -129,6 +129,12 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, tempera
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
         if value is not None:
             _put(name, setattr, req.sampling, name, value)
+    for name, value in (("temperature", temperature), ("top_p", top_p)):   # float32 on the wire
+        sent = getattr(req.sampling, name)
+        if math.isfinite(value) and value != 0 and (sent == 0 or math.isinf(sent)):
+            # 1e-50 would arrive as 0 (greedy; no nucleus cut), 1e39 as inf: not what was asked.
+            raise ClientError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{name} = {value!r} is sent as a float32 and would arrive as {sent}")
     for name, value in (("max_tokens", max_tokens), ("budget", budget), ("request_id", request_id)):
         _put(name, setattr, req, name, value)
     _put("stop", req.stop.extend, stops)
@@ -357,6 +363,13 @@ def _check_open(closed: bool) -> None:
         raise ClientError(grpc.StatusCode.FAILED_PRECONDITION, "this client is closed")
 
 
+def _check_token(token: str | None) -> None:
+    # An HTTP/2 header value: gRPC itself would fail each call with INTERNAL ("Illegal header value").
+    if token is not None and (not isinstance(token, str) or not all(" " <= c <= "~" for c in token)):
+        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT,
+                          "token must be text of printable ASCII characters (it is sent in a header)")
+
+
 def _metadata(tls_ca, token) -> tuple:
     # Over TLS the token rides in call credentials; plaintext (loopback) sends it as metadata.
     return (("authorization", f"Bearer {token}"),) if token and tls_ca is None else ()
@@ -369,6 +382,7 @@ class _Calls:
                  token: str | None, tls_server_name: str | None) -> None:
         self.timeout_s = _timeout(timeout_s)
         self.wait_for_ready = wait_for_ready
+        _check_token(token)
         self._creds, self._options = _channel_args(tls_ca, token, tls_server_name)
         self._md = _metadata(tls_ca, token)
         self._closed = False

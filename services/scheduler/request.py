@@ -23,13 +23,16 @@ from services.scheduler.detokenize import IncrementalDetokenizer
 if TYPE_CHECKING:
     from services.scheduler.batcher import KvBudget
 
-__all__ = ["ActiveRequest", "Limits", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_text_size",
+__all__ = ["ActiveRequest", "Limits", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "check_text_size",
            "encode_prompt", "kv_reservation", "max_token_bytes", "validate"]
 
 _REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to: hold it back until complete
 # Every step rescans each stop string, and the stream holds back the longest one's length of text:
 # a request's stop rules must stay small beside the work of a step.
 MAX_STOP_STRINGS = 32
+# Stop token ids a request may list: each is checked on the scheduler's event loop, so an
+# unbounded list (a 4 MB request holds 1.3M) would hold every other stream up while it is.
+MAX_STOP_TOKEN_IDS = 4096
 MAX_STOP_CHARS = 1024
 MAX_REQUEST_ID_CHARS = 256  # the id is echoed in every message and log line
 
@@ -252,6 +255,8 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
         raise ServiceError(invalid, f"sampling.top_p must be in [0, 1] (0 or 1: no nucleus cut; got {s.top_p})")
     if s.top_k < 0:
         raise ServiceError(invalid, f"sampling.top_k must be >= 0 (got {s.top_k})")
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ServiceError(invalid, f"stop_token_ids has {len(req.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
     for i, t in enumerate(req.stop_token_ids):
         if not 0 <= t < limits.vocab_size:
             raise ServiceError(invalid, f"stop_token_ids[{i}] = {t} is outside the vocabulary")

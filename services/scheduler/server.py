@@ -129,8 +129,13 @@ async def serve(settings: SchedulerSettings) -> None:
              tokenizer=settings.tokenizer_path if tokenizer else None, metrics_port=metrics_port)
     interceptors = [BearerTokenInterceptor(settings.auth_token)] if settings.auth_token else []
     # Up to twice the limit a request reaches Generate, which refuses it by the setting's name.
+    def unparsed(method: str, message: str) -> None:   # counted and logged as the other refusals are
+        router.metrics.refused.labels(grpc.StatusCode.INVALID_ARGUMENT.name.lower()).inc()
+        log.info("request_refused", code=grpc.StatusCode.INVALID_ARGUMENT.name, reason=message[:200])
+
     server, health = new_server([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name], interceptors,
-                                max_receive_bytes=min(2 * settings.max_request_bytes, 2**31 - 1))
+                                max_receive_bytes=min(2 * settings.max_request_bytes, 2**31 - 1),
+                                on_unparsed=unparsed)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(settings, router, info, tokenizer, encoder), server)
     port = listen(server, host_port(settings.host, settings.port), "scheduler.port", credentials)
     await server.start()

@@ -23,7 +23,7 @@ from services.verifier.acceptance import accept
 from services.verifier.graphs import VerifyGraphs
 from services.verifier.kv_cache import OutOfPages, PagedKVCache
 from services.verifier.model import ForwardBatch, TargetModel
-from services.verifier.sampling import Sampling, posterior_tokens
+from services.verifier.sampling import Sampling, posterior_tokens, request_generator
 
 __all__ = ["VerifierEngine", "PrefillInput", "ItemOutcome", "StepOutcome", "tree_shape_error"]
 
@@ -220,9 +220,8 @@ class VerifierEngine:
             if req is None:
                 gen = None
                 if item.sampling.temperature > 0:
-                    gen = torch.Generator(device=self.model_device)
-                    gen.manual_seed(item.sampling.seed if item.sampling.seed is not None else
-                                    int(torch.randint(0, 2**62, (1,)).item()))
+                    gen = request_generator(item.sampling.seed if item.sampling.seed is not None else
+                                            int(torch.randint(0, 2**62, (1,)).item()), self.model_device)
                 req = _Request(item.request_id, item.owner, item.sampling, gen)
                 self._requests[item.request_id] = req
             req.prefilling = item.more

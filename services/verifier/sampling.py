@@ -15,7 +15,7 @@ from torch import Tensor
 
 from services.common.settings import TEMPERATURE_RANGE, temperature_ok
 
-__all__ = ["Sampling", "posterior_tokens"]
+__all__ = ["Sampling", "posterior_tokens", "request_generator"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,20 @@ def _filter_top_p(logits: Tensor, top_p: float) -> Tensor:
     drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # [n, V]
     return logits.masked_fill(drop, float("-inf"))
+
+
+def request_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A request's generator from its 64-bit seed.
+
+    CUDA's generator (Philox) takes all 64 bits; the CPU's (a Mersenne Twister) only the low 32, so
+    there seeds that differ above bit 32 drew the same tokens. On the CPU the high half is mixed into
+    the low one (a seed below 2**32 is used as it is, so its outputs do not change).
+    """
+    gen = torch.Generator(device=device)
+    high = seed >> 32
+    if gen.device.type == "cpu" and high:
+        seed = (seed ^ (high * 0x9E3779B97F4A7C15 >> 32)) & 0xFFFFFFFF
+    return gen.manual_seed(seed)
 
 
 def posterior_tokens(logits: Tensor, sampling: Sampling, generator: torch.Generator | None) -> Tensor:
