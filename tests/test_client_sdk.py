@@ -78,9 +78,9 @@ class Server:
             submit(req)
         self.router.submit = recorded
         name = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
-        self.server, _ = new_server([name])
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(
-            SchedulerServicer(settings, self.router, self.router.info, None), self.server)
+        servicer = SchedulerServicer(settings, self.router, self.router.info, None)
+        self.server, _ = new_server([name], on_unparsed=servicer.unparsed)
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
         return f"127.0.0.1:{port}"
@@ -405,6 +405,8 @@ def test_a_request_that_does_not_parse_gets_invalid_argument_and_the_server_goes
     good = scheduler_pb2.GenerateRequest(text="aXb", max_tokens=1).SerializeToString()
     not_utf8 = good.replace(b"aXb", b"a\xffb")          # a string field that is not UTF-8
     truncated = scheduler_pb2.GenerateRequest(token_ids=scheduler_pb2.TokenIds(ids=IDS), max_tokens=3).SerializeToString()[:-1]
+    refused = server.router.metrics.refused.labels("invalid_argument")
+    before = refused._value.get()
     with grpc.insecure_channel(server.address) as channel:
         generate = channel.unary_stream("/ddtree.v1.Scheduler/Generate")   # bytes as they are
         abort = channel.unary_unary("/ddtree.v1.Scheduler/Abort")
@@ -416,6 +418,7 @@ def test_a_request_that_does_not_parse_gets_invalid_argument_and_the_server_goes
                 list(out) if call is generate else out
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (data, info.value.details())
             assert "does not parse" in info.value.details() and "Unexpected" not in info.value.details()
+    assert refused._value.get() == before + 5   # counted with the scheduler's other refusals
     with Client(server.address) as c:   # undisturbed
         assert c.generate(IDS, max_tokens=2, ignore_eos=True, timeout_s=5).token_ids == [5, 5]
         assert c.abort("nobody") is False

@@ -58,8 +58,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids)
             self.router.submit(req)
         except ServiceError as exc:
-            self.router.metrics.refused.labels(exc.code.name.lower()).inc()
-            log.info("request_refused", code=exc.code.name, reason=exc.message[:200])
+            self.refused(exc.code, exc.message)
             await context.abort(exc.code, exc.message)
         ended = False
         try:
@@ -79,6 +78,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 # a cancellation here: one that lands while gRPC sends the last event closes this
                 # stream at its yield instead (GeneratorExit), about one client in four that left.
                 self.router.abort(req.request_id, only=req)
+
+    def refused(self, code: grpc.StatusCode, message: str) -> None:
+        """Counts and logs a request refused before it ran."""
+        self.router.metrics.refused.labels(code.name.lower()).inc()
+        log.info("request_refused", code=code.name, reason=message[:200])
+
+    def unparsed(self, method: str, message: str) -> None:
+        """A request that did not parse (`new_server`'s `on_unparsed`): a refusal like the others."""
+        self.refused(grpc.StatusCode.INVALID_ARGUMENT, message)
 
     async def Abort(self, request: scheduler_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
@@ -129,14 +137,11 @@ async def serve(settings: SchedulerSettings) -> None:
              tokenizer=settings.tokenizer_path if tokenizer else None, metrics_port=metrics_port)
     interceptors = [BearerTokenInterceptor(settings.auth_token)] if settings.auth_token else []
     # Up to twice the limit a request reaches Generate, which refuses it by the setting's name.
-    def unparsed(method: str, message: str) -> None:   # counted and logged as the other refusals are
-        router.metrics.refused.labels(grpc.StatusCode.INVALID_ARGUMENT.name.lower()).inc()
-        log.info("request_refused", code=grpc.StatusCode.INVALID_ARGUMENT.name, reason=message[:200])
-
+    servicer = SchedulerServicer(settings, router, info, tokenizer, encoder)
     server, health = new_server([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name], interceptors,
                                 max_receive_bytes=min(2 * settings.max_request_bytes, 2**31 - 1),
-                                on_unparsed=unparsed)
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(settings, router, info, tokenizer, encoder), server)
+                                on_unparsed=servicer.unparsed)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     port = listen(server, host_port(settings.host, settings.port), "scheduler.port", credentials)
     await server.start()
     log.info("serving", address=host_port(settings.host, port), tls=bool(settings.tls_cert),
