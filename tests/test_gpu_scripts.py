@@ -176,3 +176,21 @@ def test_host_costs_measures_each_host_step() -> None:
         ("grpc_stream_round_trip", "uvloop"), ("grpc_unary_call", "uvloop"),
         ("trees_inline_write", None), ("trees_inline_read", None), ("features_shm_write", None)]
     assert all(r["p50_us"] > 0 for r in rows)
+
+
+def test_the_bf16_logits_top_k_selects_what_the_served_one_does() -> None:
+    """bench.vocab_topk's cheaper order (top-k of the bf16 logits, then each row's logsumexp off)
+    gives the served top-k's log-probs (of the float32 log-probs), and a top-k of the row: ties at
+    the k-th value may pick other tokens of that value."""
+    import torch
+
+    from bench.vocab_topk import bf16_logits, served
+    gen = torch.Generator().manual_seed(3)
+    for vocab, k in ((300, 16), (4096, 64)):
+        logits = (torch.randn(6, vocab, generator=gen) * 3).to(torch.bfloat16)   # bf16: ties happen
+        want_v, _ = served(logits, k)
+        got_v, got_t = bf16_logits(logits, k)
+        assert torch.allclose(want_v, got_v, atol=1e-5, rtol=0)
+        kth = logits.float().topk(k, dim=-1).values[:, -1:]
+        assert bool((logits.float().gather(-1, got_t) >= kth).all())
+        assert all(len(set(row)) == k for row in got_t.tolist())
