@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.logging import get_logger
-from services.common.parse_errors import ParseErrorInterceptor
+from services.common.call_errors import CallErrorInterceptor
 from services.common.settings import SettingsError
 
 __all__ = ["ServiceError", "new_server", "check_port_free", "listen", "serve_until_signal", "report_health",
@@ -108,11 +108,12 @@ def new_server(service_full_names: Iterable[str], interceptors: Sequence[grpc.ai
                on_unparsed: Callable[[str, str], None] | None = None) -> tuple[grpc.aio.Server, health.HealthServicer]:
     """An asyncio server with grpc.health.v1 (each service SERVING) and reflection registered.
 
-    A unary request that does not parse is refused with INVALID_ARGUMENT (`ParseErrorInterceptor`;
-    `on_unparsed(method, message)` is told of each).
+    A unary request that does not parse is refused with INVALID_ARGUMENT (`on_unparsed(method,
+    message)` is told of each), and a handler's unexpected exception is logged and ends its call
+    INTERNAL (`CallErrorInterceptor`).
     """
     server = grpc.aio.server(options=server_options(max_receive_bytes),
-                             interceptors=[*interceptors, ParseErrorInterceptor(on_unparsed)])
+                             interceptors=[*interceptors, CallErrorInterceptor(on_unparsed)])
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_full_names)

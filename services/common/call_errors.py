@@ -1,0 +1,106 @@
+"""What a call that goes wrong before or inside its handler answers, on every server of the stack.
+
+* A request that does not parse (truncated bytes, a string field that is not UTF-8): gRPC parses it
+  before any handler runs and ended the call with ``UNKNOWN: Unexpected <class 'DecodeError'>``.
+  A unary request now gets INVALID_ARGUMENT naming the method. (Streaming requests come only from
+  the services' own links to each other, and reflection: left to gRPC.)
+* An exception a handler did not expect (a bug): gRPC ended the call with ``UNKNOWN`` and the
+  exception's text, and logged nothing the service's log shows. It is now logged as
+  ``handler_failed`` with its traceback, and the call ends INTERNAL naming the method and the
+  exception's type (not its text: that may hold what a client has no business reading).
+
+Statuses a handler sets itself (``context.abort``) and cancellations pass as they are.
+"""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+
+import grpc
+
+from services.common.logging import get_logger
+
+__all__ = ["CallErrorInterceptor"]
+
+log = get_logger("grpc")
+
+_HANDLERS = {  # (request streaming, response streaming): the handler's field, its factory
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
+class _Unparsed:
+    """What the parser hands on in place of a request it could not parse."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class CallErrorInterceptor(grpc.aio.ServerInterceptor):
+    """INVALID_ARGUMENT for a unary request that does not parse (`on_unparsed(method, message)` is
+    told of each: the scheduler counts them with its other refusals), INTERNAL and a logged
+    traceback for a handler's unexpected exception."""
+
+    def __init__(self, on_unparsed: Callable[[str, str], None] | None = None) -> None:
+        self._on_unparsed = on_unparsed
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable],
+                                details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        field, factory = _HANDLERS[(handler.request_streaming, handler.response_streaming)]
+        strict = handler.request_deserializer
+        checks_parse = not handler.request_streaming and strict is not None
+
+        def tolerant(data: bytes):
+            try:
+                return strict(data)
+            except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, or any parser's own
+                return _Unparsed(exc)
+        return factory(self._wrap(getattr(handler, field), details.method, checks_parse),
+                       tolerant if checks_parse else strict, handler.response_serializer)
+
+    def _wrap(self, inner: Callable, method: str, checks_parse: bool) -> Callable:
+        async def refuse_unparsed(request, context: grpc.aio.ServicerContext) -> None:
+            if checks_parse and isinstance(request, _Unparsed):
+                message = f"the request does not parse as the message {method} takes: {request.error}"
+                if self._on_unparsed is not None:
+                    self._on_unparsed(method, message)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+        async def failed(exc: Exception, context: grpc.aio.ServicerContext) -> None:
+            if isinstance(exc, grpc.aio.AbortError):   # the handler's own status, already set
+                raise exc
+            log.error("handler_failed", method=method, error=f"{type(exc).__name__}: {exc}"[:500],
+                      traceback="".join(traceback.format_exception(exc))[-4000:])
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method} ({type(exc).__name__}); "
+                                                          "the service's log has its traceback (handler_failed)")
+
+        if inspect.isasyncgenfunction(inner):
+            async def responses(request, context):
+                await refuse_unparsed(request, context)
+                try:
+                    async with aclosing(inner(request, context)) as inner_responses:   # its finally runs when the call ends
+                        async for response in inner_responses:
+                            yield response
+                except Exception as exc:  # noqa: BLE001 - see failed
+                    await failed(exc, context)
+            return responses
+
+        async def answer(request, context):
+            await refuse_unparsed(request, context)
+            try:
+                result = inner(request, context)
+                return await result if inspect.isawaitable(result) else result
+            except Exception as exc:  # noqa: BLE001 - see failed
+                await failed(exc, context)
+        return answer

@@ -1,0 +1,86 @@
+"""A handler's unexpected exception is logged with its traceback and ends the call INTERNAL; a
+status the handler sets itself, and a client's cancellation, pass as before (every server of the
+stack: `new_server`'s CallErrorInterceptor)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from services.common.grpc_server import new_server
+from services.common.logging import configure_logging
+
+
+class Faulty(draft_pb2_grpc.DraftServicer):
+    """GetModelInfo raises; a step stream answers once, then raises, aborts or waits (by request id)."""
+
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+
+    async def GetModelInfo(self, request, context):
+        raise ValueError("Value out of range: 2147483664")
+
+    async def StepStream(self, request_iterator, context):
+        try:
+            async for request in request_iterator:
+                how = request.items[0].request_id
+                yield draft_pb2.StepResponse()
+                if how == "raise":
+                    raise KeyError("secret-internal-detail")
+                if how == "abort":
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "its own status")
+        finally:
+            self.closed.set()
+
+
+def _step(request_id: str) -> draft_pb2.StepRequest:
+    return draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id=request_id)])
+
+
+def test_an_unexpected_exception_is_logged_and_ends_the_call_internal(capsys) -> None:
+    configure_logging("draft", json_logs=False)
+
+    async def scenario() -> dict:
+        servicer = Faulty()
+        server, _ = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
+        draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        seen = {}
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = draft_pb2_grpc.DraftStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.GetModelInfo(common_pb2.GetModelInfoRequest())
+                seen["unary"] = (info.value.code(), info.value.details())
+                for how in ("raise", "abort"):
+                    call = stub.StepStream()
+                    await call.write(_step(how))
+                    assert isinstance(await call.read(), draft_pb2.StepResponse)   # the answer before it
+                    with pytest.raises(grpc.aio.AioRpcError):
+                        await call.read()
+                    seen[how] = (await call.code(), await call.details())
+                servicer.closed.clear()
+                call = stub.StepStream()
+                await call.write(_step("wait"))
+                await call.read()
+                call.cancel()                      # the handler's clean-up still runs
+                await asyncio.wait_for(servicer.closed.wait(), 5)
+        finally:
+            await server.stop(0)
+        return seen
+
+    seen = asyncio.run(scenario())
+    code, details = seen["unary"]
+    assert code == grpc.StatusCode.INTERNAL
+    assert "/ddtree.v1.Draft/GetModelInfo (ValueError)" in details and "2147483664" not in details
+    code, details = seen["raise"]
+    assert code == grpc.StatusCode.INTERNAL and "(KeyError)" in details and "secret" not in details
+    assert seen["abort"] == (grpc.StatusCode.FAILED_PRECONDITION, "its own status")
+    err = capsys.readouterr().err
+    assert err.count("handler_failed") == 2
+    assert "Value out of range: 2147483664" in err and "secret-internal-detail" in err and "Traceback" in err
+    assert "its own status" not in err
