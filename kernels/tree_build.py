@@ -298,7 +298,7 @@ class TreeBuildOutput:
 
 @on_input_device
 def tree_build_triton(
-    logprobs: Tensor, budget: int, root_tokens: Tensor, num_warps: int | None = None
+    logprobs: Tensor, budget: int, root_tokens: Tensor, num_warps: int | None = None, max_depth: int | None = None
 ) -> TreeBuildOutput:
     """The trees of ``build_trees`` for float32/bf16/fp16 log-probs in one launch (two above
     ``SORT_VOCAB_MAX`` tokens, where the vocabulary top-k is torch's).
@@ -308,6 +308,8 @@ def tree_build_triton(
         budget: non-root nodes per tree, 1..128.
         root_tokens: [R] int64 pending token of each request.
         num_warps: warps per request's program; default :func:`tree_build_num_warps`.
+        max_depth: the deepest level a tree may have (default D). A run-time value: the pads are
+            those of all D depths, so a cap (a request near its context end) compiles nothing new.
 
     Returns:
         :class:`TreeBuildOutput` with ``n_max = budget + 1`` columns. No host sync; capturable in
@@ -320,7 +322,7 @@ def tree_build_triton(
     assert 1 <= budget <= 128, f"budget must be in 1..128, got {budget}"
     assert logprobs.dtype in (torch.float32, torch.bfloat16, torch.float16), (
         f"logprobs dtype {logprobs.dtype}: the kernel scores in float32; use the torch builder for float64")
-    depth = min(depth_limit, budget)
+    depth = min(depth_limit, budget, depth_limit if max_depth is None else max_depth)
     assert depth >= 1 and vocab >= 1, "need at least one depth and one token"
     device = logprobs.device
     n_max = budget + 1

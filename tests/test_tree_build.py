@@ -233,3 +233,37 @@ def test_the_draft_warm_up_compiles_every_shared_kernel(monkeypatch) -> None:
     assert called == sorted(launched) == sorted({tb.pads_budget(b) for b in range(1, 129)})
     assert len(set(launched.values())) == 10
     assert threading.get_ident() not in threads
+
+
+def test_a_depth_cap_runs_the_kernel_of_the_full_depth(monkeypatch) -> None:
+    """A request near its context end caps its tree's depth: the cap is a run-time value, so it
+    launches the kernel the start-up compiled (a new one would stall its replica for seconds)."""
+    seen: dict[tuple[int, int | None], tuple] = {}
+
+    class Launch:
+        def __getitem__(self, grid):
+            def run(*args, **constexprs):
+                seen[(budget, cap)] = tuple(sorted(constexprs.items()))
+            return run
+
+    monkeypatch.setattr(tb, "_tree_build_kernel", Launch())
+    for budget in (1, 5, 16, 100, 128):
+        for cap in (None, *range(1, 16)):
+            logprobs = torch.log_softmax(torch.randn(2, 15, 4096), dim=-1)
+            tb.tree_build_triton(logprobs, budget, torch.zeros(2, dtype=torch.int64), max_depth=cap)
+        assert len({seen[(budget, cap)] for cap in (None, *range(1, 16))}) == 1, budget
+
+
+@needs_kernel
+@pytest.mark.parametrize("budget,cap,vocab", [(8, 2, 50), (16, 3, 16), (5, 1, 300)])
+def test_a_depth_cap_builds_the_trees_of_the_capped_rows(budget: int, cap: int, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(budget * 31 + cap)
+    logprobs = random_logprobs(gen, 3, 5, vocab)
+    roots = torch.randint(0, vocab, (3,), generator=gen)
+    want = build_trees(logprobs[:, :cap], budget, roots, backend="torch")
+    assert all(torch.equal(getattr(build_trees(logprobs, budget, roots, backend="torch", max_depth=cap), f),
+                           getattr(want, f)) for f in FIELDS)
+    got = build_trees(logprobs.to(DEVICE), budget, roots.to(DEVICE), backend="triton", max_depth=cap)
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f).cpu(), getattr(want, f)), f
+    assert int(got.depths.max()) <= cap

@@ -388,7 +388,8 @@ class DraftEngine:
         built eagerly; either way one copy to the host."""
         trees = self.tree_graphs.build(logprobs, budget, depth, roots) if self.tree_graphs is not None else None
         if trees is None:
-            batch = build_trees(logprobs[:, :depth].float(), budget, roots.to(logprobs.device))
+            # The depth cap at run time: the kernel compiled for the full depth serves it.
+            batch = build_trees(logprobs.float(), budget, roots.to(logprobs.device), max_depth=depth)
             trees = unpack_trees(pack_trees(batch).cpu(), len(roots))
         return trees
 

@@ -112,13 +112,17 @@ def build_tree_heapq(logprobs: Tensor, budget: int) -> list[tuple[int, ...]]:
     return selected
 
 
-def build_trees(logprobs: Tensor, budget: int, root_tokens: Tensor, *, backend: str | None = None) -> TreeBatch:
+def build_trees(logprobs: Tensor, budget: int, root_tokens: Tensor, *, backend: str | None = None,
+                max_depth: int | None = None) -> TreeBatch:
     """Build the best-first tree of every request at once, with no host sync.
 
     Args:
         logprobs: [R, D, V] log-softmax normalised draft log-probs (float); row d is depth d+1.
         budget: non-root nodes per tree (0..128); sets the static width ``n_max = budget + 1``.
         root_tokens: [R] int64 pending token of each request (the tree roots).
+        max_depth: the deepest level a tree may have (default D): the trees of
+            ``logprobs[:, :max_depth]``. The Triton kernel takes it at run time, so a request near
+            its context end (a shallower tree) runs the kernel compiled for the full depth.
 
     Returns:
         A :class:`TreeBatch` with exactly the prefixes :func:`build_tree_heapq` selects.
@@ -146,11 +150,11 @@ def build_trees(logprobs: Tensor, budget: int, root_tokens: Tensor, *, backend: 
         if budget > 0 and logprobs.shape[1] > 0 and logprobs.shape[2] > 0:
             from kernels.tree_build import tree_build_triton  # kernels import TreeBatch's module lazily
 
-            out = tree_build_triton(logprobs, budget, root_tokens)
+            out = tree_build_triton(logprobs, budget, root_tokens, max_depth=max_depth)
             return TreeBatch(out.tokens, out.parents, out.depths, out.scores, out.sizes)
     elif backend != "torch":
         raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
-    return _build_trees_torch(logprobs, budget, root_tokens)
+    return _build_trees_torch(logprobs[:, :max_depth], budget, root_tokens)
 
 
 def _triton_available() -> bool:
