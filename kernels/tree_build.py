@@ -81,7 +81,7 @@ def pads_budget(budget: int) -> int:
     stalled its draft replica while it compiled. Every budget now runs with the pads of the largest
     budget of its power-of-two bucket below the power of two (budgets 65..127 those of 127), so one
     kernel serves the bucket and the draft compiles them all at start-up. A power of two keeps its
-    own: at 16 and 128 its level-1 candidates just pass a power of two (65 and 517), and the rest of
+    own: at 16 and 128 its level-1 candidates just pass a power of two (34 and 517), and the rest of
     its bucket would sort twice the keys it needs (budget 127 in 128's pads: 142 against 75 us).
     """
     return budget if budget & (budget - 1) == 0 else _next_pow2(budget) - 1
@@ -272,14 +272,17 @@ def warm_up_kernels(depth_limit: int, vocab: int, device: torch.device | str, ma
     """Compiles every kernel budgets 1..max_budget need (one batch-1 call a pads budget).
 
     From a thread each: the compiles overlap (on an H200 with an empty Triton cache, 18.5 s for
-    all of them against 38 s one after another, bench/results/tree_build_buckets.json). Returns
-    the pads budgets called.
+    all of them against 38 s one after another, bench/results/tree_build_buckets-b1dee91.json).
+    The first runs alone: it sets up the kernel's per-device caches, which two threads making them
+    at once could each make (the loser's compiled kernels would be loaded again on first use).
+    Returns the pads budgets called.
     """
     shared = sorted({pads_budget(b) for b in range(1, max_budget + 1)})
     logprobs = torch.log_softmax(torch.randn(1, depth_limit, vocab, device=device), dim=-1)  # [1, D, V]
     roots = torch.zeros(1, dtype=torch.int64, device=device)
-    with ThreadPoolExecutor(len(shared)) as pool:
-        list(pool.map(lambda b: tree_build_triton(logprobs, b, roots), shared))
+    tree_build_triton(logprobs, shared[0], roots)
+    with ThreadPoolExecutor(len(shared) - 1 or 1) as pool:
+        list(pool.map(lambda b: tree_build_triton(logprobs, b, roots), shared[1:]))
     return shared
 
 

@@ -5,9 +5,12 @@ stack: `new_server`'s CallErrorInterceptor)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import grpc
 import pytest
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from services.common.grpc_server import new_server
@@ -84,3 +87,52 @@ def test_an_unexpected_exception_is_logged_and_ends_the_call_internal(capsys) ->
     assert err.count("handler_failed") == 2
     assert "Value out of range: 2147483664" in err and "secret-internal-detail" in err and "Traceback" in err
     assert "its own status" not in err
+
+
+def test_the_sync_health_servicer_still_answers_checks() -> None:
+    """Its handlers are synchronous (gRPC runs them in its thread pool, with a sync context): the
+    interceptor leaves them so (wrapped as coroutines, they failed: Watch with INTERNAL)."""
+    async def scenario() -> list:
+        server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                seen = [(await stub.Check(health_pb2.HealthCheckRequest(service="ddtree.v1.Draft"))).status]
+                health.set("ddtree.v1.Draft", health_pb2.HealthCheckResponse.NOT_SERVING)
+                seen.append((await stub.Check(health_pb2.HealthCheckRequest(service="ddtree.v1.Draft"))).status)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Check(health_pb2.HealthCheckRequest(service="nobody"))
+                seen.append(info.value.code())
+                return seen
+        finally:
+            await server.stop(0)
+
+    assert asyncio.run(scenario()) == [health_pb2.HealthCheckResponse.SERVING,
+                                       health_pb2.HealthCheckResponse.NOT_SERVING, grpc.StatusCode.NOT_FOUND]
+
+
+def test_a_sync_handler_stays_sync_and_an_async_one_async() -> None:
+    """gRPC runs a handler by its kind: a sync one in its thread pool with a sync context (the
+    health servicer's Watch needs that context's add_callback; run as a coroutine it failed)."""
+    from grpc_health.v1 import health
+
+    from services.common.call_errors import CallErrorInterceptor
+
+    class Details:
+        method = "/grpc.health.v1.Health/Watch"
+        invocation_metadata = ()
+
+    def wrapped(handler):
+        async def continuation(details):
+            return handler
+        return asyncio.run(CallErrorInterceptor().intercept_service(continuation, Details()))
+
+    watch = wrapped(grpc.unary_stream_rpc_method_handler(health.HealthServicer().Watch,
+                                                         health_pb2.HealthCheckRequest.FromString))
+    assert not inspect.iscoroutinefunction(watch.unary_stream) and not inspect.isasyncgenfunction(watch.unary_stream)
+    step = wrapped(grpc.stream_stream_rpc_method_handler(Faulty().StepStream))
+    assert inspect.isasyncgenfunction(step.stream_stream)
+    info = wrapped(grpc.unary_unary_rpc_method_handler(Faulty().GetModelInfo))
+    assert inspect.iscoroutinefunction(info.unary_unary)

@@ -220,6 +220,7 @@ def test_the_sdk_refuses_a_token_it_cannot_send_when_the_client_is_made() -> Non
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     Client("127.0.0.1:1", token="Abc-123_~ ok").close()
     assert build_request("x", top_p=1e-40).sampling.top_p > 0     # a float32 subnormal: still a cut
+    assert build_request("x", temperature=None, top_p=None).sampling.temperature == 0   # None: the default
 
 
 def test_the_sdk_takes_any_iterable_of_ids_and_none_for_no_stop() -> None:

@@ -9,7 +9,9 @@
   ``handler_failed`` with its traceback, and the call ends INTERNAL naming the method and the
   exception's type (not its text: that may hold what a client has no business reading).
 
-Statuses a handler sets itself (``context.abort``) and cancellations pass as they are.
+A status a handler ends its call with (``context.abort``) and a cancellation pass as they are.
+A synchronous handler (the health servicer's, run in gRPC's thread pool) keeps its own way of
+running: only a request that does not parse is answered for it.
 """
 
 from __future__ import annotations
@@ -69,12 +71,27 @@ class CallErrorInterceptor(grpc.aio.ServerInterceptor):
         return factory(self._wrap(getattr(handler, field), details.method, checks_parse),
                        tolerant if checks_parse else strict, handler.response_serializer)
 
+    def _unparsed(self, request, method: str) -> str | None:
+        """The refusal's message for a request that did not parse (told to `on_unparsed`), else None."""
+        if not isinstance(request, _Unparsed):
+            return None
+        message = f"the request does not parse as the message {method} takes: {request.error}"
+        if self._on_unparsed is not None:
+            self._on_unparsed(method, message)
+        return message
+
     def _wrap(self, inner: Callable, method: str, checks_parse: bool) -> Callable:
+        if not (inspect.iscoroutinefunction(inner) or inspect.isasyncgenfunction(inner)):
+            def sync(request, context):   # runs where gRPC runs a sync handler, with its sync context
+                message = self._unparsed(request, method) if checks_parse else None
+                if message is not None:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+                return inner(request, context)
+            return sync
+
         async def refuse_unparsed(request, context: grpc.aio.ServicerContext) -> None:
-            if checks_parse and isinstance(request, _Unparsed):
-                message = f"the request does not parse as the message {method} takes: {request.error}"
-                if self._on_unparsed is not None:
-                    self._on_unparsed(method, message)
+            message = self._unparsed(request, method) if checks_parse else None
+            if message is not None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
         async def failed(exc: Exception, context: grpc.aio.ServicerContext) -> None:
@@ -99,8 +116,7 @@ class CallErrorInterceptor(grpc.aio.ServerInterceptor):
         async def answer(request, context):
             await refuse_unparsed(request, context)
             try:
-                result = inner(request, context)
-                return await result if inspect.isawaitable(result) else result
+                return await inner(request, context)
             except Exception as exc:  # noqa: BLE001 - see failed
                 await failed(exc, context)
         return answer

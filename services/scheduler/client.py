@@ -131,7 +131,7 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, tempera
             _put(name, setattr, req.sampling, name, value)
     for name, value in (("temperature", temperature), ("top_p", top_p)):   # float32 on the wire
         sent = getattr(req.sampling, name)
-        if math.isfinite(value) and value != 0 and (sent == 0 or math.isinf(sent)):
+        if value is not None and math.isfinite(value) and value != 0 and (sent == 0 or math.isinf(sent)):
             # 1e-50 would arrive as 0 (greedy; no nucleus cut), 1e39 as inf: not what was asked.
             raise ClientError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{name} = {value!r} is sent as a float32 and would arrive as {sent}")

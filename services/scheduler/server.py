@@ -28,6 +28,7 @@ from services.scheduler.router import Router
 __all__ = ["SchedulerServicer", "load_tokenizer", "serve"]
 
 log = get_logger("scheduler")
+GENERATE_METHOD = f"/{scheduler_pb2.DESCRIPTOR.services_by_name['Scheduler'].full_name}/Generate"
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -85,8 +86,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         log.info("request_refused", code=code.name, reason=message[:200])
 
     def unparsed(self, method: str, message: str) -> None:
-        """A request that did not parse (`new_server`'s `on_unparsed`): a refusal like the others."""
-        self.refused(grpc.StatusCode.INVALID_ARGUMENT, message)
+        """A call that did not parse (`new_server`'s `on_unparsed`): for Generate, a refusal like
+        the others (an Abort or a health check is no request)."""
+        if method == GENERATE_METHOD:
+            self.refused(grpc.StatusCode.INVALID_ARGUMENT, message)
 
     async def Abort(self, request: scheduler_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
