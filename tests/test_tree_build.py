@@ -217,22 +217,24 @@ def test_budgets_share_ten_compiled_kernels(monkeypatch) -> None:
 
 def test_the_draft_warm_up_compiles_every_shared_kernel(monkeypatch) -> None:
     """warm_up_kernels (the draft's start-up) launches every kernel budgets 1..128 need, so none
-    compiles on a request; the launches run from a thread pool."""
+    compiles on a request: the first alone, the others from a thread pool."""
     launched: dict[int, tuple] = {}
-    threads: set[int] = set()
+    threads: dict[int, int] = {}
 
     class Launch:
         def __getitem__(self, grid):
             def run(*args, **constexprs):
                 launched[args[-1]] = tuple(sorted(constexprs.items()))   # the last argument is BUDGET
-                threads.add(threading.get_ident())
+                threads[args[-1]] = threading.get_ident()
             return run
 
     monkeypatch.setattr(tb, "_tree_build_kernel", Launch())
     called = tb.warm_up_kernels(15, 4096, "cpu")
     assert called == sorted(launched) == sorted({tb.pads_budget(b) for b in range(1, 129)})
     assert len(set(launched.values())) == 10
-    assert threading.get_ident() not in threads
+    first, *rest = called
+    assert threads[first] == threading.get_ident()
+    assert all(threads[b] != threading.get_ident() for b in rest)
 
 
 def test_a_depth_cap_runs_the_kernel_of_the_full_depth(monkeypatch) -> None:
