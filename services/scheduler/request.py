@@ -23,8 +23,8 @@ from services.scheduler.detokenize import IncrementalDetokenizer
 if TYPE_CHECKING:
     from services.scheduler.batcher import KvBudget
 
-__all__ = ["ActiveRequest", "Limits", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "check_text_size",
-           "encode_prompt", "kv_reservation", "max_token_bytes", "validate"]
+__all__ = ["ActiveRequest", "Limits", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS",
+           "check_text_size", "encode_prompt", "kv_reservation", "max_token_bytes", "validate"]
 
 _REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to: hold it back until complete
 # Every step rescans each stop string, and the stream holds back the longest one's length of text:

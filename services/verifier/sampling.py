@@ -72,9 +72,9 @@ def request_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A request's generator from its 64-bit seed.
 
     CUDA's generator (Philox) takes all 64 bits; the CPU's (a Mersenne Twister) only the low 32, so
-    there every seed that differed from another above bit 32 alone drew its tokens. On the CPU the
-    high half is now mixed into the low one (a seed below 2**32 is used as it is, so its outputs do
-    not change); 2**64 seeds onto 2**32 states still collide, but not along so plain a pattern.
+    there seeds that differed only above bit 32 drew the same tokens. On the CPU the high half is
+    now mixed into the low one (a seed below 2**32 is used as it is, so its outputs do not change);
+    2**64 seeds onto 2**32 states still collide, but not along so plain a pattern.
     """
     gen = torch.Generator(device=device)
     high = seed >> 32
