@@ -9,12 +9,12 @@ import inspect
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from services.common.grpc_server import new_server
-from services.common.logging import configure_logging
 
 
 class Faulty(draft_pb2_grpc.DraftServicer):
@@ -43,9 +43,7 @@ def _step(request_id: str) -> draft_pb2.StepRequest:
     return draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id=request_id)])
 
 
-def test_an_unexpected_exception_is_logged_and_ends_the_call_internal(capsys) -> None:
-    configure_logging("draft", json_logs=False)
-
+def test_an_unexpected_exception_is_logged_and_ends_the_call_internal() -> None:
     async def scenario() -> dict:
         servicer = Faulty()
         server, _ = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
@@ -76,17 +74,18 @@ def test_an_unexpected_exception_is_logged_and_ends_the_call_internal(capsys) ->
             await server.stop(0)
         return seen
 
-    seen = asyncio.run(scenario())
+    with capture_logs() as logs:
+        seen = asyncio.run(scenario())
     code, details = seen["unary"]
     assert code == grpc.StatusCode.INTERNAL
     assert "/ddtree.v1.Draft/GetModelInfo (ValueError)" in details and "2147483664" not in details
     code, details = seen["raise"]
     assert code == grpc.StatusCode.INTERNAL and "(KeyError)" in details and "secret" not in details
     assert seen["abort"] == (grpc.StatusCode.FAILED_PRECONDITION, "its own status")
-    err = capsys.readouterr().err
-    assert err.count("handler_failed") == 2
-    assert "Value out of range: 2147483664" in err and "secret-internal-detail" in err and "Traceback" in err
-    assert "its own status" not in err
+    failed = [e for e in logs if e["event"] == "handler_failed"]
+    assert [e["method"] for e in failed] == ["/ddtree.v1.Draft/GetModelInfo", "/ddtree.v1.Draft/StepStream"]
+    assert "Value out of range: 2147483664" in failed[0]["error"] and "secret-internal-detail" in failed[1]["error"]
+    assert all("Traceback" in e["traceback"] and e["log_level"] == "error" for e in failed)
 
 
 def test_the_sync_health_servicer_still_answers_checks() -> None:
