@@ -9,9 +9,8 @@ import inspect
 
 import grpc
 import pytest
-from structlog.testing import capture_logs
-
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from structlog.testing import capture_logs
 
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from services.common.grpc_server import new_server
