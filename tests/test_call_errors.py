@@ -9,7 +9,7 @@ import inspect
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from structlog.testing import capture_logs
 
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -87,33 +87,10 @@ def test_an_unexpected_exception_is_logged_and_ends_the_call_internal() -> None:
     assert all("Traceback" in e["traceback"] and e["log_level"] == "error" for e in failed)
 
 
-def test_the_sync_health_servicer_still_answers_checks() -> None:
-    """Its handlers are synchronous (gRPC runs them in its thread pool, with a sync context): the
-    interceptor leaves them so (wrapped as coroutines, they failed: Watch with INTERNAL)."""
-    async def scenario() -> list:
-        server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = health_pb2_grpc.HealthStub(channel)
-                seen = [(await stub.Check(health_pb2.HealthCheckRequest(service="ddtree.v1.Draft"))).status]
-                health.set("ddtree.v1.Draft", health_pb2.HealthCheckResponse.NOT_SERVING)
-                seen.append((await stub.Check(health_pb2.HealthCheckRequest(service="ddtree.v1.Draft"))).status)
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await stub.Check(health_pb2.HealthCheckRequest(service="nobody"))
-                seen.append(info.value.code())
-                return seen
-        finally:
-            await server.stop(0)
-
-    assert asyncio.run(scenario()) == [health_pb2.HealthCheckResponse.SERVING,
-                                       health_pb2.HealthCheckResponse.NOT_SERVING, grpc.StatusCode.NOT_FOUND]
-
-
 def test_a_sync_handler_stays_sync_and_an_async_one_async() -> None:
     """gRPC runs a handler by its kind: a sync one in its thread pool with a sync context (the
-    health servicer's Watch needs that context's add_callback; run as a coroutine it failed)."""
+    library's sync health servicer's Watch needs that context's add_callback; run as a coroutine
+    it failed)."""
     from grpc_health.v1 import health
 
     from services.common.call_errors import CallErrorInterceptor

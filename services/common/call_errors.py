@@ -10,7 +10,7 @@
   exception's type (not its text: that may hold what a client has no business reading).
 
 A status a handler ends its call with (``context.abort``) and a cancellation pass as they are.
-A synchronous handler (the health servicer's, run in gRPC's thread pool) keeps its own way of
+A synchronous handler (run in gRPC's thread pool, with a synchronous context) keeps its own way of
 running: only a request that does not parse is answered for it.
 """
 

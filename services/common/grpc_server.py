@@ -9,17 +9,18 @@ import socket
 from collections.abc import Callable, Iterable, Sequence
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.logging import get_logger
 from services.common.call_errors import CallErrorInterceptor
+from services.common.health import OVERALL, HealthServicer
+from services.common.logging import get_logger
 from services.common.settings import SettingsError
 
 __all__ = ["ServiceError", "new_server", "check_port_free", "listen", "serve_until_signal", "report_health",
            "HEALTH_SERVICE_NAME", "PARENT_PID_ENV"]
 
-HEALTH_SERVICE_NAME = ""  # the overall server health, what `grpc_health_probe` asks by default
+HEALTH_SERVICE_NAME = OVERALL
 # Set by `ddtree up` to its own pid: a service whose parent is no longer that process stops (below).
 PARENT_PID_ENV = "DDTREE_PARENT_PID"
 
@@ -105,7 +106,7 @@ def listen(server: grpc.aio.Server, address: str, setting: str,
 
 def new_server(service_full_names: Iterable[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                max_receive_bytes: int = MAX_MESSAGE_BYTES,
-               on_unparsed: Callable[[str, str], None] | None = None) -> tuple[grpc.aio.Server, health.HealthServicer]:
+               on_unparsed: Callable[[str, str], None] | None = None) -> tuple[grpc.aio.Server, HealthServicer]:
     """An asyncio server with grpc.health.v1 (each service SERVING) and reflection registered.
 
     A unary request that does not parse is refused with INVALID_ARGUMENT (`on_unparsed(method,
@@ -114,7 +115,7 @@ def new_server(service_full_names: Iterable[str], interceptors: Sequence[grpc.ai
     """
     server = grpc.aio.server(options=server_options(max_receive_bytes),
                              interceptors=[*interceptors, CallErrorInterceptor(on_unparsed)])
-    health_servicer = health.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_full_names)
     for name in [HEALTH_SERVICE_NAME, *names]:
@@ -124,7 +125,7 @@ def new_server(service_full_names: Iterable[str], interceptors: Sequence[grpc.ai
     return server, health_servicer
 
 
-async def report_health(health_servicer: health.HealthServicer, service_full_names: Iterable[str],
+async def report_health(health_servicer: HealthServicer, service_full_names: Iterable[str],
                         can_serve: Callable[[], bool], why_not: str, interval_s: float = 0.5) -> None:
     """Keeps grpc.health.v1 saying whether the service can serve now, not only that it started: a
     scheduler with no draft replica up, or a draft without its verifier, answered SERVING while it
@@ -146,7 +147,7 @@ async def report_health(health_servicer: health.HealthServicer, service_full_nam
                 get_logger("server").warning("not_serving", reason=why_not)
 
 
-async def serve_until_signal(server: grpc.aio.Server, health_servicer: health.HealthServicer,
+async def serve_until_signal(server: grpc.aio.Server, health_servicer: HealthServicer,
                              grace_s: float = 5.0, parent_poll_s: float = 1.0,
                              on_stop: Callable[[], None] | None = None) -> None:
     """Runs until SIGTERM/SIGINT, or until the launcher named by ``DDTREE_PARENT_PID`` is gone,
