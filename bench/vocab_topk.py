@@ -10,8 +10,14 @@ its logits), and the tree builder takes ``torch.topk`` of them above 128 tokens.
   top-k of those (torch's top-k over a long row is a radix select; over short rows a sort);
 * ``lse_torch`` / ``lse_triton``: each row's logsumexp in float32, through a float32 copy of the
   row, or one read of the bf16 row (``row_logsumexp`` below);
-* ``bf16_triton_lse`` / ``two_stage_triton_lse``: a top-k then ``row_logsumexp``: what the draft
-  would serve.
+* ``bf16_triton_lse`` / ``two_stage_triton_lse``: a top-k then ``row_logsumexp``;
+* ``kernel``: ``kernels.vocab_topk`` (log-sum-exp, threshold, candidates and their sort in one
+  program a row).
+
+Inputs: ``random`` (N(0, 3) logits) and ``clustered`` (the same plus a bump on the lowest token
+ids, where a tokenizer puts its frequent tokens), and ``crowded`` (40 of the kernel's strided groups
+above all other logits: every row takes its exact path); ``candidates_max`` / ``exact_path_rows`` say how
+many logits pass the kernel's threshold and how many rows take its exact path.
 
 Each is timed in a CUDA graph (median of 20 replays) on random bf16 logits ``[batch x 15, vocab]``
 at the demo's and Kimi-K2's vocabularies; ``same_tokens`` is the share of rows whose top-k token
@@ -31,6 +37,7 @@ from pathlib import Path
 import torch
 
 from bench.common import git_commit, graph_replay_us
+from kernels import vocab_topk as vt
 
 try:
     import triton
@@ -111,8 +118,27 @@ VARIANTS = {
     "lse_triton": lambda lg, k: row_logsumexp(lg),
     "bf16_triton_lse": bf16_triton_lse,
     "two_stage_triton_lse": two_stage_triton_lse,
+    "kernel": vt.vocab_topk,
 }
-CHECKED = ("bf16_logits", "bf16_triton_lse", "two_stage_triton_lse")
+CHECKED = ("bf16_logits", "bf16_triton_lse", "two_stage_triton_lse", "kernel")
+
+
+def candidates(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row, the logits at or above the kernel's threshold (the k-th largest strided group max)."""
+    rows = logits.reshape(-1, logits.shape[-1]).float()
+    pad = -rows.shape[1] % vt.TILE
+    groups = torch.nn.functional.pad(rows, (0, pad), value=float("-inf")).view(rows.shape[0], -1, vt.TILE)
+    t = groups.amax(1).topk(k, dim=-1).values[:, -1:]
+    return (rows >= t).sum(-1)
+
+
+def make_logits(kind: str, batch: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(batch, 15, vocab, generator=gen, device="cuda") * 3
+    if kind == "clustered":
+        x += 6 * torch.exp(-torch.arange(vocab, device="cuda") / 2000.0)
+    if kind == "crowded":   # 40 strided groups above all others: the kernel's exact path
+        x[..., (torch.arange(vocab, device="cuda") % vt.TILE) < 40] += 100.0
+    return x.to(torch.bfloat16)
 
 
 def main() -> None:
@@ -121,32 +147,37 @@ def main() -> None:
     ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"))
     args = ap.parse_args()
     rows = []
-    for vocab in (4096, 163840):
-        for batch in (1, 32, 128):
-            for k in (16, 64, 128):
-                gen = torch.Generator(device="cuda").manual_seed(vocab + batch + k)
-                logits = (torch.randn(batch, 15, vocab, generator=gen, device="cuda") * 3).to(torch.bfloat16)
-                want_v, want_t = served(logits, k)
-                row = {"batch": batch, "vocab": vocab, "k": k}
-                lse_want = torch.logsumexp(logits.double(), dim=-1).float()
-                row["lse_triton_max_abs_diff"] = (row_logsumexp(logits) - lse_want).abs().max().item()
-                for name in CHECKED:
-                    got_v, got_t = VARIANTS[name](logits, k)
-                    row[f"{name}_same_tokens"] = (want_t.sort(-1).values == got_t.sort(-1).values).all(-1).float().mean().item()
-                    row[f"{name}_max_abs_diff"] = (want_v - got_v).abs().max().item()
-                    # every token's log-prob is its own: the values are those of the tokens named
-                    row[f"{name}_value_err"] = (got_v - torch.log_softmax(logits.float(), -1).gather(-1, got_t)).abs().max().item()
-                for name, fn in VARIANTS.items():
-                    row[f"{name}_us"] = round(graph_replay_us([lambda lg=logits, k=k, fn=fn: fn(lg, k)], 20), 1)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                del logits
+    points = [("random", vocab, batch, k) for vocab in (4096, 163840) for batch in (1, 32, 128) for k in (16, 64, 128)]
+    points += [("clustered", vocab, 32, k) for vocab in (4096, 163840) for k in (16, 128)] + [("crowded", 163840, 32, 128)]
+    for kind, vocab, batch, k in points:
+        gen = torch.Generator(device="cuda").manual_seed(vocab + batch + k)
+        logits = make_logits(kind, batch, vocab, gen)
+        want_v, want_t = served(logits, k)
+        n = candidates(logits, k)
+        row = {"input": kind, "batch": batch, "vocab": vocab, "k": k, "candidates_max": int(n.max()),
+               "candidates_mean": round(n.float().mean().item(), 1), "exact_path_rows": int((n > vt.CMAX).sum())}
+        lse_want = torch.logsumexp(logits.double(), dim=-1).float()
+        row["lse_triton_max_abs_diff"] = (row_logsumexp(logits) - lse_want).abs().max().item()
+        for name in CHECKED:
+            got_v, got_t = VARIANTS[name](logits, k)
+            row[f"{name}_same_tokens"] = (want_t.sort(-1).values == got_t.sort(-1).values).all(-1).float().mean().item()
+            row[f"{name}_max_abs_diff"] = (want_v - got_v).abs().max().item()
+            # every token's log-prob is its own: the values are those of the tokens named
+            row[f"{name}_value_err"] = (got_v - torch.log_softmax(logits.float(), -1).gather(-1, got_t)).abs().max().item()
+        for name, fn in VARIANTS.items():
+            row[f"{name}_us"] = round(graph_replay_us([lambda lg=logits, k=k, fn=fn: fn(lg, k)], 20), 1)
+        rows.append(row)
+        print(" ".join(f"{key}={row[key]}" for key in ("input", "vocab", "batch", "k", "served_us", "bf16_topk_us",
+                                                       "bf16_triton_lse_us", "kernel_us", "kernel_same_tokens",
+                                                       "kernel_max_abs_diff", "candidates_max", "exact_path_rows")),
+              flush=True)
+        del logits
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "vocab_topk.json").write_text(json.dumps({
         "benchmark": "vocab_topk", "commit": git_commit(args.commit), "gpu": torch.cuda.get_device_name(),
-        "copy_gbps": None, "params": {"depth": 15, "logits": "bf16, N(0, 3)", "timing": "CUDA graph replay, median of 20",
-                                      "chunk": CHUNK, "torch": torch.__version__,
+        "copy_gbps": None, "params": {"depth": 15, "logits": "bf16, N(0, 3) (+ a bump, see make_logits)", "timing": "CUDA graph replay, median of 20",
+                                      "chunk": CHUNK, "tile": vt.TILE, "cmax": vt.CMAX, "torch": torch.__version__,
                                       "triton": triton.__version__ if triton else None},
         "rows": rows}, indent=1) + "\n")
 
