@@ -25,7 +25,7 @@ import torch
 
 from bench.common import git_commit, wall_ms
 from services.draft.dflash import DFlashDrafter
-from services.draft.tree import build_trees
+from services.draft.tree import build_trees_from_logits
 from services.draft.tree_graphs import TreeGraphs, pack_trees, unpack_trees
 
 
@@ -43,11 +43,11 @@ def _packed_and_captured(graphs: TreeGraphs, propose, lp: torch.Tensor, budget: 
     """The draft engine's two tree paths (see the module doc): eager with one packed copy, and
     ``TreeGraphs`` replayed on the propose graphs' output; each checked equal to the plain build."""
     dev = lp.device
-    plain = build_trees(lp[:, :depth].float(), budget, bonus.to(dev))
+    plain = build_trees_from_logits(lp[:, :depth], budget, bonus.to(dev))
     want = [t.cpu() for t in (plain.sizes, plain.tokens, plain.parents, plain.depths)]
 
     def tree_packed():
-        return unpack_trees(pack_trees(build_trees(lp[:, :depth].float(), budget, bonus.to(dev))).cpu(), len(bonus))
+        return unpack_trees(pack_trees(build_trees_from_logits(lp[:, :depth], budget, bonus.to(dev))).cpu(), len(bonus))
 
     def tree_graph():
         return graphs.build(lp, budget, depth, bonus)
@@ -98,12 +98,12 @@ def main() -> None:
         lp = propose()
 
         def tree() -> None:
-            t = build_trees(lp[:, :depth].float(), budget, bonus.to(dev))
+            t = build_trees_from_logits(lp[:, :depth], budget, bonus.to(dev))
             t.sizes.tolist()
             t.tokens.cpu(), t.parents.cpu(), t.depths.cpu()
 
         def both() -> None:
-            t = build_trees(propose()[:, :depth].float(), budget, bonus.to(dev))
+            t = build_trees_from_logits(propose()[:, :depth], budget, bonus.to(dev))
             t.sizes.tolist()
             t.tokens.cpu(), t.parents.cpu(), t.depths.cpu()
 
@@ -118,7 +118,7 @@ def main() -> None:
         if args.graphs:
             row.update(_packed_and_captured(tree_graphs, propose, lp, budget, depth, bonus, args.reps, pool))
             lp3 = drafter.propose(ctxs3, bonus3)  # three rows of the 4-row bucket: one padding row
-            plain = build_trees(lp3[:, :depth].float(), budget, bonus3.to(dev))
+            plain = build_trees_from_logits(lp3[:, :depth], budget, bonus3.to(dev))
             got = tree_graphs.build(lp3, budget, depth, bonus3)
             row["tree_graph_equal_batch3"] = got is not None and all(
                 torch.equal(a, b.cpu()) for a, b in zip(got, (plain.sizes, plain.tokens, plain.parents, plain.depths)))

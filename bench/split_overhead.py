@@ -35,7 +35,7 @@ from services.common.make_checkpoint import make_random_checkpoint
 from services.common.settings import DraftSettings, VerifierSettings
 from services.draft.dflash import DFlashDrafter
 from services.draft.proposer import DFlashProposer
-from services.draft.tree import build_trees
+from services.draft.tree import build_trees_from_logits
 from services.scheduler.client import Client
 from services.verifier.engine import PrefillInput
 from services.verifier.sampling import Sampling
@@ -98,8 +98,8 @@ class InProcess:
         pending, steps = out[-1], 0
         while len(out) < max_tokens:
             bonus = torch.tensor([pending], device=device)
-            logprobs = proposer.propose([rid], bonus)                                  # [1, B-1, V]
-            tree = build_trees(logprobs.float(), budget, bonus)
+            logits = proposer.propose([rid], bonus)                                    # [1, B-1, V]
+            tree = build_trees_from_logits(logits, budget, bonus)
             n = int(tree.sizes[0])
             res = engine.verify([rid], tree.tokens[0, :n], tree.parents[0, :n], tree.depths[0, :n],
                                 tree.sizes[:1])

@@ -30,7 +30,7 @@ import torch
 
 from bench.common import git_commit
 from bench.split_overhead import InProcess, load_prompts
-from services.draft.tree import build_trees
+from services.draft.tree import build_trees_from_logits
 from services.verifier import engine as engine_mod
 from services.verifier.engine import PrefillInput
 from services.verifier.sampling import Sampling
@@ -88,7 +88,7 @@ def decode_steps(side: InProcess, prompt: list[int], steps: int, budget: int,
     for _ in range(steps):
         bonus = torch.tensor([pending], device=side.device)
         if budget:
-            tree = build_trees(proposer.propose([rid], bonus).float(), budget, bonus)
+            tree = build_trees_from_logits(proposer.propose([rid], bonus), budget, bonus)
             n = int(tree.sizes[0])
             args = ([rid], tree.tokens[0, :n].cpu(), tree.parents[0, :n].cpu(), tree.depths[0, :n].cpu(),
                     tree.sizes[:1].cpu())

@@ -17,11 +17,12 @@ Three things make a depth cheap enough for one program:
   leaves ``sum_i floor(budget/(i+1)) - budget`` pairs (216 at budget 64, 517 at 128) instead of
   ``budget * k`` (4096, 16384): one in-register sort of 256 / 1024 keys per level, fewer valid
   keys deeper.
-* The vocabulary top-k. Up to ``SORT_VOCAB_MAX`` tokens (the drafter handing over its top-k, or a
-  small vocabulary) every depth's row is sorted in the kernel's prologue, one ``[depth, vocab]``
-  sort along rows; a larger vocabulary takes ``torch.topk`` first (a separate launch: 26 us at
-  batch 128 x 15 x 64 on an H200, a third of the whole builder before this). The drafter's full
-  vocabulary (4096 on the demo, 163840 on K2) takes that launch: it should hand over its top-k.
+* The vocabulary top-k. Up to ``SORT_VOCAB_MAX`` tokens every depth's row is sorted in the
+  kernel's prologue, one ``[depth, vocab]`` sort along rows. A larger vocabulary comes ranked:
+  the draft service hands over each depth's top-k from its logits (``top=``, from
+  ``kernels.vocab_topk``; ``services.draft.tree.build_trees_from_logits``); given log-probs, the
+  top-k is ``torch.topk``'s (a separate launch: 26 us at batch 128 x 15 x 64 on an H200, and
+  2.4-3.6 ms over a 163840-token vocabulary).
 * Sort keys. A float32 score maps to an int32 with the same order; packed above a 32-bit tie-break
   into an int64, one ``tl.sort`` orders scores and carries the payload (the pair's index).
 
@@ -303,7 +304,8 @@ class TreeBuildOutput:
 
 @on_input_device
 def tree_build_triton(
-    logprobs: Tensor, budget: int, root_tokens: Tensor, num_warps: int | None = None, max_depth: int | None = None
+    logprobs: Tensor, budget: int, root_tokens: Tensor, num_warps: int | None = None, max_depth: int | None = None,
+    top: tuple[Tensor, Tensor] | None = None,
 ) -> TreeBuildOutput:
     """The trees of ``build_trees`` for float32/bf16/fp16 log-probs in one launch (two above
     ``SORT_VOCAB_MAX`` tokens, where the vocabulary top-k is torch's).
@@ -315,6 +317,10 @@ def tree_build_triton(
         num_warps: warps per request's program; default :func:`tree_build_num_warps`.
         max_depth: the deepest level a tree may have (default D). A run-time value: the pads are
             those of all D depths, so a cap (a request near its context end) compiles nothing new.
+        top: the vocabulary's top-k already taken, for ``V > SORT_VOCAB_MAX``: float32 log-probs
+            (descending) and int64 tokens, ``[R, depth, min(budget, V)]`` each, depth the one the
+            cap gives (``kernels.vocab_topk`` of the drafter's logits). ``logprobs`` then gives
+            only the shape: the logits may stand there.
 
     Returns:
         :class:`TreeBuildOutput` with ``n_max = budget + 1`` columns. No host sync; capturable in
@@ -333,13 +339,20 @@ def tree_build_triton(
     n_max = budget + 1
     k = min(budget, vocab)
     sort_input = vocab <= SORT_VOCAB_MAX
-    if sort_input:  # the kernel's prologue ranks each row
+    if top is not None:
+        assert not sort_input, f"top: for vocabularies above {SORT_VOCAB_MAX} tokens"
+        raw, (top_lp, top_tok) = logprobs, top
+        assert top_lp.shape == top_tok.shape == (num_req, depth, k), (
+            f"top: [{num_req}, {depth}, {k}] expected, got {tuple(top_lp.shape)} / {tuple(top_tok.shape)}")
+        assert top_lp.dtype == torch.float32 and top_tok.dtype == torch.int64
+        top_lp, top_tok = top_lp.contiguous(), top_tok.contiguous()
+    elif sort_input:  # the kernel's prologue ranks each row
         raw = logprobs if logprobs.stride(-1) == 1 else logprobs[:, :depth].contiguous()
         top_lp = torch.empty(num_req, depth, k, dtype=torch.float32, device=device)
         top_tok = torch.empty(num_req, depth, k, dtype=torch.int64, device=device)
     else:
         # Over a 163840-token vocabulary this top-k costs 2.4-3.6 ms at batch 128 on an H200,
-        # ~100x the tree itself: the drafter should hand over its top-k (fused into its LM head).
+        # ~100x the tree itself: the draft service hands over its top-k instead (``top``).
         raw = logprobs
         top_lp, top_tok = logprobs[:, :depth].float().topk(k, dim=-1)  # [R, De, k] each, descending
         top_lp, top_tok = top_lp.contiguous(), top_tok.contiguous()

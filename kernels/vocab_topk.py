@@ -68,7 +68,7 @@ if triton is not None:
             n += tl.sum(((_key(x).to(tl.int64) >= t) & (idx < vocab)).to(tl.int32), 0)
         return n
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["k"])   # every budget's k runs one compiled kernel
     def _vocab_topk_kernel(x_ptr, stride_row, vocab, k, lp_ptr, tok_ptr, cand_ptr,
                            TILE: tl.constexpr, CMAX: tl.constexpr, SEARCH_STEPS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -156,12 +156,13 @@ if triton is not None:
 
 
 @on_input_device
-def vocab_topk(logits: Tensor, k: int, tile: int = TILE, cmax: int = CMAX) -> tuple[Tensor, Tensor]:
+def vocab_topk(logits: Tensor, k: int, tile: int | None = None, cmax: int | None = None) -> tuple[Tensor, Tensor]:
     """``[..., k]`` float32 log-probs (descending) and int64 tokens of each row of ``[..., V]``
     float32 / bf16 / fp16 logits: ``vocab_topk_reference``'s up to ties (the lower token id
     first here). 1 <= k <= min(V, cmax). No host sync; capturable in a CUDA graph. ``tile`` and
     ``cmax`` (powers of two, ``tile >= k``) are the module's ``TILE`` and ``CMAX`` unless a test
     makes them small."""
+    tile, cmax = TILE if tile is None else tile, CMAX if cmax is None else cmax
     vocab = logits.shape[-1]
     if not 1 <= k <= min(vocab, cmax, tile):
         raise ValueError(f"k must be in 1..{min(vocab, cmax, tile)} (the vocabulary, at most {min(cmax, tile)}), got {k}")

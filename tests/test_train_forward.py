@@ -102,5 +102,5 @@ def test_drafter_forward_matches_dflash(tmp_path: Path, target_dir: Path) -> Non
     for k, L in enumerate(anchors[0].tolist()):
         ctx = drafter.new_context()
         drafter.extend_context(ctx, feats[0, :L])
-        want = drafter.propose([ctx], tokens[0, L:L + 1])  # [1, 5, V]
+        want = torch.log_softmax(drafter.propose([ctx], tokens[0, L:L + 1]), dim=-1)  # [1, 5, V]
         torch.testing.assert_close(got[0, k], want[0], rtol=1e-4, atol=1e-4)

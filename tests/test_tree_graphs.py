@@ -10,19 +10,20 @@ import pytest
 import torch
 
 from services.draft.propose_graphs import batch_buckets
-from services.draft.tree import build_trees
+from services.draft.tree import build_trees, build_trees_from_logits
 from services.draft.tree_graphs import TreeGraphs, pack_trees, unpack_trees
 
 
 def _buffer(rows: int, depth: int = 5, vocab: int = 40, seed: int = 0) -> torch.Tensor:
+    """Logits, as the propose graphs write them (not normalised: the build normalises)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.log_softmax(torch.randn(rows, depth, vocab, generator=gen) * 3, dim=-1)  # [rows, D, V] float32
+    return torch.randn(rows, depth, vocab, generator=gen) * 3 + 2   # [rows, D, V] float32
 
 
 def test_pack_roundtrip() -> None:
     buf = _buffer(3)
     roots = torch.tensor([7, 8, 9])
-    batch = build_trees(buf, 6, roots)
+    batch = build_trees(torch.log_softmax(buf, dim=-1), 6, roots)
     packed = pack_trees(batch)
     assert packed.shape == (3, 1 + 3 * 7) and packed.dtype == torch.int64
     sizes, tokens, parents, depths = unpack_trees(packed, 2)
@@ -35,13 +36,14 @@ def test_pack_roundtrip() -> None:
 @pytest.mark.parametrize("rows,budget", [(1, 4), (3, 16), (5, 7), (8, 1)])
 def test_equals_the_eager_build(rows: int, budget: int) -> None:
     """Leading rows of the buffer (what a replayed propose returns), any batch inside a bucket:
-    the same trees as ``build_trees`` on those rows, though the bucket's padding rows are built too."""
+    the same trees as ``build_trees_from_logits`` on those rows, though the bucket's padding rows
+    are built too."""
     buf = _buffer(8)
     graphs = TreeGraphs(buf, capture=False)
     assert graphs.batch_buckets == batch_buckets(8)
     roots = torch.arange(rows) + 3
     got = graphs.build(buf[:rows], budget, 5, roots)
-    want = build_trees(buf[:rows], budget, roots)
+    want = build_trees_from_logits(buf[:rows], budget, roots)
     assert got is not None
     for g, w in zip(got, (want.sizes, want.tokens, want.parents, want.depths)):
         assert torch.equal(g, w)

@@ -30,7 +30,7 @@ import torch
 from tokenizers import Tokenizer
 
 from services.draft.dflash import DFlashDrafter
-from services.draft.tree import build_trees
+from services.draft.tree import build_trees_from_logits
 from services.verifier.engine import PrefillInput, VerifierEngine
 from services.verifier.model import TargetModel
 from services.verifier.sampling import Sampling
@@ -84,8 +84,8 @@ class DemoDecoder:
                 if budget == 0 or depth <= 0:
                     t, p, d = root, torch.tensor([-1]), torch.tensor([0])
                 else:
-                    logprobs = self.drafter.propose([ctx], root.to(self.drafter.device))  # [1, block-1, V]
-                    tree = build_trees(logprobs[:, :depth].float(), budget, root.to(logprobs.device))
+                    logits = self.drafter.propose([ctx], root.to(self.drafter.device))  # [1, block-1, V]
+                    tree = build_trees_from_logits(logits[:, :depth], budget, root.to(logits.device))
                     n = int(tree.sizes[0])
                     t, p, d = (x[0, :n].cpu() for x in (tree.tokens, tree.parents, tree.depths))
                 res = self.engine.verify([rid], t, p, d, torch.tensor([t.numel()]))

@@ -318,7 +318,7 @@ def _validate(drafter_dir: Path, target_dir: Path, dcfg: dict, held: GreedyData)
     for k, L in enumerate(anchors[0].tolist()):
         ctx = served.new_context()
         served.extend_context(ctx, feats[0, :L])
-        want = served.propose([ctx], tokens[0, L:L + 1])[0]  # [B-1, V]
+        want = torch.log_softmax(served.propose([ctx], tokens[0, L:L + 1])[0].float(), dim=-1)  # [B-1, V]
         diff = max(diff, float((got[k] - want).abs().max()))
     if diff > 1e-2:
         print(f"drafter: WARNING DFlashDrafter disagrees with the training forward: max |dlogp| = {diff}", flush=True)

@@ -340,21 +340,21 @@ class DFlashDrafter:
 
     # ------------------------------------------------------------------ drafting
     def propose(self, ctxs: Sequence[DraftContext], bonus_tokens: Tensor) -> Tensor:
-        """Draft log-probs for block positions 1..B-1 of every request, in one batched forward.
+        """Draft logits for block positions 1..B-1 of every request, in one batched forward.
 
         Contexts are right-padded to the longest, rounded up to CONTEXT_BUCKET (a context bucket
         of the pool under graphs), and the padding keys masked out, so each row equals what that
         request would get alone. With graphs on and every context in the pool, one replay.
         bonus_tokens: [R] int64 (the pending token at position ctx.length).
-        Returns [R, block_size - 1, V] float32 log-probs; from the graphs, a view that the next
-        propose overwrites.
+        Returns [R, block_size - 1, V] logits (the drafter's dtype); from the graphs, a view that
+        the next propose overwrites.
         """
         c = self.config
         R, B = len(ctxs), c.block_size
         if bonus_tokens.shape != (R,):
             raise ValueError(f"bonus_tokens must be [{R}], got {tuple(bonus_tokens.shape)}")
         if R == 0:
-            return torch.zeros(0, B - 1, c.vocab_size, dtype=torch.float32, device=self.device)
+            return torch.zeros(0, B - 1, c.vocab_size, dtype=self.dtype, device=self.device)
         lens = [cx.length for cx in ctxs]
         g = self.graphs
         if g is not None and all(cx.row is not None for cx in ctxs) and g.bucket_for(R, max(lens)) is not None:
@@ -379,7 +379,8 @@ class DFlashDrafter:
 
         bonus: [R] int64 pending tokens; lens: [R] int64 valid context tokens of each row;
         context_kv(layer): that layer's context keys and values, each [R, l_pad, kvh, hd], valid
-        below ``lens`` (the rest is masked). Returns [R, block_size - 1, V] float32 log-probs.
+        below ``lens`` (the rest is masked). Returns [R, block_size - 1, V] logits in the drafter's
+        dtype: the tree builder normalises only the top of each row (``build_trees_from_logits``).
         """
         c = self.config
         R, B = bonus.shape[0], c.block_size
@@ -411,5 +412,4 @@ class DFlashDrafter:
             h = rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps)  # [R, B, hidden]
             x = x + (F.silu(h @ layer.gate_proj.T) * (h @ layer.up_proj.T)) @ layer.down_proj.T  # [R, B, hidden]
         x = rms_norm(x[:, 1:], self.norm, c.rms_norm_eps)  # [R, B-1, hidden]
-        logits = x @ self.lm_head_weight.T  # [R, B-1, V]
-        return torch.log_softmax(logits.to(torch.float32), dim=-1)  # [R, B-1, V]
+        return x @ self.lm_head_weight.T  # [R, B-1, V] logits

@@ -31,7 +31,7 @@ from services.common.logging import get_logger
 from services.common.metrics import Metrics
 from services.common.settings import MAX_BUDGET
 from services.draft.proposer import Proposer
-from services.draft.tree import build_trees
+from services.draft.tree import build_trees_from_logits
 from services.draft.tree_graphs import HostTrees, TreeGraphs, pack_trees, unpack_trees
 from services.draft.verifier_client import VerifierClient
 
@@ -96,8 +96,8 @@ class DraftEngine:
         warm_up_kernels(depth, vocab, device, MAX_BUDGET)
         for budget in budgets:
             for r in batch_sizes:
-                logprobs = torch.log_softmax(torch.randn(r, depth, vocab, device=device), dim=-1)  # [r, D, V]
-                build_trees(logprobs, budget, torch.zeros(r, dtype=torch.int64, device=device))
+                logits = torch.randn(r, depth, vocab, device=device).to(self.proposer.dtype)  # [r, D, V]
+                build_trees_from_logits(logits, budget, torch.zeros(r, dtype=torch.int64, device=device))
         self.proposer.warm_up(batch_sizes, context_lengths)
         if self.tree_graphs is not None:
             self.tree_graphs.warm_up(budgets)
@@ -367,9 +367,9 @@ class DraftEngine:
         for (budget, depth), idx in groups.items():
             t0, c0 = time.perf_counter(), time.thread_time()
             bonus = torch.tensor([reqs[i].pending for i in idx])                     # [R]
-            logprobs = self.proposer.propose([reqs[i].request_id for i in idx], bonus)  # [R, B-1, V]
+            logits = self.proposer.propose([reqs[i].request_id for i in idx], bonus)  # [R, B-1, V]
             t1, c1 = time.perf_counter(), time.thread_time()
-            sizes_t, tokens, parents, depths = self._trees(logprobs, budget, depth, bonus)
+            sizes_t, tokens, parents, depths = self._trees(logits, budget, depth, bonus)
             sizes = sizes_t.tolist()
             propose_s += t1 - t0            # the GPU work of propose lands in tree_s (its first sync)
             propose_cpu_s += c1 - c0        # this thread's CPU time: far below propose_s = waiting (GIL, locks)
@@ -383,13 +383,13 @@ class DraftEngine:
             self.metrics.step_ms.labels("tree").observe(tree_s * 1e3)
         return [t for t in trees if t is not None]
 
-    def _trees(self, logprobs: torch.Tensor, budget: int, depth: int, roots: torch.Tensor) -> HostTrees:
+    def _trees(self, logits: torch.Tensor, budget: int, depth: int, roots: torch.Tensor) -> HostTrees:
         """A group's trees on the host: replayed where the propose was (``TreeGraphs``), else
         built eagerly; either way one copy to the host."""
-        trees = self.tree_graphs.build(logprobs, budget, depth, roots) if self.tree_graphs is not None else None
+        trees = self.tree_graphs.build(logits, budget, depth, roots) if self.tree_graphs is not None else None
         if trees is None:
             # The depth cap at run time: the kernel compiled for the full depth serves it.
-            batch = build_trees(logprobs.float(), budget, roots.to(logprobs.device), max_depth=depth)
+            batch = build_trees_from_logits(logits, budget, roots.to(logits.device), max_depth=depth)
             trees = unpack_trees(pack_trees(batch).cpu(), len(roots))
         return trees
 

@@ -103,7 +103,7 @@ class ProposeGraphs:
         self.values = torch.zeros_like(self.keys)                       # [layers, rows + 1, context, kvh, hd]
         self.batch_buckets = batch_buckets(rows)
         self.context_buckets = context_buckets(context)
-        self.out = torch.empty(rows, *out_shape, dtype=torch.float32, device=device)  # [rows, B-1, V]
+        self.out = torch.empty(rows, *out_shape, dtype=dtype, device=device)  # [rows, B-1, V] logits
         self._free = list(range(rows - 1, -1, -1))   # a stack: row 0 is handed out first
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -146,7 +146,7 @@ class ProposeGraphs:
         return self.batch_buckets[b], self.context_buckets[c]
 
     def run(self, rows: Sequence[int], lengths: Sequence[int], bonus: Sequence[int]) -> Tensor:
-        """Log-probs [R, B-1, V] (a view of the shared output: valid until the next call).
+        """Logits [R, B-1, V] (a view of the shared output: valid until the next call).
 
         Raises ValueError when no bucket holds the call (``bucket_for`` says so beforehand).
         """

@@ -1,4 +1,4 @@
-"""Proposers: what the draft service asks for per-position log-probs, keyed by request id.
+"""Proposers: what the draft service asks for per-position logits, keyed by request id.
 
 `DFlashProposer` wraps the real drafter and its per-request context caches. `OracleProposer` is a
 test drafter: it knows the target's greedy continuation of some prompts and hides it among noise at
@@ -27,6 +27,7 @@ class Proposer(Protocol):
     target_layer_ids: tuple[int, ...]
     hidden_size: int
     vocab_size: int
+    dtype: torch.dtype   # what propose returns
 
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None: ...
 
@@ -37,7 +38,8 @@ class Proposer(Protocol):
         """`commit` for every (request_id, token_ids, features) of a step, batched where it can be."""
 
     def propose(self, request_ids: Sequence[str], bonus_tokens: torch.Tensor) -> torch.Tensor:
-        """Log-probs [R, block_size - 1, V] for the positions after each request's pending token."""
+        """Logits [R, block_size - 1, V] (any float dtype; log-probs are logits too) for the
+        positions after each request's pending token: the tree builder normalises them."""
 
     def drop(self, request_id: str) -> None: ...
 
@@ -63,6 +65,7 @@ class DFlashProposer:
         self.target_layer_ids = tuple(drafter.target_layer_ids)
         self.hidden_size = drafter.config.hidden_size
         self.vocab_size = drafter.config.vocab_size
+        self.dtype = drafter.dtype
         self._ctx: dict[str, DraftContext] = {}
 
     def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
@@ -127,6 +130,7 @@ class OracleProposer:
         self.target_layer_ids = tuple(spec["target_layer_ids"])
         self.hidden_size = int(spec["hidden_size"])
         self.vocab_size = int(spec["vocab_size"])
+        self.dtype = torch.float32
         self.seed = int(spec.get("seed", 0))
         self._known = [(list(c["prompt"]), list(c["continuation"])) for c in spec["continuations"]]
         self._history: dict[str, list[int]] = {}

@@ -12,7 +12,9 @@ selection relies on, and the two builders would then disagree. Tokens with log-p
 never selected.
 
 ``build_tree_heapq`` is the baseline (classic lazy best-first search); ``build_trees`` is the
-batched, sync-free, graph-capturable version the draft service runs. Tests check they agree.
+batched, sync-free, graph-capturable version. Tests check they agree. The draft service calls
+``build_trees_from_logits`` with its drafter's logits: ``build_trees`` of their log-softmax, whose
+GPU path takes each depth's top-k log-probs straight from the logits (``kernels.vocab_topk``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["TreeBatch", "build_tree_heapq", "build_trees", "tree_paths", "ancestor_mask"]
+__all__ = ["TreeBatch", "build_tree_heapq", "build_trees", "build_trees_from_logits", "tree_paths", "ancestor_mask"]
 
 MAX_BUDGET = 128
 
@@ -155,6 +157,36 @@ def build_trees(logprobs: Tensor, budget: int, root_tokens: Tensor, *, backend: 
     elif backend != "torch":
         raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
     return _build_trees_torch(logprobs[:, :max_depth], budget, root_tokens)
+
+
+def build_trees_from_logits(logits: Tensor, budget: int, root_tokens: Tensor, *, backend: str | None = None,
+                            max_depth: int | None = None) -> TreeBatch:
+    """``build_trees`` of ``log_softmax(logits)`` (any float dtype; ``[R, D, V]``).
+
+    Why not normalise first: over a large vocabulary the float32 log-softmax of every row, then
+    ``torch.topk`` of it, cost as much as the drafter's LM head (Kimi-K2's 163840 tokens, batch
+    128: 5.6 ms on an H200, ``bench/results/vocab_topk.json``). The Triton path takes only each
+    depth's top ``min(budget, V)`` log-probs, reading the logits twice (``kernels.vocab_topk``),
+    and builds from them; the torch path (CPU) and vocabularies of at most ``SORT_VOCAB_MAX``
+    tokens normalise and call ``build_trees``. The log-probs are ``logit - logsumexp`` in float32,
+    so a tree may differ from one built on ``torch.log_softmax``'s only where two candidates' scores
+    are within float32 rounding; tied logits go to the lower token id.
+    """
+    if backend is None:
+        backend = "triton" if logits.is_cuda and logits.dtype != torch.float64 and _triton_available() else "torch"
+    num_req, depth_limit, vocab = logits.shape
+    depth = min(depth_limit, budget, depth_limit if max_depth is None else max_depth)
+    if backend == "triton" and depth >= 1 and num_req > 0:
+        from kernels.tree_build import SORT_VOCAB_MAX, tree_build_triton   # kernels import this module lazily
+        from kernels.vocab_topk import vocab_topk
+
+        if vocab > SORT_VOCAB_MAX:
+            _check_budget(budget)
+            top = vocab_topk(logits[:, :depth], min(budget, vocab))
+            out = tree_build_triton(logits, budget, root_tokens, max_depth=depth, top=top)
+            return TreeBatch(out.tokens, out.parents, out.depths, out.scores, out.sizes)
+    logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return build_trees(logprobs, budget, root_tokens, backend=backend, max_depth=max_depth)
 
 
 def _triton_available() -> bool:

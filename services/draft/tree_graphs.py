@@ -10,7 +10,7 @@ int64 block that the graph copies into pinned memory; propose plus trees on the 
 
 A graph is captured per (batch bucket, budget), reading the leading rows of the propose graphs'
 output buffer, whose address never changes, at its full depth. Rows past the batch hold the
-padding rows' log-probs that the propose graph wrote for its own bucket (the same buckets); their
+padding rows' logits that the propose graph wrote for its own bucket (the same buckets); their
 trees are built and dropped. A shallower tree (a request near its context limit) is built eagerly,
 so those few steps do not each capture a graph. ``capture=False`` runs the same packed build
 eagerly (the CPU path and tests).
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from services.common.cuda_graphs import capture
 from services.draft.propose_graphs import batch_buckets
-from services.draft.tree import TreeBatch, build_trees
+from services.draft.tree import TreeBatch, build_trees_from_logits
 
 __all__ = ["HostTrees", "TreeGraphs", "pack_trees", "unpack_trees"]
 
@@ -57,12 +57,12 @@ class _TreeGraph:
 
 
 class TreeGraphs:
-    """``build_trees`` over the leading rows of ``logprobs`` (``[rows, D, V]``, the propose
+    """``build_trees_from_logits`` over the leading rows of ``logits`` (``[rows, D, V]``, the propose
     graphs' output buffer), one replay and one copy a call, at the propose graphs' batch buckets."""
 
-    def __init__(self, logprobs: Tensor, capture: bool = True) -> None:
-        self.buffer = logprobs
-        self.batch_buckets = batch_buckets(logprobs.shape[0])
+    def __init__(self, logits: Tensor, capture: bool = True) -> None:
+        self.buffer = logits
+        self.batch_buckets = batch_buckets(logits.shape[0])
         self.capture = capture
         self._graphs: dict[tuple[int, int], _TreeGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -71,20 +71,20 @@ class TreeGraphs:
     def captured(self) -> list[tuple[int, int]]:
         return sorted(k for k, g in self._graphs.items() if g.graph is not None)
 
-    def holds(self, logprobs: Tensor, depth: int) -> bool:
-        """Whether ``logprobs`` is the buffer's leading rows (what a replayed propose returns), a
+    def holds(self, logits: Tensor, depth: int) -> bool:
+        """Whether ``logits`` is the buffer's leading rows (what a replayed propose returns), a
         bucket holds them and ``depth`` is the buffer's: else the caller builds eagerly."""
         buf = self.buffer
-        return (logprobs.data_ptr() == buf.data_ptr() and logprobs.stride() == buf.stride()
-                and logprobs.shape[1:] == buf.shape[1:] and depth == buf.shape[1]
-                and self._bucket(logprobs.shape[0]) is not None)
+        return (logits.data_ptr() == buf.data_ptr() and logits.stride() == buf.stride()
+                and logits.shape[1:] == buf.shape[1:] and depth == buf.shape[1]
+                and self._bucket(logits.shape[0]) is not None)
 
-    def build(self, logprobs: Tensor, budget: int, depth: int, roots: Tensor) -> HostTrees | None:
-        """The trees of ``build_trees(logprobs[:, :depth], budget, roots)`` on the host, or None
+    def build(self, logits: Tensor, budget: int, depth: int, roots: Tensor) -> HostTrees | None:
+        """The trees of ``build_trees_from_logits(logits[:, :depth], budget, roots)`` on the host, or None
         where ``holds`` says no. ``roots``: [R] int64 on the host."""
-        if not self.holds(logprobs, depth):
+        if not self.holds(logits, depth):
             return None
-        rows = logprobs.shape[0]
+        rows = logits.shape[0]
         batch = self._bucket(rows)
         g = self._graph(batch, budget)
         g.roots_host.zero_()  # every call ends synchronised, so the pinned twins are free to rewrite
@@ -130,5 +130,5 @@ class TreeGraphs:
 
     def _run(self, g: _TreeGraph, batch: int, budget: int) -> None:
         """The build from the static inputs, ending in the copy to pinned memory: no host sync."""
-        trees = build_trees(self.buffer[:batch], budget, g.roots)
+        trees = build_trees_from_logits(self.buffer[:batch], budget, g.roots)
         g.out_host.copy_(pack_trees(trees), non_blocking=self.capture)
