@@ -24,6 +24,11 @@ at the demo's and Kimi-K2's vocabularies; ``same_tokens`` is the share of rows w
 sets agree with the served ones (ties in bf16 may break either way), ``max_abs_diff`` the largest
 difference of the k log-probs.
 
+``trees`` rows time the whole tree build as the draft served it before (float32 ``log_softmax``,
+then ``build_trees``) and as it serves it now (``build_trees_from_logits``), with the share of
+requests whose trees are identical and the largest difference of their sorted node scores (tied
+bf16 logits may swap tokens of equal score).
+
 Usage: python -m bench.vocab_topk [--out DIR] [--commit SHA]
 """
 
@@ -38,6 +43,7 @@ import torch
 
 from bench.common import git_commit, graph_replay_us
 from kernels import vocab_topk as vt
+from services.draft.tree import build_trees, build_trees_from_logits
 
 try:
     import triton
@@ -172,6 +178,29 @@ def main() -> None:
                                                        "kernel_max_abs_diff", "candidates_max", "exact_path_rows")),
               flush=True)
         del logits
+    trees = []
+    for vocab in (4096, 163840):
+        for batch in (1, 32, 128):
+            for budget in (16, 64):
+                gen = torch.Generator(device="cuda").manual_seed(vocab + batch + budget)
+                logits = make_logits("random", batch, vocab, gen)
+                roots = torch.randint(0, vocab, (batch,), device="cuda", generator=gen)
+                before = build_trees(torch.log_softmax(logits.float(), dim=-1), budget, roots)
+                now = build_trees_from_logits(logits, budget, roots)
+                same = torch.ones(batch, dtype=torch.bool, device="cuda")
+                for f in ("tokens", "parents", "depths", "sizes"):
+                    same &= (getattr(before, f) == getattr(now, f)).reshape(batch, -1).all(-1)
+                sorted_scores = [t.scores.sort(-1).values for t in (before, now)]
+                row = {"vocab": vocab, "batch": batch, "budget": budget,
+                       "same_trees": same.float().mean().item(),
+                       "max_score_diff": (sorted_scores[0] - sorted_scores[1]).nan_to_num(0.0).abs().max().item(),
+                       "before_us": round(graph_replay_us([lambda lg=logits, b=budget, r=roots: build_trees(
+                           torch.log_softmax(lg.float(), dim=-1), b, r)], 20), 1),
+                       "now_us": round(graph_replay_us([lambda lg=logits, b=budget, r=roots: build_trees_from_logits(
+                           lg, b, r)], 20), 1)}
+                trees.append(row)
+                print("trees", " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+                del logits
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "vocab_topk.json").write_text(json.dumps({
@@ -179,7 +208,7 @@ def main() -> None:
         "copy_gbps": None, "params": {"depth": 15, "logits": "bf16, N(0, 3) (+ a bump, see make_logits)", "timing": "CUDA graph replay, median of 20",
                                       "chunk": CHUNK, "tile": vt.TILE, "cmax": vt.CMAX, "torch": torch.__version__,
                                       "triton": triton.__version__ if triton else None},
-        "rows": rows}, indent=1) + "\n")
+        "rows": rows, "trees": trees}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
