@@ -1,5 +1,8 @@
 """Propose from CUDA graphs against the eager propose, on the GPU: same log-probs, and how long.
 
+(Propose gives logits since the draft hands them to ``build_trees_from_logits``; they are
+normalised here, so the figures stay log-prob differences.)
+
 Two drafters from one checkpoint, one with the context pool and graphs: the same random features
 go into both, then each (batch, context) is proposed by both. Reports the largest log-prob
 difference, top-1 agreement, the eager and replayed wall time (synchronised, median) of a propose
@@ -52,8 +55,8 @@ def main() -> None:
                     out.append(ctx)
             assert all(c.row is not None for c in p_ctx), "the pool is smaller than the batch"
             bonus = torch.randint(2, eager.config.vocab_size, (batch,))
-            want = eager.propose(e_ctx, bonus)
-            got = pooled.propose(p_ctx, bonus).clone()
+            want = torch.log_softmax(eager.propose(e_ctx, bonus).float(), dim=-1)
+            got = torch.log_softmax(pooled.propose(p_ctx, bonus).float(), dim=-1)
             diff = (got - want).abs().max().item()
             top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
             row = {"batch": batch, "context": n, "max_abs_logprob_diff": round(diff, 5), "top1_agreement": top1,

@@ -308,7 +308,7 @@ def tree_build_triton(
     top: tuple[Tensor, Tensor] | None = None,
 ) -> TreeBuildOutput:
     """The trees of ``build_trees`` for float32/bf16/fp16 log-probs in one launch (two above
-    ``SORT_VOCAB_MAX`` tokens, where the vocabulary top-k is torch's).
+    ``SORT_VOCAB_MAX`` tokens, where the vocabulary top-k is ``top``'s, or else torch's).
 
     Args:
         logprobs: [R, D, V] log-softmax normalised draft log-probs; row d is depth d+1.

@@ -22,6 +22,8 @@ read twice:
 Values are compared as float32 (bf16 and fp16 convert exactly) through an int32 key with the same
 order. The log-probs are ``logit - lse`` in float32; ``vocab_topk_reference`` (torch) gives
 ``log_softmax`` then ``topk``: the same tokens up to ties, the same values to float32 rounding.
+A NaN logit counts as -inf (a token never chosen; torch would make the whole row NaN), and -0.0
+as +0.0, so that the two tie.
 """
 
 from __future__ import annotations
@@ -58,21 +60,26 @@ if triton is not None:
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
     @triton.jit
+    def _load(base, idx, vocab):
+        """float32 logits at ``idx``: -inf past the vocabulary and for NaN, +0.0 for -0.0."""
+        x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+        return tl.where(x == x, x + 0.0, float("-inf"))
+
+    @triton.jit
     def _count_ge(base, vocab, t, TILE: tl.constexpr):
         """How many logits of the row have a key >= t (int64 t)."""
         offs = tl.arange(0, TILE)
         n = 0
         for start in range(0, vocab, TILE):
             idx = start + offs
-            x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-            n += tl.sum(((_key(x).to(tl.int64) >= t) & (idx < vocab)).to(tl.int32), 0)
+            n += tl.sum(((_key(_load(base, idx, vocab)).to(tl.int64) >= t) & (idx < vocab)).to(tl.int32), 0)
         return n
 
-    @triton.jit(do_not_specialize=["k"])   # every budget's k runs one compiled kernel
-    def _vocab_topk_kernel(x_ptr, stride_row, vocab, k, lp_ptr, tok_ptr, cand_ptr,
+    @triton.jit(do_not_specialize=["inner", "k"])   # every budget (k) and depth cap (inner): one kernel
+    def _vocab_topk_kernel(x_ptr, stride_outer, stride_inner, inner, vocab, k, lp_ptr, tok_ptr, cand_ptr,
                            TILE: tl.constexpr, CMAX: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * stride_row
+        row = tl.program_id(0).to(tl.int64)   # row (outer, inner) of an [outer, inner, vocab] view
+        base = x_ptr + (row // inner) * stride_outer + (row % inner) * stride_inner
         cand = cand_ptr + row * CMAX
         offs = tl.arange(0, TILE)
 
@@ -82,7 +89,7 @@ if triton is not None:
         s = tl.zeros([TILE], tl.float32)
         for start in range(0, vocab, TILE):
             idx = start + offs
-            x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+            x = _load(base, idx, vocab)
             e = tl.where(x == float("-inf"), 0.0, tl.exp(-tl.abs(x - m)))
             grows = x > m
             s = tl.where(grows, s * tl.where(m == float("-inf"), 0.0, e) + 1.0, s + e)
@@ -106,7 +113,7 @@ if triton is not None:
         n = 0
         for start in range(0, vocab, TILE):
             idx = start + offs
-            x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+            x = _load(base, idx, vocab)
             key = _key(x).to(tl.int64)
             keep = (key >= t) & (idx < vocab)
             pos = n + tl.cumsum(keep.to(tl.int32), 0) - 1
@@ -127,14 +134,14 @@ if triton is not None:
             n_tied = 0
             for start in range(0, vocab, TILE):
                 idx = start + offs
-                x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+                x = _load(base, idx, vocab)
                 key = _key(x).to(tl.int64)
                 gt = (key > lo) & (idx < vocab)
                 eq = (key == lo) & (idx < vocab)
                 pos_gt = n_above + tl.cumsum(gt.to(tl.int32), 0) - 1
                 pos_eq = above + n_tied + tl.cumsum(eq.to(tl.int32), 0) - 1
                 packed = (key << 32) | (0x7FFFFFFF - idx)
-                tl.store(cand + pos_gt, packed, mask=gt)
+                tl.store(cand + pos_gt, packed, mask=gt & (pos_gt < k))   # fewer than k are above
                 tl.store(cand + pos_eq, packed, mask=eq & (pos_eq < k))
                 n_above += tl.sum(gt.to(tl.int32), 0)
                 n_tied += tl.sum(eq.to(tl.int32), 0)
@@ -151,7 +158,8 @@ if triton is not None:
         tok = 0x7FFFFFFF - (top & 0xFFFFFFFF)
         bits = (top >> 32).to(tl.int32)
         value = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        tl.store(lp_ptr + row * k + offs_c, value - lse, mask=offs_c < k)
+        # -inf stays -inf (a row of -inf has lse -inf too: never NaN, never chosen by the tree)
+        tl.store(lp_ptr + row * k + offs_c, tl.where(value == float("-inf"), value, value - lse), mask=offs_c < k)
         tl.store(tok_ptr + row * k + offs_c, tok, mask=offs_c < k)
 
 
@@ -163,18 +171,22 @@ def vocab_topk(logits: Tensor, k: int, tile: int | None = None, cmax: int | None
     ``cmax`` (powers of two, ``tile >= k``) are the module's ``TILE`` and ``CMAX`` unless a test
     makes them small."""
     tile, cmax = TILE if tile is None else tile, CMAX if cmax is None else cmax
+    if tile & (tile - 1) or cmax & (cmax - 1):
+        raise ValueError(f"tile and cmax must be powers of two, got {tile} and {cmax}")
     vocab = logits.shape[-1]
     if not 1 <= k <= min(vocab, cmax, tile):
         raise ValueError(f"k must be in 1..{min(vocab, cmax, tile)} (the vocabulary, at most {min(cmax, tile)}), got {k}")
     if triton is None or not (logits.is_cuda or interpreted()):
         return vocab_topk_reference(logits, k)
-    rows = logits.reshape(-1, vocab)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    lp = torch.empty(rows.shape[0], k, dtype=torch.float32, device=logits.device)
-    tok = torch.empty(rows.shape[0], k, dtype=torch.int64, device=logits.device)
-    cand = torch.empty(rows.shape[0], cmax, dtype=torch.int64, device=logits.device)
-    if rows.shape[0]:
-        _vocab_topk_kernel[(rows.shape[0],)](rows, rows.stride(0), vocab, k, lp, tok, cand,
-                                             TILE=tile, CMAX=cmax, SEARCH_STEPS=33, num_warps=8)
+    # [outer, inner, V]: a depth slice of [R, D, V] logits stays a view (no copy of the rows).
+    x = logits.reshape(-1, logits.shape[-2] if logits.dim() > 1 else 1, vocab)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows = x.shape[0] * x.shape[1]
+    lp = torch.empty(rows, k, dtype=torch.float32, device=logits.device)
+    tok = torch.empty(rows, k, dtype=torch.int64, device=logits.device)
+    cand = torch.empty(rows, cmax, dtype=torch.int64, device=logits.device)
+    if rows:
+        _vocab_topk_kernel[(rows,)](x, x.stride(0), x.stride(1), x.shape[1], vocab, k, lp, tok, cand,
+                                    TILE=tile, CMAX=cmax, SEARCH_STEPS=33, num_warps=8)
     return lp.view(*logits.shape[:-1], k), tok.view(*logits.shape[:-1], k)

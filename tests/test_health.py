@@ -115,3 +115,27 @@ def test_a_graceful_shutdown_tells_watchers_then_ends_their_streams() -> None:
     assert asyncio.run(asyncio.wait_for(scenario(), 60)) == {
         "firsts": [SERVING, SERVING, UNKNOWN], "seen": [[NOT_SERVING], [NOT_SERVING], []],
         "codes": [grpc.StatusCode.OK] * 3, "check": NOT_SERVING, "fast_stop": True}
+
+
+def test_a_shutdown_during_a_write_still_sends_not_serving() -> None:
+    """A watcher in the middle of sending SERVING when the shutdown comes reads the status again:
+    it sends NOT_SERVING before its stream ends (it ended with SERVING as the last word)."""
+    from services.common.health import HealthServicer
+
+    class SlowContext:
+        def __init__(self) -> None:
+            self.sent: list[int] = []
+
+        async def write(self, response) -> None:
+            await asyncio.sleep(0.01)
+            self.sent.append(response.status)
+
+    async def scenario() -> list[int]:
+        health, context = HealthServicer(), SlowContext()
+        watch = asyncio.ensure_future(health.Watch(_request(), context))
+        await asyncio.sleep(0)   # the watcher is inside its first write
+        health.enter_graceful_shutdown()
+        await asyncio.wait_for(watch, 5)
+        return context.sent
+
+    assert asyncio.run(scenario()) == [SERVING, NOT_SERVING]

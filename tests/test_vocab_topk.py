@@ -77,3 +77,39 @@ def test_k_outside_the_rows_is_refused() -> None:
         vt.vocab_topk(torch.randn(2, 100), 101)
     with pytest.raises(ValueError, match="k must be in"):
         vt.vocab_topk(torch.randn(2, 100), 0)
+
+
+@needs_kernel
+def test_nan_counts_as_minus_inf_and_minus_zero_ties_plus_zero() -> None:
+    """A NaN logit is a token never chosen (a drafter row gone NaN gives -inf log-probs, so a
+    root-only tree, and token ids inside the vocabulary); -0.0 and +0.0 tie (the lower id first)."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 1000, generator=gen) * 3
+    x[0, ::3] = float("nan")
+    x[1] = float("nan")
+    x[2] = -float("nan")
+    x[3, :5] = torch.tensor([-0.0, 0.0, -0.0, 0.0, -0.0])
+    x[3, 5:] = -5.0
+    lp, tok = vt.vocab_topk(x.to(DEVICE), 8, **SMALL)
+    lp, tok = lp.cpu(), tok.cpu()
+    assert bool(((tok >= 0) & (tok < 1000)).all())
+    clean = x[0].nan_to_num(nan=float("-inf"))
+    assert torch.allclose(lp[0], vt.vocab_topk_reference(clean, 8)[0], atol=2e-6, rtol=0)
+    assert bool((x[0].gather(0, tok[0]) == clean.topk(8).values).all())
+    assert bool(torch.isneginf(lp[1:3]).all())
+    assert tok[3, :5].tolist() == [0, 1, 2, 3, 4]
+
+
+@needs_kernel
+def test_a_depth_slice_is_read_in_place_and_k_may_be_the_vocabulary() -> None:
+    """The tree build passes ``logits[:, :depth]`` (rows not back to back): read through its
+    strides. And k = V returns the whole row, sorted."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 6, 300, generator=gen) * 3
+    _check(logits[:, :4], 32, **SMALL)
+    _check(logits[:, 2:5, :200], 200, **SMALL)
+
+
+def test_tile_and_candidate_list_must_be_powers_of_two() -> None:
+    with pytest.raises(ValueError, match="powers of two"):
+        vt.vocab_topk(torch.randn(2, 100), 4, tile=100)

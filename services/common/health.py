@@ -83,6 +83,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
             if status != last:
                 await context.write(health_pb2.HealthCheckResponse(status=status))
                 last = status
+                continue   # read again: the status (or a shutdown) may have changed during the write
             if self._shutting_down:
                 return
             await changed.wait()

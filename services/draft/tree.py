@@ -174,9 +174,13 @@ def build_trees_from_logits(logits: Tensor, budget: int, root_tokens: Tensor, *,
     """
     if backend is None:
         backend = "triton" if logits.is_cuda and logits.dtype != torch.float64 and _triton_available() else "torch"
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
     num_req, depth_limit, vocab = logits.shape
     depth = min(depth_limit, budget, depth_limit if max_depth is None else max_depth)
-    if backend == "triton" and depth >= 1 and num_req > 0:
+    if depth < 1:
+        backend = "torch"   # a root-only tree: nothing to rank
+    if backend == "triton" and num_req > 0:
         from kernels.tree_build import SORT_VOCAB_MAX, tree_build_triton   # kernels import this module lazily
         from kernels.vocab_topk import vocab_topk
 
