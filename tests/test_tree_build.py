@@ -271,23 +271,14 @@ def test_a_depth_cap_builds_the_trees_of_the_capped_rows(budget: int, cap: int, 
     assert int(got.depths.max()) <= cap
 
 
-def _small_vocab_topk(monkeypatch) -> None:
-    """The vocabulary top-k kernel with a small tile and candidate list: the interpreter runs it
-    ~20x faster, with the same code paths (tests/test_vocab_topk.py)."""
-    from kernels import vocab_topk as vt
-    monkeypatch.setattr(vt, "TILE", 256)
-    monkeypatch.setattr(vt, "CMAX", 256)
-
-
 @needs_kernel
 @pytest.mark.parametrize("budget,depth,vocab,cap", [(1, 3, 300, None), (9, 4, 1000, None), (16, 5, 300, 3), (64, 2, 600, None)])
-def test_trees_from_logits_are_those_of_their_log_softmax(monkeypatch, budget: int, depth: int, vocab: int,
+def test_trees_from_logits_are_those_of_their_log_softmax(budget: int, depth: int, vocab: int,
                                                           cap: int | None) -> None:
     """The draft's path: unnormalised logits (well above 0), each depth's top-k log-probs taken by
-    kernels.vocab_topk, then the tree kernel. The same trees as the torch builder on
+    kernels.vocab_topk (torch's top-k less each row's log-sum-exp), then the tree kernel. The same trees as the torch builder on
     ``log_softmax(logits)`` and as heapq; scores to float32 rounding."""
     from services.draft.tree import build_trees_from_logits
-    _small_vocab_topk(monkeypatch)
     gen = torch.Generator().manual_seed(budget * 131 + vocab)
     logits = torch.randn(3, depth, vocab, generator=gen) * (1 + 3 * torch.rand(3, depth, 1, generator=gen)) + 20
     roots = torch.randint(0, vocab, (3,), generator=gen)
@@ -306,7 +297,7 @@ def test_trees_from_logits_are_those_of_their_log_softmax(monkeypatch, budget: i
 def test_trees_from_logits_launch_the_kernels_the_start_up_compiled(monkeypatch) -> None:
     """From logits the tree kernel gets each depth's ranked top-k, as from log-probs over a large
     vocabulary (torch.topk first): the same compiled kernel, so the warm-up's 10 still serve every
-    budget, and one vocabulary top-k kernel serves every k."""
+    budget, and one log-sum-exp kernel every budget and depth cap."""
     from kernels import vocab_topk as vt
     from services.draft.tree import build_trees_from_logits
     tree_keys: dict[tuple[str, int], tuple] = {}
@@ -323,12 +314,13 @@ def test_trees_from_logits_launch_the_kernels_the_start_up_compiled(monkeypatch)
 
     source = "?"
     monkeypatch.setattr(tb, "_tree_build_kernel", Launch(lambda args, key: tree_keys.__setitem__((source, args[-1]), key)))
-    monkeypatch.setattr(vt, "_vocab_topk_kernel", Launch(lambda args, key: topk_keys.add(key)))
+    monkeypatch.setattr(vt, "_row_lse_kernel", Launch(lambda args, key: topk_keys.add(key)))
     for budget in (1, 5, 16, 100, 128):
         logits = torch.randn(2, 15, 4096)
         source = "logprobs"
         tb.tree_build_triton(torch.log_softmax(logits, dim=-1), budget, torch.zeros(2, dtype=torch.int64))
         source = "logits"
-        build_trees_from_logits(logits, budget, torch.zeros(2, dtype=torch.int64), backend="triton", max_depth=7)
+        build_trees_from_logits(logits, budget, torch.zeros(2, dtype=torch.int64), backend="triton",
+                                max_depth=min(budget, 7))
         assert tree_keys[("logits", budget)] == tree_keys[("logprobs", budget)], budget
     assert len(topk_keys) == 1
