@@ -7,7 +7,7 @@ and batch 128 (1920 rows) 5.6 ms on an H200, about as long as the drafter's LM h
 is a shift of each row, so the top-k of the logits themselves (in their own dtype: bf16 halves
 the bytes ``torch.topk`` reads) are the same tokens, and their log-probs are ``logit - lse``
 with ``lse`` each row's log-sum-exp: ``row_logsumexp`` reads the row once, in float32. 2.5 ms
-there, 2.2x faster; 1.2-1.8x at the demo's 4096 tokens (``bench/results/vocab_topk-8d28d09.json``).
+there, 2.2x faster; 1.2-1.8x at the demo's 4096 tokens (``bench/results/vocab_topk.json``).
 
 A selection kernel of our own (log-sum-exp and strided group maxima, then the candidates above
 the k-th maximum, sorted) was built and measured, and lost to this at most shapes (BENCHMARKS.md,

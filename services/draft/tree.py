@@ -165,7 +165,7 @@ def build_trees_from_logits(logits: Tensor, budget: int, root_tokens: Tensor, *,
 
     Why not normalise first: over a large vocabulary the float32 log-softmax of every row, then
     ``torch.topk`` of it, cost as much as the drafter's LM head (Kimi-K2's 163840 tokens, batch
-    128: 5.6 ms on an H200, 2.5 ms this way; ``bench/results/vocab_topk-8d28d09.json``). The
+    128: 5.6 ms on an H200, 2.5 ms this way; ``bench/results/vocab_topk.json``). The
     Triton path takes only each depth's top ``min(budget, V)`` log-probs (``kernels.vocab_topk``:
     the top-k of the logits in their own dtype, less each row's log-sum-exp) and builds from
     them; the torch path (CPU) and vocabularies of at most ``SORT_VOCAB_MAX`` tokens normalise
