@@ -276,8 +276,8 @@ def test_a_depth_cap_builds_the_trees_of_the_capped_rows(budget: int, cap: int, 
 def test_trees_from_logits_are_those_of_their_log_softmax(budget: int, depth: int, vocab: int,
                                                           cap: int | None) -> None:
     """The draft's path: unnormalised logits (well above 0), each depth's top-k log-probs taken by
-    kernels.vocab_topk (torch's top-k less each row's log-sum-exp), then the tree kernel. The same trees as the torch builder on
-    ``log_softmax(logits)`` and as heapq; scores to float32 rounding."""
+    kernels.vocab_topk (torch's top-k less each row's log-sum-exp), then the tree kernel. The same
+    trees as the torch builder on ``log_softmax(logits)`` and as heapq; scores to float32 rounding."""
     from services.draft.tree import build_trees_from_logits
     gen = torch.Generator().manual_seed(budget * 131 + vocab)
     logits = torch.randn(3, depth, vocab, generator=gen) * (1 + 3 * torch.rand(3, depth, 1, generator=gen)) + 20
@@ -301,7 +301,7 @@ def test_trees_from_logits_launch_the_kernels_the_start_up_compiled(monkeypatch)
     from kernels import vocab_topk as vt
     from services.draft.tree import build_trees_from_logits
     tree_keys: dict[tuple[str, int], tuple] = {}
-    topk_keys: set[tuple] = set()
+    lse_keys: set[tuple] = set()
 
     class Launch:
         def __init__(self, sink) -> None:
@@ -314,7 +314,7 @@ def test_trees_from_logits_launch_the_kernels_the_start_up_compiled(monkeypatch)
 
     source = "?"
     monkeypatch.setattr(tb, "_tree_build_kernel", Launch(lambda args, key: tree_keys.__setitem__((source, args[-1]), key)))
-    monkeypatch.setattr(vt, "_row_lse_kernel", Launch(lambda args, key: topk_keys.add(key)))
+    monkeypatch.setattr(vt, "_row_lse_kernel", Launch(lambda args, key: lse_keys.add(key)))
     for budget in (1, 5, 16, 100, 128):
         logits = torch.randn(2, 15, 4096)
         source = "logprobs"
@@ -323,4 +323,4 @@ def test_trees_from_logits_launch_the_kernels_the_start_up_compiled(monkeypatch)
         build_trees_from_logits(logits, budget, torch.zeros(2, dtype=torch.int64), backend="triton",
                                 max_depth=min(budget, 7))
         assert tree_keys[("logits", budget)] == tree_keys[("logprobs", budget)], budget
-    assert len(topk_keys) == 1
+    assert len(lse_keys) == 1
