@@ -272,7 +272,8 @@ def test_a_depth_cap_builds_the_trees_of_the_capped_rows(budget: int, cap: int, 
 
 
 @needs_kernel
-@pytest.mark.parametrize("budget,depth,vocab,cap", [(1, 3, 300, None), (9, 4, 1000, None), (16, 5, 300, 3), (64, 2, 600, None)])
+@pytest.mark.parametrize("budget,depth,vocab,cap",
+                         [(1, 3, 300, None), (9, 4, 1000, None), (16, 5, 300, 3), (64, 2, 600, None)])
 def test_trees_from_logits_are_those_of_their_log_softmax(budget: int, depth: int, vocab: int,
                                                           cap: int | None) -> None:
     """The draft's path: unnormalised logits (well above 0), each depth's top-k log-probs taken by
@@ -313,7 +314,8 @@ def test_trees_from_logits_launch_the_kernels_the_start_up_compiled(monkeypatch)
             return run
 
     source = "?"
-    monkeypatch.setattr(tb, "_tree_build_kernel", Launch(lambda args, key: tree_keys.__setitem__((source, args[-1]), key)))
+    monkeypatch.setattr(tb, "_tree_build_kernel",
+                        Launch(lambda args, key: tree_keys.__setitem__((source, args[-1]), key)))
     monkeypatch.setattr(vt, "_row_lse_kernel", Launch(lambda args, key: lse_keys.add(key)))
     for budget in (1, 5, 16, 100, 128):
         logits = torch.randn(2, 15, 4096)
