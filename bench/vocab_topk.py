@@ -42,18 +42,13 @@ from kernels import vocab_topk as vt
 from services.draft.tree import build_trees, build_trees_from_logits
 
 
-def served(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The order the draft served before: float32 log-softmax of the whole row, then top-k."""
-    return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-
-
 def bf16_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     values, tokens = logits.topk(k, dim=-1)
     return values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True), tokens
 
 
 VARIANTS = {
-    "before": served,
+    "before": vt.vocab_topk_reference,   # what the draft served before: log_softmax, then topk
     "bf16_logits": bf16_logits,
     "bf16_topk": lambda lg, k: lg.topk(k, dim=-1),
     "lse_torch": lambda lg, k: torch.logsumexp(lg.float(), dim=-1),
@@ -81,7 +76,7 @@ def main() -> None:
     for kind, vocab, batch, k in points:
         gen = torch.Generator(device="cuda").manual_seed(vocab + batch + k)
         logits = make_logits(kind, batch, vocab, gen)
-        want_v, want_t = served(logits, k)
+        want_v, want_t = vt.vocab_topk_reference(logits, k)
         row = {"input": kind, "batch": batch, "vocab": vocab, "k": k}
         lse_want = torch.logsumexp(logits.double(), dim=-1).float()
         row["lse_triton_max_abs_diff"] = (vt.row_logsumexp(logits) - lse_want).abs().max().item()

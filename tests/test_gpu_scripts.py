@@ -184,7 +184,8 @@ def test_the_bf16_logits_top_k_selects_what_the_served_one_does() -> None:
     the k-th value may pick other tokens of that value."""
     import torch
 
-    from bench.vocab_topk import bf16_logits, served
+    from bench.vocab_topk import bf16_logits
+    from kernels.vocab_topk import vocab_topk_reference as served
     gen = torch.Generator().manual_seed(3)
     for vocab, k in ((300, 16), (4096, 64)):
         logits = (torch.randn(6, vocab, generator=gen) * 3).to(torch.bfloat16)   # bf16: ties happen

@@ -44,9 +44,10 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
 
     def set(self, service: str, status: int) -> None:
         """Sets a service's status and tells its watchers; ignored once shutting down."""
-        if self._shutting_down:
+        if self._shutting_down or self._status.get(service) == status:
             return
-        self._set(service, status)
+        self._status[service] = status
+        self._wake()
 
     def enter_graceful_shutdown(self) -> None:
         """Every service NOT_SERVING from now on; each watcher is told so and its stream ends."""
@@ -56,11 +57,6 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         for service in self._status:
             self._status[service] = _NOT_SERVING
         self._wake()
-
-    def _set(self, service: str, status: int) -> None:
-        if self._status.get(service) != status:
-            self._status[service] = status
-            self._wake()
 
     def _wake(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()

@@ -144,18 +144,13 @@ def build_trees(logprobs: Tensor, budget: int, root_tokens: Tensor, *, backend: 
     kernels (``kernels.tree_build.pads_budget``; seconds each to compile): the draft compiles them
     all at start-up (``warm_up_kernels``), before graph capture.
     """
-    if backend is None:
-        use_triton = logprobs.is_cuda and logprobs.dtype != torch.float64 and _triton_available()
-        backend = "triton" if use_triton else "torch"
-    if backend == "triton":
+    if _backend(logprobs, backend) == "triton":
         _check_budget(budget)
         if budget > 0 and logprobs.shape[1] > 0 and logprobs.shape[2] > 0:
             from kernels.tree_build import tree_build_triton  # kernels import TreeBatch's module lazily
 
             out = tree_build_triton(logprobs, budget, root_tokens, max_depth=max_depth)
             return TreeBatch(out.tokens, out.parents, out.depths, out.scores, out.sizes)
-    elif backend != "torch":
-        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
     return _build_trees_torch(logprobs[:, :max_depth], budget, root_tokens)
 
 
@@ -173,10 +168,7 @@ def build_trees_from_logits(logits: Tensor, budget: int, root_tokens: Tensor, *,
     so a tree may differ from one built on ``torch.log_softmax``'s only where two candidates' scores
     are within float32 rounding, or where tied logits are ranked in another order.
     """
-    if backend is None:
-        backend = "triton" if logits.is_cuda and logits.dtype != torch.float64 and _triton_available() else "torch"
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    backend = _backend(logits, backend)
     num_req, depth_limit, vocab = logits.shape
     depth = min(depth_limit, budget, depth_limit if max_depth is None else max_depth)
     if depth < 1:
@@ -192,6 +184,15 @@ def build_trees_from_logits(logits: Tensor, budget: int, root_tokens: Tensor, *,
             return TreeBatch(out.tokens, out.parents, out.depths, out.scores, out.sizes)
     logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     return build_trees(logprobs, budget, root_tokens, backend=backend, max_depth=max_depth)
+
+
+def _backend(scores: Tensor, backend: str | None) -> str:
+    """The builder ``backend`` names, checked; by default Triton on CUDA for non-float64 input."""
+    if backend is None:
+        return "triton" if scores.is_cuda and scores.dtype != torch.float64 and _triton_available() else "torch"
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    return backend
 
 
 def _triton_available() -> bool:
