@@ -73,10 +73,11 @@ def test_a_tp_rank_binds_nccl_to_the_gpu_its_model_is_on(monkeypatch) -> None:
     from services.verifier.ranks import rank_device
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(d))))
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "TCPStore", lambda *a, **k: calls.append(("store", a[:2], k["is_master"])))
+    monkeypatch.setattr(parallel.TensorParallel, "_meet", lambda self, step, limit: calls.append(("meet", step)))
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append(("device_id", str(k["device_id"]))))
-    monkeypatch.setattr(dist, "new_group", lambda *a, **k: calls.append(("new_group", k["backend"])))
     for rank in range(2):
         calls.clear()
         parallel.TensorParallel(rank, 2, "tcp://127.0.0.1:1", backend="nccl", device=rank_device("cuda:4", rank))
-        assert calls == [("set_device", f"cuda:{4 + rank}"), ("device_id", f"cuda:{4 + rank}"), ("new_group", "gloo")]
+        assert calls == [("store", ("127.0.0.1", 1), rank == 0), ("meet", "joined"),
+                         ("set_device", f"cuda:{4 + rank}"), ("device_id", f"cuda:{4 + rank}")]

@@ -211,10 +211,11 @@ def test_dead_rank_makes_the_group_unhealthy_without_hanging(ckpt, starts):
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
 
 
-def _align_rank(rank: int, port: int, lag_s: float, timeout_s: float, out) -> None:
+def _align_rank(rank: int, port: int, join_lag_s: float, load_lag_s: float, timeout_s: float, out) -> None:
     from services.verifier.parallel import TensorParallel
+    time.sleep(join_lag_s)   # this rank's process starts later (a busy host)
     tp = TensorParallel(rank, 2, f"tcp://127.0.0.1:{port}", backend="gloo", timeout_s=timeout_s)
-    time.sleep(lag_s)   # this rank's weights take longer to load
+    time.sleep(load_lag_s)   # this rank's weights take longer to load
     tp.align()
     try:
         got = tp.broadcast(("call", rank) if rank == 0 else None)   # the first call, under the timeout
@@ -224,21 +225,60 @@ def _align_rank(rank: int, port: int, lag_s: float, timeout_s: float, out) -> No
     tp.close()
 
 
-def test_ranks_that_load_at_different_speeds_meet_before_their_first_timed_call():
-    """A worker done loading waits for rank 0's first call in a collective that times out after
-    `verifier.tp_timeout_s`: rank 0 loading slower than that (a large model) ended the group at
-    start-up. The ranks meet after loading, with no such limit, then call as before."""
+def test_ranks_that_start_and_load_at_different_speeds_meet_before_their_first_timed_call():
+    """The collectives' timeout (`verifier.tp_timeout_s`) bounds neither the start nor the load.
+    It did both: the rendezvous waited that long for the workers to join (three stacks starting on
+    two cores ran past it), and a worker done loading waited that long for rank 0's first call
+    (rank 0 loading a large model ended the group). Here rank 1 joins, and rank 0 finishes
+    loading, 2.5 s after the other, with a 1 s timeout; they meet, then call as before."""
     import multiprocessing as mp
 
     from services.common.launcher import free_port
     spawn = mp.get_context("spawn")
     out, port = spawn.Queue(), free_port()
-    procs = [spawn.Process(target=_align_rank, args=(rank, port, lag, 1.0, out)) for rank, lag in ((0, 2.5), (1, 0.0))]
+    procs = [spawn.Process(target=_align_rank, args=(rank, port, join_lag, load_lag, 1.0, out))
+             for rank, join_lag, load_lag in ((0, 0.0, 2.5), (1, 2.5, 0.0))]
     for p in procs:
         p.start()
     for p in procs:
         p.join(60)
     assert sorted(out.get(timeout=5) for _ in procs) == [(0, ("call", 0)), (1, ("call", 0))]
+
+
+def _rank_0_beside(worker_code: str, port: int, out) -> None:
+    from services.common.grpc_server import ServiceError
+    from services.verifier.parallel import TensorParallel
+    from services.verifier.ranks import first_exit
+    worker = subprocess.Popen([sys.executable, "-c", worker_code])
+    try:
+        TensorParallel(0, 2, f"tcp://127.0.0.1:{port}", timeout_s=1.0, peers_gone=lambda: first_exit([worker])).align()
+        out.put(("started",))
+    except ServiceError as exc:
+        out.put((exc.code, exc.message))
+
+
+@pytest.mark.parametrize("stage, worker_code", [
+    ("joined", "raise SystemExit(3)"),
+    ("loaded", "from services.verifier.parallel import TensorParallel\n"
+               "TensorParallel(1, 2, 'tcp://127.0.0.1:{port}', timeout_s=1.0)\n"
+               "raise SystemExit(3)"),
+], ids=["before_joining", "while_loading"])
+def test_a_worker_that_dies_while_the_group_starts_ends_the_start_at_once(stage, worker_code):
+    """Rank 0 waited for such a worker until its limit, a verifier that neither served nor exited:
+    for the collectives' timeout at the rendezvous, for hours while loading. It now fails the start
+    with the rank and its exit code as soon as the worker is gone."""
+    import multiprocessing as mp
+
+    from services.common.launcher import free_port
+    spawn = mp.get_context("spawn")
+    out, port = spawn.Queue(), free_port()
+    rank_0 = spawn.Process(target=_rank_0_beside, args=(worker_code.format(port=port), port, out))
+    t0 = time.monotonic()
+    rank_0.start()
+    rank_0.join(120)
+    got = out.get(timeout=5)
+    assert got == (grpc.StatusCode.UNAVAILABLE, f"verifier rank 1 exited with code 3 before the verifier group was {stage}")
+    assert time.monotonic() - t0 < 60   # the start's own limits: 10 minutes to join, 6 hours to load
 
 
 def test_a_call_that_fails_on_rank_0_with_ranks_ends_the_group() -> None:

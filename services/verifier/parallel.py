@@ -15,19 +15,25 @@ from __future__ import annotations
 
 import datetime
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+import grpc
 import torch
 import torch.distributed as dist
 
 from services.common.checkpoint import CheckpointError, open_safetensors, tensor_index
+from services.common.grpc_server import ServiceError
 from services.verifier.config import TargetConfig
 
 __all__ = ["TensorParallel", "load_rank_slice", "split_rule"]
 
-ALIGN_TIMEOUT = datetime.timedelta(hours=6)   # the longest the ranks of a group may take to load, apart
+JOIN_TIMEOUT = datetime.timedelta(minutes=10)   # the longest a worker process may take to start and join
+LOAD_TIMEOUT = datetime.timedelta(hours=6)      # the longest the ranks of a group may take to load, apart
 
 
 @dataclass(frozen=True)
@@ -111,23 +117,32 @@ class TensorParallel:
     """This rank's place in the group and the few collectives the verifier needs."""
 
     def __init__(self, rank: int, size: int, init_method: str = "", backend: str = "gloo",
-                 timeout_s: float = 60.0, device: str | None = None) -> None:
-        """``device``: this rank's GPU (``rank_device``), which an NCCL communicator is bound to;
-        ``cuda:<rank>`` when not given."""
+                 timeout_s: float = 60.0, device: str | None = None,
+                 peers_gone: Callable[[], str | None] | None = None) -> None:
+        """``init_method``: ``tcp://host:port`` of rank 0's store. ``timeout_s`` bounds each
+        collective, not the start: the ranks join and load under their own, longer limits. ``device``:
+        this rank's GPU (``rank_device``), which an NCCL communicator is bound to; ``cuda:<rank>``
+        when not given. ``peers_gone`` (rank 0): why a worker is gone, or None; polled while rank 0
+        waits for the others, so a worker that died on the way ends the start at once."""
         self.rank = rank
         self.size = size
         self._small = None   # SmallAllReduce, made at the first GPU all-reduce (a collective on every rank)
-        if size > 1 and not dist.is_initialized():
+        self._peers_gone = peers_gone
+        self._store: dist.TCPStore | None = None
+        if size > 1:
+            where = urlsplit(init_method)
+            self._store = dist.TCPStore(where.hostname, where.port, size, is_master=rank == 0, timeout=JOIN_TIMEOUT,
+                                        wait_for_workers=False)
+            # Worker processes start minutes apart on a busy host (importing torch, initialising a
+            # GPU); `init_process_group` would give them `timeout_s` and end the group.
+            self._meet("joined", JOIN_TIMEOUT)
             kwargs = {}
             if backend == "nccl":   # NCCL binds a communicator to the current device: this rank's GPU
                 gpu = torch.device(device) if device else torch.device("cuda", rank)
                 torch.cuda.set_device(gpu)
                 kwargs["device_id"] = gpu
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+            dist.init_process_group(backend, store=self._store, rank=rank, world_size=size,
                                     timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-        # Loading weights may take one rank far longer than another (minutes for a large model);
-        # the ranks meet after it (`align`) on a group whose wait has no such limit.
-        self._start_up = dist.new_group(backend="gloo", timeout=ALIGN_TIMEOUT) if size > 1 else None
 
     @property
     def enabled(self) -> bool:
@@ -136,8 +151,30 @@ class TensorParallel:
     def align(self) -> None:
         """Waits until every rank got here (after loading, before the first collective with a
         timeout: a worker done first would otherwise time out waiting for rank 0's first call)."""
-        if self._start_up is not None:
-            dist.barrier(group=self._start_up)
+        if self._store is not None:
+            self._meet("loaded", LOAD_TIMEOUT)
+
+    def _meet(self, step: str, limit: datetime.timedelta) -> None:
+        """Every rank checks in under ``step``; rank 0 waits for all of them, then lets them go.
+
+        Rank 0 polls rather than blocking in a barrier, so that a worker that died before it got
+        here (a bad GPU, memory run out while loading) fails the start now, not at ``limit``. A
+        worker whose rank 0 died has its wait cut short by the store's closed connection."""
+        store = self._store
+        store.add(step, 1)
+        if self.rank:
+            store.wait([f"{step}/go"], limit)
+            return
+        deadline = time.monotonic() + limit.total_seconds()
+        while (arrived := store.add(step, 0)) < self.size:
+            gone = self._peers_gone() if self._peers_gone is not None else None
+            if gone:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{gone} before the verifier group was {step}")
+            if time.monotonic() > deadline:
+                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"verifier group: {arrived} of {self.size} ranks {step} within {limit}")
+            time.sleep(0.05)
+        store.set(f"{step}/go", "1")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums the ranks' partial results in place (the one collective per block)."""

@@ -25,7 +25,8 @@ from services.common.settings import VerifierSettings, load_settings
 from services.verifier.engine import VerifierEngine
 from services.verifier.parallel import TensorParallel
 
-__all__ = ["EngineGroup", "backend_for", "rank_device", "spawn_workers", "stop_workers", "watch_workers", "worker_main"]
+__all__ = ["EngineGroup", "backend_for", "first_exit", "rank_device", "spawn_workers", "stop_workers", "watch_workers",
+           "worker_main"]
 
 log = get_logger("verifier")
 
@@ -117,6 +118,14 @@ def spawn_workers(settings: VerifierSettings, config_path: str | None, init_meth
     return [subprocess.Popen(cmd + ["--rank", str(r)], start_new_session=True) for r in range(1, settings.tp)]
 
 
+def first_exit(procs: list[subprocess.Popen]) -> str | None:
+    """Which worker rank has exited, and how, or None while all run."""
+    for rank, proc in enumerate(procs, start=1):
+        if proc.poll() is not None:
+            return f"verifier rank {rank} exited with code {proc.returncode}"
+    return None
+
+
 def watch_workers(procs: list[subprocess.Popen], on_death: Callable[[str], None],
                   interval_s: float = 0.2) -> threading.Event:
     """A daemon thread that calls `on_death` as soon as any worker rank exits.
@@ -128,10 +137,9 @@ def watch_workers(procs: list[subprocess.Popen], on_death: Callable[[str], None]
 
     def run() -> None:
         while not disarmed.wait(interval_s):
-            for rank, proc in enumerate(procs, start=1):
-                if proc.poll() is not None and not disarmed.is_set():
-                    on_death(f"verifier rank {rank} exited with code {proc.returncode}")
-                    return
+            if (gone := first_exit(procs)) is not None and not disarmed.is_set():
+                on_death(gone)
+                return
     threading.Thread(target=run, name="rank-watchdog", daemon=True).start()
     return disarmed
 

@@ -37,7 +37,8 @@ from services.verifier.kv_cache import PagedKVCache
 from services.common.launcher import free_port
 from services.verifier.model import TargetModel
 from services.verifier.parallel import TensorParallel
-from services.verifier.ranks import EngineGroup, backend_for, rank_device, spawn_workers, stop_workers, watch_workers
+from services.verifier.ranks import (EngineGroup, backend_for, first_exit, rank_device, spawn_workers, stop_workers,
+                                     watch_workers)
 from services.verifier.sampling import Sampling
 
 __all__ = ["VerifierServicer", "build_engine", "serve"]
@@ -439,12 +440,17 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
     workers = []
     tp = TensorParallel(0, 1)
-    if settings.tp > 1:
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        workers = spawn_workers(settings, config_path, init_method)
-        tp = TensorParallel(0, settings.tp, init_method, backend=backend_for(settings), timeout_s=settings.tp_timeout_s,
-                            device=rank_device(settings.device, 0))
-    engine = build_engine(settings, tp)
+    try:
+        if settings.tp > 1:
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+            workers = spawn_workers(settings, config_path, init_method)
+            tp = TensorParallel(0, settings.tp, init_method, backend=backend_for(settings),
+                                timeout_s=settings.tp_timeout_s, device=rank_device(settings.device, 0),
+                                peers_gone=lambda: first_exit(workers))
+        engine = build_engine(settings, tp)
+    except BaseException:
+        stop_workers(workers, grace_s=0.0)   # the others would wait for this rank until their limits
+        raise
     group = EngineGroup(engine, tp)
     server, health = new_server([verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name])
     servicer = VerifierServicer(group, settings, metrics)
