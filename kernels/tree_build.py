@@ -341,21 +341,29 @@ def tree_build_triton(
     sort_input = vocab <= SORT_VOCAB_MAX
     if top is not None:
         assert not sort_input, f"top: for vocabularies above {SORT_VOCAB_MAX} tokens"
-        raw, (top_lp, top_tok) = logprobs, top
+        top_lp, top_tok = top
         assert top_lp.shape == top_tok.shape == (num_req, depth, k), (
             f"top: [{num_req}, {depth}, {k}] expected, got {tuple(top_lp.shape)} / {tuple(top_tok.shape)}")
         assert top_lp.dtype == torch.float32 and top_tok.dtype == torch.int64
         top_lp, top_tok = top_lp.contiguous(), top_tok.contiguous()
     elif sort_input:  # the kernel's prologue ranks each row
-        raw = logprobs if logprobs.stride(-1) == 1 else logprobs[:, :depth].contiguous()
         top_lp = torch.empty(num_req, depth, k, dtype=torch.float32, device=device)
         top_tok = torch.empty(num_req, depth, k, dtype=torch.int64, device=device)
     else:
         # Over a 163840-token vocabulary this top-k costs 2.4-3.6 ms at batch 128 on an H200,
         # ~100x the tree itself: the draft service hands over its top-k instead (``top``).
-        raw = logprobs
         top_lp, top_tok = logprobs[:, :depth].float().topk(k, dim=-1)  # [R, De, k] each, descending
         top_lp, top_tok = top_lp.contiguous(), top_tok.contiguous()
+    if sort_input:
+        raw = logprobs if logprobs.stride(-1) == 1 else logprobs[:, :depth].contiguous()
+        raw_strides = (raw.stride(0), raw.stride(1))
+    else:
+        # The kernel does not read raw then. Triton compiles a kernel for each dtype of a pointer
+        # (and alignment, and stride divisible by 16 or equal to 1): the draft's bf16 logits in
+        # raw's place compiled every pads budget anew on its first request, against the float32
+        # of the start-up, stalling the replica for seconds each. So the same float32 tensor and
+        # strides stand there on every launch.
+        raw, raw_strides = top_lp, (0, 0)
     # Every pad is that of pads_budget(budget) (>= budget), so budgets share compiled kernels.
     pads = pads_budget(budget)
     pads_k, pads_depth = min(pads, vocab), min(depth_limit, pads)
@@ -379,7 +387,7 @@ def tree_build_triton(
     if num_warps is None:
         num_warps = tree_build_num_warps(pads, pads_k)
     _tree_build_kernel[(num_req,)](
-        raw, raw.stride(0), raw.stride(1), top_lp, top_tok,
+        raw, *raw_strides, top_lp, top_tok,
         root_tokens.to(device=device, dtype=torch.int64).contiguous(), ci, cj,
         lvl_score, lvl_child, lvl_par, slots, out.tokens, out.parents, out.depths, out.scores, out.sizes,
         n_max, k, depth, budget,

@@ -24,14 +24,13 @@ import grpc
 import torch
 
 from ddtree.v1 import common_pb2, draft_pb2, verifier_pb2
-from kernels.tree_build import warm_up_kernels
 from services.common.devices import current
 from services.common.grpc_server import ServiceError
 from services.common.logging import get_logger
 from services.common.metrics import Metrics
 from services.common.settings import MAX_BUDGET
 from services.draft.proposer import Proposer
-from services.draft.tree import build_trees_from_logits
+from services.draft.tree import build_trees_from_logits, warm_up_tree_builds
 from services.draft.tree_graphs import HostTrees, TreeGraphs, pack_trees, unpack_trees
 from services.draft.verifier_client import VerifierClient
 
@@ -89,15 +88,10 @@ class DraftEngine:
         first request rather than while users wait."""
         if torch.device(device).type != "cuda":
             return   # nothing is compiled or loaded lazily on the CPU path
-        depth = self.proposer.block_size - 1
-        vocab = self.proposer.vocab_size
         # Budgets share tree kernels (kernels/tree_build.pads_budget): compiling them all now means
         # no budget compiles while users wait.
-        warm_up_kernels(depth, vocab, device, MAX_BUDGET)
-        for budget in budgets:
-            for r in batch_sizes:
-                logits = torch.randn(r, depth, vocab, device=device).to(self.proposer.dtype)  # [r, D, V]
-                build_trees_from_logits(logits, budget, torch.zeros(r, dtype=torch.int64, device=device))
+        warm_up_tree_builds(self.proposer.block_size - 1, self.proposer.vocab_size, self.proposer.dtype, device,
+                            MAX_BUDGET, budgets, batch_sizes)
         self.proposer.warm_up(batch_sizes, context_lengths)
         if self.tree_graphs is not None:
             self.tree_graphs.warm_up(budgets)

@@ -20,12 +20,14 @@ GPU path takes each depth's top-k log-probs straight from the logits (``kernels.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-__all__ = ["TreeBatch", "build_tree_heapq", "build_trees", "build_trees_from_logits", "tree_paths", "ancestor_mask"]
+__all__ = ["TreeBatch", "build_tree_heapq", "build_trees", "build_trees_from_logits", "tree_paths", "ancestor_mask",
+           "warm_up_tree_builds"]
 
 MAX_BUDGET = 128
 
@@ -184,6 +186,20 @@ def build_trees_from_logits(logits: Tensor, budget: int, root_tokens: Tensor, *,
             return TreeBatch(out.tokens, out.parents, out.depths, out.scores, out.sizes)
     logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     return build_trees(logprobs, budget, root_tokens, backend=backend, max_depth=max_depth)
+
+
+def warm_up_tree_builds(depth: int, vocab: int, dtype: torch.dtype, device: torch.device | str, max_budget: int,
+                        budgets: Sequence[int], batch_sizes: Sequence[int]) -> None:
+    """Compiles every kernel that building trees from the drafter's ``[R, depth, vocab]`` logits
+    launches, for budgets 1..``max_budget`` (seconds each, on the first request otherwise), and
+    runs ``budgets`` at ``batch_sizes`` once."""
+    from kernels.tree_build import warm_up_kernels   # kernels import this module lazily
+
+    warm_up_kernels(depth, vocab, device, max_budget)
+    for budget in budgets:
+        for r in batch_sizes:
+            logits = torch.randn(r, depth, vocab, device=device).to(dtype)  # [r, D, V]
+            build_trees_from_logits(logits, budget, torch.zeros(r, dtype=torch.int64, device=device))
 
 
 def _backend(scores: Tensor, backend: str | None) -> str:
