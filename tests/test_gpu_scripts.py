@@ -195,3 +195,26 @@ def test_the_bf16_logits_top_k_selects_what_the_served_one_does() -> None:
         kth = logits.float().topk(k, dim=-1).values[:, -1:]
         assert bool((logits.float().gather(-1, got_t) >= kth).all())
         assert all(len(set(row)) == k for row in got_t.tolist())
+
+
+def test_stack_log_summary_finds_the_longest_time_with_no_request_ending() -> None:
+    from bench.stack_log_summary import summarise
+    lines = [
+        "2026-12-03T14:26:11.723077Z [info     ] weights_loaded                 layers=6 path=/srv/x/models/demo "
+        "seconds=0.16 service=verifier",
+        "2026-12-03T14:27:35.000000Z [info     ] request_end                    budget=16 mode=ddtree seconds=0.5 "
+        "service=scheduler",
+        "2026-12-03T14:27:36.000000Z [info     ] request_end                    budget=128 mode=autoregressive "
+        "seconds=35.2 service=scheduler",
+        "2026-12-03T14:27:40.000000Z [info     ] request_refused                code=INVALID_ARGUMENT "
+        "reason='budget must be in 1..128 (got 129)' service=scheduler",
+        "2026-12-03T14:27:59.500000Z [info     ] request_end                    budget=8 mode=ddtree seconds=1.0 "
+        "service=scheduler",
+        "not a log line",
+    ]
+    summary, *events = summarise(lines)
+    assert summary["count"] == 3 and summary["longest_request_s"] == 35.2
+    assert summary["longest_request_mode"] == "autoregressive" and summary["longest_request_budget"] == "128"
+    assert summary["longest_gap_between_ends_s"] == 23.5 and summary["gap_after"] == "2026-12-03T14:27:36.000000Z"
+    assert events == [{"time": "2026-12-03T14:26:11.723077Z", "event": "weights_loaded", "layers": "6",
+                       "path": "models/demo", "seconds": "0.16", "service": "verifier"}]
