@@ -6,7 +6,9 @@ load: a cancel while a long prompt is prefilled in pieces, a deadline in a step 
 budget-128 tree beside an autoregressive request, an abort racing the last token. Each worker sends
 one request after another, each of a kind drawn at random (`KINDS`), and checks the answer against
 the rules the README states for it (finish reason, token count, acceptance lengths, stop strings,
-which error codes may come). After the load, once the scheduler is idle, every gauge that counts
+which error codes may come). No request answered anywhere for longer than ``--max-stall-s`` (5 s)
+during the load is a finding too: right answers can all be late. After the load, once the
+scheduler is idle, every gauge that counts
 something held (KV pages, ring slots, transport peers, running and queued requests, KV reserved) must be back
 where it stood before the load, and the scheduler's request counters must have moved by what the
 clients saw.
@@ -57,6 +59,7 @@ class SoakParams:
     seed: int = 0
     probe_tokens: int = 64
     probe_every_s: float = 2.0     # a probe request is sent this often during the load
+    max_stall_s: float = 5.0       # longer than this with no request answered is a finding (0: not checked)
     kinds: tuple[str, ...] = ()    # the request kinds of the mix (KINDS' weights); () = all
 
 
@@ -104,6 +107,7 @@ class Soak:
         self.finishes: Counter = Counter()   # finish reasons of the requests that ran to an end
         self.seq = 0
         self.also_ran = 0   # second requests of kind duplicate_id that ran (their first had ended)
+        self.answered_at: list[float] = []   # time.monotonic() of every answer, error or not (run_soak's workers)
 
     def _prompt(self, rng: random.Random, n: int) -> list[int]:
         start = rng.randrange(len(self.stream))
@@ -224,6 +228,18 @@ class Soak:
         self.ok[kind] += 1
         self.seconds[kind].append(time.perf_counter() - t0)
 
+    def check_stalls(self, start: float) -> tuple[float, float]:
+        """The longest time from ``start`` (the load's, monotonic) with no request answered, and
+        when it began (seconds into the load); longer than ``max_stall_s`` is a finding. Every
+        answer can be right and still late: a kernel compiled on a request stalled every request
+        of its replica for 23 s, and no per-request check saw it."""
+        times = sorted(t for t in self.answered_at if t >= start)
+        gap, at = max(((b - a, a - start) for a, b in zip([start, *times], times)), default=(0.0, 0.0))
+        if self.p.max_stall_s and gap > self.p.max_stall_s:
+            self._find("all", f"no request was answered for {gap:.1f} s, from {at:.1f} s into the load "
+                              f"(more than {self.p.max_stall_s:g} s: a compile on a request, a blocked loop?)")
+        return round(gap, 3), round(at, 3)
+
     def rows(self) -> list[dict]:
         """One row a kind, and one ("all") for what no one kind broke. `seconds`: the answered
         requests' wall times (a stall, e.g. a kernel compiled on first use, shows in the max)."""
@@ -283,6 +299,7 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
             wrng = random.Random(p.seed * 1000 + i)
             while time.monotonic() < deadline:
                 await soak.one(client, wrng)
+                soak.answered_at.append(time.monotonic())
 
         async def prober() -> None:
             k = 0
@@ -306,6 +323,7 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
 
         await asyncio.gather(*(worker(i) for i in range(p.concurrency)), prober(), progress())
         wall = time.monotonic() - t0
+        stall = soak.check_stalls(t0)
         await _idle(metrics["scheduler"])
         await _probe_all(client, probes, "alone_after")
         await _idle(metrics["scheduler"])   # idle again: what a request held is given back
@@ -329,6 +347,7 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
     state["gpu_memory_allocated_bytes"] = {svc: [before[svc].get("ddtree_gpu_memory_allocated_bytes"),
                                                  after[svc].get("ddtree_gpu_memory_allocated_bytes")] for svc in metrics}
     state["gpu_memory_over_time"] = memory
+    state["longest_time_without_an_answer_s"], state["longest_time_without_an_answer_from_s"] = stall
     # Greedy DDTree against greedy autoregressive decoding of the same prompt, each alone.
     ddtree, ar = probes[0].outputs[0][1], probes[1].outputs[0][1]
     state["greedy_ddtree_equals_autoregressive"] = ddtree == ar
@@ -362,12 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1, help="verifier tensor-parallel ranks")
     ap.add_argument("--draft-replicas", type=int, default=1)
     ap.add_argument("--kinds", nargs="+", default=[], choices=list(KINDS), help="only these request kinds")
+    ap.add_argument("--max-stall-s", type=float, default=SoakParams.max_stall_s,
+                    help="longer than this with no request answered is a finding (0: not checked)")
     ap.add_argument("--commit", default="")
     ap.add_argument("--stack-log", default=None)
     ap.add_argument("--out", default="soak-local.json")
     args = ap.parse_args(argv)
     p = SoakParams(duration_s=args.duration, concurrency=args.concurrency, max_tokens=args.max_tokens,
-                   long_context=args.long_context, seed=args.seed, kinds=tuple(args.kinds))
+                   long_context=args.long_context, seed=args.seed, kinds=tuple(args.kinds), max_stall_s=args.max_stall_s)
     prompts = Path(args.model) / "heldout_prompts.json"
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     stream = load_token_stream(prompts) if prompts.is_file() else _synthetic_stream(vocab, seed=args.seed)

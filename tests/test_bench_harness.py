@@ -200,6 +200,7 @@ def test_split_overhead_end_to_end(tmp_path, ckpt, _side_runs):
 def _soak_cmd(tmp: Path, ckpt: Path) -> list[str]:
     return [sys.executable, "-m", "bench.soak", "--model", str(ckpt), "--duration", "12", "--concurrency", "4",
             "--max-tokens", "24", "--long-context", "160", "--prefill-tokens", "64", "--seed", "3",
+            "--max-stall-s", "60",   # two busy cores run this beside other stacks
             "--commit", "0123abcd", "--stack-log", str(tmp / "stack.log"), "--out", str(tmp / "soak-tiny.json")]
 
 
@@ -221,6 +222,8 @@ def test_soak_end_to_end(tmp_path, ckpt, _side_runs):
     assert reserved == [0.0]   # idle: every ended request's KV given back
     counted, ran = state["requests_counted"]
     assert counted == ran > 0
+    assert 0 < state["longest_time_without_an_answer_s"] < 60
+    assert 0 <= state["longest_time_without_an_answer_from_s"] < 12 + 60
     assert state["greedy_ddtree_equals_autoregressive"]
     for probe in (r for r in doc["rows"] if r["row"] == "probe"):   # float32 on the CPU: the same every time
         assert probe["runs"]["alone"] == 2 and probe["runs"]["alone_after"] == 1, probe
@@ -255,6 +258,26 @@ def test_the_soaks_checks_flag_each_broken_rule() -> None:
     assert check([5, 6, 8, 9], [1, 1, 1], "length", completion_tokens=3)  # usage miscounts
     kw.update(budget=1)
     assert check([5, 6, 8, 9], [3], "length")                            # 3 accepted from a budget-1 tree
+
+
+def test_the_soak_flags_a_time_with_no_request_answered() -> None:
+    """Every answer can be right and late: a kernel compiled on each budget's first request held
+    every request of its replica for 23 s, and the soak reported 0 findings."""
+    from bench.soak import Soak, SoakParams
+
+    def soak(answers: list[float], max_stall_s: float = 5.0) -> tuple[tuple[float, float], list[str]]:
+        s = Soak(SoakParams(max_stall_s=max_stall_s), stream=[1, 2, 3], vocab=100, context_limit=1000,
+                 default_budget=16)
+        s.answered_at = [100.0 + t for t in answers]
+        return s.check_stalls(100.0), s.findings.get("all", [])
+
+    assert soak([0.5, 1.0, 3.0, 4.0]) == ((2.0, 1.0), [])
+    (gap, at), found = soak([0.5, 1.0, 24.0, 25.0])
+    assert (gap, at) == (23.0, 1.0) and found and "23.0 s, from 1.0 s into the load" in found[0]
+    assert soak([7.0, 8.0])[1]                           # nothing answered in the first 7 s
+    assert soak([7.0, 8.0], max_stall_s=0)[1] == []      # 0: not checked
+    assert soak([-3.0, 1.5, 2.0])[0] == (1.5, 0.0)       # answers before the load do not count
+    assert soak([]) == ((0.0, 0.0), [])
 
 
 def test_power_sampler_off_reads_nothing() -> None:
