@@ -2,9 +2,10 @@
 specialisation, since the interpreter compiles nothing.
 
 Triton compiles a kernel for each combination of: a pointer's dtype and whether it is 16-byte
-aligned; whether an integer argument (unless ``do_not_specialize``) equals 1 and is divisible by
-16; the constexprs and launch options. A served launch whose key no start-up launch had compiles
-on a request, and its service stalls for seconds.
+aligned; whether an integer argument (unless ``do_not_specialize``) is divisible by 16, and in
+some versions whether it equals 1 (counted here: the key may split more finely than Triton's, never
+less); the constexprs and launch options. A served launch whose key no start-up launch had
+compiles on a request, and its service stalls for seconds.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ def compile_key(kernel: Any, args: tuple, options: dict[str, Any]) -> tuple:
     for name, value in zip(kernel.arg_names, args):
         if isinstance(value, torch.Tensor):
             key.append((name, value.dtype, value.data_ptr() % 16 == 0))
-        elif isinstance(value, bool) or not isinstance(value, int):
-            key.append((name, value))
-        elif name not in loose:
-            key.append((name, value == 1, value % 16 == 0))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            key.append((name, "int") if name in loose else (name, value == 1, value % 16 == 0))
+        else:   # a float, a bool, None: typed, not specialised on its value
+            key.append((name, type(value).__name__))
     return (*key, *sorted(options.items()))
 
 
