@@ -42,19 +42,19 @@ def _machine_free(value: str) -> str:
 
 def summarise(lines: list[str]) -> list[dict]:
     events = [e for e in map(parse_line, lines) if e is not None]
-    ends = sorted(events_at(e) for e in events if e["event"] == "request_end")
+    ends = sorted(_time_of(e) for e in events if e["event"] == "request_end")
     summary: dict = {"row": "request_ends", "count": len(ends)}
     if ends:
         longest = max((e for e in events if e["event"] == "request_end"), key=lambda e: float(e.get("seconds", 0)))
-        gap, after = max(((b[0] - a[0]).total_seconds(), a[1]) for a, b in zip(ends, ends[1:])) if len(ends) > 1 \
-            else (0.0, ends[0][1])
+        gap, after = max((((b[0] - a[0]).total_seconds(), a[1]) for a, b in zip(ends, ends[1:])),
+                         default=(0.0, ends[0][1]))
         summary.update(longest_request_s=float(longest.get("seconds", 0)), longest_request_mode=longest.get("mode"),
                        longest_request_budget=longest.get("budget"), longest_gap_between_ends_s=round(gap, 3),
                        gap_after=after, first_end=ends[0][1], last_end=ends[-1][1])
     return [summary, *({k: v for k, v in e.items() if k != "level"} for e in events if e["event"] not in PER_REQUEST)]
 
 
-def events_at(event: dict) -> tuple[datetime.datetime, str]:
+def _time_of(event: dict) -> tuple[datetime.datetime, str]:
     return datetime.datetime.fromisoformat(event["time"].rstrip("Z")), event["time"]
 
 
