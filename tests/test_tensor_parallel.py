@@ -323,3 +323,28 @@ def test_a_call_that_fails_on_rank_0_with_ranks_ends_the_group() -> None:
         engine.prefill = lambda items: 1 / 0
         alone.call("prefill", [])
     assert len(reasons) == 2
+
+
+def test_the_verifier_stops_its_start_and_its_other_workers_when_a_worker_exits(monkeypatch) -> None:
+    """`serve` with ranks: a worker that exits before joining fails the start with its rank and
+    code (UNAVAILABLE, which `ddtree serve` prints and exits 3 on), and the workers still running
+    are stopped rather than left waiting for a group that will not form."""
+    from services.common.grpc_server import ServiceError
+    from services.common.settings import VerifierSettings
+    from services.verifier import server
+
+    spawned: list[subprocess.Popen] = []
+
+    def fake_spawn(settings, config_path, init_method):
+        spawned.extend([subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]),
+                        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])])
+        return spawned
+
+    monkeypatch.setattr(server, "spawn_workers", fake_spawn)
+    t0 = time.monotonic()
+    with pytest.raises(ServiceError) as info:
+        asyncio.run(server.serve(VerifierSettings(tp=3, port=0)))
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert info.value.message == "verifier rank 1 exited with code 3 before the verifier group was joined"
+    assert time.monotonic() - t0 < 30
+    assert [p.poll() for p in spawned] == [3, -signal.SIGTERM]
