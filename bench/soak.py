@@ -232,7 +232,9 @@ class Soak:
         """The longest time from ``start`` (the load's, monotonic) with no request answered, and
         when it began (seconds into the load); longer than ``max_stall_s`` is a finding. Every
         answer can be right and still late: a kernel compiled on a request stalled every request
-        of its replica for 23 s, and no per-request check saw it."""
+        of its replica for 23 s, and no per-request check saw it. Answers are not told apart by
+        draft replica, so with several the others' answers can hide one replica's stall (the
+        per-kind ``max`` seconds still show it)."""
         times = sorted(t for t in self.answered_at if t >= start)
         gap, at = max(((b - a, a - start) for a, b in zip([start, *times], times)), default=(0.0, 0.0))
         if self.p.max_stall_s and gap > self.p.max_stall_s:

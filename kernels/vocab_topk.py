@@ -40,7 +40,9 @@ def vocab_topk_reference(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["inner"])   # a depth cap (inner) runs the compiled kernel
+    # A depth cap (inner), and the outer stride a capped view of one request's rows gets (cap x V),
+    # run the kernel the start-up compiled.
+    @triton.jit(do_not_specialize=["stride_outer", "inner"])
     def _row_lse_kernel(x_ptr, stride_outer, stride_inner, inner, vocab, out_ptr, BLOCK: tl.constexpr):
         # Per lane a running max m and sum s of exp(x - m), one exponential an element:
         # exp(-|x - m|) is the new term when x <= m, and the factor that rescales s when x is

@@ -2,10 +2,11 @@
 specialisation, since the interpreter compiles nothing.
 
 Triton compiles a kernel for each combination of: a pointer's dtype and whether it is 16-byte
-aligned; whether an integer argument (unless ``do_not_specialize``) is divisible by 16, and in
-some versions whether it equals 1 (counted here: the key may split more finely than Triton's, never
-less); the constexprs and launch options. A served launch whose key no start-up launch had
-compiles on a request, and its service stalls for seconds.
+aligned; an integer argument's type (32 or 64 bits, by its value) and, unless
+``do_not_specialize``, whether it is divisible by 16 and, in some versions, whether it equals 1
+(counted here: the key may split more finely than Triton's); the constexprs and launch options. A
+served launch whose key no start-up launch had compiles on a request, and its service stalls for
+seconds.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def compile_key(kernel: Any, args: tuple, options: dict[str, Any]) -> tuple:
         if isinstance(value, torch.Tensor):
             key.append((name, value.dtype, value.data_ptr() % 16 == 0))
         elif isinstance(value, int) and not isinstance(value, bool):
-            key.append((name, "int") if name in loose else (name, value == 1, value % 16 == 0))
+            width = "i32" if -2**31 <= value < 2**31 else "i64" if value < 2**63 else "u64"
+            key.append((name, width) if name in loose else (name, width, value == 1, value % 16 == 0))
         else:   # a float, a bool, None: typed, not specialised on its value
             key.append((name, type(value).__name__))
     return (*key, *sorted(options.items()))

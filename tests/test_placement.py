@@ -79,5 +79,5 @@ def test_a_tp_rank_binds_nccl_to_the_gpu_its_model_is_on(monkeypatch) -> None:
     for rank in range(2):
         calls.clear()
         parallel.TensorParallel(rank, 2, "tcp://127.0.0.1:1", backend="nccl", device=rank_device("cuda:4", rank))
-        assert calls == [("store", ("127.0.0.1", 1), rank == 0), ("meet", "joined"),
-                         ("set_device", f"cuda:{4 + rank}"), ("device_id", f"cuda:{4 + rank}")]
+        assert calls == [("set_device", f"cuda:{4 + rank}"), ("store", ("127.0.0.1", 1), rank == 0),
+                         ("meet", "joined"), ("device_id", f"cuda:{4 + rank}")]

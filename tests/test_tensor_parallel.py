@@ -251,7 +251,7 @@ def _rank_0_beside(worker_code: str, port: int, out) -> None:
     from services.verifier.ranks import first_exit
     worker = subprocess.Popen([sys.executable, "-c", worker_code])
     try:
-        TensorParallel(0, 2, f"tcp://127.0.0.1:{port}", timeout_s=1.0, peers_gone=lambda: first_exit([worker])).align()
+        TensorParallel(0, 2, f"tcp://127.0.0.1:{port}", timeout_s=60.0, peers_gone=lambda: first_exit([worker])).align()
         out.put(("started",))
     except ServiceError as exc:
         out.put((exc.code, exc.message))
@@ -260,7 +260,7 @@ def _rank_0_beside(worker_code: str, port: int, out) -> None:
 @pytest.mark.parametrize("stage, worker_code", [
     ("joined", "raise SystemExit(3)"),
     ("loaded", "from services.verifier.parallel import TensorParallel\n"
-               "TensorParallel(1, 2, 'tcp://127.0.0.1:{port}', timeout_s=1.0)\n"
+               "TensorParallel(1, 2, 'tcp://127.0.0.1:{port}', timeout_s=60.0)\n"
                "raise SystemExit(3)"),
 ], ids=["before_joining", "while_loading"])
 def test_a_worker_that_dies_while_the_group_starts_ends_the_start_at_once(stage, worker_code):

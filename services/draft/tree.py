@@ -192,12 +192,13 @@ def warm_up_tree_builds(depth: int, vocab: int, dtype: torch.dtype, device: torc
                         budgets: Sequence[int], batch_sizes: Sequence[int]) -> None:
     """Compiles every kernel that building trees from the drafter's ``[R, depth, vocab]`` logits
     launches, for budgets 1..``max_budget`` (seconds each, on the first request otherwise), and
-    runs ``budgets`` at ``batch_sizes`` once."""
+    runs ``budgets`` at ``batch_sizes`` once (budget 1 at batch 1 where none are given: the
+    log-sum-exp kernel compiles on that first call)."""
     from kernels.tree_build import warm_up_kernels   # kernels import this module lazily
 
     warm_up_kernels(depth, vocab, device, max_budget)
-    for budget in budgets:
-        for r in batch_sizes:
+    for budget in budgets or (1,):
+        for r in batch_sizes or (1,):
             logits = torch.randn(r, depth, vocab, device=device).to(dtype)  # [r, D, V]
             build_trees_from_logits(logits, budget, torch.zeros(r, dtype=torch.int64, device=device))
 

@@ -30,7 +30,7 @@ from services.common.checkpoint import CheckpointError, open_safetensors, tensor
 from services.common.grpc_server import ServiceError
 from services.verifier.config import TargetConfig
 
-__all__ = ["TensorParallel", "load_rank_slice", "split_rule"]
+__all__ = ["TensorParallel", "load_rank_slice", "master_store", "split_rule"]
 
 JOIN_TIMEOUT = datetime.timedelta(minutes=10)   # the longest a worker process may take to start and join
 LOAD_TIMEOUT = datetime.timedelta(hours=6)      # the longest the ranks of a group may take to load, apart
@@ -113,35 +113,45 @@ def load_rank_slice(path: Path, config: TargetConfig, expected: dict[str, tuple[
     return out
 
 
+def master_store(size: int) -> dist.TCPStore:
+    """Rank 0's store, on a port the system picks, made before the workers start (they are given
+    its port): a port found free and bound later could be taken in between, and the workers would
+    then join whatever listens there."""
+    return dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
+
+
 class TensorParallel:
     """This rank's place in the group and the few collectives the verifier needs."""
 
     def __init__(self, rank: int, size: int, init_method: str = "", backend: str = "gloo",
                  timeout_s: float = 60.0, device: str | None = None,
-                 peers_gone: Callable[[], str | None] | None = None) -> None:
-        """``init_method``: ``tcp://host:port`` of rank 0's store. ``timeout_s`` bounds each
-        collective, not the start: the ranks join and load under their own, longer limits. ``device``:
-        this rank's GPU (``rank_device``), which an NCCL communicator is bound to; ``cuda:<rank>``
-        when not given. ``peers_gone`` (rank 0): why a worker is gone, or None; polled while rank 0
-        waits for the others, so a worker that died on the way ends the start at once."""
+                 peers_gone: Callable[[], str | None] | None = None, store: dist.TCPStore | None = None) -> None:
+        """``init_method``: ``tcp://host:port`` of rank 0's store, or ``store`` itself (rank 0:
+        ``master_store``). ``timeout_s`` bounds each collective once the group has formed; the
+        ranks join and load under their own, longer limits. ``device``: this rank's GPU
+        (``rank_device``), which an NCCL communicator is bound to; ``cuda:<rank>`` when not given.
+        ``peers_gone`` (rank 0): why a worker is gone, or None; polled while rank 0 waits for the
+        others to join and to load, so a worker that died then ends the start at once."""
         self.rank = rank
         self.size = size
         self._small = None   # SmallAllReduce, made at the first GPU all-reduce (a collective on every rank)
         self._peers_gone = peers_gone
         self._store: dist.TCPStore | None = None
         if size > 1:
-            where = urlsplit(init_method)
-            self._store = dist.TCPStore(where.hostname, where.port, size, is_master=rank == 0, timeout=JOIN_TIMEOUT,
-                                        wait_for_workers=False)
-            # Worker processes start minutes apart on a busy host (importing torch, initialising a
-            # GPU); `init_process_group` would give them `timeout_s` and end the group.
-            self._meet("joined", JOIN_TIMEOUT)
             kwargs = {}
             if backend == "nccl":   # NCCL binds a communicator to the current device: this rank's GPU
                 gpu = torch.device(device) if device else torch.device("cuda", rank)
-                torch.cuda.set_device(gpu)
+                torch.cuda.set_device(gpu)   # before joining: a GPU that fails here fails before the others wait
                 kwargs["device_id"] = gpu
-            dist.init_process_group(backend, store=self._store, rank=rank, world_size=size,
+            if store is None:
+                where = urlsplit(init_method)
+                store = dist.TCPStore(where.hostname, where.port, size, is_master=rank == 0, timeout=JOIN_TIMEOUT,
+                                      wait_for_workers=False)
+            self._store = store
+            # Worker processes start minutes apart on a busy host (importing torch, initialising a
+            # GPU); `init_process_group` would give them `timeout_s` and end the group.
+            self._meet("joined", JOIN_TIMEOUT)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                     timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
 
     @property

@@ -34,9 +34,8 @@ from services.common.settings import SettingsError, VerifierSettings
 from services.common.transport import TensorReader, TensorWriter, bundle_slot, make_reader, make_writer
 from services.verifier.engine import ItemOutcome, PrefillInput, StepOutcome, VerifierEngine
 from services.verifier.kv_cache import PagedKVCache
-from services.common.launcher import free_port
 from services.verifier.model import TargetModel
-from services.verifier.parallel import TensorParallel
+from services.verifier.parallel import TensorParallel, master_store
 from services.verifier.ranks import (EngineGroup, backend_for, first_exit, rank_device, spawn_workers, stop_workers,
                                      watch_workers)
 from services.verifier.sampling import Sampling
@@ -442,11 +441,11 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     tp = TensorParallel(0, 1)
     try:
         if settings.tp > 1:
-            init_method = f"tcp://127.0.0.1:{free_port()}"
-            workers = spawn_workers(settings, config_path, init_method)
-            tp = TensorParallel(0, settings.tp, init_method, backend=backend_for(settings),
-                                timeout_s=settings.tp_timeout_s, device=rank_device(settings.device, 0),
-                                peers_gone=lambda: first_exit(workers))
+            store = master_store(settings.tp)
+            workers = spawn_workers(settings, config_path, f"tcp://127.0.0.1:{store.port}")
+            tp = TensorParallel(0, settings.tp, backend=backend_for(settings), timeout_s=settings.tp_timeout_s,
+                                device=rank_device(settings.device, 0), peers_gone=lambda: first_exit(workers),
+                                store=store)
         engine = build_engine(settings, tp)
     except BaseException:
         stop_workers(workers, grace_s=0.0)   # the others would wait for this rank until their limits
