@@ -1,0 +1,154 @@
+"""Does a verify step or a prefill compile anything on a request, after the verifier's start-up?
+
+The verifier's start-up (``services.verifier.server.build_engine`` with its default settings:
+warm-up of budgets 0 / 8 / 16 / 32 at batches 1 / 8 / 64) runs first, in this process, on an empty
+Triton cache; then the drafter's feature layers are set, as its handshake does (every captured
+graph is captured again). After it, each call is timed alone (wall clock, synchronised) and the
+Triton cache entries it added are counted and named:
+
+* prefills of one new request at a spread of prompt lengths (each chunk is an eager forward whose
+  fused-MoE and attention launches depend on its token count);
+* a verify step at every (batch bucket, tree-size bucket) of ``VerifyGraphs``, trees of exactly the
+  bucket's node count with random parents and tokens; the first call at a bucket captures its
+  graph (``first_ms``), the second replays it (``second_ms``).
+
+A call that compiles takes seconds and adds entries; one that captures a graph without compiling
+takes tens of milliseconds. ``new_cache_entries`` in the summary row counts what every call after
+the start-up added (0: nothing compiled on a request).
+
+Usage: python -m bench.verify_first_use [--model models/demo] [--out FILE] [--commit SHA]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+CACHE = tempfile.mkdtemp(prefix="triton-cache-")
+os.environ["TRITON_CACHE_DIR"] = CACHE   # before triton's first import: every kernel compiles here
+
+import torch  # noqa: E402
+
+from bench.common import write_result  # noqa: E402
+from services.common.settings import VerifierSettings  # noqa: E402
+from services.verifier.engine import PrefillInput, StepOutcome, VerifierEngine  # noqa: E402
+from services.verifier.graphs import NODE_BUCKETS  # noqa: E402
+from services.verifier.sampling import Sampling  # noqa: E402
+from services.verifier.server import build_engine  # noqa: E402
+
+PROMPT_LENGTHS = (2, 3, 5, 7, 12, 16, 17, 24, 33, 48, 65, 100, 129, 200, 256, 300, 511, 512, 700, 1000)
+RESERVE = 1600   # KV a verify request reserves: its prompt, then a few tokens a step
+
+
+def kernels_in_cache() -> dict[str, str]:
+    """Cache entry -> the kernel it holds (the name of its metadata file)."""
+    names = {}
+    for entry in Path(CACHE).iterdir():
+        meta = [p.stem for p in entry.glob("*.json") if not p.name.startswith("__grp__")]
+        names[entry.name] = meta[0] if meta else "?"
+    return names
+
+
+def timed(fn: Callable[[], StepOutcome]) -> tuple[float, list[str]]:
+    """Wall milliseconds of one synchronised call, and the kernels it added to the cache."""
+    before = kernels_in_cache()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) * 1e3
+    failed = [i.error for i in out.items if i.error is not None]
+    assert not failed, failed[0]
+    after = kernels_in_cache()
+    return ms, sorted(after[k] for k in after.keys() - before.keys())
+
+
+def random_trees(engine: VerifierEngine, rids: list[str], nodes: int, g: torch.Generator):
+    """Flat tokens / parents / depths / sizes of trees of exactly ``nodes`` nodes each."""
+    tokens, parents, depths = [], [], []
+    for rid in rids:
+        par = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, nodes)]
+        dep = [0] * nodes
+        for i in range(1, nodes):
+            dep[i] = dep[par[i]] + 1
+        tok = [engine._requests[rid].pending] + torch.randint(2, engine.vocab_size, (nodes - 1,), generator=g).tolist()
+        tokens += tok
+        parents += par
+        depths += dep
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    return as_t(tokens), as_t(parents), as_t(depths), torch.full((len(rids),), nodes, dtype=torch.int64)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="models/demo")
+    p.add_argument("--out", default="bench/results/verify_first_use.json")
+    p.add_argument("--commit", default=None)
+    args = p.parse_args()
+    settings = VerifierSettings(model_path=args.model, device="cuda", dtype="bfloat16", kv_capacity_tokens=1 << 18)
+    g = torch.Generator().manual_seed(0)
+    rows: list[dict] = []
+
+    t0 = time.perf_counter()
+    engine = build_engine(settings)   # loads, sizes the cache, warms up and captures
+    torch.cuda.synchronize()
+    start_entries = len(kernels_in_cache())
+    rows.append({"row": "startup", "seconds": round(time.perf_counter() - t0, 2), "cache_entries": start_entries,
+                 "graphs": [list(k) for k in engine.graphs.captured] if engine.graphs else []})
+    drafter = Path(args.model) / "drafter" / "config.json"
+    layers = [1, 3, 4]
+    if drafter.exists():
+        layers = json.loads(drafter.read_text())["dflash_config"]["target_layer_ids"]
+    before = kernels_in_cache()
+    t0 = time.perf_counter()
+    engine.set_feature_layers(layers)
+    torch.cuda.synchronize()
+    new = sorted(v for k, v in kernels_in_cache().items() if k not in before)
+    rows.append({"row": "feature_layers", "layers": layers, "ms": round((time.perf_counter() - t0) * 1e3, 1),
+                 "kernels": new})
+    print(rows[0], rows[1], flush=True)
+
+    for n in PROMPT_LENGTHS:
+        if n >= engine.max_context:
+            continue
+        prompt = torch.randint(2, engine.vocab_size, (n,), generator=g).tolist()
+        ms, new = timed(lambda: engine.prefill([PrefillInput("p", prompt, Sampling(), reserve_tokens=n + 1)]))
+        engine.release(["p"])
+        rows.append({"row": "prefill", "tokens": n, "ms": round(ms, 1), "kernels": new})
+        print(rows[-1], flush=True)
+
+    batches = engine.graphs.batch_buckets if engine.graphs else (1,)
+    rids = [f"r{i}" for i in range(max(batches))]
+    prompts = [torch.randint(2, engine.vocab_size, (16,), generator=g).tolist() for _ in rids]
+    timed(lambda: engine.prefill([PrefillInput(r, pr, Sampling(), reserve_tokens=RESERVE) for r, pr in zip(rids, prompts)]))
+    for batch in batches:
+        for nodes in NODE_BUCKETS:
+            times = []
+            for _ in range(2):
+                tree = random_trees(engine, rids[:batch], nodes, g)
+                ms, new = timed(lambda: engine.verify(rids[:batch], *tree))
+                times.append((ms, new))
+            rows.append({"row": "verify", "batch": batch, "nodes": nodes, "first_ms": round(times[0][0], 1),
+                         "second_ms": round(times[1][0], 1), "kernels": times[0][1] + times[1][1]})
+            print(rows[-1], flush=True)
+
+    calls = rows[1:]
+    added = sorted(k for r in calls for k in r["kernels"])
+    slow = max(calls, key=lambda r: r.get("first_ms", r.get("ms", 0)))
+    summary = {"row": "summary", "calls": len(calls), "new_cache_entries": len(kernels_in_cache()) - start_entries,
+               "kernels_compiled": added, "slowest_call": {k: v for k, v in slow.items() if k != "kernels"}}
+    print(summary, flush=True)
+    rows.insert(0, summary)
+    write_result(args.out, args.commit, {"model": args.model, "dtype": "bfloat16",
+                                         "warmup_budgets": list(settings.warmup_budgets),
+                                         "graph_batches": list(settings.graph_batches), "node_buckets": list(NODE_BUCKETS),
+                                         "prompt_lengths": list(PROMPT_LENGTHS), "feature_layers": layers}, rows)
+
+
+if __name__ == "__main__":
+    main()
