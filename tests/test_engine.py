@@ -229,6 +229,28 @@ def test_warm_up_runs_every_bucket_and_leaves_no_state(target: Target) -> None:
     assert {(1, 1), (4, 9)} <= set(graphs._buckets) and graphs.batch_buckets == tuple(BATCH_BUCKETS)
 
 
+def test_compile_buckets_runs_every_bucket_not_captured(target: Target, monkeypatch) -> None:
+    """The start-up runs the padded forward of each bucket that no warm-up captured, so that its
+    kernels compile then and not on a request; on all-padding inputs, the cache untouched."""
+    engine = make_engine(target.model, shuffle_seed=None)
+    graphs = engine.enable_graphs(capture=False, batch_buckets=(1, 2), node_buckets=(1, 3, 5))
+    graphs._bucket(2, 3).graph = object()   # stands for a captured bucket
+    ran: list[tuple[int, int]] = []
+    forward = graphs._forward
+
+    def spy(b):
+        out = forward(b)
+        assert torch.isfinite(out.logits).all() and out.logits.shape[0] == b.batch * b.nodes
+        ran.append((b.batch, b.nodes))
+        return out
+
+    monkeypatch.setattr(graphs, "_forward", spy)
+    free0 = engine.cache.pages_free
+    assert graphs.compile_buckets() == 5
+    assert sorted(ran) == [(1, 1), (1, 3), (1, 5), (2, 1), (2, 5)]
+    assert engine.cache.pages_free == free0 and engine.active_requests == 0
+
+
 # ============================================================================== 2. chunked prefill
 
 

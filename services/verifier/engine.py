@@ -129,6 +129,8 @@ class VerifierEngine:
                 depths = torch.arange(n).repeat(len(live))
                 self.verify(live, tokens, parents, depths, torch.full((len(live),), n))
         self.release(rids)
+        if self.graphs is not None and self.graphs.capture:   # the CPU compiles nothing
+            self.graphs.compile_buckets()
 
     def take_commit_ms(self) -> float | None:
         """The last verify's KV write time, once (None where no verify committed since): a step

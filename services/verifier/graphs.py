@@ -122,6 +122,28 @@ class VerifyGraphs:
             return None
         return self.batch_buckets[b], self.node_buckets[t]
 
+    def compile_buckets(self) -> int:
+        """Runs the padded forward of every bucket not yet captured once, eagerly, on its all-padding
+        inputs; returns how many ran. Why: a bucket's kernels (fused-MoE configs by token count,
+        tile sizes by rows) compile on their first launch, seconds each, and a bucket first used
+        by a request would make that request and every other of the replica wait. Its launches
+        depend on the bucket's shapes only, never on the inputs' values (a capture could not
+        hold them otherwise), so this compiles what its capture will launch. The graphs are still
+        captured on first use: a capture keeps its outputs, and the logits of every bucket would
+        take gigabytes; a capture without compiles takes tens of milliseconds."""
+        t0, ran = time.perf_counter(), 0
+        with current(self.device):
+            for batch in self.batch_buckets:
+                for nodes in self.node_buckets:
+                    b = self._bucket(batch, nodes)
+                    if b.graph is None:
+                        self._forward(b)
+                        ran += 1
+            if self.capture:
+                torch.cuda.empty_cache()   # the eager activations' blocks; captures draw on their own pool
+        log.info("graph_buckets_compiled", buckets=ran, seconds=round(time.perf_counter() - t0, 2))
+        return ran
+
     @property
     def captured(self) -> list[tuple[int, int]]:
         return sorted(k for k, b in self._buckets.items() if b.graph is not None)
