@@ -6,8 +6,9 @@ Triton cache; then the drafter's feature layers are set, as its handshake does (
 graph is captured again). After it, each call is timed alone (wall clock, synchronised) and the
 Triton cache entries it added are counted and named:
 
-* prefills of one new request at a spread of prompt lengths (each chunk is an eager forward whose
-  fused-MoE and attention launches depend on its token count);
+* prefills of one new request at a spread of prompt lengths, each with a short and a long KV
+  reservation (each chunk is an eager forward whose fused-MoE launches depend on its token count,
+  and whose attention splits depend on the width of the request's page table);
 * a verify step at every (batch bucket, tree-size bucket) of ``VerifyGraphs``, trees of exactly the
   bucket's node count with random parents and tokens; the first call at a bucket captures its
   graph (``first_ms``), the second replays it (``second_ms``).
@@ -16,7 +17,11 @@ A call that compiles takes seconds and adds entries; one that captures a graph w
 takes tens of milliseconds. ``new_cache_entries`` in the summary row counts what every call after
 the start-up added (0: nothing compiled on a request).
 
-Usage: python -m bench.verify_first_use [--model models/demo] [--out FILE] [--commit SHA]
+``--k2-layers N`` runs the Kimi-K2 TP8 per-rank slice of ``bench/k2_slice.py`` (random INT4
+experts, N layers, the model's 131072-token context) instead of a checkpoint, warmed up as
+``build_engine`` warms a loaded model.
+
+Usage: python -m bench.verify_first_use [--model models/demo | --k2-layers 3] [--out FILE] [--commit SHA]
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from services.verifier.server import build_engine  # noqa: E402
 
 PROMPT_LENGTHS = (2, 3, 5, 7, 12, 16, 17, 24, 33, 48, 65, 100, 129, 200, 256, 300, 511, 512, 700, 1000)
 RESERVE = 1600   # KV a verify request reserves: its prompt, then a few tokens a step
+PREFILL_RESERVES = (1, 1024)   # tokens a prefill reserves past its prompt (max_tokens)
 
 
 def kernels_in_cache() -> dict[str, str]:
@@ -84,9 +90,27 @@ def random_trees(engine: VerifierEngine, rids: list[str], nodes: int, g: torch.G
     return as_t(tokens), as_t(parents), as_t(depths), torch.full((len(rids),), nodes, dtype=torch.int64)
 
 
+def k2_slice_engine(layers: int, settings: VerifierSettings) -> tuple[VerifierEngine, list[int]]:
+    """The K2 per-rank slice as ``build_engine`` would serve it, and feature layers it holds."""
+    from bench.k2_slice import K2_CONFIG, TP, build_model, per_rank_config
+    from services.verifier.kv_cache import PagedKVCache
+    from services.verifier.config import TargetConfig
+
+    config = TargetConfig.from_hf(per_rank_config(K2_CONFIG, TP, layers), source="k2-slice config")
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    model = build_model(config, dtype, device, seed=0)
+    cache = PagedKVCache(layers, settings.kv_capacity_tokens // settings.page_size, settings.page_size, config.kv_dim,
+                         dtype, device)
+    engine = VerifierEngine(model, cache, max_context=config.max_position_embeddings, prefill_chunk=settings.prefill_chunk)
+    engine.enable_graphs(batch_buckets=settings.graph_batches)
+    engine.warm_up(settings.warmup_budgets)
+    return engine, list(range(min(3, layers)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="models/demo")
+    p.add_argument("--k2-layers", type=int, default=0, help="run the K2 TP8 slice with this many layers")
     p.add_argument("--out", default="bench/results/verify_first_use.json")
     p.add_argument("--commit", default=None)
     args = p.parse_args()
@@ -95,15 +119,16 @@ def main() -> None:
     rows: list[dict] = []
 
     t0 = time.perf_counter()
-    engine = build_engine(settings)   # loads, sizes the cache, warms up and captures
+    if args.k2_layers:
+        engine, layers = k2_slice_engine(args.k2_layers, settings)
+    else:
+        engine = build_engine(settings)   # loads, sizes the cache, warms up and captures
+        drafter = json.loads((Path(args.model) / "drafter" / "config.json").read_text())
+        layers = drafter["dflash_config"]["target_layer_ids"]
     torch.cuda.synchronize()
     start_entries = len(kernels_in_cache())
     rows.append({"row": "startup", "seconds": round(time.perf_counter() - t0, 2), "cache_entries": start_entries,
                  "graphs": [list(k) for k in engine.graphs.captured] if engine.graphs else []})
-    drafter = Path(args.model) / "drafter" / "config.json"
-    layers = [1, 3, 4]
-    if drafter.exists():
-        layers = json.loads(drafter.read_text())["dflash_config"]["target_layer_ids"]
     before = kernels_in_cache()
     t0 = time.perf_counter()
     engine.set_feature_layers(layers)
@@ -113,21 +138,23 @@ def main() -> None:
                  "kernels": new})
     print(rows[0], rows[1], flush=True)
 
-    for n in PROMPT_LENGTHS:
-        if n >= engine.max_context:
-            continue
-        prompt = torch.randint(2, engine.vocab_size, (n,), generator=g).tolist()
-        ms, new = timed(lambda: engine.prefill([PrefillInput("p", prompt, Sampling(), reserve_tokens=n + 1)]))
-        engine.release(["p"])
-        rows.append({"row": "prefill", "tokens": n, "ms": round(ms, 1), "kernels": new})
-        print(rows[-1], flush=True)
+    for extra in PREFILL_RESERVES:
+        for n in PROMPT_LENGTHS:
+            if n + extra > engine.max_context:
+                continue
+            prompt = torch.randint(2, engine.vocab_size, (n,), generator=g).tolist()
+            ms, new = timed(lambda: engine.prefill([PrefillInput("p", prompt, Sampling(), reserve_tokens=n + extra)]))
+            engine.release(["p"])
+            rows.append({"row": "prefill", "tokens": n, "reserve": n + extra, "ms": round(ms, 1), "kernels": new})
+            print(rows[-1], flush=True)
 
     batches = engine.graphs.batch_buckets if engine.graphs else (1,)
+    node_buckets = engine.graphs.node_buckets if engine.graphs else NODE_BUCKETS
     rids = [f"r{i}" for i in range(max(batches))]
     prompts = [torch.randint(2, engine.vocab_size, (16,), generator=g).tolist() for _ in rids]
     timed(lambda: engine.prefill([PrefillInput(r, pr, Sampling(), reserve_tokens=RESERVE) for r, pr in zip(rids, prompts)]))
     for batch in batches:
-        for nodes in NODE_BUCKETS:
+        for nodes in node_buckets:
             times = []
             for _ in range(2):
                 tree = random_trees(engine, rids[:batch], nodes, g)
@@ -144,9 +171,11 @@ def main() -> None:
                "kernels_compiled": added, "slowest_call": {k: v for k, v in slow.items() if k != "kernels"}}
     print(summary, flush=True)
     rows.insert(0, summary)
-    write_result(args.out, args.commit, {"model": args.model, "dtype": "bfloat16",
+    write_result(args.out, args.commit, {"model": f"k2-slice, {args.k2_layers} layers" if args.k2_layers else args.model,
+                                         "dtype": "bfloat16", "max_context": engine.max_context,
+                                         "prefill_reserves": list(PREFILL_RESERVES),
                                          "warmup_budgets": list(settings.warmup_budgets),
-                                         "graph_batches": list(settings.graph_batches), "node_buckets": list(NODE_BUCKETS),
+                                         "graph_batches": list(settings.graph_batches), "node_buckets": list(node_buckets),
                                          "prompt_lengths": list(PROMPT_LENGTHS), "feature_layers": layers}, rows)
 
 
