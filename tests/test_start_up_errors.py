@@ -230,6 +230,33 @@ def test_a_kv_cache_larger_than_memory_names_the_setting(tmp_path) -> None:
         build_engine(settings)
 
 
+def test_a_warm_up_out_of_gpu_memory_names_the_settings(tmp_path, monkeypatch) -> None:
+    """The warm-up runs the largest graph bucket's step: a GPU without room for it beside the KV
+    cache fails the start naming what to lower, not with a traceback (the CPU runs no warm-up, so
+    the engine's warm-up raises here as CUDA's allocator would)."""
+    import torch
+
+    from services.common.make_checkpoint import make_random_checkpoint
+    from services.common.settings import VerifierSettings
+    from services.verifier import server
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", vocab_size=512, seed=0)
+    settings = VerifierSettings(model_path=str(ckpt), max_context=512, kv_capacity_tokens=4096, graph_batches=(1, 32))
+    engine = server.build_engine(settings)
+    engine.enable_graphs(capture=False, batch_buckets=settings.graph_batches)
+
+    def out_of_memory(budgets) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore text")
+
+    monkeypatch.setattr(engine, "warm_up", out_of_memory)
+    with pytest.raises(SettingsError, match=r"lower verifier\.kv_capacity_tokens, or the largest of verifier\.graph_batches "
+                                            r"\(32\): the warm-up runs its steps of up to 129 nodes a request "
+                                            r"\(CUDA out of memory\. Tried to allocate 2\.00 GiB\)$"):
+        server.warm_up(engine, settings)
+    engine.graphs = None   # eager verify: only the KV cache to lower
+    with pytest.raises(SettingsError, match=r"a KV cache of 4096 tokens: lower verifier\.kv_capacity_tokens \(CUDA"):
+        server.warm_up(engine, settings)
+
+
 def test_an_ipv6_host_is_listened_on_in_brackets() -> None:
     """`host = "::"` reached gRPC as ":::PORT", refused as a port in use."""
     from services.common.grpc_server import host_port, listen

@@ -424,11 +424,27 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
         log.warning("cuda_graphs_off", reason="MoE experts run the torch loop (needs INT4 experts and a "
                     "bfloat16/float16 dtype for the fused kernel); verify runs eagerly")
     if model.device.type == "cuda" and settings.warmup_budgets:
-        t0 = time.perf_counter()
-        engine.warm_up(settings.warmup_budgets)
-        log.info("verifier_warm", budgets=list(settings.warmup_budgets), seconds=round(time.perf_counter() - t0, 2),
-                 graphs=len(engine.graphs.captured) if engine.graphs is not None else 0)
+        warm_up(engine, settings)
     return engine
+
+
+def warm_up(engine: VerifierEngine, settings: VerifierSettings) -> None:
+    """The start-up's compiles and captures. It runs the largest step the graph buckets allow, so
+    a GPU without room for it beside the weights and the KV cache fails the start with the
+    settings to change, rather than the first large batch mid-serving with a traceback."""
+    t0 = time.perf_counter()
+    try:
+        engine.warm_up(settings.warmup_budgets)
+    except torch.OutOfMemoryError as exc:
+        graphs = engine.graphs
+        also = (f", or the largest of verifier.graph_batches ({graphs.batch_buckets[-1]}): the warm-up runs its "
+                f"steps of up to {graphs.node_buckets[-1]} nodes a request" if graphs is not None and graphs.batch_buckets else "")
+        raise SettingsError(
+            f"the verifier's warm-up ran out of GPU memory beside the weights and a KV cache of "
+            f"{settings.kv_capacity_tokens} tokens: lower verifier.kv_capacity_tokens{also} "
+            f"({str(exc).splitlines()[0][:120]})") from None
+    log.info("verifier_warm", budgets=list(settings.warmup_budgets), seconds=round(time.perf_counter() - t0, 2),
+             graphs=len(engine.graphs.captured) if engine.graphs is not None else 0)
 
 
 async def serve(settings: VerifierSettings, config_path: str | None = None) -> None:
