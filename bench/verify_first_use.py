@@ -128,6 +128,9 @@ def main() -> None:
     torch.cuda.synchronize()
     start_entries = len(kernels_in_cache())
     rows.append({"row": "startup", "seconds": round(time.perf_counter() - t0, 2), "cache_entries": start_entries,
+                 "gpu_gb_allocated": round(torch.cuda.memory_allocated() / 1e9, 3),
+                 "gpu_gb_reserved": round(torch.cuda.memory_reserved() / 1e9, 3),
+                 "gpu_gb_peak": round(torch.cuda.max_memory_allocated() / 1e9, 3),
                  "graphs": [list(k) for k in engine.graphs.captured] if engine.graphs else []})
     before = kernels_in_cache()
     t0 = time.perf_counter()
