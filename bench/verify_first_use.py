@@ -174,7 +174,8 @@ def main() -> None:
                "kernels_compiled": added, "slowest_call": {k: v for k, v in slow.items() if k != "kernels"}}
     print(summary, flush=True)
     rows.insert(0, summary)
-    write_result(args.out, args.commit, {"model": f"k2-slice, {args.k2_layers} layers" if args.k2_layers else args.model,
+    model = "/".join(Path(args.model).parts[-2:])   # a machine's checkout path is no parameter of the run
+    write_result(args.out, args.commit, {"model": f"k2-slice, {args.k2_layers} layers" if args.k2_layers else model,
                                          "dtype": "bfloat16", "max_context": engine.max_context,
                                          "prefill_reserves": list(PREFILL_RESERVES),
                                          "warmup_budgets": list(settings.warmup_budgets),
