@@ -37,6 +37,7 @@ cause; this one serves other GPUs.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,7 @@ __all__ = [
     "tree_mla_triton",
     "tree_mla_reference",
     "fit_shared_memory",
+    "warm_up_merges",
 ]
 
 
@@ -670,6 +672,33 @@ def merge_splits(o_part: Tensor, lse_part: Tensor, out: Tensor, num_splits: int,
         D_CHUNKS=d_chunks, SPLIT_BLOCK=split_block, PDL=use_pdl, num_warps=4,
         launch_pdl=early,
     )
+
+
+def merge_launch_shapes(kvr: int, dv_splits: int) -> list[tuple[int, int]]:
+    """Every ``(d_chunks, split_block)`` that ``merge_plan`` can give at these dims."""
+    chunks = [1]
+    while kvr // dv_splits // (2 * chunks[-1]) >= 64:
+        chunks.append(2 * chunks[-1])
+    return [(d, block) for d in chunks for block in (2, 4, 8)]
+
+
+def warm_up_merges(kvr: int, dtype: torch.dtype, device: torch.device | str, dv_splits: Sequence[int] = (1,)) -> int:
+    """Compiles the merge for every launch shape it can take at these dims, launched early and
+    after a full GPU; returns the launches. Why: a prefill runs eagerly at any length and page
+    table width, so it can meet a launch shape that no graph bucket of the start-up ran, and would
+    compile it (a few hundred milliseconds) while the replica's requests wait."""
+    out = torch.empty(1, 1, kvr, dtype=dtype, device=device)
+    launches = 0
+    for dv in dv_splits:
+        for d_chunks, block in merge_launch_shapes(kvr, dv):
+            o_part, lse_part = split_partials(out, block, dv)
+            o_part.normal_()
+            lse_part.normal_()
+            for after_ctas in (None, 1 << 30):   # early, and after a split launch of many waves
+                merge_splits(o_part, lse_part, out, block, dv, d_chunks=d_chunks, split_block=block,
+                             after_ctas=after_ctas)
+                launches += 1
+    return launches
 
 
 def check_operands(

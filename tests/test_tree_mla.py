@@ -249,6 +249,36 @@ def test_merge_plan_fills_the_gpu_and_keeps_64_dims() -> None:
     assert tm.merge_plan(72, 512, 13, 2, 132) == (4, 8)
 
 
+@pytest.mark.parametrize("kvr", [512, 128])
+def test_the_merge_warm_up_compiles_every_launch_a_prefill_can_make(kvr: int, monkeypatch) -> None:
+    """``warm_up_merges`` (the verifier's start-up) launches every compile key that the merge of
+    any step can: any rows (a prefill's length x heads), any split count (its page table's width),
+    launched early or not, PDL on or off."""
+    from tests.launch_keys import Recorder
+    recorder = Recorder(tm._tree_mla_merge_kernel)
+    monkeypatch.setattr(tm, "_tree_mla_merge_kernel", recorder)
+    gen = torch.Generator().manual_seed(kvr)
+    for pdl_on in (False, True):
+        monkeypatch.setattr(tm.pdl, "enabled", lambda device: pdl_on)
+        recorder.keys.clear()
+        assert tm.warm_up_merges(kvr, torch.bfloat16, "cpu", dv_splits=(1, 2)) == 2 * len(
+            tm.merge_launch_shapes(kvr, 1) + tm.merge_launch_shapes(kvr, 2))
+        warm = set(recorder.keys)
+        recorder.keys.clear()
+        for _ in range(60):
+            rows = int(torch.randint(1, 5000, (1,), generator=gen))
+            splits = int(torch.randint(2, 40, (1,), generator=gen))
+            dv = int(torch.randint(1, 3, (1,), generator=gen))
+            after = [None, int(torch.randint(1, 400, (1,), generator=gen))][int(torch.randint(0, 2, (1,), generator=gen))]
+            out = torch.empty(rows, 1, kvr, dtype=torch.bfloat16)
+            o_part, lse_part = tm.split_partials(out, splits, dv)
+            tm.merge_splits(o_part, lse_part, out, splits, dv, after_ctas=after)
+        served = set(recorder.keys)
+        assert served <= warm, served - warm
+        if pdl_on:   # both launch orders were served, and the warm-up told them apart
+            assert {dict(k[5:])["launch_pdl"] for k in served} == {True, False}   # after the 5 arguments
+
+
 def test_ancestor_bits_round_trip() -> None:
     gen = torch.Generator().manual_seed(0)
     for n in (1, 31, 32, 33, 64, 129):

@@ -16,7 +16,8 @@ import grpc
 import numpy as np
 import torch
 
-from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata
+from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata, warm_up_merges
+from kernels.tree_mla_hopper import hopper_available
 from services.common.grpc_server import ServiceError
 from services.draft.tree import ancestor_mask
 from services.verifier.acceptance import accept
@@ -131,6 +132,9 @@ class VerifierEngine:
         self.release(rids)
         if self.graphs is not None and self.graphs.capture:   # the CPU compiles nothing
             self.graphs.compile_buckets()
+        if self.model_device.type == "cuda":   # prefills meet merge launches no bucket ran
+            warm_up_merges(self.model.config.kv_lora_rank, self.model.dtype, self.model_device,
+                           dv_splits=(1,) if hopper_available(self.model_device) else (1, 2))
 
     def take_commit_ms(self) -> float | None:
         """The last verify's KV write time, once (None where no verify committed since): a step
