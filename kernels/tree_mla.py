@@ -45,7 +45,7 @@ from torch import Tensor
 
 from kernels import pdl
 from kernels.device import on_input_device
-from kernels.tree_mla_hopper import hopper_available, tree_mla_hopper, unsupported_reason
+from kernels.tree_mla_hopper import SUPPORTED_DIMS, hopper_available, tree_mla_hopper, unsupported_reason
 
 try:  # Triton is optional: the CPU engine and its tests run on the reference alone.
     import triton
@@ -67,6 +67,7 @@ __all__ = [
     "tree_mla_triton",
     "tree_mla_reference",
     "fit_shared_memory",
+    "served_dv_splits",
     "warm_up_merges",
 ]
 
@@ -682,6 +683,17 @@ def merge_launch_shapes(kvr: int, dv_splits: int) -> list[tuple[int, int]]:
     return [(d, block) for d in chunks for block in (2, 4, 8)]
 
 
+def served_dv_splits(kvr: int, rope: int, dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
+    """The value-dim splits the merges of the backend ``tree_mla`` serves at these dims can take:
+    the Gluon kernel's 1, the Triton kernel's 1 or 2 (``default_config``), none for the reference."""
+    forced = os.environ.get(BACKEND_ENV)
+    if forced == "reference" or device.type != "cuda" or triton is None:
+        return ()
+    hopper = forced == "hopper" or (forced is None and hopper_available(device)
+                                    and dtype in (torch.bfloat16, torch.float16) and (kvr, rope) in SUPPORTED_DIMS)
+    return (1,) if hopper else (1, 2)
+
+
 def warm_up_merges(kvr: int, dtype: torch.dtype, device: torch.device | str, dv_splits: Sequence[int] = (1,)) -> int:
     """Compiles the merge for every launch shape it can take at these dims, launched early and
     after a full GPU; returns the launches. Why: a prefill runs eagerly at any length and page
@@ -692,8 +704,8 @@ def warm_up_merges(kvr: int, dtype: torch.dtype, device: torch.device | str, dv_
     for dv in dv_splits:
         for d_chunks, block in merge_launch_shapes(kvr, dv):
             o_part, lse_part = split_partials(out, block, dv)
-            o_part.normal_()
-            lse_part.normal_()
+            o_part.zero_()
+            lse_part.zero_()
             for after_ctas in (None, 1 << 30):   # early, and after a split launch of many waves
                 merge_splits(o_part, lse_part, out, block, dv, d_chunks=d_chunks, split_block=block,
                              after_ctas=after_ctas)

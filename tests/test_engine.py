@@ -229,7 +229,7 @@ def test_warm_up_runs_every_bucket_and_leaves_no_state(target: Target) -> None:
     assert {(1, 1), (4, 9)} <= set(graphs._buckets) and graphs.batch_buckets == tuple(BATCH_BUCKETS)
 
 
-def test_compile_buckets_runs_every_bucket_not_captured(target: Target, monkeypatch) -> None:
+def test_compile_buckets_runs_every_bucket_not_captured(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
     """The start-up runs the padded forward of each bucket that no warm-up captured, so that its
     kernels compile then and not on a request; on all-padding inputs, the cache untouched."""
     engine = make_engine(target.model, shuffle_seed=None)
@@ -238,7 +238,7 @@ def test_compile_buckets_runs_every_bucket_not_captured(target: Target, monkeypa
     ran: list[tuple[int, int]] = []
     forward = graphs._forward
 
-    def spy(b):
+    def spy(b: object) -> object:
         out = forward(b)
         assert torch.isfinite(out.logits).all() and out.logits.shape[0] == b.batch * b.nodes
         ran.append((b.batch, b.nodes))
@@ -249,6 +249,27 @@ def test_compile_buckets_runs_every_bucket_not_captured(target: Target, monkeypa
     assert graphs.compile_buckets() == 5
     assert sorted(ran) == [(1, 1), (1, 3), (1, 5), (2, 1), (2, 5)]
     assert engine.cache.pages_free == free0 and engine.active_requests == 0
+
+
+def test_the_warm_up_ends_compiling_what_requests_could_still_launch(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``warm_up`` ends in ``compile_the_rest``: every bucket not captured where graphs capture,
+    and the merges of the attention backend the model's dims and dtype get, on the model's GPU.
+    The CPU runs neither kernel, so the calls are recorded here, not made."""
+    import services.verifier.engine as engine_mod
+    engine = make_engine(target.model, shuffle_seed=None)
+    graphs = engine.enable_graphs(capture=False, batch_buckets=(1, 2))
+    calls: list[tuple] = []
+    monkeypatch.setattr(graphs, "compile_buckets", lambda: calls.append(("buckets",)) or 0)
+    monkeypatch.setattr(engine_mod, "warm_up_merges",
+                        lambda kvr, dtype, device, dv_splits: calls.append(("merges", kvr, dtype, device.type, dv_splits)))
+    monkeypatch.setattr(engine_mod, "served_dv_splits", lambda kvr, rope, dtype, device: (kvr, rope))
+    engine.warm_up([0, 4], batches=(1,))
+    c = target.model.config
+    assert calls == [("merges", c.kv_lora_rank, target.model.dtype, "cpu", (c.kv_lora_rank, c.qk_rope_head_dim))]
+    calls.clear()
+    graphs.capture = True   # as on a GPU: buckets compile too
+    engine.compile_the_rest()
+    assert calls[0] == ("buckets",) and calls[1][0] == "merges" and len(calls) == 2
 
 
 # ============================================================================== 2. chunked prefill

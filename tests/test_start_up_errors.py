@@ -248,12 +248,12 @@ def test_a_warm_up_out_of_gpu_memory_names_the_settings(tmp_path, monkeypatch) -
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore text")
 
     monkeypatch.setattr(engine, "warm_up", out_of_memory)
-    with pytest.raises(SettingsError, match=r"lower verifier\.kv_capacity_tokens, or the largest of verifier\.graph_batches "
-                                            r"\(32\): the warm-up runs its steps of up to 129 nodes a request "
-                                            r"\(CUDA out of memory\. Tried to allocate 2\.00 GiB\)$"):
+    with pytest.raises(SettingsError, match=r"lower verifier\.kv_capacity_tokens or drop the largest entry of "
+                                            r"verifier\.graph_batches \(32: the warm-up runs 32 trees of 129 nodes\)\. "
+                                            r"CUDA out of memory\. Tried to allocate 2\.00 GiB$"):
         server.warm_up(engine, settings)
     engine.graphs = None   # eager verify: only the KV cache to lower
-    with pytest.raises(SettingsError, match=r"a KV cache of 4096 tokens: lower verifier\.kv_capacity_tokens \(CUDA"):
+    with pytest.raises(SettingsError, match=r"a KV cache of 4096 tokens: lower verifier\.kv_capacity_tokens\. CUDA"):
         server.warm_up(engine, settings)
 
 

@@ -250,33 +250,50 @@ def test_merge_plan_fills_the_gpu_and_keeps_64_dims() -> None:
 
 
 @pytest.mark.parametrize("kvr", [512, 128])
-def test_the_merge_warm_up_compiles_every_launch_a_prefill_can_make(kvr: int, monkeypatch) -> None:
-    """``warm_up_merges`` (the verifier's start-up) launches every compile key that the merge of
-    any step can: any rows (a prefill's length x heads), any split count (its page table's width),
-    launched early or not, PDL on or off."""
+def test_the_merge_warm_up_compiles_every_launch_a_prefill_can_make(kvr: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``warm_up_merges`` (the verifier's start-up) launches exactly the compile keys that the merge
+    of any step can: rows from one to thousands (a prefill's length x heads: every value-dim cut),
+    any split count (its page table's width), one or two value-dim splits, launched early or after
+    a full GPU, with PDL on and off."""
     from tests.launch_keys import Recorder
     recorder = Recorder(tm._tree_mla_merge_kernel)
     monkeypatch.setattr(tm, "_tree_mla_merge_kernel", recorder)
-    gen = torch.Generator().manual_seed(kvr)
     for pdl_on in (False, True):
         monkeypatch.setattr(tm.pdl, "enabled", lambda device: pdl_on)
         recorder.keys.clear()
-        assert tm.warm_up_merges(kvr, torch.bfloat16, "cpu", dv_splits=(1, 2)) == 2 * len(
-            tm.merge_launch_shapes(kvr, 1) + tm.merge_launch_shapes(kvr, 2))
+        launches = tm.warm_up_merges(kvr, torch.bfloat16, "cpu", dv_splits=(1, 2))
+        assert launches == 2 * len(tm.merge_launch_shapes(kvr, 1) + tm.merge_launch_shapes(kvr, 2))
         warm = set(recorder.keys)
         recorder.keys.clear()
-        for _ in range(60):
-            rows = int(torch.randint(1, 5000, (1,), generator=gen))
-            splits = int(torch.randint(2, 40, (1,), generator=gen))
-            dv = int(torch.randint(1, 3, (1,), generator=gen))
-            after = [None, int(torch.randint(1, 400, (1,), generator=gen))][int(torch.randint(0, 2, (1,), generator=gen))]
+        for rows in (1, 16, 100, 640, 1100, 1600, 2200, 3200, 9000):
             out = torch.empty(rows, 1, kvr, dtype=torch.bfloat16)
-            o_part, lse_part = tm.split_partials(out, splits, dv)
-            tm.merge_splits(o_part, lse_part, out, splits, dv, after_ctas=after)
+            for splits in (2, 3, 4, 5, 8, 16, 33):
+                for dv in (1, 2):
+                    o_part, lse_part = tm.split_partials(out, splits, dv)
+                    for after in (None, 8, 1 << 30):
+                        tm.merge_splits(o_part, lse_part, out, splits, dv, after_ctas=after)
         served = set(recorder.keys)
-        assert served <= warm, served - warm
-        if pdl_on:   # both launch orders were served, and the warm-up told them apart
-            assert {dict(k[5:])["launch_pdl"] for k in served} == {True, False}   # after the 5 arguments
+        assert served == warm, (served - warm, warm - served)
+        assert {dict(k[5:])["launch_pdl"] for k in served} == ({True, False} if pdl_on else {False})   # after the 5 arguments
+
+
+def test_the_merge_warm_up_follows_the_served_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gluon kernel's merges take one value-dim split, the Triton kernel's one or two; the
+    reference and the CPU launch none."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(tm, "hopper_available", lambda device: True)
+    monkeypatch.delenv(tm.BACKEND_ENV, raising=False)
+    assert tm.served_dv_splits(512, 64, torch.bfloat16, cuda) == (1,)
+    assert tm.served_dv_splits(512, 64, torch.float32, cuda) == (1, 2)   # float32 runs the Triton kernel
+    assert tm.served_dv_splits(256, 64, torch.bfloat16, cuda) == (1, 2)   # dims the Gluon kernel lacks
+    assert tm.served_dv_splits(512, 64, torch.bfloat16, torch.device("cpu")) == ()
+    monkeypatch.setenv(tm.BACKEND_ENV, "triton")
+    assert tm.served_dv_splits(512, 64, torch.bfloat16, cuda) == (1, 2)
+    monkeypatch.setenv(tm.BACKEND_ENV, "reference")
+    assert tm.served_dv_splits(512, 64, torch.bfloat16, cuda) == ()
+    monkeypatch.setattr(tm, "hopper_available", lambda device: False)
+    monkeypatch.delenv(tm.BACKEND_ENV)
+    assert tm.served_dv_splits(512, 64, torch.bfloat16, cuda) == (1, 2)
 
 
 def test_ancestor_bits_round_trip() -> None:

@@ -16,8 +16,8 @@ import grpc
 import numpy as np
 import torch
 
-from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata, warm_up_merges
-from kernels.tree_mla_hopper import hopper_available
+from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata, served_dv_splits, warm_up_merges
+from services.common.devices import current
 from services.common.grpc_server import ServiceError
 from services.draft.tree import ancestor_mask
 from services.verifier.acceptance import accept
@@ -130,11 +130,19 @@ class VerifierEngine:
                 depths = torch.arange(n).repeat(len(live))
                 self.verify(live, tokens, parents, depths, torch.full((len(live),), n))
         self.release(rids)
-        if self.graphs is not None and self.graphs.capture:   # the CPU compiles nothing
+        self.compile_the_rest()
+
+    def compile_the_rest(self) -> None:
+        """After the warm-up's steps: compiles what requests could still launch for the first time,
+        each bucket the warm-up did not capture and the attention merge's every launch shape (a
+        prefill meets shapes no bucket ran), so that none compiles while a replica's requests wait.
+        The CPU compiles nothing."""
+        if self.graphs is not None and self.graphs.capture:
             self.graphs.compile_buckets()
-        if self.model_device.type == "cuda":   # prefills meet merge launches no bucket ran
-            warm_up_merges(self.model.config.kv_lora_rank, self.model.dtype, self.model_device,
-                           dv_splits=(1,) if hopper_available(self.model_device) else (1, 2))
+        c, device = self.model.config, self.model_device
+        with current(device):
+            warm_up_merges(c.kv_lora_rank, self.model.dtype, device,
+                           dv_splits=served_dv_splits(c.kv_lora_rank, c.qk_rope_head_dim, self.model.dtype, device))
 
     def take_commit_ms(self) -> float | None:
         """The last verify's KV write time, once (None where no verify committed since): a step

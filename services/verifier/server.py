@@ -40,7 +40,7 @@ from services.verifier.ranks import (EngineGroup, backend_for, first_exit, rank_
                                      watch_workers)
 from services.verifier.sampling import Sampling
 
-__all__ = ["VerifierServicer", "build_engine", "serve"]
+__all__ = ["VerifierServicer", "build_engine", "serve", "warm_up"]
 
 log = get_logger("verifier")
 
@@ -437,12 +437,13 @@ def warm_up(engine: VerifierEngine, settings: VerifierSettings) -> None:
         engine.warm_up(settings.warmup_budgets)
     except torch.OutOfMemoryError as exc:
         graphs = engine.graphs
-        also = (f", or the largest of verifier.graph_batches ({graphs.batch_buckets[-1]}): the warm-up runs its "
-                f"steps of up to {graphs.node_buckets[-1]} nodes a request" if graphs is not None and graphs.batch_buckets else "")
+        also = (f" or drop the largest entry of verifier.graph_batches ({graphs.batch_buckets[-1]}: the warm-up runs "
+                f"{graphs.batch_buckets[-1]} trees of {graphs.node_buckets[-1]} nodes)"
+                if graphs is not None and graphs.batch_buckets else "")
         raise SettingsError(
             f"the verifier's warm-up ran out of GPU memory beside the weights and a KV cache of "
-            f"{settings.kv_capacity_tokens} tokens: lower verifier.kv_capacity_tokens{also} "
-            f"({str(exc).splitlines()[0][:120]})") from None
+            f"{settings.kv_capacity_tokens} tokens: lower verifier.kv_capacity_tokens{also}. "
+            f"{str(exc).splitlines()[0][:120]}") from None
     log.info("verifier_warm", budgets=list(settings.warmup_budgets), seconds=round(time.perf_counter() - t0, 2),
              graphs=len(engine.graphs.captured) if engine.graphs is not None else 0)
 
