@@ -67,6 +67,7 @@ __all__ = [
     "tree_mla_triton",
     "tree_mla_reference",
     "fit_shared_memory",
+    "merge_launch_shapes",
     "served_dv_splits",
     "warm_up_merges",
 ]
