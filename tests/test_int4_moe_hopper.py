@@ -100,6 +100,31 @@ def test_tma_words_only_where_rows_are_back_to_back(monkeypatch: pytest.MonkeyPa
         assert seen[-2:] == [want, False], (packed.is_contiguous(), seen)
 
 
+@pytest.mark.parametrize("hopper", [True, False])
+@pytest.mark.parametrize("experts,intermediate,top_k", [(16, 256, 4), (384, 256, 8), (48, 2048, 8)])
+def test_every_prefill_chunk_takes_a_config_some_graph_bucket_compiles(
+        monkeypatch: pytest.MonkeyPatch, hopper: bool, experts: int, intermediate: int, top_k: int) -> None:
+    """A prefill chunk of any length (one routing group) takes a MoE config that a verify bucket's
+    step (batch x nodes tokens, a group a request) also takes, so the verifier's start-up, which
+    runs every bucket once (``VerifyGraphs.compile_buckets``), has compiled it: no prompt compiles
+    the MoE while the replica's requests wait. The demo's, K2 TP8's and K2 EP8's dims, both tables;
+    the warm-up's captured buckets alone miss some on the Triton table."""
+    from kernels import int4_moe as km
+    from services.common.settings import VerifierSettings
+    from services.verifier.graphs import BATCH_BUCKETS, NODE_BUCKETS
+
+    monkeypatch.setattr(km, "_hopper_here", lambda: hopper)
+    monkeypatch.delenv(km.CONFIG_ENV, raising=False)
+    hidden = 7168
+
+    def config(tokens: int, groups: int) -> km.Int4MoEConfig:
+        return km.choose_config(tokens, experts, hidden, intermediate, top_k, routing_groups=groups)
+
+    compiled = {config(b * t, b) for b in BATCH_BUCKETS for t in NODE_BUCKETS}
+    missing = {n: config(n, 1) for n in range(1, VerifierSettings().prefill_chunk + 1) if config(n, 1) not in compiled}
+    assert not missing, missing
+
+
 def test_choose_config_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the Gluon kernels run, the table changes (measured on an H200): the GEMV keeps up to
     five tokens of a TP-style shape, whole-expert shapes never take it, every tensor-core
