@@ -95,3 +95,28 @@ def test_plan_follows_the_sweep() -> None:
     assert plans[(512, 128, 8)] == (64, 128, 1, 4, 4)  # w_uk, 8 heads
     assert plans[(128, 512, 8)] == (16, 256, 1, 4, 4)  # w_uv, 8 heads
     assert plans[(20480, 7168, 1)] == (64, 256, 1, 4, 4)  # lm_head
+
+
+@pytest.mark.parametrize("n,k", [(256, 512), (576, 7168)])
+def test_every_row_count_launches_a_key_some_graph_bucket_launched(n: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt of 1..32 tokens (an eager prefill) launches, by compile key, only what a verify
+    bucket's step of batch x nodes tokens launched, so the verifier's start-up, which runs every
+    bucket once (``VerifyGraphs.compile_buckets``), has compiled it. The warm-up's captured
+    buckets alone (1 / 8 / 64 requests of 1 / 9 / 17 / 33 nodes) never had 16 or 32 rows: on an
+    H200 a 16-token prompt then compiled 5-8 kernels, 1.4-3.2 s (bench/results/verify_first_use-*)."""
+    from services.verifier.graphs import BATCH_BUCKETS, NODE_BUCKETS
+    from tests.launch_keys import Recorder
+    recorder = Recorder(sg._skinny_kernel)
+    monkeypatch.setattr(sg, "_skinny_kernel", recorder)
+    w = torch.randn(n, k).bfloat16()
+
+    def keys(rows: set[int]) -> set[tuple]:
+        recorder.keys.clear()
+        for m in sorted(rows):
+            sg.skinny_linear_triton(torch.randn(m, k).bfloat16(), w)
+        return set(recorder.keys)
+
+    buckets = {b * t for b in BATCH_BUCKETS for t in NODE_BUCKETS if b * t <= sg.MAX_ROWS}
+    assert keys(set(range(1, sg.MAX_ROWS + 1))) <= keys(buckets)
+    warm_only = {b * t for b in (1, 8, 64) for t in (1, 9, 17, 33) if b * t <= sg.MAX_ROWS}
+    assert not keys({16, 32}) <= keys(warm_only)
