@@ -74,7 +74,8 @@ def timed(fn: Callable[[], StepOutcome]) -> tuple[float, list[str]]:
     return ms, sorted(after[k] for k in after.keys() - before.keys())
 
 
-def random_trees(engine: VerifierEngine, rids: list[str], nodes: int, g: torch.Generator):
+def random_trees(engine: VerifierEngine, rids: list[str], nodes: int,
+                 g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flat tokens / parents / depths / sizes of trees of exactly ``nodes`` nodes each."""
     tokens, parents, depths = [], [], []
     for rid in rids:
@@ -93,8 +94,8 @@ def random_trees(engine: VerifierEngine, rids: list[str], nodes: int, g: torch.G
 def k2_slice_engine(layers: int, settings: VerifierSettings) -> tuple[VerifierEngine, list[int]]:
     """The K2 per-rank slice as ``build_engine`` would serve it, and feature layers it holds."""
     from bench.k2_slice import K2_CONFIG, TP, build_model, per_rank_config
-    from services.verifier.kv_cache import PagedKVCache
     from services.verifier.config import TargetConfig
+    from services.verifier.kv_cache import PagedKVCache
 
     config = TargetConfig.from_hf(per_rank_config(K2_CONFIG, TP, layers), source="k2-slice config")
     device, dtype = torch.device("cuda"), torch.bfloat16
