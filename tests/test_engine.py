@@ -251,6 +251,26 @@ def test_compile_buckets_runs_every_bucket_not_captured(target: Target, monkeypa
     assert engine.cache.pages_free == free0 and engine.active_requests == 0
 
 
+def test_the_graph_outputs_bound_is_what_the_captures_keep(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``outputs_bytes`` counts a bucket's outputs as its forward makes them (what a capture keeps),
+    and the start-up warns where every bucket's would not fit in the GPU's free memory."""
+    from structlog.testing import capture_logs
+    engine = make_engine(target.model, shuffle_seed=None)
+    engine.set_feature_layers([0, 1])
+    graphs = engine.enable_graphs(capture=False, batch_buckets=(1, 2), node_buckets=(1, 3))
+    for key in ((1, 1), (2, 3)):
+        out = graphs._forward(graphs._bucket(*key))
+        made = sum(t.numel() * t.element_size() for t in (out.logits, out.features, out.new_kv))
+        assert graphs.outputs_bytes([key]) == made
+    assert graphs.outputs_bytes() == graphs.outputs_bytes([(1, 1), (1, 3), (2, 1), (2, 3)])
+    graphs.capture = True   # as on a GPU with this much free memory
+    for free, event in ((graphs.outputs_bytes() - 1, "graph_outputs_may_not_fit"), (graphs.outputs_bytes(), "graph_outputs")):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 2 * free))
+        with capture_logs() as logs:
+            graphs.log_outputs_bound()
+        assert [e["event"] for e in logs] == [event], logs
+
+
 def test_the_warm_up_ends_compiling_what_requests_could_still_launch(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
     """``warm_up`` ends in ``compile_the_rest``: every bucket not captured where graphs capture,
     and the merges of the attention backend the model's dims and dtype get, on the model's GPU.

@@ -113,6 +113,7 @@ class VerifyGraphs:
                 b.graph = None
                 with torch.cuda.device(self.device):
                     self._capture(b)
+        self.log_outputs_bound()
 
     def bucket_for(self, batch: int, max_nodes: int) -> tuple[int, int] | None:
         """Smallest (batch, nodes) bucket holding the step, or None (the caller runs eagerly)."""
@@ -121,6 +122,31 @@ class VerifyGraphs:
         if b == len(self.batch_buckets) or t == len(self.node_buckets):
             return None
         return self.batch_buckets[b], self.node_buckets[t]
+
+    def outputs_bytes(self, buckets: Sequence[tuple[int, int]] | None = None) -> int:
+        """Bytes the outputs of these buckets (default: all) hold once captured: float32 logits of
+        this rank's vocabulary, the feature layers and every layer's new KV, a row each node. Each
+        capture keeps its own, so the graphs' memory grows by this as requests reach new buckets."""
+        m, c = self.model, self.model.config
+        per_row = (m.lm_head_weight.shape[0] * 4
+                   + (len(self.feature_layers) * c.hidden_size + c.num_hidden_layers * c.kv_dim) * m.dtype.itemsize)
+        keys = buckets if buckets is not None else [(b, t) for b in self.batch_buckets for t in self.node_buckets]
+        return per_row * sum(b * t for b, t in keys)
+
+    def log_outputs_bound(self) -> None:
+        """Says, at start-up and when the feature layers change, how much the outputs of every bucket
+        would take beside what the GPU has free; warns where they would not fit, since the first
+        request to reach the bucket that does not fit then fails."""
+        need = self.outputs_bytes()
+        free = torch.cuda.mem_get_info(self.device)[0] if self.capture else None
+        fields = dict(all_buckets_gb=round(need / 2**30, 2), captured_gb=round(self.outputs_bytes(self.captured) / 2**30, 2),
+                      free_gb=round(free / 2**30, 2) if free is not None else None,
+                      feature_layers=len(self.feature_layers))
+        if free is not None and need > free:
+            log.warning("graph_outputs_may_not_fit", **fields,
+                        advice="lower verifier.graph_batches' largest entries or verifier.kv_capacity_tokens")
+        else:
+            log.info("graph_outputs", **fields)
 
     def compile_buckets(self) -> int:
         """Runs the padded forward of every bucket not yet captured once, eagerly, on its all-padding
@@ -142,6 +168,7 @@ class VerifyGraphs:
             if self.capture:
                 torch.cuda.empty_cache()   # the eager activations' blocks; captures draw on their own pool
         log.info("graph_buckets_compiled", buckets=ran, seconds=round(time.perf_counter() - t0, 2))
+        self.log_outputs_bound()
         return ran
 
     @property
