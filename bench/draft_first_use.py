@@ -13,28 +13,20 @@ Usage: python -m bench.draft_first_use [--vocab 4096 163840] [--out FILE] [--com
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import time
-from pathlib import Path
 
-CACHE = tempfile.mkdtemp(prefix="triton-cache-")
-os.environ["TRITON_CACHE_DIR"] = CACHE   # before triton's first import: every kernel compiles here
+from bench.empty_triton_cache import kernels_in_cache   # before triton's first import
 
-import torch  # noqa: E402
+import torch
 
-from bench.common import write_result  # noqa: E402
-from services.common.settings import MAX_BUDGET  # noqa: E402
-from services.draft.tree import build_trees_from_logits, warm_up_tree_builds  # noqa: E402
+from bench.common import write_result
+from services.common.settings import MAX_BUDGET
+from services.draft.tree import build_trees_from_logits, warm_up_tree_builds
 
 DEPTH = 15   # block 16: the demo drafter's and the K2 drafter's
 WARM_BUDGETS = (8, 16, 32)   # draft.warmup_budgets' default
 WARM_BATCHES = (1, 4, 16, 64)   # DraftEngine.warm_up's
 CALLS = ((1, None), (5, None), (32, None), (3, 2))   # (batch, depth cap)
-
-
-def cache_entries() -> int:
-    return sum(1 for _ in Path(CACHE).iterdir())
 
 
 def first_use(vocab: int) -> tuple[dict, list[dict]]:
@@ -43,7 +35,7 @@ def first_use(vocab: int) -> tuple[dict, list[dict]]:
     warm_up_tree_builds(DEPTH, vocab, torch.bfloat16, "cuda", MAX_BUDGET, WARM_BUDGETS, WARM_BATCHES)
     torch.cuda.synchronize()
     start = {"row": "startup", "vocab": vocab, "seconds": round(time.perf_counter() - t0, 2),
-             "cache_entries": cache_entries()}
+             "cache_entries": len(kernels_in_cache())}
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(vocab)
     for budget in range(1, MAX_BUDGET + 1):
@@ -58,7 +50,7 @@ def first_use(vocab: int) -> tuple[dict, list[dict]]:
             assert int(trees.sizes.min()) >= 1 and int(trees.sizes.max()) <= budget + 1
             rows.append({"row": "first_call", "vocab": vocab, "budget": budget, "batch": batch, "max_depth": cap,
                          "ms": round(ms, 3)})
-    start["new_cache_entries"] = cache_entries() - start["cache_entries"]
+    start["new_cache_entries"] = len(kernels_in_cache()) - start["cache_entries"]
     return start, rows
 
 

@@ -28,36 +28,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-CACHE = tempfile.mkdtemp(prefix="triton-cache-")
-os.environ["TRITON_CACHE_DIR"] = CACHE   # before triton's first import: every kernel compiles here
+from bench.empty_triton_cache import kernels_in_cache   # before triton's first import
 
-import torch  # noqa: E402
+import torch
 
-from bench.common import write_result  # noqa: E402
-from services.common.settings import VerifierSettings  # noqa: E402
-from services.verifier.engine import PrefillInput, StepOutcome, VerifierEngine  # noqa: E402
-from services.verifier.graphs import NODE_BUCKETS  # noqa: E402
-from services.verifier.sampling import Sampling  # noqa: E402
-from services.verifier.server import build_engine  # noqa: E402
+from bench.common import write_result
+from services.common.settings import VerifierSettings
+from services.verifier.engine import PrefillInput, StepOutcome, VerifierEngine
+from services.verifier.graphs import NODE_BUCKETS
+from services.verifier.sampling import Sampling
+from services.verifier.server import build_engine
 
 PROMPT_LENGTHS = (2, 3, 5, 7, 12, 16, 17, 24, 33, 48, 65, 100, 129, 200, 256, 300, 511, 512, 700, 1000)
 RESERVE = 1600   # KV a verify request reserves: its prompt, then a few tokens a step
 PREFILL_RESERVES = (1, 1024)   # tokens a prefill reserves past its prompt (max_tokens)
-
-
-def kernels_in_cache() -> dict[str, str]:
-    """Cache entry -> the kernel it holds (the name of its metadata file)."""
-    names = {}
-    for entry in Path(CACHE).iterdir():
-        meta = [p.stem for p in entry.glob("*.json") if not p.name.startswith("__grp__")]
-        names[entry.name] = meta[0] if meta else "?"
-    return names
 
 
 def timed(fn: Callable[[], StepOutcome]) -> tuple[float, list[str]]:
