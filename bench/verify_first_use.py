@@ -13,6 +13,10 @@ Triton cache entries it added are counted and named:
   bucket's node count with random parents and tokens; the first call at a bucket captures its
   graph (``first_ms``), the second replays it (``second_ms``).
 
+The ``after_verify`` row gives GPU memory once every bucket is captured, beside the ``startup``
+row's: what the captured graphs hold (their shared outputs, ``graph_outputs_gb``, and what their
+pool keeps).
+
 A call that compiles takes seconds and adds entries; one that captures a graph without compiling
 takes tens of milliseconds. ``new_cache_entries`` in the summary row counts what every call after
 the start-up added (0: nothing compiled on a request).
@@ -156,7 +160,15 @@ def main() -> None:
                          "second_ms": round(times[1][0], 1), "kernels": times[0][1] + times[1][1]})
             print(rows[-1], flush=True)
 
-    calls = rows[1:]
+    torch.cuda.synchronize()
+    graphs = engine.graphs
+    rows.append({"row": "after_verify", "graphs": len(graphs.captured) if graphs else 0,
+                 "graph_outputs_gb": round(graphs.outputs_bytes() / 1e9, 3) if graphs else None,
+                 "gpu_gb_allocated": round(torch.cuda.memory_allocated() / 1e9, 3),
+                 "gpu_gb_reserved": round(torch.cuda.memory_reserved() / 1e9, 3),
+                 "gpu_gb_peak": round(torch.cuda.max_memory_allocated() / 1e9, 3)})
+    print(rows[-1], flush=True)
+    calls = [r for r in rows[1:] if r["row"] != "after_verify"]
     added = sorted(k for r in calls for k in r["kernels"])
     slow = max(calls, key=lambda r: r.get("first_ms", r.get("ms", 0)))
     summary = {"row": "summary", "calls": len(calls), "new_cache_entries": len(kernels_in_cache()) - start_entries,

@@ -20,7 +20,8 @@ from services.draft.tree import ancestor_mask, build_trees
 from services.verifier.engine import PrefillInput, VerifierEngine
 from services.verifier.graphs import BATCH_BUCKETS
 from services.verifier.make_target import write_random_target
-from services.verifier.model import TargetModel
+from kernels.tree_mla import TreeAttentionMetadata
+from services.verifier.model import ForwardBatch, TargetModel
 from services.verifier.reference import ReferenceModel
 from services.verifier.sampling import Sampling
 
@@ -213,6 +214,11 @@ def test_padded_forward_equals_unpadded(target: Target) -> None:
     torch.testing.assert_close(padded.features, eager.features, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(padded.new_kv, eager.new_kv, rtol=1e-4, atol=1e-4)
     assert torch.isfinite(padded.logits).all()
+    # Every bucket writes the same output buffers: a step's result is its own copy, which the
+    # next step (another bucket, same rows) leaves as it was.
+    kept = [t.clone() for t in (padded.logits, padded.features, padded.new_kv)]
+    graphs.run(tokens[:4], parents[:4], depths[:4], [4], lens[:1], [engine.cache.page_ids(rids[0])])
+    assert all(torch.equal(a, b) for a, b in zip(kept, (padded.logits, padded.features, padded.new_kv)))
 
 
 def test_warm_up_runs_every_bucket_and_leaves_no_state(target: Target) -> None:
@@ -251,24 +257,59 @@ def test_compile_buckets_runs_every_bucket_not_captured(target: Target, monkeypa
     assert engine.cache.pages_free == free0 and engine.active_requests == 0
 
 
-def test_the_graph_outputs_bound_is_what_the_captures_keep(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``outputs_bytes`` counts a bucket's outputs as its forward makes them (what a capture keeps),
-    and the start-up warns where every bucket's would not fit in the GPU's free memory."""
+def test_every_bucket_writes_one_set_of_output_buffers(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each bucket's outputs are views of one set of buffers sized for the largest bucket, which
+    ``outputs_bytes`` counts and the log reports; a new feature-layer width remakes the features'
+    buffer only. What a graph allocated itself would stay allocated with each capture."""
     from structlog.testing import capture_logs
     engine = make_engine(target.model, shuffle_seed=None)
     engine.set_feature_layers([0, 1])
     graphs = engine.enable_graphs(capture=False, batch_buckets=(1, 2), node_buckets=(1, 3))
-    for key in ((1, 1), (2, 3)):
-        out = graphs._forward(graphs._bucket(*key))
-        made = sum(t.numel() * t.element_size() for t in (out.logits, out.features, out.new_kv))
-        assert graphs.outputs_bytes([key]) == made
-    assert graphs.outputs_bytes() == graphs.outputs_bytes([(1, 1), (1, 3), (2, 1), (2, 3)])
+    c, vocab = target.model.config, target.model.lm_head_weight.shape[0]
+    outs = {key: graphs._forward(graphs._bucket(*key)) for key in ((2, 3), (1, 1), (1, 3))}
+    buffers = (graphs._logits, graphs._features, graphs._new_kv)
+    assert sum(t.numel() * t.element_size() for t in buffers) == graphs.outputs_bytes()
+    assert [t.numel() for t in buffers] == [6 * vocab, 6 * 2 * c.hidden_size, 6 * c.num_hidden_layers * c.kv_dim]
+    for (batch, nodes), out in outs.items():
+        rows = batch * nodes
+        assert out.logits.shape == (rows, vocab) and out.logits.dtype == torch.float32
+        assert out.features.shape == (rows, 2 * c.hidden_size)
+        assert out.new_kv.shape == (c.num_hidden_layers, rows, c.kv_dim)
+        for t, buf in zip((out.logits, out.features, out.new_kv), buffers):
+            assert t.is_contiguous() and t.data_ptr() == buf.data_ptr()
+    logits, kv = graphs._logits, graphs._new_kv
+    engine.set_feature_layers([1])
+    out = graphs._forward(graphs._bucket(2, 3))
+    assert graphs._logits is logits and graphs._new_kv is kv and graphs._features.numel() == 6 * c.hidden_size
+    assert out.features.data_ptr() == graphs._features.data_ptr()
     graphs.capture = True   # as on a GPU with this much free memory
-    for free, event in ((graphs.outputs_bytes() - 1, "graph_outputs_may_not_fit"), (graphs.outputs_bytes(), "graph_outputs")):
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 2 * free))
-        with capture_logs() as logs:
-            graphs.log_outputs_bound()
-        assert [e["event"] for e in logs] == [event], logs
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**30, 4 * 2**30))
+    with capture_logs() as logs:
+        graphs.log_outputs_bound()
+    assert [(e["event"], e["rows"], e["free_gb"], e["feature_layers"]) for e in logs] == [("graph_outputs", 6, 3.0, 1)]
+
+
+def test_forward_writes_the_outputs_given(target: Target) -> None:
+    """``forward(out=...)`` writes exactly what it would return (float32 logits from the model's
+    dtype, features, new KV) into the given tensors, every element, and returns them."""
+    engine = make_engine(target.model, shuffle_seed=None)
+    engine.prefill([PrefillInput("a", PROMPTS[0], Sampling(), reserve_tokens=20)])
+    req = engine._requests["a"]
+    tree = random_tree(req.pending, 6, torch.Generator().manual_seed(2))
+    tokens, parents, depths, sizes = pack([tree])
+    model, c = target.model, target.model.config
+    meta = TreeAttentionMetadata(query_starts=torch.tensor([0, tokens.numel()]), prefix_lens=torch.tensor([req.length]),
+                                 page_tables=[engine.cache.page_table("a")], tree_masks=[ancestor_mask(parents)])
+    batch = ForwardBatch(input_ids=tokens, positions=req.length + depths, attn=meta)
+    fresh = model(batch, engine.cache, feature_layers=[0, 1])
+    n = tokens.numel()
+    given = type(fresh)(logits=torch.full((n, model.lm_head_weight.shape[0]), float("nan")),
+                        features=torch.full((n, 2 * c.hidden_size), float("nan"), dtype=model.dtype),
+                        new_kv=torch.full((c.num_hidden_layers, n, c.kv_dim), float("nan"), dtype=model.dtype))
+    got = model(batch, engine.cache, feature_layers=[0, 1], out=given)
+    assert got is given
+    for name in ("logits", "features", "new_kv"):
+        assert torch.equal(getattr(given, name), getattr(fresh, name)), name
 
 
 def test_the_warm_up_ends_compiling_what_requests_could_still_launch(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:

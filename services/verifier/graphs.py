@@ -10,8 +10,12 @@ prefix and themselves only, and the batch with empty requests (no prefix, paddin
 real node sees a padding node, so a real node's output does not depend on them. Positions and
 ancestor bits are computed inside the graph from the padded tokens / parents / depths / prefix
 lengths, so a step is two host-to-device copies into the static inputs (padded on the host), one
-replay, and a gather of the real rows. Captures share one memory pool: replays never overlap, and a graph's outputs are
-gathered before the next replay.
+replay, and a gather of the real rows.
+
+Replays never overlap, and a step gathers its real rows before the next replay, so the graphs
+share their memory: the captures one pool for what they make and drop, and every bucket one set
+of output buffers, sized once for the largest bucket (``outputs_bytes``). Outputs allocated by
+each capture would stay allocated with it: gigabytes a rank at Kimi-K2 shapes, grown by requests.
 """
 
 from __future__ import annotations
@@ -96,6 +100,9 @@ class VerifyGraphs:
         self.device = model.embed_weight.device
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._logits: Tensor | None = None     # the shared output buffers, flat (``_outputs``)
+        self._features: Tensor | None = None
+        self._new_kv: Tensor | None = None
         self._pages_host = torch.zeros(0, dtype=torch.int32)   # pinned staging of the page table (``_load``)
         self._copied: torch.cuda.Event | None = None   # the last step's copies; the pinned buffers are reused after it
 
@@ -107,12 +114,13 @@ class VerifyGraphs:
         if layers == self.feature_layers:
             return
         self.feature_layers = layers
+        recapture = [b for b in self._buckets.values() if b.graph is not None]
         for b in self._buckets.values():
-            b.output = None
-            if b.graph is not None:
-                b.graph = None
-                with torch.cuda.device(self.device):
-                    self._capture(b)
+            b.output, b.graph = None, None
+        self._features = None   # the old width's buffer is dropped before the new one is made
+        for b in recapture:
+            with torch.cuda.device(self.device):
+                self._capture(b)
         self.log_outputs_bound()
 
     def bucket_for(self, batch: int, max_nodes: int) -> tuple[int, int] | None:
@@ -123,30 +131,45 @@ class VerifyGraphs:
             return None
         return self.batch_buckets[b], self.node_buckets[t]
 
-    def outputs_bytes(self, buckets: Sequence[tuple[int, int]] | None = None) -> int:
-        """Bytes the outputs of these buckets (default: all) hold once captured: float32 logits of
-        this rank's vocabulary, the feature layers and every layer's new KV, a row each node. Each
-        capture keeps its own, so the graphs' memory grows by this as requests reach new buckets."""
+    @property
+    def _most_rows(self) -> int:
+        return self.batch_buckets[-1] * self.node_buckets[-1]
+
+    def _per_row(self) -> tuple[int, int, int]:
+        """Elements a row takes in each output: logits of this rank's vocabulary, features, new KV."""
         m, c = self.model, self.model.config
-        per_row = (m.lm_head_weight.shape[0] * 4
-                   + (len(self.feature_layers) * c.hidden_size + c.num_hidden_layers * c.kv_dim) * m.dtype.itemsize)
-        keys = buckets if buckets is not None else [(b, t) for b in self.batch_buckets for t in self.node_buckets]
-        return per_row * sum(b * t for b, t in keys)
+        return m.lm_head_weight.shape[0], len(self.feature_layers) * c.hidden_size, c.num_hidden_layers * c.kv_dim
+
+    def outputs_bytes(self) -> int:
+        """Bytes of the output buffers every bucket shares: float32 logits, the feature layers and
+        every layer's new KV, a row each node of the largest bucket. Made at the first step (the
+        start-up's warm-up), so a GPU without room for them fails the start, not a request."""
+        logits, features, kv = self._per_row()
+        return self._most_rows * (logits * 4 + (features + kv) * self.model.dtype.itemsize)
 
     def log_outputs_bound(self) -> None:
-        """Says, at start-up and when the feature layers change, how much the outputs of every bucket
-        would take beside what the GPU has free; warns where they would not fit, since the first
-        request to reach the bucket that does not fit then fails."""
-        need = self.outputs_bytes()
+        """Says what the shared outputs take beside what the GPU has free, at start-up and when
+        the feature layers change their width."""
         free = torch.cuda.mem_get_info(self.device)[0] if self.capture else None
-        fields = dict(all_buckets_gb=round(need / 2**30, 2), captured_gb=round(self.outputs_bytes(self.captured) / 2**30, 2),
-                      free_gb=round(free / 2**30, 2) if free is not None else None,
-                      feature_layers=len(self.feature_layers))
-        if free is not None and need > free:
-            log.warning("graph_outputs_may_not_fit", **fields,
-                        advice="lower verifier.graph_batches' largest entries or verifier.kv_capacity_tokens")
-        else:
-            log.info("graph_outputs", **fields)
+        log.info("graph_outputs", gb=round(self.outputs_bytes() / 2**30, 2), rows=self._most_rows,
+                 free_gb=round(free / 2**30, 2) if free is not None else None,
+                 feature_layers=len(self.feature_layers))
+
+    def _outputs(self, rows: int) -> ForwardOutput:
+        """A bucket's outputs: views of the first ``rows`` rows of the shared buffers, each
+        contiguous (the buffers are flat), as a forward would make them."""
+        m = self.model
+        logits, features, kv = self._per_row()
+        most, dev = self._most_rows, self.device
+        if self._logits is None:
+            self._logits = torch.empty(most * logits, dtype=torch.float32, device=dev)
+            self._new_kv = torch.empty(most * kv, dtype=m.dtype, device=dev)
+        if self._features is None:
+            self._features = torch.empty(most * features, dtype=m.dtype, device=dev)
+        assert self._new_kv is not None
+        return ForwardOutput(logits=self._logits[:rows * logits].view(rows, logits),
+                             features=self._features[:rows * features].view(rows, features),
+                             new_kv=self._new_kv[:rows * kv].view(m.config.num_hidden_layers, rows, -1))
 
     def compile_buckets(self) -> int:
         """Runs the padded forward of every bucket not yet captured once, eagerly, on its all-padding
@@ -155,8 +178,7 @@ class VerifyGraphs:
         by a request would make that request and every other of the replica wait. Its launches
         depend on the bucket's shapes only, never on the inputs' values (a capture could not
         hold them otherwise), so this compiles what its capture will launch. The graphs are still
-        captured on first use: a capture keeps its outputs, and the logits of every bucket would
-        take gigabytes; a capture without compiles takes tens of milliseconds."""
+        captured on first use (tens of milliseconds once nothing compiles)."""
         t0, ran = time.perf_counter(), 0
         with current(self.device):
             for batch in self.batch_buckets:
@@ -272,7 +294,8 @@ class VerifyGraphs:
             query_starts=b.query_starts, prefix_lens=prefix_lens.to(torch.int32), page_table=b.page_table,
             ancestor_bits=bits.view(b.batch * b.nodes, words), max_nodes=b.nodes)
         batch = ForwardBatch(input_ids=tokens.reshape(-1), positions=positions.reshape(-1), attn=meta)
-        return self.model(batch, self.cache, feature_layers=self.feature_layers)
+        return self.model(batch, self.cache, feature_layers=self.feature_layers,
+                          out=self._outputs(b.batch * b.nodes))
 
     def _capture(self, b: _Bucket) -> None:
         t0 = time.perf_counter()

@@ -303,12 +303,18 @@ class TargetModel(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, cache: PagedKVCache, feature_layers: Sequence[int] = ()
+        self, batch: ForwardBatch, cache: PagedKVCache, feature_layers: Sequence[int] = (),
+        out: ForwardOutput | None = None,
     ) -> ForwardOutput:
         """Logits (and optional layer features) for every query token; the cache is only read.
 
         ``features`` follow HF ``hidden_states[i + 1]``: the output of decoder layer i, except
         that for the last layer HF (and so this) returns it after the final norm.
+
+        ``out``: tensors to write the outputs into (float32 logits [N, V / tp], features
+        [N, F * hidden], new KV [L, N, kvr + rope]), returned. Why: every CUDA graph of the
+        verifier writes the same buffers, where outputs it allocated itself would stay allocated
+        for each captured graph.
         """
         c = self.config
         L = c.num_hidden_layers
@@ -322,7 +328,8 @@ class TargetModel(torch.nn.Module):
             assert int(batch.attn.query_starts[-1]) == N, "query_starts[-1] must equal the number of tokens"
         x = self.embed_weight[ids]  # [N, hidden]
         cos, sin = self.rope.lookup(batch.positions.to(self.device))  # [N, rope] each
-        new_kv = torch.empty(L, N, c.kv_dim, dtype=self.dtype, device=self.device)  # [L, N, kvr+rope]
+        new_kv = out.new_kv if out is not None else \
+            torch.empty(L, N, c.kv_dim, dtype=self.dtype, device=self.device)  # [L, N, kvr+rope]
         kept: dict[int, Tensor] = {}
         # Each residual add is fused with the norm that reads its sum (the next layer's input norm,
         # after the last layer the final norm): ``x`` is the residual stream, ``h`` its normed form.
@@ -344,9 +351,14 @@ class TargetModel(torch.nn.Module):
                 kept[i] = x
         if L - 1 in kept:
             kept[L - 1] = h   # HF's last hidden state is after the final norm
-        logits = skinny_linear(h, self.lm_head_weight).float()  # [N, V / tp] this rank's vocabulary rows
+        logits = skinny_linear(h, self.lm_head_weight)  # [N, V / tp] this rank's vocabulary rows
+        if out is not None:
+            out.logits.copy_(logits)
+            if feature_layers:
+                torch.cat([kept[i] for i in feature_layers], dim=-1, out=out.features)
+            return out
         if feature_layers:
             features = torch.cat([kept[i] for i in feature_layers], dim=-1)  # [N, F*hidden]
         else:
             features = h.new_empty(N, 0)
-        return ForwardOutput(logits=logits, features=features, new_kv=new_kv)
+        return ForwardOutput(logits=logits.float(), features=features, new_kv=new_kv)
