@@ -118,6 +118,8 @@ class VerifyGraphs:
         for b in self._buckets.values():
             b.output, b.graph = None, None
         self._features = None   # the old width's buffer is dropped before the new one is made
+        if self.capture:   # the old graphs' pool went with the last of them: it cannot take captures
+            self._pool = torch.cuda.graph_pool_handle()
         for b in recapture:
             with torch.cuda.device(self.device):
                 self._capture(b)
