@@ -235,9 +235,11 @@ def test_warm_up_runs_every_bucket_and_leaves_no_state(target: Target) -> None:
     assert {(1, 1), (4, 9)} <= set(graphs._buckets) and graphs.batch_buckets == tuple(BATCH_BUCKETS)
 
 
-def test_compile_buckets_runs_every_bucket_not_captured(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The start-up runs the padded forward of each bucket that no warm-up captured, so that its
-    kernels compile then and not on a request; on all-padding inputs, the cache untouched."""
+def test_capture_buckets_takes_every_bucket_not_captured_largest_first(target: Target,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up takes each bucket not yet captured, largest first (so later captures fit in
+    the pool the larger ones left), on all-padding inputs, the cache untouched. The CPU runs
+    the padded forward where a GPU captures it."""
     engine = make_engine(target.model, shuffle_seed=None)
     graphs = engine.enable_graphs(capture=False, batch_buckets=(1, 2), node_buckets=(1, 3, 5))
     graphs._bucket(2, 3).graph = object()   # stands for a captured bucket
@@ -252,9 +254,16 @@ def test_compile_buckets_runs_every_bucket_not_captured(target: Target, monkeypa
 
     monkeypatch.setattr(graphs, "_forward", spy)
     free0 = engine.cache.pages_free
-    assert graphs.compile_buckets() == 5
-    assert sorted(ran) == [(1, 1), (1, 3), (1, 5), (2, 1), (2, 5)]
+    assert graphs.capture_buckets() == 5
+    assert ran == [(2, 5), (1, 5), (1, 3), (2, 1), (1, 1)]
     assert engine.cache.pages_free == free0 and engine.active_requests == 0
+    captured: list[tuple[int, int]] = []
+    monkeypatch.setattr(graphs, "_capture", lambda b, quiet=False: captured.append((b.batch, b.nodes)))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30, 2**30))
+    graphs.capture = True   # as on a GPU
+    graphs.capture_buckets()
+    assert captured == ran
 
 
 def test_every_bucket_writes_one_set_of_output_buffers(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -312,25 +321,29 @@ def test_forward_writes_the_outputs_given(target: Target) -> None:
         assert torch.equal(getattr(given, name), getattr(fresh, name)), name
 
 
-def test_the_warm_up_ends_compiling_what_requests_could_still_launch(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``warm_up`` ends in ``compile_the_rest``: every bucket not captured where graphs capture,
-    and the merges of the attention backend the model's dims and dtype get, on the model's GPU.
-    The CPU runs neither kernel, so the calls are recorded here, not made."""
+def test_the_warm_up_captures_every_bucket_before_its_steps_and_compiles_the_merges(
+        target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``warm_up`` captures every bucket where graphs capture, before its own verify steps (which
+    then replay), and ends compiling the merges of the attention backend the model's dims and
+    dtype get, on the model's GPU. The CPU runs neither, so the calls are recorded here."""
     import services.verifier.engine as engine_mod
     engine = make_engine(target.model, shuffle_seed=None)
     graphs = engine.enable_graphs(capture=False, batch_buckets=(1, 2))
     calls: list[tuple] = []
-    monkeypatch.setattr(graphs, "compile_buckets", lambda: calls.append(("buckets",)) or 0)
+    monkeypatch.setattr(graphs, "capture_buckets", lambda: calls.append(("buckets",)) or 0)
+    monkeypatch.setattr(engine, "verify", lambda *a, **k: calls.append(("verify",)))
     monkeypatch.setattr(engine_mod, "warm_up_merges",
                         lambda kvr, dtype, device, dv_splits: calls.append(("merges", kvr, dtype, device.type, dv_splits)))
     monkeypatch.setattr(engine_mod, "served_dv_splits", lambda kvr, rope, dtype, device: (kvr, rope))
     engine.warm_up([0, 4], batches=(1,))
     c = target.model.config
-    assert calls == [("merges", c.kv_lora_rank, target.model.dtype, "cpu", (c.kv_lora_rank, c.qk_rope_head_dim))]
+    merges = ("merges", c.kv_lora_rank, target.model.dtype, "cpu", (c.kv_lora_rank, c.qk_rope_head_dim))
+    assert calls == [("verify",), ("verify",), merges]
     calls.clear()
-    graphs.capture = True   # as on a GPU: buckets compile too
-    engine.compile_the_rest()
-    assert calls[0] == ("buckets",) and calls[1][0] == "merges" and len(calls) == 2
+    graphs.capture = True   # as on a GPU
+    engine.warm_up([0, 4], batches=(1,))
+    assert calls == [("buckets",), ("verify",), ("verify",), merges]
+    assert engine.active_requests == 0
 
 
 # ============================================================================== 2. chunked prefill

@@ -109,14 +109,18 @@ class VerifierEngine:
 
     def warm_up(self, budgets: Sequence[int], batches: Sequence[int] = (1, 8, 64)) -> None:
         """Compile and capture before the first request, not during it: prompts of several lengths
-        (each fused-MoE and attention launch config by token count) and verify steps at each
-        budget and batch (a CUDA graph per bucket). Uses throw-away requests; leaves no state."""
+        (each fused-MoE and attention launch config by token count), every CUDA-graph bucket
+        (``VerifyGraphs.capture_buckets``), verify steps at each budget and batch (sampling,
+        acceptance and commit), and the attention merge at every launch shape (``warm_up_merges``:
+        a prefill meets shapes no bucket ran). Uses throw-away requests; leaves no state."""
         lengths = sorted({1, 8, 64, min(self.prefill_chunk, max(1, self.max_context // 4))})
         rids = [f"__warmup_{i}__" for i in range(max(batches))]
         for n in lengths:
             prompt = [1 + (i % (self.vocab_size - 1)) for i in range(n)]
             self.prefill([PrefillInput(rids[0], prompt, Sampling(), reserve_tokens=n + 1)])
             self.release(rids[:1])
+        if self.graphs is not None and self.graphs.capture:   # the CPU compiles nothing
+            self.graphs.capture_buckets()
         self.prefill([PrefillInput(r, [2, 3, 4], Sampling(), reserve_tokens=3 + 4 * (max(budgets, default=0) + 1))
                       for r in rids])
         for b in batches:
@@ -130,15 +134,6 @@ class VerifierEngine:
                 depths = torch.arange(n).repeat(len(live))
                 self.verify(live, tokens, parents, depths, torch.full((len(live),), n))
         self.release(rids)
-        self.compile_the_rest()
-
-    def compile_the_rest(self) -> None:
-        """After the warm-up's steps: compiles what requests could still launch for the first time,
-        each bucket the warm-up did not capture and the attention merge's every launch shape (a
-        prefill meets shapes no bucket ran), so that none compiles while a replica's requests wait.
-        The CPU compiles nothing."""
-        if self.graphs is not None and self.graphs.capture:
-            self.graphs.compile_buckets()
         c, device = self.model.config, self.model_device
         with current(device):
             warm_up_merges(c.kv_lora_rank, self.model.dtype, device,

@@ -114,15 +114,19 @@ class VerifyGraphs:
         if layers == self.feature_layers:
             return
         self.feature_layers = layers
-        recapture = [b for b in self._buckets.values() if b.graph is not None]
+        recapture = sorted((b for b in self._buckets.values() if b.graph is not None),
+                           key=lambda b: -b.batch * b.nodes)   # largest first (``capture_buckets``)
         for b in self._buckets.values():
             b.output, b.graph = None, None
         self._features = None   # the old width's buffer is dropped before the new one is made
         if self.capture:   # the old graphs' pool went with the last of them: it cannot take captures
             self._pool = torch.cuda.graph_pool_handle()
-        for b in recapture:
-            with torch.cuda.device(self.device):
-                self._capture(b)
+        t0 = time.perf_counter()
+        with current(self.device):
+            for b in recapture:
+                self._capture(b, quiet=True)
+        if recapture:
+            log.info("graph_buckets_captured", buckets=len(recapture), seconds=round(time.perf_counter() - t0, 2))
         self.log_outputs_bound()
 
     def bucket_for(self, batch: int, max_nodes: int) -> tuple[int, int] | None:
@@ -173,25 +177,33 @@ class VerifyGraphs:
                              features=self._features[:rows * features].view(rows, features),
                              new_kv=self._new_kv[:rows * kv].view(m.config.num_hidden_layers, rows, -1))
 
-    def compile_buckets(self) -> int:
-        """Runs the padded forward of every bucket not yet captured once, eagerly, on its all-padding
-        inputs; returns how many ran. Why: a bucket's kernels (fused-MoE configs by token count,
-        tile sizes by rows) compile on their first launch, seconds each, and a bucket first used
-        by a request would make that request and every other of the replica wait. Its launches
-        depend on the bucket's shapes only, never on the inputs' values (a capture could not
-        hold them otherwise), so this compiles what its capture will launch. The graphs are still
-        captured on first use (tens of milliseconds once nothing compiles)."""
+    def capture_buckets(self) -> int:
+        """Captures every bucket not yet captured, largest first; returns how many. Without
+        capture (the CPU) runs each one's padded forward once instead, on its all-padding inputs.
+
+        Why at start-up: a bucket's first step would otherwise compile its kernels (fused-MoE
+        configs by token count, tile sizes by rows: seconds each) and capture its graph (tens of
+        milliseconds), while that request and every other of the replica wait. The capture's
+        warm-up run compiles what the graph launches: launches depend on the bucket's shapes
+        only, never on the inputs' values (a capture could not hold them otherwise). Why largest
+        first: each later capture fits in the blocks the larger ones left in the shared pool,
+        so the pool holds about what the largest step needs; captured smallest first, each size
+        left segments the next could not use."""
         t0, ran = time.perf_counter(), 0
+        keys = sorted(((b, t) for b in self.batch_buckets for t in self.node_buckets), key=lambda k: (-k[0] * k[1], k))
         with current(self.device):
-            for batch in self.batch_buckets:
-                for nodes in self.node_buckets:
-                    b = self._bucket(batch, nodes)
-                    if b.graph is None:
+            for key in keys:
+                b = self._bucket(*key)
+                if b.graph is None:
+                    if self.capture:
+                        self._capture(b, quiet=True)
+                    else:
                         self._forward(b)
-                        ran += 1
+                    ran += 1
             if self.capture:
-                torch.cuda.empty_cache()   # the eager activations' blocks; captures draw on their own pool
-        log.info("graph_buckets_compiled", buckets=ran, seconds=round(time.perf_counter() - t0, 2))
+                torch.cuda.empty_cache()   # the capture warm-ups' eager blocks; the graphs keep their pool
+        log.info("graph_buckets_captured" if self.capture else "graph_buckets_run", buckets=ran,
+                 seconds=round(time.perf_counter() - t0, 2))
         self.log_outputs_bound()
         return ran
 
@@ -299,10 +311,11 @@ class VerifyGraphs:
         return self.model(batch, self.cache, feature_layers=self.feature_layers,
                           out=self._outputs(b.batch * b.nodes))
 
-    def _capture(self, b: _Bucket) -> None:
+    def _capture(self, b: _Bucket, quiet: bool = False) -> None:
         t0 = time.perf_counter()
         b.graph, b.output = capture(lambda: self._forward(b), self.device, self._pool)
-        log.info("graph_captured", batch=b.batch, nodes=b.nodes, seconds=round(time.perf_counter() - t0, 2))
+        if not quiet:   # a capture on a request's step, where the start-up did not capture them all
+            log.info("graph_captured", batch=b.batch, nodes=b.nodes, seconds=round(time.perf_counter() - t0, 2))
 
 
 def _host(t: Tensor | np.ndarray) -> np.ndarray:
