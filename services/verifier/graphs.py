@@ -121,11 +121,13 @@ class VerifyGraphs:
         self._features = None   # the old width's buffer is dropped before the new one is made
         if self.capture:   # the old graphs' pool went with the last of them: it cannot take captures
             self._pool = torch.cuda.graph_pool_handle()
+            torch.cuda.empty_cache()   # and its blocks stay reserved until given back
         t0 = time.perf_counter()
         with current(self.device):
             for b in recapture:
                 self._capture(b, quiet=True)
         if recapture:
+            torch.cuda.empty_cache()   # the capture warm-ups' eager blocks
             log.info("graph_buckets_captured", buckets=len(recapture), seconds=round(time.perf_counter() - t0, 2))
         self.log_outputs_bound()
 
