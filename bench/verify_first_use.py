@@ -1,21 +1,22 @@
 """Does a verify step or a prefill compile anything on a request, after the verifier's start-up?
 
 The verifier's start-up (``services.verifier.server.build_engine`` with its default settings:
-warm-up of budgets 0 / 8 / 16 / 32 at batches 1 / 8 / 64) runs first, in this process, on an empty
-Triton cache; then the drafter's feature layers are set, as its handshake does (every captured
-graph is captured again). After it, each call is timed alone (wall clock, synchronised) and the
-Triton cache entries it added are counted and named:
+every graph bucket captured, then the warm-up's steps at budgets 0 / 8 / 16 / 32 and batches
+1 / 8 / 64) runs first, in this process, on an empty Triton cache; then the drafter's feature
+layers are set, as its handshake does (every captured graph is captured again). After it, each
+call is timed alone (wall clock, synchronised) and the Triton cache entries it added are counted
+and named:
 
 * prefills of one new request at a spread of prompt lengths, each with a short and a long KV
   reservation (each chunk is an eager forward whose fused-MoE launches depend on its token count,
   and whose attention splits depend on the width of the request's page table);
 * a verify step at every (batch bucket, tree-size bucket) of ``VerifyGraphs``, trees of exactly the
-  bucket's node count with random parents and tokens; the first call at a bucket captures its
-  graph (``first_ms``), the second replays it (``second_ms``).
+  bucket's node count with random parents and tokens, twice (``first_ms``, ``second_ms``). Where
+  the start-up did not capture a bucket (before ``capture_buckets``), the first call captures it.
 
-The ``after_verify`` row gives GPU memory once every bucket is captured, beside the ``startup``
-row's: what the captured graphs hold (their shared outputs, ``graph_outputs_gb``, and what their
-pool keeps).
+GPU memory is recorded after the start-up, after the feature layers, after the prefills and after
+the verify steps (``after_verify``, with ``graph_outputs_gb``: the graphs' output buffers as
+``VerifyGraphs.outputs_bytes`` counts them at that commit).
 
 A call that compiles takes seconds and adds entries; one that captures a graph without compiling
 takes tens of milliseconds. ``new_cache_entries`` in the summary row counts what every call after
@@ -50,6 +51,13 @@ from services.verifier.server import build_engine
 PROMPT_LENGTHS = (2, 3, 5, 7, 12, 16, 17, 24, 33, 48, 65, 100, 129, 200, 256, 300, 511, 512, 700, 1000)
 RESERVE = 1600   # KV a verify request reserves: its prompt, then a few tokens a step
 PREFILL_RESERVES = (1, 1024)   # tokens a prefill reserves past its prompt (max_tokens)
+
+
+def memory() -> dict[str, float]:
+    """GPU memory now: what tensors hold, what the caching allocator keeps (graph pools included)."""
+    return {"gpu_gb_allocated": round(torch.cuda.memory_allocated() / 1e9, 3),
+            "gpu_gb_reserved": round(torch.cuda.memory_reserved() / 1e9, 3),
+            "gpu_gb_peak": round(torch.cuda.max_memory_allocated() / 1e9, 3)}
 
 
 def timed(fn: Callable[[], StepOutcome]) -> tuple[float, list[str]]:
@@ -121,17 +129,14 @@ def main() -> None:
     torch.cuda.synchronize()
     start_entries = len(kernels_in_cache())
     rows.append({"row": "startup", "seconds": round(time.perf_counter() - t0, 2), "cache_entries": start_entries,
-                 "gpu_gb_allocated": round(torch.cuda.memory_allocated() / 1e9, 3),
-                 "gpu_gb_reserved": round(torch.cuda.memory_reserved() / 1e9, 3),
-                 "gpu_gb_peak": round(torch.cuda.max_memory_allocated() / 1e9, 3),
-                 "graphs": [list(k) for k in engine.graphs.captured] if engine.graphs else []})
+                 **memory(), "graphs": [list(k) for k in engine.graphs.captured] if engine.graphs else []})
     before = kernels_in_cache()
     t0 = time.perf_counter()
     engine.set_feature_layers(layers)
     torch.cuda.synchronize()
     new = sorted(v for k, v in kernels_in_cache().items() if k not in before)
     rows.append({"row": "feature_layers", "layers": layers, "ms": round((time.perf_counter() - t0) * 1e3, 1),
-                 "kernels": new})
+                 "kernels": new, **memory()})
     print(rows[0], rows[1], flush=True)
 
     for extra in PREFILL_RESERVES:
@@ -144,6 +149,8 @@ def main() -> None:
             rows.append({"row": "prefill", "tokens": n, "reserve": n + extra, "ms": round(ms, 1), "kernels": new})
             print(rows[-1], flush=True)
 
+    torch.cuda.synchronize()
+    rows.append({"row": "after_prefills", **memory()})
     batches = engine.graphs.batch_buckets if engine.graphs else (1,)
     node_buckets = engine.graphs.node_buckets if engine.graphs else NODE_BUCKETS
     rids = [f"r{i}" for i in range(max(batches))]
@@ -163,12 +170,9 @@ def main() -> None:
     torch.cuda.synchronize()
     graphs = engine.graphs
     rows.append({"row": "after_verify", "graphs": len(graphs.captured) if graphs else 0,
-                 "graph_outputs_gb": round(graphs.outputs_bytes() / 1e9, 3) if graphs else None,
-                 "gpu_gb_allocated": round(torch.cuda.memory_allocated() / 1e9, 3),
-                 "gpu_gb_reserved": round(torch.cuda.memory_reserved() / 1e9, 3),
-                 "gpu_gb_peak": round(torch.cuda.max_memory_allocated() / 1e9, 3)})
+                 "graph_outputs_gb": round(graphs.outputs_bytes() / 1e9, 3) if graphs else None, **memory()})
     print(rows[-1], flush=True)
-    calls = [r for r in rows[1:] if r["row"] != "after_verify"]
+    calls = [r for r in rows[1:] if r["row"] not in ("after_prefills", "after_verify")]
     added = sorted(k for r in calls for k in r["kernels"])
     slow = max(calls, key=lambda r: r.get("first_ms", r.get("ms", 0)))
     summary = {"row": "summary", "calls": len(calls), "new_cache_entries": len(kernels_in_cache()) - start_entries,

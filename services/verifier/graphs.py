@@ -315,6 +315,7 @@ class VerifyGraphs:
 
     def _capture(self, b: _Bucket, quiet: bool = False) -> None:
         t0 = time.perf_counter()
+        self._outputs(0)   # made here, on this stream, outside the capture and its side-stream warm-up
         b.graph, b.output = capture(lambda: self._forward(b), self.device, self._pool)
         if not quiet:   # a capture on a request's step, where the start-up did not capture them all
             log.info("graph_captured", batch=b.batch, nodes=b.nodes, seconds=round(time.perf_counter() - t0, 2))
