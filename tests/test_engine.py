@@ -286,6 +286,7 @@ def test_every_bucket_writes_one_set_of_output_buffers(target: Target, monkeypat
         assert out.new_kv.shape == (c.num_hidden_layers, rows, c.kv_dim)
         for t, buf in zip((out.logits, out.features, out.new_kv), buffers):
             assert t.is_contiguous() and t.data_ptr() == buf.data_ptr()
+    assert graphs._outputs(0).new_kv.shape == (c.num_hidden_layers, 0, c.kv_dim)   # made before a capture
     logits, kv = graphs._logits, graphs._new_kv
     engine.set_feature_layers([1])
     out = graphs._forward(graphs._bucket(2, 3))

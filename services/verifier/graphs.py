@@ -177,7 +177,7 @@ class VerifyGraphs:
         assert self._new_kv is not None
         return ForwardOutput(logits=self._logits[:rows * logits].view(rows, logits),
                              features=self._features[:rows * features].view(rows, features),
-                             new_kv=self._new_kv[:rows * kv].view(m.config.num_hidden_layers, rows, -1))
+                             new_kv=self._new_kv[:rows * kv].view(m.config.num_hidden_layers, rows, m.config.kv_dim))
 
     def capture_buckets(self) -> int:
         """Captures every bucket not yet captured, largest first; returns how many. Without
