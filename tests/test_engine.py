@@ -237,9 +237,9 @@ def test_warm_up_runs_every_bucket_and_leaves_no_state(target: Target) -> None:
 
 def test_capture_buckets_takes_every_bucket_not_captured_largest_first(target: Target,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The start-up takes each bucket not yet captured, largest first (so later captures fit in
-    the pool the larger ones left), on all-padding inputs, the cache untouched. The CPU runs
-    the padded forward where a GPU captures it."""
+    """The start-up takes each bucket not yet captured, largest first (where the largest does not
+    fit, the start fails at once), on all-padding inputs, the cache untouched. The CPU runs the
+    padded forward where a GPU captures it."""
     engine = make_engine(target.model, shuffle_seed=None)
     graphs = engine.enable_graphs(capture=False, batch_buckets=(1, 2), node_buckets=(1, 3, 5))
     graphs._bucket(2, 3).graph = object()   # stands for a captured bucket

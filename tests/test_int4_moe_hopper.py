@@ -106,9 +106,9 @@ def test_every_prefill_chunk_takes_a_config_some_graph_bucket_compiles(
         monkeypatch: pytest.MonkeyPatch, hopper: bool, experts: int, intermediate: int, top_k: int) -> None:
     """A prefill chunk of any length (one routing group) takes a MoE config that a verify bucket's
     step (batch x nodes tokens, a group a request) also takes, so the verifier's start-up, which
-    runs every bucket once (``VerifyGraphs.compile_buckets``), has compiled it: no prompt compiles
+    captures every bucket (``VerifyGraphs.capture_buckets``), has compiled it: no prompt compiles
     the MoE while the replica's requests wait. The demo's, K2 TP8's and K2 EP8's dims, both tables;
-    the warm-up's captured buckets alone miss some on the Triton table."""
+    the warm-up's verify-step buckets alone miss some on the Triton table."""
     from kernels import int4_moe as km
     from services.common.settings import VerifierSettings
     from services.verifier.graphs import BATCH_BUCKETS, NODE_BUCKETS

@@ -100,8 +100,8 @@ def test_plan_follows_the_sweep() -> None:
 @pytest.mark.parametrize("n,k", [(256, 512), (576, 7168)])
 def test_every_row_count_launches_a_key_some_graph_bucket_launched(n: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt of 1..32 tokens (an eager prefill) launches, by compile key, only what a verify
-    bucket's step of batch x nodes tokens launched, so the verifier's start-up, which runs every
-    bucket once (``VerifyGraphs.compile_buckets``), has compiled it. The warm-up's captured
+    bucket's step of batch x nodes tokens launched, so the verifier's start-up, which captures
+    every bucket (``VerifyGraphs.capture_buckets``), has compiled it. The warm-up's verify-step
     buckets alone (1 / 8 / 64 requests of 1 / 9 / 17 / 33 nodes) never had 16 or 32 rows: on an
     H200 a 16-token prompt then compiled 5-8 kernels, 1.4-3.2 s (bench/results/verify_first_use-*)."""
     from services.verifier.graphs import BATCH_BUCKETS, NODE_BUCKETS

@@ -177,9 +177,9 @@ class VerifierSettings:
     tp: int = 1                      # tensor-parallel ranks (processes); device "cuda" puts rank i on GPU i
     tp_timeout_s: float = 60.0       # a step's collective waiting longer than this fails the group
     peer_stream_timeout_s: float = 30.0   # a draft that hand-shook but opened no stream by then is dropped
-    cuda_graphs: bool = True         # verify replays CUDA graphs on GPU (warm-up captures; other buckets on first use, compiled at start-up)
+    cuda_graphs: bool = True         # verify replays CUDA graphs on GPU (every bucket captured at start-up)
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets; larger steps run eagerly
-    warmup_budgets: tuple[int, ...] = (0, 8, 16, 32)   # GPU: captured at start-up (0 = autoregressive); every bucket compiles then
+    warmup_budgets: tuple[int, ...] = (0, 8, 16, 32)   # GPU: verify steps of the warm-up (0 = autoregressive), after every bucket's capture; () = no warm-up
     cpu_threads: int = 1             # torch intra-op threads per rank (CPU); spinning threads of several
                                      # processes on the same cores cost 5-10x on a small machine
     metrics_port: int = 0

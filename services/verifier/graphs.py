@@ -15,7 +15,9 @@ replay, and a gather of the real rows.
 Replays never overlap, and a step gathers its real rows before the next replay, so the graphs
 share their memory: the captures one pool for what they make and drop, and every bucket one set
 of output buffers, sized once for the largest bucket (``outputs_bytes``). Outputs allocated by
-each capture would stay allocated with it: gigabytes a rank at Kimi-K2 shapes, grown by requests.
+each capture stayed allocated with it: with all 104 buckets captured, a 3-layer Kimi-K2 TP8 slice
+held 20.2 GB where it now holds 6.6 (bench/results/verify_first_use-k2-*). The start-up captures
+every bucket (``capture_buckets``), so what the graphs hold is known before the first request.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class VerifyGraphs:
             return
         self.feature_layers = layers
         recapture = sorted((b for b in self._buckets.values() if b.graph is not None),
-                           key=lambda b: -b.batch * b.nodes)   # largest first (``capture_buckets``)
+                           key=lambda b: -b.batch * b.nodes)   # as ``capture_buckets`` does
         for b in self._buckets.values():
             b.output, b.graph = None, None
         self._features = None   # the old width's buffer is dropped before the new one is made
@@ -187,10 +189,8 @@ class VerifyGraphs:
         configs by token count, tile sizes by rows: seconds each) and capture its graph (tens of
         milliseconds), while that request and every other of the replica wait. The capture's
         warm-up run compiles what the graph launches: launches depend on the bucket's shapes
-        only, never on the inputs' values (a capture could not hold them otherwise). Why largest
-        first: each later capture fits in the blocks the larger ones left in the shared pool,
-        so the pool holds about what the largest step needs; captured smallest first, each size
-        left segments the next could not use."""
+        only, never on the inputs' values (a capture could not hold them otherwise). Largest
+        first: a GPU without room for the largest step fails the start at once."""
         t0, ran = time.perf_counter(), 0
         keys = sorted(((b, t) for b in self.batch_buckets for t in self.node_buckets), key=lambda k: (-k[0] * k[1], k))
         with current(self.device):
