@@ -75,3 +75,26 @@ def test_free_port_never_hands_out_a_port_twice() -> None:
 
     ports = [free_port() for _ in range(300)]
     assert len(set(ports)) == len(ports)
+
+
+def test_the_verifier_is_given_the_drafters_feature_layers(tmp_path) -> None:
+    """The verifier captures its graphs with the layers the drafter reads, at start-up, rather than
+    again at the first handshake; a value of the user's stands, and no value is guessed where the
+    drafter's config cannot say or the replicas' drafters disagree."""
+    import json
+    demo = json.loads(open("models/demo/drafter/config.json").read())["dflash_config"]["target_layer_ids"]
+
+    def layers(**kw) -> tuple[int, ...]:
+        plan = Stack(StackSpec(model_path="models/demo", scheduler_port=0, **kw))._plan()
+        return load_settings(VerifierSettings, None, env=plan[0].env).feature_layers
+
+    assert layers() == tuple(demo) and demo
+    assert layers(service_env={"verifier": {"DDTREE_VERIFIER_FEATURE_LAYERS": "0"}}) == (0,)
+    assert layers(drafter_path=str(tmp_path)) == ()                      # no config.json there
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads(open("models/demo/drafter/config.json").read())
+    config["dflash_config"]["target_layer_ids"] = [0]
+    (other / "config.json").write_text(json.dumps(config))
+    assert layers(drafter_path=str(other)) == (0,)
+    assert layers(draft_replicas=2, service_env={"draft-1": {"DDTREE_DRAFT_DRAFTER_PATH": str(other)}}) == ()

@@ -185,6 +185,19 @@ def test_a_context_past_the_model_is_refused() -> None:
         build_engine(VerifierSettings(model_path="models/demo", max_context=100000))
 
 
+def test_the_feature_layers_setting_is_taken_before_the_captures_and_checked() -> None:
+    """``verifier.feature_layers`` is the engine's from the start (the graphs capture with it), and
+    a layer the target does not have fails the start naming the setting."""
+    from services.common.settings import VerifierSettings
+    from services.verifier.server import build_engine
+    engine = build_engine(VerifierSettings(model_path="models/demo", feature_layers=(1, 3), kv_capacity_tokens=256))
+    assert engine.feature_layers == (1, 3)
+    with pytest.raises(SettingsError, match=r"verifier\.feature_layers: \[99\] outside the target's \d+ layers"):
+        build_engine(VerifierSettings(model_path="models/demo", feature_layers=(1, 99), kv_capacity_tokens=256))
+    with pytest.raises(SettingsError, match=r"verifier\.feature_layers"):
+        VerifierSettings(feature_layers=(-1,))
+
+
 def test_a_draft_without_its_verifier_names_the_address_and_the_wait() -> None:
     """It used to wait a fixed 120 s without a word, then say 'verifier handshake failed: Deadline
     Exceeded' without the address."""

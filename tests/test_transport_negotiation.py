@@ -61,10 +61,11 @@ class _Group:
         return 0 if name == "release_owner" else None
 
 
-async def _serve(verifier_device: str, peer_stream_timeout_s: float = 30.0
+async def _serve(verifier_device: str, peer_stream_timeout_s: float = 30.0, feature_layers: tuple[int, ...] = ()
                  ) -> tuple[grpc.aio.Server, VerifierServicer, Metrics, str]:
     metrics = Metrics("verifier")
-    settings = VerifierSettings(device=verifier_device, ring_slot_bytes=8192, peer_stream_timeout_s=peer_stream_timeout_s)
+    settings = VerifierSettings(device=verifier_device, ring_slot_bytes=8192, peer_stream_timeout_s=peer_stream_timeout_s,
+                                feature_layers=feature_layers)
     servicer = VerifierServicer(_Group(), settings, metrics)
     server = grpc.aio.server()
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
@@ -407,6 +408,28 @@ def test_a_draft_of_other_feature_layers_is_refused_while_another_is_connected()
     refused, second = asyncio.run(scenario())
     assert refused.code == grpc.StatusCode.FAILED_PRECONDITION and "[0, 2]" in refused.message
     assert second is not None and second.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_draft_of_other_feature_layers_than_the_setting_is_refused() -> None:
+    """``verifier.feature_layers`` set: the graphs were captured with them at start-up, so a drafter
+    naming others is refused (even alone), with the setting named; one naming them connects."""
+    async def scenario():
+        server, _, _, address = await _serve("cpu", feature_layers=(1, 2))
+        other = VerifierClient(address, "inline", ring_slots=2, ring_slot_bytes=8192, device="cpu")
+        same = VerifierClient(address, "inline", ring_slots=2, ring_slot_bytes=8192, device="cpu")
+        try:
+            with pytest.raises(ServiceError) as refused:
+                await other.connect([0, 2], HIDDEN, VOCAB)
+            await same.connect([1, 2], HIDDEN, VOCAB)
+            return refused.value
+        finally:
+            for c in (other, same):
+                await c.close()
+            await server.stop(None)
+
+    refused = asyncio.run(scenario())
+    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "[0, 2]" in refused.message and "verifier.feature_layers = [1, 2]" in refused.message
 
 
 def test_a_peer_that_opens_its_stream_while_its_expiry_waits_is_kept() -> None:

@@ -167,6 +167,19 @@ class _Service:
     settings: object = None       # what it reads from the config file and its environment (set by start)
 
 
+def _drafter_layers(drafter_path: str) -> tuple[int, ...] | None:
+    """The target layers a drafter checkpoint reads, or None where its config cannot say (the
+    draft service reports a bad checkpoint itself, with the file and field)."""
+    from services.common.checkpoint import CheckpointError, read_config
+    from services.draft.config import DraftConfig
+    if not drafter_path:
+        return None
+    try:
+        return DraftConfig.from_hf(read_config(Path(drafter_path))).target_layer_ids
+    except (CheckpointError, OSError, ValueError):
+        return None
+
+
 class Stack:
     """Starts verifier -> draft replicas -> scheduler; `stop()` ends them in reverse, SIGTERM then SIGKILL."""
 
@@ -216,6 +229,13 @@ class Stack:
                 taken.add(metrics)
                 env["DDTREE_DRAFT_METRICS_PORT"] = str(metrics)
             plan.append(_Service(name, "draft", drafts[-1], env))
+        layers = {_drafter_layers(load_settings(DraftSettings, spec.config_path, env=d.env).drafter_path)
+                  for d in plan[1:]}
+        if len(layers) == 1 and None not in layers \
+                and not load_settings(VerifierSettings, spec.config_path, env=plan[0].env).feature_layers:
+            # The verifier captures its graphs with the drafter's layers at start-up, rather than
+            # again at the first handshake (every graph; minutes a rank on a large model).
+            plan[0].env["DDTREE_VERIFIER_FEATURE_LAYERS"] = ",".join(map(str, layers.pop()))
         sport = spec.scheduler_port or free_port()
         # Probed where it listens (the config file's host, e.g. 0.0.0.0 in compose/ddtree.toml,
         # is reached on loopback), not on 127.0.0.1 whatever it listens on.

@@ -180,6 +180,8 @@ class VerifierSettings:
     cuda_graphs: bool = True         # verify replays CUDA graphs on GPU (every bucket captured at start-up)
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets; larger steps run eagerly
     warmup_budgets: tuple[int, ...] = (0, 8, 16, 32)   # GPU: verify steps of the warm-up (0 = autoregressive), after every bucket's capture; () = no warm-up
+    feature_layers: tuple[int, ...] = ()   # target layers the drafters read (dflash target_layer_ids): the graphs are
+                                           # captured with them, other layers refused; () = the first handshake's, recaptured then
     cpu_threads: int = 1             # torch intra-op threads per rank (CPU); spinning threads of several
                                      # processes on the same cores cost 5-10x on a small machine
     metrics_port: int = 0
@@ -199,6 +201,7 @@ class VerifierSettings:
         _check(all(b >= 1 for b in self.graph_batches), "verifier.graph_batches", "must be >= 1 each")
         _check(all(0 <= b <= MAX_BUDGET for b in self.warmup_budgets), "verifier.warmup_budgets",
                f"must be budgets in 0..{MAX_BUDGET}")
+        _check(all(i >= 0 for i in self.feature_layers), "verifier.feature_layers", "must be layer indices >= 0")
         _check(self.ring_slots >= 2, "verifier.ring_slots", "must be >= 2")
         _check(self.ring_slot_bytes >= 4096, "verifier.ring_slot_bytes", "must be >= 4096")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "verifier.dtype",

@@ -99,6 +99,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self.engine.check_feature_layers(list(layers))
         except ServiceError as exc:
             await context.abort(exc.code, exc.message)
+        fixed = tuple(self.settings.feature_layers)
+        if fixed and layers != fixed:   # the start-up captured the graphs with these; a recapture would take long
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"draft {request.draft_id} drafts from target layers {list(layers)}; this verifier "
+                                f"serves verifier.feature_layers = {list(fixed)} (point the drafter at a verifier of "
+                                "its layers, or change the setting)")
         others = {p.feature_layers for p in self._peers.values() if p.draft_id != request.draft_id}
         if others and others != {layers}:   # one set for the engine: a second would re-point the first's features
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -417,6 +423,12 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
     log.info("kv_cache_sized", pages=num_pages, page_size=settings.page_size, tokens=num_pages * settings.page_size,
              max_context=max_context)
     engine = VerifierEngine(model, cache, max_context=max_context, prefill_chunk=settings.prefill_chunk)
+    if settings.feature_layers:   # before the captures, which bake them in
+        bad = [i for i in settings.feature_layers if i >= cfg.num_hidden_layers]
+        if bad:
+            raise SettingsError(f"verifier.feature_layers: {bad} outside the target's {cfg.num_hidden_layers} layers "
+                                f"(0..{cfg.num_hidden_layers - 1})")
+        engine.set_feature_layers(settings.feature_layers)
     if settings.cuda_graphs and model.capturable:
         graphs = engine.enable_graphs(batch_buckets=settings.graph_batches)
         log.info("cuda_graphs", batch_buckets=list(graphs.batch_buckets), node_buckets=list(graphs.node_buckets))
