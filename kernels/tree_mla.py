@@ -70,6 +70,7 @@ __all__ = [
     "merge_launch_shapes",
     "served_dv_splits",
     "warm_up_merges",
+    "warm_up_attention",
 ]
 
 
@@ -710,6 +711,46 @@ def warm_up_merges(kvr: int, dtype: torch.dtype, device: torch.device | str, dv_
             for after_ctas in (None, 1 << 30):   # early, and after a split launch of many waves
                 merge_splits(o_part, lse_part, out, block, dv, d_chunks=d_chunks, split_block=block,
                              after_ctas=after_ctas)
+                launches += 1
+    return launches
+
+
+def warm_up_attention(kv_cache: Tensor, heads: int, rope: int, *, backend: str | None = None) -> int:
+    """Compiles the attention kernel that ``tree_mla`` serves on this cache (one layer's
+    ``[pages, page_size, kvr + rope]``) in each variant a launch can take; returns the launches.
+
+    Why: a prefill runs eagerly at any length and page-table width, and its rows, requests and
+    width pick the variant: on the Gluon backend the few-row or the 64-row kernel, each with one
+    split (``DIRECT``) or several; on the Triton backend the row tile (:func:`default_config`) and
+    ``DIRECT``. The graph buckets' steps all read the whole page-table width, so they need not take
+    every variant, and a prefill taking a new one would compile it (seconds) while the replica's
+    requests wait. Everything else in a launch's compile key is fixed by the model's dims, dtype
+    and cache (the Gluon kernels refuse unaligned operands). Runs one 9-node chain with no prefix.
+    """
+    device, dtype = kv_cache.device, kv_cache.dtype
+    kvr, nodes = kv_cache.shape[-1] - rope, 9
+    g = torch.Generator(device=device).manual_seed(0)
+    q_latent = torch.randn(nodes, heads, kvr, generator=g, device=device).to(dtype)
+    q_pe = torch.randn(nodes, heads, rope, generator=g, device=device).to(dtype)
+    new_kv = torch.randn(nodes, kvr + rope, generator=g, device=device).to(dtype)
+    host = TreeAttentionMetadata(query_starts=torch.tensor([0, nodes]), prefix_lens=torch.tensor([0]),
+                                 page_tables=[torch.zeros(1, dtype=torch.int64)], tree_masks=[chain_mask(nodes)])
+    meta = TreeAttentionDeviceMetadata.from_host(host, device=device)
+    if backend is None:
+        backend = os.environ.get(BACKEND_ENV) or choose_backend(q_latent, q_pe, kv_cache, new_kv)
+    launches = 0
+    if backend == "hopper":
+        for few_rows in (True, False):
+            for splits in (1, 2):
+                tree_mla_hopper(q_latent, q_pe, kv_cache, new_kv, meta, 1.0, num_splits=splits, few_rows=few_rows)
+                launches += 1
+    elif backend == "triton":
+        limit = _shared_memory_limit(device)
+        configs = {fit_shared_memory(default_config(rows), kvr + rope, kv_cache.element_size(), limit)
+                   for rows in (16, 32, 64, 128)}   # each row tile default_config gives
+        for cfg in sorted(configs, key=lambda c: c.block_m):
+            for splits in (1, 2):
+                tree_mla_triton(q_latent, q_pe, kv_cache, new_kv, meta, 1.0, num_splits=splits, config=cfg)
                 launches += 1
     return launches
 

@@ -19,9 +19,10 @@ __all__ = ["Recorder", "compile_key"]
 
 
 def compile_key(kernel: Any, args: tuple, options: dict[str, Any]) -> tuple:
-    """The key of ``kernel[grid](*args, **options)`` (``kernel`` a ``triton.jit`` function, read
-    for its argument names and ``do_not_specialize``)."""
-    loose = set(kernel.kwargs.get("do_not_specialize") or ())
+    """The key of ``kernel[grid](*args, **options)`` (``kernel`` a ``triton.jit`` or ``gluon.jit``
+    function, read for its argument names and ``do_not_specialize``)."""
+    declared = kernel.kwargs.get("do_not_specialize") if hasattr(kernel, "kwargs") else kernel.do_not_specialize
+    loose = set(declared or ())
     key: list[tuple] = []
     for name, value in zip(kernel.arg_names, args):
         if isinstance(value, torch.Tensor):

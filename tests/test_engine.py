@@ -325,8 +325,9 @@ def test_forward_writes_the_outputs_given(target: Target) -> None:
 def test_the_warm_up_captures_every_bucket_before_its_steps_and_compiles_the_merges(
         target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
     """``warm_up`` captures every bucket where graphs capture, before its own verify steps (which
-    then replay), and ends compiling the merges of the attention backend the model's dims and
-    dtype get, on the model's GPU. The CPU runs neither, so the calls are recorded here."""
+    then replay), and ends compiling the attention kernel's variants on the cache and the merges
+    of the backend the model's dims and dtype get, on the model's GPU. The CPU runs none of them,
+    so the calls are recorded here."""
     import services.verifier.engine as engine_mod
     engine = make_engine(target.model, shuffle_seed=None)
     graphs = engine.enable_graphs(capture=False, batch_buckets=(1, 2))
@@ -336,14 +337,18 @@ def test_the_warm_up_captures_every_bucket_before_its_steps_and_compiles_the_mer
     monkeypatch.setattr(engine_mod, "warm_up_merges",
                         lambda kvr, dtype, device, dv_splits: calls.append(("merges", kvr, dtype, device.type, dv_splits)))
     monkeypatch.setattr(engine_mod, "served_dv_splits", lambda kvr, rope, dtype, device: (kvr, rope))
+    monkeypatch.setattr(engine_mod, "warm_up_attention", lambda kv_cache, heads, rope, backend: calls.append(
+        ("attention", kv_cache.data_ptr() == engine.cache.kv[0].data_ptr(), tuple(kv_cache.shape), heads, rope, backend)))
     engine.warm_up([0, 4], batches=(1,))
     c = target.model.config
     merges = ("merges", c.kv_lora_rank, target.model.dtype, "cpu", (c.kv_lora_rank, c.qk_rope_head_dim))
-    assert calls == [("verify",), ("verify",), merges]
+    attention = ("attention", True, tuple(engine.cache.kv.shape[1:]), target.model.layers[0].attn.w_uk.shape[0],
+                 c.qk_rope_head_dim, target.model.attention_backend)
+    assert calls == [("verify",), ("verify",), merges, attention]
     calls.clear()
     graphs.capture = True   # as on a GPU
     engine.warm_up([0, 4], batches=(1,))
-    assert calls == [("buckets",), ("verify",), ("verify",), merges]
+    assert calls == [("buckets",), ("verify",), ("verify",), merges, attention]
     assert engine.active_requests == 0
 
 

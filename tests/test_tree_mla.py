@@ -277,6 +277,39 @@ def test_the_merge_warm_up_compiles_every_launch_a_prefill_can_make(kvr: int, mo
         assert {dict(k[5:])["launch_pdl"] for k in served} == ({True, False} if pdl_on else {False})   # after the 5 arguments
 
 
+@pytest.mark.parametrize("kvr, rope, heads, dtype", [(512, 64, 8, torch.bfloat16), (128, 32, 4, torch.float32)])
+def test_the_attention_warm_up_compiles_every_triton_variant_a_launch_takes(
+        kvr: int, rope: int, heads: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the Triton backend ``warm_up_attention`` launches the split kernel with every compile key
+    that prefills (one request, 1-512 tokens, any page-table width) and verify steps (the graph
+    buckets' batches and trees, a context's whole width) launch, and no other. Kimi-K2's per-rank
+    shape in bf16, and a small float32 model (float32 always takes this backend)."""
+    from tests.launch_keys import Recorder
+    recorder = Recorder(tm._tree_mla_split_kernel)
+    monkeypatch.setattr(tm, "_tree_mla_split_kernel", recorder)
+    monkeypatch.setattr(tm, "merge_splits", lambda *args, **kwargs: None)
+    page = 16
+    cache = torch.randn(8, page, kvr + rope).to(dtype)
+    launches = tm.warm_up_attention(cache, heads, rope, backend="triton")
+    warm = set(recorder.keys)
+    recorder.keys.clear()
+    shapes = [(1, n, w) for n in (1, 2, 3, 8, 9, 64, 129, 512) for w in (1, 2, 5, 33, 513, 8192)]   # prefills
+    shapes += [(b, n, w) for b in (1, 8, 64) for n in (1, 2, 5, 9, 17, 33, 129) for w in (128, 8192)]  # graph buckets
+    for requests, nodes, width in shapes:
+        n = requests * nodes
+        q_latent = torch.randn(heads, n, kvr).to(dtype).transpose(0, 1)   # as the model makes it
+        meta = TreeAttentionDeviceMetadata(
+            query_starts=torch.arange(requests + 1, dtype=torch.int32) * nodes,
+            prefix_lens=torch.full((requests,), width * page - nodes, dtype=torch.int32).clamp(min=0),
+            page_table=torch.zeros(requests, width, dtype=torch.int32),
+            ancestor_bits=torch.zeros(n, -(-nodes // 32), dtype=torch.int32), max_nodes=nodes)
+        tm.tree_mla_triton(q_latent, torch.randn(n, heads, rope).to(dtype), cache,
+                           torch.randn(n, kvr + rope).to(dtype), meta, 0.1)
+    served = set(recorder.keys)
+    assert served == warm, (served - warm, warm - served)
+    assert launches == len(warm) == 8   # 4 row tiles x one split or several
+
+
 def test_the_merge_warm_up_follows_the_served_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon kernel's merges take one value-dim split, the Triton kernel's one or two; the
     reference and the CPU launch none."""

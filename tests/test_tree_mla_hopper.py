@@ -260,3 +260,50 @@ def _build_from_args(args: list[str]) -> dict:
 
 if __name__ == "__main__":
     build_main(_build_from_args)
+
+
+@pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
+def test_the_attention_warm_up_compiles_every_variant_a_launch_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``warm_up_attention`` (the verifier's start-up) launches the Gluon kernels with every compile
+    key that prefills (one request, 1-512 tokens, any page-table width) and verify steps (batches
+    and trees of the graph buckets, a context's whole width) launch at Kimi-K2's per-rank shape, and
+    no other: a key only a request reached would compile there, seconds while the replica waits.
+    The kernels are recorded here, not run (Gluon has no CPU interpreter)."""
+    import kernels.tree_mla as tm
+    from kernels.tree_mla import TreeAttentionDeviceMetadata, warm_up_attention
+    from tests.launch_keys import Recorder
+    main, few = Recorder(hop._tree_mla_hopper_kernel), Recorder(hop._tree_mla_few_rows_kernel)
+    monkeypatch.setattr(hop, "_tree_mla_hopper_kernel", main)
+    monkeypatch.setattr(hop, "_tree_mla_few_rows_kernel", few)
+    monkeypatch.setattr(hop, "hopper_available", lambda device: True)
+    monkeypatch.setattr(tm, "merge_splits", lambda *args, **kwargs: None)
+    monkeypatch.setattr(tm, "split_partials", lambda out, splits, dv: (torch.empty(0), torch.empty(0)))
+    heads, kvr, rope, page = 8, 512, 64, 16
+    cache = torch.randn(8, page, kvr + rope).to(torch.bfloat16)
+
+    def keys() -> set[tuple]:
+        got = {("64-row", *k) for k in main.keys} | {("few-row", *k) for k in few.keys}
+        main.keys.clear()
+        few.keys.clear()
+        return got
+
+    assert warm_up_attention(cache, heads, rope, backend="hopper") == 4
+    warm = keys()
+    shapes = [(1, n, w) for n in (1, 2, 8, 64, 129, 512) for w in (1, 2, 5, 33, 64, 513, 8192)]   # prefills
+    shapes += [(b, n, w) for b in (1, 8, 64) for n in (1, 9, 33, 129) for w in (128, 8192)]      # graph buckets
+    for requests, nodes, width in shapes:
+        g = torch.Generator().manual_seed(requests * nodes + width)
+        n = requests * nodes
+        q_latent = torch.randn(heads, n, kvr, generator=g).to(torch.bfloat16).transpose(0, 1)   # as the model makes it
+        q_pe = torch.randn(n, heads, rope, generator=g).to(torch.bfloat16)
+        new_kv = torch.randn(n, kvr + rope, generator=g).to(torch.bfloat16)
+        words = -(-nodes // 32)
+        meta = TreeAttentionDeviceMetadata(
+            query_starts=torch.arange(requests + 1, dtype=torch.int32) * nodes,
+            prefix_lens=torch.full((requests,), width * page - nodes, dtype=torch.int32).clamp(min=0),
+            page_table=torch.zeros(requests, width, dtype=torch.int32),
+            ancestor_bits=torch.zeros(n, words, dtype=torch.int32), max_nodes=nodes)
+        hop.tree_mla_hopper(q_latent, q_pe, cache, new_kv, meta, 0.1)
+    served = keys()
+    assert served == warm, (served - warm, warm - served)
+    assert {k[0] for k in warm} == {"64-row", "few-row"}

@@ -16,7 +16,9 @@ import grpc
 import numpy as np
 import torch
 
-from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata, served_dv_splits, warm_up_merges
+from kernels.tree_mla import (
+    TreeAttentionDeviceMetadata, TreeAttentionMetadata, served_dv_splits, warm_up_attention, warm_up_merges,
+)
 from services.common.devices import current
 from services.common.grpc_server import ServiceError
 from services.draft.tree import ancestor_mask
@@ -111,8 +113,9 @@ class VerifierEngine:
         """Compile and capture before the first request, not during it: prompts of several lengths
         (each fused-MoE and attention launch config by token count), every CUDA-graph bucket
         (``VerifyGraphs.capture_buckets``), verify steps at each budget and batch (sampling,
-        acceptance and commit), and the attention merge at every launch shape (``warm_up_merges``:
-        a prefill meets shapes no bucket ran). Uses throw-away requests; leaves no state."""
+        acceptance and commit), and the attention kernel in each variant and its merge at every
+        launch shape (``warm_up_attention``, ``warm_up_merges``: a prefill meets shapes no bucket
+        ran). Uses throw-away requests; leaves no state."""
         lengths = sorted({1, 8, 64, min(self.prefill_chunk, max(1, self.max_context // 4))})
         rids = [f"__warmup_{i}__" for i in range(max(batches))]
         for n in lengths:
@@ -138,6 +141,8 @@ class VerifierEngine:
         with current(device):
             warm_up_merges(c.kv_lora_rank, self.model.dtype, device,
                            dv_splits=served_dv_splits(c.kv_lora_rank, c.qk_rope_head_dim, self.model.dtype, device))
+            warm_up_attention(self.cache.kv[0], heads=self.model.layers[0].attn.w_uk.shape[0], rope=c.qk_rope_head_dim,
+                              backend=self.model.attention_backend)
 
     def take_commit_ms(self) -> float | None:
         """The last verify's KV write time, once (None where no verify committed since): a step
