@@ -78,23 +78,30 @@ def test_free_port_never_hands_out_a_port_twice() -> None:
 
 
 def test_the_verifier_is_given_the_drafters_feature_layers(tmp_path) -> None:
-    """The verifier captures its graphs with the layers the drafter reads, at start-up, rather than
-    again at the first handshake; a value of the user's stands, and no value is guessed where the
-    drafter's config cannot say or the replicas' drafters disagree."""
+    """The verifier captures its graphs with the layers the drafter started here reads, at start-up,
+    rather than again at the first handshake. The environment's value stands (empty: the first
+    handshake's), the config file's does not (like its model paths), and no value is guessed where
+    the drafter's config cannot say, names layers the target lacks, or the replicas disagree."""
     import json
     demo = json.loads(open("models/demo/drafter/config.json").read())["dflash_config"]["target_layer_ids"]
+    depth = json.loads(open("models/demo/config.json").read())["num_hidden_layers"]
 
-    def layers(**kw) -> tuple[int, ...]:
-        plan = Stack(StackSpec(model_path="models/demo", scheduler_port=0, **kw))._plan()
-        return load_settings(VerifierSettings, None, env=plan[0].env).feature_layers
+    def layers(config: str | None = None, **kw) -> tuple[int, ...]:
+        plan = Stack(StackSpec(model_path="models/demo", scheduler_port=0, config_path=config, **kw))._plan()
+        return load_settings(VerifierSettings, config, env=plan[0].env).feature_layers
 
     assert layers() == tuple(demo) and demo
     assert layers(service_env={"verifier": {"DDTREE_VERIFIER_FEATURE_LAYERS": "0"}}) == (0,)
+    assert layers(service_env={"verifier": {"DDTREE_VERIFIER_FEATURE_LAYERS": ""}}) == ()
+    file = tmp_path / "c.toml"
+    file.write_text("[verifier]\nfeature_layers = [0]\n")
+    assert layers(str(file)) == tuple(demo)
     assert layers(drafter_path=str(tmp_path)) == ()                      # no config.json there
-    other = tmp_path / "other"
-    other.mkdir()
     config = json.loads(open("models/demo/drafter/config.json").read())
-    config["dflash_config"]["target_layer_ids"] = [0]
-    (other / "config.json").write_text(json.dumps(config))
-    assert layers(drafter_path=str(other)) == (0,)
-    assert layers(draft_replicas=2, service_env={"draft-1": {"DDTREE_DRAFT_DRAFTER_PATH": str(other)}}) == ()
+    for name, ids in (("other", [0]), ("deeper", [0, depth])):
+        (tmp_path / name).mkdir()
+        config["dflash_config"]["target_layer_ids"] = ids
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    assert layers(drafter_path=str(tmp_path / "other")) == (0,)
+    assert layers(drafter_path=str(tmp_path / "deeper")) == ()          # the draft names the mismatch itself
+    assert layers(draft_replicas=2, service_env={"draft-1": {"DDTREE_DRAFT_DRAFTER_PATH": str(tmp_path / "other")}}) == ()

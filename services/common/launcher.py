@@ -167,17 +167,23 @@ class _Service:
     settings: object = None       # what it reads from the config file and its environment (set by start)
 
 
-def _drafter_layers(drafter_path: str) -> tuple[int, ...] | None:
-    """The target layers a drafter checkpoint reads, or None where its config cannot say (the
-    draft service reports a bad checkpoint itself, with the file and field)."""
+FEATURE_LAYERS_ENV = "DDTREE_VERIFIER_FEATURE_LAYERS"
+
+
+def _drafter_layers(drafter_path: str, target_path: str) -> tuple[int, ...] | None:
+    """The target layers a drafter checkpoint reads, or None where its config cannot say or names
+    layers the target lacks (the draft service reports a bad checkpoint or a mismatch itself, with
+    the file and field, where the verifier could only name a setting the user never wrote)."""
     from services.common.checkpoint import CheckpointError, read_config
     from services.draft.config import DraftConfig
     if not drafter_path:
         return None
     try:
-        return DraftConfig.from_hf(read_config(Path(drafter_path))).target_layer_ids
+        layers = DraftConfig.from_hf(read_config(Path(drafter_path))).target_layer_ids
+        depth = read_config(Path(target_path)).get("num_hidden_layers")
     except (CheckpointError, OSError, ValueError):
         return None
+    return layers if isinstance(depth, int) and max(layers) < depth else None
 
 
 class Stack:
@@ -229,13 +235,14 @@ class Stack:
                 taken.add(metrics)
                 env["DDTREE_DRAFT_METRICS_PORT"] = str(metrics)
             plan.append(_Service(name, "draft", drafts[-1], env))
-        layers = {_drafter_layers(load_settings(DraftSettings, spec.config_path, env=d.env).drafter_path)
-                  for d in plan[1:]}
-        if len(layers) == 1 and None not in layers \
-                and not load_settings(VerifierSettings, spec.config_path, env=plan[0].env).feature_layers:
-            # The verifier captures its graphs with the drafter's layers at start-up, rather than
-            # again at the first handshake (every graph; minutes a rank on a large model).
-            plan[0].env["DDTREE_VERIFIER_FEATURE_LAYERS"] = ",".join(map(str, layers.pop()))
+        layers = {_drafter_layers(load_settings(DraftSettings, spec.config_path, env=d.env).drafter_path,
+                                  spec.model_path) for d in plan[1:]}
+        if len(layers) == 1 and None not in layers and FEATURE_LAYERS_ENV not in plan[0].env:
+            # The verifier captures its graphs with the layers of the drafter started here, at
+            # start-up, rather than again at the first handshake (every graph; long on a large
+            # model). Like the model paths, this overrides the config file; the environment
+            # (empty: the first handshake's) overrides it.
+            plan[0].env[FEATURE_LAYERS_ENV] = ",".join(map(str, layers.pop()))
         sport = spec.scheduler_port or free_port()
         # Probed where it listens (the config file's host, e.g. 0.0.0.0 in compose/ddtree.toml,
         # is reached on loopback), not on 127.0.0.1 whatever it listens on.

@@ -177,7 +177,7 @@ class VerifierSettings:
     tp: int = 1                      # tensor-parallel ranks (processes); device "cuda" puts rank i on GPU i
     tp_timeout_s: float = 60.0       # a step's collective waiting longer than this fails the group
     peer_stream_timeout_s: float = 30.0   # a draft that hand-shook but opened no stream by then is dropped
-    cuda_graphs: bool = True         # verify replays CUDA graphs on GPU (every bucket captured at start-up)
+    cuda_graphs: bool = True         # verify replays CUDA graphs on GPU (every bucket captured by the warm-up)
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets; larger steps run eagerly
     warmup_budgets: tuple[int, ...] = (0, 8, 16, 32)   # GPU: verify steps of the warm-up (0 = autoregressive), after every bucket's capture; () = no warm-up
     feature_layers: tuple[int, ...] = ()   # target layers the drafters read (dflash target_layer_ids): the graphs are

@@ -16,8 +16,9 @@ Replays never overlap, and a step gathers its real rows before the next replay, 
 share their memory: the captures one pool for what they make and drop, and every bucket one set
 of output buffers, sized once for the largest bucket (``outputs_bytes``). Outputs allocated by
 each capture stayed allocated with it: with all 104 buckets captured, a 3-layer Kimi-K2 TP8 slice
-held 20.2 GB where it now holds 6.6 (bench/results/verify_first_use-k2-*). The start-up captures
-every bucket (``capture_buckets``), so what the graphs hold is known before the first request.
+held 20.2 GB where it now holds 6.6 (bench/results/verify_first_use-k2-*). The start-up's warm-up
+captures every bucket (``capture_buckets``), so what the graphs hold is known before the first
+request (without a warm-up, ``verifier.warmup_budgets`` empty, requests capture them).
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class VerifyGraphs:
             return
         self.feature_layers = layers
         recapture = sorted((b for b in self._buckets.values() if b.graph is not None),
-                           key=lambda b: -b.batch * b.nodes)   # as ``capture_buckets`` does
+                           key=lambda b: (-b.batch * b.nodes, b.batch))   # ``capture_buckets``' order
         for b in self._buckets.values():
             b.output, b.graph = None, None
         self._features = None   # the old width's buffer is dropped before the new one is made
@@ -152,8 +153,9 @@ class VerifyGraphs:
 
     def outputs_bytes(self) -> int:
         """Bytes of the output buffers every bucket shares: float32 logits, the feature layers and
-        every layer's new KV, a row each node of the largest bucket. Made at the first step (the
-        start-up's warm-up), so a GPU without room for them fails the start, not a request."""
+        every layer's new KV, a row each node of the largest bucket. Made at the first capture (the
+        start-up's warm-up), so a GPU without room for them fails the start, not a request; the
+        features' again when the drafter's handshake changes the feature layers."""
         logits, features, kv = self._per_row()
         return self._most_rows * (logits * 4 + (features + kv) * self.model.dtype.itemsize)
 

@@ -25,7 +25,7 @@ import grpc
 import torch
 
 from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from services.common.checkpoint import require_checkpoint
+from services.common.checkpoint import read_config, require_checkpoint
 from services.common.devices import pin_device
 from services.common.grpc_server import ServiceError, check_port_free, host_port, listen, new_server, serve_until_signal
 from services.common.logging import configure_logging, get_logger
@@ -394,6 +394,14 @@ def _item_pb(o) -> verifier_pb2.ItemResult:
     return verifier_pb2.ItemResult(request_id=o.request_id, token_ids=o.tokens, committed=o.committed)
 
 
+def check_feature_layers(settings: VerifierSettings) -> None:
+    """``verifier.feature_layers`` against the checkpoint's depth, from its config alone."""
+    depth = read_config(Path(settings.model_path)).get("num_hidden_layers")
+    bad = [i for i in settings.feature_layers if isinstance(depth, int) and i >= depth]
+    if bad:
+        raise SettingsError(f"verifier.feature_layers: {bad} outside the target's {depth} layers (0..{depth - 1})")
+
+
 def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -> VerifierEngine:
     """Start-up phases: load weights (this rank's slice), size the KV cache. Each logs what it decided."""
     dtype = _DTYPES[settings.dtype]
@@ -402,6 +410,7 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
     device = str(pin_device(rank_device(settings.device, tp.rank), "verifier.device"))   # Triton, graphs, rings follow it
     t0 = time.perf_counter()
     require_checkpoint(settings.model_path, "verifier.model_path")
+    check_feature_layers(settings)   # before the weights: minutes on a large model
     model = TargetModel.load(Path(settings.model_path), dtype=dtype, device=device, tp=tp)
     cfg = model.config
     log.info("weights_loaded", path=settings.model_path, layers=cfg.num_hidden_layers, rank=tp.rank, tp=tp.size,
@@ -424,14 +433,15 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
              max_context=max_context)
     engine = VerifierEngine(model, cache, max_context=max_context, prefill_chunk=settings.prefill_chunk)
     if settings.feature_layers:   # before the captures, which bake them in
-        bad = [i for i in settings.feature_layers if i >= cfg.num_hidden_layers]
-        if bad:
-            raise SettingsError(f"verifier.feature_layers: {bad} outside the target's {cfg.num_hidden_layers} layers "
-                                f"(0..{cfg.num_hidden_layers - 1})")
         engine.set_feature_layers(settings.feature_layers)
     if settings.cuda_graphs and model.capturable:
         graphs = engine.enable_graphs(batch_buckets=settings.graph_batches)
         log.info("cuda_graphs", batch_buckets=list(graphs.batch_buckets), node_buckets=list(graphs.node_buckets))
+        if not settings.feature_layers:
+            log.warning("feature_layers_unset", graphs=len(graphs.batch_buckets) * len(graphs.node_buckets),
+                        advice="the first drafter's handshake captures every graph again with its layers (long on a "
+                               "large model: the drafter may time out); set verifier.feature_layers to its "
+                               "dflash_config.target_layer_ids")
     elif settings.cuda_graphs and model.device.type == "cuda":
         log.warning("cuda_graphs_off", reason="MoE experts run the torch loop (needs INT4 experts and a "
                     "bfloat16/float16 dtype for the fused kernel); verify runs eagerly")
