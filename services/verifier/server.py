@@ -394,7 +394,7 @@ def _item_pb(o) -> verifier_pb2.ItemResult:
     return verifier_pb2.ItemResult(request_id=o.request_id, token_ids=o.tokens, committed=o.committed)
 
 
-def check_feature_layers(settings: VerifierSettings) -> None:
+def check_feature_layers_setting(settings: VerifierSettings) -> None:
     """``verifier.feature_layers`` against the checkpoint's depth, from its config alone."""
     depth = read_config(Path(settings.model_path)).get("num_hidden_layers")
     bad = [i for i in settings.feature_layers if isinstance(depth, int) and i >= depth]
@@ -410,7 +410,7 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
     device = str(pin_device(rank_device(settings.device, tp.rank), "verifier.device"))   # Triton, graphs, rings follow it
     t0 = time.perf_counter()
     require_checkpoint(settings.model_path, "verifier.model_path")
-    check_feature_layers(settings)   # before the weights: minutes on a large model
+    check_feature_layers_setting(settings)   # before the weights: minutes on a large model
     model = TargetModel.load(Path(settings.model_path), dtype=dtype, device=device, tp=tp)
     cfg = model.config
     log.info("weights_loaded", path=settings.model_path, layers=cfg.num_hidden_layers, rank=tp.rank, tp=tp.size,
