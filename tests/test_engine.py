@@ -16,11 +16,11 @@ import grpc
 import pytest
 import torch
 
+from kernels.tree_mla import TreeAttentionMetadata
 from services.draft.tree import ancestor_mask, build_trees
 from services.verifier.engine import PrefillInput, VerifierEngine
 from services.verifier.graphs import BATCH_BUCKETS
 from services.verifier.make_target import write_random_target
-from kernels.tree_mla import TreeAttentionMetadata
 from services.verifier.model import ForwardBatch, TargetModel
 from services.verifier.reference import ReferenceModel
 from services.verifier.sampling import Sampling
@@ -322,7 +322,7 @@ def test_forward_writes_the_outputs_given(target: Target) -> None:
         assert torch.equal(getattr(given, name), getattr(fresh, name)), name
 
 
-def test_the_warm_up_captures_every_bucket_before_its_steps_and_compiles_the_merges(
+def test_the_warm_up_captures_every_bucket_before_its_steps_and_compiles_the_attention(
         target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
     """``warm_up`` captures every bucket where graphs capture, before its own verify steps (which
     then replay), and ends compiling the attention kernel's variants on the cache and the merges
