@@ -103,7 +103,7 @@ def k2_slice_engine(layers: int, settings: VerifierSettings) -> tuple[VerifierEn
     cache = PagedKVCache(layers, settings.kv_capacity_tokens // settings.page_size, settings.page_size, config.kv_dim,
                          dtype, device)
     engine = VerifierEngine(model, cache, max_context=config.max_position_embeddings, prefill_chunk=settings.prefill_chunk)
-    engine.enable_graphs(batch_buckets=settings.graph_batches)
+    engine.enable_graphs(batch_buckets=settings.graph_batches, node_buckets=settings.graph_nodes)
     engine.warm_up(settings.warmup_budgets)
     return engine, list(range(min(3, layers)))
 

@@ -190,6 +190,21 @@ def test_padded_graph_buckets_match_reference(target: Target) -> None:
     assert not engine.graphs._buckets
 
 
+def test_the_tree_size_buckets_are_a_setting(target: Target) -> None:
+    """``verifier.graph_nodes``: trees pad to the next of these sizes, larger ones run eagerly, the
+    text is the reference's either way; without any bucket every step runs eagerly and the graphs
+    hold nothing."""
+    refs = [target.continuation(p, GEN_TOKENS + DRAFT_DEPTH + 1) for p in PROMPTS]
+    engine = make_engine(target.model)
+    graphs = engine.enable_graphs(capture=False, batch_buckets=(4,), node_buckets=(33, 5, 5))
+    assert graphs.node_buckets == (5, 33)
+    spec, _ = run_greedy(engine, target, PROMPTS, budgets=[1, 4, 16, 64], tree_seed=2, tag="n")
+    assert all(got == ref[:len(got)] for got, ref in zip(spec, refs))
+    assert set(graphs._buckets) == {(4, 5), (4, 33)}   # budget 64 (65 nodes) ran eagerly
+    none = engine.enable_graphs(capture=False, batch_buckets=(1, 4), node_buckets=())
+    assert none.bucket_for(1, 1) is None and none.outputs_bytes() == 0 and none.capture_buckets() == 0
+
+
 def test_padded_forward_equals_unpadded(target: Target) -> None:
     """Row for row, the padded forward gives the eager forward's logits, features and new KV."""
     engine = make_engine(target.model, shuffle_seed=5)

@@ -47,6 +47,8 @@ def test_unknown_key_and_missing_file(tmp_path):
     ("[scheduler]\ndraft_addresses = 5\n", "scheduler.draft_addresses: 5 is not a list"),
     ("[draft]\nwarmup_budgets = 16\n", "draft.warmup_budgets: 16 is not a list"),
     ("[verifier]\ngraph_batches = [1, 2.5]\n", "verifier.graph_batches"),
+    ("[verifier]\ngraph_nodes = [0, 9]\n", "verifier.graph_nodes: must be tree sizes in 1..129"),
+    ("[verifier]\ngraph_nodes = [9, 130]\n", "verifier.graph_nodes: must be tree sizes in 1..129"),
     ("[draft]\nwarmup_budgets = [\"8\", \"16\"]\n", "draft.warmup_budgets: ['8', '16'] is not a list of integers"),
     ("[scheduler]\nmax_batch = 1.7\n", "scheduler.max_batch: 1.7 is not an integer"),
     ("[scheduler]\nmax_batch = true\n", "scheduler.max_batch: True is not an integer"),

@@ -253,16 +253,18 @@ def test_a_warm_up_out_of_gpu_memory_names_the_settings(tmp_path, monkeypatch) -
     from services.common.settings import VerifierSettings
     from services.verifier import server
     ckpt = make_random_checkpoint(tmp_path / "ckpt", vocab_size=512, seed=0)
-    settings = VerifierSettings(model_path=str(ckpt), max_context=512, kv_capacity_tokens=4096, graph_batches=(1, 32))
+    settings = VerifierSettings(model_path=str(ckpt), max_context=512, kv_capacity_tokens=4096, graph_batches=(1, 32),
+                                graph_nodes=(1, 9, 33))
     engine = server.build_engine(settings)
-    engine.enable_graphs(capture=False, batch_buckets=settings.graph_batches)
+    engine.enable_graphs(capture=False, batch_buckets=settings.graph_batches, node_buckets=settings.graph_nodes)
 
     def out_of_memory(budgets) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore text")
 
     monkeypatch.setattr(engine, "warm_up", out_of_memory)
     with pytest.raises(SettingsError, match=r"lower verifier\.kv_capacity_tokens or drop the largest entry of "
-                                            r"verifier\.graph_batches \(32: the warm-up runs 32 trees of 129 nodes\)\. "
+                                            r"verifier\.graph_batches or verifier\.graph_nodes \(the warm-up runs 32 "
+                                            r"trees of 33 nodes\)\. "
                                             r"CUDA out of memory\. Tried to allocate 2\.00 GiB$"):
         server.warm_up(engine, settings)
     engine.graphs = None   # eager verify: only the KV cache to lower

@@ -179,6 +179,8 @@ class VerifierSettings:
     peer_stream_timeout_s: float = 30.0   # a draft that hand-shook but opened no stream by then is dropped
     cuda_graphs: bool = True         # verify replays CUDA graphs on GPU (every bucket captured by the warm-up)
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets; larger steps run eagerly
+    graph_nodes: tuple[int, ...] = (1, 2, 3, 5, 9, 13, 17, 25, 33, 49, 65, 97, 129)   # tree-size buckets (budget + 1);
+                                     # a tree pads to the next, larger trees run eagerly
     warmup_budgets: tuple[int, ...] = (0, 8, 16, 32)   # GPU: verify steps of the warm-up (0 = autoregressive), after every bucket's capture; () = no warm-up
     feature_layers: tuple[int, ...] = ()   # target layers the drafters read (dflash target_layer_ids): the graphs are
                                            # captured with them, other layers refused; () = the first handshake's, recaptured then
@@ -199,6 +201,8 @@ class VerifierSettings:
         _check(self.max_context >= 0, "verifier.max_context", "must be >= 0")
         _check(self.prefill_chunk > 0, "verifier.prefill_chunk", "must be > 0")
         _check(all(b >= 1 for b in self.graph_batches), "verifier.graph_batches", "must be >= 1 each")
+        _check(all(1 <= n <= MAX_BUDGET + 1 for n in self.graph_nodes), "verifier.graph_nodes",
+               f"must be tree sizes in 1..{MAX_BUDGET + 1} (budget + 1) each")
         _check(all(0 <= b <= MAX_BUDGET for b in self.warmup_budgets), "verifier.warmup_budgets",
                f"must be budgets in 0..{MAX_BUDGET}")
         _check(all(i >= 0 for i in self.feature_layers), "verifier.feature_layers", "must be layer indices >= 0")

@@ -97,8 +97,8 @@ class VerifyGraphs:
         self.cache = cache
         self.max_pages = -(-max_context // cache.page_size)
         self.feature_layers = tuple(feature_layers)
-        self.batch_buckets = tuple(sorted(batch_buckets))
-        self.node_buckets = tuple(sorted(node_buckets))
+        self.batch_buckets = tuple(sorted(set(batch_buckets)))
+        self.node_buckets = tuple(sorted(set(node_buckets)))
         self.capture = capture
         self.device = model.embed_weight.device
         self._buckets: dict[tuple[int, int], _Bucket] = {}
@@ -144,7 +144,8 @@ class VerifyGraphs:
 
     @property
     def _most_rows(self) -> int:
-        return self.batch_buckets[-1] * self.node_buckets[-1]
+        """Rows of the largest bucket (0 without buckets: every step runs eagerly)."""
+        return self.batch_buckets[-1] * self.node_buckets[-1] if self.batch_buckets and self.node_buckets else 0
 
     def _per_row(self) -> tuple[int, int, int]:
         """Elements a row takes in each output: logits of this rank's vocabulary, features, new KV."""

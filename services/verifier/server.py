@@ -435,7 +435,7 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
     if settings.feature_layers:   # before the captures, which bake them in
         engine.set_feature_layers(settings.feature_layers)
     if settings.cuda_graphs and model.capturable:
-        graphs = engine.enable_graphs(batch_buckets=settings.graph_batches)
+        graphs = engine.enable_graphs(batch_buckets=settings.graph_batches, node_buckets=settings.graph_nodes)
         log.info("cuda_graphs", batch_buckets=list(graphs.batch_buckets), node_buckets=list(graphs.node_buckets))
         if not settings.feature_layers:
             log.warning("feature_layers_unset", graphs=len(graphs.batch_buckets) * len(graphs.node_buckets),
@@ -459,9 +459,9 @@ def warm_up(engine: VerifierEngine, settings: VerifierSettings) -> None:
         engine.warm_up(settings.warmup_budgets)
     except torch.OutOfMemoryError as exc:
         graphs = engine.graphs
-        also = (f" or drop the largest entry of verifier.graph_batches ({graphs.batch_buckets[-1]}: the warm-up runs "
+        also = (f" or drop the largest entry of verifier.graph_batches or verifier.graph_nodes (the warm-up runs "
                 f"{graphs.batch_buckets[-1]} trees of {graphs.node_buckets[-1]} nodes)"
-                if graphs is not None and graphs.batch_buckets else "")
+                if graphs is not None and graphs.batch_buckets and graphs.node_buckets else "")
         raise SettingsError(
             f"the verifier's warm-up ran out of GPU memory beside the weights and a KV cache of "
             f"{settings.kv_capacity_tokens} tokens: lower verifier.kv_capacity_tokens{also}. "
