@@ -736,8 +736,7 @@ def warm_up_attention(kv_cache: Tensor, heads: int, rope: int, *, backend: str |
     host = TreeAttentionMetadata(query_starts=torch.tensor([0, nodes]), prefix_lens=torch.tensor([0]),
                                  page_tables=[torch.zeros(1, dtype=torch.int64)], tree_masks=[chain_mask(nodes)])
     meta = TreeAttentionDeviceMetadata.from_host(host, device=device)
-    if backend is None:
-        backend = os.environ.get(BACKEND_ENV) or choose_backend(q_latent, q_pe, kv_cache, new_kv)
+    backend = resolve_backend(backend, q_latent, q_pe, kv_cache, new_kv)
     launches = 0
     if backend == "hopper":
         for few_rows in (True, False):
@@ -796,6 +795,13 @@ def choose_backend(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Ten
     return "triton"
 
 
+def resolve_backend(backend: str | None, q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Tensor) -> str:
+    """``backend`` where given, else ``BACKEND_ENV``, else :func:`choose_backend`'s."""
+    if backend is not None:
+        return backend
+    return os.environ.get(BACKEND_ENV) or choose_backend(q_latent, q_pe, kv_cache, new_kv)
+
+
 def tree_mla(
     q_latent: Tensor,
     q_pe: Tensor,
@@ -813,8 +819,7 @@ def tree_mla(
     else :func:`choose_backend`) forces ``"hopper"``, ``"triton"`` (on CPU that needs
     ``TRITON_INTERPRET=1`` set before triton is imported: the tests do) or ``"reference"``.
     """
-    if backend is None:
-        backend = os.environ.get(BACKEND_ENV) or choose_backend(q_latent, q_pe, kv_cache, new_kv)
+    backend = resolve_backend(backend, q_latent, q_pe, kv_cache, new_kv)
     if backend == "hopper":
         return tree_mla_hopper(q_latent, q_pe, kv_cache, new_kv, meta, softmax_scale)
     if backend == "triton":

@@ -217,7 +217,7 @@ class Stack:
         verifier = f"127.0.0.1:{vport}"
         plan = [_Service("verifier", "verifier", verifier,
                          {**self._env(base, "verifier", "verifier"), "DDTREE_VERIFIER_PORT": str(vport)})]
-        drafts = []
+        drafts, drafters = [], set()
         # Draft replicas after the first take the next metrics ports after the configured one that
         # no other service of the stack uses (replicas would otherwise share the file's port).
         scheduler = load_settings(SchedulerSettings, spec.config_path, env=self._env(base, "scheduler", "scheduler"))
@@ -228,15 +228,16 @@ class Stack:
             name = f"draft-{i}" if spec.draft_replicas > 1 else "draft"
             env = {**self._env(base, "draft", name), "DDTREE_DRAFT_PORT": str(dport),
                    "DDTREE_DRAFT_VERIFIER_ADDRESS": verifier}
-            metrics = load_settings(DraftSettings, spec.config_path, env=env).metrics_port
+            draft = load_settings(DraftSettings, spec.config_path, env=env)
+            drafters.add(draft.drafter_path)
+            metrics = draft.metrics_port
             if metrics and "DDTREE_DRAFT_METRICS_PORT" not in spec.service_env.get(name, {}):
                 while metrics in taken:
                     metrics += 1
                 taken.add(metrics)
                 env["DDTREE_DRAFT_METRICS_PORT"] = str(metrics)
             plan.append(_Service(name, "draft", drafts[-1], env))
-        layers = {_drafter_layers(load_settings(DraftSettings, spec.config_path, env=d.env).drafter_path,
-                                  spec.model_path) for d in plan[1:]}
+        layers = {_drafter_layers(path, spec.model_path) for path in drafters}
         if len(layers) == 1 and None not in layers and FEATURE_LAYERS_ENV not in plan[0].env:
             # The verifier captures its graphs with the layers of the drafter started here, at
             # start-up, rather than again at the first handshake (every graph; long on a large

@@ -117,21 +117,15 @@ class VerifyGraphs:
         if layers == self.feature_layers:
             return
         self.feature_layers = layers
-        recapture = sorted((b for b in self._buckets.values() if b.graph is not None),
-                           key=lambda b: (-b.batch * b.nodes, b.batch))   # ``capture_buckets``' order
+        recapture = [b for b in self._buckets.values() if b.graph is not None]
         for b in self._buckets.values():
             b.output, b.graph = None, None
         self._features = None   # the old width's buffer is dropped before the new one is made
         if self.capture:   # the old graphs' pool went with the last of them: it cannot take captures
             self._pool = torch.cuda.graph_pool_handle()
             torch.cuda.empty_cache()   # and its blocks stay reserved until given back
-        t0 = time.perf_counter()
-        with current(self.device):
-            for b in recapture:
-                self._capture(b, quiet=True)
         if recapture:
-            torch.cuda.empty_cache()   # the capture warm-ups' eager blocks
-            log.info("graph_buckets_captured", buckets=len(recapture), seconds=round(time.perf_counter() - t0, 2))
+            self._capture_each(recapture)
         self.log_outputs_bound()
 
     def bucket_for(self, batch: int, max_nodes: int) -> tuple[int, int] | None:
@@ -194,23 +188,25 @@ class VerifyGraphs:
         warm-up run compiles what the graph launches: launches depend on the bucket's shapes
         only, never on the inputs' values (a capture could not hold them otherwise). Largest
         first: a GPU without room for the largest step fails the start at once."""
-        t0, ran = time.perf_counter(), 0
-        keys = sorted(((b, t) for b in self.batch_buckets for t in self.node_buckets), key=lambda k: (-k[0] * k[1], k))
-        with current(self.device):
-            for key in keys:
-                b = self._bucket(*key)
-                if b.graph is None:
-                    if self.capture:
-                        self._capture(b, quiet=True)
-                    else:
-                        self._forward(b)
-                    ran += 1
-            if self.capture:
-                torch.cuda.empty_cache()   # the capture warm-ups' eager blocks; the graphs keep their pool
-        log.info("graph_buckets_captured" if self.capture else "graph_buckets_run", buckets=ran,
-                 seconds=round(time.perf_counter() - t0, 2))
+        todo = [b for b in (self._bucket(n, t) for n in self.batch_buckets for t in self.node_buckets) if b.graph is None]
+        self._capture_each(todo)
         self.log_outputs_bound()
-        return ran
+        return len(todo)
+
+    def _capture_each(self, buckets: Sequence[_Bucket]) -> None:
+        """Captures these buckets (without capture, runs each padded forward), largest first, then
+        gives back the capture warm-ups' eager blocks; the graphs keep their pool."""
+        t0 = time.perf_counter()
+        with current(self.device):
+            for b in sorted(buckets, key=lambda b: (-b.batch * b.nodes, b.batch)):
+                if self.capture:
+                    self._capture(b, quiet=True)
+                else:
+                    self._forward(b)
+            if self.capture:
+                torch.cuda.empty_cache()
+        log.info("graph_buckets_captured" if self.capture else "graph_buckets_run", buckets=len(buckets),
+                 seconds=round(time.perf_counter() - t0, 2))
 
     @property
     def captured(self) -> list[tuple[int, int]]:

@@ -312,9 +312,9 @@ class TargetModel(torch.nn.Module):
         that for the last layer HF (and so this) returns it after the final norm.
 
         ``out``: tensors to write the outputs into (float32 logits [N, V / tp], features
-        [N, F * hidden], new KV [L, N, kvr + rope]), returned. Why: every CUDA graph of the
-        verifier writes the same buffers, where outputs it allocated itself would stay allocated
-        for each captured graph.
+        [N, F * hidden], new KV [L, N, kvr + rope]), returned; made here when not given. Why:
+        every CUDA graph of the verifier writes the same buffers, where outputs it allocated
+        itself would stay allocated for each captured graph.
         """
         c = self.config
         L = c.num_hidden_layers
@@ -328,14 +328,17 @@ class TargetModel(torch.nn.Module):
             assert int(batch.attn.query_starts[-1]) == N, "query_starts[-1] must equal the number of tokens"
         x = self.embed_weight[ids]  # [N, hidden]
         cos, sin = self.rope.lookup(batch.positions.to(self.device))  # [N, rope] each
-        new_kv = out.new_kv if out is not None else \
-            torch.empty(L, N, c.kv_dim, dtype=self.dtype, device=self.device)  # [L, N, kvr+rope]
+        if out is None:
+            out = ForwardOutput(
+                logits=torch.empty(N, self.lm_head_weight.shape[0], dtype=torch.float32, device=self.device),
+                features=torch.empty(N, len(feature_layers) * c.hidden_size, dtype=self.dtype, device=self.device),
+                new_kv=torch.empty(L, N, c.kv_dim, dtype=self.dtype, device=self.device))   # [L, N, kvr+rope]
         kept: dict[int, Tensor] = {}
         # Each residual add is fused with the norm that reads its sum (the next layer's input norm,
         # after the last layer the final norm): ``x`` is the residual stream, ``h`` its normed form.
         h = rms_norm(x, self.layers[0].input_norm, c.rms_norm_eps)  # [N, hidden]
         for i, layer in enumerate(self.layers):
-            attn_out = self._attention(layer.attn, h, cos, sin, cache.kv[i], batch.attn, new_kv[i])
+            attn_out = self._attention(layer.attn, h, cos, sin, cache.kv[i], batch.attn, out.new_kv[i])
             # A float32 router (no bf16 parts) reads the normed rows upcast: the norm writes that copy too.
             h32 = torch.empty(N, c.hidden_size, dtype=torch.float32, device=self.device) \
                 if layer.moe is not None and layer.moe.gate_parts is None \
@@ -351,14 +354,7 @@ class TargetModel(torch.nn.Module):
                 kept[i] = x
         if L - 1 in kept:
             kept[L - 1] = h   # HF's last hidden state is after the final norm
-        logits = skinny_linear(h, self.lm_head_weight)  # [N, V / tp] this rank's vocabulary rows
-        if out is not None:
-            out.logits.copy_(logits)
-            if feature_layers:
-                torch.cat([kept[i] for i in feature_layers], dim=-1, out=out.features)
-            return out
+        out.logits.copy_(skinny_linear(h, self.lm_head_weight))  # [N, V / tp] this rank's vocabulary rows
         if feature_layers:
-            features = torch.cat([kept[i] for i in feature_layers], dim=-1)  # [N, F*hidden]
-        else:
-            features = h.new_empty(N, 0)
-        return ForwardOutput(logits=logits.float(), features=features, new_kv=new_kv)
+            torch.cat([kept[i] for i in feature_layers], dim=-1, out=out.features)  # [N, F*hidden]
+        return out
