@@ -26,7 +26,13 @@ the start-up added (0: nothing compiled on a request).
 experts, N layers, the model's 131072-token context) instead of a checkpoint, warmed up as
 ``build_engine`` warms a loaded model.
 
-Usage: python -m bench.verify_first_use [--model models/demo | --k2-layers 3] [--out FILE] [--commit SHA]
+``--graph-batches`` / ``--graph-nodes`` set ``verifier.graph_batches`` / ``verifier.graph_nodes``
+(a subset of buckets, to time a deep model's captures in one run); the verify calls then cover those
+buckets. For the slice, the startup row's ``model_seconds`` is the part of its ``seconds`` spent
+making the random weights and the cache; the rest is the warm-up.
+
+Usage: python -m bench.verify_first_use [--model models/demo | --k2-layers 3] [--graph-batches 1,64]
+       [--graph-nodes 1,129] [--out FILE] [--commit SHA]
 """
 
 from __future__ import annotations
@@ -91,7 +97,7 @@ def random_trees(engine: VerifierEngine, rids: list[str], nodes: int,
     return as_t(tokens), as_t(parents), as_t(depths), torch.full((len(rids),), nodes, dtype=torch.int64)
 
 
-def k2_slice_engine(layers: int, settings: VerifierSettings) -> tuple[VerifierEngine, list[int]]:
+def k2_slice_engine(layers: int, settings: VerifierSettings) -> tuple[VerifierEngine, list[int], float]:
     """The K2 per-rank slice as ``build_engine`` would serve it, and feature layers it holds."""
     from bench.k2_slice import K2_CONFIG, TP, build_model, per_rank_config
     from services.verifier.config import TargetConfig
@@ -99,13 +105,16 @@ def k2_slice_engine(layers: int, settings: VerifierSettings) -> tuple[VerifierEn
 
     config = TargetConfig.from_hf(per_rank_config(K2_CONFIG, TP, layers), source="k2-slice config")
     device, dtype = torch.device("cuda"), torch.bfloat16
+    t0 = time.perf_counter()
     model = build_model(config, dtype, device, seed=0)
     cache = PagedKVCache(layers, settings.kv_capacity_tokens // settings.page_size, settings.page_size, config.kv_dim,
                          dtype, device)
     engine = VerifierEngine(model, cache, max_context=config.max_position_embeddings, prefill_chunk=settings.prefill_chunk)
+    torch.cuda.synchronize()
+    model_seconds = round(time.perf_counter() - t0, 2)
     engine.enable_graphs(batch_buckets=settings.graph_batches, node_buckets=settings.graph_nodes)
     engine.warm_up(settings.warmup_budgets)
-    return engine, list(range(min(3, layers)))
+    return engine, list(range(min(3, layers))), model_seconds
 
 
 def main() -> None:
@@ -114,21 +123,28 @@ def main() -> None:
     p.add_argument("--k2-layers", type=int, default=0, help="run the K2 TP8 slice with this many layers")
     p.add_argument("--out", default="bench/results/verify_first_use.json")
     p.add_argument("--commit", default=None)
+    p.add_argument("--graph-batches", default=None, help="comma-separated batch buckets (default: the setting's)")
+    p.add_argument("--graph-nodes", default=None, help="comma-separated tree-size buckets (default: the setting's)")
     args = p.parse_args()
-    settings = VerifierSettings(model_path=args.model, device="cuda", dtype="bfloat16", kv_capacity_tokens=1 << 18)
+    buckets = {name: tuple(int(x) for x in value.split(",")) for name, value in
+               (("graph_batches", args.graph_batches), ("graph_nodes", args.graph_nodes)) if value}
+    settings = VerifierSettings(model_path=args.model, device="cuda", dtype="bfloat16", kv_capacity_tokens=1 << 18,
+                                **buckets)
     g = torch.Generator().manual_seed(0)
     rows: list[dict] = []
 
     t0 = time.perf_counter()
+    model_seconds = {}
     if args.k2_layers:
-        engine, layers = k2_slice_engine(args.k2_layers, settings)
+        engine, layers, seconds = k2_slice_engine(args.k2_layers, settings)
+        model_seconds = {"model_seconds": seconds}
     else:
         engine = build_engine(settings)   # loads, sizes the cache, warms up and captures
         drafter = json.loads((Path(args.model) / "drafter" / "config.json").read_text())
         layers = drafter["dflash_config"]["target_layer_ids"]
     torch.cuda.synchronize()
     start_entries = len(kernels_in_cache())
-    rows.append({"row": "startup", "seconds": round(time.perf_counter() - t0, 2), "cache_entries": start_entries,
+    rows.append({"row": "startup", "seconds": round(time.perf_counter() - t0, 2), **model_seconds, "cache_entries": start_entries,
                  **memory(), "graphs": [list(k) for k in engine.graphs.captured] if engine.graphs else []})
     before = kernels_in_cache()
     t0 = time.perf_counter()
@@ -164,7 +180,7 @@ def main() -> None:
                 ms, new = timed(lambda: engine.verify(rids[:batch], *tree))
                 times.append((ms, new))
             rows.append({"row": "verify", "batch": batch, "nodes": nodes, "first_ms": round(times[0][0], 1),
-                         "second_ms": round(times[1][0], 1), "kernels": times[0][1] + times[1][1]})
+                         "second_ms": round(times[1][0], 1), "kernels": times[0][1] + times[1][1], **memory()})
             print(rows[-1], flush=True)
 
     torch.cuda.synchronize()
@@ -185,6 +201,7 @@ def main() -> None:
                                          "prefill_reserves": list(PREFILL_RESERVES),
                                          "warmup_budgets": list(settings.warmup_budgets),
                                          "graph_batches": list(settings.graph_batches), "node_buckets": list(node_buckets),
+                                         "kv_capacity_tokens": settings.kv_capacity_tokens,
                                          "prompt_lengths": list(PROMPT_LENGTHS), "feature_layers": layers}, rows)
 
 
