@@ -88,11 +88,11 @@ def main() -> None:
             reqs = [engine._requests[r] for r in sel]
             lens = [r.length for r in reqs]
             pages = [engine.cache.page_ids(r) for r in sel]
-            run_graph = lambda: graphs.run(tokens, parents, depths, sizes, lens, pages)  # noqa: E731
+            run_graph = lambda: graphs.run(tokens, parents, depths, sizes, lens, pages).real()  # noqa: E731
             out_g = run_graph()
             logits_g, kv_g, feat_g = out_g.logits.clone(), out_g.new_kv.clone(), out_g.features.clone()
-            out_p = padded.run(tokens, parents, depths, sizes, lens, pages)
-            rerun = padded.run(tokens, parents, depths, sizes, lens, pages).logits
+            out_p = padded.run(tokens, parents, depths, sizes, lens, pages).real()
+            rerun = padded.run(tokens, parents, depths, sizes, lens, pages).real().logits
             starts = torch.repeat_interleave(torch.tensor(lens), torch.tensor(sizes)).cuda()
             masks, off = [], 0
             for n in sizes:

@@ -11,7 +11,8 @@ Per case (autoregressive: 1 node per request; verify: best-first trees of budget
 random draft tables) and batch:
 
 * step_ms: ``VerifyGraphs.run`` (CUDA graph, captured on first use) timed with perf_counter +
-  synchronize around the whole call, so the per-step host work (input copies, row gather) counts;
+  synchronize around the whole call, so the per-step host work (padding, input copies) counts (not
+  the engine's reads of the real rows after it; before 2026-12 the call also copied every real row out);
   ``replay_ms``: the graph replay alone (CUDA events). Median of ``--reps``. Eager on CPU.
 * floor_ms: bytes that must be read / measured copy bandwidth. Bytes: every non-expert weight at
   checkpoint dtypes (bf16; the router bias fp32), the routed experts the step touches (INT4 words
@@ -569,7 +570,7 @@ def run_case(bench: Bench, case: Case, batches: Sequence[int], deadline: float, 
             tokens, parents, depths, sizes = bench.trees[case.budget].flat(b)
             args = (tokens, parents, depths, sizes, [bench.context] * b, [bench.cache.page_ids(r) for r in bench.rids[:b]])
             t0 = time.perf_counter()
-            out = graphs.run(*args)
+            out = graphs.run(*args).real()
             _sync(dev)
             first_s = time.perf_counter() - t0
             finite = bool(torch.isfinite(out.logits).all()) and bool(torch.isfinite(out.new_kv).all())

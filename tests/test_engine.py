@@ -223,14 +223,17 @@ def test_padded_forward_equals_unpadded(target: Target) -> None:
         masks.append(ancestor_mask(parents[off:off + n]))
         off += n
     eager = engine._forward(tokens, starts + depths, reqs, masks)
-    padded = graphs.run(tokens, parents, depths, sizes.tolist(), lens, [engine.cache.page_ids(r) for r in rids])
+    step = graphs.run(tokens, parents, depths, sizes.tolist(), lens, [engine.cache.page_ids(r) for r in rids])
     assert graphs.bucket_for(3, 31) == (4, 33)
+    assert step.logits.shape[0] == 4 * 33
+    assert step.rows.tolist() == [i * 33 + k for i, n in enumerate(sizes.tolist()) for k in range(n)]
+    padded = step.real()
     torch.testing.assert_close(padded.logits, eager.logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(padded.features, eager.features, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(padded.new_kv, eager.new_kv, rtol=1e-4, atol=1e-4)
     assert torch.isfinite(padded.logits).all()
-    # Every bucket writes the same output buffers: a step's result is its own copy, which the
-    # next step (another bucket, same rows) leaves as it was.
+    # Every bucket writes the same output buffers: a step's outputs hold until the next run, and
+    # what was copied out of them (``real``) stays as it was after it (another bucket, same rows).
     kept = [t.clone() for t in (padded.logits, padded.features, padded.new_kv)]
     graphs.run(tokens[:4], parents[:4], depths[:4], [4], lens[:1], [engine.cache.page_ids(rids[0])])
     assert all(torch.equal(a, b) for a, b in zip(kept, (padded.logits, padded.features, padded.new_kv)))
@@ -365,6 +368,64 @@ def test_the_warm_up_captures_every_bucket_before_its_steps_and_compiles_the_att
     engine.warm_up([0, 4], batches=(1,))
     assert calls == [("buckets",), ("verify",), ("verify",), merges, attention]
     assert engine.active_requests == 0
+
+
+def test_the_warm_up_runs_the_largest_bucket_step_with_sampling(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the budgets' steps, one step of the largest bucket, half of it sampling, so the work
+    around a replay (gathered logits, acceptance, commit) meets its largest size at start-up; not
+    where the KV cache cannot hold it (serving cannot reach it there either)."""
+    engine = make_engine(target.model, shuffle_seed=None)
+    engine.enable_graphs(capture=False, batch_buckets=(1, 2, 4), node_buckets=(1, 5, 9))
+    verify = engine.verify
+    steps: list[tuple[int, tuple[int, ...], list[float]]] = []
+
+    def spy(rids, tokens, parents, depths, sizes):
+        steps.append((len(rids), tuple(sizes.tolist()), [engine._requests[r].sampling.temperature for r in rids]))
+        out = verify(rids, tokens, parents, depths, sizes)
+        assert all(i.error is None and i.committed >= 1 for i in out.items)
+        return out
+
+    monkeypatch.setattr(engine, "verify", spy)
+    free0 = engine.cache.pages_free
+    engine.warm_up([0, 4], batches=(1,))
+    assert steps[-1] == (4, (9,) * 4, [0.0, 1.0, 0.0, 1.0])
+    assert engine.active_requests == 0 and engine.cache.pages_free == free0
+    steps.clear()
+    small = make_engine(target.model, pages=8, shuffle_seed=None)   # 32 tokens: no room for 4 trees of 9
+    small.enable_graphs(capture=False, batch_buckets=(1, 4), node_buckets=(1, 9))
+    monkeypatch.setattr(small, "verify", lambda *a: steps.append(len(a[0])) or verify.__func__(small, *a))
+    small.warm_up([0], batches=(1,))
+    assert steps and 4 not in steps and small.active_requests == 0
+
+
+def test_the_warm_up_runs_every_skinny_gemm_row_count(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the graph buckets, the warm-up's forwards launch every compile key the skinny GEMM
+    has for 1..MAX_ROWS rows: with buckets of 1 / 8 / 64 requests of 1 / 17 / 129 nodes (no step of
+    16 or 32 rows) a 16-token prompt compiled 8 kernels on a GPU, 2.7 s, before the warm-up ran
+    every length. Rows are recorded at the model's projections (the CPU runs torch there) and keyed
+    as the kernel would launch them."""
+    import kernels.skinny_gemm as sg
+    import services.verifier.model as model_mod
+    from tests.launch_keys import Recorder
+    rows: set[int] = set()
+    skinny = model_mod.skinny_linear
+    monkeypatch.setattr(model_mod, "skinny_linear", lambda x, w, **kw: rows.add(x.shape[-2]) or skinny(x, w, **kw))
+    engine = make_engine(target.model, shuffle_seed=None)
+    engine.enable_graphs(capture=False, batch_buckets=(1, 8, 64), node_buckets=(1, 17, 129))
+    engine.warm_up([0, 8, 16, 32])
+    recorder = Recorder(sg._skinny_kernel)
+    monkeypatch.setattr(sg, "_skinny_kernel", recorder)
+    w = torch.randn(64, 128).bfloat16()
+
+    def keys(counts: set[int]) -> set[tuple]:
+        recorder.keys.clear()
+        for m in sorted(counts):
+            sg.skinny_linear_triton(torch.randn(m, 128).bfloat16(), w)
+        return set(recorder.keys)
+
+    served = set(range(1, sg.MAX_ROWS + 1))
+    assert keys(served) <= keys(rows & served)
+    assert len(keys(served)) > len(keys({1, 8, 17})) > 1   # the keys split by row count
 
 
 # ============================================================================== 2. chunked prefill
@@ -635,6 +696,33 @@ def run_sampled(engine: VerifierEngine, rids: list[str], prompts: list[list[int]
             assert item.error is None, item.error
             gen[r].extend(item.tokens)
     return gen
+
+
+def test_posterior_reads_padded_rows_as_their_copy(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph step's posterior from the bucket's padded logits and the trees' rows equals the
+    posterior from those rows copied out, for greedy and seeded sampling requests, and gathers
+    (the tensor-parallel exchange) the sampled requests' rows only."""
+    from services.verifier.engine import _Request
+    from services.verifier.sampling import request_generator
+    engine = make_engine(target.model, shuffle_seed=None)
+    params = [Sampling(), Sampling(temperature=0.8, top_k=20, seed=4), Sampling(), Sampling(temperature=1.0, seed=9)]
+    counts = [3, 5, 1, 4]
+    rows = torch.tensor([0, 1, 2, 8, 9, 10, 11, 12, 16, 24, 25, 26, 27])   # 4 trees padded to 8 nodes
+    logits = torch.randn(32, 50, generator=torch.Generator().manual_seed(1))
+
+    def posterior(lg: torch.Tensor, padded_rows: torch.Tensor | None) -> list[list[int]]:
+        reqs = [_Request(f"r{i}", "", s, request_generator(s.seed, lg.device) if s.seed is not None else None)
+                for i, s in enumerate(params)]
+        return [t.tolist() for t in engine._posterior(lg, reqs, counts, padded_rows)]
+
+    gathered: list[tuple[int, ...]] = []
+    tp = engine.model.tp
+    monkeypatch.setattr(tp, "gather_logits", lambda lg: gathered.append(tuple(lg.shape)) or lg)
+    padded = posterior(logits, rows)
+    assert gathered == [(9, 50)]   # the two sampled trees' 5 + 4 rows
+    copied = posterior(logits[rows], None)
+    assert padded == copied and [len(t) for t in padded] == counts
+    assert padded[0] == logits[rows[:3]].argmax(-1).tolist()
 
 
 def test_fixed_seed_reproducible(target: Target) -> None:

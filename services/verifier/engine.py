@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import torch
 
+from kernels.skinny_gemm import MAX_ROWS
 from kernels.tree_mla import (
     TreeAttentionDeviceMetadata, TreeAttentionMetadata, served_dv_splits, warm_up_attention, warm_up_merges,
 )
@@ -110,15 +111,22 @@ class VerifierEngine:
         return self.graphs
 
     def warm_up(self, budgets: Sequence[int], batches: Sequence[int] = (1, 8, 64)) -> None:
-        """Compile and capture before the first request, not during it: prompts of several lengths
-        (each fused-MoE and attention launch config by token count), every CUDA-graph bucket
-        (``VerifyGraphs.capture_buckets``), verify steps at each budget and batch (sampling,
-        acceptance and commit), and the attention kernel in each variant and its merge at every
-        launch shape (``warm_up_attention``, ``warm_up_merges``: a prefill meets shapes no bucket
-        ran). Uses throw-away requests; leaves no state."""
-        lengths = sorted({1, 8, 64, min(self.prefill_chunk, max(1, self.max_context // 4))})
+        """Compile and capture before the first request, not during it: prompts of every length the
+        skinny GEMM serves and a few longer (its launches compile by row count, as fused-MoE configs
+        do by token count), every CUDA-graph bucket (``VerifyGraphs.capture_buckets``), verify
+        steps at each budget and batch (sampling, acceptance and commit), the largest bucket's step
+        (``_warm_up_largest_step``) and the attention kernel in each variant and its merge at
+        every launch shape (``warm_up_attention``, ``warm_up_merges``: a prefill meets shapes no
+        bucket ran). Uses throw-away requests; leaves no state."""
+        # Every row count up to MAX_ROWS, not a sample: which of them share a compiled kernel is
+        # Triton's integer specialisation (1, multiples of 16), and with fewer graph buckets than
+        # the default none of them ran a 16-token step (a 16-token prompt then compiled 8 kernels,
+        # 2.7 s, on the K2 slice: bench/results/verify_first_use-k2-3-subset-*).
+        lengths = sorted({*range(1, MAX_ROWS + 1), 64, min(self.prefill_chunk, max(1, self.max_context // 4))})
         rids = [f"__warmup_{i}__" for i in range(max(batches))]
         for n in lengths:
+            if n >= self.max_context:
+                continue
             prompt = [1 + (i % (self.vocab_size - 1)) for i in range(n)]
             self.prefill([PrefillInput(rids[0], prompt, Sampling(), reserve_tokens=n + 1)])
             self.release(rids[:1])
@@ -131,18 +139,46 @@ class VerifierEngine:
                 live = [r for r in rids[:b] if r in self._requests]
                 if any(self._requests[r].length + budget + 1 >= self.max_context for r in live):
                     continue
-                n = budget + 1
-                tokens = torch.tensor([[self._requests[r].pending] + [5] * budget for r in live]).view(-1)
-                parents = torch.arange(-1, budget).repeat(len(live))      # chains
-                depths = torch.arange(n).repeat(len(live))
-                self.verify(live, tokens, parents, depths, torch.full((len(live),), n))
+                self._warm_up_step(live, budget + 1)
         self.release(rids)
+        self._warm_up_largest_step()
         c, device = self.model.config, self.model_device
         with current(device):
             warm_up_merges(c.kv_lora_rank, self.model.dtype, device,
                            dv_splits=served_dv_splits(c.kv_lora_rank, c.qk_rope_head_dim, self.model.dtype, device))
             warm_up_attention(self.cache.kv[0], heads=self.model.layers[0].attn.w_uk.shape[0], rope=c.qk_rope_head_dim,
                               backend=self.model.attention_backend)
+
+    def _warm_up_largest_step(self) -> None:
+        """One step of the largest graph bucket, half its requests sampling: a capture runs the
+        forward only, and the work around the replay (the sampled requests' gathered logits,
+        acceptance, the commit) also needs memory. So a GPU without room for the largest step
+        fails the start, and the caching allocator holds blocks that every smaller step reuses
+        (without it, each larger bucket's first step reserved new blocks: 11.8 -> 17.0 GB over
+        the verify calls on the K2 slice). Skipped where the KV cache or the context cannot hold
+        such a step: serving cannot meet one there either."""
+        if self.graphs is None or not self.graphs.batch_buckets or not self.graphs.node_buckets:
+            return
+        batch, nodes = self.graphs.batch_buckets[-1], self.graphs.node_buckets[-1]
+        prompt = [2, 3, 4]
+        need = -(-(len(prompt) + nodes) // self.cache.page_size) * batch
+        if len(prompt) + nodes >= self.max_context or need > self.cache.pages_free:
+            return
+        rids = [f"__warmup_largest_{i}__" for i in range(batch)]
+        sampling = (Sampling(), Sampling(temperature=1.0, top_p=0.9, top_k=50))
+        self.prefill([PrefillInput(r, prompt, sampling[i % 2], reserve_tokens=len(prompt) + nodes)
+                      for i, r in enumerate(rids)])
+        try:
+            self._warm_up_step(rids, nodes)
+        finally:
+            self.release(rids)
+
+    def _warm_up_step(self, rids: Sequence[str], nodes: int) -> None:
+        """A verify step of one chain of ``nodes`` nodes a request."""
+        tokens = torch.tensor([[self._requests[r].pending] + [5] * (nodes - 1) for r in rids]).view(-1)
+        parents = torch.arange(-1, nodes - 1).repeat(len(rids))
+        depths = torch.arange(nodes).repeat(len(rids))
+        self.verify(rids, tokens, parents, depths, torch.full((len(rids),), nodes))
 
     def take_commit_ms(self) -> float | None:
         """The last verify's KV write time, once (None where no verify committed since): a step
@@ -288,7 +324,8 @@ class VerifierEngine:
         reqs = [self._requests[request_ids[i]] for i in live]
         live_sizes = [sizes_l[i] for i in live]
         if self.graphs is not None and self.graphs.bucket_for(len(live), max(live_sizes)) is not None:
-            # host arrays: the graph path pads them on the host and copies once
+            # host arrays: the graph path pads them on the host and copies once; its outputs are
+            # the bucket's padded rows, the trees' among them at out.rows
             out = self.graphs.run(tok, par, dep, live_sizes, [r.length for r in reqs],
                                   [self.cache.page_ids(r.request_id) for r in reqs])
         else:
@@ -298,7 +335,7 @@ class VerifierEngine:
             bounds = np.concatenate([[0], np.cumsum(live_sizes)])
             masks = [ancestor_mask(torch.from_numpy(par[bounds[j]:bounds[j + 1]]).to(dev)) for j in range(len(reqs))]
             out = self._forward(flat_tokens, starts + flat_depths, reqs, masks)
-        posterior = torch.cat(self._posterior(out.logits, reqs, live_sizes)).tolist()   # [N] one sync
+        posterior = torch.cat(self._posterior(out.logits, reqs, live_sizes, out.rows)).tolist()   # [N] one sync
         tok_l, par_l = tok.tolist(), par.tolist()
         keep: list[int] = []           # rows of the accepted paths, in request order
         writes: list[tuple[str, int, int]] = []
@@ -312,6 +349,8 @@ class VerifierEngine:
             outcomes[i] = ItemOutcome(req.request_id, list(acc.tokens), committed=len(acc.path))
             row += n
         rows = torch.tensor(keep, dtype=torch.int64, device=dev)                      # [K]
+        if out.rows is not None:
+            rows = out.rows[rows]                                                     # [K] padded rows
         t0 = time.perf_counter()
         self.cache.write_many(writes, out.new_kv[:, rows])                            # one scatter
         self._commit_ms = (time.perf_counter() - t0) * 1e3
@@ -375,28 +414,43 @@ class VerifierEngine:
         return None
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _posterior(self, logits: torch.Tensor, reqs: Sequence[_Request],
-                   counts: Sequence[int] | None = None) -> list[torch.Tensor]:
+    def _posterior(self, logits: torch.Tensor, reqs: Sequence[_Request], counts: Sequence[int] | None = None,
+                   rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Posterior token at every node, per request (`counts` rows each).
 
+        `rows`: where `logits` are a graph bucket's padded rows, the nodes' rows among them. Greedy
+        takes the argmax of every padded row and keeps the nodes'; sampling reads only the sampled
+        requests' rows (a copy of every row, float32 at the full vocabulary, was the step's largest
+        transient: 1.35 GB at 128 trees of 129 nodes on a K2 TP8 rank).
+
         Under tensor parallelism `logits` [N, V/tp] is this rank's vocabulary slice: greedy needs
-        only one (max, index) exchange for the whole batch; sampling gathers full rows once and
-        every rank draws the same tokens from the same seeded generators.
+        only one (max, index) exchange for the whole batch; sampling gathers the sampled rows once
+        and every rank draws the same tokens from the same seeded generators.
         """
         tp = self.model.tp
-        counts = list(counts) if counts is not None else [logits.shape[0]]
+        counts = list(counts) if counts is not None else [logits.shape[0] if rows is None else rows.shape[0]]
+        starts = np.concatenate([[0], np.cumsum(counts)])
         greedy = full = None
         if any(r.sampling.temperature == 0 for r in reqs):
-            greedy = tp.argmax(logits) if tp.enabled else logits.argmax(dim=-1)   # [N]
-        if any(r.sampling.temperature > 0 for r in reqs):
-            full = tp.gather_logits(logits)                                         # [N, V]
-        out, row = [], 0
-        for req, n in zip(reqs, counts):
-            if req.sampling.temperature == 0:
-                out.append(greedy[row:row + n])
+            greedy = tp.argmax(logits) if tp.enabled else logits.argmax(dim=-1)   # [N] (padded: every row)
+            if rows is not None:
+                greedy = greedy[rows]
+        sampled = [j for j, r in enumerate(reqs) if r.sampling.temperature > 0]
+        if sampled:
+            picks = np.concatenate([np.arange(starts[j], starts[j + 1]) for j in sampled])
+            if rows is None and len(picks) == logits.shape[0]:
+                full = tp.gather_logits(logits)                                     # [N, V]
             else:
-                out.append(posterior_tokens(full[row:row + n], req.sampling, req.generator))
-            row += n
+                index = torch.from_numpy(picks).to(logits.device)
+                full = tp.gather_logits(logits[index if rows is None else rows[index]])   # [sampled rows, V]
+        out, at = [], 0
+        for j, req in enumerate(reqs):
+            if req.sampling.temperature == 0:
+                out.append(greedy[starts[j]:starts[j + 1]])
+            else:
+                n = counts[j]
+                out.append(posterior_tokens(full[at:at + n], req.sampling, req.generator))
+                at += n
         return out
 
     @property

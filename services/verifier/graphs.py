@@ -9,10 +9,11 @@ Padding keeps real rows exact: a tree is padded to its bucket's node count with 
 prefix and themselves only, and the batch with empty requests (no prefix, padding nodes only). No
 real node sees a padding node, so a real node's output does not depend on them. Positions and
 ancestor bits are computed inside the graph from the padded tokens / parents / depths / prefix
-lengths, so a step is two host-to-device copies into the static inputs (padded on the host), one
-replay, and a gather of the real rows.
+lengths, so a step is two host-to-device copies into the static inputs (padded on the host) and one
+replay; the step then reads what it needs of the real rows (their argmax, the sampled requests'
+logits, the accepted nodes' KV and features) through their index, ``ForwardOutput.rows``.
 
-Replays never overlap, and a step gathers its real rows before the next replay, so the graphs
+Replays never overlap, and a step reads its rows before the next replay, so the graphs
 share their memory: the captures one pool for what they make and drop, and every bucket one set
 of output buffers, sized once for the largest bucket (``outputs_bytes``). Outputs allocated by
 each capture stayed allocated with it: with all 104 buckets captured, a 3-layer Kimi-K2 TP8 slice
@@ -217,8 +218,9 @@ class VerifyGraphs:
             sizes: Sequence[int], prefix_lens: Sequence[int], page_ids: Sequence[Sequence[int]]) -> ForwardOutput:
         """The forward for flat trees (request r owns the next ``sizes[r]`` entries, root first).
 
-        Returns the real rows only, in the flat order given. Raises ValueError when no bucket
-        holds the step (``bucket_for`` says so beforehand).
+        Returns the bucket's padded outputs, valid until the next run, with ``rows`` the real
+        rows in the flat order given (``.real()`` copies them out). Raises ValueError when no
+        bucket holds the step (``bucket_for`` says so beforehand).
         """
         key = self.bucket_for(len(sizes), max(sizes))
         if key is None:
@@ -241,7 +243,7 @@ class VerifyGraphs:
             out = self._forward(b)
         assert out is not None
         rows = b.views(b.inputs)[3][:sum(sizes)]   # [N] device
-        return ForwardOutput(logits=out.logits[rows], features=out.features[rows], new_kv=out.new_kv[:, rows])
+        return ForwardOutput(logits=out.logits, features=out.features, new_kv=out.new_kv, rows=rows)
 
     def _load(self, b: _Bucket, tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, sizes: Sequence[int],
               prefix_lens: Sequence[int], page_ids: Sequence[Sequence[int]]) -> None:

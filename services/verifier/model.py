@@ -155,6 +155,16 @@ class ForwardOutput:
     logits: Tensor  # [N, V] float32
     features: Tensor  # [N, len(feature_layers) * hidden]; [N, 0] when none asked
     new_kv: Tensor  # [num_layers, N, kvr + rope] latent kv of every query token, for commit
+    # A graph bucket's padded outputs: the trees' rows among the N, in order (None: every row is
+    # one). The step reads the few rows it needs through it instead of copying every tree row out.
+    rows: Tensor | None = None
+
+    def real(self) -> ForwardOutput:
+        """The trees' rows only (a copy where padded)."""
+        if self.rows is None:
+            return self
+        r = self.rows
+        return ForwardOutput(logits=self.logits[r], features=self.features[r], new_kv=self.new_kv[:, r])
 
 
 @dataclass
