@@ -26,7 +26,6 @@ the start-up added (0: nothing compiled on a request).
 experts, N layers, the model's 131072-token context) instead of a checkpoint, warmed up as
 ``build_engine`` warms a loaded model.
 
-``--phases`` adds a ``warm_up`` row for each phase of the start-up's warm-up (time, compiles).
 ``--graph-batches`` / ``--graph-nodes`` set ``verifier.graph_batches`` / ``verifier.graph_nodes``
 (a subset of buckets, to time a deep model's captures in one run); the verify calls then cover those
 buckets. For the slice, the startup row's ``model_seconds`` is the part of its ``seconds`` spent
@@ -98,42 +97,6 @@ def random_trees(engine: VerifierEngine, rids: list[str], nodes: int,
     return as_t(tokens), as_t(parents), as_t(depths), torch.full((len(rids),), nodes, dtype=torch.int64)
 
 
-def time_warm_up_phases(rows: list[dict]) -> Callable[[], None]:
-    """Adds a ``warm_up`` row for each phase of the start-up's warm-up as it runs (each prefill,
-    the captures, each verify step, the largest bucket's step, the attention variants): wall
-    milliseconds, synchronised, and the Triton cache entries it added (its compiles). Returns
-    what ends the recording (the calls after the start-up have rows of their own)."""
-    recording = [True]
-    import functools
-
-    from services.verifier import engine as engine_mod
-    from services.verifier.graphs import VerifyGraphs
-
-    def wrap(owner: object, name: str, describe: Callable[..., dict]) -> None:
-        fn = getattr(owner, name)
-
-        @functools.wraps(fn)
-        def phase(*args, **kwargs):
-            if not recording[0]:
-                return fn(*args, **kwargs)
-            entries = len(kernels_in_cache())
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            torch.cuda.synchronize()
-            rows.append({"row": "warm_up", "phase": name.strip("_"), **describe(*args),
-                         "ms": round((time.perf_counter() - t0) * 1e3, 1), "kernels": len(kernels_in_cache()) - entries})
-            return out
-        setattr(owner, name, phase)
-
-    wrap(VerifierEngine, "prefill", lambda self, items: {"requests": len(items), "tokens": len(items[0].token_ids)})
-    wrap(VerifierEngine, "verify", lambda self, rids, *tree: {"batch": len(rids), "nodes": int(tree[3][0])})
-    wrap(VerifierEngine, "_warm_up_largest_step", lambda self: {})
-    wrap(VerifyGraphs, "capture_buckets", lambda self: {})
-    wrap(engine_mod, "warm_up_attention", lambda *a, **k: {})
-    return lambda: recording.__setitem__(0, False)
-
-
 def k2_slice_engine(layers: int, settings: VerifierSettings) -> tuple[VerifierEngine, list[int], float]:
     """The K2 per-rank slice as ``build_engine`` would serve it, and feature layers it holds."""
     from bench.k2_slice import K2_CONFIG, TP, build_model, per_rank_config
@@ -162,7 +125,6 @@ def main() -> None:
     p.add_argument("--commit", default=None)
     p.add_argument("--graph-batches", default=None, help="comma-separated batch buckets (default: the setting's)")
     p.add_argument("--graph-nodes", default=None, help="comma-separated tree-size buckets (default: the setting's)")
-    p.add_argument("--phases", action="store_true", help="time each phase of the start-up's warm-up (warm_up rows)")
     args = p.parse_args()
     buckets = {name: tuple(int(x) for x in value.split(",")) for name, value in
                (("graph_batches", args.graph_batches), ("graph_nodes", args.graph_nodes)) if value}
@@ -170,8 +132,6 @@ def main() -> None:
                                 **buckets)
     g = torch.Generator().manual_seed(0)
     rows: list[dict] = []
-    phases: list[dict] = []
-    stop_phases = time_warm_up_phases(phases) if args.phases else (lambda: None)
 
     t0 = time.perf_counter()
     model_seconds = {}
@@ -183,7 +143,6 @@ def main() -> None:
         drafter = json.loads((Path(args.model) / "drafter" / "config.json").read_text())
         layers = drafter["dflash_config"]["target_layer_ids"]
     torch.cuda.synchronize()
-    stop_phases()
     start_entries = len(kernels_in_cache())
     rows.append({"row": "startup", "seconds": round(time.perf_counter() - t0, 2), **model_seconds, "cache_entries": start_entries,
                  **memory(), "graphs": [list(k) for k in engine.graphs.captured] if engine.graphs else []})
@@ -236,7 +195,6 @@ def main() -> None:
                "kernels_compiled": added, "slowest_call": {k: v for k, v in slow.items() if k != "kernels"}}
     print(summary, flush=True)
     rows.insert(0, summary)
-    rows += phases
     model = "/".join(Path(args.model).parts[-2:])   # a machine's checkout path is no parameter of the run
     write_result(args.out, args.commit, {"model": f"k2-slice, {args.k2_layers} layers" if args.k2_layers else model,
                                          "dtype": "bfloat16", "max_context": engine.max_context,
