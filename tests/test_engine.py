@@ -452,6 +452,60 @@ def test_chunked_prefill_matches_single_chunk(target: Target) -> None:
         assert g == target.continuation(p, len(g))
 
 
+def _cached_kv(engine: VerifierEngine, rid: str) -> torch.Tensor:
+    """[layers, length, dim]: what the cache holds for the request's tokens so far."""
+    pages, size = engine.cache.page_ids(rid), engine.cache.page_size
+    pos = range(engine._requests[rid].length)
+    return engine.cache.kv[:, [pages[p // size] for p in pos], [p % size for p in pos]]
+
+
+def test_prompts_share_forwards_and_equal_each_alone(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One prefill call packs its prompts' chunks into forwards of up to ``prefill_chunk`` tokens
+    (an eager forward costs about the same at 2 tokens as at 512 on a GPU), in item order, a
+    request at most once a forward (a later piece of a prompt in the same call runs after the
+    earlier one). Outcomes, errors, features, first tokens (greedy and seeded sampling) and the
+    KV written equal each item prefilled alone, and every later step does too."""
+    import services.verifier.model as model_mod
+    long = [(7 * i + 3) % 60 for i in range(15)]
+    split = [9, 8, 7, 6, 5, 4, 3, 2, 1]
+    items = [PrefillInput("a", long, Sampling(), 0),                                # chunks of 8 and 7 tokens
+             PrefillInput("b", [5], Sampling(temperature=1.0, seed=5), 0),
+             PrefillInput("bad", [1, target.model.config.vocab_size], Sampling(), 0),  # a token past the vocabulary
+             PrefillInput("c", PROMPTS[0][:3], Sampling(), 0),
+             PrefillInput("d", split[:4], Sampling(), 40, more=True),                   # a first piece
+             PrefillInput("e", PROMPTS[2][:5], Sampling(temperature=0.7, top_k=5, seed=9), 0),
+             PrefillInput("b", [6, 7], Sampling(), 0),                                # ALREADY_EXISTS
+             PrefillInput("d", split[4:], Sampling(), 0, offset=4)]                   # the next piece, same call
+    alone = make_engine(target.model, prefill_chunk=8)
+    batched = make_engine(target.model, prefill_chunk=8)
+    for engine in (alone, batched):
+        engine.set_feature_layers([0, 2])
+    sizes: list[int] = []
+    groups: list[int | None] = []
+    forward, moe_forward = batched._forward, model_mod.moe_forward
+    monkeypatch.setattr(batched, "_forward", lambda ids, *a, **kw: sizes.append(len(ids)) or forward(ids, *a, **kw))
+    monkeypatch.setattr(model_mod, "moe_forward", lambda *a, routing_groups=None, **kw: groups.append(routing_groups)
+                        or moe_forward(*a, routing_groups=routing_groups, **kw))
+    out = batched.prefill(items)
+    assert sizes == [8, 7 + 1, 3 + 4, 5, 5]
+    # The fused MoE launches as for one prompt of as many tokens: kernels the start-up compiled.
+    assert groups and set(groups) == {1}
+    singles = [alone.prefill([item]) for item in items]
+    for got, want in zip(out.items, (s.items[0] for s in singles)):
+        assert (got.request_id, got.tokens, got.committed) == (want.request_id, want.tokens, want.committed)
+        assert (got.error is None) == (want.error is None)
+        assert got.error is None or (got.error.code, got.error.message) == (want.error.code, want.error.message)
+    assert [o.error.code for o in out.items if o.error] == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS]
+    torch.testing.assert_close(out.features, torch.cat([s.features for s in singles]), rtol=1e-4, atol=1e-4)
+    rids = ["a", "b", "c", "d", "e"]
+    for rid in rids:
+        torch.testing.assert_close(_cached_kv(batched, rid), _cached_kv(alone, rid), rtol=1e-4, atol=1e-4)
+        assert batched._requests[rid].pending == alone._requests[rid].pending
+    assert out.items[0].tokens == target.continuation(long, 1)
+    trees = pack([root_only(batched._requests[r].pending) for r in rids])
+    assert [i.tokens for i in batched.verify(rids, *trees).items] == [i.tokens for i in alone.verify(rids, *trees).items]
+
+
 def test_prompt_in_pieces_over_steps_matches_one_prefill(target: Target) -> None:
     """A prompt sent in pieces over several prefill calls (``more`` on all but the last, the first
     reserving the whole request) gives the same first token, features and greedy continuation as one

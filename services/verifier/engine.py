@@ -243,57 +243,106 @@ class VerifierEngine:
                                f"is over the {room} its first piece reserved within max context {self.max_context}")
 
     def prefill(self, items: Sequence[PrefillInput]) -> StepOutcome:
-        """Runs each prompt in chunks (a chain is a tree), commits it all, samples the first token.
+        """Runs the prompts in chunks (a chain is a tree), commits them, samples each first token.
         A prompt may come in pieces over several steps (``more`` on all but the last, the first
         reserving the KV of the whole request): each piece extends the cache where the last one
-        ended, and only the last samples, so running requests decode between the pieces."""
-        outcomes: list[ItemOutcome] = []
+        ended, and only the last samples, so running requests decode between the pieces.
+
+        Short prompts share forwards, up to ``prefill_chunk`` tokens each: an eager forward costs
+        about the same at 2 tokens as at 512 (120-235 ms against 117-207 on one rank of the
+        61-layer K2 slice, bench/results/verify_first_use-k2-61-subset-*), so a step admitting 64
+        short prompts took 64 of them while every running request waited."""
+        outcomes: list[ItemOutcome | None] = [None] * len(items)
         features: list[torch.Tensor] = []
-        for item in items:
-            req = self._requests.get(item.request_id) if item.offset > 0 else None
+        admitted: list[tuple[int, _Request]] = []   # (item index, its request), in item order
+        for i, item in enumerate(items):
+            if any(req.request_id == item.request_id for _, req in admitted):
+                self._run_prefills(items, admitted, outcomes, features)   # its piece follows that one
+                admitted = []
             try:
-                if item.offset > 0:
-                    self._validate_piece(item, req)
-                else:
-                    self._validate_prompt(item)
-                    reserve = min(max(item.reserve_tokens, len(item.token_ids) + 1), self.max_context)
-                    try:
-                        self.cache.reserve(item.request_id, reserve)
-                    except OutOfPages:
-                        raise ServiceError(
-                            grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"KV cache full: request needs {reserve} tokens, {self.cache.pages_free} pages free "
-                            f"of {self.cache.page_size} tokens") from None
+                req = self._admit(item)
             except ServiceError as exc:
-                outcomes.append(ItemOutcome(item.request_id, error=exc))
+                outcomes[i] = ItemOutcome(item.request_id, error=exc)
                 continue
-            if req is None:
-                gen = None
-                if item.sampling.temperature > 0:
-                    gen = request_generator(item.sampling.seed if item.sampling.seed is not None else
-                                            int(torch.randint(0, 2**62, (1,)).item()), self.model_device)
-                req = _Request(item.request_id, item.owner, item.sampling, gen)
-                self._requests[item.request_id] = req
-            req.prefilling = item.more
-            ids = torch.tensor(item.token_ids, dtype=torch.int64, device=self.model_device)  # [T]
-            last_logits = None
-            for start in range(0, len(ids), self.prefill_chunk):
-                chunk = ids[start:start + self.prefill_chunk]  # [c]
-                n = chunk.numel()
-                mask = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril_()  # [c, c] chain
-                out = self._forward(chunk, req.length + torch.arange(n, device=ids.device),
-                                    [req], [mask])
-                self.cache.write(req.request_id, req.length, out.new_kv)
-                req.length += n
-                features.append(out.features)
-                last_logits = out.logits[-1:]  # [1, V]
-            assert last_logits is not None
-            if item.more:
-                outcomes.append(ItemOutcome(item.request_id, [], committed=len(ids)))
-                continue
-            req.pending = int(self._posterior(last_logits, [req])[0][0])
-            outcomes.append(ItemOutcome(item.request_id, [req.pending], committed=len(ids)))
+            admitted.append((i, req))
+        self._run_prefills(items, admitted, outcomes, features)
+        assert all(o is not None for o in outcomes)
         return StepOutcome(outcomes, self.cat_features(features))
+
+    def _admit(self, item: PrefillInput) -> _Request:
+        """Checks a prompt or piece and, for a new request, reserves its KV and makes its state."""
+        req = self._requests.get(item.request_id) if item.offset > 0 else None
+        if item.offset > 0:
+            self._validate_piece(item, req)
+        else:
+            self._validate_prompt(item)
+            reserve = min(max(item.reserve_tokens, len(item.token_ids) + 1), self.max_context)
+            try:
+                self.cache.reserve(item.request_id, reserve)
+            except OutOfPages:
+                raise ServiceError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"KV cache full: request needs {reserve} tokens, {self.cache.pages_free} pages free "
+                    f"of {self.cache.page_size} tokens") from None
+        if req is None:
+            gen = None
+            if item.sampling.temperature > 0:
+                gen = request_generator(item.sampling.seed if item.sampling.seed is not None else
+                                        int(torch.randint(0, 2**62, (1,)).item()), self.model_device)
+            req = _Request(item.request_id, item.owner, item.sampling, gen)
+            self._requests[item.request_id] = req
+        req.prefilling = item.more
+        return req
+
+    def _run_prefills(self, items: Sequence[PrefillInput], admitted: Sequence[tuple[int, _Request]],
+                      outcomes: list[ItemOutcome | None], features: list[torch.Tensor]) -> None:
+        """The forwards of these admitted prompts (one piece a request): their chunks in order,
+        consecutive chunks sharing a forward while they fit in ``prefill_chunk`` tokens. Writes
+        each item's outcome and appends the features in item order."""
+        chunks = [(i, req, start) for i, req in admitted
+                  for start in range(0, len(items[i].token_ids), self.prefill_chunk)]
+        group: list[tuple[int, _Request, int]] = []
+        for k, chunk in enumerate(chunks):
+            group.append(chunk)
+            nxt = chunks[k + 1] if k + 1 < len(chunks) else None
+            if nxt is None or nxt[1] is chunk[1] or \
+                    self._chunk_len(items, group) + self._chunk_len(items, [nxt]) > self.prefill_chunk:
+                self._prefill_forward(items, group, outcomes, features)
+                group = []
+
+    def _chunk_len(self, items: Sequence[PrefillInput], chunks: Sequence[tuple[int, _Request, int]]) -> int:
+        return sum(min(self.prefill_chunk, len(items[i].token_ids) - start) for i, _, start in chunks)
+
+    def _prefill_forward(self, items: Sequence[PrefillInput], group: Sequence[tuple[int, _Request, int]],
+                         outcomes: list[ItemOutcome | None], features: list[torch.Tensor]) -> None:
+        """One forward over these chunks (each request's chain after what its cache holds), its
+        KV committed in one scatter; a request whose prompt ends here samples its first token."""
+        dev = self.model_device
+        ids = [items[i].token_ids[start:start + self.prefill_chunk] for i, _, start in group]
+        reqs = [req for _, req, _ in group]
+        flat = torch.tensor([t for chunk in ids for t in chunk], dtype=torch.int64, device=dev)        # [N]
+        positions = torch.cat([req.length + torch.arange(len(chunk), device=dev) for req, chunk in zip(reqs, ids)])
+        masks = [torch.ones(len(c), len(c), dtype=torch.bool, device=dev).tril_() for c in ids]   # chains
+        out = self._forward(flat, positions, reqs, masks, routing_groups=1)   # launches as one prompt's
+        self.cache.write_many([(req.request_id, req.length, len(chunk)) for req, chunk in zip(reqs, ids)], out.new_kv)
+        features.append(out.features)
+        ends = np.cumsum([len(chunk) for chunk in ids]) - 1                     # each chunk's last row
+        done: list[int] = []                                                  # group positions that sample
+        for g, ((i, req, start), chunk) in enumerate(zip(group, ids)):
+            req.length += len(chunk)
+            if start + len(chunk) < len(items[i].token_ids):
+                continue   # more chunks of this prompt follow
+            if items[i].more:
+                outcomes[i] = ItemOutcome(req.request_id, [], committed=len(items[i].token_ids))
+            else:
+                done.append(g)
+        if done:
+            rows = torch.from_numpy(ends[done]).to(dev)
+            first = self._posterior(out.logits[rows], [reqs[g] for g in done], [1] * len(done))
+            for g, token in zip(done, torch.cat(first).tolist()):
+                i, req, _ = group[g]
+                req.pending = int(token)
+                outcomes[i] = ItemOutcome(req.request_id, [req.pending], committed=len(items[i].token_ids))
 
     # ---- verify -------------------------------------------------------------------------------
     def verify(self, request_ids: Sequence[str], tokens: torch.Tensor, parents: torch.Tensor,
@@ -458,7 +507,7 @@ class VerifierEngine:
         return self.model.embed_weight.device
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, reqs: Sequence[_Request],
-                 masks: Sequence[torch.Tensor]):
+                 masks: Sequence[torch.Tensor], routing_groups: int | None = None):
         dev = self.model_device
         counts = torch.tensor([m.shape[0] for m in masks], dtype=torch.int64)
         meta = TreeAttentionMetadata(
@@ -469,7 +518,7 @@ class VerifierEngine:
         )
         if dev.type == "cuda":   # packed once here, not per layer by the kernel
             meta = TreeAttentionDeviceMetadata.from_host(meta)
-        batch = ForwardBatch(input_ids=input_ids, positions=positions, attn=meta)
+        batch = ForwardBatch(input_ids=input_ids, positions=positions, attn=meta, routing_groups=routing_groups)
         return self.model(batch, self.cache, feature_layers=self.feature_layers)
 
     def cat_features(self, parts: list[torch.Tensor]) -> torch.Tensor:

@@ -148,6 +148,11 @@ class ForwardBatch:
     input_ids: Tensor  # [N] int64
     positions: Tensor  # [N] int64
     attn: TreeAttentionMetadata | TreeAttentionDeviceMetadata  # device form: no host sync (graphs)
+    # Groups of tokens that tend to share experts, for the fused MoE's launch choice (None: the
+    # requests). A forward of several prompts counts as one, so it launches what one prompt of
+    # as many tokens does: the kernels the start-up compiled (the prompts' experts differ more,
+    # which costs only the choice a group count would have made).
+    routing_groups: int | None = None
 
 
 @dataclass
@@ -355,7 +360,8 @@ class TargetModel(torch.nn.Module):
                 and self.dtype in (torch.bfloat16, torch.float16) else None
             x, h = add_rms_norm(x, self.tp.all_reduce(attn_out), layer.post_norm, c.rms_norm_eps, float32_copy=h32)
             if layer.moe is not None:
-                mlp_out = moe_forward(h, layer.moe, c, routing_groups=batch.attn.num_requests, x_float32=h32)
+                groups = batch.routing_groups or batch.attn.num_requests
+                mlp_out = moe_forward(h, layer.moe, c, routing_groups=groups, x_float32=h32)
             else:
                 mlp_out = mlp_forward(h, layer.mlp)
             next_norm = self.layers[i + 1].input_norm if i + 1 < L else self.norm_weight
