@@ -10,6 +10,8 @@ and named:
 * prefills of one new request at a spread of prompt lengths, each with a short and a long KV
   reservation (each chunk is an eager forward whose fused-MoE launches depend on its token count,
   and whose attention splits depend on the width of the request's page table);
+* prefill calls of many prompts at once (``BURSTS``: prompts of random lengths up to a bound,
+  one-token prompts among them), as a step admitting many requests makes (``prefill_burst`` rows);
 * a verify step at every (batch bucket, tree-size bucket) of ``VerifyGraphs``, trees of exactly the
   bucket's node count with random parents and tokens, twice (``first_ms``, ``second_ms``). Where
   the start-up did not capture a bucket (before ``capture_buckets``), the first call captures it.
@@ -57,6 +59,7 @@ from services.verifier.server import build_engine
 PROMPT_LENGTHS = (2, 3, 5, 7, 12, 16, 17, 24, 33, 48, 65, 100, 129, 200, 256, 300, 511, 512, 700, 1000)
 RESERVE = 1600   # KV a verify request reserves: its prompt, then a few tokens a step
 PREFILL_RESERVES = (1, 1024)   # tokens a prefill reserves past its prompt (max_tokens)
+BURSTS = ((8, 300), (64, 300), (64, 1), (128, 40))   # one prefill call: (prompts, longest prompt)
 
 
 def memory() -> dict[str, float]:
@@ -165,6 +168,16 @@ def main() -> None:
             rows.append({"row": "prefill", "tokens": n, "reserve": n + extra, "ms": round(ms, 1), "kernels": new})
             print(rows[-1], flush=True)
 
+    for count, longest in BURSTS:   # one step admitting many prompts (they share forwards)
+        lengths = torch.randint(1, longest + 1, (count,), generator=g).tolist()
+        items = [PrefillInput(f"b{i}", torch.randint(2, engine.vocab_size, (n,), generator=g).tolist(), Sampling(),
+                              reserve_tokens=n + 1) for i, n in enumerate(lengths)]
+        ms, new = timed(lambda: engine.prefill(items))
+        engine.release([it.request_id for it in items])
+        rows.append({"row": "prefill_burst", "prompts": count, "tokens": sum(lengths), "longest": max(lengths),
+                     "ms": round(ms, 1), "kernels": new})
+        print(rows[-1], flush=True)
+
     torch.cuda.synchronize()
     rows.append({"row": "after_prefills", **memory()})
     batches = engine.graphs.batch_buckets if engine.graphs else (1,)
@@ -202,7 +215,8 @@ def main() -> None:
                                          "warmup_budgets": list(settings.warmup_budgets),
                                          "graph_batches": list(settings.graph_batches), "node_buckets": list(node_buckets),
                                          "kv_capacity_tokens": settings.kv_capacity_tokens,
-                                         "prompt_lengths": list(PROMPT_LENGTHS), "feature_layers": layers}, rows)
+                                         "prompt_lengths": list(PROMPT_LENGTHS), "bursts": [list(b) for b in BURSTS],
+                                         "feature_layers": layers}, rows)
 
 
 if __name__ == "__main__":
