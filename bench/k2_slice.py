@@ -12,7 +12,7 @@ random draft tables) and batch:
 
 * step_ms: ``VerifyGraphs.run`` (CUDA graph, captured on first use) timed with perf_counter +
   synchronize around the whole call, so the per-step host work (padding, input copies) counts (not
-  the engine's reads of the real rows after it; before 2026-12 the call also copied every real row out);
+  the engine's reads of the real rows after it; before 5e981de the call also copied every real row out);
   ``replay_ms``: the graph replay alone (CUDA events). Median of ``--reps``. Eager on CPU.
 * floor_ms: bytes that must be read / measured copy bandwidth. Bytes: every non-expert weight at
   checkpoint dtypes (bf16; the router bias fp32), the routed experts the step touches (INT4 words

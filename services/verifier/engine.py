@@ -154,7 +154,7 @@ class VerifierEngine:
         forward only, and the work around the replay (the sampled requests' gathered logits,
         acceptance, the commit) also needs memory. So a GPU without room for the largest step
         fails the start, and the caching allocator holds blocks that every smaller step reuses
-        (without it, each larger bucket's first step reserved new blocks: 11.8 -> 17.0 GB over
+        (without it, each larger bucket's first step reserved new blocks: 11.5 -> 17.0 GB over
         the verify calls on the K2 slice). Skipped where the KV cache or the context cannot hold
         such a step: serving cannot meet one there either."""
         if self.graphs is None or not self.graphs.batch_buckets or not self.graphs.node_buckets:
