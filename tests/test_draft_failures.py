@@ -212,6 +212,22 @@ def test_a_request_named_twice_in_a_step_fails_alone(ckpt):
     assert twice == [("b", "OK"), ("a", "INVALID_ARGUMENT"), ("a", "INVALID_ARGUMENT")] and after == [("b", "OK")]
 
 
+def test_the_verifier_answers_a_prefill_named_twice_in_its_place() -> None:
+    """A draft that sends a request's prefill twice in a step, the first with sampling the
+    verifier refuses, gets each item's own result in its place: the refusal for the first, the
+    engine's outcome for the second, and the next item's for the next (the refusal was keyed by
+    request id, so both copies got it and every later item got its neighbour's outcome)."""
+    from services.verifier.engine import ItemOutcome
+    from services.verifier.server import _in_order
+    prefills = [verifier_pb2.PrefillItem(request_id=r) for r in ("x", "x", "y")]
+    refused = verifier_pb2.ItemResult(request_id="x", error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                      error_message="sampling: temperature must be ...")
+    done = [ItemOutcome("x", [11], committed=4), ItemOutcome("y", [12], committed=2)]
+    got = _in_order(prefills, {0: refused}, done)
+    assert [(r.request_id, r.error_code, list(r.token_ids)) for r in got] == [
+        ("x", grpc.StatusCode.INVALID_ARGUMENT.value[0], []), ("x", 0, [11]), ("y", 0, [12])]
+
+
 def _request(name: str, max_tokens: int = 6, kv_tokens: int = 64) -> ActiveRequest:
     return ActiveRequest(name, [5, 6, 7, 8], common_pb2.SamplingParams(), max_tokens, 4, common_pb2.MODE_DDTREE,
                          (), frozenset(), frozenset(), None, kv_tokens=kv_tokens)

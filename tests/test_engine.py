@@ -232,11 +232,35 @@ def test_padded_forward_equals_unpadded(target: Target) -> None:
     torch.testing.assert_close(padded.features, eager.features, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(padded.new_kv, eager.new_kv, rtol=1e-4, atol=1e-4)
     assert torch.isfinite(padded.logits).all()
-    # Every bucket writes the same output buffers: a step's outputs hold until the next run, and
-    # what was copied out of them (``real``) stays as it was after it (another bucket, same rows).
+    # Every bucket writes the same output buffers: a step's padded outputs hold until the next run
+    # (of any bucket), which rewrites them; what was read out before stays.
     kept = [t.clone() for t in (padded.logits, padded.features, padded.new_kv)]
-    graphs.run(tokens[:4], parents[:4], depths[:4], [4], lens[:1], [engine.cache.page_ids(rids[0])])
+    graphs.run(tokens[4:8], parents[4:8] - 4 * (parents[4:8] >= 0), depths[4:8] - 1, [4], lens[1:2],
+               [engine.cache.page_ids(rids[1])])
+    assert not torch.equal(step.logits[step.rows], kept[0])
     assert all(torch.equal(a, b) for a, b in zip(kept, (padded.logits, padded.features, padded.new_kv)))
+
+
+def test_graph_steps_equal_eager_steps_with_padding_and_sampling(target: Target) -> None:
+    """Through ``verify``: steps whose batch and trees pad to a bucket give the eager engine's
+    tokens (greedy and seeded sampling), features and committed KV, step after step; the graph
+    path reads the trees' rows out of the padded outputs."""
+    engines = [make_engine(target.model, shuffle_seed=None) for _ in range(2)]
+    graphs = engines[0].enable_graphs(capture=False, batch_buckets=(4,), node_buckets=(5, 9, 17))
+    rids = ["g", "s1", "s2"]
+    params = [Sampling(), Sampling(temperature=1.0, seed=21), Sampling(temperature=0.8, top_k=7, seed=22)]
+    for engine in engines:
+        engine.set_feature_layers([0, 2])
+        engine.prefill([PrefillInput(r, p, s, reserve_tokens=80) for r, p, s in zip(rids, PROMPTS, params)])
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        trees = [random_tree(engines[0]._requests[r].pending, b, g) for r, b in zip(rids, (3, 7, 12))]   # pad to 17
+        outs = [engine.verify(rids, *pack(trees)) for engine in engines]
+        assert graphs.bucket_for(3, 13) == (4, 17) and (4, 17) in graphs._buckets
+        assert [(i.tokens, i.committed) for i in outs[0].items] == [(i.tokens, i.committed) for i in outs[1].items]
+        torch.testing.assert_close(outs[0].features, outs[1].features, rtol=1e-4, atol=1e-4)
+        for rid in rids:
+            torch.testing.assert_close(_cached_kv(engines[0], rid), _cached_kv(engines[1], rid), rtol=1e-4, atol=1e-4)
 
 
 def test_warm_up_runs_every_bucket_and_leaves_no_state(target: Target) -> None:
@@ -504,6 +528,34 @@ def test_prompts_share_forwards_and_equal_each_alone(target: Target, monkeypatch
     assert out.items[0].tokens == target.continuation(long, 1)
     trees = pack([root_only(batched._requests[r].pending) for r in rids])
     assert [i.tokens for i in batched.verify(rids, *trees).items] == [i.tokens for i in alone.verify(rids, *trees).items]
+
+
+def test_a_failed_prefill_forward_leaves_its_unrun_items_unsent(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward that raises (a CUDA error, out of memory) leaves the items it did not run as if
+    never sent: a new request freed with its KV, a later piece's request where the piece found it,
+    so the same items sent again succeed; what ran before stays committed."""
+    engine = make_engine(target.model, prefill_chunk=4)
+    engine.prefill([PrefillInput("d", [9, 8, 7], Sampling(), 40, more=True)])
+    free0 = engine.cache.pages_free
+    forward, calls = engine._forward, []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return forward(*a, **kw)
+
+    monkeypatch.setattr(engine, "_forward", failing)
+    items = [PrefillInput("a", [1, 2, 3], Sampling(), 0), PrefillInput("b", [4, 5, 6], Sampling(), 0),
+             PrefillInput("d", [6, 5], Sampling(), 0, offset=3)]
+    with pytest.raises(RuntimeError, match="illegal memory"):
+        engine.prefill(items)
+    assert "a" in engine._requests and engine._requests["a"].length == 3   # its forward ran
+    assert "b" not in engine._requests and engine._requests["d"].length == 3 and engine._requests["d"].prefilling
+    assert engine.cache.pages_free == free0 - 1   # a's page only
+    out = engine.prefill(items[1:])
+    assert [(i.error, i.committed) for i in out.items] == [(None, 3), (None, 2)]
+    assert out.items[1].tokens == target.continuation([9, 8, 7, 6, 5], 1)
 
 
 def test_prompt_in_pieces_over_steps_matches_one_prefill(target: Target) -> None:

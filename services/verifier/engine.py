@@ -165,9 +165,8 @@ class VerifierEngine:
         if len(prompt) + nodes >= self.max_context or need > self.cache.pages_free:
             return
         rids = [f"__warmup_largest_{i}__" for i in range(batch)]
-        sampling = (Sampling(), Sampling(temperature=1.0, top_p=0.9, top_k=50))
-        self.prefill([PrefillInput(r, prompt, sampling[i % 2], reserve_tokens=len(prompt) + nodes)
-                      for i, r in enumerate(rids)])
+        self.prefill([PrefillInput(r, prompt, Sampling(temperature=1.0, top_p=0.9, top_k=50, seed=i) if i % 2 else
+                                   Sampling(), reserve_tokens=len(prompt) + nodes) for i, r in enumerate(rids)])
         try:
             self._warm_up_step(rids, nodes)
         finally:
@@ -255,19 +254,36 @@ class VerifierEngine:
         outcomes: list[ItemOutcome | None] = [None] * len(items)
         features: list[torch.Tensor] = []
         admitted: list[tuple[int, _Request]] = []   # (item index, its request), in item order
-        for i, item in enumerate(items):
-            if any(req.request_id == item.request_id for _, req in admitted):
-                self._run_prefills(items, admitted, outcomes, features)   # its piece follows that one
-                admitted = []
-            try:
-                req = self._admit(item)
-            except ServiceError as exc:
-                outcomes[i] = ItemOutcome(item.request_id, error=exc)
-                continue
-            admitted.append((i, req))
-        self._run_prefills(items, admitted, outcomes, features)
+        try:
+            for i, item in enumerate(items):
+                if any(req.request_id == item.request_id for _, req in admitted):
+                    self._run_prefills(items, admitted, outcomes, features)   # its piece follows that one
+                    admitted = []
+                try:
+                    req = self._admit(item)
+                except ServiceError as exc:
+                    outcomes[i] = ItemOutcome(item.request_id, error=exc)
+                    continue
+                admitted.append((i, req))
+            self._run_prefills(items, admitted, outcomes, features)
+        except BaseException:
+            self._undo_admissions(items, admitted, outcomes)
+            raise
         assert all(o is not None for o in outcomes)
         return StepOutcome(outcomes, self.cat_features(features))
+
+    def _undo_admissions(self, items: Sequence[PrefillInput], admitted: Sequence[tuple[int, _Request]],
+                         outcomes: Sequence[ItemOutcome | None]) -> None:
+        """A forward failed: the admitted items it left without an outcome are as if never sent
+        (a new request freed, a piece's request back where the piece found it), so a retry or a
+        release finds the state the caller last saw."""
+        for i, req in admitted:
+            if outcomes[i] is not None:
+                continue
+            if items[i].offset == 0:
+                self.release([req.request_id])
+            else:
+                req.length, req.prefilling = items[i].offset, True
 
     def _admit(self, item: PrefillInput) -> _Request:
         """Checks a prompt or piece and, for a new request, reserves its KV and makes its state."""

@@ -299,12 +299,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         peer.writer.release(req.released_slots)
         if req.release:
             self.group.call("release", list(req.release), peer.owner)
-        inputs, rejected = [], {}
-        for p in req.prefills:
+        inputs, rejected = [], {}   # rejected: by position in req.prefills (an id may come twice)
+        for k, p in enumerate(req.prefills):
             try:
                 sampling = sampling_from_proto(p.sampling)
             except ValueError as exc:   # this request fails alone; the others of the step go on
-                rejected[p.request_id] = verifier_pb2.ItemResult(
+                rejected[k] = verifier_pb2.ItemResult(
                     request_id=p.request_id, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
                     error_message=f"sampling: {exc}")
                 continue
@@ -381,10 +381,11 @@ def _slot_or_none(bundle: common_pb2.TensorBundle) -> int | None:
         return None
 
 
-def _in_order(prefills, rejected: dict[str, verifier_pb2.ItemResult], done) -> list[verifier_pb2.ItemResult]:
-    """The step's prefill results in request order: the engine's, with the rejected ones between."""
+def _in_order(prefills, rejected: dict[int, verifier_pb2.ItemResult], done) -> list[verifier_pb2.ItemResult]:
+    """The step's prefill results in request order: the engine's, with the rejected ones (by
+    position: an id sent twice, once with bad sampling, has two results) between."""
     items = iter(done)
-    return [rejected[p.request_id] if p.request_id in rejected else _item_pb(next(items)) for p in prefills]
+    return [rejected[k] if k in rejected else _item_pb(next(items)) for k in range(len(prefills))]
 
 
 def _item_pb(o) -> verifier_pb2.ItemResult:
