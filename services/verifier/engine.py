@@ -248,7 +248,7 @@ class VerifierEngine:
         ended, and only the last samples, so running requests decode between the pieces.
 
         Short prompts share forwards, up to ``prefill_chunk`` tokens each: an eager forward costs
-        about the same at 2 tokens as at 512 (120-235 ms against 117-207 on one rank of the
+        about the same at 2 tokens as at 512 (129-237 ms at 2-48 tokens, 116-230 at 65-512, one rank of the
         61-layer K2 slice, bench/results/verify_first_use-k2-61-subset-*), so a step admitting 64
         short prompts took 64 of them while every running request waited."""
         outcomes: list[ItemOutcome | None] = [None] * len(items)
