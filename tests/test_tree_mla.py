@@ -162,6 +162,18 @@ def test_batch_with_split_k(num_splits: int | None) -> None:
 
 
 @needs_kernel
+def test_a_shared_prefill_forwards_chains() -> None:
+    """Several prompts' chunks in one launch, as a step's short prompts share a prefill forward:
+    chains of different lengths (one past the 129 nodes of a verify tree, one of a single token)
+    after prefixes of their own (none, a piece's, mid-page)."""
+    gen = torch.Generator().manual_seed(13)
+    trees = [(0, tree_parents("chain", 150, gen)), (33, tree_parents("chain", 5, gen)),
+             (7, tree_parents("chain", 1, gen)), (0, tree_parents("chain", 40, gen))]
+    case = make_case(gen, trees, heads=2, page_size=16)
+    check(*case)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dv_splits", [1, 2])
 def test_padded_bucket_and_many_heads(dv_splits: int) -> None:
     """Static shapes wider than needed (as a captured graph sees them), 16 heads, split-K, and
