@@ -313,21 +313,21 @@ class VerifierEngine:
     def _run_prefills(self, items: Sequence[PrefillInput], admitted: Sequence[tuple[int, _Request]],
                       outcomes: list[ItemOutcome | None], features: list[torch.Tensor]) -> None:
         """The forwards of these admitted prompts (one piece a request): their chunks in order,
-        consecutive chunks sharing a forward while they fit in ``prefill_chunk`` tokens. Writes
-        each item's outcome and appends the features in item order."""
-        chunks = [(i, req, start) for i, req in admitted
-                  for start in range(0, len(items[i].token_ids), self.prefill_chunk)]
+        consecutive chunks sharing a forward while they fit in ``prefill_chunk`` tokens (a
+        prompt's next chunk waits for its last: it reads that one's KV). Writes each item's
+        outcome and appends the features in item order."""
         group: list[tuple[int, _Request, int]] = []
-        for k, chunk in enumerate(chunks):
-            group.append(chunk)
-            nxt = chunks[k + 1] if k + 1 < len(chunks) else None
-            if nxt is None or nxt[1] is chunk[1] or \
-                    self._chunk_len(items, group) + self._chunk_len(items, [nxt]) > self.prefill_chunk:
-                self._prefill_forward(items, group, outcomes, features)
-                group = []
-
-    def _chunk_len(self, items: Sequence[PrefillInput], chunks: Sequence[tuple[int, _Request, int]]) -> int:
-        return sum(min(self.prefill_chunk, len(items[i].token_ids) - start) for i, _, start in chunks)
+        tokens = 0
+        for i, req in admitted:
+            for start in range(0, len(items[i].token_ids), self.prefill_chunk):
+                n = min(self.prefill_chunk, len(items[i].token_ids) - start)
+                if group and (tokens + n > self.prefill_chunk or group[-1][1] is req):
+                    self._prefill_forward(items, group, outcomes, features)
+                    group, tokens = [], 0
+                group.append((i, req, start))
+                tokens += n
+        if group:
+            self._prefill_forward(items, group, outcomes, features)
 
     def _prefill_forward(self, items: Sequence[PrefillInput], group: Sequence[tuple[int, _Request, int]],
                          outcomes: list[ItemOutcome | None], features: list[torch.Tensor]) -> None:
