@@ -8,8 +8,9 @@ call is timed alone (wall clock, synchronised) and the Triton cache entries it a
 and named:
 
 * prefills of one new request at a spread of prompt lengths, each with a short and a long KV
-  reservation (each chunk is an eager forward whose fused-MoE launches depend on its token count,
-  and whose attention splits depend on the width of the request's page table);
+  reservation (each chunk a graph replay, or without graphs an eager forward whose fused-MoE
+  launches depend on its token count, and whose attention splits depend on the width of the
+  request's page table);
 * prefill calls of many prompts at once (``BURSTS``: prompts of random lengths up to a bound,
   one-token prompts among them), as a step admitting many requests makes (``prefill_burst`` rows);
 * a verify step at every (batch bucket, tree-size bucket) of ``VerifyGraphs``, trees of exactly the

@@ -19,7 +19,7 @@ import torch
 from kernels.tree_mla import TreeAttentionMetadata
 from services.draft.tree import ancestor_mask, build_trees
 from services.verifier.engine import PrefillInput, VerifierEngine
-from services.verifier.graphs import BATCH_BUCKETS
+from services.verifier.graphs import BATCH_BUCKETS, REPLAY_ROWS, VerifyGraphs
 from services.verifier.make_target import write_random_target
 from services.verifier.model import ForwardBatch, TargetModel
 from services.verifier.reference import ReferenceModel
@@ -184,10 +184,13 @@ def test_padded_graph_buckets_match_reference(target: Target) -> None:
     used = set(graphs._buckets)
     assert (4, 65) in used and (4, 17) in used, used   # 3 requests padded to 4; trees padded up
 
-    engine.enable_graphs(capture=False, batch_buckets=(1, 2))   # 3 requests: no bucket, eager
+    small = engine.enable_graphs(capture=False, batch_buckets=(1, 2))   # 3 requests: no bucket, eager
+    replays: list[int] = []
+    run = small.run
+    small.run = lambda *a: replays.append(len(a[3])) or run(*a)   # trees (or prompts) a replay
     auto, _ = run_greedy(engine, target, PROMPTS, budgets=[4], tree_seed=3, tag="e")
     assert all(got == ref[:len(got)] for got, ref in zip(auto, refs))
-    assert not engine.graphs._buckets
+    assert sum(replays) == len(PROMPTS) and max(replays) <= 2   # the prompts only, in replays of <= 2
 
 
 def test_the_tree_size_buckets_are_a_setting(target: Target) -> None:
@@ -376,6 +379,17 @@ def test_the_warm_up_captures_every_bucket_before_its_steps_and_compiles_the_att
     calls: list[tuple] = []
     monkeypatch.setattr(graphs, "capture_buckets", lambda: calls.append(("buckets",)) or 0)
     monkeypatch.setattr(engine, "verify", lambda *a, **k: calls.append(("verify",)))
+    run = graphs.run
+
+    def replay(*a):   # the warm-up's prompts for its steps replay a bucket (the CPU runs its padded forward)
+        calls.append(("replay",))
+        capture, graphs.capture = graphs.capture, False
+        try:
+            return run(*a)
+        finally:
+            graphs.capture = capture
+
+    monkeypatch.setattr(graphs, "run", replay)
     monkeypatch.setattr(engine_mod, "warm_up_merges",
                         lambda kvr, dtype, device, dv_splits: calls.append(("merges", kvr, dtype, device.type, dv_splits)))
     monkeypatch.setattr(engine_mod, "served_dv_splits", lambda kvr, rope, dtype, device: (kvr, rope))
@@ -386,11 +400,11 @@ def test_the_warm_up_captures_every_bucket_before_its_steps_and_compiles_the_att
     merges = ("merges", c.kv_lora_rank, target.model.dtype, "cpu", (c.kv_lora_rank, c.qk_rope_head_dim))
     attention = ("attention", True, tuple(engine.cache.kv.shape[1:]), target.model.layers[0].attn.w_uk.shape[0],
                  c.qk_rope_head_dim, target.model.attention_backend)
-    assert calls == [("verify",), ("verify",), merges, attention]
+    assert calls == [("replay",), ("verify",), ("verify",), merges, attention]
     calls.clear()
     graphs.capture = True   # as on a GPU
     engine.warm_up([0, 4], batches=(1,))
-    assert calls == [("buckets",), ("verify",), ("verify",), merges, attention]
+    assert calls == [("buckets",), ("replay",), ("verify",), ("verify",), merges, attention]
     assert engine.active_requests == 0
 
 
@@ -528,6 +542,80 @@ def test_prompts_share_forwards_and_equal_each_alone(target: Target, monkeypatch
     assert out.items[0].tokens == target.continuation(long, 1)
     trees = pack([root_only(batched._requests[r].pending) for r in rids])
     assert [i.tokens for i in batched.verify(rids, *trees).items] == [i.tokens for i in alone.verify(rids, *trees).items]
+
+
+def test_prompts_replay_graph_buckets_and_equal_each_alone_eagerly(target: Target) -> None:
+    """With verify graphs a prefill chunk is a chain tree of up to the largest node bucket's tokens
+    and a step's prompts share replays: round k replays every prompt's k-th chunk, grouped by
+    length (``plan_chains``). Outcomes, errors, features (item order), first tokens (greedy and
+    seeded sampling), the KV written and the next verify equal each item prefilled alone eagerly."""
+    long = [(7 * i + 3) % 60 for i in range(15)]
+    split = [9, 8, 7, 6, 5, 4, 3, 2, 1]
+    items = [PrefillInput("a", long, Sampling(), 0),                                # chunks of 9 and 6 tokens
+             PrefillInput("b", [5], Sampling(temperature=1.0, seed=5), 0),
+             PrefillInput("bad", [1, target.model.config.vocab_size], Sampling(), 0),  # a token past the vocabulary
+             PrefillInput("c", PROMPTS[0][:3], Sampling(), 0),
+             PrefillInput("d", split[:4], Sampling(), 40, more=True),                   # a first piece
+             PrefillInput("e", PROMPTS[2][:5], Sampling(temperature=0.7, top_k=5, seed=9), 0),
+             PrefillInput("b", [6, 7], Sampling(), 0),                                # ALREADY_EXISTS
+             PrefillInput("d", split[4:], Sampling(), 0, offset=4)]                   # the next piece, same call
+    alone = make_engine(target.model, prefill_chunk=8)
+    graphed = make_engine(target.model, prefill_chunk=512)
+    graphs = graphed.enable_graphs(capture=False, batch_buckets=(1, 2, 4), node_buckets=(1, 3, 5, 9))
+    for engine in (alone, graphed):
+        engine.set_feature_layers([0, 2])
+    replays: list[list[int]] = []
+    run = graphs.run
+    graphs.run = lambda *a: replays.append(list(a[3])) or run(*a)
+    out = graphed.prefill(items)
+    # a, e, d, c, b: two replays (4 chains at most); 9 alone and 5 + 4 + 3 + 1 in 4 x 5 pad to
+    # 29 rows where 4 x 9 and 1 pad to 37. Then a's 6 tokens, then d's next piece.
+    assert replays == [[9], [5, 4, 3, 1], [6], [5]]
+    singles = [alone.prefill([item]) for item in items]
+    for got, want in zip(out.items, (s.items[0] for s in singles)):
+        assert (got.request_id, got.tokens, got.committed) == (want.request_id, want.tokens, want.committed)
+        assert got.error is None or (got.error.code, got.error.message) == (want.error.code, want.error.message)
+    assert [o.error.code for o in out.items if o.error] == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS]
+    torch.testing.assert_close(out.features, torch.cat([s.features for s in singles]), rtol=1e-4, atol=1e-4)
+    rids = ["a", "b", "c", "d", "e"]
+    for rid in rids:
+        torch.testing.assert_close(_cached_kv(graphed, rid), _cached_kv(alone, rid), rtol=1e-4, atol=1e-4)
+        assert graphed._requests[rid].pending == alone._requests[rid].pending
+    assert out.items[0].tokens == target.continuation(long, 1)
+    trees = pack([root_only(graphed._requests[r].pending) for r in rids])
+    assert [i.tokens for i in graphed.verify(rids, *trees).items] == [i.tokens for i in alone.verify(rids, *trees).items]
+
+
+def test_chains_group_into_the_fewest_padded_rows() -> None:
+    """``plan_chains`` takes every chain once, in groups some bucket holds, at the least padded
+    rows plus ``REPLAY_ROWS`` a replay of any partition (brute force over small sets)."""
+    def partitions(xs: list[int]):
+        if not xs:
+            yield []
+            return
+        for p in partitions(xs[1:]):
+            for k in range(len(p)):
+                yield p[:k] + [[xs[0]] + p[k]] + p[k + 1:]
+            yield [[xs[0]]] + p
+
+    def cost(graphs: VerifyGraphs, lengths: list[int], groups: list[list[int]]) -> float:
+        keys = [graphs.bucket_for(len(g), max(lengths[j] for j in g)) for g in groups]
+        return math.inf if None in keys else sum(REPLAY_ROWS + b * t for b, t in keys)
+
+    class Buckets(VerifyGraphs):
+        def __init__(self, batch_buckets: tuple[int, ...]) -> None:   # buckets only: no model
+            self.batch_buckets, self.node_buckets = batch_buckets, (1, 2, 3, 5, 9, 17, 33, 65, 129)
+
+    default = Buckets(tuple(BATCH_BUCKETS))
+    assert default.plan_chains([1] * 64) == [list(range(64))]
+    assert default.plan_chains([129] + [1] * 127) == [[0], list(range(1, 128))]
+    rng = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        graphs = Buckets(((1, 2, 4), (2, 4), (4,), (1, 3, 8))[trial % 4])
+        lengths = [(1, 2, 3, 17, 40, 100, 129)[int(i)] for i in torch.randint(0, 7, (1 + trial % 6,), generator=rng)]
+        plan = graphs.plan_chains(lengths)
+        assert sorted(j for g in plan for j in g) == list(range(len(lengths)))
+        assert cost(graphs, lengths, plan) == min(cost(graphs, lengths, p) for p in partitions(list(range(len(lengths)))))
 
 
 def test_a_failed_prefill_forward_leaves_its_unrun_items_unsent(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:

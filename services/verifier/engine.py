@@ -121,14 +121,15 @@ class VerifierEngine:
         # Every row count up to MAX_ROWS, not a sample: which of them share a compiled kernel is
         # Triton's integer specialisation (1, multiples of 16), and with fewer graph buckets than
         # the default none of them ran a 16-token step (a 16-token prompt then compiled 8 kernels,
-        # 2.7 s, on the K2 slice: bench/results/verify_first_use-k2-3-subset-*).
+        # 2.7 s, on the K2 slice: bench/results/verify_first_use-k2-3-subset-*). Eager: prompts
+        # replay graphs, but a step no bucket holds runs eagerly.
         lengths = sorted({*range(1, MAX_ROWS + 1), 64, min(self.prefill_chunk, max(1, self.max_context // 4))})
         rids = [f"__warmup_{i}__" for i in range(max(batches))]
         for n in lengths:
             if n >= self.max_context:
                 continue
             prompt = [1 + (i % (self.vocab_size - 1)) for i in range(n)]
-            self.prefill([PrefillInput(rids[0], prompt, Sampling(), reserve_tokens=n + 1)])
+            self.prefill([PrefillInput(rids[0], prompt, Sampling(), reserve_tokens=n + 1)], eager=True)
             self.release(rids[:1])
         if self.graphs is not None and self.graphs.capture:   # the CPU compiles nothing
             self.graphs.capture_buckets()
@@ -241,23 +242,26 @@ class VerifierEngine:
                                f"request {item.request_id}: prompt of {req.length + len(item.token_ids)} tokens so far "
                                f"is over the {room} its first piece reserved within max context {self.max_context}")
 
-    def prefill(self, items: Sequence[PrefillInput]) -> StepOutcome:
+    def prefill(self, items: Sequence[PrefillInput], eager: bool = False) -> StepOutcome:
         """Runs the prompts in chunks (a chain is a tree), commits them, samples each first token.
         A prompt may come in pieces over several steps (``more`` on all but the last, the first
         reserving the KV of the whole request): each piece extends the cache where the last one
         ended, and only the last samples, so running requests decode between the pieces.
 
-        Short prompts share forwards, up to ``prefill_chunk`` tokens each: an eager forward costs
-        about the same at 2 tokens as at 512 (129-237 ms at 2-48 tokens, 116-230 at 65-512, one rank of the
-        61-layer K2 slice, bench/results/verify_first_use-k2-61-subset-*), so a step admitting 64
-        short prompts took 64 of them while every running request waited."""
+        With verify graphs, the chunks replay them: a chunk is a chain tree of up to the largest
+        node bucket's tokens, a step's prompts share replays (``VerifyGraphs.plan_chains``). An
+        eager forward is launch-bound: one rank of the 61-layer K2 slice took 109-245 ms for one
+        prompt of 2-512 tokens, where a replay of one chain of 129 took 16.5 ms and of 64 chains
+        of 17, 51 ms (bench/results/verify_first_use-k2-61-subset-*). Without graphs (``eager``:
+        the warm-up compiling what eager steps launch) short prompts share forwards of up to
+        ``prefill_chunk`` tokens."""
         outcomes: list[ItemOutcome | None] = [None] * len(items)
         features: list[torch.Tensor] = []
         admitted: list[tuple[int, _Request]] = []   # (item index, its request), in item order
         try:
             for i, item in enumerate(items):
                 if any(req.request_id == item.request_id for _, req in admitted):
-                    self._run_prefills(items, admitted, outcomes, features)   # its piece follows that one
+                    self._run_prefills(items, admitted, outcomes, features, eager)   # its piece follows that one
                     admitted = []
                 try:
                     req = self._admit(item)
@@ -265,7 +269,7 @@ class VerifierEngine:
                     outcomes[i] = ItemOutcome(item.request_id, error=exc)
                     continue
                 admitted.append((i, req))
-            self._run_prefills(items, admitted, outcomes, features)
+            self._run_prefills(items, admitted, outcomes, features, eager)
         except BaseException:
             self._undo_admissions(items, admitted, outcomes)
             raise
@@ -311,42 +315,67 @@ class VerifierEngine:
         return req
 
     def _run_prefills(self, items: Sequence[PrefillInput], admitted: Sequence[tuple[int, _Request]],
-                      outcomes: list[ItemOutcome | None], features: list[torch.Tensor]) -> None:
-        """The forwards of these admitted prompts (one piece a request): their chunks in order,
-        consecutive chunks sharing a forward while they fit in ``prefill_chunk`` tokens (a
-        prompt's next chunk waits for its last: it reads that one's KV). Writes each item's
-        outcome and appends the features in item order."""
-        group: list[tuple[int, _Request, int]] = []
-        tokens = 0
-        for i, req in admitted:
-            for start in range(0, len(items[i].token_ids), self.prefill_chunk):
-                n = min(self.prefill_chunk, len(items[i].token_ids) - start)
-                if group and (tokens + n > self.prefill_chunk or group[-1][1] is req):
-                    self._prefill_forward(items, group, outcomes, features)
-                    group, tokens = [], 0
-                group.append((i, req, start))
-                tokens += n
-        if group:
-            self._prefill_forward(items, group, outcomes, features)
+                      outcomes: list[ItemOutcome | None], features: list[torch.Tensor], eager: bool) -> None:
+        """The forwards of these admitted prompts (one piece a request), a prompt's chunks in
+        order (a chunk reads the KV of the one before). Writes each item's outcome and appends
+        the features in item order.
 
-    def _prefill_forward(self, items: Sequence[PrefillInput], group: Sequence[tuple[int, _Request, int]],
-                         outcomes: list[ItemOutcome | None], features: list[torch.Tensor]) -> None:
-        """One forward over these chunks (each request's chain after what its cache holds), its
-        KV committed in one scatter; a request whose prompt ends here samples its first token."""
+        Graphs: round k replays every prompt's k-th chunk, grouped by length into buckets.
+        Eagerly: consecutive chunks share a forward while they fit in ``prefill_chunk`` tokens."""
+        graphs = None if eager or self.graphs is None or not self.graphs.holds_chains else self.graphs
+        size = self.prefill_chunk if graphs is None else min(self.prefill_chunk, graphs.node_buckets[-1])
+        chunks = [[(i, req, s, min(size, len(items[i].token_ids) - s)) for s in range(0, len(items[i].token_ids), size)]
+                  for i, req in admitted]   # (item, request, start, tokens) per chunk, per prompt
+        if graphs is None:
+            group: list[tuple[int, _Request, int, int]] = []
+            tokens = 0
+            for chunk in (c for prompt in chunks for c in prompt):
+                if group and (tokens + chunk[3] > self.prefill_chunk or group[-1][1] is chunk[1]):
+                    features.append(self._prefill_forward(items, group, outcomes, graphs))
+                    group, tokens = [], 0
+                group.append(chunk)
+                tokens += chunk[3]
+            if group:
+                features.append(self._prefill_forward(items, group, outcomes, graphs))
+            return
+        parts: dict[int, list[torch.Tensor]] = {i: [] for i, _ in admitted}
+        for k in range(max(map(len, chunks), default=0)):
+            round_k = [prompt[k] for prompt in chunks if k < len(prompt)]
+            for picks in graphs.plan_chains([c[3] for c in round_k]):
+                group = [round_k[j] for j in picks]
+                rows = self._prefill_forward(items, group, outcomes, graphs)
+                for (i, *_), f in zip(group, rows.split([c[3] for c in group])):
+                    parts[i].append(f)
+        features.extend(f for i, _ in admitted for f in parts[i])
+
+    def _prefill_forward(self, items: Sequence[PrefillInput], group: Sequence[tuple[int, _Request, int, int]],
+                         outcomes: list[ItemOutcome | None], graphs: VerifyGraphs | None) -> torch.Tensor:
+        """One forward over these chunks (each request's chain after what its cache holds): a
+        graph replay, or eager; its KV committed in one scatter; a request whose prompt ends here
+        samples its first token. Returns the chunks' features, in group order."""
         dev = self.model_device
-        ids = [items[i].token_ids[start:start + self.prefill_chunk] for i, _, start in group]
-        reqs = [req for _, req, _ in group]
-        flat = torch.tensor([t for chunk in ids for t in chunk], dtype=torch.int64, device=dev)        # [N]
-        positions = torch.cat([req.length + torch.arange(len(chunk), device=dev) for req, chunk in zip(reqs, ids)])
-        masks = [torch.ones(len(c), len(c), dtype=torch.bool, device=dev).tril_() for c in ids]   # chains
-        out = self._forward(flat, positions, reqs, masks, routing_groups=1)   # launches as one prompt's
-        self.cache.write_many([(req.request_id, req.length, len(chunk)) for req, chunk in zip(reqs, ids)], out.new_kv)
-        features.append(out.features)
-        ends = np.cumsum([len(chunk) for chunk in ids]) - 1                     # each chunk's last row
+        ids = [items[i].token_ids[start:start + n] for i, _, start, n in group]
+        reqs = [req for _, req, _, _ in group]
+        sizes = [len(chunk) for chunk in ids]
+        if graphs is not None:
+            out = graphs.run(np.fromiter((t for chunk in ids for t in chunk), np.int64),
+                             np.concatenate([np.arange(-1, n - 1) for n in sizes]),     # chains
+                             np.concatenate([np.arange(n) for n in sizes]), sizes, [r.length for r in reqs],
+                             [self.cache.page_ids(r.request_id) for r in reqs])
+        else:
+            flat = torch.tensor([t for chunk in ids for t in chunk], dtype=torch.int64, device=dev)        # [N]
+            positions = torch.cat([req.length + torch.arange(n, device=dev) for req, n in zip(reqs, sizes)])
+            masks = [torch.ones(n, n, dtype=torch.bool, device=dev).tril_() for n in sizes]   # chains
+            out = self._forward(flat, positions, reqs, masks, routing_groups=1)   # launches as one prompt's
+        # A graph's outputs are its bucket's padded rows, reused by the next replay: the chunks'
+        # rows of KV and features are copied out; of the logits only the rows that sample.
+        new_kv, feats = (out.new_kv, out.features) if out.rows is None else (out.new_kv[:, out.rows], out.features[out.rows])
+        self.cache.write_many([(req.request_id, req.length, n) for req, n in zip(reqs, sizes)], new_kv)
+        ends = np.cumsum(sizes) - 1                                             # each chunk's last row
         done: list[int] = []                                                  # group positions that sample
-        for g, ((i, req, start), chunk) in enumerate(zip(group, ids)):
-            req.length += len(chunk)
-            if start + len(chunk) < len(items[i].token_ids):
+        for g, ((i, req, start, n), chunk) in enumerate(zip(group, ids)):
+            req.length += n
+            if start + n < len(items[i].token_ids):
                 continue   # more chunks of this prompt follow
             if items[i].more:
                 outcomes[i] = ItemOutcome(req.request_id, [], committed=len(items[i].token_ids))
@@ -354,11 +383,13 @@ class VerifierEngine:
                 done.append(g)
         if done:
             rows = torch.from_numpy(ends[done]).to(dev)
+            rows = rows if out.rows is None else out.rows[rows]
             first = self._posterior(out.logits[rows], [reqs[g] for g in done], [1] * len(done))
             for g, token in zip(done, torch.cat(first).tolist()):
-                i, req, _ = group[g]
+                i, req, _, _ = group[g]
                 req.pending = int(token)
                 outcomes[i] = ItemOutcome(req.request_id, [req.pending], committed=len(items[i].token_ids))
+        return feats
 
     # ---- verify -------------------------------------------------------------------------------
     def verify(self, request_ids: Sequence[str], tokens: torch.Tensor, parents: torch.Tensor,

@@ -47,6 +47,10 @@ __all__ = ["BATCH_BUCKETS", "NODE_BUCKETS", "VerifyGraphs"]
 # 48, 64, 96 and 128 fit their bucket exactly, others pad to the next one.
 NODE_BUCKETS: tuple[int, ...] = (1, 2, 3, 5, 9, 13, 17, 25, 33, 49, 65, 97, 129)
 BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+# A replay's cost beside its rows, in rows: on one H200 a replay of 1 x 1 took 7.9 ms and each row
+# about 0.035 ms more on the 61-layer K2 slice (1.2 ms, ~0.002-0.004 ms on 3 layers), so ~230-560
+# rows (bench/results/verify_first_use-k2-61-subset-2b8a0c0.json, -k2-2b8a0c0.json).
+REPLAY_ROWS = 256
 
 log = get_logger("verifier")
 
@@ -136,6 +140,41 @@ class VerifyGraphs:
         if b == len(self.batch_buckets) or t == len(self.node_buckets):
             return None
         return self.batch_buckets[b], self.node_buckets[t]
+
+    @property
+    def holds_chains(self) -> bool:
+        """Whether prefill chunks can replay these graphs (some bucket exists)."""
+        return bool(self.batch_buckets and self.node_buckets)
+
+    def plan_chains(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Groups chains of these lengths (prefill chunks of one request each, none longer than
+        the largest node bucket) into replays, as indices into ``lengths``: the fewest padded rows,
+        counting ``REPLAY_ROWS`` for each replay. One 129-token prompt among 127 one-token ones
+        pads to 128 x 129 rows in one replay, to 129 + 128 in two.
+
+        Groups are runs of the chains sorted longest first (a group pads to its first), each
+        filling its batch bucket: a shorter chain added to a group costs nothing it pads to."""
+        order = sorted(range(len(lengths)), key=lambda j: -lengths[j])
+        n = len(order)
+        cost = [0] + [-1] * n    # cost[j]: the cheapest plan of the first j chains (-1: none yet)
+        cut = [0] * (n + 1)      # where its last group starts
+        for i in range(n):
+            if cost[i] < 0:
+                continue   # no plan ends here (no batch bucket of 1)
+            for most in self.batch_buckets:
+                j = min(n, i + most)
+                key = self.bucket_for(j - i, lengths[order[i]])
+                assert key is not None, f"no graph bucket holds a chain of {lengths[order[i]]} tokens"
+                c = cost[i] + REPLAY_ROWS + key[0] * key[1]
+                if cost[j] < 0 or c < cost[j]:
+                    cost[j], cut[j] = c, i
+                if j == n:
+                    break
+        groups: list[list[int]] = []
+        while n:
+            groups.append(order[cut[n]:n])
+            n = cut[n]
+        return groups[::-1]
 
     @property
     def _most_rows(self) -> int:
