@@ -10,6 +10,8 @@ both. Rows:
   the KV committed and the features, as max abs difference and relative norm;
 * ``noise``: the same figures between the eager engine's call and each prompt run alone on it
   (other forwards, other roundings): what bf16 alone moves;
+* ``reference``: each engine's first-token logits against the float64 reference forward of the
+  whole prompt (``ReferenceModel``, CPU), prompt by prompt (relative norm of the difference);
 * ``decode``: greedy tokens generated after the prompts, equal position by position until the
   first difference (a bf16 rounding flip may change a token, and every one after it).
 
@@ -27,6 +29,7 @@ import torch
 from bench.common import write_result
 from services.common.settings import VerifierSettings
 from services.verifier.engine import PrefillInput, VerifierEngine
+from services.verifier.reference import ReferenceModel
 from services.verifier.sampling import Sampling
 from services.verifier.server import build_engine
 
@@ -100,6 +103,14 @@ def main() -> None:
         assert all(i.error is None for i in out.items), [i.error for i in out.items if i.error]
         outs.append(out.features.float())
     rows = [compare("prefill", graphed, eager, logits[0], logits[1], tuple(outs), rids)]
+    ref = ReferenceModel.load(Path(args.model))
+    truth = [ref.forward(torch.tensor(pr))[0][-1] for pr in prompts]   # [V] float64 each
+    errors = {name: [diff(seen[r].double().cpu(), t)[1] for r, t in zip(rids, truth)]
+              for name, seen in (("graphs", logits[0]), ("eager", logits[1]))}
+    rows.append({"row": "reference", **{f"{name}_rel_max": round(max(e), 5) for name, e in errors.items()},
+                 **{f"{name}_rel_median": round(sorted(e)[len(e) // 2], 5) for name, e in errors.items()},
+                 **{f"{name}_rel": [round(x, 5) for x in e] for name, e in errors.items()},
+                 "graphs_vs_eager_rel": [round(diff(logits[0][r], logits[1][r])[1], 5) for r in rids]})
     alone = [f"a{i}" for i in range(min(16, PROMPTS))]
     feats = torch.cat([eager.prefill([PrefillInput(a, prompts[i], params[i], reserve_tokens=len(prompts[i]) + 1)]).features.float()
                        for i, a in enumerate(alone)])
