@@ -8,6 +8,8 @@ both. Rows:
 
 * ``prefill``: the first tokens' agreement (greedy, and seeded sampling), the last rows' logits,
   the KV committed and the features, as max abs difference and relative norm;
+* ``prefill_same_chunks``: the same against eager forwards in the graphs' chunk size (a third
+  engine), which separates what the chunk boundaries change from what the replay does;
 * ``noise``: the same figures between the eager engine's call and each prompt run alone on it
   (other forwards, other roundings): what bf16 alone moves;
 * ``reference``: each engine's first-token logits against the float64 reference forward of the
@@ -88,6 +90,10 @@ def main() -> None:
     graphed = build_engine(VerifierSettings(**common))
     eager = build_engine(VerifierSettings(**common, cuda_graphs=False, warmup_budgets=()))
     assert graphed.graphs is not None and eager.graphs is None
+    # eager in the graphs' chunks: what chunk boundaries alone change (a chunk reads the ones
+    # before it from the bf16 cache), apart from the replay
+    chunked = build_engine(VerifierSettings(**common, cuda_graphs=False, warmup_budgets=(),
+                                            prefill_chunk=graphed.graphs.node_buckets[-1]))
     layers = json.loads((Path(args.model) / "drafter" / "config.json").read_text())["dflash_config"]["target_layer_ids"]
     g = torch.Generator().manual_seed(0)
     lengths = [1, 129, 130, LONGEST] + torch.randint(1, LONGEST + 1, (PROMPTS - 4,), generator=g).tolist()
@@ -95,18 +101,19 @@ def main() -> None:
     params = [Sampling(temperature=0.8, top_k=40, seed=i) if i % 4 == 3 else Sampling() for i in range(PROMPTS)]
     rids = [f"p{i}" for i in range(PROMPTS)]
     logits, outs = [], []
-    for engine in (graphed, eager):
+    for engine in (graphed, eager, chunked):
         engine.set_feature_layers(layers)
         logits.append(recorded_logits(engine))
         out = engine.prefill([PrefillInput(r, pr, s, reserve_tokens=len(pr) + DECODE + 1)
                               for r, pr, s in zip(rids, prompts, params)])
         assert all(i.error is None for i in out.items), [i.error for i in out.items if i.error]
         outs.append(out.features.float())
-    rows = [compare("prefill", graphed, eager, logits[0], logits[1], tuple(outs), rids)]
+    rows = [compare("prefill", graphed, eager, logits[0], logits[1], tuple(outs[:2]), rids),
+            compare("prefill_same_chunks", graphed, chunked, logits[0], logits[2], (outs[0], outs[2]), rids)]
     ref = ReferenceModel.load(Path(args.model))
     truth = [ref.forward(torch.tensor(pr))[0][-1] for pr in prompts]   # [V] float64 each
     errors = {name: [diff(seen[r].double().cpu(), t)[1] for r, t in zip(rids, truth)]
-              for name, seen in (("graphs", logits[0]), ("eager", logits[1]))}
+              for name, seen in (("graphs", logits[0]), ("eager", logits[1]), ("eager_same_chunks", logits[2]))}
     rows.append({"row": "reference", **{f"{name}_rel_max": round(max(e), 5) for name, e in errors.items()},
                  **{f"{name}_rel_median": round(sorted(e)[len(e) // 2], 5) for name, e in errors.items()},
                  **{f"{name}_rel": [round(x, 5) for x in e] for name, e in errors.items()},
