@@ -584,6 +584,11 @@ def test_prompts_replay_graph_buckets_and_equal_each_alone_eagerly(target: Targe
     assert out.items[0].tokens == target.continuation(long, 1)
     trees = pack([root_only(graphed._requests[r].pending) for r in rids])
     assert [i.tokens for i in graphed.verify(rids, *trees).items] == [i.tokens for i in alone.verify(rids, *trees).items]
+    # verifier.prefill_graphs off: the same engine's prompts run eagerly, its verify still replays
+    graphed.prefill_graphs = False
+    replays.clear()
+    graphed.prefill([PrefillInput("f", long, Sampling(), 0)])
+    assert replays == [] and graphed._requests["f"].pending == target.continuation(long, 1)[0]
 
 
 def test_chains_group_into_the_fewest_padded_rows() -> None:

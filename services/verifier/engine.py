@@ -73,11 +73,13 @@ class _Request:
 class VerifierEngine:
     """Owns the target model, the paged latent cache and each request's decode state."""
 
-    def __init__(self, model: TargetModel, cache: PagedKVCache, max_context: int, prefill_chunk: int) -> None:
+    def __init__(self, model: TargetModel, cache: PagedKVCache, max_context: int, prefill_chunk: int,
+                 prefill_graphs: bool = True) -> None:
         self.model = model
         self.cache = cache
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
+        self.prefill_graphs = prefill_graphs   # prompts replay the verify graphs where enabled
         self.feature_layers: tuple[int, ...] = ()
         self._requests: dict[str, _Request] = {}
         self._commit_ms: float | None = None   # the last verify's KV write, until taken (`take_commit_ms`)
@@ -252,9 +254,9 @@ class VerifierEngine:
         node bucket's tokens, a step's prompts share replays (``VerifyGraphs.plan_chains``). An
         eager forward is launch-bound: one rank of the 61-layer K2 slice took 109-245 ms for one
         prompt of 2-512 tokens, where a replay of one chain of 129 took 16.5 ms and of 64 chains
-        of 17, 51 ms (bench/results/verify_first_use-k2-61-subset-*). Without graphs (``eager``:
-        the warm-up compiling what eager steps launch) short prompts share forwards of up to
-        ``prefill_chunk`` tokens."""
+        of 17, 51 ms (bench/results/verify_first_use-k2-61-subset-*). Without graphs (or
+        ``prefill_graphs`` off, or ``eager``: the warm-up compiling what eager steps launch) short
+        prompts share forwards of up to ``prefill_chunk`` tokens."""
         outcomes: list[ItemOutcome | None] = [None] * len(items)
         features: list[torch.Tensor] = []
         admitted: list[tuple[int, _Request]] = []   # (item index, its request), in item order
@@ -322,7 +324,8 @@ class VerifierEngine:
 
         Graphs: round k replays every prompt's k-th chunk, grouped by length into buckets.
         Eagerly: consecutive chunks share a forward while they fit in ``prefill_chunk`` tokens."""
-        graphs = None if eager or self.graphs is None or not self.graphs.holds_chains else self.graphs
+        use = not eager and self.prefill_graphs and self.graphs is not None and self.graphs.holds_chains
+        graphs = self.graphs if use else None
         size = self.prefill_chunk if graphs is None else min(self.prefill_chunk, graphs.node_buckets[-1])
         chunks = [[(i, req, s, min(size, len(items[i].token_ids) - s)) for s in range(0, len(items[i].token_ids), size)]
                   for i, req in admitted]   # (item, request, start, tokens) per chunk, per prompt

@@ -432,7 +432,8 @@ def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -
                             f"there is ({str(exc).splitlines()[0][:120]})") from None
     log.info("kv_cache_sized", pages=num_pages, page_size=settings.page_size, tokens=num_pages * settings.page_size,
              max_context=max_context)
-    engine = VerifierEngine(model, cache, max_context=max_context, prefill_chunk=settings.prefill_chunk)
+    engine = VerifierEngine(model, cache, max_context=max_context, prefill_chunk=settings.prefill_chunk,
+                            prefill_graphs=settings.prefill_graphs)
     if settings.feature_layers:   # before the captures, which bake them in
         engine.set_feature_layers(settings.feature_layers)
     if settings.cuda_graphs and model.capturable:
