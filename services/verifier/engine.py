@@ -253,8 +253,8 @@ class VerifierEngine:
         With verify graphs, the chunks replay them: a chunk is a chain tree of up to the largest
         node bucket's tokens, a step's prompts share replays (``VerifyGraphs.plan_chains``). An
         eager forward is launch-bound: one rank of the 61-layer K2 slice took 109-245 ms for one
-        prompt of 2-512 tokens, where a replay of one chain of 129 took 16.5 ms and of 64 chains
-        of 17, 51 ms (bench/results/verify_first_use-k2-61-subset-*). Without graphs (or
+        prompt of 2-512 tokens; replayed, 8.6-16.2 ms at 2-129 tokens, and a call of 64 one-token
+        prompts 15 ms (bench/results/verify_first_use-k2-61-subset-*). Without graphs (or
         ``prefill_graphs`` off, or ``eager``: the warm-up compiling what eager steps launch) short
         prompts share forwards of up to ``prefill_chunk`` tokens."""
         outcomes: list[ItemOutcome | None] = [None] * len(items)
