@@ -18,7 +18,7 @@ import torch
 
 from kernels.tree_mla import TreeAttentionMetadata
 from services.draft.tree import ancestor_mask, build_trees
-from services.verifier.engine import PrefillInput, VerifierEngine
+from services.verifier.engine import PrefillInput, StepOutcome, VerifierEngine
 from services.verifier.graphs import BATCH_BUCKETS, REPLAY_ROWS, VerifyGraphs
 from services.verifier.make_target import write_random_target
 from services.verifier.model import ForwardBatch, TargetModel
@@ -497,6 +497,41 @@ def _cached_kv(engine: VerifierEngine, rid: str) -> torch.Tensor:
     return engine.cache.kv[:, [pages[p // size] for p in pos], [p % size for p in pos]]
 
 
+def mixed_prefill_items(target: Target) -> list[PrefillInput]:
+    """One prefill call of every kind of item: a 15-token prompt, greedy and seeded sampling, a
+    token past the vocabulary, a prompt in two pieces (the second in the same call), an id sent
+    twice (ALREADY_EXISTS)."""
+    split = [9, 8, 7, 6, 5, 4, 3, 2, 1]
+    return [PrefillInput("a", [(7 * i + 3) % 60 for i in range(15)], Sampling(), 0),
+            PrefillInput("b", [5], Sampling(temperature=1.0, seed=5), 0),
+            PrefillInput("bad", [1, target.model.config.vocab_size], Sampling(), 0),  # a token past the vocabulary
+            PrefillInput("c", PROMPTS[0][:3], Sampling(), 0),
+            PrefillInput("d", split[:4], Sampling(), 40, more=True),                   # a first piece
+            PrefillInput("e", PROMPTS[2][:5], Sampling(temperature=0.7, top_k=5, seed=9), 0),
+            PrefillInput("b", [6, 7], Sampling(), 0),                                # ALREADY_EXISTS
+            PrefillInput("d", split[4:], Sampling(), 0, offset=4)]                   # the next piece, same call
+
+
+def assert_equal_each_alone(target: Target, items: list[PrefillInput], out: StepOutcome, engine: VerifierEngine,
+                            alone: VerifierEngine) -> None:
+    """``out`` (``engine``'s prefill of ``mixed_prefill_items``) equals each item prefilled alone on
+    ``alone``: outcomes, errors, features, KV, first tokens, and the next verify."""
+    singles = [alone.prefill([item]) for item in items]
+    for got, want in zip(out.items, (s.items[0] for s in singles)):
+        assert (got.request_id, got.tokens, got.committed) == (want.request_id, want.tokens, want.committed)
+        assert (got.error is None) == (want.error is None)
+        assert got.error is None or (got.error.code, got.error.message) == (want.error.code, want.error.message)
+    assert [o.error.code for o in out.items if o.error] == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS]
+    torch.testing.assert_close(out.features, torch.cat([s.features for s in singles]), rtol=1e-4, atol=1e-4)
+    rids = ["a", "b", "c", "d", "e"]
+    for rid in rids:
+        torch.testing.assert_close(_cached_kv(engine, rid), _cached_kv(alone, rid), rtol=1e-4, atol=1e-4)
+        assert engine._requests[rid].pending == alone._requests[rid].pending
+    assert out.items[0].tokens == target.continuation(items[0].token_ids, 1)
+    trees = pack([root_only(engine._requests[r].pending) for r in rids])
+    assert [i.tokens for i in engine.verify(rids, *trees).items] == [i.tokens for i in alone.verify(rids, *trees).items]
+
+
 def test_prompts_share_forwards_and_equal_each_alone(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
     """One prefill call packs its prompts' chunks into forwards of up to ``prefill_chunk`` tokens
     (an eager forward costs about the same at 2 tokens as at 512 on a GPU), in item order, a
@@ -504,16 +539,7 @@ def test_prompts_share_forwards_and_equal_each_alone(target: Target, monkeypatch
     earlier one). Outcomes, errors, features, first tokens (greedy and seeded sampling) and the
     KV written equal each item prefilled alone, and every later step does too."""
     import services.verifier.model as model_mod
-    long = [(7 * i + 3) % 60 for i in range(15)]
-    split = [9, 8, 7, 6, 5, 4, 3, 2, 1]
-    items = [PrefillInput("a", long, Sampling(), 0),                                # chunks of 8 and 7 tokens
-             PrefillInput("b", [5], Sampling(temperature=1.0, seed=5), 0),
-             PrefillInput("bad", [1, target.model.config.vocab_size], Sampling(), 0),  # a token past the vocabulary
-             PrefillInput("c", PROMPTS[0][:3], Sampling(), 0),
-             PrefillInput("d", split[:4], Sampling(), 40, more=True),                   # a first piece
-             PrefillInput("e", PROMPTS[2][:5], Sampling(temperature=0.7, top_k=5, seed=9), 0),
-             PrefillInput("b", [6, 7], Sampling(), 0),                                # ALREADY_EXISTS
-             PrefillInput("d", split[4:], Sampling(), 0, offset=4)]                   # the next piece, same call
+    items = mixed_prefill_items(target)   # a: chunks of 8 and 7 tokens
     alone = make_engine(target.model, prefill_chunk=8)
     batched = make_engine(target.model, prefill_chunk=8)
     for engine in (alone, batched):
@@ -528,20 +554,7 @@ def test_prompts_share_forwards_and_equal_each_alone(target: Target, monkeypatch
     assert sizes == [8, 7 + 1, 3 + 4, 5, 5]
     # The fused MoE launches as for one prompt of as many tokens: kernels the start-up compiled.
     assert groups and set(groups) == {1}
-    singles = [alone.prefill([item]) for item in items]
-    for got, want in zip(out.items, (s.items[0] for s in singles)):
-        assert (got.request_id, got.tokens, got.committed) == (want.request_id, want.tokens, want.committed)
-        assert (got.error is None) == (want.error is None)
-        assert got.error is None or (got.error.code, got.error.message) == (want.error.code, want.error.message)
-    assert [o.error.code for o in out.items if o.error] == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS]
-    torch.testing.assert_close(out.features, torch.cat([s.features for s in singles]), rtol=1e-4, atol=1e-4)
-    rids = ["a", "b", "c", "d", "e"]
-    for rid in rids:
-        torch.testing.assert_close(_cached_kv(batched, rid), _cached_kv(alone, rid), rtol=1e-4, atol=1e-4)
-        assert batched._requests[rid].pending == alone._requests[rid].pending
-    assert out.items[0].tokens == target.continuation(long, 1)
-    trees = pack([root_only(batched._requests[r].pending) for r in rids])
-    assert [i.tokens for i in batched.verify(rids, *trees).items] == [i.tokens for i in alone.verify(rids, *trees).items]
+    assert_equal_each_alone(target, items, out, batched, alone)
 
 
 def test_prompts_replay_graph_buckets_and_equal_each_alone_eagerly(target: Target) -> None:
@@ -549,16 +562,7 @@ def test_prompts_replay_graph_buckets_and_equal_each_alone_eagerly(target: Targe
     and a step's prompts share replays: round k replays every prompt's k-th chunk, grouped by
     length (``plan_chains``). Outcomes, errors, features (item order), first tokens (greedy and
     seeded sampling), the KV written and the next verify equal each item prefilled alone eagerly."""
-    long = [(7 * i + 3) % 60 for i in range(15)]
-    split = [9, 8, 7, 6, 5, 4, 3, 2, 1]
-    items = [PrefillInput("a", long, Sampling(), 0),                                # chunks of 9 and 6 tokens
-             PrefillInput("b", [5], Sampling(temperature=1.0, seed=5), 0),
-             PrefillInput("bad", [1, target.model.config.vocab_size], Sampling(), 0),  # a token past the vocabulary
-             PrefillInput("c", PROMPTS[0][:3], Sampling(), 0),
-             PrefillInput("d", split[:4], Sampling(), 40, more=True),                   # a first piece
-             PrefillInput("e", PROMPTS[2][:5], Sampling(temperature=0.7, top_k=5, seed=9), 0),
-             PrefillInput("b", [6, 7], Sampling(), 0),                                # ALREADY_EXISTS
-             PrefillInput("d", split[4:], Sampling(), 0, offset=4)]                   # the next piece, same call
+    items = mixed_prefill_items(target)   # a: chunks of 9 and 6 tokens
     alone = make_engine(target.model, prefill_chunk=8)
     graphed = make_engine(target.model, prefill_chunk=512)
     graphs = graphed.enable_graphs(capture=False, batch_buckets=(1, 2, 4), node_buckets=(1, 3, 5, 9))
@@ -571,24 +575,12 @@ def test_prompts_replay_graph_buckets_and_equal_each_alone_eagerly(target: Targe
     # a, e, d, c, b: two replays (4 chains at most); 9 alone and 5 + 4 + 3 + 1 in 4 x 5 pad to
     # 29 rows where 4 x 9 and 1 pad to 37. Then a's 6 tokens, then d's next piece.
     assert replays == [[9], [5, 4, 3, 1], [6], [5]]
-    singles = [alone.prefill([item]) for item in items]
-    for got, want in zip(out.items, (s.items[0] for s in singles)):
-        assert (got.request_id, got.tokens, got.committed) == (want.request_id, want.tokens, want.committed)
-        assert got.error is None or (got.error.code, got.error.message) == (want.error.code, want.error.message)
-    assert [o.error.code for o in out.items if o.error] == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS]
-    torch.testing.assert_close(out.features, torch.cat([s.features for s in singles]), rtol=1e-4, atol=1e-4)
-    rids = ["a", "b", "c", "d", "e"]
-    for rid in rids:
-        torch.testing.assert_close(_cached_kv(graphed, rid), _cached_kv(alone, rid), rtol=1e-4, atol=1e-4)
-        assert graphed._requests[rid].pending == alone._requests[rid].pending
-    assert out.items[0].tokens == target.continuation(long, 1)
-    trees = pack([root_only(graphed._requests[r].pending) for r in rids])
-    assert [i.tokens for i in graphed.verify(rids, *trees).items] == [i.tokens for i in alone.verify(rids, *trees).items]
+    assert_equal_each_alone(target, items, out, graphed, alone)
     # verifier.prefill_graphs off: the same engine's prompts run eagerly, its verify still replays
     graphed.prefill_graphs = False
     replays.clear()
-    graphed.prefill([PrefillInput("f", long, Sampling(), 0)])
-    assert replays == [] and graphed._requests["f"].pending == target.continuation(long, 1)[0]
+    graphed.prefill([PrefillInput("f", items[0].token_ids, Sampling(), 0)])
+    assert replays == [] and graphed._requests["f"].pending == target.continuation(items[0].token_ids, 1)[0]
 
 
 def test_chains_group_into_the_fewest_padded_rows() -> None:
