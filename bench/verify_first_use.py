@@ -169,7 +169,7 @@ def main() -> None:
             rows.append({"row": "prefill", "tokens": n, "reserve": n + extra, "ms": round(ms, 1), "kernels": new})
             print(rows[-1], flush=True)
 
-    for count, longest in BURSTS:   # one step admitting many prompts (they share forwards)
+    for count, longest in BURSTS:   # one step admitting many prompts (they share replays, or eager forwards)
         lengths = torch.randint(1, longest + 1, (count,), generator=g).tolist()
         items = [PrefillInput(f"b{i}", torch.randint(2, engine.vocab_size, (n,), generator=g).tolist(), Sampling(),
                               reserve_tokens=n + 1) for i, n in enumerate(lengths)]
