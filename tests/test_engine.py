@@ -436,12 +436,18 @@ def test_the_warm_up_runs_the_largest_bucket_step_with_sampling(target: Target, 
     assert steps and 4 not in steps and small.active_requests == 0
 
 
-def test_the_warm_up_runs_every_skinny_gemm_row_count(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("prompts_replay,batches,nodes", [(False, (1, 8, 64), (1, 17, 129)),
+                                                         (True, (1, 4), (1, 9)), (True, (1, 8, 64), (1, 17, 129))])
+def test_the_warm_up_runs_every_skinny_gemm_row_count(target: Target, monkeypatch: pytest.MonkeyPatch,
+                                                      prompts_replay: bool, batches: tuple, nodes: tuple) -> None:
     """Whatever the graph buckets, the warm-up's forwards launch every compile key the skinny GEMM
-    has for 1..MAX_ROWS rows: with buckets of 1 / 8 / 64 requests of 1 / 17 / 129 nodes (no step of
-    16 or 32 rows) a 16-token prompt compiled 8 kernels on a GPU, 2.7 s, before the warm-up ran
-    every length. Rows are recorded at the model's projections (the CPU runs torch there) and keyed
-    as the kernel would launch them."""
+    has for the row counts up to MAX_ROWS a request can run: with buckets of 1 / 8 / 64 requests of
+    1 / 17 / 129 nodes (no step of 16 or 32 rows) an eager 16-token prompt compiled 8 kernels on a
+    GPU, 2.7 s, before the warm-up ran every length. Those are a bucket's rows, and eagerly any
+    count where prompts run eagerly, else only a verify step no bucket holds (more trees than the
+    largest batch bucket, or a tree past the largest node bucket); the warm-up runs no eager
+    prompt a request cannot meet (each a forward of the model at start-up). Rows are recorded at
+    the model's projections (the CPU runs torch there) and keyed as the kernel would launch them."""
     import kernels.skinny_gemm as sg
     import services.verifier.model as model_mod
     from tests.launch_keys import Recorder
@@ -449,7 +455,8 @@ def test_the_warm_up_runs_every_skinny_gemm_row_count(target: Target, monkeypatc
     skinny = model_mod.skinny_linear
     monkeypatch.setattr(model_mod, "skinny_linear", lambda x, w, **kw: rows.add(x.shape[-2]) or skinny(x, w, **kw))
     engine = make_engine(target.model, shuffle_seed=None)
-    engine.enable_graphs(capture=False, batch_buckets=(1, 8, 64), node_buckets=(1, 17, 129))
+    engine.prefill_graphs = prompts_replay
+    engine.enable_graphs(capture=False, batch_buckets=batches, node_buckets=nodes)
     engine.warm_up([0, 8, 16, 32])
     recorder = Recorder(sg._skinny_kernel)
     monkeypatch.setattr(sg, "_skinny_kernel", recorder)
@@ -462,7 +469,11 @@ def test_the_warm_up_runs_every_skinny_gemm_row_count(target: Target, monkeypatc
         return set(recorder.keys)
 
     served = set(range(1, sg.MAX_ROWS + 1))
-    assert keys(served) <= keys(rows & served)
+    bucket_rows = {b * t for b in batches for t in nodes} & served
+    least = min(batches[-1], nodes[-1]) + 1 if prompts_replay else 1
+    reachable = bucket_rows | set(range(least, sg.MAX_ROWS + 1))
+    assert keys(reachable) <= keys(rows & served)
+    assert rows & served <= reachable
     assert len(keys(served)) > len(keys({1, 8, 17})) > 1   # the keys split by row count
 
 
@@ -615,14 +626,20 @@ def test_chains_group_into_the_fewest_padded_rows() -> None:
         assert cost(graphs, lengths, plan) == min(cost(graphs, lengths, p) for p in partitions(list(range(len(lengths)))))
 
 
-def test_a_failed_prefill_forward_leaves_its_unrun_items_unsent(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A forward that raises (a CUDA error, out of memory) leaves the items it did not run as if
-    never sent: a new request freed with its KV, a later piece's request where the piece found it,
-    so the same items sent again succeed; what ran before stays committed."""
+@pytest.mark.parametrize("replayed", [False, True])
+def test_a_failed_prefill_forward_leaves_its_unrun_items_unsent(target: Target, monkeypatch: pytest.MonkeyPatch,
+                                                               replayed: bool) -> None:
+    """A forward or replay that raises (a CUDA error, out of memory) leaves the items it did not
+    run as if never sent: a new request freed with its KV, a later piece's request where the piece
+    found it, so the same items sent again succeed; what ran before stays committed. Eagerly a
+    and b do not fit one forward of 4 tokens; replayed, a bucket holds one chain."""
     engine = make_engine(target.model, prefill_chunk=4)
+    if replayed:
+        engine.enable_graphs(capture=False, batch_buckets=(1,), node_buckets=(1, 3, 5))
     engine.prefill([PrefillInput("d", [9, 8, 7], Sampling(), 40, more=True)])
     free0 = engine.cache.pages_free
-    forward, calls = engine._forward, []
+    owner, name = (engine.graphs, "run") if replayed else (engine, "_forward")
+    forward, calls = getattr(owner, name), []
 
     def failing(*a, **kw):
         calls.append(1)
@@ -630,7 +647,7 @@ def test_a_failed_prefill_forward_leaves_its_unrun_items_unsent(target: Target, 
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return forward(*a, **kw)
 
-    monkeypatch.setattr(engine, "_forward", failing)
+    monkeypatch.setattr(owner, name, failing)
     items = [PrefillInput("a", [1, 2, 3], Sampling(), 0), PrefillInput("b", [4, 5, 6], Sampling(), 0),
              PrefillInput("d", [6, 5], Sampling(), 0, offset=3)]
     with pytest.raises(RuntimeError, match="illegal memory"):

@@ -171,7 +171,7 @@ class VerifierSettings:
     page_size: int = 16
     kv_capacity_tokens: int = 65536  # KV cache size; admission reserves from it
     max_context: int = 0             # 0 = the model's max_position_embeddings
-    prefill_chunk: int = 512         # prompt tokens per prefill forward
+    prefill_chunk: int = 512         # prompt tokens per eager prefill forward; caps a replayed chunk too
     prefill_graphs: bool = True      # GPU: prompts replay the verify graphs (chunks of up to the largest graph_nodes)
     ring_slots: int = 4
     ring_slot_bytes: int = 8 << 20

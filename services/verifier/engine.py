@@ -83,7 +83,7 @@ class VerifierEngine:
         self.feature_layers: tuple[int, ...] = ()
         self._requests: dict[str, _Request] = {}
         self._commit_ms: float | None = None   # the last verify's KV write, until taken (`take_commit_ms`)
-        self.graphs: VerifyGraphs | None = None   # CUDA graphs for verify (``enable_graphs``)
+        self.graphs: VerifyGraphs | None = None   # CUDA graphs for verify and prompts (``enable_graphs``)
         cfg = model.config
         self._feature_width = 0
         self._hidden = cfg.hidden_size
@@ -107,7 +107,8 @@ class VerifierEngine:
             self.graphs.set_feature_layers(self.feature_layers)   # captures bake them in: recaptured
 
     def enable_graphs(self, capture: bool = True, **buckets) -> VerifyGraphs:
-        """Verify through padded buckets (CUDA graphs when ``capture``); steps no bucket holds run eagerly."""
+        """Verify (and prompts, with ``prefill_graphs``) through padded buckets (CUDA graphs when
+        ``capture``); steps no bucket holds run eagerly."""
         self.graphs = VerifyGraphs(self.model, self.cache, self.max_context, self.feature_layers,
                                    capture=capture, **buckets)
         return self.graphs
@@ -120,12 +121,17 @@ class VerifierEngine:
         (``_warm_up_largest_step``) and the attention kernel in each variant and its merge at
         every launch shape (``warm_up_attention``, ``warm_up_merges``: a prefill meets shapes no
         bucket ran). Uses throw-away requests; leaves no state."""
-        # Every row count up to MAX_ROWS, not a sample: which of them share a compiled kernel is
-        # Triton's integer specialisation (1, multiples of 16), and with fewer graph buckets than
-        # the default none of them ran a 16-token step (a 16-token prompt then compiled 8 kernels,
-        # 2.7 s, on the K2 slice: bench/results/verify_first_use-k2-3-subset-*). Eager: prompts
-        # replay graphs, but a step no bucket holds runs eagerly.
-        lengths = sorted({*range(1, MAX_ROWS + 1), 64, min(self.prefill_chunk, max(1, self.max_context // 4))})
+        # Every row count an eager forward can have up to MAX_ROWS, not a sample: which of them
+        # share a compiled kernel is Triton's integer specialisation (1, multiples of 16), and with
+        # fewer graph buckets than the default none of them ran a 16-token step (a 16-token prompt
+        # then compiled 8 kernels, 2.7 s, on the K2 slice: bench/results/verify_first_use-k2-3-subset-*).
+        # Where prompts replay the graphs, only a verify step no bucket holds runs eagerly: more
+        # trees than the largest batch bucket, or a tree past the largest node bucket.
+        least = 1
+        if self._prompts_replay:
+            least = min(self.graphs.batch_buckets[-1], self.graphs.node_buckets[-1]) + 1
+        lengths = sorted(n for n in {*range(1, MAX_ROWS + 1), 64, min(self.prefill_chunk, max(1, self.max_context // 4))}
+                         if n >= least)
         rids = [f"__warmup_{i}__" for i in range(max(batches))]
         for n in lengths:
             if n >= self.max_context:
@@ -160,13 +166,18 @@ class VerifierEngine:
         (without it, each larger bucket's first step reserved new blocks: 11.5 -> 17.0 GB over
         the verify calls on the K2 slice). Skipped where the KV cache or the context cannot hold
         such a step: serving cannot meet one there either."""
-        if self.graphs is None or not self.graphs.batch_buckets or not self.graphs.node_buckets:
+        if self.graphs is None or not self.graphs.holds_chains:
             return
         batch, nodes = self.graphs.batch_buckets[-1], self.graphs.node_buckets[-1]
-        prompt = [2, 3, 4]
-        need = -(-(len(prompt) + nodes) // self.cache.page_size) * batch
-        if len(prompt) + nodes >= self.max_context or need > self.cache.pages_free:
+        # Prompts of the largest bucket's size where the cache holds them: where prompts replay,
+        # theirs is then the largest prefill replay too, every row of it copied out.
+        for length in (nodes, 3):
+            need = -(-(length + nodes) // self.cache.page_size) * batch
+            if length + nodes < self.max_context and need <= self.cache.pages_free:
+                break
+        else:
             return
+        prompt = [2 + i % 3 for i in range(length)]
         rids = [f"__warmup_largest_{i}__" for i in range(batch)]
         self.prefill([PrefillInput(r, prompt, Sampling(temperature=1.0, top_p=0.9, top_k=50, seed=i) if i % 2 else
                                    Sampling(), reserve_tokens=len(prompt) + nodes) for i, r in enumerate(rids)])
@@ -251,7 +262,7 @@ class VerifierEngine:
         ended, and only the last samples, so running requests decode between the pieces.
 
         With verify graphs, the chunks replay them: a chunk is a chain tree of up to the largest
-        node bucket's tokens, a step's prompts share replays (``VerifyGraphs.plan_chains``). An
+        node bucket's tokens (and ``prefill_chunk``), a step's prompts share replays (``VerifyGraphs.plan_chains``). An
         eager forward is launch-bound: one rank of the 61-layer K2 slice took 109-245 ms for one
         prompt of 2-512 tokens; replayed, 8.6-16.2 ms at 2-129 tokens, and a call of 64 one-token
         prompts 15 ms (bench/results/verify_first_use-k2-61-subset-*). Without graphs (or
@@ -324,8 +335,7 @@ class VerifierEngine:
 
         Graphs: round k replays every prompt's k-th chunk, grouped by length into buckets.
         Eagerly: consecutive chunks share a forward while they fit in ``prefill_chunk`` tokens."""
-        use = not eager and self.prefill_graphs and self.graphs is not None and self.graphs.holds_chains
-        graphs = self.graphs if use else None
+        graphs = self.graphs if self._prompts_replay and not eager else None
         size = self.prefill_chunk if graphs is None else min(self.prefill_chunk, graphs.node_buckets[-1])
         chunks = [[(i, req, s, min(size, len(items[i].token_ids) - s)) for s in range(0, len(items[i].token_ids), size)]
                   for i, req in admitted]   # (item, request, start, tokens) per chunk, per prompt
@@ -350,6 +360,11 @@ class VerifierEngine:
                 for (i, *_), f in zip(group, rows.split([c[3] for c in group])):
                     parts[i].append(f)
         features.extend(f for i, _ in admitted for f in parts[i])
+
+    @property
+    def _prompts_replay(self) -> bool:
+        """Whether prompt chunks replay the verify graphs (``prefill_graphs`` and some bucket)."""
+        return self.prefill_graphs and self.graphs is not None and self.graphs.holds_chains
 
     def _prefill_forward(self, items: Sequence[PrefillInput], group: Sequence[tuple[int, _Request, int, int]],
                          outcomes: list[ItemOutcome | None], graphs: VerifyGraphs | None) -> torch.Tensor:

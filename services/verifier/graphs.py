@@ -164,7 +164,8 @@ class VerifyGraphs:
             for most in self.batch_buckets:
                 j = min(n, i + most)
                 key = self.bucket_for(j - i, lengths[order[i]])
-                assert key is not None, f"no graph bucket holds a chain of {lengths[order[i]]} tokens"
+                if key is None:
+                    raise ValueError(f"no graph bucket holds a chain of {lengths[order[i]]} tokens")
                 c = cost[i] + REPLAY_ROWS + key[0] * key[1]
                 if cost[j] < 0 or c < cost[j]:
                     cost[j], cut[j] = c, i
