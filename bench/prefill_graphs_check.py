@@ -23,13 +23,14 @@ Usage: python -m bench.prefill_graphs_check [--model models/demo] [--out FILE] [
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 from bench.common import write_result
+from services.common.checkpoint import read_config
 from services.common.settings import VerifierSettings
+from services.draft.config import DraftConfig
 from services.verifier.engine import PrefillInput, VerifierEngine
 from services.verifier.reference import ReferenceModel
 from services.verifier.sampling import Sampling
@@ -58,6 +59,19 @@ def recorded_logits(engine: VerifierEngine) -> dict[str, torch.Tensor]:
 
     engine._posterior = record
     return seen
+
+
+def random_prompts(vocab_size: int) -> tuple[list[int], list[list[int]]]:
+    """The checks' prompt lengths (one token, one node bucket, one past it, the longest; then
+    random) and token ids: the same in every script and run."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [1, 129, 130, LONGEST] + torch.randint(1, LONGEST + 1, (PROMPTS - 4,), generator=g).tolist()
+    return lengths, [torch.randint(2, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def drafter_layers(model: str) -> list[int]:
+    """The target layers the model's drafter reads (its features), as a handshake names them."""
+    return list(DraftConfig.from_hf(read_config(Path(model) / "drafter")).target_layer_ids)
 
 
 def diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
@@ -94,10 +108,8 @@ def main() -> None:
     # before it from the bf16 cache), apart from the replay
     chunked = build_engine(VerifierSettings(**common, cuda_graphs=False, warmup_budgets=(),
                                             prefill_chunk=graphed.graphs.node_buckets[-1]))
-    layers = json.loads((Path(args.model) / "drafter" / "config.json").read_text())["dflash_config"]["target_layer_ids"]
-    g = torch.Generator().manual_seed(0)
-    lengths = [1, 129, 130, LONGEST] + torch.randint(1, LONGEST + 1, (PROMPTS - 4,), generator=g).tolist()
-    prompts = [torch.randint(2, graphed.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    layers = drafter_layers(args.model)
+    lengths, prompts = random_prompts(graphed.vocab_size)
     params = [Sampling(temperature=0.8, top_k=40, seed=i) if i % 4 == 3 else Sampling() for i in range(PROMPTS)]
     rids = [f"p{i}" for i in range(PROMPTS)]
     logits, outs = [], []

@@ -15,7 +15,6 @@ Usage: python -m bench.prefill_replay_check [--model models/demo] [--out FILE] [
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -26,7 +25,7 @@ os.environ[CONFIG_ENV] = "split=1,reduce=sum"   # before any MoE launch
 import torch  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
-from bench.prefill_graphs_check import LONGEST, PROMPTS, cached_kv, diff, recorded_logits  # noqa: E402
+from bench.prefill_graphs_check import PROMPTS, cached_kv, diff, drafter_layers, random_prompts, recorded_logits  # noqa: E402
 from services.common.settings import VerifierSettings  # noqa: E402
 from services.verifier.engine import PrefillInput, VerifierEngine  # noqa: E402
 from services.verifier.reference import ReferenceModel  # noqa: E402
@@ -45,10 +44,8 @@ def main() -> None:
     assert graphed.graphs is not None
     padded = VerifierEngine(graphed.model, graphed.model.new_cache(graphed.cache.num_pages, graphed.cache.page_size),
                             graphed.max_context, graphed.prefill_chunk)
-    layers = json.loads((Path(args.model) / "drafter" / "config.json").read_text())["dflash_config"]["target_layer_ids"]
-    g = torch.Generator().manual_seed(0)
-    lengths = [1, 129, 130, LONGEST] + torch.randint(1, LONGEST + 1, (PROMPTS - 4,), generator=g).tolist()
-    prompts = [torch.randint(2, graphed.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    layers = drafter_layers(args.model)
+    lengths, prompts = random_prompts(graphed.vocab_size)
     rids = [f"p{i}" for i in range(PROMPTS)]
     logits, feats = [], []
     for engine in (graphed, padded):

@@ -262,8 +262,8 @@ class VerifierEngine:
         ended, and only the last samples, so running requests decode between the pieces.
 
         With verify graphs, the chunks replay them: a chunk is a chain tree of up to the largest
-        node bucket's tokens (and ``prefill_chunk``), a step's prompts share replays (``VerifyGraphs.plan_chains``). An
-        eager forward is launch-bound: one rank of the 61-layer K2 slice took 109-245 ms for one
+        node bucket's tokens (and ``prefill_chunk``), a step's prompts share replays
+        (``VerifyGraphs.plan_chains``). An eager forward is launch-bound: one rank of the 61-layer K2 slice took 109-245 ms for one
         prompt of 2-512 tokens; replayed, 8.6-16.2 ms at 2-129 tokens, and a call of 64 one-token
         prompts 15 ms (bench/results/verify_first_use-k2-61-subset-*). Without graphs (or
         ``prefill_graphs`` off, or ``eager``: the warm-up compiling what eager steps launch) short
@@ -374,7 +374,7 @@ class VerifierEngine:
         dev = self.model_device
         ids = [items[i].token_ids[start:start + n] for i, _, start, n in group]
         reqs = [req for _, req, _, _ in group]
-        sizes = [len(chunk) for chunk in ids]
+        sizes = [n for *_, n in group]
         if graphs is not None:
             out = graphs.run(np.fromiter((t for chunk in ids for t in chunk), np.int64),
                              np.concatenate([np.arange(-1, n - 1) for n in sizes]),     # chains
