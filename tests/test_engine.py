@@ -19,7 +19,7 @@ import torch
 from kernels.tree_mla import TreeAttentionMetadata
 from services.draft.tree import ancestor_mask, build_trees
 from services.verifier.engine import PrefillInput, StepOutcome, VerifierEngine
-from services.verifier.graphs import BATCH_BUCKETS, REPLAY_ROWS, VerifyGraphs
+from services.verifier.graphs import BATCH_BUCKETS, NODE_BUCKETS, REPLAY_ROWS, VerifyGraphs
 from services.verifier.make_target import write_random_target
 from services.verifier.model import ForwardBatch, TargetModel
 from services.verifier.reference import ReferenceModel
@@ -624,6 +624,59 @@ def test_chains_group_into_the_fewest_padded_rows() -> None:
         plan = graphs.plan_chains(lengths)
         assert sorted(j for g in plan for j in g) == list(range(len(lengths)))
         assert cost(graphs, lengths, plan) == min(cost(graphs, lengths, p) for p in partitions(list(range(len(lengths)))))
+
+
+def test_long_prompts_under_a_small_node_bucket_run_eagerly_in_even_chunks(target: Target,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a largest node bucket of 3, a 200-token prompt would take 67 replays, more than its
+    eager forwards cost (``replays_pay``): it runs eagerly while the short prompts beside it
+    replay, and every first token, feature and KV row equals each prompt alone eagerly. Eager
+    chunks are of even sizes (200 tokens in forwards of at most 96: 67 + 67 + 66, no short tail
+    whose row count the warm-up did not run)."""
+    prompts = [[(5 * i + 1) % VOCAB for i in range(200)], [3, 4, 5, 6, 7], PROMPTS[2]]
+    items = [PrefillInput(f"p{i}", p, Sampling(), 0) for i, p in enumerate(prompts)]
+    alone = make_engine(target.model, max_context=256, prefill_chunk=512)
+    mixed = make_engine(target.model, max_context=256, prefill_chunk=96)
+    graphs = mixed.enable_graphs(capture=False, batch_buckets=(1, 2, 4), node_buckets=(1, 2, 3))
+    for engine in (alone, mixed):
+        engine.set_feature_layers([0, 2])
+    sizes: list[int] = []
+    replays: list[list[int]] = []
+    forward, run = mixed._forward, graphs.run
+    monkeypatch.setattr(mixed, "_forward", lambda ids, *a, **kw: sizes.append(len(ids)) or forward(ids, *a, **kw))
+    monkeypatch.setattr(graphs, "run", lambda *a: replays.append(list(a[3])) or run(*a))
+    out = mixed.prefill(items)
+    assert sizes == [67, 67, 66]
+    assert replays == [[3, 3], [3, 2], [3], [2]]   # 11 = 3 + 3 + 3 + 2 and 5 = 3 + 2 tokens, round by round
+    singles = [alone.prefill([item]) for item in items]
+    assert [i.tokens for i in out.items] == [s.items[0].tokens for s in singles]
+    assert out.items[0].tokens == target.continuation(prompts[0], 1)
+    torch.testing.assert_close(out.features, torch.cat([s.features for s in singles]), rtol=1e-4, atol=1e-4)
+    for i in range(len(prompts)):
+        torch.testing.assert_close(_cached_kv(mixed, f"p{i}"), _cached_kv(alone, f"p{i}"), rtol=1e-4, atol=1e-4)
+
+
+def test_replays_pay_for_every_prompt_with_the_default_buckets_and_leave_no_short_eager_chunk() -> None:
+    """With the default buckets and prefill chunk every prompt a step takes replays (129-token
+    chains against 512-token forwards). Under smaller largest node buckets, a prompt that runs
+    eagerly has every even chunk longer than the largest node bucket, so an eager forward keeps
+    to the row counts the warm-up runs where prompts replay; one chain always replays."""
+    from services.common.settings import SchedulerSettings, VerifierSettings
+
+    class Buckets(VerifyGraphs):
+        def __init__(self, node_buckets: tuple[int, ...]) -> None:   # buckets only: no model
+            self.batch_buckets, self.node_buckets = BATCH_BUCKETS, node_buckets
+
+    default, most = Buckets(NODE_BUCKETS), VerifierSettings().prefill_chunk
+    assert all(default.replays_pay(n, most) for n in range(1, SchedulerSettings().max_prefill_tokens + 1))
+    from services.verifier.engine import _chunks
+    for largest in (1, 2, 3, 5, 9, 17, 33):
+        graphs = Buckets(tuple(n for n in NODE_BUCKETS if n <= largest))
+        for chunk in (64, 256, 512, 2048):
+            eager = [n for n in range(1, 4097) if not graphs.replays_pay(n, chunk)]
+            assert all(n > min(largest, chunk) for n in eager)
+            assert all(min(c for _, c in _chunks(n, chunk, even=True)) > largest for n in eager), (largest, chunk)
+    assert not Buckets((1, 2, 3, 5, 9)).replays_pay(1000, 512) and Buckets((1, 2, 3, 5, 9)).replays_pay(90, 512)
 
 
 @pytest.mark.parametrize("replayed", [False, True])

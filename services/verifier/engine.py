@@ -125,8 +125,9 @@ class VerifierEngine:
         # share a compiled kernel is Triton's integer specialisation (1, multiples of 16), and with
         # fewer graph buckets than the default none of them ran a 16-token step (a 16-token prompt
         # then compiled 8 kernels, 2.7 s, on the K2 slice: bench/results/verify_first_use-k2-3-subset-*).
-        # Where prompts replay the graphs, only a verify step no bucket holds runs eagerly: more
-        # trees than the largest batch bucket, or a tree past the largest node bucket.
+        # Where prompts replay the graphs, only a verify step no bucket holds runs eagerly (more
+        # trees than the largest batch bucket, or a tree past the largest node bucket), and a
+        # prompt cheaper eagerly, in chunks longer than the largest node bucket (``replays_pay``).
         least = 1
         if self._prompts_replay:
             least = min(self.graphs.batch_buckets[-1], self.graphs.node_buckets[-1]) + 1
@@ -263,9 +264,11 @@ class VerifierEngine:
 
         With verify graphs, the chunks replay them: a chunk is a chain tree of up to the largest
         node bucket's tokens (and ``prefill_chunk``), a step's prompts share replays
-        (``VerifyGraphs.plan_chains``). An eager forward is launch-bound: one rank of the 61-layer K2 slice took 109-245 ms for one
-        prompt of 2-512 tokens; replayed, 8.6-16.2 ms at 2-129 tokens, and a call of 64 one-token
-        prompts 15 ms (bench/results/verify_first_use-k2-61-subset-*). Without graphs (or
+        (``VerifyGraphs.plan_chains``). An eager forward is launch-bound: one rank of the 61-layer
+        K2 slice took 109-245 ms for one prompt of 2-512 tokens; replayed, 8.6-16.2 ms at 2-129
+        tokens, and a call of 64 one-token prompts 15 ms (bench/results/verify_first_use-k2-61-subset-*).
+        A prompt that would take more replays than its eager forwards cost (a long one under a
+        small largest node bucket: ``VerifyGraphs.replays_pay``) runs eagerly. Without graphs (or
         ``prefill_graphs`` off, or ``eager``: the warm-up compiling what eager steps launch) short
         prompts share forwards of up to ``prefill_chunk`` tokens."""
         outcomes: list[ItemOutcome | None] = [None] * len(items)
@@ -333,32 +336,43 @@ class VerifierEngine:
         order (a chunk reads the KV of the one before). Writes each item's outcome and appends
         the features in item order.
 
-        Graphs: round k replays every prompt's k-th chunk, grouped by length into buckets.
-        Eagerly: consecutive chunks share a forward while they fit in ``prefill_chunk`` tokens."""
+        Graphs: round k replays every prompt's k-th chunk, grouped by length into buckets; a
+        prompt that its eager forwards run for less (``VerifyGraphs.replays_pay``: a long one
+        under a small largest node bucket) runs eagerly. Eagerly: a prompt in chunks of equal
+        size up to ``prefill_chunk`` tokens (no short tail: an eager forward's row counts stay
+        those the warm-up ran), consecutive chunks sharing a forward while they fit in
+        ``prefill_chunk`` tokens."""
         graphs = self.graphs if self._prompts_replay and not eager else None
-        size = self.prefill_chunk if graphs is None else min(self.prefill_chunk, graphs.node_buckets[-1])
-        chunks = [[(i, req, s, min(size, len(items[i].token_ids) - s)) for s in range(0, len(items[i].token_ids), size)]
-                  for i, req in admitted]   # (item, request, start, tokens) per chunk, per prompt
-        if graphs is None:
-            group: list[tuple[int, _Request, int, int]] = []
-            tokens = 0
-            for chunk in (c for prompt in chunks for c in prompt):
-                if group and (tokens + chunk[3] > self.prefill_chunk or group[-1][1] is chunk[1]):
-                    features.append(self._prefill_forward(items, group, outcomes, graphs))
-                    group, tokens = [], 0
-                group.append(chunk)
-                tokens += chunk[3]
-            if group:
-                features.append(self._prefill_forward(items, group, outcomes, graphs))
-            return
+        replayed = {i for i, _ in admitted
+                    if graphs is not None and graphs.replays_pay(len(items[i].token_ids), self.prefill_chunk)}
         parts: dict[int, list[torch.Tensor]] = {i: [] for i, _ in admitted}
-        for k in range(max(map(len, chunks), default=0)):
-            round_k = [prompt[k] for prompt in chunks if k < len(prompt)]
-            for picks in graphs.plan_chains([c[3] for c in round_k]):
-                group = [round_k[j] for j in picks]
-                rows = self._prefill_forward(items, group, outcomes, graphs)
-                for (i, *_), f in zip(group, rows.split([c[3] for c in group])):
-                    parts[i].append(f)
+
+        def run(group: list[tuple[int, _Request, int, int]], graphs: VerifyGraphs | None) -> None:
+            rows = self._prefill_forward(items, group, outcomes, graphs)
+            for (i, *_), f in zip(group, rows.split([c[3] for c in group])):
+                parts[i].append(f)
+
+        group: list[tuple[int, _Request, int, int]] = []   # (item, request, start, tokens) per chunk
+        tokens = 0
+        for i, req in admitted:
+            if i in replayed:
+                continue
+            for start, n in _chunks(len(items[i].token_ids), self.prefill_chunk, even=True):
+                if group and (tokens + n > self.prefill_chunk or group[-1][1] is req):
+                    run(group, None)
+                    group, tokens = [], 0
+                group.append((i, req, start, n))
+                tokens += n
+        if group:
+            run(group, None)
+        if replayed:
+            size = min(self.prefill_chunk, graphs.node_buckets[-1])
+            chunks = [[(i, req, start, n) for start, n in _chunks(len(items[i].token_ids), size)]
+                      for i, req in admitted if i in replayed]
+            for k in range(max(map(len, chunks))):
+                round_k = [prompt[k] for prompt in chunks if k < len(prompt)]
+                for picks in graphs.plan_chains([c[3] for c in round_k]):
+                    run([round_k[j] for j in picks], graphs)
         features.extend(f for i, _ in admitted for f in parts[i])
 
     @property
@@ -621,3 +635,13 @@ def _host_int64(t: torch.Tensor) -> np.ndarray:
     if t.device.type == "cpu" and t.dtype == torch.int64:
         return t.numpy()
     return t.cpu().to(torch.int64).numpy()
+
+
+def _chunks(length: int, most: int, even: bool = False) -> list[tuple[int, int]]:
+    """(start, tokens) of a prompt's chunks of at most ``most`` tokens: all ``most`` but the last,
+    or ``even``, as many and of sizes within one of each other."""
+    if not even:
+        return [(s, min(most, length - s)) for s in range(0, length, most)]
+    count = -(-length // most)
+    sizes = [length // count + (k < length % count) for k in range(count)]
+    return [(sum(sizes[:k]), n) for k, n in enumerate(sizes)]

@@ -41,7 +41,7 @@ from services.draft.tree import ancestor_mask
 from services.verifier.kv_cache import PagedKVCache
 from services.verifier.model import ForwardBatch, ForwardOutput, TargetModel
 
-__all__ = ["BATCH_BUCKETS", "NODE_BUCKETS", "VerifyGraphs"]
+__all__ = ["BATCH_BUCKETS", "EAGER_ROWS", "NODE_BUCKETS", "REPLAY_ROWS", "VerifyGraphs"]
 
 # Tree sizes are budget + 1 (the root); budgets 0 (autoregressive), 1, 2, 4, 8, 12, 16, 24, 32,
 # 48, 64, 96 and 128 fit their bucket exactly, others pad to the next one.
@@ -51,6 +51,9 @@ BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 # about 0.035 ms more on the 61-layer K2 slice (1.2 ms, ~0.002-0.004 ms on 3 layers), so ~230-560
 # rows (bench/results/verify_first_use-k2-61-subset-2b8a0c0.json, -k2-2b8a0c0.json).
 REPLAY_ROWS = 256
+# An eager forward's, in the same rows: launch-bound, one prompt of 2-512 tokens took 109-245 ms
+# on the 61-layer slice (~3100 rows), ~6 ms on 3 layers (~2000: bench/results/verify_first_use-k2-*-2b8a0c0.json).
+EAGER_ROWS = 3072
 
 log = get_logger("verifier")
 
@@ -145,6 +148,17 @@ class VerifyGraphs:
     def holds_chains(self) -> bool:
         """Whether prefill chunks can replay these graphs (some bucket exists)."""
         return bool(self.batch_buckets and self.node_buckets)
+
+    def replays_pay(self, length: int, most: int) -> bool:
+        """Whether a prompt of ``length`` tokens costs less replayed, as chains of up to the largest
+        node bucket's tokens (and ``most``), than in eager forwards of up to ``most`` tokens (one
+        replay ``REPLAY_ROWS`` plus its rows, one forward ``EAGER_ROWS`` plus its). With the
+        default buckets every prompt replays (129-token chains against 512-token forwards); with
+        a largest node bucket of 9, prompts past ~100 tokens run eagerly, where 1000 tokens took
+        115 ms in 9-token replays on the 3-layer slice and 24 ms eagerly
+        (bench/results/verify_first_use-k2-subset-d90f0c1.json, -k2-2b8a0c0.json)."""
+        chunk = min(most, self.node_buckets[-1])
+        return -(-length // chunk) * (REPLAY_ROWS + chunk) <= -(-length // most) * EAGER_ROWS + length
 
     def plan_chains(self, lengths: Sequence[int]) -> list[list[int]]:
         """Groups chains of these lengths (prefill chunks of one request each, none longer than
