@@ -151,6 +151,19 @@ def main() -> None:
     start_entries = len(kernels_in_cache())
     rows.append({"row": "startup", "seconds": round(time.perf_counter() - t0, 2), **model_seconds, "cache_entries": start_entries,
                  **memory(), "graphs": [list(k) for k in engine.graphs.captured] if engine.graphs else []})
+    batches = engine.graphs.batch_buckets if engine.graphs else (1,)
+    node_buckets = engine.graphs.node_buckets if engine.graphs else NODE_BUCKETS
+    model = "/".join(Path(args.model).parts[-2:])   # a machine's checkout path is no parameter of the run
+    params = {"model": f"k2-slice, {args.k2_layers} layers" if args.k2_layers else model,
+              "dtype": "bfloat16", "max_context": engine.max_context, "prefill_reserves": list(PREFILL_RESERVES),
+              "warmup_budgets": list(settings.warmup_budgets), "graph_batches": list(settings.graph_batches),
+              "node_buckets": list(node_buckets), "kv_capacity_tokens": settings.kv_capacity_tokens,
+              "prompt_lengths": list(PROMPT_LENGTHS), "bursts": [list(b) for b in BURSTS], "feature_layers": layers}
+
+    def save(complete: bool) -> None:
+        """The rows so far: a deep model's run may meet its time limit after the start-up."""
+        write_result(args.out, args.commit, {**params, "complete": complete}, rows)
+
     before = kernels_in_cache()
     t0 = time.perf_counter()
     engine.set_feature_layers(layers)
@@ -159,6 +172,7 @@ def main() -> None:
     rows.append({"row": "feature_layers", "layers": layers, "ms": round((time.perf_counter() - t0) * 1e3, 1),
                  "kernels": new, **memory()})
     print(rows[0], rows[1], flush=True)
+    save(False)
 
     for extra in PREFILL_RESERVES:
         for n in PROMPT_LENGTHS:
@@ -186,8 +200,7 @@ def main() -> None:
 
     torch.cuda.synchronize()
     rows.append({"row": "after_prefills", **memory()})
-    batches = engine.graphs.batch_buckets if engine.graphs else (1,)
-    node_buckets = engine.graphs.node_buckets if engine.graphs else NODE_BUCKETS
+    save(False)
     rids = [f"r{i}" for i in range(max(batches))]
     prompts = [torch.randint(2, engine.vocab_size, (16,), generator=g).tolist() for _ in rids]
     timed(lambda: engine.prefill([PrefillInput(r, pr, Sampling(), reserve_tokens=RESERVE) for r, pr in zip(rids, prompts)]))
@@ -201,6 +214,7 @@ def main() -> None:
             rows.append({"row": "verify", "batch": batch, "nodes": nodes, "first_ms": round(times[0][0], 1),
                          "second_ms": round(times[1][0], 1), "kernels": times[0][1] + times[1][1], **memory()})
             print(rows[-1], flush=True)
+        save(False)
 
     torch.cuda.synchronize()
     graphs = engine.graphs
@@ -214,15 +228,7 @@ def main() -> None:
                "kernels_compiled": added, "slowest_call": {k: v for k, v in slow.items() if k != "kernels"}}
     print(summary, flush=True)
     rows.insert(0, summary)
-    model = "/".join(Path(args.model).parts[-2:])   # a machine's checkout path is no parameter of the run
-    write_result(args.out, args.commit, {"model": f"k2-slice, {args.k2_layers} layers" if args.k2_layers else model,
-                                         "dtype": "bfloat16", "max_context": engine.max_context,
-                                         "prefill_reserves": list(PREFILL_RESERVES),
-                                         "warmup_budgets": list(settings.warmup_budgets),
-                                         "graph_batches": list(settings.graph_batches), "node_buckets": list(node_buckets),
-                                         "kv_capacity_tokens": settings.kv_capacity_tokens,
-                                         "prompt_lengths": list(PROMPT_LENGTHS), "bursts": [list(b) for b in BURSTS],
-                                         "feature_layers": layers}, rows)
+    save(True)
 
 
 if __name__ == "__main__":
