@@ -659,8 +659,8 @@ def test_long_prompts_under_a_small_node_bucket_run_eagerly_in_even_chunks(targe
 def test_replays_pay_for_every_prompt_with_the_default_buckets_and_leave_no_short_eager_chunk() -> None:
     """With the default buckets and prefill chunk every prompt a step takes replays (129-token
     chains against 512-token forwards). Under smaller largest node buckets, a prompt that runs
-    eagerly has every even chunk longer than the largest node bucket, so an eager forward keeps
-    to the row counts the warm-up runs where prompts replay; one chain always replays."""
+    eagerly has every even chunk longer than the largest node bucket, so no eager forward has a
+    row count whose eager warm-up is skipped where prompts replay; one chain always replays."""
     from services.common.settings import SchedulerSettings, VerifierSettings
 
     class Buckets(VerifyGraphs):

@@ -339,9 +339,9 @@ class VerifierEngine:
         Graphs: round k replays every prompt's k-th chunk, grouped by length into buckets; a
         prompt that its eager forwards run for less (``VerifyGraphs.replays_pay``: a long one
         under a small largest node bucket) runs eagerly. Eagerly: a prompt in chunks of equal
-        size up to ``prefill_chunk`` tokens (no short tail: an eager forward's row counts stay
-        those the warm-up ran), consecutive chunks sharing a forward while they fit in
-        ``prefill_chunk`` tokens."""
+        size up to ``prefill_chunk`` tokens (no short tail: beside replays, an eager forward stays
+        longer than the row counts whose eager warm-up is skipped), consecutive chunks sharing a
+        forward while they fit in ``prefill_chunk`` tokens."""
         graphs = self.graphs if self._prompts_replay and not eager else None
         replayed = {i for i, _ in admitted
                     if graphs is not None and graphs.replays_pay(len(items[i].token_ids), self.prefill_chunk)}

@@ -155,8 +155,8 @@ class VerifyGraphs:
         replay ``REPLAY_ROWS`` plus its rows, one forward ``EAGER_ROWS`` plus its). With the
         default buckets every prompt replays (129-token chains against 512-token forwards); with
         a largest node bucket of 9, prompts past ~100 tokens run eagerly, where 1000 tokens took
-        115 ms in 9-token replays on the 3-layer slice and 24 ms eagerly
-        (bench/results/verify_first_use-k2-subset-d90f0c1.json, -k2-2b8a0c0.json)."""
+        115 ms in 9-token replays on the 3-layer slice and 12.5 ms eagerly
+        (bench/results/verify_first_use-k2-subset-d90f0c1.json, -k2-subset-2d9361a.json)."""
         chunk = min(most, self.node_buckets[-1])
         return -(-length // chunk) * (REPLAY_ROWS + chunk) <= -(-length // most) * EAGER_ROWS + length
 
