@@ -477,6 +477,53 @@ def test_the_warm_up_runs_every_skinny_gemm_row_count(target: Target, monkeypatc
     assert len(keys(served)) > len(keys({1, 8, 17})) > 1   # the keys split by row count
 
 
+
+@pytest.mark.parametrize("prompts_replay,batches,nodes", [(False, (1, 8, 64), (1, 17, 129)), (True, (1, 4), (1, 9))])
+def test_the_warm_up_launches_every_moe_config_an_eager_prompt_can_take(
+        target: Target, monkeypatch: pytest.MonkeyPatch, prompts_replay: bool, batches: tuple, nodes: tuple) -> None:
+    """An eager prompt chunk may be any length from the least the warm-up runs eagerly up to
+    ``prefill_chunk`` (without graphs; under a small largest node bucket, where ``replays_pay``
+    sends long prompts eagerly), and the fused MoE compiles once per launch config. After the
+    warm-up every config of those lengths has run, each missing one by a single extra prompt.
+    The CPU runs no fused MoE, so configs come from a stand-in keyed by token count, recorded
+    where the real ones are (``TargetModel.forward``)."""
+    monkeypatch.setattr(target.model, "moe_config", lambda tokens, groups: (groups == 1, tokens // 24))
+    monkeypatch.setattr(target.model, "moe_configs_run", set())
+    engine = make_engine(target.model, shuffle_seed=None, prefill_chunk=100)
+    engine.prefill_graphs = prompts_replay
+    engine.enable_graphs(capture=False, batch_buckets=batches, node_buckets=nodes)
+    prefill, extra = engine.prefill, []
+
+    def spy(items, eager=False):
+        extra.extend(len(i.token_ids) for i in items if i.request_id == "__warmup_moe__")
+        return prefill(items, eager)
+
+    monkeypatch.setattr(engine, "prefill", spy)
+    engine.warm_up([0, 4], batches=(1,))
+    least = min(batches[-1], nodes[-1]) + 1 if prompts_replay else 1
+    assert {(True, n // 24) for n in range(least, 101)} <= target.model.moe_configs_run
+    # the other eager prompts end at 32 tokens, then 64 and 32 (max_context // 4): 72-95 and 96-100 were missing
+    assert extra == [72, 96]
+    assert engine.active_requests == 0
+
+
+def test_the_moe_config_is_the_fused_kernels_choice_and_none_off_its_path(target: Target,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TargetModel.moe_config`` is what ``fused_int4_moe`` launches for the layer's dims (experts,
+    hidden, intermediate, top-k, routing groups); None where the torch loop serves (the CPU)."""
+    from kernels import int4_moe as km
+    import services.verifier.moe as moe_mod
+
+    assert target.model.moe_config(5, 1) is None
+    monkeypatch.setattr(moe_mod, "uses_fused_kernel", lambda device, dtype, int4: True)
+    c = target.model.config
+    moe = next(layer.moe for layer in target.model.layers if layer.moe is not None)
+    experts, inter = moe.int4["gate_proj"].packed.shape[:2]
+    for tokens, groups in ((1, 1), (9, 1), (72, 8), (300, 1), (1152, 128)):
+        want = km.choose_config(tokens, experts, c.hidden_size, inter, c.num_experts_per_tok, groups)
+        assert target.model.moe_config(tokens, groups) == want
+    assert target.model.moe_config(1, 1) != target.model.moe_config(1152, 128)
+
 # ============================================================================== 2. chunked prefill
 
 

@@ -120,7 +120,8 @@ class VerifierEngine:
         steps at each budget and batch (sampling, acceptance and commit), the largest bucket's step
         (``_warm_up_largest_step``) and the attention kernel in each variant and its merge at
         every launch shape (``warm_up_attention``, ``warm_up_merges``: a prefill meets shapes no
-        bucket ran). Uses throw-away requests; leaves no state."""
+        bucket ran), and a prompt for each fused-MoE config an eager prompt can take that none of
+        these launched (``_warm_up_moe_configs``). Uses throw-away requests; leaves no state."""
         # Every row count an eager forward can have up to MAX_ROWS, not a sample: which of them
         # share a compiled kernel is Triton's integer specialisation (1, multiples of 16), and with
         # fewer graph buckets than the default none of them ran a 16-token step (a 16-token prompt
@@ -152,6 +153,7 @@ class VerifierEngine:
                 self._warm_up_step(live, budget + 1)
         self.release(rids)
         self._warm_up_largest_step()
+        self._warm_up_moe_configs(least)
         c, device = self.model.config, self.model_device
         with current(device):
             warm_up_merges(c.kv_lora_rank, self.model.dtype, device,
@@ -186,6 +188,23 @@ class VerifierEngine:
             self._warm_up_step(rids, nodes)
         finally:
             self.release(rids)
+
+    def _warm_up_moe_configs(self, least: int) -> None:
+        """An eager prompt for each fused-MoE config that a prompt of ``least`` to ``prefill_chunk``
+        tokens takes and no warm-up forward launched: eager prompt chunks come in any length there
+        (without graphs; with a small largest node bucket, the prompts ``replays_pay`` sends
+        eagerly), and a config compiles its kernels on first use. The other warm-up forwards
+        launch them all with the default buckets and budgets (tests/test_int4_moe_hopper.py); at
+        the K2 TP8 dims with ``verifier.warmup_budgets`` (0,), a 97-token prompt took a config
+        none of them had, with graphs or without."""
+        rid = "__warmup_moe__"
+        for n in range(least, min(self.prefill_chunk, self.max_context - 1) + 1):
+            config = self.model.moe_config(n, 1)
+            if config is None or config in self.model.moe_configs_run:
+                continue
+            prompt = [1 + (i % (self.vocab_size - 1)) for i in range(n)]
+            self.prefill([PrefillInput(rid, prompt, Sampling(), reserve_tokens=n + 1)], eager=True)
+            self.release([rid])
 
     def _warm_up_step(self, rids: Sequence[str], nodes: int) -> None:
         """A verify step of one chain of ``nodes`` nodes a request."""

@@ -9,7 +9,7 @@ engine commits only the accepted path with ``PagedKVCache.write``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata,
 from services.common.checkpoint import CheckpointError, load_tensors, tensor_index
 from services.verifier.config import TargetConfig, read_target_config
 from services.verifier.kv_cache import PagedKVCache
-from services.verifier.moe import MLPWeights, MoEWeights, mlp_forward, moe_forward, uses_fused_kernel
+from services.verifier.moe import MLPWeights, MoEWeights, fused_config, mlp_forward, moe_forward, uses_fused_kernel
 from services.verifier.parallel import TensorParallel, load_rank_slice
 from services.verifier.rope import RotaryTable, apply_rope, softmax_scale
 
@@ -226,6 +226,7 @@ class TargetModel(torch.nn.Module):
         self.rope = RotaryTable(c, dtype, self.device)
         self.softmax_scale = softmax_scale(c)
         self.attention_backend: str | None = None   # tree_mla's choice (tree_mla.choose_backend); checks force "reference"
+        self.moe_configs_run: set[Hashable] = set()   # every ``moe_config`` a forward launched (compiled)
         H, nope, v = c.num_attention_heads // self.tp.size, c.qk_nope_head_dim, c.v_head_dim  # heads of this rank
         self.layers: list[DecoderLayerWeights] = []
         for i in range(c.num_hidden_layers):
@@ -261,6 +262,14 @@ class TargetModel(torch.nn.Module):
         return self.device.type == "cuda" and all(
             uses_fused_kernel(self.device, self.dtype, layer.moe.int4 is not None)
             for layer in self.layers if layer.moe is not None)
+
+    def moe_config(self, tokens: int, routing_groups: int) -> Hashable | None:
+        """The fused MoE's launch config of a forward of ``tokens`` in ``routing_groups`` requests
+        (every MoE layer of a model has the same dims), or None where no fused MoE launches: the
+        kernels compile once per config, and the warm-up runs a forward of each one serving can
+        meet (``VerifierEngine.warm_up``)."""
+        layer = next((layer for layer in self.layers if layer.moe is not None), None)
+        return None if layer is None else fused_config(tokens, layer.moe, self.config, routing_groups)
 
     @classmethod
     def load(cls, path: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -352,6 +361,8 @@ class TargetModel(torch.nn.Module):
         # Each residual add is fused with the norm that reads its sum (the next layer's input norm,
         # after the last layer the final norm): ``x`` is the residual stream, ``h`` its normed form.
         h = rms_norm(x, self.layers[0].input_norm, c.rms_norm_eps)  # [N, hidden]
+        groups = batch.routing_groups or batch.attn.num_requests
+        self.moe_configs_run.add(self.moe_config(N, groups))
         for i, layer in enumerate(self.layers):
             attn_out = self._attention(layer.attn, h, cos, sin, cache.kv[i], batch.attn, out.new_kv[i])
             # A float32 router (no bf16 parts) reads the normed rows upcast: the norm writes that copy too.
@@ -360,7 +371,6 @@ class TargetModel(torch.nn.Module):
                 and self.dtype in (torch.bfloat16, torch.float16) else None
             x, h = add_rms_norm(x, self.tp.all_reduce(attn_out), layer.post_norm, c.rms_norm_eps, float32_copy=h32)
             if layer.moe is not None:
-                groups = batch.routing_groups or batch.attn.num_requests
                 mlp_out = moe_forward(h, layer.moe, c, routing_groups=groups, x_float32=h32)
             else:
                 mlp_out = mlp_forward(h, layer.mlp)

@@ -9,6 +9,7 @@ load, and the torch path dequantises a packed expert on use when no dense copy e
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -208,6 +209,19 @@ def router_partial_logits(hidden: Tensor, gate_parts: Tensor, chunks: int = ROUT
 def uses_fused_kernel(device: torch.device, dtype: torch.dtype, int4_experts: bool) -> bool:
     """Where ``moe_forward`` runs the fused INT4 kernel by default: CUDA, bf16/fp16, packed experts."""
     return device.type == "cuda" and int4_experts and dtype in (torch.bfloat16, torch.float16)
+
+
+def fused_config(tokens: int, moe: MoEWeights, config: TargetConfig, routing_groups: int | None) -> Hashable | None:
+    """The fused kernel's launch config for ``tokens`` in ``routing_groups`` requests (what
+    ``_routed_fused`` launches; Triton compiles a kernel set per config), or None where this MoE
+    runs the torch loop, which compiles nothing."""
+    if moe.int4 is None or not uses_fused_kernel(moe.int4["gate_proj"].packed.device, moe.dtype, True):
+        return None
+    from kernels.int4_moe import choose_config
+
+    experts, intermediate, _ = moe.int4["gate_proj"].packed.shape
+    hidden = moe.int4["gate_proj"].shape[1]
+    return choose_config(tokens, experts, hidden, intermediate, config.num_experts_per_tok, routing_groups)
 
 
 def select_experts(
