@@ -223,7 +223,7 @@ def main() -> None:
     print(rows[-1], flush=True)
     calls = [r for r in rows[1:] if r["row"] not in ("after_prefills", "after_verify")]
     added = sorted(k for r in calls for k in r["kernels"])
-    slow = max(calls, key=lambda r: r.get("first_ms", r.get("ms", 0)))
+    slow = max(calls, key=lambda r: max(r.get("first_ms", r.get("ms", 0)), r.get("second_ms", 0)))   # either run
     summary = {"row": "summary", "calls": len(calls), "new_cache_entries": len(kernels_in_cache()) - start_entries,
                "kernels_compiled": added, "slowest_call": {k: v for k, v in slow.items() if k != "kernels"}}
     print(summary, flush=True)
