@@ -30,13 +30,13 @@ the start-up added (0: nothing compiled on a request).
 experts, N layers, the model's 131072-token context) instead of a checkpoint, warmed up as
 ``build_engine`` warms a loaded model.
 
-``--graph-batches`` / ``--graph-nodes`` set ``verifier.graph_batches`` / ``verifier.graph_nodes``
-(a subset of buckets, to time a deep model's captures in one run); the verify calls then cover those
-buckets. For the slice, the startup row's ``model_seconds`` is the part of its ``seconds`` spent
+``--graph-batches`` / ``--graph-nodes`` / ``--warmup-budgets`` set ``verifier.graph_batches`` /
+``verifier.graph_nodes`` / ``verifier.warmup_budgets`` (a subset of buckets, to time a deep model's
+captures in one run; the verify calls then cover those buckets). For the slice, the startup row's ``model_seconds`` is the part of its ``seconds`` spent
 making the random weights and the cache; the rest is the warm-up.
 
 Usage: python -m bench.verify_first_use [--model models/demo | --k2-layers 3] [--graph-batches 1,64]
-       [--graph-nodes 1,129] [--out FILE] [--commit SHA]
+       [--graph-nodes 1,129] [--warmup-budgets 0,8] [--out FILE] [--commit SHA]
 """
 
 from __future__ import annotations
@@ -130,9 +130,11 @@ def main() -> None:
     p.add_argument("--commit", default=None)
     p.add_argument("--graph-batches", default=None, help="comma-separated batch buckets (default: the setting's)")
     p.add_argument("--graph-nodes", default=None, help="comma-separated tree-size buckets (default: the setting's)")
+    p.add_argument("--warmup-budgets", default=None, help="comma-separated warm-up verify budgets (default: the setting's)")
     args = p.parse_args()
     buckets = {name: tuple(int(x) for x in value.split(",")) for name, value in
-               (("graph_batches", args.graph_batches), ("graph_nodes", args.graph_nodes)) if value}
+               (("graph_batches", args.graph_batches), ("graph_nodes", args.graph_nodes),
+                ("warmup_budgets", args.warmup_budgets)) if value}
     settings = VerifierSettings(model_path=args.model, device="cuda", dtype="bfloat16", kv_capacity_tokens=1 << 18,
                                 **buckets)
     g = torch.Generator().manual_seed(0)
