@@ -218,3 +218,20 @@ def test_stack_log_summary_finds_the_longest_time_with_no_request_ending() -> No
     assert summary["longest_gap_between_ends_s"] == 23.5 and summary["gap_after"] == "2026-12-03T14:27:36.000000Z"
     assert events == [{"time": "2026-12-03T14:26:11.723077Z", "event": "weights_loaded", "layers": "6",
                        "path": "models/demo", "seconds": "0.16", "service": "verifier"}]
+
+
+def test_eager_first_use_finds_every_dense_weight(tmp_path: Path) -> None:
+    """``bench/eager_first_use.py``'s GEMM warm-up covers each 2-D weight the model's layers and
+    head hold (the projections a prompt's eager forward multiplies), not just the top level."""
+    from bench.eager_first_use import weights
+    from services.verifier.make_target import write_random_target
+    from services.verifier.model import TargetModel
+
+    write_random_target(tmp_path, 64, seed=3)
+    model = TargetModel.load(tmp_path)
+    found = {id(t) for t in weights([model.layers, model.lm_head_weight])}
+    layer = model.layers[0]
+    for t in (layer.attn.q_kv_a, layer.attn.o_proj, model.lm_head_weight, layer.input_norm):
+        assert id(t) in found
+    moe = next(layer.moe for layer in model.layers if layer.moe is not None)
+    assert id(moe.gate_weight) in found and id(moe.int4["down_proj"].packed) in found
