@@ -477,34 +477,51 @@ def test_the_warm_up_runs_every_skinny_gemm_row_count(target: Target, monkeypatc
     assert len(keys(served)) > len(keys({1, 8, 17})) > 1   # the keys split by row count
 
 
-
-@pytest.mark.parametrize("prompts_replay,batches,nodes", [(False, (1, 8, 64), (1, 17, 129)), (True, (1, 4), (1, 9))])
-def test_the_warm_up_launches_every_moe_config_an_eager_prompt_can_take(
-        target: Target, monkeypatch: pytest.MonkeyPatch, prompts_replay: bool, batches: tuple, nodes: tuple) -> None:
-    """An eager prompt chunk may be any length from the least the warm-up runs eagerly up to
-    ``prefill_chunk`` (without graphs; under a small largest node bucket, where ``replays_pay``
-    sends long prompts eagerly), and the fused MoE compiles once per launch config. After the
-    warm-up every config of those lengths has run, each missing one by a single extra prompt.
-    The CPU runs no fused MoE, so configs come from a stand-in keyed by token count, recorded
-    where the real ones are (``TargetModel.forward``)."""
-    monkeypatch.setattr(target.model, "moe_config", lambda tokens, groups: (groups == 1, tokens // 24))
+@pytest.mark.parametrize("graphs,prompts_replay,batches,nodes,extra_prompts,extra_steps", [
+    (False, False, (), (), [72], [24]),                     # every forward eager
+    (True, False, (1, 8, 64), (1, 17, 129), [72], []),      # graphs hold every step of up to 50 requests
+    (True, True, (1, 4), (1, 9), [72, 96], [24]),           # steps of 5+ requests run eagerly
+])
+def test_the_warm_up_launches_every_moe_config_an_eager_forward_can_take(
+        target: Target, monkeypatch: pytest.MonkeyPatch, graphs: bool, prompts_replay: bool, batches: tuple,
+        nodes: tuple, extra_prompts: list[int], extra_steps: list[int]) -> None:
+    """The fused MoE compiles once per launch config, and an eager forward can take any of: a
+    prompt chunk of any length from the least the warm-up runs eagerly up to ``prefill_chunk``
+    (without graphs; under a small largest node bucket, where ``replays_pay`` sends long prompts
+    eagerly), and a step of one token a request (its own configs: each token a routing group) for
+    any batch no graph bucket holds. After the warm-up every such config has run, each missing
+    one by a single extra forward. The CPU runs no fused MoE, so configs come from a stand-in with
+    the real rule's shape (independent tokens apart, then by token count), recorded where the
+    real ones are (``TargetModel.forward``)."""
+    monkeypatch.setattr(target.model, "moe_config", lambda tokens, groups: (tokens <= groups, tokens // 24))
     monkeypatch.setattr(target.model, "moe_configs_run", set())
-    engine = make_engine(target.model, shuffle_seed=None, prefill_chunk=100)
+    engine = make_engine(target.model, pages=512, shuffle_seed=None, prefill_chunk=100)   # room for the 50 requests
     engine.prefill_graphs = prompts_replay
-    engine.enable_graphs(capture=False, batch_buckets=batches, node_buckets=nodes)
-    prefill, extra = engine.prefill, []
+    if graphs:
+        engine.enable_graphs(capture=False, batch_buckets=batches, node_buckets=nodes)
+    prefill, step, prompts, steps = engine.prefill, engine._warm_up_step, [], []
 
-    def spy(items, eager=False):
-        extra.extend(len(i.token_ids) for i in items if i.request_id == "__warmup_moe__")
+    def spy_prefill(items, eager=False):
+        prompts.extend(len(i.token_ids) for i in items if i.request_id == "__warmup_moe__")
         return prefill(items, eager)
 
-    monkeypatch.setattr(engine, "prefill", spy)
-    engine.warm_up([0, 4], batches=(1,))
+    def spy_step(rids, n):
+        if rids[0].startswith("__warmup_moe_"):
+            steps.append((len(rids), n))
+        return step(rids, n)
+
+    monkeypatch.setattr(engine, "prefill", spy_prefill)
+    monkeypatch.setattr(engine, "_warm_up_step", spy_step)
+    engine.warm_up([0, 4], batches=(1, 50))
     least = min(batches[-1], nodes[-1]) + 1 if prompts_replay else 1
-    assert {(True, n // 24) for n in range(least, 101)} <= target.model.moe_configs_run
-    # the other eager prompts end at 32 tokens, then 64 and 32 (max_context // 4): 72-95 and 96-100 were missing
-    assert extra == [72, 96]
-    assert engine.active_requests == 0
+    run = target.model.moe_configs_run
+    assert {(n == 1, n // 24) for n in range(least, 101)} <= run
+    assert {(True, b // 24) for b in range(1, 51) if not graphs or b > batches[-1]} <= run
+    # the other eager prompts end at 32 tokens, then 64 and 32 (max_context // 4): 72-95 and 96-100
+    # were missing (where prompts run eagerly, the steps' 50 prompts of 3 tokens share a 99-token forward);
+    # one-token steps ran at 1 and 50 requests (budget 0): 24-47 was missing
+    assert prompts == extra_prompts and steps == [(b, 1) for b in extra_steps]
+    assert engine.active_requests == 0 and engine.cache.pages_free == engine.cache.num_pages
 
 
 def test_the_moe_config_is_the_fused_kernels_choice_and_none_off_its_path(target: Target,
@@ -523,6 +540,33 @@ def test_the_moe_config_is_the_fused_kernels_choice_and_none_off_its_path(target
         want = km.choose_config(tokens, experts, c.hidden_size, inter, c.num_experts_per_tok, groups)
         assert target.model.moe_config(tokens, groups) == want
     assert target.model.moe_config(1, 1) != target.model.moe_config(1152, 128)
+
+
+def test_each_forward_records_the_moe_config_its_moe_layers_launch(target: Target,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``TargetModel.forward`` records (the warm-up's list of configs run) is the config of
+    the tokens and routing groups its MoE layers are called with: eager prompts sharing a forward
+    (one group), verify steps of several trees (a group a request), replayed buckets."""
+    import services.verifier.model as model_mod
+
+    config = lambda tokens, groups: (tokens, groups)  # noqa: E731
+    monkeypatch.setattr(target.model, "moe_config", config)
+    monkeypatch.setattr(target.model, "moe_configs_run", set())
+    launched: set = set()
+    moe_forward = model_mod.moe_forward
+    monkeypatch.setattr(model_mod, "moe_forward", lambda x, *a, routing_groups=None, **kw: launched.add(
+        config(x.shape[0], routing_groups)) or moe_forward(x, *a, routing_groups=routing_groups, **kw))
+    for graphs in (False, True):
+        engine = make_engine(target.model)
+        if graphs:
+            engine.enable_graphs(capture=False, batch_buckets=(1, 4), node_buckets=(1, 9))
+        out = engine.prefill([PrefillInput(f"r{i}", p, Sampling(), reserve_tokens=64) for i, p in enumerate(PROMPTS)])
+        g = torch.Generator().manual_seed(1)
+        trees = [random_tree(item.tokens[0], 6, g) for item in out.items]
+        engine.verify([f"r{i}" for i in range(len(PROMPTS))], *pack(trees))
+    assert launched == target.model.moe_configs_run
+    assert {(17, 1), (3 * 7, 3), (4 * 9, 4)} <= launched   # prompts sharing a forward; a step eager, replayed
+
 
 # ============================================================================== 2. chunked prefill
 

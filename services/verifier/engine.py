@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -120,8 +120,8 @@ class VerifierEngine:
         steps at each budget and batch (sampling, acceptance and commit), the largest bucket's step
         (``_warm_up_largest_step``) and the attention kernel in each variant and its merge at
         every launch shape (``warm_up_attention``, ``warm_up_merges``: a prefill meets shapes no
-        bucket ran), and a prompt for each fused-MoE config an eager prompt can take that none of
-        these launched (``_warm_up_moe_configs``). Uses throw-away requests; leaves no state."""
+        bucket ran), and a forward for each fused-MoE config an eager prompt or one-token step can
+        take that none of these launched (``_warm_up_moe_configs``). Uses throw-away requests; leaves no state."""
         # Every row count an eager forward can have up to MAX_ROWS, not a sample: which of them
         # share a compiled kernel is Triton's integer specialisation (1, multiples of 16), and with
         # fewer graph buckets than the default none of them ran a 16-token step (a 16-token prompt
@@ -153,7 +153,7 @@ class VerifierEngine:
                 self._warm_up_step(live, budget + 1)
         self.release(rids)
         self._warm_up_largest_step()
-        self._warm_up_moe_configs(least)
+        self._warm_up_moe_configs(least, max(batches, default=1))
         c, device = self.model.config, self.model_device
         with current(device):
             warm_up_merges(c.kv_lora_rank, self.model.dtype, device,
@@ -189,22 +189,42 @@ class VerifierEngine:
         finally:
             self.release(rids)
 
-    def _warm_up_moe_configs(self, least: int) -> None:
-        """An eager prompt for each fused-MoE config that a prompt of ``least`` to ``prefill_chunk``
-        tokens takes and no warm-up forward launched: eager prompt chunks come in any length there
-        (without graphs; with a small largest node bucket, the prompts ``replays_pay`` sends
-        eagerly), and a config compiles its kernels on first use. The other warm-up forwards
+    def _warm_up_moe_configs(self, least: int, most_batch: int) -> None:
+        """A forward for each fused-MoE config that no warm-up forward launched and an eager
+        forward can take, since a config compiles its kernels on first use: a prompt of ``least``
+        to ``prefill_chunk`` tokens (eager chunks come in any length there: without graphs, or
+        where ``replays_pay`` sends a prompt eagerly under a small largest node bucket), and a
+        step of one token a request for up to ``most_batch`` requests that no graph bucket holds
+        (each token its own routing group: the GEMV path at a few). The other warm-up forwards
         launch them all with the default buckets and budgets (tests/test_int4_moe_hopper.py); at
         the K2 TP8 dims with ``verifier.warmup_budgets`` (0,), a 97-token prompt took a config
-        none of them had, with graphs or without."""
+        none of them had, with graphs or without, and on Hopper so do steps of 2-5 requests
+        where no graph holds them."""
+        run = self.model.moe_configs_run
         rid = "__warmup_moe__"
         for n in range(least, min(self.prefill_chunk, self.max_context - 1) + 1):
             config = self.model.moe_config(n, 1)
-            if config is None or config in self.model.moe_configs_run:
+            if config is None or config in run:
                 continue
             prompt = [1 + (i % (self.vocab_size - 1)) for i in range(n)]
             self.prefill([PrefillInput(rid, prompt, Sampling(), reserve_tokens=n + 1)], eager=True)
             self.release([rid])
+        steps: dict[Hashable, int] = {}   # a config's fewest requests
+        for b in range(1, most_batch + 1):
+            config = self.model.moe_config(b, b)
+            if config is not None and config not in run and (self.graphs is None or self.graphs.bucket_for(b, 1) is None):
+                steps.setdefault(config, b)
+        if not steps:
+            return
+        rids = [f"__warmup_moe_{i}__" for i in range(max(steps.values()))]
+        self.prefill([PrefillInput(r, [2, 3, 4], Sampling(), reserve_tokens=4 + len(steps)) for r in rids])
+        try:
+            live = [r for r in rids if r in self._requests]   # a KV cache too small for them all: fewer
+            for b in steps.values():
+                if b <= len(live):
+                    self._warm_up_step(live[:b], 1)
+        finally:
+            self.release(rids)
 
     def _warm_up_step(self, rids: Sequence[str], nodes: int) -> None:
         """A verify step of one chain of ``nodes`` nodes a request."""

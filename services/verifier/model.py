@@ -266,8 +266,8 @@ class TargetModel(torch.nn.Module):
     def moe_config(self, tokens: int, routing_groups: int) -> Hashable | None:
         """The fused MoE's launch config of a forward of ``tokens`` in ``routing_groups`` requests
         (every MoE layer of a model has the same dims), or None where no fused MoE launches: the
-        kernels compile once per config, and the warm-up runs a forward of each one serving can
-        meet (``VerifierEngine.warm_up``)."""
+        kernels compile once per config, and the warm-up runs a forward of each one that an eager
+        prompt or one-token step can take (``VerifierEngine._warm_up_moe_configs``)."""
         layer = next((layer for layer in self.layers if layer.moe is not None), None)
         return None if layer is None else fused_config(tokens, layer.moe, self.config, routing_groups)
 

@@ -9,6 +9,7 @@ load, and the torch path dequantises a packed expert on use when no dense copy e
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -219,9 +220,12 @@ def fused_config(tokens: int, moe: MoEWeights, config: TargetConfig, routing_gro
         return None
     from kernels.int4_moe import choose_config
 
-    experts, intermediate, _ = moe.int4["gate_proj"].packed.shape
-    hidden = moe.int4["gate_proj"].shape[1]
-    return choose_config(tokens, experts, hidden, intermediate, config.num_experts_per_tok, routing_groups)
+    packed = moe.int4["gate_proj"].packed
+    experts, intermediate, _ = packed.shape
+    # the table is for the weights' GPU, where fused_int4_moe runs (not the current one)
+    with torch.cuda.device(packed.device) if packed.is_cuda else contextlib.nullcontext():
+        return choose_config(tokens, experts, moe.int4["gate_proj"].shape[1], intermediate,
+                             config.num_experts_per_tok, routing_groups)
 
 
 def select_experts(
