@@ -16,7 +16,9 @@ and named:
   each burst twice, of other lengths: ``ms``, ``second_ms``);
 * a verify step at every (batch bucket, tree-size bucket) of ``VerifyGraphs``, trees of exactly the
   bucket's node count with random parents and tokens, twice (``first_ms``, ``second_ms``). Where
-  the start-up did not capture a bucket (before ``capture_buckets``), the first call captures it.
+  the start-up did not capture a bucket (before ``capture_buckets``), the first call captures it;
+* verify steps of one node a request for 1..``ONE_TOKEN_STEPS`` requests (``one_token_step`` rows,
+  twice), eager where no batch bucket holds them, whose fused-MoE configs differ from a tree's.
 
 GPU memory is recorded after the start-up, after the feature layers, after the prefills and after
 the verify steps (``after_verify``, with ``graph_outputs_gb``: the graphs' output buffers as
@@ -62,6 +64,7 @@ PROMPT_LENGTHS = (2, 3, 5, 7, 12, 16, 17, 24, 33, 48, 65, 100, 129, 200, 256, 30
 RESERVE = 1600   # KV a verify request reserves: its prompt, then a few tokens a step
 PREFILL_RESERVES = (1, 1024)   # tokens a prefill reserves past its prompt (max_tokens)
 BURSTS = ((8, 300), (64, 300), (64, 1), (128, 40))   # one prefill call: (prompts, longest prompt)
+ONE_TOKEN_STEPS = 8   # verify steps of one node a request, for 1..8 requests
 
 
 def memory() -> dict[str, float]:
@@ -203,7 +206,7 @@ def main() -> None:
     torch.cuda.synchronize()
     rows.append({"row": "after_prefills", **memory()})
     save(False)
-    rids = [f"r{i}" for i in range(max(batches))]
+    rids = [f"r{i}" for i in range(max(*batches, ONE_TOKEN_STEPS))]
     prompts = [torch.randint(2, engine.vocab_size, (16,), generator=g).tolist() for _ in rids]
     timed(lambda: engine.prefill([PrefillInput(r, pr, Sampling(), reserve_tokens=RESERVE) for r, pr in zip(rids, prompts)]))
     for batch in batches:
@@ -217,6 +220,15 @@ def main() -> None:
                          "second_ms": round(times[1][0], 1), "kernels": times[0][1] + times[1][1], **memory()})
             print(rows[-1], flush=True)
         save(False)
+    for batch in range(1, ONE_TOKEN_STEPS + 1):   # eager where no batch bucket holds them (their own MoE configs)
+        times = []
+        for _ in range(2):
+            tree = random_trees(engine, rids[:batch], 1, g)
+            times.append(timed(lambda: engine.verify(rids[:batch], *tree)))
+        rows.append({"row": "one_token_step", "batch": batch, "first_ms": round(times[0][0], 1),
+                     "second_ms": round(times[1][0], 1), "kernels": times[0][1] + times[1][1]})
+        print(rows[-1], flush=True)
+    save(False)
 
     torch.cuda.synchronize()
     graphs = engine.graphs
