@@ -34,8 +34,9 @@ experts, N layers, the model's 131072-token context) instead of a checkpoint, wa
 
 ``--graph-batches`` / ``--graph-nodes`` / ``--warmup-budgets`` set ``verifier.graph_batches`` /
 ``verifier.graph_nodes`` / ``verifier.warmup_budgets`` (a subset of buckets, to time a deep model's
-captures in one run; the verify calls then cover those buckets). For the slice, the startup row's ``model_seconds`` is the part of its ``seconds`` spent
-making the random weights and the cache; the rest is the warm-up.
+captures in one run; the verify calls then cover those buckets). For the slice, the startup row's
+``model_seconds`` is the part of its ``seconds`` spent making the random weights and the cache; the
+rest is the warm-up.
 
 Usage: python -m bench.verify_first_use [--model models/demo | --k2-layers 3] [--graph-batches 1,64]
        [--graph-nodes 1,129] [--warmup-budgets 0,8] [--out FILE] [--commit SHA]

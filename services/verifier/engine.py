@@ -121,7 +121,8 @@ class VerifierEngine:
         (``_warm_up_largest_step``) and the attention kernel in each variant and its merge at
         every launch shape (``warm_up_attention``, ``warm_up_merges``: a prefill meets shapes no
         bucket ran), and a forward for each fused-MoE config an eager prompt or one-token step can
-        take that none of these launched (``_warm_up_moe_configs``). Uses throw-away requests; leaves no state."""
+        take that none of these launched (``_warm_up_moe_configs``). Uses throw-away requests;
+        leaves no state."""
         # Every row count an eager forward can have up to MAX_ROWS, not a sample: which of them
         # share a compiled kernel is Triton's integer specialisation (1, multiples of 16), and with
         # fewer graph buckets than the default none of them ran a 16-token step (a 16-token prompt
@@ -212,7 +213,8 @@ class VerifierEngine:
         steps: dict[Hashable, int] = {}   # a config's fewest requests
         for b in range(1, most_batch + 1):
             config = self.model.moe_config(b, b)
-            if config is not None and config not in run and (self.graphs is None or self.graphs.bucket_for(b, 1) is None):
+            held = self.graphs is not None and self.graphs.bucket_for(b, 1) is not None   # its bucket.s config ran at capture
+            if config is not None and config not in run and not held:
                 steps.setdefault(config, b)
         if not steps:
             return
