@@ -213,7 +213,7 @@ class VerifierEngine:
         steps: dict[Hashable, int] = {}   # a config's fewest requests
         for b in range(1, most_batch + 1):
             config = self.model.moe_config(b, b)
-            held = self.graphs is not None and self.graphs.bucket_for(b, 1) is not None   # its bucket.s config ran at capture
+            held = self.graphs is not None and self.graphs.bucket_for(b, 1) is not None   # its bucket's config ran at capture
             if config is not None and config not in run and not held:
                 steps.setdefault(config, b)
         if not steps:
