@@ -478,22 +478,23 @@ def test_the_warm_up_runs_every_skinny_gemm_row_count(target: Target, monkeypatc
 
 
 @pytest.mark.parametrize("graphs,prompts_replay,batches,nodes,extra_prompts,extra_steps", [
-    (False, False, (), (), [72], [24]),                     # every forward eager
-    (True, False, (1, 8, 64), (1, 17, 129), [72], []),      # graphs hold every step of up to 50 requests
-    (True, True, (1, 4), (1, 9), [72, 96], [24]),           # steps of 5+ requests run eagerly
+    (False, False, (), (), [72], [(24, 1), (1, 120)]),                # every forward eager
+    (True, False, (1, 8, 64), (1, 17, 129), [72], []),                # graphs hold every step of up to 50 trees
+    (True, True, (1, 4), (1, 9), [72, 96], [(24, 1), (1, 120)]),      # steps of 5+ trees or 10+ nodes run eagerly
 ])
 def test_the_warm_up_launches_every_moe_config_an_eager_forward_can_take(
         target: Target, monkeypatch: pytest.MonkeyPatch, graphs: bool, prompts_replay: bool, batches: tuple,
-        nodes: tuple, extra_prompts: list[int], extra_steps: list[int]) -> None:
+        nodes: tuple, extra_prompts: list[int], extra_steps: list[tuple[int, int]]) -> None:
     """The fused MoE compiles once per launch config, and an eager forward can take any of: a
     prompt chunk of any length from the least the warm-up runs eagerly up to ``prefill_chunk``
     (without graphs; under a small largest node bucket, where ``replays_pay`` sends long prompts
-    eagerly), and a step of one token a request (its own configs: each token a routing group) for
-    any batch no graph bucket holds. After the warm-up every such config has run, each missing
-    one by a single extra forward. The CPU runs no fused MoE, so configs come from a stand-in with
-    the real rule's shape (independent tokens apart, then by token count), recorded where the
-    real ones are (``TargetModel.forward``)."""
-    monkeypatch.setattr(target.model, "moe_config", lambda tokens, groups: (tokens <= groups, tokens // 24))
+    eagerly), and a verify step that no graph bucket holds (one-node trees take their own configs:
+    each token a routing group). After the warm-up every such config has run, each missing one by
+    a single extra forward, the one of fewest tokens. The CPU runs no fused MoE, so configs come
+    from a stand-in with the real rule's shape (independent tokens apart, then a few ranges of
+    token counts), recorded where the real ones are (``TargetModel.forward``)."""
+    config = lambda tokens, groups: (tokens <= groups, min(tokens // 24, 6))  # noqa: E731
+    monkeypatch.setattr(target.model, "moe_config", config)
     monkeypatch.setattr(target.model, "moe_configs_run", set())
     engine = make_engine(target.model, pages=512, shuffle_seed=None, prefill_chunk=100)   # room for the 50 requests
     engine.prefill_graphs = prompts_replay
@@ -515,12 +516,14 @@ def test_the_warm_up_launches_every_moe_config_an_eager_forward_can_take(
     engine.warm_up([0, 4], batches=(1, 50))
     least = min(batches[-1], nodes[-1]) + 1 if prompts_replay else 1
     run = target.model.moe_configs_run
-    assert {(n == 1, n // 24) for n in range(least, 101)} <= run
-    assert {(True, b // 24) for b in range(1, 51) if not graphs or b > batches[-1]} <= run
-    # the other eager prompts end at 32 tokens, then 64 and 32 (max_context // 4): 72-95 and 96-100
-    # were missing (where prompts run eagerly, the steps' 50 prompts of 3 tokens share a 99-token forward);
-    # one-token steps ran at 1 and 50 requests (budget 0): 24-47 was missing
-    assert prompts == extra_prompts and steps == [(b, 1) for b in extra_steps]
+    assert {config(n, 1) for n in range(least, 101)} <= run
+    assert {config(b * t, b) for b in range(1, 51) for t in range(1, 101)
+            if not graphs or engine.graphs.bucket_for(b, t) is None} <= run
+    # The other eager prompts end at 32 tokens, then 64 and 32 (max_context // 4): 72-95 and 96-100
+    # were missing (where prompts run eagerly, the steps' 50 prompts of 3 tokens share a 99-token
+    # forward). The steps ran 1 and 50 one-node trees, 5 and 250 tokens in chains: 24-47 one-node
+    # trees and 120-143 tokens in chains were missing.
+    assert prompts == extra_prompts and steps == extra_steps
     assert engine.active_requests == 0 and engine.cache.pages_free == engine.cache.num_pages
 
 

@@ -7,6 +7,7 @@ accepted path's latent KV into the request's pages. No gRPC here; `server.py` wr
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from collections.abc import Hashable, Sequence
@@ -22,6 +23,7 @@ from kernels.tree_mla import (
 )
 from services.common.devices import current
 from services.common.grpc_server import ServiceError
+from services.common.settings import MAX_BUDGET
 from services.draft.tree import ancestor_mask
 from services.verifier.acceptance import accept
 from services.verifier.graphs import VerifyGraphs
@@ -120,9 +122,9 @@ class VerifierEngine:
         steps at each budget and batch (sampling, acceptance and commit), the largest bucket's step
         (``_warm_up_largest_step``) and the attention kernel in each variant and its merge at
         every launch shape (``warm_up_attention``, ``warm_up_merges``: a prefill meets shapes no
-        bucket ran), and a forward for each fused-MoE config an eager prompt or one-token step can
-        take that none of these launched (``_warm_up_moe_configs``). Uses throw-away requests;
-        leaves no state."""
+        bucket ran), and a forward for each fused-MoE config an eager prompt or verify step can
+        take that none of these launched (``_warm_up_moe_prompts``, ``_warm_up_moe_steps``). Uses
+        throw-away requests; leaves no state."""
         # Every row count an eager forward can have up to MAX_ROWS, not a sample: which of them
         # share a compiled kernel is Triton's integer specialisation (1, multiples of 16), and with
         # fewer graph buckets than the default none of them ran a 16-token step (a 16-token prompt
@@ -154,7 +156,8 @@ class VerifierEngine:
                 self._warm_up_step(live, budget + 1)
         self.release(rids)
         self._warm_up_largest_step()
-        self._warm_up_moe_configs(least, max(batches, default=1))
+        self._warm_up_moe_prompts(least)
+        self._warm_up_moe_steps(max(batches, default=1))
         c, device = self.model.config, self.model_device
         with current(device):
             warm_up_merges(c.kv_lora_rank, self.model.dtype, device,
@@ -190,41 +193,50 @@ class VerifierEngine:
         finally:
             self.release(rids)
 
-    def _warm_up_moe_configs(self, least: int, most_batch: int) -> None:
-        """A forward for each fused-MoE config that no warm-up forward launched and an eager
-        forward can take, since a config compiles its kernels on first use: a prompt of ``least``
-        to ``prefill_chunk`` tokens (eager chunks come in any length there: without graphs, or
-        where ``replays_pay`` sends a prompt eagerly under a small largest node bucket), and a
-        step of one token a request for up to ``most_batch`` requests that no graph bucket holds
-        (each token its own routing group: the GEMV path at a few). The other warm-up forwards
-        launch them all with the default buckets and budgets (tests/test_int4_moe_hopper.py); at
-        the K2 TP8 dims with ``verifier.warmup_budgets`` (0,), a 97-token prompt took a config
-        none of them had, with graphs or without, and on Hopper so do steps of 2-5 requests
-        where no graph holds them."""
-        run = self.model.moe_configs_run
+    def _warm_up_moe_prompts(self, least: int) -> None:
+        """An eager prompt for each fused-MoE config that a prompt of ``least`` to ``prefill_chunk``
+        tokens takes and no warm-up forward launched, since a config compiles its kernels on first
+        use. Eager chunks come in any length there: without graphs, or where ``replays_pay`` sends
+        a prompt eagerly under a small largest node bucket. The other warm-up forwards launch them
+        all with the default buckets and budgets (tests/test_int4_moe_hopper.py); at the K2 TP8
+        dims with ``verifier.warmup_budgets`` (0,), a 97-token prompt took a config none of them
+        had, with graphs or without."""
         rid = "__warmup_moe__"
         for n in range(least, min(self.prefill_chunk, self.max_context - 1) + 1):
             config = self.model.moe_config(n, 1)
-            if config is None or config in run:
+            if config is None or config in self.model.moe_configs_run:
                 continue
             prompt = [1 + (i % (self.vocab_size - 1)) for i in range(n)]
             self.prefill([PrefillInput(rid, prompt, Sampling(), reserve_tokens=n + 1)], eager=True)
             self.release([rid])
-        steps: dict[Hashable, int] = {}   # a config's fewest requests
-        for b in range(1, most_batch + 1):
-            config = self.model.moe_config(b, b)
-            held = self.graphs is not None and self.graphs.bucket_for(b, 1) is not None   # its bucket's config ran at capture
-            if config is not None and config not in run and not held:
-                steps.setdefault(config, b)
+
+    def _warm_up_moe_steps(self, most_batch: int, most_nodes: int = MAX_BUDGET + 1) -> None:
+        """A verify step for each fused-MoE config that a step of up to ``most_batch`` trees of up
+        to ``most_nodes`` nodes takes where no graph bucket holds it (its bucket's config ran at
+        capture) and no warm-up forward launched it: chains of equal size, the fewest tokens first.
+        A step's config follows its tokens and whether each is its own routing group (one-node
+        trees: the GEMV path at a few); on Hopper at the K2 TP8 dims, steps of 2-5 one-node trees
+        take a config no prompt does. With the default buckets every such step is a replay."""
+        shapes = sorted(itertools.product(range(1, most_batch + 1), range(1, most_nodes + 1)),
+                        key=lambda s: (s[0] * s[1], s[0]))
+        steps: dict[Hashable, tuple[int, int]] = {}   # config: (trees, nodes) of its smallest step
+        for b, t in shapes:
+            if self.graphs is not None and self.graphs.bucket_for(b, t) is not None:
+                continue
+            config = self.model.moe_config(b * t, b)
+            if config is not None and config not in self.model.moe_configs_run:
+                steps.setdefault(config, (b, t))
         if not steps:
             return
-        rids = [f"__warmup_moe_{i}__" for i in range(max(steps.values()))]
-        self.prefill([PrefillInput(r, [2, 3, 4], Sampling(), reserve_tokens=4 + len(steps)) for r in rids])
+        rids = [f"__warmup_moe_{i}__" for i in range(max(b for b, _ in steps.values()))]
+        # request i holds its prompt and the chain of each step it takes part in (a step commits at most that)
+        rooms = [4 + sum(t for b, t in steps.values() if i < b) for i in range(len(rids))]
+        self.prefill([PrefillInput(r, [2, 3, 4], Sampling(), reserve_tokens=n) for r, n in zip(rids, rooms)])
         try:
-            live = [r for r in rids if r in self._requests]   # a KV cache too small for them all: fewer
-            for b in steps.values():
-                if b <= len(live):
-                    self._warm_up_step(live[:b], 1)
+            live = list(itertools.takewhile(self._requests.__contains__, rids))   # a KV cache too small: fewer
+            for b, t in steps.values():
+                if b <= len(live) and all(self._requests[r].length + t < self.max_context for r in live[:b]):
+                    self._warm_up_step(live[:b], t)
         finally:
             self.release(rids)
 

@@ -267,7 +267,7 @@ class TargetModel(torch.nn.Module):
         """The fused MoE's launch config of a forward of ``tokens`` in ``routing_groups`` requests
         (every MoE layer of a model has the same dims), or None where no fused MoE launches: the
         kernels compile once per config, and the warm-up runs a forward of each one that an eager
-        prompt or one-token step can take (``VerifierEngine._warm_up_moe_configs``)."""
+        prompt or verify step can take (``VerifierEngine._warm_up_moe_prompts``, ``_warm_up_moe_steps``)."""
         layer = next((layer for layer in self.layers if layer.moe is not None), None)
         return None if layer is None else fused_config(tokens, layer.moe, self.config, routing_groups)
 
