@@ -477,14 +477,15 @@ def test_the_warm_up_runs_every_skinny_gemm_row_count(target: Target, monkeypatc
     assert len(keys(served)) > len(keys({1, 8, 17})) > 1   # the keys split by row count
 
 
-@pytest.mark.parametrize("graphs,prompts_replay,batches,nodes,extra_prompts,extra_steps", [
-    (False, False, (), (), [72], [(24, 1), (1, 120)]),                # every forward eager
-    (True, False, (1, 8, 64), (1, 17, 129), [72], []),                # graphs hold every step of up to 50 trees
-    (True, True, (1, 4), (1, 9), [72, 96], [(24, 1), (1, 120)]),      # steps of 5+ trees or 10+ nodes run eagerly
+@pytest.mark.parametrize("graphs,prompts_replay,batches,nodes,context,extra_prompts,extra_steps", [
+    (False, False, (), (), 128, [72], [(24, 1), (1, 120)]),                  # every forward eager
+    (True, False, (1, 8, 64), (1, 17, 129), 128, [72], []),                  # graphs hold every step of up to 50 trees
+    (True, True, (1, 4), (1, 9), 128, [72, 96], [(24, 1), (1, 120)]),        # steps of 5+ trees or 10+ nodes eager
+    (False, False, (), (), 64, [], [(24, 1), (2, 36), (2, 60)]),             # no 72- or 120-node chain fits
 ])
 def test_the_warm_up_launches_every_moe_config_an_eager_forward_can_take(
         target: Target, monkeypatch: pytest.MonkeyPatch, graphs: bool, prompts_replay: bool, batches: tuple,
-        nodes: tuple, extra_prompts: list[int], extra_steps: list[tuple[int, int]]) -> None:
+        nodes: tuple, context: int, extra_prompts: list[int], extra_steps: list[tuple[int, int]]) -> None:
     """The fused MoE compiles once per launch config, and an eager forward can take any of: a
     prompt chunk of any length from the least the warm-up runs eagerly up to ``prefill_chunk``
     (without graphs; under a small largest node bucket, where ``replays_pay`` sends long prompts
@@ -496,7 +497,8 @@ def test_the_warm_up_launches_every_moe_config_an_eager_forward_can_take(
     config = lambda tokens, groups: (tokens <= groups, min(tokens // 24, 6))  # noqa: E731
     monkeypatch.setattr(target.model, "moe_config", config)
     monkeypatch.setattr(target.model, "moe_configs_run", set())
-    engine = make_engine(target.model, pages=512, shuffle_seed=None, prefill_chunk=100)   # room for the 50 requests
+    engine = make_engine(target.model, pages=512, shuffle_seed=None, prefill_chunk=100,   # room for the 50 requests
+                         max_context=context)
     engine.prefill_graphs = prompts_replay
     if graphs:
         engine.enable_graphs(capture=False, batch_buckets=batches, node_buckets=nodes)
@@ -516,14 +518,32 @@ def test_the_warm_up_launches_every_moe_config_an_eager_forward_can_take(
     engine.warm_up([0, 4], batches=(1, 50))
     least = min(batches[-1], nodes[-1]) + 1 if prompts_replay else 1
     run = target.model.moe_configs_run
-    assert {config(n, 1) for n in range(least, 101)} <= run
-    assert {config(b * t, b) for b in range(1, 51) for t in range(1, 101)
+    assert {config(n, 1) for n in range(least, min(101, context))} <= run
+    assert {config(b * t, b) for b in range(1, 51) for t in range(1, context - 3)
             if not graphs or engine.graphs.bucket_for(b, t) is None} <= run
     # The other eager prompts end at 32 tokens, then 64 and 32 (max_context // 4): 72-95 and 96-100
     # were missing (where prompts run eagerly, the steps' 50 prompts of 3 tokens share a 99-token
-    # forward). The steps ran 1 and 50 one-node trees, 5 and 250 tokens in chains: 24-47 one-node
-    # trees and 120-143 tokens in chains were missing.
+    # forward, the other 17 a 51-token one); at context 64 none (prompts end at 63). The steps ran 1 and 50 one-node trees, 5 and 250 tokens in
+    # chains: 24-47 one-node trees and 120-143 tokens in chains were missing; at context 64 also
+    # 72-95 tokens, and a chain on a 3-token request has at most 60 nodes.
     assert prompts == extra_prompts and steps == extra_steps
+    assert engine.active_requests == 0 and engine.cache.pages_free == engine.cache.num_pages
+
+
+def test_the_moe_step_sweep_skips_a_step_the_kv_cache_cannot_hold(target: Target,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of more trees than the KV cache holds is skipped (serving cannot meet it either);
+    the others run, and no request or page is left behind."""
+    config = lambda tokens, groups: (tokens <= groups, min(tokens // 24, 2))  # noqa: E731
+    monkeypatch.setattr(target.model, "moe_config", config)
+    monkeypatch.setattr(target.model, "moe_configs_run", set())
+    engine = make_engine(target.model, pages=12, shuffle_seed=None)   # 48 tokens
+    steps: list[tuple[int, int]] = []
+    step = engine._warm_up_step
+    monkeypatch.setattr(engine, "_warm_up_step", lambda rids, n: steps.append((len(rids), n)) or step(rids, n))
+    engine._warm_up_moe_steps(30, most_nodes=60)
+    assert steps == [(1, 1), (1, 2), (1, 24)]   # 24 one-node trees (24 x 5 tokens) and 48 nodes (52) skipped
+    assert target.model.moe_configs_run == {config(1, 1), config(2, 1), config(24, 1)}
     assert engine.active_requests == 0 and engine.cache.pages_free == engine.cache.num_pages
 
 

@@ -7,7 +7,6 @@ accepted path's latent KV into the request's pages. No gRPC here; `server.py` wr
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import Counter
 from collections.abc import Hashable, Sequence
@@ -213,12 +212,14 @@ class VerifierEngine:
     def _warm_up_moe_steps(self, most_batch: int, most_nodes: int = MAX_BUDGET + 1) -> None:
         """A verify step for each fused-MoE config that a step of up to ``most_batch`` trees of up
         to ``most_nodes`` nodes takes where no graph bucket holds it (its bucket's config ran at
-        capture) and no warm-up forward launched it: chains of equal size, the fewest tokens first.
-        A step's config follows its tokens and whether each is its own routing group (one-node
-        trees: the GEMV path at a few); on Hopper at the K2 TP8 dims, steps of 2-5 one-node trees
-        take a config no prompt does. With the default buckets every such step is a replay."""
-        shapes = sorted(itertools.product(range(1, most_batch + 1), range(1, most_nodes + 1)),
-                        key=lambda s: (s[0] * s[1], s[0]))
+        capture) and no warm-up forward launched it: chains of equal size on new 3-token requests,
+        the fewest tokens first among the shapes the context holds. A step's config follows its
+        tokens and whether each is its own routing group (one-node trees: the GEMV path at a few);
+        on Hopper at the K2 TP8 dims, steps of 2-5 one-node trees take a config no prompt does.
+        With the default buckets every such step is a replay. A step the KV cache cannot hold is
+        skipped: serving cannot meet one there either."""
+        shapes = sorted(((b, t) for b in range(1, most_batch + 1) for t in range(1, most_nodes + 1)
+                         if 3 + t < self.max_context), key=lambda s: (s[0] * s[1], s[0]))
         steps: dict[Hashable, tuple[int, int]] = {}   # config: (trees, nodes) of its smallest step
         for b, t in shapes:
             if self.graphs is not None and self.graphs.bucket_for(b, t) is not None:
@@ -226,19 +227,14 @@ class VerifierEngine:
             config = self.model.moe_config(b * t, b)
             if config is not None and config not in self.model.moe_configs_run:
                 steps.setdefault(config, (b, t))
-        if not steps:
-            return
-        rids = [f"__warmup_moe_{i}__" for i in range(max(b for b, _ in steps.values()))]
-        # request i holds its prompt and the chain of each step it takes part in (a step commits at most that)
-        rooms = [4 + sum(t for b, t in steps.values() if i < b) for i in range(len(rids))]
-        self.prefill([PrefillInput(r, [2, 3, 4], Sampling(), reserve_tokens=n) for r, n in zip(rids, rooms)])
-        try:
-            live = list(itertools.takewhile(self._requests.__contains__, rids))   # a KV cache too small: fewer
-            for b, t in steps.values():
-                if b <= len(live) and all(self._requests[r].length + t < self.max_context for r in live[:b]):
-                    self._warm_up_step(live[:b], t)
-        finally:
-            self.release(rids)
+        for b, t in steps.values():
+            rids = [f"__warmup_moe_{i}__" for i in range(b)]
+            try:
+                out = self.prefill([PrefillInput(r, [2, 3, 4], Sampling(), reserve_tokens=4 + t) for r in rids])
+                if all(item.error is None for item in out.items):
+                    self._warm_up_step(rids, t)
+            finally:
+                self.release(rids)
 
     def _warm_up_step(self, rids: Sequence[str], nodes: int) -> None:
         """A verify step of one chain of ``nodes`` nodes a request."""
