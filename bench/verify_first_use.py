@@ -18,7 +18,10 @@ and named:
   bucket's node count with random parents and tokens, twice (``first_ms``, ``second_ms``). Where
   the start-up did not capture a bucket (before ``capture_buckets``), the first call captures it;
 * verify steps of one node a request for 1..``ONE_TOKEN_STEPS`` requests (``one_token_step`` rows,
-  twice), eager where no batch bucket holds them, whose fused-MoE configs differ from a tree's.
+  twice), eager where no batch bucket holds them, whose fused-MoE configs differ from a tree's;
+* with ``--eager-steps N``, N verify steps of random shapes (trees up to the largest warm-up batch,
+  1..129 nodes each) that no graph bucket holds (``eager_step`` rows, twice): a serving step of
+  any size the warm-up left eager.
 
 GPU memory is recorded after the start-up, after the feature layers, after the prefills and after
 the verify steps (``after_verify``, with ``graph_outputs_gb``: the graphs' output buffers as
@@ -39,7 +42,7 @@ captures in one run; the verify calls then cover those buckets). For the slice, 
 rest is the warm-up.
 
 Usage: python -m bench.verify_first_use [--model models/demo | --k2-layers 3] [--graph-batches 1,64]
-       [--graph-nodes 1,129] [--warmup-budgets 0,8] [--out FILE] [--commit SHA]
+       [--graph-nodes 1,129] [--warmup-budgets 0,8] [--eager-steps 24] [--out FILE] [--commit SHA]
 """
 
 from __future__ import annotations
@@ -55,9 +58,9 @@ from bench.empty_triton_cache import kernels_in_cache   # before triton's first 
 import torch
 
 from bench.common import write_result
-from services.common.settings import VerifierSettings
-from services.verifier.engine import PrefillInput, StepOutcome, VerifierEngine
+from services.verifier.engine import WARMUP_BATCHES, PrefillInput, StepOutcome, VerifierEngine
 from services.verifier.graphs import NODE_BUCKETS
+from services.common.settings import MAX_BUDGET, VerifierSettings
 from services.verifier.sampling import Sampling
 from services.verifier.server import build_engine
 
@@ -106,6 +109,18 @@ def random_trees(engine: VerifierEngine, rids: list[str], nodes: int,
     return as_t(tokens), as_t(parents), as_t(depths), torch.full((len(rids),), nodes, dtype=torch.int64)
 
 
+def eager_shapes(engine: VerifierEngine, count: int, most_batch: int, g: torch.Generator) -> list[tuple[int, int]]:
+    """``count`` random (trees, nodes) step shapes that no captured graph bucket holds: what the
+    warm-up's MoE step sweep must have covered for them to compile nothing."""
+    shapes: list[tuple[int, int]] = []
+    while len(shapes) < count:
+        b = int(torch.randint(1, most_batch + 1, (1,), generator=g))
+        t = int(torch.randint(1, MAX_BUDGET + 2, (1,), generator=g))
+        if engine.graphs is None or engine.graphs.bucket_for(b, t) is None:
+            shapes.append((b, t))
+    return shapes
+
+
 def k2_slice_engine(layers: int, settings: VerifierSettings) -> tuple[VerifierEngine, list[int], float]:
     """The K2 per-rank slice as ``build_engine`` would serve it, and feature layers it holds."""
     from bench.k2_slice import K2_CONFIG, TP, build_model, per_rank_config
@@ -135,6 +150,7 @@ def main() -> None:
     p.add_argument("--graph-batches", default=None, help="comma-separated batch buckets (default: the setting's)")
     p.add_argument("--graph-nodes", default=None, help="comma-separated tree-size buckets (default: the setting's)")
     p.add_argument("--warmup-budgets", default=None, help="comma-separated warm-up verify budgets (default: the setting's)")
+    p.add_argument("--eager-steps", type=int, default=0, help="verify steps of random shapes no graph bucket holds")
     args = p.parse_args()
     buckets = {name: tuple(int(x) for x in value.split(",")) for name, value in
                (("graph_batches", args.graph_batches), ("graph_nodes", args.graph_nodes),
@@ -207,7 +223,9 @@ def main() -> None:
     torch.cuda.synchronize()
     rows.append({"row": "after_prefills", **memory()})
     save(False)
-    rids = [f"r{i}" for i in range(max(*batches, ONE_TOKEN_STEPS))]
+    most_batch = max(WARMUP_BATCHES)
+    eager = eager_shapes(engine, args.eager_steps, most_batch, g)
+    rids = [f"r{i}" for i in range(max(*batches, ONE_TOKEN_STEPS, *(b for b, _ in eager)))]
     prompts = [torch.randint(2, engine.vocab_size, (16,), generator=g).tolist() for _ in rids]
     timed(lambda: engine.prefill([PrefillInput(r, pr, Sampling(), reserve_tokens=RESERVE) for r, pr in zip(rids, prompts)]))
     for batch in batches:
@@ -227,6 +245,14 @@ def main() -> None:
             tree = random_trees(engine, rids[:batch], 1, g)
             times.append(timed(lambda: engine.verify(rids[:batch], *tree)))
         rows.append({"row": "one_token_step", "batch": batch, "first_ms": round(times[0][0], 1),
+                     "second_ms": round(times[1][0], 1), "kernels": times[0][1] + times[1][1]})
+        print(rows[-1], flush=True)
+    for batch, nodes in eager:
+        times = []
+        for _ in range(2):
+            tree = random_trees(engine, rids[:batch], nodes, g)
+            times.append(timed(lambda: engine.verify(rids[:batch], *tree)))
+        rows.append({"row": "eager_step", "batch": batch, "nodes": nodes, "first_ms": round(times[0][0], 1),
                      "second_ms": round(times[1][0], 1), "kernels": times[0][1] + times[1][1]})
         print(rows[-1], flush=True)
     save(False)

@@ -30,7 +30,9 @@ from services.verifier.kv_cache import OutOfPages, PagedKVCache
 from services.verifier.model import ForwardBatch, TargetModel
 from services.verifier.sampling import Sampling, posterior_tokens, request_generator
 
-__all__ = ["VerifierEngine", "PrefillInput", "ItemOutcome", "StepOutcome", "tree_shape_error"]
+__all__ = ["VerifierEngine", "PrefillInput", "ItemOutcome", "StepOutcome", "tree_shape_error", "WARMUP_BATCHES"]
+
+WARMUP_BATCHES = (1, 8, 64)   # the warm-up's step batches; its MoE step sweep covers steps up to the largest
 
 
 @dataclass
@@ -114,7 +116,7 @@ class VerifierEngine:
                                    capture=capture, **buckets)
         return self.graphs
 
-    def warm_up(self, budgets: Sequence[int], batches: Sequence[int] = (1, 8, 64)) -> None:
+    def warm_up(self, budgets: Sequence[int], batches: Sequence[int] = WARMUP_BATCHES) -> None:
         """Compile and capture before the first request, not during it: prompts of every length the
         skinny GEMM serves and a few longer (its launches compile by row count, as fused-MoE configs
         do by token count), every CUDA-graph bucket (``VerifyGraphs.capture_buckets``), verify
