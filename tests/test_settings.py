@@ -47,8 +47,8 @@ def test_unknown_key_and_missing_file(tmp_path):
     ("[scheduler]\ndraft_addresses = 5\n", "scheduler.draft_addresses: 5 is not a list"),
     ("[draft]\nwarmup_budgets = 16\n", "draft.warmup_budgets: 16 is not a list"),
     ("[verifier]\ngraph_batches = [1, 2.5]\n", "verifier.graph_batches"),
-    ("[verifier]\ngraph_nodes = [0, 9]\n", "verifier.graph_nodes: must be tree sizes in 1..129"),
-    ("[verifier]\ngraph_nodes = [9, 130]\n", "verifier.graph_nodes: must be tree sizes in 1..129"),
+    ("[verifier]\ngraph_nodes = [0, 9]\n", "verifier.graph_nodes: must be one or more tree sizes in 1..129"),
+    ("[verifier]\ngraph_nodes = [9, 130]\n", "verifier.graph_nodes: must be one or more tree sizes in 1..129"),
     ("[draft]\nwarmup_budgets = [\"8\", \"16\"]\n", "draft.warmup_budgets: ['8', '16'] is not a list of integers"),
     ("[scheduler]\nmax_batch = 1.7\n", "scheduler.max_batch: 1.7 is not an integer"),
     ("[scheduler]\nmax_batch = true\n", "scheduler.max_batch: True is not an integer"),
@@ -64,6 +64,9 @@ def test_unknown_key_and_missing_file(tmp_path):
     ("[scheduler]\nmetrics_port = 70000\n", "scheduler.metrics_port"),
     ("[draft]\nmetrics_port = -5\n", "draft.metrics_port"),
     ("[verifier]\nring_slot_bytes = 0\n", "verifier.ring_slot_bytes"),
+    ("[verifier]\ngraph_batches = []\n", "verifier.graph_batches: must be one or more"),
+    ("[verifier]\ngraph_nodes = []\n", "verifier.graph_nodes: must be one or more"),
+    ("[scheduler]\nspec_backoff_steps = 257\n", "scheduler.spec_backoff_steps: must be in 1..256"),
 ])
 def test_a_config_file_slip_names_the_setting(tmp_path, toml, needle):
     """A value of the wrong shape fails at start-up with the setting's name; before, a scalar where a
@@ -74,6 +77,14 @@ def test_a_config_file_slip_names_the_setting(tmp_path, toml, needle):
     with pytest.raises(SettingsError, match=needle.replace(".", r"\.").replace("[", r"\[")):
         for cls in (SchedulerSettings, DraftSettings, VerifierSettings):
             load_settings(cls, cfg, env={})
+
+
+def test_a_config_file_that_is_not_utf8_names_the_file(tmp_path):
+    """tomllib decodes the file itself: a Latin-1 byte raised a bare UnicodeDecodeError."""
+    cfg = tmp_path / "latin1.toml"
+    cfg.write_bytes(b"[scheduler]\nhost = \"caf\xe9\"\n")
+    with pytest.raises(SettingsError, match=r"config file .*latin1\.toml: not UTF-8 text"):
+        load_settings(SchedulerSettings, cfg, env={})
 
 
 def test_the_shipped_config_still_loads():

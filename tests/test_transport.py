@@ -180,6 +180,15 @@ def test_ring_full_release_and_stale_sequence() -> None:
         assert writer.slots_in_use == 0
         with pytest.raises(ValueError, match="out of range"):
             writer.release([5])
+        d = writer.write({"v": torch.full((4,), 4)})
+        with pytest.raises(ValueError, match="slot 5 out of range"):   # a bad slot releases none of the list
+            writer.release([bundle_slot(d), 5])
+        assert writer.slots_in_use == 1 and torch.equal(reader.read(d)["v"], torch.full((4,), 4))
+        misaligned = common_pb2.TensorBundle()
+        misaligned.CopyFrom(d)
+        misaligned.tensors[0].slot.offset += 1   # int64 elements at an odd byte
+        with pytest.raises(ValueError, match="not a multiple of its 8-byte elements"):
+            reader.read(misaligned)
 
 
 def test_slot_ring_bookkeeping() -> None:

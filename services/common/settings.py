@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 MAX_BUDGET = 128  # the largest tree budget any service accepts (DESIGN.md §5)
+MAX_SPEC_BACKOFF_STEPS = 256  # the longest autoregressive pause of a batch whose drafts are not accepted
 # Sampling temperatures a request may ask for besides 0 (greedy). The logits are divided by it in
 # float32: far below this floor a logit becomes inf and the softmax NaN (and inf or a value past
 # float32's range overflows the other way), which failed every request of the verify step.
@@ -111,7 +112,8 @@ class SchedulerSettings:
         _check(self.max_tokens_limit > 0, "scheduler.max_tokens_limit", "must be > 0")
         _check(self.draft_wait_s > 0, "scheduler.draft_wait_s", "must be > 0 seconds")
         _check(self.spec_min_acceptance >= 0, "scheduler.spec_min_acceptance", "must be >= 0 (0 = never fall back)")
-        _check(self.spec_backoff_steps >= 1, "scheduler.spec_backoff_steps", "must be >= 1")
+        _check(1 <= self.spec_backoff_steps <= MAX_SPEC_BACKOFF_STEPS, "scheduler.spec_backoff_steps",
+               f"must be in 1..{MAX_SPEC_BACKOFF_STEPS} (the longest pause)")
         _check(self.step_timeout_s > 0, "scheduler.step_timeout_s", "must be > 0")
 
 
@@ -201,9 +203,10 @@ class VerifierSettings:
         _check(self.kv_capacity_tokens >= self.page_size, "verifier.kv_capacity_tokens", "must hold one page")
         _check(self.max_context >= 0, "verifier.max_context", "must be >= 0")
         _check(self.prefill_chunk > 0, "verifier.prefill_chunk", "must be > 0")
-        _check(all(b >= 1 for b in self.graph_batches), "verifier.graph_batches", "must be >= 1 each")
-        _check(all(1 <= n <= MAX_BUDGET + 1 for n in self.graph_nodes), "verifier.graph_nodes",
-               f"must be tree sizes in 1..{MAX_BUDGET + 1} (budget + 1) each")
+        _check(bool(self.graph_batches) and all(b >= 1 for b in self.graph_batches), "verifier.graph_batches",
+               "must be one or more batch sizes >= 1")
+        _check(bool(self.graph_nodes) and all(1 <= n <= MAX_BUDGET + 1 for n in self.graph_nodes),
+               "verifier.graph_nodes", f"must be one or more tree sizes in 1..{MAX_BUDGET + 1} (budget + 1)")
         _check(all(0 <= b <= MAX_BUDGET for b in self.warmup_budgets), "verifier.warmup_budgets",
                f"must be budgets in 0..{MAX_BUDGET}")
         _check(all(i >= 0 for i in self.feature_layers), "verifier.feature_layers", "must be layer indices >= 0")
@@ -290,6 +293,8 @@ def load_settings(cls: type[S], path: str | Path | None = None, env: Mapping[str
             raise SettingsError(f"config file {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise SettingsError(f"config file {path}: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise SettingsError(f"config file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         known = sorted(_SECTIONS.values())
         for key, value in doc.items():  # a misspelt table would otherwise be ignored without a word
             if key not in known or not isinstance(value, dict):

@@ -213,11 +213,14 @@ class SlotRing:
             return slot, sequence
 
     def release(self, slots: Iterable[int]) -> None:
-        """Return slots; releasing a free slot is a no-op so a late release after release_all is harmless."""
+        """Return slots; releasing a free slot is a no-op so a late release after release_all is
+        harmless. A slot out of range releases none of them."""
+        slots = list(slots)
+        bad = [s for s in slots if not 0 <= s < self.num_slots]
+        if bad:
+            raise ValueError(f"slot {bad[0]} out of range for a ring of {self.num_slots} slots")
         with self._lock:
             for slot in slots:
-                if not 0 <= slot < self.num_slots:
-                    raise ValueError(f"slot {slot} out of range for a ring of {self.num_slots} slots")
                 if slot in self._in_use:
                     self._in_use.remove(slot)
                     self._free.append(slot)
@@ -327,6 +330,9 @@ class TensorReader:
                     f"tensor {ref.name!r}: slot ref has {ref.slot.nbytes} bytes, shape "
                     f"{list(ref.shape)} of {ref.dtype} needs {expected}"
                 )
+            if ref.slot.offset % dtype.itemsize:   # a device view there fails (RuntimeError); writers align
+                raise ValueError(f"tensor {ref.name!r}: slot offset {ref.slot.offset} is not a multiple of its "
+                                 f"{dtype.itemsize}-byte elements")
             out[ref.name] = self._slot_view(ref, dtype, tuple(ref.shape))
         return out
 

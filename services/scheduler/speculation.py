@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.common.settings import MAX_SPEC_BACKOFF_STEPS
+
 __all__ = ["SpeculationGate"]
 
 
@@ -28,7 +30,7 @@ __all__ = ["SpeculationGate"]
 class SpeculationGate:
     min_acceptance: float          # tokens per DDTree step below which speculation does not pay (0 = always)
     backoff: int = 16              # autoregressive steps after the first failed window
-    max_backoff: int = 256
+    max_backoff: int = MAX_SPEC_BACKOFF_STEPS
     window: int = 4                # DDTree steps averaged before deciding
     _recent: deque = field(default_factory=deque)
     _ar_left: int = 0

@@ -291,6 +291,8 @@ class VerifierEngine:
         """A later piece of a prompt: it follows what the cache holds, its tokens are in the
         vocabulary, and the prompt so far fits the KV its first piece reserved (``cache.write``
         would refuse it after the forward)."""
+        if req is not None and req.owner != item.owner:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"request {item.request_id} is not this draft stream's")
         if req is None or not req.prefilling or req.length != item.offset:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"request {item.request_id}: a prompt piece at {item.offset} does not follow what the "
@@ -476,10 +478,11 @@ class VerifierEngine:
 
     # ---- verify -------------------------------------------------------------------------------
     def verify(self, request_ids: Sequence[str], tokens: torch.Tensor, parents: torch.Tensor,
-               depths: torch.Tensor, sizes: torch.Tensor) -> StepOutcome:
+               depths: torch.Tensor, sizes: torch.Tensor, owner: str | None = None) -> StepOutcome:
         """One target forward over every node of every tree; accept; commit accepted paths.
 
         tokens/parents/depths: [N] flat, request r owning the next sizes[r] entries (root first).
+        owner: the draft stream calling (None: any); a tree for another's request fails alone.
         """
         # Trees are a few hundred ints: check and walk them on the host, as numpy arrays and lists
         # (one copy each, not a device sync per check per request when they arrive on the GPU).
@@ -489,7 +492,7 @@ class VerifierEngine:
         tok, par, dep = (_host_int64(t) for t in (tokens, parents, depths))
         sizes_l = [int(s) for s in sizes.tolist()]
         outcomes: list[ItemOutcome] = [ItemOutcome(rid) for rid in request_ids]
-        errors = self._check_trees(request_ids, tok, par, dep, sizes_l)
+        errors = self._check_trees(request_ids, tok, par, dep, sizes_l, owner)
         live = [i for i, err in enumerate(errors) if err is None]
         for i, err in enumerate(errors):
             outcomes[i].error = err
@@ -536,23 +539,24 @@ class VerifierEngine:
         return StepOutcome(outcomes, self.cat_features([out.features[rows]]))
 
     def _check_trees(self, request_ids: Sequence[str], tok: np.ndarray, par: np.ndarray, dep: np.ndarray,
-                     sizes: Sequence[int]) -> list[ServiceError | None]:
-        """Why each tree would corrupt state, or None: unknown or repeated request, wrong root, bad
-        shape, tokens or positions out of range, no room in the cache. The node checks run over the
+                     sizes: Sequence[int], owner: str | None = None) -> list[ServiceError | None]:
+        """Why each tree would corrupt state, or None: unknown, repeated or another stream's request,
+        wrong root, bad shape, more nodes than a budget allows, tokens or positions out of range, no
+        room in the cache. The node checks run over the
         whole batch at once; a bad tree fails its own request only."""
         R = len(sizes)
         sizes_a = np.asarray(sizes, dtype=np.int64)
         starts = np.cumsum(sizes_a) - sizes_a                                     # [R]
-        owner = np.repeat(np.arange(R), sizes_a)                                  # [N] tree of each node
-        local = np.arange(tok.size) - starts[owner]                               # [N] node index in its tree
+        tree_of = np.repeat(np.arange(R), sizes_a)                                # [N] tree of each node
+        local = np.arange(tok.size) - starts[tree_of]                             # [N] node index in its tree
         child = local > 0
         bad_parent = child & ((par < 0) | (par >= local))
-        parent_at = np.minimum(starts[owner] + np.clip(par, 0, None), max(tok.size - 1, 0))
+        parent_at = starts[tree_of] + np.where(bad_parent | ~child, 0, par)      # [N] in range: no overflow
         bad_depth = child & (dep != dep[parent_at] + 1)
         bad_token = (tok < 0) | (tok >= self.vocab_size)
 
         def per_tree(bad: np.ndarray) -> list[bool]:
-            return (np.bincount(owner[bad], minlength=R) > 0).tolist()
+            return (np.bincount(tree_of[bad], minlength=R) > 0).tolist()
 
         bad_parent_r, bad_depth_r, bad_token_r = per_tree(bad_parent), per_tree(bad_depth), per_tree(bad_token)
         seen = Counter(request_ids)
@@ -565,8 +569,13 @@ class VerifierEngine:
             elif req is None or req.prefilling:
                 err = ServiceError(grpc.StatusCode.NOT_FOUND if req is None else grpc.StatusCode.FAILED_PRECONDITION,
                                    f"request {rid} is not prefilled on this verifier")
+            elif owner is not None and req.owner != owner:   # a stale stream must not advance another's request
+                err = ServiceError(grpc.StatusCode.NOT_FOUND, f"request {rid} is not this draft stream's")
             elif n < 1:
                 err = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: empty tree")
+            elif n > MAX_BUDGET + 1:
+                err = ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"request {rid}: tree of {n} nodes; at most {MAX_BUDGET + 1} (budget {MAX_BUDGET} + root)")
             elif int(tok[s]) != req.pending or int(par[s]) != -1 or int(dep[s]) != 0:
                 err = ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"request {rid}: tree root must be the pending token {req.pending} at depth 0")
@@ -677,6 +686,10 @@ def tree_shape_error(num_trees: int, tokens: torch.Tensor, parents: torch.Tensor
         return ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"tree tensors hold {tokens.shape[0]} nodes in {len(sizes_l)} trees; "
                             f"expected {num_trees} trees summing to the node count")
+    if tokens.shape[0] > num_trees * (MAX_BUDGET + 1):   # a bigger bundle is refused before its walk
+        return ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"tree tensors hold {tokens.shape[0]} nodes in {num_trees} trees; a tree has at most "
+                            f"{MAX_BUDGET + 1} (budget {MAX_BUDGET} + root)")
     return None
 
 

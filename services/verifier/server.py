@@ -31,7 +31,8 @@ from services.common.grpc_server import ServiceError, check_port_free, host_port
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import SettingsError, VerifierSettings
-from services.common.transport import TensorReader, TensorWriter, bundle_slot, make_reader, make_writer
+from services.common.transport import (InlineWriter, RingFull, TensorReader, TensorWriter, bundle_slot, make_reader,
+                                       make_writer)
 from services.verifier.engine import ItemOutcome, PrefillInput, StepOutcome, VerifierEngine
 from services.verifier.kv_cache import PagedKVCache
 from services.verifier.model import TargetModel
@@ -51,7 +52,8 @@ TREE_FIELDS = ("tokens", "parents", "depths", "sizes")   # a verify step's tree 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> Sampling:
     """The seed is fixed here, on rank 0, so that every tensor-parallel rank draws the same tokens."""
     seed = msg.seed if msg.HasField("seed") else secrets.randbits(62)
-    return Sampling(temperature=msg.temperature, top_p=msg.top_p if msg.top_p > 0 else 1.0,
+    # proto3's 0 is "not set": nucleus off. A negative or NaN top_p is a caller's error, refused.
+    return Sampling(temperature=msg.temperature, top_p=msg.top_p if msg.top_p != 0 else 1.0,
                     top_k=msg.top_k, seed=seed)
 
 
@@ -83,12 +85,20 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._engine_lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._handshakes = itertools.count(1)
+        self._handshake_lock = asyncio.Lock()
         self._group_stopped = False   # the workers were sent their stop (`stop_group`)
         self._cleanups: set[asyncio.Future] = set()   # stream clean-ups running past their handler
         self.verifier_id = f"verifier-{uuid.uuid4().hex[:12]}"
 
     async def Handshake(self, request: verifier_pb2.HandshakeRequest,
                         context: grpc.aio.ServicerContext) -> verifier_pb2.HandshakeResponse:
+        # One at a time: a handshake checks the connected drafts' feature layers, then awaits the
+        # engine's switch to its own, then registers; two side by side would both pass the check.
+        async with self._handshake_lock:
+            return await self._handshake(request, context)
+
+    async def _handshake(self, request: verifier_pb2.HandshakeRequest,
+                         context: grpc.aio.ServicerContext) -> verifier_pb2.HandshakeResponse:
         cfg = self.engine.model.config
         if request.hidden_size != cfg.hidden_size or request.vocab_size != cfg.vocab_size:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -296,7 +306,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"draft {peer.draft_id}: this stream's handshake is no longer current; hand-shake again")
         t0 = time.perf_counter()
-        peer.writer.release(req.released_slots)
+        try:
+            peer.writer.release(req.released_slots)
+        except ValueError as exc:   # a draft that names slots our ring does not have is out of step with it
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"draft {peer.draft_id}: released_slots: {exc}") from None
         if req.release:
             self.group.call("release", list(req.release), peer.owner)
         inputs, rejected = [], {}   # rejected: by position in req.prefills (an id may come twice)
@@ -329,7 +342,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         features = self.engine.cat_features(parts)
         t_write = time.perf_counter()
         before = peer.writer.inline_fallbacks
-        bundle = peer.writer.write({"features": features})
+        try:
+            bundle = peer.writer.write({"features": features})
+        except RingFull:   # the draft holds every slot: the step is committed, its features must still reach it
+            log.warning("ring_full", draft_id=peer.draft_id, slots=peer.writer.num_slots)
+            bundle = InlineWriter().write({"features": features})
+            peer.writer.inline_fallbacks += 1
         if peer.writer.inline_fallbacks != before:
             self.metrics.ring_inline_fallbacks.inc()
         if features.shape[0]:
@@ -358,7 +376,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             if self.settings.tp > 1:   # the call is pickled to the workers: a ring view would take its whole ring
                 args = [t.to("cpu", copy=True) for t in args]
             try:   # the engine checks the trees' shapes before any collective, on every rank alike
-                return self.group.call("verify", ids, *args)
+                return self.group.call("verify", ids, *args, peer.owner)
             except ServiceError as exc:
                 error = exc
         log.warning("verify_refused", draft_id=peer.draft_id, requests=len(ids), error=error.message)

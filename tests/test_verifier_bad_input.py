@@ -1,0 +1,247 @@
+"""A draft stream that sends the verifier what it must not: each gets a clear status, fails only
+what it names, and the stream and the other requests go on.
+
+The verifier's servicer and engine run in this process on a tiny random target (CPU), behind a real
+gRPC server; the tests speak its wire protocol directly, as a draft would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from services.common.make_checkpoint import make_random_checkpoint
+from services.common.grpc_server import ServiceError
+from services.common.metrics import Metrics
+from services.common.settings import MAX_BUDGET, VerifierSettings
+from services.common.transport import InlineReader, InlineWriter, make_writer
+from services.verifier.parallel import TensorParallel
+from services.verifier.ranks import EngineGroup
+from services.verifier.server import VerifierServicer, _Peer, build_engine
+
+CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Iterator[Path]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield make_random_checkpoint(tmp_path_factory.mktemp("bad-input") / "ckpt", vocab_size=512, seed=0)
+    torch.set_num_threads(threads)
+
+
+def servicer(ckpt: Path, **overrides) -> VerifierServicer:
+    settings = VerifierSettings(model_path=str(ckpt), kv_capacity_tokens=4096, max_context=1024,
+                                ring_slot_bytes=1 << 20, ring_slots=4, **overrides)
+    engine = build_engine(settings, TensorParallel(0, 1))
+    return VerifierServicer(EngineGroup(engine, TensorParallel(0, 1)), settings, Metrics("verifier"))
+
+
+def hello(ckpt: Path, draft_id: str, layers: list[int] | None = None) -> verifier_pb2.HandshakeRequest:
+    drafter = json.loads((ckpt / "drafter" / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    cfg = json.loads((ckpt / "config.json").read_text())
+    return verifier_pb2.HandshakeRequest(draft_id=draft_id, feature_layer_ids=drafter if layers is None else layers,
+                                         hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"],
+                                         transports=["inline"])
+
+
+@contextlib.contextmanager
+def shm_peer(svc: VerifierServicer, ckpt: Path, slots: int) -> Iterator[_Peer]:
+    """A draft as a handshake would register it, its features through an shm ring of ``slots``."""
+    svc.engine.set_feature_layers(list(hello(ckpt, "d1").feature_layer_ids))
+    writer = make_writer("shm", slot_bytes=1 << 20, num_slots=slots, name_prefix="ddt-test")
+    peer = svc._peers["d1"] = _Peer("d1", writer, InlineReader(), owner="d1#1")
+    try:
+        yield peer
+    finally:
+        writer.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(svc: VerifierServicer) -> AsyncIterator[verifier_pb2_grpc.VerifierStub]:
+    server = grpc.aio.server()
+    verifier_pb2_grpc.add_VerifierServicer_to_server(svc, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield verifier_pb2_grpc.VerifierStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+def prefill(seq: int, *rids: str, **sampling) -> verifier_pb2.VerifyRequest:
+    return verifier_pb2.VerifyRequest(sequence=seq, prefills=[
+        verifier_pb2.PrefillItem(request_id=r, token_ids=[5, 6, 7], reserve_tokens=256,
+                                 sampling=common_pb2.SamplingParams(**sampling)) for r in rids])
+
+
+def verify(seq: int, trees: list[tuple[str, list[int], list[int], list[int]]]) -> verifier_pb2.VerifyRequest:
+    """One step's trees: (request, tokens, parents, depths) each."""
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    bundle = {"tokens": t([x for _, tok, _, _ in trees for x in tok]),
+              "parents": t([x for _, _, par, _ in trees for x in par]),
+              "depths": t([x for _, _, _, dep in trees for x in dep]),
+              "sizes": t([len(tok) for _, tok, _, _ in trees])}
+    return verifier_pb2.VerifyRequest(sequence=seq, verify_ids=[r for r, *_ in trees], trees=InlineWriter().write(bundle))
+
+
+def chain(root: int, nodes: int) -> tuple[list[int], list[int], list[int]]:
+    return [root] + [9] * (nodes - 1), list(range(-1, nodes - 1)), list(range(nodes))
+
+
+async def roots(stream, seq: int, *rids: str) -> dict[str, int]:
+    """Prefills `rids`; their pending tokens."""
+    await stream.write(prefill(seq, *rids))
+    resp = await stream.read()
+    assert [p.error_code for p in resp.prefills] == [0] * len(rids), resp
+    return {p.request_id: p.token_ids[-1] for p in resp.prefills}
+
+
+def outcome(resp: verifier_pb2.VerifyResponse) -> dict[str, tuple[grpc.StatusCode, str]]:
+    return {v.request_id: (CODES[v.error_code], v.error_message) for v in resp.verifies}
+
+
+def test_a_malformed_tree_fails_alone_and_the_stream_goes_on(ckpt):
+    """A parent index near 2**63 overflowed the tree check's index arithmetic (an IndexError that
+    ended the stream and freed every request of the draft); a tree over the largest budget ran
+    eagerly at any size. Each now fails its own request; the tree beside it commits."""
+    async def run():
+        svc = servicer(ckpt)
+        async with serving(svc) as stub:
+            await stub.Handshake(hello(ckpt, "d1"))
+            stream = stub.VerifyStream(metadata=(("draft-id", "d1"),))
+            pending = await roots(stream, 1, "a", "b")
+            tok, par, dep = chain(pending["b"], 2)
+            await stream.write(verify(2, [("a", *chain(pending["a"], 3)), ("b", tok, [-1, 2**63 - 1], dep)]))
+            huge_parent = outcome(await stream.read())
+            pending["a"] = svc.engine._requests["a"].pending
+            big = MAX_BUDGET + 2
+            await stream.write(verify(3, [("a", *chain(pending["a"], 2)), ("b", *chain(pending["b"], big))]))
+            too_big = outcome(await stream.read())
+            lengths = {r: svc.engine._requests[r].length for r in ("a", "b")}
+            return huge_parent, too_big, lengths
+    huge_parent, too_big, lengths = asyncio.run(run())
+    assert huge_parent["a"][0] == grpc.StatusCode.OK
+    assert huge_parent["b"] == (grpc.StatusCode.INVALID_ARGUMENT, "request b: parents must precede their children")
+    assert too_big["a"][0] == grpc.StatusCode.OK
+    assert too_big["b"][0] == grpc.StatusCode.INVALID_ARGUMENT and f"tree of {MAX_BUDGET + 2} nodes" in too_big["b"][1]
+    assert lengths["b"] == 3 and lengths["a"] >= 5   # b's prompt only; a committed its root both steps
+
+
+def test_a_bundle_of_more_nodes_than_its_trees_may_hold_is_refused_before_its_walk(ckpt):
+    async def run():
+        svc = servicer(ckpt)
+        async with serving(svc) as stub:
+            await stub.Handshake(hello(ckpt, "d1"))
+            stream = stub.VerifyStream(metadata=(("draft-id", "d1"),))
+            pending = await roots(stream, 1, "a")
+            await stream.write(verify(2, [("a", *chain(pending["a"], 10 * MAX_BUDGET))]))
+            refused = outcome(await stream.read())
+            await stream.write(verify(3, [("a", *chain(pending["a"], 2))]))
+            return refused, outcome(await stream.read())
+    refused, after = asyncio.run(run())
+    assert refused["a"][0] == grpc.StatusCode.INVALID_ARGUMENT and "a tree has at most" in refused["a"][1]
+    assert after["a"][0] == grpc.StatusCode.OK
+
+
+def test_a_request_of_another_draft_stream_is_not_found_there(ckpt):
+    """Releases were scoped to the draft that admitted a request; its trees and prompt pieces were
+    not, so a stale stream could advance a request another draft now holds."""
+    async def run():
+        svc = servicer(ckpt)
+        async with serving(svc) as stub:
+            await stub.Handshake(hello(ckpt, "d1"))
+            await stub.Handshake(hello(ckpt, "d2"))
+            mine = stub.VerifyStream(metadata=(("draft-id", "d1"),))
+            other = stub.VerifyStream(metadata=(("draft-id", "d2"),))
+            pending = await roots(mine, 1, "a")
+            await other.write(verify(1, [("a", *chain(pending["a"], 2))]))
+            tree = outcome(await other.read())
+            await other.write(verifier_pb2.VerifyRequest(sequence=2, prefills=[verifier_pb2.PrefillItem(
+                request_id="a", token_ids=[8], reserve_tokens=256, prompt_offset=3)]))
+            (piece,) = (await other.read()).prefills
+            await mine.write(verify(2, [("a", *chain(pending["a"], 2))]))
+            return tree, (CODES[piece.error_code], piece.error_message), outcome(await mine.read())
+    tree, piece, own = asyncio.run(run())
+    assert tree["a"] == (grpc.StatusCode.NOT_FOUND, "request a is not this draft stream's")
+    assert piece == (grpc.StatusCode.NOT_FOUND, "request a is not this draft stream's")
+    assert own["a"][0] == grpc.StatusCode.OK
+
+
+def test_a_negative_top_p_is_refused_not_read_as_unset(ckpt):
+    """proto3's 0 means "not set" (nucleus off); -0.5 was read the same way."""
+    async def run():
+        async with serving(servicer(ckpt)) as stub:
+            await stub.Handshake(hello(ckpt, "d1"))
+            stream = stub.VerifyStream(metadata=(("draft-id", "d1"),))
+            await stream.write(verifier_pb2.VerifyRequest(sequence=1, prefills=[
+                verifier_pb2.PrefillItem(request_id=r, token_ids=[5, 6], reserve_tokens=64,
+                                         sampling=common_pb2.SamplingParams(temperature=1.0, top_p=p))
+                for r, p in (("neg", -0.5), ("nan", float("nan")), ("unset", 0.0))]))
+            return {p.request_id: (CODES[p.error_code], p.error_message) for p in (await stream.read()).prefills}
+    got = asyncio.run(run())
+    for rid in ("neg", "nan"):
+        assert got[rid][0] == grpc.StatusCode.INVALID_ARGUMENT and "top_p must be in (0, 1]" in got[rid][1]
+    assert got["unset"][0] == grpc.StatusCode.OK
+
+
+def test_released_slots_outside_the_ring_are_invalid_argument_and_release_nothing(ckpt):
+    """It raised a ValueError out of the step: the stream ended as an internal error. A
+    ServiceError from the step ends the stream with its own status (the draft hand-shakes again)."""
+    svc = servicer(ckpt)
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        features = svc._step(peer, prefill(1, "a")).features.tensors[0]
+        assert features.WhichOneof("payload") == "slot"
+        with pytest.raises(ServiceError) as refused:
+            svc._step(peer, verifier_pb2.VerifyRequest(sequence=2, released_slots=[features.slot.slot, 7]))
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "released_slots: slot 7 out of range for a ring of 4 slots" in refused.value.message
+        assert peer.writer.slots_in_use == 1
+
+
+def test_features_go_inline_when_the_draft_holds_every_slot(ckpt):
+    """The step is committed before its features are written: a full ring (a draft that does not
+    release its slots) raised out of the step and lost the accepted tokens with the stream."""
+    svc = servicer(ckpt)
+    with shm_peer(svc, ckpt, slots=2) as peer:
+        kinds = []
+        for seq, rid in enumerate(("a", "b", "c"), start=1):
+            resp = svc._step(peer, prefill(seq, rid))
+            assert resp.prefills[0].error_code == 0
+            features = resp.features.tensors[0]
+            assert list(features.shape) == [3, svc.engine._feature_width]
+            kinds.append(features.WhichOneof("payload"))
+        assert kinds == ["slot", "slot", "inline_data"] and peer.writer.inline_fallbacks == 1
+        assert svc.metrics.ring_inline_fallbacks._value.get() == 1
+
+
+def test_two_handshakes_of_other_feature_layers_at_once_cannot_both_pass(ckpt):
+    """Each checked the connected drafts' layers, then awaited the engine's switch to its own, then
+    registered: side by side, both passed, and the first draft got the second's features."""
+    async def run():
+        svc = servicer(ckpt)
+        switch = svc.engine.set_feature_layers
+
+        def slow_switch(layers):   # as a GPU's graph recapture takes: the second handshake arrives meanwhile
+            time.sleep(0.3)
+            switch(layers)
+        svc.engine.set_feature_layers = slow_switch
+        async with serving(svc) as stub:
+            calls = [stub.Handshake(hello(ckpt, "d1", [0, 1])), stub.Handshake(hello(ckpt, "d2", [1]))]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            return results, {p.draft_id: p.feature_layers for p in svc._peers.values()}, svc.engine.feature_layers
+    results, peers, engine_layers = asyncio.run(run())
+    refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    assert len(refused) == 1 and refused[0].code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert len(peers) == 1 and list(peers.values()) == [engine_layers]
