@@ -13,6 +13,12 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 .PHONY: install test up protos clean
 
 $(VENV)/.installed: pyproject.toml
+	@# pyproject.toml's requires-python, checked before minutes of installs end in pip's refusal; a
+	@# .venv of an older Python is not reused (venv keeps its interpreter).
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+	  echo "ddtree-serve needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1). Run with PYTHON=python3.11 (or newer)." >&2; exit 1; }
+	@if [ -x $(PY) ] && ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+	  echo "$(VENV) holds $$($(PY) -V 2>&1); remove it (make clean) and run again." >&2; exit 1; fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@# Without a GPU take the CPU build of torch first, so the project's torch requirement is met

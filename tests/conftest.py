@@ -18,3 +18,5 @@ _ROOT = Path(__file__).resolve().parent.parent
 for p in (_ROOT, _ROOT / "protos"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
+
+from ci_skips import pytest_runtest_logreport, pytest_sessionfinish, pytest_terminal_summary  # noqa: E402,F401

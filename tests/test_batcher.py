@@ -213,18 +213,24 @@ class SlowDraft:
 
 
 class Stub:
-    """A replica's model info as the router probes it; ``down``: the probe fails."""
+    """A replica's model info as the router probes it; ``down``: the probe fails; ``silent``: it
+    waits out its deadline (a host that does not answer)."""
 
-    def __init__(self, verifier_id: str, down: bool = False) -> None:
+    def __init__(self, verifier_id: str, down: bool = False, capacity: int = 10_000, silent: bool = False) -> None:
         self.verifier_id = verifier_id
         self.down = down
+        self.capacity = capacity
+        self.silent = silent
 
     async def GetModelInfo(self, request, wait_for_ready=True, timeout=None):
         import grpc
 
+        if self.silent:
+            await asyncio.sleep(timeout)
+            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), "")
         if self.down:
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down")
-        return common_pb2.ModelInfo(verifier_id=self.verifier_id, kv_capacity_tokens=10_000)
+        return common_pb2.ModelInfo(verifier_id=self.verifier_id, kv_capacity_tokens=self.capacity)
 
 
 class Draft(SlowDraft):
@@ -457,6 +463,66 @@ def test_a_lane_follows_its_replicas_verifier_to_that_groups_kv_budget() -> None
     old, new, other, owed = asyncio.run(scenario())
     assert new is other and new is not old and new.verifier_id == "v2"
     assert owed == 500 and old.reserved == 0 and new.reserved == 0
+
+
+def test_a_queue_whose_verifier_came_back_smaller_refuses_what_no_longer_fits() -> None:
+    """The verifier restarts with a smaller KV cache and its replicas stay up: a queued request
+    larger than the new cache sat at the head of the queue for good, and every request behind it.
+    It goes to a replica whose cache holds it, else fails RESOURCE_EXHAUSTED; the rest run."""
+    import grpc
+
+    from services.scheduler.router import Router
+
+    async def scenario(other_holds: bool):
+        router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+        old = router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000))
+        small = StepLoop(SchedulerSettings(), "small", Draft("v1"), Limits(64, 4096, 16, (0,), 10_000), old,
+                         router.metrics)
+        big_budget = router._budget(common_pb2.ModelInfo(verifier_id="big", kv_capacity_tokens=10_000))
+        other = StepLoop(SchedulerSettings(), "other", Draft("big"), Limits(64, 4096, 16, (0,), 10_000), big_budget,
+                         router.metrics)
+        router.lanes += [small] + ([other] if other_holds else [])
+        running = request("running", 10, kv=6000)
+        small.waiting.append(running)
+        small._schedule()                         # holds 6000 of v1's 10000
+        big, after = request("big", 10, kv=6000), request("after", 10, kv=100)
+        small.waiting += [big, after]
+        small.draft.stub.verifier_id, small.draft.stub.capacity = "v2", 5000   # restarted with 5000
+        await router._follow_verifiers()
+        small._schedule()
+        return ([r.request_id for r in small.waiting], [r.request_id for r in small.running.values()], big.error,
+                [r.request_id for r in other.waiting])
+
+    waiting, running, error, moved = asyncio.run(scenario(other_holds=False))
+    assert waiting == [] and "after" in running and running[0] == "running"
+    assert error is not None and error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "the cache holds 5000" in error.message
+    waiting, running, error, moved = asyncio.run(scenario(other_holds=True))
+    assert error is None and moved == ["big"] and waiting == [] and "after" in running
+
+
+def test_start_up_serves_once_one_replica_answers_not_after_the_silent_ones_time_out(monkeypatch) -> None:
+    """``Router.start`` gathered every probe: one configured replica that did not answer held the
+    scheduler's start for the whole ``draft_wait_s``. The silent one is brought in by the watcher."""
+    import time
+
+    from services.scheduler import router as router_module
+
+    stubs = {"127.0.0.1:1": Stub("v1"), "127.0.0.1:2": Stub("v1", silent=True)}
+
+    async def scenario():
+        router = router_module.Router(SchedulerSettings(tokenizer_path="", draft_addresses=tuple(stubs)),
+                                      Metrics("scheduler-test"))
+        monkeypatch.setattr(router, "_stub", lambda address: stubs[address])
+        t0 = time.monotonic()
+        info = await router.start(timeout_s=30.0)
+        took = time.monotonic() - t0
+        up = {lane.address: lane.healthy for lane in router.lanes}
+        await router.stop()
+        return info, took, up
+
+    info, took, up = asyncio.run(scenario())
+    assert info.verifier_id == "v1" and took < 5.0, took
+    assert up == {"127.0.0.1:1": True, "127.0.0.1:2": False}
 
 
 def test_a_lone_replica_marked_down_keeps_its_queue_if_it_answers_again() -> None:

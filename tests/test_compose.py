@@ -46,6 +46,21 @@ def test_services_and_commands_match_the_launcher(compose):
         assert devices[0]["capabilities"] == ["gpu"]
 
 
+def test_the_bearer_token_reaches_the_scheduler_alone(compose):
+    services = compose["services"]
+    assert services["scheduler"]["environment"]["DDTREE_SCHEDULER_AUTH_TOKEN"] == "${DDTREE_AUTH_TOKEN:-}"
+    assert not any("AUTH_TOKEN" in key for name in ("draft", "verifier") for key in services[name]["environment"])
+
+
+def test_the_build_context_leaves_out_what_the_image_does_not_copy():
+    """The context is the repository: without a .dockerignore every build sent the virtualenv
+    (gigabytes) and the git history to the daemon."""
+    ignored = {line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")}
+    assert {".git", ".venv", "models/random"} <= ignored
+    copied = re.findall(r"^COPY (\S+)", (ROOT / "compose" / "Dockerfile").read_text(), flags=re.M)
+    assert copied and not any(c.split("/")[0] in ignored for c in copied)
+
+
 def test_gpu_services_keep_compiled_kernels_in_a_named_volume(compose):
     """The Triton cache outlives containers, so a restart or a new draft replica loads the
     kernels it would otherwise compile for tens of seconds at start-up."""

@@ -355,6 +355,18 @@ def test_limits_take_every_eos_id_and_an_older_drafts_single_one() -> None:
     assert limits_from_info(common_pb2.ModelInfo(eos_token_id=-1)).eos_token_ids == ()
 
 
+def test_the_sdk_pings_an_open_call_as_the_servers_accept() -> None:
+    """A call with no deadline to a scheduler whose host vanished (no FIN) waited for good; the
+    client now pings while a call is open, at the interval the servers' policy takes."""
+    from services.common.grpc_server import keepalive_options
+    from services.scheduler.client import _channel_args
+    server = dict(keepalive_options())
+    options = dict(_channel_args(None, None, None)[1])
+    assert options["grpc.keepalive_time_ms"] == server["grpc.keepalive_time_ms"]
+    assert options["grpc.keepalive_time_ms"] >= server["grpc.http2.min_ping_interval_without_data_ms"]
+    assert options["grpc.keepalive_timeout_ms"] == options["grpc.http2.ping_timeout_ms"] == server["grpc.keepalive_timeout_ms"]
+
+
 def test_the_sdk_reaches_a_restarted_server_within_a_second() -> None:
     """gRPC's default reconnect back-off grows towards two minutes: after a scheduler restart a
     long-lived client failed UNAVAILABLE for seconds after the server was back."""

@@ -199,6 +199,14 @@ def _timeout(value: object) -> float | None:
 _PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
 
 
+# Pings while a call is open, so that a call to a scheduler whose host vanished without closing
+# the connection (a crash, a cut network: no FIN) ends UNAVAILABLE within about 30 s; without them
+# a call with no deadline waited for good. The scheduler's servers take pings this often
+# (`services.common.grpc_server.keepalive_options`); kept here so the SDK imports only grpc.
+_KEEPALIVE = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+              ("grpc.http2.ping_timeout_ms", 10_000)]
+
+
 def _channel_args(tls_ca: str | bytes | None, token: str | None,
                   tls_server_name: str | None) -> tuple[grpc.ChannelCredentials | None, list]:
     """TLS credentials (a CA file path or PEM bytes; b"" trusts the system roots), the bearer
@@ -211,7 +219,7 @@ def _channel_args(tls_ca: str | bytes | None, token: str | None,
     here by name: gRPC takes it and fails every call's handshake with an error naming nothing. So
     is `tls_server_name` without `tls_ca`, which a plaintext channel would silently ignore."""
     creds = None
-    options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
+    options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000), *_KEEPALIVE]
     if tls_server_name and tls_ca is None:
         raise ClientError(grpc.StatusCode.INVALID_ARGUMENT,
                           f"tls_server_name ({tls_server_name!r}) needs tls_ca: without it the channel is "

@@ -28,6 +28,7 @@ log = get_logger("scheduler")
 
 PROBE_INTERVAL_S = 0.5
 DISCOVERY_EVERY = 10   # probe rounds between DNS look-ups for new replicas
+START_GRACE_S = 1.0    # at start-up, how long the other replicas may answer after the first
 
 
 def discover(entries: tuple[str, ...] | list[str]) -> list[str]:
@@ -78,14 +79,25 @@ class Router:
         metrics.running.set_function(lambda: sum(len(lane.running) for lane in list(self.lanes)))
 
     async def start(self, timeout_s: float = 120.0) -> common_pb2.ModelInfo:
-        """Connects to every configured replica; needs at least one to answer within `timeout_s`."""
+        """Connects to every configured replica; needs one to answer within `timeout_s`. Serves
+        from the first answer (and those within `START_GRACE_S` of it): waiting for every probe held
+        the whole start-up for `timeout_s` behind one dead replica, which the watcher brings in
+        once it answers."""
         addresses = await resolve(self.settings.draft_addresses)
         if not addresses:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "scheduler.draft_addresses: no address to try "
                                f"(no dns: name resolved): {list(self.settings.draft_addresses)}")
         stubs = [self._stub(a) for a in addresses]
         errors: list[str] = []
-        infos = await asyncio.gather(*(self._probe(s, timeout_s, a, errors) for s, a in zip(stubs, addresses)))
+        probes = [asyncio.ensure_future(self._probe(s, timeout_s, a, errors)) for s, a in zip(stubs, addresses)]
+        pending: set[asyncio.Future] = set(probes)
+        while pending and not any(p.done() and p.result() is not None for p in probes):
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=START_GRACE_S)
+        for probe in pending:
+            probe.cancel()
+        infos = [p.result() if p.done() and not p.cancelled() else None for p in probes]
         live = [i for i in infos if i is not None]
         if not live:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
@@ -233,6 +245,22 @@ class Router:
             if info is not None and info.verifier_id and info.verifier_id != lane.kv.verifier_id:
                 lane.kv = self._budget(info)
                 log.info("draft_replica_verifier_changed", address=lane.address, verifier_id=info.verifier_id)
+                # A group that came back smaller: what its queue holds that no longer fits would
+                # wait at the head of the queue for good, and every request behind it too.
+                self._refuse_unfitting(lane, [x for x in self.lanes if x.healthy and x is not lane])
+
+    @staticmethod
+    def _refuse_unfitting(lane: StepLoop, others: list[StepLoop]) -> None:
+        """The lane's queued requests its KV cannot hold go to another replica that can, or fail."""
+        for req in [r for r in lane.waiting if not lane.holds(r)]:
+            lane.waiting.remove(req)
+            fits = [x for x in others if x.holds(req)]
+            if fits:
+                min(fits, key=lambda x: x.load).submit(req)
+            else:
+                lane.fail_unstarted(req, ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                      f"request needs {req.kv_tokens} KV tokens; the cache holds "
+                                                      f"{lane.kv.capacity}"))
 
     async def _recover(self, lane: StepLoop, live: list[StepLoop]) -> None:
         """A down replica: its queued work goes to another where it fits, then a probe; an answer
@@ -250,11 +278,7 @@ class Router:
                 lane.fail_unstarted(req, ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica that can hold it is up"))
             return
         lane.kv = self._budget(info)
-        for req in [r for r in lane.waiting if not lane.holds(r)]:
-            lane.waiting.remove(req)
-            lane.fail_unstarted(req, ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                  f"request needs {req.kv_tokens} KV tokens; the cache holds "
-                                                  f"{lane.kv.capacity}"))
+        self._refuse_unfitting(lane, [])   # what another replica could take has gone there already
         lane.mark_healthy()
         log.info("draft_replica_rejoined", address=lane.address)
 
