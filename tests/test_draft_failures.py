@@ -212,6 +212,36 @@ def test_a_request_named_twice_in_a_step_fails_alone(ckpt):
     assert twice == [("b", "OK"), ("a", "INVALID_ARGUMENT"), ("a", "INVALID_ARGUMENT")] and after == [("b", "OK")]
 
 
+def test_a_running_request_named_twice_is_refused_not_dropped(ckpt):
+    """Both items fail; the request itself was dropped here while its KV stayed held at the
+    verifier, and its next decode found nothing (NOT_FOUND) though the verifier still had it."""
+    async def run():
+        async with replica(ckpt) as r:
+            assert await step(r.link, [admit("a")]) == [("a", "OK")]
+            twice = await step(r.link, [decode("a"), decode("a")])
+            return twice, await step(r.link, [decode("a")]), r.verifier.engine.active_requests
+    twice, after, held = asyncio.run(run())
+    assert twice == [("a", "INVALID_ARGUMENT")] * 2 and after == [("a", "OK")] and held == 1
+
+
+def test_an_item_out_of_range_fails_alone_with_invalid_argument(ckpt):
+    """A max_new_tokens whose reservation overflows the verifier's int32 raised out of the step
+    (the stream ended UNKNOWN and every request of it went); an unknown mode was served as DDTree;
+    a negative prompt offset skipped the piece's continuity check."""
+    async def run():
+        async with replica(ckpt) as r:
+            assert await step(r.link, [admit("a")]) == [("a", "OK")]
+            huge, zero = admit("huge", max_new=2**31 - 5), admit("zero", max_new=0)
+            mode = admit("mode")
+            mode.mode = 7
+            negative = draft_pb2.StepItem(request_id="a", prompt_token_ids=[11], prompt_offset=-1, budget=4)
+            bad = await step(r.link, [decode("a"), huge, zero, mode])
+            return bad, await step(r.link, [negative]), await step(r.link, [decode("a")]), sorted(r.draft.engine._requests)
+    bad, negative, after, held = asyncio.run(run())
+    assert bad == [("a", "OK"), ("huge", "INVALID_ARGUMENT"), ("zero", "INVALID_ARGUMENT"), ("mode", "INVALID_ARGUMENT")]
+    assert negative == [("a", "INVALID_ARGUMENT")] and after == [("a", "OK")] and held == ["a"]
+
+
 def test_the_verifier_answers_a_prefill_named_twice_in_its_place() -> None:
     """A draft that sends a request's prefill twice in a step, the first with sampling the
     verifier refuses, gets each item's own result in its place: the refusal for the first, the

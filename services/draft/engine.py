@@ -177,7 +177,8 @@ class DraftEngine:
         repeated = {rid for rid, n in Counter(i.request_id for i in request.items).items() if n > 1}
         for item in request.items:
             if item.request_id in repeated:   # two items of one request would step it twice from one state
-                self._drop(item.request_id)
+                # Refused, not dropped: a running request's KV stays held at the verifier until it
+                # is released, which the scheduler does for a request that fails.
                 results[item.request_id] = draft_pb2.StepResult(
                     request_id=item.request_id, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
                     error_message=f"request {item.request_id} appears more than once in one step")
@@ -238,6 +239,10 @@ class DraftEngine:
         """Sorts one batch item into a prefill or a verify, or says why it can't be either."""
         if item.budget < 0 or item.budget > MAX_BUDGET:
             return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"budget {item.budget} outside 0..{MAX_BUDGET}")
+        if item.mode not in _MODES:
+            return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"mode {item.mode} is not one of {sorted(_MODES)}")
+        if item.prompt_offset < 0:
+            return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_offset {item.prompt_offset} is negative")
         req = self._requests.get(item.request_id)
         if req is None and item.request_id in self._lost and (item.prompt_offset or not item.prompt_token_ids):
             return ServiceError(grpc.StatusCode.UNAVAILABLE,
@@ -251,13 +256,18 @@ class DraftEngine:
                                     f"what this draft holds ({'nothing' if req is None else f'{req.length} tokens'})")
             piece = verifier_pb2.PrefillItem(request_id=item.request_id, token_ids=item.prompt_token_ids,
                                              prompt_continues=item.prompt_continues, prompt_offset=item.prompt_offset)
+            most = _INT32_MAX - len(item.prompt_token_ids) - self.proposer.block_size   # the reservation's int32
+            if req is None and not 1 <= item.max_new_tokens <= most:
+                return ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request {item.request_id}: max_new_tokens {item.max_new_tokens} outside 1..{most}")
+            reserve = len(item.prompt_token_ids) + item.max_new_tokens + self.proposer.block_size
             if req is None:
                 req = _Request(item.request_id, item.mode, owner=owner)
                 self._lost.discard(item.request_id)
                 self._requests[item.request_id] = req
                 self.proposer.start(item.request_id, item.prompt_token_ids)
                 piece.sampling.CopyFrom(item.sampling)
-                piece.reserve_tokens = len(item.prompt_token_ids) + item.max_new_tokens + self.proposer.block_size
+                piece.reserve_tokens = reserve
             req.prefilling = item.prompt_continues
             req.budget = _budget(req, item)
             self._prompts[item.request_id] = list(item.prompt_token_ids)
@@ -403,6 +413,10 @@ class DraftEngine:
         if self._requests.pop(rid, None) is not None:
             self.proposer.drop(rid)
         self._prompts.pop(rid, None)
+
+
+_MODES = frozenset(common_pb2.Mode.values())
+_INT32_MAX = 2**31 - 1   # the verifier's reserve_tokens is an int32
 
 
 def _budget(req: _Request, item: draft_pb2.StepItem) -> int:

@@ -101,9 +101,12 @@ async def _reconnect_when_lost(engine: DraftEngine, interval_s: float = 1.0) -> 
         if not engine.verifier.connected:
             try:
                 await engine.ensure_connected()
-                log.info("verifier_reconnected", verifier_id=engine.verifier.handshake.verifier_id)
+                handshake = engine.verifier.handshake
+                log.info("verifier_reconnected", verifier_id=handshake.verifier_id if handshake else None)
             except ServiceError as exc:
                 log.debug("verifier_reconnect_failed", code=exc.code.name, error=exc.message)
+            except Exception as exc:  # noqa: BLE001 - e.g. a ring that cannot be made now: the next round tries again
+                log.warning("verifier_reconnect_failed", error=repr(exc))
 
 
 async def serve(settings: DraftSettings) -> None:
