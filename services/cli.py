@@ -51,6 +51,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ServiceError as exc:
         print(f"ddtree serve {args.service}: {exc.code.name}: {exc.message}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:   # Ctrl-C before the service serves (loading, waiting for its peers)
+        print(f"ddtree serve {args.service}: interrupted during start-up", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -500,6 +500,28 @@ def test_a_queue_whose_verifier_came_back_smaller_refuses_what_no_longer_fits() 
     assert error is None and moved == ["big"] and waiting == [] and "after" in running
 
 
+def test_an_idle_replica_that_stops_answering_is_marked_down_without_a_request_failing() -> None:
+    """Only a failed step marked a replica down: a scheduler whose only draft had died said
+    SERVING (health, ``ddtree_draft_replica_up``) until a client's request failed there. A busy
+    replica is left to its step, whose failure says more than a probe's timeout."""
+    from services.scheduler.router import Router
+
+    async def scenario(busy: bool) -> bool:
+        router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+        lane = StepLoop(SchedulerSettings(), "d0", Draft("v1", down=True), Limits(64, 4096, 16, (0,), 10_000),
+                        router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000)),
+                        router.metrics)
+        router.lanes.append(lane)
+        if busy:
+            lane.waiting.append(request("r", 10))
+            lane._schedule()
+        await router._follow_verifiers()
+        return lane.healthy
+
+    assert asyncio.run(scenario(busy=False)) is False
+    assert asyncio.run(scenario(busy=True)) is True
+
+
 def test_start_up_serves_once_one_replica_answers_not_after_the_silent_ones_time_out(monkeypatch) -> None:
     """``Router.start`` gathered every probe: one configured replica that did not answer held the
     scheduler's start for the whole ``draft_wait_s``. The silent one is brought in by the watcher."""

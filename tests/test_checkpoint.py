@@ -79,6 +79,16 @@ def test_invalid_json(target_dir: Path) -> None:
         TargetModel.load(target_dir)
 
 
+def test_a_config_or_index_that_is_not_utf8_names_the_file(tmp_path: Path) -> None:
+    """A UTF-16 or Latin-1 file raised a bare UnicodeDecodeError, a traceback at start-up."""
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{\x00}\x00")
+    with pytest.raises(CheckpointError, match=r"config\.json: not UTF-8 text"):
+        read_config(tmp_path)
+    (tmp_path / INDEX_FILE).write_bytes(b'{"weight_map": {"a": "caf\xe9"}}')
+    with pytest.raises(CheckpointError, match=f"{INDEX_FILE}: not UTF-8 text"):
+        load_tensors(tmp_path)
+
+
 def test_no_weights_file(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=f"{tmp_path}: neither {INDEX_FILE} nor {SINGLE_FILE}"):
         load_tensors(tmp_path)

@@ -187,6 +187,7 @@ def test_a_scheduler_that_goes_away_leaves_no_request_behind(ckpt):
         async with replica(ckpt, kv_capacity_tokens=2048) as r:
             assert await step(r.link, [admit("a", max_new=900), admit("b", max_new=900)]) == [("a", "OK"), ("b", "OK")]
             assert r.verifier.engine.active_requests == 2
+            assert r.draft.engine.metrics.running.collect()[0].samples[0].value == 2
             r.link.close()
             await r.channel.close()
             for _ in range(100):
@@ -194,6 +195,8 @@ def test_a_scheduler_that_goes_away_leaves_no_request_behind(ckpt):
                     break
                 await asyncio.sleep(0.02)
             freed = r.verifier.engine.active_requests == 0 and not r.draft.engine._requests
+            gauge = r.draft.engine.metrics.running.collect()[0].samples[0].value   # it kept 2 until a step
+            freed = freed and gauge == 0
             r.link, r.channel = r.draft.link()   # the next scheduler: nothing reserved, ids free
             return freed, await step(r.link, [admit("c", max_new=900), admit("a", max_new=900)])
     freed, next_scheduler = asyncio.run(run())

@@ -36,6 +36,19 @@ def test_a_bad_setting_fails_before_any_service_starts(tmp_path) -> None:
     assert stack.procs == []  # nothing was started
 
 
+def test_two_services_on_one_metrics_port_fail_before_any_starts(tmp_path) -> None:
+    """Each port was checked alone: the scheduler, started last (minutes after a large model's
+    weights), failed to bind the verifier's."""
+    from services.common.launcher import free_port
+    port = free_port()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[verifier]\nmetrics_port = {port}\n[scheduler]\nmetrics_port = {port}\n")
+    stack = Stack(StackSpec(model_path="models/demo", config_path=str(cfg), scheduler_port=0))
+    with pytest.raises(SettingsError, match=rf"scheduler\.metrics_port: {port} is the verifier's too"):
+        stack.start()
+    assert all(svc.proc is None for svc in stack.services)
+
+
 @pytest.mark.parametrize("flags, needle", [(["--draft-replicas", "0"], "--draft-replicas 0"),
                                            (["--port", "-1"], "--port -1"), (["--tp", "-2"], "--tp -2")])
 def test_up_refuses_bad_flags_at_once(flags, needle) -> None:

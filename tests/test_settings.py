@@ -57,6 +57,7 @@ def test_unknown_key_and_missing_file(tmp_path):
     ("[scheduler]\njson_logs = 5\n", "scheduler.json_logs: 5 is not a boolean"),
     ("[verifier]\ncuda_graphs = 2\n", "verifier.cuda_graphs: 2 is not a boolean"),
     ("[scheduler]\nhost = 5\n", "scheduler.host: 5 is not a string"),
+    ("[scheduler]\nauth_token = 982734982374\n", "scheduler.auth_token: the value is not a string \\(quote it\\)$"),
     ("[scheduler]\nstep_timeout_s = true\n", "scheduler.step_timeout_s: True is not a number"),
     ("scheduler = 5\n", "'scheduler' is not one of the tables"),
     ("[schedular]\nmax_batch = 8\n", "'schedular' is not one of the tables"),

@@ -289,3 +289,15 @@ def test_an_ipv6_host_is_listened_on_in_brackets() -> None:
     except OSError:
         return   # no IPv6 on this host: the address form above is what counts
     assert asyncio.run(bind()) > 0
+
+
+def test_ctrl_c_during_a_services_start_up_is_one_line(monkeypatch, capsys) -> None:
+    """A Ctrl-C while a service loads or waits for its peers printed uvloop's traceback."""
+    from services import cli
+
+    def interrupted(coro) -> None:
+        coro.close()
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_run_async", interrupted)
+    assert cli.main(["serve", "scheduler"]) == 130
+    assert capsys.readouterr().err == "ddtree serve scheduler: interrupted during start-up\n"

@@ -54,10 +54,21 @@ def read_config(path: Path) -> dict:
     return read_json_object(path / CONFIG_FILE)
 
 
+def _read_text(file: Path) -> str:
+    """A checkpoint's text file; one that cannot be read or is not UTF-8 is a CheckpointError
+    naming it (a traceback otherwise)."""
+    try:
+        return Path(file).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CheckpointError(f"{file}: cannot read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
 def read_json_object(file: Path) -> dict:
     """A JSON file holding one object; CheckpointError naming the file otherwise."""
     try:
-        data = json.loads(Path(file).read_text())
+        data = json.loads(_read_text(file))
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{file}: invalid JSON ({exc})") from exc
     if not isinstance(data, dict):
@@ -80,7 +91,7 @@ def tensor_index(path: Path) -> dict[str, str]:
     index_path = path / INDEX_FILE
     if index_path.is_file():
         try:
-            index = json.loads(index_path.read_text())
+            index = json.loads(_read_text(index_path))
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"{index_path}: invalid JSON ({exc})") from exc
         weight_map = index.get("weight_map") if isinstance(index, dict) else None

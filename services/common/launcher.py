@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.auth import server_credentials
 from services.common.grpc_server import PARENT_PID_ENV, check_port_free, host_port
-from services.common.settings import DraftSettings, SchedulerSettings, VerifierSettings, load_settings
+from services.common.settings import DraftSettings, SchedulerSettings, SettingsError, VerifierSettings, load_settings
 
 _SETTINGS = {"verifier": VerifierSettings, "draft": DraftSettings, "scheduler": SchedulerSettings}
 
@@ -265,9 +265,15 @@ class Stack:
         them could not load its settings (file + environment), ``RuntimeError`` where one fails,
         ``StartupStopped`` once ``should_stop()`` is true (each after stopping what it started)."""
         self.services = self._plan()
+        metrics_ports: dict[int, str] = {}
         for svc in self.services:
             svc.settings = load_settings(_SETTINGS[svc.role], self.spec.config_path, env=svc.env)
             _check_before_start(svc.role, svc.settings)
+            port = svc.settings.metrics_port
+            if port and port in metrics_ports:   # each port was free alone; the second service would fail to bind it
+                raise SettingsError(f"{svc.role}.metrics_port: {port} is the {metrics_ports[port]}'s too; "
+                                    "each service needs its own (0 = off)")
+            metrics_ports[port] = svc.name
         self.scheduler_address = self.services[-1].address
         self.scheduler_listen_address = self.services[-1].listen or self.scheduler_address
         try:

@@ -222,6 +222,9 @@ S = TypeVar("S", SchedulerSettings, DraftSettings, VerifierSettings)
 _SECTIONS: dict[type, str] = {SchedulerSettings: "scheduler", DraftSettings: "draft", VerifierSettings: "verifier"}
 
 
+_SECRETS = ("auth_token", "AUTH_TOKEN")   # settings whose values an error message must not repeat
+
+
 def _coerce(name: str, value: Any, target: Any, from_text: bool = True) -> Any:
     """Turns a TOML or environment value into the field's declared type. Environment values are
     strings and are parsed (``from_text``); TOML values must already have the type (a list where a
@@ -272,7 +275,8 @@ def _coerce(name: str, value: Any, target: Any, from_text: bool = True) -> Any:
             raise SettingsError(f"{name}: {value!r} is not a list of strings")
         return tuple(items)
     if text == "str" and not isinstance(value, str):
-        raise SettingsError(f"{name}: {value!r} is not a string")
+        shown = "the value" if name.endswith(_SECRETS) else repr(value)   # an error line lands in logs
+        raise SettingsError(f"{name}: {shown} is not a string (quote it)")
     return value
 
 

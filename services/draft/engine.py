@@ -65,6 +65,9 @@ class DraftEngine:
         self.verifier = verifier
         self.metrics = metrics or Metrics("draft")
         self._requests: dict[str, _Request] = {}
+        # Read when scraped: a gauge set by steps kept the requests a stream's end or a lost
+        # verifier dropped until the next step.
+        self.metrics.running.set_function(lambda: len(self._requests))
         self._prompts: dict[str, list[int]] = {}   # held until the prefill's features arrive
         self._lock = asyncio.Lock()
         # The last step's commit and next trees: to run (`_job`), then their outcome (`_ahead`).
@@ -123,8 +126,6 @@ class DraftEngine:
             except ServiceError:   # from the verifier's client: its stream broke, or no handshake
                 self._drop_all()
                 raise
-            finally:
-                self.metrics.running.set(len(self._requests))
 
     async def ensure_connected(self) -> None:
         """Hand-shakes again where the verifier's stream was lost (the replica's probe calls this:

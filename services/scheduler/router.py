@@ -239,9 +239,15 @@ class Router:
     async def _follow_verifiers(self) -> None:
         """A verifier that restarted has a new id, and the replicas in front of it reconnect on
         their own, staying up: each lane's KV budget follows its replica's verifier, so one group
-        is never admitted against two budgets (the lanes that rejoined would have the new one)."""
+        is never admitted against two budgets (the lanes that rejoined would have the new one).
+        An idle replica that does not answer is marked down here (a busy one's step fails)."""
         for lane in [x for x in self.lanes if x.healthy]:
             info = await self._probe(lane.draft.stub, 1.0)
+            if info is None and not lane.running:
+                # An idle replica that died (or lost its verifier) has no step to fail: without
+                # this the scheduler said SERVING until a client's request failed there.
+                lane.healthy = False
+                log.warning("draft_replica_down", address=lane.address, reason="no answer to a probe")
             if info is not None and info.verifier_id and info.verifier_id != lane.kv.verifier_id:
                 lane.kv = self._budget(info)
                 log.info("draft_replica_verifier_changed", address=lane.address, verifier_id=info.verifier_id)
