@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
+import grpc
 import torch
 
 from ddtree.v1 import common_pb2, draft_pb2, verifier_pb2
@@ -31,10 +31,12 @@ class FakeVerifier:
         self.engine_ref = engine_ref
         self.gen = torch.Generator().manual_seed(7)
         self.sent: list[dict[str, list[list[int]]]] = []
+        self.released: list[str] = []
         self.bad_features = bad_features
 
     async def step(self, prefills, verify_ids, packed, release) -> VerifyReply:
         engine: DraftEngine = self.engine_ref[0]
+        self.released += release
         resp = verifier_pb2.VerifyResponse()
         feats = []
         for p in prefills:
@@ -116,15 +118,48 @@ def test_next_trees_are_drafted_ahead_and_match_a_fresh_draft():
     asyncio.run(run())
 
 
-def test_a_failed_context_commit_fails_the_next_step():
+def test_a_failed_context_commit_fails_its_requests_not_the_next_step():
+    """The commit runs after the answer has left: one that fails (device memory, here features that
+    do not match the tokens) used to fail the next step of whichever stream came, with all its
+    requests, and leave the failed request drafting from a context behind the verifier's. Now
+    that request alone fails (INTERNAL) and is released at the verifier; the step goes on."""
     async def run():
-        engine, _ = make_engine(bad_features=True)
+        engine, verifier = make_engine(bad_features=True)
         await engine.step(draft_pb2.StepRequest(items=[admit("a", 4)]))
-        # The verify's features do not match its committed tokens: the commit after the answer fails...
         resp = await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=4)]))
         assert not resp.results[0].error_code
-        engine.run_ahead()   # (the service's call: it does not raise; the next step does)
-        # ...and the next step says so.
-        with pytest.raises(ValueError, match="features have 2 rows for 1 committed tokens"):
-            await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=4)]))
-    asyncio.run(run())
+        engine.run_ahead()   # the service's call after the answer: the commit fails here
+        resp = await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=4),
+                                                              admit("b", 4)]))
+        return ({r.request_id: (r.error_code, r.error_message) for r in resp.results}, verifier.released,
+                sorted(engine._requests))
+    results, released, held = asyncio.run(run())
+    code, message = results["a"]
+    assert code == grpc.StatusCode.INTERNAL.value[0] and "context commit failed" in message
+    assert "features have 2 rows for 1 committed tokens" in message
+    assert results["b"] == (0, "") and released == ["a"] and held == ["b"]
+
+
+def test_closing_waits_for_the_step_in_flight_before_the_verifiers_rings_go():
+    """The service closed the verifier's client while a stream's clean-up still awaited its answer:
+    the clean-up then failed on the closed client (a task exception nobody retrieved)."""
+    async def run():
+        engine, verifier = make_engine()
+        order = []
+
+        async def slow_step(*args):
+            await asyncio.sleep(0.2)
+            order.append("step")
+            return await FakeVerifier.step(verifier, *args)
+
+        async def close():
+            order.append("close")
+        verifier.step, verifier.close = slow_step, close
+        await engine.step(draft_pb2.StepRequest(items=[admit("a", 4)]))
+        order.clear()
+        cleanup = asyncio.ensure_future(engine.end_stream(0))
+        await asyncio.sleep(0.05)   # the clean-up holds the lock, awaiting the verifier
+        await engine.close()
+        await cleanup
+        return order
+    assert asyncio.run(run()) == ["step", "close"]

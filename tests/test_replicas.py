@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import grpc
@@ -109,3 +111,23 @@ def test_supervise_retries_a_restart_that_dies_and_stops_a_crash_loop() -> None:
     svc.proc = Proc(1)
     with pytest.raises(RuntimeError, match="draft exited 4 times"):
         stack.supervise(lambda: False, poll_s=0.0, max_restarts=3)
+
+    def slow_failure(name, should_stop=None):   # fails each start-up after its loading, past any window
+        svc.proc = Proc(2)
+        raise RuntimeError("draft exited with code 2 during start-up (see its output)")
+    stack.restart = slow_failure
+    with pytest.raises(RuntimeError, match=r"draft failed its start-up 4 times in a row \(draft exited with code 2"):
+        stack.supervise(lambda: False, poll_s=0.0, max_restarts=3, window_s=0.0)
+
+    hung = []
+
+    def hangs(name, should_stop=None):   # still starting when its time ran out: it was left running, never retried
+        svc.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        hung.append(svc.proc)
+        raise RuntimeError("draft did not become healthy within 1 s")
+    stack.restart = hangs
+    svc.proc = Proc(1)
+    stack.supervise(lambda: len(hung) == 2, poll_s=0.0)
+    assert hung[0].poll() is not None   # ended, so the next round started it again
+    hung[1].kill()
+    hung[1].wait()

@@ -151,6 +151,43 @@ def test_a_long_text_tokenizes_beside_the_event_loop() -> None:
     assert gap < max(0.1, inline_s / 3), (gap, inline_s)   # inline, the loop would stall inline_s
 
 
+def test_the_tokenizer_worker_goes_with_a_scheduler_that_was_killed(tmp_path) -> None:
+    """A scheduler killed outright (SIGKILL, the OOM killer) cannot stop its pool: the worker lived
+    on, one more for every restart. It watches its parent and exits."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    script = (f"import asyncio, os, sys; sys.path[:0] = [{str(root)!r}, {str(root / 'protos')!r}]\n"
+              "from tokenizers import Tokenizer\n"
+              "from services.scheduler.tokenizing import PromptEncoder\n"
+              "path = 'models/demo/tokenizer.json'\n"
+              "encoder = PromptEncoder(Tokenizer.from_file(path), path, inline_chars=10)\n"
+              "asyncio.run(encoder.encode('def f(x): return x ' * 10))\n"
+              "print(*encoder._pool._processes, flush=True)\n"
+              "os.kill(os.getpid(), 9)\n")
+    scheduler = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True)
+    line = scheduler.stdout.readline()   # not to EOF: an orphaned worker keeps the pipe open
+    assert scheduler.wait(timeout=60) == -9
+    (worker,) = (int(w) for w in line.split())
+    scheduler.stdout.close()
+
+    def alive(pid: int) -> bool:   # an exited orphan may stay a zombie until init reaps it
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+        except (FileNotFoundError, IndexError):
+            return False
+    deadline = time.monotonic() + 15
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if alive(worker):
+        os.kill(worker, 9)
+        raise AssertionError(f"tokenizer worker {worker} outlived its scheduler")
+
+
 def _request(stop: tuple[str, ...] = (), max_tokens: int = 100) -> ActiveRequest:
     return ActiveRequest(request_id="r", prompt_ids=[1], sampling=common_pb2.SamplingParams(), max_tokens=max_tokens,
                          budget=8, mode=common_pb2.MODE_DDTREE, stop=stop, stop_ids=frozenset(), eos_ids=frozenset(),

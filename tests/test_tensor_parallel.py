@@ -164,6 +164,19 @@ def test_rank_watchdog_reports_a_death_and_stays_quiet_once_disarmed():
     assert quiet.returncode == 0 and deaths == []
 
 
+def test_a_worker_whose_rank_0_died_before_it_asked_for_the_death_signal_exits():
+    """A SIGTERM to rank 0 in its first seconds (its signal handler comes later) left the worker,
+    then importing, running with no group to join: it waited for it for minutes."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    t0 = time.monotonic()
+    worker = subprocess.run([sys.executable, "-m", "services.verifier.ranks", "--rank", "1", "--init-method",
+                             "tcp://127.0.0.1:9", "--parent-pid", str(gone.pid)],
+                            capture_output=True, text=True, timeout=120)
+    assert worker.returncode == 1 and f"rank 0 (pid {gone.pid}) is gone" in worker.stderr, worker.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+
+
 def test_stop_workers_escalates_to_sigterm_then_sigkill():
     script = ("import signal, sys, time\n"
               "if sys.argv[1] == 'deaf': signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"

@@ -101,6 +101,18 @@ def _check_before_start(role: str, settings) -> None:
     check_port_free(settings.host, settings.metrics_port, f"{role}.metrics_port")
 
 
+def _end(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``, to a process still running."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_healthy(address: str, proc: subprocess.Popen, name: str, timeout_s: float,
                  tls_roots: bytes | None = None, *, tls_name: str | None = None,
                  should_stop: Callable[[], bool] | None = None, settle_s: float = 1.0) -> None:
@@ -331,10 +343,13 @@ class Stack:
                   window_s: float = 60.0, report: Callable[[str], None] = lambda msg: None) -> None:
         """Keeps the stack up until ``should_stop()``, as compose's ``restart: unless-stopped`` does:
         a service that exits is started again, unless it exited more than ``max_restarts`` times
-        in ``window_s`` (a crash loop), which raises RuntimeError. A restart that dies before it is
-        healthy counts as one more exit, to be retried on the next round, not as the end; a
+        in ``window_s`` (a crash loop), which raises RuntimeError. A restart that dies (or hangs,
+        and is then stopped) before it is healthy counts as one more exit, to be retried on the next
+        round, not as the end; more than ``max_restarts`` of those in a row raise RuntimeError too,
+        however slowly they fail (one that fails after a minute's loading never met the window). A
         ``should_stop()`` during a restart's wait raises ``StartupStopped``."""
         exits: dict[str, list[float]] = {}
+        failed: dict[str, int] = {}   # restarts in a row that never became healthy
         while not should_stop():
             for svc in self.services:
                 if svc.proc is None or svc.proc.poll() is None:
@@ -348,7 +363,13 @@ class Stack:
                 report(f"{svc.name} exited with code {svc.proc.returncode}; restarting it")
                 try:
                     self.restart(svc.name, should_stop)
+                    failed[svc.name] = 0
                 except RuntimeError as exc:   # died (or hung) during its start-up: the next round sees it
+                    failed[svc.name] = failed.get(svc.name, 0) + 1
+                    if failed[svc.name] > max_restarts:
+                        raise RuntimeError(f"{svc.name} failed its start-up {failed[svc.name]} times in a row "
+                                           f"({exc}); not restarting it again") from None
+                    _end(svc.proc)   # one still starting past its time: ended, so the next round starts it anew
                     report(f"{svc.name} restart failed: {exc}")
             time.sleep(poll_s)
 

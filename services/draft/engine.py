@@ -72,9 +72,12 @@ class DraftEngine:
         self._lock = asyncio.Lock()
         # The last step's commit and next trees: to run (`_job`), then their outcome (`_ahead`).
         self._job: tuple[list, list[_Request]] | None = None
-        self._lost: set[str] = set()   # ids dropped with a lost stream (the verifier's, a scheduler's), until released
+        # Ids dropped with a lost stream (the verifier's, a scheduler's) or a failed context commit,
+        # until released: what a later item naming one is told (not that it was never here).
+        self._lost: dict[str, ServiceError] = {}
         self._reconnecting: asyncio.Future | None = None   # the probe's hand-shake (`ensure_connected`)
-        self._ahead: dict[str, tuple[int, _Tree]] | BaseException = {}
+        self._release_owed: list[str] = []   # dropped here (a failed commit): released at the verifier next step
+        self._ahead: dict[str, tuple[int, _Tree]] | _CommitFailed = {}
         self.max_context = 0
         out = proposer.propose_output   # with propose graphs, the tree builds replay too
         self.tree_graphs = TreeGraphs(out, capture=out.is_cuda) if out is not None else None
@@ -148,6 +151,19 @@ class DraftEngine:
             self._drop_all()   # a new stream means a verifier without our requests
             await self.connect()
 
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Closes the verifier's client once the step or stream clean-up in progress is done (it
+        would find the rings gone under it), or after ``timeout_s`` of waiting for it."""
+        try:
+            await asyncio.wait_for(self._lock.acquire(), timeout_s)
+        except asyncio.TimeoutError:
+            await self.verifier.close()
+            return
+        try:
+            await self.verifier.close()
+        finally:
+            self._lock.release()
+
     async def end_stream(self, owner: int) -> None:
         """A scheduler's step stream ended (it restarted, gave up on a step, or stopped): the
         requests it admitted here can no longer be stepped or released by it, so they go now, here
@@ -170,7 +186,7 @@ class DraftEngine:
         t0 = time.perf_counter()
         for rid in request.release:
             self._drop(rid)
-            self._lost.discard(rid)
+            self._lost.pop(rid, None)
         results: dict[str, draft_pb2.StepResult] = {}
         prefills: list[verifier_pb2.PrefillItem] = []
         verifying: list[_Request] = []
@@ -192,8 +208,9 @@ class DraftEngine:
         trees = await self._trees_for(verifying, budgets, ahead) if verifying else []
         packed = _pack_trees(trees) if trees else None
         t1 = time.perf_counter()
+        owed, self._release_owed = self._release_owed, []
         reply = await self.verifier.step(prefills, [r.request_id for r in verifying], packed,
-                                         list(request.release))
+                                         list(request.release) + owed)
         t_reply = time.perf_counter()
         features, row = reply.features, 0
         commits: list[tuple[str, list[int], torch.Tensor]] = []
@@ -246,8 +263,7 @@ class DraftEngine:
             return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_offset {item.prompt_offset} is negative")
         req = self._requests.get(item.request_id)
         if req is None and item.request_id in self._lost and (item.prompt_offset or not item.prompt_token_ids):
-            return ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                f"request {item.request_id} was lost with a stream that ended (verifier or scheduler)")
+            return self._lost[item.request_id]
         if item.prompt_token_ids:   # a prompt, or the next piece of one
             if item.prompt_offset == 0 and req is not None:
                 return ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {item.request_id} already running")
@@ -264,7 +280,7 @@ class DraftEngine:
             reserve = len(item.prompt_token_ids) + item.max_new_tokens + self.proposer.block_size
             if req is None:
                 req = _Request(item.request_id, item.mode, owner=owner)
-                self._lost.discard(item.request_id)
+                self._lost.pop(item.request_id, None)
                 self._requests[item.request_id] = req
                 self.proposer.start(item.request_id, item.prompt_token_ids)
                 piece.sampling.CopyFrom(item.sampling)
@@ -299,17 +315,26 @@ class DraftEngine:
             return
         try:
             self._ahead = self._on_device(self._commit_and_draft, *job)
-        except Exception as exc:  # noqa: BLE001 - the next step raises it (`_settle`)
-            self._ahead = exc
+        except Exception as exc:  # noqa: BLE001 - the next step fails the requests it committed (`_settle`)
+            self._ahead = _CommitFailed([rid for rid, _, _ in job[0]], exc)
 
     def _settle(self) -> dict[str, tuple[int, _Tree]]:
         """The last step's context commit done; returns its trees drafted ahead (request ->
-        (budget, tree)). A commit that failed fails this step, as it failed the step that ran it
-        before the commit moved here."""
+        (budget, tree)). A commit that failed (device memory, say) left its requests' drafter
+        contexts behind the verifier's: they go, here and with this step at the verifier, and a
+        later item naming one fails INTERNAL. It used to fail the next step of whichever stream
+        came, with every request of it, and leave the failed ones drafting from a stale context."""
         self.run_ahead()
         ahead, self._ahead = self._ahead, {}
-        if isinstance(ahead, BaseException):
-            raise ahead
+        if isinstance(ahead, _CommitFailed):
+            gone = [rid for rid in ahead.request_ids if rid in self._requests]
+            log.error("context_commit_failed", requests=gone, error=repr(ahead.error))
+            self._mark_lost(gone, ServiceError(grpc.StatusCode.INTERNAL,
+                                               f"the draft's context commit failed: {ahead.error!r}"))
+            for rid in gone:
+                self._drop(rid)
+            self._release_owed += gone
+            return {}
         return ahead
 
     def _commit_and_draft(self, commits: Sequence[tuple[str, list[int], torch.Tensor]],
@@ -405,15 +430,25 @@ class DraftEngine:
         for rid in list(self._requests):
             self._drop(rid)
 
-    def _mark_lost(self, ids) -> None:
+    def _mark_lost(self, ids, error: ServiceError | None = None) -> None:
         if len(self._lost) > MAX_LOST:   # ids no scheduler will release (it went away): forgotten
             self._lost.clear()
-        self._lost.update(ids)
+        for rid in ids:
+            self._lost[rid] = error or ServiceError(
+                grpc.StatusCode.UNAVAILABLE, f"request {rid} was lost with a stream that ended (verifier or scheduler)")
 
     def _drop(self, rid: str) -> None:
         if self._requests.pop(rid, None) is not None:
             self.proposer.drop(rid)
         self._prompts.pop(rid, None)
+
+
+@dataclass
+class _CommitFailed:
+    """A step's context commit that raised: the requests it was committing, and why."""
+
+    request_ids: list[str]
+    error: Exception
 
 
 _MODES = frozenset(common_pb2.Mode.values())

@@ -155,4 +155,4 @@ async def serve(settings: DraftSettings) -> None:
     finally:
         for task in tasks:
             task.cancel()
-        await client.close()
+        await engine.close()

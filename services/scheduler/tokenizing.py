@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -25,9 +28,18 @@ log = get_logger("scheduler")
 _worker: Tokenizer | None = None  # the worker process's own copy
 
 
-def _load(path: str) -> None:
+def _load(path: str, parent_pid: int, poll_s: float = 1.0) -> None:
+    """The worker's start: its tokenizer, and a watch that ends it once the scheduler is gone. A
+    scheduler killed outright (SIGKILL, the OOM killer) cannot stop its pool, and the worker stayed
+    behind, one more for each restart."""
     global _worker
     _worker = Tokenizer.from_file(path)
+
+    def exit_when_orphaned() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(0)
+    threading.Thread(target=exit_when_orphaned, daemon=True, name="exit-with-scheduler").start()
 
 
 def _encode(text: str) -> list[int]:
@@ -50,7 +62,7 @@ class PromptEncoder:
             return self.tokenizer.encode(text, add_special_tokens=False).ids
         if self._pool is None:  # spawn, not fork: this process runs gRPC's threads
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
-                                             initargs=(self.path,))
+                                             initargs=(self.path, os.getpid()))
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, _encode, text)
         except BrokenProcessPool as exc:  # the worker died: a new one next time, this text inline

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -110,7 +111,7 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def spawn_workers(settings: VerifierSettings, config_path: str | None, init_method: str) -> list[subprocess.Popen]:
-    cmd = [sys.executable, "-m", "services.verifier.ranks", "--init-method", init_method]
+    cmd = [sys.executable, "-m", "services.verifier.ranks", "--init-method", init_method, "--parent-pid", str(os.getpid())]
     if config_path:
         cmd += ["--config", config_path]
     # Own session: a Ctrl-C or a signal to rank 0's process group reaches rank 0 only, which stops
@@ -176,8 +177,14 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--init-method", required=True)
     p.add_argument("--config", default=None)
+    p.add_argument("--parent-pid", type=int, default=None, help="rank 0's pid: a worker whose rank 0 is gone exits")
     args = p.parse_args(argv)
     _die_with_parent()
+    if args.parent_pid is not None and os.getppid() != args.parent_pid:
+        # Rank 0 died while this process imported (seconds), before the death signal was asked
+        # for: it would wait for its group to form for minutes, holding its GPU.
+        print(f"verifier rank {args.rank}: rank 0 (pid {args.parent_pid}) is gone; exiting", file=sys.stderr)
+        return 1
     settings = load_settings(VerifierSettings, args.config)
     configure_logging(f"verifier-rank{args.rank}", settings.json_logs)
     tp = TensorParallel(args.rank, settings.tp, args.init_method, backend=backend_for(settings),
