@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -176,7 +177,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                     if chunk.text:
                         started = True
                         print(chunk.text, end="", flush=True)
-                    elif not started and args.token_ids:   # text held back (a partial character) comes later
+                    elif not started and args.token_ids and not args.stop:
+                        # (Text held back, a partial character, comes later; stop strings need a
+                        # tokenizer, so with them empty text is the output.)
                         ids += chunk.token_ids
                     if chunk.finish_reason == "stop" and not started and ids:
                         ids.pop()   # the stop or end-of-sequence id: never part of the output, as in the text
@@ -188,6 +191,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print()
         print("ddtree generate: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:   # the reader went (`| head`): leaving the client's block cancelled the request
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit's flush
+        return 141   # as a process that SIGPIPE ended
     except ClientError as exc:
         if not started and ids:
             print(",".join(map(str, ids)), end="")
@@ -234,9 +240,23 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     """The matrix against `--address`, or (`--spawn-stack MODEL`) against a stack started here,
     sized for the matrix and stopped at the end, also when the run is cut short by SIGTERM. A
     mistake (a bad setting, no server at the address, a file it cannot read or write) is one line."""
-    from services.common.settings import SettingsError
+    from services.common.settings import MAX_BUDGET, SettingsError
     from services.scheduler.client import ClientError
 
+    out_dir = Path(args.out).resolve().parent
+    for ok, flag in ((all(c >= 1 for c in args.contexts), f"--contexts {args.contexts}: prompt lengths must be >= 1"),
+                     (all(c >= 1 for c in args.concurrency), f"--concurrency {args.concurrency}: must be >= 1 each"),
+                     (all(0 <= b <= MAX_BUDGET for b in args.budgets), f"--budgets {args.budgets}: must be in 0..{MAX_BUDGET}"),
+                     (args.max_tokens >= 1, f"--max-tokens {args.max_tokens}: must be >= 1"),
+                     (args.cell_timeout > 0, f"--cell-timeout {args.cell_timeout:g}: must be > 0 seconds"),
+                     (args.time_budget >= 0, f"--time-budget {args.time_budget:g}: must be >= 0 seconds (0 = none)"),
+                     (args.warmup_tokens >= 0, f"--warmup-tokens {args.warmup_tokens}: must be >= 0"),
+                     (args.vocab_high >= 2, f"--vocab-high {args.vocab_high}: must be >= 2"),
+                     (out_dir.is_dir() and os.access(out_dir, os.W_OK), f"--out {args.out}: {out_dir} is no directory "
+                                                                         "this process can write")):
+        if not ok:   # before a stack starts or a cell runs
+            print(f"ddtree bench: {flag}", file=sys.stderr)
+            return 2
     try:
         return _run_bench(args)
     except SettingsError as exc:

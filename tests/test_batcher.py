@@ -821,6 +821,15 @@ def test_a_request_queued_on_a_replica_being_probed_can_still_be_aborted() -> No
     assert healthy and not seen                        # back up, and nothing was decoded for nobody
 
 
+def test_a_second_abort_of_a_request_still_finishing_its_step_finds_nothing() -> None:
+    """It answered True again (the aborted request is held until its step returns); the README
+    says False where no such request runs."""
+    lane = loop()
+    lane.waiting.append(request("x", 10))
+    lane._schedule()
+    assert lane.abort("x") is True and lane.abort("x") is False and lane.abort("nope") is False
+
+
 def test_an_abort_reaches_a_reused_id_on_another_replica_before_its_aborted_predecessor() -> None:
     """Abort "x", reuse the id at once (placed on the least-loaded replica), abort again: the
     second abort must end the new request, not answer for the predecessor that another replica

@@ -241,6 +241,34 @@ def test_generate_prints_token_ids_where_the_server_sends_no_text(monkeypatch, c
     monkeypatch.setattr(_FakeClient, "chunks", [_chunk([5], ""), _chunk([6], "é"), _chunk([7], "")])
     assert cli.main(["generate", "--prompt", "1,2,3", "--token-ids"]) == 0
     assert capsys.readouterr().out == "é\n"
+    # Stop strings need a tokenizer: with one, empty text is the output, not the ids.
+    monkeypatch.setattr(_FakeClient, "chunks", [_chunk([625], ""), Chunk("r", [263], "", [1], "stop")])
+    assert cli.main(["generate", "--prompt", "1,2,3", "--token-ids", "--stop", " pass"]) == 0
+    assert capsys.readouterr().out == "\n"
+
+
+def test_generate_into_a_closed_pipe_ends_quietly(monkeypatch, capsys) -> None:
+    """`ddtree generate ... | head -c 5` printed a BrokenPipeError traceback."""
+    import io
+    import os
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            return self.fd
+    out = Closed()
+    read, out.fd = os.pipe()
+    monkeypatch.setattr("sys.stdout", out)
+    monkeypatch.setattr("services.scheduler.client.Client", _FakeClient)
+    monkeypatch.setattr(_FakeClient, "chunks", [_chunk([5], "def"), _chunk([6], " f")])
+    try:
+        assert cli.main(["generate", "--prompt", "x"]) == 141
+    finally:
+        os.close(read)
+        os.close(out.fd)
+    assert capsys.readouterr().err == ""
 
 
 def test_generate_passes_the_tls_name_and_hints_at_tls_when_nothing_answers(monkeypatch, capsys) -> None:
@@ -330,6 +358,16 @@ def test_bench_mistakes_are_one_line(monkeypatch, capsys, tmp_path) -> None:
     monkeypatch.setenv("DDTREE_SCHEDULER_DEFAULT_BUDGET", "0")   # refused before any service starts
     assert cli.main(["bench", "--spawn-stack", "models/demo", "--out", out]) == 2
     assert capsys.readouterr().err.splitlines()[-1].startswith("ddtree bench: scheduler.default_budget")
+    # Values that ran a matrix of errors or of nothing (0 clients: every cell "ok" at 0 tok/s).
+    for flags, needle in ((["--concurrency", "0"], "--concurrency [0]: must be >= 1 each"),
+                          (["--contexts", "-5"], "--contexts [-5]: prompt lengths must be >= 1"),
+                          (["--max-tokens", "0"], "--max-tokens 0: must be >= 1"),
+                          (["--cell-timeout", "-1"], "--cell-timeout -1: must be > 0 seconds"),
+                          (["--budgets", "8", "200"], "--budgets [8, 200]: must be in 0..128")):
+        assert cli.main(["bench", "--address", "127.0.0.1:1", "--out", out, *flags]) == 2
+        assert capsys.readouterr().err == f"ddtree bench: {needle}\n"
+    assert cli.main(["bench", "--address", "127.0.0.1:1", "--out", str(tmp_path / "no" / "m.json")]) == 2
+    assert "is no directory this process can write" in capsys.readouterr().err
 
 
 def test_make_checkpoint_says_what_is_wrong_in_one_line(capsys, tmp_path) -> None:

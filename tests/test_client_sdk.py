@@ -223,6 +223,27 @@ def test_an_async_stream_kept_in_a_variable_is_cancelled_when_its_with_block_exi
     asyncio.run(scenario())
 
 
+def test_closing_an_async_client_under_open_streams_is_a_client_error_in_each_reader(server) -> None:
+    """The readers got a bare CancelledError, as if their tasks had been cancelled (`except
+    ClientError` missed it, and gather / TaskGroup took it for a cancellation); `Client` says
+    CANCELLED."""
+    async def scenario() -> list[object]:
+        c = AsyncClient(server.address)
+
+        async def read() -> None:
+            async for _ in c.stream(IDS, request_id="closed-under", **LONG):
+                pass
+        readers = [asyncio.create_task(read()), asyncio.create_task(c.generate(IDS, **LONG))]
+        while await asyncio.to_thread(server.request, "closed-under") is None:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        await c.close()
+        return await asyncio.gather(*readers, return_exceptions=True)
+
+    for outcome in asyncio.run(scenario()):
+        assert isinstance(outcome, ClientError) and outcome.code == grpc.StatusCode.CANCELLED, repr(outcome)
+
+
 # 2. TLS arguments are checked when the client is made.
 
 def test_a_tls_ca_that_is_no_pem_certificate_and_a_server_name_without_one_are_refused_at_once(server, tmp_path) -> None:
@@ -340,7 +361,8 @@ def test_abort_gives_up_at_its_deadline_on_a_server_that_does_not_answer(server,
 
     async def async_aborts() -> None:
         async with AsyncClient(server.address) as c, AsyncClient(server.address, timeout_s=0.3) as bounded:
-            for call in (lambda: c.abort("x", timeout_s=0.3), lambda: bounded.abort("x"), lambda: c.abort("x")):
+            for call in (lambda: c.abort("x", timeout_s=0.3), lambda: bounded.abort("x"), lambda: c.abort("x"),
+                         c.model_info):
                 started = time.monotonic()
                 with pytest.raises(ClientError) as info:
                     await call()
@@ -353,6 +375,8 @@ def test_abort_gives_up_at_its_deadline_on_a_server_that_does_not_answer(server,
             timed_out(lambda: c.abort("x", timeout_s=0.3))    # the call's deadline
             timed_out(lambda: bounded.abort("x"))             # the client's
             timed_out(lambda: c.abort("x"))                   # ABORT_TIMEOUT_S
+            timed_out(c.model_info)                           # it waited for good too
+            timed_out(lambda: c.model_info(timeout_s=0.3))
             asyncio.run(async_aborts())
         for bad in (None, 0, -1, "1"):
             with pytest.raises(ClientError, match="timeout_s") as info:

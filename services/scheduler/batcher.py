@@ -133,8 +133,8 @@ class StepLoop:
                 self._log_end(req)
                 return True
         req = self.find(request_id)
-        if req is None or (only is not None and req is not only):
-            return False
+        if req is None or req.aborted or (only is not None and req is not only):
+            return False   # (an aborted one still finishing its step runs no more: a second abort finds nothing)
         req.aborted = True
         self._wake.set()
         return True

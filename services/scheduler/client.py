@@ -309,8 +309,10 @@ class AsyncStream(AsyncIterator[Chunk]):
     stream is dropped, but `break` closes no (async) iterator: a stream kept in a variable runs on
     until `async with c.stream(...) as s:` exits or `await s.aclose()`."""
 
-    def __init__(self, start: Callable[[], grpc.aio.UnaryStreamCall]) -> None:
+    def __init__(self, start: Callable[[], grpc.aio.UnaryStreamCall],
+                 client_closed: Callable[[], bool] = lambda: False) -> None:
         self._start = start
+        self._client_closed = client_closed
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._closed = False
 
@@ -332,6 +334,9 @@ class AsyncStream(AsyncIterator[Chunk]):
             # aclose() from another task: gRPC raises CancelledError in this reader, which no one cancelled.
             if closed_here and isinstance(exc, asyncio.CancelledError) and not _cancelling():
                 raise StopAsyncIteration from None
+            # The client closed under the stream: as `Client` says it, not a cancellation of this task.
+            if isinstance(exc, asyncio.CancelledError) and not _cancelling() and self._client_closed():
+                raise ClientError(grpc.StatusCode.CANCELLED, "the client was closed while this stream was open") from None
             raise
         if msg is grpc.aio.EOF:
             self._closed = True
@@ -398,20 +403,21 @@ class _Calls:
     def _deadline(self, timeout_s: float | None | _Unset) -> float | None:
         return self.timeout_s if timeout_s is _UNSET else _timeout(timeout_s)
 
-    def _abort_deadline(self, timeout_s: float | _Unset) -> float:
-        """An abort always has one: the call's, else the client's, else ABORT_TIMEOUT_S."""
+    def _short_deadline(self, timeout_s: float | _Unset, call: str) -> float:
+        """A short call (abort, model_info) always has one: the call's, else the client's, else
+        ABORT_TIMEOUT_S; without one, a call to a server that stopped answering waited forever."""
         if timeout_s is _UNSET:
             return self.timeout_s if self.timeout_s is not None else ABORT_TIMEOUT_S
         if timeout_s is None:
             raise ClientError(grpc.StatusCode.INVALID_ARGUMENT,
-                              "abort's timeout_s must be a positive number of seconds (an abort is always bounded)")
+                              f"{call}'s timeout_s must be a positive number of seconds (it is always bounded)")
         return _timeout(timeout_s)
 
 
 class Client(_Calls):
     """`wait_for_ready=False` (default) fails at once with UNAVAILABLE when no server is listening;
     True waits for the server to come up, bounded by `timeout_s` (each call's deadline in seconds;
-    None: streams have none, `abort` takes ABORT_TIMEOUT_S). `tls_ca` is a CA certificate's PEM
+    None: streams have none, `abort` and `model_info` take ABORT_TIMEOUT_S). `tls_ca` is a CA certificate's PEM
     file (or its bytes; b"" trusts the system roots) and makes the channel TLS; `tls_server_name`
     is the name to check the server's certificate for, where it is not the address's host.
     Raises `ClientError` (INVALID_ARGUMENT) for a timeout that is no positive number, a `tls_ca`
@@ -498,19 +504,21 @@ class Client(_Calls):
         ABORT_TIMEOUT_S), then raises `ClientError` DEADLINE_EXCEEDED; UNAVAILABLE when no server
         is reached (and `wait_for_ready` is False)."""
         _check_open(self._closed)
-        timeout = self._abort_deadline(timeout_s)
+        timeout = self._short_deadline(timeout_s, "abort")
         try:
             return self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), timeout=timeout,
                                     wait_for_ready=self.wait_for_ready, metadata=self._md).found
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
-    def model_info(self) -> common_pb2.ModelInfo:
+    def model_info(self, *, timeout_s: float | _Unset = _UNSET) -> common_pb2.ModelInfo:
+        """The served model's limits; waits at most `timeout_s` (not given: the client's timeout_s,
+        else ABORT_TIMEOUT_S)."""
         _check_open(self._closed)
+        timeout = self._short_deadline(timeout_s, "model_info")
         try:
             return self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=self.wait_for_ready,
-                                           metadata=self._md,
-                                           timeout=self.timeout_s)
+                                           metadata=self._md, timeout=timeout)
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
@@ -555,7 +563,7 @@ class AsyncClient(_Calls):
         def start() -> grpc.aio.UnaryStreamCall:
             _check_open(self._closed)
             return self._stub.Generate(req, timeout=timeout, wait_for_ready=self.wait_for_ready, metadata=self._md)
-        return AsyncStream(start)
+        return AsyncStream(start, lambda: self._closed)
 
     async def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int = 0, seed: int | None = None, budget: int = 0,
@@ -575,18 +583,20 @@ class AsyncClient(_Calls):
     async def abort(self, request_id: str, *, timeout_s: float | _Unset = _UNSET) -> bool:
         """`Client.abort` for asyncio: bounded by `timeout_s` the same way."""
         _check_open(self._closed)
-        timeout = self._abort_deadline(timeout_s)
+        timeout = self._short_deadline(timeout_s, "abort")
         try:
             return (await self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), timeout=timeout,
                                            wait_for_ready=self.wait_for_ready, metadata=self._md)).found
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
-    async def model_info(self) -> common_pb2.ModelInfo:
+    async def model_info(self, *, timeout_s: float | _Unset = _UNSET) -> common_pb2.ModelInfo:
+        """`Client.model_info` for asyncio."""
         _check_open(self._closed)
+        timeout = self._short_deadline(timeout_s, "model_info")
         try:
             return await self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(),
                                                  wait_for_ready=self.wait_for_ready, metadata=self._md,
-                                                 timeout=self.timeout_s)
+                                                 timeout=timeout)
         except grpc.RpcError as exc:
             raise _error(exc) from None
