@@ -522,6 +522,40 @@ def test_an_idle_replica_that_stops_answering_is_marked_down_without_a_request_f
     assert asyncio.run(scenario(busy=True)) is True
 
 
+def test_a_replica_whose_verifier_came_back_with_another_model_is_kept_down() -> None:
+    """The scheduler's tokenizer, vocabulary and end-of-sequence ids are the model it started with:
+    a replica in front of a verifier restarted on another checkpoint served it on, detokenized with
+    the wrong tokenizer. It is kept down (logged once) until the scheduler restarts."""
+    from services.scheduler.router import Router
+
+    class Model(Stub):
+        vocab_size = 64
+
+        async def GetModelInfo(self, request, wait_for_ready=True, timeout=None):
+            info = await super().GetModelInfo(request, wait_for_ready, timeout)
+            info.vocab_size = self.vocab_size
+            return info
+
+    async def scenario():
+        router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+        stub = Model("v1")
+        router.info = await stub.GetModelInfo(None)
+        router._add_lane("d0", stub, router.info)
+        lane = router.lanes[0]
+        await router._follow_verifiers()
+        healthy = [lane.healthy]
+        stub.verifier_id, stub.vocab_size = "v2", 999   # the verifier restarted on another checkpoint
+        await router._follow_verifiers()
+        healthy.append(lane.healthy)
+        await router._recover(lane, [])
+        healthy.append(lane.healthy)
+        await router.stop()
+        return healthy, router._other_models
+
+    healthy, logged = asyncio.run(scenario())
+    assert healthy == [True, False, False] and logged == {"d0"}
+
+
 def test_start_up_serves_once_one_replica_answers_not_after_the_silent_ones_time_out(monkeypatch) -> None:
     """``Router.start`` gathered every probe: one configured replica that did not answer held the
     scheduler's start for the whole ``draft_wait_s``. The silent one is brought in by the watcher."""

@@ -74,6 +74,7 @@ class Router:
         self.info: common_pb2.ModelInfo | None = None
         self._watch: asyncio.Task | None = None
         self._discovery: asyncio.Task | None = None
+        self._other_models: set[str] = set()   # replicas logged as serving another model (`_other_model`)
         # Read when scraped (a gauge set on each change lagged by up to a probe round).
         metrics.queue_depth.set_function(lambda: self.waiting)
         metrics.running.set_function(lambda: sum(len(lane.running) for lane in list(self.lanes)))
@@ -122,6 +123,8 @@ class Router:
 
     def _add_lane(self, address: str, stub: draft_pb2_grpc.DraftStub, info: common_pb2.ModelInfo | None) -> None:
         assert self.info is not None
+        if info is not None and self._other_model(address, info):
+            info = None   # down from the start
         lane = StepLoop(self.settings, address, DraftLink(stub), limits_from_info(self.info), self._budget(info),
                         self.metrics)
         lane.healthy = info is not None
@@ -243,6 +246,9 @@ class Router:
         An idle replica that does not answer is marked down here (a busy one's step fails)."""
         for lane in [x for x in self.lanes if x.healthy]:
             info = await self._probe(lane.draft.stub, 1.0)
+            if info is not None and self._other_model(lane.address, info):
+                lane.healthy = False   # its running requests end with their next step's failure, or finish
+                continue
             if info is None and not lane.running:
                 # An idle replica that died (or lost its verifier) has no step to fail: without
                 # this the scheduler said SERVING until a client's request failed there.
@@ -254,6 +260,23 @@ class Router:
                 # A group that came back smaller: what its queue holds that no longer fits would
                 # wait at the head of the queue for good, and every request behind it too.
                 self._refuse_unfitting(lane, [x for x in self.lanes if x.healthy and x is not lane])
+
+    def _other_model(self, address: str, info: common_pb2.ModelInfo) -> bool:
+        """Whether the replica now serves another model than the one this scheduler started with
+        (a verifier restarted on another checkpoint): its tokenizer, vocabulary and end-of-sequence
+        ids are that first model's, so the replica stays down, said once, until a restart."""
+        if self.info is None:
+            return False
+        fields = ("model_type", "vocab_size", "block_size")
+        diff = [f"{f} {getattr(self.info, f)!r} -> {getattr(info, f)!r}" for f in fields
+                if getattr(self.info, f) != getattr(info, f)]
+        if list(self.info.eos_token_ids) != list(info.eos_token_ids):
+            diff.append(f"eos_token_ids {list(self.info.eos_token_ids)} -> {list(info.eos_token_ids)}")
+        if diff and address not in self._other_models:
+            self._other_models.add(address)
+            log.error("draft_replica_serves_another_model", address=address, changes=diff,
+                      action="kept down; restart the scheduler to serve that model")
+        return bool(diff)
 
     @staticmethod
     def _refuse_unfitting(lane: StepLoop, others: list[StepLoop]) -> None:
@@ -279,6 +302,8 @@ class Router:
                 lane.waiting.remove(req)
                 min(fits, key=lambda x: x.load).submit(req)
         info = await self._probe(lane.draft.stub, 1.0)
+        if info is not None and self._other_model(lane.address, info):
+            info = None   # down until this scheduler restarts for that model
         if info is None:
             for req in lane.take_waiting():
                 lane.fail_unstarted(req, ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica that can hold it is up"))
