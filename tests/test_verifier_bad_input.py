@@ -179,6 +179,24 @@ def test_a_request_of_another_draft_stream_is_not_found_there(ckpt):
     assert own["a"][0] == grpc.StatusCode.OK
 
 
+def test_a_negative_prompt_offset_is_refused_not_taken_for_a_new_prompt(ckpt):
+    """It made a new request; had the forward failed, the undo (which frees offset-0 admissions
+    only) left it holding its pages, and a retry found it ALREADY_EXISTS."""
+    async def run():
+        svc = servicer(ckpt)
+        async with serving(svc) as stub:
+            await stub.Handshake(hello(ckpt, "d1"))
+            stream = stub.VerifyStream(metadata=(("draft-id", "d1"),))
+            free = svc.engine.cache.pages_free
+            await stream.write(verifier_pb2.VerifyRequest(sequence=1, prefills=[verifier_pb2.PrefillItem(
+                request_id="a", token_ids=[5, 6, 7], reserve_tokens=64, prompt_offset=-3)]))
+            (item,) = (await stream.read()).prefills
+            return CODES[item.error_code], item.error_message, svc.engine.cache.pages_free == free, svc.engine._requests
+    code, message, pages_back, held = asyncio.run(run())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "prompt_offset -3 is negative" in message
+    assert pages_back and not held
+
+
 def test_a_negative_top_p_is_refused_not_read_as_unset(ckpt):
     """proto3's 0 means "not set" (nucleus off); -0.5 was read the same way."""
     async def run():

@@ -360,6 +360,9 @@ class VerifierEngine:
 
     def _admit(self, item: PrefillInput) -> _Request:
         """Checks a prompt or piece and, for a new request, reserves its KV and makes its state."""
+        if item.offset < 0:   # else a new prompt whose undo (offset 0 only) would not free it
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"request {item.request_id}: prompt_offset {item.offset} is negative")
         req = self._requests.get(item.request_id) if item.offset > 0 else None
         if item.offset > 0:
             self._validate_piece(item, req)
