@@ -246,7 +246,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     out_dir = Path(args.out).resolve().parent
     for ok, flag in ((all(c >= 1 for c in args.contexts), f"--contexts {args.contexts}: prompt lengths must be >= 1"),
                      (all(c >= 1 for c in args.concurrency), f"--concurrency {args.concurrency}: must be >= 1 each"),
-                     (all(0 <= b <= MAX_BUDGET for b in args.budgets), f"--budgets {args.budgets}: must be in 0..{MAX_BUDGET}"),
+                     (all(0 <= b <= MAX_BUDGET for b in args.budgets),
+                      f"--budgets {args.budgets}: must be in 0..{MAX_BUDGET}"),
                      (args.max_tokens >= 1, f"--max-tokens {args.max_tokens}: must be >= 1"),
                      (args.cell_timeout > 0, f"--cell-timeout {args.cell_timeout:g}: must be > 0 seconds"),
                      (args.time_budget >= 0, f"--time-budget {args.time_budget:g}: must be >= 0 seconds (0 = none)"),

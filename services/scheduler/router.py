@@ -247,13 +247,13 @@ class Router:
         for lane in [x for x in self.lanes if x.healthy]:
             info = await self._probe(lane.draft.stub, 1.0)
             if info is not None and self._other_model(lane.address, info):
-                lane.healthy = False   # its running requests end with their next step's failure, or finish
-                continue
+                info = None   # as if it did not answer (a busy one's next step fails: its verifier restarted)
             if info is None and not lane.running:
                 # An idle replica that died (or lost its verifier) has no step to fail: without
                 # this the scheduler said SERVING until a client's request failed there.
                 lane.healthy = False
-                log.warning("draft_replica_down", address=lane.address, reason="no answer to a probe")
+                why = "serves another model" if lane.address in self._other_models else "no answer to a probe"
+                log.warning("draft_replica_down", address=lane.address, reason=why)
             if info is not None and info.verifier_id and info.verifier_id != lane.kv.verifier_id:
                 lane.kv = self._budget(info)
                 log.info("draft_replica_verifier_changed", address=lane.address, verifier_id=info.verifier_id)
