@@ -244,6 +244,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from services.scheduler.client import ClientError
 
     out_dir = Path(args.out).resolve().parent
+    while not out_dir.exists():   # the run makes the folders it writes into
+        out_dir = out_dir.parent
     for ok, flag in ((all(c >= 1 for c in args.contexts), f"--contexts {args.contexts}: prompt lengths must be >= 1"),
                      (all(c >= 1 for c in args.concurrency), f"--concurrency {args.concurrency}: must be >= 1 each"),
                      (all(0 <= b <= MAX_BUDGET for b in args.budgets),
@@ -254,7 +256,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                      (args.warmup_tokens >= 0, f"--warmup-tokens {args.warmup_tokens}: must be >= 0"),
                      (args.vocab_high >= 2, f"--vocab-high {args.vocab_high}: must be >= 2"),
                      (out_dir.is_dir() and os.access(out_dir, os.W_OK), f"--out {args.out}: {out_dir} is no directory "
-                                                                         "this process can write")):
+                                                                         "this process can write in")):
         if not ok:   # before a stack starts or a cell runs
             print(f"ddtree bench: {flag}", file=sys.stderr)
             return 2

@@ -366,8 +366,9 @@ def test_bench_mistakes_are_one_line(monkeypatch, capsys, tmp_path) -> None:
                           (["--budgets", "8", "200"], "--budgets [8, 200]: must be in 0..128")):
         assert cli.main(["bench", "--address", "127.0.0.1:1", "--out", out, *flags]) == 2
         assert capsys.readouterr().err == f"ddtree bench: {needle}\n"
-    assert cli.main(["bench", "--address", "127.0.0.1:1", "--out", str(tmp_path / "no" / "m.json")]) == 2
-    assert "is no directory this process can write" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")
+    assert cli.main(["bench", "--address", "127.0.0.1:1", "--out", str(tmp_path / "a-file" / "sub" / "m.json")]) == 2
+    assert f"{tmp_path / 'a-file'} is no directory this process can write in" in capsys.readouterr().err
 
 
 def test_make_checkpoint_says_what_is_wrong_in_one_line(capsys, tmp_path) -> None:
