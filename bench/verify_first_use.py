@@ -58,9 +58,9 @@ from bench.empty_triton_cache import kernels_in_cache   # before triton's first 
 import torch
 
 from bench.common import write_result
+from services.common.settings import MAX_BUDGET, VerifierSettings
 from services.verifier.engine import WARMUP_BATCHES, PrefillInput, StepOutcome, VerifierEngine
 from services.verifier.graphs import NODE_BUCKETS
-from services.common.settings import MAX_BUDGET, VerifierSettings
 from services.verifier.sampling import Sampling
 from services.verifier.server import build_engine
 

@@ -101,16 +101,18 @@ def _check_before_start(role: str, settings) -> None:
     check_port_free(settings.host, settings.metrics_port, f"{role}.metrics_port")
 
 
-def _end(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL after ``grace_s``, to a process still running."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def _end(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM to each still running, then SIGKILL to what is left after ``grace_s`` (together)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def wait_healthy(address: str, proc: subprocess.Popen, name: str, timeout_s: float,
@@ -369,22 +371,13 @@ class Stack:
                     if failed[svc.name] > max_restarts:
                         raise RuntimeError(f"{svc.name} failed its start-up {failed[svc.name]} times in a row "
                                            f"({exc}); not restarting it again") from None
-                    _end(svc.proc)   # one still starting past its time: ended, so the next round starts it anew
+                    if svc.proc is not None and svc.proc.poll() is None:   # still starting past its time: ended
+                        _end([svc.proc], grace_s=10.0)
                     report(f"{svc.name} restart failed: {exc}")
             time.sleep(poll_s)
 
     def stop(self, grace_s: float = 30.0) -> None:
-        running = [s.proc for s in reversed(self.services) if s.proc is not None]
-        for proc in running:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in running:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _end([s.proc for s in reversed(self.services) if s.proc is not None], grace_s)
         for svc in self.services:
             svc.proc = None
 
