@@ -110,15 +110,18 @@ def random_trees(engine: VerifierEngine, rids: list[str], nodes: int,
 
 
 def eager_shapes(engine: VerifierEngine, count: int, most_batch: int, g: torch.Generator) -> list[tuple[int, int]]:
-    """``count`` random (trees, nodes) step shapes that no captured graph bucket holds: what the
-    warm-up's MoE step sweep must have covered for them to compile nothing."""
-    shapes: list[tuple[int, int]] = []
-    while len(shapes) < count:
-        b = int(torch.randint(1, most_batch + 1, (1,), generator=g))
-        t = int(torch.randint(1, MAX_BUDGET + 2, (1,), generator=g))
-        if engine.graphs is None or engine.graphs.bucket_for(b, t) is None:
-            shapes.append((b, t))
-    return shapes
+    """``count`` random (trees, nodes) step shapes, up to ``most_batch`` trees, that no captured
+    graph bucket holds: what the warm-up's MoE step sweep must have covered for them to compile
+    nothing. Drawn from every such shape, so buckets that hold them all are an error, not a loop."""
+    if count <= 0:
+        return []
+    eager = [(b, t) for b in range(1, most_batch + 1) for t in range(1, MAX_BUDGET + 2)
+             if engine.graphs is None or engine.graphs.bucket_for(b, t) is None]
+    if not eager:
+        raise SystemExit(f"--eager-steps: the graph buckets hold every step of up to {most_batch} trees of up to "
+                         f"{MAX_BUDGET + 1} nodes; pass --graph-batches / --graph-nodes that leave some eager")
+    picks = torch.randint(0, len(eager), (count,), generator=g).tolist()
+    return [eager[i] for i in picks]
 
 
 def k2_slice_engine(layers: int, settings: VerifierSettings) -> tuple[VerifierEngine, list[int], float]:
@@ -170,6 +173,7 @@ def main() -> None:
         drafter = json.loads((Path(args.model) / "drafter" / "config.json").read_text())
         layers = drafter["dflash_config"]["target_layer_ids"]
     torch.cuda.synchronize()
+    eager = eager_shapes(engine, args.eager_steps, max(WARMUP_BATCHES), g)   # before the calls: a refusal comes early
     start_entries = len(kernels_in_cache())
     rows.append({"row": "startup", "seconds": round(time.perf_counter() - t0, 2), **model_seconds, "cache_entries": start_entries,
                  **memory(), "graphs": [list(k) for k in engine.graphs.captured] if engine.graphs else []})
@@ -223,8 +227,6 @@ def main() -> None:
     torch.cuda.synchronize()
     rows.append({"row": "after_prefills", **memory()})
     save(False)
-    most_batch = max(WARMUP_BATCHES)
-    eager = eager_shapes(engine, args.eager_steps, most_batch, g)
     rids = [f"r{i}" for i in range(max(*batches, ONE_TOKEN_STEPS, *(b for b, _ in eager)))]
     prompts = [torch.randint(2, engine.vocab_size, (16,), generator=g).tolist() for _ in rids]
     timed(lambda: engine.prefill([PrefillInput(r, pr, Sampling(), reserve_tokens=RESERVE) for r, pr in zip(rids, prompts)]))

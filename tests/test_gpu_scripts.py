@@ -235,3 +235,33 @@ def test_eager_first_use_finds_every_dense_weight(tmp_path: Path) -> None:
         assert id(t) in found
     moe = next(layer.moe for layer in model.layers if layer.moe is not None)
     assert id(moe.gate_weight) in found and id(moe.int4["down_proj"].packed) in found
+
+
+def test_first_use_eager_steps_are_shapes_no_bucket_holds() -> None:
+    """``--eager-steps`` draws steps the graphs leave eager; buckets that hold every step are refused
+    (it looped for good on the default buckets, which hold every step of up to 128 trees)."""
+    import torch
+
+    from bench.verify_first_use import eager_shapes
+    from services.verifier.graphs import VerifyGraphs
+
+    class Buckets:
+        def __init__(self, batches: tuple[int, ...], nodes: tuple[int, ...]) -> None:
+            self.batch_buckets, self.node_buckets = batches, nodes
+
+        bucket_for = VerifyGraphs.bucket_for
+
+    class Engine:
+        graphs: Buckets | None = Buckets((1, 8), (1, 9))
+
+    g = torch.Generator().manual_seed(0)
+    shapes = eager_shapes(Engine(), 40, 64, g)
+    assert len(shapes) == 40 and all(1 <= b <= 64 and 1 <= t <= 129 for b, t in shapes)
+    assert all(b > 8 or t > 9 for b, t in shapes)
+    assert len(set(shapes)) > 30   # drawn, not one shape repeated
+    Engine.graphs = None   # eager engine: any shape
+    assert len(eager_shapes(Engine(), 5, 4, g)) == 5
+    Engine.graphs = Buckets((1, 128), (1, 129))
+    with pytest.raises(SystemExit, match="hold every step"):
+        eager_shapes(Engine(), 3, 64, g)
+    assert eager_shapes(Engine(), 0, 64, g) == []
