@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -137,8 +138,58 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+# The SDK's argument names as `ddtree generate`'s flags, for its refusals of a flag's value.
+_GENERATE_FLAGS = {"timeout_s": "--timeout", "tls_ca": "--tls-ca", "tls_server_name": "--tls-server-name",
+                   "token": "--token", "max_tokens": "--max-tokens", "temperature": "--temperature",
+                   "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed", "budget": "--budget",
+                   "stop_token_ids": "--stop-token-ids", "stop": "--stop", "prompt": "--prompt"}
+# gRPC target schemes an address may carry; other "scheme://" forms (http://) are no gRPC target.
+_TARGET_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:")
+
+
+def _address_error(address: str) -> str | None:
+    """Why ``--address`` is no HOST:PORT, or None: gRPC took "http://host:1" and "host" (port
+    443) and failed later with UNAVAILABLE, which read as "is it running?"."""
+    if address.startswith(_TARGET_SCHEMES):
+        return None
+    if "://" in address:
+        return f"--address takes HOST:PORT, not a URL: {address!r}"
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return f"--address must be HOST:PORT (e.g. 127.0.0.1:50051), got {address!r}"
+    return None
+
+
+def _refused(message: str) -> str:
+    """A refusal of the client's, led by the flag of the first argument it names."""
+    for word in re.findall(r"[a-z_]+", message):
+        if word in _GENERATE_FLAGS:
+            return f"{_GENERATE_FLAGS[word]}: {message}"
+    return message
+
+
+def _unavailable_hint(args: argparse.Namespace, details: str) -> str:
+    """What to check when no scheduler answered: the TLS set-up where its handshake failed, the
+    host where it was not found, else whether a scheduler runs there at all."""
+    low = details.lower()
+    if args.tls_ca is not None and any(w in low for w in ("handshake", "certificate", "ssl", "hostname verification")):
+        return ("the TLS handshake failed: does --tls-ca hold the CA that signed the scheduler's certificate, "
+                "and does that certificate name the host (else --tls-server-name NAME)?")
+    if any(w in low for w in ("dns", "resolve", "domain name")):
+        return f"the host of --address {args.address} was not found"
+    plain = " in plaintext" if args.tls_ca is None else ""
+    hint = "is it running (ddtree up)" + (", or does it speak TLS (--tls-ca FILE)" if args.tls_ca is None else "")
+    return f"no scheduler answered at {args.address}{plain}: {hint}?"
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from services.scheduler.client import Client, ClientError
+    """Exit status: 0 done; 1 the call failed (no scheduler, a failure or deadline on the way: may
+    work later); 2 a flag or the request is refused as given (here, or INVALID_ARGUMENT /
+    OUT_OF_RANGE from the server: fix it, do not retry); 130 Ctrl-C; 141 the output's reader went."""
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")   # gRPC's own handshake log lines beside the message
+    import grpc
+
+    from services.scheduler.client import Client, ClientError, Completion
 
     prompt: str | list[int] = args.prompt
     if args.token_ids:
@@ -154,6 +205,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"ddtree generate: --stop-token-ids must be comma-separated integers, got {args.stop_token_ids!r}",
               file=sys.stderr)
         return 2
+    bad_address = _address_error(args.address)
+    if bad_address:
+        print(f"ddtree generate: {bad_address}", file=sys.stderr)
+        return 2
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   seed=args.seed, budget=args.budget, mode=args.mode, stop=args.stop or (), stop_token_ids=stop_ids,
                   ignore_eos=args.ignore_eos, timeout_s=args.timeout)
@@ -162,17 +217,35 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     # Tokens streamed without text: a scheduler without a tokenizer sends only ids. It took the
     # prompt as ids then; a text prompt that went in means it has one, and empty text is the output.
     ids: list[int] = []
+
+    def flush_ids() -> None:
+        nonlocal started
+        if not started and ids:
+            print(",".join(map(str, ids)), end="")
+            started = True
     try:
-        with Client(args.address, tls_ca=args.tls_ca, token=args.token, tls_server_name=args.tls_server_name) as client:
+        client = Client(args.address, tls_ca=args.tls_ca, token=args.token, tls_server_name=args.tls_server_name)
+    except ClientError as exc:   # a flag the client cannot use: nothing was sent
+        print(f"ddtree generate: {_refused(exc.message)}", file=sys.stderr)
+        return 2
+    try:
+        with client:
+            try:
+                chunks = client.stream(prompt, **kwargs)   # checks every argument; sends nothing yet
+            except ClientError as exc:
+                print(f"ddtree generate: {_refused(exc.message)}", file=sys.stderr)
+                return 2
             if args.json:
-                out = client.generate(prompt, **kwargs)
+                out = Completion()
+                for chunk in chunks:
+                    out.add(chunk)
                 usage = out.usage.__dict__ if out.usage else None
                 print(json.dumps({"request_id": out.request_id, "text": out.text, "token_ids": out.token_ids,
                                   "acceptance_lengths": out.acceptance_lengths,
                                   "mean_acceptance": out.mean_acceptance, "finish_reason": out.finish_reason,
                                   "usage": usage}))
             else:
-                for chunk in client.stream(prompt, **kwargs):
+                for chunk in chunks:
                     answered = True
                     if chunk.text:
                         started = True
@@ -183,11 +256,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                         ids += chunk.token_ids
                     if chunk.finish_reason == "stop" and not started and ids:
                         ids.pop()   # the stop or end-of-sequence id: never part of the output, as in the text
-                if not started and ids:
-                    print(",".join(map(str, ids)), end="")
+                flush_ids()
                 print()
     except KeyboardInterrupt:   # leaving the client's block cancelled the request
-        if started or ids:
+        flush_ids()   # the ids received so far are the output so far, as text would be
+        if started:
             print()
         print("ddtree generate: interrupted", file=sys.stderr)
         return 130
@@ -195,16 +268,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit's flush
         return 141   # as a process that SIGPIPE ended
     except ClientError as exc:
-        if not started and ids:
-            print(",".join(map(str, ids)), end="")
-            started = True
+        flush_ids()
         if started:
             print()  # end the partial output's line before the error
         print(f"ddtree generate: {exc.code.name}: {exc.message}", file=sys.stderr)
-        if exc.code.name == "UNAVAILABLE" and not answered and not _answers(args):
-            hint = "is it running (ddtree up)" + (", or does it speak TLS (--tls-ca FILE)" if args.tls_ca is None else "")
-            print(f"ddtree generate: no scheduler answered at {args.address}"
-                  f"{' in plaintext' if args.tls_ca is None else ''}: {hint}?", file=sys.stderr)
+        if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+            return 2
+        if exc.code == grpc.StatusCode.UNAVAILABLE and not answered and not _answers(args):
+            print(f"ddtree generate: {_unavailable_hint(args, exc.message)}", file=sys.stderr)
         return 1
     return 0
 

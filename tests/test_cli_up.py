@@ -316,6 +316,85 @@ def test_generate_hints_only_where_no_scheduler_answers_and_hides_a_stop_id(monk
     assert capsys.readouterr().out == "5,6\n"
 
 
+def test_generate_refuses_a_flag_it_cannot_use_with_status_2_naming_the_flag(capsys, tmp_path) -> None:
+    """These exited 1, as a failed call does, naming the SDK's argument (timeout_s) and not the
+    flag; an address gRPC cannot dial read as "is it running?"."""
+    for argv, needle in ((["--timeout", "0"], "--timeout: timeout_s must be a positive number"),
+                         (["--timeout", "-1"], "--timeout: timeout_s"),
+                         (["--temperature", "1e-50"], "--temperature: temperature = 1e-50 is sent as a float32"),
+                         (["--max-tokens", "5000000000"], "--max-tokens: cannot send this request (max_tokens)"),
+                         (["--tls-ca", str(tmp_path / "none.pem")], "--tls-ca: tls_ca: cannot read"),
+                         (["--tls-server-name", "api.example"], "--tls-server-name: tls_server_name"),
+                         (["--token", "é"], "--token: token must be text of printable ASCII"),
+                         (["--address", "http://127.0.0.1:1"], "--address takes HOST:PORT, not a URL"),
+                         (["--address", "localhost"], "--address must be HOST:PORT"),
+                         (["--address", "host:port"], "--address must be HOST:PORT")):
+        assert cli.main(["generate", "--prompt", "x", "--address", "127.0.0.1:1", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and "is it running" not in err, (argv, err)
+    for address in ("[::1]:1", "unix:/tmp/none.sock", "dns:///127.0.0.1:1"):   # gRPC targets: dialled (nothing there)
+        assert cli.main(["generate", "--prompt", "x", "--address", address, "--timeout", "2"]) == 1, address
+        capsys.readouterr()
+
+
+def test_generate_exits_2_for_the_servers_refusal_and_1_for_a_failure(monkeypatch, capsys) -> None:
+    """A request refused as given is not worth a retry; a failed call may work later."""
+    def failing(code: grpc.StatusCode, message: str):
+        class Refused(_FakeClient):
+            def stream(self, prompt, **kwargs):
+                raise ClientError(code, message)
+                yield
+
+            def model_info(self):
+                return object()
+        return Refused
+    for code, status in ((grpc.StatusCode.INVALID_ARGUMENT, 2), (grpc.StatusCode.OUT_OF_RANGE, 2),
+                         (grpc.StatusCode.RESOURCE_EXHAUSTED, 1), (grpc.StatusCode.DEADLINE_EXCEEDED, 1),
+                         (grpc.StatusCode.INTERNAL, 1)):
+        monkeypatch.setattr("services.scheduler.client.Client", failing(code, "budget must be in 1..128"))
+        assert cli.main(["generate", "--prompt", "x", "--budget", "200"]) == status, code
+        assert f"{code.name}: budget must be in 1..128" in capsys.readouterr().err
+
+
+def test_generate_interrupted_prints_the_token_ids_received(monkeypatch, capsys) -> None:
+    """Ctrl-C threw the ids away (an error printed them): the output so far is the ids so far."""
+    class Interrupted(_FakeClient):
+        def stream(self, prompt, **kwargs):
+            yield _chunk([5], "")
+            yield _chunk([6, 7], "")
+            raise KeyboardInterrupt
+    monkeypatch.setattr("services.scheduler.client.Client", Interrupted)
+    assert cli.main(["generate", "--prompt", "1,2", "--token-ids"]) == 130
+    out = capsys.readouterr()
+    assert out.out == "5,6,7\n" and "interrupted" in out.err
+
+
+def test_generate_hints_at_the_tls_set_up_or_the_host_from_the_failure(monkeypatch, capsys) -> None:
+    """A handshake that failed, or a host not found, said "is it running (ddtree up)?"."""
+    def unanswered(details: str):
+        class Unanswered(_FakeClient):
+            def stream(self, prompt, **kwargs):
+                raise ClientError(grpc.StatusCode.UNAVAILABLE, details)
+                yield
+
+            def model_info(self):
+                raise ClientError(grpc.StatusCode.UNAVAILABLE, details)
+        return Unanswered
+    cases = ((["--tls-ca", "ca.pem"], "failed to connect: Ssl handshake failed: CERTIFICATE_VERIFY_FAILED",
+              "the TLS handshake failed: does --tls-ca hold the CA"),
+             (["--tls-ca", "ca.pem"], "Hostname Verification Check failed", "else --tls-server-name NAME"),
+             (["--address", "nosuchhost.invalid:5"], "DNS resolution failed for nosuchhost.invalid:5",
+              "the host of --address nosuchhost.invalid:5 was not found"),
+             ([], "failed to connect to all addresses; last error: Connection refused",
+              "no scheduler answered at 127.0.0.1:50051 in plaintext: is it running (ddtree up)"))
+    for argv, details, hint in cases:
+        monkeypatch.setattr("services.scheduler.client.Client", unanswered(details))
+        assert cli.main(["generate", "--prompt", "x", *argv]) == 1
+        err = capsys.readouterr().err
+        assert hint in err, (details, err)
+        assert ("is it running" in err) == (not argv), err
+
+
 def test_up_checks_files_and_ports_of_every_service_before_starting_any(tmp_path) -> None:
     """A scheduler's TLS file it cannot read, or a metrics port in use, failed start-up only once
     the scheduler started, after the verifier had loaded; a drafter directory without a checkpoint,

@@ -446,3 +446,88 @@ def test_a_request_that_does_not_parse_gets_invalid_argument_and_the_server_goes
     with Client(server.address) as c:   # undisturbed
         assert c.generate(IDS, max_tokens=2, ignore_eos=True, timeout_s=5).token_ids == [5, 5]
         assert c.abort("nobody") is False
+
+
+def test_a_client_error_survives_pickling_as_a_process_pool_sends_it() -> None:
+    """Its default reduction rebuilt it from the one formatted string: a pool worker that raised it
+    broke the pool (TypeError: missing 'message')."""
+    import copy
+    import pickle
+
+    err = ClientError(grpc.StatusCode.UNAVAILABLE, "no scheduler")
+    for back in (pickle.loads(pickle.dumps(err)), copy.copy(err)):
+        assert (type(back), back.code, back.message, str(back)) == (ClientError, err.code, err.message, str(err))
+
+
+def test_an_unknown_finish_reason_is_named_not_a_key_error() -> None:
+    """A newer server's reason: a KeyError escaped from inside the stream's read."""
+    assert sdk._chunk(scheduler_pb2.GenerateResponse(finish_reason=97)).finish_reason == "unknown(97)"
+    assert sdk._chunk(scheduler_pb2.GenerateResponse()).finish_reason is None
+    assert sdk._chunk(scheduler_pb2.GenerateResponse(finish_reason=scheduler_pb2.FINISH_REASON_STOP)).finish_reason \
+        == "stop"
+
+
+def test_a_deadline_gRPC_cannot_hold_is_refused_by_name(server) -> None:
+    """Above ~9.2e9 s the deadline overflows gRPC's nanoseconds: the call failed at once with an
+    unnamed DEADLINE_EXCEEDED, nothing sent."""
+    with Client(server.address) as c:
+        with pytest.raises(ClientError, match="timeout_s must be a positive number of seconds up to") as info:
+            c.stream(IDS, timeout_s=1e12)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        out = c.generate(IDS, max_tokens=2, ignore_eos=True, timeout_s=sdk.MAX_TIMEOUT_S)   # the largest: works
+        assert out.token_ids == [5, 5]
+
+
+def test_threads_sharing_one_stream_each_take_the_next_chunk(server) -> None:
+    """Two reads at once made gRPC raise a raw ValueError in one thread, which closed the stream:
+    the others saw a clean end although the request was cut."""
+    got: list[int] = []
+    errors: list[BaseException] = []
+    with Client(server.address) as c, c.stream(IDS, max_tokens=60, ignore_eos=True) as s:
+        def read() -> None:
+            try:
+                for chunk in s:
+                    got.extend(chunk.token_ids)
+            except BaseException as exc:   # noqa: BLE001 - any error is the finding
+                errors.append(exc)
+        threads = [threading.Thread(target=read) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert not errors and len(got) == 60
+
+
+def test_abort_refuses_an_id_that_is_not_text(server) -> None:
+    """abort(5) raised a raw TypeError; abort(None) looked for "" and said False."""
+    with Client(server.address) as c:
+        for bad in (5, None, b"x"):
+            with pytest.raises(ClientError, match="request_id must be text") as info:
+                c.abort(bad)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_an_async_client_is_refused_outside_its_event_loop(server) -> None:
+    """Made outside a running loop, or used from another, gRPC failed with RuntimeErrors ("attached
+    to a different loop", "Event loop is closed")."""
+    with pytest.raises(ClientError, match="inside a running event loop") as info:
+        AsyncClient(server.address)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+    async def make() -> AsyncClient:
+        return AsyncClient(server.address)
+    client = asyncio.run(make())
+
+    async def use_elsewhere() -> None:
+        with pytest.raises(ClientError, match="another event loop"):
+            await client.generate(IDS, max_tokens=1)
+        with pytest.raises(ClientError, match="another event loop"):
+            client.stream(IDS, max_tokens=1)
+        with pytest.raises(ClientError, match="another event loop"):
+            await client.abort("x")
+    asyncio.run(use_elsewhere())
+
+    async def in_its_loop() -> list[int]:
+        async with AsyncClient(server.address) as c:
+            return (await c.generate(IDS, max_tokens=2, ignore_eos=True)).token_ids
+    assert asyncio.run(in_its_loop()) == [5, 5]

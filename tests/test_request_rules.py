@@ -240,6 +240,16 @@ def test_acceptance_counts_only_the_tokens_returned(cut) -> None:
     (dict(prompt="x", top_p=1e-50), "top_p = 1e-50 is sent as a float32 and would arrive as 0.0"),
     (dict(prompt="x", temperature=1e-50), "temperature = 1e-50 is sent as a float32 and would arrive as 0.0"),
     (dict(prompt="x", temperature=1e39), r"temperature = 1e\+39 is sent as a float32 and would arrive as inf"),
+    # a bool would go out as 1 / 0; protobuf's own refusals named no argument ("bad argument type")
+    (dict(prompt="x", temperature=True), "temperature must be a number, not True"),
+    (dict(prompt="x", top_k=2.5), "top_k must be an integer, not 2.5"),
+    (dict(prompt="x", max_tokens=None), "max_tokens must be an integer, not None"),
+    (dict(prompt="x", budget=None), "budget must be an integer, not None"),
+    (dict(prompt="x", seed=True), "seed must be an integer or None, not True"),
+    (dict(prompt="x", request_id=5), "request_id must be text, not 5"),
+    (dict(prompt="x", request_id=None), "request_id must be text, not None"),
+    (dict(prompt="x", stop=[None]), "stop: each stop must be text, got None"),
+    (dict(prompt="x", stop=["a", 3]), "stop: each stop must be text, got 3"),
 ])
 def test_the_sdk_refuses_what_it_would_misread(kwargs, needle) -> None:
     """Bytes passed as integers (b"hello" went out as token ids 104, 101, ...); the others raised

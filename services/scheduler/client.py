@@ -18,6 +18,7 @@ import asyncio
 import enum
 import math
 import numbers
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +31,8 @@ __all__ = ["Client", "AsyncClient", "Stream", "AsyncStream", "ClientError", "Chu
 
 _MODES = {"ddtree": common_pb2.MODE_DDTREE, "autoregressive": common_pb2.MODE_AUTOREGRESSIVE, None: 0}
 _FINISH = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in scheduler_pb2.FinishReason.items()}
+# Past this a deadline overflows gRPC's int64 nanoseconds (~9.2e9 s) and fails the call at once.
+MAX_TIMEOUT_S = 1e9
 
 # abort()'s deadline where neither the call nor the client names one: an abort is one short call, and
 # without a deadline one to a server that stopped answering (a frozen process) waited forever.
@@ -49,10 +52,18 @@ _UNSET = _Unset.UNSET
 
 
 class ClientError(Exception):
+    """A call's failure: ``code`` (a `grpc.StatusCode`) and ``message`` (the server's details, or
+    the client's reason where nothing was sent)."""
+
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+
+    def __reduce__(self) -> tuple:
+        # Pickled as its two fields: a process pool's worker that raised it broke the pool
+        # (Exception's default rebuilds from args, the one formatted string).
+        return type(self), (self.code, self.message)
 
 
 @dataclass
@@ -105,9 +116,9 @@ class Completion:
         self.usage = chunk.usage or self.usage
 
 
-def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
-                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, budget: int = 0,
-                  mode: str | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float | None = 0.0,
+                  top_p: float | None = 1.0, top_k: int | None = 0, seed: int | None = None, budget: int = 0,
+                  mode: str | None = None, stop: str | Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                   ignore_eos: bool = False, request_id: str = "") -> scheduler_pb2.GenerateRequest:
     """A GenerateRequest; `prompt` is text or a list of token ids; budget 0 = server default.
     `stop` is one string or several. Raises `ClientError` (INVALID_ARGUMENT) naming the argument
@@ -117,7 +128,12 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, tempera
         raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"mode must be 'ddtree' or 'autoregressive', not {mode!r}")
     if not isinstance(ignore_eos, bool):
         raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"ignore_eos must be True or False, not {ignore_eos!r}")
+    _check_types(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, budget=budget, max_tokens=max_tokens,
+                 request_id=request_id)
     stops = [stop] if isinstance(stop, str) else _listed("stop", stop)
+    for x in stops:
+        if not isinstance(x, str):
+            raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"stop: each stop must be text, got {x!r}")
     stop_token_ids = _listed("stop_token_ids", stop_token_ids)
     texts = [prompt] if isinstance(prompt, str) else []
     ids = [] if isinstance(prompt, str) else _listed("prompt", prompt)
@@ -149,6 +165,26 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, tempera
     return req
 
 
+_NUMBERS = {"temperature": (numbers.Real, "a number"), "top_p": (numbers.Real, "a number"),
+            "top_k": (numbers.Integral, "an integer"), "seed": (numbers.Integral, "an integer or None"),
+            "budget": (numbers.Integral, "an integer"), "max_tokens": (numbers.Integral, "an integer")}
+
+
+def _check_types(**values: object) -> None:
+    """Each sampling or size argument of its kind, a bool never (True would be sent as 1), and
+    ``request_id`` text: protobuf's own refusal names no argument ("bad argument type")."""
+    for name, value in values.items():
+        if name == "request_id":
+            if not isinstance(value, str):
+                raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id must be text, not {value!r}")
+            continue
+        if value is None and name in ("temperature", "top_p", "top_k", "seed"):
+            continue   # the server's default
+        kind, want = _NUMBERS[name]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be {want}, not {value!r}")
+
+
 def _listed(name: str, value) -> list:
     """``value`` (None: nothing, except for the prompt) as a list: any iterable but text and bytes,
     which would otherwise pass as characters or as token ids (b"hi" is [104, 105])."""
@@ -176,7 +212,15 @@ def _chunk(msg: scheduler_pb2.GenerateResponse) -> Chunk:
                       mean_acceptance=u.mean_acceptance)
     return Chunk(request_id=msg.request_id, token_ids=list(msg.token_ids), text=msg.text,
                  acceptance_lengths=list(msg.acceptance_lengths),
-                 finish_reason=_FINISH[msg.finish_reason] if msg.finish_reason else None, usage=usage)
+                 finish_reason=_finish(msg.finish_reason), usage=usage)
+
+
+def _finish(value: int) -> str | None:
+    """The finish reason's name; a newer server's reason this client does not know as
+    ``"unknown(N)"`` (a KeyError from inside the stream's read before)."""
+    if not value:
+        return None
+    return _FINISH.get(value, f"unknown({value})")
 
 
 def _error(exc: grpc.RpcError) -> ClientError:
@@ -190,9 +234,10 @@ def _timeout(value: object) -> float | None:
     if value is None:
         return None
     if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
-            or value <= 0):
+            or value <= 0 or value > MAX_TIMEOUT_S):
         raise ClientError(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"timeout_s must be a positive number of seconds or None (no deadline), not {value!r}")
+                          f"timeout_s must be a positive number of seconds up to {MAX_TIMEOUT_S:g}, or None "
+                          f"(no deadline), not {value!r}")
     return float(value)
 
 
@@ -254,17 +299,25 @@ class Stream(Iterator[Chunk]):
     while waiting (Ctrl-C) end it. A stream left early goes on decoding on the server, holding a
     batch slot and KV, until it is closed: `for chunk in c.stream(...): break` closes it as the
     loop drops the stream, but one kept in a variable lives as long as the variable, so use
-    `with c.stream(...) as s:` or call `s.close()`."""
+    `with c.stream(...) as s:` or call `s.close()`.
+
+    Threads may share one stream: each read takes the next chunk (reads wait their turn; gRPC's
+    call failed two at once with a ValueError and ended the stream for the others)."""
 
     def __init__(self, start: Callable[[], grpc.Call]) -> None:
         self._start = start
         self._call: grpc.Call | None = None
         self._closed = False
+        self._reading = threading.Lock()
 
     def __iter__(self) -> Stream:
         return self
 
     def __next__(self) -> Chunk:
+        with self._reading:
+            return self._next()
+
+    def _next(self) -> Chunk:
         if self._closed:
             raise StopIteration
         try:
@@ -371,6 +424,12 @@ def _cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
+def _abort_request(request_id: str) -> scheduler_pb2.AbortRequest:
+    if not isinstance(request_id, str):   # protobuf's TypeError, or None read as "", found nothing
+        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id must be text, not {request_id!r}")
+    return scheduler_pb2.AbortRequest(request_id=request_id)
+
+
 def _check_open(closed: bool) -> None:
     if closed:  # gRPC's own error here is a ValueError or its UsageError, not a status
         raise ClientError(grpc.StatusCode.FAILED_PRECONDITION, "this client is closed")
@@ -441,8 +500,8 @@ class Client(_Calls):
         self._closed = True
         self._channel.close()
 
-    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, budget: int = 0,
+    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float | None = 0.0,
+               top_p: float | None = 1.0, top_k: int | None = 0, seed: int | None = None, budget: int = 0,
                mode: str | None = None, stop: str | Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                ignore_eos: bool = False, request_id: str = "",
                timeout_s: float | None | _Unset = _UNSET) -> Stream:
@@ -451,7 +510,7 @@ class Client(_Calls):
         prompt: text (the server tokenizes it) or a list of token ids.
         max_tokens: the most tokens to generate (fewer where the context ends first: "length").
         temperature: 0 is greedy; else between 1e-6 and 1e4. top_p, top_k: nucleus and top-k cuts
-            of the sampled distribution (1.0 and 0: none).
+            of the sampled distribution (1.0 and 0: none). None leaves one unset: greedy, no cut.
         seed: reproduces a sampled output for the same prompt, parameters, mode and budget; None: random.
         budget: draft-tree nodes a verify step, 1..128; 0: the server's default.
         mode: "ddtree" (speculative) or "autoregressive" (a token a step); None: the server's default.
@@ -483,8 +542,8 @@ class Client(_Calls):
             return self._stub.Generate(req, timeout=timeout, wait_for_ready=self.wait_for_ready, metadata=self._md)
         return Stream(start)
 
-    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, budget: int = 0,
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float | None = 0.0,
+                 top_p: float | None = 1.0, top_k: int | None = 0, seed: int | None = None, budget: int = 0,
                  mode: str | None = None, stop: str | Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                  ignore_eos: bool = False, request_id: str = "",
                  timeout_s: float | None | _Unset = _UNSET) -> Completion:
@@ -506,7 +565,7 @@ class Client(_Calls):
         _check_open(self._closed)
         timeout = self._short_deadline(timeout_s, "abort")
         try:
-            return self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), timeout=timeout,
+            return self._stub.Abort(_abort_request(request_id), timeout=timeout,
                                     wait_for_ready=self.wait_for_ready, metadata=self._md).found
         except grpc.RpcError as exc:
             raise _error(exc) from None
@@ -525,15 +584,34 @@ class Client(_Calls):
 
 class AsyncClient(_Calls):
     """The asyncio twin of `Client` (the same arguments and errors), for many concurrent streams
-    from one process."""
+    from one process. Make it inside the event loop that uses it (in a coroutine: `async with
+    AsyncClient(...) as c:`), and use it in that loop only: its channel belongs to one loop, and
+    elsewhere gRPC failed with RuntimeErrors ("attached to a different loop", "Event loop is
+    closed"). Both are refused with `ClientError` FAILED_PRECONDITION."""
 
     def __init__(self, address: str, timeout_s: float | None = None, wait_for_ready: bool = False, *,
                  tls_ca: str | bytes | None = None, token: str | None = None,
                  tls_server_name: str | None = None) -> None:
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise ClientError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "AsyncClient must be made inside a running event loop (in a coroutine), "
+                              "the one that uses it") from None
         super().__init__(timeout_s, wait_for_ready, tls_ca, token, tls_server_name)
         self._channel = (grpc.aio.secure_channel(address, self._creds, self._options) if self._creds
                          else grpc.aio.insecure_channel(address, self._options))
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+
+    def _check_usable(self) -> None:
+        _check_open(self._closed)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not self._loop:
+            raise ClientError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "this AsyncClient belongs to another event loop: make one in each loop that uses it")
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -545,8 +623,8 @@ class AsyncClient(_Calls):
         self._closed = True
         await self._channel.close()
 
-    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, budget: int = 0,
+    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float | None = 0.0,
+               top_p: float | None = 1.0, top_k: int | None = 0, seed: int | None = None, budget: int = 0,
                mode: str | None = None, stop: str | Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                ignore_eos: bool = False, request_id: str = "",
                timeout_s: float | None | _Unset = _UNSET) -> AsyncStream:
@@ -554,19 +632,19 @@ class AsyncClient(_Calls):
         reading), not a coroutine: it returns an `AsyncStream` at once, for `async for`. A stream
         kept in a variable is cancelled when it is closed: `async with c.stream(...) as s:` or
         `await s.aclose()`; else it runs on the server until the variable goes."""
-        _check_open(self._closed)
+        self._check_usable()
         req = build_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, budget=budget, mode=mode, stop=stop, stop_token_ids=stop_token_ids,
                             ignore_eos=ignore_eos, request_id=request_id)
         timeout = self._deadline(timeout_s)
 
         def start() -> grpc.aio.UnaryStreamCall:
-            _check_open(self._closed)
+            self._check_usable()
             return self._stub.Generate(req, timeout=timeout, wait_for_ready=self.wait_for_ready, metadata=self._md)
         return AsyncStream(start, lambda: self._closed)
 
-    async def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
-                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None, budget: int = 0,
+    async def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float | None = 0.0,
+                       top_p: float | None = 1.0, top_k: int | None = 0, seed: int | None = None, budget: int = 0,
                        mode: str | None = None, stop: str | Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                        ignore_eos: bool = False, request_id: str = "",
                        timeout_s: float | None | _Unset = _UNSET) -> Completion:
@@ -582,17 +660,17 @@ class AsyncClient(_Calls):
 
     async def abort(self, request_id: str, *, timeout_s: float | _Unset = _UNSET) -> bool:
         """`Client.abort` for asyncio: bounded by `timeout_s` the same way."""
-        _check_open(self._closed)
+        self._check_usable()
         timeout = self._short_deadline(timeout_s, "abort")
         try:
-            return (await self._stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), timeout=timeout,
+            return (await self._stub.Abort(_abort_request(request_id), timeout=timeout,
                                            wait_for_ready=self.wait_for_ready, metadata=self._md)).found
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
     async def model_info(self, *, timeout_s: float | _Unset = _UNSET) -> common_pb2.ModelInfo:
         """`Client.model_info` for asyncio."""
-        _check_open(self._closed)
+        self._check_usable()
         timeout = self._short_deadline(timeout_s, "model_info")
         try:
             return await self._stub.GetModelInfo(common_pb2.GetModelInfoRequest(),
