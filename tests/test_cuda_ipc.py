@@ -136,3 +136,22 @@ def test_reader_refuses_refs_outside_the_ring(monkeypatch) -> None:
         ref.slot.slot, ref.slot.offset, ref.slot.nbytes, ref.slot.sequence = slot, offset, nbytes, 1
         with pytest.raises(ValueError, match=needle):
             reader.read(bundle)
+
+
+def test_a_write_that_fails_holds_no_slot(monkeypatch) -> None:
+    """An unsupported dtype, or a copy that raised, kept the slot it took: two such writes and the
+    ring was full for good (every later step inline, or RingFull on the draft)."""
+    writer, reader = _host_ring(monkeypatch, slots=2, slot_bytes=4096)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="dtype"):
+            writer.write({"ok": torch.ones(4), "bad": torch.ones(100, dtype=torch.complex64)})
+    assert writer.slots_in_use == 0
+
+    class _Broken:
+        def synchronize(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Broken())
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            writer.write({"x": torch.ones(64)})
+    assert writer.slots_in_use == 0

@@ -291,3 +291,49 @@ def test_tensor_bytes_are_the_tensors_bytes_in_c_order() -> None:
               torch.randint(-9, 9, (11,), generator=g, dtype=torch.int32),
               base[:, ::3], base.half(), base.bfloat16()[1:4], base > 0):
         assert tensor_bytes(t) == _as_bytes(t).numpy().tobytes() == t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+_VIEWS_OUTLIVE_CLOSE = """
+import gc, sys, torch
+from services.common.transport import make_reader, make_writer
+w = make_writer("shm", 1 << 16, 2, "ddt-test")
+r = make_reader("shm", w.ring_name, w.slot_bytes, w.num_slots)
+x = torch.arange(4096, dtype=torch.int64)
+view = r.read(w.write({"x": x}))["x"]
+r.close(); w.close(); del r, w; gc.collect()
+print(int(view.sum()) == int(x.sum()), torch.equal(view, x))
+view2 = view[::2].clone(); del view; gc.collect()
+print(torch.equal(view2, x[::2]))
+"""
+
+
+def test_views_outlive_the_reader_and_writer_that_made_them() -> None:
+    """Closing (or collecting) a reader unmapped its ring under the views it had returned: the
+    next read of one was a SIGSEGV with no traceback. Run apart: that would end pytest itself."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "protos")])}
+    result = subprocess.run([sys.executable, "-c", _VIEWS_OUTLIVE_CLOSE], capture_output=True, env=env, timeout=60)
+    assert result.returncode == 0, (result.returncode, result.stderr.decode()[-2000:])
+    assert result.stdout.decode().split() == ["True", "True", "True"]
+    assert b"leaked" not in result.stderr
+
+
+def test_a_ring_loses_its_name_once_its_reader_has_attached() -> None:
+    """Named, a ring leaked in /dev/shm (the host's, with ipc: host) whenever its owner died with
+    its resource tracker (a container's kill, a process group's). Once attached, both sides map
+    it by then: the name goes, the ring goes on working, and closing it is quiet."""
+    writer = make_writer("shm", slot_bytes=4096, num_slots=2, name_prefix="ddt-test")
+    name = writer.ring_name
+    reader = make_reader("shm", name, writer.slot_bytes, writer.num_slots)
+    assert (SHM_DIR / name).exists()
+    writer.attached()
+    assert not (SHM_DIR / name).exists()
+    writer.attached()   # idempotent
+    for i in range(5):   # slots reused, both mappings intact
+        bundle = writer.write({"x": torch.arange(10) * i})
+        assert torch.equal(reader.read(bundle)["x"], torch.arange(10) * i)
+        writer.release([bundle_slot(bundle)])
+    with pytest.raises(FileNotFoundError):
+        make_reader("shm", name, writer.slot_bytes, writer.num_slots)   # nothing else can find it now
+    reader.close()
+    writer.close()
+    make_writer("inline").attached()   # other kinds have no name to drop

@@ -499,3 +499,78 @@ def test_with_ranks_a_verify_call_carries_its_trees_not_the_ring_they_lie_in() -
     peer = verifier_server._Peer("d", InlineWriter(), Reader())
     servicer._verify(peer, verifier_pb2.VerifyRequest(sequence=1, verify_ids=["a"]))
     assert sizes and sizes[0] < 64 * 1024, sizes
+
+
+def test_both_rings_lose_their_names_once_the_stream_is_open() -> None:
+    """A named ring outlived an owner killed with its resource tracker (a container's kill) in
+    /dev/shm; once both ends map both rings, neither needs its name."""
+    import os
+
+    async def scenario() -> tuple[str, str, list[bool]]:
+        async with _prefill_link(Metrics("verifier")) as (servicer, client):
+            prefill = verifier_pb2.PrefillItem(request_id="a", token_ids=[1, 2, 3], reserve_tokens=16)
+            reply = await client.step([prefill], [], None, [])
+            peer = next(iter(servicer._peers.values()))
+            names = (client._writer.ring_name, peer.writer.ring_name)
+            again = await client.step([], [], None, ["a"])   # the rings go on working
+            return names, [reply.features.shape == (3, HIDDEN), again.response is not None]
+
+    (draft_ring, verifier_ring), ok = asyncio.run(scenario())
+    assert draft_ring and verifier_ring and ok == [True, True]
+    assert draft_ring not in os.listdir("/dev/shm") and verifier_ring not in os.listdir("/dev/shm")
+
+
+@pytest.mark.parametrize("side", ["verifier", "draft"])
+def test_a_ring_that_cannot_be_made_for_want_of_gpu_memory_falls_back(monkeypatch, side) -> None:
+    """CUDA's out-of-memory is a RuntimeError, not the OSError of a full /dev/shm: the verifier's
+    handshake failed UNKNOWN on every retry, the draft's connect raised it raw."""
+    module = verifier_server if side == "verifier" else verifier_client
+    real = module.make_writer
+
+    def no_memory(kind: str, *args, **kwargs):
+        if kind == "shm":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 MiB")
+        return real(kind, *args, **kwargs)
+    monkeypatch.setattr(module, "make_writer", no_memory)
+    kind, writer_kind, peers, _, after = asyncio.run(_negotiate("cpu", "cpu", transport="auto"))
+    assert (kind, writer_kind, list(peers.values())) == ("inline", "inline", ["inline"]) and after == (0, 0)
+    if side == "draft":   # the only kind offered: a status that says why
+        async def only_shm() -> None:
+            server, _, _, address = await _serve("cpu")
+            try:
+                client = VerifierClient(address, "shm", ring_slots=2, ring_slot_bytes=8192, device="cpu")
+                with pytest.raises(ServiceError, match="cannot make a shm ring: CUDA out of memory") as info:
+                    await client.connect([1, 2], HIDDEN, VOCAB)
+                assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            finally:
+                await server.stop(None)
+        asyncio.run(only_shm())
+
+
+def test_a_ring_fault_on_the_draft_ends_the_stream_as_a_lost_step() -> None:
+    """A full draft ring (RingFull) or a reply the draft cannot read (ValueError) escaped
+    `VerifierClient.step` raw: the draft engine, which fails its requests on ServiceError, left
+    the stream open and the requests to fail later on a root they no longer had."""
+    from services.common.transport import RingFull
+
+    async def scenario() -> list[tuple[grpc.StatusCode, str, bool]]:
+        seen = []
+        for fault in ("write", "read"):
+            async with _prefill_link(Metrics("verifier")) as (servicer, client):
+                def raise_(*args, fault=fault):
+                    raise RingFull("every slot is held") if fault == "write" else ValueError("stale message")
+                if fault == "write":
+                    client._writer.write = raise_
+                else:
+                    client._reader.read = raise_
+                prefill = verifier_pb2.PrefillItem(request_id="a", token_ids=[1, 2], reserve_tokens=16)
+                trees = {"tokens": torch.arange(3)} if fault == "write" else None
+                with pytest.raises(ServiceError) as info:
+                    await client.step([prefill], [], trees, [])
+                seen.append((info.value.code, info.value.message, client.connected))
+        return seen
+
+    (w_code, w_msg, w_open), (r_code, r_msg, r_open) = asyncio.run(scenario())
+    assert (w_code, r_code) == (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE)
+    assert "draft ring: every slot is held" in w_msg and "unreadable verifier reply: stale message" in r_msg
+    assert not w_open and not r_open

@@ -178,6 +178,7 @@ class CudaIpcWriter(RingWriter):
         before the sync below in every case (a cross-GPU copy makes this device's stream wait on it)."""
         layout, cursor = [], 0
         for name, t in tensors.items():
+            _dtype_name(t.dtype)   # an unsupported dtype is refused before a slot is taken
             cursor = _round_up(cursor, ALIGNMENT)
             layout.append((name, t, cursor))
             cursor += t.nbytes
@@ -187,7 +188,8 @@ class CudaIpcWriter(RingWriter):
         small_host = cursor <= INLINE_HOST_BYTES and all(not t.is_cuda for t in tensors.values())
         if cursor == 0 or cursor > self._slot_bytes or small_host:   # nothing to share, too big, or tiny
             if cursor > self._slot_bytes:
-                self.inline_fallbacks += 1
+                with self._lock:
+                    self.inline_fallbacks += 1
             for name, t in tensors.items():
                 bundle.tensors.add(name=name, dtype=_dtype_name(t.dtype), shape=tuple(t.shape),
                                    inline_data=tensor_bytes(t))
@@ -196,14 +198,18 @@ class CudaIpcWriter(RingWriter):
             if self._buf is None:
                 raise RuntimeError("cuda_ipc ring is closed")
             slot, sequence = self._ring.acquire()
-            row = self._buf[slot]                                                  # [slot_bytes]
-            for name, t, offset in layout:
-                nbytes = t.numel() * t.element_size()
-                dst = row[offset:offset + nbytes].view(t.dtype).view(t.shape)
-                dst.copy_(t, non_blocking=True)
-                ref = bundle.tensors.add(name=name, dtype=_dtype_name(t.dtype), shape=tuple(t.shape))
-                ref.slot.slot, ref.slot.offset, ref.slot.nbytes, ref.slot.sequence = slot, offset, nbytes, sequence
-            torch.cuda.current_stream(self._buf.device).synchronize()   # visible before the message leaves
+            try:
+                row = self._buf[slot]                                              # [slot_bytes]
+                for name, t, offset in layout:
+                    nbytes = t.numel() * t.element_size()
+                    dst = row[offset:offset + nbytes].view(t.dtype).view(t.shape)
+                    dst.copy_(t, non_blocking=True)
+                    ref = bundle.tensors.add(name=name, dtype=_dtype_name(t.dtype), shape=tuple(t.shape))
+                    ref.slot.slot, ref.slot.offset, ref.slot.nbytes, ref.slot.sequence = slot, offset, nbytes, sequence
+                torch.cuda.current_stream(self._buf.device).synchronize()   # visible before the message leaves
+            except BaseException:   # no message names the slot: a failed write held it for good
+                self._ring.release([slot])
+                raise
         return bundle
 
     def close(self) -> None:

@@ -266,6 +266,9 @@ class TensorWriter(abc.ABC):
     def close(self) -> None:
         """Free the transport's resources; idempotent."""
 
+    def attached(self) -> None:
+        """The consumer has attached the ring: a name it was found by can go (shm unlinks it)."""
+
     def __enter__(self) -> TensorWriter:
         return self
 
@@ -391,21 +394,31 @@ def _attach_untracked(name: str) -> SharedMemory:
 
 
 def _close_segment(shm: SharedMemory, unlink: bool) -> None:
-    """Unmap (if no views remain) and optionally unlink; used as a weakref finaliser."""
-    try:
-        shm.close()
-    except BufferError:
-        pass  # zero-copy views still alive; the mapping goes when they do
+    """Closes the descriptor and drops this object's hold on the mapping, and optionally unlinks;
+    used as a weakref finaliser. The mapping is not unmapped here: the zero-copy views a reader
+    returned hold the segment's memoryview, which holds the mapping, and it goes with the last of
+    them. (``shm.close()`` unmapped it under live views, and the next read of one was a SIGSEGV:
+    ``torch.frombuffer`` takes no buffer export that would have made it refuse.)"""
+    shm._buf = None    # the memoryview: the views keep it (and through it the mmap) alive
+    shm._mmap = None
+    if shm._fd >= 0:
+        os.close(shm._fd)
+        shm._fd = -1
     if unlink:
+        _unlink_segment(shm)
+
+
+def _unlink_segment(shm: SharedMemory) -> None:
+    """Removes the segment's name (the mapping lives on where it is mapped)."""
+    if sys.version_info < (3, 13):
+        # An attached process sharing our tracker may have unregistered the name; re-register
+        # (idempotent) so unlink()'s own unregister does not make the tracker complain.
+        resource_tracker.register(_tracker_name(shm), "shared_memory")
+    try:
+        shm.unlink()
+    except FileNotFoundError:  # someone else unlinked it; just stop tracking the name
         if sys.version_info < (3, 13):
-            # An attached process sharing our tracker may have unregistered the name; re-register
-            # (idempotent) so unlink()'s own unregister does not make the tracker complain.
-            resource_tracker.register(_tracker_name(shm), "shared_memory")
-        try:
-            shm.unlink()
-        except FileNotFoundError:  # someone else unlinked it; just stop tracking the name
-            if sys.version_info < (3, 13):
-                resource_tracker.unregister(_tracker_name(shm), "shared_memory")
+            resource_tracker.unregister(_tracker_name(shm), "shared_memory")
 
 
 def _reserve(shm: SharedMemory, size: int) -> None:
@@ -452,8 +465,22 @@ class ShmWriter(RingWriter):
         # dead consumer is never handed out while a write into it is still copying.
         self._lock = threading.Lock()
         self._closed = False
+        self._named = True
         self.inline_fallbacks = 0
         self._finalizer = weakref.finalize(self, _close_segment, self._shm, True)
+
+    def attached(self) -> None:
+        """Unlinks the ring's name once the consumer has mapped it: both mappings live on, and a
+        kill that takes this process's resource tracker with it (a container's, a process
+        group's) leaves nothing behind in /dev/shm. Named until then, a ring leaked a crash, and
+        with ``ipc: host`` into the host's /dev/shm, until ENOSPC sent every stream inline."""
+        with self._lock:
+            if self._closed or not self._named:
+                return
+            self._named = False
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _close_segment, self._shm, False)
+        _unlink_segment(self._shm)
 
     def write(self, tensors: Mapping[str, torch.Tensor]) -> common_pb2.TensorBundle:
         placements, used = _plan(tensors)

@@ -115,12 +115,12 @@ class VerifierClient:
             try:
                 self._writer = make_writer(offer[0], self._ring_slot_bytes, self._ring_slots, "ddtree-draft",
                                            device=self.device)
-            except OSError as exc:   # e.g. /dev/shm has no room for the ring: the next kind, if any
+            except (OSError, RuntimeError) as exc:   # /dev/shm or the GPU has no room for the ring: the next kind, if any
+                why = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
                 if len(offer) == 1:
                     await self.close()
-                    raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       f"cannot make a {offer[0]} ring: {exc.strerror or exc}") from None
-                log.warning("ring_create_failed", transport=offer[0], error=exc.strerror or str(exc), fallback=offer[1])
+                    raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot make a {offer[0]} ring: {why}") from None
+                log.warning("ring_create_failed", transport=offer[0], error=why, fallback=offer[1])
                 offer = offer[1:]
                 continue
             try:
@@ -148,10 +148,14 @@ class VerifierClient:
                     await self.close()
                     raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                        f"cannot attach the verifier's {hs.transport} ring: {exc}") from None
+                # The designed path to a verifier on another host or IPC namespace, but also a
+                # permission or namespace mismatch a user would look for: say why.
+                log.info("ring_attach_failed", transport=hs.transport, error=str(exc), fallback=offer[1])
                 offer = offer[1:]   # the verifier drops the peer it made when we hand-shake again
                 self._writer.close()
                 continue
             break
+        self._writer.attached()   # the verifier mapped our ring in its handshake
         self._call = stub.VerifyStream(metadata=(("draft-id", self.draft_id),))
         self.handshake = hs
         return hs
@@ -180,7 +184,11 @@ class VerifierClient:
             torch.cuda.current_stream(self.device).synchronize()   # the last features are read
         self._sequence += 1
         before = self._writer.inline_fallbacks
-        bundle = self._writer.write(trees) if trees is not None else None
+        try:
+            bundle = self._writer.write(trees) if trees is not None else None
+        except RuntimeError as exc:   # RingFull (every slot held: the verifier releases none): start afresh
+            await self.close()
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"draft ring: {exc}") from None
         if self._writer.inline_fallbacks != before and self._on_inline_fallback is not None:
             self._on_inline_fallback()
         req = verifier_pb2.VerifyRequest(sequence=self._sequence, prefills=prefills, verify_ids=list(verify_ids),
@@ -205,11 +213,16 @@ class VerifierClient:
         if resp is grpc.aio.EOF or resp is None:
             await self.close()
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "verifier closed the stream")
-        self._writer.release(resp.released_slots)
         slot = bundle_slot(resp.features)
         if slot is not None:   # returned to the verifier with the next request, even if it reads badly here
             self._to_release.append(slot)
-        view = self._reader.read(resp.features)["features"]
+        try:
+            self._writer.release(resp.released_slots)
+            view = self._reader.read(resp.features)["features"]
+        except (ValueError, KeyError) as exc:   # a reply this draft cannot take: the step's state is the verifier's
+            # alone now, so the stream ends (the verifier drops this draft's requests) and the step fails as lost
+            await self.close()
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"unreadable verifier reply: {exc}") from None
         features = view if readable_in_place(view, self.device) else private_copy(view, self.device)   # [sum(committed), F]
         return VerifyReply(resp, features)
 

@@ -148,12 +148,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         try:
             writer = make_writer(kind, self.settings.ring_slot_bytes, self.settings.ring_slots, "ddtree-verifier",
                                  device=self.engine.model_device)
-        except OSError as exc:   # e.g. /dev/shm has no room for another ring: refused, not a crash
+        except (OSError, RuntimeError) as exc:   # /dev/shm or the GPU has no room for another ring: refused, not a crash
             reader.close()
+            why = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
             if len(usable) == 1:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot make a {kind} ring here: {exc.strerror or exc}")
-            log.warning("ring_create_failed", draft_id=request.draft_id, transport=kind, error=exc.strerror or str(exc),
-                        fallback=usable[1])
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot make a {kind} ring here: {why}")
+            log.warning("ring_create_failed", draft_id=request.draft_id, transport=kind, error=why, fallback=usable[1])
             return verifier_pb2.HandshakeResponse(transport=usable[1])   # the draft retries with that kind
         peer = _Peer(request.draft_id, writer, reader, owner=f"{request.draft_id}#{next(self._handshakes)}",
                      feature_layers=layers)
@@ -186,6 +186,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                 f"draft {draft_id}: a verify stream of this handshake is already open; "
                                 "hand-shake again to replace it")
         peer.streamed = True
+        peer.writer.attached()   # the draft mapped our ring before it opened this stream
         try:
             async for req in request_iterator:
                 t0 = time.perf_counter()
