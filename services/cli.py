@@ -28,11 +28,12 @@ __all__ = ["main"]
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from services.common.grpc_server import ServiceError
+    from services.common.grpc_server import ServiceError, watch_launcher_during_start_up
     from services.common.settings import (DraftSettings, SchedulerSettings, SettingsError, VerifierSettings,
                                           load_settings)
 
     usage_errors: tuple[type[Exception], ...] = (SettingsError,)
+    watch_launcher_during_start_up()
     try:
         if args.service != "scheduler":   # checkpoints need torch; the scheduler runs without it
             from services.common.checkpoint import CheckpointError

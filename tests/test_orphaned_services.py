@@ -83,3 +83,32 @@ def test_service_stops_when_its_launcher_is_killed() -> None:
 def test_stack_tells_each_service_its_launcher() -> None:
     plan = Stack(StackSpec(model_path="models/demo", scheduler_port=0))._plan()
     assert {s.env[PARENT_PID_ENV] for s in plan} == {str(os.getpid())}
+
+
+def test_a_service_still_starting_exits_when_its_launcher_is_gone() -> None:
+    """The launcher was watched only once a service served: one killed during a long start-up
+    (a model loading, a scheduler waiting for its draft) left it holding GPU memory and ports."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "protos")]),
+               DDTREE_SCHEDULER_PORT=str(port), DDTREE_SCHEDULER_DRAFT_ADDRESSES="127.0.0.1:1",
+               DDTREE_SCHEDULER_DRAFT_WAIT_S="120", DDTREE_SCHEDULER_TOKENIZER_PATH="")
+    env[PARENT_PID_ENV] = "1"   # a launcher that is not its parent: gone from the start
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "services.cli", "serve", "scheduler"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "launcher 1 gone during start-up: exiting" in run.stderr, run.stderr[-2000:]
+    assert time.monotonic() - t0 < 30   # not the 120 s its wait for a draft would have taken
+    env.pop(PARENT_PID_ENV)   # no launcher named: no watch, the wait runs (cut short here)
+    with subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "scheduler"], env=env, cwd=ROOT,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            proc.wait(5)
+            raise AssertionError(f"the scheduler ended without a launcher to watch: {proc.stderr.read()[-2000:]}")
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            proc.kill()

@@ -28,6 +28,10 @@ def test_file_env_and_overrides_layer_in_order(tmp_path):
     (SchedulerSettings, {"DDTREE_SCHEDULER_DEFAULT_MODE": "fast"}, "scheduler.default_mode"),
     (DraftSettings, {"DDTREE_DRAFT_WARMUP_BUDGETS": "8,200"}, "draft.warmup_budgets"),
     (DraftSettings, {"DDTREE_DRAFT_WARMUP_BUDGETS": "8,x"}, "DDTREE_DRAFT_WARMUP_BUDGETS"),
+    # TOML's list form in a variable: "'[1' is not a list of integers", "'[\"a:1\"' is not host:port"
+    (VerifierSettings, {"DDTREE_VERIFIER_FEATURE_LAYERS": "[1, 3, 4]"}, "a list in an environment variable is "
+     "comma-separated"),
+    (SchedulerSettings, {"DDTREE_SCHEDULER_DRAFT_ADDRESSES": '["a:1", "b:2"]'}, "e.g. 1,2,4 or host:1,host:2"),
 ])
 def test_bad_settings_name_the_field(cls, env, needle):
     with pytest.raises(SettingsError, match=needle.replace(".", r"\.")):

@@ -241,7 +241,8 @@ def test_messages_too_big_for_a_slot_go_inline_and_are_counted() -> None:
 
     async def scenario():
         metrics = Metrics("verifier")
-        counted = lambda: metrics.registry.get_sample_value("ddtree_ring_inline_fallbacks_total")  # noqa: E731
+        counted = lambda: metrics.registry.get_sample_value("ddtree_ring_inline_fallbacks_total",  # noqa: E731
+                                                            {"reason": "slot_too_small"})
         async with _prefill_link(metrics, on_inline_fallback=lambda: draft_fallbacks.append(1)) as (_, client):
             seen = []
             for rid, n in (("small", 4), ("big", 64), ("small2", 4)):   # 64 x 64 float32 = 16 KB > 8 KB

@@ -241,7 +241,8 @@ def test_features_go_inline_when_the_draft_holds_every_slot(ckpt):
             assert list(features.shape) == [3, svc.engine._feature_width]
             kinds.append(features.WhichOneof("payload"))
         assert kinds == ["slot", "slot", "inline_data"] and peer.writer.inline_fallbacks == 1
-        assert svc.metrics.ring_inline_fallbacks._value.get() == 1
+        fallbacks = svc.metrics.ring_inline_fallbacks
+        assert (fallbacks.labels("ring_full")._value.get(), fallbacks.labels("slot_too_small")._value.get()) == (1, 0)
 
 
 def test_two_handshakes_of_other_feature_layers_at_once_cannot_both_pass(ckpt):

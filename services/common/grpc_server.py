@@ -6,6 +6,8 @@ import asyncio
 import os
 import signal
 import socket
+import sys
+import threading
 from collections.abc import Callable, Iterable, Sequence
 
 import grpc
@@ -147,6 +149,29 @@ async def report_health(health_servicer: HealthServicer, service_full_names: Ite
                 get_logger("server").warning("not_serving", reason=why_not)
 
 
+_serving = threading.Event()   # serve_until_signal watches the launcher from here on
+
+
+def watch_launcher_during_start_up(poll_s: float = 1.0) -> None:
+    """Ends this process if the launcher named by ``DDTREE_PARENT_PID`` goes before the service
+    serves. A start-up (loading and warming up a model, waiting for a peer) runs before
+    ``serve_until_signal`` watches the launcher, and a launcher killed then left the service
+    holding its GPU memory and ports for minutes. Nothing is served yet, so nothing is drained."""
+    parent = os.environ.get(PARENT_PID_ENV, "")
+    if not parent.isdigit():
+        return
+    pid = int(parent)
+
+    def watch() -> None:
+        while not _serving.wait(poll_s):
+            if os.getppid() != pid:
+                try:
+                    print(f"launcher {pid} gone during start-up: exiting", file=sys.stderr, flush=True)
+                finally:
+                    os._exit(1)
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
 async def serve_until_signal(server: grpc.aio.Server, health_servicer: HealthServicer,
                              grace_s: float = 5.0, parent_poll_s: float = 1.0,
                              on_stop: Callable[[], None] | None = None) -> None:
@@ -159,6 +184,7 @@ async def serve_until_signal(server: grpc.aio.Server, health_servicer: HealthSer
     launcher would leave the services running, holding their ports and GPU memory. A service is
     re-parented when its launcher dies, which ``os.getppid()`` shows; PR_SET_PDEATHSIG would not do,
     as it fires when the launching *thread* exits, and test stacks start from worker threads."""
+    _serving.set()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -54,9 +54,12 @@ class Metrics:
         self.peers = Gauge("ddtree_transport_peers", "Draft replicas with a live verify stream", registry=r)
         self.ring_slots_in_use = Gauge("ddtree_ring_slots_in_use", "Shared-buffer slots peers have not released",
                                        registry=r)
-        self.ring_inline_fallbacks = Counter("ddtree_ring_inline_fallbacks", "Messages larger than a ring slot, "
-                                             "sent inside the gRPC message instead (raise ring_slot_bytes if this "
-                                             "grows)", registry=r)
+        self.ring_inline_fallbacks = Counter(
+            "ddtree_ring_inline_fallbacks", "Messages sent inside the gRPC message instead of a ring slot, by reason: "
+            "slot_too_small (raise ring_slot_bytes if this grows), ring_full (the peer held every slot: raise "
+            "ring_slots)", ["reason"], registry=r)
+        for reason in ("slot_too_small", "ring_full"):   # both exported from the start, at 0
+            self.ring_inline_fallbacks.labels(reason)
         self.gpu_memory_allocated = Gauge("ddtree_gpu_memory_allocated_bytes",
                                           "Bytes of live tensors on this service's GPU (torch allocator)", registry=r)
         self.service = service

@@ -123,7 +123,7 @@ async def serve(settings: DraftSettings) -> None:
              target_layer_ids=list(proposer.target_layer_ids))
     client = VerifierClient(settings.verifier_address, settings.transport, settings.ring_slots,
                             settings.ring_slot_bytes, device=str(device), step_timeout_s=settings.verifier_step_timeout_s,
-                            on_inline_fallback=metrics.ring_inline_fallbacks.inc)
+                            on_inline_fallback=metrics.ring_inline_fallbacks.labels("slot_too_small").inc)
     if device.type == "cuda" and settings.cuda_graphs:
         pool = proposer.enable_graphs(settings.graph_rows, settings.graph_context)
         log.info("propose_graphs_on", rows=settings.graph_rows, context=settings.graph_context,

@@ -345,12 +345,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         before = peer.writer.inline_fallbacks
         try:
             bundle = peer.writer.write({"features": features})
+            inline = "slot_too_small" if peer.writer.inline_fallbacks != before else None
         except RingFull:   # the draft holds every slot: the step is committed, its features must still reach it
             log.warning("ring_full", draft_id=peer.draft_id, slots=peer.writer.num_slots)
             bundle = InlineWriter().write({"features": features})
             peer.writer.inline_fallbacks += 1
-        if peer.writer.inline_fallbacks != before:
-            self.metrics.ring_inline_fallbacks.inc()
+            inline = "ring_full"
+        if inline is not None:
+            self.metrics.ring_inline_fallbacks.labels(inline).inc()
         if features.shape[0]:
             self.metrics.step_ms.labels("features").observe((time.perf_counter() - t_write) * 1e3)
         self._observe()
