@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -321,9 +322,10 @@ def test_a_call_that_fails_on_rank_0_with_ranks_ends_the_group() -> None:
     engine = SimpleNamespace(model_device=torch.device("cpu"), verify=refuse, prefill=lambda items: "ok")
     ranks = Ranks()
     group = EngineGroup(engine, ranks, on_failure=reasons.append)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ServiceError) as failed:   # what the stream ends with: UNAVAILABLE naming it (was INTERNAL)
         group.call("prefill", [])
     assert len(reasons) == 1 and "rank 0's prefill failed" in reasons[0] and "pair closure" in reasons[0]
+    assert (failed.value.code, failed.value.message) == (grpc.StatusCode.UNAVAILABLE, reasons[0])
     with pytest.raises(RuntimeError):
         group.heartbeat()
     assert "rank 0's heartbeat failed" in reasons[1]
@@ -331,6 +333,12 @@ def test_a_call_that_fails_on_rank_0_with_ranks_ends_the_group() -> None:
     with pytest.raises(ServiceError):
         group.call("verify", [])
     assert group.call("prefill", []) == "ok" and len(reasons) == 2
+    group.stop()   # the workers were told to stop: a call would broadcast to ranks that left
+    with pytest.raises(ServiceError, match="the verifier group is stopping") as stopping:
+        group.call("prefill", [])
+    assert stopping.value.code == grpc.StatusCode.UNAVAILABLE
+    group.heartbeat()   # nothing to keep awake
+    group.stop()        # once
     alone = EngineGroup(engine, SimpleNamespace(enabled=False), on_failure=reasons.append)
     with pytest.raises(ZeroDivisionError):   # one rank: an engine error is the step's, not the group's
         engine.prefill = lambda items: 1 / 0
@@ -361,3 +369,69 @@ def test_the_verifier_stops_its_start_and_its_other_workers_when_a_worker_exits(
     assert info.value.message == "verifier rank 1 exited with code 3 before the verifier group was joined"
     assert time.monotonic() - t0 < 30
     assert [p.poll() for p in spawned] == [3, -signal.SIGTERM]
+
+
+_DIES_WHILE_RANK_0_WARMS_UP = """
+import asyncio, subprocess, sys, time
+from services.common.settings import VerifierSettings
+from services.verifier import server
+
+spawned = []
+def fake_spawn(settings, config_path, init_method):
+    spawned.extend([subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1); raise SystemExit(7)"]),
+                    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])])
+    print("workers", *[p.pid for p in spawned], flush=True)
+    return spawned
+
+class Joined:   # the group formed: what is left is rank 0's load and warm-up
+    enabled = True
+    def __init__(self, *args, **kwargs): pass
+
+server.spawn_workers = fake_spawn
+server.master_store = lambda n: type("Store", (), {"port": 1})()
+server.TensorParallel = Joined
+server.build_engine = lambda settings, tp: time.sleep(120)   # a collective the dead rank never joins
+asyncio.run(server.serve(VerifierSettings(tp=3, port=0)))
+"""
+
+
+def test_a_worker_that_dies_while_rank_0_warms_up_ends_the_start_at_once(tmp_path) -> None:
+    """Rank 0 watched its workers only while the group formed and once it served: one that died in
+    between (its KV cache did not fit, the warm-up ran out of memory) left rank 0 in a collective
+    until NCCL's timeout (an abort and a crash dump) or, in the one-shot all-reduce, for good."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                       str(Path(__file__).resolve().parents[1] / "protos")]))
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", _DIES_WHILE_RANK_0_WARMS_UP], env=env, capture_output=True,
+                         text=True, timeout=90)
+    took = time.monotonic() - t0
+    assert run.returncode == 3, (run.returncode, run.stderr[-2000:])
+    assert "verifier rank 1 exited with code 7 during the verifier's start-up" in run.stderr, run.stderr[-2000:]
+    assert took < 30
+    other = int(run.stdout.split()[2])
+    with pytest.raises(ProcessLookupError):   # the worker still running was stopped, not left waiting
+        os.kill(other, 0)
+
+
+def test_workers_take_rank_0s_settings_not_their_own_reading() -> None:
+    """Each worker read the config file and environment itself: a file changed while the group
+    started gave the ranks other KV caches, out of step at the first long prompt."""
+    from services.common.settings import VerifierSettings
+    from services.verifier.ranks import SETTINGS_ENV, settings_from_json, settings_json, spawn_workers
+
+    s = VerifierSettings(tp=2, kv_capacity_tokens=12345, graph_batches=(1, 3), feature_layers=(2, 0),
+                         warmup_budgets=(), device="cpu")
+    assert settings_from_json(settings_json(s)) == s
+    seen = {}
+
+    class Popen:
+        def __init__(self, cmd, **kwargs):
+            seen["env"] = kwargs["env"]
+    import services.verifier.ranks as ranks
+    real = ranks.subprocess.Popen
+    ranks.subprocess.Popen = Popen
+    try:
+        spawn_workers(s, None, "tcp://127.0.0.1:1")
+    finally:
+        ranks.subprocess.Popen = real
+    assert settings_from_json(seen["env"][SETTINGS_ENV]) == s

@@ -155,6 +155,36 @@ def test_a_bundle_of_more_nodes_than_its_trees_may_hold_is_refused_before_its_wa
     assert after["a"][0] == grpc.StatusCode.OK
 
 
+def test_a_malformed_bundle_is_refused_before_its_call_goes_to_the_other_ranks(ckpt):
+    """The shapes were checked inside the engine, on every rank, after the call was broadcast: with
+    ranks a bundle of millions of nodes was pickled to each (onto every GPU with NCCL) first."""
+    svc = servicer(ckpt)
+    calls: list[str] = []
+    call = svc.group.call
+    svc.group.call = lambda method, *args: (calls.append(method), call(method, *args))[1]
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        assert svc._step(peer, prefill(1, "a")).prefills[0].error_code == 0
+        bad = verify(2, [("a", *chain(svc.engine._requests["a"].pending, 3))])
+        bad.verify_ids.append("b")   # two trees named, one sent
+        resp = svc._step(peer, bad)
+        big = svc._step(peer, verify(3, [("a", *chain(svc.engine._requests["a"].pending, 10 * MAX_BUDGET))]))
+    assert calls == ["prefill"]   # neither verify was broadcast
+    assert outcome(resp)["a"][0] == grpc.StatusCode.INVALID_ARGUMENT and "expected 2 trees" in outcome(resp)["a"][1]
+    assert outcome(big)["a"][0] == grpc.StatusCode.INVALID_ARGUMENT and "a tree has at most" in outcome(big)["a"][1]
+
+
+def test_a_draft_naming_a_feature_layer_twice_is_refused(ckpt):
+    """Each name widens every step's features and the graphs' outputs: a drafter naming many (a
+    recapture out of memory) ended a tensor-parallel group on every hand-shake."""
+    async def run():
+        async with serving(servicer(ckpt)) as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Handshake(hello(ckpt, "d1", layers=[1, 1, 1, 1]))
+            return info.value
+    err = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "name a layer twice" in err.details()
+
+
 def test_a_request_of_another_draft_stream_is_not_found_there(ckpt):
     """Releases were scoped to the draft that admitted a request; its trees and prompt pieces were
     not, so a stale stream could advance a request another draft now holds."""

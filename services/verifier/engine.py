@@ -101,6 +101,9 @@ class VerifierEngine:
         if bad:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"feature_layer_ids {bad} outside the target's {n} layers")
+        if len(set(layer_ids)) != len(layer_ids):   # each one widens every step's features and the graphs' outputs
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"feature_layer_ids {list(layer_ids)} name a layer twice")
 
     def set_feature_layers(self, layer_ids: Sequence[int]) -> None:
         self.check_feature_layers(layer_ids)

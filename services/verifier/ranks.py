@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+import grpc
 
 from services.common.devices import current
 from services.common.grpc_server import ServiceError
@@ -33,6 +37,19 @@ log = get_logger("verifier")
 
 _STOP = "__stop__"
 _NOOP = "__noop__"
+# Rank 0's settings, as the workers must use them: each read the config file and environment
+# itself, and a file changed while the group started gave ranks other KV caches (out of step at the
+# first long prompt, SERVING until then).
+SETTINGS_ENV = "DDTREE_VERIFIER_RANK0_SETTINGS"
+
+
+def settings_json(settings: VerifierSettings) -> str:
+    return json.dumps(dataclasses.asdict(settings))
+
+
+def settings_from_json(text: str) -> VerifierSettings:
+    fields = json.loads(text)
+    return VerifierSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
 
 
 class EngineGroup:
@@ -47,32 +64,43 @@ class EngineGroup:
         # collective that timed out closes its connections; a call only rank 0 failed leaves the
         # workers a call ahead). It stayed up and SERVING, failing every handshake and step.
         self.on_failure = on_failure
+        self.stopped = False
 
     def call(self, method: str, *args: Any) -> Any:
+        """Runs ``method`` on every rank. Raises what the engine raises; with ranks, a failure
+        that leaves the group out of step is UNAVAILABLE naming it (it was a bare INTERNAL)."""
+        if self.stopped:   # the workers were told to stop: a broadcast now would wait for no one
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the verifier group is stopping")
         try:
             self._broadcast((method, args))
             return getattr(self.engine, method)(*args)
         except ServiceError:   # refused input: every rank refused it alike (see worker_loop)
             raise
         except Exception as exc:
-            self._failed(method, exc)
+            if reason := self._failed(method, exc):
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, reason) from exc
             raise
 
     def heartbeat(self) -> None:
         """A call that does nothing. Workers wait for rank 0's next call in a broadcast, a
         collective that fails after `verifier.tp_timeout_s` like any other: an idle group (no
         draft, no request) ended itself every minute. Rank 0 sends this while idle (`keep_awake`)."""
-        if self.tp.enabled:
+        if self.tp.enabled and not self.stopped:
             try:
                 self._broadcast((_NOOP, ()))
             except Exception as exc:
                 self._failed("heartbeat", exc)
                 raise
 
-    def _failed(self, method: str, exc: Exception) -> None:
-        if self.tp.enabled and self.on_failure is not None:
-            self.on_failure(f"verifier ranks out of step: rank 0's {method} failed "
-                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
+    def _failed(self, method: str, exc: Exception) -> str | None:
+        """Reports a failure that ends the group (with ranks), and returns why; None alone."""
+        if not self.tp.enabled:
+            return None
+        reason = (f"verifier ranks out of step: rank 0's {method} failed "
+                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
+        if self.on_failure is not None:
+            self.on_failure(reason)
+        return reason
 
     def _broadcast(self, call: tuple[str, tuple]) -> None:
         if not self.tp.enabled:
@@ -82,7 +110,8 @@ class EngineGroup:
         self.last_call = time.monotonic()
 
     def stop(self) -> None:
-        if self.tp.enabled:
+        if self.tp.enabled and not self.stopped:
+            self.stopped = True
             self._broadcast((_STOP, ()))
 
 
@@ -116,7 +145,8 @@ def spawn_workers(settings: VerifierSettings, config_path: str | None, init_meth
         cmd += ["--config", config_path]
     # Own session: a Ctrl-C or a signal to rank 0's process group reaches rank 0 only, which stops
     # the workers in order (stop broadcast); PR_SET_PDEATHSIG still ends them if rank 0 dies.
-    return [subprocess.Popen(cmd + ["--rank", str(r)], start_new_session=True) for r in range(1, settings.tp)]
+    env = {**os.environ, SETTINGS_ENV: settings_json(settings)}
+    return [subprocess.Popen(cmd + ["--rank", str(r)], start_new_session=True, env=env) for r in range(1, settings.tp)]
 
 
 def first_exit(procs: list[subprocess.Popen]) -> str | None:
@@ -185,7 +215,8 @@ def worker_main(argv: list[str] | None = None) -> int:
         # for: it would wait for its group to form for minutes, holding its GPU.
         print(f"verifier rank {args.rank}: rank 0 (pid {args.parent_pid}) is gone; exiting", file=sys.stderr)
         return 1
-    settings = load_settings(VerifierSettings, args.config)
+    rank0 = os.environ.pop(SETTINGS_ENV, "")
+    settings = settings_from_json(rank0) if rank0 else load_settings(VerifierSettings, args.config)
     configure_logging(f"verifier-rank{args.rank}", settings.json_logs)
     tp = TensorParallel(args.rank, settings.tp, args.init_method, backend=backend_for(settings),
                         timeout_s=settings.tp_timeout_s, device=rank_device(settings.device, args.rank))

@@ -14,6 +14,7 @@ import itertools
 import os
 import secrets
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -33,7 +34,7 @@ from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import SettingsError, VerifierSettings
 from services.common.transport import (InlineWriter, RingFull, TensorReader, TensorWriter, bundle_slot, make_reader,
                                        make_writer)
-from services.verifier.engine import ItemOutcome, PrefillInput, StepOutcome, VerifierEngine
+from services.verifier.engine import ItemOutcome, PrefillInput, StepOutcome, VerifierEngine, tree_shape_error
 from services.verifier.kv_cache import PagedKVCache
 from services.verifier.model import TargetModel
 from services.verifier.parallel import TensorParallel, master_store
@@ -376,9 +377,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             error = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"the tree bundle lacks {missing}") if missing else None
         if error is None:
             args = [trees[k] for k in TREE_FIELDS]
+            # Here first, before the call goes to the other ranks: a bundle of millions of nodes was
+            # pickled to every rank (and onto every GPU, with NCCL) only for each to refuse it.
+            error = tree_shape_error(len(ids), *args)
+        if error is None:
             if self.settings.tp > 1:   # the call is pickled to the workers: a ring view would take its whole ring
                 args = [t.to("cpu", copy=True) for t in args]
-            try:   # the engine checks the trees' shapes before any collective, on every rank alike
+            try:   # the engine checks the trees' shapes before any collective too, on every rank alike
                 return self.group.call("verify", ids, *args, peer.owner)
             except ServiceError as exc:
                 error = exc
@@ -493,6 +498,19 @@ def warm_up(engine: VerifierEngine, settings: VerifierSettings) -> None:
              graphs=len(engine.graphs.captured) if engine.graphs is not None else 0)
 
 
+_FAILED_GROUP_EXIT_S = 30.0   # a group that lost a rank has this long to stop in order, then rank 0 exits
+
+
+def _end_start_up(reason: str, workers: list) -> None:
+    """A worker died after the group formed, while rank 0 still loads or warms up: rank 0 may sit
+    in a collective that waits for it (NCCL: until `tp_timeout_s`, then an abort and a crash
+    dump), so the start ends now, naming the rank; exit 3 as `ddtree serve` exits on UNAVAILABLE."""
+    log.error("rank_died", reason=reason, during="start-up")
+    print(f"ddtree serve verifier: UNAVAILABLE: {reason} during the verifier's start-up", file=sys.stderr, flush=True)
+    stop_workers(workers, grace_s=0.0)
+    os._exit(3)
+
+
 async def serve(settings: VerifierSettings, config_path: str | None = None) -> None:
     configure_logging("verifier", settings.json_logs)
     # Ports first: one that cannot be had fails start-up now, not after the weights load.
@@ -501,6 +519,7 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
     workers = []
     tp = TensorParallel(0, 1)
+    starting = None
     try:
         if settings.tp > 1:
             store = master_store(settings.tp)
@@ -508,10 +527,15 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
             tp = TensorParallel(0, settings.tp, backend=backend_for(settings), timeout_s=settings.tp_timeout_s,
                                 device=rank_device(settings.device, 0), peers_gone=lambda: first_exit(workers),
                                 store=store)
+            starting = watch_workers(workers, lambda reason: _end_start_up(reason, workers))
         engine = build_engine(settings, tp)
     except BaseException:
+        if starting is not None:
+            starting.set()   # this start-up's own end, not a rank's death
         stop_workers(workers, grace_s=0.0)   # the others would wait for this rank until their limits
         raise
+    if starting is not None:
+        starting.set()
     group = EngineGroup(engine, tp)
     server, health = new_server([verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name])
     servicer = VerifierServicer(group, settings, metrics)
@@ -530,6 +554,11 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
         log.error("rank_died", reason=reason)
         loop.call_soon_threadsafe(health.enter_graceful_shutdown)
         os.kill(os.getpid(), signal.SIGTERM)
+        # The shutdown joins threads that may sit in a collective no dead rank will finish (NCCL,
+        # the one-shot all-reduce): bounded, so the supervisor gets an exit to restart from.
+        deadline = threading.Timer(_FAILED_GROUP_EXIT_S, os._exit, (3,))
+        deadline.daemon = True   # an exit in order does not wait for it
+        deadline.start()
 
     group.on_failure = on_death
     watchdog = watch_workers(workers, on_death)
