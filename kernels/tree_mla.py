@@ -795,11 +795,24 @@ def choose_backend(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Ten
     return "triton"
 
 
+BACKENDS = ("hopper", "triton", "reference")
+
+
+def backend_from_env() -> str | None:
+    """``BACKEND_ENV``'s choice, or None. A misspelt one is refused naming the variable: it passed
+    to the warm-up, which compiled nothing for it, and failed at the first request."""
+    value = os.environ.get(BACKEND_ENV) or None
+    if value is not None and value not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={value!r}: must be 'hopper', 'triton' or 'reference' (or unset: chosen "
+                         "for the GPU)")
+    return value
+
+
 def resolve_backend(backend: str | None, q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Tensor) -> str:
     """``backend`` where given, else ``BACKEND_ENV``, else :func:`choose_backend`'s."""
     if backend is not None:
         return backend
-    return os.environ.get(BACKEND_ENV) or choose_backend(q_latent, q_pe, kv_cache, new_kv)
+    return backend_from_env() or choose_backend(q_latent, q_pe, kv_cache, new_kv)
 
 
 def tree_mla(

@@ -75,7 +75,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     for ok, flag in ((0 <= args.port < 65536, f"--port {args.port}: not a TCP port (0 = any free one)"),
                      (args.draft_replicas >= 1, f"--draft-replicas {args.draft_replicas}: must be >= 1"),
-                     (args.tp >= 0, f"--tp {args.tp}: must be >= 1 (or 0: the config's)"),
+                     (0 <= args.tp <= 8, f"--tp {args.tp}: must be 1..8 (or 0: the config's)"),
                      (args.startup_timeout > 0, f"--startup-timeout {args.startup_timeout:g}: must be > 0 seconds")):
         if not ok:
             print(f"ddtree up: {flag}", file=sys.stderr)

@@ -454,3 +454,10 @@ def test_make_checkpoint_says_what_is_wrong_in_one_line(capsys, tmp_path) -> Non
     assert cli.main(["make-checkpoint", str(tmp_path / "ckpt"), "--vocab-size", "10"]) == 2
     err = capsys.readouterr().err
     assert err == "ddtree make-checkpoint: vocab_size must be >= 258 (byte alphabet + special tokens), got 10\n"
+
+
+def test_up_refuses_a_tp_out_of_range_by_its_flag(capsys) -> None:
+    """`--tp 9` failed in the verifier's settings as `verifier.tp`, a name the command line never used."""
+    for tp in ("9", "-1"):
+        assert cli.main(["up", "--tp", tp]) == 2
+        assert f"--tp {tp}: must be 1..8 (or 0: the config's)" in capsys.readouterr().err

@@ -39,8 +39,10 @@ def test_services_and_commands_match_the_launcher(compose):
     assert set(services) == set(SETTINGS)
     for name, svc in services.items():
         assert svc["command"][0] == name and svc["command"][1:] == ["--config", "/etc/ddtree/ddtree.toml"]
-        assert svc["ipc"] == "host" and "shm_size" not in svc   # the host's /dev/shm (shm_size is ignored there)
-        assert "healthcheck" in svc
+        assert "shm_size" not in svc and "healthcheck" in svc
+    for name in ("draft", "verifier"):   # their rings in the host's /dev/shm (shm_size is ignored there)
+        assert services[name]["ipc"] == "host"
+    assert "ipc" not in services["scheduler"]   # the published one has no business in the host's IPC namespace
     for name in ("draft", "verifier"):
         devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"]

@@ -301,3 +301,22 @@ def test_ctrl_c_during_a_services_start_up_is_one_line(monkeypatch, capsys) -> N
     monkeypatch.setattr(cli, "_run_async", interrupted)
     assert cli.main(["serve", "scheduler"]) == 130
     assert capsys.readouterr().err == "ddtree serve scheduler: interrupted during start-up\n"
+
+
+def test_a_misspelt_tree_attention_backend_fails_the_verifiers_start_by_name(monkeypatch) -> None:
+    """`DDTREE_TREE_MLA_BACKEND=Hopper` passed the start-up, whose warm-up compiled nothing for
+    it, and failed the first request INTERNAL with a message that named no variable."""
+    import asyncio
+
+    from kernels.tree_mla import BACKEND_ENV, backend_from_env
+    from services.common.settings import SettingsError, VerifierSettings
+    from services.verifier.server import serve
+
+    monkeypatch.setenv(BACKEND_ENV, "Hopper")
+    with pytest.raises(SettingsError, match="DDTREE_TREE_MLA_BACKEND='Hopper': must be 'hopper', 'triton' or"):
+        asyncio.run(serve(VerifierSettings(port=0)))
+    for ok in ("hopper", "triton", "reference"):
+        monkeypatch.setenv(BACKEND_ENV, ok)
+        assert backend_from_env() == ok
+    monkeypatch.setenv(BACKEND_ENV, "")
+    assert backend_from_env() is None

@@ -26,6 +26,7 @@ import grpc
 import torch
 
 from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from kernels.tree_mla import backend_from_env
 from services.common.checkpoint import read_config, require_checkpoint
 from services.common.devices import pin_device
 from services.common.grpc_server import ServiceError, check_port_free, host_port, listen, new_server, serve_until_signal
@@ -515,6 +516,10 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     configure_logging("verifier", settings.json_logs)
     # Ports first: one that cannot be had fails start-up now, not after the weights load.
     check_port_free(settings.host, settings.port, "verifier.port")
+    try:
+        backend_from_env()
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
     metrics = Metrics("verifier")
     metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
     workers = []
