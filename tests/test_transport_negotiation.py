@@ -482,7 +482,8 @@ def test_with_ranks_a_verify_call_carries_its_trees_not_the_ring_they_lie_in() -
     from services.verifier.server import TREE_FIELDS
 
     ring = torch.zeros(1 << 22, dtype=torch.int64)            # 32 MiB of ring
-    trees = {k: ring[i * 16:(i + 1) * 16] for i, k in enumerate(TREE_FIELDS)}
+    ring[16:32], ring[32:48], ring[48] = torch.arange(-1, 15), torch.arange(16), 16   # one 16-node chain
+    trees = {k: ring[i * 16:i * 16 + (1 if k == "sizes" else 16)] for i, k in enumerate(TREE_FIELDS)}
     sizes = []
 
     class Group(_Group):

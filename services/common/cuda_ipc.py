@@ -20,6 +20,11 @@ peer a counter name that does not exist (torch's consumer-side release is best-e
 no-op), and `close()`, called when the stream ended and the peer reads nothing more, frees it.
 
 The handle travels as plain JSON (never pickle: a handshake is input from another process).
+
+Unlike `shm`, a slot carries no sequence header the reader could check (the header would be one
+more device read and sync a message): a message naming a slot that was released and rewritten is
+read as the new contents, not refused. The slot protocol (released only by the consumer, or all at
+once when its stream ended) is what keeps that from happening.
 """
 
 from __future__ import annotations
