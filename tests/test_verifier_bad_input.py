@@ -294,3 +294,17 @@ def test_two_handshakes_of_other_feature_layers_at_once_cannot_both_pass(ckpt):
     refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
     assert len(refused) == 1 and refused[0].code() == grpc.StatusCode.FAILED_PRECONDITION
     assert len(peers) == 1 and list(peers.values()) == [engine_layers]
+
+
+def test_features_travel_in_the_models_dtype(ckpt):
+    """A bf16 target's features went out as float32: twice the bytes through the ring or the gRPC
+    message, for values the drafter casts straight back."""
+    svc = servicer(ckpt, dtype="bfloat16")
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        resp = svc._step(peer, prefill(1, "a"))
+        ref = resp.features.tensors[0]
+        empty = svc._step(peer, verifier_pb2.VerifyRequest(sequence=2, release=["a"])).features.tensors[0]
+    assert resp.prefills[0].error_code == 0
+    assert (ref.dtype, list(ref.shape)) == ("bfloat16", [3, svc.engine._feature_width])
+    assert ref.slot.nbytes == 3 * svc.engine._feature_width * 2
+    assert empty.dtype == "bfloat16" and list(empty.shape) == [0, svc.engine._feature_width]

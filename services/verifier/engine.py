@@ -667,11 +667,14 @@ class VerifierEngine:
         return self.model(batch, self.cache, feature_layers=self.feature_layers)
 
     def cat_features(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """A step's features, [rows, F] float32 on the model's device ([0, F] when none)."""
+        """A step's features, [rows, F] in the model's dtype on the model's device ([0, F] when
+        none). Not widened to float32 for the wire: the drafter casts them to its own dtype anyway,
+        so a bf16 target's features sent as float32 cost twice the bytes through the ring (or the
+        gRPC message, whose 1 GiB cap a long prefill step's K2-width features came within 1.5x
+        of) for values a bf16 drafter rounds straight back."""
         if not parts:
-            return torch.empty(0, self._feature_width, dtype=torch.float32, device=self.model_device)
-        whole = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return whole.float()   # stays on the model's device (cuda_ipc shares it there)
+            return torch.empty(0, self._feature_width, dtype=self.model.dtype, device=self.model_device)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)   # stays on the model's device (cuda_ipc shares it there)
 
 
 def tree_shape_error(num_trees: int, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
