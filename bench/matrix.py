@@ -345,7 +345,7 @@ def stack_spec(p: MatrixParams, model: str, device: str, dtype: str, log_path: s
     """A stack that runs every cell unqueued: batch and queue hold the largest concurrency, the KV
     cache all its requests at the largest context, and the verifier's shared-buffer slots the
     features of one step (the scheduler admits at most `max_prefill_tokens` prompt tokens a step,
-    plus every request's tree; the verifier sends float32 features; a slot too small falls back to
+    plus every request's tree; the verifier sends features in the model's dtype; a slot too small falls back to
     inline gRPC bytes, slow). Returns the spec and the draft's and the scheduler's metrics addresses."""
     from services.draft.config import DraftConfig
 
@@ -353,7 +353,7 @@ def stack_spec(p: MatrixParams, model: str, device: str, dtype: str, log_path: s
     conc = max(p.concurrencies)
     kv_tokens = conc * _kv_tokens_per_request(p, drafter.block_size, page_size)
     rows = min(conc * max(p.contexts), SchedulerSettings().max_prefill_tokens) + conc * (max(p.budgets, default=0) + 1)
-    feature_bytes = rows * drafter.num_features * 4   # float32 on the wire, whatever the model dtype
+    feature_bytes = rows * drafter.num_features * (4 if dtype == "float32" else 2)   # the model's dtype on the wire
     metrics_port, scheduler_metrics_port = free_port(), free_port()
     env = {
         "DDTREE_VERIFIER_DEVICE": device, "DDTREE_DRAFT_DEVICE": device,

@@ -186,7 +186,8 @@ def _unavailable_hint(args: argparse.Namespace, details: str) -> str:
 def _cmd_generate(args: argparse.Namespace) -> int:
     """Exit status: 0 done; 1 the call failed (no scheduler, a failure or deadline on the way: may
     work later); 2 a flag or the request is refused as given (here, or INVALID_ARGUMENT /
-    OUT_OF_RANGE from the server: fix it, do not retry); 130 Ctrl-C; 141 the output's reader went."""
+    OUT_OF_RANGE / FAILED_PRECONDITION from the server: fix it, do not retry); 130 Ctrl-C; 141 the
+    output's reader went."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")   # gRPC's own handshake log lines beside the message
     import grpc
 
@@ -273,7 +274,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if started:
             print()  # end the partial output's line before the error
         print(f"ddtree generate: {exc.code.name}: {exc.message}", file=sys.stderr)
-        if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+        if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                        grpc.StatusCode.FAILED_PRECONDITION):   # the last: a text prompt where no tokenizer is
             return 2
         if exc.code == grpc.StatusCode.UNAVAILABLE and not answered and not _answers(args):
             print(f"ddtree generate: {_unavailable_hint(args, exc.message)}", file=sys.stderr)

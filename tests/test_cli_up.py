@@ -349,6 +349,7 @@ def test_generate_exits_2_for_the_servers_refusal_and_1_for_a_failure(monkeypatc
                 return object()
         return Refused
     for code, status in ((grpc.StatusCode.INVALID_ARGUMENT, 2), (grpc.StatusCode.OUT_OF_RANGE, 2),
+                         (grpc.StatusCode.FAILED_PRECONDITION, 2),
                          (grpc.StatusCode.RESOURCE_EXHAUSTED, 1), (grpc.StatusCode.DEADLINE_EXCEEDED, 1),
                          (grpc.StatusCode.INTERNAL, 1)):
         monkeypatch.setattr("services.scheduler.client.Client", failing(code, "budget must be in 1..128"))

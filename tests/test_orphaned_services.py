@@ -96,11 +96,14 @@ def test_a_service_still_starting_exits_when_its_launcher_is_gone() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "protos")]),
                DDTREE_SCHEDULER_PORT=str(port), DDTREE_SCHEDULER_DRAFT_ADDRESSES="127.0.0.1:1",
                DDTREE_SCHEDULER_DRAFT_WAIT_S="120", DDTREE_SCHEDULER_TOKENIZER_PATH="")
-    env[PARENT_PID_ENV] = "1"   # a launcher that is not its parent: gone from the start
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()   # a launcher that has exited (and is not this service's parent)
+    env[PARENT_PID_ENV] = str(gone.pid)
     t0 = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "services.cli", "serve", "scheduler"], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
-    assert run.returncode == 1 and "launcher 1 gone during start-up: exiting" in run.stderr, run.stderr[-2000:]
+    assert run.returncode == 1 and f"launcher {gone.pid} gone during start-up: exiting" in run.stderr, \
+        run.stderr[-2000:]
     assert time.monotonic() - t0 < 30   # not the 120 s its wait for a draft would have taken
     env.pop(PARENT_PID_ENV)   # no launcher named: no watch, the wait runs (cut short here)
     with subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "scheduler"], env=env, cwd=ROOT,

@@ -32,10 +32,16 @@ def test_file_env_and_overrides_layer_in_order(tmp_path):
     (VerifierSettings, {"DDTREE_VERIFIER_FEATURE_LAYERS": "[1, 3, 4]"}, "a list in an environment variable is "
      "comma-separated"),
     (SchedulerSettings, {"DDTREE_SCHEDULER_DRAFT_ADDRESSES": '["a:1", "b:2"]'}, "e.g. 1,2,4 or host:1,host:2"),
+    (VerifierSettings, {"DDTREE_VERIFIER_GRAPH_BATCHES": "(1, 2)"}, "comma-separated, without brackets"),
 ])
 def test_bad_settings_name_the_field(cls, env, needle):
     with pytest.raises(SettingsError, match=needle.replace(".", r"\.")):
         load_settings(cls, None, env=env)
+
+
+def test_an_ipv6_address_first_in_a_list_variable_is_an_address_not_brackets():
+    s = load_settings(SchedulerSettings, None, env={"DDTREE_SCHEDULER_DRAFT_ADDRESSES": "[::1]:50052,127.0.0.1:2"})
+    assert s.draft_addresses == ("[::1]:50052", "127.0.0.1:2")
 
 
 def test_unknown_key_and_missing_file(tmp_path):

@@ -508,18 +508,19 @@ def test_both_rings_lose_their_names_once_the_stream_is_open() -> None:
     /dev/shm; once both ends map both rings, neither needs its name."""
     import os
 
-    async def scenario() -> tuple[str, str, list[bool]]:
+    async def scenario() -> tuple[str, str, list[str], list[bool]]:
         async with _prefill_link(Metrics("verifier")) as (servicer, client):
             prefill = verifier_pb2.PrefillItem(request_id="a", token_ids=[1, 2, 3], reserve_tokens=16)
             reply = await client.step([prefill], [], None, [])
             peer = next(iter(servicer._peers.values()))
-            names = (client._writer.ring_name, peer.writer.ring_name)
+            listed = os.listdir("/dev/shm")   # while both ends are open (their close unlinks anyway)
             again = await client.step([], [], None, ["a"])   # the rings go on working
-            return names, [reply.features.shape == (3, HIDDEN), again.response is not None]
+            return (client._writer.ring_name, peer.writer.ring_name, listed,
+                    [reply.features.shape == (3, HIDDEN), again.response is not None])
 
-    (draft_ring, verifier_ring), ok = asyncio.run(scenario())
+    draft_ring, verifier_ring, listed, ok = asyncio.run(scenario())
     assert draft_ring and verifier_ring and ok == [True, True]
-    assert draft_ring not in os.listdir("/dev/shm") and verifier_ring not in os.listdir("/dev/shm")
+    assert draft_ring not in listed and verifier_ring not in listed
 
 
 @pytest.mark.parametrize("side", ["verifier", "draft"])

@@ -308,3 +308,22 @@ def test_features_travel_in_the_models_dtype(ckpt):
     assert (ref.dtype, list(ref.shape)) == ("bfloat16", [3, svc.engine._feature_width])
     assert ref.slot.nbytes == 3 * svc.engine._feature_width * 2
     assert empty.dtype == "bfloat16" and list(empty.shape) == [0, svc.engine._feature_width]
+
+
+def test_a_failed_group_ends_the_stream_not_only_the_steps_trees(ckpt):
+    """The group's failure came back as a ServiceError that `_verify` took for a refusal of the
+    trees: the stream went on sending steps to a group out of step."""
+    from services.verifier.ranks import GroupFailed
+
+    svc = servicer(ckpt)
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        assert svc._step(peer, prefill(1, "a")).prefills[0].error_code == 0
+        call = svc.group.call
+
+        def failing(method, *args):
+            if method == "verify":
+                raise GroupFailed("verifier rank 1 exited with code 9")
+            return call(method, *args)
+        svc.group.call = failing
+        with pytest.raises(GroupFailed, match="rank 1 exited"):
+            svc._step(peer, verify(2, [("a", *chain(svc.engine._requests["a"].pending, 3))]))

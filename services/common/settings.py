@@ -258,7 +258,8 @@ def _coerce(name: str, value: Any, target: Any, from_text: bool = True) -> Any:
             raise SettingsError(f"{name}: {value!r} is not an integer") from None
     if text.startswith("tuple"):
         if isinstance(value, str):
-            if value.strip().startswith(("[", "(")):   # TOML's form in a variable: its items kept their brackets
+            bare = value.strip()   # TOML's form in a variable: its items kept their brackets ([::1]:5 is an address)
+            if bare.startswith(("[", "(")) and (bare.endswith(("]", ")")) or '"' in bare or "'" in bare):
                 raise SettingsError(f"{name}: {value!r}: a list in an environment variable is comma-separated, "
                                     "without brackets or quotes (e.g. 1,2,4 or host:1,host:2)")
             items = [v.strip() for v in value.split(",") if v.strip()]

@@ -9,7 +9,8 @@ onto its own device.
 
 Slot protocol (shm):
 * The producer (`TensorWriter`) owns the ring: it creates the segment, hands out slots and
-  unlinks the segment on `close()`. The consumer (`TensorReader`) only attaches by name.
+  unlinks its name once the consumer has attached (`attached()`; else on `close()`). The consumer
+  (`TensorReader`) only attaches by name. A mapping lives as long as the views into it.
 * One bundle occupies one slot; tensors inside are 64-byte aligned. A bundle that does not fit
   a slot goes inline instead (counted in `inline_fallbacks`) so a rare large message never
   stalls a stream.
@@ -417,7 +418,7 @@ def _unlink_segment(shm: SharedMemory) -> None:
     try:
         shm.unlink()
     except FileNotFoundError:  # someone else unlinked it; just stop tracking the name
-        if sys.version_info < (3, 13):
+        if sys.version_info < (3, 13) or getattr(shm, "_track", True):   # 3.13: tracked unless track=False
             resource_tracker.unregister(_tracker_name(shm), "shared_memory")
 
 
@@ -480,7 +481,10 @@ class ShmWriter(RingWriter):
             self._named = False
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _close_segment, self._shm, False)
-        _unlink_segment(self._shm)
+        try:
+            _unlink_segment(self._shm)
+        except OSError:   # best effort: a name that stays is what every ring had before
+            pass
 
     def write(self, tensors: Mapping[str, torch.Tensor]) -> common_pb2.TensorBundle:
         placements, used = _plan(tensors)

@@ -13,7 +13,7 @@ import torch
 from ddtree.v1 import verifier_pb2, verifier_pb2_grpc
 from services.common.grpc_server import ServiceError, server_options
 from services.common.logging import get_logger
-from services.common.transport import TensorReader, TensorWriter, bundle_slot, make_reader, make_writer
+from services.common.transport import RingFull, TensorReader, TensorWriter, bundle_slot, make_reader, make_writer
 
 __all__ = ["VerifierClient", "VerifyReply", "auto_offer", "next_offer", "private_copy", "readable_in_place"]
 
@@ -186,7 +186,7 @@ class VerifierClient:
         before = self._writer.inline_fallbacks
         try:
             bundle = self._writer.write(trees) if trees is not None else None
-        except RuntimeError as exc:   # RingFull (every slot held: the verifier releases none): start afresh
+        except RingFull as exc:   # every slot held (the verifier releases none): start afresh
             await self.close()
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"draft ring: {exc}") from None
         if self._writer.inline_fallbacks != before and self._on_inline_fallback is not None:
@@ -213,10 +213,10 @@ class VerifierClient:
         if resp is grpc.aio.EOF or resp is None:
             await self.close()
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "verifier closed the stream")
-        slot = bundle_slot(resp.features)
-        if slot is not None:   # returned to the verifier with the next request, even if it reads badly here
-            self._to_release.append(slot)
         try:
+            slot = bundle_slot(resp.features)
+            if slot is not None:   # returned to the verifier with the next request, even if it reads badly here
+                self._to_release.append(slot)
             self._writer.release(resp.released_slots)
             view = self._reader.read(resp.features)["features"]
         except (ValueError, KeyError) as exc:   # a reply this draft cannot take: the step's state is the verifier's

@@ -30,7 +30,7 @@ from services.common.settings import VerifierSettings, load_settings
 from services.verifier.engine import VerifierEngine
 from services.verifier.parallel import TensorParallel
 
-__all__ = ["EngineGroup", "backend_for", "first_exit", "rank_device", "spawn_workers", "stop_workers", "watch_workers",
+__all__ = ["EngineGroup", "GroupFailed", "backend_for", "first_exit", "rank_device", "spawn_workers", "stop_workers", "watch_workers",
            "worker_main"]
 
 log = get_logger("verifier")
@@ -52,6 +52,14 @@ def settings_from_json(text: str) -> VerifierSettings:
     return VerifierSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
 
 
+class GroupFailed(ServiceError):
+    """The group lost a rank or a call left it out of step: every later call fails with this
+    (UNAVAILABLE), and a stream that meets it ends rather than fail only its step's requests."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, reason)
+
+
 class EngineGroup:
     """Rank 0's engine handle: every state-changing call runs on all ranks in the same order."""
 
@@ -65,12 +73,15 @@ class EngineGroup:
         # workers a call ahead). It stayed up and SERVING, failing every handshake and step.
         self.on_failure = on_failure
         self.stopped = False
+        self.failed: str | None = None   # why the group is out of step for good, once it is
 
     def call(self, method: str, *args: Any) -> Any:
         """Runs ``method`` on every rank. Raises what the engine raises; with ranks, a failure
         that leaves the group out of step is UNAVAILABLE naming it (it was a bare INTERNAL)."""
         if self.stopped:   # the workers were told to stop: a broadcast now would wait for no one
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the verifier group is stopping")
+        if self.failed is not None:   # out of step: a broadcast now could pair with a failed call's collective
+            raise GroupFailed(self.failed)
         try:
             self._broadcast((method, args))
             return getattr(self.engine, method)(*args)
@@ -78,14 +89,14 @@ class EngineGroup:
             raise
         except Exception as exc:
             if reason := self._failed(method, exc):
-                raise ServiceError(grpc.StatusCode.UNAVAILABLE, reason) from exc
+                raise GroupFailed(reason) from exc
             raise
 
     def heartbeat(self) -> None:
         """A call that does nothing. Workers wait for rank 0's next call in a broadcast, a
         collective that fails after `verifier.tp_timeout_s` like any other: an idle group (no
         draft, no request) ended itself every minute. Rank 0 sends this while idle (`keep_awake`)."""
-        if self.tp.enabled and not self.stopped:
+        if self.tp.enabled and not self.stopped and self.failed is None:
             try:
                 self._broadcast((_NOOP, ()))
             except Exception as exc:
@@ -98,6 +109,7 @@ class EngineGroup:
             return None
         reason = (f"verifier ranks out of step: rank 0's {method} failed "
                   f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
+        self.failed = self.failed or reason
         if self.on_failure is not None:
             self.on_failure(reason)
         return reason

@@ -39,8 +39,8 @@ from services.verifier.engine import ItemOutcome, PrefillInput, StepOutcome, Ver
 from services.verifier.kv_cache import PagedKVCache
 from services.verifier.model import TargetModel
 from services.verifier.parallel import TensorParallel, master_store
-from services.verifier.ranks import (EngineGroup, backend_for, first_exit, rank_device, spawn_workers, stop_workers,
-                                     watch_workers)
+from services.verifier.ranks import (EngineGroup, GroupFailed, backend_for, first_exit, rank_device, spawn_workers,
+                                     stop_workers, watch_workers)
 from services.verifier.sampling import Sampling
 
 __all__ = ["VerifierServicer", "build_engine", "serve", "warm_up"]
@@ -188,8 +188,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                 f"draft {draft_id}: a verify stream of this handshake is already open; "
                                 "hand-shake again to replace it")
         peer.streamed = True
-        peer.writer.attached()   # the draft mapped our ring before it opened this stream
         try:
+            peer.writer.attached()   # the draft mapped our ring before it opened this stream
             async for req in request_iterator:
                 t0 = time.perf_counter()
                 try:
@@ -386,6 +386,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 args = [t.to("cpu", copy=True) for t in args]
             try:   # the engine checks the trees' shapes before any collective too, on every rank alike
                 return self.group.call("verify", ids, *args, peer.owner)
+            except GroupFailed:   # not these trees' fault: the stream ends (the draft hands-shakes again)
+                raise
             except ServiceError as exc:
                 error = exc
         log.warning("verify_refused", draft_id=peer.draft_id, requests=len(ids), error=error.message)
@@ -500,12 +502,17 @@ def warm_up(engine: VerifierEngine, settings: VerifierSettings) -> None:
 
 
 _FAILED_GROUP_EXIT_S = 30.0   # a group that lost a rank has this long to stop in order, then rank 0 exits
+_START_UP_SETTLE_S = 2.0      # a worker died during rank 0's start-up: rank 0's own error may follow this soon
 
 
-def _end_start_up(reason: str, workers: list) -> None:
+def _end_start_up(reason: str, workers: list, settled: threading.Event) -> None:
     """A worker died after the group formed, while rank 0 still loads or warms up: rank 0 may sit
     in a collective that waits for it (NCCL: until `tp_timeout_s`, then an abort and a crash
-    dump), so the start ends now, naming the rank; exit 3 as `ddtree serve` exits on UNAVAILABLE."""
+    dump), so the start ends now, naming the rank; exit 3 as `ddtree serve` exits on UNAVAILABLE.
+    Unless rank 0 settles its start itself within a moment: a worker that died of the error rank 0
+    is about to raise (its KV cache does not fit) leaves that error, which names the setting."""
+    if settled.wait(_START_UP_SETTLE_S):
+        return
     log.error("rank_died", reason=reason, during="start-up")
     print(f"ddtree serve verifier: UNAVAILABLE: {reason} during the verifier's start-up", file=sys.stderr, flush=True)
     stop_workers(workers, grace_s=0.0)
@@ -532,7 +539,7 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
             tp = TensorParallel(0, settings.tp, backend=backend_for(settings), timeout_s=settings.tp_timeout_s,
                                 device=rank_device(settings.device, 0), peers_gone=lambda: first_exit(workers),
                                 store=store)
-            starting = watch_workers(workers, lambda reason: _end_start_up(reason, workers))
+            starting = watch_workers(workers, lambda reason: _end_start_up(reason, workers, starting))
         engine = build_engine(settings, tp)
     except BaseException:
         if starting is not None:
