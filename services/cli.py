@@ -70,7 +70,7 @@ def _run_async(coro) -> None:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from services.common.grpc_server import check_port_free
-    from services.common.launcher import Stack, StackSpec, StartupStopped
+    from services.common.launcher import ServiceExited, Stack, StackSpec, StartupStopped
     from services.common.settings import SettingsError
 
     for ok, flag in ((0 <= args.port < 65536, f"--port {args.port}: not a TCP port (0 = any free one)"),
@@ -117,6 +117,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"ddtree up: {exc}", file=sys.stderr)
         return 2
+    except ServiceExited as exc:   # its own refusal of a setting or a checkpoint (exit 2) stays one
+        print(f"ddtree up: {exc}", file=sys.stderr)
+        return 2 if exc.code == 2 else 1
     except RuntimeError as exc:
         print(f"ddtree up: {exc}", file=sys.stderr)
         return 1

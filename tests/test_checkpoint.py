@@ -121,7 +121,30 @@ def test_wrong_shape_names_file_and_tensor(target_dir: Path) -> None:
 def test_packed_weight_must_be_int32(target_dir: Path) -> None:
     name = "model.layers.1.mlp.experts.3.up_proj.weight_packed"
     _rewrite_tensors(target_dir, lambda t: t.__setitem__(name, t[name].to(torch.int64)))
-    with pytest.raises(CheckpointError, match=f"{name} must be int32"):
+    with pytest.raises(CheckpointError, match=f"{name} is int64; expected int32"):
+        TargetModel.load(target_dir)
+
+
+@pytest.mark.parametrize("name, dtype, expected", [
+    ("model.embed_tokens.weight", torch.int32, "float32 or bfloat16 or float16"),
+    ("model.layers.0.self_attn.o_proj.weight", torch.float8_e4m3fn, "float32 or bfloat16 or float16"),
+    ("model.layers.1.mlp.experts.0.down_proj.weight_scale", torch.int32, "float32 or bfloat16 or float16"),
+])
+def test_a_tensor_of_another_dtype_is_refused_not_converted(target_dir: Path, name, dtype, expected) -> None:
+    """An integer embedding, FP8 projections without their scales, integer scales: converted
+    without a word, they served wrong numbers."""
+    _rewrite_tensors(target_dir, lambda t: t.__setitem__(name, t[name].to(dtype)))
+    with pytest.raises(CheckpointError, match=rf"{name} is {str(dtype).removeprefix('torch.')}; expected {expected}"):
+        TargetModel.load(target_dir)
+
+
+@pytest.mark.parametrize("suffix", ["weight_g_idx", "weight_zero_point"])
+def test_tensors_of_a_quantisation_not_implemented_are_refused(target_dir: Path, suffix) -> None:
+    """Activation-ordered groups (g_idx) or zero points were skipped as extra tensors, and the
+    experts dequantised with the wrong groups; an MTP layer's past the served ones still is."""
+    name = f"model.layers.1.mlp.experts.0.up_proj.{suffix}"
+    _rewrite_tensors(target_dir, lambda t: t.__setitem__(name, torch.zeros(4, dtype=torch.int32)))
+    with pytest.raises(CheckpointError, match=rf"{name}: {suffix} is not supported"):
         TargetModel.load(target_dir)
 
 
@@ -161,6 +184,9 @@ def test_missing_and_bad_fields(target_dir: Path) -> None:
         (("config_groups", "group_0", "weights", "num_bits"), 8, "weights.num_bits"),
         (("config_groups", "group_0", "weights", "symmetric"), False, "weights.symmetric"),
         (("config_groups", "group_0", "weights", "group_size"), 12, "weights.group_size"),
+        # read as weight-only INT4 in order, they served other numbers than the checkpoint's own
+        (("config_groups", "group_0", "weights", "actorder"), "group", "weights.actorder"),
+        (("config_groups", "group_0", "input_activations"), {"num_bits": 8, "type": "int"}, "group_0.input_activations"),
     ],
 )
 def test_bad_quantization_format(target_dir: Path, path: tuple, value, field: str) -> None:
@@ -172,6 +198,33 @@ def test_bad_quantization_format(target_dir: Path, path: tuple, value, field: st
     (target_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=rf"config.json: field '[^']*{field}'"):
         TargetModel.load(target_dir)
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("tie_word_embeddings", True, "must be false"),
+    ("hidden_act", "gelu", "unsupported 'gelu'"),
+    ("attention_bias", True, "must be false"),
+    ("rope_theta", 0.0, "must be > 0"),
+    ("rms_norm_eps", 0.0, "must be > 0"),
+    ("routed_scaling_factor", -1.0, "must be > 0"),
+    ("first_k_dense_replace", 99, "must be in 0..num_hidden_layers"),
+    ("first_k_dense_replace", -1, "must be in 0..num_hidden_layers"),
+])
+def test_a_config_field_this_model_would_ignore_or_break_on_is_refused(target_dir: Path, field, value, needle) -> None:
+    """Each was accepted: tying ignored (the verifier read lm_head, the drafter the embedding),
+    another activation ignored, rope_theta 0 gave infinite frequencies, a dense-layer count past
+    the layers was reported as a missing tensor."""
+    cfg = json.loads((target_dir / "config.json").read_text())
+    cfg[field] = value
+    with pytest.raises(CheckpointError, match=rf"field '{field}' {needle}"):
+        TargetConfig.from_hf(cfg)
+
+
+def test_the_older_compression_config_name_is_named(target_dir: Path) -> None:
+    cfg = json.loads((target_dir / "config.json").read_text())
+    cfg["compression_config"] = cfg.pop("quantization_config")
+    with pytest.raises(CheckpointError, match="field 'compression_config' is the older name"):
+        TargetConfig.from_hf(cfg)
 
 
 def test_int4_config_ignores_everything_but_routed_experts(target_dir: Path) -> None:
@@ -203,3 +256,25 @@ def test_eos_ids_come_from_config_and_generation_config(target_dir: Path) -> Non
     _rewrite_config(target_dir, eos_token_id=True)
     with pytest.raises(CheckpointError, match="config.json: field 'eos_token_id' must be a token id"):
         read_target_config(target_dir)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/x.safetensors", None, "", ".."])
+def test_an_index_naming_a_file_outside_the_directory_is_refused(tmp_path: Path, shard) -> None:
+    """`"../outside.safetensors"` (or an absolute path) loaded a file from outside the model
+    directory; null was "shard file None is missing"."""
+    from services.common.checkpoint import tensor_index
+
+    (tmp_path / INDEX_FILE).write_text(json.dumps({"weight_map": {"model.norm.weight": shard}}))
+    with pytest.raises(CheckpointError, match=r"weight_map\['model.norm.weight'\] = .* is not a file name of this"):
+        tensor_index(tmp_path)
+
+
+def test_a_written_checkpoint_is_as_readable_as_the_files_beside_it(tmp_path: Path) -> None:
+    """safetensors writes 0600: a checkpoint made by one user was unreadable to a service running
+    as another, while its config beside it was not."""
+    save_tensors(tmp_path / "one", {"x": torch.ones(3)})
+    save_tensors(tmp_path / "two", {"x": torch.ones(300), "y": torch.ones(300)}, max_shard_bytes=1500)
+    (tmp_path / "config.json").write_text("{}")
+    want = (tmp_path / "config.json").stat().st_mode & 0o777
+    files = list((tmp_path / "one").glob("*.safetensors")) + list((tmp_path / "two").glob("*.safetensors"))
+    assert len(files) == 3 and {f.stat().st_mode & 0o777 for f in files} == {want}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services import cli
@@ -462,3 +463,21 @@ def test_up_refuses_a_tp_out_of_range_by_its_flag(capsys) -> None:
     for tp in ("9", "-1"):
         assert cli.main(["up", "--tp", tp]) == 2
         assert f"--tp {tp}: must be 1..8 (or 0: the config's)" in capsys.readouterr().err
+
+
+def test_up_passes_on_a_services_refusal_of_its_checkpoint_as_status_2(tmp_path) -> None:
+    """A verifier that refused its checkpoint (exit 2: fix it) made `ddtree up` exit 1, as a
+    crash does (try again)."""
+    from safetensors.torch import load_file, save_file
+
+    from services.common.make_checkpoint import make_random_checkpoint
+
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", vocab_size=512, seed=0)
+    file = ckpt / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].to(torch.int32)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    out = _up("--model", str(ckpt), "--port", "0", timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "verifier exited with code 2 during start-up" in out.stderr
+    assert "model.embed_tokens.weight is int32; expected" in out.stderr

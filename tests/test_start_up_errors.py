@@ -181,8 +181,17 @@ def test_a_context_past_the_model_is_refused() -> None:
     from services.common.settings import VerifierSettings
     from services.verifier.server import build_engine
 
-    with pytest.raises(SettingsError, match=r"verifier\.max_context: 100000 is past the model's max_position_embeddings"):
-        build_engine(VerifierSettings(model_path="models/demo", max_context=100000))
+    from services.verifier import server
+
+    loaded = []
+    real = server.TargetModel.load
+    server.TargetModel.load = lambda *a, **k: loaded.append(1) or real(*a, **k)
+    try:   # refused from the config, before the weights (minutes on a large model): none loaded
+        with pytest.raises(SettingsError, match=r"verifier\.max_context: 100000 is past the model's max_position_embeddings"):
+            build_engine(VerifierSettings(model_path="models/demo", max_context=100000))
+    finally:
+        server.TargetModel.load = real
+    assert loaded == []
 
 
 def test_the_feature_layers_setting_is_taken_before_the_captures_and_checked() -> None:
@@ -320,3 +329,28 @@ def test_a_misspelt_tree_attention_backend_fails_the_verifiers_start_by_name(mon
         assert backend_from_env() == ok
     monkeypatch.setenv(BACKEND_ENV, "")
     assert backend_from_env() is None
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_fails_the_start(monkeypatch) -> None:
+    """Another model's tokenizer passed the start and failed every text prompt with "prompt.token_ids[2]
+    = 613 is outside the vocabulary", for a user who sent text."""
+    from ddtree.v1 import common_pb2
+    from services.scheduler import server
+
+    stopped = []
+
+    class Router:
+        def __init__(self, settings, metrics) -> None:
+            pass
+
+        async def start(self, wait_s):
+            return common_pb2.ModelInfo(vocab_size=512, max_context=1024, block_size=16)
+
+        async def stop(self) -> None:
+            stopped.append(1)
+    monkeypatch.setattr(server, "Router", Router)
+    settings = SchedulerSettings(port=0, tokenizer_path="models/demo")   # 4096 tokens
+    with pytest.raises(SettingsError, match="scheduler.tokenizer_path: models/demo holds 4096 tokens, more than "
+                                            "the model's vocabulary of 512"):
+        asyncio.run(server.serve(settings))
+    assert stopped == [1]

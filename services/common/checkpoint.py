@@ -97,7 +97,13 @@ def tensor_index(path: Path) -> dict[str, str]:
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index_path}: field 'weight_map' missing or not an object")
-        return {str(k): str(v) for k, v in weight_map.items()}
+        for name, shard in weight_map.items():
+            # A shard is a file of this directory: "../x" or "/x" read a file from elsewhere, and
+            # null was reported as "shard file None is missing".
+            if not isinstance(shard, str) or not shard or "/" in shard or "\\" in shard or shard in (".", ".."):
+                raise CheckpointError(f"{index_path}: weight_map[{name!r}] = {shard!r} is not a file name of "
+                                      "this directory")
+        return {str(k): v for k, v in weight_map.items()}
     single = path / SINGLE_FILE
     if not single.is_file():
         raise CheckpointError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
@@ -158,18 +164,36 @@ def save_tensors(path: Path, tensors: dict[str, Tensor], max_shard_bytes: int = 
         shards[-1][name] = t
         used += nbytes
     if len(shards) == 1:
-        save_file(shards[0], str(path / SINGLE_FILE), metadata={"format": "pt"})
+        _save_readable(shards[0], path / SINGLE_FILE)
         return
     weight_map: dict[str, str] = {}
     total = 0
     for i, shard in enumerate(shards):
         file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / file_name), metadata={"format": "pt"})
+        _save_readable(shard, path / file_name)
         for name, t in shard.items():
             weight_map[name] = file_name
             total += t.numel() * t.element_size()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+def _save_readable(tensors: dict[str, Tensor], file: Path) -> None:
+    """safetensors writes mode 0600: a checkpoint made by one user was unreadable to a service
+    running as another, unlike the config and tokenizer files beside it (the umask's mode)."""
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    file.chmod(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask sets it, for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 # Name used in the spec's file list; same function.

@@ -30,6 +30,15 @@ _SETTINGS = {"verifier": VerifierSettings, "draft": DraftSettings, "scheduler": 
 __all__ = ["StackSpec", "Stack", "StartupStopped", "free_port", "wait_healthy"]
 
 
+class ServiceExited(RuntimeError):
+    """A service ended during its start-up; ``code`` is its exit status (2: its settings or
+    checkpoint were refused, which `ddtree up` passes on: fix them, do not retry)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class StartupStopped(Exception):
     """``should_stop()`` turned true while a service started: the caller stops the stack (a
     Ctrl-C during minutes of loading must not wait for every service to be healthy)."""
@@ -146,7 +155,8 @@ def wait_healthy(address: str, proc: subprocess.Popen, name: str, timeout_s: flo
             if proc.poll() is not None:
                 other = (f"; yet something answered SERVING on {address}: another process holds the port"
                          if serving_seen else "")
-                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up (see its output){other}")
+                raise ServiceExited(f"{name} exited with code {proc.returncode} during start-up (see its output){other}",
+                                    proc.returncode)
             now = time.monotonic()
             if now >= deadline:
                 break

@@ -133,6 +133,11 @@ async def serve(settings: SchedulerSettings) -> None:
     encoder = PromptEncoder(tokenizer, str(tokenizer_file(settings.tokenizer_path))) if tokenizer is not None else None
     router = Router(settings, metrics)
     info = await router.start(settings.draft_wait_s)
+    words = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer is not None else 0
+    if words > info.vocab_size:   # else every text prompt failed "token id outside the vocabulary", unasked
+        await router.stop()
+        raise SettingsError(f"scheduler.tokenizer_path: {settings.tokenizer_path} holds {words} tokens, more than "
+                            f"the model's vocabulary of {info.vocab_size} (another model's tokenizer?)")
     info.default_budget = settings.default_budget
     info.max_budget = MAX_BUDGET
     log.info("model_info", vocab_size=info.vocab_size, max_context=info.max_context, block_size=info.block_size,

@@ -170,6 +170,13 @@ def _parse_quant(d: dict, source: str) -> Int4Quantization | None:
     group_size = w.get("group_size")
     if not isinstance(group_size, int) or group_size <= 0 or group_size % 8:
         raise _fail(source, f"{wf}.group_size", f"must be a positive multiple of 8, got {group_size!r}")
+    # What this loader does not implement, refused by name: it read such experts with the wrong
+    # groups (activation order's g_idx) or as weight-only (quantised activations), and served.
+    if w.get("actorder") not in (None, False):
+        raise _fail(source, f"{wf}.actorder", f"must be null (groups in order), got {w.get('actorder')!r}")
+    for key in ("input_activations", "output_activations"):
+        if group.get(key) is not None:
+            raise _fail(source, f"{f}.config_groups.{gname}.{key}", "must be null (weight-only INT4)")
     ignore = qc.get("ignore", [])
     if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
         raise _fail(source, f"{f}.ignore", "must be a list of strings")
@@ -203,6 +210,15 @@ def _parse(d: dict[str, Any], source: str) -> TargetConfig:
     model_type = d.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _fail(source, "model_type", f"unsupported {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    # Fields a checkpoint may set that this model would ignore, and serve other numbers than HF's.
+    if d.get("tie_word_embeddings"):
+        raise _fail(source, "tie_word_embeddings", "must be false (the output projection is lm_head.weight)")
+    if d.get("hidden_act", "silu") != "silu":
+        raise _fail(source, "hidden_act", f"unsupported {d.get('hidden_act')!r} (only 'silu')")
+    if d.get("attention_bias"):
+        raise _fail(source, "attention_bias", "must be false (the attention projections have no bias)")
+    if "compression_config" in d and "quantization_config" not in d:
+        raise _fail(source, "compression_config", "is the older name: this loader reads quantization_config")
     g = lambda field, kind, default=..., positive=False: _get(d, source, field, kind, default, positive)  # noqa: E731
     eos_ids = _eos_ids(d, source)
     q_lora = d.get("q_lora_rank")
@@ -249,6 +265,14 @@ def _parse(d: dict[str, Any], source: str) -> TargetConfig:
 def _check_consistency(cfg: TargetConfig, source: str) -> None:
     if cfg.qk_rope_head_dim % 2:
         raise _fail(source, "qk_rope_head_dim", f"must be even, got {cfg.qk_rope_head_dim}")
+    for field in ("rope_theta", "rms_norm_eps", "routed_scaling_factor"):   # 0: infinite frequencies, a 0/0 norm
+        if not getattr(cfg, field) > 0:
+            raise _fail(source, field, f"must be > 0, got {getattr(cfg, field)!r}")
+    if not 0 <= cfg.first_k_dense_replace <= cfg.num_hidden_layers:
+        raise _fail(source, "first_k_dense_replace",
+                    f"must be in 0..num_hidden_layers={cfg.num_hidden_layers}, got {cfg.first_k_dense_replace}")
+    if cfg.rope_scaling is not None and not cfg.rope_scaling.factor >= 1:
+        raise _fail(source, "rope_scaling.factor", f"must be >= 1, got {cfg.rope_scaling.factor!r}")
     if cfg.n_routed_experts:
         if cfg.scoring_func != "sigmoid":
             raise _fail(source, "scoring_func", f"unsupported {cfg.scoring_func!r} (only 'sigmoid')")

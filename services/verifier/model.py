@@ -9,7 +9,7 @@ engine commits only the accepted path with ``PagedKVCache.write``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +96,36 @@ def expected_tensors(config: TargetConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# What each kind of tensor may be stored as; another dtype was converted without a word (an integer
+# embedding, FP8 projections without their scales) and served wrong numbers.
+_DTYPES = {"weight_packed": (torch.int32,), "weight_shape": (torch.int32, torch.int64), "weight_scale": _FLOATS}
+# Tensors of a quantisation this loader does not implement: ignored, they served wrong numbers.
+_UNSUPPORTED_SUFFIXES = (".weight_g_idx", ".weight_zero_point")
+
+
+def dtype_error(name: str, dtype: torch.dtype | None, where: str) -> CheckpointError | None:
+    """Why ``name`` cannot be stored as ``dtype`` (None: a dtype torch does not know), or None."""
+    allowed = _DTYPES.get(name.rsplit(".", 1)[-1], _FLOATS)
+    if dtype in allowed:
+        return None
+    names = " or ".join(str(d).removeprefix("torch.") for d in allowed)
+    return CheckpointError(f"{where}: tensor {name} is {str(dtype).removeprefix('torch.') if dtype else 'of another dtype'}"
+                           f"; expected {names}")
+
+
+def refuse_unsupported_tensors(config: TargetConfig, names: Iterable[str], where: str) -> None:
+    """CheckpointError for a tensor of a quantisation the loader does not implement (activation-
+    ordered groups, zero points) in the layers it serves; MTP layers past them are skipped anyway."""
+    for name in names:
+        if name.endswith(_UNSUPPORTED_SUFFIXES):
+            parts = name.split(".")
+            layer = int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else -1
+            if layer < config.num_hidden_layers:
+                raise CheckpointError(f"{where}: tensor {name}: {name.rsplit('.', 1)[-1]} is not supported "
+                                      "(symmetric INT4 groups in order only)")
+
+
 def validate_weights(
     config: TargetConfig, weights: dict[str, Tensor], where: Callable[[str], str] | None = None
 ) -> None:
@@ -110,8 +140,8 @@ def validate_weights(
         t = weights[name]
         if tuple(t.shape) != shape:
             raise CheckpointError(f"{where(name)}: tensor {name} has shape {tuple(t.shape)}, config implies {shape}")
-        if name.endswith(".weight_packed") and t.dtype != torch.int32:
-            raise CheckpointError(f"{where(name)}: tensor {name} must be int32 (pack-quantized), got {t.dtype}")
+        if (bad := dtype_error(name, t.dtype, where(name))) is not None:
+            raise bad
         if name.endswith(".weight_shape"):
             dense = tuple(_int4_dense_shape(name, config))
             if tuple(int(v) for v in t.tolist()) != dense:
@@ -133,6 +163,7 @@ def load_checkpoint(path: Path) -> tuple[TargetConfig, dict[str, Tensor]]:
     missing = [n for n in expected if n not in index]
     if missing:
         raise CheckpointError(f"{path}: missing tensor {missing[0]}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+    refuse_unsupported_tensors(config, index, str(path))
     weights = load_tensors(path, names=list(expected))
     validate_weights(config, weights, where=lambda name: str(path / index.get(name, "?")))
     return config, weights

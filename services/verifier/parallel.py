@@ -71,14 +71,26 @@ def split_rule(name: str, config: TargetConfig, shape: tuple[int, ...]) -> _Rule
     return _Rule(1, 1, shape[1])  # weight_scale [hidden, I/group]
 
 
+# safetensors' header dtypes as torch's (what a rank checks before it reads any data)
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I32": torch.int32,
+                       "I64": torch.int64, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool, "F64": torch.float64}
+
+
 def load_rank_slice(path: Path, config: TargetConfig, expected: dict[str, tuple[int, ...]], rank: int,
                     size: int) -> dict[str, torch.Tensor]:
-    """Reads only this rank's slice of each expected tensor (safetensors slices are mmap reads),
-    checking each full shape against what the config implies first."""
+    """Reads only this rank's slice of each expected tensor (safetensors slices are mmap reads).
+    Every tensor's presence, shard, shape, dtype and split is checked from the headers first: a
+    K2 checkpoint's last shard missing, or its last tensor a column short, was found only after
+    the ranks had read everything before it."""
+    from services.verifier.model import dtype_error, refuse_unsupported_tensors
+
     path = Path(path)
     index = tensor_index(path)
+    refuse_unsupported_tensors(config, index, str(path))
     out: dict[str, torch.Tensor] = {}
     handles: dict[str, Any] = {}
+    plan: list[tuple[str, Any, _Rule | None]] = []
     try:
         for name, want in expected.items():
             file_name = index.get(name)
@@ -92,19 +104,24 @@ def load_rank_slice(path: Path, config: TargetConfig, expected: dict[str, tuple[
             shape = tuple(sl.get_shape())
             if shape != tuple(want):
                 raise CheckpointError(f"{path / file_name}: tensor {name} has shape {shape}, config implies {tuple(want)}")
+            if (bad := dtype_error(name, _SAFETENSORS_DTYPES.get(sl.get_dtype()), str(path / file_name))) is not None:
+                raise bad
             rule = split_rule(name, config, shape)
-            if rule is None or size == 1:
-                out[name] = sl[:]
-                continue
-            if rule.count % size:
+            if rule is not None and size > 1 and rule.count % size:
                 raise CheckpointError(
                     f"{path / file_name}: tensor {name} splits into {rule.count} units along dim {rule.dim}, "
                     f"not divisible by tp={size} (heads, vocabulary and expert intermediate size must divide by tp; "
                     f"INT4 experts need intermediate/tp to be a multiple of the group size)")
+            plan.append((name, sl, rule))
+        for name, sl, rule in plan:   # every header checked: now the reads
+            if rule is None or size == 1:
+                out[name] = sl[:]
+                continue
             per = rule.count // size * rule.unit
             lo, hi = rank * per, (rank + 1) * per
             out[name] = sl[lo:hi] if rule.dim == 0 else sl[:, lo:hi]
     finally:
+        plan.clear()
         handles.clear()
     for name in list(out):
         if name.endswith(".weight_shape"):

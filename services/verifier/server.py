@@ -425,11 +425,17 @@ def _item_pb(o) -> verifier_pb2.ItemResult:
 
 
 def check_feature_layers_setting(settings: VerifierSettings) -> None:
-    """``verifier.feature_layers`` against the checkpoint's depth, from its config alone."""
-    depth = read_config(Path(settings.model_path)).get("num_hidden_layers")
+    """``verifier.feature_layers`` and ``verifier.max_context`` against the checkpoint, from its
+    config alone (before the weights: minutes on a large model)."""
+    config = read_config(Path(settings.model_path))
+    depth = config.get("num_hidden_layers")
     bad = [i for i in settings.feature_layers if isinstance(depth, int) and i >= depth]
     if bad:
         raise SettingsError(f"verifier.feature_layers: {bad} outside the target's {depth} layers (0..{depth - 1})")
+    longest = config.get("max_position_embeddings")
+    if isinstance(longest, int) and settings.max_context > longest:
+        raise SettingsError(f"verifier.max_context: {settings.max_context} is past the model's "
+                            f"max_position_embeddings ({longest})")
 
 
 def build_engine(settings: VerifierSettings, tp: TensorParallel | None = None) -> VerifierEngine:
