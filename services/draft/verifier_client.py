@@ -115,11 +115,12 @@ class VerifierClient:
             try:
                 self._writer = make_writer(offer[0], self._ring_slot_bytes, self._ring_slots, "ddtree-draft",
                                            device=self.device)
-            except (OSError, RuntimeError) as exc:   # /dev/shm or the GPU has no room for the ring: the next kind, if any
+            except (OSError, RuntimeError) as exc:   # /dev/shm or the GPU has no room: the next kind, if any
                 why = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
                 if len(offer) == 1:
                     await self.close()
-                    raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot make a {offer[0]} ring: {why}") from None
+                    raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"cannot make a {offer[0]} ring: {why}") from None
                 log.warning("ring_create_failed", transport=offer[0], error=why, fallback=offer[1])
                 offer = offer[1:]
                 continue

@@ -674,7 +674,7 @@ class VerifierEngine:
         of) for values a bf16 drafter rounds straight back."""
         if not parts:
             return torch.empty(0, self._feature_width, dtype=self.model.dtype, device=self.model_device)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)   # stays on the model's device (cuda_ipc shares it there)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)   # on the model's device (cuda_ipc shares it there)
 
 
 def tree_shape_error(num_trees: int, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,

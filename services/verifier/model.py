@@ -110,8 +110,8 @@ def dtype_error(name: str, dtype: torch.dtype | None, where: str) -> CheckpointE
     if dtype in allowed:
         return None
     names = " or ".join(str(d).removeprefix("torch.") for d in allowed)
-    return CheckpointError(f"{where}: tensor {name} is {str(dtype).removeprefix('torch.') if dtype else 'of another dtype'}"
-                           f"; expected {names}")
+    got = str(dtype).removeprefix("torch.") if dtype is not None else "of another dtype"
+    return CheckpointError(f"{where}: tensor {name} is {got}; expected {names}")
 
 
 def refuse_unsupported_tensors(config: TargetConfig, names: Iterable[str], where: str) -> None:

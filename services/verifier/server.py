@@ -386,7 +386,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 args = [t.to("cpu", copy=True) for t in args]
             try:   # the engine checks the trees' shapes before any collective too, on every rank alike
                 return self.group.call("verify", ids, *args, peer.owner)
-            except GroupFailed:   # not these trees' fault: the stream ends (the draft hands-shakes again)
+            except GroupFailed:   # not these trees' fault: the stream ends (the draft hand-shakes again)
                 raise
             except ServiceError as exc:
                 error = exc
