@@ -481,3 +481,21 @@ def test_up_passes_on_a_services_refusal_of_its_checkpoint_as_status_2(tmp_path)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "verifier exited with code 2 during start-up" in out.stderr
     assert "model.embed_tokens.weight is int32; expected" in out.stderr
+
+
+def test_up_refuses_a_drafter_that_does_not_fit_its_target_before_anything_starts(tmp_path) -> None:
+    """The draft found it, after the verifier had loaded and warmed up the target (minutes on a
+    large model)."""
+    import json
+
+    from services.common.make_checkpoint import make_random_checkpoint
+
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", vocab_size=512, seed=0)
+    config = json.loads((ckpt / "drafter" / "config.json").read_text())
+    config["hidden_size"] = config["hidden_size"] * 2
+    (ckpt / "drafter" / "config.json").write_text(json.dumps(config))
+    t0 = time.monotonic()
+    out = _up("--model", str(ckpt), "--port", "0", timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "field 'hidden_size'" in out.stderr and "does not match the target's" in out.stderr
+    assert "service=verifier" not in out.stdout + out.stderr and time.monotonic() - t0 < 30   # nothing started

@@ -8,9 +8,10 @@ dict lookups and lets a malformed checkpoint fail at load with a message naming 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from services.common.checkpoint import CheckpointError
+from services.common.checkpoint import CheckpointError, read_config
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -141,3 +142,45 @@ class DraftConfig:
             mask_token_id=mask,
             num_target_layers=n_target,
         )
+
+
+def check_pairing(drafter_dir: Path, target_dir: Path) -> DraftConfig:
+    """The drafter's config, checked against its target's config field by field (hidden size,
+    vocabulary, mask id, target layers). From the two config files alone, so `ddtree up` can check
+    a pair before the verifier spends minutes loading a target the draft would then refuse; a
+    wrong pair would otherwise draft garbage (zero acceptance)."""
+    drafter_dir, target_dir = Path(drafter_dir), Path(target_dir)
+    dsrc, tsrc = drafter_dir / "config.json", target_dir / "config.json"
+    config = DraftConfig.from_hf(read_config(drafter_dir), source=str(dsrc))
+    tcfg = read_config(target_dir)
+    t_hidden, t_vocab, t_layers = (tcfg.get(k) for k in ("hidden_size", "vocab_size", "num_hidden_layers"))
+    for name, value in (("hidden_size", t_hidden), ("vocab_size", t_vocab), ("num_hidden_layers", t_layers)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise CheckpointError(f"{tsrc}: field '{name}' missing or not a positive integer: {value!r}")
+    if config.hidden_size != t_hidden:
+        raise CheckpointError(
+            f"{dsrc}: field 'hidden_size' = {config.hidden_size} does not match the target's "
+            f"hidden_size = {t_hidden} ({tsrc})"
+        )
+    if config.vocab_size != t_vocab:
+        raise CheckpointError(
+            f"{dsrc}: field 'vocab_size' = {config.vocab_size} does not match the target's "
+            f"vocab_size = {t_vocab} ({tsrc})"
+        )
+    if config.mask_token_id >= t_vocab:
+        raise CheckpointError(
+            f"{dsrc}: field 'dflash_config.mask_token_id' = {config.mask_token_id} is outside the "
+            f"target vocabulary ({t_vocab})"
+        )
+    bad = [i for i in config.target_layer_ids if i >= t_layers]
+    if bad:
+        raise CheckpointError(
+            f"{dsrc}: field 'dflash_config.target_layer_ids' has {bad} out of range for the target's "
+            f"num_hidden_layers = {t_layers} ({tsrc})"
+        )
+    if config.num_target_layers is not None and config.num_target_layers != t_layers:
+        raise CheckpointError(
+            f"{dsrc}: field 'num_target_layers' = {config.num_target_layers} does not match the "
+            f"target's num_hidden_layers = {t_layers} ({tsrc})"
+        )
+    return config

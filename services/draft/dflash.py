@@ -20,7 +20,7 @@ from torch import Tensor
 
 from kernels.rms_norm import rms_norm  # Qwen3's RMSNorm is DeepSeek's: one Triton launch on CUDA
 from services.common.checkpoint import CheckpointError, load_tensors, read_config
-from services.draft.config import DraftConfig
+from services.draft.config import DraftConfig, check_pairing
 from services.draft.propose_graphs import ProposeGraphs
 
 _MIN_CAPACITY = 64
@@ -210,39 +210,8 @@ class DFlashDrafter:
         acceptance), so every cross-checkpoint field is checked here with a message naming it.
         """
         drafter_dir, target_dir = Path(drafter_dir), Path(target_dir)
-        dsrc, tsrc = drafter_dir / "config.json", target_dir / "config.json"
-        config = DraftConfig.from_hf(read_config(drafter_dir), source=str(dsrc))
+        config = check_pairing(drafter_dir, target_dir)
         tcfg = read_config(target_dir)
-        t_hidden, t_vocab, t_layers = (tcfg.get(k) for k in ("hidden_size", "vocab_size", "num_hidden_layers"))
-        for name, value in (("hidden_size", t_hidden), ("vocab_size", t_vocab), ("num_hidden_layers", t_layers)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise CheckpointError(f"{tsrc}: field '{name}' missing or not a positive integer: {value!r}")
-        if config.hidden_size != t_hidden:
-            raise CheckpointError(
-                f"{dsrc}: field 'hidden_size' = {config.hidden_size} does not match the target's "
-                f"hidden_size = {t_hidden} ({tsrc})"
-            )
-        if config.vocab_size != t_vocab:
-            raise CheckpointError(
-                f"{dsrc}: field 'vocab_size' = {config.vocab_size} does not match the target's "
-                f"vocab_size = {t_vocab} ({tsrc})"
-            )
-        if config.mask_token_id >= t_vocab:
-            raise CheckpointError(
-                f"{dsrc}: field 'dflash_config.mask_token_id' = {config.mask_token_id} is outside the "
-                f"target vocabulary ({t_vocab})"
-            )
-        bad = [i for i in config.target_layer_ids if i >= t_layers]
-        if bad:
-            raise CheckpointError(
-                f"{dsrc}: field 'dflash_config.target_layer_ids' has {bad} out of range for the target's "
-                f"num_hidden_layers = {t_layers} ({tsrc})"
-            )
-        if config.num_target_layers is not None and config.num_target_layers != t_layers:
-            raise CheckpointError(
-                f"{dsrc}: field 'num_target_layers' = {config.num_target_layers} does not match the "
-                f"target's num_hidden_layers = {t_layers} ({tsrc})"
-            )
         weights = load_tensors(drafter_dir)
         tied = bool(tcfg.get("tie_word_embeddings", False))
         names = ["model.embed_tokens.weight"] if tied else ["model.embed_tokens.weight", "lm_head.weight"]
