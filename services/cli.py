@@ -26,6 +26,8 @@ from pathlib import Path
 
 __all__ = ["main"]
 
+TOKEN_ENV = "DDTREE_TOKEN"   # the bearer token for generate / bench, where --token would show in `ps`
+
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from services.common.grpc_server import ServiceError, watch_launcher_during_start_up
@@ -472,7 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="generate past EOS, up to --max-tokens")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--json", action="store_true", help="print text, token ids and per-step acceptance")
-    gen.add_argument("--token", default=None, help="bearer token, when the server requires one")
+    gen.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
+                     help=f"bearer token, when the server requires one (default: ${TOKEN_ENV}, which keeps it "
+                     "out of the process list and the shell history)")
     gen.add_argument("--tls-ca", default=None, help="PEM file of the CA (or self-signed cert) to trust; enables TLS")
     gen.add_argument("--tls-server-name", default=None,
                      help="the name the server's certificate must hold, where it is not the --address host")
@@ -487,7 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--address", default="127.0.0.1:50051")
     b.add_argument("--tls-ca", default=None, help="PEM roots to trust: the scheduler speaks TLS")
     b.add_argument("--tls-server-name", default=None, help="the name its certificate holds, if not the address's")
-    b.add_argument("--token", default=None, help="the scheduler's bearer token")
+    b.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
+                   help=f"the scheduler's bearer token (default: ${TOKEN_ENV})")
     b.add_argument("--contexts", type=int, nargs="+", default=[60, 1024])
     b.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 64, 128])
     b.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32])

@@ -531,3 +531,26 @@ def test_an_async_client_is_refused_outside_its_event_loop(server) -> None:
         async with AsyncClient(server.address) as c:
             return (await c.generate(IDS, max_tokens=2, ignore_eos=True)).token_ids
     assert asyncio.run(in_its_loop()) == [5, 5]
+
+
+def test_a_token_sent_in_clear_to_another_host_is_warned_about(recwarn) -> None:
+    """A plaintext channel sent `authorization: Bearer ...` to any address without a word."""
+    import warnings
+
+    with pytest.warns(UserWarning, match="bearer token goes to 10.1.2.3:50051 without TLS"):
+        Client("10.1.2.3:50051", token="s3cret").close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # loopback, no token, or TLS: nothing to say
+        for address, kwargs in (("127.0.0.1:50051", {"token": "t"}), ("localhost:1", {"token": "t"}),
+                                ("[::1]:1", {"token": "t"}), ("10.1.2.3:1", {}), ("unix:/tmp/x", {"token": "t"})):
+            Client(address, **kwargs).close()
+
+
+def test_the_cli_takes_the_token_from_the_environment(monkeypatch) -> None:
+    from services import cli
+
+    monkeypatch.setenv("DDTREE_TOKEN", "from-env")
+    parser = cli.build_parser()
+    assert parser.parse_args(["generate", "--prompt", "x"]).token == "from-env"
+    assert parser.parse_args(["generate", "--prompt", "x", "--token", "flag"]).token == "flag"
+    assert parser.parse_args(["bench"]).token == "from-env"

@@ -71,6 +71,8 @@ def test_gpu_services_keep_compiled_kernels_in_a_named_volume(compose):
         svc = compose["services"][name]
         cache = svc["environment"]["TRITON_CACHE_DIR"]
         assert f"triton-cache:{cache}" in svc["volumes"]
+    # The published one does not share it: compiled kernels it could write there, they would load.
+    assert not any("triton-cache" in v for v in compose["services"]["scheduler"]["volumes"])
 
 
 def test_only_the_scheduler_is_published_and_on_loopback_by_default(compose):

@@ -83,3 +83,17 @@ def test_container_probe_speaks_tls_to_a_tls_scheduler(tls_stack):
                                                  "DDTREE_HEALTH_TLS_NAME": "not-in-the-cert"}) == 1
     assert healthcheck.main(["probe", port], env={"DDTREE_SCHEDULER_TLS_CERT": str(cert) + ".missing"}) == 1
     assert healthcheck.main(["probe", port], env={"DDTREE_HEALTH_CONFIG": str(stack.config)}) == 0  # compose's way
+
+
+def test_the_token_is_read_from_one_authorization_header_with_the_scheme_in_any_case() -> None:
+    """Of two headers the last one won, so (wrong, right) passed; `bearer` in lower case (RFC 7235)
+    was refused."""
+    from services.common.auth import BearerTokenInterceptor, _bearer
+
+    assert _bearer([("authorization", "Bearer s3cret")]) == b"s3cret"
+    assert _bearer([("authorization", "bearer s3cret")]) == b"s3cret"
+    assert _bearer([("authorization", "Bearer wrong"), ("authorization", "Bearer s3cret")]) == b""
+    assert _bearer([("authorization", "Basic s3cret")]) == b""
+    assert _bearer([("authorization", "Bearer ")]) == b"" and _bearer([]) == b"" and _bearer(None) == b""
+    with pytest.raises(ValueError, match="empty bearer token"):
+        BearerTokenInterceptor("")

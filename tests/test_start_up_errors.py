@@ -354,3 +354,21 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_fails_the_start(monkeypat
                                             "the model's vocabulary of 512"):
         asyncio.run(server.serve(settings))
     assert stopped == [1]
+
+
+def test_an_internal_service_reachable_beyond_loopback_says_so() -> None:
+    """Draft and verifier check no token: `ddtree serve` with compose's `host = "0.0.0.0"` opened
+    them to the network without a word."""
+    from structlog.testing import capture_logs
+
+    from services.common.grpc_server import warn_if_reachable
+
+    with capture_logs() as quiet:
+        warn_if_reachable("127.0.0.1", "verifier.host")
+        warn_if_reachable("localhost", "draft.host")
+    with capture_logs() as said:
+        warn_if_reachable("0.0.0.0", "verifier.host")
+    assert quiet == []
+    assert [(e["event"], e["setting"], e["log_level"]) for e in said] == \
+        [("internal_port_reachable", "verifier.host", "warning")]
+    assert "private network" in said[0]["advice"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from types import SimpleNamespace
 
 import grpc
@@ -506,8 +507,6 @@ def test_with_ranks_a_verify_call_carries_its_trees_not_the_ring_they_lie_in() -
 def test_both_rings_lose_their_names_once_the_stream_is_open() -> None:
     """A named ring outlived an owner killed with its resource tracker (a container's kill) in
     /dev/shm; once both ends map both rings, neither needs its name."""
-    import os
-
     async def scenario() -> tuple[str, str, list[str], list[bool]]:
         async with _prefill_link(Metrics("verifier")) as (servicer, client):
             prefill = verifier_pb2.PrefillItem(request_id="a", token_ids=[1, 2, 3], reserve_tokens=16)
@@ -577,3 +576,45 @@ def test_a_ring_fault_on_the_draft_ends_the_stream_as_a_lost_step() -> None:
     assert (w_code, r_code) == (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE)
     assert "draft ring: every slot is held" in w_msg and "unreadable verifier reply: stale message" in r_msg
     assert not w_open and not r_open
+
+
+def test_a_handshake_naming_a_segment_that_is_no_draft_ring_is_refused() -> None:
+    """The verifier attached any shared-memory segment a handshake named and sent bytes of its
+    slot headers back in its refusals: anyone reaching its port read 16 of every 64 bytes of any
+    segment the verifier's user could open."""
+    from multiprocessing import shared_memory
+
+    other = shared_memory.SharedMemory(create=True, size=1 << 16, name=f"not-a-ring-{os.getpid()}")
+    other.buf[:16] = b"API_KEY=sk-live-"
+    try:
+        async def scenario():
+            server, servicer, _, address = await _serve("cpu")
+            try:
+                channel = grpc.aio.insecure_channel(address)
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Handshake(verifier_pb2.HandshakeRequest(
+                        draft_id="x", feature_layer_ids=[1, 2], hidden_size=HIDDEN, vocab_size=VOCAB,
+                        transports=["shm"], draft_ring=other.name, draft_ring_slot_bytes=64, draft_ring_slots=4))
+                await channel.close()
+                return info.value, len(servicer._peers)
+            finally:
+                await server.stop(None)
+        err, peers = asyncio.run(scenario())
+    finally:
+        other.close()
+        other.unlink()
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "is not a ddtree-draft-* ring" in err.details()
+    assert peers == 0
+    with pytest.raises(ValueError, match="is not a ddtree-verifier-\\* ring"):
+        make_reader("shm", "ddtree-draft-1-ab", 64, 4, prefix="ddtree-verifier-")
+
+
+def test_an_shm_ring_of_another_user_is_refused(monkeypatch) -> None:
+    writer = make_writer("shm", 4096, 2, "ddtree-draft")
+    try:
+        monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 1)
+        with pytest.raises(ValueError, match="belongs to another user"):
+            make_reader("shm", writer.ring_name, 4096, 2, prefix="ddtree-draft-")
+    finally:
+        writer.close()

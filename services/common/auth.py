@@ -24,7 +24,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without `authorization: Bearer <token>` with UNAUTHENTICATED."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        if not token:   # b"" is what a call without the header presents
+            raise ValueError("an empty bearer token would admit every call")
+        self._expected = token.encode()
 
         async def deny(request, context: grpc.aio.ServicerContext):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
@@ -36,13 +38,23 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
                                 details: grpc.HandlerCallDetails):
         if details.method.startswith(_OPEN_PREFIXES):
             return await continuation(details)
-        given = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(given.encode(), self._expected):
+        if hmac.compare_digest(_bearer(details.invocation_metadata), self._expected):
             return await continuation(details)
         handler = await continuation(details)
         if handler is not None and handler.response_streaming:
             return self._deny_stream
         return self._deny_unary
+
+
+def _bearer(metadata) -> bytes:
+    """The token of the call's one `authorization: Bearer <token>` header (the scheme in any case,
+    RFC 7235), else b"" (which no token equals). Two such headers are refused: the last one won,
+    so a wrong token before the right one passed."""
+    values = [v for k, v in (metadata or ()) if k == "authorization"]
+    if len(values) != 1 or not isinstance(values[0], str):
+        return b""
+    scheme, _, token = values[0].partition(" ")
+    return token.encode() if scheme.lower() == "bearer" and token else b""
 
 
 def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:

@@ -149,6 +149,16 @@ async def report_health(health_servicer: HealthServicer, service_full_names: Ite
                 get_logger("server").warning("not_serving", reason=why_not)
 
 
+def warn_if_reachable(host: str, setting: str) -> None:
+    """An internal service (draft, verifier) checks no token: listening beyond loopback, anyone who
+    reaches the port can hand-shake, hold KV and name rings. Said at start-up, not refused
+    (compose's private network is what the containers need)."""
+    if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
+        return
+    get_logger("server").warning("internal_port_reachable", setting=setting, host=host,
+                                 advice="no authentication on this port: keep it on a private network")
+
+
 _serving = threading.Event()   # serve_until_signal watches the launcher from here on
 
 

@@ -528,6 +528,9 @@ class ShmReader(TensorReader):
 
     def __init__(self, ring_name: str, slot_bytes: int, num_slots: int) -> None:
         self._shm = _attach_untracked(ring_name)
+        if os.fstat(self._shm._fd).st_uid != os.geteuid():   # a ring is its peer's, of this service's user
+            self._shm.close()
+            raise ValueError(f"shm ring {ring_name} belongs to another user")
         self._stride = _slot_stride(slot_bytes)
         self._num_slots = num_slots
         needed = self._stride * num_slots
@@ -548,16 +551,18 @@ class ShmReader(TensorReader):
         s = ref.slot
         if s.slot >= self._num_slots:
             raise ValueError(f"tensor {ref.name!r} names slot {s.slot} but the ring has {self._num_slots}")
+        # The messages say what is wrong, not what the slot holds: they go back to the message's
+        # sender, who is not always the ring's writer.
         current, used = self._header(s.slot)
         if current != s.sequence:
             raise ValueError(
-                f"tensor {ref.name!r}: slot {s.slot} holds sequence {current}, message expects "
-                f"{s.sequence}; the slot was released and overwritten (stale message) or is mid-write"
+                f"tensor {ref.name!r}: slot {s.slot} does not hold sequence {s.sequence}; the slot was "
+                "released and overwritten (stale message) or is mid-write"
             )
         if s.offset < SLOT_HEADER_BYTES or s.offset + s.nbytes > SLOT_HEADER_BYTES + used:
             raise ValueError(
-                f"tensor {ref.name!r}: bytes [{s.offset}, {s.offset + s.nbytes}) fall outside the "
-                f"{used} payload bytes written to slot {s.slot}"
+                f"tensor {ref.name!r}: bytes [{s.offset}, {s.offset + s.nbytes}) fall outside the payload "
+                f"written to slot {s.slot}"
             )
 
     def _slot_view(self, ref: common_pb2.TensorRef, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -595,8 +600,13 @@ def make_writer(kind: str, slot_bytes: int = 0, num_slots: int = 0, name_prefix:
     raise ValueError(f"unknown transport kind {kind!r}; supported: {', '.join(SUPPORTED_KINDS)}")
 
 
-def make_reader(kind: str, ring_name: str | None = None, slot_bytes: int = 0, num_slots: int = 0) -> TensorReader:
-    """Consumer for a stream; for "shm" the ring parameters come from the producer's handshake."""
+def make_reader(kind: str, ring_name: str | None = None, slot_bytes: int = 0, num_slots: int = 0,
+                prefix: str = "") -> TensorReader:
+    """Consumer for a stream; for "shm" the ring parameters come from the producer's handshake.
+    ``prefix``: the name an shm ring of that producer must start with (a handshake names the ring,
+    and any other segment of this user would be read as one)."""
+    if kind == "shm" and not (ring_name or "").startswith(prefix):
+        raise ValueError(f"shm ring {ring_name!r} is not a {prefix}* ring")
     if kind == "shm":
         if not ring_name:
             raise ValueError("an shm reader needs the producer's ring_name")

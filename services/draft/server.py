@@ -14,7 +14,7 @@ import torch
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from services.common.devices import pin_device
 from services.common.grpc_server import (ServiceError, check_port_free, host_port, listen, new_server, report_health,
-                                         serve_until_signal)
+                                         serve_until_signal, warn_if_reachable)
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import DraftSettings
@@ -145,6 +145,7 @@ async def serve(settings: DraftSettings) -> None:
     servicer = DraftServicer(engine)
     draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
     port = listen(server, host_port(settings.host, settings.port), "draft.port")
+    warn_if_reachable(settings.host, "draft.host")
     await server.start()
     log.info("serving", address=host_port(settings.host, port), verifier=settings.verifier_address, metrics_port=metrics_port)
     tasks = [asyncio.ensure_future(report_health(health, [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name],

@@ -143,7 +143,7 @@ class VerifierClient:
                 continue
             try:
                 self._reader = make_reader(hs.transport, hs.verifier_ring or None, hs.verifier_ring_slot_bytes,
-                                           hs.verifier_ring_slots)
+                                           hs.verifier_ring_slots, prefix="ddtree-verifier-")
             except (OSError, ValueError, RuntimeError) as exc:   # e.g. the verifier's GPU is not visible here
                 if len(offer) == 1:
                     await self.close()

@@ -19,6 +19,7 @@ import enum
 import math
 import numbers
 import threading
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -442,6 +443,18 @@ def _check_token(token: str | None) -> None:
                           "token must be text of printable ASCII characters (it is sent in a header)")
 
 
+def _warn_token_in_clear(address: str, token: str | None, tls_ca: str | bytes | None) -> None:
+    """A token sent without TLS to another host can be read on the way: said once, not refused
+    (a private network may be what the user has)."""
+    if not token or tls_ca is not None or address.startswith(("unix:", "unix-abstract:")):
+        return
+    host = address.removeprefix("dns:").removeprefix("///").rpartition(":")[0].strip("[]")
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return
+    warnings.warn(f"the bearer token goes to {address} without TLS: anyone on the way can read it "
+                  "(tls_ca= makes the channel TLS)", stacklevel=3)
+
+
 def _metadata(tls_ca, token) -> tuple:
     # Over TLS the token rides in call credentials; plaintext (loopback) sends it as metadata.
     return (("authorization", f"Bearer {token}"),) if token and tls_ca is None else ()
@@ -486,6 +499,7 @@ class Client(_Calls):
                  tls_ca: str | bytes | None = None, token: str | None = None,
                  tls_server_name: str | None = None) -> None:
         super().__init__(timeout_s, wait_for_ready, tls_ca, token, tls_server_name)
+        _warn_token_in_clear(address, token, tls_ca)
         self._channel = (grpc.secure_channel(address, self._creds, self._options) if self._creds
                          else grpc.insecure_channel(address, self._options))
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
@@ -599,6 +613,7 @@ class AsyncClient(_Calls):
                               "AsyncClient must be made inside a running event loop (in a coroutine), "
                               "the one that uses it") from None
         super().__init__(timeout_s, wait_for_ready, tls_ca, token, tls_server_name)
+        _warn_token_in_clear(address, token, tls_ca)
         self._channel = (grpc.aio.secure_channel(address, self._creds, self._options) if self._creds
                          else grpc.aio.insecure_channel(address, self._options))
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)

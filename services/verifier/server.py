@@ -29,7 +29,8 @@ from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from kernels.tree_mla import backend_from_env
 from services.common.checkpoint import read_config, require_checkpoint
 from services.common.devices import pin_device
-from services.common.grpc_server import ServiceError, check_port_free, host_port, listen, new_server, serve_until_signal
+from services.common.grpc_server import (ServiceError, check_port_free, host_port, listen, new_server, serve_until_signal,
+                                         warn_if_reachable)
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import SettingsError, VerifierSettings
@@ -139,7 +140,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return verifier_pb2.HandshakeResponse(transport=kind)
         try:
             reader = make_reader(kind, request.draft_ring or None, request.draft_ring_slot_bytes,
-                                 request.draft_ring_slots)
+                                 request.draft_ring_slots, prefix="ddtree-draft-")
         except (OSError, ValueError, RuntimeError) as exc:   # e.g. the draft's GPU is not visible here
             if len(usable) == 1:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot attach the draft's ring: {exc}")
@@ -559,6 +560,7 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     servicer = VerifierServicer(group, settings, metrics)
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
     port = listen(server, host_port(settings.host, settings.port), "verifier.port")
+    warn_if_reachable(settings.host, "verifier.host")
     await server.start()
     log.info("serving", address=host_port(settings.host, port), tp=settings.tp, metrics_port=metrics_port)
     died: list[str] = []
