@@ -453,3 +453,23 @@ def test_a_draft_hand_shakes_again_by_itself_once_its_verifier_is_back(ckpt):
             task.cancel()
             return lost, r.draft.client.connected, r.draft.client.handshake.verifier_id != first
     assert asyncio.run(run()) == (True, True, True)
+
+
+def test_a_step_stream_cannot_step_or_end_another_streams_request(ckpt):
+    """The draft checked no owner: a second step stream that knew a wire id could step (and read)
+    or release a request another stream admitted."""
+    async def run():
+        async with replica(ckpt) as r:
+            assert await step(r.link, [admit("a")]) == [("a", "OK")]
+            other, channel = r.draft.link()
+            try:
+                stepped = await step(other, [decode("a")])
+                await step(other, [], release=["a"])
+                piece = draft_pb2.StepItem(request_id="a", prompt_token_ids=[11], prompt_offset=3, budget=4)
+                pieced = await step(other, [piece])
+            finally:
+                await channel.close()
+            return stepped, pieced, await step(r.link, [decode("a")]), sorted(r.draft.engine._requests)
+    stepped, pieced, own, held = asyncio.run(run())
+    assert stepped == [("a", "NOT_FOUND")] and pieced == [("a", "NOT_FOUND")]
+    assert own == [("a", "OK")] and held == ["a"]   # its own stream steps it; nothing released it

@@ -184,7 +184,12 @@ class DraftEngine:
     async def _step(self, request: draft_pb2.StepRequest, ahead: dict[str, tuple[int, _Tree]],
                     owner: int = 0) -> draft_pb2.StepResponse:
         t0 = time.perf_counter()
+        released = []   # another stream's request is not this one's to end (here or at the verifier)
         for rid in request.release:
+            held = self._requests.get(rid)
+            if held is not None and held.owner != owner:
+                continue
+            released.append(rid)
             self._drop(rid)
             self._lost.pop(rid, None)
         results: dict[str, draft_pb2.StepResult] = {}
@@ -209,8 +214,7 @@ class DraftEngine:
         packed = _pack_trees(trees) if trees else None
         t1 = time.perf_counter()
         owed, self._release_owed = self._release_owed, []
-        reply = await self.verifier.step(prefills, [r.request_id for r in verifying], packed,
-                                         list(request.release) + owed)
+        reply = await self.verifier.step(prefills, [r.request_id for r in verifying], packed, released + owed)
         t_reply = time.perf_counter()
         features, row = reply.features, 0
         commits: list[tuple[str, list[int], torch.Tensor]] = []
@@ -262,6 +266,10 @@ class DraftEngine:
         if item.prompt_offset < 0:
             return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_offset {item.prompt_offset} is negative")
         req = self._requests.get(item.request_id)
+        if req is not None and req.owner != owner and (item.prompt_offset or not item.prompt_token_ids):
+            # A step or prompt piece for a request another step stream admitted: as the verifier
+            # says it, this stream has no such request (it could step or read another's output).
+            return ServiceError(grpc.StatusCode.NOT_FOUND, f"request {item.request_id} is unknown to this stream")
         if req is None and item.request_id in self._lost and (item.prompt_offset or not item.prompt_token_ids):
             return self._lost[item.request_id]
         if item.prompt_token_ids:   # a prompt, or the next piece of one
