@@ -424,3 +424,28 @@ def test_the_sdk_reaches_a_restarted_server_within_a_second() -> None:
         # gRPC's minimum time for one connection attempt stays (20 s): a short one failed every
         # first call of a client ~100 ms away (the attempt's TCP + TLS + HTTP/2 did not fit).
         assert "grpc.min_reconnect_backoff_ms" not in options
+
+
+def test_long_texts_waiting_for_the_tokenizer_are_bounded() -> None:
+    """Texts long enough for the worker queued without bound before any admission check: one
+    client's many held every other long prompt behind them for seconds."""
+    import asyncio
+
+    from services.scheduler.tokenizing import PromptEncoder
+
+    encoder = PromptEncoder(TOKENIZER, "models/demo/tokenizer.json", inline_chars=10, max_pending=3)
+    text = "def f(x):\n    return x\n" * 2000
+
+    async def scenario() -> tuple[list, list[int]]:
+        results = await asyncio.gather(*(encoder.encode(text) for _ in range(6)), return_exceptions=True)
+        return results, await encoder.encode(text)   # the waiting ones done: room again
+    try:
+        results, again = asyncio.run(scenario())
+    finally:
+        encoder.close()
+    want = TOKENIZER.encode(text, add_special_tokens=False).ids
+    refused = [r for r in results if isinstance(r, ServiceError)]
+    assert [r for r in results if isinstance(r, list)] == [want] * 3 and len(refused) == 3
+    assert refused[0].code == grpc.StatusCode.RESOURCE_EXHAUSTED and "long prompts wait to be tokenized" in refused[0].message
+    assert again == want and encoder._pending == 0
+    assert encoder.encode.__doc__ and PromptEncoder(TOKENIZER).max_pending == 32

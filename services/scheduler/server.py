@@ -54,6 +54,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 check_text_size(request.text, self.router.limits, self.token_bytes)
                 try:   # a long text in the encoder's worker process: the other streams go on meanwhile
                     text_ids = await self.encoder.encode(request.text)
+                except ServiceError:   # too many long texts waiting already
+                    raise
                 except Exception as exc:  # noqa: BLE001 - the tokenizer's own error type
                     raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt text cannot be tokenized: {exc}") from None
             req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids)

@@ -16,13 +16,18 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
+import grpc
 from tokenizers import Tokenizer
 
+from services.common.grpc_server import ServiceError
 from services.common.logging import get_logger
 
 __all__ = ["INLINE_CHARS", "PromptEncoder"]
 
 INLINE_CHARS = 16384  # texts up to this long encode inline (a few ms at most)
+# Long texts waiting for the one worker at most: each may take a second, and a client sending many
+# (before any admission check counts them) held every other long prompt behind them.
+MAX_PENDING = 32
 
 log = get_logger("scheduler")
 _worker: Tokenizer | None = None  # the worker process's own copy
@@ -51,15 +56,29 @@ class PromptEncoder:
     """``encode(text)``: the text's token ids (no special tokens added), long texts in a worker
     process started on first use from ``path`` (a tokenizer.json); without a path, all inline."""
 
-    def __init__(self, tokenizer: Tokenizer, path: str | None = None, inline_chars: int = INLINE_CHARS) -> None:
+    def __init__(self, tokenizer: Tokenizer, path: str | None = None, inline_chars: int = INLINE_CHARS,
+                 max_pending: int = MAX_PENDING) -> None:
         self.tokenizer = tokenizer
         self.path = path
         self.inline_chars = inline_chars
+        self.max_pending = max_pending
+        self._pending = 0
         self._pool: ProcessPoolExecutor | None = None
 
     async def encode(self, text: str) -> list[int]:
+        """Raises ``ServiceError`` RESOURCE_EXHAUSTED where ``max_pending`` long texts wait already."""
         if self.path is None or len(text) <= self.inline_chars:
             return self.tokenizer.encode(text, add_special_tokens=False).ids
+        if self._pending >= self.max_pending:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{self._pending} long prompts wait to be tokenized already; try again shortly")
+        self._pending += 1
+        try:
+            return await self._encode_apart(text)
+        finally:
+            self._pending -= 1
+
+    async def _encode_apart(self, text: str) -> list[int]:
         if self._pool is None:  # spawn, not fork: this process runs gRPC's threads
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
                                              initargs=(self.path, os.getpid()))
