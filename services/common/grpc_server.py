@@ -8,6 +8,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 import grpc
@@ -168,18 +169,28 @@ def watch_launcher_during_start_up(poll_s: float = 1.0) -> None:
     ``serve_until_signal`` watches the launcher, and a launcher killed then left the service
     holding its GPU memory and ports for minutes. Nothing is served yet, so nothing is drained."""
     parent = os.environ.get(PARENT_PID_ENV, "")
-    if not parent.isdigit():
-        return
-    pid = int(parent)
+    if parent.isdigit():
+        exit_when_orphaned(int(parent), 1, poll_s, until=_serving,
+                           message=f"launcher {parent} gone during start-up: exiting")
 
+
+def exit_when_orphaned(parent_pid: int, code: int, poll_s: float = 1.0, until: threading.Event | None = None,
+                       message: str = "") -> None:
+    """A daemon thread that ends this process (``os._exit(code)``, ``message`` on stderr first) once
+    its parent is no longer ``parent_pid`` (it was re-parented: the parent died), unless ``until``
+    is set first. For processes whose parent's end nothing else would tell them of."""
     def watch() -> None:
-        while not _serving.wait(poll_s):
-            if os.getppid() != pid:
-                try:
-                    print(f"launcher {pid} gone during start-up: exiting", file=sys.stderr, flush=True)
-                finally:
-                    os._exit(1)
-    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+        while os.getppid() == parent_pid:
+            if until is None:
+                time.sleep(poll_s)
+            elif until.wait(poll_s):
+                return
+        try:
+            if message:
+                print(message, file=sys.stderr, flush=True)
+        finally:
+            os._exit(code)
+    threading.Thread(target=watch, name="exit-when-orphaned", daemon=True).start()
 
 
 async def serve_until_signal(server: grpc.aio.Server, health_servicer: HealthServicer,

@@ -285,14 +285,13 @@ class DraftEngine:
             if req is None and not 1 <= item.max_new_tokens <= most:
                 return ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"request {item.request_id}: max_new_tokens {item.max_new_tokens} outside 1..{most}")
-            reserve = len(item.prompt_token_ids) + item.max_new_tokens + self.proposer.block_size
             if req is None:
                 req = _Request(item.request_id, item.mode, owner=owner)
                 self._lost.pop(item.request_id, None)
                 self._requests[item.request_id] = req
                 self.proposer.start(item.request_id, item.prompt_token_ids)
                 piece.sampling.CopyFrom(item.sampling)
-                piece.reserve_tokens = reserve
+                piece.reserve_tokens = len(item.prompt_token_ids) + item.max_new_tokens + self.proposer.block_size
             req.prefilling = item.prompt_continues
             req.budget = _budget(req, item)
             self._prompts[item.request_id] = list(item.prompt_token_ids)

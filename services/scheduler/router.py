@@ -123,8 +123,7 @@ class Router:
 
     def _add_lane(self, address: str, stub: draft_pb2_grpc.DraftStub, info: common_pb2.ModelInfo | None) -> None:
         assert self.info is not None
-        if info is not None and self._other_model(address, info):
-            info = None   # down from the start
+        info = self._same_model(address, info)   # else down from the start
         lane = StepLoop(self.settings, address, DraftLink(stub), limits_from_info(self.info), self._budget(info),
                         self.metrics)
         lane.healthy = info is not None
@@ -245,9 +244,8 @@ class Router:
         is never admitted against two budgets (the lanes that rejoined would have the new one).
         An idle replica that does not answer is marked down here (a busy one's step fails)."""
         for lane in [x for x in self.lanes if x.healthy]:
-            info = await self._probe(lane.draft.stub, 1.0)
-            if info is not None and self._other_model(lane.address, info):
-                info = None   # as if it did not answer (a busy one's next step fails: its verifier restarted)
+            # Another model's answer is no answer (a busy one's next step fails: its verifier restarted).
+            info = self._same_model(lane.address, await self._probe(lane.draft.stub, 1.0))
             if info is None and not lane.running:
                 # An idle replica that died (or lost its verifier) has no step to fail: without
                 # this the scheduler said SERVING until a client's request failed there.
@@ -260,6 +258,10 @@ class Router:
                 # A group that came back smaller: what its queue holds that no longer fits would
                 # wait at the head of the queue for good, and every request behind it too.
                 self._refuse_unfitting(lane, [x for x in self.lanes if x.healthy and x is not lane])
+
+    def _same_model(self, address: str, info: common_pb2.ModelInfo | None) -> common_pb2.ModelInfo | None:
+        """``info``, or None where it is another model's (`_other_model`): taken as no answer."""
+        return None if info is not None and self._other_model(address, info) else info
 
     def _other_model(self, address: str, info: common_pb2.ModelInfo) -> bool:
         """Whether the replica now serves another model than the one this scheduler started with
@@ -301,9 +303,7 @@ class Router:
             if fits:
                 lane.waiting.remove(req)
                 min(fits, key=lambda x: x.load).submit(req)
-        info = await self._probe(lane.draft.stub, 1.0)
-        if info is not None and self._other_model(lane.address, info):
-            info = None   # down until this scheduler restarts for that model
+        info = self._same_model(lane.address, await self._probe(lane.draft.stub, 1.0))   # another model: down
         if info is None:
             for req in lane.take_waiting():
                 lane.fail_unstarted(req, ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica that can hold it is up"))

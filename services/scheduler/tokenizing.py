@@ -11,15 +11,13 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
-import threading
-import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 import grpc
 from tokenizers import Tokenizer
 
-from services.common.grpc_server import ServiceError
+from services.common.grpc_server import ServiceError, exit_when_orphaned
 from services.common.logging import get_logger
 
 __all__ = ["INLINE_CHARS", "PromptEncoder"]
@@ -39,12 +37,7 @@ def _load(path: str, parent_pid: int, poll_s: float = 1.0) -> None:
     behind, one more for each restart."""
     global _worker
     _worker = Tokenizer.from_file(path)
-
-    def exit_when_orphaned() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(poll_s)
-        os._exit(0)
-    threading.Thread(target=exit_when_orphaned, daemon=True, name="exit-with-scheduler").start()
+    exit_when_orphaned(parent_pid, 0, poll_s)
 
 
 def _encode(text: str) -> list[int]:
