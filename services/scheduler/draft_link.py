@@ -30,6 +30,9 @@ class StepFailed(Exception):
         self.details = details
 
 
+_CORE_FAILURE = "Internal error from Core"
+
+
 class DraftLink:
     """One lane's stream; `step` sends a step and waits for its answer, one step at a time."""
 
@@ -58,6 +61,10 @@ class DraftLink:
                     code, details = await asyncio.wait_for(call.code(), 1.0), await call.details()
                 except (asyncio.TimeoutError, grpc.aio.AioRpcError):
                     pass
+            if code == grpc.StatusCode.INTERNAL and details == _CORE_FAILURE:
+                # gRPC's own words for a connection that broke under the call (a draft killed
+                # mid-step), no status a draft sends: the replica is gone, as UNAVAILABLE says.
+                code, details = grpc.StatusCode.UNAVAILABLE, "the step stream's connection broke"
             self.close()
             raise StepFailed(code, details or code.name) from None
         except Exception as exc:  # noqa: BLE001 - e.g. InvalidStateError: the stream ended as we wrote
