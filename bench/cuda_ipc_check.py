@@ -47,6 +47,7 @@ import torch
 
 from bench.common import git_commit, parse_metrics
 from ddtree.v1 import common_pb2, draft_pb2_grpc
+from services.common.auth import internal_token, token_metadata
 from services.common.launcher import Stack, StackSpec, free_port
 from services.common.transport import bundle_slot, make_reader
 from services.scheduler.client import AsyncClient, Client, ClientError
@@ -136,10 +137,13 @@ def greedy(address: str, prompts: Sequence[list[int]], args: argparse.Namespace)
                 for p in prompts]
 
 
-def draft_transport(address: str) -> str:
-    """What one draft replica negotiated with the verifier (its own ModelInfo)."""
-    with grpc.insecure_channel(address) as ch:
-        return draft_pb2_grpc.DraftStub(ch).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10).transport
+def draft_transport(stack: Stack, name: str) -> str:
+    """What one draft replica negotiated with the verifier (its own ModelInfo, asked with the
+    stack's internal token)."""
+    draft = next(s for s in stack.services if s.name == name)
+    with grpc.insecure_channel(draft.address) as ch:
+        return draft_pb2_grpc.DraftStub(ch).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10,
+                                                         metadata=token_metadata(internal_token(draft.env))).transport
 
 
 def _norm_uuid(uuid: object) -> str:
@@ -254,7 +258,7 @@ def run_draft_death(args: argparse.Namespace, prompts: list[list[int]], referenc
     ring_bytes = RING_SLOTS * RING_SLOT_BYTES
     try:
         with Stack(_spec(args, base_env(args, vport), service_env, replicas=2)) as stack:
-            transports = {n: draft_transport(stack.address(n)) for n in ("draft-0", "draft-1")}
+            transports = {n: draft_transport(stack, n) for n in ("draft-0", "draft-1")}
             start, _ = wait_until(lambda: scrape(vport), lambda m: m.get("ddtree_transport_peers") == 2, 30.0)
             pages0 = start.get("ddtree_kv_pages_free")
             expected = reference if reference is not None else greedy(stack.scheduler_address, prompts, args)
@@ -270,7 +274,7 @@ def run_draft_death(args: argparse.Namespace, prompts: list[list[int]], referenc
 
             stack.restart("draft-1")
             time.sleep(1.5)   # the scheduler's probe brings the replica back
-            transport_back = draft_transport(stack.address("draft-1"))
+            transport_back = draft_transport(stack, "draft-1")
             again = asyncio.run(_burst(stack.scheduler_address, prompts, args))
             d1_steps = scrape(d1port).get(_VERIFY_STEPS, 0)   # a fresh process: its steps since the restart
             back, settled2 = wait_until(lambda: scrape(vport), lambda m: _idle(m, 2, pages0), 30.0)

@@ -138,8 +138,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
     sched = stack.scheduler_settings
     flags = ("" if here == "127.0.0.1:50051" else f" --address {here}") + \
         (f" --tls-ca {sched.tls_cert}" if sched.tls_cert else "") + (" --token TOKEN" if sched.auth_token else "")
+    prompt = "--prompt 'def fibonacci(n):'" if sched.tokenizer_path else "--token-ids --prompt 1,2,3"
     print(f"ddtree up: serving {model} at {stack.scheduler_listen_address}{reach} "
-          f"(try: ddtree generate{flags} --prompt 'def fibonacci(n):'); Ctrl-C stops", file=sys.stderr, flush=True)
+          f"(try: ddtree generate{flags} {prompt}); Ctrl-C stops", file=sys.stderr, flush=True)
+    if not sched.tokenizer_path:
+        print(f"ddtree up: {_no_tokenizer_note(model)}", file=sys.stderr, flush=True)
     try:
         stack.supervise(lambda: stop["now"], report=lambda msg: print(f"ddtree up: {msg}", file=sys.stderr, flush=True))
     except StartupStopped:   # a signal while a service restarted
@@ -150,6 +153,18 @@ def _cmd_up(args: argparse.Namespace) -> int:
     finally:
         stack.stop()
     return 0
+
+
+def _no_tokenizer_note(model: Path) -> str:
+    """What `ddtree up` says of a model without `tokenizer.json`: text prompts are refused
+    (FAILED_PRECONDITION), which a user of a checkpoint that ships another tokenizer format
+    (Kimi-K2's `tiktoken.model`) met only at the first request."""
+    other = sorted(p.name for p in model.glob("*") if p.name in ("tiktoken.model", "tokenizer.model", "vocab.json"))
+    note = f"{model} has no tokenizer.json: prompts must be token ids (ddtree generate --token-ids)"
+    if other:
+        note += (f"; its {', '.join(other)} is not read here: convert it to a Hugging Face tokenizer.json "
+                 "(the `tokenizers` format) in the model directory for text prompts")
+    return note
 
 
 # The SDK's argument names as `ddtree generate`'s flags, for its refusals of a flag's value.
@@ -320,6 +335,21 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
         print(f"ddtree make-checkpoint: {exc}", file=sys.stderr)
         return 2
     print(f"wrote a random target, drafter and tokenizer to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_make_token(args: argparse.Namespace) -> int:
+    from services.common.auth import INTERNAL_TOKEN_FILE_ENV, write_internal_token
+    from services.common.settings import SettingsError
+
+    try:
+        wrote = write_internal_token(args.path)
+    except (OSError, SettingsError) as exc:
+        print(f"ddtree make-token: {getattr(exc, 'strerror', None) or exc}: {args.path}"
+              if isinstance(exc, OSError) else f"ddtree make-token: {exc}", file=sys.stderr)
+        return 2
+    print(f"{'wrote a new' if wrote else 'kept the'} internal token in {args.path} "
+          f"(give the services {INTERNAL_TOKEN_FILE_ENV}={args.path})", file=sys.stderr)
     return 0
 
 
@@ -528,6 +558,11 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--bf16-experts", action="store_true", help="routed experts unquantized")
     mk.set_defaults(func=_cmd_make_checkpoint)
+
+    tk = sub.add_parser("make-token", help="write a random internal token for draft and verifier ports "
+                        "(kept if the file exists)")
+    tk.add_argument("path")
+    tk.set_defaults(func=_cmd_make_token)
     return p
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -65,6 +66,35 @@ def test_prompt_tokens_a_step_are_bounded_and_long_prompts_go_in_pieces() -> Non
         assert sent[0].max_new_tokens == long.max_tokens + 1500 and sent[0].mode == common_pb2.MODE_DDTREE
         assert not sent[1].HasField("sampling") and sent[1].max_new_tokens == 0
         assert step.kv.reserved == 500                    # the KV of every request, reserved once
+
+    asyncio.run(scenario())
+
+
+def test_a_steps_prompt_tokens_keep_its_replys_features_under_grpcs_message_cap() -> None:
+    """The verifier's reply carries the features of every token a step commits, in the message where
+    they exceed a ring slot: at Kimi-K2 widths (3 layers x 7168 in bf16) a step past about 24K prompt
+    tokens outgrew gRPC's 1 GiB cap, and the stream failed with every request on it."""
+    from services.common.grpc_server import MAX_MESSAGE_BYTES
+    from services.scheduler.request import step_prompt_tokens
+
+    k2 = Limits(vocab_size=64, max_context=131072, block_size=16, eos_token_ids=(0,), kv_capacity_tokens=10_000,
+                feature_bytes_per_token=3 * 7168 * 2)
+    unknown = dataclasses.replace(k2, feature_bytes_per_token=0)   # a draft that does not say
+    assert step_prompt_tokens(SchedulerSettings(max_prefill_tokens=8192), k2) == 8192
+    assert step_prompt_tokens(SchedulerSettings(max_prefill_tokens=65536), unknown) == 65536
+    capped = step_prompt_tokens(SchedulerSettings(max_prefill_tokens=65536, max_batch=64), k2)
+    assert 20_000 < capped < 24_000
+    assert (capped + 64 * 16) * k2.feature_bytes_per_token < MAX_MESSAGE_BYTES   # running requests' blocks too
+    assert (capped + 64 * 16 + 400) * k2.feature_bytes_per_token > MAX_MESSAGE_BYTES * 0.98   # and not far below it
+    huge = dataclasses.replace(k2, feature_bytes_per_token=1 << 20)   # 1 MiB a token: 64 x 16 tokens alone are 1 GiB
+    assert step_prompt_tokens(SchedulerSettings(max_batch=64), huge) == 0
+
+    async def scenario() -> None:   # the batcher admits by it
+        narrow = dataclasses.replace(k2, feature_bytes_per_token=(MAX_MESSAGE_BYTES - (16 << 20)) // (64 * 16 + 700))
+        step = StepLoop(SchedulerSettings(max_prefill_tokens=5000, max_batch=64), "draft", None, narrow,
+                        KvBudget(capacity=10_000), Metrics("scheduler-test"))
+        step.waiting.extend([request("a", 600), request("b", 300)])
+        assert pieces(step) == ({"a": (600, False), "b": (100, True)}, [])
 
     asyncio.run(scenario())
 
@@ -222,7 +252,7 @@ class Stub:
         self.capacity = capacity
         self.silent = silent
 
-    async def GetModelInfo(self, request, wait_for_ready=True, timeout=None):
+    async def GetModelInfo(self, request, wait_for_ready=True, timeout=None, metadata=()):
         import grpc
 
         if self.silent:
@@ -531,7 +561,7 @@ def test_a_replica_whose_verifier_came_back_with_another_model_is_kept_down() ->
     class Model(Stub):
         vocab_size = 64
 
-        async def GetModelInfo(self, request, wait_for_ready=True, timeout=None):
+        async def GetModelInfo(self, request, wait_for_ready=True, timeout=None, metadata=()):
             info = await super().GetModelInfo(request, wait_for_ready, timeout)
             info.vocab_size = self.vocab_size
             return info
@@ -823,7 +853,7 @@ def test_a_request_queued_on_a_replica_being_probed_can_still_be_aborted() -> No
     from services.scheduler.router import Router
 
     class SlowStub:
-        async def GetModelInfo(self, request, wait_for_ready=True, timeout=None):
+        async def GetModelInfo(self, request, wait_for_ready=True, timeout=None, metadata=()):
             await asyncio.sleep(0.2)   # the replica is coming back: the probe waits for it
             return common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000)
 

@@ -35,7 +35,7 @@ def _host_port(address: str) -> tuple[str, int]:
 
 
 def test_services_and_commands_match_the_launcher(compose):
-    services = compose["services"]
+    services = {k: v for k, v in compose["services"].items() if k != "internal-token"}
     assert set(services) == set(SETTINGS)
     for name, svc in services.items():
         assert svc["command"][0] == name and svc["command"][1:] == ["--config", "/etc/ddtree/ddtree.toml"]
@@ -52,6 +52,33 @@ def test_the_bearer_token_reaches_the_scheduler_alone(compose):
     services = compose["services"]
     assert services["scheduler"]["environment"]["DDTREE_SCHEDULER_AUTH_TOKEN"] == "${DDTREE_AUTH_TOKEN:-}"
     assert not any("AUTH_TOKEN" in key for name in ("draft", "verifier") for key in services[name]["environment"])
+
+
+def test_the_three_services_read_the_internal_token_made_once_before_them(compose, tmp_path):
+    """Draft and verifier ports refuse calls without the token; the scheduler and drafts present it.
+    One run of `ddtree make-token` writes it into a volume they all mount (kept on later runs, so a
+    restarted service reads what its peers hold)."""
+    from services.cli import main
+
+    services = compose["services"]
+    maker = services["internal-token"]
+    assert maker["entrypoint"][:2] == ["ddtree", "make-token"] and "restart" not in maker
+    path = maker["entrypoint"][2]
+    volume = next(v for v in maker["volumes"] if v.startswith("internal-token:"))
+    assert path.startswith(volume.split(":")[1] + "/") and "internal-token" in compose["volumes"]
+    for name in SETTINGS:
+        svc = services[name]
+        assert svc["environment"]["DDTREE_INTERNAL_TOKEN_FILE"] == path
+        assert f"{volume}:ro" in svc["volumes"]
+        assert svc["depends_on"]["internal-token"] == {"condition": "service_completed_successfully"}
+    token = tmp_path / "token"
+    assert main(["make-token", str(token)]) == 0
+    first = token.read_text()
+    assert len(first.strip()) >= 32 and token.stat().st_mode & 0o077 == 0
+    assert main(["make-token", str(token)]) == 0 and token.read_text() == first   # kept
+    token.write_text("")
+    assert main(["make-token", str(token)]) == 2   # an unusable file is said now, not by three services
+    assert main(["make-token", str(tmp_path / "no-such-dir" / "token")]) == 2
 
 
 def test_the_build_context_leaves_out_what_the_image_does_not_copy():
@@ -91,7 +118,8 @@ def test_config_file_is_valid_for_every_service_and_addresses_agree(compose):
         assert host == "draft" and port == s["draft"].port
     host, port = _host_port(s["draft"].verifier_address)
     assert host == "verifier" and port == s["verifier"].port
-    for name, svc in compose["services"].items():
+    for name in SETTINGS:   # the one-shot internal-token maker serves nothing
+        svc = compose["services"][name]
         env = svc["environment"]
         assert int(env["DDTREE_HEALTH_PORT"]) == s[name].port
         for key in env:   # every DDTREE_<SERVICE>_<FIELD> the file sets must be a real setting
@@ -144,7 +172,8 @@ def test_docker_compose_config_accepts_the_file():
 def test_every_service_reads_the_settings_file_as_edited(compose):
     """The image holds a copy of compose/ddtree.toml from its build; a mount makes an edit count
     without a rebuild (it was silently ignored)."""
-    for name, svc in compose["services"].items():
+    for name in SETTINGS:
+        svc = compose["services"][name]
         assert "./ddtree.toml:/etc/ddtree/ddtree.toml:ro" in svc["volumes"], name
         assert "/etc/ddtree/ddtree.toml" in svc["command"], name
 

@@ -151,7 +151,7 @@ def test_a_stream_ending_under_a_write_fails_the_step_as_unavailable(error, end)
         def __init__(self) -> None:
             self.calls: list[_EndingCall] = []
 
-        def StepStream(self):  # noqa: N802 - the gRPC method name
+        def StepStream(self, metadata=()):  # noqa: N802 - the gRPC method name
             self.calls.append(_EndingCall(error, end))
             return self.calls[-1]
 

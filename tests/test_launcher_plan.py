@@ -66,6 +66,18 @@ def test_a_model_without_a_tokenizer_serves_token_ids(tmp_path) -> None:
         assert plan[-1].env["DDTREE_SCHEDULER_TOKENIZER_PATH"] == want
 
 
+def test_up_says_why_a_model_serves_token_ids_only(tmp_path) -> None:
+    """Kimi-K2 ships `tiktoken.model`, not `tokenizer.json`: `ddtree up` served it without a word,
+    and the first text prompt was refused FAILED_PRECONDITION."""
+    from services.cli import _no_tokenizer_note
+
+    plain = _no_tokenizer_note(tmp_path)
+    assert "no tokenizer.json" in plain and "--token-ids" in plain and "convert" not in plain
+    (tmp_path / "tiktoken.model").write_text("x")
+    kimi = _no_tokenizer_note(tmp_path)
+    assert "tiktoken.model is not read here" in kimi and "tokenizer.json" in kimi
+
+
 def test_the_scheduler_is_probed_where_it_listens() -> None:
     """compose/ddtree.toml puts the scheduler on 0.0.0.0: the launcher reached it (and reported it)
     on 127.0.0.1 whatever it listened on. `scheduler_host` (`ddtree up --host`) sets it."""

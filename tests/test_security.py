@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+from pathlib import Path
 
 import grpc
 import pytest
@@ -97,3 +99,115 @@ def test_the_token_is_read_from_one_authorization_header_with_the_scheme_in_any_
     assert _bearer([("authorization", "Bearer ")]) == b"" and _bearer([]) == b"" and _bearer(None) == b""
     with pytest.raises(ValueError, match="empty bearer token"):
         BearerTokenInterceptor("")
+
+
+def test_the_internal_ports_take_only_the_stacks_internal_token(tls_stack):
+    """`ddtree up` makes one token a launch: its draft and verifier refused everyone else's calls
+    (any local user could hand-shake with the verifier, reserve KV through the draft and make
+    either map rings); the stack's own services present it (the good call above went through)."""
+    from ddtree.v1 import common_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+    from services.common.auth import INTERNAL_TOKEN_ENV
+
+    stack, _ = tls_stack
+    draft = next(s for s in stack.services if s.role == "draft")
+    verifier = next(s for s in stack.services if s.role == "verifier")
+    token = draft.env[INTERNAL_TOKEN_ENV]
+    assert len(token) >= 32 and all(s.env[INTERNAL_TOKEN_ENV] == token for s in stack.services)
+    for metadata in ((), (("authorization", "Bearer not-the-token"),)):
+        with grpc.insecure_channel(draft.address) as ch:
+            with pytest.raises(grpc.RpcError) as info:
+                draft_pb2_grpc.DraftStub(ch).GetModelInfo(common_pb2.GetModelInfoRequest(), metadata=metadata, timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert INTERNAL_TOKEN_ENV in info.value.details() and token not in info.value.details()
+        with grpc.insecure_channel(verifier.address) as ch:
+            with pytest.raises(grpc.RpcError) as info:
+                verifier_pb2_grpc.VerifierStub(ch).Handshake(
+                    verifier_pb2.HandshakeRequest(draft_id="intruder", transports=["inline"]), metadata=metadata, timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING   # probes stay open
+    with grpc.insecure_channel(draft.address) as ch:
+        info = draft_pb2_grpc.DraftStub(ch).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=5,
+                                                         metadata=(("authorization", f"Bearer {token}"),))
+    assert info.vocab_size > 0
+    # What the scheduler keeps a step's reply under gRPC's message cap by: every feature layer, float32 here.
+    drafter = json.loads((Path(stack.spec.model_path) / "drafter" / "config.json").read_text())
+    target = json.loads((Path(stack.spec.model_path) / "config.json").read_text())
+    assert info.feature_bytes_per_token == len(drafter["dflash_config"]["target_layer_ids"]) * target["hidden_size"] * 4
+
+
+def test_the_internal_token_comes_from_one_variable_or_a_file(tmp_path) -> None:
+    from services.common.auth import INTERNAL_TOKEN_ENV as VAR
+    from services.common.auth import INTERNAL_TOKEN_FILE_ENV as FILE
+    from services.common.auth import internal_token, token_metadata
+    from services.common.settings import SettingsError
+
+    assert internal_token({}) == "" and token_metadata("") == ()
+    assert internal_token({VAR: "abc-123"}) == "abc-123"
+    assert token_metadata("abc-123") == (("authorization", "Bearer abc-123"),)
+    secret = tmp_path / "token"
+    secret.write_text("from-a-file\n")   # a compose secret ends in a newline
+    assert internal_token({FILE: str(secret)}) == "from-a-file"
+    for env, needle in (({VAR: "x", FILE: str(secret)}, "both set"),
+                        ({FILE: str(tmp_path / "missing")}, "cannot read"),
+                        ({VAR: "two words"}, "printable ASCII"),
+                        ({VAR: "naïve"}, "printable ASCII")):
+        with pytest.raises(SettingsError, match=needle) as info:
+            internal_token(env)
+        assert "two words" not in str(info.value) and "naïve" not in str(info.value)
+    secret.write_text("  \n")
+    with pytest.raises(SettingsError, match="empty"):
+        internal_token({FILE: str(secret)})
+    secret.write_bytes(b"\xff\xfe")
+    with pytest.raises(SettingsError, match="not ASCII"):
+        internal_token({FILE: str(secret)})
+
+
+def test_the_launcher_keeps_a_given_internal_token_and_refuses_an_unreadable_one(tmp_path, monkeypatch) -> None:
+    from services.common.auth import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_FILE_ENV
+    from services.common.launcher import Stack, StackSpec
+    from services.common.settings import SettingsError
+
+    ckpt = build_checkpoint(tmp_path)
+    monkeypatch.delenv(INTERNAL_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(INTERNAL_TOKEN_FILE_ENV, raising=False)
+    fresh = [Stack(StackSpec(model_path=str(ckpt)))._plan() for _ in range(2)]
+    tokens = [{s.env[INTERNAL_TOKEN_ENV] for s in plan} for plan in fresh]
+    assert all(len(t) == 1 for t in tokens) and tokens[0] != tokens[1]   # shared in a launch, new each launch
+    given = Stack(StackSpec(model_path=str(ckpt), extra_env={INTERNAL_TOKEN_ENV: "mine"}))._plan()
+    assert {s.env[INTERNAL_TOKEN_ENV] for s in given} == {"mine"}
+    from_file = Stack(StackSpec(model_path=str(ckpt), extra_env={INTERNAL_TOKEN_FILE_ENV: str(tmp_path / "nope")}))
+    assert all(INTERNAL_TOKEN_ENV not in s.env for s in from_file._plan())
+    with pytest.raises(SettingsError, match="cannot read"):
+        from_file.start()   # before any service starts
+    assert all(s.proc is None for s in from_file.services)
+
+
+def test_a_call_without_the_token_is_refused_before_its_request_arrives(tls_stack):
+    """The refusal ran as a unary handler, which gRPC calls only once the whole request is in: a
+    client without the token that never finished its message held the call (and up to the message
+    cap of the server's memory) until its deadline. It is now refused as the headers arrive."""
+    import threading
+
+    stack, cert = tls_stack
+    draft = next(s for s in stack.services if s.role == "draft")
+    never = threading.Event()
+
+    def unfinished():   # a request stream that sends nothing and never half-closes
+        never.wait(30)
+        return
+        yield
+
+    creds = grpc.ssl_channel_credentials(cert.read_bytes())
+    try:
+        with grpc.secure_channel(stack.scheduler_address, creds) as public, grpc.insecure_channel(draft.address) as internal:
+            for channel, method in ((public, "/ddtree.v1.Scheduler/GetModelInfo"), (public, "/ddtree.v1.Scheduler/Generate"),
+                                    (internal, "/ddtree.v1.Draft/GetModelInfo")):
+                with pytest.raises(grpc.RpcError) as info:
+                    if method.endswith("Generate"):
+                        list(channel.stream_stream(method)(unfinished(), timeout=20))
+                    else:
+                        channel.stream_unary(method)(unfinished(), timeout=20)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, method   # not DEADLINE_EXCEEDED
+    finally:
+        never.set()

@@ -336,15 +336,18 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_fails_the_start(monkeypat
     = 613 is outside the vocabulary", for a user who sent text."""
     from ddtree.v1 import common_pb2
     from services.scheduler import server
+    from services.scheduler.router import limits_from_info
 
     stopped = []
 
     class Router:
-        def __init__(self, settings, metrics) -> None:
-            pass
+        def __init__(self, settings, metrics, internal_token) -> None:
+            self.limits = None
 
         async def start(self, wait_s):
-            return common_pb2.ModelInfo(vocab_size=512, max_context=1024, block_size=16)
+            info = common_pb2.ModelInfo(vocab_size=512, max_context=1024, block_size=16)
+            self.limits = limits_from_info(info)
+            return info
 
         async def stop(self) -> None:
             stopped.append(1)
@@ -356,6 +359,44 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_fails_the_start(monkeypat
     assert stopped == [1]
 
 
+def test_a_step_whose_reply_cannot_fit_grpcs_message_fails_the_start_and_a_long_prefill_is_capped(monkeypatch) -> None:
+    """The scheduler learns a token's feature bytes from its drafts; a step's reply carries the
+    features of every token it commits, under gRPC's 1 GiB message cap."""
+    from structlog.testing import capture_logs
+
+    from ddtree.v1 import common_pb2
+    from services.scheduler import server
+    from services.scheduler.router import limits_from_info
+
+    per_token = [1 << 20]
+    stopped = []
+
+    class Router:
+        def __init__(self, settings, metrics, internal_token) -> None:
+            self.limits = None
+
+        async def start(self, wait_s):
+            info = common_pb2.ModelInfo(vocab_size=512, max_context=1024, block_size=16,
+                                        feature_bytes_per_token=per_token[0])
+            self.limits = limits_from_info(info)
+            return info
+
+        async def stop(self) -> None:
+            stopped.append(1)
+    monkeypatch.setattr(server, "Router", Router)
+    monkeypatch.setattr(server, "configure_logging", lambda *a: None)   # it would replace capture_logs' set-up
+    with pytest.raises(SettingsError, match=r"scheduler.max_batch: 64 requests a step can commit 1024 tokens, "
+                                            r"whose features \(1048576 bytes a token\) would not fit"):
+        asyncio.run(server.serve(SchedulerSettings(port=0, tokenizer_path="")))
+    assert stopped == [1]
+
+    per_token[0] = 3 * 7168 * 2   # Kimi-K2's widths: a start with a warning, and then (here) a tokenizer refused
+    with capture_logs() as logs, pytest.raises(SettingsError, match="tokenizer_path"):
+        asyncio.run(server.serve(SchedulerSettings(port=0, max_prefill_tokens=65536, tokenizer_path="models/demo")))
+    capped = [e for e in logs if e["event"] == "max_prefill_tokens_capped"]
+    assert len(capped) == 1 and capped[0]["setting"] == 65536 and 20_000 < capped[0]["tokens"] < 24_000
+
+
 def test_an_internal_service_reachable_beyond_loopback_says_so() -> None:
     """Draft and verifier check no token: `ddtree serve` with compose's `host = "0.0.0.0"` opened
     them to the network without a word."""
@@ -364,10 +405,11 @@ def test_an_internal_service_reachable_beyond_loopback_says_so() -> None:
     from services.common.grpc_server import warn_if_reachable
 
     with capture_logs() as quiet:
-        warn_if_reachable("127.0.0.1", "verifier.host")
-        warn_if_reachable("localhost", "draft.host")
+        warn_if_reachable("127.0.0.1", "verifier.host", False)
+        warn_if_reachable("localhost", "draft.host", False)
+        warn_if_reachable("0.0.0.0", "draft.host", True)   # the internal token guards it
     with capture_logs() as said:
-        warn_if_reachable("0.0.0.0", "verifier.host")
+        warn_if_reachable("0.0.0.0", "verifier.host", False)
     assert quiet == []
     assert [(e["event"], e["setting"], e["log_level"]) for e in said] == \
         [("internal_port_reachable", "verifier.host", "warning")]

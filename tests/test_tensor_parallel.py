@@ -26,7 +26,7 @@ from services.scheduler.client import AsyncClient, Client, ClientError
 from services.verifier.model import expected_tensors, load_checkpoint
 from services.verifier.parallel import load_rank_slice
 from services.verifier.ranks import stop_workers, watch_workers
-from tests.stack_fixtures import PROMPTS, StackStarts
+from tests.stack_fixtures import PROMPTS, StackStarts, internal_metadata
 
 # moe_intermediate 128 / tp 4 = 32: each rank's INT4 down_proj slice is one whole quantization group.
 OVERRIDES = {"moe_intermediate_size": 128}
@@ -88,7 +88,7 @@ def test_tp2_and_tp4_equal_tp1_and_outlast_idle_time_and_bad_input(ckpt):
             if tp == 2:
                 time.sleep(max(0.0, ready + idle_timeout_s + 2 - time.monotonic()))
             results[tp] = asyncio.run(_query(stack.scheduler_address))
-            asyncio.run(_bad_input(stack.address("verifier"), ckpt))
+            asyncio.run(_bad_input(stack.address("verifier"), ckpt, internal_metadata(stack)))
             assert asyncio.run(_query(stack.scheduler_address)) == results[tp], f"tp={tp}"
             with Client(stack.scheduler_address) as c:
                 assert c.model_info().tp_size == tp
@@ -106,7 +106,7 @@ async def _query(address: str) -> tuple[list[list[int]], list[int]]:
         return [g.token_ids for g in greedy], sampled.token_ids
 
 
-async def _bad_input(verifier: str, ckpt) -> None:
+async def _bad_input(verifier: str, ckpt, token: tuple[tuple[str, str], ...]) -> None:
     """A second draft (as a misconfigured replica or a bug would) names a layer the target lacks,
     then sends tree bundles that cannot be split into its trees: each gets a clear status for its
     own trees, and its stream and other request go on (before, a TP group's worker ranks re-raised
@@ -121,10 +121,10 @@ async def _bad_input(verifier: str, ckpt) -> None:
         wrong.CopyFrom(hello)
         wrong.feature_layer_ids[:] = [cfg["num_hidden_layers"]]
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.Handshake(wrong)
+            await stub.Handshake(wrong, metadata=token)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "outside the target" in info.value.details()
-        await stub.Handshake(hello)
-        call = stub.VerifyStream(metadata=(("draft-id", "second"),))
+        await stub.Handshake(hello, metadata=token)
+        call = stub.VerifyStream(metadata=(("draft-id", "second"), *token))
         await call.write(verifier_pb2.VerifyRequest(sequence=1, prefills=[
             verifier_pb2.PrefillItem(request_id=r, token_ids=[5, 6, 7], reserve_tokens=64) for r in ("x", "y")]))
         pending = {item.request_id: item.token_ids[0] for item in (await call.read()).prefills}

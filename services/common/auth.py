@@ -1,38 +1,56 @@
-"""Guarding the public port: an optional bearer token checked on every call, and TLS credentials.
+"""Guarding the ports: bearer tokens checked on every call, and the public port's TLS credentials.
 
-Health checks stay open so orchestrators can probe without the token; reflection and every
+The public port (scheduler) takes the optional `scheduler.auth_token`. The internal ports (draft,
+verifier) take the internal token, one value shared by the three services through
+``DDTREE_INTERNAL_TOKEN`` (or a file named by ``DDTREE_INTERNAL_TOKEN_FILE``): the scheduler and the
+drafts present it, drafts and verifiers ask for it. Without it anyone who reaches an internal port
+can hand-shake, hold KV pages and make a service map its rings. `ddtree up` makes one per launch.
+Health checks stay open so orchestrators can probe without a token; reflection and every
 `ddtree.v1` method need it.
 """
 
 from __future__ import annotations
 
 import hmac
+import os
+import re
+import secrets
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 import grpc
 
 from services.common.settings import SettingsError
 
-__all__ = ["BearerTokenInterceptor", "server_credentials"]
+__all__ = ["BearerTokenInterceptor", "server_credentials", "internal_token", "internal_interceptors",
+           "token_metadata", "write_internal_token", "INTERNAL_TOKEN_ENV", "INTERNAL_TOKEN_FILE_ENV"]
 
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+
+INTERNAL_TOKEN_ENV = "DDTREE_INTERNAL_TOKEN"
+INTERNAL_TOKEN_FILE_ENV = "DDTREE_INTERNAL_TOKEN_FILE"
+# What a gRPC metadata value may hold (printable ASCII; no space, which would end the scheme's token).
+_TOKEN_TEXT = re.compile(r"[!-~]+")
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without `authorization: Bearer <token>` with UNAUTHENTICATED."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, refusal: str = "missing or wrong bearer token") -> None:
         if not token:   # b"" is what a call without the header presents
             raise ValueError("an empty bearer token would admit every call")
         self._expected = token.encode()
 
-        async def deny(request, context: grpc.aio.ServicerContext):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        async def deny(requests, context: grpc.aio.ServicerContext):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal)
 
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+        # Refused as the headers arrive: handlers that take a request stream run before any message
+        # is read. A unary one runs only once the whole request is in, so a client without the
+        # token could hold up to the message cap of the server's memory a call by never finishing
+        # its message (hundreds of MB with a few dozen calls).
+        self._deny_unary = grpc.stream_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.stream_stream_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable],
                                 details: grpc.HandlerCallDetails):
@@ -55,6 +73,58 @@ def _bearer(metadata) -> bytes:
         return b""
     scheme, _, token = values[0].partition(" ")
     return token.encode() if scheme.lower() == "bearer" and token else b""
+
+
+def internal_token(env: Mapping[str, str] | None = None) -> str:
+    """The internal token from ``DDTREE_INTERNAL_TOKEN`` or the file ``DDTREE_INTERNAL_TOKEN_FILE``
+    names (a compose secret), or "" where neither is set (internal ports then check nothing). Read
+    once at start-up: a file that cannot be read, an empty one, both variables, or a value gRPC
+    metadata cannot carry fail the start naming the variable (never repeating the value)."""
+    environ = os.environ if env is None else env
+    token, path = environ.get(INTERNAL_TOKEN_ENV, ""), environ.get(INTERNAL_TOKEN_FILE_ENV, "")
+    if token and path:
+        raise SettingsError(f"{INTERNAL_TOKEN_ENV} and {INTERNAL_TOKEN_FILE_ENV} are both set; set one")
+    source = INTERNAL_TOKEN_ENV
+    if path:
+        source = f"{INTERNAL_TOKEN_FILE_ENV} ({path})"
+        try:
+            token = Path(path).read_text(encoding="ascii").strip()
+        except OSError as exc:
+            raise SettingsError(f"{INTERNAL_TOKEN_FILE_ENV}: cannot read {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise SettingsError(f"{source}: the token is not ASCII text") from None
+        if not token:
+            raise SettingsError(f"{source}: the file is empty")
+    if token and not _TOKEN_TEXT.fullmatch(token):
+        raise SettingsError(f"{source}: the token must be printable ASCII without spaces")
+    return token
+
+
+def write_internal_token(path: str | Path) -> bool:
+    """Writes a new internal token to ``path`` (owner-only) unless the file exists; True if it wrote.
+    Kept when present, so a service restarted later reads the token its peers hold (compose runs
+    this once before the services, into a volume they share)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        internal_token({INTERNAL_TOKEN_FILE_ENV: str(path)})   # one that cannot be used fails here, not in three services
+        return False
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secrets.token_urlsafe(32) + "\n")
+    return True
+
+
+def internal_interceptors(token: str) -> list[grpc.aio.ServerInterceptor]:
+    """A draft's or verifier's interceptors: the internal token's check, where one is set."""
+    if not token:
+        return []
+    return [BearerTokenInterceptor(token, refusal=f"missing or wrong internal token (the scheduler, draft and "
+                                                  f"verifier need the same {INTERNAL_TOKEN_ENV})")]
+
+
+def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """The metadata a call to an internal port carries: the token, where one is set."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:

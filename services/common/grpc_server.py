@@ -150,14 +150,16 @@ async def report_health(health_servicer: HealthServicer, service_full_names: Ite
                 get_logger("server").warning("not_serving", reason=why_not)
 
 
-def warn_if_reachable(host: str, setting: str) -> None:
-    """An internal service (draft, verifier) checks no token: listening beyond loopback, anyone who
-    reaches the port can hand-shake, hold KV and name rings. Said at start-up, not refused
-    (compose's private network is what the containers need)."""
-    if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
+def warn_if_reachable(host: str, setting: str, authenticated: bool) -> None:
+    """An internal service (draft, verifier) without the internal token checks nothing: listening
+    beyond loopback, anyone who reaches the port can hand-shake, hold KV and name rings. Said at
+    start-up, not refused (a private network may be all a deployment wants)."""
+    if authenticated or host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
         return
     get_logger("server").warning("internal_port_reachable", setting=setting, host=host,
-                                 advice="no authentication on this port: keep it on a private network")
+                                 advice="no authentication on this port: set DDTREE_INTERNAL_TOKEN (or "
+                                        "DDTREE_INTERNAL_TOKEN_FILE) for the three services, or keep it "
+                                        "on a private network")
 
 
 _serving = threading.Event()   # serve_until_signal watches the launcher from here on

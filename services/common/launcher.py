@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.auth import server_credentials
+from services.common.auth import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_FILE_ENV, internal_token, server_credentials
 from services.common.grpc_server import PARENT_PID_ENV, check_port_free, host_port
 from services.common.settings import DraftSettings, SchedulerSettings, SettingsError, VerifierSettings, load_settings
 
@@ -235,6 +236,10 @@ class Stack:
             "DDTREE_DRAFT_HOST": "127.0.0.1",
         })
         base.update(spec.extra_env)
+        if INTERNAL_TOKEN_ENV not in base and INTERNAL_TOKEN_FILE_ENV not in base:
+            # One per launch: the draft and verifier ports, on loopback, still take calls from any
+            # local user; with it they answer only this stack's services.
+            base[INTERNAL_TOKEN_ENV] = secrets.token_urlsafe(32)
         if spec.scheduler_host is not None:
             base["DDTREE_SCHEDULER_HOST"] = spec.scheduler_host
         vport = spec.verifier_port or free_port()
@@ -292,6 +297,7 @@ class Stack:
         metrics_ports: dict[int, str] = {}
         for svc in self.services:
             svc.settings = load_settings(_SETTINGS[svc.role], self.spec.config_path, env=svc.env)
+            internal_token(svc.env)   # a token file that cannot be read fails here, before anything starts
             _check_before_start(svc.role, svc.settings)
             port = svc.settings.metrics_port
             if port and port in metrics_ports:   # each port was free alone; the second service would fail to bind it

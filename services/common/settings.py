@@ -5,7 +5,9 @@ value means the same thing wherever it is set. Precedence: the launcher's own va
 addresses, model paths) > environment > file > defaults.
 Environment variables are `DDTREE_<SERVICE>_<FIELD>` (e.g. `DDTREE_VERIFIER_PAGE_SIZE=32`).
 The only other variables read are not settings: the launcher's (it passes these to the services),
-the health probe's (`DDTREE_HEALTH_*`) and the kernel overrides README.md lists.
+the internal token's (`DDTREE_INTERNAL_TOKEN[_FILE]`, one value for all three services, in
+`services.common.auth`), the health probe's (`DDTREE_HEALTH_*`) and the kernel overrides README.md
+lists.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import grpc
 import torch
 
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from services.common.auth import internal_interceptors, internal_token
 from services.common.devices import pin_device
 from services.common.grpc_server import (ServiceError, check_port_free, host_port, listen, new_server, report_health,
                                          serve_until_signal, warn_if_reachable)
@@ -103,8 +104,9 @@ async def _reconnect_when_lost(engine: DraftEngine, interval_s: float = 1.0) -> 
                 await engine.ensure_connected()
                 handshake = engine.verifier.handshake
                 log.info("verifier_reconnected", verifier_id=handshake.verifier_id if handshake else None)
-            except ServiceError as exc:
-                log.debug("verifier_reconnect_failed", code=exc.code.name, error=exc.message)
+            except ServiceError as exc:   # a verifier still down is expected; one refusing our token is not
+                (log.warning if exc.code == grpc.StatusCode.UNAUTHENTICATED else log.debug)(
+                    "verifier_reconnect_failed", code=exc.code.name, error=exc.message)
             except Exception as exc:  # noqa: BLE001 - e.g. a ring that cannot be made now: the next round tries again
                 log.warning("verifier_reconnect_failed", error=repr(exc))
 
@@ -113,6 +115,7 @@ async def serve(settings: DraftSettings) -> None:
     configure_logging("draft", settings.json_logs)
     # Ports first: one that cannot be had fails start-up now, not after the weights load and the verifier answers.
     check_port_free(settings.host, settings.port, "draft.port")
+    token = internal_token()   # asked of the scheduler's calls, presented to the verifier
     metrics = Metrics("draft")
     metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
     torch.set_num_threads(settings.cpu_threads)
@@ -123,6 +126,7 @@ async def serve(settings: DraftSettings) -> None:
              target_layer_ids=list(proposer.target_layer_ids))
     client = VerifierClient(settings.verifier_address, settings.transport, settings.ring_slots,
                             settings.ring_slot_bytes, device=str(device), step_timeout_s=settings.verifier_step_timeout_s,
+                            internal_token=token,
                             on_inline_fallback=metrics.ring_inline_fallbacks.labels("slot_too_small").inc)
     if device.type == "cuda" and settings.cuda_graphs:
         pool = proposer.enable_graphs(settings.graph_rows, settings.graph_context)
@@ -141,11 +145,11 @@ async def serve(settings: DraftSettings) -> None:
         raise ServiceError(exc.code, f"draft.verifier_address {settings.verifier_address}: {waited}") from None
     log.info("verifier_connected", transport=client.handshake.transport, device=str(device),
              max_context=engine.max_context)
-    server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
+    server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name], internal_interceptors(token))
     servicer = DraftServicer(engine)
     draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
     port = listen(server, host_port(settings.host, settings.port), "draft.port")
-    warn_if_reachable(settings.host, "draft.host")
+    warn_if_reachable(settings.host, "draft.host", bool(token))
     await server.start()
     log.info("serving", address=host_port(settings.host, port), verifier=settings.verifier_address, metrics_port=metrics_port)
     tasks = [asyncio.ensure_future(report_health(health, [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name],

@@ -11,6 +11,7 @@ import grpc
 import torch
 
 from ddtree.v1 import verifier_pb2, verifier_pb2_grpc
+from services.common.auth import token_metadata
 from services.common.grpc_server import ServiceError, server_options
 from services.common.logging import get_logger
 from services.common.transport import RingFull, TensorReader, TensorWriter, bundle_slot, make_reader, make_writer
@@ -82,12 +83,14 @@ class VerifierClient:
 
     def __init__(self, address: str, transport: str, ring_slots: int, ring_slot_bytes: int,
                  device: str = "cpu", step_timeout_s: float = 60.0,
-                 on_inline_fallback: Callable[[], None] | None = None) -> None:
+                 on_inline_fallback: Callable[[], None] | None = None, internal_token: str = "") -> None:
         """`device`: this draft's device; our ring lives there (cuda_ipc) and the features land there.
         `step_timeout_s`: a verifier that answers no step within this is taken for gone (a frozen
         process or a half-open connection would otherwise hold the draft's lock for ever).
-        `on_inline_fallback`: called for each tree bundle too big for a ring slot (sent inline)."""
+        `on_inline_fallback`: called for each tree bundle too big for a ring slot (sent inline).
+        `internal_token`: presented on every call (the verifier's `DDTREE_INTERNAL_TOKEN`)."""
         self.address = address
+        self._metadata = token_metadata(internal_token)
         self.step_timeout_s = step_timeout_s
         self.draft_id = f"draft-{uuid.uuid4().hex[:12]}"
         self.device = torch.device(device)
@@ -129,7 +132,7 @@ class VerifierClient:
                     draft_id=self.draft_id, feature_layer_ids=list(feature_layer_ids), hidden_size=hidden_size,
                     vocab_size=vocab_size, transports=offer, draft_ring=self._writer.ring_name or "",
                     draft_ring_slot_bytes=self._writer.slot_bytes, draft_ring_slots=self._writer.num_slots),
-                    wait_for_ready=wait_s > 0, timeout=wait_s if wait_s > 0 else 10.0)
+                    wait_for_ready=wait_s > 0, timeout=wait_s if wait_s > 0 else 10.0, metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
                 await self.close()
                 raise ServiceError(exc.code(), f"verifier handshake failed: {exc.details()}") from None
@@ -157,7 +160,7 @@ class VerifierClient:
                 continue
             break
         self._writer.attached()   # the verifier mapped our ring in its handshake
-        self._call = stub.VerifyStream(metadata=(("draft-id", self.draft_id),))
+        self._call = stub.VerifyStream(metadata=(("draft-id", self.draft_id), *self._metadata))
         self.handshake = hs
         return hs
 

@@ -25,7 +25,7 @@ from services.common.logging import get_logger
 from services.common.metrics import Metrics
 from services.common.settings import SchedulerSettings
 from services.scheduler.draft_link import DraftLink, StepFailed
-from services.scheduler.request import ActiveRequest, Limits
+from services.scheduler.request import ActiveRequest, Limits, step_prompt_tokens
 from services.scheduler.speculation import SpeculationGate
 
 __all__ = ["StepLoop", "KvBudget"]
@@ -267,7 +267,7 @@ class StepLoop:
         used to stop every stream for the whole prefill)."""
         if self.running:   # one decision for the whole batch (see speculation.py); idle calls are no step
             self._speculating = self.gate.speculate()
-        left = self.settings.max_prefill_tokens
+        left = step_prompt_tokens(self.settings, self.limits)
         items = []
         for r in self.running.values():
             if r.prompt_sent < len(r.prompt_ids):   # its prompt's next piece, while the budget lasts

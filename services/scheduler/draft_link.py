@@ -36,8 +36,9 @@ _CORE_FAILURE = "Internal error from Core"
 class DraftLink:
     """One lane's stream; `step` sends a step and waits for its answer, one step at a time."""
 
-    def __init__(self, stub: draft_pb2_grpc.DraftStub) -> None:
+    def __init__(self, stub: draft_pb2_grpc.DraftStub, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.stub = stub
+        self.metadata = metadata   # the internal token, where one is set
         self._call: grpc.aio.StreamStreamCall | None = None
 
     async def step(self, request: draft_pb2.StepRequest, timeout: float) -> draft_pb2.StepResponse:
@@ -47,7 +48,7 @@ class DraftLink:
                 # The draft let go of what that stream admitted: these requests' state is gone.
                 raise StepFailed(grpc.StatusCode.UNAVAILABLE, "the step stream ended between steps")
         if self._call is None:
-            self._call = self.stub.StepStream()
+            self._call = self.stub.StepStream(metadata=self.metadata)
         call = self._call
         try:
             resp = await asyncio.wait_for(self._exchange(call, request), timeout)

@@ -16,7 +16,7 @@ import grpc
 from tokenizers import Tokenizer
 
 from ddtree.v1 import common_pb2, scheduler_pb2
-from services.common.grpc_server import ServiceError
+from services.common.grpc_server import MAX_MESSAGE_BYTES, ServiceError
 from services.common.settings import MAX_BUDGET, TEMPERATURE_RANGE, SchedulerSettings, temperature_ok
 from services.scheduler.detokenize import IncrementalDetokenizer
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from services.scheduler.batcher import KvBudget
 
 __all__ = ["ActiveRequest", "Limits", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS",
-           "check_text_size", "encode_prompt", "kv_reservation", "max_token_bytes", "validate"]
+           "check_text_size", "encode_prompt", "kv_reservation", "max_token_bytes", "step_prompt_tokens", "validate"]
 
 _REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to: hold it back until complete
 # Every step rescans each stop string, and the stream holds back the longest one's length of text:
@@ -47,6 +47,24 @@ class Limits:
     eos_token_ids: tuple[int, ...]          # every id that ends a sequence (none: an empty tuple)
     kv_capacity_tokens: int
     kv_page_size: int = 1   # the verifier reserves whole pages
+    feature_bytes_per_token: int = 0   # a committed token's features in a verifier reply (0: not known)
+
+
+# Room a reply needs beside its features (tokens and results of every item): far less than this.
+_REPLY_OVERHEAD_BYTES = 16 << 20
+
+
+def step_prompt_tokens(settings: SchedulerSettings, limits: Limits) -> int:
+    """The prompt tokens one step may carry: ``scheduler.max_prefill_tokens``, or fewer where the
+    verifier's reply would outgrow gRPC's message cap. The reply carries the features of every token
+    the step commits (its prompt tokens, and up to a block a running request), and a long prefill's
+    exceed a ring slot, so they go in the message: at Kimi-K2 widths in bf16 a step of about 24K
+    prompt tokens passes 1 GiB, and such a step failed every request of the stream. 0 where even a
+    step of running requests alone cannot fit (the scheduler's start refuses that)."""
+    if limits.feature_bytes_per_token <= 0:
+        return settings.max_prefill_tokens
+    room = (MAX_MESSAGE_BYTES - _REPLY_OVERHEAD_BYTES) // limits.feature_bytes_per_token
+    return max(0, min(settings.max_prefill_tokens, room - settings.max_batch * limits.block_size))
 
 
 def kv_reservation(tokens: int, limits: Limits) -> int:

@@ -14,6 +14,7 @@ import socket
 import grpc
 
 from ddtree.v1 import common_pb2, draft_pb2_grpc
+from services.common.auth import token_metadata
 from services.common.grpc_server import ServiceError, server_options
 from services.common.logging import get_logger
 from services.common.metrics import Metrics
@@ -60,13 +61,14 @@ def limits_from_info(info: common_pb2.ModelInfo) -> Limits:
     eos = tuple(info.eos_token_ids) or ((info.eos_token_id,) if info.eos_token_id >= 0 else ())
     return Limits(vocab_size=info.vocab_size, max_context=info.max_context, block_size=info.block_size,
                   eos_token_ids=eos, kv_capacity_tokens=info.kv_capacity_tokens,
-                  kv_page_size=info.kv_page_size or 1)
+                  kv_page_size=info.kv_page_size or 1, feature_bytes_per_token=info.feature_bytes_per_token)
 
 
 class Router:
-    def __init__(self, settings: SchedulerSettings, metrics: Metrics) -> None:
+    def __init__(self, settings: SchedulerSettings, metrics: Metrics, internal_token: str = "") -> None:
         self.settings = settings
         self.metrics = metrics
+        self._metadata = token_metadata(internal_token)   # what every call to a draft carries
         self.lanes: list[StepLoop] = []
         self._channels: list[grpc.aio.Channel] = []
         self._budgets: dict[str, KvBudget] = {}
@@ -124,7 +126,7 @@ class Router:
     def _add_lane(self, address: str, stub: draft_pb2_grpc.DraftStub, info: common_pb2.ModelInfo | None) -> None:
         assert self.info is not None
         info = self._same_model(address, info)   # else down from the start
-        lane = StepLoop(self.settings, address, DraftLink(stub), limits_from_info(self.info), self._budget(info),
+        lane = StepLoop(self.settings, address, DraftLink(stub, self._metadata), limits_from_info(self.info), self._budget(info),
                         self.metrics)
         lane.healthy = info is not None
         lane.start()
@@ -151,13 +153,12 @@ class Router:
                 self.metrics.kv_reserved.remove(key)
                 self.metrics.kv_capacity.remove(key)
 
-    @staticmethod
-    async def _probe(stub: draft_pb2_grpc.DraftStub, timeout_s: float, address: str = "",
+    async def _probe(self, stub: draft_pb2_grpc.DraftStub, timeout_s: float, address: str = "",
                      errors: list[str] | None = None) -> common_pb2.ModelInfo | None:
         """The replica's model info, or None (its error appended to ``errors``, for the start-up message)."""
         try:
             return await stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=True,
-                                           timeout=timeout_s)
+                                           timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             if errors is not None:
                 why = f"nothing answered within {timeout_s:.0f} s" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED \

@@ -15,13 +15,13 @@ import grpc
 from tokenizers import Tokenizer
 
 from ddtree.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.common.auth import BearerTokenInterceptor, server_credentials
-from services.common.grpc_server import (ServiceError, check_port_free, host_port, listen, new_server, report_health,
+from services.common.auth import BearerTokenInterceptor, internal_token, server_credentials
+from services.common.grpc_server import (MAX_MESSAGE_BYTES, ServiceError, check_port_free, host_port, listen, new_server, report_health,
                                          serve_until_signal)
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
-from services.scheduler.request import check_text_size, max_token_bytes, validate
+from services.scheduler.request import check_text_size, max_token_bytes, step_prompt_tokens, validate
 from services.scheduler.tokenizing import PromptEncoder
 from services.scheduler.router import Router
 
@@ -131,10 +131,22 @@ async def serve(settings: SchedulerSettings) -> None:
     check_port_free(settings.host, settings.port, "scheduler.port")
     credentials = server_credentials(settings.tls_cert, settings.tls_key) if settings.tls_cert else None
     metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
+    drafts_token = internal_token()
     tokenizer = load_tokenizer(settings.tokenizer_path)
     encoder = PromptEncoder(tokenizer, str(tokenizer_file(settings.tokenizer_path))) if tokenizer is not None else None
-    router = Router(settings, metrics)
+    router = Router(settings, metrics, drafts_token)
     info = await router.start(settings.draft_wait_s)
+    prompt_tokens = step_prompt_tokens(settings, router.limits)
+    if prompt_tokens == 0:
+        await router.stop()
+        raise SettingsError(f"scheduler.max_batch: {settings.max_batch} requests a step can commit "
+                            f"{settings.max_batch * router.limits.block_size} tokens, whose features "
+                            f"({router.limits.feature_bytes_per_token} bytes a token) would not fit gRPC's "
+                            f"{MAX_MESSAGE_BYTES >> 30} GiB message; lower it")
+    if prompt_tokens < settings.max_prefill_tokens:
+        log.warning("max_prefill_tokens_capped", setting=settings.max_prefill_tokens, tokens=prompt_tokens,
+                    reason=f"a step's features ({router.limits.feature_bytes_per_token} bytes a token) must fit "
+                           f"gRPC's {MAX_MESSAGE_BYTES >> 30} GiB message")
     words = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer is not None else 0
     if words > info.vocab_size:   # else every text prompt failed "token id outside the vocabulary", unasked
         await router.stop()

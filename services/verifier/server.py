@@ -27,6 +27,7 @@ import torch
 
 from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from kernels.tree_mla import backend_from_env
+from services.common.auth import internal_interceptors, internal_token
 from services.common.checkpoint import read_config, require_checkpoint
 from services.common.devices import pin_device
 from services.common.grpc_server import (ServiceError, check_port_free, host_port, listen, new_server, serve_until_signal,
@@ -175,7 +176,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             hidden_size=cfg.hidden_size, max_context=self.engine.max_context,
             eos_token_id=cfg.eos_token_id[0] if cfg.eos_token_id else -1, eos_token_ids=cfg.eos_token_id,
             tp_size=self.settings.tp, kv_capacity_tokens=self.engine.cache.capacity_tokens, kv_page_size=self.engine.cache.page_size,
-            verifier_id=self.verifier_id)
+            verifier_id=self.verifier_id,
+            feature_bytes_per_token=len(layers) * cfg.hidden_size * self.engine.model.dtype.itemsize)
 
     async def VerifyStream(self, request_iterator: AsyncIterator[verifier_pb2.VerifyRequest],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[verifier_pb2.VerifyResponse]:
@@ -530,6 +532,7 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     configure_logging("verifier", settings.json_logs)
     # Ports first: one that cannot be had fails start-up now, not after the weights load.
     check_port_free(settings.host, settings.port, "verifier.port")
+    token = internal_token()   # asked of every draft's calls
     try:
         backend_from_env()
     except ValueError as exc:
@@ -556,11 +559,12 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     if starting is not None:
         starting.set()
     group = EngineGroup(engine, tp)
-    server, health = new_server([verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name])
+    server, health = new_server([verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name],
+                                internal_interceptors(token))
     servicer = VerifierServicer(group, settings, metrics)
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
     port = listen(server, host_port(settings.host, settings.port), "verifier.port")
-    warn_if_reachable(settings.host, "verifier.host")
+    warn_if_reachable(settings.host, "verifier.host", bool(token))
     await server.start()
     log.info("serving", address=host_port(settings.host, port), tp=settings.tp, metrics_port=metrics_port)
     died: list[str] = []

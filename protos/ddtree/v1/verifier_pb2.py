@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ddtree.v1 import common_pb2 as ddtree_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64\x64tree/v1/verifier.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/common.proto\"\xc9\x01\n\x10HandshakeRequest\x12\x10\n\x08\x64raft_id\x18\x01 \x01(\t\x12\x19\n\x11\x66\x65\x61ture_layer_ids\x18\x02 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x12\n\ntransports\x18\x05 \x03(\t\x12\x12\n\ndraft_ring\x18\x06 \x01(\t\x12\x1d\n\x15\x64raft_ring_slot_bytes\x18\x07 \x01(\x04\x12\x18\n\x10\x64raft_ring_slots\x18\x08 \x01(\r\"\xd3\x02\n\x11HandshakeResponse\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x15\n\rverifier_ring\x18\x02 \x01(\t\x12 \n\x18verifier_ring_slot_bytes\x18\x03 \x01(\x04\x12\x1b\n\x13verifier_ring_slots\x18\x04 \x01(\r\x12\x12\n\nmodel_type\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x07 \x01(\x05\x12\x13\n\x0bmax_context\x18\x08 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\t \x01(\x05\x12\x0f\n\x07tp_size\x18\n \x01(\x05\x12\x1a\n\x12kv_capacity_tokens\x18\x0b \x01(\x05\x12\x14\n\x0ckv_page_size\x18\x0c \x01(\x05\x12\x13\n\x0bverifier_id\x18\r \x01(\t\x12\x15\n\reos_token_ids\x18\x0e \x03(\x05\"\xaa\x01\n\x0bPrefillItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x16\n\x0ereserve_tokens\x18\x04 \x01(\x05\x12\x18\n\x10prompt_continues\x18\x05 \x01(\x08\x12\x15\n\rprompt_offset\x18\x06 \x01(\x05\"\xb0\x01\n\rVerifyRequest\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12(\n\x08prefills\x18\x02 \x03(\x0b\x32\x16.ddtree.v1.PrefillItem\x12\x12\n\nverify_ids\x18\x03 \x03(\t\x12&\n\x05trees\x18\x04 \x01(\x0b\x32\x17.ddtree.v1.TensorBundle\x12\x0f\n\x07release\x18\x05 \x03(\t\x12\x16\n\x0ereleased_slots\x18\x06 \x03(\r\"q\n\nItemResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tcommitted\x18\x03 \x01(\x05\x12\x12\n\nerror_code\x18\x04 \x01(\x05\x12\x15\n\rerror_message\x18\x05 \x01(\t\"\xca\x01\n\x0eVerifyResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\'\n\x08prefills\x18\x02 \x03(\x0b\x32\x15.ddtree.v1.ItemResult\x12\'\n\x08verifies\x18\x03 \x03(\x0b\x32\x15.ddtree.v1.ItemResult\x12)\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x17.ddtree.v1.TensorBundle\x12\x16\n\x0ereleased_slots\x18\x05 \x03(\r\x12\x11\n\tverify_ms\x18\x06 \x01(\x02\x32\x9b\x01\n\x08Verifier\x12\x46\n\tHandshake\x12\x1b.ddtree.v1.HandshakeRequest\x1a\x1c.ddtree.v1.HandshakeResponse\x12G\n\x0cVerifyStream\x12\x18.ddtree.v1.VerifyRequest\x1a\x19.ddtree.v1.VerifyResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64\x64tree/v1/verifier.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/common.proto\"\xc9\x01\n\x10HandshakeRequest\x12\x10\n\x08\x64raft_id\x18\x01 \x01(\t\x12\x19\n\x11\x66\x65\x61ture_layer_ids\x18\x02 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x12\n\ntransports\x18\x05 \x03(\t\x12\x12\n\ndraft_ring\x18\x06 \x01(\t\x12\x1d\n\x15\x64raft_ring_slot_bytes\x18\x07 \x01(\x04\x12\x18\n\x10\x64raft_ring_slots\x18\x08 \x01(\r\"\xf4\x02\n\x11HandshakeResponse\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x15\n\rverifier_ring\x18\x02 \x01(\t\x12 \n\x18verifier_ring_slot_bytes\x18\x03 \x01(\x04\x12\x1b\n\x13verifier_ring_slots\x18\x04 \x01(\r\x12\x12\n\nmodel_type\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x07 \x01(\x05\x12\x13\n\x0bmax_context\x18\x08 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\t \x01(\x05\x12\x0f\n\x07tp_size\x18\n \x01(\x05\x12\x1a\n\x12kv_capacity_tokens\x18\x0b \x01(\x05\x12\x14\n\x0ckv_page_size\x18\x0c \x01(\x05\x12\x13\n\x0bverifier_id\x18\r \x01(\t\x12\x15\n\reos_token_ids\x18\x0e \x03(\x05\x12\x1f\n\x17\x66\x65\x61ture_bytes_per_token\x18\x0f \x01(\x04\"\xaa\x01\n\x0bPrefillItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x16\n\x0ereserve_tokens\x18\x04 \x01(\x05\x12\x18\n\x10prompt_continues\x18\x05 \x01(\x08\x12\x15\n\rprompt_offset\x18\x06 \x01(\x05\"\xb0\x01\n\rVerifyRequest\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12(\n\x08prefills\x18\x02 \x03(\x0b\x32\x16.ddtree.v1.PrefillItem\x12\x12\n\nverify_ids\x18\x03 \x03(\t\x12&\n\x05trees\x18\x04 \x01(\x0b\x32\x17.ddtree.v1.TensorBundle\x12\x0f\n\x07release\x18\x05 \x03(\t\x12\x16\n\x0ereleased_slots\x18\x06 \x03(\r\"q\n\nItemResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tcommitted\x18\x03 \x01(\x05\x12\x12\n\nerror_code\x18\x04 \x01(\x05\x12\x15\n\rerror_message\x18\x05 \x01(\t\"\xca\x01\n\x0eVerifyResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\'\n\x08prefills\x18\x02 \x03(\x0b\x32\x15.ddtree.v1.ItemResult\x12\'\n\x08verifies\x18\x03 \x03(\x0b\x32\x15.ddtree.v1.ItemResult\x12)\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x17.ddtree.v1.TensorBundle\x12\x16\n\x0ereleased_slots\x18\x05 \x03(\r\x12\x11\n\tverify_ms\x18\x06 \x01(\x02\x32\x9b\x01\n\x08Verifier\x12\x46\n\tHandshake\x12\x1b.ddtree.v1.HandshakeRequest\x1a\x1c.ddtree.v1.HandshakeResponse\x12G\n\x0cVerifyStream\x12\x18.ddtree.v1.VerifyRequest\x1a\x19.ddtree.v1.VerifyResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKEREQUEST']._serialized_start=64
   _globals['_HANDSHAKEREQUEST']._serialized_end=265
   _globals['_HANDSHAKERESPONSE']._serialized_start=268
-  _globals['_HANDSHAKERESPONSE']._serialized_end=607
-  _globals['_PREFILLITEM']._serialized_start=610
-  _globals['_PREFILLITEM']._serialized_end=780
-  _globals['_VERIFYREQUEST']._serialized_start=783
-  _globals['_VERIFYREQUEST']._serialized_end=959
-  _globals['_ITEMRESULT']._serialized_start=961
-  _globals['_ITEMRESULT']._serialized_end=1074
-  _globals['_VERIFYRESPONSE']._serialized_start=1077
-  _globals['_VERIFYRESPONSE']._serialized_end=1279
-  _globals['_VERIFIER']._serialized_start=1282
-  _globals['_VERIFIER']._serialized_end=1437
+  _globals['_HANDSHAKERESPONSE']._serialized_end=640
+  _globals['_PREFILLITEM']._serialized_start=643
+  _globals['_PREFILLITEM']._serialized_end=813
+  _globals['_VERIFYREQUEST']._serialized_start=816
+  _globals['_VERIFYREQUEST']._serialized_end=992
+  _globals['_ITEMRESULT']._serialized_start=994
+  _globals['_ITEMRESULT']._serialized_end=1107
+  _globals['_VERIFYRESPONSE']._serialized_start=1110
+  _globals['_VERIFYRESPONSE']._serialized_end=1312
+  _globals['_VERIFIER']._serialized_start=1315
+  _globals['_VERIFIER']._serialized_end=1470
 # @@protoc_insertion_point(module_scope)
