@@ -9,6 +9,7 @@ lists every flag).
                     [--tls-ca FILE] [--tls-server-name NAME]
     ddtree serve {scheduler,draft,verifier} [--config FILE]  # one service (what `up` and compose run)
     ddtree make-checkpoint DIR [--vocab-size N] [--seed S] [--bf16-experts]  # a small random target + drafter
+    ddtree make-token FILE  # the internal token draft and verifier ports ask for (compose runs it)
     ddtree bench [--contexts ...] [--concurrency ...] [--budgets ...] [--max-tokens N] [--out FILE.json]
                  [--spawn-stack MODEL --device cuda --dtype bfloat16]  # the serving matrix; more: --help
 """

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from services.common.auth import INTERNAL_TOKEN_ENV, token_metadata
+from services.common.auth import internal_token, token_metadata
 from services.common.launcher import Stack, StackSpec
 from services.common.make_checkpoint import make_random_checkpoint
 from services.verifier.reference import ReferenceModel
@@ -109,4 +109,4 @@ class StackStarts:
 
 def internal_metadata(stack: Stack) -> tuple[tuple[str, str], ...]:
     """What a test's own call to the stack's draft or verifier presents: the launch's internal token."""
-    return token_metadata(stack.services[0].env[INTERNAL_TOKEN_ENV])
+    return token_metadata(internal_token(stack.services[0].env))

@@ -586,6 +586,58 @@ def test_a_replica_whose_verifier_came_back_with_another_model_is_kept_down() ->
     assert healthy == [True, False, False] and logged == {"d0"}
 
 
+def test_each_lane_caps_its_steps_by_its_own_verifiers_feature_width_and_a_refused_token_is_said() -> None:
+    """The prompt tokens a step may carry follow the width of the replica's own verifier replies
+    (the first replica's width served every lane, so one in front of a float32 verifier could
+    outgrow gRPC's message cap); a replica whose replies cannot hold a step of ``max_batch`` is kept
+    down, and one refusing the internal token is logged once as that, not as a dead replica."""
+    import grpc
+    from structlog.testing import capture_logs
+
+    from services.scheduler.request import step_prompt_tokens
+    from services.scheduler.router import Router
+
+    class Wide(Stub):
+        width = 3 * 7168 * 2   # K2, bf16
+        refuse = False
+
+        async def GetModelInfo(self, request, wait_for_ready=True, timeout=None, metadata=()):
+            if self.refuse:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAUTHENTICATED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           "missing or wrong internal token")
+            info = await super().GetModelInfo(request, wait_for_ready, timeout)
+            info.vocab_size, info.block_size, info.feature_bytes_per_token = 64, 16, self.width
+            return info
+
+    async def scenario():
+        settings = SchedulerSettings(tokenizer_path="", max_prefill_tokens=65536)
+        router = Router(settings, Metrics("scheduler-test"))
+        narrow, wide = Wide("v1"), Wide("v2")
+        wide.width *= 2   # a float32 verifier
+        router.info = await narrow.GetModelInfo(None)
+        router._add_lane("d0", narrow, router.info)
+        router._add_lane("d1", wide, await wide.GetModelInfo(None))
+        caps = [step_prompt_tokens(settings, lane.limits) for lane in router.lanes]
+        wide.width *= 100   # its verifier came back wider still: no step of 64 requests fits a message
+        with capture_logs() as logs:
+            await router._follow_verifiers()
+            await router._follow_verifiers()
+        kept_down = [lane.healthy for lane in router.lanes]
+        narrow.refuse = True
+        with capture_logs() as refused:
+            for _ in range(3):
+                await router._probe(narrow, 1.0, "d0")
+        await router.stop()
+        return caps, kept_down, logs, refused
+
+    caps, kept_down, logs, refused = asyncio.run(scenario())
+    assert 20_000 < caps[0] < 24_000 and 10_000 < caps[1] < 12_000
+    assert kept_down == [True, False]
+    assert [e["event"] for e in logs] == ["draft_replica_replies_too_large", "draft_replica_down"]
+    assert logs[1]["reason"] == "replies larger than a message"
+    assert [e["event"] for e in refused] == ["draft_replica_refused_token"]   # once, not each probe
+
+
 def test_start_up_serves_once_one_replica_answers_not_after_the_silent_ones_time_out(monkeypatch) -> None:
     """``Router.start`` gathered every probe: one configured replica that did not answer held the
     scheduler's start for the whole ``draft_wait_s``. The silent one is brought in by the watcher."""

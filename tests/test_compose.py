@@ -54,7 +54,7 @@ def test_the_bearer_token_reaches_the_scheduler_alone(compose):
     assert not any("AUTH_TOKEN" in key for name in ("draft", "verifier") for key in services[name]["environment"])
 
 
-def test_the_three_services_read_the_internal_token_made_once_before_them(compose, tmp_path):
+def test_the_three_services_read_the_internal_token_made_once_before_them(compose, tmp_path, capsys):
     """Draft and verifier ports refuse calls without the token; the scheduler and drafts present it.
     One run of `ddtree make-token` writes it into a volume they all mount (kept on later runs, so a
     restarted service reads what its peers hold)."""
@@ -78,6 +78,8 @@ def test_the_three_services_read_the_internal_token_made_once_before_them(compos
     assert main(["make-token", str(token)]) == 0 and token.read_text() == first   # kept
     token.write_text("")
     assert main(["make-token", str(token)]) == 2   # an unusable file is said now, not by three services
+    assert "docker volume rm ddtree_internal-token" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["token"]   # its own temporary files gone
     assert main(["make-token", str(tmp_path / "no-such-dir" / "token")]) == 2
 
 

@@ -31,7 +31,8 @@ def tls_stack(tmp_path_factory):
     config = root / "ddtree.toml"
     config.write_text(f'[scheduler]\ntls_cert = "{cert}"\ntls_key = "{key}"\n')
     spec = StackSpec(model_path=str(ckpt), scheduler_port=0, config_path=str(config),
-                     extra_env={"DDTREE_SCHEDULER_AUTH_TOKEN": TOKEN}, startup_timeout_s=60)
+                     extra_env={"DDTREE_SCHEDULER_AUTH_TOKEN": TOKEN,   # and a token the launcher makes, whatever this shell sets
+                                "DDTREE_INTERNAL_TOKEN": "", "DDTREE_INTERNAL_TOKEN_FILE": ""}, startup_timeout_s=60)
     with Stack(spec) as stack:
         stack.config = config
         yield stack, cert
@@ -105,25 +106,32 @@ def test_the_internal_ports_take_only_the_stacks_internal_token(tls_stack):
     """`ddtree up` makes one token a launch: its draft and verifier refused everyone else's calls
     (any local user could hand-shake with the verifier, reserve KV through the draft and make
     either map rings); the stack's own services present it (the good call above went through)."""
-    from ddtree.v1 import common_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-    from services.common.auth import INTERNAL_TOKEN_ENV
+    from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+    from services.common.auth import INTERNAL_TOKEN_ENV, internal_token
 
     stack, _ = tls_stack
     draft = next(s for s in stack.services if s.role == "draft")
     verifier = next(s for s in stack.services if s.role == "verifier")
-    token = draft.env[INTERNAL_TOKEN_ENV]
-    assert len(token) >= 32 and all(s.env[INTERNAL_TOKEN_ENV] == token for s in stack.services)
+    token = internal_token(draft.env)
+    assert len(token) >= 32 and all(internal_token(s.env) == token for s in stack.services)
     for metadata in ((), (("authorization", "Bearer not-the-token"),)):
         with grpc.insecure_channel(draft.address) as ch:
-            with pytest.raises(grpc.RpcError) as info:
-                draft_pb2_grpc.DraftStub(ch).GetModelInfo(common_pb2.GetModelInfoRequest(), metadata=metadata, timeout=5)
-            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert INTERNAL_TOKEN_ENV in info.value.details() and token not in info.value.details()
+            stub = draft_pb2_grpc.DraftStub(ch)
+            for call in (lambda: stub.GetModelInfo(common_pb2.GetModelInfoRequest(), metadata=metadata, timeout=5),
+                         lambda: list(stub.StepStream(iter([draft_pb2.StepRequest()]), metadata=metadata, timeout=5))):
+                with pytest.raises(grpc.RpcError) as info:
+                    call()
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert INTERNAL_TOKEN_ENV in info.value.details() and token not in info.value.details()
         with grpc.insecure_channel(verifier.address) as ch:
-            with pytest.raises(grpc.RpcError) as info:
-                verifier_pb2_grpc.VerifierStub(ch).Handshake(
-                    verifier_pb2.HandshakeRequest(draft_id="intruder", transports=["inline"]), metadata=metadata, timeout=5)
-            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            stub = verifier_pb2_grpc.VerifierStub(ch)
+            hello = verifier_pb2.HandshakeRequest(draft_id="intruder", transports=["inline"])
+            for call in (lambda: stub.Handshake(hello, metadata=metadata, timeout=5),
+                         lambda: list(stub.VerifyStream(iter([verifier_pb2.VerifyRequest()]), timeout=5,
+                                                        metadata=(("draft-id", "intruder"), *metadata)))):
+                with pytest.raises(grpc.RpcError) as info:
+                    call()
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
                 health_pb2.HealthCheckResponse.SERVING   # probes stay open
     with grpc.insecure_channel(draft.address) as ch:
@@ -176,6 +184,8 @@ def test_the_launcher_keeps_a_given_internal_token_and_refuses_an_unreadable_one
     assert all(len(t) == 1 for t in tokens) and tokens[0] != tokens[1]   # shared in a launch, new each launch
     given = Stack(StackSpec(model_path=str(ckpt), extra_env={INTERNAL_TOKEN_ENV: "mine"}))._plan()
     assert {s.env[INTERNAL_TOKEN_ENV] for s in given} == {"mine"}
+    empty = Stack(StackSpec(model_path=str(ckpt), extra_env={INTERNAL_TOKEN_ENV: "", INTERNAL_TOKEN_FILE_ENV: ""}))._plan()
+    assert len({s.env[INTERNAL_TOKEN_ENV] for s in empty}) == 1 and len(empty[0].env[INTERNAL_TOKEN_ENV]) >= 32
     from_file = Stack(StackSpec(model_path=str(ckpt), extra_env={INTERNAL_TOKEN_FILE_ENV: str(tmp_path / "nope")}))
     assert all(INTERNAL_TOKEN_ENV not in s.env for s in from_file._plan())
     with pytest.raises(SettingsError, match="cannot read"):

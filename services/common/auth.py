@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import ssl
+import tempfile
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
@@ -103,14 +104,27 @@ def internal_token(env: Mapping[str, str] | None = None) -> str:
 def write_internal_token(path: str | Path) -> bool:
     """Writes a new internal token to ``path`` (owner-only) unless the file exists; True if it wrote.
     Kept when present, so a service restarted later reads the token its peers hold (compose runs
-    this once before the services, into a volume they share)."""
+    this once before the services, into a volume they share). The token is written whole to a
+    file of its own, then linked to ``path`` (which fails where ``path`` exists): a reader, or a
+    second maker, never sees an empty or partial file, and a maker killed part-way leaves none."""
+    path = Path(path)
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")   # owner-only
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        internal_token({INTERNAL_TOKEN_FILE_ENV: str(path)})   # one that cannot be used fails here, not in three services
-        return False
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secrets.token_urlsafe(32) + "\n")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(32) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(temp, path)
+        except FileExistsError:
+            try:   # one that cannot be used fails here, not in three services
+                internal_token({INTERNAL_TOKEN_FILE_ENV: str(path)})
+            except SettingsError as exc:
+                raise SettingsError(f"{exc}; remove it for a new one (compose: `docker compose down`, then "
+                                    "`docker volume rm ddtree_internal-token`)") from None
+            return False
+    finally:
+        os.unlink(temp)
     return True
 
 

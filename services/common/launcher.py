@@ -236,7 +236,7 @@ class Stack:
             "DDTREE_DRAFT_HOST": "127.0.0.1",
         })
         base.update(spec.extra_env)
-        if INTERNAL_TOKEN_ENV not in base and INTERNAL_TOKEN_FILE_ENV not in base:
+        if not base.get(INTERNAL_TOKEN_ENV) and not base.get(INTERNAL_TOKEN_FILE_ENV):   # an empty one is none
             # One per launch: the draft and verifier ports, on loopback, still take calls from any
             # local user; with it they answer only this stack's services.
             base[INTERNAL_TOKEN_ENV] = secrets.token_urlsafe(32)

@@ -8,6 +8,7 @@ probed until it answers again, when it rejoins.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import socket
 
@@ -21,7 +22,7 @@ from services.common.metrics import Metrics
 from services.common.settings import SchedulerSettings
 from services.scheduler.batcher import KvBudget, StepLoop
 from services.scheduler.draft_link import DraftLink
-from services.scheduler.request import ActiveRequest, Limits
+from services.scheduler.request import ActiveRequest, Limits, step_prompt_tokens
 
 __all__ = ["Router", "discover", "limits_from_info"]
 
@@ -77,6 +78,8 @@ class Router:
         self._watch: asyncio.Task | None = None
         self._discovery: asyncio.Task | None = None
         self._other_models: set[str] = set()   # replicas logged as serving another model (`_other_model`)
+        self._refused_token: set[str] = set()   # replicas logged as refusing our internal token
+        self._too_wide: set[str] = set()   # replicas logged as replying more than a message holds
         # Read when scraped (a gauge set on each change lagged by up to a probe round).
         metrics.queue_depth.set_function(lambda: self.waiting)
         metrics.running.set_function(lambda: sum(len(lane.running) for lane in list(self.lanes)))
@@ -126,7 +129,7 @@ class Router:
     def _add_lane(self, address: str, stub: draft_pb2_grpc.DraftStub, info: common_pb2.ModelInfo | None) -> None:
         assert self.info is not None
         info = self._same_model(address, info)   # else down from the start
-        lane = StepLoop(self.settings, address, DraftLink(stub, self._metadata), limits_from_info(self.info), self._budget(info),
+        lane = StepLoop(self.settings, address, DraftLink(stub, self._metadata), self._limits(info), self._budget(info),
                         self.metrics)
         lane.healthy = info is not None
         lane.start()
@@ -157,9 +160,14 @@ class Router:
                      errors: list[str] | None = None) -> common_pb2.ModelInfo | None:
         """The replica's model info, or None (its error appended to ``errors``, for the start-up message)."""
         try:
-            return await stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=True,
+            info = await stub.GetModelInfo(common_pb2.GetModelInfoRequest(), wait_for_ready=True,
                                            timeout=timeout_s, metadata=self._metadata)
+            self._refused_token.discard(address)
+            return info
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED and address not in self._refused_token:
+                self._refused_token.add(address)   # said once, not each probe round
+                log.error("draft_replica_refused_token", address=address, details=exc.details())
             if errors is not None:
                 why = f"nothing answered within {timeout_s:.0f} s" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED \
                     else f"{exc.code().name}: {exc.details()}"
@@ -233,7 +241,7 @@ class Router:
             for address in await resolve(self.settings.draft_addresses):
                 if address not in known:
                     stub = self._stub(address)
-                    self._add_lane(address, stub, await self._probe(stub, 1.0))
+                    self._add_lane(address, stub, await self._probe(stub, 1.0, address))
                     log.info("draft_replica_discovered", address=address)
             await self._follow_verifiers()
         except Exception as exc:  # noqa: BLE001 - the next discovery round tries again
@@ -246,13 +254,17 @@ class Router:
         An idle replica that does not answer is marked down here (a busy one's step fails)."""
         for lane in [x for x in self.lanes if x.healthy]:
             # Another model's answer is no answer (a busy one's next step fails: its verifier restarted).
-            info = self._same_model(lane.address, await self._probe(lane.draft.stub, 1.0))
+            info = self._same_model(lane.address, await self._probe(lane.draft.stub, 1.0, lane.address))
             if info is None and not lane.running:
                 # An idle replica that died (or lost its verifier) has no step to fail: without
                 # this the scheduler said SERVING until a client's request failed there.
                 lane.healthy = False
-                why = "serves another model" if lane.address in self._other_models else "no answer to a probe"
+                why = ("serves another model" if lane.address in self._other_models else
+                       "refuses the internal token" if lane.address in self._refused_token else
+                       "replies larger than a message" if lane.address in self._too_wide else "no answer to a probe")
                 log.warning("draft_replica_down", address=lane.address, reason=why)
+            if info is not None:
+                self._follow_width(lane, info)
             if info is not None and info.verifier_id and info.verifier_id != lane.kv.verifier_id:
                 lane.kv = self._budget(info)
                 log.info("draft_replica_verifier_changed", address=lane.address, verifier_id=info.verifier_id)
@@ -261,8 +273,31 @@ class Router:
                 self._refuse_unfitting(lane, [x for x in self.lanes if x.healthy and x is not lane])
 
     def _same_model(self, address: str, info: common_pb2.ModelInfo | None) -> common_pb2.ModelInfo | None:
-        """``info``, or None where it is another model's (`_other_model`): taken as no answer."""
-        return None if info is not None and self._other_model(address, info) else info
+        """``info``, or None where it is another model's (`_other_model`) or its verifier's replies
+        could not carry a step of ``max_batch`` requests: taken as no answer."""
+        if info is None or self._other_model(address, info):
+            return None
+        if step_prompt_tokens(self.settings, limits_from_info(info)) == 0:
+            if address not in self._too_wide:
+                self._too_wide.add(address)
+                log.error("draft_replica_replies_too_large", address=address,
+                          feature_bytes_per_token=info.feature_bytes_per_token,
+                          action="kept down; lower scheduler.max_batch")
+            return None
+        self._too_wide.discard(address)
+        return info
+
+    def _limits(self, info: common_pb2.ModelInfo | None) -> Limits:
+        """A new lane's limits: the first model's, with this replica's own feature width (its
+        verifier's dtype and feature layers size its replies, which the step's prompt tokens must fit)."""
+        assert self.info is not None
+        limits = limits_from_info(self.info)
+        return limits if info is None else dataclasses.replace(limits, feature_bytes_per_token=info.feature_bytes_per_token)
+
+    @staticmethod
+    def _follow_width(lane: StepLoop, info: common_pb2.ModelInfo) -> None:
+        """A replica's verifier may come back in another dtype or with other feature layers."""
+        lane.limits = dataclasses.replace(lane.limits, feature_bytes_per_token=info.feature_bytes_per_token)
 
     def _other_model(self, address: str, info: common_pb2.ModelInfo) -> bool:
         """Whether the replica now serves another model than the one this scheduler started with
@@ -304,12 +339,13 @@ class Router:
             if fits:
                 lane.waiting.remove(req)
                 min(fits, key=lambda x: x.load).submit(req)
-        info = self._same_model(lane.address, await self._probe(lane.draft.stub, 1.0))   # another model: down
+        info = self._same_model(lane.address, await self._probe(lane.draft.stub, 1.0, lane.address))   # another model: down
         if info is None:
             for req in lane.take_waiting():
                 lane.fail_unstarted(req, ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica that can hold it is up"))
             return
         lane.kv = self._budget(info)
+        self._follow_width(lane, info)
         self._refuse_unfitting(lane, [])   # what another replica could take has gone there already
         lane.mark_healthy()
         log.info("draft_replica_rejoined", address=lane.address)
