@@ -2,8 +2,8 @@
 
 Why: a DDTree step costs more than an autoregressive one (the draft, and a verify of budget + 1
 nodes instead of one). On the demo model it is 1.2-1.35x an AR step, so requests accepting ~1.2
-tokens a step (the demo drafter on 1024-token contexts, bench/results/matrix-demo.json) decode
-slower with speculation than without it. Speculation must not lose: after ``window`` DDTree steps
+tokens a step (the demo drafter on 1024-token contexts before it was trained on long ones,
+BENCHMARKS.md) decode slower with speculation than without it. Speculation must not lose: after ``window`` DDTree steps
 whose requests averaged below ``min_acceptance`` tokens a step, the batch takes ``backoff``
 autoregressive steps (budget 0: root-only trees), then probes with DDTree again. Each failed probe
 doubles the pause, up to ``max_backoff``; a window at or above the bar resets it.
