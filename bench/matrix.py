@@ -217,6 +217,8 @@ class _Trace:
     last: float | None = None
     tokens: int = 0
     acceptance: list[int] = field(default_factory=list)
+    steps: int = 0         # the server's count (last chunk's usage): verify steps, and those with a tree
+    tree_steps: int = 0
     done: bool = False
     error: str | None = None
 
@@ -231,6 +233,8 @@ async def _stream_one(client: AsyncClient, prompt: list[int], cell: Cell, max_to
             trace.last = now
             trace.tokens += len(chunk.token_ids)
             trace.acceptance += chunk.acceptance_lengths
+            if chunk.usage is not None:
+                trace.steps, trace.tree_steps = chunk.usage.steps, chunk.usage.tree_steps
         trace.done = True
     except ClientError as exc:
         trace.error = f"{exc.code.name}: {exc.message}"
@@ -273,6 +277,9 @@ def _cell_stats(traces: list[_Trace], wall: float, timed_out: bool) -> dict:
         "p99_tpot_ms": 1e3 * tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))] if tpots else None,
         "ttft_ms": 1e3 * statistics.mean(ttfts) if ttfts else None,
         "mean_acceptance": statistics.mean(acc) if acc else None,
+        # Steps of the cell's requests verified with a tree: under 1 in a DDTree cell where the
+        # scheduler paused speculation (its mean_acceptance then counts those steps as 1).
+        "tree_step_share": (sum(t.tree_steps for t in traces) / steps) if (steps := sum(t.steps for t in traces)) else None,
         "wall_s": wall,
         "tokens": tokens,
         "completed": sum(t.done for t in traces),

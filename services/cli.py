@@ -8,7 +8,7 @@ lists every flag).
                     [--ignore-eos] [--timeout S] [--json] [--address HOST:PORT] [--token T]
                     [--tls-ca FILE] [--tls-server-name NAME]
     ddtree serve {scheduler,draft,verifier} [--config FILE]  # one service (what `up` and compose run)
-    ddtree make-checkpoint DIR [--vocab-size N] [--seed S] [--bf16-experts]  # a small random target + drafter
+    ddtree make-checkpoint DIR [--vocab-size N] [--seed S] [--bf16-experts] [--force]  # a small random target + drafter
     ddtree make-token FILE  # the internal token draft and verifier ports ask for (compose runs it)
     ddtree bench [--contexts ...] [--concurrency ...] [--budgets ...] [--max-tokens N] [--out FILE.json]
                  [--spawn-stack MODEL --device cuda --dtype bfloat16]  # the serving matrix; more: --help
@@ -106,7 +106,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     try:
         check_port_free(args.host, args.port, "--host/--port")
     except SettingsError as exc:
-        print(f"ddtree up: {exc} (another stack? --port picks another, 0 any free one)", file=sys.stderr)
+        hint = " (another stack? --port picks another, 0 any free one)" if "in use" in str(exc) else ""
+        print(f"ddtree up: {exc}{hint}", file=sys.stderr)
         return 2
     spec = StackSpec(model_path=str(model), drafter_path=args.drafter, config_path=args.config,
                      scheduler_port=args.port, scheduler_host=args.host, draft_replicas=args.draft_replicas,
@@ -173,21 +174,12 @@ _GENERATE_FLAGS = {"timeout_s": "--timeout", "tls_ca": "--tls-ca", "tls_server_n
                    "token": "--token", "max_tokens": "--max-tokens", "temperature": "--temperature",
                    "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed", "budget": "--budget",
                    "stop_token_ids": "--stop-token-ids", "stop": "--stop", "prompt": "--prompt"}
-# gRPC target schemes an address may carry; other "scheme://" forms (http://) are no gRPC target.
-_TARGET_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:")
-
-
 def _address_error(address: str) -> str | None:
-    """Why ``--address`` is no HOST:PORT, or None: gRPC took "http://host:1" and "host" (port
-    443) and failed later with UNAVAILABLE, which read as "is it running?"."""
-    if address.startswith(_TARGET_SCHEMES):
-        return None
-    if "://" in address:
-        return f"--address takes HOST:PORT, not a URL: {address!r}"
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        return f"--address must be HOST:PORT (e.g. 127.0.0.1:50051), got {address!r}"
-    return None
+    """Why ``--address`` is no HOST:PORT, or None (`client.address_error`, named by the flag)."""
+    from services.scheduler.client import address_error
+
+    why = address_error(address)
+    return f"--address {why}" if why else None
 
 
 def _refused(message: str) -> str:
@@ -304,7 +296,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print()  # end the partial output's line before the error
         print(f"ddtree generate: {exc.code.name}: {exc.message}", file=sys.stderr)
         if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                        grpc.StatusCode.FAILED_PRECONDITION):   # the last: a text prompt where no tokenizer is
+                        grpc.StatusCode.FAILED_PRECONDITION,   # a text prompt where no tokenizer is
+                        grpc.StatusCode.UNAUTHENTICATED):      # no or a wrong --token, or not the scheduler's port
             return 2
         if exc.code == grpc.StatusCode.UNAVAILABLE and not answered and not _answers(args):
             print(f"ddtree generate: {_unavailable_hint(args, exc.message)}", file=sys.stderr)
@@ -329,6 +322,12 @@ def _answers(args: argparse.Namespace) -> bool:
 def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
     from services.common.make_checkpoint import make_random_checkpoint
 
+    out = Path(args.out)
+    if not args.force and ((out / "config.json").exists() or (out / "drafter" / "config.json").exists()):
+        # One slip (`make-checkpoint models/demo`) replaced the trained demo pair with random weights.
+        print(f"ddtree make-checkpoint: {out} already holds a checkpoint; --force replaces it with random "
+              "weights", file=sys.stderr)
+        return 2
     try:
         make_random_checkpoint(Path(args.out), vocab_size=args.vocab_size, seed=args.seed,
                                int4=not args.bf16_experts)
@@ -451,8 +450,17 @@ def _run_bench(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"ctx={r['context']:>5} C={r['concurrency']:>4} {r['mode']:>14} b={r['budget'] or '-':>3} "
               f"agg={_fmt(r['agg_tok_s'], 9, 1)} tok/s  per-req={_fmt(r['per_req_tok_s'], 8, 1)}  "
-              f"p50 tpot={_fmt(r['p50_tpot_ms'], 7, 2)} ms  acc={_fmt(r['mean_acceptance'], 4, 2)}  {r['status']}")
+              f"p50 tpot={_fmt(r['p50_tpot_ms'], 7, 2)} ms  acc={_fmt(r['mean_acceptance'], 4, 2)}{_paused(r)}  {r['status']}")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def _paused(row: dict) -> str:
+    """A DDTree cell whose steps were not all tree steps: the scheduler paused speculation for
+    part of it (its acceptance then counts those steps as 1, which read as a poor drafter)."""
+    share = row.get("tree_step_share")
+    if row["mode"] == "autoregressive" or share is None or share >= 1:
+        return ""
+    return f" (trees {share:.0%} of steps: speculation paused, scheduler.spec_min_acceptance)"
 
 
 def _copy_gbps() -> float | None:
@@ -558,6 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--vocab-size", type=int, default=512)
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--bf16-experts", action="store_true", help="routed experts unquantized")
+    mk.add_argument("--force", action="store_true", help="replace a checkpoint already in DIR")
     mk.set_defaults(func=_cmd_make_checkpoint)
 
     tk = sub.add_parser("make-token", help="write a random internal token for draft and verifier ports "

@@ -44,7 +44,12 @@ def scheduler_tls_cert(config_path: str | None, env: Mapping[str, str]) -> str:
 
 def main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
-    address = f"127.0.0.1:{argv[1] if len(argv) > 1 else env.get('DDTREE_HEALTH_PORT', '50051')}"
+    port = argv[1] if len(argv) > 1 else env.get("DDTREE_HEALTH_PORT", "50051")
+    if len(argv) > 2 or not port.isdigit() or not 0 < int(port) < 65536:
+        print("usage: python -m services.healthcheck [PORT]  (PORT: the local service's, else DDTREE_HEALTH_PORT, "
+              f"else 50051; got {' '.join(argv[1:]) or port!r})", file=sys.stderr)
+        return 1   # Docker reserves a health check's 2
+    address = f"127.0.0.1:{port}"
     try:
         status = check(address)
     except grpc.RpcError as exc:
@@ -63,6 +68,7 @@ def main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
     if status != health_pb2.HealthCheckResponse.SERVING:
         print(f"unhealthy: {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}", file=sys.stderr)
         return 1
+    print("SERVING")
     return 0
 
 

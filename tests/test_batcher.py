@@ -177,6 +177,43 @@ def test_step_loop_pauses_speculation_for_the_whole_batch() -> None:
     asyncio.run(scenario())
 
 
+def test_usage_counts_the_steps_verified_with_a_tree_apart_from_paused_ones() -> None:
+    """While the scheduler paused speculation a DDTree request's steps decode one token and count 1
+    in its mean_acceptance: a user's first request read as a poor drafter (1.75 where the drafter
+    accepted 2.4). Usage now says how many of its steps were tree steps."""
+    from ddtree.v1 import draft_pb2
+
+    class Draft:   # a tree step accepts 3 tokens, an autoregressive one 1
+        async def step(self, req, timeout):
+            return draft_pb2.StepResponse(results=[draft_pb2.StepResult(
+                request_id=i.request_id, token_ids=[5] * (1 if i.prompt_token_ids or not i.budget else 3),
+                acceptance_length=0 if i.prompt_token_ids else 3 if i.budget else 1) for i in req.items])
+
+        def close(self) -> None:
+            pass
+
+    async def scenario() -> ActiveRequest:
+        limits = Limits(vocab_size=64, max_context=4096, block_size=16, eos_token_ids=(0,), kv_capacity_tokens=10_000)
+        step = StepLoop(SchedulerSettings(spec_min_acceptance=4.0, spec_backoff_steps=4), "draft", Draft(), limits,
+                        KvBudget(capacity=10_000), Metrics("scheduler-test"))
+        req = request("a", 10)
+        req.max_tokens = 60
+        step.submit(req)
+        step.start()
+        for _ in range(500):
+            if req.done:
+                break
+            await asyncio.sleep(0.005)
+        await step.stop()
+        return req
+
+    req = asyncio.run(scenario())
+    usage = req.usage()
+    assert req.done and usage.steps == len(req.acceptance)
+    assert 0 < usage.tree_steps < usage.steps   # the window of 4 tree steps, then paused ones, then a probe
+    assert sum(req.acceptance) == 59 and usage.tree_steps == sum(1 for a in req.acceptance if a > 1)
+
+
 def test_requests_of_a_failed_step_are_released_when_the_replica_is_back() -> None:
     import grpc
 
@@ -528,6 +565,30 @@ def test_a_queue_whose_verifier_came_back_smaller_refuses_what_no_longer_fits() 
     assert error is not None and error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "the cache holds 5000" in error.message
     waiting, running, error, moved = asyncio.run(scenario(other_holds=True))
     assert error is None and moved == ["big"] and waiting == [] and "after" in running
+
+
+def test_a_request_no_cache_can_ever_hold_is_out_of_range_and_one_a_down_replica_could_is_exhausted() -> None:
+    """Both were RESOURCE_EXHAUSTED, which `ddtree generate` (and a client's retry policy) reads as
+    "try later", for a request that can never be served as it is."""
+    import grpc
+
+    from services.common.grpc_server import ServiceError
+    from services.scheduler.router import Router
+
+    router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+    lanes = [StepLoop(SchedulerSettings(), name, Draft(name), Limits(64, 4096, 16, (0,), cap),
+                      router._budget(common_pb2.ModelInfo(verifier_id=name, kv_capacity_tokens=cap)), router.metrics)
+             for name, cap in (("small", 1000), ("big", 5000))]
+    router.lanes += lanes
+    lanes[1].healthy = False
+    codes = []
+    for kv in (3000, 9000):
+        with pytest.raises(ServiceError) as info:
+            router.submit(request("r", 10, kv=kv))
+        codes.append(info.value.code)
+        assert "the cache holds 1000" in info.value.message
+    assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE]
+    assert "lower max_tokens" in info.value.message
 
 
 def test_an_idle_replica_that_stops_answering_is_marked_down_without_a_request_failing() -> None:

@@ -131,6 +131,8 @@ def test_bench_spawn_stack_end_to_end(tmp_path, ckpt, _side_runs):
     for r in rows:
         assert set(ROW_KEYS) <= set(r) and r["status"] == "ok" and r["context"] == 8
         assert r["tokens"] == 8 * r["concurrency"] and r["agg_tok_s"] > 0 and r["mean_acceptance"] >= 1
+        # The server's count of tree steps: none autoregressive, some (a pause may take the rest) in DDTree.
+        assert r["tree_step_share"] == 0 if r["mode"] == "autoregressive" else 0 < r["tree_step_share"] <= 1
         assert r["p50_tpot_ms"] > 0 and r["ttft_ms"] > 0 and r["step_split_ms"]["verify_ms"] > 0
         # The scheduler's side: its round trip holds the draft's step.
         assert r["scheduler_split_ms"]["step_rpc_ms"] >= r["step_split_ms"]["step_ms"] > 0

@@ -350,7 +350,7 @@ def test_generate_exits_2_for_the_servers_refusal_and_1_for_a_failure(monkeypatc
                 return object()
         return Refused
     for code, status in ((grpc.StatusCode.INVALID_ARGUMENT, 2), (grpc.StatusCode.OUT_OF_RANGE, 2),
-                         (grpc.StatusCode.FAILED_PRECONDITION, 2),
+                         (grpc.StatusCode.FAILED_PRECONDITION, 2), (grpc.StatusCode.UNAUTHENTICATED, 2),
                          (grpc.StatusCode.RESOURCE_EXHAUSTED, 1), (grpc.StatusCode.DEADLINE_EXCEEDED, 1),
                          (grpc.StatusCode.INTERNAL, 1)):
         monkeypatch.setattr("services.scheduler.client.Client", failing(code, "budget must be in 1..128"))
@@ -456,6 +456,18 @@ def test_make_checkpoint_says_what_is_wrong_in_one_line(capsys, tmp_path) -> Non
     assert cli.main(["make-checkpoint", str(tmp_path / "ckpt"), "--vocab-size", "10"]) == 2
     err = capsys.readouterr().err
     assert err == "ddtree make-checkpoint: vocab_size must be >= 258 (byte alphabet + special tokens), got 10\n"
+
+
+def test_make_checkpoint_keeps_a_checkpoint_already_there_unless_forced(capsys, tmp_path) -> None:
+    """`make-checkpoint models/demo` replaced the trained demo pair with random weights, exit 0."""
+    ckpt = tmp_path / "ckpt"
+    assert cli.main(["make-checkpoint", str(ckpt), "--seed", "1"]) == 0
+    weights = (ckpt / "model.safetensors").read_bytes()
+    assert cli.main(["make-checkpoint", str(ckpt), "--seed", "2"]) == 2
+    assert "already holds a checkpoint; --force replaces it" in capsys.readouterr().err
+    assert (ckpt / "model.safetensors").read_bytes() == weights
+    assert cli.main(["make-checkpoint", str(ckpt), "--seed", "2", "--force"]) == 0
+    assert (ckpt / "model.safetensors").read_bytes() != weights
 
 
 def test_up_refuses_a_tp_out_of_range_by_its_flag(capsys) -> None:

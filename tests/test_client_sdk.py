@@ -554,3 +554,20 @@ def test_the_cli_takes_the_token_from_the_environment(monkeypatch) -> None:
     assert parser.parse_args(["generate", "--prompt", "x"]).token == "from-env"
     assert parser.parse_args(["generate", "--prompt", "x", "--token", "flag"]).token == "flag"
     assert parser.parse_args(["bench"]).token == "from-env"
+
+
+def test_an_address_without_a_port_or_as_a_url_is_refused_when_the_client_is_made() -> None:
+    """`Client("localhost")` dialled port 443 and failed UNAVAILABLE, as if no server ran; the CLI
+    already refused such an `--address`."""
+    for address in ("localhost", "http://127.0.0.1:50051", "127.0.0.1:", ":50051"):
+        with pytest.raises(ClientError) as info:
+            Client(address)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "HOST:PORT" in info.value.message
+
+        async def make(address=address):
+            return AsyncClient(address)
+        with pytest.raises(ClientError) as info:
+            asyncio.run(make())
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    for ok in ("127.0.0.1:50051", "[::1]:50051", "unix:/tmp/ddtree.sock", "dns:///scheduler:50051"):
+        Client(ok).close()

@@ -39,8 +39,16 @@ def test_the_health_probe_says_not_serving(capsys) -> None:
     try:
         assert healthcheck.main(["probe", str(port)], env={}) == 1
         assert "unhealthy: NOT_SERVING" in capsys.readouterr().err
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert healthcheck.main(["probe", str(port)], env={}) == 0
+        assert capsys.readouterr().out == "SERVING\n"
     finally:
         server.stop(0)
+    # Any argument was taken for a port: `--help` probed "127.0.0.1:--help" and said "unhealthy".
+    for argv, env in ((["probe", "--help"], {}), (["probe", "1", "2"], {}), (["probe"], {"DDTREE_HEALTH_PORT": "x"}),
+                      (["probe", "70000"], {})):
+        assert healthcheck.main(argv, env=env) == 1
+        assert capsys.readouterr().err.startswith("usage: python -m services.healthcheck [PORT]")
 
 
 def test_gpu_memory_is_reported_for_a_cuda_device_only(monkeypatch) -> None:

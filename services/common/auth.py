@@ -108,6 +108,8 @@ def write_internal_token(path: str | Path) -> bool:
     file of its own, then linked to ``path`` (which fails where ``path`` exists): a reader, or a
     second maker, never sees an empty or partial file, and a maker killed part-way leaves none."""
     path = Path(path)
+    if path.is_dir():
+        raise SettingsError(f"{path} is a directory: give the token file's path (e.g. {path / 'token'})")
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")   # owner-only
     try:
         with os.fdopen(fd, "w") as fh:
@@ -132,8 +134,10 @@ def internal_interceptors(token: str) -> list[grpc.aio.ServerInterceptor]:
     """A draft's or verifier's interceptors: the internal token's check, where one is set."""
     if not token:
         return []
-    return [BearerTokenInterceptor(token, refusal=f"missing or wrong internal token (the scheduler, draft and "
-                                                  f"verifier need the same {INTERNAL_TOKEN_ENV})")]
+    return [BearerTokenInterceptor(token, refusal=f"missing or wrong internal token: this is a draft or verifier "
+                                                  f"port, which only the stack's own services call (clients call the "
+                                                  f"scheduler); the scheduler, draft and verifier need the same "
+                                                  f"{INTERNAL_TOKEN_ENV}")]
 
 
 def token_metadata(token: str) -> tuple[tuple[str, str], ...]:

@@ -206,7 +206,9 @@ class StepLoop:
                 if not res.token_ids:   # a piece of a long prompt went in; the first token comes with the last
                     continue
                 before = len(req.out_ids)
-                req.add_tokens(list(res.token_ids), res.acceptance_length)
+                # (An autoregressive request's items may carry a budget, which the draft ignores.)
+                req.add_tokens(list(res.token_ids), res.acceptance_length,
+                               tree=res.request_id in trees and req.mode != common_pb2.MODE_AUTOREGRESSIVE)
                 tree_step = res.acceptance_length and req.mode != common_pb2.MODE_AUTOREGRESSIVE
                 if tree_step and not _sampled(req):
                     drafted.append(res.acceptance_length)

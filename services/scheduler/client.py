@@ -28,7 +28,7 @@ import grpc
 from ddtree.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["Client", "AsyncClient", "Stream", "AsyncStream", "ClientError", "Chunk", "Completion", "Usage",
-           "build_request", "ABORT_TIMEOUT_S"]
+           "address_error", "build_request", "ABORT_TIMEOUT_S"]
 
 _MODES = {"ddtree": common_pb2.MODE_DDTREE, "autoregressive": common_pb2.MODE_AUTOREGRESSIVE, None: 0}
 _FINISH = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in scheduler_pb2.FinishReason.items()}
@@ -75,6 +75,7 @@ class Usage:
     completion_tokens: int
     steps: int                 # verify steps (the prefill's first token is not one)
     mean_acceptance: float     # tokens a verify step, bonus token included
+    tree_steps: int = 0        # of `steps`, those verified with a draft tree (others: autoregressive mode, or paused)
 
 
 @dataclass
@@ -143,6 +144,8 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, tempera
         if bad is not None:
             raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: token ids must be integers, got {bad!r}")
     req = scheduler_pb2.GenerateRequest(mode=_MODES[mode], ignore_eos=ignore_eos)
+    if seed is not None and not 0 <= seed < 2**64:   # protobuf's own word: "Value out of range: -1"
+        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"seed must be in 0..{2**64 - 1} (got {seed})")
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
         if value is not None:
             _put(name, setattr, req.sampling, name, value)
@@ -210,7 +213,7 @@ def _chunk(msg: scheduler_pb2.GenerateResponse) -> Chunk:
     if msg.HasField("usage"):
         u = msg.usage
         usage = Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, steps=u.steps,
-                      mean_acceptance=u.mean_acceptance)
+                      mean_acceptance=u.mean_acceptance, tree_steps=u.tree_steps)
     return Chunk(request_id=msg.request_id, token_ids=list(msg.token_ids), text=msg.text,
                  acceptance_lengths=list(msg.acceptance_lengths),
                  finish_reason=_finish(msg.finish_reason), usage=usage)
@@ -486,18 +489,45 @@ class _Calls:
         return _timeout(timeout_s)
 
 
+# gRPC target schemes an address may carry; other "scheme://" forms (http://) are no gRPC target.
+_TARGET_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:")
+
+
+def address_error(address: str) -> str | None:
+    """Why ``address`` is no HOST:PORT (or gRPC target), or None: gRPC took "http://host:1", and
+    "host" as port 443, and failed later with UNAVAILABLE, which read as "is it running?"."""
+    if not isinstance(address, str):
+        return f"must be a HOST:PORT string, got {type(address).__name__}"
+    if address.startswith(_TARGET_SCHEMES):
+        return None
+    if "://" in address:
+        return f"takes HOST:PORT, not a URL: {address!r}"
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return f"must be HOST:PORT (e.g. 127.0.0.1:50051), got {address!r}"
+    return None
+
+
+def _check_address(address: str) -> None:
+    why = address_error(address)
+    if why:
+        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"address {why}")
+
+
 class Client(_Calls):
     """`wait_for_ready=False` (default) fails at once with UNAVAILABLE when no server is listening;
     True waits for the server to come up, bounded by `timeout_s` (each call's deadline in seconds;
     None: streams have none, `abort` and `model_info` take ABORT_TIMEOUT_S). `tls_ca` is a CA certificate's PEM
     file (or its bytes; b"" trusts the system roots) and makes the channel TLS; `tls_server_name`
     is the name to check the server's certificate for, where it is not the address's host.
-    Raises `ClientError` (INVALID_ARGUMENT) for a timeout that is no positive number, a `tls_ca`
+    Raises `ClientError` (INVALID_ARGUMENT) for an address that is no HOST:PORT (or gRPC target such
+    as `unix:/path`), a timeout that is no positive number, a `tls_ca`
     that cannot be read or is no PEM certificate, and `tls_server_name` without `tls_ca`."""
 
     def __init__(self, address: str, timeout_s: float | None = None, wait_for_ready: bool = False, *,
                  tls_ca: str | bytes | None = None, token: str | None = None,
                  tls_server_name: str | None = None) -> None:
+        _check_address(address)
         super().__init__(timeout_s, wait_for_ready, tls_ca, token, tls_server_name)
         _warn_token_in_clear(address, token, tls_ca)
         self._channel = (grpc.secure_channel(address, self._creds, self._options) if self._creds
@@ -612,6 +642,7 @@ class AsyncClient(_Calls):
             raise ClientError(grpc.StatusCode.FAILED_PRECONDITION,
                               "AsyncClient must be made inside a running event loop (in a coroutine), "
                               "the one that uses it") from None
+        _check_address(address)
         super().__init__(timeout_s, wait_for_ready, tls_ca, token, tls_server_name)
         _warn_token_in_clear(address, token, tls_ca)
         self._channel = (grpc.aio.secure_channel(address, self._creds, self._options) if self._creds

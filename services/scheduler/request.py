@@ -93,6 +93,7 @@ class ActiveRequest:
     wire_id: str = ""                       # what the draft and verifier call it, from admission (batcher.wire_id)
     out_ids: list[int] = field(default_factory=list)
     acceptance: list[int] = field(default_factory=list)
+    tree_steps: int = 0                     # of the steps in `acceptance`, those verified with a draft tree
     text: str = ""                          # text decoded so far (before stop truncation)
     emitted_chars: int = 0
     emitted_ids: int = 0
@@ -111,8 +112,9 @@ class ActiveRequest:
     def done(self) -> bool:
         return self.finish != scheduler_pb2.FINISH_REASON_UNSPECIFIED or self.error is not None
 
-    def add_tokens(self, token_ids: list[int], acceptance_length: int) -> None:
-        """Takes one step's tokens, applying max_tokens, EOS and stop rules, then queues a message."""
+    def add_tokens(self, token_ids: list[int], acceptance_length: int, tree: bool = False) -> None:
+        """Takes one step's tokens, applying max_tokens, EOS and stop rules, then queues a message.
+        ``tree``: the step verified a draft tree for this request (not an autoregressive step)."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         before = len(self.out_ids)
@@ -126,6 +128,7 @@ class ActiveRequest:
                 break
         if acceptance_length:  # a step cut short by a stop rule or max_tokens counts the tokens the user gets
             self.acceptance.append(min(acceptance_length, len(self.out_ids) - before))
+            self.tree_steps += tree
         self._decode()
         self.events.put_nowait(self._message())
 
@@ -182,7 +185,8 @@ class ActiveRequest:
     def usage(self) -> scheduler_pb2.Usage:
         steps = len(self.acceptance)
         return scheduler_pb2.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.out_ids),
-                                   steps=steps, mean_acceptance=sum(self.acceptance) / steps if steps else 0.0)
+                                   steps=steps, mean_acceptance=sum(self.acceptance) / steps if steps else 0.0,
+                                   tree_steps=self.tree_steps)
 
     def end(self, finish: int) -> None:
         """Ends the stream with a reason (abort, length at max context) and whatever is left."""
@@ -268,7 +272,7 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
     lo, hi = TEMPERATURE_RANGE
     if not temperature_ok(s.temperature):  # also catches NaN and inf
         raise ServiceError(invalid, f"sampling.temperature must be 0 (greedy) or in [{lo:g}, {hi:g}] "
-                                    f"(got {s.temperature})")
+                                    f"(got {s.temperature:g})")   # the wire's float32, not its 17 digits
     if not 0 <= s.top_p <= 1:
         raise ServiceError(invalid, f"sampling.top_p must be in [0, 1] (0 or 1: no nucleus cut; got {s.top_p})")
     if s.top_k < 0:

@@ -188,9 +188,13 @@ class Router:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica is up; retry later")
         fits = [lane for lane in live if lane.holds(req)]
         if not fits:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            # OUT_OF_RANGE where no replica's cache, up or down, could ever hold it (a retry as it
+            # is cannot succeed); RESOURCE_EXHAUSTED where one that is down now could.
+            never = not any(lane.holds(req) for lane in self.lanes)
+            raise ServiceError(grpc.StatusCode.OUT_OF_RANGE if never else grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"request needs {req.kv_tokens} KV tokens (prompt + max_tokens + one block, "
-                               f"in whole pages); the cache holds {max(lane.kv.capacity for lane in live)}")
+                               f"in whole pages); the cache holds {max(lane.kv.capacity for lane in live)}"
+                               + ("; lower max_tokens or shorten the prompt" if never else ""))
         if self.waiting >= self.settings.max_queue:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"queue full ({self.settings.max_queue} requests waiting); retry later")

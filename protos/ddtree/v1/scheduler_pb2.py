@@ -25,27 +25,27 @@ _sym_db = _symbol_database.Default()
 from ddtree.v1 import common_pb2 as ddtree_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64\x64tree/v1/scheduler.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x93\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.ddtree.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x0e\n\x06\x62udget\x18\x08 \x01(\x05\x12\x1d\n\x04mode\x18\t \x01(\x0e\x32\x0f.ddtree.v1.Mode\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\x08\n\x06prompt\"a\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x17\n\x0fmean_acceptance\x18\x04 \x01(\x02\"\xb4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x1a\n\x12\x61\x63\x63\x65ptance_lengths\x18\x04 \x03(\x05\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.ddtree.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.ddtree.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x32\xd4\x01\n\tScheduler\x12\x45\n\x08Generate\x12\x1a.ddtree.v1.GenerateRequest\x1a\x1b.ddtree.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.ddtree.v1.AbortRequest\x1a\x18.ddtree.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.ddtree.v1.GetModelInfoRequest\x1a\x14.ddtree.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64\x64tree/v1/scheduler.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x93\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.ddtree.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x0e\n\x06\x62udget\x18\x08 \x01(\x05\x12\x1d\n\x04mode\x18\t \x01(\x0e\x32\x0f.ddtree.v1.Mode\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\x08\n\x06prompt\"u\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x17\n\x0fmean_acceptance\x18\x04 \x01(\x02\x12\x12\n\ntree_steps\x18\x05 \x01(\x05\"\xb4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x1a\n\x12\x61\x63\x63\x65ptance_lengths\x18\x04 \x03(\x05\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.ddtree.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.ddtree.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x32\xd4\x01\n\tScheduler\x12\x45\n\x08Generate\x12\x1a.ddtree.v1.GenerateRequest\x1a\x1b.ddtree.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.ddtree.v1.AbortRequest\x1a\x18.ddtree.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.ddtree.v1.GetModelInfoRequest\x1a\x14.ddtree.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ddtree.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=717
-  _globals['_FINISHREASON']._serialized_end=839
+  _globals['_FINISHREASON']._serialized_start=737
+  _globals['_FINISHREASON']._serialized_end=859
   _globals['_TOKENIDS']._serialized_start=64
   _globals['_TOKENIDS']._serialized_end=87
   _globals['_GENERATEREQUEST']._serialized_start=90
   _globals['_GENERATEREQUEST']._serialized_end=365
   _globals['_USAGE']._serialized_start=367
-  _globals['_USAGE']._serialized_end=464
-  _globals['_GENERATERESPONSE']._serialized_start=467
-  _globals['_GENERATERESPONSE']._serialized_end=647
-  _globals['_ABORTREQUEST']._serialized_start=649
-  _globals['_ABORTREQUEST']._serialized_end=683
-  _globals['_ABORTRESPONSE']._serialized_start=685
-  _globals['_ABORTRESPONSE']._serialized_end=715
-  _globals['_SCHEDULER']._serialized_start=842
-  _globals['_SCHEDULER']._serialized_end=1054
+  _globals['_USAGE']._serialized_end=484
+  _globals['_GENERATERESPONSE']._serialized_start=487
+  _globals['_GENERATERESPONSE']._serialized_end=667
+  _globals['_ABORTREQUEST']._serialized_start=669
+  _globals['_ABORTREQUEST']._serialized_end=703
+  _globals['_ABORTRESPONSE']._serialized_start=705
+  _globals['_ABORTRESPONSE']._serialized_end=735
+  _globals['_SCHEDULER']._serialized_start=862
+  _globals['_SCHEDULER']._serialized_end=1074
 # @@protoc_insertion_point(module_scope)
