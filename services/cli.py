@@ -142,7 +142,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         (f" --tls-ca {sched.tls_cert}" if sched.tls_cert else "") + (" --token TOKEN" if sched.auth_token else "")
     prompt = "--prompt 'def fibonacci(n):'" if sched.tokenizer_path else "--token-ids --prompt 1,2,3"
     print(f"ddtree up: serving {model} at {stack.scheduler_listen_address}{reach} "
-          f"(try: ddtree generate{flags} {prompt}); Ctrl-C stops", file=sys.stderr, flush=True)
+          f"(try: {_this_command()} generate{flags} {prompt}); Ctrl-C stops", file=sys.stderr, flush=True)
     if not sched.tokenizer_path:
         print(f"ddtree up: {_no_tokenizer_note(model)}", file=sys.stderr, flush=True)
     try:
@@ -155,6 +155,17 @@ def _cmd_up(args: argparse.Namespace) -> int:
     finally:
         stack.stop()
     return 0
+
+
+def _this_command() -> str:
+    """How to run `ddtree` again from this shell: `ddtree` where it is on PATH, else this process's
+    own path (`make up` runs `.venv/bin/ddtree`; a hint saying `ddtree` failed there)."""
+    import shutil
+
+    here = Path(sys.argv[0])
+    if here.name == "ddtree" and shutil.which("ddtree") != str(here.resolve()) and here.exists():
+        return str(here)
+    return "ddtree"
 
 
 def _no_tokenizer_note(model: Path) -> str:

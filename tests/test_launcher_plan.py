@@ -78,6 +78,25 @@ def test_up_says_why_a_model_serves_token_ids_only(tmp_path) -> None:
     assert "tiktoken.model is not read here" in kimi and "tokenizer.json" in kimi
 
 
+def test_ups_hint_names_the_command_as_this_shell_runs_it(monkeypatch, tmp_path) -> None:
+    """`make up` runs `.venv/bin/ddtree`, which is not on PATH: the hint `ddtree generate ...` failed."""
+    import shutil
+    import sys
+
+    from services.cli import _this_command
+
+    exe = tmp_path / "bin" / "ddtree"
+    exe.parent.mkdir()
+    exe.write_text("#!/bin/sh\n")
+    monkeypatch.setattr(sys, "argv", [str(exe), "up"])
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert _this_command() == str(exe)
+    monkeypatch.setattr(shutil, "which", lambda name: str(exe))   # on PATH: the short name
+    assert _this_command() == "ddtree"
+    monkeypatch.setattr(sys, "argv", ["-m", "up"])   # `python -m services.cli up`
+    assert _this_command() == "ddtree"
+
+
 def test_the_scheduler_is_probed_where_it_listens() -> None:
     """compose/ddtree.toml puts the scheduler on 0.0.0.0: the launcher reached it (and reported it)
     on 127.0.0.1 whatever it listened on. `scheduler_host` (`ddtree up --host`) sets it."""
