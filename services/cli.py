@@ -452,6 +452,9 @@ def _run_bench(args: argparse.Namespace) -> int:
             print(f"ddtree bench: {exc}", file=sys.stderr)
             return 2
         extra["transport"] = info.transport
+        if not params.prompt_file:   # a trained drafter accepts little of them: not its acceptance on text
+            print("ddtree bench: prompts are synthetic token ids (no --prompt-file): acceptance and DDTree "
+                  "speed-ups are not those of real text", file=sys.stderr, flush=True)
 
         def save(rows: list[dict], plot: bool = False) -> None:
             write_results(rows, params, out, copy_gbps=copy_gbps, commit=args.commit, extra=extra, plot=plot)

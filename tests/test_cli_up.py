@@ -511,3 +511,28 @@ def test_up_refuses_a_drafter_that_does_not_fit_its_target_before_anything_start
     assert out.returncode == 2, out.stderr[-2000:]
     assert "field 'hidden_size'" in out.stderr and "does not match the target's" in out.stderr
     assert "service=verifier" not in out.stdout + out.stderr and time.monotonic() - t0 < 30   # nothing started
+
+
+def test_bench_says_when_its_prompts_are_synthetic_token_ids(monkeypatch, capsys, tmp_path) -> None:
+    """Against a running stack without --prompt-file the prompts are random ids, which a trained
+    drafter accepts little of: a walkthrough read the result as the drafter's acceptance."""
+    import json
+
+    import bench.matrix
+    from ddtree.v1 import common_pb2
+
+    class Answers(_FakeClient):
+        def model_info(self):
+            return common_pb2.ModelInfo(vocab_size=4096, max_context=2048, block_size=16, kv_capacity_tokens=65536,
+                                        transport="shm")
+
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    monkeypatch.setattr(cli, "_copy_gbps", lambda: None)
+    monkeypatch.setattr("services.scheduler.client.Client", Answers)
+    monkeypatch.setattr(bench.matrix, "run_matrix", lambda params, on_row=None: [])
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": [{"ids": list(range(2, 200))}]}))
+    for extra, warned in (([], True), (["--prompt-file", str(prompts)], False)):
+        assert cli.main(["bench", "--address", "127.0.0.1:1", "--out", str(tmp_path / "m.json"), "--contexts", "60",
+                         "--concurrency", "1", "--budgets", "8", "--max-tokens", "8", *extra]) == 0
+        assert ("prompts are synthetic token ids (no --prompt-file)" in capsys.readouterr().err) is warned
