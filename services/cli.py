@@ -185,14 +185,6 @@ _GENERATE_FLAGS = {"timeout_s": "--timeout", "tls_ca": "--tls-ca", "tls_server_n
                    "token": "--token", "max_tokens": "--max-tokens", "temperature": "--temperature",
                    "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed", "budget": "--budget",
                    "stop_token_ids": "--stop-token-ids", "stop": "--stop", "prompt": "--prompt"}
-def _address_error(address: str) -> str | None:
-    """Why ``--address`` is no HOST:PORT, or None (`client.address_error`, named by the flag)."""
-    from services.scheduler.client import address_error
-
-    why = address_error(address)
-    return f"--address {why}" if why else None
-
-
 def _refused(message: str) -> str:
     """A refusal of the client's, led by the flag of the first argument it names."""
     for word in re.findall(r"[a-z_]+", message):
@@ -223,7 +215,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")   # gRPC's own handshake log lines beside the message
     import grpc
 
-    from services.scheduler.client import Client, ClientError, Completion
+    from services.scheduler.client import Client, ClientError, Completion, address_error
 
     prompt: str | list[int] = args.prompt
     if args.token_ids:
@@ -239,9 +231,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"ddtree generate: --stop-token-ids must be comma-separated integers, got {args.stop_token_ids!r}",
               file=sys.stderr)
         return 2
-    bad_address = _address_error(args.address)
+    bad_address = address_error(args.address)
     if bad_address:
-        print(f"ddtree generate: {bad_address}", file=sys.stderr)
+        print(f"ddtree generate: --address {bad_address}", file=sys.stderr)
         return 2
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   seed=args.seed, budget=args.budget, mode=args.mode, stop=args.stop or (), stop_token_ids=stop_ids,
@@ -340,7 +332,7 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
               "weights", file=sys.stderr)
         return 2
     try:
-        make_random_checkpoint(Path(args.out), vocab_size=args.vocab_size, seed=args.seed,
+        make_random_checkpoint(out, vocab_size=args.vocab_size, seed=args.seed,
                                int4=not args.bf16_experts)
     except (ValueError, OSError) as exc:   # e.g. a vocabulary smaller than the byte alphabet: the message says so
         print(f"ddtree make-checkpoint: {exc}", file=sys.stderr)

@@ -455,7 +455,7 @@ def _warn_token_in_clear(address: str, token: str | None, tls_ca: str | bytes | 
     if host in ("localhost", "::1") or host.startswith("127."):
         return
     warnings.warn(f"the bearer token goes to {address} without TLS: anyone on the way can read it "
-                  "(tls_ca= makes the channel TLS)", stacklevel=3)
+                  "(tls_ca= makes the channel TLS)", stacklevel=4)   # the line that made the client
 
 
 def _metadata(tls_ca, token) -> tuple:
@@ -466,14 +466,18 @@ def _metadata(tls_ca, token) -> tuple:
 class _Calls:
     """What `Client` and `AsyncClient` share: the channel's set-up and each call's deadline."""
 
-    def __init__(self, timeout_s: float | None, wait_for_ready: bool, tls_ca: str | bytes | None,
+    def __init__(self, address: str, timeout_s: float | None, wait_for_ready: bool, tls_ca: str | bytes | None,
                  token: str | None, tls_server_name: str | None) -> None:
+        why = address_error(address)
+        if why:
+            raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"address {why}")
         self.timeout_s = _timeout(timeout_s)
         self.wait_for_ready = wait_for_ready
         _check_token(token)
         self._creds, self._options = _channel_args(tls_ca, token, tls_server_name)
         self._md = _metadata(tls_ca, token)
         self._closed = False
+        _warn_token_in_clear(address, token, tls_ca)
 
     def _deadline(self, timeout_s: float | None | _Unset) -> float | None:
         return self.timeout_s if timeout_s is _UNSET else _timeout(timeout_s)
@@ -508,12 +512,6 @@ def address_error(address: str) -> str | None:
     return None
 
 
-def _check_address(address: str) -> None:
-    why = address_error(address)
-    if why:
-        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"address {why}")
-
-
 class Client(_Calls):
     """`wait_for_ready=False` (default) fails at once with UNAVAILABLE when no server is listening;
     True waits for the server to come up, bounded by `timeout_s` (each call's deadline in seconds;
@@ -527,9 +525,7 @@ class Client(_Calls):
     def __init__(self, address: str, timeout_s: float | None = None, wait_for_ready: bool = False, *,
                  tls_ca: str | bytes | None = None, token: str | None = None,
                  tls_server_name: str | None = None) -> None:
-        _check_address(address)
-        super().__init__(timeout_s, wait_for_ready, tls_ca, token, tls_server_name)
-        _warn_token_in_clear(address, token, tls_ca)
+        super().__init__(address, timeout_s, wait_for_ready, tls_ca, token, tls_server_name)
         self._channel = (grpc.secure_channel(address, self._creds, self._options) if self._creds
                          else grpc.insecure_channel(address, self._options))
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
@@ -642,9 +638,7 @@ class AsyncClient(_Calls):
             raise ClientError(grpc.StatusCode.FAILED_PRECONDITION,
                               "AsyncClient must be made inside a running event loop (in a coroutine), "
                               "the one that uses it") from None
-        _check_address(address)
-        super().__init__(timeout_s, wait_for_ready, tls_ca, token, tls_server_name)
-        _warn_token_in_clear(address, token, tls_ca)
+        super().__init__(address, timeout_s, wait_for_ready, tls_ca, token, tls_server_name)
         self._channel = (grpc.aio.secure_channel(address, self._creds, self._options) if self._creds
                          else grpc.aio.insecure_channel(address, self._options))
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
