@@ -169,11 +169,11 @@ def _this_command() -> str:
 
 
 def _no_tokenizer_note(model: Path) -> str:
-    """What `ddtree up` says of a model without `tokenizer.json`: text prompts are refused
-    (FAILED_PRECONDITION), which a user of a checkpoint that ships another tokenizer format
-    (Kimi-K2's `tiktoken.model`) met only at the first request."""
-    other = sorted(p.name for p in model.glob("*") if p.name in ("tiktoken.model", "tokenizer.model", "vocab.json"))
-    note = f"{model} has no tokenizer.json: prompts must be token ids (ddtree generate --token-ids)"
+    """What `ddtree up` says of a model with neither tokenizer.json nor tiktoken.model: text
+    prompts are refused (FAILED_PRECONDITION), which a user of a checkpoint that ships another
+    tokenizer format met only at the first request."""
+    other = sorted(p.name for p in model.glob("*") if p.name in ("tokenizer.model", "vocab.json"))
+    note = f"{model} has no tokenizer.json or tiktoken.model: prompts must be token ids (ddtree generate --token-ids)"
     if other:
         note += (f"; its {', '.join(other)} is not read here: convert it to a Hugging Face tokenizer.json "
                  "(the `tokenizers` format) in the model directory for text prompts")

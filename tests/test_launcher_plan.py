@@ -67,15 +67,16 @@ def test_a_model_without_a_tokenizer_serves_token_ids(tmp_path) -> None:
 
 
 def test_up_says_why_a_model_serves_token_ids_only(tmp_path) -> None:
-    """Kimi-K2 ships `tiktoken.model`, not `tokenizer.json`: `ddtree up` served it without a word,
-    and the first text prompt was refused FAILED_PRECONDITION."""
+    """A checkpoint that ships a tokenizer the scheduler does not read (a SentencePiece
+    `tokenizer.model`): `ddtree up` served it without a word, and the first text prompt was
+    refused FAILED_PRECONDITION."""
     from services.cli import _no_tokenizer_note
 
     plain = _no_tokenizer_note(tmp_path)
     assert "no tokenizer.json" in plain and "--token-ids" in plain and "convert" not in plain
-    (tmp_path / "tiktoken.model").write_text("x")
-    kimi = _no_tokenizer_note(tmp_path)
-    assert "tiktoken.model is not read here" in kimi and "tokenizer.json" in kimi
+    (tmp_path / "tokenizer.model").write_text("x")
+    other = _no_tokenizer_note(tmp_path)
+    assert "tokenizer.model is not read here" in other and "tokenizer.json" in other
 
 
 def test_ups_hint_names_the_command_as_this_shell_runs_it(monkeypatch, tmp_path) -> None:

@@ -121,7 +121,7 @@ def test_a_long_text_tokenizes_beside_the_event_loop() -> None:
     t0 = time.perf_counter()
     want = TOKENIZER.encode(text, add_special_tokens=False).ids
     inline_s = time.perf_counter() - t0
-    encoder = PromptEncoder(TOKENIZER, "models/demo/tokenizer.json", inline_chars=1000)
+    encoder = PromptEncoder(TOKENIZER, apart=True, inline_chars=1000)
 
     async def scenario() -> tuple[list[int], float]:
         gaps, done = [], asyncio.Event()
@@ -164,8 +164,7 @@ def test_the_tokenizer_worker_goes_with_a_scheduler_that_was_killed(tmp_path) ->
     script = (f"import asyncio, os, sys; sys.path[:0] = [{str(root)!r}, {str(root / 'protos')!r}]\n"
               "from tokenizers import Tokenizer\n"
               "from services.scheduler.tokenizing import PromptEncoder\n"
-              "path = 'models/demo/tokenizer.json'\n"
-              "encoder = PromptEncoder(Tokenizer.from_file(path), path, inline_chars=10)\n"
+              "encoder = PromptEncoder(Tokenizer.from_file('models/demo/tokenizer.json'), apart=True, inline_chars=10)\n"
               "asyncio.run(encoder.encode('def f(x): return x ' * 10))\n"
               "print(*encoder._pool._processes, flush=True)\n"
               "os.kill(os.getpid(), 9)\n")
@@ -433,7 +432,7 @@ def test_long_texts_waiting_for_the_tokenizer_are_bounded() -> None:
 
     from services.scheduler.tokenizing import PromptEncoder
 
-    encoder = PromptEncoder(TOKENIZER, "models/demo/tokenizer.json", inline_chars=10, max_pending=3)
+    encoder = PromptEncoder(TOKENIZER, apart=True, inline_chars=10, max_pending=3)
     text = "def f(x):\n    return x\n" * 2000
 
     async def scenario() -> tuple[list, list[int]]:

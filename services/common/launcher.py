@@ -28,6 +28,9 @@ from services.common.settings import DraftSettings, SchedulerSettings, SettingsE
 
 _SETTINGS = {"verifier": VerifierSettings, "draft": DraftSettings, "scheduler": SchedulerSettings}
 
+# The tokenizer files a model directory may hold, as the scheduler reads them (`load_tokenizer`).
+TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model")
+
 __all__ = ["StackSpec", "Stack", "StartupStopped", "free_port", "wait_healthy"]
 
 
@@ -227,8 +230,10 @@ class Stack:
             "DDTREE_VERIFIER_MODEL_PATH": spec.model_path,
             "DDTREE_DRAFT_TARGET_PATH": spec.model_path,
             "DDTREE_DRAFT_DRAFTER_PATH": spec.drafter_path or str(Path(spec.model_path) / "drafter"),
-            # the model's tokenizer.json; a model without one serves token-id prompts only
-            "DDTREE_SCHEDULER_TOKENIZER_PATH": spec.model_path if (Path(spec.model_path) / "tokenizer.json").is_file() else "",
+            # the model's tokenizer.json or tiktoken.model (Kimi-K2); a model without either serves
+            # token-id prompts only
+            "DDTREE_SCHEDULER_TOKENIZER_PATH": spec.model_path if any(
+                (Path(spec.model_path) / name).is_file() for name in TOKENIZER_FILES) else "",
             PARENT_PID_ENV: str(os.getpid()),   # the services stop if this process dies without stopping them
             # The launcher reaches the draft and verifier on loopback; a config file written for
             # containers (host = "0.0.0.0") must not open them to the network here.

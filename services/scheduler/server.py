@@ -8,6 +8,7 @@ aborts its request, which frees its batch slot and KV at the next step.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from services.common.grpc_server import (MAX_MESSAGE_BYTES, ServiceError, check_
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
+from services.scheduler.tiktoken_model import TIKTOKEN_FILE, kimi_tokenizer
 from services.scheduler.request import check_text_size, max_token_bytes, step_prompt_tokens, validate
 from services.scheduler.tokenizing import PromptEncoder
 from services.scheduler.router import Router
@@ -102,19 +104,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return self.info
 
 
-def tokenizer_file(path: str) -> Path:
-    """`path` itself, or its tokenizer.json where it is a directory."""
-    p = Path(path)
-    return p / "tokenizer.json" if p.is_dir() else p
-
-
 def load_tokenizer(path: str) -> Tokenizer | None:
-    """`path` is a tokenizer.json or a directory holding one; "" serves token-id prompts only (None).
-    A path with no tokenizer fails start-up: before, it was taken silently, and every text prompt
-    then failed with a message that did not name the setting."""
+    """`path` is a tokenizer.json, or a model directory holding one or Kimi-K2's tiktoken.model
+    (converted here, about 2 s at its 164K tokens); "" serves token-id prompts only (None). A path
+    with no tokenizer fails start-up: before, it was taken silently, and every text prompt then
+    failed with a message that did not name the setting."""
     if not path:
         return None
-    p = tokenizer_file(path)
+    p = Path(path)
+    if p.is_dir() and not (p / "tokenizer.json").is_file() and (p / TIKTOKEN_FILE).is_file():
+        started = time.perf_counter()
+        try:
+            tokenizer = kimi_tokenizer(p)
+        except (ValueError, OSError, KeyError) as exc:
+            raise SettingsError(f"scheduler.tokenizer_path: {p / TIKTOKEN_FILE}: {exc}") from None
+        log.info("tokenizer_converted", source=str(p / TIKTOKEN_FILE), tokens=tokenizer.get_vocab_size(),
+                 seconds=round(time.perf_counter() - started, 2))
+        return tokenizer
+    if p.is_dir():
+        p = p / "tokenizer.json"
     if not p.is_file():
         raise SettingsError(f"scheduler.tokenizer_path: no tokenizer at {p} "
                             '(set it to "" to serve token-id prompts only)')
@@ -133,7 +141,7 @@ async def serve(settings: SchedulerSettings) -> None:
     metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
     drafts_token = internal_token()
     tokenizer = load_tokenizer(settings.tokenizer_path)
-    encoder = PromptEncoder(tokenizer, str(tokenizer_file(settings.tokenizer_path))) if tokenizer is not None else None
+    encoder = PromptEncoder(tokenizer, apart=True) if tokenizer is not None else None
     router = Router(settings, metrics, drafts_token)
     info = await router.start(settings.draft_wait_s)
     prompt_tokens = step_prompt_tokens(settings, router.limits)

@@ -31,12 +31,13 @@ log = get_logger("scheduler")
 _worker: Tokenizer | None = None  # the worker process's own copy
 
 
-def _load(path: str, parent_pid: int, poll_s: float = 1.0) -> None:
-    """The worker's start: its tokenizer, and a watch that ends it once the scheduler is gone. A
-    scheduler killed outright (SIGKILL, the OOM killer) cannot stop its pool, and the worker stayed
-    behind, one more for each restart."""
+def _load(source: str, parent_pid: int, poll_s: float = 1.0) -> None:
+    """The worker's start: its tokenizer (the scheduler's, serialised: one converted from tiktoken
+    ranks has no file), and a watch that ends it once the scheduler is gone. A scheduler killed
+    outright (SIGKILL, the OOM killer) cannot stop its pool, and the worker stayed behind, one more
+    for each restart."""
     global _worker
-    _worker = Tokenizer.from_file(path)
+    _worker = Tokenizer.from_str(source)
     exit_when_orphaned(parent_pid, 0, poll_s)
 
 
@@ -46,13 +47,14 @@ def _encode(text: str) -> list[int]:
 
 
 class PromptEncoder:
-    """``encode(text)``: the text's token ids (no special tokens added), long texts in a worker
-    process started on first use from ``path`` (a tokenizer.json); without a path, all inline."""
+    """``encode(text)``: the text's token ids (no special tokens added); with ``apart``, long texts
+    in a worker process started on first use, else all inline."""
 
-    def __init__(self, tokenizer: Tokenizer, path: str | None = None, inline_chars: int = INLINE_CHARS,
+    def __init__(self, tokenizer: Tokenizer, apart: bool = False, inline_chars: int = INLINE_CHARS,
                  max_pending: int = MAX_PENDING) -> None:
         self.tokenizer = tokenizer
-        self.path = path
+        # serialised now, at start-up: 0.1 s for Kimi-K2's vocabulary, too long for the event loop
+        self._source = tokenizer.to_str() if apart else None
         self.inline_chars = inline_chars
         self.max_pending = max_pending
         self._pending = 0
@@ -60,7 +62,7 @@ class PromptEncoder:
 
     async def encode(self, text: str) -> list[int]:
         """Raises ``ServiceError`` RESOURCE_EXHAUSTED where ``max_pending`` long texts wait already."""
-        if self.path is None or len(text) <= self.inline_chars:
+        if self._source is None or len(text) <= self.inline_chars:
             return self.tokenizer.encode(text, add_special_tokens=False).ids
         if self._pending >= self.max_pending:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -74,7 +76,7 @@ class PromptEncoder:
     async def _encode_apart(self, text: str) -> list[int]:
         if self._pool is None:  # spawn, not fork: this process runs gRPC's threads
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
-                                             initargs=(self.path, os.getpid()))
+                                             initargs=(self._source, os.getpid()))
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, _encode, text)
         except BrokenProcessPool as exc:  # the worker died: a new one next time, this text inline

@@ -1,0 +1,163 @@
+"""Kimi-K2's tiktoken.model read as a `tokenizers` tokenizer: the same ids as tiktoken itself."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import random
+import string
+from pathlib import Path
+
+import pytest
+import tiktoken
+
+from services.common.settings import SettingsError
+from services.scheduler.server import load_tokenizer
+from services.scheduler.tiktoken_model import (KIMI_PATTERN, bytes_to_unicode, read_ranks, special_tokens,
+                                               tokenizer_from_ranks)
+
+DEMO = Path("models/demo")
+
+
+def demo_ranks() -> dict[bytes, int]:
+    """tiktoken ranks of the demo tokenizer's byte-level BPE: the 256 bytes, then each merge's
+    result in merge order (a realistic table: 4K tokens learned on Python source)."""
+    model = json.loads((DEMO / "tokenizer.json").read_text())["model"]
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    ranks = {bytes([b]): b for b in range(256)}
+    for merge in model["merges"]:
+        left, right = merge if isinstance(merge, list) else merge.split(" ")
+        token = bytes(byte_of[c] for c in left + right)
+        ranks.setdefault(token, len(ranks))
+    return ranks
+
+
+def write_ranks(path: Path, ranks: dict[bytes, int]) -> None:
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+
+
+def texts(seed: int) -> list[str]:
+    """Python source, mixed scripts with special token text in it, and random code points from
+    blocks the pattern treats apart (Latin, marks, Han, emoji and joiners, line breaks)."""
+    out = [Path(m.__file__).read_text() for m in (json, random, string)]
+    out.append("Héllo WORLD's naïve café — 你好，世界！\tTabs\r\n\r\n  spaces   1234567 3.14159 [BOS]x[EOS]"
+               "<|im_end|>\n 😀👍🏽 ǅemal ĲSSELMEER they'RE I'LL x'Ve ÉCOLE école")
+    rng = random.Random(seed)
+    pool = [chr(c) for c in [*range(32, 127), *range(0xA0, 0x250), *range(0x300, 0x370), *range(0x4E00, 0x4E40),
+                             0x1F600, 0x1F44D, 0x200D, 0xFE0F, 0x0A, 0x0D, 0x09, 0x3000, 0x2028]]
+    out += ["".join(rng.choice(pool) for _ in range(rng.randint(1, 200))) for _ in range(200)]
+    return out
+
+
+def test_a_converted_table_encodes_as_tiktoken_does() -> None:
+    """Ids equal tiktoken's (Kimi's pattern, special token text allowed) on every text, and decode
+    gives the text back."""
+    ranks = demo_ranks()
+    specials = {"[BOS]": len(ranks), "[EOS]": len(ranks) + 1, "<|im_end|>": len(ranks) + 2}
+    ours = tokenizer_from_ranks(ranks, specials)
+    theirs = tiktoken.Encoding("demo", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+    assert ours.get_vocab_size(with_added_tokens=True) == len(ranks) + 3
+    for text in texts(0):
+        ids = ours.encode(text, add_special_tokens=False).ids
+        assert ids == theirs.encode(text, allowed_special="all"), text[:60]
+        assert ours.decode(ids, skip_special_tokens=False) == text
+    assert ours.encode("a[EOS]", add_special_tokens=False).ids[-1] == len(ranks) + 1
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_tokens_with_many_splits_merge_in_tiktokens_order(seed: int) -> None:
+    """A table grown from random pairs of a 10-letter alphabet, where most tokens split into two
+    ranked tokens several ways: the merge order must still be tiktoken's (lowest rank first)."""
+    rng = random.Random(seed)
+    letters = "abcde fgh\n"
+    ranks = {bytes([b]): b for b in range(256)}
+    grown = [c.encode() for c in letters]
+    while len(ranks) < 2000:
+        token = rng.choice(grown) + rng.choice(grown)
+        if token not in ranks and len(token) <= 12:
+            ranks[token] = len(ranks)
+            grown.append(token)
+    ours = tokenizer_from_ranks(ranks, {})
+    theirs = tiktoken.Encoding("grown", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    for _ in range(2000):
+        text = "".join(rng.choice(letters) for _ in range(rng.randint(1, 60)))
+        assert ours.encode(text, add_special_tokens=False).ids == theirs.encode(text), repr(text)
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("YQ== 0\nYg==\n", ":2: not a tiktoken rank line"),
+    ("YQ== 0\n!!!! 1\n", ":2: not a tiktoken rank line"),
+    ("YQ== 0\nYQ== 1\n", ":2: token b'a' listed twice"),
+    ("YQ== 0\nYg== 2\n", "ranks are not 0..1"),
+    ("YQ== 0\nYg== 1\n", "254 single bytes have no rank (first: 0x00)"),
+])
+def test_a_bad_rank_file_is_refused_by_line(tmp_path, body: str, needle: str) -> None:
+    path = tmp_path / "tiktoken.model"
+    path.write_text(body)
+    with pytest.raises(ValueError) as err:
+        read_ranks(path)
+    assert needle in str(err.value)
+
+
+def test_special_tokens_follow_the_ranks_and_stop_at_the_vocabulary(tmp_path) -> None:
+    """tokenization_kimi.py reserves 258 ids after the ranks; Kimi-K2's embedding has 256 of them,
+    and a special token past it would be an id the model cannot take."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"added_tokens_decoder": {"1000": {"content": "[BOS]"}, "1002": {"content": "<|im_end|>"}}}))
+    every = special_tokens(tmp_path, 1000)
+    assert len(every) == 258 and every["[BOS]"] == 1000 and every["<|im_end|>"] == 1002
+    assert every["<|reserved_token_1001|>"] == 1001 and max(every.values()) == 1257
+    capped = special_tokens(tmp_path, 1000, vocab_size=1256)
+    assert len(capped) == 256 and max(capped.values()) == 1255
+    assert special_tokens(tmp_path / "none", 10, vocab_size=12) == {"<|reserved_token_10|>": 10, "<|reserved_token_11|>": 11}
+
+
+def kimi_dir(tmp_path: Path) -> tuple[Path, dict[bytes, int]]:
+    """A model directory as Kimi-K2 ships its tokenizer: tiktoken.model, tokenizer_config.json,
+    config.json with the vocabulary 2 ids short of the reserved range."""
+    ranks = demo_ranks()
+    write_ranks(tmp_path / "tiktoken.model", ranks)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {
+        str(len(ranks)): {"content": "[BOS]", "special": True}, str(len(ranks) + 1): {"content": "[EOS]", "special": True}}}))
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": len(ranks) + 256}))
+    return tmp_path, ranks
+
+
+def test_the_scheduler_reads_a_kimi_model_directory(tmp_path) -> None:
+    """`scheduler.tokenizer_path` = a directory with tiktoken.model and no tokenizer.json: text
+    prompts are served, special tokens as the model's vocabulary holds them, and long texts in the
+    worker process get the same ids as inline."""
+    from services.scheduler.tokenizing import PromptEncoder
+
+    model, ranks = kimi_dir(tmp_path)
+    tokenizer = load_tokenizer(str(model))
+    assert tokenizer is not None and tokenizer.get_vocab_size(with_added_tokens=True) == len(ranks) + 256
+    text = "[BOS]def f(x):\n    return x  # 你好\n" * 300
+    want = tiktoken.Encoding("k", pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
+                             special_tokens=special_tokens(model, len(ranks), len(ranks) + 256)).encode(
+        text, allowed_special="all")
+    encoder = PromptEncoder(tokenizer, apart=True, inline_chars=100)
+    try:
+        assert asyncio.run(encoder.encode(text)) == want
+        assert encoder._pool is not None  # it went to the worker
+    finally:
+        encoder.close()
+    assert want[0] == len(ranks)
+
+
+def test_a_broken_tiktoken_model_fails_start_up_by_name(tmp_path) -> None:
+    (tmp_path / "tiktoken.model").write_text("YQ== 0\n")
+    with pytest.raises(SettingsError, match=r"scheduler.tokenizer_path: .*tiktoken.model: .*255 single bytes"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_up_points_the_scheduler_at_a_kimi_model(tmp_path) -> None:
+    """`ddtree up` set the tokenizer path only where tokenizer.json was, so a Kimi-K2 checkpoint
+    served token ids only."""
+    from services.common.launcher import Stack, StackSpec
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tiktoken.model").write_text("x")
+    plan = Stack(StackSpec(model_path=str(tmp_path), scheduler_port=0))._plan()
+    assert plan[-1].env["DDTREE_SCHEDULER_TOKENIZER_PATH"] == str(tmp_path)
