@@ -278,3 +278,76 @@ def test_a_written_checkpoint_is_as_readable_as_the_files_beside_it(tmp_path: Pa
     want = (tmp_path / "config.json").stat().st_mode & 0o777
     files = list((tmp_path / "one").glob("*.safetensors")) + list((tmp_path / "two").glob("*.safetensors"))
     assert len(files) == 3 and {f.stat().st_mode & 0o777 for f in files} == {want}
+
+
+def test_transformers_5s_rope_parameters_read_as_rope_scaling(target_dir: Path) -> None:
+    """transformers 5 writes `rope_parameters` (theta and scaling in one object) in place of
+    `rope_theta` / `rope_scaling`; such a config read as unscaled rope at theta 10000, half the
+    softmax scale gone, and served."""
+    cfg = json.loads((target_dir / "config.json").read_text())
+    before = TargetConfig.from_hf(cfg)
+    new = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling")}
+    scaling = {k: v for k, v in cfg["rope_scaling"].items() if k != "type"}
+    new["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 50000.0, **scaling}
+    after = TargetConfig.from_hf(new)
+    assert after.rope_scaling == before.rope_scaling is not None and after.rope_theta == 50000.0
+    new["rope_parameters"] = {"rope_type": "default", "rope_theta": 20000.0}
+    plain = TargetConfig.from_hf(new)
+    assert plain.rope_scaling is None and plain.rope_theta == 20000.0
+    new["rope_theta"] = 10000.0   # both forms, disagreeing
+    with pytest.raises(CheckpointError, match="field 'rope_theta' 10000.0 disagrees with 'rope_parameters'"):
+        TargetConfig.from_hf(new)
+
+
+def test_a_drafters_rope_parameters_give_its_theta() -> None:
+    from services.draft.config import DraftConfig
+
+    cfg = json.loads(Path("models/demo/drafter/config.json").read_text())
+    cfg.pop("rope_theta", None)
+    cfg.pop("rope_scaling", None)
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 123456.0}
+    assert DraftConfig.from_hf(cfg).rope_theta == 123456.0
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1.0, "factor": 4.0}
+    with pytest.raises(CheckpointError, match="rope_scaling"):
+        DraftConfig.from_hf(cfg)
+
+
+@pytest.mark.parametrize("field", ["num_experts_per_tok", "n_group", "topk_group", "routed_scaling_factor",
+                                   "norm_topk_prob", "first_k_dense_replace"])
+def test_a_moe_config_must_name_its_routing(target_dir: Path, field: str) -> None:
+    """Their defaults differ between transformers' DeepseekV3Config and the configuration_deepseek.py
+    the checkpoints ship (x2.5 vs x1.0, normalised or not, 3 dense layers or 0): a config without
+    one was served with this loader's guess."""
+    cfg = json.loads((target_dir / "config.json").read_text())
+    del cfg[field]
+    with pytest.raises(CheckpointError, match=rf"field '{field}' is missing: a MoE config must set it"):
+        TargetConfig.from_hf(cfg)
+    dense = {k: v for k, v in cfg.items() if k not in ("quantization_config", "moe_intermediate_size")}
+    dense["n_routed_experts"] = None
+    assert TargetConfig.from_hf(dense).n_routed_experts is None   # a dense model needs none of them
+
+
+def test_git_lfs_pointers_are_named_as_such(target_dir: Path) -> None:
+    """A clone without git-lfs leaves pointer files, which read as "invalid JSON" or "not a
+    safetensors file"."""
+    pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 123\n"
+    weights = target_dir / SINGLE_FILE
+    weights.write_text(pointer)
+    with pytest.raises(CheckpointError, match=rf"{SINGLE_FILE}: a Git LFS pointer, not the file itself"):
+        TargetModel.load(target_dir)
+    (target_dir / "config.json").write_text(pointer)
+    with pytest.raises(CheckpointError, match=r"config.json: a Git LFS pointer.*git lfs pull"):
+        read_config(target_dir)
+
+
+def test_a_layer_quantised_past_the_routed_experts_is_named(target_dir: Path) -> None:
+    """An INT4 quantisation that also covers the shared experts was reported as a plain missing
+    tensor."""
+    name = "model.layers.1.mlp.shared_experts.gate_proj"
+
+    def quantise(t: dict) -> None:
+        w = t.pop(name + ".weight")
+        t[name + ".weight_packed"] = torch.zeros(w.shape[0], w.shape[1] // 8, dtype=torch.int32)
+    _rewrite_tensors(target_dir, quantise)
+    with pytest.raises(CheckpointError, match=rf"missing tensor {name}.weight: the checkpoint holds it INT4-quantised"):
+        TargetModel.load(target_dir)

@@ -54,6 +54,31 @@ def read_config(path: Path) -> dict:
     return read_json_object(path / CONFIG_FILE)
 
 
+def with_rope_parameters(d: dict, source: str) -> dict:
+    """``d`` with transformers 5's ``rope_parameters`` (``rope_theta`` and the scaling in one
+    object, ``rope_type`` "default" for none) read into the older ``rope_theta`` / ``rope_scaling``
+    fields this loader parses. Without it, a config re-saved by transformers 5 read as unscaled
+    rope with theta 10000: a Kimi-K2 target lost its yarn frequencies and half its softmax scale,
+    and served without a word. Both forms at once must agree."""
+    rp = d.get("rope_parameters")
+    if rp is None:
+        return d
+    if not isinstance(rp, dict):
+        raise CheckpointError(f"{source}: field 'rope_parameters' must be an object, got {rp!r}")
+    theta = rp.get("rope_theta")
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    scaling = None if kind == "default" else {k: v for k, v in rp.items() if k != "rope_theta"}
+    out = dict(d)
+    for field, value in (("rope_theta", theta), ("rope_scaling", scaling)):
+        if value is None:
+            continue
+        if d.get(field) is not None and d[field] != value:
+            raise CheckpointError(f"{source}: field '{field}' {d[field]!r} disagrees with "
+                                  f"'rope_parameters' ({value!r})")
+        out[field] = value
+    return out
+
+
 def _read_text(file: Path) -> str:
     """A checkpoint's text file; one that cannot be read or is not UTF-8 is a CheckpointError
     naming it (a traceback otherwise)."""
@@ -65,10 +90,25 @@ def _read_text(file: Path) -> str:
         raise CheckpointError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def _lfs_pointer_error(file: Path, head: bytes) -> CheckpointError | None:
+    """A Git LFS pointer in the file's place: a clone made without git-lfs leaves these (Kimi-K2's
+    repositories keep even model.safetensors.index.json in LFS), and they read as "invalid JSON"
+    or "not a safetensors file", which sent users looking at the checkpoint instead of the clone."""
+    if not head.startswith(LFS_POINTER):
+        return None
+    return CheckpointError(f"{file}: a Git LFS pointer, not the file itself (fetch the files: git lfs pull)")
+
+
 def read_json_object(file: Path) -> dict:
     """A JSON file holding one object; CheckpointError naming the file otherwise."""
+    text = _read_text(file)
+    if (lfs := _lfs_pointer_error(file, text[:64].encode())) is not None:
+        raise lfs
     try:
-        data = json.loads(_read_text(file))
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{file}: invalid JSON ({exc})") from exc
     if not isinstance(data, dict):
@@ -82,7 +122,12 @@ def open_safetensors(file_path: Path):
     try:
         return safe_open(str(file_path), framework="pt")
     except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{file_path}: not a readable safetensors file ({exc})") from None
+        try:
+            with open(file_path, "rb") as f:
+                lfs = _lfs_pointer_error(Path(file_path), f.read(64))
+        except OSError:
+            lfs = None
+        raise (lfs or CheckpointError(f"{file_path}: not a readable safetensors file ({exc})")) from None
 
 
 def tensor_index(path: Path) -> dict[str, str]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.common.checkpoint import CheckpointError, read_config
+from services.common.checkpoint import CheckpointError, read_config, with_rope_parameters
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -45,6 +45,7 @@ class DraftConfig:
         """Validate and parse a DFlash config dict; `source` names the file in error messages."""
         if not isinstance(d, dict):
             raise CheckpointError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        d = with_rope_parameters(d, source)
         archs = d.get("architectures")
         if archs is not None and ARCHITECTURE not in archs:
             raise CheckpointError(

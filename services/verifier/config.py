@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from services.common.checkpoint import CONFIG_FILE, CheckpointError, read_config, read_json_object
+from services.common.checkpoint import CONFIG_FILE, CheckpointError, read_config, read_json_object, with_rope_parameters
 
 __all__ = ["TargetConfig", "YarnScaling", "Int4Quantization", "SUPPORTED_MODEL_TYPES", "read_target_config"]
 
@@ -103,6 +103,14 @@ class TargetConfig:
     def from_hf(cls, d: dict[str, Any], source: str = "config.json") -> "TargetConfig":
         """Build from an HF config dict; CheckpointError naming ``source`` and the bad field."""
         return _parse(d, source)
+
+
+# Routing fields whose defaults differ between the two readers of these configs (transformers'
+# DeepseekV3Config: 8 groups, 4 kept, 3 dense layers, x2.5, normalised; the configuration_deepseek.py
+# that DeepSeek-V3 and Kimi-K2 ship: none, none, 0, x1.0, not normalised). A MoE config without one
+# was read with this loader's guess and served other routing than the checkpoint's authors meant.
+ROUTING_FIELDS = ("num_experts_per_tok", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
+                  "first_k_dense_replace")
 
 
 def _fail(source: str, field: str, why: str) -> CheckpointError:
@@ -207,6 +215,7 @@ def read_target_config(path: Path) -> TargetConfig:
 def _parse(d: dict[str, Any], source: str) -> TargetConfig:
     if not isinstance(d, dict):
         raise CheckpointError(f"{source}: expected a JSON object")
+    d = with_rope_parameters(d, source)
     model_type = d.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _fail(source, "model_type", f"unsupported {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
@@ -227,6 +236,11 @@ def _parse(d: dict[str, Any], source: str) -> TargetConfig:
     n_routed = d.get("n_routed_experts")
     if n_routed is not None and (not isinstance(n_routed, int) or n_routed < 0):
         raise _fail(source, "n_routed_experts", f"must be null or a non-negative int, got {n_routed!r}")
+    if n_routed:
+        for field in ROUTING_FIELDS:
+            if d.get(field) is None:
+                raise _fail(source, field, "is missing: a MoE config must set it (transformers' DeepseekV3Config "
+                                           "and the checkpoints' own configuration_deepseek.py default it differently)")
     cfg = TargetConfig(
         model_type=model_type,
         vocab_size=g("vocab_size", int, positive=True),

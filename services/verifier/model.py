@@ -162,7 +162,13 @@ def load_checkpoint(path: Path) -> tuple[TargetConfig, dict[str, Tensor]]:
     expected = expected_tensors(config)
     missing = [n for n in expected if n not in index]
     if missing:
-        raise CheckpointError(f"{path}: missing tensor {missing[0]}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+        first = missing[0]
+        why = ""
+        if first.endswith(".weight") and first + "_packed" in index:   # quantised past the routed experts
+            why = (f": the checkpoint holds it INT4-quantised ({first}_packed), and this loader reads INT4 for "
+                   "the routed experts only (quantization_config.ignore must list every other layer)")
+        raise CheckpointError(f"{path}: missing tensor {first}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
+                              + why)
     refuse_unsupported_tensors(config, index, str(path))
     weights = load_tensors(path, names=list(expected))
     validate_weights(config, weights, where=lambda name: str(path / index.get(name, "?")))
