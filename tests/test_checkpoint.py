@@ -335,6 +335,9 @@ def test_git_lfs_pointers_are_named_as_such(target_dir: Path) -> None:
     weights.write_text(pointer)
     with pytest.raises(CheckpointError, match=rf"{SINGLE_FILE}: a Git LFS pointer, not the file itself"):
         TargetModel.load(target_dir)
+    (target_dir / INDEX_FILE).write_text(pointer)
+    with pytest.raises(CheckpointError, match=rf"{INDEX_FILE}: a Git LFS pointer, not the file itself"):
+        TargetModel.load(target_dir)
     (target_dir / "config.json").write_text(pointer)
     with pytest.raises(CheckpointError, match=r"config.json: a Git LFS pointer.*git lfs pull"):
         read_config(target_dir)

@@ -135,11 +135,8 @@ def tensor_index(path: Path) -> dict[str, str]:
     path = Path(path)
     index_path = path / INDEX_FILE
     if index_path.is_file():
-        try:
-            index = json.loads(_read_text(index_path))
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{index_path}: invalid JSON ({exc})") from exc
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        index = read_json_object(index_path)
+        weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index_path}: field 'weight_map' missing or not an object")
         for name, shard in weight_map.items():
