@@ -337,3 +337,34 @@ def test_a_ring_loses_its_name_once_its_reader_has_attached() -> None:
     reader.close()
     writer.close()
     make_writer("inline").attached()   # other kinds have no name to drop
+
+
+@pytest.mark.parametrize("shape", [[0, 2**62, 2**62], [1] * 9])
+def test_an_implausible_shape_is_a_bad_message_not_a_torch_error(shape) -> None:
+    """An empty shape with huge other dimensions passed the byte count and raised torch's
+    RuntimeError (stride overflow), which the services' checks (ValueError) did not take for a bad
+    message: the verifier ended the draft's whole stream, and the draft's reply path escaped its
+    clean-up."""
+    bundle = common_pb2.TensorBundle()
+    bundle.tensors.add(name="x", dtype="int64", shape=shape, inline_data=b"" if 0 in shape else b"\0" * 8)
+    with pytest.raises(ValueError, match="implausible shape"):
+        make_reader("inline").read(bundle)
+
+
+def test_a_slot_header_cannot_stretch_a_read_into_the_next_slot() -> None:
+    """The `used` word is the writer's: a message for slot 0 whose header claimed more than the
+    slot holds returned slot 1's bytes."""
+    with make_writer("shm", slot_bytes=256, num_slots=2, name_prefix="ddt-test") as writer:
+        reader = make_reader("shm", writer.ring_name, writer.slot_bytes, writer.num_slots)
+        first = writer.write({"v": torch.arange(4)})
+        writer.write({"v": torch.arange(4) + 100})   # slot 1
+        assert bundle_slot(first) == 0
+        torch.frombuffer(reader._shm.buf, dtype=torch.int64, count=2)[1] = 1 << 20   # slot 0's `used`
+        stretched = common_pb2.TensorBundle()
+        stretched.CopyFrom(first)
+        ref = stretched.tensors[0]
+        ref.slot.nbytes = 8 * 64
+        ref.shape[:] = [64]
+        with pytest.raises(ValueError, match="fall outside the payload"):
+            reader.read(stretched)
+        assert torch.equal(reader.read(first)["v"], torch.arange(4))   # within the slot it still reads

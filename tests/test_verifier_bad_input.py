@@ -327,3 +327,50 @@ def test_a_failed_group_ends_the_stream_not_only_the_steps_trees(ckpt):
         svc.group.call = failing
         with pytest.raises(GroupFailed, match="rank 1 exited"):
             svc._step(peer, verify(2, [("a", *chain(svc.engine._requests["a"].pending, 3))]))
+
+
+def test_trees_read_from_the_drafts_ring_are_copied_before_they_are_checked(ckpt):
+    """The trees came to the engine as views of the draft's ring: checked once, then read again,
+    so a draft that changed them in between could put an index past its table on the GPU (a device
+    assert ends the verifier for every draft). What the engine gets owns its memory."""
+    from services.common.transport import make_reader
+
+    svc = servicer(ckpt)
+    seen: list[torch.Tensor] = []
+    call = svc.group.call
+    svc.group.call = lambda method, *args: (seen.extend(a for a in args if isinstance(a, torch.Tensor)),
+                                            call(method, *args))[1]
+    with shm_peer(svc, ckpt, slots=4) as peer, \
+            make_writer("shm", slot_bytes=1 << 16, num_slots=2, name_prefix="ddt-test") as tree_ring:
+        peer.reader = make_reader("shm", tree_ring.ring_name, tree_ring.slot_bytes, tree_ring.num_slots)
+        assert svc._step(peer, prefill(1, "a")).prefills[0].error_code == 0
+        step = verify(2, [("a", *chain(svc.engine._requests["a"].pending, 3))])
+        inline = {k: v for k, v in InlineReader().read(step.trees).items()}
+        step.trees.CopyFrom(tree_ring.write(inline))
+        resp = svc._step(peer, step)
+        ring = torch.frombuffer(peer.reader._shm.buf, dtype=torch.uint8)
+        lo, hi = ring.data_ptr(), ring.data_ptr() + ring.numel()
+        peer.reader.close()
+    assert outcome(resp)["a"][0] == grpc.StatusCode.OK
+    assert len(seen) == 4 and not any(lo <= t.data_ptr() < hi for t in seen)
+
+
+def test_a_peer_whose_release_fails_still_gives_its_rings_back(ckpt):
+    """`release_owner` ran before the peer's rings were dropped: one that raised left them mapped
+    (and registered) until the verifier restarted."""
+    svc = servicer(ckpt)
+    call = svc.group.call
+
+    def failing(method, *args):
+        if method == "release_owner":
+            raise RuntimeError("release failed")
+        return call(method, *args)
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        svc.group.call = failing
+        with pytest.raises(RuntimeError, match="release failed"):
+            svc._end_stream("d1", peer)
+        assert "d1" not in svc._peers
+        svc._peers["d1"] = peer
+        with pytest.raises(RuntimeError, match="release failed"):
+            svc._retire_peer("d1")
+        assert "d1" not in svc._peers

@@ -121,9 +121,18 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return _as_bytes(t).numpy().tobytes()
 
 
+# A shape's rank and size, bounded before torch sees it: an empty shape with huge other dimensions
+# ([0, 2**62, 2**62]) passed the byte count and raised RuntimeError (stride overflow) in torch, which
+# the services' message checks, catching ValueError, did not take for a bad message.
+MAX_RANK = 8
+MAX_ELEMENTS = 1 << 40
+
+
 def _expected_nbytes(ref: common_pb2.TensorRef, dtype: torch.dtype) -> int:
     if any(d < 0 for d in ref.shape):
         raise ValueError(f"tensor {ref.name!r} has a negative dimension in shape {list(ref.shape)}")
+    if len(ref.shape) > MAX_RANK or math.prod(max(d, 1) for d in ref.shape) > MAX_ELEMENTS:
+        raise ValueError(f"tensor {ref.name!r} has an implausible shape {list(ref.shape)}")
     return math.prod(ref.shape) * dtype.itemsize
 
 
@@ -532,6 +541,7 @@ class ShmReader(TensorReader):
             self._shm.close()
             raise ValueError(f"shm ring {ring_name} belongs to another user")
         self._stride = _slot_stride(slot_bytes)
+        self._payload_bytes = self._stride - SLOT_HEADER_BYTES
         self._num_slots = num_slots
         needed = self._stride * num_slots
         if self._shm.size < needed:
@@ -559,7 +569,8 @@ class ShmReader(TensorReader):
                 f"tensor {ref.name!r}: slot {s.slot} does not hold sequence {s.sequence}; the slot was "
                 "released and overwritten (stale message) or is mid-write"
             )
-        if s.offset < SLOT_HEADER_BYTES or s.offset + s.nbytes > SLOT_HEADER_BYTES + used:
+        # `used` is the writer's word: bounded by the slot too, or a message for one slot read the next
+        if s.offset < SLOT_HEADER_BYTES or s.offset + s.nbytes > SLOT_HEADER_BYTES + min(used, self._payload_bytes):
             raise ValueError(
                 f"tensor {ref.name!r}: bytes [{s.offset}, {s.offset + s.nbytes}) fall outside the payload "
                 f"written to slot {s.slot}"

@@ -223,7 +223,7 @@ class VerifierClient:
                 self._to_release.append(slot)
             self._writer.release(resp.released_slots)
             view = self._reader.read(resp.features)["features"]
-        except (ValueError, KeyError) as exc:   # a reply this draft cannot take: the step's state is the verifier's
+        except Exception as exc:  # noqa: BLE001 - a reply this draft cannot take: the step's state is the verifier's
             # alone now, so the stream ends (the verifier drops this draft's requests) and the step fails as lost
             await self.close()
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"unreadable verifier reply: {exc}") from None

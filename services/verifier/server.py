@@ -159,6 +159,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot make a {kind} ring here: {why}")
             log.warning("ring_create_failed", draft_id=request.draft_id, transport=kind, error=why, fallback=usable[1])
             return verifier_pb2.HandshakeResponse(transport=usable[1])   # the draft retries with that kind
+        except BaseException:   # anything else: the draft's ring is not left mapped behind the error
+            reader.close()
+            raise
         peer = _Peer(request.draft_id, writer, reader, owner=f"{request.draft_id}#{next(self._handshakes)}",
                      feature_layers=layers)
         self._peers[request.draft_id] = peer
@@ -285,9 +288,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         # Only this handshake's requests: an old stream whose end is noticed late must not free
         # those the draft admitted since on its new one. After the workers' stop (the server is
         # going) no call may reach the group: rank 0 alone would wait on workers that are gone.
-        freed = 0 if self._group_stopped else self.group.call("release_owner", peer.owner)
-        if self._peers.get(draft_id) is peer:
-            self._drop_peer(draft_id)
+        freed = 0
+        try:
+            freed = 0 if self._group_stopped else self.group.call("release_owner", peer.owner)
+        finally:   # a release that failed must not leave the rings mapped as well
+            if self._peers.get(draft_id) is peer:
+                self._drop_peer(draft_id)
         self._observe()
         log.info("stream_closed", draft_id=draft_id, requests_freed=freed)
         return freed
@@ -295,9 +301,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _retire_peer(self, draft_id: str) -> None:
         peer = self._peers.get(draft_id)
         if peer is not None:
-            if not self._group_stopped:
-                self.group.call("release_owner", peer.owner)
-            self._drop_peer(draft_id)
+            try:
+                if not self._group_stopped:
+                    self.group.call("release_owner", peer.owner)
+            finally:
+                self._drop_peer(draft_id)
 
     def _drop_peer(self, draft_id: str) -> None:
         peer = self._peers.pop(draft_id, None)
@@ -380,13 +388,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             missing = [k for k in TREE_FIELDS if k not in trees]
             error = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"the tree bundle lacks {missing}") if missing else None
         if error is None:
-            args = [trees[k] for k in TREE_FIELDS]
+            # Copies, not views of the draft's ring: checked once and then read again by the engine,
+            # a view the draft changed in between could put an index past its table on the GPU (a
+            # device assert ends the process, for every draft). Four small tensors a step.
+            args = [trees[k].clone() for k in TREE_FIELDS]
             # Here first, before the call goes to the other ranks: a bundle of millions of nodes was
             # pickled to every rank (and onto every GPU, with NCCL) only for each to refuse it.
             error = tree_shape_error(len(ids), *args)
         if error is None:
-            if self.settings.tp > 1:   # the call is pickled to the workers: a ring view would take its whole ring
-                args = [t.to("cpu", copy=True) for t in args]
+            if self.settings.tp > 1:   # the call is pickled to the workers: host tensors
+                args = [t.to("cpu") for t in args]
             try:   # the engine checks the trees' shapes before any collective too, on every rank alike
                 return self.group.call("verify", ids, *args, peer.owner)
             except GroupFailed:   # not these trees' fault: the stream ends (the draft hand-shakes again)
