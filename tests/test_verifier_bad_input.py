@@ -374,3 +374,20 @@ def test_a_peer_whose_release_fails_still_gives_its_rings_back(ckpt):
         with pytest.raises(RuntimeError, match="release failed"):
             svc._retire_peer("d1")
         assert "d1" not in svc._peers
+
+
+def test_handshakes_past_max_peers_are_refused_and_a_returning_draft_is_not(ckpt):
+    """Every handshake under a new draft id made a ring here and mapped the draft's, held until its
+    stream ended: a token holder looping on new ids could fill /dev/shm or the GPU."""
+    async def run():
+        svc = servicer(ckpt, max_peers=2)
+        async with serving(svc) as stub:
+            await stub.Handshake(hello(ckpt, "d1"))
+            await stub.Handshake(hello(ckpt, "d2"))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Handshake(hello(ckpt, "d3"))
+            again = await stub.Handshake(hello(ckpt, "d2"))   # a draft coming back replaces its own entry
+            return err.value, again, sorted(svc._peers)
+    refused, again, peers = asyncio.run(run())
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "verifier.max_peers" in refused.details()
+    assert again.transport == "inline" and peers == ["d1", "d2"]

@@ -182,6 +182,7 @@ class VerifierSettings:
     tp: int = 1                      # tensor-parallel ranks (processes); device "cuda" puts rank i on GPU i
     tp_timeout_s: float = 60.0       # a step's collective waiting longer than this fails the group
     peer_stream_timeout_s: float = 30.0   # a draft that hand-shook but opened no stream by then is dropped
+    max_peers: int = 32              # drafts served at once (each holds a ring here and one of its own mapped)
     cuda_graphs: bool = True         # verify replays CUDA graphs on GPU (every bucket captured by the warm-up)
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets; larger steps run eagerly
     graph_nodes: tuple[int, ...] = (1, 2, 3, 5, 9, 13, 17, 25, 33, 49, 65, 97, 129)   # tree-size buckets (budget + 1);
@@ -199,6 +200,7 @@ class VerifierSettings:
         _check(self.cpu_threads >= 1, "verifier.cpu_threads", "must be >= 1")
         _check(self.tp_timeout_s > 0, "verifier.tp_timeout_s", "must be > 0")
         _check(self.peer_stream_timeout_s > 0, "verifier.peer_stream_timeout_s", "must be > 0")
+        _check(self.max_peers >= 1, "verifier.max_peers", "must be >= 1")
         _check(0 <= self.port < 65536, "verifier.port", f"{self.port} is not a TCP port")
         _check(0 <= self.metrics_port < 65536, "verifier.metrics_port", f"{self.metrics_port} is not a TCP port (0 = off)")
         _check(self.page_size > 0, "verifier.page_size", "must be > 0")

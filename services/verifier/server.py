@@ -136,6 +136,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                 f"no common transport: draft offers {list(request.transports)}, verifier has {mine}")
         if request.draft_id in self._peers:   # the draft came back (its stream broke): what it had is gone
             await self._locked(self._retire_peer, request.draft_id)
+        if len(self._peers) >= self.settings.max_peers:   # each holds two rings (shared or GPU memory) till it goes
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{len(self._peers)} drafts are connected here already (verifier.max_peers); "
+                                "one must go first")
         kind = usable[0]
         if kind != request.transports[0]:   # the draft's ring is of its first choice: ask for one of ours
             return verifier_pb2.HandshakeResponse(transport=kind)
