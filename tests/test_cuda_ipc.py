@@ -155,3 +155,42 @@ def test_a_write_that_fails_holds_no_slot(monkeypatch) -> None:
         with pytest.raises(RuntimeError, match="illegal memory access"):
             writer.write({"x": torch.ones(64)})
     assert writer.slots_in_use == 0
+
+
+def _attach(ring: str, slot_bytes: int, num_slots: int, conn) -> None:
+    """A peer process: maps the ring as declared and reports what it read or why it refused."""
+    try:
+        reader = CudaIpcReader(ring, slot_bytes=slot_bytes, num_slots=num_slots)
+        conn.send(("ok", reader._buf[0, :8].cpu().tolist()))
+    except ValueError as exc:
+        conn.send(("refused", str(exc)))
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
+        conn.send(("error", repr(exc)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_ring_declared_larger_than_its_allocation_is_refused_on_the_gpu() -> None:
+    """torch maps a peer's handle at the size the peer declares: a ring declared 1 GiB past its
+    allocation gave views whose first read was an illegal address, the end of the reader's CUDA
+    context. The driver's own range of the allocation bounds it now; the true size still maps."""
+    import dataclasses
+    import multiprocessing as mp
+
+    slot_bytes, slots = 1 << 20, 4
+    writer = CudaIpcWriter(slot_bytes, slots)
+    writer._buf[0, :8] = torch.arange(8, dtype=torch.uint8, device=writer._buf.device) + 1
+    torch.cuda.synchronize()
+    true = decode_ring_handle(writer.ring_name)
+    extra = 1024
+    inflated = encode_ring_handle(dataclasses.replace(true, size_bytes=true.size_bytes + extra * slot_bytes))
+    ctx = mp.get_context("spawn")
+    results = []
+    for ring, count in ((writer.ring_name, slots), (inflated, slots + extra)):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_attach, args=(ring, slot_bytes, count, child))
+        proc.start()
+        results.append(parent.recv() if parent.poll(120) else ("timeout", ""))
+        proc.join(60)
+    writer.close()
+    assert results[0] == ("ok", [1, 2, 3, 4, 5, 6, 7, 8]), results[0]
+    assert results[1][0] == "refused" and "the handle's allocation holds" in results[1][1], results[1]

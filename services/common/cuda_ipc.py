@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ctypes
 import json
 import threading
 from collections.abc import Mapping, Sequence
@@ -238,6 +239,21 @@ def _open_ring(h: RingHandle, index: int, num_slots: int, slot_bytes: int) -> to
     return buf.set_(storage, 0, (num_slots, slot_bytes), (slot_bytes, 1))
 
 
+def _allocation_end(ptr: int, index: int) -> int | None:
+    """The end address of the CUDA allocation that holds `ptr` on GPU `index`, from the driver
+    (`cuMemGetAddressRange`); None where the driver cannot be asked. Why: torch maps a peer's
+    handle at whatever size the peer declares, and a ring declared larger than its allocation gave
+    views past it, whose first read is an illegal address that ends this process's CUDA context."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    with torch.cuda.device(index):
+        status = driver.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    return base.value + size.value if status == 0 else None
+
+
 class CudaIpcReader(TensorReader):
     """Maps a peer's ring on the peer's GPU; reads are views there (copy to your device to keep them)."""
 
@@ -250,6 +266,12 @@ class CudaIpcReader(TensorReader):
             raise ValueError(f"cuda_ipc ring has {h.size_bytes} bytes, handshake says {num_slots} x {slot_bytes}")
         index = local_device_index(h.device_uuid, h.device_index, _local_uuids())
         self._buf = _open_ring(h, index, num_slots, stride)                        # [slots, bytes] on the owner's GPU
+        end = _allocation_end(self._buf.data_ptr(), index)
+        if end is not None and self._buf.data_ptr() + num_slots * stride > end:
+            held = end - self._buf.data_ptr()
+            self._buf = None   # type: ignore[assignment]  # unmaps the peer's memory
+            raise ValueError(f"cuda_ipc ring: the handle's allocation holds {held} bytes from its offset, the "
+                             f"handshake says {num_slots} x {slot_bytes}")
 
     @property
     def device(self) -> torch.device:
