@@ -194,3 +194,23 @@ def test_a_ring_declared_larger_than_its_allocation_is_refused_on_the_gpu() -> N
     writer.close()
     assert results[0] == ("ok", [1, 2, 3, 4, 5, 6, 7, 8]), results[0]
     assert results[1][0] == "refused" and "the handle's allocation holds" in results[1][1], results[1]
+
+
+@pytest.mark.parametrize("end_past, refused", [(None, False), (0, False), (-1, True)])
+def test_the_reader_bounds_the_ring_by_its_allocation(monkeypatch, end_past, refused) -> None:
+    """The attach's decision on the driver's answer (the GPU test above asks the driver itself):
+    refused where the declared ring passes the allocation's end, kept where it fits or where the
+    driver cannot say (None)."""
+    slot_bytes, slots = 256, 2
+    buf = torch.zeros(slots, slot_bytes, dtype=torch.uint8)
+    monkeypatch.setattr(cuda_ipc, "local_device_index", lambda uuid, index, uuids: 0)
+    monkeypatch.setattr(cuda_ipc, "_local_uuids", lambda: ["uuid-b"])
+    monkeypatch.setattr(cuda_ipc, "_open_ring", lambda h, index, num_slots, stride: buf)
+    end = None if end_past is None else buf.data_ptr() + buf.numel() + end_past
+    monkeypatch.setattr(cuda_ipc, "_allocation_end", lambda ptr, index: end)
+    text = encode_ring_handle(_handle(size_bytes=slots * slot_bytes, offset_bytes=0))
+    if refused:
+        with pytest.raises(ValueError, match=r"allocation holds 511 bytes from its offset, the handshake says 2 x 256"):
+            CudaIpcReader(text, slot_bytes=slot_bytes, num_slots=slots)
+    else:
+        assert CudaIpcReader(text, slot_bytes=slot_bytes, num_slots=slots)._buf is buf
