@@ -354,3 +354,60 @@ def test_a_layer_quantised_past_the_routed_experts_is_named(target_dir: Path) ->
     _rewrite_tensors(target_dir, quantise)
     with pytest.raises(CheckpointError, match=rf"missing tensor {name}.weight: the checkpoint holds it INT4-quantised"):
         TargetModel.load(target_dir)
+
+
+def wrap_as_kimi_k25(src: Path, dst: Path, shard_bytes: int = 1 << 20) -> None:
+    """``src`` rewritten as Kimi-K2.5 / K2.6 ship their language model: config.json a `kimi_k25`
+    wrapper with the model in `text_config` and the quantisation at the top, every tensor under
+    `language_model.`, a vision tower beside them, sharded with an index."""
+    cfg = read_config(src)
+    quant = cfg.pop("quantization_config", None)
+    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+               "eos_token_id": cfg["eos_token_id"], "text_config": {**cfg, "model_type": "deepseek_v3"},
+               "vision_config": {"vt_hidden_size": 16}}
+    if quant is not None:
+        wrapper["quantization_config"] = quant
+    tensors = {f"language_model.{k}": v for k, v in load_tensors(src).items()}
+    tensors["vision_tower.patch_embed.proj.weight"] = torch.randn(16, 3, 14, 14)
+    save_tensors(dst, tensors, max_shard_bytes=shard_bytes)
+    (dst / "config.json").write_text(json.dumps(wrapper))
+
+
+def test_a_kimi_k25_wrapper_serves_its_language_model(tmp_path: Path, target_dir: Path) -> None:
+    """Kimi-K2.5 / K2.6 (INT4 experts, as K2-Thinking) wrap the K2 language model in a multimodal
+    config, its tensors under `language_model.`: they were refused as model type 'kimi_k25'."""
+    from services.verifier.model import expected_tensors
+    from services.verifier.parallel import load_rank_slice
+
+    wrapped = tmp_path / "k25"
+    wrap_as_kimi_k25(target_dir, wrapped, shard_bytes=64 * 1024)
+    assert len(set(json.loads((wrapped / INDEX_FILE).read_text())["weight_map"].values())) > 1
+    a, b = TargetModel.load(target_dir), TargetModel.load(wrapped)
+    assert a.config == b.config and b.config.quantization is not None
+    assert torch.equal(a.layers[2].moe.w_down, b.layers[2].moe.w_down) and torch.equal(a.lm_head_weight, b.lm_head_weight)
+    expected = expected_tensors(b.config)
+    sa = load_rank_slice(target_dir, a.config, expected, 0, 1)   # the tensor-parallel loader: by the stored names
+    sb = load_rank_slice(wrapped, b.config, expected, 0, 1)
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert "vision_tower.patch_embed.proj.weight" not in load_tensors(wrapped)   # not this stack's
+
+
+def test_a_drafter_pairs_with_a_wrapped_target(tmp_path: Path) -> None:
+    """The drafter reads its target's embedding and lm_head, and `ddtree up` checks the pair from
+    the target's config: both through the wrapper."""
+    from services.draft.config import check_pairing
+    from services.draft.dflash import DFlashDrafter
+
+    demo = Path("models/demo")
+    wrapped = tmp_path / "demo-k25"
+    wrap_as_kimi_k25(demo, wrapped)
+    assert check_pairing(demo / "drafter", wrapped).vocab_size == read_config(demo)["vocab_size"]
+    a = DFlashDrafter.load(demo / "drafter", demo)
+    b = DFlashDrafter.load(demo / "drafter", wrapped)
+    assert torch.equal(a.lm_head_weight, b.lm_head_weight)
+
+
+def test_a_wrapper_without_its_text_config_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25"}))
+    with pytest.raises(CheckpointError, match="field 'text_config' of a kimi_k25 config must be an object"):
+        read_config(tmp_path)

@@ -161,3 +161,12 @@ def test_up_points_the_scheduler_at_a_kimi_model(tmp_path) -> None:
     (tmp_path / "tiktoken.model").write_text("x")
     plan = Stack(StackSpec(model_path=str(tmp_path), scheduler_port=0))._plan()
     assert plan[-1].env["DDTREE_SCHEDULER_TOKENIZER_PATH"] == str(tmp_path)
+
+
+def test_a_wrapped_models_vocabulary_caps_the_special_tokens(tmp_path) -> None:
+    """Kimi-K2.5 keeps `vocab_size` in `text_config`: read at the top, there was none, and the two
+    reserved ids past the embedding stayed (the scheduler then refused the tokenizer as larger
+    than the model)."""
+    model, ranks = kimi_dir(tmp_path)
+    (model / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": {"vocab_size": len(ranks) + 256}}))
+    assert load_tokenizer(str(model)).get_vocab_size(with_added_tokens=True) == len(ranks) + 256

@@ -24,6 +24,8 @@ __all__ = [
     "INDEX_FILE",
     "read_config",
     "read_json_object",
+    "weight_prefix",
+    "with_rope_parameters",
     "tensor_index",
     "load_tensors",
     "save_tensors",
@@ -46,12 +48,36 @@ def require_checkpoint(path: str | Path, setting: str) -> None:
         raise CheckpointError(f"{setting}: no checkpoint at {path} ({CONFIG_FILE} missing)")
 
 
-def read_config(path: Path) -> dict:
-    """Read ``path/config.json`` as a dict; CheckpointError when missing or not a JSON object."""
-    path = Path(path)
+# Multimodal checkpoints whose language model is a DeepSeek-V3 / Kimi-K2 one: the config wraps it
+# in `text_config` and its tensors sit under a prefix (vision tower and projector beside them).
+TEXT_WRAPPERS = {"kimi_k25": "language_model."}
+# Fields a wrapper may set at its top level only, which its language model then has.
+_WRAPPER_FIELDS = ("quantization_config", "eos_token_id", "bos_token_id", "tie_word_embeddings")
+
+
+def _raw_config(path: Path) -> dict:
     if not (path / CONFIG_FILE).is_file():
         raise CheckpointError(f"{path}: missing {CONFIG_FILE}")
     return read_json_object(path / CONFIG_FILE)
+
+
+def read_config(path: Path) -> dict:
+    """Read ``path/config.json`` as a dict; CheckpointError when missing or not a JSON object. A
+    multimodal wrapper (Kimi-K2.5 / K2.6: `kimi_k25`) gives its language model's config, the text
+    this stack serves: it was refused as an unsupported model type."""
+    path = Path(path)
+    d = _raw_config(path)
+    if d.get("model_type") not in TEXT_WRAPPERS:
+        return d
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{path / CONFIG_FILE}: field 'text_config' of a {d['model_type']} config must be an object")
+    return {**{k: d[k] for k in _WRAPPER_FIELDS if k in d}, **text}
+
+
+def weight_prefix(path: Path) -> str:
+    """The prefix of the language model's tensors in ``path``: "" but for a multimodal wrapper."""
+    return TEXT_WRAPPERS.get(_raw_config(Path(path)).get("model_type"), "")
 
 
 def with_rope_parameters(d: dict, source: str) -> dict:
@@ -131,8 +157,18 @@ def open_safetensors(file_path: Path):
 
 
 def tensor_index(path: Path) -> dict[str, str]:
-    """Map every tensor name of the checkpoint in ``path`` to the safetensors file holding it."""
+    """Map every tensor name of the checkpoint in ``path`` to the safetensors file holding it; in a
+    multimodal wrapper, the language model's tensors by their names without the prefix (the
+    others, a vision tower's, are not this stack's)."""
     path = Path(path)
+    every = _stored_index(path)
+    prefix = weight_prefix(path) if (path / CONFIG_FILE).is_file() else ""
+    if not prefix:
+        return every
+    return {name[len(prefix):]: file for name, file in every.items() if name.startswith(prefix)}
+
+
+def _stored_index(path: Path) -> dict[str, str]:
     index_path = path / INDEX_FILE
     if index_path.is_file():
         index = read_json_object(index_path)
@@ -163,6 +199,7 @@ def load_tensors(
     """
     path = Path(path)
     index = tensor_index(path)
+    stored = weight_prefix(path) if (path / CONFIG_FILE).is_file() else ""   # the names in the files
     if names is not None:
         wanted = list(names)
         missing = [n for n in wanted if n not in index]
@@ -184,9 +221,9 @@ def load_tensors(
         with open_safetensors(file_path) as f:
             present = set(f.keys())
             for name in file_names:
-                if name not in present:
-                    raise CheckpointError(f"{file_path}: missing tensor {name} (listed in {INDEX_FILE})")
-                out[name] = f.get_tensor(name)
+                if stored + name not in present:
+                    raise CheckpointError(f"{file_path}: missing tensor {stored + name} (listed in {INDEX_FILE})")
+                out[name] = f.get_tensor(stored + name)
     return out
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from services.common.checkpoint import CONFIG_FILE, read_config
+
 __all__ = ["KIMI_PATTERN", "RESERVED_SPECIAL_TOKENS", "TIKTOKEN_FILE", "bytes_to_unicode", "kimi_tokenizer",
            "read_ranks", "special_tokens", "tokenizer_from_ranks"]
 
@@ -134,7 +136,6 @@ def kimi_tokenizer(model_dir: Path) -> Tokenizer:
     capped at config.json's `vocab_size` where that file says one."""
     ranks = read_ranks(model_dir / TIKTOKEN_FILE)
     vocab_size = None
-    config = model_dir / "config.json"
-    if config.is_file():
-        vocab_size = json.loads(config.read_text(encoding="utf-8")).get("vocab_size")
+    if (model_dir / CONFIG_FILE).is_file():   # a multimodal wrapper's (Kimi-K2.5) is its text_config's
+        vocab_size = read_config(model_dir).get("vocab_size")
     return tokenizer_from_ranks(ranks, special_tokens(model_dir, len(ranks), vocab_size))

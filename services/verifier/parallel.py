@@ -26,7 +26,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from services.common.checkpoint import CheckpointError, open_safetensors, tensor_index
+from services.common.checkpoint import CheckpointError, open_safetensors, tensor_index, weight_prefix
 from services.common.grpc_server import ServiceError
 from services.verifier.config import TargetConfig
 
@@ -87,6 +87,7 @@ def load_rank_slice(path: Path, config: TargetConfig, expected: dict[str, tuple[
 
     path = Path(path)
     index = tensor_index(path)
+    stored = weight_prefix(path)   # the names in the files (a multimodal wrapper's language model)
     refuse_unsupported_tensors(config, index, str(path))
     out: dict[str, torch.Tensor] = {}
     handles: dict[str, Any] = {}
@@ -100,7 +101,7 @@ def load_rank_slice(path: Path, config: TargetConfig, expected: dict[str, tuple[
                 if not (path / file_name).is_file():
                     raise CheckpointError(f"{path}: shard file {file_name} is missing")
                 handles[file_name] = open_safetensors(path / file_name)
-            sl = handles[file_name].get_slice(name)
+            sl = handles[file_name].get_slice(stored + name)
             shape = tuple(sl.get_shape())
             if shape != tuple(want):
                 raise CheckpointError(f"{path / file_name}: tensor {name} has shape {shape}, config implies {tuple(want)}")
