@@ -294,6 +294,12 @@ def test_transformers_5s_rope_parameters_read_as_rope_scaling(target_dir: Path) 
     new["rope_parameters"] = {"rope_type": "default", "rope_theta": 20000.0}
     plain = TargetConfig.from_hf(new)
     assert plain.rope_scaling is None and plain.rope_theta == 20000.0
+    both = dict(new, rope_theta=50000.0, rope_scaling=cfg["rope_scaling"],   # both forms, spelled apart, agreeing
+                rope_parameters={"rope_type": "yarn", "type": "yarn", "rope_theta": 50000.0, **scaling})
+    assert TargetConfig.from_hf(both).rope_scaling == before.rope_scaling
+    both["rope_scaling"] = {**cfg["rope_scaling"], "factor": 99.0}
+    with pytest.raises(CheckpointError, match="field 'rope_scaling' .* disagrees with 'rope_parameters'"):
+        TargetConfig.from_hf(both)
     new["rope_theta"] = 10000.0   # both forms, disagreeing
     with pytest.raises(CheckpointError, match="field 'rope_theta' 10000.0 disagrees with 'rope_parameters'"):
         TargetConfig.from_hf(new)

@@ -98,11 +98,20 @@ def with_rope_parameters(d: dict, source: str) -> dict:
     for field, value in (("rope_theta", theta), ("rope_scaling", scaling)):
         if value is None:
             continue
-        if d.get(field) is not None and d[field] != value:
+        if d.get(field) is not None and _rope_values(d[field]) != _rope_values(value):
             raise CheckpointError(f"{source}: field '{field}' {d[field]!r} disagrees with "
                                   f"'rope_parameters' ({value!r})")
         out[field] = value
     return out
+
+
+def _rope_values(value: object) -> object:
+    """What a rope field says, whichever spelling of its kind it uses ("type", "rope_type", both):
+    the configs transformers 5 writes keep both forms, spelled differently."""
+    if not isinstance(value, dict):
+        return value
+    kind = value.get("rope_type", value.get("type"))
+    return kind, {k: v for k, v in value.items() if k not in ("type", "rope_type", "rope_theta")}
 
 
 def _read_text(file: Path) -> str:
