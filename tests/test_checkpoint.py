@@ -300,6 +300,9 @@ def test_transformers_5s_rope_parameters_read_as_rope_scaling(target_dir: Path) 
     both["rope_scaling"] = {**cfg["rope_scaling"], "factor": 99.0}
     with pytest.raises(CheckpointError, match="field 'rope_scaling' .* disagrees with 'rope_parameters'"):
         TargetConfig.from_hf(both)
+    with pytest.raises(CheckpointError, match="rope_type 'default': no scaling"):
+        TargetConfig.from_hf(dict(both, rope_scaling=cfg["rope_scaling"],
+                                  rope_parameters={"rope_type": "default", "rope_theta": 50000.0}))
     new["rope_theta"] = 10000.0   # both forms, disagreeing
     with pytest.raises(CheckpointError, match="field 'rope_theta' 10000.0 disagrees with 'rope_parameters'"):
         TargetConfig.from_hf(new)

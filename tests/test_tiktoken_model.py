@@ -110,7 +110,22 @@ def test_special_tokens_follow_the_ranks_and_stop_at_the_vocabulary(tmp_path) ->
     assert every["<|reserved_token_1001|>"] == 1001 and max(every.values()) == 1257
     capped = special_tokens(tmp_path, 1000, vocab_size=1256)
     assert len(capped) == 256 and max(capped.values()) == 1255
-    assert special_tokens(tmp_path / "none", 10, vocab_size=12) == {"<|reserved_token_10|>": 10, "<|reserved_token_11|>": 11}
+    assert special_tokens(tmp_path, 10, vocab_size=12) == {"<|reserved_token_10|>": 10, "<|reserved_token_11|>": 11}
+    with pytest.raises(ValueError, match="tokenizer_config.json is missing"):   # "[BOS]" would be plain text
+        special_tokens(tmp_path / "none", 10)
+
+
+@pytest.mark.parametrize("config, needle", [
+    ({"added_tokens_decoder": ["x"]}, "added_tokens_decoder must be an object"),
+    ({"added_tokens_decoder": {"10": "x"}}, "added_tokens_decoder['10'] is not an id with a content string"),
+    ({"added_tokens_decoder": {"ten": {"content": "x"}}}, "added_tokens_decoder['ten'] is not an id"),
+    ({"added_tokens_decoder": {"10": {"content": "[A]"}, "11": {"content": "[A]"}}}, "'[A]' names ids 10 and 11"),
+])
+def test_a_bad_tokenizer_config_is_named(tmp_path, config, needle) -> None:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as err:
+        special_tokens(tmp_path, 10)
+    assert needle in str(err.value)
 
 
 def kimi_dir(tmp_path: Path) -> tuple[Path, dict[bytes, int]]:
@@ -134,8 +149,9 @@ def test_the_scheduler_reads_a_kimi_model_directory(tmp_path) -> None:
     tokenizer = load_tokenizer(str(model))
     assert tokenizer is not None and tokenizer.get_vocab_size(with_added_tokens=True) == len(ranks) + 256
     text = "[BOS]def f(x):\n    return x  # 你好\n" * 300
-    want = tiktoken.Encoding("k", pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
-                             special_tokens=special_tokens(model, len(ranks), len(ranks) + 256)).encode(
+    n = len(ranks)
+    names = {"[BOS]": n, "[EOS]": n + 1, **{f"<|reserved_token_{i}|>": i for i in range(n + 2, n + 256)}}
+    want = tiktoken.Encoding("k", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=names).encode(
         text, allowed_special="all")
     encoder = PromptEncoder(tokenizer, apart=True, inline_chars=100)
     try:
@@ -170,3 +186,31 @@ def test_a_wrapped_models_vocabulary_caps_the_special_tokens(tmp_path) -> None:
     model, ranks = kimi_dir(tmp_path)
     (model / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": {"vocab_size": len(ranks) + 256}}))
     assert load_tokenizer(str(model)).get_vocab_size(with_added_tokens=True) == len(ranks) + 256
+
+
+def test_tokenizer_json_wins_where_a_model_has_both(tmp_path) -> None:
+    model, _ = kimi_dir(tmp_path)
+    (model / "tokenizer.json").write_text((DEMO / "tokenizer.json").read_text())
+    assert load_tokenizer(str(model)).get_vocab_size(with_added_tokens=True) == 4096   # the demo's, not converted
+
+
+@pytest.mark.parametrize("name", ["tiktoken.model", "tokenizer.json"])
+def test_a_tokenizer_left_as_a_git_lfs_pointer_is_named(tmp_path, name) -> None:
+    """A clone without git-lfs leaves pointer files: they read as "not a tiktoken rank line" or
+    "is not a tokenizer"."""
+    model, _ = kimi_dir(tmp_path)
+    (model / name).write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 9\n")
+    with pytest.raises(SettingsError, match=rf"scheduler.tokenizer_path: .*{name}: a Git LFS pointer"):
+        load_tokenizer(str(model if name == "tiktoken.model" else model / name))
+
+
+def test_a_tiktoken_model_without_its_config_is_refused_by_name(tmp_path) -> None:
+    """Without config.json no vocabulary bounds the 258 reserved ids, and the scheduler refused the
+    tokenizer later as "more than the model's vocabulary (another model's tokenizer?)"."""
+    model, _ = kimi_dir(tmp_path)
+    (model / "config.json").unlink()
+    with pytest.raises(SettingsError, match="config.json is missing: its vocab_size bounds the special tokens"):
+        load_tokenizer(str(model))
+    (model / "config.json").write_text(json.dumps({"vocab_size": "many"}))
+    with pytest.raises(SettingsError, match="vocab_size 'many' is not a vocabulary"):
+        load_tokenizer(str(model))

@@ -17,15 +17,16 @@ from tokenizers import Tokenizer
 
 from ddtree.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.auth import BearerTokenInterceptor, internal_token, server_credentials
+from services.common.config_files import CheckpointError, refuse_lfs_pointer
 from services.common.grpc_server import (MAX_MESSAGE_BYTES, ServiceError, check_port_free, host_port, listen, new_server, report_health,
                                          serve_until_signal)
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
-from services.scheduler.tiktoken_model import TIKTOKEN_FILE, kimi_tokenizer
 from services.scheduler.request import check_text_size, max_token_bytes, step_prompt_tokens, validate
-from services.scheduler.tokenizing import PromptEncoder
 from services.scheduler.router import Router
+from services.scheduler.tiktoken_model import TIKTOKEN_FILE, kimi_tokenizer
+from services.scheduler.tokenizing import PromptEncoder
 
 __all__ = ["SchedulerServicer", "load_tokenizer", "serve"]
 
@@ -127,7 +128,10 @@ def load_tokenizer(path: str) -> Tokenizer | None:
         raise SettingsError(f"scheduler.tokenizer_path: no tokenizer at {p} "
                             '(set it to "" to serve token-id prompts only)')
     try:
+        refuse_lfs_pointer(p)
         return Tokenizer.from_file(str(p))
+    except CheckpointError as exc:
+        raise SettingsError(f"scheduler.tokenizer_path: {exc}") from None
     except Exception as exc:  # the tokenizers library raises its own exception type
         raise SettingsError(f"scheduler.tokenizer_path: {p} is not a tokenizer: {exc}") from None
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from services.common.checkpoint import CONFIG_FILE, read_config
+from services.common.config_files import CONFIG_FILE, read_config, read_json_object, refuse_lfs_pointer
 
 __all__ = ["KIMI_PATTERN", "RESERVED_SPECIAL_TOKENS", "TIKTOKEN_FILE", "bytes_to_unicode", "kimi_tokenizer",
            "read_ranks", "special_tokens", "tokenizer_from_ranks"]
@@ -59,6 +58,7 @@ def bytes_to_unicode() -> dict[int, str]:
 def read_ranks(path: Path) -> dict[bytes, int]:
     """`path`'s lines, "<base64 token> <rank>"; the ranks must be 0..n-1, each once, since they are
     the vocabulary's ids and the special tokens follow them."""
+    refuse_lfs_pointer(path)   # a clone without git-lfs: "not a rank line" sent users to the file's format
     ranks: dict[bytes, int] = {}
     for number, line in enumerate(path.read_text(encoding="ascii").splitlines(), 1):
         if not line.strip():
@@ -86,15 +86,28 @@ def special_tokens(model_dir: Path, first_id: int, vocab_size: int | None = None
     `added_tokens_decoder` or `<|reserved_token_ID|>`. Ids past the model's `vocab_size` go: the
     code reserves 258 ids where Kimi-K2's embedding has 256, and a text naming one of the two would
     be encoded to an id the model cannot take."""
-    names: dict[int, str] = {}
     config = model_dir / "tokenizer_config.json"
-    if config.is_file():
-        added = json.loads(config.read_text(encoding="utf-8")).get("added_tokens_decoder") or {}
-        names = {int(i): entry["content"] for i, entry in added.items()}
+    if not config.is_file():   # every special token would be "reserved", and "[BOS]" in a text plain text
+        raise ValueError(f"{config} is missing: its added_tokens_decoder names the special tokens")
+    added = read_json_object(config).get("added_tokens_decoder") or {}
+    if not isinstance(added, dict):
+        raise ValueError(f"{config}: added_tokens_decoder must be an object of id: {{content: ...}}")
+    names: dict[int, str] = {}
+    for key, entry in added.items():
+        content = entry.get("content") if isinstance(entry, dict) else None
+        if not str(key).isdigit() or not isinstance(content, str) or not content:
+            raise ValueError(f"{config}: added_tokens_decoder[{key!r}] is not an id with a content string")
+        names[int(key)] = content
     end = first_id + RESERVED_SPECIAL_TOKENS
     if vocab_size is not None:
         end = min(end, vocab_size)
-    return {names.get(i, f"<|reserved_token_{i}|>"): i for i in range(first_id, end)}
+    out: dict[str, int] = {}
+    for i in range(first_id, end):
+        name = names.get(i, f"<|reserved_token_{i}|>")
+        if name in out:
+            raise ValueError(f"{config}: special token {name!r} names ids {out[name]} and {i}")
+        out[name] = i
+    return out
 
 
 def tokenizer_from_ranks(ranks: dict[bytes, int], specials: dict[str, int],
@@ -133,9 +146,13 @@ def tokenizer_from_ranks(ranks: dict[bytes, int], specials: dict[str, int],
 
 def kimi_tokenizer(model_dir: Path) -> Tokenizer:
     """The tokenizer of a checkpoint that ships `tiktoken.model` (Kimi-K2), its special tokens
-    capped at config.json's `vocab_size` where that file says one."""
+    capped at config.json's `vocab_size`."""
     ranks = read_ranks(model_dir / TIKTOKEN_FILE)
-    vocab_size = None
-    if (model_dir / CONFIG_FILE).is_file():   # a multimodal wrapper's (Kimi-K2.5) is its text_config's
-        vocab_size = read_config(model_dir).get("vocab_size")
+    if not (model_dir / CONFIG_FILE).is_file():
+        raise ValueError(f"{model_dir / CONFIG_FILE} is missing: its vocab_size bounds the special tokens "
+                         "(point the setting at the model's directory)")
+    vocab_size = read_config(model_dir).get("vocab_size")   # a multimodal wrapper's (Kimi-K2.5): its text_config's
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < len(ranks):
+        raise ValueError(f"{model_dir / CONFIG_FILE}: vocab_size {vocab_size!r} is not a vocabulary of the "
+                         f"{len(ranks)} ranks and their special tokens")
     return tokenizer_from_ranks(ranks, special_tokens(model_dir, len(ranks), vocab_size))
