@@ -557,9 +557,11 @@ def test_a_ring_fault_on_the_draft_ends_the_stream_as_a_lost_step() -> None:
 
     async def scenario() -> list[tuple[grpc.StatusCode, str, bool]]:
         seen = []
-        for fault in ("write", "read"):
+        for fault in ("write", "read", "other"):   # other: not a bad message, any exception reading the reply
             async with _prefill_link(Metrics("verifier")) as (servicer, client):
                 def raise_(*args, fault=fault):
+                    if fault == "other":
+                        raise RuntimeError("stride calculation overflowed")
                     raise RingFull("every slot is held") if fault == "write" else ValueError("stale message")
                 if fault == "write":
                     client._writer.write = raise_
@@ -572,10 +574,11 @@ def test_a_ring_fault_on_the_draft_ends_the_stream_as_a_lost_step() -> None:
                 seen.append((info.value.code, info.value.message, client.connected))
         return seen
 
-    (w_code, w_msg, w_open), (r_code, r_msg, r_open) = asyncio.run(scenario())
-    assert (w_code, r_code) == (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE)
+    (w_code, w_msg, w_open), (r_code, r_msg, r_open), (o_code, o_msg, o_open) = asyncio.run(scenario())
+    assert (w_code, r_code, o_code) == (grpc.StatusCode.UNAVAILABLE,) * 3
     assert "draft ring: every slot is held" in w_msg and "unreadable verifier reply: stale message" in r_msg
-    assert not w_open and not r_open
+    assert "unreadable verifier reply: stride calculation overflowed" in o_msg   # escaped the stream's clean-up before
+    assert not w_open and not r_open and not o_open
 
 
 def test_a_handshake_naming_a_segment_that_is_no_draft_ring_is_refused() -> None:

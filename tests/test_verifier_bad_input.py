@@ -367,13 +367,17 @@ def test_a_peer_whose_release_fails_still_gives_its_rings_back(ckpt):
         return call(method, *args)
     with shm_peer(svc, ckpt, slots=4) as peer:
         svc.group.call = failing
+        closed: list[str] = []
+        peer.writer.close = lambda: closed.append("writer")
+        peer.reader.close = lambda: closed.append("reader")
         with pytest.raises(RuntimeError, match="release failed"):
             svc._end_stream("d1", peer)
-        assert "d1" not in svc._peers
+        assert "d1" not in svc._peers and closed == ["writer", "reader"]
         svc._peers["d1"] = peer
         with pytest.raises(RuntimeError, match="release failed"):
             svc._retire_peer("d1")
-        assert "d1" not in svc._peers
+        assert "d1" not in svc._peers and closed == ["writer", "reader"] * 2
+        del peer.writer.close   # the fixture closes the ring itself
 
 
 def test_handshakes_past_max_peers_are_refused_and_a_returning_draft_is_not(ckpt):

@@ -225,6 +225,8 @@ class VerifierClient:
             view = self._reader.read(resp.features)["features"]
         except Exception as exc:  # noqa: BLE001 - a reply this draft cannot take: the step's state is the verifier's
             # alone now, so the stream ends (the verifier drops this draft's requests) and the step fails as lost
+            if not isinstance(exc, (ValueError, KeyError)):   # not a bad message: a fault here, kept with its trace
+                log.exception("verifier_reply_failed")
             await self.close()
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"unreadable verifier reply: {exc}") from None
         features = view if readable_in_place(view, self.device) else private_copy(view, self.device)   # [sum(committed), F]
