@@ -7,6 +7,10 @@ tiktoken's form converts to the Hugging Face form without loss: each rank is a v
 merges are every split of a token into two shorter ones (ordered by the rank they make), and the
 whole-piece lookup tiktoken does first is the BPE model's `ignore_merges`. The rest of the scheduler
 (detokenising, stop strings, the tokenizing worker) then works on it unchanged.
+
+One difference from tokenization_kimi.py's own `encode`: it cuts a text at every 400K characters
+and inside runs of more than 25K whitespace or non-whitespace characters (a guard against a crash
+in tiktoken), so such a text can get other ids at a cut than here, where nothing is cut.
 """
 
 from __future__ import annotations
