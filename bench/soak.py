@@ -36,6 +36,7 @@ from pathlib import Path
 
 from bench.common import git_commit, read_metrics
 from bench.matrix import MatrixParams, load_token_stream, stack_spec
+from services.common.config_files import read_config
 from services.common.launcher import Stack, free_port
 from services.scheduler.client import AsyncClient, ClientError, Completion
 
@@ -392,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     p = SoakParams(duration_s=args.duration, concurrency=args.concurrency, max_tokens=args.max_tokens,
                    long_context=args.long_context, seed=args.seed, kinds=tuple(args.kinds), max_stall_s=args.max_stall_s)
     prompts = Path(args.model) / "heldout_prompts.json"
-    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    vocab = read_config(Path(args.model))["vocab_size"]   # a multimodal wrapper's: its text_config's
     stream = load_token_stream(prompts) if prompts.is_file() else _synthetic_stream(vocab, seed=args.seed)
     mp = MatrixParams(contexts=[p.long_context], concurrencies=[p.concurrency + 1], budgets=list(BUDGETS),
                       max_tokens=max(p.max_tokens, p.probe_tokens))

@@ -420,3 +420,39 @@ def test_a_wrapper_without_its_text_config_is_named(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25"}))
     with pytest.raises(CheckpointError, match="field 'text_config' of a kimi_k25 config must be an object"):
         read_config(tmp_path)
+
+
+def test_a_wrappers_fields_in_both_places_must_agree(tmp_path: Path, target_dir: Path) -> None:
+    """Kimi-K2.5 repeats its quantisation in `text_config`: the inner copy won even where it was
+    null (no quantisation) or said another eos id."""
+    wrapped = tmp_path / "k25"
+    wrap_as_kimi_k25(target_dir, wrapped)
+    cfg = json.loads((wrapped / "config.json").read_text())
+    cfg["text_config"]["quantization_config"] = cfg["quantization_config"]   # as K2.5 ships it
+    cfg["text_config"]["eos_token_id"] = None
+    (wrapped / "config.json").write_text(json.dumps(cfg))
+    got = read_config(wrapped)
+    assert got["quantization_config"] == cfg["quantization_config"] and got["eos_token_id"] == cfg["eos_token_id"]
+    cfg["text_config"]["eos_token_id"] = 99
+    (wrapped / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="field 'eos_token_id' differs between the top level and text_config"):
+        read_config(wrapped)
+
+
+def test_a_wrapper_over_tensors_without_its_prefix_says_so(tmp_path: Path, target_dir: Path) -> None:
+    """Reported as "missing tensor model.embed_tokens.weight (+N more)", the prefix unsaid; and a
+    bad field is named where it is, in text_config."""
+    wrapped = tmp_path / "k25"
+    wrap_as_kimi_k25(target_dir, wrapped)
+    save_tensors(tmp_path / "plain", load_tensors(target_dir))
+    for f in wrapped.glob("*.safetensors*"):
+        f.unlink()
+    for f in (tmp_path / "plain").iterdir():
+        f.rename(wrapped / f.name)
+    with pytest.raises(CheckpointError, match=r"no tensor's name starts with 'language_model\.', where its config.json"):
+        TargetModel.load(wrapped)
+    cfg = json.loads((wrapped / "config.json").read_text())
+    del cfg["text_config"]["kv_lora_rank"]
+    (wrapped / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config.json text_config: field 'kv_lora_rank' is missing"):
+        read_target_config(wrapped)

@@ -170,9 +170,10 @@ def _attach(ring: str, slot_bytes: int, num_slots: int, conn) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_ring_declared_larger_than_its_allocation_is_refused_on_the_gpu() -> None:
-    """torch maps a peer's handle at the size the peer declares: a ring declared 1 GiB past its
-    allocation gave views whose first read was an illegal address, the end of the reader's CUDA
-    context. The driver's own range of the allocation bounds it now; the true size still maps."""
+    """torch maps a peer's handle at the size and offset the peer declares: a ring declared 1 GiB
+    past its allocation, or 1 GiB into it, gave views whose first read was an illegal address, the
+    end of the reader's CUDA context. The driver's own size of the mapping bounds both now; the true
+    ring still maps."""
     import dataclasses
     import multiprocessing as mp
 
@@ -183,9 +184,10 @@ def test_a_ring_declared_larger_than_its_allocation_is_refused_on_the_gpu() -> N
     true = decode_ring_handle(writer.ring_name)
     extra = 1024
     inflated = encode_ring_handle(dataclasses.replace(true, size_bytes=true.size_bytes + extra * slot_bytes))
+    shifted = encode_ring_handle(dataclasses.replace(true, offset_bytes=true.offset_bytes + (1 << 30)))
     ctx = mp.get_context("spawn")
     results = []
-    for ring, count in ((writer.ring_name, slots), (inflated, slots + extra)):
+    for ring, count in ((writer.ring_name, slots), (inflated, slots + extra), (shifted, slots)):
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_attach, args=(ring, slot_bytes, count, child))
         proc.start()
@@ -193,24 +195,29 @@ def test_a_ring_declared_larger_than_its_allocation_is_refused_on_the_gpu() -> N
         proc.join(60)
     writer.close()
     assert results[0] == ("ok", [1, 2, 3, 4, 5, 6, 7, 8]), results[0]
-    assert results[1][0] == "refused" and "the handle's allocation holds" in results[1][1], results[1]
+    assert results[1][0] == "refused" and "allocation holds" in results[1][1], results[1]
+    assert results[2][0] == "refused" and "allocation holds" in results[2][1], results[2]   # an offset past it
 
 
-@pytest.mark.parametrize("end_past, refused", [(None, False), (0, False), (-1, True)])
-def test_the_reader_bounds_the_ring_by_its_allocation(monkeypatch, end_past, refused) -> None:
+@pytest.mark.parametrize("spare, refused", [(None, False), (0, False), (-1, True)])
+def test_the_reader_bounds_the_ring_by_its_allocation(monkeypatch, spare, refused) -> None:
     """The attach's decision on the driver's answer (the GPU test above asks the driver itself):
-    refused where the declared ring passes the allocation's end, kept where it fits or where the
-    driver cannot say (None)."""
-    slot_bytes, slots = 256, 2
+    refused where the declared offset and ring pass the mapping's end, kept where they fit or where
+    no driver can be asked (None); the mapping is asked for at its start, the ring's address less
+    the declared offset."""
+    slot_bytes, slots, offset = 256, 2, 64
     buf = torch.zeros(slots, slot_bytes, dtype=torch.uint8)
+    asked: list[int] = []
     monkeypatch.setattr(cuda_ipc, "local_device_index", lambda uuid, index, uuids: 0)
     monkeypatch.setattr(cuda_ipc, "_local_uuids", lambda: ["uuid-b"])
     monkeypatch.setattr(cuda_ipc, "_open_ring", lambda h, index, num_slots, stride: buf)
-    end = None if end_past is None else buf.data_ptr() + buf.numel() + end_past
-    monkeypatch.setattr(cuda_ipc, "_allocation_end", lambda ptr, index: end)
-    text = encode_ring_handle(_handle(size_bytes=slots * slot_bytes, offset_bytes=0))
+    mapped = None if spare is None else offset + buf.numel() + spare
+    monkeypatch.setattr(cuda_ipc, "_mapped_bytes", lambda base, index: asked.append(base) or mapped)
+    text = encode_ring_handle(_handle(size_bytes=slots * slot_bytes, offset_bytes=offset))
     if refused:
-        with pytest.raises(ValueError, match=r"allocation holds 511 bytes from its offset, the handshake says 2 x 256"):
+        with pytest.raises(ValueError, match=r"allocation holds 575 bytes, the handle and handshake say 2 x 256 "
+                                             r"from byte 64"):
             CudaIpcReader(text, slot_bytes=slot_bytes, num_slots=slots)
     else:
         assert CudaIpcReader(text, slot_bytes=slot_bytes, num_slots=slots)._buf is buf
+    assert asked == [buf.data_ptr() - offset]

@@ -64,7 +64,11 @@ def tensor_index(path: Path) -> dict[str, str]:
     prefix = weight_prefix(path) if (path / CONFIG_FILE).is_file() else ""
     if not prefix:
         return every
-    return {name[len(prefix):]: file for name, file in every.items() if name.startswith(prefix)}
+    ours = {name[len(prefix):]: file for name, file in every.items() if name.startswith(prefix)}
+    if not ours:   # else: "missing tensor model.embed_tokens.weight (+804 more)", the prefix unsaid
+        raise CheckpointError(f"{path}: no tensor's name starts with {prefix!r}, where its {CONFIG_FILE} (a "
+                              "multimodal wrapper) keeps the language model")
+    return ours
 
 
 def _stored_index(path: Path) -> dict[str, str]:

@@ -52,7 +52,15 @@ def read_config(path: Path) -> dict:
     text = d.get("text_config")
     if not isinstance(text, dict):
         raise CheckpointError(f"{path / CONFIG_FILE}: field 'text_config' of a {d['model_type']} config must be an object")
-    return {**{k: d[k] for k in _WRAPPER_FIELDS if k in d}, **text}
+    out = dict(text)
+    for field in _WRAPPER_FIELDS:   # set in both places (K2.5 repeats its quantisation): they must agree
+        outer, inner = d.get(field), text.get(field)
+        if outer is not None and inner is not None and outer != inner:
+            raise CheckpointError(f"{path / CONFIG_FILE}: field '{field}' differs between the top level and "
+                                  "text_config")
+        if inner is None and outer is not None:
+            out[field] = outer
+    return out
 
 
 def weight_prefix(path: Path) -> str:

@@ -40,11 +40,14 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from ddtree.v1 import common_pb2
+from services.common.logging import get_logger
 from services.common.transport import (ALIGNMENT, RingFull, RingWriter, SlotRing, TensorReader, _dtype_name,
                                        _round_up, tensor_bytes)
 
 __all__ = ["CudaIpcWriter", "CudaIpcReader", "RingFull", "RingHandle", "encode_ring_handle",
            "decode_ring_handle", "local_device_index"]
+
+log = get_logger("transport")
 
 INLINE_HOST_BYTES = 64 << 10   # host payloads up to this size go inline (see CudaIpcWriter.write)
 
@@ -239,19 +242,23 @@ def _open_ring(h: RingHandle, index: int, num_slots: int, slot_bytes: int) -> to
     return buf.set_(storage, 0, (num_slots, slot_bytes), (slot_bytes, 1))
 
 
-def _allocation_end(ptr: int, index: int) -> int | None:
-    """The end address of the CUDA allocation that holds `ptr` on GPU `index`, from the driver
-    (`cuMemGetAddressRange`); None where the driver cannot be asked. Why: torch maps a peer's
-    handle at whatever size the peer declares, and a ring declared larger than its allocation gave
-    views past it, whose first read is an illegal address that ends this process's CUDA context."""
+def _mapped_bytes(base: int, index: int) -> int | None:
+    """The size of the mapping that starts at `base` on GPU `index`, from the driver
+    (`cuMemGetAddressRange`); None where it cannot say (no libcuda, an error, or `base` not the
+    start of a mapping: logged, the ring then taken as before). Why: torch maps a peer's handle at
+    whatever size and offset the peer declares, and a ring declared past its allocation gave views
+    past it, whose first read is an illegal address that ends this process's CUDA context."""
     try:
-        driver = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+        query = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
+    except (OSError, AttributeError):
         return None
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    start, size = ctypes.c_uint64(), ctypes.c_size_t()
     with torch.cuda.device(index):
-        status = driver.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
-    return base.value + size.value if status == 0 else None
+        status = query(ctypes.byref(start), ctypes.byref(size), ctypes.c_uint64(base))
+    if status != 0 or start.value != base:
+        log.warning("cuda_ipc_ring_unbounded", status=status, mapping_start=start.value, base=base)
+        return None
+    return size.value
 
 
 class CudaIpcReader(TensorReader):
@@ -266,12 +273,14 @@ class CudaIpcReader(TensorReader):
             raise ValueError(f"cuda_ipc ring has {h.size_bytes} bytes, handshake says {num_slots} x {slot_bytes}")
         index = local_device_index(h.device_uuid, h.device_index, _local_uuids())
         self._buf = _open_ring(h, index, num_slots, stride)                        # [slots, bytes] on the owner's GPU
-        end = _allocation_end(self._buf.data_ptr(), index)
-        if end is not None and self._buf.data_ptr() + num_slots * stride > end:
-            held = end - self._buf.data_ptr()
+        try:   # the mapping starts `offset_bytes` before the ring (torch maps the owner's whole allocation)
+            mapped = _mapped_bytes(self._buf.data_ptr() - h.offset_bytes, index)
+            if mapped is not None and h.offset_bytes + num_slots * stride > mapped:
+                raise ValueError(f"cuda_ipc ring: its allocation holds {mapped} bytes, the handle and handshake say "
+                                 f"{num_slots} x {slot_bytes} from byte {h.offset_bytes}")
+        except BaseException:
             self._buf = None   # type: ignore[assignment]  # unmaps the peer's memory
-            raise ValueError(f"cuda_ipc ring: the handle's allocation holds {held} bytes from its offset, the "
-                             f"handshake says {num_slots} x {slot_bytes}")
+            raise
 
     @property
     def device(self) -> torch.device:

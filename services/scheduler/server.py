@@ -118,7 +118,7 @@ def load_tokenizer(path: str) -> Tokenizer | None:
         try:
             tokenizer = kimi_tokenizer(p)
         except (ValueError, OSError, KeyError) as exc:
-            raise SettingsError(f"scheduler.tokenizer_path: {p / TIKTOKEN_FILE}: {exc}") from None
+            raise SettingsError(f"scheduler.tokenizer_path: {p} (tiktoken.model): {exc}") from None
         log.info("tokenizer_converted", source=str(p / TIKTOKEN_FILE), tokens=tokenizer.get_vocab_size(),
                  seconds=round(time.perf_counter() - started, 2))
         return tokenizer

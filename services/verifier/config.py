@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from services.common.checkpoint import CONFIG_FILE, CheckpointError, read_config, read_json_object, with_rope_parameters
+from services.common.checkpoint import (CONFIG_FILE, CheckpointError, read_config, read_json_object, weight_prefix,
+                                       with_rope_parameters)
 
 __all__ = ["TargetConfig", "YarnScaling", "Int4Quantization", "SUPPORTED_MODEL_TYPES", "read_target_config"]
 
@@ -204,7 +205,8 @@ def read_target_config(path: Path) -> TargetConfig:
     ``generation_config.json`` added where the checkpoint has one: chat models often list their
     end-of-turn ids only there, and generation must stop at any of them, as HF ``generate`` does."""
     path = Path(path)
-    config = TargetConfig.from_hf(read_config(path), source=str(path / CONFIG_FILE))
+    source = str(path / CONFIG_FILE) + (" text_config" if weight_prefix(path) else "")   # where its fields are
+    config = TargetConfig.from_hf(read_config(path), source=source)
     gen_path = path / GENERATION_CONFIG_FILE
     if not gen_path.is_file():
         return config
