@@ -150,3 +150,14 @@ def test_the_verifier_is_given_the_drafters_feature_layers(tmp_path) -> None:
     assert layers(drafter_path=str(tmp_path / "other")) == (0,)
     assert layers(drafter_path=str(tmp_path / "deeper")) == ()          # the draft names the mismatch itself
     assert layers(draft_replicas=2, service_env={"draft-1": {"DDTREE_DRAFT_DRAFTER_PATH": str(tmp_path / "other")}}) == ()
+
+
+def test_more_draft_replicas_than_the_verifier_serves_fail_before_any_starts(tmp_path) -> None:
+    """The drafts past `verifier.max_peers` were refused at their handshake, after the verifier
+    had loaded the model."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[verifier]\nmax_peers = 1\n")
+    stack = Stack(StackSpec(model_path="models/demo", config_path=str(cfg), scheduler_port=0, draft_replicas=2))
+    with pytest.raises(SettingsError, match=r"--draft-replicas 2: the verifier serves verifier.max_peers = 1 drafts at once"):
+        stack.start()
+    assert all(svc.proc is None for svc in stack.services)

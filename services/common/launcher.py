@@ -309,6 +309,11 @@ class Stack:
                 raise SettingsError(f"{svc.role}.metrics_port: {port} is the {metrics_ports[port]}'s too; "
                                     "each service needs its own (0 = off)")
             metrics_ports[port] = svc.name
+        drafts = [svc for svc in self.services if svc.role == "draft"]
+        peers = next(svc.settings.max_peers for svc in self.services if svc.role == "verifier")
+        if len(drafts) > peers:   # else the drafts past it were refused at their handshake, minutes in
+            raise SettingsError(f"--draft-replicas {len(drafts)}: the verifier serves verifier.max_peers = {peers} "
+                                "drafts at once")
         self.scheduler_address = self.services[-1].address
         self.scheduler_listen_address = self.services[-1].listen or self.scheduler_address
         try:
