@@ -59,16 +59,20 @@ def tensor_index(path: Path) -> dict[str, str]:
     """Map every tensor name of the checkpoint in ``path`` to the safetensors file holding it; in a
     multimodal wrapper, the language model's tensors by their names without the prefix (the
     others, a vision tower's, are not this stack's)."""
-    path = Path(path)
+    return _index_and_prefix(Path(path))[0]
+
+
+def _index_and_prefix(path: Path) -> tuple[dict[str, str], str]:
+    """`tensor_index`, and the prefix the files' own names carry ("" but in a multimodal wrapper)."""
     every = _stored_index(path)
     prefix = weight_prefix(path) if (path / CONFIG_FILE).is_file() else ""
     if not prefix:
-        return every
+        return every, ""
     ours = {name[len(prefix):]: file for name, file in every.items() if name.startswith(prefix)}
     if not ours:   # else: "missing tensor model.embed_tokens.weight (+804 more)", the prefix unsaid
         raise CheckpointError(f"{path}: no tensor's name starts with {prefix!r}, where its {CONFIG_FILE} (a "
                               "multimodal wrapper) keeps the language model")
-    return ours
+    return ours, prefix
 
 
 def _stored_index(path: Path) -> dict[str, str]:
@@ -101,8 +105,7 @@ def load_tensors(
     it; neither selects everything. Reading per shard keeps a TP rank from touching others' bytes.
     """
     path = Path(path)
-    index = tensor_index(path)
-    stored = weight_prefix(path) if (path / CONFIG_FILE).is_file() else ""   # the names in the files
+    index, stored = _index_and_prefix(path)   # stored: the prefix of the names in the files
     if names is not None:
         wanted = list(names)
         missing = [n for n in wanted if n not in index]

@@ -119,17 +119,14 @@ def tokenizer_from_ranks(ranks: dict[bytes, int], specials: dict[str, int],
     """A `tokenizers` tokenizer that encodes as tiktoken does with these ranks, this pattern and
     `allowed_special="all"` (special token text becomes its id), and decodes to the same text."""
     alphabet = bytes_to_unicode()
-
-    def word(token: bytes) -> str:
-        return "".join(alphabet[b] for b in token)
-
-    vocab = {word(token): rank for token, rank in ranks.items()}
+    words = {token: "".join(alphabet[b] for b in token) for token in ranks}   # each token's byte-level string
+    vocab = {words[token]: rank for token, rank in ranks.items()}
     found: list[tuple[int, int, int, str, str]] = []
     for token, rank in ranks.items():
         for cut in range(1, len(token)):
             left, right = token[:cut], token[cut:]
             if left in ranks and right in ranks:
-                found.append((rank, ranks[left], ranks[right], word(left), word(right)))
+                found.append((rank, ranks[left], ranks[right], words[left], words[right]))
     found.sort()
     model = models.BPE(vocab=vocab, merges=[(left, right) for *_, left, right in found], ignore_merges=True)
     tokenizer = Tokenizer(model)
