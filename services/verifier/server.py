@@ -392,13 +392,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             missing = [k for k in TREE_FIELDS if k not in trees]
             error = ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"the tree bundle lacks {missing}") if missing else None
         if error is None:
-            args = [trees[k] for k in TREE_FIELDS]
-            if _slot_or_none(req.trees) is not None:
-                # Copies, not views of the draft's ring: checked once and then read again by the
-                # engine, a view the draft changed in between could put an index past its table on
-                # the GPU (a device assert ends the process, for every draft). Inline trees are the
-                # message's own bytes already.
-                args = [t.clone() for t in args]
+            # Copies, not views of the draft's ring: checked once and then read again by the engine,
+            # a view the draft changed in between could put an index past its table on the GPU (a
+            # device assert ends the process, for every draft). Four small tensors a step.
+            args = [trees[k].clone() for k in TREE_FIELDS]
             # Here first, before the call goes to the other ranks: a bundle of millions of nodes was
             # pickled to every rank (and onto every GPU, with NCCL) only for each to refuse it.
             error = tree_shape_error(len(ids), *args)
