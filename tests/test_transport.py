@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import signal
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from ddtree.v1 import common_pb2
+from services.common import transport
 from services.common.transport import (
     SUPPORTED_DTYPES,
     RingFull,
@@ -368,3 +370,72 @@ def test_a_slot_header_cannot_stretch_a_read_into_the_next_slot() -> None:
         with pytest.raises(ValueError, match="fall outside the payload"):
             reader.read(stretched)
         assert torch.equal(reader.read(first)["v"], torch.arange(4))   # within the slot it still reads
+
+
+_SHRUNK_RING = r"""
+import os, sys, torch
+from services.common.transport import bundle_slot, make_reader, make_writer
+copy = sys.argv[1] == "copy"
+w = make_writer("shm", slot_bytes=1 << 16, num_slots=2, name_prefix="ddt-test")
+r = make_reader("shm", w.ring_name, w.slot_bytes, w.num_slots, copy=copy)
+w.attached()
+x = torch.randint(0, 1 << 30, (4096,), dtype=torch.int64)
+bundle = w.write({"x": x})
+os.ftruncate(w._shm._fd, 64)   # what any holder of the segment can do: slot 0 is gone
+try:
+    r.read(bundle)["x"].sum()
+    print("read")
+except ValueError as exc:
+    print("refused", "shrank" in str(exc))
+w.release([bundle_slot(bundle)])
+again = w.write({"x": x + 1})   # the owner's next write grows the ring back
+print(torch.equal(r.read(again)["x"], x + 1))
+"""
+
+
+def test_a_ring_its_owner_shrank_is_a_bad_message_for_a_copying_reader() -> None:
+    """The verifier reads its drafts' rings: a draft that shrank its segment under the verifier's
+    mapping ended the verifier with SIGBUS (every draft's stream with it). A copying reader reads
+    through the descriptor and refuses the message; a writer writes through its descriptor and
+    grows the ring back. Run apart, each: a fault would end pytest."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "protos")])}
+
+    def run(mode: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _SHRUNK_RING, mode], capture_output=True, env=env, timeout=60)
+    copying = run("copy")
+    assert copying.returncode == 0, copying.stderr.decode()[-2000:]
+    assert copying.stdout.decode().split() == ["refused", "True", "True"]
+    mapped = run("view")   # the hazard is real: a zero-copy reader (the draft's, trusting its verifier) faults
+    assert mapped.returncode == -signal.SIGBUS, (mapped.returncode, mapped.stdout, mapped.stderr.decode()[-2000:])
+
+
+def test_a_copying_reader_returns_tensors_the_ring_no_longer_holds() -> None:
+    """Its reads are the message's bytes, kept after the slot is rewritten (and the ring closed)."""
+    writer = make_writer("shm", slot_bytes=4096, num_slots=1, name_prefix="ddt-test")
+    reader = make_reader("shm", writer.ring_name, writer.slot_bytes, writer.num_slots, copy=True)
+    want = _bundle_tensors(seed=3)
+    bundle = writer.write({k: v for k, v in want.items() if "empty" not in k and v.numel() < 64})
+    got = reader.read(bundle)
+    assert reader.is_current(bundle)
+    writer.release([bundle_slot(bundle)])
+    rewritten = writer.write({"other": torch.full((64,), -1, dtype=torch.int64)})
+    assert bundle_slot(rewritten) == bundle_slot(bundle) and not reader.is_current(bundle)
+    with pytest.raises(ValueError, match="stale message"):
+        reader.read(bundle)
+    reader.close()
+    writer.close()
+    _assert_identical(got, {k: want[k] for k in got})
+
+
+def test_a_slot_that_cannot_be_written_is_an_error_and_not_held(monkeypatch) -> None:
+    with make_writer("shm", slot_bytes=4096, num_slots=2, name_prefix="ddt-test") as writer:
+        def full(fd, data, offset):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(transport.os, "pwrite", full)
+        with pytest.raises(OSError, match=f"shm ring {writer.ring_name}: cannot write slot 0: No space left"):
+            writer.write({"x": torch.arange(8)})
+        assert writer.slots_in_use == 0
+        monkeypatch.undo()
+        reader = make_reader("shm", writer.ring_name, writer.slot_bytes, writer.num_slots)
+        assert torch.equal(reader.read(writer.write({"x": torch.arange(8)}))["x"], torch.arange(8))
+        reader.close()

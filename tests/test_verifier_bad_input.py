@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -20,6 +21,7 @@ import torch
 
 from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.common.make_checkpoint import make_random_checkpoint
+from services.common import transport
 from services.common.grpc_server import ServiceError
 from services.common.metrics import Metrics
 from services.common.settings import MAX_BUDGET, VerifierSettings
@@ -273,6 +275,24 @@ def test_features_go_inline_when_the_draft_holds_every_slot(ckpt):
         assert kinds == ["slot", "slot", "inline_data"] and peer.writer.inline_fallbacks == 1
         fallbacks = svc.metrics.ring_inline_fallbacks
         assert (fallbacks.labels("ring_full")._value.get(), fallbacks.labels("slot_too_small")._value.get()) == (1, 0)
+
+
+def test_features_go_inline_when_their_slot_cannot_be_written(ckpt, monkeypatch):
+    """/dev/shm without room for a ring page (a filesystem that reserves nothing, or a ring its
+    draft shrank): a store into the mapping was SIGBUS, the end of the verifier. The write is now
+    a call that fails, the step's features go inline, and the slot is not held."""
+    svc = servicer(ckpt)
+    with shm_peer(svc, ckpt, slots=2) as peer:
+        def full(fd, data, offset):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(transport.os, "pwrite", full)
+        resp = svc._step(peer, prefill(1, "a"))
+        assert resp.prefills[0].error_code == 0
+        assert resp.features.tensors[0].WhichOneof("payload") == "inline_data"
+        assert peer.writer.slots_in_use == 0 and peer.writer.inline_fallbacks == 1
+        assert svc.metrics.ring_inline_fallbacks.labels("ring_error")._value.get() == 1
+        monkeypatch.undo()
+        assert svc._step(peer, prefill(2, "b")).features.tensors[0].WhichOneof("payload") == "slot"
 
 
 def test_two_handshakes_of_other_feature_layers_at_once_cannot_both_pass(ckpt):

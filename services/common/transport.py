@@ -20,6 +20,12 @@ Slot protocol (shm):
   decoding someone else's tensors.
 * A slot is reused only after the consumer releases it, or after the owner learns the consumer
   is gone and calls `release_all()`.
+* The owner writes through the segment's file descriptor, never through a mapping, and so does a
+  `copy=True` reader (the verifier's of a draft's ring): a peer can shrink a segment it holds,
+  and a load or store into a mapped page past the new end is SIGBUS, which ends the process and,
+  for the verifier, every draft's stream. A write there grows the segment again; a read there
+  comes back short and is refused as a bad message. A zero-copy reader (the draft's of its
+  verifier's ring) trusts the ring's owner.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import errno
 import math
 import os
 import secrets
+import struct
 import sys
 import threading
 import weakref
@@ -77,9 +84,10 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
 _DTYPE_NAMES = {dtype: name for name, dtype in SUPPORTED_DTYPES.items()}
 _NUMPY_DTYPES = frozenset(d for d in SUPPORTED_DTYPES.values() if d is not torch.bfloat16)
 
-# Header words (int64) at the start of each slot.
+# Header words (int64, this host's byte order) at the start of each slot.
 _HDR_SEQUENCE = 0
 _HDR_USED_BYTES = 1
+_WORD = struct.Struct("=q")
 
 
 class RingFull(RuntimeError):
@@ -431,6 +439,24 @@ def _unlink_segment(shm: SharedMemory) -> None:
             resource_tracker.unregister(_tracker_name(shm), "shared_memory")
 
 
+def _drop_mapping(shm: SharedMemory) -> None:
+    """Unmaps a segment this process then reaches through its descriptor alone (see the module
+    doc: a peer that shrinks the segment cannot make a pread or pwrite fault)."""
+    shm._buf.release()
+    shm._mmap.close()
+    shm._buf = None
+    shm._mmap = None
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Writes all of `data` at `offset`; a short write is retried from where it stopped."""
+    while data:
+        n = os.pwrite(fd, data, offset)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "the shared-memory segment takes no more bytes")
+        data, offset = data[n:], offset + n
+
+
 def _reserve(shm: SharedMemory, size: int) -> None:
     """Backs a new segment with memory now. A POSIX segment is only sized, not reserved: touching
     a page that /dev/shm has no room for kills the process with SIGBUS (a verifier died in a
@@ -466,11 +492,9 @@ class ShmWriter(RingWriter):
         self._stride = _slot_stride(slot_bytes)
         name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(4)}"
         self._shm = _QuietSharedMemory(name=name, create=True, size=self._stride * num_slots)
-        _reserve(self._shm, self._stride * num_slots)
+        _reserve(self._shm, self._stride * num_slots)   # a new segment reads as zeros: no slot is current
+        _drop_mapping(self._shm)   # written through the descriptor only (the module doc says why)
         self._name = self._shm.name
-        self._bytes = torch.frombuffer(self._shm.buf, dtype=torch.uint8)  # [num_slots * stride]
-        self._words = self._bytes.view(torch.int64)  # [num_slots * stride / 8]
-        self._words.zero_()
         # Serialises writes against each other and against release_all, so a slot reclaimed from a
         # dead consumer is never handed out while a write into it is still copying.
         self._lock = threading.Lock()
@@ -507,36 +531,42 @@ class ShmWriter(RingWriter):
                 return _inline_bundle(placements)
             slot, sequence = self._ring.acquire()
             base = slot * self._stride
-            header = base // 8
-            self._words[header + _HDR_SEQUENCE] = 0  # readers of an old message now see a mismatch
             bundle = common_pb2.TensorBundle()
-            for p in placements:
-                nbytes = p.data.numel()
-                start = base + p.offset
-                self._bytes[start : start + nbytes].copy_(p.data)
-                ref = bundle.tensors.add(name=p.name, dtype=p.dtype, shape=p.shape)
-                ref.slot.slot = slot
-                ref.slot.offset = p.offset
-                ref.slot.nbytes = nbytes
-                ref.slot.sequence = sequence
-            self._words[header + _HDR_USED_BYTES] = used
-            self._words[header + _HDR_SEQUENCE] = sequence  # published last: contents are complete
+            try:
+                self._put_word(base, _HDR_SEQUENCE, 0)   # readers of an old message now see a mismatch
+                for p in placements:
+                    _pwrite_all(self._shm._fd, memoryview(p.data.numpy()), base + p.offset)
+                    ref = bundle.tensors.add(name=p.name, dtype=p.dtype, shape=p.shape)
+                    ref.slot.slot = slot
+                    ref.slot.offset = p.offset
+                    ref.slot.nbytes = p.data.numel()
+                    ref.slot.sequence = sequence
+                self._put_word(base, _HDR_USED_BYTES, used)
+                self._put_word(base, _HDR_SEQUENCE, sequence)   # published last: contents are complete
+            except OSError as exc:   # /dev/shm had no room for a page (e.g. one a peer freed by shrinking the ring)
+                self._ring.release([slot])
+                raise OSError(exc.errno, f"shm ring {self._name}: cannot write slot {slot}: {exc.strerror or exc}") from None
             return bundle
+
+    def _put_word(self, base: int, word: int, value: int) -> None:
+        _pwrite_all(self._shm._fd, memoryview(_WORD.pack(value)), base + _WORD.size * word)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._words = self._bytes = None  # type: ignore[assignment]  # drop our exports of the buffer
         self._finalizer()
 
 
 class ShmReader(TensorReader):
-    """Attaches to a producer's ring and returns zero-copy views into it."""
+    """Attaches to a producer's ring and returns zero-copy views into it, or with `copy` private
+    copies read through the descriptor (see the module doc: for a reader the ring's owner must not
+    be able to end)."""
 
     kind = "shm"
 
-    def __init__(self, ring_name: str, slot_bytes: int, num_slots: int) -> None:
+    def __init__(self, ring_name: str, slot_bytes: int, num_slots: int, copy: bool = False) -> None:
         self._shm = _attach_untracked(ring_name)
+        self._copy = copy
         if os.fstat(self._shm._fd).st_uid != os.geteuid():   # a ring is its peer's, of this service's user
             self._shm.close()
             raise ValueError(f"shm ring {ring_name} belongs to another user")
@@ -551,11 +581,44 @@ class ShmReader(TensorReader):
                 f"shm ring {ring_name} has {size} bytes but slot_bytes={slot_bytes}, "
                 f"num_slots={num_slots} needs {needed}; reader and writer disagree on the ring layout"
             )
+        self._copied: tuple[int, int, int, torch.Tensor] | None = None
+        if copy:
+            _drop_mapping(self._shm)
         self._finalizer = weakref.finalize(self, _close_segment, self._shm, False)
 
+    def _pread(self, nbytes: int, offset: int) -> torch.Tensor:
+        """[nbytes] uint8, a private copy of the segment's bytes at `offset`."""
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        buf, got = memoryview(out.numpy()), 0
+        while got < nbytes:
+            n = os.preadv(self._shm._fd, [buf[got:]], offset + got)
+            if n == 0:
+                raise ValueError(f"shm ring {self._shm.name} ends at byte {offset + got}, inside what a message "
+                                 "names: its owner shrank it")
+            got += n
+        return out
+
+    def read(self, bundle: common_pb2.TensorBundle) -> dict[str, torch.Tensor]:
+        self._copied = None   # copy: the slot a bundle names, read once for all its tensors
+        try:
+            return super().read(bundle)
+        finally:
+            self._copied = None
+
     def _header(self, slot: int) -> tuple[int, int]:
-        words = torch.frombuffer(self._shm.buf, dtype=torch.int64, count=2, offset=slot * self._stride)
+        if self._copy:
+            words = self._pread(2 * _WORD.size, slot * self._stride).view(torch.int64)
+        else:
+            words = torch.frombuffer(self._shm.buf, dtype=torch.int64, count=2, offset=slot * self._stride)
         return int(words[_HDR_SEQUENCE]), int(words[_HDR_USED_BYTES])
+
+    def _slot_copy(self, slot: int) -> tuple[int, int, torch.Tensor]:
+        """Sequence, used bytes and a copy of the payload written (two reads, whatever the tensors)."""
+        if self._copied is None or self._copied[0] != slot:
+            sequence, used = self._header(slot)
+            payload = self._pread(min(max(used, 0), self._payload_bytes), slot * self._stride + SLOT_HEADER_BYTES)
+            self._copied = (slot, sequence, used, payload)
+        return self._copied[1:]
 
     def _check_slot(self, ref: common_pb2.TensorRef) -> None:
         s = ref.slot
@@ -563,7 +626,7 @@ class ShmReader(TensorReader):
             raise ValueError(f"tensor {ref.name!r} names slot {s.slot} but the ring has {self._num_slots}")
         # The messages say what is wrong, not what the slot holds: they go back to the message's
         # sender, who is not always the ring's writer.
-        current, used = self._header(s.slot)
+        current, used = self._slot_copy(s.slot)[:2] if self._copy else self._header(s.slot)
         if current != s.sequence:
             raise ValueError(
                 f"tensor {ref.name!r}: slot {s.slot} does not hold sequence {s.sequence}; the slot was "
@@ -580,6 +643,9 @@ class ShmReader(TensorReader):
         self._check_slot(ref)
         if ref.slot.nbytes == 0:
             return torch.empty(shape, dtype=dtype)
+        if self._copy:   # offsets are multiples of the dtype's size (`read` checks), as is the payload's start
+            start = ref.slot.offset - SLOT_HEADER_BYTES
+            return self._slot_copy(ref.slot.slot)[2][start:start + ref.slot.nbytes].view(dtype).reshape(shape)
         start = ref.slot.slot * self._stride + ref.slot.offset
         return torch.frombuffer(self._shm.buf, dtype=dtype, count=math.prod(shape), offset=start).reshape(shape)
 
@@ -612,16 +678,18 @@ def make_writer(kind: str, slot_bytes: int = 0, num_slots: int = 0, name_prefix:
 
 
 def make_reader(kind: str, ring_name: str | None = None, slot_bytes: int = 0, num_slots: int = 0,
-                prefix: str = "") -> TensorReader:
+                prefix: str = "", copy: bool = False) -> TensorReader:
     """Consumer for a stream; for "shm" the ring parameters come from the producer's handshake.
     ``prefix``: the name an shm ring of that producer must start with (a handshake names the ring,
-    and any other segment of this user would be read as one)."""
+    and any other segment of this user would be read as one). ``copy``: an shm reader returns
+    private copies and never maps the ring (a reader its peer must not be able to end; see the
+    module doc); inline reads are copies anyway, cuda_ipc ones views."""
     if kind == "shm" and not (ring_name or "").startswith(prefix):
         raise ValueError(f"shm ring {ring_name!r} is not a {prefix}* ring")
     if kind == "shm":
         if not ring_name:
             raise ValueError("an shm reader needs the producer's ring_name")
-        return ShmReader(ring_name, slot_bytes, num_slots)
+        return ShmReader(ring_name, slot_bytes, num_slots, copy)
     if kind == "inline":
         return InlineReader()
     if kind == "cuda_ipc":

@@ -190,7 +190,7 @@ class VerifierClient:
         before = self._writer.inline_fallbacks
         try:
             bundle = self._writer.write(trees) if trees is not None else None
-        except RingFull as exc:   # every slot held (the verifier releases none): start afresh
+        except (RingFull, OSError) as exc:   # every slot held (the verifier releases none), or /dev/shm full: start afresh
             await self.close()
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"draft ring: {exc}") from None
         if self._writer.inline_fallbacks != before and self._on_inline_fallback is not None:

@@ -144,8 +144,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if kind != request.transports[0]:   # the draft's ring is of its first choice: ask for one of ours
             return verifier_pb2.HandshakeResponse(transport=kind)
         try:
+            # copies: a draft that shrank its shm ring under a view of it would end this process (SIGBUS)
             reader = make_reader(kind, request.draft_ring or None, request.draft_ring_slot_bytes,
-                                 request.draft_ring_slots, prefix="ddtree-draft-")
+                                 request.draft_ring_slots, prefix="ddtree-draft-", copy=True)
         except (OSError, ValueError, RuntimeError) as exc:   # e.g. the draft's GPU is not visible here
             if len(usable) == 1:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot attach the draft's ring: {exc}")
@@ -363,11 +364,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         try:
             bundle = peer.writer.write({"features": features})
             inline = "slot_too_small" if peer.writer.inline_fallbacks != before else None
-        except RingFull:   # the draft holds every slot: the step is committed, its features must still reach it
-            log.warning("ring_full", draft_id=peer.draft_id, slots=peer.writer.num_slots)
+        except (RingFull, OSError) as exc:   # every slot held, or /dev/shm full: the step is committed, its
+            inline = "ring_full" if isinstance(exc, RingFull) else "ring_error"   # features must still reach it
+            log.warning(inline, draft_id=peer.draft_id, slots=peer.writer.num_slots, error=str(exc))
             bundle = InlineWriter().write({"features": features})
             peer.writer.inline_fallbacks += 1
-            inline = "ring_full"
         if inline is not None:
             self.metrics.ring_inline_fallbacks.labels(inline).inc()
         if features.shape[0]:
