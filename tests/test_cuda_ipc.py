@@ -221,3 +221,94 @@ def test_the_reader_bounds_the_ring_by_its_allocation(monkeypatch, spare, refuse
     else:
         assert CudaIpcReader(text, slot_bytes=slot_bytes, num_slots=slots)._buf is buf
     assert asked == [buf.data_ptr() - offset]
+
+
+class _EchoGroup:
+    """A verifier's engine group stand-in on cuda:0: a verify step answers its tree's tokens (read
+    from the draft's ring) as the accepted tokens, and as the features' first column."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+        dev = torch.device("cuda", 0)
+        config = SimpleNamespace(hidden_size=8, vocab_size=512, model_type="deepseek_v3", eos_token_id=[0])
+        self.engine = SimpleNamespace(
+            model=SimpleNamespace(config=config, dtype=torch.float32), max_context=256, active_requests=0,
+            cache=SimpleNamespace(pages_free=64, capacity_tokens=1024, page_size=16), model_device=dev,
+            check_feature_layers=lambda ids: None, take_commit_ms=lambda: None,
+            cat_features=lambda parts: torch.cat(parts) if parts else torch.zeros(0, 8, device=dev))
+
+    def call(self, name: str, *args):
+        from types import SimpleNamespace
+        if name == "verify":
+            ids, tokens = args[0], args[1]
+            item = SimpleNamespace(request_id=ids[0], error=None, tokens=tokens.tolist(), committed=1)
+            return SimpleNamespace(items=[item], features=tokens.float()[:, None].repeat(1, 8))
+        return 0 if name == "release_owner" else None
+
+
+def _serve_echo_verifier(conn) -> None:
+    import asyncio
+
+    import grpc
+
+    from ddtree.v1 import verifier_pb2_grpc
+    from services.common.metrics import Metrics
+    from services.common.settings import VerifierSettings
+    from services.verifier.server import VerifierServicer
+
+    async def main() -> None:
+        servicer = VerifierServicer(_EchoGroup(), VerifierSettings(device="cuda", ring_slot_bytes=8192),
+                                    Metrics("verifier"))
+        server = grpc.aio.server()
+        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        conn.send(port)
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)   # the test's stop
+        await server.stop(None)
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_drafts_ring_serves_its_next_stream_on_the_gpu() -> None:
+    """The draft keeps its cuda_ipc ring across streams (freeing it under a verifier that may still
+    read it is undefined): a verifier in another process maps the same ring again after the draft
+    reconnects, and reads each step's trees from it."""
+    import asyncio
+    import multiprocessing as mp
+
+    from services.draft.verifier_client import VerifierClient
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_echo_verifier, args=(child,))
+    proc.start()
+
+    async def scenario() -> list:
+        assert parent.poll(120), "the verifier process did not start"
+        client = VerifierClient(f"127.0.0.1:{parent.recv()}", "cuda_ipc", ring_slots=2, ring_slot_bytes=8192,
+                                device="cuda:0")
+        seen, rings = [], []
+        try:
+            for tokens in ([5, 6, 7], [8, 9, 10]):
+                hs = await client.connect([1], 8, 512)
+                rings.append((client._writer, client._writer.ring_name))
+                trees = {k: torch.tensor(v, device="cuda") for k, v in
+                         (("tokens", tokens), ("parents", [-1, 0, 1]), ("depths", [0, 1, 2]), ("sizes", [3]))}
+                reply = await client.step([], ["a"], trees, [])
+                seen.append((hs.transport, list(reply.response.verifies[0].token_ids),
+                             reply.features[:, 0].cpu().tolist()))
+                await client.close()   # the stream ends: the ring stays for the next
+            kept = rings[0][0]
+            await client.close(final=True)
+            return [seen, rings[0][0] is rings[1][0] and rings[0][1] == rings[1][1], kept._buf is None]
+        finally:
+            await client.close(final=True)
+
+    try:
+        seen, same_ring, freed = asyncio.run(scenario())
+    finally:
+        parent.send("stop")
+        proc.join(60)
+    assert seen == [("cuda_ipc", [5, 6, 7], [5.0, 6.0, 7.0]), ("cuda_ipc", [8, 9, 10], [8.0, 9.0, 10.0])]
+    assert same_ring and freed

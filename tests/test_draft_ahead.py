@@ -152,8 +152,8 @@ def test_closing_waits_for_the_step_in_flight_before_the_verifiers_rings_go():
             order.append("step")
             return await FakeVerifier.step(verifier, *args)
 
-        async def close():
-            order.append("close")
+        async def close(final=False):
+            order.append("close" if final else "stream end")
         verifier.step, verifier.close = slow_step, close
         await engine.step(draft_pb2.StepRequest(items=[admit("a", 4)]))
         order.clear()

@@ -621,3 +621,76 @@ def test_an_shm_ring_of_another_user_is_refused(monkeypatch) -> None:
             make_reader("shm", writer.ring_name, 4096, 2, prefix="ddtree-draft-")
     finally:
         writer.close()
+
+
+class _KeptGpuWriter(_FakeGpuWriter):
+    """A cuda_ipc ring the verifier 'maps' (an inline reader stands in), which records its fate."""
+
+    made: list[_KeptGpuWriter] = []
+
+    def __init__(self) -> None:
+        self.closed = self.reclaimed = 0
+        _KeptGpuWriter.made.append(self)
+
+    def close(self) -> None:
+        self.closed += 1
+
+    def release_all(self) -> None:
+        self.reclaimed += 1
+
+
+def test_a_drafts_cuda_ipc_ring_outlives_its_stream_until_the_verifier_lets_go(monkeypatch) -> None:
+    """The draft freed its cuda_ipc ring the moment a step timed out, while the verifier could still
+    read a step it had queued through its mapping of it (undefined in CUDA). The ring is offered
+    again on the next handshake; it goes once a handshake settles on another kind (the verifier
+    retired the old peer before answering) or when the draft itself goes."""
+    _KeptGpuWriter.made = []
+    cuda_ok = [True]
+
+    def draft_writer(kind, *args, **kwargs):
+        return _KeptGpuWriter() if kind == "cuda_ipc" else make_writer(kind, *args, **kwargs)
+
+    def draft_reader(kind, *args, **kwargs):
+        return make_reader("inline") if kind == "cuda_ipc" else make_reader(kind, *args, **kwargs)
+
+    def verifier_reader(kind, *args, **kwargs):
+        if kind == "cuda_ipc":
+            if not cuda_ok[0]:
+                raise ValueError("the draft's GPU is not visible here")
+            return make_reader("inline")
+        return make_reader(kind, *args, **kwargs)
+
+    def verifier_writer(kind, *args, **kwargs):
+        return _FakeGpuWriter() if kind == "cuda_ipc" else make_writer(kind, *args, **kwargs)
+
+    monkeypatch.setattr(verifier_client, "make_writer", draft_writer)
+    monkeypatch.setattr(verifier_client, "make_reader", draft_reader)
+    monkeypatch.setattr(verifier_server, "make_reader", verifier_reader)
+    monkeypatch.setattr(verifier_server, "make_writer", verifier_writer)
+
+    async def scenario():
+        server, servicer, _, address = await _serve("cuda")
+        client = VerifierClient(address, "auto", ring_slots=2, ring_slot_bytes=8192, device="cpu")
+        client._offer = ["cuda_ipc", "shm", "inline"]   # what a draft on a GPU offers
+        seen = []
+        try:
+            for _ in range(2):   # a stream ends (a step timed out) and the draft connects again
+                hs = await client.connect([1, 2], HIDDEN, VOCAB)
+                await asyncio.sleep(_STREAM_OPEN_S)
+                ring = client._writer
+                await client.close()
+                seen.append((hs.transport, len(_KeptGpuWriter.made), ring.closed, ring.reclaimed))
+            cuda_ok[0] = False   # the next verifier answer settles on shm: our old peer is gone there
+            hs = await client.connect([1, 2], HIDDEN, VOCAB)
+            seen.append((hs.transport, len(_KeptGpuWriter.made), _KeptGpuWriter.made[0].closed))
+            await client.close(final=True)
+            cuda_ok[0] = True
+            await client.connect([1, 2], HIDDEN, VOCAB)   # a fresh ring after that
+            await client.close(final=True)   # the draft goes
+            seen.append((len(_KeptGpuWriter.made), _KeptGpuWriter.made[1].closed))
+        finally:
+            await client.close(final=True)
+            await server.stop(None)
+        return seen
+
+    assert asyncio.run(scenario()) == [("cuda_ipc", 1, 0, 0), ("cuda_ipc", 1, 0, 1), ("shm", 1, 1), (2, 1)]

@@ -15,9 +15,12 @@ all makes the attach fail (ValueError), and the handshake falls back to `shm`.
 Lifetime: torch counts each share in a shared file and keeps the block (in its IPC "limbo") until
 every consumer has decremented; a consumer that died never does, so the ring (slots x slot_bytes,
 32 MiB for the verifier's) would stay allocated for the life of the owner, once per dead peer. Here
-the ring lives exactly as long as the stream: the owner drops torch's count at once and gives the
-peer a counter name that does not exist (torch's consumer-side release is best-effort, so it is a
-no-op), and `close()`, called when the stream ended and the peer reads nothing more, frees it.
+the ring lives as long as the owner's streams need it: the owner drops torch's count at once and
+gives the peer a counter name that does not exist (torch's consumer-side release is best-effort, so
+it is a no-op), and `close()`, called once the peer reads nothing more, frees it. CUDA leaves a read
+through a mapping of freed memory undefined, so the verifier frees its ring when the stream ended
+(the draft waited for its own reads of it before ending it), and the draft keeps its ring for its
+next stream until a handshake shows that the verifier let go of it (`VerifierClient._ring`).
 
 The handle travels as plain JSON (never pickle: a handshake is input from another process).
 

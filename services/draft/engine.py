@@ -157,10 +157,10 @@ class DraftEngine:
         try:
             await asyncio.wait_for(self._lock.acquire(), timeout_s)
         except asyncio.TimeoutError:
-            await self.verifier.close()
+            await self.verifier.close(final=True)
             return
         try:
-            await self.verifier.close()
+            await self.verifier.close(final=True)
         finally:
             self._lock.release()
 

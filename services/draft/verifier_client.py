@@ -100,6 +100,7 @@ class VerifierClient:
         self._channel: grpc.aio.Channel | None = None
         self._call = None
         self._writer: TensorWriter | None = None
+        self._kept_ring: TensorWriter | None = None   # our cuda_ipc ring, kept across streams (`_ring`)
         self._reader: TensorReader | None = None
         self._to_release: list[int] = []
         self._sequence = 0
@@ -116,8 +117,7 @@ class VerifierClient:
         offer = list(self._offer)
         while True:   # each round offers fewer kinds, so this ends
             try:
-                self._writer = make_writer(offer[0], self._ring_slot_bytes, self._ring_slots, "ddtree-draft",
-                                           device=self.device)
+                self._writer = self._ring(offer[0])
             except (OSError, RuntimeError) as exc:   # /dev/shm or the GPU has no room: the next kind, if any
                 why = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
                 if len(offer) == 1:
@@ -142,7 +142,7 @@ class VerifierClient:
                 except ValueError as exc:
                     await self.close()
                     raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
-                self._writer.close()
+                self._close_writer()
                 continue
             try:
                 self._reader = make_reader(hs.transport, hs.verifier_ring or None, hs.verifier_ring_slot_bytes,
@@ -156,13 +156,37 @@ class VerifierClient:
                 # permission or namespace mismatch a user would look for: say why.
                 log.info("ring_attach_failed", transport=hs.transport, error=str(exc), fallback=offer[1])
                 offer = offer[1:]   # the verifier drops the peer it made when we hand-shake again
-                self._writer.close()
+                self._close_writer()
                 continue
             break
+        if self._kept_ring is not None and self._writer is not self._kept_ring:   # settled on another kind: the
+            self._kept_ring.close()   # verifier answered, so it let go of any old mapping of the ring first
+            self._kept_ring = None
         self._writer.attached()   # the verifier mapped our ring in its handshake
         self._call = stub.VerifyStream(metadata=(("draft-id", self.draft_id), *self._metadata))
         self.handshake = hs
         return hs
+
+    def _ring(self, kind: str) -> TensorWriter:
+        """A ring of `kind` for the next handshake. A cuda_ipc ring is made once and offered again
+        after a stream ends, not freed with it: CUDA leaves a read of freed memory through another
+        process's mapping undefined, and the verifier may still read a step it queued before our
+        wait for it timed out. Its answer to the next handshake is its word that it let go of our
+        old stream (it retires a draft's old peer first), so the ring goes once a handshake settles
+        on another kind, or at `close(final=True)`. An shm segment lives while anyone maps it."""
+        if kind == "cuda_ipc" and self._kept_ring is not None:
+            self._kept_ring.release_all()   # what the old stream held: the verifier reads none of it again
+            return self._kept_ring
+        writer = make_writer(kind, self._ring_slot_bytes, self._ring_slots, "ddtree-draft", device=self.device)
+        if kind == "cuda_ipc":
+            self._kept_ring = writer
+        return writer
+
+    def _close_writer(self) -> None:
+        """Drops the current ring; a kept one stays for the next handshake (`_ring`)."""
+        if self._writer is not None and self._writer is not self._kept_ring:
+            self._writer.close()
+        self._writer = None
 
     @property
     def connected(self) -> bool:
@@ -232,19 +256,24 @@ class VerifierClient:
         features = view if readable_in_place(view, self.device) else private_copy(view, self.device)   # [sum(committed), F]
         return VerifyReply(resp, features)
 
-    async def close(self) -> None:
-        """Ends the stream and frees the rings; the handshake's answer is forgotten too, so nothing
-        reports a verifier this draft no longer reaches."""
+    async def close(self, final: bool = False) -> None:
+        """Ends the stream and frees the rings (a kept cuda_ipc ring only when `final`: the draft
+        is going; see `_ring`); the handshake's answer is forgotten too, so nothing reports a
+        verifier this draft no longer reaches."""
         self.handshake = None
+        if self._reader is not None and self.device.type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.current_stream(self.device).synchronize()   # our reads of its ring are done before it can
+            # go (the verifier frees it when it sees the stream end)
         if self._call is not None:
             self._call.cancel()
             self._call = None
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        self._close_writer()
+        if final and self._kept_ring is not None:
+            self._kept_ring.close()
+            self._kept_ring = None
         if self._reader is not None:
             self._reader.close()
             self._reader = None
