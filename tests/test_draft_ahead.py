@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 import torch
 
 from ddtree.v1 import common_pb2, draft_pb2, verifier_pb2
@@ -163,3 +164,27 @@ def test_closing_waits_for_the_step_in_flight_before_the_verifiers_rings_go():
         await cleanup
         return order
     assert asyncio.run(run()) == ["step", "close"]
+
+
+def test_releases_of_a_step_whose_drafting_failed_still_reach_the_verifier():
+    """The step dropped its released requests here, then failed drafting before the verifier call:
+    their ids never reached the verifier, which held their KV pages until the stream ended."""
+    async def run():
+        engine, verifier = make_engine()
+        await engine.step(draft_pb2.StepRequest(items=[admit("a", 4), admit("b", 4)]), owner=1)
+        engine.run_ahead()
+        engine._ahead, engine._settle = {}, lambda: {}   # the next trees are drafted in the step
+
+        def failing(*args, **kwargs):
+            raise RuntimeError("CUDA error: out of memory")
+        propose, engine.proposer.propose = engine.proposer.propose, failing
+        with pytest.raises(RuntimeError, match="out of memory"):
+            await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="b", budget=4)],
+                                                    release=["a"]), owner=1)
+        engine.proposer.propose = propose
+        before = list(verifier.released)
+        await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="b", budget=4)]), owner=1)
+        return before, verifier.released, sorted(engine._requests)
+
+    before, after, held = asyncio.run(run())
+    assert "a" not in before and after.count("a") == 1 and held == ["b"]

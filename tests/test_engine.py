@@ -827,6 +827,33 @@ def test_a_failed_prefill_forward_leaves_its_unrun_items_unsent(target: Target, 
     assert out.items[1].tokens == target.continuation([9, 8, 7, 6, 5], 1)
 
 
+@pytest.mark.parametrize("fails", ["write_many", "cat_features"])
+def test_a_failed_verify_commit_leaves_its_requests_where_they_were(target: Target, monkeypatch: pytest.MonkeyPatch,
+                                                                   fails: str) -> None:
+    """The requests moved past their accepted paths before the KV scatter: a scatter (or feature
+    gather) that raised left them past cache slots never written, the root the caller still held
+    was refused, and the next step read those slots. Now the same tree sent again is verified as if
+    the failure had not been, against the reference."""
+    prompt = [3, 17, 42, 8]
+    engine = make_engine(target.model)
+    pending = engine.prefill([PrefillInput("a", prompt, Sampling(), 20)]).items[0].tokens[0]
+    want = target.continuation(prompt, 4)
+    chain = Tree(want[:3], [-1, 0, 1], [0, 1, 2])   # the greedy path: all of it is accepted
+    owner = engine.cache if fails == "write_many" else engine
+
+    def failing(*a, **kw):
+        raise RuntimeError("CUDA error: out of memory")
+    monkeypatch.setattr(owner, fails, failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.verify(["a"], *pack([chain]))
+    monkeypatch.undo()
+    assert pending == want[0] and (engine._requests["a"].length, engine._requests["a"].pending) == (4, pending)
+    out = engine.verify(["a"], *pack([chain]))
+    assert (out.items[0].error, out.items[0].tokens, out.items[0].committed) == (None, want[1:4], 3)
+    out = engine.verify(["a"], *pack([root_only(want[3])]))
+    assert out.items[0].tokens == target.continuation(prompt, 5)[4:]
+
+
 def test_prompt_in_pieces_over_steps_matches_one_prefill(target: Target) -> None:
     """A prompt sent in pieces over several prefill calls (``more`` on all but the last, the first
     reserving the whole request) gives the same first token, features and greedy continuation as one

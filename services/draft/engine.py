@@ -210,8 +210,12 @@ class DraftEngine:
                 results[item.request_id] = draft_pb2.StepResult(request_id=item.request_id,
                                                                 error_code=err.code.value[0],
                                                                 error_message=err.message)
-        trees = await self._trees_for(verifying, budgets, ahead) if verifying else []
-        packed = _pack_trees(trees) if trees else None
+        try:
+            trees = await self._trees_for(verifying, budgets, ahead) if verifying else []
+            packed = _pack_trees(trees) if trees else None
+        except BaseException:   # the step fails before the verifier heard of it: the releases are still owed there
+            self._release_owed += released
+            raise
         t1 = time.perf_counter()
         owed, self._release_owed = self._release_owed, []
         reply = await self.verifier.step(prefills, [r.request_id for r in verifying], packed, released + owed)
@@ -221,6 +225,8 @@ class DraftEngine:
         n_prefills = len(reply.response.prefills)
         for i, res in enumerate(list(reply.response.prefills) + list(reply.response.verifies)):
             req = self._requests.get(res.request_id)
+            feats = features[row:row + res.committed]
+            row += res.committed   # the verifier sent rows for every result it committed, kept here or not
             if res.error_code != 0 or req is None:
                 self._drop(res.request_id)
                 results[res.request_id] = draft_pb2.StepResult(request_id=res.request_id,
@@ -228,8 +234,6 @@ class DraftEngine:
                                                                 error_message=res.error_message)
                 continue
             prefill = i < n_prefills
-            feats = features[row:row + res.committed]
-            row += res.committed
             # A prefill's committed tokens are the prompt (or this piece of it); a verify's the
             # pending root and the accepted path.
             commits.append((req.request_id, self._prompts.pop(req.request_id) if prefill else

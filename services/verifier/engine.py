@@ -366,11 +366,15 @@ class VerifierEngine:
         if item.offset < 0:   # else a new prompt whose undo (offset 0 only) would not free it
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"request {item.request_id}: prompt_offset {item.offset} is negative")
-        req = self._requests.get(item.request_id) if item.offset > 0 else None
         if item.offset > 0:
+            req = self._requests.get(item.request_id)
             self._validate_piece(item, req)
         else:
             self._validate_prompt(item)
+            gen = None   # made before the pages are taken: nothing may fail between those and the record
+            if item.sampling.temperature > 0:
+                gen = request_generator(item.sampling.seed if item.sampling.seed is not None else
+                                        int(torch.randint(0, 2**62, (1,)).item()), self.model_device)
             reserve = min(max(item.reserve_tokens, len(item.token_ids) + 1), self.max_context)
             try:
                 self.cache.reserve(item.request_id, reserve)
@@ -379,11 +383,6 @@ class VerifierEngine:
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"KV cache full: request needs {reserve} tokens, {self.cache.pages_free} pages free "
                     f"of {self.cache.page_size} tokens") from None
-        if req is None:
-            gen = None
-            if item.sampling.temperature > 0:
-                gen = request_generator(item.sampling.seed if item.sampling.seed is not None else
-                                        int(torch.randint(0, 2**62, (1,)).item()), self.model_device)
             req = _Request(item.request_id, item.owner, item.sampling, gen)
             self._requests[item.request_id] = req
         req.prefilling = item.more
@@ -527,14 +526,13 @@ class VerifierEngine:
         tok_l, par_l = tok.tolist(), par.tolist()
         keep: list[int] = []           # rows of the accepted paths, in request order
         writes: list[tuple[str, int, int]] = []
+        accepted = []
         row = 0
-        for req, i, n in zip(reqs, live, live_sizes):
+        for req, n in zip(reqs, live_sizes):
             acc = accept(tok_l[row:row + n], par_l[row:row + n], posterior[row:row + n])
             keep += [row + k for k in acc.path]
             writes.append((req.request_id, req.length, len(acc.path)))
-            req.length += len(acc.path)
-            req.pending = acc.tokens[-1]
-            outcomes[i] = ItemOutcome(req.request_id, list(acc.tokens), committed=len(acc.path))
+            accepted.append(acc)
             row += n
         rows = torch.tensor(keep, dtype=torch.int64, device=dev)                      # [K]
         if out.rows is not None:
@@ -542,7 +540,14 @@ class VerifierEngine:
         t0 = time.perf_counter()
         self.cache.write_many(writes, out.new_kv[:, rows])                            # one scatter
         self._commit_ms = (time.perf_counter() - t0) * 1e3
-        return StepOutcome(outcomes, self.cat_features([out.features[rows]]))
+        features = self.cat_features([out.features[rows]])
+        # The requests move on only once their KV is written (and their features taken): a step
+        # that failed before left them past cache slots never written, read by their next step.
+        for req, i, acc in zip(reqs, live, accepted):
+            req.length += len(acc.path)
+            req.pending = acc.tokens[-1]
+            outcomes[i] = ItemOutcome(req.request_id, list(acc.tokens), committed=len(acc.path))
+        return StepOutcome(outcomes, features)
 
     def _check_trees(self, request_ids: Sequence[str], tok: np.ndarray, par: np.ndarray, dep: np.ndarray,
                      sizes: Sequence[int], owner: str | None = None) -> list[ServiceError | None]:
