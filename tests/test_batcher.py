@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import grpc
 import pytest
 
 from ddtree.v1 import common_pb2
@@ -212,6 +213,34 @@ def test_usage_counts_the_steps_verified_with_a_tree_apart_from_paused_ones() ->
     assert req.done and usage.steps == len(req.acceptance)
     assert 0 < usage.tree_steps < usage.steps   # the window of 4 tree steps, then paused ones, then a probe
     assert sum(req.acceptance) == 59 and usage.tree_steps == sum(1 for a in req.acceptance if a > 1)
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
+                                  grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED])
+def test_a_failed_replica_fails_its_requests_unavailable_whatever_ended_its_stream(code) -> None:
+    """A replica whose stream ended UNAUTHENTICATED (a new token volume), FAILED_PRECONDITION (its
+    verifier refused the handshake) or with a bug passed that code to clients with good requests,
+    who took it for their own fault and did not retry."""
+    class Failing(SlowDraft):
+        async def step(self, req, timeout):
+            raise StepFailed(code, "the draft stream ended")
+
+    async def scenario():
+        lane = loop()
+        lane.draft = Failing()
+        req = request("a", 10)
+        lane.waiting.append(req)
+        lane.start()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if req.done:
+                break
+        await lane.stop()
+        return req.error
+
+    err = asyncio.run(scenario())
+    assert err is not None and err.code == grpc.StatusCode.UNAVAILABLE
+    assert err.message == f"draft replica draft failed ({code.name}): the draft stream ended"
 
 
 def test_requests_of_a_failed_step_are_released_when_the_replica_is_back() -> None:
@@ -613,18 +642,22 @@ def test_an_idle_replica_that_stops_answering_is_marked_down_without_a_request_f
     assert asyncio.run(scenario(busy=True)) is True
 
 
-def test_a_replica_whose_verifier_came_back_with_another_model_is_kept_down() -> None:
+@pytest.mark.parametrize("field, value", [("vocab_size", 999), ("max_context", 512), ("kv_page_size", 64)])
+def test_a_replica_whose_verifier_came_back_with_another_model_is_kept_down(field, value) -> None:
     """The scheduler's tokenizer, vocabulary and end-of-sequence ids are the model it started with:
     a replica in front of a verifier restarted on another checkpoint served it on, detokenized with
-    the wrong tokenizer. It is kept down (logged once) until the scheduler restarts."""
+    the wrong tokenizer. So do the limits it checks requests against: a verifier back with a
+    shorter context refused prompts the scheduler had taken, one with larger pages reserved more
+    KV than the scheduler counted. It is kept down (logged once) until the scheduler restarts."""
     from services.scheduler.router import Router
 
     class Model(Stub):
-        vocab_size = 64
+        changed: dict = {}
 
         async def GetModelInfo(self, request, wait_for_ready=True, timeout=None, metadata=()):
             info = await super().GetModelInfo(request, wait_for_ready, timeout)
-            info.vocab_size = self.vocab_size
+            for k, v in self.changed.items():
+                setattr(info, k, v)
             return info
 
     async def scenario():
@@ -635,7 +668,7 @@ def test_a_replica_whose_verifier_came_back_with_another_model_is_kept_down() ->
         lane = router.lanes[0]
         await router._follow_verifiers()
         healthy = [lane.healthy]
-        stub.verifier_id, stub.vocab_size = "v2", 999   # the verifier restarted on another checkpoint
+        stub.verifier_id, stub.changed = "v2", {field: value}   # the verifier restarted on another checkpoint
         await router._follow_verifiers()
         healthy.append(lane.healthy)
         await router._recover(lane, [])
@@ -773,6 +806,66 @@ def test_a_slow_dns_lookup_does_not_hold_up_a_down_replicas_recovery(monkeypatch
 
     healthy, took = asyncio.run(scenario())
     assert healthy and took < 1.0, took
+
+
+def test_a_request_goes_where_it_starts_at_once_before_where_fewer_requests_are() -> None:
+    """Two verifier groups of 1000 KV tokens: A runs one long request (900 reserved), B two small
+    ones (200). By request count a 300-token request went to A, and waited there for as long as
+    A's long request ran, while B had room; it goes to B. Where no replica can start it now, the
+    least-loaded one that holds it queues it, as before."""
+    from services.scheduler.router import Router
+
+    router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+    limits = Limits(vocab_size=64, max_context=4096, block_size=16, eos_token_ids=(0,), kv_capacity_tokens=1000)
+
+    def lane(address: str, reserved: int, running: int) -> StepLoop:
+        x = StepLoop(SchedulerSettings(), address, None, limits, KvBudget(capacity=1000, reserved=reserved),
+                     router.metrics)
+        x.running = {f"{address}-{i}": request(f"{address}-{i}", 4) for i in range(running)}
+        router.lanes.append(x)
+        return x
+    a, b = lane("a", 900, 1), lane("b", 200, 2)
+    router.submit(request("new", 10, kv=300))
+    assert [r.request_id for r in b.waiting] == ["new"] and not a.waiting
+    router.submit(request("huge", 10, kv=850))   # nowhere now: the least-loaded replica queues it
+    assert [r.request_id for r in a.waiting] == ["huge"]
+
+
+def test_down_replicas_are_probed_at_once_and_their_queues_move_first() -> None:
+    """Each down replica was probed in turn, a silent one taking its whole 1 s timeout: with three
+    dead addresses ahead of it, a failed replica's queued request waited 3 s to move to a live one,
+    and a recovered replica waited as long to rejoin."""
+    import time
+
+    from services.scheduler import router as router_module
+
+    async def scenario() -> tuple[float, bool, list[str], bool]:
+        router = router_module.Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+        budget = router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000))
+
+        def lane(address: str, draft: Draft) -> StepLoop:
+            x = StepLoop(SchedulerSettings(), address, draft, Limits(64, 4096, 16, (0,), 10_000), budget, router.metrics)
+            router.lanes.append(x)
+            return x
+        dead = [lane(f"dead-{i}", Draft("v1")) for i in range(3)]
+        for x in dead:
+            x.draft.stub.silent, x.healthy = True, False
+        failed, back, live = lane("failed", Draft("v1", down=True)), lane("back", Draft("v1")), lane("live", Draft("v1"))
+        failed.healthy = back.healthy = False
+        queued = request("q", 10)
+        failed.waiting.append(queued)
+        moved = []
+        submit = live.submit
+        live.submit = lambda req: (moved.append((req.request_id, time.monotonic() - t0)), submit(req))
+        t0 = time.monotonic()
+        await router._watch_round(1)
+        took = time.monotonic() - t0
+        await router.stop()
+        return took, moved[0][1] < 0.1, [m[0] for m in moved], back.healthy and not failed.healthy
+
+    took, moved_at_once, moved, rejoined = asyncio.run(scenario())
+    assert took < 1.8, took   # one probe timeout, not three
+    assert moved == ["q"] and moved_at_once and rejoined
 
 
 def test_a_refused_request_is_counted_and_the_scheduler_reports_whether_it_can_serve() -> None:
@@ -1055,14 +1148,22 @@ def test_an_abort_reaches_a_reused_id_on_another_replica_before_its_aborted_pred
     assert again.finish == scheduler_pb2.FINISH_REASON_ABORTED and len(again.out_ids) < 100
 
 
-def test_a_downstream_error_names_the_clients_request_id() -> None:
-    """The draft and verifier know a request by its wire id; the client, by its own."""
+@pytest.mark.parametrize("code, seen, suffix", [
+    (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, " (NOT_FOUND there)"),
+    (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE, " (FAILED_PRECONDITION there)"),
+    (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT, ""),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED, "")])
+def test_a_downstream_error_names_the_clients_request_id(code, seen, suffix) -> None:
+    """The draft and verifier know a request by its wire id; the client, by its own. A code that
+    tells of their state, not of the request (a replica that lost it), reached the client as it was,
+    and a client does not retry NOT_FOUND: it is UNAVAILABLE, naming the code."""
     from ddtree.v1 import draft_pb2
 
     class Refusing(SlowDraft):
         async def step(self, req, timeout):
             return draft_pb2.StepResponse(results=[draft_pb2.StepResult(
-                request_id=i.request_id, error_code=5, error_message=f"request {i.request_id} was lost") for i in req.items])
+                request_id=i.request_id, error_code=code.value[0], error_message=f"request {i.request_id} was lost")
+                for i in req.items])
 
     async def scenario():
         lane = loop()
@@ -1078,4 +1179,5 @@ def test_a_downstream_error_names_the_clients_request_id() -> None:
         return req
 
     req = asyncio.run(scenario())
-    assert req.error is not None and req.error.message == "request mine was lost" and req.wire_id.startswith("mine#")
+    assert req.error is not None and req.error.message == "request mine was lost" + suffix and req.error.code == seen
+    assert req.wire_id.startswith("mine#")

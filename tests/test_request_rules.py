@@ -3,6 +3,8 @@ string ends the output (text, token ids and usage alike)."""
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 
@@ -149,6 +151,58 @@ def test_a_long_text_tokenizes_beside_the_event_loop() -> None:
         encoder.close()
     assert ids == want
     assert gap < max(0.1, inline_s / 3), (gap, inline_s)   # inline, the loop would stall inline_s
+
+
+def test_texts_waiting_for_a_tokenizer_worker_that_died_go_to_a_new_one(monkeypatch) -> None:
+    """The long texts that waited for a worker that died were encoded inline, one after another,
+    holding the event loop (and with it every stream) for seconds; a text that killed the worker
+    was encoded in the scheduler itself. They go to a new worker, and a text whose worker dies
+    twice fails UNAVAILABLE."""
+    import asyncio
+    import signal
+
+    from services.scheduler import tokenizing
+    from services.scheduler.tokenizing import PromptEncoder
+
+    texts = [f"text {i} " * 50 for i in range(4)]
+    want = [TOKENIZER.encode(t, add_special_tokens=False).ids for t in texts]
+    encoder = PromptEncoder(TOKENIZER, apart=True, inline_chars=10)
+    inline = []
+    real = TOKENIZER.encode
+
+    async def scenario() -> tuple[list, str]:
+        await encoder.encode("warm up the worker " * 10)
+        pids = list(encoder._pool._processes)
+        waiting = [asyncio.ensure_future(encoder.encode(t)) for t in texts]
+        await asyncio.sleep(0)
+        os.kill(pids[0], signal.SIGKILL)   # the worker dies with texts waiting
+        got = await asyncio.gather(*waiting)
+        # a text the worker dies on every time
+        monkeypatch.setattr(tokenizing, "_encode", _die)
+        try:
+            await encoder.encode("fatal " * 20)
+        except ServiceError as exc:
+            return got, f"{exc.code.name}: {exc.message}"
+        return got, "encoded"
+
+    class Spy:
+        def encode(self, *a, **k):
+            inline.append(1)
+            return real(*a, **k)
+
+    try:
+        encoder.tokenizer = Spy()
+        got, fatal = asyncio.run(scenario())
+    finally:
+        encoder.close()
+    assert got == want and not inline   # every one in the new worker, none on the event loop
+    assert fatal.startswith("UNAVAILABLE: the tokenizing worker died twice")
+
+
+def _die(text: str) -> list[int]:
+    """What a worker the kernel killed for its memory does (run there: this module's, by name)."""
+    os.kill(os.getpid(), 9)
+    return []
 
 
 def test_the_tokenizer_worker_goes_with_a_scheduler_that_was_killed(tmp_path) -> None:

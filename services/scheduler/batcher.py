@@ -110,6 +110,12 @@ class StepLoop:
         """Whether this replica's verifier group can hold the request's KV at all (groups may differ)."""
         return req.kv_tokens <= self.kv.capacity
 
+    def admits_now(self, req: ActiveRequest) -> bool:
+        """Whether the request would start with this replica's next step: nothing queued ahead of
+        it, room in the batch, and its group's KV free now."""
+        return not self.waiting and len(self.running) < self.settings.max_batch and \
+            self.kv.reserved + req.kv_tokens <= self.kv.capacity
+
     @property
     def pending_releases(self) -> list[str]:
         """Wire ids of ended requests whose release is on its way down this lane: in the step in flight
@@ -200,7 +206,7 @@ class StepLoop:
                     continue
                 if res.error_code:   # the draft and verifier name it by its wire id; the client knows its own
                     message = res.error_message.replace(req.wire_id, req.request_id)
-                    self._finish(req, error=ServiceError(grpc.StatusCode(_code(res.error_code)), message))
+                    self._finish(req, error=client_error(grpc.StatusCode(_code(res.error_code)), message))
                     continue
                 req.started = True
                 if not res.token_ids:   # a piece of a long prompt went in; the first token comes with the last
@@ -226,11 +232,11 @@ class StepLoop:
         """The draft replica failed a step: its running requests are lost; mark it down (its
         probe brings it back once it answers: a replica that failed every step at once, left up,
         took the next one at once, thousands a second)."""
-        code = exc.code
-        if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            code = grpc.StatusCode.UNAVAILABLE
         self.healthy = False
-        err = ServiceError(code, f"draft replica {self.address} failed: {exc.details}")
+        # Whatever ended the stream (a refused internal token, a verifier that would not hand-shake
+        # again, a bug there), it is no fault of the clients' requests: UNAVAILABLE, which they retry.
+        said = "" if exc.code == grpc.StatusCode.UNAVAILABLE else f" ({exc.code.name})"
+        err = ServiceError(grpc.StatusCode.UNAVAILABLE, f"draft replica {self.address} failed{said}: {exc.details}")
         log.warning("draft_replica_failed", address=self.address, code=exc.code.name, details=exc.details,
                     running=len(self.running))
         for req in list(self.running.values()):
@@ -348,6 +354,23 @@ def _sampled(req: ActiveRequest) -> bool:
     so pausing them with the batch would make its output depend on other requests. Greedy output
     is the target's argmax whatever the trees, so the gate governs greedy requests only."""
     return req.sampling.temperature > 0
+
+
+# What a draft or verifier may say of one request that tells of their own state, not of the
+# request the scheduler checked and sent (a replica that lost it or its stream, one whose token or
+# handshake was refused): the client sees UNAVAILABLE, which it retries, with the code named.
+_SERVER_STATE = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION,
+                           grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.ABORTED,
+                           grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN})
+
+
+def client_error(code: grpc.StatusCode, message: str) -> ServiceError:
+    """A request's failure downstream as its client should see it (`_SERVER_STATE`); bad input the
+    scheduler could not check (INVALID_ARGUMENT, OUT_OF_RANGE), a full cache (RESOURCE_EXHAUSTED)
+    and a fault there (INTERNAL) keep their codes."""
+    if code in _SERVER_STATE:
+        return ServiceError(grpc.StatusCode.UNAVAILABLE, f"{message} ({code.name} there)")
+    return ServiceError(code, message)
 
 
 def _code(value: int) -> tuple:

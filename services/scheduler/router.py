@@ -65,6 +65,15 @@ def limits_from_info(info: common_pb2.ModelInfo) -> Limits:
                   kv_page_size=info.kv_page_size or 1, feature_bytes_per_token=info.feature_bytes_per_token)
 
 
+def place(req: ActiveRequest, fits: list[StepLoop]) -> None:
+    """Queues the request on the least-loaded of the replicas that hold it, among those that would
+    start it at once where there are any: by load alone, a request went to a replica in front of a
+    full verifier group (one long request on it, fewer requests than the other) and waited there,
+    for as long as that request ran, while another group had room."""
+    ready = [lane for lane in fits if lane.admits_now(req)]
+    min(ready or fits, key=lambda lane: lane.load).submit(req)
+
+
 class Router:
     def __init__(self, settings: SchedulerSettings, metrics: Metrics, internal_token: str = "") -> None:
         self.settings = settings
@@ -202,7 +211,7 @@ class Router:
         # reused at once, anywhere (downstream, each admission has an id of its own: batcher.wire_id).
         if any(lane.has_live(req.request_id) for lane in self.lanes):
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id} is already in use")
-        min(fits, key=lambda lane: lane.load).submit(req)
+        place(req, fits)
 
     def abort(self, request_id: str, only: ActiveRequest | None = None) -> bool:
         """Ends the request with this id (with ``only``, that request object alone). A live one is
@@ -233,11 +242,15 @@ class Router:
             # take seconds, and a down replica's queue should not wait for it.
             self._discovery = asyncio.create_task(self._discover())
         live = [lane for lane in self.lanes if lane.healthy]
-        for lane in [x for x in self.lanes if not x.healthy]:
-            try:   # one lane's trouble leaves the others' moves and probes to run
-                await self._recover(lane, live)
-            except Exception as exc:  # noqa: BLE001 - the next round tries again
-                log.error("replica_recover_failed", address=lane.address, error=repr(exc))
+        down = [x for x in self.lanes if not x.healthy]
+        # Every down replica's queue moves first, then all are probed at once: one after another, a
+        # silent address (a replica scaled away) took its whole probe timeout from each behind it.
+        for lane in down:
+            self._move_queued(lane, live)
+        outcomes = await asyncio.gather(*(self._recover(lane, live) for lane in down), return_exceptions=True)
+        for lane, outcome in zip(down, outcomes):   # one lane's trouble leaves the others' to run
+            if isinstance(outcome, Exception):
+                log.error("replica_recover_failed", address=lane.address, error=repr(outcome))
 
     async def _discover(self) -> None:
         try:
@@ -305,11 +318,13 @@ class Router:
 
     def _other_model(self, address: str, info: common_pb2.ModelInfo) -> bool:
         """Whether the replica now serves another model than the one this scheduler started with
-        (a verifier restarted on another checkpoint): its tokenizer, vocabulary and end-of-sequence
-        ids are that first model's, so the replica stays down, said once, until a restart."""
+        (a verifier restarted on another checkpoint, or with another context or page size): its
+        tokenizer, vocabulary, end-of-sequence ids and the limits it checks requests against (the
+        longest context, the page its KV reservations round to) are that first model's, so the
+        replica stays down, said once, until a restart."""
         if self.info is None:
             return False
-        fields = ("model_type", "vocab_size", "block_size")
+        fields = ("model_type", "vocab_size", "block_size", "max_context", "kv_page_size")
         diff = [f"{f} {getattr(self.info, f)!r} -> {getattr(info, f)!r}" for f in fields
                 if getattr(self.info, f) != getattr(info, f)]
         if list(self.info.eos_token_ids) != list(info.eos_token_ids):
@@ -327,22 +342,27 @@ class Router:
             lane.waiting.remove(req)
             fits = [x for x in others if x.holds(req)]
             if fits:
-                min(fits, key=lambda x: x.load).submit(req)
+                place(req, fits)
             else:
                 lane.fail_unstarted(req, ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                                       f"request needs {req.kv_tokens} KV tokens; the cache holds "
                                                       f"{lane.kv.capacity}"))
+
+    @staticmethod
+    def _move_queued(lane: StepLoop, live: list[StepLoop]) -> None:
+        """A down lane's queued requests go to the least-loaded live lane that holds each."""
+        for req in list(lane.waiting):
+            fits = [x for x in live if x.holds(req)]
+            if fits:
+                lane.waiting.remove(req)
+                place(req, fits)
 
     async def _recover(self, lane: StepLoop, live: list[StepLoop]) -> None:
         """A down replica: its queued work goes to another where it fits, then a probe; an answer
         brings it back, with the work no other replica could take (a single replica marked down
         by one slow step keeps its queue), and no answer fails that work. That work stays in the
         lane's queue during the probe, where an abort finds it (nothing steps a lane that is down)."""
-        for req in list(lane.waiting):
-            fits = [x for x in live if x.holds(req)]
-            if fits:
-                lane.waiting.remove(req)
-                min(fits, key=lambda x: x.load).submit(req)
+        self._move_queued(lane, live)
         info = self._same_model(lane.address, await self._probe(lane.draft.stub, 1.0, lane.address))   # another model: down
         if info is None:
             for req in lane.take_waiting():

@@ -74,15 +74,24 @@ class PromptEncoder:
             self._pending -= 1
 
     async def _encode_apart(self, text: str) -> list[int]:
-        if self._pool is None:  # spawn, not fork: this process runs gRPC's threads
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
-                                             initargs=(self._source, os.getpid()))
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, _encode, text)
-        except BrokenProcessPool as exc:  # the worker died: a new one next time, this text inline
-            log.warning("tokenizer_worker_lost", error=str(exc))
-            self._pool = None
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """In the worker; one that died is replaced and the text sent again, once. Never inline: the
+        long texts that waited for the dead worker (up to ``max_pending``, of up to 4 MB) encoded one
+        after another on the event loop held every stream for seconds, and a text that killed the
+        worker (its memory) was then encoded in the scheduler itself."""
+        for attempt in range(2):
+            if self._pool is None:  # spawn, not fork: this process runs gRPC's threads
+                self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
+                                                 initargs=(self._source, os.getpid()))
+            pool = self._pool
+            try:
+                return await asyncio.get_running_loop().run_in_executor(pool, _encode, text)
+            except BrokenProcessPool as exc:
+                if self._pool is pool:   # the first of its waiters to hear of it says so, and replaces it
+                    log.warning("tokenizer_worker_lost", error=str(exc), pending=self._pending)
+                    self._pool = None
+                    pool.shutdown(wait=False, cancel_futures=True)
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the tokenizing worker died twice while this prompt waited "
+                                                        "for it (its memory?); try again, or send token ids")
 
     def close(self) -> None:
         if self._pool is not None:
