@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL ?= models/demo
+# The drafter `make up` serves beside MODEL (empty: MODEL/drafter, `ddtree up`'s default).
+DRAFTER ?=
 # Where the trained demo pair is absent, `make up` serves a random checkpoint of the same format.
 FALLBACK_MODEL ?= models/random
 TORCH_CPU ?= torch==2.13.0
@@ -39,7 +41,7 @@ up: install
 	  m="$(FALLBACK_MODEL)"; \
 	  [ -f "$$m/config.json" ] || $(VENV)/bin/ddtree make-checkpoint "$$m"; \
 	  echo "$(MODEL) not found: serving the random checkpoint $$m" >&2; fi; \
-	exec $(VENV)/bin/ddtree up --model "$$m"
+	exec $(VENV)/bin/ddtree up --model "$$m" $(if $(DRAFTER),--drafter "$(DRAFTER)")
 
 protos: install
 	PYTHON=$(PY) bash protos/generate.sh

@@ -244,7 +244,8 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
             raise ServiceError(invalid, "prompt is empty: set text or token_ids")
         if tokenizer is None:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                               "this server has no tokenizer (scheduler.tokenizer_path is empty); send prompt as token_ids")
+                               "this server has no tokenizer (a model directory without tokenizer.json or tiktoken.model under "
+                               "`ddtree up`, an empty scheduler.tokenizer_path under `ddtree serve`); send prompt as token_ids")
         prompt = text_ids if text_ids is not None else encode_prompt(req.text, tokenizer, limits, max_token_bytes(tokenizer))
     elif which == "token_ids":
         prompt = list(req.token_ids.ids)
