@@ -29,6 +29,21 @@ def loop(**settings) -> StepLoop:
                     Metrics("scheduler-test"))
 
 
+async def run_one(draft, rid: str) -> ActiveRequest:
+    """One request through a lane to ``draft``, until it ends (or 1 s)."""
+    lane = loop()
+    lane.draft = draft
+    req = request(rid, 10)
+    lane.waiting.append(req)
+    lane.start()
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if req.done:
+            break
+    await lane.stop()
+    return req
+
+
 def client_id(wire_id: str) -> str:
     """The request_id an item's wire id was made from (``batcher.wire_id``)."""
     head, sep, _ = wire_id.rpartition("#")
@@ -225,20 +240,7 @@ def test_a_failed_replica_fails_its_requests_unavailable_whatever_ended_its_stre
         async def step(self, req, timeout):
             raise StepFailed(code, "the draft stream ended")
 
-    async def scenario():
-        lane = loop()
-        lane.draft = Failing()
-        req = request("a", 10)
-        lane.waiting.append(req)
-        lane.start()
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if req.done:
-                break
-        await lane.stop()
-        return req.error
-
-    err = asyncio.run(scenario())
+    err = asyncio.run(run_one(Failing(), "a")).error
     assert err is not None and err.code == grpc.StatusCode.UNAVAILABLE
     assert err.message == f"draft replica draft failed ({code.name}): the draft stream ended"
 
@@ -1165,19 +1167,6 @@ def test_a_downstream_error_names_the_clients_request_id(code, seen, suffix) -> 
                 request_id=i.request_id, error_code=code.value[0], error_message=f"request {i.request_id} was lost")
                 for i in req.items])
 
-    async def scenario():
-        lane = loop()
-        lane.draft = Refusing()
-        req = request("mine", 10)
-        lane.waiting.append(req)
-        lane.start()
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if req.done:
-                break
-        await lane.stop()
-        return req
-
-    req = asyncio.run(scenario())
+    req = asyncio.run(run_one(Refusing(), "mine"))
     assert req.error is not None and req.error.message == "request mine was lost" + suffix and req.error.code == seen
     assert req.wire_id.startswith("mine#")

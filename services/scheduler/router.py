@@ -350,7 +350,7 @@ class Router:
 
     @staticmethod
     def _move_queued(lane: StepLoop, live: list[StepLoop]) -> None:
-        """A down lane's queued requests go to the least-loaded live lane that holds each."""
+        """A down lane's queued requests go to live lanes that hold them (`place`)."""
         for req in list(lane.waiting):
             fits = [x for x in live if x.holds(req)]
             if fits:

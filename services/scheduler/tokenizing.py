@@ -78,7 +78,7 @@ class PromptEncoder:
         long texts that waited for the dead worker (up to ``max_pending``, of up to 4 MB) encoded one
         after another on the event loop held every stream for seconds, and a text that killed the
         worker (its memory) was then encoded in the scheduler itself."""
-        for attempt in range(2):
+        for _ in range(2):
             if self._pool is None:  # spawn, not fork: this process runs gRPC's threads
                 self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
                                                  initargs=(self._source, os.getpid()))
