@@ -870,6 +870,40 @@ def test_down_replicas_are_probed_at_once_and_their_queues_move_first() -> None:
     assert moved == ["q"] and moved_at_once and rejoined
 
 
+def test_a_replica_its_dns_name_no_longer_resolves_to_is_forgotten_once_down_and_idle(monkeypatch) -> None:
+    """A replica scaled away (or back under another address) stayed in the list for good, probed
+    every round with its gauge at 0. Forgotten once its name stops resolving to it, it is down and
+    it holds no request; a look-up that resolves nothing forgets nothing."""
+    from services.scheduler import router as router_module
+
+    names: list[list[str]] = []
+
+    async def resolve(entries):
+        return names.pop(0)
+    monkeypatch.setattr(router_module, "resolve", resolve)
+
+    async def scenario():
+        router = router_module.Router(SchedulerSettings(tokenizer_path="", draft_addresses=("dns:draft:50052",)),
+                                      Metrics("scheduler-test"))
+        router.info = await Stub("v1").GetModelInfo(None)
+        for ip, down in ((1, False), (2, True), (3, True)):
+            router._add_lane(f"10.0.0.{ip}:50052", Stub("v1", down=down), router.info)
+        up, gone, busy = router.lanes
+        gone.healthy = busy.healthy = False
+        busy.waiting.append(request("q", 10))
+        names.extend([[], ["10.0.0.1:50052"]])
+        await router._discover()   # a failed look-up
+        kept_on_failure = len(router.lanes)
+        await router._discover()
+        left = [x.address for x in router.lanes]
+        gauge = router.metrics.registry.get_sample_value("ddtree_draft_replica_up", {"draft": gone.address})
+        await router.stop()
+        return kept_on_failure, left, gauge
+
+    kept_on_failure, left, gauge = asyncio.run(scenario())
+    assert kept_on_failure == 3 and left == ["10.0.0.1:50052", "10.0.0.3:50052"] and gauge is None
+
+
 def test_a_refused_request_is_counted_and_the_scheduler_reports_whether_it_can_serve() -> None:
     """Refusals (queue full, no replica up, invalid) were in no metric and no log; and the health
     check said SERVING while no draft replica was up and every request failed."""

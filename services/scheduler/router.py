@@ -80,7 +80,7 @@ class Router:
         self.metrics = metrics
         self._metadata = token_metadata(internal_token)   # what every call to a draft carries
         self.lanes: list[StepLoop] = []
-        self._channels: list[grpc.aio.Channel] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}   # by replica address
         self._budgets: dict[str, KvBudget] = {}
         self._unknown = itertools.count()   # budgets of replicas whose verifier is not known yet
         self.info: common_pb2.ModelInfo | None = None
@@ -132,7 +132,7 @@ class Router:
         options = server_options() + [("grpc.initial_reconnect_backoff_ms", 200),
                                       ("grpc.max_reconnect_backoff_ms", 1000)]
         channel = grpc.aio.insecure_channel(address, options=options)
-        self._channels.append(channel)
+        self._channels[address] = channel
         return draft_pb2_grpc.DraftStub(channel)
 
     def _add_lane(self, address: str, stub: draft_pb2_grpc.DraftStub, info: common_pb2.ModelInfo | None) -> None:
@@ -255,14 +255,35 @@ class Router:
     async def _discover(self) -> None:
         try:
             known = {lane.address for lane in self.lanes}
-            for address in await resolve(self.settings.draft_addresses):
+            resolved = await resolve(self.settings.draft_addresses)
+            for address in resolved:
                 if address not in known:
                     stub = self._stub(address)
                     self._add_lane(address, stub, await self._probe(stub, 1.0, address))
                     log.info("draft_replica_discovered", address=address)
+            if resolved:   # nothing resolved at all is a failed look-up, not every replica gone
+                await self._forget_gone(set(resolved))
             await self._follow_verifiers()
         except Exception as exc:  # noqa: BLE001 - the next discovery round tries again
             log.error("replica_discovery_failed", error=repr(exc))
+
+    async def _forget_gone(self, resolved: set[str]) -> None:
+        """Drops the replicas a `dns:` name no longer resolves to that are down and hold no request
+        (a replica scaled away, a container back under another address), with their channel and
+        gauge: kept, each was probed every round for the life of the scheduler. One that resolves
+        again is found again. The last replica stays (the limits are read from one)."""
+        for lane in [x for x in self.lanes if x.address not in resolved]:
+            if lane.healthy or lane.running or lane.waiting or len(self.lanes) == 1:
+                continue
+            self.lanes.remove(lane)
+            await lane.stop()
+            channel = self._channels.pop(lane.address, None)
+            if channel is not None:
+                await channel.close()
+            self.metrics.replica_up.remove(lane.address)
+            for said in (self._other_models, self._refused_token, self._too_wide):
+                said.discard(lane.address)
+            log.info("draft_replica_forgotten", address=lane.address, reason="its name no longer resolves to it")
 
     async def _follow_verifiers(self) -> None:
         """A verifier that restarted has a new id, and the replicas in front of it reconnect on
@@ -380,5 +401,5 @@ class Router:
                 task.cancel()
         for lane in self.lanes:
             await lane.stop()
-        for channel in self._channels:
+        for channel in self._channels.values():
             await channel.close()
