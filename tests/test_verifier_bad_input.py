@@ -153,7 +153,8 @@ def test_a_bundle_of_more_nodes_than_its_trees_may_hold_is_refused_before_its_wa
             await stream.write(verify(3, [("a", *chain(pending["a"], 2))]))
             return refused, outcome(await stream.read())
     refused, after = asyncio.run(run())
-    assert refused["a"][0] == grpc.StatusCode.INVALID_ARGUMENT and "a tree has at most" in refused["a"][1]
+    # refused on the message's shapes, before a byte of the bundle is read
+    assert refused["a"][0] == grpc.StatusCode.INVALID_ARGUMENT and "1 trees have at most 129 nodes" in refused["a"][1]
     assert after["a"][0] == grpc.StatusCode.OK
 
 
@@ -165,14 +166,20 @@ def test_a_malformed_bundle_is_refused_before_its_call_goes_to_the_other_ranks(c
     call = svc.group.call
     svc.group.call = lambda method, *args: (calls.append(method), call(method, *args))[1]
     with shm_peer(svc, ckpt, slots=4) as peer:
-        assert svc._step(peer, prefill(1, "a")).prefills[0].error_code == 0
-        bad = verify(2, [("a", *chain(svc.engine._requests["a"].pending, 3))])
-        bad.verify_ids.append("b")   # two trees named, one sent
+        for seq, rid in ((1, "a"), (2, "c")):
+            assert svc._step(peer, prefill(seq, rid)).prefills[0].error_code == 0
+        bad = verify(3, [("a", *chain(svc.engine._requests["a"].pending, 3))])
+        bad.verify_ids.append("c")   # two trees named, one sent
         resp = svc._step(peer, bad)
-        big = svc._step(peer, verify(3, [("a", *chain(svc.engine._requests["a"].pending, 10 * MAX_BUDGET))]))
-    assert calls == ["prefill"]   # neither verify was broadcast
+        big = svc._step(peer, verify(4, [("a", *chain(svc.engine._requests["a"].pending, 10 * MAX_BUDGET))]))
+        many = verify(5, [("a", *chain(svc.engine._requests["a"].pending, 1))])
+        many.verify_ids.extend(f"x{i}" for i in range(10))   # more trees than the two requests held here
+        with pytest.raises(ServiceError) as refused:
+            svc._step(peer, many)
+    assert calls == ["prefill", "prefill"]   # no verify was broadcast
     assert outcome(resp)["a"][0] == grpc.StatusCode.INVALID_ARGUMENT and "expected 2 trees" in outcome(resp)["a"][1]
-    assert outcome(big)["a"][0] == grpc.StatusCode.INVALID_ARGUMENT and "a tree has at most" in outcome(big)["a"][1]
+    assert outcome(big)["a"][0] == grpc.StatusCode.INVALID_ARGUMENT and "trees have at most" in outcome(big)["a"][1]
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "a step of 11 trees" in refused.value.message
 
 
 def test_a_draft_naming_a_feature_layer_twice_is_refused(ckpt):
@@ -415,3 +422,41 @@ def test_handshakes_past_max_peers_are_refused_and_a_returning_draft_is_not(ckpt
     refused, again, peers = asyncio.run(run())
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "verifier.max_peers" in refused.details()
     assert again.transport == "inline" and peers == ["d1", "d2"]
+
+
+def test_a_draft_ring_larger_than_any_draft_makes_is_refused_at_the_handshake(ckpt):
+    """A ring is the draft's to declare, and a sparse segment of gigabytes costs it nothing: a slot
+    declared 4 GiB long was read in full (4 GiB of the verifier's memory, seconds of its event loop,
+    a tensor-parallel group's timeout), however stale the message. The draft's own settings bound
+    its rings, and the verifier maps no larger one."""
+    from services.common.settings import MAX_DRAFT_RING_SLOT_BYTES, DraftSettings, SettingsError
+
+    async def run():
+        async with serving(servicer(ckpt)) as stub:
+            request = hello(ckpt, "d1")
+            request.transports[:] = ["shm"]
+            request.draft_ring, request.draft_ring_slots = "ddtree-draft-0-huge", 2
+            request.draft_ring_slot_bytes = MAX_DRAFT_RING_SLOT_BYTES + 1
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Handshake(request)
+            return info.value
+
+    refused = asyncio.run(run())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "draft.ring_slot_bytes" in refused.details()
+    with pytest.raises(SettingsError, match="draft.ring_slot_bytes"):
+        DraftSettings(ring_slot_bytes=MAX_DRAFT_RING_SLOT_BYTES + 1)
+
+
+def test_a_prompt_past_max_context_is_refused_before_its_call_goes_to_the_other_ranks(ckpt):
+    """Its length was checked inside the engine, on every rank, after the call was broadcast (a
+    57 MB prompt became an 86 MB broadcast, onto every GPU with NCCL)."""
+    svc = servicer(ckpt)
+    calls: list[str] = []
+    call = svc.group.call
+    svc.group.call = lambda method, *args: (calls.append(method), call(method, *args))[1]
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        long = prefill(1, "long")
+        long.prefills[0].token_ids[:] = [5] * 1024   # max_context 1024
+        resp = svc._step(peer, long)
+    assert calls == [] and resp.prefills[0].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert resp.prefills[0].error_message == "prompt has 1024 tokens; max context is 1024"

@@ -36,6 +36,10 @@ __all__ = [
 
 MAX_BUDGET = 128  # the largest tree budget any service accepts (DESIGN.md §5)
 MAX_SPEC_BACKOFF_STEPS = 256  # the longest autoregressive pause of a batch whose drafts are not accepted
+# A draft's tree ring, as large as a verifier maps it: the verifier reads a slot's bytes, and a
+# ring declared larger than its memory costs a draft nothing to make (a sparse segment).
+MAX_DRAFT_RING_SLOTS = 64
+MAX_DRAFT_RING_SLOT_BYTES = 64 << 20
 # Sampling temperatures a request may ask for besides 0 (greedy). The logits are divided by it in
 # float32: far below this floor a logit becomes inf and the softmax NaN (and inf or a value past
 # float32's range overflows the other way), which failed every request of the verify step.
@@ -157,8 +161,9 @@ class DraftSettings:
         _check(0 <= self.metrics_port < 65536, "draft.metrics_port", f"{self.metrics_port} is not a TCP port (0 = off)")
         _check(self.transport in ("auto", "cuda_ipc", "shm", "inline"), "draft.transport",
                "must be auto, cuda_ipc, shm or inline")
-        _check(self.ring_slots >= 2, "draft.ring_slots", "must be >= 2")
-        _check(self.ring_slot_bytes >= 4096, "draft.ring_slot_bytes", "must be >= 4096")
+        _check(2 <= self.ring_slots <= MAX_DRAFT_RING_SLOTS, "draft.ring_slots", f"must be in [2, {MAX_DRAFT_RING_SLOTS}]")
+        _check(4096 <= self.ring_slot_bytes <= MAX_DRAFT_RING_SLOT_BYTES, "draft.ring_slot_bytes",
+               f"must be in [4096, {MAX_DRAFT_RING_SLOT_BYTES}] (a step's trees: 0.4 MB at 128 requests of budget 128)")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "draft.dtype", "must be float32, bfloat16 or float16")
         _check(is_device(self.device), "draft.device", f"{self.device!r} is not cpu, cuda or cuda:N")
 

@@ -581,7 +581,8 @@ class ShmReader(TensorReader):
                 f"shm ring {ring_name} has {size} bytes but slot_bytes={slot_bytes}, "
                 f"num_slots={num_slots} needs {needed}; reader and writer disagree on the ring layout"
             )
-        self._copied: tuple[int, int, int, torch.Tensor] | None = None
+        self._copied: tuple[int, int, int, torch.Tensor | None] | None = None   # slot, sequence, used, payload
+        self._span = 0
         if copy:
             _drop_mapping(self._shm)
         self._finalizer = weakref.finalize(self, _close_segment, self._shm, False)
@@ -599,7 +600,11 @@ class ShmReader(TensorReader):
         return out
 
     def read(self, bundle: common_pb2.TensorBundle) -> dict[str, torch.Tensor]:
-        self._copied = None   # copy: the slot a bundle names, read once for all its tensors
+        # copy: the slot's header, then (its sequence checked) the bytes the bundle names, once for
+        # all its tensors; never more than those: the header's `used` is the peer's word
+        self._copied = None
+        self._span = max((r.slot.offset + r.slot.nbytes for r in bundle.tensors if r.WhichOneof("payload") == "slot"),
+                         default=0)
         try:
             return super().read(bundle)
         finally:
@@ -612,13 +617,20 @@ class ShmReader(TensorReader):
             words = torch.frombuffer(self._shm.buf, dtype=torch.int64, count=2, offset=slot * self._stride)
         return int(words[_HDR_SEQUENCE]), int(words[_HDR_USED_BYTES])
 
-    def _slot_copy(self, slot: int) -> tuple[int, int, torch.Tensor]:
-        """Sequence, used bytes and a copy of the payload written (two reads, whatever the tensors)."""
+    def _slot_header(self, slot: int) -> tuple[int, int]:
+        """Sequence and used bytes of the slot the bundle in `read` names, read once."""
         if self._copied is None or self._copied[0] != slot:
-            sequence, used = self._header(slot)
-            payload = self._pread(min(max(used, 0), self._payload_bytes), slot * self._stride + SLOT_HEADER_BYTES)
-            self._copied = (slot, sequence, used, payload)
-        return self._copied[1:]
+            self._copied = (slot, *self._header(slot), None)
+        return self._copied[1], self._copied[2]
+
+    def _slot_payload(self, slot: int) -> torch.Tensor:
+        """[bytes] a copy of the slot's payload up to the last byte the bundle names (checked
+        against the header by `_check_slot` first)."""
+        assert self._copied is not None and self._copied[0] == slot
+        if self._copied[3] is None:
+            nbytes = max(0, min(self._span - SLOT_HEADER_BYTES, self._payload_bytes))
+            self._copied = (*self._copied[:3], self._pread(nbytes, slot * self._stride + SLOT_HEADER_BYTES))
+        return self._copied[3]
 
     def _check_slot(self, ref: common_pb2.TensorRef) -> None:
         s = ref.slot
@@ -626,7 +638,7 @@ class ShmReader(TensorReader):
             raise ValueError(f"tensor {ref.name!r} names slot {s.slot} but the ring has {self._num_slots}")
         # The messages say what is wrong, not what the slot holds: they go back to the message's
         # sender, who is not always the ring's writer.
-        current, used = self._slot_copy(s.slot)[:2] if self._copy else self._header(s.slot)
+        current, used = self._slot_header(s.slot) if self._copy else self._header(s.slot)
         if current != s.sequence:
             raise ValueError(
                 f"tensor {ref.name!r}: slot {s.slot} does not hold sequence {s.sequence}; the slot was "
@@ -645,7 +657,7 @@ class ShmReader(TensorReader):
             return torch.empty(shape, dtype=dtype)
         if self._copy:   # offsets are multiples of the dtype's size (`read` checks), as is the payload's start
             start = ref.slot.offset - SLOT_HEADER_BYTES
-            return self._slot_copy(ref.slot.slot)[2][start:start + ref.slot.nbytes].view(dtype).reshape(shape)
+            return self._slot_payload(ref.slot.slot)[start:start + ref.slot.nbytes].view(dtype).reshape(shape)
         start = ref.slot.slot * self._stride + ref.slot.offset
         return torch.frombuffer(self._shm.buf, dtype=dtype, count=math.prod(shape), offset=start).reshape(shape)
 

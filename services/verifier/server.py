@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 import secrets
 import signal
@@ -34,7 +35,8 @@ from services.common.grpc_server import (ServiceError, check_port_free, host_por
                                          warn_if_reachable)
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
-from services.common.settings import SettingsError, VerifierSettings
+from services.common.settings import (MAX_BUDGET, MAX_DRAFT_RING_SLOT_BYTES, MAX_DRAFT_RING_SLOTS, SettingsError,
+                                      VerifierSettings)
 from services.common.transport import (InlineWriter, RingFull, TensorReader, TensorWriter, bundle_slot, make_reader,
                                        make_writer)
 from services.verifier.engine import ItemOutcome, PrefillInput, StepOutcome, VerifierEngine, tree_shape_error
@@ -143,6 +145,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         kind = usable[0]
         if kind != request.transports[0]:   # the draft's ring is of its first choice: ask for one of ours
             return verifier_pb2.HandshakeResponse(transport=kind)
+        if kind != "inline" and not (request.draft_ring_slots <= MAX_DRAFT_RING_SLOTS and
+                                     request.draft_ring_slot_bytes <= MAX_DRAFT_RING_SLOT_BYTES):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"draft ring of {request.draft_ring_slots} x {request.draft_ring_slot_bytes} bytes: at most "
+                                f"{MAX_DRAFT_RING_SLOTS} slots of {MAX_DRAFT_RING_SLOT_BYTES} (draft.ring_slots, "
+                                "draft.ring_slot_bytes)")
         try:
             # copies: a draft that shrank its shm ring under a view of it would end this process (SIGBUS)
             reader = make_reader(kind, request.draft_ring or None, request.draft_ring_slot_bytes,
@@ -324,6 +332,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if self._peers.get(peer.draft_id) is not peer:   # expired, or the draft hand-shook again since
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"draft {peer.draft_id}: this stream's handshake is no longer current; hand-shake again")
+        if len(req.verify_ids) > self.engine.active_requests + len(req.prefills):
+            # More trees than requests held here: a million one-node trees of unknown ids took the
+            # event loop (or, with ranks, every rank) for seconds, all to be refused one by one.
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"draft {peer.draft_id}: a step of {len(req.verify_ids)} trees, more than the "
+                               f"{self.engine.active_requests + len(req.prefills)} requests it could verify")
         t0 = time.perf_counter()
         try:
             peer.writer.release(req.released_slots)
@@ -333,12 +347,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self.group.call("release", list(req.release), peer.owner)
         inputs, rejected = [], {}   # rejected: by position in req.prefills (an id may come twice)
         for k, p in enumerate(req.prefills):
-            try:
-                sampling = sampling_from_proto(p.sampling)
-            except ValueError as exc:   # this request fails alone; the others of the step go on
+            why = None   # this request fails alone; the others of the step go on
+            length = p.prompt_offset + len(p.token_ids)
+            if length >= self.engine.max_context:   # refused here, not on every rank after a broadcast of it
+                why = f"prompt has {length} tokens; max context is {self.engine.max_context}"
+            else:
+                try:
+                    sampling = sampling_from_proto(p.sampling)
+                except ValueError as exc:
+                    why = f"sampling: {exc}"
+            if why is not None:
                 rejected[k] = verifier_pb2.ItemResult(
-                    request_id=p.request_id, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                    error_message=f"sampling: {exc}")
+                    request_id=p.request_id, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0], error_message=why)
                 continue
             inputs.append(PrefillInput(p.request_id, list(p.token_ids), sampling, p.reserve_tokens,
                                        owner=peer.owner, more=p.prompt_continues, offset=p.prompt_offset))
@@ -386,6 +406,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         tensor parallelism) the other ranks go on."""
         ids = list(req.verify_ids)
         try:
+            _check_tree_refs(len(ids), req.trees)   # sizes first, from the message: the read is bounded by them
             trees = peer.reader.read(req.trees)
         except ValueError as exc:   # the transport's account of a bundle it cannot read
             trees, error = {}, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"tree bundle: {exc}")
@@ -420,6 +441,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.metrics.running.set(self.engine.active_requests)
         self.metrics.peers.set(len(peers))
         self.metrics.ring_slots_in_use.set(sum(p.writer.slots_in_use for p in peers))
+
+
+def _check_tree_refs(num_trees: int, bundle: common_pb2.TensorBundle) -> None:
+    """ValueError where a tensor of the tree bundle declares more elements than `num_trees` trees
+    of the largest budget have: checked on the message, before a byte of it is read (a draft's
+    ring is its own, and a slot of it declared gigabytes long was read in full)."""
+    most = num_trees * (MAX_BUDGET + 1)
+    for ref in bundle.tensors:
+        if math.prod(ref.shape) > most or len(ref.shape) > 1:
+            raise ValueError(f"tensor {ref.name!r} of shape {list(ref.shape)}: {num_trees} trees have at most "
+                             f"{most} nodes, one dimension")
 
 
 def _slot_or_none(bundle: common_pb2.TensorBundle) -> int | None:
