@@ -166,9 +166,11 @@ def test_closing_waits_for_the_step_in_flight_before_the_verifiers_rings_go():
     assert asyncio.run(run()) == ["step", "close"]
 
 
-def test_releases_of_a_step_whose_drafting_failed_still_reach_the_verifier():
+@pytest.mark.parametrize("then", ["step", "end_stream"])
+def test_releases_of_a_step_whose_drafting_failed_still_reach_the_verifier(then):
     """The step dropped its released requests here, then failed drafting before the verifier call:
-    their ids never reached the verifier, which held their KV pages until the stream ended."""
+    their ids never reached the verifier, which held their KV pages until the stream ended. They
+    go with the next step, or with the stream's end (a failed step ends it)."""
     async def run():
         engine, verifier = make_engine()
         await engine.step(draft_pb2.StepRequest(items=[admit("a", 4), admit("b", 4)]), owner=1)
@@ -183,8 +185,40 @@ def test_releases_of_a_step_whose_drafting_failed_still_reach_the_verifier():
                                                     release=["a"]), owner=1)
         engine.proposer.propose = propose
         before = list(verifier.released)
-        await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="b", budget=4)]), owner=1)
+        if then == "step":
+            await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="b", budget=4)]), owner=1)
+        else:
+            await engine.end_stream(1)
         return before, verifier.released, sorted(engine._requests)
 
     before, after, held = asyncio.run(run())
-    assert "a" not in before and after.count("a") == 1 and held == ["b"]
+    assert "a" not in before and after.count("a") == 1 and held == (["b"] if then == "step" else [])
+
+
+def test_a_reply_with_fewer_feature_rows_than_committed_tokens_is_a_lost_step():
+    """The rows were sliced without a count: a reply one row short advanced the request by its
+    committed tokens and its drafter context by one fewer, and the drafts went on from the wrong
+    position without a word. The step fails as lost, and the verifier stream ends (its requests go
+    at both ends)."""
+    from services.common.grpc_server import ServiceError
+
+    class Short(FakeVerifier):
+        closed = 0
+
+        async def step(self, prefills, verify_ids, packed, release):
+            reply = await super().step(prefills, verify_ids, packed, release)
+            return VerifyReply(reply.response, reply.features[:-1])
+
+        async def close(self, final=False):
+            self.closed += 1
+
+    async def run():
+        engine, _ = make_engine()
+        verifier = engine.verifier = Short([engine])
+        with pytest.raises(ServiceError) as lost:
+            await engine.step(draft_pb2.StepRequest(items=[admit("a", 4)]))
+        return lost.value, verifier.closed
+
+    lost, closed = asyncio.run(run())
+    assert lost.code == grpc.StatusCode.UNAVAILABLE and "3 feature rows for 4 committed tokens" in lost.message
+    assert closed == 1

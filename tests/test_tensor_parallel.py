@@ -358,6 +358,34 @@ def test_a_call_that_fails_on_rank_0_with_ranks_ends_the_group() -> None:
     assert len(reasons) == 2
 
 
+@pytest.mark.parametrize("fault, ends", [
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), True),
+    (torch.AcceleratorError("CUDA error: device-side assert triggered") if hasattr(torch, "AcceleratorError")
+     else RuntimeError("CUDA error: device-side assert triggered"), True),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    (ValueError("a bug of ours"), False)])
+def test_a_verifier_alone_whose_gpu_failed_ends_like_a_group(fault, ends) -> None:
+    """Without ranks a CUDA error that leaves the context unusable (an illegal address, a device
+    assert) failed every later step INTERNAL while the verifier said SERVING, and no supervisor
+    restarted it. It now goes to `on_failure` (NOT_SERVING, then exit) as a group's end does;
+    running out of memory and other exceptions do not."""
+    from types import SimpleNamespace
+
+    from services.verifier.ranks import EngineGroup, GroupFailed
+
+    def failing(*args):
+        raise fault
+
+    reasons: list[str] = []
+    engine = SimpleNamespace(model_device=torch.device("cpu"), verify=failing)
+    group = EngineGroup(engine, SimpleNamespace(enabled=False), on_failure=reasons.append)
+    with pytest.raises(GroupFailed if ends else type(fault)):
+        group.call("verify", [])
+    assert len(reasons) == int(ends)
+    if ends:
+        assert reasons[0].startswith("the verifier's GPU failed in verify")
+
+
 def test_the_verifier_stops_its_start_and_its_other_workers_when_a_worker_exits(monkeypatch) -> None:
     """`serve` with ranks: a worker that exits before joining fails the start with its rank and
     code (UNAVAILABLE, which `ddtree serve` prints and exits 3 on), and the workers still running

@@ -174,6 +174,8 @@ class DraftEngine:
             self._mark_lost(gone)
             for rid in gone:
                 self._drop(rid)
+            # and the releases a failed step of it still owed (a drafting failure ends the stream)
+            gone, self._release_owed = gone + self._release_owed, []
             if gone and self.verifier.connected:
                 try:
                     await self.verifier.step([], [], None, gone)
@@ -221,9 +223,15 @@ class DraftEngine:
         reply = await self.verifier.step(prefills, [r.request_id for r in verifying], packed, released + owed)
         t_reply = time.perf_counter()
         features, row = reply.features, 0
+        results_in = list(reply.response.prefills) + list(reply.response.verifies)
+        rows = sum(r.committed for r in results_in if r.error_code == 0)
+        if features.shape[0] != rows:   # short, a context would fall behind the verifier's, silently
+            await self.verifier.close()   # its requests go at both ends: the stream is gone
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"verifier reply has {features.shape[0]} feature rows "
+                                                            f"for {rows} committed tokens")
         commits: list[tuple[str, list[int], torch.Tensor]] = []
         n_prefills = len(reply.response.prefills)
-        for i, res in enumerate(list(reply.response.prefills) + list(reply.response.verifies)):
+        for i, res in enumerate(results_in):
             req = self._requests.get(res.request_id)
             feats = features[row:row + res.committed]
             row += res.committed   # the verifier sent rows for every result it committed, kept here or not

@@ -51,7 +51,10 @@ class DraftLink:
             self._call = self.stub.StepStream(metadata=self.metadata)
         call = self._call
         try:
-            resp = await asyncio.wait_for(self._exchange(call, request), timeout)
+            # Not wait_for: on Python 3.11 it returns the answer when the step is cancelled as the
+            # answer arrives (gh-86296), and a lane being stopped stepped on.
+            async with asyncio.timeout(timeout):
+                resp = await self._exchange(call, request)
         except asyncio.TimeoutError:
             self.close()
             raise StepFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer to a step within {timeout:g} s") from None

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+import torch
 
 from services.common.devices import current
 from services.common.grpc_server import ServiceError
@@ -58,6 +59,16 @@ class GroupFailed(ServiceError):
 
     def __init__(self, reason: str) -> None:
         super().__init__(grpc.StatusCode.UNAVAILABLE, reason)
+
+
+def device_fault(exc: BaseException) -> bool:
+    """A CUDA error other than running out of memory. Most leave the process's CUDA context
+    unusable (an illegal address, a device-side assert), and every later call failed INTERNAL
+    while the verifier said SERVING: only a new process recovers, so it counts as the group's end."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    accelerator = getattr(torch, "AcceleratorError", None)   # torch >= 2.8
+    return (accelerator is not None and isinstance(exc, accelerator)) or "CUDA error" in str(exc)
 
 
 class EngineGroup:
@@ -104,11 +115,15 @@ class EngineGroup:
                 raise
 
     def _failed(self, method: str, exc: Exception) -> str | None:
-        """Reports a failure that ends the group (with ranks), and returns why; None alone."""
-        if not self.tp.enabled:
+        """Reports a failure that ends the group, and returns why: with ranks any, alone a device
+        fault (`device_fault`); None for the rest."""
+        what = f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+        if self.tp.enabled:
+            reason = f"verifier ranks out of step: rank 0's {method} failed {what}"
+        elif device_fault(exc):
+            reason = f"the verifier's GPU failed in {method} {what}"
+        else:
             return None
-        reason = (f"verifier ranks out of step: rank 0's {method} failed "
-                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
         self.failed = self.failed or reason
         if self.on_failure is not None:
             self.on_failure(reason)
