@@ -873,13 +873,16 @@ def test_down_replicas_are_probed_at_once_and_their_queues_move_first() -> None:
 def test_a_replica_its_dns_name_no_longer_resolves_to_is_forgotten_once_down_and_idle(monkeypatch) -> None:
     """A replica scaled away (or back under another address) stayed in the list for good, probed
     every round with its gauge at 0. Forgotten once its name stops resolving to it, it is down and
-    it holds no request; a look-up that resolves nothing forgets nothing."""
+    it holds no request; a look-up that fails forgets nothing, a static address beside it or not."""
     from services.scheduler import router as router_module
 
     names: list[list[str]] = []
 
-    async def resolve(entries):
-        return names.pop(0)
+    async def resolve(entries, failed=None):   # a look-up's addresses, or None: the name failed
+        found = names.pop(0)
+        if found is None and failed is not None:
+            failed.append("dns:draft:50052")
+        return ["10.0.0.9:50052"] + (found or [])   # a static entry beside the name
     monkeypatch.setattr(router_module, "resolve", resolve)
 
     async def scenario():
@@ -891,11 +894,11 @@ def test_a_replica_its_dns_name_no_longer_resolves_to_is_forgotten_once_down_and
         up, gone, busy = router.lanes
         gone.healthy = busy.healthy = False
         busy.waiting.append(request("q", 10))
-        names.extend([[], ["10.0.0.1:50052"]])
-        await router._discover()   # a failed look-up
-        kept_on_failure = len(router.lanes)
+        names.extend([None, ["10.0.0.1:50052"]])
+        await router._discover()   # a failed look-up (the static entry still resolves)
+        kept_on_failure = sum(x.address != "10.0.0.9:50052" for x in router.lanes)
         await router._discover()
-        left = [x.address for x in router.lanes]
+        left = [x.address for x in router.lanes if x.address != "10.0.0.9:50052"]
         gauge = router.metrics.registry.get_sample_value("ddtree_draft_replica_up", {"draft": gone.address})
         await router.stop()
         return kept_on_failure, left, gauge

@@ -177,13 +177,14 @@ def test_texts_waiting_for_a_tokenizer_worker_that_died_go_to_a_new_one(monkeypa
         await asyncio.sleep(0)
         os.kill(pids[0], signal.SIGKILL)   # the worker dies with texts waiting
         got = await asyncio.gather(*waiting)
-        # a text the worker dies on every time
-        monkeypatch.setattr(tokenizing, "_encode", _die)
-        try:
-            await encoder.encode("fatal " * 20)
-        except ServiceError as exc:
-            return got, f"{exc.code.name}: {exc.message}"
-        return got, "encoded"
+        # a text the worker dies on every time, among others waiting: it fails alone
+        monkeypatch.setattr(tokenizing, "_encode", _die_on_poison)
+        mixed = [texts[0], "POISON " * 20, *texts[1:]]
+        outcomes = await asyncio.gather(*(encoder.encode(t) for t in mixed), return_exceptions=True)
+        poisoned = outcomes.pop(1)
+        assert outcomes == want, outcomes
+        assert isinstance(poisoned, ServiceError), poisoned
+        return got, f"{poisoned.code.name}: {poisoned.message}"
 
     class Spy:
         def encode(self, *a, **k):
@@ -199,10 +200,13 @@ def test_texts_waiting_for_a_tokenizer_worker_that_died_go_to_a_new_one(monkeypa
     assert fatal.startswith("UNAVAILABLE: the tokenizing worker died twice")
 
 
-def _die(text: str) -> list[int]:
-    """What a worker the kernel killed for its memory does (run there: this module's, by name)."""
-    os.kill(os.getpid(), 9)
-    return []
+def _die_on_poison(text: str) -> list[int]:
+    """A worker the kernel kills for its memory on one text (run there: this module's, by name)."""
+    from services.scheduler.tokenizing import _encode
+
+    if text.startswith("POISON"):
+        os.kill(os.getpid(), 9)
+    return _encode(text)
 
 
 def test_the_tokenizer_worker_goes_with_a_scheduler_that_was_killed(tmp_path) -> None:

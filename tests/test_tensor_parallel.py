@@ -362,7 +362,12 @@ def test_a_call_that_fails_on_rank_0_with_ranks_ends_the_group() -> None:
     (RuntimeError("CUDA error: an illegal memory access was encountered"), True),
     (torch.AcceleratorError("CUDA error: device-side assert triggered") if hasattr(torch, "AcceleratorError")
      else RuntimeError("CUDA error: device-side assert triggered"), True),
+    (RuntimeError("Triton Error [CUDA]: misaligned address"), True),
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    (RuntimeError("CUDA error: invalid configuration argument"), False),   # that launch's alone
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), False),
+    (torch.AcceleratorError("CUDA error: out of memory") if hasattr(torch, "AcceleratorError")
+     else RuntimeError("CUDA error: out of memory"), False),
     (ValueError("a bug of ours"), False)])
 def test_a_verifier_alone_whose_gpu_failed_ends_like_a_group(fault, ends) -> None:
     """Without ranks a CUDA error that leaves the context unusable (an illegal address, a device

@@ -439,3 +439,27 @@ def test_a_slot_that_cannot_be_written_is_an_error_and_not_held(monkeypatch) -> 
         reader = make_reader("shm", writer.ring_name, writer.slot_bytes, writer.num_slots)
         assert torch.equal(reader.read(writer.write({"x": torch.arange(8)}))["x"], torch.arange(8))
         reader.close()
+
+
+def test_a_copying_reader_reads_the_header_and_each_tensors_own_bytes_only(monkeypatch) -> None:
+    """A draft may declare its slots 64 MiB long, claim them full in the header and name one
+    8-byte tensor at the end: the reader read from the header to that tensor, the whole slot,
+    for every such step (34 ms each on the verifier's event loop)."""
+    slot_bytes = 1 << 20
+    with make_writer("shm", slot_bytes=slot_bytes, num_slots=1, name_prefix="ddt-test") as writer:
+        reader = make_reader("shm", writer.ring_name, writer.slot_bytes, writer.num_slots, copy=True)
+        bundle = writer.write({"x": torch.arange(4)})
+        writer._put_word(0, transport._HDR_USED_BYTES, slot_bytes)   # "the whole slot is written"
+        far = common_pb2.TensorBundle()
+        far.CopyFrom(bundle)
+        far.tensors[0].slot.offset = transport.SLOT_HEADER_BYTES + slot_bytes - 8
+        far.tensors[0].slot.nbytes = 8
+        far.tensors[0].shape[:] = [1]
+        sizes = []
+        preadv = os.preadv
+        monkeypatch.setattr(transport.os, "preadv", lambda fd, bufs, offset: (sizes.append(len(bufs[0])),
+                                                                              preadv(fd, bufs, offset))[1])
+        assert reader.read(far)["x"].tolist() == [0]   # what the slot holds there: never written
+        assert torch.equal(reader.read(bundle)["x"], torch.arange(4))
+        reader.close()
+    assert sizes == [16, 8, 16, 32]   # header, the tensor; header, the tensor

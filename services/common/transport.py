@@ -581,8 +581,7 @@ class ShmReader(TensorReader):
                 f"shm ring {ring_name} has {size} bytes but slot_bytes={slot_bytes}, "
                 f"num_slots={num_slots} needs {needed}; reader and writer disagree on the ring layout"
             )
-        self._copied: tuple[int, int, int, torch.Tensor | None] | None = None   # slot, sequence, used, payload
-        self._span = 0
+        self._copied: tuple[int, int, int] | None = None   # slot, sequence, used: the header `read` took
         if copy:
             _drop_mapping(self._shm)
         self._finalizer = weakref.finalize(self, _close_segment, self._shm, False)
@@ -600,11 +599,9 @@ class ShmReader(TensorReader):
         return out
 
     def read(self, bundle: common_pb2.TensorBundle) -> dict[str, torch.Tensor]:
-        # copy: the slot's header, then (its sequence checked) the bytes the bundle names, once for
-        # all its tensors; never more than those: the header's `used` is the peer's word
+        # copy: the slot's header once a bundle, then each tensor's own bytes once its reference
+        # is checked against it (never a span the peer's words name: `used`, an offset)
         self._copied = None
-        self._span = max((r.slot.offset + r.slot.nbytes for r in bundle.tensors if r.WhichOneof("payload") == "slot"),
-                         default=0)
         try:
             return super().read(bundle)
         finally:
@@ -620,17 +617,8 @@ class ShmReader(TensorReader):
     def _slot_header(self, slot: int) -> tuple[int, int]:
         """Sequence and used bytes of the slot the bundle in `read` names, read once."""
         if self._copied is None or self._copied[0] != slot:
-            self._copied = (slot, *self._header(slot), None)
+            self._copied = (slot, *self._header(slot))
         return self._copied[1], self._copied[2]
-
-    def _slot_payload(self, slot: int) -> torch.Tensor:
-        """[bytes] a copy of the slot's payload up to the last byte the bundle names (checked
-        against the header by `_check_slot` first)."""
-        assert self._copied is not None and self._copied[0] == slot
-        if self._copied[3] is None:
-            nbytes = max(0, min(self._span - SLOT_HEADER_BYTES, self._payload_bytes))
-            self._copied = (*self._copied[:3], self._pread(nbytes, slot * self._stride + SLOT_HEADER_BYTES))
-        return self._copied[3]
 
     def _check_slot(self, ref: common_pb2.TensorRef) -> None:
         s = ref.slot
@@ -655,10 +643,9 @@ class ShmReader(TensorReader):
         self._check_slot(ref)
         if ref.slot.nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        if self._copy:   # offsets are multiples of the dtype's size (`read` checks), as is the payload's start
-            start = ref.slot.offset - SLOT_HEADER_BYTES
-            return self._slot_payload(ref.slot.slot)[start:start + ref.slot.nbytes].view(dtype).reshape(shape)
         start = ref.slot.slot * self._stride + ref.slot.offset
+        if self._copy:
+            return self._pread(ref.slot.nbytes, start).view(dtype).reshape(shape)
         return torch.frombuffer(self._shm.buf, dtype=dtype, count=math.prod(shape), offset=start).reshape(shape)
 
     def is_current(self, bundle: common_pb2.TensorBundle) -> bool:

@@ -262,8 +262,10 @@ class VerifierClient:
         verifier this draft no longer reaches."""
         self.handshake = None
         if self._reader is not None and self.device.type == "cuda" and torch.cuda.is_initialized():
-            torch.cuda.current_stream(self.device).synchronize()   # our reads of its ring are done before it can
-            # go (the verifier frees it when it sees the stream end)
+            try:   # our reads of its ring are done before it can go (the verifier frees it when it sees the end)
+                torch.cuda.current_stream(self.device).synchronize()
+            except RuntimeError as exc:   # a GPU that faulted: the rest of the clean-up still runs
+                log.error("draft_gpu_sync_failed", error=str(exc)[:500])
         if self._call is not None:
             self._call.cancel()
             self._call = None

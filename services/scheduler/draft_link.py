@@ -3,8 +3,8 @@
 A unary call a step cost about twice what a message on an open stream does (call set-up, headers,
 the call's own completion), and at C=1 that is on every step's critical path. The stream opens on
 the first step and again on the step after it failed. A step that fails, by the draft's error, a
-broken stream or the step timeout, closes it and raises `StepFailed` with the gRPC code the lane
-reports; so does a step for requests admitted before its stream ended since the last step (the
+broken stream or the step timeout, closes it and raises `StepFailed` with the gRPC code that
+ended it (the lane fails its requests UNAVAILABLE, naming that code); so does a step for requests admitted before its stream ended since the last step (the
 draft restarted, or the connection dropped): the draft frees what a stream admitted when it ends.
 A step of new prompts only opens a new stream.
 """
@@ -21,8 +21,8 @@ __all__ = ["DraftLink", "StepFailed"]
 
 
 class StepFailed(Exception):
-    """A step that did not come back; the lane marks its replica down either way, and its code
-    is what the lane's running requests fail with (UNAVAILABLE for DEADLINE_EXCEEDED or CANCELLED)."""
+    """A step that did not come back; the lane marks its replica down either way and fails its
+    running requests UNAVAILABLE, naming this code where it is another."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)

@@ -33,9 +33,10 @@ DISCOVERY_EVERY = 10   # probe rounds between DNS look-ups for new replicas
 START_GRACE_S = 1.0    # at start-up, how long the other replicas may answer after the first
 
 
-def discover(entries: tuple[str, ...] | list[str]) -> list[str]:
+def discover(entries: tuple[str, ...] | list[str], failed: list[str] | None = None) -> list[str]:
     """Replica addresses from config: `host:port` as is; `dns:host:port` is every address the name
-    resolves to (how `docker compose --scale draft=N` replicas are found)."""
+    resolves to (how `docker compose --scale draft=N` replicas are found). A name that does not
+    resolve is left out, and appended to ``failed``."""
     out: list[str] = []
     for entry in entries:
         if not entry.startswith("dns:"):
@@ -45,16 +46,18 @@ def discover(entries: tuple[str, ...] | list[str]) -> list[str]:
         try:
             infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         except socket.gaierror:
+            if failed is not None:
+                failed.append(entry)
             continue
         for ip in sorted({i[4][0] for i in infos}):
             out.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
     return list(dict.fromkeys(out))
 
 
-async def resolve(entries: tuple[str, ...] | list[str]) -> list[str]:
+async def resolve(entries: tuple[str, ...] | list[str], failed: list[str] | None = None) -> list[str]:
     """`discover` in a worker thread: a DNS look-up can wait seconds for a slow or missing
     server, and every stream the scheduler serves would stall with the event loop meanwhile."""
-    return await asyncio.to_thread(discover, entries)
+    return await asyncio.to_thread(discover, entries, failed)
 
 
 def limits_from_info(info: common_pb2.ModelInfo) -> Limits:
@@ -255,23 +258,25 @@ class Router:
     async def _discover(self) -> None:
         try:
             known = {lane.address for lane in self.lanes}
-            resolved = await resolve(self.settings.draft_addresses)
+            failed: list[str] = []
+            resolved = await resolve(self.settings.draft_addresses, failed)
             for address in resolved:
                 if address not in known:
                     stub = self._stub(address)
                     self._add_lane(address, stub, await self._probe(stub, 1.0, address))
                     log.info("draft_replica_discovered", address=address)
-            if resolved:   # nothing resolved at all is a failed look-up, not every replica gone
+            if not failed:   # a name that did not resolve is a failed look-up, not its replicas gone
                 await self._forget_gone(set(resolved))
             await self._follow_verifiers()
         except Exception as exc:  # noqa: BLE001 - the next discovery round tries again
             log.error("replica_discovery_failed", error=repr(exc))
 
     async def _forget_gone(self, resolved: set[str]) -> None:
-        """Drops the replicas a `dns:` name no longer resolves to that are down and hold no request
-        (a replica scaled away, a container back under another address), with their channel and
-        gauge: kept, each was probed every round for the life of the scheduler. One that resolves
-        again is found again. The last replica stays (the limits are read from one)."""
+        """Drops the replicas the `dns:` names no longer resolve to (every name resolved) that are
+        down and hold no request (a replica scaled away, a container back under another address),
+        with their channel and gauge: kept, each was probed every round for the life of the
+        scheduler. One that resolves again is found again. The last replica stays (the limits are
+        read from one)."""
         for lane in [x for x in self.lanes if x.address not in resolved]:
             if lane.healthy or lane.running or lane.waiting or len(self.lanes) == 1:
                 continue
@@ -385,6 +390,8 @@ class Router:
         lane's queue during the probe, where an abort finds it (nothing steps a lane that is down)."""
         self._move_queued(lane, live)
         info = self._same_model(lane.address, await self._probe(lane.draft.stub, 1.0, lane.address))   # another model: down
+        if lane not in self.lanes:   # forgotten during the probe (`_forget_gone`)
+            return
         if info is None:
             for req in lane.take_waiting():
                 lane.fail_unstarted(req, ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica that can hold it is up"))

@@ -59,6 +59,7 @@ class PromptEncoder:
         self.max_pending = max_pending
         self._pending = 0
         self._pool: ProcessPoolExecutor | None = None
+        self._retrying = asyncio.Lock()   # texts sent again after a worker died: one at a time
 
     async def encode(self, text: str) -> list[int]:
         """Raises ``ServiceError`` RESOURCE_EXHAUSTED where ``max_pending`` long texts wait already."""
@@ -74,24 +75,35 @@ class PromptEncoder:
             self._pending -= 1
 
     async def _encode_apart(self, text: str) -> list[int]:
-        """In the worker; one that died is replaced and the text sent again, once. Never inline: the
-        long texts that waited for the dead worker (up to ``max_pending``, of up to 4 MB) encoded one
+        """In the worker; one that died is replaced, and each text that waited for it is sent again,
+        one at a time, so a second death is the text's own: it fails alone. Never inline: the long
+        texts that waited for the dead worker (up to ``max_pending``, of up to 4 MB) encoded one
         after another on the event loop held every stream for seconds, and a text that killed the
         worker (its memory) was then encoded in the scheduler itself."""
-        for _ in range(2):
-            if self._pool is None:  # spawn, not fork: this process runs gRPC's threads
-                self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
-                                                 initargs=(self._source, os.getpid()))
-            pool = self._pool
+        try:
+            return await self._in_worker(text)
+        except BrokenProcessPool:
+            pass
+        async with self._retrying:
             try:
-                return await asyncio.get_running_loop().run_in_executor(pool, _encode, text)
-            except BrokenProcessPool as exc:
-                if self._pool is pool:   # the first of its waiters to hear of it says so, and replaces it
-                    log.warning("tokenizer_worker_lost", error=str(exc), pending=self._pending)
-                    self._pool = None
-                    pool.shutdown(wait=False, cancel_futures=True)
-        raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the tokenizing worker died twice while this prompt waited "
-                                                        "for it (its memory?); try again, or send token ids")
+                return await self._in_worker(text)
+            except BrokenProcessPool:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the tokenizing worker died twice on this prompt "
+                                                                "(its memory?); send it as token ids") from None
+
+    async def _in_worker(self, text: str) -> list[int]:
+        if self._pool is None:  # spawn, not fork: this process runs gRPC's threads
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
+                                             initargs=(self._source, os.getpid()))
+        pool = self._pool
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, _encode, text)
+        except BrokenProcessPool as exc:
+            if self._pool is pool:   # the first of its waiters to hear of it says so, and replaces it
+                log.warning("tokenizer_worker_lost", error=str(exc), pending=self._pending)
+                self._pool = None
+                pool.shutdown(wait=False, cancel_futures=True)
+            raise
 
     def close(self) -> None:
         if self._pool is not None:

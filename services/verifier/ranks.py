@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-import torch
 
 from services.common.devices import current
 from services.common.grpc_server import ServiceError
@@ -61,14 +60,19 @@ class GroupFailed(ServiceError):
         super().__init__(grpc.StatusCode.UNAVAILABLE, reason)
 
 
+# CUDA's words for the errors that leave a process's context unusable ("sticky": every later call
+# fails the same), as torch and Triton report them. Others (out of memory, a launch's bad
+# configuration) fail their own call only.
+_STICKY_CUDA_ERRORS = ("illegal memory access", "device-side assert", "misaligned address", "unspecified launch failure",
+                       "illegal instruction", "uncorrectable ECC error", "hardware stack error", "invalid program counter",
+                       "launch timed out and was terminated")
+
+
 def device_fault(exc: BaseException) -> bool:
-    """A CUDA error other than running out of memory. Most leave the process's CUDA context
-    unusable (an illegal address, a device-side assert), and every later call failed INTERNAL
-    while the verifier said SERVING: only a new process recovers, so it counts as the group's end."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return False
-    accelerator = getattr(torch, "AcceleratorError", None)   # torch >= 2.8
-    return (accelerator is not None and isinstance(exc, accelerator)) or "CUDA error" in str(exc)
+    """A CUDA error that leaves the context unusable: every later call failed INTERNAL while the
+    verifier said SERVING, and only a new process recovers, so it counts as the group's end."""
+    text = str(exc)
+    return "CUDA" in text and any(words in text for words in _STICKY_CUDA_ERRORS)
 
 
 class EngineGroup:

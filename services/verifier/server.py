@@ -406,7 +406,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         tensor parallelism) the other ranks go on."""
         ids = list(req.verify_ids)
         try:
-            _check_tree_refs(len(ids), req.trees)   # sizes first, from the message: the read is bounded by them
+            _check_tree_refs(len(ids), req.trees)   # sizes first, from the message: what is read is no more
             trees = peer.reader.read(req.trees)
         except ValueError as exc:   # the transport's account of a bundle it cannot read
             trees, error = {}, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"tree bundle: {exc}")
