@@ -3,10 +3,11 @@
 A unary call a step cost about twice what a message on an open stream does (call set-up, headers,
 the call's own completion), and at C=1 that is on every step's critical path. The stream opens on
 the first step and again on the step after it failed. A step that fails, by the draft's error, a
-broken stream or the step timeout, closes it and raises `StepFailed` with the gRPC code that
-ended it (the lane fails its requests UNAVAILABLE, naming that code); so does a step for requests admitted before its stream ended since the last step (the
-draft restarted, or the connection dropped): the draft frees what a stream admitted when it ends.
-A step of new prompts only opens a new stream.
+broken stream or the step timeout, closes it and raises `StepFailed` with the gRPC code that ended
+it (the lane fails its requests UNAVAILABLE, naming that code); so does a step for requests
+admitted before its stream ended since the last step (the draft restarted, or the connection
+dropped): the draft frees what a stream admitted when it ends. A step of new prompts only opens a
+new stream.
 """
 
 from __future__ import annotations
