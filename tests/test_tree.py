@@ -109,6 +109,18 @@ def test_budget_zero_is_root_only() -> None:
     assert build_tree_heapq(logprobs[0], 0) == []
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_depth_cap_of_zero_is_root_only_and_a_negative_one_is_refused(backend) -> None:
+    """`max_depth=-1` sliced the table from its end (a tree one level short of the block, not a
+    root); 0 tripped the Triton kernel's assertion while the torch path built root-only trees."""
+    lp = torch.log_softmax(torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(3)), -1)
+    roots = torch.tensor([5, 6])
+    tb = build_trees(lp, 8, roots, backend=backend, max_depth=0)
+    assert tb.sizes.tolist() == [1, 1] and tb.tokens[:, 0].tolist() == [5, 6]
+    with pytest.raises(ValueError, match="max_depth must be >= 0"):
+        build_trees(lp, 8, roots, backend=backend, max_depth=-1)
+
+
 def test_deep_block_and_impossible_tokens() -> None:
     """D = 31 (block 32), and -inf log-probs are never selected, on both builders."""
     gen = torch.Generator().manual_seed(3)

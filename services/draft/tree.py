@@ -146,9 +146,11 @@ def build_trees(logprobs: Tensor, budget: int, root_tokens: Tensor, *, backend: 
     kernels (``kernels.tree_build.pads_budget``; seconds each to compile): the draft compiles them
     all at start-up (``warm_up_kernels``), before graph capture.
     """
+    if max_depth is not None and max_depth < 0:   # a slice would count it from the end
+        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
     if _backend(logprobs, backend) == "triton":
         _check_budget(budget)
-        if budget > 0 and logprobs.shape[1] > 0 and logprobs.shape[2] > 0:
+        if budget > 0 and logprobs.shape[1] > 0 and logprobs.shape[2] > 0 and max_depth != 0:
             from kernels.tree_build import tree_build_triton  # kernels import TreeBatch's module lazily
 
             out = tree_build_triton(logprobs, budget, root_tokens, max_depth=max_depth)
