@@ -673,7 +673,7 @@ def test_a_replica_whose_verifier_came_back_with_another_model_is_kept_down(fiel
         stub.verifier_id, stub.changed = "v2", {field: value}   # the verifier restarted on another checkpoint
         await router._follow_verifiers()
         healthy.append(lane.healthy)
-        await router._recover(lane, [])
+        await router._recover(lane)
         healthy.append(lane.healthy)
         await router.stop()
         return healthy, router._other_models
@@ -772,7 +772,7 @@ def test_a_lone_replica_marked_down_keeps_its_queue_if_it_answers_again() -> Non
         lane.healthy = False
         queued = request("q", 10)
         lane.waiting.append(queued)
-        await router._recover(lane, [])
+        await router._recover(lane)
         counted = router.metrics.requests.labels("unavailable")._value.get()   # each ended request is counted
         return lane.healthy, [r.request_id for r in lane.waiting], queued.error is not None, counted
 
@@ -1115,7 +1115,7 @@ def test_a_request_queued_on_a_replica_being_probed_can_still_be_aborted() -> No
         queued = request("q", 10)
         queued.max_tokens = 200
         lane.waiting.append(queued)
-        recover = asyncio.create_task(router._recover(lane, []))
+        recover = asyncio.create_task(router._recover(lane))
         await asyncio.sleep(0.05)                      # the probe is in flight
         found = router.abort("q", only=queued)         # the client went away
         await recover

@@ -23,7 +23,7 @@ from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.common.grpc_server import ServiceError
 from services.common.metrics import Metrics
 from services.common.settings import VerifierSettings
-from services.common.transport import InlineWriter, make_reader, make_writer
+from services.common.transport import InlineWriter, TensorReader, make_reader, make_writer
 from services.draft import verifier_client
 from services.draft.verifier_client import VerifierClient, auto_offer, next_offer, private_copy, readable_in_place
 from services.verifier import server as verifier_server
@@ -494,7 +494,7 @@ def test_with_ranks_a_verify_call_carries_its_trees_not_the_ring_they_lie_in() -
                 return SimpleNamespace(items=[], features=torch.zeros(0, HIDDEN))
             return super().call(name, *args)
 
-    class Reader:
+    class Reader(TensorReader):   # reads in place: views of the ring
         def read(self, bundle):
             return trees
 

@@ -336,6 +336,7 @@ class TensorReader:
     handed to the subclass's `_slot_view` (where the ring lives is all that differs)."""
 
     kind: str = ""
+    copies: bool = False   # every tensor `read` returns owns its memory (no view of a ring)
 
     def read(self, bundle: common_pb2.TensorBundle) -> dict[str, torch.Tensor]:
         """Views into a ring are valid until the slot is released; copy anything kept longer."""
@@ -386,6 +387,7 @@ class InlineWriter(TensorWriter):
 
 class InlineReader(TensorReader):
     kind = "inline"
+    copies = True
 
 
 class _QuietSharedMemory(SharedMemory):
@@ -566,7 +568,7 @@ class ShmReader(TensorReader):
 
     def __init__(self, ring_name: str, slot_bytes: int, num_slots: int, copy: bool = False) -> None:
         self._shm = _attach_untracked(ring_name)
-        self._copy = copy
+        self._copy = self.copies = copy
         if os.fstat(self._shm._fd).st_uid != os.geteuid():   # a ring is its peer's, of this service's user
             self._shm.close()
             raise ValueError(f"shm ring {ring_name} belongs to another user")

@@ -250,7 +250,7 @@ class Router:
         # silent address (a replica scaled away) took its whole probe timeout from each behind it.
         for lane in down:
             self._move_queued(lane, live)
-        outcomes = await asyncio.gather(*(self._recover(lane, live) for lane in down), return_exceptions=True)
+        outcomes = await asyncio.gather(*(self._recover(lane) for lane in down), return_exceptions=True)
         for lane, outcome in zip(down, outcomes):   # one lane's trouble leaves the others' to run
             if isinstance(outcome, Exception):
                 log.error("replica_recover_failed", address=lane.address, error=repr(outcome))
@@ -383,12 +383,12 @@ class Router:
                 lane.waiting.remove(req)
                 place(req, fits)
 
-    async def _recover(self, lane: StepLoop, live: list[StepLoop]) -> None:
-        """A down replica: its queued work goes to another where it fits, then a probe; an answer
-        brings it back, with the work no other replica could take (a single replica marked down
-        by one slow step keeps its queue), and no answer fails that work. That work stays in the
-        lane's queue during the probe, where an abort finds it (nothing steps a lane that is down)."""
-        self._move_queued(lane, live)
+    async def _recover(self, lane: StepLoop) -> None:
+        """A down replica, its queued work moved to others where it fits (`_move_queued`, first):
+        a probe; an answer brings it back, with the work no other replica could take (a single
+        replica marked down by one slow step keeps its queue), and no answer fails that work. That
+        work stays in the lane's queue during the probe, where an abort finds it (nothing steps a
+        lane that is down)."""
         info = self._same_model(lane.address, await self._probe(lane.draft.stub, 1.0, lane.address))   # another model: down
         if lane not in self.lanes:   # forgotten during the probe (`_forget_gone`)
             return

@@ -416,8 +416,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if error is None:
             # Copies, not views of the draft's ring: checked once and then read again by the engine,
             # a view the draft changed in between could put an index past its table on the GPU (a
-            # device assert ends the process, for every draft). Four small tensors a step.
-            args = [trees[k].clone() for k in TREE_FIELDS]
+            # device assert ends the process, for every draft). A reader of copies made them already.
+            args = [trees[k] if peer.reader.copies else trees[k].clone() for k in TREE_FIELDS]
             # Here first, before the call goes to the other ranks: a bundle of millions of nodes was
             # pickled to every rank (and onto every GPU, with NCCL) only for each to refuse it.
             error = tree_shape_error(len(ids), *args)
