@@ -23,7 +23,9 @@ from services.scheduler.client import AsyncClient, Client, ClientError
 from tests.stack_fixtures import GREEDY_TOKENS, PROMPTS, build_checkpoint, greedy_references, write_oracle
 
 BUDGETS = [1, 4, 8, 16, 32]
-METRICS_PORTS = {name: free_port() for name in ("scheduler", "draft", "verifier")}
+# Filled by the stack fixture just before it starts: ports picked when the module is collected
+# were taken by then (a CI run lost one to another test's ephemeral port minutes later).
+METRICS_PORTS: dict[str, int] = {}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +41,7 @@ def refs(ckpt):
 @pytest.fixture(scope="module")
 def stack(ckpt, refs, tmp_path_factory):
     drafter = write_oracle(tmp_path_factory.mktemp("oracle") / "oracle.json", ckpt, refs)
+    METRICS_PORTS.update({name: free_port() for name in ("scheduler", "draft", "verifier")})
     spec = StackSpec(model_path=str(ckpt), drafter_path=drafter, scheduler_port=0,
                      extra_env={"DDTREE_VERIFIER_MAX_CONTEXT": "256", "DDTREE_SCHEDULER_MAX_QUEUE": "64",
                                 **{f"DDTREE_{s.upper()}_METRICS_PORT": str(METRICS_PORTS[s]) for s in METRICS_PORTS}})
