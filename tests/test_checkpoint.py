@@ -1,6 +1,7 @@
 """Checkpoint reading/writing and the errors a bad target checkpoint produces."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,8 @@ from services.common.checkpoint import (
 )
 from services.verifier.config import TargetConfig, read_target_config
 from services.verifier.make_target import write_random_target
-from services.verifier.model import TargetModel
+from services.verifier.model import TargetModel, expected_tensors
+from services.verifier.parallel import load_rank_slice
 from services.verifier.reference import ReferenceModel
 
 VOCAB = 128
@@ -308,6 +310,26 @@ def test_transformers_5s_rope_parameters_read_as_rope_scaling(target_dir: Path) 
         TargetConfig.from_hf(new)
 
 
+def test_rope_fields_this_model_does_not_implement_are_refused_and_no_scaling_is_read_as_such(target_dir: Path) -> None:
+    """transformers 5's unscaled rope beside its alias (`rope_scaling: {rope_type: default}`) was
+    refused as an unsupported scaling; yarn keys this model does not implement (attention_factor,
+    truncate false) and a non-interleaved rope layout were accepted and ignored."""
+    cfg = json.loads((target_dir / "config.json").read_text())
+    plain = dict(cfg, rope_scaling={"rope_type": "default"},
+                 rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"]})
+    assert TargetConfig.from_hf(plain).rope_scaling is None
+    assert TargetConfig.from_hf(dict(cfg, rope_scaling={"type": "default"})).rope_scaling is None
+    yarn = cfg["rope_scaling"]
+    assert TargetConfig.from_hf(dict(cfg, rope_scaling={**yarn, "attention_factor": None, "truncate": True})).rope_scaling \
+        == TargetConfig.from_hf(cfg).rope_scaling   # transformers' defaults, written out
+    for key, value in (("attention_factor", 2.0), ("truncate", False), ("foo", 1)):
+        with pytest.raises(CheckpointError, match=rf"field 'rope_scaling.{key}' is not supported"):
+            TargetConfig.from_hf(dict(cfg, rope_scaling={**yarn, key: value}))
+    assert TargetConfig.from_hf(dict(cfg, rope_interleave=True)).rope_scaling is not None
+    with pytest.raises(CheckpointError, match="field 'rope_interleave' must be true"):
+        TargetConfig.from_hf(dict(cfg, rope_interleave=False))
+
+
 def test_a_drafters_rope_parameters_give_its_theta() -> None:
     from services.draft.config import DraftConfig
 
@@ -322,11 +344,12 @@ def test_a_drafters_rope_parameters_give_its_theta() -> None:
 
 
 @pytest.mark.parametrize("field", ["num_experts_per_tok", "n_group", "topk_group", "routed_scaling_factor",
-                                   "norm_topk_prob", "first_k_dense_replace"])
+                                   "norm_topk_prob", "first_k_dense_replace", "n_shared_experts"])
 def test_a_moe_config_must_name_its_routing(target_dir: Path, field: str) -> None:
     """Their defaults differ between transformers' DeepseekV3Config and the configuration_deepseek.py
-    the checkpoints ship (x2.5 vs x1.0, normalised or not, 3 dense layers or 0): a config without
-    one was served with this loader's guess."""
+    the checkpoints ship (x2.5 vs x1.0, normalised or not, 3 dense layers or 0, 1 shared expert or
+    none): a config without one was served with this loader's guess (without n_shared_experts, the
+    shared experts were left unread)."""
     cfg = json.loads((target_dir / "config.json").read_text())
     del cfg[field]
     with pytest.raises(CheckpointError, match=rf"field '{field}' is missing: a MoE config must set it"):
@@ -363,6 +386,52 @@ def test_a_layer_quantised_past_the_routed_experts_is_named(target_dir: Path) ->
     _rewrite_tensors(target_dir, quantise)
     with pytest.raises(CheckpointError, match=rf"missing tensor {name}.weight: the checkpoint holds it INT4-quantised"):
         TargetModel.load(target_dir)
+
+
+def test_a_config_that_disagrees_with_the_tensors_names_its_field(target_dir: Path) -> None:
+    """A missing tensor's message says which config field most likely disagrees: an INT4 checkpoint
+    whose config lost its quantization_config was told to list its other layers as ignored."""
+    cfg = json.loads((target_dir / "config.json").read_text())
+    no_quant = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    (target_dir / "config.json").write_text(json.dumps(no_quant))
+    with pytest.raises(CheckpointError, match=r"experts\.0\.gate_proj\.weight \(\+\d+ more\): the checkpoint holds the "
+                                              r"routed experts INT4-quantised .* config.json has no quantization_config"):
+        TargetModel.load(target_dir)
+    (target_dir / "config.json").write_text(json.dumps(dict(cfg, q_lora_rank=None)))
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight .*has a q LoRA .* q_lora_rank is null or missing"):
+        TargetModel.load(target_dir)
+
+
+@pytest.mark.parametrize("tp", [False, True])
+@pytest.mark.parametrize(("name", "needle"), [
+    ("model.layers.1.mlp.shared_experts.up_proj.weight", "n_shared_experts is 0"),
+    ("model.layers.0.mlp.experts.0.up_proj.weight_packed", "first_k_dense_replace 1"),
+    ("model.layers.1.self_attn.q_proj.weight", r"\)$"),   # no field to name
+])
+def test_a_tensor_of_a_served_layer_the_config_does_not_read_is_refused(target_dir: Path, name, needle, tp) -> None:
+    """A config without n_shared_experts (or with 0) loaded without the shared experts the
+    checkpoint holds, and served other numbers; every tensor of a served layer must be read. An
+    MTP layer's past them, and a saved rotary buffer, are not."""
+    cfg = json.loads((target_dir / "config.json").read_text())
+
+    def load() -> None:   # tp: the tensor-parallel ranks' loader (one rank: this target splits no further)
+        if tp:
+            config = read_target_config(target_dir)
+            load_rank_slice(target_dir, config, expected_tensors(config), rank=0, size=1)
+        else:
+            TargetModel.load(target_dir)
+    extra = {"model.layers.3.mlp.up_proj.weight": torch.randn(4, 4),   # an MTP layer's (num_hidden_layers 3)
+             "model.layers.1.self_attn.rotary_emb.inv_freq": torch.randn(4)}
+    _rewrite_tensors(target_dir, lambda t: t.update(extra))
+    load()
+    if "shared_experts" in name:
+        (target_dir / "config.json").write_text(json.dumps(dict(cfg, n_shared_experts=0)))
+    else:
+        _rewrite_tensors(target_dir, lambda t: t.__setitem__(name, torch.randn(4, 4)))
+    shown = r"model\.layers\.1\.mlp\.shared_experts\.\w+\.weight \(\+5 more\)" if "shared" in name else re.escape(name)
+    with pytest.raises(CheckpointError, match=rf"tensor {shown} is not one config.json implies, and would be left "
+                                              rf"unread \(does the config match the checkpoint\?.*{needle}"):
+        load()
 
 
 def wrap_as_kimi_k25(src: Path, dst: Path, shard_bytes: int = 1 << 20) -> None:

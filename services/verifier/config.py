@@ -107,11 +107,16 @@ class TargetConfig:
 
 
 # Routing fields whose defaults differ between the two readers of these configs (transformers'
-# DeepseekV3Config: 8 groups, 4 kept, 3 dense layers, x2.5, normalised; the configuration_deepseek.py
-# that DeepSeek-V3 and Kimi-K2 ship: none, none, 0, x1.0, not normalised). A MoE config without one
-# was read with this loader's guess and served other routing than the checkpoint's authors meant.
+# DeepseekV3Config: 8 groups, 4 kept, 3 dense layers, x2.5, normalised, 1 shared expert; the
+# configuration_deepseek.py that DeepSeek-V3 and Kimi-K2 ship: none, none, 0, x1.0, not normalised,
+# none). A MoE config without one was read with this loader's guess and served other routing than
+# the checkpoint's authors meant (without n_shared_experts: the shared experts left unread).
 ROUTING_FIELDS = ("num_experts_per_tok", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
-                  "first_k_dense_replace")
+                  "first_k_dense_replace", "n_shared_experts")
+# The yarn fields this model implements; another (transformers' attention_factor, truncate) would
+# change the rope or its scale and was dropped without a word.
+_YARN_FIELDS = frozenset({"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                          "mscale", "mscale_all_dim"})
 
 
 def _fail(source: str, field: str, why: str) -> CheckpointError:
@@ -140,8 +145,16 @@ def _parse_yarn(d: dict, source: str) -> YarnScaling | None:
     if not isinstance(rs, dict):
         raise _fail(source, "rope_scaling", f"must be null or an object, got {rs!r}")
     kind = rs.get("type", rs.get("rope_type"))
+    if kind == "default":   # transformers 5 writes no scaling so, beside its rope_parameters
+        return None
     if kind != "yarn":
         raise _fail(source, "rope_scaling.type", f"unsupported rope scaling {kind!r} (only 'yarn')")
+    # transformers' own defaults for these two are what this model does: refused only when set otherwise
+    extra = sorted(k for k, v in rs.items() if k not in _YARN_FIELDS
+                   and not (k == "attention_factor" and v is None) and not (k == "truncate" and v in (None, True)))
+    if extra:
+        raise _fail(source, f"rope_scaling.{extra[0]}", f"is not supported (yarn here takes {', '.join(sorted(_YARN_FIELDS))}; "
+                                                        "the cos/sin scale comes from mscale / mscale_all_dim)")
     src = f"{source} rope_scaling"
     return YarnScaling(
         factor=_get(rs, src, "factor", float, positive=True),
@@ -228,6 +241,8 @@ def _parse(d: dict[str, Any], source: str) -> TargetConfig:
         raise _fail(source, "hidden_act", f"unsupported {d.get('hidden_act')!r} (only 'silu')")
     if d.get("attention_bias"):
         raise _fail(source, "attention_bias", "must be false (the attention projections have no bias)")
+    if d.get("rope_interleave", True) is not True:   # transformers' key: the q/k rope weights' layout
+        raise _fail(source, "rope_interleave", f"must be true (DeepSeek's interleaved rope layout), got {d['rope_interleave']!r}")
     if "compression_config" in d and "quantization_config" not in d:
         raise _fail(source, "compression_config", "is the older name: this loader reads quantization_config")
     g = lambda field, kind, default=..., positive=False: _get(d, source, field, kind, default, positive)  # noqa: E731

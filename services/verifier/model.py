@@ -9,7 +9,7 @@ engine commits only the accepted path with ``PagedKVCache.write``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +36,7 @@ __all__ = [
     "rms_norm",
     "expected_tensors",
     "validate_weights",
+    "check_tensor_names",
     "load_checkpoint",
 ]
 
@@ -114,16 +115,68 @@ def dtype_error(name: str, dtype: torch.dtype | None, where: str) -> CheckpointE
     return CheckpointError(f"{where}: tensor {name} is {got}; expected {names}")
 
 
-def refuse_unsupported_tensors(config: TargetConfig, names: Iterable[str], where: str) -> None:
-    """CheckpointError for a tensor of a quantisation the loader does not implement (activation-
-    ordered groups, zero points) in the layers it serves; MTP layers past them are skipped anyway."""
-    for name in names:
+def check_tensor_names(config: TargetConfig, index: Mapping[str, str], where: str) -> None:
+    """CheckpointError where the checkpoint's tensor names and the config disagree: a tensor the
+    config implies is missing, a tensor of a quantisation the loader does not implement (activation-
+    ordered groups, zero points), or one in a served layer that the config does not imply. That last
+    one would be left unread: a config without its ``n_shared_experts`` loaded without the shared
+    experts and served other numbers than the checkpoint's. MTP layers past ``num_hidden_layers``
+    are not served and are skipped."""
+    expected = expected_tensors(config)
+    missing = [n for n in expected if n not in index]
+    if missing:
+        first = missing[0]
+        more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{where}: missing tensor {first}{more}{_missing_hint(config, first, index)}")
+    unread = []
+    for name in index:
+        if name in expected or name.endswith(_IGNORED_SUFFIXES) or _layer_of(name) >= config.num_hidden_layers:
+            continue
         if name.endswith(_UNSUPPORTED_SUFFIXES):
-            parts = name.split(".")
-            layer = int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else -1
-            if layer < config.num_hidden_layers:
-                raise CheckpointError(f"{where}: tensor {name}: {name.rsplit('.', 1)[-1]} is not supported "
-                                      "(symmetric INT4 groups in order only)")
+            raise CheckpointError(f"{where}: tensor {name}: {name.rsplit('.', 1)[-1]} is not supported "
+                                  "(symmetric INT4 groups in order only)")
+        if _layer_of(name) >= 0:
+            unread.append(name)
+    if unread:
+        more = f" (+{len(unread) - 1} more)" if len(unread) > 1 else ""
+        raise CheckpointError(f"{where}: tensor {unread[0]}{more} is not one config.json implies, and would be left "
+                              f"unread (does the config match the checkpoint?{_unread_hint(config, unread[0])})")
+
+
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)   # a buffer older exports saved; recomputed from the config
+
+
+def _layer_of(name: str) -> int:
+    """The decoder layer ``model.layers.{i}.*`` belongs to, or -1 for a tensor outside the layers."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
+
+
+def _missing_hint(config: TargetConfig, name: str, index: Mapping[str, str]) -> str:
+    """Which config field most likely disagrees with the checkpoint, where a tensor is missing."""
+    if name.endswith(".weight") and name + "_packed" in index:
+        if ".mlp.experts." in name:
+            return (f": the checkpoint holds the routed experts INT4-quantised ({name}_packed), and config.json "
+                    "has no quantization_config (compressed-tensors, pack-quantized) saying so")
+        return (f": the checkpoint holds it INT4-quantised ({name}_packed), and this loader reads INT4 for "
+                "the routed experts only (quantization_config.ignore must list every other layer)")
+    if name.endswith(".weight_packed") and name.removesuffix("_packed") in index:
+        return (f": config.json's quantization_config says INT4 routed experts, and the checkpoint holds them "
+                f"dense ({name.removesuffix('_packed')})")
+    if name.endswith(".self_attn.q_proj.weight") and name.replace(".q_proj.", ".q_a_proj.") in index:
+        return ": the checkpoint has a q LoRA (q_a_proj / q_b_proj), and config.json's q_lora_rank is null or missing"
+    if name.endswith(".self_attn.q_a_proj.weight") and name.replace(".q_a_proj.", ".q_proj.") in index:
+        return f": the checkpoint has no q LoRA (q_proj), and config.json's q_lora_rank is {config.q_lora_rank}"
+    return ""
+
+
+def _unread_hint(config: TargetConfig, name: str) -> str:
+    if ".mlp.shared_experts." in name:
+        return f" n_shared_experts is {config.n_shared_experts}"
+    if ".mlp.experts." in name or ".mlp.gate." in name:
+        return (f" n_routed_experts {config.n_routed_experts}, first_k_dense_replace {config.first_k_dense_replace},"
+                f" moe_layer_freq {config.moe_layer_freq}")
+    return ""
 
 
 def validate_weights(
@@ -159,18 +212,8 @@ def load_checkpoint(path: Path) -> tuple[TargetConfig, dict[str, Tensor]]:
     path = Path(path)
     config = read_target_config(path)
     index = tensor_index(path)
-    expected = expected_tensors(config)
-    missing = [n for n in expected if n not in index]
-    if missing:
-        first = missing[0]
-        why = ""
-        if first.endswith(".weight") and first + "_packed" in index:   # quantised past the routed experts
-            why = (f": the checkpoint holds it INT4-quantised ({first}_packed), and this loader reads INT4 for "
-                   "the routed experts only (quantization_config.ignore must list every other layer)")
-        raise CheckpointError(f"{path}: missing tensor {first}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
-                              + why)
-    refuse_unsupported_tensors(config, index, str(path))
-    weights = load_tensors(path, names=list(expected))
+    check_tensor_names(config, index, str(path))
+    weights = load_tensors(path, names=list(expected_tensors(config)))
     validate_weights(config, weights, where=lambda name: str(path / index.get(name, "?")))
     return config, weights
 

@@ -83,12 +83,12 @@ def load_rank_slice(path: Path, config: TargetConfig, expected: dict[str, tuple[
     Every tensor's presence, shard, shape, dtype and split is checked from the headers first: a
     K2 checkpoint's last shard missing, or its last tensor a column short, was found only after
     the ranks had read everything before it."""
-    from services.verifier.model import dtype_error, refuse_unsupported_tensors
+    from services.verifier.model import check_tensor_names, dtype_error
 
     path = Path(path)
     index = tensor_index(path)
     stored = weight_prefix(path)   # the names in the files (a multimodal wrapper's language model)
-    refuse_unsupported_tensors(config, index, str(path))
+    check_tensor_names(config, index, str(path))
     out: dict[str, torch.Tensor] = {}
     handles: dict[str, Any] = {}
     plan: list[tuple[str, Any, _Rule | None]] = []
