@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
 from services.verifier.acceptance import Acceptance, accept
-from services.verifier.sampling import Sampling, posterior_tokens, request_generator
+from services.verifier.sampling import Sampling, posterior_tokens, token_uniforms
 
 #  Hand-built tree used below (index: token):
 #          0:100
@@ -108,53 +111,71 @@ def test_greedy_is_argmax() -> None:
     assert torch.equal(out, logits.argmax(dim=-1))
 
 
+def _uniforms(n: int, seed: int) -> torch.Tensor:
+    return torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
 def test_seeded_sampling_is_reproducible() -> None:
     logits = torch.randn(32, 100, generator=torch.Generator().manual_seed(1))
     sampling = Sampling(temperature=0.8, top_p=0.9, top_k=40, seed=123)
-    first = posterior_tokens(logits, sampling, torch.Generator().manual_seed(123))
-    second = posterior_tokens(logits, sampling, torch.Generator().manual_seed(123))
-    assert torch.equal(first, second)
-    other = posterior_tokens(logits, sampling, torch.Generator().manual_seed(124))
-    assert not torch.equal(first, other)
+    at = lambda seed: torch.from_numpy(token_uniforms(seed, np.arange(32)))  # noqa: E731
+    first = posterior_tokens(logits, sampling, at(123))
+    assert torch.equal(first, posterior_tokens(logits, sampling, at(123)))
+    assert not torch.equal(first, posterior_tokens(logits, sampling, at(124)))
+    with pytest.raises(ValueError, match="one uniform a row"):
+        posterior_tokens(logits, sampling, at(123)[:31])
 
 
-def test_seeds_that_differ_only_above_bit_32_draw_differently_on_the_cpu() -> None:
-    """The CPU generator keeps only a seed's low 32 bits: 7 and 2**32 + 7 drew the same tokens."""
-    logits = torch.randn(64, 500, generator=torch.Generator().manual_seed(0))
-    s = Sampling(temperature=1.0)
-
-    def draws(seed: int) -> list[int]:
-        return posterior_tokens(logits, s, request_generator(seed, "cpu")).tolist()
+def test_token_uniforms_are_keyed_by_all_64_bits_of_the_seed_and_by_index() -> None:
+    """Seeds that differ only above bit 32 (a CPU generator kept the low 32 bits) draw apart; an
+    index draws the same wherever it is asked for, and the draws look uniform and independent."""
     for low, high in ((7, 2**32 + 7), (1, 2**63 + 1), (5, 2**62 + 5), (0, 2**64 - 2**32)):
-        assert draws(low) != draws(high), (low, high)
-        assert draws(high) == draws(high)
-    for seed in (0, 7, 2**32 - 1):   # below 2**32 a seed is used as it is
-        assert request_generator(seed, "cpu").initial_seed() == seed
+        assert not np.array_equal(token_uniforms(low, range(16)), token_uniforms(high, range(16))), (low, high)
+    u = token_uniforms(11, np.arange(200_000))
+    assert token_uniforms(11, [150_000, 3]).tolist() == [u[150_000], u[3]]
+    assert 0.0 <= u.min() and u.max() < 1.0
+    assert abs(u.mean() - 0.5) < 0.003 and abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.01
+    counts = np.bincount((u * 20).astype(int), minlength=20)
+    chi2 = ((counts - 10_000) ** 2 / 10_000).sum()
+    assert chi2 < 45   # 19 degrees of freedom: p ~ 0.001
+
+
+def test_inverse_cdf_never_draws_a_filtered_or_impossible_token_and_reaches_rare_ones() -> None:
+    """Uniforms at both ends of [0, 1) land on tokens of positive probability; a token of
+    probability 1e-9 after the bulk is drawn where its sliver of the CDF is (a float32 CDF sums
+    to 1 in steps of 6e-8 near its end and could never draw it)."""
+    logits = torch.tensor([[0.0, float("-inf"), 0.0, float("-inf")]]).repeat(3, 1)
+    ends = torch.tensor([0.0, 0.5, 1.0 - 2.0**-53], dtype=torch.float64)
+    assert posterior_tokens(logits, Sampling(temperature=1.0), ends).tolist() == [0, 2, 2]
+    rare = torch.tensor([[0.0, math.log(1e-9)]], dtype=torch.float64)
+    s = Sampling(temperature=1.0)
+    assert posterior_tokens(rare, s, torch.tensor([1.0 - 5e-10], dtype=torch.float64)).tolist() == [1]
+    assert posterior_tokens(rare, s, torch.tensor([1.0 - 2e-9], dtype=torch.float64)).tolist() == [0]
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 5.0])
 def test_top_k_one_and_tiny_top_p_are_greedy(temperature: float) -> None:
     logits = torch.randn(64, 30, generator=torch.Generator().manual_seed(2))
     greedy = logits.argmax(dim=-1)
-    gen = torch.Generator().manual_seed(9)
-    assert torch.equal(posterior_tokens(logits, Sampling(temperature=temperature, top_k=1), gen), greedy)
-    assert torch.equal(posterior_tokens(logits, Sampling(temperature=temperature, top_p=1e-6), gen), greedy)
+    u = _uniforms(64, 9)
+    assert torch.equal(posterior_tokens(logits, Sampling(temperature=temperature, top_k=1), u), greedy)
+    assert torch.equal(posterior_tokens(logits, Sampling(temperature=temperature, top_p=1e-6), u), greedy)
 
 
 def test_filters_restrict_support() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)  # [n, 4]
-    gen = torch.Generator().manual_seed(4)
-    top_k = posterior_tokens(logits, Sampling(temperature=1.0, top_k=2), gen)
+    u = _uniforms(4000, 4)
+    top_k = posterior_tokens(logits, Sampling(temperature=1.0, top_k=2), u)
     assert set(top_k.tolist()) == {0, 1}
     # top_p=0.7: 0.5 alone is short of it, 0.5 + 0.3 reaches it -> {0, 1}.
-    top_p = posterior_tokens(logits, Sampling(temperature=1.0, top_p=0.7), gen)
+    top_p = posterior_tokens(logits, Sampling(temperature=1.0, top_p=0.7), u)
     assert set(top_p.tolist()) == {0, 1}
 
 
 def test_samples_follow_softmax() -> None:
     logits = torch.randn(8, generator=torch.Generator().manual_seed(5)) * 1.5  # [V]
     draws = 20000
-    out = posterior_tokens(logits.expand(draws, -1), Sampling(temperature=1.0), torch.Generator().manual_seed(6))
+    out = posterior_tokens(logits.expand(draws, -1), Sampling(temperature=1.0), _uniforms(draws, 6))
     empirical = torch.bincount(out, minlength=8).double() / draws  # [V]
     expected = torch.softmax(logits.double(), dim=-1)  # [V]
     total_variation = 0.5 * (empirical - expected).abs().sum().item()
@@ -171,8 +192,9 @@ def test_sampling_at_the_ends_of_the_temperature_range_draws_valid_tokens() -> N
     logits[:, :8] = float("-inf")   # filtered entries stay out at any temperature
     for t in TEMPERATURE_RANGE:
         tokens = posterior_tokens(logits.to(torch.bfloat16), Sampling(temperature=t, top_p=0.9, top_k=50),
-                                  torch.Generator().manual_seed(0))
+                                  _uniforms(64, 0))
         assert tokens.shape == (64,) and bool(((tokens >= 8) & (tokens < 512)).all())
-    assert torch.equal(posterior_tokens(logits, Sampling(temperature=TEMPERATURE_RANGE[0]), g), logits.argmax(-1))
+    assert torch.equal(posterior_tokens(logits, Sampling(temperature=TEMPERATURE_RANGE[0]), _uniforms(64, 1)),
+                       logits.argmax(-1))
     with pytest.raises(ValueError):
         Sampling(temperature=TEMPERATURE_RANGE[0] / 2)

@@ -171,18 +171,19 @@ def test_step_loop_pauses_speculation_for_the_whole_batch() -> None:
             items = step._schedule()
             budgets.append([i.budget for i in items])
             step.gate.observe(step._speculating, accepted)
-        # Two DDTree steps averaging 1.25 < 1.5: both greedy requests decode AR for two steps (no
-        # tree of one pads the other's), then both probe again; the seeded one keeps its trees.
-        assert budgets == [[8, 8, 8], [8, 8, 8], [0, 0, 8], [0, 0, 8], [8, 8, 8], [8, 8, 8]]
+        # Two DDTree steps averaging 1.25 < 1.5: every request decodes AR for two steps (no tree
+        # of one pads the other's), the sampled one too (its draws do not follow its trees), then
+        # all probe again. A sampled request kept its trees, and with them every tree's size.
+        assert budgets == [[8, 8, 8], [8, 8, 8], [0, 0, 0], [0, 0, 0], [8, 8, 8], [8, 8, 8]]
         # A prompt admitted while speculation is paused carries budget 0 too (the draft drafts its
-        # first tree at that budget); a sampled one keeps its budget.
+        # first tree at that budget), a sampled one as well.
         step.gate.observe(True, 1.0), step.gate.observe(True, 1.0)   # two poor steps: paused again
         late, late_sampled = request("c", 10), request("t", 10)
         late_sampled.sampling.temperature = 0.8
         step.waiting.extend([late, late_sampled])
         items = {client_id(i.request_id): i for i in step._schedule()}
         assert not step._speculating and items["a"].budget == 0
-        assert list(items["c"].prompt_token_ids) and items["c"].budget == 0 and items["t"].budget == 8
+        assert list(items["c"].prompt_token_ids) and items["c"].budget == 0 and items["t"].budget == 0
         idle = loop(spec_min_acceptance=1.5, spec_backoff_steps=2)
         idle.gate.observe(True, 1.0), idle.gate.observe(True, 1.0), idle.gate.observe(True, 1.0)
         idle.gate.observe(True, 1.0)

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ from services.verifier.graphs import BATCH_BUCKETS, NODE_BUCKETS, REPLAY_ROWS, V
 from services.verifier.make_target import write_random_target
 from services.verifier.model import ForwardBatch, TargetModel
 from services.verifier.reference import ReferenceModel
-from services.verifier.sampling import Sampling
+from services.verifier.sampling import Sampling, posterior_tokens, token_uniforms
 
 VOCAB = 64
 DRAFT_DEPTH = 8          # rows of the random draft log-prob tables (max tree depth)
@@ -1105,7 +1106,6 @@ def test_posterior_reads_padded_rows_as_their_copy(target: Target, monkeypatch: 
     posterior from those rows copied out, for greedy and seeded sampling requests, and gathers
     (the tensor-parallel exchange) the sampled requests' rows only."""
     from services.verifier.engine import _Request
-    from services.verifier.sampling import request_generator
     engine = make_engine(target.model, shuffle_seed=None)
     params = [Sampling(), Sampling(temperature=0.8, top_k=20, seed=4), Sampling(), Sampling(temperature=1.0, seed=9)]
     counts = [3, 5, 1, 4]
@@ -1113,9 +1113,9 @@ def test_posterior_reads_padded_rows_as_their_copy(target: Target, monkeypatch: 
     logits = torch.randn(32, 50, generator=torch.Generator().manual_seed(1))
 
     def posterior(lg: torch.Tensor, padded_rows: torch.Tensor | None) -> list[list[int]]:
-        reqs = [_Request(f"r{i}", "", s, request_generator(s.seed, lg.device) if s.seed is not None else None)
-                for i, s in enumerate(params)]
-        return [t.tolist() for t in engine._posterior(lg, reqs, counts, padded_rows)]
+        reqs = [_Request(f"r{i}", "", s, s.seed) for i, s in enumerate(params)]
+        drawn = np.concatenate([np.arange(n) + 10 for n in counts])
+        return [t.tolist() for t in engine._posterior(lg, reqs, counts, drawn, padded_rows)]
 
     gathered: list[tuple[int, ...]] = []
     tp = engine.model.tp
@@ -1125,6 +1125,48 @@ def test_posterior_reads_padded_rows_as_their_copy(target: Target, monkeypatch: 
     copied = posterior(logits[rows], None)
     assert padded == copied and [len(t) for t in padded] == counts
     assert padded[0] == logits[rows[:3]].argmax(-1).tolist()
+
+
+def test_a_seeded_request_draws_the_same_tokens_whatever_its_trees(target: Target) -> None:
+    """A node draws with the uniform of the index it draws at (`token_uniforms`), shared by every
+    node at its depth, so a seeded stream is the same autoregressively, under random trees of any
+    budget, and under trees that carry its own continuation (long accepted paths); and it is
+    inverse-CDF sampling of the float64 reference at those uniforms. One draw per node from a
+    generator made the stream depend on how many nodes came before."""
+    sampling = [Sampling(temperature=1.0, seed=5), Sampling(temperature=0.7, top_k=20, seed=2**63 + 9),
+                Sampling(temperature=1.3, top_p=0.8, seed=0)]
+    n = 20
+    ref = []
+    for prompt, s in zip(PROMPTS, sampling):   # the reference, one token at a time
+        seq = list(prompt)
+        uniforms = torch.from_numpy(token_uniforms(s.seed, np.arange(len(prompt), len(prompt) + n)))
+        for t in range(n):
+            seq.append(int(posterior_tokens(target.logits(seq)[None], s, uniforms[t:t + 1])))
+        ref.append(seq[len(prompt):])
+
+    def run(budgets: list[int], plant: bool, tag: str) -> tuple[list[list[int]], int]:
+        engine = make_engine(target.model)
+        rids = [f"{tag}{i}" for i in range(len(PROMPTS))]
+        out = engine.prefill([PrefillInput(r, p, s, 0) for r, p, s in zip(rids, PROMPTS, sampling)])
+        gen = [list(it.tokens) for it in out.items]
+        g, longest = torch.Generator().manual_seed(3), 0
+        for step in range(n):
+            active = [r for r in range(len(rids)) if len(gen[r]) < n]
+            if not active:
+                break
+            trees = [random_tree(gen[r][-1], budgets[(r + step) % len(budgets)], g,
+                                 ref[r][len(gen[r]):] if plant else None) for r in active]
+            for r, item in zip(active, engine.verify([rids[r] for r in active], *pack(trees)).items):
+                assert item.error is None, item.error
+                gen[r].extend(item.tokens)
+                longest = max(longest, len(item.tokens))
+        return [x[:n] for x in gen], longest
+
+    auto, _ = run([0], False, "a")
+    assert auto == ref
+    assert run([4, 16, 64], False, "r")[0] == ref
+    planted, longest = run([8, 32], True, "p")
+    assert planted == ref and longest >= 4   # paths of several tokens were accepted
 
 
 def test_fixed_seed_reproducible(target: Target) -> None:

@@ -114,7 +114,11 @@ def test_sampling_with_seed_is_reproducible(stack):
         a = c.generate(PROMPTS[0], seed=1234, **kwargs)
         b = c.generate(PROMPTS[0], seed=1234, **kwargs)
         others = {tuple(c.generate(PROMPTS[0], seed=s, **kwargs).token_ids) for s in range(5)}
+        # The draws are keyed by token index, not by the trees: any budget, or no speculation, the same text
+        budgets = [c.generate(PROMPTS[0], seed=1234, **dict(kwargs, budget=b)).token_ids for b in (1, 64)]
+        auto = c.generate(PROMPTS[0], seed=1234, mode="autoregressive", **kwargs)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 20
+    assert budgets == [a.token_ids] * 2 and auto.token_ids == a.token_ids
     assert len(others) > 1  # the seed does change the draw
 
 

@@ -216,7 +216,7 @@ class StepLoop:
                 req.add_tokens(list(res.token_ids), res.acceptance_length,
                                tree=res.request_id in trees and req.mode != common_pb2.MODE_AUTOREGRESSIVE)
                 tree_step = res.acceptance_length and req.mode != common_pb2.MODE_AUTOREGRESSIVE
-                if tree_step and not _sampled(req):
+                if tree_step:
                     drafted.append(res.acceptance_length)
                 self.metrics.tokens.inc(len(req.out_ids) - before)
                 if tree_step and res.request_id in trees:   # as verified (not autoregressive or paused steps)
@@ -297,10 +297,12 @@ class StepLoop:
         return items
 
     def _budget(self, req: ActiveRequest) -> int:
-        """The request's tree budget this step: 0 while the gate pauses speculation (greedy only).
+        """The request's tree budget this step: 0 while the gate pauses speculation. A request's
+        output does not depend on its trees, sampled ones' included (their draws are keyed by
+        token index: `services/verifier/sampling.py`), so every request of the batch pauses.
         Prompt pieces carry it too: the draft drafts a request's next tree at the budget of its
         last item, before the next step says which budget that step wants."""
-        return req.budget if self._speculating or _sampled(req) else 0
+        return req.budget if self._speculating else 0
 
     @staticmethod
     def _piece(req: ActiveRequest, tokens: int, tree_budget: int) -> draft_pb2.StepItem:
@@ -347,13 +349,6 @@ class StepLoop:
                  mean_acceptance=round(usage.mean_acceptance, 3), budget=req.budget,
                  ttft_ms=round((req.first_token_at - req.created) * 1e3, 2) if req.first_token_at else None,
                  seconds=round(now - req.created, 4))
-
-
-def _sampled(req: ActiveRequest) -> bool:
-    """Sampled requests always speculate: the random draws of a seeded request follow its trees,
-    so pausing them with the batch would make its output depend on other requests. Greedy output
-    is the target's argmax whatever the trees, so the gate governs greedy requests only."""
-    return req.sampling.temperature > 0
 
 
 # What a draft or verifier may say of one request that tells of their own state, not of the

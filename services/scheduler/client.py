@@ -551,7 +551,8 @@ class Client(_Calls):
         max_tokens: the most tokens to generate (fewer where the context ends first: "length").
         temperature: 0 is greedy; else between 1e-6 and 1e4. top_p, top_k: nucleus and top-k cuts
             of the sampled distribution (1.0 and 0: none). None leaves one unset: greedy, no cut.
-        seed: reproduces a sampled output for the same prompt, parameters, mode and budget; None: random.
+        seed: reproduces a sampled output for the same prompt and sampling parameters, whatever the
+            mode and budget (in bfloat16 only beside the same requests: README); None: random.
         budget: draft-tree nodes a verify step, 1..128; 0: the server's default.
         mode: "ddtree" (speculative) or "autoregressive" (a token a step); None: the server's default.
         stop: one string or several; the text ends before the first one completed.

@@ -28,7 +28,7 @@ from services.verifier.acceptance import accept
 from services.verifier.graphs import VerifyGraphs
 from services.verifier.kv_cache import OutOfPages, PagedKVCache
 from services.verifier.model import ForwardBatch, TargetModel
-from services.verifier.sampling import Sampling, posterior_tokens, request_generator
+from services.verifier.sampling import Sampling, draw_seed, posterior_tokens, token_uniforms
 
 __all__ = ["VerifierEngine", "PrefillInput", "ItemOutcome", "StepOutcome", "tree_shape_error", "WARMUP_BATCHES"]
 
@@ -67,7 +67,7 @@ class _Request:
     request_id: str
     owner: str
     sampling: Sampling
-    generator: torch.Generator | None
+    seed: int | None         # keys its draws (sampled requests; `token_uniforms`)
     length: int = 0          # tokens whose KV is in the cache
     pending: int = -1        # the last sampled token: the next tree's root
     prefilling: bool = False  # its prompt is still arriving in pieces (no token sampled yet)
@@ -371,10 +371,9 @@ class VerifierEngine:
             self._validate_piece(item, req)
         else:
             self._validate_prompt(item)
-            gen = None   # made before the pages are taken: nothing may fail between those and the record
+            seed = None   # drawn before the pages are taken: nothing may fail between those and the record
             if item.sampling.temperature > 0:
-                gen = request_generator(item.sampling.seed if item.sampling.seed is not None else
-                                        int(torch.randint(0, 2**62, (1,)).item()), self.model_device)
+                seed = item.sampling.seed if item.sampling.seed is not None else draw_seed()
             reserve = min(max(item.reserve_tokens, len(item.token_ids) + 1), self.max_context)
             try:
                 self.cache.reserve(item.request_id, reserve)
@@ -383,7 +382,7 @@ class VerifierEngine:
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"KV cache full: request needs {reserve} tokens, {self.cache.pages_free} pages free "
                     f"of {self.cache.page_size} tokens") from None
-            req = _Request(item.request_id, item.owner, item.sampling, gen)
+            req = _Request(item.request_id, item.owner, item.sampling, seed)
             self._requests[item.request_id] = req
         req.prefilling = item.more
         return req
@@ -474,7 +473,8 @@ class VerifierEngine:
         if done:
             rows = torch.from_numpy(ends[done]).to(dev)
             rows = rows if out.rows is None else out.rows[rows]
-            first = self._posterior(out.logits[rows], [reqs[g] for g in done], [1] * len(done))
+            first = self._posterior(out.logits[rows], [reqs[g] for g in done], [1] * len(done),
+                                    np.array([reqs[g].length for g in done]))   # the token after the prompt
             for g, token in zip(done, torch.cat(first).tolist()):
                 i, req, _, _ = group[g]
                 req.pending = int(token)
@@ -522,7 +522,8 @@ class VerifierEngine:
             bounds = np.concatenate([[0], np.cumsum(live_sizes)])
             masks = [ancestor_mask(torch.from_numpy(par[bounds[j]:bounds[j + 1]]).to(dev)) for j in range(len(reqs))]
             out = self._forward(flat_tokens, starts + flat_depths, reqs, masks)
-        posterior = torch.cat(self._posterior(out.logits, reqs, live_sizes, out.rows)).tolist()   # [N] one sync
+        drawn = np.repeat([r.length + 1 for r in reqs], live_sizes) + dep   # each node's next token's index
+        posterior = torch.cat(self._posterior(out.logits, reqs, live_sizes, drawn, out.rows)).tolist()   # [N] one sync
         tok_l, par_l = tok.tolist(), par.tolist()
         keep: list[int] = []           # rows of the accepted paths, in request order
         writes: list[tuple[str, int, int]] = []
@@ -613,9 +614,13 @@ class VerifierEngine:
         return None
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _posterior(self, logits: torch.Tensor, reqs: Sequence[_Request], counts: Sequence[int] | None = None,
+    def _posterior(self, logits: torch.Tensor, reqs: Sequence[_Request], counts: Sequence[int], drawn: np.ndarray,
                    rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Posterior token at every node, per request (`counts` rows each).
+
+        `drawn`: [rows] the index in its sequence of the token each row draws, which keys a sampled
+        request's uniform (`token_uniforms`): the same index draws the same way in a prompt's first
+        token, any tree, or an autoregressive step.
 
         `rows`: where `logits` are a graph bucket's padded rows, the nodes' rows among them. Greedy
         takes the argmax of every padded row and keeps the nodes'; sampling reads only the sampled
@@ -624,10 +629,10 @@ class VerifierEngine:
 
         Under tensor parallelism `logits` [N, V/tp] is this rank's vocabulary slice: greedy needs
         only one (max, index) exchange for the whole batch; sampling gathers the sampled rows once
-        and every rank draws the same tokens from the same seeded generators.
+        and every rank draws the same tokens from the same uniforms.
         """
         tp = self.model.tp
-        counts = list(counts) if counts is not None else [logits.shape[0] if rows is None else rows.shape[0]]
+        counts = list(counts)
         starts = np.concatenate([[0], np.cumsum(counts)])
         greedy = full = None
         if any(r.sampling.temperature == 0 for r in reqs):
@@ -642,13 +647,15 @@ class VerifierEngine:
             else:
                 index = torch.from_numpy(picks).to(logits.device)
                 full = tp.gather_logits(logits[index if rows is None else rows[index]])   # [sampled rows, V]
+            uniforms = torch.from_numpy(np.concatenate(   # [sampled rows] one copy to the device
+                [token_uniforms(reqs[j].seed, drawn[starts[j]:starts[j + 1]]) for j in sampled])).to(full.device)
         out, at = [], 0
         for j, req in enumerate(reqs):
             if req.sampling.temperature == 0:
                 out.append(greedy[starts[j]:starts[j + 1]])
             else:
                 n = counts[j]
-                out.append(posterior_tokens(full[at:at + n], req.sampling, req.generator))
+                out.append(posterior_tokens(full[at:at + n], req.sampling, uniforms[at:at + n]))
                 at += n
         return out
 

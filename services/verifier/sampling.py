@@ -1,21 +1,27 @@
 """Posterior tokens: what the target model would emit at every tree node.
 
 Speculative acceptance compares each node's children against the target's own choice at that
-node. At temperature 0 the choice is the argmax (exact greedy decoding). At T > 0 it is one
-independent draw per node from the filtered target distribution; following children that match
-those draws reproduces ordinary sampling exactly, so the output distribution is unchanged.
+node. At temperature 0 the choice is the argmax (exact greedy decoding). At T > 0 it is a draw
+from the filtered target distribution by inverse CDF, with a uniform keyed to the request's seed
+and the index in the sequence of the token drawn: every node at one depth of a tree shares it.
+The accepted path visits one node per depth, so its tokens are exactly what ordinary sampling with
+those uniforms draws one token at a time: lossless, and a seeded request's tokens depend on its
+seed, prompt and parameters only, not on its trees (their budget, shape, the drafter), nor on
+whether it speculates at all. (Draws from a generator, one per node, made them depend on the
+number of nodes drawn before: the same seed gave other text at another budget.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from services.common.settings import TEMPERATURE_RANGE, temperature_ok
 
-__all__ = ["Sampling", "posterior_tokens", "request_generator"]
+__all__ = ["Sampling", "draw_seed", "posterior_tokens", "token_uniforms"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +31,7 @@ class Sampling:
     temperature: 0 means greedy; > 0 scales logits before softmax.
     top_p: nucleus mass in (0, 1]; 1 disables it.
     top_k: keep the k most likely tokens; 0 disables it.
-    seed: seeds the request's generator (None: nondeterministic); used by the caller.
+    seed: keys the request's draws (None: one drawn at admission); used by the caller.
     """
 
     temperature: float = 0.0
@@ -68,38 +74,58 @@ def _filter_top_p(logits: Tensor, top_p: float) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def request_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A request's generator from its 64-bit seed.
-
-    CUDA's generator (Philox) takes all 64 bits; the CPU's (a Mersenne Twister) only the low 32, so
-    there seeds that differed only above bit 32 drew the same tokens. On the CPU the high half is
-    now mixed into the low one (a seed below 2**32 is used as it is, so its outputs do not change);
-    2**64 seeds onto 2**32 states still collide, but not along so plain a pattern.
-    """
-    gen = torch.Generator(device=device)
-    high = seed >> 32
-    if gen.device.type == "cpu" and high:
-        seed = (seed ^ (high * 0x9E3779B97F4A7C15 >> 32)) & 0xFFFFFFFF
-    return gen.manual_seed(seed)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-def posterior_tokens(logits: Tensor, sampling: Sampling, generator: torch.Generator | None) -> Tensor:
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of 64-bit words whose outputs pass as independent."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def token_uniforms(seed: int, indices: np.ndarray | list[int]) -> np.ndarray:
+    """The uniform in [0, 1) that draws the token at each sequence index of a request seeded
+    ``seed`` (any 64-bit value): splitmix64 of the mixed seed advanced by the index, 53 bits of it.
+    Counter-based, so a tree's nodes, a prompt's first token and an autoregressive step all key
+    the same index alike, and every tensor-parallel rank computes the same ones on its host."""
+    with np.errstate(over="ignore"):
+        key = _mix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
+        z = _mix64(key + (np.asarray(indices, dtype=np.int64).astype(np.uint64) + np.uint64(1)) * _GOLDEN)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
+def draw_seed() -> int:
+    """A seed for a request that set none: its tokens are random, and still drawn by index."""
+    return int.from_bytes(np.random.default_rng().bytes(8), "little")
+
+
+def posterior_tokens(logits: Tensor, sampling: Sampling, uniforms: Tensor | None) -> Tensor:
     """The target's token at each node.
 
     Args:
         logits: [n, V] target logits at the tree nodes (any float dtype; math in float32).
         sampling: the request's parameters.
-        generator: the request's seeded generator (same device as ``logits``), or None for the
-            global RNG. Ignored when greedy.
+        uniforms: [n] float64 in [0, 1) on ``logits``' device, each row's (``token_uniforms`` of
+            the index it draws). Ignored when greedy.
 
     Returns:
-        [n] int64 token ids: argmax at T=0, else one independent draw per node from
-        softmax(logits / T) after top-k then top-p filtering.
+        [n] int64 token ids: argmax at T=0, else the inverse CDF at each row's uniform of
+        softmax(logits / T) after top-k then top-p filtering. The CDF is summed in float64: in
+        float32 its steps near 1 are 6e-8 apart, and a rarer token could never be drawn.
     """
     if sampling.greedy:
         return logits.argmax(dim=-1)  # [n]
+    if uniforms is None or uniforms.shape != logits.shape[:1]:
+        raise ValueError(f"sampling needs one uniform a row: {logits.shape[0]} rows, "
+                         f"{None if uniforms is None else tuple(uniforms.shape)} uniforms")
     scaled = logits.float() / sampling.temperature  # [n, V]
     scaled = _filter_top_k(scaled, sampling.top_k)
     scaled = _filter_top_p(scaled, sampling.top_p)
     probs = torch.softmax(scaled, dim=-1)  # [n, V]
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [n]
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [n, V]
+    total = cdf[:, -1:]  # [n, 1] (1 up to rounding)
+    # The first index whose CDF passes u * total: a token of probability 0 adds nothing to the
+    # CDF, so never passes first; the target stays below the total, so one always passes.
+    target = torch.minimum(uniforms.to(torch.float64).unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [n]
