@@ -1,0 +1,63 @@
+"""GPU check of the sampler (`services.verifier.sampling.posterior_tokens`): draws by inverse CDF
+at uniforms keyed by token index, the CDF summed in float64. On the GPU: the same tokens as the
+CPU at the same uniforms (the float32 softmax may round apart, so a few rows may differ), the
+draws' distribution against the softmax, and the time of one request's draw at K2 / DeepSeek-V3
+vocabularies (the sampled rows of a step, per request).
+
+    python -m bench.sampling_check --commit <sha> --out <dir>/sampling-check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from bench.common import git_commit
+from services.verifier.sampling import Sampling, posterior_tokens, token_uniforms
+
+SHAPES = [(163840, 129), (163840, 17), (129280, 33), (512, 4096)]   # (vocabulary, rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--commit")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    sampling = Sampling(temperature=0.9, top_p=0.95)
+    rows = []
+    for vocab, n in SHAPES:
+        logits = (torch.randn(n, vocab, generator=g) * 3).to("cuda", torch.bfloat16)
+        uniforms = torch.from_numpy(token_uniforms(7, np.arange(n))).cuda()
+        gpu = posterior_tokens(logits, sampling, uniforms).cpu()
+        cpu = posterior_tokens(logits.cpu(), sampling, uniforms.cpu())
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(20):
+            posterior_tokens(logits, sampling, uniforms)
+        torch.cuda.synchronize()
+        rows.append(dict(check="draw", vocab=vocab, rows=n, equal_to_cpu=int((gpu == cpu).sum()),
+                         ms=round((time.perf_counter() - start) / 20 * 1e3, 3)))
+        print(rows[-1], flush=True)
+    vocab, draws = 6, 200_000
+    logits = torch.randn(vocab, generator=g)
+    uniforms = torch.from_numpy(token_uniforms(3, np.arange(draws))).cuda()
+    out = posterior_tokens(logits.cuda().expand(draws, -1), Sampling(temperature=1.0), uniforms)
+    empirical = torch.bincount(out, minlength=vocab).double().cpu() / draws
+    tv = 0.5 * (empirical - torch.softmax(logits.double(), -1)).abs().sum().item()
+    rows.append(dict(check="distribution", vocab=vocab, rows=draws, total_variation=round(tv, 5),
+                     passed=tv < 0.005))   # the null's TV at 200k draws of 6 tokens is ~0.002
+    print(rows[-1], flush=True)
+    result = dict(benchmark="sampling_check", commit=git_commit(args.commit), gpu=torch.cuda.get_device_name(),
+                  copy_gbps=None, params=dict(temperature=0.9, top_p=0.95, shapes=SHAPES), rows=rows)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0 if rows[-1]["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
