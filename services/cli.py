@@ -23,6 +23,7 @@ import os
 import re
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 __all__ = ["main"]
@@ -197,6 +198,8 @@ def _unavailable_hint(args: argparse.Namespace, details: str) -> str:
     """What to check when no scheduler answered: the TLS set-up where its handshake failed, the
     host where it was not found, else whether a scheduler runs there at all."""
     low = details.lower()
+    if args.tls_ca is not None and "wrong_version_number" in low:   # a plaintext server's answer to a TLS hello
+        return f"the scheduler at --address {args.address} does not speak TLS: leave out --tls-ca"
     if args.tls_ca is not None and any(w in low for w in ("handshake", "certificate", "ssl", "hostname verification")):
         return ("the TLS handshake failed: does --tls-ca hold the CA that signed the scheduler's certificate, "
                 "and does that certificate name the host (else --tls-server-name NAME)?")
@@ -250,10 +253,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(",".join(map(str, ids)), end="")
             started = True
     try:
-        client = Client(args.address, tls_ca=args.tls_ca, token=args.token, tls_server_name=args.tls_server_name)
+        with warnings.catch_warnings(record=True) as said:   # the token-in-clear one: a line, not a source quote
+            warnings.simplefilter("always")
+            client = Client(args.address, tls_ca=args.tls_ca, token=args.token, tls_server_name=args.tls_server_name)
     except ClientError as exc:   # a flag the client cannot use: nothing was sent
         print(f"ddtree generate: {_refused(exc.message)}", file=sys.stderr)
         return 2
+    for warning in said:
+        print(f"ddtree generate: warning: {warning.message}", file=sys.stderr)
     try:
         with client:
             try:
@@ -314,8 +321,11 @@ def _answers(args: argparse.Namespace) -> bool:
     from services.scheduler.client import Client, ClientError
 
     try:
-        with Client(args.address, timeout_s=3.0, tls_ca=args.tls_ca, token=args.token,
-                    tls_server_name=args.tls_server_name) as client:
+        with warnings.catch_warnings():   # said once already, by the call this one follows
+            warnings.simplefilter("ignore")
+            client = Client(args.address, timeout_s=3.0, tls_ca=args.tls_ca, token=args.token,
+                            tls_server_name=args.tls_server_name)
+        with client:
             client.model_info()
         return True
     except ClientError:

@@ -539,11 +539,66 @@ def test_a_token_sent_in_clear_to_another_host_is_warned_about(recwarn) -> None:
 
     with pytest.warns(UserWarning, match="bearer token goes to 10.1.2.3:50051 without TLS"):
         Client("10.1.2.3:50051", token="s3cret").close()
+    # a DNS name that starts with "127." is no loopback address
+    with pytest.warns(UserWarning, match="bearer token goes to 127.example.com:1 without TLS"):
+        Client("127.example.com:1", token="s3cret").close()
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # loopback, no token, or TLS: nothing to say
         for address, kwargs in (("127.0.0.1:50051", {"token": "t"}), ("localhost:1", {"token": "t"}),
-                                ("[::1]:1", {"token": "t"}), ("10.1.2.3:1", {}), ("unix:/tmp/x", {"token": "t"})):
+                                ("[::1]:1", {"token": "t"}), ("10.1.2.3:1", {}), ("unix:/tmp/x", {"token": "t"}),
+                                ("ipv4:127.0.0.1:1", {"token": "t"}), ("ipv6:[::1]:1", {"token": "t"}),
+                                ("dns:///localhost:1", {"token": "t"}), ("127.1.2.3:1", {"token": "t"})):
             Client(address, **kwargs).close()
+
+
+def test_the_cli_says_a_token_in_clear_in_one_line_once(tmp_path) -> None:
+    """It printed Python's warning (the file, line and source of the CLI), and again from the probe
+    it makes after an UNAVAILABLE."""
+    import os
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--address", "192.0.2.1:9",
+                          "--prompt", "x", "--token", "s3cret"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONWARNINGS": "default"})
+    said = [line for line in out.stderr.splitlines() if "bearer token" in line]
+    assert said == ["ddtree generate: warning: the bearer token goes to 192.0.2.1:9 without TLS: anyone on the "
+                    "way can read it (tls_ca= makes the channel TLS)"], out.stderr
+    assert "cli.py" not in out.stderr and out.returncode == 1
+
+
+def test_the_cli_names_a_plaintext_server_asked_for_tls() -> None:
+    """A TLS hello to a plaintext server fails WRONG_VERSION_NUMBER, whose "ssl" read as a CA or
+    host-name mismatch."""
+    from types import SimpleNamespace
+
+    from services import cli
+    args = SimpleNamespace(tls_ca="ca.pem", address="127.0.0.1:50051")
+    details = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:50051: Ssl handshake "
+               "failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f7:SSL routines:OPENSSL_internal:"
+               "WRONG_VERSION_NUMBER")
+    assert cli._unavailable_hint(args, details) == ("the scheduler at --address 127.0.0.1:50051 does not speak "
+                                                    "TLS: leave out --tls-ca")
+    assert "does --tls-ca hold the CA" in cli._unavailable_hint(args, "Ssl handshake failed: CERTIFICATE_VERIFY_FAILED")
+
+
+def test_the_sdk_pings_a_quiet_stream_as_often_as_its_keepalive_says() -> None:
+    """A stream sends no data after its request: without max_pings_without_data 0, gRPC sent two
+    pings, then one a minute, and a vanished scheduler took about 70 s to find, not 30."""
+    assert ("grpc.http2.max_pings_without_data", 0) in sdk._KEEPALIVE
+    assert dict(sdk._KEEPALIVE)["grpc.keepalive_time_ms"] >= 10_000   # the servers' least ping interval
+
+
+def test_tasks_sharing_one_async_stream_each_take_the_next_chunk(server) -> None:
+    """Two tasks reading one AsyncStream at once: one of them waited for ever."""
+    async def scenario() -> list[int]:
+        got: list[int] = []
+        async with AsyncClient(server.address) as c, c.stream(IDS, max_tokens=40, ignore_eos=True) as s:
+            async def read() -> None:
+                async for chunk in s:
+                    got.extend(chunk.token_ids)
+            await asyncio.wait_for(asyncio.gather(*(read() for _ in range(4))), 30)
+        return got
+    assert len(asyncio.run(scenario())) == 40
 
 
 def test_the_cli_takes_the_token_from_the_environment(monkeypatch) -> None:
@@ -559,15 +614,18 @@ def test_the_cli_takes_the_token_from_the_environment(monkeypatch) -> None:
 def test_an_address_without_a_port_or_as_a_url_is_refused_when_the_client_is_made() -> None:
     """`Client("localhost")` dialled port 443 and failed UNAVAILABLE, as if no server ran; the CLI
     already refused such an `--address`."""
-    for address in ("localhost", "http://127.0.0.1:50051", "127.0.0.1:", ":50051"):
-        with pytest.raises(ClientError) as info:
+    for address in ("localhost", "http://127.0.0.1:50051", "127.0.0.1:", ":50051", "127.0.0.1:99999",
+                    "127.0.0.1:0", "dns:///scheduler:70000", "ipv4:127.0.0.1:65536"):
+        with pytest.raises(ClientError) as info:   # gRPC dialled :99999 as :34463
             Client(address)
-        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "HOST:PORT" in info.value.message
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "HOST:PORT" in info.value.message or "no TCP port (1..65535)" in info.value.message
 
         async def make(address=address):
             return AsyncClient(address)
         with pytest.raises(ClientError) as info:
             asyncio.run(make())
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    for ok in ("127.0.0.1:50051", "[::1]:50051", "unix:/tmp/ddtree.sock", "dns:///scheduler:50051"):
+    for ok in ("127.0.0.1:50051", "[::1]:50051", "unix:/tmp/ddtree.sock", "dns:///scheduler:50051", "dns:scheduler",
+               "127.0.0.1:65535", "ipv6:[::1]:50051"):
         Client(ok).close()

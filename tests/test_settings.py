@@ -78,6 +78,13 @@ def test_unknown_key_and_missing_file(tmp_path):
     ("[verifier]\ngraph_batches = []\n", "verifier.graph_batches: must be one or more"),
     ("[verifier]\ngraph_nodes = []\n", "verifier.graph_nodes: must be one or more"),
     ("[scheduler]\nspec_backoff_steps = 257\n", "scheduler.spec_backoff_steps: must be in 1..256"),
+    # a token no client can send (a header value): every call was refused, and start-up said nothing
+    ("[scheduler]\nauth_token = \"p\u00e4sswort\"\n", "scheduler.auth_token: must be printable ASCII"),
+    ("[scheduler]\nauth_token = \"tok\\n\"\n", "scheduler.auth_token: must be printable ASCII"),
+    ("[scheduler]\nauth_token = \" tok\"\n", "scheduler.auth_token: must be printable ASCII"),
+    # gRPC dials a port past 65535 modulo 65536: another service's port
+    ("[scheduler]\ndraft_addresses = [\"127.0.0.1:99999\"]\n", "scheduler.draft_addresses: '127.0.0.1:99999' is not"),
+    ("[draft]\nverifier_address = \"127.0.0.1:0\"\n", "draft.verifier_address: '127.0.0.1:0' is not host:port"),
 ])
 def test_a_config_file_slip_names_the_setting(tmp_path, toml, needle):
     """A value of the wrong shape fails at start-up with the setting's name; before, a scalar where a

@@ -65,7 +65,13 @@ def _check(ok: bool, name: str, message: str) -> None:
 
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
-_ADDRESS = re.compile(r"(dns:(//)?)?[^\s]+:\d{1,5}")  # host:port, [v6]:port, dns:name:port
+_ADDRESS = re.compile(r"(dns:(//)?)?[^\s]+:(\d{1,5})")  # host:port, [v6]:port, dns:name:port
+
+
+def _address_ok(address: str) -> bool:
+    """host:port with a TCP port (gRPC dialled :99999 as :34463, the port modulo 65536)."""
+    m = _ADDRESS.fullmatch(address)
+    return m is not None and 0 < int(m.group(3)) < 65536
 
 
 def is_device(text: str) -> bool:
@@ -102,13 +108,16 @@ class SchedulerSettings:
     def __post_init__(self) -> None:
         _check(bool(self.tls_cert) == bool(self.tls_key), "scheduler.tls_cert",
                "tls_cert and tls_key must be set together")
+        # A header value: clients (the SDK, gRPC) cannot send another, so every call would be refused
+        _check(all(" " <= c <= "~" for c in self.auth_token) and self.auth_token == self.auth_token.strip(),
+               "scheduler.auth_token", "must be printable ASCII, without leading or trailing spaces (it is sent in a header)")
         _check(self.max_request_bytes >= 1024, "scheduler.max_request_bytes", "must be >= 1024")
         _check(0 <= self.port < 65536, "scheduler.port", f"{self.port} is not a TCP port")
         _check(0 <= self.metrics_port < 65536, "scheduler.metrics_port", f"{self.metrics_port} is not a TCP port (0 = off)")
         _check(len(self.draft_addresses) > 0, "scheduler.draft_addresses", "needs at least one address")
         for entry in self.draft_addresses:
-            _check(_ADDRESS.fullmatch(entry) is not None, "scheduler.draft_addresses",
-                   f"{entry!r} is not host:port or dns:host:port")
+            _check(_address_ok(entry), "scheduler.draft_addresses",
+                   f"{entry!r} is not host:port or dns:host:port (port 1..65535)")
         _check(self.max_queue > 0, "scheduler.max_queue", "must be > 0")
         _check(self.max_batch > 0, "scheduler.max_batch", "must be > 0")
         _check(self.max_prefill_tokens > 0, "scheduler.max_prefill_tokens", "must be > 0")
@@ -156,8 +165,8 @@ class DraftSettings:
         _check(all(1 <= b <= MAX_BUDGET for b in self.warmup_budgets),
                "draft.warmup_budgets", f"must be budgets in 1..{MAX_BUDGET}")
         _check(0 <= self.port < 65536, "draft.port", f"{self.port} is not a TCP port")
-        _check(_ADDRESS.fullmatch(self.verifier_address) is not None and not self.verifier_address.startswith("dns:"),
-               "draft.verifier_address", f"{self.verifier_address!r} is not host:port")
+        _check(_address_ok(self.verifier_address) and not self.verifier_address.startswith("dns:"),
+               "draft.verifier_address", f"{self.verifier_address!r} is not host:port (port 1..65535)")
         _check(0 <= self.metrics_port < 65536, "draft.metrics_port", f"{self.metrics_port} is not a TCP port (0 = off)")
         _check(self.transport in ("auto", "cuda_ipc", "shm", "inline"), "draft.transport",
                "must be auto, cuda_ipc, shm or inline")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import ipaddress
 import math
 import numbers
 import threading
@@ -252,8 +253,10 @@ _PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
 # the connection (a crash, a cut network: no FIN) ends UNAVAILABLE within about 30 s; without them
 # a call with no deadline waited for good. The scheduler's servers take pings this often
 # (`services.common.grpc_server.keepalive_options`); kept here so the SDK imports only grpc.
+# max_pings_without_data 0: a streaming call sends no data after its request, and gRPC's default
+# (two pings, then one a minute) took about 70 s to find a vanished host.
 _KEEPALIVE = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
-              ("grpc.http2.ping_timeout_ms", 10_000)]
+              ("grpc.http2.ping_timeout_ms", 10_000), ("grpc.http2.max_pings_without_data", 0)]
 
 
 def _channel_args(tls_ca: str | bytes | None, token: str | None,
@@ -372,11 +375,16 @@ class AsyncStream(AsyncIterator[Chunk]):
         self._client_closed = client_closed
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._closed = False
+        self._reading = asyncio.Lock()   # two tasks reading at once: one waited for ever
 
     def __aiter__(self) -> AsyncStream:
         return self
 
     async def __anext__(self) -> Chunk:
+        async with self._reading:
+            return await self._next()
+
+    async def _next(self) -> Chunk:
         if self._closed:
             raise StopAsyncIteration
         try:
@@ -449,10 +457,7 @@ def _check_token(token: str | None) -> None:
 def _warn_token_in_clear(address: str, token: str | None, tls_ca: str | bytes | None) -> None:
     """A token sent without TLS to another host can be read on the way: said once, not refused
     (a private network may be what the user has)."""
-    if not token or tls_ca is not None or address.startswith(("unix:", "unix-abstract:")):
-        return
-    host = address.removeprefix("dns:").removeprefix("///").rpartition(":")[0].strip("[]")
-    if host in ("localhost", "::1") or host.startswith("127."):
+    if not token or tls_ca is not None or address.startswith(("unix:", "unix-abstract:")) or _loopback(address):
         return
     warnings.warn(f"the bearer token goes to {address} without TLS: anyone on the way can read it "
                   "(tls_ca= makes the channel TLS)", stacklevel=4)   # the line that made the client
@@ -502,14 +507,53 @@ def address_error(address: str) -> str | None:
     "host" as port 443, and failed later with UNAVAILABLE, which read as "is it running?"."""
     if not isinstance(address, str):
         return f"must be a HOST:PORT string, got {type(address).__name__}"
+    if address.startswith(("unix:", "unix-abstract:")):
+        return None
     if address.startswith(_TARGET_SCHEMES):
+        host, port = _host_port(address)
+        if port and (not port.isdigit() or not 0 < int(port) < 65536):
+            return f"has no TCP port (1..65535) in {address!r}"
         return None
     if "://" in address:
         return f"takes HOST:PORT, not a URL: {address!r}"
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         return f"must be HOST:PORT (e.g. 127.0.0.1:50051), got {address!r}"
+    if not 0 < int(port) < 65536:   # gRPC dialled the port modulo 65536: :99999 reached :34463
+        return f"has no TCP port (1..65535) in {address!r}"
     return None
+
+
+def _host_port(address: str) -> tuple[str, str]:
+    """The host and port ("" when none) of a TCP address, with or without a gRPC target scheme
+    (``dns://authority/`` included); the first of an ``ipv4:`` list."""
+    rest = address
+    for scheme in ("dns:", "ipv4:", "ipv6:"):
+        if rest.startswith(scheme):
+            rest = rest[len(scheme):]
+            if rest.startswith("//"):
+                rest = rest[2:].partition("/")[2]
+            rest = rest.split(",")[0]
+            break
+    if rest.startswith("["):   # [v6]:port
+        host, _, after = rest[1:].partition("]")
+        return host, after.removeprefix(":")
+    if rest.count(":") > 1:     # a bare IPv6 address (ipv6:::1): no port
+        return rest, ""
+    host, _, port = rest.partition(":")
+    return host, port
+
+
+def _loopback(address: str) -> bool:
+    """Whether a TCP address names this host ("localhost" or a loopback IP, by value: a DNS name
+    that starts with "127." is no loopback)."""
+    host = _host_port(address)[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Client(_Calls):
