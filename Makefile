@@ -25,10 +25,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	@# Without a GPU take the CPU build of torch first, so the project's torch requirement is met
 	@# by it instead of pulling a multi-GB CUDA build.
+	@# With one, take the torch and Triton the GPU kernels were measured on (compose/gpu-constraints.txt).
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
 	  $(PY) -m pip install -q --no-index --no-deps "$(TORCH_CPU)" 2>/dev/null || \
-	  $(PY) -m pip install -q --index-url "$(TORCH_CPU_INDEX)" "$(TORCH_CPU)"; fi
-	$(PY) -m pip install -q -e '.[dev]'
+	  $(PY) -m pip install -q --index-url "$(TORCH_CPU_INDEX)" "$(TORCH_CPU)"; \
+	  $(PY) -m pip install -q -e '.[dev]'; \
+	else $(PY) -m pip install -q -c compose/gpu-constraints.txt -e '.[dev,gpu]'; fi
 	touch $@
 
 install: $(VENV)/.installed
@@ -37,7 +39,10 @@ test: install
 	$(PY) -m pytest -q
 
 up: install
-	@if [ -f "$(MODEL)/config.json" ]; then m="$(MODEL)"; else \
+	@# The random checkpoint stands in for the demo pair only: a MODEL the user named must be there.
+	@if [ -f "$(MODEL)/config.json" ]; then m="$(MODEL)"; \
+	elif [ "$(origin MODEL)" != "file" ]; then \
+	  echo "MODEL=$(MODEL): no config.json there (a Hugging Face checkpoint directory)" >&2; exit 2; else \
 	  m="$(FALLBACK_MODEL)"; \
 	  [ -f "$$m/config.json" ] || $(VENV)/bin/ddtree make-checkpoint "$$m"; \
 	  echo "$(MODEL) not found: serving the random checkpoint $$m" >&2; fi; \

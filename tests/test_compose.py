@@ -187,3 +187,25 @@ def test_the_image_can_build_tritons_launcher():
     installs = " ".join(line for line in dockerfile.replace("\\\n", " ").splitlines() if "apt-get install" in line)
     for package in ("gcc", "libc6-dev", "python3-dev"):
         assert package in installs.split(), package
+
+
+def test_the_gpu_services_can_open_each_others_cuda_ipc_rings(compose):
+    """CUDA IPC between containers needs one IPC and one PID namespace: with `ipc: host` alone,
+    opening the draft's ring failed and the stream fell back to shared memory without a word."""
+    for name in ("draft", "verifier"):
+        svc = compose["services"][name]
+        assert svc["ipc"] == "host" and svc["pid"] == "host", name
+
+
+def test_the_image_installs_the_torch_and_triton_the_kernels_were_measured_on():
+    """`pip install '.[gpu]'` took whatever torch and Triton PyPI had on the build's day; the
+    dependencies install before the code is copied, so an edit does not fetch them again."""
+    dockerfile = (ROOT / "compose" / "Dockerfile").read_text()
+    pins = dict(line.split("==") for line in (ROOT / "compose" / "gpu-constraints.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    assert set(pins) == {"torch", "triton"}
+    install = dockerfile.index("pip install -c gpu-constraints.txt")
+    assert install < dockerfile.index("COPY services") < dockerfile.index("pip install --no-deps '.'")
+    assert "NVIDIA_VISIBLE_DEVICES=" not in dockerfile   # the reservations choose the GPUs
+    makefile = (ROOT / "Makefile").read_text()
+    assert "-c compose/gpu-constraints.txt" in makefile
