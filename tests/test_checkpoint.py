@@ -343,6 +343,46 @@ def test_a_drafters_rope_parameters_give_its_theta() -> None:
         DraftConfig.from_hf(cfg)
 
 
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"attention_bias": True}, "field 'attention_bias' must be false"),
+    ({"use_sliding_window": True, "sliding_window": 8}, "field 'use_sliding_window' must be false"),
+    ({"layer_types": ["full_attention", "sliding_attention", "full_attention"]}, "field 'layer_types'"),
+    ({"final_logit_softcapping": 30.0}, "field 'final_logit_softcapping' must be null"),
+    ({"attn_logit_softcapping": 50.0}, "field 'attn_logit_softcapping' must be null"),
+    ({"hidden_act": "gelu"}, "field 'hidden_act' 'gelu' is not supported"),
+    ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 3, 4], "block_size": 8}},
+     "field 'block_size' is 16 and 'dflash_config.block_size' 8"),
+])
+def test_a_drafter_config_this_drafter_would_compute_otherwise_is_refused(change: dict, needle: str) -> None:
+    """Each loaded, and the drafter served other logits than its training's: biases dropped,
+    windows widened to the whole context, soft caps skipped, the top-level block size taken over
+    the dflash_config's. Their defaults, written out, still load."""
+    from services.draft.config import DraftConfig
+
+    cfg = json.loads(Path("models/demo/drafter/config.json").read_text())
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        DraftConfig.from_hf({**cfg, **change})
+    written_out = {**cfg, "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+                   "layer_types": ["full_attention"] * 3, "final_logit_softcapping": None,
+                   "dflash_config": {**cfg["dflash_config"], "block_size": cfg["block_size"]}}
+    assert DraftConfig.from_hf(written_out) == DraftConfig.from_hf(cfg)
+
+
+def test_the_training_drafter_reads_its_config_as_the_server_does() -> None:
+    """It read raw keys: a config with block_size only in dflash_config, or transformers 5's
+    rope_parameters, failed with a KeyError (the server loads both)."""
+    from train.modeling import TrainDrafter
+
+    cfg = json.loads(Path("models/demo/drafter/config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if k not in ("block_size", "rope_theta", "rope_scaling")}
+    cfg["dflash_config"] = {**cfg["dflash_config"], "block_size": 8}
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000.0}
+    embed = torch.randn(cfg["vocab_size"], cfg["hidden_size"])
+    drafter = TrainDrafter(cfg, embed, embed)
+    assert drafter.block == 8
+    assert torch.allclose(drafter.inv_freq, 1.0 / 5000.0 ** (torch.arange(0, 32, 2) / 32))
+
+
 @pytest.mark.parametrize("field", ["num_experts_per_tok", "n_group", "topk_group", "routed_scaling_factor",
                                    "norm_topk_prob", "first_k_dense_replace", "n_shared_experts"])
 def test_a_moe_config_must_name_its_routing(target_dir: Path, field: str) -> None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.common.int4 import pack_int4, unpack_int4
+from services.draft.config import DraftConfig
 from services.verifier.config import TargetConfig
 from services.verifier.model import expected_tensors
 from services.verifier.moe import select_experts
@@ -342,13 +343,14 @@ class TrainDrafter(nn.Module):
     def __init__(self, cfg: dict, embed: Tensor, lm_head: Tensor, seed: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
-        h, n_feat = cfg["hidden_size"], len(cfg["dflash_config"]["target_layer_ids"]) * cfg["hidden_size"]
-        H, kvh, hd, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"]
-        self.H, self.kvh, self.hd, self.eps = H, kvh, hd, float(cfg["rms_norm_eps"])
-        self.block = int(cfg["block_size"])
-        self.mask_id = int(cfg["dflash_config"]["mask_token_id"])
+        c = DraftConfig.from_hf(cfg)   # as the server reads it: block_size in either place, rope_parameters
+        h, n_feat = c.hidden_size, c.num_features
+        H, kvh, hd, inter = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
+        self.H, self.kvh, self.hd, self.eps = H, kvh, hd, c.rms_norm_eps
+        self.block = c.block_size
+        self.mask_id = c.mask_token_id
         g = torch.Generator().manual_seed(seed)
-        L = cfg["num_hidden_layers"]
+        L = c.num_hidden_layers
         out_std = 0.02 / math.sqrt(2 * L)
         shapes: dict[str, tuple[int, ...]] = {"fc.weight": (h, n_feat), "hidden_norm.weight": (h,), "norm.weight": (h,)}
         for i in range(L):
@@ -367,7 +369,7 @@ class TrainDrafter(nn.Module):
         self.register_buffer("embed", embed.detach().float().clone(), persistent=False)  # [V, hidden]
         self.register_buffer("lm_head", lm_head.detach().float().clone(), persistent=False)  # [V, hidden]
         exps = torch.arange(0, hd, 2, dtype=torch.float32) / hd
-        self.register_buffer("inv_freq", 1.0 / (float(cfg["rope_theta"]) ** exps), persistent=False)  # [hd/2]
+        self.register_buffer("inv_freq", 1.0 / (c.rope_theta ** exps), persistent=False)  # [hd/2]
         self.num_layers = L
 
     def w(self, name: str) -> Tensor:

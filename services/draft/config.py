@@ -97,7 +97,12 @@ class DraftConfig:
             if kind != "default":
                 raise CheckpointError(f"{source}: field 'rope_scaling' {rope_scaling!r} is not supported (only null)")
 
-        block_raw = d.get("block_size", dflash.get("block_size"))
+        _refuse_unimplemented(d, source)
+        top_block, dflash_block = d.get("block_size"), dflash.get("block_size")
+        if top_block is not None and dflash_block is not None and top_block != dflash_block:
+            raise CheckpointError(f"{source}: field 'block_size' is {top_block!r} and 'dflash_config.block_size' "
+                                  f"{dflash_block!r}: which one the drafter was trained with is unclear")
+        block_raw = top_block if top_block is not None else dflash_block
         block = pos_int("block_size", block_raw if block_raw is not None else None)
         if block < 2:
             raise CheckpointError(f"{source}: field 'block_size' must be >= 2, got {block}")
@@ -143,6 +148,28 @@ class DraftConfig:
             mask_token_id=mask,
             num_target_layers=n_target,
         )
+
+
+def _refuse_unimplemented(d: dict[str, Any], source: str) -> None:
+    """CheckpointError for a field of the reference drafter's decoder (a Qwen3 / Llama / gpt-oss
+    layer) that changes its math and that this drafter does not implement: such a checkpoint
+    loaded, and drafted other logits than its training's without a word (biases dropped,
+    windows widened to the whole context, soft caps skipped)."""
+    if d.get("attention_bias"):
+        raise CheckpointError(f"{source}: field 'attention_bias' must be false (the attention projections "
+                              "here have no bias)")
+    if d.get("use_sliding_window"):
+        raise CheckpointError(f"{source}: field 'use_sliding_window' must be false (every layer here attends "
+                              "to the whole context)")
+    kinds = d.get("layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or any(k != "full_attention" for k in kinds)):
+        raise CheckpointError(f"{source}: field 'layer_types' {kinds!r} is not supported (only full_attention "
+                              "layers)")
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if d.get(name) is not None:
+            raise CheckpointError(f"{source}: field '{name}' must be null (no soft cap here), got {d[name]!r}")
+    if d.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: field 'hidden_act' {d['hidden_act']!r} is not supported (only 'silu')")
 
 
 def check_pairing(drafter_dir: Path, target_dir: Path) -> DraftConfig:
