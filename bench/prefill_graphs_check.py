@@ -51,11 +51,11 @@ def recorded_logits(engine: VerifierEngine) -> dict[str, torch.Tensor]:
     seen: dict[str, torch.Tensor] = {}
     posterior = engine._posterior
 
-    def record(logits, reqs, counts=None, rows=None):
-        if counts is not None and list(counts) == [1] * len(reqs) and rows is None:   # a prefill's last rows
+    def record(logits, reqs, counts, drawn, rows=None):
+        if list(counts) == [1] * len(reqs) and rows is None:   # a prefill's last rows
             for r, row in zip(reqs, logits):
                 seen[r.request_id] = row.float().clone()
-        return posterior(logits, reqs, counts, rows)
+        return posterior(logits, reqs, counts, drawn, rows)
 
     engine._posterior = record
     return seen

@@ -153,6 +153,16 @@ def test_inverse_cdf_never_draws_a_filtered_or_impossible_token_and_reaches_rare
     assert posterior_tokens(rare, s, torch.tensor([1.0 - 2e-9], dtype=torch.float64)).tolist() == [0]
 
 
+def test_a_row_of_nan_or_inf_logits_is_refused_not_drawn_past_the_vocabulary() -> None:
+    """The CDF's total was NaN and the search returned V, one past the vocabulary: a token id the
+    client got and the drafter indexed its embedding with (multinomial had refused such rows)."""
+    for bad in (float("nan"), float("inf")):
+        logits = torch.randn(2, 10)
+        logits[1, 3] = bad
+        with pytest.raises(ValueError, match="NaN or inf"):
+            posterior_tokens(logits, Sampling(temperature=1.0), _uniforms(2, 0))
+
+
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 5.0])
 def test_top_k_one_and_tiny_top_p_are_greedy(temperature: float) -> None:
     logits = torch.randn(64, 30, generator=torch.Generator().manual_seed(2))

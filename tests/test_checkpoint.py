@@ -345,6 +345,7 @@ def test_a_drafters_rope_parameters_give_its_theta() -> None:
 
 @pytest.mark.parametrize(("change", "needle"), [
     ({"attention_bias": True}, "field 'attention_bias' must be false"),
+    ({"mlp_bias": True}, "field 'mlp_bias' must be false"),
     ({"use_sliding_window": True, "sliding_window": 8}, "field 'use_sliding_window' must be false"),
     ({"layer_types": ["full_attention", "sliding_attention", "full_attention"]}, "field 'layer_types'"),
     ({"final_logit_softcapping": 30.0}, "field 'final_logit_softcapping' must be null"),
@@ -362,7 +363,7 @@ def test_a_drafter_config_this_drafter_would_compute_otherwise_is_refused(change
     cfg = json.loads(Path("models/demo/drafter/config.json").read_text())
     with pytest.raises(CheckpointError, match=re.escape(needle)):
         DraftConfig.from_hf({**cfg, **change})
-    written_out = {**cfg, "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+    written_out = {**cfg, "attention_bias": False, "mlp_bias": False, "use_sliding_window": False, "sliding_window": None,
                    "layer_types": ["full_attention"] * 3, "final_logit_softcapping": None,
                    "dflash_config": {**cfg["dflash_config"], "block_size": cfg["block_size"]}}
     assert DraftConfig.from_hf(written_out) == DraftConfig.from_hf(cfg)

@@ -542,6 +542,8 @@ def test_a_token_sent_in_clear_to_another_host_is_warned_about(recwarn) -> None:
     # a DNS name that starts with "127." is no loopback address
     with pytest.warns(UserWarning, match="bearer token goes to 127.example.com:1 without TLS"):
         Client("127.example.com:1", token="s3cret").close()
+    with pytest.warns(UserWarning, match="without TLS"):   # a list is loopback only if every entry is
+        Client("ipv4:127.0.0.1:1,10.0.0.2:1", token="s3cret").close()
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # loopback, no token, or TLS: nothing to say
         for address, kwargs in (("127.0.0.1:50051", {"token": "t"}), ("localhost:1", {"token": "t"}),
@@ -615,17 +617,18 @@ def test_an_address_without_a_port_or_as_a_url_is_refused_when_the_client_is_mad
     """`Client("localhost")` dialled port 443 and failed UNAVAILABLE, as if no server ran; the CLI
     already refused such an `--address`."""
     for address in ("localhost", "http://127.0.0.1:50051", "127.0.0.1:", ":50051", "127.0.0.1:99999",
-                    "127.0.0.1:0", "dns:///scheduler:70000", "ipv4:127.0.0.1:65536"):
+                    "127.0.0.1:0", "dns:///scheduler:70000", "ipv4:127.0.0.1:65536", "dns:scheduler",
+                    "ipv4:10.0.0.1:1,10.0.0.2:99999"):
         with pytest.raises(ClientError) as info:   # gRPC dialled :99999 as :34463
             Client(address)
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        assert "HOST:PORT" in info.value.message or "no TCP port (1..65535)" in info.value.message
+        assert any(w in info.value.message for w in ("HOST:PORT", "no TCP port (1..65535)", "dns:HOST:PORT"))
 
         async def make(address=address):
             return AsyncClient(address)
         with pytest.raises(ClientError) as info:
             asyncio.run(make())
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    for ok in ("127.0.0.1:50051", "[::1]:50051", "unix:/tmp/ddtree.sock", "dns:///scheduler:50051", "dns:scheduler",
-               "127.0.0.1:65535", "ipv6:[::1]:50051"):
+    for ok in ("127.0.0.1:50051", "[::1]:50051", "unix:/tmp/ddtree.sock", "dns:///scheduler:50051", "dns:scheduler:1",
+               "127.0.0.1:65535", "ipv6:[::1]:50051", "ipv4:10.0.0.1:1,10.0.0.2:2"):
         Client(ok).close()

@@ -1334,3 +1334,17 @@ def test_a_release_frees_only_the_calling_replicas_request(target: Target) -> No
     assert engine.active_requests == 1 and engine.cache.pages_free < free0
     engine.release(["x"], owner="draft-b")
     assert engine.active_requests == 0 and engine.cache.pages_free == free0
+
+
+def test_the_prefill_checks_wrapper_of_the_posterior_keeps_its_signature(target: Target) -> None:
+    """`bench/prefill_graphs_check.py` records each prefill's first-token logits by wrapping
+    `_posterior`; when that took the tokens' indices the wrapper broke (nothing recorded, then a
+    TypeError at the first verify), and no test ran it."""
+    from bench.prefill_graphs_check import recorded_logits
+
+    engine = make_engine(target.model)
+    seen = recorded_logits(engine)
+    out = engine.prefill([PrefillInput("w", PROMPTS[0], Sampling(temperature=1.0, seed=3), 0)])
+    assert set(seen) == {"w"} and seen["w"].shape == (VOCAB,)
+    res = engine.verify(["w"], *pack([random_tree(out.items[0].tokens[0], 4, torch.Generator().manual_seed(1))]))
+    assert res.items[0].error is None and len(seen) == 1   # a verify's rows are no prefill's

@@ -155,9 +155,9 @@ def _refuse_unimplemented(d: dict[str, Any], source: str) -> None:
     layer) that changes its math and that this drafter does not implement: such a checkpoint
     loaded, and drafted other logits than its training's without a word (biases dropped,
     windows widened to the whole context, soft caps skipped)."""
-    if d.get("attention_bias"):
-        raise CheckpointError(f"{source}: field 'attention_bias' must be false (the attention projections "
-                              "here have no bias)")
+    for name in ("attention_bias", "mlp_bias"):
+        if d.get(name):
+            raise CheckpointError(f"{source}: field '{name}' must be false (the projections here have no bias)")
     if d.get("use_sliding_window"):
         raise CheckpointError(f"{source}: field 'use_sliding_window' must be false (every layer here attends "
                               "to the whole context)")

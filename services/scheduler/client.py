@@ -510,9 +510,11 @@ def address_error(address: str) -> str | None:
     if address.startswith(("unix:", "unix-abstract:")):
         return None
     if address.startswith(_TARGET_SCHEMES):
-        host, port = _host_port(address)
-        if port and (not port.isdigit() or not 0 < int(port) < 65536):
-            return f"has no TCP port (1..65535) in {address!r}"
+        for host, port in _hosts_ports(address):
+            if address.startswith("dns:") and not port:   # gRPC dialled 443, as for a bare "host"
+                return f"must name its port (dns:HOST:PORT), got {address!r}"
+            if port and (not port.isdigit() or not 0 < int(port) < 65536):
+                return f"has no TCP port (1..65535) in {address!r}"
         return None
     if "://" in address:
         return f"takes HOST:PORT, not a URL: {address!r}"
@@ -524,36 +526,40 @@ def address_error(address: str) -> str | None:
     return None
 
 
-def _host_port(address: str) -> tuple[str, str]:
-    """The host and port ("" when none) of a TCP address, with or without a gRPC target scheme
-    (``dns://authority/`` included); the first of an ``ipv4:`` list."""
+def _hosts_ports(address: str) -> list[tuple[str, str]]:
+    """The hosts and ports ("" when none) of a TCP address, with or without a gRPC target scheme
+    (``dns://authority/`` included); every entry of an ``ipv4:`` / ``ipv6:`` list."""
     rest = address
     for scheme in ("dns:", "ipv4:", "ipv6:"):
         if rest.startswith(scheme):
             rest = rest[len(scheme):]
             if rest.startswith("//"):
                 rest = rest[2:].partition("/")[2]
-            rest = rest.split(",")[0]
             break
-    if rest.startswith("["):   # [v6]:port
-        host, _, after = rest[1:].partition("]")
-        return host, after.removeprefix(":")
-    if rest.count(":") > 1:     # a bare IPv6 address (ipv6:::1): no port
-        return rest, ""
-    host, _, port = rest.partition(":")
-    return host, port
+    out = []
+    for entry in rest.split(","):
+        if entry.startswith("["):   # [v6]:port
+            host, _, after = entry[1:].partition("]")
+            out.append((host, after.removeprefix(":")))
+        elif entry.count(":") > 1:   # a bare IPv6 address (ipv6:::1): no port
+            out.append((entry, ""))
+        else:
+            host, _, port = entry.partition(":")
+            out.append((host, port))
+    return out
 
 
 def _loopback(address: str) -> bool:
-    """Whether a TCP address names this host ("localhost" or a loopback IP, by value: a DNS name
-    that starts with "127." is no loopback)."""
-    host = _host_port(address)[0]
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    """Whether a TCP address names this host alone ("localhost" or loopback IPs, by value: a DNS
+    name that starts with "127." is no loopback; a list, only if every entry is)."""
+    def one(host: str) -> bool:
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+    return all(one(host) for host, _ in _hosts_ports(address))
 
 
 class Client(_Calls):

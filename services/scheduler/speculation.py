@@ -11,9 +11,10 @@ doubles the pause, up to ``max_backoff``; a window at or above the bar resets it
 The decision is the batch's, not each request's: a verify pads every tree of a step to the
 largest, so one request probing alone makes the whole step a DDTree step. Per-request pauses did
 exactly that at C=128 (bench/results/matrix-demo-gate.json: 0.85-0.92x AR where speculating
-throughout had won 1.14x). Greedy output is the same either way: every token is the target's
-argmax. Sampled requests are left out (they always speculate): a seeded request's draws follow
-its trees, and its output must not depend on the other requests of the batch.
+throughout had won 1.14x). A request's output is the same either way: every greedy token is the
+target's argmax, and a sampled token is drawn at a uniform keyed to its index in the sequence,
+not to its tree (``services/verifier/sampling.py``). So sampled requests pause with the batch,
+and their acceptance counts in the window's mean like the greedy ones'.
 """
 
 from __future__ import annotations

@@ -647,8 +647,10 @@ class VerifierEngine:
             else:
                 index = torch.from_numpy(picks).to(logits.device)
                 full = tp.gather_logits(logits[index if rows is None else rows[index]])   # [sampled rows, V]
-            uniforms = torch.from_numpy(np.concatenate(   # [sampled rows] one copy to the device
-                [token_uniforms(reqs[j].seed, drawn[starts[j]:starts[j + 1]]) for j in sampled])).to(full.device)
+            seeds = np.repeat(np.array([reqs[j].seed for j in sampled], dtype=object), [counts[j] for j in sampled])
+            host = torch.from_numpy(token_uniforms(seeds, drawn[picks]))   # [sampled rows]
+            # pinned, so the copy does not wait for the forward on the stream before the sampling launches
+            uniforms = host.pin_memory().to(full.device, non_blocking=True) if full.is_cuda else host
         out, at = [], 0
         for j, req in enumerate(reqs):
             if req.sampling.temperature == 0:

@@ -84,13 +84,15 @@ def _mix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def token_uniforms(seed: int, indices: np.ndarray | list[int]) -> np.ndarray:
+def token_uniforms(seeds: int | np.ndarray | list[int], indices: np.ndarray | list[int]) -> np.ndarray:
     """The uniform in [0, 1) that draws the token at each sequence index of a request seeded
-    ``seed`` (any 64-bit value): splitmix64 of the mixed seed advanced by the index, 53 bits of it.
-    Counter-based, so a tree's nodes, a prompt's first token and an autoregressive step all key
-    the same index alike, and every tensor-parallel rank computes the same ones on its host."""
+    ``seeds`` (one 64-bit value, or one per index: a step's requests at once): splitmix64 of the
+    mixed seed advanced by the index, 53 bits of it. Counter-based, so a tree's nodes, a prompt's
+    first token and an autoregressive step all key the same index alike, and every
+    tensor-parallel rank computes the same ones on its host."""
+    words = [int(x) & 0xFFFFFFFFFFFFFFFF for x in np.atleast_1d(np.asarray(seeds, dtype=object))]
     with np.errstate(over="ignore"):
-        key = _mix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
+        key = _mix64(np.array(words, dtype=np.uint64))
         z = _mix64(key + (np.asarray(indices, dtype=np.int64).astype(np.uint64) + np.uint64(1)) * _GOLDEN)
     return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
@@ -125,6 +127,8 @@ def posterior_tokens(logits: Tensor, sampling: Sampling, uniforms: Tensor | None
     probs = torch.softmax(scaled, dim=-1)  # [n, V]
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [n, V]
     total = cdf[:, -1:]  # [n, 1] (1 up to rounding)
+    if not bool(torch.isfinite(total).all()):   # a NaN or inf logit: the search would return V, no token
+        raise ValueError("sampling: the target's logits hold NaN or inf")
     # The first index whose CDF passes u * total: a token of probability 0 adds nothing to the
     # CDF, so never passes first; the target stays below the total, so one always passes.
     target = torch.minimum(uniforms.to(torch.float64).unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
