@@ -14,8 +14,9 @@ where it stood before the load, and the scheduler's request counters must have m
 clients saw.
 
 It also measures what the README says of repeated requests: probe requests (greedy DDTree, greedy
-autoregressive, seeded sampling) are run alone before the load, again and again during it, and alone
-after it; each run is compared token for token with the first. Writes `bench/results/NAME.json`
+autoregressive, seeded sampling with DDTree and autoregressively) are run alone before the load,
+again and again during it, and alone after it; each run is compared token for token with the
+first, and DDTree's first with autoregressive decoding's, greedy and seeded. Writes `bench/results/NAME.json`
 (TARGETS.md schema: one row per request kind, per probe, and the state check).
 
     python -m bench.soak --model models/demo --device cuda --dtype bfloat16 --duration 240 \
@@ -287,10 +288,13 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
         n = p.probe_tokens
         base = dict(max_tokens=n, ignore_eos=True)
         short = soak._prompt(rng, 48)   # greedy DDTree and greedy AR of one prompt: the same tokens
+        sampled = soak._prompt(rng, 48)   # seeded DDTree and seeded AR of one prompt: the same tokens too
+        seeded = dict(base, temperature=1.0, seed=1234)
         probes = [Probe("greedy_b16", dict(base, budget=16), short),
                   Probe("greedy_autoregressive", dict(base, mode="autoregressive"), short),
-                  Probe("sampled_b16_seed", dict(base, budget=16, temperature=1.0, seed=1234), soak._prompt(rng, 48)),
-                  Probe("greedy_b64_long", dict(base, budget=64), soak._prompt(rng, p.long_context))]
+                  Probe("sampled_b16_seed", dict(seeded, budget=16), sampled),
+                  Probe("greedy_b64_long", dict(base, budget=64), soak._prompt(rng, p.long_context)),
+                  Probe("sampled_autoregressive_seed", dict(seeded, mode="autoregressive"), sampled)]
         await _probe_all(client, probes, "alone")   # warms the budgets up too
         await _probe_all(client, probes, "alone")
         await _idle(metrics["scheduler"])
@@ -355,6 +359,10 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
     ddtree, ar = probes[0].outputs[0][1], probes[1].outputs[0][1]
     state["greedy_ddtree_equals_autoregressive"] = ddtree == ar
     state["greedy_ddtree_parts_from_autoregressive_at"] = None if ddtree == ar else _first_difference(ddtree, ar)
+    # The same of a seeded sampled request: its draws are keyed by token index, not by its trees.
+    ddtree, ar = probes[2].outputs[0][1], probes[4].outputs[0][1]
+    state["seeded_ddtree_equals_autoregressive"] = ddtree == ar
+    state["seeded_ddtree_parts_from_autoregressive_at"] = None if ddtree == ar else _first_difference(ddtree, ar)
     requests = sum(soak.sent.values())
     log(f"soak: {requests} requests in {wall:.0f} s ({sum(soak.tokens.values())} tokens), "
         f"{sum(len(v) for v in soak.findings.values())} findings, held state differs: {state['held_differs']}")

@@ -161,7 +161,13 @@ def test_bench_spawn_stack_stops_on_sigterm(tmp_path, ckpt):
         if proc.poll() is None:
             proc.kill()
     ports = _serving_ports(log)
-    assert len(ports) == 3 and all(_refused(p) for p in ports)
+    assert len(ports) == 3
+    # The bench stops them; where it died first instead (a CI run saw gRPC abort the bench in its
+    # shutdown: "Check failed: !inspect->seen_inactive"), each stops itself once orphaned (~1 s poll).
+    deadline = time.monotonic() + 30
+    while not all(_refused(p) for p in ports) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert all(_refused(p) for p in ports)
     rows = json.loads(out.read_text())["rows"]
     assert rows and rows[0]["status"] == "ok"
 
@@ -226,7 +232,7 @@ def test_soak_end_to_end(tmp_path, ckpt, _side_runs):
     assert counted == ran > 0
     assert 0 < state["longest_time_without_an_answer_s"] < 60
     assert 0 <= state["longest_time_without_an_answer_from_s"] < 12 + 60
-    assert state["greedy_ddtree_equals_autoregressive"]
+    assert state["greedy_ddtree_equals_autoregressive"] and state["seeded_ddtree_equals_autoregressive"]
     for probe in (r for r in doc["rows"] if r["row"] == "probe"):   # float32 on the CPU: the same every time
         assert probe["runs"]["alone"] == 2 and probe["runs"]["alone_after"] == 1, probe
         assert probe["equal_to_first"] == probe["runs"] and not probe["first_difference_at"], probe
