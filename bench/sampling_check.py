@@ -1,8 +1,9 @@
-"""GPU check of the sampler (`services.verifier.sampling.posterior_tokens`): draws by inverse CDF
-at uniforms keyed by token index, the CDF summed in float64. On the GPU: the same tokens as the
-CPU at the same uniforms (the float32 softmax may round apart, so a few rows may differ), the
-draws' distribution against the softmax, and the time of one request's draw at K2 / DeepSeek-V3
-vocabularies (the sampled rows of a step, per request).
+"""GPU check of the sampler (`services.verifier.sampling.posterior_tokens`): Gumbel-max draws with
+noise keyed by seed, token index and token id. On the GPU: the same tokens as the CPU at the same
+keys (the hash's wrapping products and the float math on both; a near tie may round apart), the
+draws' distribution against the softmax, how many draws a bf16-sized jitter of the logits moves,
+and the time of one request's draw at K2 / DeepSeek-V3 vocabularies (the sampled rows of a step,
+per request).
 
     python -m bench.sampling_check --commit <sha> --out <dir>/sampling-check.json
 """
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from bench.common import git_commit
-from services.verifier.sampling import Sampling, posterior_tokens, token_uniforms
+from services.verifier.sampling import Sampling, posterior_tokens, token_keys
 
 SHAPES = [(163840, 129), (163840, 17), (129280, 33), (512, 4096)]   # (vocabulary, rows)
 
@@ -32,21 +33,23 @@ def main() -> int:
     rows = []
     for vocab, n in SHAPES:
         logits = (torch.randn(n, vocab, generator=g) * 3).to("cuda", torch.bfloat16)
-        uniforms = torch.from_numpy(token_uniforms(7, np.arange(n))).cuda()
-        gpu = posterior_tokens(logits, sampling, uniforms).cpu()
-        cpu = posterior_tokens(logits.cpu(), sampling, uniforms.cpu())
+        keys = torch.from_numpy(token_keys(7, np.arange(n))).cuda()
+        gpu = posterior_tokens(logits, sampling, keys).cpu()
+        cpu = posterior_tokens(logits.cpu(), sampling, keys.cpu())
+        jitter = (logits.float() * (1 + 2.0 ** -8 * torch.randn(logits.shape, device="cuda"))).to(torch.bfloat16)
+        moved = int((posterior_tokens(jitter, sampling, keys).cpu() != gpu).sum())
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(20):
-            posterior_tokens(logits, sampling, uniforms)
+            posterior_tokens(logits, sampling, keys)
         torch.cuda.synchronize()
-        rows.append(dict(check="draw", vocab=vocab, rows=n, equal_to_cpu=int((gpu == cpu).sum()),
+        rows.append(dict(check="draw", vocab=vocab, rows=n, equal_to_cpu=int((gpu == cpu).sum()), moved_by_jitter=moved,
                          ms=round((time.perf_counter() - start) / 20 * 1e3, 3)))
         print(rows[-1], flush=True)
     vocab, draws = 6, 200_000
     logits = torch.randn(vocab, generator=g)
-    uniforms = torch.from_numpy(token_uniforms(3, np.arange(draws))).cuda()
-    out = posterior_tokens(logits.cuda().expand(draws, -1), Sampling(temperature=1.0), uniforms)
+    keys = torch.from_numpy(token_keys(3, np.arange(draws))).cuda()
+    out = posterior_tokens(logits.cuda().expand(draws, -1), Sampling(temperature=1.0), keys)
     empirical = torch.bincount(out, minlength=vocab).double().cpu() / draws
     tv = 0.5 * (empirical - torch.softmax(logits.double(), -1)).abs().sum().item()
     rows.append(dict(check="distribution", vocab=vocab, rows=draws, total_variation=round(tv, 5),

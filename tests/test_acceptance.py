@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.verifier.acceptance import Acceptance, accept
-from services.verifier.sampling import Sampling, posterior_tokens, token_uniforms
+from services.verifier.sampling import Sampling, gumbel_noise, posterior_tokens, token_keys
 
 #  Hand-built tree used below (index: token):
 #          0:100
@@ -111,46 +111,69 @@ def test_greedy_is_argmax() -> None:
     assert torch.equal(out, logits.argmax(dim=-1))
 
 
-def _uniforms(n: int, seed: int) -> torch.Tensor:
-    return torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+def _keys(n: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(token_keys(seed, np.arange(n)))
 
 
 def test_seeded_sampling_is_reproducible() -> None:
     logits = torch.randn(32, 100, generator=torch.Generator().manual_seed(1))
     sampling = Sampling(temperature=0.8, top_p=0.9, top_k=40, seed=123)
-    at = lambda seed: torch.from_numpy(token_uniforms(seed, np.arange(32)))  # noqa: E731
-    first = posterior_tokens(logits, sampling, at(123))
-    assert torch.equal(first, posterior_tokens(logits, sampling, at(123)))
-    assert not torch.equal(first, posterior_tokens(logits, sampling, at(124)))
-    with pytest.raises(ValueError, match="one uniform a row"):
-        posterior_tokens(logits, sampling, at(123)[:31])
+    first = posterior_tokens(logits, sampling, _keys(32, 123))
+    assert torch.equal(first, posterior_tokens(logits, sampling, _keys(32, 123)))
+    assert not torch.equal(first, posterior_tokens(logits, sampling, _keys(32, 124)))
+    with pytest.raises(ValueError, match="one key a row"):
+        posterior_tokens(logits, sampling, _keys(31, 123))
 
 
-def test_token_uniforms_are_keyed_by_all_64_bits_of_the_seed_and_by_index() -> None:
+def test_token_keys_are_keyed_by_all_64_bits_of_the_seed_and_by_index() -> None:
     """Seeds that differ only above bit 32 (a CPU generator kept the low 32 bits) draw apart; an
-    index draws the same wherever it is asked for, and the draws look uniform and independent."""
+    index keys the same wherever it is asked for."""
     for low, high in ((7, 2**32 + 7), (1, 2**63 + 1), (5, 2**62 + 5), (0, 2**64 - 2**32)):
-        assert not np.array_equal(token_uniforms(low, range(16)), token_uniforms(high, range(16))), (low, high)
-    u = token_uniforms(11, np.arange(200_000))
-    assert token_uniforms(11, [150_000, 3]).tolist() == [u[150_000], u[3]]
-    assert 0.0 <= u.min() and u.max() < 1.0
-    assert abs(u.mean() - 0.5) < 0.003 and abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.01
-    counts = np.bincount((u * 20).astype(int), minlength=20)
-    chi2 = ((counts - 10_000) ** 2 / 10_000).sum()
-    assert chi2 < 45   # 19 degrees of freedom: p ~ 0.001
+        assert not np.array_equal(token_keys(low, range(16)), token_keys(high, range(16))), (low, high)
+    keys = token_keys(11, np.arange(1000))
+    assert token_keys(11, [700, 3]).tolist() == [keys[700], keys[3]]
+    assert token_keys([11, 11, 12], [700, 3, 3]).tolist()[:2] == [keys[700], keys[3]]
+    assert len(set(keys.tolist())) == 1000
+    assert np.array_equal(token_keys(-1, [5]), token_keys(2**64 - 1, [5]))
 
 
-def test_inverse_cdf_never_draws_a_filtered_or_impossible_token_and_reaches_rare_ones() -> None:
-    """Uniforms at both ends of [0, 1) land on tokens of positive probability; a token of
-    probability 1e-9 after the bulk is drawn where its sliver of the CDF is (a float32 CDF sums
-    to 1 in steps of 6e-8 near its end and could never draw it)."""
-    logits = torch.tensor([[0.0, float("-inf"), 0.0, float("-inf")]]).repeat(3, 1)
-    ends = torch.tensor([0.0, 0.5, 1.0 - 2.0**-53], dtype=torch.float64)
-    assert posterior_tokens(logits, Sampling(temperature=1.0), ends).tolist() == [0, 2, 2]
-    rare = torch.tensor([[0.0, math.log(1e-9)]], dtype=torch.float64)
-    s = Sampling(temperature=1.0)
-    assert posterior_tokens(rare, s, torch.tensor([1.0 - 5e-10], dtype=torch.float64)).tolist() == [1]
-    assert posterior_tokens(rare, s, torch.tensor([1.0 - 2e-9], dtype=torch.float64)).tolist() == [0]
+def _noise_reference(key: int, vocab: int) -> np.ndarray:
+    """`gumbel_noise` for one key in plain Python integers (no wrapping arithmetic to trust)."""
+    def mix(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+    key &= 2**64 - 1
+    low, high = key & 0xFFFFFFFF, key >> 32
+    h = [mix(mix((t * 0x9E3779B9 + low) & 0xFFFFFFFF) ^ high) for t in range(vocab)]
+    u = (np.array(h, dtype=np.float64) + 0.5) * 2.0 ** -32
+    return -np.log(-np.log(u))
+
+
+def test_the_noise_is_the_reference_hash_and_looks_gumbel() -> None:
+    """The torch hash multiplies int64 words past 2**63 (wrapping); the reference does it in exact
+    integers. The noise of many keys has Gumbel's mean (Euler's constant) and variance (pi^2 / 6),
+    and neighbouring tokens' noise is uncorrelated."""
+    keys = torch.from_numpy(token_keys([3, 2**63 + 5, 2**64 - 1], [0, 9, 123456]))
+    noise = gumbel_noise(keys, 300)
+    for row, key in enumerate(keys.tolist()):
+        assert np.allclose(noise[row].numpy(), _noise_reference(key, 300), rtol=0, atol=1e-9)   # logs' ulps apart
+    g = gumbel_noise(_keys(200, 4), 1000).flatten().numpy()   # 200k draws
+    assert abs(g.mean() - 0.5772) < 0.01 and abs(g.var() - math.pi ** 2 / 6) < 0.03
+    assert abs(np.corrcoef(g[:-1], g[1:])[0, 1]) < 0.01
+
+
+def test_a_draw_moves_only_where_two_tokens_nearly_tie() -> None:
+    """Rounding noise on every logit (bf16-sized, 1e-2) changes few draws: a token's noise is its
+    own. An inverse CDF in vocabulary order moved with every earlier token's rounding."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2000, 4096, generator=g) * 2
+    jitter = logits + 1e-2 * torch.randn(logits.shape, generator=g)
+    keys, s = _keys(2000, 8), Sampling(temperature=1.0)
+    moved = (posterior_tokens(logits, s, keys) != posterior_tokens(jitter, s, keys)).float().mean().item()
+    assert moved < 0.05, moved
 
 
 def test_a_row_of_nan_or_inf_logits_is_refused_not_drawn_past_the_vocabulary() -> None:
@@ -160,21 +183,21 @@ def test_a_row_of_nan_or_inf_logits_is_refused_not_drawn_past_the_vocabulary() -
         logits = torch.randn(2, 10)
         logits[1, 3] = bad
         with pytest.raises(ValueError, match="NaN or inf"):
-            posterior_tokens(logits, Sampling(temperature=1.0), _uniforms(2, 0))
+            posterior_tokens(logits, Sampling(temperature=1.0), _keys(2, 0))
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 5.0])
 def test_top_k_one_and_tiny_top_p_are_greedy(temperature: float) -> None:
     logits = torch.randn(64, 30, generator=torch.Generator().manual_seed(2))
     greedy = logits.argmax(dim=-1)
-    u = _uniforms(64, 9)
+    u = _keys(64, 9)
     assert torch.equal(posterior_tokens(logits, Sampling(temperature=temperature, top_k=1), u), greedy)
     assert torch.equal(posterior_tokens(logits, Sampling(temperature=temperature, top_p=1e-6), u), greedy)
 
 
 def test_filters_restrict_support() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)  # [n, 4]
-    u = _uniforms(4000, 4)
+    u = _keys(4000, 4)
     top_k = posterior_tokens(logits, Sampling(temperature=1.0, top_k=2), u)
     assert set(top_k.tolist()) == {0, 1}
     # top_p=0.7: 0.5 alone is short of it, 0.5 + 0.3 reaches it -> {0, 1}.
@@ -185,7 +208,7 @@ def test_filters_restrict_support() -> None:
 def test_samples_follow_softmax() -> None:
     logits = torch.randn(8, generator=torch.Generator().manual_seed(5)) * 1.5  # [V]
     draws = 20000
-    out = posterior_tokens(logits.expand(draws, -1), Sampling(temperature=1.0), _uniforms(draws, 6))
+    out = posterior_tokens(logits.expand(draws, -1), Sampling(temperature=1.0), _keys(draws, 6))
     empirical = torch.bincount(out, minlength=8).double() / draws  # [V]
     expected = torch.softmax(logits.double(), dim=-1)  # [V]
     total_variation = 0.5 * (empirical - expected).abs().sum().item()
@@ -202,9 +225,9 @@ def test_sampling_at_the_ends_of_the_temperature_range_draws_valid_tokens() -> N
     logits[:, :8] = float("-inf")   # filtered entries stay out at any temperature
     for t in TEMPERATURE_RANGE:
         tokens = posterior_tokens(logits.to(torch.bfloat16), Sampling(temperature=t, top_p=0.9, top_k=50),
-                                  _uniforms(64, 0))
+                                  _keys(64, 0))
         assert tokens.shape == (64,) and bool(((tokens >= 8) & (tokens < 512)).all())
-    assert torch.equal(posterior_tokens(logits, Sampling(temperature=TEMPERATURE_RANGE[0]), _uniforms(64, 1)),
+    assert torch.equal(posterior_tokens(logits, Sampling(temperature=TEMPERATURE_RANGE[0]), _keys(64, 1)),
                        logits.argmax(-1))
     with pytest.raises(ValueError):
         Sampling(temperature=TEMPERATURE_RANGE[0] / 2)

@@ -24,7 +24,7 @@ from services.verifier.graphs import BATCH_BUCKETS, NODE_BUCKETS, REPLAY_ROWS, V
 from services.verifier.make_target import write_random_target
 from services.verifier.model import ForwardBatch, TargetModel
 from services.verifier.reference import ReferenceModel
-from services.verifier.sampling import Sampling, posterior_tokens, token_uniforms
+from services.verifier.sampling import Sampling, posterior_tokens, token_keys
 
 VOCAB = 64
 DRAFT_DEPTH = 8          # rows of the random draft log-prob tables (max tree depth)
@@ -1128,10 +1128,10 @@ def test_posterior_reads_padded_rows_as_their_copy(target: Target, monkeypatch: 
 
 
 def test_a_seeded_request_draws_the_same_tokens_whatever_its_trees(target: Target) -> None:
-    """A node draws with the uniform of the index it draws at (`token_uniforms`), shared by every
+    """A node draws with the noise of the index it draws at (`token_keys`), shared by every
     node at its depth, so a seeded stream is the same autoregressively, under random trees of any
     budget, and under trees that carry its own continuation (long accepted paths); and it is
-    inverse-CDF sampling of the float64 reference at those uniforms. One draw per node from a
+    Gumbel-max sampling of the float64 reference with that noise. One draw per node from a
     generator made the stream depend on how many nodes came before."""
     sampling = [Sampling(temperature=1.0, seed=5), Sampling(temperature=0.7, top_k=20, seed=2**63 + 9),
                 Sampling(temperature=1.3, top_p=0.8, seed=0)]
@@ -1139,9 +1139,9 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_its_trees(target: Targe
     ref = []
     for prompt, s in zip(PROMPTS, sampling):   # the reference, one token at a time
         seq = list(prompt)
-        uniforms = torch.from_numpy(token_uniforms(s.seed, np.arange(len(prompt), len(prompt) + n)))
+        keys = torch.from_numpy(token_keys(s.seed, np.arange(len(prompt), len(prompt) + n)))
         for t in range(n):
-            seq.append(int(posterior_tokens(target.logits(seq)[None], s, uniforms[t:t + 1])))
+            seq.append(int(posterior_tokens(target.logits(seq)[None], s, keys[t:t + 1])))
         ref.append(seq[len(prompt):])
 
     def run(budgets: list[int], plant: bool, tag: str) -> tuple[list[list[int]], int]:

@@ -12,7 +12,7 @@ The decision is the batch's, not each request's: a verify pads every tree of a s
 largest, so one request probing alone makes the whole step a DDTree step. Per-request pauses did
 exactly that at C=128 (bench/results/matrix-demo-gate.json: 0.85-0.92x AR where speculating
 throughout had won 1.14x). A request's output is the same either way: every greedy token is the
-target's argmax, and a sampled token is drawn at a uniform keyed to its index in the sequence,
+target's argmax, and a sampled token is drawn with noise keyed to its index in the sequence,
 not to its tree (``services/verifier/sampling.py``). So sampled requests pause with the batch,
 and their acceptance counts in the window's mean like the greedy ones'.
 """

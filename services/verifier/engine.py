@@ -28,7 +28,7 @@ from services.verifier.acceptance import accept
 from services.verifier.graphs import VerifyGraphs
 from services.verifier.kv_cache import OutOfPages, PagedKVCache
 from services.verifier.model import ForwardBatch, TargetModel
-from services.verifier.sampling import Sampling, draw_seed, posterior_tokens, token_uniforms
+from services.verifier.sampling import Sampling, draw_seed, posterior_tokens, token_keys
 
 __all__ = ["VerifierEngine", "PrefillInput", "ItemOutcome", "StepOutcome", "tree_shape_error", "WARMUP_BATCHES"]
 
@@ -67,7 +67,7 @@ class _Request:
     request_id: str
     owner: str
     sampling: Sampling
-    seed: int | None         # keys its draws (sampled requests; `token_uniforms`)
+    seed: int | None         # keys its draws (sampled requests; `token_keys`)
     length: int = 0          # tokens whose KV is in the cache
     pending: int = -1        # the last sampled token: the next tree's root
     prefilling: bool = False  # its prompt is still arriving in pieces (no token sampled yet)
@@ -619,7 +619,7 @@ class VerifierEngine:
         """Posterior token at every node, per request (`counts` rows each).
 
         `drawn`: [rows] the index in its sequence of the token each row draws, which keys a sampled
-        request's uniform (`token_uniforms`): the same index draws the same way in a prompt's first
+        request's noise (`token_keys`): the same index draws the same way in a prompt's first
         token, any tree, or an autoregressive step.
 
         `rows`: where `logits` are a graph bucket's padded rows, the nodes' rows among them. Greedy
@@ -629,7 +629,7 @@ class VerifierEngine:
 
         Under tensor parallelism `logits` [N, V/tp] is this rank's vocabulary slice: greedy needs
         only one (max, index) exchange for the whole batch; sampling gathers the sampled rows once
-        and every rank draws the same tokens from the same uniforms.
+        and every rank draws the same tokens from the same keys.
         """
         tp = self.model.tp
         counts = list(counts)
@@ -648,16 +648,16 @@ class VerifierEngine:
                 index = torch.from_numpy(picks).to(logits.device)
                 full = tp.gather_logits(logits[index if rows is None else rows[index]])   # [sampled rows, V]
             seeds = np.repeat(np.array([reqs[j].seed for j in sampled], dtype=object), [counts[j] for j in sampled])
-            host = torch.from_numpy(token_uniforms(seeds, drawn[picks]))   # [sampled rows]
+            host = torch.from_numpy(token_keys(seeds, drawn[picks]))   # [sampled rows]
             # pinned, so the copy does not wait for the forward on the stream before the sampling launches
-            uniforms = host.pin_memory().to(full.device, non_blocking=True) if full.is_cuda else host
+            keys = host.pin_memory().to(full.device, non_blocking=True) if full.is_cuda else host
         out, at = [], 0
         for j, req in enumerate(reqs):
             if req.sampling.temperature == 0:
                 out.append(greedy[starts[j]:starts[j + 1]])
             else:
                 n = counts[j]
-                out.append(posterior_tokens(full[at:at + n], req.sampling, uniforms[at:at + n]))
+                out.append(posterior_tokens(full[at:at + n], req.sampling, keys[at:at + n]))
                 at += n
         return out
 

@@ -2,13 +2,17 @@
 
 Speculative acceptance compares each node's children against the target's own choice at that
 node. At temperature 0 the choice is the argmax (exact greedy decoding). At T > 0 it is a draw
-from the filtered target distribution by inverse CDF, with a uniform keyed to the request's seed
-and the index in the sequence of the token drawn: every node at one depth of a tree shares it.
-The accepted path visits one node per depth, so its tokens are exactly what ordinary sampling with
-those uniforms draws one token at a time: lossless, and a seeded request's tokens depend on its
-seed, prompt and parameters only, not on its trees (their budget, shape, the drafter), nor on
-whether it speculates at all. (Draws from a generator, one per node, made them depend on the
-number of nodes drawn before: the same seed gave other text at another budget.)
+from the filtered target distribution by the Gumbel-max rule, argmax(logits / T + G), with noise
+G keyed to the request's seed, the index in the sequence of the token drawn, and each token id:
+every node at one depth of a tree shares it. The accepted path visits one node per depth, so its
+tokens are exactly what ordinary sampling with that noise draws one token at a time: lossless,
+and a seeded request's tokens depend on its seed, prompt and parameters only, not on its trees
+(their budget, shape, the drafter), nor on whether it speculates at all. (Draws from a generator,
+one per node, made them depend on the number of nodes drawn before: the same seed gave other
+text at another budget.) A token's noise is its own, so logits that move by a rounding (another
+batch, another tree size) change the draw only where two tokens nearly tie; an inverse CDF in
+vocabulary order, tried first, moved with every earlier token's rounding and parted at the first
+sampled token on the GPU in bfloat16.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from torch import Tensor
 
 from services.common.settings import TEMPERATURE_RANGE, temperature_ok
 
-__all__ = ["Sampling", "draw_seed", "posterior_tokens", "token_uniforms"]
+__all__ = ["Sampling", "draw_seed", "gumbel_noise", "posterior_tokens", "token_keys"]
 
 
 @dataclass(frozen=True)
@@ -84,17 +88,42 @@ def _mix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def token_uniforms(seeds: int | np.ndarray | list[int], indices: np.ndarray | list[int]) -> np.ndarray:
-    """The uniform in [0, 1) that draws the token at each sequence index of a request seeded
+def token_keys(seeds: int | np.ndarray | list[int], indices: np.ndarray | list[int]) -> np.ndarray:
+    """The 64-bit key (as int64) that draws the token at each sequence index of a request seeded
     ``seeds`` (one 64-bit value, or one per index: a step's requests at once): splitmix64 of the
-    mixed seed advanced by the index, 53 bits of it. Counter-based, so a tree's nodes, a prompt's
-    first token and an autoregressive step all key the same index alike, and every
-    tensor-parallel rank computes the same ones on its host."""
+    mixed seed advanced by the index. Counter-based, so a tree's nodes, a prompt's first token and
+    an autoregressive step all key the same index alike, and every tensor-parallel rank computes
+    the same ones on its host."""
     words = [int(x) & 0xFFFFFFFFFFFFFFFF for x in np.atleast_1d(np.asarray(seeds, dtype=object))]
     with np.errstate(over="ignore"):
         key = _mix64(np.array(words, dtype=np.uint64))
         z = _mix64(key + (np.asarray(indices, dtype=np.int64).astype(np.uint64) + np.uint64(1)) * _GOLDEN)
-    return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+    return z.view(np.int64)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) of int64 tensors holding 32-bit words. The
+    products may pass 2**63 and wrap, as torch's integer arithmetic does on the CPU and the GPU;
+    the mask keeps their low 32 bits, which wrapping leaves exact."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(keys: Tensor, vocab: int) -> Tensor:
+    """[n, vocab] float64 standard Gumbel noise, a function of each row's key and each token id
+    alone: -log(-log(u)) with u from two rounds of ``_mix32`` (the key's low word mixed with the
+    token id, then its high word), at 32-bit resolution, (h + 0.5) / 2**32."""
+    tokens = torch.arange(vocab, dtype=torch.int64, device=keys.device)  # [V]
+    low, high = (keys & _M32)[:, None], ((keys >> 32) & _M32)[:, None]  # [n, 1] each
+    h = _mix32(_mix32((tokens * 0x9E3779B9 + low) & _M32) ^ high)  # [n, V]
+    u = (h.to(torch.float64) + 0.5) * 2.0 ** -32  # [n, V] in (0, 1)
+    return -torch.log(-torch.log(u))
 
 
 def draw_seed() -> int:
@@ -102,34 +131,29 @@ def draw_seed() -> int:
     return int.from_bytes(np.random.default_rng().bytes(8), "little")
 
 
-def posterior_tokens(logits: Tensor, sampling: Sampling, uniforms: Tensor | None) -> Tensor:
+def posterior_tokens(logits: Tensor, sampling: Sampling, keys: Tensor | None) -> Tensor:
     """The target's token at each node.
 
     Args:
-        logits: [n, V] target logits at the tree nodes (any float dtype; math in float32).
+        logits: [n, V] target logits at the tree nodes (any float dtype; math in float32, the
+            noise added in float64).
         sampling: the request's parameters.
-        uniforms: [n] float64 in [0, 1) on ``logits``' device, each row's (``token_uniforms`` of
-            the index it draws). Ignored when greedy.
+        keys: [n] int64 on ``logits``' device, each row's (``token_keys`` of the index it draws).
+            Ignored when greedy.
 
     Returns:
-        [n] int64 token ids: argmax at T=0, else the inverse CDF at each row's uniform of
-        softmax(logits / T) after top-k then top-p filtering. The CDF is summed in float64: in
-        float32 its steps near 1 are 6e-8 apart, and a rarer token could never be drawn.
+        [n] int64 token ids: argmax at T=0, else argmax(logits / T + G) after top-k then top-p
+        filtering (a filtered token is -inf, never drawn), G = ``gumbel_noise(keys)``: a draw
+        from softmax(logits / T) over the kept tokens.
     """
     if sampling.greedy:
         return logits.argmax(dim=-1)  # [n]
-    if uniforms is None or uniforms.shape != logits.shape[:1]:
-        raise ValueError(f"sampling needs one uniform a row: {logits.shape[0]} rows, "
-                         f"{None if uniforms is None else tuple(uniforms.shape)} uniforms")
+    if keys is None or keys.shape != logits.shape[:1]:
+        raise ValueError(f"sampling needs one key a row: {logits.shape[0]} rows, "
+                         f"{None if keys is None else tuple(keys.shape)} keys")
     scaled = logits.float() / sampling.temperature  # [n, V]
     scaled = _filter_top_k(scaled, sampling.top_k)
     scaled = _filter_top_p(scaled, sampling.top_p)
-    probs = torch.softmax(scaled, dim=-1)  # [n, V]
-    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [n, V]
-    total = cdf[:, -1:]  # [n, 1] (1 up to rounding)
-    if not bool(torch.isfinite(total).all()):   # a NaN or inf logit: the search would return V, no token
+    if not bool(torch.isfinite(scaled.amax(dim=-1)).all()):   # NaN propagates through amax, as +inf does
         raise ValueError("sampling: the target's logits hold NaN or inf")
-    # The first index whose CDF passes u * total: a token of probability 0 adds nothing to the
-    # CDF, so never passes first; the target stays below the total, so one always passes.
-    target = torch.minimum(uniforms.to(torch.float64).unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [n]
+    return (scaled.to(torch.float64) + gumbel_noise(keys, scaled.shape[-1])).argmax(dim=-1)  # [n]
