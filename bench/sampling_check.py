@@ -11,13 +11,12 @@ per request).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
 import torch
 
-from bench.common import git_commit
+from bench.common import write_result
 from services.verifier.sampling import Sampling, posterior_tokens, token_keys
 
 SHAPES = [(163840, 129), (163840, 17), (129280, 33), (512, 4096)]   # (vocabulary, rows)
@@ -55,10 +54,7 @@ def main() -> int:
     rows.append(dict(check="distribution", vocab=vocab, rows=draws, total_variation=round(tv, 5),
                      passed=tv < 0.005))   # the null's TV at 200k draws of 6 tokens is ~0.002
     print(rows[-1], flush=True)
-    result = dict(benchmark="sampling_check", commit=git_commit(args.commit), gpu=torch.cuda.get_device_name(),
-                  copy_gbps=None, params=dict(temperature=0.9, top_p=0.95, shapes=SHAPES), rows=rows)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(args.out, args.commit, dict(temperature=0.9, top_p=0.95, shapes=SHAPES), rows)
     return 0 if rows[-1]["passed"] else 1
 
 
