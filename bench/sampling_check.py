@@ -17,9 +17,20 @@ import numpy as np
 import torch
 
 from bench.common import write_result
-from services.verifier.sampling import Sampling, posterior_tokens, token_keys
+from services.verifier.sampling import Sampling, _filter_top_k, _filter_top_p, gumbel_noise, posterior_tokens, token_keys
 
 SHAPES = [(163840, 129), (163840, 17), (129280, 33), (512, 4096)]   # (vocabulary, rows)
+
+
+def _ms(fn) -> float:
+    """Milliseconds a call, the mean of 20 after one, synchronised."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - start) / 20 * 1e3, 3)
 
 
 def main() -> int:
@@ -37,13 +48,12 @@ def main() -> int:
         cpu = posterior_tokens(logits.cpu(), sampling, keys.cpu())
         jitter = (logits.float() * (1 + 2.0 ** -8 * torch.randn(logits.shape, device="cuda"))).to(torch.bfloat16)
         moved = int((posterior_tokens(jitter, sampling, keys).cpu() != gpu).sum())
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(20):
-            posterior_tokens(logits, sampling, keys)
-        torch.cuda.synchronize()
+        parts = {"ms": lambda: posterior_tokens(logits, sampling, keys),   # the whole draw, and two of its parts:
+                 "filters_ms": lambda: _filter_top_p(_filter_top_k(logits.float() / sampling.temperature,
+                                                                   sampling.top_k), sampling.top_p),
+                 "noise_ms": lambda: gumbel_noise(keys, vocab)}
         rows.append(dict(check="draw", vocab=vocab, rows=n, equal_to_cpu=int((gpu == cpu).sum()), moved_by_jitter=moved,
-                         ms=round((time.perf_counter() - start) / 20 * 1e3, 3)))
+                         **{name: _ms(fn) for name, fn in parts.items()}))
         print(rows[-1], flush=True)
     vocab, draws = 6, 200_000
     logits = torch.randn(vocab, generator=g)
