@@ -568,7 +568,7 @@ class ShmReader(TensorReader):
 
     def __init__(self, ring_name: str, slot_bytes: int, num_slots: int, copy: bool = False) -> None:
         self._shm = _attach_untracked(ring_name)
-        self._copy = self.copies = copy
+        self.copies = copy
         if os.fstat(self._shm._fd).st_uid != os.geteuid():   # a ring is its peer's, of this service's user
             self._shm.close()
             raise ValueError(f"shm ring {ring_name} belongs to another user")
@@ -610,7 +610,7 @@ class ShmReader(TensorReader):
             self._copied = None
 
     def _header(self, slot: int) -> tuple[int, int]:
-        if self._copy:
+        if self.copies:
             words = self._pread(2 * _WORD.size, slot * self._stride).view(torch.int64)
         else:
             words = torch.frombuffer(self._shm.buf, dtype=torch.int64, count=2, offset=slot * self._stride)
@@ -628,7 +628,7 @@ class ShmReader(TensorReader):
             raise ValueError(f"tensor {ref.name!r} names slot {s.slot} but the ring has {self._num_slots}")
         # The messages say what is wrong, not what the slot holds: they go back to the message's
         # sender, who is not always the ring's writer.
-        current, used = self._slot_header(s.slot) if self._copy else self._header(s.slot)
+        current, used = self._slot_header(s.slot) if self.copies else self._header(s.slot)
         if current != s.sequence:
             raise ValueError(
                 f"tensor {ref.name!r}: slot {s.slot} does not hold sequence {s.sequence}; the slot was "
@@ -646,7 +646,7 @@ class ShmReader(TensorReader):
         if ref.slot.nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         start = ref.slot.slot * self._stride + ref.slot.offset
-        if self._copy:
+        if self.copies:
             return self._pread(ref.slot.nbytes, start).view(dtype).reshape(shape)
         return torch.frombuffer(self._shm.buf, dtype=dtype, count=math.prod(shape), offset=start).reshape(shape)
 

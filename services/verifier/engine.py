@@ -647,7 +647,8 @@ class VerifierEngine:
             else:
                 index = torch.from_numpy(picks).to(logits.device)
                 full = tp.gather_logits(logits[index if rows is None else rows[index]])   # [sampled rows, V]
-            seeds = np.repeat(np.array([reqs[j].seed for j in sampled], dtype=object), [counts[j] for j in sampled])
+            seeds = np.repeat(np.array([reqs[j].seed & 0xFFFFFFFFFFFFFFFF for j in sampled], dtype=np.uint64),
+                              [counts[j] for j in sampled])   # a row's seed: Python ints once a request
             host = torch.from_numpy(token_keys(seeds, drawn[picks]))   # [sampled rows]
             # pinned, so the copy does not wait for the forward on the stream before the sampling launches
             keys = host.pin_memory().to(full.device, non_blocking=True) if full.is_cuda else host

@@ -115,14 +115,14 @@ def dtype_error(name: str, dtype: torch.dtype | None, where: str) -> CheckpointE
     return CheckpointError(f"{where}: tensor {name} is {got}; expected {names}")
 
 
-def check_tensor_names(config: TargetConfig, index: Mapping[str, str], where: str) -> None:
+def check_tensor_names(config: TargetConfig, expected: Mapping[str, tuple[int, ...]], index: Mapping[str, str],
+                       where: str) -> None:
     """CheckpointError where the checkpoint's tensor names and the config disagree: a tensor the
     config implies is missing, a tensor of a quantisation the loader does not implement (activation-
     ordered groups, zero points), or one in a served layer that the config does not imply. That last
     one would be left unread: a config without its ``n_shared_experts`` loaded without the shared
     experts and served other numbers than the checkpoint's. MTP layers past ``num_hidden_layers``
-    are not served and are skipped."""
-    expected = expected_tensors(config)
+    are not served and are skipped. ``expected``: ``expected_tensors(config)``."""
     missing = [n for n in expected if n not in index]
     if missing:
         first = missing[0]
@@ -212,8 +212,9 @@ def load_checkpoint(path: Path) -> tuple[TargetConfig, dict[str, Tensor]]:
     path = Path(path)
     config = read_target_config(path)
     index = tensor_index(path)
-    check_tensor_names(config, index, str(path))
-    weights = load_tensors(path, names=list(expected_tensors(config)))
+    expected = expected_tensors(config)
+    check_tensor_names(config, expected, index, str(path))
+    weights = load_tensors(path, names=list(expected))
     validate_weights(config, weights, where=lambda name: str(path / index.get(name, "?")))
     return config, weights
 

@@ -88,7 +88,7 @@ def load_rank_slice(path: Path, config: TargetConfig, expected: dict[str, tuple[
     path = Path(path)
     index = tensor_index(path)
     stored = weight_prefix(path)   # the names in the files (a multimodal wrapper's language model)
-    check_tensor_names(config, index, str(path))
+    check_tensor_names(config, expected, index, str(path))
     out: dict[str, torch.Tensor] = {}
     handles: dict[str, Any] = {}
     plan: list[tuple[str, Any, _Rule | None]] = []

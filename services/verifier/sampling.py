@@ -79,6 +79,7 @@ def _filter_top_p(logits: Tensor, top_p: float) -> Tensor:
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M64 = 0xFFFFFFFFFFFFFFFF
 
 
 def _mix64(z: np.ndarray) -> np.ndarray:
@@ -90,13 +91,14 @@ def _mix64(z: np.ndarray) -> np.ndarray:
 
 def token_keys(seeds: int | np.ndarray | list[int], indices: np.ndarray | list[int]) -> np.ndarray:
     """The 64-bit key (as int64) that draws the token at each sequence index of a request seeded
-    ``seeds`` (one 64-bit value, or one per index: a step's requests at once): splitmix64 of the
-    mixed seed advanced by the index. Counter-based, so a tree's nodes, a prompt's first token and
-    an autoregressive step all key the same index alike, and every tensor-parallel rank computes
-    the same ones on its host."""
-    words = [int(x) & 0xFFFFFFFFFFFFFFFF for x in np.atleast_1d(np.asarray(seeds, dtype=object))]
+    ``seeds`` (one 64-bit value, or one per index: a step's requests at once, a uint64 array
+    taken as it is): splitmix64 of the mixed seed advanced by the index. Counter-based, so a tree's
+    nodes, a prompt's first token and an autoregressive step all key the same index alike, and
+    every tensor-parallel rank computes the same ones on its host."""
+    if not (isinstance(seeds, np.ndarray) and seeds.dtype == np.uint64):
+        seeds = np.array([int(x) & _M64 for x in np.atleast_1d(np.asarray(seeds, dtype=object))], dtype=np.uint64)
     with np.errstate(over="ignore"):
-        key = _mix64(np.array(words, dtype=np.uint64))
+        key = _mix64(seeds)
         z = _mix64(key + (np.asarray(indices, dtype=np.int64).astype(np.uint64) + np.uint64(1)) * _GOLDEN)
     return z.view(np.int64)
 
