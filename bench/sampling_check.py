@@ -1,9 +1,9 @@
-"""GPU check of the sampler (`services.verifier.sampling.posterior_tokens`): Gumbel-max draws with
-noise keyed by seed, token index and token id. On the GPU: the same tokens as the CPU at the same
-keys (the hash's wrapping products and the float math on both; a near tie may round apart), the
-draws' distribution against the softmax, how many draws a bf16-sized jitter of the logits moves,
-and the time of one request's draw at K2 / DeepSeek-V3 vocabularies (the sampled rows of a step,
-per request).
+"""GPU check of the sampler: the step's draw (`services.verifier.sampling.draw_tokens`, the
+`kernels.gumbel_sample` launch pair on a GPU) against the torch reference (`posterior_tokens`, a
+request at a time) on the GPU and on the CPU at the same keys: tokens equal (a near tie may round
+apart), kept sets equal, how many draws a bf16-sized jitter of the logits moves, the draws'
+distribution against the softmax, and the time of a step's draw, kernel and reference, at K2 /
+DeepSeek-V3 vocabularies for one or many sampled requests.
 
     python -m bench.sampling_check --commit <sha> --out <dir>/sampling-check.json
 """
@@ -17,20 +17,46 @@ import numpy as np
 import torch
 
 from bench.common import write_result
-from services.verifier.sampling import Sampling, _filter_top_k, _filter_top_p, gumbel_noise, posterior_tokens, token_keys
+from kernels.gumbel_sample import keep_floors
+from services.verifier.sampling import (Sampling, _filter_top_k, _filter_top_p, draw_tokens, inverse_temperature,
+                                        posterior_tokens, token_keys)
 
-SHAPES = [(163840, 129), (163840, 17), (129280, 33), (512, 4096)]   # (vocabulary, rows)
+# (vocabulary, sampled requests, rows a request)
+SHAPES = [(163840, 1, 129), (163840, 1, 17), (129280, 1, 33), (163840, 8, 129), (163840, 32, 17)]
+SETTINGS = {"t0.9_p0.95": Sampling(temperature=0.9, top_p=0.95), "t0.7_k50_p0.9": Sampling(temperature=0.7, top_k=50, top_p=0.9),
+            "t1.0": Sampling(temperature=1.0)}
+SCALES = (3.0, 1.0)   # logits' spread: 3 keeps hundreds to thousands under top-p 0.95, 1 most of the vocabulary
 
 
 def _ms(fn) -> float:
-    """Milliseconds a call, the mean of 20 after one, synchronised."""
+    """Milliseconds a call, the mean of 10 after one, synchronised."""
     fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(20):
+    for _ in range(10):
         fn()
     torch.cuda.synchronize()
-    return round((time.perf_counter() - start) / 20 * 1e3, 3)
+    return round((time.perf_counter() - start) / 10 * 1e3, 3)
+
+
+def _reference(logits: torch.Tensor, sampling: Sampling, keys: torch.Tensor, requests: int) -> torch.Tensor:
+    n = logits.shape[0] // requests
+    return torch.cat([posterior_tokens(logits[i * n:(i + 1) * n], sampling, keys[i * n:(i + 1) * n])
+                      for i in range(requests)])
+
+
+def _kept_differ(logits: torch.Tensor, sampling: Sampling) -> int:
+    """Rows whose kernel kept set is not the CPU reference's."""
+    n, vocab = logits.shape
+    dev = logits.device
+    floors = keep_floors(logits, torch.full((n,), inverse_temperature(sampling.temperature).item(), device=dev),
+                         torch.full((n,), sampling.top_k if 0 < sampling.top_k < vocab else 0, dtype=torch.int32,
+                                    device=dev),
+                         torch.full((n,), sampling.top_p, device=dev)).cpu()
+    scaled = logits.cpu().float() * inverse_temperature(sampling.temperature)
+    want = _filter_top_p(_filter_top_k(scaled, sampling.top_k), sampling.top_p) > float("-inf")
+    got = (scaled >= floors[:, None]) & (scaled > float("-inf"))
+    return int((got != want).any(dim=-1).sum())
 
 
 def main() -> int:
@@ -39,33 +65,42 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
-    sampling = Sampling(temperature=0.9, top_p=0.95)
-    rows = []
-    for vocab, n in SHAPES:
-        logits = (torch.randn(n, vocab, generator=g) * 3).to("cuda", torch.bfloat16)
-        keys = torch.from_numpy(token_keys(7, np.arange(n))).cuda()
-        gpu = posterior_tokens(logits, sampling, keys).cpu()
-        cpu = posterior_tokens(logits.cpu(), sampling, keys.cpu())
-        jitter = (logits.float() * (1 + 2.0 ** -8 * torch.randn(logits.shape, device="cuda"))).to(torch.bfloat16)
-        moved = int((posterior_tokens(jitter, sampling, keys).cpu() != gpu).sum())
-        parts = {"ms": lambda: posterior_tokens(logits, sampling, keys),   # the whole draw, and two of its parts:
-                 "filters_ms": lambda: _filter_top_p(_filter_top_k(logits.float() / sampling.temperature,
-                                                                   sampling.top_k), sampling.top_p),
-                 "noise_ms": lambda: gumbel_noise(keys, vocab)}
-        rows.append(dict(check="draw", vocab=vocab, rows=n, equal_to_cpu=int((gpu == cpu).sum()), moved_by_jitter=moved,
-                         **{name: _ms(fn) for name, fn in parts.items()}))
-        print(rows[-1], flush=True)
+    rows, ok = [], True
+    for vocab, requests, n in SHAPES:
+        for scale in SCALES:
+            logits = (torch.randn(requests * n, vocab, generator=g) * scale).to("cuda")   # float32, as the engine's
+            keys = torch.from_numpy(token_keys(np.repeat(np.arange(requests, dtype=np.uint64) + 7, n),
+                                               np.tile(np.arange(n), requests))).cuda()
+            for name, sampling in SETTINGS.items():
+                kernel = draw_tokens(logits, [sampling] * requests, [n] * requests, keys)
+                gpu_ref = _reference(logits, sampling, keys, requests)
+                row = dict(check="draw", vocab=vocab, requests=requests, rows=requests * n, scale=scale, sampling=name,
+                           kernel_ms=_ms(lambda: draw_tokens(logits, [sampling] * requests, [n] * requests, keys)),
+                           reference_ms=_ms(lambda: _reference(logits, sampling, keys, requests)),
+                           equal_to_gpu_reference=int((kernel == gpu_ref).sum()))
+                if requests * n <= 129:   # the CPU reference and the kept sets at one request's rows
+                    cpu = _reference(logits.cpu(), sampling, keys.cpu(), requests)
+                    jitter = logits * (1 + 2.0 ** -8 * torch.randn(logits.shape, device="cuda"))
+                    row.update(equal_to_cpu=int((kernel.cpu() == cpu).sum()), kept_sets_differ=_kept_differ(logits, sampling),
+                               moved_by_jitter=int((draw_tokens(jitter, [sampling] * requests, [n] * requests, keys)
+                                                    != kernel).sum()))
+                    ok &= row["equal_to_cpu"] >= requests * n - 1 and row["kept_sets_differ"] <= 1
+                row["speedup"] = round(row["reference_ms"] / row["kernel_ms"], 2)
+                rows.append(row)
+                print(row, flush=True)
     vocab, draws = 6, 200_000
     logits = torch.randn(vocab, generator=g)
     keys = torch.from_numpy(token_keys(3, np.arange(draws))).cuda()
-    out = posterior_tokens(logits.cuda().expand(draws, -1), Sampling(temperature=1.0), keys)
+    out = draw_tokens(logits.cuda().expand(draws, -1).contiguous(), [Sampling(temperature=1.0)], [draws], keys)
     empirical = torch.bincount(out, minlength=vocab).double().cpu() / draws
     tv = 0.5 * (empirical - torch.softmax(logits.double(), -1)).abs().sum().item()
     rows.append(dict(check="distribution", vocab=vocab, rows=draws, total_variation=round(tv, 5),
                      passed=tv < 0.005))   # the null's TV at 200k draws of 6 tokens is ~0.002
     print(rows[-1], flush=True)
-    write_result(args.out, args.commit, dict(temperature=0.9, top_p=0.95, shapes=SHAPES), rows)
-    return 0 if rows[-1]["passed"] else 1
+    ok &= rows[-1]["passed"]
+    write_result(args.out, args.commit, dict(shapes=SHAPES, settings={k: vars(s) for k, s in SETTINGS.items()},
+                                             scales=SCALES, logits="float32 randn x scale"), rows)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from services.verifier.acceptance import accept
 from services.verifier.graphs import VerifyGraphs
 from services.verifier.kv_cache import OutOfPages, PagedKVCache
 from services.verifier.model import ForwardBatch, TargetModel
-from services.verifier.sampling import Sampling, draw_seed, posterior_tokens, token_keys
+from services.verifier.sampling import Sampling, draw_seed, draw_tokens, token_keys
 
 __all__ = ["VerifierEngine", "PrefillInput", "ItemOutcome", "StepOutcome", "tree_shape_error", "WARMUP_BATCHES"]
 
@@ -634,7 +634,7 @@ class VerifierEngine:
         tp = self.model.tp
         counts = list(counts)
         starts = np.concatenate([[0], np.cumsum(counts)])
-        greedy = full = None
+        greedy = drawn_tokens = None
         if any(r.sampling.temperature == 0 for r in reqs):
             greedy = tp.argmax(logits) if tp.enabled else logits.argmax(dim=-1)   # [N] (padded: every row)
             if rows is not None:
@@ -652,14 +652,14 @@ class VerifierEngine:
             host = torch.from_numpy(token_keys(seeds, drawn[picks]))   # [sampled rows]
             # pinned, so the copy does not wait for the forward on the stream before the sampling launches
             keys = host.pin_memory().to(full.device, non_blocking=True) if full.is_cuda else host
+            drawn_tokens = draw_tokens(full, [reqs[j].sampling for j in sampled], [counts[j] for j in sampled], keys)
         out, at = [], 0
         for j, req in enumerate(reqs):
             if req.sampling.temperature == 0:
                 out.append(greedy[starts[j]:starts[j + 1]])
             else:
-                n = counts[j]
-                out.append(posterior_tokens(full[at:at + n], req.sampling, keys[at:at + n]))
-                at += n
+                out.append(drawn_tokens[at:at + counts[j]])
+                at += counts[j]
         return out
 
     @property

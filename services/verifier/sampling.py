@@ -17,6 +17,7 @@ sampled token on the GPU in bfloat16.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,8 +25,10 @@ import torch
 from torch import Tensor
 
 from services.common.settings import TEMPERATURE_RANGE, temperature_ok
+from kernels.gumbel_sample import gumbel_sample, gumbel_sample_runs
 
-__all__ = ["Sampling", "draw_seed", "gumbel_noise", "posterior_tokens", "token_keys"]
+__all__ = ["Sampling", "draw_seed", "draw_tokens", "gumbel_noise", "inverse_temperature", "posterior_tokens",
+           "token_keys"]
 
 
 @dataclass(frozen=True)
@@ -66,16 +69,15 @@ def _filter_top_k(logits: Tensor, top_k: int) -> Tensor:
 
 
 def _filter_top_p(logits: Tensor, top_p: float) -> Tensor:
-    """Keep the smallest most-likely set whose mass reaches top_p (the top token always stays)."""
+    """Keep the smallest most-likely set whose mass reaches top_p (the top token always stays), and
+    every token tied with its least likely member: a threshold on the logits, as the GPU kernel's."""
     if top_p >= 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)  # [n, V]
+    sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # [n, V]
     probs = torch.softmax(sorted_logits, dim=-1)  # [n, V]
-    mass_before = torch.cumsum(probs, dim=-1) - probs  # [n, V]
-    drop_sorted = mass_before >= top_p  # [n, V]
-    drop_sorted[..., 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # [n, V]
-    return logits.masked_fill(drop, float("-inf"))
+    mass_before = torch.cumsum(probs, dim=-1)[..., :-1]  # [n, V - 1]: nondecreasing, as the sum is
+    kept = 1 + (mass_before < top_p).sum(dim=-1, keepdim=True)  # [n, 1] a prefix of the sorted row
+    return logits.masked_fill(logits < sorted_logits.gather(-1, kept - 1), float("-inf"))
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -128,6 +130,12 @@ def gumbel_noise(keys: Tensor, vocab: int) -> Tensor:
     return -torch.log(-torch.log(u))
 
 
+def inverse_temperature(temperature: float) -> Tensor:
+    """1 / T as the float32 every path scales logits by: a product, the same bits on the CPU, in
+    torch on the GPU and in the kernel (a division there would be approximate or a libdevice call)."""
+    return torch.tensor(1.0 / temperature, dtype=torch.float32)
+
+
 def draw_seed() -> int:
     """A seed for a request that set none: its tokens are random, and still drawn by index."""
     return int.from_bytes(np.random.default_rng().bytes(8), "little")
@@ -144,7 +152,7 @@ def posterior_tokens(logits: Tensor, sampling: Sampling, keys: Tensor | None) ->
             Ignored when greedy.
 
     Returns:
-        [n] int64 token ids: argmax at T=0, else argmax(logits / T + G) after top-k then top-p
+        [n] int64 token ids: argmax at T=0, else argmax(logits * (1 / T) + G) after top-k then top-p
         filtering (a filtered token is -inf, never drawn), G = ``gumbel_noise(keys)``: a draw
         from softmax(logits / T) over the kept tokens.
     """
@@ -153,9 +161,44 @@ def posterior_tokens(logits: Tensor, sampling: Sampling, keys: Tensor | None) ->
     if keys is None or keys.shape != logits.shape[:1]:
         raise ValueError(f"sampling needs one key a row: {logits.shape[0]} rows, "
                          f"{None if keys is None else tuple(keys.shape)} keys")
-    scaled = logits.float() / sampling.temperature  # [n, V]
+    scaled = logits.float() * inverse_temperature(sampling.temperature)  # [n, V]
     scaled = _filter_top_k(scaled, sampling.top_k)
     scaled = _filter_top_p(scaled, sampling.top_p)
     if not bool(torch.isfinite(scaled.amax(dim=-1)).all()):   # NaN propagates through amax, as +inf does
         raise ValueError("sampling: the target's logits hold NaN or inf")
     return (scaled.to(torch.float64) + gumbel_noise(keys, scaled.shape[-1])).argmax(dim=-1)  # [n]
+
+
+def draw_tokens(logits: Tensor, samplings: Sequence[Sampling], counts: Sequence[int], keys: Tensor) -> Tensor:
+    """The posterior tokens of a step's sampled requests at once.
+
+    Args:
+        logits: [N, V] the requests' rows, request i's ``counts[i]`` rows in turn.
+        samplings: each request's parameters (temperature > 0).
+        keys: [N] int64 on ``logits``' device, each row's (``token_keys``).
+
+    Returns:
+        [N] int64, as ``posterior_tokens`` request by request. On a GPU one launch pair draws every
+        row (``kernels.gumbel_sample``: no vocabulary sort, and one launch a step, not ten a
+        request); elsewhere the reference runs a request at a time. Raises ValueError where a
+        row's logits hold NaN or inf (a sync on the GPU: the caller reads the tokens next anyway).
+    """
+    counts = list(counts)
+    if sum(counts) != logits.shape[0] or keys.shape != logits.shape[:1]:
+        raise ValueError(f"draw_tokens: {logits.shape[0]} rows, {sum(counts)} counted, {tuple(keys.shape)} keys")
+    if not gumbel_sample_runs(logits):
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        parts = [posterior_tokens(logits[starts[i]:starts[i + 1]], s, keys[starts[i]:starts[i + 1]])
+                 for i, s in enumerate(samplings)]
+        return torch.cat(parts) if parts else keys.new_empty(0)
+    vocab = logits.shape[-1]
+    params = [(inverse_temperature(s.temperature).item(), s.top_k if 0 < s.top_k < vocab else 0, s.top_p)
+              for s in samplings]
+    inv_t, top_k, top_p = (np.repeat(np.array(col, dtype=dtype), counts)
+                           for col, dtype in zip(zip(*params), (np.float32, np.int32, np.float32)))
+    dev = logits.device
+    tokens = gumbel_sample(logits.contiguous(), *(torch.from_numpy(a).pin_memory().to(dev, non_blocking=True)
+                                                  for a in (inv_t, top_k, top_p)), keys)
+    if bool((tokens < 0).any()):
+        raise ValueError("sampling: the target's logits hold NaN or inf")
+    return tokens

@@ -1,0 +1,112 @@
+"""`kernels.gumbel_sample` (under the interpreter here) against the torch reference,
+`services.verifier.sampling.posterior_tokens`: the same kept set a row, the same token a row, rows
+of other parameters side by side in one launch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import gumbel_sample as gs
+from services.verifier.sampling import (Sampling, _filter_top_k, _filter_top_p, draw_tokens, inverse_temperature,
+                                        posterior_tokens, token_keys)
+
+pytestmark = pytest.mark.skipif(gs.triton is None, reason="needs triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _params(samplings: list[Sampling], vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    inv_t = torch.tensor([inverse_temperature(s.temperature).item() for s in samplings], dtype=torch.float32)
+    top_k = torch.tensor([s.top_k if 0 < s.top_k < vocab else 0 for s in samplings], dtype=torch.int32)
+    top_p = torch.tensor([s.top_p for s in samplings], dtype=torch.float32)
+    return inv_t.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE)
+
+
+def _check(logits: torch.Tensor, samplings: list[Sampling], seed: int = 0) -> torch.Tensor:
+    """Per row: the kernel keeps exactly the reference's tokens and draws the reference's token."""
+    keys = torch.from_numpy(token_keys(seed, np.arange(len(samplings))))
+    dev = logits.to(DEVICE)
+    floors = gs.keep_floors(dev, *_params(samplings, logits.shape[-1])).cpu()
+    poison = torch.full((len(samplings),), -7, dtype=torch.int64)
+    tokens = gs.gumbel_sample(dev, *_params(samplings, logits.shape[-1]), keys.to(DEVICE)).cpu()
+    assert not bool((tokens == poison).any())
+    for i, s in enumerate(samplings):
+        scaled = logits[i:i + 1].float() * inverse_temperature(s.temperature)
+        want = _filter_top_p(_filter_top_k(scaled, s.top_k), s.top_p) > float("-inf")
+        got = (scaled >= floors[i]) & (scaled > float("-inf"))
+        assert torch.equal(got, want), (i, s, int(want.sum()), int(got.sum()))
+        assert int(tokens[i]) == int(posterior_tokens(logits[i:i + 1], s, keys[i:i + 1])), (i, s)
+    return tokens
+
+
+SETTINGS = [Sampling(temperature=1.0), Sampling(temperature=0.7, top_p=0.9), Sampling(temperature=0.6, top_k=50),
+            Sampling(temperature=1.3, top_k=40, top_p=0.8), Sampling(temperature=0.5, top_k=1),
+            Sampling(temperature=2.0, top_p=1e-6), Sampling(temperature=1.0, top_k=100000, top_p=0.95),
+            Sampling(temperature=1e-6, top_p=0.5), Sampling(temperature=1e4, top_k=7, top_p=0.3)]
+
+
+@pytest.mark.parametrize("vocab", [1, 37, gs.SEARCH_BLOCK, 5000])
+def test_mixed_rows_match_the_reference(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(len(SETTINGS), vocab, generator=gen) * 4
+    _check(logits, SETTINGS, seed=vocab)
+
+
+def test_bf16_rows_full_of_ties_and_masked_tokens() -> None:
+    """bf16 logits repeat values (ties at every threshold), -inf tokens stay out."""
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(len(SETTINGS), 3000, generator=gen) * 2).to(torch.bfloat16)
+    logits[:, :40] = float("-inf")
+    logits[2, 1000:1200] = logits[2].float().topk(50).values[-1]   # the 50th value, 200 more times
+    _check(logits, SETTINGS, seed=2)
+
+
+def test_thresholds_inside_tie_groups_keep_the_whole_group() -> None:
+    logits = torch.log(torch.tensor([[0.4, 0.1, 0.4, 0.1] + [0.0] * 60]))[:, :64].clamp(min=-30)
+    logits = logits.repeat(2, 1)
+    samplings = [Sampling(temperature=1.0, top_p=0.3), Sampling(temperature=1.0, top_k=3)]
+    floors = gs.keep_floors(logits.to(DEVICE), *_params(samplings, 64)).cpu()
+    assert (logits[0] >= floors[0]).nonzero().flatten().tolist() == [0, 2]           # 0.4 reaches 0.3; its twin stays
+    assert (logits[1] >= floors[1]).nonzero().flatten().tolist() == [0, 1, 2, 3]     # the third is tied with the fourth
+    _check(logits, samplings)
+
+
+def test_rows_holding_nan_or_inf_draw_minus_one_and_leave_the_others() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 500, generator=gen)
+    logits[1, 7] = float("nan")
+    logits[2, 300] = float("inf")
+    logits[3, :] = float("-inf")
+    samplings = [Sampling(temperature=0.9, top_p=0.9)] * 4
+    keys = torch.from_numpy(token_keys(5, np.arange(4)))
+    tokens = gs.gumbel_sample(logits.to(DEVICE), *_params(samplings, 500), keys.to(DEVICE)).cpu()
+    assert tokens[1:].tolist() == [-1, -1, -1]
+    assert int(tokens[0]) == int(posterior_tokens(logits[:1], samplings[0], keys[:1]))
+
+
+def test_many_keys_draw_the_reference_tokens() -> None:
+    """Unfiltered rows at T = 1: each draw is decided by the noise, so 128 keys over one row pin
+    the kernel's hash and logs to the reference's (whose distribution `test_acceptance` checks)."""
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(4)).expand(128, -1).contiguous()
+    tokens = _check(logits, [Sampling(temperature=1.0)] * 128, seed=9)
+    assert len(set(tokens.tolist())) > 20
+
+
+def test_draw_tokens_is_the_reference_request_by_request() -> None:
+    """The step's entry point (the kernel on a GPU, the reference here): requests of other
+    parameters and row counts, and its refusals."""
+    gen = torch.Generator().manual_seed(6)
+    samplings, counts = SETTINGS[:4], [3, 1, 5, 2]
+    logits = torch.randn(sum(counts), 200, generator=gen)
+    keys = torch.from_numpy(token_keys(np.repeat(np.arange(4, dtype=np.uint64) + 11, counts), np.arange(11)))
+    got = draw_tokens(logits.to(DEVICE), samplings, counts, keys.to(DEVICE)).cpu()
+    at = 0
+    for s, n in zip(samplings, counts):
+        assert torch.equal(got[at:at + n], posterior_tokens(logits[at:at + n], s, keys[at:at + n]))
+        at += n
+    with pytest.raises(ValueError, match="rows"):
+        draw_tokens(logits, samplings, [3, 1, 5, 1], keys)
+    logits[4, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        draw_tokens(logits.to(DEVICE), samplings, counts, keys.to(DEVICE))
