@@ -105,7 +105,7 @@ if triton is not None:
             m = tl.maximum(m, tl.where(ok, x, float("-inf")))
             least = tl.minimum(least, tl.where(ok, x, float("inf")))
         m_row = tl.max(m, axis=0)
-        floor = float("-inf")
+        floor = tl.full([], float("-inf"), tl.float32)
         if (top_k > 0) & (tl.sum(finite, axis=0) > top_k):
             floor = _unkey(_search(base, vocab, inv_t, m_row, _key(tl.min(least, axis=0)) - 1, _key(m_row),
                                    top_k.to(tl.float32), False, BLOCK, WAYS))
@@ -119,7 +119,7 @@ if triton is not None:
             floor = _unkey(_search(base, vocab, inv_t, m_row, lo, _key(m_row), top_p * tl.sum(kept, axis=0),
                                    True, BLOCK, WAYS))
         if (tl.sum(bad, axis=0) > 0) | (m_row == float("-inf")):
-            floor = float("nan")
+            floor = tl.full([], float("nan"), tl.float32)
         tl.store(floor_ptr + row, floor)
 
     @triton.jit
