@@ -89,6 +89,22 @@ class _Rope:
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Grouped-query attention that reads each KV head once: the query heads sharing a KV head are
+    stacked as more query rows of it (``repeat_interleave`` of the keys and values wrote
+    ``heads / kv_heads`` copies of a row's whole context a layer, every propose).
+
+    q: [R, B, H, hd]; k, v: [R, L, kvh, hd] (query head h reads KV head h // (H / kvh));
+    mask: [R, 1, 1, L] boolean, True where a key is attended. Returns [R, B, H * hd].
+    """
+    R, B, H, hd = q.shape
+    kvh = k.shape[2]
+    g = H // kvh
+    rows = q.view(R, B, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(R, kvh, g * B, hd)  # [R, kvh, g*B, hd]
+    out = F.scaled_dot_product_attention(rows, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)  # [R, kvh, g*B, hd]
+    return out.view(R, kvh, g, B, hd).permute(0, 3, 1, 2, 4).reshape(R, B, H * hd)
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -363,7 +379,6 @@ class DFlashDrafter:
         block_valid = torch.ones(R, B, dtype=torch.bool, device=dev)  # [R, B]
         mask = torch.cat([ctx_valid, block_valid], dim=1)[:, None, None, :]  # [R, 1, 1, Lpad+B]
 
-        groups = H // kvh
         for li, layer in enumerate(self.layers):
             ctx_k, ctx_v = context_kv(li)  # [R, Lpad, kvh, hd] each
             h = rms_norm(x, layer.input_layernorm, c.rms_norm_eps)  # [R, B, hidden]
@@ -372,12 +387,8 @@ class DFlashDrafter:
             kb = rms_norm((h @ layer.k_proj.T).view(R, B, kvh, hd), layer.k_norm, c.rms_norm_eps)  # [R, B, kvh, hd]
             kb = _apply_rope(kb, cos, sin)  # [R, B, kvh, hd]
             vb = (h @ layer.v_proj.T).view(R, B, kvh, hd)  # [R, B, kvh, hd]
-            k = torch.cat([ctx_k, kb], dim=1).repeat_interleave(groups, dim=2)  # [R, Lpad+B, H, hd]
-            v = torch.cat([ctx_v, vb], dim=1).repeat_interleave(groups, dim=2)  # [R, Lpad+B, H, hd]
-            attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
-            )  # [R, H, B, hd]
-            x = x + attn.transpose(1, 2).reshape(R, B, H * hd) @ layer.o_proj.T  # [R, B, hidden]
+            attn = grouped_attention(q, torch.cat([ctx_k, kb], dim=1), torch.cat([ctx_v, vb], dim=1), mask)
+            x = x + attn @ layer.o_proj.T  # [R, B, hidden]
             h = rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps)  # [R, B, hidden]
             x = x + (F.silu(h @ layer.gate_proj.T) * (h @ layer.up_proj.T)) @ layer.down_proj.T  # [R, B, hidden]
         x = rms_norm(x[:, 1:], self.norm, c.rms_norm_eps)  # [R, B-1, hidden]
