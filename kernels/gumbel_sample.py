@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover - only where triton is not installed
 
 __all__ = ["gumbel_sample", "gumbel_sample_runs", "keep_floors"]
 
-SEARCH_BLOCK = 1024   # elements of a row a step of the threshold search
+SEARCH_BLOCK = 512    # elements of a row a step of the threshold search
 WAYS = 16             # probes a search pass (a power of two: 4 bits a pass)
 DRAW_BLOCK = 2048     # elements of a row a step of the draw
 
@@ -68,7 +68,7 @@ if triton is not None:
             step = (hi - lo + WAYS - 1) // WAYS
             probes = tl.minimum(lo + step * (ways + 1), hi)                 # [WAYS] keys, the last = hi
             t = _unkey(probes)                                              # [WAYS] float32
-            above = tl.zeros([WAYS], tl.float32)
+            acc = tl.zeros([BLOCK, WAYS], tl.float32)   # summed across lanes once a pass, not a step
             for start in range(0, vocab, BLOCK):
                 idx = start + offs
                 x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) * inv_t
@@ -76,7 +76,8 @@ if triton is not None:
                     w = tl.where(x == float("-inf"), 0.0, tl.exp(x - m))
                 else:
                     w = tl.where(idx < vocab, 1.0, 0.0)
-                above += tl.sum(tl.where(x[:, None] > t[None, :], w[:, None], 0.0), axis=0)
+                acc += tl.where(x[:, None] > t[None, :], w[:, None], 0.0)
+            above = tl.sum(acc, axis=0)                                     # [WAYS]
             first = tl.min(tl.where(above < target, ways, WAYS), axis=0)   # the first probe that holds
             new_hi = tl.sum(tl.where(ways == first, probes, 0), axis=0)
             lo = tl.where(first == 0, lo, tl.sum(tl.where(ways == first - 1, probes, 0), axis=0))
