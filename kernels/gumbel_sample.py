@@ -58,6 +58,12 @@ if triton is not None:
         return tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _scaled(base, idx, vocab, inv_t):
+        """Scaled logits of a row at ``idx`` (-inf past its end), as the reference scales them: every
+        pass of both kernels computes the same bits, so a threshold found by one is exact in the other."""
+        return tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) * inv_t
+
+    @triton.jit
     def _search(base, vocab, inv_t, m, lo, hi, target, MASS: tl.constexpr, BLOCK: tl.constexpr,
                 WAYS: tl.constexpr):
         """The smallest key in (lo, hi] whose predicate holds: (count or mass of the row's scaled
@@ -71,7 +77,7 @@ if triton is not None:
             acc = tl.zeros([BLOCK, WAYS], tl.float32)   # summed across lanes once a pass, not a step
             for start in range(0, vocab, BLOCK):
                 idx = start + offs
-                x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) * inv_t
+                x = _scaled(base, idx, vocab, inv_t)
                 if MASS:
                     w = tl.where(x == float("-inf"), 0.0, tl.exp(x - m))
                 else:
@@ -99,7 +105,7 @@ if triton is not None:
         bad = tl.zeros([BLOCK], tl.int32)
         for start in range(0, vocab, BLOCK):
             idx = start + offs
-            x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) * inv_t
+            x = _scaled(base, idx, vocab, inv_t)
             ok = (x > float("-inf")) & (x < float("inf"))
             bad += ((x != x) | (x == float("inf"))).to(tl.int32)
             finite += ok.to(tl.int32)
@@ -114,7 +120,7 @@ if triton is not None:
             kept = tl.zeros([BLOCK], tl.float32)
             for start in range(0, vocab, BLOCK):
                 idx = start + offs
-                x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) * inv_t
+                x = _scaled(base, idx, vocab, inv_t)
                 kept += tl.where((x >= floor) & (x > float("-inf")), tl.exp(x - m_row), 0.0)
             lo = tl.where(floor == float("-inf"), _key(tl.min(least, axis=0)), _key(floor)) - 1
             floor = _unkey(_search(base, vocab, inv_t, m_row, lo, _key(m_row), top_p * tl.sum(kept, axis=0),
@@ -147,7 +153,7 @@ if triton is not None:
         best_i = tl.full([], -1, tl.int32)
         for start in range(0, vocab, BLOCK):
             idx = start + offs
-            x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) * inv_t
+            x = _scaled(base, idx, vocab, inv_t)
             keep = (idx < vocab) & (x >= floor)
             if tl.max(keep.to(tl.int32), axis=0) > 0:
                 h = _mix32(_mix32(idx.to(tl.uint32) * 0x9E3779B9 + low) ^ high)
