@@ -107,6 +107,8 @@ def test_draw_tokens_is_the_reference_request_by_request() -> None:
         at += n
     with pytest.raises(ValueError, match="rows"):
         draw_tokens(logits, samplings, [3, 1, 5, 1], keys)
+    with pytest.raises(ValueError, match="3 counts for 4 requests"):
+        draw_tokens(logits, samplings, [3, 1, 7], keys)
     logits[4, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN or inf"):
         draw_tokens(logits.to(DEVICE), samplings, counts, keys.to(DEVICE))

@@ -184,8 +184,9 @@ def draw_tokens(logits: Tensor, samplings: Sequence[Sampling], counts: Sequence[
         row's logits hold NaN or inf (a sync on the GPU: the caller reads the tokens next anyway).
     """
     counts = list(counts)
-    if sum(counts) != logits.shape[0] or keys.shape != logits.shape[:1]:
-        raise ValueError(f"draw_tokens: {logits.shape[0]} rows, {sum(counts)} counted, {tuple(keys.shape)} keys")
+    if sum(counts) != logits.shape[0] or keys.shape != logits.shape[:1] or len(counts) != len(samplings):
+        raise ValueError(f"draw_tokens: {logits.shape[0]} rows, {sum(counts)} counted, {tuple(keys.shape)} keys, "
+                         f"{len(counts)} counts for {len(samplings)} requests")
     if not gumbel_sample_runs(logits):
         starts = np.concatenate([[0], np.cumsum(counts)])
         parts = [posterior_tokens(logits[starts[i]:starts[i + 1]], s, keys[starts[i]:starts[i + 1]])
