@@ -8,10 +8,9 @@ step pays that once per sampled request. Here one launch pair serves every sampl
 
 * ``_floor_kernel`` finds each row's keep threshold on its scaled logits without sorting: the
   k-th largest value (top-k) and then the smallest value whose strictly-greater mass is below
-  ``top_p`` of the kept mass (top-p), each by a ``WAYS``-ary search over the order-preserving
-  integer image of float32 (every pass over the row counts ``WAYS - 1`` probes at once, so 32
-  bits take 8 passes at 16 ways). The result is a logit of the row, exactly; a row holding NaN
-  or +inf gets NaN.
+  ``top_p`` of the kept mass (top-p), each by a search over the order-preserving integer image of
+  float32 that tests ``WAYS`` probes a pass over the row (32 bits in 8 passes at 16). The result
+  is a logit of the row, exactly; a row holding NaN or +inf, or no finite logit, gets NaN.
 * ``_gumbel_argmax_kernel`` adds each kept token's noise (the reference's hash, in uint32, and
   its float64 ``-log(-log(u))``) and keeps the first maximum; tiles with no kept token are
   skipped, so a filtered row costs little more than one read. A NaN floor writes token -1.
@@ -67,12 +66,15 @@ if triton is not None:
     def _search(base, vocab, inv_t, m, lo, hi, target, MASS: tl.constexpr, BLOCK: tl.constexpr,
                 WAYS: tl.constexpr):
         """The smallest key in (lo, hi] whose predicate holds: (count or mass of the row's scaled
-        values strictly above it) < target, given it fails at lo and holds at hi (monotone)."""
+        values strictly above it) < target, where it fails at lo and the predicate is monotone.
+        Each pass tests ``WAYS`` probes splitting (lo, hi] into ``WAYS + 1`` parts; where none
+        holds the answer is in the last part, so hi is never tested: where even hi fails (a target
+        of 0), hi comes back, the row's maximum for a top-p search (greedy, as the reference)."""
         offs = tl.arange(0, BLOCK)
         ways = tl.arange(0, WAYS)
         while hi - lo > 1:
-            step = (hi - lo + WAYS - 1) // WAYS
-            probes = tl.minimum(lo + step * (ways + 1), hi)                 # [WAYS] keys, the last = hi
+            step = (hi - lo + WAYS) // (WAYS + 1)
+            probes = tl.minimum(lo + step * (ways + 1), hi)                 # [WAYS] keys
             t = _unkey(probes)                                              # [WAYS] float32
             acc = tl.zeros([BLOCK, WAYS], tl.float32)   # summed across lanes once a pass, not a step
             for start in range(0, vocab, BLOCK):
@@ -85,7 +87,7 @@ if triton is not None:
                 acc += tl.where(x[:, None] > t[None, :], w[:, None], 0.0)
             above = tl.sum(acc, axis=0)                                     # [WAYS]
             first = tl.min(tl.where(above < target, ways, WAYS), axis=0)   # the first probe that holds
-            new_hi = tl.sum(tl.where(ways == first, probes, 0), axis=0)
+            new_hi = tl.where(first == WAYS, hi, tl.sum(tl.where(ways == first, probes, 0), axis=0))
             lo = tl.where(first == 0, lo, tl.sum(tl.where(ways == first - 1, probes, 0), axis=0))
             hi = new_hi
         return hi
@@ -176,16 +178,26 @@ def gumbel_sample_runs(logits: Tensor) -> bool:
     return triton is not None and logits.is_cuda
 
 
-def _check_rows(logits: Tensor) -> None:
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"gumbel_sample: logits must be [rows, V], each row contiguous; got {tuple(logits.shape)}")
+def _check_rows(logits: Tensor, **per_row: tuple[Tensor, torch.dtype]) -> None:
+    """The kernels index every tensor by row alone: a wrong shape, dtype, stride or device would be
+    read past its end or as other values, not refused."""
+    if logits.dim() != 2 or (logits.shape[1] > 1 and logits.stride(1) != 1):
+        raise ValueError(f"gumbel_sample: logits must be [rows, V], each row contiguous; got {tuple(logits.shape)} "
+                         f"strides {logits.stride()}")
+    for name, (t, dtype) in per_row.items():
+        if t.shape != logits.shape[:1] or t.dtype != dtype or t.device != logits.device or \
+                (t.numel() > 1 and t.stride(0) != 1):
+            raise ValueError(f"gumbel_sample: {name} must be [{logits.shape[0]}] contiguous {dtype} on "
+                             f"{logits.device}; got {tuple(t.shape)} {t.dtype} on {t.device}")
 
 
 @on_input_device
 def keep_floors(logits: Tensor, inv_temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     """[n] float32: each row's smallest kept scaled logit (``logits * inv_temperature``; -inf where
-    neither filter is on, NaN for a row holding NaN or +inf). Arguments as ``gumbel_sample``'s."""
-    _check_rows(logits)
+    neither filter is on; NaN for a row holding NaN or +inf, or no finite logit). Arguments as
+    ``gumbel_sample``'s."""
+    _check_rows(logits, inv_temperature=(inv_temperature, torch.float32), top_k=(top_k, torch.int32),
+                top_p=(top_p, torch.float32))
     n, vocab = logits.shape
     floor = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n:
@@ -197,13 +209,15 @@ def keep_floors(logits: Tensor, inv_temperature: Tensor, top_k: Tensor, top_p: T
 @on_input_device
 def gumbel_sample(logits: Tensor, inv_temperature: Tensor, top_k: Tensor, top_p: Tensor, keys: Tensor) -> Tensor:
     """[n] int64: each row's argmax of ``logits * inv_temperature + G`` over its kept tokens, G the
-    keyed Gumbel noise of ``sampling.gumbel_noise``; -1 for a row holding NaN or +inf.
+    keyed Gumbel noise of ``sampling.gumbel_noise``; -1 for a row holding NaN or +inf, or no
+    finite logit.
 
     Args:
         logits: [n, V] (float32, bf16 or fp16), each row contiguous.
         inv_temperature: [n] float32, 1 / T (the reference scales by this product too).
         top_k: [n] int32, 0 = off. top_p: [n] float32, 1 = off. keys: [n] int64 (``token_keys``).
     """
+    _check_rows(logits, keys=(keys, torch.int64))
     floor = keep_floors(logits, inv_temperature, top_k, top_p)
     n, vocab = logits.shape
     out = torch.empty(n, dtype=torch.int64, device=logits.device)

@@ -28,9 +28,8 @@ def _check(logits: torch.Tensor, samplings: list[Sampling], seed: int = 0) -> to
     keys = torch.from_numpy(token_keys(seed, np.arange(len(samplings))))
     dev = logits.to(DEVICE)
     floors = gs.keep_floors(dev, *_params(samplings, logits.shape[-1])).cpu()
-    poison = torch.full((len(samplings),), -7, dtype=torch.int64)
     tokens = gs.gumbel_sample(dev, *_params(samplings, logits.shape[-1]), keys.to(DEVICE)).cpu()
-    assert not bool((tokens == poison).any())
+    assert bool(((tokens >= 0) & (tokens < logits.shape[-1])).all())
     for i, s in enumerate(samplings):
         scaled = logits[i:i + 1].float() * inverse_temperature(s.temperature)
         want = _filter_top_p(_filter_top_k(scaled, s.top_k), s.top_p) > float("-inf")
@@ -93,9 +92,13 @@ def test_many_keys_draw_the_reference_tokens() -> None:
     assert len(set(tokens.tolist())) > 20
 
 
-def test_draw_tokens_is_the_reference_request_by_request() -> None:
-    """The step's entry point (the kernel on a GPU, the reference here): requests of other
-    parameters and row counts, and its refusals."""
+@pytest.mark.parametrize("kernel", [False, True])
+def test_draw_tokens_is_the_reference_request_by_request(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's entry point, on its reference path and (forced here, as on a GPU) its kernel
+    path: requests of other parameters and row counts, and its refusals."""
+    from services.verifier import sampling
+
+    monkeypatch.setattr(sampling, "gumbel_sample_runs", lambda logits: kernel)
     gen = torch.Generator().manual_seed(6)
     samplings, counts = SETTINGS[:4], [3, 1, 5, 2]
     logits = torch.randn(sum(counts), 200, generator=gen)
@@ -105,13 +108,55 @@ def test_draw_tokens_is_the_reference_request_by_request() -> None:
     for s, n in zip(samplings, counts):
         assert torch.equal(got[at:at + n], posterior_tokens(logits[at:at + n], s, keys[at:at + n]))
         at += n
+    assert draw_tokens(logits[:0], [], [], keys[:0]).shape == (0,)
     with pytest.raises(ValueError, match="rows"):
         draw_tokens(logits, samplings, [3, 1, 5, 1], keys)
     with pytest.raises(ValueError, match="3 counts for 4 requests"):
         draw_tokens(logits, samplings, [3, 1, 7], keys)
-    logits[4, 0] = float("nan")
-    with pytest.raises(ValueError, match="NaN or inf"):
-        draw_tokens(logits.to(DEVICE), samplings, counts, keys.to(DEVICE))
+    with pytest.raises(ValueError, match="greedy"):
+        draw_tokens(logits, [Sampling(), *samplings[1:]], counts, keys)
+    for bad in (float("nan"), float("inf")):
+        poisoned = logits.clone()
+        poisoned[4, 0] = bad
+        with pytest.raises(ValueError, match="NaN or inf"):
+            draw_tokens(poisoned.to(DEVICE), samplings, counts, keys.to(DEVICE))
+
+
+def test_a_top_p_below_float32_is_refused_and_one_just_under_1_is_off() -> None:
+    """top_p is kept as its float32, the value the kernel compares with: 1e-46 was 0 there (every
+    token >= 0 kept, or none) while the reference drew greedily; 1 - 1e-9 was 1 there (no cut)
+    while the reference cut."""
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(temperature=1.0, top_p=1e-46)
+    assert Sampling(temperature=1.0, top_p=1 - 1e-9).top_p == 1.0
+    assert Sampling(temperature=1.0, top_p=0.9).top_p == float(np.float32(0.9))
+
+
+def test_a_zero_top_p_target_searches_to_the_maximum() -> None:
+    """The search's answer where even its upper end fails (a top_p of 0 reaching the kernel): the
+    row's maximum, greedy, not a threshold of 0.0."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 2.0, 1.0], [-3.0, -1.0, -2.0, -5.0, -1.5]])
+    dev = logits.to(DEVICE)
+    floors = gs.keep_floors(dev, torch.ones(2, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE),
+                            torch.zeros(2, device=DEVICE)).cpu()
+    assert floors.tolist() == [2.0, -1.0]
+
+
+def test_row_arguments_are_checked_not_read_past() -> None:
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(4, 50, generator=gen).to(DEVICE)
+    inv_t, top_k, top_p = _params([Sampling(temperature=1.0)] * 4, 50)
+    keys = torch.from_numpy(token_keys(1, np.arange(8))).to(DEVICE)
+    for bad, match in ((dict(keys=keys[::2]), "keys"), (dict(keys=keys[:3]), "keys"),
+                       (dict(keys=keys[:4].to(torch.int32)), "keys"), (dict(top_p=top_p[:2]), "top_p"),
+                       (dict(inv_temperature=inv_t.double()), "inv_temperature"), (dict(top_k=top_k.long()), "top_k")):
+        args = dict(inv_temperature=inv_t, top_k=top_k, top_p=top_p, keys=keys[:4]) | bad
+        with pytest.raises(ValueError, match=match):
+            gs.gumbel_sample(logits, **args)
+    with pytest.raises(ValueError, match="each row contiguous"):
+        gs.gumbel_sample(logits.t().contiguous().t(), inv_t, top_k, top_p, keys[:4])
+    one = logits.t().contiguous().t()[:, :1]   # V = 1, strides (1, 4): one token a row is contiguous
+    assert gs.gumbel_sample(one, inv_t, top_k, top_p, keys[:4]).tolist() == [0, 0, 0, 0]
 
 
 _SM90_BUILD = """

@@ -2,7 +2,7 @@
 
 Speculative acceptance compares each node's children against the target's own choice at that
 node. At temperature 0 the choice is the argmax (exact greedy decoding). At T > 0 it is a draw
-from the filtered target distribution by the Gumbel-max rule, argmax(logits / T + G), with noise
+from the filtered target distribution by the Gumbel-max rule, argmax(logits * (1/T) + G), with noise
 G keyed to the request's seed, the index in the sequence of the token drawn, and each token id:
 every node at one depth of a tree shares it. The accepted path visits one node per depth, so its
 tokens are exactly what ordinary sampling with that noise draws one token at a time: lossless,
@@ -36,7 +36,8 @@ class Sampling:
     """Per-request sampling parameters, validated on construction so bad requests fail early.
 
     temperature: 0 means greedy; > 0 scales logits before softmax.
-    top_p: nucleus mass in (0, 1]; 1 disables it.
+    top_p: nucleus mass in (0, 1]; 1 disables it. Kept as its float32 (the wire's, and what the
+        GPU kernel compares with), so every path filters alike.
     top_k: keep the k most likely tokens; 0 disables it.
     seed: keys the request's draws (None: one drawn at admission); used by the caller.
     """
@@ -50,8 +51,10 @@ class Sampling:
         lo, hi = TEMPERATURE_RANGE
         if not temperature_ok(self.temperature):  # also NaN
             raise ValueError(f"temperature must be 0 (greedy) or in [{lo:g}, {hi:g}], got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        top_p = float(np.float32(self.top_p))
+        if not (0.0 < top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] as a float32, got {self.top_p}")
+        object.__setattr__(self, "top_p", top_p)
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
 
@@ -75,7 +78,7 @@ def _filter_top_p(logits: Tensor, top_p: float) -> Tensor:
         return logits
     sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # [n, V]
     probs = torch.softmax(sorted_logits, dim=-1)  # [n, V]
-    mass_before = torch.cumsum(probs, dim=-1)[..., :-1]  # [n, V - 1]: nondecreasing, as the sum is
+    mass_before = torch.cumsum(probs, dim=-1)[..., :-1]  # [n, V - 1]: nondecreasing (a running sum on the CPU)
     kept = 1 + (mass_before < top_p).sum(dim=-1, keepdim=True)  # [n, 1] a prefix of the sorted row
     return logits.masked_fill(logits < sorted_logits.gather(-1, kept - 1), float("-inf"))
 
@@ -184,6 +187,8 @@ def draw_tokens(logits: Tensor, samplings: Sequence[Sampling], counts: Sequence[
         row's logits hold NaN or inf (a sync on the GPU: the caller reads the tokens next anyway).
     """
     counts = list(counts)
+    if any(s.greedy for s in samplings):
+        raise ValueError("draw_tokens: greedy requests take the argmax, not a draw")
     if sum(counts) != logits.shape[0] or keys.shape != logits.shape[:1] or len(counts) != len(samplings):
         raise ValueError(f"draw_tokens: {logits.shape[0]} rows, {sum(counts)} counted, {tuple(keys.shape)} keys, "
                          f"{len(counts)} counts for {len(samplings)} requests")
@@ -192,13 +197,16 @@ def draw_tokens(logits: Tensor, samplings: Sequence[Sampling], counts: Sequence[
         parts = [posterior_tokens(logits[starts[i]:starts[i + 1]], s, keys[starts[i]:starts[i + 1]])
                  for i, s in enumerate(samplings)]
         return torch.cat(parts) if parts else keys.new_empty(0)
+    if not counts:
+        return keys.new_empty(0)
     vocab = logits.shape[-1]
     params = [(inverse_temperature(s.temperature).item(), s.top_k if 0 < s.top_k < vocab else 0, s.top_p)
               for s in samplings]
     inv_t, top_k, top_p = (np.repeat(np.array(col, dtype=dtype), counts)
                            for col, dtype in zip(zip(*params), (np.float32, np.int32, np.float32)))
     dev = logits.device
-    tokens = gumbel_sample(logits.contiguous(), *(torch.from_numpy(a).pin_memory().to(dev, non_blocking=True)
+    pin = (lambda t: t.pin_memory()) if logits.is_cuda else (lambda t: t)  # noqa: E731
+    tokens = gumbel_sample(logits.contiguous(), *(pin(torch.from_numpy(a)).to(dev, non_blocking=True)
                                                   for a in (inv_t, top_k, top_p)), keys)
     if bool((tokens < 0).any()):
         raise ValueError("sampling: the target's logits hold NaN or inf")
