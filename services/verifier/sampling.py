@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from services.common.settings import TEMPERATURE_RANGE, temperature_ok
 from kernels.gumbel_sample import gumbel_sample, gumbel_sample_runs
+from services.common.settings import TEMPERATURE_RANGE, temperature_ok
 
 __all__ = ["Sampling", "draw_seed", "draw_tokens", "gumbel_noise", "inverse_temperature", "posterior_tokens",
            "token_keys"]
