@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import grpc
 import pytest
 
-from ddtree.v1 import common_pb2
+from ddtree.v1 import common_pb2, scheduler_pb2
+from services.common.grpc_server import ServiceError
 from services.common.metrics import Metrics
 from services.common.settings import SchedulerSettings
 from services.scheduler.batcher import KvBudget, StepLoop
@@ -567,12 +569,14 @@ def test_a_lane_follows_its_replicas_verifier_to_that_groups_kv_budget() -> None
 def test_a_queue_whose_verifier_came_back_smaller_refuses_what_no_longer_fits() -> None:
     """The verifier restarts with a smaller KV cache and its replicas stay up: a queued request
     larger than the new cache sat at the head of the queue for good, and every request behind it.
-    It goes to a replica whose cache holds it, else fails RESOURCE_EXHAUSTED; the rest run."""
+    It goes to a replica whose cache holds it, else fails as `submit` would refuse it now:
+    OUT_OF_RANGE where no replica holds it (a retry cannot succeed; it was RESOURCE_EXHAUSTED,
+    which clients retry for ever), RESOURCE_EXHAUSTED where one that is down does. The rest run."""
     import grpc
 
     from services.scheduler.router import Router
 
-    async def scenario(other_holds: bool):
+    async def scenario(other_holds: bool, other_up: bool = True):
         router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
         old = router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000))
         small = StepLoop(SchedulerSettings(), "small", Draft("v1"), Limits(64, 4096, 16, (0,), 10_000), old,
@@ -580,6 +584,7 @@ def test_a_queue_whose_verifier_came_back_smaller_refuses_what_no_longer_fits() 
         big_budget = router._budget(common_pb2.ModelInfo(verifier_id="big", kv_capacity_tokens=10_000))
         other = StepLoop(SchedulerSettings(), "other", Draft("big"), Limits(64, 4096, 16, (0,), 10_000), big_budget,
                          router.metrics)
+        other.healthy = other_up
         router.lanes += [small] + ([other] if other_holds else [])
         running = request("running", 10, kv=6000)
         small.waiting.append(running)
@@ -594,7 +599,10 @@ def test_a_queue_whose_verifier_came_back_smaller_refuses_what_no_longer_fits() 
 
     waiting, running, error, moved = asyncio.run(scenario(other_holds=False))
     assert waiting == [] and "after" in running and running[0] == "running"
-    assert error is not None and error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "the cache holds 5000" in error.message
+    assert error is not None and error.code == grpc.StatusCode.OUT_OF_RANGE and "the cache holds 5000" in error.message
+    assert "lower max_tokens" in error.message
+    waiting, running, error, moved = asyncio.run(scenario(other_holds=True, other_up=False))
+    assert error is not None and error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and moved == []
     waiting, running, error, moved = asyncio.run(scenario(other_holds=True))
     assert error is None and moved == ["big"] and waiting == [] and "after" in running
 
@@ -1066,9 +1074,9 @@ def test_an_ended_requests_kv_is_admitted_against_elsewhere_only_once_its_releas
         a._schedule()
         a._finish(first)                               # ended; its release goes with a's next step
         out: dict[str, object] = {"reserved_after_end": budget.reserved}
+        mine = request("mine", 10, kv=600)            # arrived first: "other" may not go ahead of it
         b.waiting.append(request("other", 10, kv=600))
         out["b_admits_before_release"] = admitted(b)
-        mine = request("mine", 10, kv=600)
         a.waiting.append(mine)
         out["a_admits_with_its_release"] = admitted(a)  # this very step releases "first" first
         a.running.clear()
@@ -1208,3 +1216,130 @@ def test_a_downstream_error_names_the_clients_request_id(code, seen, suffix) -> 
     req = asyncio.run(run_one(Refusing(), "mine"))
     assert req.error is not None and req.error.message == "request mine was lost" + suffix and req.error.code == seen
     assert req.wire_id.startswith("mine#")
+
+
+def _two_lanes(capacity: int = 1000, **settings) -> tuple[StepLoop, StepLoop, KvBudget]:
+    """Two replicas in front of one verifier group (no drafts: `_schedule` is called by hand)."""
+    budget = KvBudget(capacity=capacity)
+    limits = Limits(64, 4096, 16, (0,), capacity)
+    a, b = (StepLoop(SchedulerSettings(**settings), name, None, limits, budget, Metrics("scheduler-test"))
+            for name in ("a", "b"))
+    return a, b, budget
+
+
+def test_the_replicas_of_a_group_admit_first_come_first_served() -> None:
+    """A large request queued on one replica waited for ever while the other replica admitted
+    every small request that arrived later into the pages freed (and the router, seeing it "admit
+    now", kept sending them there): now a lane admits only where the group's older queue heads
+    still fit beside its request, and a lane that admits wakes the others."""
+    a, b, budget = _two_lanes()
+    running = request("running", 10, kv=600)
+    a.waiting.append(running)
+    assert admitted(a) == ["running"]
+    big = request("big", 10, kv=700)
+    b.waiting.append(big)
+    assert admitted(b) == []                       # 600 + 700 > 1000
+    small = request("small", 10, kv=300)           # arrived after big
+    assert not a.admits_now(small)
+    a.waiting.append(small)
+    assert admitted(a) == []                       # it fits alone, not beside big: big goes first
+    a.running.clear()
+    budget.release(600)
+    assert b._wake.is_set() and a._wake.is_set()
+    a._wake.clear()
+    assert admitted(b) == ["big"] and a._wake.is_set()   # b's admission wakes a
+    assert admitted(a) == ["small"] and budget.reserved == 1000
+    # A lane that is down holds nobody back (its queue moves elsewhere).
+    c, d, _ = _two_lanes()
+    c.waiting.append(request("held", 10, kv=900))
+    c.healthy = False
+    assert d.admits_now(request("new", 10, kv=500))
+
+
+def test_a_long_prompts_pieces_leave_half_a_step_to_a_request_that_can_start() -> None:
+    """A prompt in pieces took the whole step's prompt budget, so nothing was admitted until its
+    last piece (30 steps at 3000 tokens, 100 a step) and the router still placed new requests
+    there as starting "now"."""
+    step = loop(max_prefill_tokens=100)
+    step.waiting.append(request("long", 3000, kv=4000))
+    assert pieces(step)[0] == {"long": (100, True)}
+    assert pieces(step)[0] == {"long": (100, True)}          # nothing waits: the whole step
+    short = request("short", 10)
+    assert step.admits_now(short)
+    step.waiting.append(short)
+    assert pieces(step)[0] == {"long": (50, True), "short": (10, False)}
+    step.waiting.append(request("blocked", 10, kv=10_000))   # cannot start: the long prompt keeps the step
+    assert pieces(step)[0] == {"long": (100, True)}
+
+
+def test_aborting_a_queued_head_wakes_its_lane_and_the_group() -> None:
+    """The requests behind an aborted queue head that fit now slept until some other request of
+    the group ended (minutes, at a large max_tokens)."""
+    a, b, budget = _two_lanes()
+    a.waiting.append(request("running", 10, kv=600))
+    admitted(a)
+    big, after = request("big", 10, kv=700), request("after", 10, kv=100)
+    a.waiting += [big, after]
+    assert admitted(a) == []
+    a._wake.clear()
+    b._wake.clear()
+    assert a.abort("big")
+    assert a._wake.is_set() and b._wake.is_set() and big.finish == scheduler_pb2.FINISH_REASON_ABORTED
+    assert admitted(a) == ["after"]
+
+
+def test_an_abort_ends_the_stream_at_once_whatever_the_step_in_flight_does() -> None:
+    """Abort said found=True, and the stream then took the step in flight's tokens and could end
+    LENGTH, or UNAVAILABLE when that step failed, after up to step_timeout_s: the proto says it
+    ends ABORTED."""
+    from ddtree.v1 import scheduler_pb2 as spb
+
+    class FailsSecond(SlowDraft):
+        def __init__(self) -> None:
+            super().__init__(delay=0.1)
+            self.steps = 0
+
+        async def step(self, req, timeout):
+            self.steps += 1
+            if self.steps == 2:
+                await asyncio.sleep(0.1)
+                raise StepFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "slow step")
+            return await super().step(req, timeout)
+
+    async def case(draft, max_tokens: int) -> tuple[bool, int, int, int, float]:
+        servicer, router, lane = scheduler(draft)
+        stream = servicer.Generate(generate(max_tokens, "x"), None)
+        first = await stream.__anext__()
+        await asyncio.sleep(0.02)                          # the next step is in flight
+        found = (await servicer.Abort(spb.AbortRequest(request_id="x"), None)).found
+        t0 = time.monotonic()
+        last = await stream.__anext__()
+        waited = time.monotonic() - t0
+        await router.stop()
+        return found, len(first.token_ids), last.finish_reason, len(last.token_ids), waited
+
+    for draft, max_tokens in ((SlowDraft(delay=0.1), 2), (SlowDraft(delay=0.1), 50), (FailsSecond(), 50)):
+        found, first, finish, after, waited = asyncio.run(case(draft, max_tokens))
+        assert found and first == 1 and finish == spb.FINISH_REASON_ABORTED and after == 0 and waited < 0.05
+
+
+def test_a_full_queue_does_not_refuse_a_request_a_replica_would_start_at_once() -> None:
+    """max_queue counts every replica's queue: requests only a large group holds filled it, and a
+    short one an idle small group would have started at once was refused RESOURCE_EXHAUSTED."""
+    from services.scheduler.router import Router
+
+    settings = SchedulerSettings(tokenizer_path="", max_queue=4)
+    router = Router(settings, Metrics("scheduler-test"))
+    big = StepLoop(settings, "big", None, Limits(64, 131072, 16, (0,), 100_000), KvBudget(100_000), router.metrics)
+    small = StepLoop(settings, "small", None, Limits(64, 131072, 16, (0,), 10_000), KvBudget(10_000), router.metrics)
+    router.lanes += [big, small]
+    big.waiting.append(request("r", 4, kv=90_000))
+    admitted(big)
+    for i in range(4):
+        router.submit(request(f"long{i}", 4, kv=50_000))
+    router.submit(short := request("short", 4, kv=100))
+    assert short.draft == "small"
+    small.waiting.append(request("blocker", 4, kv=10_000))   # now nothing would start at once
+    with pytest.raises(ServiceError) as info:
+        router.submit(request("later", 4, kv=100))
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in info.value.message

@@ -14,7 +14,6 @@ import itertools
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -53,18 +52,37 @@ class KvBudget:
     capacity: int
     reserved: int = 0
     verifier_id: str = ""   # the group's, as its replicas report it ("" where unknown)
-    _wakes: list[Callable[[], None]] = field(default_factory=list)   # each sharing lane's wake-up
+    _lanes: list[StepLoop] = field(default_factory=list)   # the lanes that share it (or did: see `lanes`)
 
-    def share(self, wake: Callable[[], None]) -> None:
-        if wake not in self._wakes:
-            self._wakes.append(wake)
+    def share(self, lane: StepLoop) -> None:
+        if lane not in self._lanes:
+            self._lanes.append(lane)
+
+    @property
+    def lanes(self) -> list[StepLoop]:
+        """The lanes admitting against this budget now (a lane that rejoined another group left it)."""
+        return [lane for lane in self._lanes if lane.kv is self]
+
+    def wake(self) -> None:
+        """Every sharing lane re-checks its queue: KV came back, or a queue head that others wait
+        behind was admitted or left (woken alone, a lane slept on with requests that fit now)."""
+        for lane in self.lanes:
+            lane.wake()
 
     def release(self, tokens: int) -> None:
-        """A finished request's KV back, and every lane that shares it woken: a request queued on
-        another replica for want of KV may fit now (woken alone, that lane slept on with it)."""
+        """A finished request's KV back; every lane that shares it woken."""
         self.reserved -= tokens
-        for wake in self._wakes:
-            wake()
+        self.wake()
+
+    def heads_ahead(self, lane: StepLoop, req: ActiveRequest | None = None) -> int:
+        """KV tokens of the queue heads on the other healthy lanes sharing this budget that arrived
+        before ``req`` (all of them when ``req`` is None: a request not queued yet is the newest).
+        Admission is first come, first served across the lanes of a group: a lane admits only where
+        those heads still fit beside its own. Lane by lane, a large request at one queue's head
+        waited for ever while the other lanes kept admitting small ones into every page freed."""
+        return sum(other.waiting[0].kv_tokens for other in self.lanes
+                   if other is not lane and other.healthy and other.waiting
+                   and (req is None or other.waiting[0].created < req.created))
 
 
 class StepLoop:
@@ -104,7 +122,10 @@ class StepLoop:
     @kv.setter
     def kv(self, budget: KvBudget) -> None:
         self._kv = budget
-        budget.share(self._wake.set)
+        budget.share(self)
+
+    def wake(self) -> None:
+        self._wake.set()
 
     def holds(self, req: ActiveRequest) -> bool:
         """Whether this replica's verifier group can hold the request's KV at all (groups may differ)."""
@@ -112,9 +133,10 @@ class StepLoop:
 
     def admits_now(self, req: ActiveRequest) -> bool:
         """Whether the request would start with this replica's next step: nothing queued ahead of
-        it, room in the batch, and its group's KV free now."""
-        return not self.waiting and len(self.running) < self.settings.max_batch and \
-            self.kv.reserved + req.kv_tokens <= self.kv.capacity
+        it here or on the group's other lanes (`KvBudget.heads_ahead`), room in the batch and in the
+        step's prefill budget, and its group's KV free now."""
+        return not self.waiting and len(self.running) < self.settings.max_batch and self._prefill_left() > 0 and \
+            self.kv.reserved + req.kv_tokens + self.kv.heads_ahead(self) <= self.kv.capacity
 
     @property
     def pending_releases(self) -> list[str]:
@@ -134,16 +156,26 @@ class StepLoop:
         went away must not end a newer request that reuses its id)."""
         for req in self.waiting:
             if req.request_id == request_id and (only is None or req is only):
-                self.waiting.remove(req)
+                self.unqueue(req)
                 req.end(scheduler_pb2.FINISH_REASON_ABORTED)
                 self._log_end(req)
                 return True
         req = self.find(request_id)
         if req is None or req.aborted or (only is not None and req is not only):
             return False   # (an aborted one still finishing its step runs no more: a second abort finds nothing)
+        # Its stream ends now, ABORTED, as the proto says: the step in flight (up to
+        # step_timeout_s) neither adds its tokens nor ends it another way; the loop retires it and
+        # sends the release with its next step.
         req.aborted = True
+        req.end(scheduler_pb2.FINISH_REASON_ABORTED)
         self._wake.set()
         return True
+
+    def unqueue(self, req: ActiveRequest) -> None:
+        """Takes a queued request off this lane; the lanes of its group look at their queues again
+        (the requests behind it, and other lanes' that waited for it as the older head, may start)."""
+        self.waiting.remove(req)
+        self.kv.wake()
 
     def has_live(self, request_id: str) -> bool:
         """Whether a request with this client id runs here (not being aborted) or waits here."""
@@ -202,7 +234,7 @@ class StepLoop:
             drafted: list[int] = []   # accepted tokens of this step's DDTree requests
             for res in resp.results:
                 req = self.running.get(res.request_id)
-                if req is None:
+                if req is None or req.aborted:   # an aborted one's stream has ended
                     continue
                 if res.error_code:   # the draft and verifier name it by its wire id; the client knows its own
                     message = res.error_message.replace(req.wire_id, req.request_id)
@@ -261,6 +293,7 @@ class StepLoop:
         """Hands queued (never started) requests back to the router to place on another replica."""
         out = list(self.waiting)
         self.waiting.clear()
+        self.kv.wake()
         return out
 
     def mark_healthy(self) -> None:
@@ -272,21 +305,25 @@ class StepLoop:
         prefill budget allow. Prompt tokens a step stay within ``max_prefill_tokens``: a prompt
         longer than what is left goes in pieces over the next steps, so one step's prefill time
         stays bounded and running requests keep decoding between the pieces (a 2000-token prompt
-        used to stop every stream for the whole prefill)."""
+        used to stop every stream for the whole prefill). Those pieces leave half the budget to a
+        queued request that could start (`_pieces_most`)."""
         if self.running:   # one decision for the whole batch (see speculation.py); idle calls are no step
             self._speculating = self.gate.speculate()
+        freed = sum(tokens for budget, tokens in self._owed if budget is self.kv)   # released first in this step
         left = step_prompt_tokens(self.settings, self.limits)
+        pieces = self._pieces_most(left, bool(self.waiting) and len(self.running) < self.settings.max_batch
+                                   and self._fits(self.waiting[0], freed))
         items = []
         for r in self.running.values():
             if r.prompt_sent < len(r.prompt_ids):   # its prompt's next piece, while the budget lasts
-                if left > 0:
-                    items.append(self._piece(r, left, self._budget(r)))
+                if pieces > 0:
+                    items.append(self._piece(r, pieces, self._budget(r)))
+                    pieces -= len(items[-1].prompt_token_ids)
                     left -= len(items[-1].prompt_token_ids)
                 continue
             items.append(draft_pb2.StepItem(request_id=r.wire_id, budget=self._budget(r)))
-        freed = sum(tokens for budget, tokens in self._owed if budget is self.kv)   # released first in this step
-        while self.waiting and left > 0 and len(items) < self.settings.max_batch and \
-                self.kv.reserved - freed + self.waiting[0].kv_tokens <= self.kv.capacity:
+        admitted = False
+        while self.waiting and left > 0 and len(items) < self.settings.max_batch and self._fits(self.waiting[0], freed):
             req = self.waiting.popleft()
             req.wire_id = wire_id(req.request_id)
             self.running[req.wire_id] = req
@@ -294,7 +331,28 @@ class StepLoop:
             req.kv_budget = self.kv
             items.append(self._piece(req, left, self._budget(req)))
             left -= len(items[-1].prompt_token_ids)
+            admitted = True
+        if admitted:   # lanes that waited behind this lane's head as the older one
+            self.kv.wake()
         return items
+
+    def _fits(self, req: ActiveRequest, freed: int = 0) -> bool:
+        """Whether the group's KV holds the request now (``freed``: what this lane's next step
+        releases first), beside the older heads of the group's other queues."""
+        return self.kv.reserved - freed + req.kv_tokens + self.kv.heads_ahead(self, req) <= self.kv.capacity
+
+    @staticmethod
+    def _pieces_most(total: int, admitting: bool) -> int:
+        """What running prompts' next pieces may take of a step's ``total`` prompt tokens: half
+        while a queued request could start with the step, all of it otherwise. (They took it all:
+        a 3000-token prompt at 100 a step held every admission for 30 steps.)"""
+        return max(1, total // 2) if admitting else total
+
+    def _prefill_left(self) -> int:
+        """The next step's prompt tokens left to a request queued now, once running prompts take their pieces."""
+        total = step_prompt_tokens(self.settings, self.limits)
+        backlog = sum(len(r.prompt_ids) - r.prompt_sent for r in self.running.values())
+        return total - min(backlog, self._pieces_most(total, True))
 
     def _budget(self, req: ActiveRequest) -> int:
         """The request's tree budget this step: 0 while the gate pauses speculation. A request's

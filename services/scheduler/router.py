@@ -207,7 +207,8 @@ class Router:
                                f"request needs {req.kv_tokens} KV tokens (prompt + max_tokens + one block, "
                                f"in whole pages); the cache holds {max(lane.kv.capacity for lane in live)}"
                                + ("; lower max_tokens or shorten the prompt" if never else ""))
-        if self.waiting >= self.settings.max_queue:
+        # The queue's cap is for requests that wait: one a replica would start at once does not.
+        if self.waiting >= self.settings.max_queue and not any(lane.admits_now(req) for lane in fits):
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"queue full ({self.settings.max_queue} requests waiting); retry later")
         # An aborted request that has not left its step loop yet does not hold its id: the id may be
@@ -313,7 +314,7 @@ class Router:
                 log.info("draft_replica_verifier_changed", address=lane.address, verifier_id=info.verifier_id)
                 # A group that came back smaller: what its queue holds that no longer fits would
                 # wait at the head of the queue for good, and every request behind it too.
-                self._refuse_unfitting(lane, [x for x in self.lanes if x.healthy and x is not lane])
+                self._refuse_unfitting(lane)
 
     def _same_model(self, address: str, info: common_pb2.ModelInfo | None) -> common_pb2.ModelInfo | None:
         """``info``, or None where it is another model's (`_other_model`) or its verifier's replies
@@ -361,18 +362,23 @@ class Router:
                       action="kept down; restart the scheduler to serve that model")
         return bool(diff)
 
-    @staticmethod
-    def _refuse_unfitting(lane: StepLoop, others: list[StepLoop]) -> None:
-        """The lane's queued requests its KV cannot hold go to another replica that can, or fail."""
+    def _refuse_unfitting(self, lane: StepLoop, others: list[StepLoop] | None = None) -> None:
+        """The lane's queued requests its KV cannot hold go to another replica that can (of
+        ``others``, default every other live one), or fail as `submit` would refuse them now:
+        OUT_OF_RANGE where no replica, up or down, holds them (a retry cannot succeed), else
+        RESOURCE_EXHAUSTED."""
+        others = [x for x in self.lanes if x.healthy and x is not lane] if others is None else others
         for req in [r for r in lane.waiting if not lane.holds(r)]:
-            lane.waiting.remove(req)
+            lane.unqueue(req)
             fits = [x for x in others if x.holds(req)]
             if fits:
                 place(req, fits)
-            else:
-                lane.fail_unstarted(req, ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                      f"request needs {req.kv_tokens} KV tokens; the cache holds "
-                                                      f"{lane.kv.capacity}"))
+                continue
+            never = not any(x.holds(req) for x in self.lanes)
+            lane.fail_unstarted(req, ServiceError(
+                grpc.StatusCode.OUT_OF_RANGE if never else grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request needs {req.kv_tokens} KV tokens; the cache holds {lane.kv.capacity}"
+                + ("; lower max_tokens or shorten the prompt" if never else "")))
 
     @staticmethod
     def _move_queued(lane: StepLoop, live: list[StepLoop]) -> None:
@@ -380,7 +386,7 @@ class Router:
         for req in list(lane.waiting):
             fits = [x for x in live if x.holds(req)]
             if fits:
-                lane.waiting.remove(req)
+                lane.unqueue(req)
                 place(req, fits)
 
     async def _recover(self, lane: StepLoop) -> None:
