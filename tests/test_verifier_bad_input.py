@@ -460,3 +460,55 @@ def test_a_prompt_past_max_context_is_refused_before_its_call_goes_to_the_other_
         resp = svc._step(peer, long)
     assert calls == [] and resp.prefills[0].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert resp.prefills[0].error_message == "prompt has 1024 tokens; max context is 1024"
+
+
+def test_a_tree_bundle_naming_other_or_repeated_tensors_is_refused_before_a_read(ckpt):
+    """Each named tensor of a draft's ring was read into a private copy: one span named under a
+    thousand names cost a thousand copies (1.5 GB for a 250 KB message)."""
+    svc = servicer(ckpt)
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        assert svc._step(peer, prefill(1, "a")).prefills[0].error_code == 0
+        pending = svc.engine._requests["a"].pending
+        extra = verify(2, [("a", *chain(pending, 2))])
+        extra.trees.tensors.append(extra.trees.tensors[0])
+        extra.trees.tensors[-1].name = "tokens_again"
+        twice = verify(3, [("a", *chain(pending, 2))])
+        twice.trees.tensors.append(twice.trees.tensors[1])
+        results = [outcome(svc._step(peer, req))["a"] for req in (extra, twice)]
+        ok = outcome(svc._step(peer, verify(4, [("a", *chain(pending, 2))])))["a"]
+    for code, message in results:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "expected each of ['tokens', 'parents'" in message
+    assert ok[0] == grpc.StatusCode.OK
+
+
+def test_prefills_refused_in_the_step_do_not_let_more_trees_through(ckpt):
+    """The cap on a step's trees counted every prefill, the ones the server refuses too: padded
+    with bad-sampling prefills, 300k trees of unknown ids went through (5 s under the lock)."""
+    svc = servicer(ckpt)
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        assert svc._step(peer, prefill(1, "a")).prefills[0].error_code == 0
+        step = verify(2, [("a", *chain(svc.engine._requests["a"].pending, 1))])
+        step.verify_ids.extend(f"x{i}" for i in range(10))
+        step.prefills.extend(prefill(2, *(f"p{i}" for i in range(10)), top_p=-1.0).prefills)
+        with pytest.raises(ServiceError) as refused:
+            svc._step(peer, step)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "a step of 11 trees" in refused.value.message
+
+
+def test_a_refused_handshake_leaves_the_feature_layers_alone(ckpt):
+    """The layers were switched before the transport check: a handshake refused for want of a
+    common transport re-pointed the draft's live stream at its layers (and recaptured the graphs)."""
+    async def run():
+        svc = servicer(ckpt)
+        async with serving(svc) as stub:
+            await stub.Handshake(hello(ckpt, "d1"))
+            before = list(svc.engine.feature_layers)
+            other = hello(ckpt, "d1", layers=[0])
+            del other.transports[:]
+            other.transports.append("cuda_ipc")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Handshake(other)
+            return before, list(svc.engine.feature_layers), info.value, svc._peers["d1"].feature_layers
+    before, after, err, registered = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "no common transport" in err.details()
+    assert after == before == list(registered) and before != [0]

@@ -127,10 +127,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                 f"draft {request.draft_id} drafts from target layers {list(layers)}; the drafts "
                                 f"connected here use {[list(o) for o in others]} (a verifier serves one set; "
                                 "point drafters of another kind at another verifier)")
-        try:
-            await self._locked(self.group.call, "set_feature_layers", list(layers))
-        except ServiceError as exc:
-            await context.abort(exc.code, exc.message)
         mine = (("cuda_ipc",) if self.settings.device.startswith("cuda") else ()) + ("shm", "inline")
         usable = [t for t in request.transports if t in mine]
         if not usable:
@@ -174,6 +170,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return verifier_pb2.HandshakeResponse(transport=usable[1])   # the draft retries with that kind
         except BaseException:   # anything else: the draft's ring is not left mapped behind the error
             reader.close()
+            raise
+        # The layers switch last, once nothing refuses the handshake: a refused one (no common
+        # transport, say) re-pointed the draft's old stream at its layers, and recaptured every graph.
+        try:
+            await self._locked(self.group.call, "set_feature_layers", list(layers))
+        except BaseException as exc:
+            reader.close()
+            writer.close()
+            if isinstance(exc, ServiceError):
+                await context.abort(exc.code, exc.message)
             raise
         peer = _Peer(request.draft_id, writer, reader, owner=f"{request.draft_id}#{next(self._handshakes)}",
                      feature_layers=layers)
@@ -332,19 +338,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if self._peers.get(peer.draft_id) is not peer:   # expired, or the draft hand-shook again since
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"draft {peer.draft_id}: this stream's handshake is no longer current; hand-shake again")
-        if len(req.verify_ids) > self.engine.active_requests + len(req.prefills):
-            # More trees than requests held here: a million one-node trees of unknown ids took the
-            # event loop (or, with ranks, every rank) for seconds, all to be refused one by one.
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"draft {peer.draft_id}: a step of {len(req.verify_ids)} trees, more than the "
-                               f"{self.engine.active_requests + len(req.prefills)} requests it could verify")
         t0 = time.perf_counter()
-        try:
-            peer.writer.release(req.released_slots)
-        except ValueError as exc:   # a draft that names slots our ring does not have is out of step with it
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"draft {peer.draft_id}: released_slots: {exc}") from None
-        if req.release:
-            self.group.call("release", list(req.release), peer.owner)
         inputs, rejected = [], {}   # rejected: by position in req.prefills (an id may come twice)
         for k, p in enumerate(req.prefills):
             why = None   # this request fails alone; the others of the step go on
@@ -362,6 +356,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 continue
             inputs.append(PrefillInput(p.request_id, list(p.token_ids), sampling, p.reserve_tokens,
                                        owner=peer.owner, more=p.prompt_continues, offset=p.prompt_offset))
+        if len(req.verify_ids) > self.engine.active_requests + len(inputs):
+            # More trees than requests held here: a million one-node trees of unknown ids took the
+            # event loop (or, with ranks, every rank) for seconds, all to be refused one by one.
+            # (Prefills refused just above count for nothing: padded with them, the step passed.)
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"draft {peer.draft_id}: a step of {len(req.verify_ids)} trees, more than the "
+                               f"{self.engine.active_requests + len(inputs)} requests it could verify")
+        try:
+            peer.writer.release(req.released_slots)
+        except ValueError as exc:   # a draft that names slots our ring does not have is out of step with it
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"draft {peer.draft_id}: released_slots: {exc}") from None
+        if req.release:
+            self.group.call("release", list(req.release), peer.owner)
         # A verify-only step makes no prefill call (with TP, that is one broadcast to the ranks less).
         prefill = self.group.call("prefill", inputs) if inputs else None
         released: list[int] = []
@@ -444,10 +451,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 
 def _check_tree_refs(num_trees: int, bundle: common_pb2.TensorBundle) -> None:
-    """ValueError where a tensor of the tree bundle declares more elements than `num_trees` trees
-    of the largest budget have: checked on the message, before a byte of it is read (a draft's
-    ring is its own, and a slot of it declared gigabytes long was read in full)."""
+    """ValueError where the tree bundle names a tensor other than `TREE_FIELDS`, one twice, or one of
+    more elements than `num_trees` trees of the largest budget have: checked on the message, before
+    a byte of it is read (a draft's ring is its own: a slot of it declared gigabytes long was read in
+    full, and one span named under a thousand names was read a thousand times, a private copy each)."""
     most = num_trees * (MAX_BUDGET + 1)
+    names = [ref.name for ref in bundle.tensors]
+    extra = [n for n in names if n not in TREE_FIELDS]
+    if extra or len(set(names)) != len(names):
+        raise ValueError(f"tree bundle names {names[:8]}{' ...' if len(names) > 8 else ''}: "
+                         f"expected each of {list(TREE_FIELDS)} once")
     for ref in bundle.tensors:
         if math.prod(ref.shape) > most or len(ref.shape) > 1:
             raise ValueError(f"tensor {ref.name!r} of shape {list(ref.shape)}: {num_trees} trees have at most "
