@@ -95,7 +95,8 @@ def test_many_keys_draw_the_reference_tokens() -> None:
 @pytest.mark.parametrize("kernel", [False, True])
 def test_draw_tokens_is_the_reference_request_by_request(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The step's entry point, on its reference path and (forced here, as on a GPU) its kernel
-    path: requests of other parameters and row counts, and its refusals."""
+    path: requests of other parameters and row counts, a request of non-finite logits marked -1
+    beside the others, and its refusals."""
     from services.verifier import sampling
 
     monkeypatch.setattr(sampling, "gumbel_sample_runs", lambda logits: kernel)
@@ -115,11 +116,13 @@ def test_draw_tokens_is_the_reference_request_by_request(kernel: bool, monkeypat
         draw_tokens(logits, samplings, [3, 1, 7], keys)
     with pytest.raises(ValueError, match="greedy"):
         draw_tokens(logits, [Sampling(), *samplings[1:]], counts, keys)
-    for bad in (float("nan"), float("inf")):
+    for bad in (float("nan"), float("inf")):   # row 4: the third request's first; it fails, the others draw
         poisoned = logits.clone()
         poisoned[4, 0] = bad
-        with pytest.raises(ValueError, match="NaN or inf"):
-            draw_tokens(poisoned.to(DEVICE), samplings, counts, keys.to(DEVICE))
+        drawn = draw_tokens(poisoned.to(DEVICE), samplings, counts, keys.to(DEVICE)).cpu()
+        assert torch.equal(drawn[:4], got[:4]) and torch.equal(drawn[9:], got[9:]) and int(drawn[4]) == -1
+        # the kernel marks the row, the reference (which raises on the request) all of its rows
+        assert torch.equal(drawn[5:9], got[5:9]) if kernel else bool((drawn[4:9] == -1).all())
 
 
 def test_a_top_p_below_float32_is_refused_and_one_just_under_1_is_off() -> None:

@@ -512,3 +512,36 @@ def test_a_refused_handshake_leaves_the_feature_layers_alone(ckpt):
     before, after, err, registered = asyncio.run(run())
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "no common transport" in err.details()
     assert after == before == list(registered) and before != [0]
+
+
+def test_a_request_whose_logits_are_not_finite_fails_alone(ckpt):
+    """A sampled request whose target logits held NaN or inf (a float16 target overflowing on its
+    context, say) raised for the whole step: the stream ended INTERNAL and every request of the
+    draft was freed (with ranks, the group ended). It now fails that request alone; the step's
+    other requests commit."""
+    svc = servicer(ckpt)
+    engine = svc.engine
+    forward, poison = engine._forward, {"on": False}
+
+    def poisoned(flat, positions, reqs, masks, routing_groups=None):
+        out = forward(flat, positions, reqs, masks, routing_groups)
+        if poison["on"]:
+            out.logits = out.logits.clone()
+            row = 0
+            for r, m in zip(reqs, masks):
+                if r.request_id == "bad":
+                    out.logits[row:row + m.shape[0], 3] = float("nan")
+                row += m.shape[0]
+        return out
+
+    engine._forward = poisoned
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        resp = svc._step(peer, prefill(1, "bad", "good", "greedy", temperature=0.8, seed=1))
+        assert [p.error_code for p in resp.prefills] == [0, 0, 0]
+        pending = {r: engine._requests[r].pending for r in ("bad", "good", "greedy")}
+        lengths = {r: engine._requests[r].length for r in pending}
+        poison["on"] = True
+        got = outcome(svc._step(peer, verify(2, [(r, *chain(pending[r], 3)) for r in pending])))
+    assert got["bad"][0] == grpc.StatusCode.INTERNAL and "NaN or inf" in got["bad"][1]
+    assert got["good"][0] == got["greedy"][0] == grpc.StatusCode.OK
+    assert engine._requests["bad"].length == lengths["bad"] and engine._requests["good"].length > lengths["good"]

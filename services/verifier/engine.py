@@ -477,7 +477,10 @@ class VerifierEngine:
             rows = rows if out.rows is None else out.rows[rows]
             first = self._posterior(out.logits[rows], [reqs[g] for g in done], [1] * len(done),
                                     np.array([reqs[g].length for g in done]))   # the token after the prompt
-            for g, token in zip(done, torch.cat(first).tolist()):
+            tokens = torch.cat(first).tolist()
+            if min(tokens) < 0:   # (a prompt's rows are already committed: the call fails, as before)
+                raise ValueError("sampling: the target's logits hold NaN or inf")
+            for g, token in zip(done, tokens):
                 i, req, _, _ = group[g]
                 req.pending = int(token)
                 outcomes[i] = ItemOutcome(req.request_id, [req.pending], committed=len(items[i].token_ids))
@@ -531,7 +534,13 @@ class VerifierEngine:
         writes: list[tuple[str, int, int]] = []
         accepted = []
         row = 0
-        for req, n in zip(reqs, live_sizes):
+        for req, i, n in zip(reqs, live, live_sizes):
+            if min(posterior[row:row + n]) < 0:   # a sampled row of NaN / inf logits: this request fails alone
+                outcomes[i].error = ServiceError(grpc.StatusCode.INTERNAL, f"request {req.request_id}: the target's "
+                                                 "logits hold NaN or inf; nothing was committed")
+                accepted.append(None)
+                row += n
+                continue
             acc = accept(tok_l[row:row + n], par_l[row:row + n], posterior[row:row + n])
             keep += [row + k for k in acc.path]
             writes.append((req.request_id, req.length, len(acc.path)))
@@ -547,6 +556,8 @@ class VerifierEngine:
         # The requests move on only once their KV is written (and their features taken): a step
         # that failed before left them past cache slots never written, read by their next step.
         for req, i, acc in zip(reqs, live, accepted):
+            if acc is None:
+                continue
             req.length += len(acc.path)
             req.pending = acc.tokens[-1]
             outcomes[i] = ItemOutcome(req.request_id, list(acc.tokens), committed=len(acc.path))

@@ -181,10 +181,11 @@ def draw_tokens(logits: Tensor, samplings: Sequence[Sampling], counts: Sequence[
         keys: [N] int64 on ``logits``' device, each row's (``token_keys``).
 
     Returns:
-        [N] int64, as ``posterior_tokens`` request by request. On a GPU one launch pair draws every
-        row (``kernels.gumbel_sample``: no vocabulary sort, and one launch a step, not ten a
-        request); elsewhere the reference runs a request at a time. Raises ValueError where a
-        row's logits hold NaN or inf (a sync on the GPU: the caller reads the tokens next anyway).
+        [N] int64, as ``posterior_tokens`` request by request, and -1 for the rows of a request
+        whose logits hold NaN or inf (on the GPU that row alone; every row of the request where
+        the reference raises): the caller fails that request and goes on with the others. On a
+        GPU one launch pair draws every row (``kernels.gumbel_sample``: no vocabulary sort, and
+        one launch a step, not ten a request); elsewhere the reference runs a request at a time.
     """
     counts = list(counts)
     if any(s.greedy for s in samplings):
@@ -194,8 +195,13 @@ def draw_tokens(logits: Tensor, samplings: Sequence[Sampling], counts: Sequence[
                          f"{len(counts)} counts for {len(samplings)} requests")
     if not gumbel_sample_runs(logits):
         starts = np.concatenate([[0], np.cumsum(counts)])
-        parts = [posterior_tokens(logits[starts[i]:starts[i + 1]], s, keys[starts[i]:starts[i + 1]])
-                 for i, s in enumerate(samplings)]
+        parts = []
+        for i, s in enumerate(samplings):
+            rows = slice(starts[i], starts[i + 1])
+            try:
+                parts.append(posterior_tokens(logits[rows], s, keys[rows]))
+            except ValueError:   # NaN / inf: every row of the request -1, its request fails alone
+                parts.append(torch.full((counts[i],), -1, dtype=torch.int64, device=logits.device))
         return torch.cat(parts) if parts else keys.new_empty(0)
     if not counts:
         return keys.new_empty(0)
@@ -206,8 +212,5 @@ def draw_tokens(logits: Tensor, samplings: Sequence[Sampling], counts: Sequence[
                            for col, dtype in zip(zip(*params), (np.float32, np.int32, np.float32)))
     dev = logits.device
     pin = (lambda t: t.pin_memory()) if logits.is_cuda else (lambda t: t)  # noqa: E731
-    tokens = gumbel_sample(logits.contiguous(), *(pin(torch.from_numpy(a)).to(dev, non_blocking=True)
-                                                  for a in (inv_t, top_k, top_p)), keys)
-    if bool((tokens < 0).any()):
-        raise ValueError("sampling: the target's logits hold NaN or inf")
-    return tokens
+    return gumbel_sample(logits.contiguous(), *(pin(torch.from_numpy(a)).to(dev, non_blocking=True)
+                                                for a in (inv_t, top_k, top_p)), keys)
