@@ -545,3 +545,47 @@ def test_a_request_whose_logits_are_not_finite_fails_alone(ckpt):
     assert got["bad"][0] == grpc.StatusCode.INTERNAL and "NaN or inf" in got["bad"][1]
     assert got["good"][0] == got["greedy"][0] == grpc.StatusCode.OK
     assert engine._requests["bad"].length == lengths["bad"] and engine._requests["good"].length > lengths["good"]
+
+
+def test_only_small_verify_steps_run_on_the_event_loop(ckpt):
+    """A verify-only step ran on the event loop whatever its size: 128 trees of 129 nodes held
+    every health check and handshake for 7 s on a CPU (0.5 s on the K2 slice). Past
+    `INLINE_MOST_NODES` it takes a worker thread, as prefills do."""
+    from services.verifier.server import INLINE_MOST_NODES
+
+    async def run():
+        svc = servicer(ckpt)
+        inline, calls = svc._inline, []
+        svc._inline = lambda fn, *args: (calls.append(fn), inline(fn, *args))[1]
+        async with serving(svc) as stub:
+            await stub.Handshake(hello(ckpt, "d1"))
+            stream = stub.VerifyStream(metadata=(("draft-id", "d1"),))
+            pending = await roots(stream, 1, "a", "b")
+            sizes = []
+            for seq, nodes in ((2, 3), (3, MAX_BUDGET + 1)):
+                await stream.write(verify(seq, [(r, *chain(pending[r], nodes)) for r in ("a", "b")]))
+                got = outcome(await stream.read())
+                assert {c for c, _ in got.values()} == {grpc.StatusCode.OK}
+                pending = {r: svc.engine._requests[r].pending for r in ("a", "b")}
+                sizes.append(len(calls))
+            return sizes
+    assert 2 * (MAX_BUDGET + 1) > INLINE_MOST_NODES >= 2 * 3
+    assert asyncio.run(run()) == [1, 1]   # the first step inline, the second (258 nodes) not
+
+
+def test_prompts_past_the_whole_cache_in_one_step_are_refused_before_the_engine(ckpt):
+    """A step's prompts were each copied, broadcast to the ranks and admitted one by one however
+    many there were: 10k prompts of 1023 tokens (a 19 MiB message) took 563 MB and 30 MiB pickled
+    to each rank, for 4 admitted. What passes the cache's whole size fails RESOURCE_EXHAUSTED at
+    the server; the prompts before it go on."""
+    svc = servicer(ckpt)   # 4096 tokens of KV
+    calls: list[int] = []
+    call = svc.group.call
+    svc.group.call = lambda method, *args: (calls.append(len(args[0]) if method == "prefill" else -1), call(method, *args))[1]
+    step = verifier_pb2.VerifyRequest(sequence=1, prefills=[
+        verifier_pb2.PrefillItem(request_id=f"p{i}", token_ids=[5] * 1000, reserve_tokens=1000) for i in range(10)])
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        resp = svc._step(peer, step)
+    codes = [CODES[p.error_code] for p in resp.prefills]
+    assert codes == [grpc.StatusCode.OK] * 4 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 6
+    assert calls == [4]   # the engine saw the four that fit the cache's size, not ten

@@ -52,6 +52,10 @@ __all__ = ["VerifierServicer", "build_engine", "serve", "warm_up"]
 log = get_logger("verifier")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The most tree nodes a verify-only step may have to run on the event loop (`_inline`): a few
+# milliseconds on a GPU at this size; a step of 128 trees of 129 nodes took 0.5 s on the K2 slice
+# and 7 s on a CPU, every health check and handshake waiting behind it.
+INLINE_MOST_NODES = 256
 TREE_FIELDS = ("tokens", "parents", "depths", "sizes")   # a verify step's tree bundle, in the engine's order
 
 
@@ -218,7 +222,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             async for req in request_iterator:
                 t0 = time.perf_counter()
                 try:
-                    resp = self._inline(self._step, peer, req) if self.settings.tp == 1 and not req.prefills else None
+                    resp = self._inline(self._step, peer, req) if self.settings.tp == 1 and not req.prefills \
+                        and _tree_nodes(req.trees) <= INLINE_MOST_NODES else None
                     if resp is None:
                         resp = await self._locked(self._step, peer, req)
                 except ServiceError as exc:   # the stream itself is refused: the draft hand-shakes again
@@ -340,19 +345,24 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                f"draft {peer.draft_id}: this stream's handshake is no longer current; hand-shake again")
         t0 = time.perf_counter()
         inputs, rejected = [], {}   # rejected: by position in req.prefills (an id may come twice)
+        room = self.engine.cache.capacity_tokens   # the most prompt tokens any step can commit
         for k, p in enumerate(req.prefills):
-            why = None   # this request fails alone; the others of the step go on
+            why, code = None, grpc.StatusCode.INVALID_ARGUMENT   # this request fails alone; the others go on
             length = p.prompt_offset + len(p.token_ids)
+            room -= len(p.token_ids)
             if length >= self.engine.max_context:   # refused here, not on every rank after a broadcast of it
                 why = f"prompt has {length} tokens; max context is {self.engine.max_context}"
+            elif room < 0:   # past the whole cache: copied, broadcast and admitted one by one for nothing
+                why, code = "KV cache full (the step's prompts hold more tokens than the cache)", \
+                    grpc.StatusCode.RESOURCE_EXHAUSTED
             else:
                 try:
                     sampling = sampling_from_proto(p.sampling)
                 except ValueError as exc:
                     why = f"sampling: {exc}"
             if why is not None:
-                rejected[k] = verifier_pb2.ItemResult(
-                    request_id=p.request_id, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0], error_message=why)
+                rejected[k] = verifier_pb2.ItemResult(request_id=p.request_id, error_code=code.value[0],
+                                                      error_message=why)
                 continue
             inputs.append(PrefillInput(p.request_id, list(p.token_ids), sampling, p.reserve_tokens,
                                        owner=peer.owner, more=p.prompt_continues, offset=p.prompt_offset))
@@ -448,6 +458,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.metrics.running.set(self.engine.active_requests)
         self.metrics.peers.set(len(peers))
         self.metrics.ring_slots_in_use.set(sum(p.writer.slots_in_use for p in peers))
+
+
+def _tree_nodes(bundle: common_pb2.TensorBundle) -> int:
+    """The nodes a step's tree bundle declares (its tokens' length; 0 where it names none)."""
+    return max((math.prod(ref.shape) for ref in bundle.tensors if ref.name == "tokens"), default=0)
 
 
 def _check_tree_refs(num_trees: int, bundle: common_pb2.TensorBundle) -> None:
