@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover - only where triton is not installed
 __all__ = ["gumbel_sample", "gumbel_sample_runs", "keep_floors"]
 
 SEARCH_BLOCK = 512    # elements of a row a step of the threshold search
-WAYS = 16             # probes a search pass (a power of two: 4 bits a pass)
+WAYS = 16             # probes a search pass, WAYS + 1 parts (a power of two, for tl.arange: 32 bits in 8 passes)
 DRAW_BLOCK = 2048     # elements of a row a step of the draw
 
 
