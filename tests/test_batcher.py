@@ -1256,7 +1256,7 @@ def test_the_replicas_of_a_group_admit_first_come_first_served() -> None:
     assert d.admits_now(request("new", 10, kv=500))
 
 
-def test_a_long_prompts_pieces_leave_half_a_step_to_a_request_that_can_start() -> None:
+def test_a_long_prompts_pieces_leave_a_request_that_can_start_what_it_needs_up_to_half() -> None:
     """A prompt in pieces took the whole step's prompt budget, so nothing was admitted until its
     last piece (30 steps at 3000 tokens, 100 a step) and the router still placed new requests
     there as starting "now"."""
@@ -1267,7 +1267,9 @@ def test_a_long_prompts_pieces_leave_half_a_step_to_a_request_that_can_start() -
     short = request("short", 10)
     assert step.admits_now(short)
     step.waiting.append(short)
-    assert pieces(step)[0] == {"long": (50, True), "short": (10, False)}
+    assert pieces(step)[0] == {"long": (90, True), "short": (10, False)}   # the short one's 10, not half
+    step.waiting.append(request("medium", 80))
+    assert pieces(step)[0] == {"long": (50, True), "medium": (50, True)}   # at most half
     step.waiting.append(request("blocked", 10, kv=10_000))   # cannot start: the long prompt keeps the step
     assert pieces(step)[0] == {"long": (100, True)}
 
@@ -1343,3 +1345,32 @@ def test_a_full_queue_does_not_refuse_a_request_a_replica_would_start_at_once() 
     with pytest.raises(ServiceError) as info:
         router.submit(request("later", 4, kv=100))
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in info.value.message
+
+
+def test_a_lane_that_follows_its_verifier_elsewhere_wakes_both_groups() -> None:
+    """A lane moved to a new budget (its verifier restarted) neither woke the old group's lanes
+    held behind its older head nor itself, though its head fit the new budget."""
+    a, b, old = _two_lanes()
+    b.waiting.append(request("running", 10, kv=600))
+    admitted(b)
+    a.waiting.append(request("head", 10, kv=700))
+    b.waiting.append(request("later", 10, kv=300))
+    assert admitted(b) == [] and admitted(a) == []
+    a._wake.clear()
+    b._wake.clear()
+    a.kv = KvBudget(capacity=1000)
+    assert a._wake.is_set() and b._wake.is_set()
+    assert admitted(b) == ["later"] and admitted(a) == ["head"]
+
+
+def test_a_head_waiting_for_batch_room_holds_no_other_lane_back() -> None:
+    """A queue head whose own lane's batch is full cannot use the KV: counting it left another
+    lane idle with free KV until a request of the full lane ended."""
+    a, b, _ = _two_lanes(max_batch=1)
+    a.waiting.append(request("running", 10, kv=100))
+    admitted(a)
+    a.waiting.append(request("head", 10, kv=800))
+    late = request("late", 10, kv=500)
+    assert b.admits_now(late)
+    b.waiting.append(late)
+    assert admitted(b) == ["late"]

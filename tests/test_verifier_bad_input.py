@@ -589,3 +589,23 @@ def test_prompts_past_the_whole_cache_in_one_step_are_refused_before_the_engine(
     codes = [CODES[p.error_code] for p in resp.prefills]
     assert codes == [grpc.StatusCode.OK] * 4 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 6
     assert calls == [4]   # the engine saw the four that fit the cache's size, not ten
+
+
+def test_empty_prompt_pieces_do_not_let_more_trees_through_and_refused_prompts_take_no_room(ckpt):
+    """The step's tree cap counted prompt pieces of no tokens (the engine refuses them cheaply):
+    2000 of them let 2001 trees through. And prompts refused for their length used up the step's
+    room, so a small one after them failed "KV cache full" with every page free."""
+    svc = servicer(ckpt)
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        assert svc._step(peer, prefill(1, "a")).prefills[0].error_code == 0
+        step = verify(2, [("a", *chain(svc.engine._requests["a"].pending, 1))])
+        step.verify_ids.extend(f"x{i}" for i in range(10))
+        step.prefills.extend(verifier_pb2.PrefillItem(request_id=f"p{i}", prompt_offset=3, reserve_tokens=8)
+                             for i in range(10))
+        with pytest.raises(ServiceError) as refused:
+            svc._step(peer, step)
+        long = [verifier_pb2.PrefillItem(request_id=f"l{i}", token_ids=[5] * 1100, reserve_tokens=8) for i in range(4)]
+        small = verifier_pb2.PrefillItem(request_id="small", token_ids=[5, 6], reserve_tokens=8)
+        resp = svc._step(peer, verifier_pb2.VerifyRequest(sequence=3, prefills=[*long, small]))
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "a step of 11 trees" in refused.value.message
+    assert [CODES[p.error_code] for p in resp.prefills] == [grpc.StatusCode.INVALID_ARGUMENT] * 4 + [grpc.StatusCode.OK]

@@ -79,9 +79,12 @@ class KvBudget:
         before ``req`` (all of them when ``req`` is None: a request not queued yet is the newest).
         Admission is first come, first served across the lanes of a group: a lane admits only where
         those heads still fit beside its own. Lane by lane, a large request at one queue's head
-        waited for ever while the other lanes kept admitting small ones into every page freed."""
+        waited for ever while the other lanes kept admitting small ones into every page freed.
+        Heads of lanes whose batch is full are not counted: they cannot use the KV now, and their
+        lane counts them again as soon as it has room."""
         return sum(other.waiting[0].kv_tokens for other in self.lanes
                    if other is not lane and other.healthy and other.waiting
+                   and len(other.running) < other.settings.max_batch
                    and (req is None or other.waiting[0].created < req.created))
 
 
@@ -121,8 +124,12 @@ class StepLoop:
 
     @kv.setter
     def kv(self, budget: KvBudget) -> None:
+        old = getattr(self, "_kv", None)
         self._kv = budget
         budget.share(self)
+        if old is not None and old is not budget:   # its head no longer holds the old group's lanes back,
+            old.wake()                              # and may fit the new group now
+            self.wake()
 
     def wake(self) -> None:
         self._wake.set()
@@ -132,10 +139,10 @@ class StepLoop:
         return req.kv_tokens <= self.kv.capacity
 
     def admits_now(self, req: ActiveRequest) -> bool:
-        """Whether the request would start with this replica's next step: nothing queued ahead of
-        it here or on the group's other lanes (`KvBudget.heads_ahead`), room in the batch and in the
-        step's prefill budget, and its group's KV free now."""
-        return not self.waiting and len(self.running) < self.settings.max_batch and self._prefill_left() > 0 and \
+        """Whether the request would start with this replica's next step: nothing queued here, room
+        in the batch and in the step's prompt tokens, and its group's KV free now beside the heads
+        of the group's other queues (`KvBudget.heads_ahead`)."""
+        return not self.waiting and len(self.running) < self.settings.max_batch and self._prefill_left(req) > 0 and \
             self.kv.reserved + req.kv_tokens + self.kv.heads_ahead(self) <= self.kv.capacity
 
     @property
@@ -311,8 +318,9 @@ class StepLoop:
             self._speculating = self.gate.speculate()
         freed = sum(tokens for budget, tokens in self._owed if budget is self.kv)   # released first in this step
         left = step_prompt_tokens(self.settings, self.limits)
-        pieces = self._pieces_most(left, bool(self.waiting) and len(self.running) < self.settings.max_batch
-                                   and self._fits(self.waiting[0], freed))
+        head = self.waiting[0] if self.waiting and len(self.running) < self.settings.max_batch \
+            and self._fits(self.waiting[0], freed) else None
+        pieces = self._pieces_most(left, head)
         items = []
         for r in self.running.values():
             if r.prompt_sent < len(r.prompt_ids):   # its prompt's next piece, while the budget lasts
@@ -342,17 +350,18 @@ class StepLoop:
         return self.kv.reserved - freed + req.kv_tokens + self.kv.heads_ahead(self, req) <= self.kv.capacity
 
     @staticmethod
-    def _pieces_most(total: int, admitting: bool) -> int:
-        """What running prompts' next pieces may take of a step's ``total`` prompt tokens: half
-        while a queued request could start with the step, all of it otherwise. (They took it all:
-        a 3000-token prompt at 100 a step held every admission for 30 steps.)"""
-        return max(1, total // 2) if admitting else total
+    def _pieces_most(total: int, head: ActiveRequest | None) -> int:
+        """What running prompts' next pieces may take of a step's ``total`` prompt tokens: all but
+        what ``head``, a queued request that could start with the step, needs of it, up to half;
+        all of it where none can. (They took it all: a 3000-token prompt at 100 a step held every
+        admission for 30 steps.)"""
+        return total if head is None else total - min(total // 2, len(head.prompt_ids))
 
-    def _prefill_left(self) -> int:
-        """The next step's prompt tokens left to a request queued now, once running prompts take their pieces."""
+    def _prefill_left(self, req: ActiveRequest) -> int:
+        """The next step's prompt tokens left to ``req`` queued now, once running prompts take their pieces."""
         total = step_prompt_tokens(self.settings, self.limits)
         backlog = sum(len(r.prompt_ids) - r.prompt_sent for r in self.running.values())
-        return total - min(backlog, self._pieces_most(total, True))
+        return total - min(backlog, self._pieces_most(total, req))
 
     def _budget(self, req: ActiveRequest) -> int:
         """The request's tree budget this step: 0 while the gate pauses speculation. A request's

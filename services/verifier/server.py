@@ -349,10 +349,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         for k, p in enumerate(req.prefills):
             why, code = None, grpc.StatusCode.INVALID_ARGUMENT   # this request fails alone; the others go on
             length = p.prompt_offset + len(p.token_ids)
-            room -= len(p.token_ids)
             if length >= self.engine.max_context:   # refused here, not on every rank after a broadcast of it
                 why = f"prompt has {length} tokens; max context is {self.engine.max_context}"
-            elif room < 0:   # past the whole cache: copied, broadcast and admitted one by one for nothing
+            elif len(p.token_ids) > room:   # past the whole cache: copied, broadcast and admitted one by one for nothing
                 why, code = "KV cache full (the step's prompts hold more tokens than the cache)", \
                     grpc.StatusCode.RESOURCE_EXHAUSTED
             else:
@@ -364,15 +363,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 rejected[k] = verifier_pb2.ItemResult(request_id=p.request_id, error_code=code.value[0],
                                                       error_message=why)
                 continue
+            room -= len(p.token_ids)
             inputs.append(PrefillInput(p.request_id, list(p.token_ids), sampling, p.reserve_tokens,
                                        owner=peer.owner, more=p.prompt_continues, offset=p.prompt_offset))
-        if len(req.verify_ids) > self.engine.active_requests + len(inputs):
+        could = self.engine.active_requests + sum(1 for x in inputs if x.offset == 0 and x.token_ids)
+        if len(req.verify_ids) > could:
             # More trees than requests held here: a million one-node trees of unknown ids took the
             # event loop (or, with ranks, every rank) for seconds, all to be refused one by one.
-            # (Prefills refused just above count for nothing: padded with them, the step passed.)
+            # (Only new prompts the server keeps count: padded with refused or empty ones, it passed.)
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"draft {peer.draft_id}: a step of {len(req.verify_ids)} trees, more than the "
-                               f"{self.engine.active_requests + len(inputs)} requests it could verify")
+                               f"{could} requests it could verify")
         try:
             peer.writer.release(req.released_slots)
         except ValueError as exc:   # a draft that names slots our ring does not have is out of step with it
