@@ -312,8 +312,8 @@ class StepLoop:
         prefill budget allow. Prompt tokens a step stay within ``max_prefill_tokens``: a prompt
         longer than what is left goes in pieces over the next steps, so one step's prefill time
         stays bounded and running requests keep decoding between the pieces (a 2000-token prompt
-        used to stop every stream for the whole prefill). Those pieces leave half the budget to a
-        queued request that could start (`_pieces_most`)."""
+        used to stop every stream for the whole prefill). Those pieces leave a queued request that
+        could start what it needs of the step, up to half (`_pieces_most`)."""
         if self.running:   # one decision for the whole batch (see speculation.py); idle calls are no step
             self._speculating = self.gate.speculate()
         freed = sum(tokens for budget, tokens in self._owed if budget is self.kv)   # released first in this step
