@@ -609,3 +609,33 @@ def test_empty_prompt_pieces_do_not_let_more_trees_through_and_refused_prompts_t
         resp = svc._step(peer, verifier_pb2.VerifyRequest(sequence=3, prefills=[*long, small]))
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "a step of 11 trees" in refused.value.message
     assert [CODES[p.error_code] for p in resp.prefills] == [grpc.StatusCode.INVALID_ARGUMENT] * 4 + [grpc.StatusCode.OK]
+
+
+def test_a_prompt_whose_first_draw_meets_nan_logits_fails_alone(ckpt):
+    """A sampled prompt's last row of NaN logits failed the whole prefill call (every prompt of the
+    step, and the stream). It now fails alone, freed, its features not sent; the others start."""
+    svc = servicer(ckpt)
+    engine = svc.engine
+    forward, poison = engine._forward, {"on": True}
+
+    def poisoned(flat, positions, reqs, masks, routing_groups=None):
+        out = forward(flat, positions, reqs, masks, routing_groups)
+        if poison["on"]:
+            out.logits = out.logits.clone()
+            row = 0
+            for r, m in zip(reqs, masks):
+                if r.request_id == "bad":
+                    out.logits[row:row + m.shape[0], 3] = float("nan")
+                row += m.shape[0]
+        return out
+
+    engine._forward = poisoned
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        resp = svc._step(peer, prefill(1, "good", "bad", "other", temperature=0.8, seed=1))
+        pages = engine.cache.pages_free
+    got = {p.request_id: (CODES[p.error_code], p.error_message, p.committed) for p in resp.prefills}
+    assert got["bad"][0] == grpc.StatusCode.INTERNAL and "NaN or inf" in got["bad"][1] and got["bad"][2] == 0
+    assert got["good"][0] == got["other"][0] == grpc.StatusCode.OK and got["good"][2] == got["other"][2] == 3
+    assert sorted(engine._requests) == ["good", "other"]
+    assert resp.features.tensors[0].shape[0] == 6   # the two prompts' rows, not the failed one's
+    assert pages == engine.cache.num_pages - 2 * len(engine.cache.page_ids("good"))

@@ -432,7 +432,7 @@ class VerifierEngine:
                 round_k = [prompt[k] for prompt in chunks if k < len(prompt)]
                 for picks in graphs.plan_chains([c[3] for c in round_k]):
                     run([round_k[j] for j in picks], graphs)
-        features.extend(f for i, _ in admitted for f in parts[i])
+        features.extend(f for i, _ in admitted if outcomes[i].error is None for f in parts[i])
 
     @property
     def _prompts_replay(self) -> bool:
@@ -477,11 +477,13 @@ class VerifierEngine:
             rows = rows if out.rows is None else out.rows[rows]
             first = self._posterior(out.logits[rows], [reqs[g] for g in done], [1] * len(done),
                                     np.array([reqs[g].length for g in done]))   # the token after the prompt
-            tokens = torch.cat(first).tolist()
-            if min(tokens) < 0:   # (a prompt's rows are already committed: the call fails, as before)
-                raise ValueError("sampling: the target's logits hold NaN or inf")
-            for g, token in zip(done, tokens):
+            for g, token in zip(done, torch.cat(first).tolist()):
                 i, req, _, _ = group[g]
+                if token < 0:   # its last row's logits hold NaN / inf: it fails alone, freed (its features are not sent)
+                    outcomes[i] = ItemOutcome(req.request_id, error=ServiceError(
+                        grpc.StatusCode.INTERNAL, f"request {req.request_id}: the target's logits hold NaN or inf"))
+                    self.release([req.request_id])
+                    continue
                 req.pending = int(token)
                 outcomes[i] = ItemOutcome(req.request_id, [req.pending], committed=len(items[i].token_ids))
         return feats
