@@ -494,3 +494,32 @@ def test_a_start_up_rank_0_settles_itself_is_left_to_it() -> None:
     t0 = time.monotonic()
     _end_start_up("verifier rank 1 exited with code 1", [], settled)   # returns: no exit
     assert time.monotonic() - t0 < 1
+
+
+def _argmax_rank(rank: int, port: int, out) -> None:
+    import torch
+
+    from services.verifier.parallel import TensorParallel
+    tp = TensorParallel(rank, 2, f"tcp://127.0.0.1:{port}", backend="gloo", timeout_s=30)
+    tp.align()
+    full = torch.tensor([[1.0, 5.0, 2.0, 5.0], [3.0, 0.0, 9.0, 1.0], [0.0, 1.0, 2.0, float("nan")],
+                         [float("inf"), 0.0, 1.0, 2.0]])
+    out.put((rank, tp.argmax(full[:, 2 * rank:2 * rank + 2]).tolist()))
+    tp.close()
+
+
+def test_sharded_argmax_takes_the_lowest_index_of_a_tie_and_marks_rows_not_finite():
+    """Greedy tokens over two vocabulary slices: a tie across ranks goes to the lower index, as a
+    full-row argmax; a row with a NaN or +inf on either slice is -1 on every rank (its request
+    fails alone; the NaN's index was emitted as a token)."""
+    import multiprocessing as mp
+
+    from services.common.launcher import free_port
+    spawn = mp.get_context("spawn")
+    out, port = spawn.Queue(), free_port()
+    procs = [spawn.Process(target=_argmax_rank, args=(rank, port, out)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert sorted(out.get(timeout=5) for _ in procs) == [(0, [1, 2, -1, -1]), (1, [1, 2, -1, -1])]

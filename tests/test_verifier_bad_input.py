@@ -517,8 +517,8 @@ def test_a_refused_handshake_leaves_the_feature_layers_alone(ckpt):
 def test_a_request_whose_logits_are_not_finite_fails_alone(ckpt):
     """A sampled request whose target logits held NaN or inf (a float16 target overflowing on its
     context, say) raised for the whole step: the stream ended INTERNAL and every request of the
-    draft was freed (with ranks, the group ended). It now fails that request alone; the step's
-    other requests commit."""
+    draft was freed (with ranks, the group ended); a greedy one emitted the NaN's index as its
+    token. Either now fails alone; the step's other requests commit."""
     svc = servicer(ckpt)
     engine = svc.engine
     forward, poison = engine._forward, {"on": False}
@@ -529,22 +529,25 @@ def test_a_request_whose_logits_are_not_finite_fails_alone(ckpt):
             out.logits = out.logits.clone()
             row = 0
             for r, m in zip(reqs, masks):
-                if r.request_id == "bad":
+                if r.request_id.startswith("bad"):
                     out.logits[row:row + m.shape[0], 3] = float("nan")
                 row += m.shape[0]
         return out
 
     engine._forward = poisoned
     with shm_peer(svc, ckpt, slots=4) as peer:
-        resp = svc._step(peer, prefill(1, "bad", "good", "greedy", temperature=0.8, seed=1))
-        assert [p.error_code for p in resp.prefills] == [0, 0, 0]
-        pending = {r: engine._requests[r].pending for r in ("bad", "good", "greedy")}
+        resp = svc._step(peer, prefill(1, "bad", "good", temperature=0.8, seed=1))
+        resp2 = svc._step(peer, prefill(2, "bad_greedy", "greedy"))
+        assert [p.error_code for p in [*resp.prefills, *resp2.prefills]] == [0, 0, 0, 0]
+        pending = {r: engine._requests[r].pending for r in ("bad", "good", "bad_greedy", "greedy")}
         lengths = {r: engine._requests[r].length for r in pending}
         poison["on"] = True
-        got = outcome(svc._step(peer, verify(2, [(r, *chain(pending[r], 3)) for r in pending])))
-    assert got["bad"][0] == grpc.StatusCode.INTERNAL and "NaN or inf" in got["bad"][1]
+        got = outcome(svc._step(peer, verify(3, [(r, *chain(pending[r], 3)) for r in pending])))
+    for bad in ("bad", "bad_greedy"):
+        assert got[bad][0] == grpc.StatusCode.INTERNAL and "NaN or inf" in got[bad][1]
+        assert engine._requests[bad].length == lengths[bad]
     assert got["good"][0] == got["greedy"][0] == grpc.StatusCode.OK
-    assert engine._requests["bad"].length == lengths["bad"] and engine._requests["good"].length > lengths["good"]
+    assert engine._requests["good"].length > lengths["good"] and engine._requests["greedy"].length > lengths["greedy"]
 
 
 def test_only_small_verify_steps_run_on_the_event_loop(ckpt):

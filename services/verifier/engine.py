@@ -651,7 +651,7 @@ class VerifierEngine:
         starts = np.concatenate([[0], np.cumsum(counts)])
         greedy = drawn_tokens = None
         if any(r.sampling.temperature == 0 for r in reqs):
-            greedy = tp.argmax(logits) if tp.enabled else logits.argmax(dim=-1)   # [N] (padded: every row)
+            greedy = tp.argmax(logits)   # [N] (padded: every row); -1 where a row is not finite
             if rows is not None:
                 greedy = greedy[rows]
         sampled = [j for j, r in enumerate(reqs) if r.sampling.temperature > 0]

@@ -218,18 +218,22 @@ class TensorParallel:
     def argmax(self, local_logits: torch.Tensor) -> torch.Tensor:
         """Greedy tokens from vocabulary-sharded logits [N, V/size]: only (max, index) cross ranks.
 
-        Ties go to the lowest global index, as torch.argmax over the full row would.
+        Ties go to the lowest global index, as torch.argmax over the full row would. A row whose
+        maximum is not finite (a NaN, +inf, or nothing but -inf on some rank's slice) gets -1, as
+        a sampled row does (`sampling.draw_tokens`): its request fails alone, where an argmax
+        emitted the NaN's index as a token.
         """
-        vals, idx = local_logits.max(dim=-1)                                   # [N], [N]
+        vals, idx = local_logits.max(dim=-1)                                   # [N], [N] (NaN propagates)
         if self.size == 1:
-            return idx
+            return torch.where(torch.isfinite(vals), idx, -1)
         idx = idx + self.rank * local_logits.shape[-1]
         both = torch.stack([vals.double(), idx.double()], dim=0)               # [2, N]
         gathered = [torch.empty_like(both) for _ in range(self.size)]
         dist.all_gather(gathered, both)
         g = torch.stack(gathered)                                              # [size, 2, N]
         best = g[:, 0].argmax(dim=0)                                           # first max = lowest rank
-        return g[best, 1, torch.arange(g.shape[-1])].long()
+        tokens = g[best, 1, torch.arange(g.shape[-1])].long()
+        return torch.where(torch.isfinite(g[:, 0]).all(dim=0), tokens, -1)
 
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """Full logits [N, V] on every rank, for sampling (identical draws on every rank)."""
