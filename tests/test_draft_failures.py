@@ -473,3 +473,50 @@ def test_a_step_stream_cannot_step_or_end_another_streams_request(ckpt):
     stepped, pieced, own, held = asyncio.run(run())
     assert stepped == [("a", "NOT_FOUND")] and pieced == [("a", "NOT_FOUND")]
     assert own == [("a", "OK")] and held == ["a"]   # its own stream steps it; nothing released it
+
+
+def test_a_request_the_verifier_refused_is_released_there_not_only_forgotten_here(ckpt):
+    """A prompt piece (or a tree) the verifier refused: the draft forgot the request, the verifier
+    kept it and its KV pages; a scheduler that went away before its next step (which carries the
+    release) left them held, and the id taken (ALREADY_EXISTS), until the draft's verifier stream
+    ended. The next verifier call now frees it."""
+    async def run():
+        async with replica(ckpt) as r:
+            engine = r.verifier.engine
+            first = draft_pb2.StepItem(request_id="a", prompt_token_ids=[5, 6, 7], budget=4, max_new_tokens=64,
+                                       mode=common_pb2.MODE_DDTREE, prompt_continues=True)
+            assert await step(r.link, [first]) == [("a", "OK")]
+            bad = draft_pb2.StepItem(request_id="a", prompt_token_ids=[99999], prompt_offset=3, budget=4)
+            refused = await step(r.link, [bad])
+            held = sorted(engine._requests)
+            r.link.close()   # the scheduler goes away before a step of its could release "a"
+            await r.channel.close()
+            for _ in range(100):
+                if not engine._requests:
+                    break
+                await asyncio.sleep(0.02)
+            r.link, r.channel = r.draft.link()
+            return refused, held, sorted(engine._requests), await step(r.link, [admit("a")])
+    refused, held, after, again = asyncio.run(run())
+    assert refused == [("a", "INVALID_ARGUMENT")] and held == ["a"]
+    assert after == [] and again == [("a", "OK")]
+
+
+def test_a_step_whose_items_are_all_refused_makes_no_verifier_call_and_no_timing(ckpt):
+    """Each such step (unknown ids, repeated ids) made an empty round trip to the verifier and
+    was timed in every ddtree_step_ms stage, which count decode steps."""
+    async def run():
+        async with replica(ckpt) as r:
+            calls = []
+            client = r.draft.engine.verifier
+            forward = client.step
+            client.step = lambda *args: (calls.append(args), forward(*args))[1]
+            def count() -> float:   # decode steps timed in the "step" stage
+                return sum(x.value for m in r.draft.engine.metrics.step_ms.collect() for x in m.samples
+                           if x.name.endswith("_count") and x.labels.get("stage") == "step")
+            before = count()
+            refused = [await step(r.link, [decode("nobody")]) for _ in range(3)]
+            return refused, len(calls), count() - before, await step(r.link, [admit("a")]), len(calls)
+    refused, calls, timed, admitted, after = asyncio.run(run())
+    assert refused == [[("nobody", "NOT_FOUND")]] * 3 and calls == 0 and timed == 0
+    assert admitted == [("a", "OK")] and after == 1

@@ -220,6 +220,9 @@ class DraftEngine:
             raise
         t1 = time.perf_counter()
         owed, self._release_owed = self._release_owed, []
+        if not (prefills or verifying or released or owed):   # every item refused here: no round trip for nothing
+            return draft_pb2.StepResponse(results=[results[i.request_id] for i in request.items
+                                                   if i.request_id in results])
         reply = await self.verifier.step(prefills, [r.request_id for r in verifying], packed, released + owed)
         t_reply = time.perf_counter()
         features, row = reply.features, 0
@@ -236,6 +239,8 @@ class DraftEngine:
             feats = features[row:row + res.committed]
             row += res.committed   # the verifier sent rows for every result it committed, kept here or not
             if res.error_code != 0 or req is None:
+                if req is not None:   # a refused piece or tree leaves it held at the verifier: freed next call
+                    self._release_owed.append(res.request_id)
                 self._drop(res.request_id)
                 results[res.request_id] = draft_pb2.StepResult(request_id=res.request_id,
                                                                 error_code=res.error_code,
@@ -257,7 +262,7 @@ class DraftEngine:
                    if r is not None and not r.prefilling and r.pending >= 0]
             self._job = (commits, nxt)
         t2 = time.perf_counter()
-        if request.items:
+        if prefills or verifying:   # a decode step (not releases alone, nor items all refused)
             stage = self.metrics.step_ms.labels
             stage("draft").observe((t1 - t0) * 1e3)
             stage("verify").observe(reply.response.verify_ms)
