@@ -520,3 +520,24 @@ def test_a_step_whose_items_are_all_refused_makes_no_verifier_call_and_no_timing
     refused, calls, timed, admitted, after = asyncio.run(run())
     assert refused == [[("nobody", "NOT_FOUND")]] * 3 and calls == 0 and timed == 0
     assert admitted == [("a", "OK")] and after == 1
+
+
+def test_prompts_that_would_overflow_the_verifiers_reply_are_refused_alone(ckpt):
+    """A step whose prompt features pass gRPC's message cap broke the verifier stream: the draft
+    then failed every request of every stream it served. Its prompts past the cap are refused
+    (RESOURCE_EXHAUSTED) before they are sent; the others of the step go on."""
+    from services.common.grpc_server import MAX_MESSAGE_BYTES, REPLY_OVERHEAD_BYTES
+
+    async def run():
+        async with replica(ckpt) as r:
+            assert await step(r.link, [admit("running")]) == [("running", "OK")]
+            hs = r.draft.engine.verifier.handshake
+            hs.feature_bytes_per_token = (MAX_MESSAGE_BYTES - REPLY_OVERHEAD_BYTES) // 100   # 100 rows a reply
+            block = r.draft.engine.proposer.block_size
+
+            def prompt(rid: str, n: int) -> draft_pb2.StepItem:
+                return draft_pb2.StepItem(request_id=rid, prompt_token_ids=[5] * n, budget=4, max_new_tokens=8,
+                                          mode=common_pb2.MODE_DDTREE)
+            room = 100 - 3 * block   # three items, each committing up to a block
+            return await step(r.link, [decode("running"), prompt("fits", room), prompt("over", 1)])
+    assert asyncio.run(run()) == [("running", "OK"), ("fits", "OK"), ("over", "RESOURCE_EXHAUSTED")]

@@ -30,6 +30,16 @@ PARENT_PID_ENV = "DDTREE_PARENT_PID"
 # Inline tensor bundles (a payload larger than a ring slot, or no shared memory) can be large: a
 # step that prefills 8192 prompt tokens of K2 carries ~350 MB of bf16 features (3 feature layers).
 MAX_MESSAGE_BYTES = 1 << 30
+# Room a verifier reply needs beside its features (tokens and results of every item): far less than this.
+REPLY_OVERHEAD_BYTES = 16 << 20
+
+
+def reply_feature_rows(feature_bytes_per_token: int) -> int | None:
+    """The committed tokens whose features one verifier reply can carry in its message (a long
+    prefill's exceed a ring slot and go there); None where the width is not known."""
+    if feature_bytes_per_token <= 0:
+        return None
+    return (MAX_MESSAGE_BYTES - REPLY_OVERHEAD_BYTES) // feature_bytes_per_token
 
 # How often each end of a connection pings the other, and how long it waits for the ack.
 KEEPALIVE_TIME_MS = 20_000

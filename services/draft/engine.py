@@ -25,7 +25,7 @@ import torch
 
 from ddtree.v1 import common_pb2, draft_pb2, verifier_pb2
 from services.common.devices import current
-from services.common.grpc_server import ServiceError
+from services.common.grpc_server import MAX_MESSAGE_BYTES, ServiceError, reply_feature_rows
 from services.common.logging import get_logger
 from services.common.metrics import Metrics
 from services.common.settings import MAX_BUDGET
@@ -199,6 +199,7 @@ class DraftEngine:
         verifying: list[_Request] = []
         budgets: list[int] = []
         repeated = {rid for rid, n in Counter(i.request_id for i in request.items).items() if n > 1}
+        prompt_room = self._prompt_room(len(request.items))
         for item in request.items:
             if item.request_id in repeated:   # two items of one request would step it twice from one state
                 # Refused, not dropped: a running request's KV stays held at the verifier until it
@@ -207,6 +208,17 @@ class DraftEngine:
                     request_id=item.request_id, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
                     error_message=f"request {item.request_id} appears more than once in one step")
                 continue
+            if prompt_room is not None and len(item.prompt_token_ids) > prompt_room:
+                # The reply would pass gRPC's message cap: the verifier stream would break, and every
+                # request of every stream here with it. This one is refused before it is sent.
+                results[item.request_id] = draft_pb2.StepResult(
+                    request_id=item.request_id, error_code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                    error_message=f"request {item.request_id}: this step's prompt tokens would make the verifier's "
+                                  f"reply larger than gRPC's {MAX_MESSAGE_BYTES >> 30} GiB message "
+                                  "(scheduler.max_prefill_tokens keeps steps below it)")
+                continue
+            if prompt_room is not None:
+                prompt_room -= len(item.prompt_token_ids)
             err = self._admit(item, prefills, verifying, budgets, owner)
             if err is not None:
                 results[item.request_id] = draft_pb2.StepResult(request_id=item.request_id,
@@ -272,6 +284,13 @@ class DraftEngine:
         return draft_pb2.StepResponse(results=[results[i.request_id] for i in request.items
                                                if i.request_id in results],
                                       draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3)
+
+    def _prompt_room(self, items: int) -> int | None:
+        """The prompt tokens a step of ``items`` items may carry for the verifier's reply to fit its
+        message, each item committing up to a block besides (None: the width is not known yet)."""
+        hs = self.verifier.handshake
+        rows = reply_feature_rows(hs.feature_bytes_per_token) if hs is not None else None
+        return None if rows is None else rows - items * self.proposer.block_size
 
     def _admit(self, item: draft_pb2.StepItem, prefills: list, verifying: list, budgets: list, owner: int = 0) -> \
             ServiceError | None:

@@ -16,7 +16,7 @@ import grpc
 from tokenizers import Tokenizer
 
 from ddtree.v1 import common_pb2, scheduler_pb2
-from services.common.grpc_server import MAX_MESSAGE_BYTES, ServiceError
+from services.common.grpc_server import ServiceError, reply_feature_rows
 from services.common.settings import MAX_BUDGET, TEMPERATURE_RANGE, SchedulerSettings, temperature_ok
 from services.scheduler.detokenize import IncrementalDetokenizer
 
@@ -50,9 +50,6 @@ class Limits:
     feature_bytes_per_token: int = 0   # a committed token's features in a verifier reply (0: not known)
 
 
-# Room a reply needs beside its features (tokens and results of every item): far less than this.
-_REPLY_OVERHEAD_BYTES = 16 << 20
-
 
 def step_prompt_tokens(settings: SchedulerSettings, limits: Limits) -> int:
     """The prompt tokens one step may carry: ``scheduler.max_prefill_tokens``, or fewer where the
@@ -61,9 +58,9 @@ def step_prompt_tokens(settings: SchedulerSettings, limits: Limits) -> int:
     exceed a ring slot, so they go in the message: at Kimi-K2 widths in bf16 a step of about 24K
     prompt tokens passes 1 GiB, and such a step failed every request of the stream. 0 where even a
     step of running requests alone cannot fit (the scheduler's start refuses that)."""
-    if limits.feature_bytes_per_token <= 0:
+    room = reply_feature_rows(limits.feature_bytes_per_token)
+    if room is None:
         return settings.max_prefill_tokens
-    room = (MAX_MESSAGE_BYTES - _REPLY_OVERHEAD_BYTES) // limits.feature_bytes_per_token
     return max(0, min(settings.max_prefill_tokens, room - settings.max_batch * limits.block_size))
 
 
