@@ -514,14 +514,10 @@ def test_a_refused_handshake_leaves_the_feature_layers_alone(ckpt):
     assert after == before == list(registered) and before != [0]
 
 
-def test_a_request_whose_logits_are_not_finite_fails_alone(ckpt):
-    """A sampled request whose target logits held NaN or inf (a float16 target overflowing on its
-    context, say) raised for the whole step: the stream ended INTERNAL and every request of the
-    draft was freed (with ranks, the group ended); a greedy one emitted the NaN's index as its
-    token. Either now fails alone; the step's other requests commit."""
-    svc = servicer(ckpt)
-    engine = svc.engine
-    forward, poison = engine._forward, {"on": False}
+def _poison_logits(engine, on: bool) -> dict[str, bool]:
+    """Makes the target's logits NaN (one token) at the rows of requests whose id starts with
+    "bad", while the returned switch's "on" is set: a float16 target overflowing on their context."""
+    forward, poison = engine._forward, {"on": on}
 
     def poisoned(flat, positions, reqs, masks, routing_groups=None):
         out = forward(flat, positions, reqs, masks, routing_groups)
@@ -535,6 +531,17 @@ def test_a_request_whose_logits_are_not_finite_fails_alone(ckpt):
         return out
 
     engine._forward = poisoned
+    return poison
+
+
+def test_a_request_whose_logits_are_not_finite_fails_alone(ckpt):
+    """A sampled request whose target logits held NaN or inf (a float16 target overflowing on its
+    context, say) raised for the whole step: the stream ended INTERNAL and every request of the
+    draft was freed (with ranks, the group ended); a greedy one emitted the NaN's index as its
+    token. Either now fails alone; the step's other requests commit."""
+    svc = servicer(ckpt)
+    engine = svc.engine
+    poison = _poison_logits(engine, on=False)
     with shm_peer(svc, ckpt, slots=4) as peer:
         resp = svc._step(peer, prefill(1, "bad", "good", temperature=0.8, seed=1))
         resp2 = svc._step(peer, prefill(2, "bad_greedy", "greedy"))
@@ -619,20 +626,7 @@ def test_a_prompt_whose_first_draw_meets_nan_logits_fails_alone(ckpt):
     step, and the stream). It now fails alone, freed, its features not sent; the others start."""
     svc = servicer(ckpt)
     engine = svc.engine
-    forward, poison = engine._forward, {"on": True}
-
-    def poisoned(flat, positions, reqs, masks, routing_groups=None):
-        out = forward(flat, positions, reqs, masks, routing_groups)
-        if poison["on"]:
-            out.logits = out.logits.clone()
-            row = 0
-            for r, m in zip(reqs, masks):
-                if r.request_id == "bad":
-                    out.logits[row:row + m.shape[0], 3] = float("nan")
-                row += m.shape[0]
-        return out
-
-    engine._forward = poisoned
+    _poison_logits(engine, on=True)
     with shm_peer(svc, ckpt, slots=4) as peer:
         resp = svc._step(peer, prefill(1, "good", "bad", "other", temperature=0.8, seed=1))
         pages = engine.cache.pages_free
