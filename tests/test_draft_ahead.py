@@ -222,3 +222,27 @@ def test_a_reply_with_fewer_feature_rows_than_committed_tokens_is_a_lost_step():
     lost, closed = asyncio.run(run())
     assert lost.code == grpc.StatusCode.UNAVAILABLE and "3 feature rows for 4 committed tokens" in lost.message
     assert closed == 1
+
+
+def test_trees_drafted_ahead_for_another_streams_requests_are_kept_for_them() -> None:
+    """Two scheduler streams stepped in turn: each step replaced the trees drafted ahead with its
+    own, so the other stream's were thrown away and every tree was drafted twice. They stay now,
+    and one is used only by the request object it was drafted for (an id may come back)."""
+    async def run() -> tuple[float, float, float]:
+        engine, _ = make_engine()
+        for owner, rid in enumerate(("r0", "r1")):
+            await engine.step(draft_pb2.StepRequest(items=[admit(rid, 4)]), owner=owner)
+            engine.run_ahead()
+        for _ in range(5):
+            for owner, rid in enumerate(("r0", "r1")):
+                await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id=rid, budget=4)]),
+                                  owner=owner)
+                engine.run_ahead()   # as the service does once the answer has left
+        ahead, step = trees_by(engine, "ahead"), trees_by(engine, "step")
+        # r1 ends and comes back under its id: the tree drafted for the old one is not the new one's
+        await engine.step(draft_pb2.StepRequest(release=["r1"]), owner=1)
+        await engine.step(draft_pb2.StepRequest(items=[admit("r1", 4)]), owner=1)
+        stale = engine._ahead.get("r1")
+        return ahead, step, stale is None or stale[0] is engine._requests["r1"]
+    ahead, step, fresh = asyncio.run(run())
+    assert (ahead, step) == (10, 0) and fresh

@@ -59,6 +59,11 @@ class _Tree:
     depths: torch.Tensor   # [n]
 
 
+# Trees drafted ahead, by request id: (the request, its length and budget then, the tree); one is
+# used only by that request object at that length and budget (an id may be reused).
+_Ahead = dict[str, tuple[_Request, int, int, _Tree]]
+
+
 class DraftEngine:
     def __init__(self, proposer: Proposer, verifier: VerifierClient, metrics: Metrics | None = None) -> None:
         self.proposer = proposer
@@ -77,7 +82,7 @@ class DraftEngine:
         self._lost: dict[str, ServiceError] = {}
         self._reconnecting: asyncio.Future | None = None   # the probe's hand-shake (`ensure_connected`)
         self._release_owed: list[str] = []   # dropped here (a failed commit): released at the verifier next step
-        self._ahead: dict[str, tuple[int, _Tree]] | _CommitFailed = {}
+        self._ahead: _Ahead | _CommitFailed = {}
         self.max_context = 0
         out = proposer.propose_output   # with propose graphs, the tree builds replay too
         self.tree_graphs = TreeGraphs(out, capture=out.is_cuda) if out is not None else None
@@ -357,19 +362,25 @@ class DraftEngine:
         if job is None:
             return
         try:
-            self._ahead = self._on_device(self._commit_and_draft, *job)
+            fresh = self._on_device(self._commit_and_draft, *job)
         except Exception as exc:  # noqa: BLE001 - the next step fails the requests it committed (`_settle`)
             self._ahead = _CommitFailed([rid for rid, _, _ in job[0]], exc)
+            return
+        # Trees drafted ahead for requests this step did not touch stay (another stream's, stepped
+        # in turn with this one: replaced by this step's alone, every tree was drafted twice).
+        kept = self._ahead if isinstance(self._ahead, dict) else {}
+        self._ahead = {rid: e for rid, e in kept.items() if self._requests.get(rid) is e[0]} | fresh
 
-    def _settle(self) -> dict[str, tuple[int, _Tree]]:
-        """The last step's context commit done; returns its trees drafted ahead (request ->
-        (budget, tree)). A commit that failed (device memory, say) left its requests' drafter
+    def _settle(self) -> _Ahead:
+        """The last step's context commit done; returns the trees drafted ahead (`_Ahead`; the step
+        takes those of its requests out). A commit that failed (device memory, say) left its requests' drafter
         contexts behind the verifier's: they go, here and with this step at the verifier, and a
         later item naming one fails INTERNAL. It used to fail the next step of whichever stream
         came, with every request of it, and leave the failed ones drafting from a stale context."""
         self.run_ahead()
-        ahead, self._ahead = self._ahead, {}
+        ahead = self._ahead
         if isinstance(ahead, _CommitFailed):
+            self._ahead = {}
             gone = [rid for rid in ahead.request_ids if rid in self._requests]
             log.error("context_commit_failed", requests=gone, error=repr(ahead.error))
             self._mark_lost(gone, ServiceError(grpc.StatusCode.INTERNAL,
@@ -381,7 +392,7 @@ class DraftEngine:
         return ahead
 
     def _commit_and_draft(self, commits: Sequence[tuple[str, list[int], torch.Tensor]],
-                          nxt: Sequence[_Request]) -> dict[str, tuple[int, _Tree]]:
+                          nxt: Sequence[_Request]) -> _Ahead:
         """The step's context commit, then the next step's trees for ``nxt`` at their last budgets.
         A tree drafting that fails here is left to the next step."""
         # Requests dropped since the step that left this work (the verifier was lost, a stream
@@ -400,15 +411,17 @@ class DraftEngine:
             log.warning("draft_ahead_failed", error=repr(exc))
             return {}
         self.metrics.step_ms.labels("draft_ahead").observe((time.perf_counter() - t1) * 1e3)
-        return {r.request_id: (r.budget, t) for r, t in zip(nxt, trees)}
+        return {r.request_id: (r, r.length, r.budget, t) for r, t in zip(nxt, trees)}
 
     async def _trees_for(self, reqs: Sequence[_Request], budgets: Sequence[int],
-                         ahead: dict[str, tuple[int, _Tree]]) -> list[_Tree]:
-        """Each request's tree: drafted ahead where it was drafted at this budget, else drafted now."""
+                         ahead: _Ahead) -> list[_Tree]:
+        """Each request's tree: drafted ahead where it was drafted for this request, at its length
+        and this budget, else drafted now. Taken out of ``ahead`` either way: the step moves them on."""
         trees: list[_Tree | None] = []
         for req, budget in zip(reqs, budgets):
-            hit = ahead.get(req.request_id)
-            trees.append(hit[1] if hit is not None and hit[0] == budget else None)
+            hit = ahead.pop(req.request_id, None)
+            trees.append(hit[3] if hit is not None and hit[0] is req and hit[1] == req.length and hit[2] == budget
+                         else None)
         missing = [i for i, t in enumerate(trees) if t is None]
         if missing:
             drafted = await asyncio.to_thread(self._on_device, self._draft, [reqs[i] for i in missing],
@@ -483,6 +496,8 @@ class DraftEngine:
     def _drop(self, rid: str) -> None:
         if self._requests.pop(rid, None) is not None:
             self.proposer.drop(rid)
+        if isinstance(self._ahead, dict):
+            self._ahead.pop(rid, None)
         self._prompts.pop(rid, None)
 
 
