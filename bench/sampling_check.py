@@ -49,7 +49,7 @@ def _kept_differ(logits: torch.Tensor, sampling: Sampling) -> int:
     """Rows whose kernel kept set is not the CPU reference's."""
     n, vocab = logits.shape
     dev = logits.device
-    floors = keep_floors(logits, torch.full((n,), inverse_temperature(sampling.temperature).item(), device=dev),
+    floors = keep_floors(logits, torch.full((n,), inverse_temperature(sampling.temperature), device=dev),
                          torch.full((n,), sampling.top_k if 0 < sampling.top_k < vocab else 0, dtype=torch.int32,
                                     device=dev),
                          torch.full((n,), sampling.top_p, device=dev)).cpu()

@@ -17,7 +17,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _params(samplings: list[Sampling], vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    inv_t = torch.tensor([inverse_temperature(s.temperature).item() for s in samplings], dtype=torch.float32)
+    inv_t = torch.tensor([inverse_temperature(s.temperature) for s in samplings], dtype=torch.float32)
     top_k = torch.tensor([s.top_k if 0 < s.top_k < vocab else 0 for s in samplings], dtype=torch.int32)
     top_p = torch.tensor([s.top_p for s in samplings], dtype=torch.float32)
     return inv_t.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE)

@@ -649,7 +649,7 @@ class VerifierEngine:
         tp = self.model.tp
         counts = list(counts)
         starts = np.concatenate([[0], np.cumsum(counts)])
-        greedy = drawn_tokens = None
+        greedy = draws = None
         if any(r.sampling.temperature == 0 for r in reqs):
             greedy = tp.argmax(logits)   # [N] (padded: every row); -1 where a row is not finite
             if rows is not None:
@@ -667,13 +667,13 @@ class VerifierEngine:
             host = torch.from_numpy(token_keys(seeds, drawn[picks]))   # [sampled rows]
             # pinned, so the copy does not wait for the forward on the stream before the sampling launches
             keys = host.pin_memory().to(full.device, non_blocking=True) if full.is_cuda else host
-            drawn_tokens = draw_tokens(full, [reqs[j].sampling for j in sampled], [counts[j] for j in sampled], keys)
+            draws = draw_tokens(full, [reqs[j].sampling for j in sampled], [counts[j] for j in sampled], keys)
         out, at = [], 0
         for j, req in enumerate(reqs):
             if req.sampling.temperature == 0:
                 out.append(greedy[starts[j]:starts[j + 1]])
             else:
-                out.append(drawn_tokens[at:at + counts[j]])
+                out.append(draws[at:at + counts[j]])
                 at += counts[j]
         return out
 

@@ -133,10 +133,11 @@ def gumbel_noise(keys: Tensor, vocab: int) -> Tensor:
     return -torch.log(-torch.log(u))
 
 
-def inverse_temperature(temperature: float) -> Tensor:
-    """1 / T as the float32 every path scales logits by: a product, the same bits on the CPU, in
-    torch on the GPU and in the kernel (a division there would be approximate or a libdevice call)."""
-    return torch.tensor(1.0 / temperature, dtype=torch.float32)
+def inverse_temperature(temperature: float) -> float:
+    """1 / T rounded to the float32 every path scales logits by: a product, the same bits on the
+    CPU, in torch on the GPU and in the kernel (a division there would be approximate or a libdevice
+    call). A Python float holding a float32 value: torch multiplies a float32 tensor by it exactly so."""
+    return float(np.float32(1.0 / temperature))
 
 
 def draw_seed() -> int:
@@ -206,7 +207,7 @@ def draw_tokens(logits: Tensor, samplings: Sequence[Sampling], counts: Sequence[
     if not counts:
         return keys.new_empty(0)
     vocab = logits.shape[-1]
-    params = [(inverse_temperature(s.temperature).item(), s.top_k if 0 < s.top_k < vocab else 0, s.top_p)
+    params = [(inverse_temperature(s.temperature), s.top_k if 0 < s.top_k < vocab else 0, s.top_p)
               for s in samplings]
     inv_t, top_k, top_p = (np.repeat(np.array(col, dtype=dtype), counts)
                            for col, dtype in zip(zip(*params), (np.float32, np.int32, np.float32)))
