@@ -174,8 +174,8 @@ def test_greedy_random_trees_match_reference_and_autoregressive(target: Target) 
 
 def test_padded_graph_buckets_match_reference(target: Target) -> None:
     """The CUDA-graph input layout (trees padded to node buckets, batch to batch buckets) run
-    eagerly on the CPU: same greedy text as the reference, and steps past the largest bucket fall
-    back to the unpadded path."""
+    eagerly on the CPU: same greedy text as the reference, and a step of more trees than the
+    largest bucket holds replays in turn, as many trees a replay as it holds."""
     refs = [target.continuation(p, GEN_TOKENS + DRAFT_DEPTH + 1) for p in PROMPTS]
     engine = make_engine(target.model)
     graphs = engine.enable_graphs(capture=False, batch_buckets=(1, 2, 4))
@@ -185,13 +185,16 @@ def test_padded_graph_buckets_match_reference(target: Target) -> None:
     used = set(graphs._buckets)
     assert (4, 65) in used and (4, 17) in used, used   # 3 requests padded to 4; trees padded up
 
-    small = engine.enable_graphs(capture=False, batch_buckets=(1, 2))   # 3 requests: no bucket, eager
+    small = engine.enable_graphs(capture=False, batch_buckets=(1, 2))   # 3 requests: replays of 2 and 1
     replays: list[int] = []
     run = small.run
     small.run = lambda *a: replays.append(len(a[3])) or run(*a)   # trees (or prompts) a replay
-    auto, _ = run_greedy(engine, target, PROMPTS, budgets=[4], tree_seed=3, tag="e")
+    eager = engine._forward
+    engine._forward = lambda *a, **kw: pytest.fail("an eager forward")   # noqa: E731
+    auto, emitted = run_greedy(engine, target, PROMPTS, budgets=[4], tree_seed=3, tag="e")
+    engine._forward = eager
     assert all(got == ref[:len(got)] for got, ref in zip(auto, refs))
-    assert sum(replays) == len(PROMPTS) and max(replays) <= 2   # the prompts only, in replays of <= 2
+    assert max(replays) == 2 and sum(replays) == len(PROMPTS) + len(emitted)   # the prompts, then every tree
 
 
 def test_the_tree_size_buckets_are_a_setting(target: Target) -> None:
@@ -265,6 +268,68 @@ def test_graph_steps_equal_eager_steps_with_padding_and_sampling(target: Target)
         torch.testing.assert_close(outs[0].features, outs[1].features, rtol=1e-4, atol=1e-4)
         for rid in rids:
             torch.testing.assert_close(_cached_kv(engines[0], rid), _cached_kv(engines[1], rid), rtol=1e-4, atol=1e-4)
+
+
+def test_a_step_past_the_largest_bucket_runs_in_bucket_sized_forwards_equal_to_one(target: Target) -> None:
+    """A step of more trees than the largest batch bucket was one eager forward of all of them
+    (bounded by nothing but the requests held: 1000 trees of 129 nodes a forward): it now replays
+    the largest bucket in turn, and gives one eager forward's tokens (greedy and seeded sampling,
+    a NaN request failing alone among them), features and committed KV."""
+    engines = [make_engine(target.model, shuffle_seed=None) for _ in range(2)]
+    graphs = engines[0].enable_graphs(capture=False, batch_buckets=(1, 2), node_buckets=(5, 9, 17))
+    assert engines[0].step_most_trees == 2 and engines[1].step_most_trees == 64
+    rids = ["g", "s1", "s2", "g2", "s3"]
+    prompts = PROMPTS + [[9, 9, 9], [1, 2]]
+    params = [Sampling(), Sampling(temperature=1.0, seed=21), Sampling(temperature=0.8, top_k=7, seed=22),
+              Sampling(), Sampling(temperature=1.2, top_p=0.9, seed=23)]
+    for engine in engines:
+        engine.set_feature_layers([0, 2])
+        engine.prefill([PrefillInput(r, p, s, reserve_tokens=80) for r, p, s in zip(rids, prompts, params)])
+    replays: list[int] = []
+    run = graphs.run
+    graphs.run = lambda *a: replays.append(len(a[3])) or run(*a)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        trees = [random_tree(engines[0]._requests[r].pending, b, g) for r, b in zip(rids, (3, 7, 12, 1, 9))]
+        outs = [engine.verify(rids, *pack(trees)) for engine in engines]
+        assert replays[-3:] == [2, 2, 1]
+        assert all(i.error is None for i in outs[0].items)
+        assert [(i.tokens, i.committed) for i in outs[0].items] == [(i.tokens, i.committed) for i in outs[1].items]
+        torch.testing.assert_close(outs[0].features, outs[1].features, rtol=1e-4, atol=1e-4)
+        for rid in rids:
+            torch.testing.assert_close(_cached_kv(engines[0], rid), _cached_kv(engines[1], rid), rtol=1e-4, atol=1e-4)
+    # A sampled request whose logits are NaN (the second forward's first request) fails alone.
+    lengths = {r: engines[0]._requests[r].length for r in rids}
+    posterior = engines[0]._posterior
+
+    def poisoned(logits, reqs, counts, drawn, rows=None):
+        if reqs[0].request_id == "s2":   # its rows only: "g2" shares the forward
+            logits = logits.clone()
+            logits[torch.arange(counts[0]) if rows is None else rows[:counts[0]]] = float("nan")
+        return posterior(logits, reqs, counts, drawn, rows)
+    engines[0]._posterior = poisoned
+    trees = [root_only(engines[0]._requests[r].pending) for r in rids]
+    out = engines[0].verify(rids, *pack(trees))
+    assert [i.error is None for i in out.items] == [True, True, False, True, True]
+    assert out.items[2].error.code == grpc.StatusCode.INTERNAL and engines[0]._requests["s2"].length == lengths["s2"]
+    assert out.features.shape[0] == 4 and all(engines[0]._requests[r].length == lengths[r] + 1
+                                              for r in rids if r != "s2")
+
+
+def test_an_eager_step_of_more_trees_than_the_warm_up_ran_is_split(target: Target) -> None:
+    """Without graphs a step verifies at most the warm-up's largest eager batch a forward: 70
+    root-only trees run as forwards of 64 and 6, and each request emits the reference's token."""
+    engine = make_engine(target.model, pages=512)
+    prompts = [[1 + i % 60, 2 + i % 7] for i in range(70)]
+    rids = [f"r{i}" for i in range(70)]
+    out = engine.prefill([PrefillInput(r, p, Sampling(), reserve_tokens=4) for r, p in zip(rids, prompts)])
+    forwards: list[int] = []
+    forward = engine._forward
+    engine._forward = lambda ids, pos, reqs, masks, **kw: forwards.append(len(reqs)) or forward(ids, pos, reqs, masks, **kw)
+    step = engine.verify(rids, *pack([root_only(i.tokens[0]) for i in out.items]))
+    assert forwards == [64, 6]
+    assert [i.tokens for i in step.items] == [target.continuation(p, 2)[1:] for p in prompts]
+    assert step.features.shape[0] == 70 and engine.take_commit_ms() is not None
 
 
 def test_warm_up_runs_every_bucket_and_leaves_no_state(target: Target) -> None:
@@ -481,7 +546,7 @@ def test_the_warm_up_runs_every_skinny_gemm_row_count(target: Target, monkeypatc
 @pytest.mark.parametrize("graphs,prompts_replay,batches,nodes,context,extra_prompts,extra_steps", [
     (False, False, (), (), 128, [72], [(24, 1), (1, 120)]),                  # every forward eager
     (True, False, (1, 8, 64), (1, 17, 129), 128, [72], []),                  # graphs hold every step of up to 50 trees
-    (True, True, (1, 4), (1, 9), 128, [72, 96], [(24, 1), (1, 120)]),        # steps of 5+ trees or 10+ nodes eager
+    (True, True, (1, 4), (1, 9), 128, [72, 96], [(1, 120), (2, 72)]),        # a tree of 10+ nodes eager, 4 a forward
     (False, False, (), (), 64, [], [(24, 1), (2, 36), (2, 60)]),             # no 72- or 120-node chain fits
 ])
 def test_the_warm_up_launches_every_moe_config_an_eager_forward_can_take(
@@ -520,13 +585,15 @@ def test_the_warm_up_launches_every_moe_config_an_eager_forward_can_take(
     least = min(batches[-1], nodes[-1]) + 1 if prompts_replay else 1
     run = target.model.moe_configs_run
     assert {config(n, 1) for n in range(least, min(101, context))} <= run
-    assert {config(b * t, b) for b in range(1, 51) for t in range(1, context - 3)
+    assert {config(b * t, b) for b in range(1, engine.step_most_trees + 1) for t in range(1, context - 3)
             if not graphs or engine.graphs.bucket_for(b, t) is None} <= run
     # The other eager prompts end at 32 tokens, then 64 and 32 (max_context // 4): 72-95 and 96-100
     # were missing (where prompts run eagerly, the steps' 50 prompts of 3 tokens share a 99-token
     # forward, the other 17 a 51-token one); at context 64 none (prompts end at 63). The steps ran 1 and 50 one-node trees, 5 and 250 tokens in
     # chains: 24-47 one-node trees and 120-143 tokens in chains were missing; at context 64 also
-    # 72-95 tokens, and a chain on a 3-token request has at most 60 nodes.
+    # 72-95 tokens, and a chain on a 3-token request has at most 60 nodes. Under buckets of 4 trees
+    # a step verifies at most 4 trees a forward, and eagerly only with a tree past 9 nodes: the
+    # 50-tree step replayed, and 120 and 144 tokens (two chains of 72) were missing.
     assert prompts == extra_prompts and steps == extra_steps
     assert engine.active_requests == 0 and engine.cache.pages_free == engine.cache.num_pages
 

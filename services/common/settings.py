@@ -198,7 +198,7 @@ class VerifierSettings:
     peer_stream_timeout_s: float = 30.0   # a draft that hand-shook but opened no stream by then is dropped
     max_peers: int = 32              # drafts served at once (each holds a ring here and one of its own mapped)
     cuda_graphs: bool = True         # verify replays CUDA graphs on GPU (every bucket captured by the warm-up)
-    graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets; larger steps run eagerly
+    graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets; larger steps replay the largest in turn
     graph_nodes: tuple[int, ...] = (1, 2, 3, 5, 9, 13, 17, 25, 33, 49, 65, 97, 129)   # tree-size buckets (budget + 1);
                                      # a tree pads to the next, larger trees run eagerly
     warmup_budgets: tuple[int, ...] = (0, 8, 16, 32)   # GPU: verify steps of the warm-up (0 = autoregressive), after every bucket's capture; () = no warm-up

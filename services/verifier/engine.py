@@ -114,7 +114,8 @@ class VerifierEngine:
 
     def enable_graphs(self, capture: bool = True, **buckets) -> VerifyGraphs:
         """Verify (and prompts, with ``prefill_graphs``) through padded buckets (CUDA graphs when
-        ``capture``); steps no bucket holds run eagerly."""
+        ``capture``); steps no bucket holds run eagerly, those of more trees than the largest
+        batch bucket in forwards of its size (``step_most_trees``)."""
         self.graphs = VerifyGraphs(self.model, self.cache, self.max_context, self.feature_layers,
                                    capture=capture, **buckets)
         return self.graphs
@@ -133,9 +134,10 @@ class VerifierEngine:
         # share a compiled kernel is Triton's integer specialisation (1, multiples of 16), and with
         # fewer graph buckets than the default none of them ran a 16-token step (a 16-token prompt
         # then compiled 8 kernels, 2.7 s, on the K2 slice: bench/results/verify_first_use-k2-3-subset-*).
-        # Where prompts replay the graphs, only a verify step no bucket holds runs eagerly (more
-        # trees than the largest batch bucket, or a tree past the largest node bucket), and a
-        # prompt cheaper eagerly, in chunks longer than the largest node bucket (``replays_pay``).
+        # Where prompts replay the graphs, only a verify step no bucket holds runs eagerly (a tree
+        # past the largest node bucket, in forwards of up to the largest batch bucket's trees;
+        # this counts from the fewer of the two, more than it needs), and a prompt cheaper
+        # eagerly, in chunks longer than the largest node bucket (``replays_pay``).
         least = 1
         if self._prompts_replay:
             least = min(self.graphs.batch_buckets[-1], self.graphs.node_buckets[-1]) + 1
@@ -161,7 +163,7 @@ class VerifierEngine:
         self.release(rids)
         self._warm_up_largest_step()
         self._warm_up_moe_prompts(least)
-        self._warm_up_moe_steps(max(batches, default=1))
+        self._warm_up_moe_steps(self.step_most_trees)
         c, device = self.model.config, self.model_device
         with current(device):
             warm_up_merges(c.kv_lora_rank, self.model.dtype, device,
@@ -510,13 +512,41 @@ class VerifierEngine:
             outcomes[i].error = err
         if not live:
             return StepOutcome(outcomes, self.cat_features([]))
-        dev = self.model_device
         offsets = np.concatenate([[0], np.cumsum(sizes_l)])
         if len(live) < len(request_ids):
             sel = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in live])
             tok, par, dep = tok[sel], par[sel], dep[sel]                            # [N] live requests
         reqs = [self._requests[request_ids[i]] for i in live]
         live_sizes = [sizes_l[i] for i in live]
+        bounds = np.concatenate([[0], np.cumsum(live_sizes)])
+        most = self.step_most_trees
+        commit_ms, parts = 0.0, []
+        for a in range(0, len(live), most):
+            b = min(a + most, len(live))
+            nodes = slice(bounds[a], bounds[b])
+            parts.append(self._verify_trees(reqs[a:b], live[a:b], tok[nodes], par[nodes], dep[nodes],
+                                            live_sizes[a:b], outcomes))
+            commit_ms += self._commit_ms
+        self._commit_ms = commit_ms
+        return StepOutcome(outcomes, self.cat_features(parts))
+
+    @property
+    def step_most_trees(self) -> int:
+        """The most trees one target forward verifies; a step of more runs as several forwards
+        in turn, each committed before the next (a request's trees are independent of the
+        others'). The largest graph bucket's batch, whose step the warm-up ran (its memory and
+        its kernels), else the warm-up's largest eager batch: a step is otherwise bounded only by
+        the requests held, and 1000 held requests' trees of 129 nodes made one eager forward of
+        129k rows (its logits alone 5 GB a rank at K2's vocabulary over 8 ranks)."""
+        if self.graphs is not None and self.graphs.holds_chains:
+            return self.graphs.batch_buckets[-1]
+        return max(WARMUP_BATCHES)
+
+    def _verify_trees(self, reqs: Sequence[_Request], live: Sequence[int], tok: np.ndarray, par: np.ndarray,
+                      dep: np.ndarray, live_sizes: Sequence[int], outcomes: list[ItemOutcome]) -> torch.Tensor:
+        """One forward over these checked trees (``live``: their places in the step, ``outcomes``
+        written there); accepts, commits the accepted paths; their features, in request order."""
+        dev = self.model_device
         if self.graphs is not None and self.graphs.bucket_for(len(live), max(live_sizes)) is not None:
             # host arrays: the graph path pads them on the host and copies once; its outputs are
             # the bucket's padded rows, the trees' among them at out.rows
@@ -563,7 +593,7 @@ class VerifierEngine:
             req.length += len(acc.path)
             req.pending = acc.tokens[-1]
             outcomes[i] = ItemOutcome(req.request_id, list(acc.tokens), committed=len(acc.path))
-        return StepOutcome(outcomes, features)
+        return features
 
     def _check_trees(self, request_ids: Sequence[str], tok: np.ndarray, par: np.ndarray, dep: np.ndarray,
                      sizes: Sequence[int], owner: str | None = None) -> list[ServiceError | None]:
