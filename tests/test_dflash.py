@@ -343,17 +343,22 @@ def test_a_reused_pool_row_carries_nothing_over(pair: tuple[Path, Path]) -> None
     torch.testing.assert_close(out, plain.propose([ref], torch.tensor([9])), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 1)])
-def test_grouped_attention_is_attention_over_repeated_kv_heads(heads: int, kv_heads: int) -> None:
+@pytest.mark.parametrize("heads,kv_heads,per_row", [(8, 2, False), (4, 4, False), (6, 1, False), (8, 2, True),
+                                                   (6, 3, True)])
+def test_grouped_attention_is_attention_over_repeated_kv_heads(heads: int, kv_heads: int, per_row: bool) -> None:
     """Stacking the query heads of a KV head as its rows is the attention of each query head over
-    its KV head repeated (what the drafter computed before), masked keys out, in float64."""
+    its KV head repeated (what the drafter computed before), masked keys out, in float64; with one
+    mask for all of a request's rows (serving) or a mask a row (training's blocks)."""
     from services.draft.dflash import grouped_attention
 
     gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
     R, B, L, hd = 3, 5, 11, 8
     q = torch.randn(R, B, heads, hd, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(R, L, kv_heads, hd, generator=gen, dtype=torch.float64) for _ in range(2))
-    mask = (torch.arange(L)[None, :] < torch.tensor([4, 11, 7])[:, None])[:, None, None, :]
+    if per_row:   # random, every row attending at least one key
+        mask = (torch.rand(R, 1, B, L, generator=gen) < 0.5) | (torch.arange(L) == torch.arange(B)[:, None])
+    else:
+        mask = (torch.arange(L)[None, :] < torch.tensor([4, 11, 7])[:, None])[:, None, None, :]
     groups = heads // kv_heads
     want = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.repeat_interleave(groups, dim=2).transpose(1, 2),

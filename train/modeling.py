@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.common.int4 import pack_int4, unpack_int4
+from services.draft.dflash import grouped_attention
 from services.draft.config import DraftConfig
 from services.verifier.config import TargetConfig
 from services.verifier.model import expected_tensors
@@ -420,7 +421,6 @@ class TrainDrafter(nn.Module):
         mask = torch.cat([ctx_ok, blk_ok], dim=-1)[:, None]  # [B, 1, K*Bk, S+K*Bk]
         c_cos, c_sin = self._cos_sin(ctx_pos, torch.float32)  # [S, hd]
         b_cos, b_sin = self._cos_sin(blk_pos, torch.float32)  # [B, K*Bk, hd]
-        groups = H // kvh
         Q = K * Bk
         for li in range(self.num_layers):
             p = f"layers.{li}."
@@ -433,12 +433,10 @@ class TrainDrafter(nn.Module):
             kb = rms_norm((h @ self.w(p + "self_attn.k_proj.weight").T).view(B, Q, kvh, hd), self.w(p + "self_attn.k_norm.weight"), eps)
             kb = self._rope(kb, b_cos, b_sin)  # [B, Q, kvh, hd]
             vb = (h @ self.w(p + "self_attn.v_proj.weight").T).view(B, Q, kvh, hd)  # [B, Q, kvh, hd]
-            k = torch.cat([kc.to(kb.dtype), kb], dim=1).repeat_interleave(groups, dim=2)  # [B, S+Q, H, hd]
-            v = torch.cat([vc.to(vb.dtype), vb], dim=1).repeat_interleave(groups, dim=2)  # [B, S+Q, H, hd]
-            qd = q.to(k.dtype)
-            attn = F.scaled_dot_product_attention(qd.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  attn_mask=mask)  # [B, H, Q, hd]
-            x = x + attn.transpose(1, 2).reshape(B, Q, H * hd) @ self.w(p + "self_attn.o_proj.weight").T
+            k = torch.cat([kc.to(kb.dtype), kb], dim=1)  # [B, S+Q, kvh, hd]
+            v = torch.cat([vc.to(vb.dtype), vb], dim=1)  # [B, S+Q, kvh, hd]
+            attn = grouped_attention(q.to(k.dtype), k, v, mask)  # [B, Q, H*hd]
+            x = x + attn @ self.w(p + "self_attn.o_proj.weight").T
             h = rms_norm(x, self.w(p + "post_attention_layernorm.weight"), eps)
             x = x + (F.silu(h @ self.w(p + "mlp.gate_proj.weight").T) * (h @ self.w(p + "mlp.up_proj.weight").T)) \
                 @ self.w(p + "mlp.down_proj.weight").T

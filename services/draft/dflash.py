@@ -95,11 +95,14 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     ``heads / kv_heads`` copies of a row's whole context a layer, every propose).
 
     q: [R, B, H, hd]; k, v: [R, L, kvh, hd] (query head h reads KV head h // (H / kvh));
-    mask: [R, 1, 1, L] boolean, True where a key is attended. Returns [R, B, H * hd].
+    mask: [R, 1, 1, L] or, a mask per query row (training's blocks), [R, 1, B, L]; boolean, True
+    where a key is attended. Returns [R, B, H * hd].
     """
     R, B, H, hd = q.shape
     kvh = k.shape[2]
     g = H // kvh
+    if mask.shape[-2] != 1:
+        mask = mask.repeat(1, 1, g, 1)   # [R, 1, g*B, L]: the rows' order below, a head group's B rows at a time
     rows = q.view(R, B, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(R, kvh, g * B, hd)  # [R, kvh, g*B, hd]
     out = F.scaled_dot_product_attention(rows, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)  # [R, kvh, g*B, hd]
     return out.view(R, kvh, g, B, hd).permute(0, 3, 1, 2, 4).reshape(R, B, H * hd)
