@@ -32,6 +32,7 @@ from services.scheduler.client import AsyncClient, Client, ClientError, build_re
 from services.scheduler.request import ActiveRequest, Limits
 from services.scheduler.router import Router
 from services.scheduler.server import SchedulerServicer
+from tokenizers import Tokenizer
 
 IDS = [1, 2, 3]                                            # the server has no tokenizer: token-id prompts
 LONG = dict(max_tokens=4000, ignore_eos=True)              # ~20 s of 5 ms steps: runs until it is ended
@@ -55,7 +56,8 @@ class Server:
     """The scheduler's public server as `serve` builds it, in front of one lane to `Draft`, on an
     event loop in a thread of its own, so that sync and asyncio clients alike reach it."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokenizer: Tokenizer | None = None, encoder: object | None = None) -> None:
+        self.tokenizer, self.encoder = tokenizer, encoder
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -64,10 +66,11 @@ class Server:
 
     async def _start(self) -> str:
         settings = SchedulerSettings(tokenizer_path="")
-        self.router = Router(settings, Metrics("client-sdk-test"))
-        self.router.info = common_pb2.ModelInfo(vocab_size=64, max_context=4096, block_size=16,
+        self.router = Router(settings, Metrics(f"client-sdk-test-{id(self)}"))
+        vocab = 64 if self.tokenizer is None else self.tokenizer.get_vocab_size()
+        self.router.info = common_pb2.ModelInfo(vocab_size=vocab, max_context=4096, block_size=16,
                                                 kv_capacity_tokens=10_000)
-        limits = Limits(vocab_size=64, max_context=4096, block_size=16, eos_token_ids=(0,), kv_capacity_tokens=10_000)
+        limits = Limits(vocab_size=vocab, max_context=4096, block_size=16, eos_token_ids=(0,), kv_capacity_tokens=10_000)
         lane = StepLoop(settings, "draft", Draft(), limits, KvBudget(capacity=10_000), self.router.metrics)
         lane.start()
         self.router.lanes.append(lane)
@@ -78,7 +81,7 @@ class Server:
             submit(req)
         self.router.submit = recorded
         name = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
-        servicer = SchedulerServicer(settings, self.router, self.router.info, None)
+        servicer = SchedulerServicer(settings, self.router, self.router.info, self.tokenizer, self.encoder)
         self.server, _ = new_server([name], on_unparsed=servicer.unparsed)
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
@@ -242,6 +245,97 @@ def test_closing_an_async_client_under_open_streams_is_a_client_error_in_each_re
 
     for outcome in asyncio.run(scenario()):
         assert isinstance(outcome, ClientError) and outcome.code == grpc.StatusCode.CANCELLED, repr(outcome)
+
+
+def test_a_cancelled_read_of_an_async_stream_makes_later_reads_fail_not_end(server) -> None:
+    """An idle timeout (``wait_for`` on one read) cancels the read and, with it, the request; the
+    next read ended the loop as if the output were whole (1 of 400 tokens, no finish_reason)."""
+    async def scenario() -> None:
+        async with AsyncClient(server.address) as c:
+            s = c.stream(IDS, request_id="read-timeout", **LONG)
+            await s.__anext__()
+            req = await asyncio.to_thread(running, server, "read-timeout")
+            with pytest.raises(asyncio.TimeoutError):
+                while True:   # a token every 5 ms: some read outlasts 0.1 ms
+                    await asyncio.wait_for(s.__anext__(), 1e-4)
+            with pytest.raises(ClientError, match="cancelled") as info:
+                await s.__anext__()
+            assert info.value.code == grpc.StatusCode.CANCELLED
+            assert await asyncio.to_thread(server.ended_aborted, req)
+            await s.aclose()   # closed by its reader: later reads end
+            assert [chunk async for chunk in s] == []
+
+    asyncio.run(scenario())
+
+
+def test_unary_calls_of_an_async_client_closed_under_them_are_client_errors(server) -> None:
+    """``abort`` and ``model_info`` raised a bare CancelledError (as if their task were cancelled)
+    when the client was closed under them; streams already said CANCELLED."""
+    async def scenario() -> list[object]:
+        c = AsyncClient(server.address)
+        await c.model_info()   # connected before the server stops answering
+        with server.frozen():
+            calls = [asyncio.create_task(c.abort("x", timeout_s=20)), asyncio.create_task(c.model_info(timeout_s=20))]
+            await asyncio.sleep(0.2)
+            await c.close()
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    outcomes = asyncio.run(scenario())
+    for outcome in outcomes:
+        assert isinstance(outcome, ClientError) and outcome.code == grpc.StatusCode.CANCELLED, repr(outcome)
+
+
+class HeldEncoder:
+    """A `PromptEncoder` whose texts wait until `release`: a long text in the tokenizer's worker."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.texts: list[str] = []
+        self.release = threading.Event()
+
+    async def encode(self, text: str) -> list[int]:
+        self.texts.append(text)
+        while not self.release.is_set():
+            await asyncio.sleep(0.005)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_a_request_aborted_while_its_text_is_tokenized_ends_aborted_and_bad_fields_wait_for_no_tokenizer() -> None:
+    """A long text is tokenized before the request reaches the router: an abort then found nothing
+    and the request ran to max_tokens. Its id is taken meanwhile (ALREADY_EXISTS), and a request
+    whose other fields are bad is refused before its text is tokenized (it waited behind the long
+    texts, or got the tokenizer queue's RESOURCE_EXHAUSTED, which clients retry)."""
+    tokenizer = Tokenizer.from_file("models/demo/tokenizer.json")
+    encoder = HeldEncoder(tokenizer)
+    server = Server(tokenizer, encoder)
+    try:
+        with Client(server.address) as c:
+            out: dict[str, object] = {}
+            reader = threading.Thread(target=lambda: out.setdefault(
+                "done", c.generate("def f(x): return x", request_id="tokenizing", **LONG)))
+            reader.start()
+            deadline = time.monotonic() + 10
+            while not encoder.texts and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert encoder.texts
+            with pytest.raises(ClientError) as info:
+                c.generate("another text", request_id="tokenizing", max_tokens=2)
+            assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+            stub = scheduler_pb2_grpc.SchedulerStub(c._channel)
+            for bad, field in ((dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2, budget=999), "budget")):
+                with pytest.raises(grpc.RpcError) as rpc:
+                    stub.Generate(scheduler_pb2.GenerateRequest(text="x " * 100, **bad), timeout=5).next()
+                assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in rpc.value.details()
+            assert len(encoder.texts) == 1   # neither reached the tokenizer
+            assert c.abort("tokenizing", timeout_s=5)
+            encoder.release.set()
+            reader.join(10)
+            done = out["done"]
+            assert done.finish_reason == "aborted" and done.token_ids == [], done
+            assert "tokenizing" not in server.submitted
+            assert c.generate("def f(x): return x", request_id="tokenizing", max_tokens=2, ignore_eos=True).token_ids == [5, 5]
+    finally:
+        server.stop()
 
 
 # 2. TLS arguments are checked when the client is made.
@@ -629,6 +723,8 @@ def test_an_address_without_a_port_or_as_a_url_is_refused_when_the_client_is_mad
         with pytest.raises(ClientError) as info:
             asyncio.run(make())
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(ClientError, match=r"brackets, \[ADDRESS\]:PORT") as info:   # gRPC read it all as a host name
+        Client("::1:50051")
     for ok in ("127.0.0.1:50051", "[::1]:50051", "unix:/tmp/ddtree.sock", "dns:///scheduler:50051", "dns:scheduler:1",
                "127.0.0.1:65535", "ipv6:[::1]:50051", "ipv4:10.0.0.1:1,10.0.0.2:2"):
         Client(ok).close()

@@ -375,6 +375,7 @@ class AsyncStream(AsyncIterator[Chunk]):
         self._client_closed = client_closed
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._closed = False
+        self._read_cancelled = False   # a read's task was cancelled: the request ended with it
         self._reading = asyncio.Lock()   # two tasks reading at once: one waited for ever
 
     def __aiter__(self) -> AsyncStream:
@@ -386,6 +387,9 @@ class AsyncStream(AsyncIterator[Chunk]):
 
     async def _next(self) -> Chunk:
         if self._closed:
+            if self._read_cancelled:   # not the output's end: an idle timeout (wait_for) cut it
+                raise ClientError(grpc.StatusCode.CANCELLED, "an earlier read of this stream was cancelled, "
+                                  "which cancelled its request; its output is incomplete")
             raise StopAsyncIteration
         try:
             if self._call is None:
@@ -394,6 +398,7 @@ class AsyncStream(AsyncIterator[Chunk]):
         except BaseException as exc:
             closed_here = self._closed
             self._cancel()
+            self._read_cancelled = isinstance(exc, asyncio.CancelledError) and _cancelling()
             if isinstance(exc, grpc.RpcError):
                 raise _error(exc) from None
             # aclose() from another task: gRPC raises CancelledError in this reader, which no one cancelled.
@@ -416,6 +421,7 @@ class AsyncStream(AsyncIterator[Chunk]):
     async def aclose(self) -> None:
         """Cancels the request on the server (nothing where it has ended); later reads end at once."""
         self._cancel()
+        self._read_cancelled = False
 
     async def __aenter__(self) -> AsyncStream:
         return self
@@ -521,6 +527,8 @@ def address_error(address: str) -> str | None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         return f"must be HOST:PORT (e.g. 127.0.0.1:50051), got {address!r}"
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):   # gRPC took it all as a host name
+        return f"an IPv6 address goes in brackets, [ADDRESS]:PORT (e.g. [::1]:50051), got {address!r}"
     if not 0 < int(port) < 65536:   # gRPC dialled the port modulo 65536: :99999 reached :34463
         return f"has no TCP port (1..65535) in {address!r}"
     return None
@@ -758,6 +766,9 @@ class AsyncClient(_Calls):
                                            wait_for_ready=self.wait_for_ready, metadata=self._md)).found
         except grpc.RpcError as exc:
             raise _error(exc) from None
+        except asyncio.CancelledError:
+            self._raise_if_closed_under()
+            raise
 
     async def model_info(self, *, timeout_s: float | _Unset = _UNSET) -> common_pb2.ModelInfo:
         """`Client.model_info` for asyncio."""
@@ -769,3 +780,12 @@ class AsyncClient(_Calls):
                                                  timeout=timeout)
         except grpc.RpcError as exc:
             raise _error(exc) from None
+        except asyncio.CancelledError:
+            self._raise_if_closed_under()
+            raise
+
+    def _raise_if_closed_under(self) -> None:
+        """A call the channel's close cancelled, not its task: as a stream says it (a bare
+        CancelledError reads as a cancellation of the task to gather and TaskGroup)."""
+        if self._closed and not _cancelling():
+            raise ClientError(grpc.StatusCode.CANCELLED, "the client was closed while this call was open") from None

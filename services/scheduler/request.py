@@ -233,16 +233,9 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
     """Checks every field a client sets; the error names the field so the caller can fix it.
     ``text_ids``: the text prompt already tokenized (``encode_prompt``), else it is done here."""
     invalid = grpc.StatusCode.INVALID_ARGUMENT
-    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
-        raise ServiceError(invalid, f"request_id has {len(req.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+    check_fields(req, settings, limits, tokenizer)
     which = req.WhichOneof("prompt")
     if which == "text":
-        if not req.text:
-            raise ServiceError(invalid, "prompt is empty: set text or token_ids")
-        if tokenizer is None:
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                               "this server has no tokenizer (a model directory without tokenizer.json or tiktoken.model under "
-                               "`ddtree up`, an empty scheduler.tokenizer_path under `ddtree serve`); send prompt as token_ids")
         prompt = text_ids if text_ids is not None else encode_prompt(req.text, tokenizer, limits, max_token_bytes(tokenizer))
     elif which == "token_ids":
         prompt = list(req.token_ids.ids)
@@ -257,6 +250,37 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
     for i, t in enumerate(prompt):
         if not 0 <= t < limits.vocab_size:
             raise ServiceError(invalid, f"prompt.token_ids[{i}] = {t} is outside the vocabulary [0, {limits.vocab_size})")
+    s = req.sampling
+    mode = req.mode
+    if mode == common_pb2.MODE_UNSPECIFIED:
+        mode = common_pb2.MODE_DDTREE if settings.default_mode == "ddtree" else common_pb2.MODE_AUTOREGRESSIVE
+    max_tokens = min(req.max_tokens, limits.max_context - limits.block_size - len(prompt))
+    sampling = common_pb2.SamplingParams()
+    sampling.CopyFrom(s)
+    if s.top_p == 0:
+        sampling.top_p = 1.0
+    return ActiveRequest(
+        request_id=req.request_id or uuid.uuid4().hex, prompt_ids=prompt, sampling=sampling,
+        max_tokens=max_tokens, budget=req.budget or settings.default_budget, mode=mode, stop=tuple(req.stop),
+        stop_ids=frozenset(req.stop_token_ids), eos_ids=frozenset() if req.ignore_eos else frozenset(limits.eos_token_ids),
+        tokenizer=tokenizer, kv_tokens=kv_reservation(len(prompt) + max_tokens + limits.block_size, limits))
+
+
+def check_fields(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, limits: Limits,
+                 tokenizer: Tokenizer | None) -> None:
+    """The checks of every field but the prompt's tokens, which need no tokenizer: run before a
+    long text is tokenized too (a request with max_tokens 0 behind other long texts waited seconds
+    for its INVALID_ARGUMENT, or got the tokenizer queue's RESOURCE_EXHAUSTED, which clients retry)."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise ServiceError(invalid, f"request_id has {len(req.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+    if req.WhichOneof("prompt") == "text":
+        if not req.text:
+            raise ServiceError(invalid, "prompt is empty: set text or token_ids")
+        if tokenizer is None:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "this server has no tokenizer (a model directory without tokenizer.json or tiktoken.model under "
+                               "`ddtree up`, an empty scheduler.tokenizer_path under `ddtree serve`); send prompt as token_ids")
     if req.max_tokens <= 0:
         raise ServiceError(invalid, f"max_tokens must be > 0 (got {req.max_tokens})")
     if req.max_tokens > settings.max_tokens_limit:
@@ -288,16 +312,3 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
         raise ServiceError(invalid, f"a stop string is longer than {MAX_STOP_CHARS} characters")
     if req.stop and tokenizer is None:
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "stop strings need a tokenizer on the server")
-    mode = req.mode
-    if mode == common_pb2.MODE_UNSPECIFIED:
-        mode = common_pb2.MODE_DDTREE if settings.default_mode == "ddtree" else common_pb2.MODE_AUTOREGRESSIVE
-    max_tokens = min(req.max_tokens, limits.max_context - limits.block_size - len(prompt))
-    sampling = common_pb2.SamplingParams()
-    sampling.CopyFrom(s)
-    if s.top_p == 0:
-        sampling.top_p = 1.0
-    return ActiveRequest(
-        request_id=req.request_id or uuid.uuid4().hex, prompt_ids=prompt, sampling=sampling,
-        max_tokens=max_tokens, budget=req.budget or settings.default_budget, mode=mode, stop=tuple(req.stop),
-        stop_ids=frozenset(req.stop_token_ids), eos_ids=frozenset() if req.ignore_eos else frozenset(limits.eos_token_ids),
-        tokenizer=tokenizer, kv_tokens=kv_reservation(len(prompt) + max_tokens + limits.block_size, limits))

@@ -23,7 +23,7 @@ from services.common.grpc_server import (MAX_MESSAGE_BYTES, ServiceError, check_
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
-from services.scheduler.request import check_text_size, max_token_bytes, step_prompt_tokens, validate
+from services.scheduler.request import check_fields, check_text_size, max_token_bytes, step_prompt_tokens, validate
 from services.scheduler.router import Router
 from services.scheduler.tiktoken_model import TIKTOKEN_FILE, kimi_tokenizer
 from services.scheduler.tokenizing import PromptEncoder
@@ -43,6 +43,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.tokenizer = tokenizer
         self.token_bytes = max_token_bytes(tokenizer) if tokenizer is not None else 0
         self.encoder = encoder or (PromptEncoder(tokenizer) if tokenizer is not None else None)
+        # Ids of requests whose text is being tokenized, not yet in the router: True once aborted.
+        self._encoding: dict[str, bool] = {}
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
@@ -53,16 +55,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"request is {size} bytes; scheduler.max_request_bytes allows "
                                    f"{self.settings.max_request_bytes}")
+            aborted = False
             if request.WhichOneof("prompt") == "text" and request.text and self.encoder is not None:
+                check_fields(request, self.settings, self.router.limits, self.tokenizer)
                 check_text_size(request.text, self.router.limits, self.token_bytes)
-                try:   # a long text in the encoder's worker process: the other streams go on meanwhile
-                    text_ids = await self.encoder.encode(request.text)
-                except ServiceError:   # too many long texts waiting already
-                    raise
-                except Exception as exc:  # noqa: BLE001 - the tokenizer's own error type
-                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt text cannot be tokenized: {exc}") from None
+                text_ids, aborted = await self._encode(request)
             req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids)
-            self.router.submit(req)
+            if aborted:   # aborted while its text was tokenized: it ends as an abort of a running one does
+                req.end(scheduler_pb2.FINISH_REASON_ABORTED)
+            else:
+                self.router.submit(req)
         except ServiceError as exc:
             self.refused(exc.code, exc.message)
             await context.abort(exc.code, exc.message)
@@ -85,6 +87,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 # stream at its yield instead (GeneratorExit), about one client in four that left.
                 self.router.abort(req.request_id, only=req)
 
+    async def _encode(self, request: scheduler_pb2.GenerateRequest) -> tuple[list[int], bool]:
+        """The text's tokens, and whether ``Abort`` named the request meanwhile: a long text takes
+        seconds in the encoder's worker process before the request reaches the router, and an
+        abort then found nothing (the request ran to max_tokens, holding a slot and its KV)."""
+        rid = request.request_id
+        if rid and (rid in self._encoding or any(lane.has_live(rid) for lane in self.router.lanes)):
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid} is already in use")
+        if rid:
+            self._encoding[rid] = False
+        try:   # in the encoder's worker process where long: the other streams go on meanwhile
+            ids = await self.encoder.encode(request.text)
+        except ServiceError:   # too many long texts waiting already
+            raise
+        except Exception as exc:  # noqa: BLE001 - the tokenizer's own error type
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt text cannot be tokenized: {exc}") from None
+        finally:
+            aborted = self._encoding.pop(rid, False) if rid else False
+        return ids, aborted
+
     def refused(self, code: grpc.StatusCode, message: str) -> None:
         """Counts and logs a request refused before it ran."""
         self.router.metrics.refused.labels(code.name.lower()).inc()
@@ -98,6 +119,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Abort(self, request: scheduler_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
+        if request.request_id in self._encoding:
+            self._encoding[request.request_id] = True
+            return scheduler_pb2.AbortResponse(found=True)
         return scheduler_pb2.AbortResponse(found=self.router.abort(request.request_id))
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest,
