@@ -28,7 +28,7 @@ from services.common.settings import MAX_BUDGET, VerifierSettings
 from services.common.transport import InlineReader, InlineWriter, make_writer
 from services.verifier.parallel import TensorParallel
 from services.verifier.ranks import EngineGroup
-from services.verifier.server import VerifierServicer, _Peer, build_engine
+from services.verifier.server import INLINE_MOST_NODES, VerifierServicer, _Peer, _tree_nodes, build_engine
 
 CODES = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -265,6 +265,47 @@ def test_released_slots_outside_the_ring_are_invalid_argument_and_release_nothin
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "released_slots: slot 7 out of range for a ring of 4 slots" in refused.value.message
         assert peer.writer.slots_in_use == 1
+
+
+def test_more_released_slots_than_the_ring_has_are_refused_before_a_walk(ckpt):
+    """A list of millions of slots of a 4-slot ring was walked under the ring's lock, on the event
+    loop (50 MB of them: 3.6 s)."""
+    svc = servicer(ckpt)
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        features = svc._step(peer, prefill(1, "a")).features.tensors[0]
+        t0 = time.perf_counter()
+        with pytest.raises(ServiceError) as refused:
+            svc._step(peer, verifier_pb2.VerifyRequest(sequence=2, released_slots=[features.slot.slot] * 2_000_000))
+        assert time.perf_counter() - t0 < 0.5
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "more slots released than the ring's 4" in refused.value.message
+        assert peer.writer.slots_in_use == 1
+
+
+def test_a_tree_bundle_of_huge_shapes_or_names_is_refused_at_once_in_a_short_message(ckpt):
+    """A shape of 40k dimensions was multiplied out on the event loop (3.8 s, twice), and a
+    refusal spelled out the whole shape or every name in each tree's result: a 2 MB message made a
+    384 MB reply (64 trees)."""
+    svc = servicer(ckpt)
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        assert svc._step(peer, prefill(1, "a")).prefills[0].error_code == 0
+        pending = svc.engine._requests["a"].pending
+        deep = verify(2, [("a", *chain(pending, 2))])
+        deep.trees.tensors[0].ClearField("shape")
+        deep.trees.tensors[0].shape.extend([3**30] * 40_000)
+        named = verify(3, [("a", *chain(pending, 2))])
+        for ref in named.trees.tensors:
+            ref.name = ref.name + "x" * 1_000_000
+        t0 = time.perf_counter()
+        assert _tree_nodes(deep.trees) > INLINE_MOST_NODES
+        results = [outcome(svc._step(peer, req))["a"] for req in (deep, named)]
+        took = time.perf_counter() - t0
+        ok = outcome(svc._step(peer, verify(4, [("a", *chain(pending, 2))])))["a"]
+    assert took < 0.5, took
+    for code, message in results:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and len(message) < 1500, message[:200]
+    assert "... (40000 dimensions)]" in results[0][1] and "(1000006 characters)" in results[1][1]
+    assert ok[0] == grpc.StatusCode.OK
 
 
 def test_features_go_inline_when_the_draft_holds_every_slot(ckpt):

@@ -45,7 +45,7 @@ import torch
 from ddtree.v1 import common_pb2
 from services.common.logging import get_logger
 from services.common.transport import (ALIGNMENT, RingFull, RingWriter, SlotRing, TensorReader, _dtype_name,
-                                       _round_up, tensor_bytes)
+                                       _round_up, name_text, tensor_bytes)
 
 __all__ = ["CudaIpcWriter", "CudaIpcReader", "RingFull", "RingHandle", "encode_ring_handle",
            "decode_ring_handle", "local_device_index"]
@@ -293,9 +293,9 @@ class CudaIpcReader(TensorReader):
     def _slot_view(self, ref: common_pb2.TensorRef, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A zero-copy view on the owner's GPU."""
         if ref.slot.slot >= self._buf.shape[0]:
-            raise ValueError(f"tensor {ref.name!r} names slot {ref.slot.slot} but the ring has {self._buf.shape[0]}")
+            raise ValueError(f"tensor {name_text(ref.name)} names slot {ref.slot.slot} but the ring has {self._buf.shape[0]}")
         if ref.slot.offset + ref.slot.nbytes > self._buf.shape[1]:
-            raise ValueError(f"tensor {ref.name!r}: bytes [{ref.slot.offset}, {ref.slot.offset + ref.slot.nbytes}) "
+            raise ValueError(f"tensor {name_text(ref.name)}: bytes [{ref.slot.offset}, {ref.slot.offset + ref.slot.nbytes}) "
                              f"fall outside a {self._buf.shape[1]}-byte slot")
         if ref.slot.nbytes == 0:
             return torch.empty(shape, dtype=dtype, device=self._buf.device)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import abc
 import errno
+import itertools
 import math
 import os
 import secrets
@@ -40,7 +41,7 @@ import sys
 import threading
 import weakref
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -112,7 +113,7 @@ def _wire_dtype(ref: common_pb2.TensorRef) -> torch.dtype:
     try:
         return SUPPORTED_DTYPES[ref.dtype]
     except KeyError:
-        raise ValueError(f"tensor {ref.name!r} has unsupported dtype {ref.dtype!r}") from None
+        raise ValueError(f"tensor {name_text(ref.name)} has unsupported dtype {name_text(ref.dtype)}") from None
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -136,11 +137,23 @@ MAX_RANK = 8
 MAX_ELEMENTS = 1 << 40
 
 
+def shape_text(shape: Sequence[int]) -> str:
+    """A peer's shape for a message, its first dimensions only: a refusal that repeated a shape of
+    60000 dimensions in every request's result turned a 2 MB message into a 384 MB reply."""
+    dims = ", ".join(str(d) for d in shape[:MAX_RANK])
+    return f"[{dims}]" if len(shape) <= MAX_RANK else f"[{dims}, ... ({len(shape)} dimensions)]"
+
+
+def name_text(name: str) -> str:
+    """A peer's tensor name for a message, cut as `shape_text` cuts a shape."""
+    return repr(name) if len(name) <= 64 else f"{name[:64]!r}... ({len(name)} characters)"
+
+
 def _expected_nbytes(ref: common_pb2.TensorRef, dtype: torch.dtype) -> int:
-    if any(d < 0 for d in ref.shape):
-        raise ValueError(f"tensor {ref.name!r} has a negative dimension in shape {list(ref.shape)}")
-    if len(ref.shape) > MAX_RANK or math.prod(max(d, 1) for d in ref.shape) > MAX_ELEMENTS:
-        raise ValueError(f"tensor {ref.name!r} has an implausible shape {list(ref.shape)}")
+    # The rank first: a product over tens of thousands of large dimensions took seconds, on the event loop.
+    if len(ref.shape) > MAX_RANK or any(d < 0 for d in ref.shape) \
+            or math.prod(max(d, 1) for d in ref.shape) > MAX_ELEMENTS:
+        raise ValueError(f"tensor {name_text(ref.name)} has an implausible shape {shape_text(ref.shape)}")
     return math.prod(ref.shape) * dtype.itemsize
 
 
@@ -181,8 +194,8 @@ def _decode_inline(ref: common_pb2.TensorRef) -> torch.Tensor:
     expected = _expected_nbytes(ref, dtype)
     if len(ref.inline_data) != expected:
         raise ValueError(
-            f"tensor {ref.name!r}: inline payload has {len(ref.inline_data)} bytes, "
-            f"shape {list(ref.shape)} of {ref.dtype} needs {expected}"
+            f"tensor {name_text(ref.name)}: inline payload has {len(ref.inline_data)} bytes, "
+            f"shape {shape_text(ref.shape)} of {ref.dtype} needs {expected}"
         )
     if expected == 0:
         return torch.empty(tuple(ref.shape), dtype=dtype)
@@ -232,8 +245,11 @@ class SlotRing:
 
     def release(self, slots: Iterable[int]) -> None:
         """Return slots; releasing a free slot is a no-op so a late release after release_all is
-        harmless. A slot out of range releases none of them."""
-        slots = list(slots)
+        harmless. A slot out of range, or more slots than the ring has, releases none of them (a
+        peer's list of millions was walked under the lock, on the event loop, for seconds)."""
+        slots = list(itertools.islice(slots, self.num_slots + 1))
+        if len(slots) > self.num_slots:
+            raise ValueError(f"more slots released than the ring's {self.num_slots}")
         bad = [s for s in slots if not 0 <= s < self.num_slots]
         if bad:
             raise ValueError(f"slot {bad[0]} out of range for a ring of {self.num_slots} slots")
@@ -349,17 +365,17 @@ class TensorReader:
             expected = _expected_nbytes(ref, dtype)
             if ref.slot.nbytes != expected:
                 raise ValueError(
-                    f"tensor {ref.name!r}: slot ref has {ref.slot.nbytes} bytes, shape "
-                    f"{list(ref.shape)} of {ref.dtype} needs {expected}"
+                    f"tensor {name_text(ref.name)}: slot ref has {ref.slot.nbytes} bytes, shape "
+                    f"{shape_text(ref.shape)} of {ref.dtype} needs {expected}"
                 )
             if ref.slot.offset % dtype.itemsize:   # a device view there fails (RuntimeError); writers align
-                raise ValueError(f"tensor {ref.name!r}: slot offset {ref.slot.offset} is not a multiple of its "
+                raise ValueError(f"tensor {name_text(ref.name)}: slot offset {ref.slot.offset} is not a multiple of its "
                                  f"{dtype.itemsize}-byte elements")
             out[ref.name] = self._slot_view(ref, dtype, tuple(ref.shape))
         return out
 
     def _slot_view(self, ref: common_pb2.TensorRef, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        raise ValueError(f"tensor {ref.name!r} references a shared slot but this reader is inline-only")
+        raise ValueError(f"tensor {name_text(ref.name)} references a shared slot but this reader is inline-only")
 
     def is_current(self, bundle: common_pb2.TensorBundle) -> bool:
         """Whether zero-copy views of `bundle` still show its contents (always true for inline)."""
@@ -625,19 +641,19 @@ class ShmReader(TensorReader):
     def _check_slot(self, ref: common_pb2.TensorRef) -> None:
         s = ref.slot
         if s.slot >= self._num_slots:
-            raise ValueError(f"tensor {ref.name!r} names slot {s.slot} but the ring has {self._num_slots}")
+            raise ValueError(f"tensor {name_text(ref.name)} names slot {s.slot} but the ring has {self._num_slots}")
         # The messages say what is wrong, not what the slot holds: they go back to the message's
         # sender, who is not always the ring's writer.
         current, used = self._slot_header(s.slot) if self.copies else self._header(s.slot)
         if current != s.sequence:
             raise ValueError(
-                f"tensor {ref.name!r}: slot {s.slot} does not hold sequence {s.sequence}; the slot was "
+                f"tensor {name_text(ref.name)}: slot {s.slot} does not hold sequence {s.sequence}; the slot was "
                 "released and overwritten (stale message) or is mid-write"
             )
         # `used` is the writer's word: bounded by the slot too, or a message for one slot read the next
         if s.offset < SLOT_HEADER_BYTES or s.offset + s.nbytes > SLOT_HEADER_BYTES + min(used, self._payload_bytes):
             raise ValueError(
-                f"tensor {ref.name!r}: bytes [{s.offset}, {s.offset + s.nbytes}) fall outside the payload "
+                f"tensor {name_text(ref.name)}: bytes [{s.offset}, {s.offset + s.nbytes}) fall outside the payload "
                 f"written to slot {s.slot}"
             )
 
