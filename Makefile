@@ -14,7 +14,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: install test up protos clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml compose/gpu-constraints.txt
 	@# pyproject.toml's requires-python, checked before minutes of installs end in pip's refusal; a
 	@# .venv of an older Python is not reused (venv keeps its interpreter).
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \

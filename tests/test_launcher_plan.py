@@ -44,9 +44,29 @@ def test_two_services_on_one_metrics_port_fail_before_any_starts(tmp_path) -> No
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[verifier]\nmetrics_port = {port}\n[scheduler]\nmetrics_port = {port}\n")
     stack = Stack(StackSpec(model_path="models/demo", config_path=str(cfg), scheduler_port=0))
-    with pytest.raises(SettingsError, match=rf"scheduler\.metrics_port: {port} is the verifier's too"):
+    with pytest.raises(SettingsError, match=rf"scheduler\.metrics_port: {port} is the verifier's metrics port too"):
         stack.start()
     assert all(svc.proc is None for svc in stack.services)
+
+
+def test_a_services_port_on_anothers_metrics_port_fails_before_any_starts_and_picks_avoid_fixed_ports(
+        tmp_path, monkeypatch) -> None:
+    """Only metrics ports were checked against each other: `up --port 9102` beside a draft whose
+    metrics took 9102 started everything but the scheduler; a port picked from the ephemeral range
+    could be the scheduler's fixed 50051; and a stale DDTREE_SCHEDULER_PORT, which `up` replaces,
+    refused the start."""
+    from services.common import launcher
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[draft]\nmetrics_port = 9102\n")
+    stack = Stack(StackSpec(model_path="models/demo", config_path=str(cfg), scheduler_port=9102))
+    with pytest.raises(SettingsError, match=r"scheduler\.port: 9102 is the draft's metrics port too"):
+        stack.start()
+    assert all(svc.proc is None for svc in stack.services)
+    picks = iter([50051, 9102, 50051, 41000, 50051, 41001])
+    monkeypatch.setattr(launcher._PICK, "randint", lambda low, high: next(picks))
+    monkeypatch.setenv("DDTREE_SCHEDULER_PORT", "70000")
+    plan = Stack(StackSpec(model_path="models/demo", config_path=str(cfg), scheduler_port=50051))._plan()
+    assert [svc.address for svc in plan] == ["127.0.0.1:41000", "127.0.0.1:41001", "127.0.0.1:50051"]
 
 
 @pytest.mark.parametrize("flags, needle", [(["--draft-replicas", "0"], "--draft-replicas 0"),

@@ -33,10 +33,29 @@ def test_file_env_and_overrides_layer_in_order(tmp_path):
      "comma-separated"),
     (SchedulerSettings, {"DDTREE_SCHEDULER_DRAFT_ADDRESSES": '["a:1", "b:2"]'}, "e.g. 1,2,4 or host:1,host:2"),
     (VerifierSettings, {"DDTREE_VERIFIER_GRAPH_BATCHES": "(1, 2)"}, "comma-separated, without brackets"),
+    # "wait for ever" gave up at once (a deadline past what gRPC holds), or overflowed with ranks
+    (SchedulerSettings, {"DDTREE_SCHEDULER_DRAFT_WAIT_S": "inf"}, "'inf' is not a finite number"),
+    (DraftSettings, {"DDTREE_DRAFT_VERIFIER_WAIT_S": "1e10"}, "seconds; at most 1e"),
+    (VerifierSettings, {"DDTREE_VERIFIER_TP_TIMEOUT_S": "nan"}, "DDTREE_VERIFIER_TP_TIMEOUT_S: 'nan' is not a finite"),
+    # each failed only once loaded: the draft at its first handshake, a service at its gRPC bind
+    (DraftSettings, {"DDTREE_DRAFT_TRANSPORT": "cuda_ipc"}, "cuda_ipc puts the rings on the draft's GPU"),
+    (VerifierSettings, {"DDTREE_VERIFIER_METRICS_PORT": "50053"}, "verifier.metrics_port: 50053 is verifier.port too"),
+    (DraftSettings, {"DDTREE_DRAFT_METRICS_PORT": "7", "DDTREE_DRAFT_PORT": "7"}, "draft.metrics_port"),
+    (SchedulerSettings, {"DDTREE_SCHEDULER_METRICS_PORT": "50051"}, "scheduler.metrics_port"),
 ])
 def test_bad_settings_name_the_field(cls, env, needle):
     with pytest.raises(SettingsError, match=needle.replace(".", r"\.")):
         load_settings(cls, None, env=env)
+
+
+def test_an_empty_token_variable_leaves_the_files_token(tmp_path):
+    """Compose hands the scheduler an unset shell variable as "": it replaced the file's token, and
+    the published port took every call, without a warning."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[scheduler]\nauth_token = "s3cret-token"\n')
+    assert load_settings(SchedulerSettings, cfg, env={"DDTREE_SCHEDULER_AUTH_TOKEN": ""}).auth_token == "s3cret-token"
+    assert load_settings(SchedulerSettings, cfg, env={"DDTREE_SCHEDULER_AUTH_TOKEN": "other"}).auth_token == "other"
+    assert load_settings(SchedulerSettings, cfg, env={"DDTREE_SCHEDULER_DRAFT_WAIT_S": "1e6"}).draft_wait_s == 1e6
 
 
 def test_an_ipv6_address_first_in_a_list_variable_is_an_address_not_brackets():

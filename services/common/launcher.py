@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,16 +66,17 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def free_port() -> int:
-    """A loopback port that is free now and not one this process handed out before. The ports of
-    a stack are picked together and bound later: asked for port 0, the OS gave one port twice in
-    about 1 of 160 batches of 15, and nearly the same ports to processes asking at the same time
-    (a draft's port went to a verifier's TP rendezvous). So the pick is uniform over the
-    ephemeral range, then checked by a bind."""
+def free_port(avoid: Collection[int] = ()) -> int:
+    """A loopback port that is free now and not one this process handed out before (nor in
+    ``avoid``: a stack's fixed ports, bound later). The ports of a stack are picked together and
+    bound later: asked for port 0, the OS gave one port twice in about 1 of 160 batches of 15, and
+    nearly the same ports to processes asking at the same time (a draft's port went to a
+    verifier's TP rendezvous). So the pick is uniform over the ephemeral range, then checked by a
+    bind."""
     low, high = _ephemeral_range()
     while True:
         port = _PICK.randint(low, high)
-        if port in _HANDED_OUT:
+        if port in _HANDED_OUT or port in avoid:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -247,17 +248,28 @@ class Stack:
             base[INTERNAL_TOKEN_ENV] = secrets.token_urlsafe(32)
         if spec.scheduler_host is not None:
             base["DDTREE_SCHEDULER_HOST"] = spec.scheduler_host
-        vport = spec.verifier_port or free_port()
+        # Read with placeholders for the ports and addresses set below (a stale DDTREE_SCHEDULER_PORT
+        # in the shell, which `up` replaces, refused the start).
+        scheduler = load_settings(SchedulerSettings, spec.config_path, env={
+            **self._env(base, "scheduler", "scheduler"), "DDTREE_SCHEDULER_PORT": "0",
+            "DDTREE_SCHEDULER_DRAFT_ADDRESSES": "127.0.0.1:1"})
+        verifier_metrics = load_settings(VerifierSettings, spec.config_path, env={
+            **self._env(base, "verifier", "verifier"), "DDTREE_VERIFIER_PORT": "0"}).metrics_port
+        draft_metrics = load_settings(DraftSettings, spec.config_path, env={
+            **self._env(base, "draft", "draft"), "DDTREE_DRAFT_PORT": "0"}).metrics_port
+        # The ports picked here avoid the fixed ones (a pick from the ephemeral range took 50051).
+        fixed = {spec.scheduler_port, spec.verifier_port, scheduler.metrics_port, verifier_metrics, draft_metrics,
+                 *(spec.draft_port + i for i in range(spec.draft_replicas) if spec.draft_port)} - {0}
+        vport = spec.verifier_port or free_port(fixed)
         verifier = f"127.0.0.1:{vport}"
         plan = [_Service("verifier", "verifier", verifier,
                          {**self._env(base, "verifier", "verifier"), "DDTREE_VERIFIER_PORT": str(vport)})]
         drafts, drafters = [], set()
         # Draft replicas after the first take the next metrics ports after the configured one that
         # no other service of the stack uses (replicas would otherwise share the file's port).
-        scheduler = load_settings(SchedulerSettings, spec.config_path, env=self._env(base, "scheduler", "scheduler"))
-        taken = {load_settings(VerifierSettings, spec.config_path, env=plan[0].env).metrics_port, scheduler.metrics_port}
+        taken = {verifier_metrics, scheduler.metrics_port}
         for i in range(spec.draft_replicas):
-            dport = (spec.draft_port + i) if spec.draft_port else free_port()
+            dport = (spec.draft_port + i) if spec.draft_port else free_port(fixed)
             drafts.append(f"127.0.0.1:{dport}")
             name = f"draft-{i}" if spec.draft_replicas > 1 else "draft"
             env = {**self._env(base, "draft", name), "DDTREE_DRAFT_PORT": str(dport),
@@ -278,7 +290,7 @@ class Stack:
             # model). Like the model paths, this overrides the config file; the environment
             # (empty: the first handshake's) overrides it.
             plan[0].env[FEATURE_LAYERS_ENV] = ",".join(map(str, layers.pop()))
-        sport = spec.scheduler_port or free_port()
+        sport = spec.scheduler_port or free_port(fixed | taken)
         # Probed where it listens (the config file's host, e.g. 0.0.0.0 in compose/ddtree.toml,
         # is reached on loopback), not on 127.0.0.1 whatever it listens on.
         plan.append(_Service("scheduler", "scheduler", host_port(_reach(scheduler.host), sport),
@@ -299,16 +311,18 @@ class Stack:
         them could not load its settings (file + environment), ``RuntimeError`` where one fails,
         ``StartupStopped`` once ``should_stop()`` is true (each after stopping what it started)."""
         self.services = self._plan()
-        metrics_ports: dict[int, str] = {}
+        ports: dict[int, str] = {}
         for svc in self.services:
             svc.settings = load_settings(_SETTINGS[svc.role], self.spec.config_path, env=svc.env)
             internal_token(svc.env)   # a token file that cannot be read fails here, before anything starts
             _check_before_start(svc.role, svc.settings)
-            port = svc.settings.metrics_port
-            if port and port in metrics_ports:   # each port was free alone; the second service would fail to bind it
-                raise SettingsError(f"{svc.role}.metrics_port: {port} is the {metrics_ports[port]}'s too; "
-                                    "each service needs its own (0 = off)")
-            metrics_ports[port] = svc.name
+            # Each port was free alone; the second service to bind one failed, after the first loaded.
+            for setting in ("port", "metrics_port"):
+                port = getattr(svc.settings, setting)
+                if port and port in ports:
+                    raise SettingsError(f"{svc.role}.{setting}: {port} is the {ports[port]} too; "
+                                        "each service needs ports of its own (metrics_port 0 = off)")
+                ports[port] = f"{svc.name}'s" + (" metrics port" if setting == "metrics_port" else " port")
         drafts = [svc for svc in self.services if svc.role == "draft"]
         peers = next(svc.settings.max_peers for svc in self.services if svc.role == "verifier")
         if len(drafts) > peers:   # else the drafts past it were refused at their handshake, minutes in

@@ -13,6 +13,7 @@ lists.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import struct
 import re
@@ -39,6 +40,7 @@ MAX_SPEC_BACKOFF_STEPS = 256  # the longest autoregressive pause of a batch whos
 # A draft's tree ring, as large as a verifier maps it: the verifier reads a slot's bytes, and a
 # ring declared larger than its memory costs a draft nothing to make (a sparse segment).
 MAX_DRAFT_RING_SLOTS = 64
+MAX_SECONDS = 1e6   # a timeout setting's largest value (11.6 days): gRPC and timedelta hold it
 MAX_DRAFT_RING_SLOT_BYTES = 64 << 20
 # Sampling temperatures a request may ask for besides 0 (greedy). The logits are divided by it in
 # float32: far below this floor a logit becomes inf and the softmax NaN (and inf or a value past
@@ -114,6 +116,8 @@ class SchedulerSettings:
         _check(self.max_request_bytes >= 1024, "scheduler.max_request_bytes", "must be >= 1024")
         _check(0 <= self.port < 65536, "scheduler.port", f"{self.port} is not a TCP port")
         _check(0 <= self.metrics_port < 65536, "scheduler.metrics_port", f"{self.metrics_port} is not a TCP port (0 = off)")
+        _check(self.metrics_port != self.port or not self.port, "scheduler.metrics_port",
+               f"{self.metrics_port} is scheduler.port too")
         _check(len(self.draft_addresses) > 0, "scheduler.draft_addresses", "needs at least one address")
         for entry in self.draft_addresses:
             _check(_address_ok(entry), "scheduler.draft_addresses",
@@ -168,8 +172,11 @@ class DraftSettings:
         _check(_address_ok(self.verifier_address) and not self.verifier_address.startswith("dns:"),
                "draft.verifier_address", f"{self.verifier_address!r} is not host:port (port 1..65535)")
         _check(0 <= self.metrics_port < 65536, "draft.metrics_port", f"{self.metrics_port} is not a TCP port (0 = off)")
+        _check(self.metrics_port != self.port or not self.port, "draft.metrics_port", f"{self.metrics_port} is draft.port too")
         _check(self.transport in ("auto", "cuda_ipc", "shm", "inline"), "draft.transport",
                "must be auto, cuda_ipc, shm or inline")
+        _check(self.transport != "cuda_ipc" or self.device.startswith("cuda"), "draft.transport",
+               f"cuda_ipc puts the rings on the draft's GPU; draft.device is {self.device!r} (use auto or shm)")
         _check(2 <= self.ring_slots <= MAX_DRAFT_RING_SLOTS, "draft.ring_slots", f"must be in [2, {MAX_DRAFT_RING_SLOTS}]")
         _check(4096 <= self.ring_slot_bytes <= MAX_DRAFT_RING_SLOT_BYTES, "draft.ring_slot_bytes",
                f"must be in [4096, {MAX_DRAFT_RING_SLOT_BYTES}] (a step's trees: 0.4 MB at 128 requests of budget 128)")
@@ -217,6 +224,8 @@ class VerifierSettings:
         _check(self.max_peers >= 1, "verifier.max_peers", "must be >= 1")
         _check(0 <= self.port < 65536, "verifier.port", f"{self.port} is not a TCP port")
         _check(0 <= self.metrics_port < 65536, "verifier.metrics_port", f"{self.metrics_port} is not a TCP port (0 = off)")
+        _check(self.metrics_port != self.port or not self.port, "verifier.metrics_port",
+               f"{self.metrics_port} is verifier.port too")
         _check(self.page_size > 0, "verifier.page_size", "must be > 0")
         _check(self.kv_capacity_tokens >= self.page_size, "verifier.kv_capacity_tokens", "must hold one page")
         _check(self.max_context >= 0, "verifier.max_context", "must be >= 0")
@@ -264,9 +273,15 @@ def _coerce(name: str, value: Any, target: Any, from_text: bool = True) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise SettingsError(f"{name}: {value!r} is not a number")
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             raise SettingsError(f"{name}: {value!r} is not a number") from None
+        # inf read as "wait for ever" gave up at once (a deadline past what gRPC holds), or overflowed
+        if not math.isfinite(number):
+            raise SettingsError(f"{name}: {value!r} is not a finite number")
+        if name.lower().endswith("_s") and number > MAX_SECONDS:
+            raise SettingsError(f"{name}: {value!r} seconds; at most {MAX_SECONDS:g} ({MAX_SECONDS / 86400:g} days)")
+        return number
     if text == "int":
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise SettingsError(f"{name}: {value!r} is not an integer")
@@ -337,6 +352,8 @@ def load_settings(cls: type[S], path: str | Path | None = None, env: Mapping[str
             name = key[len(prefix):].lower()
             if name not in fields:
                 raise SettingsError(f"{key}: unknown setting for {section}")
+            if name == "auth_token" and not value:   # compose passes an unset shell variable as "": the file's token stands
+                continue
             values[name] = _coerce(key, value, fields[name].type)
     for key, value in (overrides or {}).items():
         if value is None:
