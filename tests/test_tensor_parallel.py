@@ -458,6 +458,95 @@ def test_a_worker_that_dies_while_rank_0_warms_up_ends_the_start_at_once(tmp_pat
         os.kill(other, 0)
 
 
+_DIES_WHILE_THE_GROUP_FORMS = """
+import asyncio, datetime, subprocess, sys
+from services.common.settings import VerifierSettings
+from services.verifier import server
+
+def fake_spawn(settings, config_path, init_method):   # rank 1 joins, then exits before the process group forms
+    port = init_method.rsplit(":", 1)[1]
+    code = ("import datetime, sys, torch.distributed as dist\\n"
+            f"s = dist.TCPStore('127.0.0.1', {port}, 2, is_master=False, timeout=datetime.timedelta(seconds=60), "
+            "wait_for_workers=False)\\n"
+            "s.add('joined', 1); s.wait(['joined/go'], datetime.timedelta(seconds=60)); sys.exit(7)")
+    return [subprocess.Popen([sys.executable, "-c", code])]
+
+server.spawn_workers = fake_spawn
+asyncio.run(server.serve(VerifierSettings(tp=2, port=0, tp_timeout_s=60.0)))
+"""
+
+
+def test_a_worker_that_exits_while_the_process_group_forms_ends_the_start_at_once() -> None:
+    """Rank 0 watched its workers at the store's meetings and from the end of the group's forming:
+    one that exited in between left rank 0 waiting tp_timeout_s, then failing with a bare store
+    timeout that named no rank."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                       str(Path(__file__).resolve().parents[1] / "protos")]))
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", _DIES_WHILE_THE_GROUP_FORMS], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 3, (run.returncode, run.stderr[-2000:])
+    assert "verifier rank 1 exited with code 7 during the verifier's start-up" in run.stderr, run.stderr[-2000:]
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_verifier_whose_port_fails_after_its_group_formed_stops_its_workers(ckpt, monkeypatch) -> None:
+    """The bind, after minutes of loading, ran outside the start's clean-up: the workers sat in
+    their loop until rank 0's process ended or their broadcast timed out."""
+    from services.common.settings import SettingsError, VerifierSettings
+    from services.verifier import server
+
+    spawned: list[subprocess.Popen] = []
+    spawn = server.spawn_workers
+    monkeypatch.setattr(server, "spawn_workers", lambda *a: spawned.extend(spawn(*a)) or spawned)
+
+    def taken(*a):
+        raise SettingsError("verifier.port: cannot listen (the port is in use)")
+    monkeypatch.setattr(server, "listen", taken)
+    with pytest.raises(SettingsError, match="cannot listen"):
+        asyncio.run(server.serve(VerifierSettings(model_path=str(ckpt), tp=2, port=0, tp_timeout_s=60.0,
+                                                  kv_capacity_tokens=512)))
+    assert spawned and all(p.wait(timeout=10) is not None for p in spawned)
+
+
+def test_an_orderly_stop_while_a_long_call_runs_is_no_dead_rank(ckpt) -> None:
+    """SIGTERM while one engine call outlasts the shutdown's grace and the stop broadcast's wait:
+    the workers get their SIGTERM mid-call, the call fails on rank 0, and that was reported as a
+    dead rank (rank_died, exit 3). An orderly stop exits 0."""
+    from services.common.launcher import free_port
+    port = free_port()
+    env = {**os.environ, "DDTREE_VERIFIER_MODEL_PATH": str(ckpt), "DDTREE_VERIFIER_TP": "2",
+           "DDTREE_VERIFIER_PORT": str(port), "DDTREE_VERIFIER_PREFILL_CHUNK": "1", "DDTREE_VERIFIER_TP_TIMEOUT_S": "30",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                          str(Path(__file__).resolve().parents[1] / "protos")])}
+    env.pop("DDTREE_INTERNAL_TOKEN", None)
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "verifier"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    async def long_step() -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            await asyncio.wait_for(ch.channel_ready(), 120)
+            stub = verifier_pb2_grpc.VerifierStub(ch)
+            await stub.Handshake(verifier_pb2.HandshakeRequest(draft_id="d", feature_layer_ids=[0], hidden_size=64,
+                                                               vocab_size=512, transports=["inline"]))
+            call = stub.VerifyStream(metadata=(("draft-id", "d"),))
+            # 40 prompts of 200 tokens, a token a forward: one engine call of 8000 forwards on 2 ranks
+            await call.write(verifier_pb2.VerifyRequest(sequence=1, prefills=[
+                verifier_pb2.PrefillItem(request_id=f"r{i}", token_ids=[1 + j % 60 for j in range(200)],
+                                         reserve_tokens=201) for i in range(40)]))
+            await asyncio.sleep(2)
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
+                await asyncio.wait_for(call.read(), 5)
+
+    try:
+        asyncio.run(long_step())
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "rank_died" not in out, out[-3000:]
+
+
 def test_workers_take_rank_0s_settings_not_their_own_reading() -> None:
     """Each worker read the config file and environment itself: a file changed while the group
     started gave the ranks other KV caches, out of step at the first long prompt."""

@@ -286,6 +286,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self._engine_lock.release()
         return True
 
+    def mark_group_stopped(self) -> None:
+        """The workers are being ended without their stop broadcast (the engine stayed busy)."""
+        self._group_stopped = True
+
     def _inline(self, fn, *args):
         """Runs `fn` on the event loop's thread when the engine lock is free at once, else returns
         None (the caller then takes a worker thread). For verify-only steps of one rank: they are
@@ -625,11 +629,22 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
         if settings.tp > 1:
             store = master_store(settings.tp)
             workers = spawn_workers(settings, config_path, f"tcp://127.0.0.1:{store.port}")
+            # Watched from here: a worker that exited while the process group formed left rank 0
+            # waiting tp_timeout_s, then failing with a bare store timeout instead of its rank.
+            starting = watch_workers(workers, lambda reason: _end_start_up(reason, workers, starting))
             tp = TensorParallel(0, settings.tp, backend=backend_for(settings), timeout_s=settings.tp_timeout_s,
                                 device=rank_device(settings.device, 0), peers_gone=lambda: first_exit(workers),
                                 store=store)
-            starting = watch_workers(workers, lambda reason: _end_start_up(reason, workers, starting))
         engine = build_engine(settings, tp)
+        group = EngineGroup(engine, tp)
+        server, health = new_server([verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name],
+                                    internal_interceptors(token))
+        servicer = VerifierServicer(group, settings, metrics)
+        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+        # Its port may have been taken while the weights loaded: the workers go with this failure too.
+        port = listen(server, host_port(settings.host, settings.port), "verifier.port")
+        warn_if_reachable(settings.host, "verifier.host", bool(token))
+        await server.start()
     except BaseException:
         if starting is not None:
             starting.set()   # this start-up's own end, not a rank's death
@@ -637,14 +652,6 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
         raise
     if starting is not None:
         starting.set()
-    group = EngineGroup(engine, tp)
-    server, health = new_server([verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name],
-                                internal_interceptors(token))
-    servicer = VerifierServicer(group, settings, metrics)
-    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
-    port = listen(server, host_port(settings.host, settings.port), "verifier.port")
-    warn_if_reachable(settings.host, "verifier.host", bool(token))
-    await server.start()
     log.info("serving", address=host_port(settings.host, port), tp=settings.tp, metrics_port=metrics_port)
     died: list[str] = []
     loop = asyncio.get_running_loop()
@@ -673,12 +680,17 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
         if awake is not None:
             awake.cancel()
         watchdog.set()  # from here on a worker leaving is the shutdown, not a failure
+        # ... and so is a call that fails on it: a prefill still running past the grace fails once
+        # its workers get the SIGTERM below, and reported a dead rank (rank_died, exit 3).
+        group.on_failure = None
         stopped = False
         if workers and not died:
             try:
                 stopped = servicer.stop_group(timeout_s=10.0)
             except Exception:  # noqa: BLE001 - a worker already gone; it is being reaped below
                 pass
+            if not stopped:   # the clean-ups still waiting for the engine must not call the workers
+                servicer.mark_group_stopped()
         # Workers leave on the stop broadcast; after a rank died the others may sit in a collective.
         stop_workers(workers, grace_s=10.0 if stopped else 0.0)
     if died:
