@@ -7,6 +7,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -15,11 +16,14 @@ __all__ = ["git_commit", "measure_copy_gbps", "graph_replay_us", "replay_ms", "e
 
 
 def git_commit(explicit: str | None = None) -> str:
-    """`explicit` when given (the device copy of the repo has no .git), else HEAD, else "unknown"."""
+    """`explicit` when given (the device copy of the repo has no .git), else this checkout's HEAD
+    (not the working directory's repository: a bench run from another checkout recorded its HEAD),
+    else "unknown"."""
     if explicit:
         return explicit
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parents[1]).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return out if re.fullmatch(r"[0-9a-f]{40}", out) else "unknown"   # outside a repo git echoes "HEAD"

@@ -403,16 +403,21 @@ def _gpu_name() -> str:
 
 
 def write_results(rows: list[dict], params: MatrixParams, out_json: Path, copy_gbps: float | None = None,
-                  commit: str | None = None, extra: dict | None = None, plot: bool = True) -> None:
+                  commit: str | None = None, extra: dict | None = None, plot: bool = True,
+                  gpu: str | None = None) -> None:
     """The TARGETS.md result file (``benchmark``: its name without ``.json``); `extra` goes into
-    params (how the stack was configured)."""
+    params (how the stack was configured); `gpu`: what served the run (the verifier's device, as
+    its model info says), by default this machine's GPU."""
     out_json = Path(out_json)
     out_json.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"benchmark": out_json.stem, "commit": git_commit(commit), "gpu": _gpu_name(), "copy_gbps": copy_gbps,
+    doc = {"benchmark": out_json.stem, "commit": git_commit(commit), "gpu": gpu or _gpu_name(), "copy_gbps": copy_gbps,
            "params": {**{k: v for k, v in asdict(params).items() if k != "token"}, **(extra or {})}, "rows": rows}
     tmp = out_json.with_suffix(".json.part")
-    tmp.write_text(json.dumps(doc, indent=2))
-    tmp.replace(out_json)   # a reader (or a kill) never sees half a file
+    try:
+        tmp.write_text(json.dumps(doc, indent=2))
+        tmp.replace(out_json)   # a reader (or a kill) never sees half a file
+    finally:
+        tmp.unlink(missing_ok=True)
     if plot:
         _plot(rows, out_json.with_suffix(".png"))
 

@@ -73,14 +73,25 @@ class Probe:
     kwargs: dict
     prompt: list[int]
     outputs: list[tuple[str, list[int]]] = field(default_factory=list)   # (when, token ids)
+    errors: list[str] = field(default_factory=list)   # runs that failed: "when: CODE: message"
+
+    async def run(self, client: AsyncClient, when: str) -> None:
+        """One run; a failed one is recorded, not raised: a replica that died under the load (what
+        a soak looks for) ended the soak with a traceback and no result file."""
+        try:
+            out = await client.generate(self.prompt, **self.kwargs)
+        except ClientError as exc:
+            self.errors.append(f"{when}: {exc.code.name}: {exc.message[:200]}")
+            return
+        self.outputs.append((when, out.token_ids))
 
     def row(self) -> dict:
-        first = self.outputs[0][1]
+        first = self.outputs[0][1] if self.outputs else None
         runs = Counter(when for when, _ in self.outputs)
         same = Counter(when for when, ids in self.outputs if ids == first)
         parted = [_first_difference(first, ids) for when, ids in self.outputs if ids != first]
         return {"probe": self.name, "kwargs": self.kwargs, "runs": dict(runs), "equal_to_first": dict(same),
-                "first_difference_at": parted}
+                "first_difference_at": parted, "errors": self.errors}
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -258,8 +269,7 @@ class Soak:
 # ---- the run ------------------------------------------------------------------------------------
 async def _probe_all(client: AsyncClient, probes: list[Probe], when: str) -> None:
     for pr in probes:
-        out = await client.generate(pr.prompt, **pr.kwargs)
-        pr.outputs.append((when, out.token_ids))
+        await pr.run(client, when)
 
 
 async def _idle(scheduler_metrics: str, within_s: float = 60.0) -> None:
@@ -312,9 +322,7 @@ async def run_soak(address: str, p: SoakParams, stream: list[int], metrics: dict
             k = 0
             while time.monotonic() + p.probe_every_s < deadline:
                 await asyncio.sleep(p.probe_every_s)
-                pr = probes[k % len(probes)]
-                out = await client.generate(pr.prompt, **pr.kwargs)
-                pr.outputs.append(("under_load", out.token_ids))
+                await probes[k % len(probes)].run(client, "under_load")
                 k += 1
 
         memory: list[dict] = []   # each service's GPU memory every 15 s: growth that never levels off is a leak
@@ -440,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({"benchmark": out.stem, "commit": git_commit(args.commit or None), "gpu": gpu,
                                "copy_gbps": None, "params": params, "wall_s": result["wall_s"],
                                "requests": result["requests"], "rows": rows}, indent=2))
-    findings = sum(len(r["findings"]) for r in result["kinds"])
+    findings = sum(len(r["findings"]) for r in result["kinds"]) + sum(len(r["errors"]) for r in result["probes"])
     bad_state = result["state"]["held_differs"]
     print(f"soak: wrote {out}; {findings} findings; held state differs: {bad_state or 'no'}", file=sys.stderr)
     return 0 if not findings and not bad_state else 1

@@ -243,6 +243,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                   ignore_eos=args.ignore_eos, timeout_s=args.timeout)
     started = False       # output printed
     answered = False      # any message came back (the scheduler was reached)
+    finish = None
     # Tokens streamed without text: a scheduler without a tokenizer sends only ids. It took the
     # prompt as ids then; a text prompt that went in means it has one, and empty text is the output.
     ids: list[int] = []
@@ -271,7 +272,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             if args.json:
                 out = Completion()
                 for chunk in chunks:
+                    answered = True
                     out.add(chunk)
+                finish = out.finish_reason
                 usage = out.usage.__dict__ if out.usage else None
                 print(json.dumps({"request_id": out.request_id, "text": out.text, "token_ids": out.token_ids,
                                   "acceptance_lengths": out.acceptance_lengths,
@@ -289,6 +292,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                         ids += chunk.token_ids
                     if chunk.finish_reason == "stop" and not started and ids:
                         ids.pop()   # the stop or end-of-sequence id: never part of the output, as in the text
+                    finish = chunk.finish_reason or finish
                 flush_ids()
                 print()
     except KeyboardInterrupt:   # leaving the client's block cancelled the request
@@ -311,6 +315,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             return 2
         if exc.code == grpc.StatusCode.UNAVAILABLE and not answered and not _answers(args):
             print(f"ddtree generate: {_unavailable_hint(args, exc.message)}", file=sys.stderr)
+        return 1
+    if finish == "aborted":   # another caller's Abort of this id: the output is cut short
+        print("ddtree generate: the request was aborted (Abort of its id); the output is incomplete", file=sys.stderr)
         return 1
     return 0
 
@@ -378,17 +385,29 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         out_dir = out_dir.parent
     for ok, flag in ((all(c >= 1 for c in args.contexts), f"--contexts {args.contexts}: prompt lengths must be >= 1"),
                      (all(c >= 1 for c in args.concurrency), f"--concurrency {args.concurrency}: must be >= 1 each"),
-                     (all(0 <= b <= MAX_BUDGET for b in args.budgets),
-                      f"--budgets {args.budgets}: must be in 0..{MAX_BUDGET}"),
+                     (all(1 <= b <= MAX_BUDGET for b in args.budgets),
+                      f"--budgets {args.budgets}: must be in 1..{MAX_BUDGET} (autoregressive cells run anyway)"),
                      (args.max_tokens >= 1, f"--max-tokens {args.max_tokens}: must be >= 1"),
                      (args.cell_timeout > 0, f"--cell-timeout {args.cell_timeout:g}: must be > 0 seconds"),
                      (args.time_budget >= 0, f"--time-budget {args.time_budget:g}: must be >= 0 seconds (0 = none)"),
                      (args.warmup_tokens >= 0, f"--warmup-tokens {args.warmup_tokens}: must be >= 0"),
                      (args.vocab_high >= 2, f"--vocab-high {args.vocab_high}: must be >= 2"),
                      (out_dir.is_dir() and os.access(out_dir, os.W_OK), f"--out {args.out}: {out_dir} is no directory "
-                                                                         "this process can write in")):
+                                                                         "this process can write in"),
+                     (not Path(args.out).is_dir(), f"--out {args.out}: is a directory; name the result file")):
         if not ok:   # before a stack starts or a cell runs
             print(f"ddtree bench: {flag}", file=sys.stderr)
+            return 2
+    if args.prompt_file:   # read now, not once the stack is up (minutes on a GPU), and in one line
+        from bench.matrix import load_token_stream
+        try:
+            load_token_stream(args.prompt_file)
+        except OSError as exc:
+            print(f"ddtree bench: --prompt-file {args.prompt_file}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        except (ValueError, KeyError, TypeError) as exc:
+            print(f"ddtree bench: --prompt-file {args.prompt_file}: not a prompt file ({type(exc).__name__}: "
+                  f"{str(exc)[:200]}); it holds {{\"prompts\": [{{\"ids\": [...]}}, ...]}}", file=sys.stderr)
             return 2
     try:
         return _run_bench(args)
@@ -407,6 +426,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _run_bench(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
+
+    from google.protobuf.json_format import MessageToDict
 
     from bench.matrix import MatrixParams, check_fits, run_matrix, stack_spec, write_results
     from services.common.launcher import Stack
@@ -454,12 +475,19 @@ def _run_bench(args: argparse.Namespace) -> int:
             print(f"ddtree bench: {exc}", file=sys.stderr)
             return 2
         extra["transport"] = info.transport
+        extra["model_info"] = MessageToDict(info, preserving_proto_field_name=True)
+        # What served the run, not this machine: a CPU stack on a GPU host, or a server at another
+        # address, was written as a run on this host's GPU. Its copy bandwidth where this host has
+        # the same GPU (a stack here), else none measured.
+        gpu = info.device or "unknown"
+        if gpu != _local_gpu():
+            copy_gbps = None
         if not params.prompt_file:   # a trained drafter accepts little of them: not its acceptance on text
             print("ddtree bench: prompts are synthetic token ids (no --prompt-file): acceptance and DDTree "
                   "speed-ups are not those of real text", file=sys.stderr, flush=True)
 
         def save(rows: list[dict], plot: bool = False) -> None:
-            write_results(rows, params, out, copy_gbps=copy_gbps, commit=args.commit, extra=extra, plot=plot)
+            write_results(rows, params, out, copy_gbps=copy_gbps, commit=args.commit, extra=extra, plot=plot, gpu=gpu)
 
         rows = run_matrix(params, on_row=save)
         save(rows, plot=True)
@@ -477,6 +505,15 @@ def _paused(row: dict) -> str:
     if row["mode"] == "autoregressive" or share is None or share >= 1:
         return ""
     return f" (trees {share:.0%} of steps: speculation paused, scheduler.spec_min_acceptance)"
+
+
+def _local_gpu() -> str | None:
+    """This machine's first GPU by name (None without one)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 def _copy_gbps() -> float | None:

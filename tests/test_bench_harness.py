@@ -288,6 +288,62 @@ def test_the_soak_flags_a_time_with_no_request_answered() -> None:
     assert soak([]) == ((0.0, 0.0), [])
 
 
+def test_a_probe_that_fails_is_a_finding_not_the_end_of_the_soak(monkeypatch) -> None:
+    """The workers caught a failed request, the probes did not: a replica that died under the load
+    (what a soak looks for) ended it with a traceback and no result file."""
+    import asyncio
+    import types
+
+    import grpc
+
+    import bench.soak as soak
+    from services.scheduler.client import ClientError, Completion, Usage
+
+    class Client:
+        calls = 0
+
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc) -> None:
+            pass
+
+        async def model_info(self):
+            return types.SimpleNamespace(vocab_size=512, max_context=4096, block_size=16, default_budget=16,
+                                         eos_token_ids=[0])
+
+        async def generate(self, prompt, **kwargs):
+            Client.calls += 1
+            if Client.calls > 10:   # the two runs alone pass; under load a replica is gone
+                raise ClientError(grpc.StatusCode.UNAVAILABLE, "draft replica 127.0.0.1:5 failed: Socket closed")
+            n = kwargs["max_tokens"]
+            return Completion(token_ids=[7] * n, acceptance_lengths=[1] * (n - 1), finish_reason="length",
+                              usage=Usage(len(prompt), n, n - 1, 1.0))
+
+    monkeypatch.setattr(soak, "AsyncClient", Client)
+    monkeypatch.setattr(soak, "read_metrics", lambda address: {"ddtree_running_requests": 0.0})
+    p = soak.SoakParams(duration_s=1.0, concurrency=0, probe_every_s=0.2, probe_tokens=4, long_context=32)
+    result = asyncio.run(soak.run_soak("x", p, list(range(2, 300)), {"scheduler": "s"}, log=lambda m: None))
+    errors = [e for row in result["probes"] for e in row["errors"]]
+    assert errors and all("UNAVAILABLE: draft replica 127.0.0.1:5 failed" in e for e in errors), errors
+    assert errors[0].startswith("under_load: ")
+
+
+def test_the_commit_recorded_is_this_checkouts_from_any_directory(tmp_path, monkeypatch) -> None:
+    """`git rev-parse` ran in the working directory: a run from another checkout recorded its HEAD."""
+    from bench.common import git_commit
+    here = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "x"],
+                   cwd=tmp_path, check=True)
+    monkeypatch.chdir(tmp_path)
+    assert git_commit() == here and git_commit("abc") == "abc"
+
+
 def test_power_sampler_off_reads_nothing() -> None:
     from bench.matrix import PowerSampler
     with PowerSampler(enabled=False) as sampler:

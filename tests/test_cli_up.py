@@ -444,12 +444,24 @@ def test_bench_mistakes_are_one_line(monkeypatch, capsys, tmp_path) -> None:
                           (["--contexts", "-5"], "--contexts [-5]: prompt lengths must be >= 1"),
                           (["--max-tokens", "0"], "--max-tokens 0: must be >= 1"),
                           (["--cell-timeout", "-1"], "--cell-timeout -1: must be > 0 seconds"),
-                          (["--budgets", "8", "200"], "--budgets [8, 200]: must be in 0..128")):
+                          (["--budgets", "8", "200"], "--budgets [8, 200]: must be in 1..128 (autoregressive cells run anyway)"),
+                          # 0 reached the draft's warm-up (refused there) or recorded no budget
+                          (["--budgets", "0"], "--budgets [0]: must be in 1..128 (autoregressive cells run anyway)"),
+                          (["--out", str(tmp_path)], f"--out {tmp_path}: is a directory; name the result file")):
         assert cli.main(["bench", "--address", "127.0.0.1:1", "--out", out, *flags]) == 2
         assert capsys.readouterr().err == f"ddtree bench: {needle}\n"
     (tmp_path / "a-file").write_text("")
     assert cli.main(["bench", "--address", "127.0.0.1:1", "--out", str(tmp_path / "a-file" / "sub" / "m.json")]) == 2
     assert f"{tmp_path / 'a-file'} is no directory this process can write in" in capsys.readouterr().err
+    # A prompt file it cannot use: one line before anything starts (a traceback once the stack was up).
+    for text, needle in (("not json", "JSONDecodeError"), ("{}", "KeyError"), ('{"prompts": []}', "no token ids"),
+                         ('{"prompts": [{"ids": ["a"]}]}', "ValueError")):
+        (tmp_path / "p.json").write_text(text)
+        assert cli.main(["bench", "--address", "127.0.0.1:1", "--out", out, "--prompt-file",
+                         str(tmp_path / "p.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"ddtree bench: --prompt-file {tmp_path / 'p.json'}: ") \
+            and needle in err, err
 
 
 def test_make_checkpoint_says_what_is_wrong_in_one_line(capsys, tmp_path) -> None:
@@ -511,6 +523,58 @@ def test_up_refuses_a_drafter_that_does_not_fit_its_target_before_anything_start
     assert out.returncode == 2, out.stderr[-2000:]
     assert "field 'hidden_size'" in out.stderr and "does not match the target's" in out.stderr
     assert "service=verifier" not in out.stdout + out.stderr and time.monotonic() - t0 < 30   # nothing started
+
+
+def test_bench_records_what_served_the_run_not_this_machine(monkeypatch, capsys, tmp_path) -> None:
+    """`gpu` and `copy_gbps` described the machine the bench ran on: a CPU stack on a GPU host, or a
+    server at another address, was written as a run on this host's GPU."""
+    import json
+
+    import bench.matrix
+    from ddtree.v1 import common_pb2
+
+    served = {"device": "cpu"}
+
+    class Answers(_FakeClient):
+        def model_info(self):
+            return common_pb2.ModelInfo(vocab_size=4096, max_context=2048, block_size=16, kv_capacity_tokens=65536,
+                                        transport="shm", tp_size=2, model_type="deepseek_v3", device=served["device"])
+
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    monkeypatch.setattr(cli, "_copy_gbps", lambda: 4312.0)        # this machine has a GPU ...
+    monkeypatch.setattr(cli, "_local_gpu", lambda: "NVIDIA H200")
+    monkeypatch.setattr("services.scheduler.client.Client", Answers)
+    monkeypatch.setattr(bench.matrix, "run_matrix", lambda params, on_row=None: [])
+    out = tmp_path / "m.json"
+    for device, gpu, copy in (("cpu", "cpu", None), ("NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3", None),
+                              ("NVIDIA H200", "NVIDIA H200", 4312.0), ("", "unknown", None)):
+        served["device"] = device
+        assert cli.main(["bench", "--address", "127.0.0.1:1", "--out", str(out), "--contexts", "60",
+                         "--concurrency", "1", "--budgets", "8", "--max-tokens", "8"]) == 0
+        doc = json.loads(out.read_text())
+        assert (doc["gpu"], doc["copy_gbps"]) == (gpu, copy), device
+        assert doc["params"]["model_info"]["tp_size"] == 2 and doc["params"]["model_info"]["model_type"] == "deepseek_v3"
+    capsys.readouterr()
+
+
+def test_generate_says_an_aborted_request_and_a_json_run_that_was_answered(monkeypatch, capsys) -> None:
+    """An Abort by another caller cut the output and exited 0; with --json a scheduler that had
+    streamed and then went away was reported as "no scheduler answered"."""
+    monkeypatch.setattr("services.scheduler.client.Client", _FakeClient)
+    monkeypatch.setattr(_FakeClient, "chunks", [_chunk([5], "de"), Chunk("r", [6], "f", [], "aborted")])
+    assert cli.main(["generate", "--prompt", "x"]) == 1
+    got = capsys.readouterr()
+    assert got.out == "def\n" and "the request was aborted" in got.err
+
+    class GoneAfterAChunk(_FakeClient):
+        def stream(self, prompt, **kwargs):
+            yield _chunk([5], "de")
+            raise ClientError(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+
+    monkeypatch.setattr("services.scheduler.client.Client", GoneAfterAChunk)
+    monkeypatch.setattr(cli, "_answers", lambda args: False)
+    assert cli.main(["generate", "--prompt", "x", "--json"]) == 1
+    assert "no scheduler answered" not in capsys.readouterr().err
 
 
 def test_bench_says_when_its_prompts_are_synthetic_token_ids(monkeypatch, capsys, tmp_path) -> None:

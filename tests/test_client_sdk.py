@@ -318,22 +318,27 @@ def test_a_request_aborted_while_its_text_is_tokenized_ends_aborted_and_bad_fiel
             while not encoder.texts and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert encoder.texts
-            with pytest.raises(ClientError) as info:
-                c.generate("another text", request_id="tokenizing", max_tokens=2)
-            assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+            for prompt in ("another text", IDS):   # a token-id one too: the abort would find only the first
+                with pytest.raises(ClientError) as info:
+                    c.generate(prompt, request_id="tokenizing", max_tokens=2)
+                assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
             stub = scheduler_pb2_grpc.SchedulerStub(c._channel)
             for bad, field in ((dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2, budget=999), "budget")):
                 with pytest.raises(grpc.RpcError) as rpc:
                     stub.Generate(scheduler_pb2.GenerateRequest(text="x " * 100, **bad), timeout=5).next()
                 assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in rpc.value.details()
-            assert len(encoder.texts) == 1   # neither reached the tokenizer
+            assert len(encoder.texts) == 1   # neither the refused nor the bad ones reached the tokenizer
+            aborted = server.router.metrics.requests.labels("aborted")._value.get()
             assert c.abort("tokenizing", timeout_s=5)
+            assert not c.abort("tokenizing", timeout_s=5)   # already being aborted
+            # The id is free again at once, as an aborted running request's is.
+            assert c.generate(IDS, request_id="tokenizing", max_tokens=2, ignore_eos=True).token_ids == [5, 5]
             encoder.release.set()
             reader.join(10)
             done = out["done"]
             assert done.finish_reason == "aborted" and done.token_ids == [], done
-            assert "tokenizing" not in server.submitted
-            assert c.generate("def f(x): return x", request_id="tokenizing", max_tokens=2, ignore_eos=True).token_ids == [5, 5]
+            assert server.submitted.count("tokenizing") == 1   # the token-id one only
+            assert server.router.metrics.requests.labels("aborted")._value.get() == aborted + 1
     finally:
         server.stop()
 

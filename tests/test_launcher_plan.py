@@ -65,8 +65,15 @@ def test_a_services_port_on_anothers_metrics_port_fails_before_any_starts_and_pi
     picks = iter([50051, 9102, 50051, 41000, 50051, 41001])
     monkeypatch.setattr(launcher._PICK, "randint", lambda low, high: next(picks))
     monkeypatch.setenv("DDTREE_SCHEDULER_PORT", "70000")
+    monkeypatch.setenv("DDTREE_DRAFT_VERIFIER_ADDRESS", "dns:verifier:50053")
     plan = Stack(StackSpec(model_path="models/demo", config_path=str(cfg), scheduler_port=50051))._plan()
     assert [svc.address for svc in plan] == ["127.0.0.1:41000", "127.0.0.1:41001", "127.0.0.1:50051"]
+    # Devices given replica by replica beside a role-wide cuda_ipc: checked per replica, not refused as "cpu".
+    replicas = StackSpec(model_path="models/demo", draft_replicas=2, extra_env={"DDTREE_DRAFT_TRANSPORT": "cuda_ipc"},
+                         service_env={f"draft-{i}": {"DDTREE_DRAFT_DEVICE": f"cuda:{i}"} for i in range(2)})
+    monkeypatch.setattr(launcher._PICK, "randint", lambda low, high: next(ports))
+    ports = iter(range(42000, 42100))
+    assert [svc.name for svc in Stack(replicas)._plan()] == ["verifier", "draft-0", "draft-1", "scheduler"]
 
 
 @pytest.mark.parametrize("flags, needle", [(["--draft-replicas", "0"], "--draft-replicas 0"),

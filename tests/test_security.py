@@ -142,6 +142,7 @@ def test_the_internal_ports_take_only_the_stacks_internal_token(tls_stack):
     drafter = json.loads((Path(stack.spec.model_path) / "drafter" / "config.json").read_text())
     target = json.loads((Path(stack.spec.model_path) / "config.json").read_text())
     assert info.feature_bytes_per_token == len(drafter["dflash_config"]["target_layer_ids"]) * target["hidden_size"] * 4
+    assert info.device == "cpu"   # what the verifier runs on, as `ddtree bench --address` records it
 
 
 def test_the_internal_token_comes_from_one_variable_or_a_file(tmp_path) -> None:

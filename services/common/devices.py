@@ -15,7 +15,7 @@ import torch
 
 from services.common.settings import SettingsError
 
-__all__ = ["pin_device", "current"]
+__all__ = ["pin_device", "current", "device_name"]
 
 
 def pin_device(device: str | torch.device, setting: str = "device") -> torch.device:
@@ -41,3 +41,8 @@ def current(device: torch.device) -> contextlib.AbstractContextManager:
     """``device`` made current for a block (a no-op off the GPU). Worker threads start on GPU 0,
     whatever the service pinned: engine calls made in them wrap their work in this."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def device_name(device: torch.device) -> str:
+    """What a service computes on, for the people reading its results: the GPU's name, or "cpu"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

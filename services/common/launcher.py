@@ -255,8 +255,12 @@ class Stack:
             "DDTREE_SCHEDULER_DRAFT_ADDRESSES": "127.0.0.1:1"})
         verifier_metrics = load_settings(VerifierSettings, spec.config_path, env={
             **self._env(base, "verifier", "verifier"), "DDTREE_VERIFIER_PORT": "0"}).metrics_port
-        draft_metrics = load_settings(DraftSettings, spec.config_path, env={
-            **self._env(base, "draft", "draft"), "DDTREE_DRAFT_PORT": "0"}).metrics_port
+        try:   # the replicas' own settings (a device each) are checked where each is loaded, in `start`
+            draft_metrics = load_settings(DraftSettings, spec.config_path, env={
+                **self._env(base, "draft", "draft"), "DDTREE_DRAFT_PORT": "0",
+                "DDTREE_DRAFT_VERIFIER_ADDRESS": "127.0.0.1:1"}).metrics_port
+        except SettingsError:
+            draft_metrics = 0
         # The ports picked here avoid the fixed ones (a pick from the ephemeral range took 50051).
         fixed = {spec.scheduler_port, spec.verifier_port, scheduler.metrics_port, verifier_metrics, draft_metrics,
                  *(spec.draft_port + i for i in range(spec.draft_replicas) if spec.draft_port)} - {0}

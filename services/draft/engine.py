@@ -116,7 +116,8 @@ class DraftEngine:
             block_size=self.proposer.block_size, max_budget=MAX_BUDGET, eos_token_id=hs.eos_token_id,
             eos_token_ids=hs.eos_token_ids, tp_size=hs.tp_size, kv_capacity_tokens=hs.kv_capacity_tokens,
             kv_page_size=hs.kv_page_size,
-            transport=hs.transport, verifier_id=hs.verifier_id, feature_bytes_per_token=hs.feature_bytes_per_token)
+            transport=hs.transport, verifier_id=hs.verifier_id, feature_bytes_per_token=hs.feature_bytes_per_token,
+            device=hs.device)
 
     async def step(self, request: draft_pb2.StepRequest, owner: int = 0) -> draft_pb2.StepResponse:
         """One step; ``owner`` names the step stream it came on, whose requests go when it ends

@@ -27,7 +27,7 @@ from services.scheduler.draft_link import DraftLink, StepFailed
 from services.scheduler.request import ActiveRequest, Limits, step_prompt_tokens
 from services.scheduler.speculation import SpeculationGate
 
-__all__ = ["StepLoop", "KvBudget"]
+__all__ = ["StepLoop", "KvBudget", "log_end"]
 
 log = get_logger("scheduler")
 
@@ -165,7 +165,7 @@ class StepLoop:
             if req.request_id == request_id and (only is None or req is only):
                 self.unqueue(req)
                 req.end(scheduler_pb2.FINISH_REASON_ABORTED)
-                self._log_end(req)
+                log_end(self.metrics, req)
                 return True
         req = self.find(request_id)
         if req is None or req.aborted or (only is not None and req is not only):
@@ -294,7 +294,7 @@ class StepLoop:
         """Fails a request that never reached a step (taken off a down replica, nowhere to go):
         counted and logged as every request that ends."""
         req.fail(error)
-        self._log_end(req)
+        log_end(self.metrics, req)
 
     def take_waiting(self) -> list[ActiveRequest]:
         """Hands queued (never started) requests back to the router to place on another replica."""
@@ -400,22 +400,24 @@ class StepLoop:
             self._owed.append((req.kv_budget or self.kv, req.kv_tokens))
             self._release.append(req.wire_id)
         self._wake.set()
-        self._log_end(req)
+        log_end(self.metrics, req)
 
-    def _log_end(self, req: ActiveRequest) -> None:
-        self.metrics.requests.labels(_FINISH_NAMES.get(req.finish, "ERROR").removeprefix("FINISH_REASON_").lower()
-                                     if req.error is None else req.error.code.name.lower()).inc()
-        usage = req.usage()
-        now = time.monotonic()
-        log.info("request_end", request_id=req.request_id, wire_id=req.wire_id or None, draft=req.draft,
-                 mode=common_pb2.Mode.Name(req.mode).removeprefix("MODE_").lower(),
-                 finish=_FINISH_NAMES.get(req.finish, "") if req.error is None else "ERROR",
-                 code=req.error.code.name if req.error is not None else None,
-                 error=req.error.message if req.error is not None else None,
-                 prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, steps=usage.steps,
-                 mean_acceptance=round(usage.mean_acceptance, 3), budget=req.budget,
-                 ttft_ms=round((req.first_token_at - req.created) * 1e3, 2) if req.first_token_at else None,
-                 seconds=round(now - req.created, 4))
+
+def log_end(metrics: Metrics, req: ActiveRequest) -> None:
+    """A request's end, counted by how it ended and logged with its usage."""
+    metrics.requests.labels(_FINISH_NAMES.get(req.finish, "ERROR").removeprefix("FINISH_REASON_").lower()
+                            if req.error is None else req.error.code.name.lower()).inc()
+    usage = req.usage()
+    now = time.monotonic()
+    log.info("request_end", request_id=req.request_id, wire_id=req.wire_id or None, draft=req.draft,
+             mode=common_pb2.Mode.Name(req.mode).removeprefix("MODE_").lower(),
+             finish=_FINISH_NAMES.get(req.finish, "") if req.error is None else "ERROR",
+             code=req.error.code.name if req.error is not None else None,
+             error=req.error.message if req.error is not None else None,
+             prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, steps=usage.steps,
+             mean_acceptance=round(usage.mean_acceptance, 3), budget=req.budget,
+             ttft_ms=round((req.first_token_at - req.created) * 1e3, 2) if req.first_token_at else None,
+             seconds=round(now - req.created, 4))
 
 
 # What a draft or verifier may say of one request that tells of their own state, not of the

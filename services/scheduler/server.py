@@ -23,6 +23,7 @@ from services.common.grpc_server import (MAX_MESSAGE_BYTES, ServiceError, check_
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
+from services.scheduler.batcher import log_end
 from services.scheduler.request import check_fields, check_text_size, max_token_bytes, step_prompt_tokens, validate
 from services.scheduler.router import Router
 from services.scheduler.tiktoken_model import TIKTOKEN_FILE, kimi_tokenizer
@@ -43,8 +44,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.tokenizer = tokenizer
         self.token_bytes = max_token_bytes(tokenizer) if tokenizer is not None else 0
         self.encoder = encoder or (PromptEncoder(tokenizer) if tokenizer is not None else None)
-        # Ids of requests whose text is being tokenized, not yet in the router: True once aborted.
-        self._encoding: dict[str, bool] = {}
+        # Ids of requests whose text is being tokenized, not yet in the router: each one's abort.
+        self._encoding: dict[str, asyncio.Event] = {}
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
@@ -60,9 +61,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 check_fields(request, self.settings, self.router.limits, self.tokenizer)
                 check_text_size(request.text, self.router.limits, self.token_bytes)
                 text_ids, aborted = await self._encode(request)
+            elif request.request_id in self._encoding:
+                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id} is already in use")
             req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids)
             if aborted:   # aborted while its text was tokenized: it ends as an abort of a running one does
                 req.end(scheduler_pb2.FINISH_REASON_ABORTED)
+                log_end(self.router.metrics, req)
             else:
                 self.router.submit(req)
         except ServiceError as exc:
@@ -94,8 +98,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         rid = request.request_id
         if rid and (rid in self._encoding or any(lane.has_live(rid) for lane in self.router.lanes)):
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid} is already in use")
+        aborted = asyncio.Event()
         if rid:
-            self._encoding[rid] = False
+            self._encoding[rid] = aborted
         try:   # in the encoder's worker process where long: the other streams go on meanwhile
             ids = await self.encoder.encode(request.text)
         except ServiceError:   # too many long texts waiting already
@@ -103,8 +108,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except Exception as exc:  # noqa: BLE001 - the tokenizer's own error type
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt text cannot be tokenized: {exc}") from None
         finally:
-            aborted = self._encoding.pop(rid, False) if rid else False
-        return ids, aborted
+            if self._encoding.get(rid) is aborted:
+                del self._encoding[rid]
+        return ids, aborted.is_set()
 
     def refused(self, code: grpc.StatusCode, message: str) -> None:
         """Counts and logs a request refused before it ran."""
@@ -119,8 +125,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Abort(self, request: scheduler_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
-        if request.request_id in self._encoding:
-            self._encoding[request.request_id] = True
+        # One being tokenized gives its id up at once (as an aborted running one does): it ends
+        # aborted once tokenized, and the id may be used again meanwhile.
+        tokenizing = self._encoding.pop(request.request_id, None)
+        if tokenizing is not None:
+            tokenizing.set()
             return scheduler_pb2.AbortResponse(found=True)
         return scheduler_pb2.AbortResponse(found=self.router.abort(request.request_id))
 

@@ -493,7 +493,8 @@ class VerifierEngine:
     # ---- verify -------------------------------------------------------------------------------
     def verify(self, request_ids: Sequence[str], tokens: torch.Tensor, parents: torch.Tensor,
                depths: torch.Tensor, sizes: torch.Tensor, owner: str | None = None) -> StepOutcome:
-        """One target forward over every node of every tree; accept; commit accepted paths.
+        """The target over every node of every tree (one forward of up to ``step_most_trees`` trees
+        at a time); accept; commit accepted paths.
 
         tokens/parents/depths: [N] flat, request r owning the next sizes[r] entries (root first).
         owner: the draft stream calling (None: any); a tree for another's request fails alone.

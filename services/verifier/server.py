@@ -30,7 +30,7 @@ from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from kernels.tree_mla import backend_from_env
 from services.common.auth import internal_interceptors, internal_token
 from services.common.checkpoint import read_config, require_checkpoint
-from services.common.devices import pin_device
+from services.common.devices import device_name, pin_device
 from services.common.grpc_server import (ServiceError, check_port_free, host_port, listen, new_server, serve_until_signal,
                                          warn_if_reachable)
 from services.common.logging import configure_logging, get_logger
@@ -202,7 +202,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             hidden_size=cfg.hidden_size, max_context=self.engine.max_context,
             eos_token_id=cfg.eos_token_id[0] if cfg.eos_token_id else -1, eos_token_ids=cfg.eos_token_id,
             tp_size=self.settings.tp, kv_capacity_tokens=self.engine.cache.capacity_tokens, kv_page_size=self.engine.cache.page_size,
-            verifier_id=self.verifier_id,
+            verifier_id=self.verifier_id, device=device_name(self.engine.model_device),
             feature_bytes_per_token=len(layers) * cfg.hidden_size * self.engine.model.dtype.itemsize)
 
     async def VerifyStream(self, request_iterator: AsyncIterator[verifier_pb2.VerifyRequest],
