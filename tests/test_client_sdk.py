@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from ddtree.v1 import common_pb2, draft_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.auth import BearerTokenInterceptor
 from services.common.grpc_server import new_server
 from services.common.metrics import Metrics
 from services.common.settings import SchedulerSettings
@@ -56,8 +57,8 @@ class Server:
     """The scheduler's public server as `serve` builds it, in front of one lane to `Draft`, on an
     event loop in a thread of its own, so that sync and asyncio clients alike reach it."""
 
-    def __init__(self, tokenizer: Tokenizer | None = None, encoder: object | None = None) -> None:
-        self.tokenizer, self.encoder = tokenizer, encoder
+    def __init__(self, tokenizer: Tokenizer | None = None, encoder: object | None = None, token: str = "") -> None:
+        self.tokenizer, self.encoder, self.token = tokenizer, encoder, token
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -81,8 +82,9 @@ class Server:
             submit(req)
         self.router.submit = recorded
         name = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
-        servicer = SchedulerServicer(settings, self.router, self.router.info, self.tokenizer, self.encoder)
-        self.server, _ = new_server([name], on_unparsed=servicer.unparsed)
+        servicer = self.servicer = SchedulerServicer(settings, self.router, self.router.info, self.tokenizer, self.encoder)
+        interceptors = [BearerTokenInterceptor(self.token, on_refused=servicer.unauthenticated)] if self.token else []
+        self.server, _ = new_server([name], interceptors, on_unparsed=servicer.unparsed)
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
@@ -283,6 +285,38 @@ def test_unary_calls_of_an_async_client_closed_under_them_are_client_errors(serv
     outcomes = asyncio.run(scenario())
     for outcome in outcomes:
         assert isinstance(outcome, ClientError) and outcome.code == grpc.StatusCode.CANCELLED, repr(outcome)
+
+
+def test_refused_tokens_are_counted_and_a_stream_the_stop_cuts_is_no_abort(monkeypatch) -> None:
+    """Calls the interceptor refused for their token left no count and no log (a token-guessing run
+    left no trace); a stream cut by the server's stop was counted as the client's abort."""
+    from services.scheduler import server as scheduler_server
+
+    said: list[dict] = []
+    monkeypatch.setattr(scheduler_server.log, "warning", lambda event, **kw: said.append(kw))
+    server = Server(token="s3cret")
+    count = lambda status: server.router.metrics.requests.labels(status)._value.get()   # noqa: E731
+    try:
+        for i in range(3):
+            with Client(server.address, token=f"guess{i}") as c, pytest.raises(ClientError) as info:
+                c.generate(IDS, max_tokens=2)
+            assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert server.router.metrics.refused.labels("unauthenticated")._value.get() == 3
+        assert [kw["calls"] for kw in said] == [1]   # logged at most once a minute
+        aborted, unavailable = count("aborted"), count("unavailable")
+        with Client(server.address, token="s3cret") as c:
+            with c.stream(IDS, request_id="cut", **LONG) as s:
+                next(s)
+                server.servicer.stopping = True   # `serve`'s on_stop, then the stop cuts the stream
+                server.call(server.server.stop(0.1))
+                with pytest.raises(ClientError):
+                    list(s)
+        deadline = time.monotonic() + 5
+        while count("unavailable") == unavailable and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert (count("aborted"), count("unavailable")) == (aborted, unavailable + 1)
+    finally:
+        server.stop()
 
 
 class HeldEncoder:

@@ -10,6 +10,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services import healthcheck
@@ -26,6 +27,49 @@ def test_an_event_logged_from_a_thread_names_its_service() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     events = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
     assert [(e["event"], e.get("service")) for e in events] == [("main_event", "verifier"), ("thread_event", "verifier")]
+
+
+def test_a_logged_exception_keeps_its_error_and_trace_in_json_logs() -> None:
+    """The JSON renderer wrote only "exc_info": true (compose logs JSON): a draft's failed verifier
+    reply, turned into UNAVAILABLE, kept no trace anywhere."""
+    code = ("from services.common.logging import configure_logging, get_logger; configure_logging('draft', True)\n"
+            "try:\n    raise RuntimeError('CUDA error: an illegal memory access')\n"
+            "except RuntimeError:\n    get_logger('d').exception('verifier_reply_failed')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    (event,) = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
+    assert event["event"] == "verifier_reply_failed"
+    (exc,) = event["exception"]
+    assert exc["exc_type"] == "RuntimeError" and "illegal memory access" in exc["exc_value"] and exc["frames"]
+
+
+def test_the_drafts_reconnect_warns_once_of_a_refused_token_not_each_second(monkeypatch) -> None:
+    import asyncio
+
+    from services.common.grpc_server import ServiceError
+    from services.draft import server
+
+    warned: list[str] = []
+    monkeypatch.setattr(server.log, "warning", lambda event, **kw: warned.append(kw.get("code", kw.get("error"))))
+    monkeypatch.setattr(server.log, "debug", lambda event, **kw: None)
+    class Done(BaseException):   # ends the loop (it takes every Exception for a failed round)
+        pass
+    failures = iter([*[ServiceError(grpc.StatusCode.UNAUTHENTICATED, "wrong internal token")] * 20,
+                     *[OSError("no room in /dev/shm")] * 20, None, ServiceError(grpc.StatusCode.UNAUTHENTICATED, "x")])
+
+    class Engine:
+        class verifier:
+            connected = False
+            handshake = None
+
+        async def ensure_connected(self) -> None:
+            failure = next(failures, Done())
+            if failure is not None:
+                raise failure
+
+    with pytest.raises(Done):
+        asyncio.run(server._reconnect_when_lost(Engine(), interval_s=0.001))
+    # one line a kind, and the token again after a reconnect in between
+    assert warned == ["UNAUTHENTICATED", "OSError('no room in /dev/shm')", "UNAUTHENTICATED"], warned
 
 
 def test_the_health_probe_says_not_serving(capsys) -> None:

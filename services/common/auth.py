@@ -38,12 +38,15 @@ _TOKEN_TEXT = re.compile(r"[!-~]+")
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without `authorization: Bearer <token>` with UNAUTHENTICATED."""
 
-    def __init__(self, token: str, refusal: str = "missing or wrong bearer token") -> None:
+    def __init__(self, token: str, refusal: str = "missing or wrong bearer token",
+                 on_refused: Callable[[], None] | None = None) -> None:
         if not token:   # b"" is what a call without the header presents
             raise ValueError("an empty bearer token would admit every call")
         self._expected = token.encode()
 
         async def deny(requests, context: grpc.aio.ServicerContext):
+            if on_refused is not None:   # refused before any handler: else no count and no log of it
+                on_refused()
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal)
 
         # Refused as the headers arrive: handlers that take a request stream run before any message

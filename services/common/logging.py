@@ -14,6 +14,9 @@ def configure_logging(service: str, json_logs: bool, level: int = logging.INFO) 
     """Routes structlog to stderr, tagging every event with the service name (by a processor, not a
     context variable: threads do not inherit those, and a rank watchdog's events went out without it)."""
     renderer = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=False)
+    # The console renderer prints a logged exception's traceback; the JSON one wrote only
+    # "exc_info": true (a draft's failed verifier reply, turned into UNAVAILABLE, kept no trace).
+    exceptions = [structlog.processors.dict_tracebacks] if json_logs else []
 
     def add_service(logger, method: str, event: dict) -> dict:
         event.setdefault("service", service)
@@ -25,6 +28,7 @@ def configure_logging(service: str, json_logs: bool, level: int = logging.INFO) 
             add_service,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *exceptions,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),

@@ -97,6 +97,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 async def _reconnect_when_lost(engine: DraftEngine, interval_s: float = 1.0) -> None:
     """Hand-shakes again soon after the verifier's stream was lost, whether or not a step or a
     scheduler's probe comes: the replica's health says NOT_SERVING until then."""
+    said = None   # the failure warned of last: said once until it changes or a reconnect works (not a line a second)
     while True:
         await asyncio.sleep(interval_s)
         if not engine.verifier.connected:
@@ -104,11 +105,16 @@ async def _reconnect_when_lost(engine: DraftEngine, interval_s: float = 1.0) -> 
                 await engine.ensure_connected()
                 handshake = engine.verifier.handshake
                 log.info("verifier_reconnected", verifier_id=handshake.verifier_id if handshake else None)
+                said = None
             except ServiceError as exc:   # a verifier still down is expected; one refusing our token is not
-                (log.warning if exc.code == grpc.StatusCode.UNAUTHENTICATED else log.debug)(
-                    "verifier_reconnect_failed", code=exc.code.name, error=exc.message)
+                kind = exc.code.name
+                warn = exc.code == grpc.StatusCode.UNAUTHENTICATED and said != kind
+                (log.warning if warn else log.debug)("verifier_reconnect_failed", code=kind, error=exc.message)
+                said = kind if exc.code == grpc.StatusCode.UNAUTHENTICATED else said
             except Exception as exc:  # noqa: BLE001 - e.g. a ring that cannot be made now: the next round tries again
-                log.warning("verifier_reconnect_failed", error=repr(exc))
+                kind = type(exc).__name__
+                (log.warning if said != kind else log.debug)("verifier_reconnect_failed", error=repr(exc))
+                said = kind
 
 
 async def serve(settings: DraftSettings) -> None:

@@ -8,6 +8,7 @@ aborts its request, which frees its batch slot and KV at the next step.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -46,6 +47,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.encoder = encoder or (PromptEncoder(tokenizer) if tokenizer is not None else None)
         # Ids of requests whose text is being tokenized, not yet in the router: each one's abort.
         self._encoding: dict[str, asyncio.Event] = {}
+        self._unauthenticated, self._unauthenticated_said = 0, -math.inf
+        self.stopping = False   # the server stops: a stream cut now is no client's abort
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
@@ -89,6 +92,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 # request's: after an abort, its id may already belong to a newer one). Not only on
                 # a cancellation here: one that lands while gRPC sends the last event closes this
                 # stream at its yield instead (GeneratorExit), about one client in four that left.
+                if self.stopping:   # cut by the server's stop (the client saw UNAVAILABLE): counted so
+                    req.fail(ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler stopped"))
                 self.router.abort(req.request_id, only=req)
 
     async def _encode(self, request: scheduler_pb2.GenerateRequest) -> tuple[list[int], bool]:
@@ -116,6 +121,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """Counts and logs a request refused before it ran."""
         self.router.metrics.refused.labels(code.name.lower()).inc()
         log.info("request_refused", code=code.name, reason=message[:200])
+
+    def unauthenticated(self) -> None:
+        """A call refused for its bearer token (by the interceptor, before any handler): counted
+        each time, logged at most once a minute with the count since (a token-guessing run left
+        no trace; a line each would flood the log)."""
+        self.router.metrics.refused.labels("unauthenticated").inc()
+        self._unauthenticated += 1
+        now = time.monotonic()
+        if now - self._unauthenticated_said >= 60.0:
+            log.warning("request_refused", code="UNAUTHENTICATED", reason="missing or wrong bearer token",
+                        calls=self._unauthenticated)
+            self._unauthenticated, self._unauthenticated_said = 0, now
 
     def unparsed(self, method: str, message: str) -> None:
         """A call that did not parse (`new_server`'s `on_unparsed`): for Generate, a refusal like
@@ -202,9 +219,10 @@ async def serve(settings: SchedulerSettings) -> None:
     log.info("model_info", vocab_size=info.vocab_size, max_context=info.max_context, block_size=info.block_size,
              kv_capacity_tokens=info.kv_capacity_tokens, transport=info.transport,
              tokenizer=settings.tokenizer_path if tokenizer else None, metrics_port=metrics_port)
-    interceptors = [BearerTokenInterceptor(settings.auth_token)] if settings.auth_token else []
     # Up to twice the limit a request reaches Generate, which refuses it by the setting's name.
     servicer = SchedulerServicer(settings, router, info, tokenizer, encoder)
+    interceptors = [BearerTokenInterceptor(settings.auth_token, on_refused=servicer.unauthenticated)] \
+        if settings.auth_token else []
     server, health = new_server([scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name], interceptors,
                                 max_receive_bytes=min(2 * settings.max_request_bytes, 2**31 - 1),
                                 on_unparsed=servicer.unparsed)
@@ -221,7 +239,7 @@ async def serve(settings: SchedulerSettings) -> None:
                                                 lambda: any(lane.healthy for lane in router.lanes),
                                                 "no draft replica is up"))
     try:
-        await serve_until_signal(server, health)
+        await serve_until_signal(server, health, on_stop=lambda: setattr(servicer, "stopping", True))
     finally:
         watch.cancel()
         await router.stop()
