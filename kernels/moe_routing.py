@@ -67,7 +67,9 @@ if triton is not None:
         # torch's sigmoid bit for bit: IEEE exp and divide (the interpreter's numpy exp already is)
         scores = tl.math.div_rn(1.0, 1.0 + (libdevice.exp(-x) if LIBDEVICE else tl.exp(-x)))
         choice = scores + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
-        choice = tl.where(valid, choice, float("-inf"))
+        # A NaN (a NaN hidden state) is no choice: tl.max skips it, nothing equalled the maximum, and
+        # the pick fell back to expert E, one past every expert's weights and counters.
+        choice = tl.where(valid & (choice == choice), choice, float("-inf"))
         if USE_GROUPS:
             # A group's rank is the sum of its two best choices (the best one taken out once).
             best = tl.max(choice, 1)                                                   # [G]
@@ -85,13 +87,14 @@ if triton is not None:
         slot = tl.arange(0, BLOCK_K)
         ids = tl.zeros([BLOCK_K], dtype=tl.int64)
         weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+        free = valid   # experts not picked yet: a row of -inf choices still gets TOP_K distinct, real ids
         for t in tl.static_range(TOP_K):
-            top = tl.max(tl.max(choice, 1), 0)
-            pick = tl.min(tl.min(tl.where(valid & (choice == top), e, E), 1), 0)
+            top = tl.max(tl.max(tl.where(free, choice, float("-inf")), 1), 0)
+            pick = tl.min(tl.min(tl.where(free & (choice == top), e, E), 1), 0)
             w = tl.sum(tl.sum(tl.where(valid & (e == pick), scores, 0.0), 1), 0)   # padding aliases ids
             ids = tl.where(slot == t, pick.to(tl.int64), ids)
             weights = tl.where(slot == t, w, weights)
-            choice = tl.where(e == pick, float("-inf"), choice)
+            free = free & (e != pick)
         if NORM:
             weights = tl.math.div_rn(weights, tl.sum(weights, 0) + 1e-20)
         out = row * TOP_K + slot

@@ -353,26 +353,37 @@ def choose_num_splits(
 if triton is not None:
 
     @triton.jit
-    def _online_softmax_step(s, v, m_i, l_i, acc):
+    def _dot(a, b, acc, IEEE: tl.constexpr):
+        """``a @ b + acc``; ``IEEE``: float32 operands multiplied in float32 (tl.dot's default for
+        them is TF32, 10 mantissa bits: ~1e-3 off in the float32 model's attention)."""
+        if IEEE:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _online_softmax_step(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
         """Fold one tile of log2-scaled logits ``s`` [BM, BN] and values ``v`` [BN, BLOCK_DV] in."""
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BM]
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet stay finite
         alpha = tl.exp2(m_i - m_use)  # [BM]
         p = tl.exp2(s - m_use[:, None])  # [BM, BN]
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # [BM, BLOCK_DV]
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)  # [BM, BLOCK_DV]
         return m_new, l_i, acc
 
     @triton.jit
     def _tile_logits(q_v, q_o, q_pe, base, slot, key_ok, offs_v, offs_o, offs_r,
-                     KVR: tl.constexpr, DV_SPLITS: tl.constexpr):
+                     KVR: tl.constexpr, DV_SPLITS: tl.constexpr, IEEE: tl.constexpr):
         """Logits [BM, BN] of one key tile (rows at ``base + slot``) and its value slice [BN, BLOCK_DV]."""
         k_v = tl.load(base + slot[:, None] + offs_v[None, :], mask=key_ok[:, None], other=0.0)  # [BN, BLOCK_DV]
         k_pe = tl.load(base + slot[:, None] + KVR + offs_r[None, :], mask=key_ok[:, None], other=0.0)  # [BN, ROPE]
-        s = tl.dot(q_pe, tl.trans(k_pe), tl.dot(q_v, tl.trans(k_v)))  # [BM, BN]
+        if IEEE:
+            s = _dot(q_pe, tl.trans(k_pe), tl.dot(q_v, tl.trans(k_v), input_precision="ieee"), IEEE)  # [BM, BN]
+        else:
+            s = tl.dot(q_pe, tl.trans(k_pe), tl.dot(q_v, tl.trans(k_v)))  # [BM, BN]
         if DV_SPLITS == 2:  # the other half of the latent dims: logits only
             k_o = tl.load(base + slot[:, None] + offs_o[None, :], mask=key_ok[:, None], other=0.0)
-            s = tl.dot(q_o, tl.trans(k_o), s)
+            s = _dot(q_o, tl.trans(k_o), s, IEEE)
         return s, k_v
 
     # Shape-dependent integers are not specialised (Triton would otherwise compile a variant per
@@ -407,6 +418,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         DV_SPLITS: tl.constexpr,  # 1, or 2: each program outputs half of the value dims
         DIRECT: tl.constexpr,  # num_splits == 1: write the output, no partials
+        IEEE: tl.constexpr,  # float32 operands: products in float32, not TF32 (``_dot``)
     ):
         BLOCK_DV: tl.constexpr = KVR // DV_SPLITS
         pid_m = tl.program_id(0) // DV_SPLITS  # the two halves of a tile are neighbours: shared L2
@@ -450,9 +462,9 @@ if triton is not None:
             key_ok = offs_n < hi
             page = tl.load(page_table_ptr + r * stride_pt_r + offs_n // page_size, mask=key_ok, other=0)
             slot = page.to(tl.int64) * stride_kv_page + (offs_n % page_size) * stride_kv_tok  # [BN]
-            s, k_v = _tile_logits(q_v, q_o, q_pe, kv_ptr, slot, key_ok, offs_v, offs_o, offs_r, KVR, DV_SPLITS)
+            s, k_v = _tile_logits(q_v, q_o, q_pe, kv_ptr, slot, key_ok, offs_v, offs_o, offs_r, KVR, DV_SPLITS, IEEE)
             s = tl.where(key_ok[None, :], s * scale_log2, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(s, k_v, m_i, l_i, acc)
+            m_i, l_i, acc = _online_softmax_step(s, k_v, m_i, l_i, acc, IEEE)
 
         # The tree's own keys, once per request (last split): visible where the ancestor bit is set.
         if split == num_splits - 1:
@@ -462,12 +474,12 @@ if triton is not None:
                 key_ok = offs_j < n_nodes
                 slot = (q_start + offs_j).to(tl.int64) * stride_new_n  # [BN]
                 s, k_v = _tile_logits(q_v, q_o, q_pe, new_kv_ptr, slot, key_ok, offs_v, offs_o, offs_r,
-                                      KVR, DV_SPLITS)
+                                      KVR, DV_SPLITS, IEEE)
                 both_ok = row_ok[:, None] & key_ok[None, :]
                 word = tl.load(bits_row[:, None] + (offs_j // 32)[None, :], mask=both_ok, other=0)  # [BM, BN]
                 visible = ((word >> (offs_j % 32)[None, :]) & 1) != 0
                 s = tl.where(visible, s * scale_log2, float("-inf"))
-                m_i, l_i, acc = _online_softmax_step(s, k_v, m_i, l_i, acc)
+                m_i, l_i, acc = _online_softmax_step(s, k_v, m_i, l_i, acc, IEEE)
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: weight 0 in the merge
         o = acc / l_safe[:, None]  # [BM, BLOCK_DV]
@@ -605,7 +617,7 @@ def tree_mla_triton(
         meta.ancestor_bits.stride(0),
         H, page_size, total_rows, num_splits, softmax_scale * _LOG2E,
         KVR=kvr, ROPE=rope, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DV_SPLITS=cfg.dv_splits,
-        DIRECT=num_splits == 1,
+        DIRECT=num_splits == 1, IEEE=q_latent.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     merge_splits(o_part, lse_part, out, num_splits, cfg.dv_splits)

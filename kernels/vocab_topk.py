@@ -68,7 +68,7 @@ if triton is not None:
 def row_logsumexp(logits: Tensor) -> Tensor:
     """float32 log-sum-exp of each row of ``[..., V]`` logits (any float dtype), one read of the
     row and no float32 copy of it; ``torch.logsumexp(logits.float(), -1)`` off the GPU."""
-    if triton is None or not (logits.is_cuda or interpreted()):
+    if triton is None or not (logits.is_cuda or interpreted()) or not logits.numel():   # (no rows: no reshape)
         return torch.logsumexp(logits.float(), dim=-1)
     vocab = logits.shape[-1]
     # [outer, inner, V]: a depth slice of [R, D, V] logits stays a view (no copy of the rows).

@@ -44,6 +44,27 @@ def test_strided_rows_and_no_tokens():
     assert ids0.shape == (0, 4) and w0.shape == (0, 4)
 
 
+@pytest.mark.parametrize("name", ["kimi_k2_one_group", "demo_model", "top1"])
+def test_a_token_of_nan_logits_gets_real_distinct_experts_and_leaves_the_others_alone(name):
+    """tl.max skips NaN: nothing equalled a NaN row's maximum and every pick fell back to expert E,
+    one past the experts' weights and the MoE's counters (a write out of bounds on the GPU, a
+    healthy token's slot overwritten). Partly NaN rows too; the other tokens match the reference."""
+    n, e, groups, topk_group, top_k, norm, scale = CASES[name]
+    g = torch.Generator().manual_seed(e)
+    logits = 2 * torch.randn(n, e, generator=g)
+    bias = 0.1 * torch.randn(e, generator=g)
+    logits[1] = float("nan")
+    logits[2, ::2] = float("nan")
+    ids, weights = select_experts_triton(logits, bias, top_k, groups, topk_group, norm, scale)
+    for row in (1, 2):
+        assert ((ids[row] >= 0) & (ids[row] < e)).all() and len(set(ids[row].tolist())) == top_k, ids[row]
+    assert not (ids[2] % 2 == 0).any() or top_k > e // 2   # the half that is a number is chosen first
+    healthy = [r for r in range(n) if r not in (1, 2)]
+    want = select_experts(torch.sigmoid(logits[healthy]), bias, top_k, groups, topk_group, norm, scale)
+    assert torch.equal(ids[healthy], want.ids)
+    torch.testing.assert_close(weights[healthy], want.weights.float(), rtol=2e-6, atol=1e-7)
+
+
 def test_groups_rank_by_their_two_best_and_ties_go_to_the_lower_id():
     # Group 0 holds the single best expert, but group 1's two best sum higher: with one group kept,
     # only group 1's experts may be chosen. Experts 5 and 6 tie: the lower id comes first.

@@ -365,3 +365,36 @@ def test_device_metadata_round_trip_and_cpu_dispatch() -> None:
     torch.testing.assert_close(tree_mla(q_latent, q_pe, kv_cache, new_kv, dev, 0.1, backend="reference"), want)
     if not CUDA:  # the dispatcher's CPU default is the reference
         torch.testing.assert_close(tree_mla(q_latent, q_pe, kv_cache, new_kv, meta, 0.1), want)
+
+
+_FP32_BUILD = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.tree_mla import _tree_mla_split_kernel as kernel
+
+dtype = sys.argv[1]
+pointers = dict(q_lat_ptr=dtype, q_pe_ptr=dtype, kv_ptr=dtype, new_kv_ptr=dtype, out_ptr=dtype, o_part_ptr="*fp32",
+                lse_part_ptr="*fp32", page_table_ptr="*i32", prefix_lens_ptr="*i32", query_starts_ptr="*i32",
+                anc_bits_ptr="*i32", scale_log2="fp32")
+consts = dict(KVR=64, ROPE=16, BLOCK_M=16, BLOCK_N=32, DV_SPLITS=2, DIRECT=False, **({"IEEE": dtype == "*fp32"} if "IEEE" in kernel.arg_names else {}))
+sig = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
+ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                     options=dict(num_warps=4, num_stages=2)).asm["ptx"]
+mma = [line for line in ptx.splitlines() if "mma" in line and not line.lstrip().startswith("//")]
+print(json.dumps(dict(mma=len(mma), tf32=sum("tf32" in line for line in mma))))
+"""
+
+
+def test_float32_attention_multiplies_in_float32_on_the_gpu() -> None:
+    """tl.dot takes float32 operands as TF32 (10 mantissa bits) by default: the float32 model's
+    attention, which goes to this kernel (the Gluon one takes 16-bit only), was ~1e-3 off on a GPU
+    while the interpreter, whose dot is exact, passed it. Built for sm_90 in a child process: no
+    TF32 product in the float32 build; the bf16 build keeps its tensor-core products."""
+    from tests.compiled import run_compiled
+
+    fp32 = run_compiled(["-c", _FP32_BUILD, "*fp32"], timeout=300)
+    bf16 = run_compiled(["-c", _FP32_BUILD, "*bf16"], timeout=300)
+    assert fp32["tf32"] == 0, fp32
+    assert bf16["mma"] > 0 and bf16["tf32"] == 0, bf16

@@ -74,3 +74,11 @@ def test_k_outside_the_rows_is_refused() -> None:
         vt.vocab_topk(torch.randn(2, 100), 101)
     with pytest.raises(ValueError, match="k must be in"):
         vt.vocab_topk(torch.randn(2, 100), 0)
+
+
+def test_no_rows_give_empty_results() -> None:
+    """The reshape to [outer, inner, V] raised on zero rows, before the empty-launch guard."""
+    for shape in ((0, 50), (2, 0, 50)):
+        assert vt.row_logsumexp(torch.randn(*shape)).shape == shape[:-1]
+    values, tokens = vt.vocab_topk(torch.randn(0, 50), 4)
+    assert values.shape == tokens.shape == (0, 4)
