@@ -196,6 +196,24 @@ def test_step_loop_pauses_speculation_for_the_whole_batch() -> None:
     asyncio.run(scenario())
 
 
+def test_a_pause_is_spent_on_decoding_steps_and_a_request_into_an_empty_batch_follows_it() -> None:
+    """A pause of 4 steps spent on a long prompt's pieces left none for decoding (the first decode
+    speculated again); a request admitted into an empty batch took the last decision, not the
+    gate's state (budget 8 while paused)."""
+    async def scenario() -> None:
+        lane = loop(spec_min_acceptance=1.5, spec_backoff_steps=4, max_prefill_tokens=100)
+        lane.gate.window = 2
+        lane.gate.observe(True, 1.0), lane.gate.observe(True, 1.0)   # a poor window: 4 steps without trees
+        assert lane._speculating and lane.gate.pause_left == 4
+        lane.waiting.append(request("long", 500))                     # 5 pieces of 100
+        steps = [lane._schedule()[0] for _ in range(9)]
+        assert [bool(i.prompt_token_ids) for i in steps] == [True] * 5 + [False] * 4
+        assert [i.budget for i in steps] == [0] * 9 and lane.gate.pause_left == 0
+        assert lane._schedule()[0].budget == 8                        # the pause is over: trees again
+
+    asyncio.run(scenario())
+
+
 def test_usage_counts_the_steps_verified_with_a_tree_apart_from_paused_ones() -> None:
     """While the scheduler paused speculation a DDTree request's steps decode one token and count 1
     in its mean_acceptance: a user's first request read as a poor drafter (1.75 where the drafter

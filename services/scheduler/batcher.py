@@ -314,8 +314,13 @@ class StepLoop:
         stays bounded and running requests keep decoding between the pieces (a 2000-token prompt
         used to stop every stream for the whole prefill). Those pieces leave a queued request that
         could start what it needs of the step, up to half (`_pieces_most`)."""
-        if self.running:   # one decision for the whole batch (see speculation.py); idle calls are no step
+        # One decision for the whole batch (see speculation.py). A pause counts the steps that decode:
+        # idle calls and steps of prompt pieces only (a long prefill) would spend it drafting nothing,
+        # and a request admitted into an empty batch takes the gate's state, not an old decision.
+        if any(r.prompt_sent >= len(r.prompt_ids) for r in self.running.values()):
             self._speculating = self.gate.speculate()
+        else:
+            self._speculating = self.gate.pause_left == 0
         freed = sum(tokens for budget, tokens in self._owed if budget is self.kv)   # released first in this step
         left = step_prompt_tokens(self.settings, self.limits)
         head = self.waiting[0] if self.waiting and len(self.running) < self.settings.max_batch \

@@ -48,6 +48,12 @@ class IncrementalDetokenizer:
                     return self.update(ids)
         return self.text + new.rstrip(_PARTIAL)
 
+    def anchor(self, ids: list[int]) -> tuple[int, str]:
+        """A token index of ``ids`` (the list ``update`` took, possibly longer) and the text of the
+        tokens before it, ending on a whole character: the text of ``ids[:k]`` for k past it is
+        that text and the decode of ``ids[index:k]``."""
+        return self._prefix, self.text[:len(self.text) - len(self._decode(ids[self._prefix:self._read]))]
+
     def _commit(self, new: str, read: int) -> None:
         self.text += new
         self._prefix, self._read = self._read, read
