@@ -59,6 +59,28 @@ def test_save_load_single_and_sharded(tmp_path: Path) -> None:
         assert load_tensors(tmp_path / d, prefix="t").keys() == {f"t{i}" for i in range(5)}
     with pytest.raises(CheckpointError, match="missing tensor.*nope"):
         load_tensors(tmp_path / "many", names=["t1", "nope"])
+    # A save over the other layout replaces it: the stale index (read first) or shards kept the old weights.
+    newer = {name: t + 1 for name, t in tensors.items()}
+    save_tensors(tmp_path / "many", newer)
+    save_tensors(tmp_path / "one", newer, max_shard_bytes=900)
+    for d in ("one", "many"):
+        assert all(torch.equal(load_tensors(tmp_path / d)[n], t) for n, t in newer.items())
+    assert sorted(p.name for p in (tmp_path / "many").iterdir()) == [SINGLE_FILE]
+
+
+def test_an_index_naming_the_wrong_shard_is_a_checkpoint_error_for_the_ranks_loader_too(tmp_path: Path,
+                                                                                        target_dir: Path) -> None:
+    """The tensor-parallel loader let safetensors' own error out (a traceback at start-up)."""
+    shard_dir = tmp_path / "sharded"
+    save_tensors(shard_dir, load_tensors(target_dir), max_shard_bytes=64 * 1024)
+    (shard_dir / "config.json").write_text((target_dir / "config.json").read_text())
+    index = json.loads((shard_dir / INDEX_FILE).read_text())
+    name = "model.layers.2.self_attn.o_proj.weight"
+    index["weight_map"][name] = next(f for f in sorted(set(index["weight_map"].values())) if f != index["weight_map"][name])
+    (shard_dir / INDEX_FILE).write_text(json.dumps(index))
+    config = read_target_config(shard_dir)
+    with pytest.raises(CheckpointError, match=rf"missing tensor {re.escape(name)} \(listed in"):
+        load_rank_slice(shard_dir, config, expected_tensors(config), rank=0, size=1)
 
 
 def test_sharded_target_loads_same_as_single(tmp_path: Path, target_dir: Path) -> None:
@@ -211,6 +233,8 @@ def test_bad_quantization_format(target_dir: Path, path: tuple, value, field: st
     ("routed_scaling_factor", -1.0, "must be > 0"),
     ("first_k_dense_replace", 99, "must be in 0..num_hidden_layers"),
     ("first_k_dense_replace", -1, "must be in 0..num_hidden_layers"),
+    ("eos_token_id", [3, 163586], "163586 is past the vocabulary"),   # another model's: never emitted
+    ("num_nextn_predict_layers", -1, "must be >= 0"),
 ])
 def test_a_config_field_this_model_would_ignore_or_break_on_is_refused(target_dir: Path, field, value, needle) -> None:
     """Each was accepted: tying ignored (the verifier read lm_head, the drafter the embedding),
@@ -248,6 +272,13 @@ def test_eos_ids_come_from_config_and_generation_config(target_dir: Path) -> Non
     (target_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9], "do_sample": True}))
     assert read_target_config(target_dir).eos_token_id == (5, 7, 9)
     assert TargetModel.load(target_dir).config.eos_token_id == (5, 7, 9)
+    (target_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 163586]}))
+    with pytest.raises(CheckpointError, match="generation_config.json: field 'eos_token_id' 163586 is past the vocabulary"):
+        read_target_config(target_dir)
+    _rewrite_config(target_dir, model_type=["deepseek_v3"])   # a TypeError traceback, before
+    with pytest.raises(CheckpointError, match="field 'model_type' must be a string"):
+        read_target_config(target_dir)
+    _rewrite_config(target_dir, model_type="deepseek_v3")
     (target_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": "9"}))
     with pytest.raises(CheckpointError, match="generation_config.json: field 'eos_token_id' must be a token id"):
         read_target_config(target_dir)
@@ -444,6 +475,26 @@ def test_a_config_that_disagrees_with_the_tensors_names_its_field(target_dir: Pa
 
 
 @pytest.mark.parametrize("tp", [False, True])
+def test_layers_past_the_configs_and_its_mtp_layers_are_refused_not_a_truncated_model(target_dir: Path, tp) -> None:
+    """Every layer past num_hidden_layers was skipped as an MTP layer: a config of 2 layers over a
+    checkpoint of 3 served a truncated model. Only num_nextn_predict_layers of them are skipped;
+    tensors of the served modules outside the layers (an lm_head.bias) are refused too."""
+    cfg = json.loads((target_dir / "config.json").read_text())
+    config = lambda: read_target_config(target_dir)   # noqa: E731
+    loaders = [lambda: load_rank_slice(target_dir, config(), expected_tensors(config()), rank=0, size=1)] if tp \
+        else [lambda: TargetModel.load(target_dir)]
+    (target_dir / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=2)))
+    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.2\..* num_hidden_layers is 2, num_nextn_predict_layers 0"):
+        loaders[0]()
+    (target_dir / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=2, num_nextn_predict_layers=1)))
+    loaders[0]()   # layer 2 is an MTP layer now: not served, not read
+    (target_dir / "config.json").write_text(json.dumps(cfg))
+    _rewrite_tensors(target_dir, lambda t: t.__setitem__("lm_head.bias", torch.randn(4)))
+    with pytest.raises(CheckpointError, match=r"tensor lm_head\.bias is not one config\.json implies"):
+        loaders[0]()
+
+
+@pytest.mark.parametrize("tp", [False, True])
 @pytest.mark.parametrize(("name", "needle"), [
     ("model.layers.1.mlp.shared_experts.up_proj.weight", "n_shared_experts is 0"),
     ("model.layers.0.mlp.experts.0.up_proj.weight_packed", "first_k_dense_replace 1"),
@@ -453,7 +504,8 @@ def test_a_tensor_of_a_served_layer_the_config_does_not_read_is_refused(target_d
     """A config without n_shared_experts (or with 0) loaded without the shared experts the
     checkpoint holds, and served other numbers; every tensor of a served layer must be read. An
     MTP layer's past them, and a saved rotary buffer, are not."""
-    cfg = json.loads((target_dir / "config.json").read_text())
+    cfg = dict(json.loads((target_dir / "config.json").read_text()), num_nextn_predict_layers=1)
+    (target_dir / "config.json").write_text(json.dumps(cfg))
 
     def load() -> None:   # tp: the tensor-parallel ranks' loader (one rank: this target splits no further)
         if tp:

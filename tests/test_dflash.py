@@ -4,6 +4,7 @@ and the demo tokenizer trainer."""
 from __future__ import annotations
 
 import json
+import shutil
 import math
 from pathlib import Path
 
@@ -194,6 +195,34 @@ def test_load_errors_name_the_field(tmp_path: Path, pair: tuple[Path, Path]) -> 
     _rewrite_config(no_block, block_size=None)
     with pytest.raises(CheckpointError, match="block_size"):
         DFlashDrafter.load(no_block, target_dir)
+    _rewrite_config(no_block, block_size=4, architectures=1)   # a TypeError traceback, before
+    with pytest.raises(CheckpointError, match="field 'architectures' is 1"):
+        DFlashDrafter.load(no_block, target_dir)
+
+
+def test_every_stored_drafter_tensor_is_read_and_a_float(tmp_path: Path, pair: tuple[Path, Path]) -> None:
+    """A layer past the config's, q/k/v biases, or FP8 projections (their scales dropped) loaded
+    without a word and drafted garbage; the drafter's copies of the target's embedding and output
+    projection stay allowed (the target's are used)."""
+    from services.common.checkpoint import load_tensors, save_tensors
+    drafter_dir, target_dir = pair
+    base = load_tensors(drafter_dir)
+    for name, change, needle in (
+            ("layers", lambda w: w.update({"layers.9.input_layernorm.weight": torch.ones(HIDDEN)}),
+             r"tensor 'layers\.9\.input_layernorm\.weight' is not one its config\.json implies"),
+            ("bias", lambda w: w.update({"layers.0.self_attn.q_proj.bias": torch.zeros(4)}), r"q_proj\.bias"),
+            ("fp8", lambda w: w.update({"fc.weight": w["fc.weight"].to(torch.float8_e4m3fn)}), "float8_e4m3fn"),
+            ("shared", lambda w: w.update({"lm_head.weight": torch.zeros(VOCAB, HIDDEN)}), None)):
+        d = tmp_path / name
+        shutil.copytree(drafter_dir, d)
+        weights = dict(base)
+        change(weights)
+        save_tensors(d, weights)
+        if needle is None:
+            DFlashDrafter.load(d, target_dir)
+        else:
+            with pytest.raises(CheckpointError, match=needle):
+                DFlashDrafter.load(d, target_dir)
 
 
 def test_block_size_inside_dflash_config(tmp_path: Path, pair: tuple[Path, Path]) -> None:

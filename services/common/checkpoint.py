@@ -148,13 +148,21 @@ def save_tensors(path: Path, tensors: dict[str, Tensor], max_shard_bytes: int = 
             used = 0
         shards[-1][name] = t
         used += nbytes
+    names = [SINGLE_FILE] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    # An earlier save's other layout goes: a stale index (read before model.safetensors) or shards
+    # kept the old weights loaded after a save over them (make-checkpoint --force, a training run
+    # writing into its last output).
+    stale = [f for f in (path / INDEX_FILE, path / SINGLE_FILE, *path.glob("model-*-of-*.safetensors"))
+             if f.name not in names]
+    for f in stale:
+        f.unlink(missing_ok=True)
     if len(shards) == 1:
         _save_readable(shards[0], path / SINGLE_FILE)
         return
     weight_map: dict[str, str] = {}
     total = 0
-    for i, shard in enumerate(shards):
-        file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    for file_name, shard in zip(names, shards):
         _save_readable(shard, path / file_name)
         for name, t in shard.items():
             weight_map[name] = file_name

@@ -38,7 +38,10 @@ _WRAPPER_FIELDS = ("quantization_config", "eos_token_id", "bos_token_id", "tie_w
 def _raw_config(path: Path) -> dict:
     if not (path / CONFIG_FILE).is_file():
         raise CheckpointError(f"{path}: missing {CONFIG_FILE}")
-    return read_json_object(path / CONFIG_FILE)
+    d = read_json_object(path / CONFIG_FILE)
+    if not isinstance(d.get("model_type", ""), str):   # looked up in dicts: a TypeError traceback, before
+        raise CheckpointError(f"{path / CONFIG_FILE}: field 'model_type' must be a string, got {d['model_type']!r}")
+    return d
 
 
 def read_config(path: Path) -> dict:

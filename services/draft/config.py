@@ -47,7 +47,7 @@ class DraftConfig:
             raise CheckpointError(f"{source}: expected a JSON object, got {type(d).__name__}")
         d = with_rope_parameters(d, source)
         archs = d.get("architectures")
-        if archs is not None and ARCHITECTURE not in archs:
+        if archs is not None and (not isinstance(archs, list) or ARCHITECTURE not in archs):
             raise CheckpointError(
                 f"{source}: field 'architectures' is {archs!r}, expected it to contain {ARCHITECTURE!r}"
             )

@@ -118,6 +118,9 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.unsqueeze(-2) + _rotate_half(x) * sin.unsqueeze(-2)
 
 
+_SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
+
+
 def _strip_prefix(weights: dict[str, Tensor]) -> dict[str, Tensor]:
     """Accept checkpoints saved with a leading 'model.' on every name."""
     if weights and all(k.startswith("model.") for k in weights):
@@ -147,6 +150,8 @@ class DFlashDrafter:
         c = config
         q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
 
+        taken: set[str] = set()
+
         def take(name: str, shape: tuple[int, ...]) -> Tensor:
             t = weights.get(name)
             if t is None:
@@ -155,6 +160,10 @@ class DFlashDrafter:
                 raise CheckpointError(
                     f"drafter weights: tensor '{name}' has shape {tuple(t.shape)}, expected {shape}"
                 )
+            if not t.is_floating_point() or t.element_size() < 2:   # an FP8 one's scale would be dropped
+                raise CheckpointError(f"drafter weights: tensor '{name}' is {t.dtype}; the drafter loads "
+                                      "float32 / bfloat16 / float16 weights")
+            taken.add(name)
             return t.to(device=device, dtype=dtype)
 
         h = c.hidden_size
@@ -179,6 +188,16 @@ class DFlashDrafter:
                     down_proj=take(p + "mlp.down_proj.weight", (h, c.intermediate_size)),
                 )
             )
+        # Every stored tensor is read: layers past num_hidden_layers, q/k/v biases, an FP8 scale
+        # loaded as nothing and drafted garbage. The drafter's copies of the target's embedding and
+        # output projection are not read: the target's own are (DFlash shares them).
+        unread = sorted(n for n in weights if n not in taken and n not in _SHARED_WITH_TARGET
+                        and not n.endswith(".rotary_emb.inv_freq"))
+        if unread:
+            more = f" (+{len(unread) - 1} more)" if len(unread) > 1 else ""
+            raise CheckpointError(f"drafter weights: tensor '{unread[0]}'{more} is not one its config.json implies "
+                                  f"(num_hidden_layers {c.num_hidden_layers}; no attention biases), and would be "
+                                  "left unread")
         for name, t in (("embed_tokens", embed_weight), ("lm_head", lm_head_weight)):
             if tuple(t.shape) != (c.vocab_size, h):
                 raise CheckpointError(

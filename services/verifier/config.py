@@ -74,6 +74,7 @@ class TargetConfig:
     topk_method: str = "noaux_tc"
     eos_token_id: tuple[int, ...] = ()
     quantization: Int4Quantization | None = None
+    num_nextn_predict_layers: int = 0   # MTP layers stored after the decoder's (DeepSeek-V3: 1): not served
 
     @property
     def qk_head_dim(self) -> int:
@@ -224,7 +225,17 @@ def read_target_config(path: Path) -> TargetConfig:
     if not gen_path.is_file():
         return config
     extra = [e for e in _eos_ids(read_json_object(gen_path), str(gen_path)) if e not in config.eos_token_id]
+    _check_eos(extra, config.vocab_size, str(gen_path))
     return replace(config, eos_token_id=config.eos_token_id + tuple(extra)) if extra else config
+
+
+def _check_eos(eos_ids, vocab_size: int, source: str) -> None:
+    """Ids past the vocabulary (another model's generation_config.json) are none the model emits:
+    generation would never stop at its end of turn."""
+    past = [e for e in eos_ids if e >= vocab_size]
+    if past:
+        raise _fail(source, "eos_token_id", f"{past[0]} is past the vocabulary of {vocab_size} tokens "
+                                            "(a config of another model?)")
 
 
 def _parse(d: dict[str, Any], source: str) -> TargetConfig:
@@ -288,12 +299,16 @@ def _parse(d: dict[str, Any], source: str) -> TargetConfig:
         topk_method=g("topk_method", str, "noaux_tc"),
         eos_token_id=eos_ids,
         quantization=_parse_quant(d, source),
+        num_nextn_predict_layers=g("num_nextn_predict_layers", int, 0),
     )
     _check_consistency(cfg, source)
     return cfg
 
 
 def _check_consistency(cfg: TargetConfig, source: str) -> None:
+    _check_eos(cfg.eos_token_id, cfg.vocab_size, source)
+    if cfg.num_nextn_predict_layers < 0:
+        raise _fail(source, "num_nextn_predict_layers", f"must be >= 0, got {cfg.num_nextn_predict_layers}")
     if cfg.qk_rope_head_dim % 2:
         raise _fail(source, "qk_rope_head_dim", f"must be even, got {cfg.qk_rope_head_dim}")
     for field in ("rope_theta", "rms_norm_eps", "routed_scaling_factor"):   # 0: infinite frequencies, a 0/0 norm

@@ -122,20 +122,23 @@ def check_tensor_names(config: TargetConfig, expected: Mapping[str, tuple[int, .
     ordered groups, zero points), or one in a served layer that the config does not imply. That last
     one would be left unread: a config without its ``n_shared_experts`` loaded without the shared
     experts and served other numbers than the checkpoint's. MTP layers past ``num_hidden_layers``
-    are not served and are skipped. ``expected``: ``expected_tensors(config)``."""
+    are not served and are skipped (``num_nextn_predict_layers`` of them: any further layer means a
+    ``num_hidden_layers`` smaller than the checkpoint's, which served a truncated model).
+    ``expected``: ``expected_tensors(config)``."""
     missing = [n for n in expected if n not in index]
     if missing:
         first = missing[0]
         more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{where}: missing tensor {first}{more}{_missing_hint(config, first, index)}")
     unread = []
+    mtp = range(config.num_hidden_layers, config.num_hidden_layers + config.num_nextn_predict_layers)
     for name in index:
-        if name in expected or name.endswith(_IGNORED_SUFFIXES) or _layer_of(name) >= config.num_hidden_layers:
+        if name in expected or name.endswith(_IGNORED_SUFFIXES) or _layer_of(name) in mtp:
             continue
         if name.endswith(_UNSUPPORTED_SUFFIXES):
             raise CheckpointError(f"{where}: tensor {name}: {name.rsplit('.', 1)[-1]} is not supported "
                                   "(symmetric INT4 groups in order only)")
-        if _layer_of(name) >= 0:
+        if _layer_of(name) >= 0 or name.startswith(_OUTER_MODULES):   # e.g. an lm_head.bias, never added
             unread.append(name)
     if unread:
         more = f" (+{len(unread) - 1} more)" if len(unread) > 1 else ""
@@ -144,6 +147,7 @@ def check_tensor_names(config: TargetConfig, expected: Mapping[str, tuple[int, .
 
 
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)   # a buffer older exports saved; recomputed from the config
+_OUTER_MODULES = ("lm_head.", "model.norm.", "model.embed_tokens.")   # the served modules outside the layers
 
 
 def _layer_of(name: str) -> int:
@@ -171,6 +175,9 @@ def _missing_hint(config: TargetConfig, name: str, index: Mapping[str, str]) -> 
 
 
 def _unread_hint(config: TargetConfig, name: str) -> str:
+    if _layer_of(name) >= config.num_hidden_layers:
+        return (f" num_hidden_layers is {config.num_hidden_layers}, num_nextn_predict_layers "
+                f"{config.num_nextn_predict_layers}")
     if ".mlp.shared_experts." in name:
         return f" n_shared_experts is {config.n_shared_experts}"
     if ".mlp.experts." in name or ".mlp.gate." in name:

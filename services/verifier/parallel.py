@@ -26,7 +26,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from services.common.checkpoint import CheckpointError, open_safetensors, tensor_index, weight_prefix
+from services.common.checkpoint import INDEX_FILE, CheckpointError, open_safetensors, tensor_index, weight_prefix
 from services.common.grpc_server import ServiceError
 from services.verifier.config import TargetConfig
 
@@ -91,6 +91,7 @@ def load_rank_slice(path: Path, config: TargetConfig, expected: dict[str, tuple[
     check_tensor_names(config, expected, index, str(path))
     out: dict[str, torch.Tensor] = {}
     handles: dict[str, Any] = {}
+    held: dict[str, set[str]] = {}   # each file's tensor names
     plan: list[tuple[str, Any, _Rule | None]] = []
     try:
         for name, want in expected.items():
@@ -101,6 +102,9 @@ def load_rank_slice(path: Path, config: TargetConfig, expected: dict[str, tuple[
                 if not (path / file_name).is_file():
                     raise CheckpointError(f"{path}: shard file {file_name} is missing")
                 handles[file_name] = open_safetensors(path / file_name)
+                held[file_name] = set(handles[file_name].keys())
+            if stored + name not in held[file_name]:   # safetensors' own error, a traceback, before
+                raise CheckpointError(f"{path / file_name}: missing tensor {stored + name} (listed in {INDEX_FILE})")
             sl = handles[file_name].get_slice(stored + name)
             shape = tuple(sl.get_shape())
             if shape != tuple(want):
