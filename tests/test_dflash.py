@@ -212,7 +212,8 @@ def test_every_stored_drafter_tensor_is_read_and_a_float(tmp_path: Path, pair: t
              r"tensor 'layers\.9\.input_layernorm\.weight' is not one its config\.json implies"),
             ("bias", lambda w: w.update({"layers.0.self_attn.q_proj.bias": torch.zeros(4)}), r"q_proj\.bias"),
             ("fp8", lambda w: w.update({"fc.weight": w["fc.weight"].to(torch.float8_e4m3fn)}), "float8_e4m3fn"),
-            ("shared", lambda w: w.update({"lm_head.weight": torch.zeros(VOCAB, HIDDEN)}), None)):
+            ("shared", lambda w: w.update({"lm_head.weight": torch.zeros(VOCAB, HIDDEN)}), None),
+            ("rotary", lambda w: w.update({"rotary_emb.inv_freq": torch.ones(4)}), None)):   # a saved buffer
         d = tmp_path / name
         shutil.copytree(drafter_dir, d)
         weights = dict(base)

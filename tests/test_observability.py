@@ -33,13 +33,15 @@ def test_a_logged_exception_keeps_its_error_and_trace_in_json_logs() -> None:
     """The JSON renderer wrote only "exc_info": true (compose logs JSON): a draft's failed verifier
     reply, turned into UNAVAILABLE, kept no trace anywhere."""
     code = ("from services.common.logging import configure_logging, get_logger; configure_logging('draft', True)\n"
-            "try:\n    raise RuntimeError('CUDA error: an illegal memory access')\n"
+            "def step(prompt_text):\n    raise RuntimeError('CUDA error: an illegal memory access')\n"
+            "try:\n    step('my confidential question')\n"
             "except RuntimeError:\n    get_logger('d').exception('verifier_reply_failed')\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     (event,) = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
     assert event["event"] == "verifier_reply_failed"
     (exc,) = event["exception"]
     assert exc["exc_type"] == "RuntimeError" and "illegal memory access" in exc["exc_value"] and exc["frames"]
+    assert "confidential" not in out.stderr   # no frame's locals (a step's prompt, a reply of features)
 
 
 def test_the_drafts_reconnect_warns_once_of_a_refused_token_not_each_second(monkeypatch) -> None:
@@ -70,6 +72,23 @@ def test_the_drafts_reconnect_warns_once_of_a_refused_token_not_each_second(monk
         asyncio.run(server._reconnect_when_lost(Engine(), interval_s=0.001))
     # one line a kind, and the token again after a reconnect in between
     assert warned == ["UNAUTHENTICATED", "OSError('no room in /dev/shm')", "UNAUTHENTICATED"], warned
+    # ... also where a step or the scheduler's probe reconnected it between two rounds
+    warned.clear()
+    states = iter([False, True, False])   # lost, reconnected elsewhere, lost again
+    failures = iter([ServiceError(grpc.StatusCode.UNAUTHENTICATED, "x")] * 2)
+
+    def state(self) -> bool:
+        value = next(states, None)
+        if value is None:
+            raise Done
+        return value
+
+    class Elsewhere(Engine):
+        verifier = type("Verifier", (), {"connected": property(state), "handshake": None})()
+
+    with pytest.raises(Done):
+        asyncio.run(server._reconnect_when_lost(Elsewhere(), interval_s=0.001))
+    assert warned == ["UNAUTHENTICATED", "UNAUTHENTICATED"], warned
 
 
 def test_the_health_probe_says_not_serving(capsys) -> None:

@@ -192,7 +192,7 @@ class DFlashDrafter:
         # loaded as nothing and drafted garbage. The drafter's copies of the target's embedding and
         # output projection are not read: the target's own are (DFlash shares them).
         unread = sorted(n for n in weights if n not in taken and n not in _SHARED_WITH_TARGET
-                        and not n.endswith(".rotary_emb.inv_freq"))
+                        and not f".{n}".endswith(".rotary_emb.inv_freq"))
         if unread:
             more = f" (+{len(unread) - 1} more)" if len(unread) > 1 else ""
             raise CheckpointError(f"drafter weights: tensor '{unread[0]}'{more} is not one its config.json implies "

@@ -100,7 +100,9 @@ async def _reconnect_when_lost(engine: DraftEngine, interval_s: float = 1.0) -> 
     said = None   # the failure warned of last: said once until it changes or a reconnect works (not a line a second)
     while True:
         await asyncio.sleep(interval_s)
-        if not engine.verifier.connected:
+        if engine.verifier.connected:   # (a step or the scheduler's probe may have reconnected it)
+            said = None
+        else:
             try:
                 await engine.ensure_connected()
                 handshake = engine.verifier.handshake
