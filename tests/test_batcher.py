@@ -196,6 +196,39 @@ def test_step_loop_pauses_speculation_for_the_whole_batch() -> None:
     asyncio.run(scenario())
 
 
+def test_a_lane_stopped_with_a_release_in_flight_gives_its_kv_back() -> None:
+    """A replica forgotten (its name no longer resolves) while its release step hung kept that
+    step's KV in the cancelled step: the group's budget lost it for good."""
+    from ddtree.v1 import draft_pb2
+
+    class Draft:   # answers a request's step, then hangs on the release
+        async def step(self, req, timeout):
+            if not req.items:
+                await asyncio.sleep(60)
+            return draft_pb2.StepResponse(results=[draft_pb2.StepResult(
+                request_id=i.request_id, token_ids=[5], acceptance_length=0 if i.prompt_token_ids else 1)
+                for i in req.items])
+
+        def close(self) -> None:
+            pass
+
+    async def scenario() -> None:
+        lane = loop()
+        lane.draft = Draft()
+        req = request("r", 10, kv=600)
+        req.max_tokens = 1
+        lane.submit(req)
+        lane.start()
+        deadline = time.monotonic() + 5
+        while not lane._releasing and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert req.done and lane._releasing and lane.kv.reserved == 600
+        await lane.stop()
+        assert lane.kv.reserved == 0
+
+    asyncio.run(scenario())
+
+
 def test_a_pause_is_spent_on_decoding_steps_and_a_request_into_an_empty_batch_follows_it() -> None:
     """A pause of 4 steps spent on a long prompt's pieces left none for decoding (the first decode
     speculated again); a request admitted into an empty batch took the last decision, not the

@@ -539,5 +539,10 @@ def test_prompts_that_would_overflow_the_verifiers_reply_are_refused_alone(ckpt)
                 return draft_pb2.StepItem(request_id=rid, prompt_token_ids=[5] * n, budget=4, max_new_tokens=8,
                                           mode=common_pb2.MODE_DDTREE)
             room = 100 - 3 * block   # three items, each committing up to a block
-            return await step(r.link, [decode("running"), prompt("fits", room), prompt("over", 1)])
-    assert asyncio.run(run()) == [("running", "OK"), ("fits", "OK"), ("over", "RESOURCE_EXHAUSTED")]
+            first = await step(r.link, [decode("running"), prompt("fits", room), prompt("over", 1)])
+            # A prompt refused for itself (its id runs already) is not sent: its tokens take no room.
+            second = await step(r.link, [prompt("fits", room), prompt("later", room)])
+            return first, second
+    first, second = asyncio.run(run())
+    assert first == [("running", "OK"), ("fits", "OK"), ("over", "RESOURCE_EXHAUSTED")]
+    assert second == [("fits", "ALREADY_EXISTS"), ("later", "OK")]

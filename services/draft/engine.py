@@ -223,13 +223,13 @@ class DraftEngine:
                                   f"reply larger than gRPC's {MAX_MESSAGE_BYTES >> 30} GiB message "
                                   "(scheduler.max_prefill_tokens keeps steps below it)")
                 continue
-            if prompt_room is not None:
-                prompt_room -= len(item.prompt_token_ids)
             err = self._admit(item, prefills, verifying, budgets, owner)
             if err is not None:
                 results[item.request_id] = draft_pb2.StepResult(request_id=item.request_id,
                                                                 error_code=err.code.value[0],
                                                                 error_message=err.message)
+            elif prompt_room is not None:   # a refused prompt is not sent: its tokens take no room
+                prompt_room -= len(item.prompt_token_ids)
         try:
             trees = await self._trees_for(verifying, budgets, ahead) if verifying else []
             packed = _pack_trees(trees) if trees else None

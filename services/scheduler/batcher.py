@@ -198,8 +198,16 @@ class StepLoop:
         self._task = asyncio.create_task(self.run())
 
     async def stop(self) -> None:
+        """Ends the loop, a step in flight too. What its releases owed the KV budget goes back: the
+        replica is gone (forgotten) or the scheduler stops, and the verifier frees those pages as
+        the replica's stream ends (kept in the cancelled step, a forgotten replica's share stayed
+        reserved for good, shrinking its group's budget)."""
         if self._task is not None:
             self._task.cancel()
+            await asyncio.wait([self._task], timeout=5.0)
+        for budget, tokens in self._owed:
+            budget.release(tokens)
+        self._owed = []
         self.draft.close()
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -228,6 +236,9 @@ class StepLoop:
                 self._fail_replica(exc)
                 answered = None
                 continue
+            except asyncio.CancelledError:   # `stop`: what this step owed goes back there
+                self._owed = owed + self._owed
+                raise
             finally:
                 self._releasing = []
             for budget, tokens in owed:   # freed at the verifier now: any lane sharing it may admit
