@@ -37,7 +37,7 @@ from services.common.launcher import StackSpec, free_port
 from services.common.settings import SchedulerSettings
 from services.scheduler.client import AsyncClient, ClientError
 
-__all__ = ["MatrixParams", "Cell", "cell_plan", "run_matrix", "write_results", "stack_spec", "check_fits",
+__all__ = ["MatrixParams", "Cell", "cell_plan", "run_matrix", "write_results", "local_gpu_name", "stack_spec", "check_fits",
            "load_token_stream"]
 
 ROW_KEYS = ("context", "concurrency", "mode", "budget", "agg_tok_s", "per_req_tok_s", "p50_tpot_ms", "p99_tpot_ms",
@@ -394,7 +394,8 @@ def check_fits(info: common_pb2.ModelInfo, p: MatrixParams) -> None:
 
 
 # ---- results ----------------------------------------------------------------------------------
-def _gpu_name() -> str:
+def local_gpu_name() -> str:
+    """This machine's first GPU by name, or "cpu" without one."""
     try:
         import torch
         return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
@@ -410,7 +411,7 @@ def write_results(rows: list[dict], params: MatrixParams, out_json: Path, copy_g
     its model info says), by default this machine's GPU."""
     out_json = Path(out_json)
     out_json.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"benchmark": out_json.stem, "commit": git_commit(commit), "gpu": gpu or _gpu_name(), "copy_gbps": copy_gbps,
+    doc = {"benchmark": out_json.stem, "commit": git_commit(commit), "gpu": gpu or local_gpu_name(), "copy_gbps": copy_gbps,
            "params": {**{k: v for k, v in asdict(params).items() if k != "token"}, **(extra or {})}, "rows": rows}
     tmp = out_json.with_suffix(".json.part")
     try:

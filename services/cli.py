@@ -429,7 +429,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     from google.protobuf.json_format import MessageToDict
 
-    from bench.matrix import MatrixParams, check_fits, run_matrix, stack_spec, write_results
+    from bench.matrix import MatrixParams, check_fits, local_gpu_name, run_matrix, stack_spec, write_results
     from services.common.launcher import Stack
     from services.scheduler.client import Client, ClientError
 
@@ -480,7 +480,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         # address, was written as a run on this host's GPU. Its copy bandwidth where this host has
         # the same GPU (a stack here), else none measured.
         gpu = info.device or "unknown"
-        if gpu != _local_gpu():
+        if gpu != local_gpu_name():   # (no copy is measured without a GPU here)
             copy_gbps = None
         if not params.prompt_file:   # a trained drafter accepts little of them: not its acceptance on text
             print("ddtree bench: prompts are synthetic token ids (no --prompt-file): acceptance and DDTree "
@@ -505,15 +505,6 @@ def _paused(row: dict) -> str:
     if row["mode"] == "autoregressive" or share is None or share >= 1:
         return ""
     return f" (trees {share:.0%} of steps: speculation paused, scheduler.spec_min_acceptance)"
-
-
-def _local_gpu() -> str | None:
-    """This machine's first GPU by name (None without one)."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 def _copy_gbps() -> float | None:

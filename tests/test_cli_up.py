@@ -542,7 +542,7 @@ def test_bench_records_what_served_the_run_not_this_machine(monkeypatch, capsys,
 
     monkeypatch.setattr(signal, "signal", lambda *args: None)
     monkeypatch.setattr(cli, "_copy_gbps", lambda: 4312.0)        # this machine has a GPU ...
-    monkeypatch.setattr(cli, "_local_gpu", lambda: "NVIDIA H200")
+    monkeypatch.setattr(bench.matrix, "local_gpu_name", lambda: "NVIDIA H200")
     monkeypatch.setattr("services.scheduler.client.Client", Answers)
     monkeypatch.setattr(bench.matrix, "run_matrix", lambda params, on_row=None: [])
     out = tmp_path / "m.json"
