@@ -617,6 +617,98 @@ def test_a_lane_follows_its_replicas_verifier_to_that_groups_kv_budget() -> None
     assert owed == 500 and old.reserved == 0 and new.reserved == 0
 
 
+def test_a_replica_rejoining_behind_a_restarted_verifier_moves_its_groups_other_replicas_at_once() -> None:
+    """One replica's step failed as its verifier restarted; the other, idle, stayed up. The first
+    rejoins on the new group's budget; the second moves to it in the same round, not up to five
+    seconds later at the next discovery round: meanwhile the new group was admitted against the
+    old budget and the new one, twice its cache."""
+    from services.scheduler.router import Router
+
+    async def scenario():
+        router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+        old = router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000))
+        other = router._budget(common_pb2.ModelInfo(verifier_id="w1", kv_capacity_tokens=10_000))
+        lanes = [StepLoop(SchedulerSettings(), f"d{i}", Draft("v1"), Limits(64, 4096, 16, (0,), 10_000), old,
+                          router.metrics) for i in range(2)]
+        apart = StepLoop(SchedulerSettings(), "w", Draft("w1"), Limits(64, 4096, 16, (0,), 10_000), other, router.metrics)
+        router.lanes += lanes + [apart]
+        lanes[0].healthy = False
+        for lane in lanes:
+            lane.draft.stub.verifier_id = "v2"    # the verifier restarted
+        apart.draft.stub.down = True              # another group's replica, not probed for this
+        await router._recover(lanes[0])
+        return lanes[0].kv, lanes[1].kv, old, apart
+
+    new, second, old, apart = asyncio.run(scenario())
+    assert new is not old and new.verifier_id == "v2"
+    assert second is new
+    assert apart.healthy
+
+
+def test_the_rejoin_hold_grows_from_the_second_failed_step_in_a_row() -> None:
+    from services.scheduler.batcher import REJOIN_HOLD_MAX_S, rejoin_hold_s
+
+    assert [rejoin_hold_s(n) for n in range(0, 5)] == [0.0, 0.0, 1.0, 2.0, 4.0]
+    assert rejoin_hold_s(7) == REJOIN_HOLD_MAX_S == rejoin_hold_s(10**6)
+
+
+def test_a_replica_whose_steps_keep_failing_while_it_answers_probes_is_held_down() -> None:
+    """A broken verifier behind a live draft: each step fails, yet each probe answers. It rejoined
+    every probe round and, least loaded (its requests failed at once), took the next requests and
+    failed them. From its second failed step in a row it stays down for a while: its queue is not
+    kept, and it is not probed; once the hold is over it rejoins, and an answered step clears it."""
+    from services.scheduler.router import Router
+
+    class Flaky(Draft):
+        failing = True
+
+        async def step(self, req, timeout):
+            if self.failing and req.items:
+                raise StepFailed(grpc.StatusCode.INTERNAL, "verifier broken")
+            return await super().step(req, timeout)
+
+    async def failed(lane: StepLoop, req: ActiveRequest) -> None:
+        lane.submit(req)
+        for _ in range(200):
+            if not lane.healthy:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the step did not fail")
+
+    async def scenario():
+        router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+        lane = StepLoop(SchedulerSettings(), "d0", Flaky("v1"), Limits(64, 4096, 16, (0,), 10_000),
+                        router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000)), router.metrics)
+        router.lanes.append(lane)
+        lane.start()
+        await failed(lane, request("a", 10))
+        first = (lane.failed_steps, lane.rejoin_after <= time.monotonic())
+        await router._recover(lane)                 # one failed step: back at the next probe
+        back_after_one = lane.healthy
+        await failed(lane, request("b", 10))
+        queued = request("c", 10)
+        lane.waiting.append(queued)
+        await router._recover(lane)                 # two in a row: held down, its queue not kept
+        held = (lane.healthy, lane.failed_steps, queued.error is not None and queued.error.code, list(lane.waiting))
+        lane.draft.failing = False
+        lane.rejoin_after = time.monotonic()        # the hold is over
+        await router._recover(lane)
+        back = lane.healthy
+        ok = request("d", 10)
+        lane.submit(ok)
+        for _ in range(200):
+            if ok.done:
+                break
+            await asyncio.sleep(0.01)
+        await lane.stop()
+        return first, back_after_one, held, back, ok.error, lane.failed_steps
+
+    first, back_after_one, held, back, error, failed_steps = asyncio.run(scenario())
+    assert first == (1, True) and back_after_one
+    assert held == (False, 2, grpc.StatusCode.UNAVAILABLE, [])
+    assert back and error is None and failed_steps == 0
+
+
 def test_a_queue_whose_verifier_came_back_smaller_refuses_what_no_longer_fits() -> None:
     """The verifier restarts with a smaller KV cache and its replicas stay up: a queued request
     larger than the new cache sat at the head of the queue for good, and every request behind it.

@@ -27,14 +27,30 @@ from services.scheduler.draft_link import DraftLink, StepFailed
 from services.scheduler.request import ActiveRequest, Limits, step_prompt_tokens
 from services.scheduler.speculation import SpeculationGate
 
-__all__ = ["StepLoop", "KvBudget", "log_end"]
+__all__ = ["StepLoop", "KvBudget", "log_end", "rejoin_hold_s"]
 
 log = get_logger("scheduler")
 
 _FINISH_NAMES = {v: k for k, v in scheduler_pb2.FinishReason.items()}
 
+# A replica whose steps keep failing while its probe answers (a broken verifier behind a live
+# draft) would rejoin each probe round and take the next requests (least loaded: its own failed at
+# once): from its second failed step in a row it stays down this long, doubling, up to the most.
+REJOIN_HOLD_S = 1.0
+REJOIN_HOLD_MAX_S = 30.0
+FAILURES_FORGOTTEN_S = 120.0   # a failed step this long after the one before starts a new run
+
 _RUN = secrets.token_hex(3)         # this scheduler process's, so a restarted one never reuses a wire id
 _ADMISSIONS = itertools.count()
+
+
+def rejoin_hold_s(failed_steps: int) -> float:
+    """How long a replica stays down after ``failed_steps`` failed steps in a row: none after one
+    (a slow step, a verifier restart: the next probe brings it back), then ``REJOIN_HOLD_S``,
+    doubling, at most ``REJOIN_HOLD_MAX_S``."""
+    if failed_steps <= 1:
+        return 0.0
+    return min(REJOIN_HOLD_MAX_S, REJOIN_HOLD_S * 2.0 ** min(failed_steps - 2, 32))
 
 
 def wire_id(request_id: str) -> str:
@@ -99,6 +115,9 @@ class StepLoop:
         self.limits = limits
         self.metrics = metrics
         self.healthy = True
+        self.failed_steps = 0       # failed steps since the last answered one (`rejoin_hold_s`)
+        self.rejoin_after = 0.0     # monotonic time before which the router does not bring it back
+        self._failed_at = 0.0
         self.waiting: deque[ActiveRequest] = deque()
         self.running: dict[str, ActiveRequest] = {}   # by wire id
         self._release: list[str] = []     # wire ids of ended requests, released with the next step
@@ -243,6 +262,7 @@ class StepLoop:
                 self._releasing = []
             for budget, tokens in owed:   # freed at the verifier now: any lane sharing it may admit
                 budget.release(tokens)
+            self.failed_steps = 0
             answered = time.perf_counter()
             if items:   # a release-only step is no decode step
                 self.metrics.step_ms.labels("step_rpc").observe((answered - sent) * 1e3)
@@ -283,12 +303,17 @@ class StepLoop:
         probe brings it back once it answers: a replica that failed every step at once, left up,
         took the next one at once, thousands a second)."""
         self.healthy = False
+        now = time.monotonic()
+        self.failed_steps = 1 if now - self._failed_at > FAILURES_FORGOTTEN_S else self.failed_steps + 1
+        self._failed_at = now
+        hold = rejoin_hold_s(self.failed_steps)
+        self.rejoin_after = now + hold
         # Whatever ended the stream (a refused internal token, a verifier that would not hand-shake
         # again, a bug there), it is no fault of the clients' requests: UNAVAILABLE, which they retry.
         said = "" if exc.code == grpc.StatusCode.UNAVAILABLE else f" ({exc.code.name})"
         err = ServiceError(grpc.StatusCode.UNAVAILABLE, f"draft replica {self.address} failed{said}: {exc.details}")
         log.warning("draft_replica_failed", address=self.address, code=exc.code.name, details=exc.details,
-                    running=len(self.running))
+                    running=len(self.running), failed_steps=self.failed_steps, held_down_s=hold)
         for req in list(self.running.values()):
             self._finish(req, error=err)
         # The failed requests are released with the next step that reaches the replica (the draft

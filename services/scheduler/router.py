@@ -2,7 +2,8 @@
 
 Replicas in front of the same verifier group share that group's KV budget. A replica that fails is
 marked down (its running requests end with UNAVAILABLE, its queued ones move to a live replica) and
-probed until it answers again, when it rejoins.
+probed until it answers again, when it rejoins; one whose steps keep failing is held down longer
+each time (`batcher.rejoin_hold_s`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import dataclasses
 import itertools
 import socket
+import time
 
 import grpc
 
@@ -291,12 +293,13 @@ class Router:
                 said.discard(lane.address)
             log.info("draft_replica_forgotten", address=lane.address, reason="its name no longer resolves to it")
 
-    async def _follow_verifiers(self) -> None:
+    async def _follow_verifiers(self, lanes: list[StepLoop] | None = None) -> None:
         """A verifier that restarted has a new id, and the replicas in front of it reconnect on
         their own, staying up: each lane's KV budget follows its replica's verifier, so one group
         is never admitted against two budgets (the lanes that rejoined would have the new one).
-        An idle replica that does not answer is marked down here (a busy one's step fails)."""
-        for lane in [x for x in self.lanes if x.healthy]:
+        An idle replica that does not answer is marked down here (a busy one's step fails).
+        ``lanes``: only these (default: every live one)."""
+        for lane in [x for x in (self.lanes if lanes is None else lanes) if x.healthy]:
             # Another model's answer is no answer (a busy one's next step fails: its verifier restarted).
             info = self._same_model(lane.address, await self._probe(lane.draft.stub, 1.0, lane.address))
             if info is None and not lane.running:
@@ -395,6 +398,13 @@ class Router:
         replica marked down by one slow step keeps its queue), and no answer fails that work. That
         work stays in the lane's queue during the probe, where an abort finds it (nothing steps a
         lane that is down)."""
+        hold = lane.rejoin_after - time.monotonic()
+        if hold > 0:   # its steps keep failing (`rejoin_hold_s`): not probed, its queue not kept
+            for req in lane.take_waiting():
+                lane.fail_unstarted(req, ServiceError(grpc.StatusCode.UNAVAILABLE, (
+                    f"draft replica {lane.address} failed {lane.failed_steps} steps in a row (tried again in "
+                    f"{hold:.0f} s) and no other replica that can hold the request is up")))
+            return
         info = self._same_model(lane.address, await self._probe(lane.draft.stub, 1.0, lane.address))   # another model: down
         if lane not in self.lanes:   # forgotten during the probe (`_forget_gone`)
             return
@@ -402,11 +412,16 @@ class Router:
             for req in lane.take_waiting():
                 lane.fail_unstarted(req, ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica that can hold it is up"))
             return
-        lane.kv = self._budget(info)
+        before, lane.kv = lane.kv, self._budget(info)
         self._follow_width(lane, info)
         self._refuse_unfitting(lane, [])   # what another replica could take has gone there already
         lane.mark_healthy()
         log.info("draft_replica_rejoined", address=lane.address)
+        if before.verifier_id and before is not lane.kv:
+            # Its verifier restarted: the live replicas still on the old group's budget are asked
+            # now, not at the next discovery round (up to DISCOVERY_EVERY rounds on), while until
+            # then the new group was admitted against both budgets, twice its cache.
+            await self._follow_verifiers([x for x in self.lanes if x.kv is before])
 
     async def stop(self) -> None:
         for task in (self._watch, self._discovery):
