@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -38,7 +39,7 @@ from services.common.settings import SchedulerSettings
 from services.scheduler.client import AsyncClient, ClientError
 
 __all__ = ["MatrixParams", "Cell", "cell_plan", "run_matrix", "write_results", "local_gpu_name", "stack_spec", "check_fits",
-           "load_token_stream"]
+           "load_token_stream", "power_gpu_ids", "PowerSampler"]
 
 ROW_KEYS = ("context", "concurrency", "mode", "budget", "agg_tok_s", "per_req_tok_s", "p50_tpot_ms", "p99_tpot_ms",
             "ttft_ms", "mean_acceptance", "power_w")
@@ -62,6 +63,7 @@ class MatrixParams:
     time_budget_s: float = 0.0     # 0 = unbounded; cells not started within it are recorded as skipped
     warmup_tokens: int = 8         # per (context, mode) warm-up request pair before the matrix; 0 = none
     power: bool = True             # sample GPU power; off isolates the sampler's cost (see BENCHMARKS.md)
+    power_gpus: list[str] = field(default_factory=list)   # NVML indices / UUIDs sampled (`power_gpu_ids`); [] = all
     tls_ca: str = ""               # a scheduler that speaks TLS: the PEM roots to trust
     tls_server_name: str = ""      # the name its certificate holds, where not the address's host
     token: str = field(default="", repr=False)   # its bearer token (never written to the results)
@@ -88,11 +90,20 @@ def cell_plan(p: MatrixParams) -> list[Cell]:
 
 
 # ---- power ------------------------------------------------------------------------------------
-class PowerSampler:
-    """GPU power (W) and utilisation (%) every 100 ms while a cell runs: NVML when the bindings are
-    installed, else `nvidia-smi` (the GPU image may lack pynvml), else nothing (no GPU)."""
+def power_gpu_ids(spec: str = "") -> list[str]:
+    """The GPUs whose power a run samples, as NVML indices or UUIDs: ``spec`` (comma-separated), else
+    those ``CUDA_VISIBLE_DEVICES`` names (a stack started from here sees only those), else [] (every
+    GPU of the host: on a host shared with other work, name the stack's)."""
+    text = spec or os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return [x.strip() for x in text.split(",") if x.strip()]
 
-    def __init__(self, enabled: bool = True) -> None:
+
+class PowerSampler:
+    """GPU power (W, summed) and utilisation (%, averaged) of ``gpus`` (`power_gpu_ids`; [] = every
+    GPU) every 100 ms while a cell runs: NVML when the bindings are installed, else `nvidia-smi` (the
+    GPU image may lack pynvml), else nothing (no GPU, or a GPU named that is not there)."""
+
+    def __init__(self, enabled: bool = True, gpus: list[str] | None = None) -> None:
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -100,7 +111,7 @@ class PowerSampler:
         self.source = "off"
         if enabled:
             for source, reader in (("nvml", _nvml_reader), ("nvidia-smi", _smi_reader)):
-                self._read = reader()
+                self._read = reader(list(gpus or []))
                 if self._read is not None:
                     self.source = source
                     break
@@ -130,12 +141,16 @@ class PowerSampler:
         return statistics.mean(p for p, _ in self.samples), statistics.mean(u for _, u in self.samples)
 
 
-def _nvml_reader() -> Callable[[], tuple[float, float]] | None:
+def _nvml_reader(gpus: list[str]) -> Callable[[], tuple[float, float]] | None:
     try:
         import pynvml
         pynvml.nvmlInit()
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-    except Exception:  # noqa: BLE001 - no bindings or no driver
+        if gpus:
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(int(g)) if g.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(g)
+                       for g in gpus]
+        else:
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    except Exception:  # noqa: BLE001 - no bindings, no driver, or a GPU named that is not there
         return None
     if not handles:
         return None
@@ -146,11 +161,13 @@ def _nvml_reader() -> Callable[[], tuple[float, float]] | None:
     return read
 
 
-def _smi_reader() -> Callable[[], tuple[float, float]] | None:
+def _smi_reader(gpus: list[str]) -> Callable[[], tuple[float, float]] | None:
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
     cmd = [exe, "--query-gpu=power.draw,utilization.gpu", "--format=csv,noheader,nounits"]
+    if gpus:
+        cmd.append(f"--id={','.join(gpus)}")
 
     def read() -> tuple[float, float]:
         lines = subprocess.run(cmd, capture_output=True, text=True, timeout=5, check=True).stdout.split("\n")
@@ -322,7 +339,7 @@ def run_matrix(p: MatrixParams, progress: bool = True,
             rows.append(_empty_row(cell, "skipped"))
         else:
             before, sched_before = stage_totals(p.draft_metrics), stage_totals(p.scheduler_metrics)
-            with PowerSampler(p.power) as power:   # the last cell is cut at the deadline, so the run ends by it
+            with PowerSampler(p.power, p.power_gpus) as power:   # the last cell is cut at the deadline, so the run ends by it
                 stats = asyncio.run(_run_cell(p, cell, p.max_tokens, stream, min(p.cell_timeout_s, left)))
             watts, util = power.mean()
             rows.append({"context": cell.context, "concurrency": cell.concurrency, "mode": cell.mode,

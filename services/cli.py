@@ -429,7 +429,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     from google.protobuf.json_format import MessageToDict
 
-    from bench.matrix import MatrixParams, check_fits, local_gpu_name, run_matrix, stack_spec, write_results
+    from bench.matrix import MatrixParams, check_fits, local_gpu_name, power_gpu_ids, run_matrix, stack_spec, write_results
     from services.common.launcher import Stack
     from services.scheduler.client import Client, ClientError
 
@@ -438,7 +438,8 @@ def _run_bench(args: argparse.Namespace) -> int:
                           draft_metrics=args.draft_metrics, scheduler_metrics=args.scheduler_metrics,
                           vocab_high=args.vocab_high, prompt_file=args.prompt_file,
                           cell_timeout_s=args.cell_timeout, time_budget_s=args.time_budget,
-                          warmup_tokens=args.warmup_tokens, power=not args.no_power, tls_ca=args.tls_ca or "",
+                          warmup_tokens=args.warmup_tokens, power=not args.no_power,
+                          power_gpus=power_gpu_ids(args.power_gpus), tls_ca=args.tls_ca or "",
                           tls_server_name=args.tls_server_name or "", token=args.token or "")
     out = Path(args.out)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # unwind: stop the stack
@@ -593,6 +594,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(timed_out), cells not started are recorded as skipped")
     b.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the warm-up requests (0 = none)")
     b.add_argument("--no-power", action="store_true", help="do not sample GPU power (NVML / nvidia-smi)")
+    b.add_argument("--power-gpus", default="", metavar="IDS",
+                   help="GPUs whose power is sampled, comma-separated NVML indices or UUIDs (default: those "
+                   "CUDA_VISIBLE_DEVICES names, else every GPU of this host)")
     b.add_argument("--commit", default="", help="commit to record (default: git HEAD, where there is a .git)")
     b.add_argument("--out", default="matrix-local.json",
                    help="result file, a PNG beside it (default: matrix-local.json here; the files under "

@@ -351,6 +351,41 @@ def test_power_sampler_off_reads_nothing() -> None:
     assert sampler.source == "off" and sampler.mean() == (None, None)
 
 
+def test_power_is_sampled_on_the_gpus_named_not_every_gpu_of_the_host(monkeypatch) -> None:
+    """On a host shared with other work, the power of every GPU NVML sees was summed into the run's:
+    `--power-gpus`, else CUDA_VISIBLE_DEVICES, names the GPUs read (NVML by index or UUID;
+    nvidia-smi with --id)."""
+    import sys
+    import types
+
+    import bench.matrix as matrix
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1, GPU-abc")
+    assert matrix.power_gpu_ids("") == ["1", "GPU-abc"] and matrix.power_gpu_ids("3") == ["3"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert matrix.power_gpu_ids("") == []
+
+    watts = {"0": 100_000, "1": 200_000, "GPU-abc": 300_000}   # milliwatts, by GPU
+    nvml = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: str(i), nvmlDeviceGetHandleByUUID=lambda u: u,
+        nvmlDeviceGetPowerUsage=lambda h: watts[h],
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=50))
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert matrix._nvml_reader(["1", "GPU-abc"])() == (500.0, 50)
+    assert matrix._nvml_reader([])() == (300.0, 50)   # none named: every GPU (0 and 1)
+
+    seen: list[list[str]] = []
+
+    def run(cmd, **kwargs):
+        seen.append(cmd)
+        return types.SimpleNamespace(stdout="150.0, 40\n")
+    monkeypatch.setattr(matrix.shutil, "which", lambda exe: "/bin/nvidia-smi")
+    monkeypatch.setattr(matrix.subprocess, "run", run)
+    assert matrix._smi_reader(["0", "2"])() == (150.0, 40)
+    assert seen[-1][-1] == "--id=0,2" and not any(a.startswith("--id") for a in (matrix._smi_reader([]) and seen[-1]))
+
+
 def test_the_results_name_the_schedulers_tls_but_never_its_token(tmp_path) -> None:
     """`ddtree bench --token` reaches a secured stack; the committed JSON must not carry the token."""
     from bench.matrix import write_results
