@@ -63,7 +63,7 @@ class MatrixParams:
     time_budget_s: float = 0.0     # 0 = unbounded; cells not started within it are recorded as skipped
     warmup_tokens: int = 8         # per (context, mode) warm-up request pair before the matrix; 0 = none
     power: bool = True             # sample GPU power; off isolates the sampler's cost (see BENCHMARKS.md)
-    power_gpus: list[str] = field(default_factory=list)   # NVML indices / UUIDs sampled (`power_gpu_ids`); [] = all
+    power_gpus: list[str] | None = None   # NVML indices / UUIDs sampled (`power_gpu_ids`); None = every GPU
     tls_ca: str = ""               # a scheduler that speaks TLS: the PEM roots to trust
     tls_server_name: str = ""      # the name its certificate holds, where not the address's host
     token: str = field(default="", repr=False)   # its bearer token (never written to the results)
@@ -90,16 +90,18 @@ def cell_plan(p: MatrixParams) -> list[Cell]:
 
 
 # ---- power ------------------------------------------------------------------------------------
-def power_gpu_ids(spec: str = "") -> list[str]:
+def power_gpu_ids(spec: str = "") -> list[str] | None:
     """The GPUs whose power a run samples, as NVML indices or UUIDs: ``spec`` (comma-separated), else
-    those ``CUDA_VISIBLE_DEVICES`` names (a stack started from here sees only those), else [] (every
-    GPU of the host: on a host shared with other work, name the stack's)."""
-    text = spec or os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    return [x.strip() for x in text.split(",") if x.strip()]
+    those ``CUDA_VISIBLE_DEVICES`` names (a stack started from here sees only those; set but empty:
+    none), else None (every GPU of the host: on a host shared with other work, name the stack's).
+    CUDA numbers GPUs fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, NVML by bus: on a host
+    of mixed GPUs, name them by UUID."""
+    text = spec or os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if text is None else [x.strip() for x in text.split(",") if x.strip()]
 
 
 class PowerSampler:
-    """GPU power (W, summed) and utilisation (%, averaged) of ``gpus`` (`power_gpu_ids`; [] = every
+    """GPU power (W, summed) and utilisation (%, averaged) of ``gpus`` (`power_gpu_ids`; None = every
     GPU) every 100 ms while a cell runs: NVML when the bindings are installed, else `nvidia-smi` (the
     GPU image may lack pynvml), else nothing (no GPU, or a GPU named that is not there)."""
 
@@ -111,7 +113,7 @@ class PowerSampler:
         self.source = "off"
         if enabled:
             for source, reader in (("nvml", _nvml_reader), ("nvidia-smi", _smi_reader)):
-                self._read = reader(list(gpus or []))
+                self._read = reader(gpus)
                 if self._read is not None:
                     self.source = source
                     break
@@ -141,7 +143,9 @@ class PowerSampler:
         return statistics.mean(p for p, _ in self.samples), statistics.mean(u for _, u in self.samples)
 
 
-def _nvml_reader(gpus: list[str]) -> Callable[[], tuple[float, float]] | None:
+def _nvml_reader(gpus: list[str] | None) -> Callable[[], tuple[float, float]] | None:
+    if gpus == []:
+        return None
     try:
         import pynvml
         pynvml.nvmlInit()
@@ -161,9 +165,9 @@ def _nvml_reader(gpus: list[str]) -> Callable[[], tuple[float, float]] | None:
     return read
 
 
-def _smi_reader(gpus: list[str]) -> Callable[[], tuple[float, float]] | None:
+def _smi_reader(gpus: list[str] | None) -> Callable[[], tuple[float, float]] | None:
     exe = shutil.which("nvidia-smi")
-    if exe is None:
+    if exe is None or gpus == []:
         return None
     cmd = [exe, "--query-gpu=power.draw,utilization.gpu", "--format=csv,noheader,nounits"]
     if gpus:

@@ -32,6 +32,8 @@ TOKEN_ENV = "DDTREE_TOKEN"   # the bearer token for generate / bench, where --to
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import grpc
+
     from services.common.grpc_server import ServiceError, watch_launcher_during_start_up
     from services.common.settings import (DraftSettings, SchedulerSettings, SettingsError, VerifierSettings,
                                           load_settings)
@@ -57,7 +59,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     except ServiceError as exc:
         print(f"ddtree serve {args.service}: {exc.code.name}: {exc.message}", file=sys.stderr)
-        return 3
+        # A peer that refused this service's settings as given (a verifier refusing the draft's
+        # handshake: its feature layers, no common transport) is a usage error: a restart cannot help.
+        return 2 if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION) else 3
     except KeyboardInterrupt:   # Ctrl-C before the service serves (loading, waiting for its peers)
         print(f"ddtree serve {args.service}: interrupted during start-up", file=sys.stderr)
         return 130

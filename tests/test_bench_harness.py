@@ -362,8 +362,10 @@ def test_power_is_sampled_on_the_gpus_named_not_every_gpu_of_the_host(monkeypatc
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1, GPU-abc")
     assert matrix.power_gpu_ids("") == ["1", "GPU-abc"] and matrix.power_gpu_ids("3") == ["3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert matrix.power_gpu_ids("") == [] and matrix._nvml_reader([]) is None   # no GPU: none sampled
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert matrix.power_gpu_ids("") == []
+    assert matrix.power_gpu_ids("") is None
 
     watts = {"0": 100_000, "1": 200_000, "GPU-abc": 300_000}   # milliwatts, by GPU
     nvml = types.SimpleNamespace(
@@ -373,7 +375,7 @@ def test_power_is_sampled_on_the_gpus_named_not_every_gpu_of_the_host(monkeypatc
         nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=50))
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     assert matrix._nvml_reader(["1", "GPU-abc"])() == (500.0, 50)
-    assert matrix._nvml_reader([])() == (300.0, 50)   # none named: every GPU (0 and 1)
+    assert matrix._nvml_reader(None)() == (300.0, 50)   # none named: every GPU (0 and 1)
 
     seen: list[list[str]] = []
 
@@ -383,7 +385,9 @@ def test_power_is_sampled_on_the_gpus_named_not_every_gpu_of_the_host(monkeypatc
     monkeypatch.setattr(matrix.shutil, "which", lambda exe: "/bin/nvidia-smi")
     monkeypatch.setattr(matrix.subprocess, "run", run)
     assert matrix._smi_reader(["0", "2"])() == (150.0, 40)
-    assert seen[-1][-1] == "--id=0,2" and not any(a.startswith("--id") for a in (matrix._smi_reader([]) and seen[-1]))
+    assert seen[-1][-1] == "--id=0,2"
+    matrix._smi_reader(None)
+    assert not any(a.startswith("--id") for a in seen[-1]) and matrix._smi_reader([]) is None
 
 
 def test_the_results_name_the_schedulers_tls_but_never_its_token(tmp_path) -> None:

@@ -600,3 +600,24 @@ def test_bench_says_when_its_prompts_are_synthetic_token_ids(monkeypatch, capsys
         assert cli.main(["bench", "--address", "127.0.0.1:1", "--out", str(tmp_path / "m.json"), "--contexts", "60",
                          "--concurrency", "1", "--budgets", "8", "--max-tokens", "8", *extra]) == 0
         assert ("prompts are synthetic token ids (no --prompt-file)" in capsys.readouterr().err) is warned
+
+
+@pytest.mark.parametrize("code, want", [("FAILED_PRECONDITION", 2), ("INVALID_ARGUMENT", 2), ("UNAVAILABLE", 3),
+                                        ("DEADLINE_EXCEEDED", 3)])
+def test_serve_exits_2_where_a_peer_refuses_its_settings_and_3_where_none_could_be_used(monkeypatch, capsys, code,
+                                                                                         want) -> None:
+    """A verifier refusing the draft's handshake (its feature layers, no common transport) is a
+    setting to fix: exit 2, which `ddtree up` reports as a refusal (it took 3 as a failure that may
+    pass, exit 1). A peer that did not answer is 3."""
+    import grpc
+
+    import services.scheduler.server as scheduler_server
+    from services.cli import main
+    from services.common.grpc_server import ServiceError
+
+    async def refused(settings):
+        raise ServiceError(grpc.StatusCode[code], "draft.verifier_address x: refused")
+    monkeypatch.setattr(scheduler_server, "serve", refused)
+    monkeypatch.setattr("services.common.grpc_server.watch_launcher_during_start_up", lambda: None)
+    assert main(["serve", "scheduler"]) == want
+    assert f"{code}: draft.verifier_address x: refused" in capsys.readouterr().err

@@ -56,8 +56,8 @@ class Metrics:
                                        registry=r)
         self.ring_inline_fallbacks = Counter(
             "ddtree_ring_inline_fallbacks", "Messages sent inside the gRPC message instead of a ring slot, by reason: "
-            "slot_too_small (raise ring_slot_bytes if this grows), ring_full (the peer held every slot: raise "
-            "ring_slots), ring_error (the slot could not be written: /dev/shm full)", ["reason"], registry=r)
+            "slot_too_small (raise ring_slot_bytes if this grows); the verifier's features also ring_full (the "
+            "draft held every slot: raise ring_slots), ring_error (the slot could not be written: /dev/shm full)", ["reason"], registry=r)
         for reason in ("slot_too_small", "ring_full", "ring_error"):   # all exported from the start, at 0
             self.ring_inline_fallbacks.labels(reason)
         self.gpu_memory_allocated = Gauge("ddtree_gpu_memory_allocated_bytes",
