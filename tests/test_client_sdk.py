@@ -377,6 +377,37 @@ def test_a_request_aborted_while_its_text_is_tokenized_ends_aborted_and_bad_fiel
         server.stop()
 
 
+def test_a_request_aborted_while_tokenized_ends_aborted_even_where_its_prompt_would_be_refused() -> None:
+    """`Abort` said it found the request; its text then tokenized to more than the context holds.
+    It ended INVALID_ARGUMENT, counted as a refusal, not as the abort it was told of."""
+    tokenizer = Tokenizer.from_file("models/demo/tokenizer.json")
+    encoder = HeldEncoder(tokenizer)
+    server = Server(tokenizer, encoder)
+    text = "a " * 4100
+    tokens = len(tokenizer.encode(text, add_special_tokens=False).ids)
+    assert tokens > 4096
+    try:
+        with Client(server.address) as c:
+            out: dict[str, object] = {}
+            reader = threading.Thread(target=lambda: out.setdefault("done", c.generate(text, request_id="t", max_tokens=4)))
+            reader.start()
+            deadline = time.monotonic() + 10
+            while not encoder.texts and time.monotonic() < deadline:
+                time.sleep(0.01)
+            aborted = server.router.metrics.requests.labels("aborted")._value.get()
+            refused = server.router.metrics.refused.labels("invalid_argument")._value.get()
+            assert c.abort("t", timeout_s=5)
+            encoder.release.set()
+            reader.join(10)
+            done = out["done"]
+            assert done.finish_reason == "aborted" and done.token_ids == [] and done.usage.prompt_tokens == tokens
+            assert server.router.metrics.requests.labels("aborted")._value.get() == aborted + 1
+            assert server.router.metrics.refused.labels("invalid_argument")._value.get() == refused
+            assert server.submitted.count("t") == 0
+    finally:
+        server.stop()
+
+
 # 2. TLS arguments are checked when the client is made.
 
 def test_a_tls_ca_that_is_no_pem_certificate_and_a_server_name_without_one_are_refused_at_once(server, tmp_path) -> None:

@@ -123,7 +123,7 @@ def test_malformed_checkpoint_directory_fails_start_with_a_clear_message(tmp_pat
 
 
 def test_drafter_for_another_target_is_refused_at_handshake(ckpt, other_ckpt, starts):
-    with pytest.raises(RuntimeError, match="draft exited with code 3"):
+    with pytest.raises(RuntimeError, match="draft exited with code 2"):
         with starts.take("test_drafter_for_another_target_is_refused_at_handshake", _other_target_spec(ckpt, other_ckpt)):
             pass
 

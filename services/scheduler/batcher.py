@@ -262,7 +262,8 @@ class StepLoop:
                 self._releasing = []
             for budget, tokens in owed:   # freed at the verifier now: any lane sharing it may admit
                 budget.release(tokens)
-            self.failed_steps = 0
+            if items:   # (a release-only step is answered by a verifier whose forwards fail)
+                self.failed_steps = 0
             answered = time.perf_counter()
             if items:   # a release-only step is no decode step
                 self.metrics.step_ms.labels("step_rpc").observe((answered - sent) * 1e3)

@@ -66,11 +66,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 text_ids, aborted = await self._encode(request)
             elif request.request_id in self._encoding:
                 raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id} is already in use")
-            req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids)
-            if aborted:   # aborted while its text was tokenized: it ends as an abort of a running one does
+            if aborted:   # aborted while its text was tokenized: it ends as an abort of a running one does,
+                # whatever its prompt (`Abort` said it found it): checked on its first token alone
+                req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids[:1] or [0])
+                req.prompt_ids = text_ids
                 req.end(scheduler_pb2.FINISH_REASON_ABORTED)
                 log_end(self.router.metrics, req)
             else:
+                req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids)
                 self.router.submit(req)
         except ServiceError as exc:
             self.refused(exc.code, exc.message)
