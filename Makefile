@@ -14,7 +14,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: install test up protos clean
 
-$(VENV)/.installed: pyproject.toml compose/gpu-constraints.txt
+$(VENV)/.installed: pyproject.toml compose/gpu-constraints.txt Makefile
 	@# pyproject.toml's requires-python, checked before minutes of installs end in pip's refusal; a
 	@# .venv of an older Python is not reused (venv keeps its interpreter).
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
@@ -24,11 +24,11 @@ $(VENV)/.installed: pyproject.toml compose/gpu-constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@# Without a GPU take the CPU build of torch first, so the project's torch requirement is met
-	@# by it instead of pulling a multi-GB CUDA build.
+	@# by it instead of pulling a multi-GB CUDA build (where it cannot be had, stop: not go on to that).
 	@# With one, take the torch and Triton the GPU kernels were measured on (compose/gpu-constraints.txt).
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
-	  $(PY) -m pip install -q --no-index --no-deps "$(TORCH_CPU)" 2>/dev/null || \
-	  $(PY) -m pip install -q --index-url "$(TORCH_CPU_INDEX)" "$(TORCH_CPU)"; \
+	  { $(PY) -m pip install -q --no-index --no-deps "$(TORCH_CPU)" 2>/dev/null || \
+	    $(PY) -m pip install -q --index-url "$(TORCH_CPU_INDEX)" "$(TORCH_CPU)"; } && \
 	  $(PY) -m pip install -q -e '.[dev]'; \
 	else $(PY) -m pip install -q -c compose/gpu-constraints.txt -e '.[dev,gpu]'; fi
 	touch $@

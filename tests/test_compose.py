@@ -206,6 +206,34 @@ def test_the_image_installs_the_torch_and_triton_the_kernels_were_measured_on():
     assert set(pins) == {"torch", "triton"}
     install = dockerfile.index("pip install -c gpu-constraints.txt")
     assert install < dockerfile.index("COPY services") < dockerfile.index("pip install --no-deps '.'")
+    # Only what the dependency list is read from goes before it (a README edit refetched it all).
+    before = [src for line in re.findall(r"^COPY (.+)$", dockerfile[:install], flags=re.M) for src in line.split()[:-1]]
+    assert sorted(before) == ["compose/gpu-constraints.txt", "pyproject.toml"], before
     assert "NVIDIA_VISIBLE_DEVICES=" not in dockerfile   # the reservations choose the GPUs
     makefile = (ROOT / "Makefile").read_text()
     assert "-c compose/gpu-constraints.txt" in makefile
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="the CPU branch of the install runs without a GPU")
+def test_make_install_stops_where_the_cpu_torch_cannot_be_installed(tmp_path):
+    """The CPU torch step's failure was ignored: the project's install went on and pulled PyPI's
+    multi-GB CUDA torch, and `make` (so `make test`, CI) went on green on it."""
+    for name in ("Makefile", "pyproject.toml", "compose/gpu-constraints.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, tmp_path / name)
+    fake = tmp_path / "python3"
+    fake.write_text("""#!/bin/sh
+case "$*" in
+  *"sys.version_info"*) exit 0;;
+  "-m venv "*) mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; exit 0;;
+  *"pip install"*torch==*) echo "no torch here" >&2; exit 1;;
+  *"pip install"*) echo "pip $*" >> "$(dirname "$0")/../../installs.log"; exit 0;;
+esac
+exit 0
+""")
+    fake.chmod(0o755)
+    run = subprocess.run(["make", "install", f"PYTHON={fake}"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0, run.stdout + run.stderr
+    assert not (tmp_path / ".venv" / ".installed").exists()
+    log = (tmp_path / "installs.log").read_text() if (tmp_path / "installs.log").exists() else ""
+    assert "upgrade pip" in log and ".[dev" not in log, log   # the project was not installed
