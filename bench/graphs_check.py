@@ -50,8 +50,10 @@ def random_trees(engine: VerifierEngine, rids: list[str], budget: int, g: torch.
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="models/demo")
-    p.add_argument("--budgets", default="1,8,12,16,32,64,128")
-    p.add_argument("--batches", default="1,4,32")
+    # One budget a tree-size bucket (2, 3, 5, 9, 13, 17, 25, 33, 49, 65, 97, 129 nodes) and every
+    # batch bucket of the default `verifier.graph_batches`.
+    p.add_argument("--budgets", default="1,2,4,8,12,16,24,32,48,64,96,128")
+    p.add_argument("--batches", default="1,2,4,8,16,32,64,128")
     p.add_argument("--out", default="bench/results/graphs.json")
     p.add_argument("--commit", default="")
     args = p.parse_args()
