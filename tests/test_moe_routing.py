@@ -9,6 +9,15 @@ import torch
 from kernels.moe_routing import select_experts_triton
 from services.verifier.moe import select_experts
 
+# The compiled kernel on a GPU, the interpreter on the CPU: inputs made on the CPU go to DEV, results
+# come back (CPU tensors on a GPU machine, where nothing interprets, reached no kernel).
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def select(logits: torch.Tensor, bias: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, weights = select_experts_triton(logits.to(DEV), bias.to(DEV), *args, **kwargs)
+    return ids.cpu(), weights.cpu()
+
 # name -> (tokens, experts, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor)
 CASES = {
     "kimi_k2_one_group": (5, 384, 1, 1, 8, True, 2.827),
@@ -25,7 +34,7 @@ def test_matches_select_experts(name):
     g = torch.Generator().manual_seed(len(name) * 31 + e)
     logits = 2 * torch.randn(n, e, generator=g)
     bias = 0.1 * torch.randn(e, generator=g)
-    ids, weights = select_experts_triton(logits, bias, top_k, groups, topk_group, norm, scale)
+    ids, weights = select(logits, bias, top_k, groups, topk_group, norm, scale)
     want = select_experts(torch.sigmoid(logits), bias, top_k, groups, topk_group, norm, scale)
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32
     assert torch.equal(ids, want.ids), f"{ids} vs {want.ids}"
@@ -36,11 +45,11 @@ def test_strided_rows_and_no_tokens():
     g = torch.Generator().manual_seed(5)
     wide = torch.randn(4, 40, generator=g)
     logits, bias = wide[:, 8:24], 0.05 * torch.randn(16, generator=g)   # rows 40 apart
-    ids, weights = select_experts_triton(logits, bias, 4, 4, 2, True, 2.5)
+    ids, weights = select(logits, bias, 4, 4, 2, True, 2.5)
     want = select_experts(torch.sigmoid(logits), bias, 4, 4, 2, True, 2.5)
     assert torch.equal(ids, want.ids)
     torch.testing.assert_close(weights, want.weights)
-    ids0, w0 = select_experts_triton(torch.empty(0, 16), bias, 4, 4, 2, True, 2.5)
+    ids0, w0 = select(torch.empty(0, 16), bias, 4, 4, 2, True, 2.5)
     assert ids0.shape == (0, 4) and w0.shape == (0, 4)
 
 
@@ -55,7 +64,7 @@ def test_a_token_of_nan_logits_gets_real_distinct_experts_and_leaves_the_others_
     bias = 0.1 * torch.randn(e, generator=g)
     logits[1] = float("nan")
     logits[2, ::2] = float("nan")
-    ids, weights = select_experts_triton(logits, bias, top_k, groups, topk_group, norm, scale)
+    ids, weights = select(logits, bias, top_k, groups, topk_group, norm, scale)
     for row in (1, 2):
         assert ((ids[row] >= 0) & (ids[row] < e)).all() and len(set(ids[row].tolist())) == top_k, ids[row]
     assert not (ids[2] % 2 == 0).any() or top_k > e // 2   # the half that is a number is chosen first
@@ -71,7 +80,7 @@ def test_groups_rank_by_their_two_best_and_ties_go_to_the_lower_id():
     logits = torch.full((1, 8), -4.0)
     logits[0, 0] = 4.0                    # group 0: 4.0 and -4.0
     logits[0, 5] = logits[0, 6] = 1.0     # group 1 (experts 4..7): 1.0 and 1.0
-    ids, _ = select_experts_triton(logits, torch.zeros(8), 2, 2, 1, True, 1.0)
+    ids, _ = select(logits, torch.zeros(8), 2, 2, 1, True, 1.0)
     assert ids.tolist() == [[5, 6]]
 
 
@@ -84,7 +93,7 @@ def test_groups_rank_by_their_two_best_and_ties_go_to_the_lower_id():
 def test_impossible_configs_are_refused(args, match):
     bias, top_k, groups, topk_group = args
     with pytest.raises(ValueError, match=match):
-        select_experts_triton(torch.randn(2, 8), bias, top_k, groups, topk_group, True, 1.0)
+        select(torch.randn(2, 8), bias, top_k, groups, topk_group, True, 1.0)
 
 
 def test_route_takes_the_float32_upcast_it_is_given():
@@ -133,14 +142,14 @@ def test_partial_logits_are_added_smallest_part_first(name):
     x = torch.randn(n, hid, generator=g).to(torch.bfloat16)
     partial = torch.cat([x.float() @ part.float().T for part in split_bf16(w)], dim=1)   # [N, 3E]
     bias = 0.1 * torch.randn(e, generator=g)
-    ids, weights = select_experts_triton(partial, bias, top_k, groups, topk_group, norm, scale, parts=3)
+    ids, weights = select(partial, bias, top_k, groups, topk_group, norm, scale, parts=3)
     summed = (partial[:, 2 * e:] + partial[:, e:2 * e]) + partial[:, :e]
     want = select_experts(torch.sigmoid(summed), bias, top_k, groups, topk_group, norm, scale)
     assert torch.equal(ids, want.ids)
     torch.testing.assert_close(weights, want.weights.float(), rtol=2e-6, atol=1e-7)
     torch.testing.assert_close(summed, x.float() @ w.T, rtol=1e-5, atol=1e-5)   # the float32 logits
     with pytest.raises(ValueError, match="logits must be"):
-        select_experts_triton(partial[:, 1:], bias, top_k, groups, topk_group, norm, scale, parts=3)
+        select(partial[:, 1:], bias, top_k, groups, topk_group, norm, scale, parts=3)
 
 
 def test_chunked_partial_logits_and_route_with_parts():
@@ -171,13 +180,18 @@ def test_chunked_partial_logits_and_route_with_parts():
     torch.testing.assert_close(summed, x.float() @ w.T, rtol=1e-5, atol=1e-5)
     bias = 0.1 * torch.randn(E, generator=g)
     sel = (cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-    ids, weights = select_experts_triton(partial, bias, *sel, parts=3)
+    ids, weights = select(partial, bias, *sel, parts=3)
     want = select_experts(torch.sigmoid(summed), bias, *sel)
     assert torch.equal(ids, want.ids)
     torch.testing.assert_close(weights, want.weights.float(), rtol=2e-6, atol=1e-7)
-    moe = MoEWeights(gate_weight=w, bias=bias, w_gate=None, w_up=None, w_down=None, shared=None, gate_parts=parts)
-    r = route(x, moe, cfg)
-    assert torch.equal(r.ids, ids) and torch.equal(r.weights, weights)
+    moe = MoEWeights(gate_weight=w.to(DEV), bias=bias.to(DEV), w_gate=None, w_up=None, w_down=None, shared=None,
+                     gate_parts=parts.to(DEV))
+    r = route(x.to(DEV), moe, cfg)
+    if DEV == "cpu":   # the same float32 products; a GPU's GEMM may sum them in another order
+        assert torch.equal(r.ids, ids) and torch.equal(r.weights, weights)
+    else:
+        assert torch.equal(r.ids.cpu(), ids)
+        torch.testing.assert_close(r.weights.cpu(), weights, rtol=1e-5, atol=1e-6)
     odd = router_partial_logits(x[:, :248], parts[:, :248].contiguous(), chunks=4)   # 62 dims a chunk: not 16-byte aligned
     assert odd.shape == (1, 6, 3 * E)
 
@@ -198,13 +212,13 @@ def test_router_gemv_one_token(experts, hidden):
     g = torch.Generator().manual_seed(experts)
     w = torch.randn(experts, hidden, generator=g) / hidden ** 0.5
     x = torch.randn(1, hidden, generator=g).to(torch.bfloat16)
-    partial = router_gemv(x, w)
+    partial = router_gemv(x.to(DEV), w.to(DEV)).cpu()
     assert partial.dim() == 3 and partial.shape[1:] == (1, experts) and partial.dtype == torch.float32
     exact = x.double() @ w.double().T
     assert ((partial.double().sum(0) - exact).abs().max() / exact.abs().max()).item() < 1e-6
     top_k = 4
     bias = 0.1 * torch.randn(experts, generator=g)
-    ids, weights = select_experts_triton(partial, bias, top_k, 1, 1, True, 2.5)
+    ids, weights = select(partial, bias, top_k, 1, 1, True, 2.5)
     summed = torch.zeros(1, experts)
     for c in range(partial.shape[0]):
         summed = summed + partial[c]
