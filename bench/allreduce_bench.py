@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import git_commit
+from bench.common import copy_gbps_on, git_commit
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -87,7 +87,7 @@ def _worker(rank: int, world: int, port: int, out: str, commit: str) -> None:
             print(row, flush=True)
     if rank == 0:
         doc = {"benchmark": Path(out).stem, "commit": commit, "gpu": torch.cuda.get_device_name(0),
-               "copy_gbps": None, "params": {"world_size": world, "dtype": "bfloat16", "graph_reps": 50,
+               "copy_gbps": copy_gbps_on("cuda"), "params": {"world_size": world, "dtype": "bfloat16", "graph_reps": 50,
                                              "one_shot": custom.one_shot, "fallback_reason": custom.reason},
                "rows": rows}
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -137,6 +137,15 @@ def kernel_times(fn: Callable[[], object], reps: int = 10) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def copy_gbps_on(device: str) -> float | None:
+    """A result file's ``copy_gbps`` (TARGETS.md: the GPU's copy bandwidth, measured in the same
+    run): measured now on ``device``'s GPU, or None for a run on the CPU."""
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return None
+    with torch.cuda.device(torch.device(device)):
+        return round(measure_copy_gbps(), 1)
+
+
 def write_result(out: str, commit: str | None, params: dict, rows: list) -> None:
     """Write one ``bench/results`` file in TARGETS.md's schema: ``benchmark`` is the file's name
     without ``.json`` (TARGETS.md: ``NAME.json`` holds ``"benchmark": NAME``), this GPU's name and

@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import eager_us, graph_replay_us, measure_copy_gbps  # noqa: E402
+from bench.common import eager_us, git_commit, graph_replay_us, measure_copy_gbps  # noqa: E402
 from kernels.int4_moe import (  # noqa: E402
     Int4MoEConfig,
     choose_config,
@@ -472,7 +472,7 @@ def bench_point(name: str, sh: dict, M: int, W: dict, bf16: Bf16Grouped | None, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "int4_moe.json"))
-    ap.add_argument("--commit", default=os.environ.get("DDTREE_COMMIT", "unknown"))
+    ap.add_argument("--commit", default=os.environ.get("DDTREE_COMMIT"))
     ap.add_argument("--shapes", default="tp8,ep8")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
@@ -491,7 +491,7 @@ def main() -> None:
         precompile(shapes, tokens, args.workers)
     result = dict(
         benchmark=Path(args.out).stem,
-        commit=args.commit,
+        commit=git_commit(args.commit),
         gpu=gpu,
         copy_gbps=round(copy_gbps, 1),
         params=dict(

@@ -38,6 +38,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench.common import git_commit  # noqa: E402
 from bench.int4_moe_bench import _precompile as _precompile_tensor_cores  # noqa: E402
 from bench.int4_moe_bench import (  # noqa: E402
     GROUP,
@@ -318,7 +319,7 @@ def crossover(rows: list[dict]) -> dict[str, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "int4_moe_gemv.json"))
-    ap.add_argument("--commit", default=os.environ.get("DDTREE_COMMIT", "unknown"))
+    ap.add_argument("--commit", default=os.environ.get("DDTREE_COMMIT"))
     ap.add_argument("--shapes", default="tp8,ep8")
     ap.add_argument("--tokens", default=None, help=f"comma-separated token counts (default {TOKENS})")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
@@ -351,7 +352,7 @@ def main() -> None:
                    grids["stages"])
     result = dict(
         benchmark=Path(args.out).stem,
-        commit=args.commit,
+        commit=git_commit(args.commit),
         gpu=gpu,
         copy_gbps=round(copy_gbps, 1) if copy_gbps else None,
         params=dict(

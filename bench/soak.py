@@ -35,7 +35,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import git_commit, read_metrics
+from bench.common import copy_gbps_on, git_commit, read_metrics
 from bench.matrix import MatrixParams, load_token_stream, stack_spec
 from services.common.config_files import read_config
 from services.common.launcher import Stack, free_port
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": out.stem, "commit": git_commit(args.commit or None), "gpu": gpu,
-                               "copy_gbps": None, "params": params, "wall_s": result["wall_s"],
+                               "copy_gbps": copy_gbps_on(args.device), "params": params, "wall_s": result["wall_s"],
                                "requests": result["requests"], "rows": rows}, indent=2))
     findings = sum(len(r["findings"]) for r in result["kinds"]) + sum(len(r["errors"]) for r in result["probes"])
     bad_state = result["state"]["held_differs"]

@@ -23,7 +23,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.common import git_commit
+from bench.common import copy_gbps_on, git_commit
 from bench.matrix import stage_split, stage_totals
 from services.common.launcher import Stack, StackSpec, free_port
 from services.scheduler.client import Client
@@ -70,7 +70,7 @@ def main() -> None:
         if args.device.startswith("cuda"):
             import torch
             gpu = torch.cuda.get_device_name(0)
-        doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit), "gpu": gpu, "copy_gbps": None,
+        doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit), "gpu": gpu, "copy_gbps": copy_gbps_on(args.device),
                "params": {**{k: v for k, v in vars(args).items() if k not in ("out", "commit")},
                           "stack_start_s": round(started_s, 1)}, "rows": rows}
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")

@@ -33,12 +33,17 @@ def run(out: Path, float32_router: bool) -> None:
             r = engine.generate(prompt[:60], 300, budget)
             runs.append(dict(prompt=i, budget=budget, tokens=r.tokens, steps=r.steps))
             print(i, budget, r.steps, flush=True)
-    out.write_text(json.dumps(runs))
+    import torch
+
+    from bench.common import copy_gbps_on
+
+    out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), copy_gbps=copy_gbps_on("cuda"), runs=runs)))
 
 
 def compare(before: Path, after: Path, args: argparse.Namespace) -> None:
     """One row per (prompt, budget): equal, the first differing token, steps and acceptance."""
-    a, b = json.loads(before.read_text()), json.loads(after.read_text())
+    first, second = json.loads(before.read_text()), json.loads(after.read_text())
+    a, b = first["runs"], second["runs"]
     rows = []
     for k, (x, y) in enumerate(zip(a, b)):
         diff = next((i for i, (s, t) in enumerate(zip(x["tokens"], y["tokens"])) if s != t), None)
@@ -46,7 +51,7 @@ def compare(before: Path, after: Path, args: argparse.Namespace) -> None:
                          equal=x["tokens"] == y["tokens"], first_difference=diff, steps_before=x["steps"],
                          steps_after=y["steps"], acceptance_before=round(len(x["tokens"]) / max(1, x["steps"]), 3),
                          acceptance_after=round(len(y["tokens"]) / max(1, y["steps"]), 3)))
-    doc = dict(benchmark=Path(args.out).stem, commit=args.after_commit, gpu="NVIDIA H200", copy_gbps=None,
+    doc = dict(benchmark=Path(args.out).stem, commit=args.after_commit, gpu=second["gpu"], copy_gbps=second["copy_gbps"],
                params=dict(model=str(MODEL), dtype="bfloat16", compared=f"{args.before_commit} (before) against {args.after_commit}"
                            f" ({args.what}), greedy", in_process="first 4 held-out prompts cut to 60 tokens, 300 "
                            "tokens, budgets 0 and 16 (bench.split_overhead.InProcess)"), rows=rows)

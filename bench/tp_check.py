@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import git_commit
+from bench.common import copy_gbps_on, git_commit
 
 from services.common.launcher import Stack, StackSpec
 from services.common.make_checkpoint import make_random_checkpoint
@@ -87,7 +87,7 @@ def main() -> None:
     print(rows, flush=True)
     commit = git_commit(args.commit)
     doc = {"benchmark": Path(args.out).stem, "commit": commit or "unknown", "gpu": torch.cuda.get_device_name(0),
-           "copy_gbps": None, "params": {"models": {"random": "make-checkpoint, moe_intermediate 128, 6 synthetic prompts, 32 tokens",
+           "copy_gbps": copy_gbps_on("cuda"), "params": {"models": {"random": "make-checkpoint, moe_intermediate 128, 6 synthetic prompts, 32 tokens",
                                                     "demo": "the bundled demo pair, first 6 held-out prompts, 64 tokens"},
                                          "dtypes": ["float32", "bfloat16"], "budget": 16,
                                          "rows": "TP=2 against TP=1 unless the dtype says otherwise"}, "rows": rows}

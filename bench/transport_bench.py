@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import git_commit
+from bench.common import copy_gbps_on, git_commit
 
 from ddtree.v1 import common_pb2
 from services.common.transport import make_reader, make_writer
@@ -124,7 +124,7 @@ def main() -> None:
     if args.append and out.is_file():
         rows = merge_rows(json.loads(out.read_text()), rows, commit, params)
     doc = {"benchmark": out.stem, "commit": commit or "unknown", "gpu": torch.cuda.get_device_name(0),
-           "copy_gbps": None, "rows": rows, "params": params}
+           "copy_gbps": copy_gbps_on("cuda"), "rows": rows, "params": params}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))
 

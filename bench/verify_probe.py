@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import git_commit
+from bench.common import copy_gbps_on, git_commit
 from bench.split_overhead import InProcess, load_prompts
 from services.draft.tree import build_trees_from_logits
 from services.verifier import engine as engine_mod
@@ -211,7 +211,7 @@ def main() -> None:
                 print(f"{key}:", json.dumps(kernels[f"{key[0]}x{key[1]}"])[:3000], flush=True)
     if args.out:
         doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit),
-               "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu", "copy_gbps": None,
+               "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu", "copy_gbps": copy_gbps_on(args.device),
                "params": {"model": args.model, "context": len(prompt), "concurrency": 1, "dtype": dtype,
                           "steps": args.steps, "note": "verify_stage_ms: medians over steps of the wall time "
                           "inside each named call; verify = the whole engine.verify call; graph_run includes "

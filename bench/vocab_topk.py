@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import git_commit, graph_replay_us
+from bench.common import copy_gbps_on, git_commit, graph_replay_us
 from kernels import vocab_topk as vt
 from services.draft.tree import build_trees, build_trees_from_logits
 
@@ -119,7 +119,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "vocab_topk.json").write_text(json.dumps({
         "benchmark": "vocab_topk", "commit": git_commit(args.commit), "gpu": torch.cuda.get_device_name(),
-        "copy_gbps": None, "params": {"depth": 15, "logits": "bf16, N(0, 3) (+ a bump, see make_logits)",
+        "copy_gbps": copy_gbps_on("cuda"), "params": {"depth": 15, "logits": "bf16, N(0, 3) (+ a bump, see make_logits)",
                                       "timing": "CUDA graph replay, median of 20", "lse_block": vt.BLOCK,
                                       "torch": torch.__version__, "triton": vt.triton.__version__ if vt.triton else None},
         "rows": rows, "trees": trees}, indent=1) + "\n")

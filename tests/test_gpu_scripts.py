@@ -151,10 +151,12 @@ def test_tokens_ab_compare_marks_the_first_differing_token(tmp_path, monkeypatch
     from bench import k2_ab, router_parts_check  # noqa: F401  (GPU-only scripts: they import on the CPU)
 
     before, after, out = tmp_path / "before.json", tmp_path / "after.json", tmp_path / "tokens-ab-x.json"
-    before.write_text(json.dumps([{"prompt": 0, "budget": 0, "tokens": [5, 6, 7, 8], "steps": 4},
-                                  {"prompt": 0, "budget": 16, "tokens": [5, 6, 7, 8], "steps": 2}]))
-    after.write_text(json.dumps([{"prompt": 0, "budget": 0, "tokens": [5, 6, 7, 8], "steps": 4},
-                                 {"prompt": 0, "budget": 16, "tokens": [5, 6, 9, 8], "steps": 1}]))
+    before.write_text(json.dumps({"gpu": "GPU A", "copy_gbps": 4000.0, "runs": [
+        {"prompt": 0, "budget": 0, "tokens": [5, 6, 7, 8], "steps": 4},
+        {"prompt": 0, "budget": 16, "tokens": [5, 6, 7, 8], "steps": 2}]}))
+    after.write_text(json.dumps({"gpu": "GPU B", "copy_gbps": 3000.0, "runs": [
+        {"prompt": 0, "budget": 0, "tokens": [5, 6, 7, 8], "steps": 4},
+        {"prompt": 0, "budget": 16, "tokens": [5, 6, 9, 8], "steps": 1}]}))
     monkeypatch.setattr(sys, "argv", ["tokens_ab", "compare", str(before), str(after), "--before-commit", "aaa",
                                       "--after-commit", "bbb", "--what", "a change", "--out", str(out)])
     from bench.tokens_ab import main
@@ -162,6 +164,7 @@ def test_tokens_ab_compare_marks_the_first_differing_token(tmp_path, monkeypatch
     main()
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "tokens-ab-x" and doc["commit"] == "bbb" and "aaa (before)" in doc["params"]["compared"]
+    assert (doc["gpu"], doc["copy_gbps"]) == ("GPU B", 3000.0)   # the run's GPU, not a name written in the script
     assert [(r["equal"], r["first_difference"]) for r in doc["rows"]] == [(True, None), (False, 2)]
     assert doc["rows"][1]["acceptance_after"] == 4.0
 
@@ -265,3 +268,15 @@ def test_first_use_eager_steps_are_shapes_no_bucket_holds() -> None:
     with pytest.raises(SystemExit, match="hold every step"):
         eager_shapes(Engine(), 3, 64, g)
     assert eager_shapes(Engine(), 0, 64, g) == []
+
+
+def test_a_result_files_copy_bandwidth_is_measured_on_its_gpu_and_none_on_the_cpu(monkeypatch) -> None:
+    """TARGETS.md: every GPU file carries its GPU's copy bandwidth from the same run; nine writers
+    wrote None."""
+    import bench.common as common
+
+    assert common.copy_gbps_on("cpu") is None
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(common.torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(common, "measure_copy_gbps", lambda: 4210.06)
+    assert common.copy_gbps_on("cuda:1") == 4210.1

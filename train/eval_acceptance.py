@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from bench.common import copy_gbps_on
 from services.draft.dflash import DFlashDrafter
 from services.draft.tree import build_trees_from_logits
 from services.verifier.engine import PrefillInput, VerifierEngine
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": args.out.stem,
         "commit": _git_commit(args.commit),
         "gpu": "cpu" if args.device == "cpu" else torch.cuda.get_device_name(torch.device(args.device)),
-        "copy_gbps": None,  # a quality figure: no bandwidth measured
+        "copy_gbps": copy_gbps_on(args.device),   # TARGETS.md: every GPU file's (a quality figure here)
         "params": {
             "model": str(args.model), "prompts": len(prompts), "prompt_source": "held-out split, up to the first def/class",
             "max_new_tokens": args.max_new, "budgets": budgets, "temperatures": temperatures,
