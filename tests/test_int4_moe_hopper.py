@@ -20,11 +20,15 @@ from services.common.int4 import pack_int4
 from tests.compiled import build_main, build_result, run_compiled_batch
 from tests.selection import selected_params
 
+# ``permute_k`` (a Triton kernel, not Gluon): compiled on a GPU, the interpreter on the CPU. Inputs
+# made on the CPU go to DEV, results come back (CPU tensors on a GPU machine, where nothing
+# interprets, reached no kernel).
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_permute_k_order() -> None:
     x = torch.arange(2 * 256, dtype=torch.float32).view(2, 256)
-    y = hop.permute_k(x)
+    y = hop.permute_k(x.to(DEV)).cpu()
     for blk in range(2):
         for t in range(4):
             for j in range(4):
@@ -46,7 +50,7 @@ def test_operand_order_matches_permute_k() -> None:
     wq = pack_int4(torch.randn(32, 128), 32, torch.float32)
     planes = [((wq.packed >> (4 * i)) & 0xF).float() - 8 for i in range(8)]  # nibble i of every word
     dense = unpack_int4(wq.packed, torch.ones_like(wq.scale), (32, 128)).float()  # n - 8 in column order
-    torch.testing.assert_close(hop.planes_to_operand(planes), hop.permute_k(dense), rtol=0, atol=0)
+    torch.testing.assert_close(hop.planes_to_operand(planes), hop.permute_k(dense.to(DEV)).cpu(), rtol=0, atol=0)
 
 
 def test_supported_launches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,7 +84,8 @@ def test_tma_words_only_where_rows_are_back_to_back(monkeypatch: pytest.MonkeyPa
     from kernels import int4_moe as km
     from services.common.int4 import Int4Weight
 
-    words = torch.randint(-(2**31), 2**31 - 1, (4, 128, 32), dtype=torch.int32)  # [E, N, K/8], K = 256
+    # On DEV, as a GPU caller holds them: int4_moe_gate_up runs hop.permute_k on x before the (faked) gemm.
+    words = torch.randint(-(2**31), 2**31 - 1, (4, 128, 32), dtype=torch.int32).to(DEV)  # [E, N, K/8], K = 256
     assert hop.tma_words_ok(words)
     assert not hop.tma_words_ok(words[::2])  # experts not back to back
     assert not hop.tma_words_ok(words[:, :, :30])  # rows not back to back
@@ -89,9 +94,10 @@ def test_tma_words_only_where_rows_are_back_to_back(monkeypatch: pytest.MonkeyPa
     seen = []
     monkeypatch.setattr(km, "_use_hopper", lambda *args: True)
     monkeypatch.setattr(hop, "gemm", lambda *args, **kw: seen.append(kw["w_tma"]))
-    scale = torch.rand(4, 128, 8).to(torch.bfloat16)
-    align = km.MoEAlignment(sorted_ids=torch.zeros(16, dtype=torch.int32), block_expert=torch.zeros(1, dtype=torch.int32), block_m=16)
-    x = torch.randn(2, 256).to(torch.bfloat16)
+    scale = torch.rand(4, 128, 8).to(torch.bfloat16).to(DEV)
+    align = km.MoEAlignment(sorted_ids=torch.zeros(16, dtype=torch.int32).to(DEV),
+                            block_expert=torch.zeros(1, dtype=torch.int32).to(DEV), block_m=16)
+    x = torch.randn(2, 256).to(torch.bfloat16).to(DEV)
     cfg = km.Int4MoEConfig(block_m=16, gu_block_n=64)
     for packed, want in ((words, True), (words[::2].clone(), True), (torch.cat([words, words], 2)[:, :, :32], False)):
         w = Int4Weight(packed=packed, scale=scale[: packed.shape[0]], shape=(128, 256))

@@ -1,5 +1,5 @@
 """kernels/mla_norm_rope.py: the MLA layer's two latent norms and the key's rope in one launch
-(interpreter on the CPU) against the separate kernels it replaces, which match torch."""
+(compiled on a GPU, the interpreter on the CPU) against the separate kernels it replaces, which match torch."""
 
 from __future__ import annotations
 
@@ -10,23 +10,28 @@ from kernels.mla_norm_rope import fusable, mla_norm_rope
 from kernels.rms_norm import rms_norm_triton
 from kernels.rope import rope_interleaved_triton
 
+# The compiled kernels on a GPU, the interpreter on the CPU: inputs made on the CPU go to DEV (CPU
+# tensors on a GPU machine, where nothing interprets, reached no kernel).
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
-def _inputs(n: int, q_rows: int, kvr: int, rope: int, dtype: torch.dtype, seed: int):
+
+def _inputs(n: int, q_rows: int, kvr: int, rope: int, dtype: torch.dtype, seed: int, dev: str = DEV):
+    """Made on the CPU (the same values on every machine), returned on ``dev``."""
     g = torch.Generator().manual_seed(seed)
-    q_kv = (3 * torch.randn(n, q_rows + kvr + rope + 8, generator=g)).to(dtype)[:, 4:-4]   # rows strided
+    q_kv = (3 * torch.randn(n, q_rows + kvr + rope + 8, generator=g)).to(dtype).to(dev)[:, 4:-4]   # rows strided
     ang = torch.rand(n, rope, generator=g) * 6.3
     q_w = (1 + 0.2 * torch.randn(q_rows, generator=g)).to(dtype)
     kv_w = (1 + 0.2 * torch.randn(kvr, generator=g)).to(dtype)
-    return q_kv, q_w, kv_w, ang.cos().to(dtype), ang.sin().to(dtype)
+    return q_kv, q_w.to(dev), kv_w.to(dev), ang.cos().to(dtype).to(dev), ang.sin().to(dtype).to(dev)
 
 
 @pytest.mark.parametrize("n,q_rows,kvr,rope,dtype", [(3, 96, 64, 16, torch.float32), (5, 128, 128, 32, torch.float16),
                                                      (2, 48, 40, 8, torch.float32)])
 def test_equals_the_separate_launches(n, q_rows, kvr, rope, dtype):
     q_kv, q_w, kv_w, cos, sin = _inputs(n, q_rows, kvr, rope, dtype, seed=n + q_rows)
-    new_kv = torch.full((n, kvr + rope), float("nan"), dtype=dtype)
+    new_kv = torch.full((n, kvr + rope), float("nan"), dtype=dtype, device=DEV)
     q = mla_norm_rope(q_kv, q_rows, q_w, kv_w, cos, sin, 1e-6, new_kv)
-    want_kv = torch.empty(n, kvr + rope, dtype=dtype)
+    want_kv = torch.empty(n, kvr + rope, dtype=dtype, device=DEV)
     rms_norm_triton(q_kv[:, q_rows:q_rows + kvr], kv_w, 1e-6, out=want_kv[:, :kvr])
     rope_interleaved_triton(q_kv[:, q_rows + kvr:], cos, sin, out=want_kv[:, kvr:])
     assert torch.equal(q, rms_norm_triton(q_kv[:, :q_rows], q_w, 1e-6))
@@ -35,14 +40,14 @@ def test_equals_the_separate_launches(n, q_rows, kvr, rope, dtype):
 
 def test_without_a_q_lora_only_the_kv_part():
     q_kv, _, kv_w, cos, sin = _inputs(4, 72, 32, 16, torch.float32, seed=3)
-    new_kv = torch.full((4, 48), float("nan"))
+    new_kv = torch.full((4, 48), float("nan"), device=DEV)
     assert mla_norm_rope(q_kv, 72, None, kv_w, cos, sin, 1e-6, new_kv) is None
     torch.testing.assert_close(new_kv[:, :32], rms_norm_triton(q_kv[:, 72:104], kv_w, 1e-6), rtol=0, atol=0)
     torch.testing.assert_close(new_kv[:, 32:], rope_interleaved_triton(q_kv[:, 104:], cos, sin), rtol=0, atol=0)
 
 
 def test_shapes_it_refuses():
-    q_kv, q_w, kv_w, cos, sin = _inputs(2, 32, 32, 16, torch.float32, seed=4)
+    q_kv, q_w, kv_w, cos, sin = _inputs(2, 32, 32, 16, torch.float32, seed=4, dev="cpu")   # refused before a launch
     with pytest.raises(AssertionError, match="q_kv must be"):
         mla_norm_rope(q_kv, 40, q_w, kv_w, cos, sin, 1e-6, torch.empty(2, 48))
     assert fusable(1536, 512) and fusable(128, 128) and not fusable(4096, 512)

@@ -10,6 +10,10 @@ from kernels.rms_norm import (
     add_rms_norm, add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, rms_norm_triton,
 )
 
+# The compiled kernel on a GPU, the interpreter on the CPU: inputs made on the CPU go to DEV, results
+# come back (CPU tensors on a GPU machine, where nothing interprets, reached no kernel).
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.mark.parametrize("rows,n,dtype", [(1, 7, torch.float32), (5, 96, torch.float32), (3, 128, torch.bfloat16),
                                           (4, 33, torch.float16)])
@@ -17,7 +21,7 @@ def test_triton_rms_norm_matches_reference(rows, n, dtype):
     g = torch.Generator().manual_seed(rows * 100 + n)
     x = (3 * torch.randn(rows, n, generator=g)).to(dtype)
     w = (1 + 0.3 * torch.randn(n, generator=g)).to(dtype)
-    got = rms_norm_triton(x, w, 1e-6)
+    got = rms_norm_triton(x.to(DEV), w.to(DEV), 1e-6).cpu()
     want = rms_norm_reference(x, w, 1e-6)
     assert got.dtype == want.dtype and got.shape == want.shape
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
@@ -29,10 +33,11 @@ def test_strided_rows_and_leading_dims():
     g = torch.Generator().manual_seed(3)
     kv = torch.randn(6, 40, generator=g)          # [N, kvr + rope]: the norm reads the first 32 of each row
     w = torch.rand(32, generator=g) + 0.5
-    torch.testing.assert_close(rms_norm_triton(kv[:, :32], w, 1e-6), rms_norm_reference(kv[:, :32], w, 1e-6))
+    got = rms_norm_triton(kv.to(DEV)[:, :32], w.to(DEV), 1e-6).cpu()   # the strided view taken on DEV
+    torch.testing.assert_close(got, rms_norm_reference(kv[:, :32], w, 1e-6))
     x = torch.randn(2, 3, 16, generator=g)
     w16 = torch.rand(16, generator=g)
-    out = rms_norm_triton(x, w16, 1e-5)
+    out = rms_norm_triton(x.to(DEV), w16.to(DEV), 1e-5).cpu()
     assert out.shape == (2, 3, 16)
     torch.testing.assert_close(out, rms_norm_reference(x, w16, 1e-5))
 
@@ -44,12 +49,15 @@ def test_add_rms_norm_matches_the_two_steps(rows, n, dtype):
     # reads that; x itself is left alone (a caller may hold it as a layer's features).
     g = torch.Generator().manual_seed(rows * 10 + n)
     x = (3 * torch.randn(rows, n, generator=g)).to(dtype)
-    r = (2 * torch.randn(rows + 1, n, generator=g)).to(dtype)[1:]        # a strided-start view
+    r = (2 * torch.randn(rows + 1, n, generator=g)).to(dtype).to(DEV)[1:]   # a strided-start view (on DEV)
     w = (1 + 0.3 * torch.randn(n, generator=g)).to(dtype)
-    x_before = x.clone()
-    total, normed = add_rms_norm_triton(x, r, w, 1e-6)
-    want_total, want_normed = add_rms_norm_reference(x, r, w, 1e-6)
-    assert torch.equal(x, x_before)
+    x_before = x.clone()   # a copy: on the CPU ``x.to(DEV)`` is ``x`` itself
+    xd, wd = x.to(DEV), w.to(DEV)
+    total_d, normed_d = add_rms_norm_triton(xd, r, wd, 1e-6)
+    total, normed = total_d.cpu(), normed_d.cpu()
+    # The torch steps on the same DEV tensors: the sum is torch's add there, bit for bit on either machine.
+    want_total, want_normed = (t.cpu() for t in add_rms_norm_reference(xd, r, wd, 1e-6))
+    assert torch.equal(xd.cpu(), x_before)
     assert total.dtype == dtype and normed.shape == (rows, n)
     if dtype == torch.bfloat16:   # the interpreter truncates to bf16; bit for bit on the GPU (bench/fused_ops_check.py)
         torch.testing.assert_close(total.float(), want_total.float(), rtol=1e-2, atol=1e-2)
@@ -59,7 +67,7 @@ def test_add_rms_norm_matches_the_two_steps(rows, n, dtype):
         tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
         torch.testing.assert_close(normed.float(), want_normed.float(), rtol=tol, atol=tol)
         # the norm of the rounded sum, not of the exact one: equal to normalising ``total`` itself
-        torch.testing.assert_close(normed, rms_norm_triton(total, w, 1e-6), rtol=0, atol=0)
+        torch.testing.assert_close(normed, rms_norm_triton(total_d, wd, 1e-6).cpu(), rtol=0, atol=0)
 
 
 def test_add_rms_norm_dispatch_and_refusals():
@@ -81,8 +89,8 @@ def test_add_rms_norm_writes_the_float32_upcast(dtype):
     x, r = (3 * torch.randn(4, 64, generator=g)).to(dtype), torch.randn(4, 64, generator=g).to(dtype)
     w = (1 + 0.2 * torch.randn(64, generator=g)).to(dtype)
     for fn in (add_rms_norm_triton, add_rms_norm_reference):
-        f32 = torch.full((4, 64), float("nan"))
-        _, normed = fn(x, r, w, 1e-6, f32)
-        assert torch.equal(f32, normed.float())
+        f32 = torch.full((4, 64), float("nan")).to(DEV)
+        _, normed = fn(x.to(DEV), r.to(DEV), w.to(DEV), 1e-6, f32)
+        assert torch.equal(f32.cpu(), normed.float().cpu())
     with pytest.raises(AssertionError, match="float32_copy must be"):
         add_rms_norm_triton(x, r, w, 1e-6, torch.empty(4, 64, dtype=dtype))

@@ -13,10 +13,14 @@ from kernels.rope import rope_interleaved_triton
 from services.verifier.rope import apply_rope, apply_rope_interleaved
 from tests.compiled import run_compiled
 
+# The compiled kernel on a GPU, the interpreter on the CPU: inputs made on the CPU go to DEV, results
+# come back (CPU tensors on a GPU machine, where nothing interprets, reached no kernel).
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 # The interpreter rounds float32 -> float16 to nearest, as the GPU does, so these compare bit for bit;
 # its bfloat16 conversion truncates, so bfloat16 is compared with a tolerance here (and bit for bit
-# on the GPU by bench/rope_check.py).
+# on the GPU by bench/rope_check.py). The torch expression a bit-for-bit check compares with runs on
+# the kernel's own DEV tensors, so that it is torch's rounding on that machine either way.
 
 
 def _inputs(n: int, rows: int, d: int, dtype: torch.dtype, seed: int):
@@ -29,18 +33,18 @@ def _inputs(n: int, rows: int, d: int, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("n,rows,d,dtype", [(3, 8, 64, torch.float32), (5, 8, 32, torch.float16),
                                             (2, 3, 6, torch.float32), (4, 1, 64, torch.float16)])
 def test_matches_the_torch_expression_bit_for_bit(n, rows, d, dtype):
-    x, cos, sin = _inputs(n, rows, d, dtype, seed=n * rows + d)
-    got = rope_interleaved_triton(x, cos, sin)
-    want = apply_rope_interleaved(x, cos.unsqueeze(1), sin.unsqueeze(1))
+    x, cos, sin = (t.to(DEV) for t in _inputs(n, rows, d, dtype, seed=n * rows + d))
+    got = rope_interleaved_triton(x, cos, sin).cpu()
+    want = apply_rope_interleaved(x, cos.unsqueeze(1), sin.unsqueeze(1)).cpu()
     assert got.dtype == dtype and got.shape == x.shape
     assert torch.equal(got, want)
-    two_d = rope_interleaved_triton(x[:, 0], cos, sin)              # a key row: [N, d]
-    assert torch.equal(two_d, apply_rope_interleaved(x[:, 0], cos, sin))
+    two_d = rope_interleaved_triton(x[:, 0], cos, sin).cpu()        # a key row: [N, d]
+    assert torch.equal(two_d, apply_rope_interleaved(x[:, 0], cos, sin).cpu())
 
 
 def test_bfloat16_within_rounding():
     x, cos, sin = _inputs(4, 8, 64, torch.bfloat16, seed=7)
-    got = rope_interleaved_triton(x, cos, sin)
+    got = rope_interleaved_triton(x.to(DEV), cos.to(DEV), sin.to(DEV)).cpu()
     want = apply_rope_interleaved(x, cos.unsqueeze(1), sin.unsqueeze(1))
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=3e-2)
 
@@ -54,16 +58,21 @@ def test_strided_views_and_out_slices():
     kv = torch.randn(N, kvr + rope, generator=g)
     ang = torch.rand(N, rope, generator=g) * 6.3
     cos, sin = ang.cos(), ang.sin()
-    q_pe = rope_interleaved_triton(q[..., nope:], cos, sin)
-    assert torch.equal(q_pe, apply_rope_interleaved(q[..., nope:], cos.unsqueeze(1), sin.unsqueeze(1)))
-    new_kv = torch.full((N, kvr + rope), float("nan"))
+    qd, kvd, cosd, sind = q.to(DEV), kv.to(DEV), cos.to(DEV), sin.to(DEV)   # views below are taken on DEV
+    q_pe = rope_interleaved_triton(qd[..., nope:], cosd, sind).cpu()
+    assert torch.equal(q_pe, apply_rope_interleaved(qd[..., nope:], cosd.unsqueeze(1), sind.unsqueeze(1)).cpu())
+    new_kv = torch.full((N, kvr + rope), float("nan")).to(DEV)
     w = torch.rand(kvr, generator=g) + 0.5
-    assert rope_interleaved_triton(kv[:, kvr:], cos, sin, out=new_kv[:, kvr:]).data_ptr() == new_kv[:, kvr:].data_ptr()
-    rms_norm(kv[:, :kvr], w, 1e-6, out=new_kv[:, :kvr])   # the CPU path of the dispatcher
+    assert rope_interleaved_triton(kvd[:, kvr:], cosd, sind, out=new_kv[:, kvr:]).data_ptr() == new_kv[:, kvr:].data_ptr()
+    # The CPU path of the dispatcher (CPU inputs: the torch expression, copied into DEV's slice), on a
+    # GPU machine too: its result is compared bit for bit with the CPU reference below.
+    rms_norm(kv[:, :kvr], w, 1e-6, out=new_kv[:, :kvr])
+    new_kv = new_kv.cpu()
     assert torch.isfinite(new_kv).all()                      # every element written
-    assert torch.equal(new_kv[:, kvr:], apply_rope_interleaved(kv[:, kvr:], cos, sin))
+    assert torch.equal(new_kv[:, kvr:], apply_rope_interleaved(kvd[:, kvr:], cosd, sind).cpu())
     assert torch.equal(new_kv[:, :kvr], rms_norm_reference(kv[:, :kvr], w, 1e-6))
-    # The model's dispatcher takes per-token cos/sin for both shapes on the CPU too.
+    # The model's dispatcher takes per-token cos/sin for both shapes on the CPU too: CPU inputs (its
+    # torch path) against the kernel's result, on purpose.
     assert torch.equal(apply_rope(q[..., nope:], cos, sin), q_pe)
 
 

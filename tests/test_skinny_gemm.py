@@ -1,6 +1,7 @@
-"""The few-row GEMM kernel (``kernels/skinny_gemm.py``) under the Triton interpreter against float64
-torch: plain, batched and strided operands, written into a view, added in place, K split over
-programs (whose partials the last program adds in a fixed order), odd sizes."""
+"""The few-row GEMM kernel (``kernels/skinny_gemm.py``), compiled on a GPU and under the Triton
+interpreter on the CPU, against float64 torch: plain, batched and strided operands, written into a
+view, added in place, K split over programs (whose partials the last program adds in a fixed order),
+odd sizes."""
 
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ import torch
 from kernels import skinny_gemm as sg
 from kernels.device import tile_counters
 
+# The compiled kernel on a GPU, the interpreter on the CPU: inputs made on the CPU go to DEV, results
+# come back (CPU tensors on a GPU machine, where nothing interprets, reached no kernel).
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    err = (got.double() - want).abs().max().item()
+    """``got`` (on DEV or the CPU) against the CPU float64 ``want``."""
+    err = (got.cpu().double() - want).abs().max().item()
     scale = want.abs().max().item()
     assert err <= 1e-2 * scale + 1e-2, f"max error {err} against max {scale}"
 
@@ -25,7 +31,7 @@ def test_matches_torch(m: int, n: int, k: int, plan: tuple | None) -> None:
     g = torch.Generator().manual_seed(m * 1000 + n)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
-    got = sg.skinny_linear_triton(x, w, plan=plan)
+    got = sg.skinny_linear_triton(x.to(DEV), w.to(DEV), plan=plan).cpu()
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     _close(got, x.double() @ w.double().T)
 
@@ -34,11 +40,12 @@ def test_split_k_is_deterministic_and_leaves_counters_at_zero() -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(9, 2048, generator=g).half()
     w = torch.randn(64, 2048, generator=g).half()
-    a = sg.skinny_linear_triton(x, w, plan=(16, 128, 8))
-    b = sg.skinny_linear_triton(x, w, plan=(16, 128, 8))
+    xd, wd = x.to(DEV), w.to(DEV)
+    a = sg.skinny_linear_triton(xd, wd, plan=(16, 128, 8))
+    b = sg.skinny_linear_triton(xd, wd, plan=(16, 128, 8))
     assert torch.equal(a, b)
-    _close(a, x.double() @ w.double().T)
-    assert int(tile_counters(x.device).abs().sum()) == 0
+    _close(a.cpu(), x.double() @ w.double().T)
+    assert int(tile_counters(xd.device).abs().sum()) == 0
 
 
 def test_batched_strided_views_and_out() -> None:
@@ -50,13 +57,14 @@ def test_batched_strided_views_and_out() -> None:
     q = torch.randn(N, H, nope + 8, generator=g).bfloat16()
     w_uk = torch.randn(H, nope, kvr, generator=g).bfloat16()
     x = q[..., :nope].transpose(0, 1)  # [H, N, nope], strided
-    got = sg.skinny_linear_triton(x, w_uk.transpose(1, 2))
-    _close(got, x.double() @ w_uk.double())
+    q_d, w_uk_d = q.to(DEV), w_uk.to(DEV)  # the views are taken on DEV (.to of a view would pack it)
+    got = sg.skinny_linear_triton(q_d[..., :nope].transpose(0, 1), w_uk_d.transpose(1, 2))
+    _close(got.cpu(), x.double() @ w_uk.double())
     latent = torch.randn(N, H, kvr, generator=g).bfloat16()
     w_uv = torch.randn(H, v, kvr, generator=g).bfloat16()
-    out = torch.full((N, H, v), float("nan"), dtype=torch.bfloat16)
-    sg.skinny_linear_triton(latent.transpose(0, 1), w_uv, out=out.transpose(0, 1))
-    _close(out.transpose(0, 1), latent.transpose(0, 1).double() @ w_uv.double().transpose(1, 2))
+    out = torch.full((N, H, v), float("nan"), dtype=torch.bfloat16, device=DEV)
+    sg.skinny_linear_triton(latent.to(DEV).transpose(0, 1), w_uv.to(DEV), out=out.transpose(0, 1))
+    _close(out.transpose(0, 1).cpu(), latent.transpose(0, 1).double() @ w_uv.double().transpose(1, 2))
 
 
 @pytest.mark.parametrize("split", [1, 4])
@@ -66,9 +74,10 @@ def test_add_to_in_place(split: int) -> None:
     w = torch.randn(50, 1024, generator=g).bfloat16()
     acc = torch.randn(2, 50, generator=g).bfloat16()
     want = acc.double() + x.double() @ w.double().T
-    got = sg.skinny_linear_triton(x, w, add_to=acc, plan=(16, 256, split))
+    acc = acc.to(DEV)
+    got = sg.skinny_linear_triton(x.to(DEV), w.to(DEV), add_to=acc, plan=(16, 256, split))
     assert got.data_ptr() == acc.data_ptr()
-    _close(acc, want)
+    _close(acc.cpu(), want)
 
 
 def test_refusals_and_dispatch() -> None:
@@ -79,6 +88,11 @@ def test_refusals_and_dispatch() -> None:
         sg.skinny_linear_triton(torch.randn(sg.KERNEL_ROWS + 1, 64).bfloat16(), torch.randn(8, 64).bfloat16())
     w = torch.randn(8, 64).bfloat16()
     assert torch.equal(sg.skinny_linear(x, w), x @ w.T)  # off CUDA: torch's own product
+    if DEV == "cuda":  # on CUDA: the kernel up to MAX_ROWS rows (deterministic: bit for bit), cuBLAS above
+        xd, wd = x.to(DEV), w.to(DEV)
+        assert torch.equal(sg.skinny_linear(xd, wd), sg.skinny_linear_triton(xd, wd))
+        tall = torch.randn(sg.MAX_ROWS + 1, 64).bfloat16().to(DEV)
+        assert torch.equal(sg.skinny_linear(tall, wd), tall @ wd.T)
 
 
 def test_plan_follows_the_sweep() -> None:
