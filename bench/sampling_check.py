@@ -25,6 +25,7 @@ from services.verifier.sampling import (Sampling, _filter_top_k, _filter_top_p, 
 SHAPES = [(163840, 1, 129), (163840, 1, 17), (129280, 1, 33), (163840, 8, 129), (163840, 32, 17)]
 SETTINGS = {"t0.9_p0.95": Sampling(temperature=0.9, top_p=0.95), "t0.7_k50_p0.9": Sampling(temperature=0.7, top_k=50, top_p=0.9),
             "t1.0": Sampling(temperature=1.0)}
+KEPT_MASS_TOLERANCE = 1e-4   # probability on which kernel and reference kept sets may part (float32 sums)
 SCALES = (3.0, 1.0)   # logits' spread: 3 keeps hundreds to thousands under top-p 0.95, 1 most of the vocabulary
 
 
@@ -45,8 +46,12 @@ def _reference(logits: torch.Tensor, sampling: Sampling, keys: torch.Tensor, req
                       for i in range(requests)])
 
 
-def _kept_differ(logits: torch.Tensor, sampling: Sampling) -> int:
-    """Rows whose kernel kept set is not the CPU reference's."""
+def _kept_differ(logits: torch.Tensor, sampling: Sampling) -> tuple[int, float]:
+    """Rows whose kernel kept set is not the CPU reference's, and the most probability (of a row's
+    softmax at the sampling temperature) on which the two sets part: a draw can move with at most
+    that probability. The kernel sums the kept mass in float32, the reference in float64: at K2's
+    vocabulary a few rows of 129 part by a boundary token or two (an H100: 3-5 rows,
+    ``sampling-check-acb5f4b.json``), where the float32 reference parted in every row."""
     n, vocab = logits.shape
     dev = logits.device
     floors = keep_floors(logits, torch.full((n,), inverse_temperature(sampling.temperature), device=dev),
@@ -56,7 +61,9 @@ def _kept_differ(logits: torch.Tensor, sampling: Sampling) -> int:
     scaled = logits.cpu().float() * inverse_temperature(sampling.temperature)
     want = _filter_top_p(_filter_top_k(scaled, sampling.top_k), sampling.top_p) > float("-inf")
     got = (scaled >= floors[:, None]) & (scaled > float("-inf"))
-    return int((got != want).any(dim=-1).sum())
+    differ = got != want
+    mass = (torch.softmax(scaled.double(), dim=-1) * differ).sum(dim=-1)
+    return int(differ.any(dim=-1).sum()), float(mass.max())
 
 
 def main() -> int:
@@ -81,10 +88,13 @@ def main() -> int:
                 if requests * n <= 129:   # the CPU reference and the kept sets at one request's rows
                     cpu = _reference(logits.cpu(), sampling, keys.cpu(), requests)
                     jitter = logits * (1 + 2.0 ** -8 * torch.randn(logits.shape, device="cuda"))
-                    row.update(equal_to_cpu=int((kernel.cpu() == cpu).sum()), kept_sets_differ=_kept_differ(logits, sampling),
+                    rows_differ, mass_differ = _kept_differ(logits, sampling)
+                    row.update(equal_to_cpu=int((kernel.cpu() == cpu).sum()), kept_sets_differ=rows_differ,
+                               kept_mass_differ=mass_differ,
                                moved_by_jitter=int((draw_tokens(jitter, [sampling] * requests, [n] * requests, keys)
                                                     != kernel).sum()))
-                    ok &= row["equal_to_cpu"] >= requests * n - 1 and row["kept_sets_differ"] <= 1
+                    # A near tie may round a draw apart; the kept sets may part on float32-rounding mass only.
+                    ok &= row["equal_to_cpu"] >= requests * n - 1 and row["kept_mass_differ"] <= KEPT_MASS_TOLERANCE
                 row["speedup"] = round(row["reference_ms"] / row["kernel_ms"], 2)
                 rows.append(row)
                 print(row, flush=True)

@@ -17,9 +17,10 @@ step pays that once per sampled request. Here one launch pair serves every sampl
 
 Ties at a threshold keep every tied token, as the reference does. The kept set's mass is summed
 in float32, blockwise, the reference's cumulative sum in float64, so the two can part only where
-``top_p`` lies within float32 rounding of a cumulative mass (at K2's 163840 tokens the kernel keeps
-the float64 set: ``tests/test_gumbel_sample.py``; a float32 reference parted from it by ~3 tokens in
-every row); the noise's float64 logs may differ in the last bit. Either moves a draw only at such a near tie.
+``top_p`` lies within float32 rounding of a cumulative mass: at K2's 163840 tokens and top-p 0.95,
+3-5 rows of 129 on an H100, by a boundary token or two (``bench/results/sampling-check-acb5f4b.json``;
+a float32 reference had parted in every row). The noise's float64 logs may differ in the last bit.
+Either moves a draw only at such a near tie.
 """
 
 from __future__ import annotations

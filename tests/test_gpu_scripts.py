@@ -280,3 +280,27 @@ def test_a_result_files_copy_bandwidth_is_measured_on_its_gpu_and_none_on_the_cp
     monkeypatch.setattr(common.torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
     monkeypatch.setattr(common, "measure_copy_gbps", lambda: 4210.06)
     assert common.copy_gbps_on("cuda:1") == 4210.1
+
+
+def test_the_sampling_checks_kept_set_measure_counts_rows_and_the_mass_they_part_on(monkeypatch) -> None:
+    """bench/sampling_check.py passes on the probability the kernel and reference kept sets part on
+    (a draw moves with at most that), not on a count of rows: float32 sums part from the float64
+    reference by a boundary token in a few rows at K2's vocabulary."""
+    import torch
+
+    import bench.sampling_check as sc
+    from services.verifier.sampling import Sampling
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 300, generator=g) * 3
+    sampling = Sampling(temperature=0.9, top_p=0.95)
+    assert sc._kept_differ(logits, sampling) == (0, 0.0)
+    floors = sc.keep_floors(logits, torch.full((3,), 1 / 0.9), torch.zeros(3, dtype=torch.int32), torch.full((3,), 0.95))
+    scaled = logits * (1 / 0.9)
+    below = torch.where(scaled < floors[:, None], scaled, float("-inf")).max(dim=-1).values   # the next token down
+    lowered = floors.clone()
+    lowered[1] = below[1]                                     # row 1 keeps one token more
+    monkeypatch.setattr(sc, "keep_floors", lambda *a: lowered)
+    rows, mass = sc._kept_differ(logits, sampling)
+    p = torch.softmax(scaled.double(), dim=-1)
+    assert rows == 1 and mass == pytest.approx(float(p[1][scaled[1] == below[1]].sum()))

@@ -78,8 +78,8 @@ def _filter_top_p(logits: Tensor, top_p: float) -> Tensor:
         return logits
     sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # [n, V]
     # In float64: a float32 running sum over K2's 163840 tokens drifts by ~2e-5 of the mass, which
-    # moved the boundary by a few tokens in every row (the kernel's float32 sums, blockwise, keep the
-    # float64 set: tests/test_gumbel_sample.py).
+    # moved the boundary by a few tokens in every row (the GPU kernel's float32 sums, blockwise, part
+    # from the float64 set in a few rows of 129: bench/results/sampling-check-acb5f4b.json).
     probs = torch.softmax(sorted_logits.double(), dim=-1)  # [n, V]
     mass_before = torch.cumsum(probs, dim=-1)[..., :-1]  # [n, V - 1]: nondecreasing (a running sum on the CPU)
     kept = 1 + (mass_before < top_p).sum(dim=-1, keepdim=True)  # [n, 1] a prefix of the sorted row
