@@ -43,7 +43,9 @@ def run(out: Path, float32_router: bool) -> None:
 def compare(before: Path, after: Path, args: argparse.Namespace) -> None:
     """One row per (prompt, budget): equal, the first differing token, steps and acceptance."""
     first, second = json.loads(before.read_text()), json.loads(after.read_text())
-    a, b = first["runs"], second["runs"]
+    # A run by an older checkout (the docstring's "before") is a bare list, without its GPU.
+    a, b = (x["runs"] if isinstance(x, dict) else x for x in (first, second))
+    ran = second if isinstance(second, dict) else {"gpu": "unknown", "copy_gbps": None}
     rows = []
     for k, (x, y) in enumerate(zip(a, b)):
         diff = next((i for i, (s, t) in enumerate(zip(x["tokens"], y["tokens"])) if s != t), None)
@@ -51,7 +53,7 @@ def compare(before: Path, after: Path, args: argparse.Namespace) -> None:
                          equal=x["tokens"] == y["tokens"], first_difference=diff, steps_before=x["steps"],
                          steps_after=y["steps"], acceptance_before=round(len(x["tokens"]) / max(1, x["steps"]), 3),
                          acceptance_after=round(len(y["tokens"]) / max(1, y["steps"]), 3)))
-    doc = dict(benchmark=Path(args.out).stem, commit=args.after_commit, gpu=second["gpu"], copy_gbps=second["copy_gbps"],
+    doc = dict(benchmark=Path(args.out).stem, commit=args.after_commit, gpu=ran["gpu"], copy_gbps=ran["copy_gbps"],
                params=dict(model=str(MODEL), dtype="bfloat16", compared=f"{args.before_commit} (before) against {args.after_commit}"
                            f" ({args.what}), greedy", in_process="first 4 held-out prompts cut to 60 tokens, 300 "
                            "tokens, budgets 0 and 16 (bench.split_overhead.InProcess)"), rows=rows)

@@ -18,8 +18,9 @@ step pays that once per sampled request. Here one launch pair serves every sampl
 Ties at a threshold keep every tied token, as the reference does. The kept set's mass is summed
 in float32, blockwise, the reference's cumulative sum in float64, so the two can part only where
 ``top_p`` lies within float32 rounding of a cumulative mass: at K2's 163840 tokens and top-p 0.95,
-3-5 rows of 129 on an H100, by a boundary token or two (``bench/results/sampling-check-acb5f4b.json``;
-a float32 reference had parted in every row). The noise's float64 logs may differ in the last bit.
+3-5 rows of 129 on an H100, by a boundary token (``bench/results/sampling-check-acb5f4b.json``; a
+float32 reference had parted in every row; ``bench/sampling_check.py`` bounds how far the kept set
+misses the top-p rule in float64). The noise's float64 logs may differ in the last bit.
 Either moves a draw only at such a near tie.
 """
 

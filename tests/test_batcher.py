@@ -621,7 +621,8 @@ def test_a_replica_rejoining_behind_a_restarted_verifier_moves_its_groups_other_
     """One replica's step failed as its verifier restarted; the other, idle, stayed up. The first
     rejoins on the new group's budget; the second moves to it in the same round, not up to five
     seconds later at the next discovery round: meanwhile the new group was admitted against the
-    old budget and the new one, twice its cache."""
+    old budget and the new one, twice its cache. Beside the watch round, and all at once: two silent
+    replicas of the old group held the round (every other recovery) for a probe's timeout each."""
     from services.scheduler.router import Router
 
     async def scenario():
@@ -629,20 +630,26 @@ def test_a_replica_rejoining_behind_a_restarted_verifier_moves_its_groups_other_
         old = router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000))
         other = router._budget(common_pb2.ModelInfo(verifier_id="w1", kv_capacity_tokens=10_000))
         lanes = [StepLoop(SchedulerSettings(), f"d{i}", Draft("v1"), Limits(64, 4096, 16, (0,), 10_000), old,
-                          router.metrics) for i in range(2)]
+                          router.metrics) for i in range(4)]
         apart = StepLoop(SchedulerSettings(), "w", Draft("w1"), Limits(64, 4096, 16, (0,), 10_000), other, router.metrics)
         router.lanes += lanes + [apart]
         lanes[0].healthy = False
         for lane in lanes:
             lane.draft.stub.verifier_id = "v2"    # the verifier restarted
+        lanes[2].draft.stub.silent = lanes[3].draft.stub.silent = True   # gone without a word
         apart.draft.stub.down = True              # another group's replica, not probed for this
+        t0 = time.monotonic()
         await router._recover(lanes[0])
-        return lanes[0].kv, lanes[1].kv, old, apart
+        recovered_s = time.monotonic() - t0
+        await asyncio.gather(*router._follows)
+        followed_s = time.monotonic() - t0
+        return lanes[0].kv, [x.kv for x in lanes[1:]], [x.healthy for x in lanes], old, apart, recovered_s, followed_s
 
-    new, second, old, apart = asyncio.run(scenario())
+    new, others, healthy, old, apart, recovered_s, followed_s = asyncio.run(scenario())
     assert new is not old and new.verifier_id == "v2"
-    assert second is new
+    assert others[0] is new and healthy == [True, True, False, False]   # the silent ones are marked down
     assert apart.healthy
+    assert recovered_s < 0.5 and followed_s < 1.8, (recovered_s, followed_s)   # one probe timeout (1 s), not two
 
 
 def test_the_rejoin_hold_grows_from_the_second_failed_step_in_a_row() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import re
 import shutil
 import socket
@@ -225,14 +226,17 @@ def test_make_install_stops_where_the_cpu_torch_cannot_be_installed(tmp_path):
     fake.write_text("""#!/bin/sh
 case "$*" in
   *"sys.version_info"*) exit 0;;
-  "-m venv "*) mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; exit 0;;
+  "-m venv "*) mkdir -p "$3/bin"; rm -f "$3/bin/python"; cp "$0" "$3/bin/python"; exit 0;;
   *"pip install"*torch==*) echo "no torch here" >&2; exit 1;;
   *"pip install"*) echo "pip $*" >> "$(dirname "$0")/../../installs.log"; exit 0;;
 esac
 exit 0
 """)
     fake.chmod(0o755)
-    run = subprocess.run(["make", "install", f"PYTHON={fake}"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    # Its own .venv, whatever the outer make passed down (`make test VENV=...`): never a real one.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "VENV")}
+    run = subprocess.run(["make", "install", f"PYTHON={fake}", "VENV=.venv"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
     assert run.returncode != 0, run.stdout + run.stderr
     assert not (tmp_path / ".venv" / ".installed").exists()
     log = (tmp_path / "installs.log").read_text() if (tmp_path / "installs.log").exists() else ""

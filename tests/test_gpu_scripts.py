@@ -151,9 +151,9 @@ def test_tokens_ab_compare_marks_the_first_differing_token(tmp_path, monkeypatch
     from bench import k2_ab, router_parts_check  # noqa: F401  (GPU-only scripts: they import on the CPU)
 
     before, after, out = tmp_path / "before.json", tmp_path / "after.json", tmp_path / "tokens-ab-x.json"
-    before.write_text(json.dumps({"gpu": "GPU A", "copy_gbps": 4000.0, "runs": [
+    before.write_text(json.dumps([   # an older checkout's run: a bare list
         {"prompt": 0, "budget": 0, "tokens": [5, 6, 7, 8], "steps": 4},
-        {"prompt": 0, "budget": 16, "tokens": [5, 6, 7, 8], "steps": 2}]}))
+        {"prompt": 0, "budget": 16, "tokens": [5, 6, 7, 8], "steps": 2}]))
     after.write_text(json.dumps({"gpu": "GPU B", "copy_gbps": 3000.0, "runs": [
         {"prompt": 0, "budget": 0, "tokens": [5, 6, 7, 8], "steps": 4},
         {"prompt": 0, "budget": 16, "tokens": [5, 6, 9, 8], "steps": 1}]}))
@@ -283,9 +283,9 @@ def test_a_result_files_copy_bandwidth_is_measured_on_its_gpu_and_none_on_the_cp
 
 
 def test_the_sampling_checks_kept_set_measure_counts_rows_and_the_mass_they_part_on(monkeypatch) -> None:
-    """bench/sampling_check.py passes on the probability the kernel and reference kept sets part on
-    (a draw moves with at most that), not on a count of rows: float32 sums part from the float64
-    reference by a boundary token in a few rows at K2's vocabulary."""
+    """bench/sampling_check.py passes on how far the kernel's kept set misses the top-p rule in
+    float64, not on a count of rows: float32 sums part from the float64 reference by a boundary
+    token in a few rows at K2's vocabulary, while the float32 reference it replaced missed by more."""
     import torch
 
     import bench.sampling_check as sc
@@ -294,13 +294,23 @@ def test_the_sampling_checks_kept_set_measure_counts_rows_and_the_mass_they_part
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(3, 300, generator=g) * 3
     sampling = Sampling(temperature=0.9, top_p=0.95)
-    assert sc._kept_differ(logits, sampling) == (0, 0.0)
+    assert sc._kept_differ(logits, sampling) == (0, 0.0, 0.0)
     floors = sc.keep_floors(logits, torch.full((3,), 1 / 0.9), torch.zeros(3, dtype=torch.int32), torch.full((3,), 0.95))
     scaled = logits * (1 / 0.9)
     below = torch.where(scaled < floors[:, None], scaled, float("-inf")).max(dim=-1).values   # the next token down
     lowered = floors.clone()
     lowered[1] = below[1]                                     # row 1 keeps one token more
     monkeypatch.setattr(sc, "keep_floors", lambda *a: lowered)
-    rows, mass = sc._kept_differ(logits, sampling)
+    rows, mass, miss = sc._kept_differ(logits, sampling)
     p = torch.softmax(scaled.double(), dim=-1)
-    assert rows == 1 and mass == pytest.approx(float(p[1][scaled[1] == below[1]].sum()))
+    extra = float(p[1][scaled[1] == below[1]].sum())
+    assert rows == 1 and mass == pytest.approx(extra)
+    # the lowered floor keeps mass above it that already reached top-p: it misses the rule by that much
+    above = float(p[1][scaled[1] > below[1]].sum())
+    assert miss == pytest.approx(above - 0.95, rel=1e-4) and miss > 0
+    # the float32 running sum the reference used to have misses it at K2's vocabulary; the check fails it
+    big = torch.randn(1, 163840, generator=g) * 3
+    s32 = torch.sort(big / 0.9, descending=True).values
+    k = 1 + int((torch.cumsum(torch.softmax(s32, -1), -1)[:, :-1] < 0.95).sum())
+    monkeypatch.setattr(sc, "keep_floors", lambda *a: s32[:, k - 1])
+    assert sc._kept_differ(big, sampling)[2] > sc.TOP_P_TOLERANCE

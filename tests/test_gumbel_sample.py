@@ -90,8 +90,10 @@ def test_top_p_at_kimi_k2s_vocabulary_keeps_the_float64_set_in_kernel_and_refere
     got = scaled >= floors[:, None]
     if DEVICE == "cpu":
         assert torch.equal(got, want)
-    else:   # float32 sums in the GPU's order: at most a boundary token's mass apart
-        assert float((torch.softmax(exact, dim=-1) * (got != want)).sum()) <= 1e-4
+    else:   # float32 sums in the GPU's order: the top-p rule kept to within their rounding
+        prob = torch.softmax(exact, dim=-1)
+        above, at = float((prob * (scaled > floors[:, None])).sum()), float((prob * got).sum())
+        assert above < sampling.top_p + 5e-6 and at >= sampling.top_p - 5e-6, (above, at)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the interpreter's inf - inf

@@ -90,6 +90,7 @@ class Router:
         self._unknown = itertools.count()   # budgets of replicas whose verifier is not known yet
         self.info: common_pb2.ModelInfo | None = None
         self._watch: asyncio.Task | None = None
+        self._follows: set[asyncio.Task] = set()   # `_recover`'s follows of a restarted verifier's group
         self._discovery: asyncio.Task | None = None
         self._other_models: set[str] = set()   # replicas logged as serving another model (`_other_model`)
         self._refused_token: set[str] = set()   # replicas logged as refusing our internal token
@@ -186,6 +187,8 @@ class Router:
                 why = f"nothing answered within {timeout_s:.0f} s" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED \
                     else f"{exc.code().name}: {exc.details()}"
                 errors.append(f"{address}: {why}")
+            return None
+        except grpc.aio.UsageError:   # its channel closed under the probe: a replica forgotten meanwhile
             return None
 
     @property
@@ -298,26 +301,36 @@ class Router:
         their own, staying up: each lane's KV budget follows its replica's verifier, so one group
         is never admitted against two budgets (the lanes that rejoined would have the new one).
         An idle replica that does not answer is marked down here (a busy one's step fails).
-        ``lanes``: only these (default: every live one)."""
-        for lane in [x for x in (self.lanes if lanes is None else lanes) if x.healthy]:
-            # Another model's answer is no answer (a busy one's next step fails: its verifier restarted).
-            info = self._same_model(lane.address, await self._probe(lane.draft.stub, 1.0, lane.address))
-            if info is None and not lane.running:
-                # An idle replica that died (or lost its verifier) has no step to fail: without
-                # this the scheduler said SERVING until a client's request failed there.
-                lane.healthy = False
-                why = ("serves another model" if lane.address in self._other_models else
-                       "refuses the internal token" if lane.address in self._refused_token else
-                       "replies larger than a message" if lane.address in self._too_wide else "no answer to a probe")
-                log.warning("draft_replica_down", address=lane.address, reason=why)
-            if info is not None:
-                self._follow_width(lane, info)
-            if info is not None and info.verifier_id and info.verifier_id != lane.kv.verifier_id:
-                lane.kv = self._budget(info)
-                log.info("draft_replica_verifier_changed", address=lane.address, verifier_id=info.verifier_id)
-                # A group that came back smaller: what its queue holds that no longer fits would
-                # wait at the head of the queue for good, and every request behind it too.
-                self._refuse_unfitting(lane)
+        ``lanes``: only these (default: every live one). Probed at once: one after another, each
+        silent replica held the rest for its probe's timeout."""
+        chosen = [x for x in (self.lanes if lanes is None else lanes) if x.healthy]
+        outcomes = await asyncio.gather(*(self._follow_verifier(lane) for lane in chosen), return_exceptions=True)
+        for lane, outcome in zip(chosen, outcomes):   # one lane's trouble leaves the others' to run
+            if isinstance(outcome, Exception):
+                log.error("replica_follow_failed", address=lane.address, error=repr(outcome))
+
+    async def _follow_verifier(self, lane: StepLoop) -> None:
+        """`_follow_verifiers` for one live lane."""
+        # Another model's answer is no answer (a busy one's next step fails: its verifier restarted).
+        info = self._same_model(lane.address, await self._probe(lane.draft.stub, 1.0, lane.address))
+        if lane not in self.lanes or not lane.healthy:   # forgotten, or failed, during the probe
+            return
+        if info is None and not lane.running:
+            # An idle replica that died (or lost its verifier) has no step to fail: without
+            # this the scheduler said SERVING until a client's request failed there.
+            lane.healthy = False
+            why = ("serves another model" if lane.address in self._other_models else
+                   "refuses the internal token" if lane.address in self._refused_token else
+                   "replies larger than a message" if lane.address in self._too_wide else "no answer to a probe")
+            log.warning("draft_replica_down", address=lane.address, reason=why)
+        if info is not None:
+            self._follow_width(lane, info)
+        if info is not None and info.verifier_id and info.verifier_id != lane.kv.verifier_id:
+            lane.kv = self._budget(info)
+            log.info("draft_replica_verifier_changed", address=lane.address, verifier_id=info.verifier_id)
+            # A group that came back smaller: what its queue holds that no longer fits would
+            # wait at the head of the queue for good, and every request behind it too.
+            self._refuse_unfitting(lane)
 
     def _same_model(self, address: str, info: common_pb2.ModelInfo | None) -> common_pb2.ModelInfo | None:
         """``info``, or None where it is another model's (`_other_model`) or its verifier's replies
@@ -420,11 +433,14 @@ class Router:
         if before.verifier_id and before is not lane.kv:
             # Its verifier restarted: the live replicas still on the old group's budget are asked
             # now, not at the next discovery round (up to DISCOVERY_EVERY rounds on), while until
-            # then the new group was admitted against both budgets, twice its cache.
-            await self._follow_verifiers([x for x in self.lanes if x.kv is before])
+            # then the new group was admitted against both budgets, twice its cache. Beside the
+            # watch round, not in it: a silent replica would hold every other recovery for its probe.
+            task = asyncio.create_task(self._follow_verifiers([x for x in self.lanes if x.kv is before]))
+            self._follows.add(task)
+            task.add_done_callback(self._follows.discard)
 
     async def stop(self) -> None:
-        for task in (self._watch, self._discovery):
+        for task in (self._watch, self._discovery, *self._follows):
             if task is not None:
                 task.cancel()
         for lane in self.lanes:
