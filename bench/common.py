@@ -154,7 +154,7 @@ def write_result(out: str, commit: str | None, params: dict, rows: list) -> None
     from pathlib import Path
 
     doc = dict(benchmark=Path(out).stem, commit=git_commit(commit), gpu=torch.cuda.get_device_name(),
-               copy_gbps=round(measure_copy_gbps(), 1), params=params, rows=rows)
+               copy_gbps=copy_gbps_on("cuda"), params=params, rows=rows)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1))

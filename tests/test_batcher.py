@@ -199,22 +199,15 @@ def test_step_loop_pauses_speculation_for_the_whole_batch() -> None:
 def test_a_lane_stopped_with_a_release_in_flight_gives_its_kv_back() -> None:
     """A replica forgotten (its name no longer resolves) while its release step hung kept that
     step's KV in the cancelled step: the group's budget lost it for good."""
-    from ddtree.v1 import draft_pb2
-
-    class Draft:   # answers a request's step, then hangs on the release
+    class Draft(SlowDraft):   # answers a request's step, then hangs on the release
         async def step(self, req, timeout):
             if not req.items:
                 await asyncio.sleep(60)
-            return draft_pb2.StepResponse(results=[draft_pb2.StepResult(
-                request_id=i.request_id, token_ids=[5], acceptance_length=0 if i.prompt_token_ids else 1)
-                for i in req.items])
-
-        def close(self) -> None:
-            pass
+            return await super().step(req, timeout)
 
     async def scenario() -> None:
         lane = loop()
-        lane.draft = Draft()
+        lane.draft = Draft(delay=0.0)
         req = request("r", 10, kv=600)
         req.max_tokens = 1
         lane.submit(req)
