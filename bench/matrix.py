@@ -369,7 +369,7 @@ def _kv_tokens_per_request(p: MatrixParams, block_size: int, page_size: int) -> 
 
 
 def stack_spec(p: MatrixParams, model: str, device: str, dtype: str, log_path: str | None = None,
-               page_size: int = 16) -> tuple[StackSpec, str, str]:
+               page_size: int = 16, draft_replicas: int = 1) -> tuple[StackSpec, str, str]:
     """A stack that runs every cell unqueued: batch and queue hold the largest concurrency, the KV
     cache all its requests at the largest context, and the verifier's shared-buffer slots the
     features of one step (the scheduler admits at most `max_prefill_tokens` prompt tokens a step,
@@ -396,7 +396,8 @@ def stack_spec(p: MatrixParams, model: str, device: str, dtype: str, log_path: s
         "DDTREE_SCHEDULER_METRICS_PORT": str(scheduler_metrics_port),
         "DDTREE_DRAFT_WARMUP_BUDGETS": ",".join(str(b) for b in p.budgets) or "8",
     }
-    spec = StackSpec(model_path=model, scheduler_port=0, extra_env=env, startup_timeout_s=300.0, log_path=log_path)
+    spec = StackSpec(model_path=model, scheduler_port=0, extra_env=env, startup_timeout_s=300.0, log_path=log_path,
+                     draft_replicas=draft_replicas)
     return spec, f"127.0.0.1:{metrics_port}", f"127.0.0.1:{scheduler_metrics_port}"
 
 

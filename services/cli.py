@@ -396,6 +396,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                      (args.time_budget >= 0, f"--time-budget {args.time_budget:g}: must be >= 0 seconds (0 = none)"),
                      (args.warmup_tokens >= 0, f"--warmup-tokens {args.warmup_tokens}: must be >= 0"),
                      (args.vocab_high >= 2, f"--vocab-high {args.vocab_high}: must be >= 2"),
+                     (args.draft_replicas >= 1, f"--draft-replicas {args.draft_replicas}: must be >= 1"),
+                     (args.draft_replicas == 1 or bool(args.spawn_stack),
+                      f"--draft-replicas {args.draft_replicas}: only with --spawn-stack (a running stack has its own)"),
                      (out_dir.is_dir() and os.access(out_dir, os.W_OK), f"--out {args.out}: {out_dir} is no directory "
                                                                          "this process can write in"),
                      (not Path(args.out).is_dir(), f"--out {args.out}: is a directory; name the result file")):
@@ -454,8 +457,8 @@ def _run_bench(args: argparse.Namespace) -> int:
             model = args.spawn_stack
             if not params.prompt_file and (Path(model) / "heldout_prompts.json").is_file():
                 params.prompt_file = str(Path(model) / "heldout_prompts.json")
-            spec, params.draft_metrics, params.scheduler_metrics = stack_spec(params, model, args.device, args.dtype,
-                                                                              args.stack_log)
+            spec, params.draft_metrics, params.scheduler_metrics = stack_spec(
+                params, model, args.device, args.dtype, args.stack_log, draft_replicas=args.draft_replicas)
             print(f"ddtree bench: starting the stack on {model} ({args.device}, {args.dtype})", file=sys.stderr,
                   flush=True)
             try:
@@ -465,6 +468,7 @@ def _run_bench(args: argparse.Namespace) -> int:
                 return 1
             params.address = stack.scheduler_address
             extra = {"stack": {"model": model, "device": args.device, "dtype": args.dtype,
+                               "draft_replicas": args.draft_replicas,
                                "env": {k: v for k, v in spec.extra_env.items() if "PORT" not in k}}}
         try:
             with Client(params.address, timeout_s=30.0, wait_for_ready=True, **params.client_options()) as client:
@@ -611,6 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="with --spawn-stack")
     b.add_argument("--stack-log", default=None, help="with --spawn-stack: file for the services' output")
+    b.add_argument("--draft-replicas", type=int, default=1, metavar="N",
+                   help="with --spawn-stack: draft replicas in front of the verifier, each with a batch of its own "
+                   "in flight (the step-time split is the first replica's)")
     b.set_defaults(func=_cmd_bench)
 
     mk = sub.add_parser("make-checkpoint", help="write a small random target + drafter + tokenizer")

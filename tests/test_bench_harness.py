@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.matrix import ROW_KEYS, MatrixParams, run_matrix
+from bench.matrix import ROW_KEYS, MatrixParams, run_matrix, stack_spec
 from services.common.launcher import Stack, StackSpec, free_port
 from tests.selection import selected_names
 from tests.stack_fixtures import build_checkpoint
@@ -179,6 +179,16 @@ def test_time_budget_skips_cells_and_reports_each():
     rows = run_matrix(p, progress=False, on_row=lambda rs: seen.append(len(rs)))
     assert [r["status"] for r in rows] == ["skipped"] * 4 and seen == [1, 2, 3, 4]
     assert all(set(ROW_KEYS) <= set(r) and r["agg_tok_s"] is None for r in rows)
+
+
+def test_the_spawned_stack_runs_the_draft_replicas_asked_for() -> None:
+    """`ddtree bench --spawn-stack --draft-replicas N`: N drafts in front of one verifier, each with
+    a batch of its own in flight (DESIGN's two batches in flight, measured against one)."""
+    p = MatrixParams(contexts=[8], concurrencies=[1, 4], budgets=[4])
+    assert stack_spec(p, "models/demo", "cpu", "float32")[0].draft_replicas == 1
+    spec, draft_metrics, _ = stack_spec(p, "models/demo", "cpu", "float32", draft_replicas=2)
+    assert spec.draft_replicas == 2 and spec.extra_env["DDTREE_SCHEDULER_MAX_BATCH"] == "4"
+    assert draft_metrics == f"127.0.0.1:{spec.extra_env['DDTREE_DRAFT_METRICS_PORT']}"   # the first replica's
 
 
 def _split_cmd(tmp: Path, ckpt: Path) -> list[str]:

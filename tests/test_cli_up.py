@@ -447,6 +447,9 @@ def test_bench_mistakes_are_one_line(monkeypatch, capsys, tmp_path) -> None:
                           (["--budgets", "8", "200"], "--budgets [8, 200]: must be in 1..128 (autoregressive cells run anyway)"),
                           # 0 reached the draft's warm-up (refused there) or recorded no budget
                           (["--budgets", "0"], "--budgets [0]: must be in 1..128 (autoregressive cells run anyway)"),
+                          (["--draft-replicas", "0"], "--draft-replicas 0: must be >= 1"),
+                          (["--draft-replicas", "2"], "--draft-replicas 2: only with --spawn-stack (a running stack "
+                                                      "has its own)"),
                           (["--out", str(tmp_path)], f"--out {tmp_path}: is a directory; name the result file")):
         assert cli.main(["bench", "--address", "127.0.0.1:1", "--out", out, *flags]) == 2
         assert capsys.readouterr().err == f"ddtree bench: {needle}\n"
