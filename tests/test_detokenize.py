@@ -4,6 +4,7 @@ at every step a prefix of the whole decode, the whole decode at the end, and a r
 
 from __future__ import annotations
 
+import codecs
 import random
 
 from ddtree.v1 import scheduler_pb2
@@ -11,7 +12,8 @@ from services.common.settings import SchedulerSettings
 from services.scheduler.client import build_request
 from services.scheduler.detokenize import IncrementalDetokenizer
 from services.scheduler.request import ActiveRequest, validate
-from tests.test_request_rules import LIMITS, TOKENIZER
+from services.scheduler.tiktoken_model import bytes_to_unicode
+from tests.test_request_rules import LIMITS, TOKENIZER, _byte_token, _request, _steps
 
 TEXTS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
          "naïve café — ünïcödé 😀🚀 中文字符 ∑∫√ \t\n  spaced   out", "🇫🇷👩‍👩‍👧‍👦" * 3]
@@ -19,6 +21,18 @@ TEXTS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibon
 
 def _decode(ids: list[int]) -> str:
     return TOKENIZER.decode(ids, skip_special_tokens=False)
+
+
+def _whole(ids: list[int]) -> str:
+    """The text through the last whole character, from the tokens' bytes: the decode, less the one
+    U+FFFD of a character whose first bytes alone have arrived (a U+FFFD written as such stays)."""
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    added = {i: t.content.encode() for i, t in TOKENIZER.get_added_tokens_decoder().items()}
+    raw = b"".join(added[i] if i in added else bytes(byte_of[c] for c in TOKENIZER.id_to_token(i)) for i in ids)
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    text = decoder.decode(raw, final=False)
+    assert _decode(ids) == text + ("\ufffd" if decoder.getstate()[0] else "")   # the tokenizer decodes the same bytes
+    return text
 
 
 def _streams(ids: list[int], rng: random.Random) -> list[list[int]]:
@@ -37,6 +51,9 @@ def _token_lists(rng: random.Random) -> list[list[int]]:
     lists = [TOKENIZER.encode(t).ids for t in TEXTS]
     lists += [[rng.randrange(vocab) for _ in range(rng.randint(1, 300))] for _ in range(40)]
     lists += [[rng.choice(byte_tokens) for _ in range(rng.randint(1, 40))] for _ in range(20)]  # lone UTF-8 bytes
+    # U+FFFD written as such (EF BF BD) and bytes no character starts with, among ASCII and lead bytes.
+    bytes_ = [_byte_token(b) for b in (0xEF, 0xBF, 0xBD, 0x80, 0xFF, 0xE4, 0xF0, 0x9F)] + [TOKENIZER.token_to_id("x")]
+    lists += [[rng.choice(bytes_) for _ in range(rng.randint(1, 120))] for _ in range(20)]
     return lists
 
 
@@ -47,8 +64,7 @@ def test_text_is_a_prefix_at_every_step_and_whole_at_the_end() -> None:
         for step in _streams(ids, rng):
             seen += step
             text = detok.update(seen)
-            assert _decode(seen).startswith(text), (seen, text)
-            assert not text.endswith("\ufffd") or _decode(seen) == text
+            assert text == _whole(seen), (seen, text)   # everything but a character still arriving
         assert detok.update(seen, final=True) == _decode(ids)
 
 
@@ -90,3 +106,52 @@ def test_decoding_work_grows_with_new_tokens_not_with_the_output() -> None:
     detok.update(ids + [ids[0]] * 4)
     assert counting.tokens - before <= 16
     assert detok.update(ids + [ids[0]] * 4, final=True) == _decode(ids + [ids[0]] * 4)
+
+
+def test_a_run_of_u_fffd_the_model_wrote_streams_as_it_comes() -> None:
+    """A run of U+FFFD the model wrote (EF BF BD, or bytes no character starts with) decodes like a
+    character still arriving: judged by the text it was held back whole, its window decoded again
+    every step (6000 tokens: 1.4 s of the event loop, nothing streamed before the end). The bytes
+    tell them apart: each step shows all of it; a tokenizer of unknown bytes moves its window on."""
+    written = [_byte_token(b) for b in (0xEF, 0xBF, 0xBD)]
+    for unit in (written, [_byte_token(0x80)], [_byte_token(0xFF)]):
+        ids = unit * 600
+        detok = IncrementalDetokenizer(TOKENIZER)
+        for n in range(4, len(ids) + 1, 4):
+            assert detok.update(ids[:n]) == _whole(ids[:n])
+        assert len(detok.text) >= 590 and detok._read - detok._prefix <= 16   # a window of the newest steps
+
+        class Counting:   # no byte table: the text's judgement, with a bounded window
+            tokens = 0
+
+            def decode(self, ids, skip_special_tokens=False):
+                Counting.tokens += len(ids)
+                return TOKENIZER.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        detok = IncrementalDetokenizer(Counting())
+        for n in range(4, len(ids) + 1, 4):
+            before = Counting.tokens
+            assert _decode(ids[:n]).startswith(detok.update(ids[:n]))
+            assert Counting.tokens - before <= 8 * IncrementalDetokenizer.MAX_WINDOW
+        assert len(detok.text) >= len(_decode(ids)) - 3 * IncrementalDetokenizer.MAX_WINDOW
+        assert detok.update(ids, final=True) == _decode(ids)
+
+
+def test_a_stop_string_of_u_fffd_ends_on_the_token_that_wrote_it() -> None:
+    """A stop string holding U+FFFD matches one the model wrote, not a character's first bytes:
+    the tokens kept end with the one that completed it, and a character cut short at the end
+    (max_tokens, an abort) leaves the reason as it was."""
+    x, y = TOKENIZER.token_to_id("x"), TOKENIZER.token_to_id("y")
+    ef, bf, bd, e4, b8 = (_byte_token(b) for b in (0xEF, 0xBF, 0xBD, 0xE4, 0xB8))
+    for steps in ([[x], [ef, bf, bd], [y, y]], [[x], [ef, bf, bd, y, y]], [[x], [ef], [bf], [bd, y]], [[x, ef, bf, bd, y]]):
+        req = _request(stop=("\ufffd",))
+        text, ids, _ = _steps(req, steps)
+        assert (text, ids, req.finish) == ("x", [x, ef, bf, bd], scheduler_pb2.FINISH_REASON_STOP), steps
+    req = _request(stop=("\ufffd",), max_tokens=3)
+    assert _steps(req, [[x], [e4, b8]])[:2] == ("x\ufffd", [x, e4, b8])
+    assert req.finish == scheduler_pb2.FINISH_REASON_LENGTH
+    req = _request(stop=("\ufffd",))
+    req.add_tokens([x], 0)
+    req.add_tokens([e4], 1)
+    req.end(scheduler_pb2.FINISH_REASON_ABORTED)
+    assert req.finish == scheduler_pb2.FINISH_REASON_ABORTED and req.out_ids == [x, e4] and req.text == "x\ufffd"

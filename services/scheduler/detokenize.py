@@ -5,15 +5,65 @@ at 4000 output tokens one decode of the demo tokenizer takes ~1 ms, so a batch o
 generations spent ~30 ms of the scheduler's event loop a step on text alone. Byte-level BPE decodes
 a token list as its bytes concatenated, so the text of the newest tokens can be had from a short
 window that starts where the text last ended on a whole character.
+
+Whether it ended on one is read from the bytes of the last tokens where the tokenizer is byte-level
+(the demo's, DeepSeek-V3's, Kimi-K2's): a U+FFFD the model wrote (its bytes EF BF BD, or a byte no
+character can start with) decodes the same as a character still arriving, and judged by the text a
+run of them was held back whole, its window decoded again every step (6000 such tokens: 1.4 s of
+the event loop, nothing streamed before the end). Other tokenizers fall back to that judgement.
 """
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer
+import codecs
+import weakref
+
+from tokenizers import Tokenizer, decoders
+
+from services.scheduler.tiktoken_model import bytes_to_unicode
 
 __all__ = ["IncrementalDetokenizer"]
 
 _PARTIAL = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
+_BYTE_OF = {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+class _ByteTails:
+    """The bytes a byte-level tokenizer's last tokens decode from: its vocabulary's strings are
+    bytes in GPT-2's alphabet; its added tokens decode as their text."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.added = {i: t.content.encode() for i, t in tokenizer.get_added_tokens_decoder().items()}
+
+    def pending(self, ids: list[int]) -> bool | None:
+        """Whether ``ids`` end inside a character more bytes can complete (None: a token unknown)."""
+        tail = b""
+        for i in reversed(ids[-3:]):   # a character still arriving has at most 3 bytes, a token at least 1
+            raw = self.added.get(i)
+            if raw is None:
+                piece = self.tokenizer.id_to_token(i)
+                if piece is None or any(c not in _BYTE_OF for c in piece):
+                    return None
+                raw = bytes(_BYTE_OF[c] for c in piece)
+            tail = raw + tail
+            if len(tail) >= 3:
+                break
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(tail, final=False)   # what cannot start a character is replaced, not kept
+        return bool(decoder.getstate()[0])
+
+
+_TAILS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # tokenizer -> _ByteTails | None
+
+
+def _byte_tails(tokenizer: Tokenizer) -> _ByteTails | None:
+    """One table a tokenizer (a request's detokenizer is made per request); None where it is not byte-level."""
+    if not isinstance(tokenizer, Tokenizer) or not isinstance(tokenizer.decoder, decoders.ByteLevel):
+        return None
+    if tokenizer not in _TAILS:
+        _TAILS[tokenizer] = _ByteTails(tokenizer)
+    return _TAILS[tokenizer]
 
 
 class IncrementalDetokenizer:
@@ -27,8 +77,10 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.text = ""
+        self.unfinished = 0  # after a final update: 1 where the text ends in a character cut short
         self._prefix = 0  # first token of the window: where the text before ended on a whole character
         self._read = 0    # tokens whose text is in ``text``
+        self._tails = _byte_tails(tokenizer)
 
     def update(self, ids: list[int], final: bool = False) -> str:
         """Takes the output so far (the previous ids, possibly more) and returns the text through its
@@ -37,16 +89,29 @@ class IncrementalDetokenizer:
             return self.text
         before = self._decode(ids[self._prefix:self._read])
         new = self._decode(ids[self._prefix:])[len(before):]
-        if final or (new and not new.endswith(_PARTIAL)):
+        pending = self._tails.pending(ids) if self._tails is not None else None
+        partial = new.endswith(_PARTIAL) if pending is None else pending and new.endswith(_PARTIAL)
+        if final or (new and not partial):
+            self.unfinished = int(final and bool(pending) and new.endswith(_PARTIAL))
             self._commit(new, len(ids))
             return self.text
+        if pending is not None:   # the bytes say what is still arriving: one character, its U+FFFD
+            return self.text + new[:-1] if partial else self.text
         if len(ids) - self._prefix > self.MAX_WINDOW:  # a run of partial ends: move the window on
             for end in range(len(ids) - 1, max(self._read, len(ids) - 4), -1):
                 head = self._decode(ids[self._prefix:end])[len(before):]
-                if head and not head.endswith(_PARTIAL):
+                # A cut inside a character decodes as two U+FFFD where the whole has one (or the
+                # character): a head ending in one the cut leaves as it is, a U+FFFD of the output.
+                if head and (not head.endswith(_PARTIAL) or head + self._decode(ids[end:]) == new):
                     self._commit(head, end)
                     return self.update(ids)
         return self.text + new.rstrip(_PARTIAL)
+
+    def ends_inside_a_character(self, ids: list[int]) -> bool:
+        """Whether the text of ``ids`` ends in a character still arriving (its U+FFFD is no output
+        character yet); where the tokenizer's bytes are not known, whether it ends in a U+FFFD."""
+        pending = self._tails.pending(ids) if self._tails is not None else None
+        return self._decode(ids[-1:]).endswith(_PARTIAL) if pending is None else pending
 
     def anchor(self, ids: list[int]) -> tuple[int, str]:
         """A token index of ``ids`` (the list ``update`` took, possibly longer) and the text of the

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 __all__ = ["ActiveRequest", "Limits", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS",
            "check_text_size", "encode_prompt", "kv_reservation", "max_token_bytes", "step_prompt_tokens", "validate"]
 
-_REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to: hold it back until complete
 # Every step rescans each stop string, and the stream holds back the longest one's length of text:
 # a request's stop rules must stay small beside the work of a step.
 MAX_STOP_STRINGS = 32
@@ -142,7 +141,10 @@ class ActiveRequest:
         # The stop string completed first ends the output, as it would have with one token a step,
         # whatever the list order or how the tokens came in steps; of two ending together, the one
         # that starts first ("self" over "elf").
-        found = [(pos + len(s), pos) for s in self.stop if (pos := full.find(s, max(0, self.emitted_chars - len(s)))) >= 0]
+        # Not in a last character cut short (a U+FFFD a stop string could name, which the model did not write).
+        whole = len(full) - self._detok.unfinished
+        found = [(pos + len(s), pos) for s in self.stop
+                 if (pos := full.find(s, max(0, self.emitted_chars - len(s)), whole)) >= 0]
         if found:
             end, pos = min(found)
             self.text = full[:pos]
@@ -159,7 +161,10 @@ class ActiveRequest:
             start, before = 0, ""
         rest = head[len(before):]
         for k in range(self.emitted_ids + 1, len(self.out_ids) + 1):
-            if self.tokenizer.decode(self.out_ids[start:k], skip_special_tokens=False).startswith(rest):
+            got = self.tokenizer.decode(self.out_ids[start:k], skip_special_tokens=False)
+            if got.endswith("\ufffd") and self._detok is not None and self._detok.ends_inside_a_character(self.out_ids[:k]):
+                got = got[:-1]   # the lead of a character the next token completes: not the stop's U+FFFD
+            if got.startswith(rest):
                 if self.acceptance and len(self.acceptance) > self.emitted_steps:  # the tokens cut were this step's
                     self.acceptance[-1] = max(1, self.acceptance[-1] - (len(self.out_ids) - k))
                 del self.out_ids[k:]
@@ -170,10 +175,8 @@ class ActiveRequest:
 
     def _message(self) -> scheduler_pb2.GenerateResponse:
         """New tokens and the text that is safe to show (not a possible stop-string prefix)."""
-        safe = len(self.text)
+        safe = len(self.text)   # through its last whole character (the detokenizer's), all of it at the end
         if not self.done:
-            if self.text.endswith(_REPLACEMENT):
-                safe = len(self.text.rstrip(_REPLACEMENT))
             hold = max((len(s) - 1 for s in self.stop), default=0)
             safe = max(self.emitted_chars, safe - hold)
         msg = scheduler_pb2.GenerateResponse(
