@@ -7,7 +7,7 @@ lists every flag).
                     [--seed S] [--budget B] [--mode ddtree|autoregressive] [--stop STR ...] [--stop-token-ids IDS]
                     [--ignore-eos] [--timeout S] [--json] [--address HOST:PORT] [--token T]
                     [--tls-ca FILE] [--tls-server-name NAME]
-    ddtree serve {scheduler,draft,verifier} [--config FILE]  # one service (what `up` and compose run)
+    ddtree serve {scheduler,draft,verifier} [--config FILE] [--set FIELD=VALUE]  # one service (what `up` and compose run)
     ddtree make-checkpoint DIR [--vocab-size N] [--seed S] [--bf16-experts] [--force]  # a small random target + drafter
     ddtree make-token FILE  # the internal token draft and verifier ports ask for (compose runs it)
     ddtree bench [--contexts ...] [--concurrency ...] [--budgets ...] [--max-tokens N] [--out FILE.json]
@@ -41,18 +41,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     usage_errors: tuple[type[Exception], ...] = (SettingsError,)
     watch_launcher_during_start_up()
     try:
+        overrides = _setting_flags(args.service, args.set)
         if args.service != "scheduler":   # checkpoints need torch; the scheduler runs without it
             from services.common.checkpoint import CheckpointError
             usage_errors += (CheckpointError,)
         if args.service == "verifier":
             from services.verifier.server import serve
-            coro = serve(load_settings(VerifierSettings, args.config), args.config)
+            coro = serve(load_settings(VerifierSettings, args.config, overrides=overrides), args.config)
         elif args.service == "draft":
             from services.draft.server import serve
-            coro = serve(load_settings(DraftSettings, args.config))
+            coro = serve(load_settings(DraftSettings, args.config, overrides=overrides))
         else:
             from services.scheduler.server import serve
-            coro = serve(load_settings(SchedulerSettings, args.config))
+            coro = serve(load_settings(SchedulerSettings, args.config, overrides=overrides))
         _run_async(coro)
     except usage_errors as exc:
         print(f"ddtree serve {args.service}: {exc}", file=sys.stderr)
@@ -66,6 +67,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"ddtree serve {args.service}: interrupted during start-up", file=sys.stderr)
         return 130
     return 0
+
+
+def _setting_flags(service: str, flags: list[str]) -> dict[str, str]:
+    """``--set FIELD=VALUE`` (or ``SERVICE.FIELD=VALUE``) flags as settings overrides: typed and
+    checked as the environment's text is, and over it."""
+    from services.common.settings import SettingsError
+
+    overrides: dict[str, str] = {}
+    for flag in flags:
+        key, sep, value = flag.partition("=")
+        section, dot, field = key.strip().rpartition(".")
+        if not sep or not field or (dot and section != service):
+            raise SettingsError(f"--set {flag!r}: give FIELD=VALUE or {service}.FIELD=VALUE (a setting of the "
+                                f"{service}, as in its [{service}] table)")
+        if field == "auth_token":
+            raise SettingsError(f"{service}.auth_token: not as a flag, which every user of this host can read in "
+                                f"the process list (the config file or DDTREE_{service.upper()}_AUTH_TOKEN)")
+        overrides[field] = value
+    return overrides
 
 
 def _run_async(coro) -> None:
@@ -577,6 +597,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service in the foreground")
     serve.add_argument("service", choices=["scheduler", "draft", "verifier"])
     serve.add_argument("--config", default=None)
+    serve.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                       help="a setting of this service, over the file and the environment (repeatable; "
+                       "e.g. --set page_size=32; a list comma-separated)")
     serve.set_defaults(func=_cmd_serve)
 
     b = sub.add_parser("bench", help="the context x concurrency x mode matrix against a running stack")

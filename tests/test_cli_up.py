@@ -624,3 +624,35 @@ def test_serve_exits_2_where_a_peer_refuses_its_settings_and_3_where_none_could_
     monkeypatch.setattr("services.common.grpc_server.watch_launcher_during_start_up", lambda: None)
     assert main(["serve", "scheduler"]) == want
     assert f"{code}: draft.verifier_address x: refused" in capsys.readouterr().err
+
+
+def test_serve_takes_settings_as_flags_over_the_environment_and_the_file(monkeypatch, capsys, tmp_path) -> None:
+    """DESIGN's one typed config per service from file + environment + flags: `--set FIELD=VALUE`
+    (or `SERVICE.FIELD=VALUE`) wins over both, typed and checked as the environment's text is."""
+    import services.scheduler.server as scheduler_server
+    from services.cli import main
+
+    seen = []
+
+    async def serve(settings):
+        seen.append(settings)
+    monkeypatch.setattr(scheduler_server, "serve", serve)
+    monkeypatch.setattr("services.common.grpc_server.watch_launcher_during_start_up", lambda: None)
+    config = tmp_path / "ddtree.toml"
+    config.write_text("[scheduler]\nmax_batch = 8\nmax_queue = 100\n")
+    monkeypatch.setenv("DDTREE_SCHEDULER_MAX_BATCH", "16")
+    monkeypatch.setenv("DDTREE_SCHEDULER_DEFAULT_BUDGET", "12")
+    assert main(["serve", "scheduler", "--config", str(config), "--set", "max_batch=24",
+                 "--set", "scheduler.draft_addresses=127.0.0.1:7001,127.0.0.1:7002"]) == 0
+    got = seen[-1]
+    assert (got.max_batch, got.max_queue, got.default_budget) == (24, 100, 12)
+    assert got.draft_addresses == ("127.0.0.1:7001", "127.0.0.1:7002")
+    for flag, needle in (("max_batch", "give FIELD=VALUE or scheduler.FIELD=VALUE"),
+                         ("verifier.page_size=32", "give FIELD=VALUE or scheduler.FIELD=VALUE"),
+                         ("max_batchez=3", "scheduler.max_batchez: unknown setting"),
+                         ("max_batch=lots", "scheduler.max_batch: 'lots' is not an integer"),
+                         ("auth_token=s3cret", "scheduler.auth_token: not as a flag")):
+        assert main(["serve", "scheduler", "--set", flag]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("ddtree serve scheduler: ") and needle in err and "s3cret" not in err, err
+    assert len(seen) == 1
