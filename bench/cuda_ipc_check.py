@@ -45,7 +45,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from bench.common import git_commit, parse_metrics
+from bench.common import copy_gbps_on, git_commit, parse_metrics
 from ddtree.v1 import common_pb2, draft_pb2_grpc
 from services.common.auth import internal_token, token_metadata
 from services.common.launcher import Stack, StackSpec, free_port
@@ -396,7 +396,7 @@ def write_results(path: Path, rows: list[dict], args: argparse.Namespace, commit
     params = {"model": args.model, "dtype": "bfloat16", "prompts": args.prompts, "prompt_tokens": args.prompt_len,
               "max_tokens": args.max_tokens, "budget": args.budget, "scheduler_max_batch": 1,
               "verifier_ring": {"slots": RING_SLOTS, "slot_bytes": RING_SLOT_BYTES}, "gpus": args.gpus}
-    doc = {"benchmark": path.stem, "commit": commit, "gpu": torch.cuda.get_device_name(0), "copy_gbps": None,
+    doc = {"benchmark": path.stem, "commit": commit, "gpu": torch.cuda.get_device_name(0), "copy_gbps": copy_gbps_on("cuda"),
            "params": params, "rows": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2))

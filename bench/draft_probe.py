@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import git_commit, wall_ms
+from bench.common import copy_gbps_on, git_commit, wall_ms
 from services.draft.dflash import DFlashDrafter
 from services.draft.tree import build_trees_from_logits
 from services.draft.tree_graphs import TreeGraphs, pack_trees, unpack_trees
@@ -126,7 +126,7 @@ def main() -> None:
         print(rows[-1], flush=True)
     if args.out:
         doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit), "gpu": torch.cuda.get_device_name(0),
-               "copy_gbps": None,
+               "copy_gbps": copy_gbps_on("cuda"),
                "params": {k: v for k, v in vars(args).items() if k not in ("out", "commit")}, "rows": rows}
         Path(args.out).write_text(json.dumps(doc, indent=2))
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import git_commit, wall_ms
+from bench.common import copy_gbps_on, git_commit, wall_ms
 from services.draft.dflash import DFlashDrafter
 
 
@@ -77,7 +77,7 @@ def main() -> None:
             for c in p_ctx:
                 pooled.release_context(c)
     doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit), "gpu": torch.cuda.get_device_name(0),
-           "copy_gbps": None,
+           "copy_gbps": copy_gbps_on("cuda"),
            "params": {**{k: v for k, v in vars(args).items() if k not in ("out", "commit")}, "dtype": "bfloat16",
                       "timing": "wall, synchronised, median of reps", "buckets_captured": captured,
                       "capture_all_s": round(capture_s, 2), "pool_mb": round(graphs.pool_bytes / 2**20, 1),
