@@ -102,14 +102,19 @@ def power_gpu_ids(spec: str = "") -> list[str] | None:
 
 class PowerSampler:
     """GPU power (W, summed) and utilisation (%, averaged) of ``gpus`` (`power_gpu_ids`; None = every
-    GPU) every 100 ms while a cell runs: NVML when the bindings are installed, else `nvidia-smi` (the
-    GPU image may lack pynvml), else nothing (no GPU, or a GPU named that is not there)."""
+    GPU) while a cell runs. Power is the energy counter's difference over the cell where NVML has
+    one (source ``nvml-energy``): a power reading is an average over the last second, so a sub-second
+    cell's samples were mostly the cell before. Else readings every 100 ms: NVML when the bindings
+    are installed, else `nvidia-smi` (the GPU image may lack pynvml), else nothing (no GPU, or a GPU
+    named that is not there). Utilisation is always such readings (also averaged over a past window)."""
 
     def __init__(self, enabled: bool = True, gpus: list[str] | None = None) -> None:
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._read: Callable[[], tuple[float, float]] | None = None
+        self._energy: Callable[[], float] | None = None
+        self._span: list[tuple[float, float]] = []   # (seconds, joules) at the cell's start and end
         self.source = "off"
         if enabled:
             for source, reader in (("nvml", _nvml_reader), ("nvidia-smi", _smi_reader)):
@@ -117,8 +122,13 @@ class PowerSampler:
                 if self._read is not None:
                     self.source = source
                     break
+            self._energy = _nvml_energy(gpus) if self.source == "nvml" else None
+            if self._energy is not None:
+                self.source = "nvml-energy"
 
     def __enter__(self) -> PowerSampler:
+        if self._energy is not None:
+            self._span.append((time.perf_counter(), self._energy()))
         if self._read is not None:
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
@@ -136,14 +146,21 @@ class PowerSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self._span:
+            self._span.append((time.perf_counter(), self._energy()))
 
     def mean(self) -> tuple[float | None, float | None]:
+        util = statistics.mean(u for _, u in self.samples) if self.samples else None
+        if len(self._span) == 2 and self._span[1][0] > self._span[0][0]:
+            (t0, e0), (t1, e1) = self._span
+            return (e1 - e0) / (t1 - t0), util
         if not self.samples:
             return None, None
-        return statistics.mean(p for p, _ in self.samples), statistics.mean(u for _, u in self.samples)
+        return statistics.mean(p for p, _ in self.samples), util
 
 
-def _nvml_reader(gpus: list[str] | None) -> Callable[[], tuple[float, float]] | None:
+def _nvml_handles(gpus: list[str] | None) -> tuple[object, list] | None:
+    """(the bindings, the handles of ``gpus``; None = every GPU), or None where NVML cannot say."""
     if gpus == []:
         return None
     try:
@@ -156,12 +173,34 @@ def _nvml_reader(gpus: list[str] | None) -> Callable[[], tuple[float, float]] | 
             handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
     except Exception:  # noqa: BLE001 - no bindings, no driver, or a GPU named that is not there
         return None
-    if not handles:
+    return (pynvml, handles) if handles else None
+
+
+def _nvml_reader(gpus: list[str] | None) -> Callable[[], tuple[float, float]] | None:
+    found = _nvml_handles(gpus)
+    if found is None:
         return None
+    nvml, handles = found
 
     def read() -> tuple[float, float]:
-        power = sum(pynvml.nvmlDeviceGetPowerUsage(h) for h in handles) / 1000.0
-        return power, statistics.mean(pynvml.nvmlDeviceGetUtilizationRates(h).gpu for h in handles)
+        power = sum(nvml.nvmlDeviceGetPowerUsage(h) for h in handles) / 1000.0
+        return power, statistics.mean(nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in handles)
+    return read
+
+
+def _nvml_energy(gpus: list[str] | None) -> Callable[[], float] | None:
+    """Joules the GPUs used since their driver loaded (Volta on), or None where NVML has no counter."""
+    found = _nvml_handles(gpus)
+    if found is None:
+        return None
+    nvml, handles = found
+
+    def read() -> float:
+        return sum(nvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in handles) / 1000.0   # mJ
+    try:
+        read()
+    except Exception:  # noqa: BLE001 - no counter on this GPU
+        return None
     return read
 
 
@@ -264,18 +303,37 @@ async def _stream_one(client: AsyncClient, prompt: list[int], cell: Cell, max_to
 async def _run_cell(p: MatrixParams, cell: Cell, max_tokens: int, stream: list[int] | None,
                     timeout_s: float) -> dict:
     """All `concurrency` requests at once, bounded by `timeout_s`."""
+    prompts = [_prompt(cell.context, i, p, stream) for i in range(cell.concurrency)]
     async with AsyncClient(p.address, **p.client_options()) as client:
+        await client.model_info()   # the channel connected before the clock starts, as a serving client's is
         t0 = time.perf_counter()
         traces = [_Trace(start=t0) for _ in range(cell.concurrency)]
-        jobs = [_stream_one(client, _prompt(cell.context, i, p, stream), cell, max_tokens, p, p.seed + i, traces[i])
+        jobs = [_stream_one(client, prompts[i], cell, max_tokens, p, p.seed + i, traces[i])
                 for i in range(cell.concurrency)]
+        running: list[float] = []
+        watch = asyncio.ensure_future(_watch_running(p.scheduler_metrics, running)) if p.scheduler_metrics else None
         timed_out = False
         try:
             await asyncio.wait_for(asyncio.gather(*jobs), timeout=timeout_s)
         except asyncio.TimeoutError:
             timed_out = True   # the streams are cancelled: the scheduler aborts their requests
+        finally:
+            if watch is not None:
+                watch.cancel()
         wall = time.perf_counter() - t0
-    return _cell_stats(traces, wall, timed_out)
+    stats = _cell_stats(traces, wall, timed_out)
+    # Below the concurrency: the scheduler's batch (max_batch, the KV cache) ran the cell in waves.
+    stats["running_max"] = int(max(running)) if running else None
+    return stats
+
+
+async def _watch_running(address: str, seen: list[float], interval_s: float = 0.1) -> None:
+    """The scheduler's running requests, read from its /metrics page while a cell runs."""
+    while True:
+        value = (await asyncio.to_thread(read_metrics, address)).get("ddtree_running_requests")
+        if value is not None:
+            seen.append(value)
+        await asyncio.sleep(interval_s)
 
 
 def _cell_stats(traces: list[_Trace], wall: float, timed_out: bool) -> dict:
@@ -289,15 +347,23 @@ def _cell_stats(traces: list[_Trace], wall: float, timed_out: bool) -> dict:
                    if t.first is not None and t.last is not None and t.tokens > 1)
     ttfts = [t.first - t.start for t in traces if t.first is not None]
     acc = [a for t in traces for a in t.acceptance]
+    # A step the scheduler ran without a tree (speculation paused) accepts 1: the tree steps' own mean
+    # is what T-speedup's bar needs (0.8 x acceptance x AR), which the pooled mean lowers.
+    counted = [t for t in traces if t.steps and len(t.acceptance) == t.steps]
+    tree_steps = sum(t.tree_steps for t in counted)
     errors = [t.error for t in traces if t.error]
     status = "timed_out" if timed_out else "error" if errors else "ok"
     return {
         "agg_tok_s": tokens / wall if wall > 0 else None,
         "per_req_tok_s": statistics.mean(per_req) if per_req else None,
-        "p50_tpot_ms": 1e3 * tpots[len(tpots) // 2] if tpots else None,
+        "p50_tpot_ms": 1e3 * statistics.median(tpots) if tpots else None,
+        # One mean a request: the nearest rank, which is the slowest request below 100 of them.
         "p99_tpot_ms": 1e3 * tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))] if tpots else None,
+        "tpot_samples": len(tpots),
         "ttft_ms": 1e3 * statistics.mean(ttfts) if ttfts else None,
         "mean_acceptance": statistics.mean(acc) if acc else None,
+        "tree_step_acceptance": (sum(sum(t.acceptance) - (t.steps - t.tree_steps) for t in counted) / tree_steps
+                                 if tree_steps else None),
         # Steps of the cell's requests verified with a tree: under 1 in a DDTree cell where the
         # scheduler paused speculation (its mean_acceptance then counts those steps as 1).
         "tree_step_share": (sum(t.tree_steps for t in traces) / steps) if (steps := sum(t.steps for t in traces)) else None,
@@ -453,7 +519,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     except ImportError:
         print(f"no {path.name}: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
         return
-    rows = [r for r in rows if r.get("agg_tok_s") is not None]
+    rows = [r for r in rows if r.get("agg_tok_s") is not None and r.get("status") == "ok"]   # not a cut-short cell
     contexts = sorted({r["context"] for r in rows})
     if not contexts:
         return

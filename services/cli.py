@@ -523,7 +523,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"ctx={r['context']:>5} C={r['concurrency']:>4} {r['mode']:>14} b={r['budget'] or '-':>3} "
               f"agg={_fmt(r['agg_tok_s'], 9, 1)} tok/s  per-req={_fmt(r['per_req_tok_s'], 8, 1)}  "
-              f"p50 tpot={_fmt(r['p50_tpot_ms'], 7, 2)} ms  acc={_fmt(r['mean_acceptance'], 4, 2)}{_paused(r)}  {r['status']}")
+              f"p50 tpot={_fmt(r['p50_tpot_ms'], 7, 2)} ms  acc={_fmt(r['mean_acceptance'], 4, 2)}{_paused(r)}{_waves(r)}  "
+              f"{r['status']}")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
@@ -533,7 +534,16 @@ def _paused(row: dict) -> str:
     share = row.get("tree_step_share")
     if row["mode"] == "autoregressive" or share is None or share >= 1:
         return ""
-    return f" (trees {share:.0%} of steps: speculation paused, scheduler.spec_min_acceptance)"
+    return (f" (trees {share:.0%} of steps, {_fmt(row.get('tree_step_acceptance'), 4, 2).strip()} accepted a tree "
+            "step: speculation paused, scheduler.spec_min_acceptance)")
+
+
+def _waves(row: dict) -> str:
+    """A cell the scheduler did not run all at once (its max_batch or KV cache below the concurrency)."""
+    running = row.get("running_max")
+    if running is None or running >= row["concurrency"] or row["status"] != "ok":
+        return ""
+    return f" (at most {running} of {row['concurrency']} requests ran at once: the rest queued)"
 
 
 def _copy_gbps() -> float | None:

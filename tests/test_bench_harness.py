@@ -133,6 +133,9 @@ def test_bench_spawn_stack_end_to_end(tmp_path, ckpt, _side_runs):
         assert r["tokens"] == 8 * r["concurrency"] and r["agg_tok_s"] > 0 and r["mean_acceptance"] >= 1
         # The server's count of tree steps: none autoregressive, some (a pause may take the rest) in DDTree.
         assert r["tree_step_share"] == 0 if r["mode"] == "autoregressive" else 0 < r["tree_step_share"] <= 1
+        assert (r["tree_step_acceptance"] is None) if r["mode"] == "autoregressive" else r["tree_step_acceptance"] >= 1
+        # The scheduler's /metrics read while the cell ran: never more running than were sent.
+        assert r["running_max"] is not None and r["running_max"] <= r["concurrency"] and r["tpot_samples"] >= 1
         assert r["p50_tpot_ms"] > 0 and r["ttft_ms"] > 0 and r["step_split_ms"]["verify_ms"] > 0
         # The scheduler's side: its round trip holds the draft's step.
         assert r["scheduler_split_ms"]["step_rpc_ms"] >= r["step_split_ms"]["step_ms"] > 0
@@ -435,3 +438,59 @@ def test_the_split_overhead_ab_alternates_the_commits_and_merges_their_rows(monk
     assert [(r["code"], r["round"], r["tok_s"]) for r in doc["rows"]] == [
         ("old", 1, 100.0), ("new", 1, 200.0), ("old", 2, 300.0), ("new", 2, 400.0)]
     assert doc["benchmark"] == out.stem and doc["commit"] == "new" and doc["params"]["prompts"] == 6
+
+
+def test_a_cells_figures_count_tree_steps_apart_and_say_how_many_requests_they_rest_on() -> None:
+    """Steps the scheduler ran without a tree (speculation paused) accept 1: the pooled mean lowered
+    T-speedup's bar (0.8 x acceptance x AR); the tree steps' own mean is recorded beside it. The
+    median of an even count is the mean of the middle two (it was the upper one: at C=2, the max)."""
+    from bench.matrix import _cell_stats, _Trace
+
+    a = _Trace(start=0.0, first=0.1, last=1.1, tokens=11, acceptance=[4, 1, 1, 5], steps=4, tree_steps=2, done=True)
+    b = _Trace(start=0.0, first=0.1, last=2.1, tokens=11, acceptance=[3, 3, 4], steps=3, tree_steps=3, done=True)
+    stats = _cell_stats([a, b], wall=2.1, timed_out=False)
+    assert stats["mean_acceptance"] == 21 / 7 and stats["tree_step_share"] == 5 / 7
+    assert stats["tree_step_acceptance"] == (4 + 5 + 3 + 3 + 4) / 5
+    assert stats["tpot_samples"] == 2 and abs(stats["p50_tpot_ms"] - 150.0) < 1e-9 and abs(stats["p99_tpot_ms"] - 200.0) < 1e-9
+    cut = _Trace(start=0.0, first=0.1, last=0.5, tokens=3, acceptance=[2])   # cancelled: no usage came
+    assert _cell_stats([cut], wall=0.5, timed_out=True)["tree_step_acceptance"] is None
+
+
+def test_the_cli_names_paused_speculation_and_a_cell_run_in_waves() -> None:
+    from services.cli import _paused, _waves
+
+    row = {"mode": "ddtree", "concurrency": 128, "status": "ok", "tree_step_share": 0.76,
+           "tree_step_acceptance": 2.13, "running_max": 64}
+    assert "trees 76% of steps, 2.13 accepted a tree step" in _paused(row)
+    assert _waves(row) == " (at most 64 of 128 requests ran at once: the rest queued)"
+    assert _waves({**row, "running_max": 128}) == _waves({**row, "running_max": None}) == ""
+
+
+def test_power_is_the_energy_counters_difference_over_the_cell_where_nvml_has_one(monkeypatch) -> None:
+    """NVML's power reading averages the last second: a sub-second cell's samples were mostly the
+    cell before it. The energy counter's difference over the cell is its mean power exactly."""
+    import sys
+    import types
+
+    import bench.matrix as matrix
+
+    joules = {"0": 0.0}
+    nvml = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: str(i), nvmlDeviceGetHandleByUUID=lambda u: u,
+        nvmlDeviceGetPowerUsage=lambda h: 90_000,   # the last second's average: the cell before
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=30),
+        nvmlDeviceGetTotalEnergyConsumption=lambda h: int(joules[h] * 1000))
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    with matrix.PowerSampler(True, ["0"]) as sampler:
+        joules["0"] += 140.0   # 140 J in 0.2 s: 700 W
+        time.sleep(0.2)
+    assert sampler.source == "nvml-energy" and 600.0 < sampler.mean()[0] <= 700.0
+
+    def no_counter(h):
+        raise RuntimeError("not supported")
+    monkeypatch.setattr(nvml, "nvmlDeviceGetTotalEnergyConsumption", no_counter)
+    with matrix.PowerSampler(True, ["0"]) as sampler:
+        while not sampler.samples:
+            time.sleep(0.01)
+    assert sampler.source == "nvml" and sampler.mean() == (90.0, 30)
