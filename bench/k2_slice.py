@@ -324,27 +324,29 @@ def random_trees(budget: int, batch: int, vocab: int, gen: torch.Generator) -> T
 def tree_shared_routing(nodes: int, active: bool) -> Iterator[None]:
     """Every node of a tree uses its root's experts (perfect-locality bound), while active.
 
-    Patches ``services.verifier.moe.select_experts`` (what ``route`` calls): a graph captured
-    inside keeps the patched selection. Padded batches lay trees out as ``[B, nodes]`` rows.
+    Patches ``services.verifier.moe.route`` (what ``moe_forward`` calls): a graph captured inside
+    keeps the patched selection. Not ``select_experts``, which CUDA's routing kernels bypass (the
+    tree-shared rows then measured the model's routing). Padded batches lay trees out as
+    ``[B, nodes]`` rows.
     """
     if not active or nodes <= 1:
         yield
         return
-    original = moe_mod.select_experts
+    original = moe_mod.route
 
-    def shared(scores: Tensor, *args: Any, **kwargs: Any) -> moe_mod.Routing:
-        r = original(scores, *args, **kwargs)
+    def shared(*args: Any, **kwargs: Any) -> moe_mod.Routing:
+        r = original(*args, **kwargs)
         n, k = r.ids.shape
         if n % nodes:
             return r
         root = lambda t: t.view(n // nodes, nodes, k)[:, :1].expand(n // nodes, nodes, k).reshape(n, k)  # noqa: E731
         return moe_mod.Routing(ids=root(r.ids), weights=root(r.weights))
 
-    moe_mod.select_experts = shared
+    moe_mod.route = shared
     try:
         yield
     finally:
-        moe_mod.select_experts = original
+        moe_mod.route = original
 
 
 @contextlib.contextmanager
