@@ -10,7 +10,9 @@ Whether it ended on one is read from the bytes of the last tokens where the toke
 (the demo's, DeepSeek-V3's, Kimi-K2's): a U+FFFD the model wrote (its bytes EF BF BD, or a byte no
 character can start with) decodes the same as a character still arriving, and judged by the text a
 run of them was held back whole, its window decoded again every step (6000 such tokens: 1.4 s of
-the event loop, nothing streamed before the end). Other tokenizers fall back to that judgement.
+the event loop, nothing streamed before the end). Other tokenizers (SentencePiece's byte fallback
+writes a U+FFFD a byte, so a cut inside a character cannot be told from the text) keep that
+judgement, and a run of U+FFFD in their output still grows the window.
 """
 
 from __future__ import annotations
@@ -29,36 +31,45 @@ _BYTE_OF = {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 class _ByteTails:
-    """The bytes a byte-level tokenizer's last tokens decode from: its vocabulary's strings are
-    bytes in GPT-2's alphabet; its added tokens decode as their text."""
+    """The bytes a byte-level tokenizer's tokens decode from. Its decoder turns a token whose
+    characters are all in GPT-2's byte alphabet into those bytes (an added token's too: "<café"
+    ends in the lead byte E9), any other token into its UTF-8 text."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.added = {i: t.content.encode() for i, t in tokenizer.get_added_tokens_decoder().items()}
 
-    def pending(self, ids: list[int]) -> bool | None:
-        """Whether ``ids`` end inside a character more bytes can complete (None: a token unknown)."""
-        tail = b""
+    def token_bytes(self, i: int) -> bytes | None:
+        piece = self.tokenizer.id_to_token(i)
+        if piece is None:
+            return None
+        return bytes(_BYTE_OF[c] for c in piece) if all(c in _BYTE_OF for c in piece) else piece.encode()
+
+    def pending(self, ids: list[int]) -> int | None:
+        """How many of the last tokens hold a character still arriving (its first bytes, which more
+        bytes can complete): 0 where ``ids`` end on a whole one; None where a token is unknown."""
+        tail, sizes = b"", []
         for i in reversed(ids[-3:]):   # a character still arriving has at most 3 bytes, a token at least 1
-            raw = self.added.get(i)
+            raw = self.token_bytes(i)
             if raw is None:
-                piece = self.tokenizer.id_to_token(i)
-                if piece is None or any(c not in _BYTE_OF for c in piece):
-                    return None
-                raw = bytes(_BYTE_OF[c] for c in piece)
-            tail = raw + tail
+                return None
+            tail, sizes = raw + tail, sizes + [len(raw)]
             if len(tail) >= 3:
                 break
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         decoder.decode(tail, final=False)   # what cannot start a character is replaced, not kept
-        return bool(decoder.getstate()[0])
+        left = len(decoder.getstate()[0])
+        tokens = 0
+        while left > 0:
+            left -= sizes[tokens]
+            tokens += 1
+        return tokens
 
 
-_TAILS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # tokenizer -> _ByteTails | None
+_TAILS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # tokenizer -> _ByteTails
 
 
 def _byte_tails(tokenizer: Tokenizer) -> _ByteTails | None:
-    """One table a tokenizer (a request's detokenizer is made per request); None where it is not byte-level."""
+    """One per tokenizer (a request's detokenizer is made per request); None where it is not byte-level."""
     if not isinstance(tokenizer, Tokenizer) or not isinstance(tokenizer.decoder, decoders.ByteLevel):
         return None
     if tokenizer not in _TAILS:
@@ -90,19 +101,22 @@ class IncrementalDetokenizer:
         before = self._decode(ids[self._prefix:self._read])
         new = self._decode(ids[self._prefix:])[len(before):]
         pending = self._tails.pending(ids) if self._tails is not None else None
-        partial = new.endswith(_PARTIAL) if pending is None else pending and new.endswith(_PARTIAL)
+        partial = new.endswith(_PARTIAL) if pending is None else bool(pending) and new.endswith(_PARTIAL)
         if final or (new and not partial):
             self.unfinished = int(final and bool(pending) and new.endswith(_PARTIAL))
             self._commit(new, len(ids))
             return self.text
         if pending is not None:   # the bytes say what is still arriving: one character, its U+FFFD
+            cut = len(ids) - pending
+            if partial and cut > self._read:   # what comes before it is final: the window moves on
+                head = self._decode(ids[self._prefix:cut])[len(before):]
+                self._commit(head, cut)
+                return self.update(ids)
             return self.text + new[:-1] if partial else self.text
         if len(ids) - self._prefix > self.MAX_WINDOW:  # a run of partial ends: move the window on
             for end in range(len(ids) - 1, max(self._read, len(ids) - 4), -1):
                 head = self._decode(ids[self._prefix:end])[len(before):]
-                # A cut inside a character decodes as two U+FFFD where the whole has one (or the
-                # character): a head ending in one the cut leaves as it is, a U+FFFD of the output.
-                if head and (not head.endswith(_PARTIAL) or head + self._decode(ids[end:]) == new):
+                if head and not head.endswith(_PARTIAL):
                     self._commit(head, end)
                     return self.update(ids)
         return self.text + new.rstrip(_PARTIAL)
@@ -111,7 +125,7 @@ class IncrementalDetokenizer:
         """Whether the text of ``ids`` ends in a character still arriving (its U+FFFD is no output
         character yet); where the tokenizer's bytes are not known, whether it ends in a U+FFFD."""
         pending = self._tails.pending(ids) if self._tails is not None else None
-        return self._decode(ids[-1:]).endswith(_PARTIAL) if pending is None else pending
+        return self._decode(ids[-1:]).endswith(_PARTIAL) if pending is None else bool(pending)
 
     def anchor(self, ids: list[int]) -> tuple[int, str]:
         """A token index of ``ids`` (the list ``update`` took, possibly longer) and the text of the
