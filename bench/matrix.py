@@ -127,8 +127,6 @@ class PowerSampler:
                 self.source = "nvml-energy"
 
     def __enter__(self) -> PowerSampler:
-        if self._energy is not None:
-            self._span.append((time.perf_counter(), self._energy()))
         if self._read is not None:
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
@@ -146,7 +144,10 @@ class PowerSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if self._span:
+
+    def mark(self) -> None:
+        """The energy counter at the cell's start, then at its end (not the set-up around it)."""
+        if self._energy is not None and len(self._span) < 2:
             self._span.append((time.perf_counter(), self._energy()))
 
     def mean(self) -> tuple[float | None, float | None]:
@@ -301,11 +302,14 @@ async def _stream_one(client: AsyncClient, prompt: list[int], cell: Cell, max_to
 
 
 async def _run_cell(p: MatrixParams, cell: Cell, max_tokens: int, stream: list[int] | None,
-                    timeout_s: float) -> dict:
-    """All `concurrency` requests at once, bounded by `timeout_s`."""
+                    timeout_s: float, power: PowerSampler | None = None) -> dict:
+    """All `concurrency` requests at once, bounded by `timeout_s`; `power` marked at the clock's
+    start and end."""
     prompts = [_prompt(cell.context, i, p, stream) for i in range(cell.concurrency)]
     async with AsyncClient(p.address, **p.client_options()) as client:
         await client.model_info()   # the channel connected before the clock starts, as a serving client's is
+        if power is not None:
+            power.mark()
         t0 = time.perf_counter()
         traces = [_Trace(start=t0) for _ in range(cell.concurrency)]
         jobs = [_stream_one(client, prompts[i], cell, max_tokens, p, p.seed + i, traces[i])
@@ -321,13 +325,22 @@ async def _run_cell(p: MatrixParams, cell: Cell, max_tokens: int, stream: list[i
             if watch is not None:
                 watch.cancel()
         wall = time.perf_counter() - t0
+        if power is not None:
+            power.mark()
     stats = _cell_stats(traces, wall, timed_out)
-    # Below the concurrency: the scheduler's batch (max_batch, the KV cache) ran the cell in waves.
-    stats["running_max"] = int(max(running)) if running else None
+    stats["running_max"], stats["running_readings"] = running_max(running), len(running)
     return stats
 
 
-async def _watch_running(address: str, seen: list[float], interval_s: float = 0.1) -> None:
+def running_max(readings: list[float]) -> int | None:
+    """The most requests the scheduler ran at once in a cell: below the concurrency, its batch
+    (max_batch, the KV cache) ran the cell in waves. Read every 50 ms from the cell's start (0
+    before the first admission): a short cell's peak may fall between readings, so readings that
+    never saw a request running say nothing (None)."""
+    return int(max(readings)) if readings and max(readings) > 0 else None
+
+
+async def _watch_running(address: str, seen: list[float], interval_s: float = 0.05) -> None:
     """The scheduler's running requests, read from its /metrics page while a cell runs."""
     while True:
         value = (await asyncio.to_thread(read_metrics, address)).get("ddtree_running_requests")
@@ -410,7 +423,7 @@ def run_matrix(p: MatrixParams, progress: bool = True,
         else:
             before, sched_before = stage_totals(p.draft_metrics), stage_totals(p.scheduler_metrics)
             with PowerSampler(p.power, p.power_gpus) as power:   # the last cell is cut at the deadline, so the run ends by it
-                stats = asyncio.run(_run_cell(p, cell, p.max_tokens, stream, min(p.cell_timeout_s, left)))
+                stats = asyncio.run(_run_cell(p, cell, p.max_tokens, stream, min(p.cell_timeout_s, left), power))
             watts, util = power.mean()
             rows.append({"context": cell.context, "concurrency": cell.concurrency, "mode": cell.mode,
                          "budget": cell.budget or None, **stats,

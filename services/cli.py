@@ -541,7 +541,8 @@ def _paused(row: dict) -> str:
 def _waves(row: dict) -> str:
     """A cell the scheduler did not run all at once (its max_batch or KV cache below the concurrency)."""
     running = row.get("running_max")
-    if running is None or running >= row["concurrency"] or row["status"] != "ok":
+    # Fewer than 3 readings of a cell of requests running for a while is no evidence either way.
+    if running is None or running >= row["concurrency"] or row["status"] != "ok" or row.get("running_readings", 0) < 3:
         return ""
     return f" (at most {running} of {row['concurrency']} requests ran at once: the rest queued)"
 

@@ -135,7 +135,7 @@ def test_bench_spawn_stack_end_to_end(tmp_path, ckpt, _side_runs):
         assert r["tree_step_share"] == 0 if r["mode"] == "autoregressive" else 0 < r["tree_step_share"] <= 1
         assert (r["tree_step_acceptance"] is None) if r["mode"] == "autoregressive" else r["tree_step_acceptance"] >= 1
         # The scheduler's /metrics read while the cell ran: never more running than were sent.
-        assert r["running_max"] is not None and r["running_max"] <= r["concurrency"] and r["tpot_samples"] >= 1
+        assert (r["running_max"] or 0) <= r["concurrency"] and r["running_readings"] >= 1 and r["tpot_samples"] >= 1
         assert r["p50_tpot_ms"] > 0 and r["ttft_ms"] > 0 and r["step_split_ms"]["verify_ms"] > 0
         # The scheduler's side: its round trip holds the draft's step.
         assert r["scheduler_split_ms"]["step_rpc_ms"] >= r["step_split_ms"]["step_ms"] > 0
@@ -460,10 +460,32 @@ def test_the_cli_names_paused_speculation_and_a_cell_run_in_waves() -> None:
     from services.cli import _paused, _waves
 
     row = {"mode": "ddtree", "concurrency": 128, "status": "ok", "tree_step_share": 0.76,
-           "tree_step_acceptance": 2.13, "running_max": 64}
+           "tree_step_acceptance": 2.13, "running_max": 64, "running_readings": 40}
     assert "trees 76% of steps, 2.13 accepted a tree step" in _paused(row)
     assert _waves(row) == " (at most 64 of 128 requests ran at once: the rest queued)"
     assert _waves({**row, "running_max": 128}) == _waves({**row, "running_max": None}) == ""
+    assert _waves({**row, "running_readings": 2}) == ""   # a short cell's readings may miss its peak
+
+
+def test_the_running_requests_read_during_a_cell_ignore_readings_before_the_first_admission(monkeypatch) -> None:
+    """A cell's first reading comes before any request is admitted (0 running): a short cell whose
+    peak fell between readings read "at most 0 of 16 ran at once"; such readings say nothing."""
+    import asyncio
+
+    import bench.matrix as matrix
+
+    readings = iter([0.0, 3.0, 16.0, 5.0])
+    monkeypatch.setattr(matrix, "read_metrics", lambda address: {"ddtree_running_requests": next(readings, 0.0)})
+    seen: list[float] = []
+
+    async def watch() -> None:
+        task = asyncio.ensure_future(matrix._watch_running("x:1", seen, interval_s=0.001))
+        while len(seen) < 4:
+            await asyncio.sleep(0.001)
+        task.cancel()
+    asyncio.run(watch())
+    assert matrix.running_max(seen) == 16
+    assert matrix.running_max([0.0, 0.0]) is None and matrix.running_max([]) is None
 
 
 def test_power_is_the_energy_counters_difference_over_the_cell_where_nvml_has_one(monkeypatch) -> None:
@@ -483,8 +505,12 @@ def test_power_is_the_energy_counters_difference_over_the_cell_where_nvml_has_on
         nvmlDeviceGetTotalEnergyConsumption=lambda h: int(joules[h] * 1000))
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     with matrix.PowerSampler(True, ["0"]) as sampler:
+        joules["0"] += 500.0   # before the cell (its set-up): not the cell's
+        sampler.mark()
         joules["0"] += 140.0   # 140 J in 0.2 s: 700 W
         time.sleep(0.2)
+        sampler.mark()
+        joules["0"] += 500.0   # after it
     assert sampler.source == "nvml-energy" and 600.0 < sampler.mean()[0] <= 700.0
 
     def no_counter(h):
