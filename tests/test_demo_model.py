@@ -82,3 +82,26 @@ def test_greedy_ddtree_equals_autoregressive_with_real_acceptance() -> None:
         torch.set_num_threads(threads)
     mean = sum(accs) / len(accs)
     assert mean > 1.5, f"mean acceptance {mean:.2f} at budget 16: the drafter is not helping"
+
+
+def test_acceptance_counts_the_tokens_the_output_keeps() -> None:
+    """A verify step that accepts a path through an EOS gives the output the tokens up to it; the
+    steps after it and the tokens past it were counted (about 5% more acceptance on the demo
+    pair than the server sees), and the last step's past max_new too."""
+    from train.eval_acceptance import DemoDecoder
+
+    prompt = json.loads((DEMO / "heldout_prompts.json").read_text())["prompts"][0]["ids"]
+    dec = DemoDecoder(DEMO)
+    greedy = Sampling(temperature=0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        full = dec.generate(prompt, 40, 16, greedy)
+        assert sum(full.acceptance) == len(full.tokens) - 1 == 39   # the first token is the prefill's
+        dec.eos = {full.tokens[12]}   # an EOS the trees accept inside a path
+        ar, dd = dec.generate(prompt, 40, 0, greedy), dec.generate(prompt, 40, 16, greedy)
+    finally:
+        torch.set_num_threads(threads)
+    cut = full.tokens.index(full.tokens[12]) + 1
+    assert ar.tokens == dd.tokens == full.tokens[:cut]
+    assert sum(dd.acceptance) == len(dd.tokens) - 1 and max(dd.acceptance) > 1

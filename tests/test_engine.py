@@ -27,7 +27,7 @@ from services.verifier.reference import ReferenceModel
 from services.verifier.sampling import Sampling, posterior_tokens, token_keys
 
 VOCAB = 64
-DRAFT_DEPTH = 8          # rows of the random draft log-prob tables (max tree depth)
+DRAFT_DEPTH = 15         # rows of the random draft log-prob tables (max tree depth: the demo drafter block 16's)
 GEN_TOKENS = 24          # greedy tokens checked per prompt
 PROMPTS = [[3, 17, 42, 8, 61], [0], [50, 49, 48, 47, 46, 45, 44, 43, 42, 41, 40]]
 
@@ -207,6 +207,8 @@ def test_the_tree_size_buckets_are_a_setting(target: Target) -> None:
     assert graphs.node_buckets == (5, 33)
     spec, _ = run_greedy(engine, target, PROMPTS, budgets=[1, 4, 16, 64], tree_seed=2, tag="n")
     assert all(got == ref[:len(got)] for got, ref in zip(spec, refs))
+    small, _ = run_greedy(engine, target, PROMPTS, budgets=[1, 4], tree_seed=3, tag="m")
+    assert all(got == ref[:len(got)] for got, ref in zip(small, refs))
     assert set(graphs._buckets) == {(4, 5), (4, 33)}   # budget 64 (65 nodes) ran eagerly
     none = engine.enable_graphs(capture=False, batch_buckets=(1, 4), node_buckets=())
     assert none.bucket_for(1, 1) is None and none.outputs_bytes() == 0 and none.capture_buckets() == 0

@@ -5,9 +5,14 @@
 In-process, with the serving code itself: ``VerifierEngine`` (prefill, verify, accept, commit on
 the paged cache), ``DFlashDrafter`` (context cache + block proposal) and ``build_trees``. For each
 held-out prompt it decodes autoregressively (root-only trees) and with DDTree at every budget and
-temperature; acceptance length = tokens emitted per verify step (accepted drafts + the bonus),
-pooled over all steps of all prompts. ``identical_to_autoregressive`` counts the prompts whose
-greedy DDTree output equals the greedy autoregressive output token for token (T=0 rows only).
+temperature; acceptance length = tokens a verify step gives the output (accepted drafts + the
+bonus, cut where the output ends: EOS or max_new, as the server counts them), pooled over all steps
+of all prompts. ``identical_to_autoregressive`` counts the prompts whose DDTree output equals the
+autoregressive output token for token: greedy at T=0; at T>0 with the same seed, since each token's
+noise is keyed by the seed and its index, the output is the same draw whatever the trees. The
+autoregressive side runs the same verify path with root-only trees, so for a check independent of
+the serving forward, ``--reference-prompts N`` also decodes the first N prompts greedily with
+``ReferenceModel`` (float64, no cache, no folded weights) and counts those equal.
 
 Writes bench/results/acceptance-demo.json (and a .png plot when matplotlib is installed).
 Held-out prompts: from the held-out files of train.corpus, the text up to and including the first
@@ -96,16 +101,35 @@ class DemoDecoder:
                 self.drafter.extend_context(ctx, res.features)
                 length += it.committed
                 pending = it.tokens[-1]
-                tokens.extend(it.tokens)
-                accs.append(len(it.tokens))
+                kept = list(it.tokens[:max_new - len(tokens)])
+                end = next((j for j, tok in enumerate(kept) if tok in self.eos), None)
+                kept = kept if end is None else kept[:end + 1]   # the output ends at an EOS inside the path
+                tokens.extend(kept)
+                accs.append(len(kept))
+                if end is not None:
+                    break
         finally:
             self.engine.release([rid])
         tokens = tokens[:max_new]
-        for i, tok in enumerate(tokens):
-            if tok in self.eos:
-                tokens = tokens[: i + 1]
-                break
         return Generation(tokens, accs)
+
+
+def reference_agreement(model_dir: Path, prompts: list[dict], max_new: int, eos: set[int],
+                        ar: list[Generation] | None) -> dict | None:
+    """The greedy autoregressive outputs against ``ReferenceModel``'s greedy decode (float64, the
+    whole sequence each token, no cache): the DDTree outputs are compared with the former, which
+    shares the serving forward, so a bug in that forward would pass unseen without this."""
+    if ar is None or not prompts:
+        return None
+    from services.verifier.reference import ReferenceModel
+
+    ref = ReferenceModel.load(model_dir)
+    equal = 0
+    for p, g in zip(prompts, ar):
+        want = ref.greedy(list(p["ids"]), max_new)
+        end = next((j for j, tok in enumerate(want) if tok in eos), None)
+        equal += int(g.tokens == (want if end is None else want[:end + 1]))
+    return {"prompts": len(prompts), "equal": equal, "reference": "ReferenceModel, float64"}
 
 
 def heldout_prompts(model_dir: Path, data_dir: Path, count: int, max_tokens: int) -> list[dict]:
@@ -201,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"))
+    ap.add_argument("--reference-prompts", type=int, default=3,
+                    help="prompts whose greedy autoregressive output is also checked against the float64 reference")
     args = ap.parse_args(argv)
     budgets = [int(b) for b in args.budgets.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -209,27 +235,29 @@ def main(argv: list[str] | None = None) -> int:
     prompts = heldout_prompts(args.model, args.data, args.prompts, args.prompt_tokens)
     dec = DemoDecoder(args.model, device=args.device)
     t0 = time.time()
-    greedy = Sampling(temperature=0.0)
-    ar = [dec.generate(p["ids"], args.max_new, 0, greedy) for p in prompts]
-    print(f"autoregressive: {len(prompts)} prompts, {sum(len(g.tokens) for g in ar)} tokens "
-          f"({time.time() - t0:.0f}s)", flush=True)
+    sampling = {temp: [Sampling(temperature=temp, seed=args.seed * 1000 + i if temp > 0 else None)
+                       for i in range(len(prompts))] for temp in temperatures}
+    ar = {temp: [dec.generate(p["ids"], args.max_new, 0, sampling[temp][i]) for i, p in enumerate(prompts)]
+          for temp in temperatures}
+    print(f"autoregressive: {len(prompts)} prompts x {len(temperatures)} temperatures ({time.time() - t0:.0f}s)",
+          flush=True)
+    checked = reference_agreement(args.model, prompts[:args.reference_prompts], args.max_new, dec.eos,
+                                  ar[0.0] if 0.0 in ar else None)
     rows = []
     for temp in temperatures:
         for budget in budgets:
             accs: list[int] = []
             same = 0
             for i, p in enumerate(prompts):
-                s = Sampling(temperature=temp, seed=args.seed * 1000 + i if temp > 0 else None)
-                g = dec.generate(p["ids"], args.max_new, budget, s)
+                g = dec.generate(p["ids"], args.max_new, budget, sampling[temp][i])
                 accs.extend(g.acceptance)
-                same += int(temp == 0 and g.tokens == ar[i].tokens)
+                same += int(g.tokens == ar[temp][i].tokens)
             row = {"budget": budget, "temperature": temp, "prompts": len(prompts),
                    "mean_acceptance": round(sum(accs) / max(1, len(accs)), 4), "verify_steps": len(accs),
-                   "identical_to_autoregressive": same if temp == 0 else None}
+                   "identical_to_autoregressive": same}
             rows.append(row)
             print(f"budget {budget:3d} T={temp:g}: mean acceptance {row['mean_acceptance']:.3f} over {len(accs)} steps"
-                  + (f", identical to AR {same}/{len(prompts)}" if temp == 0 else "") + f" ({time.time() - t0:.0f}s)",
-                  flush=True)
+                  f", identical to AR {same}/{len(prompts)} ({time.time() - t0:.0f}s)", flush=True)
     result = {
         "benchmark": args.out.stem,
         "commit": _git_commit(args.commit),
@@ -240,8 +268,11 @@ def main(argv: list[str] | None = None) -> int:
             "max_new_tokens": args.max_new, "budgets": budgets, "temperatures": temperatures,
             "block_size": dec.drafter.block_size, "target_layer_ids": list(dec.drafter.target_layer_ids),
             "dtype": "float32", "device": args.device, "top_p": 1.0, "top_k": 0, "seed": args.seed,
-            "acceptance": "tokens emitted per verify step (accepted draft tokens + 1), pooled over steps",
+            "acceptance": "tokens a verify step gives the output (accepted draft tokens + 1, cut at EOS or "
+                          "max_new_tokens), pooled over steps",
             "stop": "EOS or max_new_tokens",
+            "identical_to_autoregressive": "T=0: greedy; T>0: the same seed a prompt (keyed noise)",
+            "autoregressive_equals_float64_reference": checked,
         },
         "rows": rows,
     }
