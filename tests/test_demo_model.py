@@ -7,6 +7,7 @@ size budget, or the drafter's usefulness should fail here, not in a demo.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -86,8 +87,8 @@ def test_greedy_ddtree_equals_autoregressive_with_real_acceptance() -> None:
 
 def test_acceptance_counts_the_tokens_the_output_keeps() -> None:
     """A verify step that accepts a path through an EOS gives the output the tokens up to it; the
-    steps after it and the tokens past it were counted (about 5% more acceptance on the demo
-    pair than the server sees), and the last step's past max_new too."""
+    steps after it and the tokens past it were counted (1-9% more acceptance on the demo pair
+    than the server's usage counts), and the last step's past max_new too."""
     from train.eval_acceptance import DemoDecoder
 
     prompt = json.loads((DEMO / "heldout_prompts.json").read_text())["prompts"][0]["ids"]
@@ -98,10 +99,13 @@ def test_acceptance_counts_the_tokens_the_output_keeps() -> None:
     try:
         full = dec.generate(prompt, 40, 16, greedy)
         assert sum(full.acceptance) == len(full.tokens) - 1 == 39   # the first token is the prefill's
-        dec.eos = {full.tokens[12]}   # an EOS the trees accept inside a path
+        # An EOS the trees accept inside a path: not a step's last token, its first occurrence.
+        ends = set(itertools.accumulate(full.acceptance))   # tokens[0] is the prefill's
+        inside = next(i for i in range(1, len(full.tokens))
+                      if i not in ends and full.tokens.index(full.tokens[i]) == i)
+        dec.eos = {full.tokens[inside]}
         ar, dd = dec.generate(prompt, 40, 0, greedy), dec.generate(prompt, 40, 16, greedy)
     finally:
         torch.set_num_threads(threads)
-    cut = full.tokens.index(full.tokens[12]) + 1
-    assert ar.tokens == dd.tokens == full.tokens[:cut]
-    assert sum(dd.acceptance) == len(dd.tokens) - 1 and max(dd.acceptance) > 1
+    assert ar.tokens == dd.tokens == full.tokens[:inside + 1]
+    assert sum(dd.acceptance) == len(dd.tokens) - 1   # the EOS step counts the tokens up to it, no step follows

@@ -6,7 +6,7 @@ In-process, with the serving code itself: ``VerifierEngine`` (prefill, verify, a
 the paged cache), ``DFlashDrafter`` (context cache + block proposal) and ``build_trees``. For each
 held-out prompt it decodes autoregressively (root-only trees) and with DDTree at every budget and
 temperature; acceptance length = tokens a verify step gives the output (accepted drafts + the
-bonus, cut where the output ends: EOS or max_new, as the server counts them), pooled over all steps
+bonus, cut where the output ends: EOS or max_new, as the server's usage counts them), pooled over all steps
 of all prompts. ``identical_to_autoregressive`` counts the prompts whose DDTree output equals the
 autoregressive output token for token: greedy at T=0; at T>0 with the same seed, since each token's
 noise is keyed by the seed and its index, the output is the same draw whatever the trees. The
@@ -110,7 +110,6 @@ class DemoDecoder:
                     break
         finally:
             self.engine.release([rid])
-        tokens = tokens[:max_new]
         return Generation(tokens, accs)
 
 
