@@ -101,16 +101,20 @@ class DemoDecoder:
                 self.drafter.extend_context(ctx, res.features)
                 length += it.committed
                 pending = it.tokens[-1]
-                kept = list(it.tokens[:max_new - len(tokens)])
-                end = next((j for j, tok in enumerate(kept) if tok in self.eos), None)
-                kept = kept if end is None else kept[:end + 1]   # the output ends at an EOS inside the path
+                kept = _through_eos(list(it.tokens[:max_new - len(tokens)]), self.eos)   # an EOS inside the path ends it
                 tokens.extend(kept)
                 accs.append(len(kept))
-                if end is not None:
+                if kept[-1] in self.eos:
                     break
         finally:
             self.engine.release([rid])
         return Generation(tokens, accs)
+
+
+def _through_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """``tokens`` up to and including the first EOS, as an output ends."""
+    end = next((j for j, tok in enumerate(tokens) if tok in eos), len(tokens) - 1)
+    return tokens[:end + 1]
 
 
 def reference_agreement(model_dir: Path, prompts: list[dict], max_new: int, eos: set[int],
@@ -125,9 +129,7 @@ def reference_agreement(model_dir: Path, prompts: list[dict], max_new: int, eos:
     ref = ReferenceModel.load(model_dir)
     equal = 0
     for p, g in zip(prompts, ar):
-        want = ref.greedy(list(p["ids"]), max_new)
-        end = next((j for j, tok in enumerate(want) if tok in eos), None)
-        equal += int(g.tokens == (want if end is None else want[:end + 1]))
+        equal += int(g.tokens == _through_eos(ref.greedy(list(p["ids"]), max_new), eos))
     return {"prompts": len(prompts), "equal": equal, "reference": "ReferenceModel, float64"}
 
 

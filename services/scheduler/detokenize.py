@@ -100,7 +100,7 @@ class IncrementalDetokenizer:
             return self.text
         before = self._decode(ids[self._prefix:self._read])
         new = self._decode(ids[self._prefix:])[len(before):]
-        pending = self._tails.pending(ids) if self._tails is not None else None
+        pending = self._pending(ids)
         partial = new.endswith(_PARTIAL) if pending is None else bool(pending) and new.endswith(_PARTIAL)
         if final or (new and not partial):
             self.unfinished = int(final and bool(pending) and new.endswith(_PARTIAL))
@@ -124,8 +124,12 @@ class IncrementalDetokenizer:
     def ends_inside_a_character(self, ids: list[int]) -> bool:
         """Whether the text of ``ids`` ends in a character still arriving (its U+FFFD is no output
         character yet); where the tokenizer's bytes are not known, whether it ends in a U+FFFD."""
-        pending = self._tails.pending(ids) if self._tails is not None else None
+        pending = self._pending(ids)
         return self._decode(ids[-1:]).endswith(_PARTIAL) if pending is None else bool(pending)
+
+    def _pending(self, ids: list[int]) -> int | None:
+        """``_ByteTails.pending`` where the tokenizer's bytes are known, else None."""
+        return self._tails.pending(ids) if self._tails is not None else None
 
     def anchor(self, ids: list[int]) -> tuple[int, str]:
         """A token index of ``ids`` (the list ``update`` took, possibly longer) and the text of the
