@@ -106,10 +106,13 @@ class PowerSampler:
     one (source ``nvml-energy``): a power reading is an average over the last second, so a sub-second
     cell's samples were mostly the cell before. Else readings every 100 ms: NVML when the bindings
     are installed, else `nvidia-smi` (the GPU image may lack pynvml), else nothing (no GPU, or a GPU
-    named that is not there). Utilisation is always such readings (also averaged over a past window)."""
+    named that is not there). Utilisation is always such readings (also averaged over a past window);
+    between two `mark` calls only the readings taken between them count (the sampler runs over the
+    cell's set-up too: its prompts and channel, idle GPU time)."""
 
     def __init__(self, enabled: bool = True, gpus: list[str] | None = None) -> None:
-        self.samples: list[tuple[float, float]] = []
+        self.samples: list[tuple[float, float]] = []   # (watts, utilisation %)
+        self._times: list[float] = []                    # when each sample was read
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._read: Callable[[], tuple[float, float]] | None = None
@@ -135,9 +138,11 @@ class PowerSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.samples.append(self._read())
+                sample = self._read()
             except Exception:  # noqa: BLE001 - a failed reading leaves power unreported, never the cell
                 return
+            self._times.append(time.perf_counter())
+            self.samples.append(sample)
             self._stop.wait(0.1)
 
     def __exit__(self, *exc: object) -> None:
@@ -146,18 +151,23 @@ class PowerSampler:
             self._thread.join()
 
     def mark(self) -> None:
-        """The energy counter at the cell's start, then at its end (not the set-up around it)."""
-        if self._energy is not None and len(self._span) < 2:
-            self._span.append((time.perf_counter(), self._energy()))
+        """The cell's start, then its end (not the set-up around it), with the energy counter there."""
+        if len(self._span) < 2:
+            self._span.append((time.perf_counter(), self._energy() if self._energy is not None else 0.0))
 
     def mean(self) -> tuple[float | None, float | None]:
-        util = statistics.mean(u for _, u in self.samples) if self.samples else None
-        if len(self._span) == 2 and self._span[1][0] > self._span[0][0]:
+        samples = self.samples
+        if len(self._span) == 2:
+            (t0, _), (t1, _) = self._span
+            inside = [x for t, x in zip(self._times, self.samples) if t0 <= t <= t1]
+            samples = inside or samples   # a cell shorter than the 100 ms between readings has none
+        util = statistics.mean(u for _, u in samples) if samples else None
+        if self._energy is not None and len(self._span) == 2 and self._span[1][0] > self._span[0][0]:
             (t0, e0), (t1, e1) = self._span
             return (e1 - e0) / (t1 - t0), util
-        if not self.samples:
+        if not samples:
             return None, None
-        return statistics.mean(p for p, _ in self.samples), util
+        return statistics.mean(p for p, _ in samples), util
 
 
 def _nvml_handles(gpus: list[str] | None) -> tuple[object, list] | None:

@@ -521,3 +521,41 @@ def test_power_is_the_energy_counters_difference_over_the_cell_where_nvml_has_on
         while not sampler.samples:
             time.sleep(0.01)
     assert sampler.source == "nvml" and sampler.mean() == (90.0, 30)
+
+
+def test_utilisation_and_sampled_power_count_only_the_readings_between_the_marks(monkeypatch) -> None:
+    """The sampler runs over the cell's set-up (prompts, channel) and after it, with the GPU idle:
+    those readings lowered a cell's utilisation, and its power where there is no energy counter."""
+    import sys
+    import types
+
+    import bench.matrix as matrix
+
+    now = {"w": 60_000, "util": 0}
+    nvml = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: str(i), nvmlDeviceGetHandleByUUID=lambda u: u,
+        nvmlDeviceGetPowerUsage=lambda h: now["w"],
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=now["util"]))
+
+    def no_counter(h):
+        raise RuntimeError("not supported")
+    nvml.nvmlDeviceGetTotalEnergyConsumption = no_counter
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+
+    def readings_past(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while len(sampler.samples) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    with matrix.PowerSampler(True, ["0"]) as sampler:
+        readings_past(2)                      # set-up: idle
+        now.update(w=400_000, util=80)
+        sampler.mark()
+        readings_past(len(sampler.samples) + 2)
+        sampler.mark()
+        now.update(w=60_000, util=0)          # after the cell: idle again
+        readings_past(len(sampler.samples) + 2)
+    assert sampler.source == "nvml"
+    assert {u for _, u in sampler.samples} == {0, 80}     # idle readings were taken around the cell
+    assert sampler.mean() == (400.0, 80)
