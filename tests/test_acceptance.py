@@ -75,22 +75,45 @@ def _walk_by_scanning(tokens: list[int], parents: list[int], posterior: list[int
         out.append(tokens[cur])
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_trees_match_the_definition(seed: int) -> None:
-    # Small vocabularies make matches, duplicate siblings and deep paths common; some parents are
-    # malformed (-1 padding, or pointing forward), which must never be followed.
-    g = torch.Generator().manual_seed(seed)
-    n = int(torch.randint(1, 60, (1,), generator=g))
-    vocab = 2 + seed
-    parents = [-1] + [int(torch.randint(0, c, (1,), generator=g)) for c in range(1, n)]
-    for c in torch.randint(0, n, (n // 8,), generator=g).tolist():
-        if c:
-            parents[c] = -1 if c % 2 else min(n - 1, c + 1)
-    tokens = torch.randint(0, vocab, (n,), generator=g)
-    posterior = torch.randint(0, vocab, (n,), generator=g)
-    want = _walk_by_scanning(tokens.tolist(), parents, posterior.tolist())
-    assert accept(tokens, torch.tensor(parents), posterior) == want
-    assert accept(tokens.tolist(), parents, posterior.tolist()) == want   # host lists, as the engine passes
+def test_random_trees_match_the_definition() -> None:
+    """Small vocabularies make duplicate siblings common; the posterior mostly picks one of a
+    node's children, so walks go deep. Malformed parents (-1 padding, or a node itself or after
+    it) must never be followed: they are planted where following them would change the walk (a
+    node of the path's posterior token under a path node, and padding under the last node, which
+    a Python index of -1 reads). Each case must occur (with a random posterior, five of six trees
+    of the first version accepted only their root)."""
+    seen = {"deep": 0, "duplicate on path": 0, "forward parent planted": 0, "padding planted": 0}
+    for seed in range(300):
+        g = torch.Generator().manual_seed(seed)
+        n = int(torch.randint(2, 60, (1,), generator=g))
+        vocab = 2 + seed % 5
+        parents = [-1] + [int(torch.randint(0, c, (1,), generator=g)) for c in range(1, n)]
+        tokens = torch.randint(0, vocab, (n,), generator=g).tolist()
+        posterior = torch.randint(0, vocab, (n,), generator=g).tolist()
+        for p in range(n):
+            kids = [c for c in range(1, n) if parents[c] == p]
+            if kids and float(torch.rand((), generator=g)) < 0.8:
+                posterior[p] = tokens[kids[int(torch.randint(0, len(kids), (1,), generator=g))]]
+        path = _walk_by_scanning(tokens, parents, posterior).path
+        off_path = [c for c in range(1, n) if c not in path]
+        if off_path and seed % 2:      # a node at or before a path node, pointing at it
+            p = path[int(torch.randint(0, len(path), (1,), generator=g))]
+            before = [c for c in off_path if c <= p]
+            if before:
+                parents[before[0]], tokens[before[0]] = p, posterior[p]
+                seen["forward parent planted"] += 1
+        off_path = [c for c in range(1, n) if c not in path and parents[c] >= 0]
+        if off_path and path[-1] == n - 1:
+            parents[off_path[0]], tokens[off_path[0]] = -1, posterior[n - 1]
+            seen["padding planted"] += 1
+        want = _walk_by_scanning(tokens, parents, posterior)
+        assert accept(torch.tensor(tokens), torch.tensor(parents), torch.tensor(posterior)) == want, seed
+        assert accept(tokens, parents, posterior) == want, seed   # host lists, as the engine passes
+        seen["deep"] += len(want.path) >= 4
+        seen["duplicate on path"] += any(
+            sum(1 for c in range(n) if parents[c] == node and c > node and tokens[c] == posterior[node]) > 1
+            for node in want.path)
+    assert all(v >= 3 for v in seen.values()), seen
 
 
 def test_sampling_validation_names_the_field() -> None:

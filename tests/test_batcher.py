@@ -160,6 +160,26 @@ def test_speculation_gate_falls_back_while_drafts_are_rejected_and_probes_again(
     assert off.speculate() and off.fallbacks == 0
 
 
+def test_the_speculation_pause_doubles_up_to_its_cap_and_a_window_at_the_bar_keeps_speculating() -> None:
+    from services.scheduler.speculation import SpeculationGate
+
+    gate = SpeculationGate(min_acceptance=1.5, backoff=2, max_backoff=8, window=2)
+    pauses = []
+    for _ in range(6):                       # every probe fails
+        for _ in range(2):
+            assert gate.speculate()
+            gate.observe(True, 1.0)
+        pauses.append(gate.pause_left)
+        while not gate.speculate():          # the pause's autoregressive steps, then a probe
+            pass
+    assert pauses == [2, 4, 8, 8, 8, 8]       # doubles, then stays at the cap
+    at_bar = SpeculationGate(min_acceptance=1.5, backoff=2, window=4)
+    for a in (1, 2, 1, 2, 1, 2, 1, 2):       # integer acceptances whose mean is exactly the bar
+        assert at_bar.speculate()
+        assert not at_bar.observe(True, float(a))
+    assert at_bar.fallbacks == 0 and at_bar.window_mean == 1.5
+
+
 def test_step_loop_pauses_speculation_for_the_whole_batch() -> None:
     async def scenario() -> None:
         step = loop(max_batch=8, spec_min_acceptance=1.5, spec_backoff_steps=2)

@@ -10,7 +10,7 @@ import pytest
 
 from ddtree.v1 import common_pb2, scheduler_pb2
 from services.common.grpc_server import ServiceError
-from services.common.settings import TEMPERATURE_RANGE, SchedulerSettings
+from services.common.settings import MAX_BUDGET, TEMPERATURE_RANGE, SchedulerSettings
 from services.scheduler.client import Client, ClientError, build_request
 from services.scheduler.request import (MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                         ActiveRequest, Limits,
@@ -446,6 +446,40 @@ def test_a_run_of_steps_that_end_inside_a_character_decodes_a_bounded_window() -
     detok.update(ids)
     assert Counting.tokens - before <= 4 * IncrementalDetokenizer.MAX_WINDOW
     assert detok.update(ids, final=True) == TOKENIZER.decode(ids)
+
+
+def _ids(ids: list[int], **fields) -> scheduler_pb2.GenerateRequest:
+    req = scheduler_pb2.GenerateRequest(**fields)
+    req.token_ids.ids.extend(ids)
+    return req
+
+
+def test_the_prompt_and_max_tokens_bounds_leave_room_for_one_tree() -> None:
+    """A prompt may fill the context but one tree and one output token; max_tokens is clamped to
+    what is left after that tree's room (a prompt of exactly the room was admitted with nothing
+    left to generate, and the draft refused it naming an internal field)."""
+    room = LIMITS.max_context - LIMITS.block_size
+    longest = validate(_ids([5] * (room - 1), max_tokens=100), SchedulerSettings(), LIMITS, TOKENIZER)
+    assert longest.max_tokens == 1
+    assert f"prompt has {room} tokens" in _refused(_ids([5] * room, max_tokens=100)).message
+    limit = SchedulerSettings().max_tokens_limit
+    assert limit > room
+    short = validate(_ids([5] * 100, max_tokens=limit), SchedulerSettings(), LIMITS, TOKENIZER)
+    assert short.max_tokens == room - 100
+    assert short.kv_tokens == LIMITS.max_context   # prompt + output + one block: the whole context, not past it
+    assert validate(_ids([5] * 100, max_tokens=7), SchedulerSettings(), LIMITS, TOKENIZER).max_tokens == 7
+
+
+def test_the_budget_and_token_ids_bounds_are_inclusive_where_documented() -> None:
+    assert validate(build_request("x", max_tokens=4, budget=MAX_BUDGET), SchedulerSettings(), LIMITS, TOKENIZER).budget == MAX_BUDGET
+    assert validate(build_request("x", max_tokens=4, budget=1), SchedulerSettings(), LIMITS, TOKENIZER).budget == 1
+    assert f"budget must be in 1..{MAX_BUDGET} (got {MAX_BUDGET + 1})" in _refused(
+        _ids([5], max_tokens=4, budget=MAX_BUDGET + 1)).message
+    top = LIMITS.vocab_size - 1
+    assert validate(_ids([5, top], max_tokens=4, stop_token_ids=[top]), SchedulerSettings(), LIMITS, TOKENIZER)
+    assert f"prompt.token_ids[1] = {LIMITS.vocab_size} is outside" in _refused(
+        _ids([5, LIMITS.vocab_size], max_tokens=4)).message
+    assert "stop_token_ids[0]" in _refused(_ids([5], max_tokens=4, stop_token_ids=[LIMITS.vocab_size])).message
 
 
 def test_a_request_reserves_kv_in_the_verifiers_whole_pages() -> None:
