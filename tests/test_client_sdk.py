@@ -319,6 +319,46 @@ def test_refused_tokens_are_counted_and_a_stream_the_stop_cuts_is_no_abort(monke
         server.stop()
 
 
+def test_a_stopping_scheduler_lets_running_requests_finish_in_its_grace_and_ends_the_rest_unavailable() -> None:
+    """Stopped (SIGTERM, Ctrl-C), the scheduler refuses new requests, lets the running ones go on
+    for `scheduler.stop_grace_s`, then ends the rest with a status that says so, each one logged
+    and counted. Before, gRPC's end of the grace period told the client only "Cancelling all
+    calls", and the request was never logged."""
+    server = Server()
+    count = lambda status: server.router.metrics.requests.labels(status)._value.get()   # noqa: E731
+    before = {s: count(s) for s in ("length", "unavailable")}
+    short: dict[str, object] = {}
+
+    async def stop() -> int:
+        server.servicer.stopping = True   # `serve`'s on_stop, then its drain
+        return await server.router.drain(1.5)
+    try:
+        with Client(server.address) as c, c.stream(IDS, request_id="long", **LONG) as long_stream:
+            next(long_stream)
+            worker = threading.Thread(target=lambda: short.update(
+                out=c.generate(IDS, max_tokens=60, ignore_eos=True, request_id="short")))
+            worker.start()
+            deadline = time.monotonic() + 5
+            while server.request("short") is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            draining = asyncio.run_coroutine_threadsafe(stop(), server.loop)
+            with pytest.raises(ClientError) as refused:
+                c.generate(IDS, max_tokens=2)
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE and "stopping" in refused.value.message
+            assert draining.result(timeout=10) == 1        # the long one; the short one finished
+            worker.join(timeout=10)
+            assert short["out"].finish_reason == "length" and len(short["out"].token_ids) == 60
+            with pytest.raises(ClientError) as cut:
+                list(long_stream)
+        assert cut.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "the scheduler stopped before this request finished" in cut.value.message
+        assert (count("length"), count("unavailable")) == (before["length"] + 1, before["unavailable"] + 1)
+        assert server.router.metrics.refused.labels("unavailable")._value.get() == 1
+        assert not any(lane.load for lane in server.router.lanes)
+    finally:
+        server.stop()
+
+
 class HeldEncoder:
     """A `PromptEncoder` whose texts wait until `release`: a long text in the tokenizer's worker."""
 

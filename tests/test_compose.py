@@ -133,6 +133,15 @@ def test_config_file_is_valid_for_every_service_and_addresses_agree(compose):
     assert s["scheduler"].host == "0.0.0.0"   # inside its container; publishing decides exposure
 
 
+def test_the_scheduler_has_its_stop_grace_before_compose_kills_it(compose):
+    """Compose sends SIGTERM, then SIGKILL after the service's stop_grace_period (10 s unless set):
+    the scheduler's running requests must get their `stop_grace_s` and the stop after it."""
+    period = compose["services"]["scheduler"]["stop_grace_period"]
+    seconds = float(re.fullmatch(r"(\d+)s", period).group(1))
+    assert seconds >= load_settings(SchedulerSettings, CONFIG, env={}).stop_grace_s + 10
+    assert compose["services"]["scheduler"]["depends_on"]["draft"]   # compose stops it before the draft
+
+
 def test_dns_discovery_lists_every_address():
     assert discover(["dns:localhost:50052", "10.0.0.9:1"])[-1] == "10.0.0.9:1"
     assert any(a.endswith(":50052") for a in discover(["dns:localhost:50052"]))

@@ -188,3 +188,32 @@ def test_more_draft_replicas_than_the_verifier_serves_fail_before_any_starts(tmp
     with pytest.raises(SettingsError, match=r"--draft-replicas 2: the verifier serves verifier.max_peers = 1 drafts at once"):
         stack.start()
     assert all(svc.proc is None for svc in stack.services)
+
+
+def test_the_stack_stops_one_service_after_another(tmp_path) -> None:
+    """The scheduler's stop lets its running requests finish, which needs the draft and verifier
+    behind it: signalled all at once, the draft ended those requests' step stream at once."""
+    import time
+
+    from services.common.launcher import _end
+
+    script = ("import signal, sys, time\n"
+              "def stop(*_):\n"
+              "    open(sys.argv[1], 'a').write(f'{sys.argv[2]} term {time.monotonic()}\\n')\n"
+              "    time.sleep(float(sys.argv[3]))\n"
+              "    open(sys.argv[1], 'a').write(f'{sys.argv[2]} exit {time.monotonic()}\\n')\n"
+              "    sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, stop)\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(60)\n")
+    log = tmp_path / "order.txt"
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(log), name, delay], stdout=subprocess.PIPE, text=True)
+             for name, delay in (("scheduler", "0.5"), ("draft", "0"), ("verifier", "0"))]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    _end(procs, grace_s=20)
+    assert time.monotonic() - t0 < 10 and all(p.returncode == 0 for p in procs)
+    events = [line.split()[:2] for line in log.read_text().splitlines()]
+    assert events == [["scheduler", "term"], ["scheduler", "exit"], ["draft", "term"], ["draft", "exit"],
+                      ["verifier", "term"], ["verifier", "exit"]]

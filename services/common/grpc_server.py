@@ -9,7 +9,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -207,10 +207,12 @@ def exit_when_orphaned(parent_pid: int, code: int, poll_s: float = 1.0, until: t
 
 async def serve_until_signal(server: grpc.aio.Server, health_servicer: HealthServicer,
                              grace_s: float = 5.0, parent_poll_s: float = 1.0,
-                             on_stop: Callable[[], None] | None = None) -> None:
+                             on_stop: Callable[[], None] | None = None,
+                             drain: Callable[[], Awaitable[object]] | None = None) -> None:
     """Runs until SIGTERM/SIGINT, or until the launcher named by ``DDTREE_PARENT_PID`` is gone,
-    then reports NOT_SERVING, calls ``on_stop`` (a service ends its idle streams there) and stops
-    with a grace period.
+    then reports NOT_SERVING, calls ``on_stop`` (a service ends its idle streams there), awaits
+    ``drain`` (the scheduler lets its running requests finish and ends the rest with a status of
+    its own) and stops with a grace period.
 
     Why the parent check: ``ddtree up`` starts each service in a session of its own (a Ctrl-C in
     the terminal must reach the launcher only, which stops the stack in order), so a SIGKILL of the
@@ -234,6 +236,8 @@ async def serve_until_signal(server: grpc.aio.Server, health_servicer: HealthSer
         health_servicer.enter_graceful_shutdown()
         if on_stop is not None:
             on_stop()
+        if drain is not None:
+            await drain()
         await server.stop(grace_s)
 
 

@@ -116,12 +116,14 @@ def _check_before_start(role: str, settings) -> None:
 
 
 def _end(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM to each still running, then SIGKILL to what is left after ``grace_s`` (together)."""
+    """One after another, in the order given: SIGTERM, then a wait for that one to exit; SIGKILL to
+    each left after ``grace_s`` (together). In order because the scheduler's stop lets its running
+    requests finish (`scheduler.stop_grace_s`), which needs the draft and verifier behind it: all
+    signalled at once, the draft ended those requests' step stream at once."""
+    deadline = time.monotonic() + grace_s
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -216,7 +218,7 @@ def _drafter_layers(drafter_path: str, target_path: str) -> tuple[int, ...] | No
 
 
 class Stack:
-    """Starts verifier -> draft replicas -> scheduler; `stop()` ends them in reverse, SIGTERM then SIGKILL."""
+    """Starts verifier -> draft replicas -> scheduler; `stop()` ends them one by one in reverse, SIGTERM then SIGKILL."""
 
     def __init__(self, spec: StackSpec) -> None:
         self.spec = spec
@@ -421,7 +423,10 @@ class Stack:
             time.sleep(poll_s)
 
     def stop(self, grace_s: float = 30.0) -> None:
-        _end([s.proc for s in reversed(self.services) if s.proc is not None], grace_s)
+        """Ends the services in reverse order of their start, within ``grace_s`` beyond the time the
+        scheduler gives its running requests (`scheduler.stop_grace_s`)."""
+        drain = getattr(self.services[-1].settings, "stop_grace_s", 0.0) if self.services else 0.0
+        _end([s.proc for s in reversed(self.services) if s.proc is not None], grace_s + drain)
         for svc in self.services:
             svc.proc = None
 

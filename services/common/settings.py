@@ -99,6 +99,7 @@ class SchedulerSettings:
     spec_backoff_steps: int = 16       # AR steps after the first such window (doubling per failed probe, up to 256)
     max_tokens_limit: int = 4096    # the largest max_tokens a request may ask for
     step_timeout_s: float = 60.0    # a draft replica slower than this for one step is marked down
+    stop_grace_s: float = 5.0       # on SIGTERM / Ctrl-C, how long queued and running requests may go on
     draft_wait_s: float = 120.0     # at start-up, how long to wait for a first draft replica to answer
     metrics_port: int = 0           # Prometheus /metrics (0 = off)
     tls_cert: str = ""              # PEM certificate chain; with tls_key, the public port speaks TLS only
@@ -134,6 +135,7 @@ class SchedulerSettings:
         _check(1 <= self.spec_backoff_steps <= MAX_SPEC_BACKOFF_STEPS, "scheduler.spec_backoff_steps",
                f"must be in 1..{MAX_SPEC_BACKOFF_STEPS} (the longest pause)")
         _check(self.step_timeout_s > 0, "scheduler.step_timeout_s", "must be > 0")
+        _check(0 <= self.stop_grace_s <= 3600, "scheduler.stop_grace_s", "must be in 0..3600 seconds")
 
 
 @dataclass(frozen=True)

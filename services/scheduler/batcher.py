@@ -327,6 +327,18 @@ class StepLoop:
         for budget, tokens in owed:
             budget.release(tokens)
 
+    def end_all(self, error: ServiceError) -> int:
+        """Fails every queued and running request with ``error`` (the scheduler stops with them
+        unfinished): each is logged and counted as every request that ends, and its client gets
+        the error, not gRPC's cancellation. An aborted one ends as it was. Returns how many."""
+        queued, self.waiting = list(self.waiting), []
+        for req in queued:
+            self.fail_unstarted(req, error)
+        running = list(self.running.values())
+        for req in running:
+            self._finish(req, error=None if req.aborted else error)
+        return len(queued) + len(running)
+
     def fail_unstarted(self, req: ActiveRequest, error: ServiceError) -> None:
         """Fails a request that never reached a step (taken off a down replica, nowhere to go):
         counted and logged as every request that ends."""

@@ -95,6 +95,7 @@ class Router:
         self._other_models: set[str] = set()   # replicas logged as serving another model (`_other_model`)
         self._refused_token: set[str] = set()   # replicas logged as refusing our internal token
         self._too_wide: set[str] = set()   # replicas logged as replying more than a message holds
+        self.draining = False   # the scheduler stops (`drain`): no new request
         # Read when scraped (a gauge set on each change lagged by up to a probe round).
         metrics.queue_depth.set_function(lambda: self.waiting)
         metrics.running.set_function(lambda: sum(len(lane.running) for lane in list(self.lanes)))
@@ -200,6 +201,8 @@ class Router:
         return sum(len(lane.waiting) for lane in list(self.lanes))
 
     def submit(self, req: ActiveRequest) -> None:
+        if self.draining:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping; send the request to another one")
         live = [lane for lane in self.lanes if lane.healthy]
         if not live:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica is up; retry later")
@@ -438,6 +441,23 @@ class Router:
             task = asyncio.create_task(self._follow_verifiers([x for x in self.lanes if x.kv is before]))
             self._follows.add(task)
             task.add_done_callback(self._follows.discard)
+
+    async def drain(self, timeout_s: float) -> int:
+        """The scheduler stops: takes no new request, lets the queued and running ones go on for up
+        to ``timeout_s``, then fails what is left UNAVAILABLE (logged and counted; its client is
+        told why, where gRPC's end of the grace period said only "Cancelling all calls"). Returns
+        how many were failed."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while any(lane.load for lane in self.lanes) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        error = ServiceError(grpc.StatusCode.UNAVAILABLE,
+                             f"the scheduler stopped before this request finished (it waits {timeout_s:g} s "
+                             f"for running requests when it stops); retry it")
+        left = sum(lane.end_all(error) for lane in self.lanes)
+        if left:
+            log.warning("requests_cut_by_stop", requests=left, waited_s=timeout_s)
+        return left
 
     async def stop(self) -> None:
         for task in (self._watch, self._discovery, *self._follows):

@@ -53,6 +53,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Generate(self, request: scheduler_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         try:
+            if self.stopping:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping; send the request to another one")
             text_ids = None
             size = request.ByteSize()
             if size > self.settings.max_request_bytes:
@@ -242,7 +244,8 @@ async def serve(settings: SchedulerSettings) -> None:
                                                 lambda: any(lane.healthy for lane in router.lanes),
                                                 "no draft replica is up"))
     try:
-        await serve_until_signal(server, health, on_stop=lambda: setattr(servicer, "stopping", True))
+        await serve_until_signal(server, health, on_stop=lambda: setattr(servicer, "stopping", True),
+                                 drain=lambda: router.drain(settings.stop_grace_s))
     finally:
         watch.cancel()
         await router.stop()
