@@ -29,6 +29,7 @@ from pathlib import Path
 __all__ = ["main"]
 
 TOKEN_ENV = "DDTREE_TOKEN"   # the bearer token for generate / bench, where --token would show in `ps`
+DEMO_MODEL = "models/demo"   # the bundled demo pair, relative to the repository's root
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -98,7 +99,7 @@ def _run_async(coro) -> None:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from services.common.grpc_server import check_port_free
-    from services.common.launcher import ServiceExited, Stack, StackSpec, StartupStopped
+    from services.common.launcher import ServiceExited, Stack, StackSpec, StartupStopped, placed_by_up
     from services.common.settings import SettingsError
 
     for ok, flag in ((0 <= args.port < 65536, f"--port {args.port}: not a TCP port (0 = any free one)"),
@@ -110,8 +111,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
             return 2
     model = Path(args.model)
     if not (model / "config.json").is_file():
-        print(f"ddtree up: no checkpoint at {model} (config.json missing); "
-              f"make one with `ddtree make-checkpoint {model}`", file=sys.stderr)
+        bundled = "" if args.model != DEMO_MODEL or model.exists() else \
+            f"; the bundled demo model is {DEMO_MODEL} in the repository (run from its root, or give --model PATH)"
+        print(f"ddtree up: no checkpoint at {model.resolve()} (config.json missing){bundled}; "
+              f"random weights for tests: `ddtree make-checkpoint {model}`", file=sys.stderr)
         return 2
     drafter = args.drafter or str(model / "drafter")
     if not drafter.startswith("oracle:") and not (Path(drafter) / "config.json").is_file():
@@ -134,23 +137,27 @@ def _cmd_up(args: argparse.Namespace) -> int:
         hint = " (another stack? --port picks another, 0 any free one)" if "in use" in str(exc) else ""
         print(f"ddtree up: {exc}{hint}", file=sys.stderr)
         return 2
+    ignored = placed_by_up(args.config, dict(os.environ))
+    if ignored:
+        print(f"ddtree up: not applied, since ddtree up takes the model from its flags and picks the ports and "
+              f"addresses: {', '.join(ignored)}", file=sys.stderr)
     spec = StackSpec(model_path=str(model), drafter_path=args.drafter, config_path=args.config,
                      scheduler_port=args.port, scheduler_host=args.host, draft_replicas=args.draft_replicas,
                      startup_timeout_s=args.startup_timeout,
                      extra_env={"DDTREE_VERIFIER_TP": str(args.tp)} if args.tp else {})
     stack = Stack(spec)
-    stop = {"now": False}
+    stop = {"now": False, "signal": signal.SIGINT}
 
     def _on_signal(signum, frame) -> None:
-        stop["now"] = True
+        stop["now"], stop["signal"] = True, signum
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     try:
         stack.start(should_stop=lambda: stop["now"])   # a signal stops the start-up too, not only the stack
-    except StartupStopped:
+    except StartupStopped:   # exits as a shell reports the signal (130 for Ctrl-C): not a stack that served
         print("ddtree up: stopped during start-up", file=sys.stderr)
-        return 0
+        return 128 + int(stop["signal"])
     except SettingsError as exc:
         print(f"ddtree up: {exc}", file=sys.stderr)
         return 2
@@ -332,7 +339,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         flush_ids()
         if started:
             print()  # end the partial output's line before the error
-        print(f"ddtree generate: {exc.code.name}: {exc.message}", file=sys.stderr)
+        said = f" (--timeout {args.timeout:g} s passed)" \
+            if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and args.timeout is not None else ""
+        print(f"ddtree generate: {exc.code.name}: {exc.message}{said}", file=sys.stderr)
         if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                         grpc.StatusCode.FAILED_PRECONDITION,   # a text prompt where no tokenizer is
                         grpc.StatusCode.UNAUTHENTICATED):      # no or a wrong --token, or not the scheduler's port
@@ -568,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start scheduler, draft and verifier as local processes")
-    up.add_argument("--model", default="models/demo", help="target checkpoint dir (drafter in <model>/drafter)")
+    up.add_argument("--model", default=DEMO_MODEL, help="target checkpoint dir (drafter in <model>/drafter)")
     up.add_argument("--drafter", default=None, help="drafter checkpoint dir (default <model>/drafter)")
     up.add_argument("--config", default=None, help="TOML config file shared by the services")
     up.add_argument("--host", default="127.0.0.1",
@@ -666,11 +675,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(kept if the file exists)")
     tk.add_argument("path")
     tk.set_defaults(func=_cmd_make_token)
+    for command in sub.choices.values():
+        command.set_defaults(command_parser=command)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:   # the subcommand's usage, not the top level's list of subcommands
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.func(args)
 
 

@@ -359,6 +359,20 @@ def test_a_stopping_scheduler_lets_running_requests_finish_in_its_grace_and_ends
         server.stop()
 
 
+def test_generate_says_its_timeout_passed(capsys) -> None:
+    """gRPC's own text for a deadline ("Stream removed (Deadline Exceeded)") did not say which."""
+    from services.cli import main
+
+    server = Server()
+    try:
+        rc = main(["generate", "--address", server.address, "--token-ids", "--prompt", "1,2,3", "--max-tokens", "4000",
+                   "--ignore-eos", "--timeout", "0.3"])
+    finally:
+        server.stop()
+    err = capsys.readouterr().err
+    assert rc == 1 and "DEADLINE_EXCEEDED" in err and "(--timeout 0.3 s passed)" in err, err
+
+
 class HeldEncoder:
     """A `PromptEncoder` whose texts wait until `release`: a long text in the tokenizer's worker."""
 

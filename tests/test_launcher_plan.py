@@ -3,6 +3,7 @@ starting any."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -82,6 +83,56 @@ def test_up_refuses_bad_flags_at_once(flags, needle) -> None:
     out = subprocess.run([sys.executable, "-m", "services.cli", "up", *flags], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and needle in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("command", [["up"], ["generate", "--prompt", "x"], ["serve", "scheduler"], ["bench"]])
+def test_an_unknown_flag_shows_its_commands_usage(command, capsys) -> None:
+    """argparse's top level reported a subcommand's unknown flag with the list of subcommands."""
+    from services.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--frobnicate"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"usage: ddtree {command[0]}" in err
+    assert f"ddtree {command[0]}: error: unrecognized arguments: --frobnicate" in err
+
+
+def test_up_outside_the_repository_points_at_the_demo_model_not_at_random_weights(tmp_path, monkeypatch, capsys) -> None:
+    from services.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["up"]) == 2
+    err = capsys.readouterr().err
+    assert f"no checkpoint at {tmp_path / 'models' / 'demo'}" in err
+    assert "the bundled demo model is models/demo in the repository" in err and "--model PATH" in err
+    assert "random weights for tests" in err
+
+
+def test_up_names_the_settings_it_does_not_apply(tmp_path, monkeypatch, capsys) -> None:
+    """A port or model path in the config file or the environment that `ddtree up` replaces was
+    ignored without a word: the stack served elsewhere, or another model, than the user set."""
+    from services.cli import main
+    from services.common.launcher import PLACED_BY_UP, placed_by_up
+
+    config = tmp_path / "ddtree.toml"
+    config.write_text('[scheduler]\nport = 6001\nmax_batch = 8\n[verifier]\nmodel_path = "/nowhere"\n')
+    env = {"DDTREE_DRAFT_DRAFTER_PATH": "/elsewhere", "DDTREE_SCHEDULER_MAX_QUEUE": "9"}
+    assert placed_by_up(str(config), env) == [f"scheduler.port ({config})", "DDTREE_DRAFT_DRAFTER_PATH",
+                                              f"verifier.model_path ({config})"]
+    assert placed_by_up(None, {}) == []
+    for role, names in PLACED_BY_UP.items():   # each is a real setting of its service
+        assert set(names) <= {f.name for f in dataclasses.fields(load_settings(
+            {"scheduler": SchedulerSettings, "draft": DraftSettings, "verifier": VerifierSettings}[role], None, env={}))}
+    monkeypatch.setenv("DDTREE_SCHEDULER_PORT", "6002")
+    monkeypatch.setattr("signal.signal", lambda *args: None)   # `up` takes SIGINT / SIGTERM: not pytest's
+
+    def start(self, should_stop=None):
+        raise SettingsError("stopped here: the warning comes before anything starts")
+    monkeypatch.setattr("services.common.launcher.Stack.start", start)
+    assert main(["up", "--config", str(config), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"not applied, since ddtree up takes the model from its flags and picks the ports and addresses: " \
+           f"DDTREE_SCHEDULER_PORT, verifier.model_path ({config})" in err
 
 
 def test_a_model_without_a_tokenizer_serves_token_ids(tmp_path) -> None:

@@ -66,12 +66,13 @@ def test_a_text_too_large_for_the_context_is_refused_by_its_size() -> None:
     longest = max(len(TOKENIZER.decode([i], skip_special_tokens=False).encode())
                   for i in range(TOKENIZER.get_vocab_size()))
     assert token_bytes == longest
-    room = LIMITS.max_context - LIMITS.block_size
+    most = LIMITS.max_context - LIMITS.block_size - 1
     with pytest.raises(ServiceError) as info:
-        encode_prompt("a" * (room * token_bytes + 1), TOKENIZER, LIMITS, token_bytes)
-    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in info.value.message
-    # at the bound it is tokenized, and the token count decides (here: too long)
-    assert "prompt has" in _refused(build_request("a" * (room * token_bytes), max_tokens=4)).message
+        encode_prompt("a" * (most * token_bytes + 1), TOKENIZER, LIMITS, token_bytes)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"is more than {most} tokens" in info.value.message and f"{most} prompt tokens at most" in info.value.message
+    # at the bound it is tokenized, and the token count decides (here: too long), naming the same limit
+    assert f"({most} prompt tokens at most" in _refused(build_request("a" * (most * token_bytes), max_tokens=4)).message
 
 
 def test_a_stop_string_ends_token_ids_and_usage_where_it_ends_the_text() -> None:

@@ -27,6 +27,35 @@ from services.common.grpc_server import PARENT_PID_ENV, check_port_free, host_po
 from services.common.settings import DraftSettings, SchedulerSettings, SettingsError, VerifierSettings, load_settings
 
 _SETTINGS = {"verifier": VerifierSettings, "draft": DraftSettings, "scheduler": SchedulerSettings}
+# What `ddtree up` sets itself, over the config file and the environment: the model (its flags) and
+# every port and address but the scheduler's host (`--host` replaces that one only when given).
+PLACED_BY_UP = {"scheduler": ("port", "draft_addresses", "tokenizer_path"),
+                "draft": ("host", "port", "verifier_address", "target_path", "drafter_path"),
+                "verifier": ("host", "port", "model_path")}
+
+
+def placed_by_up(config_path: str | None, environ: dict[str, str]) -> list[str]:
+    """The settings the config file or the environment gives that `ddtree up` replaces, each
+    named with where it came from: set there and silently not applied, they misled (a port or a
+    model path that seemed to be served)."""
+    doc: dict = {}
+    if config_path:
+        import tomllib
+        try:
+            with open(config_path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+            doc = {}   # the settings check names the file's fault
+    found = []
+    for role, names in PLACED_BY_UP.items():
+        table = doc.get(role, {}) if isinstance(doc.get(role), dict) else {}
+        for name in names:
+            var = f"DDTREE_{role.upper()}_{name.upper()}"
+            if var in environ:
+                found.append(f"{var}")
+            elif name in table:
+                found.append(f"{role}.{name} ({config_path})")
+    return found
 
 # The tokenizer files a model directory may hold, as the scheduler reads them (`load_tokenizer`).
 TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model")

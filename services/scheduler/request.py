@@ -220,12 +220,13 @@ def max_token_bytes(tokenizer: Tokenizer) -> int:
 def check_text_size(text: str, limits: Limits, token_bytes: int) -> None:
     """Refuses a text too long for the context by its size alone, before anyone tokenizes it (a
     4 MB text took 10 s to tokenize)."""
-    room = limits.max_context - limits.block_size
+    most = limits.max_context - limits.block_size - 1   # as `validate` counts a prompt's tokens
     size = len(text.encode("utf-8", "surrogatepass"))
-    if size > room * token_bytes:
+    if size > most * token_bytes:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"prompt text of {size} bytes is over {room} tokens (a token is at most {token_bytes} "
-                           f"bytes); max context is {limits.max_context}")
+                           f"prompt text of {size} bytes is more than {most} tokens (a token is at most {token_bytes} "
+                           f"bytes); max context is {limits.max_context} ({most} prompt tokens at most, leaving "
+                           f"room for one tree)")
 
 
 def encode_prompt(text: str, tokenizer: Tokenizer, limits: Limits, token_bytes: int) -> list[int]:
