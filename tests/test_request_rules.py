@@ -313,6 +313,18 @@ def test_acceptance_counts_only_the_tokens_returned(cut) -> None:
     assert steps[-1] < 5 and usage.mean_acceptance == pytest.approx(sum(steps) / len(steps))
 
 
+def test_the_first_token_time_is_the_first_steps() -> None:
+    """`request_end`'s ttft_ms: a later step must not move it (it would read as time to last token)."""
+    import time
+
+    req = _request()
+    req.add_tokens([5], 0)
+    first = req.first_token_at
+    time.sleep(0.01)
+    req.add_tokens([6, 7], 2)
+    assert first is not None and req.first_token_at == first
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(prompt=b"hello"), "prompt must be text or a list of token ids, not bytes"),
     (dict(prompt=None), "prompt must be text or a list of token ids, not NoneType"),
