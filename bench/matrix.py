@@ -137,11 +137,12 @@ class PowerSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            asked = time.perf_counter()   # before the reading: `nvidia-smi` takes up to a few 100 ms
             try:
                 sample = self._read()
             except Exception:  # noqa: BLE001 - a failed reading leaves power unreported, never the cell
                 return
-            self._times.append(time.perf_counter())
+            self._times.append(asked)
             self.samples.append(sample)
             self._stop.wait(0.1)
 
@@ -160,7 +161,10 @@ class PowerSampler:
         if len(self._span) == 2:
             (t0, _), (t1, _) = self._span
             inside = [x for t, x in zip(self._times, self.samples) if t0 <= t <= t1]
-            samples = inside or samples   # a cell shorter than the 100 ms between readings has none
+            # A cell shorter than the 100 ms between readings has none: the first after its start
+            # (a past window's average, which holds the cell), not the set-up's.
+            after = [x for t, x in zip(self._times, self.samples) if t >= t0][:1]
+            samples = inside or after
         util = statistics.mean(u for _, u in samples) if samples else None
         if self._energy is not None and len(self._span) == 2 and self._span[1][0] > self._span[0][0]:
             (t0, e0), (t1, e1) = self._span

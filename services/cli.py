@@ -681,9 +681,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, extra = build_parser().parse_known_args(argv)
-    if extra:   # the subcommand's usage, not the top level's list of subcommands
-        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # a subcommand's own flag: its usage, not the top level's list of subcommands
+        given = sys.argv[1:] if argv is None else list(argv)
+        before = given[:given.index(args.command)] if args.command in given else given
+        (parser if set(extra) & set(before) else args.command_parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     return args.func(args)
 
 

@@ -307,7 +307,8 @@ def test_refused_tokens_are_counted_and_a_stream_the_stop_cuts_is_no_abort(monke
         with Client(server.address, token="s3cret") as c:
             with c.stream(IDS, request_id="cut", **LONG) as s:
                 next(s)
-                server.servicer.stopping = True   # `serve`'s on_stop, then the stop cuts the stream
+                server.servicer.stopping = True   # `serve`'s on_stop, a drain that was told to end now
+                server.router.closed = True       # (a second signal), then the stop cuts the stream
                 server.call(server.server.stop(0.1))
                 with pytest.raises(ClientError):
                     list(s)
@@ -319,42 +320,94 @@ def test_refused_tokens_are_counted_and_a_stream_the_stop_cuts_is_no_abort(monke
         server.stop()
 
 
+def _stop(server: Server, timeout_s: float, now: asyncio.Event | None = None):
+    """`serve`'s stop: on_stop, then the drain (on the server's loop); returns its future."""
+    async def stop() -> int:
+        server.servicer.stopping = True
+        return await server.router.drain(timeout_s, now, busy=lambda: server.servicer.encoding > 0)
+    return asyncio.run_coroutine_threadsafe(stop(), server.loop)
+
+
 def test_a_stopping_scheduler_lets_running_requests_finish_in_its_grace_and_ends_the_rest_unavailable() -> None:
     """Stopped (SIGTERM, Ctrl-C), the scheduler refuses new requests, lets the running ones go on
     for `scheduler.stop_grace_s`, then ends the rest with a status that says so, each one logged
-    and counted. Before, gRPC's end of the grace period told the client only "Cancelling all
-    calls", and the request was never logged."""
+    and counted; a client that leaves meanwhile aborted its request. Before, gRPC's end of the
+    grace period told the client only "Cancelling all calls", and the request was never logged."""
     server = Server()
     count = lambda status: server.router.metrics.requests.labels(status)._value.get()   # noqa: E731
-    before = {s: count(s) for s in ("length", "unavailable")}
+    before = {s: count(s) for s in ("length", "unavailable", "aborted")}
     short: dict[str, object] = {}
-
-    async def stop() -> int:
-        server.servicer.stopping = True   # `serve`'s on_stop, then its drain
-        return await server.router.drain(1.5)
     try:
-        with Client(server.address) as c, c.stream(IDS, request_id="long", **LONG) as long_stream:
+        with Client(server.address) as c, c.stream(IDS, request_id="long", **LONG) as long_stream, \
+                c.stream(IDS, request_id="leaves", **LONG) as leaving:
             next(long_stream)
+            next(leaving)
             worker = threading.Thread(target=lambda: short.update(
-                out=c.generate(IDS, max_tokens=60, ignore_eos=True, request_id="short")))
+                out=c.generate(IDS, max_tokens=20, ignore_eos=True, request_id="short")))
             worker.start()
             deadline = time.monotonic() + 5
             while server.request("short") is None and time.monotonic() < deadline:
                 time.sleep(0.005)
-            draining = asyncio.run_coroutine_threadsafe(stop(), server.loop)
+            draining = _stop(server, 3.0)
             with pytest.raises(ClientError) as refused:
                 c.generate(IDS, max_tokens=2)
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE and "stopping" in refused.value.message
-            assert draining.result(timeout=10) == 1        # the long one; the short one finished
+            leaving.close()                                  # the client's choice, not the stop's
+            assert draining.result(timeout=10) == 1          # the long one; the short one finished
             worker.join(timeout=10)
-            assert short["out"].finish_reason == "length" and len(short["out"].token_ids) == 60
+            assert "out" in short, "the short request did not finish within the drain"
+            assert short["out"].finish_reason == "length" and len(short["out"].token_ids) == 20
             with pytest.raises(ClientError) as cut:
                 list(long_stream)
         assert cut.value.code == grpc.StatusCode.UNAVAILABLE
         assert "the scheduler stopped before this request finished" in cut.value.message
-        assert (count("length"), count("unavailable")) == (before["length"] + 1, before["unavailable"] + 1)
+        deadline = time.monotonic() + 5
+        while count("aborted") == before["aborted"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [count(s) - before[s] for s in ("length", "unavailable", "aborted")] == [1, 1, 1]
         assert server.router.metrics.refused.labels("unavailable")._value.get() == 1
         assert not any(lane.load for lane in server.router.lanes)
+    finally:
+        server.stop()
+
+
+def test_the_drain_waits_for_texts_being_tokenized_and_a_second_signal_ends_it() -> None:
+    """A text still in the tokenizer when the stop came was not waited for: the drain ended at
+    once, and the request was refused when its tokens came. A second signal (``now``) ends the
+    wait: the running requests fail at once."""
+    tokenizer = Tokenizer.from_file("models/demo/tokenizer.json")
+    encoder = HeldEncoder(tokenizer)
+    server = Server(tokenizer, encoder)
+    out: dict[str, object] = {}
+    try:
+        with Client(server.address) as c:
+            worker = threading.Thread(target=lambda: out.update(text=c.generate("def f():", max_tokens=5, ignore_eos=True)))
+            worker.start()
+            deadline = time.monotonic() + 5
+            while not encoder.texts and time.monotonic() < deadline:
+                time.sleep(0.005)
+            draining = _stop(server, 10.0)
+            time.sleep(0.3)
+            assert not draining.done()                      # waits for the text in the tokenizer
+            encoder.release.set()
+            assert draining.result(timeout=10) == 0
+            worker.join(timeout=10)
+            assert out["text"].finish_reason == "length" and len(out["text"].token_ids) == 5
+    finally:
+        server.stop()
+    server = Server()
+    try:
+        with Client(server.address) as c, c.stream(IDS, **LONG) as stream:
+            next(stream)
+            now = asyncio.Event()
+            t0 = time.monotonic()
+            draining = _stop(server, 30.0, now)
+            time.sleep(0.2)
+            server.loop.call_soon_threadsafe(now.set)
+            assert draining.result(timeout=10) == 1 and time.monotonic() - t0 < 5
+            with pytest.raises(ClientError) as cut:
+                list(stream)
+            assert cut.value.code == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop()
 

@@ -95,6 +95,9 @@ def test_an_unknown_flag_shows_its_commands_usage(command, capsys) -> None:
     err = capsys.readouterr().err
     assert info.value.code == 2 and f"usage: ddtree {command[0]}" in err
     assert f"ddtree {command[0]}: error: unrecognized arguments: --frobnicate" in err
+    with pytest.raises(SystemExit):
+        main(["--frobnicate", *command])                   # before the subcommand: the top level's
+    assert "ddtree: error: unrecognized arguments: --frobnicate" in capsys.readouterr().err
 
 
 def test_up_outside_the_repository_points_at_the_demo_model_not_at_random_weights(tmp_path, monkeypatch, capsys) -> None:
@@ -115,10 +118,13 @@ def test_up_names_the_settings_it_does_not_apply(tmp_path, monkeypatch, capsys) 
     from services.common.launcher import PLACED_BY_UP, placed_by_up
 
     config = tmp_path / "ddtree.toml"
-    config.write_text('[scheduler]\nport = 6001\nmax_batch = 8\n[verifier]\nmodel_path = "/nowhere"\n')
+    config.write_text('[scheduler]\nhost = "0.0.0.0"\nport = 6001\nmax_batch = 8\n[verifier]\nmodel_path = "/nowhere"\n')
     env = {"DDTREE_DRAFT_DRAFTER_PATH": "/elsewhere", "DDTREE_SCHEDULER_MAX_QUEUE": "9"}
-    assert placed_by_up(str(config), env) == [f"scheduler.port ({config})", "DDTREE_DRAFT_DRAFTER_PATH",
-                                              f"verifier.model_path ({config})"]
+    assert placed_by_up(str(config), env) == [f"scheduler.host ({config})", f"scheduler.port ({config})",
+                                              "DDTREE_DRAFT_DRAFTER_PATH", f"verifier.model_path ({config})"]
+    plan = Stack(StackSpec(model_path="models/demo", config_path=str(config), scheduler_port=0,
+                           scheduler_host="127.0.0.1"))._plan()   # as `up` passes its --host
+    assert load_settings(SchedulerSettings, str(config), env=plan[-1].env).host == "127.0.0.1"
     assert placed_by_up(None, {}) == []
     for role, names in PLACED_BY_UP.items():   # each is a real setting of its service
         assert set(names) <= {f.name for f in dataclasses.fields(load_settings(
@@ -132,7 +138,7 @@ def test_up_names_the_settings_it_does_not_apply(tmp_path, monkeypatch, capsys) 
     assert main(["up", "--config", str(config), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert f"not applied, since ddtree up takes the model from its flags and picks the ports and addresses: " \
-           f"DDTREE_SCHEDULER_PORT, verifier.model_path ({config})" in err
+           f"scheduler.host ({config}), DDTREE_SCHEDULER_PORT, verifier.model_path ({config})" in err
 
 
 def test_a_model_without_a_tokenizer_serves_token_ids(tmp_path) -> None:
@@ -241,30 +247,36 @@ def test_more_draft_replicas_than_the_verifier_serves_fail_before_any_starts(tmp
     assert all(svc.proc is None for svc in stack.services)
 
 
-def test_the_stack_stops_one_service_after_another(tmp_path) -> None:
+def test_the_stack_stops_one_role_after_another(tmp_path) -> None:
     """The scheduler's stop lets its running requests finish, which needs the draft and verifier
     behind it: signalled all at once, the draft ended those requests' step stream at once."""
     import time
 
-    from services.common.launcher import _end
+    from services.common.launcher import _Service
 
     script = ("import signal, sys, time\n"
               "def stop(*_):\n"
-              "    open(sys.argv[1], 'a').write(f'{sys.argv[2]} term {time.monotonic()}\\n')\n"
+              "    open(sys.argv[1], 'a').write(f'{sys.argv[2]} term\\n')\n"
               "    time.sleep(float(sys.argv[3]))\n"
-              "    open(sys.argv[1], 'a').write(f'{sys.argv[2]} exit {time.monotonic()}\\n')\n"
+              "    open(sys.argv[1], 'a').write(f'{sys.argv[2]} exit\\n')\n"
               "    sys.exit(0)\n"
               "signal.signal(signal.SIGTERM, stop)\n"
               "print('ready', flush=True)\n"
               "time.sleep(60)\n")
     log = tmp_path / "order.txt"
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(log), name, delay], stdout=subprocess.PIPE, text=True)
-             for name, delay in (("scheduler", "0.5"), ("draft", "0"), ("verifier", "0"))]
-    for proc in procs:
+    stack = Stack(StackSpec(model_path="models/demo"))
+    for name, role, delay in (("verifier", "verifier", "0"), ("draft-0", "draft", "0.3"), ("draft-1", "draft", "0"),
+                              ("scheduler", "scheduler", "0.5")):
+        proc = subprocess.Popen([sys.executable, "-c", script, str(log), name, delay], stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
+        stack.services.append(_Service(name, role, "", {}, proc=proc,
+                                       settings=SchedulerSettings(stop_grace_s=1.0) if role == "scheduler" else None))
+    procs = [svc.proc for svc in stack.services]
     t0 = time.monotonic()
-    _end(procs, grace_s=20)
+    stack.stop(grace_s=20)
     assert time.monotonic() - t0 < 10 and all(p.returncode == 0 for p in procs)
-    events = [line.split()[:2] for line in log.read_text().splitlines()]
-    assert events == [["scheduler", "term"], ["scheduler", "exit"], ["draft", "term"], ["draft", "exit"],
-                      ["verifier", "term"], ["verifier", "exit"]]
+    events = log.read_text().splitlines()
+    assert events[:2] == ["scheduler term", "scheduler exit"]
+    assert sorted(events[2:6]) == ["draft-0 exit", "draft-0 term", "draft-1 exit", "draft-1 term"]
+    assert events.index("draft-1 term") < events.index("draft-0 exit")   # the replicas stop together
+    assert events[6:] == ["verifier term", "verifier exit"]

@@ -208,11 +208,12 @@ def exit_when_orphaned(parent_pid: int, code: int, poll_s: float = 1.0, until: t
 async def serve_until_signal(server: grpc.aio.Server, health_servicer: HealthServicer,
                              grace_s: float = 5.0, parent_poll_s: float = 1.0,
                              on_stop: Callable[[], None] | None = None,
-                             drain: Callable[[], Awaitable[object]] | None = None) -> None:
+                             drain: Callable[[asyncio.Event], Awaitable[object]] | None = None) -> None:
     """Runs until SIGTERM/SIGINT, or until the launcher named by ``DDTREE_PARENT_PID`` is gone,
     then reports NOT_SERVING, calls ``on_stop`` (a service ends its idle streams there), awaits
-    ``drain`` (the scheduler lets its running requests finish and ends the rest with a status of
-    its own) and stops with a grace period.
+    ``drain(now)`` (the scheduler lets its running requests finish, then ends the rest with a
+    status of its own; ``now`` is set by a second signal, or at once where the launcher is gone,
+    whose other services went with it) and stops with a grace period.
 
     Why the parent check: ``ddtree up`` starts each service in a session of its own (a Ctrl-C in
     the terminal must reach the launcher only, which stops the stack in order), so a SIGKILL of the
@@ -237,7 +238,12 @@ async def serve_until_signal(server: grpc.aio.Server, health_servicer: HealthSer
         if on_stop is not None:
             on_stop()
         if drain is not None:
-            await drain()
+            now = asyncio.Event()
+            for sig in (signal.SIGTERM, signal.SIGINT):   # a second one: stop waiting
+                loop.add_signal_handler(sig, now.set)
+            if parent.isdigit() and os.getppid() != int(parent):
+                now.set()
+            await drain(now)
         await server.stop(grace_s)
 
 

@@ -27,9 +27,10 @@ from services.common.grpc_server import PARENT_PID_ENV, check_port_free, host_po
 from services.common.settings import DraftSettings, SchedulerSettings, SettingsError, VerifierSettings, load_settings
 
 _SETTINGS = {"verifier": VerifierSettings, "draft": DraftSettings, "scheduler": SchedulerSettings}
+STOP_GRACE_S = 30.0   # what each role has to stop after its SIGTERM (the scheduler: beyond its drain)
 # What `ddtree up` sets itself, over the config file and the environment: the model (its flags) and
-# every port and address but the scheduler's host (`--host` replaces that one only when given).
-PLACED_BY_UP = {"scheduler": ("port", "draft_addresses", "tokenizer_path"),
+# every port and address (`--host`, `--port` the scheduler's).
+PLACED_BY_UP = {"scheduler": ("host", "port", "draft_addresses", "tokenizer_path"),
                 "draft": ("host", "port", "verifier_address", "target_path", "drafter_path"),
                 "verifier": ("host", "port", "model_path")}
 
@@ -145,14 +146,12 @@ def _check_before_start(role: str, settings) -> None:
 
 
 def _end(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """One after another, in the order given: SIGTERM, then a wait for that one to exit; SIGKILL to
-    each left after ``grace_s`` (together). In order because the scheduler's stop lets its running
-    requests finish (`scheduler.stop_grace_s`), which needs the draft and verifier behind it: all
-    signalled at once, the draft ended those requests' step stream at once."""
-    deadline = time.monotonic() + grace_s
+    """SIGTERM to each still running, then SIGKILL to what is left after ``grace_s`` (together)."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -247,7 +246,7 @@ def _drafter_layers(drafter_path: str, target_path: str) -> tuple[int, ...] | No
 
 
 class Stack:
-    """Starts verifier -> draft replicas -> scheduler; `stop()` ends them one by one in reverse, SIGTERM then SIGKILL."""
+    """Starts verifier -> draft replicas -> scheduler; `stop()` ends them in reverse, SIGTERM then SIGKILL."""
 
     def __init__(self, spec: StackSpec) -> None:
         self.spec = spec
@@ -451,11 +450,15 @@ class Stack:
                     report(f"{svc.name} restart failed: {exc}")
             time.sleep(poll_s)
 
-    def stop(self, grace_s: float = 30.0) -> None:
-        """Ends the services in reverse order of their start, within ``grace_s`` beyond the time the
-        scheduler gives its running requests (`scheduler.stop_grace_s`)."""
-        drain = getattr(self.services[-1].settings, "stop_grace_s", 0.0) if self.services else 0.0
-        _end([s.proc for s in reversed(self.services) if s.proc is not None], grace_s + drain)
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Ends the services in reverse order of their start, one role after another, each within
+        ``grace_s`` (the scheduler's beyond the time it gives its running requests,
+        `scheduler.stop_grace_s`): the scheduler's requests need the draft and verifier behind it
+        until it has ended them (all signalled at once, the draft cut their step streams at once)."""
+        for role in ("scheduler", "draft", "verifier"):
+            procs = [s.proc for s in self.services if s.role == role and s.proc is not None]
+            extra = getattr(self.services[-1].settings, "stop_grace_s", 0.0) if role == "scheduler" else 0.0
+            _end(procs, grace_s + extra)
         for svc in self.services:
             svc.proc = None
 

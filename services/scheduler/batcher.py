@@ -331,7 +331,8 @@ class StepLoop:
         """Fails every queued and running request with ``error`` (the scheduler stops with them
         unfinished): each is logged and counted as every request that ends, and its client gets
         the error, not gRPC's cancellation. An aborted one ends as it was. Returns how many."""
-        queued, self.waiting = list(self.waiting), []
+        queued = list(self.waiting)
+        self.waiting.clear()
         for req in queued:
             self.fail_unstarted(req, error)
         running = list(self.running.values())

@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import socket
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -95,7 +96,7 @@ class Router:
         self._other_models: set[str] = set()   # replicas logged as serving another model (`_other_model`)
         self._refused_token: set[str] = set()   # replicas logged as refusing our internal token
         self._too_wide: set[str] = set()   # replicas logged as replying more than a message holds
-        self.draining = False   # the scheduler stops (`drain`): no new request
+        self.closed = False   # the scheduler stopped with requests unfinished (`drain`): no new request
         # Read when scraped (a gauge set on each change lagged by up to a probe round).
         metrics.queue_depth.set_function(lambda: self.waiting)
         metrics.running.set_function(lambda: sum(len(lane.running) for lane in list(self.lanes)))
@@ -201,7 +202,7 @@ class Router:
         return sum(len(lane.waiting) for lane in list(self.lanes))
 
     def submit(self, req: ActiveRequest) -> None:
-        if self.draining:
+        if self.closed:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping; send the request to another one")
         live = [lane for lane in self.lanes if lane.healthy]
         if not live:
@@ -442,21 +443,25 @@ class Router:
             self._follows.add(task)
             task.add_done_callback(self._follows.discard)
 
-    async def drain(self, timeout_s: float) -> int:
-        """The scheduler stops: takes no new request, lets the queued and running ones go on for up
-        to ``timeout_s``, then fails what is left UNAVAILABLE (logged and counted; its client is
-        told why, where gRPC's end of the grace period said only "Cancelling all calls"). Returns
-        how many were failed."""
-        self.draining = True
-        deadline = time.monotonic() + timeout_s
-        while any(lane.load for lane in self.lanes) and time.monotonic() < deadline:
+    async def drain(self, timeout_s: float, now: asyncio.Event | None = None,
+                    busy: Callable[[], bool] = lambda: False) -> int:
+        """The scheduler stops (it refuses new requests itself): the queued and running requests,
+        and those ``busy`` says are on their way in (texts being tokenized), go on for up to
+        ``timeout_s`` or until ``now`` is set (a second signal; the launcher gone); then whatever
+        is left fails UNAVAILABLE, logged and counted, its client told why (gRPC's end of the
+        grace period said only "Cancelling all calls", and nothing was logged). Returns how many."""
+        t0 = time.monotonic()
+        while (any(lane.load for lane in self.lanes) or busy()) and time.monotonic() - t0 < timeout_s:
+            if now is not None and now.is_set():
+                break
             await asyncio.sleep(0.05)
+        self.closed = True
         error = ServiceError(grpc.StatusCode.UNAVAILABLE,
-                             f"the scheduler stopped before this request finished (it waits {timeout_s:g} s "
+                             f"the scheduler stopped before this request finished (it waits up to {timeout_s:g} s "
                              f"for running requests when it stops); retry it")
         left = sum(lane.end_all(error) for lane in self.lanes)
         if left:
-            log.warning("requests_cut_by_stop", requests=left, waited_s=timeout_s)
+            log.warning("requests_cut_by_stop", requests=left, waited_s=round(time.monotonic() - t0, 2))
         return left
 
     async def stop(self) -> None:

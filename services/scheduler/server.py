@@ -48,7 +48,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         # Ids of requests whose text is being tokenized, not yet in the router: each one's abort.
         self._encoding: dict[str, asyncio.Event] = {}
         self._unauthenticated, self._unauthenticated_said = 0, -math.inf
-        self.stopping = False   # the server stops: a stream cut now is no client's abort
+        self.stopping = False   # the server stops: it takes no new request
+        self.encoding = 0       # requests whose text is being tokenized (the drain waits for them too)
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
@@ -97,7 +98,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 # request's: after an abort, its id may already belong to a newer one). Not only on
                 # a cancellation here: one that lands while gRPC sends the last event closes this
                 # stream at its yield instead (GeneratorExit), about one client in four that left.
-                if self.stopping:   # cut by the server's stop (the client saw UNAVAILABLE): counted so
+                if self.stopping and self.router.closed:   # cut by the server's stop after its drain (the
+                    # client saw UNAVAILABLE): counted so; one that left during the drain aborted
                     req.fail(ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler stopped"))
                 self.router.abort(req.request_id, only=req)
 
@@ -111,6 +113,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         aborted = asyncio.Event()
         if rid:
             self._encoding[rid] = aborted
+        self.encoding += 1
         try:   # in the encoder's worker process where long: the other streams go on meanwhile
             ids = await self.encoder.encode(request.text)
         except ServiceError:   # too many long texts waiting already
@@ -118,6 +121,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except Exception as exc:  # noqa: BLE001 - the tokenizer's own error type
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt text cannot be tokenized: {exc}") from None
         finally:
+            self.encoding -= 1
             if self._encoding.get(rid) is aborted:
                 del self._encoding[rid]
         return ids, aborted.is_set()
@@ -245,7 +249,8 @@ async def serve(settings: SchedulerSettings) -> None:
                                                 "no draft replica is up"))
     try:
         await serve_until_signal(server, health, on_stop=lambda: setattr(servicer, "stopping", True),
-                                 drain=lambda: router.drain(settings.stop_grace_s))
+                                 drain=lambda now: router.drain(settings.stop_grace_s, now,
+                                                                busy=lambda: servicer.encoding > 0))
     finally:
         watch.cancel()
         await router.stop()
