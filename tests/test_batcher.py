@@ -1542,3 +1542,135 @@ def test_a_head_waiting_for_batch_room_holds_no_other_lane_back() -> None:
     assert b.admits_now(late)
     b.waiting.append(late)
     assert admitted(b) == ["late"]
+
+
+def test_two_prompts_in_pieces_never_send_an_empty_piece() -> None:
+    """Once the step's prompt tokens are spent, a second prompt still arriving gets no item: an
+    empty piece of a prefilling request is refused by the draft (FAILED_PRECONDITION), and its
+    request failed."""
+    step = loop(max_prefill_tokens=100, max_batch=8)
+    step.waiting.extend([request("a", 1000, kv=1100), request("b", 1000, kv=1100)])
+    sent = {"a": 0, "b": 0}
+    for _ in range(25):
+        for item in step._schedule():
+            req = step.running[item.request_id]
+            if req.prompt_sent < len(req.prompt_ids) or item.prompt_continues:
+                assert item.prompt_token_ids, f"an empty piece for {client_id(item.request_id)}"
+            sent[client_id(item.request_id)] += len(item.prompt_token_ids)
+    assert sent == {"a": 1000, "b": 1000}
+
+
+def test_a_failed_step_gives_back_the_kv_its_releases_owed() -> None:
+    """A step carrying releases that fails (the replica went down) kept what those releases owed
+    the KV budget out of the replica's give-back: the group's budget shrank for good."""
+    class Draft(SlowDraft):   # answers a request's steps; fails the step that only releases
+        async def step(self, req, timeout):
+            if not req.items:
+                raise StepFailed(grpc.StatusCode.UNAVAILABLE, "gone")
+            return await super().step(req, timeout)
+
+    async def scenario() -> None:
+        lane = loop()
+        lane.draft = Draft(delay=0.0)
+        req = request("r", 10, kv=600)
+        req.max_tokens = 1
+        lane.submit(req)
+        lane.start()
+        deadline = time.monotonic() + 5
+        while lane.healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert req.done and not lane.healthy
+        assert lane.kv.reserved == 0
+        await lane.stop()
+
+    asyncio.run(scenario())
+
+
+def test_ending_a_lane_fails_its_queued_and_running_requests_each_logged() -> None:
+    """`end_all` (the scheduler stops with them unfinished): every request gets the error and is
+    counted; an aborted one ends as it was."""
+    lane = loop(max_batch=2)
+    lane.waiting.extend([request("a", 10), request("b", 10), request("c", 10)])
+    lane._schedule()                                     # a and b run, c waits
+    running = list(lane.running.values())
+    running[1].aborted = True
+    running[1].end(scheduler_pb2.FINISH_REASON_ABORTED)
+    queued = lane.waiting[0]
+    count = lambda status: lane.metrics.requests.labels(status)._value.get()   # noqa: E731
+    before = count("unavailable"), count("aborted")
+    error = ServiceError(grpc.StatusCode.UNAVAILABLE, "stopped")
+    assert lane.end_all(error) == 3
+    assert not lane.running and not lane.waiting and lane.load == 0
+    assert running[0].error is error and queued.error is error and running[1].error is None
+    for req in (running[0], queued):
+        events = []
+        while not req.events.empty():
+            events.append(req.events.get_nowait())
+        assert events[-1] is error
+    assert (count("unavailable") - before[0], count("aborted") - before[1]) == (2, 1)
+    assert sum(tokens for _, tokens in lane._owed) == 200      # the running ones' KV, given back with their release
+
+
+def test_the_router_aborts_only_the_request_object_named() -> None:
+    """A late clean-up of a finished stream must not abort a newer request that reuses its id."""
+    from services.scheduler.router import Router
+
+    async def scenario() -> None:
+        router = Router(SchedulerSettings(), Metrics("router-abort-test"))
+        lane = loop()
+        router.lanes.append(lane)
+        old, new = request("x", 10), request("x", 10)
+        lane.waiting.append(new)
+        lane._schedule()
+        assert not router.abort("x", only=old)
+        assert not lane.find("x").aborted and not new.done
+        assert router.abort("x", only=new) and new.done
+
+    asyncio.run(scenario())
+
+
+def test_prompt_pieces_send_the_client_nothing_until_the_first_token() -> None:
+    """A piece of a long prompt comes back without tokens: no message to the client, and the
+    first-token time is the first token's, not the first piece's."""
+    class Draft(SlowDraft):   # a piece that continues answers no token, as the draft does
+        async def step(self, req, timeout):
+            from ddtree.v1 import draft_pb2
+
+            self.seen.extend(req.items)
+            return draft_pb2.StepResponse(results=[draft_pb2.StepResult(
+                request_id=i.request_id, token_ids=[] if i.prompt_continues else [5],
+                acceptance_length=0 if i.prompt_token_ids else 1) for i in req.items])
+
+    async def scenario() -> None:
+        lane = loop(max_prefill_tokens=100)
+        lane.draft = Draft(delay=0.0)
+        req = request("r", 350, kv=400)
+        req.max_tokens = 2
+        lane.submit(req)
+        lane.start()
+        deadline = time.monotonic() + 5
+        while not req.done and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await lane.stop()
+        messages = []
+        while not req.events.empty():
+            messages.append(req.events.get_nowait())
+        assert sum(1 for i in lane.draft.seen if i.prompt_continues) == 3   # 350 tokens in pieces of 100
+        assert all(m.token_ids for m in messages) and len(messages) == 2
+        assert req.first_token_at is not None and req.done
+
+    asyncio.run(scenario())
+
+
+def test_a_down_replicas_queue_moves_only_to_replicas_that_can_hold_it() -> None:
+    """A queued request moved to a replica whose cache can never hold it sat at the head of that
+    queue for good, and held back every request behind it."""
+    from services.scheduler.router import Router
+
+    big_lane, small_lane = loop(), loop()
+    small_lane.kv = KvBudget(capacity=500)
+    big, small = request("big", 10, kv=5000), request("small", 10, kv=100)
+    big_lane.waiting.extend([big, small])
+    big_lane.healthy = False
+    Router._move_queued(big_lane, [small_lane])
+    assert list(big_lane.waiting) == [big] and list(small_lane.waiting) == [small]

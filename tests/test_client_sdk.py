@@ -24,7 +24,7 @@ import pytest
 
 from ddtree.v1 import common_pb2, draft_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.auth import BearerTokenInterceptor
-from services.common.grpc_server import new_server
+from services.common.grpc_server import ServiceError, new_server
 from services.common.metrics import Metrics
 from services.common.settings import SchedulerSettings
 from services.scheduler import client as sdk
@@ -348,12 +348,14 @@ def test_a_stopping_scheduler_lets_running_requests_finish_in_its_grace_and_ends
             deadline = time.monotonic() + 5
             while server.request("short") is None and time.monotonic() < deadline:
                 time.sleep(0.005)
+            t_stop = time.monotonic()
             draining = _stop(server, 3.0)
             with pytest.raises(ClientError) as refused:
                 c.generate(IDS, max_tokens=2)
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE and "stopping" in refused.value.message
             leaving.close()                                  # the client's choice, not the stop's
             assert draining.result(timeout=10) == 1          # the long one; the short one finished
+            assert time.monotonic() - t_stop >= 3.0          # it had its whole grace
             worker.join(timeout=10)
             assert "out" in short, "the short request did not finish within the drain"
             assert short["out"].finish_reason == "length" and len(short["out"].token_ids) == 20
@@ -408,6 +410,13 @@ def test_the_drain_waits_for_texts_being_tokenized_and_a_second_signal_ends_it()
             with pytest.raises(ClientError) as cut:
                 list(stream)
             assert cut.value.code == grpc.StatusCode.UNAVAILABLE
+
+            async def late_submit() -> None:   # a text whose tokens come after the drain ended
+                server.router.submit(ActiveRequest(request_id="late", prompt_ids=IDS, sampling=common_pb2.SamplingParams(),
+                                                   max_tokens=4, budget=8, mode=common_pb2.MODE_DDTREE, stop=(),
+                                                   stop_ids=frozenset(), eos_ids=frozenset(), tokenizer=None))
+            with pytest.raises(ServiceError, match="the scheduler is stopping"):
+                server.call(late_submit())
     finally:
         server.stop()
 

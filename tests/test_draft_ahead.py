@@ -33,11 +33,13 @@ class FakeVerifier:
         self.gen = torch.Generator().manual_seed(7)
         self.sent: list[dict[str, list[list[int]]]] = []
         self.released: list[str] = []
+        self.prefills: list[verifier_pb2.PrefillItem] = []
         self.bad_features = bad_features
 
     async def step(self, prefills, verify_ids, packed, release) -> VerifyReply:
         engine: DraftEngine = self.engine_ref[0]
         self.released += release
+        self.prefills += prefills
         resp = verifier_pb2.VerifyResponse()
         feats = []
         for p in prefills:
@@ -117,6 +119,24 @@ def test_next_trees_are_drafted_ahead_and_match_a_fresh_draft():
                 if s.name == "ddtree_step_ms_count"} == timed
         engine._settle()
     asyncio.run(run())
+
+
+def test_an_admission_reserves_prompt_output_and_a_block_and_its_first_token_is_no_tree_step():
+    """The verifier's reservation is what the scheduler admitted by (prompt + output + one block:
+    the last trees reach a block past the output); one block less and a full cache failed a
+    request near its end. The prefill's token is no verify step: counted as one, it skewed
+    steps, mean acceptance and the speculation pause's window."""
+    async def run():
+        engine, verifier = make_engine()
+        first = await engine.step(draft_pb2.StepRequest(items=[admit("a", 4)]))
+        engine.run_ahead()
+        second = await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=4)]))
+        engine._settle()
+        return verifier.prefills, first.results[0], second.results[0]
+    prefills, first, second = asyncio.run(run())
+    assert [p.reserve_tokens for p in prefills] == [4 + 32 + BLOCK]
+    assert len(first.token_ids) == 1 and first.acceptance_length == 0
+    assert second.acceptance_length == len(second.token_ids) == 1
 
 
 def test_a_failed_context_commit_fails_its_requests_not_the_next_step():
