@@ -1674,3 +1674,23 @@ def test_a_down_replicas_queue_moves_only_to_replicas_that_can_hold_it() -> None
     big_lane.healthy = False
     Router._move_queued(big_lane, [small_lane])
     assert list(big_lane.waiting) == [big] and list(small_lane.waiting) == [small]
+
+
+def test_the_kv_and_queue_bounds_are_exact() -> None:
+    """A request needing exactly the cache fits it; the queue takes max_queue waiting requests
+    and refuses the next."""
+    from services.scheduler.router import Router
+
+    lane = loop()
+    assert lane.holds(request("whole", 4, kv=10_000)) and not lane.holds(request("over", 4, kv=10_001))
+    settings = SchedulerSettings(tokenizer_path="", max_queue=2)
+    router = Router(settings, Metrics("scheduler-queue-test"))
+    busy = StepLoop(settings, "busy", None, Limits(64, 4096, 16, (0,), 1_000), KvBudget(1_000), router.metrics)
+    router.lanes.append(busy)
+    busy.waiting.append(request("holds-it-all", 4, kv=1_000))
+    admitted(busy)                                   # running: nothing else starts at once
+    router.submit(request("q1", 4, kv=600))
+    assert len(busy.waiting) == 1
+    router.submit(request("q2", 4, kv=600))
+    with pytest.raises(ServiceError, match="queue full"):
+        router.submit(request("q3", 4, kv=600))

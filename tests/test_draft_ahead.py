@@ -266,3 +266,16 @@ def test_trees_drafted_ahead_for_another_streams_requests_are_kept_for_them() ->
         return ahead, step, stale is None or stale[0] is engine._requests["r1"]
     ahead, step, fresh = asyncio.run(run())
     assert (ahead, step) == (10, 0) and fresh
+
+
+def test_the_draft_takes_budgets_up_to_the_largest_and_refuses_past_it():
+    from services.common.settings import MAX_BUDGET
+
+    async def run():
+        engine, _ = make_engine()
+        resp = await engine.step(draft_pb2.StepRequest(items=[admit("a", MAX_BUDGET), admit("b", MAX_BUDGET + 1)]))
+        engine._settle()
+        return {r.request_id: (r.error_code, r.error_message) for r in resp.results}
+    results = asyncio.run(run())
+    assert results["a"][0] == 0
+    assert results["b"][0] == grpc.StatusCode.INVALID_ARGUMENT.value[0] and f"budget {MAX_BUDGET + 1} outside 0..{MAX_BUDGET}" in results["b"][1]
