@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for role in ("VERIFIER", "DRAFT"):
         env[f"DDTREE_{role}_DEVICE"], env[f"DDTREE_{role}_DTYPE"] = args.device, args.dtype
+    if args.stop_grace_s is not None:
+        env["DDTREE_SCHEDULER_STOP_GRACE_S"] = str(args.stop_grace_s)
     up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", args.model, "--port", "0"],
                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, log = _lines(up.stdout), []
@@ -115,6 +117,7 @@ def main() -> int:
     p.add_argument("--prompt", default="import os")
     p.add_argument("--max-tokens", type=int, default=4000, help="clamped to the context: a request of seconds")
     p.add_argument("--after-s", type=float, default=1.5, help="Ctrl-C this long after the request starts")
+    p.add_argument("--stop-grace-s", type=float, default=None, help="scheduler.stop_grace_s (default: the setting's)")
     p.add_argument("--startup-timeout", type=float, default=180.0)
     p.add_argument("--commit", default="")
     p.add_argument("--out", default="")
