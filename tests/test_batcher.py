@@ -46,6 +46,21 @@ async def run_one(draft, rid: str) -> ActiveRequest:
     return req
 
 
+def started(draft, req: ActiveRequest, **settings) -> StepLoop:
+    """A lane to ``draft`` with ``req`` submitted and its loop running (call on an event loop)."""
+    lane = loop(**settings)
+    lane.draft = draft
+    lane.submit(req)
+    lane.start()
+    return lane
+
+
+async def until(done, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
 def client_id(wire_id: str) -> str:
     """The request_id an item's wire id was made from (``batcher.wire_id``)."""
     head, sep, _ = wire_id.rpartition("#")
@@ -216,26 +231,29 @@ def test_step_loop_pauses_speculation_for_the_whole_batch() -> None:
     asyncio.run(scenario())
 
 
-def test_a_lane_stopped_with_a_release_in_flight_gives_its_kv_back() -> None:
+@pytest.mark.parametrize("release_step", ["hangs", "fails"])
+def test_a_release_step_that_hangs_or_fails_gives_its_kv_back(release_step: str) -> None:
     """A replica forgotten (its name no longer resolves) while its release step hung kept that
-    step's KV in the cancelled step: the group's budget lost it for good."""
-    class Draft(SlowDraft):   # answers a request's step, then hangs on the release
+    step's KV in the cancelled step; a release step that failed (the replica went down) kept it
+    out of the replica's give-back. Either way the group's budget lost it for good."""
+    class Draft(SlowDraft):   # answers a request's step, then hangs on, or fails, the release
         async def step(self, req, timeout):
             if not req.items:
+                if release_step == "fails":
+                    raise StepFailed(grpc.StatusCode.UNAVAILABLE, "gone")
                 await asyncio.sleep(60)
             return await super().step(req, timeout)
 
     async def scenario() -> None:
-        lane = loop()
-        lane.draft = Draft(delay=0.0)
         req = request("r", 10, kv=600)
         req.max_tokens = 1
-        lane.submit(req)
-        lane.start()
-        deadline = time.monotonic() + 5
-        while not lane._releasing and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        assert req.done and lane._releasing and lane.kv.reserved == 600
+        lane = started(Draft(delay=0.0), req)
+        await until(lambda: not lane.healthy if release_step == "fails" else bool(lane._releasing))
+        assert req.done
+        if release_step == "hangs":
+            assert lane._releasing and lane.kv.reserved == 600
+        else:
+            assert not lane.healthy and lane.kv.reserved == 0
         await lane.stop()
         assert lane.kv.reserved == 0
 
@@ -1560,32 +1578,6 @@ def test_two_prompts_in_pieces_never_send_an_empty_piece() -> None:
     assert sent == {"a": 1000, "b": 1000}
 
 
-def test_a_failed_step_gives_back_the_kv_its_releases_owed() -> None:
-    """A step carrying releases that fails (the replica went down) kept what those releases owed
-    the KV budget out of the replica's give-back: the group's budget shrank for good."""
-    class Draft(SlowDraft):   # answers a request's steps; fails the step that only releases
-        async def step(self, req, timeout):
-            if not req.items:
-                raise StepFailed(grpc.StatusCode.UNAVAILABLE, "gone")
-            return await super().step(req, timeout)
-
-    async def scenario() -> None:
-        lane = loop()
-        lane.draft = Draft(delay=0.0)
-        req = request("r", 10, kv=600)
-        req.max_tokens = 1
-        lane.submit(req)
-        lane.start()
-        deadline = time.monotonic() + 5
-        while lane.healthy and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        assert req.done and not lane.healthy
-        assert lane.kv.reserved == 0
-        await lane.stop()
-
-    asyncio.run(scenario())
-
-
 def test_ending_a_lane_fails_its_queued_and_running_requests_each_logged() -> None:
     """`end_all` (the scheduler stops with them unfinished): every request gets the error and is
     counted; an aborted one ends as it was."""
@@ -1642,15 +1634,10 @@ def test_prompt_pieces_send_the_client_nothing_until_the_first_token() -> None:
                 acceptance_length=0 if i.prompt_token_ids else 1) for i in req.items])
 
     async def scenario() -> None:
-        lane = loop(max_prefill_tokens=100)
-        lane.draft = Draft(delay=0.0)
         req = request("r", 350, kv=400)
         req.max_tokens = 2
-        lane.submit(req)
-        lane.start()
-        deadline = time.monotonic() + 5
-        while not req.done and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        lane = started(Draft(delay=0.0), req, max_prefill_tokens=100)
+        await until(lambda: req.done)
         await lane.stop()
         messages = []
         while not req.events.empty():
