@@ -50,6 +50,7 @@ class FakeVerifier:
             sizes = packed["sizes"].tolist()
             tokens = packed["tokens"].split(sizes)
             self.sent.append({rid: t.tolist() for rid, t in zip(verify_ids, tokens)})
+            self.depths = {rid: int(d.max()) for rid, d in zip(verify_ids, packed["depths"].split(sizes))}
             # What the draft would draft now, from the state this step runs on.
             reqs = [engine._requests[rid] for rid in verify_ids]
             fresh = engine._draft(reqs, [r.budget for r in reqs])
@@ -279,3 +280,33 @@ def test_the_draft_takes_budgets_up_to_the_largest_and_refuses_past_it():
     results = asyncio.run(run())
     assert results["a"][0] == 0
     assert results["b"][0] == grpc.StatusCode.INVALID_ARGUMENT.value[0] and f"budget {MAX_BUDGET + 1} outside 0..{MAX_BUDGET}" in results["b"][1]
+
+
+def test_releases_owed_go_out_with_a_step_whose_items_are_all_refused():
+    """A step of refused items only makes no round trip, but releases still owed (a stream that
+    ended, a failed step) must go with it: dropped there, the verifier held those requests' KV."""
+    async def run():
+        engine, verifier = make_engine()
+        engine._release_owed = ["gone"]
+        resp = await engine.step(draft_pb2.StepRequest(items=[admit("bad", 999)]))
+        engine._settle()
+        return resp, verifier.released
+    resp, released = asyncio.run(run())
+    assert resp.results[0].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert released == ["gone"]
+
+
+def test_a_tree_near_the_context_end_reaches_its_last_position_and_no_further():
+    """The deepest node of a tree sits at the request's length + depth, which must stay below
+    max_context (the verifier refuses past it, OUT_OF_RANGE) and use the room there is."""
+    async def run():
+        engine, verifier = make_engine()
+        engine.max_context = 4 + 1 + 3      # prompt 4, one token, then room for a tree 2 deep
+        await engine.step(draft_pb2.StepRequest(items=[admit("a", 8)]))
+        length = engine._requests["a"].length   # the tree's root, the pending token, sits here
+        engine.run_ahead()
+        await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=8)]))
+        engine._settle()
+        return verifier.depths["a"], length, engine.max_context
+    depth, length, max_context = asyncio.run(run())
+    assert length == 4 and length + depth == max_context - 1   # the last position, no further
