@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,6 @@ def placed_by_up(config_path: str | None, environ: dict[str, str]) -> list[str]:
     model path that seemed to be served)."""
     doc: dict = {}
     if config_path:
-        import tomllib
         try:
             with open(config_path, "rb") as fh:
                 doc = tomllib.load(fh)
@@ -53,7 +53,7 @@ def placed_by_up(config_path: str | None, environ: dict[str, str]) -> list[str]:
         for name in names:
             var = f"DDTREE_{role.upper()}_{name.upper()}"
             if var in environ:
-                found.append(f"{var}")
+                found.append(var)
             elif name in table:
                 found.append(f"{role}.{name} ({config_path})")
     return found
