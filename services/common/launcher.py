@@ -455,10 +455,10 @@ class Stack:
         ``grace_s`` (the scheduler's beyond the time it gives its running requests,
         `scheduler.stop_grace_s`): the scheduler's requests need the draft and verifier behind it
         until it has ended them (all signalled at once, the draft cut their step streams at once)."""
+        drain = getattr(self.services[-1].settings, "stop_grace_s", 0.0) if self.services else 0.0
         for role in ("scheduler", "draft", "verifier"):
             procs = [s.proc for s in self.services if s.role == role and s.proc is not None]
-            extra = getattr(self.services[-1].settings, "stop_grace_s", 0.0) if role == "scheduler" else 0.0
-            _end(procs, grace_s + extra)
+            _end(procs, grace_s + (drain if role == "scheduler" else 0.0))
         for svc in self.services:
             svc.proc = None
 

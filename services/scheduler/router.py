@@ -30,6 +30,7 @@ from services.scheduler.request import ActiveRequest, Limits, step_prompt_tokens
 __all__ = ["Router", "discover", "limits_from_info"]
 
 log = get_logger("scheduler")
+STOPPING = "the scheduler is stopping; send the request to another one"   # a request refused while it stops
 
 PROBE_INTERVAL_S = 0.5
 DISCOVERY_EVERY = 10   # probe rounds between DNS look-ups for new replicas
@@ -203,7 +204,7 @@ class Router:
 
     def submit(self, req: ActiveRequest) -> None:
         if self.closed:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping; send the request to another one")
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, STOPPING)
         live = [lane for lane in self.lanes if lane.healthy]
         if not live:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica is up; retry later")

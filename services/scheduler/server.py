@@ -26,7 +26,7 @@ from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
 from services.scheduler.batcher import log_end
 from services.scheduler.request import check_fields, check_text_size, max_token_bytes, step_prompt_tokens, validate
-from services.scheduler.router import Router
+from services.scheduler.router import STOPPING, Router
 from services.scheduler.tiktoken_model import TIKTOKEN_FILE, kimi_tokenizer
 from services.scheduler.tokenizing import PromptEncoder
 
@@ -55,7 +55,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         try:
             if self.stopping:
-                raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping; send the request to another one")
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, STOPPING)
             text_ids = None
             size = request.ByteSize()
             if size > self.settings.max_request_bytes:
