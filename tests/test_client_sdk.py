@@ -747,6 +747,16 @@ def test_an_unknown_finish_reason_is_named_not_a_key_error() -> None:
         == "stop"
 
 
+def test_usage_mean_acceptance_reads_as_the_float32_the_server_sent_not_its_widened_double() -> None:
+    for mean in (2.072072072072072, 3.5, 1.0, 4.123456789, 0.0):
+        msg = scheduler_pb2.GenerateResponse(usage=scheduler_pb2.Usage(mean_acceptance=mean))
+        wire = msg.usage.mean_acceptance                      # the double protobuf widens the float32 to
+        got = sdk._chunk(msg).usage.mean_acceptance
+        assert got == pytest.approx(mean, rel=1e-6)
+        assert scheduler_pb2.Usage(mean_acceptance=got).mean_acceptance == wire   # the same float32
+        assert len(repr(got)) <= len(repr(wire)) and len(repr(got)) <= 10     # 2.072072, not 2.0720720291137695
+
+
 def test_a_deadline_gRPC_cannot_hold_is_refused_by_name(server) -> None:
     """Above ~9.2e9 s the deadline overflows gRPC's nanoseconds: the call failed at once with an
     unnamed DEADLINE_EXCEEDED, nothing sent."""

@@ -19,6 +19,7 @@ import enum
 import ipaddress
 import math
 import numbers
+import struct
 import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -214,10 +215,22 @@ def _chunk(msg: scheduler_pb2.GenerateResponse) -> Chunk:
     if msg.HasField("usage"):
         u = msg.usage
         usage = Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, steps=u.steps,
-                      mean_acceptance=u.mean_acceptance, tree_steps=u.tree_steps)
+                      mean_acceptance=_float32_shortest(u.mean_acceptance), tree_steps=u.tree_steps)
     return Chunk(request_id=msg.request_id, token_ids=list(msg.token_ids), text=msg.text,
                  acceptance_lengths=list(msg.acceptance_lengths),
                  finish_reason=_finish(msg.finish_reason), usage=usage)
+
+
+def _float32_shortest(value: float) -> float:
+    """The fewest decimal digits that are still the wire's float32: protobuf widens a float field
+    to the double nearest it, so a mean of 2.072 read back as 2.0720720291137695, beside the
+    exact mean the client computes from the same steps."""
+    packed = struct.pack("<f", value)
+    for digits in range(1, 10):
+        short = float(f"{value:.{digits}g}")
+        if struct.pack("<f", short) == packed:
+            return short
+    return value
 
 
 def _finish(value: int) -> str | None:
