@@ -55,6 +55,10 @@ SHAPES = {
     # Kimi-K2: hidden 7168, moe_intermediate 2048, 384 experts, top-8, group 32, bf16 scales.
     "tp8": dict(experts=384, hidden=7168, inter=256, top_k=8),  # TP8: each rank holds 1/8 of every expert
     "ep8": dict(experts=48, hidden=7168, inter=2048, top_k=8),  # EP8: each rank holds 48 whole experts
+    # EP8 as K2 routes: M tokens each pick 8 of all 384 experts; this rank (experts 0-47) computes
+    # the ~M assignments that land on it, a row each, as an EP dispatch hands them over. "ep8"
+    # above is the load of 8M such tokens (every token's 8 experts on one rank).
+    "ep8-k2": dict(experts=48, hidden=7168, inter=2048, top_k=8, global_experts=384),
 }
 TOKENS = (1, 9, 72, 288, 1152)
 GROUP = 32
@@ -139,6 +143,70 @@ def rand_routing(M: int, E: int, k: int, device, gen) -> tuple[torch.Tensor, tor
     ids = torch.rand(M, E, device=device, generator=gen).topk(k, dim=-1).indices  # [M, k] int64
     w = torch.rand(M, k, device=device, generator=gen) + 0.1
     return ids, (w / w.sum(-1, keepdim=True) * 2.827).float()
+
+
+def k2_ep_routing(x: torch.Tensor, global_experts: int, local_experts: int, k: int,
+                  gen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One EP rank's share of K2-style routing: every token of ``x`` picks ``k`` of
+    ``global_experts`` (uniform, weights as ``rand_routing``), and the assignments to experts
+    ``0..local_experts-1`` come back as rows: (their tokens' activations [A, K], expert ids [A, 1],
+    weights [A, 1]). Redrawn until A >= 1: a rank with no assignment launches nothing."""
+    while True:
+        ids, w = rand_routing(x.shape[0], global_experts, k, x.device, gen)
+        tok, slot = (ids < local_experts).nonzero(as_tuple=True)
+        if tok.numel():
+            return x[tok].contiguous(), ids[tok, slot].unsqueeze(1), w[tok, slot].unsqueeze(1).contiguous()
+
+
+def _nan_filled(t: torch.Tensor) -> torch.Tensor:
+    return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+def bench_k2_ep_point(name: str, sh: dict, M: int, W: dict, bf16: Bf16Grouped | None, copy_gbps: float, gen) -> dict:
+    """The served config at one M of "ep8-k2": each call its own routing and its own row count."""
+    dev = W["gate"].packed.device
+    E, K, I, k, G = sh["experts"], sh["hidden"], sh["inter"], sh["top_k"], sh["global_experts"]
+    R = 16 if M <= 9 else 8 if M <= 288 else 4
+    x = (torch.randn(M, K, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
+    calls = [k2_ep_routing(x, G, E, k, gen) for _ in range(R)]
+    rows = [c[0].shape[0] for c in calls]
+    touched = [int(torch.unique(ids).numel()) for _, ids, _ in calls]
+    per_expert = sum(expert_bytes(W[p]) for p in ("gate", "up", "down"))
+    wg, wu, wd = W["gate"], W["up"], W["down"]
+    errs = []
+    for xr, ids, tw in calls[:3]:
+        ref32 = int4_moe_reference(xr, wg, wu, wd, ids, tw, GROUP, compute_dtype=torch.float32)
+        real_empty = torch.empty
+        torch.empty = lambda *a, **kw: _nan_filled(real_empty(*a, **kw))   # an unwritten element shows
+        try:
+            out = fused_int4_moe(xr, wg, wu, wd, ids, tw, GROUP)
+        finally:
+            torch.empty = real_empty
+        assert torch.isfinite(out).all(), f"{name} M={M}: non-finite output"
+        errs.append(rel_errs(out, ref32))
+    served_us = time_graph([lambda c=c: fused_int4_moe(c[0], wg, wu, wd, c[1], c[2], GROUP) for c in calls])
+    ref_us = time_eager([lambda c=c: int4_moe_reference(c[0], wg, wu, wd, c[1], c[2], GROUP) for c in calls[:3]], reps=2)
+    bf16_us = None
+    if bf16 is not None:
+        bf16.probe(*calls[0])
+    if bf16 is not None and bf16.kind == "grouped_mm":
+        bf16_us = time_graph([lambda c=c: bf16(*c) for c in calls])
+    configs = sorted({choose_config(r, E, K, I, 1).spec() for r in rows})
+    gbps = statistics.mean(touched) * per_expert / (served_us * 1e-6) / 1e9
+    return dict(
+        shape=f"{name} {E}x{K}x{I} of {G} top{k}", tokens=M, assignments=round(statistics.mean(rows), 1),
+        experts_touched=round(statistics.mean(touched), 1), time_us=round(served_us, 2),
+        served_path="gemv" if all(choose_config(r, E, K, I, 1).gemv for r in rows) else "tensor cores",
+        config=configs[0] if len(configs) == 1 else configs,
+        served_rel_err=max(e[0] for e in errs), served_max_rel_err=max(e[1] for e in errs),
+        gbps=round(gbps, 1), frac_of_copy=round(gbps / copy_gbps, 3),
+        speedup_vs_reference=round(ref_us / served_us, 2),
+        speedup_vs_bf16=round(bf16_us / served_us, 2) if bf16_us else None,
+        bytes_activated=int(statistics.mean(touched) * per_expert),
+        tflops=round(6 * statistics.mean(rows) * I * K / (served_us * 1e-6) / 1e12, 1),
+        reference_us=round(ref_us, 1), bf16_us=round(bf16_us, 2) if bf16_us else None,
+        bf16_baseline=bf16.kind if bf16 is not None else None, routings_per_graph=R,
+    )
 
 
 @dataclasses.dataclass
@@ -230,6 +298,8 @@ def precompile(shapes: list[str], tokens: list[int], workers: int) -> None:
     tasks = set()
     for name in shapes:
         sh = SHAPES[name]
+        if "global_experts" in sh:   # served configs only, compiled where first run
+            continue
         for M in tokens:
             for bm in block_m_candidates(M, sh["experts"], sh["top_k"]):
                 for gu in GU_CANDIDATES[bm]:
@@ -524,7 +594,8 @@ def main() -> None:
         for M in tokens:
             t0 = time.time()
             try:
-                row = bench_point(name, sh, M, W, bf16, copy_gbps, gen)
+                point = bench_k2_ep_point if "global_experts" in sh else bench_point
+                row = point(name, sh, M, W, bf16, copy_gbps, gen)
             except Exception:
                 log(f"{name} M={M} FAILED:\n{traceback.format_exc()}")
                 continue
@@ -542,7 +613,7 @@ def main() -> None:
     for r in result["rows"]:
         log(
             f"{r['shape']:26s} {r['tokens']:6d} {r['experts_touched']:8.1f} {r['time_us']:9.2f}  "
-            f"{r['served_path']:12s} {r['tensor_core_sweep_us']:12.2f} {r['gbps']:8.0f} "
+            f"{r['served_path']:12s} {r.get('tensor_core_sweep_us', 0):12.2f} {r['gbps']:8.0f} "
             f"{r['frac_of_copy']:5.2f} {r['speedup_vs_reference']:6.1f} {r['speedup_vs_bf16'] or 0:7.2f}"
         )
 

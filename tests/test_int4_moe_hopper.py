@@ -270,12 +270,12 @@ if __name__ == "__main__":
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("shape", ["tp8", "ep8"])
+@pytest.mark.parametrize("shape", ["tp8", "ep8", "ep8-k2"])
 def test_the_served_fused_moe_matches_the_reference_on_the_gpu(shape: str) -> None:
     """On a GPU: the fused MoE the verifier serves (``choose_config``'s path at each M: the Gluon
     kernels on an H100 / H200) against dequantise-then-matmul in float32, at Kimi-K2's per-rank
     shapes, random INT4 words, scales and routings, outputs NaN-poisoned."""
-    from bench.int4_moe_bench import GROUP, SHAPES, rand_int4_stack, rand_routing, rel_errs
+    from bench.int4_moe_bench import GROUP, SHAPES, k2_ep_routing, rand_int4_stack, rand_routing, rel_errs
     from kernels.int4_moe import fused_int4_moe, int4_moe_reference
 
     sh = SHAPES[shape]
@@ -286,7 +286,10 @@ def test_the_served_fused_moe_matches_the_reference_on_the_gpu(shape: str) -> No
     real_empty = torch.empty
     for M in (1, 9, 72, 288):
         x = (torch.randn(M, K, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
-        ids, weights = rand_routing(M, E, k, "cuda", gen)   # k distinct experts a token
+        if "global_experts" in sh:   # this rank's rows of K2's routing, one assignment each
+            x, ids, weights = k2_ep_routing(x, sh["global_experts"], E, k, gen)
+        else:
+            ids, weights = rand_routing(M, E, k, "cuda", gen)   # k distinct experts a token
         want = int4_moe_reference(x, wg, wu, wd, ids, weights, GROUP, compute_dtype=torch.float32)
         torch.empty = lambda *a, **kw: _poisoned(real_empty(*a, **kw))   # an unwritten output element shows
         try:
@@ -301,3 +304,19 @@ def test_the_served_fused_moe_matches_the_reference_on_the_gpu(shape: str) -> No
 def _poisoned(t: torch.Tensor) -> torch.Tensor:
     """A new float tensor full of NaN (index and count buffers as they come)."""
     return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+def test_the_bench_k2_ep_routing_keeps_this_ranks_assignments_as_rows() -> None:
+    """bench/int4_moe_bench.py's "ep8-k2" point: each token picks 8 of 384 experts, and the rank
+    holding experts 0..47 gets exactly its assignments, a row each, with their tokens and weights."""
+    from bench.int4_moe_bench import k2_ep_routing, rand_routing
+
+    x = torch.randn(300, 16)
+    gen = torch.Generator().manual_seed(3)
+    rows, ids, w = k2_ep_routing(x, 384, 48, 8, gen)
+    g_ids, g_w = rand_routing(300, 384, 8, "cpu", torch.Generator().manual_seed(3))   # the same draw
+    tok, slot = (g_ids < 48).nonzero(as_tuple=True)
+    assert ids.shape == w.shape == (len(tok), 1) and rows.shape == (len(tok), 16)
+    assert 0 < len(tok) < 300 * 8 and int(ids.max()) < 48
+    assert torch.equal(rows, x[tok]) and torch.equal(ids[:, 0], g_ids[tok, slot]) and torch.equal(w[:, 0], g_w[tok, slot])
+    assert abs(len(tok) - 300) < 100   # about one assignment a token lands on one rank of eight
