@@ -1126,14 +1126,17 @@ def test_a_refused_request_is_counted_and_the_scheduler_reports_whether_it_can_s
         server, health = new_server(["ddtree.v1.Scheduler"])
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
+        lane.on_health_change = router.health_changed.set   # as Router._add_lane wires it
+        # Polled every 30 s, so only the wake can tell health in time.
         watch = asyncio.ensure_future(report_health(health, ["ddtree.v1.Scheduler"],
-                                                    lambda: any(x.healthy for x in router.lanes), "no replica", 0.05))
+                                                    lambda: any(x.healthy for x in router.lanes), "no replica", 30.0,
+                                                    wake=router.health_changed))
         seen = []
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             for healthy in (False, True):
                 lane.healthy = healthy
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.05)
                 for name in ("", "ddtree.v1.Scheduler"):
                     status = (await stub.Check(health_pb2.HealthCheckRequest(service=name))).status
                     seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
@@ -1144,6 +1147,24 @@ def test_a_refused_request_is_counted_and_the_scheduler_reports_whether_it_can_s
 
     refused, seen = asyncio.run(scenario())
     assert refused == 1 and seen == ["NOT_SERVING", "NOT_SERVING", "SERVING", "SERVING"]
+
+
+def test_a_replica_added_by_the_router_tells_it_when_it_goes_down_or_up() -> None:
+    from services.scheduler.router import Router
+
+    async def scenario() -> list[bool]:
+        router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+        router.info = common_pb2.ModelInfo(vocab_size=64, max_context=4096, block_size=16, kv_capacity_tokens=10_000)
+        router._add_lane("draft-a", object(), router.info)
+        lane, seen = router.lanes[0], []
+        for up in (True, False, False, True):
+            router.health_changed.clear()
+            lane.healthy = up
+            seen.append(router.health_changed.is_set())
+        await router.stop()
+        return seen
+
+    assert asyncio.run(scenario()) == [False, True, False, True]   # told of changes only
 
 
 def test_metrics_count_tree_steps_only_and_read_the_lanes_when_scraped() -> None:

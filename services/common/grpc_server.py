@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -139,15 +140,19 @@ def new_server(service_full_names: Iterable[str], interceptors: Sequence[grpc.ai
 
 
 async def report_health(health_servicer: HealthServicer, service_full_names: Iterable[str],
-                        can_serve: Callable[[], bool], why_not: str, interval_s: float = 0.5) -> None:
+                        can_serve: Callable[[], bool], why_not: str, interval_s: float = 0.5,
+                        wake: asyncio.Event | None = None) -> None:
     """Keeps grpc.health.v1 saying whether the service can serve now, not only that it started: a
     scheduler with no draft replica up, or a draft without its verifier, answered SERVING while it
-    failed every request. Runs until cancelled; a graceful shutdown's NOT_SERVING stays (the
-    servicer ignores later changes)."""
+    failed every request. ``can_serve`` is read every ``interval_s`` and at once when ``wake`` is
+    set (the scheduler's replicas going down or up: polled alone, health said SERVING for up to
+    half a second while requests were refused "no draft replica is up"). Runs until cancelled; a
+    graceful shutdown's NOT_SERVING stays (the servicer ignores later changes)."""
     names = [HEALTH_SERVICE_NAME, *service_full_names]
     up = True
     while True:
-        await asyncio.sleep(interval_s)
+        if wake is not None:
+            wake.clear()
         now = bool(can_serve())
         if now != up:
             up = now
@@ -158,6 +163,11 @@ async def report_health(health_servicer: HealthServicer, service_full_names: Ite
                 get_logger("server").info("serving_again")
             else:
                 get_logger("server").warning("not_serving", reason=why_not)
+        if wake is None:
+            await asyncio.sleep(interval_s)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), interval_s)
 
 
 def warn_if_reachable(host: str, setting: str, authenticated: bool) -> None:

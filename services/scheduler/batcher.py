@@ -14,6 +14,7 @@ import itertools
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -114,7 +115,8 @@ class StepLoop:
         self.draft = draft
         self.limits = limits
         self.metrics = metrics
-        self.healthy = True
+        self.on_health_change: Callable[[], None] | None = None   # told when `healthy` flips
+        self._healthy = True
         self.failed_steps = 0       # failed steps since the last answered one (`rejoin_hold_s`)
         self.rejoin_after = 0.0     # monotonic time before which the router does not bring it back
         self._failed_at = 0.0
@@ -352,6 +354,16 @@ class StepLoop:
         self.waiting.clear()
         self.kv.wake()
         return out
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, up: bool) -> None:
+        changed, self._healthy = up != self._healthy, up
+        if changed and self.on_health_change is not None:
+            self.on_health_change()
 
     def mark_healthy(self) -> None:
         self.healthy = True

@@ -87,6 +87,7 @@ class Router:
         self.metrics = metrics
         self._metadata = token_metadata(internal_token)   # what every call to a draft carries
         self.lanes: list[StepLoop] = []
+        self.health_changed = asyncio.Event()   # set when a replica goes down or comes up (health reads it)
         self._channels: dict[str, grpc.aio.Channel] = {}   # by replica address
         self._budgets: dict[str, KvBudget] = {}
         self._unknown = itertools.count()   # budgets of replicas whose verifier is not known yet
@@ -149,6 +150,7 @@ class Router:
         info = self._same_model(address, info)   # else down from the start
         lane = StepLoop(self.settings, address, DraftLink(stub, self._metadata), self._limits(info), self._budget(info),
                         self.metrics)
+        lane.on_health_change = self.health_changed.set
         lane.healthy = info is not None
         lane.start()
         self.lanes.append(lane)

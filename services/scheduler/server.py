@@ -246,7 +246,7 @@ async def serve(settings: SchedulerSettings) -> None:
                            "or put a TLS-terminating proxy in front")
     watch = asyncio.ensure_future(report_health(health, [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name],
                                                 lambda: any(lane.healthy for lane in router.lanes),
-                                                "no draft replica is up"))
+                                                "no draft replica is up", wake=router.health_changed))
     try:
         await serve_until_signal(server, health, on_stop=lambda: setattr(servicer, "stopping", True),
                                  drain=lambda now: router.drain(settings.stop_grace_s, now,
