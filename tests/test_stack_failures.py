@@ -50,6 +50,10 @@ def _pieces_spec(ckpt) -> StackSpec:
     return StackSpec(model_path=str(ckpt), scheduler_port=0, extra_env={"DDTREE_SCHEDULER_MAX_PREFILL_TOKENS": "5"})
 
 
+def _logged_spec(ckpt) -> StackSpec:
+    return StackSpec(model_path=str(ckpt), scheduler_port=0, log_path=str(ckpt.parent / "idle-stop.log"))
+
+
 @pytest.fixture(scope="module")
 def other_ckpt(tmp_path_factory):
     """A checkpoint of another target (hidden size 32): its drafter does not fit ``ckpt``."""
@@ -67,6 +71,7 @@ def starts(request, ckpt, other_ckpt):
         "test_queue_bound_rejects_with_resource_exhausted": lambda: _queue_spec(ckpt),
         "test_dead_verifier_is_reported_not_hung_on": lambda: _plain_spec(ckpt),
         "test_prompts_in_pieces_decode_as_whole_ones": lambda: _pieces_spec(ckpt),
+        "test_an_idle_verifier_stops_at_once_and_its_draft_reports_it": lambda: _logged_spec(ckpt),
     })
     yield starts
     starts.close()
@@ -195,3 +200,34 @@ def test_dead_verifier_is_reported_not_hung_on(ckpt, starts):
     assert err.code == grpc.StatusCode.UNAVAILABLE and ended_in < 5.0
     assert later.code == grpc.StatusCode.UNAVAILABLE and later_s < 5.0
     assert restarted == ["verifier exited with code -9; restarting it"] and len(out.token_ids) == 4
+
+
+def test_an_idle_verifier_stops_at_once_and_its_draft_reports_it(ckpt, starts):
+    """A draft's open verify stream held a SIGTERMed verifier for the server's whole grace (5 s),
+    and the draft said SERVING until the process was gone; the verifier also logged nothing of its
+    stop. Now it ends its idle streams, says `stopping`, and the draft's health follows."""
+    from grpc_health.v1 import health_pb2
+
+    from services.healthcheck import check
+
+    spec = _logged_spec(ckpt)
+    with starts.take("test_an_idle_verifier_stops_at_once_and_its_draft_reports_it", spec) as stack:
+        with Client(stack.scheduler_address, timeout_s=60) as c:
+            assert len(c.generate(PROMPTS[0], max_tokens=4, ignore_eos=True).token_ids) == 4   # the stream is open
+        draft = next(name for name, _ in stack.procs if name.startswith("draft"))
+        assert check(stack.address(draft)) == health_pb2.HealthCheckResponse.SERVING
+        verifier = stack.process("verifier")
+        t0 = time.monotonic()
+        verifier.terminate()
+        verifier.wait(30)
+        took = time.monotonic() - t0
+        for _ in range(40):   # the draft reads its stream's state every 0.5 s
+            if check(stack.address(draft)) == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the draft still says SERVING 4 s after its verifier stopped")
+    log = open(spec.log_path).read()
+    assert took < 3.0, took
+    assert any("stopping" in line and "service=verifier" in line and "signal=SIGTERM" in line
+               for line in log.splitlines()), log[-2000:]

@@ -233,8 +233,13 @@ async def serve_until_signal(server: grpc.aio.Server, health_servicer: HealthSer
     _serving.set()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    signals: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        signals.append(sig.name)
+        stop.set()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     watcher = None
     parent = os.environ.get(PARENT_PID_ENV, "")
     if parent.isdigit():
@@ -244,6 +249,8 @@ async def serve_until_signal(server: grpc.aio.Server, health_servicer: HealthSer
     finally:
         if watcher is not None:
             watcher.cancel()
+        with contextlib.suppress(OSError):   # (a launcher gone may have taken our stdout's reader)
+            get_logger("server").info("stopping", signal=signals[0] if signals else None, grace_s=grace_s)
         health_servicer.enter_graceful_shutdown()
         if on_stop is not None:
             on_stop()

@@ -98,6 +98,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._handshake_lock = asyncio.Lock()
         self._group_stopped = False   # the workers were sent their stop (`stop_group`)
         self._cleanups: set[asyncio.Future] = set()   # stream clean-ups running past their handler
+        self._idle: set[asyncio.Task] = set()   # stream handlers waiting for their draft's next step
+        self._stopping = False
         self.verifier_id = f"verifier-{uuid.uuid4().hex[:12]}"
 
     async def Handshake(self, request: verifier_pb2.HandshakeRequest,
@@ -217,9 +219,22 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                 f"draft {draft_id}: a verify stream of this handshake is already open; "
                                 "hand-shake again to replace it")
         peer.streamed = True
+        me = asyncio.current_task()
         try:
             peer.writer.attached()   # the draft mapped our ring before it opened this stream
-            async for req in request_iterator:
+            requests = request_iterator.__aiter__()
+            while not self._stopping:   # stopping: a step in flight is answered, then the stream ends
+                self._idle.add(me)
+                try:
+                    req = await requests.__anext__()
+                except StopAsyncIteration:
+                    break
+                except asyncio.CancelledError:
+                    if self._stopping:   # ended by end_idle_streams: the stream ends OK
+                        break
+                    raise
+                finally:
+                    self._idle.discard(me)
                 t0 = time.perf_counter()
                 try:
                     resp = self._inline(self._step, peer, req) if self.settings.tp == 1 and not req.prefills \
@@ -240,6 +255,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             # its thread started (the dead draft's requests, KV pages and ring stayed), so it is shielded.
             cleanup = self._track(asyncio.ensure_future(self._locked(self._end_stream, draft_id, peer)))
             await asyncio.shield(cleanup)
+
+    def end_idle_streams(self) -> None:
+        """At shutdown: ends every verify stream between two steps, and every other one after its
+        step in flight. An open stream kept the server's whole grace period (5 s) even when idle,
+        and its draft saw the verifier as up until the process was gone; ended, the draft reports
+        NOT_SERVING at once and hand-shakes again when it comes back."""
+        self._stopping = True
+        for task in list(self._idle):
+            task.cancel()
 
     def _track(self, future: asyncio.Future) -> asyncio.Future:
         """Keeps a background clean-up referenced until it finishes."""
@@ -675,7 +699,7 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     # Idle workers wait for the next call in a collective with the compute collectives' timeout.
     awake = asyncio.ensure_future(servicer.keep_awake(settings.tp_timeout_s / 4)) if workers else None
     try:
-        await serve_until_signal(server, health)
+        await serve_until_signal(server, health, on_stop=servicer.end_idle_streams)
     finally:
         if awake is not None:
             awake.cancel()
