@@ -129,3 +129,26 @@ def test_gpu_memory_is_reported_for_a_cuda_device_only(monkeypatch) -> None:
     assert b"ddtree_gpu_memory_allocated_bytes 12345.0" in generate_latest(on_gpu.registry)
     assert seen == [torch.device("cuda", 1)]   # read at scrape time, on the service's own device
     assert b"ddtree_gpu_memory_allocated_bytes 0.0" in generate_latest(on_cpu.registry)
+
+
+def test_each_service_exports_the_metrics_it_updates_and_no_others() -> None:
+    """A draft replica exported ddtree_generated_tokens_total and ddtree_transport_peers at 0
+    forever (only the scheduler and the verifier update them). Each role's code is read for the
+    metrics it updates, which must be exactly the ones it exports."""
+    import re
+    from pathlib import Path
+
+    from prometheus_client import generate_latest
+
+    from services.common.metrics import _EXPORTS, Metrics
+
+    root = Path(__file__).resolve().parent.parent / "services"
+    every = {name for names in _EXPORTS.values() for name in names}
+    for role in ("scheduler", "draft", "verifier"):
+        updated = {m for f in (root / role).glob("*.py") for m in re.findall(r"metrics\.(\w+)", f.read_text())}
+        assert updated & every == _EXPORTS[role] - {"gpu_memory_allocated"}, role   # (that one via track_gpu_memory)
+        text = generate_latest(Metrics(role).registry).decode()
+        assert ("ddtree_generated_tokens_total" in text) == (role == "scheduler")
+        assert ("ddtree_transport_peers" in text) == (role == "verifier")
+        assert "ddtree_step_ms" in text and "ddtree_running_requests" in text
+    assert "ddtree_transport_peers" in generate_latest(Metrics("a-test").registry).decode()   # others: all

@@ -22,46 +22,67 @@ __all__ = ["Metrics", "serve_metrics"]
 _STEP_BUCKETS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
 
 
+# The metrics each service exports: the ones it updates. Registered everywhere, the others read 0
+# forever there (a draft replica's ddtree_generated_tokens_total, its ddtree_transport_peers beside
+# a live ring), and a per-replica dashboard built on them was flat without a hint why.
+_EXPORTS = {
+    "scheduler": {"tokens", "requests", "refused", "acceptance", "step_ms", "queue_depth", "running",
+                  "replica_up", "kv_reserved", "kv_capacity"},
+    "draft": {"step_ms", "draft_trees", "running", "ring_inline_fallbacks", "gpu_memory_allocated"},
+    "verifier": {"step_ms", "running", "kv_pages_free", "peers", "ring_slots_in_use", "ring_inline_fallbacks",
+                 "gpu_memory_allocated"},
+}
+
+
 class Metrics:
-    """Every metric the stack exports; a service updates the ones that are its own."""
+    """The stack's metrics; a service exports (and updates) its own, `_EXPORTS[service]` (another
+    name, a test's, exports them all). The others exist unregistered, so shared code may update
+    any without a check."""
 
     def __init__(self, service: str) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.tokens = Counter("ddtree_generated_tokens", "Tokens streamed to clients", registry=r)
-        self.requests = Counter("ddtree_requests", "Requests by final status", ["status"], registry=r)
+        exported = _EXPORTS.get(service)
+
+        def r(attribute: str) -> CollectorRegistry | None:
+            return self.registry if exported is None or attribute in exported else None
+
+        self.tokens = Counter("ddtree_generated_tokens", "Tokens streamed to clients", registry=r("tokens"))
+        self.requests = Counter("ddtree_requests", "Requests by final status", ["status"], registry=r("requests"))
         self.refused = Counter("ddtree_requests_refused", "Requests refused before they ran (queue full, no "
-                               "replica up, invalid, too large), by gRPC code", ["code"], registry=r)
+                               "replica up, invalid, too large), by gRPC code", ["code"], registry=r("refused"))
         self.acceptance = Histogram("ddtree_acceptance_length", "Tokens a tree step's verify accepted (bonus "
                                     "included; autoregressive and paused steps left out)",
-                                    buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=r)
+                                    buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=r("acceptance"))
         self.step_ms = Histogram("ddtree_step_ms", "Step time by stage", ["stage"], buckets=_STEP_BUCKETS_MS,
-                                 registry=r)
+                                 registry=r("step_ms"))
         self.draft_trees = Counter("ddtree_draft_trees", "Trees sent to the verifier, by when they were drafted "
                                    "(ahead: while the last step's answer travelled; step: in the step)",
-                                   ["drafted"], registry=r)
-        self.queue_depth = Gauge("ddtree_queue_depth", "Requests waiting for admission", registry=r)
-        self.running = Gauge("ddtree_running_requests", "Requests being decoded", registry=r)
-        self.kv_pages_free = Gauge("ddtree_kv_pages_free", "Free KV cache pages", registry=r)
+                                   ["drafted"], registry=r("draft_trees"))
+        self.queue_depth = Gauge("ddtree_queue_depth", "Requests waiting for admission", registry=r("queue_depth"))
+        self.running = Gauge("ddtree_running_requests", "Requests being decoded", registry=r("running"))
+        self.kv_pages_free = Gauge("ddtree_kv_pages_free", "Free KV cache pages", registry=r("kv_pages_free"))
         # The scheduler's view, read when scraped: which replicas it steps, what it has admitted.
         self.replica_up = Gauge("ddtree_draft_replica_up", "Draft replicas the scheduler knows: 1 while it "
-                                "steps them, 0 while marked down", ["draft"], registry=r)
+                                "steps them, 0 while marked down", ["draft"], registry=r("replica_up"))
         self.kv_reserved = Gauge("ddtree_kv_tokens_reserved", "KV tokens reserved for admitted requests (prompt + "
-                                 "max_tokens + one block each), by verifier group", ["verifier"], registry=r)
+                                 "max_tokens + one block each), by verifier group", ["verifier"],
+                                 registry=r("kv_reserved"))
         self.kv_capacity = Gauge("ddtree_kv_tokens_capacity", "KV tokens a verifier group holds, as its "
-                                 "replicas report it", ["verifier"], registry=r)
+                                 "replicas report it", ["verifier"], registry=r("kv_capacity"))
         # What a dead peer must give back (DESIGN.md §3): its stream, its ring slots, the ring's memory.
-        self.peers = Gauge("ddtree_transport_peers", "Draft replicas with a live verify stream", registry=r)
+        self.peers = Gauge("ddtree_transport_peers", "Draft replicas with a live verify stream", registry=r("peers"))
         self.ring_slots_in_use = Gauge("ddtree_ring_slots_in_use", "Shared-buffer slots peers have not released",
-                                       registry=r)
+                                       registry=r("ring_slots_in_use"))
         self.ring_inline_fallbacks = Counter(
             "ddtree_ring_inline_fallbacks", "Messages sent inside the gRPC message instead of a ring slot, by reason: "
             "slot_too_small (raise ring_slot_bytes if this grows); the verifier's features also ring_full (the "
-            "draft held every slot: raise ring_slots), ring_error (the slot could not be written: /dev/shm full)", ["reason"], registry=r)
+            "draft held every slot: raise ring_slots), ring_error (the slot could not be written: /dev/shm full)",
+            ["reason"], registry=r("ring_inline_fallbacks"))
         for reason in ("slot_too_small", "ring_full", "ring_error"):   # all exported from the start, at 0
             self.ring_inline_fallbacks.labels(reason)
         self.gpu_memory_allocated = Gauge("ddtree_gpu_memory_allocated_bytes",
-                                          "Bytes of live tensors on this service's GPU (torch allocator)", registry=r)
+                                          "Bytes of live tensors on this service's GPU (torch allocator)",
+                                          registry=r("gpu_memory_allocated"))
         self.service = service
 
     def track_gpu_memory(self, device: torch.device) -> None:
