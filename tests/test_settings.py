@@ -127,3 +127,17 @@ def test_a_config_file_that_is_not_utf8_names_the_file(tmp_path):
 def test_the_shipped_config_still_loads():
     for cls in (SchedulerSettings, DraftSettings, VerifierSettings):
         load_settings(cls, "compose/ddtree.toml", env={})
+
+
+def test_a_setting_under_a_misspelt_service_name_is_refused_and_the_stacks_own_variables_are_not() -> None:
+    """DDTREE_SCHEDULR_MAX_QUEUE=0 was read by no service and the scheduler started with its
+    default queue, where a misspelt field or config table is refused."""
+    from services.common.settings import OTHER_VARIABLES
+
+    with pytest.raises(SettingsError, match=r"DDTREE_SCHEDULR_MAX_QUEUE: no service is called 'schedulr' "
+                                            r"\(the setting is DDTREE_SCHEDULER_MAX_QUEUE\)"):
+        load_settings(SchedulerSettings, env={"DDTREE_SCHEDULR_MAX_QUEUE": "0"})
+    with pytest.raises(SettingsError, match="DDTREE_SCHEDULER_PORT or DDTREE_DRAFT_PORT or DDTREE_VERIFIER_PORT"):
+        load_settings(DraftSettings, env={"DDTREE_VERIFER_PORT": "5"})   # any service's load refuses it
+    env = {name: "1" for name in OTHER_VARIABLES} | {"DDTREE_SOMETHING": "x", "DDTREE_SCHEDULER_MAX_QUEUE": "3"}
+    assert load_settings(SchedulerSettings, env=env).max_queue == 3   # no setting's name: not ours to judge

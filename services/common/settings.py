@@ -348,6 +348,7 @@ def load_settings(cls: type[S], path: str | Path | None = None, env: Mapping[str
                 raise SettingsError(f"{section}.{key}: unknown setting (known: {', '.join(fields)})")
             values[key] = _coerce(f"{section}.{key}", value, fields[key].type, from_text=False)
     environ = os.environ if env is None else env
+    _refuse_other_services(environ)
     prefix = f"DDTREE_{section.upper()}_"
     for key, value in environ.items():
         if key.startswith(prefix):
@@ -364,6 +365,29 @@ def load_settings(cls: type[S], path: str | Path | None = None, env: Mapping[str
             raise SettingsError(f"{section}.{key}: unknown setting")
         values[key] = _coerce(f"{section}.{key}", value, fields[key].type)
     return cls(**values)
+
+
+# The DDTREE_ variables that are no service's setting (those are DDTREE_<SERVICE>_<FIELD>).
+OTHER_VARIABLES = frozenset({
+    "DDTREE_AUTH_TOKEN", "DDTREE_TOKEN", "DDTREE_INTERNAL_TOKEN", "DDTREE_INTERNAL_TOKEN_FILE", "DDTREE_HEALTH_PORT",
+    "DDTREE_HEALTH_CONFIG", "DDTREE_HEALTH_TLS_NAME", "DDTREE_PARENT_PID", "DDTREE_PUBLISH_ADDR",
+    "DDTREE_TREE_MLA_BACKEND", "DDTREE_INT4_MOE_CONFIG", "DDTREE_PDL", "DDTREE_CI", "DDTREE_COMMIT"})
+
+
+def _refuse_other_services(environ: Mapping[str, str]) -> None:
+    """A setting's variable under a service name that is none of ours (DDTREE_SCHEDULR_MAX_QUEUE)
+    was read by no service, without a word, where a misspelt field or config table is refused."""
+    services = tuple(f"DDTREE_{name.upper()}_" for name in _SECTIONS.values())
+    fields = {f.name for cls in _SECTIONS for f in dataclasses.fields(cls)}
+    for key in environ:
+        if not key.startswith("DDTREE_") or key.startswith(services) or key in OTHER_VARIABLES:
+            continue
+        word, _, rest = key.removeprefix("DDTREE_").partition("_")
+        if rest.lower() in fields:
+            owners = [name for cls, name in _SECTIONS.items() if rest.lower() in {f.name for f in dataclasses.fields(cls)}]
+            names = [f"DDTREE_{o.upper()}_{rest.upper()}" for o in owners]
+            raise SettingsError(f"{key}: no service is called {word.lower()!r} (the setting is "
+                                f"{' or '.join(names)})")
 
 
 def replace(settings: S, **changes: Any) -> S:
