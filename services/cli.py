@@ -97,6 +97,17 @@ def _run_async(coro) -> None:
         asyncio.run(coro)
 
 
+# The variables compose/docker-compose.yml reads, which `ddtree up` does not: what each means there.
+COMPOSE_VARIABLES = {
+    "DDTREE_AUTH_TOKEN": "the scheduler's bearer token; for ddtree up, set DDTREE_SCHEDULER_AUTH_TOKEN "
+                         "or scheduler.auth_token in --config",
+    "DDTREE_PUBLISH_ADDR": "where the scheduler's port is published; for ddtree up, --host"}
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from services.common.grpc_server import check_port_free
     from services.common.launcher import ServiceExited, Stack, StackSpec, StartupStopped, placed_by_up
@@ -141,6 +152,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if ignored:
         print(f"ddtree up: not applied, since ddtree up takes the model from its flags and picks the ports and "
               f"addresses: {', '.join(ignored)}", file=sys.stderr)
+    for var in COMPOSE_VARIABLES:
+        if os.environ.get(var):
+            print(f"ddtree up: not applied: {var} is read by compose only ({COMPOSE_VARIABLES[var]})", file=sys.stderr)
     spec = StackSpec(model_path=str(model), drafter_path=args.drafter, config_path=args.config,
                      scheduler_port=args.port, scheduler_host=args.host, draft_replicas=args.draft_replicas,
                      startup_timeout_s=args.startup_timeout,
@@ -177,6 +191,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
           f"(try: {_this_command()} generate{flags} {prompt}); Ctrl-C stops", file=sys.stderr, flush=True)
     if not sched.tokenizer_path:
         print(f"ddtree up: {_no_tokenizer_note(model)}", file=sys.stderr, flush=True)
+    if not sched.auth_token and not _loopback(sched.host):
+        print(f"ddtree up: {stack.scheduler_listen_address} answers anyone who reaches it: no scheduler.auth_token "
+              "(DDTREE_SCHEDULER_AUTH_TOKEN)", file=sys.stderr, flush=True)
     try:
         stack.supervise(lambda: stop["now"], report=lambda msg: print(f"ddtree up: {msg}", file=sys.stderr, flush=True))
     except StartupStopped:   # a signal while a service restarted

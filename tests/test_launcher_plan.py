@@ -130,6 +130,8 @@ def test_up_names_the_settings_it_does_not_apply(tmp_path, monkeypatch, capsys) 
         assert set(names) <= {f.name for f in dataclasses.fields(load_settings(
             {"scheduler": SchedulerSettings, "draft": DraftSettings, "verifier": VerifierSettings}[role], None, env={}))}
     monkeypatch.setenv("DDTREE_SCHEDULER_PORT", "6002")
+    monkeypatch.setenv("DDTREE_AUTH_TOKEN", "from-the-shell")   # compose's name for the scheduler's token
+    monkeypatch.setenv("DDTREE_PUBLISH_ADDR", "")               # unset, as compose reads an empty one
     monkeypatch.setattr("signal.signal", lambda *args: None)   # `up` takes SIGINT / SIGTERM: not pytest's
 
     def start(self, should_stop=None):
@@ -139,6 +141,9 @@ def test_up_names_the_settings_it_does_not_apply(tmp_path, monkeypatch, capsys) 
     err = capsys.readouterr().err
     assert f"not applied, since ddtree up takes the model from its flags and picks the ports and addresses: " \
            f"scheduler.host ({config}), DDTREE_SCHEDULER_PORT, verifier.model_path ({config})" in err
+    assert "not applied: DDTREE_AUTH_TOKEN is read by compose only (the scheduler's bearer token; for ddtree up, " \
+           "set DDTREE_SCHEDULER_AUTH_TOKEN or scheduler.auth_token in --config)" in err
+    assert "DDTREE_PUBLISH_ADDR" not in err
 
 
 def test_a_model_without_a_tokenizer_serves_token_ids(tmp_path) -> None:
@@ -280,3 +285,25 @@ def test_the_stack_stops_one_role_after_another(tmp_path) -> None:
     assert sorted(events[2:6]) == ["draft-0 exit", "draft-0 term", "draft-1 exit", "draft-1 term"]
     assert events.index("draft-1 term") < events.index("draft-0 exit")   # the replicas stop together
     assert events[6:] == ["verifier term", "verifier exit"]
+
+
+@pytest.mark.parametrize("host, token, said", [("0.0.0.0", "", True), ("127.0.0.1", "", False),
+                                               ("0.0.0.0", "s3cret", False)])
+def test_up_says_when_its_scheduler_answers_beyond_loopback_without_a_token(monkeypatch, capsys, host, token,
+                                                                            said) -> None:
+    from services.cli import main
+
+    monkeypatch.setattr("signal.signal", lambda *args: None)
+
+    def start(self, should_stop=None):
+        self.scheduler_address = self.scheduler_listen_address = f"{host}:50999"
+        return self
+    monkeypatch.setattr("services.common.launcher.Stack.start", start)
+    monkeypatch.setattr("services.common.launcher.Stack.supervise", lambda self, *a, **kw: None)
+    monkeypatch.setattr("services.common.launcher.Stack.stop", lambda self, *a, **kw: None)
+    monkeypatch.setattr("services.common.launcher.Stack.scheduler_settings",
+                        SchedulerSettings(host=host, auth_token=token, tokenizer_path="models/demo"))
+    monkeypatch.delenv("DDTREE_SCHEDULER_AUTH_TOKEN", raising=False)
+    assert main(["up", "--port", "0", "--host", host]) == 0
+    err = capsys.readouterr().err
+    assert ("answers anyone who reaches it: no scheduler.auth_token" in err) == said, err
