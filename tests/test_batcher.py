@@ -439,6 +439,13 @@ def scheduler(draft):
     return SchedulerServicer(settings, router, router.info, None), router, lane
 
 
+class NoDeadline:
+    """The part of a gRPC servicer context a stream reads when its client leaves."""
+
+    def time_remaining(self) -> None:
+        return None
+
+
 def generate(max_tokens: int, request_id: str = "x"):
     from ddtree.v1 import scheduler_pb2
 
@@ -453,7 +460,7 @@ def test_a_stream_closed_while_it_sends_an_event_cancels_its_request() -> None:
     on to max_tokens holding its slot and KV."""
     async def scenario() -> tuple[bool, bool]:
         servicer, router, lane = scheduler(SlowDraft(delay=0.005))
-        stream = servicer.Generate(generate(4000), None)
+        stream = servicer.Generate(generate(4000), NoDeadline())
         await stream.__anext__()    # the first token
         running = lane.find("x") is not None
         await stream.aclose()       # closed at the yield
@@ -475,12 +482,12 @@ def test_a_reused_id_survives_the_late_cancellation_of_the_stream_it_replaced() 
 
     async def scenario() -> list[scheduler_pb2.GenerateResponse]:
         servicer, router, lane = scheduler(SlowDraft())
-        old = servicer.Generate(generate(50), None)
+        old = servicer.Generate(generate(50), NoDeadline())
         await old.__anext__()
         waiting = asyncio.create_task(old.__anext__())
         await asyncio.sleep(0.01)
         assert router.abort("x")
-        new = servicer.Generate(generate(3), None)
+        new = servicer.Generate(generate(3), NoDeadline())
         first = asyncio.create_task(new.__anext__())
         await asyncio.sleep(0.01)
         waiting.cancel()  # the old stream's client leaves
@@ -1110,7 +1117,7 @@ def test_a_refused_request_is_counted_and_the_scheduler_reports_whether_it_can_s
 
     from services.common.grpc_server import new_server, report_health
 
-    class Context:
+    class Context(NoDeadline):
         async def abort(self, code, message):
             raise RuntimeError(code)
 
@@ -1517,7 +1524,7 @@ def test_an_abort_ends_the_stream_at_once_whatever_the_step_in_flight_does() -> 
 
     async def case(draft, max_tokens: int) -> tuple[bool, int, int, int, float]:
         servicer, router, lane = scheduler(draft)
-        stream = servicer.Generate(generate(max_tokens, "x"), None)
+        stream = servicer.Generate(generate(max_tokens, "x"), NoDeadline())
         first = await stream.__anext__()
         await asyncio.sleep(0.02)                          # the next step is in flight
         found = (await servicer.Abort(spb.AbortRequest(request_id="x"), None)).found

@@ -187,6 +187,32 @@ def test_a_sync_stream_kept_in_a_variable_is_cancelled_when_its_with_block_exits
         assert c.generate(IDS, max_tokens=3, ignore_eos=True).token_ids == [5, 5, 5]   # read to its end
 
 
+def test_a_request_whose_deadline_passes_is_counted_and_logged_as_that_not_as_an_abort(server) -> None:
+    """A client's deadline ended its request as a deliberate abort did: `aborted` in the metric and
+    the log alike. Now `deadline_exceeded`, and `request_end` carries the metric's label."""
+    from structlog.testing import capture_logs
+
+    statuses = server.router.metrics.requests
+    before = {s: statuses.labels(s)._value.get() for s in ("aborted", "deadline_exceeded")}
+    with capture_logs() as logs, Client(server.address) as c:
+        with pytest.raises(ClientError) as late:
+            c.generate(IDS, request_id="late", timeout_s=0.2, **LONG)
+        assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        with c.stream(IDS, request_id="left", **LONG) as s:
+            next(s)
+            req = running(server, "left")
+        assert server.ended_aborted(req)
+        for _ in range(100):
+            if statuses.labels("deadline_exceeded")._value.get() > before["deadline_exceeded"]:
+                break
+            time.sleep(0.01)
+    assert statuses.labels("deadline_exceeded")._value.get() == before["deadline_exceeded"] + 1
+    assert statuses.labels("aborted")._value.get() == before["aborted"] + 1
+    ends = {e["request_id"]: e for e in logs if e.get("event") == "request_end"}
+    assert ends["late"]["status"] == "deadline_exceeded" and ends["late"]["code"] == "DEADLINE_EXCEEDED"
+    assert ends["left"]["status"] == "aborted" and ends["left"]["finish"] == "FINISH_REASON_ABORTED"
+
+
 def test_an_async_stream_kept_in_a_variable_is_cancelled_when_its_with_block_exits_or_it_is_closed(server) -> None:
     async def scenario() -> None:
         async with AsyncClient(server.address) as c:

@@ -471,12 +471,14 @@ class StepLoop:
 
 
 def log_end(metrics: Metrics, req: ActiveRequest) -> None:
-    """A request's end, counted by how it ended and logged with its usage."""
-    metrics.requests.labels(_FINISH_NAMES.get(req.finish, "ERROR").removeprefix("FINISH_REASON_").lower()
-                            if req.error is None else req.error.code.name.lower()).inc()
+    """A request's end, counted by how it ended (`status`, the metric's label, in the log line
+    too: logs and metrics join on it) and logged with its usage."""
+    status = _FINISH_NAMES.get(req.finish, "ERROR").removeprefix("FINISH_REASON_").lower() \
+        if req.error is None else req.error.code.name.lower()
+    metrics.requests.labels(status).inc()
     usage = req.usage()
     now = time.monotonic()
-    log.info("request_end", request_id=req.request_id, wire_id=req.wire_id or None, draft=req.draft,
+    log.info("request_end", status=status, request_id=req.request_id, wire_id=req.wire_id or None, draft=req.draft,
              mode=common_pb2.Mode.Name(req.mode).removeprefix("MODE_").lower(),
              finish=_FINISH_NAMES.get(req.finish, "") if req.error is None else "ERROR",
              code=req.error.code.name if req.error is not None else None,

@@ -101,6 +101,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 if self.stopping and self.router.closed:   # cut by the server's stop after its drain (the
                     # client saw UNAVAILABLE): counted so; one that left during the drain aborted
                     req.fail(ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler stopped"))
+                elif _deadline_passed(context):   # not the client's choice to leave: counted apart from aborts
+                    req.fail(ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed"))
                 self.router.abort(req.request_id, only=req)
 
     async def _encode(self, request: scheduler_pb2.GenerateRequest) -> tuple[list[int], bool]:
@@ -162,6 +164,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
         return self.info
+
+
+def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
+    left = context.time_remaining()
+    return left is not None and left <= 0
 
 
 def load_tokenizer(path: str) -> Tokenizer | None:
