@@ -103,6 +103,13 @@ def test_invalid_json(target_dir: Path) -> None:
         TargetModel.load(target_dir)
 
 
+@pytest.mark.parametrize("text", ["[1, 2]", "null", '"config"'])
+def test_a_config_that_is_no_json_object_names_the_file(target_dir: Path, text: str) -> None:
+    (target_dir / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match="config.json: expected a JSON object at top level"):
+        TargetModel.load(target_dir)
+
+
 def test_a_config_or_index_that_is_not_utf8_names_the_file(tmp_path: Path) -> None:
     """A UTF-16 or Latin-1 file raised a bare UnicodeDecodeError, a traceback at start-up."""
     (tmp_path / "config.json").write_bytes(b"\xff\xfe{\x00}\x00")
@@ -336,6 +343,8 @@ def test_transformers_5s_rope_parameters_read_as_rope_scaling(target_dir: Path) 
     with pytest.raises(CheckpointError, match="rope_type 'default': no scaling"):
         TargetConfig.from_hf(dict(both, rope_scaling=cfg["rope_scaling"],
                                   rope_parameters={"rope_type": "default", "rope_theta": 50000.0}))
+    spelt_type = dict(new, rope_parameters={"type": "yarn", "rope_theta": 50000.0, **scaling})   # the older key's name
+    assert TargetConfig.from_hf(spelt_type).rope_scaling == before.rope_scaling
     new["rope_theta"] = 10000.0   # both forms, disagreeing
     with pytest.raises(CheckpointError, match="field 'rope_theta' 10000.0 disagrees with 'rope_parameters'"):
         TargetConfig.from_hf(new)

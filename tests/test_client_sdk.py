@@ -560,6 +560,8 @@ def test_a_tls_ca_that_is_no_pem_certificate_and_a_server_name_without_one_are_r
     subprocess.run(["openssl", "x509", "-in", str(cert), "-outform", "DER", "-out", str(der)], check=True)
     text = tmp_path / "notes.txt"
     text.write_text("not a certificate\n")
+    empty = tmp_path / "empty.pem"   # (empty bytes mean the system's roots; an empty file is a mistake)
+    empty.write_bytes(b"")
 
     def refused(make, *needles: str) -> None:
         with pytest.raises(ClientError) as info:
@@ -571,7 +573,7 @@ def test_a_tls_ca_that_is_no_pem_certificate_and_a_server_name_without_one_are_r
     async def make_async(**kwargs) -> None:
         await AsyncClient(server.address, **kwargs).close()
 
-    for path in (key, der, text):   # a private key, a DER certificate, any other file
+    for path in (key, der, text, empty):   # a private key, a DER certificate, any other file, nothing
         refused(lambda: Client(server.address, tls_ca=str(path)), "tls_ca", str(path), "not a PEM certificate")
         refused(lambda: asyncio.run(make_async(tls_ca=str(path))), "tls_ca", str(path))
     refused(lambda: Client(server.address, tls_ca=key.read_bytes()), "tls_ca", "not a PEM certificate")
@@ -950,3 +952,26 @@ def test_an_address_without_a_port_or_as_a_url_is_refused_when_the_client_is_mad
     for ok in ("127.0.0.1:50051", "[::1]:50051", "unix:/tmp/ddtree.sock", "dns:///scheduler:50051", "dns:scheduler:1",
                "127.0.0.1:65535", "ipv6:[::1]:50051", "ipv4:10.0.0.1:1,10.0.0.2:2"):
         Client(ok).close()
+
+
+def test_seed_zero_is_a_seed_from_the_client_to_the_verifier() -> None:
+    """0 is the seed most often picked; it must be sent as set (proto3 would otherwise read an
+    unset field as 0 too) and taken as set where the verifier fixes a request's seed."""
+    from services.verifier.server import sampling_from_proto
+
+    req = build_request("x", temperature=1.0, seed=0)
+    assert req.sampling.HasField("seed") and req.sampling.seed == 0
+    assert not build_request("x", temperature=1.0).sampling.HasField("seed")
+    assert sampling_from_proto(req.sampling).seed == 0
+    unset = {sampling_from_proto(common_pb2.SamplingParams(temperature=1.0)).seed for _ in range(4)}
+    assert 0 not in unset and len(unset) > 1   # no seed: one drawn a request
+    assert sdk.address_error("127.0.0.1:65536") is not None and sdk.address_error("127.0.0.1:65535") is None
+
+
+def test_no_mode_leaves_the_servers_default_and_a_bool_is_no_token_id() -> None:
+    assert build_request("x").mode == 0   # unset: scheduler.default_mode decides
+    assert build_request("x", mode="autoregressive").mode == common_pb2.MODE_AUTOREGRESSIVE
+    for bad in ({"prompt": [1, True]}, {"prompt": [1], "stop_token_ids": [False]}):
+        with pytest.raises(ClientError, match="token ids must be integers"):
+            build_request(**bad)
+

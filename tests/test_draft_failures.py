@@ -546,3 +546,33 @@ def test_prompts_that_would_overflow_the_verifiers_reply_are_refused_alone(ckpt)
     first, second = asyncio.run(run())
     assert first == [("running", "OK"), ("fits", "OK"), ("over", "RESOURCE_EXHAUSTED")]
     assert second == [("fits", "ALREADY_EXISTS"), ("later", "OK")]
+
+
+def test_a_drafter_of_another_vocabulary_is_refused_at_its_handshake(ckpt):
+    """The verifier is the one place a drafter's vocabulary is checked against its target's; one
+    that hand-shook would draft tokens past the target's vocabulary."""
+    layers = json.loads((ckpt / "drafter" / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    cfg = json.loads((ckpt / "config.json").read_text())
+
+    async def run():
+        verifier = await Verifier(ckpt).start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}")
+        try:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            results = []
+            for vocab in (cfg["vocab_size"] + 1, cfg["vocab_size"]):
+                hello = verifier_pb2.HandshakeRequest(draft_id=f"v{vocab}", feature_layer_ids=layers,
+                                                      hidden_size=cfg["hidden_size"], vocab_size=vocab,
+                                                      transports=["inline"])
+                try:
+                    await stub.Handshake(hello)
+                    results.append("OK")
+                except grpc.aio.AioRpcError as exc:
+                    results.append((exc.code(), exc.details()))
+            return results
+        finally:
+            await channel.close()
+            await verifier.stop()
+    (code, details), ok = asyncio.run(run())
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and f"vocab_size={cfg['vocab_size'] + 1}" in details
+    assert ok == "OK"

@@ -207,6 +207,51 @@ def test_a_stopping_draft_ends_idle_step_streams_and_finishes_the_step_in_flight
     asyncio.run(run())
 
 
+def test_a_step_runs_to_its_end_when_the_scheduler_gives_up_on_its_stream():
+    """The scheduler cancels a stream whose step outlasts its timeout; the step itself must finish
+    (it holds the engine's state), or the next step would start beside a half-done one."""
+    from services.draft.server import DraftServicer
+
+    started, release, finished = asyncio.Event(), asyncio.Event(), []
+
+    class Engine:
+        async def step(self, request, owner=0):
+            started.set()
+            await release.wait()
+            finished.append(request.items[0].request_id)
+            return draft_pb2.StepResponse()
+
+        def run_ahead(self) -> None:
+            pass
+
+        async def end_stream(self, owner) -> None:
+            pass
+
+    async def run():
+        server = grpc.aio.server()
+        draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(Engine()), server)   # type: ignore[arg-type]
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        link = DraftLink(draft_pb2_grpc.DraftStub(channel))
+        try:
+            with pytest.raises(StepFailed):
+                await link.step(step("slow"), timeout=0.3)   # the stream is cancelled mid-step
+            assert started.is_set() and finished == []
+            await asyncio.sleep(0.1)
+            release.set()
+            for _ in range(50):
+                if finished:
+                    break
+                await asyncio.sleep(0.02)
+            return finished
+        finally:
+            link.close()
+            await channel.close()
+            await server.stop(0)
+    assert asyncio.run(run()) == ["slow"]
+
+
 def test_the_draft_runs_its_work_ahead_after_each_answer_before_the_next_step():
     """The context commit and next trees (`DraftEngine.run_ahead`) run once the answer has gone
     out, and before the next step on the stream starts."""

@@ -73,6 +73,26 @@ def test_health_is_open_without_token(tls_stack):
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_reflection_needs_the_token(tls_stack):
+    """Only health is open: reflection lists the services and their schemas, so it takes the token."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stack, cert = tls_stack
+    creds = grpc.ssl_channel_credentials(cert.read_bytes())
+    listed = []
+    with grpc.secure_channel(stack.scheduler_address, creds) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        for metadata in ((), (("authorization", f"Bearer {TOKEN}"),)):
+            ask = iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            try:
+                answer = next(stub.ServerReflectionInfo(ask, metadata=metadata, timeout=5))
+                listed.append(sorted(s.name for s in answer.list_services_response.service))
+            except grpc.RpcError as exc:
+                listed.append(exc.code())
+    assert listed[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert "ddtree.v1.Scheduler" in listed[1]
+
+
 def test_container_probe_speaks_tls_to_a_tls_scheduler(tls_stack):
     """Compose's health probe: plaintext gets no answer from the TLS-only port, so with the
     scheduler's certificate in the environment it asks again over TLS."""

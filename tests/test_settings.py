@@ -141,3 +141,85 @@ def test_a_setting_under_a_misspelt_service_name_is_refused_and_the_stacks_own_v
         load_settings(DraftSettings, env={"DDTREE_VERIFER_PORT": "5"})   # any service's load refuses it
     env = {name: "1" for name in OTHER_VARIABLES} | {"DDTREE_SOMETHING": "x", "DDTREE_SCHEDULER_MAX_QUEUE": "3"}
     assert load_settings(SchedulerSettings, env=env).max_queue == 3   # no setting's name: not ours to judge
+
+
+def test_the_readme_settings_table_gives_the_code_defaults() -> None:
+    """Each default the README's settings table names is the setting's default in the code, read
+    through the environment's own parsing (a default changed in one place only went unnoticed)."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    classes = {"scheduler": SchedulerSettings, "draft": DraftSettings, "verifier": VerifierSettings}
+
+    def split(cell: str) -> list[list[str]]:
+        return [group.split(" / ") for group in cell.split(", ")]
+
+    compared = 0
+    for line in (Path(__file__).resolve().parent.parent / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not re.match(r"`(scheduler|draft|verifier)\.", cells[0]):
+            continue
+        names, role = [], None
+        for group in split(cells[0]):
+            for piece in group:
+                piece = piece.strip("`")
+                role, field = piece.split(".", 1) if "." in piece else (role, piece)
+                names.append((role, field))
+        values = [v for group in split(cells[1]) for v in group]
+        if len(values) != len(names):   # one value for all, or a list's items
+            values = [cells[1]] * len(names)
+        for (role, field), text in zip(names, values):
+            text = text.strip().strip("`")
+            if field not in {f.name for f in dataclasses.fields(classes[role])} or re.search(r"[a-z] [a-z]", text):
+                continue   # prose, not a default
+            want = getattr(classes[role](), field)
+            if "..." in text:   # a doubling run: 1, 2, 4, ..., 128
+                first, last = int(text.split(",")[0]), int(text.split(",")[-1])
+                assert want == tuple(first << i for i in range((last // first).bit_length())), (role, field)
+            else:
+                mib = re.fullmatch(r"(\d+) MiB", text)
+                text = str(int(mib.group(1)) << 20) if mib else "" if text == "(empty)" else text
+                got = load_settings(classes[role], env={f"DDTREE_{role.upper()}_{field.upper()}": text})
+                assert getattr(got, field) == want, (role, field, text, want)
+            compared += 1
+    assert compared >= 45, compared
+
+
+def test_tls_cert_and_key_come_together_and_addresses_need_a_tcp_port() -> None:
+    """A key alone (or a certificate alone: an unset variable) would have served the public port in
+    plaintext; :65536 would have been dialled as port 0."""
+    for half in ({"tls_key": "k.pem"}, {"tls_cert": "c.pem"}):
+        with pytest.raises(SettingsError, match="tls_cert and tls_key must be set together"):
+            SchedulerSettings(**half)
+    for address in ("127.0.0.1:65536", "127.0.0.1:0"):
+        with pytest.raises(SettingsError):
+            SchedulerSettings(draft_addresses=(address,))
+        with pytest.raises(SettingsError):
+            DraftSettings(verifier_address=address)
+    assert SchedulerSettings(draft_addresses=("127.0.0.1:65535",)).draft_addresses == ("127.0.0.1:65535",)
+
+
+@pytest.mark.parametrize("cls, field, bad, good", [
+    (SchedulerSettings, "max_request_bytes", 1023, 1024),
+    (SchedulerSettings, "max_queue", 0, 1),
+    (SchedulerSettings, "max_tokens_limit", 0, 1),
+    (SchedulerSettings, "stop_grace_s", 3600.5, 3600.0),
+    (SchedulerSettings, "stop_grace_s", -0.5, 0.0),
+    (DraftSettings, "ring_slots", 1, 2),
+    (DraftSettings, "verifier_address", "dns:verifier:50053", "verifier:50053"),
+    (VerifierSettings, "tp", 9, 8),
+    (VerifierSettings, "tp", 0, 1),
+    (VerifierSettings, "kv_capacity_tokens", 15, 16),   # one page of the default 16 tokens
+    (VerifierSettings, "ring_slots", 1, 2),
+    (VerifierSettings, "ring_slot_bytes", 4095, 4096),
+])
+def test_each_bound_refuses_the_value_past_it_and_takes_the_one_at_it(cls, field, bad, good) -> None:
+    with pytest.raises(SettingsError, match=field):
+        cls(**{field: bad})
+    assert getattr(cls(**{field: good}), field) == good
+
+
+def test_a_boolean_variable_reads_1_as_true() -> None:
+    assert load_settings(SchedulerSettings, env={"DDTREE_SCHEDULER_JSON_LOGS": "1"}).json_logs is True
+    assert load_settings(SchedulerSettings, env={"DDTREE_SCHEDULER_JSON_LOGS": "0"}).json_logs is False

@@ -522,6 +522,32 @@ def test_a_tree_bundle_naming_other_or_repeated_tensors_is_refused_before_a_read
     assert ok[0] == grpc.StatusCode.OK
 
 
+def test_a_tree_bundle_lacking_a_tensor_fails_its_trees_and_the_stream_goes_on(ckpt):
+    svc = servicer(ckpt)
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        assert svc._step(peer, prefill(1, "a")).prefills[0].error_code == 0
+        pending = svc.engine._requests["a"].pending
+        short = verify(2, [("a", *chain(pending, 2))])
+        gone = short.trees.tensors.pop(2).name
+        code, message = outcome(svc._step(peer, short))["a"]
+        ok = outcome(svc._step(peer, verify(3, [("a", *chain(pending, 2))])))["a"]
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "lacks" in message and gone in message
+    assert ok[0] == grpc.StatusCode.OK
+
+
+def test_as_many_trees_as_requests_held_pass_the_cap(ckpt):
+    """The cap counts the requests held and the new prompts: a step of exactly that many trees
+    (one each) is no flood."""
+    svc = servicer(ckpt)
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        first = svc._step(peer, prefill(1, "a", "b"))
+        assert [p.error_code for p in first.prefills] == [0, 0]
+        held = svc.engine._requests
+        step = verify(2, [(r, *chain(held[r].pending, 1)) for r in ("a", "b")])
+        got = outcome(svc._step(peer, step))
+    assert got["a"][0] == got["b"][0] == grpc.StatusCode.OK
+
+
 def test_prefills_refused_in_the_step_do_not_let_more_trees_through(ckpt):
     """The cap on a step's trees counted every prefill, the ones the server refuses too: padded
     with bad-sampling prefills, 300k trees of unknown ids went through (5 s under the lock)."""
