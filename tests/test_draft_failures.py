@@ -438,18 +438,15 @@ def test_a_draft_hand_shakes_again_by_itself_once_its_verifier_is_back(ckpt):
     async def run():
         async with replica(ckpt) as r:
             first = r.draft.client.handshake.verifier_id
+            changed = r.draft.client.stream_changed
+            changed.clear()
             await r.verifier.stop()
-            for _ in range(50):
-                if not r.draft.client.connected:
-                    break
-                await asyncio.sleep(0.02)
+            await asyncio.wait_for(changed.wait(), 2)   # the stream's end tells health at once
             lost = not r.draft.client.connected
+            changed.clear()
             r.verifier = await Verifier(ckpt, port=r.verifier.port).start()
             task = asyncio.ensure_future(_reconnect_when_lost(r.draft.engine, interval_s=0.05))
-            for _ in range(100):
-                if r.draft.client.connected:
-                    break
-                await asyncio.sleep(0.05)
+            await asyncio.wait_for(changed.wait(), 5)   # and so does the new stream
             task.cancel()
             return lost, r.draft.client.connected, r.draft.client.handshake.verifier_id != first
     assert asyncio.run(run()) == (True, True, True)

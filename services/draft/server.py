@@ -161,7 +161,8 @@ async def serve(settings: DraftSettings) -> None:
     await server.start()
     log.info("serving", address=host_port(settings.host, port), verifier=settings.verifier_address, metrics_port=metrics_port)
     tasks = [asyncio.ensure_future(report_health(health, [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name],
-                                                 lambda: client.connected, "no verifier stream")),
+                                                 lambda: client.connected, "no verifier stream",
+                                                 wake=client.stream_changed)),
              asyncio.ensure_future(_reconnect_when_lost(engine))]
     try:
         await serve_until_signal(server, health, on_stop=servicer.end_idle_streams)

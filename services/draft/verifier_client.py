@@ -106,6 +106,7 @@ class VerifierClient:
         self._sequence = 0
         self._on_inline_fallback = on_inline_fallback
         self.handshake: verifier_pb2.HandshakeResponse | None = None
+        self.stream_changed = asyncio.Event()   # set when a verify stream opens or ends (health reads it)
 
     async def connect(self, feature_layer_ids: Sequence[int], hidden_size: int, vocab_size: int,
                       wait_s: float = 0.0) -> verifier_pb2.HandshakeResponse:
@@ -164,6 +165,8 @@ class VerifierClient:
             self._kept_ring = None
         self._writer.attached()   # the verifier mapped our ring in its handshake
         self._call = stub.VerifyStream(metadata=(("draft-id", self.draft_id), *self._metadata))
+        self._call.add_done_callback(lambda _: self.stream_changed.set())
+        self.stream_changed.set()
         self.handshake = hs
         return hs
 
