@@ -566,7 +566,8 @@ def main() -> None:
         copy_gbps=round(copy_gbps, 1),
         params=dict(
             shapes={s: SHAPES[s] for s in shapes}, tokens=tokens, group_size=GROUP, scale_dtype="bfloat16",
-            act_dtype="bfloat16", routing="uniform random top-k, distinct experts per token",
+            act_dtype="bfloat16", routing="uniform random top-k, distinct experts per token (over the rank's experts; "
+            "ep8-k2: over all global_experts, this rank's assignments a row each)",
             weights="random int32 words (all nibbles) and random bf16 scales in [0.002, 0.012)",
             timing="CUDA graph replay of R calls with R different routings, median of 10 replays",
             bytes="INT4 words + bf16 scales of gate, up, down of the experts each call touches",
@@ -611,9 +612,10 @@ def main() -> None:
     out_path.write_text(json.dumps(result, indent=1))
     log("\nshape                      tokens  touched   time_us  path          tc_sweep_us     GB/s  frac  x_ref  x_bf16")
     for r in result["rows"]:
+        sweep = f"{r['tensor_core_sweep_us']:.2f}" if "tensor_core_sweep_us" in r else "-"
         log(
             f"{r['shape']:26s} {r['tokens']:6d} {r['experts_touched']:8.1f} {r['time_us']:9.2f}  "
-            f"{r['served_path']:12s} {r.get('tensor_core_sweep_us', 0):12.2f} {r['gbps']:8.0f} "
+            f"{r['served_path']:12s} {sweep:>12s} {r['gbps']:8.0f} "
             f"{r['frac_of_copy']:5.2f} {r['speedup_vs_reference']:6.1f} {r['speedup_vs_bf16'] or 0:7.2f}"
         )
 

@@ -83,12 +83,16 @@ def run(args: argparse.Namespace) -> dict:
     outcome: dict = {}
 
     def generate() -> None:
+        got = 0   # tokens streamed before the end: how far a cut request came
         try:
             with Client(address) as c:
-                out = c.generate(args.prompt, max_tokens=args.max_tokens, ignore_eos=True, mode="autoregressive")
-            outcome.update(finish=out.finish_reason, tokens=len(out.token_ids))
+                for chunk in c.stream(args.prompt, max_tokens=args.max_tokens, ignore_eos=True, mode="autoregressive"):
+                    got += len(chunk.token_ids)
+                    if chunk.finish_reason:
+                        outcome["finish"] = chunk.finish_reason
         except ClientError as exc:
             outcome.update(code=exc.code.name, message=exc.message)
+        outcome["tokens"] = got
     client = threading.Thread(target=generate)
     client.start()
     time.sleep(args.after_s)

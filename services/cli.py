@@ -104,12 +104,8 @@ COMPOSE_VARIABLES = {
     "DDTREE_PUBLISH_ADDR": "where the scheduler's port is published; for ddtree up, --host"}
 
 
-def _loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
 def _cmd_up(args: argparse.Namespace) -> int:
-    from services.common.grpc_server import check_port_free
+    from services.common.grpc_server import check_port_free, is_loopback
     from services.common.launcher import ServiceExited, Stack, StackSpec, StartupStopped, placed_by_up
     from services.common.settings import SettingsError
 
@@ -191,7 +187,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
           f"(try: {_this_command()} generate{flags} {prompt}); Ctrl-C stops", file=sys.stderr, flush=True)
     if not sched.tokenizer_path:
         print(f"ddtree up: {_no_tokenizer_note(model)}", file=sys.stderr, flush=True)
-    if not sched.auth_token and not _loopback(sched.host):
+    if not sched.auth_token and not is_loopback(sched.host):
         print(f"ddtree up: {stack.scheduler_listen_address} answers anyone who reaches it: no scheduler.auth_token "
               "(DDTREE_SCHEDULER_AUTH_TOKEN)", file=sys.stderr, flush=True)
     try:

@@ -143,6 +143,26 @@ def test_a_setting_under_a_misspelt_service_name_is_refused_and_the_stacks_own_v
     assert load_settings(SchedulerSettings, env=env).max_queue == 3   # no setting's name: not ours to judge
 
 
+def test_every_ddtree_variable_the_project_names_is_a_setting_or_known_as_another() -> None:
+    """A variable the code reads but `OTHER_VARIABLES` lacks would be refused where its second word
+    happens to be a setting's name (DDTREE_HEALTH_PORT ends in `port`)."""
+    import re
+    from pathlib import Path
+
+    from services.common.settings import OTHER_VARIABLES
+
+    root = Path(__file__).resolve().parent.parent
+    files = [f for d in ("services", "kernels", "bench", "compose", ".ci") for f in (root / d).rglob("*")
+             if f.is_file() and f.suffix in ("", ".py", ".yml", ".yaml", ".toml", ".sh")]
+    files += [root / "Makefile", root / "README.md"]
+    pattern = re.compile(r"DDTREE_[A-Z0-9][A-Z0-9_]*(?![A-Z0-9_*\[])")   # a whole name, not DDTREE_HEALTH_*
+    named = {m for f in files for m in pattern.findall(f.read_text(errors="replace"))}
+    services = ("DDTREE_SCHEDULER_", "DDTREE_DRAFT_", "DDTREE_VERIFIER_")
+    examples = {"DDTREE_SCHEDULR_MAX_QUEUE"}   # the misspelling the docs show
+    assert len(named) > 20
+    assert sorted(n for n in named - examples if not n.startswith(services) and n not in OTHER_VARIABLES) == []
+
+
 def test_the_readme_settings_table_gives_the_code_defaults() -> None:
     """Each default the README's settings table names is the setting's default in the code, read
     through the environment's own parsing (a default changed in one place only went unnoticed)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
 import signal
 import socket
@@ -21,7 +22,7 @@ from services.common.health import OVERALL, HealthServicer
 from services.common.logging import get_logger
 from services.common.settings import SettingsError
 
-__all__ = ["ServiceError", "new_server", "check_port_free", "listen", "serve_until_signal", "report_health",
+__all__ = ["ServiceError", "is_loopback", "new_server", "check_port_free", "listen", "serve_until_signal", "report_health",
            "HEALTH_SERVICE_NAME", "PARENT_PID_ENV"]
 
 HEALTH_SERVICE_NAME = OVERALL
@@ -170,11 +171,19 @@ async def report_health(health_servicer: HealthServicer, service_full_names: Ite
                 await asyncio.wait_for(wake.wait(), interval_s)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether only this machine reaches a port listening on ``host``."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:   # a name: it may resolve to any interface
+        return False
+
+
 def warn_if_reachable(host: str, setting: str, authenticated: bool) -> None:
     """An internal service (draft, verifier) without the internal token checks nothing: listening
     beyond loopback, anyone who reaches the port can hand-shake, hold KV and name rings. Said at
     start-up, not refused (a private network may be all a deployment wants)."""
-    if authenticated or host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
+    if authenticated or is_loopback(host):
         return
     get_logger("server").warning("internal_port_reachable", setting=setting, host=host,
                                  advice="no authentication on this port: set DDTREE_INTERNAL_TOKEN (or "
@@ -250,7 +259,7 @@ async def serve_until_signal(server: grpc.aio.Server, health_servicer: HealthSer
         if watcher is not None:
             watcher.cancel()
         with contextlib.suppress(OSError):   # (a launcher gone may have taken our stdout's reader)
-            get_logger("server").info("stopping", signal=signals[0] if signals else None, grace_s=grace_s)
+            get_logger("server").info("stopping", signal=signals[0] if signals else None, grpc_grace_s=grace_s)
         health_servicer.enter_graceful_shutdown()
         if on_stop is not None:
             on_stop()

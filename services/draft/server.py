@@ -61,6 +61,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 return
             except asyncio.CancelledError:
                 if self._stopping:   # ended by end_idle_streams: return, so the stream ends (OK, no more steps)
+                    me.uncancel()   # (taken: nothing later in this task may read it as pending)
                     return
                 raise
             finally:

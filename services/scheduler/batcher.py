@@ -357,6 +357,8 @@ class StepLoop:
 
     @property
     def healthy(self) -> bool:
+        """Whether the router steps this replica (down after a failed step until its probe answers);
+        setting it tells `on_health_change` of a flip."""
         return self._healthy
 
     @healthy.setter
@@ -470,11 +472,18 @@ class StepLoop:
         log_end(self.metrics, req)
 
 
+def end_status(req: ActiveRequest) -> str:
+    """How a request ended, in one word: its finish reason (stop, length, aborted), or the code it
+    failed with (unavailable, deadline_exceeded, ...)."""
+    if req.error is not None:
+        return req.error.code.name.lower()
+    return _FINISH_NAMES.get(req.finish, "ERROR").removeprefix("FINISH_REASON_").lower()
+
+
 def log_end(metrics: Metrics, req: ActiveRequest) -> None:
-    """A request's end, counted by how it ended (`status`, the metric's label, in the log line
-    too: logs and metrics join on it) and logged with its usage."""
-    status = _FINISH_NAMES.get(req.finish, "ERROR").removeprefix("FINISH_REASON_").lower() \
-        if req.error is None else req.error.code.name.lower()
+    """A request's end, counted by how it ended and logged with its usage and the same `status`
+    word (logs and metrics join on it)."""
+    status = end_status(req)
     metrics.requests.labels(status).inc()
     usage = req.usage()
     now = time.monotonic()

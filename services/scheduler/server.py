@@ -19,8 +19,8 @@ from tokenizers import Tokenizer
 from ddtree.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.auth import BearerTokenInterceptor, internal_token, server_credentials
 from services.common.config_files import CheckpointError, refuse_lfs_pointer
-from services.common.grpc_server import (MAX_MESSAGE_BYTES, ServiceError, check_port_free, host_port, listen, new_server, report_health,
-                                         serve_until_signal)
+from services.common.grpc_server import (MAX_MESSAGE_BYTES, ServiceError, check_port_free, host_port, is_loopback, listen,
+                                         new_server, report_health, serve_until_signal)
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
@@ -166,9 +166,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return self.info
 
 
+DEADLINE_SLACK_S = 0.1   # see _deadline_passed
+
+
 def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
+    """Whether the call ended at its deadline. The server's deadline runs from the call's arrival,
+    so over a network the client's own cancel at its deadline can land a little before it."""
     left = context.time_remaining()
-    return left is not None and left <= 0
+    return left is not None and left < DEADLINE_SLACK_S
 
 
 def load_tokenizer(path: str) -> Tokenizer | None:
@@ -247,7 +252,7 @@ async def serve(settings: SchedulerSettings) -> None:
     await server.start()
     log.info("serving", address=host_port(settings.host, port), tls=bool(settings.tls_cert),
              auth=bool(settings.auth_token))
-    if settings.auth_token and not settings.tls_cert and settings.host not in ("127.0.0.1", "localhost", "::1"):
+    if settings.auth_token and not settings.tls_cert and not is_loopback(settings.host):
         log.warning("token_in_clear", address=host_port(settings.host, port),
                     advice="the bearer token crosses the network readable; set scheduler.tls_cert / tls_key "
                            "or put a TLS-terminating proxy in front")

@@ -231,6 +231,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     break
                 except asyncio.CancelledError:
                     if self._stopping:   # ended by end_idle_streams: the stream ends OK
+                        me.uncancel()   # (taken: nothing later in this task may read it as pending)
                         break
                     raise
                 finally:
