@@ -4,11 +4,14 @@ lane acts on, and the next step opens another."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
 from ddtree.v1 import draft_pb2, draft_pb2_grpc
+from services.draft.server import DraftServicer
 from services.scheduler.draft_link import DraftLink, StepFailed
 
 
@@ -32,6 +35,32 @@ class Draft(draft_pb2_grpc.DraftServicer):
 
 def step(*ids: str) -> draft_pb2.StepRequest:
     return draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id=i) for i in ids])
+
+
+class QuietEngine:
+    """A draft engine's interface to `DraftServicer` with nothing behind it; tests override `step`."""
+
+    def run_ahead(self) -> None:
+        pass
+
+    async def end_stream(self, owner) -> None:
+        pass
+
+
+@contextlib.asynccontextmanager
+async def served_draft(engine) -> AsyncIterator[tuple[DraftServicer, grpc.aio.Channel]]:
+    """A `DraftServicer` over ``engine`` on a real port, and a channel to it; both closed after."""
+    servicer = DraftServicer(engine)
+    server = grpc.aio.server()
+    draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield servicer, channel
+    finally:
+        await channel.close()
+        await server.stop(0)
 
 
 def test_steps_share_a_stream_and_a_failure_opens_a_new_one():
@@ -167,96 +196,65 @@ def test_a_stream_ending_under_a_write_fails_the_step_as_unavailable(error, end)
 
 
 def test_a_stopping_draft_ends_idle_step_streams_and_finishes_the_step_in_flight():
-    from services.draft.server import DraftServicer
-
-    class Engine:
+    class Engine(QuietEngine):
         async def step(self, request, owner=0):
             await asyncio.sleep(0.3 if request.items[0].request_id == "slow" else 0)
             return draft_pb2.StepResponse(results=[draft_pb2.StepResult(request_id=request.items[0].request_id)])
 
-        def run_ahead(self) -> None:
-            pass
-
-        async def end_stream(self, owner) -> None:
-            pass
-
     async def run():
-        servicer = DraftServicer(Engine())   # type: ignore[arg-type]
-        server = grpc.aio.server()
-        draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        busy, idle = DraftLink(draft_pb2_grpc.DraftStub(channel)), DraftLink(draft_pb2_grpc.DraftStub(channel))
-        try:
-            await idle.step(step("a"), timeout=5)
-            in_flight = asyncio.ensure_future(busy.step(step("slow"), timeout=5))
-            await asyncio.sleep(0.1)
-            servicer.end_idle_streams()
-            # The idle stream ends at once (its lane would mark this replica down at its next step)...
-            assert await asyncio.wait_for(idle._call.code(), 2) == grpc.StatusCode.OK
-            # ...while the step in flight is answered.
-            assert (await in_flight).results[0].request_id == "slow"
-            # ...and then its stream ends too.
-            assert await asyncio.wait_for(busy._call.code(), 2) == grpc.StatusCode.OK
-        finally:
-            busy.close()
-            idle.close()
-            await channel.close()
-            await server.stop(0)
+        async with served_draft(Engine()) as (servicer, channel):
+            busy, idle = DraftLink(draft_pb2_grpc.DraftStub(channel)), DraftLink(draft_pb2_grpc.DraftStub(channel))
+            try:
+                await idle.step(step("a"), timeout=5)
+                in_flight = asyncio.ensure_future(busy.step(step("slow"), timeout=5))
+                await asyncio.sleep(0.1)
+                servicer.end_idle_streams()
+                # The idle stream ends at once (its lane would mark this replica down at its next step)...
+                assert await asyncio.wait_for(idle._call.code(), 2) == grpc.StatusCode.OK
+                # ...while the step in flight is answered.
+                assert (await in_flight).results[0].request_id == "slow"
+                # ...and then its stream ends too.
+                assert await asyncio.wait_for(busy._call.code(), 2) == grpc.StatusCode.OK
+            finally:
+                busy.close()
+                idle.close()
     asyncio.run(run())
 
 
 def test_a_step_runs_to_its_end_when_the_scheduler_gives_up_on_its_stream():
     """The scheduler cancels a stream whose step outlasts its timeout; the step itself must finish
     (it holds the engine's state), or the next step would start beside a half-done one."""
-    from services.draft.server import DraftServicer
-
     started, release, finished = asyncio.Event(), asyncio.Event(), []
 
-    class Engine:
+    class Engine(QuietEngine):
         async def step(self, request, owner=0):
             started.set()
             await release.wait()
             finished.append(request.items[0].request_id)
             return draft_pb2.StepResponse()
 
-        def run_ahead(self) -> None:
-            pass
-
-        async def end_stream(self, owner) -> None:
-            pass
-
     async def run():
-        server = grpc.aio.server()
-        draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(Engine()), server)   # type: ignore[arg-type]
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        link = DraftLink(draft_pb2_grpc.DraftStub(channel))
-        try:
-            with pytest.raises(StepFailed):
-                await link.step(step("slow"), timeout=0.3)   # the stream is cancelled mid-step
-            assert started.is_set() and finished == []
-            await asyncio.sleep(0.1)
-            release.set()
-            for _ in range(50):
-                if finished:
-                    break
-                await asyncio.sleep(0.02)
-            return finished
-        finally:
-            link.close()
-            await channel.close()
-            await server.stop(0)
+        async with served_draft(Engine()) as (_, channel):
+            link = DraftLink(draft_pb2_grpc.DraftStub(channel))
+            try:
+                with pytest.raises(StepFailed):
+                    await link.step(step("slow"), timeout=0.3)   # the stream is cancelled mid-step
+                assert started.is_set() and finished == []
+                await asyncio.sleep(0.1)
+                release.set()
+                for _ in range(50):
+                    if finished:
+                        break
+                    await asyncio.sleep(0.02)
+                return finished
+            finally:
+                link.close()
     assert asyncio.run(run()) == ["slow"]
 
 
 def test_the_draft_runs_its_work_ahead_after_each_answer_before_the_next_step():
     """The context commit and next trees (`DraftEngine.run_ahead`) run once the answer has gone
     out, and before the next step on the stream starts."""
-    from services.draft.server import DraftServicer
-
     events: list[str] = []
 
     class Engine:
@@ -271,22 +269,43 @@ def test_the_draft_runs_its_work_ahead_after_each_answer_before_the_next_step():
             events.append("end")
 
     async def run():
-        server = grpc.aio.server()
-        draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(Engine()), server)   # type: ignore[arg-type]
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        link = DraftLink(draft_pb2_grpc.DraftStub(channel))
-        try:
-            for rid in "abc":
-                assert (await link.step(step(rid), timeout=5)).results[0].request_id == rid
-            for _ in range(100):   # the last answer's work runs after the answer left
-                if len(events) == 6:
-                    break
-                await asyncio.sleep(0.01)
-        finally:
-            link.close()
-            await channel.close()
-            await server.stop(0)
+        async with served_draft(Engine()) as (_, channel):
+            link = DraftLink(draft_pb2_grpc.DraftStub(channel))
+            try:
+                for rid in "abc":
+                    assert (await link.step(step(rid), timeout=5)).results[0].request_id == rid
+                for _ in range(100):   # the last answer's work runs after the answer left
+                    if len(events) == 6:
+                        break
+                    await asyncio.sleep(0.01)
+            finally:
+                link.close()
     asyncio.run(run())
     assert events == ["step a", "ahead", "step b", "ahead", "step c", "ahead", "end"]
+
+
+def test_idle_streams_end_waits_at_once_and_leave_no_pending_cancel():
+    """`IdleStreams.end` cancels the handlers waiting for a message; each takes the cancel back, so
+    nothing later in its task (a timeout, a shielded clean-up) reads it as still pending."""
+    from services.common.grpc_server import IdleStreams
+
+    async def run():
+        idle, gate = IdleStreams(), asyncio.Queue()
+
+        async def messages():
+            while True:
+                yield await gate.get()
+
+        async def handler():
+            got, stream = [], messages()
+            while (msg := await idle.next(stream)) is not None:
+                got.append(msg)
+            await asyncio.sleep(0)   # a pending cancel would raise here
+            return got, asyncio.current_task().cancelling()
+        task = asyncio.ensure_future(handler())
+        await gate.put("a")
+        await asyncio.sleep(0.05)
+        idle.end()
+        assert await idle.next(messages()) is None   # a stream opened after the stop ends at once
+        return await asyncio.wait_for(task, 2)
+    assert asyncio.run(run()) == (["a"], 0)

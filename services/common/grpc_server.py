@@ -11,7 +11,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,8 +23,9 @@ from services.common.health import OVERALL, HealthServicer
 from services.common.logging import get_logger
 from services.common.settings import SettingsError
 
-__all__ = ["ServiceError", "is_loopback", "new_server", "check_port_free", "listen", "serve_until_signal", "report_health",
-           "HEALTH_SERVICE_NAME", "PARENT_PID_ENV"]
+T = TypeVar("T")
+__all__ = ["ServiceError", "IdleStreams", "is_loopback", "new_server", "check_port_free", "listen", "serve_until_signal",
+           "report_health", "HEALTH_SERVICE_NAME", "PARENT_PID_ENV"]
 
 HEALTH_SERVICE_NAME = OVERALL
 # Set by `ddtree up` to its own pid: a service whose parent is no longer that process stops (below).
@@ -271,6 +273,40 @@ async def serve_until_signal(server: grpc.aio.Server, health_servicer: HealthSer
                 now.set()
             await drain(now)
         await server.stop(grace_s)
+
+
+class IdleStreams:
+    """The stream handlers of a service waiting for their caller's next message, which its stop
+    ends at once (`end`): an open stream held a stopping server for its whole gRPC grace, and its
+    caller saw the service as up until the process was gone. A handler busy with a message
+    finishes it; `next` then ends its stream."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self._waiting: set[asyncio.Task] = set()
+
+    async def next(self, requests: AsyncIterator[T]) -> T | None:
+        """The stream's next message; None where it ended or the service is stopping."""
+        if self.stopping:
+            return None
+        me = asyncio.current_task()
+        self._waiting.add(me)
+        try:
+            return await requests.__anext__()
+        except StopAsyncIteration:
+            return None
+        except asyncio.CancelledError:
+            if self.stopping:   # ended by `end`: the stream ends OK
+                me.uncancel()   # (taken: nothing later in this task may read it as pending)
+                return None
+            raise
+        finally:
+            self._waiting.discard(me)
+
+    def end(self) -> None:
+        self.stopping = True
+        for task in list(self._waiting):
+            task.cancel()
 
 
 async def _stop_when_orphaned(parent_pid: int, stop: asyncio.Event, poll_s: float) -> None:

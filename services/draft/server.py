@@ -14,8 +14,8 @@ import torch
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from services.common.auth import internal_interceptors, internal_token
 from services.common.devices import pin_device
-from services.common.grpc_server import (ServiceError, check_port_free, host_port, listen, new_server, report_health,
-                                         serve_until_signal, warn_if_reachable)
+from services.common.grpc_server import (IdleStreams, ServiceError, check_port_free, host_port, listen, new_server,
+                                         report_health, serve_until_signal, warn_if_reachable)
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import DraftSettings
@@ -33,8 +33,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, engine: DraftEngine) -> None:
         self.engine = engine
-        self._idle: set[asyncio.Task] = set()   # step streams waiting for their next step
-        self._stopping = False
+        self._idle = IdleStreams()   # step streams waiting for their next step
         self._streams = itertools.count(1)      # each step stream's number: the owner of what it admits
 
     async def StepStream(self, request_iterator: AsyncIterator[draft_pb2.StepRequest],
@@ -51,21 +50,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
     async def _steps(self, request_iterator: AsyncIterator[draft_pb2.StepRequest],
                      context: grpc.aio.ServicerContext, owner: int) -> AsyncIterator[draft_pb2.StepResponse]:
-        me = asyncio.current_task()
         requests = request_iterator.__aiter__()
-        while not self._stopping:   # stopping: a step in flight is answered, then the stream ends
-            self._idle.add(me)
-            try:
-                request = await requests.__anext__()
-            except StopAsyncIteration:
-                return
-            except asyncio.CancelledError:
-                if self._stopping:   # ended by end_idle_streams: return, so the stream ends (OK, no more steps)
-                    me.uncancel()   # (taken: nothing later in this task may read it as pending)
-                    return
-                raise
-            finally:
-                self._idle.discard(me)
+        while (request := await self._idle.next(requests)) is not None:   # None: ended, or stopping
             try:
                 # Shielded: if the scheduler gives up on the stream, the step still runs to its end
                 # (holding the engine's lock), so the next step never starts beside a half-done one.
@@ -82,9 +68,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         """At shutdown: ends every step stream between two steps, and every other one after the
         step in flight, so the grace period waits for steps in flight only, not for the schedulers'
         open streams (a lane whose stream ended finds this replica down at its next step)."""
-        self._stopping = True
-        for task in list(self._idle):
-            task.cancel()
+        self._idle.end()
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:

@@ -31,8 +31,8 @@ from kernels.tree_mla import backend_from_env
 from services.common.auth import internal_interceptors, internal_token
 from services.common.checkpoint import read_config, require_checkpoint
 from services.common.devices import device_name, pin_device
-from services.common.grpc_server import (ServiceError, check_port_free, host_port, listen, new_server, serve_until_signal,
-                                         warn_if_reachable)
+from services.common.grpc_server import (IdleStreams, ServiceError, check_port_free, host_port, listen, new_server,
+                                         serve_until_signal, warn_if_reachable)
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import (MAX_BUDGET, MAX_DRAFT_RING_SLOT_BYTES, MAX_DRAFT_RING_SLOTS, SettingsError,
@@ -98,8 +98,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._handshake_lock = asyncio.Lock()
         self._group_stopped = False   # the workers were sent their stop (`stop_group`)
         self._cleanups: set[asyncio.Future] = set()   # stream clean-ups running past their handler
-        self._idle: set[asyncio.Task] = set()   # stream handlers waiting for their draft's next step
-        self._stopping = False
+        self._idle = IdleStreams()   # stream handlers waiting for their draft's next step
         self.verifier_id = f"verifier-{uuid.uuid4().hex[:12]}"
 
     async def Handshake(self, request: verifier_pb2.HandshakeRequest,
@@ -219,23 +218,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                 f"draft {draft_id}: a verify stream of this handshake is already open; "
                                 "hand-shake again to replace it")
         peer.streamed = True
-        me = asyncio.current_task()
         try:
             peer.writer.attached()   # the draft mapped our ring before it opened this stream
             requests = request_iterator.__aiter__()
-            while not self._stopping:   # stopping: a step in flight is answered, then the stream ends
-                self._idle.add(me)
-                try:
-                    req = await requests.__anext__()
-                except StopAsyncIteration:
-                    break
-                except asyncio.CancelledError:
-                    if self._stopping:   # ended by end_idle_streams: the stream ends OK
-                        me.uncancel()   # (taken: nothing later in this task may read it as pending)
-                        break
-                    raise
-                finally:
-                    self._idle.discard(me)
+            while (req := await self._idle.next(requests)) is not None:   # None: ended, or stopping
                 t0 = time.perf_counter()
                 try:
                     resp = self._inline(self._step, peer, req) if self.settings.tp == 1 and not req.prefills \
@@ -262,9 +248,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         step in flight. An open stream kept the server's whole grace period (5 s) even when idle,
         and its draft saw the verifier as up until the process was gone; ended, the draft reports
         NOT_SERVING at once and hand-shakes again when it comes back."""
-        self._stopping = True
-        for task in list(self._idle):
-            task.cancel()
+        self._idle.end()
 
     def _track(self, future: asyncio.Future) -> asyncio.Future:
         """Keeps a background clean-up referenced until it finishes."""
