@@ -4,6 +4,7 @@ starting any."""
 from __future__ import annotations
 
 import dataclasses
+import signal
 import subprocess
 import sys
 
@@ -250,6 +251,51 @@ def test_more_draft_replicas_than_the_verifier_serves_fail_before_any_starts(tmp
     with pytest.raises(SettingsError, match=r"--draft-replicas 2: the verifier serves verifier.max_peers = 1 drafts at once"):
         stack.start()
     assert all(svc.proc is None for svc in stack.services)
+
+
+def test_a_service_that_ignores_sigterm_is_killed_after_the_grace() -> None:
+    """A service stuck in a CUDA call or a drain must not outlive the stack's stop (its GPU and port
+    held for the next start)."""
+    import time
+
+    from services.common.launcher import _end
+
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time\n"
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\n"
+                                 "time.sleep(60)\n"], stdout=subprocess.PIPE, text=True)
+    assert stubborn.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    _end([stubborn], grace_s=0.5)
+    assert stubborn.returncode == -signal.SIGKILL and time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("supervised", ["returns", "raises"])
+def test_up_stops_its_stack_however_supervision_ends_and_a_crash_loop_exits_1(monkeypatch, capsys,
+                                                                               supervised) -> None:
+    """Without the stop, a Ctrl-C left the services running (no drain) until they saw their
+    launcher gone; a crash loop that ended supervision must not read as success."""
+    from services.cli import main
+
+    monkeypatch.setattr("signal.signal", lambda *args: None)
+    stops = []
+
+    def start(self, should_stop=None):
+        self.scheduler_address = self.scheduler_listen_address = "127.0.0.1:50999"
+        return self
+
+    def supervise(self, *args, **kwargs):
+        if supervised == "raises":
+            raise RuntimeError("draft exited 4 times in 60 s")
+    monkeypatch.setattr("services.common.launcher.Stack.start", start)
+    monkeypatch.setattr("services.common.launcher.Stack.supervise", supervise)
+    monkeypatch.setattr("services.common.launcher.Stack.stop", lambda self, *a, **kw: stops.append(1))
+    monkeypatch.setattr("services.common.launcher.Stack.scheduler_settings", SchedulerSettings(tokenizer_path="models/demo"))
+    code = main(["up", "--port", "0"])
+    assert stops == [1]
+    if supervised == "raises":
+        assert code == 1 and "draft exited 4 times in 60 s; stopping" in capsys.readouterr().err
+    else:
+        assert code == 0
 
 
 def test_the_stack_stops_one_role_after_another(tmp_path) -> None:

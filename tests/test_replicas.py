@@ -127,7 +127,9 @@ def test_supervise_retries_a_restart_that_dies_and_stops_a_crash_loop() -> None:
         raise RuntimeError("draft did not become healthy within 1 s")
     stack.restart = hangs
     svc.proc = Proc(1)
+    t0 = time.monotonic()
     stack.supervise(lambda: len(hung) == 2, poll_s=0.0)
     assert hung[0].poll() is not None   # ended, so the next round started it again
+    assert time.monotonic() - t0 < 30   # ended by the supervisor, not by its own 60 s
     hung[1].kill()
     hung[1].wait()

@@ -694,3 +694,30 @@ def test_a_drafts_cuda_ipc_ring_outlives_its_stream_until_the_verifier_lets_go(m
         return seen
 
     assert asyncio.run(scenario()) == [("cuda_ipc", 1, 0, 0), ("cuda_ipc", 1, 0, 1), ("shm", 1, 1), (2, 1)]
+
+
+def test_a_draft_without_its_verifier_fails_a_reconnect_at_once() -> None:
+    """Past start-up (no wait), a reconnect to a verifier that is down must fail UNAVAILABLE at once:
+    waiting for it held the draft's engine, and every step of its requests, for 10 s a try."""
+    import socket
+    import time
+
+    from services.common.grpc_server import ServiceError
+    from services.draft.verifier_client import VerifierClient
+
+    with socket.socket() as s:   # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def run() -> tuple[ServiceError, float]:
+        client = VerifierClient(f"127.0.0.1:{port}", "shm", ring_slots=2, ring_slot_bytes=8192, device="cpu")
+        t0 = time.monotonic()
+        try:
+            await client.connect([1], 64, 128, wait_s=0)
+        except ServiceError as exc:
+            return exc, time.monotonic() - t0
+        finally:
+            await client.close()
+        raise AssertionError("connected to nothing")
+    err, took = asyncio.run(run())
+    assert err.code == grpc.StatusCode.UNAVAILABLE and took < 5.0, (err, took)
