@@ -298,6 +298,22 @@ def test_up_stops_its_stack_however_supervision_ends_and_a_crash_loop_exits_1(mo
         assert code == 0
 
 
+def test_the_scheduler_is_given_its_drain_beyond_the_stops_grace() -> None:
+    """Its running requests get `scheduler.stop_grace_s`; a SIGKILL at the stop's own grace cut
+    that drain short, with no request_end logged for them."""
+    from services.common.launcher import _Service
+
+    draining = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                                 "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.8), sys.exit(0)))\n"
+                                 "print('ready', flush=True)\ntime.sleep(60)\n"], stdout=subprocess.PIPE, text=True)
+    assert draining.stdout.readline().strip() == "ready"
+    stack = Stack(StackSpec(model_path="models/demo"))
+    stack.services.append(_Service("scheduler", "scheduler", "", {}, proc=draining,
+                                   settings=SchedulerSettings(stop_grace_s=2.0)))
+    stack.stop(grace_s=0.2)
+    assert draining.returncode == 0   # finished its 0.8 s drain: 0.2 + 2.0 s allowed, not 0.2
+
+
 def test_the_stack_stops_one_role_after_another(tmp_path) -> None:
     """The scheduler's stop lets its running requests finish, which needs the draft and verifier
     behind it: signalled all at once, the draft ended those requests' step stream at once."""
