@@ -378,16 +378,17 @@ def _refuse_other_services(environ: Mapping[str, str]) -> None:
     """A setting's variable under a service name that is none of ours (DDTREE_SCHEDULR_MAX_QUEUE)
     was read by no service, without a word, where a misspelt field or config table is refused."""
     services = tuple(f"DDTREE_{name.upper()}_" for name in _SECTIONS.values())
-    fields = {f.name for cls in _SECTIONS for f in dataclasses.fields(cls)}
+    owners: dict[str, list[str]] = {}   # field: the services that have it
+    for cls, name in _SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            owners.setdefault(f.name, []).append(name)
     for key in environ:
         if not key.startswith("DDTREE_") or key.startswith(services) or key in OTHER_VARIABLES:
             continue
         word, _, rest = key.removeprefix("DDTREE_").partition("_")
-        if rest.lower() in fields:
-            owners = [name for cls, name in _SECTIONS.items() if rest.lower() in {f.name for f in dataclasses.fields(cls)}]
-            names = [f"DDTREE_{o.upper()}_{rest.upper()}" for o in owners]
-            raise SettingsError(f"{key}: no service is called {word.lower()!r} (the setting is "
-                                f"{' or '.join(names)})")
+        if rest.lower() in owners:
+            names = " or ".join(f"DDTREE_{o.upper()}_{rest.upper()}" for o in owners[rest.lower()])
+            raise SettingsError(f"{key}: no service is called {word.lower()!r} (the setting is {names})")
 
 
 def replace(settings: S, **changes: Any) -> S:
