@@ -140,11 +140,18 @@ def test_missing_tensor(target_dir: Path) -> None:
         TargetModel.load(target_dir)
 
 
+def _rank_slice(target_dir: Path, size: int = 1) -> dict[str, torch.Tensor]:
+    """Rank 0's tensors as the tensor-parallel loader reads them."""
+    config = read_target_config(target_dir)
+    return load_rank_slice(target_dir, config, expected_tensors(config), rank=0, size=size)
+
+
 def test_wrong_shape_names_file_and_tensor(target_dir: Path) -> None:
     name = "model.layers.0.self_attn.o_proj.weight"
-    _rewrite_tensors(target_dir, lambda t: t.__setitem__(name, torch.zeros(64, 100, dtype=torch.bfloat16)))
-    with pytest.raises(CheckpointError, match=rf"{SINGLE_FILE}: tensor {name} has shape \(64, 100\), config implies \(64, 128\)"):
-        TargetModel.load(target_dir)
+    _rewrite_tensors(target_dir, lambda t: t.__setitem__(name, torch.randn(64, 100).bfloat16()))
+    for load in (TargetModel.load, _rank_slice):
+        with pytest.raises(CheckpointError, match=rf"{SINGLE_FILE}: tensor {name} has shape \(64, 100\), config implies \(64, 128\)"):
+            load(target_dir)
     with pytest.raises(CheckpointError, match=name):
         ReferenceModel.load(target_dir)
 
@@ -152,8 +159,21 @@ def test_wrong_shape_names_file_and_tensor(target_dir: Path) -> None:
 def test_packed_weight_must_be_int32(target_dir: Path) -> None:
     name = "model.layers.1.mlp.experts.3.up_proj.weight_packed"
     _rewrite_tensors(target_dir, lambda t: t.__setitem__(name, t[name].to(torch.int64)))
-    with pytest.raises(CheckpointError, match=f"{name} is int64; expected int32"):
-        TargetModel.load(target_dir)
+    for load in (TargetModel.load, _rank_slice):
+        with pytest.raises(CheckpointError, match=f"{name} is int64; expected int32"):
+            load(target_dir)
+
+
+def test_the_tensor_parallel_loader_refuses_a_split_tp_does_not_divide(target_dir: Path, tmp_path: Path) -> None:
+    """Heads, vocabulary and expert widths split evenly over the ranks, or the start fails before
+    any read, naming the tensor and its count (a rank would otherwise take a ragged slice)."""
+    with pytest.raises(CheckpointError, match=r"experts\.0\.down_proj\.weight_packed splits into 1 units along dim 1, "
+                                              r"not divisible by tp=2 .*a multiple of the group size"):
+        _rank_slice(target_dir, size=2)   # one INT4 group of expert width: it cannot split
+    write_random_target(tmp_path / "bf16", VOCAB, int4=False, seed=3)
+    assert _rank_slice(tmp_path / "bf16", size=2)   # this target's splits divide by 2
+    with pytest.raises(CheckpointError, match=r"tensor \S+ splits into \d+ units along dim [01], not divisible by tp=3"):
+        _rank_slice(tmp_path / "bf16", size=3)
 
 
 @pytest.mark.parametrize("name, dtype, expected", [

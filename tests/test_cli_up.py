@@ -123,6 +123,24 @@ def test_a_stop_request_ends_the_wait_and_the_start_up() -> None:
     assert stack.procs == []
 
 
+def test_a_service_failing_its_start_stops_those_started_before_it() -> None:
+    """A draft that fails its start-up after the verifier came up (loaded, serving) ends the
+    verifier too: a start that raises leaves no process behind to hold the GPU and the ports."""
+    stack = Stack(StackSpec(model_path="models/demo", scheduler_port=0))
+    launch, started = stack._launch, []
+
+    def draft_fails(svc, should_stop=None):
+        if svc.role == "draft":
+            raise RuntimeError("draft exited with code 1 during start-up (see its output)")
+        launch(svc, should_stop)
+        started.append(svc.proc)
+    stack._launch = draft_fails
+    with pytest.raises(RuntimeError, match="draft exited with code 1"):
+        stack.start()
+    assert len(started) == 1 and started[0].poll() is not None   # the verifier was up, and is ended
+    assert stack.procs == []
+
+
 def test_up_startup_timeout_is_honoured_and_names_the_last_answer() -> None:
     out = _up("--startup-timeout", "0", timeout=30)
     assert out.returncode == 2 and "--startup-timeout 0: must be > 0" in out.stderr, out.stderr

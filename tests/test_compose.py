@@ -82,6 +82,9 @@ def test_the_three_services_read_the_internal_token_made_once_before_them(compos
     assert "docker volume rm ddtree_internal-token" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["token"]   # its own temporary files gone
     assert main(["make-token", str(tmp_path / "no-such-dir" / "token")]) == 2
+    capsys.readouterr()
+    assert main(["make-token", str(tmp_path)]) == 2   # a folder (a volume's mount point), not the file in it
+    assert f"{tmp_path} is a directory: give the token file's path (e.g. {tmp_path / 'token'})" in capsys.readouterr().err
 
 
 def test_the_build_context_leaves_out_what_the_image_does_not_copy():

@@ -119,6 +119,16 @@ def test_supervise_retries_a_restart_that_dies_and_stops_a_crash_loop() -> None:
     with pytest.raises(RuntimeError, match=r"draft failed its start-up 4 times in a row \(draft exited with code 2"):
         stack.supervise(lambda: False, poll_s=0.0, max_restarts=3, window_s=0.0)
 
+    left = ["fail"] * 3 + ["up"] + ["fail"] * 3 + ["up"]
+
+    def fails_then_comes_up(name, should_stop=None):   # counted are failures in a row: one that came up resets it
+        svc.proc = Proc(2)   # (one that came up exits again at once: seen on the next round)
+        if left.pop(0) == "fail":
+            raise RuntimeError("draft exited with code 2 during start-up (see its output)")
+    stack.restart = fails_then_comes_up
+    svc.proc = Proc(1)
+    stack.supervise(lambda: not left, poll_s=0.0, max_restarts=3, window_s=0.0)   # 6 failures, never 4 in a row
+
     hung = []
 
     def hangs(name, should_stop=None):   # still starting when its time ran out: it was left running, never retried

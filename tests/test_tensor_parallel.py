@@ -259,6 +259,41 @@ def test_ranks_that_start_and_load_at_different_speeds_meet_before_their_first_t
     assert sorted(out.get(timeout=5) for _ in procs) == [(0, ("call", 0)), (1, ("call", 0))]
 
 
+def _rank_alone_in_a_call(rank: int, port: int, out) -> None:
+    from services.verifier.parallel import TensorParallel
+    tp = TensorParallel(rank, 2, f"tcp://127.0.0.1:{port}", backend="gloo", timeout_s=1.0)
+    tp.align()
+    if rank == 1:   # a worker that never makes the call (stuck)
+        time.sleep(20)
+        return
+    t0 = time.monotonic()
+    try:
+        tp.all_reduce(torch.ones(4))
+        out.put(("returned", time.monotonic() - t0))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out.put((type(exc).__name__, time.monotonic() - t0))
+
+
+def test_a_collective_a_rank_never_joins_fails_at_the_tp_timeout():
+    """`verifier.tp_timeout_s` bounds each collective once the ranks have met: rank 0 waiting for
+    a worker that never calls fails after it (1 s here), not after gloo's default 30 minutes."""
+    import multiprocessing as mp
+
+    from services.common.launcher import free_port
+    spawn = mp.get_context("spawn")
+    out, port = spawn.Queue(), free_port()
+    procs = [spawn.Process(target=_rank_alone_in_a_call, args=(rank, port, out)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        what, took = out.get(timeout=60)
+        assert what != "returned" and took < 10, (what, took)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(10)
+
+
 def _rank_0_beside(worker_code: str, port: int, out) -> None:
     from services.common.grpc_server import ServiceError
     from services.verifier.parallel import TensorParallel
