@@ -160,6 +160,30 @@ def test_token_keys_are_keyed_by_all_64_bits_of_the_seed_and_by_index() -> None:
     assert np.array_equal(token_keys(-1, [5]), token_keys(2**64 - 1, [5]))
 
 
+def test_token_keys_are_splitmix64_of_the_mixed_seed_advanced_by_index_plus_one() -> None:
+    """The key schedule in plain Python integers: a seeded request's tokens are a function of it,
+    so any change (an index offset, a constant) silently re-draws every seeded output a user kept."""
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+        return z ^ (z >> 31)
+
+    for seed in (0, 11, 2**63 + 5, 2**64 - 1):
+        for index in (0, 1, 700, 2**20):
+            want = mix((mix(seed) + (index + 1) * 0x9E3779B97F4A7C15) & (2**64 - 1))
+            assert int(token_keys(seed, [index])[0]) & (2**64 - 1) == want, (seed, index)
+
+
+def test_the_inverse_temperature_is_the_float32_every_path_scales_by() -> None:
+    """The reference, the torch path and the GPU kernel multiply by the same float32 of 1 / T, so
+    their draws agree bit for bit; a double 1 / T here parted from the kernel's float32."""
+    from services.verifier.sampling import inverse_temperature
+    for t in (0.7, 1.3, 0.01, 1.0):
+        inv = inverse_temperature(t)
+        assert inv == float(np.float32(1.0 / t)) and float(np.float32(inv)) == inv
+    assert inverse_temperature(0.7) != 1.0 / 0.7   # (not representable in float32: it was rounded)
+
+
 def _noise_reference(key: int, vocab: int) -> np.ndarray:
     """`gumbel_noise` for one key in plain Python integers (no wrapping arithmetic to trust)."""
     def mix(x: int) -> int:
