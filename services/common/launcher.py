@@ -104,7 +104,8 @@ def free_port(avoid: Collection[int] = ()) -> int:
     verifier's TP rendezvous). So the pick is uniform over the ephemeral range, then checked by a
     bind. Only ports an odd distance above the range's start: Linux (4.6 on) gives outgoing
     connections the others, so a connection made between the pick and the service's bind (a
-    verifier binds once loaded, seconds later) cannot take the port."""
+    verifier binds once loaded, seconds later) cannot take the port (a `bind` to port 0, far
+    rarer, still can: the check at the service's start says so)."""
     low, high = _ephemeral_range()
     while True:
         port = _PICK.randint(low, high)
