@@ -159,6 +159,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     stop = {"now": False, "signal": signal.SIGINT}
 
     def _on_signal(signum, frame) -> None:
+        if stop["now"]:   # a second one: the stop waits for nothing (the scheduler's drain)
+            stack.hurry()
+            return
         stop["now"], stop["signal"] = True, signum
 
     signal.signal(signal.SIGINT, _on_signal)

@@ -177,6 +177,47 @@ def test_up_serves_tls_on_its_host_with_the_health_tls_name(tmp_path) -> None:
             proc.wait()
 
 
+def test_a_second_ctrl_c_ends_the_schedulers_wait_for_running_requests() -> None:
+    """The first Ctrl-C lets running requests finish (up to scheduler.stop_grace_s, 60 s here);
+    a second one ends them now. It reached only the launcher, which did not pass it on: `up`
+    waited for the request to finish by itself."""
+    from services.scheduler.client import Client
+
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "DDTREE_SCHEDULER_STOP_GRACE_S": "60"})
+    lines = _lines(proc)
+    got: list[str] = []
+    try:
+        seen = _wait_for(lines, "ddtree up: serving", 120)
+        address = seen[-1].split("--address ")[1].split()[0]
+        with Client(address) as client:
+            running = threading.Event()
+
+            def long_request() -> None:
+                try:
+                    for _ in client.stream("import os", max_tokens=4000, ignore_eos=True):
+                        running.set()
+                    got.append("finished")
+                except ClientError as exc:
+                    got.append(f"{exc.code.name}: {exc.message}")
+            runner = threading.Thread(target=long_request)
+            runner.start()
+            assert running.wait(30)
+            proc.send_signal(signal.SIGINT)
+            _wait_for(lines, "service=scheduler signal=SIGTERM", 30)   # draining
+            proc.send_signal(signal.SIGINT)
+            second = time.monotonic()
+            assert proc.wait(timeout=60) == 0
+            runner.join(30)
+        assert time.monotonic() - second < 15   # not the request's own end, nor the 60 s grace
+        assert len(got) == 1 and got[0].startswith("UNAVAILABLE: the scheduler stopped"), got
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_signal_during_start_up_stops_the_stack_at_once() -> None:
     """Ctrl-C used to wait until every service was healthy, then exited 0."""
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0"], cwd=REPO,
