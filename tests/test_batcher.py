@@ -1691,6 +1691,45 @@ def test_a_down_replicas_queue_moves_only_to_replicas_that_can_hold_it() -> None
     assert list(big_lane.waiting) == [big] and list(small_lane.waiting) == [small]
 
 
+def test_a_burst_the_next_step_starts_is_not_counted_against_max_queue() -> None:
+    """A burst arrives between two steps and all of it queues: with max_queue 2 and a batch of 64,
+    7 of 10 requests to an idle replica were refused "queue full" though one step started them
+    all. What waits is what the next step leaves queued, and the step's own room is what
+    `_schedule` admits: the batch, the step's prompt tokens, the KV."""
+    from services.scheduler.router import Router
+
+    def router_with(max_batch: int, capacity: int = 100_000, prefill: int = 8192) -> tuple[Router, StepLoop]:
+        settings = SchedulerSettings(tokenizer_path="", max_queue=2, max_batch=max_batch, max_prefill_tokens=prefill)
+        router = Router(settings, Metrics("scheduler-burst-test"))
+        lane = StepLoop(settings, "idle", None, Limits(64, 4096, 16, (0,), capacity), KvBudget(capacity), router.metrics)
+        router.lanes.append(lane)
+        return router, lane
+
+    router, lane = router_with(max_batch=64)
+    for i in range(10):
+        router.submit(request(f"b{i}", 4))
+    assert lane.waiting_past_next_step == 0 and len(admitted(lane)) == 10   # one step starts them all
+    router, lane = router_with(max_batch=4)   # 4 start with the next step, 2 wait, the 7th is refused
+    for i in range(6):
+        router.submit(request(f"b{i}", 4))
+    assert lane.waiting_past_next_step == 2
+    with pytest.raises(ServiceError, match=r"queue full \(2 requests waiting\)"):
+        router.submit(request("b6", 4))
+    assert len(admitted(lane)) == 4 and len(lane.waiting) == 2
+    router, lane = router_with(max_batch=64, capacity=1_000)   # the KV holds 3 of them: the rest wait
+    for i in range(5):
+        router.submit(request(f"k{i}", 4, kv=300))
+    with pytest.raises(ServiceError, match="queue full"):
+        router.submit(request("k5", 4, kv=300))
+    assert len(admitted(lane)) == 3
+    router, lane = router_with(max_batch=64, prefill=100)   # the step's prompt tokens start 2 of them
+    for i in range(4):
+        router.submit(request(f"p{i}", 60))
+    with pytest.raises(ServiceError, match="queue full"):
+        router.submit(request("p4", 60))
+    assert len(admitted(lane)) == 2
+
+
 def test_the_kv_and_queue_bounds_are_exact() -> None:
     """A request needing exactly the cache fits it; the queue takes max_queue waiting requests
     and refuses the next."""

@@ -160,11 +160,30 @@ class StepLoop:
         return req.kv_tokens <= self.kv.capacity
 
     def admits_now(self, req: ActiveRequest) -> bool:
-        """Whether the request would start with this replica's next step: nothing queued here, room
-        in the batch and in the step's prompt tokens, and its group's KV free now beside the heads
-        of the group's other queues (`KvBudget.heads_ahead`)."""
-        return not self.waiting and len(self.running) < self.settings.max_batch and self._prefill_left(req) > 0 and \
-            self.kv.reserved + req.kv_tokens + self.kv.heads_ahead(self) <= self.kv.capacity
+        """Whether the request would start with this replica's next step, behind the requests
+        queued here (a burst arrives between two steps: it all queues, and one step starts it)."""
+        return self._starts_next([*self.waiting, req]) == len(self.waiting) + 1
+
+    @property
+    def waiting_past_next_step(self) -> int:
+        """Queued requests the next step would not start: those that wait (`max_queue`)."""
+        return len(self.waiting) - self._starts_next(list(self.waiting))
+
+    def _starts_next(self, queue: list[ActiveRequest]) -> int:
+        """How many of ``queue``, in order, the next step would start, as `_schedule` admits: room
+        in the batch and in the step's prompt tokens, and the group's KV free now beside the heads
+        of its other queues that arrived first (`KvBudget.heads_ahead`)."""
+        if not queue:
+            return 0
+        slots = self.settings.max_batch - len(self.running)
+        left, taken = self._prefill_left(queue[0]), 0
+        for n, r in enumerate(queue):
+            if n >= slots or left <= 0 or \
+                    self.kv.reserved + taken + r.kv_tokens + self.kv.heads_ahead(self, r) > self.kv.capacity:
+                return n
+            left -= len(r.prompt_ids)
+            taken += r.kv_tokens
+        return len(queue)
 
     @property
     def pending_releases(self) -> list[str]:
