@@ -185,6 +185,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     sched = stack.scheduler_settings
     flags = ("" if here == "127.0.0.1:50051" else f" --address {here}") + \
         (f" --tls-ca {sched.tls_cert}" if sched.tls_cert else "") + (" --token TOKEN" if sched.auth_token else "")
+    if sched.tls_cert and os.environ.get("DDTREE_HEALTH_TLS_NAME"):   # a certificate not naming 127.0.0.1
+        flags += f" --tls-server-name {os.environ['DDTREE_HEALTH_TLS_NAME']}"
     prompt = "--prompt 'def fibonacci(n):'" if sched.tokenizer_path else "--token-ids --prompt 1,2,3"
     print(f"ddtree up: serving {model} at {stack.scheduler_listen_address}{reach} "
           f"(try: {_this_command()} generate{flags} {prompt}); Ctrl-C stops", file=sys.stderr, flush=True)

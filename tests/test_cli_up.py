@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shlex
 import signal
 import socket
 import subprocess
@@ -167,6 +168,11 @@ def test_up_serves_tls_on_its_host_with_the_health_tls_name(tmp_path) -> None:
         seen = _wait_for(lines, "ddtree up: serving", 120)
         assert "ddtree up: serving models/demo at 127.0.0.1:" in seen[-1], seen[-1]
         assert "--address 127.0.0.1:" in seen[-1]   # not the default port: the hint says where
+        assert "--tls-server-name ddtree.test" in seen[-1]   # and the name its certificate has
+        hint = seen[-1].split(" generate ", 1)[1].split("); Ctrl-C stops")[0]   # the line it says to try works
+        tried = subprocess.run([sys.executable, "-m", "services.cli", "generate", *shlex.split(hint), "--max-tokens", "4"],
+                               cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert tried.returncode == 0, tried.stderr[-2000:]
         scheduler = [ln for ln in seen if "service=scheduler" in ln and "serving" in ln]
         assert scheduler and "address=127.0.0.1:" in scheduler[-1], seen[-5:]   # not 0.0.0.0 from the file
         proc.send_signal(signal.SIGTERM)
