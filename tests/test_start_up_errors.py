@@ -324,6 +324,10 @@ def test_a_misspelt_tree_attention_backend_fails_the_verifiers_start_by_name(mon
     monkeypatch.setenv(BACKEND_ENV, "Hopper")
     with pytest.raises(SettingsError, match="DDTREE_TREE_MLA_BACKEND='Hopper': must be 'hopper', 'triton' or"):
         asyncio.run(serve(VerifierSettings(port=0)))
+    for gpu_only in ("hopper", "triton"):   # on the CPU no kernel reads it: it was ignored silently
+        monkeypatch.setenv(BACKEND_ENV, gpu_only)
+        with pytest.raises(SettingsError, match=f"{BACKEND_ENV}={gpu_only}: a GPU kernel, and verifier.device is cpu"):
+            asyncio.run(serve(VerifierSettings(port=0)))
     for ok in ("hopper", "triton", "reference"):
         monkeypatch.setenv(BACKEND_ENV, ok)
         assert backend_from_env() == ok

@@ -27,7 +27,7 @@ import grpc
 import torch
 
 from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from kernels.tree_mla import backend_from_env
+from kernels.tree_mla import BACKEND_ENV, backend_from_env
 from services.common.auth import internal_interceptors, internal_token
 from services.common.checkpoint import read_config, require_checkpoint
 from services.common.devices import device_name, pin_device
@@ -626,9 +626,12 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     check_port_free(settings.host, settings.port, "verifier.port")
     token = internal_token()   # asked of every draft's calls
     try:
-        backend_from_env()
+        backend = backend_from_env()
     except ValueError as exc:
         raise SettingsError(str(exc)) from None
+    if backend in ("hopper", "triton") and not settings.device.startswith("cuda"):   # else ignored: said, not guessed
+        raise SettingsError(f"{BACKEND_ENV}={backend}: a GPU kernel, and verifier.device is {settings.device}; "
+                            "unset it (or 'reference') to serve on the CPU")
     metrics = Metrics("verifier")
     metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
     workers = []
