@@ -65,12 +65,12 @@ def test_a_services_port_on_anothers_metrics_port_fails_before_any_starts_and_pi
     with pytest.raises(SettingsError, match=r"scheduler\.port: 9102 is the draft's metrics port too"):
         stack.start()
     assert all(svc.proc is None for svc in stack.services)
-    picks = iter([50051, 9102, 50051, 41000, 41001, 50051, 41003])   # (41000: of outgoing connections' parity)
+    picks = iter([50051, 9102, 50051, 41000, 50051, 41001])
     monkeypatch.setattr(launcher._PICK, "randint", lambda low, high: next(picks))
     monkeypatch.setenv("DDTREE_SCHEDULER_PORT", "70000")
     monkeypatch.setenv("DDTREE_DRAFT_VERIFIER_ADDRESS", "dns:verifier:50053")
     plan = Stack(StackSpec(model_path="models/demo", config_path=str(cfg), scheduler_port=50051))._plan()
-    assert [svc.address for svc in plan] == ["127.0.0.1:41001", "127.0.0.1:41003", "127.0.0.1:50051"]
+    assert [svc.address for svc in plan] == ["127.0.0.1:41000", "127.0.0.1:41001", "127.0.0.1:50051"]
     # Devices given replica by replica beside a role-wide cuda_ipc: checked per replica, not refused as "cpu".
     replicas = StackSpec(model_path="models/demo", draft_replicas=2, extra_env={"DDTREE_DRAFT_TRANSPORT": "cuda_ipc"},
                          service_env={f"draft-{i}": {"DDTREE_DRAFT_DEVICE": f"cuda:{i}"} for i in range(2)})
@@ -213,26 +213,27 @@ def test_free_port_never_hands_out_a_port_twice() -> None:
     assert len(set(ports)) == len(ports)
 
 
-def test_free_port_picks_no_port_an_outgoing_connection_takes_meanwhile() -> None:
-    """A picked port is bound by its service seconds later (a verifier once loaded); Linux gives
-    outgoing connections the ports an even distance above the ephemeral range's start, so the
-    picks are the others and a connection made meanwhile cannot take one."""
-    from services.common.launcher import _ephemeral_range, free_port
+def test_free_port_picks_no_port_the_kernel_hands_out_meanwhile() -> None:
+    """A picked port is bound by its service seconds later (a verifier once loaded); picked in the
+    ephemeral range, an outgoing connection or a listener on port 0 (gloo's, a TP rendezvous)
+    could take it first. The picks lie outside the range the kernel hands out."""
+    from services.common.launcher import LOWEST_PICK, _ephemeral_range, _pick_range, free_port
 
-    low, _ = _ephemeral_range()
+    low, high = _ephemeral_range()
+    first, last = _pick_range()
+    assert last < low or first > high   # the machine's range leaves room outside it
     picks = {free_port() for _ in range(200)}
-    assert all((p - low) % 2 == 1 for p in picks)
-    if sys.platform == "linux":   # the kernel's side of it, on the machine this runs on
-        with socket.socket() as server:
-            server.bind(("127.0.0.1", 0))
-            server.listen(256)
-            clients = [socket.create_connection(server.getsockname()) for _ in range(200)]
-            try:
-                assert not {c.getsockname()[1] for c in clients} & picks
-                assert all((c.getsockname()[1] - low) % 2 == 0 for c in clients)
-            finally:
-                for c in clients:
-                    c.close()
+    assert all(first <= p <= last and not low <= p <= high and p >= LOWEST_PICK for p in picks)
+    with socket.socket() as server:   # the kernel's side: what it hands out is in its range
+        server.bind(("127.0.0.1", 0))
+        server.listen(256)
+        clients = [socket.create_connection(server.getsockname()) for _ in range(100)]
+        try:
+            handed = {c.getsockname()[1] for c in clients} | {server.getsockname()[1]}
+            assert all(low <= p <= high for p in handed) and not handed & picks
+        finally:
+            for c in clients:
+                c.close()
 
 
 def test_the_verifier_is_given_the_drafters_feature_layers(tmp_path) -> None:

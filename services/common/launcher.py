@@ -96,20 +96,33 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+LOWEST_PICK = 10000   # below: where well-known servers (8080, 9090, 6379, ...) listen
+
+
+def _pick_range() -> tuple[int, int]:
+    """Where `free_port` picks: below the ephemeral range (above it where that leaves too few
+    ports), which the kernel never hands to a `connect` or a `bind` to port 0."""
+    low, high = _ephemeral_range()
+    if low - LOWEST_PICK >= 4096:
+        return LOWEST_PICK, low - 1
+    if 65535 - high >= 4096:
+        return high + 1, 65535
+    return low, high
+
+
 def free_port(avoid: Collection[int] = ()) -> int:
     """A loopback port that is free now and not one this process handed out before (nor in
     ``avoid``: a stack's fixed ports, bound later). The ports of a stack are picked together and
-    bound later: asked for port 0, the OS gave one port twice in about 1 of 160 batches of 15, and
-    nearly the same ports to processes asking at the same time (a draft's port went to a
-    verifier's TP rendezvous). So the pick is uniform over the ephemeral range, then checked by a
-    bind. Only ports an odd distance above the range's start: Linux (4.6 on) gives outgoing
-    connections the others, so a connection made between the pick and the service's bind (a
-    verifier binds once loaded, seconds later) cannot take the port (a `bind` to port 0, far
-    rarer, still can: the check at the service's start says so)."""
-    low, high = _ephemeral_range()
+    bound later, a verifier's once it has loaded, seconds on: asked for port 0, the OS gave one
+    port twice in about 1 of 160 batches of 15, and nearly the same ports to processes asking at
+    the same time (a draft's port went to a verifier's TP rendezvous); picked in the ephemeral
+    range, one went meanwhile to an outgoing connection or to gloo's listeners (the draft then
+    failed its start, "Address already in use"). So the pick is uniform over ports outside that
+    range (`_pick_range`), then checked by a bind."""
+    low, high = _pick_range()
     while True:
         port = _PICK.randint(low, high)
-        if (port - low) % 2 == 0 or port in _HANDED_OUT or port in avoid:
+        if port in _HANDED_OUT or port in avoid:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
