@@ -1715,6 +1715,9 @@ def test_a_burst_the_next_step_starts_is_not_counted_against_max_queue() -> None
     assert lane.waiting_past_next_step == 2
     with pytest.raises(ServiceError, match=r"queue full \(2 requests waiting\)"):
         router.submit(request("b6", 4))
+    lane.healthy = False   # down: all its queue waits (for another replica), and none starts there
+    assert lane.waiting_past_next_step == 6 and not lane.admits_now(request("b7", 4))
+    lane.healthy = True
     assert len(admitted(lane)) == 4 and len(lane.waiting) == 2
     router, lane = router_with(max_batch=64, capacity=1_000)   # the KV holds 3 of them: the rest wait
     for i in range(5):
@@ -1728,6 +1731,33 @@ def test_a_burst_the_next_step_starts_is_not_counted_against_max_queue() -> None
     with pytest.raises(ServiceError, match="queue full"):
         router.submit(request("p4", 60))
     assert len(admitted(lane)) == 2
+
+
+def test_what_the_queue_cap_counts_as_starting_is_what_the_next_step_starts() -> None:
+    """`waiting_past_next_step` simulates `_schedule`'s admissions (batch, prompt tokens beside
+    running prompts' pieces, KV); on random lanes it must agree with the step itself, and
+    `admits_now` with a request queued last."""
+    import random
+    rng = random.Random(7)
+    for case in range(300):
+        settings = SchedulerSettings(tokenizer_path="", max_batch=rng.randint(1, 8),
+                                     max_prefill_tokens=rng.choice([16, 40, 100, 400]))
+        capacity = rng.choice([500, 2_000, 100_000])
+        lane = StepLoop(settings, "l", None, Limits(64, 4096, 16, (0,), capacity), KvBudget(capacity),
+                        Metrics("scheduler-test"))
+        for i in range(rng.randint(0, settings.max_batch)):   # running, some with prompt pieces still to send
+            lane.waiting.append(request(f"run{i}", rng.randint(1, 300), kv=rng.randint(50, 400)))
+            lane._schedule()
+        lane.waiting.clear()
+        queued = [request(f"q{i}", rng.randint(1, 120), kv=rng.randint(50, 600)) for i in range(rng.randint(0, 10))]
+        lane.waiting.extend(queued[:-1])
+        if queued:   # it starts at once where it and everything before it start
+            starts = lane.admits_now(queued[-1])
+            lane.waiting.append(queued[-1])
+            assert starts == (lane.waiting_past_next_step == 0), case
+        before, past = len(lane.waiting), lane.waiting_past_next_step
+        lane._schedule()
+        assert before - len(lane.waiting) == before - past, (case, before, past, len(lane.waiting))
 
 
 def test_the_kv_and_queue_bounds_are_exact() -> None:

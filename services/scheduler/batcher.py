@@ -99,10 +99,13 @@ class KvBudget:
         waited for ever while the other lanes kept admitting small ones into every page freed.
         Heads of lanes whose batch is full are not counted: they cannot use the KV now, and their
         lane counts them again as soon as it has room."""
-        return sum(other.waiting[0].kv_tokens for other in self.lanes
-                   if other is not lane and other.healthy and other.waiting
-                   and len(other.running) < other.settings.max_batch
-                   and (req is None or other.waiting[0].created < req.created))
+        return sum(kv for created, kv in self.other_heads(lane) if req is None or created < req.created)
+
+    def other_heads(self, lane: StepLoop) -> list[tuple[float, int]]:
+        """The (arrival, KV tokens) of the heads `heads_ahead` counts, oldest first."""
+        return sorted((other.waiting[0].created, other.waiting[0].kv_tokens) for other in self.lanes
+                      if other is not lane and other.healthy and other.waiting
+                      and len(other.running) < other.settings.max_batch)
 
 
 class StepLoop:
@@ -161,29 +164,36 @@ class StepLoop:
 
     def admits_now(self, req: ActiveRequest) -> bool:
         """Whether the request would start with this replica's next step, behind the requests
-        queued here (a burst arrives between two steps: it all queues, and one step starts it)."""
-        return self._starts_next([*self.waiting, req]) == len(self.waiting) + 1
+        queued here (a burst arrives between two steps: it all queues, and one step starts it):
+        `_schedule` admits in order while the batch, the step's prompt tokens and the group's KV
+        (beside the older heads of its other queues) last, and each of these tightens down the
+        queue, so the newest one's check is everyone's. Called for each request placed: O(1)
+        where the batch is full."""
+        if not self.healthy or len(self.running) + len(self.waiting) >= self.settings.max_batch:
+            return False
+        ahead = self.waiting
+        left = self._prefill_left(ahead[0] if ahead else req) - sum(len(r.prompt_ids) for r in ahead)
+        return left > 0 and self.kv.reserved + sum(r.kv_tokens for r in ahead) + req.kv_tokens \
+            + self.kv.heads_ahead(self, req) <= self.kv.capacity
 
     @property
     def waiting_past_next_step(self) -> int:
-        """Queued requests the next step would not start: those that wait (`max_queue`)."""
-        return len(self.waiting) - self._starts_next(list(self.waiting))
-
-    def _starts_next(self, queue: list[ActiveRequest]) -> int:
-        """How many of ``queue``, in order, the next step would start, as `_schedule` admits: room
-        in the batch and in the step's prompt tokens, and the group's KV free now beside the heads
-        of its other queues that arrived first (`KvBudget.heads_ahead`)."""
-        if not queue:
-            return 0
+        """Queued requests the next step would not start: those that wait (`max_queue`). All of a
+        replica's that is down."""
+        if not self.healthy:
+            return len(self.waiting)
         slots = self.settings.max_batch - len(self.running)
-        left, taken = self._prefill_left(queue[0]), 0
-        for n, r in enumerate(queue):
-            if n >= slots or left <= 0 or \
-                    self.kv.reserved + taken + r.kv_tokens + self.kv.heads_ahead(self, r) > self.kv.capacity:
-                return n
+        left, taken = self._prefill_left(self.waiting[0]) if self.waiting else 0, 0
+        heads, h, older = self.kv.other_heads(self), 0, 0   # `heads_ahead` of each in turn, in one pass
+        for n, r in enumerate(self.waiting):
+            while h < len(heads) and heads[h][0] < r.created:
+                older += heads[h][1]
+                h += 1
+            if n >= slots or left <= 0 or self.kv.reserved + taken + r.kv_tokens + older > self.kv.capacity:
+                return len(self.waiting) - n
             left -= len(r.prompt_ids)
             taken += r.kv_tokens
-        return len(queue)
+        return 0
 
     @property
     def pending_releases(self) -> list[str]:

@@ -220,9 +220,10 @@ class Router:
                                f"in whole pages); the cache holds {max(lane.kv.capacity for lane in live)}"
                                + ("; lower max_tokens or shorten the prompt" if never else ""))
         # The queue's cap is for requests that wait: one a replica would start at once does not,
-        # nor do those queued that the next step's batch has room for.
-        waiting = sum(lane.waiting_past_next_step for lane in list(self.lanes))
-        if waiting >= self.settings.max_queue and not any(lane.admits_now(req) for lane in fits):
+        # nor do those queued that the next step starts (counted only where the queues reach it).
+        if self.waiting >= self.settings.max_queue \
+                and sum(lane.waiting_past_next_step for lane in list(self.lanes)) >= self.settings.max_queue \
+                and not any(lane.admits_now(req) for lane in fits):
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"queue full ({self.settings.max_queue} requests waiting); retry later")
         # An aborted request that has not left its step loop yet does not hold its id: the id may be
