@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 
@@ -1731,6 +1732,27 @@ def test_a_burst_the_next_step_starts_is_not_counted_against_max_queue() -> None
     with pytest.raises(ServiceError, match="queue full"):
         router.submit(request("p4", 60))
     assert len(admitted(lane)) == 2
+
+
+def test_replicas_sharing_a_verifiers_kv_count_their_whole_queues_against_max_queue() -> None:
+    """Each of four replicas of one verifier group, simulating its next step alone, counted the
+    group's free KV as its own: a burst of 40 left 19 waiting past a max_queue of 1. Where
+    replicas share the KV, a request starts at once only into an empty queue, and every queued
+    one counts."""
+    from services.scheduler.router import Router
+
+    settings = SchedulerSettings(tokenizer_path="", max_queue=1, max_batch=8)
+    router = Router(settings, Metrics("scheduler-shared-test"))
+    kv = KvBudget(1000)
+    lanes = [StepLoop(settings, f"l{j}", None, Limits(64, 4096, 16, (0,), 1000), kv, router.metrics) for j in range(4)]
+    router.lanes += lanes
+    accepted = 0
+    for i in range(40):
+        with contextlib.suppress(ServiceError):
+            router.submit(request(f"r{i}", 4, kv=100))
+            accepted += 1
+    assert accepted == 4 and sum(lane.waiting_past_next_step for lane in lanes) == 4   # one into each empty queue
+    assert sum(len(admitted(lane)) for lane in lanes) == 4 and not any(lane.waiting for lane in lanes)
 
 
 def test_what_the_queue_cap_counts_as_starting_is_what_the_next_step_starts() -> None:

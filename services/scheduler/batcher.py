@@ -99,13 +99,10 @@ class KvBudget:
         waited for ever while the other lanes kept admitting small ones into every page freed.
         Heads of lanes whose batch is full are not counted: they cannot use the KV now, and their
         lane counts them again as soon as it has room."""
-        return sum(kv for created, kv in self.other_heads(lane) if req is None or created < req.created)
-
-    def other_heads(self, lane: StepLoop) -> list[tuple[float, int]]:
-        """The (arrival, KV tokens) of the heads `heads_ahead` counts, oldest first."""
-        return sorted((other.waiting[0].created, other.waiting[0].kv_tokens) for other in self.lanes
-                      if other is not lane and other.healthy and other.waiting
-                      and len(other.running) < other.settings.max_batch)
+        return sum(other.waiting[0].kv_tokens for other in self.lanes
+                   if other is not lane and other.healthy and other.waiting
+                   and len(other.running) < other.settings.max_batch
+                   and (req is None or other.waiting[0].created < req.created))
 
 
 class StepLoop:
@@ -163,15 +160,19 @@ class StepLoop:
         return req.kv_tokens <= self.kv.capacity
 
     def admits_now(self, req: ActiveRequest) -> bool:
-        """Whether the request would start with this replica's next step, behind the requests
-        queued here (a burst arrives between two steps: it all queues, and one step starts it):
-        `_schedule` admits in order while the batch, the step's prompt tokens and the group's KV
-        (beside the older heads of its other queues) last, and each of these tightens down the
-        queue, so the newest one's check is everyone's. Called for each request placed: O(1)
-        where the batch is full."""
+        """Whether the request would start with this replica's next step. Where the replica is
+        alone on its verifier group's KV, behind the requests queued here (a burst arrives between
+        two steps: it all queues, and one step starts it): `_schedule` admits in order while the
+        batch, the step's prompt tokens and the KV last, each tightening down the queue, so the
+        newest one's check is everyone's. Where replicas share the KV, only into an empty queue:
+        each replica's queue would spend the same free KV (a burst over four of them left 19
+        waiting past a max_queue of 1). Called for each request placed: O(1) where the batch is
+        full."""
         if not self.healthy or len(self.running) + len(self.waiting) >= self.settings.max_batch:
             return False
         ahead = self.waiting
+        if ahead and self._shares_kv():
+            return False
         left = self._prefill_left(ahead[0] if ahead else req) - sum(len(r.prompt_ids) for r in ahead)
         return left > 0 and self.kv.reserved + sum(r.kv_tokens for r in ahead) + req.kv_tokens \
             + self.kv.heads_ahead(self, req) <= self.kv.capacity
@@ -179,21 +180,22 @@ class StepLoop:
     @property
     def waiting_past_next_step(self) -> int:
         """Queued requests the next step would not start: those that wait (`max_queue`). All of a
-        replica's that is down."""
-        if not self.healthy:
+        replica's that is down, or that shares its verifier group's KV with another (see
+        `admits_now`)."""
+        if not self.healthy or self._shares_kv():
             return len(self.waiting)
         slots = self.settings.max_batch - len(self.running)
         left, taken = self._prefill_left(self.waiting[0]) if self.waiting else 0, 0
-        heads, h, older = self.kv.other_heads(self), 0, 0   # `heads_ahead` of each in turn, in one pass
         for n, r in enumerate(self.waiting):
-            while h < len(heads) and heads[h][0] < r.created:
-                older += heads[h][1]
-                h += 1
-            if n >= slots or left <= 0 or self.kv.reserved + taken + r.kv_tokens + older > self.kv.capacity:
+            if n >= slots or left <= 0 or self.kv.reserved + taken + r.kv_tokens > self.kv.capacity:
                 return len(self.waiting) - n
             left -= len(r.prompt_ids)
             taken += r.kv_tokens
         return 0
+
+    def _shares_kv(self) -> bool:
+        """Whether another replica that is up admits against this one's verifier group."""
+        return any(other is not self and other.healthy for other in self.kv.lanes)
 
     @property
     def pending_releases(self) -> list[str]:
