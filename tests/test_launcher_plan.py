@@ -213,15 +213,23 @@ def test_free_port_never_hands_out_a_port_twice() -> None:
     assert len(set(ports)) == len(ports)
 
 
-def test_free_port_picks_no_port_the_kernel_hands_out_meanwhile() -> None:
+def test_free_port_picks_no_port_the_kernel_hands_out_meanwhile(monkeypatch, capsys) -> None:
     """A picked port is bound by its service seconds later (a verifier once loaded); picked in the
     ephemeral range, an outgoing connection or a listener on port 0 (gloo's, a TP rendezvous)
     could take it first. The picks lie outside the range the kernel hands out."""
+    from services.common import launcher
     from services.common.launcher import LOWEST_PICK, _ephemeral_range, _pick_range, free_port
 
+    for kernel, picked in (((32768, 60999), (10000, 32767)), ((10000, 50000), (50001, 65535)),
+                           ((1024, 65535), (1024, 65535))):   # the last: no room outside, said
+        monkeypatch.setattr(launcher, "_ephemeral_range", lambda kernel=kernel: kernel)
+        assert _pick_range.__wrapped__() == picked
+    assert "leaves no ports outside it" in capsys.readouterr().err
+    monkeypatch.undo()
     low, high = _ephemeral_range()
     first, last = _pick_range()
-    assert last < low or first > high   # the machine's range leaves room outside it
+    if not (last < low or first > high):   # this machine's range leaves no room: nothing more to check here
+        return
     picks = {free_port() for _ in range(200)}
     assert all(first <= p <= last and not low <= p <= high and p >= LOWEST_PICK for p in picks)
     with socket.socket() as server:   # the kernel's side: what it hands out is in its range

@@ -99,14 +99,19 @@ def _ephemeral_range() -> tuple[int, int]:
 LOWEST_PICK = 10000   # below: where well-known servers (8080, 9090, 6379, ...) listen
 
 
+@functools.cache
 def _pick_range() -> tuple[int, int]:
     """Where `free_port` picks: below the ephemeral range (above it where that leaves too few
-    ports), which the kernel never hands to a `connect` or a `bind` to port 0."""
+    ports), which the kernel never hands to a `connect` or a `bind` to port 0. A range that
+    leaves no room either side (1024-65535 on some proxies) is picked in, said once."""
     low, high = _ephemeral_range()
     if low - LOWEST_PICK >= 4096:
         return LOWEST_PICK, low - 1
     if 65535 - high >= 4096:
         return high + 1, 65535
+    print(f"ddtree: the ephemeral port range {low}-{high} (net.ipv4.ip_local_port_range) leaves no ports "
+          "outside it: the stack's ports are picked inside it, where an outgoing connection may take one "
+          "before its service binds it", file=sys.stderr)
     return low, high
 
 
