@@ -1757,7 +1757,8 @@ def test_replicas_sharing_a_verifiers_kv_count_their_whole_queues_against_max_qu
 
 def test_what_the_queue_cap_counts_as_starting_is_what_the_next_step_starts() -> None:
     """`waiting_past_next_step` simulates `_schedule`'s admissions (batch, prompt tokens beside
-    running prompts' pieces, KV); on random lanes it must agree with the step itself, and
+    running prompts' pieces, KV with what the step releases first); on random lanes it must agree
+    with the step itself, and
     `admits_now` with a request queued last."""
     import random
     rng = random.Random(7)
@@ -1771,6 +1772,8 @@ def test_what_the_queue_cap_counts_as_starting_is_what_the_next_step_starts() ->
             lane.waiting.append(request(f"run{i}", rng.randint(1, 300), kv=rng.randint(50, 400)))
             lane._schedule()
         lane.waiting.clear()
+        for req in [r for r in lane.running.values() if rng.random() < 0.3]:   # ended: the next step frees their KV first
+            lane._finish(req)
         queued = [request(f"q{i}", rng.randint(1, 120), kv=rng.randint(50, 600)) for i in range(rng.randint(0, 10))]
         lane.waiting.extend(queued[:-1])
         if queued:   # it starts at once where it and everything before it start

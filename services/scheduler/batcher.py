@@ -174,8 +174,8 @@ class StepLoop:
         if ahead and self._shares_kv():
             return False
         left = self._prefill_left(ahead[0] if ahead else req) - sum(len(r.prompt_ids) for r in ahead)
-        return left > 0 and self.kv.reserved + sum(r.kv_tokens for r in ahead) + req.kv_tokens \
-            + self.kv.heads_ahead(self, req) <= self.kv.capacity
+        return left > 0 and self.kv.reserved - self._freed_next() + sum(r.kv_tokens for r in ahead) \
+            + req.kv_tokens + self.kv.heads_ahead(self, req) <= self.kv.capacity
 
     @property
     def waiting_past_next_step(self) -> int:
@@ -185,13 +185,17 @@ class StepLoop:
         if not self.healthy or self._shares_kv():
             return len(self.waiting)
         slots = self.settings.max_batch - len(self.running)
-        left, taken = self._prefill_left(self.waiting[0]) if self.waiting else 0, 0
+        left, taken = self._prefill_left(self.waiting[0]) if self.waiting else 0, -self._freed_next()
         for n, r in enumerate(self.waiting):
             if n >= slots or left <= 0 or self.kv.reserved + taken + r.kv_tokens > self.kv.capacity:
                 return len(self.waiting) - n
             left -= len(r.prompt_ids)
             taken += r.kv_tokens
         return 0
+
+    def _freed_next(self) -> int:
+        """KV tokens of ended requests the next step releases first (in this lane's group)."""
+        return sum(tokens for budget, tokens in self._owed if budget is self.kv)
 
     def _shares_kv(self) -> bool:
         """Whether another replica that is up admits against this one's verifier group."""
@@ -416,7 +420,7 @@ class StepLoop:
             self._speculating = self.gate.speculate()
         else:
             self._speculating = self.gate.pause_left == 0
-        freed = sum(tokens for budget, tokens in self._owed if budget is self.kv)   # released first in this step
+        freed = self._freed_next()
         left = step_prompt_tokens(self.settings, self.limits)
         head = self.waiting[0] if self.waiting and len(self.running) < self.settings.max_batch \
             and self._fits(self.waiting[0], freed) else None
