@@ -160,22 +160,17 @@ class StepLoop:
         return req.kv_tokens <= self.kv.capacity
 
     def admits_now(self, req: ActiveRequest) -> bool:
-        """Whether the request would start with this replica's next step. Where the replica is
+        """Whether the request would start with this replica's next step: where the replica is
         alone on its verifier group's KV, behind the requests queued here (a burst arrives between
-        two steps: it all queues, and one step starts it): `_schedule` admits in order while the
-        batch, the step's prompt tokens and the KV last, each tightening down the queue, so the
-        newest one's check is everyone's. Where replicas share the KV, only into an empty queue:
-        each replica's queue would spend the same free KV (a burst over four of them left 19
-        waiting past a max_queue of 1). Called for each request placed: O(1) where the batch is
-        full."""
+        two steps: it all queues, and one step starts it); where replicas share the KV, only into
+        an empty queue, as each replica's queue would spend the same free KV (a burst over four of
+        them left 19 waiting past a max_queue of 1). Called for each request placed: O(1) where
+        the batch is full."""
         if not self.healthy or len(self.running) + len(self.waiting) >= self.settings.max_batch:
             return False
-        ahead = self.waiting
-        if ahead and self._shares_kv():
+        if self.waiting and self._shares_kv():
             return False
-        left = self._prefill_left(ahead[0] if ahead else req) - sum(len(r.prompt_ids) for r in ahead)
-        return left > 0 and self.kv.reserved - self._freed_next() + sum(r.kv_tokens for r in ahead) \
-            + req.kv_tokens + self.kv.heads_ahead(self, req) <= self.kv.capacity
+        return self._left_queued([*self.waiting, req], self.kv.heads_ahead(self, req)) == 0
 
     @property
     def waiting_past_next_step(self) -> int:
@@ -184,11 +179,17 @@ class StepLoop:
         `admits_now`)."""
         if not self.healthy or self._shares_kv():
             return len(self.waiting)
+        return self._left_queued(list(self.waiting))
+
+    def _left_queued(self, queue: list[ActiveRequest], older_heads: int = 0) -> int:
+        """How many of ``queue`` the next step would leave queued, as `_schedule` admits: in order,
+        while the batch, the step's prompt tokens and the KV (less what the step releases first,
+        beside ``older_heads``' tokens of other queues) last."""
         slots = self.settings.max_batch - len(self.running)
-        left, taken = self._prefill_left(self.waiting[0]) if self.waiting else 0, -self._freed_next()
-        for n, r in enumerate(self.waiting):
+        left, taken = self._prefill_left(queue[0]) if queue else 0, older_heads - self._freed_next()
+        for n, r in enumerate(queue):
             if n >= slots or left <= 0 or self.kv.reserved + taken + r.kv_tokens > self.kv.capacity:
-                return len(self.waiting) - n
+                return len(queue) - n
             left -= len(r.prompt_ids)
             taken += r.kv_tokens
         return 0
