@@ -87,6 +87,49 @@ def test_an_unexpected_exception_is_logged_and_ends_the_call_internal() -> None:
     assert all("Traceback" in e["traceback"] and e["log_level"] == "error" for e in failed)
 
 
+class Wrapping(Faulty):
+    """A handler that wraps what it meets in an exception of its own."""
+
+    async def StepStream(self, request_iterator, context):
+        try:
+            async for response in super().StepStream(request_iterator, context):
+                yield response
+        except Exception as exc:
+            raise RuntimeError("the step stream broke") from exc
+
+
+@pytest.mark.parametrize("servicer_type", [Faulty, Wrapping])
+def test_a_stream_message_that_does_not_parse_ends_the_call_invalid_argument_without_a_traceback(servicer_type) -> None:
+    """Met by the handler as it reads (after a good message here): a client's bad bytes, not a bug.
+    It ended INTERNAL with a traceback logged, a call at a time (reflection is a stream on the
+    public port)."""
+    async def scenario() -> tuple:
+        servicer = servicer_type()
+        server, _ = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
+        draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = channel.stream_stream("/ddtree.v1.Draft/StepStream")()   # bytes as they are
+                await call.write(_step("wait").SerializeToString())
+                first = draft_pb2.StepResponse.FromString(await call.read())
+                await call.write(b"\xff\xff")
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await call.read()
+                await asyncio.wait_for(servicer.closed.wait(), 5)   # its clean-up ran
+                return first, await call.code(), await call.details()
+        finally:
+            await server.stop(0)
+
+    with capture_logs() as logs:
+        first, code, details = asyncio.run(scenario())
+    assert first == draft_pb2.StepResponse()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert details.startswith("the request does not parse as the message /ddtree.v1.Draft/StepStream takes")
+    assert not [e for e in logs if e["event"] == "handler_failed"]
+
+
 def test_a_sync_handler_stays_sync_and_an_async_one_async() -> None:
     """gRPC runs a handler by its kind: a sync one in its thread pool with a sync context (the
     library's sync health servicer's Watch needs that context's add_callback; run as a coroutine

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from ddtree.v1 import common_pb2, draft_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.auth import BearerTokenInterceptor
@@ -190,8 +191,6 @@ def test_a_sync_stream_kept_in_a_variable_is_cancelled_when_its_with_block_exits
 def test_a_request_whose_deadline_passes_is_counted_and_logged_as_that_not_as_an_abort(server) -> None:
     """A client's deadline ended its request as a deliberate abort did: `aborted` in the metric and
     the log alike. Now `deadline_exceeded`, and `request_end` carries the metric's label."""
-    from structlog.testing import capture_logs
-
     statuses = server.router.metrics.requests
     before = {s: statuses.labels(s)._value.get() for s in ("aborted", "deadline_exceeded")}
     with capture_logs() as logs, Client(server.address) as c:
@@ -750,6 +749,14 @@ def test_a_request_that_does_not_parse_gets_invalid_argument_and_the_server_goes
                 list(out) if call is generate else out
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (data, info.value.details())
             assert "does not parse" in info.value.details() and "Unexpected" not in info.value.details()
+        # Reflection, a stream on the public port: INVALID_ARGUMENT, and no traceback logged for it
+        # (INTERNAL and a logged traceback a call let anyone fill the log).
+        reflect = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+        with capture_logs() as logs, pytest.raises(grpc.RpcError) as info:
+            list(reflect(iter([b"\xff\xff"]), timeout=5))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert "does not parse" in info.value.details() and "ServerReflectionInfo" in info.value.details()
+        assert not [e for e in logs if e["event"] == "handler_failed"]
     assert refused._value.get() == before + 3   # Generate's, with the scheduler's other refusals
     with Client(server.address) as c:   # undisturbed
         assert c.generate(IDS, max_tokens=2, ignore_eos=True, timeout_s=5).token_ids == [5, 5]

@@ -29,6 +29,20 @@ def test_an_event_logged_from_a_thread_names_its_service() -> None:
     assert [(e["event"], e.get("service")) for e in events] == [("main_event", "verifier"), ("thread_event", "verifier")]
 
 
+def test_the_console_log_escapes_what_is_not_printable() -> None:
+    """A value a client chose went out raw where it held no space or quote: a NUL made the log a
+    binary file to grep, an escape sequence rewrote the terminal's lines, a vertical tab or U+2028
+    broke a line for viewers that split on them."""
+    code = ("from services.common.logging import configure_logging, get_logger; configure_logging('scheduler', False)\n"
+            "get_logger('s').info('request_end', request_id='nul\\x00\\x1b[2K\\x1b[31mFORGED\\x0b\\u2028', plain='ok#1')\n"
+            "try:\n    raise RuntimeError('boom')\nexcept RuntimeError:\n    get_logger('s').exception('failed')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, check=True)
+    err = out.stderr.decode()
+    assert not any(c in err for c in "\x00\x1b\x0b\u2028")
+    assert "request_id='nul\\x00\\x1b[2K\\x1b[31mFORGED\\x0b\\u2028'" in err and "plain=ok#1" in err
+    assert "Traceback (most recent call last)" in err and "RuntimeError: boom" in err   # still a traceback
+
+
 def test_a_logged_exception_keeps_its_error_and_trace_in_json_logs() -> None:
     """The JSON renderer wrote only "exc_info": true (compose logs JSON): a draft's failed verifier
     reply, turned into UNAVAILABLE, kept no trace anywhere."""

@@ -61,6 +61,21 @@ def test_stop_rules_and_request_id_are_bounded() -> None:
     assert validate(ok, SchedulerSettings(), LIMITS, TOKENIZER).request_id == "r" * MAX_REQUEST_ID_CHARS
 
 
+@pytest.mark.parametrize("request_id", ["nul\x00byte", "\x1b[2K\x1b[31mFORGED", "a\nb", "a\tb", "a\x0bb", "a\x85b",
+                                        "a\u2028b", "no\xa0break", "back\x08space"])
+def test_a_request_id_that_is_not_printable_is_refused(request_id) -> None:
+    """It is logged with every line of its request: a NUL made the log a binary file to grep, an
+    escape sequence rewrote the console, a line break or a look-alike space forged a line."""
+    message = _refused(build_request("x", max_tokens=4, request_id=request_id)).message
+    assert message.startswith("request_id must be printable text") and repr(request_id) in message
+
+
+@pytest.mark.parametrize("request_id", ["a b", "é-日本-🙂", "user:42/req#7"])
+def test_a_printable_request_id_passes(request_id) -> None:
+    assert validate(build_request("x", max_tokens=4, request_id=request_id), SchedulerSettings(), LIMITS,
+                    TOKENIZER).request_id == request_id
+
+
 def test_a_text_too_large_for_the_context_is_refused_by_its_size() -> None:
     token_bytes = max_token_bytes(TOKENIZER)
     longest = max(len(TOKENIZER.decode([i], skip_special_tokens=False).encode())
@@ -330,6 +345,10 @@ def test_the_first_token_time_is_the_first_steps() -> None:
     (dict(prompt=None), "prompt must be text or a list of token ids, not NoneType"),
     (dict(prompt=5), "prompt must be text or a list of token ids, not int"),
     (dict(prompt="x", stop_token_ids=5), "stop_token_ids must be a list, not int"),
+    # a dict went out as its keys, a set of token ids in no set order
+    (dict(prompt="x", stop={"a": 1}), "stop must be a list, not dict"),
+    (dict(prompt={5: 1, 6: 2}), "prompt must be text or a list of token ids, not dict"),
+    (dict(prompt={5, 6}), "prompt must be text or a list of token ids, not set"),
     (dict(prompt="x", ignore_eos="no"), "ignore_eos must be True or False"),
     # float32 on the wire: a tiny top_p would arrive as 0 (no cut at all), a tiny temperature as greedy
     (dict(prompt="x", top_p=1e-50), "top_p = 1e-50 is sent as a float32 and would arrive as 0.0"),
@@ -363,6 +382,8 @@ def test_the_sdk_refuses_a_token_it_cannot_send_when_the_client_is_made() -> Non
     Client("127.0.0.1:1", token="Abc-123_~ ok").close()
     assert build_request("x", top_p=1e-40).sampling.top_p > 0     # a float32 subnormal: still a cut
     assert build_request("x", temperature=None, top_p=None).sampling.temperature == 0   # None: the default
+    # Sets where order does not matter: stop strings, stop ids.
+    assert sorted(build_request("x", stop={"a", "b"}, stop_token_ids=frozenset({3, 4})).stop) == ["a", "b"]
 
 
 def test_the_sdk_takes_any_iterable_of_ids_and_none_for_no_stop() -> None:

@@ -2,8 +2,10 @@
 
 * A request that does not parse (truncated bytes, a string field that is not UTF-8): gRPC parses it
   before any handler runs and ended the call with ``UNKNOWN: Unexpected <class 'DecodeError'>``.
-  A unary request now gets INVALID_ARGUMENT naming the method. (Streaming requests come only from
-  the services' own links to each other, and reflection: left to gRPC.)
+  A unary request now gets INVALID_ARGUMENT naming the method. A streaming one (the services' links
+  to each other, and reflection, open on the public port) fails where its handler reads it: it ends
+  INVALID_ARGUMENT too, not as a handler's failure (INTERNAL, and a traceback logged for every such
+  call: anyone could fill the log).
 * An exception a handler did not expect (a bug): gRPC ended the call with ``UNKNOWN`` and the
   exception's text, and logged nothing the service's log shows. It is now logged as
   ``handler_failed`` with its traceback, and the call ends INTERNAL naming the method and the
@@ -46,6 +48,14 @@ class _Unparsed:
         self.error = error
 
 
+class _UnparsedMessage(Exception):
+    """Raised to a streaming handler for a message that does not parse (`CallErrorInterceptor`)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class CallErrorInterceptor(grpc.aio.ServerInterceptor):
     """INVALID_ARGUMENT for a unary request that does not parse (`on_unparsed(method, message)` is
     told of each: the scheduler counts them with its other refusals), INTERNAL and a logged
@@ -68,12 +78,19 @@ class CallErrorInterceptor(grpc.aio.ServerInterceptor):
                 return strict(data)
             except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, or any parser's own
                 return _Unparsed(exc)
+
+        def marked(data: bytes):   # a stream's messages: the handler meets the failure as it reads
+            try:
+                return strict(data)
+            except Exception as exc:  # noqa: BLE001 - see tolerant
+                raise _UnparsedMessage(exc) from exc
+        parser = strict if strict is None else tolerant if checks_parse else marked
         return factory(self._wrap(getattr(handler, field), details.method, checks_parse),
-                       tolerant if checks_parse else strict, handler.response_serializer)
+                       parser, handler.response_serializer)
 
     def _unparsed(self, request, method: str) -> str | None:
         """The refusal's message for a request that did not parse (told to `on_unparsed`), else None."""
-        if not isinstance(request, _Unparsed):
+        if not isinstance(request, (_Unparsed, _UnparsedMessage)):
             return None
         message = f"the request does not parse as the message {method} takes: {request.error}"
         if self._on_unparsed is not None:
@@ -97,6 +114,9 @@ class CallErrorInterceptor(grpc.aio.ServerInterceptor):
         async def failed(exc: Exception, context: grpc.aio.ServicerContext) -> None:
             if isinstance(exc, grpc.aio.AbortError):   # the handler's own status, already set
                 raise exc
+            unparsed = next((e for e in _causes(exc) if isinstance(e, _UnparsedMessage)), None)
+            if unparsed is not None:   # a client's bad bytes, not a bug: no traceback
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self._unparsed(unparsed, method))
             log.error("handler_failed", method=method, error=f"{type(exc).__name__}: {exc}"[:500],
                       traceback="".join(traceback.format_exception(exc))[-4000:])
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method} ({type(exc).__name__}); "
@@ -120,3 +140,12 @@ class CallErrorInterceptor(grpc.aio.ServerInterceptor):
             except Exception as exc:  # noqa: BLE001 - see failed
                 await failed(exc, context)
         return answer
+
+
+def _causes(exc: BaseException):
+    """``exc`` and the exceptions it was raised from or during (a handler may wrap what it met)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__

@@ -66,7 +66,9 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
                     context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
         status = self._status.get(request.service)
         if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no service {request.service!r} here")
+            # Cut short: a long name echoed whole passed the client's header limit (RESOURCE_EXHAUSTED).
+            name = request.service if len(request.service) <= 200 else request.service[:200] + "..."
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no service {name!r} here")
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:

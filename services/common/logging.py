@@ -25,6 +25,11 @@ def configure_logging(service: str, json_logs: bool, level: int = logging.INFO) 
         event.setdefault("service", service)
         return event
 
+    # The console renderer quotes a text only where it holds a space, '=', a quote or a line feed:
+    # a NUL, an escape sequence or another line break (in a value a client chose) went out raw,
+    # making the log a binary file to grep, or rewriting lines on a terminal. JSON escapes them.
+    escapes = [] if json_logs else [_escape_unprintable]
+
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -32,12 +37,35 @@ def configure_logging(service: str, json_logs: bool, level: int = logging.INFO) 
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             *exceptions,
+            *escapes,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+class _Escaped:
+    """A text the console renderer shows as its repr (escaped, once; a str it might quote again)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return repr(self.text)
+
+
+_RENDERED_APART = ("event", "exception", "stack")   # the event's name (ours), and the renderer's tracebacks
+
+
+def _escape_unprintable(logger, method: str, event: dict) -> dict:
+    for key, value in event.items():
+        if isinstance(value, str) and not value.isprintable() and key not in _RENDERED_APART:
+            event[key] = _Escaped(value)
+    return event
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:

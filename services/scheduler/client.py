@@ -22,7 +22,7 @@ import numbers
 import struct
 import threading
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 import grpc
@@ -193,10 +193,12 @@ def _check_types(**values: object) -> None:
 
 def _listed(name: str, value) -> list:
     """``value`` (None: nothing, except for the prompt) as a list: any iterable but text and bytes,
-    which would otherwise pass as characters or as token ids (b"hi" is [104, 105])."""
+    which would otherwise pass as characters or as token ids (b"hi" is [104, 105]), and a mapping
+    (a dict passed as its keys); a set only where order does not matter (stop rules, not the prompt)."""
     if value is None and name != "prompt":
         return []
-    if isinstance(value, (str, bytes, bytearray, memoryview)) or not hasattr(value, "__iter__"):
+    if (isinstance(value, (str, bytes, bytearray, memoryview, Mapping)) or not hasattr(value, "__iter__")
+            or (name == "prompt" and isinstance(value, Set))):
         want = "text or a list of token ids" if name == "prompt" else "a list"
         raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be {want}, not {type(value).__name__}")
     return list(value)

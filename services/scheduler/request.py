@@ -284,6 +284,9 @@ def check_fields(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise ServiceError(invalid, f"request_id has {len(req.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+    if not req.request_id.isprintable():   # it is logged: an escape sequence or a line break there forges or hides lines
+        raise ServiceError(invalid, "request_id must be printable text: no control characters, line breaks "
+                                    f"or spaces other than ' ' (got {req.request_id!r})")
     if req.WhichOneof("prompt") == "text":
         if not req.text:
             raise ServiceError(invalid, "prompt is empty: set text or token_ids")
