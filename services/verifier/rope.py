@@ -73,7 +73,6 @@ class RotaryTable:
         t = torch.arange(config.max_position_embeddings, dtype=torch.float64)  # [P]
         freqs = torch.outer(t, inv_freq)  # [P, dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, dim]
-        self.max_positions = config.max_position_embeddings
         self.cos = (emb.cos() * mscale).to(dtype=dtype, device=device)  # [P, dim]
         self.sin = (emb.sin() * mscale).to(dtype=dtype, device=device)  # [P, dim]
 
