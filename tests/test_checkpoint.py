@@ -1,5 +1,6 @@
 """Checkpoint reading/writing and the errors a bad target checkpoint produces."""
 
+import collections
 import json
 import re
 from pathlib import Path
@@ -50,7 +51,10 @@ def test_save_load_single_and_sharded(tmp_path: Path) -> None:
     assert (tmp_path / "one" / SINGLE_FILE).is_file()
     save_tensors(tmp_path / "many", tensors, max_shard_bytes=900)
     index = json.loads((tmp_path / "many" / INDEX_FILE).read_text())
-    assert len(set(index["weight_map"].values())) > 1
+    # 400 bytes a t-tensor, 28 the ints: two a shard, each shard filled before the next begins
+    # (one a shard after the first split would make a large checkpoint thousands of files).
+    assert sorted(collections.Counter(index["weight_map"].values()).values()) == [2, 2, 2]
+    assert index["metadata"]["total_size"] == 5 * 400 + 7 * 4
     for d in ("one", "many"):
         got = load_tensors(tmp_path / d)
         assert got.keys() == tensors.keys()
@@ -122,6 +126,21 @@ def test_a_config_or_index_that_is_not_utf8_names_the_file(tmp_path: Path) -> No
 
 def test_no_weights_file(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=f"{tmp_path}: neither {INDEX_FILE} nor {SINGLE_FILE}"):
+        load_tensors(tmp_path)
+
+
+def test_a_weights_file_the_service_cannot_read_is_a_checkpoint_error(tmp_path: Path, monkeypatch) -> None:
+    """One line naming the file (a checkpoint written 0600 by another user), not PermissionError's
+    traceback from the attempt to tell an LFS pointer apart. Patched: as root the file would read."""
+    from services.common import checkpoint
+
+    save_tensors(tmp_path, {"t": torch.ones(2)})
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(checkpoint, "safe_open", denied)
+    monkeypatch.setattr(checkpoint, "open", denied, raising=False)
+    with pytest.raises(CheckpointError, match=f"{SINGLE_FILE}: not a readable safetensors file"):
         load_tensors(tmp_path)
 
 

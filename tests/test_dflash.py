@@ -323,6 +323,8 @@ def test_pool_rows_released_and_outgrown_contexts_move_out(pair: tuple[Path, Pat
     assert rows == {"a": 0, "b": 1, "c": None}
     proposer.drop("a")
     assert pooled.graphs.free_rows == 1
+    proposer.drop("a")   # a second release of the same request frees nothing twice, and holds nothing
+    assert pooled.graphs.free_rows == 1 and "a" not in proposer._ctx
     proposer.start("d", [1])
     assert proposer._ctx["d"].row == 0   # the freed row is handed out again
     # "b" grows past its row's 64 tokens: it moves to its own storage, keeps its keys, frees the row.

@@ -169,6 +169,28 @@ def test_a_long_text_tokenizes_beside_the_event_loop() -> None:
     assert gap < max(0.1, inline_s / 3), (gap, inline_s)   # inline, the loop would stall inline_s
 
 
+@pytest.mark.parametrize("text", ["a b", "a b " * 20])
+def test_a_tokenizer_that_adds_a_bos_adds_none_to_a_prompt_inline_or_in_the_worker(text) -> None:
+    """DeepSeek-V3's tokenizer.json adds a BOS in its post-processor: every text prompt would get
+    one (a second after a chat template's). The demo tokenizer adds nothing, so it could not tell."""
+    import asyncio
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from services.scheduler.tokenizing import PromptEncoder
+
+    tok = Tokenizer(models.WordLevel({"<bos>": 0, "a": 1, "b": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
+    assert tok.encode("a b").ids == [0, 1, 2]   # the post-processor adds it, where asked to
+    encoder = PromptEncoder(tok, apart=True, inline_chars=10)   # the short text inline, the long one apart
+    try:
+        ids = asyncio.run(encoder.encode(text))
+    finally:
+        encoder.close()
+    assert ids == [1, 2] * text.count("a")
+
+
 def test_texts_waiting_for_a_tokenizer_worker_that_died_go_to_a_new_one(monkeypatch) -> None:
     """The long texts that waited for a worker that died were encoded inline, one after another,
     holding the event loop (and with it every stream) for seconds; a text that killed the worker

@@ -1,5 +1,6 @@
 """TargetModel (absorbed MLA, paged cache, tree masks, sparse MoE) against the float64 reference."""
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -269,6 +270,37 @@ def test_router_grouped_topk_hand_computed() -> None:
     assert sorted(r.weights[0].tolist()) == pytest.approx([0.5 * 2.5, 0.6 * 2.5])
 
 
+def test_experts_of_dropped_groups_never_win_under_a_negative_bias() -> None:
+    """The group pass masks the dropped groups' experts with -inf: with 0 (the tests' biases kept
+    every biased score positive) a negative correction bias let them beat the kept ones."""
+    g = torch.Generator().manual_seed(0)
+    scores, bias = torch.rand(16, 16, generator=g), torch.full((16,), -2.0)
+    r = select_experts(scores, bias, top_k=4, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.0)
+    kept = (scores + bias).view(16, 4, 4).topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices
+    for row in range(16):
+        assert set((r.ids[row] // 4).tolist()) <= set(kept[row].tolist())
+
+
+def test_the_router_stays_float32_in_a_bf16_model() -> None:
+    """Its weight and correction bias as stored (float32), not rounded to the model's dtype: near
+    ties would otherwise go to other experts than the float32 reference's."""
+    import types
+
+    from services.verifier.moe import MoEWeights
+
+    E, H, I = 4, 16, 8
+    cfg = types.SimpleNamespace(n_routed_experts=E, int4_experts=False, quantization=None, n_shared_experts=0)
+    g = torch.Generator().manual_seed(0)
+    w = {f"m.experts.{j}.{p}.weight": torch.randn((H, I) if p == "down_proj" else (I, H), generator=g)
+         for j in range(E) for p in ("gate_proj", "up_proj", "down_proj")}
+    w["m.gate.weight"] = torch.randn(E, H, generator=g) * (1 + 1e-3)   # not representable in bf16
+    w["m.gate.e_score_correction_bias"] = torch.randn(E, generator=g) * (1 + 1e-3)
+    moe = MoEWeights.from_checkpoint(w, "m.", cfg, torch.bfloat16, "cpu")
+    assert moe.gate_weight.dtype == torch.float32 and torch.equal(moe.gate_weight, w["m.gate.weight"])
+    assert moe.bias.dtype == torch.float32 and torch.equal(moe.bias, w["m.gate.e_score_correction_bias"])
+    assert moe.w_gate.dtype == torch.bfloat16   # the experts in the model's dtype
+
+
 def test_router_with_every_group_kept_is_plain_topk() -> None:
     """K2's router (one group, or topk_group == n_group) skips the group pass; same choice as
     running it."""
@@ -325,6 +357,47 @@ def test_rope_interleaved_layout_and_yarn() -> None:
     assert scaled[0].item() == pytest.approx(plain[0].item())
     assert torch.allclose(scaled[4:], plain[4:] / 4)
     assert bool(((scaled[1:4] < plain[1:4]) & (scaled[1:4] > plain[1:4] / 4)).all())
+
+
+def _k2_yarn(mscale_all_dim: float = 1.0):
+    from services.verifier.config import YarnScaling
+
+    return YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                       mscale=1.0, mscale_all_dim=mscale_all_dim)
+
+
+def test_yarn_at_the_k2_config_ramps_over_dims_8_to_20() -> None:
+    """DeepSeek-V3's `yarn_find_correction_range(32, 1, 64, 50000, 4096)` is (8, 20). The tiny
+    config's ramp (0 to 4) came out the same under a wrong rotation count; K2's did not."""
+    from services.verifier.rope import yarn_inv_freq
+
+    plain = yarn_inv_freq(64, 50000.0, None)
+    scaled = yarn_inv_freq(64, 50000.0, _k2_yarn())
+    assert torch.equal(scaled[:9], plain[:9])
+    torch.testing.assert_close(scaled[20:], plain[20:] / 32, rtol=1e-12, atol=0)
+    assert bool(((scaled[9:20] < plain[9:20]) & (scaled[9:20] > plain[9:20] / 32)).all())
+    # A ramp of no width (both betas round to one dim) is a step, not 0 / 0.
+    from services.verifier.config import YarnScaling
+
+    step = YarnScaling(factor=4.0, original_max_position_embeddings=4096, beta_fast=1, beta_slow=1.1)
+    assert torch.isfinite(yarn_inv_freq(64, 50000.0, step)).all()
+
+
+@pytest.mark.parametrize("mscale_all_dim, want", [(1.0, 1.0), (0.0, 0.1 * math.log(32.0) + 1.0)])
+def test_the_rotary_tables_scale_is_the_ratio_of_the_two_mscales(mscale_all_dim, want) -> None:
+    """cos at position 0 is the table's scale: mscale(factor, mscale) / mscale(factor, mscale_all_dim),
+    1 for K2 (both 1). The verifier and the float64 reference share this table, so comparing them
+    could not see a wrong one (without the division, every rope logit of K2 1.8x too large)."""
+    import types
+
+    from services.verifier.rope import RotaryTable, yarn_get_mscale
+
+    cfg = types.SimpleNamespace(qk_rope_head_dim=64, rope_theta=50000.0, rope_scaling=_k2_yarn(mscale_all_dim),
+                                max_position_embeddings=16)
+    table = RotaryTable(cfg, torch.float64, "cpu")
+    assert torch.allclose(table.cos[0], torch.full((64,), want, dtype=torch.float64))
+    assert torch.equal(table.sin[0], torch.zeros(64, dtype=torch.float64))
+    assert yarn_get_mscale(40.0, 0.707) == pytest.approx(0.1 * 0.707 * math.log(40.0) + 1.0)
 
 
 def test_softmax_scale_uses_mscale_all_dim(models: Models) -> None:
