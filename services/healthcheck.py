@@ -1,11 +1,14 @@
 """Container health probe: `python -m services.healthcheck [PORT]` exits 0 when the local service is SERVING.
 
-Compose runs it in each container; the port comes from the argument or DDTREE_HEALTH_PORT. A
-scheduler with `tls_cert` set speaks only TLS on its port, so where the plaintext probe gets no
-answer and the scheduler's `tls_cert` is known (`DDTREE_SCHEDULER_TLS_CERT`, or the config file
-that DDTREE_HEALTH_CONFIG names, read as the scheduler reads it), the probe asks again over TLS,
-trusting that certificate (as `ddtree up` does; it verifies a self-signed one). The certificate
-must name 127.0.0.1, or DDTREE_HEALTH_TLS_NAME gives the name to check instead.
+Compose runs it in each container. The port: the argument, else DDTREE_HEALTH_PORT, else the port
+of the service DDTREE_HEALTH_SERVICE names (scheduler, draft or verifier) as that service reads it
+(the config file DDTREE_HEALTH_CONFIG names, then its DDTREE_<SERVICE>_PORT), else 50051: a port
+changed in the config is probed where the service listens. A scheduler with `tls_cert` set speaks
+only TLS on its port, so where the plaintext probe gets no answer and the scheduler's `tls_cert` is
+known (`DDTREE_SCHEDULER_TLS_CERT`, or the config file, read as the scheduler reads it), the probe
+of a scheduler asks again over TLS, trusting that certificate (as `ddtree up` does; it verifies a
+self-signed one). The certificate must name 127.0.0.1, or DDTREE_HEALTH_TLS_NAME gives the name to
+check instead.
 """
 
 from __future__ import annotations
@@ -42,18 +45,42 @@ def scheduler_tls_cert(config_path: str | None, env: Mapping[str, str]) -> str:
         return env.get("DDTREE_SCHEDULER_TLS_CERT", "")
 
 
+def service_port(service: str, config_path: str | None, env: Mapping[str, str]) -> str:
+    """The port ``service`` listens on, as it reads its settings (file, then environment)."""
+    from services.common.settings import DraftSettings, SchedulerSettings, VerifierSettings, load_settings
+
+    settings = {"scheduler": SchedulerSettings, "draft": DraftSettings, "verifier": VerifierSettings}[service]
+    return str(load_settings(settings, config_path, env=env).port)
+
+
 def main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
+    from services.common.settings import SettingsError
+
     env = os.environ if env is None else env
-    port = argv[1] if len(argv) > 1 else env.get("DDTREE_HEALTH_PORT", "50051")
+    config = env.get("DDTREE_HEALTH_CONFIG") or None
+    service = env.get("DDTREE_HEALTH_SERVICE", "")
+    if service not in ("", "scheduler", "draft", "verifier"):
+        print(f"DDTREE_HEALTH_SERVICE must be scheduler, draft or verifier (got {service!r})", file=sys.stderr)
+        return 1   # Docker reserves a health check's 2
+    if len(argv) > 1:
+        port = argv[1]
+    elif "DDTREE_HEALTH_PORT" in env or not service:
+        port = env.get("DDTREE_HEALTH_PORT", "50051")
+    else:
+        try:
+            port = service_port(service, config, env)
+        except SettingsError as exc:
+            print(f"unhealthy: the {service}'s settings do not load: {exc}", file=sys.stderr)
+            return 1
     if len(argv) > 2 or not port.isdigit() or not 0 < int(port) < 65536:
         print("usage: python -m services.healthcheck [PORT]  (PORT: the local service's, else DDTREE_HEALTH_PORT, "
-              f"else 50051; got {' '.join(argv[1:]) or port!r})", file=sys.stderr)
-        return 1   # Docker reserves a health check's 2
+              f"else DDTREE_HEALTH_SERVICE's port, else 50051; got {' '.join(argv[1:]) or port!r})", file=sys.stderr)
+        return 1
     address = f"127.0.0.1:{port}"
     try:
         status = check(address)
     except grpc.RpcError as exc:
-        cert = scheduler_tls_cert(env.get("DDTREE_HEALTH_CONFIG") or None, env)
+        cert = scheduler_tls_cert(config, env) if service in ("", "scheduler") else ""
         if exc.code() != grpc.StatusCode.UNAVAILABLE or not cert:
             print(f"unhealthy: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services import healthcheck
 from services.common.settings import DraftSettings, SchedulerSettings, VerifierSettings, load_settings
 from services.scheduler import router
 from services.scheduler.router import discover
@@ -127,7 +128,12 @@ def test_config_file_is_valid_for_every_service_and_addresses_agree(compose):
     for name in SETTINGS:   # the one-shot internal-token maker serves nothing
         svc = compose["services"][name]
         env = svc["environment"]
-        assert int(env["DDTREE_HEALTH_PORT"]) == s[name].port
+        # The probe reads its service's port where the service does: one changed in ddtree.toml is
+        # followed (a fixed DDTREE_HEALTH_PORT kept probing the old one: unhealthy, nothing after it started).
+        assert env["DDTREE_HEALTH_SERVICE"] == name and "DDTREE_HEALTH_PORT" not in env
+        assert env["DDTREE_HEALTH_CONFIG"] == "/etc/ddtree/ddtree.toml"
+        assert "./ddtree.toml:/etc/ddtree/ddtree.toml:ro" in svc["volumes"]
+        assert healthcheck.service_port(name, str(CONFIG), {}) == str(s[name].port)
         for key in env:   # every DDTREE_<SERVICE>_<FIELD> the file sets must be a real setting
             m = re.fullmatch(r"DDTREE_(SCHEDULER|DRAFT|VERIFIER)_(\w+)", key)
             if m:
@@ -143,6 +149,24 @@ def test_the_scheduler_has_its_stop_grace_before_compose_kills_it(compose):
     seconds = float(re.fullmatch(r"(\d+)s", period).group(1))
     assert seconds >= load_settings(SchedulerSettings, CONFIG, env={}).stop_grace_s + 10
     assert compose["services"]["scheduler"]["depends_on"]["draft"]   # compose stops it before the draft
+
+
+def test_a_mounted_checkpoint_reaches_the_scheduler_too(compose):
+    """The scheduler's `volumes:` replaces the shared list: the commented checkpoint mount must be
+    offered in both, or a tokenizer_path under /models fails the scheduler (restarting for ever)."""
+    text = COMPOSE.read_text()
+    assert text.count("# - /path/to/checkpoints:/models:ro") == 2
+    shared, scheduler = text.split("\n  scheduler:\n")
+    assert "# - /path/to/checkpoints:/models:ro" in shared and "# - /path/to/checkpoints:/models:ro" in scheduler
+
+
+def test_the_scheduler_is_not_pid_1(compose):
+    """As PID 1 it ignored SIGTERM until it served (the kernel drops what PID 1 has no handler for):
+    a stop while it waited for its drafts took the whole stop_grace_period, then SIGKILL. Draft
+    and verifier share the host's PID namespace, so they are not PID 1."""
+    services = compose["services"]
+    assert services["scheduler"]["init"] is True
+    assert all(services[name]["pid"] == "host" for name in ("draft", "verifier"))
 
 
 def test_dns_discovery_lists_every_address():
@@ -216,7 +240,14 @@ def test_the_image_installs_the_torch_and_triton_the_kernels_were_measured_on():
     dockerfile = (ROOT / "compose" / "Dockerfile").read_text()
     pins = dict(line.split("==") for line in (ROOT / "compose" / "gpu-constraints.txt").read_text().splitlines()
                 if line and not line.startswith("#"))
-    assert set(pins) == {"torch", "triton"}
+    assert set(pins) == {"torch", "triton", "nvidia-nccl-cu13"}
+    # The gpu extra's NCCL is the package torch's build pins (cu13 for torch 2.11): nvidia-nccl-cu12
+    # ships the same libnccl.so.2 and, installed after torch's, replaced it.
+    import tomllib
+
+    gpu = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    nccl = [req for req in gpu if req.startswith("nvidia-nccl")]
+    assert nccl == ["nvidia-nccl-cu13"] and pins["torch"] == "2.11.0"
     install = dockerfile.index("pip install -c gpu-constraints.txt")
     assert install < dockerfile.index("COPY services") < dockerfile.index("pip install --no-deps '.'")
     # Only what the dependency list is read from goes before it (a README edit refetched it all).

@@ -128,6 +128,36 @@ def test_the_health_probe_says_not_serving(capsys) -> None:
         assert capsys.readouterr().err.startswith("usage: python -m services.healthcheck [PORT]")
 
 
+def test_the_health_probe_finds_its_services_port_where_the_service_does(tmp_path, capsys) -> None:
+    """Compose names the service (DDTREE_HEALTH_SERVICE) and its config file: a port changed there,
+    or by DDTREE_<SERVICE>_PORT, is probed where the service listens. A fixed DDTREE_HEALTH_PORT
+    kept probing the old one: the container unhealthy, and nothing that depends on it started."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port, other = free_port(), free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    config = tmp_path / "ddtree.toml"
+    config.write_text(f"[draft]\nport = {port}\n[verifier]\nport = {other}\n")
+    env = {"DDTREE_HEALTH_SERVICE": "draft", "DDTREE_HEALTH_CONFIG": str(config)}
+    try:
+        assert healthcheck.main(["probe"], env=env) == 0
+        assert healthcheck.main(["probe"], env={**env, "DDTREE_HEALTH_SERVICE": "verifier"}) == 1   # not there
+        assert healthcheck.main(["probe"], env={**env, "DDTREE_HEALTH_SERVICE": "verifier",
+                                                "DDTREE_VERIFIER_PORT": str(port)}) == 0   # the environment's over the file's
+        assert healthcheck.main(["probe"], env={**env, "DDTREE_HEALTH_PORT": str(other)}) == 1   # an explicit port first
+        capsys.readouterr()
+        assert healthcheck.main(["probe"], env={**env, "DDTREE_HEALTH_SERVICE": "drafts"}) == 1
+        assert "DDTREE_HEALTH_SERVICE must be scheduler, draft or verifier (got 'drafts')" in capsys.readouterr().err
+        config.write_text("[draft]\nport = \"x\"\n")
+        assert healthcheck.main(["probe"], env=env) == 1
+        assert capsys.readouterr().err.startswith("unhealthy: the draft's settings do not load: draft.port")
+    finally:
+        server.stop(0)
+
+
 def test_gpu_memory_is_reported_for_a_cuda_device_only(monkeypatch) -> None:
     """The draft holds GPU memory too (drafter, context pool, ring): its gauge stayed 0 before."""
     import torch
