@@ -72,6 +72,9 @@ def main(argv: list[str], env: Mapping[str, str] | None = None) -> int:
         except SettingsError as exc:
             print(f"unhealthy: the {service}'s settings do not load: {exc}", file=sys.stderr)
             return 1
+        if port == "0":
+            print(f"unhealthy: the {service}'s port is 0 (the system picks one): give the probe the port", file=sys.stderr)
+            return 1
     if len(argv) > 2 or not port.isdigit() or not 0 < int(port) < 65536:
         print("usage: python -m services.healthcheck [PORT]  (PORT: the local service's, else DDTREE_HEALTH_PORT, "
               f"else DDTREE_HEALTH_SERVICE's port, else 50051; got {' '.join(argv[1:]) or port!r})", file=sys.stderr)

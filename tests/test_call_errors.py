@@ -98,6 +98,17 @@ class Wrapping(Faulty):
             raise RuntimeError("the step stream broke") from exc
 
 
+class FailingCleanUp(Faulty):
+    """A handler whose clean-up fails (a bug) while a bad message unwinds it."""
+
+    async def StepStream(self, request_iterator, context):
+        try:
+            async for response in super().StepStream(request_iterator, context):
+                yield response
+        finally:
+            {}["clean-up bug"]
+
+
 @pytest.mark.parametrize("servicer_type", [Faulty, Wrapping])
 def test_a_stream_message_that_does_not_parse_ends_the_call_invalid_argument_without_a_traceback(servicer_type) -> None:
     """Met by the handler as it reads (after a good message here): a client's bad bytes, not a bug.
@@ -128,6 +139,33 @@ def test_a_stream_message_that_does_not_parse_ends_the_call_invalid_argument_wit
     assert code == grpc.StatusCode.INVALID_ARGUMENT, details
     assert details.startswith("the request does not parse as the message /ddtree.v1.Draft/StepStream takes")
     assert not [e for e in logs if e["event"] == "handler_failed"]
+    (said,) = [e for e in logs if e["event"] == "requests_unparsed"]   # one line, no traceback
+    assert (said["method"], said["calls"], said["log_level"]) == ("/ddtree.v1.Draft/StepStream", 1, "warning")
+
+
+def test_a_handlers_own_failure_while_a_bad_message_unwinds_it_is_still_a_bug() -> None:
+    """Raised during (not from) the parse failure: INTERNAL and its traceback, not the client's
+    INVALID_ARGUMENT with nothing logged."""
+    async def scenario() -> tuple:
+        server, _ = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
+        draft_pb2_grpc.add_DraftServicer_to_server(FailingCleanUp(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = channel.stream_stream("/ddtree.v1.Draft/StepStream")()
+                await call.write(b"\xff\xff")
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await call.read()
+                return await call.code(), await call.details()
+        finally:
+            await server.stop(0)
+
+    with capture_logs() as logs:
+        code, details = asyncio.run(scenario())
+    assert code == grpc.StatusCode.INTERNAL and "(KeyError)" in details, details
+    (failed,) = [e for e in logs if e["event"] == "handler_failed"]
+    assert "clean-up bug" in failed["error"] and "Traceback" in failed["traceback"]
 
 
 def test_a_sync_handler_stays_sync_and_an_async_one_async() -> None:

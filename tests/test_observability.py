@@ -154,6 +154,9 @@ def test_the_health_probe_finds_its_services_port_where_the_service_does(tmp_pat
         config.write_text("[draft]\nport = \"x\"\n")
         assert healthcheck.main(["probe"], env=env) == 1
         assert capsys.readouterr().err.startswith("unhealthy: the draft's settings do not load: draft.port")
+        config.write_text("[draft]\nport = 0\n")
+        assert healthcheck.main(["probe"], env=env) == 1
+        assert capsys.readouterr().err.startswith("unhealthy: the draft's port is 0")
     finally:
         server.stop(0)
 

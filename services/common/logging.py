@@ -61,7 +61,8 @@ class _Escaped:
 _RENDERED_APART = ("event", "exception", "stack")   # the event's name (ours), and the renderer's tracebacks
 
 
-def _escape_unprintable(logger, method: str, event: dict) -> dict:
+def _escape_unprintable(logger: object, method: str, event: dict) -> dict:
+    """Each text value that is not printable as its escaped repr (see `configure_logging`)."""
     for key, value in event.items():
         if isinstance(value, str) and not value.isprintable() and key not in _RENDERED_APART:
             event[key] = _Escaped(value)
