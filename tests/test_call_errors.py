@@ -5,7 +5,9 @@ stack: `new_server`'s CallErrorInterceptor)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -42,35 +44,42 @@ def _step(request_id: str) -> draft_pb2.StepRequest:
     return draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id=request_id)])
 
 
+@contextlib.asynccontextmanager
+async def _serving(servicer: draft_pb2_grpc.DraftServicer) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to a stack server (`new_server`, so its interceptors) serving ``servicer``."""
+    server, _ = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
+    draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel
+    finally:
+        await server.stop(0)
+
+
 def test_an_unexpected_exception_is_logged_and_ends_the_call_internal() -> None:
     async def scenario() -> dict:
         servicer = Faulty()
-        server, _ = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
-        draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
         seen = {}
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = draft_pb2_grpc.DraftStub(channel)
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await stub.GetModelInfo(common_pb2.GetModelInfoRequest())
-                seen["unary"] = (info.value.code(), info.value.details())
-                for how in ("raise", "abort"):
-                    call = stub.StepStream()
-                    await call.write(_step(how))
-                    assert isinstance(await call.read(), draft_pb2.StepResponse)   # the answer before it
-                    with pytest.raises(grpc.aio.AioRpcError):
-                        await call.read()
-                    seen[how] = (await call.code(), await call.details())
-                servicer.closed.clear()
+        async with _serving(servicer) as channel:
+            stub = draft_pb2_grpc.DraftStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.GetModelInfo(common_pb2.GetModelInfoRequest())
+            seen["unary"] = (info.value.code(), info.value.details())
+            for how in ("raise", "abort"):
                 call = stub.StepStream()
-                await call.write(_step("wait"))
-                await call.read()
-                call.cancel()                      # the handler's clean-up still runs
-                await asyncio.wait_for(servicer.closed.wait(), 5)
-        finally:
-            await server.stop(0)
+                await call.write(_step(how))
+                assert isinstance(await call.read(), draft_pb2.StepResponse)   # the answer before it
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await call.read()
+                seen[how] = (await call.code(), await call.details())
+            servicer.closed.clear()
+            call = stub.StepStream()
+            await call.write(_step("wait"))
+            await call.read()
+            call.cancel()                      # the handler's clean-up still runs
+            await asyncio.wait_for(servicer.closed.wait(), 5)
         return seen
 
     with capture_logs() as logs:
@@ -116,22 +125,15 @@ def test_a_stream_message_that_does_not_parse_ends_the_call_invalid_argument_wit
     public port)."""
     async def scenario() -> tuple:
         servicer = servicer_type()
-        server, _ = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
-        draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                call = channel.stream_stream("/ddtree.v1.Draft/StepStream")()   # bytes as they are
-                await call.write(_step("wait").SerializeToString())
-                first = draft_pb2.StepResponse.FromString(await call.read())
-                await call.write(b"\xff\xff")
-                with pytest.raises(grpc.aio.AioRpcError):
-                    await call.read()
-                await asyncio.wait_for(servicer.closed.wait(), 5)   # its clean-up ran
-                return first, await call.code(), await call.details()
-        finally:
-            await server.stop(0)
+        async with _serving(servicer) as channel:
+            call = channel.stream_stream("/ddtree.v1.Draft/StepStream")()   # bytes as they are
+            await call.write(_step("wait").SerializeToString())
+            first = draft_pb2.StepResponse.FromString(await call.read())
+            await call.write(b"\xff\xff")
+            with pytest.raises(grpc.aio.AioRpcError):
+                await call.read()
+            await asyncio.wait_for(servicer.closed.wait(), 5)   # its clean-up ran
+            return first, await call.code(), await call.details()
 
     with capture_logs() as logs:
         first, code, details = asyncio.run(scenario())
@@ -147,19 +149,12 @@ def test_a_handlers_own_failure_while_a_bad_message_unwinds_it_is_still_a_bug() 
     """Raised during (not from) the parse failure: INTERNAL and its traceback, not the client's
     INVALID_ARGUMENT with nothing logged."""
     async def scenario() -> tuple:
-        server, _ = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
-        draft_pb2_grpc.add_DraftServicer_to_server(FailingCleanUp(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                call = channel.stream_stream("/ddtree.v1.Draft/StepStream")()
-                await call.write(b"\xff\xff")
-                with pytest.raises(grpc.aio.AioRpcError):
-                    await call.read()
-                return await call.code(), await call.details()
-        finally:
-            await server.stop(0)
+        async with _serving(FailingCleanUp()) as channel:
+            call = channel.stream_stream("/ddtree.v1.Draft/StepStream")()
+            await call.write(b"\xff\xff")
+            with pytest.raises(grpc.aio.AioRpcError):
+                await call.read()
+            return await call.code(), await call.details()
 
     with capture_logs() as logs:
         code, details = asyncio.run(scenario())
