@@ -429,7 +429,13 @@ def run_matrix(p: MatrixParams, progress: bool = True,
     deadline = time.monotonic() + p.time_budget_s if p.time_budget_s > 0 else float("inf")
     stream = load_token_stream(p.prompt_file) if p.prompt_file else None
     rows: list[dict] = []
+    for flag, address in (("--draft-metrics", p.draft_metrics), ("--scheduler-metrics", p.scheduler_metrics)):
+        if address and not read_metrics(address):   # else every row's split is {} without a word
+            print(f"ddtree bench: no /metrics page answers at {flag} {address}: its splits stay empty", file=sys.stderr)
     _warm_up(p, stream, deadline)
+    if time.monotonic() >= deadline:
+        print(f"ddtree bench: the warm-up took the whole time budget ({p.time_budget_s:g} s): every cell is skipped "
+              "(a larger --time-budget, or --warmup-tokens 0)", file=sys.stderr)
     for cell in tqdm(cell_plan(p), desc="bench", disable=not progress):
         left = deadline - time.monotonic()
         if left <= 0:

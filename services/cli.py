@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import warnings
@@ -30,6 +31,7 @@ __all__ = ["main"]
 
 TOKEN_ENV = "DDTREE_TOKEN"   # the bearer token for generate / bench, where --token would show in `ps`
 DEMO_MODEL = "models/demo"   # the bundled demo pair, relative to the repository's root
+MAX_RANDOM_VOCAB = 262_144   # `make-checkpoint --vocab-size`: past K2's 163,840, below what fills a host's memory
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -399,11 +401,20 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
         print(f"ddtree make-checkpoint: {out} already holds a checkpoint; --force replaces it with random "
               "weights", file=sys.stderr)
         return 2
+    if args.vocab_size > MAX_RANDOM_VOCAB:   # the embeddings alone: a raw allocator traceback, minutes in
+        print(f"ddtree make-checkpoint: --vocab-size {args.vocab_size}: at most {MAX_RANDOM_VOCAB} for a small random "
+              "checkpoint", file=sys.stderr)
+        return 2
+    made = not out.exists()
     try:
         make_random_checkpoint(out, vocab_size=args.vocab_size, seed=args.seed,
                                int4=not args.bf16_experts)
-    except (ValueError, OSError) as exc:   # e.g. a vocabulary smaller than the byte alphabet: the message says so
-        print(f"ddtree make-checkpoint: {exc}", file=sys.stderr)
+    except BaseException as exc:
+        if made:   # a directory it made and did not fill is no checkpoint: a half of one left behind misled
+            shutil.rmtree(out, ignore_errors=True)
+        if not isinstance(exc, (ValueError, OSError)):
+            raise
+        print(f"ddtree make-checkpoint: {exc}", file=sys.stderr)   # e.g. a vocabulary smaller than the byte alphabet
         return 2
     print(f"wrote a random target, drafter and tokenizer to {args.out}", file=sys.stderr)
     return 0
@@ -609,16 +620,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_cmd_up)
 
     gen = sub.add_parser("generate", help="call the running stack")
-    gen.add_argument("--address", default="127.0.0.1:50051")
+    gen.add_argument("--address", default="127.0.0.1:50051", help="the scheduler (default 127.0.0.1:50051)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--token-ids", action="store_true", help="--prompt is comma-separated token ids")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus cut (default 1: none)")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut (default 0)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one)")
     gen.add_argument("--budget", type=int, default=0, help="tree budget 1..128 (0 = server default)")
-    gen.add_argument("--mode", choices=["ddtree", "autoregressive"], default=None)
+    gen.add_argument("--mode", choices=["ddtree", "autoregressive"], default=None, help="default: the server's (scheduler.default_mode, ddtree unless set)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--stop-token-ids", default=None, help="comma-separated token ids that end the output")
     gen.add_argument("--ignore-eos", action="store_true", help="generate past EOS, up to --max-tokens")
@@ -683,8 +694,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     mk = sub.add_parser("make-checkpoint", help="write a small random target + drafter + tokenizer")
     mk.add_argument("out")
-    mk.add_argument("--vocab-size", type=int, default=512)
-    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--vocab-size", type=int, default=512,
+                    help=f"tokenizer vocabulary, 258..{MAX_RANDOM_VOCAB} (default 512)")
+    mk.add_argument("--seed", type=int, default=0, help="weights' seed (default 0)")
     mk.add_argument("--bf16-experts", action="store_true", help="routed experts unquantized")
     mk.add_argument("--force", action="store_true", help="replace a checkpoint already in DIR")
     mk.set_defaults(func=_cmd_make_checkpoint)

@@ -1253,6 +1253,7 @@ def test_metrics_count_tree_steps_only_and_read_the_lanes_when_scraped() -> None
     assert value("ddtree_step_ms_count", {"stage": "scheduler"}) == 4
     ends = {e["request_id"]: e for e in logs if e["event"] == "request_end"}
     assert ends["tree"]["mode"] == "ddtree" and ends["ar"]["mode"] == "autoregressive"
+    assert ends["tree"]["budget"] > 0 and ends["ar"]["budget"] is None   # no tree, no budget (16 was logged)
     assert ends["tree"]["finish"] == "FINISH_REASON_LENGTH" and ends["tree"]["code"] is None
     assert value("ddtree_kv_tokens_reserved", {"verifier": "v1"}) == 0
     router.lanes.clear()                    # no replica is in front of v1 any more: its series go

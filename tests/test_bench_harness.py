@@ -180,13 +180,20 @@ def test_bench_spawn_stack_stops_on_sigterm(tmp_path, ckpt):
     assert rows and rows[0]["status"] == "ok"
 
 
-def test_time_budget_skips_cells_and_reports_each():
-    """Cells not started within the time budget are recorded, not dropped (no stack needed)."""
+def test_time_budget_skips_cells_and_reports_each(capsys):
+    """Cells not started within the time budget are recorded, not dropped (no stack needed); a run
+    whose warm-up took the whole budget, and a metrics address where nothing answers, say so (rows
+    of skipped cells and empty splits came without a word)."""
     seen: list[int] = []
-    p = MatrixParams(address="127.0.0.1:1", contexts=[8, 16], concurrencies=[1], budgets=[4], time_budget_s=1e-9)
+    p = MatrixParams(address="127.0.0.1:1", contexts=[8, 16], concurrencies=[1], budgets=[4], time_budget_s=1e-9,
+                     draft_metrics=f"127.0.0.1:{free_port()}")
     rows = run_matrix(p, progress=False, on_row=lambda rs: seen.append(len(rs)))
     assert [r["status"] for r in rows] == ["skipped"] * 4 and seen == [1, 2, 3, 4]
     assert all(set(ROW_KEYS) <= set(r) and r["agg_tok_s"] is None for r in rows)
+    err = capsys.readouterr().err
+    assert f"no /metrics page answers at --draft-metrics {p.draft_metrics}: its splits stay empty" in err
+    assert "--scheduler-metrics" not in err   # not given: nothing to say
+    assert "the warm-up took the whole time budget (1e-09 s): every cell is skipped" in err
 
 
 def test_the_spawned_stack_runs_the_draft_replicas_asked_for() -> None:

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services import cli
 from services.common.launcher import Stack, StackSpec, StartupStopped, free_port, wait_healthy
+from services.common.settings import SettingsError
 from services.scheduler.client import Chunk, ClientError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,19 +92,24 @@ def _cert(tmp_path: Path, name: str) -> tuple[bytes, bytes]:
     return cert.read_bytes(), key.read_bytes()
 
 
-def test_wait_healthy_checks_the_tls_name_given_and_says_why_it_waited(tmp_path, alive) -> None:
+def test_wait_healthy_checks_the_tls_name_given_and_refuses_a_certificate_of_another_name(tmp_path, alive) -> None:
     """A certificate that does not name 127.0.0.1: 120 s of waiting, then "not healthy" without a
-    reason. The name comes from DDTREE_HEALTH_TLS_NAME (as for the compose probe), and the
-    timeout names the last answer."""
+    reason; then the reason, but still after the whole timeout and as exit 1 ("may work later").
+    Now refused as a setting (exit 2 from `up`) at the first answer that says so. The name comes
+    from DDTREE_HEALTH_TLS_NAME (as for the compose probe)."""
     cert, key = _cert(tmp_path, "ddtree.test")
     server, address = _health_server(grpc.ssl_server_credentials([(key, cert)]))
     try:
-        with pytest.raises(RuntimeError) as info:
-            wait_healthy(address, alive, "scheduler", 1.5, cert)
+        started = time.monotonic()
+        with pytest.raises(SettingsError) as info:
+            wait_healthy(address, alive, "scheduler", 60.0, cert)
+        assert time.monotonic() - started < 10
         msg = str(info.value)
-        assert msg.startswith(f"scheduler at {address} not healthy after 1.5 s (last answer: UNAVAILABLE: "), msg
+        assert msg.startswith(f"scheduler at {address}: its TLS certificate does not name 127.0.0.1 (UNAVAILABLE: "), msg
         assert "DDTREE_HEALTH_TLS_NAME" in msg
         wait_healthy(address, alive, "scheduler", 20.0, cert, tls_name="ddtree.test")
+        with pytest.raises(SettingsError, match="does not name other.test"):
+            wait_healthy(address, alive, "scheduler", 60.0, cert, tls_name="other.test")
     finally:
         server.stop(0)
 
@@ -532,10 +538,32 @@ def test_bench_mistakes_are_one_line(monkeypatch, capsys, tmp_path) -> None:
             and needle in err, err
 
 
-def test_make_checkpoint_says_what_is_wrong_in_one_line(capsys, tmp_path) -> None:
+def test_make_checkpoint_says_what_is_wrong_in_one_line_and_leaves_nothing_half_made(capsys, tmp_path,
+                                                                                     monkeypatch) -> None:
     assert cli.main(["make-checkpoint", str(tmp_path / "ckpt"), "--vocab-size", "10"]) == 2
     err = capsys.readouterr().err
     assert err == "ddtree make-checkpoint: vocab_size must be >= 258 (byte alphabet + special tokens), got 10\n"
+    assert not (tmp_path / "ckpt").exists()   # an empty directory was left behind
+    # An absurd vocabulary: refused at once, not a raw allocator traceback minutes in.
+    assert cli.main(["make-checkpoint", str(tmp_path / "ckpt"), "--vocab-size", "99999999"]) == 2
+    assert capsys.readouterr().err == (f"ddtree make-checkpoint: --vocab-size 99999999: at most {cli.MAX_RANDOM_VOCAB} "
+                                       "for a small random checkpoint\n")
+    # A failure after the tokenizer was written takes the directory it made with it, and is raised
+    # as it is where it is no refusal (a bug); a directory that was there is left alone.
+    from services.verifier import make_target
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+    monkeypatch.setattr(make_target, "write_random_target", fails)
+    monkeypatch.setattr("services.common.make_checkpoint.write_random_target", fails)
+    with pytest.raises(RuntimeError, match="allocate"):
+        cli.main(["make-checkpoint", str(tmp_path / "ckpt")])
+    assert not (tmp_path / "ckpt").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(RuntimeError, match="allocate"):
+        cli.main(["make-checkpoint", str(tmp_path / "mine")])
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
 def test_make_checkpoint_keeps_a_checkpoint_already_there_unless_forced(capsys, tmp_path) -> None:

@@ -128,6 +128,9 @@ def test_up_names_the_settings_it_does_not_apply(tmp_path, monkeypatch, capsys) 
                            scheduler_host="127.0.0.1"))._plan()   # as `up` passes its --host
     assert load_settings(SchedulerSettings, str(config), env=plan[-1].env).host == "127.0.0.1"
     assert placed_by_up(None, {}) == []
+    # Set in both: both named (the file's was dropped without a word where the variable was set).
+    assert placed_by_up(str(config), {"DDTREE_SCHEDULER_PORT": "7000"})[:3] == [
+        f"scheduler.host ({config})", "DDTREE_SCHEDULER_PORT", f"scheduler.port ({config})"]
     for role, names in PLACED_BY_UP.items():   # each is a real setting of its service
         assert set(names) <= {f.name for f in dataclasses.fields(load_settings(
             {"scheduler": SchedulerSettings, "draft": DraftSettings, "verifier": VerifierSettings}[role], None, env={}))}
@@ -142,7 +145,8 @@ def test_up_names_the_settings_it_does_not_apply(tmp_path, monkeypatch, capsys) 
     assert main(["up", "--config", str(config), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert f"not applied, since ddtree up takes the model from its flags and picks the ports and addresses: " \
-           f"scheduler.host ({config}), DDTREE_SCHEDULER_PORT, verifier.model_path ({config})" in err
+           f"scheduler.host ({config}), DDTREE_SCHEDULER_PORT, scheduler.port ({config}), " \
+           f"verifier.model_path ({config})" in err
     assert "not applied: DDTREE_AUTH_TOKEN is read by compose only (the scheduler's bearer token; for ddtree up, " \
            "set DDTREE_SCHEDULER_AUTH_TOKEN or scheduler.auth_token in --config)" in err
     assert "DDTREE_PUBLISH_ADDR" not in err

@@ -54,7 +54,7 @@ def placed_by_up(config_path: str | None, environ: dict[str, str]) -> list[str]:
             var = f"DDTREE_{role.upper()}_{name.upper()}"
             if var in environ:
                 found.append(var)
-            elif name in table:
+            if name in table:   # both, where both set it: each misleads on its own
                 found.append(f"{role}.{name} ({config_path})")
     return found
 
@@ -225,6 +225,12 @@ def wait_healthy(address: str, proc: subprocess.Popen, name: str, timeout_s: flo
                         return
             except grpc.RpcError as exc:
                 last = f"{exc.code().name}: {exc.details()}"
+                if tls_roots and "hostname verification" in (exc.details() or "").lower():
+                    # The service is up and its certificate names another host: no retry fixes that
+                    # (the whole start-up timeout went by, then exit 1, "may work later").
+                    host = tls_name or address.rsplit(":", 1)[0]
+                    raise SettingsError(f"{name} at {address}: its TLS certificate does not name {host} ({last}); "
+                                        "DDTREE_HEALTH_TLS_NAME gives a name it holds to check instead") from None
             time.sleep(0.2)
     hint = ""
     if tls_roots and not serving_seen and last.startswith("UNAVAILABLE"):

@@ -529,7 +529,8 @@ def log_end(metrics: Metrics, req: ActiveRequest) -> None:
              code=req.error.code.name if req.error is not None else None,
              error=req.error.message if req.error is not None else None,
              prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, steps=usage.steps,
-             mean_acceptance=round(usage.mean_acceptance, 3), budget=req.budget,
+             mean_acceptance=round(usage.mean_acceptance, 3),
+             budget=req.budget if req.mode == common_pb2.MODE_DDTREE else None,   # no tree: no budget
              ttft_ms=round((req.first_token_at - req.created) * 1e3, 2) if req.first_token_at else None,
              seconds=round(now - req.created, 4))
 
