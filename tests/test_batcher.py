@@ -1804,3 +1804,24 @@ def test_the_kv_and_queue_bounds_are_exact() -> None:
     router.submit(request("q2", 4, kv=600))
     with pytest.raises(ServiceError, match="queue full"):
         router.submit(request("q3", 4, kv=600))
+
+
+def test_an_aborted_stream_closed_after_its_id_was_reused_leaves_the_new_request_alone() -> None:
+    """Abort "x", reuse the id, then the old stream closes before reading its aborted event (a
+    client that aborts and then cancels its call): only the old request object may be aborted."""
+    async def scenario():
+        servicer, router, lane = scheduler(SlowDraft())
+        old = servicer.Generate(generate(50), NoDeadline())
+        await old.__anext__()
+        assert router.abort("x")
+        new = servicer.Generate(generate(3), NoDeadline())
+        messages = [await new.__anext__()]
+        await old.aclose()          # the old stream's finally runs, its aborted event unread
+        while not messages[-1].finish_reason:
+            messages.append(await new.__anext__())
+        await router.stop()
+        return messages
+
+    messages = asyncio.run(scenario())
+    assert messages[-1].finish_reason == scheduler_pb2.FINISH_REASON_LENGTH
+    assert sum(len(m.token_ids) for m in messages) == 3

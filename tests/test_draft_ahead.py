@@ -310,3 +310,41 @@ def test_a_tree_near_the_context_end_reaches_its_last_position_and_no_further():
         return verifier.depths["a"], length, engine.max_context
     depth, length, max_context = asyncio.run(run())
     assert length == 4 and length + depth == max_context - 1   # the last position, no further
+
+
+def test_a_draft_prompt_piece_behind_what_it_holds_is_refused_and_the_request_kept() -> None:
+    """A resent piece (its offset behind what the draft holds) is refused here, the request kept:
+    sent on, the verifier's refusal dropped the whole request."""
+    async def run():
+        engine, verifier = make_engine()
+        first = draft_pb2.StepItem(request_id="a", prompt_token_ids=[3, 9], prompt_continues=True, budget=4,
+                                   max_new_tokens=32, mode=common_pb2.MODE_DDTREE)
+        await engine.step(draft_pb2.StepRequest(items=[first]))
+        engine.run_ahead()
+        sent = len(verifier.prefills)
+        again = draft_pb2.StepItem(request_id="a", prompt_token_ids=[9, 27, 17], prompt_offset=1, budget=4,
+                                   mode=common_pb2.MODE_DDTREE)
+        resp = await engine.step(draft_pb2.StepRequest(items=[again]))
+        engine._settle()
+        return resp.results[0], engine, verifier, sent
+    res, engine, verifier, sent = asyncio.run(run())
+    assert res.error_code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert len(verifier.prefills) == sent           # never sent on
+    assert engine._requests["a"].length == 2 and engine._requests["a"].prefilling
+
+
+def test_a_draft_step_for_a_request_whose_prompt_is_still_arriving_is_refused_alone() -> None:
+    """A decode step before the prompt's last piece: refused alone, no tree drafted from a root
+    that does not exist yet (sent on, it dropped the request at the verifier)."""
+    async def run():
+        engine, verifier = make_engine()
+        first = draft_pb2.StepItem(request_id="a", prompt_token_ids=[3, 9], prompt_continues=True, budget=4,
+                                   max_new_tokens=32, mode=common_pb2.MODE_DDTREE)
+        await engine.step(draft_pb2.StepRequest(items=[first]))
+        engine.run_ahead()
+        resp = await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=4)]))
+        engine._settle()
+        return resp.results[0], engine, verifier
+    res, engine, verifier = asyncio.run(run())
+    assert res.error_code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert verifier.sent == [] and engine._requests["a"].prefilling

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kernels.tree_mla import TreeAttentionMetadata
+from services.common.grpc_server import ServiceError
 from services.draft.tree import ancestor_mask, build_trees
 from services.verifier.engine import PrefillInput, StepOutcome, VerifierEngine
 from services.verifier.graphs import BATCH_BUCKETS, NODE_BUCKETS, REPLAY_ROWS, VerifyGraphs
@@ -1419,3 +1420,79 @@ def test_the_prefill_checks_wrapper_of_the_posterior_keeps_its_signature(target:
     assert set(seen) == {"w"} and seen["w"].shape == (VOCAB,)
     res = engine.verify(["w"], *pack([random_tree(out.items[0].tokens[0], 4, torch.Generator().manual_seed(1))]))
     assert res.items[0].error is None and len(seen) == 1   # a verify's rows are no prefill's
+
+
+# ---------------------------------------------------------------- from a mutation run: checks at their edges
+
+
+def test_a_prompt_piece_that_repeats_what_the_cache_holds_is_refused(target) -> None:
+    """A piece whose offset is behind what the cache holds (a resent piece) must not append its
+    tokens again after the ones already committed."""
+    prompt = PROMPTS[2] + [7, 7, 9, 1]
+    engine = make_engine(target.model)
+    engine.prefill([PrefillInput("p", prompt[:6], Sampling(), 64, more=True)])
+    out = engine.prefill([PrefillInput("p", prompt[2:10], Sampling(), 0, offset=2)])
+    assert out.items[0].error is not None and out.items[0].error.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert engine._requests["p"].length == 6
+
+
+def test_a_prompt_in_pieces_as_long_as_max_context_is_refused_as_in_one(target) -> None:
+    """In one piece a prompt of max_context tokens is refused; in pieces it must be too (its first
+    token has no position left)."""
+    prompt = PROMPTS[2] + [7, 7, 9, 1] + PROMPTS[0]   # 20 tokens
+    one = make_engine(target.model, pages=64, page_size=16, max_context=18)
+    whole = one.prefill([PrefillInput("w", prompt[:18], Sampling(), 64)])
+    assert whole.items[0].error.code == grpc.StatusCode.INVALID_ARGUMENT
+    short = make_engine(target.model, pages=64, page_size=16, max_context=18)
+    short.prefill([PrefillInput("s", prompt[:10], Sampling(), 64, more=True)])
+    last = short.prefill([PrefillInput("s", prompt[10:18], Sampling(), 0, offset=10)])
+    assert last.items[0].error is not None and last.items[0].error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert short._requests["s"].length == 10
+
+
+def test_a_feature_layer_one_past_the_last_is_refused(target) -> None:
+    """An easy off-by-one in a drafter's target layers: refused at the handshake, not an assert in every step."""
+    engine = make_engine(target.model)
+    n = target.model.config.num_hidden_layers
+    engine.check_feature_layers([n - 1])
+    with pytest.raises(ServiceError) as info:
+        engine.check_feature_layers([n])
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_negative_tree_size_is_a_clean_invalid_argument(target) -> None:
+    """Past the shape check, numpy's ValueError ended the whole verify stream."""
+    engine = make_engine(target.model)
+    out = engine.prefill([PrefillInput("a", PROMPTS[0], Sampling(), 64), PrefillInput("b", PROMPTS[2], Sampling(), 64)])
+    a, b = (it.tokens[0] for it in out.items)
+    tokens, parents, depths, _ = pack([root_only(a), root_only(b)])
+    tokens = torch.cat([tokens, torch.tensor([5])])
+    parents = torch.cat([parents, torch.tensor([0])])
+    depths = torch.cat([depths, torch.tensor([1])])
+    with pytest.raises(ServiceError) as info:
+        engine.verify(["a", "b"], tokens, parents, depths, torch.tensor([-1, 4]))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_piece_whose_later_chunk_fails_leaves_the_request_where_the_piece_found_it(target) -> None:
+    """A piece in two forwards whose second raises: the request is back at the piece's offset, so
+    the scheduler's retry of that piece is taken and gives the one-prefill answer."""
+    prompt = PROMPTS[2] + [7, 7, 9, 1]   # 15 tokens
+    engine = make_engine(target.model, prefill_chunk=4)
+    engine.prefill([PrefillInput("p", prompt[:4], Sampling(), 64, more=True)])
+    real, calls = engine._forward, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("device error")
+        return real(*args, **kwargs)
+
+    engine._forward = flaky
+    with pytest.raises(RuntimeError):
+        engine.prefill([PrefillInput("p", prompt[4:12], Sampling(), 0, offset=4)])
+    engine._forward = real
+    assert engine._requests["p"].length == 4 and engine._requests["p"].prefilling
+    retry = engine.prefill([PrefillInput("p", prompt[4:], Sampling(), 0, offset=4)])
+    assert retry.items[0].error is None
+    assert retry.items[0].tokens == target.continuation(prompt, 1)

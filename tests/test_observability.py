@@ -190,12 +190,29 @@ def test_each_service_exports_the_metrics_it_updates_and_no_others() -> None:
     from services.common.metrics import _EXPORTS, Metrics
 
     root = Path(__file__).resolve().parent.parent / "services"
-    every = {name for names in _EXPORTS.values() for name in names}
+    # Every metric there is, not the union of the exports: a name dropped from one role's set left
+    # the union too, and the metric went from that role's /metrics without a failing test.
+    every = {name for name in vars(Metrics("a-test")) if name not in ("registry", "service")}
     for role in ("scheduler", "draft", "verifier"):
         updated = {m for f in (root / role).glob("*.py") for m in re.findall(r"metrics\.(\w+)", f.read_text())}
         assert updated & every == _EXPORTS[role] - {"gpu_memory_allocated"}, role   # (that one via track_gpu_memory)
+        registered = {m.name for m in Metrics(role).registry.collect()}
+        assert {getattr(Metrics("a-test"), name)._name for name in _EXPORTS[role]} <= registered, role
         text = generate_latest(Metrics(role).registry).decode()
         assert ("ddtree_generated_tokens_total" in text) == (role == "scheduler")
         assert ("ddtree_transport_peers" in text) == (role == "verifier")
         assert "ddtree_step_ms" in text and "ddtree_running_requests" in text
     assert "ddtree_transport_peers" in generate_latest(Metrics("a-test").registry).decode()   # others: all
+
+
+def test_metrics_port_zero_serves_nothing_and_every_fallback_reason_starts_at_zero() -> None:
+    """`metrics_port = 0` is off (a random port, on 0.0.0.0, would expose /metrics unasked); the
+    inline-fallback reasons exist at 0 from the start, so an alert on their rate sees a series."""
+    from prometheus_client import generate_latest
+
+    from services.common.metrics import Metrics, serve_metrics
+
+    assert serve_metrics(Metrics("draft"), "127.0.0.1", 0) is None
+    text = generate_latest(Metrics("verifier").registry).decode()
+    for reason in ("slot_too_small", "ring_full", "ring_error"):
+        assert f'ddtree_ring_inline_fallbacks_total{{reason="{reason}"}} 0.0' in text, reason
