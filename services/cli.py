@@ -629,7 +629,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut (default 0)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one)")
     gen.add_argument("--budget", type=int, default=0, help="tree budget 1..128 (0 = server default)")
-    gen.add_argument("--mode", choices=["ddtree", "autoregressive"], default=None, help="default: the server's (scheduler.default_mode, ddtree unless set)")
+    gen.add_argument("--mode", choices=["ddtree", "autoregressive"], default=None,
+                     help="default: the server's (scheduler.default_mode, ddtree unless set)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--stop-token-ids", default=None, help="comma-separated token ids that end the output")
     gen.add_argument("--ignore-eos", action="store_true", help="generate past EOS, up to --max-tokens")

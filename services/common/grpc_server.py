@@ -127,8 +127,8 @@ def new_server(service_full_names: Iterable[str], interceptors: Sequence[grpc.ai
     """An asyncio server with grpc.health.v1 (each service SERVING) and reflection registered.
 
     A request or stream message that does not parse is refused with INVALID_ARGUMENT
-    (`on_unparsed(method, message)` is told of each), and a handler's unexpected exception is logged and ends its call
-    INTERNAL (`CallErrorInterceptor`).
+    (`on_unparsed(method, message)` is told of each), and a handler's unexpected exception is
+    logged and ends its call INTERNAL (`CallErrorInterceptor`).
     """
     server = grpc.aio.server(options=server_options(max_receive_bytes),
                              interceptors=[*interceptors, CallErrorInterceptor(on_unparsed)])
