@@ -476,26 +476,28 @@ def test_a_stream_closed_while_it_sends_an_event_cancels_its_request() -> None:
     assert asyncio.run(scenario()) == (True, True)
 
 
-def test_a_reused_id_survives_the_late_cancellation_of_the_stream_it_replaced() -> None:
-    """Abort request "x", reuse the id at once, then the old stream's client goes away: the
-    cancellation ends the old request object only, not the new one with its id."""
-    from ddtree.v1 import scheduler_pb2
-
+@pytest.mark.parametrize("leaves", ["cancelled_while_it_waits", "closed_with_its_abort_unread"])
+def test_a_reused_id_survives_the_end_of_the_stream_it_replaced(leaves: str) -> None:
+    """Abort request "x", reuse the id at once, then the old stream ends: its client goes away
+    while it waits, or closes it before it read its aborted event (abort, then cancel the call:
+    there the stream's own clean-up runs). Either ends the old request object only, not the new one
+    with its id."""
     async def scenario() -> list[scheduler_pb2.GenerateResponse]:
         servicer, router, lane = scheduler(SlowDraft())
         old = servicer.Generate(generate(50), NoDeadline())
         await old.__anext__()
-        waiting = asyncio.create_task(old.__anext__())
+        waiting = asyncio.create_task(old.__anext__()) if leaves == "cancelled_while_it_waits" else None
         await asyncio.sleep(0.01)
         assert router.abort("x")
         new = servicer.Generate(generate(3), NoDeadline())
         first = asyncio.create_task(new.__anext__())
         await asyncio.sleep(0.01)
-        waiting.cancel()  # the old stream's client leaves
-        try:
-            await waiting
-        except asyncio.CancelledError:
-            pass
+        if waiting is not None:
+            waiting.cancel()  # the old stream's client leaves
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+        else:
+            await old.aclose()   # its finally runs, its aborted event unread
         messages = [await first]
         while not messages[-1].finish_reason:
             messages.append(await new.__anext__())
@@ -1804,24 +1806,3 @@ def test_the_kv_and_queue_bounds_are_exact() -> None:
     router.submit(request("q2", 4, kv=600))
     with pytest.raises(ServiceError, match="queue full"):
         router.submit(request("q3", 4, kv=600))
-
-
-def test_an_aborted_stream_closed_after_its_id_was_reused_leaves_the_new_request_alone() -> None:
-    """Abort "x", reuse the id, then the old stream closes before reading its aborted event (a
-    client that aborts and then cancels its call): only the old request object may be aborted."""
-    async def scenario():
-        servicer, router, lane = scheduler(SlowDraft())
-        old = servicer.Generate(generate(50), NoDeadline())
-        await old.__anext__()
-        assert router.abort("x")
-        new = servicer.Generate(generate(3), NoDeadline())
-        messages = [await new.__anext__()]
-        await old.aclose()          # the old stream's finally runs, its aborted event unread
-        while not messages[-1].finish_reason:
-            messages.append(await new.__anext__())
-        await router.stop()
-        return messages
-
-    messages = asyncio.run(scenario())
-    assert messages[-1].finish_reason == scheduler_pb2.FINISH_REASON_LENGTH
-    assert sum(len(m.token_ids) for m in messages) == 3

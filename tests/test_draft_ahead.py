@@ -312,15 +312,21 @@ def test_a_tree_near_the_context_end_reaches_its_last_position_and_no_further():
     assert length == 4 and length + depth == max_context - 1   # the last position, no further
 
 
+async def _prompt_arriving() -> tuple[DraftEngine, FakeVerifier]:
+    """A draft holding the first piece ([3, 9]) of request "a", whose prompt goes on."""
+    engine, verifier = make_engine()
+    first = draft_pb2.StepItem(request_id="a", prompt_token_ids=[3, 9], prompt_continues=True, budget=4,
+                               max_new_tokens=32, mode=common_pb2.MODE_DDTREE)
+    await engine.step(draft_pb2.StepRequest(items=[first]))
+    engine.run_ahead()
+    return engine, verifier
+
+
 def test_a_draft_prompt_piece_behind_what_it_holds_is_refused_and_the_request_kept() -> None:
     """A resent piece (its offset behind what the draft holds) is refused here, the request kept:
     sent on, the verifier's refusal dropped the whole request."""
     async def run():
-        engine, verifier = make_engine()
-        first = draft_pb2.StepItem(request_id="a", prompt_token_ids=[3, 9], prompt_continues=True, budget=4,
-                                   max_new_tokens=32, mode=common_pb2.MODE_DDTREE)
-        await engine.step(draft_pb2.StepRequest(items=[first]))
-        engine.run_ahead()
+        engine, verifier = await _prompt_arriving()
         sent = len(verifier.prefills)
         again = draft_pb2.StepItem(request_id="a", prompt_token_ids=[9, 27, 17], prompt_offset=1, budget=4,
                                    mode=common_pb2.MODE_DDTREE)
@@ -337,11 +343,7 @@ def test_a_draft_step_for_a_request_whose_prompt_is_still_arriving_is_refused_al
     """A decode step before the prompt's last piece: refused alone, no tree drafted from a root
     that does not exist yet (sent on, it dropped the request at the verifier)."""
     async def run():
-        engine, verifier = make_engine()
-        first = draft_pb2.StepItem(request_id="a", prompt_token_ids=[3, 9], prompt_continues=True, budget=4,
-                                   max_new_tokens=32, mode=common_pb2.MODE_DDTREE)
-        await engine.step(draft_pb2.StepRequest(items=[first]))
-        engine.run_ahead()
+        engine, verifier = await _prompt_arriving()
         resp = await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=4)]))
         engine._settle()
         return resp.results[0], engine, verifier
