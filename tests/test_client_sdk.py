@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import contextlib
+import dataclasses
 import inspect
 import math
 import subprocess
@@ -467,10 +468,11 @@ class HeldEncoder:
         self.tokenizer = tokenizer
         self.texts: list[str] = []
         self.release = threading.Event()
+        self.released: set[str] = set()   # texts let through before `release`
 
     async def encode(self, text: str) -> list[int]:
         self.texts.append(text)
-        while not self.release.is_set():
+        while not self.release.is_set() and text not in self.released:
             await asyncio.sleep(0.005)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
@@ -514,6 +516,44 @@ def test_a_request_aborted_while_its_text_is_tokenized_ends_aborted_and_bad_fiel
             assert done.finish_reason == "aborted" and done.token_ids == [], done
             assert server.submitted.count("tokenizing") == 1   # the token-id one only
             assert server.router.metrics.requests.labels("aborted")._value.get() == aborted + 1
+    finally:
+        server.stop()
+
+
+def test_an_aborted_text_that_ends_its_tokenizing_leaves_the_id_to_the_request_that_took_it_since() -> None:
+    """An aborted request gives its id up while its text is tokenized; a second text request took
+    it. The first one's tokenizing then ended: had it cleared the id's entry (the second's), the id
+    was free to a third request while the second still tokenized, and an abort of it found nothing."""
+    tokenizer = Tokenizer.from_file("models/demo/tokenizer.json")
+    encoder = HeldEncoder(tokenizer)
+    server = Server(tokenizer, encoder)
+    try:
+        with Client(server.address) as c:
+            out: dict[str, object] = {}
+
+            def send(key: str, text: str) -> threading.Thread:
+                thread = threading.Thread(target=lambda: out.setdefault(key, c.generate(text, request_id="t", **LONG)))
+                thread.start()
+                deadline = time.monotonic() + 10
+                while text not in encoder.texts and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert text in encoder.texts
+                return thread
+
+            first = send("first", "first text")
+            assert c.abort("t", timeout_s=5)
+            second = send("second", "second text")
+            encoder.released.add("first text")
+            first.join(10)
+            assert out["first"].finish_reason == "aborted"
+            with pytest.raises(ClientError) as info:   # still the second's, tokenizing
+                c.generate(IDS, request_id="t", max_tokens=2)
+            assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+            assert c.abort("t", timeout_s=5)
+            encoder.release.set()
+            second.join(10)
+            assert out["second"].finish_reason == "aborted" and out["second"].token_ids == []
+            assert server.submitted.count("t") == 0
     finally:
         server.stop()
 
@@ -821,6 +861,18 @@ def test_threads_sharing_one_stream_each_take_the_next_chunk(server) -> None:
         for t in threads:
             t.join(30)
     assert not errors and len(got) == 60
+
+
+def test_a_request_of_exactly_max_request_bytes_is_taken_and_one_byte_more_refused(server) -> None:
+    servicer = server.servicer
+    servicer.settings = dataclasses.replace(servicer.settings, max_request_bytes=2048)
+    n = next(n for n in range(1900, 2100) if build_request([1] * n, max_tokens=2, ignore_eos=True).ByteSize() == 2048)
+    with Client(server.address) as c:
+        assert len(c.generate([1] * n, max_tokens=2, ignore_eos=True).token_ids) == 2
+        assert build_request([1] * (n + 1), max_tokens=2, ignore_eos=True).ByteSize() == 2049
+        with pytest.raises(ClientError, match="request is 2049 bytes; scheduler.max_request_bytes allows 2048") as info:
+            c.generate([1] * (n + 1), max_tokens=2, ignore_eos=True)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_abort_refuses_an_id_that_is_not_text(server) -> None:
