@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["main"]
@@ -198,7 +199,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"ddtree up: {stack.scheduler_listen_address} answers anyone who reaches it: no scheduler.auth_token "
               "(DDTREE_SCHEDULER_AUTH_TOKEN)", file=sys.stderr, flush=True)
     try:
-        stack.supervise(lambda: stop["now"], report=lambda msg: print(f"ddtree up: {msg}", file=sys.stderr, flush=True))
+        stack.supervise(lambda: stop["now"], report=_restart_reporter(sched.json_logs))
     except StartupStopped:   # a signal while a service restarted
         pass
     except RuntimeError as exc:
@@ -218,6 +219,17 @@ def _this_command() -> str:
     if here.name == "ddtree" and shutil.which("ddtree") != str(here.resolve()) and here.exists():
         return str(here)
     return "ddtree"
+
+
+def _restart_reporter(json_logs: bool) -> Callable[[str, str], None]:
+    """How `ddtree up` tells of a service's restart: a line for the console, or, where the services
+    log JSON, a JSON event among theirs (a plain line there broke a parser of the stack's log)."""
+    if not json_logs:
+        return lambda event, message: print(f"ddtree up: {message}", file=sys.stderr, flush=True)
+    from services.common.logging import configure_logging, get_logger
+    configure_logging("launcher", json_logs=True)
+    log = get_logger("launcher")
+    return lambda event, message: log.warning(event, message=message)
 
 
 def _no_tokenizer_note(model: Path) -> str:

@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from ddtree.v1 import common_pb2, scheduler_pb2
 from services.common.grpc_server import ServiceError
@@ -326,9 +327,12 @@ def test_a_failed_replica_fails_its_requests_unavailable_whatever_ended_its_stre
         async def step(self, req, timeout):
             raise StepFailed(code, "the draft stream ended")
 
-    err = asyncio.run(run_one(Failing(), "a")).error
+    with capture_logs() as logs:
+        err = asyncio.run(run_one(Failing(), "a")).error
     assert err is not None and err.code == grpc.StatusCode.UNAVAILABLE
     assert err.message == f"draft replica draft failed ({code.name}): the draft stream ended"
+    # At warning: a filter on warnings finds the requests a failure ended.
+    assert [e["log_level"] for e in logs if e["event"] == "request_end"] == ["warning"]
 
 
 def test_requests_of_a_failed_step_are_released_when_the_replica_is_back() -> None:
@@ -441,10 +445,14 @@ def scheduler(draft):
 
 
 class NoDeadline:
-    """The part of a gRPC servicer context a stream reads when its client leaves."""
+    """The part of a gRPC servicer context a stream reads when its client leaves (and a refusal's
+    log, its peer)."""
 
     def time_remaining(self) -> None:
         return None
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
 
 
 def generate(max_tokens: int, request_id: str = "x"):
@@ -893,7 +901,6 @@ def test_each_lane_caps_its_steps_by_its_own_verifiers_feature_width_and_a_refus
     outgrow gRPC's message cap); a replica whose replies cannot hold a step of ``max_batch`` is kept
     down, and one refusing the internal token is logged once as that, not as a dead replica."""
     import grpc
-    from structlog.testing import capture_logs
 
     from services.scheduler.request import step_prompt_tokens
     from services.scheduler.router import Router
@@ -1181,8 +1188,6 @@ def test_metrics_count_tree_steps_only_and_read_the_lanes_when_scraped() -> None
     """The acceptance histogram holds tree steps as verified (an autoregressive step's single
     token is no acceptance), release-only steps time no stage, every request's end is logged with
     its mode, and the gauges say the lanes' state at the scrape, not at the last probe round."""
-    from structlog.testing import capture_logs
-
     from ddtree.v1 import draft_pb2
     from services.scheduler.router import Router
 
@@ -1257,6 +1262,13 @@ def test_metrics_count_tree_steps_only_and_read_the_lanes_when_scraped() -> None
     assert ends["tree"]["mode"] == "ddtree" and ends["ar"]["mode"] == "autoregressive"
     assert ends["tree"]["budget"] > 0 and ends["ar"]["budget"] is None   # no tree, no budget (16 was logged)
     assert ends["tree"]["finish"] == "FINISH_REASON_LENGTH" and ends["tree"]["code"] is None
+    # Latencies: each admission's wait (both were admitted twice here), each first token, each end.
+    assert value("ddtree_request_queue_seconds_count") == 4
+    assert value("ddtree_time_to_first_token_seconds_count") == 2
+    assert value("ddtree_request_seconds_count", {"status": "length"}) == 2
+    for end in ends.values():
+        assert end["log_level"] == "info" and 0 <= end["queue_ms"] <= end["ttft_ms"] <= end["seconds"] * 1e3
+    assert ends["tree"]["tree_steps"] == 3 and ends["ar"]["tree_steps"] == 0
     assert value("ddtree_kv_tokens_reserved", {"verifier": "v1"}) == 0
     router.lanes.clear()                    # no replica is in front of v1 any more: its series go
     router._prune_budgets()

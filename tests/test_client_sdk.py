@@ -211,6 +211,7 @@ def test_a_request_whose_deadline_passes_is_counted_and_logged_as_that_not_as_an
     ends = {e["request_id"]: e for e in logs if e.get("event") == "request_end"}
     assert ends["late"]["status"] == "deadline_exceeded" and ends["late"]["code"] == "DEADLINE_EXCEEDED"
     assert ends["left"]["status"] == "aborted" and ends["left"]["finish"] == "FINISH_REASON_ABORTED"
+    assert ends["late"]["log_level"] == ends["left"]["log_level"] == "info"   # the client's choices, no fault
 
 
 def test_an_async_stream_kept_in_a_variable_is_cancelled_when_its_with_block_exits_or_it_is_closed(server) -> None:
@@ -873,6 +874,19 @@ def test_a_request_of_exactly_max_request_bytes_is_taken_and_one_byte_more_refus
         with pytest.raises(ClientError, match="request is 2049 bytes; scheduler.max_request_bytes allows 2048") as info:
             c.generate([1] * (n + 1), max_tokens=2, ignore_eos=True)
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_refusal_is_logged_with_the_clients_request_id_and_address(server) -> None:
+    """`request_refused` had the code and reason only: a user's report of a refused request could
+    not be matched to its line."""
+    bad = scheduler_pb2.GenerateRequest(token_ids=scheduler_pb2.TokenIds(ids=IDS), max_tokens=0, request_id="r-bad")
+    with grpc.insecure_channel(server.address) as channel, capture_logs() as logs, \
+            pytest.raises(grpc.RpcError) as rpc:
+        scheduler_pb2_grpc.SchedulerStub(channel).Generate(bad, timeout=5).next()
+    assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    refused = [e for e in logs if e["event"] == "request_refused"]
+    assert len(refused) == 1 and refused[0]["request_id"] == "r-bad" and "max_tokens" in refused[0]["reason"]
+    assert refused[0]["peer"].startswith(("ipv4:127.0.0.1:", "ipv6:[::1]:"))
 
 
 def test_abort_refuses_an_id_that_is_not_text(server) -> None:

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc, scheduler_pb2, verifier_pb2, verifier_pb2_grpc
 from services.common.make_checkpoint import make_random_checkpoint
@@ -110,7 +111,7 @@ class Draft:
 
     async def stop(self) -> None:
         await self.server.stop(0)
-        await self.client.close()
+        await self.engine.close()   # as the service stops: after the stream clean-up in progress
 
 
 def admit(rid: str, max_new: int = 64) -> draft_pb2.StepItem:
@@ -161,8 +162,14 @@ def test_a_verifier_restarted_between_steps_is_hand_shaken_again(ckpt):
             r.verifier = await Verifier(ckpt, port=r.verifier.port).start()   # back before the next step
             piece = draft_pb2.StepItem(request_id="a", prompt_token_ids=[11, 12], prompt_offset=6, budget=4)
             return [await step(r.link, [decode("a"), admit("b")]), await step(r.link, [piece]),
-                    await step(r.link, [decode("b")], release=["a"])]
-    assert asyncio.run(run()) == [[("a", "UNAVAILABLE"), ("b", "OK")], [("a", "UNAVAILABLE")], [("b", "OK")]]
+                    await step(r.link, [decode("b")], release=["a"])], r.draft.client
+    with capture_logs() as logs:
+        steps, client = asyncio.run(run())
+    assert steps == [[("a", "UNAVAILABLE"), ("b", "OK")], [("a", "UNAVAILABLE")], [("b", "OK")]]
+    # The reconnect a step made is logged (only the replica's own watch logged one), naming the verifier.
+    again = [e for e in logs if e["event"] == "verifier_reconnected"]
+    assert len(again) == 1 and again[0]["verifier"] == client.address and again[0]["transport"] == "shm"
+    assert again[0]["verifier_id"]
 
 
 def test_a_frozen_verifier_costs_one_step_not_the_replica(ckpt):
@@ -178,8 +185,14 @@ def test_a_frozen_verifier_costs_one_step_not_the_replica(ckpt):
             dropped = not r.draft.client.connected
             after = await step(r.link, [admit("b")], timeout=10)
             return frozen, dropped, after, r.draft.engine._lock.locked()
-    frozen, dropped, after, locked = asyncio.run(run())
+    with capture_logs() as logs:
+        frozen, dropped, after, locked = asyncio.run(run())
     assert frozen == "StepFailed(UNAVAILABLE)" and dropped and after == [("b", "OK")] and not locked
+    lost = [e for e in logs if e["event"] == "verifier_stream_lost"]
+    assert len(lost) == 1 and lost[0]["log_level"] == "warning" and lost[0]["verifier"].startswith("127.0.0.1:")
+    assert lost[0]["error"] == "the verifier answered no step within 1 s"
+    assert [e["event"] for e in logs if e["event"].startswith("verifier_")] == ["verifier_stream_lost",
+                                                                                "verifier_reconnected"]
 
 
 def test_a_scheduler_that_goes_away_leaves_no_request_behind(ckpt):

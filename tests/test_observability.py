@@ -4,6 +4,7 @@ health probe says why a service is unhealthy."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from concurrent import futures
@@ -27,6 +28,21 @@ def test_an_event_logged_from_a_thread_names_its_service() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     events = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
     assert [(e["event"], e.get("service")) for e in events] == [("main_event", "verifier"), ("thread_event", "verifier")]
+
+
+@pytest.mark.parametrize("json_logs", [True, False])
+def test_ddtree_ups_restart_notices_are_json_events_where_the_services_log_json(json_logs) -> None:
+    """`ddtree up` told of a restart in a plain line amid the services' JSON lines, which broke a
+    parser of the stack's log; a console keeps its readable line."""
+    code = ("from services.cli import _restart_reporter\n"
+            f"_restart_reporter({json_logs})('service_restarting', 'draft exited with code -9; restarting it')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    if not json_logs:
+        assert out.stderr == "ddtree up: draft exited with code -9; restarting it\n"
+        return
+    (event,) = [json.loads(line) for line in out.stderr.splitlines()]
+    assert event["event"] == "service_restarting" and event["service"] == "launcher"
+    assert event["level"] == "warning" and event["message"] == "draft exited with code -9; restarting it"
 
 
 def test_the_console_log_escapes_what_is_not_printable() -> None:
@@ -182,8 +198,6 @@ def test_each_service_exports_the_metrics_it_updates_and_no_others() -> None:
     """A draft replica exported ddtree_generated_tokens_total and ddtree_transport_peers at 0
     forever (only the scheduler and the verifier update them). Each role's code is read for the
     metrics it updates, which must be exactly the ones it exports."""
-    import re
-    from pathlib import Path
 
     from prometheus_client import generate_latest
 
@@ -202,17 +216,20 @@ def test_each_service_exports_the_metrics_it_updates_and_no_others() -> None:
         assert ("ddtree_generated_tokens_total" in text) == (role == "scheduler")
         assert ("ddtree_transport_peers" in text) == (role == "verifier")
         assert "ddtree_step_ms" in text and "ddtree_running_requests" in text
+        assert "process_start_time_seconds" in text   # a restart shows as a new start time
     assert "ddtree_transport_peers" in generate_latest(Metrics("a-test").registry).decode()   # others: all
 
 
 def test_metrics_port_zero_serves_nothing_and_every_fallback_reason_starts_at_zero() -> None:
     """`metrics_port = 0` is off (a random port, on 0.0.0.0, would expose /metrics unasked); the
-    inline-fallback reasons exist at 0 from the start, so an alert on their rate sees a series."""
+    inline-fallback reasons a service can raise exist at 0 from the start, so an alert on their rate
+    sees a series, and only those: the draft's ring_full / ring_error read 0 forever."""
     from prometheus_client import generate_latest
 
     from services.common.metrics import Metrics, serve_metrics
 
     assert serve_metrics(Metrics("draft"), "127.0.0.1", 0) is None
-    text = generate_latest(Metrics("verifier").registry).decode()
-    for reason in ("slot_too_small", "ring_full", "ring_error"):
-        assert f'ddtree_ring_inline_fallbacks_total{{reason="{reason}"}} 0.0' in text, reason
+    for role, reasons in (("verifier", {"slot_too_small", "ring_full", "ring_error"}), ("draft", {"slot_too_small"})):
+        text = generate_latest(Metrics(role).registry).decode()
+        found = set(re.findall(r'ddtree_ring_inline_fallbacks_total\{reason="(\w+)"\} 0\.0', text))
+        assert found == reasons, role

@@ -103,9 +103,10 @@ def test_supervise_retries_a_restart_that_dies_and_stops_a_crash_loop() -> None:
         svc.proc = Proc(None)     # up
 
     stack.restart = restart
-    stack.supervise(lambda: len(attempts) == 2, poll_s=0.0, report=reports.append)
+    stack.supervise(lambda: len(attempts) == 2, poll_s=0.0, report=lambda event, msg: reports.append((event, msg)))
     assert attempts == ["draft", "draft"] and svc.proc.poll() is None
-    assert reports[1].startswith("draft restart failed: draft exited with code -9")
+    assert [event for event, _ in reports] == ["service_restarting", "service_restart_failed", "service_restarting"]
+    assert reports[1][1].startswith("draft restart failed: draft exited with code -9")
 
     stack.restart = lambda name, should_stop=None: setattr(svc, "proc", Proc(1))   # dies at once, every time
     svc.proc = Proc(1)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector,
+                               start_http_server)
 
 from services.common.settings import SettingsError
 
@@ -19,7 +20,14 @@ if TYPE_CHECKING:   # the scheduler imports this module and runs without torch
 
 __all__ = ["Metrics", "serve_metrics"]
 
-_STEP_BUCKETS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
+# From a GPU stage's tenth of a millisecond to a CPU step of seconds, up to `step_timeout_s`'s 60 s
+# (the lowest bucket was 0.5 ms: every scheduler, draft-wait and feature observation fell in it).
+_STEP_BUCKETS_MS = (0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000,
+                    60000)
+# Request latencies, in seconds: a queued request can wait minutes behind a full batch.
+_REQUEST_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# Acceptance up to budget 128's longest path and its bonus token.
+_ACCEPTANCE_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 129)
 
 
 # The metrics each service exports: the ones it updates. Registered everywhere, the others read 0
@@ -27,11 +35,14 @@ _STEP_BUCKETS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
 # a live ring), and a per-replica dashboard built on them was flat without a hint why.
 _EXPORTS = {
     "scheduler": {"tokens", "requests", "refused", "acceptance", "step_ms", "queue_depth", "running",
-                  "replica_up", "kv_reserved", "kv_capacity"},
+                  "replica_up", "kv_reserved", "kv_capacity", "queue_seconds", "ttft_seconds", "request_seconds"},
     "draft": {"step_ms", "draft_trees", "running", "ring_inline_fallbacks", "gpu_memory_allocated"},
-    "verifier": {"step_ms", "running", "kv_pages_free", "peers", "ring_slots_in_use", "ring_inline_fallbacks",
-                 "gpu_memory_allocated"},
+    "verifier": {"step_ms", "running", "kv_pages_free", "kv_pages_total", "peers", "ring_slots_in_use",
+                 "ring_inline_fallbacks", "gpu_memory_allocated"},
 }
+# The ring's fallback reasons each service can raise, exported at 0 from the start: the draft's
+# features never go through a ring of its own, so ring_full / ring_error would stay 0 there forever.
+_FALLBACK_REASONS = {"draft": ("slot_too_small",)}
 
 
 class Metrics:
@@ -41,6 +52,10 @@ class Metrics:
 
     def __init__(self, service: str) -> None:
         self.registry = CollectorRegistry()
+        # Process start time (a restart shows as a new value), CPU seconds and memory, as a default
+        # registry would have them: this one is per process and starts empty.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
         exported = _EXPORTS.get(service)
 
         def r(attribute: str) -> CollectorRegistry | None:
@@ -52,15 +67,25 @@ class Metrics:
                                "replica up, invalid, too large), by gRPC code", ["code"], registry=r("refused"))
         self.acceptance = Histogram("ddtree_acceptance_length", "Tokens a tree step's verify accepted (bonus "
                                     "included; autoregressive and paused steps left out)",
-                                    buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=r("acceptance"))
+                                    buckets=_ACCEPTANCE_BUCKETS, registry=r("acceptance"))
         self.step_ms = Histogram("ddtree_step_ms", "Step time by stage", ["stage"], buckets=_STEP_BUCKETS_MS,
                                  registry=r("step_ms"))
+        self.queue_seconds = Histogram("ddtree_request_queue_seconds", "Time from the scheduler taking a "
+                                       "request to its admission into a batch", buckets=_REQUEST_BUCKETS_S,
+                                       registry=r("queue_seconds"))
+        self.ttft_seconds = Histogram("ddtree_time_to_first_token_seconds", "Time from the scheduler taking a "
+                                      "request to its first token", buckets=_REQUEST_BUCKETS_S,
+                                      registry=r("ttft_seconds"))
+        self.request_seconds = Histogram("ddtree_request_seconds", "Time from the scheduler taking a request to "
+                                         "its end, by final status", ["status"], buckets=_REQUEST_BUCKETS_S,
+                                         registry=r("request_seconds"))
         self.draft_trees = Counter("ddtree_draft_trees", "Trees sent to the verifier, by when they were drafted "
                                    "(ahead: while the last step's answer travelled; step: in the step)",
                                    ["drafted"], registry=r("draft_trees"))
         self.queue_depth = Gauge("ddtree_queue_depth", "Requests waiting for admission", registry=r("queue_depth"))
         self.running = Gauge("ddtree_running_requests", "Requests being decoded", registry=r("running"))
         self.kv_pages_free = Gauge("ddtree_kv_pages_free", "Free KV cache pages", registry=r("kv_pages_free"))
+        self.kv_pages_total = Gauge("ddtree_kv_pages_total", "KV cache pages", registry=r("kv_pages_total"))
         # The scheduler's view, read when scraped: which replicas it steps, what it has admitted.
         self.replica_up = Gauge("ddtree_draft_replica_up", "Draft replicas the scheduler knows: 1 while it "
                                 "steps them, 0 while marked down", ["draft"], registry=r("replica_up"))
@@ -78,7 +103,7 @@ class Metrics:
             "slot_too_small (raise ring_slot_bytes if this grows); the verifier's features also ring_full (the "
             "draft held every slot: raise ring_slots), ring_error (the slot could not be written: /dev/shm full)",
             ["reason"], registry=r("ring_inline_fallbacks"))
-        for reason in ("slot_too_small", "ring_full", "ring_error"):   # all exported from the start, at 0
+        for reason in _FALLBACK_REASONS.get(service, ("slot_too_small", "ring_full", "ring_error")):
             self.ring_inline_fallbacks.labels(reason)
         self.gpu_memory_allocated = Gauge("ddtree_gpu_memory_allocated_bytes",
                                           "Bytes of live tensors on this service's GPU (torch allocator)",

@@ -89,9 +89,7 @@ async def _reconnect_when_lost(engine: DraftEngine, interval_s: float = 1.0) -> 
             said = None
         else:
             try:
-                await engine.ensure_connected()
-                handshake = engine.verifier.handshake
-                log.info("verifier_reconnected", verifier_id=handshake.verifier_id if handshake else None)
+                await engine.ensure_connected()   # (the client logs `verifier_reconnected`)
                 said = None
             except ServiceError as exc:   # a verifier still down is expected; one refusing our token is not
                 kind = exc.code.name
@@ -136,8 +134,8 @@ async def serve(settings: DraftSettings) -> None:
         waited = (f"nothing answered within {settings.verifier_wait_s:g} s (draft.verifier_wait_s)"
                   if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED else exc.message)
         raise ServiceError(exc.code, f"draft.verifier_address {settings.verifier_address}: {waited}") from None
-    log.info("verifier_connected", transport=client.handshake.transport, device=str(device),
-             max_context=engine.max_context)
+    log.info("verifier_connected", verifier=settings.verifier_address, verifier_id=client.handshake.verifier_id,
+             transport=client.handshake.transport, device=str(device), max_context=engine.max_context)
     server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name], internal_interceptors(token))
     servicer = DraftServicer(engine)
     draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)

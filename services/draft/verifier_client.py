@@ -106,6 +106,7 @@ class VerifierClient:
         self._sequence = 0
         self._on_inline_fallback = on_inline_fallback
         self.handshake: verifier_pb2.HandshakeResponse | None = None
+        self.connects = 0   # handshakes that opened a stream: from the second on, each is logged a reconnect
         self.stream_changed = asyncio.Event()   # set when a verify stream opens or ends (health reads it)
 
     async def connect(self, feature_layer_ids: Sequence[int], hidden_size: int, vocab_size: int,
@@ -168,6 +169,9 @@ class VerifierClient:
         self._call.add_done_callback(lambda _: self.stream_changed.set())
         self.stream_changed.set()
         self.handshake = hs
+        self.connects += 1
+        if self.connects > 1:   # whoever asked (a step, the scheduler's probe, the replica's own watch)
+            log.info("verifier_reconnected", verifier=self.address, verifier_id=hs.verifier_id, transport=hs.transport)
         return hs
 
     def _ring(self, kind: str) -> TensorWriter:
@@ -232,18 +236,13 @@ class VerifierClient:
                 await self._call.write(req)
                 resp = await self._call.read()
         except grpc.aio.AioRpcError as exc:
-            await self.close()
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"verifier stream broke: {exc.details()}") from None
+            raise await self._lost(f"verifier stream broke: {exc.details()}", exc.code().name) from None
         except asyncio.TimeoutError:
-            await self.close()
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               f"the verifier answered no step within {self.step_timeout_s:g} s") from None
+            raise await self._lost(f"the verifier answered no step within {self.step_timeout_s:g} s") from None
         except Exception as exc:  # noqa: BLE001 - e.g. InvalidStateError: the stream ended as we wrote
-            await self.close()
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"verifier stream failed: {exc!r}") from None
+            raise await self._lost(f"verifier stream failed: {exc!r}") from None
         if resp is grpc.aio.EOF or resp is None:
-            await self.close()
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "verifier closed the stream")
+            raise await self._lost("verifier closed the stream")
         try:
             slot = bundle_slot(resp.features)
             if slot is not None:   # returned to the verifier with the next request, even if it reads badly here
@@ -258,6 +257,13 @@ class VerifierClient:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"unreadable verifier reply: {exc}") from None
         features = view if readable_in_place(view, self.device) else private_copy(view, self.device)   # [sum(committed), F]
         return VerifyReply(resp, features)
+
+    async def _lost(self, message: str, code: str | None = None) -> ServiceError:
+        """The stream broke in a step: said once here, with the verifier's address and gRPC's code
+        (health's `not_serving` names neither), then closed; the step's error to raise."""
+        log.warning("verifier_stream_lost", verifier=self.address, code=code, error=message)
+        await self.close()
+        return ServiceError(grpc.StatusCode.UNAVAILABLE, message)
 
     async def close(self, final: bool = False) -> None:
         """Ends the stream and frees the rings (a kept cuda_ipc ring only when `final`: the draft

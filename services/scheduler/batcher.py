@@ -328,6 +328,8 @@ class StepLoop:
                 if tree_step:
                     drafted.append(res.acceptance_length)
                 self.metrics.tokens.inc(len(req.out_ids) - before)
+                if not before and req.first_token_at is not None:
+                    self.metrics.ttft_seconds.observe(req.first_token_at - req.created)
                 if tree_step and res.request_id in trees:   # as verified (not autoregressive or paused steps)
                     self.metrics.acceptance.observe(res.acceptance_length)
                 if req.done:
@@ -439,6 +441,8 @@ class StepLoop:
         while self.waiting and left > 0 and len(items) < self.settings.max_batch and self._fits(self.waiting[0], freed):
             req = self.waiting.popleft()
             req.wire_id = wire_id(req.request_id)
+            req.admitted_at = time.monotonic()
+            self.metrics.queue_seconds.observe(req.admitted_at - req.created)
             self.running[req.wire_id] = req
             self.kv.reserved += req.kv_tokens
             req.kv_budget = self.kv
@@ -523,14 +527,19 @@ def log_end(metrics: Metrics, req: ActiveRequest) -> None:
     metrics.requests.labels(status).inc()
     usage = req.usage()
     now = time.monotonic()
-    log.info("request_end", status=status, request_id=req.request_id, wire_id=req.wire_id or None, draft=req.draft,
+    metrics.request_seconds.labels(status).observe(now - req.created)
+    # A failure the server saw (a replica lost, a fault downstream) at warning, so a filter on
+    # warnings finds it; a client's own deadline passing is the client's choice of time.
+    failed = req.error is not None and req.error.code != grpc.StatusCode.DEADLINE_EXCEEDED
+    (log.warning if failed else log.info)("request_end", status=status, request_id=req.request_id, wire_id=req.wire_id or None, draft=req.draft,
              mode=common_pb2.Mode.Name(req.mode).removeprefix("MODE_").lower(),
              finish=_FINISH_NAMES.get(req.finish, "") if req.error is None else "ERROR",
              code=req.error.code.name if req.error is not None else None,
              error=req.error.message if req.error is not None else None,
              prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, steps=usage.steps,
-             mean_acceptance=round(usage.mean_acceptance, 3),
+             tree_steps=usage.tree_steps, mean_acceptance=round(usage.mean_acceptance, 3),
              budget=req.budget if req.mode == common_pb2.MODE_DDTREE else None,   # no tree: no budget
+             queue_ms=round((req.admitted_at - req.created) * 1e3, 2) if req.admitted_at else None,
              ttft_ms=round((req.first_token_at - req.created) * 1e3, 2) if req.first_token_at else None,
              seconds=round(now - req.created, 4))
 

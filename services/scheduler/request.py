@@ -100,6 +100,7 @@ class ActiveRequest:
     prompt_sent: int = 0                    # prompt tokens sent to the draft so far (a long one goes in pieces)
     aborted: bool = False
     created: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
     first_token_at: float | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     _detok: IncrementalDetokenizer | None = field(default=None, repr=False)

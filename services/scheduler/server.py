@@ -79,7 +79,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids)
                 self.router.submit(req)
         except ServiceError as exc:
-            self.refused(exc.code, exc.message)
+            self.refused(exc.code, exc.message, request.request_id, context.peer())
             await context.abort(exc.code, exc.message)
         ended = False
         try:
@@ -128,10 +128,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 del self._encoding[rid]
         return ids, aborted.is_set()
 
-    def refused(self, code: grpc.StatusCode, message: str) -> None:
-        """Counts and logs a request refused before it ran."""
+    def refused(self, code: grpc.StatusCode, message: str, request_id: str = "", peer: str | None = None) -> None:
+        """Counts and logs a request refused before it ran; the log names its id (as far as it is
+        not itself the fault: cut at 200 characters) and the client's address, to match a
+        user's report to its line."""
         self.router.metrics.refused.labels(code.name.lower()).inc()
-        log.info("request_refused", code=code.name, reason=message[:200])
+        log.info("request_refused", code=code.name, reason=message[:200], request_id=request_id[:200] or None,
+                 peer=peer)
 
     def unauthenticated(self) -> None:
         """A call refused for its bearer token (by the interceptor, before any handler): counted

@@ -88,6 +88,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.settings = settings
         self.metrics = metrics or Metrics("verifier")
         self.metrics.kv_pages_free.set(self.engine.cache.pages_free)
+        self.metrics.kv_pages_total.set(self.engine.cache.num_pages)
         self.metrics.track_gpu_memory(self.engine.model_device)
         # Engine calls run in worker threads; a thread cannot be cancelled with the coroutine that
         # awaits it (a draft dying mid-step cancels its stream), so exclusion is a thread lock held
