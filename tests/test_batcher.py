@@ -295,10 +295,12 @@ def test_usage_counts_the_steps_verified_with_a_tree_apart_from_paused_ones() ->
         def close(self) -> None:
             pass
 
+    metrics = Metrics("scheduler-test")
+
     async def scenario() -> ActiveRequest:
         limits = Limits(vocab_size=64, max_context=4096, block_size=16, eos_token_ids=(0,), kv_capacity_tokens=10_000)
         step = StepLoop(SchedulerSettings(spec_min_acceptance=4.0, spec_backoff_steps=4), "draft", Draft(), limits,
-                        KvBudget(capacity=10_000), Metrics("scheduler-test"))
+                        KvBudget(capacity=10_000), metrics)
         req = request("a", 10)
         req.max_tokens = 60
         step.submit(req)
@@ -310,10 +312,14 @@ def test_usage_counts_the_steps_verified_with_a_tree_apart_from_paused_ones() ->
         await step.stop()
         return req
 
-    req = asyncio.run(scenario())
+    with capture_logs() as logs:
+        req = asyncio.run(scenario())
     usage = req.usage()
     assert req.done and usage.steps == len(req.acceptance)
     assert 0 < usage.tree_steps < usage.steps   # the window of 4 tree steps, then paused ones, then a probe
+    pauses = sum(e["event"] == "speculation_paused" for e in logs)
+    assert pauses >= 1 and metrics.registry.get_sample_value("ddtree_speculation_pauses_total",
+                                                            {"draft": "draft"}) == pauses
     assert sum(req.acceptance) == 59 and usage.tree_steps == sum(1 for a in req.acceptance if a > 1)
 
 
@@ -1111,12 +1117,16 @@ def test_a_replica_its_dns_name_no_longer_resolves_to_is_forgotten_once_down_and
         kept_on_failure = sum(x.address != "10.0.0.9:50052" for x in router.lanes)
         await router._discover()
         left = [x.address for x in router.lanes if x.address != "10.0.0.9:50052"]
-        gauge = router.metrics.registry.get_sample_value("ddtree_draft_replica_up", {"draft": gone.address})
+        value = router.metrics.registry.get_sample_value
+        gone_series = (value("ddtree_draft_replica_up", {"draft": gone.address}),
+                       value("ddtree_speculation_pauses_total", {"draft": gone.address}))
+        kept_series = value("ddtree_speculation_pauses_total", {"draft": "10.0.0.1:50052"})
         await router.stop()
-        return kept_on_failure, left, gauge
+        return kept_on_failure, left, gone_series, kept_series
 
-    kept_on_failure, left, gauge = asyncio.run(scenario())
-    assert kept_on_failure == 3 and left == ["10.0.0.1:50052", "10.0.0.3:50052"] and gauge is None
+    kept_on_failure, left, gone_series, kept_series = asyncio.run(scenario())
+    assert kept_on_failure == 3 and left == ["10.0.0.1:50052", "10.0.0.3:50052"]
+    assert gone_series == (None, None) and kept_series == 0   # a forgotten replica's series go
 
 
 def test_a_refused_request_is_counted_and_the_scheduler_reports_whether_it_can_serve() -> None:

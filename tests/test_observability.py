@@ -220,6 +220,18 @@ def test_each_service_exports_the_metrics_it_updates_and_no_others() -> None:
     assert "ddtree_transport_peers" in generate_latest(Metrics("a-test").registry).decode()   # others: all
 
 
+def test_the_readmes_metrics_table_lists_what_each_service_exports() -> None:
+    from services.common.metrics import Metrics
+
+    readme = (REPO / "README.md").read_text()
+    for role in ("scheduler", "draft", "verifier"):
+        (row,) = re.findall(rf"^\| {role} \| (`.*`) \|$", readme, flags=re.M)
+        listed = set(re.findall(r"`(\w+)`", row))
+        exported = {m.name.removeprefix("ddtree_") + ("_total" if m.type == "counter" else "")
+                    for m in Metrics(role).registry.collect() if m.name.startswith("ddtree_")}
+        assert listed == exported, role
+
+
 def test_metrics_port_zero_serves_nothing_and_every_fallback_reason_starts_at_zero() -> None:
     """`metrics_port = 0` is off (a random port, on 0.0.0.0, would expose /metrics unasked); the
     inline-fallback reasons a service can raise exist at 0 from the start, so an alert on their rate

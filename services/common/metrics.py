@@ -35,7 +35,8 @@ _ACCEPTANCE_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 129)
 # a live ring), and a per-replica dashboard built on them was flat without a hint why.
 _EXPORTS = {
     "scheduler": {"tokens", "requests", "refused", "acceptance", "step_ms", "queue_depth", "running",
-                  "replica_up", "kv_reserved", "kv_capacity", "queue_seconds", "ttft_seconds", "request_seconds"},
+                  "replica_up", "kv_reserved", "kv_capacity", "queue_seconds", "ttft_seconds", "request_seconds",
+                  "speculation_pauses"},
     "draft": {"step_ms", "draft_trees", "running", "ring_inline_fallbacks", "gpu_memory_allocated"},
     "verifier": {"step_ms", "running", "kv_pages_free", "kv_pages_total", "peers", "ring_slots_in_use",
                  "ring_inline_fallbacks", "gpu_memory_allocated"},
@@ -89,6 +90,9 @@ class Metrics:
         # The scheduler's view, read when scraped: which replicas it steps, what it has admitted.
         self.replica_up = Gauge("ddtree_draft_replica_up", "Draft replicas the scheduler knows: 1 while it "
                                 "steps them, 0 while marked down", ["draft"], registry=r("replica_up"))
+        self.speculation_pauses = Counter("ddtree_speculation_pauses", "Pauses of speculation on a draft replica's "
+                                          "batch (its trees' acceptance fell below scheduler.spec_min_acceptance; "
+                                          "autoregressive steps follow)", ["draft"], registry=r("speculation_pauses"))
         self.kv_reserved = Gauge("ddtree_kv_tokens_reserved", "KV tokens reserved for admitted requests (prompt + "
                                  "max_tokens + one block each), by verifier group", ["verifier"],
                                  registry=r("kv_reserved"))

@@ -335,6 +335,7 @@ class StepLoop:
                 if req.done:
                     self._finish(req)
             if drafted and self.gate.observe(self._speculating, sum(drafted) / len(drafted)):
+                self.metrics.speculation_pauses.labels(self.address).inc()
                 log.info("speculation_paused", draft=self.address, steps=self.gate.pause_left,
                          mean_acceptance=round(self.gate.window_mean, 2),   # the window's, that decided
                          min_acceptance=self.settings.spec_min_acceptance)

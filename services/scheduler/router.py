@@ -155,6 +155,7 @@ class Router:
         lane.start()
         self.lanes.append(lane)
         self.metrics.replica_up.labels(address).set_function(lambda: float(lane.healthy))
+        self.metrics.speculation_pauses.labels(address)   # at 0 from the start, for a rate to see
 
     def _budget(self, info: common_pb2.ModelInfo | None) -> KvBudget:
         known = info is not None and info.verifier_id
@@ -302,6 +303,7 @@ class Router:
             if channel is not None:
                 await channel.close()
             self.metrics.replica_up.remove(lane.address)
+            self.metrics.speculation_pauses.remove(lane.address)
             for said in (self._other_models, self._refused_token, self._too_wide):
                 said.discard(lane.address)
             log.info("draft_replica_forgotten", address=lane.address, reason="its name no longer resolves to it")
