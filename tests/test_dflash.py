@@ -71,6 +71,21 @@ def test_incremental_extend_matches_single_extend(drafter: DFlashDrafter) -> Non
     torch.testing.assert_close(drafter.propose([whole], bonus), drafter.propose([chunked], bonus))
 
 
+def test_a_batched_eager_extend_equals_each_context_extended_alone(drafter: DFlashDrafter) -> None:
+    """Several commits in one eager call (the CPU path; on a GPU, a context past its pool row or a
+    batch no bucket holds): each context takes its own features' keys and values."""
+    feats = [_features(3, 40), _features(5, 41), _features(2, 42)]
+    batched = [drafter.new_context() for _ in feats]
+    drafter.extend_contexts(batched, feats)
+    for f, ctx in zip(feats, batched):
+        alone = drafter.new_context()
+        drafter.extend_context(alone, f)
+        assert ctx.length == alone.length == len(f)
+        for layer in range(drafter.config.num_hidden_layers):
+            for a, b in zip(ctx.layer_kv(layer), alone.layer_kv(layer)):
+                torch.testing.assert_close(a, b)
+
+
 def test_batched_propose_equals_each_alone(drafter: DFlashDrafter) -> None:
     lengths = [3, 11, 1]
     ctxs = []
@@ -311,6 +326,24 @@ def test_pooled_propose_equals_eager(pair: tuple[Path, Path]) -> None:
                                    atol=1e-5, rtol=1e-5)
 
 
+def test_a_pool_row_given_to_a_new_request_takes_no_commit_of_the_old_one(pair: tuple[Path, Path]) -> None:
+    """A commit's padding slots go to the scratch row: left as the last commit of that bucket had
+    them, they wrote the released request's keys into the new owner's positions of the same row."""
+    eager = DFlashDrafter.load(pair[0], pair[1])
+    pooled = _graph_drafter(pair, rows=2, context=64)
+    old = pooled.new_context()
+    pooled.extend_contexts([old], [_features(10, 50)])
+    pooled.release_context(old)
+    new, alone = pooled.new_context(), eager.new_context()
+    assert new.row == 0
+    for feats in (_features(3, 51), _features(2, 52)):   # commits of the same bucket, shorter than the old one's
+        pooled.extend_contexts([new], [feats])
+        eager.extend_context(alone, feats)
+    assert new.length == alone.length == 5
+    torch.testing.assert_close(new.keys[:, :5], alone.keys[:, :5], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(new.values[:, :5], alone.values[:, :5], atol=1e-6, rtol=1e-6)
+
+
 def test_pool_rows_released_and_outgrown_contexts_move_out(pair: tuple[Path, Path]) -> None:
     from services.draft.proposer import DFlashProposer
 
@@ -325,6 +358,10 @@ def test_pool_rows_released_and_outgrown_contexts_move_out(pair: tuple[Path, Pat
     assert pooled.graphs.free_rows == 1
     proposer.drop("a")   # a second release of the same request frees nothing twice, and holds nothing
     assert pooled.graphs.free_rows == 1 and "a" not in proposer._ctx
+    free_row = pooled.graphs._free[-1]
+    with pytest.raises(AssertionError, match="released twice"):   # the pool itself refuses it: two owners
+        pooled.graphs.release(free_row)                            # would share the row later
+    assert pooled.graphs.free_rows == 1
     proposer.start("d", [1])
     assert proposer._ctx["d"].row == 0   # the freed row is handed out again
     # "b" grows past its row's 64 tokens: it moves to its own storage, keeps its keys, frees the row.

@@ -1358,6 +1358,14 @@ def test_verify_out_of_pages_is_per_item(target: Target) -> None:
     assert [small] + res.items[1].tokens == target.continuation([7, 8], 2)
     engine.release(["big", "small"])
     assert engine.cache.pages_free == 3
+    # A prompt is admitted with room for its first sampled token: 8 tokens take 3 pages of 4, and
+    # 12 do not fit 3 (refused at prefill, not at the first verify).
+    assert engine.prefill([PrefillInput("full", [1] * 8, Sampling(), 0)]).items[0].error is None
+    assert engine.cache.pages_free == 0
+    engine.release(["full"])
+    refused = engine.prefill([PrefillInput("over", [1] * 12, Sampling(), 0)]).items[0]
+    assert refused.error is not None and refused.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert engine.cache.pages_free == 3
 
 
 def test_prefill_errors(target: Target) -> None:
@@ -1474,6 +1482,22 @@ def test_a_negative_tree_size_is_a_clean_invalid_argument(target) -> None:
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_piece_longer_than_the_prefill_chunk_commits_and_returns_every_token(target) -> None:
+    """A piece in several forwards reported as committed only its last forward's tokens, while its
+    features held every row: the draft slices the step's features by `committed`, so every later
+    item of the step read another's rows."""
+    prompt = PROMPTS[2] + PROMPTS[0]   # 16 tokens
+    chunked, whole = make_engine(target.model, prefill_chunk=4), make_engine(target.model)
+    for engine in (chunked, whole):
+        engine.set_feature_layers([0, 2])
+    pieces = [(prompt[:10], dict(more=True)), (prompt[10:], dict(offset=10))]
+    for (piece, how), max_new in zip(pieces, (64, 0)):
+        a, b = (e.prefill([PrefillInput("p", piece, Sampling(), max_new, **how)]) for e in (chunked, whole))
+        assert a.items[0].error is None and a.items[0].committed == len(piece) == a.features.shape[0]
+        torch.testing.assert_close(a.features, b.features)
+        assert a.items[0].tokens == b.items[0].tokens
+
+
 def test_a_piece_whose_later_chunk_fails_leaves_the_request_where_the_piece_found_it(target) -> None:
     """A piece in two forwards whose second raises: the request is back at the piece's offset, so
     the scheduler's retry of that piece is taken and gives the one-prefill answer."""
@@ -1496,3 +1520,21 @@ def test_a_piece_whose_later_chunk_fails_leaves_the_request_where_the_piece_foun
     retry = engine.prefill([PrefillInput("p", prompt[4:], Sampling(), 0, offset=4)])
     assert retry.items[0].error is None
     assert retry.items[0].tokens == target.continuation(prompt, 1)
+
+
+def test_a_bundle_of_more_nodes_than_its_trees_can_hold_is_refused_before_its_walk() -> None:
+    """At most MAX_BUDGET + 1 nodes a tree (budget + root): one node more is the whole bundle's
+    refusal, checked before any rank walks it."""
+    from services.common.settings import MAX_BUDGET
+    from services.verifier.engine import tree_shape_error
+
+    def bundle(sizes: list[int]) -> tuple:
+        n = sum(sizes)
+        return (torch.ones(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.int64),
+                torch.tensor(sizes))
+
+    most = MAX_BUDGET + 1
+    assert tree_shape_error(2, *bundle([most, most])) is None
+    err = tree_shape_error(2, *bundle([most, most + 1]))
+    assert err is not None and err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"a tree has at most {most} (budget {MAX_BUDGET} + root)" in err.message

@@ -88,6 +88,8 @@ def test_groups_rank_by_their_two_best_and_ties_go_to_the_lower_id():
     ((torch.zeros(9), 2, 1, 1), "bias must be"),
     ((torch.zeros(8), 2, 3, 1), "cannot pick"),
     ((torch.zeros(8), 9, 1, 1), "cannot pick"),
+    ((torch.zeros(8), 2, 2, 3), "cannot pick"),   # more groups kept than there are
+    ((torch.zeros(8), 2, 2, 0), "cannot pick"),
     ((torch.zeros(8), 4, 4, 1), "cannot rank by two or hold"),
 ])
 def test_impossible_configs_are_refused(args, match):

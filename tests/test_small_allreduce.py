@@ -57,3 +57,23 @@ def test_every_rank_takes_the_path_all_of_them_can(failing: str) -> None:
     got = sorted(out.get(timeout=5) for _ in procs)
     one_shot = failing == "none"
     assert got == [(0, one_shot, not one_shot, [3.0] * 8), (1, one_shot, not one_shot, [3.0] * 8)]
+
+
+def test_the_one_shot_path_takes_the_buffers_dtype_up_to_max_bytes_and_nothing_else(monkeypatch) -> None:
+    """A tensor of another dtype through the bf16 buffer would be summed at bf16's precision,
+    without an error; one past max_bytes would not fit the buffer."""
+    import torch
+    import torch.distributed as dist
+
+    from services.verifier.allreduce import SmallAllReduce
+
+    small = object.__new__(SmallAllReduce)
+    small.dtype, small.max_bytes, small.group = torch.bfloat16, 64, None
+    small._buf = torch.empty(32, dtype=torch.bfloat16)
+    paths: list[str] = []
+    monkeypatch.setattr(SmallAllReduce, "_one_shot", lambda self, x: paths.append("one_shot") or x)
+    monkeypatch.setattr(dist, "all_reduce", lambda x, group=None: paths.append("nccl"))
+    for x in (torch.ones(32, dtype=torch.bfloat16), torch.ones(33, dtype=torch.bfloat16),
+              torch.ones(16, dtype=torch.float32), torch.ones(8, dtype=torch.float16)):
+        small(x)
+    assert paths == ["one_shot", "nccl", "nccl", "nccl"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import tiktoken
+from tokenizers import Regex, pre_tokenizers
 
 from services.common.settings import SettingsError
 from services.scheduler.server import load_tokenizer
@@ -78,11 +79,28 @@ def test_tokens_with_many_splits_merge_in_tiktokens_order(seed: int) -> None:
         if token not in ranks and len(token) <= 12:
             ranks[token] = len(ranks)
             grown.append(token)
-    ours = tokenizer_from_ranks(ranks, {})
+    # Given in another order than the ranks' (a rank file need not be sorted): merges still go by rank.
+    ours = tokenizer_from_ranks(dict(rng.sample(list(ranks.items()), len(ranks))), {})
     theirs = tiktoken.Encoding("grown", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens={})
     for _ in range(2000):
         text = "".join(rng.choice(letters) for _ in range(rng.randint(1, 60)))
         assert ours.encode(text, add_special_tokens=False).ids == theirs.encode(text), repr(text)
+
+
+def test_a_piece_with_a_rank_is_one_token_even_where_no_merges_reach_it() -> None:
+    """tiktoken takes a pre-tokenized piece whole when it has a rank, before any merge; plain BPE
+    cannot reach a token with no two ranked halves ("abc" here, with no "ab" or "bc")."""
+    ranks = {bytes([b]): b for b in range(256)} | {b"abc": 256}
+    theirs = tiktoken.Encoding("whole", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    assert tokenizer_from_ranks(ranks, {}).encode("abc", add_special_tokens=False).ids == theirs.encode("abc") == [256]
+
+
+def test_kimis_pattern_splits_as_its_tokenizer_does() -> None:
+    """Both sides of the comparisons above use KIMI_PATTERN: these pieces hold it to Kimi-K2's own
+    `pat_str` (numbers in threes, Han runs apart, a word keeps its contraction)."""
+    pieces = [p for p, _ in pre_tokenizers.Split(Regex(KIMI_PATTERN), behavior="isolated").pre_tokenize_str(
+        "x 1234567 你好world THEY'RE ok\n\n")]
+    assert pieces == ["x", " ", "123", "456", "7", " ", "你好", "world", " THEY'RE", " ok", "\n\n"]
 
 
 @pytest.mark.parametrize("body, needle", [
@@ -213,4 +231,10 @@ def test_a_tiktoken_model_without_its_config_is_refused_by_name(tmp_path) -> Non
         load_tokenizer(str(model))
     (model / "config.json").write_text(json.dumps({"vocab_size": "many"}))
     with pytest.raises(SettingsError, match="vocab_size 'many' is not a vocabulary"):
+        load_tokenizer(str(model))
+    ranks = len(demo_ranks())   # a vocabulary of the ranks alone is one (no special tokens); one short is not
+    (model / "config.json").write_text(json.dumps({"vocab_size": ranks}))
+    assert load_tokenizer(str(model)).get_vocab_size(with_added_tokens=True) == ranks
+    (model / "config.json").write_text(json.dumps({"vocab_size": ranks - 1}))
+    with pytest.raises(SettingsError, match=f"vocab_size {ranks - 1} is not a vocabulary of the {ranks} ranks"):
         load_tokenizer(str(model))
