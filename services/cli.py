@@ -198,12 +198,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if not sched.auth_token and not is_loopback(sched.host):
         print(f"ddtree up: {stack.scheduler_listen_address} answers anyone who reaches it: no scheduler.auth_token "
               "(DDTREE_SCHEDULER_AUTH_TOKEN)", file=sys.stderr, flush=True)
+    report = _restart_reporter(sched.json_logs)
     try:
-        stack.supervise(lambda: stop["now"], report=_restart_reporter(sched.json_logs))
+        stack.supervise(lambda: stop["now"], report=report)
     except StartupStopped:   # a signal while a service restarted
         pass
-    except RuntimeError as exc:
-        print(f"ddtree up: {exc}; stopping", file=sys.stderr)
+    except RuntimeError as exc:   # a crash loop
+        report("stack_stopped", f"{exc}; stopping")
         return 1
     finally:
         stack.stop()
@@ -221,15 +222,19 @@ def _this_command() -> str:
     return "ddtree"
 
 
-def _restart_reporter(json_logs: bool) -> Callable[[str, str], None]:
-    """How `ddtree up` tells of a service's restart: a line for the console, or, where the services
-    log JSON, a JSON event among theirs (a plain line there broke a parser of the stack's log)."""
+def _restart_reporter(json_logs: bool) -> Callable[..., None]:
+    """How `ddtree up` tells of a service's restart, a failed one, or the crash loop that stops the
+    stack (`stack_stopped`): a line for the console, or, where the services log JSON, a JSON event
+    among theirs, with its fields (a plain line there broke a parser of the stack's log)."""
     if not json_logs:
-        return lambda event, message: print(f"ddtree up: {message}", file=sys.stderr, flush=True)
+        return lambda event, message, **fields: print(f"ddtree up: {message}", file=sys.stderr, flush=True)
     from services.common.logging import configure_logging, get_logger
     configure_logging("launcher", json_logs=True)
     log = get_logger("launcher")
-    return lambda event, message: log.warning(event, message=message)
+
+    def report(event: str, message: str, **fields: object) -> None:
+        (log.error if event == "stack_stopped" else log.warning)(event, message=message, **fields)
+    return report
 
 
 def _no_tokenizer_note(model: Path) -> str:

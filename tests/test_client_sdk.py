@@ -559,6 +559,34 @@ def test_an_aborted_text_that_ends_its_tokenizing_leaves_the_id_to_the_request_t
         server.stop()
 
 
+def test_a_requests_times_count_from_its_arrival_its_texts_tokenizing_included() -> None:
+    """A long text can wait seconds for the tokenizer's worker before the request exists as one:
+    its queue wait and time to first token counted from after that, under-reporting them under load."""
+    tokenizer = Tokenizer.from_file("models/demo/tokenizer.json")
+    encoder = HeldEncoder(tokenizer)
+    server = Server(tokenizer, encoder)
+    try:
+        with Client(server.address) as c, capture_logs() as logs:
+            out: dict[str, object] = {}
+            reader = threading.Thread(target=lambda: out.setdefault(
+                "done", c.generate("def f(x): return x", request_id="held", max_tokens=2, ignore_eos=True)))
+            reader.start()
+            deadline = time.monotonic() + 10
+            while not encoder.texts and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)
+            encoder.release.set()
+            reader.join(10)
+        assert len(out["done"].token_ids) == 2
+        (end,) = [e for e in logs if e["event"] == "request_end"]
+        assert end["queue_ms"] >= 300 and end["ttft_ms"] >= 300
+        metrics = server.router.metrics.registry.get_sample_value
+        assert metrics("ddtree_request_queue_seconds_sum") >= 0.3
+        assert metrics("ddtree_time_to_first_token_seconds_sum") >= 0.3
+    finally:
+        server.stop()
+
+
 def test_a_request_aborted_while_tokenized_ends_aborted_even_where_its_prompt_would_be_refused() -> None:
     """`Abort` said it found the request; its text then tokenized to more than the context holds.
     It ended INVALID_ARGUMENT, counted as a refusal, not as the abort it was told of."""
@@ -864,9 +892,9 @@ def test_threads_sharing_one_stream_each_take_the_next_chunk(server) -> None:
     assert not errors and len(got) == 60
 
 
-def test_a_request_of_exactly_max_request_bytes_is_taken_and_one_byte_more_refused(server) -> None:
-    servicer = server.servicer
-    servicer.settings = dataclasses.replace(servicer.settings, max_request_bytes=2048)
+def test_a_request_of_exactly_max_request_bytes_is_taken_and_one_byte_more_refused(server, monkeypatch) -> None:
+    servicer = server.servicer   # (the server is the module's: its settings come back after the test)
+    monkeypatch.setattr(servicer, "settings", dataclasses.replace(servicer.settings, max_request_bytes=2048))
     n = next(n for n in range(1900, 2100) if build_request([1] * n, max_tokens=2, ignore_eos=True).ByteSize() == 2048)
     with Client(server.address) as c:
         assert len(c.generate([1] * n, max_tokens=2, ignore_eos=True).token_ids) == 2

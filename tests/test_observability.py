@@ -35,14 +35,19 @@ def test_ddtree_ups_restart_notices_are_json_events_where_the_services_log_json(
     """`ddtree up` told of a restart in a plain line amid the services' JSON lines, which broke a
     parser of the stack's log; a console keeps its readable line."""
     code = ("from services.cli import _restart_reporter\n"
-            f"_restart_reporter({json_logs})('service_restarting', 'draft exited with code -9; restarting it')\n")
+            f"report = _restart_reporter({json_logs})\n"
+            "report('service_restarting', 'draft exited with code -9; restarting it', target='draft', code=-9)\n"
+            "report('stack_stopped', 'draft exited 4 times in 60 s; stopping')\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     if not json_logs:
-        assert out.stderr == "ddtree up: draft exited with code -9; restarting it\n"
+        assert out.stderr == ("ddtree up: draft exited with code -9; restarting it\n"
+                              "ddtree up: draft exited 4 times in 60 s; stopping\n")
         return
-    (event,) = [json.loads(line) for line in out.stderr.splitlines()]
-    assert event["event"] == "service_restarting" and event["service"] == "launcher"
-    assert event["level"] == "warning" and event["message"] == "draft exited with code -9; restarting it"
+    restarted, stopped = [json.loads(line) for line in out.stderr.splitlines()]
+    assert restarted["event"] == "service_restarting" and restarted["service"] == "launcher"
+    assert restarted["level"] == "warning" and restarted["message"] == "draft exited with code -9; restarting it"
+    assert restarted["target"] == "draft" and restarted["code"] == -9
+    assert stopped["event"] == "stack_stopped" and stopped["level"] == "error"
 
 
 def test_the_console_log_escapes_what_is_not_printable() -> None:

@@ -103,9 +103,11 @@ def test_supervise_retries_a_restart_that_dies_and_stops_a_crash_loop() -> None:
         svc.proc = Proc(None)     # up
 
     stack.restart = restart
-    stack.supervise(lambda: len(attempts) == 2, poll_s=0.0, report=lambda event, msg: reports.append((event, msg)))
+    stack.supervise(lambda: len(attempts) == 2, poll_s=0.0, report=lambda event, msg, **fields: reports.append((event, msg, fields)))
     assert attempts == ["draft", "draft"] and svc.proc.poll() is None
-    assert [event for event, _ in reports] == ["service_restarting", "service_restart_failed", "service_restarting"]
+    assert [(event, fields) for event, _, fields in reports] == [
+        ("service_restarting", {"target": "draft", "code": -9}), ("service_restart_failed", {"target": "draft"}),
+        ("service_restarting", {"target": "draft", "code": -9})]
     assert reports[1][1].startswith("draft restart failed: draft exited with code -9")
 
     stack.restart = lambda name, should_stop=None: setattr(svc, "proc", Proc(1))   # dies at once, every time

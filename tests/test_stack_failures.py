@@ -176,7 +176,7 @@ def test_dead_verifier_is_reported_not_hung_on(ckpt, starts):
             launch(name, should_stop)
             back.append(name)
         stack.restart = restart
-        stack.supervise(lambda: bool(back), poll_s=0.05, report=lambda event, msg: restarted.append(msg))
+        stack.supervise(lambda: bool(back), poll_s=0.05, report=lambda event, msg, **fields: restarted.append(msg))
         del stack.restart
         with Client(stack.scheduler_address, timeout_s=60) as c:
             for _ in range(50):   # the draft re-opens its verify stream on the next step

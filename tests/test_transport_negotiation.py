@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.common.grpc_server import ServiceError
@@ -52,7 +53,7 @@ def _fake_make_writer(kind: str, *args, **kwargs):
 class _Group:
     def __init__(self) -> None:
         config = SimpleNamespace(hidden_size=HIDDEN, vocab_size=VOCAB, model_type="deepseek_v3", eos_token_id=[0])
-        cache = SimpleNamespace(pages_free=64, capacity_tokens=1024, page_size=16)
+        cache = SimpleNamespace(pages_free=64, num_pages=64, capacity_tokens=1024, page_size=16)
         self.engine = SimpleNamespace(model=SimpleNamespace(config=config, dtype=torch.float32), cache=cache, max_context=256,
                                       active_requests=0, model_device=torch.device("cpu"),
                                       check_feature_layers=lambda ids: None,
@@ -574,8 +575,11 @@ def test_a_ring_fault_on_the_draft_ends_the_stream_as_a_lost_step() -> None:
                 seen.append((info.value.code, info.value.message, client.connected))
         return seen
 
-    (w_code, w_msg, w_open), (r_code, r_msg, r_open), (o_code, o_msg, o_open) = asyncio.run(scenario())
+    with capture_logs() as logs:
+        (w_code, w_msg, w_open), (r_code, r_msg, r_open), (o_code, o_msg, o_open) = asyncio.run(scenario())
     assert (w_code, r_code, o_code) == (grpc.StatusCode.UNAVAILABLE,) * 3
+    # Each is a lost stream in the log as well (a reconnect followed with no loss before it).
+    assert [e["error"] for e in logs if e["event"] == "verifier_stream_lost"] == [w_msg, r_msg, o_msg]
     assert "draft ring: every slot is held" in w_msg and "unreadable verifier reply: stale message" in r_msg
     assert "unreadable verifier reply: stride calculation overflowed" in o_msg   # escaped the stream's clean-up before
     assert not w_open and not r_open and not o_open

@@ -443,15 +443,16 @@ class Stack:
         self._launch(svc, should_stop)
 
     def supervise(self, should_stop: Callable[[], bool], poll_s: float = 0.5, max_restarts: int = 3,
-                  window_s: float = 60.0, report: Callable[[str, str], None] = lambda event, msg: None) -> None:
+                  window_s: float = 60.0, report: Callable[..., None] = lambda event, msg, **fields: None) -> None:
         """Keeps the stack up until ``should_stop()``, as compose's ``restart: unless-stopped`` does:
         a service that exits is started again, unless it exited more than ``max_restarts`` times
         in ``window_s`` (a crash loop), which raises RuntimeError. A restart that dies (or hangs,
         and is then stopped) before it is healthy counts as one more exit, to be retried on the next
         round, not as the end; more than ``max_restarts`` of those in a row raise RuntimeError too,
         however slowly they fail (one that fails after a minute's loading never met the window). A
-        ``should_stop()`` during a restart's wait raises ``StartupStopped``. ``report(event, message)``
-        is told of each restart (`service_restarting`) and each failed one (`service_restart_failed`)."""
+        ``should_stop()`` during a restart's wait raises ``StartupStopped``. ``report(event, message,
+        target=name, code=exit code)`` is told of each restart (`service_restarting`) and each failed
+        one (`service_restart_failed`, no code)."""
         exits: dict[str, list[float]] = {}
         failed: dict[str, int] = {}   # restarts in a row that never became healthy
         while not should_stop():
@@ -464,7 +465,8 @@ class Stack:
                 if len(recent) > max_restarts:
                     raise RuntimeError(f"{svc.name} exited {len(recent)} times in {window_s:.0f} s "
                                        f"(last code {svc.proc.returncode}); not restarting it again")
-                report("service_restarting", f"{svc.name} exited with code {svc.proc.returncode}; restarting it")
+                report("service_restarting", f"{svc.name} exited with code {svc.proc.returncode}; restarting it",
+                       target=svc.name, code=svc.proc.returncode)
                 try:
                     self.restart(svc.name, should_stop)
                     failed[svc.name] = 0
@@ -475,7 +477,7 @@ class Stack:
                                            f"({exc}); not restarting it again") from None
                     if svc.proc is not None and svc.proc.poll() is None:   # still starting past its time: ended
                         _end([svc.proc], grace_s=10.0)
-                    report("service_restart_failed", f"{svc.name} restart failed: {exc}")
+                    report("service_restart_failed", f"{svc.name} restart failed: {exc}", target=svc.name)
             time.sleep(poll_s)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:

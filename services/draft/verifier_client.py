@@ -106,7 +106,7 @@ class VerifierClient:
         self._sequence = 0
         self._on_inline_fallback = on_inline_fallback
         self.handshake: verifier_pb2.HandshakeResponse | None = None
-        self.connects = 0   # handshakes that opened a stream: from the second on, each is logged a reconnect
+        self._connects = 0   # handshakes that opened a stream: from the second on, each is logged a reconnect
         self.stream_changed = asyncio.Event()   # set when a verify stream opens or ends (health reads it)
 
     async def connect(self, feature_layer_ids: Sequence[int], hidden_size: int, vocab_size: int,
@@ -169,8 +169,8 @@ class VerifierClient:
         self._call.add_done_callback(lambda _: self.stream_changed.set())
         self.stream_changed.set()
         self.handshake = hs
-        self.connects += 1
-        if self.connects > 1:   # whoever asked (a step, the scheduler's probe, the replica's own watch)
+        self._connects += 1
+        if self._connects > 1:   # whoever asked (a step, the scheduler's probe, the replica's own watch)
             log.info("verifier_reconnected", verifier=self.address, verifier_id=hs.verifier_id, transport=hs.transport)
         return hs
 
@@ -222,8 +222,7 @@ class VerifierClient:
         try:
             bundle = self._writer.write(trees) if trees is not None else None
         except (RingFull, OSError) as exc:   # every slot held (the verifier releases none), or /dev/shm full: start afresh
-            await self.close()
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"draft ring: {exc}") from None
+            raise await self._lost(f"draft ring: {exc}") from None
         if self._writer.inline_fallbacks != before and self._on_inline_fallback is not None:
             self._on_inline_fallback()
         req = verifier_pb2.VerifyRequest(sequence=self._sequence, prefills=prefills, verify_ids=list(verify_ids),
@@ -253,14 +252,14 @@ class VerifierClient:
             # alone now, so the stream ends (the verifier drops this draft's requests) and the step fails as lost
             if not isinstance(exc, (ValueError, KeyError)):   # not a bad message: a fault here, kept with its trace
                 log.exception("verifier_reply_failed")
-            await self.close()
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"unreadable verifier reply: {exc}") from None
+            raise await self._lost(f"unreadable verifier reply: {exc}") from None
         features = view if readable_in_place(view, self.device) else private_copy(view, self.device)   # [sum(committed), F]
         return VerifyReply(resp, features)
 
     async def _lost(self, message: str, code: str | None = None) -> ServiceError:
-        """The stream broke in a step: said once here, with the verifier's address and gRPC's code
-        (health's `not_serving` names neither), then closed; the step's error to raise."""
+        """The stream ends in a step (it broke, went unanswered, or this draft's ring or the reply
+        failed): said once here, with the verifier's address and gRPC's code (health's
+        `not_serving` names neither), then closed; the step's error to raise."""
         log.warning("verifier_stream_lost", verifier=self.address, code=code, error=message)
         await self.close()
         return ServiceError(grpc.StatusCode.UNAVAILABLE, message)

@@ -521,6 +521,11 @@ def end_status(req: ActiveRequest) -> str:
     return _FINISH_NAMES.get(req.finish, "ERROR").removeprefix("FINISH_REASON_").lower()
 
 
+# Failures of a request's own making: its deadline, input only the verifier could check.
+_CLIENTS_OWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INVALID_ARGUMENT,
+                          grpc.StatusCode.OUT_OF_RANGE})
+
+
 def log_end(metrics: Metrics, req: ActiveRequest) -> None:
     """A request's end, counted by how it ended and logged with its usage and the same `status`
     word (logs and metrics join on it)."""
@@ -529,9 +534,9 @@ def log_end(metrics: Metrics, req: ActiveRequest) -> None:
     usage = req.usage()
     now = time.monotonic()
     metrics.request_seconds.labels(status).observe(now - req.created)
-    # A failure the server saw (a replica lost, a fault downstream) at warning, so a filter on
-    # warnings finds it; a client's own deadline passing is the client's choice of time.
-    failed = req.error is not None and req.error.code != grpc.StatusCode.DEADLINE_EXCEEDED
+    # A failure the server saw (a replica lost, a fault downstream, the scheduler's stop) at
+    # warning, so a filter on warnings finds it; not one of the client's own doing.
+    failed = req.error is not None and req.error.code not in _CLIENTS_OWN
     (log.warning if failed else log.info)("request_end", status=status, request_id=req.request_id, wire_id=req.wire_id or None, draft=req.draft,
              mode=common_pb2.Mode.Name(req.mode).removeprefix("MODE_").lower(),
              finish=_FINISH_NAMES.get(req.finish, "") if req.error is None else "ERROR",

@@ -53,6 +53,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        received = time.monotonic()   # a request's times count from here, its text's tokenizing included
         try:
             if self.stopping:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, STOPPING)
@@ -72,11 +73,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if aborted:   # aborted while its text was tokenized: it ends as an abort of a running one does,
                 # whatever its prompt (`Abort` said it found it): checked on its first token alone
                 req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids[:1] or [0])
-                req.prompt_ids = text_ids
+                req.prompt_ids, req.created = text_ids, received
                 req.end(scheduler_pb2.FINISH_REASON_ABORTED)
                 log_end(self.router.metrics, req)
             else:
                 req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids)
+                req.created = received
                 self.router.submit(req)
         except ServiceError as exc:
             self.refused(exc.code, exc.message, request.request_id, context.peer())
