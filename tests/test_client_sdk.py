@@ -202,15 +202,23 @@ def test_a_request_whose_deadline_passes_is_counted_and_logged_as_that_not_as_an
             next(s)
             req = running(server, "left")
         assert server.ended_aborted(req)
+        with c.stream(IDS, request_id="called", **LONG) as s:
+            next(s)
+            assert c.abort("called", timeout_s=5)
+            assert [m.finish_reason for m in s][-1] == "aborted"
         for _ in range(100):
-            if statuses.labels("deadline_exceeded")._value.get() > before["deadline_exceeded"]:
+            if statuses.labels("deadline_exceeded")._value.get() > before["deadline_exceeded"] and \
+                    statuses.labels("aborted")._value.get() >= before["aborted"] + 2:
                 break
             time.sleep(0.01)
     assert statuses.labels("deadline_exceeded")._value.get() == before["deadline_exceeded"] + 1
-    assert statuses.labels("aborted")._value.get() == before["aborted"] + 1
+    assert statuses.labels("aborted")._value.get() == before["aborted"] + 2
     ends = {e["request_id"]: e for e in logs if e.get("event") == "request_end"}
     assert ends["late"]["status"] == "deadline_exceeded" and ends["late"]["code"] == "DEADLINE_EXCEEDED"
     assert ends["left"]["status"] == "aborted" and ends["left"]["finish"] == "FINISH_REASON_ABORTED"
+    # Both aborted, told apart in the log: a client that left, an Abort call.
+    assert (ends["left"]["aborted_by"], ends["called"]["aborted_by"], ends["late"]["aborted_by"]) == \
+        ("client_left", "abort_call", None)
     assert ends["late"]["log_level"] == ends["left"]["log_level"] == "info"   # the client's choices, no fault
 
 

@@ -540,6 +540,8 @@ def log_end(metrics: Metrics, req: ActiveRequest) -> None:
     (log.warning if failed else log.info)("request_end", status=status, request_id=req.request_id, wire_id=req.wire_id or None, draft=req.draft,
              mode=common_pb2.Mode.Name(req.mode).removeprefix("MODE_").lower(),
              finish=_FINISH_NAMES.get(req.finish, "") if req.error is None else "ERROR",
+             # an Abort call, or a client that closed its stream or went away: both count as aborted
+             aborted_by=("client_left" if req.left else "abort_call") if status == "aborted" else None,
              code=req.error.code.name if req.error is not None else None,
              error=req.error.message if req.error is not None else None,
              prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, steps=usage.steps,

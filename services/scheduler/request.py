@@ -99,6 +99,7 @@ class ActiveRequest:
     started: bool = False                   # prefill sent
     prompt_sent: int = 0                    # prompt tokens sent to the draft so far (a long one goes in pieces)
     aborted: bool = False
+    left: bool = False                      # its client left (closed its stream, went away) before it ended
     created: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     first_token_at: float | None = None

@@ -105,6 +105,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     req.fail(ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler stopped"))
                 elif _deadline_passed(context):   # not the client's choice to leave: counted apart from aborts
                     req.fail(ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed"))
+                else:
+                    req.left = True
                 self.router.abort(req.request_id, only=req)
 
     async def _encode(self, request: scheduler_pb2.GenerateRequest) -> tuple[list[int], bool]:
