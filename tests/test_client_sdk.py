@@ -486,102 +486,89 @@ class HeldEncoder:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
 
+@contextlib.contextmanager
+def held_text_server() -> Iterator[tuple[Server, HeldEncoder]]:
+    """A server whose texts wait in their tokenizing until the encoder lets them through."""
+    encoder = HeldEncoder(Tokenizer.from_file("models/demo/tokenizer.json"))
+    server = Server(encoder.tokenizer, encoder)
+    try:
+        yield server, encoder
+    finally:
+        server.stop()
+
+
+def generate_held(c: Client, encoder: HeldEncoder, out: dict, key: str, text: str, **kwargs) -> threading.Thread:
+    """``c.generate(text, **kwargs)`` in a thread, its result in ``out[key]``; returns once the
+    text waits in ``encoder``."""
+    thread = threading.Thread(target=lambda: out.setdefault(key, c.generate(text, **kwargs)))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while text not in encoder.texts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert text in encoder.texts
+    return thread
+
+
 def test_a_request_aborted_while_its_text_is_tokenized_ends_aborted_and_bad_fields_wait_for_no_tokenizer() -> None:
     """A long text is tokenized before the request reaches the router: an abort then found nothing
     and the request ran to max_tokens. Its id is taken meanwhile (ALREADY_EXISTS), and a request
     whose other fields are bad is refused before its text is tokenized (it waited behind the long
     texts, or got the tokenizer queue's RESOURCE_EXHAUSTED, which clients retry)."""
-    tokenizer = Tokenizer.from_file("models/demo/tokenizer.json")
-    encoder = HeldEncoder(tokenizer)
-    server = Server(tokenizer, encoder)
-    try:
-        with Client(server.address) as c:
-            out: dict[str, object] = {}
-            reader = threading.Thread(target=lambda: out.setdefault(
-                "done", c.generate("def f(x): return x", request_id="tokenizing", **LONG)))
-            reader.start()
-            deadline = time.monotonic() + 10
-            while not encoder.texts and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert encoder.texts
-            for prompt in ("another text", IDS):   # a token-id one too: the abort would find only the first
-                with pytest.raises(ClientError) as info:
-                    c.generate(prompt, request_id="tokenizing", max_tokens=2)
-                assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
-            stub = scheduler_pb2_grpc.SchedulerStub(c._channel)
-            for bad, field in ((dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2, budget=999), "budget")):
-                with pytest.raises(grpc.RpcError) as rpc:
-                    stub.Generate(scheduler_pb2.GenerateRequest(text="x " * 100, **bad), timeout=5).next()
-                assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in rpc.value.details()
-            assert len(encoder.texts) == 1   # neither the refused nor the bad ones reached the tokenizer
-            aborted = server.router.metrics.requests.labels("aborted")._value.get()
-            assert c.abort("tokenizing", timeout_s=5)
-            assert not c.abort("tokenizing", timeout_s=5)   # already being aborted
-            # The id is free again at once, as an aborted running request's is.
-            assert c.generate(IDS, request_id="tokenizing", max_tokens=2, ignore_eos=True).token_ids == [5, 5]
-            encoder.release.set()
-            reader.join(10)
-            done = out["done"]
-            assert done.finish_reason == "aborted" and done.token_ids == [], done
-            assert server.submitted.count("tokenizing") == 1   # the token-id one only
-            assert server.router.metrics.requests.labels("aborted")._value.get() == aborted + 1
-    finally:
-        server.stop()
+    with held_text_server() as (server, encoder), Client(server.address) as c:
+        out: dict[str, object] = {}
+        reader = generate_held(c, encoder, out, "done", "def f(x): return x", request_id="tokenizing", **LONG)
+        for prompt in ("another text", IDS):   # a token-id one too: the abort would find only the first
+            with pytest.raises(ClientError) as info:
+                c.generate(prompt, request_id="tokenizing", max_tokens=2)
+            assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+        stub = scheduler_pb2_grpc.SchedulerStub(c._channel)
+        for bad, field in ((dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2, budget=999), "budget")):
+            with pytest.raises(grpc.RpcError) as rpc:
+                stub.Generate(scheduler_pb2.GenerateRequest(text="x " * 100, **bad), timeout=5).next()
+            assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in rpc.value.details()
+        assert len(encoder.texts) == 1   # neither the refused nor the bad ones reached the tokenizer
+        aborted = server.router.metrics.requests.labels("aborted")._value.get()
+        assert c.abort("tokenizing", timeout_s=5)
+        assert not c.abort("tokenizing", timeout_s=5)   # already being aborted
+        # The id is free again at once, as an aborted running request's is.
+        assert c.generate(IDS, request_id="tokenizing", max_tokens=2, ignore_eos=True).token_ids == [5, 5]
+        encoder.release.set()
+        reader.join(10)
+        done = out["done"]
+        assert done.finish_reason == "aborted" and done.token_ids == [], done
+        assert server.submitted.count("tokenizing") == 1   # the token-id one only
+        assert server.router.metrics.requests.labels("aborted")._value.get() == aborted + 1
 
 
 def test_an_aborted_text_that_ends_its_tokenizing_leaves_the_id_to_the_request_that_took_it_since() -> None:
     """An aborted request gives its id up while its text is tokenized; a second text request took
     it. The first one's tokenizing then ended: had it cleared the id's entry (the second's), the id
     was free to a third request while the second still tokenized, and an abort of it found nothing."""
-    tokenizer = Tokenizer.from_file("models/demo/tokenizer.json")
-    encoder = HeldEncoder(tokenizer)
-    server = Server(tokenizer, encoder)
-    try:
-        with Client(server.address) as c:
-            out: dict[str, object] = {}
-
-            def send(key: str, text: str) -> threading.Thread:
-                thread = threading.Thread(target=lambda: out.setdefault(key, c.generate(text, request_id="t", **LONG)))
-                thread.start()
-                deadline = time.monotonic() + 10
-                while text not in encoder.texts and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                assert text in encoder.texts
-                return thread
-
-            first = send("first", "first text")
-            assert c.abort("t", timeout_s=5)
-            second = send("second", "second text")
-            encoder.released.add("first text")
-            first.join(10)
-            assert out["first"].finish_reason == "aborted"
-            with pytest.raises(ClientError) as info:   # still the second's, tokenizing
-                c.generate(IDS, request_id="t", max_tokens=2)
-            assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
-            assert c.abort("t", timeout_s=5)
-            encoder.release.set()
-            second.join(10)
-            assert out["second"].finish_reason == "aborted" and out["second"].token_ids == []
-            assert server.submitted.count("t") == 0
-    finally:
-        server.stop()
+    with held_text_server() as (server, encoder), Client(server.address) as c:
+        out: dict[str, object] = {}
+        first = generate_held(c, encoder, out, "first", "first text", request_id="t", **LONG)
+        assert c.abort("t", timeout_s=5)
+        second = generate_held(c, encoder, out, "second", "second text", request_id="t", **LONG)
+        encoder.released.add("first text")
+        first.join(10)
+        assert out["first"].finish_reason == "aborted"
+        with pytest.raises(ClientError) as info:   # still the second's, tokenizing
+            c.generate(IDS, request_id="t", max_tokens=2)
+        assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+        assert c.abort("t", timeout_s=5)
+        encoder.release.set()
+        second.join(10)
+        assert out["second"].finish_reason == "aborted" and out["second"].token_ids == []
+        assert server.submitted.count("t") == 0
 
 
 def test_a_requests_times_count_from_its_arrival_its_texts_tokenizing_included() -> None:
     """A long text can wait seconds for the tokenizer's worker before the request exists as one:
     its queue wait and time to first token counted from after that, under-reporting them under load."""
-    tokenizer = Tokenizer.from_file("models/demo/tokenizer.json")
-    encoder = HeldEncoder(tokenizer)
-    server = Server(tokenizer, encoder)
-    try:
+    with held_text_server() as (server, encoder):
         with Client(server.address) as c, capture_logs() as logs:
             out: dict[str, object] = {}
-            reader = threading.Thread(target=lambda: out.setdefault(
-                "done", c.generate("def f(x): return x", request_id="held", max_tokens=2, ignore_eos=True)))
-            reader.start()
-            deadline = time.monotonic() + 10
-            while not encoder.texts and time.monotonic() < deadline:
-                time.sleep(0.01)
+            reader = generate_held(c, encoder, out, "done", "def f(x): return x", max_tokens=2, ignore_eos=True)
             time.sleep(0.3)
             encoder.release.set()
             reader.join(10)
@@ -591,39 +578,27 @@ def test_a_requests_times_count_from_its_arrival_its_texts_tokenizing_included()
         metrics = server.router.metrics.registry.get_sample_value
         assert metrics("ddtree_request_queue_seconds_sum") >= 0.3
         assert metrics("ddtree_time_to_first_token_seconds_sum") >= 0.3
-    finally:
-        server.stop()
 
 
 def test_a_request_aborted_while_tokenized_ends_aborted_even_where_its_prompt_would_be_refused() -> None:
     """`Abort` said it found the request; its text then tokenized to more than the context holds.
     It ended INVALID_ARGUMENT, counted as a refusal, not as the abort it was told of."""
-    tokenizer = Tokenizer.from_file("models/demo/tokenizer.json")
-    encoder = HeldEncoder(tokenizer)
-    server = Server(tokenizer, encoder)
     text = "a " * 4100
-    tokens = len(tokenizer.encode(text, add_special_tokens=False).ids)
-    assert tokens > 4096
-    try:
-        with Client(server.address) as c:
-            out: dict[str, object] = {}
-            reader = threading.Thread(target=lambda: out.setdefault("done", c.generate(text, request_id="t", max_tokens=4)))
-            reader.start()
-            deadline = time.monotonic() + 10
-            while not encoder.texts and time.monotonic() < deadline:
-                time.sleep(0.01)
-            aborted = server.router.metrics.requests.labels("aborted")._value.get()
-            refused = server.router.metrics.refused.labels("invalid_argument")._value.get()
-            assert c.abort("t", timeout_s=5)
-            encoder.release.set()
-            reader.join(10)
-            done = out["done"]
-            assert done.finish_reason == "aborted" and done.token_ids == [] and done.usage.prompt_tokens == tokens
-            assert server.router.metrics.requests.labels("aborted")._value.get() == aborted + 1
-            assert server.router.metrics.refused.labels("invalid_argument")._value.get() == refused
-            assert server.submitted.count("t") == 0
-    finally:
-        server.stop()
+    with held_text_server() as (server, encoder), Client(server.address) as c:
+        tokens = len(encoder.tokenizer.encode(text, add_special_tokens=False).ids)
+        assert tokens > 4096
+        out: dict[str, object] = {}
+        reader = generate_held(c, encoder, out, "done", text, request_id="t", max_tokens=4)
+        aborted = server.router.metrics.requests.labels("aborted")._value.get()
+        refused = server.router.metrics.refused.labels("invalid_argument")._value.get()
+        assert c.abort("t", timeout_s=5)
+        encoder.release.set()
+        reader.join(10)
+        done = out["done"]
+        assert done.finish_reason == "aborted" and done.token_ids == [] and done.usage.prompt_tokens == tokens
+        assert server.router.metrics.requests.labels("aborted")._value.get() == aborted + 1
+        assert server.router.metrics.refused.labels("invalid_argument")._value.get() == refused
+        assert server.submitted.count("t") == 0
 
 
 # 2. TLS arguments are checked when the client is made.
