@@ -1149,7 +1149,7 @@ def test_a_refused_request_is_counted_and_the_scheduler_reports_whether_it_can_s
             await stream.__anext__()
         except RuntimeError:
             pass
-        refused = router.metrics.refused.labels("unavailable")._value.get()
+        refused = router.metrics.refused.labels("unavailable", "no_replica")._value.get()
         server, health = new_server(["ddtree.v1.Scheduler"])
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()

@@ -336,7 +336,7 @@ def test_refused_tokens_are_counted_and_a_stream_the_stop_cuts_is_no_abort(monke
             with Client(server.address, token=f"guess{i}") as c, pytest.raises(ClientError) as info:
                 c.generate(IDS, max_tokens=2)
             assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
-        assert server.router.metrics.refused.labels("unauthenticated")._value.get() == 3
+        assert server.router.metrics.refused.labels("unauthenticated", "unauthenticated")._value.get() == 3
         assert [kw["calls"] for kw in said] == [1]   # logged at most once a minute
         aborted, unavailable = count("aborted"), count("unavailable")
         with Client(server.address, token="s3cret") as c:
@@ -402,7 +402,7 @@ def test_a_stopping_scheduler_lets_running_requests_finish_in_its_grace_and_ends
         while count("aborted") == before["aborted"] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert [count(s) - before[s] for s in ("length", "unavailable", "aborted")] == [1, 1, 1]
-        assert server.router.metrics.refused.labels("unavailable")._value.get() == 1
+        assert server.router.metrics.refused.labels("unavailable", "stopping")._value.get() == 1
         assert not any(lane.load for lane in server.router.lanes)
     finally:
         server.stop()
@@ -590,14 +590,14 @@ def test_a_request_aborted_while_tokenized_ends_aborted_even_where_its_prompt_wo
         out: dict[str, object] = {}
         reader = generate_held(c, encoder, out, "done", text, request_id="t", max_tokens=4)
         aborted = server.router.metrics.requests.labels("aborted")._value.get()
-        refused = server.router.metrics.refused.labels("invalid_argument")._value.get()
+        refused = server.router.metrics.refused.labels("invalid_argument", "prompt_too_long")._value.get()
         assert c.abort("t", timeout_s=5)
         encoder.release.set()
         reader.join(10)
         done = out["done"]
         assert done.finish_reason == "aborted" and done.token_ids == [] and done.usage.prompt_tokens == tokens
         assert server.router.metrics.requests.labels("aborted")._value.get() == aborted + 1
-        assert server.router.metrics.refused.labels("invalid_argument")._value.get() == refused
+        assert server.router.metrics.refused.labels("invalid_argument", "prompt_too_long")._value.get() == refused
         assert server.submitted.count("t") == 0
 
 
@@ -788,7 +788,7 @@ def test_a_request_that_does_not_parse_gets_invalid_argument_and_the_server_goes
     good = scheduler_pb2.GenerateRequest(text="aXb", max_tokens=1).SerializeToString()
     not_utf8 = good.replace(b"aXb", b"a\xffb")          # a string field that is not UTF-8
     truncated = scheduler_pb2.GenerateRequest(token_ids=scheduler_pb2.TokenIds(ids=IDS), max_tokens=3).SerializeToString()[:-1]
-    refused = server.router.metrics.refused.labels("invalid_argument")
+    refused = server.router.metrics.refused.labels("invalid_argument", "unparsed")
     before = refused._value.get()
     with grpc.insecure_channel(server.address) as channel:
         generate = channel.unary_stream("/ddtree.v1.Scheduler/Generate")   # bytes as they are
@@ -887,17 +887,25 @@ def test_a_request_of_exactly_max_request_bytes_is_taken_and_one_byte_more_refus
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_a_refusal_is_logged_with_the_clients_request_id_and_address(server) -> None:
+def test_a_refusal_is_counted_by_its_kind_and_logged_with_the_clients_request_id_and_address(server) -> None:
     """`request_refused` had the code and reason only: a user's report of a refused request could
-    not be matched to its line."""
+    not be matched to its line. And its count was by code alone: a prompt too long for the context
+    and a bad field were both `invalid_argument`."""
+    count = server.router.metrics.refused.labels
+    before = {kind: count("invalid_argument", kind)._value.get() for kind in ("invalid_argument", "prompt_too_long")}
     bad = scheduler_pb2.GenerateRequest(token_ids=scheduler_pb2.TokenIds(ids=IDS), max_tokens=0, request_id="r-bad")
-    with grpc.insecure_channel(server.address) as channel, capture_logs() as logs, \
-            pytest.raises(grpc.RpcError) as rpc:
-        scheduler_pb2_grpc.SchedulerStub(channel).Generate(bad, timeout=5).next()
-    assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    long = scheduler_pb2.GenerateRequest(token_ids=scheduler_pb2.TokenIds(ids=[1] * 4090), max_tokens=2)
+    with grpc.insecure_channel(server.address) as channel, capture_logs() as logs:
+        for request in (bad, long):
+            with pytest.raises(grpc.RpcError) as rpc:
+                scheduler_pb2_grpc.SchedulerStub(channel).Generate(request, timeout=5).next()
+            assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     refused = [e for e in logs if e["event"] == "request_refused"]
-    assert len(refused) == 1 and refused[0]["request_id"] == "r-bad" and "max_tokens" in refused[0]["reason"]
+    assert len(refused) == 2 and refused[0]["request_id"] == "r-bad" and "max_tokens" in refused[0]["reason"]
     assert refused[0]["peer"].startswith(("ipv4:127.0.0.1:", "ipv6:[::1]:"))
+    assert [e["kind"] for e in refused] == ["invalid_argument", "prompt_too_long"]
+    assert {kind: count("invalid_argument", kind)._value.get() - before[kind] for kind in before} == \
+        {"invalid_argument": 1, "prompt_too_long": 1}
 
 
 def test_abort_refuses_an_id_that_is_not_text(server) -> None:

@@ -51,12 +51,14 @@ KEEPALIVE_TIMEOUT_MS = 10_000
 
 
 class ServiceError(Exception):
-    """An error meant for the caller: carries the gRPC status code and a message naming the cause."""
+    """An error meant for the caller: carries the gRPC status code and a message naming the cause;
+    ``reason``, a word telling apart causes that share a code (a refusal's metric label)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = reason
 
 
 def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:

@@ -64,8 +64,9 @@ class Metrics:
 
         self.tokens = Counter("ddtree_generated_tokens", "Tokens streamed to clients", registry=r("tokens"))
         self.requests = Counter("ddtree_requests", "Requests by final status", ["status"], registry=r("requests"))
-        self.refused = Counter("ddtree_requests_refused", "Requests refused before they ran (queue full, no "
-                               "replica up, invalid, too large), by gRPC code", ["code"], registry=r("refused"))
+        self.refused = Counter("ddtree_requests_refused", "Requests refused before they ran, by gRPC code and "
+                               "reason (queue_full, no_replica, prompt_too_long, ...; the code where it has one "
+                               "cause)", ["code", "reason"], registry=r("refused"))
         self.acceptance = Histogram("ddtree_acceptance_length", "Tokens a tree step's verify accepted (bonus "
                                     "included; autoregressive and paused steps left out)",
                                     buckets=_ACCEPTANCE_BUCKETS, registry=r("acceptance"))

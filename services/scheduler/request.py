@@ -228,7 +228,7 @@ def check_text_size(text: str, limits: Limits, token_bytes: int) -> None:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"prompt text of {size} bytes is more than {most} tokens (a token is at most {token_bytes} "
                            f"bytes); max context is {limits.max_context} ({most} prompt tokens at most, leaving "
-                           f"room for one tree)")
+                           f"room for one tree)", "prompt_too_long")
 
 
 def encode_prompt(text: str, tokenizer: Tokenizer, limits: Limits, token_bytes: int) -> list[int]:
@@ -258,7 +258,7 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
     room = limits.max_context - limits.block_size
     if len(prompt) >= room:   # before the per-id check: a huge prompt is refused without a walk over it
         raise ServiceError(invalid, f"prompt has {len(prompt)} tokens; max context is {limits.max_context} "
-                                    f"({room - 1} prompt tokens at most, leaving room for one tree)")
+                                    f"({room - 1} prompt tokens at most, leaving room for one tree)", "prompt_too_long")
     for i, t in enumerate(prompt):
         if not 0 <= t < limits.vocab_size:
             raise ServiceError(invalid, f"prompt.token_ids[{i}] = {t} is outside the vocabulary [0, {limits.vocab_size})")

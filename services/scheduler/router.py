@@ -207,10 +207,10 @@ class Router:
 
     def submit(self, req: ActiveRequest) -> None:
         if self.closed:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, STOPPING)
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, STOPPING, "stopping")
         live = [lane for lane in self.lanes if lane.healthy]
         if not live:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica is up; retry later")
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica is up; retry later", "no_replica")
         fits = [lane for lane in live if lane.holds(req)]
         if not fits:
             # OUT_OF_RANGE where no replica's cache, up or down, could ever hold it (a retry as it
@@ -219,18 +219,20 @@ class Router:
             raise ServiceError(grpc.StatusCode.OUT_OF_RANGE if never else grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"request needs {req.kv_tokens} KV tokens (prompt + max_tokens + one block, "
                                f"in whole pages); the cache holds {max(lane.kv.capacity for lane in live)}"
-                               + ("; lower max_tokens or shorten the prompt" if never else ""))
+                               + ("; lower max_tokens or shorten the prompt" if never else ""),
+                               "kv_too_large" if never else "replica_down")
         # The queue's cap is for requests that wait: one a replica would start at once does not,
         # nor do those queued that the next step starts (counted only where the queues reach it).
         if self.waiting >= self.settings.max_queue \
                 and sum(lane.waiting_past_next_step for lane in list(self.lanes)) >= self.settings.max_queue \
                 and not any(lane.admits_now(req) for lane in fits):
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"queue full ({self.settings.max_queue} requests waiting); retry later")
+                               f"queue full ({self.settings.max_queue} requests waiting); retry later", "queue_full")
         # An aborted request that has not left its step loop yet does not hold its id: the id may be
         # reused at once, anywhere (downstream, each admission has an id of its own: batcher.wire_id).
         if any(lane.has_live(req.request_id) for lane in self.lanes):
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id} is already in use")
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id} is already in use",
+                               "id_in_use")
         place(req, fits)
 
     def abort(self, request_id: str, only: ActiveRequest | None = None) -> bool:

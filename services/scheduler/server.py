@@ -56,20 +56,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         received = time.monotonic()   # a request's times count from here, its text's tokenizing included
         try:
             if self.stopping:
-                raise ServiceError(grpc.StatusCode.UNAVAILABLE, STOPPING)
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, STOPPING, "stopping")
             text_ids = None
             size = request.ByteSize()
             if size > self.settings.max_request_bytes:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"request is {size} bytes; scheduler.max_request_bytes allows "
-                                   f"{self.settings.max_request_bytes}")
+                                   f"{self.settings.max_request_bytes}", "request_too_large")
             aborted = False
             if request.WhichOneof("prompt") == "text" and request.text and self.encoder is not None:
                 check_fields(request, self.settings, self.router.limits, self.tokenizer)
                 check_text_size(request.text, self.router.limits, self.token_bytes)
                 text_ids, aborted = await self._encode(request)
             elif request.request_id in self._encoding:
-                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id} is already in use")
+                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id} is already in use",
+                                   "id_in_use")
             if aborted:   # aborted while its text was tokenized: it ends as an abort of a running one does,
                 # whatever its prompt (`Abort` said it found it): checked on its first token alone
                 req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids[:1] or [0])
@@ -81,7 +82,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 req.created = received
                 self.router.submit(req)
         except ServiceError as exc:
-            self.refused(exc.code, exc.message, request.request_id, context.peer())
+            self.refused(exc.code, exc.message, request.request_id, context.peer(), exc.reason)
             await context.abort(exc.code, exc.message)
         ended = False
         try:
@@ -115,7 +116,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         abort then found nothing (the request ran to max_tokens, holding a slot and its KV)."""
         rid = request.request_id
         if rid and (rid in self._encoding or any(lane.has_live(rid) for lane in self.router.lanes)):
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid} is already in use")
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid} is already in use", "id_in_use")
         aborted = asyncio.Event()
         if rid:
             self._encoding[rid] = aborted
@@ -132,19 +133,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 del self._encoding[rid]
         return ids, aborted.is_set()
 
-    def refused(self, code: grpc.StatusCode, message: str, request_id: str = "", peer: str | None = None) -> None:
-        """Counts and logs a request refused before it ran; the log names its id (as far as it is
-        not itself the fault: cut at 200 characters) and the client's address, to match a
-        user's report to its line."""
-        self.router.metrics.refused.labels(code.name.lower()).inc()
-        log.info("request_refused", code=code.name, reason=message[:200], request_id=request_id[:200] or None,
-                 peer=peer)
+    def refused(self, code: grpc.StatusCode, message: str, request_id: str = "", peer: str | None = None,
+                reason: str = "") -> None:
+        """Counts a request refused before it ran by code and ``reason`` (the code where one cause
+        has it alone), and logs it with its id (as far as it is not itself the fault: cut at 200
+        characters) and the client's address, to match a user's report to its line."""
+        kind = reason or code.name.lower()
+        self.router.metrics.refused.labels(code.name.lower(), kind).inc()
+        log.info("request_refused", code=code.name, kind=kind, reason=message[:200],
+                 request_id=request_id[:200] or None, peer=peer)
 
     def unauthenticated(self) -> None:
         """A call refused for its bearer token (by the interceptor, before any handler): counted
         each time, logged at most once a minute with the count since (a token-guessing run left
         no trace; a line each would flood the log)."""
-        self.router.metrics.refused.labels("unauthenticated").inc()
+        self.router.metrics.refused.labels("unauthenticated", "unauthenticated").inc()
         self._unauthenticated += 1
         now = time.monotonic()
         if now - self._unauthenticated_said >= 60.0:
@@ -156,7 +159,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """A call that did not parse (`new_server`'s `on_unparsed`): for Generate, a refusal like
         the others (an Abort or a health check is no request)."""
         if method == GENERATE_METHOD:
-            self.refused(grpc.StatusCode.INVALID_ARGUMENT, message)
+            self.refused(grpc.StatusCode.INVALID_ARGUMENT, message, reason="unparsed")
 
     async def Abort(self, request: scheduler_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:

@@ -67,7 +67,8 @@ class PromptEncoder:
             return self.tokenizer.encode(text, add_special_tokens=False).ids
         if self._pending >= self.max_pending:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{self._pending} long prompts wait to be tokenized already; try again shortly")
+                               f"{self._pending} long prompts wait to be tokenized already; try again shortly",
+                               "tokenizer_busy")
         self._pending += 1
         try:
             return await self._encode_apart(text)
