@@ -835,9 +835,9 @@ def test_a_request_no_cache_can_ever_hold_is_out_of_range_and_one_a_down_replica
     for kv in (3000, 9000):
         with pytest.raises(ServiceError) as info:
             router.submit(request("r", 10, kv=kv))
-        codes.append(info.value.code)
+        codes.append((info.value.code, info.value.reason))
         assert "the cache holds 1000" in info.value.message
-    assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE]
+    assert codes == [(grpc.StatusCode.RESOURCE_EXHAUSTED, "replica_down"), (grpc.StatusCode.OUT_OF_RANGE, "kv_too_large")]
     assert "lower max_tokens" in info.value.message
 
 
@@ -1585,6 +1585,7 @@ def test_a_full_queue_does_not_refuse_a_request_a_replica_would_start_at_once() 
     with pytest.raises(ServiceError) as info:
         router.submit(request("later", 4, kv=100))
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in info.value.message
+    assert info.value.reason == "queue_full"
 
 
 def test_a_lane_that_follows_its_verifier_elsewhere_wakes_both_groups() -> None:

@@ -521,6 +521,7 @@ def test_a_request_aborted_while_its_text_is_tokenized_ends_aborted_and_bad_fiel
             with pytest.raises(ClientError) as info:
                 c.generate(prompt, request_id="tokenizing", max_tokens=2)
             assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+        assert server.router.metrics.refused.labels("already_exists", "id_in_use")._value.get() == 2
         stub = scheduler_pb2_grpc.SchedulerStub(c._channel)
         for bad, field in ((dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2, budget=999), "budget")):
             with pytest.raises(grpc.RpcError) as rpc:
@@ -885,6 +886,7 @@ def test_a_request_of_exactly_max_request_bytes_is_taken_and_one_byte_more_refus
         with pytest.raises(ClientError, match="request is 2049 bytes; scheduler.max_request_bytes allows 2048") as info:
             c.generate([1] * (n + 1), max_tokens=2, ignore_eos=True)
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert server.router.metrics.refused.labels("invalid_argument", "request_too_large")._value.get() == 1
 
 
 def test_a_refusal_is_counted_by_its_kind_and_logged_with_the_clients_request_id_and_address(server) -> None:

@@ -619,5 +619,6 @@ def test_long_texts_waiting_for_the_tokenizer_are_bounded() -> None:
     refused = [r for r in results if isinstance(r, ServiceError)]
     assert [r for r in results if isinstance(r, list)] == [want] * 3 and len(refused) == 3
     assert refused[0].code == grpc.StatusCode.RESOURCE_EXHAUSTED and "long prompts wait to be tokenized" in refused[0].message
+    assert refused[0].reason == "tokenizer_busy"
     assert again == want and encoder._pending == 0
     assert encoder.encode.__doc__ and PromptEncoder(TOKENIZER).max_pending == 32
