@@ -72,14 +72,14 @@ class Metrics:
                                     buckets=_ACCEPTANCE_BUCKETS, registry=r("acceptance"))
         self.step_ms = Histogram("ddtree_step_ms", "Step time by stage", ["stage"], buckets=_STEP_BUCKETS_MS,
                                  registry=r("step_ms"))
-        self.queue_seconds = Histogram("ddtree_request_queue_seconds", "Time from the scheduler taking a "
-                                       "request to its admission into a batch", buckets=_REQUEST_BUCKETS_S,
+        self.queue_seconds = Histogram("ddtree_request_queue_seconds", "Time from a request's arrival at "
+                                       "the scheduler to its admission into a batch", buckets=_REQUEST_BUCKETS_S,
                                        registry=r("queue_seconds"))
-        self.ttft_seconds = Histogram("ddtree_time_to_first_token_seconds", "Time from the scheduler taking a "
-                                      "request to its first token", buckets=_REQUEST_BUCKETS_S,
+        self.ttft_seconds = Histogram("ddtree_time_to_first_token_seconds", "Time from a request's arrival at "
+                                      "the scheduler to its first token", buckets=_REQUEST_BUCKETS_S,
                                       registry=r("ttft_seconds"))
-        self.request_seconds = Histogram("ddtree_request_seconds", "Time from the scheduler taking a request to "
-                                         "its end, by final status", ["status"], buckets=_REQUEST_BUCKETS_S,
+        self.request_seconds = Histogram("ddtree_request_seconds", "Time from a request's arrival at the "
+                                         "scheduler to its end, by final status", ["status"], buckets=_REQUEST_BUCKETS_S,
                                          registry=r("request_seconds"))
         self.draft_trees = Counter("ddtree_draft_trees", "Trees sent to the verifier, by when they were drafted "
                                    "(ahead: while the last step's answer travelled; step: in the step)",

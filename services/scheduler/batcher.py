@@ -537,19 +537,20 @@ def log_end(metrics: Metrics, req: ActiveRequest) -> None:
     # A failure the server saw (a replica lost, a fault downstream, the scheduler's stop) at
     # warning, so a filter on warnings finds it; not one of the client's own doing.
     failed = req.error is not None and req.error.code not in _CLIENTS_OWN
-    (log.warning if failed else log.info)("request_end", status=status, request_id=req.request_id, wire_id=req.wire_id or None, draft=req.draft,
-             mode=common_pb2.Mode.Name(req.mode).removeprefix("MODE_").lower(),
-             finish=_FINISH_NAMES.get(req.finish, "") if req.error is None else "ERROR",
-             # an Abort call, or a client that closed its stream or went away: both count as aborted
-             aborted_by=("client_left" if req.left else "abort_call") if status == "aborted" else None,
-             code=req.error.code.name if req.error is not None else None,
-             error=req.error.message if req.error is not None else None,
-             prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, steps=usage.steps,
-             tree_steps=usage.tree_steps, mean_acceptance=round(usage.mean_acceptance, 3),
-             budget=req.budget if req.mode == common_pb2.MODE_DDTREE else None,   # no tree: no budget
-             queue_ms=round((req.admitted_at - req.created) * 1e3, 2) if req.admitted_at else None,
-             ttft_ms=round((req.first_token_at - req.created) * 1e3, 2) if req.first_token_at else None,
-             seconds=round(now - req.created, 4))
+    say = log.warning if failed else log.info
+    say("request_end", status=status, request_id=req.request_id, wire_id=req.wire_id or None, draft=req.draft,
+        mode=common_pb2.Mode.Name(req.mode).removeprefix("MODE_").lower(),
+        finish=_FINISH_NAMES.get(req.finish, "") if req.error is None else "ERROR",
+        # an Abort call, or a client that closed its stream or went away: both count as aborted
+        aborted_by=("client_left" if req.left else "abort_call") if status == "aborted" else None,
+        code=req.error.code.name if req.error is not None else None,
+        error=req.error.message if req.error is not None else None,
+        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, steps=usage.steps,
+        tree_steps=usage.tree_steps, mean_acceptance=round(usage.mean_acceptance, 3),
+        budget=req.budget if req.mode == common_pb2.MODE_DDTREE else None,   # no tree: no budget
+        queue_ms=round((req.admitted_at - req.created) * 1e3, 2) if req.admitted_at else None,
+        ttft_ms=round((req.first_token_at - req.created) * 1e3, 2) if req.first_token_at else None,
+        seconds=round(now - req.created, 4))
 
 
 # What a draft or verifier may say of one request that tells of their own state, not of the
