@@ -1275,7 +1275,7 @@ def test_metrics_count_tree_steps_only_and_read_the_lanes_when_scraped() -> None
     # Latencies: each admission's wait (both were admitted twice here), each first token, each end.
     assert value("ddtree_request_queue_seconds_count") == 4
     assert value("ddtree_time_to_first_token_seconds_count") == 2
-    assert value("ddtree_request_seconds_count", {"status": "length"}) == 2
+    assert value("ddtree_request_duration_seconds_count", {"status": "length"}) == 2
     for end in ends.values():
         assert end["log_level"] == "info" and 0 <= end["queue_ms"] <= end["ttft_ms"] <= end["seconds"] * 1e3
     assert ends["tree"]["tree_steps"] == 3 and ends["ar"]["tree_steps"] == 0

@@ -78,7 +78,7 @@ class Metrics:
         self.ttft_seconds = Histogram("ddtree_time_to_first_token_seconds", "Time from a request's arrival at "
                                       "the scheduler to its first token", buckets=_REQUEST_BUCKETS_S,
                                       registry=r("ttft_seconds"))
-        self.request_seconds = Histogram("ddtree_request_seconds", "Time from a request's arrival at the "
+        self.request_seconds = Histogram("ddtree_request_duration_seconds", "Time from a request's arrival at the "
                                          "scheduler to its end, by final status", ["status"], buckets=_REQUEST_BUCKETS_S,
                                          registry=r("request_seconds"))
         self.draft_trees = Counter("ddtree_draft_trees", "Trees sent to the verifier, by when they were drafted "
