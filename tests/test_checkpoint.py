@@ -666,3 +666,109 @@ def test_a_wrapper_over_tensors_without_its_prefix_says_so(tmp_path: Path, targe
     (wrapped / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"config.json text_config: field 'kv_lora_rank' is missing"):
         read_target_config(wrapped)
+
+
+# Config fields a checkpoint leaves out, and configs the model would serve wrongly.
+
+def test_target_fields_left_out_take_the_transformers_defaults() -> None:
+    """Every test config spelled these out: a wrong default changed the rope or the norm of a
+    checkpoint that leaves them out, without an error."""
+    import copy
+
+    from services.verifier.make_target import TINY_TARGET_CONFIG
+
+    hf = copy.deepcopy(TINY_TARGET_CONFIG)
+    del hf["rope_theta"], hf["rms_norm_eps"]
+    hf["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    c = TargetConfig.from_hf(hf)
+    assert c.rope_theta == 10000.0 and c.rms_norm_eps == 1e-6
+    y = c.rope_scaling
+    assert (y.beta_fast, y.beta_slow, y.mscale, y.mscale_all_dim) == (32.0, 1.0, 1.0, 0.0)
+
+
+def test_moe_layer_freq_and_first_k_dense_pick_the_moe_layers() -> None:
+    """The writer, the reference and the loader share `is_moe_layer`, so they agreed with each
+    other whatever it said."""
+    import copy
+
+    from services.verifier.make_target import TINY_TARGET_CONFIG
+
+    c = TargetConfig.from_hf(dict(copy.deepcopy(TINY_TARGET_CONFIG), num_hidden_layers=6, first_k_dense_replace=1,
+                                  moe_layer_freq=2))
+    assert [c.is_moe_layer(i) for i in range(6)] == [False, False, True, False, True, False]
+    all_dense = TargetConfig.from_hf(dict(copy.deepcopy(TINY_TARGET_CONFIG), first_k_dense_replace=3))
+    assert not any(all_dense.is_moe_layer(i) for i in range(3))
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"vocab_size": 0}, "vocab_size"),
+    ({"moe_layer_freq": 0}, "moe_layer_freq"),
+    ({"eos_token_id": 512}, "eos_token_id"),                      # == vocab_size: a token never emitted
+    ({"qk_rope_head_dim": 15}, "qk_rope_head_dim"),               # rope rotates pairs
+    ({"n_group": 16, "topk_group": 8}, "n_group"),                 # one expert a group: no top-2 group score
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),           # more than the kept groups' 2 x 4 experts
+    ({"topk_group": 5}, "topk_group"),                             # more groups kept than the 4 there are
+    ({"moe_intermediate_size": 48, "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                            "strategy": "group", "group_size": 32}}}}}, "moe_intermediate_size"),
+])
+def test_a_target_config_the_model_would_serve_wrongly_is_refused_by_field(change: dict, field: str) -> None:
+    import copy
+
+    from services.verifier.make_target import TINY_TARGET_CONFIG
+
+    with pytest.raises(CheckpointError, match=f"field '{re.escape(field)}'"):
+        TargetConfig.from_hf({**copy.deepcopy(TINY_TARGET_CONFIG), **change})
+
+
+def _demo_drafter_config() -> dict:
+    return json.loads(Path("models/demo/drafter/config.json").read_text())
+
+
+def test_a_drafters_head_dim_defaults_to_hidden_over_query_heads() -> None:
+    """Not over the key-value heads: a GQA drafter without `head_dim` failed at its weights with
+    a shape error naming neither."""
+    from services.draft.config import DraftConfig
+
+    cfg = {k: v for k, v in _demo_drafter_config().items() if k != "head_dim"}   # hidden 256, 8 heads, 4 kv heads
+    assert DraftConfig.from_hf(cfg).head_dim == 32
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"head_dim": 31}, "head_dim"),
+    ({"block_size": 1}, "block_size"),
+])
+def test_a_drafter_config_of_impossible_shapes_is_refused(change: dict, needle: str) -> None:
+    from services.draft.config import DraftConfig
+
+    with pytest.raises(CheckpointError, match=needle):
+        DraftConfig.from_hf({**_demo_drafter_config(), **change})
+
+
+def _pairing(tmp_path: Path, drafter_changes: dict, target_layers: int):
+    """`check_pairing` of the demo drafter, changed so, with the demo target of that depth."""
+    from services.draft.config import check_pairing
+
+    target, drafter = tmp_path / "t", tmp_path / "d"
+    target.mkdir()
+    drafter.mkdir()
+    config = json.loads(Path("models/demo/config.json").read_text())
+    (target / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=target_layers)))
+    (drafter / "config.json").write_text(json.dumps({**_demo_drafter_config(), **drafter_changes}))
+    return lambda: check_pairing(drafter, target)
+
+
+def test_a_drafter_trained_on_a_target_of_another_depth_is_refused(tmp_path) -> None:
+    """Its layer ids (1, 3, 4) are in range of an 8-layer target too: it drafted from other layers'
+    features, accepted nothing, and said nothing."""
+    with pytest.raises(CheckpointError, match="num_target_layers"):
+        _pairing(tmp_path, {}, 8)()
+
+
+def test_a_drafter_reading_the_layer_past_the_targets_last_is_refused(tmp_path) -> None:
+    check = _pairing(tmp_path, {"num_target_layers": None,
+                                "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 3, 6]}}, 6)
+    with pytest.raises(CheckpointError, match="target_layer_ids"):
+        check()

@@ -434,3 +434,11 @@ def test_grouped_attention_is_attention_over_repeated_kv_heads(heads: int, kv_he
         v.repeat_interleave(groups, dim=2).transpose(1, 2), attn_mask=mask).transpose(1, 2).reshape(R, B, heads * hd)
     got = grouped_attention(q, k, v, mask)
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-12, rtol=0)
+
+
+def test_default_target_layer_ids_spread_from_the_first_layer_to_the_last() -> None:
+    from services.draft.make_drafter import default_target_layer_ids
+
+    assert default_target_layer_ids(3, 2) == [0, 2]
+    assert default_target_layer_ids(61, 5) == [0, 15, 30, 45, 60]
+    assert default_target_layer_ids(8, 1) == [4]

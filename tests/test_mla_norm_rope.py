@@ -51,3 +51,16 @@ def test_shapes_it_refuses():
     with pytest.raises(AssertionError, match="q_kv must be"):
         mla_norm_rope(q_kv, 40, q_w, kv_w, cos, sin, 1e-6, torch.empty(2, 48))
     assert fusable(1536, 512) and fusable(128, 128) and not fusable(4096, 512)
+
+
+def test_the_eps_it_is_given_is_the_one_it_uses() -> None:
+    """Every test above used 1e-6, DeepSeek-V3's and K2's: a kernel that ignored the argument
+    normed a model of another `rms_norm_eps` otherwise than the CPU path, without an error."""
+    from kernels.rms_norm import rms_norm_reference
+
+    q_kv, q_w, kv_w, cos, sin = _inputs(3, 64, 64, 16, torch.float32, seed=11)
+    q_kv = q_kv * 0.1   # small rows, where an eps of 0.5 changes the norm
+    new_kv = torch.full((3, 80), float("nan"), device=DEV)
+    q = mla_norm_rope(q_kv, 64, q_w, kv_w, cos, sin, 0.5, new_kv)
+    torch.testing.assert_close(q.cpu(), rms_norm_reference(q_kv[:, :64].cpu(), q_w.cpu(), 0.5))
+    torch.testing.assert_close(new_kv[:, :64].cpu(), rms_norm_reference(q_kv[:, 64:128].cpu(), kv_w.cpu(), 0.5))

@@ -94,3 +94,16 @@ def test_add_rms_norm_writes_the_float32_upcast(dtype):
         assert torch.equal(f32.cpu(), normed.float().cpu())
     with pytest.raises(AssertionError, match="float32_copy must be"):
         add_rms_norm_triton(x, r, w, 1e-6, torch.empty(4, 64, dtype=dtype))
+
+
+def test_the_normed_row_rounds_to_the_input_dtype_before_the_weight() -> None:
+    """HF rounds the normalised row to the input's dtype, then multiplies by the weight; the usual
+    tolerances hid a kernel that skipped the rounding. It shows where the output is wider than the
+    input (fp16 rows, a float32 weight): one fp16 rounding is ~5e-4 relative."""
+    g = torch.Generator().manual_seed(2)
+    x = (3 * torch.randn(4, 96, generator=g)).to(torch.float16)
+    w = 1 + 0.3 * torch.randn(96, generator=g)
+    got = rms_norm_triton(x.to(DEV), w.to(DEV), 1e-6).cpu()
+    want = rms_norm_reference(x, w, 1e-6)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)

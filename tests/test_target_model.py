@@ -407,3 +407,33 @@ def test_softmax_scale_uses_mscale_all_dim(models: Models) -> None:
 
     want = 32**-0.5 * (0.1 * math.log(4.0) + 1.0) ** 2
     assert softmax_scale(models.target.config) == pytest.approx(want)
+
+
+def _prefill(model: TargetModel, n: int = 9, seed: int = 0) -> tuple[torch.Tensor, ForwardOutput]:
+    """One request's prompt of ``n`` random tokens through the model, on a cache of its own."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (n,), generator=g)
+    cache = model.new_cache(8, 4)
+    cache.reserve("a", n)
+    meta = TreeAttentionMetadata(query_starts=torch.tensor([0, n]), prefix_lens=torch.tensor([0]),
+                                 page_tables=[cache.page_table("a")], tree_masks=[torch.ones(n, n, dtype=torch.bool).tril()])
+    return ids, model(ForwardBatch(ids, torch.arange(n), meta), cache)
+
+
+def test_a_bf16_models_logits_are_float32(tmp_path) -> None:
+    """Sampling and the greedy argmax read the logits: in bf16, near-ties went otherwise than HF's."""
+    write_random_target(tmp_path, 512, int4=False, seed=3)
+    out32 = _prefill(TargetModel.load(tmp_path))[1]
+    out16 = _prefill(TargetModel.load(tmp_path, dtype=torch.bfloat16))[1]
+    assert out16.logits.dtype == torch.float32 and out16.new_kv.dtype == torch.bfloat16
+    assert (out16.logits - out32.logits).abs().max() < 0.1 * out32.logits.abs().max()
+
+
+def test_distinct_nope_rope_and_v_head_dims_match_the_reference(tmp_path) -> None:
+    """Every other test model has nope = rope = v head dims (and real ones nope = v): a weight cut
+    at the wrong one of them went unseen."""
+    write_random_target(tmp_path, 512, int4=False, seed=5,
+                        overrides={"qk_nope_head_dim": 24, "qk_rope_head_dim": 8, "v_head_dim": 16})
+    ids, out = _prefill(TargetModel.load(tmp_path))
+    want, _ = ReferenceModel.load(tmp_path).forward(ids)
+    assert (out.logits.double() - want).abs().max().item() <= 1e-4 * want.abs().max().item()
