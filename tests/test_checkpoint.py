@@ -1,6 +1,7 @@
 """Checkpoint reading/writing and the errors a bad target checkpoint produces."""
 
 import collections
+import copy
 import json
 import re
 from pathlib import Path
@@ -17,7 +18,7 @@ from services.common.checkpoint import (
     save_tensors,
 )
 from services.verifier.config import TargetConfig, read_target_config
-from services.verifier.make_target import write_random_target
+from services.verifier.make_target import TINY_TARGET_CONFIG, write_random_target
 from services.verifier.model import TargetModel, expected_tensors
 from services.verifier.parallel import load_rank_slice
 from services.verifier.reference import ReferenceModel
@@ -673,10 +674,6 @@ def test_a_wrapper_over_tensors_without_its_prefix_says_so(tmp_path: Path, targe
 def test_target_fields_left_out_take_the_transformers_defaults() -> None:
     """Every test config spelled these out: a wrong default changed the rope or the norm of a
     checkpoint that leaves them out, without an error."""
-    import copy
-
-    from services.verifier.make_target import TINY_TARGET_CONFIG
-
     hf = copy.deepcopy(TINY_TARGET_CONFIG)
     del hf["rope_theta"], hf["rms_norm_eps"]
     hf["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
@@ -689,10 +686,6 @@ def test_target_fields_left_out_take_the_transformers_defaults() -> None:
 def test_moe_layer_freq_and_first_k_dense_pick_the_moe_layers() -> None:
     """The writer, the reference and the loader share `is_moe_layer`, so they agreed with each
     other whatever it said."""
-    import copy
-
-    from services.verifier.make_target import TINY_TARGET_CONFIG
-
     c = TargetConfig.from_hf(dict(copy.deepcopy(TINY_TARGET_CONFIG), num_hidden_layers=6, first_k_dense_replace=1,
                                   moe_layer_freq=2))
     assert [c.is_moe_layer(i) for i in range(6)] == [False, False, True, False, True, False]
@@ -714,10 +707,6 @@ def test_moe_layer_freq_and_first_k_dense_pick_the_moe_layers() -> None:
                                             "strategy": "group", "group_size": 32}}}}}, "moe_intermediate_size"),
 ])
 def test_a_target_config_the_model_would_serve_wrongly_is_refused_by_field(change: dict, field: str) -> None:
-    import copy
-
-    from services.verifier.make_target import TINY_TARGET_CONFIG
-
     with pytest.raises(CheckpointError, match=f"field '{re.escape(field)}'"):
         TargetConfig.from_hf({**copy.deepcopy(TINY_TARGET_CONFIG), **change})
 
