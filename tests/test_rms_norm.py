@@ -107,3 +107,15 @@ def test_the_normed_row_rounds_to_the_input_dtype_before_the_weight() -> None:
     want = rms_norm_reference(x, w, 1e-6)
     assert got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_the_fused_add_norm_of_narrow_rows_with_a_float32_weight_is_float32_as_the_reference() -> None:
+    """The sum keeps the rows' dtype; the normed rows take the wider of the rows' and the weight's."""
+    g = torch.Generator().manual_seed(4)
+    x, residual = ((2 * torch.randn(3, 64, generator=g)).to(torch.float16) for _ in range(2))
+    w = 1 + 0.3 * torch.randn(64, generator=g)
+    total, normed = add_rms_norm_triton(x.to(DEV), residual.to(DEV), w.to(DEV), 1e-6)
+    want_total, want_normed = add_rms_norm_reference(x, residual, w, 1e-6)
+    assert total.dtype == torch.float16 and normed.dtype == want_normed.dtype == torch.float32
+    assert torch.equal(total.cpu(), want_total)
+    torch.testing.assert_close(normed.cpu(), want_normed, rtol=2e-3, atol=2e-3)   # one fp16 rounding apart at most
