@@ -19,15 +19,13 @@ running: only a request that does not parse is answered for it.
 from __future__ import annotations
 
 import inspect
-import math
-import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import aclosing
 
 import grpc
 
-from services.common.logging import get_logger
+from services.common.logging import OncePer, get_logger
 
 __all__ = ["CallErrorInterceptor"]
 
@@ -66,8 +64,7 @@ class CallErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, on_unparsed: Callable[[str, str], None] | None = None) -> None:
         self._on_unparsed = on_unparsed
-        self._unparsed_calls = 0        # since the log last said so
-        self._unparsed_said = -math.inf
+        self._unparsed_said = OncePer()   # the unparsed calls, logged at most once a minute
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable],
                                 details: grpc.HandlerCallDetails):
@@ -107,11 +104,9 @@ class CallErrorInterceptor(grpc.aio.ServerInterceptor):
             self._on_unparsed(method, message)
         # Said, not a traceback a call (anyone may send bytes to reflection on the public port), and
         # where no caller counts them: two images of different versions in one stack show up here.
-        self._unparsed_calls += 1
-        now = time.monotonic()
-        if now - self._unparsed_said >= 60:
-            log.warning("requests_unparsed", method=method, error=str(request.error)[:200], calls=self._unparsed_calls)
-            self._unparsed_calls, self._unparsed_said = 0, now
+        calls = self._unparsed_said.due()
+        if calls is not None:
+            log.warning("requests_unparsed", method=method, error=str(request.error)[:200], calls=calls)
         return message
 
     def _wrap(self, inner: Callable, method: str, checks_parse: bool) -> Callable:

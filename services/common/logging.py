@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
+import time
 
 import structlog
 
-__all__ = ["configure_logging", "get_logger"]
+__all__ = ["OncePer", "configure_logging", "get_logger"]
 
 
 def configure_logging(service: str, json_logs: bool, level: int = logging.INFO) -> None:
@@ -71,3 +73,23 @@ def _escape_unprintable(logger: object, method: str, event: dict) -> dict:
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
     return structlog.get_logger(name)
+
+
+class OncePer:
+    """Counts an event that anyone may cause many times a second (a token-guessing run, bytes sent
+    to a public port) and says when a log line is due: at most once each ``every_s`` seconds, with
+    the count since the last line. A line each would flood the log; none would leave no trace."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self.every_s = every_s
+        self._count = 0
+        self._said = -math.inf
+
+    def due(self) -> int | None:
+        """Counts one; the count to log where a line is due now, else None."""
+        self._count += 1
+        now = time.monotonic()
+        if now - self._said < self.every_s:
+            return None
+        count, self._count, self._said = self._count, 0, now
+        return count

@@ -8,7 +8,6 @@ aborts its request, which frees its batch slot and KV at the next step.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from services.common.auth import BearerTokenInterceptor, internal_token, server_
 from services.common.config_files import CheckpointError, refuse_lfs_pointer
 from services.common.grpc_server import (MAX_MESSAGE_BYTES, ServiceError, check_port_free, host_port, is_loopback, listen,
                                          new_server, report_health, serve_until_signal)
-from services.common.logging import configure_logging, get_logger
+from services.common.logging import OncePer, configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
 from services.scheduler.batcher import log_end
@@ -47,7 +46,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.encoder = encoder or (PromptEncoder(tokenizer) if tokenizer is not None else None)
         # Ids of requests whose text is being tokenized, not yet in the router: each one's abort.
         self._encoding: dict[str, asyncio.Event] = {}
-        self._unauthenticated, self._unauthenticated_said = 0, -math.inf
+        self._unauthenticated = OncePer()
         self.stopping = False   # the server stops: it takes no new request
         self.encoding = 0       # requests whose text is being tokenized (the drain waits for them too)
 
@@ -148,12 +147,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         each time, logged at most once a minute with the count since (a token-guessing run left
         no trace; a line each would flood the log)."""
         self.router.metrics.refused.labels("unauthenticated", "unauthenticated").inc()
-        self._unauthenticated += 1
-        now = time.monotonic()
-        if now - self._unauthenticated_said >= 60.0:
-            log.warning("request_refused", code="UNAUTHENTICATED", reason="missing or wrong bearer token",
-                        calls=self._unauthenticated)
-            self._unauthenticated, self._unauthenticated_said = 0, now
+        calls = self._unauthenticated.due()
+        if calls is not None:
+            log.warning("request_refused", code="UNAUTHENTICATED", reason="missing or wrong bearer token", calls=calls)
 
     def unparsed(self, method: str, message: str) -> None:
         """A call that did not parse (`new_server`'s `on_unparsed`): for Generate, a refusal like
