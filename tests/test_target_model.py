@@ -411,13 +411,10 @@ def test_softmax_scale_uses_mscale_all_dim(models: Models) -> None:
 
 def _prefill(model: TargetModel, n: int = 9, seed: int = 0) -> tuple[torch.Tensor, ForwardOutput]:
     """One request's prompt of ``n`` random tokens through the model, on a cache of its own."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (n,), generator=g)
-    cache = model.new_cache(8, 4)
+    tokens = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+    cache = new_cache(model)
     cache.reserve("a", n)
-    meta = TreeAttentionMetadata(query_starts=torch.tensor([0, n]), prefix_lens=torch.tensor([0]),
-                                 page_tables=[cache.page_table("a")], tree_masks=[torch.ones(n, n, dtype=torch.bool).tril()])
-    return ids, model(ForwardBatch(ids, torch.arange(n), meta), cache)
+    return tokens, run(model, cache, [Req("a", tokens, chain(tokens), 0)])
 
 
 def test_a_bf16_models_logits_are_float32(tmp_path) -> None:
@@ -434,6 +431,5 @@ def test_distinct_nope_rope_and_v_head_dims_match_the_reference(tmp_path) -> Non
     at the wrong one of them went unseen."""
     write_random_target(tmp_path, 512, int4=False, seed=5,
                         overrides={"qk_nope_head_dim": 24, "qk_rope_head_dim": 8, "v_head_dim": 16})
-    ids, out = _prefill(TargetModel.load(tmp_path))
-    want, _ = ReferenceModel.load(tmp_path).forward(ids)
-    assert (out.logits.double() - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    tokens, out = _prefill(TargetModel.load(tmp_path))
+    assert_close(out.logits, ReferenceModel.load(tmp_path).forward(tokens)[0], rtol=1e-4)
