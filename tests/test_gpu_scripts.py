@@ -294,8 +294,10 @@ def test_the_sampling_checks_kept_set_measure_counts_rows_and_the_mass_they_part
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(3, 300, generator=g) * 3
     sampling = Sampling(temperature=0.9, top_p=0.95)
-    assert sc._kept_differ(logits, sampling) == (0, 0.0, 0.0)
-    floors = sc.keep_floors(logits, torch.full((3,), 1 / 0.9), torch.zeros(3, dtype=torch.int32), torch.full((3,), 0.95))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"   # the kernel runs compiled on a GPU, interpreted here
+    assert sc._kept_differ(logits.to(dev), sampling) == (0, 0.0, 0.0)
+    floors = sc.keep_floors(logits.to(dev), torch.full((3,), 1 / 0.9, device=dev),
+                            torch.zeros(3, dtype=torch.int32, device=dev), torch.full((3,), 0.95, device=dev)).cpu()
     scaled = logits * (1 / 0.9)
     below = torch.where(scaled < floors[:, None], scaled, float("-inf")).max(dim=-1).values   # the next token down
     lowered = floors.clone()
