@@ -86,7 +86,8 @@ class Server:
         name = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
         servicer = self.servicer = SchedulerServicer(settings, self.router, self.router.info, self.tokenizer, self.encoder)
         interceptors = [BearerTokenInterceptor(self.token, on_refused=servicer.unauthenticated)] if self.token else []
-        self.server, _ = new_server([name], interceptors, on_unparsed=servicer.unparsed)
+        self.server, _ = new_server([name], interceptors, max_receive_bytes=2 * settings.max_request_bytes,
+                                    on_unparsed=servicer.unparsed)
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
@@ -776,7 +777,7 @@ def test_a_stream_closed_while_its_call_is_being_made_cancels_the_call() -> None
     call = Call()
     stream: Stream
 
-    def start():
+    def start(left):
         stream.close()   # the other thread's close(), while the call is made
         return call
 
@@ -822,9 +823,10 @@ def test_a_client_error_survives_pickling_as_a_process_pool_sends_it() -> None:
     import copy
     import pickle
 
-    err = ClientError(grpc.StatusCode.UNAVAILABLE, "no scheduler")
+    err = ClientError(grpc.StatusCode.UNAVAILABLE, "no scheduler", True, sdk.Completion("r", "ab", [1, 2]))
     for back in (pickle.loads(pickle.dumps(err)), copy.copy(err)):
         assert (type(back), back.code, back.message, str(back)) == (ClientError, err.code, err.message, str(err))
+        assert (back.retryable, back.partial) == (True, err.partial)
 
 
 def test_an_unknown_finish_reason_is_named_not_a_key_error() -> None:
@@ -1069,3 +1071,168 @@ def test_no_mode_leaves_the_servers_default_and_a_bool_is_no_token_id() -> None:
         with pytest.raises(ClientError, match="token ids must be integers"):
             build_request(**bad)
 
+
+
+# 7. Whether a retry can mend a failure; wait_for_ready through a restart; the output before an error.
+def _lane_up(server: Server, up: bool) -> None:
+    async def flip() -> None:
+        server.router.lanes[0].healthy = up
+    server.call(flip())
+
+
+def test_a_failure_says_whether_the_same_request_may_succeed_later(server, monkeypatch) -> None:
+    """A queue full and a replica lost (RESOURCE_EXHAUSTED, UNAVAILABLE) share their codes with
+    failures no retry mends (a request over gRPC's message size, a text that killed the tokenizer):
+    the scheduler says which in the call's trailing metadata."""
+    with Client(server.address) as c:
+        _lane_up(server, False)
+        try:
+            with pytest.raises(ClientError) as down:
+                c.generate(IDS, max_tokens=2)
+        finally:
+            _lane_up(server, True)
+        assert (down.value.code, down.value.retryable) == (grpc.StatusCode.UNAVAILABLE, True)
+        with pytest.raises(ClientError) as bad:
+            c.generate(IDS, max_tokens=2, budget=999)
+        assert (bad.value.code, bad.value.retryable) == (grpc.StatusCode.INVALID_ARGUMENT, False)
+        with pytest.raises(ClientError) as large:
+            c.generate("a" * (5 << 20), max_tokens=2)
+        assert (large.value.code, large.value.retryable) == (grpc.StatusCode.INVALID_ARGUMENT, False)
+        with pytest.raises(ClientError) as huge:   # gRPC's own refusal: no word from the scheduler
+            c.generate("a" * (9 << 20), max_tokens=2)
+        assert (huge.value.code, huge.value.retryable) == (grpc.StatusCode.RESOURCE_EXHAUSTED, False)
+        for error, retryable in ((ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", "queue_full"), True),
+                                 (ServiceError(grpc.StatusCode.UNAVAILABLE, "died twice", retryable=False), False)):
+            def refuse(req, error=error):
+                raise error
+            monkeypatch.setattr(server.router, "submit", refuse)
+            with pytest.raises(ClientError) as info:
+                c.generate(IDS, max_tokens=2)
+            assert (info.value.code, info.value.retryable) == (error.code, retryable)
+        monkeypatch.undo()
+        assert c.generate(IDS, max_tokens=2, ignore_eos=True).token_ids == [5, 5]
+    with Client("127.0.0.1:1") as nobody, pytest.raises(ClientError) as info:   # no scheduler answered
+        nobody.generate(IDS)
+    assert (info.value.code, info.value.retryable) == (grpc.StatusCode.UNAVAILABLE, True)
+
+
+def test_a_wait_for_ready_stream_waits_through_a_refusal_until_its_deadline(server) -> None:
+    """`wait_for_ready` waited only for a connection: a stream the scheduler refused while no draft
+    replica was up (a restart) failed at once, though the README says such a client waits."""
+    _lane_up(server, False)
+    try:
+        threading.Timer(0.5, _lane_up, (server, True)).start()
+        t0 = time.monotonic()
+        with Client(server.address, timeout_s=10, wait_for_ready=True) as c:
+            assert c.generate(IDS, max_tokens=2, ignore_eos=True).token_ids == [5, 5]
+        assert time.monotonic() - t0 >= 0.45
+
+        async def waits() -> list[int]:
+            async with AsyncClient(server.address, timeout_s=10, wait_for_ready=True) as c:
+                return (await c.generate(IDS, max_tokens=2, ignore_eos=True)).token_ids
+        _lane_up(server, False)
+        threading.Timer(0.5, _lane_up, (server, True)).start()
+        assert asyncio.run(waits()) == [5, 5]
+
+        _lane_up(server, False)
+        with Client(server.address, wait_for_ready=True) as c:
+            t0 = time.monotonic()
+            with pytest.raises(ClientError) as late:
+                c.generate(IDS, max_tokens=2, timeout_s=0.8)
+            assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "no draft replica is up" in late.value.message
+            assert 0.5 < time.monotonic() - t0 < 1.5
+            # no deadline: it waits until closed, and close() ends the wait at once
+            s = c.stream(IDS, max_tokens=2)
+            got: list = []
+            reader = threading.Thread(target=lambda: got.append(list(s)))
+            reader.start()
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            s.close()
+            reader.join(timeout=5)
+            assert got == [[]] and time.monotonic() - t0 < 0.5
+
+        async def closed_while_waiting() -> float:
+            async with AsyncClient(server.address, wait_for_ready=True) as c:
+                s = c.stream(IDS, max_tokens=2)
+                reader = asyncio.ensure_future(s.__anext__())
+                await asyncio.sleep(0.3)
+                t0 = time.monotonic()
+                await s.aclose()
+                with pytest.raises(StopAsyncIteration):
+                    await asyncio.wait_for(reader, 5)
+                return time.monotonic() - t0
+        assert asyncio.run(closed_while_waiting()) < 0.5
+        with Client(server.address) as c, pytest.raises(ClientError) as refused:   # without it: at once
+            c.generate(IDS, max_tokens=2)
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        _lane_up(server, True)
+
+
+def test_a_failure_after_the_first_chunk_is_not_sent_again_and_generate_keeps_the_output_before_it() -> None:
+    """A stream is sent again only before it produced anything; generate's error carried nothing of
+    the output before it (a deadline after 50 tokens lost them all)."""
+    server = Server()
+    try:
+        with Client(server.address, wait_for_ready=True) as c:
+            with pytest.raises(ClientError) as late:
+                c.generate(IDS, request_id="late", timeout_s=0.3, **LONG)
+            partial = late.value.partial
+            assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and not late.value.retryable
+            assert partial.request_id == "late" and partial.finish_reason is None
+            assert len(partial.token_ids) >= 5 and set(partial.token_ids) == {5}
+
+            async def async_partial() -> ClientError:
+                async with AsyncClient(server.address) as ac:
+                    with pytest.raises(ClientError) as info:
+                        await ac.generate(IDS, timeout_s=0.3, **LONG)
+                    return info.value
+            err = asyncio.run(async_partial())
+            assert err.partial.request_id and len(err.partial.token_ids) >= 5   # the server's id, from a chunk
+            with c.stream(IDS, request_id="once", timeout_s=10, **LONG) as s:
+                next(s)
+                draining = _stop(server, 0.1)
+                with pytest.raises(ClientError) as cut:
+                    list(s)
+                draining.result(timeout=10)
+            assert cut.value.code == grpc.StatusCode.UNAVAILABLE and cut.value.retryable
+            assert server.submitted.count("once") == 1
+    finally:
+        server.stop()
+
+
+def test_a_client_closed_under_a_sync_stream_says_so_and_bad_client_arguments_are_refused(server) -> None:
+    """The sync reader got gRPC's "Stream removed (Channel closed!)"; an address with a space (an
+    env file's) failed each call UNAVAILABLE "Misformatted"; wait_for_ready="no" read as true; an
+    unhashable mode raised a bare TypeError."""
+    c = Client(server.address)
+    s = c.stream(IDS, **LONG)
+    next(s)
+    c.close()
+    with pytest.raises(ClientError) as info:
+        next(s)
+    assert (info.value.code, info.value.message) == (grpc.StatusCode.CANCELLED,
+                                                      "the client was closed while this stream was open")
+    for address in (" 127.0.0.1:50051", "127.0.0.1:50051 ", "127.0.0.1: 50051", "127.0.0.1:50051\n"):
+        with pytest.raises(ClientError, match="white space") as info:
+            Client(address)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    Client("unix:/tmp/a dir/ddtree.sock").close()   # a socket path may hold one
+    with pytest.raises(ClientError, match="wait_for_ready must be True or False"):
+        Client(server.address, wait_for_ready="no")
+    with pytest.raises(ClientError, match="mode must be") as info:
+        build_request("x", mode=["ddtree"])
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_package_says_it_is_typed() -> None:
+    """PEP 561: without py.typed an installed SDK's annotations were ignored by type checkers."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "py.typed" in data["services"] and (root / "services" / "py.typed").is_file()
+    assert "py.typed" in data["ddtree"] and (root / "protos" / "ddtree" / "py.typed").is_file()
+    assert "*.pyi" in data["ddtree.v1"] and (root / "protos" / "ddtree" / "v1" / "scheduler_pb2.pyi").is_file()

@@ -222,6 +222,7 @@ def test_texts_waiting_for_a_tokenizer_worker_that_died_go_to_a_new_one(monkeypa
         poisoned = outcomes.pop(1)
         assert outcomes == want, outcomes
         assert isinstance(poisoned, ServiceError), poisoned
+        assert poisoned.retryable is False   # UNAVAILABLE, but sent again it dies again
         return got, f"{poisoned.code.name}: {poisoned.message}"
 
     class Spy:

@@ -52,13 +52,23 @@ KEEPALIVE_TIMEOUT_MS = 10_000
 
 class ServiceError(Exception):
     """An error meant for the caller: carries the gRPC status code and a message naming the cause;
-    ``reason``, a word telling apart causes that share a code (a refusal's metric label)."""
+    ``reason``, a word telling apart causes that share a code (a refusal's metric label).
 
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "") -> None:
+    ``retryable``: whether the same request may succeed later as it is, because the server's state
+    (a replica down, a full queue or cache, a stop), not the request, failed it. The scheduler
+    sends it to the client (`ClientError.retryable`): both kinds share UNAVAILABLE and
+    RESOURCE_EXHAUSTED with failures a retry cannot mend (a message over gRPC's size limit, a
+    prompt that killed the tokenizer), and a client retrying on the code alone retried those."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "", retryable: bool | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.reason = reason
+        self.retryable = code in _RETRYABLE_CODES if retryable is None else retryable
+
+
+_RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:

@@ -7,9 +7,9 @@
         with c.stream("class Stack:", max_tokens=512) as s:   # kept in a variable: `with` it, or close() it
             first = next(s)
 
-Errors from the server raise `ClientError` carrying the gRPC status code and the server's message;
-arguments that cannot form a request raise it too, with INVALID_ARGUMENT, when the call is made and
-before anything is sent.
+Errors from the server raise `ClientError` carrying the gRPC status code, the server's message and
+whether the same request may succeed later (`retryable`); arguments that cannot form a request raise
+it too, with INVALID_ARGUMENT, when the call is made and before anything is sent.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import enum
 import ipaddress
 import math
 import numbers
+import random
 import struct
 import threading
+import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
@@ -36,6 +38,13 @@ _MODES = {"ddtree": common_pb2.MODE_DDTREE, "autoregressive": common_pb2.MODE_AU
 _FINISH = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in scheduler_pb2.FinishReason.items()}
 # Past this a deadline overflows gRPC's int64 nanoseconds (~9.2e9 s) and fails the call at once.
 MAX_TIMEOUT_S = 1e9
+# The scheduler's word on a failed call, in its trailing metadata: "true" where the same request may
+# succeed later as it is (`ClientError.retryable`).
+RETRYABLE_METADATA = "ddtree-retryable"
+# A wait_for_ready stream refused UNAVAILABLE before its first chunk tries again after this, doubling
+# up to RETRY_MAX_S (each wait 0.8-1.2x, so clients refused together do not come back together).
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 1.0
 
 # abort()'s deadline where neither the call nor the client names one: an abort is one short call, and
 # without a deadline one to a server that stopped answering (a frozen process) waited forever.
@@ -56,17 +65,31 @@ _UNSET = _Unset.UNSET
 
 class ClientError(Exception):
     """A call's failure: ``code`` (a `grpc.StatusCode`) and ``message`` (the server's details, or
-    the client's reason where nothing was sent)."""
+    the client's reason where nothing was sent).
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    ``retryable``: whether sending the same request again later may succeed. The scheduler says
+    so where it refused or failed the request for its own state (no draft replica up, a full queue
+    or cache, a stop: UNAVAILABLE or RESOURCE_EXHAUSTED), and not for what no retry mends (a bad
+    field, a request over gRPC's message limit, a prompt that killed its tokenizer). Where no
+    scheduler answered (the connection failed: UNAVAILABLE from gRPC itself) it is True, as gRPC
+    means that code; a TLS mismatch fails that way too, so bound the retries. False for anything
+    the client refused before sending, and for a passed deadline.
+
+    ``partial``: from `generate`, what the request produced before it failed (a `Completion`,
+    ``finish_reason`` None; empty where nothing came); None from other calls."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retryable: bool = False,
+                 partial: Completion | None = None) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.retryable = retryable
+        self.partial = partial
 
     def __reduce__(self) -> tuple:
-        # Pickled as its two fields: a process pool's worker that raised it broke the pool
+        # Pickled as its fields: a process pool's worker that raised it broke the pool
         # (Exception's default rebuilds from args, the one formatted string).
-        return type(self), (self.code, self.message)
+        return type(self), (self.code, self.message, self.retryable, self.partial)
 
 
 @dataclass
@@ -128,7 +151,7 @@ def build_request(prompt: str | Sequence[int], *, max_tokens: int = 128, tempera
     `stop` is one string or several. Raises `ClientError` (INVALID_ARGUMENT) naming the argument
     that cannot be sent: a value outside its wire type's range, a non-integer token id, text that
     is not valid Unicode."""
-    if mode not in _MODES:
+    if not (mode is None or isinstance(mode, str)) or mode not in _MODES:   # a list: TypeError (unhashable)
         raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"mode must be 'ddtree' or 'autoregressive', not {mode!r}")
     if not isinstance(ignore_eos, bool):
         raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"ignore_eos must be True or False, not {ignore_eos!r}")
@@ -244,7 +267,47 @@ def _finish(value: int) -> str | None:
 
 
 def _error(exc: grpc.RpcError) -> ClientError:
-    return ClientError(exc.code(), exc.details() or "")
+    """``exc`` as a `ClientError`, retryable as the scheduler's trailing metadata says (where none
+    came, a connection's UNAVAILABLE is)."""
+    trailing = getattr(exc, "trailing_metadata", lambda: None)() or ()
+    said = next((v for k, v in trailing if k == RETRYABLE_METADATA), None)
+    retryable = said == "true" if said is not None else exc.code() == grpc.StatusCode.UNAVAILABLE
+    return ClientError(exc.code(), exc.details() or "", retryable)
+
+
+class _Retries:
+    """A wait_for_ready stream's retries of a request the scheduler refused UNAVAILABLE (stopping,
+    no draft replica up, the replica lost) before its first chunk: gRPC's wait_for_ready waits only
+    for a connection, and a client told it waits for a restart failed at once. Safe to send again:
+    the request produced nothing yet. Bounded by the stream's deadline (none: until closed)."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self._deadline: float | None = None
+        self._wait = RETRY_FIRST_S
+
+    def left(self) -> float | None:
+        """The time left of the deadline for the next attempt (the whole timeout at the first)."""
+        if self.timeout is None:
+            return None
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self.timeout
+        return self._deadline - time.monotonic()
+
+    def pause(self, err: ClientError) -> float:
+        """How long to wait before the next attempt; raises DEADLINE_EXCEEDED (naming ``err``) where
+        the deadline comes first."""
+        wait, self._wait = self._wait * random.uniform(0.8, 1.2), min(self._wait * 2, RETRY_MAX_S)
+        left = self.left()
+        if left is not None and left <= wait:
+            raise ClientError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"the deadline ({self.timeout:g} s) passed while the scheduler refused the request, "
+                              f"waiting for it to be ready (wait_for_ready): {err.message}")
+        return wait
+
+
+def _send_again(err: ClientError, retries: _Retries | None, answered: bool) -> bool:
+    return retries is not None and not answered and err.code == grpc.StatusCode.UNAVAILABLE and err.retryable
 
 
 def _timeout(value: object) -> float | None:
@@ -326,10 +389,15 @@ class Stream(Iterator[Chunk]):
     Threads may share one stream: each read takes the next chunk (reads wait their turn; gRPC's
     call failed two at once with a ValueError and ended the stream for the others)."""
 
-    def __init__(self, start: Callable[[], grpc.Call]) -> None:
-        self._start = start
+    def __init__(self, start: Callable[[float | None], grpc.Call], retries: _Retries | None = None,
+                 client_closed: Callable[[], bool] = lambda: False) -> None:
+        self._start = start   # takes the deadline's time left
+        self._retries = retries
+        self._client_closed = client_closed
         self._call: grpc.Call | None = None
         self._closed = False
+        self._answered = False   # a chunk came: the request is not sent again
+        self._woken = threading.Event()   # close() ends a retry's wait
         self._reading = threading.Lock()
 
     def __iter__(self) -> Stream:
@@ -340,27 +408,46 @@ class Stream(Iterator[Chunk]):
             return self._next()
 
     def _next(self) -> Chunk:
-        if self._closed:
-            raise StopIteration
-        try:
-            if self._call is None:
-                self._call = self._start()
-                if self._closed:   # closed from another thread while the call was being made
-                    self._call.cancel()
-            msg = next(self._call)
-        except BaseException as exc:
-            closed_here = self._closed   # close() from another thread: the reader ends, as at the end
-            self.close()
-            if isinstance(exc, grpc.RpcError):
+        while not self._closed:
+            try:
+                if self._call is None:
+                    self._call = self._start(self._retries.left() if self._retries else None)
+                    if self._closed:   # closed from another thread while the call was being made
+                        self._call.cancel()
+                msg = next(self._call)
+            except grpc.RpcError as exc:
+                closed_here = self._closed   # close() from another thread: the reader ends, as at the end
+                err = _error(exc)
+                if not closed_here and _send_again(err, self._retries, self._answered):
+                    try:
+                        wait = self._retries.pause(err)
+                    except ClientError:
+                        self.close()
+                        raise
+                    self._call = None
+                    try:
+                        self._woken.wait(wait)
+                    except BaseException:   # Ctrl-C while waiting
+                        self.close()
+                        raise
+                    continue
+                self.close()
                 if closed_here and exc.code() == grpc.StatusCode.CANCELLED:
                     raise StopIteration from None
-                raise _error(exc) from None
-            raise
-        return _chunk(msg)
+                if exc.code() == grpc.StatusCode.CANCELLED and self._client_closed():   # as AsyncClient says it
+                    raise ClientError(grpc.StatusCode.CANCELLED, "the client was closed while this stream was open") from None
+                raise err from None
+            except BaseException:
+                self.close()
+                raise
+            self._answered = True
+            return _chunk(msg)
+        raise StopIteration
 
     def close(self) -> None:
         """Cancels the request on the server (nothing where it has ended); later reads end at once."""
         self._closed = True
+        self._woken.set()
         if self._call is not None:
             self._call.cancel()
 
@@ -384,12 +471,15 @@ class AsyncStream(AsyncIterator[Chunk]):
     stream is dropped, but `break` closes no (async) iterator: a stream kept in a variable runs on
     until `async with c.stream(...) as s:` exits or `await s.aclose()`."""
 
-    def __init__(self, start: Callable[[], grpc.aio.UnaryStreamCall],
-                 client_closed: Callable[[], bool] = lambda: False) -> None:
-        self._start = start
+    def __init__(self, start: Callable[[float | None], grpc.aio.UnaryStreamCall],
+                 client_closed: Callable[[], bool] = lambda: False, retries: _Retries | None = None) -> None:
+        self._start = start   # takes the deadline's time left
         self._client_closed = client_closed
+        self._retries = retries
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._closed = False
+        self._answered = False   # a chunk came: the request is not sent again
+        self._woken = asyncio.Event()   # aclose() ends a retry's wait
         self._read_cancelled = False   # a read's task was cancelled: the request ended with it
         self._reading = asyncio.Lock()   # two tasks reading at once: one waited for ever
 
@@ -401,21 +491,53 @@ class AsyncStream(AsyncIterator[Chunk]):
             return await self._next()
 
     async def _next(self) -> Chunk:
-        if self._closed:
-            if self._read_cancelled:   # not the output's end: an idle timeout (wait_for) cut it
-                raise ClientError(grpc.StatusCode.CANCELLED, "an earlier read of this stream was cancelled, "
-                                  "which cancelled its request; its output is incomplete")
-            raise StopAsyncIteration
+        while True:
+            if self._closed:
+                if self._read_cancelled:   # not the output's end: an idle timeout (wait_for) cut it
+                    raise ClientError(grpc.StatusCode.CANCELLED, "an earlier read of this stream was cancelled, "
+                                      "which cancelled its request; its output is incomplete")
+                raise StopAsyncIteration
+            try:
+                msg = await self._read()
+            except _Retry as retry:
+                try:
+                    await asyncio.wait_for(self._woken.wait(), retry.wait)
+                except TimeoutError:
+                    pass
+                except asyncio.CancelledError:   # the task cancelled while waiting: as during a read
+                    self._cancel()
+                    self._read_cancelled = _cancelling()
+                    raise
+                continue
+            if msg is grpc.aio.EOF:
+                self._closed = True
+                raise StopAsyncIteration
+            self._answered = True
+            return _chunk(msg)
+
+    async def _read(self) -> object:
+        """The call's next message (started here at first); raises `_Retry` where a wait_for_ready
+        stream is to send its request again."""
         try:
             if self._call is None:
-                self._call = self._start()
-            msg = await self._call.read()
+                self._call = self._start(self._retries.left() if self._retries else None)
+            return await self._call.read()
         except BaseException as exc:
             closed_here = self._closed
+            if isinstance(exc, grpc.RpcError):
+                err = _error(exc)
+                if not closed_here and _send_again(err, self._retries, self._answered):
+                    try:
+                        wait = self._retries.pause(err)
+                    except ClientError:
+                        self._cancel()
+                        raise
+                    self._call = None
+                    raise _Retry(wait) from None
             self._cancel()
             self._read_cancelled = isinstance(exc, asyncio.CancelledError) and _cancelling()
             if isinstance(exc, grpc.RpcError):
-                raise _error(exc) from None
+                raise err from None
             # aclose() from another task: gRPC raises CancelledError in this reader, which no one cancelled.
             if closed_here and isinstance(exc, asyncio.CancelledError) and not _cancelling():
                 raise StopAsyncIteration from None
@@ -423,13 +545,10 @@ class AsyncStream(AsyncIterator[Chunk]):
             if isinstance(exc, asyncio.CancelledError) and not _cancelling() and self._client_closed():
                 raise ClientError(grpc.StatusCode.CANCELLED, "the client was closed while this stream was open") from None
             raise
-        if msg is grpc.aio.EOF:
-            self._closed = True
-            raise StopAsyncIteration
-        return _chunk(msg)
 
     def _cancel(self) -> None:
         self._closed = True
+        self._woken.set()
         if self._call is not None:
             self._call.cancel()
 
@@ -449,6 +568,14 @@ class AsyncStream(AsyncIterator[Chunk]):
         # now (gRPC's own call is not collected at once, and went on decoding to max_tokens).
         if getattr(self, "_call", None) is not None and not self._closed:
             self._call.cancel()
+
+
+class _Retry(Exception):
+    """An `AsyncStream` read's word that its request goes again after ``wait`` seconds."""
+
+    def __init__(self, wait: float) -> None:
+        super().__init__(wait)
+        self.wait = wait
 
 
 def _cancelling() -> bool:
@@ -498,6 +625,8 @@ class _Calls:
         if why:
             raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"address {why}")
         self.timeout_s = _timeout(timeout_s)
+        if not isinstance(wait_for_ready, bool):   # "no" read as true
+            raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"wait_for_ready must be True or False, not {wait_for_ready!r}")
         self.wait_for_ready = wait_for_ready
         _check_token(token)
         self._creds, self._options = _channel_args(tls_ca, token, tls_server_name)
@@ -530,6 +659,8 @@ def address_error(address: str) -> str | None:
         return f"must be a HOST:PORT string, got {type(address).__name__}"
     if address.startswith(("unix:", "unix-abstract:")):
         return None
+    if any(c.isspace() for c in address):   # " host:1" (an env file's) failed later, UNAVAILABLE "Misformatted"
+        return f"has white space in it: {address!r}"
     if address.startswith(_TARGET_SCHEMES):
         for host, port in _hosts_ports(address):
             if address.startswith("dns:") and not port:   # gRPC dialled 443, as for a bare "host"
@@ -588,7 +719,9 @@ def _loopback(address: str) -> bool:
 class Client(_Calls):
     """`wait_for_ready=False` (default) fails at once with UNAVAILABLE when no server is listening;
     True waits for the server to come up, bounded by `timeout_s` (each call's deadline in seconds;
-    None: streams have none, `abort` and `model_info` take ABORT_TIMEOUT_S). `tls_ca` is a CA certificate's PEM
+    None: streams have none, `abort` and `model_info` take ABORT_TIMEOUT_S), and a stream the
+    scheduler refuses UNAVAILABLE before its first chunk (stopping, no draft replica up) sends its
+    request again until it is taken or the deadline passes (`_Retries`). `tls_ca` is a CA certificate's PEM
     file (or its bytes; b"" trusts the system roots) and makes the channel TLS; `tls_server_name`
     is the name to check the server's certificate for, where it is not the address's host.
     Raises `ClientError` (INVALID_ARGUMENT) for an address that is no HOST:PORT (or gRPC target such
@@ -651,10 +784,11 @@ class Client(_Calls):
                             ignore_eos=ignore_eos, request_id=request_id)
         timeout = self._deadline(timeout_s)
 
-        def start() -> grpc.Call:
+        def start(left: float | None) -> grpc.Call:
             _check_open(self._closed)
-            return self._stub.Generate(req, timeout=timeout, wait_for_ready=self.wait_for_ready, metadata=self._md)
-        return Stream(start)
+            return self._stub.Generate(req, timeout=timeout if left is None else left,
+                                       wait_for_ready=self.wait_for_ready, metadata=self._md)
+        return Stream(start, _Retries(timeout) if self.wait_for_ready else None, lambda: self._closed)
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float | None = 0.0,
                  top_p: float | None = 1.0, top_k: int | None = 0, seed: int | None = None, budget: int = 0,
@@ -662,13 +796,19 @@ class Client(_Calls):
                  ignore_eos: bool = False, request_id: str = "",
                  timeout_s: float | None | _Unset = _UNSET) -> Completion:
         """The whole output of `stream` with the same arguments (its docstring says each), as one
-        `Completion`. Raises what `stream` raises; an error ends the request on the server."""
-        with self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                         seed=seed, budget=budget, mode=mode, stop=stop, stop_token_ids=stop_token_ids,
-                         ignore_eos=ignore_eos, request_id=request_id, timeout_s=timeout_s) as chunks:
-            out = Completion()
-            for chunk in chunks:
-                out.add(chunk)
+        `Completion`. Raises what `stream` raises; an error ends the request on the server, and the
+        output that came before it is the error's ``partial``."""
+        chunks = self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                             seed=seed, budget=budget, mode=mode, stop=stop, stop_token_ids=stop_token_ids,
+                             ignore_eos=ignore_eos, request_id=request_id, timeout_s=timeout_s)
+        out = Completion(request_id=request_id)
+        try:
+            with chunks:
+                for chunk in chunks:
+                    out.add(chunk)
+        except ClientError as exc:
+            exc.partial = out
+            raise
         return out
 
     def abort(self, request_id: str, *, timeout_s: float | _Unset = _UNSET) -> bool:
@@ -752,10 +892,11 @@ class AsyncClient(_Calls):
                             ignore_eos=ignore_eos, request_id=request_id)
         timeout = self._deadline(timeout_s)
 
-        def start() -> grpc.aio.UnaryStreamCall:
+        def start(left: float | None) -> grpc.aio.UnaryStreamCall:
             self._check_usable()
-            return self._stub.Generate(req, timeout=timeout, wait_for_ready=self.wait_for_ready, metadata=self._md)
-        return AsyncStream(start, lambda: self._closed)
+            return self._stub.Generate(req, timeout=timeout if left is None else left,
+                                       wait_for_ready=self.wait_for_ready, metadata=self._md)
+        return AsyncStream(start, lambda: self._closed, _Retries(timeout) if self.wait_for_ready else None)
 
     async def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float | None = 0.0,
                        top_p: float | None = 1.0, top_k: int | None = 0, seed: int | None = None, budget: int = 0,
@@ -763,13 +904,19 @@ class AsyncClient(_Calls):
                        ignore_eos: bool = False, request_id: str = "",
                        timeout_s: float | None | _Unset = _UNSET) -> Completion:
         """`Client.generate` for asyncio: the whole output as one `Completion`; the arguments and
-        errors are `Client.stream`'s. A cancelled task ends its request on the server."""
-        async with self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                               seed=seed, budget=budget, mode=mode, stop=stop, stop_token_ids=stop_token_ids,
-                               ignore_eos=ignore_eos, request_id=request_id, timeout_s=timeout_s) as chunks:
-            out = Completion()
-            async for chunk in chunks:
-                out.add(chunk)
+        errors are `Client.stream`'s, and an error's ``partial`` the output before it. A cancelled
+        task ends its request on the server."""
+        chunks = self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                             seed=seed, budget=budget, mode=mode, stop=stop, stop_token_ids=stop_token_ids,
+                             ignore_eos=ignore_eos, request_id=request_id, timeout_s=timeout_s)
+        out = Completion(request_id=request_id)
+        try:
+            async with chunks:
+                async for chunk in chunks:
+                    out.add(chunk)
+        except ClientError as exc:
+            exc.partial = out
+            raise
         return out
 
     async def abort(self, request_id: str, *, timeout_s: float | _Unset = _UNSET) -> bool:

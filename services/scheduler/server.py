@@ -24,6 +24,7 @@ from services.common.logging import OncePer, configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
 from services.scheduler.batcher import log_end
+from services.scheduler.client import RETRYABLE_METADATA
 from services.scheduler.request import check_fields, check_text_size, max_token_bytes, step_prompt_tokens, validate
 from services.scheduler.router import STOPPING, Router
 from services.scheduler.tiktoken_model import TIKTOKEN_FILE, kimi_tokenizer
@@ -82,14 +83,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.router.submit(req)
         except ServiceError as exc:
             self.refused(exc.code, exc.message, request.request_id, context.peer(), exc.reason)
-            await context.abort(exc.code, exc.message)
+            await _abort(context, exc)
         ended = False
         try:
             while True:
                 event = await req.events.get()
                 if isinstance(event, ServiceError):
                     ended = True
-                    await context.abort(event.code, event.message)
+                    await _abort(context, event)
                 yield event
                 if event.finish_reason != scheduler_pb2.FINISH_REASON_UNSPECIFIED:
                     ended = True
@@ -170,6 +171,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
         return self.info
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
+    """Ends the call with ``exc``'s status, telling the client whether to retry (`ClientError.retryable`)."""
+    await context.abort(exc.code, exc.message,
+                        trailing_metadata=((RETRYABLE_METADATA, "true" if exc.retryable else "false"),))
 
 
 DEADLINE_SLACK_S = 0.1   # see _deadline_passed

@@ -90,7 +90,8 @@ class PromptEncoder:
                 return await self._in_worker(text)
             except BrokenProcessPool:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the tokenizing worker died twice on this prompt "
-                                                                "(its memory?); send it as token ids") from None
+                                                                "(its memory?); send it as token ids",
+                                   "tokenizer_died", retryable=False) from None
 
     async def _in_worker(self, text: str) -> list[int]:
         if self._pool is None:  # spawn, not fork: this process runs gRPC's threads
