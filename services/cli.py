@@ -281,8 +281,8 @@ def _unavailable_hint(args: argparse.Namespace, details: str) -> str:
 def _cmd_generate(args: argparse.Namespace) -> int:
     """Exit status: 0 done; 1 the call failed (no scheduler, a failure or deadline on the way: may
     work later); 2 a flag or the request is refused as given (here, or INVALID_ARGUMENT /
-    OUT_OF_RANGE / FAILED_PRECONDITION from the server: fix it, do not retry); 130 Ctrl-C; 141 the
-    output's reader went."""
+    OUT_OF_RANGE / FAILED_PRECONDITION from the server, or a failure it says no retry mends: fix
+    it, do not retry); 130 Ctrl-C; 141 the output's reader went."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")   # gRPC's own handshake log lines beside the message
     import grpc
 
@@ -383,6 +383,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                         grpc.StatusCode.FAILED_PRECONDITION,   # a text prompt where no tokenizer is
                         grpc.StatusCode.UNAUTHENTICATED):      # no or a wrong --token, or not the scheduler's port
             return 2
+        if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) and not exc.retryable:
+            return 2   # the server says no retry mends it (over gRPC's message size, a text that kills the tokenizer)
         if exc.code == grpc.StatusCode.UNAVAILABLE and not answered and not _answers(args):
             print(f"ddtree generate: {_unavailable_hint(args, exc.message)}", file=sys.stderr)
         return 1

@@ -411,20 +411,23 @@ def test_generate_refuses_a_flag_it_cannot_use_with_status_2_naming_the_flag(cap
 
 def test_generate_exits_2_for_the_servers_refusal_and_1_for_a_failure(monkeypatch, capsys) -> None:
     """A request refused as given is not worth a retry; a failed call may work later."""
-    def failing(code: grpc.StatusCode, message: str):
+    def failing(code: grpc.StatusCode, message: str, retryable: bool | None):
         class Refused(_FakeClient):
             def stream(self, prompt, **kwargs):
-                raise ClientError(code, message)
+                raise ClientError(code, message, retryable)
                 yield
 
             def model_info(self):
                 return object()
         return Refused
-    for code, status in ((grpc.StatusCode.INVALID_ARGUMENT, 2), (grpc.StatusCode.OUT_OF_RANGE, 2),
-                         (grpc.StatusCode.FAILED_PRECONDITION, 2), (grpc.StatusCode.UNAUTHENTICATED, 2),
-                         (grpc.StatusCode.RESOURCE_EXHAUSTED, 1), (grpc.StatusCode.DEADLINE_EXCEEDED, 1),
-                         (grpc.StatusCode.INTERNAL, 1)):
-        monkeypatch.setattr("services.scheduler.client.Client", failing(code, "budget must be in 1..128"))
+    for code, retryable, status in (
+            (grpc.StatusCode.INVALID_ARGUMENT, None, 2), (grpc.StatusCode.OUT_OF_RANGE, None, 2),
+            (grpc.StatusCode.FAILED_PRECONDITION, None, 2), (grpc.StatusCode.UNAUTHENTICATED, None, 2),
+            (grpc.StatusCode.RESOURCE_EXHAUSTED, True, 1),    # a full queue, as the scheduler says it
+            (grpc.StatusCode.RESOURCE_EXHAUSTED, None, 2),    # gRPC's own: over its message size
+            (grpc.StatusCode.UNAVAILABLE, None, 1), (grpc.StatusCode.UNAVAILABLE, False, 2),
+            (grpc.StatusCode.DEADLINE_EXCEEDED, None, 1), (grpc.StatusCode.INTERNAL, None, 1)):
+        monkeypatch.setattr("services.scheduler.client.Client", failing(code, "budget must be in 1..128", retryable))
         assert cli.main(["generate", "--prompt", "x", "--budget", "200"]) == status, code
         assert f"{code.name}: budget must be in 1..128" in capsys.readouterr().err
 

@@ -471,6 +471,20 @@ def test_generate_says_its_timeout_passed(capsys) -> None:
     assert rc == 1 and "DEADLINE_EXCEEDED" in err and "(--timeout 0.3 s passed)" in err, err
 
 
+def test_generate_exits_2_where_the_server_says_no_retry_mends_the_failure(server, monkeypatch, capsys) -> None:
+    """Exit 1 is "may work later": a full queue is; a text that killed the tokenizer is not."""
+    from services.cli import main
+
+    args = ["generate", "--address", server.address, "--token-ids", "--prompt", "1,2,3", "--max-tokens", "2"]
+    for error, rc in ((ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", "queue_full"), 1),
+                      (ServiceError(grpc.StatusCode.UNAVAILABLE, "died twice", retryable=False), 2)):
+        def refuse(req, error=error):
+            raise error
+        monkeypatch.setattr(server.router, "submit", refuse)
+        assert main(args) == rc
+        assert error.message in capsys.readouterr().err
+
+
 class HeldEncoder:
     """A `PromptEncoder` whose texts wait until `release`: a long text in the tokenizer's worker."""
 

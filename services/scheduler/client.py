@@ -78,12 +78,12 @@ class ClientError(Exception):
     ``partial``: from `generate`, what the request produced before it failed (a `Completion`,
     ``finish_reason`` None; empty where nothing came); None from other calls."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, retryable: bool = False,
+    def __init__(self, code: grpc.StatusCode, message: str, retryable: bool | None = None,
                  partial: Completion | None = None) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
-        self.retryable = retryable
+        self.retryable = code == grpc.StatusCode.UNAVAILABLE if retryable is None else retryable   # None: gRPC's meaning
         self.partial = partial
 
     def __reduce__(self) -> tuple:
@@ -271,8 +271,7 @@ def _error(exc: grpc.RpcError) -> ClientError:
     came, a connection's UNAVAILABLE is)."""
     trailing = getattr(exc, "trailing_metadata", lambda: None)() or ()
     said = next((v for k, v in trailing if k == RETRYABLE_METADATA), None)
-    retryable = said == "true" if said is not None else exc.code() == grpc.StatusCode.UNAVAILABLE
-    return ClientError(exc.code(), exc.details() or "", retryable)
+    return ClientError(exc.code(), exc.details() or "", None if said is None else said == "true")
 
 
 class _Retries:
