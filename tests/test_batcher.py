@@ -1138,7 +1138,7 @@ def test_a_refused_request_is_counted_and_the_scheduler_reports_whether_it_can_s
     from services.common.grpc_server import new_server, report_health
 
     class Context(NoDeadline):
-        async def abort(self, code, message):
+        async def abort(self, code, message, trailing_metadata=()):
             raise RuntimeError(code)
 
     async def scenario() -> tuple[float, list[str]]:
@@ -1651,8 +1651,8 @@ def test_ending_a_lane_fails_its_queued_and_running_requests_each_logged() -> No
     assert running[0].error is error and queued.error is error and running[1].error is None
     for req in (running[0], queued):
         events = []
-        while not req.events.empty():
-            events.append(req.events.get_nowait())
+        while (event := req.take()) is not None:
+            events.append(event)
         assert events[-1] is error
     assert (count("unavailable") - before[0], count("aborted") - before[1]) == (2, 1)
     assert sum(tokens for _, tokens in lane._owed) == 200      # the running ones' KV, given back with their release
@@ -1694,11 +1694,9 @@ def test_prompt_pieces_send_the_client_nothing_until_the_first_token() -> None:
         lane = started(Draft(delay=0.0), req, max_prefill_tokens=100)
         await until(lambda: req.done)
         await lane.stop()
-        messages = []
-        while not req.events.empty():
-            messages.append(req.events.get_nowait())
+        message = req.take()
         assert sum(1 for i in lane.draft.seen if i.prompt_continues) == 3   # 350 tokens in pieces of 100
-        assert all(m.token_ids for m in messages) and len(messages) == 2
+        assert len(message.token_ids) == 2 and message.finish_reason and req.take() is None
         assert req.first_token_at is not None and req.done
 
     asyncio.run(scenario())

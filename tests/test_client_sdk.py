@@ -1250,3 +1250,20 @@ def test_the_package_says_it_is_typed() -> None:
     assert "py.typed" in data["services"] and (root / "services" / "py.typed").is_file()
     assert "py.typed" in data["ddtree"] and (root / "protos" / "ddtree" / "py.typed").is_file()
     assert "*.pyi" in data["ddtree.v1"] and (root / "protos" / "ddtree" / "v1" / "scheduler_pb2.pyi").is_file()
+
+
+def test_a_stream_its_client_does_not_read_holds_one_message_of_every_step_since_not_one_a_step(server) -> None:
+    """A message was queued a step, ~650 bytes each, for as long as the client did not read (300
+    unread streams of 1000 tokens grew the scheduler by 110 MB). With HTTP/2 flow control holding the
+    server back, what the client reads late comes merged, every token and acceptance length in it."""
+    slow = [("grpc.http2.lookahead_bytes", 128), ("grpc.http2.bdp_probe", 0)]   # a window that fills at once
+    with grpc.insecure_channel(server.address, options=slow) as channel:
+        call = scheduler_pb2_grpc.SchedulerStub(channel).Generate(scheduler_pb2.GenerateRequest(
+            token_ids=scheduler_pb2.TokenIds(ids=IDS), max_tokens=200, ignore_eos=True))
+        first = next(call)
+        time.sleep(1.6)   # ~200 steps of 5 ms run meanwhile
+        rest = list(call)
+    assert len(rest) < 20
+    assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 200
+    assert sum(len(m.acceptance_lengths) for m in (first, *rest)) == 199   # the prefill's token has none
+    assert rest[-1].finish_reason == scheduler_pb2.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 200

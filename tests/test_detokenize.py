@@ -86,9 +86,9 @@ def test_a_request_streams_what_decoding_everything_streamed() -> None:
         chunks = []
         for step in _streams(ids, rng):
             req.add_tokens(step, len(step))
-            chunks.append(req.events.get_nowait().text)
+            chunks.append(req.take().text)
         req.end(scheduler_pb2.FINISH_REASON_LENGTH)
-        chunks.append(req.events.get_nowait().text)
+        chunks.append(req.take().text)
         assert "".join(chunks) == req.text == _decode(ids)
         assert all("\ufffd" not in c or c is chunks[-1] or "\ufffd" in _decode(ids) for c in chunks)
 

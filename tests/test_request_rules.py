@@ -100,8 +100,9 @@ def test_a_stop_string_ends_token_ids_and_usage_where_it_ends_the_text() -> None
                         budget=8, mode=common_pb2.MODE_DDTREE, stop=(stop,), stop_ids=frozenset(), eos_ids=frozenset(),
                         tokenizer=TOKENIZER)
     req.add_tokens(ids[:2], 2)
+    messages = [req.take()]
     req.add_tokens(ids[2:], len(ids) - 2)  # one step takes the rest, far past the stop string
-    messages = [req.events.get_nowait() for _ in range(2)]
+    messages.append(req.take())
     kept = [t for m in messages for t in m.token_ids]
     assert "".join(m.text for m in messages) == text[:text.index(stop)]
     k = next(k for k in range(1, len(ids) + 1) if stop in TOKENIZER.decode(ids[:k], skip_special_tokens=False))
@@ -290,6 +291,36 @@ def _request(stop: tuple[str, ...] = (), max_tokens: int = 100) -> ActiveRequest
                          tokenizer=TOKENIZER)
 
 
+def test_steps_not_yet_sent_go_out_as_one_message_and_a_failure_follows_its_last_tokens() -> None:
+    """The stream's next message is built when it is sent: every step since the last one in it,
+    the same text and tokens as a message a step; a failure's last tokens come without a finish or
+    usage, then the error."""
+    ids = TOKENIZER.encode("def add(a, b):\n    return a + b\n", add_special_tokens=False).ids
+    one_a_step, merged = _request(stop=("b\n",)), _request(stop=("b\n",))
+    sent = []
+    for req in (one_a_step, merged):
+        req.add_tokens(ids[:1], 0)
+        for i in range(1, len(ids), 2):
+            if req.done:
+                break
+            req.add_tokens(ids[i:i + 2], 2)
+            if req is one_a_step:
+                sent.append(req.take())
+    whole = merged.take()
+    assert merged.take() is None and whole.finish_reason == scheduler_pb2.FINISH_REASON_STOP
+    assert whole.text == "".join(m.text for m in sent) and whole.text.endswith("a + ") and len(sent) > 3
+    assert list(whole.token_ids) == [t for m in sent for t in m.token_ids]
+    assert list(whole.acceptance_lengths) == [a for m in sent for a in m.acceptance_lengths]
+    assert whole.usage == sent[-1].usage
+    failing = _request()
+    failing.add_tokens(ids[:3], 3)
+    error = ServiceError(grpc.StatusCode.UNAVAILABLE, "lost")
+    failing.fail(error)
+    last = failing.take()
+    assert list(last.token_ids) == ids[:3] and not last.finish_reason and not last.HasField("usage")
+    assert failing.take() is error and failing.take() is None
+
+
 def test_the_step_that_completes_a_stop_string_decodes_its_window_not_the_whole_output(monkeypatch) -> None:
     """The cut after a stop string decoded the output from its first token for each candidate
     token of the step, on the event loop (30k tokens: 32 ms); it decodes from the detokenizer's
@@ -322,8 +353,8 @@ def _run(req: ActiveRequest, ids: list[int], step: int = 5) -> list[scheduler_pb
             break
         req.add_tokens(ids[i:i + step], len(ids[i:i + step]))
     out = []
-    while not req.events.empty():
-        out.append(req.events.get_nowait())
+    while (message := req.take()) is not None:
+        out.append(message)
     return out
 
 
@@ -454,8 +485,8 @@ def _steps(req: ActiveRequest, steps: list[list[int]]) -> tuple[str, list[int], 
     if not req.done:
         req.end(scheduler_pb2.FINISH_REASON_LENGTH)
     messages = []
-    while not req.events.empty():
-        messages.append(req.events.get_nowait())
+    while (message := req.take()) is not None:
+        messages.append(message)
     return ("".join(m.text for m in messages), [t for m in messages for t in m.token_ids],
             [a for m in messages for a in m.acceptance_lengths])
 

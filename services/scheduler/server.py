@@ -87,7 +87,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         ended = False
         try:
             while True:
-                event = await req.events.get()
+                event = await req.next_event()
                 if isinstance(event, ServiceError):
                     ended = True
                     await _abort(context, event)
