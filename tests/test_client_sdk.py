@@ -1267,3 +1267,29 @@ def test_a_stream_its_client_does_not_read_holds_one_message_of_every_step_since
     assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 200
     assert sum(len(m.acceptance_lengths) for m in (first, *rest)) == 199   # the prefill's token has none
     assert rest[-1].finish_reason == scheduler_pb2.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 200
+
+
+def test_refusals_for_the_servers_state_are_logged_once_each_10_s_with_their_count(server) -> None:
+    """Clients retrying a full queue or an outage in a loop logged a line a refusal (756 a second,
+    168 KB/s of log); a bad request is still a line each, its id and address to match a report."""
+    server.servicer._busy_refusals.clear()
+    count = server.router.metrics.refused.labels("unavailable", "no_replica")._value.get
+    before = count()
+    with Client(server.address) as c, capture_logs() as logs:
+        _lane_up(server, False)
+        try:
+            for i in range(5):
+                with pytest.raises(ClientError):
+                    c.generate(IDS, max_tokens=2, request_id=f"busy-{i}")
+            server.servicer._busy_refusals["no_replica"]._said -= 10   # ten seconds on
+            with pytest.raises(ClientError):
+                c.generate(IDS, max_tokens=2, request_id="busy-5")
+        finally:
+            _lane_up(server, True)
+        for i in range(2):
+            with pytest.raises(ClientError):
+                c.generate(IDS, max_tokens=0, request_id=f"bad-{i}")
+    lines = [(e["kind"], e["request_id"], e["calls"]) for e in logs if e["event"] == "request_refused"]
+    assert lines == [("no_replica", "busy-0", 1), ("no_replica", "busy-5", 5),
+                     ("invalid_argument", "bad-0", 1), ("invalid_argument", "bad-1", 1)]
+    assert count() - before == 6

@@ -48,6 +48,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         # Ids of requests whose text is being tokenized, not yet in the router: each one's abort.
         self._encoding: dict[str, asyncio.Event] = {}
         self._unauthenticated = OncePer()
+        self._busy_refusals: dict[str, OncePer] = {}   # by kind: see `refused`
         self.stopping = False   # the server stops: it takes no new request
         self.encoding = 0       # requests whose text is being tokenized (the drain waits for them too)
 
@@ -82,7 +83,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 req.created = received
                 self.router.submit(req)
         except ServiceError as exc:
-            self.refused(exc.code, exc.message, request.request_id, context.peer(), exc.reason)
+            self.refused(exc.code, exc.message, request.request_id, context.peer(), exc.reason, exc.retryable)
             await _abort(context, exc)
         ended = False
         try:
@@ -134,14 +135,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return ids, aborted.is_set()
 
     def refused(self, code: grpc.StatusCode, message: str, request_id: str = "", peer: str | None = None,
-                reason: str = "") -> None:
+                reason: str = "", busy: bool = False) -> None:
         """Counts a request refused before it ran by code and ``reason`` (the code where one cause
         has it alone), and logs it with its id (as far as it is not itself the fault: cut at 200
-        characters) and the client's address, to match a user's report to its line."""
+        characters) and the client's address, to match a user's report to its line.
+
+        ``busy``: refused for the server's state (a full queue, no replica up, a stop: retryable),
+        which clients retrying in a loop repeat hundreds of times a second, the same line each time
+        (a full queue logged 168 KB/s): logged at most once each BUSY_LOG_EVERY_S per kind, with
+        the count since the last line (`calls`, this one included); the metric counts every one."""
         kind = reason or code.name.lower()
         self.router.metrics.refused.labels(code.name.lower(), kind).inc()
-        log.info("request_refused", code=code.name, kind=kind, reason=message[:200],
-                 request_id=request_id[:200] or None, peer=peer)
+        calls = self._busy_refusals.setdefault(kind, OncePer(BUSY_LOG_EVERY_S)).due() if busy else 1
+        if calls is not None:
+            log.info("request_refused", code=code.name, kind=kind, reason=message[:200],
+                     request_id=request_id[:200] or None, peer=peer, calls=calls)
 
     def unauthenticated(self) -> None:
         """A call refused for its bearer token (by the interceptor, before any handler): counted
@@ -180,6 +188,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
 
 
 DEADLINE_SLACK_S = 0.1   # see _deadline_passed
+BUSY_LOG_EVERY_S = 10.0  # see SchedulerServicer.refused
 
 
 def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
