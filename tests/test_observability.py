@@ -250,3 +250,36 @@ def test_metrics_port_zero_serves_nothing_and_every_fallback_reason_starts_at_ze
         text = generate_latest(Metrics(role).registry).decode()
         found = set(re.findall(r'ddtree_ring_inline_fallbacks_total\{reason="(\w+)"\} 0\.0', text))
         assert found == reasons, role
+
+
+def test_a_metrics_connection_that_sends_no_request_is_closed_and_scrapes_go_on(monkeypatch, capfd) -> None:
+    """prometheus_client's server gave each connection a thread that waited for its request for
+    ever: 300 idle connections to a metrics port held 300 threads and fds until they were closed."""
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    from services.common import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module._ScrapeHandler, "timeout", 0.5)
+    metrics = metrics_module.Metrics("draft")
+    metrics.running.set(3)
+    port = metrics_module.serve_metrics(metrics, "127.0.0.1", free_port())
+    threads = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+    idle[0].sendall(b"GET /metr")   # half a request line
+    time.sleep(0.2)
+    assert threading.active_count() >= threads + 5   # a thread each while they wait
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as scrape:
+        assert "ddtree_running_requests 3.0" in scrape.read().decode()
+    for conn in idle:
+        conn.settimeout(5)
+        t0 = time.monotonic()
+        assert conn.recv(1) == b"" and time.monotonic() - t0 < 2   # closed by the server
+        conn.close()
+    deadline = time.monotonic() + 5
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= threads
+    assert "Traceback" not in capfd.readouterr().err

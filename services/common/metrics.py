@@ -8,10 +8,15 @@ Each service serves `/metrics` over HTTP on its `metrics_port` (0 = off).
 
 from __future__ import annotations
 
+import socket
+import sys
+import threading
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector,
-                               start_http_server)
+                               make_wsgi_app)
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from services.common.settings import SettingsError
 
@@ -125,12 +130,39 @@ class Metrics:
             self.gpu_memory_allocated.set_function(lambda: torch.cuda.memory_allocated(device))
 
 
+# A /metrics connection that sends no request this long is closed.
+METRICS_IDLE_S = 10.0
+
+
+class _ScrapeHandler(WSGIRequestHandler):
+    """One /metrics connection: logs nothing, and gives up on a client that sends no request within
+    METRICS_IDLE_S. prometheus_client's own server waits for ever, a thread and an fd each: 300
+    idle connections held 300 of both until they were closed."""
+
+    timeout = METRICS_IDLE_S
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+class _ScrapeServer(ThreadingWSGIServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A client that timed out or went: no traceback (the base class prints one to stderr)."""
+        if not isinstance(sys.exc_info()[1], (TimeoutError, ConnectionError)):
+            super().handle_error(request, client_address)
+
+
 def serve_metrics(metrics: Metrics, host: str, port: int) -> int | None:
-    """Starts the /metrics HTTP endpoint; returns the port, or None when disabled (port 0)."""
+    """Starts the /metrics HTTP endpoint (prometheus_client's app, in a thread a connection);
+    returns the port, or None when disabled (port 0)."""
     if port <= 0:
         return None
     try:
-        server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+        server = make_server(host, port, make_wsgi_app(metrics.registry),
+                             type("ScrapeServer", (_ScrapeServer,), {"address_family": family}),
+                             handler_class=_ScrapeHandler)
     except OSError as exc:
         raise SettingsError(f"{metrics.service}.metrics_port: cannot listen on {host}:{port}: {exc.strerror}") from None
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server.server_port
