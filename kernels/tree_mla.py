@@ -700,7 +700,7 @@ def merge_launch_shapes(kvr: int, dv_splits: int) -> list[tuple[int, int]]:
 def served_dv_splits(kvr: int, rope: int, dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
     """The value-dim splits the merges of the backend ``tree_mla`` serves at these dims can take:
     the Gluon kernel's 1, the Triton kernel's 1 or 2 (``default_config``), none for the reference."""
-    forced = os.environ.get(BACKEND_ENV)
+    forced = backend_from_env()   # "" is unset, as for the launches (it was read as forced: extra merges compiled)
     if forced == "reference" or device.type != "cuda" or triton is None:
         return ()
     hopper = forced == "hopper" or (forced is None and hopper_available(device)

@@ -442,3 +442,31 @@ def test_default_target_layer_ids_spread_from_the_first_layer_to_the_last() -> N
     assert default_target_layer_ids(3, 2) == [0, 2]
     assert default_target_layer_ids(61, 5) == [0, 15, 30, 45, 60]
     assert default_target_layer_ids(8, 1) == [4]
+
+
+def test_the_tokenizer_trains_at_the_smallest_vocabulary_into_a_new_directory_past_a_bad_file(tmp_path: Path) -> None:
+    """258 (the byte alphabet and the two special tokens) is the documented minimum, the output
+    directory is made, a file that is not UTF-8 is skipped, and the special tokens take ids 0 and 1."""
+    from services.common.tokenizer_train import EOS_TOKEN, MASK_TOKEN
+
+    bad = tmp_path / "latin1.py"
+    bad.write_bytes("# caf\xe9\n".encode("latin-1"))
+    tok = train_tokenizer(tmp_path / "new" / "dir", [bad, *default_corpus_files(limit=2)], 258)
+    assert (tmp_path / "new" / "dir" / "tokenizer.json").is_file() and tok.get_vocab_size() == 258
+    assert tok.token_to_id(EOS_TOKEN) == 0 and tok.token_to_id(MASK_TOKEN) == 1
+    assert train_tokenizer(tmp_path / "300", default_corpus_files(limit=4), 300).get_vocab_size() == 300
+    with pytest.raises(ValueError, match="vocab_size must be >= 258"):
+        train_tokenizer(tmp_path, [], 257)
+
+
+def test_the_default_corpus_is_the_standard_library_without_tests_or_installed_packages() -> None:
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = default_corpus_files()
+    assert files == sorted(files)
+    dirs = [f.relative_to(root).parts[:-1] for f in files]
+    skip = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}   # not the module's own set
+    assert not any(skip.intersection(d) for d in dirs)
+    assert any(d for d in dirs)   # packages' modules too (json/, asyncio/ ...), not the top level alone
+    assert default_corpus_files(limit=5) == files[:5]

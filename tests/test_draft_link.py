@@ -309,3 +309,18 @@ def test_idle_streams_end_waits_at_once_and_leave_no_pending_cancel():
         assert await idle.next(messages()) is None   # a stream opened after the stop ends at once
         return await asyncio.wait_for(task, 2)
     assert asyncio.run(run()) == (["a"], 0)
+
+
+def test_idle_streams_next_returns_none_at_a_streams_end() -> None:
+    """A stream that ended (its caller closed it) is None to the handler, as a stop is: not a
+    StopAsyncIteration raised inside the handler's own generator."""
+    from services.common.grpc_server import IdleStreams
+
+    async def run() -> list:
+        async def two():
+            yield 1
+            yield 2
+        it = two().__aiter__()
+        idle = IdleStreams()
+        return [await idle.next(it), await idle.next(it), await idle.next(it)]
+    assert asyncio.run(run()) == [1, 2, None]

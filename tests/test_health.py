@@ -145,3 +145,25 @@ def test_a_shutdown_during_a_write_still_sends_not_serving() -> None:
         return context.sent
 
     assert asyncio.run(scenario()) == [SERVING, NOT_SERVING]
+
+
+def test_report_health_says_nothing_while_nothing_changes_and_once_a_change() -> None:
+    """The status is set and logged when it changes, not every interval ("serving_again" each
+    half second)."""
+    from structlog.testing import capture_logs
+
+    from services.common.grpc_server import report_health
+
+    async def run() -> list[str]:
+        _, health = new_server(["x"])
+        state = {"up": True}
+        with capture_logs() as logs:
+            task = asyncio.ensure_future(report_health(health, ["x"], lambda: state["up"], "no peer", interval_s=0.01))
+            await asyncio.sleep(0.1)
+            state["up"] = False
+            await asyncio.sleep(0.1)
+            state["up"] = True
+            await asyncio.sleep(0.1)
+            task.cancel()
+        return [e["event"] for e in logs]
+    assert asyncio.run(run()) == ["not_serving", "serving_again"]

@@ -84,3 +84,19 @@ def test_a_silent_peer_is_found_by_keepalive_at_both_ends(monkeypatch) -> None:
     server_s, client_s, code = asyncio.run(scenario())
     assert server_s < 3 and client_s < 3   # a ping and its wait (0.8 s), not TCP's hours
     assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_verifier_reply_of_the_most_feature_rows_fits_grpcs_message_cap() -> None:
+    for width in (7 * 2 * 7168, 3 * 2 * 7168, 1000, 1):
+        rows = grpc_server.reply_feature_rows(width)
+        assert rows * width + grpc_server.REPLY_OVERHEAD_BYTES <= grpc_server.MAX_MESSAGE_BYTES \
+            < (rows + 1) * width + grpc_server.REPLY_OVERHEAD_BYTES
+
+
+def test_the_receive_cap_is_the_callers_and_idle_connections_are_pinged() -> None:
+    """The scheduler's public port caps a request at twice max_request_bytes, not at 1 GiB; pings
+    go on while no call is open (a half-open idle link is found, not kept for hours)."""
+    options = dict(grpc_server.server_options(max_receive_bytes=4 << 20))
+    assert options["grpc.max_receive_message_length"] == 4 << 20
+    assert options["grpc.max_send_message_length"] == grpc_server.MAX_MESSAGE_BYTES
+    assert dict(grpc_server.keepalive_options())["grpc.keepalive_permit_without_calls"] == 1

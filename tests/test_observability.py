@@ -283,3 +283,28 @@ def test_a_metrics_connection_that_sends_no_request_is_closed_and_scrapes_go_on(
         time.sleep(0.05)
     assert threading.active_count() <= threads
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_once_per_counts_every_event_between_two_lines_and_says_once_a_minute(monkeypatch) -> None:
+    from services.common import logging as ddlog
+
+    now = {"t": 1000.0}
+    monkeypatch.setattr(ddlog.time, "monotonic", lambda: now["t"])
+    once = ddlog.OncePer()
+    assert once.due() == 1   # the first: at once
+    now["t"] += 59.0
+    assert [once.due() for _ in range(3)] == [None, None, None]
+    now["t"] += 1.5
+    assert once.due() == 4   # the three held back and this one
+    assert once.due() is None
+
+
+def test_json_logs_keep_a_values_text_and_stamp_utc() -> None:
+    """JSON escapes a client's control characters itself: the console's escaping applied there
+    turned the value into its repr; timestamps are UTC."""
+    code = ("from services.common.logging import configure_logging, get_logger; configure_logging('draft', True)\n"
+            "get_logger('d').info('request_end', request_id='nul\\x00\\x1b[2K')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    (event,) = [json.loads(line) for line in (out.stdout + out.stderr).splitlines() if line.startswith("{")]
+    assert event["request_id"] == "nul\x00\x1b[2K"
+    assert event["timestamp"].endswith("Z")

@@ -115,3 +115,63 @@ def test_a_service_still_starting_exits_when_its_launcher_is_gone() -> None:
             pass
         finally:
             proc.kill()
+
+
+def test_serve_until_signal_stops_gracefully_on_sigint_and_sigterm(monkeypatch) -> None:
+    """Each signal: health NOT_SERVING first (watchers told), then `on_stop` (idle streams end), then
+    the server's stop with its grace (calls in flight finish); the start-up watch is told the
+    service serves. Ctrl-C without its handler raised KeyboardInterrupt instead of draining."""
+    import asyncio
+    import threading
+
+    from grpc_health.v1 import health_pb2
+
+    from services.common import grpc_server
+    from services.common.grpc_server import new_server, serve_until_signal
+
+    monkeypatch.delenv(PARENT_PID_ENV, raising=False)
+    monkeypatch.setattr(grpc_server, "_serving", threading.Event())
+    previous = signal.signal(signal.SIGINT, lambda *a: None)   # a SIGINT the loop does not take lands here
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            calls: list[object] = []
+
+            class Server:
+                async def stop(self, grace):
+                    calls.append(("stop", grace))
+
+            async def run() -> None:
+                _, health = new_server([])
+                task = asyncio.ensure_future(serve_until_signal(
+                    Server(), health, grace_s=2.5, on_stop=lambda: calls.append(("on_stop", health._status[""]))))
+                await asyncio.sleep(0.05)
+                assert grpc_server._serving.is_set()
+                os.kill(os.getpid(), sig)
+                await asyncio.wait_for(task, 5)
+            asyncio.run(run())
+            assert calls == [("on_stop", health_pb2.HealthCheckResponse.NOT_SERVING), ("stop", 2.5)], sig
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_the_start_up_watch_ends_when_the_service_serves(monkeypatch) -> None:
+    """Once serving, the launcher's end is `serve_until_signal`'s to handle (a drain): the start-up
+    watch ending the process with os._exit then would cut every request."""
+    import threading
+
+    from services.common.grpc_server import exit_when_orphaned
+
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    ppid = {"now": os.getppid()}
+    monkeypatch.setattr(os, "getppid", lambda: ppid["now"])
+    until = threading.Event()
+    exit_when_orphaned(ppid["now"], 1, poll_s=0.01, until=until)
+    until.set()
+    time.sleep(0.1)
+    ppid["now"] = -1   # the launcher goes after the service serves
+    time.sleep(0.2)
+    assert exits == []
+    exit_when_orphaned(12345, 3, poll_s=0.01)   # a parent gone, no `until`: it exits
+    time.sleep(0.2)
+    assert exits == [3]

@@ -418,3 +418,34 @@ def test_an_internal_service_reachable_beyond_loopback_says_so() -> None:
     assert [(e["event"], e["setting"], e["log_level"]) for e in said] == \
         [("internal_port_reachable", "verifier.host", "warning")]
     assert "private network" in said[0]["advice"]
+
+
+def test_a_port_in_time_wait_is_free_and_a_bracketed_ipv6_host_is_probed() -> None:
+    """gRPC binds with SO_REUSEADDR: a port whose last connection is in TIME_WAIT (a stack stopped and
+    started again at once) is free to it, so the early probe must not refuse it; and "[::1]" is a
+    host the settings take (`host_port` writes it so), loopback to the reachable-port warning."""
+    import time
+
+    from services.common.grpc_server import check_port_free, is_loopback
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = listener.accept()
+    conn.close()   # the server's side closes first: its (port, peer) pair waits in TIME_WAIT
+    time.sleep(0.05)
+    client.close()
+    listener.close()
+    check_port_free("127.0.0.1", port, "verifier.port")
+    assert is_loopback("[::1]") and is_loopback("::1") and is_loopback("127.0.0.2") and not is_loopback("0.0.0.0")
+    probe = socket.socket(socket.AF_INET6)
+    try:
+        probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    v6 = probe.getsockname()[1]
+    probe.close()
+    check_port_free("[::1]", v6, "draft.port")

@@ -398,3 +398,90 @@ def test_float32_attention_multiplies_in_float32_on_the_gpu() -> None:
     bf16 = run_compiled(["-c", _FP32_BUILD, "*bf16"], timeout=300)
     assert fp32["tf32"] == 0, fp32
     assert bf16["mma"] > 0 and bf16["tf32"] == 0, bf16
+
+
+def test_the_kernels_refuse_operands_they_would_misread() -> None:
+    """The kernels index rows by a stride of their own and assume every last dim, page-table row
+    and bitmask row is contiguous, the metadata int32, R+1 query starts and enough bitmask words:
+    metadata breaking one read the wrong pages or past a tensor's end, silently."""
+    gen = torch.Generator().manual_seed(3)
+    q_latent, q_pe, kv_cache, new_kv, meta = make_case(gen, [(20, tree_parents("random", 5, gen)),
+                                                             (7, tree_parents("chain", 2, gen))], heads=2, page_size=4)
+    dev = TreeAttentionDeviceMetadata.from_host(meta, max_pages=8, max_nodes=5)
+    tm.check_operands(q_latent, q_pe, kv_cache, new_kv, dev)   # as made: accepted
+    strided_q = torch.randn(q_latent.shape[0], q_latent.shape[1], 2 * KVR)[..., ::2]   # last dim stride 2
+    with pytest.raises(AssertionError, match="q_latent must be contiguous in its last dim"):
+        tm.check_operands(strided_q, q_pe, kv_cache, new_kv, dev)
+    bad = [
+        (dict(page_table=torch.zeros(16, 2, dtype=torch.int32).t()), "rows must be contiguous"),   # [2, 16] column-major
+        (dict(ancestor_bits=torch.zeros(1, 7, dtype=torch.int32).t()), "rows must be contiguous"),
+        (dict(page_table=dev.page_table.long()), "must be int32"),
+        (dict(query_starts=dev.query_starts[:-1]), "R\\+1 entries"),
+        (dict(max_nodes=33), "too few words"),   # one word holds 32 nodes
+    ]
+    for change, message in bad:
+        with pytest.raises(AssertionError, match=message):
+            tm.check_operands(q_latent, q_pe, kv_cache, new_kv, TreeAttentionDeviceMetadata(**{**dev.__dict__, **change}))
+
+
+@pytest.mark.parametrize("dtype, ieee", [(torch.float32, True), (torch.bfloat16, False), (torch.float16, False)])
+def test_the_split_launch_multiplies_float32_in_float32_and_16_bit_on_tensor_cores(
+        dtype: torch.dtype, ieee: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build test compiles the kernel with an IEEE flag of its own choosing: this pins that the
+    wrapper passes IEEE=True exactly for float32 operands (else the float32 model's attention runs
+    in TF32 on a GPU, ~1e-3 off, which the interpreter's exact dot never shows)."""
+    from tests.launch_keys import Recorder
+
+    recorder = Recorder(tm._tree_mla_split_kernel)
+    monkeypatch.setattr(tm, "_tree_mla_split_kernel", recorder)
+    monkeypatch.setattr(tm, "merge_splits", lambda *args, **kwargs: None)
+    gen = torch.Generator().manual_seed(0)
+    q_latent, q_pe, kv_cache, new_kv, meta = make_case(gen, [(20, tree_parents("chain", 3, gen))], heads=2,
+                                                       page_size=8, dtype=dtype)
+    tm.tree_mla_triton(q_latent, q_pe, kv_cache, new_kv, meta, 0.1)
+    (key,) = recorder.keys
+    assert dict(kv for kv in key if len(kv) == 2 and kv[0] == "IEEE") == {"IEEE": ieee}
+
+
+def test_the_reference_returns_its_inputs_dtype_and_computes_float64_in_float64() -> None:
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float64, torch.bfloat16, torch.float16):
+        q_latent, q_pe, kv_cache, new_kv, meta = make_case(gen, [(9, tree_parents("chain", 2, gen))], heads=2,
+                                                           page_size=4, dtype=dtype)
+        assert tree_mla_reference(q_latent, q_pe, kv_cache, new_kv, meta, 0.3).dtype == dtype
+    # a request of one node over a 9-token prefix, by hand in float64
+    q_latent, q_pe, kv_cache, new_kv, meta = make_case(gen, [(9, [-1])], heads=1, page_size=4, dtype=torch.float64)
+    out = tree_mla_reference(q_latent, q_pe, kv_cache, new_kv, meta, 0.3)
+    pages = meta.page_tables[0][:3]
+    keys = torch.cat([kv_cache[pages].reshape(12, KVR + ROPE)[:9], new_kv[:1]])
+    logits = (keys[:, :KVR] @ q_latent[0, 0] + keys[:, KVR:] @ q_pe[0, 0]) * 0.3
+    assert torch.allclose(out[0, 0], torch.softmax(logits, 0) @ keys[:, :KVR], rtol=0, atol=1e-12)
+
+
+def test_shared_memory_keeps_8_kb_spare_and_configs_below_the_kernels_sizes_are_refused() -> None:
+    big = TreeMlaConfig(block_m=128, block_n=64, num_warps=8, num_stages=1, dv_splits=2)
+    need = (128 + 64) * 576 * 2
+    assert fit_shared_memory(big, 576, 2, need + 8192 - 1) == TreeMlaConfig(block_m=64)
+    assert fit_shared_memory(big, 576, 2, need + 8192) == big
+    for bad in (dict(block_m=8), dict(block_m=16, block_n=8), dict(block_m=16, dv_splits=4), dict(block_m=48)):
+        with pytest.raises(AssertionError):
+            TreeMlaConfig(**bad)
+    gen = torch.Generator().manual_seed(1)
+    q_latent, q_pe, kv_cache, new_kv, meta = make_case(gen, [(9, [-1])], heads=1, page_size=4)
+    short_rope = KVR + 8
+    with pytest.raises(AssertionError, match="rope = 8: the kernel needs a power of two >= 16"):
+        tree_mla_triton(q_latent, q_pe[..., :8].contiguous(), kv_cache[..., :short_rope].contiguous(),
+                        new_kv[..., :short_rope].contiguous(), meta, 0.1)
+
+
+def test_the_served_splits_read_an_empty_backend_variable_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launches take DDTREE_TREE_MLA_BACKEND="" as unset; the warm-up's list of splits read it
+    as a forced backend and compiled the Triton kernel's merges beside the Gluon kernel's."""
+    monkeypatch.setattr(tm, "hopper_available", lambda device: True)
+    cuda = torch.device("cuda", 0)
+    for value, splits in (("", (1,)), ("triton", (1, 2)), ("hopper", (1,)), ("reference", ())):
+        monkeypatch.setenv(tm.BACKEND_ENV, value)
+        assert tm.served_dv_splits(512, 64, torch.bfloat16, cuda) == splits, value
+    monkeypatch.setenv(tm.BACKEND_ENV, "tritonn")
+    with pytest.raises(ValueError, match="must be 'hopper', 'triton' or 'reference'"):
+        tm.served_dv_splits(512, 64, torch.bfloat16, cuda)
