@@ -1679,25 +1679,31 @@ def test_the_router_aborts_only_the_request_object_named() -> None:
 def test_prompt_pieces_send_the_client_nothing_until_the_first_token() -> None:
     """A piece of a long prompt comes back without tokens: no message to the client, and the
     first-token time is the first token's, not the first piece's."""
+    pieces: list[tuple[float, object]] = []   # each continuing piece's send time, and what the client had then
+    held: dict[str, ActiveRequest] = {}
+
     class Draft(SlowDraft):   # a piece that continues answers no token, as the draft does
         async def step(self, req, timeout):
             from ddtree.v1 import draft_pb2
 
             self.seen.extend(req.items)
+            if any(i.prompt_continues for i in req.items):
+                pieces.append((time.monotonic(), held["r"].take()))
             return draft_pb2.StepResponse(results=[draft_pb2.StepResult(
                 request_id=i.request_id, token_ids=[] if i.prompt_continues else [5],
                 acceptance_length=0 if i.prompt_token_ids else 1) for i in req.items])
 
     async def scenario() -> None:
-        req = request("r", 350, kv=400)
+        req = held["r"] = request("r", 350, kv=400)
         req.max_tokens = 2
         lane = started(Draft(delay=0.0), req, max_prefill_tokens=100)
         await until(lambda: req.done)
         await lane.stop()
         message = req.take()
         assert sum(1 for i in lane.draft.seen if i.prompt_continues) == 3   # 350 tokens in pieces of 100
+        assert [sent for _, sent in pieces] == [None, None, None]   # nothing for the client meanwhile
         assert len(message.token_ids) == 2 and message.finish_reason and req.take() is None
-        assert req.first_token_at is not None and req.done
+        assert req.first_token_at is not None and req.first_token_at > max(t for t, _ in pieces) and req.done
 
     asyncio.run(scenario())
 

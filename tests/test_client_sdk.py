@@ -791,7 +791,7 @@ def test_a_stream_closed_while_its_call_is_being_made_cancels_the_call() -> None
     call = Call()
     stream: Stream
 
-    def start(left):
+    def start():
         stream.close()   # the other thread's close(), while the call is made
         return call
 
@@ -1130,7 +1130,7 @@ def test_a_failure_says_whether_the_same_request_may_succeed_later(server, monke
     assert (info.value.code, info.value.retryable) == (grpc.StatusCode.UNAVAILABLE, True)
 
 
-def test_a_wait_for_ready_stream_waits_through_a_refusal_until_its_deadline(server) -> None:
+def test_a_wait_for_ready_stream_waits_through_a_refusal_until_its_deadline(server, monkeypatch) -> None:
     """`wait_for_ready` waited only for a connection: a stream the scheduler refused while no draft
     replica was up (a restart) failed at once, though the README says such a client waits."""
     _lane_up(server, False)
@@ -1155,7 +1155,8 @@ def test_a_wait_for_ready_stream_waits_through_a_refusal_until_its_deadline(serv
                 c.generate(IDS, max_tokens=2, timeout_s=0.8)
             assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "no draft replica is up" in late.value.message
             assert 0.5 < time.monotonic() - t0 < 1.5
-            # no deadline: it waits until closed, and close() ends the wait at once
+            # no deadline: it waits until closed, and close() ends the wait at once (a 5 s one here)
+            monkeypatch.setattr(sdk, "RETRY_FIRST_S", 5.0)
             s = c.stream(IDS, max_tokens=2)
             got: list = []
             reader = threading.Thread(target=lambda: got.append(list(s)))
@@ -1164,7 +1165,7 @@ def test_a_wait_for_ready_stream_waits_through_a_refusal_until_its_deadline(serv
             t0 = time.monotonic()
             s.close()
             reader.join(timeout=5)
-            assert got == [[]] and time.monotonic() - t0 < 0.5
+            assert got == [[]] and time.monotonic() - t0 < 0.3
 
         async def closed_while_waiting() -> float:
             async with AsyncClient(server.address, wait_for_ready=True) as c:
@@ -1176,7 +1177,8 @@ def test_a_wait_for_ready_stream_waits_through_a_refusal_until_its_deadline(serv
                 with pytest.raises(StopAsyncIteration):
                     await asyncio.wait_for(reader, 5)
                 return time.monotonic() - t0
-        assert asyncio.run(closed_while_waiting()) < 0.5
+        assert asyncio.run(closed_while_waiting()) < 0.3
+        monkeypatch.undo()
         with Client(server.address) as c, pytest.raises(ClientError) as refused:   # without it: at once
             c.generate(IDS, max_tokens=2)
         assert refused.value.code == grpc.StatusCode.UNAVAILABLE
@@ -1185,10 +1187,35 @@ def test_a_wait_for_ready_stream_waits_through_a_refusal_until_its_deadline(serv
 
 
 def test_a_failure_after_the_first_chunk_is_not_sent_again_and_generate_keeps_the_output_before_it() -> None:
-    """A stream is sent again only before it produced anything; generate's error carried nothing of
-    the output before it (a deadline after 50 tokens lost them all)."""
+    """A stream is sent again only where the request never ran on a replica: not after a chunk, nor
+    after a replica failed under it (the request itself may have crashed it); generate's error
+    carried nothing of the output before it (a deadline after 50 tokens lost them all)."""
+    from services.scheduler.draft_link import StepFailed
+
     server = Server()
     try:
+        class Crashed:
+            async def step(self, req, timeout):
+                raise StepFailed(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+
+            def close(self) -> None:
+                pass
+
+        async def crash_next_step() -> object:
+            lane = server.router.lanes[0]
+            lane.draft, kept = Crashed(), lane.draft
+            return kept
+        kept = server.call(crash_next_step())
+        with Client(server.address, wait_for_ready=True) as c, pytest.raises(ClientError) as lost:
+            c.generate(IDS, request_id="crashes", timeout_s=10, **LONG)
+        assert lost.value.code == grpc.StatusCode.UNAVAILABLE and "draft replica draft failed" in lost.value.message
+        assert lost.value.retryable and server.submitted.count("crashes") == 1
+
+        async def recover() -> None:
+            lane = server.router.lanes[0]
+            lane.draft, lane.rejoin_after = kept, 0.0
+            lane.mark_healthy()
+        server.call(recover())
         with Client(server.address, wait_for_ready=True) as c:
             with pytest.raises(ClientError) as late:
                 c.generate(IDS, request_id="late", timeout_s=0.3, **LONG)

@@ -41,8 +41,11 @@ MAX_TIMEOUT_S = 1e9
 # The scheduler's word on a failed call, in its trailing metadata: "true" where the same request may
 # succeed later as it is (`ClientError.retryable`).
 RETRYABLE_METADATA = "ddtree-retryable"
-# A wait_for_ready stream refused UNAVAILABLE before its first chunk tries again after this, doubling
-# up to RETRY_MAX_S (each wait 0.8-1.2x, so clients refused together do not come back together).
+# And "true" where the request never ran on a replica (refused at admission, or failed while queued):
+# what a wait_for_ready stream sends again by itself (`_send_again`).
+REFUSED_METADATA = "ddtree-refused"
+# A wait_for_ready stream refused UNAVAILABLE before its request ran on a replica tries again after
+# this, doubling up to RETRY_MAX_S (each wait 0.8-1.2x, so clients refused together do not come back together).
 RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 1.0
 
@@ -269,44 +272,62 @@ def _finish(value: int) -> str | None:
 def _error(exc: grpc.RpcError) -> ClientError:
     """``exc`` as a `ClientError`, retryable as the scheduler's trailing metadata says (where none
     came, a connection's UNAVAILABLE is)."""
-    trailing = getattr(exc, "trailing_metadata", lambda: None)() or ()
-    said = next((v for k, v in trailing if k == RETRYABLE_METADATA), None)
+    said = _said(exc, RETRYABLE_METADATA)
     return ClientError(exc.code(), exc.details() or "", None if said is None else said == "true")
 
 
+def _said(exc: grpc.RpcError, key: str) -> str | None:
+    """The value of ``key`` in the call's trailing metadata, None where it has none."""
+    trailing = getattr(exc, "trailing_metadata", lambda: None)() or ()
+    return next((v for k, v in trailing if k == key), None)
+
+
 class _Retries:
-    """A wait_for_ready stream's retries of a request the scheduler refused UNAVAILABLE (stopping,
-    no draft replica up, the replica lost) before its first chunk: gRPC's wait_for_ready waits only
-    for a connection, and a client told it waits for a restart failed at once. Safe to send again:
-    the request produced nothing yet. Bounded by the stream's deadline (none: until closed)."""
+    """A wait_for_ready stream's retries of a request the scheduler refused UNAVAILABLE before it ran
+    on a replica (stopping, no draft replica up, or failed while queued): gRPC's wait_for_ready
+    waits only for a connection, and a client told it waits for a restart failed at once. Not a
+    request that failed after it started (a replica lost under it; one the request itself may
+    have crashed), nor one whose connection broke (the server may still run it). Bounded by the
+    stream's deadline (none: until closed)."""
 
     def __init__(self, timeout: float | None) -> None:
         self.timeout = timeout
         self._deadline: float | None = None
         self._wait = RETRY_FIRST_S
+        self._refused: ClientError | None = None   # the last refusal
 
     def left(self) -> float | None:
-        """The time left of the deadline for the next attempt (the whole timeout at the first)."""
+        """The time left of the deadline for the next attempt (the whole timeout at the first);
+        raises DEADLINE_EXCEEDED naming the last refusal where none is left (a wait overslept)."""
         if self.timeout is None:
             return None
         if self._deadline is None:
             self._deadline = time.monotonic() + self.timeout
-        return self._deadline - time.monotonic()
+        left = self._deadline - time.monotonic()
+        if left <= 0 and self._refused is not None:
+            raise self._expired()
+        return left
 
     def pause(self, err: ClientError) -> float:
         """How long to wait before the next attempt; raises DEADLINE_EXCEEDED (naming ``err``) where
         the deadline comes first."""
+        self._refused = err
         wait, self._wait = self._wait * random.uniform(0.8, 1.2), min(self._wait * 2, RETRY_MAX_S)
         left = self.left()
         if left is not None and left <= wait:
-            raise ClientError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                              f"the deadline ({self.timeout:g} s) passed while the scheduler refused the request, "
-                              f"waiting for it to be ready (wait_for_ready): {err.message}")
+            raise self._expired()
         return wait
 
+    def _expired(self) -> ClientError:
+        message = self._refused.message if self._refused is not None else ""
+        return ClientError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"the deadline ({self.timeout:g} s) passed while the scheduler refused the request, "
+                           f"waiting for it to be ready (wait_for_ready): {message}")
 
-def _send_again(err: ClientError, retries: _Retries | None, answered: bool) -> bool:
-    return retries is not None and not answered and err.code == grpc.StatusCode.UNAVAILABLE and err.retryable
+
+def _send_again(exc: grpc.RpcError, err: ClientError, retries: _Retries | None, answered: bool) -> bool:
+    return (retries is not None and not answered and err.code == grpc.StatusCode.UNAVAILABLE and err.retryable
+            and _said(exc, REFUSED_METADATA) == "true")
 
 
 def _timeout(value: object) -> float | None:
@@ -388,9 +409,9 @@ class Stream(Iterator[Chunk]):
     Threads may share one stream: each read takes the next chunk (reads wait their turn; gRPC's
     call failed two at once with a ValueError and ended the stream for the others)."""
 
-    def __init__(self, start: Callable[[float | None], grpc.Call], retries: _Retries | None = None,
+    def __init__(self, start: Callable[..., grpc.Call], *, retries: _Retries | None = None,
                  client_closed: Callable[[], bool] = lambda: False) -> None:
-        self._start = start   # takes the deadline's time left
+        self._start = start   # with `retries`, called with the deadline's time left
         self._retries = retries
         self._client_closed = client_closed
         self._call: grpc.Call | None = None
@@ -410,14 +431,14 @@ class Stream(Iterator[Chunk]):
         while not self._closed:
             try:
                 if self._call is None:
-                    self._call = self._start(self._retries.left() if self._retries else None)
+                    self._call = self._start() if self._retries is None else self._start(self._retries.left())
                     if self._closed:   # closed from another thread while the call was being made
                         self._call.cancel()
                 msg = next(self._call)
             except grpc.RpcError as exc:
                 closed_here = self._closed   # close() from another thread: the reader ends, as at the end
                 err = _error(exc)
-                if not closed_here and _send_again(err, self._retries, self._answered):
+                if not closed_here and _send_again(exc, err, self._retries, self._answered):
                     try:
                         wait = self._retries.pause(err)
                     except ClientError:
@@ -429,9 +450,12 @@ class Stream(Iterator[Chunk]):
                     except BaseException:   # Ctrl-C while waiting
                         self.close()
                         raise
+                    if self._client_closed() and not self._closed:   # as a closed client says it to a read
+                        self.close()
+                        raise ClientError(grpc.StatusCode.CANCELLED, "the client was closed while this stream was open")
                     continue
                 self.close()
-                if closed_here and exc.code() == grpc.StatusCode.CANCELLED:
+                if closed_here:   # its cancel, or a failure that crossed it (a retry's refusal): moot now
                     raise StopIteration from None
                 if exc.code() == grpc.StatusCode.CANCELLED and self._client_closed():   # as AsyncClient says it
                     raise ClientError(grpc.StatusCode.CANCELLED, "the client was closed while this stream was open") from None
@@ -470,9 +494,9 @@ class AsyncStream(AsyncIterator[Chunk]):
     stream is dropped, but `break` closes no (async) iterator: a stream kept in a variable runs on
     until `async with c.stream(...) as s:` exits or `await s.aclose()`."""
 
-    def __init__(self, start: Callable[[float | None], grpc.aio.UnaryStreamCall],
+    def __init__(self, start: Callable[..., grpc.aio.UnaryStreamCall], *,
                  client_closed: Callable[[], bool] = lambda: False, retries: _Retries | None = None) -> None:
-        self._start = start   # takes the deadline's time left
+        self._start = start   # with `retries`, called with the deadline's time left
         self._client_closed = client_closed
         self._retries = retries
         self._call: grpc.aio.UnaryStreamCall | None = None
@@ -507,6 +531,9 @@ class AsyncStream(AsyncIterator[Chunk]):
                     self._cancel()
                     self._read_cancelled = _cancelling()
                     raise
+                if self._client_closed() and not self._closed:   # as a closed client says it to a read
+                    self._cancel()
+                    raise ClientError(grpc.StatusCode.CANCELLED, "the client was closed while this stream was open")
                 continue
             if msg is grpc.aio.EOF:
                 self._closed = True
@@ -519,13 +546,13 @@ class AsyncStream(AsyncIterator[Chunk]):
         stream is to send its request again."""
         try:
             if self._call is None:
-                self._call = self._start(self._retries.left() if self._retries else None)
+                self._call = self._start() if self._retries is None else self._start(self._retries.left())
             return await self._call.read()
         except BaseException as exc:
             closed_here = self._closed
             if isinstance(exc, grpc.RpcError):
                 err = _error(exc)
-                if not closed_here and _send_again(err, self._retries, self._answered):
+                if not closed_here and _send_again(exc, err, self._retries, self._answered):
                     try:
                         wait = self._retries.pause(err)
                     except ClientError:
@@ -536,6 +563,8 @@ class AsyncStream(AsyncIterator[Chunk]):
             self._cancel()
             self._read_cancelled = isinstance(exc, asyncio.CancelledError) and _cancelling()
             if isinstance(exc, grpc.RpcError):
+                if closed_here:   # a failure that crossed aclose() (a retry's refusal): moot now
+                    raise StopAsyncIteration from None
                 raise err from None
             # aclose() from another task: gRPC raises CancelledError in this reader, which no one cancelled.
             if closed_here and isinstance(exc, asyncio.CancelledError) and not _cancelling():
@@ -719,8 +748,8 @@ class Client(_Calls):
     """`wait_for_ready=False` (default) fails at once with UNAVAILABLE when no server is listening;
     True waits for the server to come up, bounded by `timeout_s` (each call's deadline in seconds;
     None: streams have none, `abort` and `model_info` take ABORT_TIMEOUT_S), and a stream the
-    scheduler refuses UNAVAILABLE before its first chunk (stopping, no draft replica up) sends its
-    request again until it is taken or the deadline passes (`_Retries`). `tls_ca` is a CA certificate's PEM
+    scheduler refuses UNAVAILABLE before its request ran on a replica (stopping, no draft replica
+    up) sends its request again until it is taken or the deadline passes (`_Retries`). `tls_ca` is a CA certificate's PEM
     file (or its bytes; b"" trusts the system roots) and makes the channel TLS; `tls_server_name`
     is the name to check the server's certificate for, where it is not the address's host.
     Raises `ClientError` (INVALID_ARGUMENT) for an address that is no HOST:PORT (or gRPC target such
@@ -783,11 +812,12 @@ class Client(_Calls):
                             ignore_eos=ignore_eos, request_id=request_id)
         timeout = self._deadline(timeout_s)
 
-        def start(left: float | None) -> grpc.Call:
+        def start(left: float | None = None) -> grpc.Call:
             _check_open(self._closed)
             return self._stub.Generate(req, timeout=timeout if left is None else left,
                                        wait_for_ready=self.wait_for_ready, metadata=self._md)
-        return Stream(start, _Retries(timeout) if self.wait_for_ready else None, lambda: self._closed)
+        return Stream(start, retries=_Retries(timeout) if self.wait_for_ready else None,
+                      client_closed=lambda: self._closed)
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float | None = 0.0,
                  top_p: float | None = 1.0, top_k: int | None = 0, seed: int | None = None, budget: int = 0,
@@ -891,11 +921,12 @@ class AsyncClient(_Calls):
                             ignore_eos=ignore_eos, request_id=request_id)
         timeout = self._deadline(timeout_s)
 
-        def start(left: float | None) -> grpc.aio.UnaryStreamCall:
+        def start(left: float | None = None) -> grpc.aio.UnaryStreamCall:
             self._check_usable()
             return self._stub.Generate(req, timeout=timeout if left is None else left,
                                        wait_for_ready=self.wait_for_ready, metadata=self._md)
-        return AsyncStream(start, lambda: self._closed, _Retries(timeout) if self.wait_for_ready else None)
+        return AsyncStream(start, client_closed=lambda: self._closed,
+                           retries=_Retries(timeout) if self.wait_for_ready else None)
 
     async def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float | None = 0.0,
                        top_p: float | None = 1.0, top_k: int | None = 0, seed: int | None = None, budget: int = 0,

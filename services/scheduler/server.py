@@ -24,7 +24,7 @@ from services.common.logging import OncePer, configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
 from services.scheduler.batcher import log_end
-from services.scheduler.client import RETRYABLE_METADATA
+from services.scheduler.client import REFUSED_METADATA, RETRYABLE_METADATA
 from services.scheduler.request import check_fields, check_text_size, max_token_bytes, step_prompt_tokens, validate
 from services.scheduler.router import STOPPING, Router
 from services.scheduler.tiktoken_model import TIKTOKEN_FILE, kimi_tokenizer
@@ -84,14 +84,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.router.submit(req)
         except ServiceError as exc:
             self.refused(exc.code, exc.message, request.request_id, context.peer(), exc.reason, exc.retryable)
-            await _abort(context, exc)
+            await _abort(context, exc, refused=True)
         ended = False
         try:
             while True:
                 event = await req.next_event()
                 if isinstance(event, ServiceError):
                     ended = True
-                    await _abort(context, event)
+                    await _abort(context, event, refused=req.prompt_sent == 0)   # never sent to a replica
                 yield event
                 if event.finish_reason != scheduler_pb2.FINISH_REASON_UNSPECIFIED:
                     ended = True
@@ -181,10 +181,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return self.info
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
-    """Ends the call with ``exc``'s status, telling the client whether to retry (`ClientError.retryable`)."""
+async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError, refused: bool) -> None:
+    """Ends the call with ``exc``'s status, telling the client whether to retry (`ClientError.retryable`)
+    and whether the request never ran on a replica (``refused``: refused at admission, or failed in
+    the queue), which a wait_for_ready stream sends again by itself."""
     await context.abort(exc.code, exc.message,
-                        trailing_metadata=((RETRYABLE_METADATA, "true" if exc.retryable else "false"),))
+                        trailing_metadata=((RETRYABLE_METADATA, "true" if exc.retryable else "false"),
+                                           (REFUSED_METADATA, "true" if refused else "false")))
 
 
 DEADLINE_SLACK_S = 0.1   # see _deadline_passed
