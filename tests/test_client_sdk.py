@@ -1154,7 +1154,7 @@ def test_a_wait_for_ready_stream_waits_through_a_refusal_until_its_deadline(serv
             with pytest.raises(ClientError) as late:
                 c.generate(IDS, max_tokens=2, timeout_s=0.8)
             assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "no draft replica is up" in late.value.message
-            assert 0.5 < time.monotonic() - t0 < 1.5
+            assert 0.4 < time.monotonic() - t0 < 3
             # no deadline: it waits until closed, and close() ends the wait at once (a 5 s one here)
             monkeypatch.setattr(sdk, "RETRY_FIRST_S", 5.0)
             s = c.stream(IDS, max_tokens=2)
@@ -1165,7 +1165,7 @@ def test_a_wait_for_ready_stream_waits_through_a_refusal_until_its_deadline(serv
             t0 = time.monotonic()
             s.close()
             reader.join(timeout=5)
-            assert got == [[]] and time.monotonic() - t0 < 0.3
+            assert got == [[]] and time.monotonic() - t0 < 1.5
 
         async def closed_while_waiting() -> float:
             async with AsyncClient(server.address, wait_for_ready=True) as c:
@@ -1177,7 +1177,7 @@ def test_a_wait_for_ready_stream_waits_through_a_refusal_until_its_deadline(serv
                 with pytest.raises(StopAsyncIteration):
                     await asyncio.wait_for(reader, 5)
                 return time.monotonic() - t0
-        assert asyncio.run(closed_while_waiting()) < 0.3
+        assert asyncio.run(closed_while_waiting()) < 1.5
         monkeypatch.undo()
         with Client(server.address) as c, pytest.raises(ClientError) as refused:   # without it: at once
             c.generate(IDS, max_tokens=2)
@@ -1320,3 +1320,165 @@ def test_refusals_for_the_servers_state_are_logged_once_each_10_s_with_their_cou
     assert lines == [("no_replica", "busy-0", 1), ("no_replica", "busy-5", 5),
                      ("invalid_argument", "bad-0", 1), ("invalid_argument", "bad-1", 1)]
     assert count() - before == 6
+
+
+# 8. From a tenth mutation run.
+def test_a_wait_for_ready_stream_sends_again_only_what_the_scheduler_says_may_succeed(server, monkeypatch) -> None:
+    """Only UNAVAILABLE the scheduler calls retryable is sent again: a text that killed its tokenizer
+    twice would kill it again each time until the deadline; a full queue is the caller's to retry."""
+    for error in (ServiceError(grpc.StatusCode.UNAVAILABLE, "died twice", retryable=False),
+                  ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", "queue_full")):
+        calls: list[str] = []
+
+        def refuse(req, error=error):
+            calls.append(req.request_id)
+            raise error
+        monkeypatch.setattr(server.router, "submit", refuse)
+        with Client(server.address, wait_for_ready=True) as c:
+            with pytest.raises(ClientError) as info:
+                c.generate(IDS, max_tokens=2, timeout_s=5)
+            assert info.value.code == error.code
+        assert len(calls) == 1
+
+        async def once() -> ClientError:
+            async with AsyncClient(server.address, wait_for_ready=True) as ac:
+                with pytest.raises(ClientError) as info:
+                    await ac.generate(IDS, max_tokens=2, timeout_s=5)
+                return info.value
+        calls.clear()
+        assert asyncio.run(once()).code == error.code and len(calls) == 1
+        monkeypatch.undo()
+
+
+def test_an_async_client_without_wait_for_ready_fails_a_refused_stream_at_once(server) -> None:
+    async def refused() -> ClientError:
+        async with AsyncClient(server.address) as c:
+            with pytest.raises(ClientError) as info:
+                await c.generate(IDS, max_tokens=2, timeout_s=5)
+            return info.value
+    _lane_up(server, False)
+    try:
+        t0 = time.monotonic()
+        err = asyncio.run(refused())
+        assert (err.code, err.retryable) == (grpc.StatusCode.UNAVAILABLE, True) and time.monotonic() - t0 < 2.5
+    finally:
+        _lane_up(server, True)
+
+
+def test_retries_count_down_one_deadline_and_their_waits_stay_bounded() -> None:
+    r = sdk._Retries(0.4)
+    assert r.left() == pytest.approx(0.4, abs=0.05)
+    time.sleep(0.15)
+    assert r.left() < 0.3                                 # the same deadline, not a new one each attempt
+    r = sdk._Retries(None)
+    waits = [r.pause(ClientError(grpc.StatusCode.UNAVAILABLE, "x")) for _ in range(12)]
+    assert waits[0] <= sdk.RETRY_FIRST_S * 1.2 and max(waits) <= sdk.RETRY_MAX_S * 1.2
+
+
+class _Refused(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "no draft replica is up"
+
+    def trailing_metadata(self):
+        return ((sdk.RETRYABLE_METADATA, "true"), (sdk.REFUSED_METADATA, "true"))
+
+
+def test_a_retried_stream_sends_the_time_left_of_its_deadline_not_the_whole_timeout(server) -> None:
+    sent: list[float] = []
+
+    class SyncCall:
+        def __init__(self, fail):
+            self.fail, self.done = fail, False
+
+        def __next__(self):
+            if self.fail:
+                raise _Refused()
+            if self.done:
+                raise StopIteration
+            self.done = True
+            return scheduler_pb2.GenerateResponse(request_id="r", token_ids=[5])
+
+        def cancel(self):
+            pass
+
+    class AsyncCall:
+        def __init__(self, fail):
+            self.fail, self.done = fail, False
+
+        async def read(self):
+            if self.fail:
+                raise _Refused()
+            if self.done:
+                return grpc.aio.EOF
+            self.done = True
+            return scheduler_pb2.GenerateResponse(request_id="r", token_ids=[5])
+
+        def cancel(self):
+            pass
+
+    class Stub:
+        def __init__(self, call):
+            self.call = call
+
+        def Generate(self, req, timeout, wait_for_ready, metadata):  # noqa: N802 - the gRPC method name
+            sent.append(timeout)
+            return self.call(fail=len(sent) == 1)
+
+    with Client(server.address, wait_for_ready=True) as c:
+        c._stub = Stub(SyncCall)
+        assert c.generate(IDS, timeout_s=5).token_ids == [5]
+    assert sent[0] == pytest.approx(5, abs=0.05) and sent[1] < 5 - 0.05
+
+    async def async_generate() -> list[int]:
+        async with AsyncClient(server.address, wait_for_ready=True) as ac:
+            ac._stub = Stub(AsyncCall)
+            return (await ac.generate(IDS, timeout_s=5)).token_ids
+    sent.clear()
+    assert asyncio.run(async_generate()) == [5]
+    assert sent[0] == pytest.approx(5, abs=0.05) and sent[1] < 5 - 0.05
+
+
+def test_abort_and_model_info_take_the_clients_timeout_before_the_default(server, monkeypatch) -> None:
+    monkeypatch.setattr(sdk, "ABORT_TIMEOUT_S", 20.0)
+
+    async def async_calls() -> None:
+        async with AsyncClient(server.address, timeout_s=0.3) as bounded:
+            for call in (lambda: bounded.abort("x"), bounded.model_info):
+                t0 = time.monotonic()
+                with pytest.raises(ClientError) as info:
+                    await call()
+                assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 5
+
+    with Client(server.address, timeout_s=0.3) as bounded:
+        assert bounded.model_info().vocab_size == 64
+        with server.frozen():
+            for call in (lambda: bounded.abort("x"), bounded.model_info):
+                t0 = time.monotonic()
+                with pytest.raises(ClientError) as info:
+                    call()
+                assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 5
+            asyncio.run(async_calls())
+
+
+def test_a_client_error_keeps_the_servers_retryable_word_through_pickling() -> None:
+    import copy
+    import pickle
+
+    for err in (ClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", True),
+                ClientError(grpc.StatusCode.UNAVAILABLE, "died twice", False)):
+        for back in (pickle.loads(pickle.dumps(err)), copy.copy(err)):
+            assert (back.code, back.retryable) == (err.code, err.retryable)
+
+
+def test_a_refusal_whose_request_id_is_its_fault_logs_a_bounded_line(server) -> None:
+    for rid in ("r" * 100_000, "r" * 250 + "\n"):
+        request = scheduler_pb2.GenerateRequest(token_ids=scheduler_pb2.TokenIds(ids=IDS), max_tokens=2, request_id=rid)
+        with grpc.insecure_channel(server.address) as channel, capture_logs() as logs:
+            with pytest.raises(grpc.RpcError) as rpc:
+                scheduler_pb2_grpc.SchedulerStub(channel).Generate(request, timeout=5).next()
+        assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        line = next(e for e in logs if e["event"] == "request_refused")
+        assert line["request_id"] == rid[:200] and len(line["reason"]) <= 200

@@ -308,3 +308,22 @@ def test_json_logs_keep_a_values_text_and_stamp_utc() -> None:
     (event,) = [json.loads(line) for line in (out.stdout + out.stderr).splitlines() if line.startswith("{")]
     assert event["request_id"] == "nul\x00\x1b[2K"
     assert event["timestamp"].endswith("Z")
+
+
+def test_metrics_serve_on_an_ipv6_host_and_log_no_line_a_scrape(capfd) -> None:
+    import socket
+    import urllib.request
+
+    from services.common.metrics import Metrics, serve_metrics
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    metrics = Metrics("draft")
+    metrics.running.set(2)
+    port = serve_metrics(metrics, "::1", free_port())
+    with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=5) as scrape:
+        assert "ddtree_running_requests 2.0" in scrape.read().decode()
+    assert capfd.readouterr().err == ""

@@ -676,3 +676,43 @@ def test_long_texts_waiting_for_the_tokenizer_are_bounded() -> None:
     assert refused[0].reason == "tokenizer_busy"
     assert again == want and encoder._pending == 0
     assert encoder.encode.__doc__ and PromptEncoder(TOKENIZER).max_pending == 32
+
+
+def test_a_request_that_ended_keeps_how_it_ended() -> None:
+    """An abort racing a finish turned a finished output into "aborted", and a failure after an
+    abort counted an aborted request as failed."""
+    lost = ServiceError(grpc.StatusCode.UNAVAILABLE, "lost")
+    finished = _request(max_tokens=2)
+    finished.add_tokens([5, 6], 2)
+    finished.end(scheduler_pb2.FINISH_REASON_ABORTED)
+    finished.fail(lost)
+    assert (finished.finish, finished.error) == (scheduler_pb2.FINISH_REASON_LENGTH, None)
+    assert finished.take().finish_reason == scheduler_pb2.FINISH_REASON_LENGTH and finished.take() is None
+    failed = _request()
+    failed.add_tokens([5], 0)
+    failed.fail(lost)
+    failed.end(scheduler_pb2.FINISH_REASON_ABORTED)
+    assert not failed.take().finish_reason and failed.take() is lost
+    aborted = _request()
+    aborted.add_tokens([5], 0)
+    aborted.end(scheduler_pb2.FINISH_REASON_ABORTED)
+    aborted.fail(lost)   # its step in flight failed after the abort
+    assert aborted.error is None and aborted.take().finish_reason == scheduler_pb2.FINISH_REASON_ABORTED
+
+
+def test_a_stop_token_id_ends_the_output_in_token_ids_not_in_the_text() -> None:
+    ids = TOKENIZER.encode("def add(a, b):", add_special_tokens=False).ids
+    stop_id = TOKENIZER.encode(" return", add_special_tokens=False).ids[-1]
+    req = _request()
+    req.stop_ids = frozenset({stop_id})
+    req.add_tokens(ids[:1], 0)
+    req.add_tokens(ids[1:] + [stop_id], len(ids))
+    msg = req.take()
+    assert req.finish == scheduler_pb2.FINISH_REASON_STOP and list(msg.token_ids)[-1] == stop_id
+    assert msg.text == TOKENIZER.decode(ids) and "return" not in msg.text
+
+
+def test_stop_strings_on_a_server_without_a_tokenizer_are_refused_not_ignored() -> None:
+    with pytest.raises(ServiceError) as info:
+        validate(build_request([1, 2, 3], max_tokens=4, stop=["\n"]), SchedulerSettings(), LIMITS, None)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "stop strings" in info.value.message
