@@ -256,6 +256,7 @@ def test_a_metrics_connection_that_sends_no_request_is_closed_and_scrapes_go_on(
     """prometheus_client's server gave each connection a thread that waited for its request for
     ever: 300 idle connections to a metrics port held 300 threads and fds until they were closed."""
     import socket
+    import struct
     import threading
     import time
     import urllib.request
@@ -269,6 +270,10 @@ def test_a_metrics_connection_that_sends_no_request_is_closed_and_scrapes_go_on(
     threads = threading.active_count()
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
     idle[0].sendall(b"GET /metr")   # half a request line
+    reset = socket.create_connection(("127.0.0.1", port))   # one that resets the connection: no traceback either
+    reset.sendall(b"GET /metr")
+    reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    reset.close()
     time.sleep(0.2)
     assert threading.active_count() >= threads + 5   # a thread each while they wait
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as scrape:
