@@ -325,6 +325,11 @@ class _Retries:
                            f"waiting for it to be ready (wait_for_ready): {message}")
 
 
+def _start_call(start: Callable[..., object], retries: _Retries | None):
+    """``start()``, or with a wait_for_ready stream's retries ``start`` with the deadline's time left."""
+    return start() if retries is None else start(retries.left())
+
+
 def _send_again(exc: grpc.RpcError, err: ClientError, retries: _Retries | None, answered: bool) -> bool:
     return (retries is not None and not answered and err.code == grpc.StatusCode.UNAVAILABLE and err.retryable
             and _said(exc, REFUSED_METADATA) == "true")
@@ -431,7 +436,7 @@ class Stream(Iterator[Chunk]):
         while not self._closed:
             try:
                 if self._call is None:
-                    self._call = self._start() if self._retries is None else self._start(self._retries.left())
+                    self._call = _start_call(self._start, self._retries)
                     if self._closed:   # closed from another thread while the call was being made
                         self._call.cancel()
                 msg = next(self._call)
@@ -452,13 +457,13 @@ class Stream(Iterator[Chunk]):
                         raise
                     if self._client_closed() and not self._closed:   # as a closed client says it to a read
                         self.close()
-                        raise ClientError(grpc.StatusCode.CANCELLED, "the client was closed while this stream was open")
+                        raise _closed_under("stream")
                     continue
                 self.close()
                 if closed_here:   # its cancel, or a failure that crossed it (a retry's refusal): moot now
                     raise StopIteration from None
                 if exc.code() == grpc.StatusCode.CANCELLED and self._client_closed():   # as AsyncClient says it
-                    raise ClientError(grpc.StatusCode.CANCELLED, "the client was closed while this stream was open") from None
+                    raise _closed_under("stream") from None
                 raise err from None
             except BaseException:
                 self.close()
@@ -533,7 +538,7 @@ class AsyncStream(AsyncIterator[Chunk]):
                     raise
                 if self._client_closed() and not self._closed:   # as a closed client says it to a read
                     self._cancel()
-                    raise ClientError(grpc.StatusCode.CANCELLED, "the client was closed while this stream was open")
+                    raise _closed_under("stream")
                 continue
             if msg is grpc.aio.EOF:
                 self._closed = True
@@ -546,7 +551,7 @@ class AsyncStream(AsyncIterator[Chunk]):
         stream is to send its request again."""
         try:
             if self._call is None:
-                self._call = self._start() if self._retries is None else self._start(self._retries.left())
+                self._call = _start_call(self._start, self._retries)
             return await self._call.read()
         except BaseException as exc:
             closed_here = self._closed
@@ -571,7 +576,7 @@ class AsyncStream(AsyncIterator[Chunk]):
                 raise StopAsyncIteration from None
             # The client closed under the stream: as `Client` says it, not a cancellation of this task.
             if isinstance(exc, asyncio.CancelledError) and not _cancelling() and self._client_closed():
-                raise ClientError(grpc.StatusCode.CANCELLED, "the client was closed while this stream was open") from None
+                raise _closed_under("stream") from None
             raise
 
     def _cancel(self) -> None:
@@ -604,6 +609,11 @@ class _Retry(Exception):
     def __init__(self, wait: float) -> None:
         super().__init__(wait)
         self.wait = wait
+
+
+def _closed_under(what: str) -> ClientError:
+    """A stream or call the client's close ended, said the same way by `Client` and `AsyncClient`."""
+    return ClientError(grpc.StatusCode.CANCELLED, f"the client was closed while this {what} was open")
 
 
 def _cancelling() -> bool:
@@ -980,4 +990,4 @@ class AsyncClient(_Calls):
         """A call the channel's close cancelled, not its task: as a stream says it (a bare
         CancelledError reads as a cancellation of the task to gather and TaskGroup)."""
         if self._closed and not _cancelling():
-            raise ClientError(grpc.StatusCode.CANCELLED, "the client was closed while this call was open") from None
+            raise _closed_under("call") from None
