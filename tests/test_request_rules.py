@@ -12,6 +12,7 @@ from ddtree.v1 import common_pb2, scheduler_pb2
 from services.common.grpc_server import ServiceError
 from services.common.settings import MAX_BUDGET, TEMPERATURE_RANGE, SchedulerSettings
 from services.scheduler.client import Client, ClientError, build_request
+from services.scheduler import request as request_module
 from services.scheduler.request import (MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                         ActiveRequest, Limits,
                                         encode_prompt, kv_reservation, max_token_bytes, validate)
@@ -716,3 +717,40 @@ def test_stop_strings_on_a_server_without_a_tokenizer_are_refused_not_ignored() 
     with pytest.raises(ServiceError) as info:
         validate(build_request([1, 2, 3], max_tokens=4, stop=["\n"]), SchedulerSettings(), LIMITS, None)
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "stop strings" in info.value.message
+
+
+def test_a_client_far_behind_gets_its_output_in_messages_of_bounded_size(monkeypatch) -> None:
+    """Unsent steps merge into one message, but only up to a message's caps: a client far behind
+    on a long output would otherwise get one message past gRPC's 4 MB receive cap and lose the
+    stream. The rest follows at once; the finish and usage come with the last piece only."""
+    monkeypatch.setattr(request_module, "MESSAGE_MAX_TOKENS", 7)
+    monkeypatch.setattr(request_module, "MESSAGE_MAX_CHARS", 11)
+    ids = TOKENIZER.encode("def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n" * 3, add_special_tokens=False).ids
+    req = _request(max_tokens=len(ids))
+    req.add_tokens(ids[:1], 0)
+    for i in range(1, len(ids), 2):
+        req.add_tokens(ids[i:i + 2], len(ids[i:i + 2]))
+    assert req.done and req.finish == scheduler_pb2.FINISH_REASON_LENGTH
+    messages = []
+    while (msg := req.take()) is not None:
+        messages.append(msg)
+    assert all(len(m.token_ids) <= 7 and len(m.text) <= 11 and len(m.acceptance_lengths) <= 7 for m in messages)
+    assert len(messages) == -(-len(req.text) // 11) > -(-len(ids) // 7)   # the text needs the most pieces here
+    assert [t for m in messages for t in m.token_ids] == ids and "".join(m.text for m in messages) == req.text
+    assert [a for m in messages for a in m.acceptance_lengths] == req.acceptance
+    assert [m.finish_reason for m in messages[:-1]] == [scheduler_pb2.FINISH_REASON_UNSPECIFIED] * (len(messages) - 1)
+    assert not any(m.HasField("usage") for m in messages[:-1])
+    assert messages[-1].finish_reason == scheduler_pb2.FINISH_REASON_LENGTH
+    assert messages[-1].usage.completion_tokens == len(ids)
+
+
+def test_a_message_at_its_caps_fits_grpcs_default_receive_limit() -> None:
+    """The largest message the caps allow, of the widest values (5-byte ids, 4-byte characters),
+    stays under half of gRPC's default 4 MB: any client reads it without raising its limit."""
+    worst = scheduler_pb2.GenerateResponse(
+        request_id="r" * MAX_REQUEST_ID_CHARS, token_ids=[2**31 - 1] * request_module.MESSAGE_MAX_TOKENS,
+        text="\U0001F600" * request_module.MESSAGE_MAX_CHARS,
+        acceptance_lengths=[MAX_BUDGET + 1] * request_module.MESSAGE_MAX_TOKENS)
+    worst.usage.CopyFrom(scheduler_pb2.Usage(prompt_tokens=2**31 - 1, completion_tokens=2**31 - 1, steps=2**31 - 1,
+                                             mean_acceptance=129.0, tree_steps=2**31 - 1))
+    assert worst.ByteSize() < 2 * 2**20

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from services.scheduler.batcher import KvBudget
 
 __all__ = ["ActiveRequest", "Limits", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS",
-           "check_text_size", "encode_prompt", "kv_reservation", "max_token_bytes", "step_prompt_tokens", "validate"]
+           "MESSAGE_MAX_CHARS", "MESSAGE_MAX_TOKENS", "check_text_size", "encode_prompt", "kv_reservation", "max_token_bytes", "step_prompt_tokens", "validate"]
 
 # Every step rescans each stop string, and the stream holds back the longest one's length of text:
 # a request's stop rules must stay small beside the work of a step.
@@ -34,6 +34,12 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_TOKEN_IDS = 4096
 MAX_STOP_CHARS = 1024
 MAX_REQUEST_ID_CHARS = 256  # the id is echoed in every message and log line
+# The most tokens (and acceptance lengths) and text characters one stream message carries. A client
+# far behind gets its unsent output merged; past these it comes in several messages, so that one
+# stays well under gRPC's default 4 MB receive cap (16384 ids <= 80 KB, 262144 characters <= 1 MB of
+# UTF-8), whatever `scheduler.max_tokens_limit` allows.
+MESSAGE_MAX_TOKENS = 16384
+MESSAGE_MAX_CHARS = 262144
 
 
 @dataclass(frozen=True)
@@ -163,8 +169,11 @@ class ActiveRequest:
 
     def _unsent(self) -> bool:
         finished = self.finish != scheduler_pb2.FINISH_REASON_UNSPECIFIED
+        return self._unsent_output() or (finished and not self._final_sent)
+
+    def _unsent_output(self) -> bool:
         return (len(self.out_ids) > self.emitted_ids or len(self.acceptance) > self.emitted_steps
-                or self._safe_chars() > self.emitted_chars or (finished and not self._final_sent))
+                or self._safe_chars() > self.emitted_chars)
 
     def _decode(self) -> None:
         if self.tokenizer is None:
@@ -222,14 +231,16 @@ class ActiveRequest:
         return safe
 
     def _message(self) -> scheduler_pb2.GenerateResponse:
-        """The tokens and safe text not sent yet; the finish and usage once finished (not on a
-        failure's last tokens: the error follows them)."""
-        safe = self._safe_chars()
+        """The tokens and safe text not sent yet, up to a message's caps; the finish and usage with
+        the last of them once finished (not on a failure's last tokens: the error follows them)."""
+        ids = min(len(self.out_ids), self.emitted_ids + MESSAGE_MAX_TOKENS)
+        chars = min(self._safe_chars(), self.emitted_chars + MESSAGE_MAX_CHARS)
+        steps = min(len(self.acceptance), self.emitted_steps + MESSAGE_MAX_TOKENS)
         msg = scheduler_pb2.GenerateResponse(
-            request_id=self.request_id, token_ids=self.out_ids[self.emitted_ids:],
-            text=self.text[self.emitted_chars:safe], acceptance_lengths=self.acceptance[self.emitted_steps:])
-        self.emitted_ids, self.emitted_chars, self.emitted_steps = len(self.out_ids), safe, len(self.acceptance)
-        if self.finish != scheduler_pb2.FINISH_REASON_UNSPECIFIED:
+            request_id=self.request_id, token_ids=self.out_ids[self.emitted_ids:ids],
+            text=self.text[self.emitted_chars:chars], acceptance_lengths=self.acceptance[self.emitted_steps:steps])
+        self.emitted_ids, self.emitted_chars, self.emitted_steps = ids, chars, steps
+        if self.finish != scheduler_pb2.FINISH_REASON_UNSPECIFIED and not self._unsent_output():
             msg.finish_reason = self.finish
             msg.usage.CopyFrom(self.usage())
             self._final_sent = True
