@@ -139,6 +139,17 @@ def test_a_setting_under_a_misspelt_service_name_is_refused_and_the_stacks_own_v
         load_settings(SchedulerSettings, env={"DDTREE_SCHEDULR_MAX_QUEUE": "0"})
     with pytest.raises(SettingsError, match="DDTREE_SCHEDULER_PORT or DDTREE_DRAFT_PORT or DDTREE_VERIFIER_PORT"):
         load_settings(DraftSettings, env={"DDTREE_VERIFER_PORT": "5"})   # any service's load refuses it
+    # A setting's name without a service: the whole name, not the setting its last word names.
+    with pytest.raises(SettingsError, match=r"DDTREE_MAX_QUEUE: no service is named \(the setting is "
+                                            r"DDTREE_SCHEDULER_MAX_QUEUE\)"):
+        load_settings(SchedulerSettings, env={"DDTREE_MAX_QUEUE": "0"})
+    with pytest.raises(SettingsError, match=r"DDTREE_METRICS_PORT: no service is named \(the setting is "
+                                            r"DDTREE_SCHEDULER_METRICS_PORT or DDTREE_DRAFT_METRICS_PORT or "
+                                            r"DDTREE_VERIFIER_METRICS_PORT\)"):
+        load_settings(VerifierSettings, env={"DDTREE_METRICS_PORT": "9101"})
+    with pytest.raises(SettingsError, match=r"DDTREE_MY_VERIFIER_PAGE_SIZE: no service is called 'my_verifier' "
+                                            r"\(the setting is DDTREE_VERIFIER_PAGE_SIZE\)"):
+        load_settings(VerifierSettings, env={"DDTREE_MY_VERIFIER_PAGE_SIZE": "1"})
     env = {name: "1" for name in OTHER_VARIABLES} | {"DDTREE_SOMETHING": "x", "DDTREE_SCHEDULER_MAX_QUEUE": "3"}
     assert load_settings(SchedulerSettings, env=env).max_queue == 3   # no setting's name: not ours to judge
 
@@ -158,7 +169,7 @@ def test_every_ddtree_variable_the_project_names_is_a_setting_or_known_as_anothe
     pattern = re.compile(r"DDTREE_[A-Z0-9][A-Z0-9_]*(?![A-Z0-9_*\[])")   # a whole name, not DDTREE_HEALTH_*
     named = {m for f in files for m in pattern.findall(f.read_text(errors="replace"))}
     services = ("DDTREE_SCHEDULER_", "DDTREE_DRAFT_", "DDTREE_VERIFIER_")
-    examples = {"DDTREE_SCHEDULR_MAX_QUEUE"}   # the misspelling the docs show
+    examples = {"DDTREE_SCHEDULR_MAX_QUEUE", "DDTREE_MAX_QUEUE", "DDTREE_METRICS_PORT"}   # the mistakes the docs show
     assert len(named) > 20
     assert sorted(n for n in named - examples if not n.startswith(services) and n not in OTHER_VARIABLES) == []
 

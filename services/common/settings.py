@@ -375,8 +375,10 @@ OTHER_VARIABLES = frozenset({
 
 
 def _refuse_other_services(environ: Mapping[str, str]) -> None:
-    """A setting's variable under a service name that is none of ours (DDTREE_SCHEDULR_MAX_QUEUE)
-    was read by no service, without a word, where a misspelt field or config table is refused."""
+    """A setting's variable under a service name that is none of ours (DDTREE_SCHEDULR_MAX_QUEUE),
+    or under none at all (DDTREE_MAX_QUEUE), was read by no service, without a word, where a
+    misspelt field or config table is refused. The longest setting name the variable ends in is
+    the one meant (DDTREE_METRICS_PORT: `metrics_port`, not `port`)."""
     services = tuple(f"DDTREE_{name.upper()}_" for name in _SECTIONS.values())
     owners: dict[str, list[str]] = {}   # field: the services that have it
     for cls, name in _SECTIONS.items():
@@ -385,10 +387,13 @@ def _refuse_other_services(environ: Mapping[str, str]) -> None:
     for key in environ:
         if not key.startswith("DDTREE_") or key.startswith(services) or key in OTHER_VARIABLES:
             continue
-        word, _, rest = key.removeprefix("DDTREE_").partition("_")
-        if rest.lower() in owners:
-            names = " or ".join(f"DDTREE_{o.upper()}_{rest.upper()}" for o in owners[rest.lower()])
-            raise SettingsError(f"{key}: no service is called {word.lower()!r} (the setting is {names})")
+        words = key.removeprefix("DDTREE_").lower().split("_")
+        for cut in range(len(words)):
+            field = "_".join(words[cut:])
+            if field in owners:
+                names = " or ".join(f"DDTREE_{o.upper()}_{field.upper()}" for o in owners[field])
+                said = f"no service is called {'_'.join(words[:cut])!r}" if cut else "no service is named"
+                raise SettingsError(f"{key}: {said} (the setting is {names})")
 
 
 def replace(settings: S, **changes: Any) -> S:
