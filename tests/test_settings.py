@@ -42,6 +42,8 @@ def test_file_env_and_overrides_layer_in_order(tmp_path):
     (VerifierSettings, {"DDTREE_VERIFIER_METRICS_PORT": "50053"}, "verifier.metrics_port: 50053 is verifier.port too"),
     (DraftSettings, {"DDTREE_DRAFT_METRICS_PORT": "7", "DDTREE_DRAFT_PORT": "7"}, "draft.metrics_port"),
     (SchedulerSettings, {"DDTREE_SCHEDULER_METRICS_PORT": "50051"}, "scheduler.metrics_port"),
+    # refused by the verifier only after its weights loaded (minutes on Kimi-K2), under the handshake's name
+    (VerifierSettings, {"DDTREE_VERIFIER_FEATURE_LAYERS": "1,3,1"}, "1, 3, 1] names a layer twice"),
 ])
 def test_bad_settings_name_the_field(cls, env, needle):
     with pytest.raises(SettingsError, match=needle.replace(".", r"\.")):

@@ -239,6 +239,8 @@ class VerifierSettings:
         _check(all(0 <= b <= MAX_BUDGET for b in self.warmup_budgets), "verifier.warmup_budgets",
                f"must be budgets in 0..{MAX_BUDGET}")
         _check(all(i >= 0 for i in self.feature_layers), "verifier.feature_layers", "must be layer indices >= 0")
+        _check(len(set(self.feature_layers)) == len(self.feature_layers), "verifier.feature_layers",
+               f"{list(self.feature_layers)} names a layer twice")   # else refused only after the weights load
         _check(self.ring_slots >= 2, "verifier.ring_slots", "must be >= 2")
         _check(self.ring_slot_bytes >= 4096, "verifier.ring_slot_bytes", "must be >= 4096")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "verifier.dtype",
