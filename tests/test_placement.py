@@ -81,3 +81,28 @@ def test_a_tp_rank_binds_nccl_to_the_gpu_its_model_is_on(monkeypatch) -> None:
         parallel.TensorParallel(rank, 2, "tcp://127.0.0.1:1", backend="nccl", device=rank_device("cuda:4", rank))
         assert calls == [("set_device", f"cuda:{4 + rank}"), ("store", ("127.0.0.1", 1), rank == 0),
                          ("meet", "joined"), ("device_id", f"cuda:{4 + rank}")]
+
+
+def test_a_group_past_the_gpus_this_process_sees_is_refused_before_any_rank_starts(monkeypatch) -> None:
+    """`verifier.tp` ranks take consecutive GPUs from `verifier.device`; one past the GPUs there
+    died in its own start-up and the group failed UNAVAILABLE (exit 3: "may work later")."""
+    import asyncio
+
+    from services.verifier import server
+    from services.verifier.ranks import check_rank_devices
+
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 5)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4")
+    with pytest.raises(SettingsError, match=r"verifier\.tp: 4 ranks on verifier\.device = cuda:2 take cuda:2\.\.cuda:5, "
+                                            r"and this process sees 5 GPU\(s\) \(CUDA_VISIBLE_DEVICES=0,1,2,3,4\)"):
+        check_rank_devices(VerifierSettings(tp=4, device="cuda:2"))
+    check_rank_devices(VerifierSettings(tp=4, device="cuda:1"))   # cuda:1..cuda:4: there
+    check_rank_devices(VerifierSettings(tp=5, device="cuda"))
+    check_rank_devices(VerifierSettings(tp=1, device="cuda:7"))   # one rank: pin_device's to name
+    check_rank_devices(VerifierSettings(tp=8, device="cpu"))
+    spawned = []
+    monkeypatch.setattr(server, "spawn_workers", lambda *a: spawned.append(a))
+    with pytest.raises(SettingsError, match=r"verifier\.tp: 6 ranks"):
+        asyncio.run(server.serve(VerifierSettings(tp=6, device="cuda", port=0)))
+    assert spawned == []

@@ -26,11 +26,11 @@ import grpc
 from services.common.devices import current
 from services.common.grpc_server import ServiceError
 from services.common.logging import configure_logging, get_logger
-from services.common.settings import VerifierSettings, load_settings
+from services.common.settings import SettingsError, VerifierSettings, load_settings
 from services.verifier.engine import VerifierEngine
 from services.verifier.parallel import TensorParallel
 
-__all__ = ["EngineGroup", "GroupFailed", "backend_for", "first_exit", "rank_device", "spawn_workers", "stop_workers",
+__all__ = ["EngineGroup", "GroupFailed", "backend_for", "check_rank_devices", "first_exit", "rank_device", "spawn_workers", "stop_workers",
            "watch_workers", "worker_main"]
 
 log = get_logger("verifier")
@@ -168,6 +168,23 @@ def rank_device(device: str, rank: int) -> str:
         return device
     base = int(device.split(":", 1)[1]) if ":" in device else 0
     return f"cuda:{base + rank}"
+
+
+def check_rank_devices(settings: VerifierSettings) -> None:
+    """Every rank's GPU must exist before any rank starts: a rank past the GPUs this process sees
+    died in its own start-up with a traceback, and rank 0 then failed the group UNAVAILABLE
+    (``ddtree up`` exit 1, "may work later") where the setting is what is wrong."""
+    if settings.tp == 1 or not settings.device.startswith("cuda"):
+        return   # one rank: `pin_device` names verifier.device for a GPU that is not there
+    import torch
+
+    count = torch.cuda.device_count() if torch.version.cuda is not None else 0
+    last = rank_device(settings.device, settings.tp - 1)
+    if int(last.split(":", 1)[1]) >= count:
+        raise SettingsError(
+            f"verifier.tp: {settings.tp} ranks on verifier.device = {settings.device} take "
+            f"{rank_device(settings.device, 0)}..{last}, and this process sees {count} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
 
 
 def spawn_workers(settings: VerifierSettings, config_path: str | None, init_method: str) -> list[subprocess.Popen]:

@@ -43,8 +43,8 @@ from services.verifier.engine import ItemOutcome, PrefillInput, StepOutcome, Ver
 from services.verifier.kv_cache import PagedKVCache
 from services.verifier.model import TargetModel
 from services.verifier.parallel import TensorParallel, master_store
-from services.verifier.ranks import (EngineGroup, GroupFailed, backend_for, first_exit, rank_device, spawn_workers,
-                                     stop_workers, watch_workers)
+from services.verifier.ranks import (EngineGroup, GroupFailed, backend_for, check_rank_devices, first_exit, rank_device,
+                                     spawn_workers, stop_workers, watch_workers)
 from services.verifier.sampling import Sampling
 
 __all__ = ["VerifierServicer", "build_engine", "serve", "warm_up"]
@@ -633,6 +633,7 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     if backend in ("hopper", "triton") and not settings.device.startswith("cuda"):   # else ignored: said, not guessed
         raise SettingsError(f"{BACKEND_ENV}={backend}: a GPU kernel, and verifier.device is {settings.device}; "
                             "unset it (or 'reference') to serve on the CPU")
+    check_rank_devices(settings)
     metrics = Metrics("verifier")
     metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
     workers = []
