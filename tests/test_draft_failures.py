@@ -588,3 +588,31 @@ def test_a_drafter_of_another_vocabulary_is_refused_at_its_handshake(ckpt):
     (code, details), ok = asyncio.run(run())
     assert code == grpc.StatusCode.FAILED_PRECONDITION and f"vocab_size={cfg['vocab_size'] + 1}" in details
     assert ok == "OK"
+
+
+def test_a_context_pool_too_large_for_the_gpu_fails_the_start_naming_its_settings() -> None:
+    """`draft.graph_context` raised for long prompts (131072 tokens: 24 GiB on the demo drafter)
+    ended the draft's start in a bare OutOfMemoryError traceback (exit 1, "may work later")."""
+    from services.common.settings import DraftSettings, SettingsError
+    from services.draft.server import enable_propose_graphs
+
+    class Proposer:
+        def __init__(self, fits: bool) -> None:
+            self.fits, self.asked = fits, []
+
+        def enable_graphs(self, rows: int, context: int) -> int:
+            self.asked.append((rows, context))
+            if not self.fits:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB.\nmore lines")
+            return 2**20
+
+    settings = DraftSettings(graph_rows=128, graph_context=131072)
+    with pytest.raises(SettingsError, match=r"draft\.graph_rows, draft\.graph_context: a context pool of 128 contexts "
+                                            r"x 131072 tokens does not fit on cuda:0 .*draft\.cuda_graphs = false "
+                                            r"\(CUDA out of memory\. Tried to allocate 24\.00 GiB\.\)$"):
+        enable_propose_graphs(Proposer(fits=False), settings, torch.device("cuda", 0))
+    fits = Proposer(fits=True)
+    with capture_logs() as logs:
+        enable_propose_graphs(fits, settings, torch.device("cuda", 0))
+    assert fits.asked == [(128, 131072)]
+    assert [(e["event"], e["pool_mb"]) for e in logs] == [("propose_graphs_on", 1.0)]

@@ -18,9 +18,9 @@ from services.common.grpc_server import (IdleStreams, ServiceError, check_port_f
                                          report_health, serve_until_signal, warn_if_reachable)
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
-from services.common.settings import DraftSettings
+from services.common.settings import DraftSettings, SettingsError
 from services.draft.engine import DraftEngine
-from services.draft.proposer import load_proposer
+from services.draft.proposer import Proposer, load_proposer
 from services.draft.verifier_client import VerifierClient
 
 __all__ = ["DraftServicer", "serve"]
@@ -102,6 +102,21 @@ async def _reconnect_when_lost(engine: DraftEngine, interval_s: float = 1.0) -> 
                 said = kind
 
 
+def enable_propose_graphs(proposer: Proposer, settings: DraftSettings, device: torch.device) -> None:
+    """The context pool and its graphs. A pool too large for the GPU is the settings' fault, said
+    as such: a bare OutOfMemoryError traceback left an operator (who raised `graph_context` for
+    long prompts: 131072 tokens take 24 GiB on the demo drafter) to guess which setting."""
+    try:
+        pool = proposer.enable_graphs(settings.graph_rows, settings.graph_context)
+    except torch.OutOfMemoryError as exc:
+        raise SettingsError(f"draft.graph_rows, draft.graph_context: a context pool of {settings.graph_rows} contexts x "
+                            f"{settings.graph_context} tokens does not fit on {device} beside the drafter; lower "
+                            f"either (requests past them propose eagerly) or set draft.cuda_graphs = false "
+                            f"({str(exc).splitlines()[0][:160]})") from None
+    log.info("propose_graphs_on", rows=settings.graph_rows, context=settings.graph_context,
+             pool_mb=round(pool / 2**20, 1))
+
+
 async def serve(settings: DraftSettings) -> None:
     configure_logging("draft", settings.json_logs)
     # Ports first: one that cannot be had fails start-up now, not after the weights load and the verifier answers.
@@ -120,9 +135,7 @@ async def serve(settings: DraftSettings) -> None:
                             internal_token=token,
                             on_inline_fallback=metrics.ring_inline_fallbacks.labels("slot_too_small").inc)
     if device.type == "cuda" and settings.cuda_graphs:
-        pool = proposer.enable_graphs(settings.graph_rows, settings.graph_context)
-        log.info("propose_graphs_on", rows=settings.graph_rows, context=settings.graph_context,
-                 pool_mb=round(pool / 2**20, 1))
+        enable_propose_graphs(proposer, settings, device)
     engine = DraftEngine(proposer, client, metrics)
     t0 = time.perf_counter()
     engine.warm_up(settings.warmup_budgets, str(device))
