@@ -94,6 +94,7 @@ __all__ = [
     "int4_moe_reference",
     "choose_config",
     "CONFIG_ENV",
+    "config_from_env",
 ]
 
 _DEQ_BF16X2_PTX = tl.constexpr(DEQUANT_BF16X2)
@@ -685,17 +686,43 @@ class Int4MoEConfig:
         for item in filter(None, (s.strip() for s in spec.split(","))):
             key, _, val = item.partition("=")
             if key in ("gu", "dn", "gv", "gvd"):
-                bn, bk, w, st = (int(v) for v in val.split("x"))
+                parts = val.split("x")
+                if len(parts) != 4:
+                    raise ValueError(f"{key}={val!r}: must be BLOCK_NxBLOCK_KxWARPSxSTAGES, e.g. 64x128x4x3")
+                bn, bk, w, st = (_spec_int(key, val, v) for v in parts)
                 kw.update({f"{key}_block_n": bn, f"{key}_block_k": bk, f"{key}_warps": w, f"{key}_stages": st})
             elif key in _SPEC_INTS:
-                kw[_SPEC_INTS[key]] = int(val)
+                kw[_SPEC_INTS[key]] = _spec_int(key, val, val)
             elif key in _SPEC_FLAGS:
-                kw[_SPEC_FLAGS[key]] = val not in ("0", "false", "False")
+                if val.lower() not in ("0", "1", "false", "true"):   # `hopper=off` was read as on
+                    raise ValueError(f"{key}={val!r}: must be 0 or 1")
+                kw[_SPEC_FLAGS[key]] = val.lower() in ("1", "true")
             elif key == "reduce":
                 kw["reduce"] = val
             else:
                 raise ValueError(f"{CONFIG_ENV}: unknown key {key!r} in {spec!r}")
         return cls(**kw)
+
+
+def _spec_int(key: str, val: str, part: str) -> int:
+    try:
+        return int(part)
+    except ValueError:
+        raise ValueError(f"{key}={val!r}: {part!r} is not an integer") from None
+
+
+def config_from_env() -> Int4MoEConfig | None:
+    """The config ``CONFIG_ENV`` pins, or None. One that does not parse is refused naming the
+    variable; the verifier checks it at start-up, where its first fused-MoE launch (after the
+    weights load) raised a bare ValueError or AssertionError."""
+    spec = os.environ.get(CONFIG_ENV)
+    if not spec:
+        return None
+    try:
+        return Int4MoEConfig.parse(spec)
+    except (ValueError, AssertionError) as exc:
+        raise ValueError(f"{CONFIG_ENV}={spec!r}: {str(exc).removeprefix(CONFIG_ENV + ': ')} "
+                         f"(the syntax: {Int4MoEConfig().spec()})") from None
 
 
 # ``Int4MoEConfig.spec`` keys of single fields: integers, and flags written 0 / 1.
@@ -754,9 +781,9 @@ def choose_config(
     M = 4 63 vs 71 us; M = 9 134 vs 122) and none of a whole-expert one (EP8 M = 1: 139 vs 105),
     and large M puts the weights on the MMA's M side too.
     """
-    pinned = os.environ.get(CONFIG_ENV)
-    if pinned:
-        return Int4MoEConfig.parse(pinned)
+    pinned = config_from_env()
+    if pinned is not None:
+        return pinned
     whole_experts = intermediate >= 1024  # EP-style ranks hold whole experts (K2 EP8: I = 2048)
     r = tokens * top_k / max(num_experts, 1)
     hopper = _hopper_here()

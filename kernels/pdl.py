@@ -53,9 +53,28 @@ try:  # Gluon ships with Triton >= 3.5
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-__all__ = ["PDL", "enabled", "grid_sync", "grid_sync_gluon"]
+__all__ = ["ENV", "PDL", "enabled", "grid_sync", "grid_sync_gluon", "switch_from_env"]
 
-PDL = os.environ.get("DDTREE_PDL", "1") != "0"
+ENV = "DDTREE_PDL"
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def switch_from_env() -> bool:
+    """``ENV`` read as the settings read a boolean; another word is refused naming the variable
+    (`false` left PDL on without a word). The services call it at start-up; at import, below, a
+    word it refuses keeps the default, so that importing a kernel never fails."""
+    value = os.environ.get(ENV, "").strip()
+    if not value or value.lower() in _ON:
+        return True
+    if value.lower() in _OFF:
+        return False
+    raise ValueError(f"{ENV}={value!r}: must be 0 (off) or 1 (on) (or false / true, no / yes, off / on)")
+
+
+try:
+    PDL = switch_from_env()
+except ValueError:
+    PDL = True
 
 
 def enabled(device: torch.device) -> bool:

@@ -335,6 +335,48 @@ def test_a_misspelt_tree_attention_backend_fails_the_verifiers_start_by_name(mon
     assert backend_from_env() is None
 
 
+def test_the_other_kernel_overrides_fail_the_start_by_name_where_they_do_not_parse(monkeypatch) -> None:
+    """`DDTREE_PDL=false` left PDL on without a word; a `DDTREE_INT4_MOE_CONFIG` that does not
+    parse (`hopper=off` read as on; `bm=x`, `gu=64x128`, `bm=7`: a bare ValueError or
+    AssertionError) failed at the first fused-MoE launch, after the weights loaded."""
+    import asyncio
+
+    from kernels import pdl
+    from kernels.int4_moe import CONFIG_ENV, Int4MoEConfig, config_from_env
+    from services.common.settings import DraftSettings, SettingsError, VerifierSettings
+    from services.draft import server as draft_server
+    from services.verifier.server import serve
+
+    for word, on in (("", True), ("1", True), ("on", True), ("TRUE", True), ("0", False), ("false", False),
+                     ("No", False), (" off ", False)):
+        monkeypatch.setenv(pdl.ENV, word)
+        assert pdl.switch_from_env() is on
+    monkeypatch.setenv(pdl.ENV, "disabled")
+    with pytest.raises(ValueError, match=r"DDTREE_PDL='disabled': must be 0 \(off\) or 1 \(on\)"):
+        pdl.switch_from_env()
+    with pytest.raises(SettingsError, match="DDTREE_PDL='disabled'"):
+        asyncio.run(serve(VerifierSettings(port=0)))
+    with pytest.raises(SettingsError, match="DDTREE_PDL='disabled'"):
+        asyncio.run(draft_server.serve(DraftSettings(port=0)))
+    monkeypatch.delenv(pdl.ENV)
+
+    for spec, said in (("hopper=off", "hopper='off': must be 0 or 1"), ("bm=x", "bm='x': 'x' is not an integer"),
+                       ("dn=64x128xfourx3", "dn='64x128xfourx3': 'four' is not an integer"),
+                       ("gu=64x128", "gu='64x128': must be BLOCK_NxBLOCK_KxWARPSxSTAGES"),
+                       ("bm=7", "block_m=7 must be a power of two"), ("tiles=3", "unknown key 'tiles'")):
+        monkeypatch.setenv(CONFIG_ENV, spec)
+        with pytest.raises(ValueError, match=f"^{CONFIG_ENV}='{spec}': .*{said}.*the syntax: bm=16,gu="):
+            config_from_env()
+        with pytest.raises(SettingsError, match=f"{CONFIG_ENV}='{spec}'"):
+            asyncio.run(serve(VerifierSettings(port=0)))
+    monkeypatch.setenv(CONFIG_ENV, "bm=32,hopper=0,gemv=true")
+    assert config_from_env() == Int4MoEConfig(block_m=32, hopper=False, gemv=True)
+    assert Int4MoEConfig.parse(Int4MoEConfig(hopper=False, swap_ab=False).spec()) == Int4MoEConfig(hopper=False,
+                                                                                                   swap_ab=False)
+    monkeypatch.setenv(CONFIG_ENV, "")
+    assert config_from_env() is None
+
+
 def test_a_tokenizer_larger_than_the_models_vocabulary_fails_the_start(monkeypatch) -> None:
     """Another model's tokenizer passed the start and failed every text prompt with "prompt.token_ids[2]
     = 613 is outside the vocabulary", for a user who sent text."""

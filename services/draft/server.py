@@ -12,6 +12,7 @@ import grpc
 import torch
 
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from kernels.pdl import switch_from_env
 from services.common.auth import internal_interceptors, internal_token
 from services.common.devices import pin_device
 from services.common.grpc_server import (IdleStreams, ServiceError, check_port_free, host_port, listen, new_server,
@@ -121,6 +122,10 @@ async def serve(settings: DraftSettings) -> None:
     configure_logging("draft", settings.json_logs)
     # Ports first: one that cannot be had fails start-up now, not after the weights load and the verifier answers.
     check_port_free(settings.host, settings.port, "draft.port")
+    try:
+        switch_from_env()   # DDTREE_PDL: its kernels' launches
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
     token = internal_token()   # asked of the scheduler's calls, presented to the verifier
     metrics = Metrics("draft")
     metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)

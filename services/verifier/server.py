@@ -27,6 +27,7 @@ import grpc
 import torch
 
 from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from kernels.pdl import switch_from_env
 from kernels.tree_mla import BACKEND_ENV, backend_from_env
 from services.common.auth import internal_interceptors, internal_token
 from services.common.checkpoint import read_config, require_checkpoint
@@ -626,8 +627,12 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     # Ports first: one that cannot be had fails start-up now, not after the weights load.
     check_port_free(settings.host, settings.port, "verifier.port")
     token = internal_token()   # asked of every draft's calls
-    try:
+    try:   # the kernel overrides, refused naming their variable before the weights load
         backend = backend_from_env()
+        switch_from_env()
+        if os.environ.get("DDTREE_INT4_MOE_CONFIG"):   # its kernels imported only then: the CPU path has none
+            from kernels.int4_moe import config_from_env
+            config_from_env()
     except ValueError as exc:
         raise SettingsError(str(exc)) from None
     if backend in ("hopper", "triton") and not settings.device.startswith("cuda"):   # else ignored: said, not guessed
