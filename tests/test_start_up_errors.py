@@ -56,6 +56,30 @@ def test_a_busy_metrics_port_names_the_setting() -> None:
             serve_metrics(Metrics("draft"), "127.0.0.1", held.getsockname()[1])
 
 
+def test_a_host_that_is_no_address_here_is_said_against_the_host_setting(monkeypatch) -> None:
+    """`draft.host = nonexistent.invalid` failed the start as `draft.port: cannot listen ...`, the
+    port being fine; so did an address of another machine."""
+    from services.common.grpc_server import check_port_free
+
+    other = "192.0.2.1"   # TEST-NET-1: no machine's own address
+    with pytest.raises(SettingsError, match=r"^verifier\.host: cannot listen on '192\.0\.2\.1': .* \(a name or address "
+                                            r"of this machine\)$"):
+        check_port_free(other, 50999, "verifier.port")
+    with pytest.raises(SettingsError, match=r"^draft\.host: cannot listen on '192\.0\.2\.1'"):
+        serve_metrics(Metrics("draft"), other, 50998)
+    with pytest.raises(SettingsError, match=r"^--host/--port: cannot listen on '192\.0\.2\.1'"):
+        check_port_free(other, 50999, "--host/--port")
+
+    def unknown(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    monkeypatch.setattr(socket, "getaddrinfo", unknown)
+    with pytest.raises(SettingsError, match=r"^scheduler\.host: cannot listen on 'nonexistent\.invalid': Name or service "
+                                            r"not known"):
+        check_port_free("nonexistent.invalid", 50051, "scheduler.port")
+    with pytest.raises(SettingsError, match=r"^scheduler\.host: cannot listen on 'nonexistent\.invalid'"):
+        serve_metrics(Metrics("scheduler"), "nonexistent.invalid", 9100)
+
+
 def test_tls_files_are_checked_before_anything_starts(tmp_path) -> None:
     with pytest.raises(SettingsError, match=r"scheduler\.tls_cert: cannot read"):
         server_credentials(str(tmp_path / "missing.pem"), str(tmp_path / "missing.key"))

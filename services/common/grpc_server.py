@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.call_errors import CallErrorInterceptor
 from services.common.health import OVERALL, HealthServicer
 from services.common.logging import get_logger
-from services.common.settings import SettingsError
+from services.common.settings import SettingsError, cannot_listen
 
 T = TypeVar("T")
 __all__ = ["ServiceError", "IdleStreams", "is_loopback", "new_server", "check_port_free", "listen", "serve_until_signal",
@@ -117,7 +117,7 @@ def check_port_free(host: str, port: int, setting: str) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no conflict
             probe.bind(addr)
     except OSError as exc:
-        raise SettingsError(f"{setting}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise cannot_listen(exc, host, port, setting) from None
 
 
 def listen(server: grpc.aio.Server, address: str, setting: str,

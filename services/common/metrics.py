@@ -18,7 +18,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Pla
                                make_wsgi_app)
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from services.common.settings import SettingsError
+from services.common.settings import cannot_listen
 
 if TYPE_CHECKING:   # the scheduler imports this module and runs without torch
     import torch
@@ -163,6 +163,6 @@ def serve_metrics(metrics: Metrics, host: str, port: int) -> int | None:
                              type("ScrapeServer", (_ScrapeServer,), {"address_family": family}),
                              handler_class=_ScrapeHandler)
     except OSError as exc:
-        raise SettingsError(f"{metrics.service}.metrics_port: cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise cannot_listen(exc, host, port, f"{metrics.service}.metrics_port") from None
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server.server_port

@@ -13,10 +13,12 @@ lists.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 import struct
 import re
+import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from typing import Any, TypeVar
 
 __all__ = [
     "SettingsError",
+    "cannot_listen",
     "SchedulerSettings",
     "DraftSettings",
     "VerifierSettings",
@@ -59,6 +62,17 @@ def temperature_ok(t: float) -> bool:
 
 class SettingsError(ValueError):
     """A setting is missing, of the wrong type or out of range; the message names it."""
+
+
+def cannot_listen(exc: OSError, host: str, port: int, setting: str) -> SettingsError:
+    """A failed bind, said against the setting at fault: a host that does not resolve or is no
+    address of this machine (`draft.host = nonexistent.invalid` was said as `draft.port`'s fault),
+    else the port. ``setting`` is the port's (`draft.port` -> `draft.host`)."""
+    why = exc.strerror or str(exc)
+    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+        where = setting.removesuffix("metrics_port").removesuffix("port") + "host" if "." in setting else setting
+        return SettingsError(f"{where}: cannot listen on {host!r}: {why} (a name or address of this machine)")
+    return SettingsError(f"{setting}: cannot listen on {host}:{port}: {why}")
 
 
 def _check(ok: bool, name: str, message: str) -> None:
