@@ -260,6 +260,10 @@ class VerifierEngine:
     def active_requests(self) -> int:
         return len(self._requests)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether this rank's cache holds the request (a prompt of it would be ALREADY_EXISTS)."""
+        return request_id in self._requests
+
     # ---- lifecycle ----------------------------------------------------------------------------
     def release(self, request_ids: Sequence[str], owner: str | None = None) -> None:
         """Frees these requests; with ``owner``, only those that draft replica holds. A replica

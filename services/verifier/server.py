@@ -381,11 +381,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             room -= len(p.token_ids)
             inputs.append(PrefillInput(p.request_id, list(p.token_ids), sampling, p.reserve_tokens,
                                        owner=peer.owner, more=p.prompt_continues, offset=p.prompt_offset))
-        could = self.engine.active_requests + sum(1 for x in inputs if x.offset == 0 and x.token_ids)
+        new = {x.request_id for x in inputs if x.offset == 0 and x.token_ids}
+        could = self.engine.active_requests + sum(1 for rid in new if not self.engine.holds(rid))
         if len(req.verify_ids) > could:
             # More trees than requests held here: a million one-node trees of unknown ids took the
             # event loop (or, with ranks, every rank) for seconds, all to be refused one by one.
-            # (Only new prompts the server keeps count: padded with refused or empty ones, it passed.)
+            # (Only new prompts the server keeps count, each id once and none held already: padded
+            # with refused, empty or repeated ones, it passed.)
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"draft {peer.draft_id}: a step of {len(req.verify_ids)} trees, more than the "
                                f"{could} requests it could verify")
