@@ -105,4 +105,7 @@ def test_a_group_past_the_gpus_this_process_sees_is_refused_before_any_rank_star
     monkeypatch.setattr(server, "spawn_workers", lambda *a: spawned.append(a))
     with pytest.raises(SettingsError, match=r"verifier\.tp: 6 ranks"):
         asyncio.run(server.serve(VerifierSettings(tp=6, device="cuda", port=0)))
+    monkeypatch.setattr(torch.version, "cuda", None)   # a CPU build: said as pin_device says it
+    with pytest.raises(SettingsError, match=r"verifier\.device: cuda asked for, but this torch build has no CUDA"):
+        check_rank_devices(VerifierSettings(tp=2, device="cuda"))
     assert spawned == []

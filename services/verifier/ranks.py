@@ -178,7 +178,10 @@ def check_rank_devices(settings: VerifierSettings) -> None:
         return   # one rank: `pin_device` names verifier.device for a GPU that is not there
     import torch
 
-    count = torch.cuda.device_count() if torch.version.cuda is not None else 0
+    if torch.version.cuda is None:
+        raise SettingsError(f"verifier.device: {settings.device} asked for, but this torch build has no CUDA support "
+                            f"(torch {torch.__version__}; a CPU build runs with device = \"cpu\")")
+    count = torch.cuda.device_count()
     last = rank_device(settings.device, settings.tp - 1)
     if int(last.split(":", 1)[1]) >= count:
         raise SettingsError(
