@@ -603,13 +603,14 @@ def test_a_context_pool_too_large_for_the_gpu_fails_the_start_naming_its_setting
         def enable_graphs(self, rows: int, context: int) -> int:
             self.asked.append((rows, context))
             if not self.fits:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB.\nmore lines")
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB. GPU 0 has a total "
+                                             "capacity of 79.18 GiB of which 78.55 GiB is free. Including\nmore")
             return 2**20
 
     settings = DraftSettings(graph_rows=128, graph_context=131072)
     with pytest.raises(SettingsError, match=r"draft\.graph_rows, draft\.graph_context: a context pool of 128 contexts "
                                             r"x 131072 tokens does not fit on cuda:0 .*draft\.cuda_graphs = false "
-                                            r"\(CUDA out of memory\. Tried to allocate 24\.00 GiB\.\)$"):
+                                            r"\(CUDA out of memory\. Tried to allocate 24\.00 GiB\)$"):
         enable_propose_graphs(Proposer(fits=False), settings, torch.device("cuda", 0))
     fits = Proposer(fits=True)
     with capture_logs() as logs:

@@ -113,7 +113,7 @@ def enable_propose_graphs(proposer: Proposer, settings: DraftSettings, device: t
         raise SettingsError(f"draft.graph_rows, draft.graph_context: a context pool of {settings.graph_rows} contexts x "
                             f"{settings.graph_context} tokens does not fit on {device} beside the drafter; lower "
                             f"either (requests past them propose eagerly) or set draft.cuda_graphs = false "
-                            f"({str(exc).splitlines()[0][:160]})") from None
+                            f"({'. '.join(str(exc).splitlines()[0].split('. ')[:2])[:160]})") from None
     log.info("propose_graphs_on", rows=settings.graph_rows, context=settings.graph_context,
              pool_mb=round(pool / 2**20, 1))
 
