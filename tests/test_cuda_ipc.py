@@ -233,6 +233,7 @@ class _EchoGroup:
         config = SimpleNamespace(hidden_size=8, vocab_size=512, model_type="deepseek_v3", eos_token_id=[0])
         self.engine = SimpleNamespace(
             model=SimpleNamespace(config=config, dtype=torch.float32), max_context=256, active_requests=1,   # it holds "a"
+            holds=lambda request_id: request_id == "a",
             cache=SimpleNamespace(pages_free=64, num_pages=64, capacity_tokens=1024, page_size=16), model_device=dev,
             check_feature_layers=lambda ids: None, take_commit_ms=lambda: None,
             cat_features=lambda parts: torch.cat(parts) if parts else torch.zeros(0, 8, device=dev))

@@ -9,6 +9,7 @@ step link (and router, where placement matters).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import json
 import time
@@ -590,7 +591,7 @@ def test_a_drafter_of_another_vocabulary_is_refused_at_its_handshake(ckpt):
     assert ok == "OK"
 
 
-def test_a_context_pool_too_large_for_the_gpu_fails_the_start_naming_its_settings() -> None:
+def test_a_context_pool_too_large_for_the_gpu_fails_the_start_naming_its_settings(monkeypatch) -> None:
     """`draft.graph_context` raised for long prompts (131072 tokens: 24 GiB on the demo drafter)
     ended the draft's start in a bare OutOfMemoryError traceback (exit 1, "may work later")."""
     from services.common.settings import DraftSettings, SettingsError
@@ -612,6 +613,19 @@ def test_a_context_pool_too_large_for_the_gpu_fails_the_start_naming_its_setting
                                             r"x 131072 tokens does not fit on cuda:0 .*draft\.cuda_graphs = false "
                                             r"\(CUDA out of memory\. Tried to allocate 24\.00 GiB\)$"):
         enable_propose_graphs(Proposer(fits=False), settings, torch.device("cuda", 0))
+    # The service's start takes that way: a GPU draft with graphs, its drafter and client stubbed.
+    from services.common.metrics import Metrics
+    from services.draft import server
+
+    too_big = Proposer(fits=False)
+    too_big.block_size, too_big.target_layer_ids = 16, (1, 3)
+    monkeypatch.setattr(server, "pin_device", lambda device, setting: torch.device("cuda", 0))
+    monkeypatch.setattr(Metrics, "track_gpu_memory", lambda self, device: None)
+    monkeypatch.setattr(server, "load_proposer", lambda *args: too_big)
+    monkeypatch.setattr(server, "VerifierClient", lambda *args, **kwargs: None)
+    with pytest.raises(SettingsError, match=r"^draft\.graph_rows, draft\.graph_context: a context pool of 128"):
+        asyncio.run(server.serve(dataclasses.replace(settings, device="cuda", port=0)))
+    assert too_big.asked == [(128, 131072)]
     fits = Proposer(fits=True)
     with capture_logs() as logs:
         enable_propose_graphs(fits, settings, torch.device("cuda", 0))

@@ -4,6 +4,7 @@ traceback (``SettingsError`` / ``ServiceError``, which ``ddtree serve`` prints a
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import subprocess
 
@@ -61,7 +62,14 @@ def test_a_host_that_is_no_address_here_is_said_against_the_host_setting(monkeyp
     port being fine; so did an address of another machine."""
     from services.common.grpc_server import check_port_free
 
-    other = "192.0.2.1"   # TEST-NET-1: no machine's own address
+    other = "192.0.2.1"   # TEST-NET-1: no machine's own address (where non-local binds are off, as by default)
+    real_bind = socket.socket.bind
+
+    def bind(self, address):
+        if address[0] == other:
+            raise OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")
+        return real_bind(self, address)
+    monkeypatch.setattr(socket.socket, "bind", bind)
     with pytest.raises(SettingsError, match=r"^verifier\.host: cannot listen on '192\.0\.2\.1': .* \(a name or address "
                                             r"of this machine\)$"):
         check_port_free(other, 50999, "verifier.port")
@@ -69,6 +77,9 @@ def test_a_host_that_is_no_address_here_is_said_against_the_host_setting(monkeyp
         serve_metrics(Metrics("draft"), other, 50998)
     with pytest.raises(SettingsError, match=r"^--host/--port: cannot listen on '192\.0\.2\.1'"):
         check_port_free(other, 50999, "--host/--port")
+    with pytest.raises(SettingsError, match=r"^draft\.host: cannot listen on '192\.0\.2\.1'"):
+        check_port_free(other, 0, "draft.port")   # any free port: the host is checked all the same
+    check_port_free("127.0.0.1", 0, "draft.port")
 
     def unknown(*args, **kwargs):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
@@ -369,7 +380,7 @@ def test_the_other_kernel_overrides_fail_the_start_by_name_where_they_do_not_par
     from kernels.int4_moe import CONFIG_ENV, Int4MoEConfig, config_from_env
     from services.common.settings import DraftSettings, SettingsError, VerifierSettings
     from services.draft import server as draft_server
-    from services.verifier.server import serve
+    from services.verifier.server import kernel_overrides, serve
 
     for word, on in (("", True), ("1", True), ("on", True), ("TRUE", True), ("0", False), ("false", False),
                      ("No", False), (" off ", False)):
@@ -392,7 +403,8 @@ def test_the_other_kernel_overrides_fail_the_start_by_name_where_they_do_not_par
         with pytest.raises(ValueError, match=f"^{CONFIG_ENV}='{spec}': .*{said}.*the syntax: bm=16,gu="):
             config_from_env()
         with pytest.raises(SettingsError, match=f"{CONFIG_ENV}='{spec}'"):
-            asyncio.run(serve(VerifierSettings(port=0)))
+            asyncio.run(serve(VerifierSettings(port=0, device="cuda")))   # before the CPU build's own refusal
+        assert kernel_overrides(VerifierSettings(device="cpu")) is None   # the CPU path reads no MoE config
     monkeypatch.setenv(CONFIG_ENV, "bm=32,hopper=0,gemv=true")
     assert config_from_env() == Int4MoEConfig(block_m=32, hopper=False, gemv=True)
     assert Int4MoEConfig.parse(Int4MoEConfig(hopper=False, swap_ab=False).spec()) == Int4MoEConfig(hopper=False,

@@ -55,7 +55,7 @@ class _Group:
         config = SimpleNamespace(hidden_size=HIDDEN, vocab_size=VOCAB, model_type="deepseek_v3", eos_token_id=[0])
         cache = SimpleNamespace(pages_free=64, num_pages=64, capacity_tokens=1024, page_size=16)
         self.engine = SimpleNamespace(model=SimpleNamespace(config=config, dtype=torch.float32), cache=cache, max_context=256,
-                                      active_requests=0, model_device=torch.device("cpu"),
+                                      active_requests=0, holds=lambda request_id: False, model_device=torch.device("cpu"),
                                       check_feature_layers=lambda ids: None,
                                       cat_features=lambda parts: torch.cat(parts) if parts else torch.zeros(0, HIDDEN))
 

@@ -108,9 +108,7 @@ def check_port_free(host: str, port: int, setting: str) -> None:
     """Fails start-up now, by the setting's name, where ``host:port`` cannot be bound, so a busy port
     is found before minutes of loading. The real bind (``listen``) comes just before the server
     starts: a port bound early accepts connections whose calls then hang until it starts, where an
-    unbound one refuses them at once."""
-    if port == 0:
-        return
+    unbound one refuses them at once. Port 0 (any free one) is probed too, for the host."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind, proto) as probe:

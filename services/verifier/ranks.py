@@ -182,11 +182,14 @@ def check_rank_devices(settings: VerifierSettings) -> None:
         raise SettingsError(f"verifier.device: {settings.device} asked for, but this torch build has no CUDA support "
                             f"(torch {torch.__version__}; a CPU build runs with device = \"cpu\")")
     count = torch.cuda.device_count()
-    last = rank_device(settings.device, settings.tp - 1)
+    first, last = rank_device(settings.device, 0), rank_device(settings.device, settings.tp - 1)
+    if int(first.split(":", 1)[1]) >= count:   # rank 0's own GPU: the device's fault, as with one rank
+        raise SettingsError(f"verifier.device: device {first} does not exist: this process sees {count} GPU(s) "
+                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
     if int(last.split(":", 1)[1]) >= count:
         raise SettingsError(
             f"verifier.tp: {settings.tp} ranks on verifier.device = {settings.device} take "
-            f"{rank_device(settings.device, 0)}..{last}, and this process sees {count} GPU(s) "
+            f"{first}..{last}, and this process sees {count} GPU(s) "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
 
 

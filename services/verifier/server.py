@@ -624,15 +624,14 @@ def _end_start_up(reason: str, workers: list, settled: threading.Event) -> None:
     os._exit(3)
 
 
-async def serve(settings: VerifierSettings, config_path: str | None = None) -> None:
-    configure_logging("verifier", settings.json_logs)
-    # Ports first: one that cannot be had fails start-up now, not after the weights load.
-    check_port_free(settings.host, settings.port, "verifier.port")
-    token = internal_token()   # asked of every draft's calls
-    try:   # the kernel overrides, refused naming their variable before the weights load
+def kernel_overrides(settings: VerifierSettings) -> str | None:
+    """The kernel override variables (README "Kernel choice"), each refused by name where it does
+    not parse, before the weights load; returns the tree-attention backend forced, if one is."""
+    try:
         backend = backend_from_env()
         switch_from_env()
-        if os.environ.get("DDTREE_INT4_MOE_CONFIG"):   # its kernels imported only then: the CPU path has none
+        # Read by the GPU's fused MoE only: the CPU path never loads its kernels (nor Triton).
+        if os.environ.get("DDTREE_INT4_MOE_CONFIG") and settings.device.startswith("cuda"):
             from kernels.int4_moe import config_from_env
             config_from_env()
     except ValueError as exc:
@@ -640,6 +639,15 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     if backend in ("hopper", "triton") and not settings.device.startswith("cuda"):   # else ignored: said, not guessed
         raise SettingsError(f"{BACKEND_ENV}={backend}: a GPU kernel, and verifier.device is {settings.device}; "
                             "unset it (or 'reference') to serve on the CPU")
+    return backend
+
+
+async def serve(settings: VerifierSettings, config_path: str | None = None) -> None:
+    configure_logging("verifier", settings.json_logs)
+    # Ports first: one that cannot be had fails start-up now, not after the weights load.
+    check_port_free(settings.host, settings.port, "verifier.port")
+    token = internal_token()   # asked of every draft's calls
+    kernel_overrides(settings)
     check_rank_devices(settings)
     metrics = Metrics("verifier")
     metrics_port = serve_metrics(metrics, settings.host, settings.metrics_port)
