@@ -277,14 +277,22 @@ def test_the_scheduler_process_runs_without_torch() -> None:
     assert "torch imported: False" in out.stdout, out.stdout
 
 
-def test_a_kv_cache_larger_than_memory_names_the_setting(tmp_path) -> None:
+def test_a_kv_cache_larger_than_memory_names_the_setting(tmp_path, monkeypatch) -> None:
+    """The allocator's refusal is the CPU allocator's, raised here: a host that overcommits memory
+    hands out the 100-billion-token cache and the kernel kills the process as it is zeroed (a
+    128 GiB GPU host did), where a small CI machine's allocator refuses it."""
     from services.common.make_checkpoint import make_random_checkpoint
     from services.common.settings import VerifierSettings
-    from services.verifier.server import build_engine
+    from services.verifier import server
     ckpt = make_random_checkpoint(tmp_path / "ckpt", vocab_size=512, seed=0)
     settings = VerifierSettings(model_path=str(ckpt), kv_capacity_tokens=100_000_000_000, max_context=512)
-    with pytest.raises(SettingsError, match=r"verifier\.kv_capacity_tokens: 100000000000 tokens need [\d.]+ GiB on cpu"):
-        build_engine(settings)
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] err == 0. DefaultCPUAllocator: can't allocate memory")
+    monkeypatch.setattr(server, "PagedKVCache", refused)
+    with pytest.raises(SettingsError, match=r"verifier\.kv_capacity_tokens: 100000000000 tokens need [\d.]+ GiB on cpu "
+                                            r"beside the weights, more than there is \(\[enforce fail"):
+        server.build_engine(settings)
 
 
 def test_a_warm_up_out_of_gpu_memory_names_the_settings(tmp_path, monkeypatch) -> None:
