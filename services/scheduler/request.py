@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from services.scheduler.batcher import KvBudget
 
 __all__ = ["ActiveRequest", "Limits", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS",
-           "MESSAGE_MAX_CHARS", "MESSAGE_MAX_TOKENS", "check_text_size", "encode_prompt", "kv_reservation", "max_token_bytes", "step_prompt_tokens", "validate"]
+           "MESSAGE_MAX_CHARS", "MESSAGE_MAX_TOKENS", "check_text_size", "encode_prompt", "kv_reservation",
+           "max_token_bytes", "step_prompt_tokens", "validate"]
 
 # Every step rescans each stop string, and the stream holds back the longest one's length of text:
 # a request's stop rules must stay small beside the work of a step.

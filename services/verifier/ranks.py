@@ -30,8 +30,8 @@ from services.common.settings import SettingsError, VerifierSettings, load_setti
 from services.verifier.engine import VerifierEngine
 from services.verifier.parallel import TensorParallel
 
-__all__ = ["EngineGroup", "GroupFailed", "backend_for", "check_rank_devices", "first_exit", "rank_device", "spawn_workers", "stop_workers",
-           "watch_workers", "worker_main"]
+__all__ = ["EngineGroup", "GroupFailed", "backend_for", "check_rank_devices", "first_exit", "rank_device",
+           "spawn_workers", "stop_workers", "watch_workers", "worker_main"]
 
 log = get_logger("verifier")
 
