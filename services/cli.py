@@ -258,6 +258,8 @@ def _refused(message: str) -> str:
     """A refusal of the client's, led by the flag of the first argument it names."""
     for word in re.findall(r"[a-z_]+", message):
         if word in _GENERATE_FLAGS:
+            if word == "timeout_s":   # the SDK's None is a flag left out here
+                message = message.replace("or None (no deadline)", "or left out (no deadline)")
             return f"{_GENERATE_FLAGS[word]}: {message}"
     return message
 
@@ -315,12 +317,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     # Tokens streamed without text: a scheduler without a tokenizer sends only ids. It took the
     # prompt as ids then; a text prompt that went in means it has one, and empty text is the output.
     ids: list[int] = []
+    out = Completion()    # --json: the output so far, printed at the end whatever ended it
 
     def flush_ids() -> None:
         nonlocal started
         if not started and ids:
             print(",".join(map(str, ids)), end="")
             started = True
+
+    def print_json(error: dict | None = None) -> None:
+        """The JSON object, also for a call that failed or was interrupted: the output before it,
+        and the error (a caller parsing stdout got nothing at all)."""
+        if args.json:
+            print(json.dumps({"request_id": out.request_id, "text": out.text, "token_ids": out.token_ids,
+                              "acceptance_lengths": out.acceptance_lengths, "mean_acceptance": out.mean_acceptance,
+                              "finish_reason": out.finish_reason, "usage": out.usage.__dict__ if out.usage else None,
+                              **({"error": error} if error is not None else {})}))
     try:
         with warnings.catch_warnings(record=True) as said:   # the token-in-clear one: a line, not a source quote
             warnings.simplefilter("always")
@@ -338,16 +350,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 print(f"ddtree generate: {_refused(exc.message)}", file=sys.stderr)
                 return 2
             if args.json:
-                out = Completion()
                 for chunk in chunks:
                     answered = True
                     out.add(chunk)
                 finish = out.finish_reason
-                usage = out.usage.__dict__ if out.usage else None
-                print(json.dumps({"request_id": out.request_id, "text": out.text, "token_ids": out.token_ids,
-                                  "acceptance_lengths": out.acceptance_lengths,
-                                  "mean_acceptance": out.mean_acceptance, "finish_reason": out.finish_reason,
-                                  "usage": usage}))
+                print_json()
             else:
                 for chunk in chunks:
                     answered = True
@@ -367,6 +374,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         flush_ids()   # the ids received so far are the output so far, as text would be
         if started:
             print()
+        print_json({"code": "CANCELLED", "message": "interrupted", "retryable": False})
         print("ddtree generate: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:   # the reader went (`| head`): leaving the client's block cancelled the request
@@ -376,6 +384,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         flush_ids()
         if started:
             print()  # end the partial output's line before the error
+        print_json({"code": exc.code.name, "message": exc.message, "retryable": exc.retryable})
         said = f" (--timeout {args.timeout:g} s passed)" \
             if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and args.timeout is not None else ""
         print(f"ddtree generate: {exc.code.name}: {exc.message}{said}", file=sys.stderr)

@@ -393,6 +393,7 @@ def test_generate_refuses_a_flag_it_cannot_use_with_status_2_naming_the_flag(cap
     flag; an address gRPC cannot dial read as "is it running?"."""
     for argv, needle in ((["--timeout", "0"], "--timeout: timeout_s must be a positive number"),
                          (["--timeout", "-1"], "--timeout: timeout_s"),
+                         (["--timeout", "0"], "or left out (no deadline), not 0.0"),   # no None to give a flag
                          (["--temperature", "1e-50"], "--temperature: temperature = 1e-50 is sent as a float32"),
                          (["--max-tokens", "5000000000"], "--max-tokens: cannot send this request (max_tokens)"),
                          (["--tls-ca", str(tmp_path / "none.pem")], "--tls-ca: tls_ca: cannot read"),
@@ -659,6 +660,8 @@ def test_bench_records_what_served_the_run_not_this_machine(monkeypatch, capsys,
 def test_generate_says_an_aborted_request_and_a_json_run_that_was_answered(monkeypatch, capsys) -> None:
     """An Abort by another caller cut the output and exited 0; with --json a scheduler that had
     streamed and then went away was reported as "no scheduler answered"."""
+    import json
+
     monkeypatch.setattr("services.scheduler.client.Client", _FakeClient)
     monkeypatch.setattr(_FakeClient, "chunks", [_chunk([5], "de"), Chunk("r", [6], "f", [], "aborted")])
     assert cli.main(["generate", "--prompt", "x"]) == 1
@@ -673,7 +676,28 @@ def test_generate_says_an_aborted_request_and_a_json_run_that_was_answered(monke
     monkeypatch.setattr("services.scheduler.client.Client", GoneAfterAChunk)
     monkeypatch.setattr(cli, "_answers", lambda args: False)
     assert cli.main(["generate", "--prompt", "x", "--json"]) == 1
-    assert "no scheduler answered" not in capsys.readouterr().err
+    got = capsys.readouterr()
+    assert "no scheduler answered" not in got.err
+    # The JSON object still comes, with the output before the failure and the error: a caller
+    # parsing stdout got nothing at all.
+    doc = json.loads(got.out)
+    assert (doc["text"], doc["token_ids"], doc["finish_reason"]) == ("de", [5], None)
+    assert doc["error"] == {"code": "UNAVAILABLE", "message": "Socket closed", "retryable": True}
+
+    class InterruptedAfterAChunk(_FakeClient):
+        def stream(self, prompt, **kwargs):
+            yield _chunk([5], "de")
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("services.scheduler.client.Client", InterruptedAfterAChunk)
+    assert cli.main(["generate", "--prompt", "x", "--json"]) == 130
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["text"] == "de" and doc["error"] == {"code": "CANCELLED", "message": "interrupted", "retryable": False}
+    monkeypatch.setattr("services.scheduler.client.Client", _FakeClient)
+    monkeypatch.setattr(_FakeClient, "chunks", [_chunk([5], "de"), Chunk("r", [6], "f", [], "length")])
+    assert cli.main(["generate", "--prompt", "x", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["text"] == "def" and doc["finish_reason"] == "length" and "error" not in doc
 
 
 def test_bench_says_when_its_prompts_are_synthetic_token_ids(monkeypatch, capsys, tmp_path) -> None:
