@@ -1833,3 +1833,36 @@ def test_the_kv_and_queue_bounds_are_exact() -> None:
     router.submit(request("q2", 4, kv=600))
     with pytest.raises(ServiceError, match="queue full"):
         router.submit(request("q3", 4, kv=600))
+
+
+def test_prompts_a_step_that_never_reached_its_replica_began_are_refused_as_if_queued() -> None:
+    """A replica that died before its lane marked it down: the step's new stream found no
+    connection, so the prompts it began reached no replica, and a wait_for_ready client may send
+    them again (the scheduler says `ddtree-refused` where `prompt_sent` is 0); a request that ran
+    there already may have crashed it, and is not."""
+    class DiesAfterOneStep(SlowDraft):
+        async def step(self, req, timeout):
+            if any(item.prompt_offset == 0 and item.prompt_token_ids and item.request_id.startswith("new")
+                   for item in req.items):
+                raise StepFailed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: ...",
+                                 delivered=self.delivered)
+            return await super().step(req, timeout)
+
+    async def scenario(delivered: bool) -> tuple[ActiveRequest, ActiveRequest]:
+        draft = DiesAfterOneStep(delay=0.01)
+        draft.delivered = delivered
+        old = request("old", 4)
+        old.max_tokens = 1000
+        lane = started(draft, old)
+        await until(lambda: len(old.out_ids) > 1)
+        new = request("new", 4)
+        lane.submit(new)
+        await until(lambda: new.done and old.done)
+        await lane.stop()
+        return old, new
+
+    for delivered in (False, True):
+        old, new = asyncio.run(scenario(delivered))
+        assert new.error is not None and new.error.code == grpc.StatusCode.UNAVAILABLE
+        assert old.error is not None and old.prompt_sent == 4
+        assert new.prompt_sent == (4 if delivered else 0), delivered

@@ -4,6 +4,7 @@ lane acts on, and the next step opens another."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -114,6 +115,7 @@ def test_a_draft_that_goes_away_is_unavailable_and_one_that_came_back_answers():
             with pytest.raises(StepFailed) as failed:
                 await link.step(step("slow"), timeout=5)
             assert failed.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            assert failed.value.delivered   # its stream was open: the step may have reached the draft
             await stopping
             # Back between two steps, on the same address: a step of running requests fails, for
             # the draft let go of what the ended stream admitted; the next opens a stream and is answered.
@@ -324,3 +326,25 @@ def test_idle_streams_next_returns_none_at_a_streams_end() -> None:
         idle = IdleStreams()
         return [await idle.next(it), await idle.next(it), await idle.next(it)]
     assert asyncio.run(run()) == [1, 2, None]
+
+
+def test_a_step_whose_new_stream_finds_no_connection_was_not_delivered():
+    """A replica that died before its lane marked it down: the step reached nothing, which the
+    lane's requests new in that step may be refused as (`StepFailed.delivered`); one that broke on
+    a stream that was open reached the replica, which may have died of it."""
+    async def run():
+        with socket.socket() as held:   # a port nothing listens on
+            held.bind(("127.0.0.1", 0))
+            port = held.getsockname()[1]
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        link = DraftLink(draft_pb2_grpc.DraftStub(channel))
+        try:
+            with pytest.raises(StepFailed) as failed:
+                await link.step(step("p"), timeout=5)
+        finally:
+            link.close()
+            await channel.close()
+        return failed.value
+    failed = asyncio.run(run())
+    assert failed.code == grpc.StatusCode.UNAVAILABLE and not failed.delivered, failed.details
+    assert StepFailed(grpc.StatusCode.UNAVAILABLE, "the step stream's connection broke").delivered

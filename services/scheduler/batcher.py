@@ -290,6 +290,10 @@ class StepLoop:
             except StepFailed as exc:
                 self._release = release + self._release   # not delivered: they go with the next step
                 self._owed = owed + self._owed
+                if not exc.delivered:   # the prompts it began reached no replica: refused, as if queued
+                    for item in items:
+                        if item.prompt_offset == 0 and item.prompt_token_ids and item.request_id in self.running:
+                            self.running[item.request_id].prompt_sent = 0
                 self._fail_replica(exc)
                 answered = None
                 continue

@@ -41,7 +41,8 @@ MAX_TIMEOUT_S = 1e9
 # The scheduler's word on a failed call, in its trailing metadata: "true" where the same request may
 # succeed later as it is (`ClientError.retryable`).
 RETRYABLE_METADATA = "ddtree-retryable"
-# And "true" where the request never ran on a replica (refused at admission, or failed while queued):
+# And "true" where the request never ran on a replica (refused at admission, failed while queued, or
+# its first step found no connection to its replica):
 # what a wait_for_ready stream sends again by itself (`_send_again`).
 REFUSED_METADATA = "ddtree-refused"
 # A wait_for_ready stream refused UNAVAILABLE before its request ran on a replica tries again after

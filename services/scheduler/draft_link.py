@@ -25,13 +25,15 @@ class StepFailed(Exception):
     """A step that did not come back; the lane marks its replica down either way and fails its
     running requests UNAVAILABLE, naming this code where it is another."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, delivered: bool = True) -> None:
         super().__init__(details)
         self.code = code
         self.details = details
+        self.delivered = delivered   # False: the step never reached the replica (no connection to it)
 
 
 _CORE_FAILURE = "Internal error from Core"
+_NO_CONNECTION = "failed to connect to all addresses"
 
 
 class DraftLink:
@@ -48,7 +50,8 @@ class DraftLink:
             if any(not item.prompt_token_ids or item.prompt_offset for item in request.items):
                 # The draft let go of what that stream admitted: these requests' state is gone.
                 raise StepFailed(grpc.StatusCode.UNAVAILABLE, "the step stream ended between steps")
-        if self._call is None:
+        fresh = self._call is None
+        if fresh:
             self._call = self.stub.StepStream(metadata=self.metadata)
         call = self._call
         try:
@@ -71,7 +74,10 @@ class DraftLink:
                 # mid-step), no status a draft sends: the replica is gone, as UNAVAILABLE says.
                 code, details = grpc.StatusCode.UNAVAILABLE, "the step stream's connection broke"
             self.close()
-            raise StepFailed(code, details or code.name) from None
+            # gRPC's words where a new stream found no connection (the replica died before it was
+            # marked down): the step never reached it, so neither did the prompts it began.
+            unreached = fresh and code == grpc.StatusCode.UNAVAILABLE and _NO_CONNECTION in (details or "")
+            raise StepFailed(code, details or code.name, delivered=not unreached) from None
         except Exception as exc:  # noqa: BLE001 - e.g. InvalidStateError: the stream ended as we wrote
             self.close()
             raise StepFailed(grpc.StatusCode.UNAVAILABLE, f"the step stream failed: {exc!r}") from None

@@ -183,8 +183,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
 async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError, refused: bool) -> None:
     """Ends the call with ``exc``'s status, telling the client whether to retry (`ClientError.retryable`)
-    and whether the request never ran on a replica (``refused``: refused at admission, or failed in
-    the queue), which a wait_for_ready stream sends again by itself."""
+    and whether the request never ran on a replica (``refused``: refused at admission, failed in
+    the queue, or its first step reached no replica), which a wait_for_ready stream sends again by itself."""
     await context.abort(exc.code, exc.message,
                         trailing_metadata=((RETRYABLE_METADATA, "true" if exc.retryable else "false"),
                                            (REFUSED_METADATA, "true" if refused else "false")))
