@@ -135,15 +135,21 @@ def test_bench_spawn_stack_end_to_end(tmp_path, ckpt, _side_runs):
     for r in rows:
         assert set(ROW_KEYS) <= set(r) and r["status"] == "ok" and r["context"] == 8
         assert r["tokens"] == 8 * r["concurrency"] and r["agg_tok_s"] > 0 and r["mean_acceptance"] >= 1
-        # The server's count of tree steps: none autoregressive, some (a pause may take the rest) in DDTree.
-        assert r["tree_step_share"] == 0 if r["mode"] == "autoregressive" else 0 < r["tree_step_share"] <= 1
-        assert (r["tree_step_acceptance"] is None) if r["mode"] == "autoregressive" else r["tree_step_acceptance"] >= 1
+        # The server's count of tree steps: none autoregressive; in DDTree some in the first cell, whose
+        # first steps speculate on a fresh stack. A later cell may be paused throughout: the random
+        # checkpoint accepts little, and a pause doubles (a CI run's C=2 cell had no tree step).
+        if r["mode"] == "autoregressive":
+            assert r["tree_step_share"] == 0 and r["tree_step_acceptance"] is None
+        else:
+            assert 0 <= r["tree_step_share"] <= 1
+            assert (r["tree_step_acceptance"] is None) if r["tree_step_share"] == 0 else r["tree_step_acceptance"] >= 1
         # The scheduler's /metrics read while the cell ran: never more running than were sent.
         # (a sub-second cell on a loaded runner may end before the first reading returns: none is no error)
         assert (r["running_max"] or 0) <= r["concurrency"] and r["running_readings"] >= 0 and r["tpot_samples"] >= 1
         assert r["p50_tpot_ms"] > 0 and r["ttft_ms"] > 0 and r["step_split_ms"]["verify_ms"] > 0
         # The scheduler's side: its round trip holds the draft's step.
         assert r["scheduler_split_ms"]["step_rpc_ms"] >= r["step_split_ms"]["step_ms"] > 0
+    assert rows[1]["tree_step_share"] > 0   # the first DDTree cell
     assert out.with_suffix(".png").stat().st_size > 1000
     ports = _serving_ports(log)
     assert len(ports) == 3 and all(_refused(p) for p in ports)   # the stack is gone
