@@ -15,7 +15,7 @@ import torch
 
 from services.common.settings import SettingsError
 
-__all__ = ["pin_device", "current", "device_name"]
+__all__ = ["pin_device", "current", "device_name", "seen_gpus", "visible_gpus"]
 
 
 def pin_device(device: str | torch.device, setting: str = "device") -> torch.device:
@@ -24,17 +24,27 @@ def pin_device(device: str | torch.device, setting: str = "device") -> torch.dev
     d = torch.device(device)
     if d.type != "cuda":
         return d
-    if torch.version.cuda is None:
-        raise SettingsError(f"{setting}: {d} asked for, but this torch build has no CUDA support "
-                            f"(torch {torch.__version__}; a CPU build runs with device = \"cpu\")")
-    count = torch.cuda.device_count()
+    count = visible_gpus(d, setting)
     if d.index is None and count:
         d = torch.device("cuda", torch.cuda.current_device())
     if (d.index or 0) >= count:
-        raise SettingsError(f"{setting}: device {d} does not exist: this process sees {count} GPU(s) "
-                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        raise SettingsError(f"{setting}: device {d} does not exist: {seen_gpus(count)}")
     torch.cuda.set_device(d)
     return d
+
+
+def visible_gpus(device: str | torch.device, setting: str) -> int:
+    """The GPUs this process sees, for a GPU ``device`` that ``setting`` asked for; a CPU build of
+    torch is refused naming it."""
+    if torch.version.cuda is None:
+        raise SettingsError(f"{setting}: {device} asked for, but this torch build has no CUDA support "
+                            f"(torch {torch.__version__}; a CPU build runs with device = \"cpu\")")
+    return torch.cuda.device_count()
+
+
+def seen_gpus(count: int) -> str:
+    """How many GPUs this process sees, and why, for a message naming a GPU past them."""
+    return f"this process sees {count} GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
 
 
 def current(device: torch.device) -> contextlib.AbstractContextManager:

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from services.common.devices import current
+from services.common.devices import current, seen_gpus, visible_gpus
 from services.common.grpc_server import ServiceError
 from services.common.logging import configure_logging, get_logger
 from services.common.settings import SettingsError, VerifierSettings, load_settings
@@ -176,21 +176,13 @@ def check_rank_devices(settings: VerifierSettings) -> None:
     (``ddtree up`` exit 1, "may work later") where the setting is what is wrong."""
     if settings.tp == 1 or not settings.device.startswith("cuda"):
         return   # one rank: `pin_device` names verifier.device for a GPU that is not there
-    import torch
-
-    if torch.version.cuda is None:
-        raise SettingsError(f"verifier.device: {settings.device} asked for, but this torch build has no CUDA support "
-                            f"(torch {torch.__version__}; a CPU build runs with device = \"cpu\")")
-    count = torch.cuda.device_count()
+    count = visible_gpus(settings.device, "verifier.device")
     first, last = rank_device(settings.device, 0), rank_device(settings.device, settings.tp - 1)
     if int(first.split(":", 1)[1]) >= count:   # rank 0's own GPU: the device's fault, as with one rank
-        raise SettingsError(f"verifier.device: device {first} does not exist: this process sees {count} GPU(s) "
-                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        raise SettingsError(f"verifier.device: device {first} does not exist: {seen_gpus(count)}")
     if int(last.split(":", 1)[1]) >= count:
-        raise SettingsError(
-            f"verifier.tp: {settings.tp} ranks on verifier.device = {settings.device} take "
-            f"{first}..{last}, and this process sees {count} GPU(s) "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        raise SettingsError(f"verifier.tp: {settings.tp} ranks on verifier.device = {settings.device} take "
+                            f"{first}..{last}, and {seen_gpus(count)}")
 
 
 def spawn_workers(settings: VerifierSettings, config_path: str | None, init_method: str) -> list[subprocess.Popen]:
