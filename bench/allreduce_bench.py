@@ -1,7 +1,7 @@
 """Small all-reduce on 2 GPUs: one-shot symmetric memory (in a CUDA graph) vs NCCL eager and in a graph.
 
 Run: python -m bench.allreduce_bench  (spawns one process per GPU). Sizes 1 KB..4 MB of bf16.
-Writes bench/results/allreduce.json (TARGETS.md schema). NVLink multicast stays off.
+Writes bench/results/allreduce.json (BENCHMARKS.md's result-file schema). NVLink multicast stays off.
 """
 
 from __future__ import annotations

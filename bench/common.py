@@ -138,7 +138,7 @@ def kernel_times(fn: Callable[[], object], reps: int = 10) -> dict[str, float]:
 
 
 def copy_gbps_on(device: str) -> float | None:
-    """A result file's ``copy_gbps`` (TARGETS.md: the GPU's copy bandwidth, measured in the same
+    """A result file's ``copy_gbps`` (the GPU's copy bandwidth, measured in the same
     run): measured now on ``device``'s GPU, or None for a run on the CPU."""
     if not str(device).startswith("cuda") or not torch.cuda.is_available():
         return None
@@ -147,9 +147,9 @@ def copy_gbps_on(device: str) -> float | None:
 
 
 def write_result(out: str, commit: str | None, params: dict, rows: list) -> None:
-    """Write one ``bench/results`` file in TARGETS.md's schema: ``benchmark`` is the file's name
-    without ``.json`` (TARGETS.md: ``NAME.json`` holds ``"benchmark": NAME``), this GPU's name and
-    copy bandwidth measured now, the commit (``git_commit``), the params and the rows."""
+    """Write one ``bench/results`` file in the result-file schema (BENCHMARKS.md, "Result files"):
+    ``benchmark`` is the file's name without ``.json``, this GPU's name and copy bandwidth measured
+    now, the commit (``git_commit``), the params and the rows."""
     import json
     from pathlib import Path
 

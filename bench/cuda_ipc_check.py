@@ -3,7 +3,7 @@ host, and slot and ring lifetime when a peer dies. Needs two GPUs; about two min
 
     python -m bench.cuda_ipc_check --commit <sha> --out <dir>/cuda-ipc.json
 
-Three parts, each a few rows of the result file (TARGETS.md schema; rows: check, placement,
+Three parts, each a few rows of the result file (BENCHMARKS.md's result-file schema; rows: check, placement,
 transport, passed, detail); the script exits 1 if any row failed.
 
 1. placement: the demo stack (bfloat16) placed four ways. Each must negotiate the transport it

@@ -7,7 +7,7 @@ the chosen config timed end to end, the config serving uses (``choose_config``: 
 a handful of assignments, else the tensor cores) timed end to end (the row's ``time_us``), the
 torch reference (dequantise-then-matmul, one expert at a time) and a bf16 grouped baseline
 (``torch._grouped_mm`` over dense bf16 experts, or a loop over touched experts where that op is
-missing). Results go to ``int4_moe.json`` (TARGETS.md schema).
+missing). Results go to ``int4_moe.json`` (BENCHMARKS.md's result-file schema).
 
 Timing: CUDA-graph replay of R back-to-back calls with R different random routings, so the
 activated experts change from call to call (at M = 1 the 8 experts of one call, 25 MB, would

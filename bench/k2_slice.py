@@ -639,7 +639,7 @@ def profile_step(bench: Bench, budget: int, batch: int, reps: int = 3, top: int 
 def finish_row(raw: dict[str, Any], config: TargetConfig, nonexpert: dict[str, int], copy_gbps: float,
                tflops: float, ar_points: Sequence[tuple[int, float]], acceptance: dict[int, float],
                context: int) -> dict[str, Any]:
-    """Floors, all-reduce and prediction for one measured row (TARGETS.md keys first)."""
+    """Floors, all-reduce and prediction for one measured row (the schema's row keys first)."""
     b, nodes, tokens = raw["batch"], raw["tree_nodes"], raw["tokens"]
     E, k = config.n_routed_experts or 0, config.num_experts_per_tok
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))

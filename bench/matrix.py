@@ -5,7 +5,7 @@ For each context length x concurrency x mode (autoregressive, DDTree at each bud
 and per-request tokens/s, p50/p99 time per output token, time to first token, mean acceptance, the
 step-time split from the draft's Prometheus page and the scheduler's own loop time and step round
 trip from its page (each when its metrics port is given; `--spawn-stack` gives both) and GPU
-power/utilisation (NVML, else `nvidia-smi`, when there is a GPU). Writes JSON (TARGETS.md schema)
+power/utilisation (NVML, else `nvidia-smi`, when there is a GPU). Writes JSON (BENCHMARKS.md's result-file schema)
 after every cell, so a run cut short still leaves its rows, and a PNG plot at the end.
 
 Every cell is bounded (`cell_timeout_s`: its streams are cancelled, which aborts the requests, and
@@ -527,7 +527,7 @@ def local_gpu_name() -> str:
 def write_results(rows: list[dict], params: MatrixParams, out_json: Path, copy_gbps: float | None = None,
                   commit: str | None = None, extra: dict | None = None, plot: bool = True,
                   gpu: str | None = None) -> None:
-    """The TARGETS.md result file (``benchmark``: its name without ``.json``); `extra` goes into
+    """The result file (``benchmark``: its name without ``.json``); `extra` goes into
     params (how the stack was configured); `gpu`: what served the run (the verifier's device, as
     its model info says), by default this machine's GPU."""
     out_json = Path(out_json)

@@ -7,7 +7,7 @@ Two drafters from one checkpoint, one with the context pool and graphs: the same
 go into both, then each (batch, context) is proposed by both. Reports the largest log-prob
 difference, top-1 agreement, the eager and replayed wall time (synchronised, median) of a propose
 and of a step's commit (4 tokens a request), the largest difference of the committed context
-keys, and the time to capture every bucket at start-up. Writes JSON (TARGETS.md schema).
+keys, and the time to capture every bucket at start-up. Writes JSON (BENCHMARKS.md's result-file schema).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ It also measures what the README says of repeated requests: probe requests (gree
 autoregressive, seeded sampling with DDTree and autoregressively) are run alone before the load,
 again and again during it, and alone after it; each run is compared token for token with the
 first, and DDTree's first with autoregressive decoding's, greedy and seeded. Writes `bench/results/NAME.json`
-(TARGETS.md schema: one row per request kind, per probe, and the state check).
+(BENCHMARKS.md's result-file schema: one row per request kind, per probe, and the state check).
 
     python -m bench.soak --model models/demo --device cuda --dtype bfloat16 --duration 240 \
         --concurrency 48 --out bench/results/soak-demo.json

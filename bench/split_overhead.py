@@ -3,7 +3,7 @@
 In-process: the verifier engine and the DFlash proposer called directly, the tree built in between,
 no gRPC and no shared buffers. Three-process: `Stack` through the client SDK. Same model, prompts,
 budget and greedy decoding; the outputs must match token for token. Also reports which transport
-the stack negotiated. Writes bench/results/split-overhead.json (TARGETS.md schema).
+the stack negotiated. Writes bench/results/split-overhead.json (BENCHMARKS.md's result-file schema).
 
 Fairness: both sides decode the same way (the stack's scheduler never pauses speculation here, as
 the in-process loop cannot) and are warmed the same way before anything is timed (one request on

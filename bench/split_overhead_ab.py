@@ -5,7 +5,7 @@ step varies by a third between them), so a change is judged only against its par
 the same call. The old commit is a tree extracted beside this one (`git archive <sha> services
 protos kernels bench | tar -x -C DIR`); this checkout is the new one. Each run is the unchanged
 `bench.split_overhead` in its own tree and process; the rows are merged into one result file
-(TARGETS.md schema) with `code` and `round` on each row.
+(BENCHMARKS.md's result-file schema) with `code` and `round` on each row.
 
     python -m bench.split_overhead_ab --old-dir /tmp/old --old-code b26b345 --new-code e43f9e6 \
         --rounds 2 -- --prompts 6 --reps 3

@@ -3,7 +3,7 @@
 The payload is what the verifier sends the draft each step: the committed tokens' target features
 (`tokens_per_request` x batch rows of `layers x hidden` bf16). Timed: producer write + message
 bytes through a pipe + consumer read into a private GPU tensor (what the draft does) + ack.
-Writes bench/results/transport.json (TARGETS.md schema).
+Writes bench/results/transport.json (BENCHMARKS.md's result-file schema).
 
 `--consumer-device cuda:1` puts the consumer on another GPU of the host (the draft on one GPU,
 the verifier on another): it reads the producer's slot on the producer's GPU and copies it into

@@ -1,6 +1,6 @@
 """Benchmark of the tree-attention MLA kernels on one GPU; target T-mla.
 
-Prints and writes ``bench/results/tree_mla.json`` (TARGETS.md schema). Each row times the kernel
+Prints and writes ``bench/results/tree_mla.json`` (BENCHMARKS.md's result-file schema). Each row times the kernel
 ``tree_mla`` serves on this GPU (``choose_backend``: the Gluon kernel of
 ``kernels/tree_mla_hopper.py`` on Hopper) and the Triton kernel of ``kernels/tree_mla.py`` beside
 it; both are first checked against the float32 reference (NaN-poisoned outputs, 1 / 3 / default

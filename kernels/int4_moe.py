@@ -3,8 +3,8 @@
 Why fused: a decode / tree-verify step routes a few to a few hundred tokens through K2's 384
 experts. Each activated expert's weights are streamed from HBM once per step (once per block of
 ``BLOCK_M`` of its tokens), dequantised in registers from the checkpoint's compressed-tensors
-``pack-quantized`` layout as stored (no repacking at load), and multiplied on the tensor cores
-(DESIGN.md §6). No launch syncs with the host, so the op can be captured in a CUDA graph:
+``pack-quantized`` layout as stored (no repacking at load), and multiplied on the tensor cores.
+No launch syncs with the host, so the op can be captured in a CUDA graph:
 
 1. ``_int4_moe_count_kernel`` (a program per chunk of assignments): assignments per expert;
    ``_int4_moe_align_kernel`` (``ALIGN_PROGRAMS`` programs): per-expert padding to ``BLOCK_M``,

@@ -2,13 +2,13 @@
 
 Why absorbed MLA: with W_UK folded into the query and W_UV applied after attention, every head
 attends over the same cached latent vectors ``[c_kv (kvr) | k_pe (rope)]``, so the cache is read
-once per request for all heads and all tree nodes (DESIGN.md §6).
+once per request for all heads and all tree nodes.
 
 Keys of a query token i of request r: every cached prefix token ``0 .. prefix_len-1`` plus the
 request's own query tokens j with ``tree_masks[r][i, j]`` (itself and its ancestors); their latent
 kv comes from ``new_kv`` because it is not in the cache yet.
 
-The trio (STYLE.md): ``_tree_mla_split_kernel`` / ``_tree_mla_merge_kernel`` (Triton),
+The trio: ``_tree_mla_split_kernel`` / ``_tree_mla_merge_kernel`` (Triton),
 ``tree_mla_triton`` (host wrapper: checks, launch parameters), ``tree_mla_reference`` (plain torch,
 used by tests and benchmarks). ``tree_mla`` picks one (:func:`choose_backend`): on Hopper the Gluon
 kernels of ``kernels/tree_mla_hopper.py`` (same contract; a TMA loader and two consumer warpgroups

@@ -614,7 +614,7 @@ def _waves(row: dict) -> str:
 
 
 def _copy_gbps() -> float | None:
-    """The GPU's copy bandwidth, measured in this run (TARGETS.md: every GPU result file has it)."""
+    """The GPU's copy bandwidth, measured in this run (every GPU result file has it: BENCHMARKS.md, "Result files")."""
     try:
         import torch
     except ImportError:

@@ -204,7 +204,7 @@ def test_time_budget_skips_cells_and_reports_each(capsys):
 
 def test_the_spawned_stack_runs_the_draft_replicas_asked_for() -> None:
     """`ddtree bench --spawn-stack --draft-replicas N`: N drafts in front of one verifier, each with
-    a batch of its own in flight (DESIGN's two batches in flight, measured against one)."""
+    a batch of its own in flight (two batches in flight, measured against one)."""
     p = MatrixParams(contexts=[8], concurrencies=[1, 4], budgets=[4])
     assert stack_spec(p, "models/demo", "cpu", "float32")[0].draft_replicas == 1
     spec, draft_metrics, _ = stack_spec(p, "models/demo", "cpu", "float32", draft_replicas=2)
@@ -213,7 +213,7 @@ def test_the_spawned_stack_runs_the_draft_replicas_asked_for() -> None:
 
 
 def _split_cmd(tmp: Path, ckpt: Path) -> list[str]:
-    out = tmp / "split-overhead.json"  # a result file's name is its benchmark's (TARGETS.md)
+    out = tmp / "split-overhead.json"  # a result file's name is its benchmark's
     return [sys.executable, "-m", "bench.split_overhead", "--model", str(ckpt), "--device", "cpu",
             "--prompts", "2", "--max-tokens", "24", "--reps", "2", "--commit", "0123abcd", "--out", str(out)]
 

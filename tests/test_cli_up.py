@@ -747,7 +747,7 @@ def test_serve_exits_2_where_a_peer_refuses_its_settings_and_3_where_none_could_
 
 
 def test_serve_takes_settings_as_flags_over_the_environment_and_the_file(monkeypatch, capsys, tmp_path) -> None:
-    """DESIGN's one typed config per service from file + environment + flags: `--set FIELD=VALUE`
+    """One typed config per service from file + environment + flags: `--set FIELD=VALUE`
     (or `SERVICE.FIELD=VALUE`) wins over both, typed and checked as the environment's text is."""
     import services.scheduler.server as scheduler_server
     from services.cli import main

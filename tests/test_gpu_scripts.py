@@ -271,7 +271,7 @@ def test_first_use_eager_steps_are_shapes_no_bucket_holds() -> None:
 
 
 def test_a_result_files_copy_bandwidth_is_measured_on_its_gpu_and_none_on_the_cpu(monkeypatch) -> None:
-    """TARGETS.md: every GPU file carries its GPU's copy bandwidth from the same run; nine writers
+    """Every GPU result file carries its GPU's copy bandwidth from the same run; nine writers
     wrote None."""
     import bench.common as common
 
@@ -320,7 +320,7 @@ def test_the_sampling_checks_kept_set_measure_counts_rows_and_the_mass_they_part
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_graph_replay_equals_eager_on_random_trees_on_the_gpu(tmp_path: Path) -> None:
-    """DESIGN §5's check on a GPU (the seeds crashed or gave garbage under graphs past budget 8): the
+    """Graph replay equals eager on a GPU (the seeds crashed or gave garbage under graphs past budget 8): the
     demo model's verify graphs replayed against the same padded forward run eagerly, on random trees
     at budgets 1, 8, 12, 16, 32, 64, bit for bit with the fused MoE pinned split-free, and the same
     greedy tokens with the serving config (``bench/graphs_check.py``, every bucket in its JSON)."""

@@ -1,7 +1,7 @@
-"""Every committed ``bench/results/*.json`` follows TARGETS.md's result-file schema.
+"""Every committed ``bench/results/*.json`` follows the result-file schema (BENCHMARKS.md, "Result files").
 
 Why: the numbers quoted in BENCHMARKS.md and the issue notes are read back from these files by
-name; a file whose ``benchmark`` is not its own name, or whose rows lack the keys TARGETS.md lists
+name; a file whose ``benchmark`` is not its own name, or whose rows lack the keys that section lists
 for it, is a figure nobody can find or check.
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 TOP_KEYS = {"benchmark", "commit", "gpu", "copy_gbps", "params", "rows"}
-# TARGETS.md, "Result files": the row keys each named file carries at least
+# BENCHMARKS.md, "Result files": the row keys each named file carries at least
 ROW_KEYS = {
     "acceptance-demo": {"budget", "temperature", "prompts", "mean_acceptance", "identical_to_autoregressive"},
     "tree_mla": {"batch", "context", "tree_nodes", "heads", "time_us", "gbps", "frac_of_copy", "speedup_vs_reference"},
@@ -53,3 +53,16 @@ def test_result_file_schema(path: Path) -> None:
         assert doc["rows"], "no rows"
         for row in doc["rows"]:
             assert need <= set(row), f"row lacks {need - set(row)}: {row}"
+
+
+def test_benchmarks_md_lists_the_row_keys_checked_here() -> None:
+    """The schema a reader finds in BENCHMARKS.md is the one these tests hold the files to."""
+    text = (RESULTS.parents[1] / "BENCHMARKS.md").read_text()
+    section = text.split("## Result files", 1)[1].split("\n## ", 1)[0]
+    table = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 2 and cells[0] not in ("benchmark", "---"):
+            table[cells[0]] = {k.strip() for k in cells[1].split(",")}
+    assert table == ROW_KEYS
+    assert all(f'"{key}"' in section for key in TOP_KEYS)

@@ -260,7 +260,7 @@ def test_a_draft_without_its_verifier_names_the_address_and_the_wait() -> None:
 
 
 def test_the_scheduler_process_runs_without_torch() -> None:
-    """The scheduler needs no torch (DESIGN.md §1): `ddtree serve scheduler` must not import it,
+    """The scheduler needs no torch (README, "The pieces"): `ddtree serve scheduler` must not import it,
     a second or two of start-up and a few hundred MB a process (it is imported here only when a
     settings error stops it after its imports)."""
     import os

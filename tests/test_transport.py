@@ -1,4 +1,4 @@
-"""Transports must deliver bit-identical tensors and never leak slots (DESIGN.md §3)."""
+"""Transports must deliver bit-identical tensors and never leak slots."""
 
 from __future__ import annotations
 

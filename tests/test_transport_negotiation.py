@@ -1,4 +1,4 @@
-"""How draft and verifier agree on a transport (DESIGN.md §3), over a real gRPC socket, no GPU.
+"""How draft and verifier agree on a transport, over a real gRPC socket, no GPU.
 
 The draft offers kinds in preference order with a ring of its first choice. When the verifier
 cannot use that ring (it has no GPU, or the draft's GPU is invisible to it) it answers another kind

@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": args.out.stem,
         "commit": _git_commit(args.commit),
         "gpu": "cpu" if args.device == "cpu" else torch.cuda.get_device_name(torch.device(args.device)),
-        "copy_gbps": copy_gbps_on(args.device),   # TARGETS.md: every GPU file's (a quality figure here)
+        "copy_gbps": copy_gbps_on(args.device),   # every GPU result file's (a quality figure here)
         "params": {
             "model": str(args.model), "prompts": len(prompts), "prompt_source": "held-out split, up to the first def/class",
             "max_new_tokens": args.max_new, "budgets": budgets, "temperatures": temperatures,

@@ -104,7 +104,7 @@ class Metrics:
                                  registry=r("kv_reserved"))
         self.kv_capacity = Gauge("ddtree_kv_tokens_capacity", "KV tokens a verifier group holds, as its "
                                  "replicas report it", ["verifier"], registry=r("kv_capacity"))
-        # What a dead peer must give back (DESIGN.md §3): its stream, its ring slots, the ring's memory.
+        # What a dead peer must give back: its stream, its ring slots, the ring's memory.
         self.peers = Gauge("ddtree_transport_peers", "Draft replicas with a live verify stream", registry=r("peers"))
         self.ring_slots_in_use = Gauge("ddtree_ring_slots_in_use", "Shared-buffer slots peers have not released",
                                        registry=r("ring_slots_in_use"))

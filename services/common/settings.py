@@ -38,7 +38,7 @@ __all__ = [
     "temperature_ok",
 ]
 
-MAX_BUDGET = 128  # the largest tree budget any service accepts (DESIGN.md §5)
+MAX_BUDGET = 128  # the largest tree budget any service accepts (every one runs under graphs)
 MAX_SPEC_BACKOFF_STEPS = 256  # the longest autoregressive pause of a batch whose drafts are not accepted
 # A draft's tree ring, as large as a verifier maps it: the verifier reads a slot's bytes, and a
 # ring declared larger than its memory costs a draft nothing to make (a sparse segment).

@@ -1,4 +1,4 @@
-"""Tensor transports between the draft and verifier processes (DESIGN.md §3).
+"""Tensor transports between the draft and verifier processes.
 
 gRPC carries control messages; bulk tensors travel either by reference through a ring of
 fixed-size slots in shared memory ("shm"; GPU memory for "cuda_ipc", see cuda_ipc.py) or by value inside the protobuf

@@ -1,4 +1,4 @@
-"""The draft's step (DESIGN.md §2 steps 2-3 and 6): propose, build trees, verify, update contexts.
+"""The draft's step: propose, build trees, verify, update contexts.
 
 `step` reads top to bottom: sort the batch into prefills and verifies, draft a tree for each
 DDTree request (one batched tree build per budget), send everything in one verify message, then

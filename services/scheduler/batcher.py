@@ -1,6 +1,6 @@
 """Continuous batching on one draft replica: each step takes all running requests plus admissions.
 
-The loop is the spine of the stack (DESIGN.md §2): schedule -> a step on the lane's stream to its
+The loop is the spine of the stack (README, "The pieces"): schedule -> a step on the lane's stream to its
 draft (`DraftLink`; the draft drafts, verifies and commits) -> hand each request its tokens ->
 release what finished. Admission is by KV reservation so the verifier never runs out of pages
 mid-request. A replica that fails ends its requests with UNAVAILABLE and is marked down; the

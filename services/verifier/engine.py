@@ -1,6 +1,6 @@
 """The verifier's step: prefill prompts, verify a batch of trees, accept, commit.
 
-This is the heart of DESIGN.md §2 steps 4-5 and reads top to bottom: `prefill` and `verify` build a
+This is the heart of a decode step and reads top to bottom: `prefill` and `verify` build a
 `ForwardBatch`, run the target once, pick posterior tokens, walk each tree, and commit only the
 accepted path's latent KV into the request's pages. No gRPC here; `server.py` wraps it.
 """

@@ -1,4 +1,4 @@
-"""Paged latent KV cache for MLA (DESIGN.md §5).
+"""Paged latent KV cache for MLA.
 
 Why paged latent: MLA caches one ``kv_lora_rank + qk_rope_head_dim`` vector per token per layer
 (no per-head K/V), and pages let requests grow without copying. The forward pass never writes

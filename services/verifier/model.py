@@ -2,7 +2,7 @@
 
 Why absorbed MLA over a paged latent cache: verification attends many tree nodes x heads to a
 long shared prefix; folding W_UK into the query and W_UV after attention means the cache holds
-one latent vector per token and is read once for all heads (DESIGN.md §4-6). The forward pass is
+one latent vector per token and is read once for all heads. The forward pass is
 pure with respect to the cache: it returns every query token's latent kv in ``new_kv`` and the
 engine commits only the accepted path with ``PagedKVCache.write``.
 """

@@ -1,7 +1,7 @@
 """DeepSeek-V3 MoE: sigmoid router with grouped top-k, and a torch reference expert compute.
 
 Why a torch reference: it is the CPU path and the ground truth for the fused INT4 Triton MoE
-kernel (DESIGN.md §6, ``kernels/int4_moe.py``), which ``moe_forward`` uses on CUDA. Where that
+kernel (``kernels/int4_moe.py``), which ``moe_forward`` uses on CUDA. Where that
 kernel will run (CUDA, bf16/fp16, INT4 experts) the experts stay packed: a dense copy would take
 four times the packed bytes (about 250 GB for one K2 rank); elsewhere they are dequantised once at
 load, and the torch path dequantises a packed expert on use when no dense copy exists.
