@@ -241,6 +241,63 @@ def test_texts_waiting_for_a_tokenizer_worker_that_died_go_to_a_new_one(monkeypa
     assert fatal.startswith("UNAVAILABLE: the tokenizing worker died twice")
 
 
+def test_a_tokenizer_worker_that_dies_before_it_starts_fails_the_text_and_holds_nothing(tmp_path, monkeypatch) -> None:
+    """Spawn wrote the worker's start arguments (the whole tokenizer, 100 KB here) into the child's
+    pipe on the event loop; past the pipe's 64 KB the write waits for the child to read, and a child
+    that died first left the scheduler blocked in that write for good: no stream, no health check.
+    Here every worker dies at once, before Python starts: the text fails UNAVAILABLE, the loop was
+    never held, and no copy of the tokenizer is left behind."""
+    import asyncio
+    import multiprocessing.resource_tracker
+    import multiprocessing.spawn
+    import tempfile
+    import threading
+    import time
+
+    from services.scheduler.tokenizing import PromptEncoder
+
+    assert len(TOKENIZER.to_str()) > 65536   # more than a pipe holds
+    dead = tmp_path / "python-that-dies"
+    dead.write_text("#!/bin/sh\nexit 3\n")
+    dead.chmod(0o755)
+    multiprocessing.resource_tracker.ensure_running()   # spawned by the same executable: first
+    monkeypatch.setattr(multiprocessing.spawn, "_python_exe", os.fsencode(dead))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    encoder = PromptEncoder(TOKENIZER, apart=True, inline_chars=10)
+    result: dict = {}
+
+    async def scenario() -> None:
+        gaps, done = [], asyncio.Event()
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                gaps.append(time.perf_counter() - last)
+                last = time.perf_counter()
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.02)
+        try:
+            await encoder.encode("def f(x): return x " * 10)
+        except ServiceError as exc:
+            result["error"] = exc
+        done.set()
+        await tick
+        result["gap"] = max(gaps)
+
+    runner = threading.Thread(target=lambda: asyncio.run(scenario()), daemon=True)
+    runner.start()
+    runner.join(60)
+    # (stuck, it holds the pool's lock, which closing it would wait for as well)
+    assert not runner.is_alive(), "the scheduler's thread is stuck starting the tokenizing worker"
+    encoder.close()
+    assert result["error"].code == grpc.StatusCode.UNAVAILABLE and "tokenizing worker died" in result["error"].message
+    assert result["gap"] < 0.5, result["gap"]
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
 def _die_on_poison(text: str) -> list[int]:
     """A worker the kernel kills for its memory on one text (run there: this module's, by name)."""
     from services.scheduler.tokenizing import _encode
@@ -754,3 +811,23 @@ def test_a_message_at_its_caps_fits_grpcs_default_receive_limit() -> None:
     worst.usage.CopyFrom(scheduler_pb2.Usage(prompt_tokens=2**31 - 1, completion_tokens=2**31 - 1, steps=2**31 - 1,
                                              mean_acceptance=129.0, tree_steps=2**31 - 1))
     assert worst.ByteSize() < 2 * 2**20
+
+
+def test_long_texts_without_a_writable_temporary_folder_are_refused_by_name(tmp_path, monkeypatch) -> None:
+    """The tokenizing worker reads the tokenizer from a temporary file; where none can be written
+    (a read-only container), a long text fails naming the cause and the way out, not INTERNAL."""
+    import asyncio
+    import tempfile
+
+    from services.scheduler.tokenizing import PromptEncoder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+    encoder = PromptEncoder(TOKENIZER, apart=True, inline_chars=10)
+    try:
+        assert asyncio.run(encoder.encode("a b")) == TOKENIZER.encode("a b", add_special_tokens=False).ids
+        with pytest.raises(ServiceError) as info:
+            asyncio.run(encoder.encode("def f(x): return x " * 10))
+    finally:
+        encoder.close()
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE and info.value.reason == "tokenizer_no_tmp"
+    assert "set TMPDIR" in info.value.message and info.value.retryable is False

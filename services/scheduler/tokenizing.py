@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -31,13 +32,16 @@ log = get_logger("scheduler")
 _worker: Tokenizer | None = None  # the worker process's own copy
 
 
-def _load(source: str, parent_pid: int, poll_s: float = 1.0) -> None:
-    """The worker's start: its tokenizer (the scheduler's, serialised: one converted from tiktoken
-    ranks has no file), and a watch that ends it once the scheduler is gone. A scheduler killed
+def _load(path: str, parent_pid: int, poll_s: float = 1.0) -> None:
+    """The worker's start: its tokenizer, read from the file the scheduler wrote for this worker
+    and removed once read, and a watch that ends it once the scheduler is gone. A scheduler killed
     outright (SIGKILL, the OOM killer) cannot stop its pool, and the worker stayed behind, one more
     for each restart."""
     global _worker
-    _worker = Tokenizer.from_str(source)
+    try:
+        _worker = Tokenizer.from_file(path)
+    finally:
+        os.unlink(path)
     exit_when_orphaned(parent_pid, 0, poll_s)
 
 
@@ -59,6 +63,7 @@ class PromptEncoder:
         self.max_pending = max_pending
         self._pending = 0
         self._pool: ProcessPoolExecutor | None = None
+        self._source_file: str | None = None   # the tokenizer for a worker that has not read it yet
         self._retrying = asyncio.Lock()   # texts sent again after a worker died: one at a time
 
     async def encode(self, text: str) -> list[int]:
@@ -95,8 +100,13 @@ class PromptEncoder:
 
     async def _in_worker(self, text: str) -> list[int]:
         if self._pool is None:  # spawn, not fork: this process runs gRPC's threads
+            # The tokenizer goes by a file, not in the start's arguments: spawn writes those to the
+            # child's pipe on this thread, and past the pipe's 64 KB (the demo tokenizer is 100 KB)
+            # the write waits for the child to read it. That held every stream for the child's
+            # start, and for good where the child died first (the parent keeps the pipe's read end).
+            self._source_file = self._write_source()
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
-                                             initargs=(self._source, os.getpid()))
+                                             initargs=(self._source_file, os.getpid()))
         pool = self._pool
         try:
             return await asyncio.get_running_loop().run_in_executor(pool, _encode, text)
@@ -105,9 +115,31 @@ class PromptEncoder:
                 log.warning("tokenizer_worker_lost", error=str(exc), pending=self._pending)
                 self._pool = None
                 pool.shutdown(wait=False, cancel_futures=True)
+                self._drop_source_file()   # where the worker died before it read the file
             raise
+
+    def _write_source(self) -> str:
+        assert self._source is not None
+        try:
+            fd, path = tempfile.mkstemp(prefix="ddtree-tokenizer-", suffix=".json")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(self._source)
+        except OSError as exc:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"long text prompts need a writable temporary folder "
+                                                            f"({exc}); set TMPDIR, or send token ids",
+                               "tokenizer_no_tmp", retryable=False) from None
+        return path
+
+    def _drop_source_file(self) -> None:
+        if self._source_file is not None:
+            try:
+                os.unlink(self._source_file)
+            except FileNotFoundError:   # the worker read and removed it
+                pass
+            self._source_file = None
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        self._drop_source_file()
