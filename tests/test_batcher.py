@@ -1866,3 +1866,35 @@ def test_prompts_a_step_that_never_reached_its_replica_began_are_refused_as_if_q
         assert new.error is not None and new.error.code == grpc.StatusCode.UNAVAILABLE
         assert old.error is not None and old.prompt_sent == 4
         assert new.prompt_sent == (4 if delivered else 0), delivered
+
+
+def test_an_unreached_step_whose_requests_were_ended_meanwhile_leaves_the_loop_running() -> None:
+    """`end_all` (a stop, a replica marked down) may end the step's requests while the step is in
+    flight; the step then failing unreached must not touch them: the loop lives on, and each
+    request keeps the error it ended with."""
+    class Unreached:
+        def __init__(self) -> None:
+            self.entered, self.go = asyncio.Event(), asyncio.Event()
+
+        async def step(self, req, timeout):
+            self.entered.set()
+            await self.go.wait()
+            raise StepFailed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses", delivered=False)
+
+        def close(self) -> None:
+            pass
+
+    async def scenario() -> tuple[ActiveRequest, BaseException | None]:
+        draft, new = Unreached(), request("new", 4)
+        lane = started(draft, new)
+        await asyncio.wait_for(draft.entered.wait(), 5)
+        lane.end_all(ServiceError(grpc.StatusCode.UNAVAILABLE, "stopping"))
+        draft.go.set()
+        await until(lambda: not lane.healthy)
+        crashed = lane._task.exception() if lane._task.done() and not lane._task.cancelled() else None
+        await lane.stop()
+        return new, crashed
+
+    new, crashed = asyncio.run(scenario())
+    assert crashed is None, repr(crashed)
+    assert new.error is not None and new.error.message == "stopping"

@@ -700,6 +700,35 @@ def test_generate_says_an_aborted_request_and_a_json_run_that_was_answered(monke
     assert doc["text"] == "def" and doc["finish_reason"] == "length" and "error" not in doc
 
 
+def test_generate_json_has_every_field_and_says_whether_an_error_is_retryable(monkeypatch, capsys) -> None:
+    """The object a script parses: each field from the stream, the usage of the last chunk, and an
+    error a retry cannot mend said so (a client retrying on `retryable` alone)."""
+    import json
+
+    from services.scheduler.client import Usage
+
+    class Refused(_FakeClient):
+        def stream(self, prompt, **kwargs):
+            yield Chunk("req-1", [5, 6], "de", [2], None)
+            raise ClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, "message too large", retryable=False)
+
+    monkeypatch.setattr("services.scheduler.client.Client", Refused)
+    assert cli.main(["generate", "--prompt", "x", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out) == {
+        "request_id": "req-1", "text": "de", "token_ids": [5, 6], "acceptance_lengths": [2], "mean_acceptance": 2.0,
+        "finish_reason": None, "usage": None,
+        "error": {"code": "RESOURCE_EXHAUSTED", "message": "message too large", "retryable": False}}
+    usage = Usage(prompt_tokens=3, completion_tokens=3, steps=2, mean_acceptance=1.5, tree_steps=1)
+    monkeypatch.setattr("services.scheduler.client.Client", _FakeClient)
+    monkeypatch.setattr(_FakeClient, "chunks", [Chunk("req-2", [5], "d", [1], None),
+                                                Chunk("req-2", [6, 7], "ef", [2], "length", usage)])
+    assert cli.main(["generate", "--prompt", "x", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "request_id": "req-2", "text": "def", "token_ids": [5, 6, 7], "acceptance_lengths": [1, 2],
+        "mean_acceptance": 1.5, "finish_reason": "length",
+        "usage": {"prompt_tokens": 3, "completion_tokens": 3, "steps": 2, "mean_acceptance": 1.5, "tree_steps": 1}}
+
+
 def test_bench_says_when_its_prompts_are_synthetic_token_ids(monkeypatch, capsys, tmp_path) -> None:
     """Against a running stack without --prompt-file the prompts are random ids, which a trained
     drafter accepts little of: a walkthrough read the result as the drafter's acceptance."""

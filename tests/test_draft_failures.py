@@ -613,6 +613,14 @@ def test_a_context_pool_too_large_for_the_gpu_fails_the_start_naming_its_setting
                                             r"x 131072 tokens does not fit on cuda:0 .*draft\.cuda_graphs = false "
                                             r"\(CUDA out of memory\. Tried to allocate 24\.00 GiB\)$"):
         enable_propose_graphs(Proposer(fits=False), settings, torch.device("cuda", 0))
+
+    class Wordy(Proposer):   # an allocator's first sentence can be long: a line of the message, not a page
+        def enable_graphs(self, rows: int, context: int) -> int:
+            raise torch.OutOfMemoryError("CUDA out of memory" + " very" * 200 + ". Tried to allocate 24.00 GiB. More")
+
+    with pytest.raises(SettingsError) as info:
+        enable_propose_graphs(Wordy(fits=False), settings, torch.device("cuda", 0))
+    assert str(info.value).endswith(f" ({('CUDA out of memory' + ' very' * 200)[:160]})")
     # The service's start takes that way: a GPU draft with graphs, its drafter and client stubbed.
     from services.common.metrics import Metrics
     from services.draft import server

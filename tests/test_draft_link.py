@@ -348,3 +348,50 @@ def test_a_step_whose_new_stream_finds_no_connection_was_not_delivered():
     failed = asyncio.run(run())
     assert failed.code == grpc.StatusCode.UNAVAILABLE and not failed.delivered, failed.details
     assert StepFailed(grpc.StatusCode.UNAVAILABLE, "the step stream's connection broke").delivered
+
+
+class _AbortsUnavailable(draft_pb2_grpc.DraftServicer):
+    """Answers ``answered`` steps, then aborts its stream UNAVAILABLE with ``details``."""
+
+    def __init__(self, answered: int, details: str) -> None:
+        self.answered, self.details = answered, details
+
+    async def StepStream(self, request_iterator, context):
+        n = 0
+        async for request in request_iterator:
+            if n == self.answered:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, self.details)
+            n += 1
+            yield draft_pb2.StepResponse(results=[draft_pb2.StepResult(request_id=i.request_id, token_ids=[1])
+                                                  for i in request.items])
+
+
+@pytest.mark.parametrize("answered, details", [
+    (0, "verifier stream broke: Socket closed"),   # a new stream the draft itself failed
+    (1, "verifier stream broke: failed to connect to all addresses; last error: x"),   # an open one, gRPC's words
+])
+def test_a_step_the_draft_answered_unavailable_was_delivered(answered, details):
+    """Only gRPC's own "no connection" on a stream opened for the step means the step reached no
+    replica. A draft that failed the step itself (on a new stream or an open one, whatever words
+    it passes on) had the prompts: refused as unsent, wait_for_ready clients would send again a
+    prompt that may have killed the replica."""
+    async def run():
+        server = grpc.aio.server()
+        draft_pb2_grpc.add_DraftServicer_to_server(_AbortsUnavailable(answered, details), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        link = DraftLink(draft_pb2_grpc.DraftStub(channel))
+        prompt = draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="p", prompt_token_ids=[1, 2])])
+        try:
+            for _ in range(answered):
+                await link.step(prompt, timeout=5)
+            with pytest.raises(StepFailed) as failed:
+                await link.step(prompt, timeout=5)
+        finally:
+            link.close()
+            await channel.close()
+            await server.stop(0)
+        return failed.value
+    failed = asyncio.run(run())
+    assert failed.code == grpc.StatusCode.UNAVAILABLE and failed.details == details and failed.delivered

@@ -100,6 +100,8 @@ def test_a_group_past_the_gpus_this_process_sees_is_refused_before_any_rank_star
     check_rank_devices(VerifierSettings(tp=4, device="cuda:1"))   # cuda:1..cuda:4: there
     with pytest.raises(SettingsError, match=r"^verifier\.device: device cuda:7 does not exist: this process sees 5"):
         check_rank_devices(VerifierSettings(tp=2, device="cuda:7"))   # rank 0's own GPU: the device's fault
+    with pytest.raises(SettingsError, match=r"^verifier\.device: device cuda:5 does not exist"):
+        check_rank_devices(VerifierSettings(tp=2, device="cuda:5"))   # one past the last GPU
     check_rank_devices(VerifierSettings(tp=5, device="cuda"))
     check_rank_devices(VerifierSettings(tp=1, device="cuda:7"))   # one rank: pin_device's to name
     check_rank_devices(VerifierSettings(tp=8, device="cpu"))

@@ -801,6 +801,33 @@ def test_a_client_far_behind_gets_its_output_in_messages_of_bounded_size(monkeyp
     assert messages[-1].usage.completion_tokens == len(ids)
 
 
+def test_a_running_request_far_behind_gets_all_it_has_in_capped_messages_at_once(monkeypatch) -> None:
+    """Not only at the finish: while the request runs, what a message's caps left over goes out at
+    once, not a step later; each step's acceptance length travels with the step's last token."""
+    monkeypatch.setattr(request_module, "MESSAGE_MAX_CHARS", 5)
+    ids = TOKENIZER.encode("hello world, how are you today", add_special_tokens=False).ids
+    req = _request(max_tokens=1000)
+    req.add_tokens(ids, len(ids))
+    assert not req.done
+    messages = []
+    while (msg := req.take()) is not None:
+        messages.append(msg)
+    assert all(len(m.text) <= 5 for m in messages) and "".join(m.text for m in messages) == req.text
+    assert len(req.text) > 5 and [t for m in messages for t in m.token_ids] == ids[:len(req.out_ids)]
+
+    monkeypatch.setattr(request_module, "MESSAGE_MAX_CHARS", 10**6)
+    monkeypatch.setattr(request_module, "MESSAGE_MAX_TOKENS", 7)
+    ids = TOKENIZER.encode("a b c d e f g h i j k l m n o p q r s t", add_special_tokens=False).ids
+    req = _request(max_tokens=1000)
+    for t in ids:
+        req.add_tokens([t], 1)
+    messages = []
+    while (msg := req.take()) is not None:
+        messages.append(msg)
+    assert len(messages) == -(-len(ids) // 7)
+    assert [len(m.acceptance_lengths) for m in messages] == [len(m.token_ids) for m in messages]
+
+
 def test_a_message_at_its_caps_fits_grpcs_default_receive_limit() -> None:
     """The largest message the caps allow, of the widest values (5-byte ids, 4-byte characters),
     stays under half of gRPC's default 4 MB: any client reads it without raising its limit."""

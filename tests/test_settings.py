@@ -152,7 +152,10 @@ def test_a_setting_under_a_misspelt_service_name_is_refused_and_the_stacks_own_v
     with pytest.raises(SettingsError, match=r"DDTREE_MY_VERIFIER_PAGE_SIZE: no service is called 'my_verifier' "
                                             r"\(the setting is DDTREE_VERIFIER_PAGE_SIZE\)"):
         load_settings(VerifierSettings, env={"DDTREE_MY_VERIFIER_PAGE_SIZE": "1"})
-    env = {name: "1" for name in OTHER_VARIABLES} | {"DDTREE_SOMETHING": "x", "DDTREE_SCHEDULER_MAX_QUEUE": "3"}
+    with pytest.raises(SettingsError, match=r"DDTREE_MY_OWN_SCHED_MAX_QUEUE: no service is called 'my_own_sched' "):
+        load_settings(SchedulerSettings, env={"DDTREE_MY_OWN_SCHED_MAX_QUEUE": "1"})
+    env = {name: "1" for name in OTHER_VARIABLES} | {"DDTREE_SOMETHING": "x", "DDTREE_SCHEDULER_MAX_QUEUE": "3",
+                                                     "OLD_DDTREE_MAX_QUEUE": "1", "MY_DDTREE_PORT": "1"}
     assert load_settings(SchedulerSettings, env=env).max_queue == 3   # no setting's name: not ours to judge
 
 
@@ -256,3 +259,13 @@ def test_each_bound_refuses_the_value_past_it_and_takes_the_one_at_it(cls, field
 def test_a_boolean_variable_reads_1_as_true() -> None:
     assert load_settings(SchedulerSettings, env={"DDTREE_SCHEDULER_JSON_LOGS": "1"}).json_logs is True
     assert load_settings(SchedulerSettings, env={"DDTREE_SCHEDULER_JSON_LOGS": "0"}).json_logs is False
+
+
+def test_a_bind_failure_is_said_in_its_own_words_also_without_an_errno() -> None:
+    """An OSError raised with a message only has no strerror: the refusal said "None"."""
+    from services.common.settings import cannot_listen
+
+    err = cannot_listen(OSError("no socket for you"), "127.0.0.1", 1, "draft.port")
+    assert str(err) == "draft.port: cannot listen on 127.0.0.1:1: no socket for you"
+    err = cannot_listen(OSError(98, "Address already in use"), "0.0.0.0", 50051, "scheduler.port")
+    assert str(err) == "scheduler.port: cannot listen on 0.0.0.0:50051: Address already in use"

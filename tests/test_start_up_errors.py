@@ -390,8 +390,8 @@ def test_the_other_kernel_overrides_fail_the_start_by_name_where_they_do_not_par
     from services.draft import server as draft_server
     from services.verifier.server import kernel_overrides, serve
 
-    for word, on in (("", True), ("1", True), ("on", True), ("TRUE", True), ("0", False), ("false", False),
-                     ("No", False), (" off ", False)):
+    for word, on in (("", True), ("1", True), ("on", True), ("TRUE", True), ("yes", True), ("0", False),
+                     ("false", False), ("No", False), (" off ", False)):
         monkeypatch.setenv(pdl.ENV, word)
         assert pdl.switch_from_env() is on
     monkeypatch.setenv(pdl.ENV, "disabled")
@@ -406,19 +406,40 @@ def test_the_other_kernel_overrides_fail_the_start_by_name_where_they_do_not_par
     for spec, said in (("hopper=off", "hopper='off': must be 0 or 1"), ("bm=x", "bm='x': 'x' is not an integer"),
                        ("dn=64x128xfourx3", "dn='64x128xfourx3': 'four' is not an integer"),
                        ("gu=64x128", "gu='64x128': must be BLOCK_NxBLOCK_KxWARPSxSTAGES"),
+                       ("gu=64x128x4x3x2", "gu='64x128x4x3x2': must be BLOCK_NxBLOCK_KxWARPSxSTAGES"),
                        ("bm=7", "block_m=7 must be a power of two"), ("tiles=3", "unknown key 'tiles'")):
         monkeypatch.setenv(CONFIG_ENV, spec)
-        with pytest.raises(ValueError, match=f"^{CONFIG_ENV}='{spec}': .*{said}.*the syntax: bm=16,gu="):
+        with pytest.raises(ValueError, match=f"^{CONFIG_ENV}='{spec}': .*{said}.*the syntax: bm=16,gu=") as info:
             config_from_env()
+        assert str(info.value).count(CONFIG_ENV) == 1   # named once, also for an unknown key
         with pytest.raises(SettingsError, match=f"{CONFIG_ENV}='{spec}'"):
             asyncio.run(serve(VerifierSettings(port=0, device="cuda")))   # before the CPU build's own refusal
         assert kernel_overrides(VerifierSettings(device="cpu")) is None   # the CPU path reads no MoE config
     monkeypatch.setenv(CONFIG_ENV, "bm=32,hopper=0,gemv=true")
     assert config_from_env() == Int4MoEConfig(block_m=32, hopper=False, gemv=True)
+    assert Int4MoEConfig.parse("hopper=False,swap=TRUE") == Int4MoEConfig(hopper=False, swap_ab=True)
     assert Int4MoEConfig.parse(Int4MoEConfig(hopper=False, swap_ab=False).spec()) == Int4MoEConfig(hopper=False,
                                                                                                    swap_ab=False)
     monkeypatch.setenv(CONFIG_ENV, "")
     assert config_from_env() is None
+
+
+def test_the_kernels_read_ddtree_pdl_at_import_and_a_refused_word_keeps_the_default() -> None:
+    """What every launch reads is `kernels.pdl.PDL`, set at import: `DDTREE_PDL=0` must turn it off
+    there, and a word the start refuses must not fail an import (a bench script, a test)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import importlib, os\nfrom kernels import pdl\n"
+              "for word in ('0', 'false', '1', '', 'disabled'):\n"
+              "    os.environ['DDTREE_PDL'] = word\n    print(word or '-', importlib.reload(pdl).PDL)\n")
+    env = {k: v for k, v in os.environ.items() if k != "DDTREE_PDL"}
+    out = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:5] == ["0 False", "false False", "1 True", "- True", "disabled True"]
 
 
 def test_a_tokenizer_larger_than_the_models_vocabulary_fails_the_start(monkeypatch) -> None:
