@@ -146,3 +146,59 @@ def test_supervise_retries_a_restart_that_dies_and_stops_a_crash_loop() -> None:
     assert time.monotonic() - t0 < 30   # ended by the supervisor, not by its own 60 s
     hung[1].kill()
     hung[1].wait()
+
+
+def test_a_draft_replica_in_a_crash_loop_is_left_down_while_another_serves() -> None:
+    """One replica's fault (its GPU, a bad host) stopped the healthy replicas and the rest of the
+    stack with it. It is left down, said once, and supervision goes on for the others; the last
+    replica's crash loop, or the verifier's, still stops the stack."""
+    from services.common.launcher import _Service
+
+    class Proc:
+        def __init__(self, code):
+            self.returncode = code
+
+        def poll(self):
+            return self.returncode
+
+    stack = Stack(StackSpec(model_path="unused"))
+    bad = _Service("draft-1", "draft", "127.0.0.1:2", {}, Proc(1))
+    good = _Service("draft-0", "draft", "127.0.0.1:1", {}, Proc(None))
+    verifier = _Service("verifier", "verifier", "127.0.0.1:3", {}, Proc(None))
+    stack.services = [verifier, good, bad]
+    attempts, reports = [], []
+
+    def restart(name, should_stop=None):
+        attempts.append(name)
+        next(s for s in stack.services if s.name == name).proc = Proc(1)   # dies at once, every time
+
+    stack.restart = restart
+    rounds = iter(range(20))
+    stack.supervise(lambda: next(rounds) == 19, poll_s=0.0, max_restarts=3,
+                    report=lambda event, msg, **fields: reports.append((event, msg, fields)))
+    assert attempts == ["draft-1"] * 3   # then left down, not stopping the stack
+    assert [event for event, _, _ in reports] == ["service_restarting"] * 3 + ["service_given_up"]
+    assert reports[-1][1] == ("draft-1 exited 4 times in 60 s (last code 1); leaving it down, the stack serves "
+                              "on draft-0") and reports[-1][2] == {"target": "draft-1"}
+
+    good.proc = Proc(1)   # the last replica in a loop: the stack stops, as before
+    attempts.clear()
+    with pytest.raises(RuntimeError, match="draft-0 exited 4 times in 60 s"):
+        stack.supervise(lambda: False, poll_s=0.0, max_restarts=3)
+    assert set(attempts) == {"draft-0", "draft-1"}   # a new supervision tries the other again
+
+    def fails_start_up(name, should_stop=None):   # a replica that never comes up: its start-ups count
+        next(s for s in stack.services if s.name == name).proc = Proc(2)
+        raise RuntimeError(f"{name} exited with code 2 during start-up (see its output)")
+    stack.restart = fails_start_up
+    good.proc, bad.proc = Proc(None), Proc(1)
+    reports.clear()
+    rounds = iter(range(20))
+    stack.supervise(lambda: next(rounds) == 19, poll_s=0.0, max_restarts=3, window_s=0.0,
+                    report=lambda event, msg, **fields: reports.append((event, msg, fields)))
+    assert reports[-1][0] == "service_given_up" and "draft-1 failed its start-up 4 times in a row" in reports[-1][1]
+
+    stack.restart = restart   # the verifier's loop stops the stack, replicas or not
+    verifier.proc, bad.proc = Proc(1), Proc(None)
+    with pytest.raises(RuntimeError, match="verifier exited 4 times"):
+        stack.supervise(lambda: False, poll_s=0.0, max_restarts=3)

@@ -452,19 +452,27 @@ class Stack:
         however slowly they fail (one that fails after a minute's loading never met the window). A
         ``should_stop()`` during a restart's wait raises ``StartupStopped``. ``report(event, message,
         target=name, code=exit code)`` is told of each restart (`service_restarting`) and each failed
-        one (`service_restart_failed`, no code)."""
+        one (`service_restart_failed`, no code).
+
+        A draft replica in such a loop while another replica runs is left down instead
+        (`service_given_up`) and the stack serves on the others, which the scheduler routes to: one
+        replica's fault (its GPU, say) stopped the healthy ones with it. The last replica's loop, or
+        the scheduler's or the verifier's, still stops the stack."""
         exits: dict[str, list[float]] = {}
         failed: dict[str, int] = {}   # restarts in a row that never became healthy
+        given_up: set[str] = set()
         while not should_stop():
             for svc in self.services:
-                if svc.proc is None or svc.proc.poll() is None:
+                if svc.name in given_up or svc.proc is None or svc.proc.poll() is None:
                     continue
                 now = time.monotonic()
                 recent = [t for t in exits.get(svc.name, []) if now - t < window_s] + [now]
                 exits[svc.name] = recent
                 if len(recent) > max_restarts:
-                    raise RuntimeError(f"{svc.name} exited {len(recent)} times in {window_s:.0f} s "
-                                       f"(last code {svc.proc.returncode}); not restarting it again")
+                    why = f"{svc.name} exited {len(recent)} times in {window_s:.0f} s (last code {svc.proc.returncode})"
+                    if self._give_up(svc, given_up, why, report):
+                        continue
+                    raise RuntimeError(f"{why}; not restarting it again")
                 report("service_restarting", f"{svc.name} exited with code {svc.proc.returncode}; restarting it",
                        target=svc.name, code=svc.proc.returncode)
                 try:
@@ -472,13 +480,26 @@ class Stack:
                     failed[svc.name] = 0
                 except RuntimeError as exc:   # died (or hung) during its start-up: the next round sees it
                     failed[svc.name] = failed.get(svc.name, 0) + 1
-                    if failed[svc.name] > max_restarts:
-                        raise RuntimeError(f"{svc.name} failed its start-up {failed[svc.name]} times in a row "
-                                           f"({exc}); not restarting it again") from None
                     if svc.proc is not None and svc.proc.poll() is None:   # still starting past its time: ended
                         _end([svc.proc], grace_s=10.0)
+                    if failed[svc.name] > max_restarts:
+                        why = f"{svc.name} failed its start-up {failed[svc.name]} times in a row ({exc})"
+                        if self._give_up(svc, given_up, why, report):
+                            continue
+                        raise RuntimeError(f"{why}; not restarting it again") from None
                     report("service_restart_failed", f"{svc.name} restart failed: {exc}", target=svc.name)
             time.sleep(poll_s)
+
+    def _give_up(self, svc: _Service, given_up: set[str], why: str, report: Callable[..., None]) -> bool:
+        """Whether ``svc`` is left down (a draft replica while another one runs), said once."""
+        others = [s for s in self.services if s.role == "draft" and s is not svc and s.name not in given_up
+                  and s.proc is not None and s.proc.poll() is None]
+        if svc.role != "draft" or not others:
+            return False
+        given_up.add(svc.name)
+        report("service_given_up", f"{why}; leaving it down, the stack serves on {', '.join(s.name for s in others)}",
+               target=svc.name)
+        return True
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Ends the services in reverse order of their start, one role after another, each within
