@@ -183,8 +183,9 @@ def test_a_draft_replica_in_a_crash_loop_is_left_down_while_another_serves() -> 
 
     good.proc = Proc(1)   # the last replica in a loop: the stack stops, as before
     attempts.clear()
+    rounds = iter(range(20))
     with pytest.raises(RuntimeError, match="draft-0 exited 4 times in 60 s"):
-        stack.supervise(lambda: False, poll_s=0.0, max_restarts=3)
+        stack.supervise(lambda: next(rounds) == 19, poll_s=0.0, max_restarts=3)
     assert set(attempts) == {"draft-0", "draft-1"}   # a new supervision tries the other again
 
     def fails_start_up(name, should_stop=None):   # a replica that never comes up: its start-ups count
@@ -200,5 +201,6 @@ def test_a_draft_replica_in_a_crash_loop_is_left_down_while_another_serves() -> 
 
     stack.restart = restart   # the verifier's loop stops the stack, replicas or not
     verifier.proc, bad.proc = Proc(1), Proc(None)
+    rounds = iter(range(20))
     with pytest.raises(RuntimeError, match="verifier exited 4 times"):
-        stack.supervise(lambda: False, poll_s=0.0, max_restarts=3)
+        stack.supervise(lambda: next(rounds) == 19, poll_s=0.0, max_restarts=3)
