@@ -858,3 +858,59 @@ def test_long_texts_without_a_writable_temporary_folder_are_refused_by_name(tmp_
         encoder.close()
     assert info.value.code == grpc.StatusCode.UNAVAILABLE and info.value.reason == "tokenizer_no_tmp"
     assert "set TMPDIR" in info.value.message and info.value.retryable is False
+
+    # A full folder may have room later: retryable, and the part written is removed.
+    import errno
+
+    (tmp_path / "full").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "full"))
+
+    def full(fd, *args, **kwargs):
+        os.close(fd)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fdopen", full)
+    encoder = PromptEncoder(TOKENIZER, apart=True, inline_chars=10)
+    try:
+        with pytest.raises(ServiceError) as info:
+            asyncio.run(encoder.encode("def f(x): return x " * 10))
+    finally:
+        encoder.close()
+    assert info.value.reason == "tokenizer_no_tmp" and info.value.retryable is True
+    assert "No space left" in info.value.message and list((tmp_path / "full").iterdir()) == []
+
+
+def test_closing_while_the_worker_starts_leaves_it_its_file_and_starts_no_other(tmp_path, monkeypatch) -> None:
+    """The scheduler's stop closes the encoder, maybe while its worker starts: the file was removed
+    under the worker, whose start then failed with a traceback, and the text waiting for it started
+    a second worker after the close, which nothing ended."""
+    import asyncio
+    import tempfile
+    import time
+
+    from services.scheduler.tokenizing import PromptEncoder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    encoder = PromptEncoder(TOKENIZER, apart=True, inline_chars=10)
+    text = "def f(x): return x " * 10
+
+    async def scenario():
+        waiting = asyncio.ensure_future(encoder.encode(text))
+        await asyncio.sleep(0.01)
+        workers = list(encoder._pool._processes.values())
+        encoder.close()
+        outcome = (await asyncio.gather(waiting, return_exceptions=True))[0]
+        return outcome, workers
+
+    outcome, workers = asyncio.run(scenario())
+    if isinstance(outcome, ServiceError):   # the worker was gone before it took the text
+        assert outcome.code == grpc.StatusCode.UNAVAILABLE and "stopping" in outcome.message
+    else:
+        assert outcome == TOKENIZER.encode(text, add_special_tokens=False).ids
+    assert encoder._pool is None and workers
+    for worker in workers:
+        worker.join(30)
+        assert worker.exitcode == 0, worker.exitcode   # its start did not fail
+    deadline = time.monotonic() + 5
+    while list(tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(tmp_path.iterdir()) == []

@@ -491,14 +491,15 @@ class Stack:
             time.sleep(poll_s)
 
     def _give_up(self, svc: _Service, given_up: set[str], why: str, report: Callable[..., None]) -> bool:
-        """Whether ``svc`` is left down (a draft replica while another one runs), said once."""
+        """Whether ``svc`` is left down (a draft replica while another one's process runs); the
+        caller skips it from then on, so this is said once."""
         others = [s for s in self.services if s.role == "draft" and s is not svc and s.name not in given_up
                   and s.proc is not None and s.proc.poll() is None]
         if svc.role != "draft" or not others:
             return False
         given_up.add(svc.name)
-        report("service_given_up", f"{why}; leaving it down, the stack serves on {', '.join(s.name for s in others)}",
-               target=svc.name)
+        report("service_given_up", f"{why}; leaving it down until the stack starts again (its other replicas "
+                                   f"go on: {', '.join(s.name for s in others)})", target=svc.name)
         return True
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:

@@ -466,15 +466,17 @@ class Router:
                 break
             await asyncio.sleep(0.05)
         self.closed = True
-        if now is not None and now.is_set():   # not the grace said below, which a client would wait for next time
-            why = "it was told to stop at once (a second signal, or its launcher is gone)"
+        waited = time.monotonic() - t0
+        if now is not None and now.is_set() and waited < timeout_s:   # the grace it did not give, not said as given
+            why = f"told to stop without waiting longer after {waited:.1f} s of its {timeout_s:g} s grace: a second " \
+                  f"signal, or its launcher is gone"
         else:
             why = f"it waits up to {timeout_s:g} s for running requests when it stops"
         error = ServiceError(grpc.StatusCode.UNAVAILABLE,
                              f"the scheduler stopped before this request finished ({why}); retry it")
         left = sum(lane.end_all(error) for lane in self.lanes)
         if left:
-            log.warning("requests_cut_by_stop", requests=left, waited_s=round(time.monotonic() - t0, 2))
+            log.warning("requests_cut_by_stop", requests=left, waited_s=round(waited, 2))
         return left
 
     async def stop(self) -> None:

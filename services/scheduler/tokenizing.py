@@ -9,6 +9,8 @@ to a process would cost more than the encode itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import multiprocessing
 import os
 import tempfile
@@ -38,10 +40,8 @@ def _load(path: str, parent_pid: int, poll_s: float = 1.0) -> None:
     outright (SIGKILL, the OOM killer) cannot stop its pool, and the worker stayed behind, one more
     for each restart."""
     global _worker
-    try:
-        _worker = Tokenizer.from_file(path)
-    finally:
-        os.unlink(path)
+    _worker = Tokenizer.from_file(path)
+    os.unlink(path)
     exit_when_orphaned(parent_pid, 0, poll_s)
 
 
@@ -63,8 +63,17 @@ class PromptEncoder:
         self.max_pending = max_pending
         self._pending = 0
         self._pool: ProcessPoolExecutor | None = None
-        self._source_file: str | None = None   # the tokenizer for a worker that has not read it yet
+        # The file written for the current pool's worker, which removes it once read; the scheduler
+        # removes it where the worker died (or never started) first.
+        self._source_file: str | None = None
         self._retrying = asyncio.Lock()   # texts sent again after a worker died: one at a time
+        self._closed = False
+        if apart:
+            try:   # said at the start, not only at the first long text
+                tempfile.gettempdir()
+            except FileNotFoundError as exc:
+                log.warning("tokenizer_no_tmp", error=str(exc),
+                            advice="long text prompts will be refused; set TMPDIR to a writable folder")
 
     async def encode(self, text: str) -> list[int]:
         """Raises ``ServiceError`` RESOURCE_EXHAUSTED where ``max_pending`` long texts wait already."""
@@ -99,14 +108,20 @@ class PromptEncoder:
                                    "tokenizer_died", retryable=False) from None
 
     async def _in_worker(self, text: str) -> list[int]:
+        if self._closed:   # a text sent again after `close` broke the pool: no new worker
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping", "stopping")
         if self._pool is None:  # spawn, not fork: this process runs gRPC's threads
             # The tokenizer goes by a file, not in the start's arguments: spawn writes those to the
             # child's pipe on this thread, and past the pipe's 64 KB (the demo tokenizer is 100 KB)
             # the write waits for the child to read it. That held every stream for the child's
             # start, and for good where the child died first (the parent keeps the pipe's read end).
             self._source_file = self._write_source()
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
-                                             initargs=(self._source_file, os.getpid()))
+            try:
+                self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_load, initargs=(self._source_file, os.getpid()))
+            except BaseException:
+                self._drop_source_file()
+                raise
         pool = self._pool
         try:
             return await asyncio.get_running_loop().run_in_executor(pool, _encode, text)
@@ -119,12 +134,21 @@ class PromptEncoder:
             raise
 
     def _write_source(self) -> str:
+        """The tokenizer in a new temporary file (Kimi-K2's: milliseconds, once a worker start)."""
         assert self._source is not None
+        path = None
         try:
             fd, path = tempfile.mkstemp(prefix="ddtree-tokenizer-", suffix=".json")
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(self._source)
         except OSError as exc:
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            if exc.errno == errno.ENOSPC:   # a full folder may have room later
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"no room for the tokenizing worker's tokenizer in "
+                                                                f"the temporary folder ({exc}); retry, or send token ids",
+                                   "tokenizer_no_tmp", retryable=True) from None
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"long text prompts need a writable temporary folder "
                                                             f"({exc}); set TMPDIR, or send token ids",
                                "tokenizer_no_tmp", retryable=False) from None
@@ -132,14 +156,17 @@ class PromptEncoder:
 
     def _drop_source_file(self) -> None:
         if self._source_file is not None:
-            try:
+            with contextlib.suppress(FileNotFoundError):   # the worker read and removed it
                 os.unlink(self._source_file)
-            except FileNotFoundError:   # the worker read and removed it
-                pass
             self._source_file = None
 
     def close(self) -> None:
+        """Ends the worker. A worker still starting reads and removes its file itself: removed
+        here, it failed its start with a traceback, and the texts waiting for it started a new
+        worker after the close."""
+        self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+            self._source_file = None
         self._drop_source_file()
