@@ -254,6 +254,48 @@ def test_a_step_runs_to_its_end_when_the_scheduler_gives_up_on_its_stream():
     assert asyncio.run(run()) == ["slow"]
 
 
+def test_a_step_that_fails_after_the_scheduler_gave_up_on_its_stream_is_logged_not_left_to_asyncio():
+    """Its error reached no one: asyncio printed "Task exception was never retrieved" with a plain
+    traceback (outside the JSON logs) when the task was collected. It is a log event instead."""
+    import gc
+
+    from structlog.testing import capture_logs
+
+    from services.common.grpc_server import ServiceError
+
+    started, release = asyncio.Event(), asyncio.Event()
+
+    class Engine(QuietEngine):
+        async def step(self, request, owner=0):
+            started.set()
+            await release.wait()
+            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the verifier answered no step within 12 s")
+
+    unretrieved: list[dict] = []
+
+    async def run():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unretrieved.append(ctx))
+        async with served_draft(Engine()) as (_, channel):
+            link = DraftLink(draft_pb2_grpc.DraftStub(channel))
+            try:
+                with pytest.raises(StepFailed):
+                    await link.step(step("slow"), timeout=0.3)   # the stream is cancelled mid-step
+                assert started.is_set()
+                await asyncio.sleep(0.1)
+                release.set()
+                await asyncio.sleep(0.2)
+                gc.collect()
+            finally:
+                link.close()
+
+    with capture_logs() as logs:
+        asyncio.run(run())
+    gc.collect()
+    assert not [c for c in unretrieved if "never retrieved" in c.get("message", "")], unretrieved
+    said = [e for e in logs if e["event"] == "step_failed_after_stream_ended"]
+    assert [e["error"] for e in said] == ["the verifier answered no step within 12 s"]
+
+
 def test_the_draft_runs_its_work_ahead_after_each_answer_before_the_next_step():
     """The context commit and next trees (`DraftEngine.run_ahead`) run once the answer has gone
     out, and before the next step on the stream starts."""

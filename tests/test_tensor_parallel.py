@@ -218,11 +218,24 @@ def test_dead_rank_makes_the_group_unhealthy_without_hanging(ckpt, starts):
 
         err, took = asyncio.run(scenario())
         assert err.code == grpc.StatusCode.UNAVAILABLE and took < 10, (err, took)
+        assert "verifier rank 1 exited with code -9" in err.message, err.message   # not "rank 0's ... failed"
         verifier.wait(timeout=15)                 # rank 0 ends the group instead of hanging
         assert verifier.returncode != 0
         with grpc.insecure_channel(stack.address("verifier")) as ch:
             with pytest.raises(grpc.RpcError):    # nothing answers for the dead group any more
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+
+
+def test_rank_0_waits_a_moment_for_the_exit_of_a_rank_that_broke_a_collective() -> None:
+    """The reset connection reaches rank 0 while the dead rank is still being torn down: its exit
+    is polled for a moment, so the failure names it."""
+    from services.verifier.parallel import TensorParallel
+
+    polls = iter([None] * 5 + ["verifier rank 1 exited with code -9"])
+    tp = TensorParallel(0, 1, peers_gone=lambda: next(polls))
+    assert tp.peer_gone() is None   # no wait: one look
+    assert tp.peer_gone(wait_s=5.0) == "verifier rank 1 exited with code -9"
+    assert TensorParallel(0, 1).peer_gone(wait_s=5.0) is None   # no workers to ask: at once
 
 
 def _align_rank(rank: int, port: int, join_lag_s: float, load_lag_s: float, timeout_s: float, out) -> None:
@@ -345,10 +358,15 @@ def test_a_call_that_fails_on_rank_0_with_ranks_ends_the_group() -> None:
     class Ranks:
         enabled = True
         fail = True
+        gone = None
 
         def broadcast(self, call):
             if self.fail:
-                raise RuntimeError("Application timeout caused pair closure")
+                raise RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Application "
+                                   "timeout caused pair closure")
+
+        def peer_gone(self, wait_s=0.0):
+            return self.gone
 
     def refuse(*args):
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "bad tree")
@@ -365,6 +383,7 @@ def test_a_call_that_fails_on_rank_0_with_ranks_ends_the_group() -> None:
     with pytest.raises(GroupFailed) as failed:   # what the stream ends with: UNAVAILABLE naming it (was INTERNAL)
         group.call("prefill", [])
     assert len(reasons) == 1 and "rank 0's prefill failed" in reasons[0] and "pair closure" in reasons[0]
+    assert "/__w/" not in reasons[0]   # the library's source path, said to every client, is left out
     assert (failed.value.code, failed.value.message) == (grpc.StatusCode.UNAVAILABLE, reasons[0])
     # Out of step for good: no later call or heartbeat is broadcast (one could pair with the failed
     # call's collective on a worker), each fails at once.
@@ -379,6 +398,14 @@ def test_a_call_that_fails_on_rank_0_with_ranks_ends_the_group() -> None:
     with pytest.raises(RuntimeError):
         heartbeat_group.heartbeat()
     assert "rank 0's heartbeat failed" in reasons[1]
+    # A rank that died broke the collective: said as its death, not as rank 0's failure (a rank
+    # killed under load was reported as "rank 0's verify failed (... Connection reset by peer)").
+    killed = Ranks()
+    killed.gone = "verifier rank 1 exited with code -9"
+    with pytest.raises(GroupFailed) as failed:
+        EngineGroup(engine, killed, on_failure=reasons.append).call("prefill", [])
+    assert failed.value.message == reasons[2] == ("verifier ranks out of step: verifier rank 1 exited with code -9 "
+                                                  "(rank 0's prefill failed with it)")
     group = EngineGroup(engine, SimpleNamespace(enabled=True, broadcast=lambda call: None))
     group.stop()   # the workers were told to stop: a call would broadcast to ranks that left
     with pytest.raises(ServiceError, match="the verifier group is stopping") as stopping:
@@ -390,7 +417,7 @@ def test_a_call_that_fails_on_rank_0_with_ranks_ends_the_group() -> None:
     with pytest.raises(ZeroDivisionError):   # one rank: an engine error is the step's, not the group's
         engine.prefill = lambda items: 1 / 0
         alone.call("prefill", [])
-    assert len(reasons) == 2
+    assert len(reasons) == 3
 
 
 @pytest.mark.parametrize("fault, ends", [

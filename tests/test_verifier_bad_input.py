@@ -703,3 +703,21 @@ def test_a_prompt_whose_first_draw_meets_nan_logits_fails_alone(ckpt):
     assert sorted(engine._requests) == ["good", "other"]
     assert resp.features.tensors[0].shape[0] == 6   # the two prompts' rows, not the failed one's
     assert pages == engine.cache.num_pages - 2 * len(engine.cache.page_ids("good"))
+
+
+def test_a_stream_that_ends_after_its_group_failed_ends_without_a_handler_error(ckpt) -> None:
+    """A rank's death fails the group; the streams' clean-ups then asked the failed group to release
+    their requests and raised its GroupFailed out of the handler: logged as `handler_failed` (a
+    bug, with a traceback) and the stream ended INTERNAL. The group goes with what they held."""
+    from structlog.testing import capture_logs
+
+    svc = servicer(ckpt)
+    with shm_peer(svc, ckpt, slots=2) as peer:
+        svc.group.failed = "verifier ranks out of step: verifier rank 1 exited with code -9"
+        with capture_logs() as logs:
+            assert svc._end_stream("d1", peer) == 0
+        assert "d1" not in svc._peers   # its rings unmapped all the same
+        assert [e["event"] for e in logs] == ["stream_closed"]
+        svc._peers["d1"] = peer
+        svc._retire_peer("d1")   # a draft's new handshake retires its old stream alike
+        assert "d1" not in svc._peers

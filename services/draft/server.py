@@ -53,12 +53,16 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                      context: grpc.aio.ServicerContext, owner: int) -> AsyncIterator[draft_pb2.StepResponse]:
         requests = request_iterator.__aiter__()
         while (request := await self._idle.next(requests)) is not None:   # None: ended, or stopping
+            step = asyncio.ensure_future(self.engine.step(request, owner))
             try:
                 # Shielded: if the scheduler gives up on the stream, the step still runs to its end
                 # (holding the engine's lock), so the next step never starts beside a half-done one.
-                yield await asyncio.shield(self.engine.step(request, owner))
+                yield await asyncio.shield(step)
             except ServiceError as exc:
                 await context.abort(exc.code, exc.message)
+            except asyncio.CancelledError:   # its end is heard by no one: said here, not by asyncio's
+                step.add_done_callback(_said_after_stream_end)   # "exception was never retrieved" traceback
+                raise
             finally:
                 # The answer has gone out (or the stream ended under it): the next step needs this
                 # work first, and the commit reads features that the verifier's ring holds for us
@@ -101,6 +105,12 @@ async def _reconnect_when_lost(engine: DraftEngine, interval_s: float = 1.0) -> 
                 kind = type(exc).__name__
                 (log.warning if said != kind else log.debug)("verifier_reconnect_failed", error=repr(exc))
                 said = kind
+
+
+def _said_after_stream_end(step: asyncio.Future) -> None:
+    """How a step whose stream ended under it (the scheduler gave up) ended, as a log event."""
+    if not step.cancelled() and (exc := step.exception()) is not None:
+        log.warning("step_failed_after_stream_ended", error=str(exc) or type(exc).__name__)
 
 
 def enable_propose_graphs(proposer: Proposer, settings: DraftSettings, device: torch.device) -> None:

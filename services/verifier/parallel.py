@@ -208,6 +208,17 @@ class TensorParallel:
             time.sleep(0.05)
         store.set(f"{step}/go", "1")
 
+    def peer_gone(self, wait_s: float = 0.0) -> str | None:
+        """Which worker rank has exited (rank 0, given ``peers_gone``), polled for up to ``wait_s``:
+        a collective broken by a rank that died fails on rank 0 while that process is still being
+        torn down, before its exit can be seen."""
+        deadline = time.monotonic() + wait_s
+        while self._peers_gone is not None:
+            if (gone := self._peers_gone()) or time.monotonic() >= deadline:
+                return gone
+            time.sleep(0.02)
+        return None
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums the ranks' partial results in place (the one collective per block)."""
         if self.size > 1:

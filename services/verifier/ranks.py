@@ -12,6 +12,7 @@ import argparse
 import ctypes
 import dataclasses
 import json
+import re
 import os
 import signal
 import subprocess
@@ -121,9 +122,15 @@ class EngineGroup:
     def _failed(self, method: str, exc: Exception) -> str | None:
         """Reports a failure that ends the group, and returns why: with ranks any, alone a device
         fault (`device_fault`); None for the rest."""
-        what = f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+        # (a collective's error opens with its library's source path: `[/__w/.../pair.cc:537] `)
+        said = re.sub(r"^\[[^\]]*:\d+\] ", "", str(exc).splitlines()[0]) if str(exc) else ""
+        what = f"({type(exc).__name__}: {said[:200]})"
         if self.tp.enabled:
-            reason = f"verifier ranks out of step: rank 0's {method} failed {what}"
+            # A rank that died (killed, out of memory) broke the collective: said as such, not as
+            # rank 0's failure, which its error text (a reset connection) read as.
+            gone = self.tp.peer_gone(wait_s=1.0)
+            reason = f"verifier ranks out of step: {gone} (rank 0's {method} failed with it)" if gone \
+                else f"verifier ranks out of step: rank 0's {method} failed {what}"
         elif device_fault(exc):
             reason = f"the verifier's GPU failed in {method} {what}"
         else:

@@ -330,6 +330,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         freed = 0
         try:
             freed = 0 if self._group_stopped else self.group.call("release_owner", peer.owner)
+        except GroupFailed:   # a rank died: the group goes, and what the stream held with it (said once, as rank_died)
+            pass
         finally:   # a release that failed must not leave the rings mapped as well
             if self._peers.get(draft_id) is peer:
                 self._drop_peer(draft_id)
@@ -343,6 +345,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             try:
                 if not self._group_stopped:
                     self.group.call("release_owner", peer.owner)
+            except GroupFailed:   # as in `_end_stream`
+                pass
             finally:
                 self._drop_peer(draft_id)
 
