@@ -77,30 +77,33 @@ def test_replica_death_ends_its_requests_and_spares_the_rest(tmp_path):
         assert outcomes[1:] == [True, True], outcomes
 
 
+class _Proc:
+    """A service's process as supervision sees it: running (code None) or exited with ``code``."""
+
+    def __init__(self, code: int | None) -> None:
+        self.returncode = code
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
 def test_supervise_retries_a_restart_that_dies_and_stops_a_crash_loop() -> None:
     """`ddtree up`'s supervision without processes: a restart that fails during start-up (the
     service died before it was healthy) is one more exit to retry, not the end of the stack; more
     than `max_restarts` exits in the window is."""
     from services.common.launcher import _Service
 
-    class Proc:
-        def __init__(self, code):
-            self.returncode = code
-
-        def poll(self):
-            return self.returncode
-
     stack = Stack(StackSpec(model_path="unused"))
-    svc = _Service("draft", "draft", "127.0.0.1:1", {}, Proc(-9))
+    svc = _Service("draft", "draft", "127.0.0.1:1", {}, _Proc(-9))
     stack.services = [svc]
     attempts, reports = [], []
 
     def restart(name, should_stop=None):
         attempts.append(name)
         if len(attempts) == 1:
-            svc.proc = Proc(-9)   # dies again before it is healthy
+            svc.proc = _Proc(-9)   # dies again before it is healthy
             raise RuntimeError("draft exited with code -9 during start-up (see its output)")
-        svc.proc = Proc(None)     # up
+        svc.proc = _Proc(None)     # up
 
     stack.restart = restart
     stack.supervise(lambda: len(attempts) == 2, poll_s=0.0, report=lambda event, msg, **fields: reports.append((event, msg, fields)))
@@ -110,13 +113,13 @@ def test_supervise_retries_a_restart_that_dies_and_stops_a_crash_loop() -> None:
         ("service_restarting", {"target": "draft", "code": -9})]
     assert reports[1][1].startswith("draft restart failed: draft exited with code -9")
 
-    stack.restart = lambda name, should_stop=None: setattr(svc, "proc", Proc(1))   # dies at once, every time
-    svc.proc = Proc(1)
+    stack.restart = lambda name, should_stop=None: setattr(svc, "proc", _Proc(1))   # dies at once, every time
+    svc.proc = _Proc(1)
     with pytest.raises(RuntimeError, match="draft exited 4 times"):
         stack.supervise(lambda: False, poll_s=0.0, max_restarts=3)
 
     def slow_failure(name, should_stop=None):   # fails each start-up after its loading, past any window
-        svc.proc = Proc(2)
+        svc.proc = _Proc(2)
         raise RuntimeError("draft exited with code 2 during start-up (see its output)")
     stack.restart = slow_failure
     with pytest.raises(RuntimeError, match=r"draft failed its start-up 4 times in a row \(draft exited with code 2"):
@@ -125,11 +128,11 @@ def test_supervise_retries_a_restart_that_dies_and_stops_a_crash_loop() -> None:
     left = ["fail"] * 3 + ["up"] + ["fail"] * 3 + ["up"]
 
     def fails_then_comes_up(name, should_stop=None):   # counted are failures in a row: one that came up resets it
-        svc.proc = Proc(2)   # (one that came up exits again at once: seen on the next round)
+        svc.proc = _Proc(2)   # (one that came up exits again at once: seen on the next round)
         if left.pop(0) == "fail":
             raise RuntimeError("draft exited with code 2 during start-up (see its output)")
     stack.restart = fails_then_comes_up
-    svc.proc = Proc(1)
+    svc.proc = _Proc(1)
     stack.supervise(lambda: not left, poll_s=0.0, max_restarts=3, window_s=0.0)   # 6 failures, never 4 in a row
 
     hung = []
@@ -139,7 +142,7 @@ def test_supervise_retries_a_restart_that_dies_and_stops_a_crash_loop() -> None:
         hung.append(svc.proc)
         raise RuntimeError("draft did not become healthy within 1 s")
     stack.restart = hangs
-    svc.proc = Proc(1)
+    svc.proc = _Proc(1)
     t0 = time.monotonic()
     stack.supervise(lambda: len(hung) == 2, poll_s=0.0)
     assert hung[0].poll() is not None   # ended, so the next round started it again
@@ -154,23 +157,16 @@ def test_a_draft_replica_in_a_crash_loop_is_left_down_while_another_serves() -> 
     replica's crash loop, or the verifier's, still stops the stack."""
     from services.common.launcher import _Service
 
-    class Proc:
-        def __init__(self, code):
-            self.returncode = code
-
-        def poll(self):
-            return self.returncode
-
     stack = Stack(StackSpec(model_path="unused"))
-    bad = _Service("draft-1", "draft", "127.0.0.1:2", {}, Proc(1))
-    good = _Service("draft-0", "draft", "127.0.0.1:1", {}, Proc(None))
-    verifier = _Service("verifier", "verifier", "127.0.0.1:3", {}, Proc(None))
+    bad = _Service("draft-1", "draft", "127.0.0.1:2", {}, _Proc(1))
+    good = _Service("draft-0", "draft", "127.0.0.1:1", {}, _Proc(None))
+    verifier = _Service("verifier", "verifier", "127.0.0.1:3", {}, _Proc(None))
     stack.services = [verifier, good, bad]
     attempts, reports = [], []
 
     def restart(name, should_stop=None):
         attempts.append(name)
-        next(s for s in stack.services if s.name == name).proc = Proc(1)   # dies at once, every time
+        next(s for s in stack.services if s.name == name).proc = _Proc(1)   # dies at once, every time
 
     stack.restart = restart
     rounds = iter(range(20))
@@ -181,7 +177,7 @@ def test_a_draft_replica_in_a_crash_loop_is_left_down_while_another_serves() -> 
     assert reports[-1][1] == ("draft-1 exited 4 times in 60 s (last code 1); leaving it down until the stack "
                               "starts again (its other replicas go on: draft-0)") and reports[-1][2] == {"target": "draft-1"}
 
-    good.proc = Proc(1)   # the last replica in a loop: the stack stops, as before
+    good.proc = _Proc(1)   # the last replica in a loop: the stack stops, as before
     attempts.clear()
     rounds = iter(range(20))
     with pytest.raises(RuntimeError, match="draft-0 exited 4 times in 60 s"):
@@ -189,10 +185,10 @@ def test_a_draft_replica_in_a_crash_loop_is_left_down_while_another_serves() -> 
     assert set(attempts) == {"draft-0", "draft-1"}   # a new supervision tries the other again
 
     def fails_start_up(name, should_stop=None):   # a replica that never comes up: its start-ups count
-        next(s for s in stack.services if s.name == name).proc = Proc(2)
+        next(s for s in stack.services if s.name == name).proc = _Proc(2)
         raise RuntimeError(f"{name} exited with code 2 during start-up (see its output)")
     stack.restart = fails_start_up
-    good.proc, bad.proc = Proc(None), Proc(1)
+    good.proc, bad.proc = _Proc(None), _Proc(1)
     reports.clear()
     rounds = iter(range(20))
     stack.supervise(lambda: next(rounds) == 19, poll_s=0.0, max_restarts=3, window_s=0.0,
@@ -200,7 +196,7 @@ def test_a_draft_replica_in_a_crash_loop_is_left_down_while_another_serves() -> 
     assert reports[-1][0] == "service_given_up" and "draft-1 failed its start-up 4 times in a row" in reports[-1][1]
 
     stack.restart = restart   # the verifier's loop stops the stack, replicas or not
-    verifier.proc, bad.proc = Proc(1), Proc(None)
+    verifier.proc, bad.proc = _Proc(1), _Proc(None)
     rounds = iter(range(20))
     with pytest.raises(RuntimeError, match="verifier exited 4 times"):
         stack.supervise(lambda: next(rounds) == 19, poll_s=0.0, max_restarts=3)
