@@ -224,8 +224,9 @@ def _this_command() -> str:
 
 def _restart_reporter(json_logs: bool) -> Callable[..., None]:
     """How `ddtree up` tells of a service's restart, a failed one, a draft replica left down
-    (`service_given_up`), or the crash loop that stops the stack (`stack_stopped`): a line for the console, or, where the services log JSON, a JSON event
-    among theirs, with its fields (a plain line there broke a parser of the stack's log)."""
+    (`service_given_up`), or the crash loop that stops the stack (`stack_stopped`): a line for the
+    console, or, where the services log JSON, a JSON event among theirs, with its fields (a plain
+    line there broke a parser of the stack's log)."""
     if not json_logs:
         return lambda event, message, **fields: print(f"ddtree up: {message}", file=sys.stderr, flush=True)
     from services.common.logging import configure_logging, get_logger

@@ -146,9 +146,9 @@ class PromptEncoder:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
             if exc.errno == errno.ENOSPC:   # a full folder may have room later
-                raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"no room for the tokenizing worker's tokenizer in "
-                                                                f"the temporary folder ({exc}); retry, or send token ids",
-                                   "tokenizer_no_tmp", retryable=True) from None
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"no room for the tokenizing worker's tokenizer "
+                                                                f"in the temporary folder ({exc}); retry, or send "
+                                                                f"token ids", "tokenizer_no_tmp", retryable=True) from None
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"long text prompts need a writable temporary folder "
                                                             f"({exc}); set TMPDIR, or send token ids",
                                "tokenizer_no_tmp", retryable=False) from None
