@@ -168,5 +168,6 @@ class PromptEncoder:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-            self._source_file = None
-        self._drop_source_file()
+            self._source_file = None   # its worker's to remove
+        else:
+            self._drop_source_file()

@@ -199,8 +199,7 @@ class TensorParallel:
             return
         deadline = time.monotonic() + limit.total_seconds()
         while (arrived := store.add(step, 0)) < self.size:
-            gone = self._peers_gone() if self._peers_gone is not None else None
-            if gone:
+            if gone := self.peer_gone():
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{gone} before the verifier group was {step}")
             if time.monotonic() > deadline:
                 raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -212,12 +211,12 @@ class TensorParallel:
         """Which worker rank has exited (rank 0, given ``peers_gone``), polled for up to ``wait_s``:
         a collective broken by a rank that died fails on rank 0 while that process is still being
         torn down, before its exit can be seen."""
+        if self._peers_gone is None:
+            return None
         deadline = time.monotonic() + wait_s
-        while self._peers_gone is not None:
-            if (gone := self._peers_gone()) or time.monotonic() >= deadline:
-                return gone
+        while not (gone := self._peers_gone()) and time.monotonic() < deadline:
             time.sleep(0.02)
-        return None
+        return gone
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums the ranks' partial results in place (the one collective per block)."""
