@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-CI_SKIPS = ("needs CUDA", "docker compose not installed", "no git checkout")   # a CPU machine, no docker, maybe no .git
+# A CPU machine, no docker, maybe no .git; "needs 2 GPUs" also skips on a one-GPU machine.
+CI_SKIPS = ("needs CUDA", "needs 2 GPUs", "docker compose not installed", "no git checkout")
 _unexpected: list[str] = []
 
 

@@ -159,6 +159,18 @@ def test_a_setting_under_a_misspelt_service_name_is_refused_and_the_stacks_own_v
     assert load_settings(SchedulerSettings, env=env).max_queue == 3   # no setting's name: not ours to judge
 
 
+def test_the_variable_the_verifier_sets_for_its_ranks_is_named_as_that_when_set_by_hand() -> None:
+    """Under the verifier's prefix but no setting of it: "unknown setting" sent a user looking for
+    a misspelt field."""
+    from services.verifier.ranks import SETTINGS_ENV
+
+    with pytest.raises(SettingsError, match=f"{SETTINGS_ENV}: set by the verifier for its tensor-parallel ranks, "
+                                            "not by hand; unset it"):
+        load_settings(VerifierSettings, None, env={SETTINGS_ENV: "{}"})
+    with pytest.raises(SettingsError, match="DDTREE_VERIFIER_RANK1_SETTINGS: unknown setting for verifier"):
+        load_settings(VerifierSettings, None, env={"DDTREE_VERIFIER_RANK1_SETTINGS": "{}"})
+
+
 def test_every_ddtree_variable_the_project_names_is_a_setting_or_known_as_another() -> None:
     """A variable the code reads but `OTHER_VARIABLES` lacks would be refused where its second word
     happens to be a setting's name (DDTREE_HEALTH_PORT ends in `port`)."""

@@ -370,6 +370,8 @@ def load_settings(cls: type[S], path: str | Path | None = None, env: Mapping[str
         if key.startswith(prefix):
             name = key[len(prefix):].lower()
             if name not in fields:
+                if key in INTERNAL_VARIABLES:
+                    raise SettingsError(f"{key}: {INTERNAL_VARIABLES[key]}, not by hand; unset it")
                 raise SettingsError(f"{key}: unknown setting for {section}")
             if name == "auth_token" and not value:   # compose passes an unset shell variable as "": the file's token stands
                 continue
@@ -382,6 +384,9 @@ def load_settings(cls: type[S], path: str | Path | None = None, env: Mapping[str
         values[key] = _coerce(f"{section}.{key}", value, fields[key].type)
     return cls(**values)
 
+
+# Variables a service sets for processes it starts, under a service's prefix but no setting of it.
+INTERNAL_VARIABLES = {"DDTREE_VERIFIER_RANK0_SETTINGS": "set by the verifier for its tensor-parallel ranks"}
 
 # The DDTREE_ variables that are no service's setting (those are DDTREE_<SERVICE>_<FIELD>).
 OTHER_VARIABLES = frozenset({
