@@ -1586,6 +1586,12 @@ def test_a_full_queue_does_not_refuse_a_request_a_replica_would_start_at_once() 
         router.submit(request("later", 4, kv=100))
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in info.value.message
     assert info.value.reason == "queue_full"
+    # An id in use is said as that, not as a full queue or a cache too small: a retry cannot take it.
+    for taken in ("long0", "short", "blocker"):
+        for kv in (100, 200_000):
+            with pytest.raises(ServiceError) as info:
+                router.submit(request(taken, 4, kv=kv))
+            assert info.value.code == grpc.StatusCode.ALREADY_EXISTS and not info.value.retryable, info.value.message
 
 
 def test_a_lane_that_follows_its_verifier_elsewhere_wakes_both_groups() -> None:

@@ -938,6 +938,18 @@ def test_abort_refuses_an_id_that_is_not_text(server) -> None:
             assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_abort_refuses_an_id_no_request_can_have_and_still_finds_one_that_ended(server) -> None:
+    """An empty, overlong or unprintable id was answered False, as an id that had ended is: the
+    server refuses them with the words Generate uses; a well-formed unknown id is still False."""
+    with Client(server.address) as c:
+        for bad, words in (("", "request_id is required"), ("x" * 1000, "request_id has 1000 characters"),
+                           ("a\nb", "request_id must be printable text")):
+            with pytest.raises(ClientError, match=words) as info:
+                c.abort(bad)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and not info.value.retryable
+        assert c.abort("no-such-request") is False
+
+
 def test_an_async_client_is_refused_outside_its_event_loop(server) -> None:
     """Made outside a running loop, or used from another, gRPC failed with RuntimeErrors ("attached
     to a different loop", "Event loop is closed")."""

@@ -641,7 +641,7 @@ def test_the_prompt_and_max_tokens_bounds_leave_room_for_one_tree() -> None:
 def test_the_budget_and_token_ids_bounds_are_inclusive_where_documented() -> None:
     assert validate(build_request("x", max_tokens=4, budget=MAX_BUDGET), SchedulerSettings(), LIMITS, TOKENIZER).budget == MAX_BUDGET
     assert validate(build_request("x", max_tokens=4, budget=1), SchedulerSettings(), LIMITS, TOKENIZER).budget == 1
-    assert f"budget must be in 1..{MAX_BUDGET} (got {MAX_BUDGET + 1})" in _refused(
+    assert f"budget must be in 1..{MAX_BUDGET}, or 0 for the server's default (got {MAX_BUDGET + 1})" in _refused(
         _ids([5], max_tokens=4, budget=MAX_BUDGET + 1)).message
     top = LIMITS.vocab_size - 1
     assert validate(_ids([5, top], max_tokens=4, stop_token_ids=[top]), SchedulerSettings(), LIMITS, TOKENIZER)

@@ -336,17 +336,24 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
         tokenizer=tokenizer, kv_tokens=kv_reservation(len(prompt) + max_tokens + limits.block_size, limits))
 
 
+def check_request_id(request_id: str) -> None:
+    """An id no request could have is refused, by Generate and by Abort alike (an Abort of one
+    answered "not found", as for an id that had ended)."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ServiceError(invalid, f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+    if not request_id.isprintable():   # it is logged: an escape sequence or a line break there forges or hides lines
+        raise ServiceError(invalid, "request_id must be printable text: no control characters, line breaks "
+                                    f"or spaces other than ' ' (got {request_id!r})")
+
+
 def check_fields(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, limits: Limits,
                  tokenizer: Tokenizer | None) -> None:
     """The checks of every field but the prompt's tokens, which need no tokenizer: run before a
     long text is tokenized too (a request with max_tokens 0 behind other long texts waited seconds
     for its INVALID_ARGUMENT, or got the tokenizer queue's RESOURCE_EXHAUSTED, which clients retry)."""
     invalid = grpc.StatusCode.INVALID_ARGUMENT
-    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
-        raise ServiceError(invalid, f"request_id has {len(req.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
-    if not req.request_id.isprintable():   # it is logged: an escape sequence or a line break there forges or hides lines
-        raise ServiceError(invalid, "request_id must be printable text: no control characters, line breaks "
-                                    f"or spaces other than ' ' (got {req.request_id!r})")
+    check_request_id(req.request_id)
     if req.WhichOneof("prompt") == "text":
         if not req.text:
             raise ServiceError(invalid, "prompt is empty: set text or token_ids")
@@ -360,7 +367,8 @@ def check_fields(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings
         raise ServiceError(invalid, f"max_tokens {req.max_tokens} exceeds this server's limit "
                                     f"{settings.max_tokens_limit}")
     if req.budget != 0 and not 1 <= req.budget <= MAX_BUDGET:
-        raise ServiceError(invalid, f"budget must be in 1..{MAX_BUDGET} (got {req.budget})")
+        raise ServiceError(invalid, f"budget must be in 1..{MAX_BUDGET}, or 0 for the server's default "
+                                    f"(got {req.budget})")
     if req.mode not in (common_pb2.MODE_UNSPECIFIED, common_pb2.MODE_DDTREE, common_pb2.MODE_AUTOREGRESSIVE):
         raise ServiceError(invalid, f"mode {req.mode} is not a Mode (ddtree or autoregressive)")
     s = req.sampling

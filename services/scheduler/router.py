@@ -208,6 +208,13 @@ class Router:
     def submit(self, req: ActiveRequest) -> None:
         if self.closed:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, STOPPING, "stopping")
+        # An aborted request that has not left its step loop yet does not hold its id: the id may be
+        # reused at once, anywhere (downstream, each admission has an id of its own: batcher.wire_id).
+        # Checked before the retryable refusals: a full queue's RESOURCE_EXHAUSTED sent a client to
+        # retry an id that no retry could take.
+        if any(lane.has_live(req.request_id) for lane in self.lanes):
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id} is already in use",
+                               "id_in_use")
         live = [lane for lane in self.lanes if lane.healthy]
         if not live:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no draft replica is up; retry later", "no_replica")
@@ -228,11 +235,6 @@ class Router:
                 and not any(lane.admits_now(req) for lane in fits):
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"queue full ({self.settings.max_queue} requests waiting); retry later", "queue_full")
-        # An aborted request that has not left its step loop yet does not hold its id: the id may be
-        # reused at once, anywhere (downstream, each admission has an id of its own: batcher.wire_id).
-        if any(lane.has_live(req.request_id) for lane in self.lanes):
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id} is already in use",
-                               "id_in_use")
         place(req, fits)
 
     def abort(self, request_id: str, only: ActiveRequest | None = None) -> bool:

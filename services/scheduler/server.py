@@ -25,7 +25,8 @@ from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
 from services.scheduler.batcher import log_end
 from services.scheduler.client import REFUSED_METADATA, RETRYABLE_METADATA
-from services.scheduler.request import check_fields, check_text_size, max_token_bytes, step_prompt_tokens, validate
+from services.scheduler.request import (check_fields, check_request_id, check_text_size, max_token_bytes,
+                                        step_prompt_tokens, validate)
 from services.scheduler.router import STOPPING, Router
 from services.scheduler.tiktoken_model import TIKTOKEN_FILE, kimi_tokenizer
 from services.scheduler.tokenizing import PromptEncoder
@@ -168,6 +169,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Abort(self, request: scheduler_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
+        try:   # an id no request can have is the caller's mistake, not "not found"
+            if not request.request_id:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required: the id of the request to abort")
+            check_request_id(request.request_id)
+        except ServiceError as exc:
+            await _abort(context, exc, refused=False)
         # One being tokenized gives its id up at once (as an aborted running one does): it ends
         # aborted once tokenized, and the id may be used again meanwhile.
         tokenizing = self._encoding.pop(request.request_id, None)
