@@ -327,10 +327,14 @@ class Stack:
                          {**self._env(base, "verifier", "verifier"), "DDTREE_VERIFIER_PORT": str(vport)})]
         drafts, drafters = [], set()
         # Draft replicas after the first take the next metrics ports after the configured one that
-        # no other service of the stack uses (replicas would otherwise share the file's port).
-        taken = {verifier_metrics, scheduler.metrics_port}
+        # no other service of the stack uses (replicas would otherwise share the file's port): not
+        # its metrics ports, nor its gRPC ports, picked or fixed (a bump onto the scheduler's port
+        # had the stack refuse to start, naming `scheduler.port`).
+        taken = {spec.scheduler_port, vport, scheduler.metrics_port, verifier_metrics,
+                 *(spec.draft_port + i for i in range(spec.draft_replicas) if spec.draft_port)} - {0}
         for i in range(spec.draft_replicas):
-            dport = (spec.draft_port + i) if spec.draft_port else free_port(fixed)
+            dport = (spec.draft_port + i) if spec.draft_port else free_port(fixed | taken)
+            taken.add(dport)
             drafts.append(f"127.0.0.1:{dport}")
             name = f"draft-{i}" if spec.draft_replicas > 1 else "draft"
             env = {**self._env(base, "draft", name), "DDTREE_DRAFT_PORT": str(dport),
