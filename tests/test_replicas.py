@@ -115,15 +115,17 @@ def test_supervise_retries_a_restart_that_dies_and_stops_a_crash_loop() -> None:
 
     stack.restart = lambda name, should_stop=None: setattr(svc, "proc", _Proc(1))   # dies at once, every time
     svc.proc = _Proc(1)
+    rounds = iter(range(50))   # bounded: a regression fails here, not at the suite's timeout
     with pytest.raises(RuntimeError, match="draft exited 4 times"):
-        stack.supervise(lambda: False, poll_s=0.0, max_restarts=3)
+        stack.supervise(lambda: next(rounds) == 49, poll_s=0.0, max_restarts=3)
 
     def slow_failure(name, should_stop=None):   # fails each start-up after its loading, past any window
         svc.proc = _Proc(2)
         raise RuntimeError("draft exited with code 2 during start-up (see its output)")
     stack.restart = slow_failure
+    rounds = iter(range(50))
     with pytest.raises(RuntimeError, match=r"draft failed its start-up 4 times in a row \(draft exited with code 2"):
-        stack.supervise(lambda: False, poll_s=0.0, max_restarts=3, window_s=0.0)
+        stack.supervise(lambda: next(rounds) == 49, poll_s=0.0, max_restarts=3, window_s=0.0)
 
     left = ["fail"] * 3 + ["up"] + ["fail"] * 3 + ["up"]
 
@@ -196,11 +198,37 @@ def test_a_draft_replica_in_a_crash_loop_is_left_down_while_another_serves() -> 
                     report=lambda event, msg, **fields: reports.append((event, msg, fields)))
     assert reports[-1][0] == "service_given_up" and "draft-1 failed its start-up 4 times in a row" in reports[-1][1]
 
-    stack.restart = restart   # the verifier's loop stops the stack, replicas or not
-    verifier.proc, bad.proc = _Proc(1), _Proc(None)
+    hung = []
+
+    def hangs(name, should_stop=None):   # a replica given up while still starting is not left running
+        svc = next(s for s in stack.services if s.name == name)
+        svc.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        hung.append(svc.proc)
+        raise RuntimeError(f"{name} did not become healthy within 1 s")
+    stack.restart = hangs
+    good.proc, bad.proc = _Proc(None), _Proc(1)
+    reports.clear()
     rounds = iter(range(20))
-    with pytest.raises(RuntimeError, match="verifier exited 4 times"):
-        stack.supervise(lambda: next(rounds) == 19, poll_s=0.0, max_restarts=3)
+    try:
+        stack.supervise(lambda: next(rounds) == 19, poll_s=0.0, max_restarts=3, window_s=0.0,
+                        report=lambda event, msg, **fields: reports.append((event, msg, fields)))
+        assert reports[-1][0] == "service_given_up" and len(hung) == 4
+        assert [p.poll() is not None for p in hung] == [True] * 4   # none left holding its GPU and port
+    finally:
+        for p in hung:
+            p.kill()
+            p.wait()
+
+    # The verifier's loop, or the scheduler's, stops the stack, replicas or not.
+    scheduler = _Service("scheduler", "scheduler", "127.0.0.1:4", {}, _Proc(None))
+    stack.services.append(scheduler)
+    stack.restart = restart
+    for looping in (verifier, scheduler):
+        verifier.proc, scheduler.proc, good.proc, bad.proc = _Proc(None), _Proc(None), _Proc(None), _Proc(None)
+        looping.proc = _Proc(1)
+        rounds = iter(range(20))
+        with pytest.raises(RuntimeError, match=f"{looping.name} exited 4 times"):
+            stack.supervise(lambda: next(rounds) == 19, poll_s=0.0, max_restarts=3)
 
 
 @pytest.mark.parametrize("scheduler_port", [0, "next"])

@@ -865,21 +865,22 @@ def test_long_texts_without_a_writable_temporary_folder_are_refused_by_name(tmp_
     (tmp_path / "full").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "full"))
 
-    def full(fd, *args, **kwargs):
-        os.close(fd)
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(os, "fdopen", full)
-    encoder = PromptEncoder(TOKENIZER, apart=True, inline_chars=10)
-    try:
-        with pytest.raises(ServiceError) as info:
-            asyncio.run(encoder.encode("def f(x): return x " * 10))
-    finally:
-        encoder.close()
-    assert info.value.reason == "tokenizer_no_tmp" and info.value.retryable is True
-    assert "No space left" in info.value.message and list((tmp_path / "full").iterdir()) == []
+    for code, words in ((errno.ENOSPC, "No space left on device"), (errno.EDQUOT, "Disk quota exceeded")):
+        def full(fd, *args, **kwargs):
+            os.close(fd)
+            raise OSError(code, words)
+        monkeypatch.setattr(os, "fdopen", full)
+        encoder = PromptEncoder(TOKENIZER, apart=True, inline_chars=10)
+        try:
+            with pytest.raises(ServiceError) as info:
+                asyncio.run(encoder.encode("def f(x): return x " * 10))
+        finally:
+            encoder.close()
+        assert info.value.reason == "tokenizer_no_tmp" and info.value.retryable is True
+        assert words in info.value.message and list((tmp_path / "full").iterdir()) == []
 
 
-def test_closing_while_the_worker_starts_leaves_it_its_file_and_starts_no_other(tmp_path, monkeypatch) -> None:
+def test_closing_while_the_worker_starts_leaves_it_its_file_and_starts_no_other(tmp_path, monkeypatch, capfd) -> None:
     """The scheduler's stop closes the encoder, maybe while its worker starts: the file was removed
     under the worker, whose start then failed with a traceback, and the text waiting for it started
     a second worker after the close, which nothing ended."""
@@ -911,8 +912,64 @@ def test_closing_while_the_worker_starts_leaves_it_its_file_and_starts_no_other(
     for worker in workers:   # (reaped by the pool's own thread too: its exit code may show a moment late)
         while worker.exitcode is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert worker.exitcode == 0, worker.exitcode   # its start did not fail
+        assert worker.exitcode == 0, worker.exitcode
+    # Its start did not fail: a pool worker whose initializer raises prints the traceback and
+    # still exits 0.
+    assert "Exception in initializer" not in capfd.readouterr().err
     deadline = time.monotonic() + 5
     while list(tmp_path.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_long_text_after_close_is_refused_as_the_stop_and_starts_no_worker() -> None:
+    import asyncio
+
+    from services.scheduler.tokenizing import PromptEncoder
+
+    encoder = PromptEncoder(TOKENIZER, apart=True, inline_chars=10)
+    encoder.close()
+    with pytest.raises(ServiceError) as info:
+        asyncio.run(encoder.encode("def f(x): return x " * 10))
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE and info.value.reason == "stopping"
+    assert info.value.retryable and encoder._pool is None
+    assert asyncio.run(encoder.encode("a b")) == TOKENIZER.encode("a b", add_special_tokens=False).ids   # inline still
+
+
+def test_no_temporary_folder_is_said_at_the_start_where_texts_go_to_a_worker_and_only_there(monkeypatch) -> None:
+    import tempfile
+
+    from structlog.testing import capture_logs
+
+    from services.scheduler.tokenizing import PromptEncoder
+
+    def missing():
+        raise FileNotFoundError("No usable temporary directory found in ['/tmp']")
+    monkeypatch.setattr(tempfile, "gettempdir", missing)
+    with capture_logs() as inline:
+        PromptEncoder(TOKENIZER)
+    with capture_logs() as apart:
+        PromptEncoder(TOKENIZER, apart=True).close()
+    assert inline == []
+    assert [e["event"] for e in apart] == ["tokenizer_no_tmp"] and "TMPDIR" in apart[0]["advice"]
+    assert apart[0]["log_level"] == "warning"
+
+
+def test_a_worker_pool_that_cannot_be_made_leaves_no_tokenizer_file(tmp_path, monkeypatch) -> None:
+    import asyncio
+    import tempfile
+
+    from services.scheduler import tokenizing
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def no_pool(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+    monkeypatch.setattr(tokenizing, "ProcessPoolExecutor", no_pool)
+    encoder = tokenizing.PromptEncoder(TOKENIZER, apart=True, inline_chars=10)
+    try:
+        with pytest.raises(OSError, match="Too many open files"):
+            asyncio.run(encoder.encode("def f(x): return x " * 10))
+        assert list(tmp_path.iterdir()) == []   # at once, not only at the stop
+    finally:
+        encoder.close()

@@ -400,12 +400,19 @@ def test_a_call_that_fails_on_rank_0_with_ranks_ends_the_group() -> None:
     assert "rank 0's heartbeat failed" in reasons[1]
     # A rank that died broke the collective: said as its death, not as rank 0's failure (a rank
     # killed under load was reported as "rank 0's verify failed (... Connection reset by peer)").
-    killed = Ranks()
-    killed.gone = "verifier rank 1 exited with code -9"
+    # Its exit is waited for a moment (the reset reaches rank 0 while the rank is torn down).
+    killed, waits = Ranks(), []
+    killed.peer_gone = lambda wait_s=0.0: waits.append(wait_s) or "verifier rank 1 exited with code -9"
     with pytest.raises(GroupFailed) as failed:
         EngineGroup(engine, killed, on_failure=reasons.append).call("prefill", [])
     assert failed.value.message == reasons[2] == ("verifier ranks out of step: verifier rank 1 exited with code -9 "
                                                   "(rank 0's prefill failed with it)")
+    assert len(waits) == 1 and waits[0] >= 1.0
+    silent = Ranks()   # a collective's error without a message is said as its type
+    silent.broadcast = lambda call: (_ for _ in ()).throw(RuntimeError())
+    with pytest.raises(GroupFailed, match=r"rank 0's prefill failed \(RuntimeError: \)$"):
+        EngineGroup(engine, silent, on_failure=reasons.append).call("prefill", [])
+    del reasons[3]
     group = EngineGroup(engine, SimpleNamespace(enabled=True, broadcast=lambda call: None))
     group.stop()   # the workers were told to stop: a call would broadcast to ranks that left
     with pytest.raises(ServiceError, match="the verifier group is stopping") as stopping:

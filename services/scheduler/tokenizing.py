@@ -145,7 +145,7 @@ class PromptEncoder:
             if path is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-            if exc.errno == errno.ENOSPC:   # a full folder may have room later
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):   # a full folder (or quota) may have room later
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"no room for the tokenizing worker's tokenizer "
                                                                 f"in the temporary folder ({exc}); retry, or send "
                                                                 f"token ids", "tokenizer_no_tmp", retryable=True) from None
