@@ -231,26 +231,29 @@ def test_a_draft_replica_in_a_crash_loop_is_left_down_while_another_serves() -> 
             stack.supervise(lambda: next(rounds) == 19, poll_s=0.0, max_restarts=3)
 
 
-@pytest.mark.parametrize("scheduler_port", [0, "next"])
-def test_a_draft_replicas_metrics_port_is_moved_past_every_port_of_the_stack(scheduler_port) -> None:
-    """Replicas after the first move their metrics port to the next one no service of the stack
-    uses: the bump went past the other services' metrics ports only, onto the scheduler's own
-    port (`ddtree up` then refused to start, naming `scheduler.port`) or a replica's gRPC port."""
+@pytest.mark.parametrize("replicas, scheduler_metrics, scheduler_port", [(3, 2, 0), (3, 2, 1), (1, 0, 1)])
+def test_a_draft_replicas_metrics_port_is_moved_past_every_port_of_the_stack(replicas, scheduler_metrics,
+                                                                             scheduler_port) -> None:
+    """A replica whose metrics port another's takes moves to the next one no service of the stack
+    uses: the move went past the other services' metrics ports only, onto the scheduler's own port
+    (`ddtree up` then refused to start, naming `scheduler.port`) or a replica's gRPC port. The
+    first replica keeps the configured port where no other metrics take it."""
     from pathlib import Path
 
     from services.common.launcher import free_port
 
     root = Path(__file__).resolve().parent.parent
     metrics = free_port()
-    port = metrics + 1 if scheduler_port == "next" else 0
-    spec = StackSpec(model_path=str(root / "models" / "demo"), scheduler_port=port, draft_replicas=3,
+    port = metrics + scheduler_port if scheduler_port else 0
+    spec = StackSpec(model_path=str(root / "models" / "demo"), scheduler_port=port, draft_replicas=replicas,
                      draft_port=metrics + 3 if port else 0,
-                     extra_env={"DDTREE_DRAFT_METRICS_PORT": str(metrics), "DDTREE_SCHEDULER_METRICS_PORT": str(metrics + 2)})
+                     extra_env={"DDTREE_DRAFT_METRICS_PORT": str(metrics),
+                                "DDTREE_SCHEDULER_METRICS_PORT": str(metrics + scheduler_metrics)})
     plan = Stack(spec)._plan()
     grpc_ports = [int(svc.address.rsplit(":", 1)[1]) for svc in plan]
     metrics_ports = [int(svc.env[f"DDTREE_{svc.role.upper()}_METRICS_PORT"]) for svc in plan
                      if f"DDTREE_{svc.role.upper()}_METRICS_PORT" in svc.env]
     drafts = [svc for svc in plan if svc.role == "draft"]
-    assert int(drafts[0].env["DDTREE_DRAFT_METRICS_PORT"]) == metrics   # the first keeps the configured one
-    assert len(metrics_ports) == 4 and len(set(grpc_ports + metrics_ports)) == len(grpc_ports + metrics_ports), \
+    assert (int(drafts[0].env["DDTREE_DRAFT_METRICS_PORT"]) == metrics) == (scheduler_metrics != 0)
+    assert len(metrics_ports) == replicas + 1 and len(set(grpc_ports + metrics_ports)) == len(grpc_ports + metrics_ports), \
         (grpc_ports, metrics_ports)

@@ -326,15 +326,17 @@ class Stack:
         plan = [_Service("verifier", "verifier", verifier,
                          {**self._env(base, "verifier", "verifier"), "DDTREE_VERIFIER_PORT": str(vport)})]
         drafts, drafters = [], set()
-        # Draft replicas after the first take the next metrics ports after the configured one that
-        # no other service of the stack uses (replicas would otherwise share the file's port): not
-        # its metrics ports, nor its gRPC ports, picked or fixed (a bump onto the scheduler's port
-        # had the stack refuse to start, naming `scheduler.port`).
-        taken = {spec.scheduler_port, vport, scheduler.metrics_port, verifier_metrics,
-                 *(spec.draft_port + i for i in range(spec.draft_replicas) if spec.draft_port)} - {0}
+        # A draft replica whose metrics port another service's metrics take (replicas after the
+        # first share the file's port) moves to the next port no service of the stack uses: no
+        # metrics port, nor gRPC port, picked or fixed (a move onto the scheduler's port had the
+        # stack refuse to start, naming `scheduler.port`). One configured on a gRPC port stays,
+        # to be refused by name.
+        taken = {verifier_metrics, scheduler.metrics_port} - {0}
+        grpc_ports = {spec.scheduler_port, vport, *(spec.draft_port + i for i in range(spec.draft_replicas)
+                                                    if spec.draft_port)} - {0}
         for i in range(spec.draft_replicas):
-            dport = (spec.draft_port + i) if spec.draft_port else free_port(fixed | taken)
-            taken.add(dport)
+            dport = (spec.draft_port + i) if spec.draft_port else free_port(fixed | taken | grpc_ports)
+            grpc_ports.add(dport)
             drafts.append(f"127.0.0.1:{dport}")
             name = f"draft-{i}" if spec.draft_replicas > 1 else "draft"
             env = {**self._env(base, "draft", name), "DDTREE_DRAFT_PORT": str(dport),
@@ -343,8 +345,9 @@ class Stack:
             drafters.add(draft.drafter_path)
             metrics = draft.metrics_port
             if metrics and "DDTREE_DRAFT_METRICS_PORT" not in spec.service_env.get(name, {}):
-                while metrics in taken:
-                    metrics += 1
+                if metrics in taken:
+                    while metrics in taken or metrics in grpc_ports:
+                        metrics += 1
                 taken.add(metrics)
                 env["DDTREE_DRAFT_METRICS_PORT"] = str(metrics)
             plan.append(_Service(name, "draft", drafts[-1], env))
@@ -355,7 +358,7 @@ class Stack:
             # model). Like the model paths, this overrides the config file; the environment
             # (empty: the first handshake's) overrides it.
             plan[0].env[FEATURE_LAYERS_ENV] = ",".join(map(str, layers.pop()))
-        sport = spec.scheduler_port or free_port(fixed | taken)
+        sport = spec.scheduler_port or free_port(fixed | taken | grpc_ports)
         # Probed where it listens (the config file's host, e.g. 0.0.0.0 in compose/ddtree.toml,
         # is reached on loopback), not on 127.0.0.1 whatever it listens on.
         plan.append(_Service("scheduler", "scheduler", host_port(_reach(scheduler.host), sport),
