@@ -21,21 +21,23 @@ $(VENV)/.installed: pyproject.toml compose/gpu-constraints.txt Makefile
 	  echo "ddtree-serve needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1). Run with PYTHON=python3.11 (or newer)." >&2; exit 1; }
 	@if [ -x $(PY) ] && ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
 	  echo "$(VENV) holds $$($(PY) -V 2>&1); remove it (make clean) and run again." >&2; exit 1; fi
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	@echo "Installing ddtree-serve into $(VENV) (a minute or more; torch first: its CPU build where no GPU is present)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
 	@# Without a GPU take the CPU build of torch first, so the project's torch requirement is met
 	@# by it instead of pulling a multi-GB CUDA build (where it cannot be had, stop: not go on to that).
 	@# With one, take the torch and Triton the GPU kernels were measured on (compose/gpu-constraints.txt).
 	@# The local attempt's errors are kept: where the index fails too, they may be the real cause
 	@# (a full disk reads as the index's network errors otherwise).
-	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
 	  { $(PY) -m pip install -q --no-index --no-deps "$(TORCH_CPU)" 2>$(VENV)/torch-local.log || \
 	    $(PY) -m pip install -q --index-url "$(TORCH_CPU_INDEX)" "$(TORCH_CPU)" || \
 	    { echo "$(TORCH_CPU) could not be installed; the local attempt (pip --no-index) said:" >&2; \
 	      cat $(VENV)/torch-local.log >&2; exit 1; }; } && \
 	  $(PY) -m pip install -q -e '.[dev]'; \
 	else $(PY) -m pip install -q -c compose/gpu-constraints.txt -e '.[dev,gpu]'; fi
-	touch $@
+	@touch $@
+	@echo "Installed: $(VENV)/bin/ddtree"
 
 install: $(VENV)/.installed
 

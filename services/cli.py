@@ -208,6 +208,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return 1
     finally:
         stack.stop()
+    if not sched.json_logs:   # the last line was a service's "stopping": said that all of it has
+        print(f"ddtree up: stopped ({signal.Signals(stop['signal']).name})", file=sys.stderr, flush=True)
     return 0
 
 

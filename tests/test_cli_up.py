@@ -183,6 +183,9 @@ def test_up_serves_tls_on_its_host_with_the_health_tls_name(tmp_path) -> None:
         assert scheduler and "address=127.0.0.1:" in scheduler[-1], seen[-5:]   # not 0.0.0.0 from the file
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+        while (line := lines.get(timeout=5)) is not None:
+            seen.append(line)
+        assert seen[-1].strip() == "ddtree up: stopped (SIGTERM)", seen[-3:]   # the whole stack, said last
     finally:
         if proc.poll() is None:
             proc.kill()
