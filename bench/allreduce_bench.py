@@ -59,6 +59,12 @@ def _time_eager(fn, x: torch.Tensor, reps: int = 200) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
+def _shifted(x: torch.Tensor) -> torch.Tensor:
+    """A copy of `x` that starts 1 element into its storage: torch's one-launch op refuses it, so it
+    goes through a copy in and a copy out (the one-shot path before the one-launch op)."""
+    return torch.empty(x.numel() + 1, device=x.device, dtype=x.dtype)[1:].copy_(x)
+
+
 def _worker(rank: int, world: int, port: int, out: str, commit: str) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -75,12 +81,9 @@ def _worker(rank: int, world: int, port: int, out: str, commit: str) -> None:
         # correctness on fresh data before timing
         want = x.float().clone()
         dist.all_reduce(want)
-        # The same sum from a view that starts 1 element in: torch's one-launch op refuses it, so it
-        # goes through a copy in and a copy out (the one-shot path before the one-launch op).
-        shifted = lambda: torch.empty(x.numel() + 1, device="cuda", dtype=x.dtype)[1:].copy_(x)  # noqa: E731
-        ok = all(bool(torch.allclose(custom(t).float(), want, rtol=2e-2, atol=2e-2)) for t in (x.clone(), shifted()))
+        ok = all(bool(torch.allclose(custom(t).float(), want, rtol=2e-2, atol=2e-2)) for t in (x.clone(), _shifted(x)))
         custom_us = _time_graph(custom, x.clone()) if custom.one_shot else None
-        custom_copying_us = _time_graph(custom, shifted()) if custom.one_shot else None
+        custom_copying_us = _time_graph(custom, _shifted(x)) if custom.one_shot else None
         nccl_us = _time_eager(nccl, x.clone())
         nccl_graph_us = _time_graph(nccl, x.clone())
         row = {"bytes": nbytes, "custom_us": custom_us, "custom_copying_us": custom_copying_us,

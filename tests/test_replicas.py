@@ -231,9 +231,10 @@ def test_a_draft_replica_in_a_crash_loop_is_left_down_while_another_serves() -> 
             stack.supervise(lambda: next(rounds) == 19, poll_s=0.0, max_restarts=3)
 
 
-@pytest.mark.parametrize("replicas, scheduler_metrics, scheduler_port", [(3, 2, 0), (3, 2, 1), (1, 0, 1)])
+@pytest.mark.parametrize("replicas, scheduler_metrics, scheduler_port, named",
+                         [(3, 2, 0, False), (3, 2, 1, False), (1, 0, 1, False), (3, 2, 0, True)])
 def test_a_draft_replicas_metrics_port_is_moved_past_every_port_of_the_stack(replicas, scheduler_metrics,
-                                                                             scheduler_port) -> None:
+                                                                             scheduler_port, named) -> None:
     """A replica whose metrics port another's takes moves to the next one no service of the stack
     uses: the move went past the other services' metrics ports only, onto the scheduler's own port
     (`ddtree up` then refused to start, naming `scheduler.port`) or a replica's gRPC port. The
@@ -248,12 +249,16 @@ def test_a_draft_replicas_metrics_port_is_moved_past_every_port_of_the_stack(rep
     spec = StackSpec(model_path=str(root / "models" / "demo"), scheduler_port=port, draft_replicas=replicas,
                      draft_port=metrics + 3 if port else 0,
                      extra_env={"DDTREE_DRAFT_METRICS_PORT": str(metrics),
-                                "DDTREE_SCHEDULER_METRICS_PORT": str(metrics + scheduler_metrics)})
+                                "DDTREE_SCHEDULER_METRICS_PORT": str(metrics + scheduler_metrics)},
+                     # one replica's own port, given by name: kept, and not moved onto by another
+                     service_env={"draft-1": {"DDTREE_DRAFT_METRICS_PORT": str(metrics + 1)}} if named else {})
     plan = Stack(spec)._plan()
     grpc_ports = [int(svc.address.rsplit(":", 1)[1]) for svc in plan]
     metrics_ports = [int(svc.env[f"DDTREE_{svc.role.upper()}_METRICS_PORT"]) for svc in plan
                      if f"DDTREE_{svc.role.upper()}_METRICS_PORT" in svc.env]
     drafts = [svc for svc in plan if svc.role == "draft"]
     assert (int(drafts[0].env["DDTREE_DRAFT_METRICS_PORT"]) == metrics) == (scheduler_metrics != 0)
+    if named:
+        assert int(drafts[1].env["DDTREE_DRAFT_METRICS_PORT"]) == metrics + 1
     assert len(metrics_ports) == replicas + 1 and len(set(grpc_ports + metrics_ports)) == len(grpc_ports + metrics_ports), \
         (grpc_ports, metrics_ports)

@@ -29,6 +29,8 @@ def _rank(rank: int, port: int, failing: str, out) -> None:
 
         # torch's two one-shot ops, as gloo does them; on rank 0 wrong by 1 where its check is to fail
         def one_launch(buf, local, op, group, out):
+            if failing == "one_launch_refused":   # as torch's checks refuse a call: alike on every rank
+                raise RuntimeError("one_shot_all_reduce: local input and symm buffer must have the same alignment.")
             buf.copy_(local)
             dist.all_reduce(buf)
             return out.copy_(buf + (rank == 0 and failing in ("check", "one_launch")))
@@ -39,7 +41,8 @@ def _rank(rank: int, port: int, failing: str, out) -> None:
             return summed + (rank == 0 and failing == "check")
 
         symm_mem.empty, symm_mem.rendezvous = empty, lambda buf, name: None
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out = one_launch
+        # rank 0's torch without the one-launch op
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out = None if rank == 0 and failing == "no_op" else one_launch
         torch.ops.symm_mem.one_shot_all_reduce = one_shot
         small = allreduce.SmallAllReduce(max_bytes=1 << 14, dtype=torch.float32, device="cpu")
         x = torch.full((8,), float(rank + 1))
@@ -52,22 +55,33 @@ def _rank(rank: int, port: int, failing: str, out) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("failing", ["setup", "check", "one_launch", "none"])
-def test_every_rank_takes_the_path_all_of_them_can(failing: str) -> None:
-    """Rank 0 alone fails: all of the one-shot set-up, the check of both one-shot paths, or the
-    check of the one-launch path only (the copying path stays in use on both)."""
+def _run_ranks(target, *args, timeout_s: float = 60) -> list:
+    """Each rank's report, in rank order; ranks still running after a failure are killed (a hung
+    pair would otherwise hold pytest at its exit, and the GPUs)."""
     from services.common.launcher import free_port
 
     spawn = mp.get_context("spawn")
     out, port = spawn.Queue(), free_port()
-    procs = [spawn.Process(target=_rank, args=(rank, port, failing, out)) for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    got = sorted(out.get(timeout=5) for _ in procs)
-    one_shot, fused = failing in ("none", "one_launch"), failing == "none"
-    assert got == [(rank, one_shot, not one_shot, fused, failing == "one_launch", [3.0] * 8) for rank in (0, 1)]
+    procs = [spawn.Process(target=target, args=(rank, port, *args, out), daemon=True) for rank in (0, 1)]
+    try:
+        for p in procs:
+            p.start()
+        return sorted(out.get(timeout=timeout_s) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.parametrize("failing", ["setup", "check", "one_launch", "one_launch_refused", "no_op", "none"])
+def test_every_rank_takes_the_path_all_of_them_can(failing: str) -> None:
+    """Rank 0 alone fails: all of the one-shot set-up, the check of both one-shot paths, or the
+    check of the one-launch path only, or has no one-launch op (the copying path stays in use on
+    both); every rank's torch refuses the one-launch call."""
+    got = _run_ranks(_rank, failing)
+    one_shot, fused = failing not in ("setup", "check"), failing == "none"
+    assert got == [(rank, one_shot, not one_shot, fused, one_shot and not fused, [3.0] * 8) for rank in (0, 1)]
 
 
 def test_the_one_shot_path_takes_the_buffers_dtype_up_to_max_bytes_and_nothing_else(monkeypatch) -> None:
@@ -169,16 +183,7 @@ def _gpu_rank(rank: int, port: int, out) -> None:
 
 @pytest.mark.skipif(__import__("torch").cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_on_two_gpus_both_one_shot_paths_sum_like_nccl_eagerly_and_in_a_graph() -> None:
-    from services.common.launcher import free_port
-
-    spawn = mp.get_context("spawn")
-    out, port = spawn.Queue(), free_port()
-    procs = [spawn.Process(target=_gpu_rank, args=(rank, port, out)) for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    got = sorted(out.get(timeout=240) for _ in procs)
-    for p in procs:
-        p.join(30)
+    got = _run_ranks(_gpu_rank, timeout_s=240)
     for rank, *rest in got:
         assert len(rest) == 3, rest
         one_shot, reason, rows = rest

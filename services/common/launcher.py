@@ -318,9 +318,15 @@ class Stack:
                 "DDTREE_DRAFT_VERIFIER_ADDRESS": "127.0.0.1:1"}).metrics_port
         except SettingsError:
             draft_metrics = 0
+        # Metrics ports given to one replica by name: kept as given, and no other replica moves onto them.
+        named_metrics = set()
+        for i in range(spec.draft_replicas):
+            own = spec.service_env.get(f"draft-{i}" if spec.draft_replicas > 1 else "draft", {})
+            if own.get("DDTREE_DRAFT_METRICS_PORT", "").isdigit():
+                named_metrics.add(int(own["DDTREE_DRAFT_METRICS_PORT"]))
         # The ports picked here avoid the fixed ones (a pick from the ephemeral range took 50051).
         fixed = {spec.scheduler_port, spec.verifier_port, scheduler.metrics_port, verifier_metrics, draft_metrics,
-                 *(spec.draft_port + i for i in range(spec.draft_replicas) if spec.draft_port)} - {0}
+                 *named_metrics, *(spec.draft_port + i for i in range(spec.draft_replicas) if spec.draft_port)} - {0}
         vport = spec.verifier_port or free_port(fixed)
         verifier = f"127.0.0.1:{vport}"
         plan = [_Service("verifier", "verifier", verifier,
@@ -331,7 +337,7 @@ class Stack:
         # metrics port, nor gRPC port, picked or fixed (a move onto the scheduler's port had the
         # stack refuse to start, naming `scheduler.port`). One configured on a gRPC port stays,
         # to be refused by name.
-        taken = {verifier_metrics, scheduler.metrics_port} - {0}
+        taken = {verifier_metrics, scheduler.metrics_port, *named_metrics} - {0}
         grpc_ports = {spec.scheduler_port, vport, *(spec.draft_port + i for i in range(spec.draft_replicas)
                                                     if spec.draft_port)} - {0}
         for i in range(spec.draft_replicas):

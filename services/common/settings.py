@@ -386,7 +386,8 @@ def load_settings(cls: type[S], path: str | Path | None = None, env: Mapping[str
 
 
 # Variables a service sets for processes it starts, under a service's prefix but no setting of it.
-INTERNAL_VARIABLES = {"DDTREE_VERIFIER_RANK0_SETTINGS": "set by the verifier for its tensor-parallel ranks"}
+RANK0_SETTINGS_ENV = "DDTREE_VERIFIER_RANK0_SETTINGS"   # rank 0's settings, for its workers (verifier/ranks.py)
+INTERNAL_VARIABLES = {RANK0_SETTINGS_ENV: "set by the verifier for its tensor-parallel ranks"}
 
 # The DDTREE_ variables that are no service's setting (those are DDTREE_<SERVICE>_<FIELD>).
 OTHER_VARIABLES = frozenset({

@@ -336,10 +336,13 @@ def validate(req: scheduler_pb2.GenerateRequest, settings: SchedulerSettings, li
         tokenizer=tokenizer, kv_tokens=kv_reservation(len(prompt) + max_tokens + limits.block_size, limits))
 
 
-def check_request_id(request_id: str) -> None:
+def check_request_id(request_id: str, required: bool = False) -> None:
     """An id no request could have is refused, by Generate and by Abort alike (an Abort of one
-    answered "not found", as for an id that had ended)."""
+    answered "not found", as for an id that had ended). Generate's may be empty (one is made);
+    ``required``: Abort's, which names a request, may not."""
     invalid = grpc.StatusCode.INVALID_ARGUMENT
+    if required and not request_id:
+        raise ServiceError(invalid, "request_id is required: the id of the request to abort")
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise ServiceError(invalid, f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
     if not request_id.isprintable():   # it is logged: an escape sequence or a line break there forges or hides lines

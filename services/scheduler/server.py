@@ -170,9 +170,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Abort(self, request: scheduler_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
         try:   # an id no request can have is the caller's mistake, not "not found"
-            if not request.request_id:
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required: the id of the request to abort")
-            check_request_id(request.request_id)
+            check_request_id(request.request_id, required=True)
         except ServiceError as exc:
             await _abort(context, exc, refused=False)
         # One being tokenized gives its id up at once (as an aborted running one does): it ends

@@ -52,13 +52,17 @@ class SmallAllReduce:
             buf, self.reason = None, f"{type(exc).__name__}: {exc}"
         if self._agreed(buf is not None, device):
             self._buf = buf
+            # Agreed before the check runs it: a rank without the op while another's kernel waits
+            # for it at the ranks' barrier would hang both.
+            if not self._agreed(callable(getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)), device):
+                self.fused, self.fused_reason = False, "this torch (on some rank) has no one_shot_all_reduce_copy_out"
             try:
-                self.fused_reason = self._check()
+                self.fused_reason = self._check() or self.fused_reason
             except Exception as exc:  # noqa: BLE001
                 self.reason = f"{type(exc).__name__}: {exc}"
             if not self._agreed(not self.reason, device):
                 self._buf = None
-            elif not self._agreed(not self.fused_reason, device):   # the copying one-shot path stays
+            elif self.fused and not self._agreed(not self.fused_reason, device):   # the copying path stays
                 self.fused = False
                 self.fused_reason = self.fused_reason or "another rank cannot use the one-launch path"
         self.reason = self.reason or ("" if self._buf is not None else "another rank cannot use the one-shot path")
@@ -79,7 +83,9 @@ class SmallAllReduce:
     def _check(self) -> str:
         """The one-shot result must equal NCCL's on fresh random data, or it is not used: raises
         where the copying path fails; returns why the one-launch path cannot be used ("" where it
-        can). Both run on every rank before anything is judged: the collectives must pair up."""
+        can). Both run on every rank before anything is judged: the collectives must pair up
+        (torch refuses a call, as the one-launch op may, alike on every rank: by shapes and
+        alignment, before any launch)."""
         n = min(4096, self._buf.numel())
         gen = torch.Generator(device=self._buf.device).manual_seed(1234 + dist.get_rank(self.group))
         x = torch.randn(n + 1, device=self._buf.device, generator=gen).to(self.dtype)
@@ -87,7 +93,7 @@ class SmallAllReduce:
         for t in (x[:n].clone(), x.clone()[1:]):   # one launch, then (its start 1 element in) copied
             want = t.float().clone()   # a float32 `t`'s .float() is `t` itself, summed in place below
             dist.all_reduce(want, group=self.group)
-            fused = fusable(t)
+            fused = self.fused and fusable(t)
             try:
                 got = self._one_shot(t).float()
             except Exception as exc:  # noqa: BLE001 - the one-launch op refused: the copying path may still do

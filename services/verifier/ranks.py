@@ -27,7 +27,7 @@ import grpc
 from services.common.devices import current, seen_gpus, visible_gpus
 from services.common.grpc_server import ServiceError
 from services.common.logging import configure_logging, get_logger
-from services.common.settings import SettingsError, VerifierSettings, load_settings
+from services.common.settings import RANK0_SETTINGS_ENV, SettingsError, VerifierSettings, load_settings
 from services.verifier.engine import VerifierEngine
 from services.verifier.parallel import TensorParallel
 
@@ -41,7 +41,7 @@ _NOOP = "__noop__"
 # Rank 0's settings, as the workers must use them: each read the config file and environment
 # itself, and a file changed while the group started gave ranks other KV caches (out of step at the
 # first long prompt, SERVING until then).
-SETTINGS_ENV = "DDTREE_VERIFIER_RANK0_SETTINGS"
+SETTINGS_ENV = RANK0_SETTINGS_ENV
 
 
 def settings_json(settings: VerifierSettings) -> str:
