@@ -278,3 +278,28 @@ def test_sampling_at_the_ends_of_the_temperature_range_draws_valid_tokens() -> N
                        logits.argmax(-1))
     with pytest.raises(ValueError):
         Sampling(temperature=TEMPERATURE_RANGE[0] / 2)
+
+
+def test_a_tiny_temperature_still_samples_between_exactly_tied_tokens() -> None:
+    """Only T = 0 is greedy: at T = 1e-4 two tied logits (common in bf16) are each drawn by the
+    seed's noise, not the lower id every time, as a cut-off that served small T greedily would."""
+    logits = torch.zeros(2000, 8)
+    logits[:, 3] = logits[:, 5] = 1.0
+    keys = torch.from_numpy(token_keys(7, np.arange(2000)))
+    for t in (1e-4, 5e-4):
+        counts = torch.bincount(posterior_tokens(logits, Sampling(temperature=t), keys), minlength=8)
+        assert counts[3] > 800 and counts[5] > 800 and counts[3] + counts[5] == 2000, (t, counts)
+
+
+def test_the_noise_is_added_in_float64_so_near_ties_follow_the_exact_sum() -> None:
+    """The documented rule is argmax(logits / T + noise) with the sum in float64; in float32 a
+    token winning by less than a float32 ulp of the noise would lose on the CPU and not on the GPU."""
+    n = 4000
+    keys = torch.from_numpy(token_keys(3, np.arange(n)))
+    noise = gumbel_noise(keys, 2)
+    gap = (noise[:, 0] - noise[:, 1]).float()   # token 1's logit: just past what it needs to win
+    gap = torch.where(gap.double() <= noise[:, 0] - noise[:, 1], torch.nextafter(gap, torch.tensor(float("inf"))), gap)
+    logits = torch.stack([torch.zeros(n), gap], dim=1)
+    want = (logits.double() + noise).argmax(-1)
+    assert bool((want == 1).all())
+    assert torch.equal(posterior_tokens(logits, Sampling(temperature=1.0), keys), want)

@@ -1268,7 +1268,7 @@ def test_verify_errors_do_not_disturb_other_items(target: Target) -> None:
     engine = make_engine(target.model, pages=64, page_size=4, max_context=32)
     free0 = engine.cache.pages_free
     pa, pb, pc = PROMPTS[0], PROMPTS[2], list(range(28))
-    bad_ids = [f"bad{k}" for k in range(9)]  # one request per malformed tree, all on prompt pb
+    bad_ids = [f"bad{k}" for k in range(11)]  # one request per malformed tree, all on prompt pb
     out = engine.prefill([PrefillInput("ok", pa, Sampling(), 0), PrefillInput("other", pb, Sampling(), 0),
                           PrefillInput("long", pc, Sampling(), 0)]
                          + [PrefillInput(rid, pb, Sampling(), 0) for rid in bad_ids])
@@ -1289,6 +1289,10 @@ def test_verify_errors_do_not_disturb_other_items(target: Target) -> None:
         ("bad6", Tree([root, VOCAB], [-1, 0], [0, 1]), grpc.StatusCode.INVALID_ARGUMENT),  # token outside vocab
         ("bad7", Tree([root, -1], [-1, 0], [0, 1]), grpc.StatusCode.INVALID_ARGUMENT),     # negative token
         ("bad8", Tree([], [], []), grpc.StatusCode.INVALID_ARGUMENT),                       # empty tree
+        # a node two levels under its parent, a root not at depth 0: either would run (and commit KV)
+        # at the wrong positions
+        ("bad9", Tree([root, 3], [-1, 0], [0, 2]), grpc.StatusCode.INVALID_ARGUMENT),
+        ("bad10", Tree([root, 3], [-1, 0], [1, 2]), grpc.StatusCode.FAILED_PRECONDITION),
         ("long", Tree([gen_long[-1], 1, 2, 3, 4], [-1, 0, 1, 2, 3], [0, 1, 2, 3, 4]),
          grpc.StatusCode.OUT_OF_RANGE),                                                       # past max_context
     ]
