@@ -313,3 +313,39 @@ def test_a_drafts_ring_serves_its_next_stream_on_the_gpu() -> None:
         proc.join(60)
     assert seen == [("cuda_ipc", [5, 6, 7], [5.0, 6.0, 7.0]), ("cuda_ipc", [8, 9, 10], [8.0, 9.0, 10.0])]
     assert same_ring and freed
+
+
+def test_a_handle_of_zeros_round_trips() -> None:
+    """The commonest real handle (GPU 0, offsets 0 once the owner disowns its counter) must pass:
+    refused, cuda_ipc would never be used and every stream would fall back to shm."""
+    h = _handle(device_index=0, offset_bytes=0, ref_counter_handle=b"/ddtree-cuda-ipc-owner-counts",
+                ref_counter_offset=0, event_sync_required=False)
+    assert decode_ring_handle(encode_ring_handle(h)) == h
+
+
+def test_a_ring_exactly_as_large_as_the_handshake_says_passes_the_size_check(monkeypatch) -> None:
+    monkeypatch.setattr(cuda_ipc, "_local_uuids", lambda: ["uuid-a"])   # stops before CUDA
+    with pytest.raises(ValueError, match="not visible"):
+        CudaIpcReader(encode_ring_handle(_handle(size_bytes=2 * 4096)), slot_bytes=4096, num_slots=2)
+    with pytest.raises(ValueError, match="handshake says 0 x 4096"):
+        CudaIpcReader(encode_ring_handle(_handle(size_bytes=2 * 4096)), slot_bytes=4096, num_slots=0)
+
+
+def test_a_bundle_that_fills_a_slot_exactly_uses_the_slot_and_reads_back(monkeypatch) -> None:
+    writer, reader = _host_ring(monkeypatch, slots=2, slot_bytes=128)
+    x = torch.arange(16)                                   # 128 bytes: the whole slot
+    bundle = writer.write({"x": x})
+    assert bundle_slot(bundle) == 0 and writer.inline_fallbacks == 0
+    assert torch.equal(reader.read(bundle)["x"], x)
+    tail = common_pb2.TensorBundle()   # the slot's last 8 bytes
+    ref = tail.tensors.add(name="t", dtype="int64", shape=[1])
+    ref.slot.slot, ref.slot.offset, ref.slot.nbytes, ref.slot.sequence = 1, 120, 8, 1
+    assert reader.read(tail)["t"].shape == (1,)
+
+
+@pytest.mark.parametrize("field,value,needle", [("cuda_ipc", 2, "version"), ("handle", "AAAA!", "handle")])
+def test_a_handle_of_another_version_or_not_strict_base64_is_refused(field, value, needle) -> None:
+    doc = json.loads(encode_ring_handle(_handle()))
+    doc[field] = value
+    with pytest.raises(ValueError, match=needle):
+        decode_ring_handle(json.dumps(doc))

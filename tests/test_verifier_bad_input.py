@@ -522,6 +522,23 @@ def test_a_tree_bundle_naming_other_or_repeated_tensors_is_refused_before_a_read
     assert ok[0] == grpc.StatusCode.OK
 
 
+def test_a_tree_bundle_over_two_slots_is_refused_before_a_read(ckpt):
+    """One bundle holds one slot, the one the verifier gives back: a bundle naming two was read,
+    its trees verified, and neither slot given back (both held until the stream ended)."""
+    svc = servicer(ckpt)
+    with shm_peer(svc, ckpt, slots=4) as peer:
+        assert svc._step(peer, prefill(1, "a")).prefills[0].error_code == 0
+        pending = svc.engine._requests["a"].pending
+        split = verify(2, [("a", *chain(pending, 2))])
+        for k, ref in enumerate(split.trees.tensors[:2]):
+            ref.slot.slot, ref.slot.offset, ref.slot.nbytes, ref.slot.sequence = k, 0, 8 * ref.shape[0], 1
+        resp = svc._step(peer, split)
+        ok = outcome(svc._step(peer, verify(3, [("a", *chain(pending, 2))])))["a"]
+    code, message = outcome(resp)["a"]
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "several slots [0, 1]" in message, message
+    assert list(resp.released_slots) == [] and ok[0] == grpc.StatusCode.OK
+
+
 def test_a_tree_bundle_lacking_a_tensor_fails_its_trees_and_the_stream_goes_on(ckpt):
     svc = servicer(ckpt)
     with shm_peer(svc, ckpt, slots=4) as peer:

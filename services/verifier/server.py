@@ -491,9 +491,11 @@ def _tree_nodes(bundle: common_pb2.TensorBundle) -> int:
 
 def _check_tree_refs(num_trees: int, bundle: common_pb2.TensorBundle) -> None:
     """ValueError where the tree bundle names a tensor other than `TREE_FIELDS`, one twice, or one of
-    more elements than `num_trees` trees of the largest budget have: checked on the message, before
-    a byte of it is read (a draft's ring is its own: a slot of it declared gigabytes long was read in
-    full, and one span named under a thousand names was read a thousand times, a private copy each)."""
+    more elements than `num_trees` trees of the largest budget have, or spans several slots:
+    checked on the message, before a byte of it is read (a draft's ring is its own: a slot of it
+    declared gigabytes long was read in full, and one span named under a thousand names was read a
+    thousand times, a private copy each; a bundle over two slots was read, and neither given back)."""
+    bundle_slot(bundle)   # raises for several slots
     most = num_trees * (MAX_BUDGET + 1)
     names = [ref.name for ref in bundle.tensors]
     extra = [n for n in names if n not in TREE_FIELDS]
@@ -509,7 +511,7 @@ def _check_tree_refs(num_trees: int, bundle: common_pb2.TensorBundle) -> None:
 def _slot_or_none(bundle: common_pb2.TensorBundle) -> int | None:
     try:
         return bundle_slot(bundle)
-    except ValueError:   # several slots: refused when read (`_verify`); none is given back
+    except ValueError:   # several slots: refused before it is read (`_check_tree_refs`); none is given back
         return None
 
 
