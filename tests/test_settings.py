@@ -162,7 +162,7 @@ def test_a_setting_under_a_misspelt_service_name_is_refused_and_the_stacks_own_v
 def test_the_variable_the_verifier_sets_for_its_ranks_is_named_as_that_when_set_by_hand() -> None:
     """Under the verifier's prefix but no setting of it: "unknown setting" sent a user looking for
     a misspelt field."""
-    from services.verifier.ranks import SETTINGS_ENV
+    from services.common.settings import RANK0_SETTINGS_ENV as SETTINGS_ENV
 
     with pytest.raises(SettingsError, match=f"{SETTINGS_ENV}: set by the verifier for its tensor-parallel ranks, "
                                             "not by hand; unset it"):

@@ -620,7 +620,8 @@ def test_workers_take_rank_0s_settings_not_their_own_reading() -> None:
     """Each worker read the config file and environment itself: a file changed while the group
     started gave the ranks other KV caches, out of step at the first long prompt."""
     from services.common.settings import VerifierSettings
-    from services.verifier.ranks import SETTINGS_ENV, settings_from_json, settings_json, spawn_workers
+    from services.common.settings import RANK0_SETTINGS_ENV as SETTINGS_ENV
+    from services.verifier.ranks import settings_from_json, settings_json, spawn_workers
 
     s = VerifierSettings(tp=2, kv_capacity_tokens=12345, graph_batches=(1, 3), feature_layers=(2, 0),
                          warmup_budgets=(), device="cpu")

@@ -157,6 +157,11 @@ class StackSpec:
     log_path: str | None = None               # the services' stdout and stderr go here (appended), not to ours
 
 
+def _draft_name(i: int, replicas: int) -> str:
+    """Replica ``i``'s service name: "draft" alone, "draft-0", "draft-1", ... beside others."""
+    return f"draft-{i}" if replicas > 1 else "draft"
+
+
 def _check_before_start(role: str, settings) -> None:
     """What a service would fail on only once it starts, checked before any starts: the scheduler
     starts last, after minutes of weight loading on a large model, and a TLS file it cannot use or
@@ -321,7 +326,7 @@ class Stack:
         # Metrics ports given to one replica by name: kept as given, and no other replica moves onto them.
         named_metrics = set()
         for i in range(spec.draft_replicas):
-            own = spec.service_env.get(f"draft-{i}" if spec.draft_replicas > 1 else "draft", {})
+            own = spec.service_env.get(_draft_name(i, spec.draft_replicas), {})
             if own.get("DDTREE_DRAFT_METRICS_PORT", "").isdigit():
                 named_metrics.add(int(own["DDTREE_DRAFT_METRICS_PORT"]))
         # The ports picked here avoid the fixed ones (a pick from the ephemeral range took 50051).
@@ -344,7 +349,7 @@ class Stack:
             dport = (spec.draft_port + i) if spec.draft_port else free_port(fixed | taken | grpc_ports)
             grpc_ports.add(dport)
             drafts.append(f"127.0.0.1:{dport}")
-            name = f"draft-{i}" if spec.draft_replicas > 1 else "draft"
+            name = _draft_name(i, spec.draft_replicas)
             env = {**self._env(base, "draft", name), "DDTREE_DRAFT_PORT": str(dport),
                    "DDTREE_DRAFT_VERIFIER_ADDRESS": verifier}
             draft = load_settings(DraftSettings, spec.config_path, env=env)

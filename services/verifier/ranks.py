@@ -41,7 +41,6 @@ _NOOP = "__noop__"
 # Rank 0's settings, as the workers must use them: each read the config file and environment
 # itself, and a file changed while the group started gave ranks other KV caches (out of step at the
 # first long prompt, SERVING until then).
-SETTINGS_ENV = RANK0_SETTINGS_ENV
 
 
 def settings_json(settings: VerifierSettings) -> str:
@@ -198,7 +197,7 @@ def spawn_workers(settings: VerifierSettings, config_path: str | None, init_meth
         cmd += ["--config", config_path]
     # Own session: a Ctrl-C or a signal to rank 0's process group reaches rank 0 only, which stops
     # the workers in order (stop broadcast); PR_SET_PDEATHSIG still ends them if rank 0 dies.
-    env = {**os.environ, SETTINGS_ENV: settings_json(settings)}
+    env = {**os.environ, RANK0_SETTINGS_ENV: settings_json(settings)}
     return [subprocess.Popen(cmd + ["--rank", str(r)], start_new_session=True, env=env) for r in range(1, settings.tp)]
 
 
@@ -268,7 +267,7 @@ def worker_main(argv: list[str] | None = None) -> int:
         # for: it would wait for its group to form for minutes, holding its GPU.
         print(f"verifier rank {args.rank}: rank 0 (pid {args.parent_pid}) is gone; exiting", file=sys.stderr)
         return 1
-    rank0 = os.environ.pop(SETTINGS_ENV, "")
+    rank0 = os.environ.pop(RANK0_SETTINGS_ENV, "")
     settings = settings_from_json(rank0) if rank0 else load_settings(VerifierSettings, args.config)
     configure_logging(f"verifier-rank{args.rank}", settings.json_logs)
     tp = TensorParallel(args.rank, settings.tp, args.init_method, backend=backend_for(settings),
