@@ -348,13 +348,14 @@ async def _run_cell(p: MatrixParams, cell: Cell, max_tokens: int, stream: list[i
 
 def running_max(readings: list[float]) -> int | None:
     """The most requests the scheduler ran at once in a cell: below the concurrency, its batch
-    (max_batch, the KV cache) ran the cell in waves. Read every 50 ms from the cell's start (0
+    (max_batch, the KV cache) ran the cell in waves. Read every 200 ms from the cell's start (0
     before the first admission): a short cell's peak may fall between readings, so readings that
-    never saw a request running say nothing (None)."""
+    never saw a request running say nothing (None). Not more often: the scheduler renders its whole
+    /metrics page for each read, on the interpreter that runs its step loop."""
     return int(max(readings)) if readings and max(readings) > 0 else None
 
 
-async def _watch_running(address: str, seen: list[float], interval_s: float = 0.05) -> None:
+async def _watch_running(address: str, seen: list[float], interval_s: float = 0.2) -> None:
     """The scheduler's running requests, read from its /metrics page while a cell runs."""
     while True:
         value = (await asyncio.to_thread(read_metrics, address)).get("ddtree_running_requests")

@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import sys
 import time
 from collections import Counter, defaultdict
@@ -271,7 +272,7 @@ class Soak:
         requests' wall times (a stall, e.g. a kernel compiled on first use, shows in the max)."""
         def spread(xs: list[float]) -> dict | None:
             xs = sorted(xs)
-            return {"p50": xs[len(xs) // 2], "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))], "max": xs[-1]} if xs else None
+            return {"p50": statistics.median(xs), "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))], "max": xs[-1]} if xs else None
         return [{"kind": k, "sent": self.sent[k], "answered": self.ok[k], "expected_errors": self.expected_errors[k],
                  "findings": self.findings.get(k, []), "tokens": self.tokens[k], "seconds": spread(self.seconds[k])}
                 for k in [*KINDS, "all"]]

@@ -11,8 +11,14 @@ the first prompt, `--warmup-tokens` tokens, same budget: it compiles the per-bud
 the verifier's kernels), and both are timed the same way: a request's wall time from sending it to
 its last token, tok_s = tokens / wall over all prompts; step_ms = (wall - time to first token) /
 verify steps, the steps counted from the acceptance lengths each side reports. The two sides run
-alternately, `--reps` passes each, and each figure is the median pass, so drift (clocks, other
-load) falls on both alike. ratio = three_process tok_s / in_process tok_s (T-split: >= 0.95).
+alternately, `--reps` passes each, the side that leads swapped every pass (in, three, three, in,
+...), so drift (clocks, other load) falls on both alike. A side's row is its median pass by tok_s,
+every figure of it from that one pass. ratio = the median over passes of three_process tok_s /
+in_process tok_s, each pass against the other side's pass beside it (T-split: >= 0.95).
+
+Both sides draft alike on the GPU: propose and commit from the drafter's graphs, and the trees
+built by `TreeGraphs` replays and brought to the host in one copy, as the draft service does
+(an eager build took about 0.1-0.3 ms more a step, which lowered the in-process side).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from services.common.settings import DraftSettings, VerifierSettings
 from services.draft.dflash import DFlashDrafter
 from services.draft.proposer import DFlashProposer
 from services.draft.tree import build_trees_from_logits
+from services.draft.tree_graphs import TreeGraphs, pack_trees, unpack_trees
 from services.scheduler.client import Client
 from services.verifier.engine import PrefillInput
 from services.verifier.sampling import Sampling
@@ -70,21 +77,38 @@ def summarise(runs: Sequence[Run]) -> dict[str, float]:
 
 
 class InProcess:
-    """Greedy DDTree with direct calls: the engine, the proposer and `build_trees`, nothing between."""
+    """Greedy DDTree with direct calls: the engine, the proposer and the tree build, nothing between."""
 
-    def __init__(self, model: Path, device: str, dtype: str) -> None:
+    def __init__(self, model: Path, device: str, dtype: str, budget: int) -> None:
         # One CPU thread, as each service of the stack has.
         self.engine = build_engine(VerifierSettings(model_path=str(model), device=device, dtype=dtype))
         drafter = DFlashDrafter.load(model / "drafter", model, dtype=DTYPES[dtype], device=device)
         self.proposer = DFlashProposer(drafter)
-        if device.startswith("cuda"):   # as the draft service does: propose and commit from graphs
+        self.tree_graphs: TreeGraphs | None = None
+        if device.startswith("cuda"):   # as the draft service does: propose, commit and trees from graphs
             ds = DraftSettings()
             if ds.cuda_graphs:
                 self.proposer.enable_graphs(ds.graph_rows, ds.graph_context)
                 self.proposer.warm_up((1,), (64,))
+                out = self.proposer.propose_output
+                if out is not None:
+                    self.tree_graphs = TreeGraphs(out, capture=True)
+                    self.tree_graphs.warm_up([budget])
         self.engine.set_feature_layers(self.proposer.target_layer_ids)
         self.device = device
         self._ids = itertools.count()
+
+    def _tree(self, logits: torch.Tensor, budget: int, root: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One request's tree on the host (tokens, parents, depths, sizes), as the draft service
+        builds it: a `TreeGraphs` replay where the propose was one, else eagerly; one copy."""
+        depth = self.proposer.block_size - 1
+        trees = self.tree_graphs.build(logits, budget, depth, root) if self.tree_graphs is not None else None
+        if trees is None:
+            batch = build_trees_from_logits(logits, budget, root.to(logits.device), max_depth=depth)
+            trees = unpack_trees(pack_trees(batch).cpu(), 1)
+        sizes, tokens, parents, depths = trees
+        n = int(sizes[0])
+        return tokens[0, :n], parents[0, :n], depths[0, :n], sizes[:1]
 
     def generate(self, prompt: list[int], max_tokens: int, budget: int) -> Run:
         rid = f"r{next(self._ids)}"
@@ -97,12 +121,9 @@ class InProcess:
         first = time.perf_counter() - t0
         pending, steps = out[-1], 0
         while len(out) < max_tokens:
-            bonus = torch.tensor([pending], device=device)
+            bonus = torch.tensor([pending])
             logits = proposer.propose([rid], bonus)                                    # [1, B-1, V]
-            tree = build_trees_from_logits(logits, budget, bonus)
-            n = int(tree.sizes[0])
-            res = engine.verify([rid], tree.tokens[0, :n], tree.parents[0, :n], tree.depths[0, :n],
-                                tree.sizes[:1])
+            res = engine.verify([rid], *self._tree(logits, budget, bonus))
             item = res.items[0]
             proposer.commit(rid, [pending] + item.tokens[:-1], res.features)
             out += item.tokens
@@ -137,20 +158,30 @@ Generate = Callable[[list[int], int, int], Run]
 
 def passes(sides: dict[str, Generate], prompts: list[list[int]], max_tokens: int, budget: int, reps: int,
            warmup_tokens: int) -> dict[str, list[list[Run]]]:
-    """Warm each side on the first prompt, then `reps` alternating passes over all prompts."""
+    """Warm each side on the first prompt, then `reps` alternating passes over all prompts, the
+    order reversed every other pass (A B, B A, A B, ...): a side that always went first would take
+    any drift between the two alone."""
     for gen in sides.values():
         gen(prompts[0], warmup_tokens, budget)
     out: dict[str, list[list[Run]]] = {name: [] for name in sides}
-    for _ in range(reps):
-        for name, gen in sides.items():
-            out[name].append([gen(p, max_tokens, budget) for p in prompts])
+    names = list(sides)
+    for rep in range(reps):
+        for name in (names if rep % 2 == 0 else names[::-1]):
+            out[name].append([sides[name](p, max_tokens, budget) for p in prompts])
     return out
 
 
 def median_pass(runs: list[list[Run]]) -> dict[str, float]:
-    """Each figure is its median over the passes."""
-    per = [summarise(r) for r in runs]
-    return {k: statistics.median(s[k] for s in per) for k in per[0]}
+    """The median pass by tok_s (the lower of the middle two for an even count), every figure
+    from that one pass: a median taken figure by figure could mix passes into a row no pass had."""
+    per = sorted((summarise(r) for r in runs), key=lambda s: s["tok_s"])
+    return per[(len(per) - 1) // 2]
+
+
+def paired_ratio(stack: list[list[Run]], inproc: list[list[Run]]) -> float:
+    """The median over passes of the stack's tok_s over the in-process tok_s of the same round
+    (the two ran beside each other, so a slow spell of the machine falls on both)."""
+    return statistics.median(summarise(a)["tok_s"] / summarise(b)["tok_s"] for a, b in zip(stack, inproc))
 
 
 def load_prompts(model: Path, count: int) -> list[list[int]]:
@@ -190,18 +221,18 @@ def main() -> None:
     with Stack(StackSpec(model_path=str(model), scheduler_port=0, extra_env=env, startup_timeout_s=300.0)) as stack, \
             Client(stack.scheduler_address) as client:
         transport = client.model_info().transport
-        inproc = InProcess(model, args.device, args.dtype)
+        inproc = InProcess(model, args.device, args.dtype, args.budget)
         sides: dict[str, Generate] = {"in_process": inproc.generate, "three_process": ThreeProcess(client).generate}
         runs = passes(sides, prompts, args.max_tokens, args.budget, args.reps, args.warmup_tokens)
     same = sum(all(a.tokens == b.tokens for a, b in zip(col_in, col_st))
                for col_in, col_st in zip(zip(*runs["in_process"]), zip(*runs["three_process"])))
     stats = {name: median_pass(r) for name, r in runs.items()}
-    base = stats["in_process"]["tok_s"]
+    ratios = {name: paired_ratio(r, runs["in_process"]) for name, r in runs.items()}
     rows = []
     for name, s in stats.items():
         row = {"deployment": name, "concurrency": 1, "step_ms": round(s["step_ms"], 3), "tok_s": round(s["tok_s"], 2),
                "decode_tok_s": round(s["decode_tok_s"], 2), "mean_acceptance": round(s["mean_acceptance"], 3),
-               "ratio": round(s["tok_s"] / base, 4),
+               "ratio": round(ratios[name], 4),
                "tok_s_passes": [round(summarise(r)["tok_s"], 2) for r in runs[name]]}
         if name == "three_process":
             row.update(transport=transport, identical_outputs=same)

@@ -1,11 +1,12 @@
-"""Two commits' `bench.split_overhead` on one machine, alternated: old, new, old, new, ...
+"""Two commits' `bench.split_overhead` on one machine, alternated: old, new, new, old, old, new, ...
 
 Machine instances differ by more than most changes to the stack's host path (the three-process
 step varies by a third between them), so a change is judged only against its parent measured in
 the same call. The old commit is a tree extracted beside this one (`git archive <sha> services
 protos kernels bench | tar -x -C DIR`); this checkout is the new one. Each run is the unchanged
 `bench.split_overhead` in its own tree and process; the rows are merged into one result file
-(BENCHMARKS.md's result-file schema) with `code` and `round` on each row.
+(BENCHMARKS.md's result-file schema) with `code` and `round` on each row. The commit that goes
+first swaps every round, so a drift of the machine within a call does not fall on one side.
 
     python -m bench.split_overhead_ab --old-dir /tmp/old --old-code b26b345 --new-code e43f9e6 \
         --rounds 2 -- --prompts 6 --reps 3
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out or HERE / "bench" / "results" / f"split-overhead-ab-{args.new_code}.json")
     trees = {args.old_code: Path(args.old_dir).resolve(), args.new_code: HERE}
-    order = [code for _ in range(args.rounds) for code in (args.old_code, args.new_code)]
+    pair = (args.old_code, args.new_code)
+    order = [code for r in range(args.rounds) for code in (pair if r % 2 == 0 else pair[::-1])]
     rows, first = [], None
     with tempfile.TemporaryDirectory() as tmp:
         for i, code in enumerate(order):
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     assert first is not None
     params = {**first["params"], "order": order,
               "ab": f"{args.old_code} and {args.new_code}{' (' + args.what + ')' if args.what else ''}, alternating "
-                    f"old, new on one machine in one call; each figure the median of its run's passes"}
+                    f"on one machine in one call, the first swapped every round; each figure its run's median pass"}
     result = {"benchmark": out.stem, "commit": args.new_code, "gpu": first["gpu"], "copy_gbps": first["copy_gbps"],
               "params": params, "rows": rows}
     out.write_text(json.dumps(result, indent=1))

@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench.common import git_commit
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -131,7 +133,7 @@ def main() -> int:
     if args.device.startswith("cuda"):
         import torch
         gpu = torch.cuda.get_device_name(0)
-    doc = {"benchmark": Path(args.out).stem if args.out else "stop-check", "commit": args.commit or "unknown",
+    doc = {"benchmark": Path(args.out).stem if args.out else "stop-check", "commit": git_commit(args.commit or None),
            "gpu": gpu, "copy_gbps": None, "params": {k: v for k, v in vars(args).items() if k != "out"},
            "rows": [row]}
     print(json.dumps(row))

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -233,7 +234,41 @@ def test_split_overhead_end_to_end(tmp_path, ckpt, _side_runs):
     # The same decoding on both sides: a random target accepts ~1 token a step, which would make
     # the stack's scheduler pause speculation within 24 tokens were it not off here.
     assert st["mean_acceptance"] == rows["in_process"]["mean_acceptance"]
-    assert st["ratio"] == pytest.approx(st["tok_s"] / rows["in_process"]["tok_s"], abs=1e-3)
+    paired = statistics.median(a / b for a, b in zip(st["tok_s_passes"], rows["in_process"]["tok_s_passes"]))
+    assert st["ratio"] == pytest.approx(paired, rel=1e-3) and rows["in_process"]["ratio"] == 1.0
+
+
+def test_split_overhead_swaps_the_side_that_leads_and_reports_one_whole_pass() -> None:
+    """The side that runs first swaps every pass (drift must not fall on one side); a row is the
+    median pass by tok_s with every figure from it (a figure-by-figure median mixed passes into a
+    row no pass had); the ratio pairs each pass with the other side's pass of the same round."""
+    from bench.split_overhead import Run, median_pass, paired_ratio, passes
+
+    calls: list[str] = []
+
+    def side(name: str):
+        def gen(prompt, max_tokens, budget):
+            calls.append(name)
+            return Run([1] * max_tokens, 1.0, 0.1, max_tokens - 1)
+        return gen
+
+    runs = passes({"a": side("a"), "b": side("b")}, [[1], [2]], 4, 3, reps=3, warmup_tokens=2)
+    assert calls == ["a", "b"] + ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"]
+    assert len(runs["a"]) == len(runs["b"]) == 3
+
+    def one(seconds: float, first: float, tokens: int, steps: int) -> list[Run]:
+        return [Run([7] * tokens, seconds, first, steps)]
+
+    # tok_s 10, 20, 30; the fastest pass has the slowest decode: a per-figure median would pair
+    # the middle pass's tok_s with another pass's step_ms
+    slow, mid, fast = one(1.0, 0.1, 10, 9), one(1.0, 0.5, 20, 5), one(1.0, 0.9, 30, 29)
+    row = median_pass([fast, slow, mid])
+    assert row["tok_s"] == 20 and row["step_ms"] == pytest.approx(100.0) and row["mean_acceptance"] == 19 / 5
+    assert median_pass([fast, slow])["tok_s"] == 10          # even count: the lower middle
+    base = [one(1.0, 0.1, 100, 9), one(1.0, 0.1, 50, 9), one(1.0, 0.1, 100, 9)]
+    stack = [one(1.0, 0.1, 50, 9), one(1.0, 0.1, 40, 9), one(1.0, 0.1, 90, 9)]
+    assert paired_ratio(stack, base) == pytest.approx(0.8)    # median of 0.5, 0.8, 0.9; unpaired: 50 / 100
+    assert paired_ratio(base, base) == 1.0
 
 
 def _soak_cmd(tmp: Path, ckpt: Path) -> list[str]:
@@ -452,8 +487,9 @@ def test_the_results_name_the_schedulers_tls_but_never_its_token(tmp_path) -> No
 
 
 def test_the_split_overhead_ab_alternates_the_commits_and_merges_their_rows(monkeypatch, tmp_path) -> None:
-    """Old and new alternate (a change is judged against its parent in the same call), each run's
-    rows carry its commit and round, and the params say the order."""
+    """Old and new alternate (a change is judged against its parent in the same call), the one
+    that goes first swapped every round (a drift within the call falls on both), each run's rows
+    carry its commit and round, and the params say the order."""
     from bench import split_overhead_ab
 
     runs = []
@@ -468,10 +504,10 @@ def test_the_split_overhead_ab_alternates_the_commits_and_merges_their_rows(monk
     assert split_overhead_ab.main(["--old-dir", str(tmp_path), "--old-code", "old", "--new-code", "new",
                                    "--out", str(out), "--", "--prompts", "6"]) == 0
     doc = json.loads(out.read_text())
-    assert [c for _, c, _ in runs] == doc["params"]["order"] == ["old", "new", "old", "new"]
+    assert [c for _, c, _ in runs] == doc["params"]["order"] == ["old", "new", "new", "old"]
     assert all(args == ["--prompts", "6"] for _, _, args in runs) and runs[0][0] == tmp_path.resolve()
     assert [(r["code"], r["round"], r["tok_s"]) for r in doc["rows"]] == [
-        ("old", 1, 100.0), ("new", 1, 200.0), ("old", 2, 300.0), ("new", 2, 400.0)]
+        ("old", 1, 100.0), ("new", 1, 200.0), ("new", 2, 300.0), ("old", 2, 400.0)]
     assert doc["benchmark"] == out.stem and doc["commit"] == "new" and doc["params"]["prompts"] == 6
 
 

@@ -422,8 +422,10 @@ class StepLoop:
         used to stop every stream for the whole prefill). Those pieces leave a queued request that
         could start what it needs of the step, up to half (`_pieces_most`)."""
         # One decision for the whole batch (see speculation.py). A pause counts the steps that decode:
-        # idle calls and steps of prompt pieces only (a long prefill) would spend it drafting nothing,
-        # and a request admitted into an empty batch takes the gate's state, not an old decision.
+        # steps of prompt pieces only (a long prefill) would spend it drafting nothing. An empty
+        # batch forgets it: the requests it was decided on have all ended.
+        if not self.running:
+            self.gate.forget()
         if any(r.prompt_sent >= len(r.prompt_ids) for r in self.running.values()):
             self._speculating = self.gate.speculate()
         else:
