@@ -254,8 +254,11 @@ class DraftEngine:
         n_prefills = len(reply.response.prefills)
         for i, res in enumerate(results_in):
             req = self._requests.get(res.request_id)
-            feats = features[row:row + res.committed]
-            row += res.committed   # the verifier sent rows for every result it committed, kept here or not
+            # The verifier sent rows for every result it committed, kept here or not; a refused one
+            # has none, whatever its `committed` says (counted alike in `rows` above).
+            n = res.committed if res.error_code == 0 else 0
+            feats = features[row:row + n]
+            row += n
             if res.error_code != 0 or req is None:
                 if req is not None:   # a refused piece or tree leaves it held at the verifier: freed next call
                     self._release_owed.append(res.request_id)
