@@ -267,7 +267,7 @@ def test_a_release_step_that_hangs_or_fails_gives_its_kv_back(release_step: str)
     asyncio.run(scenario())
 
 
-def test_a_pause_is_spent_on_decoding_steps_and_a_request_into_an_empty_batch_follows_it() -> None:
+def test_a_pause_is_spent_on_decoding_steps_and_a_prompt_piece_follows_it() -> None:
     """A pause of 4 steps spent on a long prompt's pieces left none for decoding (the first decode
     speculated again); a prompt piece sent while paused carries the gate's state, not the last
     decision (budget 8 while paused)."""
