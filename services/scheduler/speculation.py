@@ -11,13 +11,15 @@ doubles the pause, up to ``max_backoff``; a window at or above the bar resets it
 The decision is the batch's, not each request's: a verify pads every tree of a step to the
 largest, so one request probing alone makes the whole step a DDTree step. Per-request pauses did
 exactly that at C=128 (bench/results/matrix-demo-gate.json: 0.85-0.92x AR where speculating
-throughout had won 1.14x). When the batch empties, its evidence goes with it (``forget``): the
-next requests are other prompts and start speculating, the backoff back at its shortest. A pause
-kept across an idle spell judged a new batch by the last one's drafts (in ``ddtree bench``, one
-budget's cell by the cell before it). A request's output is the same either way: every greedy token is the
+throughout had won 1.14x). A request's output is the same either way: every greedy token is the
 target's argmax, and a sampled token is drawn with noise keyed to its index in the sequence,
 not to its tree (``services/verifier/sampling.py``). So sampled requests pause with the batch,
 and their acceptance counts in the window's mean like the greedy ones'.
+
+When the batch empties, its evidence goes with it (``forget``): the next requests are other
+prompts, so they start speculating with the backoff at its shortest. A pause kept across an idle
+spell judged a new batch by the last one's drafts (in ``ddtree bench``, one budget's cell by the
+cell before it).
 """
 
 from __future__ import annotations
