@@ -13,16 +13,7 @@ from services.common.metrics import Metrics
 from services.common.settings import SchedulerSettings
 from services.scheduler.batcher import KvBudget, StepLoop
 from services.scheduler.request import ActiveRequest, Limits
-from tests.test_batcher import admitted, client_id, request, until
-
-
-def _two_lanes(capacity: int = 1000, **settings) -> tuple[StepLoop, StepLoop, KvBudget]:
-    """Two replicas in front of one verifier group (no drafts: `_schedule` is called by hand)."""
-    budget = KvBudget(capacity=capacity)
-    limits = Limits(64, 4096, 16, (0,), capacity)
-    a, b = (StepLoop(SchedulerSettings(**settings), name, None, limits, budget, Metrics("scheduler-test"))
-            for name in ("a", "b"))
-    return a, b, budget
+from tests.test_batcher import _two_lanes, admitted, client_id, request, until
 
 
 # Catches (KvBudget.share) `if lane not in self._lanes:` dropped (a lane appended
