@@ -1,20 +1,25 @@
-"""Rules a mutation run of the verifier's and scheduler's gRPC services (services/verifier/server.py,
+"""Rules mutation runs of the verifier's and scheduler's gRPC services (services/verifier/server.py,
 services/scheduler/server.py) and the router (services/scheduler/router.py) found unpinned; each
-test says which change it catches."""
+test says which change it catches. Fixtures from test_batcher and test_verifier_bad_input."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import grpc
 import pytest
 
 from ddtree.v1 import common_pb2, scheduler_pb2
+from services.common.grpc_server import ServiceError
 from services.common.metrics import Metrics
-from services.common.settings import SchedulerSettings
+from services.common.settings import SchedulerSettings, SettingsError, VerifierSettings
 from services.scheduler.batcher import StepLoop
 from services.scheduler.request import Limits
-from tests.test_batcher import Stub, admitted, request
+from tests.test_batcher import SlowDraft, Stub, admitted, generate, request, scheduler
+from tests.test_verifier_bad_input import (chain, ckpt, hello, outcome, prefill, roots,  # noqa: F401
+                                           servicer, serving, verify)
 
 
 # Catches (Router._budget) `known = info is not None` without `and info.verifier_id`: replicas
@@ -264,3 +269,205 @@ def test_only_a_generate_call_that_does_not_parse_counts_as_a_refused_request() 
 
     first, after_generate, after_others = asyncio.run(scenario())
     assert after_generate == first + 1 and after_others == after_generate
+
+
+# Catches (VerifierServicer._step) the tree cap counting every new prompt id, held ones too
+# (`could = active_requests + len(new)`), and (VerifierServicer.VerifyStream) a refused step
+# aborting the stream INTERNAL instead of with the refusal's own code.
+def test_a_step_of_more_trees_than_held_requests_ends_the_stream_invalid_argument(ckpt):
+    """A prompt under an id the engine already holds adds no request, so it must not raise the
+    step's tree cap: two requests held, a step of three trees is a flood however many such
+    prompts pad it. The draft must see the refusal's own status (INVALID_ARGUMENT, naming the
+    step's trees) on its stream: INTERNAL reads as a verifier bug, not a draft out of step."""
+    async def run():
+        svc = servicer(ckpt)
+        async with serving(svc) as stub:
+            await stub.Handshake(hello(ckpt, "d1"))
+            stream = stub.VerifyStream(metadata=(("draft-id", "d1"),))
+            pending = await roots(stream, 1, "a", "b")
+            step = verify(2, [(r, *chain(pending[r], 1)) for r in ("a", "b")] + [("x", *chain(5, 1))])
+            step.prefills.extend(prefill(2, "a").prefills)   # "a" is held: this prompt starts no request
+            await stream.write(step)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stream.read()
+            return info.value
+    err = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())
+    assert "draft d1: a step of 3 trees, more than the 2 requests it could verify" in err.details()
+
+
+# Catches (VerifierServicer._verify) a ServiceError the engine raises for the step's trees
+# re-raised (ending the whole stream) instead of failing those trees with it.
+def test_trees_the_engine_refuses_fail_with_its_error_and_the_stream_goes_on(ckpt):
+    """The engine checks a step's trees again on every rank and may refuse them: that is the
+    trees' fault, not the stream's. Each tree's result carries the engine's code and message, a
+    warning names the draft, nothing is committed, and the next step verifies as usual. Ended
+    instead, the stream freed every request of the draft (their KV and progress lost)."""
+    from structlog.testing import capture_logs
+
+    async def run():
+        svc = servicer(ckpt)
+        call, refuse = svc.group.call, [True]
+
+        def refusing(method, *args):
+            if method == "verify" and refuse:
+                refuse.clear()
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "the engine refuses these trees")
+            return call(method, *args)
+        svc.group.call = refusing
+        async with serving(svc) as stub:
+            await stub.Handshake(hello(ckpt, "d1"))
+            stream = stub.VerifyStream(metadata=(("draft-id", "d1"),))
+            pending = await roots(stream, 1, "a", "b")
+            lengths = {r: svc.engine._requests[r].length for r in pending}
+            with capture_logs() as logs:
+                await stream.write(verify(2, [(r, *chain(pending[r], 3)) for r in ("a", "b")]))
+                refused = await stream.read()
+            kept = {r: svc.engine._requests[r].length for r in pending}
+            await stream.write(verify(3, [(r, *chain(pending[r], 3)) for r in ("a", "b")]))
+            after = outcome(await stream.read())
+            return refused, logs, lengths, kept, after
+    refused, logs, lengths, kept, after = asyncio.run(run())
+    assert [v.request_id for v in refused.verifies] == ["a", "b"]
+    assert set(outcome(refused).values()) == {(grpc.StatusCode.INVALID_ARGUMENT, "the engine refuses these trees")}
+    assert refused.features.tensors[0].shape[0] == 0 and kept == lengths
+    assert [(e["event"], e["draft_id"], e["requests"], e["error"]) for e in logs if e["event"] == "verify_refused"] \
+        == [("verify_refused", "d1", 2, "the engine refuses these trees")]
+    assert {code for code, _ in after.values()} == {grpc.StatusCode.OK}
+
+
+# Catches (check_feature_layers_setting) `i >= depth` turned into `i > depth`.
+def test_a_feature_layer_equal_to_the_models_depth_is_refused_before_the_weights_load(monkeypatch) -> None:
+    """Layers count 0..depth-1: ``verifier.feature_layers`` naming layer ``depth`` must fail the
+    start-up from the config alone, naming the setting, not after minutes of loading a large
+    model's weights (and then as an engine error that does not name the setting)."""
+    from services.verifier import server
+
+    depth = json.loads(Path("models/demo/config.json").read_text())["num_hidden_layers"]
+
+    def load(*args, **kwargs):
+        pytest.fail("the weights loaded before verifier.feature_layers was checked")
+    monkeypatch.setattr(server.TargetModel, "load", load)
+    with pytest.raises(SettingsError) as refused:
+        server.build_engine(VerifierSettings(model_path="models/demo", feature_layers=(1, depth),
+                                             kv_capacity_tokens=256))
+    assert str(refused.value) == (f"verifier.feature_layers: [{depth}] outside the target's {depth} layers "
+                                  f"(0..{depth - 1})")
+
+
+class _FailingEncoder:
+    """A tokenizer that raises its own error type for the text (a lone surrogate, say)."""
+
+    async def encode(self, text: str) -> list[int]:
+        raise Exception("unexpected character in the input")   # noqa: TRY002 - as the tokenizers library does
+
+
+class _GatedEncoder:
+    """Tokenizes a text once ``gate`` is set (a long text in the worker process); ``texts``: each call."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.texts: list[str] = []
+
+    async def encode(self, text: str) -> list[int]:
+        self.texts.append(text)
+        await self.gate.wait()
+        return [1, 2, 3]
+
+
+def _text_servicer(draft, encoder):
+    """``scheduler``'s servicer, router and lane, the servicer taking text prompts through ``encoder``."""
+    from services.scheduler.server import SchedulerServicer, load_tokenizer
+
+    servicer, router, lane = scheduler(draft)
+    tokenizer = load_tokenizer("models/demo")
+    return SchedulerServicer(servicer.settings, router, router.info, tokenizer, encoder), router, lane
+
+
+# Catches (SchedulerServicer._encode) a tokenizer's error on a text prompt refused INTERNAL instead
+# of INVALID_ARGUMENT.
+def test_a_text_the_tokenizer_cannot_encode_is_refused_invalid_argument() -> None:
+    """A text the tokenizer rejects is the client's input to fix, not a server fault: the client
+    sees INVALID_ARGUMENT saying so (not retryable), and the refusal is counted as invalid input,
+    so an operator's INTERNAL alerts do not fire for bad prompts."""
+    from services.scheduler.client import REFUSED_METADATA, RETRYABLE_METADATA
+
+    async def scenario():
+        servicer, router, _ = _text_servicer(SlowDraft(), _FailingEncoder())
+        refused = router.metrics.refused
+        context = _Context()
+        request = scheduler_pb2.GenerateRequest(request_id="t", text="def f(x):", max_tokens=4)
+        with pytest.raises(_Aborted) as aborted:
+            await servicer.Generate(request, context).__anext__()
+        counts = (refused.labels("invalid_argument", "invalid_argument")._value.get(),
+                  refused.labels("internal", "internal")._value.get())
+        await router.stop()
+        return context.status, str(aborted.value), counts, servicer._encoding
+
+    (code, trailers), message, counts, encoding = asyncio.run(scenario())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert message == "prompt text cannot be tokenized: unexpected character in the input"
+    assert trailers[RETRYABLE_METADATA] == "false" and trailers[REFUSED_METADATA] == "true"
+    assert counts == (1, 0) and encoding == {}
+
+
+# Catches (SchedulerServicer._encode) the in-use check `any(lane.has_live(rid) ...)` dropped, or
+# made with `lane.find(rid)` (which misses a queued request and counts an aborted one).
+def test_a_text_requests_id_is_in_use_exactly_while_a_live_request_holds_it() -> None:
+    """A text request reusing the id of a live request (running or queued) is refused
+    ALREADY_EXISTS at once, before its text is tokenized: let through, it sat in the tokenizing
+    table, and an Abort of that id hit it (answering "found") while the live request ran on to
+    max_tokens, holding its slot and KV. Once that request is aborted its id is free at once
+    (as for token-id prompts), even while its last step is still in flight."""
+    async def drain(stream) -> list:
+        return [event async for event in stream]
+
+    def result(task, context):
+        if not task.done():
+            return None   # let through to the tokenizer
+        try:
+            return task.result()
+        except _Aborted as exc:
+            return context.status[0], str(exc)
+
+    async def scenario():
+        encoder = _GatedEncoder()
+        servicer, router, lane = _text_servicer(SlowDraft(delay=10.0), encoder)   # the first step stays in flight
+        running = asyncio.ensure_future(drain(servicer.Generate(generate(1000, "run"), _Context())))
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(drain(servicer.Generate(generate(1000, "queued"), _Context())))
+        await asyncio.sleep(0.05)
+        assert lane.find("run") is not None and [w.request_id for w in lane.waiting] == ["queued"]
+        texts = {}
+        for rid in ("run", "queued"):
+            context = _Context()
+            text = scheduler_pb2.GenerateRequest(request_id=rid, text="def f(x):", max_tokens=4)
+            texts[rid] = (asyncio.ensure_future(servicer.Generate(text, context).__anext__()), context)
+        await asyncio.sleep(0.05)
+        refusals = {rid: result(*texts[rid]) for rid in texts}
+        tokenized = list(encoder.texts)
+        found = (await servicer.Abort(scheduler_pb2.AbortRequest(request_id="run"), _Context())).found
+        try:
+            ended = (await asyncio.wait_for(asyncio.shield(running), 0.5))[-1].finish_reason
+        except asyncio.TimeoutError:
+            ended = None   # the abort did not reach the running request
+        finishing = lane.find("run") is not None and lane.find("run").aborted   # its step is still in flight
+        context = _Context()
+        reuse = asyncio.ensure_future(servicer.Generate(
+            scheduler_pb2.GenerateRequest(request_id="run", text="def f(x):", max_tokens=4), context).__anext__())
+        await asyncio.sleep(0.05)
+        encoder.gate.set()
+        await asyncio.sleep(0.05)
+        reused = (result(reuse, context), [w.request_id for w in lane.waiting])
+        for task in (running, queued, reuse, *(t for t, _ in texts.values())):
+            task.cancel()
+        await asyncio.gather(running, queued, reuse, *(t for t, _ in texts.values()), return_exceptions=True)
+        await router.stop()
+        return refusals, tokenized, found, ended, finishing, reused
+
+    refusals, tokenized, found, ended, finishing, (reused, waiting) = asyncio.run(scenario())
+    for rid in ("run", "queued"):
+        assert refusals[rid] == (grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid} is already in use"), refusals
+    assert tokenized == []   # refused before their text reached the tokenizer
+    assert found and ended == scheduler_pb2.FINISH_REASON_ABORTED
+    assert finishing and reused is None and waiting == ["queued", "run"]   # the aborted one's id taken again
