@@ -226,14 +226,15 @@ def test_step_loop_pauses_speculation_for_the_whole_batch() -> None:
         # The batch empties: the pause, the doubled backoff and the window go with the requests they
         # were decided on (a pause kept over an idle spell judged the next batch, in `ddtree bench`
         # the next budget's cell, by the last one's drafts); a request into it speculates.
+        assert not step.gate.observe(True, 1.0)           # half a window (2) seen before the batch ends
         for r in list(step.running.values()):
             step._finish(r)
-        assert step.gate.pause_left == 1 and step.gate._next_backoff == 4
-        step.gate._recent.append(1.0)
+        assert step.gate.pause_left == 1                  # the pause of 2 had a step left; the next is 4
         assert step._schedule() == [] and step.gate.pause_left == 0
-        assert step.gate._next_backoff == 2 and not step.gate._recent and step.gate.fallbacks == 2
         step.waiting.append(request("new", 10))
         assert [i.budget for i in step._schedule()] == [8] and step._speculating
+        assert not step.gate.observe(True, 1.0)           # the window starts empty: one step decides nothing
+        assert step.gate.observe(True, 1.0) and step.gate.pause_left == 2   # the first pause again, not 4
 
     asyncio.run(scenario())
 

@@ -50,7 +50,7 @@ def test_a_replica_whose_group_partner_is_down_admits_as_one_alone() -> None:
 # Catches (StepLoop.abort, queued branch) `log_end(self.metrics, req)` dropped.
 def test_aborting_a_queued_request_counts_and_logs_its_end() -> None:
     a, _, _ = _two_lanes()
-    count = lambda status: a.metrics.requests.labels(status)._value.get()   # noqa: E731
+    count = lambda status: a.metrics.registry.get_sample_value("ddtree_requests_total", {"status": status}) or 0  # noqa: E731
     before = count("aborted")
     queued = request("q", 10)
     a.waiting.append(queued)
@@ -229,7 +229,9 @@ def test_a_lone_replica_rejoining_a_smaller_verifier_group_refuses_what_its_queu
         big, after = request("big", 10, kv=6000), request("after", 10, kv=100)
         lane.waiting += [big, after]
         await router._recover(lane)
-        return lane, big, admitted(lane)
+        started = admitted(lane)
+        await router.stop()
+        return lane, big, started
 
     lane, big, started = asyncio.run(scenario())
     assert lane.healthy and lane.kv.capacity == 5000 and lane.kv.verifier_id == "v2"

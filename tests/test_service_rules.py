@@ -257,7 +257,9 @@ def test_only_a_generate_call_that_does_not_parse_counts_as_a_refused_request() 
 
     async def scenario() -> list[float]:
         servicer, router, _ = scheduler(SlowDraft())
-        count = router.metrics.refused.labels("invalid_argument", "unparsed")._value.get
+        def count() -> float:
+            return router.metrics.registry.get_sample_value(
+                "ddtree_requests_refused_total", {"code": "invalid_argument", "reason": "unparsed"}) or 0
         seen = [count()]
         servicer.unparsed(GENERATE_METHOD, "the request does not parse")
         seen.append(count())
@@ -394,13 +396,13 @@ def test_a_text_the_tokenizer_cannot_encode_is_refused_invalid_argument() -> Non
 
     async def scenario():
         servicer, router, _ = _text_servicer(SlowDraft(), _FailingEncoder())
-        refused = router.metrics.refused
         context = _Context()
         request = scheduler_pb2.GenerateRequest(request_id="t", text="def f(x):", max_tokens=4)
         with pytest.raises(_Aborted) as aborted:
             await servicer.Generate(request, context).__anext__()
-        counts = (refused.labels("invalid_argument", "invalid_argument")._value.get(),
-                  refused.labels("internal", "internal")._value.get())
+        value = router.metrics.registry.get_sample_value
+        counts = tuple(value("ddtree_requests_refused_total", {"code": code, "reason": code}) or 0
+                       for code in ("invalid_argument", "internal"))
         await router.stop()
         return context.status, str(aborted.value), counts, servicer._encoding
 
