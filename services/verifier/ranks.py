@@ -38,12 +38,12 @@ log = get_logger("verifier")
 
 _STOP = "__stop__"
 _NOOP = "__noop__"
-# Rank 0's settings, as the workers must use them: each read the config file and environment
-# itself, and a file changed while the group started gave ranks other KV caches (out of step at the
-# first long prompt, SERVING until then).
 
 
 def settings_json(settings: VerifierSettings) -> str:
+    """Rank 0's settings, as the workers must use them (passed in `RANK0_SETTINGS_ENV`): each read
+    the config file and environment itself, and a file changed while the group started gave ranks
+    other KV caches (out of step at the first long prompt, SERVING until then)."""
     return json.dumps(dataclasses.asdict(settings))
 
 
