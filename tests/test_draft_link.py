@@ -437,3 +437,96 @@ def test_a_step_the_draft_answered_unavailable_was_delivered(answered, details):
         return failed.value
     failed = asyncio.run(run())
     assert failed.code == grpc.StatusCode.UNAVAILABLE and failed.details == details and failed.delivered
+
+
+class _AnsweringCall:
+    """A stream call that answers each write with ``answer`` (an empty StepResponse unless given;
+    grpc.aio.EOF: the draft ended the stream); ``ended`` makes it done between steps."""
+
+    def __init__(self, answer=None) -> None:
+        self.answer = answer if answer is not None else draft_pb2.StepResponse()
+        self.ended, self.cancelled, self.written = False, False, []
+
+    def done(self) -> bool:
+        return self.ended
+
+    async def write(self, request) -> None:
+        self.written.append(request)
+
+    async def read(self):
+        return self.answer
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _CallsStub:
+    """Hands out the given calls in order, then answering ones."""
+
+    def __init__(self, *calls) -> None:
+        self.script, self.calls = list(calls), []
+
+    def StepStream(self, metadata=()):  # noqa: N802 - the gRPC method name
+        self.calls.append(self.script.pop(0) if self.script else _AnsweringCall())
+        return self.calls[-1]
+
+
+def _item(rid: str, prompt=(), offset: int = 0) -> draft_pb2.StepItem:
+    return draft_pb2.StepItem(request_id=rid, prompt_token_ids=list(prompt), prompt_offset=offset)
+
+
+def test_a_step_naming_any_request_of_an_ended_stream_fails_between_steps():
+    """The stream ended between steps: a step of a new prompt beside a running request, or a later
+    piece of a long prompt (offset > 0), names requests whose draft state went with the stream. It
+    fails UNAVAILABLE without reaching a new stream (it would have met "unknown request" there);
+    a step of new prompts only opens one."""
+
+    async def run():
+        stub = _CallsStub()
+        link = DraftLink(stub)   # type: ignore[arg-type]
+        await link.step(step("a"), timeout=5)
+        for request in (draft_pb2.StepRequest(items=[_item("p", [1, 2]), _item("a")]),
+                        draft_pb2.StepRequest(items=[_item("q", [3, 4], offset=5)])):
+            stub.calls[-1].ended = True
+            opened = len(stub.calls)
+            with pytest.raises(StepFailed) as failed:
+                await link.step(request, timeout=5)
+            assert failed.value.code == grpc.StatusCode.UNAVAILABLE and "between steps" in failed.value.details
+            assert len(stub.calls) == opened   # sent nowhere
+            await link.step(draft_pb2.StepRequest(items=[_item("n", [5])]), timeout=5)
+            assert len(stub.calls) == opened + 1 and stub.calls[-1].written
+    asyncio.run(run())
+
+
+def test_a_draft_that_ends_the_stream_instead_of_answering_fails_the_step_and_the_next_opens_a_new_one():
+    """grpc.aio.EOF for an answer is no StepResponse: the step fails UNAVAILABLE, the ended call is
+    let go of, and the next step goes on a new stream."""
+    prompt = draft_pb2.StepRequest(items=[_item("p", [1])])
+
+    async def run():
+        stub = _CallsStub(_AnsweringCall(answer=grpc.aio.EOF))
+        link = DraftLink(stub)   # type: ignore[arg-type]
+        with pytest.raises(StepFailed) as failed:
+            await link.step(prompt, timeout=5)
+        assert failed.value.code == grpc.StatusCode.UNAVAILABLE and "ended the step stream" in failed.value.details
+        assert isinstance(await link.step(prompt, timeout=5), draft_pb2.StepResponse)
+        assert len(stub.calls) == 2 and stub.calls[0].cancelled and stub.calls[1].written
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("error, end, told", [
+    # A write failed INTERNAL on a stream that is ending: the call's own end is what the lane is told.
+    (grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "write failed"),
+     (grpc.StatusCode.RESOURCE_EXHAUSTED, "draft is full"), (grpc.StatusCode.RESOURCE_EXHAUSTED, "draft is full")),
+    # An error without details is named by its code, never an empty message.
+    (grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), ""),
+     (grpc.StatusCode.UNAVAILABLE, ""), (grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE")),
+])
+def test_a_failed_write_tells_the_lane_why_the_stream_ended(error, end, told):
+    async def run() -> StepFailed:
+        link = DraftLink(_CallsStub(_EndingCall(error, end)))   # type: ignore[arg-type]
+        with pytest.raises(StepFailed) as failed:
+            await link.step(step("a"), timeout=5)
+        return failed.value
+    failed = asyncio.run(run())
+    assert (failed.code, failed.details) == told

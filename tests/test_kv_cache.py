@@ -1,0 +1,56 @@
+"""The paged latent cache's own rules: where a write may land, what it converts, what it hands out.
+
+Why here: the engine only ever writes inside a reservation, so the engine tests cannot see a write
+that wraps round or a page list shared with its caller; these are what keep a bug elsewhere from
+corrupting another request's cache silently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.verifier.kv_cache import PagedKVCache
+
+
+def _cache() -> tuple[PagedKVCache, torch.Tensor]:
+    """Two layers, 4 pages of 4 slots, dim 3, pages in a scrambled order; "a" owns 2 pages (8 tokens)."""
+    cache = PagedKVCache(2, 4, 4, 3, torch.float32, "cpu", shuffle_seed=1)
+    cache.reserve("a", 8)
+    return cache, torch.randn(2, 8, 3)
+
+
+def test_a_write_fills_a_reservation_through_its_last_slot_and_refuses_a_negative_start() -> None:
+    """A start before the first token is refused by `write` and `write_many` alike, not wrapped
+    round into the last page's last slot."""
+    cache, kv = _cache()
+    cache.write("a", 0, kv)   # tokens 0..7: the whole reservation
+    assert torch.equal(cache.gather(0, "a", 8), kv[0]) and torch.equal(cache.gather(1, "a", 8), kv[1])
+    one = torch.full((2, 1, 3), -1.0)
+    with pytest.raises(IndexError):
+        cache.write("a", -1, one)
+    with pytest.raises(IndexError):
+        cache.write_many([("a", -1, 1)], one)
+    with pytest.raises(IndexError):
+        cache.write("a", 8, one)   # one past the reservation
+    assert torch.equal(cache.gather(0, "a", 8), kv[0]) and torch.equal(cache.gather(1, "a", 8), kv[1])
+
+
+def test_a_write_stores_kv_of_another_dtype_in_the_caches() -> None:
+    """A model's latents may come in another dtype than the cache's (float64 on the reference path)."""
+    cache, kv = _cache()
+    cache.write("a", 0, kv[:, :4].double())
+    cache.write_many([("a", 4, 4)], kv[:, 4:].double())
+    assert cache.kv.dtype == torch.float32 and torch.equal(cache.gather(1, "a", 8), kv[1])
+
+
+def test_pages_needed_is_zero_once_covered_and_page_ids_is_a_copy() -> None:
+    """A request holding more than asked needs no pages (not fewer than none); the page list handed
+    out is the caller's to change."""
+    cache, _ = _cache()
+    assert cache.pages_needed("a", 3) == 0 and cache.pages_needed("a", 8) == 0
+    assert cache.pages_needed("a", 9) == 1 and cache.pages_needed("new", 1) == 1
+    ids = cache.page_ids("a")
+    ids.clear()
+    assert len(cache.page_ids("a")) == 2 and cache.reserved_tokens("a") == 8
+    cache.free("a")
+    assert cache.pages_free == 4
