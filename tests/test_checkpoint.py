@@ -17,6 +17,7 @@ from services.common.checkpoint import (
     read_config,
     save_tensors,
 )
+from services.common.config_files import read_json_object, refuse_lfs_pointer
 from services.verifier.config import TargetConfig, read_target_config
 from services.verifier.make_target import TINY_TARGET_CONFIG, write_random_target
 from services.verifier.model import TargetModel, expected_tensors
@@ -761,3 +762,25 @@ def test_a_drafter_reading_the_layer_past_the_targets_last_is_refused(tmp_path) 
                                 "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 3, 6]}}, 6)
     with pytest.raises(CheckpointError, match="target_layer_ids"):
         check()
+
+
+def test_a_wrapper_s_text_config_must_be_an_object_and_lends_its_top_level_fields(tmp_path: Path) -> None:
+    """A kimi_k25 wrapper whose text_config is a string or list is named (not a ValueError from
+    dict()); its top-level tie_word_embeddings, like its eos id, is the language model's."""
+    for text in ("deepseek_v3", [["model_type", "deepseek_v3"]]):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
+        with pytest.raises(CheckpointError, match="field 'text_config' of a kimi_k25 config must be an object"):
+            read_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "kimi_k25", "tie_word_embeddings": True, "eos_token_id": 7,
+        "text_config": {"model_type": "deepseek_v3", "vocab_size": 9}}))
+    got = read_config(tmp_path)
+    assert got == {"model_type": "deepseek_v3", "vocab_size": 9, "tie_word_embeddings": True, "eos_token_id": 7}
+
+
+def test_a_json_file_that_cannot_be_read_is_a_checkpoint_error_and_a_missing_one_is_no_lfs_pointer(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"missing\.json: cannot read \(No such file or directory\)"):
+        read_json_object(tmp_path / "missing.json")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        read_json_object(tmp_path)   # a directory
+    refuse_lfs_pointer(tmp_path / "missing.json")   # the caller's own read names it

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
+import concurrent.futures
 import contextlib
 import dataclasses
 import inspect
@@ -1531,3 +1532,84 @@ def test_a_refusal_whose_request_id_is_its_fault_logs_a_bounded_line(server) -> 
         assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         line = next(e for e in logs if e["event"] == "request_refused")
         assert line["request_id"] == rid[:200] and len(line["reason"]) <= 200
+
+
+def test_tls_server_name_is_the_name_the_servers_certificate_is_checked_for(tmp_path) -> None:
+    """A certificate for api.example, served on 127.0.0.1: with tls_server_name the handshake takes
+    it (the call reaches the server, which has no such service), without it the name does not match."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-days", "1", "-subj", "/CN=api.example", "-addext", "subjectAltName=DNS:api.example",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())]))
+    server.start()
+    try:
+        with Client(f"127.0.0.1:{port}", tls_ca=str(cert), tls_server_name="api.example") as c:
+            with pytest.raises(ClientError) as info:
+                c.model_info(timeout_s=10)
+            assert info.value.code == grpc.StatusCode.UNIMPLEMENTED   # past the handshake
+        with Client(f"127.0.0.1:{port}", tls_ca=str(cert)) as c:
+            with pytest.raises(ClientError) as info:
+                c.model_info(timeout_s=10)
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE    # 127.0.0.1 is not api.example
+    finally:
+        server.stop(0)
+
+
+def test_an_exception_while_a_sync_stream_waits_cancels_its_request() -> None:
+    """Ctrl-C (or any exception) inside a read ends the request, as the Stream docstring says, and
+    later reads end at once: the request decoded on for nobody."""
+    class Call:
+        cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+        def __next__(self):
+            raise KeyboardInterrupt
+
+    call = Call()
+    stream = sdk.Stream(lambda: call)
+    with pytest.raises(KeyboardInterrupt):
+        next(stream)
+    assert call.cancelled and list(stream) == []
+
+
+def test_usage_and_completion_objects_keep_what_the_server_and_caller_said() -> None:
+    """Usage.tree_steps comes from the wire; a Completion with no steps has mean acceptance 0; a
+    failed generate's (empty) partial keeps the request id it was asked for."""
+    usage = sdk._chunk(scheduler_pb2.GenerateResponse(usage=scheduler_pb2.Usage(
+        prompt_tokens=3, completion_tokens=4, steps=2, tree_steps=2, mean_acceptance=2.0))).usage
+    assert usage == sdk.Usage(prompt_tokens=3, completion_tokens=4, steps=2, mean_acceptance=2.0, tree_steps=2)
+    empty = sdk.Completion()
+    assert empty.mean_acceptance == 0.0 and empty.prompt_tokens == 0
+    with sdk.Client("127.0.0.1:1") as c:   # nothing listens: UNAVAILABLE at once
+        with pytest.raises(sdk.ClientError) as info:
+            c.generate([1, 2], request_id="mine", timeout_s=10)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert info.value.partial == sdk.Completion(request_id="mine")
+
+
+def test_a_calls_timeout_none_is_no_deadline_even_where_the_client_has_one() -> None:
+    """`timeout_s=None` on a stream means no deadline; not given, the client's applies."""
+    sent: list[object] = []
+
+    class Call:   # a call whose output ends at once
+        def __next__(self):
+            raise StopIteration
+
+        def cancel(self) -> None:
+            pass
+
+    class Stub:
+        def Generate(self, req, timeout, wait_for_ready, metadata):
+            sent.append(timeout)
+            return Call()
+
+    with Client("127.0.0.1:1", timeout_s=5) as c:
+        c._stub = Stub()
+        for timeout_s in (None, 2.5):
+            assert list(c.stream([1], timeout_s=timeout_s)) == []
+        assert list(c.stream([1])) == []
+    assert sent == [None, 2.5, 5.0]

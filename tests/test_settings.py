@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import struct
+from pathlib import Path
+
 import pytest
 
-from services.common.settings import (DraftSettings, SchedulerSettings, SettingsError, VerifierSettings,
-                                      load_settings)
+from services.common.settings import (MAX_BUDGET, TEMPERATURE_RANGE, DraftSettings, SchedulerSettings, SettingsError,
+                                      VerifierSettings, is_device, load_settings, temperature_ok)
 
 
 def test_file_env_and_overrides_layer_in_order(tmp_path):
@@ -281,3 +284,49 @@ def test_a_bind_failure_is_said_in_its_own_words_also_without_an_errno() -> None
     assert str(err) == "draft.port: cannot listen on 127.0.0.1:1: no socket for you"
     err = cannot_listen(OSError(98, "Address already in use"), "0.0.0.0", 50051, "scheduler.port")
     assert str(err) == "scheduler.port: cannot listen on 0.0.0.0:50051: Address already in use"
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def test_a_flag_overrides_the_environment_which_overrides_the_file(tmp_path: Path) -> None:
+    """The precedence the module states: flags (overrides) > environment > file > defaults, for
+    the same setting; a None override leaves the value below it."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[scheduler]\nmax_queue = 5\n")
+    assert load_settings(SchedulerSettings, cfg, env={}).max_queue == 5
+    env = {"DDTREE_SCHEDULER_MAX_QUEUE": "6"}
+    assert load_settings(SchedulerSettings, cfg, env=env).max_queue == 6
+    assert load_settings(SchedulerSettings, cfg, env=env, overrides={"max_queue": "7"}).max_queue == 7
+    assert load_settings(SchedulerSettings, cfg, env=env, overrides={"max_queue": None}).max_queue == 6
+
+
+@pytest.mark.parametrize("cls, field, bad, good", [
+    (SchedulerSettings, "draft_addresses", (), ("h:1",)),   # an empty variable reads as (): no draft to send to
+    (SchedulerSettings, "default_budget", 0, 1),
+    (SchedulerSettings, "default_budget", MAX_BUDGET + 1, MAX_BUDGET),
+    (SchedulerSettings, "spec_backoff_steps", 0, 1),
+    (SchedulerSettings, "spec_backoff_steps", 257, 256),
+    (DraftSettings, "ring_slot_bytes", (64 << 20) + 1, 64 << 20),
+    (DraftSettings, "ring_slot_bytes", 4095, 4096),
+    (DraftSettings, "graph_context", 63, 64),
+    (DraftSettings, "warmup_budgets", (0,), (1, MAX_BUDGET)),
+    (VerifierSettings, "warmup_budgets", (MAX_BUDGET + 1,), (0, MAX_BUDGET)),
+])
+def test_more_bounds_refuse_the_value_past_them_and_take_the_one_at_them(cls, field, bad, good) -> None:
+    with pytest.raises(SettingsError, match=field):
+        cls(**{field: bad})
+    assert getattr(cls(**{field: good}), field) == good
+
+
+def test_a_device_needs_its_index_after_the_colon_and_temperature_takes_both_ends_of_its_range() -> None:
+    assert is_device("cuda") and is_device("cuda:0") and is_device("cpu")
+    for bad in ("cuda:", "cuda:x", "gpu", "cuda0", ""):
+        assert not is_device(bad), bad
+    with pytest.raises(SettingsError, match="draft.device: 'cuda:' is not cpu, cuda or cuda:N"):
+        load_settings(DraftSettings, env={"DDTREE_DRAFT_DEVICE": "cuda:"})
+    lo, hi = TEMPERATURE_RANGE
+    assert temperature_ok(0) and temperature_ok(_f32(lo)) and temperature_ok(_f32(hi))   # as the wire holds them
+    assert temperature_ok(lo) and temperature_ok(hi)
+    assert not temperature_ok(lo / 2) and not temperature_ok(hi * 2) and not temperature_ok(float("nan"))
