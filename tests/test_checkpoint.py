@@ -17,7 +17,7 @@ from services.common.checkpoint import (
     read_config,
     save_tensors,
 )
-from services.common.config_files import read_json_object, refuse_lfs_pointer
+from services.common.config_files import read_json_object, refuse_lfs_pointer, with_rope_parameters
 from services.verifier.config import TargetConfig, read_target_config
 from services.verifier.make_target import TINY_TARGET_CONFIG, write_random_target
 from services.verifier.model import TargetModel, expected_tensors
@@ -784,3 +784,13 @@ def test_a_json_file_that_cannot_be_read_is_a_checkpoint_error_and_a_missing_one
     with pytest.raises(CheckpointError, match="cannot read"):
         read_json_object(tmp_path)   # a directory
     refuse_lfs_pointer(tmp_path / "missing.json")   # the caller's own read names it
+
+
+def test_rope_parameters_must_be_an_object_and_a_rope_theta_inside_the_old_scaling_is_no_disagreement() -> None:
+    """transformers 5 writes rope_theta inside the scaling object too; an agreeing pair of the two
+    forms is read, a list where the object goes is named."""
+    with pytest.raises(CheckpointError, match="'rope_parameters' must be an object"):
+        with_rope_parameters({"rope_parameters": []}, "config.json")
+    yarn = {"rope_type": "yarn", "factor": 32.0, "rope_theta": 50000.0}
+    out = with_rope_parameters({"rope_scaling": dict(yarn), "rope_parameters": dict(yarn)}, "config.json")
+    assert out["rope_theta"] == 50000.0 and out["rope_scaling"] == {"rope_type": "yarn", "factor": 32.0}

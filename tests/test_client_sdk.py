@@ -1027,7 +1027,8 @@ def test_a_token_sent_in_clear_to_another_host_is_warned_about(recwarn) -> None:
         for address, kwargs in (("127.0.0.1:50051", {"token": "t"}), ("localhost:1", {"token": "t"}),
                                 ("[::1]:1", {"token": "t"}), ("10.1.2.3:1", {}), ("unix:/tmp/x", {"token": "t"}),
                                 ("ipv4:127.0.0.1:1", {"token": "t"}), ("ipv6:[::1]:1", {"token": "t"}),
-                                ("dns:///localhost:1", {"token": "t"}), ("127.1.2.3:1", {"token": "t"})):
+                                ("dns:///localhost:1", {"token": "t"}), ("127.1.2.3:1", {"token": "t"}),
+                                ("ipv6:::1", {"token": "t"}), ("10.1.2.3:1", {"token": "t", "tls_ca": b""})):
             Client(address, **kwargs).close()
 
 
@@ -1110,7 +1111,7 @@ def test_an_address_without_a_port_or_as_a_url_is_refused_when_the_client_is_mad
     with pytest.raises(ClientError, match=r"brackets, \[ADDRESS\]:PORT") as info:   # gRPC read it all as a host name
         Client("::1:50051")
     for ok in ("127.0.0.1:50051", "[::1]:50051", "unix:/tmp/ddtree.sock", "dns:///scheduler:50051", "dns:scheduler:1",
-               "127.0.0.1:65535", "ipv6:[::1]:50051", "ipv4:10.0.0.1:1,10.0.0.2:2"):
+               "127.0.0.1:65535", "ipv6:[::1]:50051", "ipv6:::1", "ipv4:10.0.0.1:1,10.0.0.2:2"):
         Client(ok).close()
 
 
@@ -1613,3 +1614,13 @@ def test_a_calls_timeout_none_is_no_deadline_even_where_the_client_has_one() -> 
             assert list(c.stream([1], timeout_s=timeout_s)) == []
         assert list(c.stream([1])) == []
     assert sent == [None, 2.5, 5.0]
+
+
+def test_a_closed_clients_stream_is_refused_at_the_call() -> None:
+    """As `stream`'s docstring says: at the call, not at its first read (a stream kept for later
+    would fail far from the line that made it)."""
+    c = Client("127.0.0.1:1")
+    c.close()
+    with pytest.raises(ClientError, match="closed") as info:
+        c.stream([1, 2])
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION

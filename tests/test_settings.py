@@ -330,3 +330,9 @@ def test_a_device_needs_its_index_after_the_colon_and_temperature_takes_both_end
     assert temperature_ok(0) and temperature_ok(_f32(lo)) and temperature_ok(_f32(hi))   # as the wire holds them
     assert temperature_ok(lo) and temperature_ok(hi)
     assert not temperature_ok(lo / 2) and not temperature_ok(hi * 2) and not temperature_ok(float("nan"))
+
+
+@pytest.mark.parametrize("text, value", [("1", True), ("true", True), ("Yes", True), ("on", True),
+                                         ("0", False), ("FALSE", False), ("no", False), ("off", False)])
+def test_a_boolean_variable_takes_the_words_a_shell_user_writes(text, value) -> None:
+    assert load_settings(SchedulerSettings, env={"DDTREE_SCHEDULER_JSON_LOGS": text}).json_logs is value
