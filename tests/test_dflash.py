@@ -16,6 +16,7 @@ from services.common.checkpoint import CheckpointError, load_tensors
 from services.common.tokenizer_train import default_corpus_files, train_tokenizer
 from services.draft.dflash import DFlashDrafter
 from services.draft.make_drafter import write_random_drafter
+from services.draft.proposer import DFlashProposer, load_proposer
 
 HIDDEN, VOCAB, TARGET_LAYERS = 64, 300, 4
 LAYER_IDS = [0, 2, 3]
@@ -271,8 +272,6 @@ def test_tokenizer_roundtrip(tmp_path: Path) -> None:
 
 
 def test_proposer_warm_up_runs_its_shapes_and_keeps_no_context(drafter: DFlashDrafter) -> None:
-    from services.draft.proposer import DFlashProposer
-
     calls: list[tuple[int, int]] = []
     proposer = DFlashProposer(drafter)
     real = drafter.propose
@@ -345,8 +344,6 @@ def test_a_pool_row_given_to_a_new_request_takes_no_commit_of_the_old_one(pair: 
 
 
 def test_pool_rows_released_and_outgrown_contexts_move_out(pair: tuple[Path, Path]) -> None:
-    from services.draft.proposer import DFlashProposer
-
     pooled = _graph_drafter(pair, rows=2, context=64)
     proposer = DFlashProposer(pooled)
     proposer.start("a", [1])
@@ -382,7 +379,6 @@ def test_pool_rows_released_and_outgrown_contexts_move_out(pair: tuple[Path, Pat
 
 
 def test_pool_warm_up_gives_back_its_rows(pair: tuple[Path, Path]) -> None:
-    from services.draft.proposer import DFlashProposer
     from services.draft.propose_graphs import context_buckets
 
     pooled = _graph_drafter(pair, rows=3, context=200)
@@ -470,3 +466,64 @@ def test_the_default_corpus_is_the_standard_library_without_tests_or_installed_p
     assert not any(skip.intersection(d) for d in dirs)
     assert any(d for d in dirs)   # packages' modules too (json/, asyncio/ ...), not the top level alone
     assert default_corpus_files(limit=5) == files[:5]
+
+
+def test_a_dflash_proposer_reports_its_drafters_shape_order_and_dtype(pair) -> None:
+    """What the engine tells the verifier and the scheduler (block size, the target layers in the
+    order their features are concatenated) and the dtype its proposals come in are the drafter's
+    own: the CPU tests load float32 only, so a proposer that said float32 for a bf16 drafter, a
+    block one short or the layers reversed passed every other test."""
+    proposer = load_proposer(str(pair[0]), str(pair[1]), torch.bfloat16, "cpu")
+    assert (proposer.block_size, proposer.target_layer_ids, proposer.hidden_size, proposer.vocab_size) == (
+        BLOCK, tuple(LAYER_IDS), HIDDEN, VOCAB)
+    assert proposer.dtype == torch.bfloat16
+    proposer.start("a", [1, 2])
+    proposer.commit("a", [1, 2], torch.randn(2, len(LAYER_IDS) * HIDDEN, dtype=torch.bfloat16))
+    out = proposer.propose(["a"], torch.tensor([3]))
+    assert out.shape == (1, proposer.block_size - 1, proposer.vocab_size) and out.dtype == proposer.dtype
+
+
+def test_commit_many_gives_each_request_its_own_features(drafter) -> None:
+    """A step's commits go to the drafter in one call: each request's context takes its own
+    features (swapped, each request drafted from another's context, and outputs stayed lossless)."""
+    batched, alone = DFlashProposer(drafter), DFlashProposer(drafter)
+    feats = {"a": _features(3, 50), "b": _features(5, 51)}
+    for p in (batched, alone):
+        for rid in feats:
+            p.start(rid, [1])
+    batched.commit_many([(rid, list(range(len(f))), f) for rid, f in feats.items()])
+    for rid, f in feats.items():
+        alone.commit(rid, list(range(len(f))), f)
+    assert {rid: ctx.length for rid, ctx in batched._ctx.items()} == {"a": 3, "b": 5}
+    bonus = torch.tensor([7, 9])
+    torch.testing.assert_close(batched.propose(["a", "b"], bonus), alone.propose(["a", "b"], bonus))
+    for p in (batched, alone):
+        for rid in feats:
+            p.drop(rid)
+
+
+def test_with_graphs_propose_returns_the_leading_rows_of_propose_output(pair) -> None:
+    """`propose_output` is the buffer a pooled propose writes (what TreeGraphs replays its tree
+    build on), and `enable_graphs` returns the pool's bytes (logged at start-up). None there sent
+    every tree build on the eager path."""
+    drafter = DFlashDrafter.load(pair[0], pair[1])
+    proposer = DFlashProposer(drafter)
+    assert proposer.propose_output is None
+    pool = proposer.enable_graphs(2, 64)
+    assert pool == drafter.graphs.pool_bytes > 0
+    buffer = proposer.propose_output
+    assert buffer is drafter.graphs.out
+    proposer.start("a", [1])
+    proposer.commit("a", [1, 2, 3], _features(3, 60))
+    out = proposer.propose(["a"], torch.tensor([4]))
+    assert out.data_ptr() == buffer.data_ptr() and out.shape == (1, *buffer.shape[1:])
+    proposer.drop("a")
+
+
+def test_an_oracle_spec_missing_a_field_is_a_checkpoint_error_naming_it(tmp_path) -> None:
+    """A spec without a required field is refused as the drafter's checkpoint (start-up's clean
+    error naming the file and field), not a bare KeyError traceback."""
+    spec = tmp_path / "oracle.json"
+    spec.write_text(json.dumps({"hidden_size": 8, "block_size": 4, "target_layer_ids": [0], "continuations": []}))
+    with pytest.raises(CheckpointError, match=r"oracle drafter spec .*oracle\.json: 'vocab_size'"):
+        load_proposer(f"oracle:{spec}", "unused", torch.float32, "cpu")

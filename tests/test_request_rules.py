@@ -973,3 +973,60 @@ def test_a_worker_pool_that_cannot_be_made_leaves_no_tokenizer_file(tmp_path, mo
         assert list(tmp_path.iterdir()) == []   # at once, not only at the stop
     finally:
         encoder.close()
+
+
+def test_a_stop_string_holds_back_one_character_less_than_its_length() -> None:
+    """The stream holds back the longest stop string's length less one character (all a stop
+    string not yet complete can have written); the rest goes out at once. Holding one more
+    delayed every stream with a stop string by a character, and a one-character stop by one."""
+    x, y, z = (TOKENIZER.token_to_id(ch) for ch in "xyz")
+    req = _request(stop=("ab",))
+    req.add_tokens([x], 0)
+    assert req.take().text == ""          # the last character is held
+    req.add_tokens([y], 1)
+    assert req.take().text == "x"
+    req.add_tokens([z], 1)
+    assert req.take().text == "y" and req.finish == scheduler_pb2.FINISH_REASON_UNSPECIFIED
+    single = _request(stop=("q",))        # a one-character stop holds nothing back
+    single.add_tokens([x], 0)
+    assert single.take().text == "x"
+
+
+def test_budget_0_takes_the_servers_default_budget() -> None:
+    """Budget 0 (the SDK's default) is the server's `scheduler.default_budget`, not a budget of 0:
+    that went to the draft as 'no tree' and ran every default DDTree request autoregressively
+    (same tokens, so no end-to-end test saw it)."""
+    req = build_request("def f():", max_tokens=4)
+    assert req.budget == 0
+    assert validate(req, SchedulerSettings(), LIMITS, TOKENIZER).budget == SchedulerSettings().default_budget
+    assert validate(req, SchedulerSettings(default_budget=5), LIMITS, TOKENIZER).budget == 5
+    assert validate(build_request("def f():", max_tokens=4, budget=3), SchedulerSettings(), LIMITS, TOKENIZER).budget == 3
+
+
+def test_text_shorter_than_the_hold_goes_out_in_order_once_it_is_safe() -> None:
+    """While the output is shorter than what a stop string holds back, nothing is sent; then the
+    text goes out in order, never ahead of the hold (a safe length under the sent one sliced the
+    text from its end: a middle character went out early, the first never)."""
+    ids = [TOKENIZER.token_to_id(ch) for ch in "xyzwvu"]
+    req = _request(stop=("abcde",))   # holds back 4 characters
+    texts = []
+    for i, tok in enumerate(ids):
+        req.add_tokens([tok], 0 if i == 0 else 1)
+        texts.append(req.take().text)
+    assert texts == ["", "", "", "", "x", "y"]
+    req.end(scheduler_pb2.FINISH_REASON_LENGTH)
+    assert "".join(texts) + req.take().text == "xyzwvu"
+
+
+def test_a_text_of_exactly_the_size_bound_is_tokenized_not_refused_by_its_size() -> None:
+    """The size check refuses only past `most * token_bytes` bytes: a text exactly that size may
+    still be `most` tokens (each the longest token's bytes), a prompt that fits."""
+    token_bytes = max_token_bytes(TOKENIZER)
+    longest = next(s for i in range(TOKENIZER.get_vocab_size())
+                   if len((s := TOKENIZER.decode([i], skip_special_tokens=False)).encode()) == token_bytes)
+    small = Limits(vocab_size=LIMITS.vocab_size, max_context=40, block_size=16, eos_token_ids=(0,), kv_capacity_tokens=4096)
+    most = small.max_context - small.block_size - 1
+    text = longest * most
+    assert len(text.encode()) == most * token_bytes
+    assert len(encode_prompt(text, TOKENIZER, small, token_bytes)) == most
+    assert len(validate(build_request(text, max_tokens=4), SchedulerSettings(), small, TOKENIZER).prompt_ids) == most

@@ -63,3 +63,17 @@ def test_only_the_buffer_replays() -> None:
     assert graphs.build(buf[:2], 4, 3, roots) is None           # shallower: near a context limit, eager
     assert graphs.build(buf[:2], 4, 5, roots) is not None
     assert graphs.captured == []                                 # nothing is captured on the CPU path
+
+
+def test_a_view_at_the_buffers_address_with_other_strides_or_shape_is_built_eagerly() -> None:
+    """`holds` asks for the buffer's leading rows exactly: a view that starts at its address but
+    reads other elements (rows repeated, a narrower vocabulary) is not what the graph builds from."""
+    buf = _buffer(4)
+    graphs = TreeGraphs(buf, capture=False)
+    roots = torch.tensor([3, 4])
+    repeated = buf[:1].expand(2, *buf.shape[1:])      # row 0 twice: same address, stride 0
+    narrow = buf[:2, :, :30]                          # same address and strides, 30 of 40 logits
+    for view in (repeated, narrow):
+        assert view.data_ptr() == buf.data_ptr()
+        assert graphs.build(view, 4, 5, roots) is None
+    assert graphs.build(buf[:2], 4, 5, roots) is not None    # the leading rows themselves replay
