@@ -471,8 +471,8 @@ def test_the_default_corpus_is_the_standard_library_without_tests_or_installed_p
 def test_a_dflash_proposer_reports_its_drafters_shape_order_and_dtype(pair) -> None:
     """What the engine tells the verifier and the scheduler (block size, the target layers in the
     order their features are concatenated) and the dtype its proposals come in are the drafter's
-    own: the CPU tests load float32 only, so a proposer that said float32 for a bf16 drafter, a
-    block one short or the layers reversed passed every other test."""
+    own: the other CPU tests load float32 only, so a proposer that said float32 for a bf16 drafter,
+    a block one short or the layers reversed would pass them."""
     proposer = load_proposer(str(pair[0]), str(pair[1]), torch.bfloat16, "cpu")
     assert (proposer.block_size, proposer.target_layer_ids, proposer.hidden_size, proposer.vocab_size) == (
         BLOCK, tuple(LAYER_IDS), HIDDEN, VOCAB)
@@ -485,7 +485,8 @@ def test_a_dflash_proposer_reports_its_drafters_shape_order_and_dtype(pair) -> N
 
 def test_commit_many_gives_each_request_its_own_features(drafter) -> None:
     """A step's commits go to the drafter in one call: each request's context takes its own
-    features (swapped, each request drafted from another's context, and outputs stayed lossless)."""
+    features (swapped, each request would draft from another's context while outputs stayed exact,
+    so no end-to-end test would see it)."""
     batched, alone = DFlashProposer(drafter), DFlashProposer(drafter)
     feats = {"a": _features(3, 50), "b": _features(5, 51)}
     for p in (batched, alone):
@@ -504,8 +505,8 @@ def test_commit_many_gives_each_request_its_own_features(drafter) -> None:
 
 def test_with_graphs_propose_returns_the_leading_rows_of_propose_output(pair) -> None:
     """`propose_output` is the buffer a pooled propose writes (what TreeGraphs replays its tree
-    build on), and `enable_graphs` returns the pool's bytes (logged at start-up). None there sent
-    every tree build on the eager path."""
+    build on), and `enable_graphs` returns the pool's bytes (logged at start-up). None there would
+    send every tree build on the eager path."""
     drafter = DFlashDrafter.load(pair[0], pair[1])
     proposer = DFlashProposer(drafter)
     assert proposer.propose_output is None

@@ -41,7 +41,7 @@ def test_wait_healthy_caps_the_settle_at_half_the_timeout_and_hints_at_the_tls_n
 def test_a_roles_stuck_processes_share_one_grace_the_drain_is_the_schedulers_and_hurry_signals_it_only(
         monkeypatch) -> None:
     """`stop` gives each role's stuck processes one grace together (eight hung draft replicas
-    waited for in turn held the stop for 8 x 30 s), the scheduler's `stop_grace_s` drain on top of
+    waited for in turn would hold the stop for 8 x 30 s), the scheduler's `stop_grace_s` drain on top of
     its own only (not the drafts' or the verifier's); a second Ctrl-C (`hurry`) signals the
     scheduler alone: the drafts and the verifier, cut first, would fail its requests."""
     from services.common.settings import SchedulerSettings

@@ -977,8 +977,8 @@ def test_a_worker_pool_that_cannot_be_made_leaves_no_tokenizer_file(tmp_path, mo
 
 def test_a_stop_string_holds_back_one_character_less_than_its_length() -> None:
     """The stream holds back the longest stop string's length less one character (all a stop
-    string not yet complete can have written); the rest goes out at once. Holding one more
-    delayed every stream with a stop string by a character, and a one-character stop by one."""
+    string not yet complete can have written); the rest goes out at once. Holding one more would
+    delay every stream with a stop string by a character."""
     x, y, z = (TOKENIZER.token_to_id(ch) for ch in "xyz")
     req = _request(stop=("ab",))
     req.add_tokens([x], 0)
@@ -994,8 +994,8 @@ def test_a_stop_string_holds_back_one_character_less_than_its_length() -> None:
 
 def test_budget_0_takes_the_servers_default_budget() -> None:
     """Budget 0 (the SDK's default) is the server's `scheduler.default_budget`, not a budget of 0:
-    that went to the draft as 'no tree' and ran every default DDTree request autoregressively
-    (same tokens, so no end-to-end test saw it)."""
+    that would go to the draft as 'no tree' and run every default DDTree request autoregressively
+    (with the same tokens, so no end-to-end test would see it)."""
     req = build_request("def f():", max_tokens=4)
     assert req.budget == 0
     assert validate(req, SchedulerSettings(), LIMITS, TOKENIZER).budget == SchedulerSettings().default_budget
@@ -1005,8 +1005,8 @@ def test_budget_0_takes_the_servers_default_budget() -> None:
 
 def test_text_shorter_than_the_hold_goes_out_in_order_once_it_is_safe() -> None:
     """While the output is shorter than what a stop string holds back, nothing is sent; then the
-    text goes out in order, never ahead of the hold (a safe length under the sent one sliced the
-    text from its end: a middle character went out early, the first never)."""
+    text goes out in order, never ahead of the hold (a safe length under the sent one would slice
+    the text from its end: a middle character out early, the first never)."""
     ids = [TOKENIZER.token_to_id(ch) for ch in "xyzwvu"]
     req = _request(stop=("abcde",))   # holds back 4 characters
     texts = []
