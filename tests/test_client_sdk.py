@@ -1560,7 +1560,7 @@ def test_tls_server_name_is_the_name_the_servers_certificate_is_checked_for(tmp_
 
 def test_an_exception_while_a_sync_stream_waits_cancels_its_request() -> None:
     """Ctrl-C (or any exception) inside a read ends the request, as the Stream docstring says, and
-    later reads end at once: the request decoded on for nobody."""
+    later reads end at once (else the request would decode on for nobody)."""
     class Call:
         cancelled = False
 
