@@ -245,7 +245,7 @@ class DraftEngine:
         t_reply = time.perf_counter()
         features, row = reply.features, 0
         results_in = list(reply.response.prefills) + list(reply.response.verifies)
-        rows = sum(r.committed for r in results_in if r.error_code == 0)
+        rows = sum(_feature_rows(r) for r in results_in)
         if features.shape[0] != rows:   # short, a context would fall behind the verifier's, silently
             await self.verifier.close()   # its requests go at both ends: the stream is gone
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"verifier reply has {features.shape[0]} feature rows "
@@ -254,9 +254,7 @@ class DraftEngine:
         n_prefills = len(reply.response.prefills)
         for i, res in enumerate(results_in):
             req = self._requests.get(res.request_id)
-            # The verifier sent rows for every result it committed, kept here or not; a refused one
-            # has none, whatever its `committed` says (counted alike in `rows` above).
-            n = res.committed if res.error_code == 0 else 0
+            n = _feature_rows(res)   # kept here or not: the rows are the reply's
             feats = features[row:row + n]
             row += n
             if res.error_code != 0 or req is None:
@@ -520,6 +518,12 @@ _INT32_MAX = 2**31 - 1   # the verifier's reserve_tokens is an int32
 def _budget(req: _Request, item: draft_pb2.StepItem) -> int:
     """The step's tree budget for this request: the item's, or 0 (root only) in autoregressive mode."""
     return item.budget if req.mode != common_pb2.MODE_AUTOREGRESSIVE else 0
+
+
+def _feature_rows(res: verifier_pb2.ItemResult) -> int:
+    """Feature rows the verifier sent for one result: one a committed token, none for a refused
+    result whatever its `committed` says. The row check and the slicing both count with this."""
+    return res.committed if res.error_code == 0 else 0
 
 
 def _pack_trees(trees: Sequence[_Tree]) -> dict[str, torch.Tensor]:
