@@ -18,6 +18,8 @@ from services.common.checkpoint import (
     save_tensors,
 )
 from services.common.config_files import read_json_object, refuse_lfs_pointer, with_rope_parameters
+from services.draft.config import DraftConfig, check_pairing
+from services.draft.dflash import DFlashDrafter
 from services.verifier.config import TargetConfig, read_target_config
 from services.verifier.make_target import TINY_TARGET_CONFIG, write_random_target
 from services.verifier.model import TargetModel, expected_tensors
@@ -412,8 +414,6 @@ def test_rope_fields_this_model_does_not_implement_are_refused_and_no_scaling_is
 
 
 def test_a_drafters_rope_parameters_give_its_theta() -> None:
-    from services.draft.config import DraftConfig
-
     cfg = json.loads(Path("models/demo/drafter/config.json").read_text())
     cfg.pop("rope_theta", None)
     cfg.pop("rope_scaling", None)
@@ -439,8 +439,6 @@ def test_a_drafter_config_this_drafter_would_compute_otherwise_is_refused(change
     """Each loaded, and the drafter served other logits than its training's: biases dropped,
     windows widened to the whole context, soft caps skipped, the top-level block size taken over
     the dflash_config's. Their defaults, written out, still load."""
-    from services.draft.config import DraftConfig
-
     cfg = json.loads(Path("models/demo/drafter/config.json").read_text())
     with pytest.raises(CheckpointError, match=re.escape(needle)):
         DraftConfig.from_hf({**cfg, **change})
@@ -597,9 +595,6 @@ def wrap_as_kimi_k25(src: Path, dst: Path, shard_bytes: int = 1 << 20) -> None:
 def test_a_kimi_k25_wrapper_serves_its_language_model(tmp_path: Path, target_dir: Path) -> None:
     """Kimi-K2.5 / K2.6 (INT4 experts, as K2-Thinking) wrap the K2 language model in a multimodal
     config, its tensors under `language_model.`: they were refused as model type 'kimi_k25'."""
-    from services.verifier.model import expected_tensors
-    from services.verifier.parallel import load_rank_slice
-
     wrapped = tmp_path / "k25"
     wrap_as_kimi_k25(target_dir, wrapped, shard_bytes=64 * 1024)
     assert len(set(json.loads((wrapped / INDEX_FILE).read_text())["weight_map"].values())) > 1
@@ -616,9 +611,6 @@ def test_a_kimi_k25_wrapper_serves_its_language_model(tmp_path: Path, target_dir
 def test_a_drafter_pairs_with_a_wrapped_target(tmp_path: Path) -> None:
     """The drafter reads its target's embedding and lm_head, and `ddtree up` checks the pair from
     the target's config: both through the wrapper."""
-    from services.draft.config import check_pairing
-    from services.draft.dflash import DFlashDrafter
-
     demo = Path("models/demo")
     wrapped = tmp_path / "demo-k25"
     wrap_as_kimi_k25(demo, wrapped)
@@ -684,6 +676,33 @@ def test_target_fields_left_out_take_the_transformers_defaults() -> None:
     assert (y.beta_fast, y.beta_slow, y.mscale, y.mscale_all_dim) == (32.0, 1.0, 1.0, 0.0)
 
 
+def test_target_floats_written_as_integers_and_a_yarn_factor_of_one_are_read() -> None:
+    """DeepSeek-V3's own config.json writes `"rope_theta": 10000` and the yarn `"factor": 40`,
+    `"beta_fast": 32` as JSON integers. A reader that took only floats would refuse the real
+    checkpoint ("must be float, got 10000"); one that wanted factor > 1 would refuse factor 1."""
+    yarn = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 1, "mscale_all_dim": 1}
+    c = TargetConfig.from_hf({**copy.deepcopy(TINY_TARGET_CONFIG), "rope_theta": 10000, "routed_scaling_factor": 3,
+                              "rope_scaling": yarn})
+    assert isinstance(c.rope_theta, float) and c.rope_theta == 10000.0
+    assert isinstance(c.routed_scaling_factor, float) and c.routed_scaling_factor == 3.0
+    assert (c.rope_scaling.factor, c.rope_scaling.beta_fast) == (40.0, 32.0)
+    one = TargetConfig.from_hf({**copy.deepcopy(TINY_TARGET_CONFIG), "rope_scaling": {**yarn, "factor": 1.0}})
+    assert one.rope_scaling.factor == 1.0
+
+
+def test_null_target_fields_read_as_left_out() -> None:
+    """configuration_deepseek.py writes a dense model's unused routing fields as null. A reader
+    that took null for a value would refuse that config ("must be int, got None")."""
+    nulls = dict.fromkeys(("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+                           "routed_scaling_factor", "norm_topk_prob", "first_k_dense_replace", "moe_intermediate_size",
+                           "rope_theta", "num_nextn_predict_layers"))
+    c = TargetConfig.from_hf({**copy.deepcopy(TINY_TARGET_CONFIG), **nulls})
+    assert c.n_routed_experts is None and c.n_shared_experts == 0 and c.n_group == 1
+    assert (c.routed_scaling_factor, c.rope_theta, c.num_nextn_predict_layers) == (1.0, 10000.0, 0)
+    assert not any(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+
+
 def test_moe_layer_freq_and_first_k_dense_pick_the_moe_layers() -> None:
     """The writer, the reference and the loader share `is_moe_layer`, so they agreed with each
     other whatever it said."""
@@ -706,6 +725,12 @@ def test_moe_layer_freq_and_first_k_dense_pick_the_moe_layers() -> None:
         "quant_method": "compressed-tensors", "format": "pack-quantized",
         "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "symmetric": True,
                                             "strategy": "group", "group_size": 32}}}}}, "moe_intermediate_size"),
+    ({"scoring_func": "softmax"}, "scoring_func"),                 # DeepSeek-V2's routing: other experts, weights
+    ({"topk_method": "greedy"}, "topk_method"),                    # no group-limited selection
+    ({"eos_token_id": -1}, "eos_token_id"),                        # an id no token has
+    ({"eos_token_id": [1, -1]}, "eos_token_id"),
+    ({"q_lora_rank": True}, "q_lora_rank"),                        # a JSON boolean is no rank
+    ({"n_routed_experts": True}, "n_routed_experts"),
 ])
 def test_a_target_config_the_model_would_serve_wrongly_is_refused_by_field(change: dict, field: str) -> None:
     with pytest.raises(CheckpointError, match=f"field '{re.escape(field)}'"):
@@ -719,8 +744,6 @@ def _demo_drafter_config() -> dict:
 def test_a_drafters_head_dim_defaults_to_hidden_over_query_heads() -> None:
     """Not over the key-value heads: a GQA drafter without `head_dim` failed at its weights with
     a shape error naming neither."""
-    from services.draft.config import DraftConfig
-
     cfg = {k: v for k, v in _demo_drafter_config().items() if k != "head_dim"}   # hidden 256, 8 heads, 4 kv heads
     assert DraftConfig.from_hf(cfg).head_dim == 32
 
@@ -729,18 +752,41 @@ def test_a_drafters_head_dim_defaults_to_hidden_over_query_heads() -> None:
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"head_dim": 31}, "head_dim"),
     ({"block_size": 1}, "block_size"),
+    ({"intermediate_size": 0}, "intermediate_size"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),    # dropped, not applied
+    ({"architectures": ["Qwen3ForCausalLM"]}, "architectures"),                # another model's config
+    ({"dflash_config": {"mask_token_id": 4096, "target_layer_ids": [1, 3, 4]}}, "mask_token_id"),   # == vocab_size
+    ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 3, 6]}}, "target_layer_ids"),   # == the depth
+    ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": [-1, 3, 4]}}, "target_layer_ids"),  # Python's last
+    ({"dflash_config": {"mask_token_id": 1, "target_layer_ids": []}}, "target_layer_ids"),
 ])
 def test_a_drafter_config_of_impossible_shapes_is_refused(change: dict, needle: str) -> None:
-    from services.draft.config import DraftConfig
-
+    """Each would load a drafter that cannot work: an empty MLP, no layers, a rope other than its
+    training's, a mask id past the embedding, features of a layer the target does not have (or
+    of its last, for -1), or fail on max([]) without naming the field."""
     with pytest.raises(CheckpointError, match=needle):
         DraftConfig.from_hf({**_demo_drafter_config(), **change})
 
 
+def test_drafter_fields_left_out_or_null_take_their_defaults() -> None:
+    """One key-value head a query head, eps 1e-6, theta 10000, 32768 positions, as transformers'
+    Qwen3 config has them, whether a field is left out or written as null (as the target's reader
+    takes null); the target's depth may sit in dflash_config and is then checked. A wrong default
+    would build other shapes or numerics than the checkpoint's without an error."""
+    fields = ("num_key_value_heads", "rms_norm_eps", "rope_theta", "max_position_embeddings", "num_target_layers")
+    base = {k: v for k, v in _demo_drafter_config().items() if k not in fields}
+    dflash = {**base["dflash_config"], "num_target_layers": 6}
+    for cfg in ({**base, "dflash_config": dflash}, {**base, "dflash_config": dflash, **dict.fromkeys(fields[:4])}):
+        c = DraftConfig.from_hf(cfg)
+        assert c.num_key_value_heads == c.num_attention_heads == 8
+        assert (c.rms_norm_eps, c.rope_theta, c.max_position_embeddings, c.num_target_layers) == (1e-6, 10000.0, 32768, 6)
+    with pytest.raises(CheckpointError, match="target_layer_ids"):
+        DraftConfig.from_hf({**base, "dflash_config": {**dflash, "target_layer_ids": [1, 3, 6]}})
+
+
 def _pairing(tmp_path: Path, drafter_changes: dict, target_layers: int):
     """`check_pairing` of the demo drafter, changed so, with the demo target of that depth."""
-    from services.draft.config import check_pairing
-
     target, drafter = tmp_path / "t", tmp_path / "d"
     target.mkdir()
     drafter.mkdir()

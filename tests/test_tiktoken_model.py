@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 import random
+import re
 import string
 from pathlib import Path
 
@@ -118,6 +119,24 @@ def test_a_bad_rank_file_is_refused_by_line(tmp_path, body: str, needle: str) ->
     assert needle in str(err.value)
 
 
+def test_blank_lines_in_a_rank_file_are_skipped(tmp_path) -> None:
+    """tiktoken's own loader skips them; a reader that did not would refuse such a file as "not a
+    tiktoken rank line"."""
+    ranks = demo_ranks()
+    path = tmp_path / "tiktoken.model"
+    write_ranks(path, ranks)
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:100]) + "\n\n   \n" + "\n".join(lines[100:]) + "\n\n")
+    assert read_ranks(path) == ranks
+
+
+def test_a_special_token_that_is_also_a_ranked_token_is_refused() -> None:
+    """Its text would encode to the rank's id, not to the special id the model was trained with."""
+    ranks = {bytes([b]): b for b in range(256)} | {b"[X": 256, b"[X]": 257}
+    with pytest.raises(ValueError, match=re.escape("special token '[X]' (id 258) is also token 257")):
+        tokenizer_from_ranks(ranks, {"[X]": 258})
+
+
 def test_special_tokens_follow_the_ranks_and_stop_at_the_vocabulary(tmp_path) -> None:
     """tokenization_kimi.py reserves 258 ids after the ranks; Kimi-K2's embedding has 256 of them,
     and a special token past it would be an id the model cannot take."""
@@ -129,6 +148,8 @@ def test_special_tokens_follow_the_ranks_and_stop_at_the_vocabulary(tmp_path) ->
     capped = special_tokens(tmp_path, 1000, vocab_size=1256)
     assert len(capped) == 256 and max(capped.values()) == 1255
     assert special_tokens(tmp_path, 10, vocab_size=12) == {"<|reserved_token_10|>": 10, "<|reserved_token_11|>": 11}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": None}))   # none named
+    assert special_tokens(tmp_path, 10, vocab_size=12) == {"<|reserved_token_10|>": 10, "<|reserved_token_11|>": 11}
     with pytest.raises(ValueError, match="tokenizer_config.json is missing"):   # "[BOS]" would be plain text
         special_tokens(tmp_path / "none", 10)
 
@@ -137,6 +158,8 @@ def test_special_tokens_follow_the_ranks_and_stop_at_the_vocabulary(tmp_path) ->
     ({"added_tokens_decoder": ["x"]}, "added_tokens_decoder must be an object"),
     ({"added_tokens_decoder": {"10": "x"}}, "added_tokens_decoder['10'] is not an id with a content string"),
     ({"added_tokens_decoder": {"ten": {"content": "x"}}}, "added_tokens_decoder['ten'] is not an id"),
+    ({"added_tokens_decoder": {"\u00b2": {"content": "x"}}}, "added_tokens_decoder['\u00b2'] is not an id"),   # isdigit()
+    ({"added_tokens_decoder": {"10": {"content": ""}}}, "added_tokens_decoder['10'] is not an id with a content"),
     ({"added_tokens_decoder": {"10": {"content": "[A]"}, "11": {"content": "[A]"}}}, "'[A]' names ids 10 and 11"),
 ])
 def test_a_bad_tokenizer_config_is_named(tmp_path, config, needle) -> None:

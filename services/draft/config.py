@@ -66,8 +66,12 @@ class DraftConfig:
                 raise CheckpointError(f"{source}: field '{label}' must be a positive integer, got {v!r}")
             return v
 
+        def or_default(name: str, default: Any) -> Any:
+            v = d.get(name)
+            return default if v is None else v   # null reads as left out, as the target's reader has it
+
         def pos_float(name: str, default: float | None = None) -> float:
-            v = d.get(name, default)
+            v = or_default(name, default)
             if v is None:
                 raise CheckpointError(f"{source}: missing field '{name}'")
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
@@ -77,7 +81,7 @@ class DraftConfig:
         hidden = pos_int("hidden_size")
         layers = pos_int("num_hidden_layers")
         heads = pos_int("num_attention_heads")
-        kv_heads = pos_int("num_key_value_heads", d.get("num_key_value_heads", heads))
+        kv_heads = pos_int("num_key_value_heads", or_default("num_key_value_heads", heads))
         if heads % kv_heads != 0:
             raise CheckpointError(
                 f"{source}: field 'num_key_value_heads' ({kv_heads}) must divide "
@@ -142,7 +146,7 @@ class DraftConfig:
             rms_norm_eps=pos_float("rms_norm_eps", 1e-6),
             rope_theta=pos_float("rope_theta", 10000.0),
             vocab_size=vocab,
-            max_position_embeddings=pos_int("max_position_embeddings", d.get("max_position_embeddings", 32768)),
+            max_position_embeddings=pos_int("max_position_embeddings", or_default("max_position_embeddings", 32768)),
             block_size=block,
             target_layer_ids=tuple(ids),
             mask_token_id=mask,

@@ -99,7 +99,7 @@ def special_tokens(model_dir: Path, first_id: int, vocab_size: int | None = None
     names: dict[int, str] = {}
     for key, entry in added.items():
         content = entry.get("content") if isinstance(entry, dict) else None
-        if not str(key).isdigit() or not isinstance(content, str) or not content:
+        if not (str(key).isascii() and str(key).isdigit()) or not isinstance(content, str) or not content:
             raise ValueError(f"{config}: added_tokens_decoder[{key!r}] is not an id with a content string")
         names[int(key)] = content
     end = first_id + RESERVED_SPECIAL_TOKENS

@@ -259,10 +259,10 @@ def _parse(d: dict[str, Any], source: str) -> TargetConfig:
     g = lambda field, kind, default=..., positive=False: _get(d, source, field, kind, default, positive)  # noqa: E731
     eos_ids = _eos_ids(d, source)
     q_lora = d.get("q_lora_rank")
-    if q_lora is not None and (not isinstance(q_lora, int) or q_lora <= 0):
+    if q_lora is not None and (isinstance(q_lora, bool) or not isinstance(q_lora, int) or q_lora <= 0):
         raise _fail(source, "q_lora_rank", f"must be null or a positive int, got {q_lora!r}")
     n_routed = d.get("n_routed_experts")
-    if n_routed is not None and (not isinstance(n_routed, int) or n_routed < 0):
+    if n_routed is not None and (isinstance(n_routed, bool) or not isinstance(n_routed, int) or n_routed < 0):
         raise _fail(source, "n_routed_experts", f"must be null or a non-negative int, got {n_routed!r}")
     if n_routed:
         for field in ROUTING_FIELDS:
