@@ -11,10 +11,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from structlog.testing import capture_logs
 
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from services.common.call_errors import CallErrorInterceptor
 from services.common.grpc_server import new_server
 
 
@@ -167,10 +169,6 @@ def test_a_sync_handler_stays_sync_and_an_async_one_async() -> None:
     """gRPC runs a handler by its kind: a sync one in its thread pool with a sync context (the
     library's sync health servicer's Watch needs that context's add_callback; run as a coroutine
     it failed)."""
-    from grpc_health.v1 import health
-
-    from services.common.call_errors import CallErrorInterceptor
-
     class Details:
         method = "/grpc.health.v1.Health/Watch"
         invocation_metadata = ()
@@ -187,3 +185,72 @@ def test_a_sync_handler_stays_sync_and_an_async_one_async() -> None:
     assert inspect.isasyncgenfunction(step.stream_stream)
     info = wrapped(grpc.unary_unary_rpc_method_handler(Faulty().GetModelInfo))
     assert inspect.iscoroutinefunction(info.unary_unary)
+
+
+class RaisesKeyError(Faulty):
+    async def GetModelInfo(self, request, context):
+        raise KeyError("secret-internal-detail")
+
+
+def test_a_unary_handlers_exception_of_any_type_ends_the_call_internal_and_is_logged() -> None:
+    """Not only a ValueError: a rule that caught too narrow a type would let gRPC end the call
+    UNKNOWN with nothing in the log."""
+    async def scenario() -> tuple:
+        async with _serving(RaisesKeyError()) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await draft_pb2_grpc.DraftStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest())
+            return info.value.code(), info.value.details()
+
+    with capture_logs() as logs:
+        code, details = asyncio.run(scenario())
+    assert code == grpc.StatusCode.INTERNAL, details
+    assert "/ddtree.v1.Draft/GetModelInfo (KeyError)" in details and "secret" not in details
+    (failed,) = [e for e in logs if e["event"] == "handler_failed"]
+    assert failed["method"] == "/ddtree.v1.Draft/GetModelInfo" and "secret-internal-detail" in failed["error"]
+
+
+def test_an_unknown_method_is_unimplemented() -> None:
+    """A client of another version reads UNIMPLEMENTED as such; an interceptor that wrapped the
+    missing handler anyway would fail inside gRPC and answer UNKNOWN."""
+    async def scenario() -> grpc.StatusCode:
+        async with _serving(Faulty()) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await channel.unary_unary("/ddtree.v1.Draft/NoSuchMethod")(b"", timeout=5)
+            return info.value.code()
+
+    assert asyncio.run(scenario()) == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_requests_that_do_not_parse_are_logged_once_a_minute_not_once_a_call() -> None:
+    """Anyone may send bytes that do not parse to a public port: each call is refused, but without
+    the rate limit every such call would write a log line and fill the log."""
+    async def scenario() -> list:
+        codes = []
+        async with _serving(Faulty()) as channel:
+            for _ in range(3):
+                call = channel.stream_stream("/ddtree.v1.Draft/StepStream")()
+                await call.write(b"\xff\xff")
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await call.read()
+                codes.append(await call.code())
+        return codes
+
+    with capture_logs() as logs:
+        codes = asyncio.run(scenario())
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    said = [e for e in logs if e["event"] == "requests_unparsed"]
+    assert len(said) == 1 and said[0]["calls"] == 1, said
+
+
+def test_reflection_lists_the_servers_own_services() -> None:
+    """grpcurl's `list` names them beside health; a server that left its own services out of
+    reflection would list only health and reflection."""
+    async def scenario() -> set:
+        async with _serving(Faulty()) as channel:
+            call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            async for response in call:
+                return {s.name for s in response.list_services_response.service}
+        return set()
+
+    assert {draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name, "grpc.health.v1.Health"} <= asyncio.run(scenario())

@@ -413,6 +413,15 @@ def test_rope_fields_this_model_does_not_implement_are_refused_and_no_scaling_is
         TargetConfig.from_hf(dict(cfg, rope_interleave=False))
 
 
+def test_rope_parameters_without_a_theta_still_give_their_scaling() -> None:
+    """Each field is read on its own: a reader that stopped at the first one absent (the theta,
+    kept in the old top-level field) would drop the yarn scaling and serve Kimi-K2 with unscaled
+    rope, without an error."""
+    rp = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}
+    out = with_rope_parameters({"rope_theta": 50000.0, "rope_parameters": rp}, "config.json")
+    assert out["rope_theta"] == 50000.0 and out["rope_scaling"] == rp
+
+
 def test_a_drafters_rope_parameters_give_its_theta() -> None:
     cfg = json.loads(Path("models/demo/drafter/config.json").read_text())
     cfg.pop("rope_theta", None)

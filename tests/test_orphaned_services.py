@@ -3,14 +3,19 @@ and keeps serving while the launcher lives."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
-from services.common.grpc_server import PARENT_PID_ENV
+from grpc_health.v1 import health_pb2
+
+from services.common import grpc_server
+from services.common.grpc_server import PARENT_PID_ENV, exit_when_orphaned, new_server, serve_until_signal
 from services.common.launcher import Stack, StackSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,14 +126,6 @@ def test_serve_until_signal_stops_gracefully_on_sigint_and_sigterm(monkeypatch) 
     """Each signal: health NOT_SERVING first (watchers told), then `on_stop` (idle streams end), then
     the server's stop with its grace (calls in flight finish); the start-up watch is told the
     service serves. Ctrl-C without its handler raised KeyboardInterrupt instead of draining."""
-    import asyncio
-    import threading
-
-    from grpc_health.v1 import health_pb2
-
-    from services.common import grpc_server
-    from services.common.grpc_server import new_server, serve_until_signal
-
     monkeypatch.delenv(PARENT_PID_ENV, raising=False)
     monkeypatch.setattr(grpc_server, "_serving", threading.Event())
     previous = signal.signal(signal.SIGINT, lambda *a: None)   # a SIGINT the loop does not take lands here
@@ -136,14 +133,10 @@ def test_serve_until_signal_stops_gracefully_on_sigint_and_sigterm(monkeypatch) 
         for sig in (signal.SIGINT, signal.SIGTERM):
             calls: list[object] = []
 
-            class Server:
-                async def stop(self, grace):
-                    calls.append(("stop", grace))
-
             async def run() -> None:
                 _, health = new_server([])
                 task = asyncio.ensure_future(serve_until_signal(
-                    Server(), health, grace_s=2.5, on_stop=lambda: calls.append(("on_stop", health._status[""]))))
+                    _Server(calls), health, grace_s=2.5, on_stop=lambda: calls.append(("on_stop", health._status[""]))))
                 await asyncio.sleep(0.05)
                 assert grpc_server._serving.is_set()
                 os.kill(os.getpid(), sig)
@@ -157,10 +150,6 @@ def test_serve_until_signal_stops_gracefully_on_sigint_and_sigterm(monkeypatch) 
 def test_the_start_up_watch_ends_when_the_service_serves(monkeypatch) -> None:
     """Once serving, the launcher's end is `serve_until_signal`'s to handle (a drain): the start-up
     watch ending the process with os._exit then would cut every request."""
-    import threading
-
-    from services.common.grpc_server import exit_when_orphaned
-
     exits: list[int] = []
     monkeypatch.setattr(os, "_exit", exits.append)
     ppid = {"now": os.getppid()}
@@ -175,3 +164,60 @@ def test_the_start_up_watch_ends_when_the_service_serves(monkeypatch) -> None:
     exit_when_orphaned(12345, 3, poll_s=0.01)   # a parent gone, no `until`: it exits
     time.sleep(0.2)
     assert exits == [3]
+
+
+class _Server:
+    """`server.stop` recorded: what `serve_until_signal` does last."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    async def stop(self, grace: float) -> None:
+        self.calls.append(("stop", grace))
+
+
+def _drain_recorder(calls: list):
+    async def drain(now: asyncio.Event) -> None:
+        calls.append(("drain", now.is_set()))
+        await now.wait()          # a scheduler's drain: its requests finish, or `now` cuts them
+        calls.append(("drained", True))
+    return drain
+
+
+def test_a_second_signal_ends_the_drain_at_once(monkeypatch) -> None:
+    """An operator's second Ctrl-C stops waiting for running requests. A shutdown that did not
+    take the second signal would wait for every running request however long."""
+    monkeypatch.delenv(PARENT_PID_ENV, raising=False)
+    monkeypatch.setattr(grpc_server, "_serving", threading.Event())
+    previous = signal.signal(signal.SIGINT, lambda *a: None)
+    calls: list = []
+    try:
+        async def run() -> None:
+            _, health = new_server([])
+            task = asyncio.ensure_future(serve_until_signal(_Server(calls), health, grace_s=0.5,
+                                                            drain=_drain_recorder(calls)))
+            await asyncio.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.1)
+            assert calls == [("drain", False)]     # the first signal: a drain, waiting
+            os.kill(os.getpid(), signal.SIGINT)
+            await asyncio.wait_for(task, 1.0)
+        asyncio.run(run())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert calls == [("drain", False), ("drained", True), ("stop", 0.5)]
+
+
+def test_a_launcher_gone_drains_with_now_already_set(monkeypatch) -> None:
+    """Its other services went with it: a drain that waited would keep the orphaned service on
+    requests whose peers are dead until they time out."""
+    monkeypatch.setenv(PARENT_PID_ENV, str(os.getppid() + 1))   # not our parent: the launcher is gone
+    monkeypatch.setattr(grpc_server, "_serving", threading.Event())
+    calls: list = []
+
+    async def run() -> None:
+        _, health = new_server([])
+        await asyncio.wait_for(serve_until_signal(_Server(calls), health, grace_s=0.5, parent_poll_s=0.01,
+                                                  drain=_drain_recorder(calls)), 1.0)
+    asyncio.run(run())
+    assert calls == [("drain", True), ("drained", True), ("stop", 0.5)]

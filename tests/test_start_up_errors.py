@@ -325,10 +325,12 @@ def test_a_warm_up_out_of_gpu_memory_names_the_settings(tmp_path, monkeypatch) -
 
 
 def test_an_ipv6_host_is_listened_on_in_brackets() -> None:
-    """`host = "::"` reached gRPC as ":::PORT", refused as a port in use."""
+    """`host = "::"` reached gRPC as ":::PORT", refused as a port in use; so would any IPv6 host
+    (a global "2001:db8::1" as much as "::"), and one in brackets already must not get two."""
     from services.common.grpc_server import host_port, listen
     assert host_port("::", 50051) == "[::]:50051" and host_port("[::1]", 1) == "[::1]:1"
-    assert host_port("127.0.0.1", 1) == "127.0.0.1:1"
+    assert host_port("2001:db8::1", 50051) == "[2001:db8::1]:50051" and host_port("fe80::1", 1) == "[fe80::1]:1"
+    assert host_port("127.0.0.1", 1) == "127.0.0.1:1" and host_port("verifier", 5) == "verifier:5"
 
     async def bind() -> int:
         server = grpc.aio.server()
