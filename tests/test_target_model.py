@@ -1,17 +1,27 @@
 """TargetModel (absorbed MLA, paged cache, tree masks, sparse MoE) against the float64 reference."""
 
+import copy
+import dataclasses
 import math
+import types
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+import services.verifier.model as model_mod
 from kernels.tree_mla import TreeAttentionMetadata
+from services.common.checkpoint import CheckpointError
+from services.common.int4 import pack_int4
+from services.verifier.config import TargetConfig, YarnScaling
 from services.verifier.kv_cache import OutOfPages, PagedKVCache
-from services.verifier.make_target import write_random_target
-from services.verifier.model import ForwardBatch, ForwardOutput, TargetModel
-from services.verifier.moe import select_experts
+from services.verifier.make_target import (TINY_TARGET_CONFIG, int4_quantization_config, random_target_weights,
+                                           write_random_target)
+from services.verifier.model import ForwardBatch, ForwardOutput, TargetModel, expected_tensors
+from services.verifier.moe import MoEWeights, moe_forward, select_experts
 from services.verifier.reference import ReferenceModel
+from services.verifier.rope import (RotaryTable, apply_rope_interleaved, softmax_scale, yarn_get_mscale,
+                                    yarn_inv_freq)
 
 VOCAB = 512
 PAGE = 4
@@ -193,7 +203,6 @@ def test_batch_equals_each_alone(models: Models) -> None:
 def test_moe_layers_learn_the_steps_requests(models: Models, monkeypatch) -> None:
     """The MoE layers get the step's request count (``routing_groups``): the fused kernel's launch
     choice depends on it, because the nodes of one tree share experts."""
-    import services.verifier.model as model_mod
 
     seen: list[int | None] = []
     real = model_mod.moe_forward
@@ -284,9 +293,7 @@ def test_experts_of_dropped_groups_never_win_under_a_negative_bias() -> None:
 def test_the_router_stays_float32_in_a_bf16_model() -> None:
     """Its weight and correction bias as stored (float32), not rounded to the model's dtype: near
     ties would otherwise go to other experts than the float32 reference's."""
-    import types
 
-    from services.verifier.moe import MoEWeights
 
     E, H, I = 4, 16, 8
     cfg = types.SimpleNamespace(n_routed_experts=E, int4_experts=False, quantization=None, n_shared_experts=0)
@@ -336,8 +343,6 @@ def test_paged_cache_reserve_free_write() -> None:
 
 
 def test_rope_interleaved_layout_and_yarn() -> None:
-    from services.verifier.config import YarnScaling
-    from services.verifier.rope import apply_rope_interleaved, yarn_inv_freq
 
     # d=4, position p: HF de-interleaves [a, b, c, d] -> [a, c, b, d] and pairs (a, b) at freq0, (c, d) at freq1.
     a, b, c, d = 0.3, -1.1, 0.7, 2.0
@@ -360,7 +365,6 @@ def test_rope_interleaved_layout_and_yarn() -> None:
 
 
 def _k2_yarn(mscale_all_dim: float = 1.0):
-    from services.verifier.config import YarnScaling
 
     return YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
                        mscale=1.0, mscale_all_dim=mscale_all_dim)
@@ -369,7 +373,6 @@ def _k2_yarn(mscale_all_dim: float = 1.0):
 def test_yarn_at_the_k2_config_ramps_over_dims_8_to_20() -> None:
     """DeepSeek-V3's `yarn_find_correction_range(32, 1, 64, 50000, 4096)` is (8, 20). The tiny
     config's ramp (0 to 4) came out the same under a wrong rotation count; K2's did not."""
-    from services.verifier.rope import yarn_inv_freq
 
     plain = yarn_inv_freq(64, 50000.0, None)
     scaled = yarn_inv_freq(64, 50000.0, _k2_yarn())
@@ -377,7 +380,6 @@ def test_yarn_at_the_k2_config_ramps_over_dims_8_to_20() -> None:
     torch.testing.assert_close(scaled[20:], plain[20:] / 32, rtol=1e-12, atol=0)
     assert bool(((scaled[9:20] < plain[9:20]) & (scaled[9:20] > plain[9:20] / 32)).all())
     # A ramp of no width (both betas round to one dim) is a step, not 0 / 0.
-    from services.verifier.config import YarnScaling
 
     step = YarnScaling(factor=4.0, original_max_position_embeddings=4096, beta_fast=1, beta_slow=1.1)
     assert torch.isfinite(yarn_inv_freq(64, 50000.0, step)).all()
@@ -388,9 +390,7 @@ def test_the_rotary_tables_scale_is_the_ratio_of_the_two_mscales(mscale_all_dim,
     """cos at position 0 is the table's scale: mscale(factor, mscale) / mscale(factor, mscale_all_dim),
     1 for K2 (both 1). The verifier and the float64 reference share this table, so comparing them
     could not see a wrong one (without the division, every rope logit of K2 1.8x too large)."""
-    import types
 
-    from services.verifier.rope import RotaryTable, yarn_get_mscale
 
     cfg = types.SimpleNamespace(qk_rope_head_dim=64, rope_theta=50000.0, rope_scaling=_k2_yarn(mscale_all_dim),
                                 max_position_embeddings=16)
@@ -401,9 +401,7 @@ def test_the_rotary_tables_scale_is_the_ratio_of_the_two_mscales(mscale_all_dim,
 
 
 def test_softmax_scale_uses_mscale_all_dim(models: Models) -> None:
-    import math
 
-    from services.verifier.rope import softmax_scale
 
     want = 32**-0.5 * (0.1 * math.log(4.0) + 1.0) ** 2
     assert softmax_scale(models.target.config) == pytest.approx(want)
@@ -433,3 +431,130 @@ def test_distinct_nope_rope_and_v_head_dims_match_the_reference(tmp_path) -> Non
                         overrides={"qk_nope_head_dim": 24, "qk_rope_head_dim": 8, "v_head_dim": 16})
     tokens, out = _prefill(TargetModel.load(tmp_path))
     assert_close(out.logits, ReferenceModel.load(tmp_path).forward(tokens)[0], rtol=1e-4)
+
+
+# What the float64 reference cannot see: it shares these tables, layouts and routing rules.
+
+def _tiny_config(int4: bool, group_size: int = 32, **overrides) -> TargetConfig:
+    hf = copy.deepcopy(TINY_TARGET_CONFIG)
+    hf.update(overrides)
+    cfg = TargetConfig.from_hf(hf)
+    if int4:
+        hf["quantization_config"] = int4_quantization_config(cfg, group_size=group_size)
+        cfg = TargetConfig.from_hf(hf)
+    return cfg
+
+
+def _hf_yarn_inv_freq(dim: int, base: float, y: YarnScaling) -> torch.Tensor:
+    """DeepSeek-V3's HF modeling code (yarn_find_correction_range / yarn_linear_ramp_mask), in float64."""
+    def corr_dim(rot: float) -> float:
+        return (dim * math.log(y.original_max_position_embeddings / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(y.beta_fast)), 0)
+    high = min(math.ceil(corr_dim(y.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    mask = 1.0 - ramp
+    extra = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inter = extra / y.factor
+    return inter * (1 - mask) + extra * mask
+
+
+@pytest.mark.parametrize("dim, base, yarn", [
+    # fast-rotation bound below dim 0 (short original context): HF clamps low to 0
+    (16, 10000.0, YarnScaling(factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1)),
+    # slow-rotation bound past the last dim (small base): HF clamps high to dim - 1
+    (16, 100.0, YarnScaling(factor=8.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=0.001)),
+])
+def test_yarn_correction_range_is_clamped_to_the_rope_dims(dim, base, yarn) -> None:
+    """yarn_inv_freq equals HF's formula also where the correction range leaves [0, dim - 1]: HF
+    clamps ``low`` at 0 and ``high`` at dim - 1. The tiny and K2 configs never reach either clamp
+    (and the float64 reference shares ``RotaryTable``), so a dropped or shifted clamp would move the
+    ramp (dim 0 no longer pure extrapolation, or a wider ramp) and rotate every rope key/query by a
+    slightly different angle, unseen by any model-vs-reference comparison."""
+    torch.testing.assert_close(yarn_inv_freq(dim, base, yarn), _hf_yarn_inv_freq(dim, base, yarn), rtol=1e-12, atol=0)
+
+
+def test_the_rotary_table_covers_every_position_below_max_position_embeddings() -> None:
+    """``RotaryTable`` holds ``max_position_embeddings`` rows, row p being cos/sin(p * inv_freq):
+    a table one row short would raise (CPU) or read out of bounds (CUDA) for a request that reaches
+    the model's last position; the tests' prompts stay far below it."""
+    cfg = _tiny_config(int4=False, max_position_embeddings=40)
+    table = RotaryTable(cfg, torch.float64, "cpu")
+    assert table.cos.shape == (40, cfg.qk_rope_head_dim) == table.sin.shape
+    inv = yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    cos, sin = table.lookup(torch.tensor([39, 0]))
+    theta = 39.0 * torch.cat([inv, inv])
+    torch.testing.assert_close(cos[0], theta.cos(), rtol=0, atol=1e-12)   # tiny config: mscale ratio 1
+    torch.testing.assert_close(sin[0], theta.sin(), rtol=0, atol=1e-12)
+
+
+def test_int4_scale_shape_follows_the_configs_group_size() -> None:
+    """``expected_tensors`` derives an INT4 expert's ``weight_scale`` shape from the config's
+    ``group_size`` (one scale per group of inputs, as ``pack_int4`` writes it). Every test checkpoint
+    uses group size 32, so a hard-coded 32 would pass them all and refuse a valid group-64/128
+    checkpoint (or accept a mis-sized scale)."""
+    cfg = _tiny_config(int4=True, group_size=64, moe_intermediate_size=64)
+    shapes = expected_tensors(cfg)
+    hid, I = cfg.hidden_size, cfg.moe_intermediate_size
+    for proj, (out_f, in_f) in (("gate_proj", (I, hid)), ("down_proj", (hid, I))):
+        q = pack_int4(torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(0)), group_size=64)
+        assert shapes[f"model.layers.1.mlp.experts.0.{proj}.weight_scale"] == tuple(q.scale.shape) == (out_f, in_f // 64)
+        assert shapes[f"model.layers.1.mlp.experts.0.{proj}.weight_packed"] == tuple(q.packed.shape)
+
+
+def test_constructing_a_target_model_validates_its_weights() -> None:
+    """``TargetModel(config, weights)`` (no tensor parallelism) checks the weights against the
+    config: without that check a mis-shaped tensor would either crash deep inside a forward or, for
+    a shape that still views (kv_b of another head split), serve silently wrong numbers."""
+    cfg = _tiny_config(int4=False)
+    w = random_target_weights(cfg, seed=1, int4=False)
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    w[name] = w[name][:, :-1]   # one latent column short
+    with pytest.raises(CheckpointError, match="kv_b_proj"):
+        TargetModel(cfg, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_packed_experts_dequantised_on_use_match_the_dense_copies(dtype) -> None:
+    """``MoEWeights.expert`` unpacks a packed INT4 expert on use (no dense copy: CUDA bf16 models,
+    torch loop) into the layer's compute dtype, giving what the dense copies give. Unpacked in
+    another dtype (e.g. the scales' bf16, or float32 in a float64 model) the torch loop would mix
+    dtypes (an error) or round the experts differently from the reference."""
+    cfg = _tiny_config(int4=True)
+    weights = random_target_weights(cfg, seed=2, int4=True)
+    moe = MoEWeights.from_checkpoint(weights, "model.layers.1.mlp.", cfg, dtype, "cpu")
+    assert moe.w_gate is not None and moe.int4 is not None
+    packed_only = dataclasses.replace(moe, w_gate=None, w_up=None, w_down=None)
+    x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(dtype)
+    want = moe_forward(x, moe, cfg, fused=False)
+    got = moe_forward(x, packed_only, cfg, fused=False)
+    assert got.dtype == dtype
+    assert torch.equal(got, want)
+
+
+def test_one_expert_per_token_keeps_its_score_unnormalised() -> None:
+    """HF's noaux_tc gate normalises the chosen weights only when ``top_k > 1``: with one expert per
+    token its weight is its sigmoid score times routed_scaling_factor. Normalising there too would
+    make every weight exactly the scaling factor (score / score), so the router's confidence no
+    longer scales the expert's output."""
+    g = torch.Generator().manual_seed(6)
+    scores = torch.rand(5, 8, generator=g, dtype=torch.float64)
+    r = select_experts(scores, torch.zeros(8), top_k=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                       routed_scaling_factor=2.5)
+    torch.testing.assert_close(r.weights, scores.gather(1, r.ids) * 2.5, rtol=1e-12, atol=0)
+
+
+def test_a_bf16_models_features_are_in_the_models_dtype() -> None:
+    """The features (layer hidden states for the drafter) come out in the model's dtype, as HF's
+    hidden_states do: a float32 buffer would double the bytes every verify step ships to the drafter
+    and hand it rows of another dtype than its own bf16 forward produces."""
+    cfg = _tiny_config(int4=False, num_hidden_layers=2)
+    model = TargetModel(cfg, random_target_weights(cfg, seed=4, int4=False), dtype=torch.bfloat16)
+    cache = model.new_cache(4, 4)
+    cache.reserve("a", 5)
+    meta = TreeAttentionMetadata(query_starts=torch.tensor([0, 5]), prefix_lens=torch.tensor([0]),
+                                 page_tables=[cache.page_table("a")], tree_masks=[torch.ones(5, 5, dtype=torch.bool).tril()])
+    out = model(ForwardBatch(torch.arange(2, 7), torch.arange(5), meta), cache, feature_layers=(0, 1))
+    assert out.features.dtype == torch.bfloat16 and out.features.shape == (5, 2 * cfg.hidden_size)
