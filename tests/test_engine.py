@@ -20,7 +20,8 @@ import torch
 from kernels.tree_mla import TreeAttentionMetadata
 from services.common.grpc_server import ServiceError
 from services.draft.tree import ancestor_mask, build_trees
-from services.verifier.engine import PrefillInput, StepOutcome, VerifierEngine
+import services.verifier.engine as engine_mod
+from services.verifier.engine import PrefillInput, StepOutcome, VerifierEngine, _chunks
 from services.verifier.graphs import BATCH_BUCKETS, NODE_BUCKETS, REPLAY_ROWS, VerifyGraphs
 from services.verifier.make_target import write_random_target
 from services.verifier.model import ForwardBatch, TargetModel
@@ -1542,3 +1543,121 @@ def test_a_bundle_of_more_nodes_than_its_trees_can_hold_is_refused_before_its_wa
     err = tree_shape_error(2, *bundle([most, most + 1]))
     assert err is not None and err.code == grpc.StatusCode.INVALID_ARGUMENT
     assert f"a tree has at most {most} (budget {MAX_BUDGET} + root)" in err.message
+
+
+# Prompt chunks, commit time, warm-up edges, the KV-full message, a gone replica's requests.
+
+def test_replayed_prompt_chunks_are_held_to_prefill_chunk(target: Target) -> None:
+    """Replayed prompt chunks are at most min(prefill_chunk, largest node bucket) tokens. If
+    prefill_chunk were ignored under graphs, an 8-token prompt with prefill_chunk 4 under a node
+    bucket of 9 would replay as one 8-token chain, not two of 4."""
+    engine = make_engine(target.model, prefill_chunk=4)
+    graphs = engine.enable_graphs(capture=False, batch_buckets=(1, 2), node_buckets=(1, 3, 5, 9))
+    replays: list[list[int]] = []
+    run = graphs.run
+    graphs.run = lambda *a: replays.append(list(a[3])) or run(*a)
+    out = engine.prefill([PrefillInput("p", [3, 17, 42, 8, 61, 5, 9, 11], Sampling(), 0)])
+    assert out.items[0].error is None and out.items[0].committed == 8
+    assert replays == [[4], [4]]
+
+
+def test_even_chunks_of_an_exact_multiple_are_full_sized() -> None:
+    """``_chunks(even=True)`` uses the fewest chunks (ceil(length / most)). An off-by-one count
+    would split a prompt of exactly ``most`` tokens into two forwards and 8 tokens at most 4
+    into 3 chunks (3, 3, 2) instead of 2 of 4."""
+    assert _chunks(4, 4, even=True) == [(0, 4)]
+    assert _chunks(8, 4, even=True) == [(0, 4), (4, 4)]
+    assert _chunks(9, 4, even=True) == [(0, 3), (3, 3), (6, 3)]
+    assert _chunks(1, 512, even=True) == [(0, 1)]
+
+
+def test_commit_time_sums_every_forward_of_a_split_step(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of more trees than one forward takes is committed forward by forward;
+    ``take_commit_ms`` reports the sum of their KV writes. Keeping only the last forward's
+    would under-report a split step (here 1 of 3 equal writes)."""
+    engine = make_engine(target.model)
+    out = engine.prefill([PrefillInput(f"r{i}", [1 + i, 2, 3], Sampling(), 0) for i in range(3)])
+    pending = [it.tokens[0] for it in out.items]
+    monkeypatch.setattr(VerifierEngine, "step_most_trees", property(lambda self: 1))
+
+    class Clock:   # every perf_counter reading 1 s after the last: each write measures 1000 ms
+        t = 0.0
+
+        @classmethod
+        def perf_counter(cls) -> float:
+            cls.t += 1.0
+            return cls.t
+
+    monkeypatch.setattr(engine_mod, "time", Clock)
+    res = engine.verify(["r0", "r1", "r2"], *pack([root_only(t) for t in pending]))
+    assert all(it.error is None for it in res.items)
+    assert engine.take_commit_ms() == pytest.approx(3000.0)
+
+
+def test_the_largest_warm_up_step_runs_exactly_when_its_pages_fit(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The largest bucket's warm-up step needs ceil((prompt + nodes) / page_size) pages per
+    request: with exactly that many free it runs; with one fewer it is skipped cleanly. A strict
+    comparison would skip a step that fits; a floor instead of a ceiling would admit too few
+    pages, fail a prompt, and crash the warm-up on the request that was never admitted."""
+    for pages, runs in ((4, True), (3, False)):   # batch 2 x ceil((3 + 3) / 4) = 4 pages
+        engine = make_engine(target.model, pages=pages, page_size=4, max_context=64)
+        engine.enable_graphs(capture=False, batch_buckets=(1, 2), node_buckets=(1, 3))
+        steps: list[tuple[list[str], int]] = []
+        real = engine._warm_up_step
+        monkeypatch.setattr(engine, "_warm_up_step", lambda rids, n: steps.append((list(rids), n)) or real(rids, n))
+        engine._warm_up_largest_step()
+        assert (len(steps) == 1) is runs, (pages, steps)
+        assert engine.active_requests == 0 and engine.cache.pages_free == pages
+
+
+def test_the_moe_prompt_warm_up_reaches_prefill_chunk(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_warm_up_moe_prompts`` tries every prompt length from ``least`` up to and including
+    ``prefill_chunk`` (below max_context). Stopping one short would leave a full-chunk prompt's
+    fused-MoE config to compile on a request's first use."""
+    engine = make_engine(target.model, prefill_chunk=6, max_context=64)
+    asked: list[int] = []
+    monkeypatch.setattr(engine.model, "moe_config", lambda n, groups: asked.append(n) or ("cfg", n))
+    prompts: list[int] = []
+    monkeypatch.setattr(engine, "prefill", lambda items, eager=False: prompts.extend(len(i.token_ids) for i in items))
+    engine._warm_up_moe_prompts(2)
+    assert asked == prompts == [2, 3, 4, 5, 6]
+
+
+def test_kv_full_at_admission_names_the_tokens_it_needs(target: Target) -> None:
+    """A prompt refused for KV room says how many tokens it needed (prompt + its first sampled
+    token, or its reservation) and the free pages; a wrong figure there misleads the operator
+    sizing ``pages``. 9 tokens need 10 slots; 2 pages of 4 are free."""
+    engine = make_engine(target.model, pages=2, page_size=4, max_context=32)
+    err = engine.prefill([PrefillInput("huge", list(range(9)), Sampling(), 0)]).items[0].error
+    assert err is not None and err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "needs 10 tokens, 2 pages free of 4 tokens" in err.message
+    assert engine.active_requests == 0 and engine.cache.pages_free == 2
+
+
+def test_release_owner_frees_and_counts_only_that_owners_requests(target: Target) -> None:
+    """``release_owner`` frees every request of the gone replica, none of another's, and returns
+    how many it freed (the stream's end logs it). A wrong count would misreport
+    requests_freed; a wrong filter would free a live replica's requests."""
+    engine = make_engine(target.model)
+    free0 = engine.cache.pages_free
+    engine.prefill([PrefillInput("a1", [1, 2], Sampling(), 0, owner="a"),
+                    PrefillInput("a2", [3, 4], Sampling(), 0, owner="a"),
+                    PrefillInput("b1", [5, 6], Sampling(), 0, owner="b")])
+    assert engine.release_owner("a") == 2
+    assert not engine.holds("a1") and not engine.holds("a2") and engine.holds("b1")
+    assert engine.release_owner("a") == 0
+    assert engine.release_owner("b") == 1 and engine.cache.pages_free == free0
+
+
+def test_a_request_mid_prompt_is_refused_as_not_prefilled_whatever_its_root(target: Target) -> None:
+    """A request whose prompt is still arriving in pieces has no pending token: any tree for it is
+    FAILED_PRECONDITION "not prefilled". Without that check, a root equal to its placeholder
+    pending (-1) passes the root check and is refused only as an out-of-vocabulary token
+    (INVALID_ARGUMENT), and other roots get a message naming pending token -1."""
+    engine = make_engine(target.model)
+    engine.prefill([PrefillInput("p", [1, 2, 3], Sampling(), 16, more=True)])
+    for root in (-1, 5):
+        err = engine.verify(["p"], *pack([root_only(root)])).items[0].error
+        assert err is not None and err.code == grpc.StatusCode.FAILED_PRECONDITION, (root, err)
+        assert "not prefilled" in err.message
+    assert engine._requests["p"].length == 3 and engine._requests["p"].prefilling
