@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 
 from services.common.checkpoint import CheckpointError, load_tensors
 from services.common.tokenizer_train import default_corpus_files, train_tokenizer
-from services.draft.dflash import DFlashDrafter
+from services.draft.config import check_pairing
+from services.draft.dflash import DFlashDrafter, _Rope
 from services.draft.make_drafter import write_random_drafter
 from services.draft.proposer import DFlashProposer, load_proposer
 
@@ -528,3 +529,105 @@ def test_an_oracle_spec_missing_a_field_is_a_checkpoint_error_naming_it(tmp_path
     spec.write_text(json.dumps({"hidden_size": 8, "block_size": 4, "target_layer_ids": [0], "continuations": []}))
     with pytest.raises(CheckpointError, match=r"oracle drafter spec .*oracle\.json: 'vocab_size'"):
         load_proposer(f"oracle:{spec}", "unused", torch.float32, "cpu")
+
+
+def test_rope_tables_take_positions_in_float32_whatever_the_model_dtype() -> None:
+    """_Rope.cos_sin computes angles from float32 positions and only then casts cos/sin to the
+    model dtype (as HF does). Casting the positions to bf16 first would round every position past
+    256 to a multiple of 2 (past 512, of 4): neighbouring context tokens share a rotation and the
+    drafter's keys at long contexts are rotated to the wrong place."""
+    hd = 16
+    inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    rope = _Rope(inv_freq=inv)
+    pos = torch.arange(250, 300)
+    cos32, sin32 = rope.cos_sin(pos, torch.float32)
+    cos16, sin16 = rope.cos_sin(pos, torch.bfloat16)
+    assert cos16.dtype == torch.bfloat16
+    assert torch.equal(cos16, cos32.to(torch.bfloat16)) and torch.equal(sin16, sin32.to(torch.bfloat16))
+
+
+def test_drafter_dtype_defaults_to_its_checkpoint_dtype(pair: tuple[Path, Path]) -> None:
+    """DFlashDrafter(dtype=None) runs in the dtype of its stored weights (fc.weight), with the
+    target's embedding and lm_head cast to it too, and proposes logits in that dtype. Defaulting
+    to float32 would double a bf16 drafter's memory and change its numerics; an embedding left in
+    float32 would mix dtypes in the block forward."""
+    drafter_dir, target_dir = pair
+    config = check_pairing(drafter_dir, target_dir)
+    weights = {k: v.to(torch.bfloat16) for k, v in load_tensors(drafter_dir).items()}
+    tgt = load_tensors(target_dir)
+    d = DFlashDrafter(config, weights, tgt["model.embed_tokens.weight"], tgt["lm_head.weight"])
+    assert d.dtype == torch.bfloat16
+    assert d.embed_weight.dtype == d.lm_head_weight.dtype == d.fc.dtype == torch.bfloat16
+    ctx = d.new_context()
+    d.extend_context(ctx, torch.randn(5, config.num_features, generator=torch.Generator().manual_seed(1)))
+    assert ctx.keys.dtype == torch.bfloat16
+    out = d.propose([ctx], torch.tensor([3]))
+    assert out.shape == (1, config.block_size - 1, VOCAB) and out.dtype == torch.bfloat16
+
+
+def test_target_embedding_and_lm_head_shapes_are_checked(pair: tuple[Path, Path]) -> None:
+    """The target's embedding and lm_head must be exactly [vocab_size, hidden] of the drafter's
+    config. Without the check a target whose tensors disagree with its config.json would load: an
+    lm_head of V+1 rows would silently give V+1 logits a position (a token id the verifier has no
+    row for), a larger embedding would be indexed without complaint."""
+    drafter_dir, target_dir = pair
+    config = check_pairing(drafter_dir, target_dir)
+    weights = load_tensors(drafter_dir)
+    tgt = load_tensors(target_dir)
+    emb, head = tgt["model.embed_tokens.weight"], tgt["lm_head.weight"]
+    bigger = torch.cat([head, head[:1]])  # [V+1, hidden]
+    with pytest.raises(CheckpointError, match="lm_head"):
+        DFlashDrafter(config, weights, emb, bigger)
+    with pytest.raises(CheckpointError, match="embed_tokens"):
+        DFlashDrafter(config, weights, torch.cat([emb, emb[:1]]), head)
+
+
+def test_extend_contexts_refuses_a_count_mismatch(pair: tuple[Path, Path]) -> None:
+    """extend_contexts takes one feature tensor per context. Without the length check zip() would
+    silently drop the extra features (or leave the extra contexts unextended), and a request's
+    drafter context would fall behind its committed tokens with no error."""
+    d = DFlashDrafter.load(*pair)
+    gen = torch.Generator().manual_seed(4)
+    ctx = d.new_context()
+    f = torch.randn(2, d.config.num_features, generator=gen)
+    with pytest.raises(ValueError, match="contexts"):
+        d.extend_contexts([ctx], [f, f])
+    with pytest.raises(ValueError, match="contexts"):
+        d.extend_contexts([ctx, d.new_context()], [f])
+    assert ctx.length == 0
+
+
+def test_propose_mixes_pooled_and_unpooled_contexts_eagerly(pair: tuple[Path, Path]) -> None:
+    """With graphs on, a batch holding any context outside the pool (the pool was full when it was
+    made) must run the eager forward: each row equal to the drafter without graphs. Replaying the
+    pool whenever *some* context has a row would pass a None row to the pool and either fail or
+    draft that request from another request's (or an empty) context."""
+    plain = DFlashDrafter.load(*pair)
+    pooled = _graph_drafter(pair, rows=2, context=64)
+    gen = torch.Generator().manual_seed(6)
+    feats = [torch.randn(n, plain.config.num_features, generator=gen) for n in (5, 2, 3)]
+    ctxs = [pooled.new_context() for _ in feats]
+    assert ctxs[0].row is not None and ctxs[1].row is not None and ctxs[2].row is None   # pool full
+    refs = [plain.new_context() for _ in feats]
+    for c, r, f in zip(ctxs, refs, feats):
+        pooled.extend_context(c, f)
+        plain.extend_context(r, f)
+    ctxs, refs = [ctxs[0], ctxs[2]], [refs[0], refs[2]]   # a batch of 2: a pool bucket holds it
+    bonus = torch.tensor([7, 11])
+    got = pooled.propose(ctxs, bonus)
+    want = plain.propose(refs, bonus)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_propose_refuses_bonus_tokens_of_the_wrong_shape(pair: tuple[Path, Path]) -> None:
+    """propose takes exactly one bonus token per context ([R]). Without the check a single bonus
+    token would broadcast into every row of the block (each request drafting after another's
+    token), and an [R, 1] tensor would fail deep inside the forward or broadcast wrongly."""
+    d = DFlashDrafter.load(*pair)
+    gen = torch.Generator().manual_seed(8)
+    ctxs = [d.new_context() for _ in range(3)]
+    for c in ctxs:
+        d.extend_context(c, torch.randn(4, d.config.num_features, generator=gen))
+    for bad in (torch.tensor([5]), torch.tensor([[1], [2], [3]]), torch.tensor([1, 2, 3, 4])):
+        with pytest.raises(ValueError, match="bonus_tokens"):
+            d.propose(ctxs, bad)

@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from services.draft.tree import TreeBatch, ancestor_mask, build_tree_heapq, build_trees, tree_paths
+from services.draft.tree import (TreeBatch, ancestor_mask, build_tree_heapq, build_trees, build_trees_from_logits,
+                                 tree_paths)
 
 BUDGETS = [0, 1, 2, 7, 16, 32, 64, 128]
 
@@ -214,3 +215,38 @@ def test_cuda_no_sync_and_graph_capture() -> None:
     expected = build_trees(fresh, 64, roots)
     for name in ("tokens", "parents", "depths", "sizes"):
         assert torch.equal(getattr(static_out, name), getattr(expected, name)), name
+
+
+FIELDS = ("tokens", "parents", "depths", "scores", "sizes")
+
+
+def test_cpu_trees_from_half_precision_logits_normalise_in_float32() -> None:
+    """build_trees_from_logits (torch path) must take the log-softmax of bf16/fp16 logits in
+    float32: the same trees and scores as build_trees of log_softmax(logits.float()). A log-softmax
+    in the logits' own dtype would round every log-prob to 8 (bf16) mantissa bits, so scores shift
+    by up to ~1e-2 and near-tied candidates swap."""
+    gen = torch.Generator().manual_seed(11)
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = (torch.randn(3, 4, 97, generator=gen) * 3 + 7).to(dtype)  # [R, D, V]
+        roots = torch.randint(0, 97, (3,), generator=gen)
+        got = build_trees_from_logits(logits, 24, roots, backend="torch")
+        want = build_trees(torch.log_softmax(logits.float(), dim=-1), 24, roots, backend="torch")
+        assert got.scores.dtype == torch.float32
+        for f in FIELDS:
+            assert torch.equal(getattr(got, f), getattr(want, f)), (dtype, f)
+
+
+def test_torch_builder_accumulates_half_precision_scores_in_float32() -> None:
+    """build_trees on bf16/fp16 log-probs (torch backend) returns float32 scores that are the
+    float32 sums of the bf16 entries along each path (exact here: few terms, float64 check). Adding
+    in the input dtype would round every partial sum to bf16, giving a bf16 score tensor whose
+    deeper scores are off by up to a few 1e-2 and a tree that can differ from the float32 one."""
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float16):
+        lp = torch.log_softmax(torch.randn(2, 5, 40, generator=gen) * 2, dim=-1).to(dtype)  # [R, D, V]
+        roots = torch.zeros(2, dtype=torch.int64)
+        got = build_trees(lp, 32, roots, backend="torch")
+        want = build_trees(lp.float(), 32, roots, backend="torch")
+        assert got.scores.dtype == torch.float32
+        for f in FIELDS:
+            assert torch.equal(getattr(got, f), getattr(want, f)), (dtype, f)

@@ -129,7 +129,9 @@ def build_trees(logprobs: Tensor, budget: int, root_tokens: Tensor, *, backend: 
             its context end (a shallower tree) runs the kernel compiled for the full depth.
 
     Returns:
-        A :class:`TreeBatch` with exactly the prefixes :func:`build_tree_heapq` selects.
+        A :class:`TreeBatch` with the prefixes :func:`build_tree_heapq` selects: the same ones
+        wherever scores are distinct; among candidates of exactly equal score the two may keep
+        different ones (each tie broken its own way), with the same selected scores.
 
     Per depth d the candidates are (the <= budget nodes kept at depth d-1) x (the top-k tokens of
     depth d, k = min(budget, V)); the top-``budget`` are kept. Any node of the global top-budget
