@@ -294,7 +294,6 @@ def test_the_router_stays_float32_in_a_bf16_model() -> None:
     """Its weight and correction bias as stored (float32), not rounded to the model's dtype: near
     ties would otherwise go to other experts than the float32 reference's."""
 
-
     E, H, I = 4, 16, 8
     cfg = types.SimpleNamespace(n_routed_experts=E, int4_experts=False, quantization=None, n_shared_experts=0)
     g = torch.Generator().manual_seed(0)
@@ -343,7 +342,6 @@ def test_paged_cache_reserve_free_write() -> None:
 
 
 def test_rope_interleaved_layout_and_yarn() -> None:
-
     # d=4, position p: HF de-interleaves [a, b, c, d] -> [a, c, b, d] and pairs (a, b) at freq0, (c, d) at freq1.
     a, b, c, d = 0.3, -1.1, 0.7, 2.0
     inv = yarn_inv_freq(4, 10000.0, None)  # [1, 0.01]
@@ -365,7 +363,6 @@ def test_rope_interleaved_layout_and_yarn() -> None:
 
 
 def _k2_yarn(mscale_all_dim: float = 1.0):
-
     return YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
                        mscale=1.0, mscale_all_dim=mscale_all_dim)
 
@@ -380,7 +377,6 @@ def test_yarn_at_the_k2_config_ramps_over_dims_8_to_20() -> None:
     torch.testing.assert_close(scaled[20:], plain[20:] / 32, rtol=1e-12, atol=0)
     assert bool(((scaled[9:20] < plain[9:20]) & (scaled[9:20] > plain[9:20] / 32)).all())
     # A ramp of no width (both betas round to one dim) is a step, not 0 / 0.
-
     step = YarnScaling(factor=4.0, original_max_position_embeddings=4096, beta_fast=1, beta_slow=1.1)
     assert torch.isfinite(yarn_inv_freq(64, 50000.0, step)).all()
 
@@ -391,7 +387,6 @@ def test_the_rotary_tables_scale_is_the_ratio_of_the_two_mscales(mscale_all_dim,
     1 for K2 (both 1). The verifier and the float64 reference share this table, so comparing them
     could not see a wrong one (without the division, every rope logit of K2 1.8x too large)."""
 
-
     cfg = types.SimpleNamespace(qk_rope_head_dim=64, rope_theta=50000.0, rope_scaling=_k2_yarn(mscale_all_dim),
                                 max_position_embeddings=16)
     table = RotaryTable(cfg, torch.float64, "cpu")
@@ -401,8 +396,6 @@ def test_the_rotary_tables_scale_is_the_ratio_of_the_two_mscales(mscale_all_dim,
 
 
 def test_softmax_scale_uses_mscale_all_dim(models: Models) -> None:
-
-
     want = 32**-0.5 * (0.1 * math.log(4.0) + 1.0) ** 2
     assert softmax_scale(models.target.config) == pytest.approx(want)
 
