@@ -3,15 +3,20 @@ only a whole stack exercised, or nothing did: unit level, CPU only, children are
 
 from __future__ import annotations
 
+import contextlib
+import json
 import signal
 import subprocess
 import types
 
 import pytest
+import torch
 
-from services.common import launcher
-from services.common.launcher import Stack, StackSpec, _Service, free_port, placed_by_up, wait_healthy
-from services.common.settings import DraftSettings, load_settings
+from services.common import cuda_graphs, launcher
+from services.common.devices import current, pin_device
+from services.common.launcher import (FEATURE_LAYERS_ENV, Stack, StackSpec, _Service, free_port, placed_by_up,
+                                      wait_healthy)
+from services.common.settings import DraftSettings, SchedulerSettings, SettingsError, load_settings
 from tests.test_cli_up import _cert, _health_server, alive  # noqa: F401  (alive: a fixture)
 
 
@@ -44,8 +49,6 @@ def test_a_roles_stuck_processes_share_one_grace_the_drain_is_the_schedulers_and
     waited for in turn would hold the stop for 8 x 30 s), the scheduler's `stop_grace_s` drain on top of
     its own only (not the drafts' or the verifier's); a second Ctrl-C (`hurry`) signals the
     scheduler alone: the drafts and the verifier, cut first, would fail its requests."""
-    from services.common.settings import SchedulerSettings
-
     clock = [0.0]
     monkeypatch.setattr(launcher, "time", types.SimpleNamespace(monotonic=lambda: clock[0], sleep=lambda s: None))
     waits: list[tuple[str, float]] = []
@@ -188,9 +191,6 @@ def test_what_up_reads_from_its_files_layers_past_the_target_and_settings_it_rep
     user never wrote). `placed_by_up` names an empty variable `up` replaces (an empty
     DDTREE_SCHEDULER_TOKENIZER_PATH, token ids only, meant) like any value, and leaves a config
     file that is not UTF-8 to the settings check (one line, exit 2), not a traceback."""
-    import json
-
-    from services.common.launcher import FEATURE_LAYERS_ENV
     depth = json.loads(open("models/demo/config.json").read())["num_hidden_layers"]
     config = json.loads(open("models/demo/drafter/config.json").read())
     config.pop("num_target_layers", None)
@@ -211,12 +211,6 @@ def test_pin_device_and_current_make_the_services_gpu_current(monkeypatch) -> No
     """The point of pinning: Triton launches, bare "cuda" allocations and graph captures follow the
     current device, so `pin_device` must set it; "cuda" is the current GPU, not cuda:0; and with no
     GPU visible, "cuda" is refused by name before asking CUDA for a current device."""
-    import contextlib
-
-    import torch
-
-    from services.common.devices import current, pin_device
-    from services.common.settings import SettingsError
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
@@ -244,11 +238,6 @@ def test_capture_warms_up_on_one_kept_side_stream_per_device(monkeypatch) -> Non
     after the current stream and before it again), then the capture in thread_local mode into the
     given pool; the side stream is made once per device ("cuda" is the current GPU's), since the
     caching allocator reuses a block only on the stream that freed it."""
-    import contextlib
-
-    import torch
-
-    from services.common import cuda_graphs
     events = []
 
     class Stream:
