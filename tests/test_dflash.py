@@ -17,6 +17,7 @@ from services.common.tokenizer_train import default_corpus_files, train_tokenize
 from services.draft.config import check_pairing
 from services.draft.dflash import DFlashDrafter, _Rope
 from services.draft.make_drafter import write_random_drafter
+from services.draft.propose_graphs import COMMIT_BUCKETS, context_buckets
 from services.draft.proposer import DFlashProposer, load_proposer
 
 HIDDEN, VOCAB, TARGET_LAYERS = 64, 300, 4
@@ -379,9 +380,17 @@ def test_pool_rows_released_and_outgrown_contexts_move_out(pair: tuple[Path, Pat
     torch.testing.assert_close(out[:1], plain.propose([ref], bonus[:1]), atol=1e-5, rtol=1e-5)
 
 
-def test_pool_warm_up_gives_back_its_rows(pair: tuple[Path, Path]) -> None:
-    from services.draft.propose_graphs import context_buckets
+def test_a_pooled_drafter_commits_a_prompt_longer_than_the_largest_commit_bucket(pair: tuple[Path, Path]) -> None:
+    """A long prompt's first commit (past the largest commit bucket) takes the eager path rather than raising."""
+    pooled = _graph_drafter(pair, rows=1, context=64)
+    ctx = pooled.new_context()
+    n = COMMIT_BUCKETS[-1] + 1
+    pooled.extend_contexts([ctx], [_features(n, 5)])
+    assert ctx.length == n and ctx.row is None   # outgrew its pool row: moved to its own storage
+    assert pooled.graphs.free_rows == 1
 
+
+def test_pool_warm_up_gives_back_its_rows(pair: tuple[Path, Path]) -> None:
     pooled = _graph_drafter(pair, rows=3, context=200)
     DFlashProposer(pooled).warm_up([1, 3], [5, 40])
     assert pooled.graphs.free_rows == 3

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import contextlib
 import json
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -25,11 +26,13 @@ from structlog.testing import capture_logs
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc, scheduler_pb2, verifier_pb2, verifier_pb2_grpc
 from services.common.make_checkpoint import make_random_checkpoint
 from services.common.metrics import Metrics
-from services.common.settings import SchedulerSettings, VerifierSettings
+from services.common.grpc_server import ServiceError
+from services.common.settings import DraftSettings, SchedulerSettings, SettingsError, VerifierSettings
 from services.common.transport import InlineWriter
 from services.draft.engine import DraftEngine
 from services.draft.proposer import load_proposer
-from services.draft.server import DraftServicer
+from services.draft import server as draft_server
+from services.draft.server import DraftServicer, _reconnect_when_lost, enable_propose_graphs
 from services.draft.verifier_client import VerifierClient
 from services.scheduler.draft_link import DraftLink, StepFailed
 from services.scheduler.request import ActiveRequest
@@ -449,8 +452,6 @@ def test_a_replica_comes_back_when_its_verifiers_handshake_outlasts_the_probe(ck
 def test_a_draft_hand_shakes_again_by_itself_once_its_verifier_is_back(ckpt):
     """Between the loss and the next step or probe, the draft reports NOT_SERVING (its health
     follows `connected`); it reconnects on its own, so a replica no scheduler steps comes back too."""
-    from services.draft.server import _reconnect_when_lost
-
     async def run():
         async with replica(ckpt) as r:
             first = r.draft.client.handshake.verifier_id
@@ -594,9 +595,6 @@ def test_a_drafter_of_another_vocabulary_is_refused_at_its_handshake(ckpt):
 def test_a_context_pool_too_large_for_the_gpu_fails_the_start_naming_its_settings(monkeypatch) -> None:
     """`draft.graph_context` raised for long prompts (131072 tokens: 24 GiB on the demo drafter)
     ended the draft's start in a bare OutOfMemoryError traceback (exit 1, "may work later")."""
-    from services.common.settings import DraftSettings, SettingsError
-    from services.draft.server import enable_propose_graphs
-
     class Proposer:
         def __init__(self, fits: bool) -> None:
             self.fits, self.asked = fits, []
@@ -622,20 +620,98 @@ def test_a_context_pool_too_large_for_the_gpu_fails_the_start_naming_its_setting
         enable_propose_graphs(Wordy(fits=False), settings, torch.device("cuda", 0))
     assert str(info.value).endswith(f" ({('CUDA out of memory' + ' very' * 200)[:160]})")
     # The service's start takes that way: a GPU draft with graphs, its drafter and client stubbed.
-    from services.common.metrics import Metrics
-    from services.draft import server
-
     too_big = Proposer(fits=False)
     too_big.block_size, too_big.target_layer_ids = 16, (1, 3)
-    monkeypatch.setattr(server, "pin_device", lambda device, setting: torch.device("cuda", 0))
+    monkeypatch.setattr(draft_server, "pin_device", lambda device, setting: torch.device("cuda", 0))
     monkeypatch.setattr(Metrics, "track_gpu_memory", lambda self, device: None)
-    monkeypatch.setattr(server, "load_proposer", lambda *args: too_big)
-    monkeypatch.setattr(server, "VerifierClient", lambda *args, **kwargs: None)
+    monkeypatch.setattr(draft_server, "load_proposer", lambda *args: too_big)
+    monkeypatch.setattr(draft_server, "VerifierClient", lambda *args, **kwargs: None)
     with pytest.raises(SettingsError, match=r"^draft\.graph_rows, draft\.graph_context: a context pool of 128"):
-        asyncio.run(server.serve(dataclasses.replace(settings, device="cuda", port=0)))
+        asyncio.run(draft_server.serve(dataclasses.replace(settings, device="cuda", port=0)))
     assert too_big.asked == [(128, 131072)]
     fits = Proposer(fits=True)
     with capture_logs() as logs:
         enable_propose_graphs(fits, settings, torch.device("cuda", 0))
     assert fits.asked == [(128, 131072)]
     assert [(e["event"], e["pool_mb"]) for e in logs] == [("propose_graphs_on", 1.0)]
+
+
+def test_the_reconnect_loop_warns_of_a_refused_token_once_a_spell_and_never_of_a_verifier_still_down(monkeypatch):
+    """A verifier still down (UNAVAILABLE) is expected: debug only, and it does not end a spell of
+    refused tokens (one warning); a reconnect that works does, so the next refusal warns again."""
+    warned: list[str] = []
+    monkeypatch.setattr(draft_server.log, "warning", lambda event, **kw: warned.append(kw.get("code", kw.get("error"))))
+    monkeypatch.setattr(draft_server.log, "debug", lambda event, **kw: None)
+
+    class Done(BaseException):
+        pass
+
+    down, refused = (ServiceError(grpc.StatusCode.UNAVAILABLE, "connection refused"),
+                     ServiceError(grpc.StatusCode.UNAUTHENTICATED, "wrong internal token"))
+    failures = iter([down, refused, down, refused, down, None, refused])
+
+    class Engine:
+        verifier = SimpleNamespace(connected=False)
+
+        async def ensure_connected(self) -> None:
+            failure = next(failures, Done())
+            if failure is not None:
+                raise failure
+
+    with pytest.raises(Done):
+        asyncio.run(_reconnect_when_lost(Engine(), interval_s=0.0))
+    assert warned == ["UNAUTHENTICATED", "UNAUTHENTICATED"], warned
+
+
+def test_the_drafts_start_takes_its_settings_and_names_an_incompatible_verifier_as_a_settings_fault(monkeypatch):
+    """`draft.cuda_graphs = false` (the way out the pool's out-of-memory error names) makes a GPU
+    draft build no pool; `draft.dtype` and `draft.cpu_threads` reach the drafter and torch; a busy
+    `draft.port` fails the start before the weights load; and a verifier refusing the pairing
+    (FAILED_PRECONDITION) keeps its code, which the CLI turns into exit 2 (fix the settings), not 3
+    (may work later). (GPU start-up with its drafter, client and engine stubbed.)"""
+    class Proposer:
+        block_size, target_layer_ids = 16, (1, 3)
+
+        def __init__(self) -> None:
+            self.asked: list[tuple[int, int]] = []
+
+        def enable_graphs(self, rows: int, context: int) -> int:
+            self.asked.append((rows, context))
+            return 2**20
+
+    class Engine:   # warms up, then meets a verifier of another vocabulary
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def warm_up(self, budgets, device) -> None:
+            pass
+
+        async def connect(self, wait_s: float) -> None:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "vocab_size=301 is not the drafter's 300")
+
+    proposer, loaded = Proposer(), []
+    monkeypatch.setattr(draft_server, "pin_device", lambda device, setting: torch.device("cuda", 0))
+    monkeypatch.setattr(Metrics, "track_gpu_memory", lambda self, device: None)
+    monkeypatch.setattr(draft_server, "load_proposer", lambda *args: loaded.append(args) or proposer)
+    monkeypatch.setattr(draft_server, "VerifierClient", lambda *args, **kwargs: None)
+    monkeypatch.setattr(draft_server, "DraftEngine", Engine)
+    threads = torch.get_num_threads()
+    try:
+        for graphs, dtype in ((False, "bfloat16"), (True, "float16")):
+            with pytest.raises(ServiceError) as refused:
+                asyncio.run(draft_server.serve(DraftSettings(device="cuda", port=0, cuda_graphs=graphs, dtype=dtype,
+                                                             cpu_threads=threads + 1, graph_rows=8, graph_context=256)))
+            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert refused.value.message == ("draft.verifier_address 127.0.0.1:50053: "
+                                             "vocab_size=301 is not the drafter's 300")
+            assert torch.get_num_threads() == threads + 1
+    finally:
+        torch.set_num_threads(threads)
+    assert [args[2] for args in loaded] == [torch.bfloat16, torch.float16]
+    assert proposer.asked == [(8, 256)]   # a pool only where cuda_graphs is on
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        with pytest.raises(SettingsError, match="draft.port"):
+            asyncio.run(draft_server.serve(DraftSettings(device="cuda", port=held.getsockname()[1])))
+    assert len(loaded) == 2   # refused before the drafter loads

@@ -4,15 +4,18 @@ lane acts on, and the next step opens another."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import contextlib
+import gc
+import socket
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from ddtree.v1 import draft_pb2, draft_pb2_grpc
-from services.draft.server import DraftServicer
+from services.common.grpc_server import IdleStreams, ServiceError
+from services.draft.server import DraftServicer, _said_after_stream_end
 from services.scheduler.draft_link import DraftLink, StepFailed
 
 
@@ -257,12 +260,6 @@ def test_a_step_runs_to_its_end_when_the_scheduler_gives_up_on_its_stream():
 def test_a_step_that_fails_after_the_scheduler_gave_up_on_its_stream_is_logged_not_left_to_asyncio():
     """Its error reached no one: asyncio printed "Task exception was never retrieved" with a plain
     traceback (outside the JSON logs) when the task was collected. It is a log event instead."""
-    import gc
-
-    from structlog.testing import capture_logs
-
-    from services.common.grpc_server import ServiceError
-
     started, release = asyncio.Event(), asyncio.Event()
 
     class Engine(QuietEngine):
@@ -331,8 +328,6 @@ def test_the_draft_runs_its_work_ahead_after_each_answer_before_the_next_step():
 def test_idle_streams_end_waits_at_once_and_leave_no_pending_cancel():
     """`IdleStreams.end` cancels the handlers waiting for a message; each takes the cancel back, so
     nothing later in its task (a timeout, a shielded clean-up) reads it as still pending."""
-    from services.common.grpc_server import IdleStreams
-
     async def run():
         idle, gate = IdleStreams(), asyncio.Queue()
 
@@ -358,8 +353,6 @@ def test_idle_streams_end_waits_at_once_and_leave_no_pending_cancel():
 def test_idle_streams_next_returns_none_at_a_streams_end() -> None:
     """A stream that ended (its caller closed it) is None to the handler, as a stop is: not a
     StopAsyncIteration raised inside the handler's own generator."""
-    from services.common.grpc_server import IdleStreams
-
     async def run() -> list:
         async def two():
             yield 1
@@ -530,3 +523,80 @@ def test_a_failed_write_tells_the_lane_why_the_stream_ended(error, end, told):
         return failed.value
     failed = asyncio.run(run())
     assert (failed.code, failed.details) == told
+
+
+def test_a_refused_step_reaches_the_scheduler_with_its_code_and_message():
+    """A step the engine refuses (ServiceError) ends the stream with that status and its words:
+    the scheduler names them to its clients."""
+    class Engine(QuietEngine):
+        async def step(self, request, owner=0):
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "the verifier's vocab_size=301 is not 300")
+
+    async def run():
+        async with served_draft(Engine()) as (_, channel):
+            link = DraftLink(draft_pb2_grpc.DraftStub(channel))
+            try:
+                with pytest.raises(StepFailed) as failed:
+                    await link.step(step("a"), timeout=5)
+                return failed.value
+            finally:
+                link.close()
+    failed = asyncio.run(run())
+    assert failed.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "the verifier's vocab_size=301 is not 300" in failed.details
+
+
+def test_a_step_that_ended_after_its_stream_is_logged_by_its_type_when_wordless_and_not_when_cancelled():
+    """A step cancelled (the loop shutting down) is no failure and must not raise in its done
+    callback (asyncio would print "Exception in callback"); an exception without a message is
+    named by its type, not logged as an empty error."""
+    async def run():
+        loop = asyncio.get_running_loop()
+        cancelled, wordless = loop.create_future(), loop.create_future()
+        cancelled.cancel()
+        wordless.set_exception(TimeoutError())
+        _said_after_stream_end(cancelled)
+        _said_after_stream_end(wordless)
+
+    with capture_logs() as logs:
+        asyncio.run(run())
+    assert [(e["event"], e["error"], e["log_level"]) for e in logs] == [
+        ("step_failed_after_stream_ended", "TimeoutError", "warning")]
+
+
+def test_a_stream_clean_up_runs_to_its_end_when_the_handler_is_cancelled_again():
+    """An ended step stream's clean-up (`end_stream`: its requests go, here and at the verifier)
+    is shielded: a second cancel of the handler (the server stopping while the clean-up waits for
+    the engine's lock) must not abandon it half-way, leaving the requests and their KV pages held."""
+    gate, entered, ended = asyncio.Event(), asyncio.Event(), []
+
+    class Engine(QuietEngine):
+        async def step(self, request, owner=0):
+            return draft_pb2.StepResponse()
+
+        async def end_stream(self, owner) -> None:
+            entered.set()
+            await gate.wait()   # as behind the engine's lock, held by another stream's step
+            ended.append(owner)
+
+    async def run():
+        server = grpc.aio.server()
+        draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(Engine()), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        link = DraftLink(draft_pb2_grpc.DraftStub(channel))
+        try:
+            await link.step(step("a"), timeout=5)
+            link.close()                                # the scheduler ends its stream
+            await asyncio.wait_for(entered.wait(), 2)   # its clean-up waits
+            await server.stop(0)                        # and the server stops under it
+            gate.set()
+            for _ in range(50):
+                if ended:
+                    break
+                await asyncio.sleep(0.02)
+            return ended
+        finally:
+            await channel.close()
+    assert asyncio.run(run()) == [1]
