@@ -636,33 +636,6 @@ def test_a_context_pool_too_large_for_the_gpu_fails_the_start_naming_its_setting
     assert [(e["event"], e["pool_mb"]) for e in logs] == [("propose_graphs_on", 1.0)]
 
 
-def test_the_reconnect_loop_warns_of_a_refused_token_once_a_spell_and_never_of_a_verifier_still_down(monkeypatch):
-    """A verifier still down (UNAVAILABLE) is expected: debug only, and it does not end a spell of
-    refused tokens (one warning); a reconnect that works does, so the next refusal warns again."""
-    warned: list[str] = []
-    monkeypatch.setattr(draft_server.log, "warning", lambda event, **kw: warned.append(kw.get("code", kw.get("error"))))
-    monkeypatch.setattr(draft_server.log, "debug", lambda event, **kw: None)
-
-    class Done(BaseException):
-        pass
-
-    down, refused = (ServiceError(grpc.StatusCode.UNAVAILABLE, "connection refused"),
-                     ServiceError(grpc.StatusCode.UNAUTHENTICATED, "wrong internal token"))
-    failures = iter([down, refused, down, refused, down, None, refused])
-
-    class Engine:
-        verifier = SimpleNamespace(connected=False)
-
-        async def ensure_connected(self) -> None:
-            failure = next(failures, Done())
-            if failure is not None:
-                raise failure
-
-    with pytest.raises(Done):
-        asyncio.run(_reconnect_when_lost(Engine(), interval_s=0.0))
-    assert warned == ["UNAUTHENTICATED", "UNAUTHENTICATED"], warned
-
-
 def test_the_drafts_start_takes_its_settings_and_names_an_incompatible_verifier_as_a_settings_fault(monkeypatch):
     """`draft.cuda_graphs = false` (the way out the pool's out-of-memory error names) makes a GPU
     draft build no pool; `draft.dtype` and `draft.cpu_threads` reach the drafter and torch; a busy

@@ -3,6 +3,7 @@ health probe says why a service is unhealthy."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -15,7 +16,9 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services import healthcheck
+from services.common.grpc_server import ServiceError
 from services.common.launcher import free_port
+from services.draft import server as draft_server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -80,14 +83,9 @@ def test_a_logged_exception_keeps_its_error_and_trace_in_json_logs() -> None:
 
 
 def test_the_drafts_reconnect_warns_once_of_a_refused_token_not_each_second(monkeypatch) -> None:
-    import asyncio
-
-    from services.common.grpc_server import ServiceError
-    from services.draft import server
-
     warned: list[str] = []
-    monkeypatch.setattr(server.log, "warning", lambda event, **kw: warned.append(kw.get("code", kw.get("error"))))
-    monkeypatch.setattr(server.log, "debug", lambda event, **kw: None)
+    monkeypatch.setattr(draft_server.log, "warning", lambda event, **kw: warned.append(kw.get("code", kw.get("error"))))
+    monkeypatch.setattr(draft_server.log, "debug", lambda event, **kw: None)
     class Done(BaseException):   # ends the loop (it takes every Exception for a failed round)
         pass
     failures = iter([*[ServiceError(grpc.StatusCode.UNAUTHENTICATED, "wrong internal token")] * 20,
@@ -104,7 +102,7 @@ def test_the_drafts_reconnect_warns_once_of_a_refused_token_not_each_second(monk
                 raise failure
 
     with pytest.raises(Done):
-        asyncio.run(server._reconnect_when_lost(Engine(), interval_s=0.001))
+        asyncio.run(draft_server._reconnect_when_lost(Engine(), interval_s=0.001))
     # one line a kind, and the token again after a reconnect in between
     assert warned == ["UNAUTHENTICATED", "OSError('no room in /dev/shm')", "UNAUTHENTICATED"], warned
     # ... also where a step or the scheduler's probe reconnected it between two rounds
@@ -122,7 +120,35 @@ def test_the_drafts_reconnect_warns_once_of_a_refused_token_not_each_second(monk
         verifier = type("Verifier", (), {"connected": property(state), "handshake": None})()
 
     with pytest.raises(Done):
-        asyncio.run(server._reconnect_when_lost(Elsewhere(), interval_s=0.001))
+        asyncio.run(draft_server._reconnect_when_lost(Elsewhere(), interval_s=0.001))
+    assert warned == ["UNAUTHENTICATED", "UNAUTHENTICATED"], warned
+
+
+def test_the_reconnect_loop_warns_of_a_refused_token_once_a_spell_and_never_of_a_verifier_still_down(monkeypatch):
+    """A verifier still down (UNAVAILABLE) is expected: debug only, and it does not end a spell of
+    refused tokens (one warning); a reconnect that works does, so the next refusal warns again."""
+    warned: list[str] = []
+    monkeypatch.setattr(draft_server.log, "warning", lambda event, **kw: warned.append(kw.get("code", kw.get("error"))))
+    monkeypatch.setattr(draft_server.log, "debug", lambda event, **kw: None)
+
+    class Done(BaseException):
+        pass
+
+    down, refused = (ServiceError(grpc.StatusCode.UNAVAILABLE, "connection refused"),
+                     ServiceError(grpc.StatusCode.UNAUTHENTICATED, "wrong internal token"))
+    failures = iter([down, refused, down, refused, down, None, refused])
+
+    class Engine:
+        class verifier:
+            connected = False
+
+        async def ensure_connected(self) -> None:
+            failure = next(failures, Done())
+            if failure is not None:
+                raise failure
+
+    with pytest.raises(Done):
+        asyncio.run(draft_server._reconnect_when_lost(Engine(), interval_s=0.0))
     assert warned == ["UNAUTHENTICATED", "UNAUTHENTICATED"], warned
 
 
@@ -190,12 +216,13 @@ def test_gpu_memory_is_reported_for_a_cuda_device_only(monkeypatch) -> None:
     from services.common.metrics import Metrics
 
     seen: list[torch.device] = []
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: seen.append(device) or 12345)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: seen.append(device) or 12345 * len(seen))
     on_gpu, on_cpu = Metrics("draft"), Metrics("draft")
     on_gpu.track_gpu_memory(torch.device("cuda", 1))
     on_cpu.track_gpu_memory(torch.device("cpu"))
     assert b"ddtree_gpu_memory_allocated_bytes 12345.0" in generate_latest(on_gpu.registry)
-    assert seen == [torch.device("cuda", 1)]   # read at scrape time, on the service's own device
+    assert b"ddtree_gpu_memory_allocated_bytes 24690.0" in generate_latest(on_gpu.registry)   # each scrape reads anew
+    assert seen == [torch.device("cuda", 1)] * 2   # at scrape time, on the service's own device
     assert b"ddtree_gpu_memory_allocated_bytes 0.0" in generate_latest(on_cpu.registry)
 
 
@@ -263,6 +290,7 @@ def test_a_metrics_connection_that_sends_no_request_is_closed_and_scrapes_go_on(
 
     from services.common import metrics as metrics_module
 
+    assert 0 < metrics_module._ScrapeHandler.timeout <= 60   # the default: bounded (shortened below to test it)
     monkeypatch.setattr(metrics_module._ScrapeHandler, "timeout", 0.5)
     metrics = metrics_module.Metrics("draft")
     metrics.running.set(3)
