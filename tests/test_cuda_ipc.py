@@ -63,6 +63,8 @@ def test_owner_gpu_is_found_by_uuid_across_numberings() -> None:
     assert local_device_index("uuid-b", 0, ["uuid-a", "uuid-b"]) == 1
     assert local_device_index("uuid-a", 1, ["uuid-a", "uuid-b"]) == 0
     assert local_device_index("", 1, ["", ""]) == 1   # no UUIDs: trust the index
+    with pytest.raises(ValueError, match="cuda:-1"):   # torch would read -1 as the current device
+        local_device_index("", -1, ["", ""])
     with pytest.raises(ValueError, match="sees 1 GPUs"):
         local_device_index("", 1, [""])
     with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):

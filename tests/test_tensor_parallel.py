@@ -4,28 +4,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import datetime
 import json
+import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import services.verifier.ranks as ranks_module
 from ddtree.v1 import verifier_pb2, verifier_pb2_grpc
-from services.common.launcher import Stack, StackSpec
-from services.common.transport import InlineWriter
+from services.common.grpc_server import ServiceError
+from services.common.launcher import Stack, StackSpec, free_port
 from services.common.make_checkpoint import make_random_checkpoint
+from services.common.settings import RANK0_SETTINGS_ENV as SETTINGS_ENV
+from services.common.settings import SettingsError, VerifierSettings
+from services.common.transport import InlineWriter
 from services.scheduler.client import AsyncClient, Client, ClientError
+from services.verifier import server
 from services.verifier.model import expected_tensors, load_checkpoint
-from services.verifier.parallel import load_rank_slice
-from services.verifier.ranks import stop_workers, watch_workers
+from services.verifier.parallel import TensorParallel, load_rank_slice, split_rule
+from services.verifier.ranks import (_NOOP, _STOP, EngineGroup, GroupFailed, first_exit, settings_from_json,
+                                     settings_json, spawn_workers, stop_workers, watch_workers, worker_loop)
+from services.verifier.server import _end_start_up
 from tests.stack_fixtures import PROMPTS, StackStarts, internal_metadata
 
 # moe_intermediate 128 / tp 4 = 32: each rank's INT4 down_proj slice is one whole quantization group.
@@ -51,17 +63,52 @@ def starts(request, ckpt):
     starts.close()
 
 
-def test_rank_slices_reassemble_the_checkpoint(ckpt):
+def _split_dim(name: str) -> int | None:
+    """Where each weight is cut across ranks (Megatron's split, as the module doc says), or None
+    where every rank holds all of it: an independent reading of the rules, by name."""
+    if name == "lm_head.weight" or name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight",
+                                                  "self_attn.kv_b_proj.weight")):
+        return 0
+    if name.endswith("self_attn.o_proj.weight"):
+        return 1
+    if ".mlp." in name and ("gate_proj.weight" in name or "up_proj.weight" in name):
+        return 0
+    if ".mlp." in name and "down_proj.weight" in name:
+        return 1
+    return None
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_every_rank_gets_its_own_equal_share_of_each_split_weight(ckpt, size):
+    """Each rank holds its 1/size chunk (in rank order) of every split weight, the whole of every
+    replicated one, and an INT4 `weight_shape` that is its slice's dense shape. (Reassembling the
+    pieces alone could not tell a rank that got everything from one that got its share.)"""
     config, full = load_checkpoint(ckpt)
-    parts = [load_rank_slice(ckpt, config, expected_tensors(config), r, 4) for r in range(4)]
+    parts = [load_rank_slice(ckpt, config, expected_tensors(config), r, size) for r in range(size)]
     for name, tensor in full.items():
         if name.endswith(".weight_shape"):
+            dense = tensor.tolist()
+            dense[0 if ("gate_proj" in name or "up_proj" in name) else 1] //= size
+            assert all(p[name].tolist() == dense for p in parts), name
             continue
-        pieces = [p[name] for p in parts]
-        if all(torch.equal(pieces[0], x) for x in pieces[1:]) and pieces[0].shape == tensor.shape:
-            continue   # replicated
-        dim = 0 if pieces[0].shape[0] != tensor.shape[0] else 1
-        assert torch.equal(torch.cat(pieces, dim=dim), tensor), name
+        dim = _split_dim(name)
+        for r, p in enumerate(parts):
+            want = tensor if dim is None else torch.chunk(tensor, size, dim=dim)[r]
+            assert p[name].shape == want.shape and torch.equal(p[name], want), (name, r)
+
+
+def test_attention_splits_take_whole_heads_when_the_head_widths_differ(ckpt):
+    """DeepSeek-V3's head widths differ (qk_nope 128, qk_rope 64, v 128); the test checkpoints use
+    one width for all three, which would hide a rule using the wrong one."""
+    config, _ = load_checkpoint(ckpt)
+    cfg = dataclasses.replace(config, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24)
+    H = cfg.num_attention_heads
+    q = split_rule("model.layers.0.self_attn.q_b_proj.weight", cfg, (H * 24, 32))
+    kv = split_rule("model.layers.0.self_attn.kv_b_proj.weight", cfg, (H * 40, 32))
+    o = split_rule("model.layers.0.self_attn.o_proj.weight", cfg, (64, H * 24))
+    assert (q.dim, q.unit, q.count) == (0, 24, H)      # qk_nope + qk_rope rows a head
+    assert (kv.dim, kv.unit, kv.count) == (0, 40, H)   # qk_nope + v rows a head
+    assert (o.dim, o.unit, o.count) == (1, 24, H)      # v columns a head
 
 
 def test_tp2_and_tp4_equal_tp1_and_outlast_idle_time_and_bad_input(ckpt):
@@ -165,6 +212,19 @@ def test_rank_watchdog_reports_a_death_and_stays_quiet_once_disarmed():
     assert quiet.returncode == 0 and deaths == []
 
 
+def test_a_worker_that_exited_cleanly_still_counts_as_gone():
+    """A worker rank that left with code 0 (its loop ended) is as gone as one that crashed: the
+    group cannot run without it."""
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    clean = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        clean.wait(timeout=30)
+        assert first_exit([alive, clean]) == "verifier rank 2 exited with code 0"
+    finally:
+        alive.kill()
+        alive.wait()
+
+
 def test_a_worker_whose_rank_0_died_before_it_asked_for_the_death_signal_exits():
     """A SIGTERM to rank 0 in its first seconds (its signal handler comes later) left the worker,
     then importing, running with no group to join: it waited for it for minutes."""
@@ -190,6 +250,19 @@ def test_stop_workers_escalates_to_sigterm_then_sigkill():
     stop_workers(procs, grace_s=0.2, kill_after_s=0.5)
     assert [p.returncode for p in procs] == [-signal.SIGTERM, -signal.SIGKILL]
     assert time.monotonic() - t0 < 10
+
+
+def test_stop_workers_gives_a_terminated_worker_kill_after_s_to_finish():
+    """The SIGKILL comes kill_after_s after the SIGTERM (grace_s + kill_after_s from the start), so
+    a worker that cleans up for a moment on SIGTERM exits by itself."""
+    script = ("import signal, sys, time\n"
+              "def bye(*a):\n    time.sleep(0.3); sys.exit(5)\n"
+              "signal.signal(signal.SIGTERM, bye)\n"
+              "print('ready', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    stop_workers([proc], grace_s=1.0, kill_after_s=0.8)
+    assert proc.returncode == 5
 
 
 def _worker_ranks(pid: int) -> list[int]:
@@ -229,7 +302,6 @@ def test_dead_rank_makes_the_group_unhealthy_without_hanging(ckpt, starts):
 def test_rank_0_waits_a_moment_for_the_exit_of_a_rank_that_broke_a_collective() -> None:
     """The reset connection reaches rank 0 while the dead rank is still being torn down: its exit
     is polled for a moment, so the failure names it."""
-    from services.verifier.parallel import TensorParallel
 
     polls = iter([None] * 5 + ["verifier rank 1 exited with code -9"])
     tp = TensorParallel(0, 1, peers_gone=lambda: next(polls))
@@ -238,8 +310,31 @@ def test_rank_0_waits_a_moment_for_the_exit_of_a_rank_that_broke_a_collective() 
     assert TensorParallel(0, 1).peer_gone(wait_s=5.0) is None   # no workers to ask: at once
 
 
+def test_rank_0_gives_up_on_ranks_that_never_check_in_with_deadline_exceeded():
+    """Workers that never join (or never finish loading) within the limit fail the start with
+    DEADLINE_EXCEEDED naming how many ranks arrived, not UNAVAILABLE ("a rank died")."""
+    class Store:
+        def __init__(self):
+            self.counts = {}
+
+        def add(self, key, n):
+            self.counts[key] = self.counts.get(key, 0) + n
+            return self.counts[key]
+
+        def set(self, key, value):
+            raise AssertionError("no go without every rank")
+
+    tp = TensorParallel(0, 1, peers_gone=lambda: None)
+    tp.size, tp._store = 3, Store()
+    t0 = time.monotonic()
+    with pytest.raises(ServiceError) as info:
+        tp._meet("loaded", datetime.timedelta(seconds=0.2))
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "1 of 3 ranks loaded" in info.value.message
+    assert time.monotonic() - t0 < 5
+
+
 def _align_rank(rank: int, port: int, join_lag_s: float, load_lag_s: float, timeout_s: float, out) -> None:
-    from services.verifier.parallel import TensorParallel
     time.sleep(join_lag_s)   # this rank's process starts later (a busy host)
     tp = TensorParallel(rank, 2, f"tcp://127.0.0.1:{port}", backend="gloo", timeout_s=timeout_s)
     time.sleep(load_lag_s)   # this rank's weights take longer to load
@@ -258,9 +353,7 @@ def test_ranks_that_start_and_load_at_different_speeds_meet_before_their_first_t
     two cores ran past it), and a worker done loading waited that long for rank 0's first call
     (rank 0 loading a large model ended the group). Here rank 1 joins, and rank 0 finishes
     loading, 2.5 s after the other, with a 1 s timeout; they meet, then call as before."""
-    import multiprocessing as mp
 
-    from services.common.launcher import free_port
     spawn = mp.get_context("spawn")
     out, port = spawn.Queue(), free_port()
     procs = [spawn.Process(target=_align_rank, args=(rank, port, join_lag, load_lag, 1.0, out))
@@ -273,7 +366,6 @@ def test_ranks_that_start_and_load_at_different_speeds_meet_before_their_first_t
 
 
 def _rank_alone_in_a_call(rank: int, port: int, out) -> None:
-    from services.verifier.parallel import TensorParallel
     tp = TensorParallel(rank, 2, f"tcp://127.0.0.1:{port}", backend="gloo", timeout_s=1.0)
     tp.align()
     if rank == 1:   # a worker that never makes the call (stuck)
@@ -290,9 +382,7 @@ def _rank_alone_in_a_call(rank: int, port: int, out) -> None:
 def test_a_collective_a_rank_never_joins_fails_at_the_tp_timeout():
     """`verifier.tp_timeout_s` bounds each collective once the ranks have met: rank 0 waiting for
     a worker that never calls fails after it (1 s here), not after gloo's default 30 minutes."""
-    import multiprocessing as mp
 
-    from services.common.launcher import free_port
     spawn = mp.get_context("spawn")
     out, port = spawn.Queue(), free_port()
     procs = [spawn.Process(target=_rank_alone_in_a_call, args=(rank, port, out)) for rank in (0, 1)]
@@ -308,9 +398,6 @@ def test_a_collective_a_rank_never_joins_fails_at_the_tp_timeout():
 
 
 def _rank_0_beside(worker_code: str, port: int, out) -> None:
-    from services.common.grpc_server import ServiceError
-    from services.verifier.parallel import TensorParallel
-    from services.verifier.ranks import first_exit
     worker = subprocess.Popen([sys.executable, "-c", worker_code])
     try:
         TensorParallel(0, 2, f"tcp://127.0.0.1:{port}", timeout_s=60.0, peers_gone=lambda: first_exit([worker])).align()
@@ -329,9 +416,7 @@ def test_a_worker_that_dies_while_the_group_starts_ends_the_start_at_once(stage,
     """Rank 0 waited for such a worker until its limit, a verifier that neither served nor exited:
     for the collectives' timeout at the rendezvous, for hours while loading. It now fails the start
     with the rank and its exit code as soon as the worker is gone."""
-    import multiprocessing as mp
 
-    from services.common.launcher import free_port
     spawn = mp.get_context("spawn")
     out, port = spawn.Queue(), free_port()
     rank_0 = spawn.Process(target=_rank_0_beside, args=(worker_code.format(port=port), port, out))
@@ -348,12 +433,6 @@ def test_a_call_that_fails_on_rank_0_with_ranks_ends_the_group() -> None:
     leaves the workers a call ahead: the group is out of step. It stayed up and SERVING, failing
     every handshake and step; now the failure goes to `on_failure` (NOT_SERVING, then exit), naming
     the call. A refusal of the input (ServiceError) is every rank's alike and ends nothing."""
-    from types import SimpleNamespace
-
-    import grpc
-
-    from services.common.grpc_server import ServiceError
-    from services.verifier.ranks import EngineGroup, GroupFailed
 
     class Ranks:
         enabled = True
@@ -427,6 +506,51 @@ def test_a_call_that_fails_on_rank_0_with_ranks_ends_the_group() -> None:
     assert len(reasons) == 3
 
 
+def test_a_worker_skips_heartbeats_stops_on_stop_and_survives_only_refusals():
+    """A worker replays rank 0's calls: a heartbeat runs nothing, a refused input (ServiceError,
+    every rank's alike) leaves it in its loop, the stop call ends it, and any other error ends it
+    (rank 0 then sees the rank gone) rather than leaving the group silently out of step."""
+    class Ranks:
+        rank = 1
+
+        def __init__(self, calls):
+            self.calls = iter(calls)
+
+        def broadcast(self, obj):
+            return next(self.calls)
+
+    done = []
+
+    class Engine:
+        def prefill(self, items):
+            done.append(("prefill", items))
+
+        def verify(self, items):
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "bad tree")
+
+        def broken(self):
+            raise RuntimeError("a collective failed")
+
+    worker_loop(Engine(), Ranks([(_NOOP, ()), ("prefill", ([1],)), ("verify", ([],)), (_NOOP, ()),
+                                 ("prefill", ([2],)), (_STOP, ()), ("prefill", ([3],))]))
+    assert done == [("prefill", [1]), ("prefill", [2])]
+    with pytest.raises(RuntimeError, match="a collective failed"):
+        worker_loop(Engine(), Ranks([("broken", ()), (_STOP, ())]))
+
+
+def test_the_stop_call_goes_to_the_workers_once_and_nothing_follows_it():
+    """After the stop broadcast the workers have left: a second stop or a heartbeat would be a
+    collective no rank joins (a hang until tp_timeout_s)."""
+    sent = []
+    group = EngineGroup(SimpleNamespace(model_device=torch.device("cpu")),
+                        SimpleNamespace(enabled=True, broadcast=sent.append))
+    group.heartbeat()
+    group.stop()
+    group.stop()
+    group.heartbeat()
+    assert [call[0] for call in sent] == [_NOOP, _STOP]
+
+
 @pytest.mark.parametrize("fault, ends", [
     (RuntimeError("CUDA error: an illegal memory access was encountered"), True),
     (torch.AcceleratorError("CUDA error: device-side assert triggered") if hasattr(torch, "AcceleratorError")
@@ -443,9 +567,6 @@ def test_a_verifier_alone_whose_gpu_failed_ends_like_a_group(fault, ends) -> Non
     assert) failed every later step INTERNAL while the verifier said SERVING, and no supervisor
     restarted it. It now goes to `on_failure` (NOT_SERVING, then exit) as a group's end does;
     running out of memory and other exceptions do not."""
-    from types import SimpleNamespace
-
-    from services.verifier.ranks import EngineGroup, GroupFailed
 
     def failing(*args):
         raise fault
@@ -464,9 +585,6 @@ def test_the_verifier_stops_its_start_and_its_other_workers_when_a_worker_exits(
     """`serve` with ranks: a worker that exits before joining fails the start with its rank and
     code (UNAVAILABLE, which `ddtree serve` prints and exits 3 on), and the workers still running
     are stopped rather than left waiting for a group that will not form."""
-    from services.common.grpc_server import ServiceError
-    from services.common.settings import VerifierSettings
-    from services.verifier import server
 
     spawned: list[subprocess.Popen] = []
 
@@ -562,8 +680,6 @@ def test_a_worker_that_exits_while_the_process_group_forms_ends_the_start_at_onc
 def test_a_verifier_whose_port_fails_after_its_group_formed_stops_its_workers(ckpt, monkeypatch) -> None:
     """The bind, after minutes of loading, ran outside the start's clean-up: the workers sat in
     their loop until rank 0's process ended or their broadcast timed out."""
-    from services.common.settings import SettingsError, VerifierSettings
-    from services.verifier import server
 
     spawned: list[subprocess.Popen] = []
     spawn = server.spawn_workers
@@ -582,7 +698,6 @@ def test_an_orderly_stop_while_a_long_call_runs_is_no_dead_rank(ckpt) -> None:
     """SIGTERM while one engine call outlasts the shutdown's grace and the stop broadcast's wait:
     the workers get their SIGTERM mid-call, the call fails on rank 0, and that was reported as a
     dead rank (rank_died, exit 3). An orderly stop exits 0."""
-    from services.common.launcher import free_port
     port = free_port()
     env = {**os.environ, "DDTREE_VERIFIER_MODEL_PATH": str(ckpt), "DDTREE_VERIFIER_TP": "2",
            "DDTREE_VERIFIER_PORT": str(port), "DDTREE_VERIFIER_PREFILL_CHUNK": "1", "DDTREE_VERIFIER_TP_TIMEOUT_S": "30",
@@ -619,9 +734,6 @@ def test_an_orderly_stop_while_a_long_call_runs_is_no_dead_rank(ckpt) -> None:
 def test_workers_take_rank_0s_settings_not_their_own_reading() -> None:
     """Each worker read the config file and environment itself: a file changed while the group
     started gave the ranks other KV caches, out of step at the first long prompt."""
-    from services.common.settings import VerifierSettings
-    from services.common.settings import RANK0_SETTINGS_ENV as SETTINGS_ENV
-    from services.verifier.ranks import settings_from_json, settings_json, spawn_workers
 
     s = VerifierSettings(tp=2, kv_capacity_tokens=12345, graph_batches=(1, 3), feature_layers=(2, 0),
                          warmup_budgets=(), device="cpu")
@@ -631,22 +743,18 @@ def test_workers_take_rank_0s_settings_not_their_own_reading() -> None:
     class Popen:
         def __init__(self, cmd, **kwargs):
             seen["env"] = kwargs["env"]
-    import services.verifier.ranks as ranks
-    real = ranks.subprocess.Popen
-    ranks.subprocess.Popen = Popen
+    real = ranks_module.subprocess.Popen
+    ranks_module.subprocess.Popen = Popen
     try:
         spawn_workers(s, None, "tcp://127.0.0.1:1")
     finally:
-        ranks.subprocess.Popen = real
+        ranks_module.subprocess.Popen = real
     assert settings_from_json(seen["env"][SETTINGS_ENV]) == s
 
 
 def test_a_start_up_rank_0_settles_itself_is_left_to_it() -> None:
     """A worker that died of the error rank 0 is about to raise (its KV cache does not fit) must
     leave rank 0's error, which names the setting, not end the start as "rank N exited"."""
-    import threading
-
-    from services.verifier.server import _end_start_up
 
     settled = threading.Event()
     settled.set()
@@ -656,9 +764,6 @@ def test_a_start_up_rank_0_settles_itself_is_left_to_it() -> None:
 
 
 def _argmax_rank(rank: int, port: int, out) -> None:
-    import torch
-
-    from services.verifier.parallel import TensorParallel
     tp = TensorParallel(rank, 2, f"tcp://127.0.0.1:{port}", backend="gloo", timeout_s=30)
     tp.align()
     full = torch.tensor([[1.0, 5.0, 2.0, 5.0], [3.0, 0.0, 9.0, 1.0], [0.0, 1.0, 2.0, float("nan")],
@@ -671,9 +776,7 @@ def test_sharded_argmax_takes_the_lowest_index_of_a_tie_and_marks_rows_not_finit
     """Greedy tokens over two vocabulary slices: a tie across ranks goes to the lower index, as a
     full-row argmax; a row with a NaN or +inf on either slice is -1 on every rank (its request
     fails alone; the NaN's index was emitted as a token)."""
-    import multiprocessing as mp
 
-    from services.common.launcher import free_port
     spawn = mp.get_context("spawn")
     out, port = spawn.Queue(), free_port()
     procs = [spawn.Process(target=_argmax_rank, args=(rank, port, out)) for rank in (0, 1)]
