@@ -517,9 +517,11 @@ def test_a_layer_quantised_past_the_routed_experts_is_named(target_dir: Path) ->
         TargetModel.load(target_dir)
 
 
-def test_a_config_that_disagrees_with_the_tensors_names_its_field(target_dir: Path) -> None:
+def test_a_config_that_disagrees_with_the_tensors_names_its_field(target_dir: Path, tmp_path: Path) -> None:
     """A missing tensor's message says which config field most likely disagrees: an INT4 checkpoint
-    whose config lost its quantization_config was told to list its other layers as ignored."""
+    whose config lost its quantization_config was told to list its other layers as ignored. Each
+    way round: INT4 experts or a q LoRA in the checkpoint and not in the config, and in the config
+    and not in the checkpoint."""
     cfg = json.loads((target_dir / "config.json").read_text())
     no_quant = {k: v for k, v in cfg.items() if k != "quantization_config"}
     (target_dir / "config.json").write_text(json.dumps(no_quant))
@@ -529,13 +531,27 @@ def test_a_config_that_disagrees_with_the_tensors_names_its_field(target_dir: Pa
     (target_dir / "config.json").write_text(json.dumps(dict(cfg, q_lora_rank=None)))
     with pytest.raises(CheckpointError, match=r"q_proj\.weight .*has a q LoRA .* q_lora_rank is null or missing"):
         TargetModel.load(target_dir)
+    dense = tmp_path / "dense"   # a quantization_config over dense experts
+    write_random_target(dense, VOCAB, int4=False, seed=3, overrides={"q_lora_rank": None})
+    hf = json.loads((dense / "config.json").read_text())
+    (dense / "config.json").write_text(json.dumps(dict(hf, quantization_config=cfg["quantization_config"])))
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight_packed "
+                                              r"\(\+\d+ more\): config\.json's quantization_config says INT4 routed experts, "
+                                              r"and the checkpoint holds them dense \(model\.layers\.1\.mlp\.experts\.0\."
+                                              r"gate_proj\.weight\)"):
+        TargetModel.load(dense)
+    (dense / "config.json").write_text(json.dumps(dict(hf, q_lora_rank=32)))   # a q LoRA the checkpoint lacks
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.0\.self_attn\.q_a_proj\.weight .*: the "
+                                              r"checkpoint has no q LoRA \(q_proj\), and config\.json's q_lora_rank is 32"):
+        TargetModel.load(dense)
 
 
 @pytest.mark.parametrize("tp", [False, True])
 def test_layers_past_the_configs_and_its_mtp_layers_are_refused_not_a_truncated_model(target_dir: Path, tp) -> None:
     """Every layer past num_hidden_layers was skipped as an MTP layer: a config of 2 layers over a
     checkpoint of 3 served a truncated model. Only num_nextn_predict_layers of them are skipped;
-    tensors of the served modules outside the layers (an lm_head.bias) are refused too."""
+    tensors of the served modules outside the layers (a bias of the head, embedding or final norm)
+    are refused too."""
     cfg = json.loads((target_dir / "config.json").read_text())
     config = lambda: read_target_config(target_dir)   # noqa: E731
     loaders = [lambda: load_rank_slice(target_dir, config(), expected_tensors(config()), rank=0, size=1)] if tp \
@@ -546,15 +562,18 @@ def test_layers_past_the_configs_and_its_mtp_layers_are_refused_not_a_truncated_
     (target_dir / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=2, num_nextn_predict_layers=1)))
     loaders[0]()   # layer 2 is an MTP layer now: not served, not read
     (target_dir / "config.json").write_text(json.dumps(cfg))
-    _rewrite_tensors(target_dir, lambda t: t.__setitem__("lm_head.bias", torch.randn(4)))
-    with pytest.raises(CheckpointError, match=r"tensor lm_head\.bias is not one config\.json implies"):
-        loaders[0]()
+    for name in ("lm_head.bias", "model.embed_tokens.bias", "model.norm.bias"):
+        _rewrite_tensors(target_dir, lambda t: t.__setitem__(name, torch.randn(4)))  # noqa: B023 - called at once
+        with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)} is not one config\.json implies"):
+            loaders[0]()
+        _rewrite_tensors(target_dir, lambda t: t.pop(name))  # noqa: B023 - called at once
 
 
 @pytest.mark.parametrize("tp", [False, True])
 @pytest.mark.parametrize(("name", "needle"), [
     ("model.layers.1.mlp.shared_experts.up_proj.weight", "n_shared_experts is 0"),
     ("model.layers.0.mlp.experts.0.up_proj.weight_packed", "first_k_dense_replace 1"),
+    ("model.layers.0.mlp.gate.weight", "n_routed_experts 16, first_k_dense_replace 1, moe_layer_freq 1"),
     ("model.layers.1.self_attn.q_proj.weight", r"\)$"),   # no field to name
 ])
 def test_a_tensor_of_a_served_layer_the_config_does_not_read_is_refused(target_dir: Path, name, needle, tp) -> None:

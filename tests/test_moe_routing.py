@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
-from kernels.moe_routing import select_experts_triton
-from services.verifier.moe import select_experts
+from kernels.moe_routing import router_gemv, select_experts_triton
+from services.verifier.config import TargetConfig
+from services.verifier.moe import (MoEWeights, route, router_partial_logits, select_experts, split_bf16,
+                                   uses_fused_kernel, uses_router_parts)
 
 # The compiled kernel on a GPU, the interpreter on the CPU: inputs made on the CPU go to DEV, results
 # come back (CPU tensors on a GPU machine, where nothing interprets, reached no kernel).
@@ -17,6 +22,12 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def select(logits: torch.Tensor, bias: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     ids, weights = select_experts_triton(logits.to(DEV), bias.to(DEV), *args, **kwargs)
     return ids.cpu(), weights.cpu()
+
+def demo_config() -> TargetConfig:
+    """The demo model's router: 16 experts in 4 groups, 2 groups kept, 4 experts a token."""
+    return TargetConfig.from_hf(json.loads((Path(__file__).resolve().parent.parent / "models" / "demo"
+                                            / "config.json").read_text()))
+
 
 # name -> (tokens, experts, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor)
 CASES = {
@@ -74,6 +85,17 @@ def test_a_token_of_nan_logits_gets_real_distinct_experts_and_leaves_the_others_
     torch.testing.assert_close(weights[healthy], want.weights.float(), rtol=2e-6, atol=1e-7)
 
 
+def test_a_token_whose_chosen_scores_underflow_to_zero_gets_zero_weights_not_nan():
+    """Sigmoid scores that underflow to 0 (router logits below about -104 in float32) normalise to
+    zero weights, not 0/0 = NaN, which would poison that token's hidden state."""
+    scores = torch.sigmoid(torch.tensor([[-200.0] * 8, [0.5, -1.0, 2.0, 0.0, 1.0, -2.0, 0.3, 0.1]]))
+    assert (scores[0] == 0).all()
+    r = select_experts(scores, torch.zeros(8), top_k=2, n_group=4, topk_group=2, norm_topk_prob=True,
+                       routed_scaling_factor=2.5)
+    assert torch.isfinite(r.weights).all() and (r.weights[0] == 0).all()
+    assert r.weights[1].sum().item() == pytest.approx(2.5)
+
+
 def test_groups_rank_by_their_two_best_and_ties_go_to_the_lower_id():
     # Group 0 holds the single best expert, but group 1's two best sum higher: with one group kept,
     # only group 1's experts may be chosen. Experts 5 and 6 tie: the lower id comes first.
@@ -100,14 +122,8 @@ def test_impossible_configs_are_refused(args, match):
 
 def test_route_takes_the_float32_upcast_it_is_given():
     # the norm before the MoE hands the router its input upcast already: the same routing
-    import json
-    from pathlib import Path
 
-    from services.verifier.config import TargetConfig
-    from services.verifier.moe import MoEWeights, route
-
-    demo = Path(__file__).resolve().parent.parent / "models" / "demo" / "config.json"
-    cfg = TargetConfig.from_hf(json.loads(demo.read_text()))
+    cfg = demo_config()
     g = torch.Generator().manual_seed(8)
     E, hid = cfg.n_routed_experts, cfg.hidden_size
     moe = MoEWeights(gate_weight=torch.randn(E, hid, generator=g) / hid ** 0.5, bias=0.1 * torch.randn(E, generator=g),
@@ -119,9 +135,41 @@ def test_route_takes_the_float32_upcast_it_is_given():
     assert not torch.equal(other.ids, a.ids)
 
 
-def test_split_bf16_sums_to_the_float32_weight_exactly():
-    from services.verifier.moe import split_bf16
+def _float64_routing(h: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor,
+                     cfg: TargetConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """noaux_tc routing in float64, written apart from `route`: sigmoid scores, the biased grouped
+    top-k choice (a group ranked by its two best), unbiased weights normalised and scaled."""
+    scores = torch.sigmoid(h.double() @ gate.double().T)
+    choice = scores + bias.double()
+    n, e = choice.shape
+    groups = cfg.n_group
+    group_scores = choice.view(n, groups, e // groups).topk(2, dim=-1).values.sum(-1)
+    keep = group_scores.topk(cfg.topk_group, dim=-1).indices
+    mask = torch.zeros(n, groups, dtype=torch.bool).scatter_(1, keep, True).repeat_interleave(e // groups, dim=1)
+    ids = choice.masked_fill(~mask, float("-inf")).topk(cfg.num_experts_per_tok, dim=-1).indices
+    w = scores.gather(1, ids)
+    return ids, w / w.sum(-1, keepdim=True) * cfg.routed_scaling_factor
 
+
+def test_a_bf16_models_router_logits_are_float32_and_match_a_float64_reference():
+    """A bf16 model's hidden states route through float32 logits over the float32 router weight:
+    the experts chosen and their weights are the float64 reference's (logits in bf16 pick other
+    experts on many tokens)."""
+    cfg = demo_config()
+    g = torch.Generator().manual_seed(5)
+    E, hid = cfg.n_routed_experts, cfg.hidden_size
+    gate = torch.randn(E, hid, generator=g) / hid ** 0.5
+    bias = 0.01 * torch.randn(E, generator=g)
+    moe = MoEWeights(gate_weight=gate, bias=bias, w_gate=None, w_up=None, w_down=None, shared=None)
+    h = torch.randn(256, hid, generator=g).to(torch.bfloat16)
+    r = route(h, moe, cfg)
+    want_ids, want_w = _float64_routing(h, gate, bias, cfg)
+    assert torch.equal(r.ids.sort(-1).values, want_ids.sort(-1).values)
+    got_w = r.weights.double().gather(1, r.ids.argsort(-1))   # in the order of the sorted ids
+    torch.testing.assert_close(got_w, want_w.gather(1, want_ids.argsort(-1)), rtol=1e-5, atol=1e-6)
+
+
+def test_split_bf16_sums_to_the_float32_weight_exactly():
     g = torch.Generator().manual_seed(21)
     w = torch.cat([torch.randn(64, 96, generator=g) * s for s in (1e-12, 1e-3, 1.0, 1e20)])
     parts = split_bf16(w)
@@ -135,7 +183,6 @@ def test_split_bf16_sums_to_the_float32_weight_exactly():
 @pytest.mark.parametrize("name", ["kimi_k2_one_group", "demo_model"])
 def test_partial_logits_are_added_smallest_part_first(name):
     # select_experts_triton(parts=3) reads [N, 3E] partial logits (hi, mid, lo) and adds (lo + mid) + hi
-    from services.verifier.moe import split_bf16
 
     n, e, groups, topk_group, top_k, norm, scale = CASES[name]
     g = torch.Generator().manual_seed(e)
@@ -157,14 +204,8 @@ def test_partial_logits_are_added_smallest_part_first(name):
 def test_chunked_partial_logits_and_route_with_parts():
     # router_partial_logits: [chunks, N, 3E] over chunks of the hidden dims (float32 bmm off CUDA);
     # the kernel adds part by part (smallest first), chunk by chunk; route uses them for bf16 input
-    import json
-    from pathlib import Path
 
-    from services.verifier.config import TargetConfig
-    from services.verifier.moe import MoEWeights, route, router_partial_logits, split_bf16
-
-    demo = Path(__file__).resolve().parent.parent / "models" / "demo" / "config.json"
-    cfg = TargetConfig.from_hf(json.loads(demo.read_text()))
+    cfg = demo_config()
     g = torch.Generator().manual_seed(9)
     E, hid = cfg.n_routed_experts, cfg.hidden_size
     w = torch.randn(E, hid, generator=g) / hid ** 0.5
@@ -199,17 +240,23 @@ def test_chunked_partial_logits_and_route_with_parts():
 
 
 def test_router_parts_only_on_cuda_for_bf16_models():
-    from services.verifier.moe import uses_router_parts
-
     assert uses_router_parts(torch.device("cuda"), torch.bfloat16)
     assert not uses_router_parts(torch.device("cuda"), torch.float16)    # fp16 parts lack the range
     assert not uses_router_parts(torch.device("cpu"), torch.bfloat16)    # bf16 GEMM -> float32: CUDA only
 
 
+def test_the_fused_int4_moe_only_for_packed_experts_of_a_half_precision_cuda_model():
+    """A bf16 CUDA model with dense (unquantised) experts runs the torch expert loop: the fused INT4
+    kernel would find no packed experts to read."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert uses_fused_kernel(cuda, torch.bfloat16, True) and uses_fused_kernel(cuda, torch.float16, True)
+    assert not uses_fused_kernel(cuda, torch.bfloat16, False) and not uses_fused_kernel(cuda, torch.float16, False)
+    assert not uses_fused_kernel(cuda, torch.float32, True) and not uses_fused_kernel(cpu, torch.bfloat16, True)
+
+
 @pytest.mark.parametrize("experts,hidden", [(384, 7168), (20, 300)])
 def test_router_gemv_one_token(experts, hidden):
     # one token's float32 logits as partial sums over slices of the hidden dims; the selection adds them
-    from kernels.moe_routing import router_gemv
 
     g = torch.Generator().manual_seed(experts)
     w = torch.randn(experts, hidden, generator=g) / hidden ** 0.5

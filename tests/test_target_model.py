@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import math
+import re
 import types
 from dataclasses import dataclass
 
@@ -507,6 +508,11 @@ def test_constructing_a_target_model_validates_its_weights() -> None:
     w[name] = w[name][:, :-1]   # one latent column short
     with pytest.raises(CheckpointError, match="kv_b_proj"):
         TargetModel(cfg, w)
+    for name in ("model.layers.1.mlp.experts.3.down_proj.weight", "model.norm.weight"):   # missing: named, no KeyError
+        w = random_target_weights(cfg, seed=1, int4=False)
+        del w[name]
+        with pytest.raises(CheckpointError, match=rf"^weights: missing tensor {re.escape(name)}$"):
+            TargetModel(cfg, w)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
