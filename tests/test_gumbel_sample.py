@@ -96,6 +96,37 @@ def test_top_p_at_kimi_k2s_vocabulary_keeps_the_float64_set_in_kernel_and_refere
         assert above < sampling.top_p + 5e-6 and at >= sampling.top_p - 5e-6, (above, at)
 
 
+def test_rows_of_non_negative_logits_keep_and_draw_the_reference_tokens() -> None:
+    """Rows whose minimum is exactly +0.0 (its key must not wrap to the top of the order), and rows
+    within [1, 1.25) (a search range of ~2e6 keys, whose last passes narrow to two keys, the lower
+    of which must still be tested): each row keeps exactly the reference's set and draws its token."""
+    g = torch.Generator().manual_seed(12)
+    settings = [Sampling(temperature=1.0, top_k=k, top_p=p) for k in (0, 3, 17, 60) for p in (1.0, 0.9, 0.5)]
+    settings = [s for s in settings if s.top_k or s.top_p < 1.0] * 2
+    logits = torch.randn(len(settings), 300, generator=g) * 3
+    logits = logits - logits.min(-1, keepdim=True).values
+    half = len(settings) // 2
+    logits[half:] = 1 + 0.25 * torch.rand(len(settings) - half, 300, generator=g)
+    _check(logits, settings, seed=3)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the interpreter's -inf - -inf
+def test_a_top_k_reaching_a_tie_at_the_row_minimum_keeps_the_tie() -> None:
+    """The k-th value is the row's smallest (tied 60 times): every token is kept, as the reference
+    keeps ties; and a row of no finite logit gets a NaN floor (``keep_floors``' contract)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.full((3, 64), -30.0)
+    logits[:, :4] = torch.randn(3, 4, generator=g)
+    samplings = [Sampling(temperature=1.0, top_k=10), Sampling(temperature=0.7, top_k=10, top_p=0.999),
+                 Sampling(temperature=1.0, top_k=5)]
+    _check(logits, samplings, seed=1)
+    floors = gs.keep_floors(logits.to(DEVICE), *_params(samplings, 64)).cpu()
+    assert bool((logits[0] >= floors[0]).all())   # all 64 kept
+    none = [Sampling(temperature=1.0), Sampling(temperature=1.0, top_p=0.9)]
+    dead = torch.full((2, 64), float("-inf"))
+    assert torch.isnan(gs.keep_floors(dead.to(DEVICE), *_params(none, 64)).cpu()).all()
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the interpreter's inf - inf
 def test_rows_holding_nan_or_inf_draw_minus_one_and_leave_the_others() -> None:
     gen = torch.Generator().manual_seed(3)

@@ -104,6 +104,37 @@ def test_groups_rank_by_their_two_best_and_ties_go_to_the_lower_id():
     logits[0, 5] = logits[0, 6] = 1.0     # group 1 (experts 4..7): 1.0 and 1.0
     ids, _ = select(logits, torch.zeros(8), 2, 2, 1, True, 1.0)
     assert ids.tolist() == [[5, 6]]
+    # Groups 1 and 2 (of 3) tie on their two best, one group kept: the lower group, as for experts.
+    tied = torch.full((1, 12), -4.0)
+    tied[0, 4:6] = tied[0, 8:10] = 1.0
+    assert select(tied, torch.zeros(12), 2, 3, 1, True, 1.0)[0].tolist() == [[4, 5]]
+
+
+@pytest.mark.parametrize("e,groups,topk_group,top_k", [
+    (8, 4, 2, 4),     # groups of two, the kept groups hold exactly top_k experts
+    (8, 8, 8, 3),     # one expert a group, every group kept: no group pass
+])
+def test_configs_at_the_edge_of_the_checks_are_served(e, groups, topk_group, top_k):
+    """The checks refuse what cannot be picked, and nothing more: these configs just pass them."""
+    g = torch.Generator().manual_seed(e * groups + top_k)
+    logits = 2 * torch.randn(5, e, generator=g)
+    bias = 0.1 * torch.randn(e, generator=g)
+    ids, weights = select(logits, bias, top_k, groups, topk_group, True, 1.5)
+    want = select_experts(torch.sigmoid(logits), bias, top_k, groups, topk_group, True, 1.5)
+    assert torch.equal(ids, want.ids)
+    torch.testing.assert_close(weights, want.weights.float(), rtol=2e-6, atol=1e-7)
+
+
+def test_logits_and_bias_of_any_strides_are_read_as_values():
+    """Logits with a non-unit expert stride (a transposed view) and a strided bias."""
+    g = torch.Generator().manual_seed(11)
+    for n, e, groups, topk_group, top_k in ((6, 16, 4, 2, 4), (4, 20, 4, 3, 3)):
+        logits = 2 * torch.randn(e, n, generator=g).t()        # [N, E], strides (1, N)
+        bias = torch.randn(2 * e, generator=g)[::2]            # [E], stride 2
+        ids, weights = select(logits, bias, top_k, groups, topk_group, True, 2.5)
+        want = select_experts(torch.sigmoid(logits), bias, top_k, groups, topk_group, True, 2.5)
+        assert torch.equal(ids, want.ids)
+        torch.testing.assert_close(weights, want.weights.float(), rtol=2e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("args,match", [
@@ -201,6 +232,27 @@ def test_partial_logits_are_added_smallest_part_first(name):
         select(partial[:, 1:], bias, top_k, groups, topk_group, norm, scale, parts=3)
 
 
+def test_partials_are_added_lo_part_first_then_chunk_by_chunk():
+    """The hi part's two chunks cancel (+-1e4): the order the kernel documents (lo, mid, then hi;
+    chunk 0 then 1 within a part) rounds the small parts onto hi's grid, where another order would
+    keep them exact; the torch sum in that order is the reference."""
+    g = torch.Generator().manual_seed(3)
+    n, e = 5, 16
+    partial = torch.randn(2, n, 3 * e, generator=g)
+    big = 1e4 * (1 + torch.rand(n, e, generator=g))
+    partial[0, :, :e], partial[1, :, :e] = big, -big
+    bias = 0.1 * torch.randn(e, generator=g)
+    summed = torch.zeros(n, e)
+    for p in (2, 1, 0):
+        for c in range(2):
+            summed = summed + partial[c, :, p * e:(p + 1) * e]
+    for cfg in ((4, 4, 2, True, 2.5), (3, 1, 1, False, 1.0)):
+        ids, weights = select(partial, bias, *cfg, parts=3)
+        want = select_experts(torch.sigmoid(summed), bias, *cfg)
+        assert torch.equal(ids, want.ids)
+        torch.testing.assert_close(weights, want.weights.float(), rtol=2e-6, atol=1e-7)
+
+
 def test_chunked_partial_logits_and_route_with_parts():
     # router_partial_logits: [chunks, N, 3E] over chunks of the hidden dims (float32 bmm off CUDA);
     # the kernel adds part by part (smallest first), chunk by chunk; route uses them for bf16 input
@@ -278,3 +330,18 @@ def test_router_gemv_one_token(experts, hidden):
         router_gemv(x.expand(2, hidden), w)
     with pytest.raises(ValueError, match="float32 weight"):
         router_gemv(x, w.half())
+
+
+def test_router_gemv_reads_only_its_hidden_and_makes_no_empty_slices():
+    """hidden [1, 300] as a view of a wider row whose tail is NaN: nothing past H is read (the last
+    slice's block runs past it); and 300 dims make two slices of 256, not 14 of which 12 are empty."""
+    g = torch.Generator().manual_seed(2)
+    wide = torch.randn(1, 600, generator=g)
+    wide[:, 300:] = float("nan")
+    hidden = wide.to(DEV)[:, :300]
+    w = torch.randn(20, 300, generator=g) / 300 ** 0.5
+    partial = router_gemv(hidden, w.to(DEV)).cpu()
+    assert torch.isfinite(partial).all()
+    exact = wide[:, :300].double() @ w.double().T
+    assert ((partial.double().sum(0) - exact).abs().max() / exact.abs().max()).item() < 1e-6
+    assert partial.shape[0] == 2 and bool((partial != 0).any(-1).all())

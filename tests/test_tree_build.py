@@ -148,6 +148,29 @@ def test_triton_input_ranking_paths_agree(vocab: int, dtype: torch.dtype) -> Non
 
 
 @needs_kernel
+def test_triton_reads_inputs_of_any_strides() -> None:
+    """Log-probs whose vocabulary stride is not 1 (a permuted view, ranked in the kernel), and a
+    handed-over top-k (``top=``) as non-contiguous views: the torch builder's trees."""
+    gen = torch.Generator().manual_seed(21)
+    lp = random_logprobs(gen, 2, 3, 40)
+    strided = lp.permute(0, 2, 1).contiguous().permute(0, 2, 1)   # the same values, stride(-1) == depth
+    roots = torch.randint(0, 40, (2,), generator=gen)
+    want = build_trees(lp, 8, roots, backend="torch")
+    out = tb.tree_build_triton(strided.to(DEVICE), 8, roots.to(DEVICE))
+    for name in FIELDS:
+        assert torch.equal(getattr(out, name).cpu(), getattr(want, name)), name
+    big = random_logprobs(gen, 2, 3, 300)
+    roots = torch.randint(0, 300, (2,), generator=gen)
+    v, t = big.topk(8, dim=-1)
+    top = tuple(x.permute(0, 2, 1).contiguous().permute(0, 2, 1).to(DEVICE) for x in (v, t))
+    assert not top[0].is_contiguous()
+    want = build_trees(big, 8, roots, backend="torch")
+    out = tb.tree_build_triton(big.to(DEVICE), 8, roots.to(DEVICE), top=top)
+    for name in FIELDS:
+        assert torch.equal(getattr(out, name).cpu(), getattr(want, name)), name
+
+
+@needs_kernel
 @pytest.mark.parametrize("case", ["chain_past_budget", "certain_then_flat"])
 def test_triton_pruning_bound_is_tight(case: str) -> None:
     """Trees whose selected nodes sit exactly on the pruning bound: one step tighter loses them.

@@ -62,6 +62,16 @@ def test_the_log_sum_exp_of_a_depth_slice_is_read_in_place() -> None:
 
 
 @needs_kernel
+def test_rows_with_a_non_unit_vocab_stride() -> None:
+    """A transposed view, [4, 3000] with strides (1, 4): its log-sum-exp and top-k as the reference's."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(3000, 4, generator=g) * 3).t()
+    got = vt.row_logsumexp(logits.to(DEVICE)).cpu()
+    assert torch.allclose(got.double(), torch.logsumexp(logits.double(), -1), atol=1e-5, rtol=0)
+    _check(logits, 16)
+
+
+@needs_kernel
 def test_a_nan_logit_makes_its_row_nan_as_log_softmax_does() -> None:
     x = torch.randn(2, 500)
     x[0, 7] = float("nan")
