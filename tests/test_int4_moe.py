@@ -55,6 +55,12 @@ CASES: dict[str, dict] = {
     "split_k_bf16": dict(M=7, top_k=2, dtype="bfloat16", cfg=dict(SMALL, gu_split_k=2, swap_ab=False, reduce="atomic"), tol=3e-2),
     # top_k 1: no reduction over slots
     "top1": dict(M=3, top_k=1, cfg=dict(SMALL, swap_ab=False), tol=1e-5),
+    # every expert chosen by every token (the last ones too: their scales are real here), hidden a
+    # multiple of down's K step and intermediate not (the other cases have both or neither), and
+    # hidden states a column slice of a wider tensor (row stride 152, not 128)
+    "every_expert_strided_x": dict(M=3, top_k=8, K=128, every_expert=True, x_pad=24, cfg=dict(SMALL), tol=1e-5),
+    # gate/up asked to split K four ways where 96 holds two 64-wide steps: it splits two ways
+    "split_k_past_the_steps": dict(M=4, top_k=2, K=96, I=64, cfg=dict(SMALL, gu_block_k=64, gu_split_k=4), tol=1e-5),
 }
 # GEMV path (cfg.gemv): name -> case parameters (see _run_gemv_case). Each case also runs the
 # tensor-core path (SMALL) on the same inputs; with fp32 activations the two agree to fp32 rounding.
@@ -66,6 +72,8 @@ GEMV_CASES: dict[str, dict] = {
     "gemv_hot_dup": dict(M=4, top_k=3, hot=2, dup=True, ids_dtype="int32", gv=(64, 256, 4, 2), gvd=(128, 128, 2, 3), tol=1e-5),
     # block_n 4 / 8, group 64, even K on both kernels (no masks)
     "gemv_small_blocks_group64": dict(M=1, top_k=2, group=64, K=128, I=64, gv=(4, 128, 2, 1), gvd=(8, 64, 4, 1), tol=1e-5),
+    # hidden states a column slice of a wider tensor (the argument check asks only a unit last stride)
+    "gemv_strided_x": dict(M=3, top_k=2, K=64, I=64, x_pad=24, gv=(32, 64, 4, 1), gvd=(64, 64, 4, 1), tol=1e-5),
     "gemv_bf16_fp16_scales": dict(M=3, top_k=2, dtype="bfloat16", scale_dtype="float16", gv=(64, 128, 4, 1), gvd=(64, 64, 4, 1), tol=3e-2),
     "gemv_fp16": dict(M=2, top_k=2, dtype="float16", gv=(32, 256, 4, 1), gvd=(128, 128, 4, 1), tol=2e-3),
     # the served launch at K2 TP8 M=1: one row a program on one warp, pipelined down. Intermediate 64
@@ -78,7 +86,8 @@ GEMV_CASES: dict[str, dict] = {
 # its GEMV run and reports m1_default_config's row from it; should the default at M=1 ever stop being
 # that launch, both run, each with its own config (``_run_gemv_case``).
 DEFAULT_CONFIG_CASE = {"gemv_served_m1": "m1_default_config"}
-ALIGN_CASES = {"align_m1": (1, 8, 4, 16), "align_random": (50, 16, 3, 16), "align_hot": (40, 6, 2, 8), "align_wide": (300, 384, 8, 64)}
+ALIGN_CASES = {"align_m1": (1, 8, 4, 16), "align_random": (50, 16, 3, 16), "align_hot": (40, 6, 2, 8), "align_wide": (300, 384, 8, 64),
+               "align_one_each": (40, 40, 1, 16)}   # more experts than block rows, one assignment each: the padding bound is tight
 
 
 def _rand_int4(E: int, out_f: int, in_f: int, group: int, scale_dtype, g):
@@ -93,18 +102,21 @@ def _rand_int4(E: int, out_f: int, in_f: int, group: int, scale_dtype, g):
 
 
 def _inputs(name: str, M: int, top_k: int, dtype: str = "float32", scale_dtype: str = "bfloat16", group: int = 32,
-            K: int = 160, I: int = 96, E: int = 8, hot: int | None = None, dup: bool = False):
+            K: int = 160, I: int = 96, E: int = 8, hot: int | None = None, dup: bool = False, every_expert: bool = False,
+            x_pad: int = 0):
     """Random stacks, hidden states and a routing over experts ``0 .. E-3`` (the last two: NaN scales).
 
     ``hot``: every row holds that expert once, in a random slot. ``dup``: every other row holds one
     expert twice (``hot`` where given, else its slot-0 expert; the next slot takes the copy).
+    ``every_expert``: the routing is over all E experts (no NaN scales). ``x_pad``: the hidden
+    states are the first K columns of a [M, K + x_pad] tensor.
     """
     import torch
 
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     sdt, dt = getattr(torch, scale_dtype), getattr(torch, dtype)
     wg, wu, wd = (_rand_int4(E, o, i, group, sdt, g) for o, i in ((I, K), (I, K), (K, I)))
-    chosen = E - 2  # experts chosen-from: 0..E-3
+    chosen = E if every_expert else E - 2  # experts chosen-from: 0..E-3
     if hot is None:
         ids = torch.stack([torch.randperm(chosen, generator=g)[:top_k] for _ in range(M)])  # [M, k] distinct per row
     else:  # every row holds `hot` once, in a random slot
@@ -120,7 +132,7 @@ def _inputs(name: str, M: int, top_k: int, dtype: str = "float32", scale_dtype: 
             ids[r, (ids[r].tolist().index(e) + 1) % top_k] = e
     for w in (wg, wu, wd):
         w.scale[chosen:] = float("nan")  # never-chosen experts: any read poisons the output
-    x = torch.randn(M, K, generator=g).to(dt)  # [M, K]
+    x = torch.randn(M, K + x_pad, generator=g).to(dt)[:, :K]  # [M, K], row stride K + x_pad
     tw = torch.rand(M, top_k, generator=g)  # [M, k]
     return x, wg, wu, wd, ids, tw
 
@@ -230,6 +242,8 @@ def _run_align(name: str, M: int, E: int, top_k: int, block_m: int) -> dict:
     if name == "align_hot":
         ids[:, 0] = 1
         ids[:, 1] = torch.where(ids[:, 1] == 1, 2, ids[:, 1])
+    if name == "align_one_each":
+        ids = torch.randperm(E, generator=g).view(M, top_k)   # [E, 1]: every expert once
     al = int4_moe_align(ids, E, block_m)
     A = ids.numel()
     flat = ids.view(-1)
@@ -303,6 +317,30 @@ def _run_k_order() -> dict:
     except ValueError:
         pass
     return dict(name="k_order", errors=errors)
+
+
+def _run_host_paths() -> dict:
+    """The host code around the launches: routing weights of another shape than the ids are refused,
+    and the sum over top-k of the per-assignment rows covers a hidden size past its 1024-wide block."""
+    import torch
+
+    from kernels.int4_moe import Int4MoEConfig, _finish_down, fused_int4_moe
+
+    errors = []
+    x, wg, wu, wd, ids, tw = _inputs("host_paths", 2, 2, K=64, I=64)
+    try:
+        fused_int4_moe(x, wg, wu, wd, ids, tw[:, :1], group_size=32, config=Int4MoEConfig(**SMALL))
+        errors.append("routing weights [M, 1] for ids [M, 2] were taken")
+    except AssertionError as exc:
+        if "topk_weights" not in str(exc):
+            errors.append(f"the refusal does not name topk_weights: {exc}")
+    M, top_k, K = 3, 4, 1100
+    rows = torch.randn(M * top_k, K, generator=torch.Generator().manual_seed(21))  # [A, K]
+    with _nan_empty():
+        summed = _finish_down(rows, False, torch.float32, M, top_k, K)  # [M, K]
+    if not torch.allclose(summed.double(), rows.double().view(M, top_k, K).sum(1), rtol=1e-6, atol=1e-6):
+        errors.append("the top-k sum at K = 1100 differs from the rows' sum (columns past 1024 unwritten?)")
+    return dict(name="host_paths", errors=errors)
 
 
 def _run_config_spec() -> dict:
@@ -396,7 +434,7 @@ def _job_keys() -> list[str]:
     shared = set(DEFAULT_CONFIG_CASE.values())  # run by their GEMV case
     gemv = sorted(GEMV_CASES, key=lambda n: n != "gemv_served_m1")
     return ([f"gemv:{n}" for n in gemv] + ["k_order"] + [f"case:{n}" for n in CASES if n not in shared]
-            + [f"align:{n}" for n in ALIGN_CASES] + ["config_spec", "sweep_helpers"])
+            + [f"align:{n}" for n in ALIGN_CASES] + ["config_spec", "sweep_helpers", "host_paths"])
 
 
 def _job(key: str) -> list[dict]:
@@ -408,7 +446,8 @@ def _job(key: str) -> list[dict]:
         return _run_gemv_case(name, **GEMV_CASES[name])
     if kind == "align":
         return [_run_align(name, *ALIGN_CASES[name])]
-    return [{"k_order": _run_k_order, "config_spec": _run_config_spec, "sweep_helpers": _run_sweep_helpers}[kind]()]
+    return [{"k_order": _run_k_order, "config_spec": _run_config_spec, "sweep_helpers": _run_sweep_helpers,
+             "host_paths": _run_host_paths}[kind]()]
 
 
 def _worker_init() -> None:
@@ -512,6 +551,10 @@ def test_int4_moe_config_spec(results: dict[str, dict]) -> None:
 
 def test_gemv_sweep_helpers(results: dict[str, dict]) -> None:
     assert results["sweep_helpers"]["errors"] == [], results["sweep_helpers"]["errors"]
+
+
+def test_int4_moe_host_paths(results: dict[str, dict]) -> None:
+    assert results["host_paths"]["errors"] == [], results["host_paths"]["errors"]
 
 
 def test_gemv_sweep_dry_run(dry_run: tuple[subprocess.Popen, Path, Path]) -> None:

@@ -70,6 +70,22 @@ def test_add_rms_norm_matches_the_two_steps(rows, n, dtype):
         torch.testing.assert_close(normed, rms_norm_triton(total_d, wd, 1e-6).cpu(), rtol=0, atol=0)
 
 
+def test_add_rms_norm_of_rows_at_three_row_strides() -> None:
+    """x, residual and the float32 copy each a column slice of a wider tensor, each its own row
+    stride (only their last dim must be contiguous)."""
+    g = torch.Generator().manual_seed(31)
+    rows, n = 4, 48
+    x = (3 * torch.randn(rows, n + 8, generator=g)).to(DEV)[:, :n]    # row stride 56
+    r = (2 * torch.randn(rows, n + 3, generator=g)).to(DEV)[:, 3:]    # row stride 51
+    w = (1 + 0.3 * torch.randn(n, generator=g)).to(DEV)
+    f32 = torch.full((rows, n + 5), float("nan"), device=DEV)[:, :n]   # row stride 53
+    total, normed = add_rms_norm_triton(x, r, w, 1e-6, f32)
+    want_total, want_normed = add_rms_norm_reference(x.cpu(), r.cpu(), w.cpu(), 1e-6)
+    assert torch.equal(total.cpu(), want_total)
+    torch.testing.assert_close(normed.cpu(), want_normed, rtol=1e-5, atol=1e-5)
+    assert torch.equal(f32, normed)
+
+
 def test_add_rms_norm_dispatch_and_refusals():
     g = torch.Generator().manual_seed(5)
     x, r, w = torch.randn(3, 16, generator=g), torch.randn(3, 16, generator=g), torch.rand(16, generator=g)

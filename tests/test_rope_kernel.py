@@ -76,6 +76,25 @@ def test_strided_views_and_out_slices():
     assert torch.equal(apply_rope(q[..., nope:], cos, sin), q_pe)
 
 
+def test_rope_into_a_padded_3d_out_with_sin_strided_apart_from_cos() -> None:
+    """[N, R, d] rows into a slice of a wider [N, R, d + 16] tensor (row stride d + 16, not d), with
+    cos contiguous (row stride d) and sin a column slice (row stride d + 7)."""
+    g = torch.Generator().manual_seed(51)
+    N, R, d = 3, 4, 16
+    x = 3 * torch.randn(N, R, d, generator=g)
+    table = torch.rand(N, 3 * d, generator=g) * 6.3
+    cos, sin = table[:, :d].cos(), table[:, d + 5:2 * d + 5].sin()
+    sin_wide = torch.full((N, d + 7), float("nan"))
+    sin_wide[:, 7:] = sin
+    wide = torch.full((N, R, d + 16), float("nan"), device=DEV)
+    sin_d = sin_wide.to(DEV)[:, 7:]   # the views are taken on DEV (.to of a view would pack it)
+    rope_interleaved_triton(x.to(DEV), cos.to(DEV), sin_d, out=wide[..., 8:8 + d])
+    wide = wide.cpu()
+    want = apply_rope_interleaved(x.double(), cos.double().unsqueeze(1), sin.double().unsqueeze(1))
+    torch.testing.assert_close(wide[..., 8:8 + d].double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.isnan(wide[..., :8]).all() and torch.isnan(wide[..., 8 + d:]).all()
+
+
 def test_bad_shapes_are_refused():
     x, cos, sin = _inputs(2, 2, 8, torch.float32, seed=1)
     with pytest.raises(ValueError, match="cos/sin"):

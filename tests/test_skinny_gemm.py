@@ -67,6 +67,20 @@ def test_batched_strided_views_and_out() -> None:
     _close(out.transpose(0, 1).cpu(), latent.transpose(0, 1).double() @ w_uv.double().transpose(1, 2))
 
 
+def test_x_with_a_strided_k_dim_and_a_batched_split_k() -> None:
+    """x at any strides (the module's contract): the transpose of a [K, M] tensor, K stride M. And
+    a batched product split over K (the batched test above never splits): each batch entry's tiles
+    keep counters and partials of their own."""
+    g = torch.Generator().manual_seed(41)
+    M, N, K = 5, 40, 300
+    x = torch.randn(K, M, generator=g).bfloat16()
+    w = torch.randn(N, K, generator=g).bfloat16()
+    _close(sg.skinny_linear_triton(x.to(DEV).T, w.to(DEV), plan=(16, 128, 2)), x.T.double() @ w.double().T)
+    xb = torch.randn(3, 2, 1024, generator=g).bfloat16()
+    wb = torch.randn(3, 40, 1024, generator=g).bfloat16()
+    _close(sg.skinny_linear_triton(xb.to(DEV), wb.to(DEV), plan=(16, 128, 4)), torch.bmm(xb.double(), wb.double().transpose(1, 2)))
+
+
 @pytest.mark.parametrize("split", [1, 4])
 def test_add_to_in_place(split: int) -> None:
     g = torch.Generator().manual_seed(3)
