@@ -24,14 +24,14 @@ import torch
 from structlog.testing import capture_logs
 
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc, scheduler_pb2, verifier_pb2, verifier_pb2_grpc
+from services.common.grpc_server import ServiceError
 from services.common.make_checkpoint import make_random_checkpoint
 from services.common.metrics import Metrics
-from services.common.grpc_server import ServiceError
 from services.common.settings import DraftSettings, SchedulerSettings, SettingsError, VerifierSettings
 from services.common.transport import InlineWriter
+from services.draft import server as draft_server
 from services.draft.engine import DraftEngine
 from services.draft.proposer import load_proposer
-from services.draft import server as draft_server
 from services.draft.server import DraftServicer, _reconnect_when_lost, enable_propose_graphs
 from services.draft.verifier_client import VerifierClient
 from services.scheduler.draft_link import DraftLink, StepFailed
