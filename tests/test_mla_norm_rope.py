@@ -38,6 +38,24 @@ def test_equals_the_separate_launches(n, q_rows, kvr, rope, dtype):
     assert torch.equal(new_kv, want_kv)           # every element written (the NaN poison is gone)
 
 
+def test_new_kv_and_sin_at_their_own_row_strides():
+    """``new_kv`` a column slice of a wider tensor (row stride kvr + rope + 8), and sin a slice at
+    another row stride than cos: the same rows as the separate launches, nothing outside written."""
+    n, q_rows, kvr, rope = 3, 96, 64, 16
+    q_kv, q_w, kv_w, cos, _ = _inputs(n, q_rows, kvr, rope, torch.float32, seed=7)
+    sin_wide = torch.randn(n, rope + 5, generator=torch.Generator().manual_seed(8)).to(DEV)
+    sin = sin_wide[:, 5:]                                              # row stride rope + 5, cos's is rope
+    wide = torch.full((n, kvr + rope + 8), float("nan"), device=DEV)
+    new_kv = wide[:, 4:-4]
+    q = mla_norm_rope(q_kv, q_rows, q_w, kv_w, cos, sin, 1e-6, new_kv)
+    want_kv = torch.empty(n, kvr + rope, device=DEV)
+    rms_norm_triton(q_kv[:, q_rows:q_rows + kvr], kv_w, 1e-6, out=want_kv[:, :kvr])
+    rope_interleaved_triton(q_kv[:, q_rows + kvr:], cos, sin.contiguous(), out=want_kv[:, kvr:])
+    assert torch.equal(q, rms_norm_triton(q_kv[:, :q_rows], q_w, 1e-6))
+    assert torch.equal(new_kv, want_kv)
+    assert torch.isnan(wide[:, :4]).all() and torch.isnan(wide[:, -4:]).all()
+
+
 def test_without_a_q_lora_only_the_kv_part():
     q_kv, _, kv_w, cos, sin = _inputs(4, 72, 32, 16, torch.float32, seed=3)
     new_kv = torch.full((4, 48), float("nan"), device=DEV)
