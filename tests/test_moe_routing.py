@@ -23,6 +23,7 @@ def select(logits: torch.Tensor, bias: torch.Tensor, *args, **kwargs) -> tuple[t
     ids, weights = select_experts_triton(logits.to(DEV), bias.to(DEV), *args, **kwargs)
     return ids.cpu(), weights.cpu()
 
+
 def demo_config() -> TargetConfig:
     """The demo model's router: 16 experts in 4 groups, 2 groups kept, 4 experts a token."""
     return TargetConfig.from_hf(json.loads((Path(__file__).resolve().parent.parent / "models" / "demo"
@@ -153,7 +154,6 @@ def test_impossible_configs_are_refused(args, match):
 
 def test_route_takes_the_float32_upcast_it_is_given():
     # the norm before the MoE hands the router its input upcast already: the same routing
-
     cfg = demo_config()
     g = torch.Generator().manual_seed(8)
     E, hid = cfg.n_routed_experts, cfg.hidden_size
@@ -256,7 +256,6 @@ def test_partials_are_added_lo_part_first_then_chunk_by_chunk():
 def test_chunked_partial_logits_and_route_with_parts():
     # router_partial_logits: [chunks, N, 3E] over chunks of the hidden dims (float32 bmm off CUDA);
     # the kernel adds part by part (smallest first), chunk by chunk; route uses them for bf16 input
-
     cfg = demo_config()
     g = torch.Generator().manual_seed(9)
     E, hid = cfg.n_routed_experts, cfg.hidden_size
