@@ -17,6 +17,7 @@ from ddtree.v1 import draft_pb2, draft_pb2_grpc
 from services.common.grpc_server import IdleStreams, ServiceError
 from services.draft.server import DraftServicer, _said_after_stream_end
 from services.scheduler.draft_link import DraftLink, StepFailed
+from tests.test_batcher import until
 
 
 class Draft(draft_pb2_grpc.DraftServicer):
@@ -247,10 +248,7 @@ def test_a_step_runs_to_its_end_when_the_scheduler_gives_up_on_its_stream():
                 assert started.is_set() and finished == []
                 await asyncio.sleep(0.1)
                 release.set()
-                for _ in range(50):
-                    if finished:
-                        break
-                    await asyncio.sleep(0.02)
+                await until(lambda: finished, within_s=1.0)
                 return finished
             finally:
                 link.close()
@@ -592,10 +590,7 @@ def test_a_stream_clean_up_runs_to_its_end_when_the_handler_is_cancelled_again()
             await asyncio.wait_for(entered.wait(), 2)   # its clean-up waits
             await server.stop(0)                        # and the server stops under it
             gate.set()
-            for _ in range(50):
-                if ended:
-                    break
-                await asyncio.sleep(0.02)
+            await until(lambda: ended, within_s=1.0)
             return ended
         finally:
             await channel.close()
