@@ -276,6 +276,99 @@ def test_a_depth_cap_runs_the_kernel_of_the_full_depth(monkeypatch) -> None:
         assert len({seen[(budget, cap)] for cap in (None, *range(1, 16))}) == 1, budget
 
 
+@pytest.fixture
+def no_launch(monkeypatch) -> list[int]:
+    """The kernel replaced by a stub that notes each launch's budget: the host's checks alone."""
+    launched: list[int] = []
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *args, **options: launched.append(args[-1])   # the last argument is BUDGET
+
+    monkeypatch.setattr(tb, "_tree_build_kernel", Launch())
+    return launched
+
+
+@pytest.mark.parametrize("budget", [0, 129, 200])
+def test_a_budget_outside_1_to_128_is_refused(no_launch: list[int], budget: int) -> None:
+    """The kernel's pads and registers are sized for 128 nodes at most."""
+    logprobs = random_logprobs(torch.Generator().manual_seed(budget), 1, 2, 8)
+    with pytest.raises(AssertionError, match="budget must be in 1..128"):
+        tb.tree_build_triton(logprobs, budget, torch.zeros(1, dtype=torch.int64))
+    assert no_launch == []
+
+
+def test_a_depth_cap_of_zero_is_refused(no_launch: list[int]) -> None:
+    logprobs = random_logprobs(torch.Generator().manual_seed(5), 2, 3, 8)
+    with pytest.raises(AssertionError, match="at least one depth"):
+        tb.tree_build_triton(logprobs, 8, torch.zeros(2, dtype=torch.int64), max_depth=0)
+    assert no_launch == []
+
+
+def test_top_is_refused_for_a_vocabulary_the_kernel_ranks(no_launch: list[int]) -> None:
+    """At or below SORT_VOCAB_MAX tokens the kernel ranks each row itself: a caller's ``top`` would
+    be ignored, and written over in place."""
+    logprobs = random_logprobs(torch.Generator().manual_seed(6), 2, 3, 40)
+    values, tokens = logprobs.topk(8, dim=-1)
+    with pytest.raises(AssertionError, match="top: for vocabularies above"):
+        tb.tree_build_triton(logprobs, 8, torch.zeros(2, dtype=torch.int64),
+                             top=(values.contiguous(), tokens.contiguous()))
+    assert no_launch == []
+
+
+def test_float64_log_probs_and_a_top_not_in_float32_are_refused(no_launch: list[int]) -> None:
+    """The kernel scores in float32: float64 inputs belong to the torch builder, and a bf16 ``top``
+    would round the scores (and compile another kernel)."""
+    gen = torch.Generator().manual_seed(7)
+    with pytest.raises(AssertionError, match="dtype"):
+        tb.tree_build_triton(random_logprobs(gen, 2, 3, 40).double(), 8, torch.zeros(2, dtype=torch.int64))
+    big = random_logprobs(gen, 2, 3, 300)
+    values, tokens = big.topk(8, dim=-1)
+    with pytest.raises(AssertionError):
+        tb.tree_build_triton(big, 8, torch.zeros(2, dtype=torch.int64), top=(values.to(torch.bfloat16), tokens))
+    assert no_launch == []
+
+
+@needs_kernel
+def test_top_of_the_depths_a_budget_reaches_without_a_cap() -> None:
+    """A tree of ``budget`` nodes is at most ``budget`` deep: with more depths than that and no
+    ``max_depth``, ``top`` covers the first ``budget`` depths and the trees are the torch builder's."""
+    gen = torch.Generator().manual_seed(20)
+    budget, depth_limit, vocab = 4, 6, 300
+    logprobs = random_logprobs(gen, 2, depth_limit, vocab)
+    roots = torch.randint(0, vocab, (2,), generator=gen)
+    values, tokens = logprobs[:, :budget].topk(budget, dim=-1)
+    got = tb.tree_build_triton(logprobs.to(DEVICE), budget, roots.to(DEVICE),
+                               top=(values.contiguous().to(DEVICE), tokens.contiguous().to(DEVICE)))
+    want = build_trees(logprobs, budget, roots, backend="torch")
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f).cpu(), getattr(want, f)), f
+
+
+@needs_kernel
+def test_scores_one_ulp_apart_rank_in_float_order() -> None:
+    """The packed sort keys keep every bit of a score: two log-probs one ulp apart, both above the
+    rest of their row, rank as floats do in the kernel's row sort and in its level and global sorts."""
+    gen = torch.Generator().manual_seed(35)
+    num_req, depth, vocab, budget = 2, 3, 8, 3
+    logprobs = random_logprobs(gen, num_req, depth, vocab)
+    for r in range(num_req):
+        for d in range(depth):
+            row_max = logprobs[r, d].max().view(torch.int32)
+            hi = ((row_max - 2) & ~1).view(torch.float32)              # an even bit pattern above the row's max
+            lo = (hi.view(torch.int32) + 1).view(torch.float32)       # one ulp below it
+            assert float(logprobs[r, d].max()) < float(lo) < float(hi) < 0
+            logprobs[r, d, (r + d) % vocab], logprobs[r, d, (r + d + 3) % vocab] = hi, lo
+    roots = torch.randint(0, vocab, (num_req,), generator=gen)
+    got = tb.tree_build_triton(logprobs.to(DEVICE), budget, roots.to(DEVICE))
+    want = build_trees(logprobs, budget, roots, backend="torch")
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f).cpu(), getattr(want, f)), f
+    got_cpu = tb.TreeBuildOutput(*(getattr(got, f).cpu() for f in FIELDS))
+    for r in range(num_req):
+        assert tree_paths(got_cpu, r) == set(build_tree_heapq(logprobs[r], budget))
+
+
 @needs_kernel
 @pytest.mark.parametrize("budget,cap,vocab", [(8, 2, 50), (16, 3, 16), (5, 1, 300)])
 def test_a_depth_cap_builds_the_trees_of_the_capped_rows(budget: int, cap: int, vocab: int) -> None:
