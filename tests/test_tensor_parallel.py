@@ -334,9 +334,10 @@ def test_rank_0_gives_up_on_ranks_that_never_check_in_with_deadline_exceeded():
     assert time.monotonic() - t0 < 5
 
 
-def _align_rank(rank: int, port: int, join_lag_s: float, load_lag_s: float, timeout_s: float, out) -> None:
+def _align_rank(rank: int, size: int, port: int, join_lag_s: float, load_lag_s: float, timeout_s: float,
+                out) -> None:
     time.sleep(join_lag_s)   # this rank's process starts later (a busy host)
-    tp = TensorParallel(rank, 2, f"tcp://127.0.0.1:{port}", backend="gloo", timeout_s=timeout_s)
+    tp = TensorParallel(rank, size, f"tcp://127.0.0.1:{port}", backend="gloo", timeout_s=timeout_s)
     time.sleep(load_lag_s)   # this rank's weights take longer to load
     tp.align()
     try:
@@ -356,13 +357,30 @@ def test_ranks_that_start_and_load_at_different_speeds_meet_before_their_first_t
 
     spawn = mp.get_context("spawn")
     out, port = spawn.Queue(), free_port()
-    procs = [spawn.Process(target=_align_rank, args=(rank, port, join_lag, load_lag, 1.0, out))
+    procs = [spawn.Process(target=_align_rank, args=(rank, 2, port, join_lag, load_lag, 1.0, out))
              for rank, join_lag, load_lag in ((0, 0.0, 2.5), (1, 2.5, 0.0))]
     for p in procs:
         p.start()
     for p in procs:
         p.join(60)
     assert sorted(out.get(timeout=5) for _ in procs) == [(0, ("call", 0)), (1, ("call", 0))]
+
+
+def test_no_worker_is_let_go_before_the_last_rank_has_loaded():
+    """Three ranks, rank 2 done loading 5 s after the others, a 2 s timeout: rank 0 lets the
+    workers go once every rank has checked in. A worker let go as soon as rank 0 arrived would
+    wait in the first call for rank 0, itself still waiting for rank 2, and time out (two ranks
+    cannot show this: rank 0's arrival is then the last one)."""
+
+    spawn = mp.get_context("spawn")
+    out, port = spawn.Queue(), free_port()
+    procs = [spawn.Process(target=_align_rank, args=(rank, 3, port, 0.0, load_lag, 2.0, out))
+             for rank, load_lag in ((0, 0.0), (1, 0.0), (2, 5.0))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert sorted(out.get(timeout=5) for _ in procs) == [(0, ("call", 0)), (1, ("call", 0)), (2, ("call", 0))]
 
 
 def _rank_alone_in_a_call(rank: int, port: int, out) -> None:
@@ -556,6 +574,12 @@ def test_the_stop_call_goes_to_the_workers_once_and_nothing_follows_it():
     (torch.AcceleratorError("CUDA error: device-side assert triggered") if hasattr(torch, "AcceleratorError")
      else RuntimeError("CUDA error: device-side assert triggered"), True),
     (RuntimeError("Triton Error [CUDA]: misaligned address"), True),
+    (RuntimeError("Triton Error [CUDA]: unspecified launch failure"), True),
+    (RuntimeError("CUDA error: an illegal instruction was encountered"), True),
+    (RuntimeError("CUDA error: uncorrectable ECC error encountered"), True),
+    (RuntimeError("CUDA error: hardware stack error"), True),
+    (RuntimeError("CUDA error: invalid program counter"), True),
+    (RuntimeError("CUDA error: the launch timed out and was terminated"), True),
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
     (RuntimeError("CUDA error: invalid configuration argument"), False),   # that launch's alone
     (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), False),
@@ -752,6 +776,24 @@ def test_workers_take_rank_0s_settings_not_their_own_reading() -> None:
     assert settings_from_json(seen["env"][SETTINGS_ENV]) == s
 
 
+def test_workers_start_in_their_own_session_naming_rank_0s_pid(monkeypatch) -> None:
+    """A Ctrl-C to rank 0's process group must reach rank 0 alone (it stops its workers in order),
+    and each worker compares ``--parent-pid`` with its own parent to exit when rank 0 is gone."""
+
+    calls = []
+
+    class Popen:
+        def __init__(self, cmd, **kwargs):
+            calls.append((cmd, kwargs))
+
+    monkeypatch.setattr(ranks_module.subprocess, "Popen", Popen)
+    spawn_workers(VerifierSettings(tp=3, device="cpu"), None, "tcp://127.0.0.1:1")
+    assert [cmd[cmd.index("--rank") + 1] for cmd, _ in calls] == ["1", "2"]
+    for cmd, kwargs in calls:
+        assert kwargs.get("start_new_session") is True
+        assert cmd[cmd.index("--parent-pid") + 1] == str(os.getpid())
+
+
 def test_a_start_up_rank_0_settles_itself_is_left_to_it() -> None:
     """A worker that died of the error rank 0 is about to raise (its KV cache does not fit) must
     leave rank 0's error, which names the setting, not end the start as "rank N exited"."""
@@ -785,3 +827,29 @@ def test_sharded_argmax_takes_the_lowest_index_of_a_tie_and_marks_rows_not_finit
     for p in procs:
         p.join(60)
     assert sorted(out.get(timeout=5) for _ in procs) == [(0, [1, 2, -1, -1]), (1, [1, 2, -1, -1])]
+
+
+# Every entry distinct: a slice out of place or repeated changes the gathered row.
+_FULL_LOGITS = torch.randn(4, 6, generator=torch.Generator().manual_seed(11))
+
+
+def _gather_rank(rank: int, size: int, port: int, out) -> None:
+    tp = TensorParallel(rank, size, f"tcp://127.0.0.1:{port}", backend="gloo", timeout_s=30)
+    tp.align()
+    per = _FULL_LOGITS.shape[1] // size
+    out.put((rank, tp.gather_logits(_FULL_LOGITS[:, rank * per:(rank + 1) * per]).tolist()))   # a strided view
+    tp.close()
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_gather_logits_puts_the_vocabulary_slices_back_in_rank_order(size: int) -> None:
+    spawn = mp.get_context("spawn")
+    out, port = spawn.Queue(), free_port()
+    procs = [spawn.Process(target=_gather_rank, args=(rank, size, port, out)) for rank in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert sorted(out.get(timeout=5) for _ in procs) == [(rank, _FULL_LOGITS.tolist()) for rank in range(size)]
+    logits = torch.randn(3, 5)
+    assert TensorParallel(0, 1).gather_logits(logits) is logits
