@@ -116,7 +116,8 @@ def test_tp2_and_tp4_equal_tp1_and_outlast_idle_time_and_bad_input(ckpt):
     start is mostly one process importing at a time, so two cores start three stacks in about the
     time of the slowest. Each is queried and stopped as before. TP=2 is first left idle longer
     than its collectives' timeout, and every stack gets a second draft's bad input between two
-    rounds of queries: the group stays up and in step, and its own draft's outputs are unchanged."""
+    rounds of queries: the group stays up and in step, and its own draft's outputs are unchanged.
+    At every TP, greedy DDTree gives the group's own greedy autoregressive tokens."""
     tps = (1, 2, 4)
     stacks = {tp: Stack(_tp_spec(ckpt, tp)) for tp in tps}
     # The workers wait for rank 0's next call in a collective that times out like any other (an
@@ -135,6 +136,7 @@ def test_tp2_and_tp4_equal_tp1_and_outlast_idle_time_and_bad_input(ckpt):
             if tp == 2:
                 time.sleep(max(0.0, ready + idle_timeout_s + 2 - time.monotonic()))
             results[tp] = asyncio.run(_query(stack.scheduler_address))
+            assert results[tp][0] == results[tp][2], f"tp={tp}: greedy DDTree must be the same group's greedy decoding"
             asyncio.run(_bad_input(stack.address("verifier"), ckpt, internal_metadata(stack)))
             assert asyncio.run(_query(stack.scheduler_address)) == results[tp], f"tp={tp}"
             with Client(stack.scheduler_address) as c:
@@ -145,12 +147,15 @@ def test_tp2_and_tp4_equal_tp1_and_outlast_idle_time_and_bad_input(ckpt):
     assert results[2] == results[1] and results[4] == results[1]
 
 
-async def _query(address: str) -> tuple[list[list[int]], list[int]]:
+async def _query(address: str) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """Greedy DDTree, one sampled request, and greedy autoregressive decoding of the same prompts."""
     async with AsyncClient(address) as client:
         greedy = await asyncio.gather(*(client.generate(p, max_tokens=16, budget=8, ignore_eos=True)
                                         for p in PROMPTS[:6]))
         sampled = await client.generate(PROMPTS[0], max_tokens=16, temperature=1.0, seed=3, budget=8, ignore_eos=True)
-        return [g.token_ids for g in greedy], sampled.token_ids
+        ar = await asyncio.gather(*(client.generate(p, max_tokens=16, mode="autoregressive", ignore_eos=True)
+                                    for p in PROMPTS[:6]))
+        return [g.token_ids for g in greedy], sampled.token_ids, [a.token_ids for a in ar]
 
 
 async def _bad_input(verifier: str, ckpt, token: tuple[tuple[str, str], ...]) -> None:
