@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.lossless_stack import check_tp, parse_budgets
 from bench.matrix import ROW_KEYS, MatrixParams, run_matrix, stack_spec
 from services.common.launcher import Stack, StackSpec, free_port
 from tests.selection import selected_names
@@ -211,6 +212,16 @@ def test_the_spawned_stack_runs_the_draft_replicas_asked_for() -> None:
     spec, draft_metrics, _ = stack_spec(p, "models/demo", "cpu", "float32", draft_replicas=2)
     assert spec.draft_replicas == 2 and spec.extra_env["DDTREE_SCHEDULER_MAX_BATCH"] == "4"
     assert draft_metrics == f"127.0.0.1:{spec.extra_env['DDTREE_DRAFT_METRICS_PORT']}"   # the first replica's
+
+
+def test_lossless_stack_holds_each_budget_to_the_same_stacks_greedy_decoding(tmp_path, ckpt) -> None:
+    """T-lossless's served check: a row a budget, greedy DDTree against the stack's own greedy AR."""
+    assert parse_budgets("1-3,8,2") == [1, 2, 3, 8]
+    prompts = [[3 + (7 * i + 11 * j) % 200 for j in range(12)] for i in range(2)]
+    rows = check_tp(ckpt, 1, prompts, [1, 5], 8, "cpu", "float32", str(tmp_path / "stack.log"))
+    assert [(r["tp"], r["budget"], r["prompts"], r["identical_to_autoregressive"]) for r in rows] == \
+        [(1, 1, 2, 2), (1, 5, 2, 2)]
+    assert all(r["mean_acceptance"] >= 1 for r in rows)
 
 
 def _split_cmd(tmp: Path, ckpt: Path) -> list[str]:
