@@ -16,7 +16,8 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["on_input_device", "is_hopper", "capability_major", "interpreted", "tile_counters", "TILE_COUNTERS"]
+__all__ = ["on_input_device", "is_hopper", "capability_major", "interpreted", "fix_interpreter_scalars",
+           "tile_counters", "TILE_COUNTERS"]
 
 F = TypeVar("F", bound=Callable)
 TILE_COUNTERS = 1 << 14  # output tiles one launch may split over K (a counter each)
@@ -53,6 +54,31 @@ def interpreted() -> bool:
     """Whether Triton runs its CPU interpreter here (``TRITON_INTERPRET=1``), where libdevice calls
     such as IEEE ``exp`` or ``mul.rn`` do not exist; its numpy arithmetic needs none of them."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fix_interpreter_scalars() -> None:
+    """Makes Triton's interpreter turn a scalar argument into an index as later tritons do.
+
+    Triton 3.6 (torch 2.11's pin) holds a scalar argument as a one-element array and indexes with
+    ``int(array)``, which numpy 2.4 and later refuse for arrays of one dimension: under the interpreter
+    every loop to a run-time bound (``tl.range(0, K, ...)``) failed on such a host. Later tritons
+    squeeze the array first; this wraps the interpreter's tensor patch to do the same, once.
+    Its patches are undone last in, first out, so the tensor class gets its own attribute back.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "scalars_fixed", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.scalars_fixed = True
+    interpreter._patch_lang_tensor = patched
 
 
 def tile_counters(device: torch.device) -> torch.Tensor:
