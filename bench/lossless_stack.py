@@ -44,8 +44,7 @@ def check_tp(model: Path, tp: int, prompts: list[list[int]], budgets: list[int],
            "DDTREE_SCHEDULER_SPEC_MIN_ACCEPTANCE": "0"}
     rows = []
     spec = StackSpec(model_path=str(model), scheduler_port=0, extra_env=env, log_path=log_path)
-    with Stack(spec) as stack, \
-            Client(stack.scheduler_address) as client:
+    with Stack(spec) as stack, Client(stack.scheduler_address) as client:
         ar = [client.generate(p, max_tokens=max_tokens, mode="autoregressive", ignore_eos=True).token_ids
               for p in prompts]
         for budget in budgets:
@@ -81,8 +80,10 @@ def main() -> None:
                                 args.stack_log)]
     cuda = args.device.startswith("cuda")
     doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit) or "unknown",
-           "gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "copy_gbps": copy_gbps_on("cuda") if cuda else None,
-           "params": {"model": str(args.model), "prompts": len(prompts), "prompt_source": "heldout_prompts.json, first N",
+           "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
+           "copy_gbps": copy_gbps_on("cuda") if cuda else None,
+           "params": {"model": str(args.model), "prompts": len(prompts),
+                      "prompt_source": "heldout_prompts.json, first N",
                       "max_tokens": args.max_tokens, "budgets": budgets, "device": args.device, "dtype": args.dtype,
                       "deployment": "three-process stack (bench.lossless_stack)", "ignore_eos": True,
                       "spec_min_acceptance": 0,
