@@ -808,3 +808,25 @@ def test_serve_takes_settings_as_flags_over_the_environment_and_the_file(monkeyp
         err = capsys.readouterr().err
         assert err.startswith("ddtree serve scheduler: ") and needle in err and "s3cret" not in err, err
     assert len(seen) == 1
+
+
+def test_the_readme_command_synopsis_is_the_parsers() -> None:
+    """Each flag the README's command synopsis shows is one its command takes, and each flag of a
+    command but `bench` (whose synopsis points to `--help` for the rest) is shown: a flag renamed
+    or added in one place only would send a user to the wrong one."""
+    import argparse
+    import re
+
+    block = (REPO / "README.md").read_text().split("## Commands\n\n```\n", 1)[1].split("```", 1)[0]
+    shown: dict[str, set[str]] = {}
+    command = ""
+    for line in block.splitlines():
+        if m := re.match(r"ddtree (\S+)", line):
+            command = m.group(1)
+        shown.setdefault(command, set()).update(re.findall(r"--[a-z][a-z0-9-]*", line.split("#")[0]))
+    parsers = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(shown) == set(parsers), "a command missing from the synopsis, or one that no longer exists"
+    for command, flags in shown.items():
+        takes = {o for a in parsers[command]._actions for o in a.option_strings} - {"-h", "--help"}
+        assert flags <= takes, (command, flags - takes)
+        assert command == "bench" or takes <= flags, (command, takes - flags)
