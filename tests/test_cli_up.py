@@ -1,5 +1,5 @@
 """`ddtree up` start-up (a busy port, TLS names, the host, the timeout, a signal) and the one-line
-errors of `generate`, `bench` and `make-checkpoint`."""
+errors of `generate`, `bench` and `make-checkpoint`; the README's synopsis of every command's flags."""
 
 from __future__ import annotations
 
