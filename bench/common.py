@@ -146,15 +146,18 @@ def copy_gbps_on(device: str) -> float | None:
         return round(measure_copy_gbps(), 1)
 
 
-def write_result(out: str, commit: str | None, params: dict, rows: list) -> None:
+def write_result(out: str, commit: str | None, params: dict, rows: list, device: str = "cuda") -> None:
     """Write one ``bench/results`` file in the result-file schema (BENCHMARKS.md, "Result files"):
-    ``benchmark`` is the file's name without ``.json``, this GPU's name and copy bandwidth measured
-    now, the commit (``git_commit``), the params and the rows."""
+    ``benchmark`` is the file's name without ``.json``, the GPU's name and copy bandwidth measured
+    now ("cpu" and None for a ``device`` that is not CUDA), the commit (``git_commit``), the params
+    and the rows."""
     import json
     from pathlib import Path
 
-    doc = dict(benchmark=Path(out).stem, commit=git_commit(commit), gpu=torch.cuda.get_device_name(),
-               copy_gbps=copy_gbps_on("cuda"), params=params, rows=rows)
+    on_gpu = str(device).startswith("cuda")
+    doc = dict(benchmark=Path(out).stem, commit=git_commit(commit),
+               gpu=torch.cuda.get_device_name(torch.device(device)) if on_gpu else "cpu",
+               copy_gbps=copy_gbps_on(device), params=params, rows=rows)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1))

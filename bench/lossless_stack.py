@@ -19,9 +19,7 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
-from bench.common import copy_gbps_on, git_commit
+from bench.common import write_result
 from services.common.launcher import Stack, StackSpec
 from services.scheduler.client import Client
 
@@ -78,20 +76,13 @@ def main() -> None:
     rows = [row for tp in map(int, args.tp.split(","))
             for row in check_tp(args.model, tp, prompts, budgets, args.max_tokens, args.device, args.dtype,
                                 args.stack_log)]
-    cuda = args.device.startswith("cuda")
-    doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit) or "unknown",
-           "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
-           "copy_gbps": copy_gbps_on("cuda") if cuda else None,
-           "params": {"model": str(args.model), "prompts": len(prompts),
-                      "prompt_source": "heldout_prompts.json, first N",
-                      "max_tokens": args.max_tokens, "budgets": budgets, "device": args.device, "dtype": args.dtype,
-                      "deployment": "three-process stack (bench.lossless_stack)", "ignore_eos": True,
-                      "spec_min_acceptance": 0,
-                      "identical_to_autoregressive": "greedy DDTree vs greedy AR of the same stack, token for token",
-                      "mean_acceptance": "the server's per-request mean, averaged over the prompts"},
-           "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    params = {"model": str(args.model), "prompts": len(prompts), "prompt_source": "heldout_prompts.json, first N",
+              "max_tokens": args.max_tokens, "budgets": budgets, "device": args.device, "dtype": args.dtype,
+              "deployment": "three-process stack (bench.lossless_stack)", "ignore_eos": True,
+              "spec_min_acceptance": 0,
+              "identical_to_autoregressive": "greedy DDTree vs greedy AR of the same stack, token for token",
+              "mean_acceptance": "the server's per-request mean, averaged over the prompts"}
+    write_result(args.out, args.commit, params, rows, device=args.device)
     bad = [r for r in rows if r["identical_to_autoregressive"] != r["prompts"]]
     print(f"wrote {args.out}: {len(rows) - len(bad)} of {len(rows)} rows identical on every prompt", flush=True)
     raise SystemExit(1 if bad else 0)
