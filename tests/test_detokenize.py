@@ -164,14 +164,22 @@ def test_a_byte_fallback_tokenizer_keeps_the_texts_judgement() -> None:
 
 def test_a_stop_string_of_u_fffd_ends_on_the_token_that_wrote_it() -> None:
     """A stop string holding U+FFFD matches one the model wrote, not a character's first bytes:
-    the tokens kept end with the one that completed it, and a character cut short at the end
-    (max_tokens, an abort) leaves the reason as it was."""
+    the tokens kept end with the one that completed it (or showed that a character's first bytes
+    stay one), and a character cut short at the end (max_tokens, an abort) leaves the reason as it
+    was."""
     x, y = TOKENIZER.token_to_id("x"), TOKENIZER.token_to_id("y")
     ef, bf, bd, e4, b8 = (_byte_token(b) for b in (0xEF, 0xBF, 0xBD, 0xE4, 0xB8))
     for steps in ([[x], [ef, bf, bd], [y, y]], [[x], [ef, bf, bd, y, y]], [[x], [ef], [bf], [bd, y]], [[x, ef, bf, bd, y]]):
         req = _request(stop=("\ufffd",))
         text, ids, _ = _steps(req, steps)
         assert (text, ids, req.finish) == ("x", [x, ef, bf, bd], scheduler_pb2.FINISH_REASON_STOP), steps
+    # A lead byte the next token does not continue (C3, then "y") is a U+FFFD from then on: the
+    # stop is known with that token, which is kept, however the tokens came in steps.
+    fd, c3 = _byte_token(0xFD), _byte_token(0xC3)
+    for steps in ([[x], [fd, c3], [y, y]], [[x, fd, c3, y, y]], [[x], [fd], [c3], [y]], [[x, fd], [c3, y]]):
+        req = _request(stop=("\ufffd\ufffd",))
+        text, ids, _ = _steps(req, steps)
+        assert (text, ids, req.finish) == ("x", [x, fd, c3, y], scheduler_pb2.FINISH_REASON_STOP), steps
     req = _request(stop=("\ufffd",), max_tokens=3)
     assert _steps(req, [[x], [e4, b8]])[:2] == ("x\ufffd", [x, e4, b8])
     assert req.finish == scheduler_pb2.FINISH_REASON_LENGTH
