@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["git_commit", "measure_copy_gbps", "graph_replay_us", "replay_ms", "eager_us", "wall_ms",
-           "parse_metrics", "read_metrics"]
+           "parse_metrics", "read_metrics", "result_file"]
 
 
 def git_commit(explicit: str | None = None) -> str:
@@ -144,6 +145,19 @@ def copy_gbps_on(device: str) -> float | None:
         return None
     with torch.cuda.device(torch.device(device)):
         return round(measure_copy_gbps(), 1)
+
+
+def result_file(value: str) -> Path:
+    """An ``--out`` argument: a ``.json`` file, whose name without ``.json`` is the benchmark's.
+
+    Refused at parse time, before a GPU run of minutes, so a directory (these scripts once took
+    one) or a misspelt name does not fail at the first write or leave a file the schema rejects.
+    """
+    path = Path(value)
+    if path.suffix != ".json" or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a .json file to write the result to "
+                                         "(e.g. bench/results/NAME.json; NAME is the benchmark's name)")
+    return path
 
 
 def write_result(out: str, commit: str | None, params: dict, rows: list, device: str = "cuda") -> None:

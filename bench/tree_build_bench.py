@@ -16,7 +16,7 @@ of those rows alone takes (``topk_us_128_64_16``, the launch the in-kernel ranki
 ``matches_reference``: the selected prefixes equal ``build_tree_heapq``'s on the first rows;
 ``matches_torch``: every output tensor equals the torch builder's.
 
-Usage: python -m bench.tree_build_bench [--out DIR] [--commit SHA]
+Usage: python -m bench.tree_build_bench [--out FILE] [--commit SHA]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import git_commit, graph_replay_us, measure_copy_gbps
+from bench.common import git_commit, graph_replay_us, measure_copy_gbps, result_file
 from kernels.tree_build import pads_budget, tree_build_num_warps, tree_build_triton
 from services.draft.tree import TreeBatch, build_tree_heapq, build_trees, tree_paths
 
@@ -63,7 +63,8 @@ def graph_time_us(fn, reps: int = 50) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", type=result_file, help="the result file; its name without .json is the benchmark's",
+                    default=str(Path(__file__).resolve().parent / "results" / "tree_build.json"))
     ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"))
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
@@ -83,12 +84,12 @@ def main() -> None:
     print(f"num_warps sweep at 128/64/16: {warps_sweep} (rows: the default); torch top-k of its rows alone "
           f"{topk_us} us", flush=True)
     rows: list[dict] = []
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
 
     def write() -> None:  # after every row, so a run cut short still leaves its numbers
         result = {
-            "benchmark": "tree_build",
+            "benchmark": out.stem,
             "commit": git_commit(args.commit),
             "gpu": gpu,
             "copy_gbps": round(copy_gbps, 1),
@@ -101,7 +102,7 @@ def main() -> None:
             },
             "rows": rows,
         }
-        (out / "tree_build.json").write_text(json.dumps(result, indent=1) + "\n")
+        out.write_text(json.dumps(result, indent=1) + "\n")
 
     for batch, budget, block in SHAPES:
         depth = block - 1

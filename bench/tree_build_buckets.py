@@ -12,7 +12,7 @@ pads budget at vocab 4096, 14 calls for 10 kernels), each in a fresh process wit
 cache, one after another (``serial``) and from a thread each (``threads``, the draft's
 ``warm_up_kernels``).
 
-Usage: python -m bench.tree_build_buckets [--baseline FILE] [--out DIR] [--commit SHA]
+Usage: python -m bench.tree_build_buckets [--baseline FILE] [--out FILE] [--commit SHA]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import git_commit, graph_replay_us, measure_copy_gbps
+from bench.common import git_commit, graph_replay_us, measure_copy_gbps, result_file
 from bench.tree_build_bench import FIELDS, HEAPQ_ROWS, random_logprobs
 from services.draft.tree import TreeBatch, build_tree_heapq, build_trees, tree_paths
 
@@ -75,7 +75,8 @@ def main() -> None:
     ap.add_argument("--startup", choices=["serial", "threads"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", type=result_file, help="the result file; its name without .json is the benchmark's",
+                    default=str(Path(__file__).resolve().parent / "results" / "tree_build_buckets.json"))
     ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"))
     args = ap.parse_args()
     if args.startup:   # a child of startup_row
@@ -114,10 +115,10 @@ def main() -> None:
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
     result = {
-        "benchmark": "tree_build_buckets", "commit": git_commit(args.commit), "gpu": gpu,
+        "benchmark": out.stem, "commit": git_commit(args.commit), "gpu": gpu,
         "copy_gbps": round(copy_gbps, 1),
         "params": {"dtype": "float32", "depth": "block - 1", "timing": "CUDA graph replay, median of 50",
                    "variants": {"shared": "kernels/tree_build.py at this commit",
@@ -125,7 +126,7 @@ def main() -> None:
                    "torch": torch.__version__, "triton": __import__("triton").__version__},
         "rows": rows,
     }
-    (out / "tree_build_buckets.json").write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(json.dumps(result, indent=1) + "\n")
     for r in rows[:2]:
         print(f"start-up compile, {r['mode']}: {r.get('seconds', r.get('error'))} s ({r.get('pads_budgets')} pads budgets)")
     print("\nbudget " + " ".join(f"{n + ' v=' + str(v):>22}" for v in ("budget", DEMO_VOCAB) for n in variants))

@@ -19,7 +19,7 @@ splits, the K2 and demo dims) and for graph replay == eager. For each shape:
   pages, build the [nodes x heads, context + nodes] mask, one SDPA call), skipped (null) where its
   mask and scores would pass ~1.5e9 elements.
 
-Usage: python -m bench.tree_mla_bench [--out DIR] [--commit SHA] [--quick] [--sweep]
+Usage: python -m bench.tree_mla_bench [--out FILE] [--commit SHA] [--quick] [--sweep]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import eager_us, git_commit, graph_replay_us, measure_copy_gbps
+from bench.common import eager_us, git_commit, graph_replay_us, measure_copy_gbps, result_file
 from kernels.tree_mla import (
     TreeAttentionDeviceMetadata,
     TreeAttentionMetadata,
@@ -282,7 +282,8 @@ def sweep_configs(log: list) -> dict[str, TreeMlaConfig]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", type=result_file, help="the result file; its name without .json is the benchmark's",
+                    default=str(Path(__file__).resolve().parent / "results" / "tree_mla.json"))
     ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"))
     ap.add_argument("--quick", action="store_true", help="one batch/context/tree per axis (smoke test)")
     ap.add_argument("--sweep", action="store_true", help="also sweep the Triton kernel's configs (its defaults come from such a sweep)")
@@ -314,12 +315,12 @@ def main() -> None:
 
     batches, contexts, trees = (BATCHES, CONTEXTS, TREES) if not args.quick else ((32,), (4096,), (9,))
     rows: list[dict] = []
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
 
     def write() -> None:  # after every row, so a run cut short still leaves its numbers
         result = {
-            "benchmark": "tree_mla",
+            "benchmark": out.stem,
             "commit": git_commit(args.commit),
             "gpu": gpu,
             "copy_gbps": round(copy_gbps, 1),
@@ -342,7 +343,7 @@ def main() -> None:
             },
             "rows": rows,
         }
-        (out / "tree_mla.json").write_text(json.dumps(result, indent=1) + "\n")
+        out.write_text(json.dumps(result, indent=1) + "\n")
 
     for batch in batches:
         for context in contexts:
@@ -357,7 +358,7 @@ def main() -> None:
                     ref_t = None
                     if elems <= REF_MAX_ELEMS:
                         try:
-                            ref_t = time_eager(lambda: dense_sdpa_reference(case))
+                            ref_t = time_eager(lambda c=case: dense_sdpa_reference(c))
                         except torch.OutOfMemoryError:
                             ref_t = None
                         torch.cuda.empty_cache()

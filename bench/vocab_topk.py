@@ -25,7 +25,7 @@ then ``build_trees``) and as it serves it now (``build_trees_from_logits``), wit
 requests whose trees are identical and the largest difference of their sorted node scores (tied
 bf16 logits may swap tokens of equal score).
 
-Usage: python -m bench.vocab_topk [--out DIR] [--commit SHA]
+Usage: python -m bench.vocab_topk [--out FILE] [--commit SHA]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import copy_gbps_on, git_commit, graph_replay_us
+from bench.common import copy_gbps_on, git_commit, graph_replay_us, result_file
 from kernels import vocab_topk as vt
 from services.draft.tree import build_trees, build_trees_from_logits
 
@@ -67,7 +67,8 @@ def make_logits(kind: str, batch: int, vocab: int, gen: torch.Generator) -> torc
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", type=result_file, help="the result file; its name without .json is the benchmark's",
+                    default=str(Path(__file__).resolve().parent / "results" / "vocab_topk.json"))
     ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"))
     args = ap.parse_args()
     rows = []
@@ -115,10 +116,10 @@ def main() -> None:
                 trees.append(row)
                 print("trees", " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
                 del logits
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "vocab_topk.json").write_text(json.dumps({
-        "benchmark": "vocab_topk", "commit": git_commit(args.commit), "gpu": torch.cuda.get_device_name(),
+    out = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "benchmark": out.stem, "commit": git_commit(args.commit), "gpu": torch.cuda.get_device_name(),
         "copy_gbps": copy_gbps_on("cuda"), "params": {"depth": 15, "logits": "bf16, N(0, 3) (+ a bump, see make_logits)",
                                       "timing": "CUDA graph replay, median of 20", "lse_block": vt.BLOCK,
                                       "torch": torch.__version__, "triton": vt.triton.__version__ if vt.triton else None},
