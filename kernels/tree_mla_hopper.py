@@ -42,7 +42,9 @@ the wgmma's 64-row M side and the rows on its N side, a softmax down each column
 P^T`` (V^T read from the key tile as it lies: the transposed-A form of wgmma); 64-key tiles
 through a ring of ``few_rows_stages`` slots (2 at Kimi-K2's dims, 4 at the demo's; TMA or cp.async
 as above). Decode shapes run 1.08-1.34x faster on it
-(batch 128 x 4096: 4.0 TB/s, 96% of copy). Larger requests take a CTA a 16 rows, each re-reading
+(batch 128 x 4096: 4.0 TB/s, 96% of copy). A decode step's splits are merged by the launch's own
+last CTA of each request, not a merge launch (``few_rows_own_merge``; 0.87-0.99x the call).
+Larger requests take a CTA a 16 rows, each re-reading
 the keys, which pays at small batch and context (``few_rows_serves``). Built alongside, and
 removed: the last few rows of a tree (72 = 64 + 8) on the few-row kernel after or beside the
 64-row launch, which re-read every key from HBM and lost at every shape
@@ -870,10 +872,10 @@ def few_rows_stages(kvr: int, rope: int, elem_bytes: int, limit_bytes: int | Non
 def few_rows_own_merge(rows: int) -> bool:
     """Whether the few-row kernel merges its own splits (the last CTA of a request's rows to finish
     reads every split's partial), not a merge launch: where a request has at most ``OWN_MERGE_ROWS``
-    rows, a decode step at 8 heads. There one CTA's reads cost less than a launch; for trees (a CTA
-    a 16 rows, more partials a CTA) they cost more. On an H100 (``bench/results/tree_mla_own_merge_ab-*.json``)
-    decode calls took 0.87-0.96x their time with the merge launch and trees of 9 / 17 nodes
-    1.1-1.25x, with outputs equal bit for bit."""
+    rows, a decode step at 8 heads. There one CTA's reads cost less than a launch: on an H100
+    (``bench/results/tree_mla_own_merge_ab-h100-746ede7.json``) decode calls at batch 1-32 took
+    0.87-0.99x their time with the merge launch, outputs equal bit for bit. Trees keep the launch:
+    a CTA holds 16 rows there, so its last CTA would read twice the bytes that the launch spreads."""
     return OWN_MERGE and rows <= OWN_MERGE_ROWS
 
 
