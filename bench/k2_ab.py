@@ -20,7 +20,9 @@ Switches:
   dependent launch (``kernels.pdl.PDL``);
 * ``early-merge``: every tree-attention merge launched early (PDL) against the served rule, which
   launches it after the split launch completes where that launch held more than half the SMs
-  (``tree_mla.EARLY_MERGE_MAX_SHARE``).
+  (``tree_mla.EARLY_MERGE_MAX_SHARE``);
+* ``own-merge``: a decode step's few-row attention followed by the merge launch against the launch
+  merging its own splits (``tree_mla_hopper.OWN_MERGE``; the same sums, so the same logits).
 
 Each row says whether its logits equal the other setting's in the same round, and its own setting's
 in the other round. Before ``a182555`` the MoE's split-K gate/up added its slices with atomics
@@ -96,21 +98,26 @@ def switches(model: TargetModel) -> dict[str, tuple[tuple[str, str], Callable[[s
     def early_merge(v: str) -> None:
         tree_mla.EARLY_MERGE_MAX_SHARE = share if v == "served" else float("inf")
 
+    def own_merge(v: str) -> None:
+        tree_mla_hopper.OWN_MERGE = v == "own"
+
     return {"router": (("float32", "parts"), router), "shared-stream": (("main", "side"), shared_stream),
             "router-gemv": (("gemm", "gemv"), router_gemv), "few-rows": (("rows64", "few"), few_rows),
             "skinny": (("cublas", "skinny"), skinny), "moe-split": (("before", "served"), moe_split),
-            "pdl": (("plain", "pdl"), pdl_switch), "early-merge": (("always", "served"), early_merge)}
+            "pdl": (("plain", "pdl"), pdl_switch), "early-merge": (("always", "served"), early_merge),
+            "own-merge": (("launch", "own"), own_merge)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--switch", required=True, choices=(
-        "router", "shared-stream", "router-gemv", "few-rows", "skinny", "moe-split", "pdl", "early-merge"))
+        "router", "shared-stream", "router-gemv", "few-rows", "skinny", "moe-split", "pdl", "early-merge", "own-merge"))
     ap.add_argument("--cases", nargs="+", default=None, metavar="BUDGET,BATCH",
                     help="steps to time (default: 0,1 16,1 16,32; budget 0 = autoregressive)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=None, help="default bench/results/<switch>_ab.json")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--context", type=int, default=CONTEXT, help="prefix tokens a request (default %(default)s)")
     args = ap.parse_args()
     out = args.out or f"bench/results/{args.switch.replace('-', '_')}_ab.json"
     cases = [tuple(int(v) for v in c.split(",")) for c in args.cases] if args.cases else list(CASES)
@@ -118,7 +125,7 @@ def main() -> None:
     config = TargetConfig.from_hf(per_rank_config(K2_CONFIG, TP, None))
     model = build_model(config, torch.bfloat16, dev, 0)
     batch = max(b for _, b in cases)
-    cache, rids = build_cache(config, batch, CONTEXT, PAGE, torch.bfloat16, dev, 0)
+    cache, rids = build_cache(config, batch, args.context, PAGE, torch.bfloat16, dev, 0)
     gen = torch.Generator().manual_seed(0)
     trees = {b: random_trees(b, batch, config.vocab_size, gen) for b in sorted({bud for bud, _ in cases})}
     (a, b), apply = switches(model)[args.switch]
@@ -129,10 +136,10 @@ def main() -> None:
             apply(setting)
             for budget, bsz in cases:
                 nodes = budget + 1
-                graphs = VerifyGraphs(model, cache, max_context=CONTEXT, batch_buckets=(bsz,), node_buckets=(nodes,),
+                graphs = VerifyGraphs(model, cache, max_context=args.context, batch_buckets=(bsz,), node_buckets=(nodes,),
                                       capture=True)
                 tokens, parents, depths, sizes = trees[budget].flat(bsz)
-                step_args = (tokens, parents, depths, sizes, [CONTEXT] * bsz, [cache.page_ids(r) for r in rids[:bsz]])
+                step_args = (tokens, parents, depths, sizes, [args.context] * bsz, [cache.page_ids(r) for r in rids[:bsz]])
                 logits[(rnd, setting, budget, bsz)] = graphs.run(*step_args).real().logits.clone()
                 torch.cuda.synchronize()
                 step = time_full_ms(lambda: graphs.run(*step_args), args.reps, dev)
@@ -150,7 +157,7 @@ def main() -> None:
                                                              logits[(row["round"], other, *key)]))
         row["logits_equal_other_round"] = bool(torch.equal(logits[(0, setting, *key)], logits[(1, setting, *key)]))
     write_result(out, args.commit,
-                 dict(model="Kimi-K2 TP8 per-rank slice, 61 layers, random weights (bench.k2_slice)", context=CONTEXT,
+                 dict(model="Kimi-K2 TP8 per-rank slice, 61 layers, random weights (bench.k2_slice)", context=args.context,
                       page_size=PAGE, routing="model", reps=args.reps, switch=args.switch, settings=[a, b],
                       cases=[list(c) for c in cases],
                       timing="step_ms: whole verify call, median of reps; replay_ms: the captured graph alone, "
