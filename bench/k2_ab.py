@@ -20,9 +20,7 @@ Switches:
   dependent launch (``kernels.pdl.PDL``);
 * ``early-merge``: every tree-attention merge launched early (PDL) against the served rule, which
   launches it after the split launch completes where that launch held more than half the SMs
-  (``tree_mla.EARLY_MERGE_MAX_SHARE``);
-* ``own-merge``: a decode step's few-row attention followed by the merge launch against the launch
-  merging its own splits (``tree_mla_hopper.OWN_MERGE``; the same sums, so the same logits).
+  (``tree_mla.EARLY_MERGE_MAX_SHARE``).
 
 Each row says whether its logits equal the other setting's in the same round, and its own setting's
 in the other round. Before ``a182555`` the MoE's split-K gate/up added its slices with atomics
@@ -98,20 +96,16 @@ def switches(model: TargetModel) -> dict[str, tuple[tuple[str, str], Callable[[s
     def early_merge(v: str) -> None:
         tree_mla.EARLY_MERGE_MAX_SHARE = share if v == "served" else float("inf")
 
-    def own_merge(v: str) -> None:
-        tree_mla_hopper.OWN_MERGE = v == "own"
-
     return {"router": (("float32", "parts"), router), "shared-stream": (("main", "side"), shared_stream),
             "router-gemv": (("gemm", "gemv"), router_gemv), "few-rows": (("rows64", "few"), few_rows),
             "skinny": (("cublas", "skinny"), skinny), "moe-split": (("before", "served"), moe_split),
-            "pdl": (("plain", "pdl"), pdl_switch), "early-merge": (("always", "served"), early_merge),
-            "own-merge": (("launch", "own"), own_merge)}
+            "pdl": (("plain", "pdl"), pdl_switch), "early-merge": (("always", "served"), early_merge)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--switch", required=True, choices=(
-        "router", "shared-stream", "router-gemv", "few-rows", "skinny", "moe-split", "pdl", "early-merge", "own-merge"))
+        "router", "shared-stream", "router-gemv", "few-rows", "skinny", "moe-split", "pdl", "early-merge"))
     ap.add_argument("--cases", nargs="+", default=None, metavar="BUDGET,BATCH",
                     help="steps to time (default: 0,1 16,1 16,32; budget 0 = autoregressive)")
     ap.add_argument("--commit", default=None)

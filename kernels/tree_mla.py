@@ -45,9 +45,7 @@ from torch import Tensor
 
 from kernels import pdl
 from kernels.device import on_input_device
-from kernels.tree_mla_hopper import (
-    SUPPORTED_DIMS, few_rows_own_merge, hopper_available, tree_mla_hopper, unsupported_reason,
-)
+from kernels.tree_mla_hopper import SUPPORTED_DIMS, hopper_available, tree_mla_hopper, unsupported_reason
 
 try:  # Triton is optional: the CPU engine and its tests run on the reference alone.
     import triton
@@ -739,40 +737,31 @@ def warm_up_attention(kv_cache: Tensor, heads: int, rope: int, *, backend: str |
     ``DIRECT``. The graph buckets' steps all read the whole page-table width, so they need not take
     every variant, and a prefill taking a new one would compile it (seconds) while the replica's
     requests wait. Everything else in a launch's compile key is fixed by the model's dims, dtype
-    and cache (the Gluon kernels refuse unaligned operands). Runs one 9-node chain with no prefix
-    (and on the Gluon backend a 1-node one: a decode step's few-row launch merges its own splits,
-    ``few_rows_own_merge``).
+    and cache (the Gluon kernels refuse unaligned operands). Runs one 9-node chain with no prefix.
     """
     device, dtype = kv_cache.device, kv_cache.dtype
-    kvr = kv_cache.shape[-1] - rope
-
-    def chain(nodes: int) -> tuple:
-        g = torch.Generator(device=device).manual_seed(nodes)
-        host = TreeAttentionMetadata(query_starts=torch.tensor([0, nodes]), prefix_lens=torch.tensor([0]),
-                                     page_tables=[torch.zeros(1, dtype=torch.int64)], tree_masks=[chain_mask(nodes)])
-        return (torch.randn(nodes, heads, kvr, generator=g, device=device).to(dtype),
-                torch.randn(nodes, heads, rope, generator=g, device=device).to(dtype), kv_cache,
-                torch.randn(nodes, kvr + rope, generator=g, device=device).to(dtype),
-                TreeAttentionDeviceMetadata.from_host(host, device=device), 1.0)
-
-    q_latent, q_pe, _, new_kv, meta, _ = args = chain(9)
+    kvr, nodes = kv_cache.shape[-1] - rope, 9
+    g = torch.Generator(device=device).manual_seed(0)
+    q_latent = torch.randn(nodes, heads, kvr, generator=g, device=device).to(dtype)
+    q_pe = torch.randn(nodes, heads, rope, generator=g, device=device).to(dtype)
+    new_kv = torch.randn(nodes, kvr + rope, generator=g, device=device).to(dtype)
+    host = TreeAttentionMetadata(query_starts=torch.tensor([0, nodes]), prefix_lens=torch.tensor([0]),
+                                 page_tables=[torch.zeros(1, dtype=torch.int64)], tree_masks=[chain_mask(nodes)])
+    meta = TreeAttentionDeviceMetadata.from_host(host, device=device)
     backend = resolve_backend(backend, q_latent, q_pe, kv_cache, new_kv)
     launches = 0
     if backend == "hopper":
         for few_rows in (True, False):
             for splits in (1, 2):
-                tree_mla_hopper(*args, num_splits=splits, few_rows=few_rows)
+                tree_mla_hopper(q_latent, q_pe, kv_cache, new_kv, meta, 1.0, num_splits=splits, few_rows=few_rows)
                 launches += 1
-        if few_rows_own_merge(heads) != few_rows_own_merge(9 * heads):  # a decode step's own merge variant
-            tree_mla_hopper(*chain(1), num_splits=2, few_rows=True)
-            launches += 1
     elif backend == "triton":
         limit = _shared_memory_limit(device)
         configs = {fit_shared_memory(default_config(rows), kvr + rope, kv_cache.element_size(), limit)
                    for rows in (16, 32, 64, 128)}   # each row tile default_config gives
         for cfg in sorted(configs, key=lambda c: c.block_m):
             for splits in (1, 2):
-                tree_mla_triton(*args, num_splits=splits, config=cfg)
+                tree_mla_triton(q_latent, q_pe, kv_cache, new_kv, meta, 1.0, num_splits=splits, config=cfg)
                 launches += 1
     return launches
 

@@ -42,9 +42,7 @@ the wgmma's 64-row M side and the rows on its N side, a softmax down each column
 P^T`` (V^T read from the key tile as it lies: the transposed-A form of wgmma); 64-key tiles
 through a ring of ``few_rows_stages`` slots (2 at Kimi-K2's dims, 4 at the demo's; TMA or cp.async
 as above). Decode shapes run 1.08-1.34x faster on it
-(batch 128 x 4096: 4.0 TB/s, 96% of copy). A decode step's splits are merged by the launch's own
-last CTA of each request, not a merge launch (``few_rows_own_merge``; 0.87-0.99x the call).
-Larger requests take a CTA a 16 rows, each re-reading
+(batch 128 x 4096: 4.0 TB/s, 96% of copy). Larger requests take a CTA a 16 rows, each re-reading
 the keys, which pays at small batch and context (``few_rows_serves``). Built alongside, and
 removed: the last few rows of a tree (72 = 64 + 8) on the few-row kernel after or beside the
 64-row launch, which re-read every key from HBM and lost at every shape
@@ -70,7 +68,7 @@ import torch
 from torch import Tensor
 
 from kernels import pdl
-from kernels.device import TILE_COUNTERS, is_hopper, on_input_device, tile_counters
+from kernels.device import is_hopper, on_input_device
 
 if TYPE_CHECKING:
     from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata
@@ -86,15 +84,13 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 
 __all__ = [
     "hopper_available", "unsupported_reason", "tree_mla_hopper", "choose_splits", "tma_rows_for", "few_rows_serves",
-    "few_rows_splits", "few_rows_stages", "few_rows_own_merge",
+    "few_rows_splits", "few_rows_stages",
     "BLOCK_M", "FEW_ROWS", "FEW_KEYS", "FEW_ROWS_MAX_TILES", "SUPPORTED_DIMS",
 ]
 
 BLOCK_M = 64  # query rows a CTA: one wgmma M tile per warpgroup
 FEW_ROWS = 16  # query rows a few-row CTA (the wgmma N side of its transposed products)
 FEW_KEYS = 64  # keys a few-row tile (the wgmma M side)
-OWN_MERGE_ROWS = 8  # rows a request up to which the few-row kernel merges its own splits (``few_rows_own_merge``)
-OWN_MERGE = True  # a switch for A/Bs (``bench/tree_mla_own_merge_ab.py``): False always launches the merge
 FEW_ROWS_MAX_TILES = 8  # key tiles a few-row CTA may walk where a request's rows take more than one CTA
 TRACE_EVENTS = 8  # stamps a trace slot holds (``tree_mla_hopper(trace=...)``)
 CONSUMER_REGS = 224  # registers of each consumer warpgroup; the loader gets the rest (232: 1-3% slower, H200)
@@ -170,7 +166,6 @@ if gluon is not None:
     _EVENTS = gl.constexpr(TRACE_EVENTS)
     _FEW_ROWS = gl.constexpr(FEW_ROWS)
     _FEW_KEYS = gl.constexpr(FEW_KEYS)
-    _OWN_MERGE_ROWS = gl.constexpr(OWN_MERGE_ROWS)
 
     @gluon.jit
     def _trace(trace_ptr, slot, event, ok, TRACE: gl.constexpr, WALL: gl.constexpr = False):
@@ -540,55 +535,15 @@ if gluon is not None:
                              1, KVR, BLOCK_N, NUM_STAGES, DIRECT, TRACE, TRACE_TILES)),
             ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
-    @gluon.jit
-    def _merge_own_rows(o_part_ptr, lse_part_ptr, out_ptr, flat0, n_rows, total_rows, num_splits,
-                        KVR: gl.constexpr, ROWS: gl.constexpr, num_warps: gl.constexpr):
-        """Output rows ``[flat0, flat0 + n_rows)`` from every split's partial, with the sums of
-        ``_tree_mla_merge_kernel`` (the largest log-sum-exp, then each split's weight times its
-        partial in split order), so its result bit for bit. One CTA reads every partial, so loads go
-        in blocks (16 splits' log-sum-exps, 8 splits' partials) whose round trips overlap."""
-        L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
-        LS: gl.constexpr = gl.BlockedLayout([1, 1], [32 // ROWS, ROWS], [num_warps, 1], [1, 0])
-        ROW: gl.constexpr = gl.SliceLayout(1, L)
-        sj = gl.arange(0, 16, layout=gl.SliceLayout(1, LS))
-        rj = gl.arange(0, ROWS, layout=gl.SliceLayout(0, LS))
-        mj = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, LS))
-        for s0 in range(0, num_splits, 16):
-            ok = ((s0 + sj) < num_splits)[:, None] & (rj < n_rows)[None, :]
-            lse = gl.load(lse_part_ptr + (s0 + sj).to(gl.int64)[:, None] * total_rows + (flat0 + rj)[None, :], mask=ok,
-                          other=float("-inf"), cache_modifier=".cg")
-            mj = gl.maximum(mj, gl.max(lse, 0))
-        m = gl.convert_layout(mj, ROW)
-        m_use = gl.where(m == float("-inf"), 0.0, m)
-        rows = gl.arange(0, ROWS, layout=ROW)
-        row_ok = rows < n_rows
-        flat = flat0 + rows
-        d = gl.arange(0, KVR, layout=gl.SliceLayout(0, L))
-        w_sum = gl.zeros([ROWS], gl.float32, layout=ROW)
-        acc = gl.zeros([ROWS, KVR], gl.float32, layout=L)
-        for s0 in range(0, num_splits, 8):
-            for u in gl.static_range(8):  # splits past the last add w = 0 times o = 0: the same sums
-                ok = row_ok & (s0 + u < num_splits)
-                part = (s0 + u).to(gl.int64) * total_rows + flat
-                w = gl.exp2(gl.load(lse_part_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_use)
-                o = gl.load(o_part_ptr + part[:, None] * KVR + d[None, :], mask=ok[:, None], other=0.0,
-                            cache_modifier=".cg")
-                acc += w[:, None] * o
-                w_sum += w
-        w_sum = gl.where(w_sum == 0.0, 1.0, w_sum)
-        gl.store(out_ptr + flat[:, None] * KVR + d[None, :], (acc / w_sum[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-
     @gluon.jit(do_not_specialize=["stride_pt_r", "stride_anc_n", "num_heads", "total_rows", "num_splits"])
     def _tree_mla_few_rows_kernel(
         q_lat_ptr, q_pe_ptr, kv_ptr, new_kv_ptr, lat_desc, pe_desc,
         page_table_ptr, prefix_lens_ptr, query_starts_ptr, anc_bits_ptr,
-        out_ptr, o_part_ptr, lse_part_ptr, count_ptr,
+        out_ptr, o_part_ptr, lse_part_ptr,
         stride_ql_n, stride_ql_h, stride_qp_n, stride_qp_h,
         stride_kv_page, stride_kv_tok, stride_new_n, stride_pt_r, stride_anc_n,
         num_heads, page_size, total_rows, num_splits, scale_log2,
         KVR: gl.constexpr, ROPE: gl.constexpr, NUM_STAGES: gl.constexpr, DIRECT: gl.constexpr, TMA_ROWS: gl.constexpr,
-        OWN_MERGE: gl.constexpr,
         Q_LAT_SMEM: gl.constexpr, Q_PE_SMEM: gl.constexpr, K_LAT_SMEM: gl.constexpr, K_PE_SMEM: gl.constexpr,
         P_SMEM: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -705,13 +660,6 @@ if gluon is not None:
                 lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
                 lse_at = split.to(gl.int64) * total_rows + q_start.to(gl.int64) * num_heads + offs_n
                 gl.store(lse_part_ptr + lse_at, lse, mask=row_ok)
-                if OWN_MERGE:  # the last split of these rows to finish merges them all: no merge launch
-                    _cta_barrier()  # every thread's partial and log-sum-exps are written before the count says so
-                    group = r * gl.num_programs(0) + gl.program_id(0)
-                    if gl.atomic_add(count_ptr + group, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                        gl.store(count_ptr + group, 0)  # ready for the next launch (and graph replay)
-                        _merge_own_rows(o_part_ptr, lse_part_ptr, out_ptr, q_start.to(gl.int64) * num_heads + row0,
-                                        rows - row0, total_rows, num_splits, KVR, _OWN_MERGE_ROWS, num_warps)
 
 
 @on_input_device
@@ -780,11 +728,9 @@ def tree_mla_hopper(
     o_part, lse_part = split_partials(out, num_splits, 1)
     gdt = gl.bfloat16 if q_latent.dtype == torch.bfloat16 else gl.float16
     if few:
-        own = num_splits > 1 and few_rows_own_merge(rows)
         _launch_few_rows(q_latent, q_pe, kv_cache, new_kv, meta, softmax_scale * _LOG2E, out, o_part, lse_part,
-                         num_splits, groups, gdt, limit, own)
-        if not own:
-            merge_splits(o_part, lse_part, out, num_splits, 1, after_ctas=groups * num_splits * R)
+                         num_splits, groups, gdt, limit)
+        merge_splits(o_part, lse_part, out, num_splits, 1, after_ctas=groups * num_splits * R)
         return out
     smem = {
         "Q_LAT_SMEM": gl.NVMMASharedLayout.get_default_for([BLOCK_M, kvr], gdt),
@@ -869,22 +815,10 @@ def few_rows_stages(kvr: int, rope: int, elem_bytes: int, limit_bytes: int | Non
     return stages
 
 
-def few_rows_own_merge(rows: int) -> bool:
-    """Whether the few-row kernel merges its own splits (the last CTA of a request's rows to finish
-    reads every split's partial), not a merge launch: where a request has at most ``OWN_MERGE_ROWS``
-    rows, a decode step at 8 heads. There one CTA's reads cost less than a launch: on an H100
-    (``bench/results/tree_mla_own_merge_ab-h100-746ede7.json``) decode calls at batch 1-32 took
-    0.87-0.99x their time with the merge launch, outputs equal bit for bit. Trees keep the launch:
-    a CTA holds 16 rows there, so its last CTA would read twice the bytes that the launch spreads."""
-    return OWN_MERGE and rows <= OWN_MERGE_ROWS
-
-
 def _launch_few_rows(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: Tensor, meta: TreeAttentionDeviceMetadata,
                      scale_log2: float, out: Tensor, o_part: Tensor, lse_part: Tensor, num_splits: int, groups: int,
-                     gdt: object, limit: int | None, own_merge: bool = False) -> None:
-    """Every request's rows on the few-row kernel: a CTA a (group of ``FEW_ROWS`` rows, split, request).
-    ``own_merge`` (more than one split, at most ``OWN_MERGE_ROWS`` rows a request): the last CTA of
-    each request to finish merges its partials into ``out``, counting arrivals on ``tile_counters``."""
+                     gdt: object, limit: int | None) -> None:
+    """Every request's rows on the few-row kernel: a CTA a (group of ``FEW_ROWS`` rows, split, request)."""
     N, H, kvr = q_latent.shape
     rope = q_pe.shape[-1]
     _, page_size, _ = kv_cache.shape
@@ -897,17 +831,14 @@ def _launch_few_rows(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, new_kv: T
     }
     tma_rows, lat_desc, pe_desc = _key_descriptors(kv_cache, kvr, FEW_KEYS, smem)
     use_pdl = pdl.enabled(q_latent.device)
-    assert not own_merge or groups * meta.num_requests <= TILE_COUNTERS, \
-        f"{groups * meta.num_requests} row groups; {TILE_COUNTERS} counters"
-    counters = tile_counters(q_latent.device)  # passed to every launch (one argument type), read where own_merge
     _tree_mla_few_rows_kernel[(groups, num_splits, meta.num_requests)](
         q_latent, q_pe, kv_cache, new_kv, lat_desc, pe_desc,
         meta.page_table, meta.prefix_lens, meta.query_starts, meta.ancestor_bits,
-        out, o_part, lse_part, counters,
+        out, o_part, lse_part,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), new_kv.stride(0), meta.page_table.stride(0), meta.ancestor_bits.stride(0),
         H, page_size, N * H, num_splits, scale_log2,
         KVR=kvr, ROPE=rope, NUM_STAGES=few_rows_stages(kvr, rope, q_latent.element_size(), limit),
-        DIRECT=num_splits == 1, TMA_ROWS=tma_rows, OWN_MERGE=own_merge, **smem,
-        PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+        DIRECT=num_splits == 1, TMA_ROWS=tma_rows, **smem, PDL=use_pdl, num_warps=4,
+        launch_pdl=use_pdl,
     )

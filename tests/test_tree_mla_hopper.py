@@ -157,7 +157,7 @@ def _build(kvr: int, rope: int, direct: bool, trace_tiles: int = 0) -> dict:
                 clock_reads=ptx.count("%clock64"), timer_reads=ptx.count("%globaltimer"), gdc_wait=ptx.count("griddepcontrol.wait"))
 
 
-def _build_few_rows(kvr: int, rope: int, direct: bool, own_merge: bool) -> dict:
+def _build_few_rows(kvr: int, rope: int, direct: bool) -> dict:
     """Compile the few-row kernel as ``_launch_few_rows`` launches it (64-row TMA copies) for sm_90."""
     import re
 
@@ -167,28 +167,25 @@ def _build_few_rows(kvr: int, rope: int, direct: bool, own_merge: bool) -> dict:
     k_pe = gl.NVMMASharedLayout.get_default_for([bn, rope], gl.bfloat16)
     constexprs = dict(
         KVR=kvr, ROPE=rope, NUM_STAGES=hop.few_rows_stages(kvr, rope, 2, H100_SMEM_PER_BLOCK), DIRECT=direct, TMA_ROWS=bn,
-        OWN_MERGE=own_merge,
         Q_LAT_SMEM=gl.NVMMASharedLayout.get_default_for([rn, kvr], gl.bfloat16),
         Q_PE_SMEM=gl.NVMMASharedLayout.get_default_for([rn, rope], gl.bfloat16),
         K_LAT_SMEM=k_lat, K_PE_SMEM=k_pe, P_SMEM=gl.NVMMASharedLayout.get_default_for([rn, bn], gl.bfloat16), PDL=True, num_warps=4,
     )
-    types = {k: v for k, v in _ARG_TYPES.items() if k != "trace_ptr"} | {"count_ptr": "*i32"}
+    types = {k: v for k, v in _ARG_TYPES.items() if k != "trace_ptr"}
     types |= _desc_types(bn, kvr, rope, k_lat, k_pe)
     compiled = _compile(hop._tree_mla_few_rows_kernel, types, constexprs, ("stride_pt_r", "stride_anc_n"))
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)[^;]*?, (\d), (\d);", compiled.asm["ptx"])
     return dict(cubin_bytes=len(compiled.asm["cubin"]), shared=compiled.metadata.shared, stages=constexprs["NUM_STAGES"],
                 shapes=sorted({m for m, _, _ in mmas}), plain=sum(a == "0" for _, a, _ in mmas),
-                a_transposed=sum(a == "1" for _, a, _ in mmas), tma="cp.async.bulk.tensor" in compiled.asm["ptx"],
-                counts=len(re.findall(r"atom\.global\.(?:gpu\.acq_rel|acq_rel\.gpu)\.add", compiled.asm["ptx"])),
-                cg_loads=compiled.asm["ptx"].count("ld.global.cg"))
+                a_transposed=sum(a == "1" for _, a, _ in mmas), tma="cp.async.bulk.tensor" in compiled.asm["ptx"])
 
 
 def _wide_args(kvr: int, rope: int, direct: bool, trace_tiles: int) -> list[str]:
     return ["wide", str(kvr), str(rope), str(int(direct)), str(trace_tiles)]
 
 
-def _few_args(kvr: int, rope: int, direct: bool, own_merge: bool) -> list[str]:
-    return ["few", str(kvr), str(rope), str(int(direct)), str(int(own_merge))]
+def _few_args(kvr: int, rope: int, direct: bool) -> list[str]:
+    return ["few", str(kvr), str(rope), str(int(direct))]
 
 
 @pytest.fixture(scope="module")
@@ -219,19 +216,16 @@ def test_kernel_builds_for_sm90(builds: dict, kvr: int, rope: int, direct: bool,
 
 
 @pytest.mark.skipif(hop.gluon is None, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("kvr,rope,direct,own_merge", [(512, 64, False, True), (128, 32, True, False)])
-def test_few_rows_kernel_builds_for_sm90(builds: dict, kvr: int, rope: int, direct: bool, own_merge: bool) -> None:
+@pytest.mark.parametrize("kvr,rope,direct", [(512, 64, False), (128, 32, True)])
+def test_few_rows_kernel_builds_for_sm90(builds: dict, kvr: int, rope: int, direct: bool) -> None:
     """The few-row kernel's products are 64-key x 16-row wgmmas: per 64-key tile, ``S^T = K Q^T``
     over kvr + rope dims (plain operands) and ``O^T += V^T P^T`` over kvr / 64 M tiles, whose A
-    operand (V^T, read from the key tile as it lies) is the transposed one; its ring fits a CTA.
-    Where it merges its splits itself it counts each CTA's arrival with one acquire-release atomic
-    and reads the other splits' partials past L1 (``ld.global.cg``); one split counts nothing."""
-    built = build_result(builds, _few_args(kvr, rope, direct, own_merge))
+    operand (V^T, read from the key tile as it lies) is the transposed one; its ring fits a CTA."""
+    built = build_result(builds, _few_args(kvr, rope, direct))
     assert built["shapes"] == ["m64n16k16"], built
     assert built["plain"] == (kvr + rope) // 16 and built["a_transposed"] == (kvr // 64) * (hop.FEW_KEYS // 16), built
     assert built["tma"] and 0 < built["shared"] <= H100_SMEM_PER_BLOCK, built
     assert built["stages"] == (2 if kvr == 512 else 4), built
-    assert built["counts"] == int(own_merge) and (built["cg_loads"] > 0) == own_merge, built
 
 
 def test_few_rows_policy_follows_the_sweeps() -> None:
@@ -261,7 +255,7 @@ def test_few_rows_stages_fit() -> None:
 
 def _build_from_args(args: list[str]) -> dict:
     kind, dims = args[0], [int(a) for a in args[1:]]
-    return _build(dims[0], dims[1], bool(dims[2]), dims[3]) if kind == "wide" else _build_few_rows(dims[0], dims[1], bool(dims[2]), bool(dims[3]))
+    return _build(dims[0], dims[1], bool(dims[2]), dims[3]) if kind == "wide" else _build_few_rows(dims[0], dims[1], bool(dims[2]))
 
 
 if __name__ == "__main__":
@@ -293,7 +287,7 @@ def test_the_attention_warm_up_compiles_every_variant_a_launch_takes(monkeypatch
         few.keys.clear()
         return got
 
-    assert warm_up_attention(cache, heads, rope, backend="hopper") == 5  # 2 kernels x 1 / 2 splits, and a decode merge
+    assert warm_up_attention(cache, heads, rope, backend="hopper") == 4
     warm = keys()
     shapes = [(1, n, w) for n in (1, 2, 8, 64, 129, 512) for w in (1, 2, 5, 33, 64, 513, 8192)]   # prefills
     shapes += [(b, n, w) for b in (1, 8, 64) for n in (1, 9, 33, 129) for w in (128, 8192)]      # graph buckets
