@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["git_commit", "measure_copy_gbps", "graph_replay_us", "replay_ms", "eager_us", "wall_ms",
-           "parse_metrics", "read_metrics", "result_file"]
+           "parse_metrics", "read_metrics", "result_file", "add_out_argument"]
 
 
 def git_commit(explicit: str | None = None) -> str:
@@ -158,6 +158,12 @@ def result_file(value: str) -> Path:
         raise argparse.ArgumentTypeError(f"{value!r} is not a .json file to write the result to "
                                          "(e.g. bench/results/NAME.json; NAME is the benchmark's name)")
     return path
+
+
+def add_out_argument(ap: argparse.ArgumentParser, benchmark: str) -> None:
+    """``--out``, a :func:`result_file`, by default ``bench/results/<benchmark>.json``."""
+    ap.add_argument("--out", type=result_file, help="the result file; its name without .json is the benchmark's",
+                    default=str(Path(__file__).resolve().parent / "results" / f"{benchmark}.json"))
 
 
 def write_result(out: str, commit: str | None, params: dict, rows: list, device: str = "cuda") -> None:

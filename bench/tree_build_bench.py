@@ -24,11 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 
 import torch
 
-from bench.common import git_commit, graph_replay_us, measure_copy_gbps, result_file
+from bench.common import add_out_argument, git_commit, graph_replay_us, measure_copy_gbps
 from kernels.tree_build import pads_budget, tree_build_num_warps, tree_build_triton
 from services.draft.tree import TreeBatch, build_tree_heapq, build_trees, tree_paths
 
@@ -63,8 +62,7 @@ def graph_time_us(fn, reps: int = 50) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=result_file, help="the result file; its name without .json is the benchmark's",
-                    default=str(Path(__file__).resolve().parent / "results" / "tree_build.json"))
+    add_out_argument(ap, "tree_build")
     ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"))
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import git_commit, graph_replay_us, measure_copy_gbps, result_file
+from bench.common import add_out_argument, git_commit, graph_replay_us, measure_copy_gbps
 from bench.tree_build_bench import FIELDS, HEAPQ_ROWS, random_logprobs
 from services.draft.tree import TreeBatch, build_tree_heapq, build_trees, tree_paths
 
@@ -75,8 +75,7 @@ def main() -> None:
     ap.add_argument("--startup", choices=["serial", "threads"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--out", type=result_file, help="the result file; its name without .json is the benchmark's",
-                    default=str(Path(__file__).resolve().parent / "results" / "tree_build_buckets.json"))
+    add_out_argument(ap, "tree_build_buckets")
     ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"))
     args = ap.parse_args()
     if args.startup:   # a child of startup_row

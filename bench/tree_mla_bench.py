@@ -29,12 +29,11 @@ import json
 import math
 import os
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import eager_us, git_commit, graph_replay_us, measure_copy_gbps, result_file
+from bench.common import add_out_argument, eager_us, git_commit, graph_replay_us, measure_copy_gbps
 from kernels.tree_mla import (
     TreeAttentionDeviceMetadata,
     TreeAttentionMetadata,
@@ -282,8 +281,7 @@ def sweep_configs(log: list) -> dict[str, TreeMlaConfig]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=result_file, help="the result file; its name without .json is the benchmark's",
-                    default=str(Path(__file__).resolve().parent / "results" / "tree_mla.json"))
+    add_out_argument(ap, "tree_mla")
     ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"))
     ap.add_argument("--quick", action="store_true", help="one batch/context/tree per axis (smoke test)")
     ap.add_argument("--sweep", action="store_true", help="also sweep the Triton kernel's configs (its defaults come from such a sweep)")

@@ -33,11 +33,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 
 import torch
 
-from bench.common import copy_gbps_on, git_commit, graph_replay_us, result_file
+from bench.common import add_out_argument, copy_gbps_on, git_commit, graph_replay_us
 from kernels import vocab_topk as vt
 from services.draft.tree import build_trees, build_trees_from_logits
 
@@ -67,8 +66,7 @@ def make_logits(kind: str, batch: int, vocab: int, gen: torch.Generator) -> torc
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=result_file, help="the result file; its name without .json is the benchmark's",
-                    default=str(Path(__file__).resolve().parent / "results" / "vocab_topk.json"))
+    add_out_argument(ap, "vocab_topk")
     ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT"))
     args = ap.parse_args()
     rows = []

@@ -438,7 +438,6 @@ def test_the_commit_recorded_is_this_checkouts_from_any_directory(tmp_path, monk
     assert git_commit() == here and git_commit("abc") == "abc"
 
 
-
 @pytest.mark.parametrize("script", ["tree_mla_bench", "tree_build_bench", "tree_build_buckets", "vocab_topk"])
 @pytest.mark.parametrize("out", ["a_directory", "tree_mla.txt"])
 def test_a_result_path_that_is_no_json_file_is_refused_before_the_run(script, out, tmp_path, monkeypatch,
@@ -459,6 +458,7 @@ def test_a_result_path_that_is_no_json_file_is_refused_before_the_run(script, ou
 def test_a_result_files_name_is_its_benchmarks(tmp_path) -> None:
     from bench.common import result_file
     assert result_file(str(tmp_path / "tree_mla-h100-abc1234.json")).stem == "tree_mla-h100-abc1234"
+
 
 def test_power_sampler_off_reads_nothing() -> None:
     from bench.matrix import PowerSampler
