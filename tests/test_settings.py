@@ -313,6 +313,11 @@ def test_a_flag_overrides_the_environment_which_overrides_the_file(tmp_path: Pat
     (DraftSettings, "graph_context", 63, 64),
     (DraftSettings, "warmup_budgets", (0,), (1, MAX_BUDGET)),
     (VerifierSettings, "warmup_budgets", (MAX_BUDGET + 1,), (0, MAX_BUDGET)),
+    # torch.set_num_threads takes a C int: 2**31 passed the check, then the service died with a traceback
+    (DraftSettings, "cpu_threads", 1025, 1024),
+    (VerifierSettings, "cpu_threads", 1025, 1024),
+    (DraftSettings, "cpu_threads", 0, 1),
+    (VerifierSettings, "ring_slots", 65, 64),
 ])
 def test_more_bounds_refuse_the_value_past_them_and_take_the_one_at_them(cls, field, bad, good) -> None:
     with pytest.raises(SettingsError, match=field):

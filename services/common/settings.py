@@ -43,6 +43,8 @@ MAX_SPEC_BACKOFF_STEPS = 256  # the longest autoregressive pause of a batch whos
 # A draft's tree ring, as large as a verifier maps it: the verifier reads a slot's bytes, and a
 # ring declared larger than its memory costs a draft nothing to make (a sparse segment).
 MAX_DRAFT_RING_SLOTS = 64
+MAX_VERIFIER_RING_SLOTS = 64   # a slot a step in flight; each handshake builds the ring's free list
+MAX_CPU_THREADS = 1024   # torch takes a C int; far more threads than cores only spin
 MAX_SECONDS = 1e6   # a timeout setting's largest value (11.6 days): gRPC and timedelta hold it
 MAX_DRAFT_RING_SLOT_BYTES = 64 << 20
 # Sampling temperatures a request may ask for besides 0 (greedy). The logits are divided by it in
@@ -177,7 +179,7 @@ class DraftSettings:
     json_logs: bool = False
 
     def __post_init__(self) -> None:
-        _check(self.cpu_threads >= 1, "draft.cpu_threads", "must be >= 1")
+        _check(1 <= self.cpu_threads <= MAX_CPU_THREADS, "draft.cpu_threads", f"must be in 1..{MAX_CPU_THREADS}")
         _check(self.verifier_wait_s > 0, "draft.verifier_wait_s", "must be > 0")
         _check(self.verifier_step_timeout_s > 0, "draft.verifier_step_timeout_s", "must be > 0")
         _check(self.graph_rows >= 1, "draft.graph_rows", "must be >= 1")
@@ -234,7 +236,7 @@ class VerifierSettings:
 
     def __post_init__(self) -> None:
         _check(1 <= self.tp <= 8, "verifier.tp", "must be in 1..8")
-        _check(self.cpu_threads >= 1, "verifier.cpu_threads", "must be >= 1")
+        _check(1 <= self.cpu_threads <= MAX_CPU_THREADS, "verifier.cpu_threads", f"must be in 1..{MAX_CPU_THREADS}")
         _check(self.tp_timeout_s > 0, "verifier.tp_timeout_s", "must be > 0")
         _check(self.peer_stream_timeout_s > 0, "verifier.peer_stream_timeout_s", "must be > 0")
         _check(self.max_peers >= 1, "verifier.max_peers", "must be >= 1")
@@ -255,7 +257,8 @@ class VerifierSettings:
         _check(all(i >= 0 for i in self.feature_layers), "verifier.feature_layers", "must be layer indices >= 0")
         _check(len(set(self.feature_layers)) == len(self.feature_layers), "verifier.feature_layers",
                f"{list(self.feature_layers)} names a layer twice")   # else refused only after the weights load
-        _check(self.ring_slots >= 2, "verifier.ring_slots", "must be >= 2")
+        _check(2 <= self.ring_slots <= MAX_VERIFIER_RING_SLOTS, "verifier.ring_slots",
+               f"must be in [2, {MAX_VERIFIER_RING_SLOTS}]")
         _check(self.ring_slot_bytes >= 4096, "verifier.ring_slot_bytes", "must be >= 4096")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "verifier.dtype",
                "must be float32, bfloat16 or float16")
