@@ -483,7 +483,7 @@ def test_a_step_naming_any_request_of_an_ended_stream_fails_between_steps():
             with pytest.raises(StepFailed) as failed:
                 await link.step(request, timeout=5)
             assert failed.value.code == grpc.StatusCode.UNAVAILABLE and "between steps" in failed.value.details
-            assert len(stub.calls) == opened   # sent nowhere
+            assert len(stub.calls) == opened and not failed.value.delivered   # sent nowhere: its new prompts are refused
             await link.step(draft_pb2.StepRequest(items=[_item("n", [5])]), timeout=5)
             assert len(stub.calls) == opened + 1 and stub.calls[-1].written
     asyncio.run(run())

@@ -48,8 +48,9 @@ class DraftLink:
         if self._call is not None and self._call.done():   # it ended between steps (a draft restarted)
             self._call = None
             if any(not item.prompt_token_ids or item.prompt_offset for item in request.items):
-                # The draft let go of what that stream admitted: these requests' state is gone.
-                raise StepFailed(grpc.StatusCode.UNAVAILABLE, "the step stream ended between steps")
+                # The draft let go of what that stream admitted: these requests' state is gone. The
+                # step itself went nowhere, so the new prompts in it reached no replica.
+                raise StepFailed(grpc.StatusCode.UNAVAILABLE, "the step stream ended between steps", delivered=False)
         fresh = self._call is None
         if fresh:
             self._call = self.stub.StepStream(metadata=self.metadata)
