@@ -361,7 +361,7 @@ def _stop(server: Server, timeout_s: float, now: asyncio.Event | None = None):
     """`serve`'s stop: on_stop, then the drain (on the server's loop); returns its future."""
     async def stop() -> int:
         server.servicer.stopping = True
-        return await server.router.drain(timeout_s, now, busy=lambda: server.servicer.encoding > 0)
+        return await server.router.drain(timeout_s, now, arriving=lambda: server.servicer.encoding)
     return asyncio.run_coroutine_threadsafe(stop(), server.loop)
 
 
@@ -567,6 +567,64 @@ def test_a_request_aborted_while_its_text_is_tokenized_ends_aborted_and_bad_fiel
         assert done.finish_reason == "aborted" and done.token_ids == [], done
         assert server.submitted.count("tokenizing") == 1   # the token-id one only
         assert server.router.metrics.requests.labels("aborted")._value.get() == aborted + 1
+
+
+def _ends(logs: list[dict], rid: str) -> list[str]:
+    return [e["status"] for e in logs if e.get("event") == "request_end" and e.get("request_id") == rid]
+
+
+def test_a_call_that_ends_while_its_text_is_tokenized_is_counted_and_logged_by_why() -> None:
+    """`requests_total` counts requests that end while their text is tokenized: a deadline that
+    passed there, or a client that left, cancelled the handler inside the tokenizing, and the
+    request was neither counted nor logged."""
+    with held_text_server() as (server, encoder), capture_logs() as logs:
+        count = lambda status: server.router.metrics.requests.labels(status)._value.get()   # noqa: E731
+        before = {s: count(s) for s in ("deadline_exceeded", "aborted")}
+        with Client(server.address) as c:
+            with pytest.raises(ClientError) as info:
+                c.generate("def f(x): return x", request_id="late", timeout_s=0.3, **LONG)
+            assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            call = scheduler_pb2_grpc.SchedulerStub(c._channel).Generate(
+                scheduler_pb2.GenerateRequest(text="def g(y): return y", request_id="leaves", max_tokens=4000))
+            deadline = time.monotonic() + 10
+            while "def g(y): return y" not in encoder.texts and time.monotonic() < deadline:
+                time.sleep(0.01)
+            call.cancel()   # the client leaves
+            deadline = time.monotonic() + 5
+            while count("aborted") == before["aborted"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert [count(s) - before[s] for s in ("deadline_exceeded", "aborted")] == [1, 1]
+        assert (_ends(logs, "late"), _ends(logs, "leaves")) == (["deadline_exceeded"], ["aborted"])
+        assert server.servicer.encoding == 0 and not server.submitted
+
+
+def test_a_text_still_tokenized_when_the_stop_grace_ends_is_cut_as_the_queued_ones_are() -> None:
+    """The stop's grace waits for texts being tokenized; one still there when it ends was refused
+    as a new request when its tokens came ("send the request to another one", counted as refused,
+    not logged). It ends as the stop's README says: UNAVAILABLE "the scheduler stopped before this
+    request finished", counted unavailable, logged, and in the drain's count."""
+    with held_text_server() as (server, encoder), capture_logs() as logs:
+        unavailable = server.router.metrics.requests.labels("unavailable")._value.get()
+        with Client(server.address) as c:
+            errors: list[ClientError] = []
+
+            def call() -> None:
+                try:
+                    c.generate("def f(x): return x", request_id="cut", **LONG)
+                except ClientError as exc:
+                    errors.append(exc)
+            worker = threading.Thread(target=call)
+            worker.start()
+            deadline = time.monotonic() + 10
+            while "def f(x): return x" not in encoder.texts and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert _stop(server, 0.2).result(timeout=10) == 1
+            encoder.release.set()
+            worker.join(10)
+        assert len(errors) == 1 and errors[0].code == grpc.StatusCode.UNAVAILABLE
+        assert "the scheduler stopped before this request finished" in errors[0].message, errors[0].message
+        assert server.router.metrics.requests.labels("unavailable")._value.get() == unavailable + 1
+        assert _ends(logs, "cut") == ["unavailable"] and not server.submitted
 
 
 def test_an_aborted_text_that_ends_its_tokenizing_leaves_the_id_to_the_request_that_took_it_since() -> None:

@@ -99,6 +99,7 @@ class Router:
         self._refused_token: set[str] = set()   # replicas logged as refusing our internal token
         self._too_wide: set[str] = set()   # replicas logged as replying more than a message holds
         self.closed = False   # the scheduler stopped with requests unfinished (`drain`): no new request
+        self.stop_error: ServiceError | None = None   # what `drain` ended the unfinished ones with
         # Read when scraped (a gauge set on each change lagged by up to a probe round).
         metrics.queue_depth.set_function(lambda: self.waiting)
         metrics.running.set_function(lambda: sum(len(lane.running) for lane in list(self.lanes)))
@@ -456,14 +457,16 @@ class Router:
             task.add_done_callback(self._follows.discard)
 
     async def drain(self, timeout_s: float, now: asyncio.Event | None = None,
-                    busy: Callable[[], bool] = lambda: False) -> int:
+                    arriving: Callable[[], int] = lambda: 0) -> int:
         """The scheduler stops (it refuses new requests itself): the queued and running requests,
-        and those ``busy`` says are on their way in (texts being tokenized), go on for up to
+        and the ``arriving`` ones on their way in (texts being tokenized), go on for up to
         ``timeout_s`` or until ``now`` is set (a second signal; the launcher gone); then whatever
         is left fails UNAVAILABLE, logged and counted, its client told why (gRPC's end of the
-        grace period said only "Cancelling all calls", and nothing was logged). Returns how many."""
+        grace period said only "Cancelling all calls", and nothing was logged). A text still being
+        tokenized then fails with the same error (`stop_error`) when its tokens come. Returns how
+        many were cut, those texts included."""
         t0 = time.monotonic()
-        while (any(lane.load for lane in self.lanes) or busy()) and time.monotonic() - t0 < timeout_s:
+        while (any(lane.load for lane in self.lanes) or arriving()) and time.monotonic() - t0 < timeout_s:
             if now is not None and now.is_set():
                 break
             await asyncio.sleep(0.05)
@@ -476,7 +479,8 @@ class Router:
             why = f"it waits up to {timeout_s:g} s for running requests when it stops"
         error = ServiceError(grpc.StatusCode.UNAVAILABLE,
                              f"the scheduler stopped before this request finished ({why}); retry it")
-        left = sum(lane.end_all(error) for lane in self.lanes)
+        self.stop_error = error
+        left = sum(lane.end_all(error) for lane in self.lanes) + arriving()
         if left:
             log.warning("requests_cut_by_stop", requests=left, waited_s=round(waited, 2))
         return left

@@ -69,15 +69,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if request.WhichOneof("prompt") == "text" and request.text and self.encoder is not None:
                 check_fields(request, self.settings, self.router.limits, self.tokenizer)
                 check_text_size(request.text, self.router.limits, self.token_bytes)
-                text_ids, aborted = await self._encode(request)
+                try:
+                    text_ids, aborted = await self._encode(request)
+                except asyncio.CancelledError:   # its client left (or the stop's grace ended) meanwhile
+                    self._gone_while_tokenized(request, received, context)
+                    raise
             elif request.request_id in self._encoding:
                 raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id} is already in use",
                                    "id_in_use")
-            if aborted:   # aborted while its text was tokenized: it ends as an abort of a running one does,
-                # whatever its prompt (`Abort` said it found it): checked on its first token alone
+            if aborted or (text_ids is not None and self.router.stop_error is not None):
+                # Aborted while its text was tokenized, or tokenized after the stop's grace ended: it
+                # ends as an abort of a running one does (`Abort` said it found it), or as the stop
+                # ended the queued ones (not refused as new), whatever its prompt: checked on its
+                # first token alone.
                 req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids[:1] or [0])
                 req.prompt_ids, req.created = text_ids, received
-                req.end(scheduler_pb2.FINISH_REASON_ABORTED)
+                if aborted:
+                    req.end(scheduler_pb2.FINISH_REASON_ABORTED)
+                else:
+                    req.fail(self.router.stop_error)
                 log_end(self.router.metrics, req)
             else:
                 req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids)
@@ -111,6 +121,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 else:
                     req.left = True
                 self.router.abort(req.request_id, only=req)
+
+    def _gone_while_tokenized(self, request: scheduler_pb2.GenerateRequest, received: float,
+                              context: grpc.aio.ServicerContext) -> None:
+        """Counts and logs a request whose call ended while its text was tokenized, by why, as one
+        that ends in the queue is (`requests_total` promises every request admitted, these too)."""
+        try:   # its fields were checked before the tokenizing; the prompt is not known
+            req = validate(request, self.settings, self.router.limits, self.tokenizer, [0])
+        except ServiceError:
+            return
+        req.prompt_ids, req.created = [], received
+        if self.stopping and self.router.closed:   # gRPC's end of the stop's grace cancelled it
+            req.fail(self.router.stop_error or ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler stopped"))
+        elif _deadline_passed(context):
+            req.fail(ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the client's deadline passed"))
+        else:
+            req.left = True
+            req.end(scheduler_pb2.FINISH_REASON_ABORTED)
+        log_end(self.router.metrics, req)
 
     async def _encode(self, request: scheduler_pb2.GenerateRequest) -> tuple[list[int], bool]:
         """The text's tokens, and whether ``Abort`` named the request meanwhile: a long text takes
@@ -292,7 +320,7 @@ async def serve(settings: SchedulerSettings) -> None:
     try:
         await serve_until_signal(server, health, on_stop=lambda: setattr(servicer, "stopping", True),
                                  drain=lambda now: router.drain(settings.stop_grace_s, now,
-                                                                busy=lambda: servicer.encoding > 0))
+                                                                arriving=lambda: servicer.encoding))
     finally:
         watch.cancel()
         await router.stop()
