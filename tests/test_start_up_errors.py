@@ -91,6 +91,22 @@ def test_a_host_that_is_no_address_here_is_said_against_the_host_setting(monkeyp
         serve_metrics(Metrics("scheduler"), "nonexistent.invalid", 9100)
 
 
+def test_a_host_with_an_empty_label_is_said_against_the_host_setting() -> None:
+    """getaddrinfo encodes a name with IDNA, which raises UnicodeError (no OSError) for an empty
+    label: `ddtree up --host 127.0.0..1` ended in a traceback and exit 1, and the scheduler's DNS
+    discovery of `dns:draft..svc:50052` raised where an unresolvable name is left out."""
+    from services.common.grpc_server import check_port_free
+    from services.scheduler.router import discover
+
+    with pytest.raises(SettingsError, match=r"^scheduler\.host: cannot listen on '127\.0\.0\.\.1': not a host name"):
+        check_port_free("127.0.0..1", 50051, "scheduler.port")
+    with pytest.raises(SettingsError, match=r"^draft\.host: cannot listen on 'a\.\.b'"):
+        serve_metrics(Metrics("draft"), "a..b", 9100)
+    failed: list[str] = []
+    assert discover(["dns:draft..svc:50052", "10.0.0.9:1"], failed) == ["10.0.0.9:1"]
+    assert failed == ["dns:draft..svc:50052"]
+
+
 def test_tls_files_are_checked_before_anything_starts(tmp_path) -> None:
     with pytest.raises(SettingsError, match=r"scheduler\.tls_cert: cannot read"):
         server_credentials(str(tmp_path / "missing.pem"), str(tmp_path / "missing.key"))

@@ -114,7 +114,7 @@ def check_port_free(host: str, port: int, setting: str) -> None:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no conflict
             probe.bind(addr)
-    except OSError as exc:
+    except (OSError, UnicodeError) as exc:
         raise cannot_listen(exc, host, port, setting) from None
 
 

@@ -162,7 +162,7 @@ def serve_metrics(metrics: Metrics, host: str, port: int) -> int | None:
         server = make_server(host, port, make_wsgi_app(metrics.registry),
                              type("ScrapeServer", (_ScrapeServer,), {"address_family": family}),
                              handler_class=_ScrapeHandler)
-    except OSError as exc:
+    except (OSError, UnicodeError) as exc:
         raise cannot_listen(exc, host, port, f"{metrics.service}.metrics_port") from None
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server.server_port

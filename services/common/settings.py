@@ -66,12 +66,13 @@ class SettingsError(ValueError):
     """A setting is missing, of the wrong type or out of range; the message names it."""
 
 
-def cannot_listen(exc: OSError, host: str, port: int, setting: str) -> SettingsError:
-    """A failed bind, said against the setting at fault: a host that does not resolve or is no
-    address of this machine (`draft.host = nonexistent.invalid` was said as `draft.port`'s fault),
-    else the port. ``setting`` is the port's (`draft.port` -> `draft.host`)."""
-    why = exc.strerror or str(exc)
-    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+def cannot_listen(exc: OSError | UnicodeError, host: str, port: int, setting: str) -> SettingsError:
+    """A failed bind, said against the setting at fault: a host that does not resolve, is no name
+    at all (an empty label: getaddrinfo's IDNA encoding raises UnicodeError) or is no address of
+    this machine (`draft.host = nonexistent.invalid` was said as `draft.port`'s fault), else the
+    port. ``setting`` is the port's (`draft.port` -> `draft.host`)."""
+    why = f"not a host name ({exc})" if isinstance(exc, UnicodeError) else exc.strerror or str(exc)
+    if isinstance(exc, (socket.gaierror, UnicodeError)) or exc.errno == errno.EADDRNOTAVAIL:
         where = setting.removesuffix("metrics_port").removesuffix("port") + "host" if "." in setting else setting
         return SettingsError(f"{where}: cannot listen on {host!r}: {why} (a name or address of this machine)")
     return SettingsError(f"{setting}: cannot listen on {host}:{port}: {why}")

@@ -49,7 +49,7 @@ def discover(entries: tuple[str, ...] | list[str], failed: list[str] | None = No
         host, _, port = entry[len("dns:"):].lstrip("/").rpartition(":")
         try:
             infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        except socket.gaierror:
+        except (socket.gaierror, UnicodeError):   # (an empty label, "draft..svc", fails IDNA encoding)
             if failed is not None:
                 failed.append(entry)
             continue
