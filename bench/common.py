@@ -203,5 +203,5 @@ def read_metrics(address: str) -> dict[str, float]:
     try:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
             return parse_metrics(resp.read().decode())
-    except OSError:
+    except (OSError, ValueError):   # (http.client.InvalidURL, a ValueError: a port such as "9l00")
         return {}

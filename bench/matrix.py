@@ -508,6 +508,9 @@ def check_fits(info: common_pb2.ModelInfo, p: MatrixParams) -> None:
     if longest > info.max_context - info.block_size:
         raise ValueError(f"context {max(p.contexts)} + {p.max_tokens} new tokens needs {longest + info.block_size} "
                          f"positions; the model has {info.max_context}")
+    if not p.prompt_file and p.vocab_high > info.vocab_size:   # every request refused INVALID_ARGUMENT, cell by cell
+        raise ValueError(f"--vocab-high {p.vocab_high}: synthetic prompt ids would pass the model's vocabulary of "
+                         f"{info.vocab_size}")
     per_req = _kv_tokens_per_request(p, info.block_size, max(1, info.kv_page_size))
     need = max(p.concurrencies) * per_req
     if need > info.kv_capacity_tokens:

@@ -470,6 +470,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     """The matrix against `--address`, or (`--spawn-stack MODEL`) against a stack started here,
     sized for the matrix and stopped at the end, also when the run is cut short by SIGTERM. A
     mistake (a bad setting, no server at the address, a file it cannot read or write) is one line."""
+    from bench.matrix import MatrixParams
     from services.common.settings import MAX_BUDGET, SettingsError
     from services.scheduler.client import ClientError
 
@@ -484,7 +485,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                      (args.cell_timeout > 0, f"--cell-timeout {args.cell_timeout:g}: must be > 0 seconds"),
                      (args.time_budget >= 0, f"--time-budget {args.time_budget:g}: must be >= 0 seconds (0 = none)"),
                      (args.warmup_tokens >= 0, f"--warmup-tokens {args.warmup_tokens}: must be >= 0"),
-                     (args.vocab_high >= 2, f"--vocab-high {args.vocab_high}: must be >= 2"),
+                     (args.vocab_high > MatrixParams.vocab_low, f"--vocab-high {args.vocab_high}: must be > "
+                                                                  f"{MatrixParams.vocab_low} (ids are drawn from "
+                                                                  f"{MatrixParams.vocab_low} up to it)"),
                      (args.draft_replicas >= 1, f"--draft-replicas {args.draft_replicas}: must be >= 1"),
                      (args.draft_replicas == 1 or bool(args.spawn_stack),
                       f"--draft-replicas {args.draft_replicas}: only with --spawn-stack (a running stack has its own)"),

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.lossless_stack import check_tp, parse_budgets
-from bench.matrix import ROW_KEYS, MatrixParams, run_matrix, stack_spec
+from bench.matrix import ROW_KEYS, MatrixParams, check_fits, run_matrix, stack_spec
 from services.common.launcher import Stack, StackSpec, free_port
 from tests.selection import selected_names
 from tests.stack_fixtures import build_checkpoint
@@ -662,3 +662,24 @@ def test_utilisation_and_sampled_power_count_only_the_readings_between_the_marks
     assert sampler.source == "nvml"
     assert {u for _, u in sampler.samples} == {0, 80}     # idle readings were taken around the cell
     assert sampler.mean() == (400.0, 80)
+
+
+def test_synthetic_prompt_ids_past_the_vocabulary_are_refused_before_the_matrix_runs() -> None:
+    """`--vocab-high` above the model's vocabulary ran a whole matrix of INVALID_ARGUMENT cells;
+    a prompt file's ids are the file's, not drawn below it."""
+    from ddtree.v1 import common_pb2
+
+    info = common_pb2.ModelInfo(vocab_size=300, max_context=4096, block_size=16, kv_capacity_tokens=1 << 20,
+                                kv_page_size=16)
+    check_fits(info, MatrixParams(contexts=[8], concurrencies=[1], max_tokens=8, vocab_high=300))
+    with pytest.raises(ValueError, match="--vocab-high 301: synthetic prompt ids would pass the model's vocabulary of 300"):
+        check_fits(info, MatrixParams(contexts=[8], concurrencies=[1], max_tokens=8, vocab_high=301))
+    check_fits(info, MatrixParams(contexts=[8], concurrencies=[1], max_tokens=8, vocab_high=301, prompt_file="p.json"))
+
+
+def test_a_metrics_address_that_is_no_url_reads_as_no_page() -> None:
+    """A typo in `--scheduler-metrics HOST:PORT` (a port "9l00") raised urllib's InvalidURL, a
+    ValueError, through the whole bench; an address where nothing answers reads as no page."""
+    from bench.common import read_metrics
+
+    assert read_metrics("127.0.0.1:9l00") == {} and read_metrics("") == {}

@@ -526,6 +526,8 @@ def test_bench_mistakes_are_one_line(monkeypatch, capsys, tmp_path) -> None:
                           # 0 reached the draft's warm-up (refused there) or recorded no budget
                           (["--budgets", "0"], "--budgets [0]: must be in 1..128 (autoregressive cells run anyway)"),
                           (["--draft-replicas", "0"], "--draft-replicas 0: must be >= 1"),
+                          # ids are drawn from [2, vocab_high): an empty range divided by zero once the stack ran
+                          (["--vocab-high", "2"], "--vocab-high 2: must be > 2 (ids are drawn from 2 up to it)"),
                           (["--draft-replicas", "2"], "--draft-replicas 2: only with --spawn-stack (a running stack "
                                                       "has its own)"),
                           (["--out", str(tmp_path)], f"--out {tmp_path}: is a directory; name the result file")):
