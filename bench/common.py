@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import http.client
 import re
 import subprocess
 import time
@@ -203,5 +204,5 @@ def read_metrics(address: str) -> dict[str, float]:
     try:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
             return parse_metrics(resp.read().decode())
-    except (OSError, ValueError):   # (http.client.InvalidURL, a ValueError: a port such as "9l00")
+    except (OSError, http.client.HTTPException):   # (InvalidURL: a port such as "9l00"; a garbled answer)
         return {}

@@ -678,8 +678,8 @@ def test_synthetic_prompt_ids_past_the_vocabulary_are_refused_before_the_matrix_
 
 
 def test_a_metrics_address_that_is_no_url_reads_as_no_page() -> None:
-    """A typo in `--scheduler-metrics HOST:PORT` (a port "9l00") raised urllib's InvalidURL, a
-    ValueError, through the whole bench; an address where nothing answers reads as no page."""
+    """A typo in `--scheduler-metrics HOST:PORT` (a port "9l00") raised http.client's InvalidURL
+    through the whole bench; an address where nothing answers reads as no page."""
     from bench.common import read_metrics
 
     assert read_metrics("127.0.0.1:9l00") == {} and read_metrics("") == {}
