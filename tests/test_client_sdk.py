@@ -1650,6 +1650,21 @@ def test_usage_and_completion_objects_keep_what_the_server_and_caller_said() -> 
             c.generate([1, 2], request_id="mine", timeout_s=10)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     assert info.value.partial == sdk.Completion(request_id="mine")
+    # Refused before anything is sent (a bad argument, a closed client): an empty partial too, as
+    # the docstring says of every error of generate (it was None, and err.partial.text raised).
+    with sdk.Client("127.0.0.1:1") as c, pytest.raises(sdk.ClientError) as bad:
+        c.generate([1, 2], request_id="mine", budget=True)
+    assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and bad.value.partial == sdk.Completion(request_id="mine")
+    with pytest.raises(sdk.ClientError) as closed:
+        c.generate([1, 2])
+    assert closed.value.partial == sdk.Completion()
+
+    async def async_refused() -> sdk.ClientError:
+        async with sdk.AsyncClient("127.0.0.1:1") as ac:
+            with pytest.raises(sdk.ClientError) as err:
+                await ac.generate([1, 2], request_id="a", max_tokens=0)
+        return err.value
+    assert asyncio.run(async_refused()).partial == sdk.Completion(request_id="a")
 
 
 def test_a_calls_timeout_none_is_no_deadline_even_where_the_client_has_one() -> None:

@@ -838,11 +838,11 @@ class Client(_Calls):
         """The whole output of `stream` with the same arguments (its docstring says each), as one
         `Completion`. Raises what `stream` raises; an error ends the request on the server, and the
         output that came before it is the error's ``partial``."""
-        chunks = self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                             seed=seed, budget=budget, mode=mode, stop=stop, stop_token_ids=stop_token_ids,
-                             ignore_eos=ignore_eos, request_id=request_id, timeout_s=timeout_s)
         out = Completion(request_id=request_id)
-        try:
+        try:   # an argument refused before anything is sent fails with an empty partial too
+            chunks = self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                 seed=seed, budget=budget, mode=mode, stop=stop, stop_token_ids=stop_token_ids,
+                                 ignore_eos=ignore_eos, request_id=request_id, timeout_s=timeout_s)
             with chunks:
                 for chunk in chunks:
                     out.add(chunk)
@@ -947,11 +947,11 @@ class AsyncClient(_Calls):
         """`Client.generate` for asyncio: the whole output as one `Completion`; the arguments and
         errors are `Client.stream`'s, and an error's ``partial`` the output before it. A cancelled
         task ends its request on the server."""
-        chunks = self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                             seed=seed, budget=budget, mode=mode, stop=stop, stop_token_ids=stop_token_ids,
-                             ignore_eos=ignore_eos, request_id=request_id, timeout_s=timeout_s)
         out = Completion(request_id=request_id)
-        try:
+        try:   # an argument refused before anything is sent fails with an empty partial too
+            chunks = self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                 seed=seed, budget=budget, mode=mode, stop=stop, stop_token_ids=stop_token_ids,
+                                 ignore_eos=ignore_eos, request_id=request_id, timeout_s=timeout_s)
             async with chunks:
                 async for chunk in chunks:
                     out.add(chunk)
