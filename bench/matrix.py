@@ -35,7 +35,7 @@ from tqdm import tqdm
 from bench.common import git_commit, read_metrics
 from ddtree.v1 import common_pb2
 from services.common.launcher import StackSpec, free_port
-from services.common.settings import SchedulerSettings
+from services.common.settings import MAX_SECONDS, SchedulerSettings
 from services.scheduler.client import AsyncClient, ClientError
 
 __all__ = ["MatrixParams", "Cell", "cell_plan", "run_matrix", "write_results", "local_gpu_name", "stack_spec", "check_fits",
@@ -491,7 +491,8 @@ def stack_spec(p: MatrixParams, model: str, device: str, dtype: str, log_path: s
         "DDTREE_VERIFIER_RING_SLOT_BYTES": str(max(8 << 20, feature_bytes + (1 << 20))),
         "DDTREE_SCHEDULER_MAX_BATCH": str(conc),
         "DDTREE_SCHEDULER_MAX_QUEUE": str(max(256, 2 * conc)),
-        "DDTREE_SCHEDULER_STEP_TIMEOUT_S": str(max(60.0, p.cell_timeout_s)),
+        # (at most the setting's bound: a --cell-timeout past it was refused as this variable, unset by the user)
+        "DDTREE_SCHEDULER_STEP_TIMEOUT_S": str(min(MAX_SECONDS, max(60.0, p.cell_timeout_s))),
         "DDTREE_DRAFT_METRICS_PORT": str(metrics_port),
         "DDTREE_SCHEDULER_METRICS_PORT": str(scheduler_metrics_port),
         "DDTREE_DRAFT_WARMUP_BUDGETS": ",".join(str(b) for b in p.budgets) or "8",

@@ -214,6 +214,19 @@ def test_the_spawned_stack_runs_the_draft_replicas_asked_for() -> None:
     assert draft_metrics == f"127.0.0.1:{spec.extra_env['DDTREE_DRAFT_METRICS_PORT']}"   # the first replica's
 
 
+def test_a_cell_timeout_past_the_step_timeouts_bound_gives_the_stack_a_step_timeout_it_takes() -> None:
+    """The spawned scheduler's step timeout follows `--cell-timeout`; 2e6 (or inf) was refused at
+    start-up as DDTREE_SCHEDULER_STEP_TIMEOUT_S, a variable the user never set."""
+    from services.common.settings import SchedulerSettings, load_settings
+
+    for cell_timeout, step_timeout in ((2e6, "1000000.0"), (float("inf"), "1000000.0"), (10.0, "60.0"), (600.0, "600.0")):
+        spec = stack_spec(MatrixParams(contexts=[8], concurrencies=[1], budgets=[4], cell_timeout_s=cell_timeout),
+                          "models/demo", "cpu", "float32")[0]
+        env = {k: v for k, v in spec.extra_env.items() if k.startswith("DDTREE_SCHEDULER_")}
+        assert env["DDTREE_SCHEDULER_STEP_TIMEOUT_S"] == step_timeout
+        assert load_settings(SchedulerSettings, env=env).step_timeout_s == float(step_timeout)
+
+
 def test_lossless_stack_holds_each_budget_to_the_same_stacks_greedy_decoding(tmp_path, ckpt) -> None:
     """T-lossless's served check: a row a budget, greedy DDTree against the stack's own greedy AR."""
     assert parse_budgets("1-3,8,2") == [1, 2, 3, 8]
