@@ -481,6 +481,7 @@ class _ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
 
     def __init__(self, choose) -> None:
         self.choose = choose
+        self.skew = 0   # added to the sequence each answer names
         self.offers: list[list[str]] = []
         self.requests: list[list[verifier_pb2.VerifyRequest]] = []
         self.ring = make_writer("shm", 4096, 4, "ddtree-verifier")   # unlinked at close()
@@ -501,7 +502,7 @@ class _ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
         async for req in request_iterator:
             seen.append(req)
             self.ring.release(req.released_slots)
-            resp = verifier_pb2.VerifyResponse(sequence=req.sequence)
+            resp = verifier_pb2.VerifyResponse(sequence=req.sequence + self.skew)
             for p in req.prefills:
                 resp.prefills.add(request_id=p.request_id, token_ids=[1], committed=len(p.token_ids))
             n = sum(len(p.token_ids) for p in req.prefills)
@@ -631,3 +632,27 @@ def test_a_new_verifier_stream_is_sent_no_slot_of_the_old_one():
     released = asyncio.run(run())
     assert len(released[0]) == 2 and released[0][0] == [] and len(released[0][1]) == 1
     assert released[-1] == [[]]
+
+
+def test_an_answer_to_another_step_ends_the_stream_instead_of_being_taken_for_this_one():
+    """Each answer names the step it answers; one that names another (a step cut between its write
+    and its read leaves its answer for the next) would fold one step's tokens and features into
+    another's requests. The step fails as lost, and the stream is closed."""
+    async def run():
+        servicer, server, client = await _scripted(lambda offered: "shm")
+        try:
+            await client.connect([0, 1], HIDDEN, VOCAB)
+            piece = verifier_pb2.PrefillItem(request_id="a", token_ids=[1, 2, 3])
+            first = await client.step([piece], [], None, [])
+            servicer.skew = 1
+            with pytest.raises(ServiceError) as lost:
+                await client.step([verifier_pb2.PrefillItem(request_id="b", token_ids=[4])], [], None, [])
+            return first, lost.value, client.connected
+        finally:
+            await client.close(final=True)
+            servicer.ring.close()
+            await server.stop(None)
+    first, error, connected = asyncio.run(run())
+    assert first.features.shape[0] == 3
+    assert error.code == grpc.StatusCode.UNAVAILABLE and "answered step 3 to step 2" in error.message, error.message
+    assert not connected

@@ -242,6 +242,8 @@ class VerifierClient:
             raise await self._lost(f"verifier stream failed: {exc!r}") from None
         if resp is grpc.aio.EOF or resp is None:
             raise await self._lost("verifier closed the stream")
+        if resp.sequence != self._sequence:   # an answer to another step (one cut between write and read)
+            raise await self._lost(f"the verifier answered step {resp.sequence} to step {self._sequence}")
         try:
             slot = bundle_slot(resp.features)
             if slot is not None:   # returned to the verifier with the next request, even if it reads badly here
