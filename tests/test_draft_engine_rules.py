@@ -656,3 +656,45 @@ def test_an_answer_to_another_step_ends_the_stream_instead_of_being_taken_for_th
     assert first.features.shape[0] == 3
     assert error.code == grpc.StatusCode.UNAVAILABLE and "answered step 3 to step 2" in error.message, error.message
     assert not connected
+
+
+def test_a_draft_waiting_for_its_verifier_holds_no_ring_until_the_verifier_answers():
+    """Only the verifier's mapping of a draft's shm ring lets its name go: a ring made for the
+    whole start-up wait (up to draft.verifier_wait_s) stayed in /dev/shm when the waiting draft
+    was killed, and a SIGTERM then warned of a leaked segment. The ring is made once the
+    verifier's port answers; the handshake then goes through as before."""
+    from services.common.launcher import free_port
+
+    port = free_port()
+    mine = lambda: [n for n in os.listdir("/dev/shm") if n.startswith(f"ddtree-draft-{os.getpid()}-")]  # noqa: E731
+
+    async def run():
+        client = VerifierClient(f"127.0.0.1:{port}", "shm", ring_slots=2, ring_slot_bytes=4096, device="cpu")
+        connecting = asyncio.ensure_future(client.connect([0, 1], HIDDEN, VOCAB, wait_s=10))
+        await asyncio.sleep(0.5)
+        waiting = mine()
+        servicer = _ScriptedVerifier(lambda offered: "shm")
+        server = grpc.aio.server()
+        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        try:
+            hs = await asyncio.wait_for(connecting, 10)
+            return waiting, hs.transport, client.connected, mine()
+        finally:
+            await client.close(final=True)
+            servicer.ring.close()
+            await server.stop(None)
+
+    waiting, transport, connected, after = asyncio.run(run())
+    assert waiting == [] and transport == "shm" and connected
+    assert after == []   # mapped by the verifier in its handshake: the name went
+
+    async def nobody():
+        client = VerifierClient(f"127.0.0.1:{free_port()}", "shm", ring_slots=2, ring_slot_bytes=4096, device="cpu")
+        with pytest.raises(ServiceError) as err:
+            await client.connect([0, 1], HIDDEN, VOCAB, wait_s=0.5)
+        return err.value
+    error = asyncio.run(nobody())
+    assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED and "no connection within 0.5 s" in error.message
+    assert mine() == []

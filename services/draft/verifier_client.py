@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -117,6 +118,18 @@ class VerifierClient:
         self._channel = grpc.aio.insecure_channel(self.address, options=server_options())
         stub = verifier_pb2_grpc.VerifierStub(self._channel)
         offer = list(self._offer)
+        if wait_s > 0:
+            # The ring is made once the verifier's port answers, not for the whole wait: a draft
+            # killed while it waited (SIGKILL; a container's end) left its ring in /dev/shm, as
+            # only the verifier's mapping of it lets its name go.
+            t0 = time.monotonic()
+            try:
+                await asyncio.wait_for(self._channel.channel_ready(), wait_s)
+            except asyncio.TimeoutError:
+                await self.close()
+                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"verifier handshake failed: no connection within {wait_s:g} s") from None
+            wait_s = max(wait_s - (time.monotonic() - t0), 1.0)   # what is left of it for the handshake
         while True:   # each round offers fewer kinds, so this ends
             try:
                 self._writer = self._ring(offer[0])
