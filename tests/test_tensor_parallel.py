@@ -199,6 +199,36 @@ async def _bad_input(verifier: str, ckpt, token: tuple[tuple[str, str], ...]) ->
         await call.done_writing()
 
 
+def _listening_addresses(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) of the sockets listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:
+                    found.append(address)
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's socket tables")
+def test_rank_zeros_store_listens_on_loopback_only():
+    """torch's store server binds every interface whatever host it is told, and takes no token:
+    anyone who reached a TP verifier's host could fake a rank's check-in or fill rank 0's memory."""
+    from services.verifier.parallel import master_store
+
+    store = master_store(2)
+    try:
+        assert _listening_addresses(store.port) == ["0100007F"]   # 127.0.0.1, and no "*" beside it
+        worker = torch.distributed.TCPStore("127.0.0.1", store.port, 2, is_master=False,
+                                            timeout=datetime.timedelta(seconds=10))
+        worker.set("k", "v")
+        assert store.get("k") == b"v"
+    finally:
+        del store
+
+
 def test_rank_watchdog_reports_a_death_and_stays_quiet_once_disarmed():
     deaths: list[str] = []
     armed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])

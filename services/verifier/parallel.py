@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import re
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -138,8 +139,20 @@ def load_rank_slice(path: Path, config: TargetConfig, expected: dict[str, tuple[
 def master_store(size: int) -> dist.TCPStore:
     """Rank 0's store, on a port the system picks, made before the workers start (they are given
     its port): a port found free and bound later could be taken in between, and the workers would
-    then join whatever listens there."""
-    return dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
+    then join whatever listens there.
+
+    On a socket bound here to loopback: torch's server binds every interface whatever host it is
+    given, and the store takes no token, so anyone who reached the host could fake a rank's
+    check-in or fill rank 0's memory with keys, beside a verifier whose own ports are loopback's."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+    except OSError:
+        listener.close()
+        raise
+    return dist.TCPStore("127.0.0.1", port, size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
 
 
 class TensorParallel:
