@@ -299,6 +299,37 @@ def test_a_metrics_connection_that_sends_no_request_is_closed_and_scrapes_go_on(
     assert "Traceback" not in capfd.readouterr().err
 
 
+def test_a_metrics_request_trickled_a_byte_at_a_time_is_closed_at_the_same_limit(monkeypatch) -> None:
+    """The per-read timeout never fired for a client that sent a byte every few seconds: each such
+    connection held a thread and an fd for as long as it went on."""
+    import socket
+    import time
+
+    from services.common import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module._ScrapeHandler, "timeout", 0.6)
+    port = metrics_module.serve_metrics(metrics_module.Metrics("draft"), "127.0.0.1", free_port())
+    conn = socket.create_connection(("127.0.0.1", port))
+    t0, closed = time.monotonic(), None
+    try:
+        for byte in b"GET /metrics HTTP/1.0":   # a byte each 0.2 s: 4.2 s for the line, were it let
+            try:
+                conn.sendall(bytes([byte]))
+            except OSError:
+                closed = time.monotonic() - t0
+                break
+            conn.settimeout(0.2)
+            try:
+                if conn.recv(1) == b"":
+                    closed = time.monotonic() - t0
+                    break
+            except TimeoutError:
+                pass
+    finally:
+        conn.close()
+    assert closed is not None and closed < 2.0, closed
+
+
 def test_once_per_counts_every_event_between_two_lines_and_says_once_a_minute(monkeypatch) -> None:
     from services.common import logging as ddlog
 

@@ -8,6 +8,7 @@ Each service serves `/metrics` over HTTP on its `metrics_port` (0 = off).
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import sys
 import threading
@@ -139,7 +140,29 @@ class _ScrapeHandler(WSGIRequestHandler):
     METRICS_IDLE_S. prometheus_client's own server waits for ever, a thread and an fd each: 300
     idle connections held 300 of both until they were closed."""
 
-    timeout = METRICS_IDLE_S
+    timeout = METRICS_IDLE_S   # each read; the whole request gets as long (`setup`)
+
+    def setup(self) -> None:
+        super().setup()
+        # A client that sends a byte now and then never meets the per-read timeout: its request,
+        # headers included, must have come by then, or the connection is shut.
+        self._deadline = threading.Timer(self.timeout, self._give_up)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _give_up(self) -> None:
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def parse_request(self) -> bool:
+        try:
+            return super().parse_request()
+        finally:
+            self._deadline.cancel()
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        super().finish()
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
         pass
