@@ -217,6 +217,16 @@ def test_load_errors_name_the_field(tmp_path: Path, pair: tuple[Path, Path]) -> 
     with pytest.raises(CheckpointError, match="field 'architectures' is 1"):
         DFlashDrafter.load(no_block, target_dir)
 
+    # A block as long as the target's context: no prompt fits beside one tree, and the stack
+    # served, refusing every request ("-1 prompt tokens at most").
+    short = tmp_path / "short_context"
+    cfg = write_fake_target(short)
+    (short / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=BLOCK + 1)))
+    with pytest.raises(CheckpointError, match=f"'block_size' = {BLOCK} leaves no room for a prompt .* need {BLOCK + 2}"):
+        check_pairing(drafter_dir, short)
+    (short / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=BLOCK + 2)))
+    check_pairing(drafter_dir, short)
+
 
 def test_every_stored_drafter_tensor_is_read_and_a_float(tmp_path: Path, pair: tuple[Path, Path]) -> None:
     """A layer past the config's, q/k/v biases, or FP8 projections (their scales dropped) loaded

@@ -275,6 +275,34 @@ def test_a_draft_without_its_verifier_names_the_address_and_the_wait() -> None:
     assert "verifier_connecting" in out.stdout + out.stderr
 
 
+def test_a_verifier_context_that_holds_no_prompt_beside_a_tree_fails_the_drafts_start() -> None:
+    """`verifier.max_context` at or below the drafter's block + 1: the stack served, then refused
+    every request with "-1 prompt tokens at most", blaming the prompt."""
+    import os
+    import subprocess
+    import sys
+
+    port = free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "protos")])}
+    env.pop("DDTREE_INTERNAL_TOKEN", None)
+    verifier = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "verifier"], cwd=root,
+                                env={**env, "DDTREE_VERIFIER_PORT": str(port), "DDTREE_VERIFIER_MAX_CONTEXT": "17",
+                                     "DDTREE_VERIFIER_KV_CAPACITY_TOKENS": "256"},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "draft"], cwd=root,
+                             env={**env, "DDTREE_DRAFT_VERIFIER_ADDRESS": f"127.0.0.1:{port}", "DDTREE_DRAFT_PORT": "0",
+                                  "DDTREE_DRAFT_TRANSPORT": "inline", "DDTREE_DRAFT_VERIFIER_WAIT_S": "100"},
+                             capture_output=True, text=True, timeout=150)
+    finally:
+        verifier.terminate()
+        verifier.wait(timeout=30)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "the verifier's max context (17: verifier.max_context, or the target's max_position_embeddings) holds " \
+           "no prompt beside one tree of this drafter's block_size 16: it must be at least 18" in out.stderr, out.stderr[-2000:]
+
+
 def test_the_scheduler_process_runs_without_torch() -> None:
     """The scheduler needs no torch (README, "The pieces"): `ddtree serve scheduler` must not import it,
     a second or two of start-up and a few hundred MB a process (it is imported here only when a

@@ -210,6 +210,14 @@ def check_pairing(drafter_dir: Path, target_dir: Path) -> DraftConfig:
             f"{dsrc}: field 'dflash_config.target_layer_ids' has {bad} out of range for the target's "
             f"num_hidden_layers = {t_layers} ({tsrc})"
         )
+    t_context = tcfg.get("max_position_embeddings")
+    if isinstance(t_context, int) and not isinstance(t_context, bool) and t_context < config.block_size + 2:
+        # No prompt fits beside one tree: the stack served, and refused every request.
+        raise CheckpointError(
+            f"{dsrc}: field 'block_size' = {config.block_size} leaves no room for a prompt in the target's "
+            f"max_position_embeddings = {t_context} ({tsrc}): a tree of a block and one prompt token need "
+            f"{config.block_size + 2}"
+        )
     if config.num_target_layers is not None and config.num_target_layers != t_layers:
         raise CheckpointError(
             f"{dsrc}: field 'num_target_layers' = {config.num_target_layers} does not match the "
