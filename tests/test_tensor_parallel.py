@@ -790,6 +790,21 @@ def test_an_orderly_stop_while_a_long_call_runs_is_no_dead_rank(ckpt) -> None:
     assert proc.returncode == 0 and "rank_died" not in out, out[-3000:]
 
 
+def test_a_tp_that_does_not_divide_the_checkpoint_is_one_line_not_a_traceback_a_rank(ckpt) -> None:
+    """Rank 0 refuses the split in one line (exit 2); each worker loading the same slices printed a
+    traceback of its own before it, seven of them at tp 8."""
+    env = {**os.environ, "DDTREE_VERIFIER_MODEL_PATH": str(ckpt), "DDTREE_VERIFIER_TP": "3",
+           "DDTREE_VERIFIER_PORT": "0", "DDTREE_VERIFIER_KV_CAPACITY_TOKENS": "256",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                          str(Path(__file__).resolve().parents[1] / "protos")])}
+    env.pop("DDTREE_INTERNAL_TOKEN", None)
+    out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "verifier"], env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "not divisible by tp=3" in out.stderr.splitlines()[-1]
+    assert "Traceback" not in out.stderr + out.stdout, (out.stderr + out.stdout)[-3000:]
+
+
 def test_workers_take_rank_0s_settings_not_their_own_reading() -> None:
     """Each worker read the config file and environment itself: a file changed while the group
     started gave the ranks other KV caches, out of step at the first long prompt."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from services.common.config_files import CheckpointError
 from services.common.devices import current, seen_gpus, visible_gpus
 from services.common.grpc_server import ServiceError
 from services.common.logging import configure_logging, get_logger
@@ -272,7 +273,13 @@ def worker_main(argv: list[str] | None = None) -> int:
     configure_logging(f"verifier-rank{args.rank}", settings.json_logs)
     tp = TensorParallel(args.rank, settings.tp, args.init_method, backend=backend_for(settings),
                         timeout_s=settings.tp_timeout_s, device=rank_device(settings.device, args.rank))
-    engine = build_engine(settings, tp)
+    try:
+        engine = build_engine(settings, tp)
+    except (CheckpointError, SettingsError) as exc:
+        # Rank 0 loads the same checkpoint and says why in one line: a traceback from every
+        # worker (seven at tp 8) buried it.
+        log.warning("rank_start_refused", rank=args.rank, error=str(exc))
+        return 2
     try:
         worker_loop(engine, tp)
     except Exception as exc:   # rank 0 went away mid-collective: nothing left to serve
