@@ -790,19 +790,23 @@ def test_an_orderly_stop_while_a_long_call_runs_is_no_dead_rank(ckpt) -> None:
     assert proc.returncode == 0 and "rank_died" not in out, out[-3000:]
 
 
-def test_a_tp_that_does_not_divide_the_checkpoint_is_one_line_not_a_traceback_a_rank(ckpt) -> None:
-    """Rank 0 refuses the split in one line (exit 2); each worker loading the same slices printed a
-    traceback of its own before it, seven of them at tp 8."""
-    env = {**os.environ, "DDTREE_VERIFIER_MODEL_PATH": str(ckpt), "DDTREE_VERIFIER_TP": "3",
-           "DDTREE_VERIFIER_PORT": "0", "DDTREE_VERIFIER_KV_CAPACITY_TOKENS": "256",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                          str(Path(__file__).resolve().parents[1] / "protos")])}
-    env.pop("DDTREE_INTERNAL_TOKEN", None)
-    out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "verifier"], env=env, capture_output=True,
-                         text=True, timeout=240)
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert "not divisible by tp=3" in out.stderr.splitlines()[-1]
-    assert "Traceback" not in out.stderr + out.stdout, (out.stderr + out.stdout)[-3000:]
+def test_a_worker_whose_checkpoint_is_refused_says_one_line_and_exits_2(monkeypatch, capsys) -> None:
+    """Rank 0 refuses a split that tp does not divide in one line (exit 2); each worker, loading
+    the same slices, printed a traceback of its own beside it, seven of them at tp 8."""
+    from services.common.config_files import CheckpointError
+    from services.verifier import server as verifier_server
+
+    def refused(settings, tp):
+        raise CheckpointError("model.safetensors: tensor lm_head.weight splits into 512 units along dim 0, "
+                              "not divisible by tp=3")
+    monkeypatch.setattr(ranks_module, "_die_with_parent", lambda: None)
+    monkeypatch.setattr(ranks_module, "TensorParallel", lambda *args, **kwargs: SimpleNamespace())
+    monkeypatch.setattr(verifier_server, "build_engine", refused)
+    monkeypatch.setenv(SETTINGS_ENV, settings_json(VerifierSettings(tp=3, device="cpu")))
+    assert ranks_module.worker_main(["--rank", "1", "--init-method", "tcp://127.0.0.1:1"]) == 2
+    said = capsys.readouterr()
+    assert "rank_start_refused" in said.out + said.err and "not divisible by tp=3" in said.out + said.err
+    assert "Traceback" not in said.out + said.err
 
 
 def test_workers_take_rank_0s_settings_not_their_own_reading() -> None:
