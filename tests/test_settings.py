@@ -318,6 +318,7 @@ def test_a_flag_overrides_the_environment_which_overrides_the_file(tmp_path: Pat
     (VerifierSettings, "cpu_threads", 1025, 1024),
     (DraftSettings, "cpu_threads", 0, 1),
     (VerifierSettings, "ring_slots", 65, 64),
+    (VerifierSettings, "tp_timeout_s", 0.5, 1.0),   # 0.0001 passed, and the group's start died in a store traceback
 ])
 def test_more_bounds_refuse_the_value_past_them_and_take_the_one_at_them(cls, field, bad, good) -> None:
     with pytest.raises(SettingsError, match=field):
