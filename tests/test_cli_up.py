@@ -490,6 +490,17 @@ def test_up_checks_files_and_ports_of_every_service_before_starting_any(tmp_path
     assert metrics.returncode == 2 and "verifier.metrics_port: cannot listen" in metrics.stderr, metrics.stderr[-2000:]
     drafter = _up("--port", "0", "--drafter", str(tmp_path), timeout=30)
     assert drafter.returncode == 2 and f"no drafter checkpoint at {tmp_path}" in drafter.stderr, drafter.stderr[-2000:]
+    # A tokenizer.json that does not parse: the scheduler said so once the verifier and the draft
+    # had loaded (minutes on a large model).
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors", "drafter"):
+        (model / name).symlink_to((Path(REPO) / "models" / "demo" / name).resolve())
+    (model / "tokenizer.json").write_text('{"model": {')
+    broken = _up("--port", "0", "--model", str(model), timeout=30)
+    assert broken.returncode == 2 and f"scheduler.tokenizer_path: {model}/tokenizer.json is not a tokenizer" in \
+        broken.stderr, broken.stderr[-2000:]
+    assert "weights_loaded" not in broken.stdout + broken.stderr   # nothing started
     for run in (tls, metrics, drafter):
         assert "service=verifier" not in run.stdout + run.stderr   # nothing was started
 
