@@ -868,3 +868,28 @@ def test_rope_parameters_must_be_an_object_and_a_rope_theta_inside_the_old_scali
     yarn = {"rope_type": "yarn", "factor": 32.0, "rope_theta": 50000.0}
     out = with_rope_parameters({"rope_scaling": dict(yarn), "rope_parameters": dict(yarn)}, "config.json")
     assert out["rope_theta"] == 50000.0 and out["rope_scaling"] == {"rope_type": "yarn", "factor": 32.0}
+
+
+def test_the_shared_weights_digest_tells_another_model_of_the_same_shapes_apart(tmp_path: Path) -> None:
+    """What a draft and its verifier compare at the handshake: the same checkpoint anywhere gives
+    the same digest, another one of the same shapes another, one without the tensors none."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from services.common.checkpoint import shared_weights_digest
+
+    def target(name: str, seed: int, tensors=("model.embed_tokens.weight", "lm_head.weight")) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"hidden_size": 64, "vocab_size": 300}))
+        gen = torch.Generator().manual_seed(seed)
+        save_file({t: torch.randn(300, 64, generator=gen).to(torch.bfloat16) for t in tensors} |
+                  {"model.norm.weight": torch.ones(64)}, str(path / "model.safetensors"))
+        return path
+    base, copy, tuned = target("base", 1), target("copy", 1), target("tuned", 2)
+    assert len(shared_weights_digest(base)) == 16
+    assert shared_weights_digest(base) == shared_weights_digest(copy) != shared_weights_digest(tuned)
+    assert shared_weights_digest(target("tied", 1, ("model.embed_tokens.weight",))) not in ("", shared_weights_digest(base))
+    assert shared_weights_digest(target("none", 1, ())) == ""

@@ -479,8 +479,9 @@ class _ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
     """A verifier that answers handshakes with ``choose(offered)`` and, on its stream, commits one
     token a prefill with its features in an shm ring of its own; it records each request."""
 
-    def __init__(self, choose) -> None:
+    def __init__(self, choose, target_digest: str = "") -> None:
         self.choose = choose
+        self.target_digest = target_digest
         self.skew = 0   # added to the sequence each answer names
         self.offers: list[list[str]] = []
         self.requests: list[list[verifier_pb2.VerifyRequest]] = []
@@ -490,7 +491,7 @@ class _ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
         self.offers.append(list(request.transports))
         kind = self.choose(list(request.transports))
         hs = verifier_pb2.HandshakeResponse(transport=kind, model_type="qwen3", vocab_size=VOCAB, hidden_size=HIDDEN,
-                                            max_context=512, verifier_id="v")
+                                            max_context=512, verifier_id="v", target_digest=self.target_digest)
         if kind == "shm":
             hs.verifier_ring, hs.verifier_ring_slot_bytes, hs.verifier_ring_slots = (
                 self.ring.ring_name, self.ring.slot_bytes, self.ring.num_slots)
@@ -698,3 +699,34 @@ def test_a_draft_waiting_for_its_verifier_holds_no_ring_until_the_verifier_answe
     error = asyncio.run(nobody())
     assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED and "no connection within 0.5 s" in error.message
     assert mine() == []
+
+
+def test_a_verifier_serving_another_target_than_the_drafts_is_refused_at_the_handshake():
+    """The draft reads the target's embedding and lm_head from draft.target_path, the verifier its
+    model from verifier.model_path: another model of the same shapes (a fine-tune beside its base)
+    passed every check and drafted at an acceptance of 1, without a word. An empty digest on
+    either side (an older verifier, a draft that read no target) is not checked."""
+    async def connect(ours: str, theirs: str):
+        servicer = _ScriptedVerifier(lambda offered: "inline", target_digest=theirs)
+        server = grpc.aio.server()
+        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = VerifierClient(f"127.0.0.1:{port}", "inline", ring_slots=2, ring_slot_bytes=4096, device="cpu",
+                                target_digest=ours)
+        try:
+            try:
+                await client.connect([0, 1], HIDDEN, VOCAB)
+            except ServiceError as exc:
+                return exc, client.connected
+            return None, client.connected
+        finally:
+            await client.close(final=True)
+            servicer.ring.close()
+            await server.stop(None)
+    error, connected = asyncio.run(connect("aaaa", "bbbb"))
+    assert error is not None and error.code == grpc.StatusCode.FAILED_PRECONDITION and not connected
+    assert "the verifier's target is another model than draft.target_path" in error.message
+    assert "bbbb against aaaa" in error.message
+    for ours, theirs in (("aaaa", "aaaa"), ("", "bbbb"), ("aaaa", "")):
+        assert asyncio.run(connect(ours, theirs)) == (None, True), (ours, theirs)

@@ -303,6 +303,42 @@ def test_a_verifier_context_that_holds_no_prompt_beside_a_tree_fails_the_drafts_
            "no prompt beside one tree of this drafter's block_size 16: it must be at least 18" in out.stderr, out.stderr[-2000:]
 
 
+def test_a_draft_reading_another_target_than_its_verifiers_fails_its_start(tmp_path) -> None:
+    """draft.target_path at another model of the same shapes (here the demo target with its
+    lm_head scaled): it passed every check and drafted for the wrong model, at an acceptance of 1."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "tuned"
+    other.mkdir()
+    shutil.copy("models/demo/config.json", other / "config.json")
+    weights = load_file("models/demo/model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 2
+    save_file(weights, str(other / "model.safetensors"))
+    port = free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "protos")])}
+    env.pop("DDTREE_INTERNAL_TOKEN", None)
+    verifier = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "verifier"], cwd=root,
+                                env={**env, "DDTREE_VERIFIER_PORT": str(port), "DDTREE_VERIFIER_KV_CAPACITY_TOKENS": "256"},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "draft"], cwd=root,
+                             env={**env, "DDTREE_DRAFT_VERIFIER_ADDRESS": f"127.0.0.1:{port}", "DDTREE_DRAFT_PORT": "0",
+                                  "DDTREE_DRAFT_TRANSPORT": "inline", "DDTREE_DRAFT_VERIFIER_WAIT_S": "100",
+                                  "DDTREE_DRAFT_TARGET_PATH": str(other)},
+                             capture_output=True, text=True, timeout=150)
+    finally:
+        verifier.terminate()
+        verifier.wait(timeout=30)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "the verifier's target is another model than draft.target_path" in out.stderr, out.stderr[-2000:]
+
+
 def test_the_scheduler_process_runs_without_torch() -> None:
     """The scheduler needs no torch (README, "The pieces"): `ddtree serve scheduler` must not import it,
     a second or two of start-up and a few hundred MB a process (it is imported here only when a

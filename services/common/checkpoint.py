@@ -8,11 +8,13 @@ bad checkpoint is diagnosed from the error message alone.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
+import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -36,6 +38,7 @@ __all__ = [
     "with_rope_parameters",
     "tensor_index",
     "load_tensors",
+    "shared_weights_digest",
     "save_tensors",
     "save_safetensors_sharded",
 ]
@@ -94,6 +97,35 @@ def _stored_index(path: Path) -> dict[str, str]:
         raise CheckpointError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
     with open_safetensors(single) as f:
         return {name: SINGLE_FILE for name in f.keys()}
+
+
+# The target's tensors a drafter reads (DFlashDrafter.load), and how much of each the digest reads.
+_SHARED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+_DIGEST_BYTES = 1 << 16
+
+
+def shared_weights_digest(path: Path) -> str:
+    """A digest of the target tensors a drafter shares (embedding, lm_head: their first 64 KB,
+    shapes and dtypes), "" where the checkpoint has neither. The draft and the verifier each read
+    the target from a path of their own (compose sets the two apart): a draft reading another
+    model of the same shapes, a fine-tune beside its base, passed every check and drafted for
+    the wrong model, at an acceptance of 1 and without a word."""
+    path = Path(path)
+    index, stored = _index_and_prefix(path)
+    digest = hashlib.sha256()
+    found = False
+    for name in _SHARED_NAMES:
+        if name not in index:
+            continue
+        with open_safetensors(path / index[name]) as f:
+            part = f.get_slice(stored + name)
+            shape = part.get_shape()
+            row_bytes = max(1, (shape[1] if len(shape) > 1 else 1) * 2)
+            head = part[:max(1, _DIGEST_BYTES // row_bytes)].contiguous()
+        digest.update(f"{name}:{part.get_dtype()}:{list(shape)}:".encode())
+        digest.update(head.view(-1).view(torch.uint8).numpy().tobytes())
+        found = True
+    return digest.hexdigest()[:16] if found else ""
 
 
 def load_tensors(

@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import torch
@@ -14,6 +15,7 @@ import torch
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from kernels.pdl import switch_from_env
 from services.common.auth import internal_interceptors, internal_token
+from services.common.checkpoint import CheckpointError, shared_weights_digest
 from services.common.devices import pin_device
 from services.common.grpc_server import (IdleStreams, ServiceError, check_port_free, host_port, listen, new_server,
                                          report_health, serve_until_signal, warn_if_reachable)
@@ -113,6 +115,14 @@ def _said_after_stream_end(step: asyncio.Future) -> None:
         log.warning("step_failed_after_stream_ended", error=str(exc) or type(exc).__name__)
 
 
+def _target_digest(path: str) -> str:
+    """`shared_weights_digest` of the target the drafter read, "" where there is none to read."""
+    try:
+        return shared_weights_digest(Path(path))
+    except (CheckpointError, OSError):
+        return ""
+
+
 def enable_propose_graphs(proposer: Proposer, settings: DraftSettings, device: torch.device) -> None:
     """The context pool and its graphs. A pool too large for the GPU is the settings' fault, said
     as such: a bare OutOfMemoryError traceback left an operator (who raised `graph_context` for
@@ -147,7 +157,7 @@ async def serve(settings: DraftSettings) -> None:
              target_layer_ids=list(proposer.target_layer_ids))
     client = VerifierClient(settings.verifier_address, settings.transport, settings.ring_slots,
                             settings.ring_slot_bytes, device=str(device), step_timeout_s=settings.verifier_step_timeout_s,
-                            internal_token=token,
+                            internal_token=token, target_digest=_target_digest(settings.target_path),
                             on_inline_fallback=metrics.ring_inline_fallbacks.labels("slot_too_small").inc)
     if device.type == "cuda" and settings.cuda_graphs:
         enable_propose_graphs(proposer, settings, device)

@@ -84,12 +84,16 @@ class VerifierClient:
 
     def __init__(self, address: str, transport: str, ring_slots: int, ring_slot_bytes: int,
                  device: str = "cpu", step_timeout_s: float = 60.0,
-                 on_inline_fallback: Callable[[], None] | None = None, internal_token: str = "") -> None:
+                 on_inline_fallback: Callable[[], None] | None = None, internal_token: str = "",
+                 target_digest: str = "") -> None:
         """`device`: this draft's device; our ring lives there (cuda_ipc) and the features land there.
         `step_timeout_s`: a verifier that answers no step within this is taken for gone (a frozen
         process or a half-open connection would otherwise hold the draft's lock for ever).
         `on_inline_fallback`: called for each tree bundle too big for a ring slot (sent inline).
-        `internal_token`: presented on every call (the verifier's `DDTREE_INTERNAL_TOKEN`)."""
+        `internal_token`: presented on every call (the verifier's `DDTREE_INTERNAL_TOKEN`).
+        `target_digest`: `shared_weights_digest` of the target this draft read its embedding and
+        lm_head from; a verifier that names another is refused ("": not checked)."""
+        self.target_digest = target_digest
         self.address = address
         self._metadata = token_metadata(internal_token)
         self.step_timeout_s = step_timeout_s
@@ -174,6 +178,12 @@ class VerifierClient:
                 self._close_writer()
                 continue
             break
+        if self.target_digest and hs.target_digest and hs.target_digest != self.target_digest:
+            await self.close()
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "the verifier's target is another model than draft.target_path (their embedding and "
+                               f"lm_head differ: {hs.target_digest} against {self.target_digest}): the drafter would "
+                               "draft for the wrong model; point draft.target_path at the verifier's checkpoint")
         if self._kept_ring is not None and self._writer is not self._kept_ring:   # settled on another kind: the
             self._kept_ring.close()   # verifier answered, so it let go of any old mapping of the ring first
             self._kept_ring = None

@@ -30,7 +30,7 @@ from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from kernels.pdl import switch_from_env
 from kernels.tree_mla import BACKEND_ENV, backend_from_env
 from services.common.auth import internal_interceptors, internal_token
-from services.common.checkpoint import read_config, require_checkpoint
+from services.common.checkpoint import read_config, require_checkpoint, shared_weights_digest
 from services.common.devices import device_name, pin_device
 from services.common.grpc_server import (IdleStreams, ServiceError, check_port_free, host_port, listen, new_server,
                                          serve_until_signal, warn_if_reachable)
@@ -83,10 +83,14 @@ class _Peer:
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     """Reads through `engine`; changes state only through `group`, so every TP rank follows."""
 
-    def __init__(self, group: EngineGroup, settings: VerifierSettings, metrics: Metrics | None = None) -> None:
+    def __init__(self, group: EngineGroup, settings: VerifierSettings, metrics: Metrics | None = None,
+                 target_digest: str = "") -> None:
+        """``target_digest``: `shared_weights_digest` of the checkpoint the engine loaded, told to
+        each draft at its handshake ("": not known, not checked)."""
         self.group = group
         self.engine = group.engine
         self.settings = settings
+        self.target_digest = target_digest
         self.metrics = metrics or Metrics("verifier")
         self.metrics.kv_pages_free.set(self.engine.cache.pages_free)
         self.metrics.kv_pages_total.set(self.engine.cache.num_pages)
@@ -206,7 +210,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             eos_token_id=cfg.eos_token_id[0] if cfg.eos_token_id else -1, eos_token_ids=cfg.eos_token_id,
             tp_size=self.settings.tp, kv_capacity_tokens=self.engine.cache.capacity_tokens, kv_page_size=self.engine.cache.page_size,
             verifier_id=self.verifier_id, device=device_name(self.engine.model_device),
-            feature_bytes_per_token=len(layers) * cfg.hidden_size * self.engine.model.dtype.itemsize)
+            feature_bytes_per_token=len(layers) * cfg.hidden_size * self.engine.model.dtype.itemsize,
+            target_digest=self.target_digest)
 
     async def VerifyStream(self, request_iterator: AsyncIterator[verifier_pb2.VerifyRequest],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[verifier_pb2.VerifyResponse]:
@@ -674,7 +679,7 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
         group = EngineGroup(engine, tp)
         server, health = new_server([verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name],
                                     internal_interceptors(token))
-        servicer = VerifierServicer(group, settings, metrics)
+        servicer = VerifierServicer(group, settings, metrics, shared_weights_digest(Path(settings.model_path)))
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
         # Its port may have been taken while the weights loaded: the workers go with this failure too.
         port = listen(server, host_port(settings.host, settings.port), "verifier.port")
