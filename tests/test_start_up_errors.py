@@ -275,9 +275,9 @@ def test_a_draft_without_its_verifier_names_the_address_and_the_wait() -> None:
     assert "verifier_connecting" in out.stdout + out.stderr
 
 
-def test_a_verifier_context_that_holds_no_prompt_beside_a_tree_fails_the_drafts_start() -> None:
-    """`verifier.max_context` at or below the drafter's block + 1: the stack served, then refused
-    every request with "-1 prompt tokens at most", blaming the prompt."""
+def _draft_start_against_a_demo_verifier(verifier_env: dict[str, str], draft_env: dict[str, str]):
+    """`ddtree serve draft` against a `serve verifier` of the demo target (both with these
+    variables besides), until the draft exits; its CompletedProcess."""
     import os
     import subprocess
     import sys
@@ -287,17 +287,22 @@ def test_a_verifier_context_that_holds_no_prompt_beside_a_tree_fails_the_drafts_
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "protos")])}
     env.pop("DDTREE_INTERNAL_TOKEN", None)
     verifier = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "verifier"], cwd=root,
-                                env={**env, "DDTREE_VERIFIER_PORT": str(port), "DDTREE_VERIFIER_MAX_CONTEXT": "17",
-                                     "DDTREE_VERIFIER_KV_CAPACITY_TOKENS": "256"},
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                env={**env, "DDTREE_VERIFIER_PORT": str(port), "DDTREE_VERIFIER_KV_CAPACITY_TOKENS": "256",
+                                     **verifier_env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "draft"], cwd=root,
-                             env={**env, "DDTREE_DRAFT_VERIFIER_ADDRESS": f"127.0.0.1:{port}", "DDTREE_DRAFT_PORT": "0",
-                                  "DDTREE_DRAFT_TRANSPORT": "inline", "DDTREE_DRAFT_VERIFIER_WAIT_S": "100"},
-                             capture_output=True, text=True, timeout=150)
+        return subprocess.run([sys.executable, "-m", "services.cli", "serve", "draft"], cwd=root,
+                              env={**env, "DDTREE_DRAFT_VERIFIER_ADDRESS": f"127.0.0.1:{port}", "DDTREE_DRAFT_PORT": "0",
+                                   "DDTREE_DRAFT_TRANSPORT": "inline", "DDTREE_DRAFT_VERIFIER_WAIT_S": "100", **draft_env},
+                              capture_output=True, text=True, timeout=150)
     finally:
         verifier.terminate()
         verifier.wait(timeout=30)
+
+
+def test_a_verifier_context_that_holds_no_prompt_beside_a_tree_fails_the_drafts_start() -> None:
+    """`verifier.max_context` at or below the drafter's block + 1: the stack served, then refused
+    every request with "-1 prompt tokens at most", blaming the prompt."""
+    out = _draft_start_against_a_demo_verifier({"DDTREE_VERIFIER_MAX_CONTEXT": "17"}, {})
     assert out.returncode == 2, out.stderr[-2000:]
     assert "the verifier's max context (17: verifier.max_context, or the target's max_position_embeddings) holds " \
            "no prompt beside one tree of this drafter's block_size 16: it must be at least 18" in out.stderr, out.stderr[-2000:]
@@ -306,10 +311,7 @@ def test_a_verifier_context_that_holds_no_prompt_beside_a_tree_fails_the_drafts_
 def test_a_draft_reading_another_target_than_its_verifiers_fails_its_start(tmp_path) -> None:
     """draft.target_path at another model of the same shapes (here the demo target with its
     lm_head scaled): it passed every check and drafted for the wrong model, at an acceptance of 1."""
-    import os
     import shutil
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file, save_file
 
@@ -319,22 +321,7 @@ def test_a_draft_reading_another_target_than_its_verifiers_fails_its_start(tmp_p
     weights = load_file("models/demo/model.safetensors")
     weights["lm_head.weight"] = weights["lm_head.weight"] * 2
     save_file(weights, str(other / "model.safetensors"))
-    port = free_port()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "protos")])}
-    env.pop("DDTREE_INTERNAL_TOKEN", None)
-    verifier = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "verifier"], cwd=root,
-                                env={**env, "DDTREE_VERIFIER_PORT": str(port), "DDTREE_VERIFIER_KV_CAPACITY_TOKENS": "256"},
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "draft"], cwd=root,
-                             env={**env, "DDTREE_DRAFT_VERIFIER_ADDRESS": f"127.0.0.1:{port}", "DDTREE_DRAFT_PORT": "0",
-                                  "DDTREE_DRAFT_TRANSPORT": "inline", "DDTREE_DRAFT_VERIFIER_WAIT_S": "100",
-                                  "DDTREE_DRAFT_TARGET_PATH": str(other)},
-                             capture_output=True, text=True, timeout=150)
-    finally:
-        verifier.terminate()
-        verifier.wait(timeout=30)
+    out = _draft_start_against_a_demo_verifier({}, {"DDTREE_DRAFT_TARGET_PATH": str(other)})
     assert out.returncode == 2, out.stderr[-2000:]
     assert "the verifier's target is another model than draft.target_path" in out.stderr, out.stderr[-2000:]
 

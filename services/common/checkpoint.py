@@ -13,8 +13,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from safetensors import SafetensorError, safe_open
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -120,7 +120,7 @@ def shared_weights_digest(path: Path) -> str:
         with open_safetensors(path / index[name]) as f:
             part = f.get_slice(stored + name)
             shape = part.get_shape()
-            row_bytes = max(1, (shape[1] if len(shape) > 1 else 1) * 2)
+            row_bytes = (shape[1] if len(shape) > 1 else 1) * 2   # (bf16's; a wider dtype reads more)
             head = part[:max(1, _DIGEST_BYTES // row_bytes)].contiguous()
         digest.update(f"{name}:{part.get_dtype()}:{list(shape)}:".encode())
         digest.update(head.view(-1).view(torch.uint8).numpy().tobytes())
