@@ -790,7 +790,7 @@ def test_an_orderly_stop_while_a_long_call_runs_is_no_dead_rank(ckpt) -> None:
     assert proc.returncode == 0 and "rank_died" not in out, out[-3000:]
 
 
-def test_a_worker_whose_checkpoint_is_refused_says_one_line_and_exits_2(monkeypatch, capsys) -> None:
+def test_a_worker_whose_checkpoint_is_refused_says_one_line_and_exits_2(monkeypatch) -> None:
     """Rank 0 refuses a split that tp does not divide in one line (exit 2); each worker, loading
     the same slices, printed a traceback of its own beside it, seven of them at tp 8."""
     from services.common.config_files import CheckpointError
@@ -799,14 +799,19 @@ def test_a_worker_whose_checkpoint_is_refused_says_one_line_and_exits_2(monkeypa
     def refused(settings, tp):
         raise CheckpointError("model.safetensors: tensor lm_head.weight splits into 512 units along dim 0, "
                               "not divisible by tp=3")
+    from structlog.testing import capture_logs
+
     monkeypatch.setattr(ranks_module, "_die_with_parent", lambda: None)
+    # (the worker's own logging set-up would bind structlog to this test's captured stdout, closed
+    # after it: every later test's log line failed "I/O operation on closed file")
+    monkeypatch.setattr(ranks_module, "configure_logging", lambda *args, **kwargs: None)
     monkeypatch.setattr(ranks_module, "TensorParallel", lambda *args, **kwargs: SimpleNamespace())
     monkeypatch.setattr(verifier_server, "build_engine", refused)
     monkeypatch.setenv(SETTINGS_ENV, settings_json(VerifierSettings(tp=3, device="cpu")))
-    assert ranks_module.worker_main(["--rank", "1", "--init-method", "tcp://127.0.0.1:1"]) == 2
-    said = capsys.readouterr()
-    assert "rank_start_refused" in said.out + said.err and "not divisible by tp=3" in said.out + said.err
-    assert "Traceback" not in said.out + said.err
+    with capture_logs() as logs:
+        assert ranks_module.worker_main(["--rank", "1", "--init-method", "tcp://127.0.0.1:1"]) == 2
+    assert [(e["event"], e["rank"]) for e in logs] == [("rank_start_refused", 1)]
+    assert "not divisible by tp=3" in logs[0]["error"]
 
 
 def test_workers_take_rank_0s_settings_not_their_own_reading() -> None:
