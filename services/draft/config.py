@@ -176,6 +176,12 @@ def _refuse_unimplemented(d: dict[str, Any], source: str) -> None:
         raise CheckpointError(f"{source}: field 'hidden_act' {d['hidden_act']!r} is not supported (only 'silu')")
 
 
+def least_context(block_size: int) -> int:
+    """The shortest context that holds one prompt token beside one tree of a ``block_size`` drafter
+    (the scheduler's prompt limit, `request.validate`, leaves room for a tree)."""
+    return block_size + 2
+
+
 def check_pairing(drafter_dir: Path, target_dir: Path) -> DraftConfig:
     """The drafter's config, checked against its target's config field by field (hidden size,
     vocabulary, mask id, target layers). From the two config files alone, so `ddtree up` can check
@@ -211,12 +217,12 @@ def check_pairing(drafter_dir: Path, target_dir: Path) -> DraftConfig:
             f"num_hidden_layers = {t_layers} ({tsrc})"
         )
     t_context = tcfg.get("max_position_embeddings")
-    if isinstance(t_context, int) and not isinstance(t_context, bool) and t_context < config.block_size + 2:
+    if isinstance(t_context, int) and not isinstance(t_context, bool) and t_context < least_context(config.block_size):
         # No prompt fits beside one tree: the stack served, and refused every request.
         raise CheckpointError(
             f"{dsrc}: field 'block_size' = {config.block_size} leaves no room for a prompt in the target's "
             f"max_position_embeddings = {t_context} ({tsrc}): a tree of a block and one prompt token need "
-            f"{config.block_size + 2}"
+            f"{least_context(config.block_size)}"
         )
     if config.num_target_layers is not None and config.num_target_layers != t_layers:
         raise CheckpointError(

@@ -22,6 +22,7 @@ from services.common.grpc_server import (IdleStreams, ServiceError, check_port_f
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import DraftSettings, SettingsError
+from services.draft.config import least_context
 from services.draft.engine import DraftEngine
 from services.draft.proposer import Proposer, load_proposer
 from services.draft.verifier_client import VerifierClient
@@ -172,13 +173,13 @@ async def serve(settings: DraftSettings) -> None:
         waited = (f"nothing answered within {settings.verifier_wait_s:g} s (draft.verifier_wait_s)"
                   if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED else exc.message)
         raise ServiceError(exc.code, f"draft.verifier_address {settings.verifier_address}: {waited}") from None
-    if engine.max_context < proposer.block_size + 2:
+    if engine.max_context < least_context(proposer.block_size):
         # A prompt of one token and one tree of a block must fit: the stack served, and refused
         # every request with "-1 prompt tokens at most".
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"the verifier's max context ({engine.max_context}: verifier.max_context, or the target's "
                            f"max_position_embeddings) holds no prompt beside one tree of this drafter's block_size "
-                           f"{proposer.block_size}: it must be at least {proposer.block_size + 2}")
+                           f"{proposer.block_size}: it must be at least {least_context(proposer.block_size)}")
     log.info("verifier_connected", verifier=settings.verifier_address, verifier_id=client.handshake.verifier_id,
              transport=client.handshake.transport, device=str(device), max_context=engine.max_context)
     server, health = new_server([draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name], internal_interceptors(token))

@@ -25,8 +25,8 @@ from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
 from services.scheduler.batcher import log_end
 from services.scheduler.client import REFUSED_METADATA, RETRYABLE_METADATA
-from services.scheduler.request import (check_fields, check_request_id, check_text_size, max_token_bytes,
-                                        step_prompt_tokens, validate)
+from services.scheduler.request import (ActiveRequest, check_fields, check_request_id, check_text_size,
+                                        max_token_bytes, step_prompt_tokens, validate)
 from services.scheduler.router import STOPPING, Router
 from services.scheduler.tiktoken_model import TIKTOKEN_FILE, kimi_tokenizer
 from services.scheduler.tokenizing import PromptEncoder
@@ -80,10 +80,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if aborted or (text_ids is not None and self.router.stop_error is not None):
                 # Aborted while its text was tokenized, or tokenized after the stop's grace ended: it
                 # ends as an abort of a running one does (`Abort` said it found it), or as the stop
-                # ended the queued ones (not refused as new), whatever its prompt: checked on its
-                # first token alone.
-                req = validate(request, self.settings, self.router.limits, self.tokenizer, text_ids[:1] or [0])
-                req.prompt_ids, req.created = text_ids, received
+                # ended the queued ones (not refused as new).
+                req = self._unqueued(request, received, text_ids)
                 if aborted:
                     req.end(scheduler_pb2.FINISH_REASON_ABORTED)
                 else:
@@ -127,10 +125,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """Counts and logs a request whose call ended while its text was tokenized, by why, as one
         that ends in the queue is (`requests_total` promises every request admitted, these too)."""
         try:   # its fields were checked before the tokenizing; the prompt is not known
-            req = validate(request, self.settings, self.router.limits, self.tokenizer, [0])
+            req = self._unqueued(request, received, [])
         except ServiceError:
             return
-        req.prompt_ids, req.created = [], received
         if self.stopping and self.router.closed:   # gRPC's end of the stop's grace cancelled it
             req.fail(self.router.stop_error or ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler stopped"))
         elif _deadline_passed(context):
@@ -139,6 +136,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             req.left = True
             req.end(scheduler_pb2.FINISH_REASON_ABORTED)
         log_end(self.router.metrics, req)
+
+    def _unqueued(self, request: scheduler_pb2.GenerateRequest, received: float, prompt_ids: list[int]) -> ActiveRequest:
+        """A text request that ends before it reaches the router, to be ended and logged as one
+        that ends in the queue: checked on its first token alone, whatever its prompt."""
+        req = validate(request, self.settings, self.router.limits, self.tokenizer, prompt_ids[:1] or [0])
+        req.prompt_ids, req.created = prompt_ids, received
+        return req
 
     async def _encode(self, request: scheduler_pb2.GenerateRequest) -> tuple[list[int], bool]:
         """The text's tokens, and whether ``Abort`` named the request meanwhile: a long text takes
