@@ -405,3 +405,59 @@ def test_up_says_when_its_scheduler_answers_beyond_loopback_without_a_token(monk
     assert main(["up", "--port", "0", "--host", host]) == 0
     err = capsys.readouterr().err
     assert ("answers anyone who reaches it: no scheduler.auth_token" in err) == said, err
+
+
+def test_only_a_picked_port_lost_to_another_process_is_picked_again(monkeypatch) -> None:
+    """A service that exits at its start is launched again on a new port only where the launcher
+    picked its port and another process holds it now, and only `PORT_MOVES` times: a port the user
+    gave, or a start refused for another reason (its port free), is the start's failure as before."""
+    from services.common import launcher
+    from services.common.launcher import PORT_MOVES, ServiceExited
+
+    def run(spec: StackSpec, takes: int, code: int = 2) -> tuple[list[str], Stack]:
+        stack = Stack(spec)
+        stack.services = stack._plan()
+        for svc in stack.services:
+            svc.settings = load_settings(launcher._SETTINGS[svc.role], None, env=svc.env)
+        launched: list[str] = []
+        held: list[socket.socket] = []
+
+        def launch(svc, should_stop=None):
+            launched.append(svc.address)
+            if svc.role == "scheduler" and len(launched) <= takes:
+                s = socket.socket()
+                s.bind(("127.0.0.1", int(svc.address.rsplit(":", 1)[1])))
+                held.append(s)
+                raise ServiceExited("scheduler exited with code 2 during start-up", code)
+
+        monkeypatch.setattr(stack, "_launch", launch)
+        try:
+            stack._launch_moving(stack.services[-1], None)
+        finally:
+            for s in held:
+                s.close()
+        return launched, stack
+
+    launched, stack = run(StackSpec(model_path="models/demo", scheduler_port=0), takes=2)
+    assert len(set(launched)) == 3 and stack.scheduler_address == launched[-1]
+    assert stack.services[-1].env["DDTREE_SCHEDULER_PORT"] == launched[-1].rsplit(":", 1)[1]
+    assert stack.services[-1].settings.port == int(launched[-1].rsplit(":", 1)[1])
+    with pytest.raises(ServiceExited):
+        run(StackSpec(model_path="models/demo", scheduler_port=0), takes=PORT_MOVES + 1)
+    with pytest.raises(ServiceExited):   # another exit code: not a port lost
+        run(StackSpec(model_path="models/demo", scheduler_port=0), takes=1, code=1)
+    given = launcher.free_port()
+    with pytest.raises(ServiceExited):   # the user's port stays the user's
+        run(StackSpec(model_path="models/demo", scheduler_port=given), takes=1)
+
+    def refused(svc, should_stop=None):   # exits 2, its port free: refused settings, not retried
+        calls.append(svc.address)
+        raise ServiceExited("scheduler exited with code 2 during start-up", 2)
+
+    calls: list[str] = []
+    stack = Stack(StackSpec(model_path="models/demo", scheduler_port=0))
+    stack.services = stack._plan()
+    monkeypatch.setattr(stack, "_launch", refused)
+    with pytest.raises(ServiceExited):
+        stack._launch_moving(stack.services[-1], None)
+    assert len(calls) == 1

@@ -228,3 +228,41 @@ def test_an_idle_verifier_stops_at_once_and_its_draft_reports_it(ckpt, starts):
     assert took < 3.0, took
     assert any("stopping" in line and "service=verifier" in line and "signal=SIGTERM" in line
                for line in log.splitlines()), log[-2000:]
+
+
+def test_a_picked_port_another_process_takes_before_its_service_binds_it_is_picked_again(ckpt, monkeypatch, capsys):
+    """A stack's ports are picked together and bound seconds later; a test run's other stacks pick in
+    the same range, and one took a scheduler's port between the two (the stack failed its start,
+    "Address already in use"). The verifier and the scheduler lose theirs here: each is started
+    again on a new port, and the drafts are given the verifier's new address."""
+    import socket
+
+    from services.common.launcher import Stack
+
+    held: list[socket.socket] = []
+    plan = Stack._plan
+
+    def taken_after_planning(self):
+        services = plan(self)
+        for svc in (services[0], services[-1]):   # the verifier's and the scheduler's
+            s = socket.socket()
+            s.bind(("127.0.0.1", int(svc.address.rsplit(":", 1)[1])))
+            s.listen(1)
+            held.append(s)
+        return services
+
+    monkeypatch.setattr(Stack, "_plan", taken_after_planning)
+    try:
+        with Stack(_plain_spec(ckpt)) as stack, Client(stack.scheduler_address) as c:
+            lost = {s.getsockname()[1] for s in held}
+            ports = {int(svc.address.rsplit(":", 1)[1]) for svc in stack.services}
+            assert not lost & ports and len(ports) == len(stack.services)
+            assert all(svc.env["DDTREE_DRAFT_VERIFIER_ADDRESS"] == stack.services[0].address
+                       for svc in stack.services if svc.role == "draft")
+            assert stack.scheduler_address == stack.services[-1].address
+            assert len(c.generate(PROMPTS[0], max_tokens=4, ignore_eos=True).token_ids) == 4
+    finally:
+        for s in held:
+            s.close()
+    err = capsys.readouterr().err
+    assert "verifier's port" in err and "scheduler's port" in err and "taken by another process" in err

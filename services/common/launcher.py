@@ -138,6 +138,20 @@ def free_port(avoid: Collection[int] = ()) -> int:
         return port
 
 
+def _bound_elsewhere(port: int) -> bool:
+    """Whether a loopback ``port`` is bound now, probed as gRPC binds it (TIME_WAIT is no conflict)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+PORT_MOVES = 3   # a picked port lost to another process is picked again this many times at most
+
+
 @dataclass
 class StackSpec:
     model_path: str = "models/demo"
@@ -260,6 +274,7 @@ class _Service:
     proc: subprocess.Popen | None = None
     listen: str = ""              # host:port it listens on (the scheduler's: 0.0.0.0:50051 for all interfaces)
     settings: object = None       # what it reads from the config file and its environment (set by start)
+    picked: bool = False          # its port was picked by `free_port` (not given): it may move to another
 
 
 FEATURE_LAYERS_ENV = "DDTREE_VERIFIER_FEATURE_LAYERS"
@@ -339,7 +354,8 @@ class Stack:
         vport = spec.verifier_port or free_port(fixed)
         verifier = f"127.0.0.1:{vport}"
         plan = [_Service("verifier", "verifier", verifier,
-                         {**self._env(base, "verifier", "verifier"), "DDTREE_VERIFIER_PORT": str(vport)})]
+                         {**self._env(base, "verifier", "verifier"), "DDTREE_VERIFIER_PORT": str(vport)},
+                         picked=not spec.verifier_port)]
         drafts, drafters = [], set()
         # A draft replica whose metrics port another service's metrics take (replicas after the
         # first share the file's port) moves to the next port no service of the stack uses: no
@@ -365,7 +381,7 @@ class Stack:
                         metrics += 1
                 taken.add(metrics)
                 env["DDTREE_DRAFT_METRICS_PORT"] = str(metrics)
-            plan.append(_Service(name, "draft", drafts[-1], env))
+            plan.append(_Service(name, "draft", drafts[-1], env, picked=not spec.draft_port))
         layers = {_drafter_layers(path, spec.model_path) for path in drafters}
         if len(layers) == 1 and None not in layers and FEATURE_LAYERS_ENV not in plan[0].env:
             # The verifier captures its graphs with the layers of the drafter started here, at
@@ -379,7 +395,7 @@ class Stack:
         plan.append(_Service("scheduler", "scheduler", host_port(_reach(scheduler.host), sport),
                              {**self._env(base, "scheduler", "scheduler"), "DDTREE_SCHEDULER_PORT": str(sport),
                               "DDTREE_SCHEDULER_DRAFT_ADDRESSES": ",".join(drafts)},
-                             listen=host_port(scheduler.host, sport)))
+                             listen=host_port(scheduler.host, sport), picked=not spec.scheduler_port))
         return plan
 
     def _env(self, base: dict[str, str], role: str, name: str) -> dict[str, str]:
@@ -417,11 +433,50 @@ class Stack:
             for svc in self.services:
                 if should_stop is not None and should_stop():
                     raise StartupStopped(f"stopped before {svc.name} started")
-                self._launch(svc, should_stop)
+                self._launch_moving(svc, should_stop)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _launch_moving(self, svc: _Service, should_stop: Callable[[], bool] | None) -> None:
+        """Launches ``svc``; where it exits at its start because another process bound the port
+        picked for it meanwhile, moves it to a new port and launches it again (up to
+        `PORT_MOVES` times). A picked port is only free when picked, and bound seconds later
+        (after the services before it loaded): a test run's other stacks, picking in the same
+        range, took the scheduler's between the two. Ports that were given are never moved."""
+        for moves in range(PORT_MOVES + 1):
+            try:
+                return self._launch(svc, should_stop)
+            except ServiceExited as exc:
+                port = int(svc.address.rsplit(":", 1)[1])
+                if not svc.picked or exc.code != 2 or moves == PORT_MOVES or not _bound_elsewhere(port):
+                    raise
+                self._move(svc, free_port(self._ports()))
+                print(f"ddtree: {svc.name}'s port {port} was taken by another process before it listened; "
+                      f"starting it again on {svc.address.rsplit(':', 1)[1]}", file=sys.stderr)
+
+    def _ports(self) -> set[int]:
+        """Every gRPC and metrics port of the stack's plan (a moved service avoids them all)."""
+        ports = {int(s.address.rsplit(":", 1)[1]) for s in self.services}
+        return ports | {getattr(s.settings, "metrics_port", 0) for s in self.services} - {0}
+
+    def _move(self, svc: _Service, port: int) -> None:
+        """Moves a service that has not started to ``port``, with the addresses of it that the
+        services after it (not started either) are given."""
+        old = svc.address
+        svc.address = f"{old.rsplit(':', 1)[0]}:{port}"
+        if svc.listen:
+            svc.listen = f"{svc.listen.rsplit(':', 1)[0]}:{port}"
+        svc.env[f"DDTREE_{svc.role.upper()}_PORT"] = str(port)
+        svc.settings = load_settings(_SETTINGS[svc.role], self.spec.config_path, env=svc.env)
+        for other in self.services:
+            for var in ("DDTREE_DRAFT_VERIFIER_ADDRESS", "DDTREE_SCHEDULER_DRAFT_ADDRESSES"):
+                if var in other.env:
+                    other.env[var] = ",".join(svc.address if a == old else a for a in other.env[var].split(","))
+        if svc.role == "scheduler":
+            self.scheduler_address = svc.address
+            self.scheduler_listen_address = svc.listen or svc.address
 
     def _launch(self, svc: _Service, should_stop: Callable[[], bool] | None = None) -> None:
         cmd = [sys.executable, "-m", "services.cli", "serve", svc.role]
