@@ -1227,7 +1227,10 @@ def test_metrics_count_tree_steps_only_and_read_the_lanes_when_scraped() -> None
                     n = 1 if self.modes[i.request_id] == common_pb2.MODE_AUTOREGRESSIVE else 3
                     out.append(draft_pb2.StepResult(request_id=i.request_id, token_ids=[5] * n,
                                                     acceptance_length=n))
-            return draft_pb2.StepResponse(results=out)
+            # The second step says it was no decode step (as one whose items the draft refused
+            # would): the scheduler times the draft's decode steps only, as the draft does.
+            stepped = sum(1 for c in self.calls if c.items)
+            return draft_pb2.StepResponse(results=out, decoded=bool(req.items) and stepped != 2)
 
         def close(self) -> None:
             pass
@@ -1274,7 +1277,7 @@ def test_metrics_count_tree_steps_only_and_read_the_lanes_when_scraped() -> None
     assert len(stepped) == 5 and len(draft.calls) == len(stepped) + 1   # the last one only releases
     assert list(map(client_id, draft.calls[-1].release)) == ["ar"]
     assert value("ddtree_acceptance_length_count") == 3 and value("ddtree_acceptance_length_sum") == 9
-    assert value("ddtree_step_ms_count", {"stage": "step_rpc"}) == 5
+    assert value("ddtree_step_ms_count", {"stage": "step_rpc"}) == value("ddtree_step_ms_count", {"stage": "draft"}) == 4
     assert value("ddtree_step_ms_count", {"stage": "scheduler"}) == 4
     ends = {e["request_id"]: e for e in logs if e["event"] == "request_end"}
     assert ends["tree"]["mode"] == "ddtree" and ends["ar"]["mode"] == "autoregressive"

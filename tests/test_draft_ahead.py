@@ -122,6 +122,42 @@ def test_next_trees_are_drafted_ahead_and_match_a_fresh_draft():
     asyncio.run(run())
 
 
+def test_a_step_whose_items_the_draft_refuses_is_no_decode_step():
+    """Every item refused before the verifier (a request this draft does not hold): the step makes
+    no round trip and times no stage, and says so; the scheduler timed it with zeros beside the
+    draft's decode steps, and its `step_rpc` count ran past the draft's `step`."""
+    async def run():
+        engine, _ = make_engine()
+        first = await engine.step(draft_pb2.StepRequest(items=[admit("a", 4)]))
+        engine.run_ahead()
+        refused = await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="gone", budget=4)]))
+        engine._settle()
+        timed = {s.labels["stage"]: s.value for m in engine.metrics.registry.collect() for s in m.samples
+                 if s.name == "ddtree_step_ms_count"}
+        return first, refused, timed
+    first, refused, timed = asyncio.run(run())
+    assert first.decoded and not refused.decoded and refused.results[0].error_code
+    assert timed["step"] == timed["ahead_wait"] == timed["draft"] == 1
+
+
+def test_a_root_alone_is_counted_as_no_draft_tree():
+    """Autoregressive steps send the root alone: counted as trees, `draft_trees_total` ran past the
+    scheduler's `tree_steps` (and the acceptance histogram) it is read beside."""
+    async def run():
+        engine, verifier = make_engine()
+        ar = draft_pb2.StepItem(request_id="ar", prompt_token_ids=[3, 9, 27, 17], budget=0, max_new_tokens=32,
+                                mode=common_pb2.MODE_AUTOREGRESSIVE)
+        await engine.step(draft_pb2.StepRequest(items=[ar, admit("dd", 4)]))
+        for _ in range(3):
+            engine.run_ahead()
+            await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="ar", budget=0),
+                                                           draft_pb2.StepItem(request_id="dd", budget=4)]))
+        engine._settle()
+        assert all(len(t["ar"]) == 1 and len(t["dd"]) == 1 + 4 for t in verifier.sent)
+        return trees_by(engine, "ahead") + trees_by(engine, "step")
+    assert asyncio.run(run()) == 3   # the DDTree request's three, none of the other's
+
+
 def test_an_admission_reserves_prompt_output_and_a_block_and_its_first_token_is_no_tree_step():
     """The verifier's reservation is what the scheduler admitted by (prompt + output + one block:
     the last trees reach a block past the output); one block less and a full cache failed a

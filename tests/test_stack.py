@@ -314,6 +314,8 @@ def test_every_service_exports_prometheus_metrics(stack):
     # Every tree step after the first of a request finds its tree drafted ahead.
     tree_steps = delta("scheduler", "ddtree_acceptance_length_count")
     assert delta("draft", 'ddtree_draft_trees_total{drafted="ahead"}') >= tree_steps - 1 >= 1
+    assert delta("draft", 'ddtree_draft_trees_total{drafted="ahead"}') + \
+        delta("draft", 'ddtree_draft_trees_total{drafted="step"}') == tree_steps
     assert _value(after["verifier"], "ddtree_kv_pages_free") > 0
 
 

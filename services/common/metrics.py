@@ -87,9 +87,12 @@ class Metrics:
         self.request_seconds = Histogram("ddtree_request_duration_seconds", "Time from a request's arrival at the "
                                          "scheduler to its end, by final status", ["status"], buckets=_REQUEST_BUCKETS_S,
                                          registry=r("request_seconds"))
-        self.draft_trees = Counter("ddtree_draft_trees", "Trees sent to the verifier, by when they were drafted "
-                                   "(ahead: while the last step's answer travelled; step: in the step)",
+        self.draft_trees = Counter("ddtree_draft_trees", "Draft trees (more than the root) sent to the verifier, by "
+                                   "when they were drafted (ahead: while the last step's answer travelled; step: in "
+                                   "the step)",
                                    ["drafted"], registry=r("draft_trees"))
+        for drafted in ("ahead", "step"):   # both on the page from the start (a root alone counts in neither)
+            self.draft_trees.labels(drafted)
         self.queue_depth = Gauge("ddtree_queue_depth", "Requests waiting for admission", registry=r("queue_depth"))
         self.running = Gauge("ddtree_running_requests", "Requests being decoded", registry=r("running"))
         self.kv_pages_free = Gauge("ddtree_kv_pages_free", "Free KV cache pages", registry=r("kv_pages_free"))
@@ -106,7 +109,8 @@ class Metrics:
         self.kv_capacity = Gauge("ddtree_kv_tokens_capacity", "KV tokens a verifier group holds, as its "
                                  "replicas report it", ["verifier"], registry=r("kv_capacity"))
         # What a dead peer must give back: its stream, its ring slots, the ring's memory.
-        self.peers = Gauge("ddtree_transport_peers", "Draft replicas with a live verify stream", registry=r("peers"))
+        self.peers = Gauge("ddtree_transport_peers", "Drafts hand-shaken here, their verify stream open or still "
+                           "awaited (up to verifier.peer_stream_timeout_s)", registry=r("peers"))
         self.ring_slots_in_use = Gauge("ddtree_ring_slots_in_use", "Shared-buffer slots peers have not released",
                                        registry=r("ring_slots_in_use"))
         self.ring_inline_fallbacks = Counter(

@@ -127,11 +127,13 @@ class DraftEngine:
         async with self._lock:
             t0 = time.perf_counter()
             ahead = self._settle()
-            if request.items:   # a release-only step is no decode step: its stages are not observed
-                self.metrics.step_ms.labels("ahead_wait").observe((time.perf_counter() - t0) * 1e3)
+            waited_ms = (time.perf_counter() - t0) * 1e3
             try:
                 await self._reconnect_if_lost()
-                return await self._step(request, ahead, owner)
+                response = await self._step(request, ahead, owner)
+                if response.decoded:   # only a decode step's stages are observed, on both sides
+                    self.metrics.step_ms.labels("ahead_wait").observe(waited_ms)
+                return response
             except ServiceError:   # from the verifier's client: its stream broke, or no handshake
                 self._drop_all()
                 raise
@@ -281,7 +283,8 @@ class DraftEngine:
                    if r is not None and not r.prefilling and r.pending >= 0]
             self._job = (commits, nxt)
         t2 = time.perf_counter()
-        if prefills or verifying:   # a decode step (not releases alone, nor items all refused)
+        decoded = bool(prefills or verifying)   # not releases alone, nor items all refused
+        if decoded:
             stage = self.metrics.step_ms.labels
             stage("draft").observe((t1 - t0) * 1e3)
             stage("verify").observe(reply.response.verify_ms)
@@ -290,7 +293,7 @@ class DraftEngine:
             stage("step").observe((t2 - t0) * 1e3)
         return draft_pb2.StepResponse(results=[results[i.request_id] for i in request.items
                                                if i.request_id in results],
-                                      draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3)
+                                      draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3, decoded=decoded)
 
     def _prompt_room(self, items: int) -> int | None:
         """The prompt tokens a step of ``items`` items may carry for the verifier's reply to fit its
@@ -430,8 +433,12 @@ class DraftEngine:
                                               [budgets[i] for i in missing])
             for i, t in zip(missing, drafted):
                 trees[i] = t
-        self.metrics.draft_trees.labels("ahead").inc(len(reqs) - len(missing))
-        self.metrics.draft_trees.labels("step").inc(len(missing))
+        # A root alone (autoregressive, paused speculation, no room left) is no draft tree: the
+        # counter keeps step with the scheduler's `tree_steps` and acceptance histogram.
+        drafted_now = set(missing)
+        for i, t in enumerate(trees):
+            if t.tokens.numel() > 1:
+                self.metrics.draft_trees.labels("step" if i in drafted_now else "ahead").inc()
         return trees   # type: ignore[return-value]
 
     def _on_device(self, fn, *args):

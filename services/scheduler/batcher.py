@@ -307,7 +307,7 @@ class StepLoop:
             if items:   # (a release-only step is answered by a verifier whose forwards fail)
                 self.failed_steps = 0
             answered = time.perf_counter()
-            if items:   # a release-only step is no decode step
+            if resp.decoded:   # as the draft times it: not releases alone, nor items it refused
                 self.metrics.step_ms.labels("step_rpc").observe((answered - sent) * 1e3)
                 self.metrics.step_ms.labels("draft").observe(resp.draft_ms)
                 self.metrics.step_ms.labels("verify").observe(resp.verify_ms)

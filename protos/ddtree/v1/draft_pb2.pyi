@@ -50,11 +50,13 @@ class StepResult(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., acceptance_length: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("results", "draft_ms", "verify_ms")
+    __slots__ = ("results", "draft_ms", "verify_ms", "decoded")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODED_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[StepResult]
     draft_ms: float
     verify_ms: float
-    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ...) -> None: ...
+    decoded: bool
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., decoded: _Optional[bool] = ...) -> None: ...
