@@ -226,12 +226,37 @@ def _plane(q, POS: tl.constexpr, b, c):
 
 
 @triton.jit
-def _dequant_int4(p, s, DTYPE: tl.constexpr, GROUP: tl.constexpr):
+def _dequant_int4_exact(p, s, DTYPE: tl.constexpr, GROUP: tl.constexpr):
+    """``_dequant_int4`` for float32 scales: the one-FMA constants ``-(2^k + 8) * s`` round for
+    them (a zero nibble came out about ``s / 512`` from 0), so ``(n - 8) * s`` is formed as the
+    reference forms it, one rounding. About twice the instructions; no served checkpoint has such
+    scales (K2's are bf16)."""
+    if GROUP == 32:  # one scale per 4 words: [BN, BKW/4] -> [BN, BKW]
+        s = tl.interleave(s, s)
+        s = tl.interleave(s, s)
+    v0 = ((((p >> 0) & 0xF) - 8).to(tl.float32) * s).to(DTYPE)
+    v1 = ((((p >> 4) & 0xF) - 8).to(tl.float32) * s).to(DTYPE)
+    v2 = ((((p >> 8) & 0xF) - 8).to(tl.float32) * s).to(DTYPE)
+    v3 = ((((p >> 12) & 0xF) - 8).to(tl.float32) * s).to(DTYPE)
+    v4 = ((((p >> 16) & 0xF) - 8).to(tl.float32) * s).to(DTYPE)
+    v5 = ((((p >> 20) & 0xF) - 8).to(tl.float32) * s).to(DTYPE)
+    v6 = ((((p >> 24) & 0xF) - 8).to(tl.float32) * s).to(DTYPE)
+    v7 = ((((p >> 28) & 0xF) - 8).to(tl.float32) * s).to(DTYPE)
+    even = tl.interleave(tl.interleave(v0, v4), tl.interleave(v2, v6))
+    odd = tl.interleave(tl.interleave(v1, v5), tl.interleave(v3, v7))
+    return tl.interleave(even, odd)  # [BN, 8 * BKW]
+
+
+@triton.jit
+def _dequant_int4(p, s, DTYPE: tl.constexpr, GROUP: tl.constexpr, EXACT: tl.constexpr):
     """``p [BN, BKW]`` int32 words, ``s [BN, BKW // (GROUP // 8)]`` float32 scales -> ``[BN, 8*BKW]``.
+    ``EXACT``: the scales were float32 in memory (`_dequant_int4_exact`).
 
     Each nibble is read at bit 8, 12 or 16 of the word or of one of three shifted copies
     (``p << 8``, ``p >> 8``, ``p >> 16``): 3 shifts per 8 nibbles instead of 7.
     """
+    if EXACT:
+        return _dequant_int4_exact(p, s, DTYPE, GROUP)
     b8 = s * 32768.0  # POS 8: 2^15
     c8 = s * -32776.0
     b12 = s * 2048.0  # POS 12: 2^11
@@ -315,7 +340,7 @@ def _load_int4_tile(
         odd = tl.interleave(tl.interleave(v1, v5), tl.interleave(v3, v7))
         w = tl.interleave(even, odd)  # [BN, BK]
     else:
-        w = _dequant_int4(p, s.to(tl.float32), DTYPE, GROUP)  # [BN, BK]
+        w = _dequant_int4(p, s.to(tl.float32), DTYPE, GROUP, s.dtype == tl.float32)  # [BN, BK]
     return w
 
 

@@ -61,6 +61,9 @@ CASES: dict[str, dict] = {
     "every_expert_strided_x": dict(M=3, top_k=8, K=128, every_expert=True, x_pad=24, cfg=dict(SMALL), tol=1e-5),
     # gate/up asked to split K four ways where 96 holds two 64-wide steps: it splits two ways
     "split_k_past_the_steps": dict(M=4, top_k=2, K=96, I=64, cfg=dict(SMALL, gu_block_k=64, gu_split_k=4), tol=1e-5),
+    # float32 scales (a checkpoint may store them): the one-FMA dequant's constants rounded for
+    # them, 1.6e-4 from the reference; their own path forms (n - 8) * scale as the reference does
+    "fp32_scales": dict(M=3, top_k=2, scale_dtype="float32", cfg=dict(SMALL, swap_ab=True), tol=1e-5),
 }
 # GEMV path (cfg.gemv): name -> case parameters (see _run_gemv_case). Each case also runs the
 # tensor-core path (SMALL) on the same inputs; with fp32 activations the two agree to fp32 rounding.
@@ -75,6 +78,7 @@ GEMV_CASES: dict[str, dict] = {
     # hidden states a column slice of a wider tensor (the argument check asks only a unit last stride)
     "gemv_strided_x": dict(M=3, top_k=2, K=64, I=64, x_pad=24, gv=(32, 64, 4, 1), gvd=(64, 64, 4, 1), tol=1e-5),
     "gemv_bf16_fp16_scales": dict(M=3, top_k=2, dtype="bfloat16", scale_dtype="float16", gv=(64, 128, 4, 1), gvd=(64, 64, 4, 1), tol=3e-2),
+    "gemv_fp32_scales": dict(M=2, top_k=2, scale_dtype="float32", gv=(32, 256, 4, 1), gvd=(128, 128, 4, 1), tol=1e-5),
     "gemv_fp16": dict(M=2, top_k=2, dtype="float16", gv=(32, 256, 4, 1), gvd=(128, 128, 4, 1), tol=2e-3),
     # the served launch at K2 TP8 M=1: one row a program on one warp, pipelined down. Intermediate 64
     # (two scale groups, a K tail of down's 256) as gate/up's programs are one a row: A * I of them.

@@ -301,6 +301,36 @@ def test_the_served_fused_moe_matches_the_reference_on_the_gpu(shape: str) -> No
         assert rel < 6e-3 and max_rel < 2e-2, (shape, M, rel, max_rel)   # an H200: 2.5e-3 to 3.2e-3, at most 6.8e-3
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_float32_scales_dequantise_exactly_on_the_gpu() -> None:
+    """Compiled (the CPU tests interpret it): float32 scales take `_dequant_int4_exact`, so a zero
+    nibble is 0 (the one-FMA constants rounded for them: a gate of zeros gave outputs near 1e-6),
+    and random words match the reference, at M = 1 (GEMV) and 72 (tensor cores)."""
+    from bench.int4_moe_bench import GROUP, rand_routing, rel_errs
+    from kernels.int4_moe import fused_int4_moe, int4_moe_reference
+    from services.common.int4 import Int4Weight
+
+    E, K, inter, k = 8, 512, 256, 2
+    gen = torch.Generator(device="cuda").manual_seed(11)
+
+    def stack(out_f: int, in_f: int, words: torch.Tensor | None = None) -> Int4Weight:
+        packed = words if words is not None else torch.randint(
+            -(2**31), 2**31 - 1, (E, out_f, in_f // 8), dtype=torch.int32, device="cuda", generator=gen)
+        scale = torch.rand(E, out_f, in_f // GROUP, device="cuda", generator=gen) * 0.02 + 0.004   # float32
+        return Int4Weight(packed=packed, scale=scale, shape=(out_f, in_f))
+
+    zeros = torch.full((E, inter, K // 8), 0x88888888 - 2**32, dtype=torch.int32, device="cuda")   # nibbles of 8
+    wz, wg, wu, wd = stack(inter, K, zeros), stack(inter, K), stack(inter, K), stack(K, inter)
+    for M in (1, 72):
+        x = (torch.randn(M, K, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+        ids, weights = rand_routing(M, E, k, "cuda", gen)
+        assert fused_int4_moe(x, wz, wu, wd, ids, weights, GROUP).abs().max().item() == 0.0, M
+        want = int4_moe_reference(x, wg, wu, wd, ids, weights, GROUP, compute_dtype=torch.float32)
+        got = fused_int4_moe(x, wg, wu, wd, ids, weights, GROUP)
+        rel, max_rel = rel_errs(got, want)
+        assert torch.isfinite(got).all() and rel < 6e-3 and max_rel < 2e-2, (M, rel, max_rel)
+
+
 def _poisoned(t: torch.Tensor) -> torch.Tensor:
     """A new float tensor full of NaN (index and count buffers as they come)."""
     return t.fill_(float("nan")) if t.is_floating_point() else t
