@@ -223,10 +223,14 @@ def test_tensors_of_a_quantisation_not_implemented_are_refused(target_dir: Path,
 
 
 def test_weight_shape_mismatch(target_dir: Path) -> None:
+    """Refused by the tensor-parallel loader too (it rewrites each weight_shape to its slice's, and
+    took any stored value)."""
     name = "model.layers.2.mlp.experts.0.down_proj.weight_shape"
     _rewrite_tensors(target_dir, lambda t: t.__setitem__(name, torch.tensor([32, 64])))
     with pytest.raises(CheckpointError, match=rf"{name} holds \[32, 64\], config implies \[64, 32\]"):
         TargetModel.load(target_dir)
+    with pytest.raises(CheckpointError, match=rf"{name} holds \[32, 64\], config implies \[64, 32\]"):
+        _rank_slice(target_dir)
 
 
 def test_unsupported_model_type(target_dir: Path) -> None:

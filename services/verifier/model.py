@@ -203,12 +203,12 @@ def validate_weights(
         if (bad := dtype_error(name, t.dtype, where(name))) is not None:
             raise bad
         if name.endswith(".weight_shape"):
-            dense = tuple(_int4_dense_shape(name, config))
+            dense = tuple(int4_dense_shape(name, config))
             if tuple(int(v) for v in t.tolist()) != dense:
                 raise CheckpointError(f"{where(name)}: tensor {name} holds {t.tolist()}, config implies {list(dense)}")
 
 
-def _int4_dense_shape(name: str, config: TargetConfig) -> tuple[int, int]:
+def int4_dense_shape(name: str, config: TargetConfig) -> tuple[int, int]:
     """Dense (out, in) of a routed expert projection named ``...experts.{j}.{proj}.weight_shape``."""
     hid, I = config.hidden_size, config.moe_intermediate_size
     return (hid, I) if ".down_proj." in name else (I, hid)

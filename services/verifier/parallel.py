@@ -84,7 +84,7 @@ def load_rank_slice(path: Path, config: TargetConfig, expected: dict[str, tuple[
     Every tensor's presence, shard, shape, dtype and split is checked from the headers first: a
     K2 checkpoint's last shard missing, or its last tensor a column short, was found only after
     the ranks had read everything before it."""
-    from services.verifier.model import check_tensor_names, dtype_error
+    from services.verifier.model import check_tensor_names, dtype_error, int4_dense_shape
 
     path = Path(path)
     index = tensor_index(path)
@@ -131,6 +131,10 @@ def load_rank_slice(path: Path, config: TargetConfig, expected: dict[str, tuple[
         handles.clear()
     for name in list(out):
         if name.endswith(".weight_shape"):
+            dense = int4_dense_shape(name, config)   # as one verifier refuses it (`validate_weights`)
+            if [int(v) for v in out[name].tolist()] != list(dense):
+                raise CheckpointError(f"{path / index[name]}: tensor {name} holds {out[name].tolist()}, "
+                                      f"config implies {list(dense)}")
             packed = out[name.replace(".weight_shape", ".weight_packed")]
             out[name] = torch.tensor([packed.shape[0], packed.shape[1] * 8], dtype=out[name].dtype)
     return out
