@@ -45,7 +45,8 @@ decodes to ``(nibble - 8) * scale[row, col // group]``. On CUDA with bf16 activa
 the bf16 ``128 + n``; ``- 136`` is exact; ``* scale`` rounds once, like the reference): 27-30%
 fewer instructions per element than the portable path and 5-9% faster end to end (K2 M=72). The
 portable path (CPU interpreter, fp16/fp32) masks a nibble into the mantissa of 1.0f and uses one
-FMA with per-group constants (``_plane``), exact for bf16/fp16 scales. The eight nibble planes
+FMA with per-group constants (``_plane``), exact for bf16/fp16 scales; float32 scales, for which
+those constants round, take ``_dequant_int4_exact`` (shift, mask, ``(n - 8) * scale``). The eight nibble planes
 ``[BN, BK/8]`` go back to K order with ``tl.interleave``.
 
 ``SWAP_AB`` computes ``W @ X^T`` instead of ``X @ W^T``: the weight tile is the MMA's M side
