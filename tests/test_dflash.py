@@ -337,6 +337,21 @@ def test_pooled_propose_equals_eager(pair: tuple[Path, Path]) -> None:
                                    atol=1e-5, rtol=1e-5)
 
 
+def test_a_pool_of_rows_shorter_than_one_context_bucket_proposes_as_eager(pair: tuple[Path, Path]) -> None:
+    """Rows of 48 tokens: the context buckets stop at the row (a bucket of 64 keys over 48-token rows
+    failed the forward with a shape error)."""
+    assert context_buckets(48) == (48,) and context_buckets(64) == (64,)
+    eager, pooled = DFlashDrafter.load(pair[0], pair[1]), _graph_drafter(pair, rows=2, context=48)
+    e_ctx, p_ctx = [], []
+    for i, n in enumerate((5, 40)):
+        for d, out in ((eager, e_ctx), (pooled, p_ctx)):
+            out.append(d.new_context())
+            d.extend_context(out[-1], _features(n, 60 + i))
+    assert [c.row for c in p_ctx] == [0, 1]
+    bonus = torch.tensor([3, 11])
+    torch.testing.assert_close(pooled.propose(p_ctx, bonus).clone(), eager.propose(e_ctx, bonus), atol=1e-5, rtol=1e-5)
+
+
 def test_a_pool_row_given_to_a_new_request_takes_no_commit_of_the_old_one(pair: tuple[Path, Path]) -> None:
     """A commit's padding slots go to the scratch row: left as the last commit of that bucket had
     them, they wrote the released request's keys into the new owner's positions of the same row."""

@@ -52,8 +52,9 @@ def batch_buckets(rows: int) -> tuple[int, ...]:
 
 def context_buckets(limit: int) -> tuple[int, ...]:
     """Multiples of 64, each at most 1.5x the one before, up to ``limit``: padded keys cost at most
-    half the attention of a step, and a run meets a new shape every ~50% of context growth."""
-    out = [_CONTEXT_STEP]
+    half the attention of a step, and a run meets a new shape every ~50% of context growth. A limit
+    below one step is the one bucket (a 64-key bucket over a shorter pool row failed its forward)."""
+    out = [min(_CONTEXT_STEP, limit)]
     while out[-1] < limit:
         nxt = max(out[-1] + _CONTEXT_STEP, (out[-1] * 3 // 2) // _CONTEXT_STEP * _CONTEXT_STEP)
         out.append(min(nxt, limit))
