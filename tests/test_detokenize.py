@@ -162,6 +162,28 @@ def test_a_byte_fallback_tokenizer_keeps_the_texts_judgement() -> None:
     assert detok.update(ids, final=True) == tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def test_a_byte_fallback_run_that_is_no_valid_utf8_streams_its_whole_decode() -> None:
+    """ByteFallback decodes a run of byte tokens as a whole: one that is no valid UTF-8 is a U+FFFD a
+    byte, its valid characters included ("؋" D8 8B, a stray BE, "#" 23). Cut inside the run, the
+    stream had sent "؋" and then sliced the run's U+FFFDs at its length: "؋���x", neither the
+    decode "����x" nor the bytes' "؋�#x". Every stream of every step cut is the decode's prefix."""
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "x": 257, "y": 258}
+    tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    B = {b: vocab[f"<0x{b:02X}>"] for b in range(256)}
+    rng = random.Random(7)
+    lists = [[B[0xD8], B[0x8B], B[0xBE], B[0x23], 257]]
+    lists += [[rng.choice([257, 258] + [B[b] for b in (0xD8, 0x8B, 0xBE, 0x23, 0xE4, 0xB8, 0xAD, 0xF0, 0x9F)])
+               for _ in range(rng.randint(1, 30))] for _ in range(200)]
+    for ids in lists:
+        whole = tokenizer.decode(ids, skip_special_tokens=False)
+        detok, n = IncrementalDetokenizer(tokenizer), 0
+        for step in _streams(ids, rng):
+            n += len(step)
+            assert whole.startswith(detok.update(ids[:n])), ids
+        assert detok.update(ids, final=True) == whole, ids
+
+
 def test_a_stop_string_of_u_fffd_ends_on_the_token_that_wrote_it() -> None:
     """A stop string holding U+FFFD matches one the model wrote, not a character's first bytes:
     the tokens kept end with the one that completed it (or showed that a character's first bytes

@@ -571,6 +571,25 @@ def _steps(req: ActiveRequest, steps: list[list[int]]) -> tuple[str, list[int], 
             [a for m in messages for a in m.acceptance_lengths])
 
 
+def test_a_failed_requests_last_messages_carry_the_text_of_every_token_they_carry() -> None:
+    """The SDK's `partial` of a failed request is the output before the error: the text held back
+    as a stop string's possible start ("world" against "STOP!"), or a character's first bytes, went
+    with its tokens' ids but not as text ("hello w" beside the ids of "hello world")."""
+    for text, tail in (("hello world", []), ("hello world", [_byte_token(0xE4)])):
+        req = _request(stop=("STOP!",))
+        ids = TOKENIZER.encode(text, add_special_tokens=False).ids + tail
+        req.add_tokens(ids[:1], 0)
+        req.add_tokens(ids[1:], len(ids) - 1)
+        req.fail(ServiceError(grpc.StatusCode.UNAVAILABLE, "replica lost"))
+        messages = []
+        while (message := req.take()) is not None:
+            messages.append(message)
+        assert isinstance(messages[-1], ServiceError)
+        got = "".join(m.text for m in messages[:-1])
+        assert [t for m in messages[:-1] for t in m.token_ids] == ids
+        assert got == TOKENIZER.decode(ids, skip_special_tokens=False) == text + ("\ufffd" if tail else ""), got
+
+
 def test_a_stop_string_before_a_split_character_is_seen_in_its_own_step() -> None:
     """A step that ends inside a multi-byte character still shows the text before it, so a stop
     string completed there ends the output then (before, it was seen a step late, with the split

@@ -12,12 +12,16 @@ character can start with) decodes the same as a character still arriving, and ju
 run of them was held back whole, its window decoded again every step (6000 such tokens: 1.4 s of
 the event loop, nothing streamed before the end). Other tokenizers (SentencePiece's byte fallback
 writes a U+FFFD a byte, so a cut inside a character cannot be told from the text) keep that
-judgement, and a run of U+FFFD in their output still grows the window.
+judgement, and a run of U+FFFD in their output still grows the window. Their byte tokens
+(``<0xNN>``) decode a run at a time: a run that is no valid UTF-8 as a whole is a U+FFFD a byte,
+the characters in it that were valid included, so a run's text is held until the run ends (a
+window cut inside one streamed characters its whole decode then replaced).
 """
 
 from __future__ import annotations
 
 import codecs
+import re
 import weakref
 
 from tokenizers import Tokenizer, decoders
@@ -77,6 +81,24 @@ def _byte_tails(tokenizer: Tokenizer) -> _ByteTails | None:
     return _TAILS[tokenizer]
 
 
+_BYTE_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # tokenizer -> its byte token ids
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _byte_run_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids of the ``<0xNN>`` tokens a ByteFallback decoder decodes a run at a time; empty for
+    any other decoder."""
+    if not isinstance(tokenizer, Tokenizer) or tokenizer.decoder is None:
+        return frozenset()
+    if tokenizer not in _BYTE_RUNS:
+        ids: frozenset[int] = frozenset()
+        if b'"ByteFallback"' in tokenizer.decoder.__getstate__():
+            ids = frozenset(i for piece, i in tokenizer.get_vocab(with_added_tokens=False).items()
+                            if _BYTE_TOKEN.fullmatch(piece))
+        _BYTE_RUNS[tokenizer] = ids
+    return _BYTE_RUNS[tokenizer]
+
+
 class IncrementalDetokenizer:
     """The text of a growing token list. ``text`` is ``tokenizer.decode(ids[:read])``, where ``read``
     is the last point at which the text ended on a whole character; ``update`` returns it plus the
@@ -92,12 +114,18 @@ class IncrementalDetokenizer:
         self._prefix = 0  # first token of the window: where the text before ended on a whole character
         self._read = 0    # tokens whose text is in ``text``
         self._tails = _byte_tails(tokenizer)
+        self._byte_run = _byte_run_ids(tokenizer)
 
     def update(self, ids: list[int], final: bool = False) -> str:
         """Takes the output so far (the previous ids, possibly more) and returns the text through its
         last whole character; ``final``: through its end, partial characters included."""
         if len(ids) <= self._read:
             return self.text
+        if not final and ids[-1] in self._byte_run:   # a byte run still open: the text before it only
+            start = len(ids)
+            while start > self._read and ids[start - 1] in self._byte_run:
+                start -= 1
+            return self.update(ids[:start]) if start > self._read else self.text
         before = self._decode(ids[self._prefix:self._read])
         new = self._decode(ids[self._prefix:])[len(before):]
         pending = self._pending(ids)
@@ -115,6 +143,8 @@ class IncrementalDetokenizer:
             return self.text + new[:-1] if partial else self.text
         if len(ids) - self._prefix > self.MAX_WINDOW:  # a run of partial ends: move the window on
             for end in range(len(ids) - 1, max(self._read, len(ids) - 4), -1):
+                if ids[end - 1] in self._byte_run and ids[end] in self._byte_run:   # not inside a byte run
+                    continue
                 head = self._decode(ids[self._prefix:end])[len(before):]
                 if head and not head.endswith(_PARTIAL):
                     self._commit(head, end)

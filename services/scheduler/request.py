@@ -224,9 +224,9 @@ class ActiveRequest:
 
     def _safe_chars(self) -> int:
         """The text that is safe to show (not a possible stop-string prefix): through its last whole
-        character (the detokenizer's), all of it at the finish."""
+        character (the detokenizer's), all of it at the finish or a failure."""
         safe = len(self.text)
-        if self.finish == scheduler_pb2.FINISH_REASON_UNSPECIFIED:
+        if self.finish == scheduler_pb2.FINISH_REASON_UNSPECIFIED and self.error is None:
             hold = max((len(s) - 1 for s in self.stop), default=0)
             safe = max(self.emitted_chars, safe - hold)
         return safe
@@ -266,6 +266,8 @@ class ActiveRequest:
         if self.done:
             return
         self.error = error
+        if self._detok is not None:   # no token follows: the text held back (a stop's possible start,
+            self.text = self._detok.update(self.out_ids, final=True)   # a character's first bytes) is output
         self.news.set()
 
 
