@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import shutil
 import statistics
@@ -239,10 +240,14 @@ def _smi_reader(gpus: list[str] | None) -> Callable[[], tuple[float, float]] | N
 
 
 # ---- the stack's own numbers --------------------------------------------------------------------
-def stage_totals(metrics_address: str) -> dict[str, tuple[float, float]]:
-    """(sum_ms, count) per stage from a /metrics page; {} when there is none or it does not answer."""
+def stage_totals(metrics_address: str) -> dict[str, tuple[float, float]] | None:
+    """(sum_ms, count) per stage from a /metrics page (a stage not observed yet is absent); None
+    when no page answered."""
+    page = read_metrics(metrics_address)
+    if not page:
+        return None
     out: dict[str, list[float]] = {}
-    for key, value in read_metrics(metrics_address).items():
+    for key, value in page.items():
         for kind in ("sum", "count"):
             prefix = f"ddtree_step_ms_{kind}{{stage=\""
             if key.startswith(prefix):
@@ -251,8 +256,12 @@ def stage_totals(metrics_address: str) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def stage_split(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float | None]:
-    """Mean ms a step of each stage between two ``stage_totals`` scrapes (None: no step between)."""
+def stage_split(before: dict[str, tuple[float, float]] | None,
+                after: dict[str, tuple[float, float]] | None) -> dict[str, float | None]:
+    """Mean ms a step of each stage between two ``stage_totals`` scrapes (None: no step between, or
+    a scrape that did not answer: a missing "before" read as zeros gave the stack's lifetime mean)."""
+    if before is None or after is None:
+        return {f"{stage}_ms": None for stage in (after or before or {})}
     split: dict[str, float | None] = {}
     for stage, (s1, n1) in after.items():
         s0, n0 = before.get(stage, (0.0, 0.0))
@@ -386,7 +395,7 @@ def _cell_stats(traces: list[_Trace], wall: float, timed_out: bool) -> dict:
         "per_req_tok_s": statistics.mean(per_req) if per_req else None,
         "p50_tpot_ms": 1e3 * statistics.median(tpots) if tpots else None,
         # One mean a request: the nearest rank, which is the slowest request below 100 of them.
-        "p99_tpot_ms": 1e3 * tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))] if tpots else None,
+        "p99_tpot_ms": 1e3 * tpots[math.ceil(0.99 * len(tpots)) - 1] if tpots else None,
         "tpot_samples": len(tpots),
         "ttft_ms": 1e3 * statistics.mean(ttfts) if ttfts else None,
         "mean_acceptance": statistics.mean(acc) if acc else None,

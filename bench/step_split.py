@@ -59,7 +59,7 @@ def main() -> None:
             client.generate(prompts[i % len(prompts)]["ids"][:args.prompt_len], max_tokens=args.max_tokens,
                             budget=args.budget, ignore_eos=True)
             wall = time.perf_counter() - t0
-            time.sleep(0.2)   # the release-only step after the last token: counted by every service
+            time.sleep(0.2)   # the release-only step after the last token ends first (no service times it)
             after = scrape(ports)
             split = {k: round(v, 3) for k, v in stage_split(before, after).items() if v is not None}
             rows.append({"request": i, "wall_s": round(wall, 3), "step_ms": step_ms(before, after), **hops(split),
@@ -77,9 +77,15 @@ def main() -> None:
 
 
 def scrape(ports: dict[str, int]) -> dict[str, tuple[float, float]]:
-    """(sum_ms, count) of every service's stages, keyed ``<service>_<stage>``."""
-    return {f"{svc}_{stage}": v for svc, port in ports.items()
-            for stage, v in stage_totals(f"127.0.0.1:{port}").items()}
+    """(sum_ms, count) of every service's stages, keyed ``<service>_<stage>``; a page that did not
+    answer fails the run (its stages read as none would misstate the next request's split)."""
+    out = {}
+    for svc, port in ports.items():
+        totals = stage_totals(f"127.0.0.1:{port}")
+        if totals is None:
+            raise SystemExit(f"step_split: the {svc}'s /metrics page on port {port} did not answer")
+        out.update({f"{svc}_{stage}": v for stage, v in totals.items()})
+    return out
 
 
 def step_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> float:

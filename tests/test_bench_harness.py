@@ -573,6 +573,26 @@ def test_a_cells_figures_count_tree_steps_apart_and_say_how_many_requests_they_r
     assert _cell_stats([cut], wall=0.5, timed_out=True)["tree_step_acceptance"] is None
 
 
+def test_p99_tpot_is_the_nearest_rank_and_a_split_without_its_first_page_is_none(monkeypatch) -> None:
+    """Of 100 (200) requests p99 is the 99th (198th) slowest, not the slowest (199th): the rank was
+    int(0.99 n) + 1. A cell whose /metrics page did not answer before it read the stages as zeros
+    and reported the stack's lifetime mean a step as the cell's."""
+    from bench import matrix
+    from bench.matrix import _cell_stats, _Trace, stage_split, stage_totals
+
+    for n, rank in ((100, 99), (200, 198), (99, 99), (128, 127), (1, 1)):
+        traces = [_Trace(start=0.0, first=0.0, last=float(i + 1), tokens=2, acceptance=[1], steps=1, done=True)
+                  for i in range(n)]   # TPOT i + 1 s
+        assert _cell_stats(traces, wall=float(n), timed_out=False)["p99_tpot_ms"] == 1e3 * rank, n
+    pages = iter([{}, {'ddtree_step_ms_sum{stage="draft"}': 1010.0, 'ddtree_step_ms_count{stage="draft"}': 101.0}])
+    monkeypatch.setattr(matrix, "read_metrics", lambda address: next(pages))
+    before, after = stage_totals("127.0.0.1:1"), stage_totals("127.0.0.1:1")
+    assert before is None and after == {"draft": (1010.0, 101.0)}
+    assert stage_split(before, after) == {"draft_ms": None}
+    assert stage_split({"draft": (1000.0, 100.0)}, after) == {"draft_ms": 10.0}
+    assert stage_split({}, after) == {"draft_ms": 1010.0 / 101.0}   # a page that answered, before any step
+
+
 def test_the_cli_names_paused_speculation_and_a_cell_run_in_waves() -> None:
     from services.cli import _paused, _waves
 
