@@ -81,6 +81,12 @@ def admit(rid: str, budget: int, prompt=(3, 9, 27, 17)) -> draft_pb2.StepItem:
                               mode=common_pb2.MODE_DDTREE)
 
 
+def stage_counts(engine: DraftEngine) -> dict[str, float]:
+    """Steps each stage has timed (``ddtree_step_ms_count`` by stage)."""
+    return {s.labels["stage"]: s.value for m in engine.metrics.registry.collect() for s in m.samples
+            if s.name == "ddtree_step_ms_count"}
+
+
 def trees_by(engine: DraftEngine, drafted: str) -> float:
     return engine.metrics.draft_trees.labels(drafted)._value.get()
 
@@ -111,13 +117,11 @@ def test_next_trees_are_drafted_ahead_and_match_a_fresh_draft():
         assert engine._requests["a"].length == 3 + 1   # the new prompt and one step, nothing of the old
         # A step that only releases is no decode step: it times no stage.
         engine.run_ahead()
-        timed = {s.labels["stage"]: s.value for m in engine.metrics.registry.collect() for s in m.samples
-                 if s.name == "ddtree_step_ms_count"}
+        timed = stage_counts(engine)
         assert timed["step"] == timed["ahead_wait"] == 7
         await engine.step(draft_pb2.StepRequest(release=["a", "b"]))
         assert not engine._requests
-        assert {s.labels["stage"]: s.value for m in engine.metrics.registry.collect() for s in m.samples
-                if s.name == "ddtree_step_ms_count"} == timed
+        assert stage_counts(engine) == timed
         engine._settle()
     asyncio.run(run())
 
@@ -132,8 +136,7 @@ def test_a_step_whose_items_the_draft_refuses_is_no_decode_step():
         engine.run_ahead()
         refused = await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="gone", budget=4)]))
         engine._settle()
-        timed = {s.labels["stage"]: s.value for m in engine.metrics.registry.collect() for s in m.samples
-                 if s.name == "ddtree_step_ms_count"}
+        timed = stage_counts(engine)
         return first, refused, timed
     first, refused, timed = asyncio.run(run())
     assert first.decoded and not refused.decoded and refused.results[0].error_code
