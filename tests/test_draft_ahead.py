@@ -87,6 +87,17 @@ def stage_counts(engine: DraftEngine) -> dict[str, float]:
             if s.name == "ddtree_step_ms_count"}
 
 
+async def _admit_then(item: draft_pb2.StepItem):
+    """A fresh engine's step admitting request "a", its work ahead, then a step of ``item``:
+    (engine, verifier, first response, second response)."""
+    engine, verifier = make_engine()
+    first = await engine.step(draft_pb2.StepRequest(items=[admit("a", 4)]))
+    engine.run_ahead()
+    second = await engine.step(draft_pb2.StepRequest(items=[item]))
+    engine._settle()
+    return engine, verifier, first, second
+
+
 def trees_by(engine: DraftEngine, drafted: str) -> float:
     return engine.metrics.draft_trees.labels(drafted)._value.get()
 
@@ -130,15 +141,8 @@ def test_a_step_whose_items_the_draft_refuses_is_no_decode_step():
     """Every item refused before the verifier (a request this draft does not hold): the step makes
     no round trip and times no stage, and says so; the scheduler timed it with zeros beside the
     draft's decode steps, and its `step_rpc` count ran past the draft's `step`."""
-    async def run():
-        engine, _ = make_engine()
-        first = await engine.step(draft_pb2.StepRequest(items=[admit("a", 4)]))
-        engine.run_ahead()
-        refused = await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="gone", budget=4)]))
-        engine._settle()
-        timed = stage_counts(engine)
-        return first, refused, timed
-    first, refused, timed = asyncio.run(run())
+    engine, _, first, refused = asyncio.run(_admit_then(draft_pb2.StepItem(request_id="gone", budget=4)))
+    timed = stage_counts(engine)
     assert first.decoded and not refused.decoded and refused.results[0].error_code
     assert timed["step"] == timed["ahead_wait"] == timed["draft"] == 1
 
@@ -166,14 +170,8 @@ def test_an_admission_reserves_prompt_output_and_a_block_and_its_first_token_is_
     the last trees reach a block past the output); one block less and a full cache failed a
     request near its end. The prefill's token is no verify step: counted as one, it skewed
     steps, mean acceptance and the speculation pause's window."""
-    async def run():
-        engine, verifier = make_engine()
-        first = await engine.step(draft_pb2.StepRequest(items=[admit("a", 4)]))
-        engine.run_ahead()
-        second = await engine.step(draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id="a", budget=4)]))
-        engine._settle()
-        return verifier.prefills, first.results[0], second.results[0]
-    prefills, first, second = asyncio.run(run())
+    _, verifier, first, second = asyncio.run(_admit_then(draft_pb2.StepItem(request_id="a", budget=4)))
+    prefills, first, second = verifier.prefills, first.results[0], second.results[0]
     assert [p.reserve_tokens for p in prefills] == [4 + 32 + BLOCK]
     assert len(first.token_ids) == 1 and first.acceptance_length == 0
     assert second.acceptance_length == len(second.token_ids) == 1
