@@ -139,13 +139,11 @@ def free_port(avoid: Collection[int] = ()) -> int:
 
 
 def _bound_elsewhere(port: int) -> bool:
-    """Whether a loopback ``port`` is bound now, probed as gRPC binds it (TIME_WAIT is no conflict)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return True
+    """Whether a loopback ``port`` is bound now, probed as the services probe theirs."""
+    try:
+        check_port_free("127.0.0.1", port, "port")
+    except SettingsError:
+        return True
     return False
 
 

@@ -435,10 +435,10 @@ class DraftEngine:
                 trees[i] = t
         # A root alone (autoregressive, paused speculation, no room left) is no draft tree: the
         # counter keeps step with the scheduler's `tree_steps` and acceptance histogram.
-        drafted_now = set(missing)
-        for i, t in enumerate(trees):
-            if t.tokens.numel() > 1:
-                self.metrics.draft_trees.labels("step" if i in drafted_now else "ahead").inc()
+        drafted = [i for i, t in enumerate(trees) if t.tokens.numel() > 1]
+        now = len(set(drafted) & set(missing))
+        self.metrics.draft_trees.labels("step").inc(now)
+        self.metrics.draft_trees.labels("ahead").inc(len(drafted) - now)
         return trees   # type: ignore[return-value]
 
     def _on_device(self, fn, *args):
