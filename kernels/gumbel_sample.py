@@ -12,7 +12,8 @@ step pays that once per sampled request. Here one launch pair serves every sampl
   float32 that tests ``WAYS`` probes a pass over the row (32 bits in 8 passes at 16). The result
   is a logit of the row, exactly; a row holding NaN or +inf, or no finite logit, gets NaN.
 * ``_gumbel_argmax_kernel`` adds each kept token's noise (the reference's hash, in uint32, and
-  its float64 ``-log(-log(u))``) and keeps the first maximum; tiles with no kept token are
+  its float64 ``-log(-log(u))``) to its scaled logit less the row's maximum (so the noise is not
+  lost beside logits of 1e16 and more) and keeps the first maximum; tiles with no kept token are
   skipped, so a filtered row costs little more than one read. A NaN floor writes token -1.
 
 Ties at a threshold keep every tied token, as the reference does. The kept set's mass is summed
@@ -96,7 +97,7 @@ if triton is not None:
         return hi
 
     @triton.jit
-    def _floor_kernel(x_ptr, stride, inv_t_ptr, top_k_ptr, top_p_ptr, floor_ptr, vocab,
+    def _floor_kernel(x_ptr, stride, inv_t_ptr, top_k_ptr, top_p_ptr, floor_ptr, max_ptr, vocab,
                       BLOCK: tl.constexpr, WAYS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = x_ptr + row * stride
@@ -133,6 +134,7 @@ if triton is not None:
         if (tl.sum(bad, axis=0) > 0) | (m_row == float("-inf")):
             floor = tl.full([], float("nan"), tl.float32)
         tl.store(floor_ptr + row, floor)
+        tl.store(max_ptr + row, m_row)
 
     @triton.jit
     def _mix32(x):
@@ -144,12 +146,13 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _gumbel_argmax_kernel(x_ptr, stride, inv_t_ptr, floor_ptr, key_ptr, out_ptr, vocab,
+    def _gumbel_argmax_kernel(x_ptr, stride, inv_t_ptr, floor_ptr, max_ptr, key_ptr, out_ptr, vocab,
                               BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = x_ptr + row * stride
         inv_t = tl.load(inv_t_ptr + row)
         floor = tl.load(floor_ptr + row)
+        top = tl.load(max_ptr + row).to(tl.float64)
         key = tl.load(key_ptr + row)
         low = (key & 0xFFFFFFFF).to(tl.uint32)
         high = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
@@ -167,7 +170,7 @@ if triton is not None:
                     g = -libdevice.log(-libdevice.log(u))
                 else:
                     g = -tl.log(-tl.log(u))
-                v = tl.where(keep, x.to(tl.float64) + g, float("-inf"))
+                v = tl.where(keep, (x.to(tl.float64) - top) + g, float("-inf"))
                 tile_best = tl.max(v, axis=0)
                 if tile_best > best:
                     best = tile_best
@@ -194,19 +197,24 @@ def _check_rows(logits: Tensor, **per_row: tuple[Tensor, torch.dtype]) -> None:
                              f"{logits.device}; got {tuple(t.shape)} {t.dtype} on {t.device}")
 
 
+def _floors_and_maxima(logits: Tensor, inv_temperature: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
+    _check_rows(logits, inv_temperature=(inv_temperature, torch.float32), top_k=(top_k, torch.int32),
+                top_p=(top_p, torch.float32))
+    n, vocab = logits.shape
+    floor = torch.empty(n, dtype=torch.float32, device=logits.device)
+    top = torch.empty(n, dtype=torch.float32, device=logits.device)
+    if n:
+        _floor_kernel[(n,)](logits, logits.stride(0), inv_temperature, top_k, top_p, floor, top, vocab,
+                            BLOCK=SEARCH_BLOCK, WAYS=WAYS, num_warps=8)
+    return floor, top
+
+
 @on_input_device
 def keep_floors(logits: Tensor, inv_temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     """[n] float32: each row's smallest kept scaled logit (``logits * inv_temperature``; -inf where
     neither filter is on; NaN for a row holding NaN or +inf, or no finite logit). Arguments as
     ``gumbel_sample``'s."""
-    _check_rows(logits, inv_temperature=(inv_temperature, torch.float32), top_k=(top_k, torch.int32),
-                top_p=(top_p, torch.float32))
-    n, vocab = logits.shape
-    floor = torch.empty(n, dtype=torch.float32, device=logits.device)
-    if n:
-        _floor_kernel[(n,)](logits, logits.stride(0), inv_temperature, top_k, top_p, floor, vocab,
-                            BLOCK=SEARCH_BLOCK, WAYS=WAYS, num_warps=8)
-    return floor
+    return _floors_and_maxima(logits, inv_temperature, top_k, top_p)[0]
 
 
 @on_input_device
@@ -221,10 +229,10 @@ def gumbel_sample(logits: Tensor, inv_temperature: Tensor, top_k: Tensor, top_p:
         top_k: [n] int32, 0 = off. top_p: [n] float32, 1 = off. keys: [n] int64 (``token_keys``).
     """
     _check_rows(logits, keys=(keys, torch.int64))
-    floor = keep_floors(logits, inv_temperature, top_k, top_p)
+    floor, top = _floors_and_maxima(logits, inv_temperature, top_k, top_p)
     n, vocab = logits.shape
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n:
-        _gumbel_argmax_kernel[(n,)](logits, logits.stride(0), inv_temperature, floor, keys, out, vocab,
+        _gumbel_argmax_kernel[(n,)](logits, logits.stride(0), inv_temperature, floor, top, keys, out, vocab,
                                     BLOCK=DRAW_BLOCK, LIBDEVICE=not interpreted(), num_warps=8)
     return out

@@ -110,6 +110,20 @@ def test_rows_of_non_negative_logits_keep_and_draw_the_reference_tokens() -> Non
     _check(logits, settings, seed=3)
 
 
+@pytest.mark.parametrize("scale", [1e18, 1e30])
+def test_huge_tied_logits_are_drawn_by_the_noise_not_by_their_id(scale: float) -> None:
+    """Ten tokens tie at a logit where float64's spacing passes the noise's spread (from ~1e16): each
+    is a tenth of the law, so 160 keys draw several of them, in kernel and reference alike (the noise
+    added to the bare logit was rounded away and every key drew the lowest id)."""
+    g = torch.Generator().manual_seed(8)
+    row = torch.randn(1, 300, generator=g) * scale * 1e-3
+    row[0, 40:50] = scale
+    logits = row.expand(160, -1).contiguous()
+    tokens = _check(logits, [Sampling(temperature=1.0), Sampling(temperature=0.8, top_p=0.9)] * 80, seed=11)
+    assert set(tokens.tolist()) <= set(range(40, 50))
+    assert len(set(tokens.tolist())) >= 6
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the interpreter's -inf - -inf
 def test_a_top_k_reaching_a_tie_at_the_row_minimum_keeps_the_tie() -> None:
     """The k-th value is the row's smallest (tied 60 times): every token is kept, as the reference
@@ -233,9 +247,9 @@ def build(kernel, types, constexprs):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8)).asm["ptx"]
 
 rows = dict(x_ptr="*fp32", stride="i32", inv_t_ptr="*fp32", vocab="i32")
-floor = build(_floor_kernel, rows | dict(top_k_ptr="*i32", top_p_ptr="*fp32", floor_ptr="*fp32"),
+floor = build(_floor_kernel, rows | dict(top_k_ptr="*i32", top_p_ptr="*fp32", floor_ptr="*fp32", max_ptr="*fp32"),
               dict(BLOCK=SEARCH_BLOCK, WAYS=WAYS))
-draw = build(_gumbel_argmax_kernel, rows | dict(floor_ptr="*fp32", key_ptr="*i64", out_ptr="*i64"),
+draw = build(_gumbel_argmax_kernel, rows | dict(floor_ptr="*fp32", max_ptr="*fp32", key_ptr="*i64", out_ptr="*i64"),
              dict(BLOCK=DRAW_BLOCK, LIBDEVICE=True))
 print(json.dumps(dict(floor=len(floor), draw_f64=draw.count(".f64"), approx_log=draw.count("lg2.approx"))))
 """

@@ -159,7 +159,7 @@ def posterior_tokens(logits: Tensor, sampling: Sampling, keys: Tensor | None) ->
             Ignored when greedy.
 
     Returns:
-        [n] int64 token ids: argmax at T=0, else argmax(logits * (1 / T) + G) after top-k then top-p
+        [n] int64 token ids: argmax at T=0, else argmax(logits * (1 / T) - max + G) after top-k then top-p
         filtering (a filtered token is -inf, never drawn), G = ``gumbel_noise(keys)``: a draw
         from softmax(logits / T) over the kept tokens.
     """
@@ -173,7 +173,9 @@ def posterior_tokens(logits: Tensor, sampling: Sampling, keys: Tensor | None) ->
     scaled = _filter_top_p(scaled, sampling.top_p)
     if not bool(torch.isfinite(scaled.amax(dim=-1)).all()):   # NaN propagates through amax, as +inf does
         raise ValueError("sampling: the target's logits hold NaN or inf")
-    return (scaled.to(torch.float64) + gumbel_noise(keys, scaled.shape[-1])).argmax(dim=-1)  # [n]
+    # less the row's maximum: beside logits of 1e16 and more, float64 would round the noise away
+    centred = scaled.to(torch.float64) - scaled.amax(dim=-1, keepdim=True).to(torch.float64)  # [n, V] <= 0
+    return (centred + gumbel_noise(keys, scaled.shape[-1])).argmax(dim=-1)  # [n]
 
 
 def draw_tokens(logits: Tensor, samplings: Sequence[Sampling], counts: Sequence[int], keys: Tensor) -> Tensor:
