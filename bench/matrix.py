@@ -18,6 +18,7 @@ cells not started by then are recorded as `skipped`), so one stuck cell never ea
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import math
 import os
@@ -39,7 +40,7 @@ from services.common.launcher import StackSpec, free_port
 from services.common.settings import MAX_SECONDS, SchedulerSettings
 from services.scheduler.client import AsyncClient, ClientError
 
-__all__ = ["MatrixParams", "Cell", "cell_plan", "run_matrix", "write_results", "local_gpu_name", "stack_spec", "check_fits",
+__all__ = ["MatrixParams", "Cell", "cell_plan", "full_batch", "run_matrix", "write_results", "local_gpu_name", "stack_spec", "check_fits",
            "load_token_stream", "power_gpu_ids", "PowerSampler"]
 
 ROW_KEYS = ("context", "concurrency", "mode", "budget", "agg_tok_s", "per_req_tok_s", "p50_tpot_ms", "p99_tpot_ms",
@@ -305,6 +306,7 @@ class _Trace:
     tree_steps: int = 0
     done: bool = False
     error: str | None = None
+    arrivals: list[tuple[float, int]] = field(default_factory=list)   # (time, tokens so far) a chunk
 
 
 async def _stream_one(client: AsyncClient, prompt: list[int], cell: Cell, max_tokens: int, p: MatrixParams,
@@ -316,6 +318,7 @@ async def _stream_one(client: AsyncClient, prompt: list[int], cell: Cell, max_to
             trace.first = trace.first if trace.first is not None else now
             trace.last = now
             trace.tokens += len(chunk.token_ids)
+            trace.arrivals.append((now, trace.tokens))
             trace.acceptance += chunk.acceptance_lengths
             if chunk.usage is not None:
                 trace.steps, trace.tree_steps = chunk.usage.steps, chunk.usage.tree_steps
@@ -373,6 +376,23 @@ async def _watch_running(address: str, seen: list[float], interval_s: float = 0.
         await asyncio.sleep(interval_s)
 
 
+def full_batch(traces: list[_Trace]) -> tuple[float | None, float | None]:
+    """(tok/s, seconds) of the cell while every one of its requests still ran: from the start to
+    the first request's last token. A cell is one burst that runs down (no request replaces one that
+    ended): DDTree requests end apart, as their acceptance differs, and ``agg_tok_s`` counts the
+    thinning batch at the end too, where autoregressive ones end together. None where a request
+    delivered nothing."""
+    if not traces or any(not t.arrivals for t in traces):
+        return None, None
+    start = min(t.start for t in traces)
+    end = min(t.last for t in traces if t.last is not None)
+    if end <= start:
+        return None, None
+    tokens = sum(t.arrivals[bisect.bisect_right(t.arrivals, (end, math.inf)) - 1][1]
+                 for t in traces if t.arrivals[0][0] <= end)
+    return tokens / (end - start), end - start
+
+
 def _cell_stats(traces: list[_Trace], wall: float, timed_out: bool) -> dict:
     """Row figures from the traces, partial ones included; None where nothing was measured.
 
@@ -390,8 +410,11 @@ def _cell_stats(traces: list[_Trace], wall: float, timed_out: bool) -> dict:
     tree_steps = sum(t.tree_steps for t in counted)
     errors = [t.error for t in traces if t.error]
     status = "timed_out" if timed_out else "error" if errors else "ok"
+    full_tok_s, full_s = full_batch(traces)
     return {
         "agg_tok_s": tokens / wall if wall > 0 else None,
+        "full_batch_tok_s": full_tok_s,
+        "full_batch_s": full_s,
         "per_req_tok_s": statistics.mean(per_req) if per_req else None,
         "p50_tpot_ms": 1e3 * statistics.median(tpots) if tpots else None,
         # One mean a request: the nearest rank, which is the slowest request below 100 of them.

@@ -594,7 +594,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         save(rows, plot=True)
     for r in rows:
         print(f"ctx={r['context']:>5} C={r['concurrency']:>4} {r['mode']:>14} b={r['budget'] or '-':>3} "
-              f"agg={_fmt(r['agg_tok_s'], 9, 1)} tok/s  per-req={_fmt(r['per_req_tok_s'], 8, 1)}  "
+              f"agg={_fmt(r['agg_tok_s'], 9, 1)} tok/s (full batch {_fmt(r.get('full_batch_tok_s'), 9, 1).strip()})  "
+              f"per-req={_fmt(r['per_req_tok_s'], 8, 1)}  "
               f"p50 tpot={_fmt(r['p50_tpot_ms'], 7, 2)} ms  acc={_fmt(r['mean_acceptance'], 4, 2)}{_paused(r)}{_waves(r)}  "
               f"{r['status']}")
     return 0 if all(r["status"] == "ok" for r in rows) else 1

@@ -89,6 +89,7 @@ def test_bench_matrix_end_to_end(tmp_path, ckpt):
         for key in ROW_KEYS:
             assert key in r
         assert r["status"] == "ok" and r["agg_tok_s"] > 0 and r["mean_acceptance"] >= 1
+        assert 0 < r["full_batch_s"] <= r["wall_s"] and r["full_batch_tok_s"] > 0
         assert r["step_split_ms"]["draft_ms"] is not None and r["step_split_ms"]["verify_ms"] > 0
     assert {r["mode"] for r in rows} == {"autoregressive", "ddtree"}
     assert out.with_suffix(".png").stat().st_size > 1000
@@ -571,6 +572,22 @@ def test_a_cells_figures_count_tree_steps_apart_and_say_how_many_requests_they_r
     assert stats["tpot_samples"] == 2 and abs(stats["p50_tpot_ms"] - 150.0) < 1e-9 and abs(stats["p99_tpot_ms"] - 200.0) < 1e-9
     cut = _Trace(start=0.0, first=0.1, last=0.5, tokens=3, acceptance=[2])   # cancelled: no usage came
     assert _cell_stats([cut], wall=0.5, timed_out=True)["tree_step_acceptance"] is None
+
+
+def test_the_full_batch_rate_counts_tokens_up_to_the_first_requests_end() -> None:
+    """A burst that runs down: request a ends at 1 s, b streams on to 3 s. Up to 1 s both ran, a's
+    10 tokens and b's 4 (its arrival at 1.5 s is past the window): 14 tokens in 1 s, where the
+    cell's aggregate is 20 in 3 s. A request that delivered nothing leaves no such window."""
+    from bench.matrix import _cell_stats, _Trace, full_batch
+
+    a = _Trace(start=0.0, first=0.2, last=1.0, tokens=10, arrivals=[(0.2, 2), (0.6, 6), (1.0, 10)], done=True)
+    b = _Trace(start=0.0, first=0.4, last=3.0, tokens=10, arrivals=[(0.4, 1), (0.9, 4), (1.5, 7), (3.0, 10)], done=True)
+    stats = _cell_stats([a, b], wall=3.0, timed_out=False)
+    assert stats["full_batch_tok_s"] == 14.0 and stats["full_batch_s"] == 1.0
+    assert stats["agg_tok_s"] == 20 / 3
+    assert full_batch([a]) == (10.0, 1.0)   # one request: its own rate
+    assert full_batch([a, _Trace(start=0.0)]) == (None, None)
+    assert full_batch([]) == (None, None)
 
 
 def test_p99_tpot_is_the_nearest_rank_and_a_split_without_its_first_page_is_none(monkeypatch) -> None:
