@@ -134,9 +134,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return 2
     if not drafter.startswith("oracle:"):   # a pair that does not fit, before the verifier loads for minutes
         from services.common.checkpoint import CheckpointError
-        from services.draft.config import check_pairing
+        from services.draft.dflash import check_drafter_checkpoint
         try:
-            check_pairing(Path(drafter), model)
+            check_drafter_checkpoint(Path(drafter), model)
         except CheckpointError as exc:
             print(f"ddtree up: {exc}", file=sys.stderr)
             return 2

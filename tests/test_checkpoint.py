@@ -179,6 +179,67 @@ def test_wrong_shape_names_file_and_tensor(target_dir: Path) -> None:
         ReferenceModel.load(target_dir)
 
 
+def test_one_verifier_checks_every_header_before_it_reads_a_tensor(tmp_path: Path, target_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """With tp = 1 the loader read every tensor, then checked them: a tensor of another shape in the
+    last shard was found after all the others had been read. It reads as one rank of one now, as
+    the ranks of a group do. A dtype torch has no name for is named as the file holds it."""
+    from services.common import checkpoint
+    from services.verifier import parallel
+
+    shard_dir = tmp_path / "sharded"
+    tensors = load_tensors(target_dir)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1]
+    save_tensors(shard_dir, tensors, max_shard_bytes=64 * 1024)
+    (shard_dir / "config.json").write_text((target_dir / "config.json").read_text())
+    reads: list[str] = []
+
+    class Slice:
+        def __init__(self, part, name: str) -> None:
+            self.part, self.name = part, name
+
+        def get_shape(self):
+            return self.part.get_shape()
+
+        def get_dtype(self):
+            return self.part.get_dtype()
+
+        def __getitem__(self, index):
+            reads.append(self.name)
+            return self.part[index]
+
+    class File:
+        def __init__(self, path: Path) -> None:
+            self.f = opened(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_slice(self, name: str) -> Slice:
+            return Slice(self.f.get_slice(name), name)
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            reads.append(name)
+            return self.f.get_tensor(name)
+
+    opened = checkpoint.open_safetensors
+    for module in (checkpoint, parallel):
+        monkeypatch.setattr(module, "open_safetensors", File)
+    with pytest.raises(CheckpointError, match=r"tensor model\.norm\.weight has shape \(63,\), config implies \(64,\)"):
+        TargetModel.load(shard_dir)
+    assert reads == []
+    _rewrite_tensors(target_dir, lambda t: t.__setitem__("lm_head.weight", t["lm_head.weight"].view(torch.uint16)))
+    for size in (1, 2):
+        with pytest.raises(CheckpointError, match=r"tensor lm_head\.weight is U16; expected float32 or bfloat16"):
+            _rank_slice(target_dir, size=size)
+
+
 def test_packed_weight_must_be_int32(target_dir: Path) -> None:
     name = "model.layers.1.mlp.experts.3.up_proj.weight_packed"
     _rewrite_tensors(target_dir, lambda t: t.__setitem__(name, t[name].to(torch.int64)))

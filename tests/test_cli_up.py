@@ -628,6 +628,7 @@ def test_up_refuses_a_drafter_that_does_not_fit_its_target_before_anything_start
     large model)."""
     import json
 
+    from services.common.checkpoint import load_tensors, save_tensors
     from services.common.make_checkpoint import make_random_checkpoint
 
     ckpt = make_random_checkpoint(tmp_path / "ckpt", vocab_size=512, seed=0)
@@ -639,6 +640,15 @@ def test_up_refuses_a_drafter_that_does_not_fit_its_target_before_anything_start
     assert out.returncode == 2, out.stderr[-2000:]
     assert "field 'hidden_size'" in out.stderr and "does not match the target's" in out.stderr
     assert "service=verifier" not in out.stdout + out.stderr and time.monotonic() - t0 < 30   # nothing started
+    # A tensor of another shape, its config fitting: found from the file's header, before anything starts.
+    config["hidden_size"] //= 2
+    (ckpt / "drafter" / "config.json").write_text(json.dumps(config))
+    tensors = load_tensors(ckpt / "drafter")
+    tensors["norm.weight"] = tensors["norm.weight"][:-1]
+    save_tensors(ckpt / "drafter", tensors)
+    out = _up("--model", str(ckpt), "--port", "0", timeout=60)
+    assert out.returncode == 2 and "drafter weights: tensor 'norm.weight' has shape" in out.stderr, out.stderr[-2000:]
+    assert "service=verifier" not in out.stdout + out.stderr
 
 
 def test_bench_records_what_served_the_run_not_this_machine(monkeypatch, capsys, tmp_path) -> None:

@@ -4,8 +4,9 @@ and the demo tokenizer trainer."""
 from __future__ import annotations
 
 import json
-import shutil
 import math
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from safetensors.torch import save_file
 from services.common.checkpoint import CheckpointError, load_tensors
 from services.common.tokenizer_train import default_corpus_files, train_tokenizer
 from services.draft.config import check_pairing
-from services.draft.dflash import DFlashDrafter, _Rope
+from services.draft.dflash import DFlashDrafter, _Rope, check_drafter_checkpoint
 from services.draft.make_drafter import write_random_drafter
 from services.draft.propose_graphs import COMMIT_BUCKETS, context_buckets
 from services.draft.proposer import DFlashProposer, load_proposer
@@ -249,9 +250,47 @@ def test_every_stored_drafter_tensor_is_read_and_a_float(tmp_path: Path, pair: t
         save_tensors(d, weights)
         if needle is None:
             DFlashDrafter.load(d, target_dir)
+            check_drafter_checkpoint(d, target_dir)
         else:
             with pytest.raises(CheckpointError, match=needle):
                 DFlashDrafter.load(d, target_dir)
+            with pytest.raises(CheckpointError, match=needle):   # from the headers alone, as a launcher checks
+                check_drafter_checkpoint(d, target_dir)
+
+
+def test_a_drafter_that_does_not_fit_is_refused_from_its_headers_before_any_service_starts(
+        tmp_path: Path, pair: tuple[Path, Path]) -> None:
+    """A drafter tensor missing, of another shape or in a shard that is missing was found only when
+    the draft loaded it, which `ddtree up` starts after the verifier has loaded and warmed up
+    (minutes on a large target). The files' headers say it before anything starts."""
+    from services.common.checkpoint import save_tensors
+    from services.common.launcher import _check_before_start
+    from services.common.settings import DraftSettings, SettingsError
+    drafter_dir, target_dir = pair
+    base = load_tensors(drafter_dir)
+    for name, change, needle in (
+            ("shape", lambda w: w.update({"fc.weight": w["fc.weight"][:, :-1]}), r"tensor 'fc\.weight' has shape .*, expected"),
+            ("missing", lambda w: w.pop("norm.weight"), r"missing tensor 'norm\.weight'"),
+            ("prefixed", lambda w: w.update({f"model.{k}": w.pop(k) for k in list(w)}), None)):
+        d = tmp_path / name
+        shutil.copytree(drafter_dir, d)
+        weights = dict(base)
+        change(weights)
+        save_tensors(d, weights)
+        settings = DraftSettings(drafter_path=str(d), target_path=str(target_dir), metrics_port=0)
+        if needle is None:
+            assert check_drafter_checkpoint(d, target_dir).hidden_size == HIDDEN
+            _check_before_start("draft", settings)
+        else:
+            with pytest.raises(SettingsError, match=rf"^draft\.drafter_path: {re.escape(str(d))}: drafter weights: {needle}"):
+                _check_before_start("draft", settings)
+    shards = tmp_path / "shards"
+    save_tensors(shards, base, max_shard_bytes=4096)
+    shutil.copy(drafter_dir / "config.json", shards / "config.json")
+    check_drafter_checkpoint(shards, target_dir)
+    next(shards.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(CheckpointError, match=r"shard file model-00002-of-\d+\.safetensors .* is missing"):
+        check_drafter_checkpoint(shards, target_dir)
 
 
 def test_block_size_inside_dflash_config(tmp_path: Path, pair: tuple[Path, Path]) -> None:

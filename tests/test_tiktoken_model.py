@@ -203,6 +203,18 @@ def test_the_scheduler_reads_a_kimi_model_directory(tmp_path) -> None:
     assert want[0] == len(ranks)
 
 
+def test_the_scheduler_reads_a_tiktoken_file_given_by_itself(tmp_path) -> None:
+    """`scheduler.tokenizer_path` = the tiktoken.model file was read as a tokenizer.json ("is not a
+    tokenizer: expected value at line 1 column 1"); it converts as its directory does, also where a
+    tokenizer.json lies beside it (the file asked for is the one read)."""
+    model, ranks = kimi_dir(tmp_path)
+    whole = load_tokenizer(str(model)).get_vocab(with_added_tokens=True)
+    assert load_tokenizer(str(model / "tiktoken.model")).get_vocab(with_added_tokens=True) == whole
+    (model / "tokenizer.json").write_text(Path("models/demo/tokenizer.json").read_text())
+    assert load_tokenizer(str(model / "tiktoken.model")).get_vocab(with_added_tokens=True) == whole
+    assert load_tokenizer(str(model)).get_vocab_size() != len(whole)   # the directory's tokenizer.json
+
+
 def test_a_broken_tiktoken_model_fails_start_up_by_name(tmp_path) -> None:
     (tmp_path / "tiktoken.model").write_text("YQ== 0\n")
     with pytest.raises(SettingsError, match=r"scheduler.tokenizer_path: .*tiktoken.model: .*255 single bytes"):

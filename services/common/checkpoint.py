@@ -37,6 +37,8 @@ __all__ = [
     "weight_prefix",
     "with_rope_parameters",
     "tensor_index",
+    "header_dtype",
+    "stored_tensors",
     "load_tensors",
     "shared_weights_digest",
     "save_tensors",
@@ -126,6 +128,43 @@ def shared_weights_digest(path: Path) -> str:
         digest.update(head.view(-1).view(torch.uint8).numpy().tobytes())
         found = True
     return digest.hexdigest()[:16] if found else ""
+
+
+# safetensors' header dtypes as torch's
+_HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                  "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                  "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def header_dtype(name: str) -> torch.dtype | str:
+    """A safetensors header's dtype as torch's, or its own name where this table has none (the
+    message then names what the file holds, not "another dtype")."""
+    return _HEADER_DTYPES.get(name, name)
+
+
+def stored_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype | str]]:
+    """Every tensor's (shape, dtype) from the files' headers alone: what a check before loading
+    reads (a drafter's weights were checked only once the service loaded them, after the verifier
+    had loaded and warmed up). A shard missing, or a tensor its index lists and its file lacks,
+    is a ``CheckpointError``."""
+    path = Path(path)
+    index, stored = _index_and_prefix(path)
+    by_file: dict[str, list[str]] = {}
+    for name, file_name in index.items():
+        by_file.setdefault(file_name, []).append(name)
+    out: dict[str, tuple[tuple[int, ...], torch.dtype | str]] = {}
+    for file_name, names in by_file.items():
+        file_path = path / file_name
+        if not file_path.is_file():
+            raise CheckpointError(f"{path}: shard file {file_name} (listed in {INDEX_FILE}) is missing")
+        with open_safetensors(file_path) as f:
+            present = set(f.keys())
+            for name in names:
+                if stored + name not in present:
+                    raise CheckpointError(f"{file_path}: missing tensor {stored + name} (listed in {INDEX_FILE})")
+                part = f.get_slice(stored + name)
+                out[name] = (tuple(part.get_shape()), header_dtype(part.get_dtype()))
+    return out
 
 
 def load_tensors(

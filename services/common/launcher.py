@@ -177,13 +177,22 @@ def _draft_name(i: int, replicas: int) -> str:
 def _check_before_start(role: str, settings) -> None:
     """What a service would fail on only once it starts, checked before any starts: the scheduler
     starts last, after minutes of weight loading on a large model, and a TLS file it cannot use, a
-    tokenizer file that does not parse or a metrics port in use then failed the whole start-up.
+    tokenizer file that does not parse or a metrics port in use then failed the whole start-up; the
+    drafts start after the verifier, and a drafter that does not fit its target (configs, tensor
+    names, shapes, dtypes) failed only once the verifier had loaded and warmed up.
     ``SettingsError`` names the setting."""
     if role == "scheduler" and settings.tls_cert:
         server_credentials(settings.tls_cert, settings.tls_key)
     if role == "scheduler" and settings.tokenizer_path:   # a file that is no tokenizer, found before the loading
         from services.scheduler.server import load_tokenizer
         load_tokenizer(settings.tokenizer_path)
+    if role == "draft" and not settings.drafter_path.startswith("oracle:"):   # the draft starts after the verifier
+        from services.common.checkpoint import CheckpointError
+        from services.draft.dflash import check_drafter_checkpoint
+        try:
+            check_drafter_checkpoint(Path(settings.drafter_path), Path(settings.target_path))
+        except CheckpointError as exc:
+            raise SettingsError(f"draft.drafter_path: {exc}") from None
     check_port_free(settings.host, settings.metrics_port, f"{role}.metrics_port")
 
 

@@ -11,6 +11,7 @@ the next step's block is different.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +20,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.rms_norm import rms_norm  # Qwen3's RMSNorm is DeepSeek's: one Triton launch on CUDA
-from services.common.checkpoint import CheckpointError, load_tensors, read_config
+from services.common.checkpoint import CheckpointError, load_tensors, read_config, stored_tensors
 from services.draft.config import DraftConfig, check_pairing
 from services.draft.propose_graphs import ProposeGraphs
+
+T = TypeVar("T")
 
 _MIN_CAPACITY = 64
 CONTEXT_BUCKET = 64   # propose pads context keys to a multiple of this (see DFlashDrafter.propose)
@@ -119,13 +122,68 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 _SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
+_LAYER_TENSORS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                  "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj",
+                  "mlp.up_proj", "mlp.down_proj")
 
 
-def _strip_prefix(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+def _strip_prefix(weights: dict[str, T]) -> dict[str, T]:
     """Accept checkpoints saved with a leading 'model.' on every name."""
     if weights and all(k.startswith("model.") for k in weights):
         return {k[len("model.") :]: v for k, v in weights.items()}
     return weights
+
+
+def drafter_shapes(c: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a drafter of ``c`` stores and reads (the target's embedding and lm_head aside), by shape."""
+    h, q_out, kv_out = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = dict(zip(_LAYER_TENSORS, [(h,), (h,), (q_out, h), (kv_out, h), (kv_out, h), (h, q_out), (c.head_dim,),
+                                      (c.head_dim,), (c.intermediate_size, h), (c.intermediate_size, h),
+                                      (h, c.intermediate_size)]))
+    shapes = {"fc.weight": (h, c.num_features), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for i in range(c.num_hidden_layers):
+        shapes.update({f"layers.{i}.{name}.weight": shape for name, shape in layer.items()})
+    return shapes
+
+
+def check_drafter_tensors(c: DraftConfig, stored: dict[str, tuple[tuple[int, ...], torch.dtype | str]]) -> None:
+    """CheckpointError for a tensor missing, of another shape, of a dtype the drafter does not
+    load, or one it would leave unread. ``stored``: each tensor's (shape, dtype), read from the
+    tensors or from the files' headers alone (``check_drafter_checkpoint``)."""
+    stored = _strip_prefix(dict(stored))
+    shapes = drafter_shapes(c)
+    for name, shape in shapes.items():
+        if name not in stored:
+            raise CheckpointError(f"drafter weights: missing tensor '{name}'")
+        got, dtype = stored[name]
+        if tuple(got) != shape:
+            raise CheckpointError(f"drafter weights: tensor '{name}' has shape {tuple(got)}, expected {shape}")
+        # an FP8 one's scale would be dropped
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+            raise CheckpointError(f"drafter weights: tensor '{name}' is {str(dtype).removeprefix('torch.')}; the "
+                                  "drafter loads float32 / bfloat16 / float16 weights")
+    # Every stored tensor is read: layers past num_hidden_layers, q/k/v biases, an FP8 scale
+    # loaded as nothing and drafted garbage. The drafter's copies of the target's embedding and
+    # output projection are not read: the target's own are (DFlash shares them).
+    unread = sorted(n for n in stored if n not in shapes and n not in _SHARED_WITH_TARGET
+                    and not f".{n}".endswith(".rotary_emb.inv_freq"))
+    if unread:
+        more = f" (+{len(unread) - 1} more)" if len(unread) > 1 else ""
+        raise CheckpointError(f"drafter weights: tensor '{unread[0]}'{more} is not one its config.json implies "
+                              f"(num_hidden_layers {c.num_hidden_layers}; no attention biases), and would be "
+                              "left unread")
+
+
+def check_drafter_checkpoint(drafter_dir: Path, target_dir: Path) -> DraftConfig:
+    """The drafter's pairing with its target and its tensors, from configs and headers alone: what
+    a launcher checks before any service starts (the draft starts after the verifier, which on a
+    large target loads and warms up for minutes first). Returns the drafter's config."""
+    config = check_pairing(Path(drafter_dir), Path(target_dir))
+    try:
+        check_drafter_tensors(config, stored_tensors(drafter_dir))
+    except CheckpointError as e:
+        raise CheckpointError(f"{drafter_dir}: {e}") from e
+    return config
 
 
 class DFlashDrafter:
@@ -142,62 +200,23 @@ class DFlashDrafter:
     ) -> None:
         self.config = config
         weights = _strip_prefix(dict(weights))
+        check_drafter_tensors(config, {name: (tuple(t.shape), t.dtype) for name, t in weights.items()})
         if dtype is None:
-            dtype = weights["fc.weight"].dtype if "fc.weight" in weights else torch.float32
+            dtype = weights["fc.weight"].dtype
         device = torch.device(device) if device is not None else embed_weight.device
         self.dtype = dtype
         self.device = device
         c = config
-        q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
 
-        taken: set[str] = set()
-
-        def take(name: str, shape: tuple[int, ...]) -> Tensor:
-            t = weights.get(name)
-            if t is None:
-                raise CheckpointError(f"drafter weights: missing tensor '{name}'")
-            if tuple(t.shape) != shape:
-                raise CheckpointError(
-                    f"drafter weights: tensor '{name}' has shape {tuple(t.shape)}, expected {shape}"
-                )
-            if not t.is_floating_point() or t.element_size() < 2:   # an FP8 one's scale would be dropped
-                raise CheckpointError(f"drafter weights: tensor '{name}' is {t.dtype}; the drafter loads "
-                                      "float32 / bfloat16 / float16 weights")
-            taken.add(name)
-            return t.to(device=device, dtype=dtype)
+        def take(name: str) -> Tensor:
+            return weights[name].to(device=device, dtype=dtype)
 
         h = c.hidden_size
-        self.fc = take("fc.weight", (h, c.num_features))  # [hidden, n_feat*hidden]
-        self.hidden_norm = take("hidden_norm.weight", (h,))  # [hidden]
-        self.norm = take("norm.weight", (h,))  # [hidden]
-        self.layers: list[_Layer] = []
-        for i in range(c.num_hidden_layers):
-            p = f"layers.{i}."
-            self.layers.append(
-                _Layer(
-                    input_layernorm=take(p + "input_layernorm.weight", (h,)),
-                    post_attention_layernorm=take(p + "post_attention_layernorm.weight", (h,)),
-                    q_proj=take(p + "self_attn.q_proj.weight", (q_out, h)),
-                    k_proj=take(p + "self_attn.k_proj.weight", (kv_out, h)),
-                    v_proj=take(p + "self_attn.v_proj.weight", (kv_out, h)),
-                    o_proj=take(p + "self_attn.o_proj.weight", (h, q_out)),
-                    q_norm=take(p + "self_attn.q_norm.weight", (c.head_dim,)),
-                    k_norm=take(p + "self_attn.k_norm.weight", (c.head_dim,)),
-                    gate_proj=take(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
-                    up_proj=take(p + "mlp.up_proj.weight", (c.intermediate_size, h)),
-                    down_proj=take(p + "mlp.down_proj.weight", (h, c.intermediate_size)),
-                )
-            )
-        # Every stored tensor is read: layers past num_hidden_layers, q/k/v biases, an FP8 scale
-        # loaded as nothing and drafted garbage. The drafter's copies of the target's embedding and
-        # output projection are not read: the target's own are (DFlash shares them).
-        unread = sorted(n for n in weights if n not in taken and n not in _SHARED_WITH_TARGET
-                        and not f".{n}".endswith(".rotary_emb.inv_freq"))
-        if unread:
-            more = f" (+{len(unread) - 1} more)" if len(unread) > 1 else ""
-            raise CheckpointError(f"drafter weights: tensor '{unread[0]}'{more} is not one its config.json implies "
-                                  f"(num_hidden_layers {c.num_hidden_layers}; no attention biases), and would be "
-                                  "left unread")
+        self.fc = take("fc.weight")  # [hidden, n_feat*hidden]
+        self.hidden_norm = take("hidden_norm.weight")  # [hidden]
+        self.norm = take("norm.weight")  # [hidden]
+        self.layers = [_Layer(**{name.rsplit(".", 1)[-1]: take(f"layers.{i}.{name}.weight") for name in _LAYER_TENSORS})
+                       for i in range(c.num_hidden_layers)]
         for name, t in (("embed_tokens", embed_weight), ("lm_head", lm_head_weight)):
             if tuple(t.shape) != (c.vocab_size, h):
                 raise CheckpointError(

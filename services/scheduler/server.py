@@ -239,14 +239,18 @@ def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
 
 
 def load_tokenizer(path: str) -> Tokenizer | None:
-    """`path` is a tokenizer.json, or a model directory holding one or Kimi-K2's tiktoken.model
-    (converted here, about 2 s at its 164K tokens); "" serves token-id prompts only (None). A path
-    with no tokenizer fails start-up: before, it was taken silently, and every text prompt then
-    failed with a message that did not name the setting."""
+    """`path` is a tokenizer.json, Kimi-K2's tiktoken.model (converted here, about 2 s at its 164K
+    tokens, with the files beside it), or a model directory holding either; "" serves token-id
+    prompts only (None). A path with no tokenizer fails start-up: before, it was taken silently,
+    and every text prompt then failed with a message that did not name the setting."""
     if not path:
         return None
     p = Path(path)
-    if p.is_dir() and not (p / "tokenizer.json").is_file() and (p / TIKTOKEN_FILE).is_file():
+    # The tiktoken file itself (it was read as a tokenizer.json, "expected value at line 1") is
+    # converted as its directory's: with the files beside it that name its special tokens.
+    given_tiktoken = p.name == TIKTOKEN_FILE and p.is_file()
+    p = p.parent if given_tiktoken else p
+    if given_tiktoken or (p.is_dir() and not (p / "tokenizer.json").is_file() and (p / TIKTOKEN_FILE).is_file()):
         started = time.perf_counter()
         try:
             tokenizer = kimi_tokenizer(p)

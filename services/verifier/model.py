@@ -20,7 +20,7 @@ from kernels.mla_norm_rope import fusable as mla_fusable, mla_norm_rope
 from kernels.rms_norm import add_rms_norm, rms_norm  # one Triton launch on CUDA, torch elsewhere
 from kernels.skinny_gemm import skinny_linear  # x @ w^T: one Triton launch for a few rows on CUDA, torch elsewhere
 from kernels.tree_mla import TreeAttentionDeviceMetadata, TreeAttentionMetadata, tree_mla
-from services.common.checkpoint import CheckpointError, load_tensors, tensor_index
+from services.common.checkpoint import CheckpointError, tensor_index
 from services.verifier.config import TargetConfig, read_target_config
 from services.verifier.kv_cache import PagedKVCache
 from services.verifier.moe import MLPWeights, MoEWeights, fused_config, mlp_forward, moe_forward, uses_fused_kernel
@@ -105,13 +105,14 @@ _DTYPES = {"weight_packed": (torch.int32,), "weight_shape": (torch.int32, torch.
 _UNSUPPORTED_SUFFIXES = (".weight_g_idx", ".weight_zero_point")
 
 
-def dtype_error(name: str, dtype: torch.dtype | None, where: str) -> CheckpointError | None:
-    """Why ``name`` cannot be stored as ``dtype`` (None: a dtype torch does not know), or None."""
+def dtype_error(name: str, dtype: torch.dtype | str, where: str) -> CheckpointError | None:
+    """Why ``name`` cannot be stored as ``dtype`` (a str: a safetensors header's name torch has no
+    dtype for), or None."""
     allowed = _DTYPES.get(name.rsplit(".", 1)[-1], _FLOATS)
     if dtype in allowed:
         return None
     names = " or ".join(str(d).removeprefix("torch.") for d in allowed)
-    got = str(dtype).removeprefix("torch.") if dtype is not None else "of another dtype"
+    got = str(dtype).removeprefix("torch.")
     return CheckpointError(f"{where}: tensor {name} is {got}; expected {names}")
 
 
@@ -215,13 +216,15 @@ def int4_dense_shape(name: str, config: TargetConfig) -> tuple[int, int]:
 
 
 def load_checkpoint(path: Path) -> tuple[TargetConfig, dict[str, Tensor]]:
-    """Read and validate config + the tensors the config needs (extra tensors, e.g. MTP, are skipped)."""
+    """Read and validate config + the tensors the config needs (extra tensors, e.g. MTP, are skipped).
+    Read as one rank of one: every header is checked before any data is read, as the ranks of a
+    group check theirs (a last shard missing was found only after all the others had been read)."""
+    from services.verifier.parallel import load_rank_slice
+
     path = Path(path)
     config = read_target_config(path)
     index = tensor_index(path)
-    expected = expected_tensors(config)
-    check_tensor_names(config, expected, index, str(path))
-    weights = load_tensors(path, names=list(expected))
+    weights = load_rank_slice(path, config, expected_tensors(config), rank=0, size=1)
     validate_weights(config, weights, where=lambda name: str(path / index.get(name, "?")))
     return config, weights
 

@@ -27,7 +27,8 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from services.common.checkpoint import INDEX_FILE, CheckpointError, open_safetensors, tensor_index, weight_prefix
+from services.common.checkpoint import (INDEX_FILE, CheckpointError, header_dtype, open_safetensors, tensor_index,
+                                        weight_prefix)
 from services.common.grpc_server import ServiceError
 from services.verifier.config import TargetConfig
 
@@ -72,12 +73,6 @@ def split_rule(name: str, config: TargetConfig, shape: tuple[int, ...]) -> _Rule
     return _Rule(1, 1, shape[1])  # weight_scale [hidden, I/group]
 
 
-# safetensors' header dtypes as torch's (what a rank checks before it reads any data)
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I32": torch.int32,
-                       "I64": torch.int64, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool, "F64": torch.float64}
-
-
 def load_rank_slice(path: Path, config: TargetConfig, expected: dict[str, tuple[int, ...]], rank: int,
                     size: int) -> dict[str, torch.Tensor]:
     """Reads only this rank's slice of each expected tensor (safetensors slices are mmap reads).
@@ -110,7 +105,7 @@ def load_rank_slice(path: Path, config: TargetConfig, expected: dict[str, tuple[
             shape = tuple(sl.get_shape())
             if shape != tuple(want):
                 raise CheckpointError(f"{path / file_name}: tensor {name} has shape {shape}, config implies {tuple(want)}")
-            if (bad := dtype_error(name, _SAFETENSORS_DTYPES.get(sl.get_dtype()), str(path / file_name))) is not None:
+            if (bad := dtype_error(name, header_dtype(sl.get_dtype()), str(path / file_name))) is not None:
                 raise bad
             rule = split_rule(name, config, shape)
             if rule is not None and size > 1 and rule.count % size:
