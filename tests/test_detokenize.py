@@ -14,7 +14,7 @@ from services.common.settings import SchedulerSettings
 from services.scheduler.client import build_request
 from services.scheduler.detokenize import IncrementalDetokenizer
 from services.scheduler.request import ActiveRequest, validate
-from services.scheduler.tiktoken_model import bytes_to_unicode
+from services.common.tiktoken_model import bytes_to_unicode
 from tests.test_request_rules import LIMITS, TOKENIZER, _byte_token, _request, _steps
 
 TEXTS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",

@@ -18,7 +18,7 @@ import tiktoken
 
 from services.common.launcher import Stack, StackSpec
 from services.scheduler.client import Client
-from services.scheduler.tiktoken_model import KIMI_PATTERN
+from services.common.tiktoken_model import KIMI_PATTERN
 from tests.test_checkpoint import wrap_as_kimi_k25
 from tests.test_tiktoken_model import demo_ranks, write_ranks
 

@@ -17,7 +17,7 @@ from services.scheduler.request import (MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS, MA
                                         ActiveRequest, Limits,
                                         encode_prompt, kv_reservation, max_token_bytes, validate)
 from services.scheduler.router import limits_from_info
-from services.scheduler.server import load_tokenizer
+from services.common.tokenizer_files import load_tokenizer
 
 TOKENIZER = load_tokenizer("models/demo")
 LIMITS = Limits(vocab_size=TOKENIZER.get_vocab_size(), max_context=2048, block_size=16, eos_token_ids=(0,),

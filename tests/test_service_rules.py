@@ -218,7 +218,8 @@ def test_a_text_request_that_finished_leaves_its_id_free_and_nothing_for_the_dra
     stop of the scheduler waited out its whole grace period for a tokenizing long done."""
     from services.scheduler.batcher import KvBudget
     from services.scheduler.router import Router
-    from services.scheduler.server import SchedulerServicer, load_tokenizer
+    from services.common.tokenizer_files import load_tokenizer
+    from services.scheduler.server import SchedulerServicer
     from tests.test_batcher import SlowDraft, generate
 
     async def run(servicer, req) -> list:
@@ -379,7 +380,8 @@ class _GatedEncoder:
 
 def _text_servicer(draft, encoder):
     """``scheduler``'s servicer, router and lane, the servicer taking text prompts through ``encoder``."""
-    from services.scheduler.server import SchedulerServicer, load_tokenizer
+    from services.common.tokenizer_files import load_tokenizer
+    from services.scheduler.server import SchedulerServicer
 
     servicer, router, lane = scheduler(draft)
     tokenizer = load_tokenizer("models/demo")

@@ -54,12 +54,16 @@ async def _run_all(address: str, prompts: list, **kwargs) -> list:
         return await asyncio.gather(*(client.generate(p, **kwargs) for p in prompts))
 
 
-def test_stack_uses_shared_memory_transport(stack):
+def test_stack_uses_shared_memory_transport(stack, ckpt):
+    from services.common.tokenizer_files import load_tokenizer, vocab_digest
+
     with Client(stack.scheduler_address) as c:
         info = c.model_info()
     assert info.transport == "shm"
     assert info.block_size == 16 and info.max_context == 256
     assert list(info.eos_token_ids) == [info.eos_token_id] == [0]   # the demo's "<|eos|>", verifier to client
+    # the draft's target tokenizer, which the scheduler checked its own against at its start
+    assert info.tokenizer_digest == vocab_digest(load_tokenizer(str(ckpt)))
 
 
 def test_greedy_ddtree_equals_autoregressive_every_budget(stack, refs):

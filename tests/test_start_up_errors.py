@@ -7,6 +7,7 @@ import asyncio
 import errno
 import socket
 import subprocess
+from pathlib import Path
 
 import grpc
 import pytest
@@ -17,7 +18,7 @@ from services.common.launcher import free_port
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import SchedulerSettings, SettingsError
 from services.scheduler.router import Router
-from services.scheduler.server import load_tokenizer
+from services.common.tokenizer_files import load_tokenizer
 
 
 def test_a_port_in_use_is_refused_not_shared() -> None:
@@ -499,7 +500,6 @@ def test_the_kernels_read_ddtree_pdl_at_import_and_a_refused_word_keeps_the_defa
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     script = ("import importlib, os\nfrom kernels import pdl\n"
               "for word in ('0', 'false', '1', '', 'disabled'):\n"
@@ -537,6 +537,59 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_fails_the_start(monkeypat
                                             "the model's vocabulary of 512"):
         asyncio.run(server.serve(settings))
     assert stopped == [1]
+
+
+def test_a_tokenizer_of_another_vocabulary_than_the_drafts_target_fails_the_start(tmp_path, monkeypatch) -> None:
+    """compose's `scheduler.tokenizer_path` left at the demo's while the other paths moved to another
+    model served every text prompt as other tokens, without a word: the drafts now tell the digest
+    of their target's tokenizer, and another vocabulary fails the start (the same one, re-saved
+    elsewhere, does not)."""
+    from tokenizers import Tokenizer
+
+    from ddtree.v1 import common_pb2
+    from services.common.make_checkpoint import make_random_checkpoint
+    from services.common.tokenizer_files import load_tokenizer, model_tokenizer_digest, vocab_digest
+    from services.scheduler import server
+    from services.scheduler.router import limits_from_info
+
+    other = make_random_checkpoint(tmp_path / "other", vocab_size=8192, seed=1)
+    digest = [model_tokenizer_digest(str(other), "draft.target_path")]
+    stopped = []
+
+    class Router:
+        def __init__(self, settings, metrics, internal_token) -> None:
+            self.limits = None
+
+        async def start(self, wait_s):
+            info = common_pb2.ModelInfo(vocab_size=8192, max_context=1024, block_size=16, tokenizer_digest=digest[0])
+            self.limits = limits_from_info(info)
+            return info
+
+        async def stop(self) -> None:
+            stopped.append(1)
+
+    class Started(Exception):
+        pass
+
+    def servicer(*args):   # past every start-up check
+        raise Started
+    monkeypatch.setattr(server, "Router", Router)
+    monkeypatch.setattr(server, "SchedulerServicer", servicer)
+    monkeypatch.setattr(server, "configure_logging", lambda *a: None)
+    with pytest.raises(SettingsError, match="scheduler.tokenizer_path: models/demo is not the tokenizer of the model "
+                                            "the drafts serve"):
+        asyncio.run(server.serve(SchedulerSettings(port=0, metrics_port=0, tokenizer_path="models/demo")))
+    assert stopped == [1]
+    Tokenizer.from_file("models/demo/tokenizer.json").save(str(tmp_path / "resaved.json"), pretty=False)
+    assert (tmp_path / "resaved.json").read_bytes() != Path("models/demo/tokenizer.json").read_bytes()
+    digest[0] = vocab_digest(load_tokenizer("models/demo"))
+    for path in ("models/demo", str(tmp_path / "resaved.json")):
+        with pytest.raises(Started):
+            asyncio.run(server.serve(SchedulerSettings(port=0, metrics_port=0, tokenizer_path=path)))
+    digest[0] = ""   # a target directory without a tokenizer: nothing to compare
+    with pytest.raises(Started):
+        asyncio.run(server.serve(SchedulerSettings(port=0, metrics_port=0, tokenizer_path="models/demo")))
+    assert model_tokenizer_digest(str(tmp_path), "draft.target_path") == ""
 
 
 def test_a_step_whose_reply_cannot_fit_grpcs_message_fails_the_start_and_a_long_prefill_is_capped(monkeypatch) -> None:

@@ -15,8 +15,8 @@ import tiktoken
 from tokenizers import Regex, pre_tokenizers
 
 from services.common.settings import SettingsError
-from services.scheduler.server import load_tokenizer
-from services.scheduler.tiktoken_model import (KIMI_PATTERN, bytes_to_unicode, read_ranks, special_tokens,
+from services.common.tokenizer_files import load_tokenizer
+from services.common.tiktoken_model import (KIMI_PATTERN, bytes_to_unicode, read_ranks, special_tokens,
                                                tokenizer_from_ranks)
 
 DEMO = Path("models/demo")

@@ -184,7 +184,7 @@ def _check_before_start(role: str, settings) -> None:
     if role == "scheduler" and settings.tls_cert:
         server_credentials(settings.tls_cert, settings.tls_key)
     if role == "scheduler" and settings.tokenizer_path:   # a file that is no tokenizer, found before the loading
-        from services.scheduler.server import load_tokenizer
+        from services.common.tokenizer_files import load_tokenizer
         load_tokenizer(settings.tokenizer_path)
     if role == "draft" and not settings.drafter_path.startswith("oracle:"):   # the draft starts after the verifier
         from services.common.checkpoint import CheckpointError

@@ -84,6 +84,7 @@ class DraftEngine:
         self._release_owed: list[str] = []   # dropped here (a failed commit): released at the verifier next step
         self._ahead: _Ahead | _CommitFailed = {}
         self.max_context = 0
+        self.tokenizer_digest = ""   # the target's tokenizer's (``model_tokenizer_digest``), told to the scheduler
         out = proposer.propose_output   # with propose graphs, the tree builds replay too
         self.tree_graphs = TreeGraphs(out, capture=out.is_cuda) if out is not None else None
 
@@ -117,7 +118,7 @@ class DraftEngine:
             eos_token_ids=hs.eos_token_ids, tp_size=hs.tp_size, kv_capacity_tokens=hs.kv_capacity_tokens,
             kv_page_size=hs.kv_page_size,
             transport=hs.transport, verifier_id=hs.verifier_id, feature_bytes_per_token=hs.feature_bytes_per_token,
-            device=hs.device)
+            device=hs.device, tokenizer_digest=self.tokenizer_digest)
 
     async def step(self, request: draft_pb2.StepRequest, owner: int = 0) -> draft_pb2.StepResponse:
         """One step; ``owner`` names the step stream it came on, whose requests go when it ends

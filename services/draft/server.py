@@ -22,6 +22,7 @@ from services.common.grpc_server import (IdleStreams, ServiceError, check_port_f
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import DraftSettings, SettingsError
+from services.common.tokenizer_files import model_tokenizer_digest
 from services.draft.config import least_context
 from services.draft.engine import DraftEngine
 from services.draft.proposer import Proposer, load_proposer
@@ -124,6 +125,17 @@ def _target_digest(path: str) -> str:
         return ""
 
 
+def _tokenizer_digest(path: str) -> str:
+    """`model_tokenizer_digest` of the target's directory; "" (nothing for the scheduler to compare)
+    where its tokenizer does not load: the draft does not tokenize, and a scheduler that reads it
+    names the fault itself."""
+    try:
+        return model_tokenizer_digest(path, "draft.target_path")
+    except SettingsError as exc:
+        log.warning("target_tokenizer_unread", error=str(exc))
+        return ""
+
+
 def enable_propose_graphs(proposer: Proposer, settings: DraftSettings, device: torch.device) -> None:
     """The context pool and its graphs. A pool too large for the GPU is the settings' fault, said
     as such: a bare OutOfMemoryError traceback left an operator (who raised `graph_context` for
@@ -163,6 +175,7 @@ async def serve(settings: DraftSettings) -> None:
     if device.type == "cuda" and settings.cuda_graphs:
         enable_propose_graphs(proposer, settings, device)
     engine = DraftEngine(proposer, client, metrics)
+    engine.tokenizer_digest = _tokenizer_digest(settings.target_path)
     t0 = time.perf_counter()
     engine.warm_up(settings.warmup_budgets, str(device))
     log.info("draft_warm", budgets=list(settings.warmup_budgets), seconds=round(time.perf_counter() - t0, 2))

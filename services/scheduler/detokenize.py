@@ -26,7 +26,7 @@ import weakref
 
 from tokenizers import Tokenizer, decoders
 
-from services.scheduler.tiktoken_model import bytes_to_unicode
+from services.common.tiktoken_model import bytes_to_unicode
 
 __all__ = ["IncrementalDetokenizer"]
 

@@ -10,14 +10,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 from tokenizers import Tokenizer
 
 from ddtree.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.auth import BearerTokenInterceptor, internal_token, server_credentials
-from services.common.config_files import CheckpointError, refuse_lfs_pointer
 from services.common.grpc_server import (MAX_MESSAGE_BYTES, ServiceError, check_port_free, host_port, is_loopback, listen,
                                          new_server, report_health, serve_until_signal)
 from services.common.logging import OncePer, configure_logging, get_logger
@@ -28,7 +26,7 @@ from services.scheduler.client import REFUSED_METADATA, RETRYABLE_METADATA
 from services.scheduler.request import (ActiveRequest, check_fields, check_request_id, check_text_size,
                                         max_token_bytes, step_prompt_tokens, validate)
 from services.scheduler.router import STOPPING, Router
-from services.scheduler.tiktoken_model import TIKTOKEN_FILE, kimi_tokenizer
+from services.common.tokenizer_files import load_tokenizer, vocab_digest
 from services.scheduler.tokenizing import PromptEncoder
 
 __all__ = ["SchedulerServicer", "load_tokenizer", "serve"]
@@ -238,41 +236,6 @@ def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
     return left is not None and left < DEADLINE_SLACK_S
 
 
-def load_tokenizer(path: str) -> Tokenizer | None:
-    """`path` is a tokenizer.json, Kimi-K2's tiktoken.model (converted here, about 2 s at its 164K
-    tokens, with the files beside it), or a model directory holding either; "" serves token-id
-    prompts only (None). A path with no tokenizer fails start-up: before, it was taken silently,
-    and every text prompt then failed with a message that did not name the setting."""
-    if not path:
-        return None
-    p = Path(path)
-    # The tiktoken file itself (it was read as a tokenizer.json, "expected value at line 1") is
-    # converted as its directory's: with the files beside it that name its special tokens.
-    given_tiktoken = p.name == TIKTOKEN_FILE and p.is_file()
-    p = p.parent if given_tiktoken else p
-    if given_tiktoken or (p.is_dir() and not (p / "tokenizer.json").is_file() and (p / TIKTOKEN_FILE).is_file()):
-        started = time.perf_counter()
-        try:
-            tokenizer = kimi_tokenizer(p)
-        except (ValueError, OSError, KeyError) as exc:
-            raise SettingsError(f"scheduler.tokenizer_path: {p} (tiktoken.model): {exc}") from None
-        log.info("tokenizer_converted", source=str(p / TIKTOKEN_FILE), tokens=tokenizer.get_vocab_size(),
-                 seconds=round(time.perf_counter() - started, 2))
-        return tokenizer
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    if not p.is_file():
-        raise SettingsError(f"scheduler.tokenizer_path: no tokenizer at {p} "
-                            '(set it to "" to serve token-id prompts only)')
-    try:
-        refuse_lfs_pointer(p)
-        return Tokenizer.from_file(str(p))
-    except CheckpointError as exc:
-        raise SettingsError(f"scheduler.tokenizer_path: {exc}") from None
-    except Exception as exc:  # the tokenizers library raises its own exception type
-        raise SettingsError(f"scheduler.tokenizer_path: {p} is not a tokenizer: {exc}") from None
-
-
 async def serve(settings: SchedulerSettings) -> None:
     configure_logging("scheduler", settings.json_logs)
     metrics = Metrics("scheduler")
@@ -301,6 +264,11 @@ async def serve(settings: SchedulerSettings) -> None:
         await router.stop()
         raise SettingsError(f"scheduler.tokenizer_path: {settings.tokenizer_path} holds {words} tokens, more than "
                             f"the model's vocabulary of {info.vocab_size} (another model's tokenizer?)")
+    if tokenizer is not None and info.tokenizer_digest and vocab_digest(tokenizer) != info.tokenizer_digest:
+        await router.stop()   # else every text prompt became another model's tokens, without a word
+        raise SettingsError(f"scheduler.tokenizer_path: {settings.tokenizer_path} is not the tokenizer of the model "
+                            "the drafts serve (the one in their draft.target_path has another vocabulary); point it "
+                            "at that model's directory")
     info.default_budget = settings.default_budget
     info.max_budget = MAX_BUDGET
     log.info("model_info", vocab_size=info.vocab_size, max_context=info.max_context, block_size=info.block_size,

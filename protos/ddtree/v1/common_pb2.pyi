@@ -65,7 +65,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_type", "vocab_size", "max_context", "block_size", "default_budget", "max_budget", "eos_token_id", "tp_size", "kv_capacity_tokens", "kv_page_size", "transport", "verifier_id", "eos_token_ids", "feature_bytes_per_token", "device")
+    __slots__ = ("model_type", "vocab_size", "max_context", "block_size", "default_budget", "max_budget", "eos_token_id", "tp_size", "kv_capacity_tokens", "kv_page_size", "transport", "verifier_id", "eos_token_ids", "feature_bytes_per_token", "device", "tokenizer_digest")
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     model_type: str
     vocab_size: int
     max_context: int
@@ -96,4 +97,5 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     feature_bytes_per_token: int
     device: str
-    def __init__(self, model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., default_budget: _Optional[int] = ..., max_budget: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., tp_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., transport: _Optional[str] = ..., verifier_id: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., feature_bytes_per_token: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    tokenizer_digest: str
+    def __init__(self, model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., default_budget: _Optional[int] = ..., max_budget: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., tp_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., transport: _Optional[str] = ..., verifier_id: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., feature_bytes_per_token: _Optional[int] = ..., device: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ...) -> None: ...
