@@ -649,11 +649,13 @@ def test_an_id_reused_while_its_release_is_in_flight_goes_downstream_under_anoth
 def test_a_lane_follows_its_replicas_verifier_to_that_groups_kv_budget() -> None:
     """A verifier restarts with a new id; its replicas reconnect and stay up. Each lane's KV budget
     follows (a lane that rejoined later would get the new group's, and one group would be admitted
-    against two budgets); a request admitted before gives its KV back where it took it."""
+    against two budgets); a request admitted before gives its KV back where it took it. The model
+    info the scheduler tells is the new group's (it told the start's for good)."""
     from services.scheduler.router import Router
 
     async def scenario():
         router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+        router.info = common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000)
         old = router._budget(common_pb2.ModelInfo(verifier_id="v1", kv_capacity_tokens=10_000))
         lanes = [StepLoop(SchedulerSettings(), f"d{i}", Draft("v1"), Limits(64, 4096, 16, (0,), 10_000), old,
                           router.metrics) for i in range(2)]
@@ -661,9 +663,12 @@ def test_a_lane_follows_its_replicas_verifier_to_that_groups_kv_budget() -> None
         before = request("before", 10, kv=500)
         lanes[0].waiting.append(before)
         lanes[0]._schedule()                      # admitted against v1's budget
+        told = [router.served_info().verifier_id]
         for lane in lanes:
             lane.draft.stub.verifier_id = "v2"    # the verifier restarted
+            lane.draft.stub.capacity = 20_000
         await router._follow_verifiers()
+        told.append((router.served_info().verifier_id, router.served_info().kv_capacity_tokens))
         new = lanes[0].kv
         lanes[0]._finish(before)
         owed = old.reserved                       # until the step that releases it is answered
@@ -673,9 +678,10 @@ def test_a_lane_follows_its_replicas_verifier_to_that_groups_kv_budget() -> None
             if not lanes[0].pending_releases:
                 break
         await lanes[0].stop()
-        return old, new, lanes[1].kv, owed
+        return old, new, lanes[1].kv, owed, told
 
-    old, new, other, owed = asyncio.run(scenario())
+    old, new, other, owed, told = asyncio.run(scenario())
+    assert told == ["v1", ("v2", 20_000)]
     assert new is other and new is not old and new.verifier_id == "v2"
     assert owed == 500 and old.reserved == 0 and new.reserved == 0
 

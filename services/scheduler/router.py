@@ -91,7 +91,8 @@ class Router:
         self._channels: dict[str, grpc.aio.Channel] = {}   # by replica address
         self._budgets: dict[str, KvBudget] = {}
         self._unknown = itertools.count()   # budgets of replicas whose verifier is not known yet
-        self.info: common_pb2.ModelInfo | None = None
+        self.info: common_pb2.ModelInfo | None = None   # the first answer: the model this scheduler serves
+        self._answers: dict[str, common_pb2.ModelInfo] = {}   # each replica's latest answer of that model
         self._watch: asyncio.Task | None = None
         self._follows: set[asyncio.Task] = set()   # `_recover`'s follows of a restarted verifier's group
         self._discovery: asyncio.Task | None = None
@@ -303,6 +304,7 @@ class Router:
             if lane.healthy or lane.running or lane.waiting or len(self.lanes) == 1:
                 continue
             self.lanes.remove(lane)
+            self._answers.pop(lane.address, None)
             await lane.stop()
             channel = self._channels.pop(lane.address, None)
             if channel is not None:
@@ -362,7 +364,17 @@ class Router:
                           action="kept down; lower scheduler.max_batch")
             return None
         self._too_wide.discard(address)
+        self._answers[address] = info
         return info
+
+    def served_info(self) -> common_pb2.ModelInfo:
+        """What `GetModelInfo` tells: the latest answer of the first replica that is up (else the
+        first answer at the start). The start's answer alone was told for good: after a verifier
+        restarted, its `verifier_id`, and whatever the new group runs with (`kv_capacity_tokens`,
+        `device`, `transport`), were the old group's."""
+        assert self.info is not None
+        return next((self._answers[lane.address] for lane in self.lanes
+                     if lane.healthy and lane.address in self._answers), self.info)
 
     def _limits(self, info: common_pb2.ModelInfo | None) -> Limits:
         """A new lane's limits: the first model's, with this replica's own feature width (its

@@ -213,7 +213,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
-        return self.info
+        info = common_pb2.ModelInfo()
+        info.CopyFrom(self.router.served_info())
+        info.default_budget, info.max_budget = self.info.default_budget, self.info.max_budget
+        return info
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError, refused: bool) -> None:
