@@ -444,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics[f"draft-{i}"] = f"127.0.0.1:{port}"
     print(f"soak: starting the stack on {args.model} ({args.device}, {args.dtype})", file=sys.stderr, flush=True)
     with Stack(spec) as stack:
+        metrics = {name: stack.metrics_address(name) for name in metrics}   # as they listen: one may have moved
         result = asyncio.run(run_soak(stack.scheduler_address, p, stream, metrics,
                                       log=lambda m: print(m, file=sys.stderr, flush=True)))
     gpu = "cpu"

@@ -53,6 +53,7 @@ def main() -> None:
     with Stack(StackSpec(model_path=args.model, scheduler_port=0, extra_env=env)) as stack, \
             Client(stack.scheduler_address) as client:
         started_s = time.perf_counter() - t_start
+        ports = {svc: int(stack.metrics_address(svc).rsplit(":", 1)[1]) for svc in ports}   # one may have moved
         for i in range(args.requests):
             before = scrape(ports)
             t0 = time.perf_counter()

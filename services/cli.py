@@ -560,6 +560,9 @@ def _run_bench(args: argparse.Namespace) -> int:
                 print(f"ddtree bench: {exc}", file=sys.stderr)
                 return 1
             params.address = stack.scheduler_address
+            # as the services listen: a metrics port another process took at the start has moved
+            params.draft_metrics = stack.metrics_address("draft") or ""
+            params.scheduler_metrics = stack.metrics_address("scheduler") or ""
             extra = {"stack": {"model": model, "device": args.device, "dtype": args.dtype,
                                "draft_replicas": args.draft_replicas,
                                "env": {k: v for k, v in spec.extra_env.items() if "PORT" not in k}}}

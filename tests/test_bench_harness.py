@@ -76,7 +76,7 @@ def test_bench_matrix_end_to_end(tmp_path, ckpt):
     cut = tmp_path / "matrix-cut.json"
     with Stack(spec) as stack:
         _bench("--address", stack.scheduler_address, "--contexts", "8", "20", "--concurrency", "1", "3",
-               "--budgets", "4", "--max-tokens", "6", "--draft-metrics", f"127.0.0.1:{metrics}", "--out", str(out))
+               "--budgets", "4", "--max-tokens", "6", "--draft-metrics", stack.metrics_address("draft"), "--out", str(out))
         # A cell that outlives its timeout is cancelled and reported, and the run goes on.
         done = _bench("--address", stack.scheduler_address, "--contexts", "8", "--concurrency", "2", "--budgets", "4",
                       "--max-tokens", "200", "--warmup-tokens", "0", "--cell-timeout", "0.05", "--out", str(cut),

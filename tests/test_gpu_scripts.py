@@ -240,12 +240,20 @@ def test_eager_first_use_finds_every_dense_weight(tmp_path: Path) -> None:
     assert id(moe.gate_weight) in found and id(moe.int4["down_proj"].packed) in found
 
 
-def test_first_use_eager_steps_are_shapes_no_bucket_holds() -> None:
+def test_first_use_eager_steps_are_shapes_no_bucket_holds(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--eager-steps`` draws steps the graphs leave eager; buckets that hold every step are refused
     (it looped for good on the default buckets, which hold every step of up to 128 trees)."""
+    import os
+    import shutil
+
     import torch
 
+    # The script points this process's Triton cache at a new, empty directory as it is imported
+    # (`bench.empty_triton_cache`): the builds of later tests compiled from nothing, and it stayed.
+    monkeypatch.setitem(os.environ, "TRITON_CACHE_DIR", os.environ.get("TRITON_CACHE_DIR", ""))
+    from bench import empty_triton_cache
     from bench.verify_first_use import eager_shapes
+    shutil.rmtree(empty_triton_cache.CACHE, ignore_errors=True)
     from services.verifier.graphs import VerifyGraphs
 
     class Buckets:

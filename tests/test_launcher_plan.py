@@ -410,7 +410,8 @@ def test_up_says_when_its_scheduler_answers_beyond_loopback_without_a_token(monk
 def test_only_a_picked_port_lost_to_another_process_is_picked_again(monkeypatch) -> None:
     """A service that exits at its start is launched again on a new port only where the launcher
     picked its port and another process holds it now, and only `PORT_MOVES` times: a port the user
-    gave, or a start refused for another reason (its port free), is the start's failure as before."""
+    gave, or a start refused for another reason (its port free), is the start's failure as before.
+    A metrics port is moved where this process picked it (`free_port`), as tests and benchmarks do."""
     from services.common import launcher
     from services.common.launcher import PORT_MOVES, ServiceExited
 
@@ -449,6 +450,41 @@ def test_only_a_picked_port_lost_to_another_process_is_picked_again(monkeypatch)
     given = launcher.free_port()
     with pytest.raises(ServiceExited):   # the user's port stays the user's
         run(StackSpec(model_path="models/demo", scheduler_port=given), takes=1)
+
+    def lost_metrics(port: int) -> tuple[list[int], Stack]:
+        """The scheduler's metrics port taken before it listened: moved where this process picked it."""
+        stack = Stack(StackSpec(model_path="models/demo", scheduler_port=0,
+                                extra_env={"DDTREE_SCHEDULER_METRICS_PORT": str(port)}))
+        stack.services = stack._plan()
+        for svc in stack.services:
+            svc.settings = load_settings(launcher._SETTINGS[svc.role], None, env=svc.env)
+        seen: list[int] = []
+        held: list[socket.socket] = []
+
+        def launch(svc, should_stop=None):
+            seen.append(svc.settings.metrics_port)
+            if len(seen) == 1:
+                s = socket.socket()
+                s.bind(("127.0.0.1", svc.settings.metrics_port))
+                held.append(s)
+                raise ServiceExited("scheduler exited with code 2 during start-up", 2)
+
+        monkeypatch.setattr(stack, "_launch", launch)
+        try:
+            stack._launch_moving(stack.services[-1], None)
+        finally:
+            for s in held:
+                s.close()
+        return seen, stack
+
+    seen, stack = lost_metrics(launcher.free_port())   # as a test or a benchmark passes one on
+    assert len(seen) == 2 and seen[1] != seen[0] and stack.metrics_address("scheduler") == f"127.0.0.1:{seen[1]}"
+    assert stack.services[-1].env["DDTREE_SCHEDULER_METRICS_PORT"] == str(seen[1])
+    with socket.socket() as s:   # a port this process did not pick: the user's, kept
+        s.bind(("127.0.0.1", 0))
+        mine = s.getsockname()[1]
+    with pytest.raises(ServiceExited):
+        lost_metrics(mine)
 
     def refused(svc, should_stop=None):   # exits 2, its port free: refused settings, not retried
         calls.append(svc.address)

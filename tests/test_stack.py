@@ -46,6 +46,7 @@ def stack(ckpt, refs, tmp_path_factory):
                      extra_env={"DDTREE_VERIFIER_MAX_CONTEXT": "256", "DDTREE_SCHEDULER_MAX_QUEUE": "64",
                                 **{f"DDTREE_{s.upper()}_METRICS_PORT": str(METRICS_PORTS[s]) for s in METRICS_PORTS}})
     with Stack(spec) as s:
+        METRICS_PORTS.update({name: int(s.metrics_address(name).rsplit(":", 1)[1]) for name in METRICS_PORTS})
         yield s
 
 

@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from services.common.launcher import StackSpec
+from bench.common import read_metrics
+from services.common.launcher import StackSpec, free_port
 from services.common.make_checkpoint import make_random_checkpoint
 from services.scheduler.client import AsyncClient, Client, ClientError
 from tests.stack_fixtures import PROMPTS, StackStarts, build_checkpoint, greedy_references
@@ -234,7 +235,9 @@ def test_a_picked_port_another_process_takes_before_its_service_binds_it_is_pick
     """A stack's ports are picked together and bound seconds later; a test run's other stacks pick in
     the same range, and one took a scheduler's port between the two (the stack failed its start,
     "Address already in use"). The verifier and the scheduler lose theirs here: each is started
-    again on a new port, and the drafts are given the verifier's new address."""
+    again on a new port, and the drafts are given the verifier's new address. So does a metrics
+    port picked with `free_port` and passed on as a setting (as tests and benchmarks do), read back
+    with `metrics_address`."""
     import socket
 
     from services.common.launcher import Stack
@@ -245,18 +248,34 @@ def test_a_picked_port_another_process_takes_before_its_service_binds_it_is_pick
     def taken_after_planning(self):
         services = plan(self)
         for svc in (services[0], services[-1]):   # the verifier's and the scheduler's
-            s = socket.socket()
-            s.bind(("127.0.0.1", int(svc.address.rsplit(":", 1)[1])))
-            s.listen(1)
-            held.append(s)
+            take(int(svc.address.rsplit(":", 1)[1]))
         return services
 
+    def take(port: int) -> None:
+        s = socket.socket()
+        s.bind(("127.0.0.1", port))
+        s.listen(1)
+        held.append(s)
+
+    def metrics_taken_while_the_verifier_loads(self, svc, should_stop=None):
+        metrics = int(self.services[1].env["DDTREE_DRAFT_METRICS_PORT"])   # picked here (below)
+        if svc.role == "verifier" and metrics not in {s.getsockname()[1] for s in held}:   # after the checks
+            take(metrics)
+        return launch(self, svc, should_stop)
+
+    launch = Stack._launch
     monkeypatch.setattr(Stack, "_plan", taken_after_planning)
+    monkeypatch.setattr(Stack, "_launch", metrics_taken_while_the_verifier_loads)
+    spec = _plain_spec(ckpt)
+    spec.extra_env["DDTREE_DRAFT_METRICS_PORT"] = str(free_port())
     try:
-        with Stack(_plain_spec(ckpt)) as stack, Client(stack.scheduler_address) as c:
+        with Stack(spec) as stack, Client(stack.scheduler_address) as c:
             lost = {s.getsockname()[1] for s in held}
             ports = {int(svc.address.rsplit(":", 1)[1]) for svc in stack.services}
             assert not lost & ports and len(ports) == len(stack.services)
+            draft_metrics = stack.metrics_address("draft")
+            assert int(draft_metrics.rsplit(":", 1)[1]) not in lost
+            assert read_metrics(draft_metrics)   # its page answers where it moved
             assert all(svc.env["DDTREE_DRAFT_VERIFIER_ADDRESS"] == stack.services[0].address
                        for svc in stack.services if svc.role == "draft")
             assert stack.scheduler_address == stack.services[-1].address
@@ -266,3 +285,4 @@ def test_a_picked_port_another_process_takes_before_its_service_binds_it_is_pick
             s.close()
     err = capsys.readouterr().err
     assert "verifier's port" in err and "scheduler's port" in err and "taken by another process" in err
+    assert "draft's metrics port" in err

@@ -447,21 +447,50 @@ class Stack:
         return self
 
     def _launch_moving(self, svc: _Service, should_stop: Callable[[], bool] | None) -> None:
-        """Launches ``svc``; where it exits at its start because another process bound the port
+        """Launches ``svc``; where it exits at its start because another process bound a port
         picked for it meanwhile, moves it to a new port and launches it again (up to
         `PORT_MOVES` times). A picked port is only free when picked, and bound seconds later
         (after the services before it loaded): a test run's other stacks, picking in the same
-        range, took the scheduler's between the two. Ports that were given are never moved."""
+        range, took the scheduler's between the two. Ports that were given are never moved; a
+        metrics port is moved where this process picked it (`free_port`: a test or a benchmark
+        that passes it on as a setting), and read back with `metrics_address`."""
         for moves in range(PORT_MOVES + 1):
             try:
                 return self._launch(svc, should_stop)
             except ServiceExited as exc:
-                port = int(svc.address.rsplit(":", 1)[1])
-                if not svc.picked or exc.code != 2 or moves == PORT_MOVES or not _bound_elsewhere(port):
+                lost = self._lost_port(svc) if exc.code == 2 and moves < PORT_MOVES else None
+                if lost is None:
                     raise
-                self._move(svc, free_port(self._ports()))
-                print(f"ddtree: {svc.name}'s port {port} was taken by another process before it listened; "
-                      f"starting it again on {svc.address.rsplit(':', 1)[1]}", file=sys.stderr)
+                setting, port = lost
+                new = free_port(self._ports())
+                if setting == "port":
+                    self._move(svc, new)
+                else:
+                    svc.env[f"DDTREE_{svc.role.upper()}_METRICS_PORT"] = str(new)
+                    svc.settings = load_settings(_SETTINGS[svc.role], self.spec.config_path, env=svc.env)
+                print(f"ddtree: {svc.name}'s {setting.replace('_', ' ')} {port} was taken by another process before "
+                      f"it listened; starting it again on {new}", file=sys.stderr)
+
+    @staticmethod
+    def _lost_port(svc: _Service) -> tuple[str, int] | None:
+        """The setting and port of ``svc`` that was picked for it and that another process holds now."""
+        mine = [("port", int(svc.address.rsplit(":", 1)[1]))] if svc.picked else []
+        metrics = getattr(svc.settings, "metrics_port", 0)
+        if metrics and metrics in _HANDED_OUT:
+            mine.append(("metrics_port", metrics))
+        return next(((setting, port) for setting, port in mine if _bound_elsewhere(port)), None)
+
+    def metrics_address(self, name: str) -> str | None:
+        """Where the service ``name`` ("verifier", "draft-N", "scheduler"; "draft": the first
+        replica) serves its /metrics page (on loopback where it listens on every interface), None
+        where it serves none. Read after the start: a metrics port may have moved then
+        (`_launch_moving`)."""
+        svc = next((s for s in self.services if s.name == name), None) or \
+            next((s for s in self.services if name == "draft" and s.role == "draft"), None)
+        if svc is None:
+            raise KeyError(f"no service {name!r} in this stack: {[s.name for s in self.services]}")
+        port = getattr(svc.settings, "metrics_port", 0)
+        return host_port(_reach(svc.settings.host), port) if port else None
 
     def _ports(self) -> set[int]:
         """Every gRPC and metrics port of the stack's plan (a moved service avoids them all)."""
