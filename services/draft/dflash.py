@@ -11,9 +11,9 @@ the next step's block is different.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F

@@ -21,15 +21,15 @@ from services.common.grpc_server import (MAX_MESSAGE_BYTES, ServiceError, check_
 from services.common.logging import OncePer, configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import MAX_BUDGET, SchedulerSettings, SettingsError
+from services.common.tokenizer_files import load_tokenizer, vocab_digest
 from services.scheduler.batcher import log_end
 from services.scheduler.client import REFUSED_METADATA, RETRYABLE_METADATA
 from services.scheduler.request import (ActiveRequest, check_fields, check_request_id, check_text_size,
                                         max_token_bytes, step_prompt_tokens, validate)
 from services.scheduler.router import STOPPING, Router
-from services.common.tokenizer_files import load_tokenizer, vocab_digest
 from services.scheduler.tokenizing import PromptEncoder
 
-__all__ = ["SchedulerServicer", "load_tokenizer", "serve"]
+__all__ = ["SchedulerServicer", "serve"]
 
 log = get_logger("scheduler")
 GENERATE_METHOD = f"/{scheduler_pb2.DESCRIPTOR.services_by_name['Scheduler'].full_name}/Generate"
