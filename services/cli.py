@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import re
 import shutil
@@ -611,8 +610,8 @@ def _paused(row: dict) -> str:
     share = row.get("tree_step_share")
     if row["mode"] == "autoregressive" or share is None or share >= 1:
         return ""
-    # rounded down: a share of 0.9996 read "trees 100% of steps" beside "speculation paused"
-    return (f" (trees {math.floor(share * 100)}% of steps, {_fmt(row.get('tree_step_acceptance'), 4, 2).strip()} accepted a tree "
+    # at most 99: a share of 0.9996 read "trees 100% of steps" beside "speculation paused"
+    return (f" (trees {min(round(share * 100), 99)}% of steps, {_fmt(row.get('tree_step_acceptance'), 4, 2).strip()} accepted a tree "
             "step: speculation paused, scheduler.spec_min_acceptance)")
 
 

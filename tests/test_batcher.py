@@ -877,13 +877,15 @@ def test_an_idle_replica_that_stops_answering_is_marked_down_without_a_request_f
     assert asyncio.run(scenario(busy=True)) is True
 
 
-@pytest.mark.parametrize("field, value", [("vocab_size", 999), ("max_context", 512), ("kv_page_size", 64)])
+@pytest.mark.parametrize("field, value", [("vocab_size", 999), ("max_context", 512), ("kv_page_size", 64),
+                                          ("tokenizer_digest", "bbbb")])
 def test_a_replica_whose_verifier_came_back_with_another_model_is_kept_down(field, value) -> None:
     """The scheduler's tokenizer, vocabulary and end-of-sequence ids are the model it started with:
     a replica in front of a verifier restarted on another checkpoint served it on, detokenized with
     the wrong tokenizer. So do the limits it checks requests against: a verifier back with a
     shorter context refused prompts the scheduler had taken, one with larger pages reserved more
-    KV than the scheduler counted. It is kept down (logged once) until the scheduler restarts."""
+    KV than the scheduler counted. It is kept down (logged once) until the scheduler restarts. So
+    is a replica whose target's tokenizer is not the scheduler's (the start checked the first only)."""
     from services.scheduler.router import Router
 
     class Model(Stub):
@@ -897,6 +899,7 @@ def test_a_replica_whose_verifier_came_back_with_another_model_is_kept_down(fiel
 
     async def scenario():
         router = Router(SchedulerSettings(tokenizer_path=""), Metrics("scheduler-test"))
+        router.tokenizer_digest = "aaaa"   # the scheduler's (its first replica's target held no tokenizer)
         stub = Model("v1")
         router.info = await stub.GetModelInfo(None)
         router._add_lane("d0", stub, router.info)

@@ -617,6 +617,7 @@ def test_the_cli_names_paused_speculation_and_a_cell_run_in_waves() -> None:
            "tree_step_acceptance": 2.13, "running_max": 64, "running_readings": 40}
     assert "trees 76% of steps, 2.13 accepted a tree step" in _paused(row)
     assert "trees 99% of steps" in _paused({**row, "tree_step_share": 0.9996})   # paused once: not "100%"
+    assert "trees 29% of steps" in _paused({**row, "tree_step_share": 29 / 100})   # (floor read 28%)
     assert _paused({**row, "tree_step_share": 1.0}) == ""
     assert _waves(row) == " (at most 64 of 128 requests ran at once: the rest queued)"
     assert _waves({**row, "running_max": 128}) == _waves({**row, "running_max": None}) == ""

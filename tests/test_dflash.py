@@ -265,7 +265,7 @@ def test_a_drafter_that_does_not_fit_is_refused_from_its_headers_before_any_serv
     (minutes on a large target). The files' headers say it before anything starts."""
     from services.common.checkpoint import save_tensors
     from services.common.launcher import _check_before_start
-    from services.common.settings import DraftSettings, SettingsError
+    from services.common.settings import DraftSettings, SettingsError, VerifierSettings
     drafter_dir, target_dir = pair
     base = load_tensors(drafter_dir)
     for name, change, needle in (
@@ -289,8 +289,18 @@ def test_a_drafter_that_does_not_fit_is_refused_from_its_headers_before_any_serv
     shutil.copy(drafter_dir / "config.json", shards / "config.json")
     check_drafter_checkpoint(shards, target_dir)
     next(shards.glob("model-00002-*.safetensors")).unlink()
-    with pytest.raises(CheckpointError, match=r"shard file model-00002-of-\d+\.safetensors .* is missing"):
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(shards))}: shard file model-00002-of-\d+\.safetensors "
+                                              r".* is missing"):   # the path once
         check_drafter_checkpoint(shards, target_dir)
+    for setting, settings in (
+            ("verifier.model_path", VerifierSettings(model_path=str(tmp_path / "none"), metrics_port=0)),
+            ("draft.target_path", DraftSettings(drafter_path=str(drafter_dir), target_path=str(tmp_path / "none"),
+                                                metrics_port=0)),
+            ("draft.drafter_path", DraftSettings(drafter_path=str(tmp_path / "none"), target_path=str(target_dir),
+                                                 metrics_port=0))):
+        role = setting.split(".")[0]   # a checkpoint missing is named by its own setting
+        with pytest.raises(SettingsError, match=rf"^{re.escape(setting)}: no checkpoint at "):
+            _check_before_start(role, settings)
 
 
 def test_block_size_inside_dflash_config(tmp_path: Path, pair: tuple[Path, Path]) -> None:

@@ -178,22 +178,36 @@ def _check_before_start(role: str, settings) -> None:
     """What a service would fail on only once it starts, checked before any starts: the scheduler
     starts last, after minutes of weight loading on a large model, and a TLS file it cannot use, a
     tokenizer file that does not parse or a metrics port in use then failed the whole start-up; the
-    drafts start after the verifier, and a drafter that does not fit its target (configs, tensor
-    names, shapes, dtypes) failed only once the verifier had loaded and warmed up.
-    ``SettingsError`` names the setting."""
+    drafts start after the verifier (`_check_checkpoints`). ``SettingsError`` names the setting."""
     if role == "scheduler" and settings.tls_cert:
         server_credentials(settings.tls_cert, settings.tls_key)
     if role == "scheduler" and settings.tokenizer_path:   # a file that is no tokenizer, found before the loading
         from services.common.tokenizer_files import load_tokenizer
         load_tokenizer(settings.tokenizer_path)
-    if role == "draft" and not settings.drafter_path.startswith("oracle:"):   # the draft starts after the verifier
-        from services.common.checkpoint import CheckpointError
-        from services.draft.dflash import check_drafter_checkpoint
-        try:
-            check_drafter_checkpoint(Path(settings.drafter_path), Path(settings.target_path))
-        except CheckpointError as exc:
-            raise SettingsError(f"draft.drafter_path: {exc}") from None
+    if role in ("verifier", "draft"):
+        _check_checkpoints(role, settings)
     check_port_free(settings.host, settings.metrics_port, f"{role}.metrics_port")
+
+
+def _check_checkpoints(role: str, settings) -> None:
+    """The verifier's checkpoint, and the draft's pair (its drafter's tensors from their headers),
+    each error naming its setting: the drafts start after the verifier, and a drafter that did not
+    fit its target (configs, tensor names, shapes, dtypes) failed only once the verifier had loaded
+    and warmed up (minutes on a large model)."""
+    from services.common.checkpoint import CheckpointError, require_checkpoint
+    from services.draft.dflash import check_drafter_checkpoint
+    try:
+        if role == "verifier":
+            require_checkpoint(settings.model_path, "verifier.model_path")
+        elif not settings.drafter_path.startswith("oracle:"):
+            require_checkpoint(settings.drafter_path, "draft.drafter_path")
+            require_checkpoint(settings.target_path, "draft.target_path")
+            try:
+                check_drafter_checkpoint(Path(settings.drafter_path), Path(settings.target_path))
+            except CheckpointError as exc:
+                raise CheckpointError(f"draft.drafter_path: {exc}") from None
+    except CheckpointError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def _end(procs: list[subprocess.Popen], grace_s: float) -> None:

@@ -179,8 +179,9 @@ def check_drafter_checkpoint(drafter_dir: Path, target_dir: Path) -> DraftConfig
     a launcher checks before any service starts (the draft starts after the verifier, which on a
     large target loads and warms up for minutes first). Returns the drafter's config."""
     config = check_pairing(Path(drafter_dir), Path(target_dir))
+    stored = stored_tensors(drafter_dir)   # (its errors name the file)
     try:
-        check_drafter_tensors(config, stored_tensors(drafter_dir))
+        check_drafter_tensors(config, stored)
     except CheckpointError as e:
         raise CheckpointError(f"{drafter_dir}: {e}") from e
     return config

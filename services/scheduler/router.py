@@ -93,6 +93,7 @@ class Router:
         self._unknown = itertools.count()   # budgets of replicas whose verifier is not known yet
         self.info: common_pb2.ModelInfo | None = None   # the first answer: the model this scheduler serves
         self._answers: dict[str, common_pb2.ModelInfo] = {}   # each replica's latest answer of that model
+        self.tokenizer_digest = ""   # the scheduler's tokenizer's vocabulary (`vocab_digest`; "": none)
         self._watch: asyncio.Task | None = None
         self._follows: set[asyncio.Task] = set()   # `_recover`'s follows of a restarted verifier's group
         self._discovery: asyncio.Task | None = None
@@ -393,7 +394,8 @@ class Router:
         (a verifier restarted on another checkpoint, or with another context or page size): its
         tokenizer, vocabulary, end-of-sequence ids and the limits it checks requests against (the
         longest context, the page its KV reservations round to) are that first model's, so the
-        replica stays down, said once, until a restart."""
+        replica stays down, said once, until a restart. So does a replica whose target's tokenizer
+        is not the scheduler's (its prompts would be another model's tokens)."""
         if self.info is None:
             return False
         fields = ("model_type", "vocab_size", "block_size", "max_context", "kv_page_size")
@@ -401,6 +403,8 @@ class Router:
                 if getattr(self.info, f) != getattr(info, f)]
         if list(self.info.eos_token_ids) != list(info.eos_token_ids):
             diff.append(f"eos_token_ids {list(self.info.eos_token_ids)} -> {list(info.eos_token_ids)}")
+        if self.tokenizer_digest and info.tokenizer_digest and info.tokenizer_digest != self.tokenizer_digest:
+            diff.append("tokenizer: its draft.target_path holds another vocabulary than scheduler.tokenizer_path")
         if diff and address not in self._other_models:
             self._other_models.add(address)
             log.error("draft_replica_serves_another_model", address=address, changes=diff,

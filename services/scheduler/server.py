@@ -250,6 +250,7 @@ async def serve(settings: SchedulerSettings) -> None:
     tokenizer = load_tokenizer(settings.tokenizer_path)
     encoder = PromptEncoder(tokenizer, apart=True) if tokenizer is not None else None
     router = Router(settings, metrics, drafts_token)
+    router.tokenizer_digest = vocab_digest(tokenizer) if tokenizer is not None else ""
     info = await router.start(settings.draft_wait_s)
     prompt_tokens = step_prompt_tokens(settings, router.limits)
     if prompt_tokens == 0:
@@ -267,7 +268,7 @@ async def serve(settings: SchedulerSettings) -> None:
         await router.stop()
         raise SettingsError(f"scheduler.tokenizer_path: {settings.tokenizer_path} holds {words} tokens, more than "
                             f"the model's vocabulary of {info.vocab_size} (another model's tokenizer?)")
-    if tokenizer is not None and info.tokenizer_digest and vocab_digest(tokenizer) != info.tokenizer_digest:
+    if router.tokenizer_digest and info.tokenizer_digest and info.tokenizer_digest != router.tokenizer_digest:
         await router.stop()   # else every text prompt became another model's tokens, without a word
         raise SettingsError(f"scheduler.tokenizer_path: {settings.tokenizer_path} is not the tokenizer of the model "
                             "the drafts serve (the one in their draft.target_path has another vocabulary); point it "
