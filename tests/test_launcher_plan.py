@@ -415,19 +415,23 @@ def test_only_a_picked_port_lost_to_another_process_is_picked_again(monkeypatch)
     from services.common import launcher
     from services.common.launcher import PORT_MOVES, ServiceExited
 
-    def run(spec: StackSpec, takes: int, code: int = 2) -> tuple[list[str], Stack]:
+    def grpc_port(svc) -> int:
+        return int(svc.address.rsplit(":", 1)[1])
+
+    def run(spec: StackSpec, takes: int, code: int = 2, port_of=grpc_port) -> tuple[list[int], Stack]:
+        """The scheduler's port (``port_of`` it) taken before it listened, ``takes`` times."""
         stack = Stack(spec)
         stack.services = stack._plan()
         for svc in stack.services:
             svc.settings = load_settings(launcher._SETTINGS[svc.role], None, env=svc.env)
-        launched: list[str] = []
+        seen: list[int] = []
         held: list[socket.socket] = []
 
         def launch(svc, should_stop=None):
-            launched.append(svc.address)
-            if svc.role == "scheduler" and len(launched) <= takes:
+            seen.append(port_of(svc))
+            if svc.role == "scheduler" and len(seen) <= takes:
                 s = socket.socket()
-                s.bind(("127.0.0.1", int(svc.address.rsplit(":", 1)[1])))
+                s.bind(("127.0.0.1", port_of(svc)))
                 held.append(s)
                 raise ServiceExited("scheduler exited with code 2 during start-up", code)
 
@@ -437,12 +441,12 @@ def test_only_a_picked_port_lost_to_another_process_is_picked_again(monkeypatch)
         finally:
             for s in held:
                 s.close()
-        return launched, stack
+        return seen, stack
 
-    launched, stack = run(StackSpec(model_path="models/demo", scheduler_port=0), takes=2)
-    assert len(set(launched)) == 3 and stack.scheduler_address == launched[-1]
-    assert stack.services[-1].env["DDTREE_SCHEDULER_PORT"] == launched[-1].rsplit(":", 1)[1]
-    assert stack.services[-1].settings.port == int(launched[-1].rsplit(":", 1)[1])
+    seen, stack = run(StackSpec(model_path="models/demo", scheduler_port=0), takes=2)
+    assert len(set(seen)) == 3 and stack.scheduler_address == f"127.0.0.1:{seen[-1]}"
+    assert stack.services[-1].env["DDTREE_SCHEDULER_PORT"] == str(seen[-1])
+    assert stack.services[-1].settings.port == seen[-1]
     with pytest.raises(ServiceExited):
         run(StackSpec(model_path="models/demo", scheduler_port=0), takes=PORT_MOVES + 1)
     with pytest.raises(ServiceExited):   # another exit code: not a port lost
@@ -451,40 +455,22 @@ def test_only_a_picked_port_lost_to_another_process_is_picked_again(monkeypatch)
     with pytest.raises(ServiceExited):   # the user's port stays the user's
         run(StackSpec(model_path="models/demo", scheduler_port=given), takes=1)
 
-    def lost_metrics(port: int) -> tuple[list[int], Stack]:
-        """The scheduler's metrics port taken before it listened: moved where this process picked it."""
-        stack = Stack(StackSpec(model_path="models/demo", scheduler_port=0,
-                                extra_env={"DDTREE_SCHEDULER_METRICS_PORT": str(port)}))
-        stack.services = stack._plan()
-        for svc in stack.services:
-            svc.settings = load_settings(launcher._SETTINGS[svc.role], None, env=svc.env)
-        seen: list[int] = []
-        held: list[socket.socket] = []
+    def metrics_spec(port: int) -> StackSpec:
+        return StackSpec(model_path="models/demo", scheduler_port=0,
+                         extra_env={"DDTREE_SCHEDULER_METRICS_PORT": str(port)})
 
-        def launch(svc, should_stop=None):
-            seen.append(svc.settings.metrics_port)
-            if len(seen) == 1:
-                s = socket.socket()
-                s.bind(("127.0.0.1", svc.settings.metrics_port))
-                held.append(s)
-                raise ServiceExited("scheduler exited with code 2 during start-up", 2)
+    def metrics_port(svc) -> int:
+        return svc.settings.metrics_port
 
-        monkeypatch.setattr(stack, "_launch", launch)
-        try:
-            stack._launch_moving(stack.services[-1], None)
-        finally:
-            for s in held:
-                s.close()
-        return seen, stack
-
-    seen, stack = lost_metrics(launcher.free_port())   # as a test or a benchmark passes one on
+    # a metrics port picked here, as a test or a benchmark passes one on: moved
+    seen, stack = run(metrics_spec(launcher.free_port()), takes=1, port_of=metrics_port)
     assert len(seen) == 2 and seen[1] != seen[0] and stack.metrics_address("scheduler") == f"127.0.0.1:{seen[1]}"
     assert stack.services[-1].env["DDTREE_SCHEDULER_METRICS_PORT"] == str(seen[1])
     with socket.socket() as s:   # a port this process did not pick: the user's, kept
         s.bind(("127.0.0.1", 0))
         mine = s.getsockname()[1]
     with pytest.raises(ServiceExited):
-        lost_metrics(mine)
+        run(metrics_spec(mine), takes=1, port_of=metrics_port)
 
     def refused(svc, should_stop=None):   # exits 2, its port free: refused settings, not retried
         calls.append(svc.address)

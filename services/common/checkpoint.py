@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -149,22 +150,30 @@ def stored_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype |
     is a ``CheckpointError``."""
     path = Path(path)
     index, stored = _index_and_prefix(path)
-    by_file: dict[str, list[str]] = {}
-    for name, file_name in index.items():
-        by_file.setdefault(file_name, []).append(name)
     out: dict[str, tuple[tuple[int, ...], torch.dtype | str]] = {}
-    for file_name, names in by_file.items():
+    for name, f in _each_in_its_file(path, index, stored, index):
+        part = f.get_slice(stored + name)
+        out[name] = (tuple(part.get_shape()), header_dtype(part.get_dtype()))
+    return out
+
+
+def _each_in_its_file(path: Path, index: dict[str, str], stored: str,
+                      names: Iterable[str]) -> Iterator[tuple[str, Any]]:
+    """(name, its open file) for each of ``names``, a file at a time: a shard missing, or a tensor
+    its index lists and its file lacks, is a ``CheckpointError`` naming the file."""
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(index[name], []).append(name)
+    for file_name, file_names in by_file.items():
         file_path = path / file_name
         if not file_path.is_file():
             raise CheckpointError(f"{path}: shard file {file_name} (listed in {INDEX_FILE}) is missing")
         with open_safetensors(file_path) as f:
             present = set(f.keys())
-            for name in names:
+            for name in file_names:
                 if stored + name not in present:
                     raise CheckpointError(f"{file_path}: missing tensor {stored + name} (listed in {INDEX_FILE})")
-                part = f.get_slice(stored + name)
-                out[name] = (tuple(part.get_shape()), header_dtype(part.get_dtype()))
-    return out
+                yield name, f
 
 
 def load_tensors(
@@ -187,21 +196,7 @@ def load_tensors(
         wanted = list(index)
     if prefix is not None:
         wanted = [n for n in wanted if n.startswith(prefix)]
-    by_file: dict[str, list[str]] = {}
-    for name in wanted:
-        by_file.setdefault(index[name], []).append(name)
-    out: dict[str, Tensor] = {}
-    for file_name, file_names in by_file.items():
-        file_path = path / file_name
-        if not file_path.is_file():
-            raise CheckpointError(f"{path}: shard file {file_name} (listed in {INDEX_FILE}) is missing")
-        with open_safetensors(file_path) as f:
-            present = set(f.keys())
-            for name in file_names:
-                if stored + name not in present:
-                    raise CheckpointError(f"{file_path}: missing tensor {stored + name} (listed in {INDEX_FILE})")
-                out[name] = f.get_tensor(stored + name)
-    return out
+    return {name: f.get_tensor(stored + name) for name, f in _each_in_its_file(path, index, stored, wanted)}
 
 
 def save_tensors(path: Path, tensors: dict[str, Tensor], max_shard_bytes: int = 2**30) -> None:
