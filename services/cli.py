@@ -131,14 +131,6 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"ddtree up: no drafter checkpoint at {drafter} (config.json missing)"
               f"{'' if args.drafter else '; --drafter DIR names another'}", file=sys.stderr)
         return 2
-    if not drafter.startswith("oracle:"):   # a pair that does not fit, before the verifier loads for minutes
-        from services.common.checkpoint import CheckpointError
-        from services.draft.dflash import check_drafter_checkpoint
-        try:
-            check_drafter_checkpoint(Path(drafter), model)
-        except CheckpointError as exc:
-            print(f"ddtree up: {exc}", file=sys.stderr)
-            return 2
     # Before anything starts: another stack on the port would answer our health probe while our
     # scheduler crash-looped on "Address already in use".
     try:
