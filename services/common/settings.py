@@ -222,6 +222,7 @@ class VerifierSettings:
     tp: int = 1                      # tensor-parallel ranks (processes); device "cuda" puts rank i on GPU i
     tp_timeout_s: float = 60.0       # a step's collective waiting longer than this fails the group
     peer_stream_timeout_s: float = 30.0   # a draft that hand-shook but opened no stream by then is dropped
+    step_socket: bool = True         # drafts of this host's network namespace send their steps on a Unix socket, not gRPC
     max_peers: int = 32              # drafts served at once (each holds a ring here and one of its own mapped)
     cuda_graphs: bool = True         # verify replays CUDA graphs on GPU (every bucket captured by the warm-up)
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets; larger steps replay the largest in turn

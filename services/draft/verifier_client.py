@@ -13,7 +13,8 @@ import torch
 
 from ddtree.v1 import verifier_pb2, verifier_pb2_grpc
 from services.common.auth import token_metadata
-from services.common.grpc_server import ServiceError, server_options
+from services.common.grpc_server import MAX_MESSAGE_BYTES, ServiceError, server_options
+from services.common.step_socket import StepSocketCall, StepSocketError
 from services.common.logging import get_logger
 from services.common.transport import RingFull, TensorReader, TensorWriter, bundle_slot, make_reader, make_writer
 
@@ -112,6 +113,7 @@ class VerifierClient:
         self._on_inline_fallback = on_inline_fallback
         self.handshake: verifier_pb2.HandshakeResponse | None = None
         self._connects = 0   # handshakes that opened a stream: from the second on, each is logged a reconnect
+        self.lane = ""   # what the steps travel on: "socket" (services/common/step_socket.py) or "grpc" (VerifyStream)
         self.stream_changed = asyncio.Event()   # set when a verify stream opens or ends (health reads it)
 
     async def connect(self, feature_layer_ids: Sequence[int], hidden_size: int, vocab_size: int,
@@ -188,14 +190,31 @@ class VerifierClient:
             self._kept_ring.close()   # verifier answered, so it let go of any old mapping of the ring first
             self._kept_ring = None
         self._writer.attached()   # the verifier mapped our ring in its handshake
-        self._call = stub.VerifyStream(metadata=(("draft-id", self.draft_id), *self._metadata))
+        self._call = await self._step_socket(hs) if hs.step_socket else None
+        self.lane = "socket" if self._call is not None else "grpc"
+        if self._call is None:
+            self._call = stub.VerifyStream(metadata=(("draft-id", self.draft_id), *self._metadata))
         self._call.add_done_callback(lambda _: self.stream_changed.set())
         self.stream_changed.set()
         self.handshake = hs
         self._connects += 1
         if self._connects > 1:   # whoever asked (a step, the scheduler's probe, the replica's own watch)
-            log.info("verifier_reconnected", verifier=self.address, verifier_id=hs.verifier_id, transport=hs.transport)
+            log.info("verifier_reconnected", verifier=self.address, verifier_id=hs.verifier_id, transport=hs.transport,
+                     lane=self.lane)
         return hs
+
+    async def _step_socket(self, hs: verifier_pb2.HandshakeResponse) -> StepSocketCall | None:
+        """The steps' socket the verifier offered, or None where this draft cannot reach it (another
+        network namespace: compose's containers, another host), which keeps the gRPC stream."""
+        try:
+            return await StepSocketCall.open(hs.step_socket, hs.step_socket_key, verifier_pb2.VerifyResponse,
+                                             MAX_MESSAGE_BYTES)
+        except (OSError, asyncio.TimeoutError) as exc:
+            log.info("step_socket_unreachable", verifier=self.address, error=str(exc) or type(exc).__name__)
+            return None
+        except StepSocketError as exc:   # refused: the handshake is no longer current (the verifier restarted)
+            await self.close()
+            raise ServiceError(exc.code, f"verifier step socket refused: {exc.details}") from None
 
     def _ring(self, kind: str) -> TensorWriter:
         """A ring of `kind` for the next handshake. A cuda_ipc ring is made once and offered again
@@ -259,6 +278,8 @@ class VerifierClient:
                 resp = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             raise await self._lost(f"verifier stream broke: {exc.details()}", exc.code().name) from None
+        except StepSocketError as exc:
+            raise await self._lost(f"verifier stream broke: {exc.details}", exc.code.name) from None
         except asyncio.TimeoutError:
             raise await self._lost(f"the verifier answered no step within {self.step_timeout_s:g} s") from None
         except Exception as exc:  # noqa: BLE001 - e.g. InvalidStateError: the stream ended as we wrote

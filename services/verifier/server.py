@@ -10,6 +10,8 @@ verify-only step of one rank runs on the loop when the engine is free (`_inline`
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import itertools
 import math
 import os
@@ -32,8 +34,9 @@ from kernels.tree_mla import BACKEND_ENV, backend_from_env
 from services.common.auth import internal_interceptors, internal_token
 from services.common.checkpoint import read_config, require_checkpoint, shared_weights_digest
 from services.common.devices import device_name, pin_device
-from services.common.grpc_server import (IdleStreams, ServiceError, check_port_free, host_port, listen, new_server,
-                                         serve_until_signal, warn_if_reachable)
+from services.common import step_socket
+from services.common.grpc_server import (MAX_MESSAGE_BYTES, IdleStreams, ServiceError, check_port_free, host_port,
+                                         listen, new_server, serve_until_signal, warn_if_reachable)
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import (MAX_BUDGET, MAX_DRAFT_RING_SLOT_BYTES, MAX_DRAFT_RING_SLOTS, SettingsError,
@@ -78,6 +81,7 @@ class _Peer:
     owner: str = ""          # what its stream admits is the engine's under this name: one per handshake
     streamed: bool = False   # its verify stream reached us (from then on the stream's end drops it)
     feature_layers: tuple[int, ...] = ()   # the target layers whose features it drafts from
+    socket_key: bytes = b""  # what it presents on the step socket to stream there instead (services/common/step_socket.py)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -106,6 +110,29 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._cleanups: set[asyncio.Future] = set()   # stream clean-ups running past their handler
         self._idle = IdleStreams()   # stream handlers waiting for their draft's next step
         self.verifier_id = f"verifier-{uuid.uuid4().hex[:12]}"
+        self.step_socket = ""   # the abstract socket name offered at handshakes ("": none; `start_step_socket`)
+        self._socket_server: asyncio.AbstractServer | None = None
+        self._socket_streams: set[asyncio.Task] = set()
+
+    async def start_step_socket(self) -> str:
+        """Listens for steps on a Unix socket where `verifier.step_socket` is on and the platform has
+        abstract names; returns the name offered to drafts from here on ("": none)."""
+        if self.settings.step_socket and step_socket.available():
+            name = step_socket.socket_name(self.verifier_id)
+            self._socket_server = await step_socket.listen(name, self._socket_stream)
+            self.step_socket = name
+        return self.step_socket
+
+    async def close_step_socket(self, grace_s: float) -> None:
+        """Takes no new socket streams; gives those open `grace_s` to end (`end_idle_streams` ends the
+        idle ones, a step in progress finishes), then cancels the rest, as gRPC's stop does to its own."""
+        self.end_idle_streams()
+        if self._socket_streams:
+            _, late = await asyncio.wait(list(self._socket_streams), timeout=grace_s)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
 
     async def Handshake(self, request: verifier_pb2.HandshakeRequest,
                         context: grpc.aio.ServicerContext) -> verifier_pb2.HandshakeResponse:
@@ -193,7 +220,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 await context.abort(exc.code, exc.message)
             raise
         peer = _Peer(request.draft_id, writer, reader, owner=f"{request.draft_id}#{next(self._handshakes)}",
-                     feature_layers=layers)
+                     feature_layers=layers, socket_key=secrets.token_bytes(step_socket.KEY_BYTES) if self.step_socket
+                     else b"")
         self._peers[request.draft_id] = peer
         self._observe()
         # A draft that dies (or gives up on our ring) before opening its stream never runs the
@@ -211,7 +239,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             tp_size=self.settings.tp, kv_capacity_tokens=self.engine.cache.capacity_tokens, kv_page_size=self.engine.cache.page_size,
             verifier_id=self.verifier_id, device=device_name(self.engine.model_device),
             feature_bytes_per_token=len(layers) * cfg.hidden_size * self.engine.model.dtype.itemsize,
-            target_digest=self.target_digest)
+            target_digest=self.target_digest, step_socket=self.step_socket if peer.socket_key else "",
+            step_socket_key=peer.socket_key)
 
     async def VerifyStream(self, request_iterator: AsyncIterator[verifier_pb2.VerifyRequest],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[verifier_pb2.VerifyResponse]:
@@ -220,10 +249,50 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if peer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"no handshake for draft-id {draft_id!r}; call Handshake first")
+        try:
+            async with contextlib.aclosing(self._serve_steps(peer, request_iterator)) as steps:
+                async for resp in steps:
+                    yield resp
+        except ServiceError as exc:   # the stream itself is refused: the draft hand-shakes again
+            await context.abort(exc.code, exc.message)
+
+    async def _socket_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A draft's steps on the step socket: its handshake's key first, then as `VerifyStream`;
+        a refusal is an ERROR frame with the status the stream would have aborted with."""
+        self._socket_streams.add(asyncio.current_task())
+        try:
+            key = await asyncio.wait_for(step_socket.read_frame(reader, step_socket.KEY_BYTES),
+                                         self.settings.peer_stream_timeout_s)
+            peer = next((p for p in self._peers.values() if p.socket_key and key is not None
+                         and hmac.compare_digest(p.socket_key, key)), None)
+            if peer is None:
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   "no handshake for this step socket key; call Handshake first")
+            step_socket.write_message(writer, b"")   # taken: the draft's open returns
+            requests = step_socket.messages(reader, verifier_pb2.VerifyRequest, MAX_MESSAGE_BYTES)
+            async with contextlib.aclosing(self._serve_steps(peer, requests)) as steps:
+                async for resp in steps:
+                    step_socket.write_message(writer, resp)
+                    await writer.drain()
+        except (ServiceError, step_socket.StepSocketError) as exc:
+            code, details = (exc.code, exc.message) if isinstance(exc, ServiceError) else (exc.code, exc.details)
+            with contextlib.suppress(OSError):
+                step_socket.write_error(writer, code, details)
+        except (asyncio.TimeoutError, OSError):   # no key in time, or a draft gone mid-reply: nothing to tell
+            pass
+        finally:
+            self._socket_streams.discard(asyncio.current_task())
+            writer.close()
+
+    async def _serve_steps(self, peer: _Peer, request_iterator: AsyncIterator[verifier_pb2.VerifyRequest]
+                           ) -> AsyncIterator[verifier_pb2.VerifyResponse]:
+        """One draft's stream of steps, from its gRPC stream or its step socket. A ServiceError
+        raised out of here refuses the stream itself."""
+        draft_id = peer.draft_id
         if peer.streamed:   # two streams would interleave steps on one pair of rings, and either's end drops both
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"draft {draft_id}: a verify stream of this handshake is already open; "
-                                "hand-shake again to replace it")
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"draft {draft_id}: a verify stream of this handshake is already open; "
+                               "hand-shake again to replace it")
         peer.streamed = True
         try:
             peer.writer.attached()   # the draft mapped our ring before it opened this stream
@@ -235,8 +304,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         and _tree_nodes(req.trees) <= INLINE_MOST_NODES else None
                     if resp is None:
                         resp = await self._locked(self._step, peer, req)
-                except ServiceError as exc:   # the stream itself is refused: the draft hand-shakes again
-                    await context.abort(exc.code, exc.message)
+                except ServiceError:
+                    raise
                 except Exception:   # the engine failed the step (a CUDA error, a bug): say so here, not only downstream
                     log.exception("verify_step_failed", draft_id=draft_id, sequence=req.sequence)
                     raise
@@ -254,8 +323,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """At shutdown: ends every verify stream between two steps, and every other one after its
         step in flight. An open stream kept the server's whole grace period (5 s) even when idle,
         and its draft saw the verifier as up until the process was gone; ended, the draft reports
-        NOT_SERVING at once and hand-shakes again when it comes back."""
+        NOT_SERVING at once and hand-shakes again when it comes back. The step socket takes no new
+        stream from here on either."""
         self._idle.end()
+        self.step_socket = ""
+        if self._socket_server is not None:
+            self._socket_server.close()
 
     def _track(self, future: asyncio.Future) -> asyncio.Future:
         """Keeps a background clean-up referenced until it finishes."""
@@ -685,6 +758,7 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
         port = listen(server, host_port(settings.host, settings.port), "verifier.port")
         warn_if_reachable(settings.host, "verifier.host", bool(token))
         await server.start()
+        await servicer.start_step_socket()
     except BaseException:
         if starting is not None:
             starting.set()   # this start-up's own end, not a rank's death
@@ -692,7 +766,8 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
         raise
     if starting is not None:
         starting.set()
-    log.info("serving", address=host_port(settings.host, port), tp=settings.tp, metrics_port=metrics_port)
+    log.info("serving", address=host_port(settings.host, port), tp=settings.tp, metrics_port=metrics_port,
+             step_socket=bool(servicer.step_socket))
     died: list[str] = []
     loop = asyncio.get_running_loop()
 
@@ -717,6 +792,7 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     try:
         await serve_until_signal(server, health, on_stop=servicer.end_idle_streams)
     finally:
+        await servicer.close_step_socket(grace_s=5.0)   # gRPC's stop gave its own streams as long
         if awake is not None:
             awake.cancel()
         watchdog.set()  # from here on a worker leaving is the shutdown, not a failure

@@ -28,7 +28,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, draft_id: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., draft_ring: _Optional[str] = ..., draft_ring_slot_bytes: _Optional[int] = ..., draft_ring_slots: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("transport", "verifier_ring", "verifier_ring_slot_bytes", "verifier_ring_slots", "model_type", "vocab_size", "hidden_size", "max_context", "eos_token_id", "tp_size", "kv_capacity_tokens", "kv_page_size", "verifier_id", "eos_token_ids", "feature_bytes_per_token", "device", "target_digest")
+    __slots__ = ("transport", "verifier_ring", "verifier_ring_slot_bytes", "verifier_ring_slots", "model_type", "vocab_size", "hidden_size", "max_context", "eos_token_id", "tp_size", "kv_capacity_tokens", "kv_page_size", "verifier_id", "eos_token_ids", "feature_bytes_per_token", "device", "target_digest", "step_socket", "step_socket_key")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_RING_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_RING_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,8 @@ class HandshakeResponse(_message.Message):
     FEATURE_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TARGET_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    STEP_SOCKET_KEY_FIELD_NUMBER: _ClassVar[int]
     transport: str
     verifier_ring: str
     verifier_ring_slot_bytes: int
@@ -63,7 +65,9 @@ class HandshakeResponse(_message.Message):
     feature_bytes_per_token: int
     device: str
     target_digest: str
-    def __init__(self, transport: _Optional[str] = ..., verifier_ring: _Optional[str] = ..., verifier_ring_slot_bytes: _Optional[int] = ..., verifier_ring_slots: _Optional[int] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., tp_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., verifier_id: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., feature_bytes_per_token: _Optional[int] = ..., device: _Optional[str] = ..., target_digest: _Optional[str] = ...) -> None: ...
+    step_socket: str
+    step_socket_key: bytes
+    def __init__(self, transport: _Optional[str] = ..., verifier_ring: _Optional[str] = ..., verifier_ring_slot_bytes: _Optional[int] = ..., verifier_ring_slots: _Optional[int] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., tp_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., verifier_id: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., feature_bytes_per_token: _Optional[int] = ..., device: _Optional[str] = ..., target_digest: _Optional[str] = ..., step_socket: _Optional[str] = ..., step_socket_key: _Optional[bytes] = ...) -> None: ...
 
 class PrefillItem(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "reserve_tokens", "prompt_continues", "prompt_offset")

@@ -60,6 +60,8 @@ class VerifierServicer:
 
     def VerifyStream(self, request_iterator, context):
         """One VerifyRequest in, one VerifyResponse out, in order, for the life of the draft replica.
+        A draft on the verifier's host may carry the same messages over the Unix socket its handshake
+        names instead (HandshakeResponse.step_socket; services/common/step_socket.py frames them).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
