@@ -174,6 +174,13 @@ _CORE = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc
                              "Internal error from Core")
 
 
+class _NoSocketStub:
+    """A stub of a draft that offers no step socket: its streams open on gRPC (`StepStream`)."""
+
+    async def OpenStepSocket(self, request, metadata=()):  # noqa: N802 - the gRPC method name
+        return draft_pb2.StepSocketOffer()
+
+
 @pytest.mark.parametrize("error, end", [
     (asyncio.InvalidStateError("RPC already finished"), None),
     (_CORE, None),
@@ -182,7 +189,7 @@ _CORE = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc
     (_CORE, (grpc.StatusCode.INTERNAL, "Internal error from Core")),
 ])
 def test_a_stream_ending_under_a_write_fails_the_step_as_unavailable(error, end):
-    class Stub:
+    class Stub(_NoSocketStub):
         def __init__(self) -> None:
             self.calls: list[_EndingCall] = []
 
@@ -451,7 +458,7 @@ class _AnsweringCall:
         self.cancelled = True
 
 
-class _CallsStub:
+class _CallsStub(_NoSocketStub):
     """Hands out the given calls in order, then answering ones."""
 
     def __init__(self, *calls) -> None:

@@ -173,6 +173,7 @@ class DraftSettings:
     dtype: str = "float32"
     cpu_threads: int = 1             # torch intra-op threads (CPU); the services share the cores
     warmup_budgets: tuple[int, ...] = (8, 16, 32)   # tree builds run (and graphs captured) at start-up (GPU)
+    step_socket: bool = True         # schedulers of this host's network namespace send their steps on a Unix socket
     cuda_graphs: bool = True         # GPU: propose from CUDA graphs over a context pool
     graph_rows: int = 128            # contexts the pool holds (at least the scheduler's max batch)
     graph_context: int = 2048        # tokens per pool row; longer contexts propose eagerly

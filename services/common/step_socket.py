@@ -18,6 +18,8 @@ serialised protobuf message (`MESSAGE`), or a gRPC status code (4 bytes) and its
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import socket
 import struct
 import sys
@@ -27,8 +29,11 @@ from typing import Generic, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-__all__ = ["MESSAGE", "ERROR", "KEY_BYTES", "StepSocketError", "StepSocketCall", "available", "connect", "listen",
-           "messages", "parse", "read_frame", "socket_name", "write_error", "write_message"]
+from services.common.grpc_server import MAX_MESSAGE_BYTES, ServiceError
+
+__all__ = ["MESSAGE", "ERROR", "KEY_BYTES", "StepSocketError", "StepSocketCall", "StepSocketServer", "available",
+           "connect", "listen", "messages", "parse", "read_frame", "same_key", "socket_name", "write_error",
+           "write_message"]
 
 MESSAGE, ERROR = 0, 1
 KEY_BYTES = 16
@@ -43,9 +48,13 @@ def available() -> bool:
     return sys.platform.startswith("linux")
 
 
-def socket_name(verifier_id: str) -> str:
-    """The abstract name (leading NUL) a verifier listens on."""
-    return f"\0ddtree-steps-{verifier_id}"
+def socket_name(server_id: str) -> str:
+    """The abstract name (leading NUL) a server listens on."""
+    return f"\0ddtree-steps-{server_id}"
+
+
+def same_key(held: bytes, presented: bytes | None) -> bool:
+    return bool(held) and presented is not None and hmac.compare_digest(held, presented)
 
 
 async def listen(name: str, handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -217,3 +226,61 @@ class StepSocketCall(Generic[M]):
             callback(self)
         else:
             self._callbacks.append(callback)
+
+
+class StepSocketServer(Generic[M]):
+    """The serving end: each connection presents a key, which ``start`` turns into what ``steps``
+    serves (or refuses with a ServiceError: an ERROR frame with its status), then its requests are
+    answered in order, as the gRPC stream handler it stands beside answers them.
+
+    ``steps(handle, requests)`` is the service's own stream of answers, shared with its gRPC
+    handler; a ServiceError out of it ends the stream with that status."""
+
+    def __init__(self, name: str, start: Callable[[bytes | None], object],
+                 steps: Callable[[object, AsyncIterator[M]], AsyncIterator[Message]], request_type: type[M],
+                 key_timeout_s: float) -> None:
+        self.name = name
+        self._start = start
+        self._steps = steps
+        self._request_type = request_type
+        self._key_timeout_s = key_timeout_s
+        self._server: asyncio.AbstractServer | None = None
+        self._streams: set[asyncio.Task] = set()
+
+    async def open(self) -> None:
+        self._server = await listen(self.name, self._serve)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._streams.add(asyncio.current_task())
+        try:
+            key = await asyncio.wait_for(read_frame(reader, KEY_BYTES), self._key_timeout_s)
+            handle = self._start(key)
+            write_message(writer, b"")   # taken: the caller's open returns
+            requests = messages(reader, self._request_type, MAX_MESSAGE_BYTES)
+            async with contextlib.aclosing(self._steps(handle, requests)) as answers:
+                async for answer in answers:
+                    write_message(writer, answer)
+                    await writer.drain()
+        except (ServiceError, StepSocketError) as exc:
+            with contextlib.suppress(OSError):
+                write_error(writer, exc.code, exc.message if isinstance(exc, ServiceError) else exc.details)
+        except (asyncio.TimeoutError, OSError):   # no key in time, or a caller gone mid-answer: no one to tell
+            pass
+        finally:
+            self._streams.discard(asyncio.current_task())
+            writer.close()
+
+    def stop_accepting(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def close(self, grace_s: float) -> None:
+        """Takes no new stream; gives those open ``grace_s`` to end (the service ends its idle ones,
+        a step in progress finishes), then cancels the rest, as gRPC's stop does to its own."""
+        self.stop_accepting()
+        if self._streams:
+            _, late = await asyncio.wait(list(self._streams), timeout=grace_s)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import secrets
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 
 from ddtree.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from kernels.pdl import switch_from_env
+from services.common import step_socket
 from services.common.auth import internal_interceptors, internal_token
 from services.common.checkpoint import CheckpointError, shared_weights_digest
 from services.common.devices import pin_device
@@ -33,19 +35,70 @@ __all__ = ["DraftServicer", "serve"]
 log = get_logger("draft")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SOCKET_KEY_LIFE_S = 30.0   # an OpenStepSocket key not used by then is void
+MAX_SOCKET_KEYS = 1024     # keys outstanding at once; past it the oldest go
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
-    def __init__(self, engine: DraftEngine) -> None:
+    def __init__(self, engine: DraftEngine, server_id: str = "") -> None:
         self.engine = engine
         self._idle = IdleStreams()   # step streams waiting for their next step
         self._streams = itertools.count(1)      # each step stream's number: the owner of what it admits
+        self.server_id = server_id or f"draft-{secrets.token_hex(6)}"
+        self.step_socket = ""   # the abstract socket name offered (`start_step_socket`; "": none)
+        self._sockets: step_socket.StepSocketServer | None = None
+        self._socket_keys: dict[bytes, float] = {}   # keys offered and not yet used -> when they expire
+
+    async def start_step_socket(self, enabled: bool = True) -> str:
+        """Offers schedulers of this host a step socket (`draft.step_socket`, Linux); returns its name."""
+        if enabled and step_socket.available():
+            self._sockets = step_socket.StepSocketServer(step_socket.socket_name(self.server_id), self._socket_owner,
+                                                         self._owned_steps, draft_pb2.StepRequest, SOCKET_KEY_LIFE_S)
+            await self._sockets.open()
+            self.step_socket = self._sockets.name
+        return self.step_socket
+
+    async def close_step_socket(self, grace_s: float) -> None:
+        """Ends the idle streams on it and gives the others ``grace_s`` (`StepSocketServer.close`)."""
+        self.end_idle_streams()
+        if self._sockets is not None:
+            await self._sockets.close(grace_s)
+
+    async def OpenStepSocket(self, request: draft_pb2.OpenStepSocketRequest,
+                             context: grpc.aio.ServicerContext) -> draft_pb2.StepSocketOffer:
+        if not self.step_socket:
+            return draft_pb2.StepSocketOffer()
+        now = time.monotonic()
+        self._socket_keys = {k: t for k, t in self._socket_keys.items() if t > now}
+        while len(self._socket_keys) >= MAX_SOCKET_KEYS:   # a caller asking without connecting: its oldest go
+            self._socket_keys.pop(next(iter(self._socket_keys)))
+        key = secrets.token_bytes(step_socket.KEY_BYTES)
+        self._socket_keys[key] = now + SOCKET_KEY_LIFE_S
+        return draft_pb2.StepSocketOffer(name=self.step_socket, key=key)
+
+    def _socket_owner(self, key: bytes | None) -> int:
+        """A new stream's owner number for a key this draft offered (each key opens one stream)."""
+        held = next((k for k in self._socket_keys if step_socket.same_key(k, key)), None)
+        if held is None or self._socket_keys.pop(held) < time.monotonic():
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "no step socket key of this draft (used, expired, or never given); "
+                               "call OpenStepSocket first")
+        return next(self._streams)
 
     async def StepStream(self, request_iterator: AsyncIterator[draft_pb2.StepRequest],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[draft_pb2.StepResponse]:
-        owner = next(self._streams)
         try:
-            async with contextlib.aclosing(self._steps(request_iterator, context, owner)) as steps:
+            async with contextlib.aclosing(self._owned_steps(next(self._streams), request_iterator)) as steps:
+                async for response in steps:
+                    yield response
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def _owned_steps(self, owner: int, request_iterator: AsyncIterator[draft_pb2.StepRequest]
+                           ) -> AsyncIterator[draft_pb2.StepResponse]:
+        """One step stream, from gRPC or the step socket; a ServiceError out of it ends the stream."""
+        try:
+            async with contextlib.aclosing(self._steps(request_iterator, owner)) as steps:
                 async for response in steps:   # closed with this stream, so its clean-ups run first
                     yield response
         finally:
@@ -54,7 +107,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             await asyncio.shield(self.engine.end_stream(owner))
 
     async def _steps(self, request_iterator: AsyncIterator[draft_pb2.StepRequest],
-                     context: grpc.aio.ServicerContext, owner: int) -> AsyncIterator[draft_pb2.StepResponse]:
+                     owner: int) -> AsyncIterator[draft_pb2.StepResponse]:
         requests = request_iterator.__aiter__()
         while (request := await self._idle.next(requests)) is not None:   # None: ended, or stopping
             step = asyncio.ensure_future(self.engine.step(request, owner))
@@ -62,8 +115,6 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 # Shielded: if the scheduler gives up on the stream, the step still runs to its end
                 # (holding the engine's lock), so the next step never starts beside a half-done one.
                 yield await asyncio.shield(step)
-            except ServiceError as exc:
-                await context.abort(exc.code, exc.message)
             except asyncio.CancelledError:   # its end is heard by no one: said here, not by asyncio's
                 step.add_done_callback(_said_after_stream_end)   # "exception was never retrieved" traceback
                 raise
@@ -76,8 +127,12 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     def end_idle_streams(self) -> None:
         """At shutdown: ends every step stream between two steps, and every other one after the
         step in flight, so the grace period waits for steps in flight only, not for the schedulers'
-        open streams (a lane whose stream ended finds this replica down at its next step)."""
+        open streams (a lane whose stream ended finds this replica down at its next step). The step
+        socket takes no new stream from here on either."""
         self._idle.end()
+        self.step_socket = ""
+        if self._sockets is not None:
+            self._sockets.stop_accepting()
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
@@ -201,7 +256,9 @@ async def serve(settings: DraftSettings) -> None:
     port = listen(server, host_port(settings.host, settings.port), "draft.port")
     warn_if_reachable(settings.host, "draft.host", bool(token))
     await server.start()
-    log.info("serving", address=host_port(settings.host, port), verifier=settings.verifier_address, metrics_port=metrics_port)
+    await servicer.start_step_socket(settings.step_socket)
+    log.info("serving", address=host_port(settings.host, port), verifier=settings.verifier_address, metrics_port=metrics_port,
+             step_socket=bool(servicer.step_socket), verifier_lane=client.lane)
     tasks = [asyncio.ensure_future(report_health(health, [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name],
                                                  lambda: client.connected, "no verifier stream",
                                                  wake=client.stream_changed)),
@@ -209,6 +266,7 @@ async def serve(settings: DraftSettings) -> None:
     try:
         await serve_until_signal(server, health, on_stop=servicer.end_idle_streams)
     finally:
+        await servicer.close_step_socket(grace_s=5.0)   # gRPC's stop gave its own streams as long
         for task in tasks:
             task.cancel()
         await engine.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import itertools
 import math
 import os
@@ -35,8 +34,8 @@ from services.common.auth import internal_interceptors, internal_token
 from services.common.checkpoint import read_config, require_checkpoint, shared_weights_digest
 from services.common.devices import device_name, pin_device
 from services.common import step_socket
-from services.common.grpc_server import (MAX_MESSAGE_BYTES, IdleStreams, ServiceError, check_port_free, host_port,
-                                         listen, new_server, serve_until_signal, warn_if_reachable)
+from services.common.grpc_server import (IdleStreams, ServiceError, check_port_free, host_port, listen, new_server,
+                                         serve_until_signal, warn_if_reachable)
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import Metrics, serve_metrics
 from services.common.settings import (MAX_BUDGET, MAX_DRAFT_RING_SLOT_BYTES, MAX_DRAFT_RING_SLOTS, SettingsError,
@@ -111,28 +110,24 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._idle = IdleStreams()   # stream handlers waiting for their draft's next step
         self.verifier_id = f"verifier-{uuid.uuid4().hex[:12]}"
         self.step_socket = ""   # the abstract socket name offered at handshakes ("": none; `start_step_socket`)
-        self._socket_server: asyncio.AbstractServer | None = None
-        self._socket_streams: set[asyncio.Task] = set()
+        self._sockets: step_socket.StepSocketServer | None = None
 
     async def start_step_socket(self) -> str:
         """Listens for steps on a Unix socket where `verifier.step_socket` is on and the platform has
         abstract names; returns the name offered to drafts from here on ("": none)."""
         if self.settings.step_socket and step_socket.available():
-            name = step_socket.socket_name(self.verifier_id)
-            self._socket_server = await step_socket.listen(name, self._socket_stream)
-            self.step_socket = name
+            self._sockets = step_socket.StepSocketServer(step_socket.socket_name(self.verifier_id), self._socket_peer,
+                                                         self._serve_steps, verifier_pb2.VerifyRequest,
+                                                         self.settings.peer_stream_timeout_s)
+            await self._sockets.open()
+            self.step_socket = self._sockets.name
         return self.step_socket
 
     async def close_step_socket(self, grace_s: float) -> None:
-        """Takes no new socket streams; gives those open `grace_s` to end (`end_idle_streams` ends the
-        idle ones, a step in progress finishes), then cancels the rest, as gRPC's stop does to its own."""
+        """Ends the idle streams on it and gives the others ``grace_s`` (`StepSocketServer.close`)."""
         self.end_idle_streams()
-        if self._socket_streams:
-            _, late = await asyncio.wait(list(self._socket_streams), timeout=grace_s)
-            for task in late:
-                task.cancel()
-            if late:
-                await asyncio.wait(late)
+        if self._sockets is not None:
+            await self._sockets.close(grace_s)
 
     async def Handshake(self, request: verifier_pb2.HandshakeRequest,
                         context: grpc.aio.ServicerContext) -> verifier_pb2.HandshakeResponse:
@@ -256,33 +251,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except ServiceError as exc:   # the stream itself is refused: the draft hand-shakes again
             await context.abort(exc.code, exc.message)
 
-    async def _socket_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """A draft's steps on the step socket: its handshake's key first, then as `VerifyStream`;
-        a refusal is an ERROR frame with the status the stream would have aborted with."""
-        self._socket_streams.add(asyncio.current_task())
-        try:
-            key = await asyncio.wait_for(step_socket.read_frame(reader, step_socket.KEY_BYTES),
-                                         self.settings.peer_stream_timeout_s)
-            peer = next((p for p in self._peers.values() if p.socket_key and key is not None
-                         and hmac.compare_digest(p.socket_key, key)), None)
-            if peer is None:
-                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   "no handshake for this step socket key; call Handshake first")
-            step_socket.write_message(writer, b"")   # taken: the draft's open returns
-            requests = step_socket.messages(reader, verifier_pb2.VerifyRequest, MAX_MESSAGE_BYTES)
-            async with contextlib.aclosing(self._serve_steps(peer, requests)) as steps:
-                async for resp in steps:
-                    step_socket.write_message(writer, resp)
-                    await writer.drain()
-        except (ServiceError, step_socket.StepSocketError) as exc:
-            code, details = (exc.code, exc.message) if isinstance(exc, ServiceError) else (exc.code, exc.details)
-            with contextlib.suppress(OSError):
-                step_socket.write_error(writer, code, details)
-        except (asyncio.TimeoutError, OSError):   # no key in time, or a draft gone mid-reply: nothing to tell
-            pass
-        finally:
-            self._socket_streams.discard(asyncio.current_task())
-            writer.close()
+    def _socket_peer(self, key: bytes | None) -> _Peer:
+        """The handshake a step socket's key names."""
+        peer = next((p for p in self._peers.values() if step_socket.same_key(p.socket_key, key)), None)
+        if peer is None:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "no handshake for this step socket key; call Handshake first")
+        return peer
 
     async def _serve_steps(self, peer: _Peer, request_iterator: AsyncIterator[verifier_pb2.VerifyRequest]
                            ) -> AsyncIterator[verifier_pb2.VerifyResponse]:
@@ -327,8 +302,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         stream from here on either."""
         self._idle.end()
         self.step_socket = ""
-        if self._socket_server is not None:
-            self._socket_server.close()
+        if self._sockets is not None:
+            self._sockets.stop_accepting()
 
     def _track(self, future: asyncio.Future) -> asyncio.Future:
         """Keeps a background clean-up referenced until it finishes."""

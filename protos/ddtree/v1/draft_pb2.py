@@ -25,21 +25,25 @@ _sym_db = _symbol_database.Default()
 from ddtree.v1 import common_pb2 as ddtree_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64\x64tree/v1/draft.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/common.proto\"\xdd\x01\n\x08StepItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x1d\n\x04mode\x18\x04 \x01(\x0e\x32\x0f.ddtree.v1.Mode\x12\x0e\n\x06\x62udget\x18\x05 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\x05\x12\x18\n\x10prompt_continues\x18\x07 \x01(\x08\x12\x15\n\rprompt_offset\x18\x08 \x01(\x05\"B\n\x0bStepRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.ddtree.v1.StepItem\x12\x0f\n\x07release\x18\x02 \x03(\t\"y\n\nStepResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x03 \x01(\x05\x12\x12\n\nerror_code\x18\x04 \x01(\x05\x12\x15\n\rerror_message\x18\x05 \x01(\t\"l\n\x0cStepResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.ddtree.v1.StepResult\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x02\x12\x11\n\tverify_ms\x18\x03 \x01(\x02\x12\x0f\n\x07\x64\x65\x63oded\x18\x04 \x01(\x08\x32\x90\x01\n\x05\x44raft\x12\x41\n\nStepStream\x12\x16.ddtree.v1.StepRequest\x1a\x17.ddtree.v1.StepResponse(\x01\x30\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.ddtree.v1.GetModelInfoRequest\x1a\x14.ddtree.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64\x64tree/v1/draft.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/common.proto\"\x17\n\x15OpenStepSocketRequest\",\n\x0fStepSocketOffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\x0c\"\xdd\x01\n\x08StepItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x1d\n\x04mode\x18\x04 \x01(\x0e\x32\x0f.ddtree.v1.Mode\x12\x0e\n\x06\x62udget\x18\x05 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\x05\x12\x18\n\x10prompt_continues\x18\x07 \x01(\x08\x12\x15\n\rprompt_offset\x18\x08 \x01(\x05\"B\n\x0bStepRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.ddtree.v1.StepItem\x12\x0f\n\x07release\x18\x02 \x03(\t\"y\n\nStepResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x03 \x01(\x05\x12\x12\n\nerror_code\x18\x04 \x01(\x05\x12\x15\n\rerror_message\x18\x05 \x01(\t\"l\n\x0cStepResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.ddtree.v1.StepResult\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x02\x12\x11\n\tverify_ms\x18\x03 \x01(\x02\x12\x0f\n\x07\x64\x65\x63oded\x18\x04 \x01(\x08\x32\xe0\x01\n\x05\x44raft\x12\x41\n\nStepStream\x12\x16.ddtree.v1.StepRequest\x1a\x17.ddtree.v1.StepResponse(\x01\x30\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.ddtree.v1.GetModelInfoRequest\x1a\x14.ddtree.v1.ModelInfo\x12N\n\x0eOpenStepSocket\x12 .ddtree.v1.OpenStepSocketRequest\x1a\x1a.ddtree.v1.StepSocketOfferb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ddtree.v1.draft_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STEPITEM']._serialized_start=61
-  _globals['_STEPITEM']._serialized_end=282
-  _globals['_STEPREQUEST']._serialized_start=284
-  _globals['_STEPREQUEST']._serialized_end=350
-  _globals['_STEPRESULT']._serialized_start=352
-  _globals['_STEPRESULT']._serialized_end=473
-  _globals['_STEPRESPONSE']._serialized_start=475
-  _globals['_STEPRESPONSE']._serialized_end=583
-  _globals['_DRAFT']._serialized_start=586
-  _globals['_DRAFT']._serialized_end=730
+  _globals['_OPENSTEPSOCKETREQUEST']._serialized_start=60
+  _globals['_OPENSTEPSOCKETREQUEST']._serialized_end=83
+  _globals['_STEPSOCKETOFFER']._serialized_start=85
+  _globals['_STEPSOCKETOFFER']._serialized_end=129
+  _globals['_STEPITEM']._serialized_start=132
+  _globals['_STEPITEM']._serialized_end=353
+  _globals['_STEPREQUEST']._serialized_start=355
+  _globals['_STEPREQUEST']._serialized_end=421
+  _globals['_STEPRESULT']._serialized_start=423
+  _globals['_STEPRESULT']._serialized_end=544
+  _globals['_STEPRESPONSE']._serialized_start=546
+  _globals['_STEPRESPONSE']._serialized_end=654
+  _globals['_DRAFT']._serialized_start=657
+  _globals['_DRAFT']._serialized_end=881
 # @@protoc_insertion_point(module_scope)

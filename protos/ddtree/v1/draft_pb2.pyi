@@ -7,6 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class OpenStepSocketRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StepSocketOffer(_message.Message):
+    __slots__ = ("name", "key")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    key: bytes
+    def __init__(self, name: _Optional[str] = ..., key: _Optional[bytes] = ...) -> None: ...
+
 class StepItem(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode", "budget", "max_new_tokens", "prompt_continues", "prompt_offset")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -48,6 +48,11 @@ class DraftStub:
                 request_serializer=ddtree_dot_v1_dot_common__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_common__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.OpenStepSocket = channel.unary_unary(
+                '/ddtree.v1.Draft/OpenStepSocket',
+                request_serializer=ddtree_dot_v1_dot_draft__pb2.OpenStepSocketRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_draft__pb2.StepSocketOffer.FromString,
+                _registered_method=True)
 
 
 class DraftServicer:
@@ -68,6 +73,14 @@ class DraftServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenStepSocket(self, request, context):
+        """Where a scheduler on this draft's host may send a stream's steps instead of StepStream: a Unix
+        socket and a key good for one stream, opened within 30 s (services/common/step_socket.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +93,11 @@ def add_DraftServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=ddtree_dot_v1_dot_common__pb2.GetModelInfoRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_common__pb2.ModelInfo.SerializeToString,
+            ),
+            'OpenStepSocket': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenStepSocket,
+                    request_deserializer=ddtree_dot_v1_dot_draft__pb2.OpenStepSocketRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_draft__pb2.StepSocketOffer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -139,6 +157,33 @@ class Draft:
             '/ddtree.v1.Draft/GetModelInfo',
             ddtree_dot_v1_dot_common__pb2.GetModelInfoRequest.SerializeToString,
             ddtree_dot_v1_dot_common__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenStepSocket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ddtree.v1.Draft/OpenStepSocket',
+            ddtree_dot_v1_dot_draft__pb2.OpenStepSocketRequest.SerializeToString,
+            ddtree_dot_v1_dot_draft__pb2.StepSocketOffer.FromString,
             options,
             channel_credentials,
             insecure,

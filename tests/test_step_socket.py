@@ -1,0 +1,336 @@
+"""The step socket: a draft of the verifier's host sends its steps on a Unix socket, not the gRPC stream.
+
+The frames first (`services/common/step_socket.py`), then the real verifier servicer (in front of a
+stand-in engine) and the real draft-side client over a real gRPC handshake and a real socket: which
+lane a step takes, the fallbacks, and that every way a stream ends frees what the draft held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import struct
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import torch
+
+from ddtree.v1 import verifier_pb2, verifier_pb2_grpc
+from services.common import step_socket
+from services.common.grpc_server import MAX_MESSAGE_BYTES, ServiceError
+from services.common.metrics import Metrics
+from services.common.settings import VerifierSettings
+from services.common.step_socket import StepSocketCall, StepSocketError
+from services.draft import verifier_client
+from services.draft.verifier_client import VerifierClient
+from services.verifier.server import VerifierServicer
+
+pytestmark = pytest.mark.skipif(not step_socket.available(), reason="abstract Unix socket names are Linux's")
+
+HIDDEN, VOCAB = 32, 256
+
+
+def _reader_of(data: bytes) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return reader
+
+
+def _frame(kind: int, payload: bytes) -> bytes:
+    return struct.pack("<BI", kind, len(payload)) + payload
+
+
+def _read(data: bytes, max_bytes: int = 1 << 20):
+    async def go():
+        return await step_socket.read_frame(_reader_of(data), max_bytes)
+    return asyncio.run(go())
+
+
+def test_frames_read_back_as_written() -> None:
+    req = verifier_pb2.VerifyRequest(sequence=7, verify_ids=["a", "b"])
+    assert verifier_pb2.VerifyRequest.FromString(_read(_frame(step_socket.MESSAGE, req.SerializeToString()))) == req
+    assert _read(_frame(step_socket.MESSAGE, b"")) == b""
+    assert _read(b"") is None   # a clean end between frames
+
+
+def test_an_error_frame_raises_its_status_even_past_the_message_limit() -> None:
+    details = "no handshake for this step socket key " * 20
+    error = struct.pack("<I", grpc.StatusCode.FAILED_PRECONDITION.value[0]) + details.encode()
+    with pytest.raises(StepSocketError) as info:
+        _read(_frame(step_socket.ERROR, error), max_bytes=0)   # (the key's acknowledgement allows no message bytes)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and info.value.details == details
+
+
+@pytest.mark.parametrize("data, code, words", [
+    (_frame(step_socket.MESSAGE, b"x" * 65), grpc.StatusCode.RESOURCE_EXHAUSTED, "65 bytes, more than the 64"),
+    (struct.pack("<BI", step_socket.MESSAGE, 1 << 31), grpc.StatusCode.RESOURCE_EXHAUSTED, "more than the 64"),
+    (_frame(7, b"x"), grpc.StatusCode.INVALID_ARGUMENT, "unknown kind 7"),
+    (_frame(step_socket.MESSAGE, b"xyz")[:-1], grpc.StatusCode.UNAVAILABLE, "inside a frame"),
+    (b"\x00\x01", grpc.StatusCode.UNAVAILABLE, "inside a frame"),
+])
+def test_bad_frames_are_refused_before_their_payload_is_read(data, code, words) -> None:
+    with pytest.raises(StepSocketError) as info:
+        _read(data, max_bytes=64)
+    assert info.value.code == code and words in info.value.details
+
+
+def test_a_frame_that_is_no_message_of_its_type_is_invalid_argument() -> None:
+    async def go():
+        async for _ in step_socket.messages(_reader_of(_frame(step_socket.MESSAGE, b"\xff\xff\xff")),
+                                            verifier_pb2.VerifyRequest, 1024):
+            pass
+    with pytest.raises(StepSocketError) as info:
+        asyncio.run(go())
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "VerifyRequest" in info.value.details
+
+
+def test_a_call_reads_replies_then_the_end_and_tells_its_callbacks() -> None:
+    """The verifier answers two requests and ends in order: the third read is EOF, every later
+    one too, and the call is done without a read (health hears of it between steps)."""
+    async def scenario():
+        name = step_socket.socket_name(f"test-{os.getpid()}-end")
+
+        async def verifier(reader, writer):
+            await step_socket.read_frame(reader, step_socket.KEY_BYTES)
+            step_socket.write_message(writer, b"")
+            for _ in range(2):
+                req = step_socket.parse(await step_socket.read_frame(reader, 1024), verifier_pb2.VerifyRequest)
+                step_socket.write_message(writer, verifier_pb2.VerifyResponse(sequence=req.sequence))
+            writer.close()
+        server = await step_socket.listen(name, verifier)
+        try:
+            call = await StepSocketCall.open(name, os.urandom(step_socket.KEY_BYTES), verifier_pb2.VerifyResponse,
+                                             MAX_MESSAGE_BYTES)
+            ended = asyncio.Event()
+            call.add_done_callback(lambda _: ended.set())
+            got = []
+            for seq in (3, 4):
+                await call.write(verifier_pb2.VerifyRequest(sequence=seq))
+                got.append((await call.read()).sequence)
+            await asyncio.wait_for(ended.wait(), 5)
+            ends = [await call.read(), await call.read()]
+            with pytest.raises(StepSocketError, match="closed"):
+                await call.write(verifier_pb2.VerifyRequest(sequence=5))
+            return got, ends, call.done()
+        finally:
+            server.close()
+
+    got, ends, done = asyncio.run(scenario())
+    assert got == [3, 4] and ends == [grpc.aio.EOF, grpc.aio.EOF] and done
+
+
+class _Group:
+    """A stand-in engine: prefills answer one token and random features per prompt token."""
+
+    def __init__(self) -> None:
+        config = SimpleNamespace(hidden_size=HIDDEN, vocab_size=VOCAB, model_type="deepseek_v3", eos_token_id=[0])
+        cache = SimpleNamespace(pages_free=64, num_pages=64, capacity_tokens=1024, page_size=16)
+        self.engine = SimpleNamespace(model=SimpleNamespace(config=config, dtype=torch.float32), cache=cache,
+                                      max_context=256, active_requests=0, holds=lambda request_id: False,
+                                      model_device=torch.device("cpu"), check_feature_layers=lambda ids: None,
+                                      cat_features=lambda parts: torch.cat(parts) if parts else torch.zeros(0, HIDDEN))
+        self.released: list[str] = []
+
+    def call(self, name: str, *args):
+        if name == "prefill":
+            items = [SimpleNamespace(request_id=p.request_id, error=None, tokens=[7], committed=len(p.token_ids))
+                     for p in args[0]]
+            return SimpleNamespace(items=items, features=torch.randn(sum(len(p.token_ids) for p in args[0]), HIDDEN))
+        if name == "release_owner":
+            self.released.append(args[0])
+            return 0
+        return None
+
+
+@contextlib.asynccontextmanager
+async def _verifier(step_socket_on: bool = True):
+    servicer = VerifierServicer(_Group(), VerifierSettings(device="cpu", ring_slot_bytes=8192,
+                                                           step_socket=step_socket_on), Metrics("verifier"))
+    server = grpc.aio.server()
+    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await servicer.start_step_socket()
+    try:
+        yield servicer, f"127.0.0.1:{port}"
+    finally:
+        await servicer.close_step_socket(grace_s=5.0)
+        await server.stop(None)
+
+
+def _client(address: str) -> VerifierClient:
+    return VerifierClient(address, "shm", ring_slots=4, ring_slot_bytes=8192, device="cpu")
+
+
+def _prefill(rid: str, n: int) -> verifier_pb2.PrefillItem:
+    return verifier_pb2.PrefillItem(request_id=rid, token_ids=list(range(1, n + 1)), reserve_tokens=16)
+
+
+async def _gone(servicer: VerifierServicer) -> bool:
+    for _ in range(250):   # a stream's end reaches the verifier asynchronously
+        if not servicer._peers:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_steps_take_the_socket_where_offered_and_the_grpc_stream_where_not(on: bool) -> None:
+    """Same answers on both lanes: the features by ring reference, read in place."""
+    async def scenario():
+        async with _verifier(step_socket_on=on) as (servicer, address):
+            client = _client(address)
+            try:
+                hs = await client.connect([1], HIDDEN, VOCAB)
+                shapes = [tuple((await client.step([_prefill(r, n)], [], None, [])).features.shape)
+                          for r, n in (("a", 5), ("b", 3))]
+                return bool(hs.step_socket), len(hs.step_socket_key), client.lane, shapes, client.connected
+            finally:
+                await client.close()
+
+    offered, key_bytes, lane, shapes, connected = asyncio.run(scenario())
+    assert (offered, key_bytes, lane) == ((True, step_socket.KEY_BYTES, "socket") if on else (False, 0, "grpc"))
+    assert shapes == [(5, HIDDEN), (3, HIDDEN)] and connected
+
+
+def test_a_draft_that_cannot_reach_the_socket_keeps_the_grpc_stream(monkeypatch) -> None:
+    """Another network namespace (compose's containers) does not see the abstract name."""
+    async def refused(name):
+        raise ConnectionRefusedError(111, "Connection refused")
+    monkeypatch.setattr(step_socket, "connect", refused)
+
+    async def scenario():
+        async with _verifier() as (servicer, address):
+            client = _client(address)
+            try:
+                await client.connect([1], HIDDEN, VOCAB)
+                reply = await client.step([_prefill("a", 4)], [], None, [])
+                return client.lane, reply.features.shape[0]
+            finally:
+                await client.close()
+
+    assert asyncio.run(scenario()) == ("grpc", 4)
+
+
+def test_a_key_no_handshake_gave_is_refused_with_a_status() -> None:
+    async def scenario():
+        async with _verifier() as (servicer, address):
+            client = _client(address)
+            try:
+                hs = await client.connect([1], HIDDEN, VOCAB)
+                with pytest.raises(StepSocketError) as info:
+                    await StepSocketCall.open(hs.step_socket, os.urandom(step_socket.KEY_BYTES),
+                                              verifier_pb2.VerifyResponse, MAX_MESSAGE_BYTES)
+                # ... and the draft that holds the key steps on as before
+                reply = await client.step([_prefill("a", 2)], [], None, [])
+                return info.value, reply.features.shape[0]
+            finally:
+                await client.close()
+
+    error, rows = asyncio.run(scenario())
+    assert error.code == grpc.StatusCode.FAILED_PRECONDITION and "call Handshake first" in error.details
+    assert rows == 2
+
+
+def test_a_second_stream_of_one_handshake_is_refused() -> None:
+    """The key opened one stream already: a second (socket or gRPC) would interleave its steps."""
+    async def scenario():
+        async with _verifier() as (servicer, address):
+            client = _client(address)
+            try:
+                hs = await client.connect([1], HIDDEN, VOCAB)
+                call = await StepSocketCall.open(hs.step_socket, hs.step_socket_key, verifier_pb2.VerifyResponse,
+                                                 MAX_MESSAGE_BYTES)
+                with pytest.raises(StepSocketError) as info:
+                    await call.read()
+                return info.value
+            finally:
+                await client.close()
+
+    error = asyncio.run(scenario())
+    assert error.code == grpc.StatusCode.FAILED_PRECONDITION and "already open" in error.details
+
+
+def test_a_draft_that_dies_frees_what_its_stream_held(monkeypatch) -> None:
+    """Its socket closes with a step's request half written: the verifier ends the stream and
+    releases the handshake's requests and rings."""
+    async def scenario():
+        async with _verifier() as (servicer, address):
+            client = _client(address)
+            await client.connect([1], HIDDEN, VOCAB)
+            await client.step([_prefill("a", 3)], [], None, [])
+            owner = next(iter(servicer._peers.values())).owner
+            transport = client._call._writer.transport
+            transport.write(struct.pack("<BI", step_socket.MESSAGE, 100) + b"part of a request")
+            transport.abort()   # as a killed process's socket goes
+            gone = await _gone(servicer)
+            await client.close()
+            return gone, owner, servicer.group.released
+
+    gone, owner, released = asyncio.run(scenario())
+    assert gone and released == [owner]
+
+
+def test_a_garbled_request_ends_the_stream_with_invalid_argument() -> None:
+    async def scenario():
+        async with _verifier() as (servicer, address):
+            client = _client(address)
+            try:
+                await client.connect([1], HIDDEN, VOCAB)
+                client._call._writer.write(struct.pack("<BI", step_socket.MESSAGE, 3) + b"\xff\xff\xff")
+                with pytest.raises(StepSocketError) as info:
+                    await client._call.read()
+                return info.value, await _gone(servicer)
+            finally:
+                await client.close()
+
+    error, gone = asyncio.run(scenario())
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "VerifyRequest" in error.details and gone
+
+
+def test_a_stopping_verifier_ends_an_idle_socket_stream_at_once() -> None:
+    """As it ends its gRPC streams: the draft sees the stream end between steps (health goes
+    NOT_SERVING) and its next step hand-shakes again instead of writing into a closed socket."""
+    async def scenario():
+        async with _verifier() as (servicer, address):
+            client = _client(address)
+            try:
+                await client.connect([1], HIDDEN, VOCAB)
+                await client.step([_prefill("a", 2)], [], None, [])
+                client.stream_changed.clear()
+                servicer.end_idle_streams()
+                await asyncio.wait_for(client.stream_changed.wait(), 5)
+                ended = (client.connected, await client._call.read(), await _gone(servicer))
+                offered_after = servicer.step_socket
+                return ended, offered_after
+            finally:
+                await client.close()
+
+    (connected, read, gone), offered_after = asyncio.run(scenario())
+    assert not connected and read is grpc.aio.EOF and gone and offered_after == ""
+
+
+def test_a_step_whose_stream_broke_names_the_status(monkeypatch) -> None:
+    """The verifier's refusal mid-stream reaches the draft's step as UNAVAILABLE with its words."""
+    async def scenario():
+        async with _verifier() as (servicer, address):
+            client = _client(address)
+            try:
+                await client.connect([1], HIDDEN, VOCAB)
+                servicer._peers.clear()   # as after the draft's handshake expired
+                with pytest.raises(ServiceError) as info:
+                    await client.step([_prefill("a", 2)], [], None, [])
+                return info.value, client.connected
+            finally:
+                await client.close()
+
+    error, connected = asyncio.run(scenario())
+    assert error.code == grpc.StatusCode.UNAVAILABLE and "no longer current" in error.message and not connected
+
+
+def test_the_setting_and_the_lane_are_documented() -> None:
+    readme = open("README.md").read()
+    assert "verifier.step_socket" in readme and verifier_client.VerifierClient.__init__.__doc__
