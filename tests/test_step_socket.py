@@ -23,7 +23,6 @@ from services.common.grpc_server import MAX_MESSAGE_BYTES, ServiceError
 from services.common.metrics import Metrics
 from services.common.settings import VerifierSettings
 from services.common.step_socket import StepSocketCall, StepSocketError
-from services.draft import verifier_client
 from services.draft.verifier_client import VerifierClient
 from services.verifier.server import VerifierServicer
 
@@ -333,4 +332,193 @@ def test_a_step_whose_stream_broke_names_the_status(monkeypatch) -> None:
 
 def test_the_setting_and_the_lane_are_documented() -> None:
     readme = open("README.md").read()
-    assert "verifier.step_socket" in readme and verifier_client.VerifierClient.__init__.__doc__
+    assert "verifier.step_socket" in readme and "draft.step_socket" in readme
+
+
+# The scheduler's step streams to its draft (`DraftLink` against `DraftServicer`).
+
+class _EchoEngine:
+    """A draft engine's interface to `DraftServicer`: each item answered with one token (its id's
+    length); item "refuse" fails the step INVALID_ARGUMENT. Records which stream stepped and ended."""
+
+    def __init__(self) -> None:
+        self.stepped: list[int] = []
+        self.ended: list[int] = []
+
+    async def step(self, request, owner: int = 0):
+        from ddtree.v1 import draft_pb2
+        self.stepped.append(owner)
+        ids = [i.request_id for i in request.items]
+        if "refuse" in ids:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "refused step")
+        return draft_pb2.StepResponse(results=[draft_pb2.StepResult(request_id=i, token_ids=[len(i)]) for i in ids])
+
+    def run_ahead(self) -> None:
+        pass
+
+    async def end_stream(self, owner: int) -> None:
+        self.ended.append(owner)
+
+
+@contextlib.asynccontextmanager
+async def _draft(enabled: bool = True):
+    from ddtree.v1 import draft_pb2_grpc
+    from services.draft.server import DraftServicer
+    engine = _EchoEngine()
+    servicer = DraftServicer(engine)
+    server = grpc.aio.server()
+    draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await servicer.start_step_socket(enabled)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield servicer, engine, draft_pb2_grpc.DraftStub(channel)
+    finally:
+        await channel.close()
+        await servicer.close_step_socket(grace_s=5.0)
+        await server.stop(0)
+
+
+def _step(*ids: str):
+    from ddtree.v1 import draft_pb2
+    return draft_pb2.StepRequest(items=[draft_pb2.StepItem(request_id=i) for i in ids])
+
+
+async def _until(condition, timeout_s: float = 5.0) -> bool:
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return True
+        await asyncio.sleep(0.02)
+    return condition()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_scheduler_lane_steps_on_the_drafts_socket_where_offered(enabled: bool) -> None:
+    from services.scheduler.draft_link import DraftLink, StepFailed
+
+    async def scenario():
+        async with _draft(enabled) as (servicer, engine, stub):
+            link = DraftLink(stub)
+            answers = [[list(r.token_ids) for r in (await link.step(_step("a", "bbb"), timeout=5)).results]
+                       for _ in range(3)]
+            lane = link.lane
+            with pytest.raises(StepFailed) as failed:   # the draft's refusal ends the stream with its status
+                await link.step(_step("refuse"), timeout=5)
+            await link.step(_step("cc"), timeout=5)   # on a new stream
+            link.close()
+            ended = await _until(lambda: len(engine.ended) == 2)
+            return answers, lane, failed.value, engine.stepped, engine.ended, ended
+
+    answers, lane, failed, stepped, ended, all_ended = asyncio.run(scenario())
+    assert answers == [[[1], [3]]] * 3 and lane == ("socket" if enabled else "grpc")
+    assert failed.code == grpc.StatusCode.INVALID_ARGUMENT and failed.details == "refused step" and failed.delivered
+    first, second = stepped[0], stepped[-1]
+    assert stepped == [first] * 4 + [second] and first != second   # one owner a stream
+    assert all_ended and sorted(ended) == sorted([first, second])   # each stream's end frees what it admitted
+
+
+def test_a_socket_key_opens_one_stream_and_expires(monkeypatch) -> None:
+    from ddtree.v1 import draft_pb2
+    from services.draft import server as draft_server
+
+    async def scenario():
+        async with _draft() as (servicer, engine, stub):
+            offer = await stub.OpenStepSocket(draft_pb2.OpenStepSocketRequest())
+            call = await StepSocketCall.open(offer.name, offer.key, draft_pb2.StepResponse, MAX_MESSAGE_BYTES)
+            await call.write(_step("a"))
+            first = list((await call.read()).results[0].token_ids)
+            errors = []
+            for key in (offer.key, os.urandom(step_socket.KEY_BYTES)):   # used already; never given
+                with pytest.raises(StepSocketError) as info:
+                    await StepSocketCall.open(offer.name, key, draft_pb2.StepResponse, MAX_MESSAGE_BYTES)
+                errors.append(info.value)
+            monkeypatch.setattr(draft_server, "SOCKET_KEY_LIFE_S", -1.0)   # keys given from here on are void at once
+            late = await stub.OpenStepSocket(draft_pb2.OpenStepSocketRequest())
+            with pytest.raises(StepSocketError) as info:
+                await StepSocketCall.open(late.name, late.key, draft_pb2.StepResponse, MAX_MESSAGE_BYTES)
+            errors.append(info.value)
+            call.cancel()
+            return first, errors
+
+    first, errors = asyncio.run(scenario())
+    assert first == [1]
+    assert all(e.code == grpc.StatusCode.FAILED_PRECONDITION and "call OpenStepSocket first" in e.details
+               for e in errors)
+
+
+def test_offered_keys_are_bounded(monkeypatch) -> None:
+    from ddtree.v1 import draft_pb2
+    from services.draft import server as draft_server
+    monkeypatch.setattr(draft_server, "MAX_SOCKET_KEYS", 4)
+
+    async def scenario():
+        async with _draft() as (servicer, engine, stub):
+            offers = [await stub.OpenStepSocket(draft_pb2.OpenStepSocketRequest()) for _ in range(10)]
+            opened = []
+            for offer in (offers[0], offers[-1]):   # the oldest went; the newest opens
+                try:
+                    call = await StepSocketCall.open(offer.name, offer.key, draft_pb2.StepResponse, MAX_MESSAGE_BYTES)
+                    call.cancel()
+                    opened.append(True)
+                except StepSocketError:
+                    opened.append(False)
+            return len(servicer._socket_keys), opened
+
+    held, opened = asyncio.run(scenario())
+    assert held <= 4 and opened == [False, True]
+
+
+def test_a_lane_that_cannot_reach_the_drafts_socket_steps_on_grpc_from_then_on(monkeypatch) -> None:
+    from services.scheduler.draft_link import DraftLink
+    tries = []
+
+    async def refused(name):
+        tries.append(name)
+        raise ConnectionRefusedError(111, "Connection refused")
+    monkeypatch.setattr(step_socket, "connect", refused)
+
+    async def scenario():
+        async with _draft() as (servicer, engine, stub):
+            link = DraftLink(stub)
+            first = (await link.step(_step("ab"), timeout=5)).results[0].token_ids[0]
+            link.close()
+            await link.step(_step("ab"), timeout=5)   # a new stream, on gRPC without asking again
+            link.close()
+            return first, link.lane
+
+    assert asyncio.run(scenario()) == (2, "grpc") and len(tries) == 1
+
+
+def test_a_stopping_draft_ends_an_idle_socket_stream_and_the_next_step_knows() -> None:
+    """As with its gRPC streams: a step naming running requests of the ended stream fails
+    UNAVAILABLE without being sent (the draft let go of them)."""
+    from services.scheduler.draft_link import DraftLink, StepFailed
+
+    async def scenario():
+        async with _draft() as (servicer, engine, stub):
+            link = DraftLink(stub)
+            await link.step(_step("a"), timeout=5)
+            servicer.end_idle_streams()
+            ended = await _until(lambda: link._call.done())
+            with pytest.raises(StepFailed) as failed:
+                await link.step(_step("a"), timeout=5)
+            return ended, failed.value, servicer.step_socket
+
+    ended, failed, offered_after = asyncio.run(scenario())
+    assert ended and failed.code == grpc.StatusCode.UNAVAILABLE and not failed.delivered and offered_after == ""
+
+
+def test_a_scheduler_gone_mid_stream_frees_what_its_stream_admitted() -> None:
+    from ddtree.v1 import draft_pb2
+
+    async def scenario():
+        async with _draft() as (servicer, engine, stub):
+            offer = await stub.OpenStepSocket(draft_pb2.OpenStepSocketRequest())
+            call = await StepSocketCall.open(offer.name, offer.key, draft_pb2.StepResponse, MAX_MESSAGE_BYTES)
+            await call.write(_step("a"))
+            await call.read()
+            call._writer.transport.abort()
+            return await _until(lambda: engine.ended == engine.stepped[:1])
+
+    assert asyncio.run(scenario())
