@@ -522,3 +522,21 @@ def test_a_scheduler_gone_mid_stream_frees_what_its_stream_admitted() -> None:
             return await _until(lambda: engine.ended == engine.stepped[:1])
 
     assert asyncio.run(scenario())
+
+
+def test_a_host_without_unix_sockets_serves_on_grpc_alone(monkeypatch) -> None:
+    async def no_sockets(name, handle):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(step_socket, "listen", no_sockets)
+
+    async def scenario():
+        async with _verifier() as (servicer, address):
+            client = _client(address)
+            try:
+                hs = await client.connect([1], HIDDEN, VOCAB)
+                rows = (await client.step([_prefill("a", 3)], [], None, [])).features.shape[0]
+                return hs.step_socket, client.lane, rows
+            finally:
+                await client.close()
+
+    assert asyncio.run(scenario()) == ("", "grpc", 3)

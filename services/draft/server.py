@@ -54,7 +54,12 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         if enabled and step_socket.available():
             self._sockets = step_socket.StepSocketServer(step_socket.socket_name(self.server_id), self._socket_owner,
                                                          self._owned_steps, draft_pb2.StepRequest, SOCKET_KEY_LIFE_S)
-            await self._sockets.open()
+            try:
+                await self._sockets.open()
+            except OSError as exc:   # (a sandbox without Unix sockets, say): the gRPC stream serves alone
+                log.warning("step_socket_unavailable", error=str(exc))
+                self._sockets = None
+                return ""
             self.step_socket = self._sockets.name
         return self.step_socket
 

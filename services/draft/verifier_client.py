@@ -14,8 +14,8 @@ import torch
 from ddtree.v1 import verifier_pb2, verifier_pb2_grpc
 from services.common.auth import token_metadata
 from services.common.grpc_server import MAX_MESSAGE_BYTES, ServiceError, server_options
-from services.common.step_socket import StepSocketCall, StepSocketError
 from services.common.logging import get_logger
+from services.common.step_socket import StepSocketCall, StepSocketError
 from services.common.transport import RingFull, TensorReader, TensorWriter, bundle_slot, make_reader, make_writer
 
 __all__ = ["VerifierClient", "VerifyReply", "auto_offer", "next_offer", "private_copy", "readable_in_place"]

@@ -30,10 +30,10 @@ import torch
 from ddtree.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from kernels.pdl import switch_from_env
 from kernels.tree_mla import BACKEND_ENV, backend_from_env
+from services.common import step_socket
 from services.common.auth import internal_interceptors, internal_token
 from services.common.checkpoint import read_config, require_checkpoint, shared_weights_digest
 from services.common.devices import device_name, pin_device
-from services.common import step_socket
 from services.common.grpc_server import (IdleStreams, ServiceError, check_port_free, host_port, listen, new_server,
                                          serve_until_signal, warn_if_reachable)
 from services.common.logging import configure_logging, get_logger
@@ -119,7 +119,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self._sockets = step_socket.StepSocketServer(step_socket.socket_name(self.verifier_id), self._socket_peer,
                                                          self._serve_steps, verifier_pb2.VerifyRequest,
                                                          self.settings.peer_stream_timeout_s)
-            await self._sockets.open()
+            try:
+                await self._sockets.open()
+            except OSError as exc:   # (a sandbox without Unix sockets, say): the gRPC stream serves alone
+                log.warning("step_socket_unavailable", error=str(exc))
+                self._sockets = None
+                return ""
             self.step_socket = self._sockets.name
         return self.step_socket
 
@@ -279,7 +284,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         and _tree_nodes(req.trees) <= INLINE_MOST_NODES else None
                     if resp is None:
                         resp = await self._locked(self._step, peer, req)
-                except ServiceError:
+                except ServiceError:   # the stream itself is refused: the draft hand-shakes again
                     raise
                 except Exception:   # the engine failed the step (a CUDA error, a bug): say so here, not only downstream
                     log.exception("verify_step_failed", draft_id=draft_id, sequence=req.sequence)
