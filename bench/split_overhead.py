@@ -205,6 +205,9 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=16)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--warmup-tokens", type=int, default=8)
+    p.add_argument("--step-sockets", choices=("on", "off", "verifier"), default="on",
+                   help="the stack's step messages on Unix sockets (verifier.step_socket, draft.step_socket) or on "
+                        "gRPC streams; verifier: the draft -> verifier hop only")
     p.add_argument("--out", default="bench/results/split-overhead.json")
     p.add_argument("--commit", default="")
     args = p.parse_args()
@@ -214,6 +217,8 @@ def main() -> None:
     env = {f"DDTREE_{s}_DEVICE": args.device for s in ("VERIFIER", "DRAFT")}
     env.update({f"DDTREE_{s}_DTYPE": args.dtype for s in ("VERIFIER", "DRAFT")})
     env["DDTREE_DRAFT_WARMUP_BUDGETS"] = str(args.budget)
+    env["DDTREE_VERIFIER_STEP_SOCKET"] = str(args.step_sockets != "off").lower()
+    env["DDTREE_DRAFT_STEP_SOCKET"] = str(args.step_sockets == "on").lower()
     # The same engine work on both sides: the scheduler's pause of speculation that does not pay
     # (scheduler.spec_min_acceptance) has no in-process twin, and its autoregressive steps would
     # count as steps of one token against the stack.
