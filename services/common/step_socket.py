@@ -30,10 +30,11 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from services.common.grpc_server import MAX_MESSAGE_BYTES, ServiceError
+from services.common.logging import get_logger
 
 __all__ = ["MESSAGE", "ERROR", "KEY_BYTES", "StepSocketError", "StepSocketCall", "StepSocketServer", "available",
-           "connect", "listen", "messages", "parse", "read_frame", "same_key", "socket_name", "write_error",
-           "write_message"]
+           "connect", "listen", "messages", "open_server", "parse", "read_frame", "same_key", "socket_name",
+           "write_error", "write_message"]
 
 MESSAGE, ERROR = 0, 1
 KEY_BYTES = 16
@@ -284,3 +285,20 @@ class StepSocketServer(Generic[M]):
                 task.cancel()
             if late:
                 await asyncio.wait(late)
+
+
+async def open_server(enabled: bool, server_id: str, start: Callable[[bytes | None], object],
+                      steps: Callable[[object, AsyncIterator[M]], AsyncIterator[Message]], request_type: type[M],
+                      key_timeout_s: float) -> StepSocketServer | None:
+    """A service's step socket, listening, where its setting is on and the platform has abstract
+    names; None otherwise, or where this host refuses Unix sockets (a sandbox, say: logged), and
+    the service's gRPC stream then serves alone."""
+    if not (enabled and available()):
+        return None
+    server = StepSocketServer(socket_name(server_id), start, steps, request_type, key_timeout_s)
+    try:
+        await server.open()
+    except OSError as exc:
+        get_logger("server").warning("step_socket_unavailable", error=str(exc))
+        return None
+    return server

@@ -51,16 +51,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
     async def start_step_socket(self, enabled: bool = True) -> str:
         """Offers schedulers of this host a step socket (`draft.step_socket`, Linux); returns its name."""
-        if enabled and step_socket.available():
-            self._sockets = step_socket.StepSocketServer(step_socket.socket_name(self.server_id), self._socket_owner,
-                                                         self._owned_steps, draft_pb2.StepRequest, SOCKET_KEY_LIFE_S)
-            try:
-                await self._sockets.open()
-            except OSError as exc:   # (a sandbox without Unix sockets, say): the gRPC stream serves alone
-                log.warning("step_socket_unavailable", error=str(exc))
-                self._sockets = None
-                return ""
-            self.step_socket = self._sockets.name
+        self._sockets = await step_socket.open_server(enabled, self.server_id, self._socket_owner, self._owned_steps,
+                                                      draft_pb2.StepRequest, SOCKET_KEY_LIFE_S)
+        self.step_socket = self._sockets.name if self._sockets is not None else ""
         return self.step_socket
 
     async def close_step_socket(self, grace_s: float) -> None:

@@ -115,17 +115,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def start_step_socket(self) -> str:
         """Listens for steps on a Unix socket where `verifier.step_socket` is on and the platform has
         abstract names; returns the name offered to drafts from here on ("": none)."""
-        if self.settings.step_socket and step_socket.available():
-            self._sockets = step_socket.StepSocketServer(step_socket.socket_name(self.verifier_id), self._socket_peer,
-                                                         self._serve_steps, verifier_pb2.VerifyRequest,
-                                                         self.settings.peer_stream_timeout_s)
-            try:
-                await self._sockets.open()
-            except OSError as exc:   # (a sandbox without Unix sockets, say): the gRPC stream serves alone
-                log.warning("step_socket_unavailable", error=str(exc))
-                self._sockets = None
-                return ""
-            self.step_socket = self._sockets.name
+        self._sockets = await step_socket.open_server(self.settings.step_socket, self.verifier_id, self._socket_peer,
+                                                      self._serve_steps, verifier_pb2.VerifyRequest,
+                                                      self.settings.peer_stream_timeout_s)
+        self.step_socket = self._sockets.name if self._sockets is not None else ""
         return self.step_socket
 
     async def close_step_socket(self, grace_s: float) -> None:
