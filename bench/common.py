@@ -206,3 +206,16 @@ def read_metrics(address: str) -> dict[str, float]:
             return parse_metrics(resp.read().decode())
     except (OSError, http.client.HTTPException):   # (InvalidURL: a port such as "9l00"; a garbled answer)
         return {}
+
+
+def add_step_sockets_arg(parser) -> None:
+    """``--step-sockets``: what a benchmark's stack sends its step messages on (README,
+    `verifier.step_socket` / `draft.step_socket`); `step_sockets_env` turns it into settings."""
+    parser.add_argument("--step-sockets", choices=("on", "off", "verifier"), default="on",
+                        help="the stack's step messages on Unix sockets or on gRPC streams; verifier: the "
+                             "draft -> verifier hop only")
+
+
+def step_sockets_env(choice: str) -> dict[str, str]:
+    return {"DDTREE_VERIFIER_STEP_SOCKET": str(choice != "off").lower(),
+            "DDTREE_DRAFT_STEP_SOCKET": str(choice == "on").lower()}

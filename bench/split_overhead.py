@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import git_commit, measure_copy_gbps
+from bench.common import add_step_sockets_arg, git_commit, measure_copy_gbps, step_sockets_env
 from services.common.launcher import Stack, StackSpec
 from services.common.make_checkpoint import make_random_checkpoint
 from services.common.settings import DraftSettings, VerifierSettings
@@ -205,9 +205,7 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=16)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--warmup-tokens", type=int, default=8)
-    p.add_argument("--step-sockets", choices=("on", "off", "verifier"), default="on",
-                   help="the stack's step messages on Unix sockets (verifier.step_socket, draft.step_socket) or on "
-                        "gRPC streams; verifier: the draft -> verifier hop only")
+    add_step_sockets_arg(p)
     p.add_argument("--out", default="bench/results/split-overhead.json")
     p.add_argument("--commit", default="")
     args = p.parse_args()
@@ -217,8 +215,7 @@ def main() -> None:
     env = {f"DDTREE_{s}_DEVICE": args.device for s in ("VERIFIER", "DRAFT")}
     env.update({f"DDTREE_{s}_DTYPE": args.dtype for s in ("VERIFIER", "DRAFT")})
     env["DDTREE_DRAFT_WARMUP_BUDGETS"] = str(args.budget)
-    env["DDTREE_VERIFIER_STEP_SOCKET"] = str(args.step_sockets != "off").lower()
-    env["DDTREE_DRAFT_STEP_SOCKET"] = str(args.step_sockets == "on").lower()
+    env.update(step_sockets_env(args.step_sockets))
     # The same engine work on both sides: the scheduler's pause of speculation that does not pay
     # (scheduler.spec_min_acceptance) has no in-process twin, and its autoregressive steps would
     # count as steps of one token against the stack.

@@ -23,7 +23,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.common import copy_gbps_on, git_commit
+from bench.common import add_step_sockets_arg, copy_gbps_on, git_commit, step_sockets_env
 from bench.matrix import stage_split, stage_totals
 from services.common.launcher import Stack, StackSpec, free_port
 from services.scheduler.client import Client
@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--budget", type=int, default=16)
+    add_step_sockets_arg(p)
     p.add_argument("--out", default="")
     p.add_argument("--commit", default="")
     args = p.parse_args()
@@ -47,6 +48,7 @@ def main() -> None:
     env = {f"DDTREE_{svc.upper()}_METRICS_PORT": str(port) for svc, port in ports.items()}
     for svc in ("VERIFIER", "DRAFT"):
         env[f"DDTREE_{svc}_DEVICE"], env[f"DDTREE_{svc}_DTYPE"] = args.device, args.dtype
+    env.update(step_sockets_env(args.step_sockets))
     prompts = json.loads((Path(args.model) / "heldout_prompts.json").read_text())["prompts"]
     rows = []
     t_start = time.perf_counter()
