@@ -1,14 +1,17 @@
-"""A draft's steps to a verifier of the same host over a Unix socket instead of the gRPC stream.
+"""Step messages between two services of one host over a Unix socket instead of a gRPC stream.
 
-At C=1 every step crosses draft -> verifier -> draft once, on the critical path. A small message
-on an open grpc.aio stream took 270-300 us a round trip on a 2-core machine, the same bytes on a
-Unix socket under asyncio 28 us (`python -m bench.step_socket_bench`). The handshake stays on gRPC
-(checks, rings, the internal token); only the step messages move. The verifier listens on an
-abstract socket name (Linux; no file to leave behind, and only its network namespace sees it) and
-gives each handshake a random key that the draft sends as its first frame: the key names the
-handshake as the gRPC stream's `draft-id` metadata does, and proves the draft got it from the
-handshake. A draft in another network namespace (compose's containers, another host) cannot reach
-the name and keeps the gRPC stream.
+At C=1 every step crosses draft -> verifier -> draft once, on the critical path, and scheduler ->
+draft -> scheduler beside the draft's work ahead. A step's messages on an open grpc.aio stream
+took 285 us a round trip on an H100 host, on a Unix socket under asyncio 89 us (355 against 156 on
+a 2-core machine; `python -m bench.step_socket_bench`, bench/results/step-socket-*.json).
+
+Set-up stays on gRPC (checks, rings, the internal token); only the step messages move. The serving
+side (the verifier for its drafts, a draft for its schedulers) listens on an abstract socket name
+(Linux; no file to leave behind, and only its network namespace sees it) and hands each caller a
+random key through a token-checked gRPC call (the verifier's Handshake, the draft's
+OpenStepSocket). The caller sends the key as its first frame: it names the handshake (as the verify
+stream's `draft-id` metadata does) and proves the caller got it over gRPC. A caller in another
+network namespace (compose's containers, another host) cannot reach the name and keeps gRPC.
 
 A frame is a kind byte, the payload's length (4 bytes, little-endian), then the payload: a
 serialised protobuf message (`MESSAGE`), or a gRPC status code (4 bytes) and its details in UTF-8
