@@ -540,3 +540,19 @@ def test_a_host_without_unix_sockets_serves_on_grpc_alone(monkeypatch) -> None:
                 await client.close()
 
     assert asyncio.run(scenario()) == ("", "grpc", 3)
+
+
+def test_a_stream_whose_opening_takes_the_whole_step_timeout_was_not_delivered() -> None:
+    from services.scheduler.draft_link import DraftLink, StepFailed
+
+    class SlowOffer:
+        async def OpenStepSocket(self, request, metadata=()):  # noqa: N802 - the gRPC method name
+            await asyncio.sleep(5)
+
+    async def scenario():
+        with pytest.raises(StepFailed) as failed:
+            await DraftLink(SlowOffer()).step(_step("a"), timeout=0.1)   # type: ignore[arg-type]
+        return failed.value
+
+    failed = asyncio.run(scenario())
+    assert failed.code == grpc.StatusCode.DEADLINE_EXCEEDED and not failed.delivered

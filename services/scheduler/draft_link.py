@@ -70,9 +70,10 @@ class DraftLink:
                 if fresh:
                     self._call = call = await self._open()
                 resp = await self._exchange(call, request)
-        except asyncio.TimeoutError:
+        except asyncio.TimeoutError:   # (no call: the stream's opening took all of it, and the step was never sent)
             self.close()
-            raise StepFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer to a step within {timeout:g} s") from None
+            raise StepFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer to a step within {timeout:g} s",
+                             delivered=call is not None) from None
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details()
             if code == grpc.StatusCode.INTERNAL and call is not None:   # a write to a stream that is ending: its end says why
