@@ -351,6 +351,8 @@ class _EchoEngine:
         ids = [i.request_id for i in request.items]
         if "refuse" in ids:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "refused step")
+        if "crash" in ids:
+            raise RuntimeError("a fault in the engine")
         return draft_pb2.StepResponse(results=[draft_pb2.StepResult(request_id=i, token_ids=[len(i)]) for i in ids])
 
     def run_ahead(self) -> None:
@@ -469,25 +471,31 @@ def test_offered_keys_are_bounded(monkeypatch) -> None:
     assert held <= 4 and opened == [False, True]
 
 
-def test_a_lane_that_cannot_reach_the_drafts_socket_steps_on_grpc_from_then_on(monkeypatch) -> None:
+def test_a_lane_that_cannot_reach_the_drafts_socket_steps_on_grpc_and_asks_again_next_stream(monkeypatch) -> None:
+    """Unreachable (another network namespace, or a draft restarting between offer and connect):
+    that stream goes on gRPC; the next stream asks again, and takes the socket once it answers."""
     from services.scheduler.draft_link import DraftLink
     tries = []
+    reachable = step_socket.connect
 
     async def refused(name):
         tries.append(name)
-        raise ConnectionRefusedError(111, "Connection refused")
+        if len(tries) <= 2:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return await reachable(name)
     monkeypatch.setattr(step_socket, "connect", refused)
 
     async def scenario():
         async with _draft() as (servicer, engine, stub):
             link = DraftLink(stub)
-            first = (await link.step(_step("ab"), timeout=5)).results[0].token_ids[0]
-            link.close()
-            await link.step(_step("ab"), timeout=5)   # a new stream, on gRPC without asking again
-            link.close()
-            return first, link.lane
+            lanes = []
+            for _ in range(3):
+                assert (await link.step(_step("ab"), timeout=5)).results[0].token_ids[0] == 2
+                lanes.append(link.lane)
+                link.close()
+            return lanes
 
-    assert asyncio.run(scenario()) == (2, "grpc") and len(tries) == 1
+    assert asyncio.run(scenario()) == ["grpc", "grpc", "socket"] and len(tries) == 3
 
 
 def test_a_stopping_draft_ends_an_idle_socket_stream_and_the_next_step_knows() -> None:
@@ -556,3 +564,100 @@ def test_a_stream_whose_opening_takes_the_whole_step_timeout_was_not_delivered()
 
     failed = asyncio.run(scenario())
     assert failed.code == grpc.StatusCode.DEADLINE_EXCEEDED and not failed.delivered
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_fault_in_the_service_reaches_the_lane_as_unknown_on_both_lanes(enabled: bool) -> None:
+    from services.scheduler.draft_link import DraftLink, StepFailed
+
+    async def scenario():
+        async with _draft(enabled) as (servicer, engine, stub):
+            link = DraftLink(stub)
+            with pytest.raises(StepFailed) as failed:
+                await link.step(_step("crash"), timeout=5)
+            link.close()
+            ended = await _until(lambda: len(engine.ended) == 1)
+            return failed.value, ended
+
+    failed, ended = asyncio.run(scenario())
+    assert failed.code == grpc.StatusCode.UNKNOWN and "a fault in the engine" in failed.details and ended
+
+
+def test_a_connection_without_a_key_neither_holds_a_stop_nor_piles_up(monkeypatch) -> None:
+    monkeypatch.setattr(step_socket, "MAX_KEYLESS", 3)
+
+    async def scenario():
+        async with _verifier() as (servicer, address):
+            silent = [await step_socket.connect(servicer.step_socket) for _ in range(5)]
+            await asyncio.sleep(0.1)
+            # past the cap, a connection is closed at once: its read ends
+            over = await asyncio.wait_for(silent[-1][0].read(1), 2)
+            t0 = asyncio.get_running_loop().time()
+            await servicer.close_step_socket(grace_s=5.0)
+            took = asyncio.get_running_loop().time() - t0
+            ends = [await asyncio.wait_for(r.read(1), 2) for r, _ in silent[:3]]
+            for _, w in silent:
+                w.close()
+            return over, took, ends
+
+    over, took, ends = asyncio.run(scenario())
+    assert over == b"" and took < 1.0 and ends == [b""] * 3
+
+
+def test_a_connect_to_a_listener_that_takes_no_one_fails_at_once() -> None:
+    """A full backlog (the serving loop stalled) refuses the connect; it never holds the caller's loop."""
+    import socket
+    import threading
+    name = step_socket.socket_name(f"test-{os.getpid()}-backlog")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(name)
+    listener.listen(0)
+    outcome = []
+
+    def attempt():
+        async def go():
+            held = []
+            try:
+                for _ in range(8):
+                    held.append(await step_socket.connect(name))
+            except OSError as exc:
+                outcome.append(exc)
+            for _, w in held:
+                w.close()
+        asyncio.run(go())
+
+    thread = threading.Thread(target=attempt, daemon=True)
+    thread.start()
+    thread.join(10)
+    listener.close()
+    assert not thread.is_alive() and len(outcome) == 1 and isinstance(outcome[0], BlockingIOError)
+
+
+def test_a_call_ended_by_a_status_says_it_on_write_and_a_cancelled_one_never_blocks_a_read() -> None:
+    async def scenario():
+        name = step_socket.socket_name(f"test-{os.getpid()}-status")
+
+        async def refusing(reader, writer):
+            await step_socket.read_frame(reader, step_socket.KEY_BYTES)
+            step_socket.write_message(writer, b"")
+            step_socket.write_error(writer, grpc.StatusCode.FAILED_PRECONDITION, "handshake no longer current")
+            writer.close()
+        server = await step_socket.listen(name, refusing)
+        try:
+            call = await StepSocketCall.open(name, b"k", verifier_pb2.VerifyResponse, 1024)
+            ended = asyncio.Event()
+            call.add_done_callback(lambda _: ended.set())
+            await asyncio.wait_for(ended.wait(), 5)
+            with pytest.raises(StepSocketError) as on_write:
+                await call.write(verifier_pb2.VerifyRequest(sequence=1))
+            other = await StepSocketCall.open(name, b"k", verifier_pb2.VerifyResponse, 1024)
+            other.cancel()   # before its reader ran
+            with pytest.raises(StepSocketError) as on_read:
+                await asyncio.wait_for(other.read(), 2)
+            return on_write.value, on_read.value
+        finally:
+            server.close()
+
+    on_write, on_read = asyncio.run(scenario())
+    assert on_write.code == grpc.StatusCode.FAILED_PRECONDITION and "no longer current" in on_write.details
+    assert on_read.code == grpc.StatusCode.CANCELLED

@@ -44,7 +44,9 @@ KEY_BYTES = 16
 _HEADER = struct.Struct("<BI")
 _MOST_ERROR_BYTES = 1 << 16   # an ERROR frame's status and details, whatever a MESSAGE may hold
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+MAX_KEYLESS = 64   # connections waiting for their key at once; more are closed as they come
 M = TypeVar("M", bound=Message)
+_log = get_logger("server")
 
 
 def available() -> bool:
@@ -76,11 +78,13 @@ async def listen(name: str, handle: Callable[[asyncio.StreamReader, asyncio.Stre
 
 
 async def connect(name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """The client's end (a Unix socket's connect does not wait; bound here, as `listen` says why)."""
+    """The caller's end (made here, as `listen` says why)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(name)
+        # Not blocking: a listener whose backlog is full (its loop stalled) would hold this whole
+        # event loop in the call; refused at once (BlockingIOError, an OSError) instead.
         sock.setblocking(False)
+        sock.connect(name)
         return await asyncio.open_unix_connection(sock=sock)
     except BaseException:
         sock.close()
@@ -147,32 +151,34 @@ async def messages(reader: asyncio.StreamReader, message_type: type[M], max_byte
 
 
 class StepSocketCall(Generic[M]):
-    """The draft's end of a step socket, with what `VerifierClient` uses of a grpc.aio stream call
+    """The caller's end of a step socket, with what the services use of a grpc.aio stream call
     (write, read, done, cancel, add_done_callback), so a step reads the same on both.
 
-    A reader task takes every frame as it comes, so an end between steps (the verifier stopped or
+    A reader task takes every frame as it comes, so an end between steps (the server stopped or
     restarted) is seen at once, as gRPC's call sees it: `done()` and the callbacks tell health."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, response_type: type[M],
                  max_bytes: int) -> None:
         self._writer = writer
-        self._replies: asyncio.Queue[M | BaseException | None] = asyncio.Queue()
+        self._replies: asyncio.Queue[M | object] = asyncio.Queue()
         self._callbacks: list[Callable[[StepSocketCall], None]] = []
         self._done = False
+        self._end: StepSocketError | None = None   # why it ended; None: in order (EOF)
         self._task = asyncio.ensure_future(self._read_all(reader, response_type, max_bytes))
 
     @classmethod
     async def open(cls, name: str, key: bytes, response_type: type[M], max_bytes: int,
                    timeout_s: float = 10.0) -> StepSocketCall[M]:
-        """Connects and presents ``key``; the verifier's empty MESSAGE frame says it took it. Raises
-        OSError where the name cannot be reached (another network namespace), StepSocketError where
-        the verifier refused the key, asyncio.TimeoutError where it did not answer."""
-        reader, writer = await asyncio.wait_for(connect(name), timeout_s)
+        """Connects and presents ``key``; the server's empty MESSAGE frame says it took it. Raises
+        OSError where the name cannot be reached (another network namespace, a server gone, its
+        backlog full), StepSocketError where the server refused the key, asyncio.TimeoutError where
+        it did not answer."""
+        reader, writer = await connect(name)
         try:
             write_message(writer, key)
             ack = await asyncio.wait_for(read_frame(reader, 0), timeout_s)
             if ack is None:
-                raise StepSocketError(grpc.StatusCode.UNAVAILABLE, "the verifier closed the step socket at its start")
+                raise StepSocketError(grpc.StatusCode.UNAVAILABLE, "the step socket closed at its start")
         except BaseException:
             writer.close()
             raise
@@ -182,54 +188,56 @@ class StepSocketCall(Generic[M]):
         try:
             async for message in messages(reader, response_type, max_bytes):
                 self._replies.put_nowait(message)
-            self._replies.put_nowait(None)
+            self._finish(None)
         except asyncio.CancelledError:
-            self._replies.put_nowait(StepSocketError(grpc.StatusCode.CANCELLED, "step socket closed by this draft"))
+            self._finish(StepSocketError(grpc.StatusCode.CANCELLED, "step socket closed by this side"))
             raise
         except StepSocketError as exc:
-            self._replies.put_nowait(exc)
+            self._finish(exc)
         except OSError as exc:   # reset by a peer that died
-            self._replies.put_nowait(StepSocketError(grpc.StatusCode.UNAVAILABLE, f"step socket: {exc}"))
-        finally:
-            self._finish()
+            self._finish(StepSocketError(grpc.StatusCode.UNAVAILABLE, f"step socket: {exc}"))
 
-    def _finish(self) -> None:
+    def _finish(self, end: StepSocketError | None) -> None:
         if self._done:
             return
         self._done = True
+        self._end = end
+        self._replies.put_nowait(_ENDED)
         self._writer.close()
         for callback in self._callbacks:
             callback(self)
 
     async def write(self, message: Message) -> None:
-        if self._done:
-            raise StepSocketError(grpc.StatusCode.UNAVAILABLE, "the step socket is closed")
+        if self._done:   # what ended it, as grpc.aio's write raises the status the stream ended with
+            raise self._end or StepSocketError(grpc.StatusCode.UNAVAILABLE, "the step socket is closed")
         write_message(self._writer, message)
         await self._writer.drain()
 
     async def read(self) -> M | object:
-        """The next reply; grpc.aio.EOF once the verifier ended the stream in order."""
+        """The next reply; grpc.aio.EOF once the server ended the stream in order."""
         item = await self._replies.get()
-        if item is None or isinstance(item, BaseException):
-            self._replies.put_nowait(item)   # every later read says the same
-        if item is None:
-            return grpc.aio.EOF
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        if item is not _ENDED:
+            return item
+        self._replies.put_nowait(_ENDED)   # every later read says the same
+        if self._end is not None:
+            raise self._end
+        return grpc.aio.EOF
 
     def done(self) -> bool:
         return self._done
 
     def cancel(self) -> None:
         self._task.cancel()
-        self._finish()
+        self._finish(StepSocketError(grpc.StatusCode.CANCELLED, "step socket closed by this side"))
 
     def add_done_callback(self, callback: Callable[[StepSocketCall], None]) -> None:
         if self._done:
             callback(self)
         else:
             self._callbacks.append(callback)
+
+
+_ENDED = object()   # a call's queue: the stream ended (`StepSocketCall._end` says how)
 
 
 class StepSocketServer(Generic[M]):
@@ -250,15 +258,22 @@ class StepSocketServer(Generic[M]):
         self._key_timeout_s = key_timeout_s
         self._server: asyncio.AbstractServer | None = None
         self._streams: set[asyncio.Task] = set()
+        self._keyless: set[asyncio.Task] = set()   # connected, key not yet presented
 
     async def open(self) -> None:
         self._server = await listen(self.name, self._serve)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._streams.add(asyncio.current_task())
+        me = asyncio.current_task()
+        if len(self._keyless) >= MAX_KEYLESS:   # connections that present no key hold no more descriptors
+            writer.close()
+            return
+        self._streams.add(me)
+        self._keyless.add(me)
         try:
             key = await asyncio.wait_for(read_frame(reader, KEY_BYTES), self._key_timeout_s)
             handle = self._start(key)
+            self._keyless.discard(me)
             write_message(writer, b"")   # taken: the caller's open returns
             requests = messages(reader, self._request_type, MAX_MESSAGE_BYTES)
             async with contextlib.aclosing(self._steps(handle, requests)) as answers:
@@ -270,13 +285,23 @@ class StepSocketServer(Generic[M]):
                 write_error(writer, exc.code, exc.message if isinstance(exc, ServiceError) else exc.details)
         except (asyncio.TimeoutError, OSError):   # no key in time, or a caller gone mid-answer: no one to tell
             pass
+        except asyncio.CancelledError:   # ended by `close` or `stop_accepting`: the caller sees the socket close
+            pass
+        except Exception as exc:  # noqa: BLE001 - a fault in the service: said here and to the caller, as gRPC would
+            _log.exception("step_socket_stream_failed")
+            with contextlib.suppress(OSError):
+                write_error(writer, grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}")
         finally:
-            self._streams.discard(asyncio.current_task())
+            self._streams.discard(me)
+            self._keyless.discard(me)
             writer.close()
 
     def stop_accepting(self) -> None:
+        """No new connection; those that have not presented a key yet are ended."""
         if self._server is not None:
             self._server.close()
+        for task in list(self._keyless):
+            task.cancel()
 
     async def close(self, grace_s: float) -> None:
         """Takes no new stream; gives those open ``grace_s`` to end (the service ends its idle ones,
@@ -302,6 +327,6 @@ async def open_server(enabled: bool, server_id: str, start: Callable[[bytes | No
     try:
         await server.open()
     except OSError as exc:
-        get_logger("server").warning("step_socket_unavailable", error=str(exc))
+        _log.warning("step_socket_unavailable", error=str(exc))
         return None
     return server

@@ -52,7 +52,6 @@ class DraftLink:
         self.metadata = metadata   # the internal token, where one is set
         self._call: grpc.aio.StreamStreamCall | StepSocketCall | None = None
         self.lane = ""   # what the open stream is on: "socket" or "grpc"
-        self._socket_unreachable = False   # the draft's socket was not reachable once: gRPC from then on
 
     async def step(self, request: draft_pb2.StepRequest, timeout: float) -> draft_pb2.StepResponse:
         if self._call is not None and self._call.done():   # it ended between steps (a draft restarted)
@@ -103,23 +102,22 @@ class DraftLink:
         return resp
 
     async def _open(self) -> grpc.aio.StreamStreamCall | StepSocketCall:
-        """A new stream: on the draft's step socket where it offers one this scheduler reaches, else gRPC.
-        The offer's call fails as a step would (a replica gone fails it UNAVAILABLE, undelivered)."""
-        if not self._socket_unreachable:
+        """A new stream: on the draft's step socket where it offers one this scheduler reaches, else gRPC
+        (asked again for each new stream: a draft that was restarting when one was refused offers it
+        again). The offer's call fails as a step would (a replica gone fails it UNAVAILABLE, undelivered)."""
+        try:
+            offer = await self.stub.OpenStepSocket(draft_pb2.OpenStepSocketRequest(), metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:   # (a draft of an older release: gRPC only)
+                raise
+            offer = draft_pb2.StepSocketOffer()
+        if offer.name:
             try:
-                offer = await self.stub.OpenStepSocket(draft_pb2.OpenStepSocketRequest(), metadata=self.metadata)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:   # (a draft of an older release: gRPC only)
-                    raise
-                offer = draft_pb2.StepSocketOffer()
-            if offer.name:
-                try:
-                    call = await StepSocketCall.open(offer.name, offer.key, draft_pb2.StepResponse, MAX_MESSAGE_BYTES)
-                    self.lane = "socket"
-                    return call
-                except (OSError, asyncio.TimeoutError) as exc:   # another network namespace: compose, another host
-                    self._socket_unreachable = True
-                    log.info("step_socket_unreachable", error=str(exc) or type(exc).__name__)
+                call = await StepSocketCall.open(offer.name, offer.key, draft_pb2.StepResponse, MAX_MESSAGE_BYTES)
+                self.lane = "socket"
+                return call
+            except (OSError, asyncio.TimeoutError) as exc:   # another network namespace: compose, another host
+                log.info("step_socket_unreachable", error=str(exc) or type(exc).__name__)
         self.lane = "grpc"
         return self.stub.StepStream(metadata=self.metadata)
 
