@@ -35,7 +35,8 @@ from google.protobuf.message import DecodeError, Message
 from services.common.grpc_server import MAX_MESSAGE_BYTES, ServiceError
 from services.common.logging import get_logger
 
-__all__ = ["MESSAGE", "ERROR", "KEY_BYTES", "StepSocketError", "StepSocketCall", "StepSocketServer", "available",
+__all__ = ["MESSAGE", "ERROR", "KEY_BYTES", "ServesStepSocket", "StepSocketError", "StepSocketCall", "StepSocketServer",
+           "available",
            "connect", "listen", "messages", "open_server", "parse", "read_frame", "same_key", "socket_name",
            "write_error", "write_message"]
 
@@ -330,3 +331,33 @@ async def open_server(enabled: bool, server_id: str, start: Callable[[bytes | No
         _log.warning("step_socket_unavailable", error=str(exc))
         return None
     return server
+
+
+class ServesStepSocket:
+    """What a servicer with a step socket beside its gRPC stream shares: the socket's name as
+    offered (`step_socket`, "" where none), its stop with the service's idle streams, its close."""
+
+    step_socket = ""
+    _sockets: StepSocketServer | None = None
+
+    async def _open_step_socket(self, enabled: bool, server_id: str, start: Callable[[bytes | None], object],
+                                steps: Callable[[object, AsyncIterator[M]], AsyncIterator[Message]],
+                                request_type: type[M], key_timeout_s: float) -> str:
+        self._sockets = await open_server(enabled, server_id, start, steps, request_type, key_timeout_s)
+        self.step_socket = self._sockets.name if self._sockets is not None else ""
+        return self.step_socket
+
+    def _stop_step_socket(self) -> None:
+        """No new stream on it, and its name no longer offered (the service is stopping)."""
+        self.step_socket = ""
+        if self._sockets is not None:
+            self._sockets.stop_accepting()
+
+    def end_idle_streams(self) -> None:
+        raise NotImplementedError
+
+    async def close_step_socket(self, grace_s: float) -> None:
+        """Ends the idle streams on it and gives the others ``grace_s`` (`StepSocketServer.close`)."""
+        self.end_idle_streams()
+        if self._sockets is not None:
+            await self._sockets.close(grace_s)

@@ -39,28 +39,18 @@ SOCKET_KEY_LIFE_S = 30.0   # an OpenStepSocket key not used by then is void
 MAX_SOCKET_KEYS = 1024     # keys outstanding at once; past it the oldest go
 
 
-class DraftServicer(draft_pb2_grpc.DraftServicer):
+class DraftServicer(step_socket.ServesStepSocket, draft_pb2_grpc.DraftServicer):
     def __init__(self, engine: DraftEngine, server_id: str = "") -> None:
         self.engine = engine
         self._idle = IdleStreams()   # step streams waiting for their next step
         self._streams = itertools.count(1)      # each step stream's number: the owner of what it admits
         self.server_id = server_id or f"draft-{secrets.token_hex(6)}"
-        self.step_socket = ""   # the abstract socket name offered (`start_step_socket`; "": none)
-        self._sockets: step_socket.StepSocketServer | None = None
         self._socket_keys: dict[bytes, float] = {}   # keys offered and not yet used -> when they expire
 
     async def start_step_socket(self, enabled: bool = True) -> str:
         """Offers schedulers of this host a step socket (`draft.step_socket`, Linux); returns its name."""
-        self._sockets = await step_socket.open_server(enabled, self.server_id, self._socket_owner, self._owned_steps,
-                                                      draft_pb2.StepRequest, SOCKET_KEY_LIFE_S)
-        self.step_socket = self._sockets.name if self._sockets is not None else ""
-        return self.step_socket
-
-    async def close_step_socket(self, grace_s: float) -> None:
-        """Ends the idle streams on it and gives the others ``grace_s`` (`StepSocketServer.close`)."""
-        self.end_idle_streams()
-        if self._sockets is not None:
-            await self._sockets.close(grace_s)
+        return await self._open_step_socket(enabled, self.server_id, self._socket_owner, self._owned_steps,
+                                            draft_pb2.StepRequest, SOCKET_KEY_LIFE_S)
 
     async def OpenStepSocket(self, request: draft_pb2.OpenStepSocketRequest,
                              context: grpc.aio.ServicerContext) -> draft_pb2.StepSocketOffer:
@@ -128,9 +118,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         open streams (a lane whose stream ended finds this replica down at its next step). The step
         socket takes no new stream from here on either."""
         self._idle.end()
-        self.step_socket = ""
-        if self._sockets is not None:
-            self._sockets.stop_accepting()
+        self._stop_step_socket()
 
     async def GetModelInfo(self, request: common_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:

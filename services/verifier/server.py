@@ -83,7 +83,7 @@ class _Peer:
     socket_key: bytes = b""  # what it presents on the step socket to stream there instead (services/common/step_socket.py)
 
 
-class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+class VerifierServicer(step_socket.ServesStepSocket, verifier_pb2_grpc.VerifierServicer):
     """Reads through `engine`; changes state only through `group`, so every TP rank follows."""
 
     def __init__(self, group: EngineGroup, settings: VerifierSettings, metrics: Metrics | None = None,
@@ -109,23 +109,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._cleanups: set[asyncio.Future] = set()   # stream clean-ups running past their handler
         self._idle = IdleStreams()   # stream handlers waiting for their draft's next step
         self.verifier_id = f"verifier-{uuid.uuid4().hex[:12]}"
-        self.step_socket = ""   # the abstract socket name offered at handshakes ("": none; `start_step_socket`)
-        self._sockets: step_socket.StepSocketServer | None = None
 
     async def start_step_socket(self) -> str:
         """Listens for steps on a Unix socket where `verifier.step_socket` is on and the platform has
         abstract names; returns the name offered to drafts from here on ("": none)."""
-        self._sockets = await step_socket.open_server(self.settings.step_socket, self.verifier_id, self._socket_peer,
-                                                      self._serve_steps, verifier_pb2.VerifyRequest,
-                                                      self.settings.peer_stream_timeout_s)
-        self.step_socket = self._sockets.name if self._sockets is not None else ""
-        return self.step_socket
-
-    async def close_step_socket(self, grace_s: float) -> None:
-        """Ends the idle streams on it and gives the others ``grace_s`` (`StepSocketServer.close`)."""
-        self.end_idle_streams()
-        if self._sockets is not None:
-            await self._sockets.close(grace_s)
+        return await self._open_step_socket(self.settings.step_socket, self.verifier_id, self._socket_peer,
+                                            self._serve_steps, verifier_pb2.VerifyRequest,
+                                            self.settings.peer_stream_timeout_s)
 
     async def Handshake(self, request: verifier_pb2.HandshakeRequest,
                         context: grpc.aio.ServicerContext) -> verifier_pb2.HandshakeResponse:
@@ -299,9 +289,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         NOT_SERVING at once and hand-shakes again when it comes back. The step socket takes no new
         stream from here on either."""
         self._idle.end()
-        self.step_socket = ""
-        if self._sockets is not None:
-            self._sockets.stop_accepting()
+        self._stop_step_socket()
 
     def _track(self, future: asyncio.Future) -> asyncio.Future:
         """Keeps a background clean-up referenced until it finishes."""
