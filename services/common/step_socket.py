@@ -335,7 +335,8 @@ async def open_server(enabled: bool, server_id: str, start: Callable[[bytes | No
 
 class ServesStepSocket:
     """What a servicer with a step socket beside its gRPC stream shares: the socket's name as
-    offered (`step_socket`, "" where none), its stop with the service's idle streams, its close."""
+    offered (`step_socket`, "" where none), its stop with the service's idle streams, its close.
+    The servicer's own `end_idle_streams` ends its idle streams and calls `_stop_step_socket`."""
 
     step_socket = ""
     _sockets: StepSocketServer | None = None
@@ -353,11 +354,8 @@ class ServesStepSocket:
         if self._sockets is not None:
             self._sockets.stop_accepting()
 
-    def end_idle_streams(self) -> None:
-        raise NotImplementedError
-
     async def close_step_socket(self, grace_s: float) -> None:
         """Ends the idle streams on it and gives the others ``grace_s`` (`StepSocketServer.close`)."""
-        self.end_idle_streams()
+        self.end_idle_streams()  # type: ignore[attr-defined]
         if self._sockets is not None:
             await self._sockets.close(grace_s)

@@ -40,11 +40,11 @@ MAX_SOCKET_KEYS = 1024     # keys outstanding at once; past it the oldest go
 
 
 class DraftServicer(step_socket.ServesStepSocket, draft_pb2_grpc.DraftServicer):
-    def __init__(self, engine: DraftEngine, server_id: str = "") -> None:
+    def __init__(self, engine: DraftEngine) -> None:
         self.engine = engine
         self._idle = IdleStreams()   # step streams waiting for their next step
         self._streams = itertools.count(1)      # each step stream's number: the owner of what it admits
-        self.server_id = server_id or f"draft-{secrets.token_hex(6)}"
+        self.server_id = f"draft-{secrets.token_hex(6)}"   # names its step socket
         self._socket_keys: dict[bytes, float] = {}   # keys offered and not yet used -> when they expire
 
     async def start_step_socket(self, enabled: bool = True) -> str:
@@ -86,31 +86,25 @@ class DraftServicer(step_socket.ServesStepSocket, draft_pb2_grpc.DraftServicer):
                            ) -> AsyncIterator[draft_pb2.StepResponse]:
         """One step stream, from gRPC or the step socket; a ServiceError out of it ends the stream."""
         try:
-            async with contextlib.aclosing(self._steps(request_iterator, owner)) as steps:
-                async for response in steps:   # closed with this stream, so its clean-ups run first
-                    yield response
+            requests = request_iterator.__aiter__()
+            while (request := await self._idle.next(requests)) is not None:   # None: ended, or stopping
+                step = asyncio.ensure_future(self.engine.step(request, owner))
+                try:
+                    # Shielded: if the scheduler gives up on the stream, the step still runs to its end
+                    # (holding the engine's lock), so the next step never starts beside a half-done one.
+                    yield await asyncio.shield(step)
+                except asyncio.CancelledError:   # its end is heard by no one: said here, not by asyncio's
+                    step.add_done_callback(_said_after_stream_end)   # "exception was never retrieved" traceback
+                    raise
+                finally:
+                    # The answer has gone out (or the stream ended under it): the next step needs this
+                    # work first, and the commit reads features that the verifier's ring holds for us
+                    # only while our stream to it lasts.
+                    self.engine.run_ahead()
         finally:
             # The stream ended: what it admitted goes (shielded as a step is, so a cancelled
-            # stream still frees it, after the step in flight).
+            # stream still frees it, after the step in flight and its work ahead).
             await asyncio.shield(self.engine.end_stream(owner))
-
-    async def _steps(self, request_iterator: AsyncIterator[draft_pb2.StepRequest],
-                     owner: int) -> AsyncIterator[draft_pb2.StepResponse]:
-        requests = request_iterator.__aiter__()
-        while (request := await self._idle.next(requests)) is not None:   # None: ended, or stopping
-            step = asyncio.ensure_future(self.engine.step(request, owner))
-            try:
-                # Shielded: if the scheduler gives up on the stream, the step still runs to its end
-                # (holding the engine's lock), so the next step never starts beside a half-done one.
-                yield await asyncio.shield(step)
-            except asyncio.CancelledError:   # its end is heard by no one: said here, not by asyncio's
-                step.add_done_callback(_said_after_stream_end)   # "exception was never retrieved" traceback
-                raise
-            finally:
-                # The answer has gone out (or the stream ended under it): the next step needs this
-                # work first, and the commit reads features that the verifier's ring holds for us
-                # only while our stream to it lasts.
-                self.engine.run_ahead()
 
     def end_idle_streams(self) -> None:
         """At shutdown: ends every step stream between two steps, and every other one after the
