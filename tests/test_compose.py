@@ -109,6 +109,27 @@ def test_gpu_services_keep_compiled_kernels_in_a_named_volume(compose):
     assert not any("triton-cache" in v for v in compose["services"]["scheduler"]["volumes"])
 
 
+def test_the_step_sockets_are_files_in_one_in_memory_volume_the_three_services_mount(compose):
+    """Each container has its own network namespace, where another's abstract socket names do not
+    reach: the verifier's and the drafts' step sockets are files in a folder every service mounts at
+    the same path, so a draft streams its steps to the verifier, and a scheduler lane to its draft,
+    on a Unix socket instead of gRPC."""
+    services = compose["services"]
+    volume = compose["volumes"]["step-sockets"]
+    assert volume["driver_opts"]["type"] == "tmpfs"   # nothing outlives the stack
+    folders = set()
+    for name in SETTINGS:
+        svc = services[name]
+        mounts = [v for v in svc["volumes"] if v.startswith("step-sockets:")]
+        assert len(mounts) == 1 and not mounts[0].endswith(":ro"), name   # a socket file is made there
+        folders.add(mounts[0].split(":")[1])
+        env = {k: str(v) for k, v in svc["environment"].items()}
+        if name != "scheduler":
+            settings = load_settings(SETTINGS[name], CONFIG, env=env)
+            assert settings.step_socket and settings.step_socket_dir == mounts[0].split(":")[1]
+    assert len(folders) == 1
+
+
 def test_only_the_scheduler_is_published_and_on_loopback_by_default(compose):
     services = compose["services"]
     assert "ports" not in services["draft"] and "ports" not in services["verifier"]

@@ -145,9 +145,9 @@ class _Group:
 
 
 @contextlib.asynccontextmanager
-async def _verifier(step_socket_on: bool = True):
-    servicer = VerifierServicer(_Group(), VerifierSettings(device="cpu", ring_slot_bytes=8192,
-                                                           step_socket=step_socket_on), Metrics("verifier"))
+async def _verifier(step_socket_on: bool = True, folder: str = ""):
+    servicer = VerifierServicer(_Group(), VerifierSettings(device="cpu", ring_slot_bytes=8192, step_socket=step_socket_on,
+                                                           step_socket_dir=folder), Metrics("verifier"))
     server = grpc.aio.server()
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -363,7 +363,7 @@ class _EchoEngine:
 
 
 @contextlib.asynccontextmanager
-async def _draft(enabled: bool = True):
+async def _draft(enabled: bool = True, folder: str = ""):
     from ddtree.v1 import draft_pb2_grpc
     from services.draft.server import DraftServicer
     engine = _EchoEngine()
@@ -372,7 +372,7 @@ async def _draft(enabled: bool = True):
     draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    await servicer.start_step_socket(enabled)
+    await servicer.start_step_socket(enabled, folder)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield servicer, engine, draft_pb2_grpc.DraftStub(channel)
@@ -661,3 +661,85 @@ def test_a_call_ended_by_a_status_says_it_on_write_and_a_cancelled_one_never_blo
     on_write, on_read = asyncio.run(scenario())
     assert on_write.code == grpc.StatusCode.FAILED_PRECONDITION and "no longer current" in on_write.details
     assert on_read.code == grpc.StatusCode.CANCELLED
+
+
+# Socket files (`*.step_socket_dir`): what compose's containers, each in a network namespace of its
+# own, share through a volume instead of the abstract names.
+
+@pytest.fixture
+def short_dir():
+    """A folder short enough for a socket path (pytest's tmp_path may pass the 64-byte limit)."""
+    import shutil
+    import tempfile
+    folder = tempfile.mkdtemp(prefix="steps-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_verifier_with_a_socket_folder_serves_steps_on_a_file_there_and_removes_it(short_dir) -> None:
+    from pathlib import Path
+    folder = Path(short_dir) / "steps"   # made at the start
+
+    async def scenario():
+        async with _verifier(folder=str(folder)) as (servicer, address):
+            client = _client(address)
+            try:
+                hs = await client.connect([1], HIDDEN, VOCAB)
+                mode = os.stat(hs.step_socket).st_mode & 0o777
+                rows = [(await client.step([_prefill(r, n)], [], None, [])).features.shape[0]
+                        for r, n in (("a", 5), ("b", 3))]
+                return hs.step_socket, mode, oct(folder.stat().st_mode & 0o777), client.lane, rows
+            finally:
+                await client.close()
+
+    name, mode, folder_mode, lane, rows = asyncio.run(scenario())
+    assert name.startswith(str(folder) + os.sep) and name.endswith(".sock") and "\0" not in name
+    assert (mode, folder_mode, lane, rows) == (0o600, oct(0o700), "socket", [5, 3])
+    assert not os.path.exists(name)   # removed at the stop
+
+
+def test_a_scheduler_lane_steps_on_a_drafts_socket_file(short_dir) -> None:
+    from services.scheduler.draft_link import DraftLink
+
+    async def scenario(folder: str):
+        async with _draft(True, folder) as (servicer, engine, stub):
+            link = DraftLink(stub)
+            answers = [[list(r.token_ids) for r in (await link.step(_step("a", "bbb"), timeout=5)).results]
+                       for _ in range(2)]
+            named = servicer.step_socket
+            link.close()
+            return answers, link.lane, named
+
+    answers, lane, named = asyncio.run(scenario(short_dir))
+    assert answers == [[[1], [3]]] * 2 and lane == "socket"
+    assert os.path.dirname(named) == short_dir and not os.listdir(short_dir)   # its file went at the stop
+
+
+def test_a_socket_folder_that_cannot_be_made_leaves_the_grpc_stream(short_dir) -> None:
+    from pathlib import Path
+    blocker = Path(short_dir) / "a-file"
+    blocker.write_text("")
+
+    async def scenario():
+        async with _verifier(folder=str(blocker / "steps")) as (servicer, address):
+            client = _client(address)
+            try:
+                hs = await client.connect([1], HIDDEN, VOCAB)
+                rows = (await client.step([_prefill("a", 3)], [], None, [])).features.shape[0]
+                return hs.step_socket, client.lane, rows
+            finally:
+                await client.close()
+
+    assert asyncio.run(scenario()) == ("", "grpc", 3)
+
+
+@pytest.mark.parametrize("cls, field", [(VerifierSettings, "verifier.step_socket_dir"),
+                                        ("draft", "draft.step_socket_dir")])
+def test_a_socket_folder_too_long_for_a_socket_path_is_refused_at_start(cls, field) -> None:
+    from services.common.settings import MAX_STEP_SOCKET_DIR_BYTES, DraftSettings, SettingsError
+    cls = DraftSettings if cls == "draft" else cls
+    cls(step_socket_dir="/run/" + "x" * (MAX_STEP_SOCKET_DIR_BYTES - 5))   # at the limit: taken
+    with pytest.raises(SettingsError, match=field.replace(".", r"\.") + ".*longer than 64 bytes"):
+        cls(step_socket_dir="/run/" + "x" * (MAX_STEP_SOCKET_DIR_BYTES - 4))
+    longest = step_socket.socket_name("verifier-" + "f" * 12, "/" + "x" * (MAX_STEP_SOCKET_DIR_BYTES - 1))
+    assert len(longest.encode()) < 108   # sockaddr_un's path, with its NUL

@@ -83,6 +83,16 @@ def _check(ok: bool, name: str, message: str) -> None:
         raise SettingsError(f"{name}: {message}")
 
 
+# A socket file's path must fit sockaddr_un's 108 bytes; its folder gets this much of them (the
+# file's own name, `ddtree-steps-<server id>.sock`, takes up to 40).
+MAX_STEP_SOCKET_DIR_BYTES = 64
+
+
+def _check_step_socket_dir(folder: str, name: str) -> None:
+    _check(len(os.fsencode(folder)) <= MAX_STEP_SOCKET_DIR_BYTES, name,
+           f"{folder!r} is longer than {MAX_STEP_SOCKET_DIR_BYTES} bytes (a Unix socket's path holds 107)")
+
+
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _ADDRESS = re.compile(r"(dns:(//)?)?[^\s]+:(\d{1,5})")  # host:port, [v6]:port, dns:name:port
 
@@ -174,6 +184,7 @@ class DraftSettings:
     cpu_threads: int = 1             # torch intra-op threads (CPU); the services share the cores
     warmup_budgets: tuple[int, ...] = (8, 16, 32)   # tree builds run (and graphs captured) at start-up (GPU)
     step_socket: bool = True         # schedulers of this host's network namespace send their steps on a Unix socket
+    step_socket_dir: str = ""        # "": an abstract socket name; a folder: a socket file there (containers sharing it)
     cuda_graphs: bool = True         # GPU: propose from CUDA graphs over a context pool
     graph_rows: int = 128            # contexts the pool holds (at least the scheduler's max batch)
     graph_context: int = 2048        # tokens per pool row; longer contexts propose eagerly
@@ -186,6 +197,7 @@ class DraftSettings:
         _check(self.verifier_step_timeout_s > 0, "draft.verifier_step_timeout_s", "must be > 0")
         _check(self.graph_rows >= 1, "draft.graph_rows", "must be >= 1")
         _check(self.graph_context >= 64, "draft.graph_context", "must be >= 64")
+        _check_step_socket_dir(self.step_socket_dir, "draft.step_socket_dir")
         _check(all(1 <= b <= MAX_BUDGET for b in self.warmup_budgets),
                "draft.warmup_budgets", f"must be budgets in 1..{MAX_BUDGET}")
         _check(0 <= self.port < 65536, "draft.port", f"{self.port} is not a TCP port")
@@ -224,6 +236,7 @@ class VerifierSettings:
     tp_timeout_s: float = 60.0       # a step's collective waiting longer than this fails the group
     peer_stream_timeout_s: float = 30.0   # a draft that hand-shook but opened no stream by then is dropped
     step_socket: bool = True         # drafts of this host's network namespace send their steps on a Unix socket, not gRPC
+    step_socket_dir: str = ""        # "": an abstract socket name; a folder: a socket file there (containers sharing it)
     max_peers: int = 32              # drafts served at once (each holds a ring here and one of its own mapped)
     cuda_graphs: bool = True         # verify replays CUDA graphs on GPU (every bucket captured by the warm-up)
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets; larger steps replay the largest in turn
@@ -244,6 +257,7 @@ class VerifierSettings:
         _check(self.tp_timeout_s >= 1, "verifier.tp_timeout_s", "must be >= 1 second")
         _check(self.peer_stream_timeout_s > 0, "verifier.peer_stream_timeout_s", "must be > 0")
         _check(self.max_peers >= 1, "verifier.max_peers", "must be >= 1")
+        _check_step_socket_dir(self.step_socket_dir, "verifier.step_socket_dir")
         _check(0 <= self.port < 65536, "verifier.port", f"{self.port} is not a TCP port")
         _check(0 <= self.metrics_port < 65536, "verifier.metrics_port", f"{self.metrics_port} is not a TCP port (0 = off)")
         _check(self.metrics_port != self.port or not self.port, "verifier.metrics_port",
@@ -400,7 +414,8 @@ INTERNAL_VARIABLES = {RANK0_SETTINGS_ENV: "set by the verifier for its tensor-pa
 OTHER_VARIABLES = frozenset({
     "DDTREE_AUTH_TOKEN", "DDTREE_TOKEN", "DDTREE_INTERNAL_TOKEN", "DDTREE_INTERNAL_TOKEN_FILE", "DDTREE_HEALTH_PORT",
     "DDTREE_HEALTH_CONFIG", "DDTREE_HEALTH_SERVICE", "DDTREE_HEALTH_TLS_NAME", "DDTREE_PARENT_PID", "DDTREE_PUBLISH_ADDR",
-    "DDTREE_TREE_MLA_BACKEND", "DDTREE_INT4_MOE_CONFIG", "DDTREE_PDL", "DDTREE_CI", "DDTREE_COMMIT"})
+    "DDTREE_TREE_MLA_BACKEND", "DDTREE_INT4_MOE_CONFIG", "DDTREE_PDL", "DDTREE_CI", "DDTREE_COMMIT",
+    "DDTREE_STEP_PROBE_DIR"})
 
 
 def _refuse_other_services(environ: Mapping[str, str]) -> None:

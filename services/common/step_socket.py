@@ -7,11 +7,13 @@ a 2-core machine; `python -m bench.step_socket_bench`, bench/results/step-socket
 
 Set-up stays on gRPC (checks, rings, the internal token); only the step messages move. The serving
 side (the verifier for its drafts, a draft for its schedulers) listens on an abstract socket name
-(Linux; no file to leave behind, and only its network namespace sees it) and hands each caller a
-random key through a token-checked gRPC call (the verifier's Handshake, the draft's
-OpenStepSocket). The caller sends the key as its first frame: it names the handshake (as the verify
-stream's `draft-id` metadata does) and proves the caller got it over gRPC. A caller in another
-network namespace (compose's containers, another host) cannot reach the name and keeps gRPC.
+(Linux; no file to leave behind, and only its network namespace sees it), or, where its setting
+names a folder (`step_socket_dir`), on a socket file there: containers that share the folder (a
+volume) reach it from their own network namespaces. It hands each caller a random key through a
+token-checked gRPC call (the verifier's Handshake, the draft's OpenStepSocket). The caller sends
+the key as its first frame: it names the handshake (as the verify stream's `draft-id` metadata
+does) and proves the caller got it over gRPC. A caller that cannot reach the name (another network
+namespace without the folder, another host) keeps gRPC.
 
 A frame is a kind byte, the payload's length (4 bytes, little-endian), then the payload: a
 serialised protobuf message (`MESSAGE`), or a gRPC status code (4 bytes) and its details in UTF-8
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import os
 import socket
 import struct
 import sys
@@ -50,14 +53,14 @@ M = TypeVar("M", bound=Message)
 _log = get_logger("server")
 
 
-def available() -> bool:
-    """Abstract socket names are Linux's."""
-    return sys.platform.startswith("linux")
+def available(folder: str = "") -> bool:
+    """Abstract socket names are Linux's; socket files, any host with Unix sockets."""
+    return hasattr(socket, "AF_UNIX") if folder else sys.platform.startswith("linux")
 
 
-def socket_name(server_id: str) -> str:
-    """The abstract name (leading NUL) a server listens on."""
-    return f"\0ddtree-steps-{server_id}"
+def socket_name(server_id: str, folder: str = "") -> str:
+    """What a server listens on: an abstract name (leading NUL), or a socket file in ``folder``."""
+    return os.path.join(folder, f"ddtree-steps-{server_id}.sock") if folder else f"\0ddtree-steps-{server_id}"
 
 
 def same_key(held: bytes, presented: bytes | None) -> bool:
@@ -66,11 +69,14 @@ def same_key(held: bytes, presented: bytes | None) -> bool:
 
 async def listen(name: str, handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
                  ) -> asyncio.AbstractServer:
-    """Serves ``handle`` on the abstract name. The socket is bound here and handed over: uvloop
-    passes a path to libuv as a C string, which ends at an abstract name's leading NUL (EINVAL)."""
+    """Serves ``handle`` on the name. The socket is bound here and handed over: uvloop passes a path
+    to libuv as a C string, which ends at an abstract name's leading NUL (EINVAL). A socket file is
+    made its owner's alone (the key is checked all the same)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(name)
+        if not name.startswith("\0"):
+            os.chmod(name, 0o600)
         sock.listen(64)
         return await asyncio.start_unix_server(handle, sock=sock)
     except BaseException:
@@ -298,9 +304,14 @@ class StepSocketServer(Generic[M]):
             writer.close()
 
     def stop_accepting(self) -> None:
-        """No new connection; those that have not presented a key yet are ended."""
+        """No new connection; those that have not presented a key yet are ended. A socket file
+        goes (the streams on it stay open)."""
         if self._server is not None:
             self._server.close()
+            if not self.name.startswith("\0"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.name)
+            self._server = None
         for task in list(self._keyless):
             task.cancel()
 
@@ -318,17 +329,20 @@ class StepSocketServer(Generic[M]):
 
 async def open_server(enabled: bool, server_id: str, start: Callable[[bytes | None], object],
                       steps: Callable[[object, AsyncIterator[M]], AsyncIterator[Message]], request_type: type[M],
-                      key_timeout_s: float) -> StepSocketServer | None:
-    """A service's step socket, listening, where its setting is on and the platform has abstract
-    names; None otherwise, or where this host refuses Unix sockets (a sandbox, say: logged), and
-    the service's gRPC stream then serves alone."""
-    if not (enabled and available()):
+                      key_timeout_s: float, folder: str = "") -> StepSocketServer | None:
+    """A service's step socket, listening, where its setting is on and the platform has the kind of
+    name asked for (``folder``: a socket file there, made if missing; else an abstract name); None
+    otherwise, or where this host refuses (a sandbox, a folder it cannot write: logged), and the
+    service's gRPC stream then serves alone."""
+    if not (enabled and available(folder)):
         return None
-    server = StepSocketServer(socket_name(server_id), start, steps, request_type, key_timeout_s)
+    server = StepSocketServer(socket_name(server_id, folder), start, steps, request_type, key_timeout_s)
     try:
+        if folder:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
         await server.open()
     except OSError as exc:
-        _log.warning("step_socket_unavailable", error=str(exc))
+        _log.warning("step_socket_unavailable", name=server.name.lstrip("\0"), error=str(exc))
         return None
     return server
 
@@ -343,8 +357,8 @@ class ServesStepSocket:
 
     async def _open_step_socket(self, enabled: bool, server_id: str, start: Callable[[bytes | None], object],
                                 steps: Callable[[object, AsyncIterator[M]], AsyncIterator[Message]],
-                                request_type: type[M], key_timeout_s: float) -> str:
-        self._sockets = await open_server(enabled, server_id, start, steps, request_type, key_timeout_s)
+                                request_type: type[M], key_timeout_s: float, folder: str = "") -> str:
+        self._sockets = await open_server(enabled, server_id, start, steps, request_type, key_timeout_s, folder)
         self.step_socket = self._sockets.name if self._sockets is not None else ""
         return self.step_socket
 

@@ -47,10 +47,11 @@ class DraftServicer(step_socket.ServesStepSocket, draft_pb2_grpc.DraftServicer):
         self.server_id = f"draft-{secrets.token_hex(6)}"   # names its step socket
         self._socket_keys: dict[bytes, float] = {}   # keys offered and not yet used -> when they expire
 
-    async def start_step_socket(self, enabled: bool = True) -> str:
-        """Offers schedulers of this host a step socket (`draft.step_socket`, Linux); returns its name."""
+    async def start_step_socket(self, enabled: bool = True, folder: str = "") -> str:
+        """Offers schedulers of this host a step socket (`draft.step_socket`; an abstract name on
+        Linux, or a socket file in ``folder``, `draft.step_socket_dir`); returns its name."""
         return await self._open_step_socket(enabled, self.server_id, self._socket_owner, self._owned_steps,
-                                            draft_pb2.StepRequest, SOCKET_KEY_LIFE_S)
+                                            draft_pb2.StepRequest, SOCKET_KEY_LIFE_S, folder)
 
     async def OpenStepSocket(self, request: draft_pb2.OpenStepSocketRequest,
                              context: grpc.aio.ServicerContext) -> draft_pb2.StepSocketOffer:
@@ -236,7 +237,7 @@ async def serve(settings: DraftSettings) -> None:
     port = listen(server, host_port(settings.host, settings.port), "draft.port")
     warn_if_reachable(settings.host, "draft.host", bool(token))
     await server.start()
-    await servicer.start_step_socket(settings.step_socket)
+    await servicer.start_step_socket(settings.step_socket, settings.step_socket_dir)
     log.info("serving", address=host_port(settings.host, port), verifier=settings.verifier_address, metrics_port=metrics_port,
              step_socket=bool(servicer.step_socket), verifier_lane=client.lane)
     tasks = [asyncio.ensure_future(report_health(health, [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name],

@@ -111,11 +111,12 @@ class VerifierServicer(step_socket.ServesStepSocket, verifier_pb2_grpc.VerifierS
         self.verifier_id = f"verifier-{uuid.uuid4().hex[:12]}"
 
     async def start_step_socket(self) -> str:
-        """Listens for steps on a Unix socket where `verifier.step_socket` is on and the platform has
-        abstract names; returns the name offered to drafts from here on ("": none)."""
+        """Listens for steps on a Unix socket where `verifier.step_socket` is on (an abstract name on
+        Linux, or a socket file in `verifier.step_socket_dir`); returns the name offered to drafts
+        from here on ("": none)."""
         return await self._open_step_socket(self.settings.step_socket, self.verifier_id, self._socket_peer,
                                             self._serve_steps, verifier_pb2.VerifyRequest,
-                                            self.settings.peer_stream_timeout_s)
+                                            self.settings.peer_stream_timeout_s, self.settings.step_socket_dir)
 
     async def Handshake(self, request: verifier_pb2.HandshakeRequest,
                         context: grpc.aio.ServicerContext) -> verifier_pb2.HandshakeResponse:
