@@ -743,3 +743,61 @@ def test_a_socket_folder_too_long_for_a_socket_path_is_refused_at_start(cls, fie
         cls(step_socket_dir="/run/" + "x" * (MAX_STEP_SOCKET_DIR_BYTES - 4))
     longest = step_socket.socket_name("verifier-" + "f" * 12, "/" + "x" * (MAX_STEP_SOCKET_DIR_BYTES - 1))
     assert len(longest.encode()) < 108   # sockaddr_un's path, with its NUL
+
+
+def _netns_ok() -> bool:
+    import shutil
+    import subprocess
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-n", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _netns_ok(), reason="needs `unshare -n` (a new network namespace: root)")
+def test_a_socket_file_reaches_another_network_namespace_where_an_abstract_name_does_not(short_dir) -> None:
+    """compose's premise, with this module's own ends: a caller in a network namespace of its own
+    (`unshare -n`, as a container has) steps on the socket file, and cannot reach the abstract name."""
+    import subprocess
+    import sys
+    key = os.urandom(step_socket.KEY_BYTES)
+
+    async def echo(handle, requests):
+        async for req in requests:
+            yield verifier_pb2.VerifyResponse(sequence=req.sequence + handle)
+
+    def start(presented):
+        if not step_socket.same_key(key, presented):
+            raise ServiceError(grpc.StatusCode.PERMISSION_DENIED, "wrong key")
+        return 100
+
+    caller = ("import asyncio, sys\n"
+              "from ddtree.v1 import verifier_pb2\n"
+              "from services.common.step_socket import StepSocketCall\n"
+              "async def go(name):\n"
+              "    try:\n"
+              "        call = await StepSocketCall.open(name, bytes.fromhex(sys.argv[1]), verifier_pb2.VerifyResponse, 1 << 20)\n"
+              "    except OSError as exc:\n"
+              "        return f'refused {exc.errno}'\n"
+              "    await call.write(verifier_pb2.VerifyRequest(sequence=7))\n"
+              "    return f'answered {(await call.read()).sequence}'\n"
+              "for name in sys.argv[2:]:\n"
+              "    print(asyncio.run(go(bytes.fromhex(name).decode())))\n")
+
+    async def scenario():
+        servers = [step_socket.StepSocketServer(step_socket.socket_name("netns-test", folder), start, echo,
+                                                verifier_pb2.VerifyRequest, 5.0) for folder in (short_dir, "")]
+        for s in servers:
+            await s.open()
+        try:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.path.join(os.getcwd(), "protos")])}
+            proc = await asyncio.create_subprocess_exec(
+                "unshare", "-n", sys.executable, "-c", caller, key.hex(), *(s.name.encode().hex() for s in servers),
+                env=env, stdout=subprocess.PIPE)
+            out, _ = await asyncio.wait_for(proc.communicate(), 120)
+            return out.decode().split("\n")[:2]
+        finally:
+            for s in servers:
+                await s.close(grace_s=1.0)
+
+    file_lane, abstract_lane = asyncio.run(scenario())
+    assert file_lane == "answered 107"
+    assert abstract_lane == "refused 111"   # ECONNREFUSED: no such name in that namespace
