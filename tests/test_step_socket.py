@@ -168,6 +168,18 @@ def _prefill(rid: str, n: int) -> verifier_pb2.PrefillItem:
     return verifier_pb2.PrefillItem(request_id=rid, token_ids=list(range(1, n + 1)), reserve_tokens=16)
 
 
+async def _one_prefill(folder: str = "") -> tuple[str, str, int]:
+    """A draft's handshake and one prefill step: the socket offered, the lane taken, the feature rows."""
+    async with _verifier(folder=folder) as (servicer, address):
+        client = _client(address)
+        try:
+            hs = await client.connect([1], HIDDEN, VOCAB)
+            rows = (await client.step([_prefill("a", 3)], [], None, [])).features.shape[0]
+            return hs.step_socket, client.lane, rows
+        finally:
+            await client.close()
+
+
 async def _gone(servicer: VerifierServicer) -> bool:
     for _ in range(250):   # a stream's end reaches the verifier asynchronously
         if not servicer._peers:
@@ -537,17 +549,7 @@ def test_a_host_without_unix_sockets_serves_on_grpc_alone(monkeypatch) -> None:
         raise PermissionError(1, "Operation not permitted")
     monkeypatch.setattr(step_socket, "listen", no_sockets)
 
-    async def scenario():
-        async with _verifier() as (servicer, address):
-            client = _client(address)
-            try:
-                hs = await client.connect([1], HIDDEN, VOCAB)
-                rows = (await client.step([_prefill("a", 3)], [], None, [])).features.shape[0]
-                return hs.step_socket, client.lane, rows
-            finally:
-                await client.close()
-
-    assert asyncio.run(scenario()) == ("", "grpc", 3)
+    assert asyncio.run(_one_prefill()) == ("", "grpc", 3)
 
 
 def test_a_stream_whose_opening_takes_the_whole_step_timeout_was_not_delivered() -> None:
@@ -720,17 +722,7 @@ def test_a_socket_folder_that_cannot_be_made_leaves_the_grpc_stream(short_dir) -
     blocker = Path(short_dir) / "a-file"
     blocker.write_text("")
 
-    async def scenario():
-        async with _verifier(folder=str(blocker / "steps")) as (servicer, address):
-            client = _client(address)
-            try:
-                hs = await client.connect([1], HIDDEN, VOCAB)
-                rows = (await client.step([_prefill("a", 3)], [], None, [])).features.shape[0]
-                return hs.step_socket, client.lane, rows
-            finally:
-                await client.close()
-
-    assert asyncio.run(scenario()) == ("", "grpc", 3)
+    assert asyncio.run(_one_prefill(folder=str(blocker / "steps"))) == ("", "grpc", 3)
 
 
 @pytest.mark.parametrize("cls, field", [(VerifierSettings, "verifier.step_socket_dir"),
