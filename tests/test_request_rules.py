@@ -1011,6 +1011,38 @@ def test_a_stop_string_holds_back_one_character_less_than_its_length() -> None:
     assert single.take().text == "x"
 
 
+def test_without_stop_strings_the_text_is_decoded_when_the_stream_takes_it(monkeypatch) -> None:
+    """The step loop takes a step's tokens and sends the next step before any text is decoded (the
+    stream's handler decodes when it builds its message); with a stop string the text is decoded at
+    once, since it decides whether the request takes another step. Either way the stream and a
+    failure's last message get the same text, through every token."""
+    ids = TOKENIZER.encode("def add(a, b):\n    return a + b\n", add_special_tokens=False).ids
+    decoded: list[str] = []
+    real = ActiveRequest._decode
+    monkeypatch.setattr(ActiveRequest, "_decode", lambda self: (decoded.append(self.request_id), real(self))[1])
+
+    plain = _request()
+    plain.request_id = "plain"
+    for i in range(0, 6, 2):
+        plain.add_tokens(ids[i:i + 2], 2)
+    assert decoded == [] and plain.text == ""          # nothing decoded in the step loop
+    first = plain.take()
+    assert decoded == ["plain"] and first.text == TOKENIZER.decode(ids[:6]) and list(first.token_ids) == ids[:6]
+    plain.add_tokens(ids[6:8], 2)
+    plain.fail(ServiceError(grpc.StatusCode.INTERNAL, "verifier lost"))
+    assert first.text + plain.take().text == TOKENIZER.decode(ids[:8])   # the tokens before the failure too
+
+    decoded.clear()
+    stopped = _request(stop=("return",))
+    stopped.request_id = "stopped"
+    for i in range(0, len(ids), 2):
+        stopped.add_tokens(ids[i:i + 2], 2)
+        if stopped.done:
+            break
+    assert decoded and set(decoded) == {"stopped"} and stopped.finish == scheduler_pb2.FINISH_REASON_STOP
+    assert stopped.take().text == TOKENIZER.decode(ids)[:TOKENIZER.decode(ids).index("return")]
+
+
 def test_budget_0_takes_the_servers_default_budget() -> None:
     """Budget 0 (the SDK's default) is the server's `scheduler.default_budget`, not a budget of 0:
     that would go to the draft as 'no tree' and run every default DDTree request autoregressively

@@ -205,7 +205,8 @@ class VerifierClient:
 
     async def _step_socket(self, hs: verifier_pb2.HandshakeResponse) -> StepSocketCall | None:
         """The steps' socket the verifier offered, or None where this draft cannot reach it (another
-        network namespace: compose's containers, another host), which keeps the gRPC stream."""
+        network namespace without `verifier.step_socket_dir`'s folder, another host), which keeps
+        the gRPC stream."""
         try:
             return await StepSocketCall.open(hs.step_socket, hs.step_socket_key, verifier_pb2.VerifyResponse,
                                              MAX_MESSAGE_BYTES)

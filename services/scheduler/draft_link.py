@@ -116,7 +116,7 @@ class DraftLink:
                 call = await StepSocketCall.open(offer.name, offer.key, draft_pb2.StepResponse, MAX_MESSAGE_BYTES)
                 self.lane = "socket"
                 return call
-            except (OSError, asyncio.TimeoutError) as exc:   # another network namespace: compose, another host
+            except (OSError, asyncio.TimeoutError) as exc:   # another network namespace without the socket's folder, another host
                 log.info("step_socket_unreachable", error=str(exc) or type(exc).__name__)
         self.lane = "grpc"
         return self.stub.StepStream(metadata=self.metadata)

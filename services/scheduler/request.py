@@ -125,6 +125,10 @@ class ActiveRequest:
     _step_steps: int = 0
     _checked_chars: int = 0
     _detok: IncrementalDetokenizer | None = field(default=None, repr=False)
+    # Tokens `text` does not hold yet: without stop strings the text decides nothing in the step loop,
+    # so it is decoded when the stream's message is built (`take`), after the next step has gone out
+    # (0.08 ms of the loop between a C=1 step's answer and the next step on a 2-core machine).
+    _undecoded: bool = False
 
     @property
     def done(self) -> bool:
@@ -148,12 +152,21 @@ class ActiveRequest:
         if acceptance_length:  # a step cut short by a stop rule or max_tokens counts the tokens the user gets
             self.acceptance.append(min(acceptance_length, len(self.out_ids) - before))
             self.tree_steps += tree
-        self._decode()
+        if self.stop:   # a stop string ends the request here, before its next step is scheduled
+            self._decode()
+        else:
+            self._undecoded = self.tokenizer is not None
         self.news.set()
+
+    def _catch_up(self) -> None:
+        """The text of every token taken so far (`_undecoded`)."""
+        if self._undecoded:
+            self._decode()
 
     def take(self) -> scheduler_pb2.GenerateResponse | ServiceError | None:
         """What the stream sends next, None where nothing is new: the output since the last message
         (every step since, in one), then the error that ended the request, if one did."""
+        self._catch_up()
         if self._unsent():
             return self._message()
         if self.error is not None and not self._error_sent:
@@ -177,6 +190,7 @@ class ActiveRequest:
                 or self._safe_chars() > self.emitted_chars)
 
     def _decode(self) -> None:
+        self._undecoded = False
         if self.tokenizer is None:
             return
         ids = self.out_ids
@@ -265,6 +279,7 @@ class ActiveRequest:
     def fail(self, error: ServiceError) -> None:
         if self.done:
             return
+        self._catch_up()   # the tokens before the failure, decoded as they came
         self.error = error
         if self._detok is not None:   # no token follows: the text held back (a stop's possible start,
             self.text = self._detok.update(self.out_ids, final=True)   # a character's first bytes) is output
