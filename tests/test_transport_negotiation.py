@@ -336,7 +336,9 @@ def test_a_prefill_with_unusable_sampling_fails_alone() -> None:
 
 def test_a_release_only_step_times_no_stage() -> None:
     """A step that only gives requests back is no decode step: the verifier's stage histograms
-    (what an operator reads as step time) leave it out, and a prefill step is still timed."""
+    (what an operator reads as step time) leave it out, and a prefill step is still timed. The
+    stream observes a step's stages once its answer has gone (at C=1 the draft waits on the path
+    from the engine's result to the answer, not on the metrics)."""
     from services.common.transport import InlineReader
 
     class Group(_Group):
@@ -357,12 +359,23 @@ def test_a_release_only_step_times_no_stage() -> None:
         return {s.labels["stage"]: s.value for m in metrics.registry.collect() for s in m.samples
                 if s.name == "ddtree_step_ms_count"}
 
-    servicer._step(peer, verifier_pb2.VerifyRequest(sequence=1, prefills=[verifier_pb2.PrefillItem(
-        request_id="a", token_ids=[1, 2], reserve_tokens=8)]))
-    assert timed() == {"verify": 1, "features": 1}
-    resp = servicer._step(peer, verifier_pb2.VerifyRequest(sequence=2, release=["a"]))
-    assert resp.sequence == 2 and not resp.prefills and not resp.verifies
-    assert timed() == {"verify": 1, "features": 1}
+    async def requests():
+        yield verifier_pb2.VerifyRequest(sequence=1, prefills=[verifier_pb2.PrefillItem(
+            request_id="a", token_ids=[1, 2], reserve_tokens=8)])
+        yield verifier_pb2.VerifyRequest(sequence=2, release=["a"])
+
+    async def stream():
+        answers = servicer._serve_steps(peer, requests())
+        first = await answers.__anext__()
+        seen = [timed()]   # the answer is out; its stages are observed when the stream goes on
+        second = await answers.__anext__()
+        seen.append(timed())
+        await answers.aclose()
+        return first, second, seen + [timed()]
+
+    first, second, seen = asyncio.run(stream())
+    assert first.sequence == 1 and second.sequence == 2 and not second.prefills and not second.verifies
+    assert seen == [{}, {"verify": 1, "features": 1, "stream_step": 1}, {"verify": 1, "features": 1, "stream_step": 1}]
 
 
 def test_a_shm_ring_without_room_is_refused_and_the_handshake_falls_back(monkeypatch) -> None:

@@ -59,6 +59,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # milliseconds on a GPU at this size; a step of 128 trees of 129 nodes took 0.5 s on the K2 slice
 # and 7 s on a CPU, every health check and handshake waiting behind it.
 INLINE_MOST_NODES = 256
+_Stage = tuple[str, float]   # a step stage's name (the `step_ms` label) and its milliseconds
 TREE_FIELDS = ("tokens", "parents", "depths", "sizes")   # a verify step's tree bundle, in the engine's order
 
 
@@ -263,19 +264,23 @@ class VerifierServicer(step_socket.ServesStepSocket, verifier_pb2_grpc.VerifierS
             requests = request_iterator.__aiter__()
             while (req := await self._idle.next(requests)) is not None:   # None: ended, or stopping
                 t0 = time.perf_counter()
+                stages: list[_Stage] = []
                 try:
-                    resp = self._inline(self._step, peer, req) if self.settings.tp == 1 and not req.prefills \
+                    resp = self._inline(self._step, peer, req, stages) if self.settings.tp == 1 and not req.prefills \
                         and _tree_nodes(req.trees) <= INLINE_MOST_NODES else None
                     if resp is None:
-                        resp = await self._locked(self._step, peer, req)
+                        resp = await self._locked(self._step, peer, req, stages)
                 except ServiceError:   # the stream itself is refused: the draft hand-shakes again
                     raise
                 except Exception:   # the engine failed the step (a CUDA error, a bug): say so here, not only downstream
                     log.exception("verify_step_failed", draft_id=draft_id, sequence=req.sequence)
                     raise
                 if req.prefills or req.verify_ids:   # a release-only step is no decode step
-                    self.metrics.step_ms.labels("stream_step").observe((time.perf_counter() - t0) * 1e3)
-                yield resp
+                    stages.append(("stream_step", (time.perf_counter() - t0) * 1e3))
+                try:
+                    yield resp
+                finally:   # the answer has gone (or the stream ended): at C=1 the draft waits for nothing here
+                    self._record(stages)
         finally:
             # The stream ended (cleanly or because the draft died): nothing it held may leak. gRPC
             # cancels a dead draft's handler, and a cancelled await would cancel the clean-up before
@@ -398,7 +403,11 @@ class VerifierServicer(step_socket.ServesStepSocket, verifier_pb2_grpc.VerifierS
         peer.writer.close()
         peer.reader.close()
 
-    def _step(self, peer: _Peer, req: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
+    def _step(self, peer: _Peer, req: verifier_pb2.VerifyRequest,
+              stages: list[_Stage] | None = None) -> verifier_pb2.VerifyResponse:
+        """The step's answer; its stages' times go to ``stages``, for the metrics to observe once
+        the answer has gone (`_record`)."""
+        stages = [] if stages is None else stages
         if self._peers.get(peer.draft_id) is not peer:   # expired, or the draft hand-shook again since
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"draft {peer.draft_id}: this stream's handshake is no longer current; hand-shake again")
@@ -448,14 +457,14 @@ class VerifierServicer(step_socket.ServesStepSocket, verifier_pb2_grpc.VerifierS
             verify = self._verify(peer, req)
             commit_ms = self.engine.take_commit_ms()
             if commit_ms is not None:
-                self.metrics.step_ms.labels("commit").observe(commit_ms)
+                stages.append(("commit", commit_ms))
             slot = _slot_or_none(req.trees)
             if slot is not None:   # read and copied into the forward: the draft may reuse the slot
                 released.append(slot)
         else:
             verify = None
         if inputs or verify is not None:
-            self.metrics.step_ms.labels("verify").observe((time.perf_counter() - t0) * 1e3)
+            stages.append(("verify", (time.perf_counter() - t0) * 1e3))
         parts = [o.features for o in (prefill, verify) if o is not None and o.features.shape[0]]
         features = self.engine.cat_features(parts)
         t_write = time.perf_counter()
@@ -471,8 +480,7 @@ class VerifierServicer(step_socket.ServesStepSocket, verifier_pb2_grpc.VerifierS
         if inline is not None:
             self.metrics.ring_inline_fallbacks.labels(inline).inc()
         if features.shape[0]:
-            self.metrics.step_ms.labels("features").observe((time.perf_counter() - t_write) * 1e3)
-        self._observe()
+            stages.append(("features", (time.perf_counter() - t_write) * 1e3))
         return verifier_pb2.VerifyResponse(
             sequence=req.sequence,
             prefills=_in_order(req.prefills, rejected, prefill.items if prefill is not None else []),
@@ -511,6 +519,13 @@ class VerifierServicer(step_socket.ServesStepSocket, verifier_pb2_grpc.VerifierS
                 error = exc
         log.warning("verify_refused", draft_id=peer.draft_id, requests=len(ids), error=error.message)
         return StepOutcome([ItemOutcome(rid, error=error) for rid in ids], self.engine.cat_features([]))
+
+    def _record(self, stages: list[_Stage]) -> None:
+        """A step's stage times and the gauges, observed after its answer went out: off the path
+        from the engine's result to the draft, which at C=1 is every step's."""
+        for stage, ms in stages:
+            self.metrics.step_ms.labels(stage).observe(ms)
+        self._observe()
 
     def _observe(self) -> None:
         """Gauges that show whether a dead draft gave everything back: KV pages, requests, peers,
