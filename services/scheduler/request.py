@@ -155,7 +155,7 @@ class ActiveRequest:
         if self.stop:   # a stop string ends the request here, before its next step is scheduled
             self._decode()
         else:
-            self._undecoded = self.tokenizer is not None
+            self._undecoded = True
         self.news.set()
 
     def _catch_up(self) -> None:
