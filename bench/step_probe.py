@@ -10,7 +10,9 @@ stamps of all processes merge on one clock. Reported, as medians over the run's 
   stamped functions (`d.verify>` -> `sock.write>` in the draft: building the verifier's request).
 Why: the Prometheus split (`bench.step_split`) has a service's stages, not the code between them,
 and at C=1 a step is a chain of such pieces across three processes (BENCHMARKS.md, T-split).
-The stamps cost about a microsecond each; compare runs of this tool with each other only.
+The stamps cost about a microsecond each; compare runs of this tool with each other only. Stamps pair
+by role, not by process or step: the stack must run one process a role and one step at a time (as
+the default does: `bench.step_split`, C=1, one draft replica, `verifier.tp` 1).
 
     python -m bench.step_probe --out bench/results/step-probe-cpu.json -- --requests 2 --max-tokens 64
 """

@@ -51,11 +51,15 @@ def test_hook_stamps_a_process_started_with_it(tmp_path: Path) -> None:
 def test_hook_is_inert_without_its_folder(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DDTREE_STEP_PROBE_DIR"}
     env["PYTHONPATH"] = os.pathsep.join([str(HOOK), str(REPO), str(REPO / "protos")])
-    code = "import sys; from services.draft import engine; print(engine._pack_trees.__module__)"
-    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=tmp_path, timeout=120,
-                         capture_output=True, text=True).stdout
-    assert out.strip() == "services.draft.engine"
+    code = "from services.draft import engine; print(hasattr(engine._pack_trees, '__wrapped__'))"
+
+    def wrapped(extra: dict[str, str]) -> str:
+        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, check=True, cwd=tmp_path,
+                              timeout=120, capture_output=True, text=True).stdout.strip()
+
+    assert wrapped({}) == "False"   # nothing patched, nothing written
     assert not list(tmp_path.glob("*.json"))
+    assert wrapped({"DDTREE_STEP_PROBE_DIR": str(tmp_path)}) == "True"   # the same process with the folder: patched
 
 
 def _write(folder: Path, name: str, stamps: list[tuple[str, float]]) -> None:

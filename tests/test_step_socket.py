@@ -725,14 +725,33 @@ def test_a_socket_folder_that_cannot_be_made_leaves_the_grpc_stream(short_dir) -
     assert asyncio.run(_one_prefill(folder=str(blocker / "steps"))) == ("", "grpc", 3)
 
 
+def test_a_socket_file_whose_server_fails_to_start_is_removed(short_dir, monkeypatch) -> None:
+    async def out_of_files(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    async def serve():
+        return await step_socket.open_server(True, "verifier-abc", lambda key: None, None,
+                                             verifier_pb2.VerifyRequest, 1.0, folder=short_dir)
+
+    monkeypatch.setattr(step_socket.asyncio, "start_unix_server", out_of_files)
+    assert asyncio.run(serve()) is None   # the service serves on gRPC alone
+    assert os.listdir(short_dir) == []    # and leaves no socket file in the shared folder
+    # a file already there (another server's) is not this start's to remove
+    taken = step_socket.socket_name("verifier-abc", short_dir)
+    open(taken, "w").close()
+    assert asyncio.run(serve()) is None and os.listdir(short_dir) == [os.path.basename(taken)]
+
+
 @pytest.mark.parametrize("cls, field", [(VerifierSettings, "verifier.step_socket_dir"),
                                         ("draft", "draft.step_socket_dir")])
-def test_a_socket_folder_too_long_for_a_socket_path_is_refused_at_start(cls, field) -> None:
+def test_a_socket_folder_too_long_for_a_socket_path_or_relative_is_refused_at_start(cls, field) -> None:
     from services.common.settings import MAX_STEP_SOCKET_DIR_BYTES, DraftSettings, SettingsError
     cls = DraftSettings if cls == "draft" else cls
     cls(step_socket_dir="/run/" + "x" * (MAX_STEP_SOCKET_DIR_BYTES - 5))   # at the limit: taken
     with pytest.raises(SettingsError, match=field.replace(".", r"\.") + ".*longer than 64 bytes"):
         cls(step_socket_dir="/run/" + "x" * (MAX_STEP_SOCKET_DIR_BYTES - 4))
+    with pytest.raises(SettingsError, match=field.replace(".", r"\.") + ".*must be an absolute path"):
+        cls(step_socket_dir="run/steps")   # the peer would resolve it against its own working folder
     longest = step_socket.socket_name("verifier-" + "f" * 12, "/" + "x" * (MAX_STEP_SOCKET_DIR_BYTES - 1))
     assert len(longest.encode()) < 108   # sockaddr_un's path, with its NUL
 

@@ -89,6 +89,9 @@ MAX_STEP_SOCKET_DIR_BYTES = 64
 
 
 def _check_step_socket_dir(folder: str, name: str) -> None:
+    # The name goes to the peer as written and resolves against the peer's working folder: a
+    # relative one reached nothing from another folder, and the peer fell back to gRPC silently.
+    _check(not folder or os.path.isabs(folder), name, f"{folder!r} must be an absolute path (the peers open it as given)")
     _check(len(os.fsencode(folder)) <= MAX_STEP_SOCKET_DIR_BYTES, name,
            f"{folder!r} is longer than {MAX_STEP_SOCKET_DIR_BYTES} bytes (a Unix socket's path holds 107)")
 

@@ -40,7 +40,7 @@ from services.common.logging import get_logger
 
 __all__ = ["MESSAGE", "ERROR", "KEY_BYTES", "ServesStepSocket", "StepSocketError", "StepSocketCall", "StepSocketServer",
            "available",
-           "connect", "listen", "messages", "open_server", "parse", "read_frame", "same_key", "socket_name",
+           "connect", "listen", "log_name", "messages", "open_server", "parse", "read_frame", "same_key", "socket_name",
            "write_error", "write_message"]
 
 MESSAGE, ERROR = 0, 1
@@ -63,6 +63,12 @@ def socket_name(server_id: str, folder: str = "") -> str:
     return os.path.join(folder, f"ddtree-steps-{server_id}.sock") if folder else f"\0ddtree-steps-{server_id}"
 
 
+def log_name(name: str) -> str:
+    """A step socket's name for a log line: a file's path, an abstract name written with a leading
+    "@" (as `ss -x` shows it), "" for none."""
+    return "@" + name[1:] if name.startswith("\0") else name
+
+
 def same_key(held: bytes, presented: bytes | None) -> bool:
     return bool(held) and presented is not None and hmac.compare_digest(held, presented)
 
@@ -71,16 +77,22 @@ async def listen(name: str, handle: Callable[[asyncio.StreamReader, asyncio.Stre
                  ) -> asyncio.AbstractServer:
     """Serves ``handle`` on the name. The socket is bound here and handed over: uvloop passes a path
     to libuv as a C string, which ends at an abstract name's leading NUL (EINVAL). A socket file is
-    made its owner's alone (the key is checked all the same)."""
+    made its owner's alone (the key is checked all the same), and removed again where the start
+    fails after the bind (the service goes on on gRPC; the file would outlive it in a shared folder)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    bound = False
     try:
         sock.bind(name)
+        bound = True
         if not name.startswith("\0"):
             os.chmod(name, 0o600)
         sock.listen(64)
         return await asyncio.start_unix_server(handle, sock=sock)
     except BaseException:
         sock.close()
+        if bound and not name.startswith("\0"):
+            with contextlib.suppress(OSError):
+                os.unlink(name)
         raise
 
 

@@ -239,7 +239,7 @@ async def serve(settings: DraftSettings) -> None:
     await server.start()
     await servicer.start_step_socket(settings.step_socket, settings.step_socket_dir)
     log.info("serving", address=host_port(settings.host, port), verifier=settings.verifier_address, metrics_port=metrics_port,
-             step_socket=bool(servicer.step_socket), verifier_lane=client.lane)
+             step_socket=step_socket.log_name(servicer.step_socket), verifier_lane=client.lane)
     tasks = [asyncio.ensure_future(report_health(health, [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name],
                                                  lambda: client.connected, "no verifier stream",
                                                  wake=client.stream_changed)),

@@ -744,7 +744,7 @@ async def serve(settings: VerifierSettings, config_path: str | None = None) -> N
     if starting is not None:
         starting.set()
     log.info("serving", address=host_port(settings.host, port), tp=settings.tp, metrics_port=metrics_port,
-             step_socket=bool(servicer.step_socket))
+             step_socket=step_socket.log_name(servicer.step_socket))
     died: list[str] = []
     loop = asyncio.get_running_loop()
 
