@@ -34,9 +34,9 @@ def test_every_stamped_function_exists(module: str) -> None:
 
 
 def test_hook_stamps_a_process_started_with_it(tmp_path: Path) -> None:
-    code = ("import torch\n"
+    code = ("import numpy as np\n"
             "from services.draft import engine\n"
-            "t = engine._Tree(torch.tensor([5, 6]), torch.tensor([-1, 0]), torch.tensor([0, 1]))\n"
+            "t = engine._Tree(np.array([5, 6]), np.array([-1, 0]), np.array([0, 1]))\n"
             "for _ in range(3):\n"
             "    engine._pack_trees([t])\n")
     env = {**os.environ, "DDTREE_STEP_PROBE_DIR": str(tmp_path),

@@ -31,6 +31,8 @@ STEP_PATH: dict[str, list[tuple[str | None, str, str]]] = {
                                   ("TensorReader", "read", "ring.read")],
     "services.common.cuda_ipc": [("CudaIpcWriter", "write", "ring.write")],
     "services.common.step_socket": [("StepSocketCall", "write", "sock.write"), ("StepSocketCall", "read", "sock.read")],
+    # a host wait for the GPU inside the stamps above (a ring write's): what of a span is the GPU's
+    "torch.cuda.streams": [("Stream", "synchronize", "cuda.sync")],
 }
 
 if os.environ.get("DDTREE_STEP_PROBE_DIR"):

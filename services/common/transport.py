@@ -151,10 +151,20 @@ def name_text(name: str) -> str:
 
 def _expected_nbytes(ref: common_pb2.TensorRef, dtype: torch.dtype) -> int:
     # The rank first: a product over tens of thousands of large dimensions took seconds, on the event loop.
-    if len(ref.shape) > MAX_RANK or any(d < 0 for d in ref.shape) \
-            or math.prod(max(d, 1) for d in ref.shape) > MAX_ELEMENTS:
-        raise ValueError(f"tensor {name_text(ref.name)} has an implausible shape {shape_text(ref.shape)}")
-    return math.prod(ref.shape) * dtype.itemsize
+    # One pass over a tuple: each read of the message's repeated field costs more than the arithmetic.
+    shape = ref.shape
+    if len(shape) > MAX_RANK:
+        raise ValueError(f"tensor {name_text(ref.name)} has an implausible shape {shape_text(shape)}")
+    elements = bound = 1
+    for d in tuple(shape):
+        if d < 0:
+            bound = MAX_ELEMENTS + 1
+            break
+        elements *= d
+        bound *= d or 1
+    if bound > MAX_ELEMENTS:
+        raise ValueError(f"tensor {name_text(ref.name)} has an implausible shape {shape_text(shape)}")
+    return elements * dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -199,7 +209,8 @@ def _decode_inline(ref: common_pb2.TensorRef) -> torch.Tensor:
         )
     if expected == 0:
         return torch.empty(tuple(ref.shape), dtype=dtype)
-    return torch.frombuffer(bytearray(ref.inline_data), dtype=dtype).reshape(tuple(ref.shape))
+    flat = torch.frombuffer(bytearray(ref.inline_data), dtype=dtype)
+    return flat if len(ref.shape) == 1 else flat.reshape(tuple(ref.shape))   # 1-D (every tree tensor): as read
 
 
 def bundle_slot(bundle: common_pb2.TensorBundle) -> int | None:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from ddtree.v1 import common_pb2, draft_pb2, verifier_pb2
@@ -54,9 +55,11 @@ class _Request:
 
 @dataclass
 class _Tree:
-    tokens: torch.Tensor   # [n]
-    parents: torch.Tensor  # [n]
-    depths: torch.Tensor   # [n]
+    """One request's tree on the host, int64 arrays (numpy: a step slices and joins a few hundred
+    ints per tree, where each torch call costs microseconds on a C=1 step's path)."""
+    tokens: np.ndarray   # [n]
+    parents: np.ndarray  # [n]
+    depths: np.ndarray   # [n]
 
 
 # Trees drafted ahead, by request id: (the request, its length and budget then, the tree); one is
@@ -436,7 +439,7 @@ class DraftEngine:
                 trees[i] = t
         # A root alone (autoregressive, paused speculation, no room left) is no draft tree: the
         # counter keeps step with the scheduler's `tree_steps` and acceptance histogram.
-        drafted = [i for i, t in enumerate(trees) if t.tokens.numel() > 1]
+        drafted = [i for i, t in enumerate(trees) if t.tokens.size > 1]
         now = len(set(drafted) & set(missing))
         self.metrics.draft_trees.labels("step").inc(now)
         self.metrics.draft_trees.labels("ahead").inc(len(drafted) - now)
@@ -455,8 +458,7 @@ class DraftEngine:
         for i, (req, budget) in enumerate(zip(reqs, budgets)):
             depth = min(self.proposer.block_size - 1, self.max_context - 1 - req.length)
             if budget == 0 or depth <= 0:
-                root = torch.tensor([req.pending])
-                trees[i] = _Tree(root, torch.tensor([-1]), torch.tensor([0]))
+                trees[i] = _Tree(np.array([req.pending]), np.array([-1]), np.array([0]))
             else:
                 groups.setdefault((budget, depth), []).append(i)
         propose_s = propose_cpu_s = tree_s = 0.0
@@ -465,8 +467,9 @@ class DraftEngine:
             bonus = torch.tensor([reqs[i].pending for i in idx])                     # [R]
             logits = self.proposer.propose([reqs[i].request_id for i in idx], bonus)  # [R, B-1, V]
             t1, c1 = time.perf_counter(), time.thread_time()
-            sizes_t, tokens, parents, depths = self._trees(logits, budget, depth, bonus)
+            sizes_t, tokens_t, parents_t, depths_t = self._trees(logits, budget, depth, bonus)
             sizes = sizes_t.tolist()
+            tokens, parents, depths = tokens_t.numpy(), parents_t.numpy(), depths_t.numpy()   # views
             propose_s += t1 - t0            # the GPU work of propose lands in tree_s (its first sync)
             propose_cpu_s += c1 - c0        # this thread's CPU time: far below propose_s = waiting (GIL, locks)
             tree_s += time.perf_counter() - t1
@@ -535,10 +538,13 @@ def _feature_rows(res: verifier_pb2.ItemResult) -> int:
 
 
 def _pack_trees(trees: Sequence[_Tree]) -> dict[str, torch.Tensor]:
-    """Flat CSR tree tensors, the wire format the verifier reads."""
+    """Flat CSR tree tensors, the wire format the verifier reads (joined in numpy: see `_Tree`)."""
+    def joined(field: str) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([getattr(t, field) for t in trees], dtype=np.int64))
+
     return {
-        "tokens": torch.cat([t.tokens for t in trees]).to(torch.int64),    # [N]
-        "parents": torch.cat([t.parents for t in trees]).to(torch.int64),  # [N]
-        "depths": torch.cat([t.depths for t in trees]).to(torch.int64),    # [N]
-        "sizes": torch.tensor([t.tokens.numel() for t in trees], dtype=torch.int64),  # [R]
+        "tokens": joined("tokens"),    # [N]
+        "parents": joined("parents"),  # [N]
+        "depths": joined("depths"),    # [N]
+        "sizes": torch.from_numpy(np.array([t.tokens.size for t in trees], dtype=np.int64)),  # [R]
     }

@@ -493,7 +493,7 @@ class VerifierServicer(step_socket.ServesStepSocket, verifier_pb2_grpc.VerifierS
         tensor parallelism) the other ranks go on."""
         ids = list(req.verify_ids)
         try:
-            _check_tree_refs(len(ids), req.trees)   # sizes first, from the message: what is read is no more
+            in_slot = _check_tree_refs(len(ids), req.trees)   # sizes first, from the message: what is read is no more
             trees = peer.reader.read(req.trees)
         except ValueError as exc:   # the transport's account of a bundle it cannot read
             trees, error = {}, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"tree bundle: {exc}")
@@ -503,8 +503,9 @@ class VerifierServicer(step_socket.ServesStepSocket, verifier_pb2_grpc.VerifierS
         if error is None:
             # Copies, not views of the draft's ring: checked once and then read again by the engine,
             # a view the draft changed in between could put an index past its table on the GPU (a
-            # device assert ends the process, for every draft). A reader of copies made them already.
-            args = [trees[k] if peer.reader.copies else trees[k].clone() for k in TREE_FIELDS]
+            # device assert ends the process, for every draft). A reader of copies made them already,
+            # as the message's own bytes (small host trees, every C=1 step's) were.
+            args = [trees[k].clone() if in_slot and not peer.reader.copies else trees[k] for k in TREE_FIELDS]
             # Here first, before the call goes to the other ranks: a bundle of millions of nodes was
             # pickled to every rank (and onto every GPU, with NCCL) only for each to refuse it.
             error = tree_shape_error(len(ids), *args)
@@ -544,13 +545,14 @@ def _tree_nodes(bundle: common_pb2.TensorBundle) -> int:
                 for ref in bundle.tensors if ref.name == "tokens"), default=0)
 
 
-def _check_tree_refs(num_trees: int, bundle: common_pb2.TensorBundle) -> None:
+def _check_tree_refs(num_trees: int, bundle: common_pb2.TensorBundle) -> bool:
     """ValueError where the tree bundle names a tensor other than `TREE_FIELDS`, one twice, or one of
     more elements than `num_trees` trees of the largest budget have, or spans several slots:
     checked on the message, before a byte of it is read (a draft's ring is its own: a slot of it
     declared gigabytes long was read in full, and one span named under a thousand names was read a
-    thousand times, a private copy each; a bundle over two slots was read, and neither given back)."""
-    bundle_slot(bundle)   # raises for several slots
+    thousand times, a private copy each; a bundle over two slots was read, and neither given back).
+    Returns whether the bundle is in a slot (else its bytes are the message's own)."""
+    in_slot = bundle_slot(bundle) is not None   # raises for several slots
     most = num_trees * (MAX_BUDGET + 1)
     names = [ref.name for ref in bundle.tensors]
     extra = [n for n in names if n not in TREE_FIELDS]
@@ -558,9 +560,11 @@ def _check_tree_refs(num_trees: int, bundle: common_pb2.TensorBundle) -> None:
         raise ValueError(f"tree bundle names [{', '.join(name_text(n) for n in names[:8])}"
                          f"{', ...' if len(names) > 8 else ''}]: expected each of {list(TREE_FIELDS)} once")
     for ref in bundle.tensors:
-        if len(ref.shape) > 1 or math.prod(ref.shape) > most:
-            raise ValueError(f"tensor {name_text(ref.name)} of shape {shape_text(ref.shape)}: {num_trees} trees "
+        shape = ref.shape
+        if len(shape) > 1 or (shape[0] if shape else 1) > most:
+            raise ValueError(f"tensor {name_text(ref.name)} of shape {shape_text(shape)}: {num_trees} trees "
                              f"have at most {most} nodes, one dimension")
+    return in_slot
 
 
 def _slot_or_none(bundle: common_pb2.TensorBundle) -> int | None:
