@@ -30,7 +30,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.common import git_commit
+import torch
+
+from bench.common import copy_gbps_on, git_commit
 
 __all__ = ["load_stamps", "durations", "gaps", "main"]
 
@@ -105,8 +107,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         device = next((a.split("=", 1)[1] for a in args.args if a.startswith("--device=")), None)
         if device is None and "--device" in args.args:
             device = args.args[args.args.index("--device") + 1]
+        on_gpu = device not in (None, "cpu")   # measured after the stack is gone, not beside it
         doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit),
-               "gpu": "cpu" if device in (None, "cpu") else device, "copy_gbps": None,
+               "gpu": torch.cuda.get_device_name(torch.device(device)) if on_gpu else "cpu",
+               "copy_gbps": copy_gbps_on(device) if on_gpu else None,
                "params": {"module": args.module, "args": args.args, "least": args.least},
                "rows": [{"kind": "duration", **r} for r in spans] + [{"kind": "gap", **r} for r in chain]}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
