@@ -1,0 +1,93 @@
+"""Host time of the cuda_ipc ring's write and read, and of each torch call inside them, on a GPU host.
+
+Why: the step probe (`bench.step_probe`, H100) put 82 µs between the verifier's features ring write
+starting and its stream sync, and 66-87 µs in the draft's read of that bundle, for one small tensor
+each way on every C=1 step; the same calls on a CPU tensor take a few µs. This times them one by one
+in one process (the ring's writer, and a reader of the same ring as a second process would map it),
+so a change to either is judged on the machine where the stack runs. GPU only.
+
+    python -m bench.ring_costs --out bench/results/ring-costs-<gpu>-<sha>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import copy_gbps_on, git_commit
+from services.common import cuda_ipc
+from services.common.cuda_ipc import CudaIpcReader, CudaIpcWriter
+from services.common.transport import bundle_slot
+
+
+def _median_us(fn, reps: int) -> float:
+    """Median of ``reps`` timed calls (each alone: a call's spread, not a loop's mean)."""
+    for _ in range(50):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return round(statistics.median(times) * 1e6, 2)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=4, help="feature rows (a C=1 step's committed tokens)")
+    p.add_argument("--width", type=int, default=1280, help="feature width")
+    p.add_argument("--reps", type=int, default=2000)
+    p.add_argument("--commit", default="")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    dev = torch.device("cuda", 0)
+    writer = CudaIpcWriter(8 << 20, 4, dev)
+    reader = CudaIpcReader.__new__(CudaIpcReader)   # the writer's own ring: a peer's mapping, without a peer
+    reader._buf, reader._views = writer._buf, cuda_ipc._RingViews(writer._buf)
+    feats = torch.randn(args.rows, args.width, device=dev).to(torch.bfloat16)   # [rows, F]
+    bundle = writer.write({"features": feats})
+    got = reader.read(bundle)["features"]
+    assert torch.equal(got, feats), "the ring read back other bytes"
+    writer.release([bundle_slot(bundle)])
+    buf, views, stream = writer._buf, writer._views, torch.cuda.current_stream(dev)
+    dst = views.at(1, 64, feats.dtype, feats.shape)
+
+    def write_and_release() -> None:
+        b = writer.write({"features": feats})
+        writer.release([bundle_slot(b)])
+
+    nbytes = feats.nbytes
+    parts = {
+        "write (whole, then release)": write_and_release,
+        "read (whole)": lambda: reader.read(bundle),
+        "view: index, slice, two views": lambda: buf[1][64:64 + nbytes].view(feats.dtype).view(feats.shape),
+        "view: _RingViews.at": lambda: views.at(1, 64, feats.dtype, feats.shape),
+        "copy_ into a view": lambda: dst.copy_(feats, non_blocking=True),
+        "torch.cuda.current_stream(device)": lambda: torch.cuda.current_stream(dev),
+        "stream.synchronize() (idle)": stream.synchronize,
+        "tuple(t.shape)": lambda: tuple(feats.shape),
+        "t.is_cuda": lambda: feats.is_cuda,
+    }
+    rows = []
+    for name, fn in parts.items():
+        us = _median_us(fn, args.reps)
+        torch.cuda.synchronize()
+        rows.append({"part": name, "median_us": us})
+        print(f"{name:36s} {us:8.2f} us", flush=True)
+    if args.out:
+        doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit),
+               "gpu": torch.cuda.get_device_name(dev), "copy_gbps": copy_gbps_on("cuda"),
+               "params": {"rows": args.rows, "width": args.width, "dtype": "bfloat16", "reps": args.reps,
+                          "timing": "median of single calls, host clock; no sync inside a call unless named"},
+               "rows": rows}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
