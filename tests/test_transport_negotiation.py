@@ -514,7 +514,11 @@ def test_with_ranks_a_verify_call_carries_its_trees_not_the_ring_they_lie_in() -
 
     servicer = VerifierServicer(Group(), VerifierSettings(device="cpu", tp=2), Metrics("verifier"))
     peer = verifier_server._Peer("d", InlineWriter(), Reader())
-    servicer._verify(peer, verifier_pb2.VerifyRequest(sequence=1, verify_ids=["a"]))
+    req = verifier_pb2.VerifyRequest(sequence=1, verify_ids=["a"])
+    for i, k in enumerate(TREE_FIELDS):   # the bundle names the slot the reader's views lie in
+        ref = req.trees.tensors.add(name=k, dtype="int64", shape=[trees[k].numel()])
+        ref.slot.slot, ref.slot.offset, ref.slot.nbytes = 0, i * 128, trees[k].numel() * 8
+    servicer._verify(peer, req)
     assert sizes and sizes[0] < 64 * 1024, sizes
 
 
