@@ -14,14 +14,12 @@ so a change to either is judged on the machine where the stack runs. GPU only.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from bench.common import copy_gbps_on, git_commit
+from bench.common import write_result
 from services.common.cuda_ipc import CudaIpcReader, CudaIpcWriter
 from services.common.transport import bundle_slot
 
@@ -85,14 +83,9 @@ def main() -> None:
         rows.append({"part": name, "median_us": us})
         print(f"{name:36s} {us:8.2f} us", flush=True)
     if args.out:
-        doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit),
-               "gpu": torch.cuda.get_device_name(dev), "copy_gbps": copy_gbps_on("cuda"),
-               "params": {"rows": args.rows, "width": args.width, "dtype": "bfloat16", "reps": args.reps,
-                          "timing": "median of single calls, host clock; no sync inside a call unless named"},
-               "rows": rows}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=1))
-
+        write_result(args.out, args.commit, {"rows": args.rows, "width": args.width, "dtype": "bfloat16", "reps": args.reps,
+                                             "timing": "median of single calls, host clock; no sync inside a call unless named"},
+                     rows)
 
 if __name__ == "__main__":
     main()

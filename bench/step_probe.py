@@ -30,9 +30,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
-from bench.common import copy_gbps_on, git_commit
+from bench.common import write_result
 
 __all__ = ["load_stamps", "durations", "gaps", "main"]
 
@@ -107,15 +105,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         device = next((a.split("=", 1)[1] for a in args.args if a.startswith("--device=")), None)
         if device is None and "--device" in args.args:
             device = args.args[args.args.index("--device") + 1]
-        on_gpu = device not in (None, "cpu")   # measured after the stack is gone, not beside it
-        doc = {"benchmark": Path(args.out).stem, "commit": git_commit(args.commit),
-               "gpu": torch.cuda.get_device_name(torch.device(device)) if on_gpu else "cpu",
-               "copy_gbps": copy_gbps_on(device) if on_gpu else None,
-               "params": {"module": args.module, "args": args.args, "least": args.least},
-               "rows": [{"kind": "duration", **r} for r in spans] + [{"kind": "gap", **r} for r in chain]}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=1))
-
+        # the GPU's name and copy bandwidth are measured here, after the stack is gone
+        write_result(args.out, args.commit, {"module": args.module, "args": args.args, "least": args.least},
+                     [{"kind": "duration", **r} for r in spans] + [{"kind": "gap", **r} for r in chain],
+                     device=device or "cpu")
 
 if __name__ == "__main__":
     main()

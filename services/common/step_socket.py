@@ -80,17 +80,17 @@ async def listen(name: str, handle: Callable[[asyncio.StreamReader, asyncio.Stre
     made its owner's alone (the key is checked all the same), and removed again where the start
     fails after the bind (the service goes on on gRPC; the file would outlive it in a shared folder)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    bound = False
+    is_file, bound = not name.startswith("\0"), False
     try:
         sock.bind(name)
         bound = True
-        if not name.startswith("\0"):
+        if is_file:
             os.chmod(name, 0o600)
         sock.listen(64)
         return await asyncio.start_unix_server(handle, sock=sock)
     except BaseException:
         sock.close()
-        if bound and not name.startswith("\0"):
+        if bound and is_file:
             with contextlib.suppress(OSError):
                 os.unlink(name)
         raise
@@ -354,7 +354,7 @@ async def open_server(enabled: bool, server_id: str, start: Callable[[bytes | No
             os.makedirs(folder, mode=0o700, exist_ok=True)
         await server.open()
     except OSError as exc:
-        _log.warning("step_socket_unavailable", name=server.name.lstrip("\0"), error=str(exc))
+        _log.warning("step_socket_unavailable", name=log_name(server.name), error=str(exc))
         return None
     return server
 
