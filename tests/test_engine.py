@@ -901,7 +901,7 @@ def test_a_failed_prefill_forward_leaves_its_unrun_items_unsent(target: Target, 
     assert out.items[1].tokens == target.continuation([9, 8, 7, 6, 5], 1)
 
 
-@pytest.mark.parametrize("fails", ["write_many", "cat_features"])
+@pytest.mark.parametrize("fails", ["write_slots", "cat_features"])
 def test_a_failed_verify_commit_leaves_its_requests_where_they_were(target: Target, monkeypatch: pytest.MonkeyPatch,
                                                                    fails: str) -> None:
     """The requests moved past their accepted paths before the KV scatter: a scatter (or feature
@@ -913,7 +913,7 @@ def test_a_failed_verify_commit_leaves_its_requests_where_they_were(target: Targ
     pending = engine.prefill([PrefillInput("a", prompt, Sampling(), 20)]).items[0].tokens[0]
     want = target.continuation(prompt, 4)
     chain = Tree(want[:3], [-1, 0, 1], [0, 1, 2])   # the greedy path: all of it is accepted
-    owner = engine.cache if fails == "write_many" else engine
+    owner = engine.cache if fails == "write_slots" else engine
 
     def failing(*a, **kw):
         raise RuntimeError("CUDA error: out of memory")

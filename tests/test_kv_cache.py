@@ -54,3 +54,28 @@ def test_pages_needed_is_zero_once_covered_and_page_ids_is_a_copy() -> None:
     assert len(cache.page_ids("a")) == 2 and cache.reserved_tokens("a") == 8
     cache.free("a")
     assert cache.pages_free == 4
+
+
+def test_write_many_puts_each_run_where_write_does_and_nothing_else() -> None:
+    """The commit's one scatter (flat slots, `index_copy_`) against one `write` per run, on runs of
+    two requests across page boundaries in scrambled pages, from the same fresh cache bytes: the
+    same cache, and the cells outside the runs untouched."""
+    gen = torch.Generator().manual_seed(3)
+    runs = [("a", 2, 5), ("b", 0, 1), ("b", 3, 6), ("a", 7, 0)]
+    caches = []
+    for _ in range(2):
+        cache = PagedKVCache(3, 8, 4, 5, torch.float32, "cpu", shuffle_seed=2)
+        cache.reserve("a", 8)
+        cache.reserve("b", 12)
+        cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(4)))
+        caches.append(cache)
+    kv = torch.randn(3, sum(k for *_, k in runs), 5, generator=gen)
+    before = caches[0].kv.clone()
+    caches[0].write_many(runs, kv)
+    at = 0
+    for rid, start, k in runs:
+        caches[1].write(rid, start, kv[:, at:at + k])
+        at += k
+    assert torch.equal(caches[0].kv, caches[1].kv)
+    assert int((caches[0].kv != before).any(-1).sum()) == 3 * 12   # 12 tokens' cells, every layer
+    assert caches[0].slots([("b", 3, 2)]).tolist() == [caches[0].page_ids("b")[0] * 4 + 3, caches[0].page_ids("b")[1] * 4]

@@ -583,13 +583,16 @@ class VerifierEngine:
             writes.append((req.request_id, req.length, len(acc.path)))
             accepted.append(acc)
             row += n
-        rows = torch.tensor(keep, dtype=torch.int64, device=dev)                      # [K]
-        if out.rows is not None:
-            rows = out.rows[rows]                                                     # [K] padded rows
+        kept = np.asarray(keep, dtype=np.int64)                                       # [K]
+        if out.rows_host is not None:
+            kept = out.rows_host[kept]                                                # [K] padded rows
+        # the rows and their cache slots in one copy to the device: each small copy costs a wait
+        index = torch.from_numpy(np.concatenate([kept, self.cache.slots(writes)])).to(dev)   # [2K]
+        rows, slots = index[:len(keep)], index[len(keep):]
         t0 = time.perf_counter()
-        self.cache.write_many(writes, out.new_kv[:, rows])                            # one scatter
+        self.cache.write_slots(slots, out.new_kv.index_select(1, rows))               # one scatter
         self._commit_ms = (time.perf_counter() - t0) * 1e3
-        features = self.cat_features([out.features[rows]])
+        features = self.cat_features([out.features.index_select(0, rows)])
         # The requests move on only once their KV is written (and their features taken): a step
         # that failed before left them past cache slots never written, read by their next step.
         for req, i, acc in zip(reqs, live, accepted):

@@ -287,7 +287,7 @@ class VerifyGraphs:
 
     def _run(self, b: _Bucket, tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, sizes: Sequence[int],
              prefix_lens: Sequence[int], page_ids: Sequence[Sequence[int]]) -> ForwardOutput:
-        self._load(b, tokens, parents, depths, sizes, prefix_lens, page_ids)
+        rows_host = self._load(b, tokens, parents, depths, sizes, prefix_lens, page_ids)
         if self.capture:
             if b.graph is None:
                 self._capture(b)
@@ -297,14 +297,14 @@ class VerifyGraphs:
             out = self._forward(b)
         assert out is not None
         rows = b.views(b.inputs)[3][:sum(sizes)]   # [N] device
-        return ForwardOutput(logits=out.logits, features=out.features, new_kv=out.new_kv, rows=rows)
+        return ForwardOutput(logits=out.logits, features=out.features, new_kv=out.new_kv, rows=rows, rows_host=rows_host)
 
     def _load(self, b: _Bucket, tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, sizes: Sequence[int],
-              prefix_lens: Sequence[int], page_ids: Sequence[Sequence[int]]) -> None:
+              prefix_lens: Sequence[int], page_ids: Sequence[Sequence[int]]) -> np.ndarray:
         """Pad the trees on the host (numpy on pinned memory: a step's few hundred ints cost less
         there than a dozen tensor ops), then two asynchronous copies: the int64 inputs, and the
         used page-table columns through a pinned staging buffer (a pageable copy would wait for
-        the stream)."""
+        the stream). Returns the trees' padded rows [N], a copy on the host."""
         if self._copied is not None:
             self._copied.synchronize()   # the previous step's copies have left the pinned buffers
         tok, par, dep, rows, lens = (v.numpy() for v in b.views(b.host))
@@ -332,6 +332,7 @@ class VerifyGraphs:
             if self._copied is None:
                 self._copied = torch.cuda.Event()
             self._copied.record()
+        return rows[:N].copy()
 
     def _page_staging(self, n: int) -> Tensor:
         """The first `n` int32 of a pinned buffer that grows as needed (steps never overlap)."""

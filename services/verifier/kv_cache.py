@@ -8,6 +8,7 @@ accepted path with ``write``.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -101,24 +102,29 @@ class PagedKVCache:
 
     def write_many(self, items: list[tuple[str, int, int]], kv: Tensor) -> None:
         """Store ``kv [num_layers, sum(k), dim]`` for ``(request_id, start, k)`` runs, in one scatter."""
-        assert kv.dim() == 3 and kv.shape[0] == self.num_layers and kv.shape[2] == self.dim, (
-            f"kv must be [num_layers={self.num_layers}, k, dim={self.dim}], got {tuple(kv.shape)}"
-        )
-        assert kv.shape[1] == sum(k for _, _, k in items), "kv rows must match the runs"
-        pages: list[int] = []
-        slots: list[int] = []
+        slots = self.slots(items)
+        self.write_slots(torch.from_numpy(slots).to(self.kv.device), kv)
+
+    def slots(self, items: list[tuple[str, int, int]]) -> np.ndarray:
+        """The flat cache slots (``page * page_size + slot``) of ``(request_id, start, k)`` runs, in
+        order, on the host: the verifier's commit joins them to its accepted rows and copies both
+        to the device at once (each small host-to-device copy costs a launch and a wait)."""
+        ps, flat = self.page_size, []
         for request_id, start, k in items:
             if start < 0 or start + k > self.reserved_tokens(request_id):
                 raise IndexError(f"request {request_id!r}: tokens {start}..{start + k - 1} outside "
                                  f"reserved {self.reserved_tokens(request_id)}")
             owned = self._pages[request_id] if k else []
-            for pos in range(start, start + k):
-                pages.append(owned[pos // self.page_size])
-                slots.append(pos % self.page_size)
-        if not pages:
-            return
-        index = torch.tensor([pages, slots], dtype=torch.int64).to(self.kv.device)   # [2, K]
-        self.kv[:, index[0], index[1]] = kv.to(self.kv.dtype)  # [L, K, D]
+            flat.extend(owned[pos // ps] * ps + pos % ps for pos in range(start, start + k))
+        return np.asarray(flat, dtype=np.int64)                                        # [K]
+
+    def write_slots(self, slots: Tensor, kv: Tensor) -> None:
+        """Store ``kv [num_layers, K, dim]`` at ``slots [K]`` (from `slots`, on the cache's device)."""
+        assert kv.dim() == 3 and kv.shape[0] == self.num_layers and kv.shape[2] == self.dim, (
+            f"kv must be [num_layers={self.num_layers}, k, dim={self.dim}], got {tuple(kv.shape)}"
+        )
+        assert kv.shape[1] == slots.shape[0], "kv rows must match the slots"
+        self.kv.view(self.num_layers, -1, self.dim).index_copy_(1, slots, kv.to(self.kv.dtype))   # [L, P * ps, D]
 
     def gather(self, layer: int, request_id: str, length: int) -> Tensor:
         """Contiguous copy of the first ``length`` cached tokens of one layer (tests, references)."""

@@ -13,6 +13,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -254,6 +255,7 @@ class ForwardOutput:
     # A graph bucket's padded outputs: the trees' rows among the N, in order (None: every row is
     # one). The step reads the few rows it needs through it instead of copying every tree row out.
     rows: Tensor | None = None
+    rows_host: np.ndarray | None = None   # the same rows on the host (the commit indexes them there)
 
     def real(self) -> ForwardOutput:
         """The trees' rows only (a copy where padded)."""
