@@ -91,9 +91,9 @@ def _host_ring(monkeypatch, slots: int, slot_bytes: int):
     buf = torch.zeros(slots, slot_bytes, dtype=torch.uint8)   # [slots, bytes]
     writer = CudaIpcWriter.__new__(CudaIpcWriter)
     writer._ring, writer._slot_bytes, writer._buf, writer._lock = SlotRing(slots), slot_bytes, buf, threading.Lock()
-    writer._name, writer.inline_fallbacks = "host", 0
+    writer._name, writer.inline_fallbacks, writer._views = "host", 0, cuda_ipc._RingViews(buf)
     reader = CudaIpcReader.__new__(CudaIpcReader)
-    reader._buf = buf
+    reader._buf, reader._views = buf, cuda_ipc._RingViews(buf)
     return writer, reader
 
 
@@ -351,3 +351,29 @@ def test_a_handle_of_another_version_or_not_strict_base64_is_refused(field, valu
     doc[field] = value
     with pytest.raises(ValueError, match=needle):
         decode_ring_handle(json.dumps(doc))
+
+
+@pytest.mark.parametrize("dtype, shape", [(torch.bfloat16, (5, 24)), (torch.int64, (17,)), (torch.float32, (2, 3, 4)),
+                                          (torch.bool, (7,)), (torch.int32, ()), (torch.float16, (0, 8))])
+def test_ring_views_are_the_slot_bytes_a_tensor_was_placed_at(dtype, shape) -> None:
+    """The one strided view (`_RingViews.at`) is exactly what indexing the slot, slicing its bytes and
+    viewing them made: a tensor copied there lands in those bytes and no other (CPU tensors; the
+    GPU's path is the same torch calls on the GPU's ring)."""
+    gen = torch.Generator().manual_seed(7)
+    slots, stride = 4, 4096
+    buf = torch.randint(0, 256, (slots, stride), dtype=torch.uint8, generator=gen)   # poison: random bytes
+    before = buf.clone()
+    views = cuda_ipc._RingViews(buf)
+    src = (torch.randn(shape, generator=gen) * 100).to(dtype)
+    nbytes = src.numel() * src.element_size()
+    for slot, offset in [(0, 0), (2, 64), (3, stride - 64 * ((nbytes + 63) // 64 or 1))]:
+        want = buf[slot][offset:offset + nbytes].view(dtype).view(shape)   # the four-call way
+        got = views.at(slot, offset, dtype, shape)
+        assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+        assert got.data_ptr() == want.data_ptr()
+        got.copy_(src)
+        assert torch.equal(want, src)
+        written = torch.zeros_like(buf, dtype=torch.bool)
+        written[slot, offset:offset + nbytes] = True
+        assert torch.equal(buf[~written], before[~written])   # nothing else touched
+        buf.copy_(before)

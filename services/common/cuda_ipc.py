@@ -158,6 +158,28 @@ def _resolve(device: torch.device | str | None) -> torch.device:
     return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
+class _RingViews:
+    """A ring's bytes seen as each dtype a tensor in it has (made once a dtype): a tensor's place in
+    a slot is then one strided view, where indexing, slicing and two views made four tensors a call,
+    each some microseconds of host time on every step's path (the features, each C=1 step)."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        assert buf.is_contiguous() and buf.storage_offset() == 0
+        self._buf = buf                                  # [slots, slot bytes] uint8
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def at(self, slot: int, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """``shape`` of ``dtype`` at byte ``offset`` (a multiple of the dtype's size) of ``slot``."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = self._buf.view(-1).view(dtype)
+        strides, step = [], 1
+        for d in reversed(shape):   # contiguous, as torch makes them
+            strides.append(step)
+            step *= max(d, 1)
+        return typed.as_strided(tuple(shape), strides[::-1], (slot * self._buf.shape[1] + offset) // dtype.itemsize)
+
+
 class CudaIpcWriter(RingWriter):
     """Owns a ring on `device` (default: the current CUDA device) and copies each bundle into a slot."""
 
@@ -170,6 +192,7 @@ class CudaIpcWriter(RingWriter):
         self._ring = SlotRing(num_slots)
         self._slot_bytes = _round_up(slot_bytes, ALIGNMENT)
         self._buf = torch.empty(num_slots, self._slot_bytes, dtype=torch.uint8, device=dev)  # [slots, bytes]
+        self._views = _RingViews(self._buf)
         share = self._buf.untyped_storage()._share_cuda_()   # (device, handle, size, offset, rc, rc_off, ev, sync)
         index, handle, size_bytes, offset_bytes, rc_handle, rc_offset, event_handle, event_sync = share
         if _disown_share(rc_handle, rc_offset):
@@ -211,11 +234,9 @@ class CudaIpcWriter(RingWriter):
                 raise RuntimeError("cuda_ipc ring is closed")
             slot, sequence = self._ring.acquire()
             try:
-                row = self._buf[slot]                                              # [slot_bytes]
                 for name, t, offset in layout:
-                    nbytes = t.numel() * t.element_size()
-                    dst = row[offset:offset + nbytes].view(t.dtype).view(t.shape)
-                    dst.copy_(t, non_blocking=True)
+                    nbytes = t.nbytes
+                    self._views.at(slot, offset, t.dtype, t.shape).copy_(t, non_blocking=True)
                     ref = bundle.tensors.add(name=name, dtype=_dtype_name(t.dtype), shape=tuple(t.shape))
                     ref.slot.slot, ref.slot.offset, ref.slot.nbytes, ref.slot.sequence = slot, offset, nbytes, sequence
                 torch.cuda.current_stream(self._buf.device).synchronize()   # visible before the message leaves
@@ -227,7 +248,7 @@ class CudaIpcWriter(RingWriter):
     def close(self) -> None:
         """Frees the ring now (see the module doc): call it once the peer reads nothing more."""
         with self._lock:
-            self._buf = None  # type: ignore[assignment]
+            self._buf = self._views = None  # type: ignore[assignment]   # the views hold the memory too
 
 
 def _open_ring(h: RingHandle, index: int, num_slots: int, slot_bytes: int) -> torch.Tensor:
@@ -276,13 +297,14 @@ class CudaIpcReader(TensorReader):
             raise ValueError(f"cuda_ipc ring has {h.size_bytes} bytes, handshake says {num_slots} x {slot_bytes}")
         index = local_device_index(h.device_uuid, h.device_index, _local_uuids())
         self._buf = _open_ring(h, index, num_slots, stride)                        # [slots, bytes] on the owner's GPU
+        self._views = _RingViews(self._buf)
         try:   # the mapping starts `offset_bytes` before the ring (torch maps the owner's whole allocation)
             mapped = _mapped_bytes(self._buf.data_ptr() - h.offset_bytes, index)
             if mapped is not None and h.offset_bytes + num_slots * stride > mapped:
                 raise ValueError(f"cuda_ipc ring: its allocation holds {mapped} bytes, the handle and handshake say "
                                  f"{num_slots} x {slot_bytes} from byte {h.offset_bytes}")
         except BaseException:
-            self._buf = None   # type: ignore[assignment]  # unmaps the peer's memory
+            self._buf = self._views = None   # type: ignore[assignment]  # unmaps the peer's memory
             raise
 
     @property
@@ -299,8 +321,7 @@ class CudaIpcReader(TensorReader):
                              f"fall outside a {self._buf.shape[1]}-byte slot")
         if ref.slot.nbytes == 0:
             return torch.empty(shape, dtype=dtype, device=self._buf.device)
-        row = self._buf[ref.slot.slot]                                             # [slot_bytes]
-        return row[ref.slot.offset:ref.slot.offset + ref.slot.nbytes].view(dtype).view(shape)
+        return self._views.at(ref.slot.slot, ref.slot.offset, dtype, shape)
 
     def close(self) -> None:
-        self._buf = None  # type: ignore[assignment]
+        self._buf = self._views = None  # type: ignore[assignment]
