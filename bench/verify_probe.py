@@ -170,7 +170,7 @@ def main() -> None:
             stages.end_step(time.perf_counter() - t0)
             return out
         targets = [(engine, "_check_trees", "check_trees"), (engine, "_posterior", "posterior_launch"),
-                   (engine_mod, "accept", "accept"), (engine.cache, "write_many", "commit"),
+                   (engine_mod, "accept", "accept"), (engine.cache, "write_slots", "commit"),
                    (engine, "cat_features", "features")]
         if graphs is not None:
             targets += [(graphs, "_load", "load"), (graphs, "run", "graph_run")]

@@ -27,7 +27,7 @@ STEP_PATH: dict[str, list[tuple[str | None, str, str]]] = {
     "services.verifier.graphs": [("VerifyGraphs", "run", "v.replay")],
     # the engine's work after the posterior (0.38 ms on an H100 host): the walk, then the KV commit
     "services.verifier.acceptance": [(None, "accept", "v.accept")],
-    "services.verifier.kv_cache": [("PagedKVCache", "write_many", "v.kv_write")],
+    "services.verifier.kv_cache": [("PagedKVCache", "write_slots", "v.kv_write")],
     "services.common.grpc_server": [("IdleStreams", "next", "wait")],
     # every reader's `read` is TensorReader's (shm's calls it): one stamp pair a read, whatever the kind
     "services.common.transport": [("ShmWriter", "write", "ring.write"), ("InlineWriter", "write", "ring.write"),
