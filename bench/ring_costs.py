@@ -4,9 +4,9 @@ Why: the step probe (`bench.step_probe`, H100) put 82 µs between the verifier's
 starting and its stream sync, and 66-87 µs in the draft's read of that bundle, for one small tensor
 each way on every C=1 step; the same calls on a CPU tensor take a few µs. This times them one by one
 in one process (the ring's writer, and a reader of the same ring as a second process would map it),
-beside a candidate for the view a read or write makes (one strided view of the ring seen as the
-tensor's dtype, where the ring indexes, slices and views twice: 4.2 against 2.2 µs on a CPU tensor),
-so a change to either is judged on the machine where the stack runs. GPU only.
+beside the two ways to make a slot's view (index, slice and two views, as the ring did before
+`24b4c48`; one strided view of the ring seen as the tensor's dtype, as it does since: 13.8 against
+2.8 µs on an H100 host), so a change to either is judged on the machine where the stack runs. GPU only.
 
     python -m bench.ring_costs --out bench/results/ring-costs-<gpu>-<sha>.json
 """
@@ -47,17 +47,14 @@ def main() -> None:
     dev = torch.device("cuda", 0)
     writer = CudaIpcWriter(8 << 20, 4, dev)
     reader = CudaIpcReader.__new__(CudaIpcReader)   # the writer's own ring: a peer's mapping, without a peer
-    reader._buf = writer._buf
+    reader._buf, reader._views = writer._buf, writer._views
     feats = torch.randn(args.rows, args.width, device=dev).to(torch.bfloat16)   # [rows, F]
     bundle = writer.write({"features": feats})
     got = reader.read(bundle)["features"]
     assert torch.equal(got, feats), "the ring read back other bytes"
     writer.release([bundle_slot(bundle)])
     buf, stream = writer._buf, torch.cuda.current_stream(dev)
-    typed = buf.view(-1).view(feats.dtype)                       # the candidate's view of the ring, made once
-    at = (1 * buf.shape[1] + 64) // feats.element_size()
-    strides = (feats.shape[1], 1)
-    dst = typed.as_strided(feats.shape, strides, at)
+    dst = writer._views.at(1, 64, feats.dtype, feats.shape)
     assert dst.data_ptr() == buf[1][64:].data_ptr()
 
     def write_and_release() -> None:
@@ -68,8 +65,8 @@ def main() -> None:
     parts = {
         "write (whole, then release)": write_and_release,
         "read (whole)": lambda: reader.read(bundle),
-        "view: index, slice, two views": lambda: buf[1][64:64 + nbytes].view(feats.dtype).view(feats.shape),
-        "view: one as_strided (candidate)": lambda: typed.as_strided(feats.shape, strides, at),
+        "view: index, slice, two views (before)": lambda: buf[1][64:64 + nbytes].view(feats.dtype).view(feats.shape),
+        "view: one as_strided (the ring's)": lambda: writer._views.at(1, 64, feats.dtype, feats.shape),
         "copy_ into a view": lambda: dst.copy_(feats, non_blocking=True),
         "torch.cuda.current_stream(device)": lambda: torch.cuda.current_stream(dev),
         "stream.synchronize() (idle)": stream.synchronize,
