@@ -169,7 +169,10 @@ class _RingViews:
         self._typed: dict[torch.dtype, torch.Tensor] = {}
 
     def at(self, slot: int, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-        """``shape`` of ``dtype`` at byte ``offset`` (a multiple of the dtype's size) of ``slot``."""
+        """``shape`` of ``dtype`` at byte ``offset`` of ``slot``. Bounds are the caller's: the reader
+        checks a peer's slot, offset and byte count before (`TensorReader.read`)."""
+        if offset % dtype.itemsize:   # a floor division would place it some bytes early, silently
+            raise ValueError(f"slot offset {offset} is not a multiple of {dtype}'s {dtype.itemsize} bytes")
         typed = self._typed.get(dtype)
         if typed is None:
             typed = self._typed[dtype] = self._buf.view(-1).view(dtype)

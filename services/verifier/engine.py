@@ -586,10 +586,10 @@ class VerifierEngine:
         kept = np.asarray(keep, dtype=np.int64)                                       # [K]
         if out.rows_host is not None:
             kept = out.rows_host[kept]                                                # [K] padded rows
+        t0 = time.perf_counter()
         # the rows and their cache slots in one copy to the device: each small copy costs a wait
         index = torch.from_numpy(np.concatenate([kept, self.cache.slots(writes)])).to(dev)   # [2K]
         rows, slots = index[:len(keep)], index[len(keep):]
-        t0 = time.perf_counter()
         self.cache.write_slots(slots, out.new_kv.index_select(1, rows))               # one scatter
         self._commit_ms = (time.perf_counter() - t0) * 1e3
         features = self.cat_features([out.features.index_select(0, rows)])

@@ -124,6 +124,7 @@ class PagedKVCache:
             f"kv must be [num_layers={self.num_layers}, k, dim={self.dim}], got {tuple(kv.shape)}"
         )
         assert kv.shape[1] == slots.shape[0], "kv rows must match the slots"
+        # a view of the pages as one run of slots: `kv` is made contiguous in __init__ and never replaced
         self.kv.view(self.num_layers, -1, self.dim).index_copy_(1, slots, kv.to(self.kv.dtype))   # [L, P * ps, D]
 
     def gather(self, layer: int, request_id: str, length: int) -> Tensor:
