@@ -377,3 +377,12 @@ def test_ring_views_are_the_slot_bytes_a_tensor_was_placed_at(dtype, shape) -> N
         written[slot, offset:offset + nbytes] = True
         assert torch.equal(buf[~written], before[~written])   # nothing else touched
         buf.copy_(before)
+
+
+def test_a_ring_view_at_a_misaligned_offset_is_refused() -> None:
+    """A floor division would have placed a float32 at byte 3 on byte 0, silently (the reader refuses
+    a peer's such offset first; this is the view's own guard for any other caller)."""
+    views = cuda_ipc._RingViews(torch.zeros(2, 256, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="not a multiple"):
+        views.at(0, 3, torch.float32, (4,))
+    assert views.at(1, 4, torch.float32, (4,)).data_ptr() == views.at(1, 0, torch.uint8, (1,)).data_ptr() + 4
