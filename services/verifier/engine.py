@@ -612,18 +612,22 @@ class VerifierEngine:
         R = len(sizes)
         sizes_a = np.asarray(sizes, dtype=np.int64)
         starts = np.cumsum(sizes_a) - sizes_a                                     # [R]
-        tree_of = np.repeat(np.arange(R), sizes_a)                                # [N] tree of each node
-        local = np.arange(tok.size) - starts[tree_of]                             # [N] node index in its tree
+        base = np.repeat(starts, sizes_a)                                         # [N] its tree's first node
+        local = np.arange(tok.size) - base                                        # [N] node index in its tree
         child = local > 0
         bad_parent = child & ((par < 0) | (par >= local))
-        parent_at = starts[tree_of] + np.where(bad_parent | ~child, 0, par)      # [N] in range: no overflow
-        bad_depth = child & (dep != dep[parent_at] + 1)
+        bad_depth = child & (dep != dep[base + np.where(bad_parent | ~child, 0, par)] + 1)   # in range: no overflow
         bad_token = (tok < 0) | (tok >= self.vocab_size)
+        # Each numpy call costs microseconds on the step's cold caches: a good batch (every step but a
+        # bad draft's) pays one test, not three per-tree counts.
+        bad_parent_r = bad_depth_r = bad_token_r = [False] * R
+        if (bad_parent | bad_depth | bad_token).any():
+            tree_of = np.repeat(np.arange(R), sizes_a)                            # [N] tree of each node
 
-        def per_tree(bad: np.ndarray) -> list[bool]:
-            return (np.bincount(tree_of[bad], minlength=R) > 0).tolist()
+            def per_tree(bad: np.ndarray) -> list[bool]:
+                return (np.bincount(tree_of[bad], minlength=R) > 0).tolist()
 
-        bad_parent_r, bad_depth_r, bad_token_r = per_tree(bad_parent), per_tree(bad_depth), per_tree(bad_token)
+            bad_parent_r, bad_depth_r, bad_token_r = per_tree(bad_parent), per_tree(bad_depth), per_tree(bad_token)
         seen = Counter(request_ids)
         errors: list[ServiceError | None] = []
         for i, rid in enumerate(request_ids):
