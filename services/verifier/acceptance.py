@@ -70,4 +70,8 @@ def accept(tokens: Tensor | Sequence[int], parents: Tensor | Sequence[int],
 
 
 def _as_list(x: Tensor | Sequence[int]) -> list[int]:
+    """A list is taken as it is (the engine's come from ``tolist()``: Python ints already; copying
+    three a tree cost as much as the walk itself); a tensor or another sequence is converted."""
+    if isinstance(x, list):
+        return x
     return x.tolist() if isinstance(x, Tensor) else [int(v) for v in x]
