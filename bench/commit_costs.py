@@ -1,12 +1,12 @@
 """Host time of the verifier's commit tail (accepted rows -> KV pages and features), as the engine
-does it and as a candidate with one host-to-device copy, on one device.
+did it before `41e0a08` and as it does since (one host-to-device copy), on one device.
 
 Why: the step probe put 0.38 ms of a C=1 step between the posterior and the features' return on an
-H100 host (`step-probe-h100-e1057ce.json`), for a handful of accepted rows. The engine's tail makes
+H100 host (`step-probe-h100-e1057ce.json`), for a handful of accepted rows. The engine's tail made
 two small host-to-device copies (the accepted rows, then the pages and slots) and gathers the rows
-twice (padded rows, then the KV) before an advanced-index scatter. The candidate computes the padded
-rows and the flat cache slots on the host, copies them in one array, and gathers and scatters with
-``index_select`` / ``index_copy_``. Both are checked to write the same bytes before they are timed.
+twice (padded rows, then the KV) before an advanced-index scatter. Now it computes the padded rows
+and the flat cache slots on the host (`PagedKVCache.slots`), copies them in one array, and gathers
+and scatters with ``index_select`` / ``index_copy_`` (`write_slots`). Both are checked to write the same bytes before they are timed.
 
     python -m bench.commit_costs --device cuda --out bench/results/commit-costs-<gpu>-<sha>.json
 """
@@ -67,34 +67,33 @@ def main() -> None:
     keep = [b * T + k for b in range(B) for k in sorted(torch.randperm(T, generator=gen)[:A].tolist())]
     writes = [(rid, s, A) for rid, s in zip(rids, starts)]
 
-    def current():
+    def before():
         rows = torch.tensor(keep, dtype=torch.int64, device=dev)
         rows = rows_dev[rows]
-        cache.write_many(writes, new_kv[:, rows])
+        pages, slots = zip(*[(cache.page_ids(rid)[pos // cache.page_size], pos % cache.page_size)
+                             for rid, s, k in writes for pos in range(s, s + k)])
+        index = torch.tensor([pages, slots], dtype=torch.int64).to(dev)            # [2, K]
+        cache.kv[:, index[0], index[1]] = new_kv[:, rows]
         return features[rows]
 
-    flat_kv = cache.kv.view(L, -1, D)                                               # [L, P * ps, D]
-
-    def candidate():
+    def now():
         rows = real_rows[keep]
-        flat = [cache._pages[rid][pos // cache.page_size] * cache.page_size + pos % cache.page_size
-                for rid, s, k in writes for pos in range(s, s + k)]
-        idx = torch.from_numpy(np.concatenate([rows, np.asarray(flat, dtype=np.int64)])).to(dev)   # [2K] one copy
+        idx = torch.from_numpy(np.concatenate([rows, cache.slots(writes)])).to(dev)   # [2K] one copy
         rows_d, slots_d = idx[:len(rows)], idx[len(rows):]
-        flat_kv.index_copy_(1, slots_d, new_kv.index_select(1, rows_d))
+        cache.write_slots(slots_d, new_kv.index_select(1, rows_d))
         return features.index_select(0, rows_d)
 
     base = torch.rand(cache.kv.shape, generator=gen).to(dev, torch.bfloat16)     # fresh bytes, not zeros
     cache.kv.copy_(base)
-    f1, kv1 = current(), cache.kv.clone()
+    f1, kv1 = before(), cache.kv.clone()
     cache.kv.copy_(base)
-    f2 = candidate()
+    f2 = now()
     assert torch.equal(f1, f2), "features differ"
     assert torch.equal(cache.kv, kv1), "KV pages differ"
     assert int((kv1 != base).any(-1).sum()) == L * B * A, "not every accepted row was written"
     rows_out = []
-    for name, fn in {"current: two copies, index / index_put": current,
-                     "candidate: one copy, index_select / index_copy_": candidate}.items():
+    for name, fn in {"before 41e0a08: two copies, index / index_put": before,
+                     "since: one copy, index_select / index_copy_": now}.items():
         us = _median_us(fn, args.reps, sync)
         rows_out.append({"part": name, "median_us": us})
         print(f"{name:50s} {us:8.2f} us", flush=True)
