@@ -14,28 +14,12 @@ and scatters with ``index_select`` / ``index_copy_`` (`write_slots`). Both are c
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 import torch
 
-from bench.common import write_result
+from bench.common import host_us, write_result
 from services.verifier.kv_cache import PagedKVCache
-
-
-def _median_us(fn, reps: int, sync) -> float:
-    """Median of ``reps`` timed calls, each followed by a device sync outside the clock."""
-    for _ in range(20):
-        fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        sync()
-    return round(statistics.median(times) * 1e6, 2)
 
 
 def main() -> None:
@@ -94,7 +78,7 @@ def main() -> None:
     rows_out = []
     for name, fn in {"before 41e0a08: two copies, index / index_put": before,
                      "since: one copy, index_select / index_copy_": now}.items():
-        us = _median_us(fn, args.reps, sync)
+        us = host_us(fn, args.reps, sync)
         rows_out.append({"part": name, "median_us": us})
         print(f"{name:50s} {us:8.2f} us", flush=True)
     if args.out:

@@ -105,6 +105,23 @@ def wall_ms(fn: Callable[[], object], reps: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def host_us(fn: Callable[[], object], reps: int, sync: Callable[[], object] | None = None, warmup: int = 20) -> float:
+    """Median host microseconds of ``reps`` single calls (a call's own time, not a loop's mean),
+    after ``warmup`` calls; ``sync``, when given, runs after each call outside the clock."""
+    for _ in range(warmup):
+        fn()
+    if sync is not None:
+        sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if sync is not None:
+            sync()
+    return round(sorted(times)[len(times) // 2] * 1e6, 2)
+
+
 def eager_us(calls: Sequence[Callable[[], object]], reps: int = 3) -> float:
     """Microseconds per call, run eagerly (for host-syncing references) after one warm-up round;
     median of `reps` rounds."""

@@ -14,26 +14,12 @@ beside the two ways to make a slot's view (index, slice and two views, as the ri
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from bench.common import write_result
+from bench.common import host_us, write_result
 from services.common.cuda_ipc import CudaIpcReader, CudaIpcWriter
 from services.common.transport import bundle_slot
-
-
-def _median_us(fn, reps: int) -> float:
-    """Median of ``reps`` timed calls (each alone: a call's spread, not a loop's mean)."""
-    for _ in range(50):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return round(statistics.median(times) * 1e6, 2)
 
 
 def main() -> None:
@@ -75,7 +61,7 @@ def main() -> None:
     }
     rows = []
     for name, fn in parts.items():
-        us = _median_us(fn, args.reps)
+        us = host_us(fn, args.reps, warmup=50)
         torch.cuda.synchronize()
         rows.append({"part": name, "median_us": us})
         print(f"{name:36s} {us:8.2f} us", flush=True)
