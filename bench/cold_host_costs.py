@@ -13,12 +13,11 @@ the step's host path is judged by the cold figures, not by a loop's. CPU only (n
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy as np
 
-from bench.common import write_result
+from bench.common import host_us, write_result
 from services.verifier.acceptance import accept
 from services.verifier.engine import PrefillInput, VerifierEngine
 from services.verifier.model import TargetModel
@@ -62,19 +61,13 @@ def main() -> None:
         parts = {"check trees (engine._check_trees)": lambda: engine._check_trees(rids, tok, par, dep, sizes),
                  "accept walk, each tree (acceptance.accept)": lambda: [accept(tl, pl, posterior) for _ in rids],
                  "commit slots (PagedKVCache.slots)": lambda: engine.cache.slots(writes)}
+        def sweep_caches() -> None:
+            np.multiply(sweep, 1.0000001, out=sweep)
+
+        # what runs between two timed calls (outside the clock), by mode
+        between = {"hot": None, "after 2 ms sleep": lambda: time.sleep(0.002), "after a cache sweep": sweep_caches}
         for name, fn in parts.items():
-            got = {}
-            for mode in ("hot", "after 2 ms sleep", "after a cache sweep"):
-                times = []
-                for _ in range(args.calls):
-                    if mode == "after 2 ms sleep":
-                        time.sleep(0.002)
-                    elif mode == "after a cache sweep":
-                        sweep *= 1.0000001
-                    t0 = time.perf_counter()
-                    fn()
-                    times.append(time.perf_counter() - t0)
-                got[mode] = round(statistics.median(times) * 1e6, 1)
+            got = {mode: host_us(fn, args.calls, sync=action) for mode, action in between.items()}
             rows.append({"part": name, "trees": R, "nodes": args.nodes} | {f"{m} median_us": v for m, v in got.items()})
             print(f"{name:44s} R={R:3d} " + "  ".join(f"{m}: {v:7.1f} us" for m, v in got.items()), flush=True)
     if args.out:
